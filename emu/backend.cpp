@@ -1,0 +1,83 @@
+#include "emu/backend.hpp"
+
+#include "emu/cpu_backend.hpp"
+
+namespace fp4sim {
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<emu::CpuBackend>(); }
+
+namespace {
+
+// Device-side storage for one copy, mirroring a QuantizedHost.
+struct CopyBuffers {
+  BackendBuffer codes, scales, amax;
+  QuantizedView view;
+
+  CopyBuffers(Backend& b, const QuantizedHost& h)
+      : codes(b, h.codes.size()), scales(b, h.scales.size()), amax(b, sizeof(float)) {
+    view.codes = codes.as<uint8_t>();
+    view.scales = scales.as<uint8_t>();
+    view.amax = amax.as<float>();
+    view.rows = h.rows;
+    view.cols = h.cols;
+    view.format = h.format;
+    view.four_over_six = h.four_over_six;
+    view.device = b.device();
+  }
+  void upload_from(Backend& b, const QuantizedHost& h) {
+    b.upload(codes.get(), h.codes.data(), h.codes.size());
+    b.upload(scales.get(), h.scales.data(), h.scales.size());
+    b.upload(amax.get(), &h.amax, sizeof(float));
+  }
+  void download_to(Backend& b, QuantizedHost& h) {
+    b.download(h.codes.data(), codes.get(), h.codes.size());
+    b.download(h.scales.data(), scales.get(), h.scales.size());
+    b.download(&h.amax, amax.get(), sizeof(float));
+  }
+};
+
+}  // namespace
+
+QuantizeResult quantize_to_host(Backend& backend, const TensorView& host_x,
+                                const QuantizeConfig& cfg) {
+  validate_quantize(host_x, cfg);
+  QuantizeResult res;
+  const CopyShape rs = written_shape(host_x, false), cs = written_shape(host_x, true);
+  if (cfg.rowwise.enabled) res.rowwise.resize(rs.rows, rs.cols, cfg.format, cfg.rowwise.four_over_six);
+  if (cfg.columnwise.enabled)
+    res.columnwise.resize(cs.rows, cs.cols, cfg.format, cfg.columnwise.four_over_six);
+  const size_t in_bytes =
+      static_cast<size_t>(host_x.rows * host_x.stride()) * dtype_size(host_x.dtype);
+  BackendBuffer in(backend, in_bytes);
+  backend.upload(in.get(), host_x.data, in_bytes);
+  TensorView x = host_x;
+  x.data = in.get();
+  x.device = backend.device();
+  CopyBuffers row(backend, res.rowwise), col(backend, res.columnwise);
+  backend.quantize(x, cfg, cfg.rowwise.enabled ? &row.view : nullptr,
+                   cfg.columnwise.enabled ? &col.view : nullptr);
+  backend.synchronize();
+  if (cfg.rowwise.enabled) row.download_to(backend, res.rowwise);
+  if (cfg.columnwise.enabled) col.download_to(backend, res.columnwise);
+  return res;
+}
+
+std::vector<float> dequantize_to_host(Backend& backend, QuantizedHost& q) {
+  CopyBuffers in(backend, q);
+  in.upload_from(backend, q);
+  BackendBuffer out(backend, static_cast<size_t>(q.rows * q.cols) * sizeof(float));
+  TensorView o;
+  o.data = out.get();
+  o.dtype = DType::F32;
+  o.rows = q.rows;
+  o.cols = q.cols;
+  o.device = backend.device();
+  o.name = "dequantized";
+  backend.dequantize(in.view, o);
+  backend.synchronize();
+  std::vector<float> host(static_cast<size_t>(q.rows * q.cols));
+  backend.download(host.data(), out.get(), host.size() * sizeof(float));
+  return host;
+}
+
+}  // namespace fp4sim

@@ -1,0 +1,88 @@
+// The one interface the model and the tools talk to. CpuBackend (emu/) is the golden reference;
+// CudaBackend (gpu/) implements the same ops with the same names and argument order.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "emu/quantize.hpp"
+#include "emu/tensor.hpp"
+
+namespace fp4sim {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual Device device() const = 0;
+
+  // Memory the backend's ops read and write (host memory for the emulator).
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void release(void* p) = 0;
+  virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void download(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void synchronize() = 0;
+
+  // Quantize x (F32 or BF16, rows x cols) into the requested copies (DESIGN.md §5, §6). Either
+  // output may be null when its copy is disabled. Outputs live in this backend's memory; each
+  // view's rows/cols must be the written shape.
+  virtual void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                        QuantizedView* columnwise) = 0;
+
+  // out (F32, q.rows x q.cols) = decode(q). NVFP4: e2m1 * ((s_b * amax) * (1/2688 or 1/1536));
+  // MXFP4: e2m1 * 2^(byte - 127), byte 0xFF -> NaN.
+  virtual void dequantize(const QuantizedView& q, const TensorView& out) = 0;
+
+  // Scale matrix [rows, k_blocks] (this backend's memory) -> the cuBLASLt 128x4 tiled layout,
+  // padded with zeros to round_up(rows, 128) x round_up(k_blocks, 4) (DESIGN.md §8).
+  virtual void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
+                               uint8_t* out) = 0;
+};
+
+// RAII allocation in a backend's memory.
+class BackendBuffer {
+ public:
+  BackendBuffer() = default;
+  BackendBuffer(Backend& b, size_t bytes) : backend_(&b), bytes_(bytes) {
+    ptr_ = bytes ? b.allocate(bytes) : nullptr;
+  }
+  ~BackendBuffer() {
+    if (ptr_) backend_->release(ptr_);
+  }
+  BackendBuffer(const BackendBuffer&) = delete;
+  BackendBuffer& operator=(const BackendBuffer&) = delete;
+  BackendBuffer(BackendBuffer&& o) noexcept { *this = std::move(o); }
+  BackendBuffer& operator=(BackendBuffer&& o) noexcept {
+    std::swap(backend_, o.backend_);
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  void* get() const { return ptr_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  Backend* backend_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Quantize a host tensor on any backend and bring both copies back to the host.
+struct QuantizeResult {
+  QuantizedHost rowwise;
+  QuantizedHost columnwise;
+};
+QuantizeResult quantize_to_host(Backend& backend, const TensorView& host_x,
+                                const QuantizeConfig& cfg);
+
+// Dequantize a host copy on any backend; returns rows*cols floats.
+std::vector<float> dequantize_to_host(Backend& backend, QuantizedHost& q);
+
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace fp4sim

@@ -1,0 +1,237 @@
+// Narrow number formats (DESIGN.md §2, §4): bit patterns are the contract.
+//
+// Each format is a small constexpr descriptor; conversions from FP32 are written once here, for the
+// host and the device, on the integer bit pattern (no FP rounding mode is involved anywhere).
+#pragma once
+
+#include <cstdint>
+
+#include "emu/hd.hpp"
+
+namespace fp4sim {
+
+// A "fn"-style (no Inf) or IEEE-like minifloat: 1 sign bit, kExpBits, kManBits.
+template <int kExpBits_, int kManBits_, int kBias_, uint8_t kMaxMagCode_>
+struct MiniFloat {
+  static constexpr int kExpBits = kExpBits_;
+  static constexpr int kManBits = kManBits_;
+  static constexpr int kBias = kBias_;
+  static constexpr int kEmin = 1 - kBias_;           // exponent of the smallest normal
+  static constexpr uint8_t kMaxMagCode = kMaxMagCode_;  // largest finite magnitude code
+  static constexpr uint8_t kSignBit = uint8_t(1u << (kExpBits_ + kManBits_));
+};
+
+using E2M1 = MiniFloat<2, 1, 1, 0x7>;    // ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}; no Inf/NaN
+using E4M3 = MiniFloat<4, 3, 7, 0x7E>;   // OCP "fn": max 448, 0x7F = NaN, no Inf
+using E5M2 = MiniFloat<5, 2, 15, 0x7B>;  // max 57344, 0x7C = Inf, 0x7D..0x7F = NaN
+
+static_assert(E2M1::kSignBit == 0x8, "E2M1 sign is bit 3");
+static_assert(E4M3::kSignBit == 0x80 && E5M2::kSignBit == 0x80, "8-bit sign");
+static_assert(E4M3::kEmin == -6 && E5M2::kEmin == -14 && E2M1::kEmin == 0, "emin");
+
+constexpr float kE2M1Max = 6.0f;
+constexpr float kE4M3Max = 448.0f;
+constexpr float kE5M2Max = 57344.0f;
+constexpr uint8_t kE4M3NaN = 0x7F;
+constexpr uint8_t kE2M1NaNCode = 0x7;  // NaN saturates to +6
+constexpr uint8_t kUE8M0NaN = 0xFF;
+constexpr uint8_t kUE8M0MaxFinite = 0xFE;
+constexpr uint16_t kBF16NaN = 0x7FFF;
+
+// Magnitude code of a finite, non-negative FP32 value (given as its bits), rounded to nearest-even
+// on the format's grid and saturated to the largest finite code. Codes are monotonic in value, so
+// the subnormal and normal ranges share one integer rounding: code = (max(e, emin) - emin) << M + q
+// with q the significand rounded to M fraction bits at that exponent.
+template <class F>
+FP4SIM_HD uint32_t encode_magnitude_rne(uint32_t abs_bits) {
+  const int biased = static_cast<int>(abs_bits >> 23);
+  if (biased == 0) return 0;  // FP32 subnormals are far below half of every narrow format's minimum
+  const uint32_t sig = (abs_bits & 0x7FFFFFu) | 0x800000u;
+  const int e = biased - 127;
+  if (e > F::kEmin + (1 << F::kExpBits)) return F::kMaxMagCode;  // far beyond the largest finite
+  int shift = 23 - F::kManBits;
+  const int e_eff = e < F::kEmin ? F::kEmin : e;
+  shift += e_eff - e;
+  if (shift > 25) return 0;  // below half the smallest subnormal
+  uint32_t q = sig >> shift;
+  const uint32_t rem = sig & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  const uint32_t code = (static_cast<uint32_t>(e_eff - F::kEmin) << F::kManBits) + q;
+  return code > F::kMaxMagCode ? F::kMaxMagCode : code;
+}
+
+// Value of a magnitude code (no specials).
+template <class F>
+FP4SIM_HD float decode_magnitude(uint32_t mag) {
+  const uint32_t exp_field = mag >> F::kManBits;
+  const uint32_t man = mag & ((1u << F::kManBits) - 1u);
+  // subnormal: man * 2^(emin - M); normal: (2^M + man) * 2^(exp - bias - M)
+  const uint32_t sig = exp_field == 0 ? man : (man | (1u << F::kManBits));
+  const int e = (exp_field == 0 ? F::kEmin : static_cast<int>(exp_field) - F::kBias) - F::kManBits;
+  // sig < 2^(M+1) and e in a narrow range: build the FP32 exactly from bits.
+  if (sig == 0) return 0.0f;
+  const int lz = clz32(sig) - 8;  // normalise sig into 1.xxx (24-bit)
+  const uint32_t norm = sig << lz;
+  const int exp32 = e + 23 - lz + 127;
+  return f32_from_bits((static_cast<uint32_t>(exp32) << 23) | (norm & 0x7FFFFFu));
+}
+
+// ---- E2M1 ----------------------------------------------------------------------------------------
+
+// FP32 -> E2M1 cvt.rn.satfinite: ties to even; |x| > 6 -> ±6; NaN -> +6 (0x7); -0 -> 0x8.
+// The magnitude code counts the rounding boundaries below |x| (compared as FP32 bit patterns, which
+// order like the values for non-negative numbers): at a tie the boundary belongs to the even code,
+// so 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+FP4SIM_HD uint8_t e2m1_rn_satfinite(float x) {
+  const uint32_t b = f32_bits(x);
+  const uint32_t a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return kE2M1NaNCode;
+  const uint32_t code = (a > 0x3E800000u)     // 0.25 (tie -> 0)
+                        + (a >= 0x3F400000u)  // 0.75 (tie -> 1.0)
+                        + (a > 0x3FA00000u)   // 1.25 (tie -> 1.0)
+                        + (a >= 0x3FE00000u)  // 1.75 (tie -> 2.0)
+                        + (a > 0x40200000u)   // 2.5  (tie -> 2.0)
+                        + (a >= 0x40600000u)  // 3.5  (tie -> 4.0)
+                        + (a > 0x40A00000u);  // 5.0  (tie -> 4.0)
+  return static_cast<uint8_t>(((b >> 31) << 3) | code);
+}
+
+FP4SIM_HD float e2m1_to_f32(uint8_t code) {
+  const float m = decode_magnitude<E2M1>(code & 0x7u);
+  return (code & 0x8u) ? -m : m;
+}
+
+// Stochastic rounding to E2M1 (DESIGN.md §4), rs.satfinite. `r` is the element's random byte.
+// Round away from zero iff floor(frac*256) + r >= 256: the carry out of adding 8 random bits to the
+// top 8 discarded bits. lo/hi are adjacent grid values; frac = (a - lo)/step is exact in FP32 because
+// the grid steps are powers of two (0.5, 1, 2) and a - lo is exact (Sterbenz / same binade).
+FP4SIM_HD uint8_t e2m1_rs_satfinite(float y, uint8_t r) {
+  const uint32_t b = f32_bits(y);
+  const uint32_t abits = b & 0x7FFFFFFFu;
+  if (abits > 0x7F800000u) return kE2M1NaNCode;
+  const uint32_t sign = (b >> 31) ? E2M1::kSignBit : 0u;
+  const float a = f32_from_bits(abits);
+  if (a >= kE2M1Max) return static_cast<uint8_t>(sign | E2M1::kMaxMagCode);
+  // grid codes 0..7 = {0, .5, 1, 1.5, 2, 3, 4, 6}; lo_code = largest code with value <= a
+  uint32_t lo_code;
+  float lo, step;
+  if (a < 2.0f) {
+    lo_code = static_cast<uint32_t>(fmul_rn(a, 2.0f));  // exact: a*2 < 4, truncation = floor
+    lo = fmul_rn(static_cast<float>(lo_code), 0.5f);
+    step = 0.5f;
+  } else if (a < 4.0f) {
+    lo_code = a < 3.0f ? 4u : 5u;
+    lo = a < 3.0f ? 2.0f : 3.0f;
+    step = 1.0f;
+  } else {
+    lo_code = 6u;
+    lo = 4.0f;
+    step = 2.0f;
+  }
+  const float frac = fdiv_rn(fsub_rn(a, lo), step);  // exact: power-of-two step
+  // floor(frac * 256): frac*256 is exact (power of two), truncation of a non-negative value = floor
+  const uint32_t top8 = static_cast<uint32_t>(fmul_rn(frac, 256.0f));
+  const uint32_t code = (top8 + r >= 256u) ? lo_code + 1u : lo_code;
+  return static_cast<uint8_t>(sign | code);
+}
+
+// ---- E4M3 / UE4M3 --------------------------------------------------------------------------------
+
+// FP32 -> E4M3 cvt.rn.satfinite: |x| > 448 (Inf included) -> ±448; NaN -> 0x7F. (cuda_fp8.h returns
+// 0x7F for NaN of either sign; DESIGN.md §2 reads "0x7F | sign": we follow the hardware headers.)
+FP4SIM_HD uint8_t e4m3_rn_satfinite(float x) {
+  const uint32_t b = f32_bits(x);
+  const uint32_t a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return kE4M3NaN;
+  const uint32_t sign = (b >> 31) ? E4M3::kSignBit : 0u;
+  if (a == 0x7F800000u) return static_cast<uint8_t>(sign | E4M3::kMaxMagCode);
+  return static_cast<uint8_t>(sign | encode_magnitude_rne<E4M3>(a));
+}
+
+FP4SIM_HD float e4m3_to_f32(uint8_t code) {
+  const uint32_t mag = code & 0x7Fu;
+  if (mag == 0x7Fu) return f32_from_bits(0x7FFFFFFFu);
+  const float m = decode_magnitude<E4M3>(mag);
+  return (code & 0x80u) ? -m : m;
+}
+
+// UE4M3: the scale as the tensor core reads it, sign bit masked; 0x7F after masking is NaN.
+FP4SIM_HD float ue4m3_to_f32(uint8_t code) { return e4m3_to_f32(code & 0x7Fu); }
+
+// ---- E5M2 ----------------------------------------------------------------------------------------
+
+// FP32 -> E5M2 cvt.rn.satfinite: |x| > 57344 (Inf included) -> ±57344; NaN -> 0x7F.
+FP4SIM_HD uint8_t e5m2_rn_satfinite(float x) {
+  const uint32_t b = f32_bits(x);
+  const uint32_t a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7Fu;
+  const uint32_t sign = (b >> 31) ? E5M2::kSignBit : 0u;
+  if (a == 0x7F800000u) return static_cast<uint8_t>(sign | E5M2::kMaxMagCode);
+  return static_cast<uint8_t>(sign | encode_magnitude_rne<E5M2>(a));
+}
+
+FP4SIM_HD float e5m2_to_f32(uint8_t code) {
+  const uint32_t mag = code & 0x7Fu;
+  const bool neg = (code & 0x80u) != 0;
+  if (mag == 0x7Cu) return f32_from_bits(neg ? 0xFF800000u : 0x7F800000u);
+  if (mag > 0x7Cu) return f32_from_bits(0x7FFFFFFFu);
+  const float m = decode_magnitude<E5M2>(mag);
+  return neg ? -m : m;
+}
+
+// ---- UE8M0 ---------------------------------------------------------------------------------------
+
+// rz: the exponent field of |x| truncated to BF16 (zero/subnormal -> 0x00); satfinite: Inf -> 0xFE.
+FP4SIM_HD uint8_t ue8m0_rz_satfinite(float x) {
+  const uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return kUE8M0NaN;
+  const uint32_t e = a >> 23;
+  return static_cast<uint8_t>(e == 0xFFu ? kUE8M0MaxFinite : e);
+}
+
+// rp: ceil(log2|x|) biased by 127, clamped below at 0x00; overflow and Inf -> 0xFE; NaN -> 0xFF.
+FP4SIM_HD uint8_t ue8m0_rp_satfinite(float x) {
+  const uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return kUE8M0NaN;
+  if (a == 0x7F800000u) return kUE8M0MaxFinite;
+  if (a == 0) return 0;
+  const uint32_t e = a >> 23;
+  const uint32_t man = a & 0x7FFFFFu;
+  int32_t r;
+  if (e != 0) {
+    r = static_cast<int32_t>(e) + (man != 0 ? 1 : 0);
+  } else {
+    // subnormal: x = man * 2^-149, ceil(log2 x) = -149 + ceil(log2 man)
+    const int floor_log2 = 31 - clz32(man);
+    const int ceil_log2 = floor_log2 + ((man & (man - 1u)) != 0 ? 1 : 0);
+    r = -149 + ceil_log2 + 127;
+  }
+  if (r < 0) r = 0;
+  if (r > kUE8M0MaxFinite) r = kUE8M0MaxFinite;
+  return static_cast<uint8_t>(r);
+}
+
+// 2^(e-127); 0xFF is NaN; 0x00 is 2^-127 (an FP32 subnormal), never zero.
+FP4SIM_HD float ue8m0_to_f32(uint8_t e) {
+  if (e == kUE8M0NaN) return f32_from_bits(0x7FFFFFFFu);
+  if (e == 0) return f32_from_bits(0x00400000u);
+  return f32_from_bits(static_cast<uint32_t>(e) << 23);
+}
+
+// ---- BF16 ----------------------------------------------------------------------------------------
+
+// FP32 -> BF16 round-to-nearest-even; every NaN -> 0x7FFF; overflow rounds to Inf.
+FP4SIM_HD uint16_t bf16_rne(float x) {
+  const uint32_t b = f32_bits(x);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return kBF16NaN;
+  const uint32_t lsb = (b >> 16) & 1u;
+  return static_cast<uint16_t>((b + 0x7FFFu + lsb) >> 16);
+}
+
+FP4SIM_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
+
+// Round an FP32 to the nearest BF16 value, kept as FP32 (NaN -> the canonical BF16 NaN).
+FP4SIM_HD float bf16_round(float x) { return bf16_to_f32(bf16_rne(x)); }
+
+}  // namespace fp4sim

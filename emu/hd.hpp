@@ -1,0 +1,119 @@
+// Host/device portability layer for the shared scalar numerics.
+//
+// Every function in emu/*.hpp that both backends call is marked FP4SIM_HD. Rounding is written
+// explicitly: on the device through the _rn intrinsics, on the host through plain operators under
+// -ffp-contract=off (DESIGN.md §1). Nothing here may depend on the compiler's choice of fusion.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define FP4SIM_HD __host__ __device__ __forceinline__
+#define FP4SIM_DEVICE_CODE 1
+#else
+#define FP4SIM_HD inline
+#endif
+
+namespace fp4sim {
+
+FP4SIM_HD uint32_t f32_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+FP4SIM_HD float f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+// IEEE binary32 operations, each rounded to nearest-even, never fused.
+FP4SIM_HD float fmul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FP4SIM_HD float fadd_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+FP4SIM_HD float fsub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+FP4SIM_HD float fdiv_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+// fmaf only where the contract names an FMA (the FP8 promotion, DESIGN.md §9).
+FP4SIM_HD float ffma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
+
+FP4SIM_HD bool f32_isnan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+FP4SIM_HD bool f32_isinf(float x) { return (f32_bits(x) & 0x7FFFFFFFu) == 0x7F800000u; }
+FP4SIM_HD float f32_abs(float x) { return f32_from_bits(f32_bits(x) & 0x7FFFFFFFu); }
+
+// fmaxf semantics without relying on libm: a NaN operand is ignored.
+FP4SIM_HD float fmax_nan_ignored(float a, float b) {
+  if (f32_isnan(a)) return b;
+  if (f32_isnan(b)) return a;
+  return a > b ? a : b;
+}
+FP4SIM_HD float fmin_nan_ignored(float a, float b) {
+  if (f32_isnan(a)) return b;
+  if (f32_isnan(b)) return a;
+  return a < b ? a : b;
+}
+
+// Number of leading zeros / index of the highest set bit, host and device.
+FP4SIM_HD int clz64(uint64_t v) {
+#if defined(__CUDA_ARCH__)
+  return __clzll(static_cast<long long>(v));
+#else
+  return v == 0 ? 64 : __builtin_clzll(v);
+#endif
+}
+FP4SIM_HD int clz32(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __clz(static_cast<int>(v));
+#else
+  return v == 0 ? 32 : __builtin_clz(v);
+#endif
+}
+FP4SIM_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+#endif
+}
+
+constexpr float kFltMax = 3.40282346638528859812e+38f;
+
+}  // namespace fp4sim

@@ -1,0 +1,92 @@
+// Quantization API shared by both backends (DESIGN.md §5, §6): NVFP4 (1x16 or 16x16, E4M3 scales,
+// FP32 global amax) and MXFP4 (1x32, UE8M0 scales); a row-wise and a column-wise (transposed) copy
+// from one high-precision input in one call; RN or SR per copy; RHT on the column-wise copy; Four
+// Over Six. Each copy is described as the tensor *as written* (rows x cols, blocks along the row).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "emu/quantize_block.hpp"
+#include "emu/tensor.hpp"
+
+namespace fp4sim {
+
+enum class QFormat : uint8_t { NVFP4, MXFP4 };
+enum class Rounding : uint8_t { RN, SR };
+enum class FourOverSixError : uint8_t { MAE, MSE };
+
+const char* qformat_name(QFormat f);
+
+// One output copy.
+struct CopySpec {
+  bool enabled = false;
+  Rounding rounding = Rounding::RN;
+  uint64_t stream = 0;         // SR stream; the row-wise and column-wise copies never share one
+  bool rht = false;            // column-wise copy only
+  bool four_over_six = false;  // NVFP4, RN, no RHT only
+};
+
+struct QuantizeConfig {
+  QFormat format = QFormat::NVFP4;
+  bool block_2d = false;  // NVFP4 16x16 tiles (weights)
+  MxScaleRule mx_rule = MxScaleRule::Floor;
+  FourOverSixError fos_error = FourOverSixError::MAE;
+  uint64_t seed = 0;
+  CopySpec rowwise;
+  CopySpec columnwise;
+};
+
+// A quantized copy, the tensor as written: rows x cols, blocks along the row.
+//   codes  [rows, cols/2]       two E2M1 per byte, element 2i in the low nibble
+//   scales [rows, cols/block]   E4M3 (NVFP4; 2D: one entry per row, repeated down the tile) or UE8M0
+//   amax   [1]                  FP32 amax of the written copy (post-RHT where RHT is on)
+struct QuantizedView {
+  uint8_t* codes = nullptr;
+  uint8_t* scales = nullptr;
+  float* amax = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  QFormat format = QFormat::NVFP4;
+  bool four_over_six = false;  // decode with 1/1536 instead of 1/2688
+  Device device = Device::Host;
+
+  int64_t block() const { return format == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block; }
+  int64_t code_bytes() const { return rows * cols / 2; }
+  int64_t scale_count() const { return rows * (cols / block()); }
+};
+
+// Host-owned quantized copy (results of the CLI and of tests).
+struct QuantizedHost {
+  std::vector<uint8_t> codes;
+  std::vector<uint8_t> scales;
+  float amax = 0.0f;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  QFormat format = QFormat::NVFP4;
+  bool four_over_six = false;
+
+  void resize(int64_t rows, int64_t cols, QFormat format, bool four_over_six);
+  QuantizedView view();
+};
+
+// Shape of the copy as written: rows x cols (row-wise) or cols x rows (column-wise).
+struct CopyShape {
+  int64_t rows;
+  int64_t cols;
+};
+CopyShape written_shape(const TensorView& x, bool columnwise);
+
+// Throws std::invalid_argument naming the tensor, shape or option when the config cannot apply to
+// x: blocked dimension not a multiple of 16/32, 2D rows not a multiple of 16, RHT on the row-wise
+// copy, RHT token dimension not a multiple of 16, MXFP4 with 2D or Four Over Six, Four Over Six
+// with SR or RHT, no copy requested, wrong dtype.
+void validate_quantize(const TensorView& x, const QuantizeConfig& cfg);
+
+// Scale matrix [rows, k_blocks] -> padded 128x4 tiled layout (cuBLASLt VEC16_UE4M3 / VEC32_UE8M0).
+// out has round_up(rows, 128) * round_up(k_blocks, 4) bytes; padding is zero.
+void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out);
+int64_t tiled_scale_bytes(int64_t rows, int64_t k_blocks);
+
+}  // namespace fp4sim

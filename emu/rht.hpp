@@ -1,0 +1,104 @@
+// 16-point random Hadamard transform (DESIGN.md §6), host and device.
+//
+// H = diag(s) * H16 / 4 with H16 the Sylvester Hadamard matrix and s the fixed sign vector (mask
+// 0xD7E8: bit i set where s_i = -1). Each output is what the Blackwell tensor core computes:
+//   y_j = bf16_rne( T-FDPA(x[0..15], H[:, j], c = +0; L = 16, F = 25, RZ-FP32) ).
+// rht16_reference evaluates exactly that (16 T-FDPAs); rht16 computes the same bits with one integer
+// fast Walsh-Hadamard transform, because every product x_i * H_ij has the same magnitude |x_i|/4 for
+// all j, so its truncation onto the grid does not depend on j. Tests hold the two equal.
+#pragma once
+
+#include <cstdint>
+
+#include "emu/formats.hpp"
+#include "emu/hd.hpp"
+#include "emu/mma.hpp"
+
+namespace fp4sim {
+
+constexpr int kRhtSize = 16;
+constexpr uint32_t kRhtSignMask = 0xD7E8u;
+
+FP4SIM_HD int popcount32(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __popc(v);
+#else
+  return __builtin_popcount(v);
+#endif
+}
+
+// H[i][j] as a float: ±0.25
+FP4SIM_HD float rht_entry(int i, int j) {
+  const int neg = ((kRhtSignMask >> i) & 1) ^ (popcount32(static_cast<uint32_t>(i & j)) & 1);
+  return neg ? -0.25f : 0.25f;
+}
+
+// x: 16 BF16 bit patterns; y: 16 BF16 bit patterns. Literal evaluation of the contract.
+FP4SIM_HD void rht16_reference(const uint16_t* x, uint16_t* y) {
+  float xf[kRhtSize], h[kRhtSize];
+  for (int i = 0; i < kRhtSize; ++i) xf[i] = bf16_to_f32(x[i]);
+  for (int j = 0; j < kRhtSize; ++j) {
+    for (int i = 0; i < kRhtSize; ++i) h[i] = rht_entry(i, j);
+    y[j] = bf16_rne(tfdpa_bf16(xf, h, 0.0f));
+  }
+}
+
+// Same bits as rht16_reference (see the header comment).
+FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
+  int emax = -1000;
+  bool special = false;
+  for (int i = 0; i < kRhtSize; ++i) {
+    const uint32_t a = x[i] & 0x7FFFu;
+    if (a >= 0x7F80u) special = true;  // Inf or NaN: rare, take the literal path
+    if (a != 0) {
+      const int biased = static_cast<int>(a >> 7);
+      const int e = biased == 0 ? -126 : biased - 127;  // E(x) = max(floor(log2|x|), -126)
+      if (e > emax) emax = e;
+    }
+  }
+  if (special) {
+    rht16_reference(x, y);
+    return;
+  }
+  if (emax == -1000) {  // all products zero; C = +0 is not -0, so every output is +0
+    for (int j = 0; j < kRhtSize; ++j) y[j] = 0;
+    return;
+  }
+  // term i on the grid 2^(emax - 2 - 25): |x_i|/4 = sig_i * 2^(E_i - 9), shift = E_i - emax + 18
+  int32_t u[kRhtSize];
+  for (int i = 0; i < kRhtSize; ++i) {
+    const uint32_t a = x[i] & 0x7FFFu;
+    const int biased = static_cast<int>(a >> 7);
+    const uint32_t sig = biased == 0 ? (a & 0x7Fu) : ((a & 0x7Fu) | 0x80u);
+    const int e = biased == 0 ? -126 : biased - 127;
+    const int sh = e - emax + 18;
+    const uint32_t t = sh >= 0 ? (sig << sh) : (sh <= -32 ? 0u : (sig >> (-sh)));
+    const int neg = (x[i] >> 15) ^ ((kRhtSignMask >> i) & 1);
+    u[i] = neg ? -static_cast<int32_t>(t) : static_cast<int32_t>(t);
+  }
+  // in-place Walsh-Hadamard butterflies: Y_j = sum_i u_i (-1)^popcount(i & j); |Y| < 2^31
+  for (int len = 1; len < kRhtSize; len <<= 1) {
+    for (int i = 0; i < kRhtSize; i += 2 * len) {
+      for (int k = i; k < i + len; ++k) {
+        const int32_t p = u[k], q = u[k + len];
+        u[k] = p + q;
+        u[k + len] = p - q;
+      }
+    }
+  }
+  const int grid = emax - 2 - kBf16FdpaF;
+  for (int j = 0; j < kRhtSize; ++j) {
+    const int32_t v = u[j];
+    uint32_t bits;
+    if (v == 0) {
+      bits = 0u;
+    } else {
+      const bool neg = v < 0;
+      const uint64_t mag = neg ? static_cast<uint64_t>(-static_cast<int64_t>(v)) : static_cast<uint64_t>(v);
+      bits = round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits);
+    }
+    y[j] = bf16_rne(f32_from_bits(bits));
+  }
+}
+
+}  // namespace fp4sim

@@ -1,0 +1,78 @@
+#include "gpu/cuda_backend.hpp"
+
+#include <stdexcept>
+
+#include "gpu/cuda_check.hpp"
+
+namespace fp4sim::gpu {
+
+bool gpu_available() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  return n > 0;
+}
+
+std::string describe_gpu() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("none (") + cudaGetErrorString(e) + ")";
+  }
+  if (n == 0) return "none (no CUDA device)";
+  cudaDeviceProp p{};
+  FP4SIM_CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  return std::string(p.name) + ", sm_" + std::to_string(p.major) + std::to_string(p.minor) + ", " +
+         std::to_string(p.multiProcessorCount) + " SMs, " +
+         std::to_string(p.totalGlobalMem >> 20) + " MiB, driver " + std::to_string(driver) +
+         ", runtime " + std::to_string(runtime) + (n > 1 ? " (+" + std::to_string(n - 1) + " more)" : "");
+}
+
+CudaBackend::CudaBackend() { FP4SIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+CudaBackend::~CudaBackend() {
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void* CudaBackend::allocate(size_t bytes) {
+  void* p = nullptr;
+  FP4SIM_CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1));
+  return p;
+}
+void CudaBackend::release(void* p) { cudaFree(p); }
+void CudaBackend::upload(void* dst, const void* src, size_t n) {
+  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream_));
+  FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+void CudaBackend::download(void* dst, const void* src, size_t n) {
+  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream_));
+  FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+void CudaBackend::synchronize() { FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                           QuantizedView* columnwise) {
+  validate_quantize(x, cfg);
+  quantize_launch(x, cfg, rowwise, columnwise, stream_);
+}
+
+void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {
+  if (out.dtype != DType::F32 || out.rows != q.rows || out.cols != q.cols)
+    throw std::invalid_argument("dequantize: output must be float32 " + shape_str(q.rows, q.cols));
+  dequantize_launch(q, out, stream_);
+}
+
+void CudaBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
+                                  uint8_t* out) {
+  scales_to_tiled_launch(scales, rows, k_blocks, out, stream_);
+}
+
+std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+
+}  // namespace fp4sim::gpu

@@ -1,0 +1,50 @@
+// The CUDA backend: the same ops as emu::CpuBackend, same names and argument order, bit-identical
+// results for the quantizers (they call the same host/device block functions).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+
+#include "emu/backend.hpp"
+
+namespace fp4sim::gpu {
+
+bool gpu_available();
+std::string describe_gpu();
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend();
+  ~CudaBackend() override;
+  std::string name() const override { return "cuda"; }
+  Device device() const override { return Device::Cuda; }
+  void* allocate(size_t bytes) override;
+  void release(void* p) override;
+  void upload(void* dst, const void* host_src, size_t bytes) override;
+  void download(void* host_dst, const void* src, size_t bytes) override;
+  void synchronize() override;
+
+  void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                QuantizedView* columnwise) override;
+  void dequantize(const QuantizedView& q, const TensorView& out) override;
+  void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
+                       uint8_t* out) override;
+
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+std::unique_ptr<Backend> make_cuda_backend();
+
+// Kernel launchers (gpu/quantize.cu), on `stream`, device pointers.
+void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                     QuantizedView* columnwise, cudaStream_t stream);
+void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
+void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
+                            cudaStream_t stream);
+
+}  // namespace fp4sim::gpu

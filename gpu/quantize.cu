@@ -1,0 +1,416 @@
+// CUDA quantizers: the same block functions as the emulator (emu/quantize_block.hpp, emu/rht.hpp),
+// so every code, scale and amax matches it bit for bit; only the data movement is GPU-specific.
+//
+// Two passes over the input: (1) amax (NaN ignored) of the input and, with RHT, of the transformed
+// column-wise copy; (2) one tiled pass that writes both copies. A CTA owns a 64-row x 128-column
+// input tile in shared memory (kept in the input dtype): each thread quantizes 1x16 (or 1x32) blocks
+// along rows for the row-wise copy and the 64-element column strip of one column for the
+// column-wise copy, whose 32 code bytes are contiguous in the transposed output.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+
+#include "emu/quantize_block.hpp"
+#include "emu/rht.hpp"
+#include "gpu/cuda_backend.hpp"
+#include "gpu/cuda_check.hpp"
+
+namespace fp4sim::gpu {
+namespace {
+
+constexpr int kTileRows = 64;
+constexpr int kTileCols = 128;  // = threads per CTA
+constexpr int kThreads = kTileCols;
+
+template <class T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static __device__ __forceinline__ float to_f32(float v) { return v; }
+};
+template <>
+struct Elem<uint16_t> {  // BF16 bit pattern
+  static __device__ __forceinline__ float to_f32(uint16_t v) { return bf16_to_f32(v); }
+};
+
+// Load the input tile [r0, r0+64) x [c0, c0+128) into shared memory (zeros outside the tensor).
+template <class T>
+__device__ void load_tile(T* tile, const T* x, int64_t rows, int64_t cols, int64_t stride,
+                          int64_t r0, int64_t c0, bool vector_ok) {
+  constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte load
+  constexpr int kVecPerRow = kTileCols / kVec;
+  for (int i = threadIdx.x; i < kTileRows * kVecPerRow; i += kThreads) {
+    const int tr = i / kVecPerRow;
+    const int tc = (i % kVecPerRow) * kVec;
+    const int64_t r = r0 + tr, c = c0 + tc;
+    T* dst = tile + tr * kTileCols + tc;
+    if (vector_ok && r < rows && c + kVec <= cols) {
+      *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(x + r * stride + c));
+    } else {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k)
+        dst[k] = (r < rows && c + k < cols) ? x[r * stride + c + k] : T(0);
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmax_nan_ignored(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+// Block-wide max, then one atomicMax on the FP32 bit pattern (non-negative floats order as ints).
+__device__ void block_max_to(float v, float* target) {
+  __shared__ float partial[kThreads / 32];
+  v = warp_max(v);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = partial[0];
+    for (int w = 1; w < kThreads / 32; ++w) m = fmax_nan_ignored(m, partial[w]);
+    atomicMax(reinterpret_cast<unsigned int*>(target), __float_as_uint(m));
+  }
+}
+
+struct AmaxArgs {
+  float* amax_plain;  // max |x| (or null)
+  float* amax_rht;    // max |rht(x)| of the column-wise copy (or null)
+};
+
+// Plain amax over a contiguous array, 16-byte loads.
+template <class T>
+__global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t n, float* out) {
+  constexpr int kVec = 16 / sizeof(T);
+  float m = 0.0f;
+  const int64_t nvec = n / kVec;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < nvec; i += step) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(x) + i);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) m = fmax_nan_ignored(m, f32_abs(Elem<T>::to_f32(e[k])));
+  }
+  for (int64_t i = nvec * kVec + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += step)
+    m = fmax_nan_ignored(m, f32_abs(Elem<T>::to_f32(x[i])));
+  block_max_to(m, out);
+}
+
+// Tiled amax: plain (any stride) and/or the amax of the RHT column-wise copy.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    amax_tile_kernel(const T* x, int64_t rows, int64_t cols, int64_t stride, bool vector_ok,
+                     AmaxArgs args) {
+  __shared__ __align__(16) T tile[kTileRows * kTileCols];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  load_tile(tile, x, rows, cols, stride, r0, c0, vector_ok);
+  __syncthreads();
+  const int t = threadIdx.x;
+  const int64_t c = c0 + t;
+  float m_plain = 0.0f, m_rht = 0.0f;
+  if (c < cols) {
+    for (int k = 0; k < kTileRows / kRhtSize; ++k) {
+      if (r0 + (k + 1) * kRhtSize > rows) {
+        for (int i = k * kRhtSize; i < kTileRows && r0 + i < rows; ++i)
+          m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(tile[i * kTileCols + t])));
+        break;
+      }
+      uint16_t in[kRhtSize], y[kRhtSize];
+#pragma unroll
+      for (int i = 0; i < kRhtSize; ++i) {
+        const float v = Elem<T>::to_f32(tile[(k * kRhtSize + i) * kTileCols + t]);
+        m_plain = fmax_nan_ignored(m_plain, f32_abs(v));
+        in[i] = bf16_rne(v);
+      }
+      if (args.amax_rht) {
+        rht16(in, y);
+#pragma unroll
+        for (int i = 0; i < kRhtSize; ++i) m_rht = fmax_nan_ignored(m_rht, f32_abs(bf16_to_f32(y[i])));
+      }
+    }
+  }
+  if (args.amax_plain) block_max_to(m_plain, args.amax_plain);
+  if (args.amax_rht) {
+    __syncthreads();
+    block_max_to(m_rht, args.amax_rht);
+  }
+}
+
+struct CopyArgs {
+  bool enabled;
+  bool sr;
+  bool rht;
+  bool four_over_six;
+  uint64_t stream;
+  uint8_t* codes;
+  uint8_t* scales;
+  const float* amax;
+};
+
+struct QuantArgs {
+  int64_t rows, cols, stride;
+  bool vector_ok;
+  bool mx;
+  bool block_2d;
+  bool mse;
+  MxScaleRule mx_rule;
+  uint64_t seed;
+  CopyArgs row, col;
+};
+
+template <class T, bool kMx>
+__global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, QuantArgs a) {
+  __shared__ __align__(16) T tile[kTileRows * kTileCols];
+  __shared__ uint8_t tile_scale[2][kTileRows / kNvfp4Block][kTileCols / kNvfp4Block];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  load_tile(tile, x, a.rows, a.cols, a.stride, r0, c0, a.vector_ok);
+  __syncthreads();
+  const int t = threadIdx.x;
+  const int64_t R = a.rows, C = a.cols;
+
+  // Global scales (amax already reduced by the previous pass).
+  const Nvfp4Global g_row = nvfp4_global(a.row.enabled ? *a.row.amax : 0.0f, a.row.four_over_six);
+  const Nvfp4Global g_col = nvfp4_global(a.col.enabled ? *a.col.amax : 0.0f, a.col.four_over_six);
+
+  // 2D: one scale per 16x16 tile and copy (each copy has its own global scale and options)
+  if (a.block_2d) {
+    constexpr int kTilesR = kTileRows / kNvfp4Block, kTilesC = kTileCols / kNvfp4Block;
+    if (t < 2 * kTilesR * kTilesC) {
+      const bool col = t >= kTilesR * kTilesC;
+      const int idx = col ? t - kTilesR * kTilesC : t;
+      const int tr = idx / kTilesC, tc = idx % kTilesC;
+      const CopyArgs& ca = col ? a.col : a.row;
+      if (ca.enabled) {
+        const T* base = tile + (tr * kNvfp4Block) * kTileCols + tc * kNvfp4Block;
+        const auto load = [&](int i, int j) { return Elem<T>::to_f32(base[i * kTileCols + j]); };
+        tile_scale[col][tr][tc] =
+            nvfp4_tile_scale(load, col ? g_col : g_row, ca.four_over_six, a.mse);
+      }
+    }
+    __syncthreads();
+  }
+
+  // ---- row-wise copy: blocks along the row ----
+  if (a.row.enabled) {
+    constexpr int block = kMx ? kMxfp4Block : kNvfp4Block;
+    constexpr int blocks_per_tile_row = kTileCols / block;
+    const int64_t chunks_per_row = C / kSrChunk;
+    const int64_t scales_per_row = C / block;
+    for (int u = t; u < kTileRows * blocks_per_tile_row; u += kThreads) {
+      const int tr = u / blocks_per_tile_row, tb = u % blocks_per_tile_row;
+      const int64_t r = r0 + tr, c = c0 + tb * block;
+      if (r >= R || c >= C) continue;
+      float v[block];
+      for (int i = 0; i < block; ++i) v[i] = Elem<T>::to_f32(tile[tr * kTileCols + tb * block + i]);
+      const uint64_t chunk = static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk);
+      alignas(16) uint8_t packed[block / 2];
+      uint8_t s;
+      if constexpr (kMx) {
+        s = mxfp4_quantize_1x32(v, a.mx_rule, sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream, chunk),
+                                sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream, chunk + 1), packed);
+        *reinterpret_cast<uint4*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint4*>(packed);
+      } else {
+        const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream, chunk);
+        if (a.block_2d) {
+          s = tile_scale[0][tr / kNvfp4Block][tb];
+          e2m1_encode16(v, nvfp4_block_encode_scale(s, g_row.s_dec), bits, packed);
+        } else {
+          s = nvfp4_quantize_1x16(v, g_row, a.row.four_over_six, a.mse, bits, packed);
+        }
+        *reinterpret_cast<uint2*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint2*>(packed);
+      }
+      a.row.scales[r * scales_per_row + c / block] = s;
+    }
+  }
+
+  // ---- column-wise copy: the written tensor is C x R, blocks along the input's rows ----
+  if (a.col.enabled) {
+    const int64_t c = c0 + t;
+    if (c < C) {
+      constexpr int block = kMx ? kMxfp4Block : kNvfp4Block;
+      const int64_t chunks_per_row = R / kSrChunk;  // of the written tensor
+      const int64_t scales_per_row = R / block;
+      for (int k = 0; k < kTileRows / block; ++k) {
+        const int64_t r = r0 + k * block;  // written column
+        if (r >= R) break;
+        float v[block];
+        if (a.col.rht) {
+          for (int h = 0; h < block / kRhtSize; ++h) {
+            uint16_t in[kRhtSize], y[kRhtSize];
+#pragma unroll
+            for (int i = 0; i < kRhtSize; ++i)
+              in[i] = bf16_rne(Elem<T>::to_f32(tile[(k * block + h * kRhtSize + i) * kTileCols + t]));
+            rht16(in, y);
+#pragma unroll
+            for (int i = 0; i < kRhtSize; ++i) v[h * kRhtSize + i] = bf16_to_f32(y[i]);
+          }
+        } else {
+          for (int i = 0; i < block; ++i) v[i] = Elem<T>::to_f32(tile[(k * block + i) * kTileCols + t]);
+        }
+        const uint64_t chunk = static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk);
+        alignas(16) uint8_t packed[block / 2];
+        uint8_t s;
+        if constexpr (kMx) {
+          s = mxfp4_quantize_1x32(v, a.mx_rule, sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream, chunk),
+                                  sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream, chunk + 1), packed);
+          uint2* dst = reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2);
+          dst[0] = *reinterpret_cast<uint2*>(packed);
+          dst[1] = *reinterpret_cast<uint2*>(packed + 8);
+        } else {
+          const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream, chunk);
+          if (a.block_2d) {
+            s = tile_scale[1][k][t / kNvfp4Block];
+            e2m1_encode16(v, nvfp4_block_encode_scale(s, g_col.s_dec), bits, packed);
+          } else {
+            s = nvfp4_quantize_1x16(v, g_col, a.col.four_over_six, a.mse, bits, packed);
+          }
+          *reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2) = *reinterpret_cast<uint2*>(packed);
+        }
+        a.col.scales[c * scales_per_row + r / block] = s;
+      }
+    }
+  }
+}
+
+template <class T>
+void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* row,
+                QuantizedView* col, cudaStream_t stream) {
+  const T* xp = static_cast<const T*>(x.data);
+  const int64_t R = x.rows, C = x.cols, S = x.stride();
+  const bool vector_ok = (reinterpret_cast<uintptr_t>(xp) % 16 == 0) &&
+                         (S * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+  const bool row_on = cfg.rowwise.enabled, col_on = cfg.columnwise.enabled;
+  const bool col_rht = col_on && cfg.columnwise.rht;
+  // pass 1: amax
+  float* amax_plain = row_on ? row->amax : (col_on && !col_rht ? col->amax : nullptr);
+  float* amax_rht = col_rht ? col->amax : nullptr;
+  if (amax_plain) FP4SIM_CUDA_CHECK(cudaMemsetAsync(amax_plain, 0, sizeof(float), stream));
+  if (amax_rht) FP4SIM_CUDA_CHECK(cudaMemsetAsync(amax_rht, 0, sizeof(float), stream));
+  const dim3 grid(static_cast<unsigned>((C + kTileCols - 1) / kTileCols),
+                  static_cast<unsigned>((R + kTileRows - 1) / kTileRows));
+  if (amax_rht || (amax_plain && (S != C || !vector_ok))) {
+    amax_tile_kernel<T><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
+                                                        AmaxArgs{amax_plain, amax_rht});
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  } else if (amax_plain) {
+    int sms = 0, dev = 0;
+    FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
+    FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int64_t want = (R * C / (16 / sizeof(T)) + kThreads - 1) / kThreads;
+    const int blocks = static_cast<int>(want < sms * 16 ? (want > 0 ? want : 1) : sms * 16);
+    amax_flat_kernel<T><<<blocks, kThreads, 0, stream>>>(xp, R * C, amax_plain);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  }
+  if (row_on && col_on && !col_rht)
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(col->amax, row->amax, sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream));
+  // pass 2: both copies
+  QuantArgs qa{};
+  qa.rows = R;
+  qa.cols = C;
+  qa.stride = S;
+  qa.vector_ok = vector_ok;
+  qa.mx = cfg.format == QFormat::MXFP4;
+  qa.block_2d = cfg.block_2d;
+  qa.mse = cfg.fos_error == FourOverSixError::MSE;
+  qa.mx_rule = cfg.mx_rule;
+  qa.seed = cfg.seed;
+  auto fill = [](CopyArgs& ca, const CopySpec& spec, QuantizedView* q) {
+    ca.enabled = spec.enabled;
+    ca.sr = spec.rounding == Rounding::SR;
+    ca.rht = spec.rht;
+    ca.four_over_six = spec.four_over_six;
+    ca.stream = spec.stream;
+    ca.codes = spec.enabled ? q->codes : nullptr;
+    ca.scales = spec.enabled ? q->scales : nullptr;
+    ca.amax = spec.enabled ? q->amax : nullptr;
+  };
+  fill(qa.row, cfg.rowwise, row);
+  fill(qa.col, cfg.columnwise, col);
+  if (qa.mx) {
+    quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
+  } else {
+    quantize_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, qa);
+  }
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void check_view(const QuantizedView* q, int64_t rows, int64_t cols, const QuantizeConfig& cfg,
+                const CopySpec& spec, const char* which) {
+  if (!q || q->rows != rows || q->cols != cols || q->format != cfg.format ||
+      q->four_over_six != spec.four_over_six || q->device != Device::Cuda)
+    throw std::invalid_argument(std::string("quantize (cuda): the ") + which +
+                                " output must be a device view of the written shape " +
+                                shape_str(rows, cols) + " with matching format and options");
+}
+
+__global__ void dequantize_kernel(QuantizedView q, float* out, int64_t out_stride) {
+  const int64_t n = q.rows * q.cols;
+  const int64_t block = q.format == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block;
+  const float range = q.four_over_six ? kFourOverSixRange : kNvfp4Range;
+  const float amax = *q.amax;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = e / q.cols, c = e % q.cols;
+    const uint8_t s = q.scales[r * (q.cols / block) + c / block];
+    const float factor =
+        q.format == QFormat::MXFP4 ? ue8m0_to_f32(s) : nvfp4_decode_factor(s, amax, range);
+    const uint8_t code = (q.codes[e / 2] >> (4 * (e & 1))) & 0xFu;
+    out[r * out_stride + c] = fmul_rn(e2m1_to_f32(code), factor);
+  }
+}
+
+__global__ void scales_to_tiled_kernel(const uint8_t* scales, int64_t rows, int64_t k_blocks,
+                                       uint8_t* out, int64_t padded_rows, int64_t padded_k) {
+  const int64_t n = padded_rows * padded_k;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / padded_k, c = i % padded_k;
+    out[tiled_scale_offset(r, c, k_blocks)] =
+        (r < rows && c < k_blocks) ? scales[r * k_blocks + c] : uint8_t(0);
+  }
+}
+
+int grid_for(int64_t n, int threads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<int>(b < 65535 * 8 ? (b > 0 ? b : 1) : 65535 * 8);
+}
+
+}  // namespace
+
+void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                     QuantizedView* columnwise, cudaStream_t stream) {
+  if (x.device != Device::Cuda)
+    throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
+                                "' is not in device memory");
+  if (cfg.rowwise.enabled) check_view(rowwise, x.rows, x.cols, cfg, cfg.rowwise, "row-wise");
+  if (cfg.columnwise.enabled) check_view(columnwise, x.cols, x.rows, cfg, cfg.columnwise, "column-wise");
+  if ((x.rows + kTileRows - 1) / kTileRows > 65535)
+    throw std::invalid_argument("quantize (cuda): too many rows for one launch: " +
+                                shape_str(x.rows, x.cols));
+  if (x.dtype == DType::F32) {
+    launch_all<float>(x, cfg, rowwise, columnwise, stream);
+  } else {
+    launch_all<uint16_t>(x, cfg, rowwise, columnwise, stream);
+  }
+}
+
+void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {
+  const int64_t n = q.rows * q.cols;
+  dequantize_kernel<<<grid_for(n, 256), 256, 0, stream>>>(q, static_cast<float*>(out.data),
+                                                          out.stride());
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
+                            cudaStream_t stream) {
+  const int64_t pr = round_up(rows, kTiledRows), pk = round_up(k_blocks, kTiledCols);
+  scales_to_tiled_kernel<<<grid_for(pr * pk, 256), 256, 0, stream>>>(scales, rows, k_blocks, out,
+                                                                     pr, pk);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fp4sim::gpu

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install the build dependencies (Debian/Ubuntu packages) when missing, then configure the build.
+# usage: scripts/setup.sh [BUILD_DIR]   (default: build)
+# The CUDA backend is built when nvcc is found (FP4SIM_CUDA=AUTO); set FP4SIM_CUDA=OFF to skip it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+
+need=()
+have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+if command -v dpkg-query >/dev/null 2>&1; then
+  for p in cmake ninja-build g++ libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev \
+           libfmt-dev libxtensor-dev xtl-dev python3; do
+    have_pkg "$p" || need+=("$p")
+  done
+fi
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup: installing ${need[*]}"
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+cuda=${FP4SIM_CUDA:-AUTO}
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP4SIM_CUDA="$cuda" >/dev/null
+echo "setup: configured $build (FP4SIM_CUDA=$cuda)"

@@ -1,0 +1,63 @@
+// Tier 1, exhaustive (CTest label "slow"): all 2^32 FP32 bit patterns through FP32->E2M1,
+// FP32->E4M3 and FP32->BF16 (and E5M2, UE8M0 rz/rp) against CUDA's cuda_fp4.h / cuda_fp8.h /
+// cuda_bf16.h host conversions. Runs across OpenMP threads; prints progress.
+#include <cuda_bf16.h>
+#include <cuda_fp4.h>
+#include <cuda_fp8.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+
+#include "emu/formats.hpp"
+
+namespace fp4sim {
+namespace {
+
+struct Mismatch {
+  std::atomic<uint64_t> count{0};
+  std::atomic<uint32_t> first{0};
+  void add(uint32_t u) {
+    if (count.fetch_add(1) == 0) first = u;
+  }
+};
+
+TEST(FormatsExhaustive, AllFp32BitPatternsMatchCudaHeaders) {
+  Mismatch e2m1, e4m3, e5m2, bf16, rz, rp;
+  constexpr uint64_t kTotal = 1ull << 32;
+  constexpr uint64_t kSlices = 64;
+  for (uint64_t slice = 0; slice < kSlices; ++slice) {
+    const uint64_t begin = slice * (kTotal / kSlices), end = begin + kTotal / kSlices;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = static_cast<int64_t>(begin); i < static_cast<int64_t>(end); ++i) {
+      const uint32_t u = static_cast<uint32_t>(i);
+      float x;
+      std::memcpy(&x, &u, 4);
+      if (e2m1_rn_satfinite(x) != __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)) e2m1.add(u);
+      if (e4m3_rn_satfinite(x) != __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)) e4m3.add(u);
+      if (e5m2_rn_satfinite(x) != __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2)) e5m2.add(u);
+      if (ue8m0_rz_satfinite(x) != __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundZero)) rz.add(u);
+      if (ue8m0_rp_satfinite(x) != __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundPosInf)) rp.add(u);
+      const __nv_bfloat16 b = __float2bfloat16(x);
+      uint16_t bb;
+      std::memcpy(&bb, &b, 2);
+      if (bf16_rne(x) != bb) bf16.add(u);
+    }
+    if ((slice + 1) % 8 == 0)
+      std::printf("[exhaustive] %3llu%% of 2^32 patterns\n",
+                  static_cast<unsigned long long>((slice + 1) * 100 / kSlices));
+    std::fflush(stdout);
+  }
+  struct Row { const char* name; Mismatch* m; };
+  for (const Row& r : {Row{"e2m1", &e2m1}, Row{"e4m3", &e4m3}, Row{"e5m2", &e5m2},
+                       Row{"bf16", &bf16}, Row{"ue8m0.rz", &rz}, Row{"ue8m0.rp", &rp}}) {
+    std::printf("%-9s mismatches: %llu of 4294967296\n", r.name,
+                static_cast<unsigned long long>(r.m->count.load()));
+    EXPECT_EQ(r.m->count.load(), 0u) << r.name << " first mismatch at 0x" << std::hex
+                                     << r.m->first.load();
+  }
+}
+
+}  // namespace
+}  // namespace fp4sim

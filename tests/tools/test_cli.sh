@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# CLI checks: outputs and their shapes, bad input -> clear error, non-zero exit, no files left.
+# usage: test_cli.sh FP4SIM_BINARY WORKDIR
+set -u
+bin=$1
+work=$2
+rm -rf "$work"
+mkdir -p "$work"
+cd "$work" || exit 1
+fails=0
+ok() { echo "OK      $1"; }
+bad() { echo "NOT OK  $1"; fails=$((fails + 1)); }
+
+# expect_fail NAME NEEDLE CMD...: non-zero exit, stderr mentions NEEDLE, no out.* files written
+expect_fail() {
+  local name=$1 needle=$2
+  shift 2
+  rm -f out.*
+  if "$@" >stdout.txt 2>stderr.txt; then
+    bad "$name (exit 0)"
+    return
+  fi
+  if ! grep -qF -- "$needle" stderr.txt stdout.txt; then
+    bad "$name (message lacks '$needle': $(cat stderr.txt))"
+    return
+  fi
+  if ls out.* >/dev/null 2>&1; then
+    bad "$name (left files: $(ls out.*))"
+    return
+  fi
+  ok "$name"
+}
+
+"$bin" make-tensor x.npy --rows 64 --cols 128 --kind heavy-tailed >/dev/null || bad "make-tensor"
+"$bin" make-tensor xb.npy --rows 64 --cols 128 --dtype bf16 >/dev/null || bad "make-tensor bf16"
+"$bin" make-tensor odd.npy --rows 24 --cols 40 >/dev/null || bad "make-tensor odd"
+
+if "$bin" quantize x.npy out/row --backend emu >log.txt 2>&1; then bad "missing out dir should fail"; else ok "missing output directory is an error"; fi
+mkdir -p q
+if "$bin" quantize x.npy q/row --backend emu >log.txt 2>&1; then
+  for f in codes scales amax dequant; do
+    [ -f "q/row.$f.npy" ] || bad "q/row.$f.npy missing"
+  done
+  [ -f q/row.meta.json ] && grep -q '"contract_version": 1' q/row.meta.json && ok "quantize writes 5 files with contract_version" || bad "meta.json"
+  grep -q "saturated" log.txt && grep -q "scale exps" log.txt && ok "summary printed" || bad "summary"
+  ls q/*.tmp.* >/dev/null 2>&1 && bad "temporary files left" || ok "no temporary files"
+else
+  bad "quantize failed: $(cat log.txt)"
+fi
+"$bin" quantize xb.npy q/colb --columnwise --rht --sr --seed 3 --stream 4 --backend emu >log.txt 2>&1 \
+  && grep -q "written 128 x 64" log.txt && ok "bf16 column-wise RHT SR" || bad "bf16 column-wise RHT SR: $(cat log.txt)"
+"$bin" quantize x.npy q/mx --format mxfp4 --mx-rule ceil --backend emu >/dev/null 2>&1 && ok "mxfp4" || bad "mxfp4"
+"$bin" quantize x.npy q/fos --2d --four-over-six --error mse --backend emu >/dev/null 2>&1 && ok "2d four-over-six" || bad "2d four-over-six"
+
+expect_fail "blocked dim not multiple of 16" "not a multiple of 16" "$bin" quantize odd.npy out --backend emu
+expect_fail "mxfp4 with 2d" "--2d" "$bin" quantize x.npy out --format mxfp4 --2d --backend emu
+expect_fail "four-over-six with sr" "--four-over-six" "$bin" quantize x.npy out --four-over-six --sr --backend emu
+expect_fail "four-over-six with rht" "--four-over-six" "$bin" quantize x.npy out --four-over-six --rht --columnwise --backend emu
+expect_fail "mxfp4 with four-over-six" "--four-over-six" "$bin" quantize x.npy out --format mxfp4 --four-over-six --backend emu
+expect_fail "rht without columnwise" "--columnwise" "$bin" quantize x.npy out --rht --backend emu
+expect_fail "unreadable file" "nope.npy" "$bin" quantize nope.npy out --backend emu
+expect_fail "unknown flag" "--frobnicate" "$bin" quantize x.npy out --frobnicate
+expect_fail "unknown backend" "backend" "$bin" quantize x.npy out --backend tpu
+expect_fail "seed without sr" "--seed" "$bin" quantize x.npy out --seed 3 --backend emu
+printf 'not an npy file at all' > junk.npy
+expect_fail "not an npy" "junk.npy" "$bin" quantize junk.npy out --backend emu
+head -c 1000 x.npy > trunc.npy
+expect_fail "truncated npy" "truncated" "$bin" quantize trunc.npy out --backend emu
+python3 - <<'PY' 2>/dev/null || printf '\x93NUMPY\x01\x00v\x00{"descr": "<f8", "fortran_order": False, "shape": (16, 16), }' > f64.npy
+import struct
+hdr = "{'descr': '<f8', 'fortran_order': False, 'shape': (16, 16), }"
+hdr += " " * (118 - len(hdr)) + "\n"
+open("f64.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr.encode() + b"\0" * (16 * 16 * 8))
+hdr = "{'descr': '<f4', 'fortran_order': False, 'shape': (4, 4, 16), }"
+hdr += " " * (118 - len(hdr)) + "\n"
+open("r3.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr.encode() + b"\0" * (4 * 4 * 16 * 4))
+PY
+expect_fail "wrong dtype" "dtype '<f8'" "$bin" quantize f64.npy out --backend emu
+[ -f r3.npy ] && expect_fail "wrong rank" "2-D" "$bin" quantize r3.npy out --backend emu
+"$bin" info >info.txt 2>&1 && grep -q "contract_version 1" info.txt && ok "info" || bad "info: $(cat info.txt)"
+
+echo "cli: $fails failure(s)"
+[ "$fails" -eq 0 ]

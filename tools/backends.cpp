@@ -1,0 +1,67 @@
+#include "tools/backends.hpp"
+
+#include <stdexcept>
+
+#if FP4SIM_HAVE_CUDA
+#include "gpu/cuda_backend.hpp"
+#endif
+
+namespace fp4sim {
+
+bool cuda_backend_built() {
+#if FP4SIM_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string cuda_archs() {
+#ifdef FP4SIM_CUDA_ARCHS
+  return FP4SIM_CUDA_ARCHS;
+#else
+  return "";
+#endif
+}
+
+std::string cuda_compiler_version() {
+#ifdef FP4SIM_CUDA_VERSION
+  return FP4SIM_CUDA_VERSION;
+#else
+  return "";
+#endif
+}
+
+std::string gpu_description() {
+#if FP4SIM_HAVE_CUDA
+  return gpu::describe_gpu();
+#else
+  return "none (this build has no CUDA backend)";
+#endif
+}
+
+std::string default_backend_name() {
+#if FP4SIM_HAVE_CUDA
+  if (gpu::gpu_available()) return "cuda";
+#endif
+  return "emu";
+}
+
+std::unique_ptr<Backend> make_backend(const std::string& name) {
+  if (name == "emu") return make_cpu_backend();
+  if (name == "cuda") {
+#if FP4SIM_HAVE_CUDA
+    if (!gpu::gpu_available())
+      throw std::runtime_error("--backend cuda: no CUDA GPU is available (" + gpu_description() +
+                               "); use --backend emu");
+    return gpu::make_cuda_backend();
+#else
+    throw std::runtime_error(
+        "--backend cuda: this build of fp4sim has no CUDA backend (nvcc was not found at configure "
+        "time); use --backend emu");
+#endif
+  }
+  throw std::invalid_argument("--backend: unknown backend '" + name + "' (valid: emu, cuda)");
+}
+
+}  // namespace fp4sim

@@ -1,0 +1,24 @@
+// Run-time backend choice (--backend emu|cuda).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "emu/backend.hpp"
+
+namespace fp4sim {
+
+// "emu" or "cuda"; throws std::invalid_argument with the valid choices, or std::runtime_error when
+// the CUDA backend was not built or no GPU is present.
+std::unique_ptr<Backend> make_backend(const std::string& name);
+
+// "cuda" when this build has the CUDA backend and a GPU is present, else "emu".
+std::string default_backend_name();
+
+bool cuda_backend_built();
+// One line describing the GPU, or why there is none.
+std::string gpu_description();
+std::string cuda_archs();
+std::string cuda_compiler_version();
+
+}  // namespace fp4sim

@@ -1,0 +1,175 @@
+// Quantizer benchmarks (Google Benchmark).
+//
+// CPU: the emulator's elements/s (OpenMP) for the common copies.
+// GPU: time per call with CUDA events after warm-up on an 8192x8192 BF16 input (256 MiB of data
+// per pass, far beyond L2), and the bandwidth achieved counting the bytes actually moved: the
+// amax pass reads the input once, the quantize pass reads it again and writes codes + scales of
+// each copy. Each repetition also times a device-to-device copy of the same bytes (read + write)
+// so the ratio `pct_of_copy_bw` compares against the bandwidth measured in the same run.
+// Run with --benchmark_repetitions=5 (the script scripts/gpu_session.sh does) and read the median.
+#include <benchmark/benchmark.h>
+
+#include <random>
+#include <vector>
+
+#include "emu/backend.hpp"
+#include "emu/cpu_backend.hpp"
+#include "tools/backends.hpp"
+
+#if FP4SIM_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "gpu/cuda_backend.hpp"
+#include "gpu/cuda_check.hpp"
+#endif
+
+namespace fp4sim {
+namespace {
+
+std::vector<float> gaussian(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+QuantizeConfig config_for(int mode) {
+  QuantizeConfig c;
+  c.seed = 1;
+  c.rowwise.stream = 1;
+  c.columnwise.stream = 2;
+  switch (mode) {
+    case 0: c.rowwise.enabled = true; break;                                // row-wise RN
+    case 1: c.rowwise.enabled = c.columnwise.enabled = true; break;         // both RN
+    case 2:                                                                  // both, col RHT+SR
+      c.rowwise.enabled = c.columnwise.enabled = true;
+      c.columnwise.rht = true;
+      c.columnwise.rounding = Rounding::SR;
+      break;
+  }
+  return c;
+}
+const char* mode_name(int mode) {
+  return mode == 0 ? "row_rn" : (mode == 1 ? "row+col_rn" : "row_rn+col_rht_sr");
+}
+
+// ---- CPU ----------------------------------------------------------------------------------------
+
+void BM_CpuQuantize(benchmark::State& state) {
+  const int64_t rows = state.range(0), cols = state.range(1);
+  const int mode = static_cast<int>(state.range(2));
+  std::vector<float> x = gaussian(static_cast<size_t>(rows * cols), 3);
+  emu::CpuBackend be;
+  const QuantizeConfig cfg = config_for(mode);
+  QuantizedHost row, col;
+  row.resize(rows, cols, QFormat::NVFP4, false);
+  col.resize(cols, rows, QFormat::NVFP4, false);
+  QuantizedView rv = row.view(), cv = col.view();
+  TensorView v;
+  v.data = x.data();
+  v.rows = rows;
+  v.cols = cols;
+  for (auto _ : state) {
+    be.quantize(v, cfg, &rv, cfg.columnwise.enabled ? &cv : nullptr);
+    benchmark::DoNotOptimize(row.codes.data());
+  }
+  state.SetItemsProcessed(state.iterations() * rows * cols);
+  state.SetLabel(mode_name(mode));
+}
+BENCHMARK(BM_CpuQuantize)
+    ->Args({1024, 4096, 0})
+    ->Args({1024, 4096, 1})
+    ->Args({1024, 4096, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// ---- GPU ----------------------------------------------------------------------------------------
+#if FP4SIM_HAVE_CUDA
+
+struct GpuTimer {
+  cudaEvent_t a, b;
+  GpuTimer() {
+    FP4SIM_CUDA_CHECK(cudaEventCreate(&a));
+    FP4SIM_CUDA_CHECK(cudaEventCreate(&b));
+  }
+  ~GpuTimer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+  template <class F>
+  double ms(cudaStream_t s, int reps, F&& f) {
+    FP4SIM_CUDA_CHECK(cudaEventRecord(a, s));
+    for (int i = 0; i < reps; ++i) f();
+    FP4SIM_CUDA_CHECK(cudaEventRecord(b, s));
+    FP4SIM_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    FP4SIM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    return static_cast<double>(t) / reps;
+  }
+};
+
+void BM_GpuQuantize(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const int64_t rows = state.range(0), cols = state.range(1);
+  const int mode = static_cast<int>(state.range(2));
+  gpu::CudaBackend be;
+  const QuantizeConfig cfg = config_for(mode);
+  const size_t n = static_cast<size_t>(rows * cols);
+  std::vector<float> xf = gaussian(n, 5);
+  std::vector<uint16_t> xh(n);
+  for (size_t i = 0; i < n; ++i) xh[i] = bf16_rne(xf[i]);
+  BackendBuffer in(be, n * 2), copy_dst(be, n * 2);
+  be.upload(in.get(), xh.data(), n * 2);
+  BackendBuffer rc(be, n / 2), rs(be, n / 16), ra(be, 4), cc(be, n / 2), cs(be, n / 16), ca(be, 4);
+  QuantizedView rv, cv;
+  rv.codes = rc.as<uint8_t>(); rv.scales = rs.as<uint8_t>(); rv.amax = ra.as<float>();
+  rv.rows = rows; rv.cols = cols; rv.device = Device::Cuda;
+  cv.codes = cc.as<uint8_t>(); cv.scales = cs.as<uint8_t>(); cv.amax = ca.as<float>();
+  cv.rows = cols; cv.cols = rows; cv.device = Device::Cuda;
+  TensorView v;
+  v.data = in.get();
+  v.dtype = DType::BF16;
+  v.rows = rows;
+  v.cols = cols;
+  v.device = Device::Cuda;
+  auto quantize = [&]() { be.quantize(v, cfg, &rv, cfg.columnwise.enabled ? &cv : nullptr); };
+  auto copy = [&]() {
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(copy_dst.get(), in.get(), n * 2, cudaMemcpyDeviceToDevice, be.stream()));
+  };
+  GpuTimer timer;
+  for (int i = 0; i < 3; ++i) { quantize(); copy(); }  // warm-up
+  be.synchronize();
+  const int copies = cfg.columnwise.enabled ? 2 : 1;
+  // bytes moved: amax pass reads input; quantize pass reads input, writes codes + scales per copy
+  const double bytes = 2.0 * n * 2 + copies * (n / 2.0 + n / 16.0);
+  double last_ms = 0, copy_bw = 0;
+  for (auto _ : state) {
+    const double copy_ms = timer.ms(be.stream(), 10, copy);
+    copy_bw = 2.0 * n * 2 / (copy_ms * 1e-3);  // read + write
+    last_ms = timer.ms(be.stream(), 10, quantize);
+    state.SetIterationTime(last_ms * 1e-3);
+  }
+  state.counters["ms"] = last_ms;
+  state.counters["GBps"] = bytes / (last_ms * 1e-3) / 1e9;
+  state.counters["copy_GBps"] = copy_bw / 1e9;
+  state.counters["pct_of_copy_bw"] = 100.0 * (bytes / (last_ms * 1e-3)) / copy_bw;
+  state.SetLabel(mode_name(mode));
+}
+BENCHMARK(BM_GpuQuantize)
+    ->Args({8192, 8192, 0})
+    ->Args({8192, 8192, 1})
+    ->Args({8192, 8192, 2})
+    ->UseManualTime()
+    ->Iterations(5)
+    ->Unit(benchmark::kMicrosecond);
+
+#endif
+
+}  // namespace
+}  // namespace fp4sim
+
+BENCHMARK_MAIN();

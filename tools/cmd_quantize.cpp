@@ -1,0 +1,301 @@
+// fp4sim quantize: golden vectors for kernel authors, and a one-screen account of what the
+// quantizer did. fp4sim make-tensor: sample inputs.
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <stdexcept>
+
+#include "emu/contract.hpp"
+#include "emu/cpu_backend.hpp"
+#include "tools/backends.hpp"
+#include "tools/commands.hpp"
+#include "tools/npy.hpp"
+
+namespace fp4sim::cli {
+namespace {
+
+struct QuantizeArgs {
+  std::string input, prefix;
+  std::string format = "nvfp4";
+  bool block_2d = false, columnwise = false, rht = false, sr = false, fos = false;
+  uint64_t seed = 0, stream = 0;
+  std::string error = "mae", mx_rule = "floor", backend;
+};
+
+// Input as a 2-D float32 or bf16 (uint16) tensor.
+struct InputTensor {
+  io::NpyArray npy;
+  TensorView view;
+};
+
+InputTensor load_input(const std::string& path) {
+  InputTensor t;
+  t.npy = io::read_npy(path);
+  const auto& a = t.npy;
+  if (a.shape.size() != 2)
+    throw std::runtime_error(path + ": expected a 2-D array (rows x cols), got shape " +
+                             io::shape_string(a.shape));
+  if (a.dtype == "<f4") {
+    t.view.dtype = DType::F32;
+  } else if (a.dtype == "<u2") {
+    t.view.dtype = DType::BF16;  // bfloat16 bit patterns stored as uint16
+  } else {
+    throw std::runtime_error(path + ": dtype '" + a.dtype +
+                             "' not supported (expected float32 '<f4', or bfloat16 bit patterns "
+                             "stored as uint16 '<u2')");
+  }
+  t.view.data = const_cast<uint8_t*>(a.bytes.data());
+  t.view.rows = static_cast<int64_t>(a.shape[0]);
+  t.view.cols = static_cast<int64_t>(a.shape[1]);
+  t.view.name = "input";
+  return t;
+}
+
+// What the quantizer did, against the written tensor's high-precision values.
+struct Stats {
+  double sum_sq_err = 0, sum_sq_ref = 0, max_abs_err = 0;
+  int64_t saturated = 0, flushed = 0, nonzero = 0, nan = 0;
+  int64_t underflow_blocks = 0, blocks = 0;
+  std::map<int, int64_t> scale_exponents;  // floor(log2 scale) histogram
+};
+
+Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<float>& deq) {
+  Stats st;
+  const int64_t block = q.format == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block;
+  const int64_t bpr = q.cols / block;
+  const Nvfp4Global g = nvfp4_global(q.amax, q.four_over_six);
+  for (int64_t r = 0; r < q.rows; ++r) {
+    for (int64_t b = 0; b < bpr; ++b) {
+      const uint8_t s = q.scales[r * bpr + b];
+      const bool mx = q.format == QFormat::MXFP4;
+      const float enc = mx ? (s == kUE8M0NaN ? 0.0f : mxfp4_encode_factor(s))
+                           : nvfp4_block_encode_scale(s, g.s_dec);
+      float amax_b = 0.0f;
+      for (int64_t i = 0; i < block; ++i) {
+        const int64_t e = r * q.cols + b * block + i;
+        const float x = ref[e];
+        if (std::isnan(x)) {
+          ++st.nan;
+          continue;
+        }
+        amax_b = std::fmax(amax_b, std::fabs(x));
+        if (x != 0.0f) ++st.nonzero;
+        const uint8_t code = (q.codes[e / 2] >> (4 * (e & 1))) & 0xF;
+        if (x != 0.0f && (code & 7) == 0) ++st.flushed;
+        if (std::fabs(fmul_rn(x, enc)) > kE2M1Max) ++st.saturated;
+        const double err = static_cast<double>(deq[e]) - x;
+        if (std::isfinite(err)) {
+          st.sum_sq_err += err * err;
+          st.max_abs_err = std::max(st.max_abs_err, std::fabs(err));
+        }
+        if (std::isfinite(x)) st.sum_sq_ref += static_cast<double>(x) * x;
+      }
+      ++st.blocks;
+      const float sv = mx ? ue8m0_to_f32(s) : e4m3_to_f32(s);
+      if (amax_b > 0.0f && (mx ? false : sv == 0.0f)) ++st.underflow_blocks;
+      if (sv > 0.0f && std::isfinite(sv)) ++st.scale_exponents[std::ilogb(sv)];
+    }
+  }
+  return st;
+}
+
+void run_quantize(const QuantizeArgs& a) {
+  QuantizeConfig cfg;
+  cfg.format = a.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4;
+  cfg.block_2d = a.block_2d;
+  cfg.mx_rule = a.mx_rule == "ceil" ? MxScaleRule::Ceil : MxScaleRule::Floor;
+  cfg.fos_error = a.error == "mse" ? FourOverSixError::MSE : FourOverSixError::MAE;
+  cfg.seed = a.seed;
+  CopySpec spec;
+  spec.enabled = true;
+  spec.rounding = a.sr ? Rounding::SR : Rounding::RN;
+  spec.stream = a.stream;
+  spec.rht = a.rht;
+  spec.four_over_six = a.fos;
+  if (a.rht && !a.columnwise)
+    throw std::invalid_argument("--rht: applies to the column-wise copy only; add --columnwise");
+  (a.columnwise ? cfg.columnwise : cfg.rowwise) = spec;
+
+  InputTensor in = load_input(a.input);
+  validate_quantize(in.view, cfg);  // all input errors before any work or output
+  const std::string backend_name = a.backend.empty() ? default_backend_name() : a.backend;
+  auto backend = make_backend(backend_name);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  QuantizeResult res = quantize_to_host(*backend, in.view, cfg);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  QuantizedHost& q = a.columnwise ? res.columnwise : res.rowwise;
+  const std::vector<float> deq = dequantize_to_host(*backend, q);
+
+  // the written tensor's high-precision values (transposed, and RHT'd, for the column-wise copy)
+  std::vector<float> x(static_cast<size_t>(in.view.numel()));
+  for (int64_t i = 0; i < in.view.numel(); ++i)
+    x[i] = in.view.dtype == DType::F32 ? reinterpret_cast<const float*>(in.npy.bytes.data())[i]
+                                       : bf16_to_f32(reinterpret_cast<const uint16_t*>(in.npy.bytes.data())[i]);
+  std::vector<float> ref(x.size());
+  if (!a.columnwise) {
+    ref = x;
+  } else if (a.rht) {
+    emu::rht_columnwise(x.data(), in.view.rows, in.view.cols, ref.data());
+  } else {
+    for (int64_t r = 0; r < in.view.rows; ++r)
+      for (int64_t c = 0; c < in.view.cols; ++c) ref[c * in.view.rows + r] = x[r * in.view.cols + c];
+  }
+  const Stats st = compute_stats(ref.data(), q, deq);
+
+  // outputs: staged, then renamed together
+  io::AtomicOutputs out;
+  const auto R = static_cast<size_t>(q.rows), C = static_cast<size_t>(q.cols);
+  const size_t block = static_cast<size_t>(cfg.format == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block);
+  io::write_npy_u8(out.stage(a.prefix + ".codes.npy"), q.codes.data(), {R, C / 2});
+  io::write_npy_u8(out.stage(a.prefix + ".scales.npy"), q.scales.data(), {R, C / block});
+  io::write_npy_f32(out.stage(a.prefix + ".amax.npy"), &q.amax, {1});
+  io::write_npy_f32(out.stage(a.prefix + ".dequant.npy"), deq.data(), {R, C});
+  nlohmann::json meta = {
+      {"contract_version", kContractVersion},
+      {"generator", "fp4sim quantize"},
+      {"input", a.input},
+      {"input_dtype", dtype_name(in.view.dtype)},
+      {"input_shape", {in.view.rows, in.view.cols}},
+      {"written_shape", {q.rows, q.cols}},
+      {"format", a.format},
+      {"copy", a.columnwise ? "columnwise" : "rowwise"},
+      {"block", a.block_2d ? "16x16" : (cfg.format == QFormat::MXFP4 ? "1x32" : "1x16")},
+      {"rounding", a.sr ? "sr" : "rn"},
+      {"rht", a.rht},
+      {"four_over_six", a.fos},
+      {"four_over_six_error", a.error},
+      {"mx_rule", a.mx_rule},
+      {"seed", a.seed},
+      {"stream", a.stream},
+      {"amax", q.amax},
+      {"backend", backend->name()},
+      {"files",
+       {{"codes", "uint8 [rows, cols/2], element 2i in the low nibble"},
+        {"scales", cfg.format == QFormat::MXFP4 ? "uint8 UE8M0 [rows, cols/32]"
+                                                : "uint8 E4M3 [rows, cols/16]"},
+        {"amax", "float32 [1]"},
+        {"dequant", "float32 [rows, cols]"}}}};
+  {
+    std::ofstream m(out.stage(a.prefix + ".meta.json"));
+    if (!m) throw std::runtime_error(a.prefix + ".meta.json: cannot open file for writing");
+    m << meta.dump(2) << "\n";
+  }
+  out.commit();
+
+  // one-screen summary
+  const Nvfp4Global g = nvfp4_global(q.amax, q.four_over_six);
+  fmt::print("fp4sim quantize  {} -> {}.*   (backend {}, {:.1f} ms)\n", a.input, a.prefix,
+             backend->name(), ms);
+  fmt::print("  input        {} x {} {}\n", in.view.rows, in.view.cols, dtype_name(in.view.dtype));
+  fmt::print("  copy         {} {} {} {}{}{}   written {} x {}\n", a.format,
+             a.block_2d ? "16x16" : (cfg.format == QFormat::MXFP4 ? "1x32" : "1x16"),
+             a.columnwise ? "column-wise" : "row-wise", a.sr ? "SR" : "RN",
+             a.rht ? " +RHT" : "", a.fos ? " +4/6(" + a.error + ")" : "", q.rows, q.cols);
+  if (cfg.format == QFormat::NVFP4)
+    fmt::print("  amax         {:.6g}   S_enc {:.6g}   S_dec {:.6g}\n", q.amax, g.s_enc, g.s_dec);
+  else
+    fmt::print("  amax         {:.6g}   (MXFP4: no global scale)\n", q.amax);
+  fmt::print("  blocks       {}   underflowed (amax_b > 0, scale 0): {}\n", st.blocks,
+             st.underflow_blocks);
+  std::string hist;
+  for (const auto& [e, n] : st.scale_exponents) hist += fmt::format(" 2^{}:{}", e, n);
+  fmt::print("  scale exps  {}\n", hist.empty() ? " (all zero)" : hist);
+  const double n = static_cast<double>(in.view.numel());
+  fmt::print("  saturated    {} ({:.3f}%)  |x*enc_b| > 6 before rounding\n", st.saturated,
+             100.0 * st.saturated / n);
+  fmt::print("  flushed      {} ({:.3f}% of nonzeros)  nonzero -> 0\n", st.flushed,
+             st.nonzero ? 100.0 * st.flushed / st.nonzero : 0.0);
+  if (st.nan) fmt::print("  NaN inputs   {} (encoded as +6)\n", st.nan);
+  fmt::print("  error        rel ||xq - x||/||x|| = {:.4g}   rmse {:.4g}   max |err| {:.4g}\n",
+             st.sum_sq_ref > 0 ? std::sqrt(st.sum_sq_err / st.sum_sq_ref) : 0.0,
+             std::sqrt(st.sum_sq_err / n), st.max_abs_err);
+  fmt::print("  wrote        {0}.codes.npy {0}.scales.npy {0}.amax.npy {0}.dequant.npy "
+             "{0}.meta.json\n",
+             a.prefix);
+}
+
+struct MakeTensorArgs {
+  std::string path, kind = "gaussian", dtype = "f32";
+  int64_t rows = 256, cols = 1024;
+  uint64_t seed = 1;
+};
+
+void run_make_tensor(const MakeTensorArgs& a) {
+  if (a.rows <= 0 || a.cols <= 0)
+    throw std::invalid_argument("--rows/--cols: must be positive, got " + shape_str(a.rows, a.cols));
+  std::mt19937_64 rng(a.seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(a.rows * a.cols));
+  for (auto& x : v) {
+    x = normal(rng);
+    if (a.kind == "heavy-tailed") x = x * std::exp(1.5f * normal(rng));  // log-normal spread
+  }
+  if (a.kind == "outliers")
+    for (size_t i = 0; i < v.size(); i += 997) v[i] *= 100.0f;  // sparse large outliers
+  io::AtomicOutputs out;
+  const std::vector<size_t> shape = {static_cast<size_t>(a.rows), static_cast<size_t>(a.cols)};
+  if (a.dtype == "bf16") {
+    std::vector<uint16_t> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) h[i] = bf16_rne(v[i]);
+    io::write_npy_u16(out.stage(a.path), h.data(), shape);
+  } else {
+    io::write_npy_f32(out.stage(a.path), v.data(), shape);
+  }
+  out.commit();
+  fmt::print("wrote {} ({} x {} {}, {}, seed {})\n", a.path, a.rows, a.cols,
+             a.dtype == "bf16" ? "bfloat16 as uint16" : "float32", a.kind, a.seed);
+}
+
+}  // namespace
+
+void register_quantize(CLI::App& app) {
+  auto args = std::make_shared<QuantizeArgs>();
+  auto* cmd = app.add_subcommand(
+      "quantize", "Quantize a 2-D float32 (or bf16-as-uint16) .npy to NVFP4/MXFP4 and write codes, "
+                  "scales, amax, dequantized values and a meta.json");
+  cmd->add_option("input", args->input, "Input .npy, shape [rows, cols]")->required();
+  cmd->add_option("out_prefix", args->prefix, "Output prefix (writes PREFIX.codes.npy, ...)")
+      ->required();
+  cmd->add_option("--format", args->format, "nvfp4 | mxfp4")
+      ->check(CLI::IsMember({"nvfp4", "mxfp4"}));
+  cmd->add_flag("--2d", args->block_2d, "NVFP4 16x16 tiles (weights) instead of 1x16");
+  cmd->add_flag("--columnwise", args->columnwise,
+                "Write the column-wise copy (the transpose, cols x rows)");
+  cmd->add_flag("--rht", args->rht, "16-point random Hadamard transform (column-wise copy only)");
+  auto* sr = cmd->add_flag("--sr", args->sr, "Stochastic rounding (Philox4x32-10)");
+  cmd->add_option("--seed", args->seed, "SR seed (Philox key)")->needs(sr);
+  cmd->add_option("--stream", args->stream, "SR stream (Philox counter words 2-3)")->needs(sr);
+  auto* fos = cmd->add_flag("--four-over-six", args->fos,
+                            "Four Over Six: per block, keep the 4-max scale when its error is lower");
+  cmd->add_option("--error", args->error, "Four Over Six error metric: mae | mse")
+      ->check(CLI::IsMember({"mae", "mse"}))
+      ->needs(fos);
+  cmd->add_option("--mx-rule", args->mx_rule, "MXFP4 scale rule: floor (OCP) | ceil")
+      ->check(CLI::IsMember({"floor", "ceil"}));
+  cmd->add_option("--backend", args->backend, "emu | cuda (default: cuda when a GPU is present)")
+      ->check(CLI::IsMember({"emu", "cuda"}));
+  cmd->callback([args]() { run_quantize(*args); });
+}
+
+void register_make_tensor(CLI::App& app) {
+  auto args = std::make_shared<MakeTensorArgs>();
+  auto* cmd = app.add_subcommand("make-tensor", "Write a seeded random 2-D .npy to quantize");
+  cmd->add_option("output", args->path, "Output .npy")->required();
+  cmd->add_option("--rows", args->rows, "Rows");
+  cmd->add_option("--cols", args->cols, "Columns");
+  cmd->add_option("--kind", args->kind, "gaussian | heavy-tailed | outliers")
+      ->check(CLI::IsMember({"gaussian", "heavy-tailed", "outliers"}));
+  cmd->add_option("--dtype", args->dtype, "f32 | bf16 (stored as uint16)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  cmd->add_option("--seed", args->seed, "Seed");
+  cmd->callback([args]() { run_make_tensor(*args); });
+}
+
+}  // namespace fp4sim::cli

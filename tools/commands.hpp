@@ -1,0 +1,12 @@
+// Subcommands of the fp4sim CLI. Each registers its options on the app and runs when chosen.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace fp4sim::cli {
+
+void register_quantize(CLI::App& app);
+void register_make_tensor(CLI::App& app);
+void register_info(CLI::App& app);
+
+}  // namespace fp4sim::cli

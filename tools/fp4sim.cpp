@@ -1,0 +1,23 @@
+// fp4sim: emulation-first simulator of NVFP4 LLM pretraining. See README.md for every command.
+#include <cstdio>
+#include <exception>
+
+#include "tools/commands.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"fp4sim: bit-exact NVFP4/MXFP4 emulation (CPU golden reference + CUDA backend)"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "Print help for every subcommand");
+  fp4sim::cli::register_quantize(app);
+  fp4sim::cli::register_make_tensor(app);
+  fp4sim::cli::register_info(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fp4sim: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,41 @@
+// .npy reading and writing for the CLI (xtensor's npy I/O behind this one header). Errors name the
+// file and what was expected.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fp4sim::io {
+
+struct NpyArray {
+  std::string path;
+  std::string dtype;  // numpy typestring: "<f4", "<u2", "|u1", ...
+  std::vector<size_t> shape;
+  std::vector<uint8_t> bytes;  // C-order data
+};
+
+// Throws std::runtime_error naming the file: unreadable, not an npy, Fortran order, truncated.
+NpyArray read_npy(const std::string& path);
+
+void write_npy_f32(const std::string& path, const float* data, const std::vector<size_t>& shape);
+void write_npy_u8(const std::string& path, const uint8_t* data, const std::vector<size_t>& shape);
+void write_npy_u16(const std::string& path, const uint16_t* data, const std::vector<size_t>& shape);
+
+std::string shape_string(const std::vector<size_t>& shape);
+
+// Files written under temporary names and renamed into place only when every one is complete, so
+// a failure never leaves partial outputs behind.
+class AtomicOutputs {
+ public:
+  ~AtomicOutputs();
+  // The temporary path to write `final_path` to.
+  std::string stage(const std::string& final_path);
+  void commit();  // rename every staged file into place
+
+ private:
+  std::vector<std::pair<std::string, std::string>> files_;  // (tmp, final)
+  bool committed_ = false;
+};
+
+}  // namespace fp4sim::io
