@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "emu/fp_env.hpp"
 #include "emu/rht.hpp"
 
 namespace fp4sim::emu {
@@ -142,6 +143,7 @@ const float* as_f32(const TensorView& x, std::vector<float>& storage) {
 void CpuBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                           QuantizedView* columnwise) {
   validate_quantize(x, cfg);
+  require_ieee_fp_env();
   if (cfg.rowwise.enabled) check_output(rowwise, written_shape(x, false), cfg, cfg.rowwise, "row-wise");
   if (cfg.columnwise.enabled)
     check_output(columnwise, written_shape(x, true), cfg, cfg.columnwise, "column-wise");
@@ -169,6 +171,7 @@ void CpuBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, Quanti
 void CpuBackend::dequantize(const QuantizedView& q, const TensorView& out) {
   if (out.dtype != DType::F32 || out.rows != q.rows || out.cols != q.cols)
     throw std::invalid_argument("dequantize: output must be float32 " + shape_str(q.rows, q.cols));
+  require_ieee_fp_env();
   const int64_t block = q.block();
   const int64_t blocks_per_row = q.cols / block;
   float* o = static_cast<float*>(out.data);
@@ -183,7 +186,7 @@ void CpuBackend::dequantize(const QuantizedView& q, const TensorView& out) {
       for (int64_t i = 0; i < block; ++i) {
         const int64_t e = r * q.cols + b * block + i;
         const uint8_t code = (q.codes[e / 2] >> (4 * (e & 1))) & 0xFu;
-        o[r * out.stride() + b * block + i] = fmul_rn(e2m1_to_f32(code), factor);
+        o[r * out.stride() + b * block + i] = decode_element(code, factor);
       }
     }
   }

@@ -80,21 +80,23 @@ FP4SIM_HD float decode_magnitude(uint32_t mag) {
 // ---- E2M1 ----------------------------------------------------------------------------------------
 
 // FP32 -> E2M1 cvt.rn.satfinite: ties to even; |x| > 6 -> ±6; NaN -> +6 (0x7); -0 -> 0x8.
-// The magnitude code counts the rounding boundaries below |x| (compared as FP32 bit patterns, which
-// order like the values for non-negative numbers): at a tie the boundary belongs to the even code,
-// so 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+// Below 1 the grid is {0, 0.5, 1}: two boundaries, compared as FP32 bit patterns (which order like
+// the values for non-negative numbers), each tie going to the even code (0.25 -> 0, 0.75 -> 1).
+// From 1 up the E2M1 codes continue the FP32 bit pattern: code = (bits >> 22) - 252 after rounding
+// the bits to one fraction bit, nearest-even (1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4);
+// Inf, NaN and everything past 6 land above code 7 and saturate.
 FP4SIM_HD uint8_t e2m1_rn_satfinite(float x) {
   const uint32_t b = f32_bits(x);
   const uint32_t a = b & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return kE2M1NaNCode;
-  const uint32_t code = (a > 0x3E800000u)     // 0.25 (tie -> 0)
-                        + (a >= 0x3F400000u)  // 0.75 (tie -> 1.0)
-                        + (a > 0x3FA00000u)   // 1.25 (tie -> 1.0)
-                        + (a >= 0x3FE00000u)  // 1.75 (tie -> 2.0)
-                        + (a > 0x40200000u)   // 2.5  (tie -> 2.0)
-                        + (a >= 0x40600000u)  // 3.5  (tie -> 4.0)
-                        + (a > 0x40A00000u);  // 5.0  (tie -> 4.0)
-  return static_cast<uint8_t>(((b >> 31) << 3) | code);
+  uint32_t code;
+  if (a < 0x3F800000u) {
+    code = static_cast<uint32_t>(a > 0x3E800000u) + static_cast<uint32_t>(a >= 0x3F400000u);
+  } else {
+    code = ((a + 0x1FFFFFu + ((a >> 22) & 1u)) >> 22) - 252u;
+    code = code > E2M1::kMaxMagCode ? E2M1::kMaxMagCode : code;
+  }
+  const uint32_t sign = a > 0x7F800000u ? 0u : (b >> 31);  // NaN -> +6
+  return static_cast<uint8_t>((sign << 3) | code);
 }
 
 FP4SIM_HD float e2m1_to_f32(uint8_t code) {

@@ -10,9 +10,13 @@
 
 #if defined(__CUDACC__)
 #define FP4SIM_HD __host__ __device__ __forceinline__
-#define FP4SIM_DEVICE_CODE 1
+// for rare, large paths (special values) that must not bloat the hot kernels' registers
+#define FP4SIM_HD_NOINLINE __host__ __device__ __noinline__
+#define FP4SIM_UNROLL _Pragma("unroll")
 #else
+#define FP4SIM_UNROLL
 #define FP4SIM_HD inline
+#define FP4SIM_HD_NOINLINE inline
 #endif
 
 namespace fp4sim {
@@ -81,6 +85,9 @@ FP4SIM_HD float f32_abs(float x) { return f32_from_bits(f32_bits(x) & 0x7FFFFFFF
 
 // fmaxf semantics without relying on libm: a NaN operand is ignored.
 FP4SIM_HD float fmax_nan_ignored(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(a, b);  // FMNMX: IEEE maxNum, the same result (callers never compare +0 with -0)
+#endif
   if (f32_isnan(a)) return b;
   if (f32_isnan(b)) return a;
   return a > b ? a : b;
@@ -111,6 +118,21 @@ FP4SIM_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
   return __umulhi(a, b);
 #else
   return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+#endif
+}
+
+// int32 -> FP32 rounded toward zero (exact below 2^24).
+FP4SIM_HD float int_to_f32_rz(int32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __int2float_rz(v);
+#else
+  uint32_t m = v < 0 ? 0u - static_cast<uint32_t>(v) : static_cast<uint32_t>(v);
+  if (m >= (1u << 24)) {
+    const int s = (31 - clz32(m)) - 23;  // low bits below the 24-bit significand
+    m = (m >> s) << s;                   // truncate: the conversion below is then exact
+  }
+  const float f = static_cast<float>(m);
+  return v < 0 ? -f : f;
 #endif
 }
 

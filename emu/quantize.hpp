@@ -68,6 +68,7 @@ struct QuantizedHost {
   bool four_over_six = false;
 
   void resize(int64_t rows, int64_t cols, QFormat format, bool four_over_six);
+  int64_t block_size() const { return format == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block; }
   QuantizedView view();
 };
 

@@ -43,6 +43,13 @@ FP4SIM_HD float nvfp4_decode_factor(uint8_t scale, float amax, float range) {
   return fmul_rn(fmul_rn(e4m3_to_f32(scale), amax), fdiv_rn(1.0f, range));
 }
 
+// Decoded element: e2m1(code) * factor; a NaN result (0 * Inf, or a NaN factor) is the canonical
+// 0x7FFFFFFF, because CPUs and GPUs produce different NaN bit patterns for invalid operations.
+FP4SIM_HD float decode_element(uint8_t code, float factor) {
+  const float v = fmul_rn(e2m1_to_f32(code), factor);
+  return f32_isnan(v) ? f32_from_bits(0x7FFFFFFFu) : v;
+}
+
 // One element: RN, or SR with the element's random byte.
 FP4SIM_HD uint8_t e2m1_quantize(float x, float enc, bool stochastic, uint8_t rbyte) {
   const float y = fmul_rn(x, enc);
@@ -99,6 +106,7 @@ FP4SIM_HD SrBits sr_bits_for_chunk(bool enabled, uint64_t seed, uint64_t stream,
 
 // 16 values -> 8 packed bytes (element 2i in the low nibble) with encode scale enc.
 FP4SIM_HD void e2m1_encode16(const float* v, float enc, const SrBits& sr, uint8_t* packed) {
+  FP4SIM_UNROLL
   for (int i = 0; i < kNvfp4Block / 2; ++i) {
     const uint8_t lo = e2m1_quantize(v[2 * i], enc, sr.enabled,
                                      sr.enabled ? sr_byte_for_element(sr.bits, 2 * i) : 0);
@@ -111,6 +119,7 @@ FP4SIM_HD void e2m1_encode16(const float* v, float enc, const SrBits& sr, uint8_
 // NaN-ignoring max |v| over n values with stride.
 FP4SIM_HD float amax_strided(const float* v, int n, int stride) {
   float m = 0.0f;
+  FP4SIM_UNROLL
   for (int i = 0; i < n; ++i) m = fmax_nan_ignored(m, f32_abs(v[i * stride]));
   return m;
 }
@@ -118,6 +127,7 @@ FP4SIM_HD float amax_strided(const float* v, int n, int stride) {
 // Sum of Four Over Six element errors of one 16-value row, in index order, added onto err.
 FP4SIM_HD float four_over_six_row_error(const float* v, const uint8_t* packed, uint8_t scale,
                                         float amax, bool mse, float err) {
+  FP4SIM_UNROLL
   for (int i = 0; i < kNvfp4Block; ++i) {
     const uint8_t q = (packed[i / 2] >> (4 * (i & 1))) & 0xFu;
     err = fadd_rn(err, four_over_six_element_error(v[i], q, scale, amax, mse));

@@ -27,6 +27,14 @@ FP4SIM_HD int popcount32(uint32_t v) {
 #endif
 }
 
+// Bit i set where H16[i][j] = -1, i.e. popcount(i & j) is odd.
+FP4SIM_HD constexpr uint32_t hadamard_odd_mask(int j) {
+  uint32_t m = 0;
+  for (int i = 0; i < kRhtSize; ++i)
+    m |= static_cast<uint32_t>(__builtin_popcount(static_cast<unsigned>(i & j)) & 1) << i;
+  return m;
+}
+
 // H[i][j] as a float: ±0.25
 FP4SIM_HD float rht_entry(int i, int j) {
   const int neg = ((kRhtSignMask >> i) & 1) ^ (popcount32(static_cast<uint32_t>(i & j)) & 1);
@@ -47,6 +55,7 @@ FP4SIM_HD void rht16_reference(const uint16_t* x, uint16_t* y) {
 FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
   int emax = -1000;
   bool special = false;
+FP4SIM_UNROLL
   for (int i = 0; i < kRhtSize; ++i) {
     const uint32_t a = x[i] & 0x7FFFu;
     if (a >= 0x7F80u) special = true;  // Inf or NaN: rare, take the literal path
@@ -57,7 +66,24 @@ FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
     }
   }
   if (special) {
-    rht16_reference(x, y);
+    // the same outcome as the literal path: any NaN -> every output NaN; otherwise each output is
+    // the Inf of its products' sign, or NaN when +Inf and -Inf meet (H has no zeros: no Inf * 0).
+    // Written with bit masks and unrolled loops so that nothing is indexed at run time.
+    bool any_nan = false;
+    uint32_t inf_mask = 0, neg_mask = 0;  // bit i: x_i is ±Inf; sign(x_i) xor s_i
+    FP4SIM_UNROLL
+    for (int i = 0; i < kRhtSize; ++i) {
+      const uint32_t a = x[i] & 0x7FFFu;
+      any_nan = any_nan || a > 0x7F80u;
+      if (a == 0x7F80u) inf_mask |= 1u << i;
+      neg_mask |= ((static_cast<uint32_t>(x[i] >> 15) ^ (kRhtSignMask >> i)) & 1u) << i;
+    }
+    FP4SIM_UNROLL
+    for (int j = 0; j < kRhtSize; ++j) {
+      const uint32_t neg_j = neg_mask ^ hadamard_odd_mask(j);  // product sign for each i
+      const bool pos = (inf_mask & ~neg_j) != 0, neg = (inf_mask & neg_j) != 0;
+      y[j] = (any_nan || (pos && neg)) ? kBF16NaN : (pos ? uint16_t(0x7F80u) : uint16_t(0xFF80u));
+    }
     return;
   }
   if (emax == -1000) {  // all products zero; C = +0 is not -0, so every output is +0
@@ -66,6 +92,7 @@ FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
   }
   // term i on the grid 2^(emax - 2 - 25): |x_i|/4 = sig_i * 2^(E_i - 9), shift = E_i - emax + 18
   int32_t u[kRhtSize];
+FP4SIM_UNROLL
   for (int i = 0; i < kRhtSize; ++i) {
     const uint32_t a = x[i] & 0x7FFFu;
     const int biased = static_cast<int>(a >> 7);
@@ -77,8 +104,11 @@ FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
     u[i] = neg ? -static_cast<int32_t>(t) : static_cast<int32_t>(t);
   }
   // in-place Walsh-Hadamard butterflies: Y_j = sum_i u_i (-1)^popcount(i & j); |Y| < 2^31
+FP4SIM_UNROLL
   for (int len = 1; len < kRhtSize; len <<= 1) {
+FP4SIM_UNROLL
     for (int i = 0; i < kRhtSize; i += 2 * len) {
+FP4SIM_UNROLL
       for (int k = i; k < i + len; ++k) {
         const int32_t p = u[k], q = u[k + len];
         u[k] = p + q;
@@ -86,18 +116,25 @@ FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
       }
     }
   }
+  // value_j = Y_j * 2^grid, RZ to FP32. |Y| < 2^31, so RZ(Y) * 2^grid is exact and equals the RZ of
+  // the product whenever the result stays normal: grid in [-126, 97].
   const int grid = emax - 2 - kBf16FdpaF;
+  const bool scaled_exactly = grid >= -126 && grid <= 97;
+  const float pow2 = f32_from_bits(static_cast<uint32_t>((scaled_exactly ? grid : 0) + 127) << 23);
+FP4SIM_UNROLL
   for (int j = 0; j < kRhtSize; ++j) {
     const int32_t v = u[j];
-    uint32_t bits;
+    float f;
     if (v == 0) {
-      bits = 0u;
+      f = 0.0f;
+    } else if (scaled_exactly) {
+      f = fmul_rn(int_to_f32_rz(v), pow2);
     } else {
       const bool neg = v < 0;
       const uint64_t mag = neg ? static_cast<uint64_t>(-static_cast<int64_t>(v)) : static_cast<uint64_t>(v);
-      bits = round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits);
+      f = f32_from_bits(round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits));
     }
-    y[j] = bf16_rne(f32_from_bits(bits));
+    y[j] = bf16_rne(f);
   }
 }
 

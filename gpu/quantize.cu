@@ -97,36 +97,63 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t
   block_max_to(m, out);
 }
 
-// Tiled amax: plain (any stride) and/or the amax of the RHT column-wise copy.
 template <class T>
-__global__ void __launch_bounds__(kThreads)
+__device__ __forceinline__ void load16(const T* src, bool vector_ok, int64_t valid, float* v,
+                                       T* raw) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (vector_ok && valid >= kNvfp4Block) {
+    FP4SIM_UNROLL
+    for (int q = 0; q < kNvfp4Block / kVec; ++q)
+      *reinterpret_cast<uint4*>(raw + q * kVec) = __ldg(reinterpret_cast<const uint4*>(src) + q);
+  } else {
+    FP4SIM_UNROLL
+    for (int i = 0; i < kNvfp4Block; ++i) raw[i] = i < valid ? src[i] : T(0);
+  }
+  FP4SIM_UNROLL
+  for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(raw[i]);
+}
+
+// Tiled amax: the plain amax (any stride) and/or the amax of the RHT column-wise copy. The tile
+// is loaded as in the quantize pass; the RHT amax is taken over the transformed BF16 outputs.
+template <class T, bool kRht>
+__global__ void __launch_bounds__(kThreads, 6)
     amax_tile_kernel(const T* x, int64_t rows, int64_t cols, int64_t stride, bool vector_ok,
                      AmaxArgs args) {
   __shared__ __align__(16) T tile[kTileRows * kTileCols];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
-  load_tile(tile, x, rows, cols, stride, r0, c0, vector_ok);
-  __syncthreads();
   const int t = threadIdx.x;
-  const int64_t c = c0 + t;
+  constexpr int kBlocksPerTileRow = kTileCols / kNvfp4Block;
   float m_plain = 0.0f, m_rht = 0.0f;
-  if (c < cols) {
-    for (int k = 0; k < kTileRows / kRhtSize; ++k) {
-      if (r0 + (k + 1) * kRhtSize > rows) {
-        for (int i = k * kRhtSize; i < kTileRows && r0 + i < rows; ++i)
-          m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(tile[i * kTileCols + t])));
-        break;
-      }
-      uint16_t in[kRhtSize], y[kRhtSize];
-#pragma unroll
-      for (int i = 0; i < kRhtSize; ++i) {
-        const float v = Elem<T>::to_f32(tile[(k * kRhtSize + i) * kTileCols + t]);
-        m_plain = fmax_nan_ignored(m_plain, f32_abs(v));
-        in[i] = bf16_rne(v);
-      }
-      if (args.amax_rht) {
+  FP4SIM_UNROLL
+  for (int k = 0; k < kTileRows * kBlocksPerTileRow / kThreads; ++k) {
+    const int u = t + k * kThreads;
+    const int tr = u / kBlocksPerTileRow, tb = u % kBlocksPerTileRow;
+    const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
+    alignas(16) T raw[kNvfp4Block];
+    float v[kNvfp4Block];
+    load16(x + r * stride + c, vector_ok, r < rows ? cols - c : 0, v, raw);
+    m_plain = fmax_nan_ignored(m_plain, amax_strided(v, kNvfp4Block, 1));
+    if constexpr (kRht) {
+      T* dst = tile + tr * kTileCols + tb * kNvfp4Block;
+      FP4SIM_UNROLL
+      for (int q = 0; q < kNvfp4Block * static_cast<int>(sizeof(T)) / 16; ++q)
+        reinterpret_cast<uint4*>(dst)[q] = reinterpret_cast<const uint4*>(raw)[q];
+    }
+  }
+  if constexpr (kRht) {
+    __syncthreads();
+    const int64_t c = c0 + t;
+    if (c < cols) {
+      FP4SIM_UNROLL
+      for (int k = 0; k < kTileRows / kRhtSize; ++k) {
+        if (r0 + (k + 1) * kRhtSize > rows) break;  // rows % 16 == 0 for an RHT copy
+        uint16_t in[kRhtSize], y[kRhtSize];
+        FP4SIM_UNROLL
+        for (int i = 0; i < kRhtSize; ++i)
+          in[i] = bf16_rne(Elem<T>::to_f32(tile[(k * kRhtSize + i) * kTileCols + t]));
         rht16(in, y);
-#pragma unroll
+        FP4SIM_UNROLL
         for (int i = 0; i < kRhtSize; ++i) m_rht = fmax_nan_ignored(m_rht, f32_abs(bf16_to_f32(y[i])));
       }
     }
@@ -275,6 +302,102 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
   }
 }
 
+// ---- The recipe's common case: NVFP4 1x16 (no 2D, no Four Over Six), RN or SR, RHT optional ----
+//
+// Each thread loads its four 1x16 row blocks straight from global memory (two or four 16-byte loads
+// each; a warp covers four 256-byte row segments), quantizes them for the row-wise copy from
+// registers, and parks the raw values in shared memory; after one barrier it walks one column of
+// the tile (64 rows, four 16-element chunks) for the column-wise copy, whose 32 code bytes and 4
+// scale bytes are contiguous in the transposed output.
+constexpr int kFastMinBlocks = 6;  // register cap ~80: occupancy matters more than ILP here
+
+template <class T, bool kColRht>
+__global__ void __launch_bounds__(kThreads, kFastMinBlocks)
+    nvfp4_1x16_kernel(const T* x, QuantArgs a) {
+  __shared__ __align__(16) T tile[kTileRows * kTileCols];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  const int t = threadIdx.x;
+  const int64_t R = a.rows, C = a.cols;
+  constexpr int kBlocksPerTileRow = kTileCols / kNvfp4Block;  // 8
+
+  // ---- row-wise copy, straight from global memory ----
+  {
+    const Nvfp4Global g = nvfp4_global(a.row.enabled ? *a.row.amax : 0.0f, false);
+    const int64_t chunks_per_row = C / kSrChunk;
+    FP4SIM_UNROLL
+    for (int k = 0; k < kTileRows * kBlocksPerTileRow / kThreads; ++k) {
+      const int u = t + k * kThreads;
+      const int tr = u / kBlocksPerTileRow, tb = u % kBlocksPerTileRow;
+      const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
+      alignas(16) T raw[kNvfp4Block];
+      float v[kNvfp4Block];
+      const int64_t valid = (r < R) ? (C - c) : 0;
+      load16(x + r * a.stride + c, a.vector_ok, valid, v, raw);
+      T* dst = tile + tr * kTileCols + tb * kNvfp4Block;
+      FP4SIM_UNROLL
+      for (int q = 0; q < kNvfp4Block * static_cast<int>(sizeof(T)) / 16; ++q)
+        reinterpret_cast<uint4*>(dst)[q] = reinterpret_cast<const uint4*>(raw)[q];
+      if (a.row.enabled && valid > 0) {
+        const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
+                                              static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));
+        alignas(8) uint8_t packed[kNvfp4Block / 2];
+        const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
+        *reinterpret_cast<uint2*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint2*>(packed);
+        a.row.scales[r * (C / kNvfp4Block) + c / kNvfp4Block] = s;
+      }
+    }
+  }
+  if (!a.col.enabled) return;
+  __syncthreads();
+
+  // ---- column-wise copy: column c of the input is row c of the written (C x R) tensor ----
+  const int64_t c = c0 + t;
+  if (c >= C) return;
+  const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
+  const int64_t chunks_per_row = R / kSrChunk;
+  alignas(16) uint8_t packed[kTileRows / 2];
+  uint8_t scales[kTileRows / kNvfp4Block];
+  int chunks = 0;
+  FP4SIM_UNROLL
+  for (int k = 0; k < kTileRows / kNvfp4Block; ++k) {
+    const int64_t r = r0 + k * kNvfp4Block;
+    if (r >= R) break;
+    float v[kNvfp4Block];
+    if constexpr (kColRht) {
+      uint16_t in[kRhtSize], y[kRhtSize];
+      FP4SIM_UNROLL
+      for (int i = 0; i < kRhtSize; ++i)
+        in[i] = bf16_rne(Elem<T>::to_f32(tile[(k * kNvfp4Block + i) * kTileCols + t]));
+      rht16(in, y);
+      FP4SIM_UNROLL
+      for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
+    } else {
+      FP4SIM_UNROLL
+      for (int i = 0; i < kNvfp4Block; ++i)
+        v[i] = Elem<T>::to_f32(tile[(k * kNvfp4Block + i) * kTileCols + t]);
+    }
+    const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
+                                          static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
+    scales[k] = nvfp4_quantize_1x16(v, g, false, false, bits, packed + k * 8);
+    chunks = k + 1;
+  }
+  uint8_t* codes = a.col.codes + (c * R + r0) / 2;
+  uint8_t* sc = a.col.scales + c * (R / kNvfp4Block) + r0 / kNvfp4Block;
+  if (chunks == kTileRows / kNvfp4Block && (R % kTileRows) == 0) {
+    // 32 contiguous code bytes (16-byte aligned: R % 64 == 0) and 4 scale bytes (4-aligned)
+    reinterpret_cast<uint4*>(codes)[0] = reinterpret_cast<const uint4*>(packed)[0];
+    reinterpret_cast<uint4*>(codes)[1] = reinterpret_cast<const uint4*>(packed)[1];
+    *reinterpret_cast<uint32_t*>(sc) = static_cast<uint32_t>(scales[0]) | (static_cast<uint32_t>(scales[1]) << 8) |
+                                       (static_cast<uint32_t>(scales[2]) << 16) | (static_cast<uint32_t>(scales[3]) << 24);
+  } else {
+    for (int k = 0; k < chunks; ++k) {
+      reinterpret_cast<uint2*>(codes)[k] = reinterpret_cast<const uint2*>(packed)[k];
+      sc[k] = scales[k];
+    }
+  }
+}
+
 template <class T>
 void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* row,
                 QuantizedView* col, cudaStream_t stream) {
@@ -292,8 +415,13 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   const dim3 grid(static_cast<unsigned>((C + kTileCols - 1) / kTileCols),
                   static_cast<unsigned>((R + kTileRows - 1) / kTileRows));
   if (amax_rht || (amax_plain && (S != C || !vector_ok))) {
-    amax_tile_kernel<T><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
-                                                        AmaxArgs{amax_plain, amax_rht});
+    if (amax_rht) {
+      amax_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
+                                                                AmaxArgs{amax_plain, amax_rht});
+    } else {
+      amax_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
+                                                                 AmaxArgs{amax_plain, amax_rht});
+    }
     FP4SIM_CUDA_CHECK_LAUNCH();
   } else if (amax_plain) {
     int sms = 0, dev = 0;
@@ -330,7 +458,14 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   };
   fill(qa.row, cfg.rowwise, row);
   fill(qa.col, cfg.columnwise, col);
-  if (qa.mx) {
+  const bool common_case = !qa.mx && !qa.block_2d && !qa.row.four_over_six && !qa.col.four_over_six;
+  if (common_case) {
+    if (qa.col.enabled && qa.col.rht) {
+      nvfp4_1x16_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
+    } else {
+      nvfp4_1x16_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, qa);
+    }
+  } else if (qa.mx) {
     quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
   } else {
     quantize_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, qa);
@@ -359,7 +494,7 @@ __global__ void dequantize_kernel(QuantizedView q, float* out, int64_t out_strid
     const float factor =
         q.format == QFormat::MXFP4 ? ue8m0_to_f32(s) : nvfp4_decode_factor(s, amax, range);
     const uint8_t code = (q.codes[e / 2] >> (4 * (e & 1))) & 0xFu;
-    out[r * out_stride + c] = fmul_rn(e2m1_to_f32(code), factor);
+    out[r * out_stride + c] = decode_element(code, factor);
   }
 }
 

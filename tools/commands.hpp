@@ -8,5 +8,6 @@ namespace fp4sim::cli {
 void register_quantize(CLI::App& app);
 void register_make_tensor(CLI::App& app);
 void register_info(CLI::App& app);
+void register_convert(CLI::App& app);
 
 }  // namespace fp4sim::cli

@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   app.set_help_all_flag("--help-all", "Print help for every subcommand");
   fp4sim::cli::register_quantize(app);
   fp4sim::cli::register_make_tensor(app);
+  fp4sim::cli::register_convert(app);
   fp4sim::cli::register_info(app);
   try {
     app.parse(argc, argv);

@@ -6,10 +6,10 @@ operation at a time, with PyTorch's own float32 -> float8_e4m3fn cast for the bl
 E2M1 round-to-nearest-even (thresholds at the midpoints of the E2M1 grid, ties to the even code); no
 fp4sim code is used. It first passes a self-test (the contract's worked vector, E4M3 and E2M1 known
 answers), then quantizes seeded test tensors (gaussian, heavy-tailed, zeros and all-zero rows, tiny
-and subnormal values, huge values, NaN/Inf, exact E2M1 ties) and compares codes, scales and amax bit
-for bit with what `fp4sim quantize IN.npy PREFIX [--2d] --backend B` writes (PREFIX.codes.npy uint8
-[R, C/2] low nibble = even element, PREFIX.scales.npy uint8 E4M3 [R, C/16], PREFIX.amax.npy float32
-[1]).
+and subnormal values, huge values, NaN/Inf, exact E2M1 ties, data within ulps of the E4M3 and E2M1
+rounding boundaries of the scale chain) and compares codes, scales and amax bit for bit with what
+`fp4sim quantize IN.npy PREFIX [--2d] --backend B` writes: PREFIX.codes.npy uint8 [R, C/2] (low
+nibble = even element), PREFIX.scales.npy uint8 E4M3 [R, C/16], PREFIX.amax.npy float32 [1].
 
 Run (from the repository root, after building):
     python3 validation/oracle_torch_quantize.py --fp4sim build/fp4sim --backends emu,cuda \
@@ -135,7 +135,7 @@ def self_test(dev):
     ys = np.concatenate([np.linspace(0, 8, 100001), mids]).astype(np.float32)
     ys = np.concatenate([ys, np.nextafter(ys, np.float32(0)), np.nextafter(ys, np.float32(9))])
     d = np.abs(ys.astype(np.float64)[:, None] - grid[None, :])
-    best = np.argmin(d, axis=1)  # first (lower, here the even-or-not) code on a tie ...
+    best = np.argmin(d, axis=1)  # on a tie argmin takes the lower code ...
     rows = np.arange(ys.size)
     tie = (d[rows, best] == d[rows, np.minimum(best + 1, 7)]) & (best < 7)
     best = np.where(tie & (best % 2 == 1), best + 1, best)  # ... moved to the even code

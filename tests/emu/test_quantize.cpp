@@ -296,3 +296,29 @@ TEST(Quantize, BadInputNamesTensorShapeAndFlag) {
 
 }  // namespace
 }  // namespace fp4sim
+
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+namespace fp4sim {
+namespace {
+// A library that leaves FTZ/DAZ set must not change the emulator's bits (seen on the GPU host).
+TEST(Quantize, SubnormalsSurviveAFlushToZeroHost) {
+  auto be = make_cpu_backend();
+  std::vector<float> x = test::make_fill(test::Fill::Subnormal, 64 * 128, 64128);
+  QuantizeConfig c = rowwise_rn();
+  const QuantizeResult ieee = quantize_to_host(*be, host_view(x, 64, 128), c);
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040u);
+  const QuantizeResult ftz_host = quantize_to_host(*be, host_view(x, 64, 128), c);
+  _mm_setcsr(csr);
+  float amax_b = 0;
+  for (int i = 0; i < 16; ++i) amax_b = std::fmax(amax_b, std::fabs(x[i]));
+  EXPECT_EQ(ieee.rowwise.scales[0], nvfp4_block_scale(amax_b, nvfp4_global(ieee.rowwise.amax, false).s_enc))
+      << "amax " << ieee.rowwise.amax << " amax_b " << amax_b;
+  if (amax_b > 1e-37f) EXPECT_NE(ieee.rowwise.scales[0], 0);
+  EXPECT_EQ(ieee.rowwise.scales, ftz_host.rowwise.scales);
+  EXPECT_EQ(ieee.rowwise.codes, ftz_host.rowwise.codes);
+}
+}  // namespace
+}  // namespace fp4sim
+#endif

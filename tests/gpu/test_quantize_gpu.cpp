@@ -141,6 +141,20 @@ TEST(QuantizeGpu, BitwiseEqualsEmulatorAllFillsAllOptions) {
                                    " " + dtype_name(dt);
           const QuantizeResult a = quantize_to_host(*emu, v, c);
           const QuantizeResult b = quantize_to_host(*cuda, v, c);
+          if (c.rowwise.enabled && a.rowwise.scales != b.rowwise.scales) {
+            // diagnostics for the first block that differs
+            for (size_t i = 0; i < a.rowwise.scales.size(); ++i)
+              if (a.rowwise.scales[i] != b.rowwise.scales[i]) {
+                const int64_t blk = static_cast<int64_t>(i) % (cols / a.rowwise.block_size());
+                const int64_t r = static_cast<int64_t>(i) / (cols / a.rowwise.block_size());
+                std::printf("block %zu (row %lld): amax emu %08x cuda %08x; values:", i, (long long)r,
+                            test::bits(a.rowwise.amax), test::bits(b.rowwise.amax));
+                for (int64_t k = 0; k < a.rowwise.block_size(); ++k)
+                  std::printf(" %08x", test::bits(x[r * cols + blk * a.rowwise.block_size() + k]));
+                std::printf("\n");
+                break;
+              }
+          }
           if (c.rowwise.enabled) expect_same(a.rowwise, b.rowwise, what + " row-wise");
           if (c.columnwise.enabled) expect_same(a.columnwise, b.columnwise, what + " column-wise");
           if (HasFatalFailure()) return;

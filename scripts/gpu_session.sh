@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, run the GPU tests, the benchmarks and the oracles, print a
+# short table last. Full logs go to $OUT (or runs/gpu_session when $OUT is unset).
+# usage: scripts/gpu_session.sh [quick]      quick = build + GPU tests only
+# Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-runs/gpu_session}
+mkdir -p "$out"
+archs=${FP4SIM_ARCHS:-90a}
+summary=()
+row() { summary+=("$(printf '%-44s %s' "$1" "$2")"); }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
+t0=$(date +%s)
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP4SIM_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="$archs" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+cmake --build build-gpu -j"$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -30; exit 1; }
+row "build (archs $archs)" "ok, $(( $(date +%s) - t0 )) s"
+build-gpu/fp4sim info | tee "$out/info.txt"
+
+( cd build-gpu && ctest -L gpu --output-on-failure -j1 ) >"$out/ctest_gpu.log" 2>&1
+rc=$?
+grep -E "tests passed|bitwise identical" "$out/ctest_gpu.log"
+[ $rc -eq 0 ] || tail -60 "$out/ctest_gpu.log"
+row "ctest -L gpu" "$(grep -E 'tests passed' "$out/ctest_gpu.log" | tail -1)"
+( cd build-gpu && ctest -L emu -j"$(nproc)" ) >"$out/ctest_emu.log" 2>&1
+row "ctest -L emu (on the GPU host)" "$(grep -E 'tests passed' "$out/ctest_emu.log" | tail -1)"
+
+if [ "${1:-}" = "profile" ]; then
+  # per-kernel time, DRAM and SM throughput of the first launches of each benchmark mode
+  for mode in 0 1 2; do
+    ncu --clock-control none --kernel-name regex:"amax|nvfp4|quantize_tile" --launch-count 2 \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
+      build-gpu/bench_quantize --benchmark_filter="BM_GpuQuantize/8192/8192/$mode" --benchmark_min_time=0.01 \
+      >"$out/ncu_mode$mode.txt" 2>&1
+    grep -E "nvfp4|amax|quantize_tile|gpu__time|dram__|sm__|smsp__inst|l1tex" "$out/ncu_mode$mode.txt" | sed 's/  */ /g' | cut -c1-150
+  done
+fi
+if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ]; then
+  build-gpu/bench_quantize --benchmark_filter=Gpu --benchmark_repetitions=5 \
+    --benchmark_report_aggregates_only=true --benchmark_out="$out/bench_quantize.json" \
+    --benchmark_out_format=json >"$out/bench_quantize.txt" 2>&1
+  grep -E "median" "$out/bench_quantize.txt"
+  while read -r line; do row "$(echo "$line" | awk '{print $1}')" "$(echo "$line" | grep -oE '(pct_of_copy_bw|ms|copy_GBps)=[^ ]+' | tr '\n' ' ')"; done \
+    < <(grep -E "median" "$out/bench_quantize.txt")
+  for s in validation/oracle_torch_quantize.py validation/oracle_ml_dtypes.py; do
+    [ -f "$s" ] || continue
+    PYTHONUNBUFFERED=1 timeout 300 python3 "$s" --fp4sim build-gpu/fp4sim --out "$out" \
+      $( [ "$s" = validation/oracle_torch_quantize.py ] && echo --backends emu,cuda ) \
+      >"$out/$(basename "$s" .py).log" 2>&1
+    row "$(basename "$s")" "exit $? ($(tail -1 "$out/$(basename "$s" .py).log"))"
+  done
+fi
+echo
+echo "================ fp4sim GPU session summary ================"
+printf '%s\n' "${summary[@]}"
