@@ -105,37 +105,30 @@ FP4SIM_HD float e2m1_to_f32(uint8_t code) {
 }
 
 // Stochastic rounding to E2M1 (DESIGN.md §4), rs.satfinite. `r` is the element's random byte.
-// Round away from zero iff floor(frac*256) + r >= 256: the carry out of adding 8 random bits to the
-// top 8 discarded bits. lo/hi are adjacent grid values; frac = (a - lo)/step is exact in FP32 because
-// the grid steps are powers of two (0.5, 1, 2) and a - lo is exact (Sterbenz / same binade).
+// Round away from zero iff floor(frac*256) + r >= 256, frac = (a - lo)/step: the carry out of adding
+// 8 random bits to the top 8 discarded bits. Computed on the bit pattern, exactly:
+//  - [1, 6): the E2M1 codes continue the FP32 bit pattern (one fraction bit), so lo's code is
+//    (bits >> 22) - 252 and the top 8 discarded bits are bits 21..14;
+//  - [0, 1): step 0.5, floor(512 a) = lo_code * 256 + floor(frac * 256), with 512 a = m24 * 2^(e - 141).
+// tests/emu/test_formats.cpp holds this equal to the FP32 formulation of the contract.
 FP4SIM_HD uint8_t e2m1_rs_satfinite(float y, uint8_t r) {
   const uint32_t b = f32_bits(y);
-  const uint32_t abits = b & 0x7FFFFFFFu;
-  if (abits > 0x7F800000u) return kE2M1NaNCode;
-  const uint32_t sign = (b >> 31) ? E2M1::kSignBit : 0u;
-  const float a = f32_from_bits(abits);
-  if (a >= kE2M1Max) return static_cast<uint8_t>(sign | E2M1::kMaxMagCode);
-  // grid codes 0..7 = {0, .5, 1, 1.5, 2, 3, 4, 6}; lo_code = largest code with value <= a
-  uint32_t lo_code;
-  float lo, step;
-  if (a < 2.0f) {
-    lo_code = static_cast<uint32_t>(fmul_rn(a, 2.0f));  // exact: a*2 < 4, truncation = floor
-    lo = fmul_rn(static_cast<float>(lo_code), 0.5f);
-    step = 0.5f;
-  } else if (a < 4.0f) {
-    lo_code = a < 3.0f ? 4u : 5u;
-    lo = a < 3.0f ? 2.0f : 3.0f;
-    step = 1.0f;
+  const uint32_t a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return kE2M1NaNCode;
+  const uint32_t sign = (b >> 31) << 3;
+  if (a >= 0x40C00000u) return static_cast<uint8_t>(sign | E2M1::kMaxMagCode);  // |y| >= 6, Inf
+  uint32_t lo_code, top8;
+  if (a >= 0x3F800000u) {
+    lo_code = (a >> 22) - 252u;
+    top8 = (a >> 14) & 0xFFu;
   } else {
-    lo_code = 6u;
-    lo = 4.0f;
-    step = 2.0f;
+    const uint32_t e = a >> 23;  // biased exponent; FP32 subnormals give floor(512 a) = 0
+    const uint32_t sh = 141u - e;
+    const uint32_t f512 = (e == 0 || sh >= 32u) ? 0u : (((a & 0x7FFFFFu) | 0x800000u) >> sh);
+    lo_code = f512 >> 8;
+    top8 = f512 & 0xFFu;
   }
-  const float frac = fdiv_rn(fsub_rn(a, lo), step);  // exact: power-of-two step
-  // floor(frac * 256): frac*256 is exact (power of two), truncation of a non-negative value = floor
-  const uint32_t top8 = static_cast<uint32_t>(fmul_rn(frac, 256.0f));
-  const uint32_t code = (top8 + r >= 256u) ? lo_code + 1u : lo_code;
-  return static_cast<uint8_t>(sign | code);
+  return static_cast<uint8_t>(sign | (lo_code + ((top8 + r) >> 8)));
 }
 
 // ---- E4M3 / UE4M3 --------------------------------------------------------------------------------

@@ -315,8 +315,9 @@ template <class T, bool kColRht>
 __global__ void __launch_bounds__(kThreads, kFastMinBlocks)
     nvfp4_1x16_kernel(const T* x, QuantArgs a) {
   __shared__ __align__(16) T tile[kTileRows * kTileCols];
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  // Tiles in the reverse of the amax pass's order: the last ones it read are still in L2.
+  const int64_t r0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * kTileRows;
+  const int64_t c0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kTileCols;
   const int t = threadIdx.x;
   const int64_t R = a.rows, C = a.cols;
   constexpr int kBlocksPerTileRow = kTileCols / kNvfp4Block;  // 8
@@ -334,10 +335,12 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks)
       float v[kNvfp4Block];
       const int64_t valid = (r < R) ? (C - c) : 0;
       load16(x + r * a.stride + c, a.vector_ok, valid, v, raw);
-      T* dst = tile + tr * kTileCols + tb * kNvfp4Block;
-      FP4SIM_UNROLL
-      for (int q = 0; q < kNvfp4Block * static_cast<int>(sizeof(T)) / 16; ++q)
-        reinterpret_cast<uint4*>(dst)[q] = reinterpret_cast<const uint4*>(raw)[q];
+      if (a.col.enabled) {
+        T* dst = tile + tr * kTileCols + tb * kNvfp4Block;
+        FP4SIM_UNROLL
+        for (int q = 0; q < kNvfp4Block * static_cast<int>(sizeof(T)) / 16; ++q)
+          reinterpret_cast<uint4*>(dst)[q] = reinterpret_cast<const uint4*>(raw)[q];
+      }
       if (a.row.enabled && valid > 0) {
         const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
                                               static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));

@@ -5,8 +5,11 @@
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-runs/gpu_session}
+# logs gather in runs/gpu_session and travel back as one archive (the device returns <= 8 files)
+out=runs/gpu_session
+rm -rf "$out"
 mkdir -p "$out"
+trap 'tar czf "${OUT:-runs}/gpu_session.tgz" -C runs gpu_session 2>/dev/null' EXIT
 archs=${FP4SIM_ARCHS:-90a}
 summary=()
 row() { summary+=("$(printf '%-44s %s' "$1" "$2")"); }

@@ -182,6 +182,33 @@ TEST(Formats, E2M1_StochasticRoundUpCountIsExact) {
   EXPECT_EQ(e2m1_rs_satfinite(-0.1f, 0), 0x8);
 }
 
+// The contract's FP32 formulation of SR (DESIGN.md §4), literally: lo, step, frac = (a - lo)/step
+// (exact), floor(frac * 256) + r >= 256 -> round away from zero.
+uint8_t e2m1_rs_contract(float y, uint8_t r) {
+  if (std::isnan(y)) return 0x7;
+  const uint8_t sign = std::signbit(y) ? 0x8 : 0;
+  const float a = std::fabs(y);
+  if (a >= 6.0f) return sign | 0x7;
+  const float grid[8] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6};
+  int lo = 0;
+  while (lo < 7 && grid[lo + 1] <= a) ++lo;
+  const float step = grid[lo + 1] - grid[lo];
+  const float frac = (a - grid[lo]) / step;
+  const int top8 = static_cast<int>(std::floor(static_cast<double>(frac) * 256.0));
+  return sign | static_cast<uint8_t>(top8 + r >= 256 ? lo + 1 : lo);
+}
+
+TEST(Formats, E2M1_StochasticBitFormulationEqualsContract) {
+  std::mt19937_64 rng(99);
+  for (int i = 0; i < 3000000; ++i) {
+    uint32_t u = static_cast<uint32_t>(rng());
+    if (i % 2) u = (u & 0x80FFFFFFu) | ((0x3Cu + (u >> 29)) << 23);  // concentrate on [2^-3, 8)
+    const float y = from_bits(u);
+    const uint8_t r = static_cast<uint8_t>(rng());
+    ASSERT_EQ(e2m1_rs_satfinite(y, r), e2m1_rs_contract(y, r)) << std::hex << u << " r=" << int(r);
+  }
+}
+
 #if FP4SIM_HAVE_CUDA_HOST_HEADERS
 // A quick sample of the exhaustive sweep (test_formats_exhaustive runs all 2^32): 2^24 patterns.
 TEST(Formats, SampledBitPatternsMatchCudaHeaders) {

@@ -4,6 +4,9 @@
 
 #include <cstdio>
 #include <string>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include "emu/backend.hpp"
 #include "tests/emu/test_util.hpp"
@@ -109,6 +112,28 @@ void expect_same(const QuantizedHost& e, const QuantizedHost& g, const std::stri
   ASSERT_EQ(test::bits(e.amax), test::bits(g.amax)) << what << ": amax emu " << e.amax << " cuda " << g.amax;
   ASSERT_TRUE(e.scales == g.scales) << what << ": scales " << first_diff(e.scales, g.scales);
   ASSERT_TRUE(e.codes == g.codes) << what << ": codes " << first_diff(e.codes, g.codes);
+}
+
+// The host FP environment the emulator runs in, before and after the CUDA runtime is loaded.
+TEST(QuantizeGpu, HostFloatingPointEnvironment) {
+#if defined(__x86_64__)
+  std::printf("[fp-env] MXCSR at start 0x%04x\n", _mm_getcsr());
+#endif
+  REQUIRE_GPU();
+  auto cuda = make_backend("cuda");
+#if defined(__x86_64__)
+  std::printf("[fp-env] MXCSR after CUDA init 0x%04x\n", _mm_getcsr());
+#pragma omp parallel
+  {
+#pragma omp critical
+    std::printf("[fp-env] OpenMP thread MXCSR 0x%04x\n", _mm_getcsr());
+  }
+#endif
+  volatile float amax_b = test::from_bits(0x00fa2ed9u);
+  volatile float k = kFltMax;
+  const float prod = amax_b * (k * (1.0f / 6.0f));
+  std::printf("[fp-env] 2.2976e-38 * (FLT_MAX/6) on the host = %g (expect 1.3031)\n", prod);
+  EXPECT_GT(prod, 1.0f);
 }
 
 TEST(QuantizeGpu, BitwiseEqualsEmulatorAllFillsAllOptions) {
