@@ -93,6 +93,9 @@ FP4SIM_HD float fmax_nan_ignored(float a, float b) {
   return a > b ? a : b;
 }
 FP4SIM_HD float fmin_nan_ignored(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fminf(a, b);  // FMNMX: IEEE minNum
+#endif
   if (f32_isnan(a)) return b;
   if (f32_isnan(b)) return a;
   return a < b ? a : b;

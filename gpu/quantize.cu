@@ -304,30 +304,40 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
 
 // ---- The recipe's common case: NVFP4 1x16 (no 2D, no Four Over Six), RN or SR, RHT optional ----
 //
-// Each thread loads its four 1x16 row blocks straight from global memory (two or four 16-byte loads
-// each; a warp covers four 256-byte row segments), quantizes them for the row-wise copy from
-// registers, and parks the raw values in shared memory; after one barrier it walks one column of
-// the tile (64 rows, four 16-element chunks) for the column-wise copy, whose 32 code bytes and 4
-// scale bytes are contiguous in the transposed output.
-constexpr int kFastMinBlocks = 6;  // register cap ~80: occupancy matters more than ILP here
+// A CTA owns a 64-row tile, 256 columns wide for BF16 input (128 for FP32: 32 KiB of shared memory
+// either way). Each thread loads its 1x16 row blocks straight from global memory (16-byte loads; a
+// warp covers contiguous 512-byte row segments), quantizes them for the row-wise copy from
+// registers, and parks the raw values in shared memory; after one barrier it walks kColsPerThread
+// adjacent columns (one 4-byte shared load per row for a BF16 pair) for the column-wise copy, whose
+// 32 code bytes and 4 scale bytes per column are contiguous in the transposed output.
+constexpr int kFastMinBlocks = 4;
+
+template <class T>
+struct FastTile {
+  static constexpr int kColsPerThread = sizeof(T) == 2 ? 2 : 1;
+  static constexpr int kCols = kThreads * kColsPerThread;
+  static constexpr int kRowUnits = kTileRows * (kCols / kNvfp4Block) / kThreads;  // per thread
+};
 
 template <class T, bool kColRht>
 __global__ void __launch_bounds__(kThreads, kFastMinBlocks)
     nvfp4_1x16_kernel(const T* x, QuantArgs a) {
-  __shared__ __align__(16) T tile[kTileRows * kTileCols];
+  using Tile = FastTile<T>;
+  constexpr int kCols = Tile::kCols;
+  constexpr int kBlocksPerTileRow = kCols / kNvfp4Block;
+  __shared__ __align__(16) T tile[kTileRows * kCols];
   // Tiles in the reverse of the amax pass's order: the last ones it read are still in L2.
   const int64_t r0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * kTileRows;
-  const int64_t c0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kTileCols;
+  const int64_t c0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kCols;
   const int t = threadIdx.x;
   const int64_t R = a.rows, C = a.cols;
-  constexpr int kBlocksPerTileRow = kTileCols / kNvfp4Block;  // 8
 
   // ---- row-wise copy, straight from global memory ----
   {
     const Nvfp4Global g = nvfp4_global(a.row.enabled ? *a.row.amax : 0.0f, false);
     const int64_t chunks_per_row = C / kSrChunk;
     FP4SIM_UNROLL
-    for (int k = 0; k < kTileRows * kBlocksPerTileRow / kThreads; ++k) {
+    for (int k = 0; k < Tile::kRowUnits; ++k) {
       const int u = t + k * kThreads;
       const int tr = u / kBlocksPerTileRow, tb = u % kBlocksPerTileRow;
       const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
@@ -336,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks)
       const int64_t valid = (r < R) ? (C - c) : 0;
       load16(x + r * a.stride + c, a.vector_ok, valid, v, raw);
       if (a.col.enabled) {
-        T* dst = tile + tr * kTileCols + tb * kNvfp4Block;
+        T* dst = tile + tr * kCols + tb * kNvfp4Block;
         FP4SIM_UNROLL
         for (int q = 0; q < kNvfp4Block * static_cast<int>(sizeof(T)) / 16; ++q)
           reinterpret_cast<uint4*>(dst)[q] = reinterpret_cast<const uint4*>(raw)[q];
@@ -355,48 +365,65 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks)
   __syncthreads();
 
   // ---- column-wise copy: column c of the input is row c of the written (C x R) tensor ----
-  const int64_t c = c0 + t;
-  if (c >= C) return;
+  constexpr int kPer = Tile::kColsPerThread;
+  const int64_t cbase = c0 + kPer * t;
+  if (cbase >= C) return;
   const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
   const int64_t chunks_per_row = R / kSrChunk;
-  alignas(16) uint8_t packed[kTileRows / 2];
-  uint8_t scales[kTileRows / kNvfp4Block];
+  alignas(16) uint8_t packed[kPer][kTileRows / 2];
+  uint8_t scales[kPer][kTileRows / kNvfp4Block];
   int chunks = 0;
   FP4SIM_UNROLL
   for (int k = 0; k < kTileRows / kNvfp4Block; ++k) {
     const int64_t r = r0 + k * kNvfp4Block;
     if (r >= R) break;
-    float v[kNvfp4Block];
-    if constexpr (kColRht) {
-      uint16_t in[kRhtSize], y[kRhtSize];
-      FP4SIM_UNROLL
-      for (int i = 0; i < kRhtSize; ++i)
-        in[i] = bf16_rne(Elem<T>::to_f32(tile[(k * kNvfp4Block + i) * kTileCols + t]));
-      rht16(in, y);
-      FP4SIM_UNROLL
-      for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
-    } else {
-      FP4SIM_UNROLL
-      for (int i = 0; i < kNvfp4Block; ++i)
-        v[i] = Elem<T>::to_f32(tile[(k * kNvfp4Block + i) * kTileCols + t]);
+    float v[kPer][kNvfp4Block];
+    FP4SIM_UNROLL
+    for (int i = 0; i < kNvfp4Block; ++i) {
+      const T* src = tile + (k * kNvfp4Block + i) * kCols + kPer * t;
+      if constexpr (kPer == 2) {
+        const uint32_t pair = *reinterpret_cast<const uint32_t*>(src);  // two BF16 columns
+        v[0][i] = f32_from_bits(pair << 16);
+        v[kPer - 1][i] = f32_from_bits(pair & 0xFFFF0000u);
+      } else {
+        v[0][i] = Elem<T>::to_f32(src[0]);
+      }
     }
-    const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
-                                          static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
-    scales[k] = nvfp4_quantize_1x16(v, g, false, false, bits, packed + k * 8);
+    FP4SIM_UNROLL
+    for (int j = 0; j < kPer; ++j) {
+      if (cbase + j >= C) break;
+      if constexpr (kColRht) {
+        uint16_t in[kRhtSize], y[kRhtSize];
+        FP4SIM_UNROLL
+        for (int i = 0; i < kRhtSize; ++i) in[i] = bf16_rne(v[j][i]);
+        rht16(in, y);
+        FP4SIM_UNROLL
+        for (int i = 0; i < kRhtSize; ++i) v[j][i] = bf16_to_f32(y[i]);
+      }
+      const SrBits bits = sr_bits_for_chunk(
+          a.col.sr, a.seed, a.col.stream, static_cast<uint64_t>((cbase + j) * chunks_per_row + r / kSrChunk));
+      scales[j][k] = nvfp4_quantize_1x16(v[j], g, false, false, bits, packed[j] + k * 8);
+    }
     chunks = k + 1;
   }
-  uint8_t* codes = a.col.codes + (c * R + r0) / 2;
-  uint8_t* sc = a.col.scales + c * (R / kNvfp4Block) + r0 / kNvfp4Block;
-  if (chunks == kTileRows / kNvfp4Block && (R % kTileRows) == 0) {
-    // 32 contiguous code bytes (16-byte aligned: R % 64 == 0) and 4 scale bytes (4-aligned)
-    reinterpret_cast<uint4*>(codes)[0] = reinterpret_cast<const uint4*>(packed)[0];
-    reinterpret_cast<uint4*>(codes)[1] = reinterpret_cast<const uint4*>(packed)[1];
-    *reinterpret_cast<uint32_t*>(sc) = static_cast<uint32_t>(scales[0]) | (static_cast<uint32_t>(scales[1]) << 8) |
-                                       (static_cast<uint32_t>(scales[2]) << 16) | (static_cast<uint32_t>(scales[3]) << 24);
-  } else {
-    for (int k = 0; k < chunks; ++k) {
-      reinterpret_cast<uint2*>(codes)[k] = reinterpret_cast<const uint2*>(packed)[k];
-      sc[k] = scales[k];
+  FP4SIM_UNROLL
+  for (int j = 0; j < kPer; ++j) {
+    const int64_t c = cbase + j;
+    if (c >= C) break;
+    uint8_t* codes = a.col.codes + (c * R + r0) / 2;
+    uint8_t* sc = a.col.scales + c * (R / kNvfp4Block) + r0 / kNvfp4Block;
+    if (chunks == kTileRows / kNvfp4Block && (R % kTileRows) == 0) {
+      // 32 contiguous code bytes (16-byte aligned: R % 64 == 0) and 4 scale bytes (4-aligned)
+      reinterpret_cast<uint4*>(codes)[0] = reinterpret_cast<const uint4*>(packed[j])[0];
+      reinterpret_cast<uint4*>(codes)[1] = reinterpret_cast<const uint4*>(packed[j])[1];
+      *reinterpret_cast<uint32_t*>(sc) =
+          static_cast<uint32_t>(scales[j][0]) | (static_cast<uint32_t>(scales[j][1]) << 8) |
+          (static_cast<uint32_t>(scales[j][2]) << 16) | (static_cast<uint32_t>(scales[j][3]) << 24);
+    } else {
+      for (int k = 0; k < chunks; ++k) {
+        reinterpret_cast<uint2*>(codes)[k] = reinterpret_cast<const uint2*>(packed[j])[k];
+        sc[k] = scales[j][k];
+      }
     }
   }
 }
@@ -463,10 +490,12 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   fill(qa.col, cfg.columnwise, col);
   const bool common_case = !qa.mx && !qa.block_2d && !qa.row.four_over_six && !qa.col.four_over_six;
   if (common_case) {
+    const dim3 fast_grid(static_cast<unsigned>((C + FastTile<T>::kCols - 1) / FastTile<T>::kCols),
+                         static_cast<unsigned>((R + kTileRows - 1) / kTileRows));
     if (qa.col.enabled && qa.col.rht) {
-      nvfp4_1x16_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
+      nvfp4_1x16_kernel<T, true><<<fast_grid, kThreads, 0, stream>>>(xp, qa);
     } else {
-      nvfp4_1x16_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, qa);
+      nvfp4_1x16_kernel<T, false><<<fast_grid, kThreads, 0, stream>>>(xp, qa);
     }
   } else if (qa.mx) {
     quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);

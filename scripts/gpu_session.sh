@@ -27,7 +27,7 @@ rc=$?
 grep -E "tests passed|bitwise identical" "$out/ctest_gpu.log"
 [ $rc -eq 0 ] || tail -60 "$out/ctest_gpu.log"
 row "ctest -L gpu" "$(grep -E 'tests passed' "$out/ctest_gpu.log" | tail -1)"
-( cd build-gpu && ctest -L emu -j"$(nproc)" ) >"$out/ctest_emu.log" 2>&1
+( cd build-gpu && ctest -L emu --output-on-failure -j"$(nproc)" ) >"$out/ctest_emu.log" 2>&1
 row "ctest -L emu (on the GPU host)" "$(grep -E 'tests passed' "$out/ctest_emu.log" | tail -1)"
 
 if [ "${1:-}" = "profile" ]; then

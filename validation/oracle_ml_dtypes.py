@@ -202,7 +202,7 @@ def main():
         probe = np.concatenate([probe, -probe])
         expect = np.where(probe < 0, maxc | sign, maxc).astype(np.uint8)
         band = bool(np.array_equal(ml_cast(probe, dt, 0xF if fmt == "e2m1" else None), expect))
-        limit = bits_of(np.float32(top if band else mx))
+        limit = bits_of(np.float32(top if band else mx)).reshape(-1)[0]
         domain[fmt] = (int(limit), band)
         report.setdefault("domain", {})[fmt] = {
             "max": float(mx), "overflow_midpoint": float(top), "band_included": band,

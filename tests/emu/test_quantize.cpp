@@ -331,8 +331,14 @@ TEST(Quantize, Nvfp4_TinyBlockScaleIsExact) {
   auto be = make_cpu_backend();
   const QuantizeResult r = quantize_to_host(*be, host_view(x, 1, 32), rowwise_rn());
   // S_enc = FLT_MAX (2688 / amax overflows); 2.2976e-38 * (FLT_MAX / 6) = 1.3031 -> E4M3 1.25
-  EXPECT_EQ(nvfp4_global(r.rowwise.amax, false).s_enc, kFltMax);
-  EXPECT_EQ(r.rowwise.scales[0], 0x3A);
+  const Nvfp4Global g = nvfp4_global(r.rowwise.amax, false);
+  const float amax_b = test::from_bits(0x00fa2ed9u);
+  const float q = fdiv_rn(kNvfp4Range, r.rowwise.amax);
+  const float prod = fmul_rn(amax_b, fmul_rn(g.s_enc, 1.0f / 6.0f));
+  EXPECT_EQ(g.s_enc, kFltMax) << "2688/amax = " << q << " (bits " << std::hex << test::bits(q) << ")";
+  EXPECT_EQ(r.rowwise.scales[0], 0x3A) << "amax " << std::hex << test::bits(r.rowwise.amax) << " s_enc "
+                                       << test::bits(g.s_enc) << " product " << test::bits(prod)
+                                       << " scale from product " << int(e4m3_rn_satfinite(prod));
 }
 
 }  // namespace
