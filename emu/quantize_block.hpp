@@ -20,10 +20,15 @@ constexpr float kFourOverSixRange = 1536.0f;  // 256 * 6
 constexpr float kFourOverSixScaleMax = 448.0f;
 
 // Global encode scale S_enc = fminf(range / amax, FLT_MAX), 1 when amax == 0 or the quotient is 0.
+// Written with a bit test for the overflow: g++ 13 at -O2 (Ubuntu 24.04, the GPU host) folded the
+// plain `if (s > FLT_MAX) ...; if (amax == 0 || s == 0) s = 1` to S_enc = 1 for a tiny normal amax
+// (2688 / 2.35e-38 overflows), which test Quantize.Nvfp4_TinyBlockScaleIsExact catches.
 FP4SIM_HD float nvfp4_global_encode_scale(float amax, float range) {
-  float s = fdiv_rn(range, amax);
-  if (s > kFltMax) s = kFltMax;
-  if (amax == 0.0f || s == 0.0f) s = 1.0f;
+  if (f32_bits(amax) == 0u) return 1.0f;  // amax is a NaN-ignoring max of |x|: +0 or positive
+  const float s = fdiv_rn(range, amax);
+  const uint32_t sb = f32_bits(s);
+  if (sb == 0x7F800000u) return kFltMax;  // overflow: +Inf -> FLT_MAX
+  if (sb == 0u) return 1.0f;              // amax = +Inf (or a quotient that underflows)
   return s;
 }
 

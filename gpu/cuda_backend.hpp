@@ -43,6 +43,9 @@ std::unique_ptr<Backend> make_cuda_backend();
 // Kernel launchers (gpu/quantize.cu), on `stream`, device pointers.
 void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                      QuantizedView* columnwise, cudaStream_t stream);
+// Benchmark knob: the common-case quantize kernel's tile, 1 = 64x128, 2 = 64x256 (BF16 input).
+// Results are identical; only speed differs.
+void set_quantize_tile_variant(int cols_per_thread);
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream);

@@ -310,19 +310,22 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
 // registers, and parks the raw values in shared memory; after one barrier it walks kColsPerThread
 // adjacent columns (one 4-byte shared load per row for a BF16 pair) for the column-wise copy, whose
 // 32 code bytes and 4 scale bytes per column are contiguous in the transposed output.
-constexpr int kFastMinBlocks = 4;
-
-template <class T>
+template <class T, int kPer>
 struct FastTile {
-  static constexpr int kColsPerThread = sizeof(T) == 2 ? 2 : 1;
+  static constexpr int kColsPerThread = kPer;
   static constexpr int kCols = kThreads * kColsPerThread;
   static constexpr int kRowUnits = kTileRows * (kCols / kNvfp4Block) / kThreads;  // per thread
+  static constexpr int kMinBlocks = kPer == 1 ? 6 : 4;
 };
 
-template <class T, bool kColRht>
-__global__ void __launch_bounds__(kThreads, kFastMinBlocks)
+// Which tile shape the common-case kernel uses: 1 = 64x128 (one column per thread), 2 = 64x256
+// (a BF16 column pair per thread). Both give the same bits; bench_quantize compares them.
+int g_fast_cols_per_thread = 1;
+
+template <class T, bool kColRht, int kPer>
+__global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
     nvfp4_1x16_kernel(const T* x, QuantArgs a) {
-  using Tile = FastTile<T>;
+  using Tile = FastTile<T, kPer>;
   constexpr int kCols = Tile::kCols;
   constexpr int kBlocksPerTileRow = kCols / kNvfp4Block;
   __shared__ __align__(16) T tile[kTileRows * kCols];
@@ -365,7 +368,6 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks)
   __syncthreads();
 
   // ---- column-wise copy: column c of the input is row c of the written (C x R) tensor ----
-  constexpr int kPer = Tile::kColsPerThread;
   const int64_t cbase = c0 + kPer * t;
   if (cbase >= C) return;
   const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
@@ -381,12 +383,13 @@ __global__ void __launch_bounds__(kThreads, kFastMinBlocks)
     FP4SIM_UNROLL
     for (int i = 0; i < kNvfp4Block; ++i) {
       const T* src = tile + (k * kNvfp4Block + i) * kCols + kPer * t;
-      if constexpr (kPer == 2) {
+      if constexpr (kPer == 2 && sizeof(T) == 2) {
         const uint32_t pair = *reinterpret_cast<const uint32_t*>(src);  // two BF16 columns
         v[0][i] = f32_from_bits(pair << 16);
         v[kPer - 1][i] = f32_from_bits(pair & 0xFFFF0000u);
       } else {
-        v[0][i] = Elem<T>::to_f32(src[0]);
+        FP4SIM_UNROLL
+        for (int j = 0; j < kPer; ++j) v[j][i] = Elem<T>::to_f32(src[j]);
       }
     }
     FP4SIM_UNROLL
@@ -490,12 +493,14 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   fill(qa.col, cfg.columnwise, col);
   const bool common_case = !qa.mx && !qa.block_2d && !qa.row.four_over_six && !qa.col.four_over_six;
   if (common_case) {
-    const dim3 fast_grid(static_cast<unsigned>((C + FastTile<T>::kCols - 1) / FastTile<T>::kCols),
-                         static_cast<unsigned>((R + kTileRows - 1) / kTileRows));
-    if (qa.col.enabled && qa.col.rht) {
-      nvfp4_1x16_kernel<T, true><<<fast_grid, kThreads, 0, stream>>>(xp, qa);
+    const bool rht = qa.col.enabled && qa.col.rht;
+    if (g_fast_cols_per_thread == 2 && sizeof(T) == 2) {
+      const dim3 fg(static_cast<unsigned>((C + 2 * kThreads - 1) / (2 * kThreads)), grid.y);
+      if (rht) nvfp4_1x16_kernel<T, true, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
+      else nvfp4_1x16_kernel<T, false, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
     } else {
-      nvfp4_1x16_kernel<T, false><<<fast_grid, kThreads, 0, stream>>>(xp, qa);
+      if (rht) nvfp4_1x16_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
+      else nvfp4_1x16_kernel<T, false, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
     }
   } else if (qa.mx) {
     quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
@@ -547,6 +552,12 @@ int grid_for(int64_t n, int threads) {
 }
 
 }  // namespace
+
+void set_quantize_tile_variant(int cols_per_thread) {
+  if (cols_per_thread != 1 && cols_per_thread != 2)
+    throw std::invalid_argument("quantize tile variant must be 1 or 2");
+  g_fast_cols_per_thread = cols_per_thread;
+}
 
 void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                      QuantizedView* columnwise, cudaStream_t stream) {

@@ -10,6 +10,7 @@
 #include <benchmark/benchmark.h>
 
 #include <random>
+#include <string>
 #include <vector>
 
 #include "emu/backend.hpp"
@@ -116,6 +117,7 @@ void BM_GpuQuantize(benchmark::State& state) {
   }
   const int64_t rows = state.range(0), cols = state.range(1);
   const int mode = static_cast<int>(state.range(2));
+  gpu::set_quantize_tile_variant(static_cast<int>(state.range(3)));
   gpu::CudaBackend be;
   const QuantizeConfig cfg = config_for(mode);
   const size_t n = static_cast<size_t>(rows * cols);
@@ -157,12 +159,16 @@ void BM_GpuQuantize(benchmark::State& state) {
   state.counters["GBps"] = bytes / (last_ms * 1e-3) / 1e9;
   state.counters["copy_GBps"] = copy_bw / 1e9;
   state.counters["pct_of_copy_bw"] = 100.0 * (bytes / (last_ms * 1e-3)) / copy_bw;
-  state.SetLabel(mode_name(mode));
+  state.SetLabel(std::string(mode_name(mode)) + (state.range(3) == 2 ? " tile64x256" : " tile64x128"));
+  gpu::set_quantize_tile_variant(1);
 }
 BENCHMARK(BM_GpuQuantize)
-    ->Args({8192, 8192, 0})
-    ->Args({8192, 8192, 1})
-    ->Args({8192, 8192, 2})
+    ->Args({8192, 8192, 0, 1})
+    ->Args({8192, 8192, 1, 1})
+    ->Args({8192, 8192, 2, 1})
+    ->Args({8192, 8192, 0, 2})
+    ->Args({8192, 8192, 1, 2})
+    ->Args({8192, 8192, 2, 2})
     ->UseManualTime()
     ->Iterations(5)
     ->Unit(benchmark::kMicrosecond);
