@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 6)
     __syncthreads();
     const int64_t c = c0 + t;
     if (c < cols) {
-      FP4SIM_UNROLL
+#pragma unroll 1
       for (int k = 0; k < kTileRows / kRhtSize; ++k) {
         if (r0 + (k + 1) * kRhtSize > rows) break;  // rows % 16 == 0 for an RHT copy
         uint16_t in[kRhtSize], y[kRhtSize];
@@ -328,6 +328,7 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   using Tile = FastTile<T, kPer>;
   constexpr int kCols = Tile::kCols;
   constexpr int kBlocksPerTileRow = kCols / kNvfp4Block;
+  constexpr int kVec = 16 / sizeof(T);
   __shared__ __align__(16) T tile[kTileRows * kCols];
   // Tiles in the reverse of the amax pass's order: the last ones it read are still in L2.
   const int64_t r0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * kTileRows;
@@ -335,99 +336,81 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   const int t = threadIdx.x;
   const int64_t R = a.rows, C = a.cols;
 
-  // ---- row-wise copy, straight from global memory ----
-  {
-    const Nvfp4Global g = nvfp4_global(a.row.enabled ? *a.row.amax : 0.0f, false);
+  // ---- load the tile: every 16-byte load issued before any is used (small, unrolled code) ----
+  FP4SIM_UNROLL
+  for (int k = 0; k < Tile::kRowUnits; ++k) {
+    const int u = t + k * kThreads;
+    const int tr = u / kBlocksPerTileRow, tb = u % kBlocksPerTileRow;
+    const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
+    const int64_t valid = (r < R) ? (C - c) : 0;
+    T* dst = tile + tr * kCols + tb * kNvfp4Block;
+    const T* src = x + r * a.stride + c;
+    if (a.vector_ok && valid >= kNvfp4Block) {
+      FP4SIM_UNROLL
+      for (int q = 0; q < kNvfp4Block / kVec; ++q)
+        reinterpret_cast<uint4*>(dst)[q] = __ldg(reinterpret_cast<const uint4*>(src) + q);
+    } else {
+      for (int i = 0; i < kNvfp4Block; ++i) dst[i] = i < valid ? src[i] : T(0);
+    }
+  }
+  __syncthreads();
+
+  // ---- row-wise copy: one 1x16 block per iteration (loops kept rolled: I-cache) ----
+  if (a.row.enabled) {
+    const Nvfp4Global g = nvfp4_global(*a.row.amax, false);
     const int64_t chunks_per_row = C / kSrChunk;
-    FP4SIM_UNROLL
+#pragma unroll 1
     for (int k = 0; k < Tile::kRowUnits; ++k) {
       const int u = t + k * kThreads;
       const int tr = u / kBlocksPerTileRow, tb = u % kBlocksPerTileRow;
       const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
+      if (r >= R || c >= C) continue;
       alignas(16) T raw[kNvfp4Block];
+      const T* src = tile + tr * kCols + tb * kNvfp4Block;
+      FP4SIM_UNROLL
+      for (int q = 0; q < kNvfp4Block / kVec; ++q)
+        reinterpret_cast<uint4*>(raw)[q] = reinterpret_cast<const uint4*>(src)[q];
       float v[kNvfp4Block];
-      const int64_t valid = (r < R) ? (C - c) : 0;
-      load16(x + r * a.stride + c, a.vector_ok, valid, v, raw);
-      if (a.col.enabled) {
-        T* dst = tile + tr * kCols + tb * kNvfp4Block;
-        FP4SIM_UNROLL
-        for (int q = 0; q < kNvfp4Block * static_cast<int>(sizeof(T)) / 16; ++q)
-          reinterpret_cast<uint4*>(dst)[q] = reinterpret_cast<const uint4*>(raw)[q];
-      }
-      if (a.row.enabled && valid > 0) {
-        const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
-                                              static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));
-        alignas(8) uint8_t packed[kNvfp4Block / 2];
-        const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
-        *reinterpret_cast<uint2*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint2*>(packed);
-        a.row.scales[r * (C / kNvfp4Block) + c / kNvfp4Block] = s;
-      }
+      FP4SIM_UNROLL
+      for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(raw[i]);
+      const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
+                                            static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));
+      alignas(8) uint8_t packed[kNvfp4Block / 2];
+      const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
+      *reinterpret_cast<uint2*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint2*>(packed);
+      a.row.scales[r * (C / kNvfp4Block) + c / kNvfp4Block] = s;
     }
   }
   if (!a.col.enabled) return;
-  __syncthreads();
 
   // ---- column-wise copy: column c of the input is row c of the written (C x R) tensor ----
-  const int64_t cbase = c0 + kPer * t;
-  if (cbase >= C) return;
   const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
   const int64_t chunks_per_row = R / kSrChunk;
-  alignas(16) uint8_t packed[kPer][kTileRows / 2];
-  uint8_t scales[kPer][kTileRows / kNvfp4Block];
-  int chunks = 0;
-  FP4SIM_UNROLL
-  for (int k = 0; k < kTileRows / kNvfp4Block; ++k) {
+#pragma unroll 1
+  for (int w = 0; w < kPer * (kTileRows / kNvfp4Block); ++w) {
+    const int j = w / (kTileRows / kNvfp4Block), k = w % (kTileRows / kNvfp4Block);
+    const int64_t c = c0 + kPer * t + j;
     const int64_t r = r0 + k * kNvfp4Block;
-    if (r >= R) break;
-    float v[kPer][kNvfp4Block];
+    if (c >= C || r >= R) continue;
+    float v[kNvfp4Block];
     FP4SIM_UNROLL
-    for (int i = 0; i < kNvfp4Block; ++i) {
-      const T* src = tile + (k * kNvfp4Block + i) * kCols + kPer * t;
-      if constexpr (kPer == 2 && sizeof(T) == 2) {
-        const uint32_t pair = *reinterpret_cast<const uint32_t*>(src);  // two BF16 columns
-        v[0][i] = f32_from_bits(pair << 16);
-        v[kPer - 1][i] = f32_from_bits(pair & 0xFFFF0000u);
-      } else {
-        FP4SIM_UNROLL
-        for (int j = 0; j < kPer; ++j) v[j][i] = Elem<T>::to_f32(src[j]);
-      }
+    for (int i = 0; i < kNvfp4Block; ++i)
+      v[i] = Elem<T>::to_f32(tile[(k * kNvfp4Block + i) * kCols + kPer * t + j]);
+    if constexpr (kColRht) {
+      uint16_t in[kRhtSize], y[kRhtSize];
+      FP4SIM_UNROLL
+      for (int i = 0; i < kRhtSize; ++i) in[i] = bf16_rne(v[i]);
+      rht16(in, y);
+      FP4SIM_UNROLL
+      for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
     }
-    FP4SIM_UNROLL
-    for (int j = 0; j < kPer; ++j) {
-      if (cbase + j >= C) break;
-      if constexpr (kColRht) {
-        uint16_t in[kRhtSize], y[kRhtSize];
-        FP4SIM_UNROLL
-        for (int i = 0; i < kRhtSize; ++i) in[i] = bf16_rne(v[j][i]);
-        rht16(in, y);
-        FP4SIM_UNROLL
-        for (int i = 0; i < kRhtSize; ++i) v[j][i] = bf16_to_f32(y[i]);
-      }
-      const SrBits bits = sr_bits_for_chunk(
-          a.col.sr, a.seed, a.col.stream, static_cast<uint64_t>((cbase + j) * chunks_per_row + r / kSrChunk));
-      scales[j][k] = nvfp4_quantize_1x16(v[j], g, false, false, bits, packed[j] + k * 8);
-    }
-    chunks = k + 1;
-  }
-  FP4SIM_UNROLL
-  for (int j = 0; j < kPer; ++j) {
-    const int64_t c = cbase + j;
-    if (c >= C) break;
-    uint8_t* codes = a.col.codes + (c * R + r0) / 2;
-    uint8_t* sc = a.col.scales + c * (R / kNvfp4Block) + r0 / kNvfp4Block;
-    if (chunks == kTileRows / kNvfp4Block && (R % kTileRows) == 0) {
-      // 32 contiguous code bytes (16-byte aligned: R % 64 == 0) and 4 scale bytes (4-aligned)
-      reinterpret_cast<uint4*>(codes)[0] = reinterpret_cast<const uint4*>(packed[j])[0];
-      reinterpret_cast<uint4*>(codes)[1] = reinterpret_cast<const uint4*>(packed[j])[1];
-      *reinterpret_cast<uint32_t*>(sc) =
-          static_cast<uint32_t>(scales[j][0]) | (static_cast<uint32_t>(scales[j][1]) << 8) |
-          (static_cast<uint32_t>(scales[j][2]) << 16) | (static_cast<uint32_t>(scales[j][3]) << 24);
-    } else {
-      for (int k = 0; k < chunks; ++k) {
-        reinterpret_cast<uint2*>(codes)[k] = reinterpret_cast<const uint2*>(packed[j])[k];
-        sc[k] = scales[j][k];
-      }
-    }
+    const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
+                                          static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
+    alignas(8) uint8_t packed[kNvfp4Block / 2];
+    const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
+    // the 4 chunks of a column land in one 32-byte sector, written by this thread in turn
+    *reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2) = *reinterpret_cast<uint2*>(packed);
+    a.col.scales[c * (R / kNvfp4Block) + r / kNvfp4Block] = s;
   }
 }
 
@@ -494,11 +477,16 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   const bool common_case = !qa.mx && !qa.block_2d && !qa.row.four_over_six && !qa.col.four_over_six;
   if (common_case) {
     const bool rht = qa.col.enabled && qa.col.rht;
-    if (g_fast_cols_per_thread == 2 && sizeof(T) == 2) {
-      const dim3 fg(static_cast<unsigned>((C + 2 * kThreads - 1) / (2 * kThreads)), grid.y);
-      if (rht) nvfp4_1x16_kernel<T, true, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
-      else nvfp4_1x16_kernel<T, false, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
-    } else {
+    bool launched = false;
+    if constexpr (sizeof(T) == 2) {
+      if (g_fast_cols_per_thread == 2) {
+        const dim3 fg(static_cast<unsigned>((C + 2 * kThreads - 1) / (2 * kThreads)), grid.y);
+        if (rht) nvfp4_1x16_kernel<T, true, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
+        else nvfp4_1x16_kernel<T, false, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
+        launched = true;
+      }
+    }
+    if (!launched) {
       if (rht) nvfp4_1x16_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
       else nvfp4_1x16_kernel<T, false, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
     }
