@@ -47,7 +47,7 @@ if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ]; then
   grep -E "median" "$out/bench_quantize.txt"
   while read -r line; do row "$(echo "$line" | awk '{print $1}')" "$(echo "$line" | grep -oE '(pct_of_copy_bw|ms|copy_GBps)=[^ ]+' | tr '\n' ' ')"; done \
     < <(grep -E "median" "$out/bench_quantize.txt")
-  for s in validation/oracle_torch_quantize.py validation/oracle_ml_dtypes.py; do
+  for s in $( [ -n "${SKIP_ORACLES:-}" ] || echo validation/oracle_torch_quantize.py validation/oracle_ml_dtypes.py ); do
     [ -f "$s" ] || continue
     PYTHONUNBUFFERED=1 timeout 300 python3 "$s" --fp4sim build-gpu/fp4sim --out "$out" \
       $( [ "$s" = validation/oracle_torch_quantize.py ] && echo --backends emu,cuda ) \
