@@ -51,6 +51,17 @@ FP4SIM_HD void rht16_reference(const uint16_t* x, uint16_t* y) {
   }
 }
 
+// Rounds Y_j * 2^grid (RZ to FP32, then RNE to BF16) for any grid, subnormal and overflowing results
+// included. Out of line: it only runs for inputs near the extremes of the BF16 range.
+FP4SIM_HD_NOINLINE void rht16_round_general(const int32_t* u, int grid, uint16_t* y) {
+  for (int j = 0; j < kRhtSize; ++j) {
+    const int32_t v = u[j];
+    const bool neg = v < 0;
+    const uint64_t mag = neg ? static_cast<uint64_t>(-static_cast<int64_t>(v)) : static_cast<uint64_t>(v);
+    y[j] = bf16_rne(f32_from_bits(mag == 0 ? 0u : round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits)));
+  }
+}
+
 // Same bits as rht16_reference (see the header comment).
 FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
   int emax = -1000;
@@ -90,25 +101,26 @@ FP4SIM_UNROLL
     for (int j = 0; j < kRhtSize; ++j) y[j] = 0;
     return;
   }
-  // term i on the grid 2^(emax - 2 - 25): |x_i|/4 = sig_i * 2^(E_i - 9), shift = E_i - emax + 18
+  // term i on the grid 2^(emax - 2 - 25): |x_i|/4 = sig_i * 2^(E_i - 9), i.e. sig_i << 18 >> d_i
+  // with d_i = emax - E_i >= 0 (terms more than 31 binades down truncate to 0)
   int32_t u[kRhtSize];
-FP4SIM_UNROLL
+  FP4SIM_UNROLL
   for (int i = 0; i < kRhtSize; ++i) {
     const uint32_t a = x[i] & 0x7FFFu;
-    const int biased = static_cast<int>(a >> 7);
-    const uint32_t sig = biased == 0 ? (a & 0x7Fu) : ((a & 0x7Fu) | 0x80u);
-    const int e = biased == 0 ? -126 : biased - 127;
-    const int sh = e - emax + 18;
-    const uint32_t t = sh >= 0 ? (sig << sh) : (sh <= -32 ? 0u : (sig >> (-sh)));
-    const int neg = (x[i] >> 15) ^ ((kRhtSignMask >> i) & 1);
+    const uint32_t biased = a >> 7;
+    const uint32_t sig = biased == 0 ? a : ((a & 0x7Fu) | 0x80u);
+    const int e = biased == 0 ? -126 : static_cast<int>(biased) - 127;
+    const int d = emax - e;
+    const uint32_t t = d > 31 ? 0u : ((sig << 18) >> d);
+    const uint32_t neg = (x[i] >> 15) ^ ((kRhtSignMask >> i) & 1u);
     u[i] = neg ? -static_cast<int32_t>(t) : static_cast<int32_t>(t);
   }
   // in-place Walsh-Hadamard butterflies: Y_j = sum_i u_i (-1)^popcount(i & j); |Y| < 2^31
-FP4SIM_UNROLL
+  FP4SIM_UNROLL
   for (int len = 1; len < kRhtSize; len <<= 1) {
-FP4SIM_UNROLL
+    FP4SIM_UNROLL
     for (int i = 0; i < kRhtSize; i += 2 * len) {
-FP4SIM_UNROLL
+      FP4SIM_UNROLL
       for (int k = i; k < i + len; ++k) {
         const int32_t p = u[k], q = u[k + len];
         u[k] = p + q;
@@ -117,24 +129,16 @@ FP4SIM_UNROLL
     }
   }
   // value_j = Y_j * 2^grid, RZ to FP32. |Y| < 2^31, so RZ(Y) * 2^grid is exact and equals the RZ of
-  // the product whenever the result stays normal: grid in [-126, 97].
+  // the product whenever the result stays normal: grid in [-126, 97] (and Y = 0 gives +0, as the
+  // contract's zero-sum rule does with C = +0). Outside that range (inputs within a few binades of
+  // the BF16 extremes) the whole chunk takes the general rounding.
   const int grid = emax - 2 - kBf16FdpaF;
-  const bool scaled_exactly = grid >= -126 && grid <= 97;
-  const float pow2 = f32_from_bits(static_cast<uint32_t>((scaled_exactly ? grid : 0) + 127) << 23);
-FP4SIM_UNROLL
-  for (int j = 0; j < kRhtSize; ++j) {
-    const int32_t v = u[j];
-    float f;
-    if (v == 0) {
-      f = 0.0f;
-    } else if (scaled_exactly) {
-      f = fmul_rn(int_to_f32_rz(v), pow2);
-    } else {
-      const bool neg = v < 0;
-      const uint64_t mag = neg ? static_cast<uint64_t>(-static_cast<int64_t>(v)) : static_cast<uint64_t>(v);
-      f = f32_from_bits(round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits));
-    }
-    y[j] = bf16_rne(f);
+  if (grid >= -126 && grid <= 97) {
+    const float pow2 = f32_from_bits(static_cast<uint32_t>(grid + 127) << 23);
+    FP4SIM_UNROLL
+    for (int j = 0; j < kRhtSize; ++j) y[j] = bf16_rne(fmul_rn(int_to_f32_rz(u[j]), pow2));
+  } else {
+    rht16_round_general(u, grid, y);
   }
 }
 

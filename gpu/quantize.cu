@@ -32,6 +32,9 @@ template <>
 struct Elem<uint16_t> {  // BF16 bit pattern
   static __device__ __forceinline__ float to_f32(uint16_t v) { return bf16_to_f32(v); }
 };
+// The BF16 bits the RHT reads: FP32 input is rounded first, BF16 input passes through.
+__device__ __forceinline__ uint16_t rht_input(float v) { return bf16_rne(v); }
+__device__ __forceinline__ uint16_t rht_input(uint16_t v) { return v; }
 
 // Load the input tile [r0, r0+64) x [c0, c0+128) into shared memory (zeros outside the tensor).
 template <class T>
@@ -150,8 +153,7 @@ __global__ void __launch_bounds__(kThreads, 6)
         if (r0 + (k + 1) * kRhtSize > rows) break;  // rows % 16 == 0 for an RHT copy
         uint16_t in[kRhtSize], y[kRhtSize];
         FP4SIM_UNROLL
-        for (int i = 0; i < kRhtSize; ++i)
-          in[i] = bf16_rne(Elem<T>::to_f32(tile[(k * kRhtSize + i) * kTileCols + t]));
+        for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(tile[(k * kRhtSize + i) * kTileCols + t]);
         rht16(in, y);
         FP4SIM_UNROLL
         for (int i = 0; i < kRhtSize; ++i) m_rht = fmax_nan_ignored(m_rht, f32_abs(bf16_to_f32(y[i])));
@@ -393,16 +395,17 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
     const int64_t r = r0 + k * kNvfp4Block;
     if (c >= C || r >= R) continue;
     float v[kNvfp4Block];
-    FP4SIM_UNROLL
-    for (int i = 0; i < kNvfp4Block; ++i)
-      v[i] = Elem<T>::to_f32(tile[(k * kNvfp4Block + i) * kCols + kPer * t + j]);
+    const T* col = tile + (k * kNvfp4Block) * kCols + kPer * t + j;
     if constexpr (kColRht) {
       uint16_t in[kRhtSize], y[kRhtSize];
       FP4SIM_UNROLL
-      for (int i = 0; i < kRhtSize; ++i) in[i] = bf16_rne(v[i]);
+      for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(col[i * kCols]);
       rht16(in, y);
       FP4SIM_UNROLL
       for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
+    } else {
+      FP4SIM_UNROLL
+      for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(col[i * kCols]);
     }
     const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
                                           static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
