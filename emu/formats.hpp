@@ -80,7 +80,7 @@ FP4SIM_HD float decode_magnitude(uint32_t mag) {
 // ---- E2M1 ----------------------------------------------------------------------------------------
 
 // FP32 -> E2M1 cvt.rn.satfinite: ties to even; |x| > 6 -> ±6; NaN -> +6 (0x7); -0 -> 0x8.
-// The grid steps are 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6]. Scaling |x| (clamped to 6; a NaN
+// On the device: the grid steps are 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6]. Scaling |x| (clamped to 6; a NaN
 // clamps to 6 too) by 2, 1 or 1/2 puts the region's grid on the integers, exactly (powers of two),
 // and adding 2^23 rounds to an integer, nearest-even, in one IEEE addition: the integer's bits are
 // the low bits of the sum. code = that integer + 0, 2 or 4 (the region's first code): 0.25 -> 0,
@@ -88,13 +88,29 @@ FP4SIM_HD float decode_magnitude(uint32_t mag) {
 FP4SIM_HD uint8_t e2m1_rn_satfinite(float x) {
   const uint32_t b = f32_bits(x);
   const uint32_t abits = b & 0x7FFFFFFFu;
+  const uint32_t sign = abits > 0x7F800000u ? 0u : (b >> 31);  // NaN -> +6
+#if defined(__CUDA_ARCH__)
   const float a = fmin_nan_ignored(f32_from_bits(abits), kE2M1Max);  // NaN -> 6
   const bool below2 = a < 2.0f, below4 = a < 4.0f;
   const float scale = below2 ? 2.0f : (below4 ? 1.0f : 0.5f);
   const uint32_t first = below2 ? 0u : (below4 ? 2u : 4u);
-  const uint32_t rounded = f32_bits(fadd_rn(fmul_rn(a, scale), 8388608.0f)) - 0x4B000000u;
-  const uint32_t sign = abits > 0x7F800000u ? 0u : (b >> 31);  // NaN -> +6
-  return static_cast<uint8_t>((sign << 3) | (rounded + first));
+  const uint32_t code = f32_bits(fadd_rn(fmul_rn(a, scale), 8388608.0f)) - 0x4B000000u + first;
+#else
+  // The same function on integers, which vectorises better on the host: below 1 two boundaries
+  // (compared as bit patterns; ties to the even code); from 1 up the E2M1 codes continue the FP32
+  // bit pattern, code = (bits >> 22) - 252 after rounding the bits to one fraction bit (RNE), and
+  // everything past 6 (Inf and NaN too) saturates. tests/gpu/test_formats_gpu.cu holds the two
+  // formulations equal over all 2^32 inputs; tests/emu/test_formats_exhaustive.cpp holds this one
+  // equal to cuda_fp4.h.
+  uint32_t code;
+  if (abits < 0x3F800000u) {
+    code = static_cast<uint32_t>(abits > 0x3E800000u) + static_cast<uint32_t>(abits >= 0x3F400000u);
+  } else {
+    code = ((abits + 0x1FFFFFu + ((abits >> 22) & 1u)) >> 22) - 252u;
+    code = code > E2M1::kMaxMagCode ? E2M1::kMaxMagCode : code;
+  }
+#endif
+  return static_cast<uint8_t>((sign << 3) | code);
 }
 
 FP4SIM_HD float e2m1_to_f32(uint8_t code) {
