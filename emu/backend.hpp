@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "emu/gemm.hpp"
 #include "emu/quantize.hpp"
 #include "emu/tensor.hpp"
 
@@ -33,6 +34,11 @@ class Backend {
   // out (F32, q.rows x q.cols) = decode(q). NVFP4: e2m1 * ((s_b * amax) * (1/2688 or 1/1536));
   // MXFP4: e2m1 * 2^(byte - 127), byte 0xFF -> NaN.
   virtual void dequantize(const QuantizedView& q, const TensorView& out) = 0;
+
+  // Exact block-scaled FP4 GEMM (DESIGN.md §8): d = alpha * a * b^T (+ beta * c), bit-identical
+  // on every backend. a [M, K], b [N, K] row-wise copies; c F32 [M, N] or null; d F32 or BF16.
+  virtual void gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
+                    const GemmConfig& cfg, const TensorView& d) = 0;
 
   // Scale matrix [rows, k_blocks] (this backend's memory) -> the cuBLASLt 128x4 tiled layout,
   // padded with zeros to round_up(rows, 128) x round_up(k_blocks, 4) (DESIGN.md §8).

@@ -19,6 +19,11 @@ class CpuBackend final : public Backend {
   void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                 QuantizedView* columnwise) override;
   void dequantize(const QuantizedView& q, const TensorView& out) override;
+  void gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
+            const GemmConfig& cfg, const TensorView& d) override {
+    validate_gemm(a, b, c, cfg, d);
+    gemm_exact_host(a, b, c ? static_cast<const float*>(c->data) : nullptr, cfg, d.data);
+  }
   void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
                        uint8_t* out) override {
     fp4sim::scales_to_tiled(scales, rows, k_blocks, out);

@@ -73,6 +73,12 @@ void CudaBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k
   scales_to_tiled_launch(scales, rows, k_blocks, out, stream_);
 }
 
+void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
+                       const GemmConfig& cfg, const TensorView& d) {
+  validate_gemm(a, b, c, cfg, d);
+  gemm_exact_launch(a, b, c ? static_cast<const float*>(c->data) : nullptr, cfg, d.data, stream_);
+}
+
 std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
 
 }  // namespace fp4sim::gpu

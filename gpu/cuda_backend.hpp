@@ -31,6 +31,8 @@ class CudaBackend final : public Backend {
   void dequantize(const QuantizedView& q, const TensorView& out) override;
   void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
                        uint8_t* out) override;
+  void gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
+            const GemmConfig& cfg, const TensorView& d) override;
 
   cudaStream_t stream() const { return stream_; }
 
@@ -46,6 +48,8 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
 // Benchmark knob: the common-case quantize kernel's tile, 1 = 64x128, 2 = 64x256 (BF16 input).
 // Results are identical; only speed differs.
 void set_quantize_tile_variant(int cols_per_thread);
+void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
+                       const GemmConfig& cfg, void* out, cudaStream_t stream);
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream);

@@ -9,5 +9,6 @@ void register_quantize(CLI::App& app);
 void register_make_tensor(CLI::App& app);
 void register_info(CLI::App& app);
 void register_convert(CLI::App& app);
+void register_gemm(CLI::App& app);
 
 }  // namespace fp4sim::cli

@@ -179,3 +179,151 @@ TEST(Rht, ExactOnSmallIntegers) {
 
 }  // namespace
 }  // namespace fp4sim
+
+namespace fp4sim {
+namespace {
+
+// Build one 64-wide chunk from per-k E2M1 values (value 0 elsewhere).
+struct Chunk {
+  uint8_t a[32] = {}, b[32] = {};
+  void set(int k, float av, float bv) {
+    const uint8_t ca = e2m1_rn_satfinite(av), cb = e2m1_rn_satfinite(bv);
+    ASSERT_EQ(e2m1_to_f32(ca), av);
+    ASSERT_EQ(e2m1_to_f32(cb), bv);
+    a[k / 2] = static_cast<uint8_t>((a[k / 2] & ~(0xF << (4 * (k & 1)))) | (ca << (4 * (k & 1))));
+    b[k / 2] = static_cast<uint8_t>((b[k / 2] & ~(0xF << (4 * (k & 1)))) | (cb << (4 * (k & 1))));
+  }
+};
+
+uint8_t ue8m0(int exp) { return static_cast<uint8_t>(exp + 127); }
+
+// DESIGN.md §7 worked vector: -0.875.
+TEST(Gst, WorkedVector) {
+  Chunk ch;
+  ch.set(0, -4, 4);
+  ch.set(16, -1, 1);
+  ch.set(17, -1, 0.5f);
+  ch.set(18, -0.5f, 0.5f);
+  const uint8_t sfa[4] = {ue8m0(11), ue8m0(0), ue8m0(0), ue8m0(0)};
+  const uint8_t sfb[4] = {ue8m0(8), ue8m0(-1), ue8m0(0), ue8m0(0)};
+  EXPECT_EQ(gst_fdpa_fp4(ch.a, ch.b, sfa, sfb, ScaleKind::UE8M0_16, std::ldexp(1.0f, 23)), -0.875f);
+}
+
+// Probe 1: F = 35.
+TEST(Gst, Probe1_AlignmentWidthIs35) {
+  for (int e1 : {-35, -36}) {
+    Chunk ch;
+    ch.set(0, 1, 1);
+    ch.set(32, -1, 1);
+    ch.set(16, 1, 1);
+    const uint8_t sfa[4] = {ue8m0(0), ue8m0(e1), ue8m0(0), ue8m0(0)};
+    const uint8_t sfb[4] = {ue8m0(0), ue8m0(0), ue8m0(0), ue8m0(0)};
+    const float r = gst_fdpa_fp4(ch.a, ch.b, sfa, sfb, ScaleKind::UE8M0_16, 0.0f);
+    EXPECT_EQ(r, e1 == -35 ? std::ldexp(1.0f, -35) : 0.0f) << e1;
+  }
+}
+
+// Probe 2: a cancelled group keeps its exponent.
+TEST(Gst, Probe2_CancelledGroupKeepsExponent) {
+  Chunk ch;
+  ch.set(0, 0.5f, 0.5f);
+  ch.set(1, -0.5f, 0.5f);
+  ch.set(16, 1, 1);
+  const uint8_t sfa[4] = {ue8m0(0), ue8m0(-36), ue8m0(0), ue8m0(0)};
+  const uint8_t sfb[4] = {ue8m0(0), ue8m0(0), ue8m0(0), ue8m0(0)};
+  const float r = gst_fdpa_fp4(ch.a, ch.b, sfa, sfb, ScaleKind::UE8M0_16, 0.0f);
+  EXPECT_EQ(test::bits(r), 0u);  // +0, not 2^-36
+}
+
+// Probe 3: alignment by scale exponent, not by the group sum's magnitude.
+TEST(Gst, Probe3_AlignmentByScaleExponent) {
+  Chunk ch;
+  ch.set(0, 6, 6);
+  ch.set(16, -6, 6);
+  ch.set(32, 1, 1);
+  const uint8_t sfa[4] = {ue8m0(0), ue8m0(0), ue8m0(-35), ue8m0(0)};
+  const uint8_t sfb[4] = {ue8m0(0), ue8m0(0), ue8m0(0), ue8m0(0)};
+  EXPECT_EQ(gst_fdpa_fp4(ch.a, ch.b, sfa, sfb, ScaleKind::UE8M0_16, 0.0f), std::ldexp(1.0f, -35));
+}
+
+// Probe 4: C is truncated too.
+TEST(Gst, Probe4_CIsTruncated) {
+  Chunk ch;
+  ch.set(0, 1, 1);
+  ch.set(16, -1, 1);
+  const uint8_t sfa[4] = {ue8m0(13), ue8m0(13), ue8m0(0), ue8m0(0)};
+  const uint8_t sfb[4] = {ue8m0(0), ue8m0(0), ue8m0(0), ue8m0(0)};
+  EXPECT_EQ(gst_fdpa_fp4(ch.a, ch.b, sfa, sfb, ScaleKind::UE8M0_16, 1.0f + std::ldexp(1.0f, -23)), 1.0f);
+}
+
+TEST(Gst, OrderInsideGroupDoesNotMatterMovingAcrossGroupsCan) {
+  std::mt19937 rng(1);
+  for (int trial = 0; trial < 2000; ++trial) {
+    Chunk ch;
+    for (int k = 0; k < 64; ++k) ch.set(k, e2m1_to_f32(rng() % 16), e2m1_to_f32(rng() % 16));
+    uint8_t sfa[4], sfb[4];
+    for (int g = 0; g < 4; ++g) {
+      sfa[g] = static_cast<uint8_t>(rng() % 0x7F);
+      sfb[g] = static_cast<uint8_t>(rng() % 0x7F);
+    }
+    const float c = std::ldexp(std::normal_distribution<float>()(rng), static_cast<int>(rng() % 20) - 10);
+    const float r = gst_fdpa_fp4(ch.a, ch.b, sfa, sfb, ScaleKind::UE4M3_16, c);
+    // permute within each group: identical bits
+    Chunk p = ch;
+    for (int g = 0; g < 4; ++g)
+      for (int i = 0; i < 16; ++i) {
+        const int src = g * 16 + i, dst = g * 16 + (i * 7) % 16;
+        p.set(dst, e2m1_to_f32((ch.a[src / 2] >> (4 * (src & 1))) & 0xF),
+              e2m1_to_f32((ch.b[src / 2] >> (4 * (src & 1))) & 0xF));
+      }
+    ASSERT_EQ(test::bits(gst_fdpa_fp4(p.a, p.b, sfa, sfb, ScaleKind::UE4M3_16, c)), test::bits(r));
+  }
+  // moving a product between groups of different scale exponents changes the result:
+  // 1 at exponent 0 and 2^-36 in another group: moving the small product into group 0 keeps it
+  Chunk x;
+  x.set(0, 1, 1);
+  x.set(16, 1, 1);
+  const uint8_t s0[4] = {ue8m0(0), ue8m0(-36), ue8m0(0), ue8m0(0)}, s1[4] = {ue8m0(0), ue8m0(0), ue8m0(0), ue8m0(0)};
+  EXPECT_EQ(gst_fdpa_fp4(x.a, x.b, s0, s1, ScaleKind::UE8M0_16, 0.0f), 1.0f);
+  Chunk y;
+  y.set(0, 1, 1);
+  y.set(1, 1, 1);
+  const uint8_t t0[4] = {ue8m0(0), ue8m0(0), ue8m0(0), ue8m0(0)};
+  EXPECT_EQ(gst_fdpa_fp4(y.a, y.b, t0, s1, ScaleKind::UE8M0_16, 0.0f), 2.0f);
+}
+
+TEST(Gst, SpecialValuesAndSignedZeros) {
+  Chunk ch;
+  ch.set(0, 1, 1);
+  uint8_t one[4] = {0x38, 0x38, 0x38, 0x38};  // UE4M3 1.0
+  uint8_t nan_s[4] = {0x38, 0x7F, 0x38, 0x38};
+  EXPECT_EQ(gst_fdpa_fp4_bits(ch.a, ch.b, nan_s, one, ScaleKind::UE4M3_16, 0.0f), kCanonicalNaN);
+  EXPECT_EQ(gst_fdpa_fp4_bits(ch.a, ch.b, one, one, ScaleKind::UE4M3_16, NAN), kCanonicalNaN);
+  EXPECT_EQ(gst_fdpa_fp4_bits(ch.a, ch.b, one, one, ScaleKind::UE4M3_16, -INFINITY), 0xFF800000u);
+  uint8_t sneg[4] = {0xB8, 0xB8, 0xB8, 0xB8};  // sign bit masked: still 1.0
+  EXPECT_EQ(gst_fdpa_fp4(ch.a, ch.b, sneg, one, ScaleKind::UE4M3_16, 0.0f), 1.0f);
+  // all products -0 and C = -0 -> -0; C = +0 -> +0
+  Chunk z;
+  for (int k = 0; k < 64; ++k) z.set(k, -0.0f, 0.0f);
+  EXPECT_EQ(gst_fdpa_fp4_bits(z.a, z.b, one, one, ScaleKind::UE4M3_16, -0.0f), 0x80000000u);
+  EXPECT_EQ(gst_fdpa_fp4_bits(z.a, z.b, one, one, ScaleKind::UE4M3_16, 0.0f), 0u);
+  // a cancelled group is +0
+  Chunk cz = z;
+  cz.set(0, 1, 1);
+  cz.set(1, -1, 1);
+  EXPECT_EQ(gst_fdpa_fp4_bits(cz.a, cz.b, one, one, ScaleKind::UE4M3_16, -0.0f), 0u);
+  // UE8M0 32-blocks: two groups share a scale byte
+  Chunk m;
+  m.set(0, 1, 1);
+  m.set(16, 1, 1);
+  const uint8_t two[2] = {ue8m0(1), ue8m0(5)}, unit[2] = {ue8m0(0), ue8m0(0)};
+  EXPECT_EQ(gst_fdpa_fp4(m.a, m.b, two, unit, ScaleKind::UE8M0_32, 0.0f), 4.0f);
+  // overflow -> Inf even under RZ
+  Chunk o;
+  for (int k = 0; k < 64; ++k) o.set(k, 6, 6);
+  const uint8_t big[4] = {0xFE, 0xFE, 0xFE, 0xFE};
+  EXPECT_EQ(gst_fdpa_fp4_bits(o.a, o.b, big, big, ScaleKind::UE8M0_16, 0.0f), 0x7F800000u);
+}
+
+}  // namespace
+}  // namespace fp4sim

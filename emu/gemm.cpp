@@ -1,0 +1,136 @@
+#include "emu/gemm.hpp"
+
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+namespace fp4sim {
+
+ScaleKind scale_kind_of(QFormat f) {
+  return f == QFormat::MXFP4 ? ScaleKind::UE8M0_32 : ScaleKind::UE4M3_16;
+}
+
+void validate_gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
+                   const GemmConfig& cfg, const TensorView& d) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument("gemm: " + m); };
+  if (a.cols != b.cols)
+    fail("K differs: A is " + shape_str(a.rows, a.cols) + " and B is " + shape_str(b.rows, b.cols) +
+         " (D = A * B^T needs A [M, K] and B [N, K])");
+  if (a.format != b.format)
+    fail(std::string("A is ") + qformat_name(a.format) + " but B is " + qformat_name(b.format));
+  if (a.rows <= 0 || b.rows <= 0 || a.cols <= 0) fail("empty operand");
+  if (a.cols % a.block() != 0)
+    fail("K = " + std::to_string(a.cols) + " is not a multiple of the " + qformat_name(a.format) +
+         " block (" + std::to_string(a.block()) + ")");
+  const int64_t chunks = gemm_chunks(a.cols);
+  if (cfg.split_k < 1 || chunks % cfg.split_k != 0)
+    fail("--split-k " + std::to_string(cfg.split_k) + " must divide the " + std::to_string(chunks) +
+         " 64-wide K chunks");
+  if (cfg.beta != 0.0f && !c) fail("--beta needs C (--c)");
+  if (c && (c->rows != a.rows || c->cols != b.rows || c->dtype != DType::F32))
+    fail("C must be float32 " + shape_str(a.rows, b.rows) + ", got " + dtype_name(c->dtype) + " " +
+         shape_str(c->rows, c->cols));
+  const DType want = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
+  if (d.rows != a.rows || d.cols != b.rows || d.dtype != want)
+    fail("D must be " + std::string(dtype_name(want)) + " " + shape_str(a.rows, b.rows));
+}
+
+}  // namespace fp4sim
+
+namespace fp4sim {
+namespace {
+
+// One operand pre-decoded for integer group sums: per row and 64-wide chunk, 2*e2m1 as int8 (zero
+// padded), the sign and nonzero bits, and the four groups' decoded scales.
+struct DecodedOperand {
+  int64_t rows = 0, chunks = 0;
+  std::vector<int8_t> twice;           // [rows][chunks*64]
+  std::vector<uint64_t> sign, nonzero;  // [rows][chunks]
+  std::vector<DecodedScale> scales;     // [rows][chunks][4]
+};
+
+DecodedOperand decode_operand(const QuantizedView& q) {
+  DecodedOperand d;
+  d.rows = q.rows;
+  d.chunks = gemm_chunks(q.cols);
+  const int64_t kp = d.chunks * kGemmChunk, block = q.block(), spr = q.cols / block;
+  const ScaleKind kind = scale_kind_of(q.format);
+  d.twice.assign(static_cast<size_t>(d.rows * kp), 0);
+  d.sign.assign(static_cast<size_t>(d.rows * d.chunks), 0);
+  d.nonzero.assign(static_cast<size_t>(d.rows * d.chunks), 0);
+  d.scales.resize(static_cast<size_t>(d.rows * d.chunks * kGstGroups));
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < d.rows; ++r) {
+    for (int64_t ch = 0; ch < d.chunks; ++ch) {
+      uint64_t sign = 0, nz = 0;
+      for (int k = 0; k < kGemmChunk; ++k) {
+        const int64_t kk = ch * kGemmChunk + k;
+        uint8_t code = 0;
+        if (kk < q.cols) {
+          const int64_t e = r * q.cols + kk;
+          code = (q.codes[e / 2] >> (4 * (e & 1))) & 0xFu;
+        }
+        d.twice[r * kp + kk] = static_cast<int8_t>(e2m1_twice(code));
+        sign |= static_cast<uint64_t>(code >> 3) << k;
+        nz |= static_cast<uint64_t>((code & 7u) != 0) << k;
+      }
+      d.sign[r * d.chunks + ch] = sign;
+      d.nonzero[r * d.chunks + ch] = nz;
+      for (int g = 0; g < kGstGroups; ++g) {
+        const int64_t kk = ch * kGemmChunk + g * kGstGroup;
+        const uint8_t byte = kk < q.cols ? q.scales[r * spr + kk / block] : 0;  // padding: 0x00
+        d.scales[(r * d.chunks + ch) * kGstGroups + g] = decode_scale(byte, kind);
+      }
+    }
+  }
+  return d;
+}
+
+}  // namespace
+
+// out (F32 or BF16 bits) [M, N], row-major. Readable structure: for each output, the chunks of
+// each split-K range in increasing k, GST-FDPA chained through the accumulator.
+void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float* c,
+                     const GemmConfig& cfg, void* out) {
+  const DecodedOperand da = decode_operand(a), db = decode_operand(b);
+  const int64_t M = a.rows, N = b.rows, chunks = da.chunks, kp = chunks * kGemmChunk;
+  const int64_t per_split = chunks / cfg.split_k;
+  const float alpha = gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax,
+                                          b.four_over_six);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      float total = 0.0f;
+      for (int s = 0; s < cfg.split_k; ++s) {
+        float acc = 0.0f;
+        for (int64_t ch = s * per_split; ch < (s + 1) * per_split; ++ch) {
+          const int8_t* x = &da.twice[m * kp + ch * kGemmChunk];
+          const int8_t* y = &db.twice[n * kp + ch * kGemmChunk];
+          const uint64_t both_nz = da.nonzero[m * chunks + ch] & db.nonzero[n * chunks + ch];
+          const uint64_t neg = da.sign[m * chunks + ch] ^ db.sign[n * chunks + ch];
+          GroupSum groups[kGstGroups];
+          for (int g = 0; g < kGstGroups; ++g) {
+            int32_t p4 = 0;
+            for (int i = 0; i < kGstGroup; ++i)
+              p4 += static_cast<int32_t>(x[g * kGstGroup + i]) * y[g * kGstGroup + i];
+            const uint64_t mask = 0xFFFFull << (g * kGstGroup);
+            groups[g].p4 = p4;
+            groups[g].all_zero = (both_nz & mask) == 0;
+            groups[g].all_neg_zero = groups[g].all_zero && (neg & mask) == mask;
+          }
+          acc = f32_from_bits(gst_fdpa_core_bits(groups, &da.scales[(m * chunks + ch) * kGstGroups],
+                                                 &db.scales[(n * chunks + ch) * kGstGroups], acc,
+                                                 nullptr));
+        }
+        total = s == 0 ? acc : fadd_rn(total, acc);
+      }
+      const float d = gemm_epilogue(alpha, total, cfg.beta, c ? c[m * N + n] : 0.0f);
+      if (cfg.out == GemmOut::BF16)
+        static_cast<uint16_t*>(out)[m * N + n] = bf16_rne(d);
+      else
+        static_cast<float*>(out)[m * N + n] = d;
+    }
+  }
+}
+
+}  // namespace fp4sim

@@ -1,0 +1,56 @@
+// Exact block-scaled FP4 GEMM (DESIGN.md §8): D = alpha * A * B^T (+ beta * C), A M x K and B N x K,
+// both K-major ("TN") row-wise quantized copies (NVFP4 or MXFP4), modelling one CTA that walks K in
+// increasing order with GST-FDPA (emu/mma.hpp) per 64-wide chunk.
+#pragma once
+
+#include <cstdint>
+
+#include "emu/mma.hpp"
+#include "emu/quantize.hpp"
+#include "emu/tensor.hpp"
+
+namespace fp4sim {
+
+enum class GemmOut : uint8_t { F32, BF16 };
+
+struct GemmConfig {
+  float alpha = 1.0f;
+  float beta = 0.0f;  // needs C
+  int split_k = 1;    // must divide the number of 64-wide K chunks
+  GemmOut out = GemmOut::F32;
+};
+
+// K padded to a multiple of 64 (groups of zero codes with scale byte 0x00).
+constexpr int64_t kGemmChunk = kGstK;
+FP4SIM_HD int64_t gemm_chunks(int64_t k) { return (k + kGemmChunk - 1) / kGemmChunk; }
+
+// Throws std::invalid_argument naming the operand and shape when A and B cannot be multiplied:
+// different K, different formats, K not a multiple of the block, split-K not dividing the chunks,
+// beta without C, C of the wrong shape.
+void validate_gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
+                   const GemmConfig& cfg, const TensorView& d);
+
+ScaleKind scale_kind_of(QFormat f);
+
+// The exact GEMM on host memory (the emulator's implementation): integer group sums, OpenMP over
+// rows of D. c: F32 [M, N] or null; out: F32 or BF16 bits [M, N].
+void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float* c,
+                     const GemmConfig& cfg, void* out);
+
+// Epilogue scale: NVFP4 ((alpha * amax_A) * amax_B) * k with k the FP32 constant
+// 1 / (6 * 6 * m_A * m_B), m = 448 (256 for a Four Over Six operand); MXFP4 alpha itself.
+FP4SIM_HD float gemm_epilogue_alpha(float alpha, QFormat fmt, float amax_a, bool fos_a, float amax_b,
+                                    bool fos_b) {
+  if (fmt == QFormat::MXFP4) return alpha;
+  const float ma = fos_a ? 256.0f : kE4M3Max, mb = fos_b ? 256.0f : kE4M3Max;
+  const float k = fdiv_rn(1.0f, fmul_rn(fmul_rn(36.0f, ma), mb));  // the product is exact
+  return fmul_rn(fmul_rn(fmul_rn(alpha, amax_a), amax_b), k);
+}
+
+// t = alpha' * acc (RN); with beta != 0, D = t + (beta * C) (two RN operations, no FMA).
+FP4SIM_HD float gemm_epilogue(float alpha_eff, float acc, float beta, float c) {
+  const float t = fmul_rn(alpha_eff, acc);
+  return beta != 0.0f ? fadd_rn(t, fmul_rn(beta, c)) : t;
+}
+
+}  // namespace fp4sim

@@ -1,0 +1,417 @@
+// fp4sim gemm | mma | crosscheck gemm: the exact block-scaled FP4 GEMM and one tensor-core MMA.
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+
+#include "emu/contract.hpp"
+#include "emu/gemm.hpp"
+#include "tools/backends.hpp"
+#include "tools/commands.hpp"
+#include "tools/npy.hpp"
+
+namespace fp4sim::cli {
+namespace {
+
+// ---- operands --------------------------------------------------------------------------------------
+
+std::vector<float> load_f32_matrix(const std::string& path, const char* what, int64_t* rows,
+                                   int64_t* cols) {
+  const io::NpyArray a = io::read_npy(path);
+  if (a.dtype != "<f4" || a.shape.size() != 2)
+    throw std::runtime_error(path + ": " + what + " must be a 2-D float32 array, got dtype '" +
+                             a.dtype + "' shape " + io::shape_string(a.shape));
+  *rows = static_cast<int64_t>(a.shape[0]);
+  *cols = static_cast<int64_t>(a.shape[1]);
+  std::vector<float> v(a.bytes.size() / 4);
+  std::memcpy(v.data(), a.bytes.data(), a.bytes.size());
+  return v;
+}
+
+QuantizedHost quantize_operand(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols,
+                               QFormat fmt, const char* name) {
+  TensorView t;
+  t.data = x.data();
+  t.rows = rows;
+  t.cols = cols;
+  t.name = name;
+  QuantizeConfig c;
+  c.format = fmt;
+  c.rowwise.enabled = true;
+  return quantize_to_host(be, t, c).rowwise;
+}
+
+// The files `fp4sim quantize` writes: PREFIX.{codes,scales,amax}.npy and PREFIX.meta.json.
+QuantizedHost load_quantized(const std::string& prefix, const char* name) {
+  std::ifstream mf(prefix + ".meta.json");
+  if (!mf) throw std::runtime_error(prefix + ".meta.json: cannot open (operand " + name + ")");
+  nlohmann::json meta;
+  try {
+    mf >> meta;
+  } catch (const std::exception& e) {
+    throw std::runtime_error(prefix + ".meta.json: not valid JSON (" + e.what() + ")");
+  }
+  if (meta.value("contract_version", -1) != kContractVersion)
+    throw std::runtime_error(prefix + ".meta.json: contract_version " +
+                             std::to_string(meta.value("contract_version", -1)) + ", this build is " +
+                             std::to_string(kContractVersion));
+  QuantizedHost q;
+  q.format = meta.value("format", "nvfp4") == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4;
+  q.four_over_six = meta.value("four_over_six", false);
+  const io::NpyArray codes = io::read_npy(prefix + ".codes.npy");
+  const io::NpyArray scales = io::read_npy(prefix + ".scales.npy");
+  const io::NpyArray amax = io::read_npy(prefix + ".amax.npy");
+  if (codes.dtype != "|u1" || codes.shape.size() != 2)
+    throw std::runtime_error(prefix + ".codes.npy: expected uint8 [rows, K/2], got '" + codes.dtype +
+                             "' " + io::shape_string(codes.shape));
+  q.rows = static_cast<int64_t>(codes.shape[0]);
+  q.cols = static_cast<int64_t>(codes.shape[1]) * 2;
+  const int64_t block = q.block_size();
+  if (scales.dtype != "|u1" || scales.shape.size() != 2 ||
+      static_cast<int64_t>(scales.shape[0]) != q.rows ||
+      static_cast<int64_t>(scales.shape[1]) * block != q.cols)
+    throw std::runtime_error(prefix + ".scales.npy: expected uint8 " +
+                             shape_str(q.rows, q.cols / block) + " for " + qformat_name(q.format) +
+                             " codes of " + shape_str(q.rows, q.cols) + ", got " +
+                             io::shape_string(scales.shape));
+  if (amax.dtype != "<f4" || amax.bytes.size() != 4)
+    throw std::runtime_error(prefix + ".amax.npy: expected float32 [1]");
+  q.codes = codes.bytes;
+  q.scales = scales.bytes;
+  std::memcpy(&q.amax, amax.bytes.data(), 4);
+  return q;
+}
+
+// Device-side copy of a host operand.
+struct DeviceOperand {
+  BackendBuffer codes, scales, amax;
+  QuantizedView view;
+  DeviceOperand(Backend& be, QuantizedHost& h)
+      : codes(be, h.codes.size()), scales(be, h.scales.size()), amax(be, 4) {
+    be.upload(codes.get(), h.codes.data(), h.codes.size());
+    be.upload(scales.get(), h.scales.data(), h.scales.size());
+    be.upload(amax.get(), &h.amax, 4);
+    view = h.view();
+    view.codes = codes.as<uint8_t>();
+    view.scales = scales.as<uint8_t>();
+    view.amax = amax.as<float>();
+    view.device = be.device();
+  }
+};
+
+// Runs the exact GEMM on a backend; returns D as float (BF16 widened) and its raw bits.
+std::vector<uint32_t> run_gemm(Backend& be, QuantizedHost& a, QuantizedHost& b,
+                               std::vector<float>* c, const GemmConfig& cfg, double* ms) {
+  DeviceOperand da(be, a), db(be, b);
+  const int64_t M = a.rows, N = b.rows;
+  BackendBuffer cbuf(be, c ? c->size() * 4 : 0);
+  TensorView cv;
+  if (c) {
+    be.upload(cbuf.get(), c->data(), c->size() * 4);
+    cv.data = cbuf.get();
+    cv.rows = M;
+    cv.cols = N;
+    cv.device = be.device();
+  }
+  const size_t esize = cfg.out == GemmOut::BF16 ? 2 : 4;
+  BackendBuffer d(be, static_cast<size_t>(M * N) * esize);
+  TensorView dv;
+  dv.data = d.get();
+  dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
+  dv.rows = M;
+  dv.cols = N;
+  dv.device = be.device();
+  const auto t0 = std::chrono::steady_clock::now();
+  be.gemm(da.view, db.view, c ? &cv : nullptr, cfg, dv);
+  be.synchronize();
+  *ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::vector<uint32_t> bits(static_cast<size_t>(M * N));
+  if (esize == 4) {
+    be.download(bits.data(), d.get(), bits.size() * 4);
+  } else {
+    std::vector<uint16_t> h(bits.size());
+    be.download(h.data(), d.get(), h.size() * 2);
+    for (size_t i = 0; i < h.size(); ++i) bits[i] = h[i];
+  }
+  return bits;
+}
+
+struct GemmArgs {
+  std::string a, b, out, a_prefix, b_prefix, c, format = "nvfp4", gemm = "exact",
+      out_dtype = "fp32", backend;
+  float alpha = 1.0f, beta = 0.0f;
+  int split_k = 1;
+};
+
+void run_gemm_cmd(const GemmArgs& g) {
+  if (g.gemm == "cublaslt")
+    throw std::runtime_error("--gemm cublaslt: not in this build yet (only the exact GEMM); use "
+                             "--gemm exact");
+  const bool from_prefix = !g.a_prefix.empty() || !g.b_prefix.empty();
+  if (from_prefix && (g.a_prefix.empty() || g.b_prefix.empty()))
+    throw std::invalid_argument("--a-prefix and --b-prefix go together");
+  if (!from_prefix && (g.a.empty() || g.b.empty()))
+    throw std::invalid_argument("give A.npy and B.npy, or --a-prefix P --b-prefix Q");
+  const QFormat fmt = g.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4;
+  auto emu = make_backend("emu");
+  QuantizedHost qa, qb;
+  if (from_prefix) {
+    qa = load_quantized(g.a_prefix, "A");
+    qb = load_quantized(g.b_prefix, "B");
+  } else {
+    int64_t ma, ka, nb, kb;
+    std::vector<float> xa = load_f32_matrix(g.a, "A", &ma, &ka);
+    std::vector<float> xb = load_f32_matrix(g.b, "B", &nb, &kb);
+    if (ka != kb)
+      throw std::invalid_argument("gemm: K differs: A is " + shape_str(ma, ka) + " and B is " +
+                                  shape_str(nb, kb) + " (D = A * B^T needs A [M, K], B [N, K])");
+    qa = quantize_operand(*emu, xa, ma, ka, fmt, "A");
+    qb = quantize_operand(*emu, xb, nb, kb, fmt, "B");
+  }
+  GemmConfig cfg;
+  cfg.alpha = g.alpha;
+  cfg.beta = g.beta;
+  cfg.split_k = g.split_k;
+  cfg.out = g.out_dtype == "bf16" ? GemmOut::BF16 : GemmOut::F32;
+  std::vector<float> c;
+  if (!g.c.empty()) {
+    int64_t cr, cc;
+    c = load_f32_matrix(g.c, "C", &cr, &cc);
+    if (cr != qa.rows || cc != qb.rows)
+      throw std::invalid_argument(g.c + ": C must be " + shape_str(qa.rows, qb.rows) + ", got " +
+                                  shape_str(cr, cc));
+  }
+  {  // all shape errors before any work or output
+    TensorView dv;
+    dv.rows = qa.rows;
+    dv.cols = qb.rows;
+    dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
+    TensorView cv;
+    cv.rows = qa.rows;
+    cv.cols = qb.rows;
+    validate_gemm(qa.view(), qb.view(), c.empty() ? nullptr : &cv, cfg, dv);
+  }
+  const std::string bname = g.backend.empty() ? default_backend_name() : g.backend;
+  auto be = make_backend(bname);
+  double ms = 0;
+  const std::vector<uint32_t> bits = run_gemm(*be, qa, qb, c.empty() ? nullptr : &c, cfg, &ms);
+  io::AtomicOutputs out;
+  const std::vector<size_t> shape = {static_cast<size_t>(qa.rows), static_cast<size_t>(qb.rows)};
+  if (cfg.out == GemmOut::BF16) {
+    std::vector<uint16_t> h(bits.begin(), bits.end());
+    io::write_npy_u16(out.stage(g.out), h.data(), shape);
+  } else {
+    io::write_npy_f32(out.stage(g.out), reinterpret_cast<const float*>(bits.data()), shape);
+  }
+  nlohmann::json meta = {{"contract_version", kContractVersion},
+                         {"generator", "fp4sim gemm"},
+                         {"format", qformat_name(qa.format)},
+                         {"gemm", g.gemm},
+                         {"shape", {qa.rows, qb.rows, qa.cols}},
+                         {"alpha", g.alpha},
+                         {"beta", g.beta},
+                         {"split_k", g.split_k},
+                         {"out_dtype", g.out_dtype},
+                         {"backend", be->name()},
+                         {"a", from_prefix ? g.a_prefix : g.a},
+                         {"b", from_prefix ? g.b_prefix : g.b},
+                         {"model", "one CTA walking K in increasing 64-wide chunks (DESIGN.md §8)"}};
+  {
+    std::ofstream m(out.stage(g.out + ".meta.json"));
+    m << meta.dump(2) << "\n";
+  }
+  out.commit();
+  fmt::print("fp4sim gemm  D[{} x {}] = A[{} x {}] * B[{} x {}]^T  {} exact, backend {}, {:.1f} ms "
+             "({:.2f} GFLOP/s)\n",
+             qa.rows, qb.rows, qa.rows, qa.cols, qb.rows, qb.cols, qformat_name(qa.format),
+             be->name(), ms, 2.0 * qa.rows * qb.rows * qa.cols / (ms * 1e6));
+  fmt::print("  wrote {} and {}.meta.json\n", g.out, g.out);
+}
+
+// ---- one MMA ---------------------------------------------------------------------------------------
+
+// "v0,v1,..." (dense) or "k:v,k:v" (sparse) -> 64 E2M1 values, exactly representable.
+std::vector<float> parse_e2m1_list(const std::string& s, const char* flag) {
+  std::vector<float> v(kGstK, 0.0f);
+  std::stringstream ss(s);
+  std::string item;
+  int next = 0;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    int k = next;
+    std::string val = item;
+    const auto colon = item.find(':');
+    if (colon != std::string::npos) {
+      k = std::stoi(item.substr(0, colon));
+      val = item.substr(colon + 1);
+    }
+    if (k < 0 || k >= kGstK) throw std::invalid_argument(std::string(flag) + ": index " + std::to_string(k) + " outside 0..63");
+    const float x = std::stof(val);
+    if (e2m1_to_f32(e2m1_rn_satfinite(x)) != x)
+      throw std::invalid_argument(std::string(flag) + ": " + val + " is not an E2M1 value (±0, 0.5, 1, 1.5, 2, 3, 4, 6)");
+    v[k] = x;
+    next = k + 1;
+  }
+  return v;
+}
+
+// "2^11,1,0.5" -> scale bytes of the kind, exactly.
+std::vector<uint8_t> parse_scales(const std::string& s, ScaleKind kind, const char* flag) {
+  std::vector<uint8_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    double v;
+    if (item.rfind("0x", 0) == 0) {
+      out.push_back(static_cast<uint8_t>(std::stoul(item, nullptr, 16)));
+      continue;
+    }
+    if (item.rfind("2^", 0) == 0) v = std::ldexp(1.0, std::stoi(item.substr(2)));
+    else v = std::stod(item);
+    if (kind == ScaleKind::UE4M3_16) {
+      const uint8_t b = e4m3_rn_satfinite(static_cast<float>(v));
+      if (e4m3_to_f32(b) != v) throw std::invalid_argument(std::string(flag) + ": " + item + " is not an E4M3 value");
+      out.push_back(b & 0x7F);
+    } else {
+      int e;
+      const double m = std::frexp(v, &e);
+      if (m != 0.5 || e - 1 < -127 || e - 1 > 127)
+        throw std::invalid_argument(std::string(flag) + ": " + item + " is not a power of two in 2^-127..2^127");
+      out.push_back(static_cast<uint8_t>(e - 1 + 127));
+    }
+  }
+  const size_t want = kind == ScaleKind::UE8M0_32 ? 2 : 4;
+  if (out.size() != want)
+    throw std::invalid_argument(std::string(flag) + ": expected " + std::to_string(want) + " scales, got " + std::to_string(out.size()));
+  return out;
+}
+
+struct MmaArgs {
+  std::string a, b, sfa, sfb, kind = "ue8m0-16", c = "0";
+};
+
+void run_mma(const MmaArgs& m) {
+  const ScaleKind kind = m.kind == "ue4m3" ? ScaleKind::UE4M3_16
+                         : m.kind == "ue8m0-32" ? ScaleKind::UE8M0_32 : ScaleKind::UE8M0_16;
+  const std::vector<float> a = parse_e2m1_list(m.a, "--a"), b = parse_e2m1_list(m.b, "--b");
+  const std::vector<uint8_t> sfa = parse_scales(m.sfa, kind, "--sfa"), sfb = parse_scales(m.sfb, kind, "--sfb");
+  const float c = m.c.rfind("2^", 0) == 0 ? std::ldexp(1.0f, std::stoi(m.c.substr(2))) : std::stof(m.c);
+  uint8_t pa[32] = {}, pb[32] = {};
+  for (int k = 0; k < kGstK; ++k) {
+    pa[k / 2] |= e2m1_rn_satfinite(a[k]) << (4 * (k & 1));
+    pb[k / 2] |= e2m1_rn_satfinite(b[k]) << (4 * (k & 1));
+  }
+  uint8_t sa[4] = {}, sb[4] = {};
+  for (size_t i = 0; i < sfa.size(); ++i) { sa[i] = sfa[i]; sb[i] = sfb[i]; }
+  GstTrace tr{};
+  const uint32_t r = gst_fdpa_fp4_bits(pa, pb, sa, sb, kind, c, &tr);
+  fmt::print("GST-FDPA (K = 64, groups of {}, F = {}, e_zero = {}), scales {}\n", kGstGroup, kGstF,
+             kGstZeroExp, m.kind);
+  for (int g = 0; g < kGstGroups; ++g)
+    fmt::print("  group {}: sum of products {:>9}   exponent {:>5}   term on the grid {:>16}\n", g,
+               tr.p4[g] / 4.0, tr.group_exp[g], tr.truncated[g]);
+  fmt::print("  C       : {:>9}   exponent {:>5}   term on the grid {:>16}\n", c, tr.c_exp,
+             tr.truncated[kGstGroups]);
+  fmt::print("  e_max {}  grid 2^{}\n", tr.e_max, tr.e_max - kGstF);
+  float rf;
+  std::memcpy(&rf, &r, 4);
+  fmt::print("result 0x{:08X}  {:.9g}\n", r, rf);
+}
+
+// ---- crosscheck ------------------------------------------------------------------------------------
+
+struct CrossArgs {
+  std::string shapes = "128x128x256,96x80x320,64x64x1024", format = "nvfp4";
+  int split_k = 1;
+};
+
+void run_crosscheck(const CrossArgs& x) {
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  const QFormat fmt = x.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4;
+  std::stringstream ss(x.shapes);
+  std::string item;
+  int bad = 0;
+  while (std::getline(ss, item, ',')) {
+    int64_t M, N, K;
+    if (std::sscanf(item.c_str(), "%ldx%ldx%ld", &M, &N, &K) != 3)
+      throw std::invalid_argument("--shapes: '" + item + "' is not MxNxK");
+    std::mt19937_64 rng(static_cast<uint64_t>(M * 1000003 + N * 1009 + K));
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> xa(static_cast<size_t>(M * K)), xb(static_cast<size_t>(N * K));
+    for (auto& v : xa) v = nd(rng) * std::exp(2.0f * nd(rng));
+    for (auto& v : xb) v = nd(rng);
+    QuantizedHost qa = quantize_operand(*emu, xa, M, K, fmt, "A"), qb = quantize_operand(*emu, xb, N, K, fmt, "B");
+    GemmConfig cfg;
+    cfg.split_k = x.split_k;
+    double ms_e = 0, ms_c = 0;
+    const auto de = run_gemm(*emu, qa, qb, nullptr, cfg, &ms_e);
+    const auto dc = run_gemm(*cuda, qa, qb, nullptr, cfg, &ms_c);
+    size_t first = de.size();
+    for (size_t i = 0; i < de.size(); ++i)
+      if (de[i] != dc[i]) { first = i; break; }
+    if (first == de.size()) {
+      fmt::print("  {:>16}  {}  bitwise identical ({} outputs)  emu {:.1f} ms, cuda {:.1f} ms\n", item,
+                 qformat_name(fmt), de.size(), ms_e, ms_c);
+    } else {
+      ++bad;
+      fmt::print("  {:>16}  {}  DIFFERENT at ({}, {}): emu 0x{:08X} cuda 0x{:08X}\n", item, qformat_name(fmt),
+                 first / N, first % N, de[first], dc[first]);
+    }
+  }
+  if (bad) throw std::runtime_error(std::to_string(bad) + " shape(s) differ between emu and cuda");
+}
+
+}  // namespace
+
+void register_gemm(CLI::App& app) {
+  auto g = std::make_shared<GemmArgs>();
+  auto* cmd = app.add_subcommand("gemm", "Exact block-scaled FP4 GEMM D = alpha*A*B^T (+ beta*C)");
+  cmd->add_option("a", g->a, "A.npy (float32 [M, K]), quantized RN 1x16 (or MXFP4)");
+  cmd->add_option("b", g->b, "B.npy (float32 [N, K])");
+  cmd->add_option("out", g->out, "Output D.npy (float32, or bfloat16 bits as uint16)");
+  cmd->add_option("--a-prefix", g->a_prefix, "Take A already quantized: files written by fp4sim quantize");
+  cmd->add_option("--b-prefix", g->b_prefix, "Take B already quantized");
+  cmd->add_option("--format", g->format, "nvfp4 | mxfp4")->check(CLI::IsMember({"nvfp4", "mxfp4"}));
+  cmd->add_option("--gemm", g->gemm, "exact | cublaslt")->check(CLI::IsMember({"exact", "cublaslt"}));
+  cmd->add_option("--out-dtype", g->out_dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  cmd->add_option("--c", g->c, "C.npy (float32 [M, N]) for beta");
+  cmd->add_option("--alpha", g->alpha, "alpha");
+  cmd->add_option("--beta", g->beta, "beta (needs --c)");
+  cmd->add_option("--split-k", g->split_k, "Split K into S equal ranges added in order");
+  cmd->add_option("--backend", g->backend, "emu | cuda")->check(CLI::IsMember({"emu", "cuda"}));
+  cmd->callback([g]() {
+    // positional a, b, out: with prefixes only OUT is given, CLI11 fills `a` first
+    GemmArgs x = *g;
+    if (!x.a_prefix.empty() && x.out.empty() && x.b.empty()) std::swap(x.out, x.a);
+    if (x.out.empty()) throw std::invalid_argument("gemm: give the output path D.npy");
+    run_gemm_cmd(x);
+  });
+
+  auto m = std::make_shared<MmaArgs>();
+  auto* mma = app.add_subcommand("mma", "One Blackwell block-scaled FP4 MMA (GST-FDPA, K = 64) on given "
+                                        "codes, scales and C, with each group's exponent and truncation");
+  mma->add_option("--a", m->a, "64 E2M1 values: dense 'v0,v1,...' or sparse 'k:v,k:v'")->required();
+  mma->add_option("--b", m->b, "64 E2M1 values, as --a")->required();
+  mma->add_option("--sfa", m->sfa, "A's scales: 4 values (2 for ue8m0-32), e.g. 2^11,1,1,1 or 0x38")->required();
+  mma->add_option("--sfb", m->sfb, "B's scales")->required();
+  mma->add_option("--scale", m->kind, "ue4m3 | ue8m0-16 | ue8m0-32")->check(CLI::IsMember({"ue4m3", "ue8m0-16", "ue8m0-32"}));
+  mma->add_option("--c", m->c, "C (FP32; 2^N accepted)");
+  mma->callback([m]() { run_mma(*m); });
+
+  auto x = std::make_shared<CrossArgs>();
+  auto* cc = app.add_subcommand("crosscheck", "Run an op on both backends and compare bit for bit");
+  auto* ccg = cc->add_subcommand("gemm", "Exact GEMM, emu vs cuda, on seeded random operands");
+  ccg->add_option("--shapes", x->shapes, "Comma-separated MxNxK");
+  ccg->add_option("--format", x->format, "nvfp4 | mxfp4")->check(CLI::IsMember({"nvfp4", "mxfp4"}));
+  ccg->add_option("--split-k", x->split_k, "split-K");
+  cc->require_subcommand(1);
+  ccg->callback([x]() { run_crosscheck(*x); });
+}
+
+}  // namespace fp4sim::cli
