@@ -47,6 +47,16 @@ if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ]; then
   grep -E "median" "$out/bench_quantize.txt"
   while read -r line; do row "$(echo "$line" | awk '{print $1}')" "$(echo "$line" | grep -oE '(pct_of_copy_bw|ms|copy_GBps)=[^ ]+' | tr '\n' ' ')"; done \
     < <(grep -E "median" "$out/bench_quantize.txt")
+  build-gpu/bench_gemm --benchmark_out="$out/bench_gemm.json" --benchmark_out_format=json \
+    >"$out/bench_gemm.txt" 2>&1
+  grep -E "^BM_" "$out/bench_gemm.txt"
+  while read -r line; do row "$(echo "$line" | awk '{print $1}')" "$(echo "$line" | grep -oE '(GFLOPs|TFLOPs)=[^ ]+')"; done \
+    < <(grep -E "^BM_" "$out/bench_gemm.txt")
+  build-gpu/fp4sim crosscheck gemm --shapes 128x128x256,96x80x320,256x192x1024 >"$out/crosscheck.txt" 2>&1
+  row "crosscheck gemm nvfp4" "exit $? $(grep -c 'bitwise identical' "$out/crosscheck.txt") shapes identical"
+  build-gpu/fp4sim crosscheck gemm --format mxfp4 --split-k 2 --shapes 128x128x256,64x96x512 >>"$out/crosscheck.txt" 2>&1
+  row "crosscheck gemm mxfp4 split-k 2" "exit $?"
+  cat "$out/crosscheck.txt"
   for s in $( [ -n "${SKIP_ORACLES:-}" ] || echo validation/oracle_torch_quantize.py validation/oracle_ml_dtypes.py ); do
     [ -f "$s" ] || continue
     PYTHONUNBUFFERED=1 timeout 300 python3 "$s" --fp4sim build-gpu/fp4sim --out "$out" \
