@@ -2,6 +2,8 @@
 // blocks only. The golden reference every other backend is checked against.
 #pragma once
 
+#include <stdexcept>
+
 #include "emu/backend.hpp"
 
 namespace fp4sim::emu {
@@ -22,6 +24,8 @@ class CpuBackend final : public Backend {
   void gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
             const GemmConfig& cfg, const TensorView& d) override {
     validate_gemm(a, b, c, cfg, d);
+    if (cfg.impl != GemmImpl::Exact)
+      throw std::invalid_argument("gemm: --gemm cublaslt runs on the cuda backend only");
     gemm_exact_host(a, b, c ? static_cast<const float*>(c->data) : nullptr, cfg, d.data);
   }
   void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,

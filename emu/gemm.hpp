@@ -13,7 +13,12 @@ namespace fp4sim {
 
 enum class GemmOut : uint8_t { F32, BF16 };
 
+// exact: the tensor-core model (every backend, bit-identical); cublaslt: cuBLASLt on the CUDA
+// backend (Hopper: BF16 after exact dequantization), within gemm_cublaslt_bound of exact.
+enum class GemmImpl : uint8_t { Exact, CublasLt };
+
 struct GemmConfig {
+  GemmImpl impl = GemmImpl::Exact;
   float alpha = 1.0f;
   float beta = 0.0f;  // needs C
   int split_k = 1;    // must divide the number of 64-wide K chunks
@@ -47,10 +52,24 @@ FP4SIM_HD float gemm_epilogue_alpha(float alpha, QFormat fmt, float amax_a, bool
   return fmul_rn(fmul_rn(fmul_rn(alpha, amax_a), amax_b), k);
 }
 
-// t = alpha' * acc (RN); with beta != 0, D = t + (beta * C) (two RN operations, no FMA).
+// t = alpha' * acc (RN); with beta != 0, D = t + (beta * C) (two RN operations, no FMA). A NaN
+// result (Inf * 0 when an operand's amax is Inf, say) is the canonical 0x7FFFFFFF: CPUs and GPUs
+// produce different NaN bit patterns for invalid operations.
 FP4SIM_HD float gemm_epilogue(float alpha_eff, float acc, float beta, float c) {
   const float t = fmul_rn(alpha_eff, acc);
-  return beta != 0.0f ? fadd_rn(t, fmul_rn(beta, c)) : t;
+  const float d = beta != 0.0f ? fadd_rn(t, fmul_rn(beta, c)) : t;
+  return f32_isnan(d) ? f32_from_bits(kCanonicalNaN) : d;
+}
+
+// Bound on |D_cublaslt - D_exact| for one output: both accumulate in FP32 and round toward zero
+// at most once per 64-wide chunk (exact, GST-FDPA) or per 16-wide step (Hopper BF16 wgmma), each
+// rounding losing less than 2^-23 of a partial sum no larger than S = sum_k |a_k||b_k| (the
+// operands dequantized with their block scales), then the epilogue multiplies by |alpha'|:
+//   bound = (ceil(K/64) + ceil(K/16) + 2) * 2^-23 * S * |alpha'|   (+ 2 ulps of |D| for the epilogue)
+FP4SIM_HD double gemm_cublaslt_bound(int64_t k, double sum_abs, double alpha_eff, double d_abs) {
+  const double steps = static_cast<double>((k + 63) / 64 + (k + 15) / 16 + 2);
+  return steps * 1.1920928955078125e-07 * sum_abs * (alpha_eff < 0 ? -alpha_eff : alpha_eff) +
+         2.0 * 1.1920928955078125e-07 * d_abs;
 }
 
 }  // namespace fp4sim

@@ -76,7 +76,15 @@ void CudaBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k
 void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
                        const GemmConfig& cfg, const TensorView& d) {
   validate_gemm(a, b, c, cfg, d);
-  gemm_exact_launch(a, b, c ? static_cast<const float*>(c->data) : nullptr, cfg, d.data, stream_);
+  const float* cp = c ? static_cast<const float*>(c->data) : nullptr;
+  if (cfg.impl == GemmImpl::CublasLt) {
+    if (cfg.split_k != 1)
+      throw std::invalid_argument("gemm: --split-k models the exact GEMM only; cuBLASLt chooses its own");
+    if (!cublaslt_) cublaslt_ = make_cublaslt_state();
+    gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
+    return;
+  }
+  gemm_exact_launch(a, b, cp, cfg, d.data, stream_);
 }
 
 std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }

@@ -11,6 +11,15 @@
 
 namespace fp4sim::gpu {
 
+struct CublasLtState;
+std::shared_ptr<CublasLtState> make_cublaslt_state();
+void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b,
+                          const float* c, const GemmConfig& cfg, void* out, cudaStream_t stream);
+
+// D_rm [M, N] = alpha * A_rm [M, K] * B_rm [N, K]^T (+ beta * C), BF16 operands, FP32 output.
+void bf16_gemm_tn(CublasLtState& st, const uint16_t* a, const uint16_t* b, const float* c, float* d,
+                  int64_t M, int64_t N, int64_t K, float alpha, float beta, cudaStream_t stream);
+
 bool gpu_available();
 std::string describe_gpu();
 
@@ -38,6 +47,7 @@ class CudaBackend final : public Backend {
 
  private:
   cudaStream_t stream_ = nullptr;
+  std::shared_ptr<CublasLtState> cublaslt_;  // created on first use
 };
 
 std::unique_ptr<Backend> make_cuda_backend();

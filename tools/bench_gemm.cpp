@@ -106,6 +106,84 @@ void BM_GpuGemmExact(benchmark::State& state) {
   cudaEventDestroy(e1);
 }
 BENCHMARK(BM_GpuGemmExact)->Arg(2048)->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
+
+// The cuBLASLt NVFP4 path on Hopper (dequantize both operands to BF16 + cuBLASLt BF16 GEMM, operands
+// already quantized) against cuBLASLt's BF16 GEMM on the same shape, timed in the same repetition.
+void BM_GpuGemmCublasLt(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const int64_t n = state.range(0);
+  gpu::CudaBackend be;
+  auto cpu = make_backend("emu");
+  // quantize on the GPU (fast) from a seeded Gaussian
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<uint16_t> x(static_cast<size_t>(n * n));
+  for (auto& v : x) v = bf16_rne(nd(rng));
+  BackendBuffer in(be, x.size() * 2);
+  be.upload(in.get(), x.data(), x.size() * 2);
+  TensorView tv;
+  tv.data = in.get();
+  tv.dtype = DType::BF16;
+  tv.rows = n;
+  tv.cols = n;
+  tv.device = Device::Cuda;
+  QuantizeConfig qc;
+  qc.rowwise.enabled = true;
+  BackendBuffer codes(be, x.size() / 2), scales(be, x.size() / 16), amax(be, 4);
+  QuantizedView q;
+  q.codes = codes.as<uint8_t>();
+  q.scales = scales.as<uint8_t>();
+  q.amax = amax.as<float>();
+  q.rows = n;
+  q.cols = n;
+  q.device = Device::Cuda;
+  be.quantize(tv, qc, &q, nullptr);
+  BackendBuffer d(be, x.size() * 4);
+  TensorView dv;
+  dv.data = d.get();
+  dv.rows = n;
+  dv.cols = n;
+  dv.device = Device::Cuda;
+  GemmConfig cfg;
+  cfg.impl = GemmImpl::CublasLt;
+  auto st = gpu::make_cublaslt_state();
+  auto fp4_path = [&]() { be.gemm(q, q, nullptr, cfg, dv); };
+  auto bf16 = [&]() {
+    gpu::bf16_gemm_tn(*st, static_cast<const uint16_t*>(in.get()), static_cast<const uint16_t*>(in.get()),
+                      nullptr, d.as<float>(), n, n, n, 1.0f, 0.0f, be.stream());
+  };
+  cudaEvent_t e0, e1;
+  FP4SIM_CUDA_CHECK(cudaEventCreate(&e0));
+  FP4SIM_CUDA_CHECK(cudaEventCreate(&e1));
+  auto time_ms = [&](auto&& f, int reps) {
+    FP4SIM_CUDA_CHECK(cudaEventRecord(e0, be.stream()));
+    for (int i = 0; i < reps; ++i) f();
+    FP4SIM_CUDA_CHECK(cudaEventRecord(e1, be.stream()));
+    FP4SIM_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0;
+    FP4SIM_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    return static_cast<double>(t) / reps;
+  };
+  time_ms(fp4_path, 2);
+  time_ms(bf16, 2);
+  double fp4_ms = 0, bf16_ms = 0;
+  for (auto _ : state) {
+    bf16_ms = time_ms(bf16, 5);
+    fp4_ms = time_ms(fp4_path, 5);
+    state.SetIterationTime(fp4_ms * 1e-3);
+  }
+  const double flop = 2.0 * n * n * n;
+  state.counters["fp4_path_TFLOPs"] = flop / (fp4_ms * 1e-3) / 1e12;
+  state.counters["bf16_TFLOPs"] = flop / (bf16_ms * 1e-3) / 1e12;
+  state.counters["ratio_pct"] = 100.0 * bf16_ms / fp4_ms;
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+BENCHMARK(BM_GpuGemmCublasLt)->Arg(8192)->UseManualTime()->Iterations(3)->Repetitions(3)
+    ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
 #endif
 
 }  // namespace

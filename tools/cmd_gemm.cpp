@@ -149,9 +149,6 @@ struct GemmArgs {
 };
 
 void run_gemm_cmd(const GemmArgs& g) {
-  if (g.gemm == "cublaslt")
-    throw std::runtime_error("--gemm cublaslt: not in this build yet (only the exact GEMM); use "
-                             "--gemm exact");
   const bool from_prefix = !g.a_prefix.empty() || !g.b_prefix.empty();
   if (from_prefix && (g.a_prefix.empty() || g.b_prefix.empty()))
     throw std::invalid_argument("--a-prefix and --b-prefix go together");
@@ -197,9 +194,28 @@ void run_gemm_cmd(const GemmArgs& g) {
     validate_gemm(qa.view(), qb.view(), c.empty() ? nullptr : &cv, cfg, dv);
   }
   const std::string bname = g.backend.empty() ? default_backend_name() : g.backend;
+  if (g.gemm == "cublaslt" && bname != "cuda")
+    throw std::invalid_argument("--gemm cublaslt needs --backend cuda (a GPU)");
   auto be = make_backend(bname);
-  double ms = 0;
+  double ms = 0, ms_exact = 0;
+  cfg.impl = g.gemm == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
   const std::vector<uint32_t> bits = run_gemm(*be, qa, qb, c.empty() ? nullptr : &c, cfg, &ms);
+  if (cfg.impl == GemmImpl::CublasLt) {  // both ran: report the distance
+    GemmConfig ex = cfg;
+    ex.impl = GemmImpl::Exact;
+    const std::vector<uint32_t> eb = run_gemm(*be, qa, qb, c.empty() ? nullptr : &c, ex, &ms_exact);
+    double worst = 0;
+    for (size_t i = 0; i < bits.size(); ++i) {
+      float x, y;
+      const uint32_t bx = cfg.out == GemmOut::BF16 ? bits[i] << 16 : bits[i];
+      const uint32_t by = cfg.out == GemmOut::BF16 ? eb[i] << 16 : eb[i];
+      std::memcpy(&x, &bx, 4);
+      std::memcpy(&y, &by, 4);
+      if (std::isfinite(x) && std::isfinite(y)) worst = std::max(worst, std::fabs(static_cast<double>(x) - y));
+    }
+    fmt::print("  max |cublaslt - exact| = {:.6g}   (exact GEMM on the same backend: {:.1f} ms)\n", worst,
+               ms_exact);
+  }
   io::AtomicOutputs out;
   const std::vector<size_t> shape = {static_cast<size_t>(qa.rows), static_cast<size_t>(qb.rows)};
   if (cfg.out == GemmOut::BF16) {

@@ -2,6 +2,7 @@
 // split-K, alpha/beta, BF16 output and special values. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 
 #include "emu/backend.hpp"
@@ -48,7 +49,7 @@ std::vector<uint32_t> run(Backend& be, QuantizedHost& a, QuantizedHost& b, std::
   cv.data = cb.get(); cv.rows = M; cv.cols = N; cv.device = be.device();
   dv.data = d.get(); dv.rows = M; dv.cols = N; dv.device = be.device();
   dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
-  be.gemm(da.v, db.v, c ? &cv : nullptr, cfg, dv);
+  be.gemm(da.v, db.v, c ? &cv : nullptr, cfg, dv);  // (exact or cuBLASLt per cfg.impl)
   be.synchronize();
   std::vector<uint32_t> out(static_cast<size_t>(M * N), 0);
   if (cfg.out == GemmOut::BF16) {
@@ -104,6 +105,65 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
 
 
 #endif
+
+// |cublaslt - exact| <= gemm_cublaslt_bound for every output, and the bound is no looser than 10x
+// the largest difference observed (all-positive operands make the rounding errors add up).
+TEST(GemmGpu, CublasLtWithinDocumentedBound) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU: " << gpu_description();
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  double worst_ratio = 0;
+  for (QFormat f : {QFormat::NVFP4, QFormat::MXFP4}) {
+    for (int64_t K : {64, 512, 4096}) {
+      for (int kind = 0; kind < 3; ++kind) {
+        const int64_t M = 64, N = 48;
+        std::vector<float> xa = test::make_fill(kind == 2 ? test::Fill::HeavyTailed : test::Fill::Gaussian,
+                                                static_cast<size_t>(M * K), K + kind);
+        std::vector<float> xb = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(N * K), 3 * K + kind);
+        if (kind == 1) {  // all positive: the roundings all point the same way
+          for (auto& v : xa) v = std::fabs(v);
+          for (auto& v : xb) v = std::fabs(v);
+        }
+        TensorView va, vb;
+        va.data = xa.data(); va.rows = M; va.cols = K;
+        vb.data = xb.data(); vb.rows = N; vb.cols = K;
+        QuantizeConfig qc;
+        qc.format = f;
+        qc.rowwise.enabled = true;
+        QuantizedHost a = quantize_to_host(*emu, va, qc).rowwise, b = quantize_to_host(*emu, vb, qc).rowwise;
+        GemmConfig ex, lt;
+        lt.impl = GemmImpl::CublasLt;
+        const auto de = run(*cuda, a, b, nullptr, ex), dl = run(*cuda, a, b, nullptr, lt);
+        const float alpha = gemm_epilogue_alpha(1.0f, f, a.amax, false, b.amax, false);
+        // operands dequantized with their block scales only
+        auto deq = [](QuantizedHost& q, int64_t r, int64_t k) {
+          const int64_t e = r * q.cols + k;
+          const uint8_t s = q.scales[r * (q.cols / q.block_size()) + k / q.block_size()];
+          const double sv = q.format == QFormat::MXFP4 ? ue8m0_to_f32(s) : e4m3_to_f32(s);
+          return e2m1_to_f32((q.codes[e / 2] >> (4 * (e & 1))) & 0xF) * sv;
+        };
+        double max_diff = 0, max_ratio = 0;
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n) {
+            double sum_abs = 0;
+            for (int64_t k = 0; k < K; ++k) sum_abs += std::fabs(deq(a, m, k) * deq(b, n, k));
+            const float x = test::from_bits(de[m * N + n]), y = test::from_bits(dl[m * N + n]);
+            const double diff = std::fabs(static_cast<double>(x) - y);
+            const double bound = gemm_cublaslt_bound(K, sum_abs, alpha, std::fabs(x));
+            ASSERT_LE(diff, bound) << qformat_name(f) << " K " << K << " kind " << kind << " at (" << m
+                                   << "," << n << "): exact " << x << " cublaslt " << y;
+            max_diff = std::max(max_diff, diff);
+            max_ratio = std::max(max_ratio, diff / bound);
+          }
+        std::printf("[cublaslt-bound] %s K=%5lld %-12s max |diff| %.3g  max diff/bound %.3f\n",
+                    qformat_name(f), static_cast<long long>(K),
+                    kind == 0 ? "gaussian" : (kind == 1 ? "positive" : "heavy-tailed"), max_diff, max_ratio);
+        worst_ratio = std::max(worst_ratio, max_ratio);
+      }
+    }
+  }
+  EXPECT_GE(worst_ratio, 0.1) << "the bound is more than 10x looser than every observed difference";
+}
 
 }  // namespace
 }  // namespace fp4sim
