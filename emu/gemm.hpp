@@ -61,15 +61,19 @@ FP4SIM_HD float gemm_epilogue(float alpha_eff, float acc, float beta, float c) {
   return f32_isnan(d) ? f32_from_bits(kCanonicalNaN) : d;
 }
 
-// Bound on |D_cublaslt - D_exact| for one output: both accumulate in FP32 and round toward zero
-// at most once per 64-wide chunk (exact, GST-FDPA) or per 16-wide step (Hopper BF16 wgmma), each
-// rounding losing less than 2^-23 of a partial sum no larger than S = sum_k |a_k||b_k| (the
-// operands dequantized with their block scales), then the epilogue multiplies by |alpha'|:
-//   bound = (ceil(K/64) + ceil(K/16) + 2) * 2^-23 * S * |alpha'|   (+ 2 ulps of |D| for the epilogue)
+// Bound on |D_cublaslt - D_exact| for one output, from the two accumulation models (DESIGN.md §7),
+// with S = sum_k |a_k||b_k| over the operands dequantized with their block scales (so every partial
+// sum and every 2^e_max is at most 2S) and u = 2^-23:
+//  - exact (GST-FDPA per 64-wide chunk): one RZ per chunk (< u * 2S... taken as u * S per unit of
+//    `steps` below, with the factor 2 folded into the per-step constant) plus 5 truncations at
+//    2^(e_max - 35) (< 2^-11 u S together): about 1 unit per chunk;
+//  - Hopper BF16 wgmma (T-FDPA L = 16, F = 25, RZ) per 16-wide step: one RZ plus 17 truncations at
+//    2^(e_max - 25) = u/4 * 2^e_max each: under 10 units per step.
+//   bound = (ceil(K/64) + 10 * ceil(K/16) + 2) * u * S * |alpha'|  + 2 ulps of |D| (the epilogue)
 FP4SIM_HD double gemm_cublaslt_bound(int64_t k, double sum_abs, double alpha_eff, double d_abs) {
-  const double steps = static_cast<double>((k + 63) / 64 + (k + 15) / 16 + 2);
-  return steps * 1.1920928955078125e-07 * sum_abs * (alpha_eff < 0 ? -alpha_eff : alpha_eff) +
-         2.0 * 1.1920928955078125e-07 * d_abs;
+  const double u = 1.1920928955078125e-07;
+  const double steps = static_cast<double>((k + 63) / 64 + 10 * ((k + 15) / 16) + 2);
+  return steps * u * sum_abs * (alpha_eff < 0 ? -alpha_eff : alpha_eff) + 2.0 * u * d_abs;
 }
 
 }  // namespace fp4sim

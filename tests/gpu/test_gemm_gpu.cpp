@@ -115,7 +115,7 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
   double worst_ratio = 0;
   for (QFormat f : {QFormat::NVFP4, QFormat::MXFP4}) {
     for (int64_t K : {64, 512, 4096}) {
-      for (int kind = 0; kind < 3; ++kind) {
+      for (int kind = 0; kind < 4; ++kind) {
         const int64_t M = 64, N = 48;
         std::vector<float> xa = test::make_fill(kind == 2 ? test::Fill::HeavyTailed : test::Fill::Gaussian,
                                                 static_cast<size_t>(M * K), K + kind);
@@ -123,6 +123,12 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
         if (kind == 1) {  // all positive: the roundings all point the same way
           for (auto& v : xa) v = std::fabs(v);
           for (auto& v : xb) v = std::fabs(v);
+        }
+        if (kind == 3) {  // one large product first, then many small ones below the running sum's
+                          // alignment grid: the per-term truncation of each path shows up
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t k = 0; k < K; ++k) xa[m * K + k] = k == 0 ? 6144.0f : 0.000366f * (1 + (m + k) % 3);
+          for (auto& v : xb) v = 1.0f;
         }
         TensorView va, vb;
         va.data = xa.data(); va.rows = M; va.cols = K;
@@ -157,7 +163,7 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
           }
         std::printf("[cublaslt-bound] %s K=%5lld %-12s max |diff| %.3g  max diff/bound %.3f\n",
                     qformat_name(f), static_cast<long long>(K),
-                    kind == 0 ? "gaussian" : (kind == 1 ? "positive" : "heavy-tailed"), max_diff, max_ratio);
+                    kind == 0 ? "gaussian" : (kind == 1 ? "positive" : (kind == 2 ? "heavy-tailed" : "large+small")), max_diff, max_ratio);
         worst_ratio = std::max(worst_ratio, max_ratio);
       }
     }
