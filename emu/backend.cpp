@@ -6,37 +6,35 @@ namespace fp4sim {
 
 std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<emu::CpuBackend>(); }
 
-namespace {
+QuantizedBuffers::QuantizedBuffers(Backend& b, const QuantizedHost& h)
+    : codes(b, h.codes.size()), scales(b, h.scales.size()), amax(b, sizeof(float)) {
+  view.codes = codes.as<uint8_t>();
+  view.scales = scales.as<uint8_t>();
+  view.amax = amax.as<float>();
+  view.rows = h.rows;
+  view.cols = h.cols;
+  view.format = h.format;
+  view.four_over_six = h.four_over_six;
+  view.device = b.device();
+}
 
-// Device-side storage for one copy, mirroring a QuantizedHost.
-struct CopyBuffers {
-  BackendBuffer codes, scales, amax;
-  QuantizedView view;
+QuantizedBuffers QuantizedBuffers::uploaded(Backend& b, const QuantizedHost& h) {
+  QuantizedBuffers q(b, h);
+  q.upload_from(b, h);
+  return q;
+}
 
-  CopyBuffers(Backend& b, const QuantizedHost& h)
-      : codes(b, h.codes.size()), scales(b, h.scales.size()), amax(b, sizeof(float)) {
-    view.codes = codes.as<uint8_t>();
-    view.scales = scales.as<uint8_t>();
-    view.amax = amax.as<float>();
-    view.rows = h.rows;
-    view.cols = h.cols;
-    view.format = h.format;
-    view.four_over_six = h.four_over_six;
-    view.device = b.device();
-  }
-  void upload_from(Backend& b, const QuantizedHost& h) {
-    b.upload(codes.get(), h.codes.data(), h.codes.size());
-    b.upload(scales.get(), h.scales.data(), h.scales.size());
-    b.upload(amax.get(), &h.amax, sizeof(float));
-  }
-  void download_to(Backend& b, QuantizedHost& h) {
-    b.download(h.codes.data(), codes.get(), h.codes.size());
-    b.download(h.scales.data(), scales.get(), h.scales.size());
-    b.download(&h.amax, amax.get(), sizeof(float));
-  }
-};
+void QuantizedBuffers::upload_from(Backend& b, const QuantizedHost& h) {
+  b.upload(codes.get(), h.codes.data(), h.codes.size());
+  b.upload(scales.get(), h.scales.data(), h.scales.size());
+  b.upload(amax.get(), &h.amax, sizeof(float));
+}
 
-}  // namespace
+void QuantizedBuffers::download_to(Backend& b, QuantizedHost& h) {
+  b.download(h.codes.data(), codes.get(), h.codes.size());
+  b.download(h.scales.data(), scales.get(), h.scales.size());
+  b.download(&h.amax, amax.get(), sizeof(float));
+}
 
 QuantizeResult quantize_to_host(Backend& backend, const TensorView& host_x,
                                 const QuantizeConfig& cfg) {
@@ -53,7 +51,7 @@ QuantizeResult quantize_to_host(Backend& backend, const TensorView& host_x,
   TensorView x = host_x;
   x.data = in.get();
   x.device = backend.device();
-  CopyBuffers row(backend, res.rowwise), col(backend, res.columnwise);
+  QuantizedBuffers row(backend, res.rowwise), col(backend, res.columnwise);
   backend.quantize(x, cfg, cfg.rowwise.enabled ? &row.view : nullptr,
                    cfg.columnwise.enabled ? &col.view : nullptr);
   backend.synchronize();
@@ -63,8 +61,7 @@ QuantizeResult quantize_to_host(Backend& backend, const TensorView& host_x,
 }
 
 std::vector<float> dequantize_to_host(Backend& backend, QuantizedHost& q) {
-  CopyBuffers in(backend, q);
-  in.upload_from(backend, q);
+  QuantizedBuffers in = QuantizedBuffers::uploaded(backend, q);
   BackendBuffer out(backend, static_cast<size_t>(q.rows * q.cols) * sizeof(float));
   TensorView o;
   o.data = out.get();

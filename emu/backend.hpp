@@ -78,6 +78,17 @@ class BackendBuffer {
   size_t bytes_ = 0;
 };
 
+// A quantized copy in a backend's memory, shaped like a QuantizedHost; `view` points into it.
+struct QuantizedBuffers {
+  BackendBuffer codes, scales, amax;
+  QuantizedView view;
+
+  QuantizedBuffers(Backend& b, const QuantizedHost& h);  // allocated, not filled
+  static QuantizedBuffers uploaded(Backend& b, const QuantizedHost& h);
+  void upload_from(Backend& b, const QuantizedHost& h);
+  void download_to(Backend& b, QuantizedHost& h);
+};
+
 // Quantize a host tensor on any backend and bring both copies back to the host.
 struct QuantizeResult {
   QuantizedHost rowwise;

@@ -90,6 +90,17 @@ FP4SIM_HD ExactOperand exact_operand(float x, int man_bits, int emin) {
   return r;
 }
 
+// The addend C as a term: FP32, exponent max(floor(log2|c|), -126), a zero C reads zero_exp.
+FP4SIM_HD void add_c_term(float c, int zero_exp, FdpaTerm& t, int& e_max, bool& all_neg_zero) {
+  const ExactOperand z = exact_operand(c, kFp32ManBits, kFp32Emin);
+  t.neg = z.neg;
+  t.sig = z.sig;
+  t.lsb_exp = z.exp - kFp32ManBits;
+  t.align_exp = z.zero ? zero_exp : z.exp;
+  if (!(z.zero && z.neg)) all_neg_zero = false;
+  if (t.align_exp > e_max) e_max = t.align_exp;
+}
+
 // Shared core: truncate each term onto 2^(e_max - F), sum exactly, round RZ. `all_neg_zero` tells
 // the zero-sum sign rule whether every term (products and C) is -0.
 FP4SIM_HD uint32_t fdpa_truncated_sum_bits(const FdpaTerm* terms, int n, int e_max, int F,
@@ -166,16 +177,7 @@ FP4SIM_HD uint32_t tfdpa_bits(const float* a, const float* b, float c, OperandFo
     if (!(zero && t.neg)) all_neg_zero = false;
     if (t.align_exp > e_max) e_max = t.align_exp;
   }
-  {
-    const ExactOperand z = exact_operand(c, kFp32ManBits, kFp32Emin);
-    FdpaTerm& t = terms[L];
-    t.neg = z.neg;
-    t.sig = z.sig;
-    t.lsb_exp = z.exp - kFp32ManBits;
-    t.align_exp = z.zero ? kTfdpaZeroExp : z.exp;
-    if (!(z.zero && z.neg)) all_neg_zero = false;
-    if (t.align_exp > e_max) e_max = t.align_exp;
-  }
+  add_c_term(c, kTfdpaZeroExp, terms[L], e_max, all_neg_zero);
   return fdpa_truncated_sum_bits(terms, L + 1, e_max, F, out_man_bits, all_neg_zero);
 }
 
@@ -312,17 +314,8 @@ FP4SIM_HD uint32_t gst_fdpa_core_bits(const GroupSum* groups, const DecodedScale
       trace->group_exp[g] = t.align_exp;
     }
   }
-  {
-    const ExactOperand z = exact_operand(c, kFp32ManBits, kFp32Emin);
-    FdpaTerm& t = terms[kGstGroups];
-    t.neg = z.neg;
-    t.sig = z.sig;
-    t.lsb_exp = z.exp - kFp32ManBits;
-    t.align_exp = z.zero ? kGstZeroExp : z.exp;
-    if (!(z.zero && z.neg)) all_neg_zero = false;
-    if (t.align_exp > e_max) e_max = t.align_exp;
-    if (trace) trace->c_exp = t.align_exp;
-  }
+  add_c_term(c, kGstZeroExp, terms[kGstGroups], e_max, all_neg_zero);
+  if (trace) trace->c_exp = terms[kGstGroups].align_exp;
   if (trace) {
     trace->e_max = e_max;
     const int grid = e_max - kGstF;

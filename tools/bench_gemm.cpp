@@ -62,23 +62,8 @@ void BM_GpuGemmExact(benchmark::State& state) {
   auto cpu = make_backend("emu");
   gpu::CudaBackend be;
   QuantizedHost a = quantized_gaussian(*cpu, n, n, 1), b = quantized_gaussian(*cpu, n, n, 2);
-  auto upload = [&](QuantizedHost& h, std::vector<BackendBuffer>& keep) {
-    keep.emplace_back(be, h.codes.size());
-    keep.emplace_back(be, h.scales.size());
-    keep.emplace_back(be, sizeof(float));
-    be.upload(keep[keep.size() - 3].get(), h.codes.data(), h.codes.size());
-    be.upload(keep[keep.size() - 2].get(), h.scales.data(), h.scales.size());
-    be.upload(keep[keep.size() - 1].get(), &h.amax, sizeof(float));
-    QuantizedView v = h.view();
-    v.codes = keep[keep.size() - 3].as<uint8_t>();
-    v.scales = keep[keep.size() - 2].as<uint8_t>();
-    v.amax = keep[keep.size() - 1].as<float>();
-    v.device = Device::Cuda;
-    return v;
-  };
-  std::vector<BackendBuffer> keep;
-  keep.reserve(6);
-  QuantizedView av = upload(a, keep), bv = upload(b, keep);
+  QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
+  QuantizedView av = da.view, bv = db.view;
   BackendBuffer d(be, static_cast<size_t>(n * n) * sizeof(float));
   TensorView dv;
   dv.data = d.get();

@@ -87,27 +87,10 @@ QuantizedHost load_quantized(const std::string& prefix, const char* name) {
   return q;
 }
 
-// Device-side copy of a host operand.
-struct DeviceOperand {
-  BackendBuffer codes, scales, amax;
-  QuantizedView view;
-  DeviceOperand(Backend& be, QuantizedHost& h)
-      : codes(be, h.codes.size()), scales(be, h.scales.size()), amax(be, 4) {
-    be.upload(codes.get(), h.codes.data(), h.codes.size());
-    be.upload(scales.get(), h.scales.data(), h.scales.size());
-    be.upload(amax.get(), &h.amax, 4);
-    view = h.view();
-    view.codes = codes.as<uint8_t>();
-    view.scales = scales.as<uint8_t>();
-    view.amax = amax.as<float>();
-    view.device = be.device();
-  }
-};
-
 // Runs the exact GEMM on a backend; returns D as float (BF16 widened) and its raw bits.
 std::vector<uint32_t> run_gemm(Backend& be, QuantizedHost& a, QuantizedHost& b,
                                std::vector<float>* c, const GemmConfig& cfg, double* ms) {
-  DeviceOperand da(be, a), db(be, b);
+  QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
   const int64_t M = a.rows, N = b.rows;
   BackendBuffer cbuf(be, c ? c->size() * 4 : 0);
   TensorView cv;

@@ -7,41 +7,15 @@
 
 #include "emu/backend.hpp"
 #include "tests/emu/test_util.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 #include "tools/backends.hpp"
-
-#if FP4SIM_HAVE_CUDA
-#include "gpu/cuda_backend.hpp"
-#endif
 
 namespace fp4sim {
 namespace {
 
-bool have_gpu() {
-#if FP4SIM_HAVE_CUDA
-  return gpu::gpu_available();
-#else
-  return false;
-#endif
-}
-
-struct Dev {
-  BackendBuffer codes, scales, amax;
-  QuantizedView v;
-  Dev(Backend& be, QuantizedHost& h) : codes(be, h.codes.size()), scales(be, h.scales.size()), amax(be, 4) {
-    be.upload(codes.get(), h.codes.data(), h.codes.size());
-    be.upload(scales.get(), h.scales.data(), h.scales.size());
-    be.upload(amax.get(), &h.amax, 4);
-    v = h.view();
-    v.codes = codes.as<uint8_t>();
-    v.scales = scales.as<uint8_t>();
-    v.amax = amax.as<float>();
-    v.device = be.device();
-  }
-};
-
 std::vector<uint32_t> run(Backend& be, QuantizedHost& a, QuantizedHost& b, std::vector<float>* c,
                           const GemmConfig& cfg) {
-  Dev da(be, a), db(be, b);
+  QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
   const int64_t M = a.rows, N = b.rows;
   BackendBuffer cb(be, static_cast<size_t>(M * N) * 4), d(be, static_cast<size_t>(M * N) * 4);
   TensorView cv, dv;
@@ -49,7 +23,7 @@ std::vector<uint32_t> run(Backend& be, QuantizedHost& a, QuantizedHost& b, std::
   cv.data = cb.get(); cv.rows = M; cv.cols = N; cv.device = be.device();
   dv.data = d.get(); dv.rows = M; dv.cols = N; dv.device = be.device();
   dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
-  be.gemm(da.v, db.v, c ? &cv : nullptr, cfg, dv);  // (exact or cuBLASLt per cfg.impl)
+  be.gemm(da.view, db.view, c ? &cv : nullptr, cfg, dv);  // (exact or cuBLASLt per cfg.impl)
   be.synchronize();
   std::vector<uint32_t> out(static_cast<size_t>(M * N), 0);
   if (cfg.out == GemmOut::BF16) {

@@ -10,22 +10,11 @@
 
 #include "emu/backend.hpp"
 #include "tests/emu/test_util.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
 #include "tools/backends.hpp"
-
-#if FP4SIM_HAVE_CUDA
-#include "gpu/cuda_backend.hpp"
-#endif
 
 namespace fp4sim {
 namespace {
-
-bool have_gpu() {
-#if FP4SIM_HAVE_CUDA
-  return gpu::gpu_available();
-#else
-  return false;
-#endif
-}
 
 #define REQUIRE_GPU() \
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU: " << gpu_description()
