@@ -77,6 +77,26 @@ open("r3.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + 
 PY
 expect_fail "wrong dtype" "dtype '<f8'" "$bin" quantize f64.npy out --backend emu
 [ -f r3.npy ] && expect_fail "wrong rank" "2-D" "$bin" quantize r3.npy out --backend emu
+# gemm and mma
+"$bin" make-tensor ga.npy --rows 32 --cols 128 >/dev/null && "$bin" make-tensor gb.npy --rows 16 --cols 128 --seed 5 >/dev/null
+"$bin" make-tensor gk.npy --rows 16 --cols 96 >/dev/null
+"$bin" gemm ga.npy gb.npy q/d.npy --backend emu >log.txt 2>&1 && [ -f q/d.npy ] && grep -q "contract_version" q/d.npy.meta.json \
+  && ok "gemm writes D and meta" || bad "gemm: $(cat log.txt)"
+"$bin" quantize ga.npy q/ga --2d --backend emu >/dev/null 2>&1 && "$bin" quantize gb.npy q/gb --four-over-six --backend emu >/dev/null 2>&1 \
+  && "$bin" gemm --a-prefix q/ga --b-prefix q/gb q/d2.npy --out-dtype bf16 --backend emu >log.txt 2>&1 && [ -f q/d2.npy ] \
+  && ok "gemm from quantized files (2D and Four Over Six operands)" || bad "gemm prefixes: $(cat log.txt)"
+"$bin" mma --a 0:-4,16:-1,-1,-0.5 --b 0:4,16:1,0.5,0.5 --sfa 2^11,1,1,1 --sfb 2^8,2^-1,1,1 --c 2^23 >log.txt 2>&1 \
+  && grep -q "0xBF600000" log.txt && ok "mma worked vector -0.875" || bad "mma: $(cat log.txt)"
+expect_fail "gemm K mismatch" "K differs" "$bin" gemm ga.npy gk.npy out.npy --backend emu
+expect_fail "gemm split-k" "--split-k 3" "$bin" gemm ga.npy gb.npy out.npy --split-k 3 --backend emu
+expect_fail "gemm beta without C" "--beta needs C" "$bin" gemm ga.npy gb.npy out.npy --beta 1 --backend emu
+expect_fail "gemm missing quantized file" "q/nope.meta.json" "$bin" gemm --a-prefix q/nope --b-prefix q/gb out.npy --backend emu
+cp q/gb.scales.npy q/gbad.scales.npy; cp q/gb.meta.json q/gbad.meta.json; cp q/gb.amax.npy q/gbad.amax.npy; cp q/ga.codes.npy q/gbad.codes.npy
+expect_fail "gemm inconsistent quantized files" "q/gbad.scales.npy" "$bin" gemm --a-prefix q/ga --b-prefix q/gbad out.npy --backend emu
+expect_fail "gemm cublaslt on emu" "cublaslt" "$bin" gemm ga.npy gb.npy out.npy --gemm cublaslt --backend emu
+expect_fail "mma bad value" "not an E2M1 value" "$bin" mma --a 0:5 --b 0:1 --sfa 1,1,1,1 --sfb 1,1,1,1
+expect_fail "mma bad scale" "not a power of two" "$bin" mma --a 0:1 --b 0:1 --sfa 3,1,1,1 --sfb 1,1,1,1
+
 "$bin" info >info.txt 2>&1 && grep -q "contract_version 1" info.txt && ok "info" || bad "info: $(cat info.txt)"
 
 echo "cli: $fails failure(s)"
