@@ -10,5 +10,6 @@ void register_make_tensor(CLI::App& app);
 void register_info(CLI::App& app);
 void register_convert(CLI::App& app);
 void register_gemm(CLI::App& app);
+void register_probe(CLI::App& app);
 
 }  // namespace fp4sim::cli

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   fp4sim::cli::register_make_tensor(app);
   fp4sim::cli::register_convert(app);
   fp4sim::cli::register_gemm(app);
+  fp4sim::cli::register_probe(app);
   fp4sim::cli::register_info(app);
   try {
     app.parse(argc, argv);

@@ -1,0 +1,143 @@
+// fp4sim probe: for owners of Blackwell GPUs. Prints the model's answers to DESIGN.md §7's worked
+// vector and probes, then (on sm_100 / sm_120) checks the native FP4 conversions against the model:
+// cvt.rn.satfinite.e2m1x2.f32 on all 2^32 inputs, and which random byte feeds which element of
+// cvt.rs.satfinite.e2m1x4.f32. On other GPUs it says that it needs sm_100/sm_120 and exits with 2.
+#include <fmt/core.h>
+
+#include <cmath>
+#include <stdexcept>
+
+#include "emu/mma.hpp"
+#include "tools/backends.hpp"
+#include "tools/commands.hpp"
+
+#if FP4SIM_HAVE_CUDA
+#include "gpu/cuda_backend.hpp"
+#include "gpu/probe.hpp"
+#endif
+
+namespace fp4sim::cli {
+namespace {
+
+struct Probe64 {
+  uint8_t a[32] = {}, b[32] = {}, sa[4] = {127, 127, 127, 127}, sb[4] = {127, 127, 127, 127};
+  void set(int k, float x, float y) {
+    a[k / 2] |= e2m1_rn_satfinite(x) << (4 * (k & 1));
+    b[k / 2] |= e2m1_rn_satfinite(y) << (4 * (k & 1));
+  }
+};
+
+void print_model_answers() {
+  fmt::print("The model's answers (GST-FDPA, UE8M0 16-block scales), what a Blackwell GPU should give:\n");
+  Probe64 w;
+  w.set(0, -4, 4);
+  w.set(16, -1, 1);
+  w.set(17, -1, 0.5f);
+  w.set(18, -0.5f, 0.5f);
+  w.sa[0] = 127 + 11;
+  w.sb[0] = 127 + 8;
+  w.sb[1] = 126;
+  auto show = [](const char* name, const Probe64& p, float c) {
+    const uint32_t r = gst_fdpa_fp4_bits(p.a, p.b, p.sa, p.sb, ScaleKind::UE8M0_16, c);
+    float f;
+    std::memcpy(&f, &r, 4);
+    fmt::print("  {:<46} 0x{:08X}  {:.9g}\n", name, r, f);
+  };
+  show("worked vector (expect -0.875)", w, std::ldexp(1.0f, 23));
+  for (int e : {-35, -36}) {
+    Probe64 p;
+    p.set(0, 1, 1);
+    p.set(32, -1, 1);
+    p.set(16, 1, 1);
+    p.sa[1] = static_cast<uint8_t>(127 + e);
+    show(e == -35 ? "probe 1, g1 at 2^-35 (expect 2^-35)" : "probe 1, g1 at 2^-36 (expect 0)", p, 0.0f);
+  }
+  {
+    Probe64 p;
+    p.set(0, 0.5f, 0.5f);
+    p.set(1, -0.5f, 0.5f);
+    p.set(16, 1, 1);
+    p.sa[1] = 127 - 36;
+    show("probe 2, cancelled group keeps its exponent (0)", p, 0.0f);
+  }
+  {
+    Probe64 p;
+    p.set(0, 6, 6);
+    p.set(16, -6, 6);
+    p.set(32, 1, 1);
+    p.sa[2] = 127 - 35;
+    show("probe 3, alignment by scale exponent (2^-35)", p, 0.0f);
+  }
+  {
+    Probe64 p;
+    p.set(0, 1, 1);
+    p.set(16, -1, 1);
+    p.sa[0] = p.sa[1] = 127 + 13;
+    show("probe 4, C is truncated too (1.0)", p, 1.0f + std::ldexp(1.0f, -23));
+  }
+}
+
+int run_probe() {
+  fmt::print("fp4sim probe: native Blackwell FP4 arithmetic against the model (contract DESIGN.md §7)\n\n");
+  print_model_answers();
+  fmt::print("\n");
+#if FP4SIM_HAVE_CUDA
+  if (!gpu::gpu_available()) {
+    fmt::print("No CUDA GPU found ({}). The native checks need an sm_100 or sm_120 GPU.\n", gpu_description());
+    return 2;
+  }
+  const gpu::NativeProbe p = gpu::run_native_probe();
+  if (p.cc_major < 10) {
+    fmt::print("This GPU is sm_{}{} ({}): the native checks need an sm_100 (B200/GB200) or sm_120 "
+               "(RTX 50xx) GPU. Nothing was checked.\n", p.cc_major, p.cc_minor, gpu_description());
+    return 2;
+  }
+  fmt::print("GPU: {}\n", gpu_description());
+  if (!p.cvt_rn_supported) {
+    fmt::print("cvt.rn.satfinite.e2m1x2.f32: not in this build's code for sm_{}{} (build with {}a)\n",
+               p.cc_major, p.cc_minor, p.cc_major * 10 + p.cc_minor);
+  } else if (p.rn_mismatches == 0) {
+    fmt::print("cvt.rn.satfinite.e2m1x2.f32: all 2^32 FP32 inputs agree with the model   OK\n");
+  } else {
+    fmt::print("cvt.rn.satfinite.e2m1x2.f32: {} of 2^32 inputs DIFFER from the model, first at 0x{:08X}\n",
+               p.rn_mismatches, p.rn_first_mismatch);
+  }
+  if (!p.cvt_rs_supported) {
+    fmt::print("cvt.rs.satfinite.e2m1x4.f32: not available on this GPU/build (sm_100a only)\n");
+  } else {
+    // inputs 0.25, 1.25, 2.5, 5: code pairs {0,1}, {2,3}, {4,5}, {6,7}; odd code = rounded up
+    fmt::print("cvt.rs.satfinite.e2m1x4.f32 on {{0.25, 1.25, 2.5, 5}} (each half way between grid points):\n");
+    fmt::print("  {:<12} nibbles (bits 15..12 .. 3..0) -> input, rounded up?\n", "rbits");
+    for (int i = 0; i < 6; ++i) {
+      std::string row;
+      for (int nib = 3; nib >= 0; --nib) {
+        const uint32_t code = (p.rs_results[i] >> (4 * nib)) & 0x7u;
+        const char* input[4] = {"0.25", "1.25", "2.5", "5"};
+        row += fmt::format("  {}:{}", input[code / 2], code & 1 ? "up" : "down");
+      }
+      fmt::print("  0x{:08X} {}\n", p.rs_rbits[i], row);
+    }
+    fmt::print("  The model assumes element j of a 4-element conversion uses byte j of its random word "
+               "(byte 0 = bits 7..0); compare the single-byte rows above.\n");
+  }
+  fmt::print("MMA (mma ... kind::mxf4nvf4.block_scale, tcgen05.mma): not probed yet; run the worked vector "
+             "and probes above through them and compare.\n");
+  return p.cvt_rn_supported && p.rn_mismatches != 0 ? 1 : 0;
+#else
+  fmt::print("This build has no CUDA backend: the native checks need an sm_100 or sm_120 GPU.\n");
+  return 2;
+#endif
+}
+
+}  // namespace
+
+void register_probe(CLI::App& app) {
+  auto* cmd = app.add_subcommand("probe", "Check a Blackwell GPU's native FP4 conversions against the "
+                                          "model (needs sm_100/sm_120; prints the model's answers)");
+  cmd->callback([]() {
+    const int rc = run_probe();
+    if (rc != 0) throw CLI::RuntimeError(rc);
+  });
+}
+
+}  // namespace fp4sim::cli
