@@ -11,5 +11,6 @@ void register_info(CLI::App& app);
 void register_convert(CLI::App& app);
 void register_gemm(CLI::App& app);
 void register_probe(CLI::App& app);
+void register_data(CLI::App& app);
 
 }  // namespace fp4sim::cli
