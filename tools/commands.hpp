@@ -12,5 +12,6 @@ void register_convert(CLI::App& app);
 void register_gemm(CLI::App& app);
 void register_probe(CLI::App& app);
 void register_data(CLI::App& app);
+void register_config(CLI::App& app);
 
 }  // namespace fp4sim::cli

@@ -1,0 +1,192 @@
+#include "model/config.hpp"
+
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+namespace fp4sim::model {
+namespace {
+
+using Json = nlohmann::json;
+
+// Every key once: how to set it from JSON and how to read it back.
+struct Field {
+  const char* key;
+  std::function<void(RunConfig&, const Json&)> set;
+  std::function<Json(const RunConfig&)> get;
+};
+
+#define FP4SIM_FIELD(part, name)                                                                \
+  Field {                                                                                       \
+    #part "." #name, [](RunConfig& c, const Json& v) { c.part.name = v.get<decltype(c.part.name)>(); }, \
+        [](const RunConfig& c) { return Json(c.part.name); }                                    \
+  }
+
+const std::vector<Field>& fields() {
+  static const std::vector<Field> f = {
+      FP4SIM_FIELD(model, vocab), FP4SIM_FIELD(model, seq_len), FP4SIM_FIELD(model, d_model),
+      FP4SIM_FIELD(model, n_layers), FP4SIM_FIELD(model, n_heads), FP4SIM_FIELD(model, n_kv_heads),
+      FP4SIM_FIELD(model, d_ff), FP4SIM_FIELD(model, activation), FP4SIM_FIELD(model, norm),
+      FP4SIM_FIELD(model, positions), FP4SIM_FIELD(model, max_positions),
+      FP4SIM_FIELD(model, tied_embeddings), FP4SIM_FIELD(model, bias),
+      FP4SIM_FIELD(train, batch), FP4SIM_FIELD(train, steps), FP4SIM_FIELD(train, lr),
+      FP4SIM_FIELD(train, min_lr_ratio), FP4SIM_FIELD(train, warmup), FP4SIM_FIELD(train, schedule),
+      FP4SIM_FIELD(train, decay_fraction), FP4SIM_FIELD(train, weight_decay),
+      FP4SIM_FIELD(train, beta1), FP4SIM_FIELD(train, beta2), FP4SIM_FIELD(train, eps),
+      FP4SIM_FIELD(train, grad_clip), FP4SIM_FIELD(train, seed), FP4SIM_FIELD(train, data),
+      FP4SIM_FIELD(train, eval_every), FP4SIM_FIELD(train, eval_batches),
+      FP4SIM_FIELD(train, checkpoint_every), FP4SIM_FIELD(train, keep_last),
+      FP4SIM_FIELD(train, out_dir), FP4SIM_FIELD(recipe, name)};
+  return f;
+}
+
+#undef FP4SIM_FIELD
+
+const Field* find_field(const std::string& key) {
+  for (const Field& f : fields())
+    if (key == f.key) return &f;
+  return nullptr;
+}
+
+std::string key_list() {
+  std::string s;
+  for (const Field& f : fields()) s += std::string(s.empty() ? "" : ", ") + f.key;
+  return s;
+}
+
+void set_key(RunConfig& c, const std::string& key, const Json& v, const std::string& where) {
+  const Field* f = find_field(key);
+  if (!f) throw std::invalid_argument(where + ": unknown config key '" + key + "'; valid keys: " + key_list());
+  try {
+    f->set(c, v);
+  } catch (const Json::exception&) {
+    throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " has the wrong type (expected " +
+                                f->get(RunConfig{}).type_name() + ")");
+  }
+}
+
+// {"model": {"d_model": 1}} and {"model.d_model": 1} both become ("model.d_model", 1).
+void flatten(const Json& j, const std::string& prefix, std::vector<std::pair<std::string, Json>>& out) {
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string key = prefix.empty() ? it.key() : prefix + "." + it.key();
+    if (it->is_object()) flatten(*it, key, out);
+    else out.emplace_back(key, *it);
+  }
+}
+
+[[noreturn]] void bad(const std::string& m) { throw std::invalid_argument("config: " + m); }
+
+}  // namespace
+
+nlohmann::json to_json(const RunConfig& c) {
+  Json j;
+  for (const Field& f : fields()) {
+    const std::string k = f.key;
+    const auto dot = k.find('.');
+    j[k.substr(0, dot)][k.substr(dot + 1)] = f.get(c);
+  }
+  return j;
+}
+
+std::vector<std::string> valid_keys() {
+  std::vector<std::string> k;
+  for (const Field& f : fields()) k.push_back(f.key);
+  return k;
+}
+
+RunConfig config_from_json(const Json& j, const std::vector<std::string>& overrides) {
+  RunConfig c;
+  std::vector<std::pair<std::string, Json>> kv;
+  flatten(j, "", kv);
+  for (const auto& [k, v] : kv) set_key(c, k, v, "config file");
+  for (const std::string& o : overrides) {
+    const auto eq = o.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw std::invalid_argument("override '" + o + "': expected key=value (e.g. model.d_model=256)");
+    const std::string key = o.substr(0, eq), text = o.substr(eq + 1);
+    Json v = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (v.is_discarded()) v = text;  // a bare word: a string
+    const Field* f = find_field(key);
+    if (f && f->get(RunConfig{}).is_string()) v = text;  // string keys take the text as written
+    set_key(c, key, v, "override '" + o + "'");
+  }
+  validate(c);
+  return c;
+}
+
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument(path + ": cannot open config file");
+  Json j;
+  try {
+    in >> j;
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(path + ": not valid JSON (" + e.what() + ")");
+  }
+  if (!j.is_object()) throw std::invalid_argument(path + ": a config file is a JSON object");
+  return config_from_json(j, overrides);
+}
+
+void validate(const RunConfig& c) {
+  const ModelConfig& m = c.model;
+  const TrainConfig& t = c.train;
+  auto positive = [](const char* k, int64_t v) {
+    if (v <= 0) bad(std::string(k) + " must be positive, got " + std::to_string(v));
+  };
+  positive("model.vocab", m.vocab);
+  positive("model.seq_len", m.seq_len);
+  positive("model.d_model", m.d_model);
+  positive("model.n_layers", m.n_layers);
+  positive("model.n_heads", m.n_heads);
+  positive("model.n_kv_heads", m.n_kv_heads);
+  positive("model.d_ff", m.d_ff);
+  positive("train.batch", t.batch);
+  positive("train.steps", t.steps);
+  if (m.vocab > 65536) bad("model.vocab " + std::to_string(m.vocab) + " exceeds the 16-bit token files");
+  if (m.d_model % m.n_heads != 0)
+    bad("model.d_model " + std::to_string(m.d_model) + " is not divisible by model.n_heads " +
+        std::to_string(m.n_heads));
+  if (m.n_heads % m.n_kv_heads != 0)
+    bad("model.n_heads " + std::to_string(m.n_heads) + " is not divisible by model.n_kv_heads " +
+        std::to_string(m.n_kv_heads));
+  if (m.positions == "rope" && (m.d_model / m.n_heads) % 2 != 0)
+    bad("rope needs an even head dimension, got " + std::to_string(m.d_model / m.n_heads));
+  if (m.positions == "learned" && m.seq_len > m.max_positions)
+    bad("model.seq_len " + std::to_string(m.seq_len) + " is longer than the learned positions table "
+        "(model.max_positions " + std::to_string(m.max_positions) + ")");
+  auto one_of = [](const char* k, const std::string& v, std::initializer_list<const char*> ok) {
+    std::string list;
+    for (const char* o : ok) {
+      if (v == o) return;
+      list += std::string(list.empty() ? "" : ", ") + o;
+    }
+    bad(std::string(k) + " '" + v + "' is not one of: " + list);
+  };
+  one_of("model.activation", m.activation, {"gelu_tanh", "squared_relu", "swiglu"});
+  one_of("model.norm", m.norm, {"layernorm", "rmsnorm"});
+  one_of("model.positions", m.positions, {"learned", "rope"});
+  one_of("train.schedule", t.schedule, {"cosine", "wsd"});
+  one_of("recipe.name", c.recipe.name, {"bf16", "fp8", "nvfp4", "mxfp4"});
+  if (t.lr <= 0) bad("train.lr must be positive");
+  if (t.warmup < 0 || t.warmup > t.steps) bad("train.warmup must be within 0..train.steps");
+  if (t.grad_clip < 0) bad("train.grad_clip must be >= 0 (0 disables clipping)");
+  if (t.decay_fraction < 0 || t.decay_fraction > 1) bad("train.decay_fraction must be within 0..1");
+}
+
+int64_t parameter_count(const ModelConfig& m) {
+  const int64_t hd = m.d_model / m.n_heads;
+  const int64_t attn = m.d_model * (m.d_model + 2 * m.n_kv_heads * hd) + m.d_model * m.d_model;
+  const int64_t ffn = (m.activation == "swiglu" ? 3 : 2) * m.d_model * m.d_ff;
+  const int64_t norms = (m.norm == "layernorm" ? 2 : 1) * m.d_model * 2;
+  const int64_t biases = m.bias ? (m.d_model + 2 * m.n_kv_heads * hd) + m.d_model +
+                                      (m.activation == "swiglu" ? 2 : 1) * m.d_ff + m.d_model
+                                : 0;
+  const int64_t per_layer = attn + ffn + norms + biases;
+  const int64_t emb = m.vocab * m.d_model * (m.tied_embeddings ? 1 : 2);
+  const int64_t pos = m.positions == "learned" ? m.max_positions * m.d_model : 0;
+  return m.n_layers * per_layer + emb + pos + (m.norm == "layernorm" ? 2 : 1) * m.d_model;
+}
+
+}  // namespace fp4sim::model

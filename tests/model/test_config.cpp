@@ -1,0 +1,55 @@
+// Config files, overrides and the checks that run before any work.
+#include <gtest/gtest.h>
+
+#include "model/config.hpp"
+
+namespace fp4sim::model {
+namespace {
+
+void expect_error(const nlohmann::json& j, const std::vector<std::string>& o, const char* needle) {
+  try {
+    config_from_json(j, o);
+    FAIL() << "expected an error containing '" << needle << "'";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Config, PresetsLoadAndOverridesApply) {
+  for (const char* p : {"tiny", "gpt2-124m", "small"}) {
+    const RunConfig c = load_config(std::string(FP4SIM_SOURCE_DIR) + "/configs/" + p + ".json", {});
+    EXPECT_GT(parameter_count(c.model), 0) << p;
+  }
+  const RunConfig g = load_config(std::string(FP4SIM_SOURCE_DIR) + "/configs/gpt2-124m.json", {});
+  // GPT-2 small with vocab 50304 and tied embeddings: 124.5M parameters (llm.c counts the same)
+  EXPECT_NEAR(static_cast<double>(parameter_count(g.model)), 124.48e6, 0.05e6);
+  const RunConfig t = load_config(std::string(FP4SIM_SOURCE_DIR) + "/configs/tiny.json",
+                                  {"model.d_model=256", "train.lr=0.002", "train.data=synthetic",
+                                   "model.tied_embeddings=false"});
+  EXPECT_EQ(t.model.d_model, 256);
+  EXPECT_DOUBLE_EQ(t.train.lr, 0.002);
+  EXPECT_EQ(t.train.data, "synthetic");
+  EXPECT_FALSE(t.model.tied_embeddings);
+  EXPECT_EQ(to_json(t)["model"]["d_model"], 256);
+  EXPECT_EQ(config_from_json(to_json(t), {}).model.d_model, 256);  // round trip
+}
+
+TEST(Config, BadInputIsAClearErrorBeforeAnyWork) {
+  const nlohmann::json base = to_json(RunConfig{});
+  expect_error(base, {"model.dmodel=3"}, "unknown config key 'model.dmodel'");
+  expect_error(base, {"model.dmodel=3"}, "valid keys: model.vocab");
+  expect_error(base, {"model.d_model=130"}, "not divisible by model.n_heads");
+  expect_error(base, {"model.n_kv_heads=3"}, "not divisible by model.n_kv_heads");
+  expect_error(base, {"model.seq_len=1024"}, "longer than the learned positions table");
+  expect_error(base, {"model.d_model=abc"}, "wrong type");
+  expect_error(base, {"model.activation=relu"}, "is not one of");
+  expect_error(base, {"recipe.name=int8"}, "recipe.name 'int8'");
+  expect_error(base, {"d_model"}, "expected key=value");
+  nlohmann::json j = base;
+  j["model"]["heads"] = 4;
+  expect_error(j, {}, "unknown config key 'model.heads'");
+  EXPECT_THROW(load_config("/nonexistent/config.json", {}), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace fp4sim::model
