@@ -1,0 +1,168 @@
+#include "model/checkpoint.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <unistd.h>
+
+#include "emu/contract.hpp"
+
+namespace fp4sim::model {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+namespace {
+
+int64_t dtype_bytes(const std::string& d) {
+  if (d == "F32" || d == "I32" || d == "U32") return 4;
+  if (d == "BF16" || d == "F16" || d == "I16" || d == "U16") return 2;
+  if (d == "U8" || d == "I8" || d == "BOOL") return 1;
+  if (d == "F64" || d == "I64" || d == "U64") return 8;
+  return 0;
+}
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+constexpr const char* kStateFile = "state.json";
+constexpr const char* kStepPrefix = "step_";
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const TensorMap& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  Json header = Json::object();
+  uint64_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    if (static_cast<int64_t>(t.bytes.size()) != numel(t.shape) * dtype_bytes(t.dtype))
+      throw std::invalid_argument("safetensors: tensor '" + name + "' has " + std::to_string(t.bytes.size()) +
+                                  " bytes, its dtype and shape need " +
+                                  std::to_string(numel(t.shape) * dtype_bytes(t.dtype)));
+    header[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes.size()}}};
+    offset += t.bytes.size();
+  }
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::string h = header.dump();
+  while (h.size() % 8) h += ' ';  // align the data to 8 bytes
+  std::ofstream out(path, std::ios::binary);
+  if (!out) throw std::runtime_error(path + ": cannot open for writing");
+  const uint64_t n = h.size();
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out.write(h.data(), static_cast<std::streamsize>(h.size()));
+  for (const auto& [name, t] : tensors)
+    out.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
+  if (!out) throw std::runtime_error(path + ": write failed");
+}
+
+TensorMap read_safetensors(const std::string& path, std::map<std::string, std::string>* metadata) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(path + ": cannot open");
+  const auto size = static_cast<uint64_t>(fs::file_size(path));
+  uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), 8);
+  if (in.gcount() != 8 || n > size - 8)
+    throw std::runtime_error(path + ": not a safetensors file (header length " + std::to_string(n) + ")");
+  std::string h(n, '\0');
+  in.read(h.data(), static_cast<std::streamsize>(n));
+  Json header;
+  try {
+    header = Json::parse(h);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(path + ": bad safetensors header (" + e.what() + ")");
+  }
+  const uint64_t data_start = 8 + n;
+  TensorMap out;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      if (metadata) *metadata = it->get<std::map<std::string, std::string>>();
+      continue;
+    }
+    StoredTensor t;
+    t.dtype = it->at("dtype").get<std::string>();
+    t.shape = it->at("shape").get<std::vector<int64_t>>();
+    const auto off = it->at("data_offsets").get<std::vector<uint64_t>>();
+    if (off.size() != 2 || off[1] < off[0] ||
+        off[1] - off[0] != static_cast<uint64_t>(numel(t.shape) * dtype_bytes(t.dtype)))
+      throw std::runtime_error(path + ": tensor '" + it.key() + "' offsets do not match its dtype and shape");
+    if (data_start + off[1] > size)
+      throw std::runtime_error(path + ": truncated (tensor '" + it.key() + "' ends at byte " +
+                               std::to_string(data_start + off[1]) + " of " + std::to_string(size) + ")");
+    t.bytes.resize(off[1] - off[0]);
+    in.seekg(static_cast<std::streamoff>(data_start + off[0]));
+    in.read(reinterpret_cast<char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
+    out.emplace(it.key(), std::move(t));
+  }
+  return out;
+}
+
+std::vector<std::string> list_checkpoints(const std::string& dir) {
+  std::vector<std::string> out;
+  if (!fs::is_directory(dir)) return out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    // complete checkpoints only: step_NNNNNNNN with its state.json (temporaries carry a suffix)
+    if (e.is_directory() && name.rfind(kStepPrefix, 0) == 0 && name.find('.') == std::string::npos &&
+        fs::exists(e.path() / kStateFile))
+      out.push_back(e.path().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int keep_last) {
+  fs::create_directories(dir);
+  char name[32];
+  std::snprintf(name, sizeof name, "%s%08lld", kStepPrefix, static_cast<long long>(ck.step));
+  const fs::path final_dir = fs::path(dir) / name;
+  const fs::path tmp = fs::path(dir) / (std::string(name) + ".tmp-" + std::to_string(::getpid()));
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  const std::map<std::string, std::string> meta = {{"contract_version", std::to_string(kContractVersion)},
+                                                   {"step", std::to_string(ck.step)}};
+  write_safetensors((tmp / "model.safetensors").string(), ck.model, meta);
+  write_safetensors((tmp / "optimizer.safetensors").string(), ck.optimizer, meta);
+  Json state = ck.state;
+  state["contract_version"] = kContractVersion;
+  state["step"] = ck.step;
+  std::ofstream((tmp / kStateFile).string()) << state.dump(2) << "\n";  // written last
+  fs::remove_all(final_dir);
+  fs::rename(tmp, final_dir);  // the checkpoint appears complete, or not at all
+  if (keep_last > 0) {
+    const std::vector<std::string> all = list_checkpoints(dir);
+    for (size_t i = 0; i + static_cast<size_t>(keep_last) < all.size(); ++i) fs::remove_all(all[i]);
+  }
+  return final_dir.string();
+}
+
+Checkpoint load_checkpoint(const std::string& path) {
+  fs::path p = path;
+  if (!fs::exists(p / kStateFile)) {
+    const std::vector<std::string> all = list_checkpoints(path);
+    if (all.empty()) throw std::runtime_error(path + ": no complete checkpoint (step_*/state.json) found");
+    p = all.back();
+  }
+  Checkpoint ck;
+  std::ifstream in((p / kStateFile).string());
+  try {
+    in >> ck.state;
+  } catch (const std::exception& e) {
+    throw std::runtime_error((p / kStateFile).string() + ": corrupt (" + e.what() + ")");
+  }
+  const int version = ck.state.value("contract_version", -1);
+  if (version != kContractVersion)
+    throw std::runtime_error(p.string() + ": written under contract_version " + std::to_string(version) +
+                             ", this build is " + std::to_string(kContractVersion));
+  ck.step = ck.state.value("step", int64_t{0});
+  ck.model = read_safetensors((p / "model.safetensors").string());
+  ck.optimizer = read_safetensors((p / "optimizer.safetensors").string());
+  return ck;
+}
+
+}  // namespace fp4sim::model

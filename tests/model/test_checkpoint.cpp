@@ -1,0 +1,97 @@
+// safetensors files and atomic checkpoints.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "model/checkpoint.hpp"
+
+namespace fp4sim::model {
+namespace {
+
+namespace fs = std::filesystem;
+
+StoredTensor f32(std::vector<int64_t> shape, float start) {
+  StoredTensor t;
+  t.dtype = "F32";
+  t.shape = shape;
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  t.bytes.resize(static_cast<size_t>(n) * 4);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = start + static_cast<float>(i);
+    std::memcpy(&t.bytes[static_cast<size_t>(i) * 4], &v, 4);
+  }
+  return t;
+}
+
+fs::path temp_dir(const char* name) {
+  fs::path p = fs::temp_directory_path() / (std::string("fp4sim_ck_") + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+TEST(Checkpoint, SafetensorsRoundTripAndLayout) {
+  const fs::path d = temp_dir("st");
+  TensorMap m = {{"wte", f32({4, 3}, 1.0f)}, {"ln.bias", f32({3}, -1.0f)}};
+  write_safetensors((d / "a.safetensors").string(), m, {{"note", "x"}});
+  std::map<std::string, std::string> meta;
+  const TensorMap r = read_safetensors((d / "a.safetensors").string(), &meta);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r.at("wte").bytes, m.at("wte").bytes);
+  EXPECT_EQ(r.at("wte").shape, (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(meta.at("note"), "x");
+  // layout: 8-byte header length, then a JSON header starting with '{'
+  std::ifstream in((d / "a.safetensors").string(), std::ios::binary);
+  uint64_t n;
+  in.read(reinterpret_cast<char*>(&n), 8);
+  EXPECT_EQ(n % 8, 0u);
+  EXPECT_EQ(in.get(), '{');
+  // truncated
+  fs::resize_file(d / "a.safetensors", fs::file_size(d / "a.safetensors") - 4);
+  EXPECT_THROW(read_safetensors((d / "a.safetensors").string()), std::runtime_error);
+  fs::remove_all(d);
+}
+
+TEST(Checkpoint, AtomicKeepLastAndVersionCheck) {
+  const fs::path d = temp_dir("run");
+  for (int64_t step : {5, 10, 15, 20}) {
+    Checkpoint ck;
+    ck.step = step;
+    ck.model = {{"w", f32({2, 2}, static_cast<float>(step))}};
+    ck.optimizer = {{"w.m", f32({2, 2}, 0.0f)}};
+    ck.state = {{"data_position", step * 100}};
+    save_checkpoint(d.string(), ck, 2);
+  }
+  // a crash mid-write leaves a temporary directory: it is never taken for a checkpoint
+  fs::create_directories(d / "step_00000025.tmp-999");
+  const auto all = list_checkpoints(d.string());
+  ASSERT_EQ(all.size(), 2u);
+  const Checkpoint latest = load_checkpoint(d.string());
+  EXPECT_EQ(latest.step, 20);
+  EXPECT_EQ(latest.state["data_position"], 2000);
+  EXPECT_EQ(latest.model.at("w").bytes, f32({2, 2}, 20.0f).bytes);
+  // a checkpoint from another contract version is refused
+  {
+    std::ifstream in((fs::path(all.back()) / "state.json").string());
+    nlohmann::json s;
+    in >> s;
+    s["contract_version"] = 99;
+    std::ofstream((fs::path(all.back()) / "state.json").string()) << s.dump();
+  }
+  try {
+    load_checkpoint(d.string());
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("contract_version 99"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(load_checkpoint((d / "nothing").string()), std::runtime_error);
+  fs::remove_all(d);
+}
+
+}  // namespace
+}  // namespace fp4sim::model
