@@ -1,0 +1,156 @@
+#include "emu/layers.hpp"
+
+#include <cmath>
+
+namespace fp4sim::emu {
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int64_t N, int64_t C, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    float m = 0.0f;
+    for (int64_t i = 0; i < C; ++i) m += x[i];
+    m = m / static_cast<float>(C);
+    float v = 0.0f;
+    for (int64_t i = 0; i < C; ++i) {
+      const float d = x[i] - m;
+      v += d * d;
+    }
+    v = v / static_cast<float>(C);
+    const float s = 1.0f / std::sqrt(v + eps);
+    float* o = out + n * C;
+    for (int64_t i = 0; i < C; ++i) o[i] = (s * (x[i] - m)) * weight[i] + bias[i];
+    mean[n] = m;
+    rstd[n] = s;
+  }
+}
+
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean, const float* rstd,
+                        int64_t N, int64_t C) {
+  // dweight/dbias sum over rows: kept sequential over n so the order is fixed
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    const float* dy = dout + n * C;
+    float* dx = dinp + n * C;
+    const float m = mean[n], s = rstd[n];
+    float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+    for (int64_t i = 0; i < C; ++i) {
+      const float norm = (x[i] - m) * s;
+      const float dnorm = weight[i] * dy[i];
+      dnorm_mean += dnorm;
+      dnorm_norm_mean += dnorm * norm;
+    }
+    dnorm_mean = dnorm_mean / static_cast<float>(C);
+    dnorm_norm_mean = dnorm_norm_mean / static_cast<float>(C);
+    for (int64_t i = 0; i < C; ++i) {
+      const float norm = (x[i] - m) * s;
+      const float dnorm = weight[i] * dy[i];
+      dbias[i] += dy[i];
+      dweight[i] += norm * dy[i];
+      dx[i] += ((dnorm - dnorm_mean) - norm * dnorm_norm_mean) * s;
+    }
+  }
+}
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                     int64_t C, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    float ms = 0.0f;
+    for (int64_t i = 0; i < C; ++i) ms += x[i] * x[i];
+    ms = ms / static_cast<float>(C);
+    const float s = 1.0f / std::sqrt(ms + eps);
+    for (int64_t i = 0; i < C; ++i) out[n * C + i] = (x[i] * s) * weight[i];
+    rstd[n] = s;
+  }
+}
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    const float* dy = dout + n * C;
+    const float s = rstd[n];
+    float dot = 0.0f;  // sum_i dy_i w_i x_i
+    for (int64_t i = 0; i < C; ++i) dot += dy[i] * weight[i] * x[i];
+    const float k = dot * s * s * s / static_cast<float>(C);
+    for (int64_t i = 0; i < C; ++i) {
+      dweight[i] += dy[i] * x[i] * s;
+      dinp[n * C + i] += dy[i] * weight[i] * s - x[i] * k;
+    }
+  }
+}
+
+namespace {
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kGeluCubic = 0.044715f;
+}  // namespace
+
+void gelu_forward(float* out, const float* inp, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    const float cube = kGeluCubic * x * x * x;
+    out[i] = 0.5f * x * (1.0f + std::tanh(kGeluScale * (x + cube)));
+  }
+}
+
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    const float cube = kGeluCubic * x * x * x;
+    const float arg = kGeluScale * (x + cube);
+    const float t = std::tanh(arg);
+    const float sech2 = 1.0f - t * t;
+    const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
+    dinp[i] += local * dout[i];
+  }
+}
+
+void squared_relu_forward(float* out, const float* inp, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = inp[i] > 0.0f ? inp[i] : 0.0f;
+    out[i] = r * r;
+  }
+}
+
+void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) dinp[i] += (inp[i] > 0.0f ? 2.0f * inp[i] : 0.0f) * dout[i];
+}
+
+void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
+                                  const int32_t* targets, int64_t N, int64_t V) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* z = logits + n * V;
+    float* p = probs + n * V;
+    float maxv = -INFINITY;
+    for (int64_t i = 0; i < V; ++i) maxv = z[i] > maxv ? z[i] : maxv;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < V; ++i) {
+      p[i] = std::exp(z[i] - maxv);
+      sum += p[i];
+    }
+    for (int64_t i = 0; i < V; ++i) p[i] = p[i] / sum;
+    losses[n] = -std::log(p[targets[n]]);
+  }
+}
+
+void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
+                                   const float* dlosses, int64_t N, int64_t V) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t i = 0; i < V; ++i) {
+      const float indicator = i == targets[n] ? 1.0f : 0.0f;
+      dlogits[n * V + i] += (probs[n * V + i] - indicator) * dlosses[n];
+    }
+  }
+}
+
+}  // namespace fp4sim::emu

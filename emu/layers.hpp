@@ -1,0 +1,41 @@
+// Reference layer ops of the training stack (issue 4 groundwork), forward and backward, in the
+// style of llm.c's CPU reference: plain loops, FP32 arithmetic with FP32 accumulation in index
+// order, OpenMP only across independent rows. Shapes in the comments: N rows (tokens), C channels,
+// V vocabulary. The CUDA twins will keep these names and argument orders.
+#pragma once
+
+#include <cstdint>
+
+namespace fp4sim::emu {
+
+// out (N,C) = (inp - mean) * rstd * weight + bias; mean, rstd (N) saved for the backward pass.
+// mean and variance in FP32 over the row in index order, rstd = 1 / sqrt(var + eps).
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int64_t N, int64_t C, float eps = 1e-5f);
+// Accumulates into dinp (N,C), dweight (C), dbias (C).
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean, const float* rstd,
+                        int64_t N, int64_t C);
+
+// out (N,C) = inp * rstd * weight, rstd = 1 / sqrt(mean(inp^2) + eps) saved (N).
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                     int64_t C, float eps = 1e-5f);
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C);
+
+// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). n elements.
+void gelu_forward(float* out, const float* inp, int64_t n);
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);  // accumulates
+
+// Squared ReLU: max(x, 0)^2.
+void squared_relu_forward(float* out, const float* inp, int64_t n);
+void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
+
+// Fused softmax + cross-entropy: probs (N,V) = softmax(logits), losses (N) = -log probs[target].
+void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
+                                  const int32_t* targets, int64_t N, int64_t V);
+// dlogits (N,V) += (probs - onehot(target)) * dlosses[n].
+void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
+                                   const float* dlosses, int64_t N, int64_t V);
+
+}  // namespace fp4sim::emu
