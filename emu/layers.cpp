@@ -154,3 +154,62 @@ void crossentropy_softmax_backward(float* dlogits, const float* probs, const int
 }
 
 }  // namespace fp4sim::emu
+
+#include <vector>
+
+#include "emu/formats.hpp"
+#include "emu/mma.hpp"
+
+namespace fp4sim::emu {
+
+void bf16_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t N, int64_t K) {
+  const int64_t Kp = (K + kBf16FdpaL - 1) / kBf16FdpaL * kBf16FdpaL;
+  std::vector<float> ab(static_cast<size_t>(M * Kp), 0.0f), bb(static_cast<size_t>(N * Kp), 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) ab[m * Kp + k] = bf16_round(a[m * K + k]);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) bb[n * Kp + k] = bf16_round(b[n * K + k]);
+#pragma omp parallel for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (int64_t k0 = 0; k0 < Kp; k0 += kBf16FdpaL)
+        acc = tfdpa_bf16(&ab[m * Kp + k0], &bb[n * Kp + k0], acc);
+      out[m * N + n] = acc;
+    }
+  }
+}
+
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                    int64_t N, int64_t K, int64_t OC) {
+  bf16_gemm_tn(out, inp, weight, N, OC, K);
+  if (bias)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t o = 0; o < OC; ++o) out[n * OC + o] += bias[o];
+}
+
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int64_t K, int64_t OC) {
+  // dinp = dout (N,OC) * W (OC,K): TN form with B = W^T (K,OC)
+  std::vector<float> wt(static_cast<size_t>(K * OC)), tmp(static_cast<size_t>(N * K));
+  for (int64_t o = 0; o < OC; ++o)
+    for (int64_t k = 0; k < K; ++k) wt[k * OC + o] = weight[o * K + k];
+  bf16_gemm_tn(tmp.data(), dout, wt.data(), N, K, OC);
+  for (int64_t i = 0; i < N * K; ++i) dinp[i] += tmp[i];
+  // dweight = dout^T (OC,N) * inp (N,K): TN form with A = dout^T, B = inp^T (K,N)
+  std::vector<float> dt(static_cast<size_t>(OC * N)), it(static_cast<size_t>(K * N)), tw(static_cast<size_t>(OC * K));
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t o = 0; o < OC; ++o) dt[o * N + n] = dout[n * OC + o];
+    for (int64_t k = 0; k < K; ++k) it[k * N + n] = inp[n * K + k];
+  }
+  bf16_gemm_tn(tw.data(), dt.data(), it.data(), OC, K, N);
+  for (int64_t i = 0; i < OC * K; ++i) dweight[i] += tw[i];
+  if (dbias)
+    for (int64_t o = 0; o < OC; ++o) {
+      float s = 0.0f;
+      for (int64_t n = 0; n < N; ++n) s += dout[n * OC + o];
+      dbias[o] += s;
+    }
+}
+
+}  // namespace fp4sim::emu

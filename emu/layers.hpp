@@ -39,3 +39,19 @@ void crossentropy_softmax_backward(float* dlogits, const float* probs, const int
                                    const float* dlosses, int64_t N, int64_t V);
 
 }  // namespace fp4sim::emu
+
+namespace fp4sim::emu {
+
+// BF16 GEMM as the tensor core computes it (DESIGN.md §8): out (M,N) = A (M,K) * B (N,K)^T with
+// both operands rounded to BF16 (RNE) and each output a chain of T-FDPA(L=16, F=25, RZ) over K in
+// increasing order from +0 (K padded with zeros to a multiple of 16). Exact emulation: slow.
+void bf16_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t N, int64_t K);
+
+// Linear layer y = x W^T + bias (x (N,K), W (OC,K), y (N,OC)), the GEMMs in BF16 as above.
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                    int64_t N, int64_t K, int64_t OC);
+// dinp (N,K) += dout W; dweight (OC,K) += dout^T inp; dbias (OC) += column sums of dout (FP32).
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int64_t K, int64_t OC);
+
+}  // namespace fp4sim::emu

@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "emu/formats.hpp"
 #include "emu/layers.hpp"
 
 namespace fp4sim::emu {
@@ -120,6 +121,70 @@ TEST(Layers, CrossEntropyBackwardMatchesFiniteDifferences) {
   const int32_t t = 7;
   crossentropy_softmax_forward(&l, p.data(), flat.data(), &t, 1, V);
   EXPECT_NEAR(l, std::log(50.0f), 1e-5);
+}
+
+}  // namespace
+}  // namespace fp4sim::emu
+
+namespace fp4sim::emu {
+namespace {
+
+TEST(Layers, Bf16GemmIsExactOnSmallIntegersAndCloseOtherwise) {
+  const int64_t M = 5, N = 7, K = 40;  // K not a multiple of 16: zero padding
+  std::vector<float> a(M * K), b(N * K), out(M * N);
+  std::mt19937 rng(3);
+  for (auto& v : a) v = static_cast<float>(static_cast<int>(rng() % 9) - 4);
+  for (auto& v : b) v = static_cast<float>(static_cast<int>(rng() % 9) - 4);
+  bf16_gemm_tn(out.data(), a.data(), b.data(), M, N, K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += static_cast<double>(a[m * K + k]) * b[n * K + k];
+      EXPECT_EQ(out[m * N + n], static_cast<float>(s));
+    }
+  // random values: within the RZ/truncation error of the chain (a few ulps of sum |a||b|)
+  std::vector<float> x = randn(M * K, 4), y = randn(N * K, 5);
+  bf16_gemm_tn(out.data(), x.data(), y.data(), M, N, K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0, mag = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double p = static_cast<double>(fp4sim::bf16_round(x[m * K + k])) * fp4sim::bf16_round(y[n * K + k]);
+        s += p;
+        mag += std::fabs(p);
+      }
+      EXPECT_LE(std::fabs(out[m * N + n] - s), 8 * 1.2e-7 * mag);
+    }
+}
+
+TEST(Layers, MatmulBackwardIsTheTransposedGemms) {
+  // exact on small integers: dinp = dout W, dW = dout^T inp, dbias = column sums
+  const int64_t N = 3, K = 20, OC = 4;
+  std::vector<float> x(N * K), w(OC * K), bias(OC, 0.5f), dout(N * OC);
+  std::mt19937 rng(9);
+  for (auto& v : x) v = static_cast<float>(static_cast<int>(rng() % 5) - 2);
+  for (auto& v : w) v = static_cast<float>(static_cast<int>(rng() % 5) - 2);
+  for (auto& v : dout) v = static_cast<float>(static_cast<int>(rng() % 5) - 2);
+  std::vector<float> y(N * OC), dx(N * K, 0.0f), dw(OC * K, 0.0f), db(OC, 0.0f);
+  matmul_forward(y.data(), x.data(), w.data(), bias.data(), N, K, OC);
+  matmul_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), N, K, OC);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      double s = 0;
+      for (int64_t o = 0; o < OC; ++o) s += dout[n * OC + o] * w[o * K + k];
+      EXPECT_EQ(dx[n * K + k], static_cast<float>(s));
+    }
+  for (int64_t o = 0; o < OC; ++o) {
+    double sb = 0;
+    for (int64_t n = 0; n < N; ++n) sb += dout[n * OC + o];
+    EXPECT_EQ(db[o], static_cast<float>(sb));
+    for (int64_t k = 0; k < K; ++k) {
+      double s = 0;
+      for (int64_t n = 0; n < N; ++n) s += dout[n * OC + o] * x[n * K + k];
+      EXPECT_EQ(dw[o * K + k], static_cast<float>(s));
+    }
+  }
+  EXPECT_EQ(y[0] - 0.5f, [&] { double s = 0; for (int64_t k = 0; k < K; ++k) s += x[k] * w[k]; return static_cast<float>(s); }());
 }
 
 }  // namespace
