@@ -213,3 +213,113 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
 }
 
 }  // namespace fp4sim::emu
+
+namespace fp4sim::emu {
+
+void attention_forward(float* out, float* att, const float* qkv, int64_t B, int64_t T, int64_t NH,
+                       int64_t NKV, int64_t HD) {
+  const int64_t W = (NH + 2 * NKV) * HD, group = NH / NKV;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < NH; ++h) {
+      const int64_t g = h / group;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* q = qkv + (b * T + t) * W + h * HD;
+        float* a = att + ((b * NH + h) * T + t) * T;
+        float maxv = -INFINITY;
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          const float* k = qkv + (b * T + t2) * W + (NH + g) * HD;
+          float s = 0.0f;
+          for (int64_t i = 0; i < HD; ++i) s += q[i] * k[i];
+          s *= scale;
+          a[t2] = s;
+          maxv = s > maxv ? s : maxv;
+        }
+        float sum = 0.0f;
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          a[t2] = std::exp(a[t2] - maxv);
+          sum += a[t2];
+        }
+        for (int64_t t2 = 0; t2 < T; ++t2) a[t2] = t2 <= t ? a[t2] / sum : 0.0f;
+        float* o = out + (b * T + t) * NH * HD + h * HD;
+        for (int64_t i = 0; i < HD; ++i) o[i] = 0.0f;
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          const float* v = qkv + (b * T + t2) * W + (NH + NKV + g) * HD;
+          for (int64_t i = 0; i < HD; ++i) o[i] += a[t2] * v[i];
+        }
+      }
+    }
+  }
+}
+
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) {
+  const int64_t W = (NH + 2 * NKV) * HD, group = NH / NKV;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+  std::vector<float> datt(static_cast<size_t>(T));
+  // sequential: several query heads write the same KV head's gradient
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < NH; ++h) {
+      const int64_t g = h / group;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* a = att + ((b * NH + h) * T + t) * T;
+        const float* dy = dout + (b * T + t) * NH * HD + h * HD;
+        // out = sum_t2 a[t2] v[t2]: datt and dv
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          const float* v = qkv + (b * T + t2) * W + (NH + NKV + g) * HD;
+          float* dv = dqkv + (b * T + t2) * W + (NH + NKV + g) * HD;
+          float s = 0.0f;
+          for (int64_t i = 0; i < HD; ++i) {
+            s += v[i] * dy[i];
+            dv[i] += a[t2] * dy[i];
+          }
+          datt[t2] = s;
+        }
+        // softmax backward: dscore = a * (datt - sum(a * datt))
+        float dot = 0.0f;
+        for (int64_t t2 = 0; t2 <= t; ++t2) dot += a[t2] * datt[t2];
+        const float* q = qkv + (b * T + t) * W + h * HD;
+        float* dq = dqkv + (b * T + t) * W + h * HD;
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          const float ds = a[t2] * (datt[t2] - dot) * scale;
+          const float* k = qkv + (b * T + t2) * W + (NH + g) * HD;
+          float* dk = dqkv + (b * T + t2) * W + (NH + g) * HD;
+          for (int64_t i = 0; i < HD; ++i) {
+            dq[i] += ds * k[i];
+            dk[i] += ds * q[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+namespace {
+void rope_rotate(float* x, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, float base,
+                 float sign) {
+  const int64_t W = (NH + 2 * NKV) * HD;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < NH + NKV; ++h) {  // query heads, then key heads
+        float* v = x + (b * T + t) * W + h * HD;
+        for (int64_t i = 0; i < HD / 2; ++i) {
+          const double freq = std::pow(static_cast<double>(base), -2.0 * static_cast<double>(i) / static_cast<double>(HD));
+          const double ang = static_cast<double>(t) * freq;
+          const float c = static_cast<float>(std::cos(ang)), s = sign * static_cast<float>(std::sin(ang));
+          const float x0 = v[2 * i], x1 = v[2 * i + 1];
+          v[2 * i] = x0 * c - x1 * s;
+          v[2 * i + 1] = x0 * s + x1 * c;
+        }
+      }
+}
+}  // namespace
+
+void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, float base) {
+  rope_rotate(qkv, B, T, NH, NKV, HD, base, 1.0f);
+}
+void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, float base) {
+  rope_rotate(dqkv, B, T, NH, NKV, HD, base, -1.0f);
+}
+
+}  // namespace fp4sim::emu

@@ -55,3 +55,25 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int64_t N, int64_t K, int64_t OC);
 
 }  // namespace fp4sim::emu
+
+namespace fp4sim::emu {
+
+// Causal self-attention with grouped KV heads. qkv (B,T,(NH + 2*NKV)*HD): the NH query heads, then
+// NKV key heads, then NKV value heads; query head h reads KV head h / (NH/NKV).
+// out (B,T,NH*HD); att (B,NH,T,T) the softmax probabilities (saved for backward; entries above the
+// diagonal are 0). Scores scaled by 1/sqrt(HD), softmax in FP32 with the row max subtracted.
+void attention_forward(float* out, float* att, const float* qkv, int64_t B, int64_t T, int64_t NH,
+                       int64_t NKV, int64_t HD);
+// dqkv (B,T,(NH+2NKV)*HD) += gradients; dout (B,T,NH*HD).
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD);
+
+// Rotary position embedding on the query and key heads of qkv, in place: pairs (2i, 2i+1) of each
+// head at position t rotate by t * base^(-2i/HD). The backward pass rotates the gradient back
+// (rope_backward on dqkv).
+void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                  float base = 10000.0f);
+void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                   float base = 10000.0f);
+
+}  // namespace fp4sim::emu

@@ -189,3 +189,46 @@ TEST(Layers, MatmulBackwardIsTheTransposedGemms) {
 
 }  // namespace
 }  // namespace fp4sim::emu
+
+namespace fp4sim::emu {
+namespace {
+
+TEST(Layers, AttentionBackwardMatchesFiniteDifferences_Gqa) {
+  const int64_t B = 2, T = 5, NH = 4, NKV = 2, HD = 8, W = (NH + 2 * NKV) * HD;
+  std::vector<float> qkv = randn(B * T * W, 11), dout = randn(B * T * NH * HD, 12);
+  std::vector<float> out(B * T * NH * HD), att(B * NH * T * T);
+  auto loss = [&]() {
+    attention_forward(out.data(), att.data(), qkv.data(), B, T, NH, NKV, HD);
+    double s = 0;
+    for (size_t i = 0; i < out.size(); ++i) s += static_cast<double>(dout[i]) * out[i];
+    return s;
+  };
+  loss();
+  // causal: the first position attends only to itself
+  EXPECT_EQ(att[0], 1.0f);
+  EXPECT_EQ(att[1], 0.0f);
+  std::vector<float> dqkv(qkv.size(), 0.0f);
+  attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, NH, NKV, HD);
+  check_grad("attention dqkv", qkv, dqkv, loss, 1e-3);
+}
+
+TEST(Layers, RopeRotatesAndUnrotates) {
+  const int64_t B = 1, T = 6, NH = 2, NKV = 1, HD = 8, W = (NH + 2 * NKV) * HD;
+  std::vector<float> x = randn(B * T * W, 13), y = x;
+  rope_forward(y.data(), B, T, NH, NKV, HD);
+  for (int64_t i = 0; i < W; ++i) EXPECT_EQ(y[i], x[i]);  // position 0: no rotation
+  // norms of each rotated pair are kept; values (last NKV heads) untouched
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < (NH + NKV) * HD; i += 2) {
+      const float* a = &x[t * W + i];
+      const float* b = &y[t * W + i];
+      EXPECT_NEAR(a[0] * a[0] + a[1] * a[1], b[0] * b[0] + b[1] * b[1], 1e-4);
+    }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = (NH + NKV) * HD; i < W; ++i) EXPECT_EQ(y[t * W + i], x[t * W + i]);
+  rope_backward(y.data(), B, T, NH, NKV, HD);  // the transpose of a rotation is its inverse
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(y[i], x[i], 1e-5);
+}
+
+}  // namespace
+}  // namespace fp4sim::emu
