@@ -180,21 +180,38 @@ void bf16_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t
   }
 }
 
+void fp32_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t N, int64_t K) {
+#pragma omp parallel for schedule(static)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k) s += a[m * K + k] * b[n * K + k];
+      out[m * N + n] = s;
+    }
+}
+
+namespace {
+void gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t N, int64_t K, GemmPrecision p) {
+  if (p == GemmPrecision::BF16) bf16_gemm_tn(out, a, b, M, N, K);
+  else fp32_gemm_tn(out, a, b, M, N, K);
+}
+}  // namespace
+
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                    int64_t N, int64_t K, int64_t OC) {
-  bf16_gemm_tn(out, inp, weight, N, OC, K);
+                    int64_t N, int64_t K, int64_t OC, GemmPrecision prec) {
+  gemm_tn(out, inp, weight, N, OC, K, prec);
   if (bias)
     for (int64_t n = 0; n < N; ++n)
       for (int64_t o = 0; o < OC; ++o) out[n * OC + o] += bias[o];
 }
 
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int64_t K, int64_t OC) {
+                     const float* weight, int64_t N, int64_t K, int64_t OC, GemmPrecision prec) {
   // dinp = dout (N,OC) * W (OC,K): TN form with B = W^T (K,OC)
   std::vector<float> wt(static_cast<size_t>(K * OC)), tmp(static_cast<size_t>(N * K));
   for (int64_t o = 0; o < OC; ++o)
     for (int64_t k = 0; k < K; ++k) wt[k * OC + o] = weight[o * K + k];
-  bf16_gemm_tn(tmp.data(), dout, wt.data(), N, K, OC);
+  gemm_tn(tmp.data(), dout, wt.data(), N, K, OC, prec);
   for (int64_t i = 0; i < N * K; ++i) dinp[i] += tmp[i];
   // dweight = dout^T (OC,N) * inp (N,K): TN form with A = dout^T, B = inp^T (K,N)
   std::vector<float> dt(static_cast<size_t>(OC * N)), it(static_cast<size_t>(K * N)), tw(static_cast<size_t>(OC * K));
@@ -202,7 +219,7 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
     for (int64_t o = 0; o < OC; ++o) dt[o * N + n] = dout[n * OC + o];
     for (int64_t k = 0; k < K; ++k) it[k * N + n] = inp[n * K + k];
   }
-  bf16_gemm_tn(tw.data(), dt.data(), it.data(), OC, K, N);
+  gemm_tn(tw.data(), dt.data(), it.data(), OC, K, N, prec);
   for (int64_t i = 0; i < OC * K; ++i) dweight[i] += tw[i];
   if (dbias)
     for (int64_t o = 0; o < OC; ++o) {
@@ -320,6 +337,27 @@ void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int
 }
 void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, float base) {
   rope_rotate(dqkv, B, T, NH, NKV, HD, base, -1.0f);
+}
+
+}  // namespace fp4sim::emu
+
+namespace fp4sim::emu {
+
+void embedding_forward(float* out, const int32_t* tokens, const int32_t* pos, const float* wte,
+                       const float* wpe, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < C; ++i)
+      out[n * C + i] = wte[tokens[n] * C + i] + (wpe ? wpe[pos[n] * C + i] : 0.0f);
+}
+
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                        const int32_t* pos, int64_t N, int64_t C) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < C; ++i) {
+      dwte[tokens[n] * C + i] += dout[n * C + i];
+      if (dwpe) dwpe[pos[n] * C + i] += dout[n * C + i];
+    }
 }
 
 }  // namespace fp4sim::emu

@@ -47,12 +47,19 @@ namespace fp4sim::emu {
 // increasing order from +0 (K padded with zeros to a multiple of 16). Exact emulation: slow.
 void bf16_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t N, int64_t K);
 
+// out (M,N) = A (M,K) * B (N,K)^T in plain FP32 (index-order sums): for gradient checks, where
+// BF16 rounding would make finite differences meaningless.
+void fp32_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t N, int64_t K);
+
+enum class GemmPrecision { BF16, FP32 };
+
 // Linear layer y = x W^T + bias (x (N,K), W (OC,K), y (N,OC)), the GEMMs in BF16 as above.
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                    int64_t N, int64_t K, int64_t OC);
+                    int64_t N, int64_t K, int64_t OC, GemmPrecision prec = GemmPrecision::BF16);
 // dinp (N,K) += dout W; dweight (OC,K) += dout^T inp; dbias (OC) += column sums of dout (FP32).
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int64_t K, int64_t OC);
+                     const float* weight, int64_t N, int64_t K, int64_t OC,
+                     GemmPrecision prec = GemmPrecision::BF16);
 
 }  // namespace fp4sim::emu
 
@@ -75,5 +82,16 @@ void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int
                   float base = 10000.0f);
 void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
                    float base = 10000.0f);
+
+}  // namespace fp4sim::emu
+
+namespace fp4sim::emu {
+
+// out (N,C) = wte[tokens[n]] + (wpe ? wpe[pos[n]] : 0).
+void embedding_forward(float* out, const int32_t* tokens, const int32_t* pos, const float* wte,
+                       const float* wpe, int64_t N, int64_t C);
+// dwte[tokens[n]] += dout[n]; dwpe[pos[n]] += dout[n] (sequential: rows repeat).
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                        const int32_t* pos, int64_t N, int64_t C);
 
 }  // namespace fp4sim::emu
