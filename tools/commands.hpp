@@ -13,5 +13,6 @@ void register_gemm(CLI::App& app);
 void register_probe(CLI::App& app);
 void register_data(CLI::App& app);
 void register_config(CLI::App& app);
+void register_train(CLI::App& app);
 
 }  // namespace fp4sim::cli

@@ -1,0 +1,185 @@
+#include "model/trainer.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+
+#include "emu/contract.hpp"
+#include "emu/optim.hpp"
+#include "model/checkpoint.hpp"
+#include "model/data.hpp"
+#include "model/gpt.hpp"
+#include "model/schedule.hpp"
+
+namespace fp4sim::model {
+namespace {
+
+struct Dataset {
+  TokenFile train, val;
+};
+
+Dataset load_data(const RunConfig& c) {
+  Dataset d;
+  if (c.train.data == "synthetic") {
+    const int64_t n = std::max<int64_t>(c.train.batch * (c.model.seq_len + 1) * 64, 1 << 16);
+    d.train = synthetic_tokens(n, static_cast<uint32_t>(c.model.vocab), c.train.seed);
+    d.val = synthetic_tokens(n / 8, static_cast<uint32_t>(c.model.vocab), c.train.seed + 1);
+  } else {
+    d.train = read_token_file(c.train.data + ".train.tokens");
+    d.val = read_token_file(c.train.data + ".val.tokens");
+  }
+  for (const TokenFile* f : {&d.train, &d.val}) {
+    if (f->vocab > static_cast<uint32_t>(c.model.vocab))
+      throw std::invalid_argument(c.train.data + ": tokens of vocabulary " + std::to_string(f->vocab) +
+                                  " do not fit model.vocab " + std::to_string(c.model.vocab));
+    if (static_cast<int64_t>(f->tokens.size()) < c.train.batch * c.model.seq_len + 1)
+      throw std::invalid_argument(c.train.data + ": too few tokens (" + std::to_string(f->tokens.size()) +
+                                  ") for one batch of " + std::to_string(c.train.batch) + " x " +
+                                  std::to_string(c.model.seq_len));
+  }
+  return d;
+}
+
+// Batch at data position `pos`: B consecutive windows of T+1 tokens, wrapping around.
+int64_t next_batch(const TokenFile& f, int64_t pos, int64_t B, int64_t T, std::vector<int32_t>& tok,
+                   std::vector<int32_t>& tgt) {
+  const int64_t n = static_cast<int64_t>(f.tokens.size());
+  tok.resize(static_cast<size_t>(B * T));
+  tgt.resize(static_cast<size_t>(B * T));
+  for (int64_t b = 0; b < B; ++b) {
+    if (pos + T + 1 > n) pos = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      tok[b * T + t] = f.tokens[static_cast<size_t>(pos + t)];
+      tgt[b * T + t] = f.tokens[static_cast<size_t>(pos + t + 1)];
+    }
+    pos += T;
+  }
+  return pos;
+}
+
+StoredTensor as_stored(const float* data, const std::vector<int64_t>& shape, int64_t n) {
+  StoredTensor s;
+  s.dtype = "F32";
+  s.shape = shape;
+  s.bytes.resize(static_cast<size_t>(n) * 4);
+  std::memcpy(s.bytes.data(), data, s.bytes.size());
+  return s;
+}
+
+void load_stored(const TensorMap& m, const std::string& name, float* dst, int64_t n, const std::string& where) {
+  const auto it = m.find(name);
+  if (it == m.end()) throw std::runtime_error(where + ": tensor '" + name + "' missing");
+  if (static_cast<int64_t>(it->second.bytes.size()) != n * 4 || it->second.dtype != "F32")
+    throw std::runtime_error(where + ": tensor '" + name + "' has the wrong size or dtype");
+  std::memcpy(dst, it->second.bytes.data(), it->second.bytes.size());
+}
+
+}  // namespace
+
+float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches) {
+  const Dataset d = load_data(c);
+  Gpt model(c.model);
+  model.params() = params;
+  std::vector<int32_t> tok, tgt;
+  int64_t pos = 0;
+  double sum = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    pos = next_batch(d.val, pos, c.train.batch, c.model.seq_len, tok, tgt);
+    sum += model.forward(tok.data(), tgt.data(), c.train.batch, c.model.seq_len);
+  }
+  return static_cast<float>(sum / static_cast<double>(batches));
+}
+
+TrainResult train(const RunConfig& c, const TrainOptions& opt) {
+  namespace fs = std::filesystem;
+  const Dataset data = load_data(c);  // every input error before any work
+  Gpt model(c.model);
+  model.init(c.train.seed);
+  std::vector<float> m(model.params().size(), 0.0f), v(model.params().size(), 0.0f);
+  int64_t step0 = 0, pos = 0;
+  if (!opt.resume.empty()) {
+    const Checkpoint ck = load_checkpoint(opt.resume);
+    if (ck.state.at("config") != to_json(c).at("model"))
+      throw std::runtime_error(opt.resume + ": the checkpoint's model config differs from this run's");
+    for (const ParamTensor& t : model.tensors()) {
+      load_stored(ck.model, t.name, model.params().data() + t.offset, t.numel(), opt.resume);
+      load_stored(ck.optimizer, t.name + ".exp_avg", m.data() + t.offset, t.numel(), opt.resume);
+      load_stored(ck.optimizer, t.name + ".exp_avg_sq", v.data() + t.offset, t.numel(), opt.resume);
+    }
+    step0 = ck.step;
+    pos = ck.state.at("data_position").get<int64_t>();
+    if (opt.print) std::printf("resumed from %s at step %lld\n", opt.resume.c_str(), static_cast<long long>(step0));
+  }
+  fs::create_directories(c.train.out_dir);
+  std::ofstream log(c.train.out_dir + "/log.jsonl", step0 ? std::ios::app : std::ios::trunc);
+  const int64_t B = c.train.batch, T = c.model.seq_len;
+  TrainResult res;
+  std::vector<int32_t> tok, tgt;
+  for (int64_t step = step0; step < c.train.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pos = next_batch(data.train, pos, B, T, tok, tgt);
+    const float loss = model.forward(tok.data(), tgt.data(), B, T);
+    if (!std::isfinite(loss))
+      throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
+    model.backward();
+    double sq = 0;
+    for (const ParamTensor& t : model.tensors()) {
+      double s = 0;
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        const double gv = model.grads()[t.offset + static_cast<size_t>(i)];
+        s += gv * gv;
+      }
+      if (!std::isfinite(s))
+        throw std::runtime_error("step " + std::to_string(step) + ": gradient of '" + t.name + "' is not finite");
+      sq += s;
+    }
+    const double norm = std::sqrt(sq);
+    const double lr = learning_rate(c.train.schedule, step, c.train.steps, c.train.warmup, c.train.lr,
+                                    c.train.min_lr_ratio, c.train.decay_fraction);
+    const AdamWStep s = make_adamw_step(static_cast<float>(lr), static_cast<float>(c.train.beta1),
+                                        static_cast<float>(c.train.beta2), static_cast<float>(c.train.eps),
+                                        static_cast<float>(c.train.weight_decay), step + 1,
+                                        clip_factor(norm, c.train.grad_clip));
+    // no weight decay on biases, norms and position tables (GPT-2 practice): per tensor
+    for (const ParamTensor& t : model.tensors()) {
+      AdamWStep st = s;
+      if (t.shape.size() < 2) st.weight_decay = 0.0f;
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        const size_t k = t.offset + static_cast<size_t>(i);
+        adamw_element(model.params()[k], model.grads()[k], m[k], v[k], st);
+      }
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    res.steps.push_back({step + 1, loss, norm, lr});
+    if (opt.print)
+      std::printf("step %5lld | loss %.4f | grad norm %.3f | lr %.2e | %.1f ms | %.0f tok/s\n",
+                  static_cast<long long>(step + 1), loss, norm, lr, ms, B * T / (ms / 1000.0));
+    nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms}};
+    if (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
+      const float vl = evaluate(c, model.params(), c.train.eval_batches);
+      res.val_losses.emplace_back(step + 1, vl);
+      line["val_loss"] = vl;
+      if (opt.print) std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step + 1), vl);
+    }
+    log << line.dump() << "\n";
+    if (c.train.checkpoint_every > 0 && ((step + 1) % c.train.checkpoint_every == 0 || step + 1 == c.train.steps)) {
+      Checkpoint ck;
+      ck.step = step + 1;
+      for (const ParamTensor& t : model.tensors()) {
+        ck.model[t.name] = as_stored(model.params().data() + t.offset, t.shape, t.numel());
+        ck.optimizer[t.name + ".exp_avg"] = as_stored(m.data() + t.offset, t.shape, t.numel());
+        ck.optimizer[t.name + ".exp_avg_sq"] = as_stored(v.data() + t.offset, t.shape, t.numel());
+      }
+      ck.state = {{"data_position", pos}, {"config", to_json(c).at("model")}, {"run_config", to_json(c)}};
+      const std::string where = save_checkpoint(c.train.out_dir + "/checkpoints", ck, static_cast<int>(c.train.keep_last));
+      if (opt.print) std::printf("checkpoint %s\n", where.c_str());
+    }
+  }
+  return res;
+}
+
+}  // namespace fp4sim::model

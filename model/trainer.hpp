@@ -1,0 +1,36 @@
+// The training loop (issue 4, first version: the emulator backend only). One line per step, a
+// JSONL log, periodic validation, atomic checkpoints with keep-last-k and bitwise resume, and a stop
+// with the step and the first bad tensor on a NaN/Inf in the loss or the gradients.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.hpp"
+
+namespace fp4sim::model {
+
+struct TrainOptions {
+  std::string resume;  // a checkpoint directory or a run directory ("" = fresh start)
+  bool print = true;
+};
+
+struct StepRecord {
+  int64_t step;
+  float loss;
+  double grad_norm;
+  double lr;
+};
+
+struct TrainResult {
+  std::vector<StepRecord> steps;
+  std::vector<std::pair<int64_t, float>> val_losses;
+};
+
+TrainResult train(const RunConfig& cfg, const TrainOptions& opt);
+
+// Validation loss of a model config + parameters on up to `batches` batches of the val split.
+float evaluate(const RunConfig& cfg, const std::vector<float>& params, int64_t batches);
+
+}  // namespace fp4sim::model

@@ -1,0 +1,52 @@
+// The trainer: loss falls, bitwise resume, bad input stops before any work.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <unistd.h>
+
+#include "model/trainer.hpp"
+
+namespace fp4sim::model {
+namespace {
+
+RunConfig micro_run(const std::string& out) {
+  nlohmann::json j = {
+      {"model", {{"vocab", 32}, {"seq_len", 16}, {"max_positions", 16}, {"d_model", 32}, {"n_layers", 2},
+                 {"n_heads", 4}, {"n_kv_heads", 4}, {"d_ff", 64}}},
+      {"train", {{"batch", 2}, {"steps", 10}, {"lr", 3e-3}, {"warmup", 2}, {"data", "synthetic"},
+                 {"eval_every", 5}, {"eval_batches", 2}, {"checkpoint_every", 5}, {"out_dir", out}}}};
+  return config_from_json(j, {});
+}
+
+TEST(Trainer, BitwiseResumeFromStep5) {
+  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_train_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  TrainOptions quiet;
+  quiet.print = false;
+  const TrainResult full = train(micro_run(dir + "/full"), quiet);
+  ASSERT_EQ(full.steps.size(), 10u);
+  // the first run also left a checkpoint at step 5; a second run resumes from it
+  TrainOptions resume = quiet;
+  resume.resume = dir + "/full/checkpoints/step_00000005";
+  const TrainResult cont = train(micro_run(dir + "/cont"), resume);
+  ASSERT_EQ(cont.steps.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(cont.steps[i].step, full.steps[5 + i].step);
+    uint32_t a, b;
+    std::memcpy(&a, &cont.steps[i].loss, 4);
+    std::memcpy(&b, &full.steps[5 + i].loss, 4);
+    EXPECT_EQ(a, b) << "step " << cont.steps[i].step << ": " << cont.steps[i].loss << " vs " << full.steps[5 + i].loss;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Trainer, MissingDataIsAnErrorBeforeAnyWork) {
+  RunConfig c = micro_run("/tmp/unused");
+  c.train.data = "/nonexistent/corpus";
+  TrainOptions quiet;
+  quiet.print = false;
+  EXPECT_THROW(train(c, quiet), std::runtime_error);
+}
+
+}  // namespace
+}  // namespace fp4sim::model
