@@ -174,7 +174,7 @@ void bf16_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t
     for (int64_t n = 0; n < N; ++n) {
       float acc = 0.0f;
       for (int64_t k0 = 0; k0 < Kp; k0 += kBf16FdpaL)
-        acc = tfdpa_bf16(&ab[m * Kp + k0], &bb[n * Kp + k0], acc);
+        acc = tfdpa_bf16_host(&ab[m * Kp + k0], &bb[n * Kp + k0], acc);
       out[m * N + n] = acc;
     }
   }

@@ -370,3 +370,48 @@ FP4SIM_HD float gst_fdpa_fp4(const uint8_t* a_packed, const uint8_t* b_packed, c
 }
 
 }  // namespace fp4sim
+
+#if !defined(__CUDACC__)
+#include <cmath>
+
+namespace fp4sim {
+
+// The BF16 T-FDPA (L = 16, F = 25, RZ) evaluated with doubles, for the host's emulated BF16 GEMMs:
+// each product of two BF16 values is exact in double; scaling by 2^-(e_max - 25) and std::trunc
+// give the truncated terms exactly; their sum (< 2^32 grid units) is exact; the final RZ to FP32
+// steps the nearest float toward zero when it overshoots. Special values, and an exactly zero sum
+// (whose sign has its own rule), take the literal path. Equal to tfdpa_bf16 on every input
+// (tests/emu/test_mma.cpp checks millions of random cases).
+inline float tfdpa_bf16_host(const float* a, const float* b, float c) {
+  int e_max = kTfdpaZeroExp;
+  uint32_t special = 0;
+  for (int k = 0; k < kBf16FdpaL; ++k) {
+    const uint32_t ua = f32_bits(a[k]) & 0x7FFFFFFFu, ub = f32_bits(b[k]) & 0x7FFFFFFFu;
+    special |= static_cast<uint32_t>(ua >= 0x7F800000u) | static_cast<uint32_t>(ub >= 0x7F800000u);
+    if (ua == 0 || ub == 0) continue;
+    const int ea = ua >> 23 ? static_cast<int>(ua >> 23) - 127 : kFp32Emin;
+    const int eb = ub >> 23 ? static_cast<int>(ub >> 23) - 127 : kFp32Emin;
+    if (ea + eb > e_max) e_max = ea + eb;
+  }
+  const uint32_t uc = f32_bits(c) & 0x7FFFFFFFu;
+  if (special || uc >= 0x7F800000u) return tfdpa_bf16(a, b, c);
+  if (uc != 0) {
+    const int ec = uc >> 23 ? static_cast<int>(uc >> 23) - 127 : kFp32Emin;
+    if (ec > e_max) e_max = ec;
+  }
+  const int grid = e_max - kBf16FdpaF;
+  const double down = std::ldexp(1.0, -grid);
+  double sum = 0.0;
+  for (int k = 0; k < kBf16FdpaL; ++k)
+    sum += std::trunc(static_cast<double>(a[k]) * static_cast<double>(b[k]) * down);
+  sum += std::trunc(static_cast<double>(c) * down);
+  if (sum == 0.0) return tfdpa_bf16(a, b, c);  // the signed-zero rule
+  const double exact = std::ldexp(sum, grid);
+  if (std::fabs(exact) >= 0x1p128) return exact > 0 ? INFINITY : -INFINITY;
+  float r = static_cast<float>(exact);
+  if (std::fabs(static_cast<double>(r)) > std::fabs(exact)) r = std::nextafter(r, 0.0f);
+  return r;
+}
+
+}  // namespace fp4sim
+#endif

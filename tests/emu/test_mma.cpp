@@ -127,6 +127,21 @@ TEST(Tfdpa, Bf16_MatchesSlowReferenceOnRandomInputs) {
   EXPECT_EQ(n, 200000);
 }
 
+TEST(Tfdpa, Bf16HostFastPathEqualsLiteral) {
+  std::mt19937_64 rng(21);
+  for (int trial = 0; trial < 1000000; ++trial) {
+    float a[16], b[16];
+    const int spread = trial % 4 == 0 ? 2 : (trial % 4 == 1 ? 20 : (trial % 4 == 2 ? 60 : 126));
+    for (int k = 0; k < 16; ++k) { a[k] = random_bf16(rng, spread); b[k] = random_bf16(rng, spread); }
+    if (trial % 1000 == 0) a[3] = INFINITY;
+    if (trial % 1001 == 0) b[5] = NAN;
+    float c = trial % 3 == 0 ? 0.0f : std::ldexp(std::normal_distribution<float>()(rng), (int)(rng() % 80) - 40);
+    if (trial % 997 == 0) c = -0.0f;
+    if (trial % 991 == 0) c = test::from_bits(static_cast<uint32_t>(rng()));
+    ASSERT_EQ(bits(tfdpa_bf16_host(a, b, c)), bits(tfdpa_bf16(a, b, c))) << "trial " << trial;
+  }
+}
+
 TEST(Rht, SignVectorAndOrthogonality) {
   const int s[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
   for (int i = 0; i < 16; ++i) EXPECT_EQ(rht_entry(i, 0), 0.25f * s[i]);
