@@ -1,7 +1,8 @@
 // The emulator's arithmetic must be IEEE binary32 with subnormals (DESIGN.md §1). A library loaded
-// into the process (seen on the GPU host: the emulator flushed a subnormal block amax to zero when
-// linked with the CUDA libraries) may leave flush-to-zero / denormals-are-zero set in MXCSR; these
-// helpers clear them on the calling thread and on every OpenMP worker before the emulator computes.
+// into the process may leave flush-to-zero / denormals-are-zero set in MXCSR (some math libraries
+// and fast-math builds do); these helpers clear them on the calling thread and on every OpenMP
+// worker before the emulator computes. Defensive: the one FTZ-like mismatch seen so far (GPU host,
+// 2026-11-29) turned out to be g++ 13 folding the S_enc overflow test, fixed in quantize_block.hpp.
 #pragma once
 
 #if defined(__SSE__) || defined(__x86_64__)
