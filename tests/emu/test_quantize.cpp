@@ -301,7 +301,7 @@ TEST(Quantize, BadInputNamesTensorShapeAndFlag) {
 #include <xmmintrin.h>
 namespace fp4sim {
 namespace {
-// A library that leaves FTZ/DAZ set must not change the emulator's bits (seen on the GPU host).
+// A library that leaves FTZ/DAZ set must not change the emulator's bits (emu/fp_env.hpp).
 TEST(Quantize, SubnormalsSurviveAFlushToZeroHost) {
   auto be = make_cpu_backend();
   std::vector<float> x = test::make_fill(test::Fill::Subnormal, 64 * 128, 64128);
