@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <stdexcept>
 
 #include "emu/contract.hpp"
@@ -92,6 +93,54 @@ float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t bat
     sum += model.forward(tok.data(), tgt.data(), c.train.batch, c.model.seq_len);
   }
   return static_cast<float>(sum / static_cast<double>(batches));
+}
+
+LoadedModel load_trained(const std::string& checkpoint) {
+  const Checkpoint ck = load_checkpoint(checkpoint);
+  if (!ck.state.contains("run_config"))
+    throw std::runtime_error(checkpoint + ": the checkpoint carries no run_config");
+  LoadedModel lm;
+  lm.config = config_from_json(ck.state.at("run_config"), {});
+  Gpt model(lm.config.model);
+  for (const ParamTensor& t : model.tensors())
+    load_stored(ck.model, t.name, model.params().data() + t.offset, t.numel(), checkpoint);
+  lm.params = model.params();
+  return lm;
+}
+
+std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32_t>& prompt,
+                                   int64_t count, float temperature, uint64_t seed) {
+  Gpt model(m.config.model);
+  model.params() = m.params;
+  std::vector<int32_t> seq = prompt;
+  if (seq.empty()) seq.push_back('\n');
+  std::mt19937_64 rng(seed);
+  const int64_t V = m.config.model.vocab, ctx = m.config.model.seq_len;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t start = static_cast<int64_t>(seq.size()) > ctx ? static_cast<int64_t>(seq.size()) - ctx : 0;
+    std::vector<int32_t> window(seq.begin() + start, seq.end());
+    const int64_t T = static_cast<int64_t>(window.size());
+    model.forward(window.data(), window.data(), 1, T);  // targets unused for sampling
+    const float* z = model.logits().data() + (T - 1) * V;
+    int32_t next = 0;
+    if (temperature <= 0.0f) {
+      for (int64_t v = 1; v < V; ++v)
+        if (z[v] > z[next]) next = static_cast<int32_t>(v);
+    } else {
+      std::vector<double> p(static_cast<size_t>(V));
+      double mx = z[0], sum = 0;
+      for (int64_t v = 1; v < V; ++v) mx = std::max(mx, static_cast<double>(z[v]));
+      for (int64_t v = 0; v < V; ++v) sum += p[static_cast<size_t>(v)] = std::exp((z[v] - mx) / temperature);
+      double r = std::uniform_real_distribution<double>(0.0, sum)(rng);
+      for (int64_t v = 0; v < V; ++v) {
+        r -= p[static_cast<size_t>(v)];
+        next = static_cast<int32_t>(v);
+        if (r <= 0) break;
+      }
+    }
+    seq.push_back(next);
+  }
+  return std::vector<int32_t>(seq.begin() + static_cast<int64_t>(prompt.empty() ? 1 : prompt.size()), seq.end());
 }
 
 TrainResult train(const RunConfig& c, const TrainOptions& opt) {

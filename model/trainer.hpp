@@ -33,4 +33,16 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt);
 // Validation loss of a model config + parameters on up to `batches` batches of the val split.
 float evaluate(const RunConfig& cfg, const std::vector<float>& params, int64_t batches);
 
+// The run configuration and parameters stored in a checkpoint (a step directory, or a run's
+// checkpoints directory for its latest).
+struct LoadedModel {
+  RunConfig config;
+  std::vector<float> params;
+};
+LoadedModel load_trained(const std::string& checkpoint);
+
+// Autoregressive sampling: continue `prompt` by `count` tokens (temperature 0 = greedy).
+std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32_t>& prompt,
+                                   int64_t count, float temperature, uint64_t seed);
+
 }  // namespace fp4sim::model

@@ -1,6 +1,8 @@
 // fp4sim train: the training loop (first version: the emulator backend, BF16 recipe).
 #include <fmt/core.h>
 
+#include <cmath>
+
 #include "model/config.hpp"
 #include "model/trainer.hpp"
 #include "tools/backends.hpp"
@@ -35,6 +37,56 @@ void register_train(CLI::App& app) {
     if (!r.steps.empty())
       fmt::print("done: loss {:.4f} -> {:.4f} over {} steps; log {}/log.jsonl\n", r.steps.front().loss,
                  r.steps.back().loss, r.steps.size(), c.train.out_dir);
+  });
+}
+
+}  // namespace fp4sim::cli
+
+namespace fp4sim::cli {
+
+void register_eval_sample(CLI::App& app) {
+  struct EvalArgs {
+    std::string checkpoint, data;
+    int64_t batches = 16;
+  };
+  auto e = std::make_shared<EvalArgs>();
+  auto* ev = app.add_subcommand("eval", "Validation loss and bits per byte of a checkpoint");
+  ev->add_option("--checkpoint", e->checkpoint, "A checkpoint directory, or a run's checkpoints directory")->required();
+  ev->add_option("--data", e->data, "Token files prefix (default: the run's train.data)");
+  ev->add_option("--batches", e->batches, "Validation batches");
+  ev->callback([e]() {
+    model::LoadedModel m = model::load_trained(e->checkpoint);
+    if (!e->data.empty()) m.config.train.data = e->data;
+    const float loss = model::evaluate(m.config, m.params, e->batches);
+    fmt::print("{}: val loss {:.4f} nats/token over {} batches of {} x {}", e->checkpoint, loss, e->batches,
+               m.config.train.batch, m.config.model.seq_len);
+    if (m.config.model.vocab == 256) fmt::print(" = {:.4f} bits per byte", loss / std::log(2.0));
+    fmt::print("\n");
+  });
+
+  struct SampleArgs {
+    std::string checkpoint, prompt;
+    int64_t tokens = 200;
+    float temperature = 0.8f;
+    uint64_t seed = 1;
+  };
+  auto s = std::make_shared<SampleArgs>();
+  auto* sm = app.add_subcommand("sample", "Generate text from a checkpoint (byte-level models)");
+  sm->add_option("--checkpoint", s->checkpoint, "A checkpoint directory, or a run's checkpoints directory")->required();
+  sm->add_option("--prompt", s->prompt, "Text to continue");
+  sm->add_option("--tokens", s->tokens, "Tokens to generate");
+  sm->add_option("--temperature", s->temperature, "0 = greedy");
+  sm->add_option("--seed", s->seed, "Sampling seed");
+  sm->callback([s]() {
+    const model::LoadedModel m = model::load_trained(s->checkpoint);
+    if (m.config.model.vocab != 256)
+      throw std::invalid_argument("sample: only byte-level (vocab 256) models can be turned back into text");
+    std::vector<int32_t> prompt;
+    for (unsigned char ch : s->prompt) prompt.push_back(ch);
+    const std::vector<int32_t> out = model::sample_tokens(m, prompt, s->tokens, s->temperature, s->seed);
+    std::string text = s->prompt;
+    for (int32_t t : out) text += static_cast<char>(t);
+    fmt::print("{}\n", text);
   });
 }
 

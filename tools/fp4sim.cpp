@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   fp4sim::cli::register_data(app);
   fp4sim::cli::register_config(app);
   fp4sim::cli::register_train(app);
+  fp4sim::cli::register_eval_sample(app);
   fp4sim::cli::register_info(app);
   try {
     app.parse(argc, argv);

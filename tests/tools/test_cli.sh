@@ -97,6 +97,23 @@ expect_fail "gemm cublaslt on emu" "cublaslt" "$bin" gemm ga.npy gb.npy out.npy 
 expect_fail "mma bad value" "not an E2M1 value" "$bin" mma --a 0:5 --b 0:1 --sfa 1,1,1,1 --sfb 1,1,1,1
 expect_fail "mma bad scale" "not a power of two" "$bin" mma --a 0:1 --b 0:1 --sfa 3,1,1,1 --sfb 1,1,1,1
 
+# train / eval / sample on a micro model with synthetic tokens
+cfg=$(dirname "$0")/../../configs/tiny.json
+micro="model.d_model=32 model.n_layers=1 model.d_ff=64 model.n_heads=2 model.n_kv_heads=2 model.seq_len=16 model.max_positions=16 train.batch=2 train.steps=4 train.warmup=1 train.eval_every=2 train.eval_batches=1 train.data=synthetic train.checkpoint_every=2 train.keep_last=1"
+"$bin" train --config "$cfg" $micro train.out_dir=run >log.txt 2>&1 && grep -q "step     4" log.txt && [ -f run/log.jsonl ] \
+  && [ "$(ls run/checkpoints)" = "step_00000004" ] && ok "train writes log and keeps the last checkpoint" || bad "train: $(tail -5 log.txt)"
+"$bin" eval --checkpoint run/checkpoints --batches 1 >log.txt 2>&1 && grep -q "val loss" log.txt && ok "eval" || bad "eval: $(cat log.txt)"
+"$bin" train --config "$cfg" $micro model.vocab=256 train.out_dir=run2 >/dev/null 2>&1 \
+  && "$bin" sample --checkpoint run2/checkpoints --prompt "ab" --tokens 5 >log.txt 2>&1 && ok "sample" || bad "sample: $(cat log.txt)"
+expect_fail "train unknown key" "valid keys" "$bin" train --config "$cfg" model.heads=3
+expect_fail "train impossible shape" "not divisible by model.n_heads" "$bin" train --config "$cfg" model.d_model=130
+expect_fail "train missing data" "/nonexistent/corpus.train.tokens" "$bin" train --config "$cfg" train.data=/nonexistent/corpus
+expect_fail "train cuda not wired" "emulator only" "$bin" train --config "$cfg" --backend cuda
+cp -r run2 run3 && truncate -s 100 run3/checkpoints/step_00000004/model.safetensors
+expect_fail "eval truncated checkpoint" "model.safetensors" "$bin" eval --checkpoint run3/checkpoints
+sed -i 's/"contract_version": 1/"contract_version": 7/' run2/checkpoints/step_00000004/state.json
+expect_fail "eval wrong contract version" "contract_version 7" "$bin" eval --checkpoint run2/checkpoints
+
 "$bin" info >info.txt 2>&1 && grep -q "contract_version 1" info.txt && ok "info" || bad "info: $(cat info.txt)"
 
 echo "cli: $fails failure(s)"
