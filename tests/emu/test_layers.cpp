@@ -8,6 +8,9 @@
 #include <vector>
 
 #include "emu/formats.hpp"
+#include "emu/mma.hpp"
+
+#include <cstring>
 #include "emu/layers.hpp"
 
 namespace fp4sim::emu {
@@ -155,6 +158,37 @@ TEST(Layers, Bf16GemmIsExactOnSmallIntegersAndCloseOtherwise) {
       }
       EXPECT_LE(std::fabs(out[m * N + n] - s), 8 * 1.2e-7 * mag);
     }
+}
+
+// The prepared-operand GEMM against the literal per-output chain of tfdpa_bf16.
+TEST(Layers, Bf16GemmEqualsLiteralChain) {
+  const int64_t M = 9, N = 11, K = 72;
+  std::mt19937_64 rng(17);
+  for (int trial = 0; trial < 6; ++trial) {
+    std::vector<float> a(M * K), b(N * K), out(M * N);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (auto& v : a) v = std::ldexp(nd(rng), static_cast<int>(rng() % (trial * 20 + 2)) - trial * 10);
+    for (auto& v : b) v = std::ldexp(nd(rng), static_cast<int>(rng() % (trial * 20 + 2)) - trial * 10);
+    if (trial == 4) { a[5] = INFINITY; b[40] = -INFINITY; }
+    if (trial == 5) { a[7] = NAN; for (int64_t k = 0; k < K; ++k) b[3 * K + k] = 0.0f; }
+    bf16_gemm_tn(out.data(), a.data(), b.data(), M, N, K);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        float acc = 0.0f;
+        for (int64_t k0 = 0; k0 < 80; k0 += 16) {
+          float x[16] = {}, y[16] = {};
+          for (int i = 0; i < 16 && k0 + i < K; ++i) {
+            x[i] = fp4sim::bf16_round(a[m * K + k0 + i]);
+            y[i] = fp4sim::bf16_round(b[n * K + k0 + i]);
+          }
+          acc = fp4sim::tfdpa_bf16(x, y, acc);
+        }
+        uint32_t g, w;
+        std::memcpy(&g, &out[m * N + n], 4);
+        std::memcpy(&w, &acc, 4);
+        ASSERT_EQ(g, w) << "trial " << trial << " (" << m << "," << n << ")";
+      }
+  }
 }
 
 TEST(Layers, MatmulBackwardIsTheTransposedGemms) {
