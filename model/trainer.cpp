@@ -81,18 +81,25 @@ void load_stored(const TensorMap& m, const std::string& name, float* dst, int64_
 
 }  // namespace
 
-float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches) {
-  const Dataset d = load_data(c);
+namespace {
+
+float evaluate_on(const RunConfig& c, const TokenFile& val, const std::vector<float>& params, int64_t batches) {
   Gpt model(c.model);
   model.params() = params;
   std::vector<int32_t> tok, tgt;
   int64_t pos = 0;
   double sum = 0;
   for (int64_t i = 0; i < batches; ++i) {
-    pos = next_batch(d.val, pos, c.train.batch, c.model.seq_len, tok, tgt);
+    pos = next_batch(val, pos, c.train.batch, c.model.seq_len, tok, tgt);
     sum += model.forward(tok.data(), tgt.data(), c.train.batch, c.model.seq_len);
   }
   return static_cast<float>(sum / static_cast<double>(batches));
+}
+
+}  // namespace
+
+float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches) {
+  return evaluate_on(c, load_data(c).val, params, batches);
 }
 
 LoadedModel load_trained(const std::string& checkpoint) {
@@ -209,7 +216,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt) {
                   static_cast<long long>(step + 1), loss, norm, lr, ms, B * T / (ms / 1000.0));
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms}};
     if (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
-      const float vl = evaluate(c, model.params(), c.train.eval_batches);
+      const float vl = evaluate_on(c, data.val, model.params(), c.train.eval_batches);
       res.val_losses.emplace_back(step + 1, vl);
       line["val_loss"] = vl;
       if (opt.print) std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step + 1), vl);
