@@ -175,13 +175,40 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt) {
   const int64_t B = c.train.batch, T = c.model.seq_len;
   TrainResult res;
   std::vector<int32_t> tok, tgt;
+  TensorMap dump_batches;
+  if (!opt.dump_dir.empty()) fs::create_directories(opt.dump_dir);
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     pos = next_batch(data.train, pos, B, T, tok, tgt);
     const float loss = model.forward(tok.data(), tgt.data(), B, T);
     if (!std::isfinite(loss))
       throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
+    if (!opt.dump_dir.empty() && step - step0 < opt.dump_steps) {
+      auto i32 = [&](const std::vector<int32_t>& v) {
+        StoredTensor st;
+        st.dtype = "I32";
+        st.shape = {B, T};
+        st.bytes.resize(v.size() * 4);
+        std::memcpy(st.bytes.data(), v.data(), st.bytes.size());
+        return st;
+      };
+      dump_batches["tokens." + std::to_string(step)] = i32(tok);
+      dump_batches["targets." + std::to_string(step)] = i32(tgt);
+    }
+    const bool dump_now = !opt.dump_dir.empty() && step == step0;
+    if (dump_now) {  // weights before this step's update
+      TensorMap w;
+      for (const ParamTensor& t : model.tensors()) w[t.name] = as_stored(model.params().data() + t.offset, t.shape, t.numel());
+      write_safetensors(opt.dump_dir + "/weights.safetensors", w);
+    }
     model.backward();
+    if (dump_now) {
+      TensorMap gr;
+      for (const ParamTensor& t : model.tensors()) gr[t.name] = as_stored(model.grads().data() + t.offset, t.shape, t.numel());
+      gr["loss"] = as_stored(&loss, {1}, 1);
+      write_safetensors(opt.dump_dir + "/step0_grads.safetensors", gr);
+      std::ofstream(opt.dump_dir + "/config.json") << to_json(c).dump(2) << "\n";
+    }
     double sq = 0;
     for (const ParamTensor& t : model.tensors()) {
       double s = 0;
@@ -235,6 +262,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt) {
       if (opt.print) std::printf("checkpoint %s\n", where.c_str());
     }
   }
+  if (!opt.dump_dir.empty()) write_safetensors(opt.dump_dir + "/batches.safetensors", dump_batches);
   return res;
 }
 

@@ -14,6 +14,10 @@ namespace fp4sim::model {
 struct TrainOptions {
   std::string resume;  // a checkpoint directory or a run directory ("" = fresh start)
   bool print = true;
+  // For outside checks (validation/torch_gpt_check.py): the initial weights, the first step's loss
+  // and gradients, and the batches of the first dump_steps steps, as safetensors in this folder.
+  std::string dump_dir;
+  int64_t dump_steps = 10;
 };
 
 struct StepRecord {

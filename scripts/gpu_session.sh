@@ -57,6 +57,14 @@ if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ]; then
   build-gpu/fp4sim crosscheck gemm --format mxfp4 --split-k 2 --shapes 128x128x256,64x96x512 >>"$out/crosscheck.txt" 2>&1
   row "crosscheck gemm mxfp4 split-k 2" "exit $?"
   cat "$out/crosscheck.txt"
+  # the transformer against PyTorch (issue 4): fp4sim trains on the emulator and dumps, torch checks
+  if [ -z "${SKIP_ORACLES:-}" ]; then
+    build-gpu/fp4sim train --config configs/tiny.json train.steps=10 train.warmup=2 train.eval_every=0 \
+      train.data=synthetic train.out_dir=runs/torchcheck --dump runs/torchcheck/dump >"$out/torchcheck_train.log" 2>&1
+    PYTHONUNBUFFERED=1 timeout 300 python3 validation/torch_gpt_check.py --dump runs/torchcheck/dump \
+      --log runs/torchcheck/log.jsonl >"$out/torch_gpt_check.log" 2>&1
+    row "torch_gpt_check.py" "exit $? ($(tail -1 "$out/torch_gpt_check.log"))"
+  fi
   for s in $( [ -n "${SKIP_ORACLES:-}" ] || echo validation/oracle_torch_quantize.py validation/oracle_ml_dtypes.py ); do
     [ -f "$s" ] || continue
     PYTHONUNBUFFERED=1 timeout 300 python3 "$s" --fp4sim build-gpu/fp4sim --out "$out" \

@@ -12,7 +12,7 @@ namespace fp4sim::cli {
 
 void register_train(CLI::App& app) {
   struct Args {
-    std::string config, backend = "emu", resume;
+    std::string config, backend = "emu", resume, dump;
     std::vector<std::string> overrides;
   };
   auto a = std::make_shared<Args>();
@@ -22,6 +22,8 @@ void register_train(CLI::App& app) {
   cmd->add_option("--backend", a->backend, "emu (cuda: not wired into the model yet)")
       ->check(CLI::IsMember({"emu", "cuda"}));
   cmd->add_option("--resume", a->resume, "A checkpoint directory, or a run's checkpoints directory (latest)");
+  cmd->add_option("--dump", a->dump, "Folder for outside checks: initial weights, step-0 loss and gradients, "
+                                     "the first 10 batches (validation/torch_gpt_check.py reads them)");
   cmd->callback([a]() {
     const model::RunConfig c = model::load_config(a->config, a->overrides);
     if (a->backend != "emu")
@@ -33,6 +35,7 @@ void register_train(CLI::App& app) {
                model::to_json(c).dump(2), model::parameter_count(c.model) / 1e6);
     model::TrainOptions opt;
     opt.resume = a->resume;
+    opt.dump_dir = a->dump;
     const model::TrainResult r = model::train(c, opt);
     if (!r.steps.empty())
       fmt::print("done: loss {:.4f} -> {:.4f} over {} steps; log {}/log.jsonl\n", r.steps.front().loss,

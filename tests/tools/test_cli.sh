@@ -102,6 +102,9 @@ cfg=$(dirname "$0")/../../configs/tiny.json
 micro="model.d_model=32 model.n_layers=1 model.d_ff=64 model.n_heads=2 model.n_kv_heads=2 model.seq_len=16 model.max_positions=16 train.batch=2 train.steps=4 train.warmup=1 train.eval_every=2 train.eval_batches=1 train.data=synthetic train.checkpoint_every=2 train.keep_last=1"
 "$bin" train --config "$cfg" $micro train.out_dir=run >log.txt 2>&1 && grep -q "step     4" log.txt && [ -f run/log.jsonl ] \
   && [ "$(ls run/checkpoints)" = "step_00000004" ] && ok "train writes log and keeps the last checkpoint" || bad "train: $(tail -5 log.txt)"
+"$bin" train --config "$cfg" $micro train.out_dir=rund --dump rund/dump >/dev/null 2>&1 \
+  && [ -f rund/dump/weights.safetensors ] && [ -f rund/dump/step0_grads.safetensors ] && [ -f rund/dump/batches.safetensors ] \
+  && [ -f rund/dump/config.json ] && ok "train --dump writes the PyTorch check's inputs" || bad "train --dump"
 "$bin" eval --checkpoint run/checkpoints --batches 1 >log.txt 2>&1 && grep -q "val loss" log.txt && ok "eval" || bad "eval: $(cat log.txt)"
 "$bin" train --config "$cfg" $micro model.vocab=256 train.out_dir=run2 >/dev/null 2>&1 \
   && "$bin" sample --checkpoint run2/checkpoints --prompt "ab" --tokens 5 >log.txt 2>&1 && ok "sample" || bad "sample: $(cat log.txt)"
