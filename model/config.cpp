@@ -189,4 +189,10 @@ int64_t parameter_count(const ModelConfig& m) {
   return m.n_layers * per_layer + emb + pos + (m.norm == "layernorm" ? 2 : 1) * m.d_model;
 }
 
+double training_flops_per_token(const ModelConfig& m) {
+  const double pos = m.positions == "learned" ? static_cast<double>(m.max_positions * m.d_model) : 0.0;
+  const double n = static_cast<double>(parameter_count(m)) - pos;
+  return 6.0 * n + 12.0 * static_cast<double>(m.n_layers * m.seq_len * m.d_model);
+}
+
 }  // namespace fp4sim::model

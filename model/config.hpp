@@ -74,4 +74,11 @@ std::vector<std::string> valid_keys();
 // Parameters of the model (embeddings counted once when tied).
 int64_t parameter_count(const ModelConfig& m);
 
+// Training FLOPs per token (forward + backward), the PaLM appendix B estimate used by nanoGPT and
+// llm.c: 6 * N + 12 * L * T * d, N the parameters without the position table, L layers, T the
+// sequence length, d_model. MFU = (tokens/s * this) / peak; the trainer's peak is the H200's dense
+// BF16 989 TFLOP/s.
+double training_flops_per_token(const ModelConfig& m);
+constexpr double kH200DenseBf16Flops = 989e12;
+
 }  // namespace fp4sim::model

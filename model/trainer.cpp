@@ -238,10 +238,13 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt) {
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     res.steps.push_back({step + 1, loss, norm, lr});
+    const double tok_s = static_cast<double>(B * T) / (ms / 1000.0);
+    const double mfu = tok_s * training_flops_per_token(c.model) / kH200DenseBf16Flops;
     if (opt.print)
-      std::printf("step %5lld | loss %.4f | grad norm %.3f | lr %.2e | %.1f ms | %.0f tok/s\n",
-                  static_cast<long long>(step + 1), loss, norm, lr, ms, B * T / (ms / 1000.0));
-    nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms}};
+      std::printf("step %5lld | loss %.4f | grad norm %.3f | lr %.2e | %.1f ms | %.0f tok/s | MFU %.4f%%\n",
+                  static_cast<long long>(step + 1), loss, norm, lr, ms, tok_s, 100.0 * mfu);
+    nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms},
+                           {"tok_per_s", tok_s}, {"mfu", mfu}};
     if (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
       const float vl = evaluate_on(c, data.val, model.params(), c.train.eval_batches);
       res.val_losses.emplace_back(step + 1, vl);

@@ -23,6 +23,8 @@ TEST(Config, PresetsLoadAndOverridesApply) {
   const RunConfig g = load_config(std::string(FP4SIM_SOURCE_DIR) + "/configs/gpt2-124m.json", {});
   // GPT-2 small with vocab 50304 and tied embeddings: 124.5M parameters (llm.c counts the same)
   EXPECT_NEAR(static_cast<double>(parameter_count(g.model)), 124.48e6, 0.05e6);
+  // 6 N + 12 L T d with N = 124,475,904 - 1024 * 768 (positions) = 123,689,472
+  EXPECT_DOUBLE_EQ(training_flops_per_token(g.model), 6.0 * 123689472.0 + 12.0 * 12 * 1024 * 768);
   const RunConfig t = load_config(std::string(FP4SIM_SOURCE_DIR) + "/configs/tiny.json",
                                   {"model.d_model=256", "train.lr=0.002", "train.data=synthetic",
                                    "model.tied_embeddings=false"});
