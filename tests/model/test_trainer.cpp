@@ -4,6 +4,9 @@
 #include <filesystem>
 #include <unistd.h>
 
+#include <cmath>
+
+#include "model/checkpoint.hpp"
 #include "model/trainer.hpp"
 
 namespace fp4sim::model {
@@ -36,6 +39,31 @@ TEST(Trainer, BitwiseResumeFromStep5) {
     std::memcpy(&a, &cont.steps[i].loss, 4);
     std::memcpy(&b, &full.steps[5 + i].loss, 4);
     EXPECT_EQ(a, b) << "step " << cont.steps[i].step << ": " << cont.steps[i].loss << " vs " << full.steps[5 + i].loss;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// A NaN in the weights makes the loss NaN: the run stops naming the step.
+TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
+  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_nan_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  TrainOptions quiet;
+  quiet.print = false;
+  RunConfig c = micro_run(dir + "/a");
+  c.train.steps = 5;
+  train(c, quiet);  // leaves a checkpoint at step 5
+  Checkpoint ck = load_checkpoint(dir + "/a/checkpoints");
+  const float nan = std::nanf("");
+  std::memcpy(ck.model.at("ln_f.weight").bytes.data(), &nan, 4);
+  save_checkpoint(dir + "/b", ck, 0);
+  RunConfig c2 = micro_run(dir + "/c");
+  TrainOptions resume = quiet;
+  resume.resume = dir + "/b";
+  try {
+    train(c2, resume);
+    FAIL() << "expected the run to stop";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 5"), std::string::npos) << e.what();
   }
   std::filesystem::remove_all(dir);
 }
