@@ -1,8 +1,15 @@
 #include "emu/backend.hpp"
 
+#include <stdexcept>
+
 #include "emu/cpu_backend.hpp"
 
 namespace fp4sim {
+
+void Backend::missing(const char* op) const {
+  throw std::runtime_error("the " + name() + " backend does not implement " + op +
+                           " yet (the training stack runs on --backend emu so far)");
+}
 
 std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<emu::CpuBackend>(); }
 

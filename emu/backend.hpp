@@ -7,6 +7,8 @@
 #include <string>
 
 #include "emu/gemm.hpp"
+#include "emu/layers.hpp"
+#include "emu/optim.hpp"
 #include "emu/quantize.hpp"
 #include "emu/tensor.hpp"
 
@@ -44,6 +46,67 @@ class Backend {
   // padded with zeros to round_up(rows, 128) x round_up(k_blocks, 4) (DESIGN.md §8).
   virtual void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
                                uint8_t* out) = 0;
+
+  // ---- training-stack ops (issue 4): the names, argument orders and semantics of emu/layers.hpp
+  // and emu/optim.hpp, on this backend's memory. A backend that lacks one says so by name.
+  virtual void embedding_forward(float* /*out*/, const int32_t* /*tokens*/, const int32_t* /*pos*/, const float* /*wte*/,
+                                 const float* /*wpe*/, int64_t /*N*/, int64_t /*C*/) { missing("embedding_forward"); }
+  virtual void embedding_backward(float* /*dwte*/, float* /*dwpe*/, const float* /*dout*/, const int32_t* /*tokens*/,
+                                  const int32_t* /*pos*/, int64_t /*N*/, int64_t /*C*/) { missing("embedding_backward"); }
+  virtual void layernorm_forward(float* /*out*/, float* /*mean*/, float* /*rstd*/, const float* /*inp*/, const float* /*weight*/,
+                                 const float* /*bias*/, int64_t /*N*/, int64_t /*C*/) { missing("layernorm_forward"); }
+  virtual void layernorm_backward(float* /*dinp*/, float* /*dweight*/, float* /*dbias*/, const float* /*dout*/,
+                                  const float* /*inp*/, const float* /*weight*/, const float* /*mean*/,
+                                  const float* /*rstd*/, int64_t /*N*/, int64_t /*C*/) { missing("layernorm_backward"); }
+  virtual void rmsnorm_forward(float* /*out*/, float* /*rstd*/, const float* /*inp*/, const float* /*weight*/, int64_t /*N*/,
+                               int64_t /*C*/) { missing("rmsnorm_forward"); }
+  virtual void rmsnorm_backward(float* /*dinp*/, float* /*dweight*/, const float* /*dout*/, const float* /*inp*/,
+                                const float* /*weight*/, const float* /*rstd*/, int64_t /*N*/, int64_t /*C*/) {
+    missing("rmsnorm_backward");
+  }
+  virtual void matmul_forward(float* /*out*/, const float* /*inp*/, const float* /*weight*/, const float* /*bias*/,
+                              int64_t /*N*/, int64_t /*K*/, int64_t /*OC*/, emu::GemmPrecision /*prec*/) {
+    missing("matmul_forward");
+  }
+  virtual void matmul_backward(float* /*dinp*/, float* /*dweight*/, float* /*dbias*/, const float* /*dout*/,
+                               const float* /*inp*/, const float* /*weight*/, int64_t /*N*/, int64_t /*K*/, int64_t /*OC*/,
+                               emu::GemmPrecision /*prec*/) { missing("matmul_backward"); }
+  virtual void attention_forward(float* /*out*/, float* /*att*/, const float* /*qkv*/, int64_t /*B*/, int64_t /*T*/,
+                                 int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/) { missing("attention_forward"); }
+  virtual void attention_backward(float* /*dqkv*/, const float* /*dout*/, const float* /*qkv*/, const float* /*att*/,
+                                  int64_t /*B*/, int64_t /*T*/, int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/) {
+    missing("attention_backward");
+  }
+  virtual void rope_forward(float* /*qkv*/, int64_t /*B*/, int64_t /*T*/, int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/) {
+    missing("rope_forward");
+  }
+  virtual void rope_backward(float* /*dqkv*/, int64_t /*B*/, int64_t /*T*/, int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/) {
+    missing("rope_backward");
+  }
+  virtual void gelu_forward(float* /*out*/, const float* /*inp*/, int64_t /*n*/) { missing("gelu_forward"); }
+  virtual void gelu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*n*/) { missing("gelu_backward"); }
+  virtual void squared_relu_forward(float* /*out*/, const float* /*inp*/, int64_t /*n*/) { missing("squared_relu_forward"); }
+  virtual void squared_relu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*n*/) {
+    missing("squared_relu_backward");
+  }
+  // out (n) = a + b (the residual stream; FP32 RN).
+  virtual void residual_forward(float* /*out*/, const float* /*a*/, const float* /*b*/, int64_t /*n*/) { missing("residual_forward"); }
+  virtual void crossentropy_softmax_forward(float* /*losses*/, float* /*probs*/, const float* /*logits*/,
+                                            const int32_t* /*targets*/, int64_t /*N*/, int64_t /*V*/) {
+    missing("crossentropy_softmax_forward");
+  }
+  virtual void crossentropy_softmax_backward(float* /*dlogits*/, const float* /*probs*/, const int32_t* /*targets*/,
+                                             const float* /*dlosses*/, int64_t /*N*/, int64_t /*V*/) {
+    missing("crossentropy_softmax_backward");
+  }
+  // One AdamW step over n elements (emu/optim.hpp's adamw_element on each).
+  virtual void adamw_update(float* /*params*/, const float* /*grads*/, float* /*m*/, float* /*v*/, int64_t /*n*/,
+                            const AdamWStep& /*step*/) { missing("adamw_update"); }
+  // sum of x_i^2 in FP64 (the global gradient norm).
+  virtual double sum_squares(const float* /*x*/, int64_t /*n*/) { missing("sum_squares"); }
+
+ protected:
+  [[noreturn]] void missing(const char* op) const;
 };
 
 // RAII allocation in a backend's memory.

@@ -32,6 +32,86 @@ class CpuBackend final : public Backend {
                        uint8_t* out) override {
     fp4sim::scales_to_tiled(scales, rows, k_blocks, out);
   }
+
+  // training-stack ops: emu/layers.hpp and emu/optim.hpp on host memory
+  void embedding_forward(float* out, const int32_t* tokens, const int32_t* pos, const float* wte,
+                         const float* wpe, int64_t N, int64_t C) override {
+    emu::embedding_forward(out, tokens, pos, wte, wpe, N, C);
+  }
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                          const int32_t* pos, int64_t N, int64_t C) override {
+    emu::embedding_backward(dwte, dwpe, dout, tokens, pos, N, C);
+  }
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                         const float* bias, int64_t N, int64_t C) override {
+    emu::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
+  }
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, const float* mean, const float* rstd, int64_t N,
+                          int64_t C) override {
+    emu::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  }
+  void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                       int64_t C) override {
+    emu::rmsnorm_forward(out, rstd, inp, weight, N, C);
+  }
+  void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                        const float* weight, const float* rstd, int64_t N, int64_t C) override {
+    emu::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+  }
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N,
+                      int64_t K, int64_t OC, emu::GemmPrecision prec) override {
+    emu::matmul_forward(out, inp, weight, bias, N, K, OC, prec);
+  }
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int64_t N, int64_t K, int64_t OC,
+                       emu::GemmPrecision prec) override {
+    emu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
+  }
+  void attention_forward(float* out, float* att, const float* qkv, int64_t B, int64_t T, int64_t NH,
+                         int64_t NKV, int64_t HD) override {
+    emu::attention_forward(out, att, qkv, B, T, NH, NKV, HD);
+  }
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int64_t B,
+                          int64_t T, int64_t NH, int64_t NKV, int64_t HD) override {
+    emu::attention_backward(dqkv, dout, qkv, att, B, T, NH, NKV, HD);
+  }
+  void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override {
+    emu::rope_forward(qkv, B, T, NH, NKV, HD);
+  }
+  void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override {
+    emu::rope_backward(dqkv, B, T, NH, NKV, HD);
+  }
+  void gelu_forward(float* out, const float* inp, int64_t n) override { emu::gelu_forward(out, inp, n); }
+  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
+    emu::gelu_backward(dinp, inp, dout, n);
+  }
+  void squared_relu_forward(float* out, const float* inp, int64_t n) override {
+    emu::squared_relu_forward(out, inp, n);
+  }
+  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
+    emu::squared_relu_backward(dinp, inp, dout, n);
+  }
+  void residual_forward(float* out, const float* a, const float* b, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+  }
+  void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
+                                    const int32_t* targets, int64_t N, int64_t V) override {
+    emu::crossentropy_softmax_forward(losses, probs, logits, targets, N, V);
+  }
+  void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
+                                     const float* dlosses, int64_t N, int64_t V) override {
+    emu::crossentropy_softmax_backward(dlogits, probs, targets, dlosses, N, V);
+  }
+  void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
+                    const AdamWStep& step) override {
+    for (int64_t i = 0; i < n; ++i) adamw_element(params[i], grads[i], m[i], v[i], step);
+  }
+  double sum_squares(const float* x, int64_t n) override {
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+    return s;
+  }
 };
 
 // Building blocks, exposed for tests and benchmarks.

@@ -1,15 +1,17 @@
 // A decoder-only transformer (GPT-2 family, config-driven) on the emulator's layer functions:
 // forward, backward, and the named FP32 parameter tensors the optimizer and checkpoints use.
 //
-// First version (issue 4): host memory, emu/layers.hpp called directly, FP32 activations, BF16
-// GEMMs emulated with the tensor-core T-FDPA chain. Moving these calls behind Backend (so the CUDA
-// twins can run the same model) is the next step; SwiGLU is not wired yet.
+// First version (issue 4): every op goes through Backend (emu/layers.hpp's names and argument
+// orders), but the buffers are host std::vectors, so only a host backend (the emulator) can run it;
+// placing them in backend memory comes with the CUDA twins. FP32 activations, BF16 GEMMs emulated
+// with the tensor-core T-FDPA chain. SwiGLU is not wired yet.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "emu/backend.hpp"
 #include "emu/layers.hpp"
 #include "model/config.hpp"
 
@@ -24,7 +26,7 @@ struct ParamTensor {
 
 class Gpt {
  public:
-  explicit Gpt(const ModelConfig& cfg);
+  Gpt(const ModelConfig& cfg, Backend& backend);
 
   // GPT-2 style initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers),
   // LayerNorm weights 1, biases 0. Deterministic in the seed.
@@ -57,6 +59,7 @@ class Gpt {
   std::string lname(int64_t l, const char* what) const;
 
   ModelConfig cfg_;
+  Backend& be_;
   emu::GemmPrecision prec_ = emu::GemmPrecision::BF16;
   std::vector<ParamTensor> tensors_;
   std::vector<float> params_, grads_;

@@ -83,8 +83,9 @@ void load_stored(const TensorMap& m, const std::string& name, float* dst, int64_
 
 namespace {
 
-float evaluate_on(const RunConfig& c, const TokenFile& val, const std::vector<float>& params, int64_t batches) {
-  Gpt model(c.model);
+float evaluate_on(const RunConfig& c, const TokenFile& val, const std::vector<float>& params, int64_t batches,
+                  Backend& be) {
+  Gpt model(c.model, be);
   model.params() = params;
   std::vector<int32_t> tok, tgt;
   int64_t pos = 0;
@@ -98,17 +99,17 @@ float evaluate_on(const RunConfig& c, const TokenFile& val, const std::vector<fl
 
 }  // namespace
 
-float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches) {
-  return evaluate_on(c, load_data(c).val, params, batches);
+float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches, Backend& be) {
+  return evaluate_on(c, load_data(c).val, params, batches, be);
 }
 
-LoadedModel load_trained(const std::string& checkpoint) {
+LoadedModel load_trained(const std::string& checkpoint, Backend& be) {
   const Checkpoint ck = load_checkpoint(checkpoint);
   if (!ck.state.contains("run_config"))
     throw std::runtime_error(checkpoint + ": the checkpoint carries no run_config");
   LoadedModel lm;
   lm.config = config_from_json(ck.state.at("run_config"), {});
-  Gpt model(lm.config.model);
+  Gpt model(lm.config.model, be);
   for (const ParamTensor& t : model.tensors())
     load_stored(ck.model, t.name, model.params().data() + t.offset, t.numel(), checkpoint);
   lm.params = model.params();
@@ -116,8 +117,8 @@ LoadedModel load_trained(const std::string& checkpoint) {
 }
 
 std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32_t>& prompt,
-                                   int64_t count, float temperature, uint64_t seed) {
-  Gpt model(m.config.model);
+                                   int64_t count, float temperature, uint64_t seed, Backend& be) {
+  Gpt model(m.config.model, be);
   model.params() = m.params;
   std::vector<int32_t> seq = prompt;
   if (seq.empty()) seq.push_back('\n');
@@ -150,10 +151,10 @@ std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32
   return std::vector<int32_t>(seq.begin() + static_cast<int64_t>(prompt.empty() ? 1 : prompt.size()), seq.end());
 }
 
-TrainResult train(const RunConfig& c, const TrainOptions& opt) {
+TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   namespace fs = std::filesystem;
   const Dataset data = load_data(c);  // every input error before any work
-  Gpt model(c.model);
+  Gpt model(c.model, be);
   model.init(c.train.seed);
   std::vector<float> m(model.params().size(), 0.0f), v(model.params().size(), 0.0f);
   int64_t step0 = 0, pos = 0;
@@ -211,14 +212,10 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt) {
     }
     double sq = 0;
     for (const ParamTensor& t : model.tensors()) {
-      double s = 0;
-      for (int64_t i = 0; i < t.numel(); ++i) {
-        const double gv = model.grads()[t.offset + static_cast<size_t>(i)];
-        s += gv * gv;
-      }
-      if (!std::isfinite(s))
+      const double s2 = be.sum_squares(model.grads().data() + t.offset, t.numel());
+      if (!std::isfinite(s2))
         throw std::runtime_error("step " + std::to_string(step) + ": gradient of '" + t.name + "' is not finite");
-      sq += s;
+      sq += s2;
     }
     const double norm = std::sqrt(sq);
     const double lr = learning_rate(c.train.schedule, step, c.train.steps, c.train.warmup, c.train.lr,
@@ -231,10 +228,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt) {
     for (const ParamTensor& t : model.tensors()) {
       AdamWStep st = s;
       if (t.shape.size() < 2) st.weight_decay = 0.0f;
-      for (int64_t i = 0; i < t.numel(); ++i) {
-        const size_t k = t.offset + static_cast<size_t>(i);
-        adamw_element(model.params()[k], model.grads()[k], m[k], v[k], st);
-      }
+      be.adamw_update(model.params().data() + t.offset, model.grads().data() + t.offset, m.data() + t.offset,
+                      v.data() + t.offset, t.numel(), st);
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     res.steps.push_back({step + 1, loss, norm, lr});
@@ -246,7 +241,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt) {
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms},
                            {"tok_per_s", tok_s}, {"mfu", mfu}};
     if (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
-      const float vl = evaluate_on(c, data.val, model.params(), c.train.eval_batches);
+      const float vl = evaluate_on(c, data.val, model.params(), c.train.eval_batches, be);
       res.val_losses.emplace_back(step + 1, vl);
       line["val_loss"] = vl;
       if (opt.print) std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step + 1), vl);

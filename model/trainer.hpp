@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "emu/backend.hpp"
 #include "model/config.hpp"
 
 namespace fp4sim::model {
@@ -32,10 +33,10 @@ struct TrainResult {
   std::vector<std::pair<int64_t, float>> val_losses;
 };
 
-TrainResult train(const RunConfig& cfg, const TrainOptions& opt);
+TrainResult train(const RunConfig& cfg, const TrainOptions& opt, Backend& backend);
 
 // Validation loss of a model config + parameters on up to `batches` batches of the val split.
-float evaluate(const RunConfig& cfg, const std::vector<float>& params, int64_t batches);
+float evaluate(const RunConfig& cfg, const std::vector<float>& params, int64_t batches, Backend& backend);
 
 // The run configuration and parameters stored in a checkpoint (a step directory, or a run's
 // checkpoints directory for its latest).
@@ -43,10 +44,10 @@ struct LoadedModel {
   RunConfig config;
   std::vector<float> params;
 };
-LoadedModel load_trained(const std::string& checkpoint);
+LoadedModel load_trained(const std::string& checkpoint, Backend& backend);
 
 // Autoregressive sampling: continue `prompt` by `count` tokens (temperature 0 = greedy).
 std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32_t>& prompt,
-                                   int64_t count, float temperature, uint64_t seed);
+                                   int64_t count, float temperature, uint64_t seed, Backend& backend);
 
 }  // namespace fp4sim::model

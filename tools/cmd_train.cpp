@@ -26,9 +26,7 @@ void register_train(CLI::App& app) {
                                      "the first 10 batches (validation/torch_gpt_check.py reads them)");
   cmd->callback([a]() {
     const model::RunConfig c = model::load_config(a->config, a->overrides);
-    if (a->backend != "emu")
-      throw std::invalid_argument("--backend " + a->backend +
-                                  ": the model runs on the emulator only so far (issue 4 in progress); use --backend emu");
+    auto backend = make_backend(a->backend);
     if (c.recipe.name != "bf16")
       throw std::invalid_argument("recipe.name " + c.recipe.name + ": only bf16 is wired into training so far (issue 5)");
     fmt::print("fp4sim train  (backend emu, contract_version 1)\n{}\nparameters: {:.3f} M\n",
@@ -36,7 +34,7 @@ void register_train(CLI::App& app) {
     model::TrainOptions opt;
     opt.resume = a->resume;
     opt.dump_dir = a->dump;
-    const model::TrainResult r = model::train(c, opt);
+    const model::TrainResult r = model::train(c, opt, *backend);
     if (!r.steps.empty())
       fmt::print("done: loss {:.4f} -> {:.4f} over {} steps; log {}/log.jsonl\n", r.steps.front().loss,
                  r.steps.back().loss, r.steps.size(), c.train.out_dir);
@@ -58,9 +56,10 @@ void register_eval_sample(CLI::App& app) {
   ev->add_option("--data", e->data, "Token files prefix (default: the run's train.data)");
   ev->add_option("--batches", e->batches, "Validation batches");
   ev->callback([e]() {
-    model::LoadedModel m = model::load_trained(e->checkpoint);
+    auto backend = make_backend("emu");
+    model::LoadedModel m = model::load_trained(e->checkpoint, *backend);
     if (!e->data.empty()) m.config.train.data = e->data;
-    const float loss = model::evaluate(m.config, m.params, e->batches);
+    const float loss = model::evaluate(m.config, m.params, e->batches, *backend);
     fmt::print("{}: val loss {:.4f} nats/token over {} batches of {} x {}", e->checkpoint, loss, e->batches,
                m.config.train.batch, m.config.model.seq_len);
     if (m.config.model.vocab == 256) fmt::print(" = {:.4f} bits per byte", loss / std::log(2.0));
@@ -81,12 +80,13 @@ void register_eval_sample(CLI::App& app) {
   sm->add_option("--temperature", s->temperature, "0 = greedy");
   sm->add_option("--seed", s->seed, "Sampling seed");
   sm->callback([s]() {
-    const model::LoadedModel m = model::load_trained(s->checkpoint);
+    auto backend = make_backend("emu");
+    const model::LoadedModel m = model::load_trained(s->checkpoint, *backend);
     if (m.config.model.vocab != 256)
       throw std::invalid_argument("sample: only byte-level (vocab 256) models can be turned back into text");
     std::vector<int32_t> prompt;
     for (unsigned char ch : s->prompt) prompt.push_back(ch);
-    const std::vector<int32_t> out = model::sample_tokens(m, prompt, s->tokens, s->temperature, s->seed);
+    const std::vector<int32_t> out = model::sample_tokens(m, prompt, s->tokens, s->temperature, s->seed, *backend);
     std::string text = s->prompt;
     for (int32_t t : out) text += static_cast<char>(t);
     fmt::print("{}\n", text);

@@ -26,12 +26,12 @@ TEST(Trainer, BitwiseResumeFromStep5) {
   std::filesystem::remove_all(dir);
   TrainOptions quiet;
   quiet.print = false;
-  const TrainResult full = train(micro_run(dir + "/full"), quiet);
+  const TrainResult full = train(micro_run(dir + "/full"), quiet, *make_cpu_backend());
   ASSERT_EQ(full.steps.size(), 10u);
   // the first run also left a checkpoint at step 5; a second run resumes from it
   TrainOptions resume = quiet;
   resume.resume = dir + "/full/checkpoints/step_00000005";
-  const TrainResult cont = train(micro_run(dir + "/cont"), resume);
+  const TrainResult cont = train(micro_run(dir + "/cont"), resume, *make_cpu_backend());
   ASSERT_EQ(cont.steps.size(), 5u);
   for (size_t i = 0; i < 5; ++i) {
     EXPECT_EQ(cont.steps[i].step, full.steps[5 + i].step);
@@ -51,7 +51,7 @@ TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
   quiet.print = false;
   RunConfig c = micro_run(dir + "/a");
   c.train.steps = 5;
-  train(c, quiet);  // leaves a checkpoint at step 5
+  train(c, quiet, *make_cpu_backend());  // leaves a checkpoint at step 5
   Checkpoint ck = load_checkpoint(dir + "/a/checkpoints");
   const float nan = std::nanf("");
   std::memcpy(ck.model.at("ln_f.weight").bytes.data(), &nan, 4);
@@ -60,7 +60,7 @@ TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
   TrainOptions resume = quiet;
   resume.resume = dir + "/b";
   try {
-    train(c2, resume);
+    train(c2, resume, *make_cpu_backend());
     FAIL() << "expected the run to stop";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("step 5"), std::string::npos) << e.what();
@@ -73,7 +73,7 @@ TEST(Trainer, MissingDataIsAnErrorBeforeAnyWork) {
   c.train.data = "/nonexistent/corpus";
   TrainOptions quiet;
   quiet.print = false;
-  EXPECT_THROW(train(c, quiet), std::runtime_error);
+  EXPECT_THROW(train(c, quiet, *make_cpu_backend()), std::runtime_error);
 }
 
 }  // namespace
