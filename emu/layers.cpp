@@ -174,13 +174,11 @@ struct Bf16Operand {
   std::vector<uint8_t> special_chunk;  // per (row, chunk): a NaN or Inf in it
 };
 
-constexpr int32_t kZeroReading = -100000;
-
 Bf16Operand prepare_bf16(const float* x, int64_t rows, int64_t K, int64_t Kp) {
   Bf16Operand o;
   o.f.assign(static_cast<size_t>(rows * Kp), 0.0f);
   o.d.assign(o.f.size(), 0.0);
-  o.e.assign(o.f.size(), kZeroReading);
+  o.e.assign(o.f.size(), kBf16ZeroReading);
   o.special_chunk.assign(static_cast<size_t>(rows * (Kp / kBf16FdpaL)), 0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < K; ++k) {
@@ -190,15 +188,15 @@ Bf16Operand prepare_bf16(const float* x, int64_t rows, int64_t K, int64_t Kp) {
       o.d[i] = v;
       const uint32_t u = f32_bits(v) & 0x7FFFFFFFu;
       if (u >= 0x7F800000u) o.special_chunk[static_cast<size_t>(r * (Kp / kBf16FdpaL) + k / kBf16FdpaL)] = 1;
-      else if (u != 0) o.e[i] = (u >> 23) ? static_cast<int32_t>(u >> 23) - 127 : kFp32Emin;
+      else o.e[i] = bf16_exponent_reading(v);
     }
   return o;
 }
 
 }  // namespace
 
-// Chained T-FDPA per output, as tfdpa_bf16_host but with the operands' doubles and exponent
-// readings prepared once; chunks holding a NaN or Inf, and exactly zero sums, take the literal path.
+// Chained T-FDPA per output (tfdpa_bf16_prepared) with the operands' doubles and exponent readings
+// prepared once; chunks holding a NaN or Inf take the literal path.
 void bf16_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t N, int64_t K) {
   const int64_t Kp = (K + kBf16FdpaL - 1) / kBf16FdpaL * kBf16FdpaL, chunks = Kp / kBf16FdpaL;
   const Bf16Operand A = prepare_bf16(a, M, K, Kp), B = prepare_bf16(b, N, K, Kp);
@@ -212,36 +210,7 @@ void bf16_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t
           acc = tfdpa_bf16(&A.f[ia], &B.f[ib], acc);
           continue;
         }
-        const uint32_t uc = f32_bits(acc) & 0x7FFFFFFFu;
-        if (uc >= 0x7F800000u) {  // an Inf/NaN accumulator: the literal rules
-          acc = tfdpa_bf16(&A.f[ia], &B.f[ib], acc);
-          continue;
-        }
-        int32_t e_max = kTfdpaZeroExp;
-        for (int k = 0; k < kBf16FdpaL; ++k) {
-          const int32_t e = A.e[ia + k] + B.e[ib + k];
-          e_max = e > e_max ? e : e_max;
-        }
-        if (uc != 0) {
-          const int32_t ec = (uc >> 23) ? static_cast<int32_t>(uc >> 23) - 127 : kFp32Emin;
-          e_max = ec > e_max ? ec : e_max;
-        }
-        const int grid = e_max - kBf16FdpaF;
-        const double down = std::ldexp(1.0, -grid);
-        double sum = std::trunc(static_cast<double>(acc) * down);
-        for (int k = 0; k < kBf16FdpaL; ++k) sum += std::trunc(A.d[ia + k] * B.d[ib + k] * down);
-        if (sum == 0.0) {  // the signed-zero rule
-          acc = tfdpa_bf16(&A.f[ia], &B.f[ib], acc);
-          continue;
-        }
-        const double exact = std::ldexp(sum, grid);
-        if (std::fabs(exact) >= 0x1p128) {
-          acc = exact > 0 ? INFINITY : -INFINITY;
-          continue;
-        }
-        float r = static_cast<float>(exact);
-        if (std::fabs(static_cast<double>(r)) > std::fabs(exact)) r = std::nextafter(r, 0.0f);
-        acc = r;
+        acc = tfdpa_bf16_prepared(&A.d[ia], &A.e[ia], &B.d[ib], &B.e[ib], &A.f[ia], &B.f[ib], acc);
       }
       out[m * N + n] = acc;
     }

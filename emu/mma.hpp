@@ -382,35 +382,55 @@ namespace fp4sim {
 // steps the nearest float toward zero when it overshoots. Special values, and an exactly zero sum
 // (whose sign has its own rule), take the literal path. Equal to tfdpa_bf16 on every input
 // (tests/emu/test_mma.cpp checks millions of random cases).
-inline float tfdpa_bf16_host(const float* a, const float* b, float c) {
-  int e_max = kTfdpaZeroExp;
-  uint32_t special = 0;
-  for (int k = 0; k < kBf16FdpaL; ++k) {
-    const uint32_t ua = f32_bits(a[k]) & 0x7FFFFFFFu, ub = f32_bits(b[k]) & 0x7FFFFFFFu;
-    special |= static_cast<uint32_t>(ua >= 0x7F800000u) | static_cast<uint32_t>(ub >= 0x7F800000u);
-    if (ua == 0 || ub == 0) continue;
-    const int ea = ua >> 23 ? static_cast<int>(ua >> 23) - 127 : kFp32Emin;
-    const int eb = ub >> 23 ? static_cast<int>(ub >> 23) - 127 : kFp32Emin;
-    if (ea + eb > e_max) e_max = ea + eb;
-  }
+//
+// The operands come prepared: values as doubles (ad, bd), exponent readings E(x) =
+// max(floor(log2|x|), -126) with kBf16ZeroReading for zeros (ae, be_), and the floats (af, bf) for
+// the literal path. The caller guarantees no NaN/Inf among the 16 + 16 operands.
+constexpr int32_t kBf16ZeroReading = -100000;
+
+inline int32_t bf16_exponent_reading(float x) {
+  const uint32_t u = f32_bits(x) & 0x7FFFFFFFu;
+  if (u == 0) return kBf16ZeroReading;
+  return (u >> 23) ? static_cast<int32_t>(u >> 23) - 127 : kFp32Emin;
+}
+
+inline float tfdpa_bf16_prepared(const double* ad, const int32_t* ae, const double* bd,
+                                 const int32_t* be_, const float* af, const float* bf, float c) {
   const uint32_t uc = f32_bits(c) & 0x7FFFFFFFu;
-  if (special || uc >= 0x7F800000u) return tfdpa_bf16(a, b, c);
+  if (uc >= 0x7F800000u) return tfdpa_bf16(af, bf, c);  // an Inf/NaN accumulator: the literal rules
+  int32_t e_max = kTfdpaZeroExp;
+  for (int k = 0; k < kBf16FdpaL; ++k) {
+    const int32_t e = ae[k] + be_[k];
+    e_max = e > e_max ? e : e_max;
+  }
   if (uc != 0) {
-    const int ec = uc >> 23 ? static_cast<int>(uc >> 23) - 127 : kFp32Emin;
-    if (ec > e_max) e_max = ec;
+    const int32_t ec = bf16_exponent_reading(c);
+    e_max = ec > e_max ? ec : e_max;
   }
   const int grid = e_max - kBf16FdpaF;
   const double down = std::ldexp(1.0, -grid);
-  double sum = 0.0;
-  for (int k = 0; k < kBf16FdpaL; ++k)
-    sum += std::trunc(static_cast<double>(a[k]) * static_cast<double>(b[k]) * down);
-  sum += std::trunc(static_cast<double>(c) * down);
-  if (sum == 0.0) return tfdpa_bf16(a, b, c);  // the signed-zero rule
+  double sum = std::trunc(static_cast<double>(c) * down);
+  for (int k = 0; k < kBf16FdpaL; ++k) sum += std::trunc(ad[k] * bd[k] * down);
+  if (sum == 0.0) return tfdpa_bf16(af, bf, c);  // the signed-zero rule
   const double exact = std::ldexp(sum, grid);
   if (std::fabs(exact) >= 0x1p128) return exact > 0 ? INFINITY : -INFINITY;
   float r = static_cast<float>(exact);
   if (std::fabs(static_cast<double>(r)) > std::fabs(exact)) r = std::nextafter(r, 0.0f);
   return r;
+}
+
+// The same for one chunk of plain floats (BF16 values): prepares the operands, then as above.
+inline float tfdpa_bf16_host(const float* a, const float* b, float c) {
+  double ad[kBf16FdpaL], bd[kBf16FdpaL];
+  int32_t ae[kBf16FdpaL], be_[kBf16FdpaL];
+  for (int k = 0; k < kBf16FdpaL; ++k) {
+    if (f32_isnan(a[k]) || f32_isinf(a[k]) || f32_isnan(b[k]) || f32_isinf(b[k])) return tfdpa_bf16(a, b, c);
+    ad[k] = a[k];
+    bd[k] = b[k];
+    ae[k] = bf16_exponent_reading(a[k]);
+    be_[k] = bf16_exponent_reading(b[k]);
+  }
+  return tfdpa_bf16_prepared(ad, ae, bd, be_, a, b, c);
 }
 
 }  // namespace fp4sim
