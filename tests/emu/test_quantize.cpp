@@ -315,7 +315,9 @@ TEST(Quantize, SubnormalsSurviveAFlushToZeroHost) {
   for (int i = 0; i < 16; ++i) amax_b = std::fmax(amax_b, std::fabs(x[i]));
   EXPECT_EQ(ieee.rowwise.scales[0], nvfp4_block_scale(amax_b, nvfp4_global(ieee.rowwise.amax, false).s_enc))
       << "amax " << ieee.rowwise.amax << " amax_b " << amax_b;
-  if (amax_b > 1e-38f) EXPECT_NE(ieee.rowwise.scales[0], 0);
+  if (amax_b > 1e-38f) {
+    EXPECT_NE(ieee.rowwise.scales[0], 0);
+  }
   EXPECT_EQ(ieee.rowwise.scales, ftz_host.rowwise.scales);
   EXPECT_EQ(ieee.rowwise.codes, ftz_host.rowwise.codes);
 }
