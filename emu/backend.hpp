@@ -26,6 +26,9 @@ class Backend {
   virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // Set `bytes` bytes at p to zero; copy within this backend's memory (both stream-ordered).
+  virtual void zero(void* p, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
 
   // Quantize x (F32 or BF16, rows x cols) into the requested copies (DESIGN.md §5, §6). Either
   // output may be null when its copy is disabled. Outputs live in this backend's memory; each

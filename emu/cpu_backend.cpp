@@ -18,6 +18,8 @@ void* CpuBackend::allocate(size_t bytes) {
 void CpuBackend::release(void* p) { std::free(p); }
 void CpuBackend::upload(void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); }
 void CpuBackend::download(void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); }
+void CpuBackend::zero(void* p, size_t n) { std::memset(p, 0, n); }
+void CpuBackend::copy(void* dst, const void* src, size_t n) { std::memmove(dst, src, n); }
 
 float amax_of(const float* x, int64_t n) {
   float m = 0.0f;

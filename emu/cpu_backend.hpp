@@ -17,6 +17,8 @@ class CpuBackend final : public Backend {
   void upload(void* dst, const void* host_src, size_t bytes) override;
   void download(void* host_dst, const void* src, size_t bytes) override;
   void synchronize() override {}
+  void zero(void* p, size_t bytes) override;
+  void copy(void* dst, const void* src, size_t bytes) override;
 
   void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                 QuantizedView* columnwise) override;

@@ -55,6 +55,10 @@ void CudaBackend::download(void* dst, const void* src, size_t n) {
   FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 void CudaBackend::synchronize() { FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void CudaBackend::zero(void* p, size_t n) { FP4SIM_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream_)); }
+void CudaBackend::copy(void* dst, const void* src, size_t n) {
+  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream_));
+}
 
 void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                            QuantizedView* columnwise) {
