@@ -92,6 +92,10 @@ class Backend {
   virtual void squared_relu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*n*/) {
     missing("squared_relu_backward");
   }
+  virtual void swiglu_forward(float* /*out*/, const float* /*inp*/, int64_t /*N*/, int64_t /*F*/) { missing("swiglu_forward"); }
+  virtual void swiglu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*N*/, int64_t /*F*/) {
+    missing("swiglu_backward");
+  }
   // out (n) = a + b (the residual stream; FP32 RN).
   virtual void residual_forward(float* /*out*/, const float* /*a*/, const float* /*b*/, int64_t /*n*/) { missing("residual_forward"); }
   virtual void crossentropy_softmax_forward(float* /*losses*/, float* /*probs*/, const float* /*logits*/,

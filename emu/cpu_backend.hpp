@@ -94,6 +94,12 @@ class CpuBackend final : public Backend {
   void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
     emu::squared_relu_backward(dinp, inp, dout, n);
   }
+  void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) override {
+    emu::swiglu_forward(out, inp, N, F);
+  }
+  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) override {
+    emu::swiglu_backward(dinp, inp, dout, N, F);
+  }
   void residual_forward(float* out, const float* a, const float* b, int64_t n) override {
     for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
   }

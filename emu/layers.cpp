@@ -124,6 +124,33 @@ void squared_relu_backward(float* dinp, const float* inp, const float* dout, int
   for (int64_t i = 0; i < n; ++i) dinp[i] += (inp[i] > 0.0f ? 2.0f * inp[i] : 0.0f) * dout[i];
 }
 
+void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* g = inp + n * 2 * F;
+    const float* u = g + F;
+    for (int64_t i = 0; i < F; ++i) out[n * F + i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+  }
+}
+
+void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* g = inp + n * 2 * F;
+    const float* u = g + F;
+    float* dg = dinp + n * 2 * F;
+    float* du = dg + F;
+    for (int64_t i = 0; i < F; ++i) {
+      const float sig = 1.0f / (1.0f + std::exp(-g[i]));
+      const float silu = g[i] * sig;
+      const float dy = dout[n * F + i];
+      // d silu / dx = sig * (1 + x * (1 - sig))
+      dg[i] += (dy * u[i]) * (sig * (1.0f + g[i] * (1.0f - sig)));
+      du[i] += dy * silu;
+    }
+  }
+}
+
 void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
                                   const int32_t* targets, int64_t N, int64_t V) {
 #pragma omp parallel for schedule(static)

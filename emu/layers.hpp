@@ -31,6 +31,11 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
 void squared_relu_forward(float* out, const float* inp, int64_t n);
 void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
 
+// SwiGLU: inp (N, 2F) holds [gate | up] per row; out (N,F) = silu(gate) * up,
+// silu(x) = x / (1 + exp(-x)). The backward pass accumulates into both halves of dinp (N, 2F).
+void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F);
+void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F);
+
 // Fused softmax + cross-entropy: probs (N,V) = softmax(logits), losses (N) = -log probs[target].
 void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
                                   const int32_t* targets, int64_t N, int64_t V);

@@ -1,10 +1,12 @@
-// A decoder-only transformer (GPT-2 family, config-driven) on the emulator's layer functions:
+// A decoder-only transformer (GPT-2 / Llama family, config-driven) on the Backend's layer ops:
 // forward, backward, and the named FP32 parameter tensors the optimizer and checkpoints use.
 //
-// First version (issue 4): every op goes through Backend (emu/layers.hpp's names and argument
-// orders), but the buffers are host std::vectors, so only a host backend (the emulator) can run it;
-// placing them in backend memory comes with the CUDA twins. FP32 activations, BF16 GEMMs emulated
-// with the tensor-core T-FDPA chain. SwiGLU is not wired yet.
+// Every buffer (parameters, gradients, activations, scratch) lives in the backend's memory and
+// every op goes through Backend (emu/layers.hpp's names and argument orders), so the same class
+// runs on the emulator and on the CUDA backend. The host sees the model through explicit copies
+// (params_to_host, grads_to_host, logits_row_to_host) and the per-row losses of each forward.
+// FP32 activations; the GEMMs' precision is the backend's BF16 model (T-FDPA on the emulator,
+// cuBLASLt BF16 with FP32 accumulation on the GPU).
 #pragma once
 
 #include <cstdint>
@@ -29,45 +31,58 @@ class Gpt {
   Gpt(const ModelConfig& cfg, Backend& backend);
 
   // GPT-2 style initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers),
-  // LayerNorm weights 1, biases 0. Deterministic in the seed.
+  // norm weights 1, biases 0. Deterministic in the seed (drawn on the host, then uploaded).
   void init(uint64_t seed);
 
-  // tokens, targets (B,T). Returns the mean cross-entropy loss; keeps the activations.
+  // tokens, targets (B,T) host arrays. Returns the mean cross-entropy loss (FP64 sum of the
+  // per-row losses on the host); keeps the activations.
   float forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T);
   // Gradients of the mean loss of the last forward into grads() (zeroed first).
   void backward();
 
-  // FP32 GEMMs instead of the emulated BF16 ones (gradient checks only).
+  // FP32 GEMMs instead of the BF16 ones (gradient checks only).
   void set_gemm_precision(emu::GemmPrecision p) { prec_ = p; }
 
   const ModelConfig& config() const { return cfg_; }
-  std::vector<float>& params() { return params_; }
-  std::vector<float>& grads() { return grads_; }
+  Backend& backend() const { return be_; }
+  size_t num_params() const { return n_params_; }
+  // The flat parameter and gradient vectors in the backend's memory (host memory on the emulator).
+  float* params() const { return params_.as<float>(); }
+  float* grads() const { return grads_.as<float>(); }
+  std::vector<float> params_to_host() const;
+  void params_from_host(const std::vector<float>& host);
+  std::vector<float> grads_to_host() const;
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
   const ParamTensor& tensor(const std::string& name) const;
-  // Logits (B,T,V) of the last forward.
-  const std::vector<float>& logits() const { return logits_; }
+  // Row `row` (0 <= row < B*T) of the logits (B,T,V) of the last forward.
+  std::vector<float> logits_row_to_host(int64_t row) const;
 
  private:
   struct LayerActs {
-    std::vector<float> ln1, ln1_mean, ln1_rstd, qkv, att, atty, attproj, res1;
-    std::vector<float> ln2, ln2_mean, ln2_rstd, fc, act, fcproj, res2;
+    BackendBuffer ln1, ln1_mean, ln1_rstd, qkv, att, atty, attproj, res1;
+    BackendBuffer ln2, ln2_mean, ln2_rstd, fc, act, fcproj, res2;
   };
-  float* p(const std::string& name) { return params_.data() + tensor(name).offset; }
-  float* g(const std::string& name) { return grads_.data() + tensor(name).offset; }
+  float* p(const std::string& name) const { return params() + tensor(name).offset; }
+  float* g(const std::string& name) const { return grads() + tensor(name).offset; }
   void add(const std::string& name, std::vector<int64_t> shape);
   std::string lname(int64_t l, const char* what) const;
+  void allocate_activations(int64_t B, int64_t T);
+  int64_t fc_width() const { return cfg_.activation == "swiglu" ? 2 * cfg_.d_ff : cfg_.d_ff; }
 
   ModelConfig cfg_;
   Backend& be_;
   emu::GemmPrecision prec_ = emu::GemmPrecision::BF16;
   std::vector<ParamTensor> tensors_;
-  std::vector<float> params_, grads_;
-  // last forward
-  int64_t B_ = 0, T_ = 0;
-  std::vector<int32_t> tokens_, targets_, pos_;
-  std::vector<float> emb_, lnf_, lnf_mean_, lnf_rstd_, logits_, probs_, losses_;
+  size_t n_params_ = 0;
+  BackendBuffer params_, grads_;
+  // activations of the last forward, sized for (B_, T_)
+  int64_t B_ = 0, T_ = 0, alloc_B_ = 0, alloc_T_ = 0;
+  BackendBuffer tokens_, targets_, pos_;
+  BackendBuffer emb_, lnf_, lnf_mean_, lnf_rstd_, logits_, probs_, losses_;
   std::vector<LayerActs> acts_;
+  // backward scratch
+  BackendBuffer dlosses_, dlogits_, dlnf_, dx_, dact_, dfc_, dln2_, datty_, dqkv_, dln1_;
+  std::vector<int32_t> host_targets_;
 };
 
 }  // namespace fp4sim::model

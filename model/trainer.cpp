@@ -83,10 +83,7 @@ void load_stored(const TensorMap& m, const std::string& name, float* dst, int64_
 
 namespace {
 
-float evaluate_on(const RunConfig& c, const TokenFile& val, const std::vector<float>& params, int64_t batches,
-                  Backend& be) {
-  Gpt model(c.model, be);
-  model.params() = params;
+float evaluate_on(const RunConfig& c, const TokenFile& val, Gpt& model, int64_t batches) {
   std::vector<int32_t> tok, tgt;
   int64_t pos = 0;
   double sum = 0;
@@ -100,7 +97,9 @@ float evaluate_on(const RunConfig& c, const TokenFile& val, const std::vector<fl
 }  // namespace
 
 float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches, Backend& be) {
-  return evaluate_on(c, load_data(c).val, params, batches, be);
+  Gpt model(c.model, be);
+  model.params_from_host(params);
+  return evaluate_on(c, load_data(c).val, model, batches);
 }
 
 LoadedModel load_trained(const std::string& checkpoint, Backend& be) {
@@ -110,16 +109,16 @@ LoadedModel load_trained(const std::string& checkpoint, Backend& be) {
   LoadedModel lm;
   lm.config = config_from_json(ck.state.at("run_config"), {});
   Gpt model(lm.config.model, be);
+  lm.params.assign(model.num_params(), 0.0f);
   for (const ParamTensor& t : model.tensors())
-    load_stored(ck.model, t.name, model.params().data() + t.offset, t.numel(), checkpoint);
-  lm.params = model.params();
+    load_stored(ck.model, t.name, lm.params.data() + t.offset, t.numel(), checkpoint);
   return lm;
 }
 
 std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32_t>& prompt,
                                    int64_t count, float temperature, uint64_t seed, Backend& be) {
   Gpt model(m.config.model, be);
-  model.params() = m.params;
+  model.params_from_host(m.params);
   std::vector<int32_t> seq = prompt;
   if (seq.empty()) seq.push_back('\n');
   std::mt19937_64 rng(seed);
@@ -129,7 +128,8 @@ std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32
     std::vector<int32_t> window(seq.begin() + start, seq.end());
     const int64_t T = static_cast<int64_t>(window.size());
     model.forward(window.data(), window.data(), 1, T);  // targets unused for sampling
-    const float* z = model.logits().data() + (T - 1) * V;
+    const std::vector<float> logits = model.logits_row_to_host(T - 1);
+    const float* z = logits.data();
     int32_t next = 0;
     if (temperature <= 0.0f) {
       for (int64_t v = 1; v < V; ++v)
@@ -156,17 +156,27 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   const Dataset data = load_data(c);  // every input error before any work
   Gpt model(c.model, be);
   model.init(c.train.seed);
-  std::vector<float> m(model.params().size(), 0.0f), v(model.params().size(), 0.0f);
+  // AdamW moments in the backend's memory, beside the parameters
+  const size_t n_params = model.num_params();
+  BackendBuffer m_buf(be, n_params * 4), v_buf(be, n_params * 4);
+  float* const m = m_buf.as<float>();
+  float* const v = v_buf.as<float>();
+  be.zero(m, n_params * 4);
+  be.zero(v, n_params * 4);
   int64_t step0 = 0, pos = 0;
   if (!opt.resume.empty()) {
     const Checkpoint ck = load_checkpoint(opt.resume);
     if (ck.state.at("config") != to_json(c).at("model"))
       throw std::runtime_error(opt.resume + ": the checkpoint's model config differs from this run's");
+    std::vector<float> hp(n_params), hm(n_params), hv(n_params);
     for (const ParamTensor& t : model.tensors()) {
-      load_stored(ck.model, t.name, model.params().data() + t.offset, t.numel(), opt.resume);
-      load_stored(ck.optimizer, t.name + ".exp_avg", m.data() + t.offset, t.numel(), opt.resume);
-      load_stored(ck.optimizer, t.name + ".exp_avg_sq", v.data() + t.offset, t.numel(), opt.resume);
+      load_stored(ck.model, t.name, hp.data() + t.offset, t.numel(), opt.resume);
+      load_stored(ck.optimizer, t.name + ".exp_avg", hm.data() + t.offset, t.numel(), opt.resume);
+      load_stored(ck.optimizer, t.name + ".exp_avg_sq", hv.data() + t.offset, t.numel(), opt.resume);
     }
+    model.params_from_host(hp);
+    be.upload(m, hm.data(), n_params * 4);
+    be.upload(v, hv.data(), n_params * 4);
     step0 = ck.step;
     pos = ck.state.at("data_position").get<int64_t>();
     if (opt.print) std::printf("resumed from %s at step %lld\n", opt.resume.c_str(), static_cast<long long>(step0));
@@ -199,20 +209,22 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     const bool dump_now = !opt.dump_dir.empty() && step == step0;
     if (dump_now) {  // weights before this step's update
       TensorMap w;
-      for (const ParamTensor& t : model.tensors()) w[t.name] = as_stored(model.params().data() + t.offset, t.shape, t.numel());
+      const std::vector<float> hp = model.params_to_host();
+      for (const ParamTensor& t : model.tensors()) w[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
       write_safetensors(opt.dump_dir + "/weights.safetensors", w);
     }
     model.backward();
     if (dump_now) {
       TensorMap gr;
-      for (const ParamTensor& t : model.tensors()) gr[t.name] = as_stored(model.grads().data() + t.offset, t.shape, t.numel());
+      const std::vector<float> hg = model.grads_to_host();
+      for (const ParamTensor& t : model.tensors()) gr[t.name] = as_stored(hg.data() + t.offset, t.shape, t.numel());
       gr["loss"] = as_stored(&loss, {1}, 1);
       write_safetensors(opt.dump_dir + "/step0_grads.safetensors", gr);
       std::ofstream(opt.dump_dir + "/config.json") << to_json(c).dump(2) << "\n";
     }
     double sq = 0;
     for (const ParamTensor& t : model.tensors()) {
-      const double s2 = be.sum_squares(model.grads().data() + t.offset, t.numel());
+      const double s2 = be.sum_squares(model.grads() + t.offset, t.numel());
       if (!std::isfinite(s2))
         throw std::runtime_error("step " + std::to_string(step) + ": gradient of '" + t.name + "' is not finite");
       sq += s2;
@@ -228,8 +240,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     for (const ParamTensor& t : model.tensors()) {
       AdamWStep st = s;
       if (t.shape.size() < 2) st.weight_decay = 0.0f;
-      be.adamw_update(model.params().data() + t.offset, model.grads().data() + t.offset, m.data() + t.offset,
-                      v.data() + t.offset, t.numel(), st);
+      be.adamw_update(model.params() + t.offset, model.grads() + t.offset, m + t.offset, v + t.offset, t.numel(),
+                      st);
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     res.steps.push_back({step + 1, loss, norm, lr});
@@ -241,7 +253,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms},
                            {"tok_per_s", tok_s}, {"mfu", mfu}};
     if (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
-      const float vl = evaluate_on(c, data.val, model.params(), c.train.eval_batches, be);
+      const float vl = evaluate_on(c, data.val, model, c.train.eval_batches);
       res.val_losses.emplace_back(step + 1, vl);
       line["val_loss"] = vl;
       if (opt.print) std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step + 1), vl);
@@ -250,10 +262,14 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     if (c.train.checkpoint_every > 0 && ((step + 1) % c.train.checkpoint_every == 0 || step + 1 == c.train.steps)) {
       Checkpoint ck;
       ck.step = step + 1;
+      const std::vector<float> hp = model.params_to_host();
+      std::vector<float> hm(n_params), hv(n_params);
+      be.download(hm.data(), m, n_params * 4);
+      be.download(hv.data(), v, n_params * 4);
       for (const ParamTensor& t : model.tensors()) {
-        ck.model[t.name] = as_stored(model.params().data() + t.offset, t.shape, t.numel());
-        ck.optimizer[t.name + ".exp_avg"] = as_stored(m.data() + t.offset, t.shape, t.numel());
-        ck.optimizer[t.name + ".exp_avg_sq"] = as_stored(v.data() + t.offset, t.shape, t.numel());
+        ck.model[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
+        ck.optimizer[t.name + ".exp_avg"] = as_stored(hm.data() + t.offset, t.shape, t.numel());
+        ck.optimizer[t.name + ".exp_avg_sq"] = as_stored(hv.data() + t.offset, t.shape, t.numel());
       }
       ck.state = {{"data_position", pos}, {"config", to_json(c).at("model")}, {"run_config", to_json(c)}};
       const std::string where = save_checkpoint(c.train.out_dir + "/checkpoints", ck, static_cast<int>(c.train.keep_last));
