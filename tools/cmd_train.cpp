@@ -1,4 +1,4 @@
-// fp4sim train: the training loop (first version: the emulator backend, BF16 recipe).
+// fp4sim train / eval / sample: the training loop (BF16 recipe so far) on either backend.
 #include <fmt/core.h>
 
 #include <cmath>
@@ -16,10 +16,10 @@ void register_train(CLI::App& app) {
     std::vector<std::string> overrides;
   };
   auto a = std::make_shared<Args>();
-  auto* cmd = app.add_subcommand("train", "Train the configured transformer (emulator backend; BF16 so far)");
+  auto* cmd = app.add_subcommand("train", "Train the configured transformer (BF16 so far; --backend emu or cuda)");
   cmd->add_option("--config", a->config, "configs/tiny.json, configs/small.json, ... or your own")->required();
   cmd->add_option("overrides", a->overrides, "key=value ... (see fp4sim config)");
-  cmd->add_option("--backend", a->backend, "emu (cuda: not wired into the model yet)")
+  cmd->add_option("--backend", a->backend, "emu (the bit-exact CPU emulator, default) or cuda")
       ->check(CLI::IsMember({"emu", "cuda"}));
   cmd->add_option("--resume", a->resume, "A checkpoint directory, or a run's checkpoints directory (latest)");
   cmd->add_option("--dump", a->dump, "Folder for outside checks: initial weights, step-0 loss and gradients, "
@@ -29,7 +29,7 @@ void register_train(CLI::App& app) {
     auto backend = make_backend(a->backend);
     if (c.recipe.name != "bf16")
       throw std::invalid_argument("recipe.name " + c.recipe.name + ": only bf16 is wired into training so far (issue 5)");
-    fmt::print("fp4sim train  (backend emu, contract_version 1)\n{}\nparameters: {:.3f} M\n",
+    fmt::print("fp4sim train  (backend {}, contract_version 1)\n{}\nparameters: {:.3f} M\n", backend->name(),
                model::to_json(c).dump(2), model::parameter_count(c.model) / 1e6);
     model::TrainOptions opt;
     opt.resume = a->resume;
@@ -47,7 +47,7 @@ namespace fp4sim::cli {
 
 void register_eval_sample(CLI::App& app) {
   struct EvalArgs {
-    std::string checkpoint, data;
+    std::string checkpoint, data, backend = "emu";
     int64_t batches = 16;
   };
   auto e = std::make_shared<EvalArgs>();
@@ -55,8 +55,9 @@ void register_eval_sample(CLI::App& app) {
   ev->add_option("--checkpoint", e->checkpoint, "A checkpoint directory, or a run's checkpoints directory")->required();
   ev->add_option("--data", e->data, "Token files prefix (default: the run's train.data)");
   ev->add_option("--batches", e->batches, "Validation batches");
+  ev->add_option("--backend", e->backend, "emu or cuda")->check(CLI::IsMember({"emu", "cuda"}));
   ev->callback([e]() {
-    auto backend = make_backend("emu");
+    auto backend = make_backend(e->backend);
     model::LoadedModel m = model::load_trained(e->checkpoint, *backend);
     if (!e->data.empty()) m.config.train.data = e->data;
     const float loss = model::evaluate(m.config, m.params, e->batches, *backend);
@@ -67,7 +68,7 @@ void register_eval_sample(CLI::App& app) {
   });
 
   struct SampleArgs {
-    std::string checkpoint, prompt;
+    std::string checkpoint, prompt, backend = "emu";
     int64_t tokens = 200;
     float temperature = 0.8f;
     uint64_t seed = 1;
@@ -79,8 +80,9 @@ void register_eval_sample(CLI::App& app) {
   sm->add_option("--tokens", s->tokens, "Tokens to generate");
   sm->add_option("--temperature", s->temperature, "0 = greedy");
   sm->add_option("--seed", s->seed, "Sampling seed");
+  sm->add_option("--backend", s->backend, "emu or cuda")->check(CLI::IsMember({"emu", "cuda"}));
   sm->callback([s]() {
-    auto backend = make_backend("emu");
+    auto backend = make_backend(s->backend);
     const model::LoadedModel m = model::load_trained(s->checkpoint, *backend);
     if (m.config.model.vocab != 256)
       throw std::invalid_argument("sample: only byte-level (vocab 256) models can be turned back into text");
