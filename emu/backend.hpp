@@ -74,6 +74,10 @@ class Backend {
   virtual void matmul_backward(float* /*dinp*/, float* /*dweight*/, float* /*dbias*/, const float* /*dout*/,
                                const float* /*inp*/, const float* /*weight*/, int64_t /*N*/, int64_t /*K*/, int64_t /*OC*/,
                                emu::GemmPrecision /*prec*/) { missing("matmul_backward"); }
+  virtual void bias_forward(float* /*out*/, const float* /*bias*/, int64_t /*N*/, int64_t /*OC*/) { missing("bias_forward"); }
+  virtual void bias_backward(float* /*dbias*/, const float* /*dout*/, int64_t /*N*/, int64_t /*OC*/) {
+    missing("bias_backward");
+  }
   virtual void attention_forward(float* /*out*/, float* /*att*/, const float* /*qkv*/, int64_t /*B*/, int64_t /*T*/,
                                  int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/) { missing("attention_forward"); }
   virtual void attention_backward(float* /*dqkv*/, const float* /*dout*/, const float* /*qkv*/, const float* /*att*/,

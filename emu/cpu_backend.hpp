@@ -94,6 +94,12 @@ class CpuBackend final : public Backend {
   void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
     emu::squared_relu_backward(dinp, inp, dout, n);
   }
+  void bias_forward(float* out, const float* bias, int64_t N, int64_t OC) override {
+    emu::bias_forward(out, bias, N, OC);
+  }
+  void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override {
+    emu::bias_backward(dbias, dout, N, OC);
+  }
   void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) override {
     emu::swiglu_forward(out, inp, N, F);
   }

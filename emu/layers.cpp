@@ -272,25 +272,38 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t N, int64_t K, int64_t OC, GemmPrecision prec) {
   // dinp = dout (N,OC) * W (OC,K): TN form with B = W^T (K,OC)
-  std::vector<float> wt(static_cast<size_t>(K * OC)), tmp(static_cast<size_t>(N * K));
-  for (int64_t o = 0; o < OC; ++o)
-    for (int64_t k = 0; k < K; ++k) wt[k * OC + o] = weight[o * K + k];
-  gemm_tn(tmp.data(), dout, wt.data(), N, K, OC, prec);
-  for (int64_t i = 0; i < N * K; ++i) dinp[i] += tmp[i];
-  // dweight = dout^T (OC,N) * inp (N,K): TN form with A = dout^T, B = inp^T (K,N)
-  std::vector<float> dt(static_cast<size_t>(OC * N)), it(static_cast<size_t>(K * N)), tw(static_cast<size_t>(OC * K));
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t o = 0; o < OC; ++o) dt[o * N + n] = dout[n * OC + o];
-    for (int64_t k = 0; k < K; ++k) it[k * N + n] = inp[n * K + k];
+  if (dinp) {
+    std::vector<float> wt(static_cast<size_t>(K * OC)), tmp(static_cast<size_t>(N * K));
+    for (int64_t o = 0; o < OC; ++o)
+      for (int64_t k = 0; k < K; ++k) wt[k * OC + o] = weight[o * K + k];
+    gemm_tn(tmp.data(), dout, wt.data(), N, K, OC, prec);
+    for (int64_t i = 0; i < N * K; ++i) dinp[i] += tmp[i];
   }
-  gemm_tn(tw.data(), dt.data(), it.data(), OC, K, N, prec);
-  for (int64_t i = 0; i < OC * K; ++i) dweight[i] += tw[i];
-  if (dbias)
-    for (int64_t o = 0; o < OC; ++o) {
-      float s = 0.0f;
-      for (int64_t n = 0; n < N; ++n) s += dout[n * OC + o];
-      dbias[o] += s;
+  // dweight = dout^T (OC,N) * inp (N,K): TN form with A = dout^T, B = inp^T (K,N)
+  if (dweight) {
+    std::vector<float> dt(static_cast<size_t>(OC * N)), it(static_cast<size_t>(K * N)), tw(static_cast<size_t>(OC * K));
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t o = 0; o < OC; ++o) dt[o * N + n] = dout[n * OC + o];
+      for (int64_t k = 0; k < K; ++k) it[k * N + n] = inp[n * K + k];
     }
+    gemm_tn(tw.data(), dt.data(), it.data(), OC, K, N, prec);
+    for (int64_t i = 0; i < OC * K; ++i) dweight[i] += tw[i];
+  }
+  if (dbias) bias_backward(dbias, dout, N, OC);
+}
+
+void bias_forward(float* out, const float* bias, int64_t N, int64_t OC) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < OC; ++o) out[n * OC + o] += bias[o];
+}
+
+void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
+  for (int64_t o = 0; o < OC; ++o) {
+    float s = 0.0f;
+    for (int64_t n = 0; n < N; ++n) s += dout[n * OC + o];
+    dbias[o] += s;
+  }
 }
 
 }  // namespace fp4sim::emu

@@ -58,10 +58,17 @@ void fp32_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t
 
 enum class GemmPrecision { BF16, FP32 };
 
+// out (N,OC) += bias (OC) broadcast over rows (FP32 RN); dbias (OC) += column sums of dout (N,OC),
+// each summed in FP32 over n in increasing order (the bias half of matmul_forward/backward, for
+// layers whose GEMMs are quantized).
+void bias_forward(float* out, const float* bias, int64_t N, int64_t OC);
+void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC);
+
 // Linear layer y = x W^T + bias (x (N,K), W (OC,K), y (N,OC)), the GEMMs in BF16 as above.
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
                     int64_t N, int64_t K, int64_t OC, GemmPrecision prec = GemmPrecision::BF16);
 // dinp (N,K) += dout W; dweight (OC,K) += dout^T inp; dbias (OC) += column sums of dout (FP32).
+// Any of dinp, dweight, dbias may be null (that product is skipped).
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t N, int64_t K, int64_t OC,
                      GemmPrecision prec = GemmPrecision::BF16);

@@ -38,7 +38,12 @@ const std::vector<Field>& fields() {
       FP4SIM_FIELD(train, grad_clip), FP4SIM_FIELD(train, seed), FP4SIM_FIELD(train, data),
       FP4SIM_FIELD(train, eval_every), FP4SIM_FIELD(train, eval_batches),
       FP4SIM_FIELD(train, checkpoint_every), FP4SIM_FIELD(train, keep_last),
-      FP4SIM_FIELD(train, out_dir), FP4SIM_FIELD(recipe, name)};
+      FP4SIM_FIELD(train, out_dir), FP4SIM_FIELD(recipe, name), FP4SIM_FIELD(recipe, gemm),
+      FP4SIM_FIELD(recipe, rht), FP4SIM_FIELD(recipe, stochastic_rounding), FP4SIM_FIELD(recipe, weight_2d),
+      FP4SIM_FIELD(recipe, four_over_six), FP4SIM_FIELD(recipe, fos_error), FP4SIM_FIELD(recipe, mx_scale_rule),
+      FP4SIM_FIELD(recipe, hp_first), FP4SIM_FIELD(recipe, hp_last), FP4SIM_FIELD(recipe, hp_layers),
+      FP4SIM_FIELD(recipe, bf16_from_step), FP4SIM_FIELD(recipe, bf16_switch),
+      FP4SIM_FIELD(recipe, stats_every)};
   return f;
 }
 
@@ -56,7 +61,15 @@ std::string key_list() {
   return s;
 }
 
+constexpr const char* kOverridePrefix = "recipe.override.";
+
 void set_key(RunConfig& c, const std::string& key, const Json& v, const std::string& where) {
+  if (key.rfind(kOverridePrefix, 0) == 0) {  // a per-GEMM recipe; checked in validate()
+    if (!v.is_string())
+      throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be a recipe name (bf16, nvfp4, mxfp4)");
+    c.recipe.override_gemms[key.substr(std::string(kOverridePrefix).size())] = v.get<std::string>();
+    return;
+  }
   const Field* f = find_field(key);
   if (!f) throw std::invalid_argument(where + ": unknown config key '" + key + "'; valid keys: " + key_list());
   try {
@@ -78,6 +91,91 @@ void flatten(const Json& j, const std::string& prefix, std::vector<std::pair<std
 
 [[noreturn]] void bad(const std::string& m) { throw std::invalid_argument("config: " + m); }
 
+void validate_recipe(const RunConfig& c) {
+  const RecipeConfig& r = c.recipe;
+  const ModelConfig& m = c.model;
+  auto one_of = [](const char* k, const std::string& v, std::initializer_list<const char*> ok) {
+    std::string list;
+    for (const char* o : ok) {
+      if (v == o) return;
+      list += std::string(list.empty() ? "" : ", ") + o;
+    }
+    bad(std::string(k) + " '" + v + "' is not one of: " + list);
+  };
+  one_of("recipe.name", r.name, {"bf16", "fp8", "nvfp4", "mxfp4"});
+  one_of("recipe.gemm", r.gemm, {"exact", "cublaslt"});
+  one_of("recipe.stochastic_rounding", r.stochastic_rounding, {"gradients", "off", "all"});
+  one_of("recipe.four_over_six", r.four_over_six, {"off", "weights", "activations", "all"});
+  one_of("recipe.fos_error", r.fos_error, {"mae", "mse"});
+  one_of("recipe.mx_scale_rule", r.mx_scale_rule, {"floor", "ceil"});
+  one_of("recipe.bf16_switch", r.bf16_switch, {"forward", "all"});
+  if (r.name == "fp8") bad("recipe.name fp8: the FP8 block recipe is not wired into training yet (issue 5)");
+  const int64_t L = m.n_layers;
+  if (r.hp_first > L || r.hp_last > L)
+    bad("recipe.hp_first/hp_last (" + std::to_string(r.hp_first) + ", " + std::to_string(r.hp_last) +
+        ") exceed model.n_layers " + std::to_string(L));
+  for (int64_t l : r.hp_layers)
+    if (l < 0 || l >= L)
+      bad("recipe.hp_layers: block " + std::to_string(l) + " is outside 0.." + std::to_string(L - 1));
+  if (r.stats_every < 0) bad("recipe.stats_every must be >= 0");
+  const bool fos = r.four_over_six != "off";
+  const bool mx = r.name == "mxfp4";
+  if (mx && r.weight_2d) bad("recipe.weight_2d: MXFP4 has no 2D blocks (set recipe.weight_2d=false)");
+  if (mx && fos) bad("recipe.four_over_six: Four Over Six is an NVFP4 technique, not MXFP4");
+  // Four Over Six needs RN and no RHT on every copy of the tensors it applies to
+  if ((r.four_over_six == "activations" || r.four_over_six == "all") && r.rht)
+    bad("recipe.four_over_six " + r.four_over_six + " with recipe.rht: the Wgrad copies get the RHT, which "
+        "Four Over Six cannot follow; set recipe.rht=false");
+  if (r.four_over_six == "all" && r.stochastic_rounding != "off")
+    bad("recipe.four_over_six all with stochastic rounding: Four Over Six is RN only; set "
+        "recipe.stochastic_rounding=off");
+  if (r.four_over_six == "weights" && r.stochastic_rounding == "all")
+    bad("recipe.four_over_six weights with recipe.stochastic_rounding all: Four Over Six is RN only");
+  if (r.four_over_six == "activations" && r.stochastic_rounding == "all")
+    bad("recipe.four_over_six activations with recipe.stochastic_rounding all: Four Over Six is RN only");
+  // block sizes: every quantized GEMM's K dimension (d_model, d_ff, the qkv width, the tokens of a
+  // step for Wgrad) must be a multiple of the block (16 NVFP4, 32 MXFP4), and so must the 2D rows
+  bool any_mx = mx, any_q = r.name != "bf16";
+  for (const auto& kv : r.override_gemms) {
+    any_mx = any_mx || kv.second == "mxfp4";
+    any_q = any_q || kv.second != "bf16";
+  }
+  if (any_q) {
+    const int64_t blk = any_mx ? 32 : 16, hd = m.d_model / m.n_heads;
+    const std::pair<const char*, int64_t> dims[] = {
+        {"model.d_model", m.d_model},
+        {"model.d_ff", m.d_ff},
+        {"the qkv width (n_heads + 2 n_kv_heads) * head_dim", (m.n_heads + 2 * m.n_kv_heads) * hd},
+        {"the tokens of a step (train.batch * model.seq_len)", c.train.batch * m.seq_len}};
+    for (const auto& [what, v] : dims)
+      if (v % blk != 0)
+        bad(std::string(what) + " = " + std::to_string(v) + " is not a multiple of " + std::to_string(blk) +
+            ", the " + (any_mx ? "MXFP4" : "NVFP4") + " block the quantized GEMMs need");
+  }
+  for (const auto& [k, v] : r.override_gemms) {
+    // h.<layer>.<linear>.<gemm>
+    const auto a = k.find('.'), b = k.find('.', a + 1), z = k.rfind('.');
+    bool ok = k.rfind("h.", 0) == 0 && b != std::string::npos && z > b;
+    int64_t l = -1;
+    if (ok) {
+      try {
+        l = std::stoll(k.substr(a + 1, b - a - 1));
+      } catch (const std::exception&) {
+        ok = false;
+      }
+    }
+    const std::string lin = ok ? k.substr(b + 1, z - b - 1) : "", g = ok ? k.substr(z + 1) : "";
+    ok = ok && (lin == "attn.c_attn" || lin == "attn.c_proj" || lin == "mlp.c_fc" || lin == "mlp.c_proj") &&
+         (g == "fprop" || g == "dgrad" || g == "wgrad");
+    if (!ok)
+      bad("recipe.override." + k + ": expected recipe.override.h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|"
+          "mlp.c_proj>.<fprop|dgrad|wgrad>");
+    if (l < 0 || l >= L)
+      bad("recipe.override." + k + ": block " + std::to_string(l) + " is outside 0.." + std::to_string(L - 1));
+    one_of(("recipe.override." + k).c_str(), v, {"bf16", "nvfp4", "mxfp4"});
+  }
+}
+
 }  // namespace
 
 nlohmann::json to_json(const RunConfig& c) {
@@ -87,6 +185,7 @@ nlohmann::json to_json(const RunConfig& c) {
     const auto dot = k.find('.');
     j[k.substr(0, dot)][k.substr(dot + 1)] = f.get(c);
   }
+  for (const auto& [k, v] : c.recipe.override_gemms) j["recipe"]["override"][k] = v;
   return j;
 }
 
@@ -109,7 +208,7 @@ RunConfig config_from_json(const Json& j, const std::vector<std::string>& overri
     Json v = Json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (v.is_discarded()) v = text;  // a bare word: a string
     const Field* f = find_field(key);
-    if (f && f->get(RunConfig{}).is_string()) v = text;  // string keys take the text as written
+    if ((f && f->get(RunConfig{}).is_string()) || key.rfind(kOverridePrefix, 0) == 0) v = text;  // as written
     set_key(c, key, v, "override '" + o + "'");
   }
   validate(c);
@@ -168,11 +267,25 @@ void validate(const RunConfig& c) {
   one_of("model.norm", m.norm, {"layernorm", "rmsnorm"});
   one_of("model.positions", m.positions, {"learned", "rope"});
   one_of("train.schedule", t.schedule, {"cosine", "wsd"});
-  one_of("recipe.name", c.recipe.name, {"bf16", "fp8", "nvfp4", "mxfp4"});
   if (t.lr <= 0) bad("train.lr must be positive");
   if (t.warmup < 0 || t.warmup > t.steps) bad("train.warmup must be within 0..train.steps");
   if (t.grad_clip < 0) bad("train.grad_clip must be >= 0 (0 disables clipping)");
   if (t.decay_fraction < 0 || t.decay_fraction > 1) bad("train.decay_fraction must be within 0..1");
+  validate_recipe(c);
+}
+
+std::vector<bool> high_precision_blocks(const RunConfig& c) {
+  const int64_t L = c.model.n_layers;
+  const bool fp8 = c.recipe.name == "fp8";
+  auto round_div = [](int64_t num, int64_t den) { return (2 * num + den) / (2 * den); };  // round half up
+  const int64_t first = c.recipe.hp_first >= 0 ? c.recipe.hp_first : round_div((fp8 ? 1 : 2) * L, 62);
+  const int64_t last = c.recipe.hp_last >= 0 ? c.recipe.hp_last : round_div((fp8 ? 2 : 8) * L, 62);
+  std::vector<bool> hp(static_cast<size_t>(L), c.recipe.name == "bf16");
+  for (int64_t l = 0; l < L; ++l)
+    if (l < first || l >= L - last) hp[static_cast<size_t>(l)] = true;
+  for (int64_t l : c.recipe.hp_layers)
+    if (l >= 0 && l < L) hp[static_cast<size_t>(l)] = true;
+  return hp;
 }
 
 int64_t parameter_count(const ModelConfig& m) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -47,8 +48,26 @@ struct TrainConfig {
   std::string out_dir = "runs/train";
 };
 
+// The low-precision recipe (DESIGN.md §9, issue 5). Defaults are the published NVFP4 recipe; they
+// are ignored by recipe.name = bf16.
 struct RecipeConfig {
-  std::string name = "bf16";  // bf16 | fp8 | nvfp4 | mxfp4 (issue 5 wires the low-precision ones)
+  std::string name = "bf16";        // bf16 | nvfp4 | mxfp4 (fp8: not wired yet)
+  std::string gemm = "exact";       // exact (the tensor-core model) | cublaslt (cuda backend only)
+  bool rht = true;                  // 16-point RHT on the Wgrad operands
+  std::string stochastic_rounding = "gradients";  // gradients | off | all (all: unusual, warns)
+  bool weight_2d = true;            // NVFP4 16x16 weight blocks (Dgrad weight = Fprop weight^T)
+  std::string four_over_six = "off";  // off | weights | activations | all
+  std::string fos_error = "mae";      // mae | mse
+  std::string mx_scale_rule = "floor";  // floor | ceil (mxfp4)
+  int64_t hp_first = -1;  // blocks kept in BF16 at the start; -1 = the recipe's default (§9)
+  int64_t hp_last = -1;   // ... at the end; -1 = default
+  std::vector<int64_t> hp_layers;  // further blocks kept in BF16
+  int64_t bf16_from_step = -1;     // the late switch to BF16 (-1 = never)
+  std::string bf16_switch = "all"; // forward (Fprop GEMMs only) | all
+  int64_t stats_every = 0;         // per-tensor quantization statistics every N steps (0 = off)
+  // Per-GEMM recipe: "h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>.<fprop|dgrad|wgrad>"
+  // -> bf16 | nvfp4 | mxfp4 (keys recipe.override.<that>).
+  std::map<std::string, std::string> override_gemms;
 };
 
 struct RunConfig {
@@ -72,6 +91,10 @@ void validate(const RunConfig& c);
 std::vector<std::string> valid_keys();
 
 // Parameters of the model (embeddings counted once when tied).
+// Blocks whose linear layers stay in BF16 under the recipe (§9 defaults: nvfp4/mxfp4 first
+// round(2L/62) and last round(8L/62); fp8 first round(L/62), last round(2L/62); plus hp_layers).
+std::vector<bool> high_precision_blocks(const RunConfig& c);
+
 int64_t parameter_count(const ModelConfig& m);
 
 // Training FLOPs per token (forward + backward), the PaLM appendix B estimate used by nanoGPT and

@@ -31,6 +31,9 @@ const ParamTensor& Gpt::tensor(const std::string& name) const {
 
 Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
   validate(RunConfig{cfg, TrainConfig{}, RecipeConfig{}});
+  run_.model = cfg;
+  high_precision_.assign(static_cast<size_t>(cfg.n_layers), true);
+  recipes_.assign(static_cast<size_t>(cfg.n_layers * 4), LinearRecipe{});
   const int64_t C = cfg.d_model, HD = C / cfg.n_heads, QKV = (cfg.n_heads + 2 * cfg.n_kv_heads) * HD;
   add("wte", {cfg.vocab, C});
   if (cfg.positions == "learned") add("wpe", {cfg.max_positions, C});
@@ -57,6 +60,59 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
   grads_ = BackendBuffer(be_, n_params_ * 4);
   be_.zero(params(), n_params_ * 4);
   be_.zero(grads(), n_params_ * 4);
+}
+
+void Gpt::set_recipe(const RunConfig& run) {
+  if (run.model.n_layers != cfg_.n_layers)
+    throw std::invalid_argument("set_recipe: the run's model.n_layers differs from this model's");
+  run_ = run;
+  run_.model = cfg_;
+  has_recipe_ = true;
+  high_precision_ = high_precision_blocks(run_);
+  set_step(step_);
+}
+
+void Gpt::set_step(int64_t step) {
+  step_ = step;
+  if (!has_recipe_) return;
+  for (int64_t l = 0; l < cfg_.n_layers; ++l)
+    for (int i = 0; i < 4; ++i)
+      recipes_[static_cast<size_t>(l * 4 + i)] = resolve_linear_recipe(run_, high_precision_, l, i, step);
+}
+
+std::string Gpt::describe_recipe() const {
+  std::string s;
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    s += "block " + std::to_string(l) + (high_precision_[static_cast<size_t>(l)] ? " (high precision)" : "") + ":";
+    for (int i = 0; i < 4; ++i) {
+      const LinearRecipe& r = linear_recipe(l, i);
+      s += std::string("  ") + kLinearNames[i] + " " + r.fprop + "/" + r.dgrad + "/" + r.wgrad;
+    }
+    s += "\n";
+  }
+  s += "(fprop/dgrad/wgrad per linear layer; embeddings, norms, attention and the output head in BF16)\n";
+  return s;
+}
+
+std::vector<QuantStat> Gpt::take_stats() {
+  std::vector<QuantStat> out;
+  out.swap(stats_);
+  return out;
+}
+
+void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC) {
+  const std::string name = lname(l, kLinearNames[linear]);
+  const LinearIds ids{run_.train.seed, step_, 0, l, linear};
+  linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
+                 cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name);
+}
+
+void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, const float* inp, int64_t N, int64_t K,
+                     int64_t OC) {
+  const std::string name = lname(l, kLinearNames[linear]);
+  const LinearIds ids{run_.train.seed, step_, 0, l, linear};
+  linear_backward(be_, linear_recipe(l, linear), ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr,
+                  dout, inp, p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name);
 }
 
 std::vector<float> Gpt::params_to_host() const {
@@ -167,6 +223,7 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     pos[static_cast<size_t>(i)] = static_cast<int32_t>(i % T);
   }
   allocate_activations(B, T);
+  stats_active_ = collect_stats_;
   B_ = B;
   T_ = T;
   be_.upload(tokens_.get(), tokens, static_cast<size_t>(N) * 4);
@@ -185,21 +242,17 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   for (int64_t l = 0; l < c.n_layers; ++l) {
     LayerActs& a = acts_[static_cast<size_t>(l)];
     norm_fwd(a.ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
-    be_.matmul_forward(F32(a.qkv), F32(a.ln1), p(lname(l, "attn.c_attn.weight")),
-                       c.bias ? p(lname(l, "attn.c_attn.bias")) : nullptr, N, C, QKV, prec_);
+    linear_fwd(l, 0, F32(a.qkv), F32(a.ln1), N, C, QKV);
     if (c.positions == "rope") be_.rope_forward(F32(a.qkv), B, T, NH, NKV, HD);
     be_.attention_forward(F32(a.atty), F32(a.att), F32(a.qkv), B, T, NH, NKV, HD);
-    be_.matmul_forward(F32(a.attproj), F32(a.atty), p(lname(l, "attn.c_proj.weight")),
-                       c.bias ? p(lname(l, "attn.c_proj.bias")) : nullptr, N, C, C, prec_);
+    linear_fwd(l, 1, F32(a.attproj), F32(a.atty), N, C, C);
     be_.residual_forward(F32(a.res1), x, F32(a.attproj), N * C);
     norm_fwd(a.ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
-    be_.matmul_forward(F32(a.fc), F32(a.ln2), p(lname(l, "mlp.c_fc.weight")),
-                       c.bias ? p(lname(l, "mlp.c_fc.bias")) : nullptr, N, C, FC, prec_);
+    linear_fwd(l, 2, F32(a.fc), F32(a.ln2), N, C, FC);
     if (c.activation == "gelu_tanh") be_.gelu_forward(F32(a.act), F32(a.fc), N * F);
     else if (c.activation == "squared_relu") be_.squared_relu_forward(F32(a.act), F32(a.fc), N * F);
     else be_.swiglu_forward(F32(a.act), F32(a.fc), N, F);
-    be_.matmul_forward(F32(a.fcproj), F32(a.act), p(lname(l, "mlp.c_proj.weight")),
-                       c.bias ? p(lname(l, "mlp.c_proj.bias")) : nullptr, N, F, C, prec_);
+    linear_fwd(l, 3, F32(a.fcproj), F32(a.act), N, F, C);
     be_.residual_forward(F32(a.res2), F32(a.res1), F32(a.fcproj), N * C);
     x = F32(a.res2);
   }
@@ -247,28 +300,25 @@ void Gpt::backward() {
     zero(dact_, N * F);
     zero(dfc_, N * FC);
     zero(dln2_, N * C);
-    be_.matmul_backward(F32(dact_), g(lname(l, "mlp.c_proj.weight")), c.bias ? g(lname(l, "mlp.c_proj.bias")) : nullptr,
-                        F32(dx_), F32(a.act), p(lname(l, "mlp.c_proj.weight")), N, F, C, prec_);
+    linear_bwd(l, 3, F32(dact_), F32(dx_), F32(a.act), N, F, C);
     if (c.activation == "gelu_tanh") be_.gelu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F);
     else if (c.activation == "squared_relu") be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F);
     else be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F);
-    be_.matmul_backward(F32(dln2_), g(lname(l, "mlp.c_fc.weight")), c.bias ? g(lname(l, "mlp.c_fc.bias")) : nullptr,
-                        F32(dfc_), F32(a.ln2), p(lname(l, "mlp.c_fc.weight")), N, C, FC, prec_);
+    linear_bwd(l, 2, F32(dln2_), F32(dfc_), F32(a.ln2), N, C, FC);
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
     zero(datty_, N * C);
     zero(dqkv_, N * QKV);
     zero(dln1_, N * C);
-    be_.matmul_backward(F32(datty_), g(lname(l, "attn.c_proj.weight")), c.bias ? g(lname(l, "attn.c_proj.bias")) : nullptr,
-                        F32(dx_), F32(a.atty), p(lname(l, "attn.c_proj.weight")), N, C, C, prec_);
+    linear_bwd(l, 1, F32(datty_), F32(dx_), F32(a.atty), N, C, C);
     be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), F32(a.att), B, T, NH, NKV, HD);
     // the saved qkv is post-RoPE, the GEMM's output pre-RoPE: rotate the gradient back
     if (c.positions == "rope") be_.rope_backward(F32(dqkv_), B, T, NH, NKV, HD);
-    be_.matmul_backward(F32(dln1_), g(lname(l, "attn.c_attn.weight")), c.bias ? g(lname(l, "attn.c_attn.bias")) : nullptr,
-                        F32(dqkv_), F32(a.ln1), p(lname(l, "attn.c_attn.weight")), N, C, QKV, prec_);
+    linear_bwd(l, 0, F32(dln1_), F32(dqkv_), F32(a.ln1), N, C, QKV);
     norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"));
   }
   be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_), tokens_.as<int32_t>(),
                          pos_.as<int32_t>(), N, C);
+  collect_stats_ = stats_active_ = false;
 }
 
 }  // namespace fp4sim::model

@@ -16,6 +16,7 @@
 #include "emu/backend.hpp"
 #include "emu/layers.hpp"
 #include "model/config.hpp"
+#include "model/linear.hpp"
 
 namespace fp4sim::model {
 
@@ -39,6 +40,19 @@ class Gpt {
   float forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T);
   // Gradients of the mean loss of the last forward into grads() (zeroed first).
   void backward();
+
+  // The low-precision recipe of the block linear layers (issue 5; BF16 until called). The step
+  // selects SR streams and the late BF16 switch; call set_step before each forward.
+  void set_recipe(const RunConfig& run);
+  void set_step(int64_t step);
+  const LinearRecipe& linear_recipe(int64_t layer, int linear) const {
+    return recipes_[static_cast<size_t>(layer * 4 + linear)];
+  }
+  // One line per block: which format each GEMM of each linear layer runs in.
+  std::string describe_recipe() const;
+  // Quantization statistics of the next forward + backward (then off again).
+  void collect_stats_once() { collect_stats_ = true; }
+  std::vector<QuantStat> take_stats();
 
   // FP32 GEMMs instead of the BF16 ones (gradient checks only).
   void set_gemm_precision(emu::GemmPrecision p) { prec_ = p; }
@@ -69,8 +83,19 @@ class Gpt {
   void allocate_activations(int64_t B, int64_t T);
   int64_t fc_width() const { return cfg_.activation == "swiglu" ? 2 * cfg_.d_ff : cfg_.d_ff; }
 
+  void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC);
+  void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, const float* inp, int64_t N, int64_t K,
+                  int64_t OC);
+
   ModelConfig cfg_;
   Backend& be_;
+  RunConfig run_;
+  bool has_recipe_ = false;
+  std::vector<bool> high_precision_;
+  std::vector<LinearRecipe> recipes_;  // [layer * 4 + linear]
+  int64_t step_ = 0;
+  bool collect_stats_ = false, stats_active_ = false;
+  std::vector<QuantStat> stats_;
   emu::GemmPrecision prec_ = emu::GemmPrecision::BF16;
   std::vector<ParamTensor> tensors_;
   size_t n_params_ = 0;

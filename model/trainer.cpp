@@ -1,5 +1,6 @@
 #include "model/trainer.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -99,6 +100,8 @@ float evaluate_on(const RunConfig& c, const TokenFile& val, Gpt& model, int64_t 
 float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches, Backend& be) {
   Gpt model(c.model, be);
   model.params_from_host(params);
+  model.set_recipe(c);  // the forward pass of the trained recipe, as at the end of training
+  model.set_step(c.train.steps);
   return evaluate_on(c, load_data(c).val, model, batches);
 }
 
@@ -119,6 +122,8 @@ std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32
                                    int64_t count, float temperature, uint64_t seed, Backend& be) {
   Gpt model(m.config.model, be);
   model.params_from_host(m.params);
+  model.set_recipe(m.config);
+  model.set_step(m.config.train.steps);
   std::vector<int32_t> seq = prompt;
   if (seq.empty()) seq.push_back('\n');
   std::mt19937_64 rng(seed);
@@ -156,6 +161,16 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   const Dataset data = load_data(c);  // every input error before any work
   Gpt model(c.model, be);
   model.init(c.train.seed);
+  model.set_recipe(c);
+  if (opt.print && c.recipe.name != "bf16") {
+    std::printf("recipe %s (gemm %s):\n%s", c.recipe.name.c_str(), c.recipe.gemm.c_str(), model.describe_recipe().c_str());
+    const std::vector<bool> hp = high_precision_blocks(c);
+    if (std::all_of(hp.begin(), hp.end(), [](bool b) { return b; }))
+      std::printf("warning: recipe %s keeps every block in BF16 (recipe.hp_first/hp_last/hp_layers)\n",
+                  c.recipe.name.c_str());
+    if (c.recipe.stochastic_rounding == "all")
+      std::printf("warning: recipe.stochastic_rounding all puts SR on weights and activations too (unusual)\n");
+  }
   // AdamW moments in the backend's memory, beside the parameters
   const size_t n_params = model.num_params();
   BackendBuffer m_buf(be, n_params * 4), v_buf(be, n_params * 4);
@@ -191,6 +206,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     pos = next_batch(data.train, pos, B, T, tok, tgt);
+    model.set_step(step);
+    const bool stats_now = c.recipe.stats_every > 0 && c.recipe.name != "bf16" && step % c.recipe.stats_every == 0;
+    if (stats_now) model.collect_stats_once();
     const float loss = model.forward(tok.data(), tgt.data(), B, T);
     if (!std::isfinite(loss))
       throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
@@ -252,6 +270,13 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                   static_cast<long long>(step + 1), loss, norm, lr, ms, tok_s, 100.0 * mfu);
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms},
                            {"tok_per_s", tok_s}, {"mfu", mfu}};
+    if (stats_now) {
+      nlohmann::json qs = nlohmann::json::object();
+      for (const QuantStat& q : model.take_stats())
+        qs[q.tensor] = {{"amax", q.amax}, {"saturated", q.saturated}, {"underflow_blocks", q.underflow_blocks},
+                        {"rel_error", q.rel_error}, {"elements", q.elements}};
+      line["quant_stats"] = qs;
+    }
     if (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
       const float vl = evaluate_on(c, data.val, model, c.train.eval_batches);
       res.val_losses.emplace_back(step + 1, vl);

@@ -27,8 +27,6 @@ void register_train(CLI::App& app) {
   cmd->callback([a]() {
     const model::RunConfig c = model::load_config(a->config, a->overrides);
     auto backend = make_backend(a->backend);
-    if (c.recipe.name != "bf16")
-      throw std::invalid_argument("recipe.name " + c.recipe.name + ": only bf16 is wired into training so far (issue 5)");
     fmt::print("fp4sim train  (backend {}, contract_version 1)\n{}\nparameters: {:.3f} M\n", backend->name(),
                model::to_json(c).dump(2), model::parameter_count(c.model) / 1e6);
     model::TrainOptions opt;

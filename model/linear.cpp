@@ -1,0 +1,237 @@
+#include "model/linear.hpp"
+
+#include <cmath>
+#include <memory>
+#include <stdexcept>
+
+namespace fp4sim::model {
+
+uint64_t sr_stream(int64_t step, int64_t micro_batch, int64_t layer, int64_t linear, TensorRole role, int copy) {
+  if (step < 0 || step >= (int64_t{1} << 32) || micro_batch < 0 || micro_batch >= 256 || layer < 0 ||
+      layer >= 4096 || linear < 0 || linear >= 8 || copy < 0 || copy > 1)
+    throw std::out_of_range("sr_stream: step, micro-batch, layer, linear or copy outside its field");
+  return static_cast<uint64_t>(step) << 32 | static_cast<uint64_t>(micro_batch) << 24 |
+         static_cast<uint64_t>(layer) << 12 | static_cast<uint64_t>(linear) << 4 |
+         static_cast<uint64_t>(role) << 1 | static_cast<uint64_t>(copy);
+}
+
+LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& high_precision, int64_t layer,
+                                   int linear, int64_t step) {
+  const RecipeConfig& rc = c.recipe;
+  LinearRecipe r;
+  const std::string base = high_precision.at(static_cast<size_t>(layer)) ? "bf16" : rc.name;
+  r.fprop = r.dgrad = r.wgrad = base;
+  const std::string key = "h." + std::to_string(layer) + "." + kLinearNames[linear] + ".";
+  for (auto [gemm, slot] : {std::pair<const char*, std::string*>{"fprop", &r.fprop}, {"dgrad", &r.dgrad},
+                            {"wgrad", &r.wgrad}}) {
+    const auto it = rc.override_gemms.find(key + gemm);
+    if (it != rc.override_gemms.end()) *slot = it->second;
+  }
+  if (rc.bf16_from_step >= 0 && step >= rc.bf16_from_step) {
+    r.fprop = "bf16";
+    if (rc.bf16_switch == "all") r.dgrad = r.wgrad = "bf16";
+  }
+  r.rht = rc.rht;
+  r.sr_gradients = rc.stochastic_rounding != "off";
+  r.sr_other = rc.stochastic_rounding == "all";
+  r.weight_2d = rc.weight_2d;
+  r.fos_weights = rc.four_over_six == "weights" || rc.four_over_six == "all";
+  r.fos_activations = rc.four_over_six == "activations" || rc.four_over_six == "all";
+  r.fos_gradients = rc.four_over_six == "all";
+  r.fos_error = rc.fos_error == "mse" ? FourOverSixError::MSE : FourOverSixError::MAE;
+  r.mx_rule = rc.mx_scale_rule == "ceil" ? MxScaleRule::Ceil : MxScaleRule::Floor;
+  r.impl = rc.gemm == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
+  return r;
+}
+
+namespace {
+
+QFormat format_of(const std::string& name) { return name == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4; }
+
+// One quantized copy in the backend's memory.
+struct QCopy {
+  BackendBuffer codes, scales, amax;
+  QuantizedView view;
+  QCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos) {
+    view.rows = rows;
+    view.cols = cols;
+    view.format = f;
+    view.four_over_six = fos;
+    view.device = be.device();
+    codes = BackendBuffer(be, static_cast<size_t>(view.code_bytes()));
+    scales = BackendBuffer(be, static_cast<size_t>(view.scale_count()));
+    amax = BackendBuffer(be, sizeof(float));
+    view.codes = codes.as<uint8_t>();
+    view.scales = scales.as<uint8_t>();
+    view.amax = amax.as<float>();
+  }
+};
+
+struct CopyRequest {
+  const std::string* format;
+  bool columnwise = false;
+  bool weight = false;  // 2D blocks when the recipe says so (NVFP4)
+  bool rht = false;
+  bool sr = false;
+  bool fos = false;
+  uint64_t stream = 0;
+};
+
+// x (rows, cols) FP32 in the backend's memory -> one copy: row-wise (rows, cols) or column-wise
+// (cols, rows), blocks along the written row.
+std::unique_ptr<QCopy> quantize_copy(Backend& be, const LinearRecipe& r, uint64_t seed, const float* x,
+                                     int64_t rows, int64_t cols, const CopyRequest& q, const std::string& name) {
+  QuantizeConfig qc;
+  qc.format = format_of(*q.format);
+  qc.block_2d = q.weight && r.weight_2d && qc.format == QFormat::NVFP4;
+  qc.mx_rule = r.mx_rule;
+  qc.fos_error = r.fos_error;
+  qc.seed = seed;
+  CopySpec& spec = q.columnwise ? qc.columnwise : qc.rowwise;
+  spec.enabled = true;
+  spec.rounding = q.sr ? Rounding::SR : Rounding::RN;
+  spec.stream = q.stream;
+  spec.rht = q.rht;
+  spec.four_over_six = q.fos;
+  TensorView tv;
+  tv.data = const_cast<float*>(x);
+  tv.rows = rows;
+  tv.cols = cols;
+  tv.device = be.device();
+  tv.name = name.c_str();
+  auto c = std::make_unique<QCopy>(be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format, q.fos);
+  be.quantize(tv, qc, q.columnwise ? nullptr : &c->view, q.columnwise ? &c->view : nullptr);
+  return c;
+}
+
+// Statistics of a row-wise copy of x (rows, cols), on the host.
+QuantStat stat_of(Backend& be, const float* x, const QCopy& q, const std::string& tensor) {
+  const int64_t rows = q.view.rows, cols = q.view.cols, blk = q.view.block();
+  std::vector<float> hx(static_cast<size_t>(rows * cols));
+  std::vector<uint8_t> codes(static_cast<size_t>(q.view.code_bytes())), scales(static_cast<size_t>(q.view.scale_count()));
+  float amax = 0.0f;
+  be.download(hx.data(), x, hx.size() * 4);
+  be.download(codes.data(), q.view.codes, codes.size());
+  be.download(scales.data(), q.view.scales, scales.size());
+  be.download(&amax, q.view.amax, 4);
+  const bool mx = q.view.format == QFormat::MXFP4;
+  const float range = q.view.four_over_six ? kFourOverSixRange : kNvfp4Range;
+  QuantStat st;
+  st.tensor = tensor;
+  st.amax = amax;
+  st.elements = rows * cols;
+  double err2 = 0, ref2 = 0;
+  int64_t saturated = 0, underflow = 0, blocks = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < cols / blk; ++b) {
+      const uint8_t s = scales[static_cast<size_t>(r * (cols / blk) + b)];
+      const float factor = mx ? ue8m0_to_f32(s) : nvfp4_decode_factor(s, amax, range);
+      float bmax = 0.0f;
+      for (int64_t i = 0; i < blk; ++i) {
+        const int64_t e = r * cols + b * blk + i;
+        const float xv = hx[static_cast<size_t>(e)];
+        const float d = decode_element((codes[static_cast<size_t>(e / 2)] >> (4 * (e & 1))) & 0xFu, factor);
+        bmax = std::fmax(bmax, std::fabs(xv));
+        if (factor > 0.0f && std::fabs(xv) > 6.0f * factor) ++saturated;
+        err2 += (static_cast<double>(d) - xv) * (static_cast<double>(d) - xv);
+        ref2 += static_cast<double>(xv) * xv;
+      }
+      ++blocks;
+      if (bmax > 0.0f && (mx ? factor == 0.0f : s == 0)) ++underflow;
+    }
+  st.saturated = static_cast<double>(saturated) / static_cast<double>(std::max<int64_t>(1, st.elements));
+  st.underflow_blocks = static_cast<double>(underflow) / static_cast<double>(std::max<int64_t>(1, blocks));
+  st.rel_error = ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
+  return st;
+}
+
+// d (rows, cols) in the backend's memory as a GEMM output / accumulator view.
+TensorView f32_view(Backend& be, float* p, int64_t rows, int64_t cols) {
+  TensorView v;
+  v.data = p;
+  v.rows = rows;
+  v.cols = cols;
+  v.device = be.device();
+  return v;
+}
+
+}  // namespace
+
+void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
+                    const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
+                    emu::GemmPrecision prec, std::vector<QuantStat>* stats, const std::string& name) {
+  if (r.fprop == "bf16") {
+    be.matmul_forward(out, inp, weight, bias, N, K, OC, prec);
+    return;
+  }
+  auto stream = [&](TensorRole role, int copy) {
+    return sr_stream(ids.step, ids.micro_batch, ids.layer, ids.linear, role, copy);
+  };
+  const auto xq = quantize_copy(be, r, ids.seed, inp, N, K,
+                                {&r.fprop, false, false, false, r.sr_other, r.fos_activations, stream(TensorRole::Activation, 0)},
+                                name + " input");
+  const auto wq = quantize_copy(be, r, ids.seed, weight, OC, K,
+                                {&r.fprop, false, true, false, r.sr_other, r.fos_weights, stream(TensorRole::Weight, 0)},
+                                name + ".weight");
+  GemmConfig g;
+  g.impl = r.impl;
+  be.gemm(xq->view, wq->view, nullptr, g, f32_view(be, out, N, OC));
+  if (bias) be.bias_forward(out, bias, N, OC);
+  if (stats) {
+    stats->push_back(stat_of(be, inp, *xq, name + ".fprop.x"));
+    stats->push_back(stat_of(be, weight, *wq, name + ".fprop.w"));
+  }
+}
+
+void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
+                     float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
+                     int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
+                     const std::string& name) {
+  if (r.dgrad == "bf16" && r.wgrad == "bf16") {
+    be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
+    return;
+  }
+  auto stream = [&](TensorRole role, int copy) {
+    return sr_stream(ids.step, ids.micro_batch, ids.layer, ids.linear, role, copy);
+  };
+  GemmConfig acc;  // D = alpha' * A B^T + 1 * D: the += of matmul_backward, in the epilogue
+  acc.impl = r.impl;
+  acc.beta = 1.0f;
+  // Dgrad: dx (N,K) += dy (N,OC) . W (OC,K) = dy_rowwise x (W column-wise (K,OC))^T
+  if (dinp) {
+    if (r.dgrad == "bf16") {
+      be.matmul_backward(dinp, nullptr, nullptr, dout, inp, weight, N, K, OC, prec);
+    } else {
+      const auto dyq = quantize_copy(be, r, ids.seed, dout, N, OC,
+                                     {&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients,
+                                      stream(TensorRole::Gradient, 0)},
+                                     name + " output gradient");
+      const auto wq = quantize_copy(be, r, ids.seed, weight, OC, K,
+                                    {&r.dgrad, true, true, false, r.sr_other, r.fos_weights, stream(TensorRole::Weight, 1)},
+                                    name + ".weight");
+      const TensorView d = f32_view(be, dinp, N, K);
+      be.gemm(dyq->view, wq->view, &d, acc, d);
+      if (stats) stats->push_back(stat_of(be, dout, *dyq, name + ".dgrad.dy"));
+    }
+  }
+  // Wgrad: dW (OC,K) += dy^T (OC,N) . x (N,K) = (dy column-wise) x (x column-wise)^T, RHT on both
+  if (dweight) {
+    if (r.wgrad == "bf16") {
+      be.matmul_backward(nullptr, dweight, nullptr, dout, inp, weight, N, K, OC, prec);
+    } else {
+      const auto dyc = quantize_copy(be, r, ids.seed, dout, N, OC,
+                                     {&r.wgrad, true, false, r.rht, r.sr_gradients, r.fos_gradients,
+                                      stream(TensorRole::Gradient, 1)},
+                                     name + " output gradient");
+      const auto xc = quantize_copy(be, r, ids.seed, inp, N, K,
+                                    {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations,
+                                     stream(TensorRole::Activation, 1)},
+                                    name + " input");
+      const TensorView d = f32_view(be, dweight, OC, K);
+      be.gemm(dyc->view, xc->view, &d, acc, d);
+    }
+  }
+  if (dbias) be.bias_backward(dbias, dout, N, OC);
+}
+
+}  // namespace fp4sim::model

@@ -1,0 +1,82 @@
+// The linear layer under a low-precision recipe (DESIGN.md §9, issue 5): y = x W^T + bias with each
+// of its three GEMMs (Fprop, Dgrad, Wgrad) in BF16 or in a block-scaled FP4 format, through the
+// Backend's quantize and gemm ops, so the emulator and the CUDA backend (exact mode) give the same
+// bits. Per GEMM, following the table of §9:
+//   Fprop  y  = x W^T     A = x row-wise (1x16, RN),           B = W row-wise (2D, RN)
+//   Dgrad  dx = dy W      A = dy row-wise (SR),                B = W column-wise (2D, RN)
+//   Wgrad  dW = dy^T x    A = dy column-wise (RHT, SR),        B = x column-wise (RHT, RN)
+// Dgrad and Wgrad accumulate into dx and dW through the GEMM epilogue (C = D, beta = 1), as
+// matmul_backward does with +=. Quantized copies are made from the FP32 tensors when each GEMM needs
+// them (the backward pass re-quantizes x and W: same bits as keeping them, since RN is
+// deterministic and SR draws from the same stream).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "emu/backend.hpp"
+#include "emu/layers.hpp"
+#include "model/config.hpp"
+
+namespace fp4sim::model {
+
+enum class TensorRole : uint64_t { Activation = 0, Weight = 1, Gradient = 2 };
+
+// The SR stream of one quantized copy, a documented function of where it is used (DESIGN.md §3
+// streams; seed = train.seed):
+//   stream = step << 32 | micro_batch << 24 | layer << 12 | linear << 4 | role << 1 | copy
+// step < 2^32, micro_batch < 256, layer < 4096, linear (0 c_attn, 1 attn c_proj, 2 c_fc,
+// 3 mlp c_proj) < 8, role (TensorRole) < 8, copy 0 = row-wise, 1 = column-wise.
+uint64_t sr_stream(int64_t step, int64_t micro_batch, int64_t layer, int64_t linear, TensorRole role,
+                   int copy);
+
+// What one linear layer does, resolved from the run's RecipeConfig (model/config.hpp).
+struct LinearRecipe {
+  std::string fprop = "bf16", dgrad = "bf16", wgrad = "bf16";  // bf16 | nvfp4 | mxfp4
+  bool rht = true;               // on the Wgrad operands
+  bool sr_gradients = true;      // SR on dy (both copies)
+  bool sr_other = false;         // SR on x and W too (unusual)
+  bool weight_2d = true;         // NVFP4 16x16 weight blocks
+  bool fos_weights = false, fos_activations = false, fos_gradients = false;
+  FourOverSixError fos_error = FourOverSixError::MAE;
+  MxScaleRule mx_rule = MxScaleRule::Floor;
+  GemmImpl impl = GemmImpl::Exact;
+  bool any_quantized() const { return fprop != "bf16" || dgrad != "bf16" || wgrad != "bf16"; }
+};
+
+// The four linear layers of a block, in the order of their `linear` index.
+inline constexpr const char* kLinearNames[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
+
+// Linear `linear` of block `layer` at training step `step` under the run's recipe: the recipe's
+// format unless the block is high-precision, then recipe.override.h.<layer>.<linear>.<gemm>, then
+// the late switch to BF16 (recipe.bf16_from_step: Fprop only, or all three GEMMs).
+LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& high_precision, int64_t layer,
+                                   int linear, int64_t step);
+
+struct LinearIds {
+  uint64_t seed = 0;
+  int64_t step = 0, micro_batch = 0, layer = 0, linear = 0;
+};
+
+// Quantization statistics of one quantized copy (issue 5, "visibility"): over the FP32 input of
+// the copy and its decoded values. saturated: elements with |x| / (block decode scale) > 6 (they
+// clip to +-6); underflow_blocks: blocks with a non-zero amax but a zero stored scale.
+struct QuantStat {
+  std::string tensor;  // e.g. h.3.mlp.c_fc.fprop.x
+  float amax = 0.0f;
+  double saturated = 0, underflow_blocks = 0, rel_error = 0;
+  int64_t elements = 0;
+};
+
+// stats: when non-null, the row-wise (non-RHT) copies made here append their statistics (costly:
+// the tensors come back to the host).
+void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
+                    const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
+                    emu::GemmPrecision prec, std::vector<QuantStat>* stats, const std::string& name);
+void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
+                     float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
+                     int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
+                     const std::string& name);
+
+}  // namespace fp4sim::model

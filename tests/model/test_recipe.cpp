@@ -1,0 +1,213 @@
+// The low-precision recipes (issue 5) on the emulator: config checks, which blocks stay in BF16,
+// the SR stream function, the quantized linear layer against FP32, 2D weights' exact transpose,
+// and bitwise resume under NVFP4 with SR.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <set>
+
+#include "model/linear.hpp"
+#include "model/trainer.hpp"
+
+namespace fp4sim::model {
+namespace {
+
+RunConfig run_with(std::vector<std::string> overrides, int64_t layers = 2) {
+  nlohmann::json j = {
+      {"model", {{"vocab", 32}, {"seq_len", 16}, {"max_positions", 16}, {"d_model", 32}, {"n_layers", layers},
+                 {"n_heads", 4}, {"n_kv_heads", 4}, {"d_ff", 64}}},
+      {"train", {{"batch", 2}, {"steps", 10}, {"lr", 3e-3}, {"warmup", 2}, {"data", "synthetic"},
+                 {"eval_every", 0}, {"checkpoint_every", 5}}}};
+  return config_from_json(j, overrides);
+}
+
+void expect_config_error(std::vector<std::string> overrides, const std::string& needle) {
+  try {
+    run_with(overrides);
+    ADD_FAILURE() << "no error for " << overrides.front();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Recipe, ImpossibleCombinationsAreErrorsNamingTheKey) {
+  expect_config_error({"recipe.name=nvfp4", "recipe.four_over_six=activations"}, "recipe.rht");
+  expect_config_error({"recipe.name=nvfp4", "recipe.four_over_six=all", "recipe.rht=false"}, "stochastic");
+  expect_config_error({"recipe.name=mxfp4"}, "recipe.weight_2d");
+  expect_config_error({"recipe.name=mxfp4", "recipe.weight_2d=false", "recipe.four_over_six=weights"}, "MXFP4");
+  expect_config_error({"recipe.name=nvfp4", "recipe.hp_layers=[5]"}, "recipe.hp_layers");
+  expect_config_error({"recipe.name=nvfp4", "recipe.hp_last=3"}, "n_layers");
+  expect_config_error({"recipe.override.h.0.mlp.fc.fprop=bf16"}, "recipe.override.h.0.mlp.fc.fprop");
+  expect_config_error({"recipe.override.h.7.mlp.c_fc.fprop=bf16"}, "outside");
+  expect_config_error({"recipe.override.h.0.mlp.c_fc.wgrad=fp6"}, "not one of");
+  expect_config_error({"recipe.name=nvfp4", "model.d_ff=72"}, "model.d_ff");
+  expect_config_error({"recipe.name=nvfp4", "recipe.gemm=fast"}, "recipe.gemm");
+  // fine: Four Over Six on weights with the rest of the recipe, MXFP4 without 2D
+  EXPECT_NO_THROW(run_with({"recipe.name=nvfp4", "recipe.four_over_six=weights"}));
+  EXPECT_NO_THROW(run_with({"recipe.name=mxfp4", "recipe.weight_2d=false"}));
+}
+
+TEST(Recipe, HighPrecisionBlocksFollowTheSection9Defaults) {
+  auto count = [](const std::vector<bool>& v) { return std::count(v.begin(), v.end(), true); };
+  RunConfig c = run_with({"recipe.name=nvfp4"});
+  EXPECT_EQ(count(high_precision_blocks(c)), 0);  // L = 2: round(4/62) = round(16/62) = 0
+  c.model.n_layers = 12;
+  std::vector<bool> hp = high_precision_blocks(c);  // round(24/62) = 0, round(96/62) = 2
+  EXPECT_EQ(count(hp), 2);
+  EXPECT_TRUE(hp[10] && hp[11]);
+  c.model.n_layers = 62;
+  hp = high_precision_blocks(c);  // the paper: first 2, last 8
+  EXPECT_EQ(count(hp), 10);
+  EXPECT_TRUE(hp[0] && hp[1] && !hp[2] && !hp[53] && hp[54] && hp[61]);
+  c.recipe.hp_first = 0;
+  c.recipe.hp_last = 0;
+  c.recipe.hp_layers = {7};
+  hp = high_precision_blocks(c);
+  EXPECT_EQ(count(hp), 1);
+  EXPECT_TRUE(hp[7]);
+  c.recipe.name = "bf16";
+  EXPECT_EQ(count(high_precision_blocks(c)), 62);
+}
+
+TEST(Recipe, OverridesAndTheLateSwitchResolvePerGemm) {
+  RunConfig c = run_with({"recipe.name=nvfp4", "recipe.override.h.1.mlp.c_fc.wgrad=bf16",
+                          "recipe.bf16_from_step=5", "recipe.bf16_switch=forward"});
+  const std::vector<bool> hp = high_precision_blocks(c);
+  LinearRecipe r = resolve_linear_recipe(c, hp, 1, 2, 0);
+  EXPECT_EQ(r.fprop, "nvfp4");
+  EXPECT_EQ(r.dgrad, "nvfp4");
+  EXPECT_EQ(r.wgrad, "bf16");
+  r = resolve_linear_recipe(c, hp, 0, 0, 5);
+  EXPECT_EQ(r.fprop, "bf16");
+  EXPECT_EQ(r.dgrad, "nvfp4");
+  c.recipe.bf16_switch = "all";
+  r = resolve_linear_recipe(c, hp, 0, 0, 5);
+  EXPECT_FALSE(r.any_quantized());
+  // the override survives a round trip through the saved config
+  const RunConfig back = config_from_json(to_json(run_with({"recipe.override.h.1.mlp.c_fc.wgrad=bf16"})), {});
+  EXPECT_EQ(back.recipe.override_gemms.at("h.1.mlp.c_fc.wgrad"), "bf16");
+}
+
+TEST(Recipe, SrStreamsAreDistinctAndFieldsChecked) {
+  std::set<uint64_t> seen;
+  for (int64_t step : {0, 1, 4095})
+    for (int64_t layer : {0, 1, 11})
+      for (int64_t lin = 0; lin < 4; ++lin)
+        for (TensorRole role : {TensorRole::Activation, TensorRole::Weight, TensorRole::Gradient})
+          for (int copy = 0; copy < 2; ++copy) EXPECT_TRUE(seen.insert(sr_stream(step, 0, layer, lin, role, copy)).second);
+  EXPECT_EQ(sr_stream(3, 1, 2, 1, TensorRole::Gradient, 1), (uint64_t{3} << 32) | (1u << 24) | (2u << 12) | (1u << 4) | (2u << 1) | 1u);
+  EXPECT_THROW(sr_stream(0, 0, 4096, 0, TensorRole::Weight, 0), std::out_of_range);
+}
+
+// The NVFP4 linear layer's three GEMMs against FP32: relative Frobenius error of each output a few
+// times NVFP4's per-element error, never exact (the test fails if quantization were silently off).
+TEST(Recipe, Nvfp4LinearTracksFp32) {
+  auto be = make_cpu_backend();
+  const int64_t N = 64, K = 64, OC = 48;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(N * K), w(OC * K), dy(N * OC), bias(OC);
+  for (auto& v : x) v = nd(rng);
+  for (auto& v : w) v = 0.1f * nd(rng);
+  for (auto& v : dy) v = 1e-3f * nd(rng);
+  for (auto& v : bias) v = nd(rng);
+  RunConfig c = run_with({"recipe.name=nvfp4"});
+  LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 0, 0);
+  ASSERT_EQ(r.fprop, "nvfp4");
+  const LinearIds ids{1, 0, 0, 0, 0};
+  auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double e = 0, n = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      e += (a[i] - b[i]) * static_cast<double>(a[i] - b[i]);
+      n += static_cast<double>(b[i]) * b[i];
+    }
+    return std::sqrt(e / n);
+  };
+  std::vector<float> y(N * OC), y32(N * OC);
+  linear_forward(*be, r, ids, y.data(), x.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::BF16, nullptr, "t");
+  emu::matmul_forward(y32.data(), x.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::FP32);
+  std::vector<float> dx(N * K, 0.5f), dw(OC * K, 0.25f), db(OC, 0.0f), dx32(N * K, 0.5f), dw32(OC * K, 0.25f), db32(OC, 0.0f);
+  std::vector<QuantStat> stats;
+  linear_backward(*be, r, ids, dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, K, OC,
+                  emu::GemmPrecision::BF16, &stats, "t");
+  emu::matmul_backward(dx32.data(), dw32.data(), db32.data(), dy.data(), x.data(), w.data(), N, K, OC,
+                       emu::GemmPrecision::FP32);
+  // subtract the starting values so the error is that of the products, not hidden by the offsets
+  for (auto& v : dx) v -= 0.5f;
+  for (auto& v : dx32) v -= 0.5f;
+  for (auto& v : dw) v -= 0.25f;
+  for (auto& v : dw32) v -= 0.25f;
+  const double ey = rel(y, y32), edx = rel(dx, dx32), edw = rel(dw, dw32);
+  std::printf("[nvfp4-linear] relative error vs FP32: fprop %.4f dgrad %.4f wgrad %.4f\n", ey, edx, edw);
+  for (double e : {ey, edx, edw}) {
+    EXPECT_GT(e, 1e-3);  // really quantized
+    EXPECT_LT(e, 0.25);  // and still the same product
+  }
+  EXPECT_EQ(db, db32);  // the bias gradient stays FP32, same order
+  ASSERT_EQ(stats.size(), 1u);  // dy row-wise (forward stats were not asked for)
+  EXPECT_EQ(stats[0].tensor, "t.dgrad.dy");
+  EXPECT_GT(stats[0].rel_error, 0.0);
+}
+
+// Under weight_2d the Dgrad weight (column-wise copy) is exactly the transpose of the Fprop weight.
+TEST(Recipe, Weight2dDgradCopyIsTheExactTranspose) {
+  auto be = make_cpu_backend();
+  const int64_t OC = 48, K = 64;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> w(OC * K);
+  for (auto& v : w) v = nd(rng) * (1.0f + 10.0f * static_cast<float>(rng() % 3));
+  TensorView tv;
+  tv.data = w.data();
+  tv.rows = OC;
+  tv.cols = K;
+  QuantizeConfig row, col;
+  row.block_2d = col.block_2d = true;
+  row.rowwise.enabled = true;
+  col.columnwise.enabled = true;
+  const QuantizedHost fw = quantize_to_host(*be, tv, row).rowwise;  // separate calls, as the layer does
+  QuantizedHost dw = quantize_to_host(*be, tv, col).columnwise;
+  QuantizedHost fwc = fw;
+  const std::vector<float> a = dequantize_to_host(*be, fwc), b = dequantize_to_host(*be, dw);
+  for (int64_t o = 0; o < OC; ++o)
+    for (int64_t k = 0; k < K; ++k) {
+      uint32_t x, y;
+      std::memcpy(&x, &a[o * K + k], 4);
+      std::memcpy(&y, &b[k * OC + o], 4);
+      ASSERT_EQ(x, y) << "(" << o << "," << k << ")";
+    }
+}
+
+TEST(Recipe, Nvfp4TrainingResumesBitwise) {
+  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_recipe_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  TrainOptions quiet;
+  quiet.print = false;
+  auto cfg = [&](const std::string& out) {
+    return run_with({"recipe.name=nvfp4", "recipe.stats_every=3", "train.out_dir=" + out});
+  };
+  const TrainResult full = train(cfg(dir + "/full"), quiet, *make_cpu_backend());
+  TrainOptions resume = quiet;
+  resume.resume = dir + "/full/checkpoints/step_00000005";
+  const TrainResult cont = train(cfg(dir + "/cont"), resume, *make_cpu_backend());
+  ASSERT_EQ(cont.steps.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    uint32_t a, b;
+    std::memcpy(&a, &cont.steps[i].loss, 4);
+    std::memcpy(&b, &full.steps[5 + i].loss, 4);
+    EXPECT_EQ(a, b) << "step " << cont.steps[i].step;
+  }
+  // and NVFP4 is really on: the losses differ from the BF16 run's
+  const TrainResult bf16 = train(run_with({"train.out_dir=" + dir + "/bf16"}), quiet, *make_cpu_backend());
+  EXPECT_NE(bf16.steps.back().loss, full.steps.back().loss);
+  EXPECT_NEAR(bf16.steps.back().loss, full.steps.back().loss, 0.05 * bf16.steps.back().loss);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace fp4sim::model
