@@ -254,7 +254,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                                         static_cast<float>(c.train.beta2), static_cast<float>(c.train.eps),
                                         static_cast<float>(c.train.weight_decay), step + 1,
                                         clip_factor(norm, c.train.grad_clip));
-    // no weight decay on biases, norms and position tables (GPT-2 practice): per tensor
+    // weight decay on matrices only (wte, wpe, the linear weights), not on 1-D tensors (biases, norm
+    // weights), as nanoGPT does
     for (const ParamTensor& t : model.tensors()) {
       AdamWStep st = s;
       if (t.shape.size() < 2) st.weight_decay = 0.0f;
