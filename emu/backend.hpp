@@ -29,6 +29,8 @@ class Backend {
   // Set `bytes` bytes at p to zero; copy within this backend's memory (both stream-ordered).
   virtual void zero(void* p, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // Device memory in use (bytes), or -1 where the backend has no separate memory (the emulator).
+  virtual int64_t device_memory_used() const { return -1; }
 
   // Quantize x (F32 or BF16, rows x cols) into the requested copies (DESIGN.md §5, §6). Either
   // output may be null when its copy is disabled. Outputs live in this backend's memory; each

@@ -1,5 +1,7 @@
 #include "emu/layers.hpp"
 
+#include <algorithm>
+
 #include <cmath>
 
 namespace fp4sim::emu {
@@ -300,9 +302,13 @@ void bias_forward(float* out, const float* bias, int64_t N, int64_t OC) {
 
 void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
   for (int64_t o = 0; o < OC; ++o) {
-    float s = 0.0f;
-    for (int64_t n = 0; n < N; ++n) s += dout[n * OC + o];
-    dbias[o] += s;
+    float acc = 0.0f;
+    for (int64_t k = 0; k * kColumnChunkRows < N; ++k) {
+      float s = 0.0f;
+      for (int64_t n = k * kColumnChunkRows; n < std::min(N, (k + 1) * kColumnChunkRows); ++n) s += dout[n * OC + o];
+      acc = k == 0 ? s : acc + s;
+    }
+    dbias[o] += acc;
   }
 }
 

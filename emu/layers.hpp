@@ -58,16 +58,19 @@ void fp32_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t
 
 enum class GemmPrecision { BF16, FP32 };
 
-// out (N,OC) += bias (OC) broadcast over rows (FP32 RN); dbias (OC) += column sums of dout (N,OC),
-// each summed in FP32 over n in increasing order (the bias half of matmul_forward/backward, for
-// layers whose GEMMs are quantized).
+// out (N,OC) += bias (OC) broadcast over rows (FP32 RN); dbias (OC) += column sums of dout (N,OC)
+// in a fixed chunking both backends share: rows in chunks of kColumnChunkRows, each chunk summed in
+// FP32 from +0 in increasing n, the chunk sums added in increasing order, then added to dbias (the
+// bias half of matmul_forward/backward, also used alone by layers whose GEMMs are quantized).
+constexpr int64_t kColumnChunkRows = 64;
 void bias_forward(float* out, const float* bias, int64_t N, int64_t OC);
 void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC);
 
 // Linear layer y = x W^T + bias (x (N,K), W (OC,K), y (N,OC)), the GEMMs in BF16 as above.
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
                     int64_t N, int64_t K, int64_t OC, GemmPrecision prec = GemmPrecision::BF16);
-// dinp (N,K) += dout W; dweight (OC,K) += dout^T inp; dbias (OC) += column sums of dout (FP32).
+// dinp (N,K) += dout W; dweight (OC,K) += dout^T inp; dbias (OC) += column sums of dout (FP32,
+// bias_backward's order).
 // Any of dinp, dweight, dbias may be null (that product is skipped).
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t N, int64_t K, int64_t OC,

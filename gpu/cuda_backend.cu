@@ -54,6 +54,12 @@ void CudaBackend::download(void* dst, const void* src, size_t n) {
   FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream_));
   FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
+int64_t CudaBackend::device_memory_used() const {
+  size_t free_b = 0, total_b = 0;
+  FP4SIM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return static_cast<int64_t>(total_b - free_b);
+}
+
 void CudaBackend::synchronize() { FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 void CudaBackend::zero(void* p, size_t n) { FP4SIM_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream_)); }
 void CudaBackend::copy(void* dst, const void* src, size_t n) {

@@ -45,11 +45,65 @@ class CudaBackend final : public Backend {
   void gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
             const GemmConfig& cfg, const TensorView& d) override;
 
+  // training-stack ops (gpu/layers.cu): the names, argument orders and semantics of
+  // emu/layers.hpp and emu/optim.hpp, on device pointers, on stream_.
+  void embedding_forward(float* out, const int32_t* tokens, const int32_t* pos, const float* wte,
+                         const float* wpe, int64_t N, int64_t C) override;
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                          const int32_t* pos, int64_t N, int64_t C) override;
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                         const float* weight, const float* bias, int64_t N, int64_t C) override;
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                          const float* inp, const float* weight, const float* mean,
+                          const float* rstd, int64_t N, int64_t C) override;
+  void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                       int64_t C) override;
+  void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                        const float* weight, const float* rstd, int64_t N, int64_t C) override;
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                      int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec) override;
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                       const float* inp, const float* weight, int64_t N, int64_t K, int64_t OC,
+                       emu::GemmPrecision prec) override;
+  void attention_forward(float* out, float* att, const float* qkv, int64_t B, int64_t T,
+                         int64_t NH, int64_t NKV, int64_t HD) override;
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                          int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override;
+  void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                    int64_t HD) override;
+  void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                     int64_t HD) override;
+  void gelu_forward(float* out, const float* inp, int64_t n) override;
+  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override;
+  void squared_relu_forward(float* out, const float* inp, int64_t n) override;
+  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override;
+  void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) override;
+  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) override;
+  void bias_forward(float* out, const float* bias, int64_t N, int64_t OC) override;
+  void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override;
+  void residual_forward(float* out, const float* a, const float* b, int64_t n) override;
+  void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
+                                    const int32_t* targets, int64_t N, int64_t V) override;
+  void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
+                                     const float* dlosses, int64_t N, int64_t V) override;
+  void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
+                    const AdamWStep& step) override;
+  double sum_squares(const float* x, int64_t n) override;
+
+  // Device memory in use now (total - free, all processes), for the trainer's peak report.
+  int64_t device_memory_used() const override;
+
   cudaStream_t stream() const { return stream_; }
 
  private:
   cudaStream_t stream_ = nullptr;
   std::shared_ptr<CublasLtState> cublaslt_;  // created on first use
+
+  // The training ops' own cuBLASLt handle and workspace, scratch buffers and RoPE table
+  // (gpu/layers.cu). shared_ptr: the type is complete only in gpu/layers.cu.
+  struct LayersState;
+  std::shared_ptr<LayersState> layers_;  // created on first use
+  LayersState& layers_state();
 };
 
 std::unique_ptr<Backend> make_cuda_backend();

@@ -264,6 +264,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     res.steps.push_back({step + 1, loss, norm, lr});
+    const int64_t mem = be.device_memory_used();
+    res.peak_device_memory = std::max(res.peak_device_memory, mem);
     const double tok_s = static_cast<double>(B * T) / (ms / 1000.0);
     const double mfu = tok_s * training_flops_per_token(c.model) / kH200DenseBf16Flops;
     if (opt.print)
@@ -271,6 +273,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                   static_cast<long long>(step + 1), loss, norm, lr, ms, tok_s, 100.0 * mfu);
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms},
                            {"tok_per_s", tok_s}, {"mfu", mfu}};
+    if (mem >= 0) line["device_mem_gib"] = static_cast<double>(mem) / (1 << 30);
     if (stats_now) {
       nlohmann::json qs = nlohmann::json::object();
       for (const QuantStat& q : model.take_stats())
@@ -303,6 +306,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     }
   }
   if (!opt.dump_dir.empty()) write_safetensors(opt.dump_dir + "/batches.safetensors", dump_batches);
+  if (opt.print && res.peak_device_memory >= 0)
+    std::printf("peak device memory in use: %.2f GiB (cudaMemGetInfo after each step, CUDA context included)\n",
+                static_cast<double>(res.peak_device_memory) / (1 << 30));
   return res;
 }
 

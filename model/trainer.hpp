@@ -31,6 +31,7 @@ struct StepRecord {
 struct TrainResult {
   std::vector<StepRecord> steps;
   std::vector<std::pair<int64_t, float>> val_losses;
+  int64_t peak_device_memory = -1;  // bytes, where the backend has device memory
 };
 
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt, Backend& backend);

@@ -20,6 +20,10 @@ std::vector<uint32_t> run(Backend& be, QuantizedHost& a, QuantizedHost& b, std::
   BackendBuffer cb(be, static_cast<size_t>(M * N) * 4), d(be, static_cast<size_t>(M * N) * 4);
   TensorView cv, dv;
   if (c) be.upload(cb.get(), c->data(), c->size() * 4);
+  // D starts as NaN bit patterns: a GEMM with beta = 0 must never read it (cuBLASLt gets beta as a
+  // device pointer, so it cannot skip C on the host's knowledge that beta is zero)
+  const std::vector<uint8_t> nan_bytes(static_cast<size_t>(M * N) * 4, 0xFF);
+  be.upload(d.get(), nan_bytes.data(), nan_bytes.size());
   cv.data = cb.get(); cv.rows = M; cv.cols = N; cv.device = be.device();
   dv.data = d.get(); dv.rows = M; dv.cols = N; dv.device = be.device();
   dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
@@ -89,7 +93,7 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
   double worst_ratio = 0;
   for (QFormat f : {QFormat::NVFP4, QFormat::MXFP4}) {
     for (int64_t K : {64, 512, 4096}) {
-      for (int kind = 0; kind < 4; ++kind) {
+      for (int kind = 0; kind < 5; ++kind) {
         const int64_t M = 64, N = 48;
         std::vector<float> xa = test::make_fill(kind == 2 ? test::Fill::HeavyTailed : test::Fill::Gaussian,
                                                 static_cast<size_t>(M * K), K + kind);
@@ -103,6 +107,15 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
           for (int64_t m = 0; m < M; ++m)
             for (int64_t k = 0; k < K; ++k) xa[m * K + k] = k == 0 ? 6144.0f : 0.000366f * (1 + (m + k) % 3);
           for (auto& v : xb) v = 1.0f;
+        }
+        if (kind == 4) {  // products just below the wgmma alignment grid: 16 products of 36 make the
+                          // running sum 576 (e_max 9, grid 2^(9-25) = 2^-16); every later product is
+                          // (6 * 2^-11)^2 = 0.56 of that grid. The modelled Hopper T-FDPA (F = 25, RZ)
+                          // drops each of them whole; the exact model keeps their 16-element group sums.
+          for (int64_t r = 0; r < M; ++r)
+            for (int64_t k = 0; k < K; ++k) xa[r * K + k] = k < 16 ? 6.0f : (k < 32 ? 0.0f : 6.0f / 2048.0f);
+          for (int64_t r = 0; r < N; ++r)
+            for (int64_t k = 0; k < K; ++k) xb[r * K + k] = k < 16 ? 6.0f : (k < 32 ? 0.0f : 6.0f / 2048.0f);
         }
         TensorView va, vb;
         va.data = xa.data(); va.rows = M; va.cols = K;
@@ -137,22 +150,17 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
           }
         std::printf("[cublaslt-bound] %s K=%5lld %-12s max |diff| %.3g  max diff/bound %.3f\n",
                     qformat_name(f), static_cast<long long>(K),
-                    kind == 0 ? "gaussian" : (kind == 1 ? "positive" : (kind == 2 ? "heavy-tailed" : "large+small")), max_diff, max_ratio);
+                    kind == 0 ? "gaussian" : kind == 1 ? "positive" : kind == 2 ? "heavy-tailed" : kind == 3 ? "large+small" : "below-grid",
+                    max_diff, max_ratio);
         worst_ratio = std::max(worst_ratio, max_ratio);
       }
     }
   }
   std::printf("[cublaslt-bound] largest observed diff/bound: %.3f\n", worst_ratio);
-}
-
-// Issue 3 asks for a bound no looser than 10x the largest difference observed. Not met yet: on the
-// H200 (2026-11-29) cuBLASLt's BF16 GEMM matched the exact model bit for bit in most cases and the
-// largest observed diff/bound was 0.016 (the bound above is sound for the modelled wgmma per-term
-// truncation, which the large+small case did not provoke). Enable once the bound or the adversarial
-// inputs are tightened.
-TEST(GemmGpu, DISABLED_CublasLtBoundWithin10xOfObserved) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
-  FAIL() << "see the comment above: largest observed diff/bound was 0.016 < 0.1";
+  // Issue 3: the bound may be no looser than 10x the largest difference observed. The below-grid
+  // case is built to reach the modelled per-step truncation; if this fails, the hardware keeps more
+  // bits than the model's F = 25 (and the bound should be re-derived from what it does).
+  EXPECT_GE(worst_ratio, 0.1) << "gemm_cublaslt_bound is more than 10x the largest observed difference";
 }
 
 }  // namespace

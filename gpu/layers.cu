@@ -1,0 +1,1133 @@
+// CUDA twins of the training-stack layer ops (emu/layers.hpp, emu/optim.hpp), in the manner of
+// llm.c's CUDA twins: the same names, argument orders, shapes and accumulate-vs-overwrite
+// behaviour as the emulator, on device pointers, on the backend's stream.
+//
+// Numerics, in one place (each kernel repeats what applies to it):
+// - Every FP32 operation is written with the _rn intrinsics (fmul_rn, fadd_rn, ... from
+//   emu/hd.hpp) in the emulator's order of operations; the library is also built with
+//   -fmad=false -prec-div=true -prec-sqrt=true -ftz=false (DESIGN.md §1). No fast intrinsics.
+// - Deterministic: no floating-point atomics. A reduction is either done in the emulator's order
+//   (then the result is bitwise the emulator's) or as a fixed tree / fixed chunking that depends
+//   only on the shapes (then it is bitwise reproducible run to run, and bounded against the
+//   emulator). Which one is stated on each kernel.
+// - expf, logf and tanhf are CUDA's accurate versions (<= 2 ulp), not glibc's: results that go
+//   through them agree with the emulator within a few ulp, not bitwise.
+// - matmul: cuBLASLt, FP32 accumulation (CUBLAS_COMPUTE_32F, never TF32); BF16 operands rounded
+//   RNE by emu/formats.hpp's bf16_rne. Reproducible run to run on one GPU model, toolkit and
+//   workspace size (cuBLAS's reproducibility guarantee); bounded against the emulator's exact
+//   tensor-core emulation.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <climits>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "emu/formats.hpp"
+#include "emu/hd.hpp"
+#include "emu/optim.hpp"
+#include "gpu/cuda_backend.hpp"
+#include "gpu/cuda_check.hpp"
+
+#ifndef FP4SIM_CUBLAS_CHECK
+#define FP4SIM_CUBLAS_CHECK(call)                                                              \
+  do {                                                                                         \
+    cublasStatus_t fp4sim_st_ = (call);                                                        \
+    if (fp4sim_st_ != CUBLAS_STATUS_SUCCESS)                                                   \
+      throw std::runtime_error(std::string("cuBLASLt error: ") +                               \
+                               cublasLtGetStatusName(fp4sim_st_) + " (" +                      \
+                               cublasLtGetStatusString(fp4sim_st_) + ") in " #call " at " +    \
+                               __FILE__ + ":" + std::to_string(__LINE__));                     \
+  } while (0)
+#endif
+
+namespace fp4sim::gpu {
+
+namespace {
+
+// The emulator's defaults (emu/layers.hpp): the Backend interface passes neither.
+constexpr float kNormEps = 1e-5f;
+constexpr float kRopeBase = 10000.0f;
+// GELU constants, the same FP32 literals as emu/layers.cpp.
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kGeluCubic = 0.044715f;
+
+constexpr int kThreads = 256;                // elementwise and row kernels
+constexpr int kAttentionThreads = 128;       // one block per attention row
+constexpr int64_t kColumnChunkRows = emu::kColumnChunkRows;  // rows per partial column sum (shared with emu::bias_backward)
+constexpr int64_t kMaxGridBlocks = 1 << 16;  // grid-stride cap for elementwise kernels
+constexpr int kSumSquaresBlocks = 1024;      // fixed: the FP64 reduction tree is shape-only
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+unsigned elementwise_grid(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < kMaxGridBlocks ? blocks : kMaxGridBlocks);
+}
+
+void require_rows(const char* op, int64_t rows) {
+  if (rows < 0 || rows > INT_MAX)
+    throw std::invalid_argument(std::string(op) + ": " + std::to_string(rows) +
+                                " rows; expected 0.." + std::to_string(INT_MAX) +
+                                " (one block per row)");
+}
+
+void require_heads(const char* op, int64_t NH, int64_t NKV, int64_t HD) {
+  if (NH <= 0 || NKV <= 0 || NH % NKV != 0 || HD <= 0)
+    throw std::invalid_argument(std::string(op) + ": NH=" + std::to_string(NH) + " NKV=" +
+                                std::to_string(NKV) + " HD=" + std::to_string(HD) +
+                                "; expected NH, NKV, HD > 0 and NH a multiple of NKV");
+}
+
+// ---- fixed-order reductions -------------------------------------------------------------------
+
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
+// Butterfly over the 32 lanes: a fixed tree; every lane ends with the same bits (each pairwise
+// sum is computed as x + y on one lane and y + x on its partner, equal by commutativity).
+template <class T>
+__device__ T warp_sum(T v) {
+  for (int off = 16; off > 0; off >>= 1) v = add_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
+  return v;
+}
+
+// Sum of one value per thread over the block (blockDim.x a multiple of 32): warp butterflies,
+// then a butterfly over the warp sums (missing warps contribute +0). The tree depends only on
+// blockDim.x; every thread gets the same result. Ends with a barrier so it can be called again.
+template <class T>
+__device__ T block_sum(T v) {
+  __shared__ T warp_sums[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  T total = lane < warps ? warp_sums[lane] : T(0);
+  total = warp_sum(total);
+  __syncthreads();
+  return total;
+}
+
+// Max as the emulator writes it (`s > m ? s : m`): NaN values are skipped, and the result is
+// exact in any order.
+__device__ __forceinline__ float max_skip_nan(float m, float s) { return s > m ? s : m; }
+
+__device__ float block_max(float v) {
+  __shared__ float warp_max[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int off = 16; off > 0; off >>= 1) v = max_skip_nan(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  float m = lane < warps ? warp_max[lane] : -INFINITY;
+  for (int off = 16; off > 0; off >>= 1) m = max_skip_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  __syncthreads();
+  return m;
+}
+
+// Column sums over rows in a fixed chunking (the second half of layernorm/rmsnorm/matmul
+// backward). partial (chunks, C): chunk k sums rows [k*kColumnChunkRows, (k+1)*kColumnChunkRows)
+// in increasing row order (FP32, RN); the finalize pass sums the chunks in increasing order.
+// With one chunk (N <= kColumnChunkRows) this is exactly the emulator's sequential loop.
+__global__ void column_sums_finalize_kernel(float* out, const float* partial, int64_t chunks,
+                                            int64_t C, bool add_to_out) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float acc = partial[c];
+  for (int64_t k = 1; k < chunks; ++k) acc = __fadd_rn(acc, partial[k * C + c]);
+  out[c] = add_to_out ? __fadd_rn(out[c], acc) : acc;
+}
+
+int64_t column_chunks(int64_t N) { return (N + kColumnChunkRows - 1) / kColumnChunkRows; }
+
+dim3 column_partial_grid(int64_t N, int64_t C) {
+  return dim3(static_cast<unsigned>(column_chunks(N)),
+              static_cast<unsigned>((C + kThreads - 1) / kThreads));
+}
+
+void column_sums_finalize(float* out, const float* partial, int64_t N, int64_t C, bool add_to_out,
+                          cudaStream_t stream) {
+  column_sums_finalize_kernel<<<static_cast<unsigned>((C + kThreads - 1) / kThreads), kThreads, 0,
+                                stream>>>(out, partial, column_chunks(N), C, add_to_out);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+// ---- embedding --------------------------------------------------------------------------------
+
+// out (N,C) = wte[tokens[n]] + (wpe ? wpe[pos[n]] : +0). One FP32 RN addition: bitwise.
+__global__ void embedding_forward_kernel(float* out, const int32_t* tokens, const int32_t* pos,
+                                         const float* wte, const float* wpe, int64_t N, int64_t C) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * C;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = e / C, i = e % C;
+    out[e] = __fadd_rn(wte[static_cast<int64_t>(tokens[n]) * C + i],
+                       wpe ? wpe[static_cast<int64_t>(pos[n]) * C + i] : 0.0f);
+  }
+}
+
+__global__ void iota_kernel(int32_t* idx, int64_t N) {
+  for (int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; n < N;
+       n += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    idx[n] = static_cast<int32_t>(n);
+}
+
+// dtable[ids[n]] += dout[n] for the rows sorted stably by id: sorted_ids (N), rows (N) the
+// original row of each sorted entry. One block per sorted position; the block that starts a run
+// of equal ids owns that table row and adds the run's dout rows in increasing n, starting from
+// the table's value: exactly the emulator's sequential order, so bitwise.
+__global__ void embedding_scatter_kernel(float* dtable, const float* dout, const int32_t* sorted_ids,
+                                         const int32_t* rows, int64_t N, int64_t C) {
+  const int64_t j = blockIdx.x;
+  const int32_t id = sorted_ids[j];
+  if (j > 0 && sorted_ids[j - 1] == id) return;
+  float* d = dtable + static_cast<int64_t>(id) * C;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    float acc = d[i];
+    for (int64_t k = j; k < N && sorted_ids[k] == id; ++k)
+      acc = __fadd_rn(acc, dout[static_cast<int64_t>(rows[k]) * C + i]);
+    d[i] = acc;
+  }
+}
+
+// ---- layernorm / rmsnorm ----------------------------------------------------------------------
+
+// One block per row n. mean and variance: each thread sums its strided elements in increasing
+// index order, then block_sum (fixed tree), FP32 RN; var = sum((x - mean)^2) / C (two passes, as
+// the emulator); rstd = 1 / sqrt(var + eps) (IEEE sqrt and division).
+// out (N,C) = ((rstd * (x - mean)) * weight) + bias, each step RN (the emulator's order).
+// Agreement with the emulator: bounded (the row sums are a tree, not sequential).
+__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp,
+                                         const float* weight, const float* bias, int64_t C,
+                                         float c_f32, float eps) {
+  const int64_t n = blockIdx.x;
+  const float* x = inp + n * C;
+  float s = 0.0f;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) s = __fadd_rn(s, x[i]);
+  const float m = __fdiv_rn(block_sum(s), c_f32);
+  float v = 0.0f;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const float d = __fsub_rn(x[i], m);
+    v = __fadd_rn(v, __fmul_rn(d, d));
+  }
+  v = __fdiv_rn(block_sum(v), c_f32);
+  const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(v, eps)));
+  float* o = out + n * C;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
+    o[i] = __fadd_rn(__fmul_rn(__fmul_rn(r, __fsub_rn(x[i], m)), weight[i]), bias[i]);
+  if (threadIdx.x == 0) {
+    mean[n] = m;
+    rstd[n] = r;
+  }
+}
+
+// dinp (N,C) += ((dnorm - mean(dnorm)) - norm * mean(dnorm * norm)) * rstd, norm = (x - mean) *
+// rstd, dnorm = weight * dout. One block per row; the two row means are block_sum trees (FP32)
+// divided by C. Bounded against the emulator (tree vs sequential row sums).
+__global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp,
+                                               const float* weight, const float* mean,
+                                               const float* rstd, int64_t C, float c_f32) {
+  const int64_t n = blockIdx.x;
+  const float* x = inp + n * C;
+  const float* dy = dout + n * C;
+  float* dx = dinp + n * C;
+  const float m = mean[n], s = rstd[n];
+  float dnorm_sum = 0.0f, dnorm_norm_sum = 0.0f;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const float norm = __fmul_rn(__fsub_rn(x[i], m), s);
+    const float dnorm = __fmul_rn(weight[i], dy[i]);
+    dnorm_sum = __fadd_rn(dnorm_sum, dnorm);
+    dnorm_norm_sum = __fadd_rn(dnorm_norm_sum, __fmul_rn(dnorm, norm));
+  }
+  const float dnorm_mean = __fdiv_rn(block_sum(dnorm_sum), c_f32);
+  const float dnorm_norm_mean = __fdiv_rn(block_sum(dnorm_norm_sum), c_f32);
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const float norm = __fmul_rn(__fsub_rn(x[i], m), s);
+    const float dnorm = __fmul_rn(weight[i], dy[i]);
+    dx[i] = __fadd_rn(dx[i], __fmul_rn(__fsub_rn(__fsub_rn(dnorm, dnorm_mean),
+                                                 __fmul_rn(norm, dnorm_norm_mean)),
+                                       s));
+  }
+}
+
+// Partial column sums for dweight (sum_n norm * dout) and dbias (sum_n dout): partial (2, chunks,
+// C), chunk 0 starting from the current dweight/dbias (the emulator accumulates straight into
+// them), the others from +0. grid (chunks, ceil(C / blockDim)), one thread per column.
+__global__ void layernorm_backward_partial_kernel(float* partial, const float* dweight,
+                                                  const float* dbias, const float* dout,
+                                                  const float* inp, const float* mean,
+                                                  const float* rstd, int64_t N, int64_t C) {
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t k = blockIdx.x, chunks = gridDim.x;
+  const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
+  float w = k == 0 ? dweight[c] : 0.0f, b = k == 0 ? dbias[c] : 0.0f;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float dy = dout[n * C + c];
+    const float norm = __fmul_rn(__fsub_rn(inp[n * C + c], mean[n]), rstd[n]);
+    b = __fadd_rn(b, dy);
+    w = __fadd_rn(w, __fmul_rn(norm, dy));
+  }
+  partial[k * C + c] = w;
+  partial[(chunks + k) * C + c] = b;
+}
+
+// One block per row: ms = block_sum(x * x) / C (FP32 tree), rstd = 1 / sqrt(ms + eps);
+// out (N,C) = (x * rstd) * weight. Bounded against the emulator.
+__global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* inp,
+                                       const float* weight, int64_t C, float c_f32, float eps) {
+  const int64_t n = blockIdx.x;
+  const float* x = inp + n * C;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(x[i], x[i]));
+  const float ms = __fdiv_rn(block_sum(ss), c_f32);
+  const float s = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
+    out[n * C + i] = __fmul_rn(__fmul_rn(x[i], s), weight[i]);
+  if (threadIdx.x == 0) rstd[n] = s;
+}
+
+// dinp (N,C) += (dout * weight) * rstd - x * k, k = (((dot * rstd) * rstd) * rstd) / C,
+// dot = sum_i (dout * weight) * x (block_sum tree, FP32). Bounded against the emulator.
+__global__ void rmsnorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp,
+                                             const float* weight, const float* rstd, int64_t C,
+                                             float c_f32) {
+  const int64_t n = blockIdx.x;
+  const float* x = inp + n * C;
+  const float* dy = dout + n * C;
+  const float s = rstd[n];
+  float dot = 0.0f;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
+    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(dy[i], weight[i]), x[i]));
+  dot = block_sum(dot);
+  const float k = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(dot, s), s), s), c_f32);
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
+    dinp[n * C + i] = __fadd_rn(dinp[n * C + i], __fsub_rn(__fmul_rn(__fmul_rn(dy[i], weight[i]), s),
+                                                           __fmul_rn(x[i], k)));
+}
+
+// Partial column sums for dweight: sum_n (dout * x) * rstd; partial (chunks, C), chunk 0
+// starting from the current dweight.
+__global__ void rmsnorm_backward_partial_kernel(float* partial, const float* dweight,
+                                                const float* dout, const float* inp,
+                                                const float* rstd, int64_t N, int64_t C) {
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t k = blockIdx.x;
+  const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
+  float w = k == 0 ? dweight[c] : 0.0f;
+  for (int64_t n = n0; n < n1; ++n)
+    w = __fadd_rn(w, __fmul_rn(__fmul_rn(dout[n * C + c], inp[n * C + c]), rstd[n]));
+  partial[k * C + c] = w;
+}
+
+// ---- matmul -----------------------------------------------------------------------------------
+
+// dst (n) = BF16 RNE bits of src (emu/formats.hpp: NaN -> 0x7FFF), the emulator's operand rounding.
+__global__ void round_to_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = bf16_rne(src[i]);
+}
+
+// out (N,OC) += bias (OC), one FP32 RN addition after the GEMM, as the emulator: bitwise given the
+// GEMM's value.
+__global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_t OC) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * OC;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[e] = __fadd_rn(out[e], bias[e % OC]);
+}
+
+// Partial column sums of dout (N,OC) for dbias: partial (chunks, OC), every chunk from +0 (the
+// emulator sums the column from 0 and then adds it to dbias).
+__global__ void column_partial_kernel(float* partial, const float* dout, int64_t N, int64_t C) {
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t k = blockIdx.x;
+  const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
+  float s = 0.0f;
+  for (int64_t n = n0; n < n1; ++n) s = __fadd_rn(s, dout[n * C + c]);
+  partial[k * C + c] = s;
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+// One block per query row (b, h, t); blockIdx.x = (b * NH + h) * T + t is also the att row.
+// qkv (B,T,(NH+2NKV)*HD), out (B,T,NH*HD), att (B,NH,T,T); query head h reads KV head
+// h / (NH/NKV).
+// - scores: one thread per key t2 <= t, dot product over HD in increasing i (FP32 RN), then
+//   * scale: bitwise the emulator's. Written into the att row, which serves as scratch.
+// - row max: exact (order-free; NaN skipped as the emulator's `s > m ? s : m`).
+// - exp(s - max) with CUDA's expf (<= 2 ulp; the emulator uses glibc): not bitwise.
+// - sum of the exps: thread 0, increasing t2, FP32 RN (the emulator's order).
+// - att[t2] = exp / sum for t2 <= t, +0 above the diagonal (as the emulator stores it).
+// - out[i] = sum_t2 att[t2] * v[t2][i], one thread per i, increasing t2 from +0 (emulator order).
+// So att and out agree with the emulator to a few ulp (through expf only).
+__global__ void attention_forward_kernel(float* out, float* att, const float* qkv, int64_t T,
+                                         int64_t NH, int64_t NKV, int64_t HD, float scale) {
+  extern __shared__ float q_s[];  // HD
+  __shared__ float row_sum;
+  const int64_t row = blockIdx.x;
+  const int64_t t = row % T, h = (row / T) % NH, b = row / (T * NH);
+  const int64_t W = (NH + 2 * NKV) * HD, g = h / (NH / NKV);
+  const float* q = qkv + (b * T + t) * W + h * HD;
+  const float* kbase = qkv + b * T * W + (NH + g) * HD;
+  const float* vbase = qkv + b * T * W + (NH + NKV + g) * HD;
+  float* a = att + row * T;
+  for (int64_t i = threadIdx.x; i < HD; i += blockDim.x) q_s[i] = q[i];
+  __syncthreads();
+  float m = -INFINITY;
+  for (int64_t t2 = threadIdx.x; t2 <= t; t2 += blockDim.x) {
+    const float* k = kbase + t2 * W;
+    float s = 0.0f;
+    for (int64_t i = 0; i < HD; ++i) s = __fadd_rn(s, __fmul_rn(q_s[i], k[i]));
+    s = __fmul_rn(s, scale);
+    a[t2] = s;
+    m = max_skip_nan(m, s);
+  }
+  const float maxv = block_max(m);  // (its barriers also publish the scores)
+  for (int64_t t2 = threadIdx.x; t2 <= t; t2 += blockDim.x) a[t2] = expf(__fsub_rn(a[t2], maxv));
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float sum = 0.0f;
+    for (int64_t t2 = 0; t2 <= t; ++t2) sum = __fadd_rn(sum, a[t2]);
+    row_sum = sum;
+  }
+  __syncthreads();
+  const float sum = row_sum;
+  for (int64_t t2 = threadIdx.x; t2 < T; t2 += blockDim.x) a[t2] = t2 <= t ? __fdiv_rn(a[t2], sum) : 0.0f;
+  __syncthreads();
+  float* o = out + (b * T + t) * NH * HD + h * HD;
+  for (int64_t i = threadIdx.x; i < HD; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t t2 = 0; t2 <= t; ++t2) acc = __fadd_rn(acc, __fmul_rn(a[t2], vbase[t2 * W + i]));
+    o[i] = acc;
+  }
+}
+
+// Attention backward, part 1: one block per query row (b, h, t), as the forward. dS (B,NH,T,T)
+// scratch (only t2 <= t written).
+// - datt[t2] = sum_i v[t2][i] * dy[i] (one thread per t2, increasing i, FP32 RN), into dS;
+// - dot = sum_t2 att[t2] * datt[t2] (thread 0, increasing t2);
+// - dS[t2] = ((att[t2] * (datt[t2] - dot)) * scale);
+// - dq[i] += dS[t2] * k[t2][i], one thread per i, increasing t2, straight into dq (dq of this row
+//   is written by this row only).
+// The emulator's operations in its order: bitwise, given the same att.
+__global__ void attention_backward_query_kernel(float* dqkv, float* dS, const float* dout,
+                                                const float* qkv, const float* att, int64_t T,
+                                                int64_t NH, int64_t NKV, int64_t HD, float scale) {
+  extern __shared__ float dy_s[];  // HD
+  __shared__ float row_dot;
+  const int64_t row = blockIdx.x;
+  const int64_t t = row % T, h = (row / T) % NH, b = row / (T * NH);
+  const int64_t W = (NH + 2 * NKV) * HD, g = h / (NH / NKV);
+  const float* a = att + row * T;
+  float* ds = dS + row * T;
+  const float* dy = dout + (b * T + t) * NH * HD + h * HD;
+  const float* kbase = qkv + b * T * W + (NH + g) * HD;
+  const float* vbase = qkv + b * T * W + (NH + NKV + g) * HD;
+  for (int64_t i = threadIdx.x; i < HD; i += blockDim.x) dy_s[i] = dy[i];
+  __syncthreads();
+  for (int64_t t2 = threadIdx.x; t2 <= t; t2 += blockDim.x) {
+    const float* v = vbase + t2 * W;
+    float s = 0.0f;
+    for (int64_t i = 0; i < HD; ++i) s = __fadd_rn(s, __fmul_rn(v[i], dy_s[i]));
+    ds[t2] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float dot = 0.0f;
+    for (int64_t t2 = 0; t2 <= t; ++t2) dot = __fadd_rn(dot, __fmul_rn(a[t2], ds[t2]));
+    row_dot = dot;
+  }
+  __syncthreads();
+  const float dot = row_dot;
+  for (int64_t t2 = threadIdx.x; t2 <= t; t2 += blockDim.x)
+    ds[t2] = __fmul_rn(__fmul_rn(a[t2], __fsub_rn(ds[t2], dot)), scale);
+  __syncthreads();
+  float* dq = dqkv + (b * T + t) * W + h * HD;
+  for (int64_t i = threadIdx.x; i < HD; i += blockDim.x) {
+    float acc = dq[i];
+    for (int64_t t2 = 0; t2 <= t; ++t2) acc = __fadd_rn(acc, __fmul_rn(ds[t2], kbase[t2 * W + i]));
+    dq[i] = acc;
+  }
+}
+
+// Attention backward, part 2: one block per key/value row (b, g, t2), one thread per i.
+// dk[i] += dS[h,t,t2] * q[h,t][i] and dv[i] += att[h,t,t2] * dy[h,t][i] over the group's query
+// heads h in increasing order, then t = t2..T-1 increasing, straight into dk/dv: exactly the
+// order in which the emulator's sequential (h, t, t2) loop reaches this row. Bitwise.
+__global__ void attention_backward_kv_kernel(float* dqkv, const float* dS, const float* dout,
+                                             const float* qkv, const float* att, int64_t T,
+                                             int64_t NH, int64_t NKV, int64_t HD) {
+  const int64_t kvrow = blockIdx.x;  // (b * NKV + g) * T + t2
+  const int64_t t2 = kvrow % T, g = (kvrow / T) % NKV, b = kvrow / (T * NKV);
+  const int64_t W = (NH + 2 * NKV) * HD, group = NH / NKV;
+  float* dk = dqkv + (b * T + t2) * W + (NH + g) * HD;
+  float* dv = dqkv + (b * T + t2) * W + (NH + NKV + g) * HD;
+  for (int64_t i = threadIdx.x; i < HD; i += blockDim.x) {
+    float acc_k = dk[i], acc_v = dv[i];
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      for (int64_t t = t2; t < T; ++t) {
+        const int64_t arow = ((b * NH + h) * T + t) * T + t2;
+        const float q = qkv[(b * T + t) * W + h * HD + i];
+        const float dy = dout[(b * T + t) * NH * HD + h * HD + i];
+        acc_k = __fadd_rn(acc_k, __fmul_rn(dS[arow], q));
+        acc_v = __fadd_rn(acc_v, __fmul_rn(att[arow], dy));
+      }
+    }
+    dk[i] = acc_k;
+    dv[i] = acc_v;
+  }
+}
+
+// ---- RoPE -------------------------------------------------------------------------------------
+
+// In place on the NH query and NKV key heads of x (B,T,(NH+2NKV)*HD): the pair (2i, 2i+1) at
+// position t rotates by the angle whose FP32 cos/sin the host computed exactly as the emulator
+// (double pow/cos/sin, rounded to float): cos_sin (T, HD/2, 2). sign = +1 forward, -1 backward
+// (multiplies sin; exact). x0' = x0 c - x1 s, x1' = x0 s + x1 c, each product and sum RN: bitwise.
+__global__ void rope_kernel(float* x, const float* cos_sin, int64_t B, int64_t T, int64_t NH,
+                            int64_t NKV, int64_t HD, float sign) {
+  const int64_t half = HD / 2, heads = NH + NKV, W = (NH + 2 * NKV) * HD;
+  const int64_t total = B * T * heads * half;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = e % half, h = (e / half) % heads, bt = e / (half * heads), t = bt % T;
+    const float c = cos_sin[(t * half + i) * 2], s = __fmul_rn(sign, cos_sin[(t * half + i) * 2 + 1]);
+    float* v = x + bt * W + h * HD;
+    const float x0 = v[2 * i], x1 = v[2 * i + 1];
+    v[2 * i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    v[2 * i + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+  }
+}
+
+// ---- elementwise ------------------------------------------------------------------------------
+
+// GELU (tanh approximation), the emulator's order: cube = ((0.044715 x) x) x;
+// out = (0.5 x) (1 + tanhf(sqrt(2/pi) (x + cube))). CUDA tanhf (<= 2 ulp): a few ulp from the
+// emulator, not bitwise.
+__global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float x = inp[j];
+    const float cube = __fmul_rn(__fmul_rn(__fmul_rn(kGeluCubic, x), x), x);
+    out[j] = __fmul_rn(__fmul_rn(0.5f, x),
+                       __fadd_rn(1.0f, tanhf(__fmul_rn(kGeluScale, __fadd_rn(x, cube)))));
+  }
+}
+
+// dinp (n) += local * dout, local = 0.5 (1 + t) + (((x 0.5) sech2) sqrt(2/pi)) (1 + (3 0.044715) x x),
+// t = tanhf(sqrt(2/pi) (x + cube)), sech2 = 1 - t t; left to right as the emulator writes it.
+// CUDA tanhf: not bitwise (1 - t^2 amplifies an ulp of t where |t| is near 1).
+__global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float x = inp[j];
+    const float cube = __fmul_rn(__fmul_rn(__fmul_rn(kGeluCubic, x), x), x);
+    const float t = tanhf(__fmul_rn(kGeluScale, __fadd_rn(x, cube)));
+    const float sech2 = __fsub_rn(1.0f, __fmul_rn(t, t));
+    const float poly = __fadd_rn(1.0f, __fmul_rn(__fmul_rn(__fmul_rn(3.0f, kGeluCubic), x), x));
+    const float local =
+        __fadd_rn(__fmul_rn(0.5f, __fadd_rn(1.0f, t)),
+                  __fmul_rn(__fmul_rn(__fmul_rn(__fmul_rn(x, 0.5f), sech2), kGeluScale), poly));
+    dinp[j] = __fadd_rn(dinp[j], __fmul_rn(local, dout[j]));
+  }
+}
+
+// out = max(x, 0)^2 as `x > 0 ? x : 0` (NaN -> 0), squared RN: bitwise.
+__global__ void squared_relu_forward_kernel(float* out, const float* inp, int64_t n) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float r = inp[j] > 0.0f ? inp[j] : 0.0f;
+    out[j] = __fmul_rn(r, r);
+  }
+}
+
+// dinp += (x > 0 ? 2 x : 0) * dout: bitwise.
+__global__ void squared_relu_backward_kernel(float* dinp, const float* inp, const float* dout,
+                                             int64_t n) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dinp[j] = __fadd_rn(dinp[j], __fmul_rn(inp[j] > 0.0f ? __fmul_rn(2.0f, inp[j]) : 0.0f, dout[j]));
+}
+
+// out = a + b, FP32 RN: bitwise.
+__global__ void residual_forward_kernel(float* out, const float* a, const float* b, int64_t n) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[j] = __fadd_rn(a[j], b[j]);
+}
+
+// SwiGLU on inp (N, 2F) = [gate | up] per row: the emulator's expressions in its order, CUDA expf
+// instead of glibc's exp (a few ulp).
+__global__ void swiglu_forward_kernel(float* out, const float* inp, int64_t N, int64_t F) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * F;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = e / F, i = e - n * F;
+    const float g = inp[n * 2 * F + i], u = inp[n * 2 * F + F + i];
+    out[e] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+  }
+}
+
+__global__ void swiglu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * F;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = e / F, i = e - n * F;
+    const float g = inp[n * 2 * F + i], u = inp[n * 2 * F + F + i];
+    const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
+    const float silu = __fmul_rn(g, sig);
+    const float dy = dout[e];
+    const float dsilu = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sig))));
+    dinp[n * 2 * F + i] = __fadd_rn(dinp[n * 2 * F + i], __fmul_rn(__fmul_rn(dy, u), dsilu));
+    dinp[n * 2 * F + F + i] = __fadd_rn(dinp[n * 2 * F + F + i], __fmul_rn(dy, silu));
+  }
+}
+
+// ---- cross-entropy ----------------------------------------------------------------------------
+
+// One block per row n of logits (N,V). max: exact; p = expf(z - max) (CUDA expf); sum: per-thread
+// strided sums in increasing index, then block_sum (FP32 tree); probs (N,V) = p / sum;
+// losses (N) = -logf(probs[target]) (CUDA logf). Bounded against the emulator (tree sum, expf,
+// logf).
+__global__ void crossentropy_softmax_forward_kernel(float* losses, float* probs, const float* logits,
+                                                    const int32_t* targets, int64_t V) {
+  const int64_t n = blockIdx.x;
+  const float* z = logits + n * V;
+  float* p = probs + n * V;
+  float m = -INFINITY;
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) m = max_skip_nan(m, z[i]);
+  const float maxv = block_max(m);
+  float s = 0.0f;
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+    const float e = expf(__fsub_rn(z[i], maxv));
+    p[i] = e;
+    s = __fadd_rn(s, e);
+  }
+  const float sum = block_sum(s);
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) p[i] = __fdiv_rn(p[i], sum);
+  __syncthreads();
+  if (threadIdx.x == 0) losses[n] = -logf(p[targets[n]]);
+}
+
+// dlogits (N,V) += (probs - onehot(target)) * dlosses[n], each step RN: bitwise.
+__global__ void crossentropy_softmax_backward_kernel(float* dlogits, const float* probs,
+                                                     const int32_t* targets, const float* dlosses,
+                                                     int64_t N, int64_t V) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * V;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = e / V, i = e % V;
+    const float indicator = i == targets[n] ? 1.0f : 0.0f;
+    dlogits[e] = __fadd_rn(dlogits[e], __fmul_rn(__fsub_rn(probs[e], indicator), dlosses[n]));
+  }
+}
+
+// ---- optimizer --------------------------------------------------------------------------------
+
+// emu/optim.hpp's adamw_element on every element: bitwise.
+__global__ void adamw_kernel(float* params, const float* grads, float* m, float* v, int64_t n,
+                             AdamWStep step) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    adamw_element(params[j], grads[j], m[j], v[j], step);
+}
+
+// sum x^2 in FP64: each product (double)x * (double)x is exact; each thread of a fixed grid
+// (kSumSquaresBlocks x kThreads) sums its grid-strided elements in increasing index, block_sum per
+// block into partial (kSumSquaresBlocks); a second single-block pass sums the partials the same
+// way. The tree depends only on n: deterministic (and identical on every GPU).
+__global__ void sum_squares_partial_kernel(double* partial, const float* x, int64_t n) {
+  double s = 0.0;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double d = static_cast<double>(x[j]);
+    s = __dadd_rn(s, __dmul_rn(d, d));
+  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ void sum_partials_kernel(double* out, const double* partial, int64_t n) {
+  double s = 0.0;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s = __dadd_rn(s, partial[j]);
+  s = block_sum(s);
+  if (threadIdx.x == 0) *out = s;
+}
+
+// ---- cuBLASLt ---------------------------------------------------------------------------------
+
+// Largest power of two (<= 256) dividing the address: the alignment cuBLASLt may assume.
+uint32_t pointer_alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && (a % align) != 0) align >>= 1;
+  return align;
+}
+
+}  // namespace
+
+// State of the training ops, owned by CudaBackend::LayersState (below).
+namespace training_ops {
+
+// A device buffer that grows (never shrinks). Growing first waits for the stream, so no queued
+// kernel still reads the old buffer.
+struct DeviceScratch {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DeviceScratch() = default;
+  DeviceScratch(const DeviceScratch&) = delete;
+  DeviceScratch& operator=(const DeviceScratch&) = delete;
+  ~DeviceScratch() {
+    if (ptr) cudaFree(ptr);
+  }
+  template <class T>
+  T* get(size_t count, cudaStream_t stream) {
+    const size_t need = count * sizeof(T);
+    if (need > bytes) {
+      FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (ptr) FP4SIM_CUDA_CHECK(cudaFree(ptr));
+      ptr = nullptr;
+      bytes = 0;
+      FP4SIM_CUDA_CHECK(cudaMalloc(&ptr, need));
+      bytes = need;
+    }
+    return static_cast<T*>(ptr);
+  }
+};
+
+// The matmuls' own cuBLASLt handle and workspace (gpu/gemm_cublaslt.cu keeps its own).
+struct CublasLt {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  CublasLt() = default;
+  CublasLt(const CublasLt&) = delete;
+  CublasLt& operator=(const CublasLt&) = delete;
+  ~CublasLt() {
+    if (workspace) cudaFree(workspace);
+    if (handle) cublasLtDestroy(handle);
+  }
+};
+
+// The RoPE cos/sin table (T, HD/2, 2) for head size HD and positions 0..T-1.
+struct RopeTable {
+  DeviceScratch device;
+  std::vector<float> host;  // kept: the source of the asynchronous upload
+  int64_t T = 0, HD = 0;
+};
+
+}  // namespace training_ops
+
+struct CudaBackend::LayersState {
+  training_ops::CublasLt lt;                                // created on the first matmul
+  training_ops::DeviceScratch bf16_a, bf16_b, bf16_c;       // BF16 operands of the matmuls
+  training_ops::DeviceScratch columns;                      // partial column sums
+  training_ops::DeviceScratch att_grad;                     // attention backward dS (B,NH,T,T)
+  training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
+  training_ops::DeviceScratch sums;                         // sum_squares partials and result
+  training_ops::RopeTable rope;
+  std::vector<double> host_result = std::vector<double>(1);
+};
+
+CudaBackend::LayersState& CudaBackend::layers_state() {
+  if (!layers_) layers_ = std::make_shared<LayersState>();
+  return *layers_;
+}
+
+namespace {
+
+using training_ops::CublasLt;
+using training_ops::DeviceScratch;
+using training_ops::RopeTable;
+
+struct LtDescriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  LtDescriptors() = default;
+  LtDescriptors(const LtDescriptors&) = delete;
+  LtDescriptors& operator=(const LtDescriptors&) = delete;
+  ~LtDescriptors() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+// D (col-major m x n, ld m) = op(A) op(B) + beta * D, FP32 accumulation and output
+// (CUBLAS_COMPUTE_32F: no TF32), operands BF16 (`bf16`) or FP32. A is stored (m x k) col-major
+// with ld lda, or (k x m) when transa; B is (k x n), or (n x k) when transb. beta = 1 accumulates:
+// D = fl(acc + D), the emulator's `d += gemm` given the GEMM's FP32 value.
+void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int64_t n, int64_t k,
+               const void* A, int64_t lda, const void* B, int64_t ldb, float* D, float beta,
+               cudaStream_t stream) {
+  if (!lt.handle) {
+    FP4SIM_CUBLAS_CHECK(cublasLtCreate(&lt.handle));
+    FP4SIM_CUDA_CHECK(cudaMalloc(&lt.workspace, kCublasWorkspaceBytes));
+  }
+  const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  LtDescriptors d;
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.la, in_type, static_cast<uint64_t>(transa ? k : m),
+                                                 static_cast<uint64_t>(transa ? m : k), lda));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.lb, in_type, static_cast<uint64_t>(transb ? n : k),
+                                                 static_cast<uint64_t>(transb ? k : n), ldb));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.ld, CUDA_R_32F, static_cast<uint64_t>(m),
+                                                 static_cast<uint64_t>(n), m));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+  const size_t ws = kCublasWorkspaceBytes;
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  // The caller's pointers may sit at any float offset inside a larger buffer: tell the
+  // heuristic, so it never picks a kernel that assumes 256-byte alignment.
+  const uint32_t align_a = pointer_alignment(A), align_b = pointer_alignment(B),
+                 align_d = pointer_alignment(D);
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d));
+  cublasLtMatmulHeuristicResult_t heur{};
+  int found = 0;
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld, d.ld, d.pref,
+                                                     1, &heur, &found));
+  if (found == 0)
+    throw std::runtime_error(std::string("matmul: cuBLASLt has no ") + (bf16 ? "BF16" : "FP32") +
+                             " algorithm for m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                             " k=" + std::to_string(k));
+  const float alpha = 1.0f;
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(lt.handle, d.op, &alpha, A, d.la, B, d.lb, &beta, D, d.ld, D,
+                                     d.ld, &heur.algo, lt.workspace, kCublasWorkspaceBytes, stream));
+}
+
+// The GEMM operand x (count FP32 values) as the matmul reads it: its BF16 bits in `scratch` for
+// GemmPrecision::BF16, x itself for FP32.
+const void* gemm_operand(DeviceScratch& scratch, const float* x, int64_t count,
+                         emu::GemmPrecision prec, cudaStream_t stream) {
+  if (prec == emu::GemmPrecision::FP32) return x;
+  uint16_t* h = scratch.get<uint16_t>(static_cast<size_t>(count), stream);
+  round_to_bf16_kernel<<<elementwise_grid(count), kThreads, 0, stream>>>(h, x, count);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  return h;
+}
+
+// The RoPE table covering positions 0..T-1 for head size HD, built on the host with the
+// emulator's exact expressions (emu/layers.cpp rope_rotate): freq = base^(-2i/HD) in double,
+// angle = t * freq, cos and sin in double rounded to float. Rebuilt when HD changes or T grows.
+const float* rope_table(RopeTable& tab, int64_t T, int64_t HD, cudaStream_t stream) {
+  if (tab.HD != HD || tab.T < T) {
+    const int64_t half = HD / 2;
+    tab.host.assign(static_cast<size_t>(T * half * 2), 0.0f);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < half; ++i) {
+        const double freq = std::pow(static_cast<double>(kRopeBase),
+                                     -2.0 * static_cast<double>(i) / static_cast<double>(HD));
+        const double ang = static_cast<double>(t) * freq;
+        tab.host[static_cast<size_t>((t * half + i) * 2)] = static_cast<float>(std::cos(ang));
+        tab.host[static_cast<size_t>((t * half + i) * 2 + 1)] = static_cast<float>(std::sin(ang));
+      }
+    float* d = tab.device.get<float>(tab.host.size(), stream);  // (syncs the stream if it grows)
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(d, tab.host.data(), tab.host.size() * sizeof(float),
+                                      cudaMemcpyHostToDevice, stream));
+    tab.HD = HD;
+    tab.T = T;
+  }
+  return static_cast<const float*>(tab.device.ptr);
+}
+
+}  // namespace
+
+// ---- CudaBackend: the training ops --------------------------------------------------------------
+
+void CudaBackend::embedding_forward(float* out, const int32_t* tokens, const int32_t* pos,
+                                    const float* wte, const float* wpe, int64_t N, int64_t C) {
+  if (N * C == 0) return;
+  embedding_forward_kernel<<<elementwise_grid(N * C), kThreads, 0, stream_>>>(out, tokens, pos, wte,
+                                                                             wpe, N, C);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+// Bitwise: rows are sorted stably by id (CUB radix sort: deterministic), then each table row adds
+// its dout rows in increasing n (embedding_scatter_kernel).
+void CudaBackend::embedding_backward(float* dwte, float* dwpe, const float* dout,
+                                     const int32_t* tokens, const int32_t* pos, int64_t N,
+                                     int64_t C) {
+  require_rows("embedding_backward", N);
+  if (N * C == 0) return;
+  LayersState& st = layers_state();
+  int32_t* rows_in = st.sort_rows_in.get<int32_t>(static_cast<size_t>(N), stream_);
+  int32_t* rows_out = st.sort_rows_out.get<int32_t>(static_cast<size_t>(N), stream_);
+  int32_t* keys_out = st.sort_keys.get<int32_t>(static_cast<size_t>(N), stream_);
+  iota_kernel<<<elementwise_grid(N), kThreads, 0, stream_>>>(rows_in, N);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  const int n = static_cast<int>(N);
+  for (int table = 0; table < 2; ++table) {
+    float* dtable = table == 0 ? dwte : dwpe;
+    const int32_t* ids = table == 0 ? tokens : pos;
+    if (!dtable) continue;
+    size_t temp_bytes = 0;
+    FP4SIM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, ids, keys_out, rows_in,
+                                                      rows_out, n, 0, 32, stream_));
+    void* temp = st.sort_temp.get<unsigned char>(temp_bytes, stream_);
+    FP4SIM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, ids, keys_out, rows_in,
+                                                      rows_out, n, 0, 32, stream_));
+    embedding_scatter_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(dtable, dout, keys_out,
+                                                                               rows_out, N, C);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  }
+}
+
+void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                                    const float* weight, const float* bias, int64_t N, int64_t C) {
+  require_rows("layernorm_forward", N);
+  if (N == 0 || C == 0) return;
+  layernorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+      out, mean, rstd, inp, weight, bias, C, static_cast<float>(C), kNormEps);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+// dinp: one block per row (bounded vs the emulator). dweight/dbias: fixed 64-row chunks, chunk 0
+// seeded with the current value, chunks summed in order (bitwise the emulator's when N <= 64).
+void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                                     const float* inp, const float* weight, const float* mean,
+                                     const float* rstd, int64_t N, int64_t C) {
+  require_rows("layernorm_backward", N);
+  if (N == 0 || C == 0) return;
+  layernorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+      dinp, dout, inp, weight, mean, rstd, C, static_cast<float>(C));
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  const int64_t chunks = column_chunks(N);
+  float* partial = layers_state().columns.get<float>(static_cast<size_t>(2 * chunks * C), stream_);
+  layernorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream_>>>(
+      partial, dweight, dbias, dout, inp, mean, rstd, N, C);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  column_sums_finalize(dweight, partial, N, C, false, stream_);
+  column_sums_finalize(dbias, partial + chunks * C, N, C, false, stream_);
+}
+
+void CudaBackend::rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
+                                  int64_t N, int64_t C) {
+  require_rows("rmsnorm_forward", N);
+  if (N == 0 || C == 0) return;
+  rmsnorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+      out, rstd, inp, weight, C, static_cast<float>(C), kNormEps);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                                   const float* weight, const float* rstd, int64_t N, int64_t C) {
+  require_rows("rmsnorm_backward", N);
+  if (N == 0 || C == 0) return;
+  rmsnorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+      dinp, dout, inp, weight, rstd, C, static_cast<float>(C));
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
+  rmsnorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream_>>>(
+      partial, dweight, dout, inp, rstd, N, C);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  column_sums_finalize(dweight, partial, N, C, false, stream_);
+}
+
+// out (N,OC) = inp (N,K) W (OC,K)^T, then + bias. Row-major out is col-major out^T (OC x N) =
+// W (op T of the col-major (K x OC) view) * inp^T (the col-major (K x N) view).
+void CudaBackend::matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                                 int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec) {
+  if (N == 0 || OC == 0) return;
+  if (K == 0) {
+    FP4SIM_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(N * OC) * sizeof(float), stream_));
+  } else {
+    LayersState& st = layers_state();
+    const bool bf16 = prec == emu::GemmPrecision::BF16;
+    const void* w = gemm_operand(st.bf16_a, weight, OC * K, prec, stream_);
+    const void* x = gemm_operand(st.bf16_b, inp, N * K, prec, stream_);
+    lt_matmul(st.lt, bf16, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f, stream_);
+  }
+  if (bias) {
+    add_bias_kernel<<<elementwise_grid(N * OC), kThreads, 0, stream_>>>(out, bias, N, OC);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  }
+}
+
+// dinp (N,K) += dout (N,OC) W (OC,K): col-major dinp^T (K x N) = W^T (the (K x OC) view, op N) *
+// dout^T (the (OC x N) view, op N), beta = 1.
+// dweight (OC,K) += dout^T inp: col-major dweight^T (K x OC) = inp^T (the (K x N) view, op N) *
+// dout (op T of the (OC x N) view), beta = 1.
+// dbias (OC) += column sums of dout (64-row chunks from +0, summed in order; then one addition).
+void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                                  const float* inp, const float* weight, int64_t N, int64_t K,
+                                  int64_t OC, emu::GemmPrecision prec) {
+  if (N == 0 || OC == 0) return;
+  LayersState& st = layers_state();
+  const bool bf16 = prec == emu::GemmPrecision::BF16;
+  if (K > 0) {
+    const void* dy = gemm_operand(st.bf16_a, dout, N * OC, prec, stream_);
+    const void* w = dinp ? gemm_operand(st.bf16_b, weight, OC * K, prec, stream_) : nullptr;
+    const void* x = dweight ? gemm_operand(st.bf16_c, inp, N * K, prec, stream_) : nullptr;
+    if (dinp) lt_matmul(st.lt, bf16, false, false, K, N, OC, w, K, dy, OC, dinp, 1.0f, stream_);
+    if (dweight) lt_matmul(st.lt, bf16, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
+  }
+  if (dbias) {
+    float* partial = st.columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
+    column_partial_kernel<<<column_partial_grid(N, OC), kThreads, 0, stream_>>>(partial, dout, N, OC);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    column_sums_finalize(dbias, partial, N, OC, true, stream_);
+  }
+}
+
+void CudaBackend::attention_forward(float* out, float* att, const float* qkv, int64_t B, int64_t T,
+                                    int64_t NH, int64_t NKV, int64_t HD) {
+  require_heads("attention_forward", NH, NKV, HD);
+  require_rows("attention_forward", B * NH * T);
+  if (B * T == 0) return;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));  // as the emulator, on the host
+  attention_forward_kernel<<<static_cast<unsigned>(B * NH * T), kAttentionThreads,
+                             static_cast<size_t>(HD) * sizeof(float), stream_>>>(out, att, qkv, T, NH,
+                                                                               NKV, HD, scale);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::attention_backward(float* dqkv, const float* dout, const float* qkv,
+                                     const float* att, int64_t B, int64_t T, int64_t NH,
+                                     int64_t NKV, int64_t HD) {
+  require_heads("attention_backward", NH, NKV, HD);
+  require_rows("attention_backward", B * NH * T);
+  if (B * T == 0) return;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+  float* dS = layers_state().att_grad.get<float>(static_cast<size_t>(B * NH * T * T), stream_);
+  attention_backward_query_kernel<<<static_cast<unsigned>(B * NH * T), kAttentionThreads,
+                                    static_cast<size_t>(HD) * sizeof(float), stream_>>>(
+      dqkv, dS, dout, qkv, att, T, NH, NKV, HD, scale);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  const int kv_threads = HD >= kAttentionThreads ? kAttentionThreads : static_cast<int>((HD + 31) / 32 * 32);
+  attention_backward_kv_kernel<<<static_cast<unsigned>(B * NKV * T), kv_threads, 0, stream_>>>(
+      dqkv, dS, dout, qkv, att, T, NH, NKV, HD);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                               int64_t HD) {
+  require_heads("rope_forward", NH, NKV, HD);
+  const int64_t total = B * T * (NH + NKV) * (HD / 2);
+  if (total == 0) return;
+  const float* tab = rope_table(layers_state().rope, T, HD, stream_);
+  rope_kernel<<<elementwise_grid(total), kThreads, 0, stream_>>>(qkv, tab, B, T, NH, NKV, HD, 1.0f);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                                int64_t HD) {
+  require_heads("rope_backward", NH, NKV, HD);
+  const int64_t total = B * T * (NH + NKV) * (HD / 2);
+  if (total == 0) return;
+  const float* tab = rope_table(layers_state().rope, T, HD, stream_);
+  rope_kernel<<<elementwise_grid(total), kThreads, 0, stream_>>>(dqkv, tab, B, T, NH, NKV, HD, -1.0f);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::gelu_forward(float* out, const float* inp, int64_t n) {
+  if (n == 0) return;
+  gelu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, inp, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+  if (n == 0) return;
+  gelu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::squared_relu_forward(float* out, const float* inp, int64_t n) {
+  if (n == 0) return;
+  squared_relu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, inp, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+  if (n == 0) return;
+  squared_relu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) {
+  if (N * F == 0) return;
+  swiglu_forward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(out, inp, N, F);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) {
+  if (N * F == 0) return;
+  swiglu_backward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(dinp, inp, dout, N, F);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::bias_forward(float* out, const float* bias, int64_t N, int64_t OC) {
+  if (N * OC == 0) return;
+  add_bias_kernel<<<elementwise_grid(N * OC), kThreads, 0, stream_>>>(out, bias, N, OC);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+// dbias (OC) += column sums of dout (N,OC) in emu::bias_backward's chunked order: bitwise.
+void CudaBackend::bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
+  if (N * OC == 0) return;
+  float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
+  column_partial_kernel<<<column_partial_grid(N, OC), kThreads, 0, stream_>>>(partial, dout, N, OC);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  column_sums_finalize(dbias, partial, N, OC, true, stream_);
+}
+
+void CudaBackend::residual_forward(float* out, const float* a, const float* b, int64_t n) {
+  if (n == 0) return;
+  residual_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, a, b, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
+                                               const int32_t* targets, int64_t N, int64_t V) {
+  require_rows("crossentropy_softmax_forward", N);
+  if (N == 0) return;
+  crossentropy_softmax_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+      losses, probs, logits, targets, V);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::crossentropy_softmax_backward(float* dlogits, const float* probs,
+                                                const int32_t* targets, const float* dlosses,
+                                                int64_t N, int64_t V) {
+  if (N * V == 0) return;
+  crossentropy_softmax_backward_kernel<<<elementwise_grid(N * V), kThreads, 0, stream_>>>(
+      dlogits, probs, targets, dlosses, N, V);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
+                               const AdamWStep& step) {
+  if (n == 0) return;
+  adamw_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(params, grads, m, v, n, step);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+double CudaBackend::sum_squares(const float* x, int64_t n) {
+  if (n == 0) return 0.0;
+  LayersState& st = layers_state();
+  double* partial = st.sums.get<double>(kSumSquaresBlocks + 1, stream_);
+  sum_squares_partial_kernel<<<kSumSquaresBlocks, kThreads, 0, stream_>>>(partial, x, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  sum_partials_kernel<<<1, kThreads, 0, stream_>>>(partial + kSumSquaresBlocks, partial,
+                                                   kSumSquaresBlocks);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(st.host_result.data(), partial + kSumSquaresBlocks,
+                                    sizeof(double), cudaMemcpyDeviceToHost, stream_));
+  FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return st.host_result[0];
+}
+
+}  // namespace fp4sim::gpu

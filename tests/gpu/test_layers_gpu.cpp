@@ -1,0 +1,744 @@
+// The CUDA twins of the training-stack ops (gpu/layers.cu) against the emulator (emu/layers.cpp,
+// emu/optim.hpp): the same seeded random inputs through both backends, outputs that accumulate
+// starting from non-zero values, outputs that overwrite starting from NaN (every element must be
+// written). Bitwise where the CUDA op claims it; elsewhere |cuda - emu| <= rtol * mag per element,
+// mag the sum of the absolute values of the terms that make up the element (computed here in
+// double), with the worst element and the share of the budget it used printed. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "emu/backend.hpp"
+#include "emu/formats.hpp"
+#include "tests/gpu/gpu_test_util.hpp"
+#include "tools/backends.hpp"
+
+namespace fp4sim {
+namespace {
+
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU: " << gpu_description()
+
+using Vec = std::vector<float>;
+using Mag = std::vector<double>;
+using Outputs = std::vector<Vec>;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Tolerances (relative to mag), with the reasoning:
+// - expf/logf/tanhf: CUDA's are within 2 ulp, glibc's within 1: a few ulp of the terms.
+constexpr double kTranscendentalRtol = 4e-6;
+// - FP32 row/column sums in a different order (tree or chunks vs sequential): ~sqrt(n) ulp of the
+//   sum of |terms| typically, n ulp at worst; the shapes here keep n <= 768.
+constexpr double kReductionRtol = 1e-5;
+// - cuBLASLt FP32 GEMM (no TF32) vs sequential FP32 dot products.
+constexpr double kFp32GemmRtol = 1e-5;
+// - cuBLASLt BF16 GEMM (FP32 accumulation) vs the emulator's exact T-FDPA model, identical BF16
+//   operands: both lose ~2^-23 of each 16-term group (seen on an H200: 0.5% of this budget); a
+//   missing BF16 rounding on one side would show as ~2^-9 / sqrt(K) of mag, far above it.
+constexpr double kBf16GemmRtol = 2e-5;
+constexpr double kUlp = 0x1p-24;  // unit roundoff of FP32
+
+Vec randn(size_t n, std::mt19937& rng, float scale = 1.0f, float offset = 0.0f) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  Vec v(n);
+  for (auto& x : v) x = offset + scale * d(rng);
+  return v;
+}
+
+std::vector<int32_t> randint(size_t n, int32_t hi, std::mt19937& rng) {
+  std::uniform_int_distribution<int32_t> d(0, hi - 1);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+size_t sz(int64_t n) { return static_cast<size_t>(n); }
+
+// One op call on one backend: inputs uploaded, outputs (declared in order, starting from their
+// initial values) downloaded by results().
+class Call {
+ public:
+  explicit Call(Backend& be) : be_(be) {}
+  template <class T>
+  const T* in(const std::vector<T>& h) {
+    return put(h);
+  }
+  float* out(const Vec& init) {
+    float* p = put(init);
+    outs_.push_back({p, init.size()});
+    return p;
+  }
+  Outputs results() {
+    be_.synchronize();
+    Outputs r;
+    for (const auto& o : outs_) {
+      r.emplace_back(o.second);
+      if (o.second) be_.download(r.back().data(), o.first, o.second * sizeof(float));
+    }
+    return r;
+  }
+
+ private:
+  template <class T>
+  T* put(const std::vector<T>& h) {
+    bufs_.push_back(std::make_unique<BackendBuffer>(be_, h.size() * sizeof(T)));
+    if (!h.empty()) be_.upload(bufs_.back()->get(), h.data(), h.size() * sizeof(T));
+    return bufs_.back()->template as<T>();
+  }
+  Backend& be_;
+  std::vector<std::unique_ptr<BackendBuffer>> bufs_;
+  std::vector<std::pair<float*, size_t>> outs_;
+};
+
+using Op = std::function<void(Backend&, Call&)>;
+
+Outputs run(Backend& be, const Op& op) {
+  Call c(be);
+  op(be, c);
+  return c.results();
+}
+
+// Equal bit patterns, or both NaN: NaN payloads are no part of these ops' contract (x86's default
+// NaN is 0xFFC00000, CUDA's 0x7FFFFFFF, and x86 keeps an operand's payload where CUDA does not).
+bool same_bits(float a, float b) {
+  return f32_bits(a) == f32_bits(b) || (std::isnan(a) && std::isnan(b));
+}
+
+void show_first(const Vec& ref, const Vec& got, size_t count) {
+  for (size_t i = 0; i < std::min(count, ref.size()); ++i)
+    std::printf("    [%zu] %+.9e %+.9e %s\n", i, ref[i], got[i],
+                same_bits(ref[i], got[i]) ? "OK" : "NOT OK (bits)");
+}
+
+// Every element's bit pattern equal (NaN: see same_bits).
+void expect_bitwise(const std::string& what, const Vec& ref, const Vec& got) {
+  ASSERT_EQ(ref.size(), got.size()) << what;
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < ref.size(); ++i)
+    if (!same_bits(ref[i], got[i]) && bad++ == 0) first = i;
+  std::printf("[layers-gpu] %-44s bitwise: %zu of %zu differ\n", what.c_str(), bad, ref.size());
+  show_first(ref, got, 2);
+  if (bad)
+    ADD_FAILURE() << what << ": " << bad << " of " << ref.size() << " elements differ; first at "
+                  << first << ": " << ref[first] << " (0x" << std::hex << f32_bits(ref[first])
+                  << ") vs " << got[first] << " (0x" << f32_bits(got[first]) << ")";
+}
+
+// |got - ref| <= rtol * mag[i] for every element; NaN exactly where ref has NaN, infinities equal.
+void expect_bounded(const std::string& what, const Vec& ref, const Vec& got, const Mag& mag,
+                    double rtol) {
+  ASSERT_EQ(ref.size(), got.size()) << what;
+  ASSERT_EQ(ref.size(), mag.size()) << what;
+  size_t bad = 0, same = 0, worst = 0, first_bad = 0;
+  double worst_frac = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (f32_bits(ref[i]) == f32_bits(got[i])) {
+      ++same;
+      continue;
+    }
+    const bool rn = std::isnan(ref[i]), gn = std::isnan(got[i]);
+    double frac;
+    if (rn || gn) {
+      frac = rn == gn ? 0.0 : kInf;
+    } else if (std::isinf(ref[i]) || std::isinf(got[i])) {
+      frac = ref[i] == got[i] ? 0.0 : kInf;
+    } else {
+      const double diff = std::fabs(static_cast<double>(got[i]) - static_cast<double>(ref[i]));
+      const double budget = rtol * mag[i];
+      frac = diff == 0 ? 0.0 : (budget > 0 ? diff / budget : kInf);
+    }
+    if (frac > worst_frac) {
+      worst_frac = frac;
+      worst = i;
+    }
+    if (frac > 1.0 && bad++ == 0) first_bad = i;
+  }
+  const size_t n = ref.size();
+  std::printf("[layers-gpu] %-44s worst at %zu: %+.9e vs %+.9e, %.1f%% of budget (rtol %.0e), "
+              "%.1f%% bitwise\n",
+              what.c_str(), worst, n ? ref[worst] : 0.0f, n ? got[worst] : 0.0f, 100.0 * worst_frac,
+              rtol, n ? 100.0 * static_cast<double>(same) / static_cast<double>(n) : 100.0);
+  show_first(ref, got, 2);
+  if (bad)
+    ADD_FAILURE() << what << ": " << bad << " of " << n << " elements outside rtol " << rtol
+                  << " * mag; first at " << first_bad << ": " << ref[first_bad] << " vs "
+                  << got[first_bad] << " (mag " << mag[first_bad] << ")";
+}
+
+Mag abs_of(const Vec& v) {
+  Mag m(v.size());
+  for (size_t i = 0; i < v.size(); ++i) m[i] = std::fabs(static_cast<double>(v[i]));
+  return m;
+}
+
+struct Backends {
+  std::unique_ptr<Backend> emu = make_backend("emu");
+  std::unique_ptr<Backend> cuda = make_backend("cuda");
+};
+
+// ---- embedding ----------------------------------------------------------------------------------
+
+TEST(LayersGpu, EmbeddingBitwiseEqualsEmulator) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(101);
+  const int64_t N = 77, C = 45, V = 13, P = 40;
+  std::vector<int32_t> tokens = randint(sz(N), V, rng), pos = randint(sz(N), P, rng);
+  for (int64_t n = 0; n < 9; ++n) tokens[sz(n)] = 5;  // a long run of one token ...
+  tokens[sz(N - 1)] = 5;                                // ... and the same token far away
+  pos[3] = pos[40] = pos[76] = 7;
+  const Vec wte = randn(sz(V * C), rng), wpe = randn(sz(P * C), rng), dout = randn(sz(N * C), rng);
+  const Vec dwte0 = randn(sz(V * C), rng), dwpe0 = randn(sz(P * C), rng);
+  for (bool with_wpe : {true, false}) {
+    const std::string tag = with_wpe ? " (wpe)" : " (no wpe)";
+    const Op fwd = [&](Backend& b, Call& c) {
+      float* out = c.out(Vec(sz(N * C), kNaN));
+      b.embedding_forward(out, c.in(tokens), c.in(pos), c.in(wte), with_wpe ? c.in(wpe) : nullptr,
+                          N, C);
+    };
+    expect_bitwise("embedding_forward out" + tag, run(*be.emu, fwd)[0], run(*be.cuda, fwd)[0]);
+    const Op bwd = [&](Backend& b, Call& c) {
+      float* dwte = c.out(dwte0);
+      float* dwpe = with_wpe ? c.out(dwpe0) : nullptr;
+      b.embedding_backward(dwte, dwpe, c.in(dout), c.in(tokens), c.in(pos), N, C);
+    };
+    const Outputs e = run(*be.emu, bwd), g = run(*be.cuda, bwd);
+    expect_bitwise("embedding_backward dwte" + tag, e[0], g[0]);
+    if (with_wpe) expect_bitwise("embedding_backward dwpe" + tag, e[1], g[1]);
+  }
+}
+
+// ---- layernorm / rmsnorm ------------------------------------------------------------------------
+
+struct RowsCols {
+  int64_t N, C;
+};
+const RowsCols kNormShapes[] = {{5, 37}, {64, 300}, {130, 768}, {3, 1}};
+
+TEST(LayersGpu, LayernormMatchesEmulator) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(202);
+  for (const RowsCols s : kNormShapes) {
+    const int64_t N = s.N, C = s.C;
+    const std::string tag = " " + std::to_string(N) + "x" + std::to_string(C);
+    const Vec x = randn(sz(N * C), rng, 2.0f, 0.5f), w = randn(sz(C), rng, 1.0f, 1.0f),
+              b = randn(sz(C), rng);
+    const Op fwd = [&](Backend& bk, Call& c) {
+      float* out = c.out(Vec(sz(N * C), kNaN));
+      float* mean = c.out(Vec(sz(N), kNaN));
+      float* rstd = c.out(Vec(sz(N), kNaN));
+      bk.layernorm_forward(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C);
+    };
+    const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
+    const Vec &mean = e[1], &rstd = e[2];
+    Mag mag_out(sz(N * C)), mag_mean(sz(N)), mag_rstd = abs_of(rstd);
+    for (int64_t n = 0; n < N; ++n) {
+      double sabs = 0;
+      for (int64_t i = 0; i < C; ++i) sabs += std::fabs(x[sz(n * C + i)]);
+      mag_mean[sz(n)] = sabs / static_cast<double>(C);
+      for (int64_t i = 0; i < C; ++i)
+        mag_out[sz(n * C + i)] = std::fabs(w[sz(i)]) * rstd[sz(n)] *
+                                     (std::fabs(x[sz(n * C + i)] - mean[sz(n)]) + mag_mean[sz(n)]) +
+                                 std::fabs(b[sz(i)]);
+    }
+    expect_bounded("layernorm_forward out" + tag, e[0], g[0], mag_out, kReductionRtol);
+    expect_bounded("layernorm_forward mean" + tag, e[1], g[1], mag_mean, kReductionRtol);
+    expect_bounded("layernorm_forward rstd" + tag, e[2], g[2], mag_rstd, kReductionRtol);
+
+    // backward from the emulator's saved mean/rstd, into non-zero gradients
+    const Vec dout = randn(sz(N * C), rng), dinp0 = randn(sz(N * C), rng), dw0 = randn(sz(C), rng),
+              db0 = randn(sz(C), rng);
+    const Op bwd = [&](Backend& bk, Call& c) {
+      float* dinp = c.out(dinp0);
+      float* dw = c.out(dw0);
+      float* db = c.out(db0);
+      bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C);
+    };
+    const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
+    Mag mag_dx(sz(N * C)), mag_dw = abs_of(dw0), mag_db = abs_of(db0);
+    for (int64_t n = 0; n < N; ++n) {
+      double a = 0, bsum = 0;
+      for (int64_t i = 0; i < C; ++i) {
+        const double norm = (x[sz(n * C + i)] - mean[sz(n)]) * static_cast<double>(rstd[sz(n)]);
+        const double dnorm = static_cast<double>(w[sz(i)]) * dout[sz(n * C + i)];
+        a += std::fabs(dnorm);
+        bsum += std::fabs(dnorm * norm);
+        mag_dw[sz(i)] += std::fabs(norm * dout[sz(n * C + i)]);
+        mag_db[sz(i)] += std::fabs(dout[sz(n * C + i)]);
+      }
+      for (int64_t i = 0; i < C; ++i) {
+        const double norm = (x[sz(n * C + i)] - mean[sz(n)]) * static_cast<double>(rstd[sz(n)]);
+        const double dnorm = static_cast<double>(w[sz(i)]) * dout[sz(n * C + i)];
+        mag_dx[sz(n * C + i)] = std::fabs(dinp0[sz(n * C + i)]) +
+                                rstd[sz(n)] * (std::fabs(dnorm) + a / C + std::fabs(norm) * bsum / C);
+      }
+    }
+    expect_bounded("layernorm_backward dinp" + tag, eb[0], gb[0], mag_dx, kReductionRtol);
+    if (N <= 64) {  // one row chunk: the emulator's sequential column order exactly
+      expect_bitwise("layernorm_backward dweight" + tag, eb[1], gb[1]);
+      expect_bitwise("layernorm_backward dbias" + tag, eb[2], gb[2]);
+    } else {
+      expect_bounded("layernorm_backward dweight" + tag, eb[1], gb[1], mag_dw, kReductionRtol);
+      expect_bounded("layernorm_backward dbias" + tag, eb[2], gb[2], mag_db, kReductionRtol);
+    }
+  }
+}
+
+TEST(LayersGpu, RmsnormMatchesEmulator) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(303);
+  for (const RowsCols s : kNormShapes) {
+    const int64_t N = s.N, C = s.C;
+    const std::string tag = " " + std::to_string(N) + "x" + std::to_string(C);
+    const Vec x = randn(sz(N * C), rng, 2.0f, 0.5f), w = randn(sz(C), rng, 1.0f, 1.0f);
+    const Op fwd = [&](Backend& bk, Call& c) {
+      float* out = c.out(Vec(sz(N * C), kNaN));
+      float* rstd = c.out(Vec(sz(N), kNaN));
+      bk.rmsnorm_forward(out, rstd, c.in(x), c.in(w), N, C);
+    };
+    const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
+    const Vec& rstd = e[1];
+    Mag mag_out(sz(N * C));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < C; ++i)
+        mag_out[sz(n * C + i)] = std::fabs(static_cast<double>(x[sz(n * C + i)]) * w[sz(i)] * rstd[sz(n)]);
+    expect_bounded("rmsnorm_forward out" + tag, e[0], g[0], mag_out, kReductionRtol);
+    expect_bounded("rmsnorm_forward rstd" + tag, e[1], g[1], abs_of(rstd), kReductionRtol);
+
+    const Vec dout = randn(sz(N * C), rng), dinp0 = randn(sz(N * C), rng), dw0 = randn(sz(C), rng);
+    const Op bwd = [&](Backend& bk, Call& c) {
+      float* dinp = c.out(dinp0);
+      float* dw = c.out(dw0);
+      bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C);
+    };
+    const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
+    Mag mag_dx(sz(N * C)), mag_dw = abs_of(dw0);
+    for (int64_t n = 0; n < N; ++n) {
+      const double r = rstd[sz(n)];
+      double dot = 0;
+      for (int64_t i = 0; i < C; ++i) {
+        const double dy = dout[sz(n * C + i)], xi = x[sz(n * C + i)];
+        dot += std::fabs(dy * w[sz(i)] * xi);
+        mag_dw[sz(i)] += std::fabs(dy * xi * r);
+      }
+      const double k = dot * r * r * r / C;
+      for (int64_t i = 0; i < C; ++i)
+        mag_dx[sz(n * C + i)] = std::fabs(dinp0[sz(n * C + i)]) +
+                                std::fabs(static_cast<double>(dout[sz(n * C + i)]) * w[sz(i)] * r) +
+                                std::fabs(x[sz(n * C + i)]) * k;
+    }
+    expect_bounded("rmsnorm_backward dinp" + tag, eb[0], gb[0], mag_dx, kReductionRtol);
+    if (N <= 64)
+      expect_bitwise("rmsnorm_backward dweight" + tag, eb[1], gb[1]);
+    else
+      expect_bounded("rmsnorm_backward dweight" + tag, eb[1], gb[1], mag_dw, kReductionRtol);
+  }
+}
+
+// ---- matmul -------------------------------------------------------------------------------------
+
+// mag (M,N) = sum_k |a[m,k]| |b[n,k]| over the values the GEMM reads (BF16-rounded for BF16).
+Mag gemm_mag(const Vec& a, const Vec& b, int64_t M, int64_t N, int64_t K, bool bf16) {
+  auto rd = [bf16](float v) { return std::fabs(static_cast<double>(bf16 ? bf16_round(v) : v)); };
+  Mag m(sz(M * N), 0.0);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += rd(a[sz(i * K + k)]) * rd(b[sz(j * K + k)]);
+      m[sz(i * N + j)] = s;
+    }
+  return m;
+}
+
+Vec transpose(const Vec& x, int64_t rows, int64_t cols) {
+  Vec t(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[sz(c * rows + r)] = x[sz(r * cols + c)];
+  return t;
+}
+
+TEST(LayersGpu, MatmulMatchesEmulator) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(404);
+  struct Shape {
+    int64_t N, K, OC;
+  };
+  for (const Shape s : {Shape{33, 70, 45}, Shape{130, 257, 96}, Shape{7, 16, 5}}) {
+    for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
+      for (bool with_bias : {true, false}) {
+        const int64_t N = s.N, K = s.K, OC = s.OC;
+        const bool bf16 = prec == emu::GemmPrecision::BF16;
+        const double rtol = bf16 ? kBf16GemmRtol : kFp32GemmRtol;
+        const std::string tag = std::string(bf16 ? " bf16 " : " fp32 ") + std::to_string(N) + "x" +
+                                std::to_string(K) + "x" + std::to_string(OC) +
+                                (with_bias ? " bias" : "");
+        const Vec x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f),
+                  bias = randn(sz(OC), rng);
+        const Op fwd = [&](Backend& bk, Call& c) {
+          float* out = c.out(Vec(sz(N * OC), kNaN));
+          bk.matmul_forward(out, c.in(x), c.in(w), with_bias ? c.in(bias) : nullptr, N, K, OC, prec);
+        };
+        const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
+        Mag mag = gemm_mag(x, w, N, OC, K, bf16);
+        if (with_bias)
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t o = 0; o < OC; ++o) mag[sz(n * OC + o)] += std::fabs(bias[sz(o)]);
+        expect_bounded("matmul_forward out" + tag, e[0], g[0], mag, rtol);
+
+        const Vec dout = randn(sz(N * OC), rng), dinp0 = randn(sz(N * K), rng),
+                  dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
+        const Op bwd = [&](Backend& bk, Call& c) {
+          float* dinp = c.out(dinp0);
+          float* dw = c.out(dw0);
+          float* db = with_bias ? c.out(db0) : nullptr;
+          bk.matmul_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), N, K, OC, prec);
+        };
+        const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
+        // dinp (N,K) = dout (N,OC) . W^T^T: rows of dout against rows of W^T (K,OC)
+        Mag mag_dx = gemm_mag(dout, transpose(w, OC, K), N, K, OC, bf16);
+        Mag mag_dw = gemm_mag(transpose(dout, N, OC), transpose(x, N, K), OC, K, N, bf16);
+        for (size_t i = 0; i < mag_dx.size(); ++i) mag_dx[i] += std::fabs(dinp0[i]);
+        for (size_t i = 0; i < mag_dw.size(); ++i) mag_dw[i] += std::fabs(dw0[i]);
+        expect_bounded("matmul_backward dinp" + tag, eb[0], gb[0], mag_dx, rtol);
+        expect_bounded("matmul_backward dweight" + tag, eb[1], gb[1], mag_dw, rtol);
+        if (with_bias) {
+          if (N <= 64) {
+            expect_bitwise("matmul_backward dbias" + tag, eb[2], gb[2]);
+          } else {
+            Mag mag_db = abs_of(db0);
+            for (int64_t n = 0; n < N; ++n)
+              for (int64_t o = 0; o < OC; ++o) mag_db[sz(o)] += std::fabs(dout[sz(n * OC + o)]);
+            expect_bounded("matmul_backward dbias" + tag, eb[2], gb[2], mag_db, kReductionRtol);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Operands that BF16 rounding changes and that every accumulation order sums exactly: both
+// backends give the same bits, and BF16 differs from FP32 (the rounding happened, on both).
+TEST(LayersGpu, MatmulBf16RoundsOperandsExactly) {
+  REQUIRE_GPU();
+  Backends be;
+  const int64_t N = 3, K = 32, OC = 2;
+  const Vec x(sz(N * K), 1.0f + 0x1p-9f), w(sz(OC * K), 1.0f);  // 1 + 2^-9 -> 1 in BF16
+  for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
+    const bool bf16 = prec == emu::GemmPrecision::BF16;
+    const Op fwd = [&](Backend& bk, Call& c) {
+      float* out = c.out(Vec(sz(N * OC), kNaN));
+      bk.matmul_forward(out, c.in(x), c.in(w), nullptr, N, K, OC, prec);
+    };
+    const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
+    expect_bitwise(std::string("matmul_forward exact ") + (bf16 ? "bf16" : "fp32"), e[0], g[0]);
+    EXPECT_EQ(g[0][0], bf16 ? 32.0f : 32.0f + 32.0f * 0x1p-9f);
+  }
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+
+struct AttnShape {
+  int64_t B, T, NH, NKV, HD;
+};
+const AttnShape kAttnShapes[] = {
+    {2, 37, 6, 2, 24},  // GQA, group of 3
+    {1, 70, 4, 4, 64},  // MHA
+    {2, 5, 3, 1, 7},    // MQA, odd head size
+    {1, 1, 2, 1, 4},    // one position
+};
+
+TEST(LayersGpu, AttentionMatchesEmulator) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(505);
+  for (const AttnShape s : kAttnShapes) {
+    const int64_t B = s.B, T = s.T, NH = s.NH, NKV = s.NKV, HD = s.HD;
+    const int64_t W = (NH + 2 * NKV) * HD;
+    const std::string tag = " B" + std::to_string(B) + " T" + std::to_string(T) + " NH" +
+                            std::to_string(NH) + " NKV" + std::to_string(NKV) + " HD" +
+                            std::to_string(HD);
+    const Vec qkv = randn(sz(B * T * W), rng);
+    const Op fwd = [&](Backend& bk, Call& c) {
+      float* out = c.out(Vec(sz(B * T * NH * HD), kNaN));
+      float* att = c.out(Vec(sz(B * NH * T * T), kNaN));  // every entry, zeros above the diagonal
+      bk.attention_forward(out, att, c.in(qkv), B, T, NH, NKV, HD);
+    };
+    const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
+    const Vec& att = e[1];
+    Mag mag_out(sz(B * T * NH * HD), 0.0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < NH; ++h)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t t2 = 0; t2 <= t; ++t2) {
+            const double a = att[sz(((b * NH + h) * T + t) * T + t2)];
+            const int64_t g_kv = h / (NH / NKV);
+            for (int64_t i = 0; i < HD; ++i)
+              mag_out[sz((b * T + t) * NH * HD + h * HD + i)] +=
+                  a * std::fabs(qkv[sz((b * T + t2) * W + (NH + NKV + g_kv) * HD + i)]);
+          }
+    expect_bounded("attention_forward att" + tag, e[1], g[1], abs_of(att), kTranscendentalRtol);
+    expect_bounded("attention_forward out" + tag, e[0], g[0], mag_out, kTranscendentalRtol);
+
+    // backward from the emulator's att, into a non-zero dqkv: the emulator's order exactly
+    const Vec dout = randn(sz(B * T * NH * HD), rng), dqkv0 = randn(sz(B * T * W), rng);
+    const Op bwd = [&](Backend& bk, Call& c) {
+      float* dqkv = c.out(dqkv0);
+      bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(att), B, T, NH, NKV, HD);
+    };
+    expect_bitwise("attention_backward dqkv" + tag, run(*be.emu, bwd)[0], run(*be.cuda, bwd)[0]);
+  }
+}
+
+TEST(LayersGpu, RopeBitwiseEqualsEmulator) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(606);
+  for (const AttnShape s : {AttnShape{2, 45, 6, 2, 24}, AttnShape{1, 9, 2, 1, 10},
+                            AttnShape{1, 300, 2, 2, 128}, AttnShape{1, 4, 2, 1, 5}}) {
+    const int64_t B = s.B, T = s.T, NH = s.NH, NKV = s.NKV, HD = s.HD;
+    const std::string tag = " T" + std::to_string(T) + " HD" + std::to_string(HD);
+    const Vec x = randn(sz(B * T * (NH + 2 * NKV) * HD), rng);
+    const Op fwd = [&](Backend& bk, Call& c) { bk.rope_forward(c.out(x), B, T, NH, NKV, HD); };
+    const Op bwd = [&](Backend& bk, Call& c) { bk.rope_backward(c.out(x), B, T, NH, NKV, HD); };
+    expect_bitwise("rope_forward qkv" + tag, run(*be.emu, fwd)[0], run(*be.cuda, fwd)[0]);
+    expect_bitwise("rope_backward dqkv" + tag, run(*be.emu, bwd)[0], run(*be.cuda, bwd)[0]);
+  }
+}
+
+// ---- elementwise --------------------------------------------------------------------------------
+
+Vec with_specials(Vec v) {
+  const float specials[] = {0.0f, -0.0f, 1e-40f, -1e-40f, 1e-20f, 3.0f, -3.0f, 10.0f, -10.0f,
+                            30.0f, -30.0f, 1e20f, -1e20f, kInf, -kInf, kNaN};
+  for (float s : specials) v.push_back(s);
+  return v;
+}
+
+TEST(LayersGpu, ElementwiseMatchesEmulator) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(707);
+  const Vec x = with_specials(randn(1037, rng, 2.0f));
+  const int64_t n = static_cast<int64_t>(x.size());
+  const Vec dout = randn(sz(n), rng), dinp0 = randn(sz(n), rng), y = randn(sz(n), rng);
+
+  const Op gelu_f = [&](Backend& bk, Call& c) { bk.gelu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n); };
+  const Op gelu_b = [&](Backend& bk, Call& c) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), n); };
+  // GELU goes through tanhf: a few ulp of 0.5|x| (the 1 + tanh cancellation for x << 0), and of
+  // the derivative's terms for the backward.
+  constexpr double kScale = 0.7978845608028654, kCubic = 0.044715;
+  Mag mag_f(sz(n)), mag_b(sz(n));
+  const Vec ef = run(*be.emu, gelu_f)[0];
+  for (size_t i = 0; i < sz(n); ++i) {
+    const double xi = std::fabs(static_cast<double>(x[i]));
+    mag_f[i] = std::fabs(ef[i]) + 0.5 * xi;
+    mag_b[i] = std::fabs(dinp0[i]) +
+               std::fabs(dout[i]) * (1.0 + xi * kScale * (1.0 + 3.0 * kCubic * xi * xi));
+  }
+  expect_bounded("gelu_forward out", ef, run(*be.cuda, gelu_f)[0], mag_f, kTranscendentalRtol);
+  expect_bounded("gelu_backward dinp", run(*be.emu, gelu_b)[0], run(*be.cuda, gelu_b)[0], mag_b,
+                 kTranscendentalRtol);
+
+  const Op sq_f = [&](Backend& bk, Call& c) { bk.squared_relu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n); };
+  const Op sq_b = [&](Backend& bk, Call& c) { bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), n); };
+  const Op res = [&](Backend& bk, Call& c) { bk.residual_forward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(y), n); };
+  expect_bitwise("squared_relu_forward out", run(*be.emu, sq_f)[0], run(*be.cuda, sq_f)[0]);
+  expect_bitwise("squared_relu_backward dinp", run(*be.emu, sq_b)[0], run(*be.cuda, sq_b)[0]);
+  expect_bitwise("residual_forward out", run(*be.emu, res)[0], run(*be.cuda, res)[0]);
+}
+
+TEST(LayersGpu, CrossEntropyMatchesEmulator) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(808);
+  for (const RowsCols s : {RowsCols{37, 1003}, RowsCols{5, 50257}, RowsCols{2, 3}}) {
+    const int64_t N = s.N, V = s.C;
+    const std::string tag = " " + std::to_string(N) + "x" + std::to_string(V);
+    const Vec logits = randn(sz(N * V), rng, 3.0f);
+    const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
+    const Op fwd = [&](Backend& bk, Call& c) {
+      float* losses = c.out(Vec(sz(N), kNaN));
+      float* probs = c.out(Vec(sz(N * V), kNaN));
+      bk.crossentropy_softmax_forward(losses, probs, c.in(logits), c.in(targets), N, V);
+    };
+    const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
+    // The emulator sums the V exponentials sequentially in FP32: its own error reaches (V-1) ulp
+    // of the sum (seen: 0.15 V ulp at V = 50257), so against it the budget grows with V. Against a
+    // double-precision softmax the CUDA kernel (256 strided sums of V/256 terms, then a 10-level
+    // tree) must stay within (V/256 + 10) ulp.
+    const double rtol_emu = kTranscendentalRtol + static_cast<double>(V - 1) * kUlp;
+    const double rtol_exact = kTranscendentalRtol + (static_cast<double>(V) / 256.0 + 10.0) * kUlp;
+    Vec exact_probs(sz(N * V)), exact_losses(sz(N));
+    Mag mag_loss(sz(N));  // -log p: its absolute error is about the relative error of p
+    for (int64_t n = 0; n < N; ++n) {
+      const float* z = &logits[sz(n * V)];
+      const double mx = *std::max_element(z, z + V);
+      double sum = 0;
+      for (int64_t i = 0; i < V; ++i) sum += std::exp(static_cast<double>(z[i]) - mx);
+      for (int64_t i = 0; i < V; ++i)
+        exact_probs[sz(n * V + i)] = static_cast<float>(std::exp(static_cast<double>(z[i]) - mx) / sum);
+      exact_losses[sz(n)] = static_cast<float>(std::log(sum) - (z[targets[sz(n)]] - mx));
+      mag_loss[sz(n)] = 1.0 + std::fabs(e[0][sz(n)]);
+    }
+    expect_bounded("crossentropy_forward losses" + tag, e[0], g[0], mag_loss, rtol_emu);
+    expect_bounded("crossentropy_forward probs" + tag, e[1], g[1], abs_of(e[1]), rtol_emu);
+    expect_bounded("crossentropy_forward losses vs fp64" + tag, exact_losses, g[0], mag_loss, rtol_exact);
+    expect_bounded("crossentropy_forward probs vs fp64" + tag, exact_probs, g[1], abs_of(exact_probs),
+                   rtol_exact);
+
+    const Vec dlosses = randn(sz(N), rng, 1.0f / static_cast<float>(N)), dl0 = randn(sz(N * V), rng);
+    const Vec& probs = e[1];
+    const Op bwd = [&](Backend& bk, Call& c) {
+      float* dlogits = c.out(dl0);
+      bk.crossentropy_softmax_backward(dlogits, c.in(probs), c.in(targets), c.in(dlosses), N, V);
+    };
+    expect_bitwise("crossentropy_backward dlogits" + tag, run(*be.emu, bwd)[0], run(*be.cuda, bwd)[0]);
+  }
+}
+
+// ---- optimizer ----------------------------------------------------------------------------------
+
+TEST(LayersGpu, AdamWBitwiseEqualsEmulator) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(909);
+  const int64_t n = 1037;
+  const Vec p0 = randn(sz(n), rng), grads = with_specials(randn(sz(n) - 16, rng, 0.01f)),
+            m0 = randn(sz(n), rng, 0.01f);
+  Vec v0 = randn(sz(n), rng, 1e-4f);
+  for (auto& v : v0) v = std::fabs(v);
+  for (int64_t t : {1, 2, 1000}) {
+    const AdamWStep step = make_adamw_step(3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, t, t == 2 ? 0.7f : 1.0f);
+    const Op op = [&](Backend& bk, Call& c) {
+      float* p = c.out(p0);
+      float* m = c.out(m0);
+      float* v = c.out(v0);
+      bk.adamw_update(p, c.in(grads), m, v, n, step);
+    };
+    const Outputs e = run(*be.emu, op), g = run(*be.cuda, op);
+    const std::string tag = " t=" + std::to_string(t);
+    expect_bitwise("adamw params" + tag, e[0], g[0]);
+    expect_bitwise("adamw m" + tag, e[1], g[1]);
+    expect_bitwise("adamw v" + tag, e[2], g[2]);
+  }
+}
+
+double sum_squares_on(Backend& bk, const Vec& x) {
+  BackendBuffer b(bk, x.size() * sizeof(float));
+  if (!x.empty()) bk.upload(b.get(), x.data(), x.size() * sizeof(float));
+  return bk.sum_squares(b.as<float>(), static_cast<int64_t>(x.size()));
+}
+
+TEST(LayersGpu, SumSquaresMatchesEmulator) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(1010);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{1037}, (size_t{1} << 20) + 3}) {
+    const Vec x = randn(n, rng, 0.01f);
+    const double e = sum_squares_on(*be.emu, x), g = sum_squares_on(*be.cuda, x);
+    std::printf("[layers-gpu] sum_squares n=%zu: emu %.17g cuda %.17g\n", n, e, g);
+    EXPECT_LE(std::fabs(g - e), 1e-12 * e) << "n=" << n;
+  }
+  // integer values: every partial sum is exact in FP64, so any order gives the same bits
+  Vec x(300007);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(static_cast<int>(i % 7) - 3);
+  const double e = sum_squares_on(*be.emu, x), g = sum_squares_on(*be.cuda, x);
+  EXPECT_EQ(e, g);
+  EXPECT_GT(g, 0.0);
+}
+
+// ---- determinism ----------------------------------------------------------------------------------
+
+// Every op with a reduction or a scatter, twice on the GPU from the same inputs: the same bits
+// (save/resume must reproduce a run exactly).
+TEST(LayersGpu, ReductionsAreDeterministic) {
+  REQUIRE_GPU();
+  Backends be;
+  Backend& g = *be.cuda;
+  std::mt19937 rng(1111);
+  auto twice = [&](const std::string& what, const Op& op) {
+    const Outputs a = run(g, op), b = run(g, op);
+    for (size_t i = 0; i < a.size(); ++i) expect_bitwise(what + " output " + std::to_string(i), a[i], b[i]);
+  };
+  const int64_t N = 200, C = 300;
+  const Vec x = randn(sz(N * C), rng), w = randn(sz(C), rng), bias = randn(sz(C), rng),
+            dout = randn(sz(N * C), rng), mean = randn(sz(N), rng), dC = randn(sz(C), rng);
+  Vec rstd = randn(sz(N), rng);
+  for (auto& r : rstd) r = std::fabs(r) + 0.5f;
+  twice("layernorm_forward", [&](Backend& bk, Call& c) {
+    float* out = c.out(Vec(sz(N * C)));
+    float* m = c.out(Vec(sz(N)));
+    float* r = c.out(Vec(sz(N)));
+    bk.layernorm_forward(out, m, r, c.in(x), c.in(w), c.in(bias), N, C);
+  });
+  twice("layernorm_backward", [&](Backend& bk, Call& c) {
+    float* dinp = c.out(x);
+    float* dw = c.out(dC);
+    float* db = c.out(bias);
+    bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C);
+  });
+  twice("rmsnorm_backward", [&](Backend& bk, Call& c) {
+    float* dinp = c.out(x);
+    float* dw = c.out(dC);
+    bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C);
+  });
+  for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
+    const int64_t K = 130, OC = C;  // dout (N,OC) reused
+    const Vec in = randn(sz(N * K), rng), wt = randn(sz(OC * K), rng);
+    twice(prec == emu::GemmPrecision::BF16 ? "matmul_backward bf16" : "matmul_backward fp32",
+          [&](Backend& bk, Call& c) {
+            float* dinp = c.out(in);
+            float* dw = c.out(wt);
+            float* db = c.out(bias);
+            bk.matmul_backward(dinp, dw, db, c.in(dout), c.in(in), c.in(wt), N, K, OC, prec);
+          });
+  }
+  {
+    const int64_t B = 2, T = 64, NH = 4, NKV = 2, HD = 32, W = (NH + 2 * NKV) * HD;
+    const Vec qkv = randn(sz(B * T * W), rng), dy = randn(sz(B * T * NH * HD), rng);
+    const Outputs f = run(g, [&](Backend& bk, Call& c) {
+      float* out = c.out(Vec(sz(B * T * NH * HD)));
+      float* att = c.out(Vec(sz(B * NH * T * T)));
+      bk.attention_forward(out, att, c.in(qkv), B, T, NH, NKV, HD);
+    });
+    twice("attention_backward", [&](Backend& bk, Call& c) {
+      float* dqkv = c.out(qkv);
+      bk.attention_backward(dqkv, c.in(dy), c.in(qkv), c.in(f[1]), B, T, NH, NKV, HD);
+    });
+  }
+  {
+    const int64_t V = 50;
+    const std::vector<int32_t> tokens = randint(sz(N), static_cast<int32_t>(V), rng),
+                               pos = randint(sz(N), 64, rng);
+    const Vec dwte = randn(sz(V * C), rng), dwpe = randn(sz(64 * C), rng);
+    twice("embedding_backward", [&](Backend& bk, Call& c) {
+      float* a = c.out(dwte);
+      float* p = c.out(dwpe);
+      bk.embedding_backward(a, p, c.in(dout), c.in(tokens), c.in(pos), N, C);
+    });
+    twice("crossentropy_forward", [&](Backend& bk, Call& c) {
+      float* losses = c.out(Vec(sz(N)));
+      float* probs = c.out(Vec(sz(N * C)));
+      bk.crossentropy_softmax_forward(losses, probs, c.in(x), c.in(tokens), N, C);
+    });
+  }
+  const Vec big = randn((size_t{1} << 20) + 7, rng);
+  const double s1 = sum_squares_on(g, big), s2 = sum_squares_on(g, big);
+  EXPECT_EQ(s1, s2);
+}
+
+}  // namespace
+}  // namespace fp4sim
