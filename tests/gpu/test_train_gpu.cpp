@@ -68,6 +68,28 @@ TEST(TrainGpu, TinyTenStepsMatchEmulator) {
   std::filesystem::remove_all(dir);
 }
 
+// The Llama-style variant (SwiGLU, RMSNorm, RoPE, GQA, untied head, no biases) on both backends.
+TEST(TrainGpu, LlamaStyleVariantMatchesEmulator) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  const std::string dir = temp_dir("llama");
+  const std::vector<std::string> v = {"train.steps=4", "model.activation=swiglu", "model.norm=rmsnorm",
+                                      "model.positions=rope", "model.n_kv_heads=2", "model.tied_embeddings=false",
+                                      "model.bias=false", "model.d_ff=256"};
+  std::vector<std::string> ve = v, vc = v;
+  ve.push_back("train.out_dir=" + dir + "/emu");
+  vc.push_back("train.out_dir=" + dir + "/cuda");
+  const TrainResult e = run(tiny(ve), "emu"), g = run(tiny(vc), "cuda");
+  for (size_t i = 0; i < e.steps.size(); ++i) {
+    const double rl = std::fabs(g.steps[i].loss - e.steps[i].loss) / e.steps[i].loss;
+    const double rn = std::fabs(g.steps[i].grad_norm - e.steps[i].grad_norm) / e.steps[i].grad_norm;
+    std::printf("[train-gpu] llama-style step %zu: loss %.5f vs %.5f (%.1e), grad norm %.4f vs %.4f (%.1e)\n", i + 1,
+                e.steps[i].loss, g.steps[i].loss, rl, e.steps[i].grad_norm, g.steps[i].grad_norm, rn);
+    EXPECT_LT(rl, 0.01);
+    EXPECT_LT(rn, 0.05);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 void expect_bitwise_resume(const std::string& backend, const std::vector<std::string>& recipe) {
   const std::string dir = temp_dir("resume_" + backend);
   std::vector<std::string> o = {"train.steps=10", "train.checkpoint_every=5", "train.batch=4"};
