@@ -118,9 +118,8 @@ void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float
             groups[g].all_zero = (both_nz & mask) == 0;
             groups[g].all_neg_zero = groups[g].all_zero && (neg & mask) == mask;
           }
-          acc = f32_from_bits(gst_fdpa_core_bits(groups, &da.scales[(m * chunks + ch) * kGstGroups],
-                                                 &db.scales[(n * chunks + ch) * kGstGroups], acc,
-                                                 nullptr));
+          acc = f32_from_bits(gst_fdpa_core_fast_bits(groups, &da.scales[(m * chunks + ch) * kGstGroups],
+                                                      &db.scales[(n * chunks + ch) * kGstGroups], acc));
         }
         total = s == 0 ? acc : fadd_rn(total, acc);
       }

@@ -66,7 +66,14 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
           if (variant == 1) { cfg.split_k = gemm_chunks(s.K) % 2 == 0 ? 2 : 1; cfg.alpha = 1.5f; }
           if (variant == 2) { cfg.beta = -0.5f; cfg.out = GemmOut::BF16; }
           const auto e = run(*emu, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
-          const auto g = run(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
+          auto g = run(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);  // the tiled kernel
+          if (fill == test::Fill::Specials || fill == test::Fill::Gaussian) {  // and the reference one
+            gpu::set_gemm_exact_variant(0);
+            const auto r = run(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
+            gpu::set_gemm_exact_variant(1);
+            ASSERT_EQ(r, g) << "reference and tiled CUDA kernels differ: " << qformat_name(f) << " " << s.M << "x"
+                            << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant " << variant;
+          }
           for (size_t i = 0; i < e.size(); ++i)
             ASSERT_EQ(e[i], g[i]) << qformat_name(f) << " " << s.M << "x" << s.N << "x" << s.K << " "
                                   << test::fill_name(fill) << " variant " << variant << " at (" << i / s.N
