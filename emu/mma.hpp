@@ -6,9 +6,12 @@
 // share this code. The sums are exact in int64: with F <= 35 no term reaches 2^47.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "emu/formats.hpp"
+
 #include "emu/hd.hpp"
 
 namespace fp4sim {
@@ -399,11 +402,42 @@ FP4SIM_HD DecodedScale unpack_scale(uint32_t w, int man_bits) {
   return d;
 }
 
+// RZ of a double to FP32 (subnormals kept; magnitudes >= 2^128 give FLT_MAX here: callers map them to
+// Inf). The device has it as one instruction; the host steps the RN result toward zero.
+FP4SIM_HD float double_to_f32_rz(double x) {
+#if defined(__CUDA_ARCH__)
+  return __double2float_rz(x);
+#else
+  float r = static_cast<float>(x);
+  if (std::fabs(static_cast<double>(r)) > std::fabs(x)) r = f32_from_bits(f32_bits(r) - 1u);  // toward zero
+  return r;
+#endif
+}
+
+// The five-term truncated sum of GST-FDPA in double arithmetic, for finite C and non-NaN scales:
+// every term is an integer number of grid units 2^(e_max - 35) below 2^46 after truncation (trunc is
+// exact in double: the unshifted term has at most 24 significant bits), so the sum (< 2^49) is
+// exact, and RZ to FP32 of sum * 2^grid is one conversion. Used by the GPU GEMM, whose FP64 units
+// do this in fewer instructions than 64-bit integer shifts; equal to the integer formulation
+// (tests/emu/test_mma.cpp). Signed zeros: an exactly zero sum takes the caller's rule.
+FP4SIM_HD double pow2_double(int e) {  // 2^e for -1022 <= e <= 1023
+#if defined(__CUDA_ARCH__)
+  return __hiloint2double((e + 1023) << 20, 0);
+#else
+  uint64_t b = static_cast<uint64_t>(e + 1023) << 52;
+  double d;
+  std::memcpy(&d, &b, sizeof d);
+  return d;
+#endif
+}
+
 // gst_fdpa_core_fast_bits on packed inputs, for the GPU GEMM's inner loop: p4[g] the group sums,
 // bit g of all_zero / all_neg_zero the group flags, wa/wb the groups' packed scales, man_bits the
 // scale kind's fraction bits. Same bits (tests/emu/test_mma.cpp).
+// use_double: the same sum in FP64 (see above); the GPU kernel passes true.
 FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zero, uint32_t all_neg_zero_groups,
-                                             const uint32_t* wa, const uint32_t* wb, int man_bits, float c) {
+                                             const uint32_t* wa, const uint32_t* wb, int man_bits, float c,
+                                             bool use_double = false) {
   const uint32_t cb = f32_bits(c);
   const uint32_t c_biased = (cb >> 23) & 0xFFu;
   uint32_t any = 0;
@@ -451,6 +485,20 @@ FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zer
     e_max = ce > e_max ? ce : e_max;
   }
   const int grid = e_max - kGstF;
+  if (use_double) {
+    // each term: (-1)^neg * sig * 2^(lsb - grid), truncated; shifts below -1022 give 0 anyway
+    double sum = 0.0;
+    FP4SIM_UNROLL
+    for (int i = 0; i <= kGstGroups; ++i) {
+      const int sh = lsb[i] - grid;
+      const double v = sh < -1000 ? 0.0 : trunc(static_cast<double>(sig[i]) * pow2_double(sh));
+      sum += neg[i] ? -v : v;
+    }
+    if (sum == 0.0) return all_neg_zero ? 0x80000000u : 0u;
+    const double value = sum * pow2_double(grid);  // exact: grid >= -174
+    if (fabs(value) >= 0x1p128) return value < 0 ? 0xFF800000u : 0x7F800000u;  // overflow -> Inf under RZ
+    return f32_bits(double_to_f32_rz(value));
+  }
   int64_t sum = 0;
   FP4SIM_UNROLL
   for (int i = 0; i <= kGstGroups; ++i) {

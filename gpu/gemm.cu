@@ -4,7 +4,8 @@
 //  - gemm_exact_tiled_kernel (used): 64 x 64 output tiles; each 64-wide K chunk of both operands is
 //    decoded once into shared memory (2 * e2m1 as int8, per-group zero/sign masks, packed scales),
 //    each thread computes 4 x 4 outputs: the 16-element group sums with __dp4a (exact integer dot
-//    products), then gst_fdpa_core_packed_bits (tested equal to the readable core on the CPU).
+//    products), then gst_fdpa_core_packed_bits with its FP64 sum (both formulations tested equal to
+//    the readable core on the CPU).
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(kTiledThreads) gemm_exact_tiled_kernel(Quantiz
             all_neg_zero |= (nz == 0 && neg == 0xFFFFu ? 1u : 0u) << g;
             wb[g] = sb.scale[rb][g];
           }
-          acc[i][j] = f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, wa, wb, man_bits, acc[i][j]));
+          acc[i][j] = f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, wa, wb, man_bits, acc[i][j], true));
         }
       }
     }

@@ -401,6 +401,9 @@ TEST(Gst, FastCoreEqualsReadableCore) {
       }
       const uint32_t packed = gst_fdpa_core_packed_bits(p4, az, anz, wa, wb, sa[0].man_bits, c);
       ASSERT_EQ(packed, want) << "packed core, kind " << static_cast<int>(kind) << " case " << it;
+      const uint32_t dbl = gst_fdpa_core_packed_bits(p4, az, anz, wa, wb, sa[0].man_bits, c, true);
+      ASSERT_EQ(dbl, want) << "packed core in FP64, kind " << static_cast<int>(kind) << " case " << it << " c "
+                           << std::hex << cbits;
       ++cases;
       specials += std::isnan(c) || std::isinf(c);
     }
