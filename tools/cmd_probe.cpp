@@ -1,10 +1,14 @@
 // fp4sim probe: for owners of Blackwell GPUs. Prints the model's answers to DESIGN.md §7's worked
 // vector and probes, then (on sm_100 / sm_120) checks the native FP4 conversions against the model:
 // cvt.rn.satfinite.e2m1x2.f32 on all 2^32 inputs, and which random byte feeds which element of
-// cvt.rs.satfinite.e2m1x4.f32. On other GPUs it says that it needs sm_100/sm_120 and exits with 2.
+// cvt.rs.satfinite.e2m1x4.f32; and (sm_120a) runs a layout check, the worked vector and probes, and
+// random and special tiles through mma.sync ... kind::mxf4nvf4.block_scale (and kind::mxf4), every
+// output against gst_fdpa_fp4_bits. tcgen05.mma (sm_100a) is not probed. On other GPUs it says that
+// it needs sm_100/sm_120 and exits with 2.
 #include <fmt/core.h>
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include "emu/mma.hpp"
@@ -77,6 +81,70 @@ void print_model_answers() {
   }
 }
 
+#if FP4SIM_HAVE_CUDA
+// The native MMA section; true when some output that ran differs from the model.
+bool print_native_mma(const gpu::NativeMmaProbe& p) {
+  fmt::print(
+      "native MMA (mma.sync ... kind::mxf4nvf4.block_scale), one m16n8k64 tile per case, all 128 "
+      "outputs of each\nagainst the model (gst_fdpa_fp4_bits, bitwise):\n");
+  fmt::print(
+      "  The register fragment layouts are taken from the PTX ISA (9.7.14.5.11 fragments, 9.7.14.3 "
+      "block scaling)\n  and have never run on hardware here: a mismatch may be a layout error "
+      "before it is a model error.\n  The \"layout\" line decides: its answers are exact whatever "
+      "the rounding; if it fails, the layout is wrong.\n");
+  bool differs = false;
+  for (const gpu::NativeMmaVariantResult& v : p.variants) {
+    fmt::print("\n  {}:\n    {}\n", v.label, v.instruction);
+    if (!v.supported) {
+      fmt::print("    not run: {}\n", v.why_not);
+      continue;
+    }
+    for (const gpu::MmaCaseClass& c : v.classes) {
+      fmt::print("    {:<38} {} of {} outputs bitwise equal to the model   {}\n", c.name, c.equal,
+                 c.outputs, c.equal == c.outputs ? "OK" : "DIFFER");
+      if (c.equal != c.outputs) differs = true;
+    }
+    if (!v.layout_ok()) {
+      fmt::print(
+          "    LAYOUT CHECK FAILED: the fragment or scale layout in gpu/probe.cu is wrong (not the "
+          "model);\n    the lines below mean nothing until it passes.\n");
+    }
+    for (const gpu::MmaNamedResult& r : v.named) {
+      fmt::print("      {:<56} native 0x{:08X}  model 0x{:08X}  {}\n", r.name, r.native, r.model,
+                 r.native == r.model ? "equal" : "DIFFER");
+    }
+    if (!v.first_mismatches.empty()) fmt::print("    first mismatches (case, row m, column n):\n");
+    for (const gpu::MmaMismatch& x : v.first_mismatches) {
+      float got, want;
+      std::memcpy(&got, &x.native, 4);
+      std::memcpy(&want, &x.model, 4);
+      fmt::print("      {:<14} ({:2},{}) native 0x{:08X} {:<15.9g} model 0x{:08X} {:.9g}\n",
+                 x.case_name, x.m, x.n, x.native, got, x.model, want);
+      if (x.case_name == "layout" && std::isfinite(got)) {
+        // D = 512 * (8m + n + 1) + the one product (|product| < 256): which C and which product
+        const long idx = std::lround(got / 512.0f) - 1;
+        fmt::print(
+            "        native decodes as C[{}][{}] + product {}; the model's is C[{}][{}] + product "
+            "{}\n",
+            idx / 8, idx % 8, got - 512.0f * static_cast<float>(idx + 1), x.m, x.n,
+            want - 512.0f * static_cast<float>(8 * x.m + x.n + 1));
+      }
+    }
+  }
+  fmt::print(
+      "\n  tcgen05.mma ... kind::mxf4nvf4 (sm_100a): not probed. It is issued by one thread on "
+      "shared-memory\n  descriptors into tensor memory (tcgen05.alloc, scales copied into tensor "
+      "memory, an mbarrier\n  commit, tcgen05.ld back), a different path from mma.sync; not "
+      "written here.\n");
+  if (p.cc_major != 12)
+    fmt::print(
+        "  mma.sync ... kind::mxf4nvf4 needs an sm_120 GPU (RTX 50xx, RTX PRO Blackwell); this one "
+        "is sm_{}{}.\n",
+        p.cc_major, p.cc_minor);
+  return differs;
+}
+#endif
+
 int run_probe() {
   fmt::print("fp4sim probe: native Blackwell FP4 arithmetic against the model (contract DESIGN.md §7)\n\n");
   print_model_answers();
@@ -120,9 +188,9 @@ int run_probe() {
     fmt::print("  The model assumes element j of a 4-element conversion uses byte j of its random word "
                "(byte 0 = bits 7..0); compare the single-byte rows above.\n");
   }
-  fmt::print("MMA (mma ... kind::mxf4nvf4.block_scale, tcgen05.mma): not probed yet; run the worked vector "
-             "and probes above through them and compare.\n");
-  return p.cvt_rn_supported && p.rn_mismatches != 0 ? 1 : 0;
+  fmt::print("\n");
+  const bool mma_differs = print_native_mma(gpu::run_native_mma_probe());
+  return (p.cvt_rn_supported && p.rn_mismatches != 0) || mma_differs ? 1 : 0;
 #else
   fmt::print("This build has no CUDA backend: the native checks need an sm_100 or sm_120 GPU.\n");
   return 2;
@@ -132,8 +200,9 @@ int run_probe() {
 }  // namespace
 
 void register_probe(CLI::App& app) {
-  auto* cmd = app.add_subcommand("probe", "Check a Blackwell GPU's native FP4 conversions against the "
-                                          "model (needs sm_100/sm_120; prints the model's answers)");
+  auto* cmd = app.add_subcommand("probe", "Check a Blackwell GPU's native FP4 conversions and block-scaled "
+                                          "MMAs against the model (needs sm_100/sm_120; prints the "
+                                          "model's answers)");
   cmd->callback([]() {
     const int rc = run_probe();
     if (rc != 0) throw CLI::RuntimeError(rc);

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Tabulate (and plot, when matplotlib is installed) the runs of validation/first_evidence.sh.
+
+usage: validation/evidence.py RUN_DIR [--png OUT.png]
+Reads RUN_DIR/<name>/log.jsonl for each run; prints a markdown table of the final validation loss
+and its gap to the mean BF16 validation loss, and writes RUN_DIR/evidence.md (and the PNG).
+"""
+import json
+import os
+import sys
+
+
+def load(path):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                rows.append(json.loads(line))
+    return rows
+
+
+def main():
+    if len(sys.argv) < 2:
+        print(__doc__)
+        return 2
+    run_dir = sys.argv[1]
+    png = sys.argv[sys.argv.index("--png") + 1] if "--png" in sys.argv else os.path.join(run_dir, "evidence.png")
+    runs = {}
+    for name in sorted(os.listdir(run_dir)):
+        log = os.path.join(run_dir, name, "log.jsonl")
+        if os.path.isfile(log):
+            runs[name] = load(log)
+    if not runs:
+        print(f"evidence: no runs under {run_dir}")
+        return 1
+    final = {}
+    for name, rows in runs.items():
+        vals = [r for r in rows if "val_loss" in r]
+        if vals:
+            final[name] = (vals[-1]["step"], vals[-1]["val_loss"], rows[-1]["loss"],
+                           sum(r["tok_per_s"] for r in rows[2:]) / max(1, len(rows) - 2))
+    bf16 = [v[1] for k, v in final.items() if k.startswith("bf16")]
+    ref = sum(bf16) / len(bf16) if bf16 else None
+    lines = ["| run | steps | final val loss | gap to BF16 (mean of seeds) | last train loss | tokens/s |",
+             "|---|---|---|---|---|---|"]
+    for name, (step, vl, tl, tps) in final.items():
+        gap = f"{100 * (vl - ref) / ref:+.2f}%" if ref else "n/a"
+        lines.append(f"| {name} | {step} | {vl:.4f} | {gap} | {tl:.4f} | {tps:,.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    with open(os.path.join(run_dir, "evidence.md"), "w") as f:
+        f.write(table + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("evidence: matplotlib not installed, no plot")
+        return 0
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, rows in runs.items():
+        ax1.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=name, linewidth=0.8)
+        vals = [r for r in rows if "val_loss" in r]
+        ax2.plot([r["step"] for r in vals], [r["val_loss"] for r in vals], marker="o", label=name)
+    ax1.set_title("training loss")
+    ax2.set_title("validation loss")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"evidence: plot {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
