@@ -3,6 +3,7 @@
 # on the CUDA backend, same data and (per seed) same initialisation; then validation/evidence.py
 # tabulates the final validation losses against BF16 and plots the curves.
 # usage: validation/first_evidence.sh [STEPS] [OUT_DIR]     (STEPS x 32 x 512 tokens per run)
+#   env: RUN_TIMEOUT (seconds per run), EVAL_BATCHES (default 16), FP4SIM (the binary)
 # Needs the corpus (data/corpus.*; scripts/fetch_corpus.sh) and a GPU build in build-gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,13 +12,13 @@ out=${2:-runs/evidence}
 bin=${FP4SIM:-build-gpu/fp4sim}
 mkdir -p "$out"
 common=(--config configs/small.json --backend cuda train.steps="$steps" train.warmup=$((steps / 10))
-        train.eval_every=$((steps / 4)) train.eval_batches=16 train.checkpoint_every=0)
+        train.eval_every=$((steps / 4)) train.eval_batches="${EVAL_BATCHES:-16}" train.checkpoint_every=0)
 run() {  # name, then overrides
   local name=$1
   shift
   echo "== $name: $*"
   local t0=$SECONDS
-  "$bin" train "${common[@]}" train.out_dir="$out/$name" "$@" >"$out/$name.log" 2>&1
+  timeout "${RUN_TIMEOUT:-86400}" "$bin" train "${common[@]}" train.out_dir="$out/$name" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   echo "   exit $rc, $((SECONDS - t0)) s, $(grep -E '^done' "$out/$name.log" || tail -2 "$out/$name.log")"
 }
