@@ -53,6 +53,29 @@ void quantize_written(const float* w, int64_t rows, int64_t cols, float amax,
   const bool sr = spec.rounding == Rounding::SR;
   const int64_t chunks_per_row = cols / kSrChunk;
   *out.amax = amax;
+  if (cfg.format == QFormat::FP8) {
+    // 1x128 blocks, or 128x128 tiles (one enc per tile, its scale written on each of its rows);
+    // the scale is stored as FP32 bytes
+    const int64_t blocks_per_row = cols / kFp8Block, tile = cfg.block_2d ? kFp8Block : 1;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < rows / tile; ++t) {
+      for (int64_t b = 0; b < blocks_per_row; ++b) {
+        float amax_b = 0.0f;
+        for (int64_t i = 0; i < tile; ++i)
+          for (int64_t k = 0; k < kFp8Block; ++k)
+            amax_b = fmax_nan_ignored(amax_b, f32_abs(w[(t * tile + i) * cols + b * kFp8Block + k]));
+        const float enc = fp8_block_encode_scale(amax_b), scale = fdiv_rn(1.0f, enc);
+        for (int64_t i = 0; i < tile; ++i) {
+          const int64_t r = t * tile + i;
+          for (int64_t k = 0; k < kFp8Block; ++k)
+            out.codes[r * cols + b * kFp8Block + k] = fp8_quantize_element(w[r * cols + b * kFp8Block + k], enc);
+          std::memcpy(out.scales + 4 * (r * blocks_per_row + b), &scale, 4);
+        }
+      }
+    }
+    (void)written_transposed;  // the tile's amax is the same read either way
+    return;
+  }
   if (cfg.format == QFormat::MXFP4) {
     const int64_t blocks_per_row = cols / kMxfp4Block;
 #pragma omp parallel for schedule(static)
@@ -179,6 +202,17 @@ void CpuBackend::dequantize(const QuantizedView& q, const TensorView& out) {
   float* o = static_cast<float*>(out.data);
   const float range = q.four_over_six ? kFourOverSixRange : kNvfp4Range;
   const float amax = *q.amax;
+  if (q.format == QFormat::FP8) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < q.rows; ++r)
+      for (int64_t b = 0; b < blocks_per_row; ++b) {
+        float scale;
+        std::memcpy(&scale, q.scales + 4 * (r * blocks_per_row + b), 4);
+        for (int64_t i = 0; i < block; ++i)
+          o[r * out.stride() + b * block + i] = fp8_decode_element(q.codes[r * q.cols + b * block + i], scale);
+      }
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < q.rows; ++r) {
     for (int64_t b = 0; b < blocks_per_row; ++b) {

@@ -1,5 +1,7 @@
 #include "emu/gemm.hpp"
 
+#include <cmath>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <vector>
@@ -22,10 +24,11 @@ void validate_gemm(const QuantizedView& a, const QuantizedView& b, const TensorV
   if (a.cols % a.block() != 0)
     fail("K = " + std::to_string(a.cols) + " is not a multiple of the " + qformat_name(a.format) +
          " block (" + std::to_string(a.block()) + ")");
-  const int64_t chunks = gemm_chunks(a.cols);
+  const bool fp8 = a.format == QFormat::FP8;
+  const int64_t chunks = fp8 ? a.cols / kFp8Block : gemm_chunks(a.cols);
   if (cfg.split_k < 1 || chunks % cfg.split_k != 0)
     fail("--split-k " + std::to_string(cfg.split_k) + " must divide the " + std::to_string(chunks) +
-         " 64-wide K chunks");
+         (fp8 ? " 128-wide K blocks" : " 64-wide K chunks"));
   if (cfg.beta != 0.0f && !c) fail("--beta needs C (--c)");
   if (c && (c->rows != a.rows || c->cols != b.rows || c->dtype != DType::F32))
     fail("C must be float32 " + shape_str(a.rows, b.rows) + ", got " + dtype_name(c->dtype) + " " +
@@ -88,10 +91,56 @@ DecodedOperand decode_operand(const QuantizedView& q) {
 
 }  // namespace
 
+namespace {
+
+// FP8 (DESIGN.md §9): per 128-wide k-block, four chained Hopper FP8 T-FDPAs (L = 32, F = 13, E8M13
+// RZ) from +0 over the E4M3 codes, then t = s_a * s_b (RN) and acc = fmaf(t, partial, acc), the
+// promotion of Hopper FP8 kernels (one FMA). Split-K ranges of k-blocks are added in order (RN).
+void gemm_exact_fp8_host(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
+                         void* out) {
+  const int64_t M = a.rows, N = b.rows, K = a.cols, kb = K / kFp8Block, per_split = kb / cfg.split_k;
+  std::vector<float> av(static_cast<size_t>(M * K)), bv(static_cast<size_t>(N * K));
+  for (int64_t i = 0; i < M * K; ++i) av[static_cast<size_t>(i)] = e4m3_to_f32(a.codes[i]);
+  for (int64_t i = 0; i < N * K; ++i) bv[static_cast<size_t>(i)] = e4m3_to_f32(b.codes[i]);
+  auto scale = [](const QuantizedView& q, int64_t r, int64_t blk) {
+    float s;
+    std::memcpy(&s, q.scales + 4 * (r * (q.cols / kFp8Block) + blk), 4);
+    return s;
+  };
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      float total = 0.0f;
+      for (int s = 0; s < cfg.split_k; ++s) {
+        float acc = 0.0f;
+        for (int64_t blk = s * per_split; blk < (s + 1) * per_split; ++blk) {
+          float partial = 0.0f;
+          for (int64_t k0 = blk * kFp8Block; k0 < (blk + 1) * kFp8Block; k0 += kFp8FdpaL)
+            partial = tfdpa_fp8_hopper(&av[static_cast<size_t>(m * K + k0)], &bv[static_cast<size_t>(n * K + k0)],
+                                       partial, kE4M3Operand, kE4M3Operand);
+          acc = std::fmaf(fmul_rn(scale(a, m, blk), scale(b, n, blk)), partial, acc);
+        }
+        total = s == 0 ? acc : fadd_rn(total, acc);
+      }
+      const float d = gemm_epilogue(cfg.alpha, total, cfg.beta, c ? c[m * N + n] : 0.0f);
+      if (cfg.out == GemmOut::BF16)
+        static_cast<uint16_t*>(out)[m * N + n] = bf16_rne(d);
+      else
+        static_cast<float*>(out)[m * N + n] = d;
+    }
+  }
+}
+
+}  // namespace
+
 // out (F32 or BF16 bits) [M, N], row-major. Readable structure: for each output, the chunks of
 // each split-K range in increasing k, GST-FDPA chained through the accumulator.
 void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float* c,
                      const GemmConfig& cfg, void* out) {
+  if (a.format == QFormat::FP8) {
+    gemm_exact_fp8_host(a, b, c, cfg, out);
+    return;
+  }
   const DecodedOperand da = decode_operand(a), db = decode_operand(b);
   const int64_t M = a.rows, N = b.rows, chunks = da.chunks, kp = chunks * kGemmChunk;
   const int64_t per_split = chunks / cfg.split_k;

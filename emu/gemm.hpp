@@ -46,7 +46,7 @@ void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float
 // 1 / (6 * 6 * m_A * m_B), m = 448 (256 for a Four Over Six operand); MXFP4 alpha itself.
 FP4SIM_HD float gemm_epilogue_alpha(float alpha, QFormat fmt, float amax_a, bool fos_a, float amax_b,
                                     bool fos_b) {
-  if (fmt == QFormat::MXFP4) return alpha;
+  if (fmt != QFormat::NVFP4) return alpha;  // MXFP4 and FP8 have no global scales
   const float ma = fos_a ? 256.0f : kE4M3Max, mb = fos_b ? 256.0f : kE4M3Max;
   const float k = fdiv_rn(1.0f, fmul_rn(fmul_rn(36.0f, ma), mb));  // the product is exact
   return fmul_rn(fmul_rn(fmul_rn(alpha, amax_a), amax_b), k);

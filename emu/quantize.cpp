@@ -11,16 +11,18 @@ std::string shape_str(int64_t rows, int64_t cols) {
   return s.str();
 }
 
-const char* qformat_name(QFormat f) { return f == QFormat::MXFP4 ? "mxfp4" : "nvfp4"; }
+const char* qformat_name(QFormat f) {
+  return f == QFormat::FP8 ? "fp8" : (f == QFormat::MXFP4 ? "mxfp4" : "nvfp4");
+}
 
 void QuantizedHost::resize(int64_t r, int64_t c, QFormat f, bool fos) {
   rows = r;
   cols = c;
   format = f;
   four_over_six = fos;
-  const int64_t block = f == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block;
-  codes.assign(static_cast<size_t>(r * c / 2), 0);
-  scales.assign(static_cast<size_t>(r * (c / block)), 0);
+  const int64_t block = qformat_block(f);
+  codes.assign(static_cast<size_t>(f == QFormat::FP8 ? r * c : r * c / 2), 0);
+  scales.assign(static_cast<size_t>(r * (c / block) * (f == QFormat::FP8 ? 4 : 1)), 0);
   amax = 0.0f;
 }
 
@@ -52,9 +54,18 @@ void validate_quantize(const TensorView& x, const QuantizeConfig& cfg) {
   if (x.rows <= 0 || x.cols <= 0) fail(name + ": empty tensor");
   if (!cfg.rowwise.enabled && !cfg.columnwise.enabled)
     fail(name + ": no copy requested (enable the row-wise and/or the column-wise copy)");
-  const bool mx = cfg.format == QFormat::MXFP4;
-  const int64_t block = mx ? kMxfp4Block : kNvfp4Block;
-  if (mx && cfg.block_2d) fail("--2d: MXFP4 has no 2D (16x16) blocks; 2D applies to NVFP4 only");
+  const bool mx = cfg.format == QFormat::MXFP4, fp8 = cfg.format == QFormat::FP8;
+  const int64_t block = qformat_block(cfg.format);
+  const int64_t tile = fp8 ? kFp8Block : kNvfp4Block;
+  if (mx && cfg.block_2d) fail("--2d: MXFP4 has no 2D (16x16) blocks; 2D applies to NVFP4 (16x16) and FP8 (128x128)");
+  if (fp8) {
+    for (const CopySpec* s : {&cfg.rowwise, &cfg.columnwise}) {
+      if (!s->enabled) continue;
+      if (s->rounding == Rounding::SR) fail("--sr: the FP8 recipe rounds to nearest only");
+      if (s->rht) fail("--rht: the FP8 recipe has no random Hadamard transform");
+      if (s->four_over_six) fail("--four-over-six: applies to NVFP4 only, not FP8");
+    }
+  }
   if (cfg.block_2d && cfg.columnwise.rht)
     fail("--2d with --rht: 2D tiles are for weights, the RHT for Wgrad activations and gradients; "
          "the combination is not supported");
@@ -75,10 +86,10 @@ void validate_quantize(const TensorView& x, const QuantizeConfig& cfg) {
         << " block size); pad the tensor yourself, fp4sim never pads silently";
       fail(m.str());
     }
-    if (cfg.block_2d && w.rows % kNvfp4Block != 0) {
+    if (cfg.block_2d && w.rows % tile != 0) {
       std::ostringstream m;
-      m << name << ": --2d needs both dimensions to be multiples of 16 (16x16 tiles); the "
-        << which << " copy has " << w.rows << " rows";
+      m << name << ": --2d needs both dimensions to be multiples of " << tile << " (" << tile << "x" << tile
+        << " tiles); the " << which << " copy has " << w.rows << " rows";
       fail(m.str());
     }
     if (s.four_over_six) {

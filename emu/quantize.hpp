@@ -13,7 +13,14 @@
 
 namespace fp4sim {
 
-enum class QFormat : uint8_t { NVFP4, MXFP4 };
+// NVFP4 and MXFP4 (E2M1 codes, two per byte); FP8 (E4M3 codes, one per byte, FP32 scale per
+// 1x128 block or 128x128 tile: the paper's FP8 baseline, DESIGN.md §9).
+enum class QFormat : uint8_t { NVFP4, MXFP4, FP8 };
+
+// Elements per scale.
+inline int64_t qformat_block(QFormat f) {
+  return f == QFormat::FP8 ? kFp8Block : (f == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block);
+}
 enum class Rounding : uint8_t { RN, SR };
 enum class FourOverSixError : uint8_t { MAE, MSE };
 
@@ -39,8 +46,9 @@ struct QuantizeConfig {
 };
 
 // A quantized copy, the tensor as written: rows x cols, blocks along the row.
-//   codes  [rows, cols/2]       two E2M1 per byte, element 2i in the low nibble
+//   codes  [rows, cols/2]       two E2M1 per byte, element 2i in the low nibble (FP8: [rows, cols] E4M3)
 //   scales [rows, cols/block]   E4M3 (NVFP4; 2D: one entry per row, repeated down the tile) or UE8M0
+//                               (FP8: FP32 values, 4 bytes each; 2D: repeated down the 128-row tile)
 //   amax   [1]                  FP32 amax of the written copy (post-RHT where RHT is on)
 struct QuantizedView {
   uint8_t* codes = nullptr;
@@ -52,9 +60,11 @@ struct QuantizedView {
   bool four_over_six = false;  // decode with 1/1536 instead of 1/2688
   Device device = Device::Host;
 
-  int64_t block() const { return format == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block; }
-  int64_t code_bytes() const { return rows * cols / 2; }
+  int64_t block() const { return qformat_block(format); }
+  int64_t code_bytes() const { return format == QFormat::FP8 ? rows * cols : rows * cols / 2; }
   int64_t scale_count() const { return rows * (cols / block()); }
+  // FP8 scales are FP32 (4 bytes each, native byte order), the FP4 formats' one byte.
+  int64_t scale_bytes() const { return scale_count() * (format == QFormat::FP8 ? 4 : 1); }
 };
 
 // Host-owned quantized copy (results of the CLI and of tests).
@@ -68,7 +78,7 @@ struct QuantizedHost {
   bool four_over_six = false;
 
   void resize(int64_t rows, int64_t cols, QFormat format, bool four_over_six);
-  int64_t block_size() const { return format == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block; }
+  int64_t block_size() const { return qformat_block(format); }
   QuantizedView view();
 };
 

@@ -14,6 +14,7 @@ namespace fp4sim {
 
 constexpr int kNvfp4Block = 16;            // elements per NVFP4 scale (1x16, or a 16x16 tile)
 constexpr int kMxfp4Block = 32;            // elements per MXFP4 scale
+constexpr int kFp8Block = 128;             // elements per FP8 scale (1x128, or a 128x128 tile)
 constexpr int kSrChunk = 16;               // elements per Philox call
 constexpr float kNvfp4Range = 2688.0f;     // 448 * 6: E4M3 max times E2M1 max
 constexpr float kFourOverSixRange = 1536.0f;  // 256 * 6
@@ -41,6 +42,17 @@ FP4SIM_HD float nvfp4_block_encode_scale(uint8_t scale, float s_dec) {
 // Stored E4M3 scale of a block (standard NVFP4): e4m3_rn_satfinite(amax_b * (S_enc * (1/6))).
 FP4SIM_HD uint8_t nvfp4_block_scale(float amax_b, float s_enc) {
   return e4m3_rn_satfinite(fmul_rn(amax_b, fmul_rn(s_enc, 1.0f / 6.0f)));
+}
+
+// FP8 block scaling (DESIGN.md §9, the paper's FP8 baseline): enc = fminf(448 / amax_b, FLT_MAX),
+// 1 when amax_b == 0 or the quotient is 0 (amax_b = Inf); the stored FP32 scale is 1 / enc.
+FP4SIM_HD float fp8_block_encode_scale(float amax_b) { return nvfp4_global_encode_scale(amax_b, kE4M3Max); }
+// One element: e4m3_rn_satfinite(x * enc) (NaN -> 0x7F).
+FP4SIM_HD uint8_t fp8_quantize_element(float x, float enc) { return e4m3_rn_satfinite(fmul_rn(x, enc)); }
+// Decoded element: e4m3(code) * scale, a NaN result canonical.
+FP4SIM_HD float fp8_decode_element(uint8_t code, float scale) {
+  const float v = fmul_rn(e4m3_to_f32(code), scale);
+  return f32_isnan(v) ? f32_from_bits(0x7FFFFFFFu) : v;
 }
 
 // Decode factor of a block: ((float)s_b * amax) * (1 / range).

@@ -66,15 +66,24 @@ void CudaBackend::copy(void* dst, const void* src, size_t n) {
   FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream_));
 }
 
+namespace {
+[[noreturn]] void no_fp8(const char* op) {
+  throw std::invalid_argument(std::string(op) + ": the FP8 block format runs on the emulator only so far "
+                              "(--backend emu); its CUDA twin is not written yet");
+}
+}  // namespace
+
 void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                            QuantizedView* columnwise) {
   validate_quantize(x, cfg);
+  if (cfg.format == QFormat::FP8) no_fp8("quantize");
   quantize_launch(x, cfg, rowwise, columnwise, stream_);
 }
 
 void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {
   if (out.dtype != DType::F32 || out.rows != q.rows || out.cols != q.cols)
     throw std::invalid_argument("dequantize: output must be float32 " + shape_str(q.rows, q.cols));
+  if (q.format == QFormat::FP8) no_fp8("dequantize");
   dequantize_launch(q, out, stream_);
 }
 
@@ -86,6 +95,7 @@ void CudaBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k
 void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
                        const GemmConfig& cfg, const TensorView& d) {
   validate_gemm(a, b, c, cfg, d);
+  if (a.format == QFormat::FP8) no_fp8("gemm");
   const float* cp = c ? static_cast<const float*>(c->data) : nullptr;
   if (cfg.impl == GemmImpl::CublasLt) {
     if (cfg.split_k != 1)

@@ -66,7 +66,7 @@ constexpr const char* kOverridePrefix = "recipe.override.";
 void set_key(RunConfig& c, const std::string& key, const Json& v, const std::string& where) {
   if (key.rfind(kOverridePrefix, 0) == 0) {  // a per-GEMM recipe; checked in validate()
     if (!v.is_string())
-      throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be a recipe name (bf16, nvfp4, mxfp4)");
+      throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be a recipe name (bf16, nvfp4, mxfp4, fp8)");
     c.recipe.override_gemms[key.substr(std::string(kOverridePrefix).size())] = v.get<std::string>();
     return;
   }
@@ -109,7 +109,6 @@ void validate_recipe(const RunConfig& c) {
   one_of("recipe.fos_error", r.fos_error, {"mae", "mse"});
   one_of("recipe.mx_scale_rule", r.mx_scale_rule, {"floor", "ceil"});
   one_of("recipe.bf16_switch", r.bf16_switch, {"forward", "all"});
-  if (r.name == "fp8") bad("recipe.name fp8: the FP8 block recipe is not wired into training yet (issue 5)");
   const int64_t L = m.n_layers;
   if (r.hp_first > L || r.hp_last > L)
     bad("recipe.hp_first/hp_last (" + std::to_string(r.hp_first) + ", " + std::to_string(r.hp_last) +
@@ -122,6 +121,7 @@ void validate_recipe(const RunConfig& c) {
   const bool mx = r.name == "mxfp4";
   if (mx && r.weight_2d) bad("recipe.weight_2d: MXFP4 has no 2D blocks (set recipe.weight_2d=false)");
   if (mx && fos) bad("recipe.four_over_six: Four Over Six is an NVFP4 technique, not MXFP4");
+  if (r.name == "fp8" && fos) bad("recipe.four_over_six: Four Over Six is an NVFP4 technique, not FP8");
   // Four Over Six needs RN and no RHT on every copy of the tensors it applies to
   if ((r.four_over_six == "activations" || r.four_over_six == "all") && r.rht)
     bad("recipe.four_over_six " + r.four_over_six + " with recipe.rht: the Wgrad copies get the RHT, which "
@@ -135,13 +135,14 @@ void validate_recipe(const RunConfig& c) {
     bad("recipe.four_over_six activations with recipe.stochastic_rounding all: Four Over Six is RN only");
   // block sizes: every quantized GEMM's K dimension (d_model, d_ff, the qkv width, the tokens of a
   // step for Wgrad) must be a multiple of the block (16 NVFP4, 32 MXFP4), and so must the 2D rows
-  bool any_mx = mx, any_q = r.name != "bf16";
+  bool any_mx = mx, any_fp8 = r.name == "fp8", any_q = r.name != "bf16";
   for (const auto& kv : r.override_gemms) {
     any_mx = any_mx || kv.second == "mxfp4";
+    any_fp8 = any_fp8 || kv.second == "fp8";
     any_q = any_q || kv.second != "bf16";
   }
   if (any_q) {
-    const int64_t blk = any_mx ? 32 : 16, hd = m.d_model / m.n_heads;
+    const int64_t blk = any_fp8 ? 128 : (any_mx ? 32 : 16), hd = m.d_model / m.n_heads;
     const std::pair<const char*, int64_t> dims[] = {
         {"model.d_model", m.d_model},
         {"model.d_ff", m.d_ff},
@@ -150,7 +151,7 @@ void validate_recipe(const RunConfig& c) {
     for (const auto& [what, v] : dims)
       if (v % blk != 0)
         bad(std::string(what) + " = " + std::to_string(v) + " is not a multiple of " + std::to_string(blk) +
-            ", the " + (any_mx ? "MXFP4" : "NVFP4") + " block the quantized GEMMs need");
+            ", the " + (any_fp8 ? "FP8" : (any_mx ? "MXFP4" : "NVFP4")) + " block the quantized GEMMs need");
   }
   for (const auto& [k, v] : r.override_gemms) {
     // h.<layer>.<linear>.<gemm>
@@ -172,7 +173,7 @@ void validate_recipe(const RunConfig& c) {
           "mlp.c_proj>.<fprop|dgrad|wgrad>");
     if (l < 0 || l >= L)
       bad("recipe.override." + k + ": block " + std::to_string(l) + " is outside 0.." + std::to_string(L - 1));
-    one_of(("recipe.override." + k).c_str(), v, {"bf16", "nvfp4", "mxfp4"});
+    one_of(("recipe.override." + k).c_str(), v, {"bf16", "nvfp4", "mxfp4", "fp8"});
   }
 }
 

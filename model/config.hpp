@@ -51,7 +51,7 @@ struct TrainConfig {
 // The low-precision recipe (DESIGN.md §9, issue 5). Defaults are the published NVFP4 recipe; they
 // are ignored by recipe.name = bf16.
 struct RecipeConfig {
-  std::string name = "bf16";        // bf16 | nvfp4 | mxfp4 (fp8: not wired yet)
+  std::string name = "bf16";        // bf16 | fp8 | nvfp4 | mxfp4 (fp8: emulator only so far)
   std::string gemm = "exact";       // exact (the tensor-core model) | cublaslt (cuda backend only)
   bool rht = true;                  // 16-point RHT on the Wgrad operands
   std::string stochastic_rounding = "gradients";  // gradients | off | all (all: unusual, warns)
@@ -66,7 +66,7 @@ struct RecipeConfig {
   std::string bf16_switch = "all"; // forward (Fprop GEMMs only) | all
   int64_t stats_every = 0;         // per-tensor quantization statistics every N steps (0 = off)
   // Per-GEMM recipe: "h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>.<fprop|dgrad|wgrad>"
-  // -> bf16 | nvfp4 | mxfp4 (keys recipe.override.<that>).
+  // -> bf16 | nvfp4 | mxfp4 | fp8 (keys recipe.override.<that>).
   std::map<std::string, std::string> override_gemms;
 };
 

@@ -1,6 +1,7 @@
 #include "model/linear.hpp"
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 
@@ -46,7 +47,9 @@ LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& 
 
 namespace {
 
-QFormat format_of(const std::string& name) { return name == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4; }
+QFormat format_of(const std::string& name) {
+  return name == "fp8" ? QFormat::FP8 : (name == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+}
 
 // One quantized copy in the backend's memory.
 struct QCopy {
@@ -59,7 +62,7 @@ struct QCopy {
     view.four_over_six = fos;
     view.device = be.device();
     codes = BackendBuffer(be, static_cast<size_t>(view.code_bytes()));
-    scales = BackendBuffer(be, static_cast<size_t>(view.scale_count()));
+    scales = BackendBuffer(be, static_cast<size_t>(view.scale_bytes()));
     amax = BackendBuffer(be, sizeof(float));
     view.codes = codes.as<uint8_t>();
     view.scales = scales.as<uint8_t>();
@@ -83,23 +86,26 @@ std::unique_ptr<QCopy> quantize_copy(Backend& be, const LinearRecipe& r, uint64_
                                      int64_t rows, int64_t cols, const CopyRequest& q, const std::string& name) {
   QuantizeConfig qc;
   qc.format = format_of(*q.format);
-  qc.block_2d = q.weight && r.weight_2d && qc.format == QFormat::NVFP4;
+  const bool fp8 = qc.format == QFormat::FP8;
+  // FP8 (§9): 128x128 weight tiles, 1x128 elsewhere, RN, no RHT, no Four Over Six
+  qc.block_2d = q.weight && (fp8 || (r.weight_2d && qc.format == QFormat::NVFP4));
   qc.mx_rule = r.mx_rule;
   qc.fos_error = r.fos_error;
   qc.seed = seed;
   CopySpec& spec = q.columnwise ? qc.columnwise : qc.rowwise;
   spec.enabled = true;
-  spec.rounding = q.sr ? Rounding::SR : Rounding::RN;
+  spec.rounding = q.sr && !fp8 ? Rounding::SR : Rounding::RN;
   spec.stream = q.stream;
-  spec.rht = q.rht;
-  spec.four_over_six = q.fos;
+  spec.rht = q.rht && !fp8;
+  spec.four_over_six = q.fos && !fp8;
   TensorView tv;
   tv.data = const_cast<float*>(x);
   tv.rows = rows;
   tv.cols = cols;
   tv.device = be.device();
   tv.name = name.c_str();
-  auto c = std::make_unique<QCopy>(be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format, q.fos);
+  auto c = std::make_unique<QCopy>(be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format,
+                                   spec.four_over_six);
   be.quantize(tv, qc, q.columnwise ? nullptr : &c->view, q.columnwise ? &c->view : nullptr);
   return c;
 }
@@ -108,14 +114,15 @@ std::unique_ptr<QCopy> quantize_copy(Backend& be, const LinearRecipe& r, uint64_
 QuantStat stat_of(Backend& be, const float* x, const QCopy& q, const std::string& tensor) {
   const int64_t rows = q.view.rows, cols = q.view.cols, blk = q.view.block();
   std::vector<float> hx(static_cast<size_t>(rows * cols));
-  std::vector<uint8_t> codes(static_cast<size_t>(q.view.code_bytes())), scales(static_cast<size_t>(q.view.scale_count()));
+  std::vector<uint8_t> codes(static_cast<size_t>(q.view.code_bytes())), scales(static_cast<size_t>(q.view.scale_bytes()));
   float amax = 0.0f;
   be.download(hx.data(), x, hx.size() * 4);
   be.download(codes.data(), q.view.codes, codes.size());
   be.download(scales.data(), q.view.scales, scales.size());
   be.download(&amax, q.view.amax, 4);
-  const bool mx = q.view.format == QFormat::MXFP4;
+  const bool mx = q.view.format == QFormat::MXFP4, fp8 = q.view.format == QFormat::FP8;
   const float range = q.view.four_over_six ? kFourOverSixRange : kNvfp4Range;
+  const float elem_max = fp8 ? kE4M3Max : 6.0f;
   QuantStat st;
   st.tensor = tensor;
   st.amax = amax;
@@ -124,20 +131,24 @@ QuantStat stat_of(Backend& be, const float* x, const QCopy& q, const std::string
   int64_t saturated = 0, underflow = 0, blocks = 0;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < cols / blk; ++b) {
-      const uint8_t s = scales[static_cast<size_t>(r * (cols / blk) + b)];
-      const float factor = mx ? ue8m0_to_f32(s) : nvfp4_decode_factor(s, amax, range);
+      const size_t si = static_cast<size_t>(r * (cols / blk) + b);
+      const uint8_t s = fp8 ? 1 : scales[si];
+      float factor;
+      if (fp8) std::memcpy(&factor, &scales[4 * si], 4);
+      else factor = mx ? ue8m0_to_f32(s) : nvfp4_decode_factor(s, amax, range);
       float bmax = 0.0f;
       for (int64_t i = 0; i < blk; ++i) {
         const int64_t e = r * cols + b * blk + i;
         const float xv = hx[static_cast<size_t>(e)];
-        const float d = decode_element((codes[static_cast<size_t>(e / 2)] >> (4 * (e & 1))) & 0xFu, factor);
+        const float d = fp8 ? fp8_decode_element(codes[static_cast<size_t>(e)], factor)
+                            : decode_element((codes[static_cast<size_t>(e / 2)] >> (4 * (e & 1))) & 0xFu, factor);
         bmax = std::fmax(bmax, std::fabs(xv));
-        if (factor > 0.0f && std::fabs(xv) > 6.0f * factor) ++saturated;
+        if (factor > 0.0f && std::fabs(xv) > elem_max * factor) ++saturated;
         err2 += (static_cast<double>(d) - xv) * (static_cast<double>(d) - xv);
         ref2 += static_cast<double>(xv) * xv;
       }
       ++blocks;
-      if (bmax > 0.0f && (mx ? factor == 0.0f : s == 0)) ++underflow;
+      if (bmax > 0.0f && ((mx || fp8) ? factor == 0.0f : s == 0)) ++underflow;
     }
   st.saturated = static_cast<double>(saturated) / static_cast<double>(std::max<int64_t>(1, st.elements));
   st.underflow_blocks = static_cast<double>(underflow) / static_cast<double>(std::max<int64_t>(1, blocks));

@@ -47,6 +47,9 @@ TEST(Recipe, ImpossibleCombinationsAreErrorsNamingTheKey) {
   expect_config_error({"recipe.override.h.0.mlp.c_fc.wgrad=fp6"}, "not one of");
   expect_config_error({"recipe.name=nvfp4", "model.d_ff=72"}, "model.d_ff");
   expect_config_error({"recipe.name=nvfp4", "recipe.gemm=fast"}, "recipe.gemm");
+  expect_config_error({"recipe.name=fp8"}, "multiple of 128");  // d_model 32: the FP8 block is 128
+  expect_config_error({"recipe.name=fp8", "model.d_model=128", "model.d_ff=128", "recipe.four_over_six=weights"},
+                      "FP8");
   // fine: Four Over Six on weights with the rest of the recipe, MXFP4 without 2D
   EXPECT_NO_THROW(run_with({"recipe.name=nvfp4", "recipe.four_over_six=weights"}));
   EXPECT_NO_THROW(run_with({"recipe.name=mxfp4", "recipe.weight_2d=false"}));
