@@ -61,21 +61,25 @@ QuantizedHost load_quantized(const std::string& prefix, const char* name) {
                              std::to_string(meta.value("contract_version", -1)) + ", this build is " +
                              std::to_string(kContractVersion));
   QuantizedHost q;
-  q.format = meta.value("format", "nvfp4") == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4;
+  const std::string fmt_name = meta.value("format", "nvfp4");
+  if (fmt_name != "nvfp4" && fmt_name != "mxfp4" && fmt_name != "fp8")
+    throw std::runtime_error(prefix + ".meta.json: unknown format '" + fmt_name + "'");
+  q.format = fmt_name == "fp8" ? QFormat::FP8 : (fmt_name == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+  const bool fp8 = q.format == QFormat::FP8;
   q.four_over_six = meta.value("four_over_six", false);
   const io::NpyArray codes = io::read_npy(prefix + ".codes.npy");
   const io::NpyArray scales = io::read_npy(prefix + ".scales.npy");
   const io::NpyArray amax = io::read_npy(prefix + ".amax.npy");
   if (codes.dtype != "|u1" || codes.shape.size() != 2)
-    throw std::runtime_error(prefix + ".codes.npy: expected uint8 [rows, K/2], got '" + codes.dtype +
-                             "' " + io::shape_string(codes.shape));
+    throw std::runtime_error(prefix + ".codes.npy: expected uint8 [rows, " + (fp8 ? "K" : "K/2") + "], got '" +
+                             codes.dtype + "' " + io::shape_string(codes.shape));
   q.rows = static_cast<int64_t>(codes.shape[0]);
-  q.cols = static_cast<int64_t>(codes.shape[1]) * 2;
+  q.cols = static_cast<int64_t>(codes.shape[1]) * (fp8 ? 1 : 2);
   const int64_t block = q.block_size();
-  if (scales.dtype != "|u1" || scales.shape.size() != 2 ||
+  if (scales.dtype != (fp8 ? "<f4" : "|u1") || scales.shape.size() != 2 ||
       static_cast<int64_t>(scales.shape[0]) != q.rows ||
       static_cast<int64_t>(scales.shape[1]) * block != q.cols)
-    throw std::runtime_error(prefix + ".scales.npy: expected uint8 " +
+    throw std::runtime_error(prefix + ".scales.npy: expected " + (fp8 ? "float32 " : "uint8 ") +
                              shape_str(q.rows, q.cols / block) + " for " + qformat_name(q.format) +
                              " codes of " + shape_str(q.rows, q.cols) + ", got " +
                              io::shape_string(scales.shape));
@@ -137,7 +141,7 @@ void run_gemm_cmd(const GemmArgs& g) {
     throw std::invalid_argument("--a-prefix and --b-prefix go together");
   if (!from_prefix && (g.a.empty() || g.b.empty()))
     throw std::invalid_argument("give A.npy and B.npy, or --a-prefix P --b-prefix Q");
-  const QFormat fmt = g.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4;
+  const QFormat fmt = g.format == "fp8" ? QFormat::FP8 : (g.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
   auto emu = make_backend("emu");
   QuantizedHost qa, qb;
   if (from_prefix) {
@@ -376,7 +380,8 @@ void register_gemm(CLI::App& app) {
   cmd->add_option("out", g->out, "Output D.npy (float32, or bfloat16 bits as uint16)");
   cmd->add_option("--a-prefix", g->a_prefix, "Take A already quantized: files written by fp4sim quantize");
   cmd->add_option("--b-prefix", g->b_prefix, "Take B already quantized");
-  cmd->add_option("--format", g->format, "nvfp4 | mxfp4")->check(CLI::IsMember({"nvfp4", "mxfp4"}));
+  cmd->add_option("--format", g->format, "nvfp4 | mxfp4 | fp8 (1x128 E4M3 blocks, exact Hopper FP8 model; emu)")
+      ->check(CLI::IsMember({"nvfp4", "mxfp4", "fp8"}));
   cmd->add_option("--gemm", g->gemm, "exact | cublaslt")->check(CLI::IsMember({"exact", "cublaslt"}));
   cmd->add_option("--out-dtype", g->out_dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
   cmd->add_option("--c", g->c, "C.npy (float32 [M, N]) for beta");

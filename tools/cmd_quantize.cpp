@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -18,6 +19,12 @@
 
 namespace fp4sim::cli {
 namespace {
+
+const char* block_name(QFormat f, bool two_d) {
+  if (f == QFormat::FP8) return two_d ? "128x128" : "1x128";
+  if (f == QFormat::MXFP4) return "1x32";
+  return two_d ? "16x16" : "1x16";
+}
 
 struct QuantizeArgs {
   std::string input, prefix;
@@ -66,15 +73,22 @@ struct Stats {
 
 Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<float>& deq) {
   Stats st;
-  const int64_t block = q.format == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block;
+  const int64_t block = q.block_size();
   const int64_t bpr = q.cols / block;
   const Nvfp4Global g = nvfp4_global(q.amax, q.four_over_six);
+  const bool fp8 = q.format == QFormat::FP8, mx = q.format == QFormat::MXFP4;
+  const float elem_max = fp8 ? kE4M3Max : kE2M1Max;
   for (int64_t r = 0; r < q.rows; ++r) {
     for (int64_t b = 0; b < bpr; ++b) {
-      const uint8_t s = q.scales[r * bpr + b];
-      const bool mx = q.format == QFormat::MXFP4;
-      const float enc = mx ? (s == kUE8M0NaN ? 0.0f : mxfp4_encode_factor(s))
-                           : nvfp4_block_encode_scale(s, g.s_dec);
+      const uint8_t s = fp8 ? 0 : q.scales[r * bpr + b];
+      float fp8_scale = 0.0f;
+      if (fp8) std::memcpy(&fp8_scale, &q.scales[4 * static_cast<size_t>(r * bpr + b)], 4);
+      float fp8_amax = 0.0f;  // FP8: the block's own enc, as the quantizer computed it
+      if (fp8)
+        for (int64_t i = 0; i < block; ++i) fp8_amax = fmax_nan_ignored(fp8_amax, f32_abs(ref[r * q.cols + b * block + i]));
+      const float enc = fp8 ? fp8_block_encode_scale(fp8_amax)
+                            : mx ? (s == kUE8M0NaN ? 0.0f : mxfp4_encode_factor(s))
+                                 : nvfp4_block_encode_scale(s, g.s_dec);
       float amax_b = 0.0f;
       for (int64_t i = 0; i < block; ++i) {
         const int64_t e = r * q.cols + b * block + i;
@@ -85,9 +99,9 @@ Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<
         }
         amax_b = std::fmax(amax_b, std::fabs(x));
         if (x != 0.0f) ++st.nonzero;
-        const uint8_t code = (q.codes[e / 2] >> (4 * (e & 1))) & 0xF;
-        if (x != 0.0f && (code & 7) == 0) ++st.flushed;
-        if (std::fabs(fmul_rn(x, enc)) > kE2M1Max) ++st.saturated;
+        const uint8_t code = fp8 ? q.codes[e] : (q.codes[e / 2] >> (4 * (e & 1))) & 0xF;
+        if (x != 0.0f && (code & (fp8 ? 0x7F : 7)) == 0) ++st.flushed;
+        if (std::fabs(fmul_rn(x, enc)) > elem_max) ++st.saturated;
         const double err = static_cast<double>(deq[e]) - x;
         if (std::isfinite(err)) {
           st.sum_sq_err += err * err;
@@ -96,8 +110,8 @@ Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<
         if (std::isfinite(x)) st.sum_sq_ref += static_cast<double>(x) * x;
       }
       ++st.blocks;
-      const float sv = mx ? ue8m0_to_f32(s) : e4m3_to_f32(s);
-      if (amax_b > 0.0f && (mx ? false : sv == 0.0f)) ++st.underflow_blocks;
+      const float sv = fp8 ? fp8_scale : mx ? ue8m0_to_f32(s) : e4m3_to_f32(s);
+      if (amax_b > 0.0f && (mx || fp8 ? false : sv == 0.0f)) ++st.underflow_blocks;
       if (sv > 0.0f && std::isfinite(sv)) ++st.scale_exponents[std::ilogb(sv)];
     }
   }
@@ -106,7 +120,7 @@ Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<
 
 void run_quantize(const QuantizeArgs& a) {
   QuantizeConfig cfg;
-  cfg.format = a.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4;
+  cfg.format = a.format == "fp8" ? QFormat::FP8 : (a.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
   cfg.block_2d = a.block_2d;
   cfg.mx_rule = a.mx_rule == "ceil" ? MxScaleRule::Ceil : MxScaleRule::Floor;
   cfg.fos_error = a.error == "mse" ? FourOverSixError::MSE : FourOverSixError::MAE;
@@ -152,9 +166,14 @@ void run_quantize(const QuantizeArgs& a) {
   // outputs: staged, then renamed together
   io::AtomicOutputs out;
   const auto R = static_cast<size_t>(q.rows), C = static_cast<size_t>(q.cols);
-  const size_t block = static_cast<size_t>(cfg.format == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block);
-  io::write_npy_u8(out.stage(a.prefix + ".codes.npy"), q.codes.data(), {R, C / 2});
-  io::write_npy_u8(out.stage(a.prefix + ".scales.npy"), q.scales.data(), {R, C / block});
+  const size_t block = static_cast<size_t>(q.block_size());
+  const bool fp8 = cfg.format == QFormat::FP8;
+  io::write_npy_u8(out.stage(a.prefix + ".codes.npy"), q.codes.data(), {R, fp8 ? C : C / 2});
+  if (fp8)
+    io::write_npy_f32(out.stage(a.prefix + ".scales.npy"), reinterpret_cast<const float*>(q.scales.data()),
+                      {R, C / block});
+  else
+    io::write_npy_u8(out.stage(a.prefix + ".scales.npy"), q.scales.data(), {R, C / block});
   io::write_npy_f32(out.stage(a.prefix + ".amax.npy"), &q.amax, {1});
   io::write_npy_f32(out.stage(a.prefix + ".dequant.npy"), deq.data(), {R, C});
   nlohmann::json meta = {
@@ -166,7 +185,7 @@ void run_quantize(const QuantizeArgs& a) {
       {"written_shape", {q.rows, q.cols}},
       {"format", a.format},
       {"copy", a.columnwise ? "columnwise" : "rowwise"},
-      {"block", a.block_2d ? "16x16" : (cfg.format == QFormat::MXFP4 ? "1x32" : "1x16")},
+      {"block", block_name(cfg.format, a.block_2d)},
       {"rounding", a.sr ? "sr" : "rn"},
       {"rht", a.rht},
       {"four_over_six", a.fos},
@@ -177,9 +196,10 @@ void run_quantize(const QuantizeArgs& a) {
       {"amax", q.amax},
       {"backend", backend->name()},
       {"files",
-       {{"codes", "uint8 [rows, cols/2], element 2i in the low nibble"},
-        {"scales", cfg.format == QFormat::MXFP4 ? "uint8 UE8M0 [rows, cols/32]"
-                                                : "uint8 E4M3 [rows, cols/16]"},
+       {{"codes", fp8 ? "uint8 E4M3 [rows, cols]" : "uint8 [rows, cols/2], element 2i in the low nibble"},
+        {"scales", fp8 ? "float32 [rows, cols/128] (the decode scale 1/enc)"
+                   : cfg.format == QFormat::MXFP4 ? "uint8 UE8M0 [rows, cols/32]"
+                                                  : "uint8 E4M3 [rows, cols/16]"},
         {"amax", "float32 [1]"},
         {"dequant", "float32 [rows, cols]"}}}};
   {
@@ -194,25 +214,24 @@ void run_quantize(const QuantizeArgs& a) {
   fmt::print("fp4sim quantize  {} -> {}.*   (backend {}, {:.1f} ms)\n", a.input, a.prefix,
              backend->name(), ms);
   fmt::print("  input        {} x {} {}\n", in.view.rows, in.view.cols, dtype_name(in.view.dtype));
-  fmt::print("  copy         {} {} {} {}{}{}   written {} x {}\n", a.format,
-             a.block_2d ? "16x16" : (cfg.format == QFormat::MXFP4 ? "1x32" : "1x16"),
+  fmt::print("  copy         {} {} {} {}{}{}   written {} x {}\n", a.format, block_name(cfg.format, a.block_2d),
              a.columnwise ? "column-wise" : "row-wise", a.sr ? "SR" : "RN",
              a.rht ? " +RHT" : "", a.fos ? " +4/6(" + a.error + ")" : "", q.rows, q.cols);
   if (cfg.format == QFormat::NVFP4)
     fmt::print("  amax         {:.6g}   S_enc {:.6g}   S_dec {:.6g}\n", q.amax, g.s_enc, g.s_dec);
   else
-    fmt::print("  amax         {:.6g}   (MXFP4: no global scale)\n", q.amax);
+    fmt::print("  amax         {:.6g}   ({}: no global scale)\n", q.amax, fp8 ? "FP8" : "MXFP4");
   fmt::print("  blocks       {}   underflowed (amax_b > 0, scale 0): {}\n", st.blocks,
              st.underflow_blocks);
   std::string hist;
   for (const auto& [e, n] : st.scale_exponents) hist += fmt::format(" 2^{}:{}", e, n);
   fmt::print("  scale exps  {}\n", hist.empty() ? " (all zero)" : hist);
   const double n = static_cast<double>(in.view.numel());
-  fmt::print("  saturated    {} ({:.3f}%)  |x*enc_b| > 6 before rounding\n", st.saturated,
-             100.0 * st.saturated / n);
+  fmt::print("  saturated    {} ({:.3f}%)  |x*enc_b| > {} before rounding\n", st.saturated,
+             100.0 * st.saturated / n, fp8 ? 448 : 6);
   fmt::print("  flushed      {} ({:.3f}% of nonzeros)  nonzero -> 0\n", st.flushed,
              st.nonzero ? 100.0 * st.flushed / st.nonzero : 0.0);
-  if (st.nan) fmt::print("  NaN inputs   {} (encoded as +6)\n", st.nan);
+  if (st.nan) fmt::print("  NaN inputs   {} (encoded as {})\n", st.nan, fp8 ? "NaN (0x7F)" : "+6");
   fmt::print("  error        rel ||xq - x||/||x|| = {:.4g}   rmse {:.4g}   max |err| {:.4g}\n",
              st.sum_sq_ref > 0 ? std::sqrt(st.sum_sq_err / st.sum_sq_ref) : 0.0,
              std::sqrt(st.sum_sq_err / n), st.max_abs_err);
@@ -263,8 +282,8 @@ void register_quantize(CLI::App& app) {
   cmd->add_option("input", args->input, "Input .npy, shape [rows, cols]")->required();
   cmd->add_option("out_prefix", args->prefix, "Output prefix (writes PREFIX.codes.npy, ...)")
       ->required();
-  cmd->add_option("--format", args->format, "nvfp4 | mxfp4")
-      ->check(CLI::IsMember({"nvfp4", "mxfp4"}));
+  cmd->add_option("--format", args->format, "nvfp4 | mxfp4 | fp8 (E4M3, FP32 scale per 1x128, or 128x128 with --2d)")
+      ->check(CLI::IsMember({"nvfp4", "mxfp4", "fp8"}));
   cmd->add_flag("--2d", args->block_2d, "NVFP4 16x16 tiles (weights) instead of 1x16");
   cmd->add_flag("--columnwise", args->columnwise,
                 "Write the column-wise copy (the transpose, cols x rows)");

@@ -51,6 +51,14 @@ fi
   && grep -q "written 128 x 64" log.txt && ok "bf16 column-wise RHT SR" || bad "bf16 column-wise RHT SR: $(cat log.txt)"
 "$bin" quantize x.npy q/mx --format mxfp4 --mx-rule ceil --backend emu >/dev/null 2>&1 && ok "mxfp4" || bad "mxfp4"
 "$bin" quantize x.npy q/fos --2d --four-over-six --error mse --backend emu >/dev/null 2>&1 && ok "2d four-over-six" || bad "2d four-over-six"
+# FP8 (1x128 blocks): one code byte per element, float32 scales; the GEMM reads them back bit for bit
+"$bin" quantize x.npy q/f8 --format fp8 --backend emu >log.txt 2>&1 && grep -q "fp8 1x128" log.txt \
+  && grep -q '"scales": "float32' q/f8.meta.json && ok "fp8 quantize" || bad "fp8 quantize: $(cat log.txt)"
+"$bin" gemm x.npy x.npy q/d8.npy --format fp8 --backend emu >/dev/null 2>&1 \
+  && "$bin" gemm --a-prefix q/f8 --b-prefix q/f8 q/d8p.npy --backend emu >/dev/null 2>&1 \
+  && cmp -s q/d8.npy q/d8p.npy && ok "fp8 gemm from floats == from the quantize files" || bad "fp8 gemm"
+expect_fail "fp8 with sr" "--sr" "$bin" quantize x.npy out --format fp8 --sr --seed 1 --backend emu
+expect_fail "fp8 2d rows not multiple of 128" "128" "$bin" quantize x.npy out --format fp8 --2d --backend emu
 
 expect_fail "blocked dim not multiple of 16" "not a multiple of 16" "$bin" quantize odd.npy out --backend emu
 expect_fail "mxfp4 with 2d" "--2d" "$bin" quantize x.npy out --format mxfp4 --2d --backend emu
