@@ -94,14 +94,34 @@ DecodedOperand decode_operand(const QuantizedView& q) {
 namespace {
 
 // FP8 (DESIGN.md §9): per 128-wide k-block, four chained Hopper FP8 T-FDPAs (L = 32, F = 13, E8M13
-// RZ) from +0 over the E4M3 codes, then t = s_a * s_b (RN) and acc = fmaf(t, partial, acc), the
+// RZ; the host's prepared evaluation, the literal one for groups with a NaN code) from +0, then t = s_a * s_b (RN) and acc = fmaf(t, partial, acc), the
 // promotion of Hopper FP8 kernels (one FMA). Split-K ranges of k-blocks are added in order (RN).
 void gemm_exact_fp8_host(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
                          void* out) {
   const int64_t M = a.rows, N = b.rows, K = a.cols, kb = K / kFp8Block, per_split = kb / cfg.split_k;
-  std::vector<float> av(static_cast<size_t>(M * K)), bv(static_cast<size_t>(N * K));
-  for (int64_t i = 0; i < M * K; ++i) av[static_cast<size_t>(i)] = e4m3_to_f32(a.codes[i]);
-  for (int64_t i = 0; i < N * K; ++i) bv[static_cast<size_t>(i)] = e4m3_to_f32(b.codes[i]);
+  // operands decoded once: values (float and double), exponent readings, NaN codes per 32-group
+  struct Decoded {
+    std::vector<float> f;
+    std::vector<double> d;
+    std::vector<int32_t> e;
+    std::vector<uint8_t> group_nan;
+  };
+  auto decode = [K](const QuantizedView& q) {
+    Decoded o;
+    const size_t n = static_cast<size_t>(q.rows * K);
+    o.f.resize(n);
+    o.d.resize(n);
+    o.e.resize(n);
+    o.group_nan.assign(n / kFp8FdpaL, 0);
+    for (size_t i = 0; i < n; ++i) {
+      o.f[i] = e4m3_to_f32(q.codes[i]);
+      o.d[i] = o.f[i];
+      if (f32_isnan(o.f[i])) o.group_nan[i / kFp8FdpaL] = 1;
+      else o.e[i] = e4m3_exponent_reading(o.f[i]);
+    }
+    return o;
+  };
+  const Decoded da = decode(a), db = decode(b);
   auto scale = [](const QuantizedView& q, int64_t r, int64_t blk) {
     float s;
     std::memcpy(&s, q.scales + 4 * (r * (q.cols / kFp8Block) + blk), 4);
@@ -115,9 +135,13 @@ void gemm_exact_fp8_host(const QuantizedView& a, const QuantizedView& b, const f
         float acc = 0.0f;
         for (int64_t blk = s * per_split; blk < (s + 1) * per_split; ++blk) {
           float partial = 0.0f;
-          for (int64_t k0 = blk * kFp8Block; k0 < (blk + 1) * kFp8Block; k0 += kFp8FdpaL)
-            partial = tfdpa_fp8_hopper(&av[static_cast<size_t>(m * K + k0)], &bv[static_cast<size_t>(n * K + k0)],
-                                       partial, kE4M3Operand, kE4M3Operand);
+          for (int64_t k0 = blk * kFp8Block; k0 < (blk + 1) * kFp8Block; k0 += kFp8FdpaL) {
+            const size_t ia = static_cast<size_t>(m * K + k0), ib = static_cast<size_t>(n * K + k0);
+            partial = (da.group_nan[ia / kFp8FdpaL] || db.group_nan[ib / kFp8FdpaL])
+                          ? tfdpa_fp8_hopper(&da.f[ia], &db.f[ib], partial, kE4M3Operand, kE4M3Operand)
+                          : tfdpa_fp8_hopper_prepared(&da.d[ia], &da.e[ia], &db.d[ib], &db.e[ib], &da.f[ia],
+                                                      &db.f[ib], partial);
+          }
           acc = std::fmaf(fmul_rn(scale(a, m, blk), scale(b, n, blk)), partial, acc);
         }
         total = s == 0 ? acc : fadd_rn(total, acc);

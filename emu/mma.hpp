@@ -603,6 +603,42 @@ inline float tfdpa_bf16_prepared(const double* ad, const int32_t* ae, const doub
   return r;
 }
 
+// The Hopper FP8 T-FDPA (L = 32, F = 13, RZ to E8M13) the same way, for the host's FP8 GEMM:
+// products of E4M3 values are exact in double, every truncated term is below 2^15 grid units and
+// their sum below 2^21, so the sum is exact; the RZ to 13 fraction bits is round_rz_to_f32_bits.
+// Operands prepared as above with E4M3's emin (-6) and kFp8ZeroReading for zeros; the caller
+// guarantees no NaN among the operands (E4M3 has no Inf). A non-finite C and an exactly zero sum
+// take the literal path. Equal to tfdpa_fp8_hopper (tests/emu/test_fp8.cpp).
+constexpr int32_t kFp8ZeroReading = -100000;
+inline int32_t e4m3_exponent_reading(float x) {
+  const uint32_t u = f32_bits(x) & 0x7FFFFFFFu;
+  if (u == 0) return kFp8ZeroReading;
+  const int fl = static_cast<int>(u >> 23) - 127;  // E4M3 values are FP32 normals
+  return fl < kE4M3Operand.emin ? kE4M3Operand.emin : fl;
+}
+
+inline float tfdpa_fp8_hopper_prepared(const double* ad, const int32_t* ae, const double* bd, const int32_t* be_,
+                                       const float* af, const float* bf, float c) {
+  const uint32_t uc = f32_bits(c) & 0x7FFFFFFFu;
+  if (uc >= 0x7F800000u) return tfdpa_fp8_hopper(af, bf, c, kE4M3Operand, kE4M3Operand);
+  int32_t e_max = kTfdpaZeroExp;
+  for (int k = 0; k < kFp8FdpaL; ++k) {
+    const int32_t e = ae[k] + be_[k];
+    e_max = e > e_max ? e : e_max;
+  }
+  if (uc != 0) {
+    const int32_t ec = bf16_exponent_reading(c);  // max(floor(log2|c|), -126)
+    e_max = ec > e_max ? ec : e_max;
+  }
+  const int grid = e_max - kFp8HopperF;
+  const double down = std::ldexp(1.0, -grid);
+  double sum = std::trunc(static_cast<double>(c) * down);
+  for (int k = 0; k < kFp8FdpaL; ++k) sum += std::trunc(ad[k] * bd[k] * down);
+  if (sum == 0.0) return tfdpa_fp8_hopper(af, bf, c, kE4M3Operand, kE4M3Operand);  // the signed-zero rule
+  const bool neg = sum < 0.0;
+  return f32_from_bits(round_rz_to_f32_bits(static_cast<uint64_t>(neg ? -sum : sum), grid, neg, kE8M13ManBits));
+}
+
 // The same for one chunk of plain floats (BF16 values): prepares the operands, then as above.
 inline float tfdpa_bf16_host(const float* a, const float* b, float c) {
   double ad[kBf16FdpaL], bd[kBf16FdpaL];
