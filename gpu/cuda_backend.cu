@@ -66,25 +66,23 @@ void CudaBackend::copy(void* dst, const void* src, size_t n) {
   FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream_));
 }
 
-namespace {
-[[noreturn]] void no_fp8(const char* op) {
-  throw std::invalid_argument(std::string(op) + ": the FP8 block format runs on the emulator only so far "
-                              "(--backend emu); its CUDA twin is not written yet");
-}
-}  // namespace
-
 void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                            QuantizedView* columnwise) {
   validate_quantize(x, cfg);
-  if (cfg.format == QFormat::FP8) no_fp8("quantize");
+  if (cfg.format == QFormat::FP8) {
+    if (x.device != Device::Cuda)
+      throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name + "' is not in device memory");
+    fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_);
+    return;
+  }
   quantize_launch(x, cfg, rowwise, columnwise, stream_);
 }
 
 void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {
   if (out.dtype != DType::F32 || out.rows != q.rows || out.cols != q.cols)
     throw std::invalid_argument("dequantize: output must be float32 " + shape_str(q.rows, q.cols));
-  if (q.format == QFormat::FP8) no_fp8("dequantize");
-  dequantize_launch(q, out, stream_);
+  if (q.format == QFormat::FP8) fp8_dequantize_launch(q, out, stream_);
+  else dequantize_launch(q, out, stream_);
 }
 
 void CudaBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
@@ -95,7 +93,9 @@ void CudaBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k
 void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
                        const GemmConfig& cfg, const TensorView& d) {
   validate_gemm(a, b, c, cfg, d);
-  if (a.format == QFormat::FP8) no_fp8("gemm");
+  if (a.format == QFormat::FP8 && cfg.impl == GemmImpl::CublasLt)
+    throw std::invalid_argument("gemm: fp8 with --gemm cublaslt (cuBLASLt's block-scaled FP8) is not written yet; "
+                                "use --gemm exact");
   const float* cp = c ? static_cast<const float*>(c->data) : nullptr;
   if (cfg.impl == GemmImpl::CublasLt) {
     if (cfg.split_k != 1)
@@ -104,7 +104,8 @@ void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const Ten
     gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
     return;
   }
-  gemm_exact_launch(a, b, cp, cfg, d.data, stream_);
+  if (a.format == QFormat::FP8) fp8_gemm_exact_launch(a, b, cp, cfg, d.data, stream_);
+  else gemm_exact_launch(a, b, cp, cfg, d.data, stream_);
 }
 
 std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }

@@ -120,6 +120,12 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
 // Results are identical; only speed differs.
 void set_gemm_exact_variant(int variant);
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
+// The FP8 block format (gpu/fp8.cu).
+void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                         QuantizedView* columnwise, cudaStream_t stream);
+void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
+void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
+                           void* out, cudaStream_t stream);
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream);
 

@@ -51,7 +51,7 @@ struct TrainConfig {
 // The low-precision recipe (DESIGN.md §9, issue 5). Defaults are the published NVFP4 recipe; they
 // are ignored by recipe.name = bf16.
 struct RecipeConfig {
-  std::string name = "bf16";        // bf16 | fp8 | nvfp4 | mxfp4 (fp8: emulator only so far)
+  std::string name = "bf16";        // bf16 | fp8 | nvfp4 | mxfp4 (fp8: exact GEMMs only)
   std::string gemm = "exact";       // exact (the tensor-core model) | cublaslt (cuda backend only)
   bool rht = true;                  // 16-point RHT on the Wgrad operands
   std::string stochastic_rounding = "gradients";  // gradients | off | all (all: unusual, warns)
