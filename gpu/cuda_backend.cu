@@ -93,15 +93,13 @@ void CudaBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k
 void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
                        const GemmConfig& cfg, const TensorView& d) {
   validate_gemm(a, b, c, cfg, d);
-  if (a.format == QFormat::FP8 && cfg.impl == GemmImpl::CublasLt)
-    throw std::invalid_argument("gemm: fp8 with --gemm cublaslt (cuBLASLt's block-scaled FP8) is not written yet; "
-                                "use --gemm exact");
   const float* cp = c ? static_cast<const float*>(c->data) : nullptr;
   if (cfg.impl == GemmImpl::CublasLt) {
     if (cfg.split_k != 1)
       throw std::invalid_argument("gemm: --split-k models the exact GEMM only; cuBLASLt chooses its own");
     if (!cublaslt_) cublaslt_ = make_cublaslt_state();
-    gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
+    if (a.format == QFormat::FP8) fp8_gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
+    else gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
     return;
   }
   if (a.format == QFormat::FP8) fp8_gemm_exact_launch(a, b, cp, cfg, d.data, stream_);

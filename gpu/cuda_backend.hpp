@@ -15,6 +15,8 @@ struct CublasLtState;
 std::shared_ptr<CublasLtState> make_cublaslt_state();
 void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b,
                           const float* c, const GemmConfig& cfg, void* out, cudaStream_t stream);
+void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b,
+                              const float* c, const GemmConfig& cfg, void* out, cudaStream_t stream);
 
 // D_rm [M, N] = alpha * A_rm [M, K] * B_rm [N, K]^T (+ beta * C), BF16 operands, FP32 output.
 void bf16_gemm_tn(CublasLtState& st, const uint16_t* a, const uint16_t* b, const float* c, float* d,

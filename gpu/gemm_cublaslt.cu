@@ -7,6 +7,10 @@
 // VEC32_UE8M0 (MXFP4) block scales in the 128x4 tiled layout, alpha as a device pointer. That path
 // compiles here and its scale layout is tested (Quantize.TiledScaleLayoutCheckValues,
 // QuantizeGpu.DequantizeAndTiledScalesMatchEmulator), but no Blackwell GPU has run it yet.
+//
+// FP8 operands (DESIGN.md §9) go to cuBLASLt's block-scaled FP8 GEMM (cuBLAS >= 12.9, native on
+// Hopper): CUDA_R_8F_E4M3 codes, FP32 block scales in scale mode VEC128_32F for both operands, the
+// same TN mapping, alpha and beta as device pointers; see fp8_gemm_cublaslt_launch.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -94,14 +98,54 @@ __global__ void epilogue_scalars_kernel(QuantizedView a, QuantizedView b, float 
   out[1] = beta;
 }
 
-enum class PlanKind { Bf16HostScalars, Bf16DeviceScalars, Nvfp4Native, Mxfp4Native };
+// FP8 has no global scales: alpha' = alpha. Written on the device like the FP4 path's scalars (and
+// without reading the operands' amax, which the FP8 GEMM never needs).
+__global__ void fp8_epilogue_scalars_kernel(float alpha, float beta, float* out) {
+  out[0] = alpha;
+  out[1] = beta;
+}
+
+// Our FP8 scales [rows, k_blocks] (row-major FP32, one per row and 128-wide k-block) -> the layout
+// cuBLASLt reads for VEC128_32F: [k_blocks, rows], rows contiguous ("outer-dimension major"),
+// i.e. out[b * rows + r] = scales[r * k_blocks + b]. rows is a multiple of 8 here (checked by the
+// launcher), so this is also Transformer Engine's GEMM-ready layout [ceil(K/128), roundup(rows, 4)].
+// A pure copy: the scale values are unchanged. One thread per output element (coalesced writes).
+__global__ void fp8_scales_to_vec128_kernel(const float* scales, int64_t rows, int64_t k_blocks, float* out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * k_blocks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t blk = i / rows, r = i % rows;
+    out[i] = scales[r * k_blocks + blk];
+  }
+}
+
+enum class PlanKind { Bf16HostScalars, Bf16DeviceScalars, Nvfp4Native, Mxfp4Native, Fp8Vec128 };
+
+const char* plan_kind_name(PlanKind kind) {
+  switch (kind) {
+    case PlanKind::Bf16HostScalars:
+    case PlanKind::Bf16DeviceScalars: return "BF16";
+    case PlanKind::Nvfp4Native: return "native NVFP4 (VEC16_UE4M3)";
+    case PlanKind::Mxfp4Native: return "native MXFP4 (VEC32_UE8M0)";
+    case PlanKind::Fp8Vec128: return "block-scaled FP8 (E4M3, VEC128_32F)";
+  }
+  return "?";
+}
 
 // One GEMM shape's cuBLASLt descriptors and chosen algorithm, built once and reused.
 struct GemmPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  bool host_scalars = false;  // alpha and beta are host pointers (else device pointers)
 };
+
+void destroy_plan(GemmPlan& p) {
+  if (p.la) cublasLtMatrixLayoutDestroy(p.la);
+  if (p.lb) cublasLtMatrixLayoutDestroy(p.lb);
+  if (p.lc) cublasLtMatrixLayoutDestroy(p.lc);
+  if (p.op) cublasLtMatmulDescDestroy(p.op);
+  p = GemmPlan{};
+}
 
 // A device scratch buffer that only grows (stream-ordered reuse: every user runs on one stream).
 struct Scratch {
@@ -130,12 +174,7 @@ struct CublasLtState {
   std::map<std::tuple<PlanKind, int64_t, int64_t, int64_t>, GemmPlan> plans;
   Scratch a_bf16, b_bf16, d_f32, a_tiled, b_tiled, scalars;
   ~CublasLtState() {
-    for (auto& kv : plans) {
-      cublasLtMatrixLayoutDestroy(kv.second.la);
-      cublasLtMatrixLayoutDestroy(kv.second.lb);
-      cublasLtMatrixLayoutDestroy(kv.second.lc);
-      cublasLtMatmulDescDestroy(kv.second.op);
-    }
+    for (auto& kv : plans) destroy_plan(kv.second);
     if (workspace) cudaFree(workspace);
     if (handle) cublasLtDestroy(handle);
   }
@@ -155,28 +194,36 @@ namespace {
 
 // D_rm [M, N] = alpha * A_rm [M, K] * B_rm [N, K]^T + beta * C_rm: in cuBLASLt's column-major
 // terms D^T (N x M) = op(B^T as K x N, transposed) * (A^T as K x M): "TN", lda = ldb = K, ldd = N.
-// The plan for (kind, M, N, K) is built and its algorithm chosen by the heuristic on first use.
-GemmPlan& plan_for(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int64_t K) {
-  const auto key = std::make_tuple(kind, M, N, K);
-  auto it = st.plans.find(key);
-  if (it != st.plans.end()) return it->second;
-  GemmPlan p;
-  const bool native = kind == PlanKind::Nvfp4Native || kind == PlanKind::Mxfp4Native;
+// (TN is also the only FP8 layout Hopper's FP8 kernels take.) Builds the descriptors for `kind` and
+// asks the heuristic for one algorithm; false (descriptors destroyed, status kept) when it has none.
+bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int64_t K, bool host_scalars,
+                    GemmPlan& p, cublasStatus_t& status) {
+  const bool fp4_native = kind == PlanKind::Nvfp4Native || kind == PlanKind::Mxfp4Native;
+  const bool fp8 = kind == PlanKind::Fp8Vec128;
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-  if (kind != PlanKind::Bf16HostScalars) {
+  p.host_scalars = host_scalars;
+  if (!host_scalars) {
     const cublasLtPointerMode_t pm = CUBLASLT_POINTER_MODE_DEVICE;
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pm, sizeof pm));
   }
-  if (native) {
-    const int32_t mode = kind == PlanKind::Mxfp4Native ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0
-                                                       : CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
+  if (fp4_native || fp8) {
+    const int32_t mode = fp8 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                             : (kind == PlanKind::Mxfp4Native ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0
+                                                              : CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3);
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode));
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode));
   }
-  const cudaDataType_t in = native ? CUDA_R_4F_E2M1 : CUDA_R_16BF;
+  if (fp8) {
+    // No "fast accumulation": partial sums are promoted to FP32 at every scale block (block-scaled
+    // FP8 accepts only this mode; set explicitly rather than relying on the default).
+    const int8_t fast_accum = 0;
+    FP4SIM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof fast_accum));
+  }
+  const cudaDataType_t in = fp8 ? CUDA_R_8F_E4M3 : (fp4_native ? CUDA_R_4F_E2M1 : CUDA_R_16BF);
   FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.la, in, K, N, K));
   FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lb, in, K, M, K));
   FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lc, CUDA_R_32F, N, M, N));
@@ -186,13 +233,36 @@ GemmPlan& plan_for(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int64
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &st.workspace_bytes, sizeof st.workspace_bytes));
   cublasLtMatmulHeuristicResult_t heur{};
   int found = 0;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(st.handle, p.op, p.la, p.lb, p.lc, p.lc, pref, 1, &heur, &found));
+  status = cublasLtMatmulAlgoGetHeuristic(st.handle, p.op, p.la, p.lb, p.lc, p.lc, pref, 1, &heur, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  if (found == 0)
-    throw std::runtime_error(std::string("cuBLASLt found no ") + (native ? "native FP4" : "BF16") +
-                             " GEMM algorithm for M=" + std::to_string(M) + " N=" + std::to_string(N) +
-                             " K=" + std::to_string(K));
+  if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
+    destroy_plan(p);
+    return false;
+  }
   p.algo = heur.algo;
+  return true;
+}
+
+// The plan for (kind, M, N, K), built on first use. Alpha and beta go as device pointers except for
+// Bf16HostScalars; for FP8, if the heuristic finds nothing with device pointers, host pointers are
+// tried before giving up (FP8 has no global scale, so the host knows alpha' = alpha).
+GemmPlan& plan_for(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int64_t K) {
+  const auto key = std::make_tuple(kind, M, N, K);
+  auto it = st.plans.find(key);
+  if (it != st.plans.end()) return it->second;
+  GemmPlan p;
+  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
+  bool ok = try_build_plan(st, kind, M, N, K, kind == PlanKind::Bf16HostScalars, p, status);
+  if (!ok && kind == PlanKind::Fp8Vec128) ok = try_build_plan(st, kind, M, N, K, true, p, status);
+  if (!ok) {
+    std::string msg = std::string("cuBLASLt found no ") + plan_kind_name(kind) + " GEMM algorithm for M=" +
+                      std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                      " (heuristic status " + std::to_string(static_cast<int>(status)) + ", compute capability " +
+                      std::to_string(st.cc_major) + ".x)";
+    if (kind == PlanKind::Fp8Vec128)
+      msg += "; cuBLASLt's block-scaled FP8 needs cuBLAS >= 12.9 and is native on Hopper (sm_90); use --gemm exact";
+    throw std::runtime_error(msg);
+  }
   return st.plans.emplace(key, p).first->second;
 }
 
@@ -232,6 +302,10 @@ void fp4_native_gemm_tn(CublasLtState& st, const QuantizedView& a, const Quantiz
 
 void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b,
                           const float* c, const GemmConfig& cfg, void* out, cudaStream_t stream) {
+  if (a.format == QFormat::FP8) {  // (epilogue_scalars_kernel below would read the FP4 global amax)
+    fp8_gemm_cublaslt_launch(st, a, b, c, cfg, out, stream);
+    return;
+  }
   const int64_t M = a.rows, N = b.rows, K = a.cols;
   // alpha' = alpha * (global decode scales) and beta, computed on the device from the amax values
   auto* scalars = static_cast<float*>(st.scalars.get(2 * sizeof(float)));
@@ -254,6 +328,60 @@ void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Quant
     FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, scalars, db, p.la, da, p.lb, scalars + 1, cc ? cc : d,
                                        p.lc, d, p.lc, &p.algo, st.workspace, st.workspace_bytes, stream));
   }
+  if (!f32_out) {
+    f32_to_bf16_kernel<<<grid_for(M * N), 256, 0, stream>>>(d, static_cast<uint16_t*>(out), M * N);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  }
+}
+
+// FP8 (E4M3 codes, FP32 scale per row and 128-wide k-block) through cuBLASLt's block-scaled FP8
+// GEMM: D = alpha * sum_blocks (s_a * s_b * A_blk . B_blk) (+ beta * C). Scale mode VEC128_32F (one
+// FP32 scale per 128 consecutive K elements of each row) for BOTH operands, also for a weight
+// quantized in 128x128 tiles: QuantizedView does not record which it is, and a tile copy stores its
+// tile's scale on each of the tile's 128 rows, so the per-row reading is exactly the tile scaling
+// (BLK128x128_32F would only save scale traffic, and would need a compacted [rows/128, K/128]
+// array). Numerics: cuBLASLt's own (Hopper: FP8 wgmma partial sums promoted to FP32 with the scales
+// applied at every 128-block, in an order and with a split-K of its choosing), compared with the
+// exact model within a bound (tests/gpu/test_fp8_cublaslt_gpu.cpp). Unverified on hardware so far.
+void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b, const float* c,
+                              const GemmConfig& cfg, void* out, cudaStream_t stream) {
+  const int64_t M = a.rows, N = b.rows, K = a.cols;
+  if (a.format != QFormat::FP8 || b.format != QFormat::FP8)
+    throw std::invalid_argument("gemm (cublaslt, fp8): both operands must be fp8");
+  // Transformer Engine's requirement for cuBLASLt's FP8 block scaling (outer dimensions multiples
+  // of 8); it also makes the VEC128_32F scale stride (rows) equal to its GEMM-ready roundup(rows, 4).
+  constexpr int64_t kOuterAlign = 8;
+  if (M % kOuterAlign != 0 || N % kOuterAlign != 0 || K % kFp8Block != 0)
+    throw std::invalid_argument("gemm (cublaslt, fp8): A " + shape_str(M, K) + ", B " + shape_str(N, K) +
+                                ": cuBLASLt's block-scaled FP8 needs the rows of A and B to be multiples of 8 "
+                                "and K a multiple of 128; use --gemm exact");
+  const int64_t kb = K / kFp8Block;
+  auto* sa = static_cast<float*>(st.a_tiled.get(static_cast<size_t>(M * kb) * sizeof(float)));
+  auto* sb = static_cast<float*>(st.b_tiled.get(static_cast<size_t>(N * kb) * sizeof(float)));
+  fp8_scales_to_vec128_kernel<<<grid_for(M * kb), 256, 0, stream>>>(reinterpret_cast<const float*>(a.scales), M,
+                                                                    kb, sa);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  fp8_scales_to_vec128_kernel<<<grid_for(N * kb), 256, 0, stream>>>(reinterpret_cast<const float*>(b.scales), N,
+                                                                    kb, sb);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  auto* scalars = static_cast<float*>(st.scalars.get(2 * sizeof(float)));
+  fp8_epilogue_scalars_kernel<<<1, 1, 0, stream>>>(cfg.alpha, cfg.beta, scalars);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  const bool f32_out = cfg.out == GemmOut::F32;
+  float* d = f32_out ? static_cast<float*>(out)
+                     : static_cast<float*>(st.d_f32.get(static_cast<size_t>(M * N) * 4));
+  const float* cc = cfg.beta != 0.0f ? c : nullptr;
+  GemmPlan& p = plan_for(st, PlanKind::Fp8Vec128, M, N, K);
+  // cuBLASLt's A is our B (N x K) and its B is our A (M x K): the scale pointers swap with them
+  const void* scale_a = sb;
+  const void* scale_b = sa;
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof scale_a));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof scale_b));
+  const float host_alpha = cfg.alpha, host_beta = cfg.beta;
+  const void* alpha_p = p.host_scalars ? static_cast<const void*>(&host_alpha) : scalars;
+  const void* beta_p = p.host_scalars ? static_cast<const void*>(&host_beta) : scalars + 1;
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, alpha_p, b.codes, p.la, a.codes, p.lb, beta_p, cc ? cc : d,
+                                     p.lc, d, p.lc, &p.algo, st.workspace, st.workspace_bytes, stream));
   if (!f32_out) {
     f32_to_bf16_kernel<<<grid_for(M * N), 256, 0, stream>>>(d, static_cast<uint16_t*>(out), M * N);
     FP4SIM_CUDA_CHECK_LAUNCH();

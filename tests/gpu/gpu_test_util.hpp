@@ -1,6 +1,11 @@
 // Shared by the GPU tests: whether a CUDA GPU is present (the tests skip cleanly without one).
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
+#include "emu/backend.hpp"
+
 #if FP4SIM_HAVE_CUDA
 #include "gpu/cuda_backend.hpp"
 #endif
@@ -13,6 +18,39 @@ inline bool have_gpu() {
 #else
   return false;
 #endif
+}
+
+// D of one GEMM on `be` as bit patterns (F32, or BF16 widened); D starts as NaN patterns so a GEMM
+// that reads C when beta = 0 shows. c: F32 [M, N] host values or null.
+inline std::vector<uint32_t> run_gemm_bits(Backend& be, QuantizedHost& a, QuantizedHost& b,
+                                           const std::vector<float>* c, const GemmConfig& cfg) {
+  QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
+  const int64_t M = a.rows, N = b.rows;
+  BackendBuffer cb(be, static_cast<size_t>(M * N) * 4), d(be, static_cast<size_t>(M * N) * 4);
+  if (c) be.upload(cb.get(), c->data(), c->size() * 4);
+  const std::vector<uint8_t> nan_bytes(static_cast<size_t>(M * N) * 4, 0xFF);
+  be.upload(d.get(), nan_bytes.data(), nan_bytes.size());
+  TensorView cv, dv;
+  cv.data = cb.get();
+  cv.rows = M;
+  cv.cols = N;
+  cv.device = be.device();
+  dv.data = d.get();
+  dv.rows = M;
+  dv.cols = N;
+  dv.device = be.device();
+  dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
+  be.gemm(da.view, db.view, c ? &cv : nullptr, cfg, dv);
+  be.synchronize();
+  std::vector<uint32_t> out(static_cast<size_t>(M * N), 0);
+  if (cfg.out == GemmOut::BF16) {
+    std::vector<uint16_t> h(out.size());
+    be.download(h.data(), d.get(), h.size() * 2);
+    for (size_t i = 0; i < h.size(); ++i) out[i] = h[i];
+  } else {
+    be.download(out.data(), d.get(), out.size() * 4);
+  }
+  return out;
 }
 
 }  // namespace fp4sim

@@ -13,32 +13,6 @@
 namespace fp4sim {
 namespace {
 
-std::vector<uint32_t> run(Backend& be, QuantizedHost& a, QuantizedHost& b, std::vector<float>* c,
-                          const GemmConfig& cfg) {
-  QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
-  const int64_t M = a.rows, N = b.rows;
-  BackendBuffer cb(be, static_cast<size_t>(M * N) * 4), d(be, static_cast<size_t>(M * N) * 4);
-  TensorView cv, dv;
-  if (c) be.upload(cb.get(), c->data(), c->size() * 4);
-  // D starts as NaN bit patterns: a GEMM with beta = 0 must never read it (cuBLASLt gets beta as a
-  // device pointer, so it cannot skip C on the host's knowledge that beta is zero)
-  const std::vector<uint8_t> nan_bytes(static_cast<size_t>(M * N) * 4, 0xFF);
-  be.upload(d.get(), nan_bytes.data(), nan_bytes.size());
-  cv.data = cb.get(); cv.rows = M; cv.cols = N; cv.device = be.device();
-  dv.data = d.get(); dv.rows = M; dv.cols = N; dv.device = be.device();
-  dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
-  be.gemm(da.view, db.view, c ? &cv : nullptr, cfg, dv);  // (exact or cuBLASLt per cfg.impl)
-  be.synchronize();
-  std::vector<uint32_t> out(static_cast<size_t>(M * N), 0);
-  if (cfg.out == GemmOut::BF16) {
-    std::vector<uint16_t> h(out.size());
-    be.download(h.data(), d.get(), h.size() * 2);
-    for (size_t i = 0; i < h.size(); ++i) out[i] = h[i];
-  } else {
-    be.download(out.data(), d.get(), out.size() * 4);
-  }
-  return out;
-}
 
 TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU: " << gpu_description();
@@ -65,11 +39,11 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
           GemmConfig cfg;
           if (variant == 1) { cfg.split_k = gemm_chunks(s.K) % 2 == 0 ? 2 : 1; cfg.alpha = 1.5f; }
           if (variant == 2) { cfg.beta = -0.5f; cfg.out = GemmOut::BF16; }
-          const auto e = run(*emu, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
-          auto g = run(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);  // the tiled kernel
+          const auto e = run_gemm_bits(*emu, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
+          auto g = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);  // the tiled kernel
           if (fill == test::Fill::Specials || fill == test::Fill::Gaussian) {  // and the reference one
             gpu::set_gemm_exact_variant(0);
-            const auto r = run(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
+            const auto r = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
             gpu::set_gemm_exact_variant(1);
             ASSERT_EQ(r, g) << "reference and tiled CUDA kernels differ: " << qformat_name(f) << " " << s.M << "x"
                             << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant " << variant;
@@ -133,7 +107,7 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
         QuantizedHost a = quantize_to_host(*emu, va, qc).rowwise, b = quantize_to_host(*emu, vb, qc).rowwise;
         GemmConfig ex, lt;
         lt.impl = GemmImpl::CublasLt;
-        const auto de = run(*cuda, a, b, nullptr, ex), dl = run(*cuda, a, b, nullptr, lt);
+        const auto de = run_gemm_bits(*cuda, a, b, nullptr, ex), dl = run_gemm_bits(*cuda, a, b, nullptr, lt);
         const float alpha = gemm_epilogue_alpha(1.0f, f, a.amax, false, b.amax, false);
         // operands dequantized with their block scales only
         auto deq = [](QuantizedHost& q, int64_t r, int64_t k) {
