@@ -561,8 +561,9 @@ FP4SIM_HD float gst_fdpa_fp4(const uint8_t* a_packed, const uint8_t* b_packed, c
 namespace fp4sim {
 
 // The BF16 T-FDPA (L = 16, F = 25, RZ) evaluated with doubles, for the host's emulated BF16 GEMMs:
-// each product of two BF16 values is exact in double; scaling by 2^-(e_max - 25) and std::trunc
-// give the truncated terms exactly; their sum (< 2^32 grid units) is exact; the final RZ to FP32
+// each product of two BF16 values is exact in double; scaling by 2^-(e_max - 25) and truncation
+// toward zero (the int64 conversion) give the truncated terms exactly; their sum (< 2^32 grid
+// units) is exact in int64; the final RZ to FP32
 // steps the nearest float toward zero when it overshoots. Special values, and an exactly zero sum
 // (whose sign has its own rule), take the literal path. Equal to tfdpa_bf16 on every input
 // (tests/emu/test_mma.cpp checks millions of random cases).
@@ -592,15 +593,15 @@ inline float tfdpa_bf16_prepared(const double* ad, const int32_t* ae, const doub
     e_max = ec > e_max ? ec : e_max;
   }
   const int grid = e_max - kBf16FdpaF;
-  const double down = std::ldexp(1.0, -grid);
-  double sum = std::trunc(static_cast<double>(c) * down);
-  for (int k = 0; k < kBf16FdpaL; ++k) sum += std::trunc(ad[k] * bd[k] * down);
-  if (sum == 0.0) return tfdpa_bf16(af, bf, c);  // the signed-zero rule
-  const double exact = std::ldexp(sum, grid);
+  // each term below 2^27 grid units: truncation toward zero is the int64 conversion (exact), and
+  // the sum of 17 terms is exact in int64 (faster than std::trunc, a libm call without SSE4.1)
+  const double down = pow2_double(-grid);
+  int64_t sum = static_cast<int64_t>(static_cast<double>(c) * down);
+  for (int k = 0; k < kBf16FdpaL; ++k) sum += static_cast<int64_t>(ad[k] * bd[k] * down);
+  if (sum == 0) return tfdpa_bf16(af, bf, c);  // the signed-zero rule
+  const double exact = static_cast<double>(sum) * pow2_double(grid);  // exact: |sum| < 2^32
   if (std::fabs(exact) >= 0x1p128) return exact > 0 ? INFINITY : -INFINITY;
-  float r = static_cast<float>(exact);
-  if (std::fabs(static_cast<double>(r)) > std::fabs(exact)) r = std::nextafter(r, 0.0f);
-  return r;
+  return double_to_f32_rz(exact);
 }
 
 // The Hopper FP8 T-FDPA (L = 32, F = 13, RZ to E8M13) the same way, for the host's FP8 GEMM:
@@ -631,11 +632,11 @@ inline float tfdpa_fp8_hopper_prepared(const double* ad, const int32_t* ae, cons
     e_max = ec > e_max ? ec : e_max;
   }
   const int grid = e_max - kFp8HopperF;
-  const double down = std::ldexp(1.0, -grid);
-  double sum = std::trunc(static_cast<double>(c) * down);
-  for (int k = 0; k < kFp8FdpaL; ++k) sum += std::trunc(ad[k] * bd[k] * down);
-  if (sum == 0.0) return tfdpa_fp8_hopper(af, bf, c, kE4M3Operand, kE4M3Operand);  // the signed-zero rule
-  const bool neg = sum < 0.0;
+  const double down = pow2_double(-grid);  // terms below 2^15 grid units: int64 truncation is exact
+  int64_t sum = static_cast<int64_t>(static_cast<double>(c) * down);
+  for (int k = 0; k < kFp8FdpaL; ++k) sum += static_cast<int64_t>(ad[k] * bd[k] * down);
+  if (sum == 0) return tfdpa_fp8_hopper(af, bf, c, kE4M3Operand, kE4M3Operand);  // the signed-zero rule
+  const bool neg = sum < 0;
   return f32_from_bits(round_rz_to_f32_bits(static_cast<uint64_t>(neg ? -sum : sum), grid, neg, kE8M13ManBits));
 }
 
