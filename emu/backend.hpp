@@ -102,6 +102,8 @@ class Backend {
   virtual void swiglu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*N*/, int64_t /*F*/) {
     missing("swiglu_backward");
   }
+  // x (n) = bf16_round(x) in place (RNE; NaN -> the canonical BF16 NaN): BF16 storage of activations.
+  virtual void round_to_bf16(float* /*x*/, int64_t /*n*/) { missing("round_to_bf16"); }
   // out (n) = a + b (the residual stream; FP32 RN).
   virtual void residual_forward(float* /*out*/, const float* /*a*/, const float* /*b*/, int64_t /*n*/) { missing("residual_forward"); }
   virtual void crossentropy_softmax_forward(float* /*losses*/, float* /*probs*/, const float* /*logits*/,

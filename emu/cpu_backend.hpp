@@ -100,6 +100,7 @@ class CpuBackend final : public Backend {
   void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override {
     emu::bias_backward(dbias, dout, N, OC);
   }
+  void round_to_bf16(float* x, int64_t n) override { emu::round_to_bf16(x, n); }
   void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) override {
     emu::swiglu_forward(out, inp, N, F);
   }

@@ -1,8 +1,9 @@
 #include "emu/layers.hpp"
 
 #include <algorithm>
-
 #include <cmath>
+
+#include "emu/formats.hpp"
 
 namespace fp4sim::emu {
 
@@ -111,6 +112,11 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) 
     const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
     dinp[i] += local * dout[i];
   }
+}
+
+void round_to_bf16(float* x, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) x[i] = bf16_round(x[i]);
 }
 
 void squared_relu_forward(float* out, const float* inp, int64_t n) {

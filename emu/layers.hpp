@@ -27,6 +27,9 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 void gelu_forward(float* out, const float* inp, int64_t n);
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);  // accumulates
 
+// x (n) rounded to BF16 in place (RNE), as the activations' BF16 storage (DESIGN.md §9).
+void round_to_bf16(float* x, int64_t n);
+
 // Squared ReLU: max(x, 0)^2.
 void squared_relu_forward(float* out, const float* inp, int64_t n);
 void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n);

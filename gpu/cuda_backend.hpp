@@ -83,6 +83,7 @@ class CudaBackend final : public Backend {
   void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) override;
   void bias_forward(float* out, const float* bias, int64_t N, int64_t OC) override;
   void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override;
+  void round_to_bf16(float* x, int64_t n) override;
   void residual_forward(float* out, const float* a, const float* b, int64_t n) override;
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
                                     const int32_t* targets, int64_t N, int64_t V) override;

@@ -554,6 +554,13 @@ __global__ void squared_relu_backward_kernel(float* dinp, const float* inp, cons
 }
 
 // out = a + b, FP32 RN: bitwise.
+// x = bf16_round(x): the emulator's function, bitwise.
+__global__ void round_to_bf16_inplace_kernel(float* x, int64_t n) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[j] = bf16_round(x[j]);
+}
+
 __global__ void residual_forward_kernel(float* out, const float* a, const float* b, int64_t n) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -1082,6 +1089,12 @@ void CudaBackend::bias_backward(float* dbias, const float* dout, int64_t N, int6
   column_partial_kernel<<<column_partial_grid(N, OC), kThreads, 0, stream_>>>(partial, dout, N, OC);
   FP4SIM_CUDA_CHECK_LAUNCH();
   column_sums_finalize(dbias, partial, N, OC, true, stream_);
+}
+
+void CudaBackend::round_to_bf16(float* x, int64_t n) {
+  if (n == 0) return;
+  round_to_bf16_inplace_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(x, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::residual_forward(float* out, const float* a, const float* b, int64_t n) {

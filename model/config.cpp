@@ -30,7 +30,7 @@ const std::vector<Field>& fields() {
       FP4SIM_FIELD(model, n_layers), FP4SIM_FIELD(model, n_heads), FP4SIM_FIELD(model, n_kv_heads),
       FP4SIM_FIELD(model, d_ff), FP4SIM_FIELD(model, activation), FP4SIM_FIELD(model, norm),
       FP4SIM_FIELD(model, positions), FP4SIM_FIELD(model, max_positions),
-      FP4SIM_FIELD(model, tied_embeddings), FP4SIM_FIELD(model, bias),
+      FP4SIM_FIELD(model, tied_embeddings), FP4SIM_FIELD(model, bias), FP4SIM_FIELD(model, activation_dtype),
       FP4SIM_FIELD(train, batch), FP4SIM_FIELD(train, steps), FP4SIM_FIELD(train, lr),
       FP4SIM_FIELD(train, min_lr_ratio), FP4SIM_FIELD(train, warmup), FP4SIM_FIELD(train, schedule),
       FP4SIM_FIELD(train, decay_fraction), FP4SIM_FIELD(train, weight_decay),
@@ -267,6 +267,7 @@ void validate(const RunConfig& c) {
   one_of("model.activation", m.activation, {"gelu_tanh", "squared_relu", "swiglu"});
   one_of("model.norm", m.norm, {"layernorm", "rmsnorm"});
   one_of("model.positions", m.positions, {"learned", "rope"});
+  one_of("model.activation_dtype", m.activation_dtype, {"bf16", "fp32"});
   one_of("train.schedule", t.schedule, {"cosine", "wsd"});
   if (t.lr <= 0) bad("train.lr must be positive");
   if (t.warmup < 0 || t.warmup > t.steps) bad("train.warmup must be within 0..train.steps");

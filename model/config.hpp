@@ -26,6 +26,10 @@ struct ModelConfig {
   int64_t max_positions = 256;           // learned positions table size
   bool tied_embeddings = true;
   bool bias = true;  // biases in the linear layers (GPT-2 has them)
+  // Storage of activations and their gradients between ops (DESIGN.md §9: BF16, compute in FP32):
+  // bf16 rounds every stored activation and activation gradient to BF16 (RNE); fp32 keeps them
+  // FP32 (for gradient checks and comparisons with FP32 references).
+  std::string activation_dtype = "bf16";
 };
 
 struct TrainConfig {

@@ -100,6 +100,10 @@ std::vector<QuantStat> Gpt::take_stats() {
   return out;
 }
 
+void Gpt::store(float* x, int64_t n) {
+  if (cfg_.activation_dtype == "bf16") be_.round_to_bf16(x, n);
+}
+
 void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC) {
   const std::string name = lname(l, kLinearNames[linear]);
   const LinearIds ids{run_.train.seed, step_, 0, l, linear};
@@ -233,32 +237,43 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   auto F32 = [](const BackendBuffer& b) { return b.as<float>(); };
   be_.embedding_forward(F32(emb_), tokens_.as<int32_t>(), pos_.as<int32_t>(), p("wte"),
                         c.positions == "learned" ? p("wpe") : nullptr, N, C);
+  store(F32(emb_), N * C);
   const float* x = F32(emb_);
   auto norm_fwd = [&](BackendBuffer& out, BackendBuffer& mean, BackendBuffer& rstd, const float* in,
                       const std::string& pre) {
     if (ln) be_.layernorm_forward(F32(out), F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N, C);
     else be_.rmsnorm_forward(F32(out), F32(rstd), in, p(pre + ".weight"), N, C);
+    store(F32(out), N * C);
   };
   for (int64_t l = 0; l < c.n_layers; ++l) {
     LayerActs& a = acts_[static_cast<size_t>(l)];
     norm_fwd(a.ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
     linear_fwd(l, 0, F32(a.qkv), F32(a.ln1), N, C, QKV);
     if (c.positions == "rope") be_.rope_forward(F32(a.qkv), B, T, NH, NKV, HD);
+    store(F32(a.qkv), N * QKV);
     be_.attention_forward(F32(a.atty), F32(a.att), F32(a.qkv), B, T, NH, NKV, HD);
+    store(F32(a.atty), N * C);
     linear_fwd(l, 1, F32(a.attproj), F32(a.atty), N, C, C);
+    store(F32(a.attproj), N * C);
     be_.residual_forward(F32(a.res1), x, F32(a.attproj), N * C);
+    store(F32(a.res1), N * C);
     norm_fwd(a.ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
     linear_fwd(l, 2, F32(a.fc), F32(a.ln2), N, C, FC);
+    store(F32(a.fc), N * FC);
     if (c.activation == "gelu_tanh") be_.gelu_forward(F32(a.act), F32(a.fc), N * F);
     else if (c.activation == "squared_relu") be_.squared_relu_forward(F32(a.act), F32(a.fc), N * F);
     else be_.swiglu_forward(F32(a.act), F32(a.fc), N, F);
+    store(F32(a.act), N * F);
     linear_fwd(l, 3, F32(a.fcproj), F32(a.act), N, F, C);
+    store(F32(a.fcproj), N * C);
     be_.residual_forward(F32(a.res2), F32(a.res1), F32(a.fcproj), N * C);
+    store(F32(a.res2), N * C);
     x = F32(a.res2);
   }
   norm_fwd(lnf_, lnf_mean_, lnf_rstd_, x, "ln_f");
   be_.matmul_forward(F32(logits_), F32(lnf_), c.tied_embeddings ? p("wte") : p("lm_head.weight"), nullptr, N, C,
                      V, prec_);
+  store(F32(logits_), N * V);
   be_.crossentropy_softmax_forward(F32(losses_), F32(probs_), F32(logits_), targets_.as<int32_t>(), N, V);
   std::vector<float> losses(static_cast<size_t>(N));
   be_.download(losses.data(), F32(losses_), losses.size() * 4);
@@ -280,6 +295,7 @@ void Gpt::backward() {
   be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
   zero(dlogits_, N * V);
   be_.crossentropy_softmax_backward(F32(dlogits_), F32(probs_), targets_.as<int32_t>(), F32(dlosses_), N, V);
+  store(F32(dlogits_), N * V);
   zero(dlnf_, N * C);
   zero(dx_, N * C);
   be_.matmul_backward(F32(dlnf_), c.tied_embeddings ? g("wte") : g("lm_head.weight"), nullptr, F32(dlogits_),
@@ -290,8 +306,10 @@ void Gpt::backward() {
                                    F32(mean), F32(rstd), N, C);
     else be_.rmsnorm_backward(din, g(pre + ".weight"), dout, in, p(pre + ".weight"), F32(rstd), N, C);
   };
+  store(F32(dlnf_), N * C);
   const float* last = c.n_layers ? F32(acts_.back().res2) : F32(emb_);
   norm_bwd(F32(dx_), F32(dlnf_), last, lnf_mean_, lnf_rstd_, "ln_f");
+  store(F32(dx_), N * C);
   // dx holds d(residual stream) at the top; walk the layers down. The norms' backward passes
   // accumulate into dx, which is how the residual branches add up.
   for (int64_t l = c.n_layers - 1; l >= 0; --l) {
@@ -301,20 +319,28 @@ void Gpt::backward() {
     zero(dfc_, N * FC);
     zero(dln2_, N * C);
     linear_bwd(l, 3, F32(dact_), F32(dx_), F32(a.act), N, F, C);
+    store(F32(dact_), N * F);
     if (c.activation == "gelu_tanh") be_.gelu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F);
     else if (c.activation == "squared_relu") be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F);
     else be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F);
+    store(F32(dfc_), N * FC);
     linear_bwd(l, 2, F32(dln2_), F32(dfc_), F32(a.ln2), N, C, FC);
+    store(F32(dln2_), N * C);
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
+    store(F32(dx_), N * C);
     zero(datty_, N * C);
     zero(dqkv_, N * QKV);
     zero(dln1_, N * C);
     linear_bwd(l, 1, F32(datty_), F32(dx_), F32(a.atty), N, C, C);
+    store(F32(datty_), N * C);
     be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), F32(a.att), B, T, NH, NKV, HD);
     // the saved qkv is post-RoPE, the GEMM's output pre-RoPE: rotate the gradient back
     if (c.positions == "rope") be_.rope_backward(F32(dqkv_), B, T, NH, NKV, HD);
+    store(F32(dqkv_), N * QKV);
     linear_bwd(l, 0, F32(dln1_), F32(dqkv_), F32(a.ln1), N, C, QKV);
+    store(F32(dln1_), N * C);
     norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"));
+    store(F32(dx_), N * C);
   }
   be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_), tokens_.as<int32_t>(),
                          pos_.as<int32_t>(), N, C);

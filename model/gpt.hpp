@@ -5,8 +5,10 @@
 // every op goes through Backend (emu/layers.hpp's names and argument orders), so the same class
 // runs on the emulator and on the CUDA backend. The host sees the model through explicit copies
 // (params_to_host, grads_to_host, logits_row_to_host) and the per-row losses of each forward.
-// FP32 activations; the GEMMs' precision is the backend's BF16 model (T-FDPA on the emulator,
-// cuBLASLt BF16 with FP32 accumulation on the GPU).
+// Activations and their gradients are stored as BF16 (rounded at every op's output; kept in FP32
+// arrays so far, so the memory saving is not realised yet) with FP32 compute, or FP32 with
+// model.activation_dtype = fp32; the GEMMs' precision is the backend's BF16 model (T-FDPA on the
+// emulator, cuBLASLt BF16 with FP32 accumulation on the GPU).
 #pragma once
 
 #include <cstdint>
@@ -83,6 +85,9 @@ class Gpt {
   void allocate_activations(int64_t B, int64_t T);
   int64_t fc_width() const { return cfg_.activation == "swiglu" ? 2 * cfg_.d_ff : cfg_.d_ff; }
 
+  // The storage of an activation or activation gradient: rounded to BF16 unless
+  // model.activation_dtype = fp32 (DESIGN.md §9).
+  void store(float* x, int64_t n);
   void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC);
   void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, const float* inp, int64_t N, int64_t K,
                   int64_t OC);

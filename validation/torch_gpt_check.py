@@ -4,7 +4,7 @@
 fp4sim writes what this script needs with `--dump` (train.warmup must not exceed train.steps, and
 tiny.json's warmup is 20, hence the override):
 
-    build/fp4sim train --config configs/tiny.json train.steps=10 train.warmup=2 train.eval_every=0 \
+    build/fp4sim train --config configs/tiny.json train.steps=10 train.warmup=2 model.activation_dtype=fp32 train.eval_every=0 \
         train.out_dir=runs/torchcheck --dump runs/torchcheck/dump
     python3 validation/torch_gpt_check.py --dump runs/torchcheck/dump --log runs/torchcheck/log.jsonl
 
@@ -222,7 +222,10 @@ def main():
         full = json.load(fh)
     cfg, tcfg = full["model"], full["train"]
     if cfg["activation"] == "swiglu":
-        raise CheckError("swiglu is not wired into fp4sim's model yet")
+        raise CheckError("swiglu: this reference model has no SwiGLU yet")
+    if cfg.get("activation_dtype", "fp32") != "fp32":
+        raise CheckError("the PyTorch reference keeps activations in FP32: dump with model.activation_dtype=fp32 "
+                         f"(the dump has {cfg.get('activation_dtype')})")
     dev = torch.device(args.device)
     print(f"device {dev}, torch {torch.__version__}, model {json.dumps(cfg, sort_keys=True)}", flush=True)
     weights = {k: v.float() for k, v in load_safetensors(f"{args.dump}/weights.safetensors").items()}

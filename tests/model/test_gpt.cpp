@@ -25,6 +25,7 @@ ModelConfig micro(const char* positions, const char* norm, const char* act, bool
   m.norm = norm;
   m.activation = act;
   m.tied_embeddings = tied;
+  m.activation_dtype = "fp32";  // finite differences need FP32 activations; BF16 storage is tested below
   return m;
 }
 
@@ -75,6 +76,7 @@ TEST(Gpt, GradientsMatchFiniteDifferences) {
 
 TEST(Gpt, ShortTrainingRunLowersTheLoss) {
   ModelConfig m = micro("learned", "layernorm", "gelu_tanh", true, 4);
+  m.activation_dtype = "bf16";  // the default storage (DESIGN.md §9)
   auto be = make_cpu_backend();
   Gpt model(m, *be);
   model.init(3);
@@ -100,6 +102,31 @@ TEST(Gpt, ShortTrainingRunLowersTheLoss) {
   std::printf("[gpt-train] loss %.4f -> %.4f over 60 steps\n", first, last);
   EXPECT_NEAR(first, std::log(16.0f), 0.1);  // an untrained model is close to uniform
   EXPECT_LT(last, 0.25f * first);
+}
+
+// BF16 storage of activations: every stored activation is a BF16 value, the loss stays close to
+// the FP32-storage loss, and differs from it (the rounding is really applied).
+TEST(Gpt, Bf16ActivationStorage) {
+  ModelConfig m = micro("rope", "rmsnorm", "swiglu", false, 2);
+  auto be = make_cpu_backend();
+  const int64_t B = 2, T = 8;
+  std::vector<int32_t> tok(B * T), tgt(B * T);
+  for (int64_t i = 0; i < B * T; ++i) {
+    tok[i] = static_cast<int32_t>((i * 7) % 16);
+    tgt[i] = static_cast<int32_t>((i * 3 + 1) % 16);
+  }
+  Gpt f32(m, *be);
+  f32.init(5);
+  m.activation_dtype = "bf16";
+  Gpt b16(m, *be);
+  b16.init(5);
+  const float l32 = f32.forward(tok.data(), tgt.data(), B, T), l16 = b16.forward(tok.data(), tgt.data(), B, T);
+  EXPECT_NE(l32, l16);
+  EXPECT_NEAR(l16, l32, 0.01 * l32);
+  const std::vector<float> logits = b16.logits_row_to_host(3);
+  for (float v : logits) EXPECT_EQ(v, bf16_round(v));
+  b16.backward();  // gradients of the parameters stay FP32 and finite
+  for (float g : b16.grads_to_host()) EXPECT_TRUE(std::isfinite(g));
 }
 
 }  // namespace
