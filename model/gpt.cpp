@@ -108,15 +108,41 @@ void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_
   const std::string name = lname(l, kLinearNames[linear]);
   const LinearIds ids{run_.train.seed, step_, 0, l, linear};
   linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
-                 cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name);
+                 cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
+                 &acts_[static_cast<size_t>(l)].saved_x[linear]);
 }
 
-void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, const float* inp, int64_t N, int64_t K,
-                     int64_t OC) {
+void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC) {
   const std::string name = lname(l, kLinearNames[linear]);
   const LinearIds ids{run_.train.seed, step_, 0, l, linear};
-  linear_backward(be_, linear_recipe(l, linear), ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr,
-                  dout, inp, p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name);
+  LayerActs& a = acts_[static_cast<size_t>(l)];
+  const LinearRecipe& r = linear_recipe(l, linear);
+  const float* inp = r.wgrad == "bf16" ? linear_input(a, linear) : nullptr;  // else the saved copy
+  linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr, dout, inp,
+                  p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
+                  a.saved_x[linear].get());
+}
+
+float* Gpt::linear_input(LayerActs& a, int linear) {
+  const int64_t N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
+  if (linear_recipe(static_cast<int64_t>(&a - acts_.data()), linear).wgrad != "bf16")
+    return scratch_in_[linear].as<float>();
+  BackendBuffer& b = linear == 0 ? a.ln1 : linear == 1 ? a.atty : linear == 2 ? a.ln2 : a.act;
+  if (b.bytes() < static_cast<size_t>(N * width) * 4) b = BackendBuffer(be_, static_cast<size_t>(N * width) * 4);
+  return b.as<float>();
+}
+
+size_t Gpt::saved_activation_bytes() const {
+  size_t n = emb_.bytes() + lnf_.bytes() + lnf_mean_.bytes() + lnf_rstd_.bytes() + logits_.bytes() +
+             probs_.bytes() + losses_.bytes();
+  for (const LayerActs& a : acts_) {
+    for (const BackendBuffer* b : {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.att, &a.atty, &a.attproj, &a.res1,
+                                   &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.act, &a.fcproj, &a.res2})
+      n += b->bytes();
+    for (const auto& q : a.saved_x)
+      if (q) n += q->bytes();
+  }
+  return n;
 }
 
 std::vector<float> Gpt::params_to_host() const {
@@ -181,22 +207,19 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   acts_.clear();
   acts_.resize(static_cast<size_t>(c.n_layers));
   for (LayerActs& a : acts_) {
-    a.ln1 = f32(N * C);
     a.ln1_mean = f32(N);
     a.ln1_rstd = f32(N);
     a.qkv = f32(N * QKV);
     a.att = f32(B * NH * T * T);
-    a.atty = f32(N * C);
     a.attproj = f32(N * C);
     a.res1 = f32(N * C);
-    a.ln2 = f32(N * C);
     a.ln2_mean = f32(N);
     a.ln2_rstd = f32(N);
     a.fc = f32(N * FC);
-    a.act = f32(N * F);
     a.fcproj = f32(N * C);
     a.res2 = f32(N * C);
   }
+  for (int i = 0; i < 4; ++i) scratch_in_[i] = f32(N * (i == 3 ? F : C));
   dlosses_ = f32(N);
   dlogits_ = f32(N * V);
   dlnf_ = f32(N * C);
@@ -239,38 +262,41 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
                         c.positions == "learned" ? p("wpe") : nullptr, N, C);
   store(F32(emb_), N * C);
   const float* x = F32(emb_);
-  auto norm_fwd = [&](BackendBuffer& out, BackendBuffer& mean, BackendBuffer& rstd, const float* in,
-                      const std::string& pre) {
-    if (ln) be_.layernorm_forward(F32(out), F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N, C);
-    else be_.rmsnorm_forward(F32(out), F32(rstd), in, p(pre + ".weight"), N, C);
-    store(F32(out), N * C);
+  auto norm_fwd = [&](float* out, BackendBuffer& mean, BackendBuffer& rstd, const float* in, const std::string& pre) {
+    if (ln) be_.layernorm_forward(out, F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N, C);
+    else be_.rmsnorm_forward(out, F32(rstd), in, p(pre + ".weight"), N, C);
+    store(out, N * C);
   };
   for (int64_t l = 0; l < c.n_layers; ++l) {
     LayerActs& a = acts_[static_cast<size_t>(l)];
-    norm_fwd(a.ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
-    linear_fwd(l, 0, F32(a.qkv), F32(a.ln1), N, C, QKV);
+    float* const ln1 = linear_input(a, 0);
+    norm_fwd(ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
+    linear_fwd(l, 0, F32(a.qkv), ln1, N, C, QKV);
     if (c.positions == "rope") be_.rope_forward(F32(a.qkv), B, T, NH, NKV, HD);
     store(F32(a.qkv), N * QKV);
-    be_.attention_forward(F32(a.atty), F32(a.att), F32(a.qkv), B, T, NH, NKV, HD);
-    store(F32(a.atty), N * C);
-    linear_fwd(l, 1, F32(a.attproj), F32(a.atty), N, C, C);
+    float* const atty = linear_input(a, 1);
+    be_.attention_forward(atty, F32(a.att), F32(a.qkv), B, T, NH, NKV, HD);
+    store(atty, N * C);
+    linear_fwd(l, 1, F32(a.attproj), atty, N, C, C);
     store(F32(a.attproj), N * C);
     be_.residual_forward(F32(a.res1), x, F32(a.attproj), N * C);
     store(F32(a.res1), N * C);
-    norm_fwd(a.ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
-    linear_fwd(l, 2, F32(a.fc), F32(a.ln2), N, C, FC);
+    float* const ln2 = linear_input(a, 2);
+    norm_fwd(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
+    linear_fwd(l, 2, F32(a.fc), ln2, N, C, FC);
     store(F32(a.fc), N * FC);
-    if (c.activation == "gelu_tanh") be_.gelu_forward(F32(a.act), F32(a.fc), N * F);
-    else if (c.activation == "squared_relu") be_.squared_relu_forward(F32(a.act), F32(a.fc), N * F);
-    else be_.swiglu_forward(F32(a.act), F32(a.fc), N, F);
-    store(F32(a.act), N * F);
-    linear_fwd(l, 3, F32(a.fcproj), F32(a.act), N, F, C);
+    float* const act = linear_input(a, 3);
+    if (c.activation == "gelu_tanh") be_.gelu_forward(act, F32(a.fc), N * F);
+    else if (c.activation == "squared_relu") be_.squared_relu_forward(act, F32(a.fc), N * F);
+    else be_.swiglu_forward(act, F32(a.fc), N, F);
+    store(act, N * F);
+    linear_fwd(l, 3, F32(a.fcproj), act, N, F, C);
     store(F32(a.fcproj), N * C);
     be_.residual_forward(F32(a.res2), F32(a.res1), F32(a.fcproj), N * C);
     store(F32(a.res2), N * C);
     x = F32(a.res2);
   }
-  norm_fwd(lnf_, lnf_mean_, lnf_rstd_, x, "ln_f");
+  norm_fwd(F32(lnf_), lnf_mean_, lnf_rstd_, x, "ln_f");
   be_.matmul_forward(F32(logits_), F32(lnf_), c.tied_embeddings ? p("wte") : p("lm_head.weight"), nullptr, N, C,
                      V, prec_);
   store(F32(logits_), N * V);
@@ -318,26 +344,26 @@ void Gpt::backward() {
     zero(dact_, N * F);
     zero(dfc_, N * FC);
     zero(dln2_, N * C);
-    linear_bwd(l, 3, F32(dact_), F32(dx_), F32(a.act), N, F, C);
+    linear_bwd(l, 3, F32(dact_), F32(dx_), N, F, C);
     store(F32(dact_), N * F);
     if (c.activation == "gelu_tanh") be_.gelu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F);
     else if (c.activation == "squared_relu") be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F);
     else be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F);
     store(F32(dfc_), N * FC);
-    linear_bwd(l, 2, F32(dln2_), F32(dfc_), F32(a.ln2), N, C, FC);
+    linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC);
     store(F32(dln2_), N * C);
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
     store(F32(dx_), N * C);
     zero(datty_, N * C);
     zero(dqkv_, N * QKV);
     zero(dln1_, N * C);
-    linear_bwd(l, 1, F32(datty_), F32(dx_), F32(a.atty), N, C, C);
+    linear_bwd(l, 1, F32(datty_), F32(dx_), N, C, C);
     store(F32(datty_), N * C);
     be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), F32(a.att), B, T, NH, NKV, HD);
     // the saved qkv is post-RoPE, the GEMM's output pre-RoPE: rotate the gradient back
     if (c.positions == "rope") be_.rope_backward(F32(dqkv_), B, T, NH, NKV, HD);
     store(F32(dqkv_), N * QKV);
-    linear_bwd(l, 0, F32(dln1_), F32(dqkv_), F32(a.ln1), N, C, QKV);
+    linear_bwd(l, 0, F32(dln1_), F32(dqkv_), N, C, QKV);
     store(F32(dln1_), N * C);
     norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"));
     store(F32(dx_), N * C);

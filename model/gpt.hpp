@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -70,6 +71,9 @@ class Gpt {
   std::vector<float> grads_to_host() const;
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
   const ParamTensor& tensor(const std::string& name) const;
+  // Bytes of activations kept for the backward pass (backend buffers of the last forward: per-layer
+  // activations and saved quantized copies; scratch and gradients excluded).
+  size_t saved_activation_bytes() const;
   // Row `row` (0 <= row < B*T) of the logits (B,T,V) of the last forward.
   std::vector<float> logits_row_to_host(int64_t row) const;
 
@@ -77,7 +81,14 @@ class Gpt {
   struct LayerActs {
     BackendBuffer ln1, ln1_mean, ln1_rstd, qkv, att, atty, attproj, res1;
     BackendBuffer ln2, ln2_mean, ln2_rstd, fc, act, fcproj, res2;
+    // x^T of each linear layer's Wgrad GEMM, quantized in the forward pass when that GEMM is
+    // quantized; then the layer's FP32 input (ln1, atty, ln2, act) is not kept: it is written to a
+    // scratch buffer shared by all layers (DESIGN.md §9, saved activations in quantized form)
+    std::unique_ptr<QuantizedCopy> saved_x[4];
   };
+  // The FP32 input of linear `linear` of a layer: its own buffer when the backward pass needs it
+  // (a BF16 Wgrad), else the shared scratch.
+  float* linear_input(LayerActs& a, int linear);
   float* p(const std::string& name) const { return params() + tensor(name).offset; }
   float* g(const std::string& name) const { return grads() + tensor(name).offset; }
   void add(const std::string& name, std::vector<int64_t> shape);
@@ -89,14 +100,14 @@ class Gpt {
   // model.activation_dtype = fp32 (DESIGN.md §9).
   void store(float* x, int64_t n);
   void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC);
-  void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, const float* inp, int64_t N, int64_t K,
-                  int64_t OC);
+  void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC);
 
   ModelConfig cfg_;
   Backend& be_;
   RunConfig run_;
   bool has_recipe_ = false;
   std::vector<bool> high_precision_;
+  BackendBuffer scratch_in_[4];  // the linear inputs that are not kept
   std::vector<LinearRecipe> recipes_;  // [layer * 4 + linear]
   int64_t step_ = 0;
   bool collect_stats_ = false, stats_active_ = false;

@@ -45,30 +45,25 @@ LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& 
   return r;
 }
 
+QuantizedCopy::QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos) {
+  view.rows = rows;
+  view.cols = cols;
+  view.format = f;
+  view.four_over_six = fos;
+  view.device = be.device();
+  codes = BackendBuffer(be, static_cast<size_t>(view.code_bytes()));
+  scales = BackendBuffer(be, static_cast<size_t>(view.scale_bytes()));
+  amax = BackendBuffer(be, sizeof(float));
+  view.codes = codes.as<uint8_t>();
+  view.scales = scales.as<uint8_t>();
+  view.amax = amax.as<float>();
+}
+
 namespace {
 
 QFormat format_of(const std::string& name) {
   return name == "fp8" ? QFormat::FP8 : (name == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
 }
-
-// One quantized copy in the backend's memory.
-struct QCopy {
-  BackendBuffer codes, scales, amax;
-  QuantizedView view;
-  QCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos) {
-    view.rows = rows;
-    view.cols = cols;
-    view.format = f;
-    view.four_over_six = fos;
-    view.device = be.device();
-    codes = BackendBuffer(be, static_cast<size_t>(view.code_bytes()));
-    scales = BackendBuffer(be, static_cast<size_t>(view.scale_bytes()));
-    amax = BackendBuffer(be, sizeof(float));
-    view.codes = codes.as<uint8_t>();
-    view.scales = scales.as<uint8_t>();
-    view.amax = amax.as<float>();
-  }
-};
 
 struct CopyRequest {
   const std::string* format;
@@ -82,7 +77,7 @@ struct CopyRequest {
 
 // x (rows, cols) FP32 in the backend's memory -> one copy: row-wise (rows, cols) or column-wise
 // (cols, rows), blocks along the written row.
-std::unique_ptr<QCopy> quantize_copy(Backend& be, const LinearRecipe& r, uint64_t seed, const float* x,
+std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r, uint64_t seed, const float* x,
                                      int64_t rows, int64_t cols, const CopyRequest& q, const std::string& name) {
   QuantizeConfig qc;
   qc.format = format_of(*q.format);
@@ -104,14 +99,14 @@ std::unique_ptr<QCopy> quantize_copy(Backend& be, const LinearRecipe& r, uint64_
   tv.cols = cols;
   tv.device = be.device();
   tv.name = name.c_str();
-  auto c = std::make_unique<QCopy>(be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format,
+  auto c = std::make_unique<QuantizedCopy>(be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format,
                                    spec.four_over_six);
   be.quantize(tv, qc, q.columnwise ? nullptr : &c->view, q.columnwise ? &c->view : nullptr);
   return c;
 }
 
 // Statistics of a row-wise copy of x (rows, cols), on the host.
-QuantStat stat_of(Backend& be, const float* x, const QCopy& q, const std::string& tensor) {
+QuantStat stat_of(Backend& be, const float* x, const QuantizedCopy& q, const std::string& tensor) {
   const int64_t rows = q.view.rows, cols = q.view.cols, blk = q.view.block();
   std::vector<float> hx(static_cast<size_t>(rows * cols));
   std::vector<uint8_t> codes(static_cast<size_t>(q.view.code_bytes())), scales(static_cast<size_t>(q.view.scale_bytes()));
@@ -170,14 +165,24 @@ TensorView f32_view(Backend& be, float* p, int64_t rows, int64_t cols) {
 
 void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
-                    emu::GemmPrecision prec, std::vector<QuantStat>* stats, const std::string& name) {
+                    emu::GemmPrecision prec, std::vector<QuantStat>* stats, const std::string& name,
+                    std::unique_ptr<QuantizedCopy>* save_wgrad_input) {
+  auto stream = [&](TensorRole role, int copy) {
+    return sr_stream(ids.step, ids.micro_batch, ids.layer, ids.linear, role, copy);
+  };
+  // the Wgrad operand x^T, quantized now so the backward pass needs no FP32 copy of x
+  if (save_wgrad_input) {
+    save_wgrad_input->reset();
+    if (r.wgrad != "bf16")
+      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K,
+                                        {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations,
+                                         stream(TensorRole::Activation, 1)},
+                                        name + " input");
+  }
   if (r.fprop == "bf16") {
     be.matmul_forward(out, inp, weight, bias, N, K, OC, prec);
     return;
   }
-  auto stream = [&](TensorRole role, int copy) {
-    return sr_stream(ids.step, ids.micro_batch, ids.layer, ids.linear, role, copy);
-  };
   const auto xq = quantize_copy(be, r, ids.seed, inp, N, K,
                                 {&r.fprop, false, false, false, r.sr_other, r.fos_activations, stream(TensorRole::Activation, 0)},
                                 name + " input");
@@ -197,7 +202,9 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
 void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
-                     const std::string& name) {
+                     const std::string& name, const QuantizedCopy* saved_wgrad_input) {
+  if (!inp && (r.wgrad == "bf16" || !saved_wgrad_input))
+    throw std::logic_error("linear_backward (" + name + "): no input: the FP32 x or its saved Wgrad copy is needed");
   if (r.dgrad == "bf16" && r.wgrad == "bf16") {
     be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
     return;
@@ -234,10 +241,15 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
                                      {&r.wgrad, true, false, r.rht, r.sr_gradients, r.fos_gradients,
                                       stream(TensorRole::Gradient, 1)},
                                      name + " output gradient");
-      const auto xc = quantize_copy(be, r, ids.seed, inp, N, K,
-                                    {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations,
-                                     stream(TensorRole::Activation, 1)},
-                                    name + " input");
+      std::unique_ptr<QuantizedCopy> own;
+      const QuantizedCopy* xc = saved_wgrad_input;
+      if (!xc) {
+        own = quantize_copy(be, r, ids.seed, inp, N, K,
+                            {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations,
+                             stream(TensorRole::Activation, 1)},
+                            name + " input");
+        xc = own.get();
+      }
       const TensorView d = f32_view(be, dweight, OC, K);
       be.gemm(dyc->view, xc->view, &d, acc, d);
     }

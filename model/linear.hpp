@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -69,14 +70,27 @@ struct QuantStat {
   int64_t elements = 0;
 };
 
+// One quantized copy in a backend's memory (codes, scales, amax and the view onto them).
+struct QuantizedCopy {
+  BackendBuffer codes, scales, amax;
+  QuantizedView view;
+  QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos);
+  size_t bytes() const { return codes.bytes() + scales.bytes() + amax.bytes(); }
+};
+
 // stats: when non-null, the row-wise (non-RHT) copies made here append their statistics (costly:
-// the tensors come back to the host).
+// the tensors come back to the host). save_wgrad_input: when non-null and the Wgrad GEMM is
+// quantized, x's column-wise Wgrad copy is made here and kept there (else reset), so the backward
+// pass can run without the FP32 x (DESIGN.md §9: saved activations in quantized form); the bits
+// are those linear_backward would make from x. saved_wgrad_input (backward): that copy, or null to
+// quantize inp there; inp may be null when the copy is given.
 void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
-                    emu::GemmPrecision prec, std::vector<QuantStat>* stats, const std::string& name);
+                    emu::GemmPrecision prec, std::vector<QuantStat>* stats, const std::string& name,
+                    std::unique_ptr<QuantizedCopy>* save_wgrad_input = nullptr);
 void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
-                     const std::string& name);
+                     const std::string& name, const QuantizedCopy* saved_wgrad_input = nullptr);
 
 }  // namespace fp4sim::model

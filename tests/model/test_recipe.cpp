@@ -11,11 +11,18 @@
 #include <random>
 #include <set>
 
+#include "model/gpt.hpp"
 #include "model/linear.hpp"
 #include "model/trainer.hpp"
 
 namespace fp4sim::model {
 namespace {
+
+uint32_t test_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
 
 RunConfig run_with(std::vector<std::string> overrides, int64_t layers = 2) {
   nlohmann::json j = {
@@ -209,6 +216,47 @@ TEST(Recipe, Nvfp4TrainingResumesBitwise) {
   const TrainResult bf16 = train(run_with({"train.out_dir=" + dir + "/bf16"}), quiet, *make_cpu_backend());
   EXPECT_NE(bf16.steps.back().loss, full.steps.back().loss);
   EXPECT_NEAR(bf16.steps.back().loss, full.steps.back().loss, 0.05 * bf16.steps.back().loss);
+  std::filesystem::remove_all(dir);
+}
+
+// Saved activations in quantized form (DESIGN.md §9): with quantized Wgrad GEMMs the layers keep
+// their inputs' Wgrad copies (4 or 8 bits plus scales) instead of the FP32 inputs.
+TEST(Recipe, QuantizedWgradKeepsLessActivationMemory) {
+  auto bytes = [](const std::vector<std::string>& o) {
+    RunConfig c = run_with(o);
+    auto be = make_cpu_backend();
+    Gpt m(c.model, *be);
+    m.init(1);
+    m.set_recipe(c);
+    const int64_t B = 2, T = 16;
+    std::vector<int32_t> tok(B * T, 3), tgt(B * T, 5);
+    m.forward(tok.data(), tgt.data(), B, T);
+    m.backward();
+    return m.saved_activation_bytes();
+  };
+  const size_t bf16 = bytes({}), nvfp4 = bytes({"recipe.name=nvfp4"}), mx = bytes({"recipe.name=mxfp4", "recipe.weight_2d=false"});
+  std::printf("[recipe] saved activation bytes: bf16 %zu, nvfp4 %zu (%.1f%%), mxfp4 %zu\n", bf16, nvfp4,
+              100.0 * static_cast<double>(nvfp4) / static_cast<double>(bf16), mx);
+  EXPECT_LT(nvfp4, bf16);
+  EXPECT_LT(mx, bf16);
+}
+
+// The late switch to BF16 mid-run: the layers start keeping FP32 inputs again, and a resume across
+// the switch is still bit for bit.
+TEST(Recipe, LateSwitchToBf16ResumesBitwise) {
+  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_switch_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  TrainOptions quiet;
+  quiet.print = false;
+  auto cfg = [&](const std::string& out) {
+    return run_with({"recipe.name=nvfp4", "recipe.bf16_from_step=4", "recipe.bf16_switch=all", "train.out_dir=" + out});
+  };
+  const TrainResult full = train(cfg(dir + "/full"), quiet, *make_cpu_backend());
+  TrainOptions resume = quiet;
+  resume.resume = dir + "/full/checkpoints/step_00000005";
+  const TrainResult cont = train(cfg(dir + "/cont"), resume, *make_cpu_backend());
+  ASSERT_EQ(cont.steps.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(test_bits(cont.steps[i].loss), test_bits(full.steps[5 + i].loss));
   std::filesystem::remove_all(dir);
 }
 
