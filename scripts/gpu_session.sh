@@ -81,6 +81,8 @@ if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train"
   row "crosscheck gemm nvfp4" "exit $? $(grep -c 'bitwise identical' "$out/crosscheck.txt") shapes identical"
   build-gpu/fp4sim crosscheck gemm --format mxfp4 --split-k 2 --shapes 128x128x256,64x96x512 >>"$out/crosscheck.txt" 2>&1
   row "crosscheck gemm mxfp4 split-k 2" "exit $?"
+  build-gpu/fp4sim crosscheck gemm --format fp8 --split-k 2 --shapes 128x128x256,64x96x512 >>"$out/crosscheck.txt" 2>&1
+  row "crosscheck gemm fp8 split-k 2" "exit $?"
   cat "$out/crosscheck.txt"
   # the transformer against PyTorch (issue 4): fp4sim trains on the emulator and dumps, torch checks
   if [ -z "${SKIP_ORACLES:-}" ]; then

@@ -336,7 +336,7 @@ struct CrossArgs {
 void run_crosscheck(const CrossArgs& x) {
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  const QFormat fmt = x.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4;
+  const QFormat fmt = x.format == "fp8" ? QFormat::FP8 : (x.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
   std::stringstream ss(x.shapes);
   std::string item;
   int bad = 0;
@@ -412,7 +412,7 @@ void register_gemm(CLI::App& app) {
   auto* cc = app.add_subcommand("crosscheck", "Run an op on both backends and compare bit for bit");
   auto* ccg = cc->add_subcommand("gemm", "Exact GEMM, emu vs cuda, on seeded random operands");
   ccg->add_option("--shapes", x->shapes, "Comma-separated MxNxK");
-  ccg->add_option("--format", x->format, "nvfp4 | mxfp4")->check(CLI::IsMember({"nvfp4", "mxfp4"}));
+  ccg->add_option("--format", x->format, "nvfp4 | mxfp4 | fp8")->check(CLI::IsMember({"nvfp4", "mxfp4", "fp8"}));
   ccg->add_option("--split-k", x->split_k, "split-K");
   cc->require_subcommand(1);
   ccg->callback([x]() { run_crosscheck(*x); });
