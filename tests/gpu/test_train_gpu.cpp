@@ -68,6 +68,28 @@ TEST(TrainGpu, TinyTenStepsMatchEmulator) {
   std::filesystem::remove_all(dir);
 }
 
+// BF16 storage of activations: the CUDA rounding is the emulator's, bit for bit (NaN, Inf, ties,
+// subnormals included).
+TEST(TrainGpu, RoundToBf16BitwiseEqualsEmulator) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  std::mt19937 rng(3);
+  std::vector<float> x(1 << 16);
+  for (size_t i = 0; i < x.size(); ++i) {
+    uint32_t u = static_cast<uint32_t>(rng());
+    if (i % 7 == 0) u = (u & 0xFFFF0000u) | 0x8000u;  // exact ties
+    std::memcpy(&x[i], &u, 4);
+  }
+  std::vector<float> a = x, b(x.size());
+  emu->round_to_bf16(a.data(), static_cast<int64_t>(a.size()));
+  BackendBuffer d(*cuda, x.size() * 4);
+  cuda->upload(d.get(), x.data(), x.size() * 4);
+  cuda->round_to_bf16(d.as<float>(), static_cast<int64_t>(x.size()));
+  cuda->download(b.data(), d.get(), b.size() * 4);
+  ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4));
+}
+
 // The Llama-style variant (SwiGLU, RMSNorm, RoPE, GQA, untied head, no biases) on both backends.
 TEST(TrainGpu, LlamaStyleVariantMatchesEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
