@@ -117,6 +117,8 @@ void validate_recipe(const RunConfig& c) {
     if (l < 0 || l >= L)
       bad("recipe.hp_layers: block " + std::to_string(l) + " is outside 0.." + std::to_string(L - 1));
   if (r.stats_every < 0) bad("recipe.stats_every must be >= 0");
+  if (r.bf16_from_step == 0 || r.bf16_from_step < -1)
+    bad("recipe.bf16_from_step must be a step number >= 1 (steps count from 1), or -1 for never");
   const bool fos = r.four_over_six != "off";
   const bool mx = r.name == "mxfp4";
   if (mx && r.weight_2d) bad("recipe.weight_2d: MXFP4 has no 2D blocks (set recipe.weight_2d=false)");

@@ -66,7 +66,7 @@ struct RecipeConfig {
   int64_t hp_first = -1;  // blocks kept in BF16 at the start; -1 = the recipe's default (§9)
   int64_t hp_last = -1;   // ... at the end; -1 = default
   std::vector<int64_t> hp_layers;  // further blocks kept in BF16
-  int64_t bf16_from_step = -1;     // the late switch to BF16 (-1 = never)
+  int64_t bf16_from_step = -1;     // the late switch to BF16 from this step on (1-based, as printed; -1 = never)
   std::string bf16_switch = "all"; // forward (Fprop GEMMs only) | all
   int64_t stats_every = 0;         // per-tensor quantization statistics every N steps (0 = off)
   // Per-GEMM recipe: "h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>.<fprop|dgrad|wgrad>"

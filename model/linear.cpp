@@ -28,7 +28,7 @@ LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& 
     const auto it = rc.override_gemms.find(key + gemm);
     if (it != rc.override_gemms.end()) *slot = it->second;
   }
-  if (rc.bf16_from_step >= 0 && step >= rc.bf16_from_step) {
+  if (rc.bf16_from_step > 0 && step + 1 >= rc.bf16_from_step) {  // steps count from 1, as printed
     r.fprop = "bf16";
     if (rc.bf16_switch == "all") r.dgrad = r.wgrad = "bf16";
   }

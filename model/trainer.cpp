@@ -168,6 +168,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     if (std::all_of(hp.begin(), hp.end(), [](bool b) { return b; }))
       std::printf("warning: recipe %s keeps every block in BF16 (recipe.hp_first/hp_last/hp_layers)\n",
                   c.recipe.name.c_str());
+    if (c.recipe.bf16_from_step > 0)
+      std::printf("late switch: from step %lld, %s in BF16\n", static_cast<long long>(c.recipe.bf16_from_step),
+                  c.recipe.bf16_switch == "all" ? "every GEMM" : "the Fprop GEMMs");
     if (c.recipe.stochastic_rounding == "all")
       std::printf("warning: recipe.stochastic_rounding all puts SR on weights and activations too (unusual)\n");
   }
@@ -207,6 +210,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     const auto t0 = std::chrono::steady_clock::now();
     pos = next_batch(data.train, pos, B, T, tok, tgt);
     model.set_step(step);
+    if (opt.print && c.recipe.name != "bf16" && step + 1 == c.recipe.bf16_from_step && step > 0)
+      std::printf("step %5lld | late switch to BF16 (%s)\n", static_cast<long long>(step + 1), c.recipe.bf16_switch.c_str());
     const bool stats_now = c.recipe.stats_every > 0 && c.recipe.name != "bf16" && step % c.recipe.stats_every == 0;
     if (stats_now) model.collect_stats_once();
     const float loss = model.forward(tok.data(), tgt.data(), B, T);
