@@ -512,6 +512,51 @@ FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zer
                               kFp32ManBits);
 }
 
+// The lean GST-FDPA core of the GPU GEMM's second kernel: the scales arrive unpacked (significand,
+// 0 for a zero scale, and exponent reading per group and operand), the group sums signed, the
+// all-zero groups as bits. It covers the common case only and returns false for the rest, which
+// the caller sends to gst_fdpa_core_packed_bits: a non-finite C, or an exactly zero sum (whose sign
+// needs the per-product signs). NaN scales must be filtered by the caller. The five terms are
+// summed in FP64 as in gst_fdpa_core_packed_bits (exact). Equal to the readable core wherever it
+// returns true (tests/emu/test_mma.cpp).
+FP4SIM_HD bool gst_fdpa_core_lean(const int32_t* p4, const int32_t* sig_a, const int32_t* exp_a,
+                                  const int32_t* sig_b, const int32_t* exp_b, uint32_t all_zero, int man_bits,
+                                  float c, uint32_t* out_bits) {
+  const uint32_t cb = f32_bits(c);
+  const uint32_t c_biased = (cb >> 23) & 0xFFu;
+  if (c_biased == 0xFFu) return false;
+  int e_max = kGstZeroExp;
+  int exp_sum[kGstGroups];
+  FP4SIM_UNROLL
+  for (int g = 0; g < kGstGroups; ++g) {
+    exp_sum[g] = exp_a[g] + exp_b[g];
+    const bool zero = ((all_zero >> g) & 1u) != 0 || sig_a[g] == 0 || sig_b[g] == 0;
+    const int align = zero ? kGstZeroExp : exp_sum[g];
+    e_max = align > e_max ? align : e_max;
+  }
+  const bool c_zero = (cb & 0x7FFFFFFFu) == 0;
+  if (!c_zero) {
+    const int ce = c_biased == 0 ? kFp32Emin : static_cast<int>(c_biased) - 127;
+    e_max = ce > e_max ? ce : e_max;
+  }
+  const int grid = e_max - kGstF;
+  double sum = c_zero ? 0.0 : trunc(static_cast<double>(c) * pow2_double(-grid));
+  FP4SIM_UNROLL
+  for (int g = 0; g < kGstGroups; ++g) {
+    const int sh = exp_sum[g] - 2 * man_bits - 2 - grid;  // the term's lsb on the grid
+    const double v = static_cast<double>(p4[g] * sig_a[g] * sig_b[g]);
+    sum += sh < -1000 ? 0.0 : trunc(v * pow2_double(sh));
+  }
+  if (sum == 0.0) return false;
+  const double value = sum * pow2_double(grid);
+  if (fabs(value) >= 0x1p128) {
+    *out_bits = value < 0 ? 0xFF800000u : 0x7F800000u;
+    return true;
+  }
+  *out_bits = f32_bits(double_to_f32_rz(value));
+  return true;
+}
+
 // The exact group sums of one 64-wide chunk from packed E2M1 codes (element 2i in the low nibble).
 FP4SIM_HD void gst_group_sums(const uint8_t* a_packed, const uint8_t* b_packed, GroupSum* groups) {
   for (int g = 0; g < kGstGroups; ++g) {

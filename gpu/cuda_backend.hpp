@@ -119,7 +119,8 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
 void set_quantize_tile_variant(int cols_per_thread);
 void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
                        const GemmConfig& cfg, void* out, cudaStream_t stream);
-// Benchmark knob: the exact GEMM kernel, 0 = one thread per output (reference), 1 = tiled (default).
+// Benchmark knob: the exact GEMM kernel, 0 = one thread per output (reference), 1 = tiled (default),
+// 2 = tiled with the lean core (not yet verified on a GPU).
 // Results are identical; only speed differs.
 void set_gemm_exact_variant(int variant);
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);

@@ -5,7 +5,9 @@
 //    decoded once into shared memory (2 * e2m1 as int8, per-group zero/sign masks, packed scales),
 //    each thread computes 4 x 4 outputs: the 16-element group sums with __dp4a (exact integer dot
 //    products), then gst_fdpa_core_packed_bits with its FP64 sum (both formulations tested equal to
-//    the readable core on the CPU).
+//    the readable core on the CPU);
+//  - variant 2 (not yet measured or run on a GPU): the same tiles through gst_fdpa_core_lean from
+//    unpacked scales for the common case, aimed at the integer (ALU) pipe that bounds variant 1.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -78,9 +80,15 @@ struct ChunkTile {
   uint16_t nonzero[kTile][kGstGroups];
   uint16_t sign[kTile][kGstGroups];
   uint32_t scale[kTile][kGstGroups];  // pack_scale(decode_scale(byte))
+  // the same scales unpacked for the lean core (variant 2): significand (0 for a zero scale),
+  // exponent reading, NaN flag
+  int32_t sig[kTile][kGstGroups];
+  int32_t exp[kTile][kGstGroups];
+  uint8_t nan[kTile][kGstGroups];
 };
 
 // Thread t decodes group (t % 4) of row (t / 4) of the tile: 16 codes (8 bytes) and its scale.
+template <bool kLean>
 __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch, ScaleKind kind, ChunkTile& s) {
   const int t = threadIdx.x, r = t / kGstGroups, g = t % kGstGroups;
   const int64_t row = row0 + r, k0 = ch * kGemmChunk + g * kGstGroup;
@@ -105,9 +113,18 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
   *reinterpret_cast<uint4*>(s.twice + r * kRowBytes + g * kGstGroup) = make_uint4(words[0], words[1], words[2], words[3]);
   s.nonzero[r][g] = static_cast<uint16_t>(nz);
   s.sign[r][g] = static_cast<uint16_t>(sg);
-  s.scale[r][g] = pack_scale(decode_scale(sbyte, kind));
+  const DecodedScale ds = decode_scale(sbyte, kind);
+  s.scale[r][g] = pack_scale(ds);
+  if constexpr (kLean) {
+    s.sig[r][g] = ds.zero ? 0 : static_cast<int32_t>(ds.sig);
+    s.exp[r][g] = ds.exp;
+    s.nan[r][g] = ds.nan ? 1 : 0;
+  }
 }
 
+// kLean (variant 2): the common case through gst_fdpa_core_lean from unpacked scales, fewer integer
+// instructions per output and chunk; the rest (NaN scales, non-finite C, a zero sum) as variant 1.
+template <bool kLean>
 __global__ void __launch_bounds__(kTiledThreads) gemm_exact_tiled_kernel(QuantizedView a, QuantizedView b,
                                                                          const float* c, GemmConfig cfg, void* out) {
   __shared__ ChunkTile sa, sb;
@@ -125,8 +142,8 @@ __global__ void __launch_bounds__(kTiledThreads) gemm_exact_tiled_kernel(Quantiz
       for (int j = 0; j < kPer; ++j) acc[i][j] = 0.0f;
     for (int64_t ch = s * per_split; ch < (s + 1) * per_split; ++ch) {
       __syncthreads();  // the previous chunk's readers are done
-      load_chunk_tile(a, m0, ch, kind, sa);
-      load_chunk_tile(b, n0, ch, kind, sb);
+      load_chunk_tile<kLean>(a, m0, ch, kind, sa);
+      load_chunk_tile<kLean>(b, n0, ch, kind, sb);
       __syncthreads();
 #pragma unroll 1
       for (int i = 0; i < kPer; ++i) {
@@ -136,6 +153,17 @@ __global__ void __launch_bounds__(kTiledThreads) gemm_exact_tiled_kernel(Quantiz
         uint32_t wa[kGstGroups];
         FP4SIM_UNROLL
         for (int g = 0; g < kGstGroups; ++g) wa[g] = sa.scale[ra][g];
+        int32_t siga[kGstGroups], expa[kGstGroups];
+        uint32_t nza[kGstGroups], nan_a = 0;
+        if constexpr (kLean) {
+          FP4SIM_UNROLL
+          for (int g = 0; g < kGstGroups; ++g) {
+            siga[g] = sa.sig[ra][g];
+            expa[g] = sa.exp[ra][g];
+            nza[g] = sa.nonzero[ra][g];
+          }
+          nan_a = *reinterpret_cast<const uint32_t*>(&sa.nan[ra][0]);
+        }
         FP4SIM_UNROLL
         for (int j = 0; j < kPer; ++j) {
           const int rb = tx + 16 * j;
@@ -146,6 +174,22 @@ __global__ void __launch_bounds__(kTiledThreads) gemm_exact_tiled_kernel(Quantiz
           p4[1] = __dp4a(int(x1.w), int(y1.w), __dp4a(int(x1.z), int(y1.z), __dp4a(int(x1.y), int(y1.y), __dp4a(int(x1.x), int(y1.x), 0))));
           p4[2] = __dp4a(int(x2.w), int(y2.w), __dp4a(int(x2.z), int(y2.z), __dp4a(int(x2.y), int(y2.y), __dp4a(int(x2.x), int(y2.x), 0))));
           p4[3] = __dp4a(int(x3.w), int(y3.w), __dp4a(int(x3.z), int(y3.z), __dp4a(int(x3.y), int(y3.y), __dp4a(int(x3.x), int(y3.x), 0))));
+          if constexpr (kLean) {
+            int32_t sigb[kGstGroups], expb[kGstGroups];
+            uint32_t all_zero = 0;
+            FP4SIM_UNROLL
+            for (int g = 0; g < kGstGroups; ++g) {
+              sigb[g] = sb.sig[rb][g];
+              expb[g] = sb.exp[rb][g];
+              all_zero |= ((nza[g] & sb.nonzero[rb][g]) == 0 ? 1u : 0u) << g;
+            }
+            const uint32_t nan_b = *reinterpret_cast<const uint32_t*>(&sb.nan[rb][0]);
+            uint32_t bits;
+            if ((nan_a | nan_b) == 0 && gst_fdpa_core_lean(p4, siga, expa, sigb, expb, all_zero, man_bits, acc[i][j], &bits)) {
+              acc[i][j] = f32_from_bits(bits);
+              continue;
+            }
+          }
           uint32_t all_zero = 0, all_neg_zero = 0, wb[kGstGroups];
           FP4SIM_UNROLL
           for (int g = 0; g < kGstGroups; ++g) {
@@ -184,12 +228,12 @@ __global__ void __launch_bounds__(kTiledThreads) gemm_exact_tiled_kernel(Quantiz
   }
 }
 
-int g_gemm_exact_variant = 1;  // 0 = reference kernel, 1 = tiled (benchmark knob; same bits)
+int g_gemm_exact_variant = 1;  // 0 reference, 1 tiled, 2 tiled with the lean core (benchmark knob; same bits)
 
 }  // namespace
 
 void set_gemm_exact_variant(int variant) {
-  if (variant != 0 && variant != 1) throw std::invalid_argument("exact GEMM variant must be 0 or 1");
+  if (variant < 0 || variant > 2) throw std::invalid_argument("exact GEMM variant must be 0, 1 or 2");
   g_gemm_exact_variant = variant;
 }
 
@@ -197,9 +241,10 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
                        const GemmConfig& cfg, void* out, cudaStream_t stream) {
   // the tiled kernel reads codes 8 bytes at a time; views at odd offsets take the reference kernel
   const bool aligned = reinterpret_cast<uintptr_t>(a.codes) % 8 == 0 && reinterpret_cast<uintptr_t>(b.codes) % 8 == 0;
-  if (g_gemm_exact_variant == 1 && aligned) {
+  if (g_gemm_exact_variant >= 1 && aligned) {
     const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile), static_cast<unsigned>((a.rows + kTile - 1) / kTile));
-    gemm_exact_tiled_kernel<<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+    if (g_gemm_exact_variant == 2) gemm_exact_tiled_kernel<true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+    else gemm_exact_tiled_kernel<false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
     FP4SIM_CUDA_CHECK_LAUNCH();
     return;
   }
