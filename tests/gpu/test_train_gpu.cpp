@@ -146,26 +146,33 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  const int64_t N = 96, K = 64, OC = 96;
-  std::mt19937 rng(11);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> x(N * K), w(OC * K), dy(N * OC), bias(OC), dx0(N * K), dw0(OC * K), db0(OC);
-  for (auto& v : x) v = nd(rng);
-  for (auto& v : w) v = 0.05f * nd(rng);
-  for (auto& v : dy) v = 1e-4f * nd(rng);
-  for (auto& v : bias) v = nd(rng);
-  for (auto& v : dx0) v = nd(rng);
-  for (auto& v : dw0) v = nd(rng);
-  for (auto& v : db0) v = nd(rng);
-  const std::vector<std::vector<std::string>> variants = {
-      {"recipe.name=nvfp4"},
-      {"recipe.name=nvfp4", "recipe.rht=false", "recipe.stochastic_rounding=off", "recipe.weight_2d=false"},
-      {"recipe.name=nvfp4", "recipe.four_over_six=weights", "recipe.fos_error=mse"},
-      {"recipe.name=mxfp4", "recipe.weight_2d=false", "recipe.mx_scale_rule=ceil"},
-      {"recipe.name=nvfp4", "recipe.override.h.0.attn.c_attn.dgrad=bf16"}};
-  for (const auto& v : variants) {
-    std::vector<std::string> o = v;
-    o.push_back("model.d_model=64");
+  struct Variant {
+    std::vector<std::string> overrides;
+    int64_t N, K, OC;
+    bool saved;  // the model's path: Wgrad input quantized in the forward pass and kept
+  };
+  const std::vector<Variant> variants = {
+      {{"recipe.name=nvfp4"}, 96, 64, 96, false},
+      {{"recipe.name=nvfp4"}, 96, 64, 96, true},
+      {{"recipe.name=nvfp4", "recipe.rht=false", "recipe.stochastic_rounding=off", "recipe.weight_2d=false"}, 96, 64, 96, true},
+      {{"recipe.name=nvfp4", "recipe.four_over_six=weights", "recipe.fos_error=mse"}, 96, 64, 96, true},
+      {{"recipe.name=mxfp4", "recipe.weight_2d=false", "recipe.mx_scale_rule=ceil"}, 96, 64, 96, true},
+      {{"recipe.name=nvfp4", "recipe.override.h.0.attn.c_attn.dgrad=bf16"}, 96, 64, 96, true},
+      {{"recipe.name=fp8"}, 256, 128, 128, true}};
+  for (const Variant& v : variants) {
+    const int64_t N = v.N, K = v.K, OC = v.OC;
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> x(N * K), w(OC * K), dy(N * OC), bias(OC), dx0(N * K), dw0(OC * K), db0(OC);
+    for (auto& e : x) e = nd(rng);
+    for (auto& e : w) e = 0.05f * nd(rng);
+    for (auto& e : dy) e = 1e-4f * nd(rng);
+    for (auto& e : bias) e = nd(rng);
+    for (auto& e : dx0) e = nd(rng);
+    for (auto& e : dw0) e = nd(rng);
+    for (auto& e : db0) e = nd(rng);
+    std::vector<std::string> o = v.overrides;
+    o.push_back("model.d_model=" + std::to_string(std::max<int64_t>(64, K)));
     const RunConfig c = tiny(o);
     const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 0, 3);
     const LinearIds ids{42, 3, 0, 0, 0};
@@ -177,10 +184,12 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
       };
       auto bx = up(x), bw = up(w), bdy = up(dy), bb = up(bias), bdx = up(dx0), bdw = up(dw0), bdb = up(db0);
       BackendBuffer by(be, static_cast<size_t>(N * OC) * 4);
+      std::unique_ptr<QuantizedCopy> saved;
       linear_forward(be, r, ids, by.as<float>(), bx->as<float>(), bw->as<float>(), bb->as<float>(), N, K, OC,
-                     emu::GemmPrecision::BF16, nullptr, "t");
+                     emu::GemmPrecision::BF16, nullptr, "t", v.saved ? &saved : nullptr);
       linear_backward(be, r, ids, bdx->as<float>(), bdw->as<float>(), bdb->as<float>(), bdy->as<float>(),
-                      bx->as<float>(), bw->as<float>(), N, K, OC, emu::GemmPrecision::BF16, nullptr, "t");
+                      v.saved && saved ? nullptr : bx->as<float>(), bw->as<float>(), N, K, OC,
+                      emu::GemmPrecision::BF16, nullptr, "t", saved.get());
       std::vector<float> out;
       for (auto [p, n] : {std::pair<void*, int64_t>{by.get(), N * OC}, {bdx->get(), N * K}, {bdw->get(), OC * K},
                           {bdb->get(), OC}}) {
@@ -205,10 +214,11 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
         break;
       }
     }
-    EXPECT_EQ(first_diff, a.size()) << v.back() << ": first difference at flat index " << first_diff << " ("
+    const std::string what = v.overrides.back() + (v.saved ? " (saved Wgrad input)" : "");
+    EXPECT_EQ(first_diff, a.size()) << what << ": first difference at flat index " << first_diff << " ("
                                     << (first_diff < a.size() ? a[first_diff] : 0.0f) << " vs "
                                     << (first_diff < a.size() ? b[first_diff] : 0.0f) << ")";
-    std::printf("[train-gpu] quantized linear %s: %s\n", v.back().c_str(),
+    std::printf("[train-gpu] quantized linear %s: %s\n", what.c_str(),
                 first_diff == a.size() ? "bitwise identical" : "DIFFERS");
   }
 }
