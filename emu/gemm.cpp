@@ -49,7 +49,7 @@ struct DecodedOperand {
   int64_t rows = 0, chunks = 0;
   std::vector<int8_t> twice;           // [rows][chunks*64]
   std::vector<uint64_t> sign, nonzero;  // [rows][chunks]
-  std::vector<DecodedScale> scales;     // [rows][chunks][4]
+  std::vector<uint32_t> scales;         // [rows][chunks][4], pack_scale(decode_scale(byte))
 };
 
 DecodedOperand decode_operand(const QuantizedView& q) {
@@ -82,7 +82,7 @@ DecodedOperand decode_operand(const QuantizedView& q) {
       for (int g = 0; g < kGstGroups; ++g) {
         const int64_t kk = ch * kGemmChunk + g * kGstGroup;
         const uint8_t byte = kk < q.cols ? q.scales[r * spr + kk / block] : 0;  // padding: 0x00
-        d.scales[(r * d.chunks + ch) * kGstGroups + g] = decode_scale(byte, kind);
+        d.scales[(r * d.chunks + ch) * kGstGroups + g] = pack_scale(decode_scale(byte, kind));
       }
     }
   }
@@ -146,11 +146,7 @@ void gemm_exact_fp8_host(const QuantizedView& a, const QuantizedView& b, const f
         }
         total = s == 0 ? acc : fadd_rn(total, acc);
       }
-      const float d = gemm_epilogue(cfg.alpha, total, cfg.beta, c ? c[m * N + n] : 0.0f);
-      if (cfg.out == GemmOut::BF16)
-        static_cast<uint16_t*>(out)[m * N + n] = bf16_rne(d);
-      else
-        static_cast<float*>(out)[m * N + n] = d;
+      gemm_store(cfg, cfg.alpha, total, c, m * N + n, out);
     }
   }
 }
@@ -168,6 +164,7 @@ void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float
   const DecodedOperand da = decode_operand(a), db = decode_operand(b);
   const int64_t M = a.rows, N = b.rows, chunks = da.chunks, kp = chunks * kGemmChunk;
   const int64_t per_split = chunks / cfg.split_k;
+  const int man_bits = scale_kind_of(a.format) == ScaleKind::UE4M3_16 ? 3 : 0;
   const float alpha = gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax,
                                           b.four_over_six);
 #pragma omp parallel for schedule(dynamic, 1)
@@ -181,26 +178,24 @@ void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float
           const int8_t* y = &db.twice[n * kp + ch * kGemmChunk];
           const uint64_t both_nz = da.nonzero[m * chunks + ch] & db.nonzero[n * chunks + ch];
           const uint64_t neg = da.sign[m * chunks + ch] ^ db.sign[n * chunks + ch];
-          GroupSum groups[kGstGroups];
+          int32_t p4[kGstGroups];
+          uint32_t all_zero = 0, all_neg_zero = 0;
           for (int g = 0; g < kGstGroups; ++g) {
-            int32_t p4 = 0;
+            p4[g] = 0;
             for (int i = 0; i < kGstGroup; ++i)
-              p4 += static_cast<int32_t>(x[g * kGstGroup + i]) * y[g * kGstGroup + i];
+              p4[g] += static_cast<int32_t>(x[g * kGstGroup + i]) * y[g * kGstGroup + i];
             const uint64_t mask = 0xFFFFull << (g * kGstGroup);
-            groups[g].p4 = p4;
-            groups[g].all_zero = (both_nz & mask) == 0;
-            groups[g].all_neg_zero = groups[g].all_zero && (neg & mask) == mask;
+            const bool zero = (both_nz & mask) == 0;
+            all_zero |= (zero ? 1u : 0u) << g;
+            all_neg_zero |= (zero && (neg & mask) == mask ? 1u : 0u) << g;
           }
-          acc = f32_from_bits(gst_fdpa_core_fast_bits(groups, &da.scales[(m * chunks + ch) * kGstGroups],
-                                                      &db.scales[(n * chunks + ch) * kGstGroups], acc));
+          acc = f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero,
+                                                        &da.scales[(m * chunks + ch) * kGstGroups],
+                                                        &db.scales[(n * chunks + ch) * kGstGroups], man_bits, acc));
         }
         total = s == 0 ? acc : fadd_rn(total, acc);
       }
-      const float d = gemm_epilogue(alpha, total, cfg.beta, c ? c[m * N + n] : 0.0f);
-      if (cfg.out == GemmOut::BF16)
-        static_cast<uint16_t*>(out)[m * N + n] = bf16_rne(d);
-      else
-        static_cast<float*>(out)[m * N + n] = d;
+      gemm_store(cfg, alpha, total, c, m * N + n, out);
     }
   }
 }

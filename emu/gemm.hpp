@@ -61,6 +61,16 @@ FP4SIM_HD float gemm_epilogue(float alpha_eff, float acc, float beta, float c) {
   return f32_isnan(d) ? f32_from_bits(kCanonicalNaN) : d;
 }
 
+// Output idx of an exact GEMM: D = gemm_epilogue(alpha_eff, acc, beta, C[idx]) as FP32, or its BF16
+// (RNE) bits, per cfg.out.
+FP4SIM_HD void gemm_store(const GemmConfig& cfg, float alpha_eff, float acc, const float* c, int64_t idx, void* out) {
+  const float d = gemm_epilogue(alpha_eff, acc, cfg.beta, c ? c[idx] : 0.0f);
+  if (cfg.out == GemmOut::BF16)
+    static_cast<uint16_t*>(out)[idx] = bf16_rne(d);
+  else
+    static_cast<float*>(out)[idx] = d;
+}
+
 // Bound on |D_cublaslt - D_exact| for one output, from the two accumulation models (DESIGN.md §7),
 // with S = sum_k |a_k||b_k| over the operands dequantized with their block scales (so every partial
 // sum and every 2^e_max is at most 2S) and u = 2^-23:

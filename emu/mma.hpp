@@ -331,62 +331,6 @@ FP4SIM_HD uint32_t gst_fdpa_core_bits(const GroupSum* groups, const DecodedScale
   return fdpa_truncated_sum_bits(terms, kGstGroups + 1, e_max, kGstF, kFp32ManBits, all_neg_zero);
 }
 
-// gst_fdpa_core_bits for the GEMMs' inner loop: the same bits (tests/emu/test_mma.cpp compares the
-// two on millions of random group sums, scales and C, specials included), with C decoded from its
-// bit pattern and the five terms kept in registers. Each term fits an int64 on the 2^(e_max - 35)
-// grid: a group's |P4| * sig_a * sig_b < 2^19 shifted left by at most 27 (UE4M3; UE8M0: 2^12 by at
-// most 33), C's 24-bit significand by at most 12. NaN scales and non-finite C take the readable path.
-FP4SIM_HD uint32_t gst_fdpa_core_fast_bits(const GroupSum* groups, const DecodedScale* sa,
-                                           const DecodedScale* sb, float c) {
-  const uint32_t cb = f32_bits(c);
-  const uint32_t c_biased = (cb >> 23) & 0xFFu;
-  bool special = c_biased == 0xFFu;
-  FP4SIM_UNROLL
-  for (int g = 0; g < kGstGroups; ++g) special = special || sa[g].nan || sb[g].nan;
-  if (special) return gst_fdpa_core_bits(groups, sa, sb, c, nullptr);
-  uint64_t sig[kGstGroups + 1];
-  int lsb[kGstGroups + 1];
-  bool neg[kGstGroups + 1];
-  int e_max = kGstZeroExp;
-  bool all_neg_zero = true;
-  FP4SIM_UNROLL
-  for (int g = 0; g < kGstGroups; ++g) {
-    const GroupSum& p = groups[g];
-    const bool zero_scale = sa[g].zero || sb[g].zero;
-    neg[g] = p.p4 < 0 || (p.p4 == 0 && p.all_neg_zero);
-    const uint32_t mag = static_cast<uint32_t>(p.p4 < 0 ? -p.p4 : p.p4);
-    sig[g] = zero_scale ? 0u : static_cast<uint64_t>(mag * sa[g].sig * sb[g].sig);
-    lsb[g] = sa[g].exp - sa[g].man_bits + sb[g].exp - sb[g].man_bits - 2;
-    const int align = (p.all_zero || zero_scale) ? kGstZeroExp : sa[g].exp + sb[g].exp;
-    all_neg_zero = all_neg_zero && sig[g] == 0 && neg[g];
-    e_max = align > e_max ? align : e_max;
-  }
-  neg[kGstGroups] = (cb >> 31) != 0;
-  if ((cb & 0x7FFFFFFFu) == 0) {
-    sig[kGstGroups] = 0;
-    lsb[kGstGroups] = 0;
-    all_neg_zero = all_neg_zero && neg[kGstGroups];
-  } else {
-    const int ce = c_biased == 0 ? kFp32Emin : static_cast<int>(c_biased) - 127;
-    sig[kGstGroups] = c_biased == 0 ? (cb & 0x7FFFFFu) : ((cb & 0x7FFFFFu) | 0x800000u);
-    lsb[kGstGroups] = ce - kFp32ManBits;
-    all_neg_zero = false;
-    e_max = ce > e_max ? ce : e_max;
-  }
-  const int grid = e_max - kGstF;
-  int64_t sum = 0;
-  FP4SIM_UNROLL
-  for (int i = 0; i <= kGstGroups; ++i) {
-    const int sh = lsb[i] - grid;
-    const uint64_t v = sh >= 0 ? (sig[i] << sh) : (-sh >= 64 ? 0u : (sig[i] >> (-sh)));
-    sum += neg[i] ? -static_cast<int64_t>(v) : static_cast<int64_t>(v);
-  }
-  if (sum == 0) return all_neg_zero ? 0x80000000u : 0u;
-  const bool sum_neg = sum < 0;
-  return round_rz_to_f32_bits(sum_neg ? static_cast<uint64_t>(-sum) : static_cast<uint64_t>(sum), grid, sum_neg,
-                              kFp32ManBits);
-}
-
 // A decoded scale packed in one word for the GEMM kernels: sig in bits 0-7, exp + 512 in bits 8-17,
 // zero in bit 30, NaN in bit 31 (man_bits is the scale kind's: 3 for UE4M3, 0 for UE8M0).
 FP4SIM_HD uint32_t pack_scale(const DecodedScale& d) {
@@ -431,9 +375,13 @@ FP4SIM_HD double pow2_double(int e) {  // 2^e for -1022 <= e <= 1023
 #endif
 }
 
-// gst_fdpa_core_fast_bits on packed inputs, for the GPU GEMM's inner loop: p4[g] the group sums,
+// gst_fdpa_core_bits for the GEMMs' inner loop (both backends): the same bits (tests/emu/test_mma.cpp
+// compares them on millions of random group sums, scales and C, specials included), with packed
+// scales, C decoded from its bit pattern and the five terms kept in registers. p4[g] the group sums,
 // bit g of all_zero / all_neg_zero the group flags, wa/wb the groups' packed scales, man_bits the
-// scale kind's fraction bits. Same bits (tests/emu/test_mma.cpp).
+// scale kind's fraction bits. Each term fits an int64 on the 2^(e_max - 35) grid: a group's
+// |P4| * sig_a * sig_b < 2^19 shifted left by at most 27 (UE4M3; UE8M0: 2^12 by at most 33), C's
+// 24-bit significand by at most 12. NaN scales and non-finite C take the readable path.
 // use_double: the same sum in FP64 (see above); the GPU kernel passes true.
 FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zero, uint32_t all_neg_zero_groups,
                                              const uint32_t* wa, const uint32_t* wb, int man_bits, float c,

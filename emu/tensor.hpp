@@ -31,4 +31,14 @@ struct TensorView {
 
 std::string shape_str(int64_t rows, int64_t cols);
 
+// A float32 [rows, cols] row-major view of host memory.
+inline TensorView host_view(float* data, int64_t rows, int64_t cols, const char* name = "tensor") {
+  TensorView v;
+  v.data = data;
+  v.rows = rows;
+  v.cols = cols;
+  v.name = name;
+  return v;
+}
+
 }  // namespace fp4sim

@@ -93,11 +93,7 @@ __global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const fl
     }
     total = s == 0 ? acc : fadd_rn(total, acc);
   }
-  const float d = gemm_epilogue(cfg.alpha, total, cfg.beta, c ? c[idx] : 0.0f);
-  if (cfg.out == GemmOut::BF16)
-    static_cast<uint16_t*>(out)[idx] = bf16_rne(d);
-  else
-    static_cast<float*>(out)[idx] = d;
+  gemm_store(cfg, cfg.alpha, total, c, idx, out);
 }
 
 int blocks_for(int64_t n, int threads) {

@@ -60,11 +60,7 @@ __global__ void gemm_exact_reference_kernel(QuantizedView a, QuantizedView b, co
   }
   const float alpha =
       gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
-  const float d = gemm_epilogue(alpha, total, cfg.beta, c ? c[idx] : 0.0f);
-  if (cfg.out == GemmOut::BF16)
-    static_cast<uint16_t*>(out)[idx] = bf16_rne(d);
-  else
-    static_cast<float*>(out)[idx] = d;
+  gemm_store(cfg, alpha, total, c, idx, out);
 }
 
 
@@ -219,11 +215,7 @@ __global__ void __launch_bounds__(kTiledThreads) gemm_exact_tiled_kernel(Quantiz
       const int64_t n = n0 + tx + 16 * j;
       if (m >= a.rows || n >= N) continue;
       const int64_t idx = m * N + n;
-      const float d = gemm_epilogue(alpha, total[i][j], cfg.beta, c ? c[idx] : 0.0f);
-      if (cfg.out == GemmOut::BF16)
-        static_cast<uint16_t*>(out)[idx] = bf16_rne(d);
-      else
-        static_cast<float*>(out)[idx] = d;
+      gemm_store(cfg, alpha, total[i][j], c, idx, out);
     }
   }
 }

@@ -91,17 +91,19 @@ void flatten(const Json& j, const std::string& prefix, std::vector<std::pair<std
 
 [[noreturn]] void bad(const std::string& m) { throw std::invalid_argument("config: " + m); }
 
+// A string key whose value must be one of a fixed set: the error names the key and lists the set.
+void one_of(const std::string& key, const std::string& v, std::initializer_list<const char*> ok) {
+  std::string list;
+  for (const char* o : ok) {
+    if (v == o) return;
+    list += std::string(list.empty() ? "" : ", ") + o;
+  }
+  bad(key + " '" + v + "' is not one of: " + list);
+}
+
 void validate_recipe(const RunConfig& c) {
   const RecipeConfig& r = c.recipe;
   const ModelConfig& m = c.model;
-  auto one_of = [](const char* k, const std::string& v, std::initializer_list<const char*> ok) {
-    std::string list;
-    for (const char* o : ok) {
-      if (v == o) return;
-      list += std::string(list.empty() ? "" : ", ") + o;
-    }
-    bad(std::string(k) + " '" + v + "' is not one of: " + list);
-  };
   one_of("recipe.name", r.name, {"bf16", "fp8", "nvfp4", "mxfp4"});
   one_of("recipe.gemm", r.gemm, {"exact", "cublaslt"});
   one_of("recipe.stochastic_rounding", r.stochastic_rounding, {"gradients", "off", "all"});
@@ -175,7 +177,7 @@ void validate_recipe(const RunConfig& c) {
           "mlp.c_proj>.<fprop|dgrad|wgrad>");
     if (l < 0 || l >= L)
       bad("recipe.override." + k + ": block " + std::to_string(l) + " is outside 0.." + std::to_string(L - 1));
-    one_of(("recipe.override." + k).c_str(), v, {"bf16", "nvfp4", "mxfp4", "fp8"});
+    one_of("recipe.override." + k, v, {"bf16", "nvfp4", "mxfp4", "fp8"});
   }
 }
 
@@ -258,14 +260,6 @@ void validate(const RunConfig& c) {
   if (m.positions == "learned" && m.seq_len > m.max_positions)
     bad("model.seq_len " + std::to_string(m.seq_len) + " is longer than the learned positions table "
         "(model.max_positions " + std::to_string(m.max_positions) + ")");
-  auto one_of = [](const char* k, const std::string& v, std::initializer_list<const char*> ok) {
-    std::string list;
-    for (const char* o : ok) {
-      if (v == o) return;
-      list += std::string(list.empty() ? "" : ", ") + o;
-    }
-    bad(std::string(k) + " '" + v + "' is not one of: " + list);
-  };
   one_of("model.activation", m.activation, {"gelu_tanh", "squared_relu", "swiglu"});
   one_of("model.norm", m.norm, {"layernorm", "rmsnorm"});
   one_of("model.positions", m.positions, {"learned", "rope"});

@@ -117,16 +117,16 @@ void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int6
   const LinearIds ids{run_.train.seed, step_, 0, l, linear};
   LayerActs& a = acts_[static_cast<size_t>(l)];
   const LinearRecipe& r = linear_recipe(l, linear);
-  const float* inp = r.wgrad == "bf16" ? linear_input(a, linear) : nullptr;  // else the saved copy
+  const float* inp = r.wgrad == "bf16" ? linear_input(l, linear) : nullptr;  // else the saved copy
   linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr, dout, inp,
                   p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
                   a.saved_x[linear].get());
 }
 
-float* Gpt::linear_input(LayerActs& a, int linear) {
+float* Gpt::linear_input(int64_t l, int linear) {
   const int64_t N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
-  if (linear_recipe(static_cast<int64_t>(&a - acts_.data()), linear).wgrad != "bf16")
-    return scratch_in_[linear].as<float>();
+  if (linear_recipe(l, linear).wgrad != "bf16") return scratch_in_[linear].as<float>();
+  LayerActs& a = acts_[static_cast<size_t>(l)];
   BackendBuffer& b = linear == 0 ? a.ln1 : linear == 1 ? a.atty : linear == 2 ? a.ln2 : a.act;
   if (b.bytes() < static_cast<size_t>(N * width) * 4) b = BackendBuffer(be_, static_cast<size_t>(N * width) * 4);
   return b.as<float>();
@@ -269,23 +269,23 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   };
   for (int64_t l = 0; l < c.n_layers; ++l) {
     LayerActs& a = acts_[static_cast<size_t>(l)];
-    float* const ln1 = linear_input(a, 0);
+    float* const ln1 = linear_input(l, 0);
     norm_fwd(ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
     linear_fwd(l, 0, F32(a.qkv), ln1, N, C, QKV);
     if (c.positions == "rope") be_.rope_forward(F32(a.qkv), B, T, NH, NKV, HD);
     store(F32(a.qkv), N * QKV);
-    float* const atty = linear_input(a, 1);
+    float* const atty = linear_input(l, 1);
     be_.attention_forward(atty, F32(a.att), F32(a.qkv), B, T, NH, NKV, HD);
     store(atty, N * C);
     linear_fwd(l, 1, F32(a.attproj), atty, N, C, C);
     store(F32(a.attproj), N * C);
     be_.residual_forward(F32(a.res1), x, F32(a.attproj), N * C);
     store(F32(a.res1), N * C);
-    float* const ln2 = linear_input(a, 2);
+    float* const ln2 = linear_input(l, 2);
     norm_fwd(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
     linear_fwd(l, 2, F32(a.fc), ln2, N, C, FC);
     store(F32(a.fc), N * FC);
-    float* const act = linear_input(a, 3);
+    float* const act = linear_input(l, 3);
     if (c.activation == "gelu_tanh") be_.gelu_forward(act, F32(a.fc), N * F);
     else if (c.activation == "squared_relu") be_.squared_relu_forward(act, F32(a.fc), N * F);
     else be_.swiglu_forward(act, F32(a.fc), N, F);

@@ -88,7 +88,7 @@ class Gpt {
   };
   // The FP32 input of linear `linear` of a layer: its own buffer when the backward pass needs it
   // (a BF16 Wgrad), else the shared scratch.
-  float* linear_input(LayerActs& a, int linear);
+  float* linear_input(int64_t layer, int linear);
   float* p(const std::string& name) const { return params() + tensor(name).offset; }
   float* g(const std::string& name) const { return grads() + tensor(name).offset; }
   void add(const std::string& name, std::vector<int64_t> shape);

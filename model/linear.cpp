@@ -127,7 +127,7 @@ QuantStat stat_of(Backend& be, const float* x, const QuantizedCopy& q, const std
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < cols / blk; ++b) {
       const size_t si = static_cast<size_t>(r * (cols / blk) + b);
-      const uint8_t s = fp8 ? 1 : scales[si];
+      const uint8_t s = fp8 ? 0 : scales[si];  // (FP8: an FP32 scale, read below)
       float factor;
       if (fp8) std::memcpy(&factor, &scales[4 * si], 4);
       else factor = mx ? ue8m0_to_f32(s) : nvfp4_decode_factor(s, amax, range);

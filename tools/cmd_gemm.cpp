@@ -35,11 +35,7 @@ std::vector<float> load_f32_matrix(const std::string& path, const char* what, in
 
 QuantizedHost quantize_operand(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols,
                                QFormat fmt, const char* name) {
-  TensorView t;
-  t.data = x.data();
-  t.rows = rows;
-  t.cols = cols;
-  t.name = name;
+  const TensorView t = host_view(x.data(), rows, cols, name);
   QuantizeConfig c;
   c.format = fmt;
   c.rowwise.enabled = true;

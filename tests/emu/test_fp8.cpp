@@ -18,18 +18,12 @@ namespace fp4sim {
 namespace {
 
 QuantizeResult fp8_quantize(std::vector<float>& x, int64_t rows, int64_t cols, bool two_d, bool col = false) {
-  auto be = make_cpu_backend();
-  TensorView v;
-  v.data = x.data();
-  v.rows = rows;
-  v.cols = cols;
-  v.name = "x";
   QuantizeConfig c;
   c.format = QFormat::FP8;
   c.block_2d = two_d;
   c.rowwise.enabled = true;
   c.columnwise.enabled = col;
-  return quantize_to_host(*be, v, c);
+  return quantize_to_host(*make_cpu_backend(), host_view(x.data(), rows, cols), c);
 }
 
 float scale_at(const QuantizedHost& q, int64_t r, int64_t b) {
@@ -96,10 +90,7 @@ TEST(Fp8, Tile128IsTheExactTransposeAndErrorIsSmall) {
 TEST(Fp8, ImpossibleOptionsAreErrors) {
   std::vector<float> x(128 * 100, 1.0f);
   auto be = make_cpu_backend();
-  TensorView v;
-  v.data = x.data();
-  v.rows = 100;
-  v.cols = 128;
+  const TensorView v = host_view(x.data(), 100, 128);
   QuantizeConfig c;
   c.format = QFormat::FP8;
   c.rowwise.enabled = true;

@@ -346,7 +346,7 @@ TEST(Gst, SpecialValuesAndSignedZeros) {
 namespace fp4sim {
 namespace {
 
-// The GEMMs' fast GST-FDPA cores (structured and packed) equal the readable one, bit for bit, on random group sums, scale
+// The GEMMs' packed GST-FDPA core (int64 and FP64 sums) and the lean core equal the readable one, bit for bit, on random group sums, scale
 // bytes (zeros, subnormals and NaNs included) and C bit patterns (zeros, subnormals, huge, Inf, NaN).
 TEST(Gst, FastCoreEqualsReadableCore) {
   std::mt19937_64 rng(2026);
@@ -388,8 +388,6 @@ TEST(Gst, FastCoreEqualsReadableCore) {
       }
       const float c = from_bits(cbits);
       const uint32_t want = gst_fdpa_core_bits(gs, sa, sb, c, nullptr);
-      const uint32_t got = gst_fdpa_core_fast_bits(gs, sa, sb, c);
-      ASSERT_EQ(got, want) << "kind " << static_cast<int>(kind) << " case " << it << " c " << std::hex << cbits;
       int32_t p4[kGstGroups];
       uint32_t wa[kGstGroups], wb[kGstGroups], az = 0, anz = 0;
       for (int g = 0; g < kGstGroups; ++g) {

@@ -11,16 +11,6 @@
 namespace fp4sim {
 namespace {
 
-TensorView host_view(std::vector<float>& v, int64_t rows, int64_t cols, const char* name = "x") {
-  TensorView t;
-  t.data = v.data();
-  t.dtype = DType::F32;
-  t.rows = rows;
-  t.cols = cols;
-  t.name = name;
-  return t;
-}
-
 QuantizeConfig rowwise_rn() {
   QuantizeConfig c;
   c.rowwise.enabled = true;
@@ -40,7 +30,7 @@ std::vector<float> worked_vector() {
 TEST(Quantize, Nvfp4_WorkedVector) {
   auto be = make_cpu_backend();
   std::vector<float> x = worked_vector();
-  const QuantizeResult r = quantize_to_host(*be, host_view(x, 1, 32), rowwise_rn());
+  const QuantizeResult r = quantize_to_host(*be, host_view(x.data(), 1, 32), rowwise_rn());
   EXPECT_EQ(r.rowwise.amax, 2.0f);
   EXPECT_EQ(nvfp4_global(2.0f, false).s_enc, 1344.0f);
   ASSERT_EQ(r.rowwise.scales.size(), 2u);
@@ -54,7 +44,7 @@ TEST(Quantize, Nvfp4_WorkedVector) {
 TEST(Quantize, Nvfp4_WorkedVectorDequantize) {
   auto be = make_cpu_backend();
   std::vector<float> x = worked_vector();
-  QuantizeResult r = quantize_to_host(*be, host_view(x, 1, 32), rowwise_rn());
+  QuantizeResult r = quantize_to_host(*be, host_view(x.data(), 1, 32), rowwise_rn());
   const std::vector<float> d = dequantize_to_host(*be, r.rowwise);
   // block 0: scale 0x7E = 448 -> factor (448 * 2) * (1/2688) = 1/3
   const float f0 = (448.0f * 2.0f) * (1.0f / 2688.0f);
@@ -69,12 +59,12 @@ TEST(Quantize, Nvfp4_WorkedVectorDequantize) {
 TEST(Quantize, Nvfp4_ZeroBlockAndZeroTensor) {
   auto be = make_cpu_backend();
   std::vector<float> x(32, 0.0f);
-  QuantizeResult r = quantize_to_host(*be, host_view(x, 1, 32), rowwise_rn());
+  QuantizeResult r = quantize_to_host(*be, host_view(x.data(), 1, 32), rowwise_rn());
   EXPECT_EQ(r.rowwise.amax, 0.0f);
   for (uint8_t s : r.rowwise.scales) EXPECT_EQ(s, 0);
   for (uint8_t c : r.rowwise.codes) EXPECT_EQ(c, 0);
   x[0] = -0.0f;
-  r = quantize_to_host(*be, host_view(x, 1, 32), rowwise_rn());
+  r = quantize_to_host(*be, host_view(x.data(), 1, 32), rowwise_rn());
   EXPECT_EQ(r.rowwise.codes[0] & 0xF, 0x8);  // -0 keeps its sign
 }
 
@@ -82,11 +72,11 @@ TEST(Quantize, Nvfp4_InfSetsGlobalScaleOneNaNEncodesSix) {
   auto be = make_cpu_backend();
   std::vector<float> x(16, 1.0f);
   x[3] = std::numeric_limits<float>::quiet_NaN();
-  QuantizeResult r = quantize_to_host(*be, host_view(x, 1, 16), rowwise_rn());
+  QuantizeResult r = quantize_to_host(*be, host_view(x.data(), 1, 16), rowwise_rn());
   EXPECT_EQ(r.rowwise.amax, 1.0f);  // NaN ignored
   EXPECT_EQ((r.rowwise.codes[1] >> 4) & 0xF, 0x7);
   x[5] = std::numeric_limits<float>::infinity();
-  r = quantize_to_host(*be, host_view(x, 1, 16), rowwise_rn());
+  r = quantize_to_host(*be, host_view(x.data(), 1, 16), rowwise_rn());
   EXPECT_TRUE(std::isinf(r.rowwise.amax));
   EXPECT_EQ(nvfp4_global(r.rowwise.amax, false).s_enc, 1.0f);
 }
@@ -100,7 +90,7 @@ TEST(Quantize, Nvfp4_2D_ColumnwiseIsExactTranspose) {
       c.block_2d = true;
       c.rowwise.enabled = c.columnwise.enabled = true;
       c.rowwise.four_over_six = c.columnwise.four_over_six = fos;
-      const QuantizeResult r = quantize_to_host(*be, host_view(x, 48, 80), c);
+      const QuantizeResult r = quantize_to_host(*be, host_view(x.data(), 48, 80), c);
       for (int64_t i = 0; i < 48; ++i) {
         for (int64_t j = 0; j < 80; ++j) {
           const int64_t e = i * 80 + j, et = j * 48 + i;
@@ -119,7 +109,7 @@ TEST(Quantize, Nvfp4_2D_ScaleRepeatedDownTile) {
   std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, 32 * 32, 4);
   QuantizeConfig c = rowwise_rn();
   c.block_2d = true;
-  const QuantizeResult r = quantize_to_host(*be, host_view(x, 32, 32), c);
+  const QuantizeResult r = quantize_to_host(*be, host_view(x.data(), 32, 32), c);
   for (int i = 0; i < 32; ++i)
     for (int b = 0; b < 2; ++b) EXPECT_EQ(r.rowwise.scales[i * 2 + b], r.rowwise.scales[(i / 16) * 32 + b]);
 }
@@ -129,8 +119,8 @@ TEST(Quantize, FourOverSix_NeverWorseThanSixOnItsMetric) {
   std::vector<float> x = test::make_fill(test::Fill::Gaussian, 64 * 256, 9);
   QuantizeConfig plain = rowwise_rn(), fos = rowwise_rn();
   fos.rowwise.four_over_six = true;
-  QuantizeResult a = quantize_to_host(*be, host_view(x, 64, 256), plain);
-  QuantizeResult b = quantize_to_host(*be, host_view(x, 64, 256), fos);
+  QuantizeResult a = quantize_to_host(*be, host_view(x.data(), 64, 256), plain);
+  QuantizeResult b = quantize_to_host(*be, host_view(x.data(), 64, 256), fos);
   const auto da = dequantize_to_host(*be, a.rowwise), db = dequantize_to_host(*be, b.rowwise);
   double ea = 0, eb = 0;
   for (size_t i = 0; i < x.size(); ++i) { ea += std::fabs(da[i] - x[i]); eb += std::fabs(db[i] - x[i]); }
@@ -177,7 +167,7 @@ TEST(Quantize, Mxfp4_InfBlockIsNaNScaleAndZeroCodes) {
   x[40] = std::numeric_limits<float>::infinity();
   QuantizeConfig c = rowwise_rn();
   c.format = QFormat::MXFP4;
-  QuantizeResult r = quantize_to_host(*be, host_view(x, 1, 64), c);
+  QuantizeResult r = quantize_to_host(*be, host_view(x.data(), 1, 64), c);
   EXPECT_NE(r.rowwise.scales[0], 0xFF);
   EXPECT_EQ(r.rowwise.scales[1], 0xFF);
   for (int i = 16; i < 32; ++i) EXPECT_EQ(r.rowwise.codes[i], 0);
@@ -194,11 +184,11 @@ TEST(Quantize, StochasticRounding_DeterministicPerStreamAndUnbiased) {
   c.rowwise.rounding = Rounding::SR;
   c.seed = 42;
   c.rowwise.stream = 7;
-  QuantizeResult a = quantize_to_host(*be, host_view(x, 64, 64), c);
-  QuantizeResult b = quantize_to_host(*be, host_view(x, 64, 64), c);
+  QuantizeResult a = quantize_to_host(*be, host_view(x.data(), 64, 64), c);
+  QuantizeResult b = quantize_to_host(*be, host_view(x.data(), 64, 64), c);
   EXPECT_EQ(a.rowwise.codes, b.rowwise.codes);
   c.rowwise.stream = 8;
-  QuantizeResult d = quantize_to_host(*be, host_view(x, 64, 64), c);
+  QuantizeResult d = quantize_to_host(*be, host_view(x.data(), 64, 64), c);
   EXPECT_NE(a.rowwise.codes, d.rowwise.codes);
   const auto v = dequantize_to_host(*be, a.rowwise);
   double mean = 0;
@@ -209,7 +199,7 @@ TEST(Quantize, StochasticRounding_DeterministicPerStreamAndUnbiased) {
   EXPECT_NEAR(mean * 6.0, 1.5 + 0.5 * 153.0 / 256.0, 0.01);
   // while RN puts every such element on 2 (1.8 rounds to the nearest grid point)
   c.rowwise.rounding = Rounding::RN;
-  QuantizeResult rn = quantize_to_host(*be, host_view(x, 64, 64), c);
+  QuantizeResult rn = quantize_to_host(*be, host_view(x.data(), 64, 64), c);
   EXPECT_EQ(rn.rowwise.codes[0] >> 4, 0x4);
 }
 
@@ -219,7 +209,7 @@ TEST(Quantize, Rht_ColumnwiseAmaxIsOverTransformedValues) {
   QuantizeConfig c;
   c.columnwise.enabled = true;
   c.columnwise.rht = true;
-  const QuantizeResult r = quantize_to_host(*be, host_view(x, 32, 16), c);
+  const QuantizeResult r = quantize_to_host(*be, host_view(x.data(), 32, 16), c);
   std::vector<float> t(x.size());
   emu::rht_columnwise(x.data(), 32, 16, t.data());
   float m = 0;
@@ -241,7 +231,7 @@ TEST(Quantize, Bf16InputMatchesItsFloatWidening) {
   hv.cols = 64;
   QuantizeConfig c = rowwise_rn();
   c.columnwise.enabled = true;
-  const QuantizeResult a = quantize_to_host(*be, hv, c), b = quantize_to_host(*be, host_view(x, 32, 64), c);
+  const QuantizeResult a = quantize_to_host(*be, hv, c), b = quantize_to_host(*be, host_view(x.data(), 32, 64), c);
   EXPECT_EQ(a.rowwise.codes, b.rowwise.codes);
   EXPECT_EQ(a.columnwise.scales, b.columnwise.scales);
 }
@@ -264,7 +254,7 @@ TEST(Quantize, BadInputNamesTensorShapeAndFlag) {
   std::vector<float> x(24 * 40, 1.0f);
   auto expect_error = [&](int64_t rows, int64_t cols, const QuantizeConfig& c, const char* needle) {
     try {
-      quantize_to_host(*be, host_view(x, rows, cols, "weight"), c);
+      quantize_to_host(*be, host_view(x.data(), rows, cols, "weight"), c);
       FAIL() << "expected an error containing '" << needle << "'";
     } catch (const std::invalid_argument& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
@@ -306,10 +296,10 @@ TEST(Quantize, SubnormalsSurviveAFlushToZeroHost) {
   auto be = make_cpu_backend();
   std::vector<float> x = test::make_fill(test::Fill::Subnormal, 64 * 128, 64128);
   QuantizeConfig c = rowwise_rn();
-  const QuantizeResult ieee = quantize_to_host(*be, host_view(x, 64, 128), c);
+  const QuantizeResult ieee = quantize_to_host(*be, host_view(x.data(), 64, 128), c);
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(csr | 0x8040u);
-  const QuantizeResult ftz_host = quantize_to_host(*be, host_view(x, 64, 128), c);
+  const QuantizeResult ftz_host = quantize_to_host(*be, host_view(x.data(), 64, 128), c);
   _mm_setcsr(csr);
   float amax_b = 0;
   for (int i = 0; i < 16; ++i) amax_b = std::fmax(amax_b, std::fabs(x[i]));
@@ -331,7 +321,7 @@ TEST(Quantize, Nvfp4_TinyBlockScaleIsExact) {
   for (int i = 0; i < 16; ++i) x[i] = test::from_bits(block0[i]);
   x[16] = test::from_bits(0x00fff77eu);
   auto be = make_cpu_backend();
-  const QuantizeResult r = quantize_to_host(*be, host_view(x, 1, 32), rowwise_rn());
+  const QuantizeResult r = quantize_to_host(*be, host_view(x.data(), 1, 32), rowwise_rn());
   // S_enc = FLT_MAX (2688 / amax overflows); 2.2976e-38 * (FLT_MAX / 6) = 1.3031 -> E4M3 1.25
   const Nvfp4Global g = nvfp4_global(r.rowwise.amax, false);
   const float amax_b = test::from_bits(0x00fa2ed9u);

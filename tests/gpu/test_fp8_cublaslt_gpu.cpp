@@ -67,16 +67,11 @@ double epilogue_slack(double d_exact, double d_cublaslt, double beta_c, bool bf1
 }
 
 QuantizedHost quantize_fp8(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols, bool tiles_128x128) {
-  TensorView v;
-  v.data = x.data();
-  v.rows = rows;
-  v.cols = cols;
-  v.name = "x";
   QuantizeConfig c;
   c.format = QFormat::FP8;
   c.block_2d = tiles_128x128;
   c.rowwise.enabled = true;
-  return quantize_to_host(be, v, c).rowwise;
+  return quantize_to_host(be, host_view(x.data(), rows, cols), c).rowwise;
 }
 
 

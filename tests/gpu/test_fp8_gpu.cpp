@@ -15,17 +15,12 @@ namespace {
 
 QuantizeResult quantize_on(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols, bool bf16, bool two_d) {
   std::vector<uint16_t> h;
-  TensorView v;
-  v.rows = rows;
-  v.cols = cols;
-  v.name = "x";
-  if (bf16) {
+  TensorView v = host_view(x.data(), rows, cols);
+  if (bf16) {  // the same values as BF16 bit patterns
     h.resize(x.size());
     for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
     v.data = h.data();
     v.dtype = DType::BF16;
-  } else {
-    v.data = x.data();
   }
   QuantizeConfig c;
   c.format = QFormat::FP8;
