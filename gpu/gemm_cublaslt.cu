@@ -215,6 +215,14 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
                                                               : CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3);
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode));
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode));
+    // The heuristic rejects block-scaled modes while the scale pointers are unset (measured on the
+    // H200, cuBLASLt 13.1: status 7 for VEC128_32F without them, an algorithm with them). Any
+    // aligned device address will do here; every launch sets the real ones before cublasLtMatmul.
+    const void* placeholder = st.workspace;
+    FP4SIM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &placeholder, sizeof placeholder));
+    FP4SIM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &placeholder, sizeof placeholder));
   }
   if (fp8) {
     // No "fast accumulation": partial sums are promoted to FP32 at every scale block (block-scaled

@@ -13,7 +13,9 @@
 namespace fp4sim {
 namespace {
 
-QuantizeResult quantize_on(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols, bool bf16, bool two_d) {
+// columnwise: also the transposed copy (it blocks along the rows, so rows must be a multiple of 128)
+QuantizeResult quantize_on(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols, bool bf16, bool two_d,
+                           bool columnwise = true) {
   std::vector<uint16_t> h;
   TensorView v = host_view(x.data(), rows, cols);
   if (bf16) {  // the same values as BF16 bit patterns
@@ -26,7 +28,7 @@ QuantizeResult quantize_on(Backend& be, std::vector<float>& x, int64_t rows, int
   c.format = QFormat::FP8;
   c.block_2d = two_d;
   c.rowwise.enabled = true;
-  c.columnwise.enabled = true;
+  c.columnwise.enabled = columnwise;
   return quantize_to_host(be, v, c);
 }
 
@@ -72,8 +74,8 @@ TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
     for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials}) {
       std::vector<float> xa = test::make_fill(fill, static_cast<size_t>(s.M * s.K), s.M + s.K);
       std::vector<float> xb = test::make_fill(fill, static_cast<size_t>(s.N * s.K), s.N + 3 * s.K);
-      QuantizedHost a = quantize_on(*emu, xa, s.M, s.K, false, false).rowwise;
-      QuantizedHost b = quantize_on(*emu, xb, s.N, s.K, false, false).rowwise;
+      QuantizedHost a = quantize_on(*emu, xa, s.M, s.K, false, false, false).rowwise;
+      QuantizedHost b = quantize_on(*emu, xb, s.N, s.K, false, false, false).rowwise;
       std::vector<float> c = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(s.M * s.N), 5);
       for (int variant = 0; variant < 3; ++variant) {
         GemmConfig cfg;
