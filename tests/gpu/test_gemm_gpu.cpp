@@ -40,14 +40,14 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
           if (variant == 1) { cfg.split_k = gemm_chunks(s.K) % 2 == 0 ? 2 : 1; cfg.alpha = 1.5f; }
           if (variant == 2) { cfg.beta = -0.5f; cfg.out = GemmOut::BF16; }
           const auto e = run_gemm_bits(*emu, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
-          auto g = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);  // the tiled kernel
-          // the lean-core kernel on every case, the reference kernel on two fills
-          for (int kernel : {0, 2}) {
+          auto g = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);  // the default kernel
+          // the other tiled kernels on every case, the reference kernel on two fills
+          for (int kernel : {0, 1, 3}) {
             if (kernel == 0 && fill != test::Fill::Specials && fill != test::Fill::Gaussian) continue;
             gpu::set_gemm_exact_variant(kernel);
             const auto r = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
-            gpu::set_gemm_exact_variant(1);
-            ASSERT_EQ(r, g) << "CUDA kernel " << kernel << " differs from the tiled one: " << qformat_name(f) << " "
+            gpu::set_gemm_exact_variant(2);
+            ASSERT_EQ(r, g) << "CUDA kernel " << kernel << " differs from the default one: " << qformat_name(f) << " "
                             << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant " << variant;
           }
           for (size_t i = 0; i < e.size(); ++i)
