@@ -80,10 +80,15 @@ class Backend {
   virtual void bias_backward(float* /*dbias*/, const float* /*dout*/, int64_t /*N*/, int64_t /*OC*/) {
     missing("bias_backward");
   }
-  virtual void attention_forward(float* /*out*/, float* /*att*/, const float* /*qkv*/, int64_t /*B*/, int64_t /*T*/,
-                                 int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/) { missing("attention_forward"); }
-  virtual void attention_backward(float* /*dqkv*/, const float* /*dout*/, const float* /*qkv*/, const float* /*att*/,
-                                  int64_t /*B*/, int64_t /*T*/, int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/) {
+  // lse (B,NH,T): the saved log-sum-exp rows, not the (B,NH,T,T) probabilities; prec FP32 (no
+  // BF16 operand rounding) is for gradient checks on the emulator only (emu/layers.hpp)
+  virtual void attention_forward(float* /*out*/, float* /*lse*/, const float* /*qkv*/, int64_t /*B*/, int64_t /*T*/,
+                                 int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/, emu::GemmPrecision /*prec*/) {
+    missing("attention_forward");
+  }
+  virtual void attention_backward(float* /*dqkv*/, const float* /*dout*/, const float* /*qkv*/, const float* /*out*/,
+                                  const float* /*lse*/, int64_t /*B*/, int64_t /*T*/, int64_t /*NH*/, int64_t /*NKV*/,
+                                  int64_t /*HD*/, emu::GemmPrecision /*prec*/) {
     missing("attention_backward");
   }
   virtual void rope_forward(float* /*qkv*/, int64_t /*B*/, int64_t /*T*/, int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/) {

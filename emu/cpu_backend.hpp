@@ -70,13 +70,14 @@ class CpuBackend final : public Backend {
                        emu::GemmPrecision prec) override {
     emu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
   }
-  void attention_forward(float* out, float* att, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                         int64_t NKV, int64_t HD) override {
-    emu::attention_forward(out, att, qkv, B, T, NH, NKV, HD);
+  void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
+                         int64_t NKV, int64_t HD, emu::GemmPrecision prec) override {
+    emu::attention_forward(out, lse, qkv, B, T, NH, NKV, HD, prec);
   }
-  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int64_t B,
-                          int64_t T, int64_t NH, int64_t NKV, int64_t HD) override {
-    emu::attention_backward(dqkv, dout, qkv, att, B, T, NH, NKV, HD);
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
+                          const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                          int64_t HD, emu::GemmPrecision prec) override {
+    emu::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, prec);
   }
   void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override {
     emu::rope_forward(qkv, B, T, NH, NKV, HD);

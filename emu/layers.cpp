@@ -322,79 +322,102 @@ void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
 
 namespace fp4sim::emu {
 
-void attention_forward(float* out, float* att, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                       int64_t NKV, int64_t HD) {
+// One (b, h) per iteration; row t's scores, then its probabilities, in p (T). rnd: the BF16
+// rounding of an operand (the identity in FP32 mode).
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
+                       int64_t NKV, int64_t HD, GemmPrecision prec) {
   const int64_t W = (NH + 2 * NKV) * HD, group = NH / NKV;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+  const bool bf16 = prec == GemmPrecision::BF16;
+  auto rnd = [bf16](float x) { return bf16 ? bf16_round(x) : x; };
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < NH; ++h) {
       const int64_t g = h / group;
+      std::vector<float> p(static_cast<size_t>(T)), acc(static_cast<size_t>(HD));
       for (int64_t t = 0; t < T; ++t) {
         const float* q = qkv + (b * T + t) * W + h * HD;
-        float* a = att + ((b * NH + h) * T + t) * T;
-        float maxv = -INFINITY;
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          const float* k = qkv + (b * T + t2) * W + (NH + g) * HD;
+        float m = -INFINITY;
+        for (int64_t j = 0; j <= t; ++j) {
+          const float* k = qkv + (b * T + j) * W + (NH + g) * HD;
           float s = 0.0f;
-          for (int64_t i = 0; i < HD; ++i) s += q[i] * k[i];
-          s *= scale;
-          a[t2] = s;
-          maxv = s > maxv ? s : maxv;
+          for (int64_t i = 0; i < HD; ++i) s += rnd(q[i]) * rnd(k[i]);
+          s = s * scale;
+          p[j] = s;
+          m = s > m ? s : m;
         }
-        float sum = 0.0f;
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          a[t2] = std::exp(a[t2] - maxv);
-          sum += a[t2];
+        float l = 0.0f;
+        for (int64_t j = 0; j <= t; ++j) {
+          p[j] = std::exp(p[j] - m);
+          l += p[j];
         }
-        for (int64_t t2 = 0; t2 < T; ++t2) a[t2] = t2 <= t ? a[t2] / sum : 0.0f;
+        for (int64_t i = 0; i < HD; ++i) acc[i] = 0.0f;
+        for (int64_t j = 0; j <= t; ++j) {
+          const float* v = qkv + (b * T + j) * W + (NH + NKV + g) * HD;
+          const float pb = rnd(p[j]);
+          for (int64_t i = 0; i < HD; ++i) acc[i] += pb * rnd(v[i]);
+        }
         float* o = out + (b * T + t) * NH * HD + h * HD;
-        for (int64_t i = 0; i < HD; ++i) o[i] = 0.0f;
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          const float* v = qkv + (b * T + t2) * W + (NH + NKV + g) * HD;
-          for (int64_t i = 0; i < HD; ++i) o[i] += a[t2] * v[i];
-        }
+        for (int64_t i = 0; i < HD; ++i) o[i] = acc[i] / l;
+        lse[(b * NH + h) * T + t] = m + std::log(l);
       }
     }
   }
 }
 
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
-                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) {
+// One (b, g) per iteration: it owns the KV head's dk and dv and the dq of the group's query heads,
+// so the iterations are independent and each sum has the fixed order the header states.
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
+                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                        GemmPrecision prec) {
   const int64_t W = (NH + 2 * NKV) * HD, group = NH / NKV;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
-  std::vector<float> datt(static_cast<size_t>(T));
-  // sequential: several query heads write the same KV head's gradient
+  const bool bf16 = prec == GemmPrecision::BF16;
+  auto rnd = [bf16](float x) { return bf16 ? bf16_round(x) : x; };
+#pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < NH; ++h) {
-      const int64_t g = h / group;
-      for (int64_t t = 0; t < T; ++t) {
-        const float* a = att + ((b * NH + h) * T + t) * T;
-        const float* dy = dout + (b * T + t) * NH * HD + h * HD;
-        // out = sum_t2 a[t2] v[t2]: datt and dv
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          const float* v = qkv + (b * T + t2) * W + (NH + NKV + g) * HD;
-          float* dv = dqkv + (b * T + t2) * W + (NH + NKV + g) * HD;
-          float s = 0.0f;
-          for (int64_t i = 0; i < HD; ++i) {
-            s += v[i] * dy[i];
-            dv[i] += a[t2] * dy[i];
+    for (int64_t g = 0; g < NKV; ++g) {
+      std::vector<float> dk_acc(static_cast<size_t>(T * HD), 0.0f), dv_acc(dk_acc.size(), 0.0f);
+      std::vector<float> dq_acc(static_cast<size_t>(HD)), p(static_cast<size_t>(T)), ds(p.size());
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t t = 0; t < T; ++t) {
+          const float* q = qkv + (b * T + t) * W + h * HD;
+          const float* dy = dout + (b * T + t) * NH * HD + h * HD;
+          const float* o = out + (b * T + t) * NH * HD + h * HD;
+          const float row_lse = lse[(b * NH + h) * T + t];
+          float dsum = 0.0f;
+          for (int64_t i = 0; i < HD; ++i) dsum += rnd(dy[i]) * o[i];
+          for (int64_t j = 0; j <= t; ++j) {
+            const float* k = qkv + (b * T + j) * W + (NH + g) * HD;
+            const float* v = qkv + (b * T + j) * W + (NH + NKV + g) * HD;
+            float s = 0.0f, dp = 0.0f;
+            for (int64_t i = 0; i < HD; ++i) {
+              s += rnd(q[i]) * rnd(k[i]);
+              dp += rnd(dy[i]) * rnd(v[i]);
+            }
+            p[j] = std::exp(s * scale - row_lse);
+            ds[j] = p[j] * (dp - dsum);
           }
-          datt[t2] = s;
+          for (int64_t i = 0; i < HD; ++i) dq_acc[i] = 0.0f;
+          for (int64_t j = 0; j <= t; ++j) {
+            const float* k = qkv + (b * T + j) * W + (NH + g) * HD;
+            const float pb = rnd(p[j]), dsb = rnd(ds[j]);
+            for (int64_t i = 0; i < HD; ++i) {
+              dq_acc[i] += dsb * rnd(k[i]);
+              dk_acc[j * HD + i] += dsb * rnd(q[i]);
+              dv_acc[j * HD + i] += pb * rnd(dy[i]);
+            }
+          }
+          float* dq = dqkv + (b * T + t) * W + h * HD;
+          for (int64_t i = 0; i < HD; ++i) dq[i] += dq_acc[i] * scale;
         }
-        // softmax backward: dscore = a * (datt - sum(a * datt))
-        float dot = 0.0f;
-        for (int64_t t2 = 0; t2 <= t; ++t2) dot += a[t2] * datt[t2];
-        const float* q = qkv + (b * T + t) * W + h * HD;
-        float* dq = dqkv + (b * T + t) * W + h * HD;
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          const float ds = a[t2] * (datt[t2] - dot) * scale;
-          const float* k = qkv + (b * T + t2) * W + (NH + g) * HD;
-          float* dk = dqkv + (b * T + t2) * W + (NH + g) * HD;
-          for (int64_t i = 0; i < HD; ++i) {
-            dq[i] += ds * k[i];
-            dk[i] += ds * q[i];
-          }
+      }
+      for (int64_t j = 0; j < T; ++j) {
+        float* dk = dqkv + (b * T + j) * W + (NH + g) * HD;
+        float* dv = dqkv + (b * T + j) * W + (NH + NKV + g) * HD;
+        for (int64_t i = 0; i < HD; ++i) {
+          dk[i] += dk_acc[j * HD + i] * scale;
+          dv[i] += dv_acc[j * HD + i];
         }
       }
     }

@@ -67,10 +67,13 @@ class CudaBackend final : public Backend {
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                        const float* inp, const float* weight, int64_t N, int64_t K, int64_t OC,
                        emu::GemmPrecision prec) override;
-  void attention_forward(float* out, float* att, const float* qkv, int64_t B, int64_t T,
-                         int64_t NH, int64_t NKV, int64_t HD) override;
-  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
-                          int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override;
+  // attention: FlashAttention-2 kernels on mma.sync (gpu/attention.cu), launched from gpu/layers.cu
+  // (prec must be BF16: the kernels' operands are BF16)
+  void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
+                         int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec) override;
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
+                          const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                          int64_t HD, emu::GemmPrecision prec) override;
   void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                     int64_t HD) override;
   void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
@@ -119,8 +122,8 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
 void set_quantize_tile_variant(int cols_per_thread);
 void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
                        const GemmConfig& cfg, void* out, cudaStream_t stream);
-// Benchmark knob: the exact GEMM kernel, 0 = one thread per output (reference), 1 = tiled (default),
-// 2 = tiled with the lean core (not yet verified on a GPU).
+// Benchmark knob: the exact GEMM kernel, 0 = one thread per output (reference), 1 = tiled,
+// 2 = tiled with the lean core, 3 and 4 = 2 at 3 or 4 CTAs per SM (4 the default).
 // Results are identical; only speed differs.
 void set_gemm_exact_variant(int variant);
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
@@ -130,6 +133,15 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
                            void* out, cudaStream_t stream);
+// Causal attention with grouped KV heads (gpu/attention.cu): FlashAttention-2 kernels on
+// mma.sync BF16 -> FP32, the contract of emu/layers.hpp's attention_forward/backward within a bound
+// (tests/gpu/test_layers_gpu.cpp). HD in {16, 32, 64, 128}, else std::invalid_argument. dsum
+// (B,NH,T): the backward pass's scratch for rowsum(dout * out).
+void attention_forward_launch(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
+                              int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream);
+void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv,
+                               const float* out, const float* lse, int64_t B, int64_t T,
+                               int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream);
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream);
 

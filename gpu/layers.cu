@@ -16,6 +16,8 @@
 //   RNE by emu/formats.hpp's bf16_rne. Reproducible run to run on one GPU model, toolkit and
 //   workspace size (cuBLAS's reproducibility guarantee); bounded against the emulator's exact
 //   tensor-core emulation.
+// - attention: FlashAttention-2 kernels on mma.sync in gpu/attention.cu (their numerics are stated
+//   there); bounded against the emulator, bitwise reproducible run to run.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -57,7 +59,6 @@ constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluCubic = 0.044715f;
 
 constexpr int kThreads = 256;                // elementwise and row kernels
-constexpr int kAttentionThreads = 128;       // one block per attention row
 constexpr int64_t kColumnChunkRows = emu::kColumnChunkRows;  // rows per partial column sum (shared with emu::bias_backward)
 constexpr int64_t kMaxGridBlocks = 1 << 16;  // grid-stride cap for elementwise kernels
 constexpr int kSumSquaresBlocks = 1024;      // fixed: the FP64 reduction tree is shape-only
@@ -80,6 +81,14 @@ void require_heads(const char* op, int64_t NH, int64_t NKV, int64_t HD) {
     throw std::invalid_argument(std::string(op) + ": NH=" + std::to_string(NH) + " NKV=" +
                                 std::to_string(NKV) + " HD=" + std::to_string(HD) +
                                 "; expected NH, NKV, HD > 0 and NH a multiple of NKV");
+}
+
+// The attention kernels take BF16 operands; the unrounded FP32 mode is the emulator's alone.
+void require_bf16_attention(const char* op, emu::GemmPrecision prec) {
+  if (prec != emu::GemmPrecision::BF16)
+    throw std::invalid_argument(std::string(op) +
+                                ": GemmPrecision::FP32 (no BF16 operand rounding, for gradient "
+                                "checks) is emulator-only; the CUDA kernels take BF16 operands");
 }
 
 // ---- fixed-order reductions -------------------------------------------------------------------
@@ -351,137 +360,6 @@ __global__ void column_partial_kernel(float* partial, const float* dout, int64_t
   partial[k * C + c] = s;
 }
 
-// ---- attention --------------------------------------------------------------------------------
-
-// One block per query row (b, h, t); blockIdx.x = (b * NH + h) * T + t is also the att row.
-// qkv (B,T,(NH+2NKV)*HD), out (B,T,NH*HD), att (B,NH,T,T); query head h reads KV head
-// h / (NH/NKV).
-// - scores: one thread per key t2 <= t, dot product over HD in increasing i (FP32 RN), then
-//   * scale: bitwise the emulator's. Written into the att row, which serves as scratch.
-// - row max: exact (order-free; NaN skipped as the emulator's `s > m ? s : m`).
-// - exp(s - max) with CUDA's expf (<= 2 ulp; the emulator uses glibc): not bitwise.
-// - sum of the exps: thread 0, increasing t2, FP32 RN (the emulator's order).
-// - att[t2] = exp / sum for t2 <= t, +0 above the diagonal (as the emulator stores it).
-// - out[i] = sum_t2 att[t2] * v[t2][i], one thread per i, increasing t2 from +0 (emulator order).
-// So att and out agree with the emulator to a few ulp (through expf only).
-__global__ void attention_forward_kernel(float* out, float* att, const float* qkv, int64_t T,
-                                         int64_t NH, int64_t NKV, int64_t HD, float scale) {
-  extern __shared__ float q_s[];  // HD
-  __shared__ float row_sum;
-  const int64_t row = blockIdx.x;
-  const int64_t t = row % T, h = (row / T) % NH, b = row / (T * NH);
-  const int64_t W = (NH + 2 * NKV) * HD, g = h / (NH / NKV);
-  const float* q = qkv + (b * T + t) * W + h * HD;
-  const float* kbase = qkv + b * T * W + (NH + g) * HD;
-  const float* vbase = qkv + b * T * W + (NH + NKV + g) * HD;
-  float* a = att + row * T;
-  for (int64_t i = threadIdx.x; i < HD; i += blockDim.x) q_s[i] = q[i];
-  __syncthreads();
-  float m = -INFINITY;
-  for (int64_t t2 = threadIdx.x; t2 <= t; t2 += blockDim.x) {
-    const float* k = kbase + t2 * W;
-    float s = 0.0f;
-    for (int64_t i = 0; i < HD; ++i) s = __fadd_rn(s, __fmul_rn(q_s[i], k[i]));
-    s = __fmul_rn(s, scale);
-    a[t2] = s;
-    m = max_skip_nan(m, s);
-  }
-  const float maxv = block_max(m);  // (its barriers also publish the scores)
-  for (int64_t t2 = threadIdx.x; t2 <= t; t2 += blockDim.x) a[t2] = expf(__fsub_rn(a[t2], maxv));
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float sum = 0.0f;
-    for (int64_t t2 = 0; t2 <= t; ++t2) sum = __fadd_rn(sum, a[t2]);
-    row_sum = sum;
-  }
-  __syncthreads();
-  const float sum = row_sum;
-  for (int64_t t2 = threadIdx.x; t2 < T; t2 += blockDim.x) a[t2] = t2 <= t ? __fdiv_rn(a[t2], sum) : 0.0f;
-  __syncthreads();
-  float* o = out + (b * T + t) * NH * HD + h * HD;
-  for (int64_t i = threadIdx.x; i < HD; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t t2 = 0; t2 <= t; ++t2) acc = __fadd_rn(acc, __fmul_rn(a[t2], vbase[t2 * W + i]));
-    o[i] = acc;
-  }
-}
-
-// Attention backward, part 1: one block per query row (b, h, t), as the forward. dS (B,NH,T,T)
-// scratch (only t2 <= t written).
-// - datt[t2] = sum_i v[t2][i] * dy[i] (one thread per t2, increasing i, FP32 RN), into dS;
-// - dot = sum_t2 att[t2] * datt[t2] (thread 0, increasing t2);
-// - dS[t2] = ((att[t2] * (datt[t2] - dot)) * scale);
-// - dq[i] += dS[t2] * k[t2][i], one thread per i, increasing t2, straight into dq (dq of this row
-//   is written by this row only).
-// The emulator's operations in its order: bitwise, given the same att.
-__global__ void attention_backward_query_kernel(float* dqkv, float* dS, const float* dout,
-                                                const float* qkv, const float* att, int64_t T,
-                                                int64_t NH, int64_t NKV, int64_t HD, float scale) {
-  extern __shared__ float dy_s[];  // HD
-  __shared__ float row_dot;
-  const int64_t row = blockIdx.x;
-  const int64_t t = row % T, h = (row / T) % NH, b = row / (T * NH);
-  const int64_t W = (NH + 2 * NKV) * HD, g = h / (NH / NKV);
-  const float* a = att + row * T;
-  float* ds = dS + row * T;
-  const float* dy = dout + (b * T + t) * NH * HD + h * HD;
-  const float* kbase = qkv + b * T * W + (NH + g) * HD;
-  const float* vbase = qkv + b * T * W + (NH + NKV + g) * HD;
-  for (int64_t i = threadIdx.x; i < HD; i += blockDim.x) dy_s[i] = dy[i];
-  __syncthreads();
-  for (int64_t t2 = threadIdx.x; t2 <= t; t2 += blockDim.x) {
-    const float* v = vbase + t2 * W;
-    float s = 0.0f;
-    for (int64_t i = 0; i < HD; ++i) s = __fadd_rn(s, __fmul_rn(v[i], dy_s[i]));
-    ds[t2] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float dot = 0.0f;
-    for (int64_t t2 = 0; t2 <= t; ++t2) dot = __fadd_rn(dot, __fmul_rn(a[t2], ds[t2]));
-    row_dot = dot;
-  }
-  __syncthreads();
-  const float dot = row_dot;
-  for (int64_t t2 = threadIdx.x; t2 <= t; t2 += blockDim.x)
-    ds[t2] = __fmul_rn(__fmul_rn(a[t2], __fsub_rn(ds[t2], dot)), scale);
-  __syncthreads();
-  float* dq = dqkv + (b * T + t) * W + h * HD;
-  for (int64_t i = threadIdx.x; i < HD; i += blockDim.x) {
-    float acc = dq[i];
-    for (int64_t t2 = 0; t2 <= t; ++t2) acc = __fadd_rn(acc, __fmul_rn(ds[t2], kbase[t2 * W + i]));
-    dq[i] = acc;
-  }
-}
-
-// Attention backward, part 2: one block per key/value row (b, g, t2), one thread per i.
-// dk[i] += dS[h,t,t2] * q[h,t][i] and dv[i] += att[h,t,t2] * dy[h,t][i] over the group's query
-// heads h in increasing order, then t = t2..T-1 increasing, straight into dk/dv: exactly the
-// order in which the emulator's sequential (h, t, t2) loop reaches this row. Bitwise.
-__global__ void attention_backward_kv_kernel(float* dqkv, const float* dS, const float* dout,
-                                             const float* qkv, const float* att, int64_t T,
-                                             int64_t NH, int64_t NKV, int64_t HD) {
-  const int64_t kvrow = blockIdx.x;  // (b * NKV + g) * T + t2
-  const int64_t t2 = kvrow % T, g = (kvrow / T) % NKV, b = kvrow / (T * NKV);
-  const int64_t W = (NH + 2 * NKV) * HD, group = NH / NKV;
-  float* dk = dqkv + (b * T + t2) * W + (NH + g) * HD;
-  float* dv = dqkv + (b * T + t2) * W + (NH + NKV + g) * HD;
-  for (int64_t i = threadIdx.x; i < HD; i += blockDim.x) {
-    float acc_k = dk[i], acc_v = dv[i];
-    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-      for (int64_t t = t2; t < T; ++t) {
-        const int64_t arow = ((b * NH + h) * T + t) * T + t2;
-        const float q = qkv[(b * T + t) * W + h * HD + i];
-        const float dy = dout[(b * T + t) * NH * HD + h * HD + i];
-        acc_k = __fadd_rn(acc_k, __fmul_rn(dS[arow], q));
-        acc_v = __fadd_rn(acc_v, __fmul_rn(att[arow], dy));
-      }
-    }
-    dk[i] = acc_k;
-    dv[i] = acc_v;
-  }
-}
-
 // ---- RoPE -------------------------------------------------------------------------------------
 
 // In place on the NH query and NKV key heads of x (B,T,(NH+2NKV)*HD): the pair (2i, 2i+1) at
@@ -729,7 +607,7 @@ struct CudaBackend::LayersState {
   training_ops::CublasLt lt;                                // created on the first matmul
   training_ops::DeviceScratch bf16_a, bf16_b, bf16_c;       // BF16 operands of the matmuls
   training_ops::DeviceScratch columns;                      // partial column sums
-  training_ops::DeviceScratch att_grad;                     // attention backward dS (B,NH,T,T)
+  training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O) (B,NH,T)
   training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
   training_ops::DeviceScratch sums;                         // sum_squares partials and result
   training_ops::RopeTable rope;
@@ -990,34 +868,22 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
   }
 }
 
-void CudaBackend::attention_forward(float* out, float* att, const float* qkv, int64_t B, int64_t T,
-                                    int64_t NH, int64_t NKV, int64_t HD) {
+// The kernels are in gpu/attention.cu; here the checks and the backward pass's scratch.
+void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
+                                    int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec) {
   require_heads("attention_forward", NH, NKV, HD);
-  require_rows("attention_forward", B * NH * T);
-  if (B * T == 0) return;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));  // as the emulator, on the host
-  attention_forward_kernel<<<static_cast<unsigned>(B * NH * T), kAttentionThreads,
-                             static_cast<size_t>(HD) * sizeof(float), stream_>>>(out, att, qkv, T, NH,
-                                                                               NKV, HD, scale);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  require_bf16_attention("attention_forward", prec);
+  attention_forward_launch(out, lse, qkv, B, T, NH, NKV, HD, stream_);
 }
 
 void CudaBackend::attention_backward(float* dqkv, const float* dout, const float* qkv,
-                                     const float* att, int64_t B, int64_t T, int64_t NH,
-                                     int64_t NKV, int64_t HD) {
+                                     const float* out, const float* lse, int64_t B, int64_t T,
+                                     int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec) {
   require_heads("attention_backward", NH, NKV, HD);
-  require_rows("attention_backward", B * NH * T);
+  require_bf16_attention("attention_backward", prec);
   if (B * T == 0) return;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
-  float* dS = layers_state().att_grad.get<float>(static_cast<size_t>(B * NH * T * T), stream_);
-  attention_backward_query_kernel<<<static_cast<unsigned>(B * NH * T), kAttentionThreads,
-                                    static_cast<size_t>(HD) * sizeof(float), stream_>>>(
-      dqkv, dS, dout, qkv, att, T, NH, NKV, HD, scale);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  const int kv_threads = HD >= kAttentionThreads ? kAttentionThreads : static_cast<int>((HD + 31) / 32 * 32);
-  attention_backward_kv_kernel<<<static_cast<unsigned>(B * NKV * T), kv_threads, 0, stream_>>>(
-      dqkv, dS, dout, qkv, att, T, NH, NKV, HD);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  float* dsum = layers_state().att_dsum.get<float>(static_cast<size_t>(B * NH * T), stream_);
+  attention_backward_launch(dqkv, dsum, dout, qkv, out, lse, B, T, NH, NKV, HD, stream_);
 }
 
 void CudaBackend::rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,

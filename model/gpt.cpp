@@ -125,7 +125,8 @@ void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int6
 
 float* Gpt::linear_input(int64_t l, int linear) {
   const int64_t N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
-  if (linear_recipe(l, linear).wgrad != "bf16") return scratch_in_[linear].as<float>();
+  // the attention output (linear 1's input) is always kept: the attention backward pass reads it
+  if (linear != 1 && linear_recipe(l, linear).wgrad != "bf16") return scratch_in_[linear].as<float>();
   LayerActs& a = acts_[static_cast<size_t>(l)];
   BackendBuffer& b = linear == 0 ? a.ln1 : linear == 1 ? a.atty : linear == 2 ? a.ln2 : a.act;
   if (b.bytes() < static_cast<size_t>(N * width) * 4) b = BackendBuffer(be_, static_cast<size_t>(N * width) * 4);
@@ -136,7 +137,7 @@ size_t Gpt::saved_activation_bytes() const {
   size_t n = emb_.bytes() + lnf_.bytes() + lnf_mean_.bytes() + lnf_rstd_.bytes() + logits_.bytes() +
              probs_.bytes() + losses_.bytes();
   for (const LayerActs& a : acts_) {
-    for (const BackendBuffer* b : {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.att, &a.atty, &a.attproj, &a.res1,
+    for (const BackendBuffer* b : {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.lse, &a.atty, &a.attproj, &a.res1,
                                    &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.act, &a.fcproj, &a.res2})
       n += b->bytes();
     for (const auto& q : a.saved_x)
@@ -210,7 +211,7 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
     a.ln1_mean = f32(N);
     a.ln1_rstd = f32(N);
     a.qkv = f32(N * QKV);
-    a.att = f32(B * NH * T * T);
+    a.lse = f32(B * NH * T);  // attention's log-sum-exp rows (B,NH,T), not the (B,NH,T,T) probabilities
     a.attproj = f32(N * C);
     a.res1 = f32(N * C);
     a.ln2_mean = f32(N);
@@ -219,7 +220,7 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
     a.fcproj = f32(N * C);
     a.res2 = f32(N * C);
   }
-  for (int i = 0; i < 4; ++i) scratch_in_[i] = f32(N * (i == 3 ? F : C));
+  for (int i : {0, 2, 3}) scratch_in_[i] = f32(N * (i == 3 ? F : C));  // (linear 1's input is always kept)
   dlosses_ = f32(N);
   dlogits_ = f32(N * V);
   dlnf_ = f32(N * C);
@@ -275,7 +276,7 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     if (c.positions == "rope") be_.rope_forward(F32(a.qkv), B, T, NH, NKV, HD);
     store(F32(a.qkv), N * QKV);
     float* const atty = linear_input(l, 1);
-    be_.attention_forward(atty, F32(a.att), F32(a.qkv), B, T, NH, NKV, HD);
+    be_.attention_forward(atty, F32(a.lse), F32(a.qkv), B, T, NH, NKV, HD, prec_);
     store(atty, N * C);
     linear_fwd(l, 1, F32(a.attproj), atty, N, C, C);
     store(F32(a.attproj), N * C);
@@ -359,7 +360,8 @@ void Gpt::backward() {
     zero(dln1_, N * C);
     linear_bwd(l, 1, F32(datty_), F32(dx_), N, C, C);
     store(F32(datty_), N * C);
-    be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), F32(a.att), B, T, NH, NKV, HD);
+    be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), linear_input(l, 1), F32(a.lse), B, T, NH, NKV, HD,
+                           prec_);
     // the saved qkv is post-RoPE, the GEMM's output pre-RoPE: rotate the gradient back
     if (c.positions == "rope") be_.rope_backward(F32(dqkv_), B, T, NH, NKV, HD);
     store(F32(dqkv_), N * QKV);

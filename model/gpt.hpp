@@ -79,11 +79,13 @@ class Gpt {
 
  private:
   struct LayerActs {
-    BackendBuffer ln1, ln1_mean, ln1_rstd, qkv, att, atty, attproj, res1;
+    // lse (B,NH,T): attention's per-row log-sum-exp, all the backward pass needs besides atty
+    BackendBuffer ln1, ln1_mean, ln1_rstd, qkv, lse, atty, attproj, res1;
     BackendBuffer ln2, ln2_mean, ln2_rstd, fc, act, fcproj, res2;
     // x^T of each linear layer's Wgrad GEMM, quantized in the forward pass when that GEMM is
-    // quantized; then the layer's FP32 input (ln1, atty, ln2, act) is not kept: it is written to a
-    // scratch buffer shared by all layers (DESIGN.md §9, saved activations in quantized form)
+    // quantized; then the layer's FP32 input (ln1, ln2, act) is not kept: it is written to a
+    // scratch buffer shared by all layers (DESIGN.md §9, saved activations in quantized form).
+    // atty is always kept: the attention backward pass reads it.
     std::unique_ptr<QuantizedCopy> saved_x[4];
   };
   // The FP32 input of linear `linear` of a layer: its own buffer when the backward pass needs it

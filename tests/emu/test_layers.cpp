@@ -2,9 +2,12 @@
 // FP32 forward), on random inputs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "emu/formats.hpp"
@@ -227,23 +230,227 @@ TEST(Layers, MatmulBackwardIsTheTransposedGemms) {
 namespace fp4sim::emu {
 namespace {
 
+// ---- attention ----------------------------------------------------------------------------------
+
+struct AttnShape {
+  int64_t B, T, NH, NKV, HD;
+};
+
+// The attention contract (emu/layers.hpp) in double without the roundings of P and dS: q, k, v,
+// dout rounded to BF16 as the contract says (with `bf16`), everything after that exact up to
+// double rounding. mag_* is the sum of the absolute values of the terms of each element, the
+// scale of its rounding error.
+struct AttnReference {
+  std::vector<double> out, lse, out_mag;  // forward: (B,T,NH*HD), (B,NH,T), (B,T,NH*HD)
+  std::vector<double> dqkv, dqkv_mag;     // backward: (B,T,(NH+2NKV)*HD), from 0
+};
+
+AttnReference attention_reference(const AttnShape& sh, const std::vector<float>& qkv, bool bf16,
+                                  const std::vector<float>* dout = nullptr,
+                                  const std::vector<float>* out = nullptr,
+                                  const std::vector<float>* lse = nullptr) {
+  const int64_t B = sh.B, T = sh.T, NH = sh.NH, NKV = sh.NKV, HD = sh.HD;
+  const int64_t W = (NH + 2 * NKV) * HD, C = NH * HD;
+  const double scale = 1.0f / std::sqrt(static_cast<float>(HD));  // the FP32 scale, as the contract
+  auto rnd = [bf16](float x) { return static_cast<double>(bf16 ? fp4sim::bf16_round(x) : x); };
+  auto q = [&](int64_t b, int64_t t, int64_t h, int64_t i) {
+    return rnd(qkv[(b * T + t) * W + h * HD + i]);
+  };
+  auto k = [&](int64_t b, int64_t t, int64_t g, int64_t i) {
+    return rnd(qkv[(b * T + t) * W + (NH + g) * HD + i]);
+  };
+  auto v = [&](int64_t b, int64_t t, int64_t g, int64_t i) {
+    return rnd(qkv[(b * T + t) * W + (NH + NKV + g) * HD + i]);
+  };
+  AttnReference r;
+  r.out.assign(B * T * C, 0.0);
+  r.out_mag.assign(B * T * C, 0.0);
+  r.lse.assign(B * NH * T, 0.0);
+  if (dout) {
+    r.dqkv.assign(B * T * W, 0.0);
+    r.dqkv_mag.assign(B * T * W, 0.0);
+  }
+  std::vector<double> s(T), p(T);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < NH; ++h) {
+      const int64_t g = h / (NH / NKV);
+      for (int64_t t = 0; t < T; ++t) {
+        double m = -INFINITY;
+        for (int64_t j = 0; j <= t; ++j) {
+          s[j] = 0;
+          for (int64_t i = 0; i < HD; ++i) s[j] += q(b, t, h, i) * k(b, j, g, i);
+          s[j] *= scale;
+          m = std::max(m, s[j]);
+        }
+        double l = 0;
+        for (int64_t j = 0; j <= t; ++j) l += std::exp(s[j] - m);
+        const int64_t row = (b * NH + h) * T + t;
+        r.lse[row] = m + std::log(l);
+        for (int64_t j = 0; j <= t; ++j) p[j] = std::exp(s[j] - m) / l;
+        for (int64_t i = 0; i < HD; ++i)
+          for (int64_t j = 0; j <= t; ++j) {
+            r.out[(b * T + t) * C + h * HD + i] += p[j] * v(b, j, g, i);
+            r.out_mag[(b * T + t) * C + h * HD + i] += p[j] * std::fabs(v(b, j, g, i));
+          }
+        if (!dout) continue;
+        // backward from the given out and lse, as the contract: p = exp(s - lse)
+        const float* dy = dout->data() + (b * T + t) * C + h * HD;
+        const float* o = out->data() + (b * T + t) * C + h * HD;
+        double dsum = 0, dsum_mag = 0;
+        for (int64_t i = 0; i < HD; ++i) {
+          dsum += rnd(dy[i]) * o[i];
+          dsum_mag += std::fabs(rnd(dy[i]) * o[i]);
+        }
+        for (int64_t j = 0; j <= t; ++j) {
+          const double pj = std::exp(s[j] - static_cast<double>((*lse)[row]));
+          double dp = 0, dp_mag = 0;
+          for (int64_t i = 0; i < HD; ++i) {
+            dp += rnd(dy[i]) * v(b, j, g, i);
+            dp_mag += std::fabs(rnd(dy[i]) * v(b, j, g, i));
+          }
+          const double ds = pj * (dp - dsum), ds_mag = pj * (dp_mag + dsum_mag);
+          for (int64_t i = 0; i < HD; ++i) {
+            const int64_t iq = (b * T + t) * W + h * HD + i,
+                          ik = (b * T + j) * W + (NH + g) * HD + i,
+                          iv = (b * T + j) * W + (NH + NKV + g) * HD + i;
+            r.dqkv[iq] += scale * ds * k(b, j, g, i);
+            r.dqkv_mag[iq] += scale * ds_mag * std::fabs(k(b, j, g, i));
+            r.dqkv[ik] += scale * ds * q(b, t, h, i);
+            r.dqkv_mag[ik] += scale * ds_mag * std::fabs(q(b, t, h, i));
+            r.dqkv[iv] += pj * rnd(dy[i]);
+            r.dqkv_mag[iv] += pj * std::fabs(rnd(dy[i]));
+          }
+        }
+      }
+    }
+  return r;
+}
+
+// |got - ref| <= rtol * mag everywhere; prints the worst element and its share of the budget.
+void expect_within(const char* what, const std::vector<float>& got, const std::vector<double>& ref,
+                   const std::vector<double>& mag, double rtol) {
+  ASSERT_EQ(got.size(), ref.size());
+  size_t worst = 0, bad = 0;
+  double worst_frac = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(got[i] - ref[i]), budget = rtol * mag[i];
+    const double frac = err == 0 ? 0 : (budget > 0 ? err / budget : INFINITY);
+    if (!(frac <= 1)) ++bad;
+    if (!(frac <= worst_frac)) {
+      worst_frac = frac;
+      worst = i;
+    }
+  }
+  std::printf("[attention] %-40s worst at %zu: %+.9e vs %+.9e, %.1f%% of budget (rtol %.3g)\n",
+              what, worst, got[worst], ref[worst], 100 * worst_frac, rtol);
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " elements outside " << rtol
+                     << " * mag; worst " << got[worst] << " vs " << ref[worst] << " (mag "
+                     << mag[worst] << ")";
+}
+
+// The rounding of P and dS to BF16 (RNE, 8 significant bits) moves each term by at most 2^-8 of
+// itself: out, dq, dk, dv stay within 2^-8 of the sum of their terms' magnitudes from the
+// unrounded formula (a missing or doubled rounding, a wrong scale or mask, shows far above). The
+// FP32 arithmetic around it (HD-term dot products, row sums over <= 70 keys, exp/log within 1 ulp)
+// adds less than 2^-14 of the same magnitude at these sizes: the FP32 mode checks that part alone.
+constexpr double kBf16TermRtol = 0x1p-8;
+constexpr double kFp32Rtol = 0x1p-14;
+
+const AttnShape kEmuAttnShapes[] = {
+    {2, 37, 6, 2, 24},  // GQA, group of 3
+    {1, 70, 4, 4, 64},  // MHA, more than one 64-key tile
+    {2, 5, 3, 1, 7},    // MQA, odd head size
+    {1, 1, 2, 1, 4},    // one position
+};
+
+std::string shape_tag(const AttnShape& s) {
+  return " B" + std::to_string(s.B) + " T" + std::to_string(s.T) + " NH" + std::to_string(s.NH) +
+         " NKV" + std::to_string(s.NKV) + " HD" + std::to_string(s.HD);
+}
+
+// The FlashAttention-form forward against a direct softmax: the FP32 mode within FP32 rounding, the
+// BF16 mode within the P rounding (and not equal to the FP32 mode: the rounding is really there);
+// lse has no BF16 rounding in it, so it is within FP32 rounding in both modes.
+TEST(Layers, AttentionForwardMatchesSoftmaxReference) {
+  uint64_t seed = 40;
+  for (const AttnShape& sh : kEmuAttnShapes) {
+    const int64_t W = (sh.NH + 2 * sh.NKV) * sh.HD;
+    const std::vector<float> qkv = randn(sh.B * sh.T * W, ++seed, 1.5f);
+    for (const GemmPrecision prec : {GemmPrecision::FP32, GemmPrecision::BF16}) {
+      const bool bf16 = prec == GemmPrecision::BF16;
+      const std::string tag = std::string(bf16 ? "bf16" : "fp32") + shape_tag(sh);
+      std::vector<float> out(sh.B * sh.T * sh.NH * sh.HD, NAN), lse(sh.B * sh.NH * sh.T, NAN);
+      attention_forward(out.data(), lse.data(), qkv.data(), sh.B, sh.T, sh.NH, sh.NKV, sh.HD, prec);
+      const AttnReference ref = attention_reference(sh, qkv, bf16);
+      expect_within(("out " + tag).c_str(), out, ref.out, ref.out_mag,
+                    bf16 ? kBf16TermRtol + kFp32Rtol : kFp32Rtol);
+      std::vector<double> lse_mag(lse.size());
+      for (size_t i = 0; i < lse.size(); ++i) lse_mag[i] = std::fabs(ref.lse[i]) + 1.0;
+      expect_within(("lse " + tag).c_str(), lse, ref.lse, lse_mag, kFp32Rtol);
+      // row 0 attends to key 0 alone: p = 1 exactly, out = v_0 (its operand rounding)
+      for (int64_t h = 0; h < sh.NH; ++h)
+        for (int64_t i = 0; i < sh.HD; ++i) {
+          const float v0 = qkv[(sh.NH + sh.NKV + h / (sh.NH / sh.NKV)) * sh.HD + i];
+          EXPECT_EQ(out[h * sh.HD + i], bf16 ? fp4sim::bf16_round(v0) : v0) << tag;
+        }
+    }
+    std::vector<float> o32(sh.B * sh.T * sh.NH * sh.HD), o16(o32.size()), l(sh.B * sh.NH * sh.T);
+    attention_forward(o32.data(), l.data(), qkv.data(), sh.B, sh.T, sh.NH, sh.NKV, sh.HD,
+                      GemmPrecision::FP32);
+    attention_forward(o16.data(), l.data(), qkv.data(), sh.B, sh.T, sh.NH, sh.NKV, sh.HD,
+                      GemmPrecision::BF16);
+    if (sh.T > 1) {
+      EXPECT_NE(o32, o16) << shape_tag(sh);
+    }
+  }
+}
+
+// The backward formula is the gradient: the FP32 mode (no BF16 rounding, so the forward is smooth)
+// against central finite differences of its forward.
 TEST(Layers, AttentionBackwardMatchesFiniteDifferences_Gqa) {
   const int64_t B = 2, T = 5, NH = 4, NKV = 2, HD = 8, W = (NH + 2 * NKV) * HD;
   std::vector<float> qkv = randn(B * T * W, 11), dout = randn(B * T * NH * HD, 12);
-  std::vector<float> out(B * T * NH * HD), att(B * NH * T * T);
+  std::vector<float> out(B * T * NH * HD), lse(B * NH * T);
   auto loss = [&]() {
-    attention_forward(out.data(), att.data(), qkv.data(), B, T, NH, NKV, HD);
+    attention_forward(out.data(), lse.data(), qkv.data(), B, T, NH, NKV, HD, GemmPrecision::FP32);
     double s = 0;
     for (size_t i = 0; i < out.size(); ++i) s += static_cast<double>(dout[i]) * out[i];
     return s;
   };
   loss();
-  // causal: the first position attends only to itself
-  EXPECT_EQ(att[0], 1.0f);
-  EXPECT_EQ(att[1], 0.0f);
   std::vector<float> dqkv(qkv.size(), 0.0f);
-  attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, NH, NKV, HD);
+  attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, NH, NKV,
+                     HD, GemmPrecision::FP32);
   check_grad("attention dqkv", qkv, dqkv, loss, 1e-3);
+}
+
+// The BF16 backward against the same formula in double without the P and dS roundings, from the
+// emulator's out and lse, accumulating into a non-zero dqkv; the FP32 mode within FP32 rounding.
+TEST(Layers, AttentionBackwardMatchesDoubleReference) {
+  uint64_t seed = 60;
+  for (const AttnShape& sh : kEmuAttnShapes) {
+    const int64_t W = (sh.NH + 2 * sh.NKV) * sh.HD, C = sh.NH * sh.HD;
+    const std::vector<float> qkv = randn(sh.B * sh.T * W, ++seed, 1.5f),
+                             dout = randn(sh.B * sh.T * C, ++seed);
+    const std::vector<float> dqkv0 = randn(qkv.size(), ++seed);
+    for (const GemmPrecision prec : {GemmPrecision::FP32, GemmPrecision::BF16}) {
+      const bool bf16 = prec == GemmPrecision::BF16;
+      const std::string tag = std::string(bf16 ? "bf16" : "fp32") + shape_tag(sh);
+      std::vector<float> out(sh.B * sh.T * C), lse(sh.B * sh.NH * sh.T), dqkv = dqkv0;
+      attention_forward(out.data(), lse.data(), qkv.data(), sh.B, sh.T, sh.NH, sh.NKV, sh.HD, prec);
+      attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), sh.B, sh.T,
+                         sh.NH, sh.NKV, sh.HD, prec);
+      AttnReference ref = attention_reference(sh, qkv, bf16, &dout, &out, &lse);
+      const double rtol = bf16 ? kBf16TermRtol + kFp32Rtol : kFp32Rtol;
+      // the final FP32 addition to dqkv0, half an ulp of the result: 2^-9 |result| in mag is at
+      // least an ulp at either rtol
+      for (size_t i = 0; i < dqkv.size(); ++i) {
+        ref.dqkv[i] += dqkv0[i];
+        ref.dqkv_mag[i] += std::fabs(ref.dqkv[i]) * 0x1p-9;
+      }
+      expect_within(("dqkv " + tag).c_str(), dqkv, ref.dqkv, ref.dqkv_mag, rtol);
+    }
+  }
 }
 
 TEST(Layers, RopeRotatesAndUnrotates) {

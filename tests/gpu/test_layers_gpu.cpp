@@ -7,12 +7,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <limits>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -454,52 +456,208 @@ struct AttnShape {
   int64_t B, T, NH, NKV, HD;
 };
 const AttnShape kAttnShapes[] = {
-    {2, 37, 6, 2, 24},  // GQA, group of 3
-    {1, 70, 4, 4, 64},  // MHA
-    {2, 5, 3, 1, 7},    // MQA, odd head size
-    {1, 1, 2, 1, 4},    // one position
+    {2, 37, 6, 2, 32},     // GQA (group of 3), fewer rows than one 64-row tile
+    {2, 100, 4, 2, 64},    // GQA, T not a multiple of the tile
+    {1, 130, 4, 4, 32},    // MHA, three tiles, the last with 2 rows
+    {2, 64, 3, 1, 16},     // MQA, exactly one tile, HD 16
+    {1, 77, 2, 1, 128},    // HD 128
+    {1, 1, 2, 1, 64},      // one position
+    {2, 1024, 12, 12, 64}  // gpt2-124m's attention at B = 2
 };
+
+std::string attn_tag(const AttnShape& s) {
+  return " B" + std::to_string(s.B) + " T" + std::to_string(s.T) + " NH" + std::to_string(s.NH) +
+         " NKV" + std::to_string(s.NKV) + " HD" + std::to_string(s.HD);
+}
+
+// Bounds of the CUDA attention against the emulator (emu/layers.hpp, gpu/attention.cu), relative to
+// mag = the sum of |terms| of each element (double, exact softmax, BF16-rounded operands):
+// - P and dS are rounded to BF16 on both sides, but not at the same point: the forward pass rounds
+//   exp(s - running max) on the GPU and exp(s - final max) in the emulator, and in the backward
+//   pass an FP32 difference of a few ulp can put p or dS on the other side of a BF16 rounding
+//   boundary. Each side is within 2^-8 (half a BF16 ulp, 8 significant bits) of the exact term,
+//   so the two within 2^-7 of it: kAttnBf16Rtol per unit of mag. (A missing rounding on one side
+//   would still pass; an error in a mask, a scale, a tile or a head shows far above it: a wrong or
+//   missing key moves short rows by a large part of their mag.)
+// - FP32 arithmetic: scores are HD-term dot products summed in another order (<= HD ulp of
+//   scale * sum |q k|, about 5 to 8 for these N(0,1) inputs), exp2f vs expf a few ulp of |s - m|,
+//   row sums <= T ulp: under 2^-12 of mag for T <= 1024 and HD <= 128.
+constexpr double kAttnBf16Rtol = 0x1p-7;
+constexpr double kAttnFp32Rtol = 0x1p-12;
+// lse has no BF16 rounding in it: |d lse| <= |d max| + |d l| / l, in ulps of the scores and of the
+// row sum: (2 HD + T + 16) ulp of mag_lse = |lse| + 1 + scale * max_j sum_i |q_i k_ji|.
+double lse_rtol(const AttnShape& s) { return static_cast<double>(2 * s.HD + s.T + 16) * kUlp; }
+
+struct AttnMags {
+  Mag out, lse, dqkv;  // (B,T,NH*HD), (B,NH,T), (B,T,(NH+2NKV)*HD)
+};
+
+// The magnitudes of every attention output: forward from the exact softmax, backward from
+// p = exp(s - lse) with the emulator's lse and out (the inputs both backward passes get):
+// dS_j's magnitude is p_j (sum_i |dout_i v_ji| + sum_i |dout_i out_i|). One (b, g) per iteration
+// (it owns dk, dv of KV head g and dq of the group's query heads).
+AttnMags attention_mags(const AttnShape& sh, const Vec& qkv, const Vec& dout, const Vec& out,
+                        const Vec& lse, const Vec& dqkv_result) {
+  const int64_t B = sh.B, T = sh.T, NH = sh.NH, NKV = sh.NKV, HD = sh.HD;
+  const int64_t W = (NH + 2 * NKV) * HD, C = NH * HD, group = NH / NKV;
+  const double scale = 1.0f / std::sqrt(static_cast<float>(HD));
+  auto r = [](float x) { return static_cast<double>(bf16_round(x)); };
+  AttnMags m{Mag(sz(B * T * C), 0.0), Mag(sz(B * NH * T), 0.0), Mag(sz(B * T * W), 0.0)};
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < NKV; ++g) {
+      std::vector<double> s(sz(T));
+      for (int64_t h = g * group; h < (g + 1) * group; ++h)
+        for (int64_t t = 0; t < T; ++t) {
+          const float* q = &qkv[sz((b * T + t) * W + h * HD)];
+          const float* dy = &dout[sz((b * T + t) * C + h * HD)];
+          const float* o = &out[sz((b * T + t) * C + h * HD)];
+          double mx = -INFINITY, max_sabs = 0, dsum_mag = 0;
+          for (int64_t i = 0; i < HD; ++i) dsum_mag += std::fabs(r(dy[i]) * o[i]);
+          for (int64_t j = 0; j <= t; ++j) {
+            const float* k = &qkv[sz((b * T + j) * W + (NH + g) * HD)];
+            double d = 0, a = 0;
+            for (int64_t i = 0; i < HD; ++i) {
+              d += r(q[i]) * r(k[i]);
+              a += std::fabs(r(q[i]) * r(k[i]));
+            }
+            s[sz(j)] = d * scale;
+            mx = std::max(mx, s[sz(j)]);
+            max_sabs = std::max(max_sabs, a * scale);
+          }
+          double l = 0;
+          for (int64_t j = 0; j <= t; ++j) l += std::exp(s[sz(j)] - mx);
+          const int64_t row = (b * NH + h) * T + t;
+          m.lse[sz(row)] = std::fabs(lse[sz(row)]) + 1.0 + max_sabs;
+          double* mo = &m.out[sz((b * T + t) * C + h * HD)];
+          double* mdq = &m.dqkv[sz((b * T + t) * W + h * HD)];
+          for (int64_t j = 0; j <= t; ++j) {
+            const float* k = &qkv[sz((b * T + j) * W + (NH + g) * HD)];
+            const float* v = &qkv[sz((b * T + j) * W + (NH + NKV + g) * HD)];
+            double* mdk = &m.dqkv[sz((b * T + j) * W + (NH + g) * HD)];
+            double* mdv = &m.dqkv[sz((b * T + j) * W + (NH + NKV + g) * HD)];
+            const double pf = std::exp(s[sz(j)] - mx) / l;                             // forward
+            const double pb = std::exp(s[sz(j)] - static_cast<double>(lse[sz(row)]));  // backward
+            double dp_mag = 0;
+            for (int64_t i = 0; i < HD; ++i) dp_mag += std::fabs(r(dy[i]) * r(v[i]));
+            const double ds_mag = pb * (dp_mag + dsum_mag);
+            for (int64_t i = 0; i < HD; ++i) {
+              mo[i] += pf * std::fabs(r(v[i]));
+              mdq[i] += scale * ds_mag * std::fabs(r(k[i]));
+              mdk[i] += scale * ds_mag * std::fabs(r(q[i]));
+              mdv[i] += pb * std::fabs(r(dy[i]));
+            }
+          }
+        }
+    }
+  // the one FP32 addition of each gradient to dqkv's previous value: an ulp of the result
+  for (size_t i = 0; i < m.dqkv.size(); ++i) m.dqkv[i] += std::fabs(dqkv_result[i]) * 0x1p-16;
+  return m;
+}
 
 TEST(LayersGpu, AttentionMatchesEmulator) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(505);
-  for (const AttnShape s : kAttnShapes) {
-    const int64_t B = s.B, T = s.T, NH = s.NH, NKV = s.NKV, HD = s.HD;
-    const int64_t W = (NH + 2 * NKV) * HD;
-    const std::string tag = " B" + std::to_string(B) + " T" + std::to_string(T) + " NH" +
-                            std::to_string(NH) + " NKV" + std::to_string(NKV) + " HD" +
-                            std::to_string(HD);
+  for (const AttnShape sh : kAttnShapes) {
+    const int64_t B = sh.B, T = sh.T, NH = sh.NH, NKV = sh.NKV, HD = sh.HD;
+    const int64_t W = (NH + 2 * NKV) * HD, C = NH * HD;
+    const std::string tag = attn_tag(sh);
     const Vec qkv = randn(sz(B * T * W), rng);
     const Op fwd = [&](Backend& bk, Call& c) {
-      float* out = c.out(Vec(sz(B * T * NH * HD), kNaN));
-      float* att = c.out(Vec(sz(B * NH * T * T), kNaN));  // every entry, zeros above the diagonal
-      bk.attention_forward(out, att, c.in(qkv), B, T, NH, NKV, HD);
+      float* out = c.out(Vec(sz(B * T * C), kNaN));  // every element written
+      float* lse = c.out(Vec(sz(B * NH * T), kNaN));
+      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16);
     };
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
-    const Vec& att = e[1];
-    Mag mag_out(sz(B * T * NH * HD), 0.0);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < NH; ++h)
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t t2 = 0; t2 <= t; ++t2) {
-            const double a = att[sz(((b * NH + h) * T + t) * T + t2)];
-            const int64_t g_kv = h / (NH / NKV);
-            for (int64_t i = 0; i < HD; ++i)
-              mag_out[sz((b * T + t) * NH * HD + h * HD + i)] +=
-                  a * std::fabs(qkv[sz((b * T + t2) * W + (NH + NKV + g_kv) * HD + i)]);
-          }
-    expect_bounded("attention_forward att" + tag, e[1], g[1], abs_of(att), kTranscendentalRtol);
-    expect_bounded("attention_forward out" + tag, e[0], g[0], mag_out, kTranscendentalRtol);
+    const Vec &out = e[0], &lse = e[1];
 
-    // backward from the emulator's att, into a non-zero dqkv: the emulator's order exactly
-    const Vec dout = randn(sz(B * T * NH * HD), rng), dqkv0 = randn(sz(B * T * W), rng);
+    // backward from the emulator's out and lse, into a non-zero dqkv
+    const Vec dout = randn(sz(B * T * C), rng), dqkv0 = randn(sz(B * T * W), rng);
     const Op bwd = [&](Backend& bk, Call& c) {
       float* dqkv = c.out(dqkv0);
-      bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(att), B, T, NH, NKV, HD);
+      bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(out), c.in(lse), B, T, NH, NKV, HD,
+                            emu::GemmPrecision::BF16);
     };
-    expect_bitwise("attention_backward dqkv" + tag, run(*be.emu, bwd)[0], run(*be.cuda, bwd)[0]);
+    const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
+    const AttnMags m = attention_mags(sh, qkv, dout, out, lse, eb[0]);
+    expect_bounded("attention_forward out" + tag, e[0], g[0], m.out, kAttnBf16Rtol + kAttnFp32Rtol);
+    expect_bounded("attention_forward lse" + tag, e[1], g[1], m.lse, lse_rtol(sh));
+    expect_bounded("attention_backward dqkv" + tag, eb[0], gb[0], m.dqkv,
+                   kAttnBf16Rtol + kAttnFp32Rtol);
+    // and the CUDA backward from the CUDA forward: run to run bitwise
+    const Op bwd_cuda = [&](Backend& bk, Call& c) {
+      float* dqkv = c.out(dqkv0);
+      bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(g[0]), c.in(g[1]), B, T, NH, NKV, HD,
+                            emu::GemmPrecision::BF16);
+    };
+    expect_bitwise("attention_backward twice" + tag, run(*be.cuda, bwd_cuda)[0],
+                   run(*be.cuda, bwd_cuda)[0]);
   }
+}
+
+// Head sizes outside the kernels' templates and the emulator-only FP32 mode: errors that say so.
+TEST(LayersGpu, AttentionRejectsUnsupportedHeadDimAndFp32) {
+  REQUIRE_GPU();
+  Backends be;
+  const int64_t B = 1, T = 5, NH = 2, NKV = 1;
+  for (const int64_t HD : {24, 7, 256}) {
+    const int64_t W = (NH + 2 * NKV) * HD;
+    BackendBuffer out(*be.cuda, sz(B * T * NH * HD) * 4), lse(*be.cuda, sz(B * NH * T) * 4),
+        qkv(*be.cuda, sz(B * T * W) * 4);
+    try {
+      be.cuda->attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV,
+                                 HD, emu::GemmPrecision::BF16);
+      ADD_FAILURE() << "HD=" << HD << " accepted";
+    } catch (const std::invalid_argument& ex) {
+      EXPECT_NE(std::string(ex.what()).find("HD=" + std::to_string(HD)), std::string::npos)
+          << ex.what();
+    }
+  }
+  const int64_t HD = 32, W = (NH + 2 * NKV) * HD;
+  BackendBuffer out(*be.cuda, sz(B * T * NH * HD) * 4), lse(*be.cuda, sz(B * NH * T) * 4),
+      qkv(*be.cuda, sz(B * T * W) * 4);
+  EXPECT_THROW(be.cuda->attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T,
+                                          NH, NKV, HD, emu::GemmPrecision::FP32),
+               std::invalid_argument);
+}
+
+// One gpt2-124m layer's attention (B 16, NH 12, T 1024, HD 64), forward + backward on the GPU:
+// wall time after a warm-up, and the rate in causal FLOPs (forward 2 GEMMs, backward 5, each
+// 2 * B*NH * T*(T+1)/2 * HD). A report, not a check (timings belong to benchmarks).
+TEST(LayersGpu, AttentionGpt2LayerTiming) {
+  REQUIRE_GPU();
+  Backends be;
+  Backend& g = *be.cuda;
+  const int64_t B = 16, T = 1024, NH = 12, NKV = 12, HD = 64, W = (NH + 2 * NKV) * HD, C = NH * HD;
+  std::mt19937 rng(7);
+  Call c(g);
+  const float* qkv = c.in(randn(sz(B * T * W), rng));
+  const float* dout = c.in(randn(sz(B * T * C), rng));
+  float* out = c.out(Vec(sz(B * T * C)));
+  float* lse = c.out(Vec(sz(B * NH * T)));
+  float* dqkv = c.out(Vec(sz(B * T * W)));
+  const int reps = 10;
+  auto time_ms = [&](const std::function<void()>& f) {
+    f();  // warm-up
+    g.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) f();
+    g.synchronize();
+    const std::chrono::duration<double, std::milli> total = std::chrono::steady_clock::now() - t0;
+    return total.count() / reps;
+  };
+  const double fwd = time_ms(
+      [&] { g.attention_forward(out, lse, qkv, B, T, NH, NKV, HD, emu::GemmPrecision::BF16); });
+  const double bwd = time_ms([&] {
+    g.attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16);
+  });
+  const double gemm = 2.0 * static_cast<double>(B * NH) * static_cast<double>(T * (T + 1) / 2) * HD;
+  std::printf("[layers-gpu] attention B16 NH12 T1024 HD64: forward %.3f ms (%.0f TFLOP/s), "
+              "backward %.3f ms (%.0f TFLOP/s), layer %.3f ms\n",
+              fwd, 2 * gemm / fwd * 1e-9, bwd, 5 * gemm / bwd * 1e-9, fwd + bwd);
+  const Outputs r = c.results();
+  for (float x : r[0]) ASSERT_TRUE(std::isfinite(x));
 }
 
 TEST(LayersGpu, RopeBitwiseEqualsEmulator) {
@@ -707,16 +865,22 @@ TEST(LayersGpu, ReductionsAreDeterministic) {
           });
   }
   {
-    const int64_t B = 2, T = 64, NH = 4, NKV = 2, HD = 32, W = (NH + 2 * NKV) * HD;
+    const int64_t B = 2, T = 100, NH = 4, NKV = 2, HD = 32, W = (NH + 2 * NKV) * HD;
     const Vec qkv = randn(sz(B * T * W), rng), dy = randn(sz(B * T * NH * HD), rng);
+    twice("attention_forward", [&](Backend& bk, Call& c) {
+      float* out = c.out(Vec(sz(B * T * NH * HD)));
+      float* lse = c.out(Vec(sz(B * NH * T)));
+      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16);
+    });
     const Outputs f = run(g, [&](Backend& bk, Call& c) {
       float* out = c.out(Vec(sz(B * T * NH * HD)));
-      float* att = c.out(Vec(sz(B * NH * T * T)));
-      bk.attention_forward(out, att, c.in(qkv), B, T, NH, NKV, HD);
+      float* lse = c.out(Vec(sz(B * NH * T)));
+      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16);
     });
     twice("attention_backward", [&](Backend& bk, Call& c) {
       float* dqkv = c.out(qkv);
-      bk.attention_backward(dqkv, c.in(dy), c.in(qkv), c.in(f[1]), B, T, NH, NKV, HD);
+      bk.attention_backward(dqkv, c.in(dy), c.in(qkv), c.in(f[0]), c.in(f[1]), B, T, NH, NKV, HD,
+                            emu::GemmPrecision::BF16);
     });
   }
   {

@@ -1,0 +1,623 @@
+// Causal self-attention with grouped KV heads on the tensor cores: FlashAttention-2 kernels (Dao,
+// 2023) on mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, the CUDA twins of
+// emu/layers.hpp's attention_forward / attention_backward (same shapes, same saved lse, same
+// dqkv +=). The (B,NH,T,T) probabilities are never stored.
+//
+// Shapes: qkv (B,T,(NH+2NKV)*HD) FP32 holding the NH query heads, then NKV key heads, then NKV
+// value heads; out and dout (B,T,NH*HD); lse and dsum (B,NH,T). Query head h reads KV head
+// h / (NH/NKV). HD in {16, 32, 64, 128} (template argument).
+//
+// Tiling: a tile is kTile = 64 rows; a CTA is 4 warps, each warp owns 16 rows of the tile (the M of
+// the m16n8k16 MMA). K, V, Q, dO tiles are staged in shared memory as BF16 rows padded by
+// kSmemPad elements (so the 8 rows an ldmatrix phase reads fall on distinct banks).
+//
+// Numerics (emu/layers.hpp states the contract; this file agrees with it within a bound, not
+// bitwise):
+// - Operands: q, k, v, dout rounded FP32 -> BF16 RNE while staged (cvt.rn.bf16x2.f32: the value of
+//   emu/formats.hpp's bf16_rne for every input, NaN -> canonical NaN); a no-op on BF16-stored
+//   activations. P and dS rounded the same way in registers before they feed an MMA.
+// - Products exact, sums in FP32 inside the tensor core (its order, not the emulator's
+//   sequential one); every MMA chain starts from +0.
+// - s = acc * scale (one FP32 multiplication, scale = 1/sqrt(HD) as the emulator computes it).
+// - exp(x) is evaluated as exp2f(x * log2(e)) (x * log2e one FP32 rounding, exp2f <= 2 ulp): a few
+//   ulp from the emulator's expf, more for large |x| where p is tiny.
+// - Forward: online softmax per 64-key tile, FP32: m_new = max(m, tile max); the running sum l
+//   and the output accumulator are rescaled by exp(m - m_new); p = exp(s - m_new) is rounded to
+//   BF16 for the PV MMA while l sums the unrounded p. So P is rounded relative to the running max,
+//   not the final one: each term of out differs from the emulator's by up to one BF16 rounding
+//   (2^-8 relative) of each side. out = acc / l (IEEE division); lse = m + logf(l).
+// - Backward: dsum = rowsum(bf16(dout) * out), FP32 from +0 in increasing i (the emulator's order:
+//   bitwise). p = exp(s - lse) recomputed; dS = p * (dP - dsum), FP32; dq = scale * (sum_j
+//   bf16(dS_j) k_j), dk_j = scale * (sum_{h,t} bf16(dS_tj) q_t), dv_j = sum_{h,t} bf16(p_tj)
+//   dout_t, each sum FP32 from +0 in registers over a fixed loop order (heads, then query tiles,
+//   then 16-row chunks, each in increasing order), then one FP32 multiplication by scale (dq, dk)
+//   and one FP32 addition into dqkv by the one thread that owns the element.
+// - Deterministic: no atomics, no order that depends on scheduling: run to run bitwise.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "emu/formats.hpp"
+#include "gpu/cuda_backend.hpp"
+#include "gpu/cuda_check.hpp"
+
+namespace fp4sim::gpu {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTile = 64;      // query rows per CTA, keys per K/V tile (kWarps * kWarpRows)
+constexpr int kWarpRows = 16;  // the M of one m16n8k16 MMA
+constexpr int kSmemPad = 8;    // BF16 elements of padding per shared row (16 bytes)
+constexpr int kDsumThreads = 256;
+constexpr float kLog2e = 1.4426950408889634f;
+static_assert(kTile == kWarps * kWarpRows, "each warp owns 16 rows of a tile");
+
+using bf16 = __nv_bfloat16;
+
+// ---- tensor-core fragments ----------------------------------------------------------------------
+// m16n8k16 fragments of one lane (PTX ISA, "Matrix fragments for mma.m16n8k16"), gid = lane / 4,
+// tig = lane % 4: A (16x16) a[0] = (gid, 2tig..+1), a[1] = (gid+8, 2tig..), a[2] = (gid, 2tig+8..),
+// a[3] = (gid+8, 2tig+8..); B (16x8, k x n) b[0] = (k 2tig..+1, n gid), b[1] = (k 2tig+8.., n gid);
+// C (16x8) c[0..1] = (gid, 2tig..+1), c[2..3] = (gid+8, 2tig..+1). The lower half of a register
+// holds the lower index.
+
+// Two FP32 values as a BF16 pair (lo in the low half), each rounded RNE.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return (static_cast<uint32_t>(__bfloat16_as_ushort(v.y)) << 16) | __bfloat16_as_ushort(v.x);
+}
+
+// d += A * B, BF16 operands, FP32 accumulator.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 BF16 matrices from shared memory; lanes 8i..8i+7 give the row addresses of matrix i,
+// register i receives it (row gid, columns 2tig..+1; with .trans rows 2tig..+1, column gid).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// Shared tiles are row-major BF16 [kTile][kStride]. Three ways to read MMA operands from them:
+// - load_a: the A fragment of rows r0..r0+15, columns c0..c0+15 (rows are M, columns K).
+// - load_b_nk: B fragments of two n8 tiles where the tile's rows n0..n0+15 are N and its columns
+//   c0..c0+15 are K (B = tile^T, as K in S = Q K^T): b[0..1] for n0..n0+7, b[2..3] for n0+8..15.
+// - load_b_kn: B fragments of two n8 tiles where the tile's rows k0..k0+15 are K and its columns
+//   n0..n0+15 are N (as V in O = P V): transposed load, b[0..1] for n0..n0+7, b[2..3] for n0+8..15.
+template <int kStride>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* tile, int r0, int c0,
+                                       int lane) {
+  ldmatrix_x4(a, tile + (r0 + (lane & 15)) * kStride + c0 + (lane >> 4) * 8);
+}
+template <int kStride>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const bf16* tile, int n0, int c0,
+                                          int lane) {
+  ldmatrix_x4(b, tile + (n0 + (lane & 7) + (lane >> 4) * 8) * kStride + c0 + ((lane >> 3) & 1) * 8);
+}
+template <int kStride>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* tile, int k0, int n0,
+                                          int lane) {
+  ldmatrix_x4_trans(
+      b, tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride + n0 + (lane >> 4) * 8);
+}
+
+// Rows row0..row0+kTile-1 of one head (HD FP32 columns starting at src, rows row_stride apart),
+// rounded to BF16, into a shared tile; rows >= T are zeros. float4 loads (16-byte aligned rows).
+template <int HD>
+__device__ __forceinline__ void stage_tile(bf16* tile, const float* src, int64_t row_stride,
+                                           int row0, int T) {
+  constexpr int kStride = HD + kSmemPad, kVecsPerRow = HD / 4;
+  for (int e = threadIdx.x; e < kTile * kVecsPerRow; e += kThreads) {
+    const int r = e / kVecsPerRow, c = (e % kVecsPerRow) * 4;
+    float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (row0 + r < T) x = *reinterpret_cast<const float4*>(src + (row0 + r) * row_stride + c);
+    *reinterpret_cast<uint2*>(tile + r * kStride + c) =
+        make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
+  }
+}
+
+// The A fragments (HD/16 of them, along HD) of the 16 rows row0..row0+15 of one head, straight
+// from global memory (rows >= T are zeros): Q in the forward and dQ kernels, dO in the dQ kernel,
+// K and V in the dK/dV kernel. Loaded once per CTA.
+template <int HD>
+__device__ __forceinline__ void load_a_rows(uint32_t (&a)[HD / 16][4], const float* src,
+                                            int64_t row_stride, int row0, int T, int lane) {
+  const int gid = lane >> 2, tig = lane & 3;
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + gid + half * 8;
+    const float* p = src + row * row_stride + 2 * tig;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      float2 lo = make_float2(0.0f, 0.0f), hi = lo;
+      if (row < T) {
+        lo = *reinterpret_cast<const float2*>(p + kk * 16);
+        hi = *reinterpret_cast<const float2*>(p + kk * 16 + 8);
+      }
+      a[kk][half] = pack_bf16x2(lo.x, lo.y);
+      a[kk][half + 2] = pack_bf16x2(hi.x, hi.y);
+    }
+  }
+}
+
+// The A fragment (16 rows x 16 columns) made of two n8 accumulator tiles c0 (columns 0..7) and c1
+// (columns 8..15), rounded to BF16: the FlashAttention-2 register reuse of P and dS.
+__device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[4], const float (&c0)[4],
+                                                  const float (&c1)[4]) {
+  a[0] = pack_bf16x2(c0[0], c0[1]);
+  a[1] = pack_bf16x2(c0[2], c0[3]);
+  a[2] = pack_bf16x2(c1[0], c1[1]);
+  a[3] = pack_bf16x2(c1[2], c1[3]);
+}
+
+__device__ __forceinline__ float exp_via_exp2(float x) { return exp2f(__fmul_rn(x, kLog2e)); }
+
+// ---- forward ------------------------------------------------------------------------------------
+
+// One CTA per (b, h, 64-row query tile); grid (B*NH, query tiles), the tiles with the most keys
+// first. Warp w owns query rows q_tile*64 + 16w .. +15; each lane two of them (gid, gid + 8).
+template <int HD>
+__global__ void __launch_bounds__(kThreads)
+    attention_forward_kernel(float* out, float* lse, const float* qkv, int T, int NH, int NKV,
+                             float scale) {
+  constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16;
+  __shared__ __align__(16) bf16 k_s[kTile * kStride];
+  __shared__ __align__(16) bf16 v_s[kTile * kStride];
+  const int b = blockIdx.x / NH, h = blockIdx.x % NH, g = h / (NH / NKV);
+  const int q_tile = static_cast<int>(gridDim.y) - 1 - static_cast<int>(blockIdx.y);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const int64_t W = static_cast<int64_t>(NH + 2 * NKV) * HD;
+  const float* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
+  const int row0 = q_tile * kTile + warp * kWarpRows;
+  const int rows[2] = {row0 + gid, row0 + gid + 8};
+
+  uint32_t qa[kDk][4];
+  load_a_rows<HD>(qa, qkv_b + h * HD, W, row0, T, lane);
+  float o[kDn][4];
+#pragma unroll
+  for (int n = 0; n < kDn; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  for (int kt = 0; kt <= q_tile; ++kt) {
+    __syncthreads();  // the previous tile's reads are done
+    stage_tile<HD>(k_s, qkv_b + (NH + g) * HD, W, kt * kTile, T);
+    stage_tile<HD>(v_s, qkv_b + (NH + NKV + g) * HD, W, kt * kTile, T);
+    __syncthreads();
+    // S (16 x 64 per warp) = Q K^T
+    float s[kTile / 8][4];
+#pragma unroll
+    for (int n = 0; n < kTile / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kDk; ++kk)
+#pragma unroll
+      for (int np = 0; np < kTile / 16; ++np) {
+        uint32_t bk[4];
+        load_b_nk<kStride>(bk, k_s, np * 16, kk * 16, lane);
+        mma_bf16(s[2 * np], qa[kk], bk[0], bk[1]);
+        mma_bf16(s[2 * np + 1], qa[kk], bk[2], bk[3]);
+      }
+    // scale, causal mask (only the diagonal tile has keys above a row: the keys of earlier tiles
+    // are below every row of this tile and < T), tile row max over the quad
+    const bool diagonal = kt == q_tile;
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kt * kTile + n * 8 + 2 * tig + (e & 1);
+        float x = __fmul_rn(s[n][e], scale);
+        if (diagonal && key > rows[e >> 1]) x = -INFINITY;
+        s[n][e] = x;
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+      }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 2));
+      // every row has key 0 in tile 0 (and key q_tile*64 in its diagonal tile): the max is finite
+      const float m_new = fmaxf(m[r], tile_max[r]);
+      alpha[r] = exp_via_exp2(__fsub_rn(m[r], m_new));  // exp(-inf) = 0 on the first tile
+      m[r] = m_new;
+      l[r] = __fmul_rn(l[r], alpha[r]);
+    }
+#pragma unroll
+    for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = exp_via_exp2(__fsub_rn(s[n][e], m[e >> 1]));
+        s[n][e] = p;
+        l[e >> 1] = __fadd_rn(l[e >> 1], p);
+      }
+#pragma unroll
+    for (int n = 0; n < kDn; ++n) {
+      o[n][0] = __fmul_rn(o[n][0], alpha[0]);
+      o[n][1] = __fmul_rn(o[n][1], alpha[0]);
+      o[n][2] = __fmul_rn(o[n][2], alpha[1]);
+      o[n][3] = __fmul_rn(o[n][3], alpha[1]);
+    }
+    // O += bf16(P) V, 16 keys (one k-step) at a time
+#pragma unroll
+    for (int kc = 0; kc < kTile / 16; ++kc) {
+      uint32_t pa[4];
+      accumulators_to_a(pa, s[2 * kc], s[2 * kc + 1]);
+#pragma unroll
+      for (int dn = 0; dn < HD / 16; ++dn) {
+        uint32_t bv[4];
+        load_b_kn<kStride>(bv, v_s, kc * 16, dn * 16, lane);
+        mma_bf16(o[2 * dn], pa, bv[0], bv[1]);
+        mma_bf16(o[2 * dn + 1], pa, bv[2], bv[3]);
+      }
+    }
+  }
+  // the quad's partial row sums (a fixed butterfly), then out = acc / l and lse = m + log(l)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] = __fadd_rn(l[r], __shfl_xor_sync(0xFFFFFFFFu, l[r], 1));
+    l[r] = __fadd_rn(l[r], __shfl_xor_sync(0xFFFFFFFFu, l[r], 2));
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] >= T) continue;
+    float* o_row = out + (static_cast<int64_t>(b) * T + rows[r]) * NH * HD + h * HD;
+#pragma unroll
+    for (int n = 0; n < kDn; ++n)
+      *reinterpret_cast<float2*>(o_row + n * 8 + 2 * tig) =
+          make_float2(__fdiv_rn(o[n][2 * r], l[r]), __fdiv_rn(o[n][2 * r + 1], l[r]));
+    if (tig == 0)
+      lse[(static_cast<int64_t>(b) * NH + h) * T + rows[r]] = __fadd_rn(m[r], logf(l[r]));
+  }
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+
+// dsum (B,NH,T) = sum_i bf16(dout_i) * out_i over one head's row, one thread per row
+// r = (b*T + t)*NH + h, FP32 from +0 in increasing i: the emulator's order, bitwise.
+template <int HD>
+__global__ void attention_dsum_kernel(float* dsum, const float* dout, const float* out,
+                                      int64_t rows, int T, int NH) {
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4* dy = reinterpret_cast<const float4*>(dout + r * HD);
+    const float4* o = reinterpret_cast<const float4*>(out + r * HD);
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int i = 0; i < HD / 4; ++i) {
+      const float4 a = dy[i], c = o[i];
+      acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.x), c.x));
+      acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.y), c.y));
+      acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.z), c.z));
+      acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.w), c.w));
+    }
+    const int64_t h = r % NH, bt = r / NH, t = bt % T, b = bt / T;
+    dsum[(b * NH + h) * T + t] = acc;
+  }
+}
+
+// dq: one CTA per (b, h, 64-row query tile), grid (B*NH, query tiles), most keys first. Warp w
+// owns query rows q_tile*64 + 16w .. +15 and keeps their Q and dO fragments in registers; K and V
+// tiles up to the diagonal go through shared memory, 16 keys at a time:
+// S = Q K^T, dP = dO V^T, p = exp(s*scale - lse), dS = p (dP - dsum), dq += bf16(dS) K.
+// Each dq element is added to dqkv by the one lane that holds it.
+template <int HD>
+__global__ void __launch_bounds__(kThreads)
+    attention_backward_dq_kernel(float* dqkv, const float* dout, const float* qkv, const float* lse,
+                                 const float* dsum, int T, int NH, int NKV, float scale) {
+  constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16;
+  __shared__ __align__(16) bf16 k_s[kTile * kStride];
+  __shared__ __align__(16) bf16 v_s[kTile * kStride];
+  const int b = blockIdx.x / NH, h = blockIdx.x % NH, g = h / (NH / NKV);
+  const int q_tile = static_cast<int>(gridDim.y) - 1 - static_cast<int>(blockIdx.y);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const int64_t W = static_cast<int64_t>(NH + 2 * NKV) * HD, C = static_cast<int64_t>(NH) * HD;
+  const float* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
+  const int row0 = q_tile * kTile + warp * kWarpRows;
+  const int rows[2] = {row0 + gid, row0 + gid + 8};
+  float row_lse[2], row_dsum[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = (static_cast<int64_t>(b) * NH + h) * T + rows[r];
+    row_lse[r] = rows[r] < T ? lse[i] : 0.0f;
+    row_dsum[r] = rows[r] < T ? dsum[i] : 0.0f;
+  }
+  uint32_t qa[kDk][4], da[kDk][4];
+  load_a_rows<HD>(qa, qkv_b + h * HD, W, row0, T, lane);
+  load_a_rows<HD>(da, dout + static_cast<int64_t>(b) * T * C + h * HD, C, row0, T, lane);
+  float dq[kDn][4];
+#pragma unroll
+  for (int n = 0; n < kDn; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+
+  for (int kt = 0; kt <= q_tile; ++kt) {
+    __syncthreads();
+    stage_tile<HD>(k_s, qkv_b + (NH + g) * HD, W, kt * kTile, T);
+    stage_tile<HD>(v_s, qkv_b + (NH + NKV + g) * HD, W, kt * kTile, T);
+    __syncthreads();
+    const bool diagonal = kt == q_tile;
+#pragma unroll
+    for (int kc = 0; kc < kTile / 16; ++kc) {
+      // keys kt*64 + 16kc.. are all above this warp's rows: nothing to add
+      if (diagonal && kc > warp) break;
+      float s[2][4] = {}, dp[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < kDk; ++kk) {
+        uint32_t bk[4], bv[4];
+        load_b_nk<kStride>(bk, k_s, kc * 16, kk * 16, lane);
+        mma_bf16(s[0], qa[kk], bk[0], bk[1]);
+        mma_bf16(s[1], qa[kk], bk[2], bk[3]);
+        load_b_nk<kStride>(bv, v_s, kc * 16, kk * 16, lane);
+        mma_bf16(dp[0], da[kk], bv[0], bv[1]);
+        mma_bf16(dp[1], da[kk], bv[2], bv[3]);
+      }
+      float ds[2][4];
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, key = kt * kTile + kc * 16 + n * 8 + 2 * tig + (e & 1);
+          const bool masked = diagonal && key > rows[r];
+          const float p = exp_via_exp2(__fsub_rn(__fmul_rn(s[n][e], scale), row_lse[r]));
+          ds[n][e] = masked ? 0.0f : __fmul_rn(p, __fsub_rn(dp[n][e], row_dsum[r]));
+        }
+      uint32_t dsa[4];
+      accumulators_to_a(dsa, ds[0], ds[1]);
+#pragma unroll
+      for (int dn = 0; dn < HD / 16; ++dn) {
+        uint32_t bk[4];
+        load_b_kn<kStride>(bk, k_s, kc * 16, dn * 16, lane);
+        mma_bf16(dq[2 * dn], dsa, bk[0], bk[1]);
+        mma_bf16(dq[2 * dn + 1], dsa, bk[2], bk[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] >= T) continue;
+    float* dq_row = dqkv + (static_cast<int64_t>(b) * T + rows[r]) * W + h * HD;
+#pragma unroll
+    for (int n = 0; n < kDn; ++n) {
+      float2* p = reinterpret_cast<float2*>(dq_row + n * 8 + 2 * tig);
+      const float2 cur = *p;
+      *p = make_float2(__fadd_rn(cur.x, __fmul_rn(dq[n][2 * r], scale)),
+                       __fadd_rn(cur.y, __fmul_rn(dq[n][2 * r + 1], scale)));
+    }
+  }
+}
+
+// dk, dv: one CTA per (b, KV head g, 64-key tile), grid (B*NKV, key tiles), the tiles with the
+// most query rows (the first) first. Warp w owns keys k_tile*64 + 16w .. +15 and keeps their K and
+// V fragments in registers; for each query head h of the group in increasing order and each query
+// tile from the diagonal on, Q and dO go through shared memory, 16 query rows at a time:
+// S^T = K Q^T, dP^T = V dO^T, p = exp(s*scale - lse_t), dS = p (dP - dsum_t),
+// dv += bf16(P^T) dO, dk += bf16(dS^T) Q. Each dk, dv element is added to dqkv by the one lane
+// that holds it.
+template <int HD>
+__global__ void __launch_bounds__(kThreads)
+    attention_backward_dkdv_kernel(float* dqkv, const float* dout, const float* qkv,
+                                   const float* lse, const float* dsum, int T, int NH, int NKV,
+                                   float scale) {
+  constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16;
+  __shared__ __align__(16) bf16 q_s[kTile * kStride];
+  __shared__ __align__(16) bf16 do_s[kTile * kStride];
+  __shared__ float lse_s[kTile], dsum_s[kTile];
+  const int b = blockIdx.x / NKV, g = blockIdx.x % NKV, group = NH / NKV;
+  const int k_tile = static_cast<int>(blockIdx.y);
+  const int q_tiles = (T + kTile - 1) / kTile;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const int64_t W = static_cast<int64_t>(NH + 2 * NKV) * HD, C = static_cast<int64_t>(NH) * HD;
+  const float* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
+  const float* dout_b = dout + static_cast<int64_t>(b) * T * C;
+  const int key0 = k_tile * kTile + warp * kWarpRows;
+  const int keys[2] = {key0 + gid, key0 + gid + 8};
+  uint32_t ka[kDk][4], va[kDk][4];
+  load_a_rows<HD>(ka, qkv_b + (NH + g) * HD, W, key0, T, lane);
+  load_a_rows<HD>(va, qkv_b + (NH + NKV + g) * HD, W, key0, T, lane);
+  float dk[kDn][4], dv[kDn][4];
+#pragma unroll
+  for (int n = 0; n < kDn; ++n) {
+    dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.0f;
+    dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
+  }
+
+  for (int h = g * group; h < (g + 1) * group; ++h) {
+    for (int qt = k_tile; qt < q_tiles; ++qt) {
+      __syncthreads();
+      stage_tile<HD>(q_s, qkv_b + h * HD, W, qt * kTile, T);
+      stage_tile<HD>(do_s, dout_b + h * HD, C, qt * kTile, T);
+      for (int r = threadIdx.x; r < kTile; r += kThreads) {
+        const int t = qt * kTile + r;
+        const int64_t i = (static_cast<int64_t>(b) * NH + h) * T + t;
+        lse_s[r] = t < T ? lse[i] : 0.0f;
+        dsum_s[r] = t < T ? dsum[i] : 0.0f;
+      }
+      __syncthreads();
+      const bool diagonal = qt == k_tile;
+#pragma unroll
+      for (int qc = 0; qc < kTile / 16; ++qc) {
+        // query rows qt*64 + 16qc.. are all before this warp's keys, or all past T: nothing to add
+        if ((diagonal && qc < warp) || qt * kTile + qc * 16 >= T) continue;
+        float st[2][4] = {}, dpt[2][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < kDk; ++kk) {
+          uint32_t bq[4], bo[4];
+          load_b_nk<kStride>(bq, q_s, qc * 16, kk * 16, lane);
+          mma_bf16(st[0], ka[kk], bq[0], bq[1]);
+          mma_bf16(st[1], ka[kk], bq[2], bq[3]);
+          load_b_nk<kStride>(bo, do_s, qc * 16, kk * 16, lane);
+          mma_bf16(dpt[0], va[kk], bo[0], bo[1]);
+          mma_bf16(dpt[1], va[kk], bo[2], bo[3]);
+        }
+        float p[2][4], ds[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qr = qc * 16 + n * 8 + 2 * tig + (e & 1), t = qt * kTile + qr;
+            const bool masked = t >= T || keys[e >> 1] > t;
+            const float pe = exp_via_exp2(__fsub_rn(__fmul_rn(st[n][e], scale), lse_s[qr]));
+            p[n][e] = masked ? 0.0f : pe;
+            ds[n][e] = masked ? 0.0f : __fmul_rn(pe, __fsub_rn(dpt[n][e], dsum_s[qr]));
+          }
+        uint32_t pa[4], dsa[4];
+        accumulators_to_a(pa, p[0], p[1]);
+        accumulators_to_a(dsa, ds[0], ds[1]);
+#pragma unroll
+        for (int dn = 0; dn < HD / 16; ++dn) {
+          uint32_t bo[4], bq[4];
+          load_b_kn<kStride>(bo, do_s, qc * 16, dn * 16, lane);
+          mma_bf16(dv[2 * dn], pa, bo[0], bo[1]);
+          mma_bf16(dv[2 * dn + 1], pa, bo[2], bo[3]);
+          load_b_kn<kStride>(bq, q_s, qc * 16, dn * 16, lane);
+          mma_bf16(dk[2 * dn], dsa, bq[0], bq[1]);
+          mma_bf16(dk[2 * dn + 1], dsa, bq[2], bq[3]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (keys[r] >= T) continue;
+    float* dk_row = dqkv + (static_cast<int64_t>(b) * T + keys[r]) * W + (NH + g) * HD;
+    float* dv_row = dqkv + (static_cast<int64_t>(b) * T + keys[r]) * W + (NH + NKV + g) * HD;
+#pragma unroll
+    for (int n = 0; n < kDn; ++n) {
+      float2* pk = reinterpret_cast<float2*>(dk_row + n * 8 + 2 * tig);
+      float2* pv = reinterpret_cast<float2*>(dv_row + n * 8 + 2 * tig);
+      const float2 ck = *pk, cv = *pv;
+      *pk = make_float2(__fadd_rn(ck.x, __fmul_rn(dk[n][2 * r], scale)),
+                        __fadd_rn(ck.y, __fmul_rn(dk[n][2 * r + 1], scale)));
+      *pv = make_float2(__fadd_rn(cv.x, dv[n][2 * r]), __fadd_rn(cv.y, dv[n][2 * r + 1]));
+    }
+  }
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+void require_attention_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                             int64_t HD) {
+  if (HD != 16 && HD != 32 && HD != 64 && HD != 128)
+    throw std::invalid_argument(std::string(op) + ": head dim HD=" + std::to_string(HD) +
+                                " is not supported by the CUDA attention kernels; expected 16, 32, "
+                                "64 or 128");
+  if (NH <= 0 || NKV <= 0 || NH % NKV != 0)
+    throw std::invalid_argument(std::string(op) + ": NH=" + std::to_string(NH) +
+                                " NKV=" + std::to_string(NKV) +
+                                "; expected NH, NKV > 0 and NH a multiple of NKV");
+  const int64_t tiles = (T + kTile - 1) / kTile;
+  if (B < 0 || T < 0 || tiles > 65535 || B * NH > INT_MAX)
+    throw std::invalid_argument(std::string(op) + ": B=" + std::to_string(B) +
+                                " T=" + std::to_string(T) + " NH=" + std::to_string(NH) +
+                                "; expected T <= " + std::to_string(65535 * kTile) +
+                                " and B*NH < 2^31 (one CTA per head and 64-row tile)");
+}
+
+void require_aligned(const char* op, const char* tensor, const void* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
+    throw std::invalid_argument(std::string(op) + ": " + tensor +
+                                " must be 16-byte aligned (rows are read as float4)");
+}
+
+template <int HD>
+void forward_for(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
+                 int64_t NKV, cudaStream_t stream) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));  // as the emulator, on the host
+  const dim3 grid(static_cast<unsigned>(B * NH), static_cast<unsigned>((T + kTile - 1) / kTile));
+  attention_forward_kernel<HD><<<grid, kThreads, 0, stream>>>(
+      out, lse, qkv, static_cast<int>(T), static_cast<int>(NH), static_cast<int>(NKV), scale);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+template <int HD>
+void backward_for(float* dqkv, float* dsum, const float* dout, const float* qkv, const float* out,
+                  const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                  cudaStream_t stream) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+  const int64_t rows = B * T * NH, tiles = (T + kTile - 1) / kTile;
+  const int64_t dsum_blocks = (rows + kDsumThreads - 1) / kDsumThreads;
+  attention_dsum_kernel<HD>
+      <<<static_cast<unsigned>(dsum_blocks < 65536 ? dsum_blocks : 65536), kDsumThreads, 0,
+         stream>>>(dsum, dout, out, rows, static_cast<int>(T), static_cast<int>(NH));
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  attention_backward_dkdv_kernel<HD>
+      <<<dim3(static_cast<unsigned>(B * NKV), static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
+          dqkv, dout, qkv, lse, dsum, static_cast<int>(T), static_cast<int>(NH),
+          static_cast<int>(NKV), scale);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  attention_backward_dq_kernel<HD>
+      <<<dim3(static_cast<unsigned>(B * NH), static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
+          dqkv, dout, qkv, lse, dsum, static_cast<int>(T), static_cast<int>(NH),
+          static_cast<int>(NKV), scale);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void attention_forward_launch(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
+                              int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream) {
+  require_attention_shape("attention_forward", B, T, NH, NKV, HD);
+  if (B * T == 0) return;
+  require_aligned("attention_forward", "qkv", qkv);
+  require_aligned("attention_forward", "out", out);
+  switch (HD) {
+    case 16:
+      forward_for<16>(out, lse, qkv, B, T, NH, NKV, stream);
+      break;
+    case 32:
+      forward_for<32>(out, lse, qkv, B, T, NH, NKV, stream);
+      break;
+    case 64:
+      forward_for<64>(out, lse, qkv, B, T, NH, NKV, stream);
+      break;
+    default:
+      forward_for<128>(out, lse, qkv, B, T, NH, NKV, stream);
+      break;
+  }
+}
+
+void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv,
+                               const float* out, const float* lse, int64_t B, int64_t T, int64_t NH,
+                               int64_t NKV, int64_t HD, cudaStream_t stream) {
+  require_attention_shape("attention_backward", B, T, NH, NKV, HD);
+  if (B * T == 0) return;
+  require_aligned("attention_backward", "dqkv", dqkv);
+  require_aligned("attention_backward", "dout", dout);
+  require_aligned("attention_backward", "qkv", qkv);
+  require_aligned("attention_backward", "out", out);
+  switch (HD) {
+    case 16:
+      backward_for<16>(dqkv, dsum, dout, qkv, out, lse, B, T, NH, NKV, stream);
+      break;
+    case 32:
+      backward_for<32>(dqkv, dsum, dout, qkv, out, lse, B, T, NH, NKV, stream);
+      break;
+    case 64:
+      backward_for<64>(dqkv, dsum, dout, qkv, out, lse, B, T, NH, NKV, stream);
+      break;
+    default:
+      backward_for<128>(dqkv, dsum, dout, qkv, out, lse, B, T, NH, NKV, stream);
+      break;
+  }
+}
+
+}  // namespace fp4sim::gpu
