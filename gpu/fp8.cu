@@ -1,8 +1,8 @@
 // The FP8 block format on the GPU (DESIGN.md §9), twins of the emulator's FP8 paths in
 // emu/cpu_backend.cpp and emu/gemm.cpp, built from the same host/device functions
 // (fp8_block_encode_scale, fp8_quantize_element, fp8_decode_element, tfdpa_fp8_hopper), so the bits
-// are the emulator's by construction. Correctness first: one block of 128 threads per quantization
-// block, one thread per GEMM output.
+// are the emulator's by construction. Quantization: one tiled pass for both copies; the exact GEMM:
+// one thread per output (correctness first).
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -16,45 +16,95 @@
 namespace fp4sim::gpu {
 namespace {
 
-__device__ __forceinline__ float load_f32(const void* x, DType t, int64_t i) {
-  return t == DType::F32 ? static_cast<const float*>(x)[i] : bf16_to_f32(static_cast<const uint16_t*>(x)[i]);
-}
+// Both copies in one pass over a 128 x 128 input tile in shared memory (FP32, rows padded to 129
+// floats so that column reads are free of bank conflicts), 256 threads = 8 warps:
+//  - the tile's NaN-ignoring max |x| goes to the global amax (one integer atomicMax on the bit
+//    pattern per CTA: non-negative floats order as their bits, so the result is order-free);
+//  - a 1x128 block is one warp's row (row-wise copy) or column (column-wise copy: input column c is
+//    row c of the written C x R tensor, its 128-block the tile's 128 rows), 4 elements per lane,
+//    the block amax by shuffles; a 128x128 tile (2D) uses the tile's amax for every row;
+//  - then enc = fp8_block_encode_scale(amax_b), scale = 1 / enc, codes fp8_quantize_element(x, enc):
+//    the emulator's functions, so the bits are the emulator's.
+// Rows past R read as zeros and are not written (the row-wise 1x128 copy allows any R; the host
+// checks the dimensions each copy blocks along).
+constexpr int kFp8TileThreads = 256;
+constexpr int kFp8TilePitch = kFp8Block + 1;
+constexpr size_t kFp8TileSmem = sizeof(float) * kFp8Block * kFp8TilePitch;
 
-// Global amax of x (NaN ignored). Non-negative floats order as their bit patterns, so an integer
-// atomicMax gives the exact (order-free) maximum.
-__global__ void fp8_amax_kernel(const void* x, DType t, int64_t rows, int64_t cols, int64_t stride,
-                                unsigned int* amax_bits) {
-  unsigned int m = 0;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float v = f32_abs(load_f32(x, t, (i / cols) * stride + i % cols));
-    if (!f32_isnan(v)) m = max(m, f32_bits(v));
-  }
-  for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-  if ((threadIdx.x & 31) == 0) atomicMax(amax_bits, m);
-}
-
-// One thread block per (row group, column block) of the written copy: 1 row (1x128) or 128 rows
-// (128x128 tile) by 128 columns; thread k owns column k of the block. Written element (r, c) is
-// x[r][c] (row-wise) or x[c][r] (column-wise).
-__global__ void fp8_quantize_kernel(const void* x, DType t, int64_t stride, bool transposed, int64_t rows,
-                                    int64_t cols, int group, QuantizedView q) {
-  __shared__ float warp_max[kFp8Block / 32];
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * group, c = static_cast<int64_t>(blockIdx.x) * kFp8Block + threadIdx.x;
-  auto at = [&](int64_t r) { return transposed ? load_f32(x, t, c * stride + r) : load_f32(x, t, r * stride + c); };
-  float m = 0.0f;
-  for (int i = 0; i < group; ++i) m = fmax_nan_ignored(m, f32_abs(at(r0 + i)));
+__device__ __forceinline__ float warp_max_nan_ignored(float m) {
   for (int off = 16; off > 0; off >>= 1) m = fmax_nan_ignored(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
+  return m;
+}
+
+struct Fp8TileArgs {
+  int64_t rows, cols, stride;
+  bool two_d;
+  QuantizedView row, col;  // codes null = copy disabled
+  unsigned int* amax_bits;
+};
+
+template <class T>
+__global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(const T* x, Fp8TileArgs a) {
+  extern __shared__ float tile[];  // [128][129]
+  __shared__ float warp_partial[kFp8TileThreads / 32];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kFp8Block, c0 = static_cast<int64_t>(blockIdx.x) * kFp8Block;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float m = 0.0f;
+  for (int i = threadIdx.x; i < kFp8Block * kFp8Block; i += kFp8TileThreads) {
+    const int tr = i / kFp8Block, tc = i % kFp8Block;
+    const int64_t r = r0 + tr, c = c0 + tc;
+    float v = 0.0f;
+    if (r < a.rows && c < a.cols) {
+      if constexpr (sizeof(T) == 2) v = bf16_to_f32(x[r * a.stride + c]);
+      else v = x[r * a.stride + c];
+    }
+    tile[tr * kFp8TilePitch + tc] = v;
+    m = fmax_nan_ignored(m, f32_abs(v));
+  }
+  m = warp_max_nan_ignored(m);
+  if (lane == 0) warp_partial[warp] = m;
   __syncthreads();
-  float amax_b = 0.0f;
-  for (int w = 0; w < kFp8Block / 32; ++w) amax_b = fmax_nan_ignored(amax_b, warp_max[w]);
-  const float enc = fp8_block_encode_scale(amax_b), scale = fdiv_rn(1.0f, enc);
-  float* scales = reinterpret_cast<float*>(q.scales);
-  for (int i = 0; i < group; ++i) {
-    const int64_t r = r0 + i;
-    q.codes[r * cols + c] = fp8_quantize_element(at(r), enc);
-    if (threadIdx.x == 0) scales[r * (cols / kFp8Block) + blockIdx.x] = scale;
+  float tile_amax = 0.0f;
+  for (int w = 0; w < kFp8TileThreads / 32; ++w) tile_amax = fmax_nan_ignored(tile_amax, warp_partial[w]);
+  if (threadIdx.x == 0) atomicMax(a.amax_bits, f32_bits(tile_amax));
+
+  // row-wise: rows r0.. of the input, written at (r, c0 + k)
+  if (a.row.codes) {
+    float* scales = reinterpret_cast<float*>(a.row.scales);
+    const int64_t spr = a.cols / kFp8Block;
+    for (int tr = warp; tr < kFp8Block; tr += kFp8TileThreads / 32) {
+      const int64_t r = r0 + tr;
+      if (r >= a.rows) break;
+      float v[kFp8Block / 32];
+      float mb = 0.0f;
+      for (int j = 0; j < kFp8Block / 32; ++j) {
+        v[j] = tile[tr * kFp8TilePitch + lane + 32 * j];
+        mb = fmax_nan_ignored(mb, f32_abs(v[j]));
+      }
+      const float amax_b = a.two_d ? tile_amax : warp_max_nan_ignored(mb);
+      const float enc = fp8_block_encode_scale(amax_b);
+      for (int j = 0; j < kFp8Block / 32; ++j) a.row.codes[r * a.cols + c0 + lane + 32 * j] = fp8_quantize_element(v[j], enc);
+      if (lane == 0) scales[r * spr + c0 / kFp8Block] = fdiv_rn(1.0f, enc);
+    }
+  }
+  // column-wise: input column c0 + tc is written row c0 + tc, its elements r0.. at columns r0..
+  if (a.col.codes) {
+    float* scales = reinterpret_cast<float*>(a.col.scales);
+    const int64_t spr = a.rows / kFp8Block;
+    for (int tc = warp; tc < kFp8Block; tc += kFp8TileThreads / 32) {
+      const int64_t c = c0 + tc;
+      if (c >= a.cols) break;
+      float v[kFp8Block / 32];
+      float mb = 0.0f;
+      for (int j = 0; j < kFp8Block / 32; ++j) {
+        v[j] = tile[(lane + 32 * j) * kFp8TilePitch + tc];
+        mb = fmax_nan_ignored(mb, f32_abs(v[j]));
+      }
+      const float amax_b = a.two_d ? tile_amax : warp_max_nan_ignored(mb);
+      const float enc = fp8_block_encode_scale(amax_b);
+      for (int j = 0; j < kFp8Block / 32; ++j) a.col.codes[c * a.rows + r0 + lane + 32 * j] = fp8_quantize_element(v[j], enc);
+      if (lane == 0) scales[c * spr + r0 / kFp8Block] = fdiv_rn(1.0f, enc);
+    }
   }
 }
 
@@ -105,25 +155,46 @@ int blocks_for(int64_t n, int threads) {
 
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                          QuantizedView* columnwise, cudaStream_t stream) {
-  // the copies' amax is the input's (no transform): computed once
+  // the copies' amax is the input's (no transform): reduced once, into the row-wise copy's (or the
+  // column-wise copy's) amax, then copied
   unsigned int* amax_bits = reinterpret_cast<unsigned int*>(cfg.rowwise.enabled ? rowwise->amax : columnwise->amax);
   FP4SIM_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(float), stream));
-  fp8_amax_kernel<<<blocks_for(x.numel(), 256), 256, 0, stream>>>(x.data, x.dtype, x.rows, x.cols, x.stride(),
-                                                                  amax_bits);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  const int group = cfg.block_2d ? kFp8Block : 1;
-  for (int copy = 0; copy < 2; ++copy) {
-    const bool col = copy == 1;
-    if (!(col ? cfg.columnwise.enabled : cfg.rowwise.enabled)) continue;
-    QuantizedView& q = col ? *columnwise : *rowwise;
-    if (col && cfg.rowwise.enabled)
-      FP4SIM_CUDA_CHECK(cudaMemcpyAsync(q.amax, rowwise->amax, sizeof(float), cudaMemcpyDeviceToDevice, stream));
-    const dim3 grid(static_cast<unsigned>(q.cols / kFp8Block), static_cast<unsigned>(q.rows / group));
-    if (grid.y > 65535)
-      throw std::invalid_argument("quantize (cuda, fp8): too many rows for one launch: " + shape_str(q.rows, q.cols));
-    fp8_quantize_kernel<<<grid, kFp8Block, 0, stream>>>(x.data, x.dtype, x.stride(), col, q.rows, q.cols, group, q);
-    FP4SIM_CUDA_CHECK_LAUNCH();
+  Fp8TileArgs a{};
+  a.rows = x.rows;
+  a.cols = x.cols;
+  a.stride = x.stride();
+  a.two_d = cfg.block_2d;
+  if (cfg.rowwise.enabled) a.row = *rowwise;
+  if (cfg.columnwise.enabled) a.col = *columnwise;
+  if (!cfg.rowwise.enabled) a.row.codes = nullptr;
+  if (!cfg.columnwise.enabled) a.col.codes = nullptr;
+  a.amax_bits = amax_bits;
+  const int64_t gy = (x.rows + kFp8Block - 1) / kFp8Block, gx = (x.cols + kFp8Block - 1) / kFp8Block;
+  if (gy > 65535)
+    throw std::invalid_argument("quantize (cuda, fp8): tensor '" + std::string(x.name) + "' " +
+                                shape_str(x.rows, x.cols) + " has too many rows for one launch");
+  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+  if (x.dtype == DType::F32) {
+    static bool attr = false;
+    if (!attr) {
+      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_tile_kernel<float>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kFp8TileSmem)));
+      attr = true;
+    }
+    fp8_quantize_tile_kernel<float><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(static_cast<const float*>(x.data), a);
+  } else {
+    static bool attr = false;
+    if (!attr) {
+      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_tile_kernel<uint16_t>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kFp8TileSmem)));
+      attr = true;
+    }
+    fp8_quantize_tile_kernel<uint16_t><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(
+        static_cast<const uint16_t*>(x.data), a);
   }
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  if (cfg.rowwise.enabled && cfg.columnwise.enabled)
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(columnwise->amax, rowwise->amax, sizeof(float), cudaMemcpyDeviceToDevice, stream));
 }
 
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {

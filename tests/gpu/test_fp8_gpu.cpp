@@ -49,12 +49,17 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
                           test::Fill::SignedZeros, test::Fill::HugeTiny}) {
     for (bool bf16 : {false, true})
       for (bool two_d : {false, true}) {
-        const int64_t R = 256, C = 384;
+        // a 256 x 384 input with both copies, and (1x128 only) a 200 x 256 one with the row-wise
+        // copy alone: a partial 128-row tile on the GPU
+        const bool partial = !two_d && fill != test::Fill::Gaussian;
+        const int64_t R = partial ? 200 : 256, C = partial ? 256 : 384;
         std::vector<float> x = test::make_fill(fill, static_cast<size_t>(R * C), 11);
-        const QuantizeResult e = quantize_on(*emu, x, R, C, bf16, two_d), g = quantize_on(*cuda, x, R, C, bf16, two_d);
-        const std::string what = std::string(test::fill_name(fill)) + (bf16 ? " bf16" : " f32") + (two_d ? " 2d" : " 1d");
+        const QuantizeResult e = quantize_on(*emu, x, R, C, bf16, two_d, !partial),
+                             g = quantize_on(*cuda, x, R, C, bf16, two_d, !partial);
+        const std::string what = std::string(test::fill_name(fill)) + (bf16 ? " bf16" : " f32") + (two_d ? " 2d" : " 1d") +
+                                 " " + std::to_string(R) + "x" + std::to_string(C);
         expect_same(e.rowwise, g.rowwise, what + " row-wise");
-        expect_same(e.columnwise, g.columnwise, what + " column-wise");
+        if (!partial) expect_same(e.columnwise, g.columnwise, what + " column-wise");
         QuantizedHost er = e.rowwise, gr = g.rowwise;
         const std::vector<float> de = dequantize_to_host(*emu, er), dg = dequantize_to_host(*cuda, gr);
         for (size_t i = 0; i < de.size(); ++i) ASSERT_EQ(test::bits(de[i]), test::bits(dg[i])) << what << " dequant " << i;
