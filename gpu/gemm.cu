@@ -4,9 +4,9 @@
 //  - gemm_exact_tiled_kernel: 64 x 64 output tiles; each 64-wide K chunk of both operands is
 //    decoded once into shared memory (2 * e2m1 as int8, per-group zero/sign masks, packed scales),
 //    each thread computes 4 x 4 outputs: the 16-element group sums with __dp4a (exact integer dot
-//    products), then gst_fdpa_core_packed_bits with its FP64 sum (variant 1), or, by default
-//    (variant 2), gst_fdpa_core_lean from unpacked scales for the common case and the packed core
-//    for the rest (NaN scales, non-finite C, a zero sum). Every formulation is tested equal to the
+//    products), then gst_fdpa_core_packed_bits with its FP64 sum (variant 1), or (variants 2-4,
+//    4 the default) gst_fdpa_core_lean from unpacked scales for the common case and the packed
+//    core, out of line, for the rest (NaN scales, non-finite C, a zero sum). Every formulation is tested equal to the
 //    readable core on the CPU and the kernels bitwise equal to each other on the GPU.
 #include <cuda_runtime.h>
 
@@ -118,9 +118,26 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
   }
 }
 
+// The packed core for one output from the shared tiles: the lean kernel's rare path (NaN scales,
+// non-finite C, a zero sum), out of line so its registers do not count against the common path.
+__device__ __noinline__ float packed_core_from_tiles(const int32_t* p4, const ChunkTile& sa, const ChunkTile& sb,
+                                                     int ra, int rb, int man_bits, float acc) {
+  uint32_t all_zero = 0, all_neg_zero = 0, wa[kGstGroups], wb[kGstGroups];
+  FP4SIM_UNROLL
+  for (int g = 0; g < kGstGroups; ++g) {
+    const uint32_t nz = static_cast<uint32_t>(sa.nonzero[ra][g]) & sb.nonzero[rb][g];
+    const uint32_t neg = static_cast<uint32_t>(sa.sign[ra][g]) ^ sb.sign[rb][g];
+    all_zero |= (nz == 0 ? 1u : 0u) << g;
+    all_neg_zero |= (nz == 0 && neg == 0xFFFFu ? 1u : 0u) << g;
+    wa[g] = sa.scale[ra][g];
+    wb[g] = sb.scale[rb][g];
+  }
+  return f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, wa, wb, man_bits, acc, true));
+}
+
 // kLean (variant 2): the common case through gst_fdpa_core_lean from unpacked scales, fewer integer
 // instructions per output and chunk; the rest (NaN scales, non-finite C, a zero sum) as variant 1.
-template <bool kLean, int kMinBlocks>
+template <bool kLean, int kMinBlocks, bool kSplit>
 __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_kernel(QuantizedView a, QuantizedView b,
                                                                          const float* c, GemmConfig cfg, void* out) {
   __shared__ ChunkTile sa, sb;
@@ -130,7 +147,8 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
   const int man_bits = kind == ScaleKind::UE4M3_16 ? 3 : 0;
   const int64_t chunks = gemm_chunks(a.cols), per_split = chunks / cfg.split_k;
   float total[kPer][kPer];
-  for (int s = 0; s < cfg.split_k; ++s) {
+  const int splits = kSplit ? cfg.split_k : 1;
+  for (int s = 0; s < splits; ++s) {
     float acc[kPer][kPer];
     FP4SIM_UNROLL
     for (int i = 0; i < kPer; ++i)
@@ -147,8 +165,10 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
         const uint4* xa = reinterpret_cast<const uint4*>(sa.twice + ra * kRowBytes);
         const uint4 x0 = xa[0], x1 = xa[1], x2 = xa[2], x3 = xa[3];
         uint32_t wa[kGstGroups];
-        FP4SIM_UNROLL
-        for (int g = 0; g < kGstGroups; ++g) wa[g] = sa.scale[ra][g];
+        if constexpr (!kLean) {
+          FP4SIM_UNROLL
+          for (int g = 0; g < kGstGroups; ++g) wa[g] = sa.scale[ra][g];
+        }
         int32_t siga[kGstGroups], expa[kGstGroups];
         uint32_t nza[kGstGroups], nan_a = 0;
         if constexpr (kLean) {
@@ -186,6 +206,10 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
               continue;
             }
           }
+          if constexpr (kLean) {
+            acc[i][j] = packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, acc[i][j]);
+            continue;
+          }
           uint32_t all_zero = 0, all_neg_zero = 0, wb[kGstGroups];
           FP4SIM_UNROLL
           for (int g = 0; g < kGstGroups; ++g) {
@@ -202,7 +226,7 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
     FP4SIM_UNROLL
     for (int i = 0; i < kPer; ++i)
       FP4SIM_UNROLL
-      for (int j = 0; j < kPer; ++j) total[i][j] = s == 0 ? acc[i][j] : fadd_rn(total[i][j], acc[i][j]);
+      for (int j = 0; j < kPer; ++j) total[i][j] = (!kSplit || s == 0) ? acc[i][j] : fadd_rn(total[i][j], acc[i][j]);
   }
   const float alpha =
       gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
@@ -220,14 +244,15 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
   }
 }
 
-// 0 reference, 1 tiled, 2 tiled with the lean core (default: 15.2 vs 10.3 TFLOP/s at 8192^3 on the
-// H200), 3 = 2 capped at 80 registers for 3 CTAs per SM (spills 112 bytes). Benchmark knob; same bits.
-int g_gemm_exact_variant = 2;
+// 0 reference, 1 tiled, 2 tiled with the lean core, 3 and 4 = 2 under __launch_bounds__ for 3 or 4
+// CTAs per SM (77 / 64 registers without split-K, no spills, since the rare path is out of line).
+// H200, 8192^3: 10.3 / 14.6 / 16.2 / 17.0 TFLOP/s for 1-4. A benchmark knob; the same bits.
+int g_gemm_exact_variant = 4;
 
 }  // namespace
 
 void set_gemm_exact_variant(int variant) {
-  if (variant < 0 || variant > 3) throw std::invalid_argument("exact GEMM variant must be 0, 1, 2 or 3");
+  if (variant < 0 || variant > 4) throw std::invalid_argument("exact GEMM variant must be 0 to 4");
   g_gemm_exact_variant = variant;
 }
 
@@ -237,9 +262,20 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
   const bool aligned = reinterpret_cast<uintptr_t>(a.codes) % 8 == 0 && reinterpret_cast<uintptr_t>(b.codes) % 8 == 0;
   if (g_gemm_exact_variant >= 1 && aligned) {
     const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile), static_cast<unsigned>((a.rows + kTile - 1) / kTile));
-    if (g_gemm_exact_variant == 3) gemm_exact_tiled_kernel<true, 3><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-    else if (g_gemm_exact_variant == 2) gemm_exact_tiled_kernel<true, 1><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-    else gemm_exact_tiled_kernel<false, 1><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+    const bool split = cfg.split_k > 1;
+    if (g_gemm_exact_variant == 4) {
+      if (split) gemm_exact_tiled_kernel<true, 4, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+      else gemm_exact_tiled_kernel<true, 4, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+    } else if (g_gemm_exact_variant == 3) {
+      if (split) gemm_exact_tiled_kernel<true, 3, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+      else gemm_exact_tiled_kernel<true, 3, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+    } else if (g_gemm_exact_variant == 2) {
+      if (split) gemm_exact_tiled_kernel<true, 1, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+      else gemm_exact_tiled_kernel<true, 1, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+    } else {
+      if (split) gemm_exact_tiled_kernel<false, 1, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+      else gemm_exact_tiled_kernel<false, 1, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+    }
     FP4SIM_CUDA_CHECK_LAUNCH();
     return;
   }
