@@ -5,6 +5,8 @@
 #   (default) build, GPU tests, benchmarks, crosscheck, PyTorch check, oracles, training speed
 #   quick     build + GPU tests only
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
+#   recipes   build + gpt2-124m tokens/s and peak memory per recipe (bf16, fp8, nvfp4 with cuBLASLt
+#             GEMMs, RUNS runs each, default 3; nvfp4 with exact GEMMs once), then train
 # Carry .deps (xtensor/xtl headers) and, for the corpus-based agreement tests, data (token files).
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
@@ -26,7 +28,7 @@ cmake --build build-gpu -j"$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error|
 row "build (archs $archs)" "ok, $(( $(date +%s) - t0 )) s"
 build-gpu/fp4sim info | tee "$out/info.txt"
 
-if [ "${1:-}" != "train" ]; then
+if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ]; then
   ( cd build-gpu && ctest -L gpu --output-on-failure -j1 ) >"$out/ctest_gpu.log" 2>&1
   rc=$?
   grep -E "tests passed|bitwise identical|\[train-gpu\] worst|cublaslt-bound\] largest|Failed|FAILED" "$out/ctest_gpu.log"
@@ -55,6 +57,29 @@ train_speed() {
 }
 if [ "${1:-}" = "train" ]; then train_speed; fi
 
+# issue 5 speed and memory: one gpt2-124m run = 8 steps (6 with exact GEMMs), tokens/s = median
+# of the trainer's steps 3..N; a recipe's figure = median over its runs
+recipe_run() {  # name gemm steps log
+  timeout 300 build-gpu/fp4sim train --config configs/gpt2-124m.json --backend cuda train.data=synthetic \
+    train.batch=16 train.steps="$3" train.warmup=1 train.eval_every=0 train.out_dir=runs/recipes \
+    recipe.name="$1" recipe.gemm="$2" >"$4" 2>&1
+  grep -E "^step" "$4" | awk -F'|' 'NR>2 {gsub(/ tok\/s/,"",$6); print $6+0}' | sort -n \
+    | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'
+}
+median_of() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'; }
+if [ "${1:-}" = "recipes" ]; then
+  for r in bf16 fp8 nvfp4; do
+    runs=""
+    for i in $(seq 1 "${RUNS:-3}"); do runs="$runs $(recipe_run $r cublaslt 8 "$out/recipe_${r}_$i.log")"; done
+    mem=$(grep -oE "peak device memory in use: [0-9.]+ GiB" "$out/recipe_${r}_1.log" | grep -oE "[0-9.]+ GiB")
+    row "gpt2-124m $r cublaslt tok/s (runs:$runs)" "median $(echo "$runs" | median_of), peak $mem"
+    grep -E "^step|error|Error" "$out/recipe_${r}_1.log" | tail -2
+  done
+  ex=$(recipe_run nvfp4 exact 6 "$out/recipe_nvfp4_exact.log")
+  row "gpt2-124m nvfp4 exact GEMMs tok/s (1 run)" "$ex, peak $(grep -oE "peak device memory in use: [0-9.]+ GiB" "$out/recipe_nvfp4_exact.log" | grep -oE "[0-9.]+ GiB")"
+  train_speed
+fi
+
 if [ "${1:-}" = "profile" ]; then
   # per-kernel time, DRAM and SM throughput of the first launches of each benchmark mode
   for mode in 0 1 2; do
@@ -65,7 +90,7 @@ if [ "${1:-}" = "profile" ]; then
     grep -E "nvfp4|amax|quantize_tile|gpu__time|dram__|sm__|smsp__inst|l1tex" "$out/ncu_mode$mode.txt" | sed 's/  */ /g' | cut -c1-150
   done
 fi
-if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train" ]; then
+if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ]; then
   build-gpu/bench_quantize --benchmark_filter=Gpu --benchmark_repetitions=5 \
     --benchmark_report_aggregates_only=true --benchmark_out="$out/bench_quantize.json" \
     --benchmark_out_format=json >"$out/bench_quantize.txt" 2>&1
