@@ -111,7 +111,7 @@ if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train"
   cat "$out/crosscheck.txt"
   # the transformer against PyTorch (issue 4): fp4sim trains on the emulator and dumps, torch checks
   if [ -z "${SKIP_ORACLES:-}" ]; then
-    build-gpu/fp4sim train --config configs/tiny.json train.steps=10 train.warmup=2 train.eval_every=0 \
+    build-gpu/fp4sim train --backend emu --config configs/tiny.json train.steps=10 train.warmup=2 train.eval_every=0 \
       model.activation_dtype=fp32 train.data=synthetic train.out_dir=runs/torchcheck --dump runs/torchcheck/dump >"$out/torchcheck_train.log" 2>&1
     PYTHONUNBUFFERED=1 timeout 300 python3 validation/torch_gpt_check.py --dump runs/torchcheck/dump \
       --log runs/torchcheck/log.jsonl >"$out/torch_gpt_check.log" 2>&1

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job: set up, build, write a sample tensor and quantize it on the default backend (CUDA
 # when a GPU is present, else the emulator), printing what the quantizer did; then fetch the corpus
-# and train the tiny transformer for 20 steps on the emulator in BF16 and in NVFP4 (the published
-# recipe, every GEMM through the exact tensor-core model) and print both losses side by side.
+# and train the tiny transformer for 20 steps on the default backend (the same rule) in BF16 and in
+# NVFP4 (the published recipe, every GEMM through the exact tensor-core model) and print both losses
+# side by side.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh build
@@ -22,7 +23,7 @@ echo "== the same tensor in MXFP4 (1x32 blocks, UE8M0 scales)"
 build/fp4sim quantize runs/demo/activations.npy runs/demo/act_mx --format mxfp4
 
 echo
-echo "== the 'tiny' transformer on the emulator, 20 steps in BF16 and in NVFP4 (same seed and data)"
+echo "== the 'tiny' transformer on the default backend ($(build/fp4sim info | awk '/^default backend:/ {print $3}')), 20 steps in BF16 and in NVFP4 (same seed and data)"
 data=data/corpus
 if ! scripts/fetch_corpus.sh build/fp4sim; then
   echo "(the corpus could not be fetched: training on synthetic tokens instead)"
@@ -35,7 +36,7 @@ for recipe in bf16 nvfp4; do
     | grep -E "^step|^done|^block 0|^recipe"
 done
 echo
-echo "== loss, BF16 vs NVFP4 (emulator, exact tensor-core model)"
+echo "== loss, BF16 vs NVFP4 (exact tensor-core model)"
 python3 - runs/demo/tiny_bf16/log.jsonl runs/demo/tiny_nvfp4/log.jsonl <<'PY'
 import json, sys
 a = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]

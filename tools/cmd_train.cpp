@@ -9,26 +9,35 @@
 #include "tools/commands.hpp"
 
 namespace fp4sim::cli {
+namespace {
+
+constexpr const char* kBackendHelp =
+    "emu (the bit-exact CPU emulator) or cuda; default: cuda when this build has the CUDA backend and "
+    "a GPU is present, else emu";
+// The backend a command runs on: the one named, else the default (cuda when usable, else emu).
+std::string chosen_backend(const std::string& named) { return named.empty() ? default_backend_name() : named; }
+
+}  // namespace
 
 void register_train(CLI::App& app) {
   struct Args {
-    std::string config, backend = "emu", resume, dump;
+    std::string config, backend, resume, dump;
     std::vector<std::string> overrides;
   };
   auto a = std::make_shared<Args>();
-  auto* cmd = app.add_subcommand("train", "Train the configured transformer (BF16 so far; --backend emu or cuda)");
+  auto* cmd = app.add_subcommand("train", "Train the configured transformer (recipe.name: bf16, fp8, nvfp4, mxfp4)");
   cmd->add_option("--config", a->config, "configs/tiny.json, configs/small.json, ... or your own")->required();
   cmd->add_option("overrides", a->overrides, "key=value ... (see fp4sim config)");
-  cmd->add_option("--backend", a->backend, "emu (the bit-exact CPU emulator, default) or cuda")
-      ->check(CLI::IsMember({"emu", "cuda"}));
+  cmd->add_option("--backend", a->backend, kBackendHelp)->check(CLI::IsMember({"emu", "cuda"}));
   cmd->add_option("--resume", a->resume, "A checkpoint directory, or a run's checkpoints directory (latest)");
   cmd->add_option("--dump", a->dump, "Folder for outside checks: initial weights, step-0 loss and gradients, "
                                      "the first 10 batches (validation/torch_gpt_check.py reads them)");
   cmd->callback([a]() {
     const model::RunConfig c = model::load_config(a->config, a->overrides);
-    auto backend = make_backend(a->backend);
-    fmt::print("fp4sim train  (backend {}, contract_version 1)\n{}\nparameters: {:.3f} M\n", backend->name(),
-               model::to_json(c).dump(2), model::parameter_count(c.model) / 1e6);
+    auto backend = make_backend(chosen_backend(a->backend));
+    fmt::print("fp4sim train  (backend {}{}, contract_version 1)\n{}\nparameters: {:.3f} M\n", backend->name(),
+               a->backend.empty() ? " by default" : "", model::to_json(c).dump(2),
+               model::parameter_count(c.model) / 1e6);
     model::TrainOptions opt;
     opt.resume = a->resume;
     opt.dump_dir = a->dump;
@@ -45,7 +54,7 @@ namespace fp4sim::cli {
 
 void register_eval_sample(CLI::App& app) {
   struct EvalArgs {
-    std::string checkpoint, data, backend = "emu";
+    std::string checkpoint, data, backend;
     int64_t batches = 16;
   };
   auto e = std::make_shared<EvalArgs>();
@@ -53,9 +62,9 @@ void register_eval_sample(CLI::App& app) {
   ev->add_option("--checkpoint", e->checkpoint, "A checkpoint directory, or a run's checkpoints directory")->required();
   ev->add_option("--data", e->data, "Token files prefix (default: the run's train.data)");
   ev->add_option("--batches", e->batches, "Validation batches");
-  ev->add_option("--backend", e->backend, "emu or cuda")->check(CLI::IsMember({"emu", "cuda"}));
+  ev->add_option("--backend", e->backend, kBackendHelp)->check(CLI::IsMember({"emu", "cuda"}));
   ev->callback([e]() {
-    auto backend = make_backend(e->backend);
+    auto backend = make_backend(chosen_backend(e->backend));
     model::LoadedModel m = model::load_trained(e->checkpoint, *backend);
     if (!e->data.empty()) m.config.train.data = e->data;
     const float loss = model::evaluate(m.config, m.params, e->batches, *backend);
@@ -66,7 +75,7 @@ void register_eval_sample(CLI::App& app) {
   });
 
   struct SampleArgs {
-    std::string checkpoint, prompt, backend = "emu";
+    std::string checkpoint, prompt, backend;
     int64_t tokens = 200;
     float temperature = 0.8f;
     uint64_t seed = 1;
@@ -78,9 +87,9 @@ void register_eval_sample(CLI::App& app) {
   sm->add_option("--tokens", s->tokens, "Tokens to generate");
   sm->add_option("--temperature", s->temperature, "0 = greedy");
   sm->add_option("--seed", s->seed, "Sampling seed");
-  sm->add_option("--backend", s->backend, "emu or cuda")->check(CLI::IsMember({"emu", "cuda"}));
+  sm->add_option("--backend", s->backend, kBackendHelp)->check(CLI::IsMember({"emu", "cuda"}));
   sm->callback([s]() {
-    auto backend = make_backend(s->backend);
+    auto backend = make_backend(chosen_backend(s->backend));
     const model::LoadedModel m = model::load_trained(s->checkpoint, *backend);
     if (m.config.model.vocab != 256)
       throw std::invalid_argument("sample: only byte-level (vocab 256) models can be turned back into text");

@@ -108,14 +108,18 @@ expect_fail "mma bad scale" "not a power of two" "$bin" mma --a 0:1 --b 0:1 --sf
 # train / eval / sample on a micro model with synthetic tokens
 cfg=$(dirname "$0")/../../configs/tiny.json
 micro="model.d_model=32 model.n_layers=1 model.d_ff=64 model.n_heads=2 model.n_kv_heads=2 model.seq_len=16 model.max_positions=16 train.batch=2 train.steps=4 train.warmup=1 train.eval_every=2 train.eval_batches=1 train.data=synthetic train.checkpoint_every=2 train.keep_last=1"
-"$bin" train --config "$cfg" $micro train.out_dir=run >log.txt 2>&1 && grep -q "step     4" log.txt && [ -f run/log.jsonl ] \
+"$bin" train --config "$cfg" $micro train.out_dir=run --backend emu >log.txt 2>&1 && grep -q "step     4" log.txt && [ -f run/log.jsonl ] \
   && [ "$(ls run/checkpoints)" = "step_00000004" ] && ok "train writes log and keeps the last checkpoint" || bad "train: $(tail -5 log.txt)"
-"$bin" train --config "$cfg" $micro train.out_dir=rund --dump rund/dump >/dev/null 2>&1 \
+"$bin" train --config "$cfg" $micro train.out_dir=rund --dump rund/dump --backend emu >/dev/null 2>&1 \
   && [ -f rund/dump/weights.safetensors ] && [ -f rund/dump/step0_grads.safetensors ] && [ -f rund/dump/batches.safetensors ] \
   && [ -f rund/dump/config.json ] && ok "train --dump writes the PyTorch check's inputs" || bad "train --dump"
-"$bin" eval --checkpoint run/checkpoints --batches 1 >log.txt 2>&1 && grep -q "val loss" log.txt && ok "eval" || bad "eval: $(cat log.txt)"
-"$bin" train --config "$cfg" $micro model.vocab=256 train.out_dir=run2 >/dev/null 2>&1 \
-  && "$bin" sample --checkpoint run2/checkpoints --prompt "ab" --tokens 5 >log.txt 2>&1 && ok "sample" || bad "sample: $(cat log.txt)"
+"$bin" eval --checkpoint run/checkpoints --batches 1 --backend emu >log.txt 2>&1 && grep -q "val loss" log.txt && ok "eval" || bad "eval: $(cat log.txt)"
+"$bin" train --config "$cfg" $micro model.vocab=256 train.out_dir=run2 --backend emu >/dev/null 2>&1 \
+  && "$bin" sample --checkpoint run2/checkpoints --prompt "ab" --tokens 5 --backend emu >log.txt 2>&1 && ok "sample" || bad "sample: $(cat log.txt)"
+want=$("$bin" info 2>/dev/null | awk '/^default backend:/ {print $3}')
+"$bin" train --config "$cfg" $micro train.steps=1 train.checkpoint_every=0 train.out_dir=rundef >log.txt 2>&1 \
+  && grep -q "backend $want by default" log.txt && ok "train without --backend runs on the default backend ($want)" \
+  || bad "train default backend: $(head -2 log.txt)"
 expect_fail "train unknown key" "valid keys" "$bin" train --config "$cfg" model.heads=3
 expect_fail "train impossible shape" "not divisible by model.n_heads" "$bin" train --config "$cfg" model.d_model=130
 expect_fail "train missing data" "/nonexistent/corpus.train.tokens" "$bin" train --config "$cfg" train.data=/nonexistent/corpus
