@@ -3,7 +3,9 @@
 # on the CUDA backend, same data and (per seed) same initialisation; then validation/evidence.py
 # tabulates the final validation losses against BF16 and plots the curves.
 # usage: validation/first_evidence.sh [STEPS] [OUT_DIR]     (STEPS x 32 x 512 tokens per run)
-#   env: RUN_TIMEOUT (seconds per run), EVAL_BATCHES (default 16), FP4SIM (the binary)
+#   env: RUN_TIMEOUT (seconds per run), EVAL_BATCHES (default 16), FP4SIM (the binary),
+#        CONFIG (default configs/small.json), BACKEND (default cuda; with emu every GEMM is exact, so
+#        the cuBLASLt-vs-exact pair is not run)
 # Needs the corpus (data/corpus.*; scripts/fetch_corpus.sh) and a GPU build in build-gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +13,10 @@ steps=${1:-2000}
 out=${2:-runs/evidence}
 bin=${FP4SIM:-build-gpu/fp4sim}
 mkdir -p "$out"
-common=(--config configs/small.json --backend cuda train.steps="$steps" train.warmup=$((steps / 10))
+backend=${BACKEND:-cuda}
+gemm=cublaslt
+[ "$backend" = emu ] && gemm=exact
+common=(--config "${CONFIG:-configs/small.json}" --backend "$backend" train.steps="$steps" train.warmup=$((steps / 10))
         train.eval_every=$((steps / 4)) train.eval_batches="${EVAL_BATCHES:-16}" train.checkpoint_every=0)
 run() {  # name, then overrides
   local name=$1
@@ -24,12 +29,12 @@ run() {  # name, then overrides
 }
 # most informative first, the slow exact-GEMM run last (a short RUN_TIMEOUT cuts only it)
 run bf16_s1 recipe.name=bf16 train.seed=1
-run nvfp4_s1 recipe.name=nvfp4 recipe.gemm=cublaslt train.seed=1
-run fp8 recipe.name=fp8 recipe.gemm=cublaslt train.seed=1
+run nvfp4_s1 recipe.name=nvfp4 recipe.gemm=$gemm train.seed=1
+run fp8 recipe.name=fp8 recipe.gemm=$gemm train.seed=1
 run bf16_s2 recipe.name=bf16 train.seed=2
-run nvfp4_s2 recipe.name=nvfp4 recipe.gemm=cublaslt train.seed=2
-run nvfp4_all_off recipe.name=nvfp4 recipe.gemm=cublaslt recipe.rht=false recipe.stochastic_rounding=off \
+run nvfp4_s2 recipe.name=nvfp4 recipe.gemm=$gemm train.seed=2
+run nvfp4_all_off recipe.name=nvfp4 recipe.gemm=$gemm recipe.rht=false recipe.stochastic_rounding=off \
   recipe.weight_2d=false recipe.hp_first=0 recipe.hp_last=0 train.seed=1
-run mxfp4 recipe.name=mxfp4 recipe.weight_2d=false recipe.gemm=cublaslt train.seed=1
-run nvfp4_exact recipe.name=nvfp4 recipe.gemm=exact train.seed=1
+run mxfp4 recipe.name=mxfp4 recipe.weight_2d=false recipe.gemm=$gemm train.seed=1
+[ "$backend" = emu ] || run nvfp4_exact recipe.name=nvfp4 recipe.gemm=exact train.seed=1
 python3 validation/evidence.py "$out" || true

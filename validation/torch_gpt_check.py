@@ -35,6 +35,17 @@ import torch
 import torch.nn.functional as F
 
 
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(HD), causal) v on (B, NH, T, HD); PyTorch's SDPA where it exists (2.0+),
+    else the same formula written out (Debian's PyTorch 1.13, for CPU runs of this check)."""
+    if hasattr(F, "scaled_dot_product_attention"):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    T = q.shape[-2]
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ v
+
+
 class CheckError(Exception):
     pass
 
@@ -196,7 +207,7 @@ class Gpt(torch.nn.Module):
             rep = NH // NKV  # query head h reads KV head h // rep, as emu::attention_forward
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             y = y.transpose(1, 2).reshape(B, T, NH * HD)
             x = x + self.linear(y, f"h.{l}.attn.c_proj")
             h = self.norm(x, f"h.{l}.ln_2")
