@@ -228,6 +228,30 @@ Bf16Operand prepare_bf16(const float* x, int64_t rows, int64_t K, int64_t Kp) {
   return o;
 }
 
+// One output row of bf16_gemm_tn. Compiled also for x86-64-v4 (AVX-512: the 16 truncated terms of a
+// chunk convert to int64 eight at a time) and v3 (AVX2), chosen at run time by the CPU; the
+// arithmetic is exact in every version (products exact in double, truncation by the int64
+// conversion, an int64 sum), so every version gives the same bits. No FMA can appear: the build
+// has -ffp-contract=off.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void bf16_gemm_row(float* out_row, const Bf16Operand& A, const Bf16Operand& B, int64_t m, int64_t N, int64_t Kp,
+                   int64_t chunks) {
+  for (int64_t n = 0; n < N; ++n) {
+    float acc = 0.0f;
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const size_t ia = static_cast<size_t>(m * Kp + ch * kBf16FdpaL), ib = static_cast<size_t>(n * Kp + ch * kBf16FdpaL);
+      if (A.special_chunk[static_cast<size_t>(m * chunks + ch)] | B.special_chunk[static_cast<size_t>(n * chunks + ch)]) {
+        acc = tfdpa_bf16(&A.f[ia], &B.f[ib], acc);
+        continue;
+      }
+      acc = tfdpa_bf16_prepared(&A.d[ia], &A.e[ia], &B.d[ib], &B.e[ib], &A.f[ia], &B.f[ib], acc);
+    }
+    out_row[n] = acc;
+  }
+}
+
 }  // namespace
 
 // Chained T-FDPA per output (tfdpa_bf16_prepared) with the operands' doubles and exponent readings
@@ -236,20 +260,7 @@ void bf16_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t
   const int64_t Kp = (K + kBf16FdpaL - 1) / kBf16FdpaL * kBf16FdpaL, chunks = Kp / kBf16FdpaL;
   const Bf16Operand A = prepare_bf16(a, M, K, Kp), B = prepare_bf16(b, N, K, Kp);
 #pragma omp parallel for schedule(static)
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t n = 0; n < N; ++n) {
-      float acc = 0.0f;
-      for (int64_t ch = 0; ch < chunks; ++ch) {
-        const size_t ia = static_cast<size_t>(m * Kp + ch * kBf16FdpaL), ib = static_cast<size_t>(n * Kp + ch * kBf16FdpaL);
-        if (A.special_chunk[static_cast<size_t>(m * chunks + ch)] | B.special_chunk[static_cast<size_t>(n * chunks + ch)]) {
-          acc = tfdpa_bf16(&A.f[ia], &B.f[ib], acc);
-          continue;
-        }
-        acc = tfdpa_bf16_prepared(&A.d[ia], &A.e[ia], &B.d[ib], &B.e[ib], &A.f[ia], &B.f[ib], acc);
-      }
-      out[m * N + n] = acc;
-    }
-  }
+  for (int64_t m = 0; m < M; ++m) bf16_gemm_row(out + m * N, A, B, m, N, Kp, chunks);
 }
 
 void fp32_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t N, int64_t K) {
