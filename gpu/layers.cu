@@ -334,18 +334,35 @@ __global__ void rmsnorm_backward_partial_kernel(float* partial, const float* dwe
 // ---- matmul -----------------------------------------------------------------------------------
 
 // dst (n) = BF16 RNE bits of src (emu/formats.hpp: NaN -> 0x7FFF), the emulator's operand rounding.
+// Memory-bound elementwise kernels move four floats per access where every pointer is 16-byte
+// aligned (the vector loop), and one at a time for the rest: each element gets the same
+// per-element function either way, so the split changes no bits.
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
 __global__ void round_to_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dst[i] = bf16_rne(src[i]);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nv = aligned16(src) && (reinterpret_cast<uintptr_t>(dst) & 7u) == 0 ? n / 4 : 0;
+  for (int64_t i = t0; i < nv; i += stride) {
+    const float4 v = reinterpret_cast<const float4*>(src)[i];
+    reinterpret_cast<ushort4*>(dst)[i] = make_ushort4(bf16_rne(v.x), bf16_rne(v.y), bf16_rne(v.z), bf16_rne(v.w));
+  }
+  for (int64_t i = nv * 4 + t0; i < n; i += stride) dst[i] = bf16_rne(src[i]);
 }
 
 // out (N,OC) += bias (OC), one FP32 RN addition after the GEMM, as the emulator: bitwise given the
-// GEMM's value.
+// GEMM's value. grid.y walks the rows, x the columns (no per-element division).
 __global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_t OC) {
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * OC;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[e] = __fadd_rn(out[e], bias[e % OC]);
+  for (int64_t r = blockIdx.y; r < N; r += gridDim.y) {
+    float* row = out + r * OC;
+    for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < OC;
+         c += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      row[c] = __fadd_rn(row[c], bias[c]);
+  }
+}
+dim3 bias_grid(int64_t N, int64_t OC) {
+  const int64_t x = (OC + kThreads - 1) / kThreads, y = N < 65535 ? N : 65535;
+  return dim3(static_cast<unsigned>(x < kMaxGridBlocks ? x : kMaxGridBlocks), static_cast<unsigned>(y > 0 ? y : 1));
 }
 
 // Partial column sums of dout (N,OC) for dbias: partial (chunks, OC), every chunk from +0 (the
@@ -434,15 +451,30 @@ __global__ void squared_relu_backward_kernel(float* dinp, const float* inp, cons
 // out = a + b, FP32 RN: bitwise.
 // x = bf16_round(x): the emulator's function, bitwise.
 __global__ void round_to_bf16_inplace_kernel(float* x, int64_t n) {
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    x[j] = bf16_round(x[j]);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nv = aligned16(x) ? n / 4 : 0;
+  for (int64_t j = t0; j < nv; j += stride) {
+    float4 v = reinterpret_cast<float4*>(x)[j];
+    v.x = bf16_round(v.x);
+    v.y = bf16_round(v.y);
+    v.z = bf16_round(v.z);
+    v.w = bf16_round(v.w);
+    reinterpret_cast<float4*>(x)[j] = v;
+  }
+  for (int64_t j = nv * 4 + t0; j < n; j += stride) x[j] = bf16_round(x[j]);
 }
 
 __global__ void residual_forward_kernel(float* out, const float* a, const float* b, int64_t n) {
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[j] = __fadd_rn(a[j], b[j]);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nv = aligned16(out) && aligned16(a) && aligned16(b) ? n / 4 : 0;
+  for (int64_t j = t0; j < nv; j += stride) {
+    const float4 u = reinterpret_cast<const float4*>(a)[j], w = reinterpret_cast<const float4*>(b)[j];
+    reinterpret_cast<float4*>(out)[j] =
+        make_float4(__fadd_rn(u.x, w.x), __fadd_rn(u.y, w.y), __fadd_rn(u.z, w.z), __fadd_rn(u.w, w.w));
+  }
+  for (int64_t j = nv * 4 + t0; j < n; j += stride) out[j] = __fadd_rn(a[j], b[j]);
 }
 
 // SwiGLU on inp (N, 2F) = [gate | up] per row: the emulator's expressions in its order, CUDA expf
@@ -700,7 +732,7 @@ const void* gemm_operand(DeviceScratch& scratch, const float* x, int64_t count,
                          emu::GemmPrecision prec, cudaStream_t stream) {
   if (prec == emu::GemmPrecision::FP32) return x;
   uint16_t* h = scratch.get<uint16_t>(static_cast<size_t>(count), stream);
-  round_to_bf16_kernel<<<elementwise_grid(count), kThreads, 0, stream>>>(h, x, count);
+  round_to_bf16_kernel<<<elementwise_grid((count + 3) / 4), kThreads, 0, stream>>>(h, x, count);
   FP4SIM_CUDA_CHECK_LAUNCH();
   return h;
 }
@@ -837,7 +869,7 @@ void CudaBackend::matmul_forward(float* out, const float* inp, const float* weig
     lt_matmul(st.lt, bf16, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f, stream_);
   }
   if (bias) {
-    add_bias_kernel<<<elementwise_grid(N * OC), kThreads, 0, stream_>>>(out, bias, N, OC);
+    add_bias_kernel<<<bias_grid(N, OC), kThreads, 0, stream_>>>(out, bias, N, OC);
     FP4SIM_CUDA_CHECK_LAUNCH();
   }
 }
@@ -944,7 +976,7 @@ void CudaBackend::swiglu_backward(float* dinp, const float* inp, const float* do
 
 void CudaBackend::bias_forward(float* out, const float* bias, int64_t N, int64_t OC) {
   if (N * OC == 0) return;
-  add_bias_kernel<<<elementwise_grid(N * OC), kThreads, 0, stream_>>>(out, bias, N, OC);
+  add_bias_kernel<<<bias_grid(N, OC), kThreads, 0, stream_>>>(out, bias, N, OC);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -959,13 +991,13 @@ void CudaBackend::bias_backward(float* dbias, const float* dout, int64_t N, int6
 
 void CudaBackend::round_to_bf16(float* x, int64_t n) {
   if (n == 0) return;
-  round_to_bf16_inplace_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(x, n);
+  round_to_bf16_inplace_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(x, n);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::residual_forward(float* out, const float* a, const float* b, int64_t n) {
   if (n == 0) return;
-  residual_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, a, b, n);
+  residual_forward_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(out, a, b, n);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

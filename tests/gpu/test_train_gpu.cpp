@@ -88,6 +88,14 @@ TEST(TrainGpu, RoundToBf16BitwiseEqualsEmulator) {
   cuda->round_to_bf16(d.as<float>(), static_cast<int64_t>(x.size()));
   cuda->download(b.data(), d.get(), b.size() * 4);
   ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4));
+  // a range that starts off the 16-byte grid and ends mid-vector: the kernel's scalar path
+  const int64_t off = 1, n = static_cast<int64_t>(x.size()) - 6;
+  std::vector<float> c = x, e(x.size());
+  emu->round_to_bf16(c.data() + off, n);
+  cuda->upload(d.get(), x.data(), x.size() * 4);
+  cuda->round_to_bf16(d.as<float>() + off, n);
+  cuda->download(e.data(), d.get(), e.size() * 4);
+  ASSERT_EQ(0, std::memcmp(c.data(), e.data(), c.size() * 4));
 }
 
 // The Llama-style variant (SwiGLU, RMSNorm, RoPE, GQA, untied head, no biases) on both backends.
