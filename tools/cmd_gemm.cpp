@@ -370,7 +370,7 @@ void run_crosscheck(const CrossArgs& x) {
 
 void register_gemm(CLI::App& app) {
   auto g = std::make_shared<GemmArgs>();
-  auto* cmd = app.add_subcommand("gemm", "Exact block-scaled FP4 GEMM D = alpha*A*B^T (+ beta*C)");
+  auto* cmd = app.add_subcommand("gemm", "Block-scaled GEMM D = alpha*A*B^T (+ beta*C) in NVFP4, MXFP4 or FP8: the exact tensor-core model, or cuBLASLt");
   cmd->add_option("a", g->a, "A.npy (float32 [M, K]), quantized RN 1x16 (or MXFP4)");
   cmd->add_option("b", g->b, "B.npy (float32 [N, K])");
   cmd->add_option("out", g->out, "Output D.npy (float32, or bfloat16 bits as uint16)");

@@ -277,7 +277,7 @@ void run_make_tensor(const MakeTensorArgs& a) {
 void register_quantize(CLI::App& app) {
   auto args = std::make_shared<QuantizeArgs>();
   auto* cmd = app.add_subcommand(
-      "quantize", "Quantize a 2-D float32 (or bf16-as-uint16) .npy to NVFP4/MXFP4 and write codes, "
+      "quantize", "Quantize a 2-D float32 (or bf16-as-uint16) .npy to NVFP4, MXFP4 or FP8 and write codes, "
                   "scales, amax, dequantized values and a meta.json");
   cmd->add_option("input", args->input, "Input .npy, shape [rows, cols]")->required();
   cmd->add_option("out_prefix", args->prefix, "Output prefix (writes PREFIX.codes.npy, ...)")
