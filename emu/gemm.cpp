@@ -50,6 +50,10 @@ struct DecodedOperand {
   std::vector<int8_t> twice;           // [rows][chunks*64]
   std::vector<uint64_t> sign, nonzero;  // [rows][chunks]
   std::vector<uint32_t> scales;         // [rows][chunks][4], pack_scale(decode_scale(byte))
+  // the same scales unpacked for gst_fdpa_core_lean: significand (0 for a zero scale), exponent
+  // reading; nan_chunk: a NaN scale among the chunk's four (the lean core does not take those)
+  std::vector<int32_t> sig, exp;        // [rows][chunks][4]
+  std::vector<uint8_t> nan_chunk;       // [rows][chunks]
 };
 
 DecodedOperand decode_operand(const QuantizedView& q) {
@@ -62,6 +66,9 @@ DecodedOperand decode_operand(const QuantizedView& q) {
   d.sign.assign(static_cast<size_t>(d.rows * d.chunks), 0);
   d.nonzero.assign(static_cast<size_t>(d.rows * d.chunks), 0);
   d.scales.resize(static_cast<size_t>(d.rows * d.chunks * kGstGroups));
+  d.sig.resize(d.scales.size());
+  d.exp.resize(d.scales.size());
+  d.nan_chunk.assign(static_cast<size_t>(d.rows * d.chunks), 0);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < d.rows; ++r) {
     for (int64_t ch = 0; ch < d.chunks; ++ch) {
@@ -82,7 +89,12 @@ DecodedOperand decode_operand(const QuantizedView& q) {
       for (int g = 0; g < kGstGroups; ++g) {
         const int64_t kk = ch * kGemmChunk + g * kGstGroup;
         const uint8_t byte = kk < q.cols ? q.scales[r * spr + kk / block] : 0;  // padding: 0x00
-        d.scales[(r * d.chunks + ch) * kGstGroups + g] = pack_scale(decode_scale(byte, kind));
+        const DecodedScale ds = decode_scale(byte, kind);
+        const size_t i = static_cast<size_t>((r * d.chunks + ch) * kGstGroups + g);
+        d.scales[i] = pack_scale(ds);
+        d.sig[i] = ds.zero ? 0 : static_cast<int32_t>(ds.sig);
+        d.exp[i] = ds.exp;
+        if (ds.nan) d.nan_chunk[static_cast<size_t>(r * d.chunks + ch)] = 1;
       }
     }
   }
@@ -188,6 +200,15 @@ void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float
             const bool zero = (both_nz & mask) == 0;
             all_zero |= (zero ? 1u : 0u) << g;
             all_neg_zero |= (zero && (neg & mask) == mask ? 1u : 0u) << g;
+          }
+          const size_t sa = static_cast<size_t>((m * chunks + ch) * kGstGroups),
+                       sb = static_cast<size_t>((n * chunks + ch) * kGstGroups);
+          uint32_t bits;
+          if (!(da.nan_chunk[static_cast<size_t>(m * chunks + ch)] | db.nan_chunk[static_cast<size_t>(n * chunks + ch)]) &&
+              gst_fdpa_core_lean(p4, &da.sig[sa], &da.exp[sa], &db.sig[sb], &db.exp[sb], all_zero, man_bits, acc,
+                                 &bits)) {
+            acc = f32_from_bits(bits);
+            continue;
           }
           acc = f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero,
                                                         &da.scales[(m * chunks + ch) * kGstGroups],
