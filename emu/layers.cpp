@@ -335,25 +335,57 @@ namespace fp4sim::emu {
 
 // One (b, h) per iteration; row t's scores, then its probabilities, in p (T). rnd: the BF16
 // rounding of an operand (the identity in FP32 mode).
+namespace {
+
+// sum_k a(k) * b(k) over k = k0 .. n-1 as the BF16 tensor core chains it (DESIGN.md §8): T-FDPA
+// (L = 16, F = 25, RZ) over consecutive 16-term chunks, chunk boundaries at multiples of 16 from 0,
+// in increasing k, starting from c; terms before k0 and from n on are zero (a chunk of zero terms
+// returns c unchanged, so chunks wholly before k0 are skipped). The operands are BF16 values.
+template <class A, class Bf>
+float tfdpa_chain(int64_t k0, int64_t n, float c, const A& a, const Bf& b) {
+  float x[kBf16FdpaL], y[kBf16FdpaL];
+  for (int64_t base = k0 / kBf16FdpaL * kBf16FdpaL; base < n; base += kBf16FdpaL) {
+    for (int k = 0; k < kBf16FdpaL; ++k) {
+      const int64_t kk = base + k;
+      const bool in = kk >= k0 && kk < n;
+      x[k] = in ? a(kk) : 0.0f;
+      y[k] = in ? b(kk) : 0.0f;
+    }
+    c = tfdpa_bf16_host(x, y, c);
+  }
+  return c;
+}
+
+// c + sum_k a(k) * b(k), k = k0 .. n-1, in FP32 in increasing k (the FP32 mode)
+template <class A, class Bf>
+float fp32_chain(int64_t k0, int64_t n, float c, const A& a, const Bf& b) {
+  for (int64_t k = k0; k < n; ++k) c += a(k) * b(k);
+  return c;
+}
+
+}  // namespace
+
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
                        int64_t NKV, int64_t HD, GemmPrecision prec) {
   const int64_t W = (NH + 2 * NKV) * HD, group = NH / NKV;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const bool bf16 = prec == GemmPrecision::BF16;
   auto rnd = [bf16](float x) { return bf16 ? bf16_round(x) : x; };
+  // a dot product or a sum of products as the precision mode computes it
+  auto dot = [bf16](int64_t k0, int64_t n, const auto& a, const auto& b) {
+    return bf16 ? tfdpa_chain(k0, n, 0.0f, a, b) : fp32_chain(k0, n, 0.0f, a, b);
+  };
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < NH; ++h) {
       const int64_t g = h / group;
-      std::vector<float> p(static_cast<size_t>(T)), acc(static_cast<size_t>(HD));
+      std::vector<float> p(static_cast<size_t>(T)), pb(static_cast<size_t>(T));
       for (int64_t t = 0; t < T; ++t) {
         const float* q = qkv + (b * T + t) * W + h * HD;
         float m = -INFINITY;
         for (int64_t j = 0; j <= t; ++j) {
           const float* k = qkv + (b * T + j) * W + (NH + g) * HD;
-          float s = 0.0f;
-          for (int64_t i = 0; i < HD; ++i) s += rnd(q[i]) * rnd(k[i]);
-          s = s * scale;
+          const float s = dot(0, HD, [&](int64_t i) { return rnd(q[i]); }, [&](int64_t i) { return rnd(k[i]); }) * scale;
           p[j] = s;
           m = s > m ? s : m;
         }
@@ -361,15 +393,13 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
         for (int64_t j = 0; j <= t; ++j) {
           p[j] = std::exp(p[j] - m);
           l += p[j];
-        }
-        for (int64_t i = 0; i < HD; ++i) acc[i] = 0.0f;
-        for (int64_t j = 0; j <= t; ++j) {
-          const float* v = qkv + (b * T + j) * W + (NH + NKV + g) * HD;
-          const float pb = rnd(p[j]);
-          for (int64_t i = 0; i < HD; ++i) acc[i] += pb * rnd(v[i]);
+          pb[j] = rnd(p[j]);
         }
         float* o = out + (b * T + t) * NH * HD + h * HD;
-        for (int64_t i = 0; i < HD; ++i) o[i] = acc[i] / l;
+        for (int64_t i = 0; i < HD; ++i) {
+          const float* v = qkv + (b * T) * W + (NH + NKV + g) * HD + i;  // v_ji = v[j * W]
+          o[i] = dot(0, t + 1, [&](int64_t j) { return pb[j]; }, [&](int64_t j) { return rnd(v[j * W]); }) / l;
+        }
         lse[(b * NH + h) * T + t] = m + std::log(l);
       }
     }
@@ -377,7 +407,9 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 }
 
 // One (b, g) per iteration: it owns the KV head's dk and dv and the dq of the group's query heads,
-// so the iterations are independent and each sum has the fixed order the header states.
+// so the iterations are independent and each sum has the fixed order the header states. P and dS
+// of the group's heads are kept for the (b, g) (group * T * T floats each) so that dk and dv can be
+// chained over (h, t).
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
                         GemmPrecision prec) {
@@ -388,47 +420,69 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < NKV; ++g) {
-      std::vector<float> dk_acc(static_cast<size_t>(T * HD), 0.0f), dv_acc(dk_acc.size(), 0.0f);
-      std::vector<float> dq_acc(static_cast<size_t>(HD)), p(static_cast<size_t>(T)), ds(p.size());
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      // pb, dsb (group, T, T): bf16(p_tj) and bf16(dS_tj) of the group's heads, 0 above the diagonal
+      std::vector<float> pb(static_cast<size_t>(group * T * T), 0.0f), dsb(pb.size(), 0.0f);
+      const float* kbase = qkv + (b * T) * W + (NH + g) * HD;       // k_j = kbase + j * W
+      const float* vbase = qkv + (b * T) * W + (NH + NKV + g) * HD;  // v_j = vbase + j * W
+      for (int64_t hh = 0; hh < group; ++hh) {
+        const int64_t h = g * group + hh;
         for (int64_t t = 0; t < T; ++t) {
           const float* q = qkv + (b * T + t) * W + h * HD;
           const float* dy = dout + (b * T + t) * NH * HD + h * HD;
           const float* o = out + (b * T + t) * NH * HD + h * HD;
           const float row_lse = lse[(b * NH + h) * T + t];
-          float dsum = 0.0f;
+          float dsum = 0.0f;  // FP32 in increasing i on both backends (the CUDA twin: bitwise)
           for (int64_t i = 0; i < HD; ++i) dsum += rnd(dy[i]) * o[i];
+          float* prow = pb.data() + (hh * T + t) * T;
+          float* dsrow = dsb.data() + (hh * T + t) * T;
           for (int64_t j = 0; j <= t; ++j) {
-            const float* k = qkv + (b * T + j) * W + (NH + g) * HD;
-            const float* v = qkv + (b * T + j) * W + (NH + NKV + g) * HD;
-            float s = 0.0f, dp = 0.0f;
-            for (int64_t i = 0; i < HD; ++i) {
-              s += rnd(q[i]) * rnd(k[i]);
-              dp += rnd(dy[i]) * rnd(v[i]);
+            const float* k = kbase + j * W;
+            const float* v = vbase + j * W;
+            float s, dp;
+            if (bf16) {
+              s = tfdpa_chain(0, HD, 0.0f, [&](int64_t i) { return rnd(q[i]); }, [&](int64_t i) { return rnd(k[i]); });
+              dp = tfdpa_chain(0, HD, 0.0f, [&](int64_t i) { return rnd(dy[i]); }, [&](int64_t i) { return rnd(v[i]); });
+            } else {
+              s = fp32_chain(0, HD, 0.0f, [&](int64_t i) { return q[i]; }, [&](int64_t i) { return k[i]; });
+              dp = fp32_chain(0, HD, 0.0f, [&](int64_t i) { return dy[i]; }, [&](int64_t i) { return v[i]; });
             }
-            p[j] = std::exp(s * scale - row_lse);
-            ds[j] = p[j] * (dp - dsum);
+            const float p = std::exp(s * scale - row_lse);
+            prow[j] = rnd(p);
+            dsrow[j] = rnd(p * (dp - dsum));
           }
-          for (int64_t i = 0; i < HD; ++i) dq_acc[i] = 0.0f;
-          for (int64_t j = 0; j <= t; ++j) {
-            const float* k = qkv + (b * T + j) * W + (NH + g) * HD;
-            const float pb = rnd(p[j]), dsb = rnd(ds[j]);
-            for (int64_t i = 0; i < HD; ++i) {
-              dq_acc[i] += dsb * rnd(k[i]);
-              dk_acc[j * HD + i] += dsb * rnd(q[i]);
-              dv_acc[j * HD + i] += pb * rnd(dy[i]);
-            }
-          }
+          // dq_t = scale * sum_j bf16(dS_tj) k_j
           float* dq = dqkv + (b * T + t) * W + h * HD;
-          for (int64_t i = 0; i < HD; ++i) dq[i] += dq_acc[i] * scale;
+          for (int64_t i = 0; i < HD; ++i) {
+            const auto ds_j = [&](int64_t j) { return dsrow[j]; };
+            const auto k_ji = [&](int64_t j) { return rnd(kbase[j * W + i]); };
+            const float sum = bf16 ? tfdpa_chain(0, t + 1, 0.0f, ds_j, k_ji) : fp32_chain(0, t + 1, 0.0f, ds_j, k_ji);
+            dq[i] += sum * scale;
+          }
         }
       }
+      // dk_j = scale * sum_{h,t} bf16(dS_tj) q_t and dv_j = sum_{h,t} bf16(p_tj) dout_t: one chain
+      // per head over t = j .. T-1 (chunks of 16 t from 0), heads in increasing order, continued
       for (int64_t j = 0; j < T; ++j) {
         float* dk = dqkv + (b * T + j) * W + (NH + g) * HD;
         float* dv = dqkv + (b * T + j) * W + (NH + NKV + g) * HD;
         for (int64_t i = 0; i < HD; ++i) {
-          dk[i] += dk_acc[j * HD + i] * scale;
-          dv[i] += dv_acc[j * HD + i];
+          float sk = 0.0f, sv = 0.0f;
+          for (int64_t hh = 0; hh < group; ++hh) {
+            const int64_t h = g * group + hh;
+            const auto ds_t = [&](int64_t t) { return dsb[static_cast<size_t>((hh * T + t) * T + j)]; };
+            const auto p_t = [&](int64_t t) { return pb[static_cast<size_t>((hh * T + t) * T + j)]; };
+            const auto q_t = [&](int64_t t) { return rnd(qkv[(b * T + t) * W + h * HD + i]); };
+            const auto dy_t = [&](int64_t t) { return rnd(dout[(b * T + t) * NH * HD + h * HD + i]); };
+            if (bf16) {
+              sk = tfdpa_chain(j, T, sk, ds_t, q_t);
+              sv = tfdpa_chain(j, T, sv, p_t, dy_t);
+            } else {
+              sk = fp32_chain(j, T, sk, ds_t, q_t);
+              sv = fp32_chain(j, T, sv, p_t, dy_t);
+            }
+          }
+          dk[i] += sk * scale;
+          dv[i] += sv;
         }
       }
     }
