@@ -371,6 +371,30 @@ std::string shape_tag(const AttnShape& s) {
 // The FlashAttention-form forward against a direct softmax: the FP32 mode within FP32 rounding, the
 // BF16 mode within the P rounding (and not equal to the FP32 mode: the rounding is really there);
 // lse has no BF16 rounding in it, so it is within FP32 rounding in both modes.
+// The scores and the PV sums are T-FDPA chains (DESIGN.md §8), not FP32 sums: 1 + 15 products of
+// 2^-24 keeps the small terms inside the 25-bit window (RZ to 1 + 7 * 2^-23), where an FP32
+// sequential sum loses each of them (1 + 2^-24 rounds to 1).
+TEST(Layers, AttentionSumsAreTfdpaChains) {
+  const int64_t HD = 16, W = 3 * HD;
+  const float tiny = std::ldexp(1.0f, -12);  // a BF16 value; tiny * tiny = 2^-24
+  const float chained = 1.0f + 7.0f * std::ldexp(1.0f, -23);
+  // scores: T = 1, so lse = m + log(1) = s_0 = chain(q, k) * (1/sqrt(16)) exactly
+  {
+    std::vector<float> qkv(static_cast<size_t>(W), 0.0f), out(static_cast<size_t>(HD)), lse(1);
+    for (int64_t i = 0; i < HD; ++i) qkv[i] = qkv[HD + i] = i == 0 ? 1.0f : tiny;
+    attention_forward(out.data(), lse.data(), qkv.data(), 1, 1, 1, 1, HD);
+    EXPECT_EQ(f32_bits(lse[0]), f32_bits(chained * 0.25f)) << lse[0];
+  }
+  // PV: 16 equal keys, so every p_j = 1 and l = 16 at t = 15; v_0 = 1, v_j = 2^-24 for j > 0
+  {
+    const int64_t T = 16;
+    std::vector<float> qkv(static_cast<size_t>(T * W), 0.0f), out(static_cast<size_t>(T * HD)), lse(T);
+    for (int64_t j = 0; j < T; ++j) qkv[j * W + 2 * HD] = j == 0 ? 1.0f : tiny * tiny;
+    attention_forward(out.data(), lse.data(), qkv.data(), 1, T, 1, 1, HD);
+    EXPECT_EQ(f32_bits(out[(T - 1) * HD]), f32_bits(chained / 16.0f)) << out[(T - 1) * HD];
+  }
+}
+
 TEST(Layers, AttentionForwardMatchesSoftmaxReference) {
   uint64_t seed = 40;
   for (const AttnShape& sh : kEmuAttnShapes) {
