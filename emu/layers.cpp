@@ -363,6 +363,30 @@ float fp32_chain(int64_t k0, int64_t n, float c, const A& a, const Bf& b) {
   return c;
 }
 
+// The operands of one (b, head): rows (T, HD) of qkv or dout rounded once as the precision mode
+// reads them, and their transpose (HD, T), so every chain walks contiguous memory.
+struct HeadOperand {
+  std::vector<float> rows, cols;  // rows[t * HD + i] == cols[i * T + t]
+};
+HeadOperand head_operand(const float* base, int64_t stride, int64_t T, int64_t HD, bool bf16) {
+  HeadOperand o;
+  o.rows.resize(static_cast<size_t>(T * HD));
+  o.cols.resize(o.rows.size());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < HD; ++i) {
+      const float x = bf16 ? bf16_round(base[t * stride + i]) : base[t * stride + i];
+      o.rows[static_cast<size_t>(t * HD + i)] = x;
+      o.cols[static_cast<size_t>(i * T + t)] = x;
+    }
+  return o;
+}
+
+// a sum of products as the precision mode computes it: a T-FDPA chain (BF16) or FP32 in order
+template <class A, class Bf>
+float chain(bool bf16, int64_t k0, int64_t n, float c, const A& a, const Bf& b) {
+  return bf16 ? tfdpa_chain(k0, n, c, a, b) : fp32_chain(k0, n, c, a, b);
+}
+
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
@@ -370,22 +394,20 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   const int64_t W = (NH + 2 * NKV) * HD, group = NH / NKV;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const bool bf16 = prec == GemmPrecision::BF16;
-  auto rnd = [bf16](float x) { return bf16 ? bf16_round(x) : x; };
-  // a dot product or a sum of products as the precision mode computes it
-  auto dot = [bf16](int64_t k0, int64_t n, const auto& a, const auto& b) {
-    return bf16 ? tfdpa_chain(k0, n, 0.0f, a, b) : fp32_chain(k0, n, 0.0f, a, b);
-  };
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < NH; ++h) {
       const int64_t g = h / group;
+      const HeadOperand q = head_operand(qkv + b * T * W + h * HD, W, T, HD, bf16);
+      const HeadOperand k = head_operand(qkv + b * T * W + (NH + g) * HD, W, T, HD, bf16);
+      const HeadOperand v = head_operand(qkv + b * T * W + (NH + NKV + g) * HD, W, T, HD, bf16);
       std::vector<float> p(static_cast<size_t>(T)), pb(static_cast<size_t>(T));
       for (int64_t t = 0; t < T; ++t) {
-        const float* q = qkv + (b * T + t) * W + h * HD;
+        const float* qt = &q.rows[static_cast<size_t>(t * HD)];
         float m = -INFINITY;
         for (int64_t j = 0; j <= t; ++j) {
-          const float* k = qkv + (b * T + j) * W + (NH + g) * HD;
-          const float s = dot(0, HD, [&](int64_t i) { return rnd(q[i]); }, [&](int64_t i) { return rnd(k[i]); }) * scale;
+          const float* kj = &k.rows[static_cast<size_t>(j * HD)];
+          const float s = chain(bf16, 0, HD, 0.0f, [&](int64_t i) { return qt[i]; }, [&](int64_t i) { return kj[i]; }) * scale;
           p[j] = s;
           m = s > m ? s : m;
         }
@@ -393,12 +415,12 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
         for (int64_t j = 0; j <= t; ++j) {
           p[j] = std::exp(p[j] - m);
           l += p[j];
-          pb[j] = rnd(p[j]);
+          pb[j] = bf16 ? bf16_round(p[j]) : p[j];
         }
         float* o = out + (b * T + t) * NH * HD + h * HD;
         for (int64_t i = 0; i < HD; ++i) {
-          const float* v = qkv + (b * T) * W + (NH + NKV + g) * HD + i;  // v_ji = v[j * W]
-          o[i] = dot(0, t + 1, [&](int64_t j) { return pb[j]; }, [&](int64_t j) { return rnd(v[j * W]); }) / l;
+          const float* vi = &v.cols[static_cast<size_t>(i * T)];  // v_ji = vi[j]
+          o[i] = chain(bf16, 0, t + 1, 0.0f, [&](int64_t j) { return pb[j]; }, [&](int64_t j) { return vi[j]; }) / l;
         }
         lse[(b * NH + h) * T + t] = m + std::log(l);
       }
@@ -408,8 +430,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 
 // One (b, g) per iteration: it owns the KV head's dk and dv and the dq of the group's query heads,
 // so the iterations are independent and each sum has the fixed order the header states. P and dS
-// of the group's heads are kept for the (b, g) (group * T * T floats each) so that dk and dv can be
-// chained over (h, t).
+// of the group's heads are kept for the (b, g) (group * T * T floats each, transposed to (j, t) so
+// that dk and dv chain over t in contiguous memory).
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
                         GemmPrecision prec) {
@@ -420,43 +442,39 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < NKV; ++g) {
-      // pb, dsb (group, T, T): bf16(p_tj) and bf16(dS_tj) of the group's heads, 0 above the diagonal
-      std::vector<float> pb(static_cast<size_t>(group * T * T), 0.0f), dsb(pb.size(), 0.0f);
-      const float* kbase = qkv + (b * T) * W + (NH + g) * HD;       // k_j = kbase + j * W
-      const float* vbase = qkv + (b * T) * W + (NH + NKV + g) * HD;  // v_j = vbase + j * W
+      const HeadOperand k = head_operand(qkv + b * T * W + (NH + g) * HD, W, T, HD, bf16);
+      const HeadOperand v = head_operand(qkv + b * T * W + (NH + NKV + g) * HD, W, T, HD, bf16);
+      // pbt, dsbt (group, T (j), T (t)): bf16(p_tj) and bf16(dS_tj) of the group's heads, 0 above
+      // the diagonal; q, dy: the group's query and output-gradient heads
+      std::vector<float> pbt(static_cast<size_t>(group * T * T), 0.0f), dsbt(pbt.size(), 0.0f);
+      std::vector<float> ds(static_cast<size_t>(T));
+      std::vector<HeadOperand> q, dy;
       for (int64_t hh = 0; hh < group; ++hh) {
         const int64_t h = g * group + hh;
+        q.push_back(head_operand(qkv + b * T * W + h * HD, W, T, HD, bf16));
+        dy.push_back(head_operand(dout + b * T * NH * HD + h * HD, NH * HD, T, HD, bf16));
         for (int64_t t = 0; t < T; ++t) {
-          const float* q = qkv + (b * T + t) * W + h * HD;
-          const float* dy = dout + (b * T + t) * NH * HD + h * HD;
+          const float* qt = &q[hh].rows[static_cast<size_t>(t * HD)];
+          const float* dyt = &dy[hh].rows[static_cast<size_t>(t * HD)];
           const float* o = out + (b * T + t) * NH * HD + h * HD;
           const float row_lse = lse[(b * NH + h) * T + t];
           float dsum = 0.0f;  // FP32 in increasing i on both backends (the CUDA twin: bitwise)
-          for (int64_t i = 0; i < HD; ++i) dsum += rnd(dy[i]) * o[i];
-          float* prow = pb.data() + (hh * T + t) * T;
-          float* dsrow = dsb.data() + (hh * T + t) * T;
+          for (int64_t i = 0; i < HD; ++i) dsum += dyt[i] * o[i];
           for (int64_t j = 0; j <= t; ++j) {
-            const float* k = kbase + j * W;
-            const float* v = vbase + j * W;
-            float s, dp;
-            if (bf16) {
-              s = tfdpa_chain(0, HD, 0.0f, [&](int64_t i) { return rnd(q[i]); }, [&](int64_t i) { return rnd(k[i]); });
-              dp = tfdpa_chain(0, HD, 0.0f, [&](int64_t i) { return rnd(dy[i]); }, [&](int64_t i) { return rnd(v[i]); });
-            } else {
-              s = fp32_chain(0, HD, 0.0f, [&](int64_t i) { return q[i]; }, [&](int64_t i) { return k[i]; });
-              dp = fp32_chain(0, HD, 0.0f, [&](int64_t i) { return dy[i]; }, [&](int64_t i) { return v[i]; });
-            }
+            const float* kj = &k.rows[static_cast<size_t>(j * HD)];
+            const float* vj = &v.rows[static_cast<size_t>(j * HD)];
+            const float s = chain(bf16, 0, HD, 0.0f, [&](int64_t i) { return qt[i]; }, [&](int64_t i) { return kj[i]; });
+            const float dp = chain(bf16, 0, HD, 0.0f, [&](int64_t i) { return dyt[i]; }, [&](int64_t i) { return vj[i]; });
             const float p = std::exp(s * scale - row_lse);
-            prow[j] = rnd(p);
-            dsrow[j] = rnd(p * (dp - dsum));
+            ds[j] = rnd(p * (dp - dsum));
+            pbt[static_cast<size_t>((hh * T + j) * T + t)] = rnd(p);
+            dsbt[static_cast<size_t>((hh * T + j) * T + t)] = ds[j];
           }
           // dq_t = scale * sum_j bf16(dS_tj) k_j
           float* dq = dqkv + (b * T + t) * W + h * HD;
           for (int64_t i = 0; i < HD; ++i) {
-            const auto ds_j = [&](int64_t j) { return dsrow[j]; };
-            const auto k_ji = [&](int64_t j) { return rnd(kbase[j * W + i]); };
-            const float sum = bf16 ? tfdpa_chain(0, t + 1, 0.0f, ds_j, k_ji) : fp32_chain(0, t + 1, 0.0f, ds_j, k_ji);
-            dq[i] += sum * scale;
+            const float* ki = &k.cols[static_cast<size_t>(i * T)];
+            dq[i] += chain(bf16, 0, t + 1, 0.0f, [&](int64_t j) { return ds[j]; }, [&](int64_t j) { return ki[j]; }) * scale;
           }
         }
       }
@@ -468,18 +486,12 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         for (int64_t i = 0; i < HD; ++i) {
           float sk = 0.0f, sv = 0.0f;
           for (int64_t hh = 0; hh < group; ++hh) {
-            const int64_t h = g * group + hh;
-            const auto ds_t = [&](int64_t t) { return dsb[static_cast<size_t>((hh * T + t) * T + j)]; };
-            const auto p_t = [&](int64_t t) { return pb[static_cast<size_t>((hh * T + t) * T + j)]; };
-            const auto q_t = [&](int64_t t) { return rnd(qkv[(b * T + t) * W + h * HD + i]); };
-            const auto dy_t = [&](int64_t t) { return rnd(dout[(b * T + t) * NH * HD + h * HD + i]); };
-            if (bf16) {
-              sk = tfdpa_chain(j, T, sk, ds_t, q_t);
-              sv = tfdpa_chain(j, T, sv, p_t, dy_t);
-            } else {
-              sk = fp32_chain(j, T, sk, ds_t, q_t);
-              sv = fp32_chain(j, T, sv, p_t, dy_t);
-            }
+            const float* ds_j = &dsbt[static_cast<size_t>((hh * T + j) * T)];
+            const float* p_j = &pbt[static_cast<size_t>((hh * T + j) * T)];
+            const float* qi = &q[static_cast<size_t>(hh)].cols[static_cast<size_t>(i * T)];
+            const float* dyi = &dy[static_cast<size_t>(hh)].cols[static_cast<size_t>(i * T)];
+            sk = chain(bf16, j, T, sk, [&](int64_t t) { return ds_j[t]; }, [&](int64_t t) { return qi[t]; });
+            sv = chain(bf16, j, T, sv, [&](int64_t t) { return p_j[t]; }, [&](int64_t t) { return dyi[t]; });
           }
           dk[i] += sk * scale;
           dv[i] += sv;
