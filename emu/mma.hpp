@@ -467,6 +467,13 @@ FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zer
 // needs the per-product signs). NaN scales must be filtered by the caller. The five terms are
 // summed in FP64 as in gst_fdpa_core_packed_bits (exact). Equal to the readable core wherever it
 // returns true (tests/emu/test_mma.cpp).
+//
+// kZeroScaleBiased: the caller passes kGstZeroScaleExp as the exponent reading of a zero scale
+// (gst_zero_scale_biased), which puts the group's exponent sum far below kGstZeroExp, so it can
+// neither win the maximum nor leave a term (sh < -1000): the zero-scale tests drop out of the loop.
+constexpr int32_t kGstZeroScaleExp = -(1 << 20);
+FP4SIM_HD int32_t gst_zero_scale_biased(int32_t sig, int32_t exp) { return sig == 0 ? kGstZeroScaleExp : exp; }
+template <bool kZeroScaleBiased = false>
 FP4SIM_HD bool gst_fdpa_core_lean(const int32_t* p4, const int32_t* sig_a, const int32_t* exp_a,
                                   const int32_t* sig_b, const int32_t* exp_b, uint32_t all_zero, int man_bits,
                                   float c, uint32_t* out_bits) {
@@ -478,7 +485,7 @@ FP4SIM_HD bool gst_fdpa_core_lean(const int32_t* p4, const int32_t* sig_a, const
   FP4SIM_UNROLL
   for (int g = 0; g < kGstGroups; ++g) {
     exp_sum[g] = exp_a[g] + exp_b[g];
-    const bool zero = ((all_zero >> g) & 1u) != 0 || sig_a[g] == 0 || sig_b[g] == 0;
+    const bool zero = ((all_zero >> g) & 1u) != 0 || (!kZeroScaleBiased && (sig_a[g] == 0 || sig_b[g] == 0));
     const int align = zero ? kGstZeroExp : exp_sum[g];
     e_max = align > e_max ? align : e_max;
   }

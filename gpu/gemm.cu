@@ -84,7 +84,7 @@ struct ChunkTile {
 };
 
 // Thread t decodes group (t % 4) of row (t / 4) of the tile: 16 codes (8 bytes) and its scale.
-template <bool kLean>
+template <bool kLean, bool kBiased>
 __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch, ScaleKind kind, ChunkTile& s) {
   const int t = threadIdx.x, r = t / kGstGroups, g = t % kGstGroups;
   const int64_t row = row0 + r, k0 = ch * kGemmChunk + g * kGstGroup;
@@ -113,7 +113,8 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
   s.scale[r][g] = pack_scale(ds);
   if constexpr (kLean) {
     s.sig[r][g] = ds.zero ? 0 : static_cast<int32_t>(ds.sig);
-    s.exp[r][g] = ds.exp;
+    // kBiased (variant 5): a zero scale's exponent reading is kGstZeroScaleExp, for gst_fdpa_core_lean<true>
+    s.exp[r][g] = kBiased ? gst_zero_scale_biased(s.sig[r][g], ds.exp) : ds.exp;
     s.nan[r][g] = ds.nan ? 1 : 0;
   }
 }
@@ -137,7 +138,7 @@ __device__ __noinline__ float packed_core_from_tiles(const int32_t* p4, const Ch
 
 // kLean (variant 2): the common case through gst_fdpa_core_lean from unpacked scales, fewer integer
 // instructions per output and chunk; the rest (NaN scales, non-finite C, a zero sum) as variant 1.
-template <bool kLean, int kMinBlocks, bool kSplit>
+template <bool kLean, int kMinBlocks, bool kSplit, bool kBiased = false>
 __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_kernel(QuantizedView a, QuantizedView b,
                                                                          const float* c, GemmConfig cfg, void* out) {
   __shared__ ChunkTile sa, sb;
@@ -156,8 +157,8 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
       for (int j = 0; j < kPer; ++j) acc[i][j] = 0.0f;
     for (int64_t ch = s * per_split; ch < (s + 1) * per_split; ++ch) {
       __syncthreads();  // the previous chunk's readers are done
-      load_chunk_tile<kLean>(a, m0, ch, kind, sa);
-      load_chunk_tile<kLean>(b, n0, ch, kind, sb);
+      load_chunk_tile<kLean, kBiased>(a, m0, ch, kind, sa);
+      load_chunk_tile<kLean, kBiased>(b, n0, ch, kind, sb);
       __syncthreads();
 #pragma unroll 1
       for (int i = 0; i < kPer; ++i) {
@@ -197,11 +198,21 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
             for (int g = 0; g < kGstGroups; ++g) {
               sigb[g] = sb.sig[rb][g];
               expb[g] = sb.exp[rb][g];
-              all_zero |= ((nza[g] & sb.nonzero[rb][g]) == 0 ? 1u : 0u) << g;
+              if constexpr (!kBiased) all_zero |= ((nza[g] & sb.nonzero[rb][g]) == 0 ? 1u : 0u) << g;
+            }
+            // variant 5: a group with a nonzero sum has a nonzero product, so the masks are only
+            // needed where some group sum is zero (rare: the branch is almost never taken)
+            if constexpr (kBiased) {
+              if ((p4[0] == 0) | (p4[1] == 0) | (p4[2] == 0) | (p4[3] == 0)) {
+                FP4SIM_UNROLL
+                for (int g = 0; g < kGstGroups; ++g)
+                  all_zero |= ((nza[g] & sb.nonzero[rb][g]) == 0 ? 1u : 0u) << g;
+              }
             }
             const uint32_t nan_b = *reinterpret_cast<const uint32_t*>(&sb.nan[rb][0]);
             uint32_t bits;
-            if ((nan_a | nan_b) == 0 && gst_fdpa_core_lean(p4, siga, expa, sigb, expb, all_zero, man_bits, acc[i][j], &bits)) {
+            if ((nan_a | nan_b) == 0 &&
+                gst_fdpa_core_lean<kBiased>(p4, siga, expa, sigb, expb, all_zero, man_bits, acc[i][j], &bits)) {
               acc[i][j] = f32_from_bits(bits);
               continue;
             }
@@ -246,13 +257,15 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
 
 // 0 reference, 1 tiled, 2 tiled with the lean core, 3 and 4 = 2 under __launch_bounds__ for 3 or 4
 // CTAs per SM (77 / 64 registers without split-K, no spills, since the rare path is out of line).
-// H200, 8192^3: 10.3 / 14.6 / 16.2 / 17.0 TFLOP/s for 1-4. A benchmark knob; the same bits.
+// H200, 8192^3: 10.3 / 14.6 / 16.2 / 17.0 TFLOP/s for 1-4. 5 = 4 with zero scales' exponents
+// biased (gst_fdpa_core_lean<true>) and the all-zero masks built only where a group sum is zero:
+// compiled, not yet run. A benchmark knob; the same bits.
 int g_gemm_exact_variant = 4;
 
 }  // namespace
 
 void set_gemm_exact_variant(int variant) {
-  if (variant < 0 || variant > 4) throw std::invalid_argument("exact GEMM variant must be 0 to 4");
+  if (variant < 0 || variant > 5) throw std::invalid_argument("exact GEMM variant must be 0 to 5");
   g_gemm_exact_variant = variant;
 }
 
@@ -263,7 +276,10 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
   if (g_gemm_exact_variant >= 1 && aligned) {
     const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile), static_cast<unsigned>((a.rows + kTile - 1) / kTile));
     const bool split = cfg.split_k > 1;
-    if (g_gemm_exact_variant == 4) {
+    if (g_gemm_exact_variant == 5) {
+      if (split) gemm_exact_tiled_kernel<true, 4, true, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+      else gemm_exact_tiled_kernel<true, 4, false, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+    } else if (g_gemm_exact_variant == 4) {
       if (split) gemm_exact_tiled_kernel<true, 4, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
       else gemm_exact_tiled_kernel<true, 4, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
     } else if (g_gemm_exact_variant == 3) {

@@ -95,7 +95,7 @@ void BM_GpuGemmExact(benchmark::State& state) {
 // {n, variant}: the reference kernel at 2048^3 only (it needs ~2.5 min at 8192^3)
 BENCHMARK(BM_GpuGemmExact)->Args({2048, 0})->Args({2048, 1})->UseManualTime()->Iterations(3)
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_GpuGemmExact)->Args({8192, 1})->Args({8192, 2})->Args({8192, 3})->Args({8192, 4})->UseManualTime()->Iterations(3)->Repetitions(3)
+BENCHMARK(BM_GpuGemmExact)->Args({8192, 1})->Args({8192, 2})->Args({8192, 3})->Args({8192, 4})->Args({8192, 5})->UseManualTime()->Iterations(3)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
 
 // The cuBLASLt NVFP4 path on Hopper (dequantize both operands to BF16 + cuBLASLt BF16 GEMM, operands

@@ -417,6 +417,19 @@ TEST(Gst, FastCoreEqualsReadableCore) {
         ASSERT_EQ(lean, want) << "lean core, kind " << static_cast<int>(kind) << " case " << it;
         ++lean_cases;
       }
+      // the same with zero scales' exponents biased (the GPU's variant 5): the same answers
+      int32_t expza[kGstGroups], expzb[kGstGroups];
+      for (int g = 0; g < kGstGroups; ++g) {
+        expza[g] = gst_zero_scale_biased(siga[g], expa[g]);
+        expzb[g] = gst_zero_scale_biased(sigb[g], expb[g]);
+      }
+      uint32_t biased = 0;
+      const bool lean_ok = !any_nan && gst_fdpa_core_lean(p4, siga, expa, sigb, expb, az, sa[0].man_bits, c, &lean);
+      ASSERT_EQ(lean_ok, !any_nan && gst_fdpa_core_lean<true>(p4, siga, expza, sigb, expzb, az, sa[0].man_bits, c, &biased))
+          << "biased lean core answers differently, case " << it;
+      if (lean_ok) {
+        ASSERT_EQ(biased, lean) << "biased lean core, kind " << static_cast<int>(kind) << " case " << it;
+      }
       ++cases;
       specials += std::isnan(c) || std::isinf(c);
     }
