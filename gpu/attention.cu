@@ -124,6 +124,19 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* tile, in
       b, tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride + n0 + (lane >> 4) * 8);
 }
 
+// d_lo, d_hi (the two n8 halves of one 16x16 output block) += a (16x16) * B, B the 16x16 block at
+// (r0, c0) of a shared tile read by load_b_nk (kRowsAreN: tile rows are B's n) or load_b_kn (rows
+// are B's k)
+template <int kStride, bool kRowsAreN>
+__device__ __forceinline__ void mma_block(float (&d_lo)[4], float (&d_hi)[4], const uint32_t (&a)[4],
+                                          const bf16* tile, int r0, int c0, int lane) {
+  uint32_t b[4];
+  if constexpr (kRowsAreN) load_b_nk<kStride>(b, tile, r0, c0, lane);
+  else load_b_kn<kStride>(b, tile, r0, c0, lane);
+  mma_bf16(d_lo, a, b[0], b[1]);
+  mma_bf16(d_hi, a, b[2], b[3]);
+}
+
 // Rows row0..row0+kTile-1 of one head (HD FP32 columns starting at src, rows row_stride apart),
 // rounded to BF16, into a shared tile; rows >= T are zeros. float4 loads (16-byte aligned rows).
 template <int HD>
@@ -213,10 +226,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int kk = 0; kk < kDk; ++kk)
 #pragma unroll
       for (int np = 0; np < kTile / 16; ++np) {
-        uint32_t bk[4];
-        load_b_nk<kStride>(bk, k_s, np * 16, kk * 16, lane);
-        mma_bf16(s[2 * np], qa[kk], bk[0], bk[1]);
-        mma_bf16(s[2 * np + 1], qa[kk], bk[2], bk[3]);
+        mma_block<kStride, true>(s[2 * np], s[2 * np + 1], qa[kk], k_s, np * 16, kk * 16, lane);
       }
     // scale, causal mask (only the diagonal tile has keys above a row: the keys of earlier tiles
     // are below every row of this tile and < T), tile row max over the quad
@@ -265,10 +275,7 @@ __global__ void __launch_bounds__(kThreads)
       accumulators_to_a(pa, s[2 * kc], s[2 * kc + 1]);
 #pragma unroll
       for (int dn = 0; dn < HD / 16; ++dn) {
-        uint32_t bv[4];
-        load_b_kn<kStride>(bv, v_s, kc * 16, dn * 16, lane);
-        mma_bf16(o[2 * dn], pa, bv[0], bv[1]);
-        mma_bf16(o[2 * dn + 1], pa, bv[2], bv[3]);
+        mma_block<kStride, false>(o[2 * dn], o[2 * dn + 1], pa, v_s, kc * 16, dn * 16, lane);
       }
     }
   }
@@ -362,13 +369,8 @@ __global__ void __launch_bounds__(kThreads)
       float s[2][4] = {}, dp[2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < kDk; ++kk) {
-        uint32_t bk[4], bv[4];
-        load_b_nk<kStride>(bk, k_s, kc * 16, kk * 16, lane);
-        mma_bf16(s[0], qa[kk], bk[0], bk[1]);
-        mma_bf16(s[1], qa[kk], bk[2], bk[3]);
-        load_b_nk<kStride>(bv, v_s, kc * 16, kk * 16, lane);
-        mma_bf16(dp[0], da[kk], bv[0], bv[1]);
-        mma_bf16(dp[1], da[kk], bv[2], bv[3]);
+        mma_block<kStride, true>(s[0], s[1], qa[kk], k_s, kc * 16, kk * 16, lane);
+        mma_block<kStride, true>(dp[0], dp[1], da[kk], v_s, kc * 16, kk * 16, lane);
       }
       float ds[2][4];
 #pragma unroll
@@ -384,10 +386,7 @@ __global__ void __launch_bounds__(kThreads)
       accumulators_to_a(dsa, ds[0], ds[1]);
 #pragma unroll
       for (int dn = 0; dn < HD / 16; ++dn) {
-        uint32_t bk[4];
-        load_b_kn<kStride>(bk, k_s, kc * 16, dn * 16, lane);
-        mma_bf16(dq[2 * dn], dsa, bk[0], bk[1]);
-        mma_bf16(dq[2 * dn + 1], dsa, bk[2], bk[3]);
+        mma_block<kStride, false>(dq[2 * dn], dq[2 * dn + 1], dsa, k_s, kc * 16, dn * 16, lane);
       }
     }
   }
@@ -460,13 +459,8 @@ __global__ void __launch_bounds__(kThreads)
         float st[2][4] = {}, dpt[2][4] = {};
 #pragma unroll
         for (int kk = 0; kk < kDk; ++kk) {
-          uint32_t bq[4], bo[4];
-          load_b_nk<kStride>(bq, q_s, qc * 16, kk * 16, lane);
-          mma_bf16(st[0], ka[kk], bq[0], bq[1]);
-          mma_bf16(st[1], ka[kk], bq[2], bq[3]);
-          load_b_nk<kStride>(bo, do_s, qc * 16, kk * 16, lane);
-          mma_bf16(dpt[0], va[kk], bo[0], bo[1]);
-          mma_bf16(dpt[1], va[kk], bo[2], bo[3]);
+          mma_block<kStride, true>(st[0], st[1], ka[kk], q_s, qc * 16, kk * 16, lane);
+          mma_block<kStride, true>(dpt[0], dpt[1], va[kk], do_s, qc * 16, kk * 16, lane);
         }
         float p[2][4], ds[2][4];
 #pragma unroll
@@ -484,13 +478,8 @@ __global__ void __launch_bounds__(kThreads)
         accumulators_to_a(dsa, ds[0], ds[1]);
 #pragma unroll
         for (int dn = 0; dn < HD / 16; ++dn) {
-          uint32_t bo[4], bq[4];
-          load_b_kn<kStride>(bo, do_s, qc * 16, dn * 16, lane);
-          mma_bf16(dv[2 * dn], pa, bo[0], bo[1]);
-          mma_bf16(dv[2 * dn + 1], pa, bo[2], bo[3]);
-          load_b_kn<kStride>(bq, q_s, qc * 16, dn * 16, lane);
-          mma_bf16(dk[2 * dn], dsa, bq[0], bq[1]);
-          mma_bf16(dk[2 * dn + 1], dsa, bq[2], bq[3]);
+          mma_block<kStride, false>(dv[2 * dn], dv[2 * dn + 1], pa, do_s, qc * 16, dn * 16, lane);
+          mma_block<kStride, false>(dk[2 * dn], dk[2 * dn + 1], dsa, q_s, qc * 16, dn * 16, lane);
         }
       }
     }

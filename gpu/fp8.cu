@@ -43,6 +43,22 @@ struct Fp8TileArgs {
   unsigned int* amax_bits;
 };
 
+// One 1x128 block of a written copy, by one warp: lane reads elements lane + 32 j of a tile line
+// (a row: step 1; a column: step kFp8TilePitch), the block amax is the line's (or, under 2D, the
+// tile's), and the lane writes its four codes at dst[lane + 32 j]; lane 0 writes the FP32 scale.
+__device__ __forceinline__ void fp8_quantize_line(const float* line, int step, bool two_d, float tile_amax,
+                                                  uint8_t* dst, float* scale, int lane) {
+  float v[kFp8Block / 32];
+  float mb = 0.0f;
+  for (int j = 0; j < kFp8Block / 32; ++j) {
+    v[j] = line[(lane + 32 * j) * step];
+    mb = fmax_nan_ignored(mb, f32_abs(v[j]));
+  }
+  const float enc = fp8_block_encode_scale(two_d ? tile_amax : warp_max_nan_ignored(mb));
+  for (int j = 0; j < kFp8Block / 32; ++j) dst[lane + 32 * j] = fp8_quantize_element(v[j], enc);
+  if (lane == 0) *scale = fdiv_rn(1.0f, enc);
+}
+
 template <class T>
 __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(const T* x, Fp8TileArgs a) {
   extern __shared__ float tile[];  // [128][129]
@@ -71,39 +87,21 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
   // row-wise: rows r0.. of the input, written at (r, c0 + k)
   if (a.row.codes) {
     float* scales = reinterpret_cast<float*>(a.row.scales);
-    const int64_t spr = a.cols / kFp8Block;
     for (int tr = warp; tr < kFp8Block; tr += kFp8TileThreads / 32) {
       const int64_t r = r0 + tr;
       if (r >= a.rows) break;
-      float v[kFp8Block / 32];
-      float mb = 0.0f;
-      for (int j = 0; j < kFp8Block / 32; ++j) {
-        v[j] = tile[tr * kFp8TilePitch + lane + 32 * j];
-        mb = fmax_nan_ignored(mb, f32_abs(v[j]));
-      }
-      const float amax_b = a.two_d ? tile_amax : warp_max_nan_ignored(mb);
-      const float enc = fp8_block_encode_scale(amax_b);
-      for (int j = 0; j < kFp8Block / 32; ++j) a.row.codes[r * a.cols + c0 + lane + 32 * j] = fp8_quantize_element(v[j], enc);
-      if (lane == 0) scales[r * spr + c0 / kFp8Block] = fdiv_rn(1.0f, enc);
+      fp8_quantize_line(tile + tr * kFp8TilePitch, 1, a.two_d, tile_amax, a.row.codes + r * a.cols + c0,
+                        scales + r * (a.cols / kFp8Block) + c0 / kFp8Block, lane);
     }
   }
   // column-wise: input column c0 + tc is written row c0 + tc, its elements r0.. at columns r0..
   if (a.col.codes) {
     float* scales = reinterpret_cast<float*>(a.col.scales);
-    const int64_t spr = a.rows / kFp8Block;
     for (int tc = warp; tc < kFp8Block; tc += kFp8TileThreads / 32) {
       const int64_t c = c0 + tc;
       if (c >= a.cols) break;
-      float v[kFp8Block / 32];
-      float mb = 0.0f;
-      for (int j = 0; j < kFp8Block / 32; ++j) {
-        v[j] = tile[(lane + 32 * j) * kFp8TilePitch + tc];
-        mb = fmax_nan_ignored(mb, f32_abs(v[j]));
-      }
-      const float amax_b = a.two_d ? tile_amax : warp_max_nan_ignored(mb);
-      const float enc = fp8_block_encode_scale(amax_b);
-      for (int j = 0; j < kFp8Block / 32; ++j) a.col.codes[c * a.rows + r0 + lane + 32 * j] = fp8_quantize_element(v[j], enc);
-      if (lane == 0) scales[c * spr + r0 / kFp8Block] = fdiv_rn(1.0f, enc);
+      fp8_quantize_line(tile + tc, kFp8TilePitch, a.two_d, tile_amax, a.col.codes + c * a.rows + r0,
+                        scales + c * (a.rows / kFp8Block) + r0 / kFp8Block, lane);
     }
   }
 }

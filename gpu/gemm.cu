@@ -119,21 +119,30 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
   }
 }
 
-// The packed core for one output from the shared tiles: the lean kernel's rare path (NaN scales,
-// non-finite C, a zero sum), out of line so its registers do not count against the common path.
-__device__ __noinline__ float packed_core_from_tiles(const int32_t* p4, const ChunkTile& sa, const ChunkTile& sb,
-                                                     int ra, int rb, int man_bits, float acc) {
-  uint32_t all_zero = 0, all_neg_zero = 0, wa[kGstGroups], wb[kGstGroups];
+// The packed core for one output from the shared tiles (row ra of A's tile, rb of B's), with A's
+// packed scales wa already in registers: variant 1's path for every output.
+__device__ __forceinline__ float packed_core(const int32_t* p4, const uint32_t* wa, const ChunkTile& sa,
+                                             const ChunkTile& sb, int ra, int rb, int man_bits, float acc) {
+  uint32_t all_zero = 0, all_neg_zero = 0, wb[kGstGroups];
   FP4SIM_UNROLL
   for (int g = 0; g < kGstGroups; ++g) {
     const uint32_t nz = static_cast<uint32_t>(sa.nonzero[ra][g]) & sb.nonzero[rb][g];
     const uint32_t neg = static_cast<uint32_t>(sa.sign[ra][g]) ^ sb.sign[rb][g];
     all_zero |= (nz == 0 ? 1u : 0u) << g;
     all_neg_zero |= (nz == 0 && neg == 0xFFFFu ? 1u : 0u) << g;
-    wa[g] = sa.scale[ra][g];
     wb[g] = sb.scale[rb][g];
   }
   return f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, wa, wb, man_bits, acc, true));
+}
+
+// The same for the lean kernels' rare path (NaN scales, non-finite C, a zero sum), out of line so
+// its registers do not count against the common path.
+__device__ __noinline__ float packed_core_from_tiles(const int32_t* p4, const ChunkTile& sa, const ChunkTile& sb,
+                                                     int ra, int rb, int man_bits, float acc) {
+  uint32_t wa[kGstGroups];
+  FP4SIM_UNROLL
+  for (int g = 0; g < kGstGroups; ++g) wa[g] = sa.scale[ra][g];
+  return packed_core(p4, wa, sa, sb, ra, rb, man_bits, acc);
 }
 
 // kLean (variant 2): the common case through gst_fdpa_core_lean from unpacked scales, fewer integer
@@ -221,16 +230,7 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
             acc[i][j] = packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, acc[i][j]);
             continue;
           }
-          uint32_t all_zero = 0, all_neg_zero = 0, wb[kGstGroups];
-          FP4SIM_UNROLL
-          for (int g = 0; g < kGstGroups; ++g) {
-            const uint32_t nz = static_cast<uint32_t>(sa.nonzero[ra][g]) & sb.nonzero[rb][g];
-            const uint32_t neg = static_cast<uint32_t>(sa.sign[ra][g]) ^ sb.sign[rb][g];
-            all_zero |= (nz == 0 ? 1u : 0u) << g;
-            all_neg_zero |= (nz == 0 && neg == 0xFFFFu ? 1u : 0u) << g;
-            wb[g] = sb.scale[rb][g];
-          }
-          acc[i][j] = f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, wa, wb, man_bits, acc[i][j], true));
+          acc[i][j] = packed_core(p4, wa, sa, sb, ra, rb, man_bits, acc[i][j]);
         }
       }
     }
