@@ -363,29 +363,67 @@ float fp32_chain(int64_t k0, int64_t n, float c, const A& a, const Bf& b) {
   return c;
 }
 
-// The operands of one (b, head): rows (T, HD) of qkv or dout rounded once as the precision mode
-// reads them, and their transpose (HD, T), so every chain walks contiguous memory.
-struct HeadOperand {
-  std::vector<float> rows, cols;  // rows[t * HD + i] == cols[i * T + t]
-};
-HeadOperand head_operand(const float* base, int64_t stride, int64_t T, int64_t HD, bool bf16) {
-  HeadOperand o;
-  o.rows.resize(static_cast<size_t>(T * HD));
-  o.cols.resize(o.rows.size());
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < HD; ++i) {
-      const float x = bf16 ? bf16_round(base[t * stride + i]) : base[t * stride + i];
-      o.rows[static_cast<size_t>(t * HD + i)] = x;
-      o.cols[static_cast<size_t>(i * T + t)] = x;
-    }
-  return o;
-}
-
 // a sum of products as the precision mode computes it: a T-FDPA chain (BF16) or FP32 in order
 template <class A, class Bf>
 float chain(bool bf16, int64_t k0, int64_t n, float c, const A& a, const Bf& b) {
   return bf16 ? tfdpa_chain(k0, n, c, a, b) : fp32_chain(k0, n, c, a, b);
 }
+
+// The operands of one (b, head): rows (T, HD) of qkv or dout rounded once as the precision mode
+// reads them, and their transpose (HD, T), so every chain walks contiguous memory.
+// For the row-by-row dot products (HD a multiple of 16, BF16 mode) the rows are also prepared as
+// bf16_gemm_tn prepares its operands: doubles, exponent readings, and a flag per 16-chunk holding
+// a NaN or Inf (such chunks take the literal T-FDPA).
+struct HeadOperand {
+  std::vector<float> rows, cols;  // rows[t * HD + i] == cols[i * T + t]
+  std::vector<double> d;          // rows as doubles
+  std::vector<int32_t> e;         // exponent readings of rows
+  std::vector<uint8_t> special;   // [t][HD / 16]
+};
+HeadOperand head_operand(const float* base, int64_t stride, int64_t T, int64_t HD, bool bf16) {
+  HeadOperand o;
+  o.rows.resize(static_cast<size_t>(T * HD));
+  o.cols.resize(o.rows.size());
+  const bool prepared = bf16 && HD % kBf16FdpaL == 0;
+  if (prepared) {
+    o.d.resize(o.rows.size());
+    o.e.assign(o.rows.size(), kBf16ZeroReading);
+    o.special.assign(static_cast<size_t>(T * (HD / kBf16FdpaL)), 0);
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < HD; ++i) {
+      const float x = bf16 ? bf16_round(base[t * stride + i]) : base[t * stride + i];
+      const size_t r = static_cast<size_t>(t * HD + i);
+      o.rows[r] = x;
+      o.cols[static_cast<size_t>(i * T + t)] = x;
+      if (prepared) {
+        o.d[r] = x;
+        if (f32_isnan(x) || f32_isinf(x)) o.special[static_cast<size_t>(t * (HD / kBf16FdpaL) + i / kBf16FdpaL)] = 1;
+        else o.e[r] = bf16_exponent_reading(x);
+      }
+    }
+  return o;
+}
+
+// chain over i of a_i b_i for row ra of a and row rb of b (both HD long): the prepared T-FDPA per
+// chunk where the operands were prepared (what tfdpa_bf16_host computes, without preparing each
+// chunk again), else the generic chain
+float dot_rows(bool bf16, const HeadOperand& a, int64_t ra, const HeadOperand& b, int64_t rb, int64_t HD) {
+  const float* x = &a.rows[static_cast<size_t>(ra * HD)];
+  const float* y = &b.rows[static_cast<size_t>(rb * HD)];
+  if (!bf16 || a.d.empty() || b.d.empty())
+    return chain(bf16, 0, HD, 0.0f, [&](int64_t i) { return x[i]; }, [&](int64_t i) { return y[i]; });
+  const int64_t chunks = HD / kBf16FdpaL;
+  float c = 0.0f;
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const size_t ia = static_cast<size_t>(ra * HD + ch * kBf16FdpaL), ib = static_cast<size_t>(rb * HD + ch * kBf16FdpaL);
+    c = (a.special[static_cast<size_t>(ra * chunks + ch)] | b.special[static_cast<size_t>(rb * chunks + ch)])
+            ? tfdpa_bf16(&a.rows[ia], &b.rows[ib], c)
+            : tfdpa_bf16_prepared(&a.d[ia], &a.e[ia], &b.d[ib], &b.e[ib], &a.rows[ia], &b.rows[ib], c);
+  }
+  return c;
+}
+
 
 }  // namespace
 
@@ -403,11 +441,9 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
       const HeadOperand v = head_operand(qkv + b * T * W + (NH + NKV + g) * HD, W, T, HD, bf16);
       std::vector<float> p(static_cast<size_t>(T)), pb(static_cast<size_t>(T));
       for (int64_t t = 0; t < T; ++t) {
-        const float* qt = &q.rows[static_cast<size_t>(t * HD)];
         float m = -INFINITY;
         for (int64_t j = 0; j <= t; ++j) {
-          const float* kj = &k.rows[static_cast<size_t>(j * HD)];
-          const float s = chain(bf16, 0, HD, 0.0f, [&](int64_t i) { return qt[i]; }, [&](int64_t i) { return kj[i]; }) * scale;
+          const float s = dot_rows(bf16, q, t, k, j, HD) * scale;
           p[j] = s;
           m = s > m ? s : m;
         }
@@ -454,17 +490,14 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         q.push_back(head_operand(qkv + b * T * W + h * HD, W, T, HD, bf16));
         dy.push_back(head_operand(dout + b * T * NH * HD + h * HD, NH * HD, T, HD, bf16));
         for (int64_t t = 0; t < T; ++t) {
-          const float* qt = &q[hh].rows[static_cast<size_t>(t * HD)];
           const float* dyt = &dy[hh].rows[static_cast<size_t>(t * HD)];
           const float* o = out + (b * T + t) * NH * HD + h * HD;
           const float row_lse = lse[(b * NH + h) * T + t];
           float dsum = 0.0f;  // FP32 in increasing i on both backends (the CUDA twin: bitwise)
           for (int64_t i = 0; i < HD; ++i) dsum += dyt[i] * o[i];
           for (int64_t j = 0; j <= t; ++j) {
-            const float* kj = &k.rows[static_cast<size_t>(j * HD)];
-            const float* vj = &v.rows[static_cast<size_t>(j * HD)];
-            const float s = chain(bf16, 0, HD, 0.0f, [&](int64_t i) { return qt[i]; }, [&](int64_t i) { return kj[i]; });
-            const float dp = chain(bf16, 0, HD, 0.0f, [&](int64_t i) { return dyt[i]; }, [&](int64_t i) { return vj[i]; });
+            const float s = dot_rows(bf16, q[static_cast<size_t>(hh)], t, k, j, HD);
+            const float dp = dot_rows(bf16, dy[static_cast<size_t>(hh)], t, v, j, HD);
             const float p = std::exp(s * scale - row_lse);
             ds[j] = rnd(p * (dp - dsum));
             pbt[static_cast<size_t>((hh * T + j) * T + t)] = rnd(p);
