@@ -1,6 +1,6 @@
-// Exact FP4 GEMM benchmarks (Google Benchmark): TFLOP/s as 2*M*N*K over the time of one GEMM with
-// operands already quantized. CPU at 1024^3 (issue 3 bar: >= 2 GFLOP/s on the 2-core machine);
-// the GPU exact kernel (one thread per output, no tiling yet) at 2048^3.
+// GEMM benchmarks (Google Benchmark): TFLOP/s as 2*M*N*K over the time of one GEMM with operands
+// already quantized. CPU at 1024^3 (issue 3 bar: >= 2 GFLOP/s on the 2-core machine); the GPU exact
+// kernels and the cuBLASLt path at 8192^3; attention's batched BF16 GEMMs for one gpt2-124m layer.
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -178,6 +178,66 @@ void BM_GpuGemmCublasLt(benchmark::State& state) {
   cudaEventDestroy(e1);
 }
 BENCHMARK(BM_GpuGemmCublasLt)->Arg(8192)->UseManualTime()->Iterations(3)->Repetitions(3)
+    ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
+
+// Attention's batched BF16 GEMMs on the tensor cores (gpu/attention.cu), one gpt2-124m layer:
+// B 16, NH 12, T 1024, HD 64. range(0): 0 forward, 1 backward. TFLOP/s counts the causal half of
+// the score matrix: forward 2 GEMMs (QK^T, PV), backward 5 (QK^T, dO V^T, dQ, dK, dV), each
+// 2 * B * NH * (T (T + 1) / 2) * HD.
+void BM_GpuAttention(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const bool backward = state.range(0) == 1;
+  const int64_t B = 16, T = 1024, NH = 12, NKV = 12, HD = 64, W = (NH + 2 * NKV) * HD, C = NH * HD;
+  gpu::CudaBackend be;
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto upload = [&](BackendBuffer& buf, int64_t n) {
+    std::vector<float> h(static_cast<size_t>(n));
+    for (auto& v : h) v = nd(rng);
+    be.upload(buf.get(), h.data(), h.size() * sizeof(float));
+  };
+  BackendBuffer qkv(be, static_cast<size_t>(B * T * W) * 4), dout(be, static_cast<size_t>(B * T * C) * 4);
+  BackendBuffer out(be, static_cast<size_t>(B * T * C) * 4), lse(be, static_cast<size_t>(B * NH * T) * 4);
+  BackendBuffer dqkv(be, static_cast<size_t>(B * T * W) * 4);
+  upload(qkv, B * T * W);
+  upload(dout, B * T * C);
+  be.attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV, HD,
+                       emu::GemmPrecision::BF16);  // warm-up, and the saved state for backward
+  be.synchronize();
+  auto call = [&] {
+    if (backward)
+      be.attention_backward(dqkv.as<float>(), dout.as<float>(), qkv.as<float>(), out.as<float>(), lse.as<float>(), B,
+                            T, NH, NKV, HD, emu::GemmPrecision::BF16);
+    else
+      be.attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV, HD,
+                           emu::GemmPrecision::BF16);
+  };
+  call();
+  be.synchronize();
+  cudaEvent_t e0, e1;
+  FP4SIM_CUDA_CHECK(cudaEventCreate(&e0));
+  FP4SIM_CUDA_CHECK(cudaEventCreate(&e1));
+  double ms = 0;
+  for (auto _ : state) {
+    FP4SIM_CUDA_CHECK(cudaEventRecord(e0, be.stream()));
+    call();
+    FP4SIM_CUDA_CHECK(cudaEventRecord(e1, be.stream()));
+    FP4SIM_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0;
+    FP4SIM_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    ms = t;
+    state.SetIterationTime(t * 1e-3);
+  }
+  const double gemm = 2.0 * static_cast<double>(B * NH) * static_cast<double>(T * (T + 1) / 2) * HD;
+  state.counters["TFLOPs"] = (backward ? 5 : 2) * gemm / (ms * 1e-3) / 1e12;
+  state.counters["ms"] = ms;
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+BENCHMARK(BM_GpuAttention)->Arg(0)->Arg(1)->UseManualTime()->Iterations(10)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
 #endif
 
