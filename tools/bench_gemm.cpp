@@ -14,6 +14,7 @@
 
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "tools/gpu_timer.hpp"
 #endif
 
 namespace fp4sim {
@@ -73,23 +74,13 @@ void BM_GpuGemmExact(benchmark::State& state) {
   dv.device = Device::Cuda;
   be.gemm(av, bv, nullptr, GemmConfig{}, dv);  // warm-up
   be.synchronize();
-  cudaEvent_t e0, e1;
-  FP4SIM_CUDA_CHECK(cudaEventCreate(&e0));
-  FP4SIM_CUDA_CHECK(cudaEventCreate(&e1));
+  GpuTimer timer;
   double ms = 0;
   for (auto _ : state) {
-    FP4SIM_CUDA_CHECK(cudaEventRecord(e0, be.stream()));
-    be.gemm(av, bv, nullptr, GemmConfig{}, dv);
-    FP4SIM_CUDA_CHECK(cudaEventRecord(e1, be.stream()));
-    FP4SIM_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0;
-    FP4SIM_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    ms = t;
-    state.SetIterationTime(t * 1e-3);
+    ms = timer.ms(be.stream(), 1, [&] { be.gemm(av, bv, nullptr, GemmConfig{}, dv); });
+    state.SetIterationTime(ms * 1e-3);
   }
   state.counters["TFLOPs"] = 2.0 * n * n * n / (ms * 1e-3) / 1e12;
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   gpu::set_gemm_exact_variant(4);
 }
 // {n, variant}: the reference kernel at 2048^3 only (it needs ~2.5 min at 8192^3)
@@ -150,32 +141,19 @@ void BM_GpuGemmCublasLt(benchmark::State& state) {
     gpu::bf16_gemm_tn(*st, static_cast<const uint16_t*>(in.get()), static_cast<const uint16_t*>(in_b.get()),
                       nullptr, d.as<float>(), n, n, n, 1.0f, 0.0f, be.stream());
   };
-  cudaEvent_t e0, e1;
-  FP4SIM_CUDA_CHECK(cudaEventCreate(&e0));
-  FP4SIM_CUDA_CHECK(cudaEventCreate(&e1));
-  auto time_ms = [&](auto&& f, int reps) {
-    FP4SIM_CUDA_CHECK(cudaEventRecord(e0, be.stream()));
-    for (int i = 0; i < reps; ++i) f();
-    FP4SIM_CUDA_CHECK(cudaEventRecord(e1, be.stream()));
-    FP4SIM_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0;
-    FP4SIM_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    return static_cast<double>(t) / reps;
-  };
-  time_ms(fp4_path, 2);
-  time_ms(bf16, 2);
+  GpuTimer timer;
+  timer.ms(be.stream(), 2, fp4_path);
+  timer.ms(be.stream(), 2, bf16);
   double fp4_ms = 0, bf16_ms = 0;
   for (auto _ : state) {
-    bf16_ms = time_ms(bf16, 5);
-    fp4_ms = time_ms(fp4_path, 5);
+    bf16_ms = timer.ms(be.stream(), 5, bf16);
+    fp4_ms = timer.ms(be.stream(), 5, fp4_path);
     state.SetIterationTime(fp4_ms * 1e-3);
   }
   const double flop = 2.0 * n * n * n;
   state.counters["fp4_path_TFLOPs"] = flop / (fp4_ms * 1e-3) / 1e12;
   state.counters["bf16_TFLOPs"] = flop / (bf16_ms * 1e-3) / 1e12;
   state.counters["ratio_pct"] = 100.0 * bf16_ms / fp4_ms;
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 }
 BENCHMARK(BM_GpuGemmCublasLt)->Arg(8192)->UseManualTime()->Iterations(3)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
@@ -217,25 +195,15 @@ void BM_GpuAttention(benchmark::State& state) {
   };
   call();
   be.synchronize();
-  cudaEvent_t e0, e1;
-  FP4SIM_CUDA_CHECK(cudaEventCreate(&e0));
-  FP4SIM_CUDA_CHECK(cudaEventCreate(&e1));
+  GpuTimer timer;
   double ms = 0;
   for (auto _ : state) {
-    FP4SIM_CUDA_CHECK(cudaEventRecord(e0, be.stream()));
-    call();
-    FP4SIM_CUDA_CHECK(cudaEventRecord(e1, be.stream()));
-    FP4SIM_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0;
-    FP4SIM_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    ms = t;
-    state.SetIterationTime(t * 1e-3);
+    ms = timer.ms(be.stream(), 1, call);
+    state.SetIterationTime(ms * 1e-3);
   }
   const double gemm = 2.0 * static_cast<double>(B * NH) * static_cast<double>(T * (T + 1) / 2) * HD;
   state.counters["TFLOPs"] = (backward ? 5 : 2) * gemm / (ms * 1e-3) / 1e12;
   state.counters["ms"] = ms;
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 }
 BENCHMARK(BM_GpuAttention)->Arg(0)->Arg(1)->UseManualTime()->Iterations(10)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);

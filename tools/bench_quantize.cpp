@@ -22,6 +22,7 @@
 
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "tools/gpu_timer.hpp"
 #endif
 
 namespace fp4sim {
@@ -87,28 +88,6 @@ BENCHMARK(BM_CpuQuantize)
 
 // ---- GPU ----------------------------------------------------------------------------------------
 #if FP4SIM_HAVE_CUDA
-
-struct GpuTimer {
-  cudaEvent_t a, b;
-  GpuTimer() {
-    FP4SIM_CUDA_CHECK(cudaEventCreate(&a));
-    FP4SIM_CUDA_CHECK(cudaEventCreate(&b));
-  }
-  ~GpuTimer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-  }
-  template <class F>
-  double ms(cudaStream_t s, int reps, F&& f) {
-    FP4SIM_CUDA_CHECK(cudaEventRecord(a, s));
-    for (int i = 0; i < reps; ++i) f();
-    FP4SIM_CUDA_CHECK(cudaEventRecord(b, s));
-    FP4SIM_CUDA_CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    FP4SIM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    return static_cast<double>(t) / reps;
-  }
-};
 
 void BM_GpuQuantize(benchmark::State& state) {
   if (!gpu::gpu_available()) {
