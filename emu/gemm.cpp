@@ -110,7 +110,7 @@ namespace {
 // promotion of Hopper FP8 kernels (one FMA). Split-K ranges of k-blocks are added in order (RN).
 void gemm_exact_fp8_host(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
                          void* out) {
-  const int64_t M = a.rows, N = b.rows, K = a.cols, kb = K / kFp8Block, per_split = kb / cfg.split_k;
+  const int64_t M = a.rows, N = b.rows, K = a.cols, kb = K / kFp8Block;
   // operands decoded once: values (float and double), exponent readings, NaN codes per 32-group
   struct Decoded {
     std::vector<float> f;
@@ -142,22 +142,17 @@ void gemm_exact_fp8_host(const QuantizedView& a, const QuantizedView& b, const f
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
-      float total = 0.0f;
-      for (int s = 0; s < cfg.split_k; ++s) {
-        float acc = 0.0f;
-        for (int64_t blk = s * per_split; blk < (s + 1) * per_split; ++blk) {
-          float partial = 0.0f;
-          for (int64_t k0 = blk * kFp8Block; k0 < (blk + 1) * kFp8Block; k0 += kFp8FdpaL) {
-            const size_t ia = static_cast<size_t>(m * K + k0), ib = static_cast<size_t>(n * K + k0);
-            partial = (da.group_nan[ia / kFp8FdpaL] || db.group_nan[ib / kFp8FdpaL])
-                          ? tfdpa_fp8_hopper(&da.f[ia], &db.f[ib], partial, kE4M3Operand, kE4M3Operand)
-                          : tfdpa_fp8_hopper_prepared(&da.d[ia], &da.e[ia], &db.d[ib], &db.e[ib], &da.f[ia],
-                                                      &db.f[ib], partial);
-          }
-          acc = std::fmaf(fmul_rn(scale(a, m, blk), scale(b, n, blk)), partial, acc);
+      const float total = split_k_chain(cfg.split_k, kb, [&](int64_t blk, float acc) {
+        float partial = 0.0f;
+        for (int64_t k0 = blk * kFp8Block; k0 < (blk + 1) * kFp8Block; k0 += kFp8FdpaL) {
+          const size_t ia = static_cast<size_t>(m * K + k0), ib = static_cast<size_t>(n * K + k0);
+          partial = (da.group_nan[ia / kFp8FdpaL] || db.group_nan[ib / kFp8FdpaL])
+                        ? tfdpa_fp8_hopper(&da.f[ia], &db.f[ib], partial, kE4M3Operand, kE4M3Operand)
+                        : tfdpa_fp8_hopper_prepared(&da.d[ia], &da.e[ia], &db.d[ib], &db.e[ib], &da.f[ia],
+                                                    &db.f[ib], partial);
         }
-        total = s == 0 ? acc : fadd_rn(total, acc);
-      }
+        return std::fmaf(fmul_rn(scale(a, m, blk), scale(b, n, blk)), partial, acc);
+      });
       gemm_store(cfg, cfg.alpha, total, c, m * N + n, out);
     }
   }
@@ -175,47 +170,38 @@ void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float
   }
   const DecodedOperand da = decode_operand(a), db = decode_operand(b);
   const int64_t M = a.rows, N = b.rows, chunks = da.chunks, kp = chunks * kGemmChunk;
-  const int64_t per_split = chunks / cfg.split_k;
   const int man_bits = scale_kind_of(a.format) == ScaleKind::UE4M3_16 ? 3 : 0;
   const float alpha = gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax,
                                           b.four_over_six);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
-      float total = 0.0f;
-      for (int s = 0; s < cfg.split_k; ++s) {
-        float acc = 0.0f;
-        for (int64_t ch = s * per_split; ch < (s + 1) * per_split; ++ch) {
-          const int8_t* x = &da.twice[m * kp + ch * kGemmChunk];
-          const int8_t* y = &db.twice[n * kp + ch * kGemmChunk];
-          const uint64_t both_nz = da.nonzero[m * chunks + ch] & db.nonzero[n * chunks + ch];
-          const uint64_t neg = da.sign[m * chunks + ch] ^ db.sign[n * chunks + ch];
-          int32_t p4[kGstGroups];
-          uint32_t all_zero = 0, all_neg_zero = 0;
-          for (int g = 0; g < kGstGroups; ++g) {
-            p4[g] = 0;
-            for (int i = 0; i < kGstGroup; ++i)
-              p4[g] += static_cast<int32_t>(x[g * kGstGroup + i]) * y[g * kGstGroup + i];
-            const uint64_t mask = 0xFFFFull << (g * kGstGroup);
-            const bool zero = (both_nz & mask) == 0;
-            all_zero |= (zero ? 1u : 0u) << g;
-            all_neg_zero |= (zero && (neg & mask) == mask ? 1u : 0u) << g;
-          }
-          const size_t sa = static_cast<size_t>((m * chunks + ch) * kGstGroups),
-                       sb = static_cast<size_t>((n * chunks + ch) * kGstGroups);
-          uint32_t bits;
-          if (!(da.nan_chunk[static_cast<size_t>(m * chunks + ch)] | db.nan_chunk[static_cast<size_t>(n * chunks + ch)]) &&
-              gst_fdpa_core_lean(p4, &da.sig[sa], &da.exp[sa], &db.sig[sb], &db.exp[sb], all_zero, man_bits, acc,
-                                 &bits)) {
-            acc = f32_from_bits(bits);
-            continue;
-          }
-          acc = f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero,
-                                                        &da.scales[(m * chunks + ch) * kGstGroups],
-                                                        &db.scales[(n * chunks + ch) * kGstGroups], man_bits, acc));
+      const float total = split_k_chain(cfg.split_k, chunks, [&](int64_t ch, float acc) {
+        const int8_t* x = &da.twice[m * kp + ch * kGemmChunk];
+        const int8_t* y = &db.twice[n * kp + ch * kGemmChunk];
+        const uint64_t both_nz = da.nonzero[m * chunks + ch] & db.nonzero[n * chunks + ch];
+        const uint64_t neg = da.sign[m * chunks + ch] ^ db.sign[n * chunks + ch];
+        int32_t p4[kGstGroups];
+        uint32_t all_zero = 0, all_neg_zero = 0;
+        for (int g = 0; g < kGstGroups; ++g) {
+          p4[g] = 0;
+          for (int i = 0; i < kGstGroup; ++i)
+            p4[g] += static_cast<int32_t>(x[g * kGstGroup + i]) * y[g * kGstGroup + i];
+          const uint64_t mask = 0xFFFFull << (g * kGstGroup);
+          const bool zero = (both_nz & mask) == 0;
+          all_zero |= (zero ? 1u : 0u) << g;
+          all_neg_zero |= (zero && (neg & mask) == mask ? 1u : 0u) << g;
         }
-        total = s == 0 ? acc : fadd_rn(total, acc);
-      }
+        const size_t sa = static_cast<size_t>((m * chunks + ch) * kGstGroups),
+                     sb = static_cast<size_t>((n * chunks + ch) * kGstGroups);
+        uint32_t bits;
+        if (!(da.nan_chunk[static_cast<size_t>(m * chunks + ch)] | db.nan_chunk[static_cast<size_t>(n * chunks + ch)]) &&
+            gst_fdpa_core_lean(p4, &da.sig[sa], &da.exp[sa], &db.sig[sb], &db.exp[sb], all_zero, man_bits, acc,
+                               &bits))
+          return f32_from_bits(bits);
+        return f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, &da.scales[sa], &db.scales[sb],
+                                                       man_bits, acc));
+      });
       gemm_store(cfg, alpha, total, c, m * N + n, out);
     }
   }

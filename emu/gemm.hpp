@@ -61,6 +61,22 @@ FP4SIM_HD float gemm_epilogue(float alpha_eff, float acc, float beta, float c) {
   return f32_isnan(d) ? f32_from_bits(kCanonicalNaN) : d;
 }
 
+// Split-K as the contract orders it: the chunks (64-wide for FP4, 128-blocks for FP8) of each of
+// split_k equal ranges chained through an accumulator from +0, acc = chunk(i, acc); then the ranges'
+// results added in order, each addition RN. Both backends' exact GEMMs (all but the tiled kernel,
+// which keeps the same order for its 4 x 4 outputs at once) evaluate an output through this.
+template <class Chunk>
+FP4SIM_HD float split_k_chain(int split_k, int64_t chunks, const Chunk& chunk) {
+  const int64_t per_split = chunks / split_k;
+  float total = 0.0f;
+  for (int s = 0; s < split_k; ++s) {
+    float acc = 0.0f;
+    for (int64_t i = s * per_split; i < (s + 1) * per_split; ++i) acc = chunk(i, acc);
+    total = s == 0 ? acc : fadd_rn(total, acc);
+  }
+  return total;
+}
+
 // Output idx of an exact GEMM: D = gemm_epilogue(alpha_eff, acc, beta, C[idx]) as FP32, or its BF16
 // (RNE) bits, per cfg.out.
 FP4SIM_HD void gemm_store(const GemmConfig& cfg, float alpha_eff, float acc, const float* c, int64_t idx, void* out) {

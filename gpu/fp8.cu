@@ -118,29 +118,24 @@ __global__ void fp8_dequantize_kernel(QuantizedView q, float* out, int64_t out_s
 // One thread per output: per 128-block four chained Hopper FP8 T-FDPAs from +0, then
 // acc = fmaf(s_a * s_b, partial, acc); split-K ranges added in order; the emulator's epilogue.
 __global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const float* c, GemmConfig cfg, void* out) {
-  const int64_t N = b.rows, K = a.cols, kb = K / kFp8Block, per_split = kb / cfg.split_k;
+  const int64_t N = b.rows, K = a.cols, kb = K / kFp8Block;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= a.rows * N) return;
   const int64_t m = idx / N, n = idx % N;
   const float* sa = reinterpret_cast<const float*>(a.scales) + m * kb;
   const float* sb = reinterpret_cast<const float*>(b.scales) + n * kb;
-  float total = 0.0f;
-  for (int s = 0; s < cfg.split_k; ++s) {
-    float acc = 0.0f;
-    for (int64_t blk = s * per_split; blk < (s + 1) * per_split; ++blk) {
-      float partial = 0.0f;
-      for (int64_t k0 = blk * kFp8Block; k0 < (blk + 1) * kFp8Block; k0 += kFp8FdpaL) {
-        float va[kFp8FdpaL], vb[kFp8FdpaL];
-        for (int k = 0; k < kFp8FdpaL; ++k) {
-          va[k] = e4m3_to_f32(a.codes[m * K + k0 + k]);
-          vb[k] = e4m3_to_f32(b.codes[n * K + k0 + k]);
-        }
-        partial = tfdpa_fp8_hopper(va, vb, partial, kE4M3Operand, kE4M3Operand);
+  const float total = split_k_chain(cfg.split_k, kb, [&](int64_t blk, float acc) {
+    float partial = 0.0f;
+    for (int64_t k0 = blk * kFp8Block; k0 < (blk + 1) * kFp8Block; k0 += kFp8FdpaL) {
+      float va[kFp8FdpaL], vb[kFp8FdpaL];
+      for (int k = 0; k < kFp8FdpaL; ++k) {
+        va[k] = e4m3_to_f32(a.codes[m * K + k0 + k]);
+        vb[k] = e4m3_to_f32(b.codes[n * K + k0 + k]);
       }
-      acc = __fmaf_rn(fmul_rn(sa[blk], sb[blk]), partial, acc);
+      partial = tfdpa_fp8_hopper(va, vb, partial, kE4M3Operand, kE4M3Operand);
     }
-    total = s == 0 ? acc : fadd_rn(total, acc);
-  }
+    return __fmaf_rn(fmul_rn(sa[blk], sb[blk]), partial, acc);
+  });
   gemm_store(cfg, cfg.alpha, total, c, idx, out);
 }
 

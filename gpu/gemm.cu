@@ -45,19 +45,13 @@ __global__ void gemm_exact_reference_kernel(QuantizedView a, QuantizedView b, co
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= a.rows * N) return;
   const int64_t m = idx / N, n = idx % N;
-  const int64_t chunks = gemm_chunks(a.cols), per_split = chunks / cfg.split_k;
   const ScaleKind kind = a.format == QFormat::MXFP4 ? ScaleKind::UE8M0_32 : ScaleKind::UE4M3_16;
-  float total = 0.0f;
-  for (int s = 0; s < cfg.split_k; ++s) {
-    float acc = 0.0f;
-    for (int64_t ch = s * per_split; ch < (s + 1) * per_split; ++ch) {
-      uint8_t pa[kGemmChunk / 2], pb[kGemmChunk / 2], sa[4], sb[4];
-      gather_chunk(a, m, ch, pa, sa);
-      gather_chunk(b, n, ch, pb, sb);
-      acc = f32_from_bits(gst_fdpa_fp4_bits(pa, pb, sa, sb, kind, acc));
-    }
-    total = s == 0 ? acc : fadd_rn(total, acc);
-  }
+  const float total = split_k_chain(cfg.split_k, gemm_chunks(a.cols), [&](int64_t ch, float acc) {
+    uint8_t pa[kGemmChunk / 2], pb[kGemmChunk / 2], sa[4], sb[4];
+    gather_chunk(a, m, ch, pa, sa);
+    gather_chunk(b, n, ch, pb, sb);
+    return f32_from_bits(gst_fdpa_fp4_bits(pa, pb, sa, sb, kind, acc));
+  });
   const float alpha =
       gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
   gemm_store(cfg, alpha, total, c, idx, out);
