@@ -5,7 +5,8 @@
 # usage: validation/first_evidence.sh [STEPS] [OUT_DIR]     (STEPS x 32 x 512 tokens per run)
 #   env: RUN_TIMEOUT (seconds per run), EVAL_BATCHES (default 16), FP4SIM (the binary),
 #        CONFIG (default configs/small.json), BACKEND (default cuda; with emu every GEMM is exact, so
-#        the cuBLASLt-vs-exact pair is not run)
+#        the cuBLASLt-vs-exact pair is not run), ONLY (space-separated run names: run just those,
+#        e.g. ONLY=nvfp4_exact, to split the runs over several device calls)
 # Needs the corpus (data/corpus.*; scripts/fetch_corpus.sh) and a GPU build in build-gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,7 @@ common=(--config "${CONFIG:-configs/small.json}" --backend "$backend" train.step
 run() {  # name, then overrides
   local name=$1
   shift
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
   echo "== $name: $*"
   local t0=$SECONDS
   timeout "${RUN_TIMEOUT:-86400}" "$bin" train "${common[@]}" train.out_dir="$out/$name" "$@" >"$out/$name.log" 2>&1
