@@ -505,9 +505,10 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
 // ---- cross-entropy ----------------------------------------------------------------------------
 
 // One block per row n of logits (N,V). max: exact; p = expf(z - max) (CUDA expf); sum: per-thread
-// strided sums in increasing index, then block_sum (FP32 tree); probs (N,V) = p / sum;
-// losses (N) = -logf(probs[target]) (CUDA logf). Bounded against the emulator (tree sum, expf,
-// logf).
+// strided sums in increasing index, then block_sum (FP32 tree); probs (N,V) = p / sum, recomputed
+// from the logits in a third read instead of written and read back (same bits, two fewer passes
+// over N x V); losses (N) = -logf(probs[target]) (CUDA logf). Bounded against the emulator (tree
+// sum, expf, logf).
 __global__ void crossentropy_softmax_forward_kernel(float* losses, float* probs, const float* logits,
                                                     const int32_t* targets, int64_t V) {
   const int64_t n = blockIdx.x;
@@ -517,15 +518,10 @@ __global__ void crossentropy_softmax_forward_kernel(float* losses, float* probs,
   for (int64_t i = threadIdx.x; i < V; i += blockDim.x) m = max_skip_nan(m, z[i]);
   const float maxv = block_max(m);
   float s = 0.0f;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float e = expf(__fsub_rn(z[i], maxv));
-    p[i] = e;
-    s = __fadd_rn(s, e);
-  }
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) s = __fadd_rn(s, expf(__fsub_rn(z[i], maxv)));
   const float sum = block_sum(s);
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) p[i] = __fdiv_rn(p[i], sum);
-  __syncthreads();
-  if (threadIdx.x == 0) losses[n] = -logf(p[targets[n]]);
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) p[i] = __fdiv_rn(expf(__fsub_rn(z[i], maxv)), sum);
+  if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(expf(__fsub_rn(z[targets[n]], maxv)), sum));
 }
 
 // dlogits (N,V) += (probs - onehot(target)) * dlosses[n], each step RN: bitwise.
