@@ -471,9 +471,42 @@ FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zer
 // kZeroScaleBiased: the caller passes kGstZeroScaleExp as the exponent reading of a zero scale
 // (gst_zero_scale_biased), which puts the group's exponent sum far below kGstZeroExp, so it can
 // neither win the maximum nor leave a term (sh < -1000): the zero-scale tests drop out of the loop.
+//
+// kExpAdd (the GPU's variants 8 and 9): each term, C and the final sum are scaled by 2^sh by adding
+// sh to the exponent field of the double (ldexp_exact) instead of multiplying by a constructed
+// 2^sh, and a term is zero exactly when its integer p4 * sig_a * sig_b is (a zero scale has sig 0),
+// so the sh < -1000 test goes too. Exact because nothing leaves the normal range: a nonzero term is
+// an integer in [1, 2^20) whose group takes part in e_max, so sh <= 25 - 2, and sh >= -485 for the
+// widest exponents (UE8M0: exp_sum >= -254, e_max <= 254); C scaled lies in [2^-378, 2^26]; the
+// final sum is an integer in [1, 2^49) and grid >= -149 - 25. Same bits (tests/emu/test_mma.cpp).
 constexpr int32_t kGstZeroScaleExp = -(1 << 20);
 FP4SIM_HD int32_t gst_zero_scale_biased(int32_t sig, int32_t exp) { return sig == 0 ? kGstZeroScaleExp : exp; }
-template <bool kZeroScaleBiased = false>
+
+// x * 2^e for a finite nonzero double x when the result stays normal: e added to the exponent field.
+FP4SIM_HD double ldexp_exact(double x, int e) {
+#if defined(__CUDA_ARCH__)
+  return __hiloint2double(__double2hiint(x) + (e << 20), __double2loint(x));
+#else
+  uint64_t b;
+  std::memcpy(&b, &x, sizeof b);
+  b += static_cast<uint64_t>(static_cast<int64_t>(e)) << 52;
+  double d;
+  std::memcpy(&d, &b, sizeof d);
+  return d;
+#endif
+}
+
+// The integer term v * 2^sh for |v| < 2^31 under kExpAdd's range condition (v == 0 gives +0).
+FP4SIM_HD double scaled_term(int32_t v, int sh) {
+  const double d = static_cast<double>(v);
+#if defined(__CUDA_ARCH__)
+  return __hiloint2double(v == 0 ? 0 : __double2hiint(d) + (sh << 20), __double2loint(d));
+#else
+  return v == 0 ? 0.0 : ldexp_exact(d, sh);
+#endif
+}
+
+template <bool kZeroScaleBiased = false, bool kExpAdd = false>
 FP4SIM_HD bool gst_fdpa_core_lean(const int32_t* p4, const int32_t* sig_a, const int32_t* exp_a,
                                   const int32_t* sig_b, const int32_t* exp_b, uint32_t all_zero, int man_bits,
                                   float c, uint32_t* out_bits) {
@@ -495,15 +528,21 @@ FP4SIM_HD bool gst_fdpa_core_lean(const int32_t* p4, const int32_t* sig_a, const
     e_max = ce > e_max ? ce : e_max;
   }
   const int grid = e_max - kGstF;
-  double sum = c_zero ? 0.0 : trunc(static_cast<double>(c) * pow2_double(-grid));
+  double sum;
+  if constexpr (kExpAdd) sum = c_zero ? 0.0 : trunc(ldexp_exact(static_cast<double>(c), -grid));
+  else sum = c_zero ? 0.0 : trunc(static_cast<double>(c) * pow2_double(-grid));
   FP4SIM_UNROLL
   for (int g = 0; g < kGstGroups; ++g) {
     const int sh = exp_sum[g] - 2 * man_bits - 2 - grid;  // the term's lsb on the grid
-    const double v = static_cast<double>(p4[g] * sig_a[g] * sig_b[g]);
-    sum += sh < -1000 ? 0.0 : trunc(v * pow2_double(sh));
+    if constexpr (kExpAdd) {
+      sum += trunc(scaled_term(p4[g] * sig_a[g] * sig_b[g], sh));
+    } else {
+      const double v = static_cast<double>(p4[g] * sig_a[g] * sig_b[g]);
+      sum += sh < -1000 ? 0.0 : trunc(v * pow2_double(sh));
+    }
   }
   if (sum == 0.0) return false;
-  const double value = sum * pow2_double(grid);
+  const double value = kExpAdd ? ldexp_exact(sum, grid) : sum * pow2_double(grid);
   if (fabs(value) >= 0x1p128) {
     *out_bits = value < 0 ? 0xFF800000u : 0x7F800000u;
     return true;

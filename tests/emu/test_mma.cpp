@@ -430,6 +430,24 @@ TEST(Gst, FastCoreEqualsReadableCore) {
       if (lean_ok) {
         ASSERT_EQ(biased, lean) << "biased lean core, kind " << static_cast<int>(kind) << " case " << it;
       }
+      // scaling by exponent addition (the GPU's variants 8 and 9), with and without biased zero
+      // scales, and with all_zero passed as a literal 0 where no group sum is zero (as the GPU does)
+      uint32_t expadd = 0, expadd_biased = 0;
+      const bool expadd_ok =
+          !any_nan && gst_fdpa_core_lean<false, true>(p4, siga, expa, sigb, expb, az, sa[0].man_bits, c, &expadd);
+      ASSERT_EQ(lean_ok, expadd_ok)
+          << "exponent-add lean core answers differently, case " << it;
+      const bool no_zero_sum = p4[0] != 0 && p4[1] != 0 && p4[2] != 0 && p4[3] != 0;
+      const bool expadd_biased_ok =
+          !any_nan && gst_fdpa_core_lean<true, true>(p4, siga, expza, sigb, expzb, no_zero_sum ? 0u : az,
+                                                     sa[0].man_bits, c, &expadd_biased);
+      ASSERT_EQ(lean_ok, expadd_biased_ok)
+          << "biased exponent-add lean core answers differently, case " << it;
+      if (lean_ok) {
+        ASSERT_EQ(expadd, lean) << "exponent-add lean core, kind " << static_cast<int>(kind) << " case " << it;
+        ASSERT_EQ(expadd_biased, lean) << "biased exponent-add lean core, kind " << static_cast<int>(kind)
+                                       << " case " << it;
+      }
       ++cases;
       specials += std::isnan(c) || std::isinf(c);
     }
