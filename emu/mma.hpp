@@ -472,7 +472,7 @@ FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zer
 // (gst_zero_scale_biased), which puts the group's exponent sum far below kGstZeroExp, so it can
 // neither win the maximum nor leave a term (sh < -1000): the zero-scale tests drop out of the loop.
 //
-// kExpAdd (the GPU's variants 8 and 9): each term, C and the final sum are scaled by 2^sh by adding
+// kExpAdd (the GPU's variant 6): each term, C and the final sum are scaled by 2^sh by adding
 // sh to the exponent field of the double (ldexp_exact) instead of multiplying by a constructed
 // 2^sh, and a term is zero exactly when its integer p4 * sig_a * sig_b is (a zero scale has sig 0),
 // so the sh < -1000 test goes too. Exact because nothing leaves the normal range: a nonzero term is

@@ -6,9 +6,9 @@
 //    each thread computes 4 x 4 outputs: the 16-element group sums with __dp4a (exact integer dot
 //    products), then gst_fdpa_core_packed_bits with its FP64 sum (variant 1), or (variants 2-4,
 //    4 the default) gst_fdpa_core_lean from unpacked scales for the common case and the packed
-//    core, out of line, for the rest (NaN scales, non-finite C, a zero sum); variants 6-7 take the
-//    group sums from int8 mma.sync instead of __dp4a. Every formulation is tested equal to the
-//    readable core on the CPU and the kernels bitwise equal to each other on the GPU.
+//    core, out of line, for the rest (NaN scales, non-finite C, a zero sum); 5 (the default) and 6
+//    refine that core. Every formulation is tested equal to the readable core on the CPU and the
+//    kernels bitwise equal to each other on the GPU.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -79,10 +79,7 @@ struct ChunkTile {
 };
 
 // Thread t decodes group (t % 4) of row (t / 4) of the tile: 16 codes (8 bytes) and its scale.
-// kMma (variants 6, 7): the int8 rows in the mma.sync fragment order instead, 64 bytes per row with
-// word w (elements 4w..4w+3) of group g at word 4w + g, so one 16-byte load gives a thread its four
-// groups' fragment words (see gemm_exact_mma_kernel).
-template <bool kLean, bool kBiased, bool kMma = false>
+template <bool kLean, bool kBiased>
 __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch, ScaleKind kind, ChunkTile& s) {
   const int t = threadIdx.x, r = t / kGstGroups, g = t % kGstGroups;
   const int64_t row = row0 + r, k0 = ch * kGemmChunk + g * kGstGroup;
@@ -104,13 +101,7 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
     nz |= ((code & 7u) != 0 ? 1u : 0u) << i;
     sg |= (code >> 3) << i;
   }
-  if constexpr (kMma) {
-    uint32_t* row_words = reinterpret_cast<uint32_t*>(s.twice + r * kGemmChunk);
-    FP4SIM_UNROLL
-    for (int w = 0; w < 4; ++w) row_words[4 * w + g] = words[w];
-  } else {
-    *reinterpret_cast<uint4*>(s.twice + r * kRowBytes + g * kGstGroup) = make_uint4(words[0], words[1], words[2], words[3]);
-  }
+  *reinterpret_cast<uint4*>(s.twice + r * kRowBytes + g * kGstGroup) = make_uint4(words[0], words[1], words[2], words[3]);
   s.nonzero[r][g] = static_cast<uint16_t>(nz);
   s.sign[r][g] = static_cast<uint16_t>(sg);
   const DecodedScale ds = decode_scale(sbyte, kind);
@@ -259,136 +250,20 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
   }
 }
 
-// Variants 6 and 7: the group sums on the integer tensor cores. Each 16-element group of a chunk is
-// one mma.sync m8n8k16 (int8 x int8 -> int32 on the 2 * e2m1 values; |sum| <= 16 * 144, exact), so a
-// warp gets 64 outputs' group sums from one instruction instead of 4 __dp4a per output; the lean
-// core (kBiased, as variant 5) and the rare path are unchanged. Warp w of 8 owns rows 32 * (w / 4)
-// .. +31 and columns 16 * (w % 4) .. +15 of the 64 x 64 tile as 4 x 2 MMA tiles of 8 x 8; a thread
-// holds the 4 x 4 outputs at rows 32 * (w / 4) + gid + 8 i and columns 16 * (w % 4) + 8 (j / 2) +
-// 2 tig + (j % 2) (gid = lane / 4, tig = lane % 4: the fragment layout of the PTX ISA). The smaller
-// MMA shape (m16n8k16 would give 4 outputs per thread and group) keeps the live group sums at 8
-// registers: with 16 the kernel spilled under 64 or 80 registers.
-__device__ __forceinline__ void mma_s8_m8n8k16(int32_t (&d)[2], uint32_t a0, uint32_t b0) {
-  asm("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0, %1}, {%2}, {%3}, {%4, %5};\n"
-      : "=r"(d[0]), "=r"(d[1])
-      : "r"(a0), "r"(b0), "r"(0), "r"(0));
-}
-
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int g) {
-  return g == 0 ? v.x : g == 1 ? v.y : g == 2 ? v.z : v.w;
-}
-
-// One output and chunk through the lean core (zero-scale exponents biased; kExpAdd as variant 8)
-// or the rare path.
-template <bool kExpAdd>
-__device__ __forceinline__ float lean_or_rare(const int32_t* p4, const int32_t* siga, const int32_t* expa,
-                                              uint32_t nan_a, const int32_t* sigb, const int32_t* expb,
-                                              uint32_t nan_b, const ChunkTile& sa, const ChunkTile& sb, int ra,
-                                              int rb, int man_bits, float acc) {
-  uint32_t all_zero = 0;
-  if ((p4[0] == 0) | (p4[1] == 0) | (p4[2] == 0) | (p4[3] == 0)) {  // rare: a zero group sum
-    FP4SIM_UNROLL
-    for (int g = 0; g < kGstGroups; ++g)
-      all_zero |= ((static_cast<uint32_t>(sa.nonzero[ra][g]) & sb.nonzero[rb][g]) == 0 ? 1u : 0u) << g;
-  }
-  uint32_t bits;
-  if ((nan_a | nan_b) == 0 && gst_fdpa_core_lean<true, kExpAdd>(p4, siga, expa, sigb, expb, all_zero, man_bits, acc, &bits))
-    return f32_from_bits(bits);
-  return packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, acc);
-}
-
-template <int kMinBlocks, bool kSplit, bool kExpAdd = false>
-__global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_mma_kernel(QuantizedView a, QuantizedView b,
-                                                                       const float* c, GemmConfig cfg, void* out) {
-  __shared__ ChunkTile sa, sb;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, n0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
-  const int row_base = 32 * (warp / 4) + gid, col_base = 16 * (warp % 4) + 2 * tig;
-  const ScaleKind kind = a.format == QFormat::MXFP4 ? ScaleKind::UE8M0_32 : ScaleKind::UE4M3_16;
-  const int man_bits = kind == ScaleKind::UE4M3_16 ? 3 : 0;
-  const int64_t chunks = gemm_chunks(a.cols), per_split = chunks / cfg.split_k;
-  float total[kPer][kPer];
-  const int splits = kSplit ? cfg.split_k : 1;
-  for (int s = 0; s < splits; ++s) {
-    float acc[kPer][kPer];
-    FP4SIM_UNROLL
-    for (int i = 0; i < kPer; ++i)
-      FP4SIM_UNROLL
-      for (int j = 0; j < kPer; ++j) acc[i][j] = 0.0f;
-    for (int64_t ch = s * per_split; ch < (s + 1) * per_split; ++ch) {
-      __syncthreads();  // the previous chunk's readers are done
-      load_chunk_tile<true, true, true>(a, m0, ch, kind, sa);
-      load_chunk_tile<true, true, true>(b, n0, ch, kind, sb);
-      __syncthreads();
-#pragma unroll 1
-      for (int i = 0; i < kPer; ++i) {  // 8-row MMA tile: output row ra (fragment row gid)
-        const int ra = row_base + 8 * i;
-        const uint4 aw = *reinterpret_cast<const uint4*>(sa.twice + ra * kGemmChunk + 16 * tig);
-        int32_t siga[kGstGroups], expa[kGstGroups];
-        FP4SIM_UNROLL
-        for (int g = 0; g < kGstGroups; ++g) {
-          siga[g] = sa.sig[ra][g];
-          expa[g] = sa.exp[ra][g];
-        }
-        const uint32_t nan_a = *reinterpret_cast<const uint32_t*>(&sa.nan[ra][0]);
-        FP4SIM_UNROLL
-        for (int ct = 0; ct < 2; ++ct) {  // 8-column MMA tile: fragment column gid, outputs at 2 tig, 2 tig + 1
-          const uint4 bw = *reinterpret_cast<const uint4*>(sb.twice + (col_base - 2 * tig + 8 * ct + gid) * kGemmChunk + 16 * tig);
-          int32_t d[kGstGroups][2];
-          FP4SIM_UNROLL
-          for (int g = 0; g < kGstGroups; ++g) mma_s8_m8n8k16(d[g], word_of(aw, g), word_of(bw, g));
-          FP4SIM_UNROLL
-          for (int cs = 0; cs < 2; ++cs) {  // output column rb: fragment register cs
-            const int rb = col_base + 8 * ct + cs;
-            int32_t sigb[kGstGroups], expb[kGstGroups];
-            FP4SIM_UNROLL
-            for (int g = 0; g < kGstGroups; ++g) {
-              sigb[g] = sb.sig[rb][g];
-              expb[g] = sb.exp[rb][g];
-            }
-            const uint32_t nan_b = *reinterpret_cast<const uint32_t*>(&sb.nan[rb][0]);
-            const int32_t p4[kGstGroups] = {d[0][cs], d[1][cs], d[2][cs], d[3][cs]};
-            acc[i][2 * ct + cs] = lean_or_rare<kExpAdd>(p4, siga, expa, nan_a, sigb, expb, nan_b, sa, sb, ra, rb, man_bits,
-                                               acc[i][2 * ct + cs]);
-          }
-        }
-      }
-    }
-    FP4SIM_UNROLL
-    for (int i = 0; i < kPer; ++i)
-      FP4SIM_UNROLL
-      for (int j = 0; j < kPer; ++j) total[i][j] = (!kSplit || s == 0) ? acc[i][j] : fadd_rn(total[i][j], acc[i][j]);
-  }
-  const float alpha =
-      gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
-  const int64_t N = b.rows;
-  FP4SIM_UNROLL
-  for (int i = 0; i < kPer; ++i) {
-    const int64_t m = m0 + row_base + 8 * i;
-    FP4SIM_UNROLL
-    for (int j = 0; j < kPer; ++j) {
-      const int64_t n = n0 + col_base + 8 * (j / 2) + (j % 2);
-      if (m >= a.rows || n >= N) continue;
-      gemm_store(cfg, alpha, total[i][j], c, m * N + n, out);
-    }
-  }
-}
-
 // 0 reference, 1 tiled, 2 tiled with the lean core, 3 and 4 = 2 under __launch_bounds__ for 3 or 4
 // CTAs per SM (77 / 64 registers without split-K, no spills, since the rare path is out of line).
 // 5 (the default) = 4 with zero scales' exponents biased (gst_fdpa_core_lean<true>) and the
-// all-zero masks built only where a group sum is zero. 6 and 7: 5's core with the group sums from
-// int8 mma.sync, at 4 or 3 CTAs per SM. 8 and 9: 5 and 6 with gst_fdpa_core_lean<true, true>
-// (scaling by exponent addition). H200, 8192^3 (validation/perf.md): 10.3 / 14.6 / 16.2 / 17.0 /
-// 18.2 / 18.1 / 17.0 TFLOP/s for 1-7; an earlier form of 8 and 9 (the core inlined twice, with a
-// literal all_zero = 0 where no group sum is zero) ran at 16.5 / 16.8 and slowed 6 to 15.8; 8 and 9
-// as they are now have not run on a GPU. A benchmark knob; the same bits.
+// all-zero masks built only where a group sum is zero. 6 = 5 with gst_fdpa_core_lean<true, true>
+// (terms scaled by exponent addition). H200, 8192^3 (validation/perf.md): 10.3 / 14.6 / 16.2 /
+// 17.0 / 18.2 TFLOP/s for 1-5; 6 has not run in this form. A fourth-session experiment that took
+// the group sums from int8 mma.sync instead of __dp4a ran at 18.1 (no gain: the per-output core is
+// the bottleneck) and was removed. A benchmark knob; the same bits.
 int g_gemm_exact_variant = kGemmExactDefaultVariant;
 
 }  // namespace
 
 void set_gemm_exact_variant(int variant) {
-  if (variant < 0 || variant > 9) throw std::invalid_argument("exact GEMM variant must be 0 to 9");
+  if (variant < 0 || variant > 6) throw std::invalid_argument("exact GEMM variant must be 0 to 6");
   g_gemm_exact_variant = variant;
 }
 
@@ -399,20 +274,9 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
   if (g_gemm_exact_variant >= 1 && aligned) {
     const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile), static_cast<unsigned>((a.rows + kTile - 1) / kTile));
     const bool split = cfg.split_k > 1;
-    if (g_gemm_exact_variant == 8) {
+    if (g_gemm_exact_variant == 6) {
       if (split) gemm_exact_tiled_kernel<true, 4, true, true, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
       else gemm_exact_tiled_kernel<true, 4, false, true, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-    } else if (g_gemm_exact_variant == 9) {
-      if (split) gemm_exact_mma_kernel<4, true, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-      else gemm_exact_mma_kernel<4, false, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-    } else if (g_gemm_exact_variant >= 6) {
-      if (g_gemm_exact_variant == 6) {
-        if (split) gemm_exact_mma_kernel<4, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-        else gemm_exact_mma_kernel<4, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-      } else {
-        if (split) gemm_exact_mma_kernel<3, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-        else gemm_exact_mma_kernel<3, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-      }
     } else if (g_gemm_exact_variant == 5) {
       if (split) gemm_exact_tiled_kernel<true, 4, true, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
       else gemm_exact_tiled_kernel<true, 4, false, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);

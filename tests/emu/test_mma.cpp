@@ -430,8 +430,8 @@ TEST(Gst, FastCoreEqualsReadableCore) {
       if (lean_ok) {
         ASSERT_EQ(biased, lean) << "biased lean core, kind " << static_cast<int>(kind) << " case " << it;
       }
-      // scaling by exponent addition (the GPU's variants 8 and 9), with and without biased zero
-      // scales, and with all_zero passed as a literal 0 where no group sum is zero (as the GPU does)
+      // scaling by exponent addition (the GPU's variant 6), with and without biased zero
+      // scales, and with all_zero = 0 where no group sum is zero (no group can be all-zero there)
       uint32_t expadd = 0, expadd_biased = 0;
       const bool expadd_ok =
           !any_nan && gst_fdpa_core_lean<false, true>(p4, siga, expa, sigb, expb, az, sa[0].man_bits, c, &expadd);
