@@ -35,7 +35,7 @@ const std::vector<Field>& fields() {
       FP4SIM_FIELD(train, min_lr_ratio), FP4SIM_FIELD(train, warmup), FP4SIM_FIELD(train, schedule),
       FP4SIM_FIELD(train, decay_fraction), FP4SIM_FIELD(train, weight_decay),
       FP4SIM_FIELD(train, beta1), FP4SIM_FIELD(train, beta2), FP4SIM_FIELD(train, eps),
-      FP4SIM_FIELD(train, grad_clip), FP4SIM_FIELD(train, seed), FP4SIM_FIELD(train, data),
+      FP4SIM_FIELD(train, grad_clip), FP4SIM_FIELD(train, seed), FP4SIM_FIELD(train, data), FP4SIM_FIELD(train, shuffle),
       FP4SIM_FIELD(train, eval_every), FP4SIM_FIELD(train, eval_batches),
       FP4SIM_FIELD(train, checkpoint_every), FP4SIM_FIELD(train, keep_last),
       FP4SIM_FIELD(train, out_dir), FP4SIM_FIELD(recipe, name), FP4SIM_FIELD(recipe, gemm),

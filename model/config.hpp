@@ -45,6 +45,10 @@ struct TrainConfig {
   double grad_clip = 1.0;
   uint64_t seed = 1337;
   std::string data = "data/corpus";  // PREFIX.train.tokens / PREFIX.val.tokens, or "synthetic"
+  // false: each step reads the next B windows of the training split in file order, wrapping around;
+  // true: each window starts at a random offset drawn from Philox (key seed, counter (step, window)),
+  // so the order is a function of (seed, step) alone and a resumed run draws the same batches
+  bool shuffle = false;
   int64_t eval_every = 50;
   int64_t eval_batches = 8;
   int64_t checkpoint_every = 0;  // 0: no periodic checkpoints

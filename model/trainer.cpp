@@ -12,6 +12,7 @@
 
 #include "emu/contract.hpp"
 #include "emu/optim.hpp"
+#include "emu/philox.hpp"
 #include "model/checkpoint.hpp"
 #include "model/data.hpp"
 #include "model/gpt.hpp"
@@ -61,6 +62,27 @@ int64_t next_batch(const TokenFile& f, int64_t pos, int64_t B, int64_t T, std::v
     pos += T;
   }
   return pos;
+}
+
+// train.shuffle: window b of step `step` starts at a uniform offset in [0, n - T - 1], from Philox
+// with key = seed and counter (step lo, step hi, b, "data"): a stream apart from the SR streams
+// (whose counters are chunk indices under a different key layout), and independent of the
+// position, so resume needs no data state.
+void sample_batch(const TokenFile& f, uint64_t seed, int64_t step, int64_t B, int64_t T, std::vector<int32_t>& tok,
+                  std::vector<int32_t>& tgt) {
+  const uint64_t starts = static_cast<uint64_t>(static_cast<int64_t>(f.tokens.size()) - T);  // >= 1 (load_data)
+  tok.resize(static_cast<size_t>(B * T));
+  tgt.resize(static_cast<size_t>(B * T));
+  for (int64_t b = 0; b < B; ++b) {
+    const Philox4x32 r = philox4x32_10(static_cast<uint32_t>(step), static_cast<uint32_t>(static_cast<uint64_t>(step) >> 32),
+                                       static_cast<uint32_t>(b), 0x64617461u /* "data" */, static_cast<uint32_t>(seed),
+                                       static_cast<uint32_t>(seed >> 32));
+    const int64_t pos = static_cast<int64_t>(((static_cast<uint64_t>(r.v[1]) << 32) | r.v[0]) % starts);
+    for (int64_t t = 0; t < T; ++t) {
+      tok[b * T + t] = f.tokens[static_cast<size_t>(pos + t)];
+      tgt[b * T + t] = f.tokens[static_cast<size_t>(pos + t + 1)];
+    }
+  }
 }
 
 StoredTensor as_stored(const float* data, const std::vector<int64_t>& shape, int64_t n) {
@@ -208,7 +230,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   if (!opt.dump_dir.empty()) fs::create_directories(opt.dump_dir);
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
-    pos = next_batch(data.train, pos, B, T, tok, tgt);
+    if (c.train.shuffle) sample_batch(data.train, c.train.seed, step, B, T, tok, tgt);
+    else pos = next_batch(data.train, pos, B, T, tok, tgt);
     model.set_step(step);
     if (opt.print && c.recipe.name != "bf16" && step + 1 == c.recipe.bf16_from_step && step > 0)
       std::printf("step %5lld | late switch to BF16 (%s)\n", static_cast<long long>(step + 1), c.recipe.bf16_switch.c_str());

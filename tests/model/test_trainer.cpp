@@ -21,17 +21,22 @@ RunConfig micro_run(const std::string& out) {
   return config_from_json(j, {});
 }
 
-TEST(Trainer, BitwiseResumeFromStep5) {
-  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_train_" + std::to_string(::getpid()))).string();
+// Train 10 steps with a checkpoint at 5, resume from it in a second run: steps 5-9 bit for bit.
+void expect_bitwise_resume(bool shuffle) {
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("fp4sim_train_" + std::to_string(::getpid()) + (shuffle ? "_shuffle" : ""))).string();
   std::filesystem::remove_all(dir);
   TrainOptions quiet;
   quiet.print = false;
-  const TrainResult full = train(micro_run(dir + "/full"), quiet, *make_cpu_backend());
+  RunConfig c = micro_run(dir + "/full");
+  c.train.shuffle = shuffle;
+  const TrainResult full = train(c, quiet, *make_cpu_backend());
   ASSERT_EQ(full.steps.size(), 10u);
   // the first run also left a checkpoint at step 5; a second run resumes from it
   TrainOptions resume = quiet;
   resume.resume = dir + "/full/checkpoints/step_00000005";
-  const TrainResult cont = train(micro_run(dir + "/cont"), resume, *make_cpu_backend());
+  c.train.out_dir = dir + "/cont";
+  const TrainResult cont = train(c, resume, *make_cpu_backend());
   ASSERT_EQ(cont.steps.size(), 5u);
   for (size_t i = 0; i < 5; ++i) {
     EXPECT_EQ(cont.steps[i].step, full.steps[5 + i].step);
@@ -40,6 +45,33 @@ TEST(Trainer, BitwiseResumeFromStep5) {
     std::memcpy(&b, &full.steps[5 + i].loss, 4);
     EXPECT_EQ(a, b) << "step " << cont.steps[i].step << ": " << cont.steps[i].loss << " vs " << full.steps[5 + i].loss;
   }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Trainer, BitwiseResumeFromStep5) { expect_bitwise_resume(false); }
+TEST(Trainer, BitwiseResumeFromStep5Shuffled) { expect_bitwise_resume(true); }
+
+// train.shuffle draws other batches than the file order, and the same seed draws the same ones.
+TEST(Trainer, ShuffledBatchesAreReproducibleAndDifferFromFileOrder) {
+  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_shuf_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  TrainOptions quiet;
+  quiet.print = false;
+  auto first_losses = [&](bool shuffle, uint64_t seed, const std::string& name) {
+    RunConfig c = micro_run(dir + "/" + name);
+    c.train.steps = 3;
+    c.train.checkpoint_every = 0;
+    c.train.eval_every = 0;
+    c.train.shuffle = shuffle;
+    c.train.seed = seed;
+    std::vector<float> out;
+    for (const StepRecord& r : train(c, quiet, *make_cpu_backend()).steps) out.push_back(r.loss);
+    return out;
+  };
+  const auto ordered = first_losses(false, 7, "a"), shuffled = first_losses(true, 7, "b"),
+             again = first_losses(true, 7, "c");
+  EXPECT_EQ(shuffled, again);
+  EXPECT_NE(shuffled[0], ordered[0]);  // same initial weights, other batch
   std::filesystem::remove_all(dir);
 }
 
