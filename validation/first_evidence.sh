@@ -6,7 +6,8 @@
 #   env: RUN_TIMEOUT (seconds per run), EVAL_BATCHES (default 16), FP4SIM (the binary),
 #        CONFIG (default configs/small.json), BACKEND (default cuda; with emu every GEMM is exact, so
 #        the cuBLASLt-vs-exact pair is not run), ONLY (space-separated run names: run just those,
-#        e.g. ONLY=nvfp4_exact, to split the runs over several device calls)
+#        e.g. ONLY=nvfp4_exact, to split the runs over several device calls), EXTRA (key=value
+#        overrides for every run, e.g. EXTRA="train.shuffle=true")
 # Needs the corpus (data/corpus.*; scripts/fetch_corpus.sh) and a GPU build in build-gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,8 @@ backend=${BACKEND:-cuda}
 gemm=cublaslt
 [ "$backend" = emu ] && gemm=exact
 common=(--config "${CONFIG:-configs/small.json}" --backend "$backend" train.steps="$steps" train.warmup=$((steps / 10))
-        train.eval_every=$((steps / 4)) train.eval_batches="${EVAL_BATCHES:-16}" train.checkpoint_every=0)
+        train.eval_every=$((steps / 4)) train.eval_batches="${EVAL_BATCHES:-16}" train.checkpoint_every=0
+        ${EXTRA:-})
 run() {  # name, then overrides
   local name=$1
   shift
