@@ -47,6 +47,15 @@ Dataset load_data(const RunConfig& c) {
   return d;
 }
 
+// Window b of a batch: tokens pos .. pos+T-1 as inputs, pos+1 .. pos+T as targets.
+void copy_window(const TokenFile& f, int64_t pos, int64_t b, int64_t T, std::vector<int32_t>& tok,
+                 std::vector<int32_t>& tgt) {
+  for (int64_t t = 0; t < T; ++t) {
+    tok[b * T + t] = f.tokens[static_cast<size_t>(pos + t)];
+    tgt[b * T + t] = f.tokens[static_cast<size_t>(pos + t + 1)];
+  }
+}
+
 // Batch at data position `pos`: B consecutive windows of T+1 tokens, wrapping around.
 int64_t next_batch(const TokenFile& f, int64_t pos, int64_t B, int64_t T, std::vector<int32_t>& tok,
                    std::vector<int32_t>& tgt) {
@@ -55,10 +64,7 @@ int64_t next_batch(const TokenFile& f, int64_t pos, int64_t B, int64_t T, std::v
   tgt.resize(static_cast<size_t>(B * T));
   for (int64_t b = 0; b < B; ++b) {
     if (pos + T + 1 > n) pos = 0;
-    for (int64_t t = 0; t < T; ++t) {
-      tok[b * T + t] = f.tokens[static_cast<size_t>(pos + t)];
-      tgt[b * T + t] = f.tokens[static_cast<size_t>(pos + t + 1)];
-    }
+    copy_window(f, pos, b, T, tok, tgt);
     pos += T;
   }
   return pos;
@@ -77,11 +83,7 @@ void sample_batch(const TokenFile& f, uint64_t seed, int64_t step, int64_t B, in
     const Philox4x32 r = philox4x32_10(static_cast<uint32_t>(step), static_cast<uint32_t>(static_cast<uint64_t>(step) >> 32),
                                        static_cast<uint32_t>(b), 0x64617461u /* "data" */, static_cast<uint32_t>(seed),
                                        static_cast<uint32_t>(seed >> 32));
-    const int64_t pos = static_cast<int64_t>(((static_cast<uint64_t>(r.v[1]) << 32) | r.v[0]) % starts);
-    for (int64_t t = 0; t < T; ++t) {
-      tok[b * T + t] = f.tokens[static_cast<size_t>(pos + t)];
-      tgt[b * T + t] = f.tokens[static_cast<size_t>(pos + t + 1)];
-    }
+    copy_window(f, static_cast<int64_t>(((static_cast<uint64_t>(r.v[1]) << 32) | r.v[0]) % starts), b, T, tok, tgt);
   }
 }
 
