@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run the GPU tests, the benchmarks and the oracles, print a
 # short table last. Full logs go to $OUT (or runs/gpu_session when $OUT is unset).
-# usage: scripts/gpu_session.sh [quick|train|profile]
+# usage: scripts/gpu_session.sh [quick|train|recipes|profile|gemm]
 #   (default) build, GPU tests, benchmarks, crosscheck, PyTorch check, oracles, training speed
 #   quick     build + GPU tests only
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
 #   recipes   build + gpt2-124m tokens/s and peak memory per recipe (bf16, fp8, nvfp4 with cuBLASLt
 #             GEMMs, RUNS runs each, default 3; nvfp4 with exact GEMMs once), then train
+#   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
+#             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build)
 # Carry .deps (xtensor/xtl headers) and, for the corpus-based agreement tests, data (token files).
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
@@ -28,7 +30,17 @@ cmake --build build-gpu -j"$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error|
 row "build (archs $archs)" "ok, $(( $(date +%s) - t0 )) s"
 build-gpu/fp4sim info | tee "$out/info.txt"
 
-if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ]; then
+if [ "${1:-}" = "gemm" ]; then
+  ( cd build-gpu && ctest -R GemmGpu --output-on-failure -j1 ) >"$out/ctest_gemm.log" 2>&1
+  rc=$?
+  grep -E "tests passed|bitwise identical|differs|Failed|FAILED" "$out/ctest_gemm.log" | head -20
+  row "ctest -R GemmGpu" "exit $rc, $(grep -E 'tests passed' "$out/ctest_gemm.log" | tail -1)"
+  build-gpu/bench_gemm --benchmark_filter='GpuGemmExact/8192' >"$out/bench_gemm_exact.txt" 2>&1
+  while read -r line; do row "$(echo "$line" | awk '{print $1}')" "$(echo "$line" | grep -oE 'TFLOPs=[^ ]+')"; done \
+    < <(grep -E "median" "$out/bench_gemm_exact.txt")
+fi
+
+if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] && [ "${1:-}" != "gemm" ]; then
   ( cd build-gpu && ctest -L gpu --output-on-failure -j1 ) >"$out/ctest_gpu.log" 2>&1
   rc=$?
   grep -E "tests passed|bitwise identical|\[train-gpu\] worst|cublaslt-bound\] largest|Failed|FAILED" "$out/ctest_gpu.log"
@@ -90,7 +102,8 @@ if [ "${1:-}" = "profile" ]; then
     grep -E "nvfp4|amax|quantize_tile|gpu__time|dram__|sm__|smsp__inst|l1tex" "$out/ncu_mode$mode.txt" | sed 's/  */ /g' | cut -c1-150
   done
 fi
-if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ]; then
+if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] \
+   && [ "${1:-}" != "gemm" ]; then
   build-gpu/bench_quantize --benchmark_filter=Gpu --benchmark_repetitions=5 \
     --benchmark_report_aggregates_only=true --benchmark_out="$out/bench_quantize.json" \
     --benchmark_out_format=json >"$out/bench_quantize.txt" 2>&1
