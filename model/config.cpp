@@ -1,5 +1,6 @@
 #include "model/config.hpp"
 
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -72,6 +73,8 @@ void set_key(RunConfig& c, const std::string& key, const Json& v, const std::str
   }
   const Field* f = find_field(key);
   if (!f) throw std::invalid_argument(where + ": unknown config key '" + key + "'; valid keys: " + key_list());
+  if (f->get(RunConfig{}).is_number_integer() && v.is_number_float())
+    throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be an integer");
   try {
     f->set(c, v);
   } catch (const Json::exception&) {
@@ -204,7 +207,11 @@ RunConfig config_from_json(const Json& j, const std::vector<std::string>& overri
   RunConfig c;
   std::vector<std::pair<std::string, Json>> kv;
   flatten(j, "", kv);
-  for (const auto& [k, v] : kv) set_key(c, k, v, "config file");
+  std::vector<std::string> set_keys;
+  for (const auto& [k, v] : kv) {
+    set_key(c, k, v, "config file");
+    set_keys.push_back(k);
+  }
   for (const std::string& o : overrides) {
     const auto eq = o.find('=');
     if (eq == std::string::npos || eq == 0)
@@ -215,7 +222,13 @@ RunConfig config_from_json(const Json& j, const std::vector<std::string>& overri
     const Field* f = find_field(key);
     if ((f && f->get(RunConfig{}).is_string()) || key.rfind(kOverridePrefix, 0) == 0) v = text;  // as written
     set_key(c, key, v, "override '" + o + "'");
+    set_keys.push_back(key);
   }
+  // recipe.weight_2d defaults to the NVFP4 recipe's true; MXFP4 has no 2D blocks, so there the
+  // default is false (an explicit true stays an error)
+  if (c.recipe.name == "mxfp4" &&
+      std::find(set_keys.begin(), set_keys.end(), "recipe.weight_2d") == set_keys.end())
+    c.recipe.weight_2d = false;
   validate(c);
   return c;
 }
@@ -269,6 +282,10 @@ void validate(const RunConfig& c) {
   if (t.warmup < 0 || t.warmup > t.steps) bad("train.warmup must be within 0..train.steps");
   if (t.grad_clip < 0) bad("train.grad_clip must be >= 0 (0 disables clipping)");
   if (t.decay_fraction < 0 || t.decay_fraction > 1) bad("train.decay_fraction must be within 0..1");
+  if (t.eval_every < 0) bad("train.eval_every must be >= 0 (0: no periodic validation)");
+  if (t.eval_batches < 1) bad("train.eval_batches must be >= 1");
+  if (t.checkpoint_every < 0) bad("train.checkpoint_every must be >= 0 (0: no periodic checkpoints)");
+  if (t.keep_last < 0) bad("train.keep_last must be >= 0 (0 keeps every checkpoint)");
   validate_recipe(c);
 }
 

@@ -52,7 +52,7 @@ struct TrainConfig {
   int64_t eval_every = 50;
   int64_t eval_batches = 8;
   int64_t checkpoint_every = 0;  // 0: no periodic checkpoints
-  int64_t keep_last = 3;
+  int64_t keep_last = 3;  // checkpoints kept (0: all)
   std::string out_dir = "runs/train";
 };
 

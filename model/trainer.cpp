@@ -25,25 +25,29 @@ struct Dataset {
   TokenFile train, val;
 };
 
-Dataset load_data(const RunConfig& c) {
+// The training and validation token files (the validation split only with need_train = false, as
+// eval needs), each checked against the model's vocabulary and one batch's length.
+Dataset load_data(const RunConfig& c, bool need_train = true) {
   Dataset d;
-  if (c.train.data == "synthetic") {
-    const int64_t n = std::max<int64_t>(c.train.batch * (c.model.seq_len + 1) * 64, 1 << 16);
-    d.train = synthetic_tokens(n, static_cast<uint32_t>(c.model.vocab), c.train.seed);
-    d.val = synthetic_tokens(n / 8, static_cast<uint32_t>(c.model.vocab), c.train.seed + 1);
-  } else {
-    d.train = read_token_file(c.train.data + ".train.tokens");
-    d.val = read_token_file(c.train.data + ".val.tokens");
-  }
-  for (const TokenFile* f : {&d.train, &d.val}) {
-    if (f->vocab > static_cast<uint32_t>(c.model.vocab))
-      throw std::invalid_argument(c.train.data + ": tokens of vocabulary " + std::to_string(f->vocab) +
+  const bool synthetic = c.train.data == "synthetic";
+  const int64_t n_synthetic = std::max<int64_t>(c.train.batch * (c.model.seq_len + 1) * 64, 1 << 16);
+  auto check = [&](const TokenFile& f, const std::string& name) {
+    if (f.vocab > static_cast<uint32_t>(c.model.vocab))
+      throw std::invalid_argument(name + ": tokens of vocabulary " + std::to_string(f.vocab) +
                                   " do not fit model.vocab " + std::to_string(c.model.vocab));
-    if (static_cast<int64_t>(f->tokens.size()) < c.train.batch * c.model.seq_len + 1)
-      throw std::invalid_argument(c.train.data + ": too few tokens (" + std::to_string(f->tokens.size()) +
+    if (static_cast<int64_t>(f.tokens.size()) < c.train.batch * c.model.seq_len + 1)
+      throw std::invalid_argument(name + ": too few tokens (" + std::to_string(f.tokens.size()) +
                                   ") for one batch of " + std::to_string(c.train.batch) + " x " +
                                   std::to_string(c.model.seq_len));
+  };
+  if (need_train) {
+    d.train = synthetic ? synthetic_tokens(n_synthetic, static_cast<uint32_t>(c.model.vocab), c.train.seed)
+                        : read_token_file(c.train.data + ".train.tokens");
+    check(d.train, synthetic ? "synthetic training tokens" : c.train.data + ".train.tokens");
   }
+  d.val = synthetic ? synthetic_tokens(n_synthetic / 8, static_cast<uint32_t>(c.model.vocab), c.train.seed + 1)
+                    : read_token_file(c.train.data + ".val.tokens");
+  check(d.val, synthetic ? "synthetic validation tokens" : c.train.data + ".val.tokens");
   return d;
 }
 
@@ -126,7 +130,8 @@ float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t bat
   model.params_from_host(params);
   model.set_recipe(c);  // the forward pass of the trained recipe, as at the end of training
   model.set_step(c.train.steps);
-  return evaluate_on(c, load_data(c).val, model, batches);
+  if (batches < 1) throw std::invalid_argument("evaluate: batches must be >= 1, got " + std::to_string(batches));
+  return evaluate_on(c, load_data(c, false).val, model, batches);
 }
 
 LoadedModel load_trained(const std::string& checkpoint, Backend& be) {
@@ -220,6 +225,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     be.upload(m, hm.data(), n_params * 4);
     be.upload(v, hv.data(), n_params * 4);
     step0 = ck.step;
+    if (step0 >= c.train.steps)
+      throw std::invalid_argument(opt.resume + " is at step " + std::to_string(step0) + " and train.steps is " +
+                                  std::to_string(c.train.steps) + ": nothing left to train (raise train.steps)");
     pos = ck.state.at("data_position").get<int64_t>();
     if (opt.print) std::printf("resumed from %s at step %lld\n", opt.resume.c_str(), static_cast<long long>(step0));
   }

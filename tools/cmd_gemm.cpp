@@ -1,6 +1,7 @@
 // fp4sim gemm | mma | crosscheck gemm: the exact block-scaled FP4 GEMM and one tensor-core MMA.
 #include <fmt/core.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -43,7 +44,7 @@ QuantizedHost quantize_operand(Backend& be, std::vector<float>& x, int64_t rows,
 }
 
 // The files `fp4sim quantize` writes: PREFIX.{codes,scales,amax}.npy and PREFIX.meta.json.
-QuantizedHost load_quantized(const std::string& prefix, const char* name) {
+QuantizedHost load_quantized(const std::string& prefix, const char* name, bool* rht) {
   std::ifstream mf(prefix + ".meta.json");
   if (!mf) throw std::runtime_error(prefix + ".meta.json: cannot open (operand " + name + ")");
   nlohmann::json meta;
@@ -84,6 +85,35 @@ QuantizedHost load_quantized(const std::string& prefix, const char* name) {
   q.codes = codes.bytes;
   q.scales = scales.bytes;
   std::memcpy(&q.amax, amax.bytes.data(), 4);
+  // files of one run: the meta's amax is the amax file's, and where the dequantized copy is there,
+  // it is what these codes, scales and amax decode to (scales from another run would not be)
+  if (meta.contains("amax") && meta["amax"].is_number() &&
+      static_cast<float>(meta["amax"].get<double>()) != q.amax)
+    throw std::runtime_error(prefix + ".meta.json says amax " + fmt::format("{}", meta["amax"].get<double>()) +
+                             " but " + prefix + ".amax.npy holds " + fmt::format("{}", q.amax) +
+                             ": files of different runs?");
+  std::ifstream dq_probe(prefix + ".dequant.npy");
+  if (dq_probe) {
+    const io::NpyArray dq = io::read_npy(prefix + ".dequant.npy");
+    if (dq.dtype != "<f4" || dq.shape.size() != 2 || static_cast<int64_t>(dq.shape[0]) != q.rows ||
+        static_cast<int64_t>(dq.shape[1]) != q.cols)
+      throw std::runtime_error(prefix + ".dequant.npy: expected float32 " + shape_str(q.rows, q.cols) + ", got '" +
+                               dq.dtype + "' " + io::shape_string(dq.shape));
+    auto emu = make_backend("emu");
+    const std::vector<float> want = dequantize_to_host(*emu, q);
+    for (size_t i = 0; i < want.size(); ++i) {
+      uint32_t a, b;
+      std::memcpy(&a, &want[i], 4);
+      std::memcpy(&b, dq.bytes.data() + 4 * i, 4);
+      const bool both_nan = std::isnan(want[i]) && (b & 0x7F800000u) == 0x7F800000u && (b & 0x7FFFFFu) != 0;
+      if (a != b && !both_nan)
+        throw std::runtime_error(prefix + ": codes, scales and amax do not decode to " + prefix +
+                                 ".dequant.npy at (" + std::to_string(static_cast<int64_t>(i) / q.cols) + ", " +
+                                 std::to_string(static_cast<int64_t>(i) % q.cols) +
+                                 "): files of different runs?");
+    }
+  }
+  *rht = meta.value("rht", false);
   return q;
 }
 
@@ -129,6 +159,7 @@ struct GemmArgs {
       out_dtype = "fp32", backend;
   float alpha = 1.0f, beta = 0.0f;
   int split_k = 1;
+  bool format_given = false;
 };
 
 void run_gemm_cmd(const GemmArgs& g) {
@@ -140,9 +171,19 @@ void run_gemm_cmd(const GemmArgs& g) {
   const QFormat fmt = g.format == "fp8" ? QFormat::FP8 : (g.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
   auto emu = make_backend("emu");
   QuantizedHost qa, qb;
+  if (!g.c.empty() && g.beta == 0.0f)
+    throw std::invalid_argument("gemm: --c " + g.c + " with beta 0 would not contribute: give --beta");
   if (from_prefix) {
-    qa = load_quantized(g.a_prefix, "A");
-    qb = load_quantized(g.b_prefix, "B");
+    if (g.format_given)
+      throw std::invalid_argument("gemm: --format does not go with --a-prefix/--b-prefix (their meta.json names "
+                                  "the format)");
+    bool rht_a = false, rht_b = false;
+    qa = load_quantized(g.a_prefix, "A", &rht_a);
+    qb = load_quantized(g.b_prefix, "B", &rht_b);
+    if (rht_a != rht_b)
+      throw std::invalid_argument("gemm: " + std::string(rht_a ? g.a_prefix : g.b_prefix) +
+                                  " is an RHT copy and " + (rht_a ? g.b_prefix : g.a_prefix) +
+                                  " is not: both operands of a GEMM need the same transform");
   } else {
     int64_t ma, ka, nb, kb;
     std::vector<float> xa = load_f32_matrix(g.a, "A", &ma, &ka);
@@ -330,16 +371,36 @@ struct CrossArgs {
 };
 
 void run_crosscheck(const CrossArgs& x) {
+  // every shape checked before any work: MxNxK, three positive integers and nothing else
+  std::vector<std::pair<std::string, std::array<int64_t, 3>>> shapes;
+  {
+    std::stringstream ss(x.shapes);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      long M = 0, N = 0, K = 0;
+      int used = 0;
+      if (std::sscanf(item.c_str(), "%ldx%ldx%ld%n", &M, &N, &K, &used) != 3 ||
+          used != static_cast<int>(item.size()) || M <= 0 || N <= 0 || K <= 0)
+        throw std::invalid_argument("--shapes: '" + item + "' is not MxNxK with positive integers");
+      shapes.push_back({item, {M, N, K}});
+    }
+    if (shapes.empty()) throw std::invalid_argument("--shapes: no shape given");
+  }
   auto emu = make_backend("emu");
-  auto cuda = make_backend("cuda");
+  std::unique_ptr<Backend> cuda;
+  try {
+    cuda = make_backend("cuda");
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    const auto cut = why.find("; use --backend emu");
+    if (cut != std::string::npos) why.erase(cut);
+    if (why.rfind("--backend cuda: ", 0) == 0) why.erase(0, 16);
+    throw std::runtime_error("crosscheck compares the emu and cuda backends and needs a GPU: " + why);
+  }
   const QFormat fmt = x.format == "fp8" ? QFormat::FP8 : (x.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
-  std::stringstream ss(x.shapes);
-  std::string item;
   int bad = 0;
-  while (std::getline(ss, item, ',')) {
-    int64_t M, N, K;
-    if (std::sscanf(item.c_str(), "%ldx%ldx%ld", &M, &N, &K) != 3)
-      throw std::invalid_argument("--shapes: '" + item + "' is not MxNxK");
+  for (const auto& [item, mnk] : shapes) {
+    const int64_t M = mnk[0], N = mnk[1], K = mnk[2];
     std::mt19937_64 rng(static_cast<uint64_t>(M * 1000003 + N * 1009 + K));
     std::normal_distribution<float> nd(0.0f, 1.0f);
     std::vector<float> xa(static_cast<size_t>(M * K)), xb(static_cast<size_t>(N * K));
@@ -376,7 +437,7 @@ void register_gemm(CLI::App& app) {
   cmd->add_option("out", g->out, "Output D.npy (float32, or bfloat16 bits as uint16)");
   cmd->add_option("--a-prefix", g->a_prefix, "Take A already quantized: files written by fp4sim quantize");
   cmd->add_option("--b-prefix", g->b_prefix, "Take B already quantized");
-  cmd->add_option("--format", g->format, "nvfp4 | mxfp4 | fp8 (1x128 E4M3 blocks, exact Hopper FP8 model; emu)")
+  auto* format_opt = cmd->add_option("--format", g->format, "nvfp4 | mxfp4 | fp8 (1x128 E4M3 blocks); not with prefixes")
       ->check(CLI::IsMember({"nvfp4", "mxfp4", "fp8"}));
   cmd->add_option("--gemm", g->gemm, "exact | cublaslt")->check(CLI::IsMember({"exact", "cublaslt"}));
   cmd->add_option("--out-dtype", g->out_dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
@@ -385,10 +446,16 @@ void register_gemm(CLI::App& app) {
   cmd->add_option("--beta", g->beta, "beta (needs --c)");
   cmd->add_option("--split-k", g->split_k, "Split K into S equal ranges added in order");
   cmd->add_option("--backend", g->backend, "emu | cuda")->check(CLI::IsMember({"emu", "cuda"}));
-  cmd->callback([g]() {
+  cmd->callback([g, format_opt]() {
     // positional a, b, out: with prefixes only OUT is given, CLI11 fills `a` first
     GemmArgs x = *g;
-    if (!x.a_prefix.empty() && x.out.empty() && x.b.empty()) std::swap(x.out, x.a);
+    x.format_given = format_opt->count() > 0;
+    const bool prefixes = !x.a_prefix.empty() || !x.b_prefix.empty();
+    if (prefixes && (x.a_prefix.empty() || x.b_prefix.empty()))
+      throw std::invalid_argument("gemm: --a-prefix and --b-prefix go together");
+    if (prefixes && !x.b.empty())
+      throw std::invalid_argument("gemm: with --a-prefix/--b-prefix give only the output D.npy, not A.npy and B.npy");
+    if (prefixes && x.out.empty()) std::swap(x.out, x.a);
     if (x.out.empty()) throw std::invalid_argument("gemm: give the output path D.npy");
     run_gemm_cmd(x);
   });

@@ -29,7 +29,7 @@ const char* block_name(QFormat f, bool two_d) {
 struct QuantizeArgs {
   std::string input, prefix;
   std::string format = "nvfp4";
-  bool block_2d = false, columnwise = false, rht = false, sr = false, fos = false;
+  bool block_2d = false, columnwise = false, rht = false, sr = false, fos = false, mx_rule_given = false;
   uint64_t seed = 0, stream = 0;
   std::string error = "mae", mx_rule = "floor", backend;
 };
@@ -66,7 +66,9 @@ InputTensor load_input(const std::string& path) {
 // What the quantizer did, against the written tensor's high-precision values.
 struct Stats {
   double sum_sq_err = 0, sum_sq_ref = 0, max_abs_err = 0;
-  int64_t saturated = 0, flushed = 0, nonzero = 0, nan = 0;
+  int64_t saturated = 0, flushed = 0, nonzero = 0, nan = 0, inf = 0;
+  int64_t nonfinite_out = 0;  // finite inputs whose decoded value is Inf or NaN
+  int64_t finite_err = 0;     // elements whose error is finite (the error figures' population)
   int64_t underflow_blocks = 0, blocks = 0;
   std::map<int, int64_t> scale_exponents;  // floor(log2 scale) histogram
 };
@@ -98,12 +100,15 @@ Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<
           continue;
         }
         amax_b = std::fmax(amax_b, std::fabs(x));
+        if (std::isinf(x)) ++st.inf;
+        else if (!std::isfinite(deq[e])) ++st.nonfinite_out;
         if (x != 0.0f) ++st.nonzero;
         const uint8_t code = fp8 ? q.codes[e] : (q.codes[e / 2] >> (4 * (e & 1))) & 0xF;
         if (x != 0.0f && (code & (fp8 ? 0x7F : 7)) == 0) ++st.flushed;
         if (std::fabs(fmul_rn(x, enc)) > elem_max) ++st.saturated;
         const double err = static_cast<double>(deq[e]) - x;
         if (std::isfinite(err)) {
+          ++st.finite_err;
           st.sum_sq_err += err * err;
           st.max_abs_err = std::max(st.max_abs_err, std::fabs(err));
         }
@@ -133,6 +138,8 @@ void run_quantize(const QuantizeArgs& a) {
   spec.four_over_six = a.fos;
   if (a.rht && !a.columnwise)
     throw std::invalid_argument("--rht: applies to the column-wise copy only; add --columnwise");
+  if (a.mx_rule_given && cfg.format != QFormat::MXFP4)
+    throw std::invalid_argument("--mx-rule: applies to --format mxfp4 only");
   (a.columnwise ? cfg.columnwise : cfg.rowwise) = spec;
 
   InputTensor in = load_input(a.input);
@@ -193,7 +200,7 @@ void run_quantize(const QuantizeArgs& a) {
       {"mx_rule", a.mx_rule},
       {"seed", a.seed},
       {"stream", a.stream},
-      {"amax", q.amax},
+      {"amax", std::isfinite(q.amax) ? nlohmann::json(q.amax) : nlohmann::json(fmt::format("{}", q.amax))},
       {"backend", backend->name()},
       {"files",
        {{"codes", fp8 ? "uint8 E4M3 [rows, cols]" : "uint8 [rows, cols/2], element 2i in the low nibble"},
@@ -232,9 +239,17 @@ void run_quantize(const QuantizeArgs& a) {
   fmt::print("  flushed      {} ({:.3f}% of nonzeros)  nonzero -> 0\n", st.flushed,
              st.nonzero ? 100.0 * st.flushed / st.nonzero : 0.0);
   if (st.nan) fmt::print("  NaN inputs   {} (encoded as {})\n", st.nan, fp8 ? "NaN (0x7F)" : "+6");
-  fmt::print("  error        rel ||xq - x||/||x|| = {:.4g}   rmse {:.4g}   max |err| {:.4g}\n",
-             st.sum_sq_ref > 0 ? std::sqrt(st.sum_sq_err / st.sum_sq_ref) : 0.0,
-             std::sqrt(st.sum_sq_err / n), st.max_abs_err);
+  if (st.inf) fmt::print("  Inf inputs   {}\n", st.inf);
+  if (st.nonfinite_out)
+    fmt::print("  WARNING      {} finite inputs decode to Inf or NaN{}; the error figures below leave them out\n",
+               st.nonfinite_out, std::isfinite(q.amax) ? "" : " (the tensor's amax is not finite)");
+  if (st.finite_err == 0 && (st.nonfinite_out || st.inf))
+    fmt::print("  error        n/a (no element decodes to a finite value)\n");
+  else
+    fmt::print("  error        rel ||xq - x||/||x|| = {:.4g}   rmse {:.4g}   max |err| {:.4g}{}\n",
+               st.sum_sq_ref > 0 ? std::sqrt(st.sum_sq_err / st.sum_sq_ref) : 0.0,
+               std::sqrt(st.sum_sq_err / static_cast<double>(st.finite_err ? st.finite_err : 1)), st.max_abs_err,
+               st.nonfinite_out || st.inf ? "   (finite values only)" : "");
   fmt::print("  wrote        {0}.codes.npy {0}.scales.npy {0}.amax.npy {0}.dequant.npy "
              "{0}.meta.json\n",
              a.prefix);
@@ -289,18 +304,27 @@ void register_quantize(CLI::App& app) {
                 "Write the column-wise copy (the transpose, cols x rows)");
   cmd->add_flag("--rht", args->rht, "16-point random Hadamard transform (column-wise copy only)");
   auto* sr = cmd->add_flag("--sr", args->sr, "Stochastic rounding (Philox4x32-10)");
-  cmd->add_option("--seed", args->seed, "SR seed (Philox key)")->needs(sr);
-  cmd->add_option("--stream", args->stream, "SR stream (Philox counter words 2-3)")->needs(sr);
+  // unsigned 64-bit: a leading '-' would wrap around silently
+  const CLI::Validator no_sign(
+      [](const std::string& v) -> std::string {
+        return !v.empty() && v[0] == '-' ? "must be a non-negative integer, got '" + v + "'" : "";
+      },
+      "UINT64");
+  cmd->add_option("--seed", args->seed, "SR seed (Philox key)")->needs(sr)->check(no_sign);
+  cmd->add_option("--stream", args->stream, "SR stream (Philox counter words 2-3)")->needs(sr)->check(no_sign);
   auto* fos = cmd->add_flag("--four-over-six", args->fos,
                             "Four Over Six: per block, keep the 4-max scale when its error is lower");
   cmd->add_option("--error", args->error, "Four Over Six error metric: mae | mse")
       ->check(CLI::IsMember({"mae", "mse"}))
       ->needs(fos);
-  cmd->add_option("--mx-rule", args->mx_rule, "MXFP4 scale rule: floor (OCP) | ceil")
+  auto* mx_rule = cmd->add_option("--mx-rule", args->mx_rule, "MXFP4 scale rule: floor (OCP) | ceil")
       ->check(CLI::IsMember({"floor", "ceil"}));
   cmd->add_option("--backend", args->backend, "emu | cuda (default: cuda when a GPU is present)")
       ->check(CLI::IsMember({"emu", "cuda"}));
-  cmd->callback([args]() { run_quantize(*args); });
+  cmd->callback([args, mx_rule]() {
+    args->mx_rule_given = mx_rule->count() > 0;
+    run_quantize(*args);
+  });
 }
 
 void register_make_tensor(CLI::App& app) {

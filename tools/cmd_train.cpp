@@ -52,6 +52,21 @@ void register_train(CLI::App& app) {
 
 namespace fp4sim::cli {
 
+// An integer flag's lower bound, with a message that names the flag and the bound.
+static CLI::Validator at_least(const std::string& flag, int64_t min) {
+  return CLI::Validator(
+      [flag, min](const std::string& v) -> std::string {
+        try {
+          size_t used = 0;
+          const long long x = std::stoll(v, &used);
+          if (used == v.size() && x >= min) return "";
+        } catch (const std::exception&) {
+        }
+        return flag + " must be an integer >= " + std::to_string(min) + ", got '" + v + "'";
+      },
+      "INT >= " + std::to_string(min));
+}
+
 void register_eval_sample(CLI::App& app) {
   struct EvalArgs {
     std::string checkpoint, data, backend;
@@ -61,7 +76,7 @@ void register_eval_sample(CLI::App& app) {
   auto* ev = app.add_subcommand("eval", "Validation loss and bits per byte of a checkpoint");
   ev->add_option("--checkpoint", e->checkpoint, "A checkpoint directory, or a run's checkpoints directory")->required();
   ev->add_option("--data", e->data, "Token files prefix (default: the run's train.data)");
-  ev->add_option("--batches", e->batches, "Validation batches");
+  ev->add_option("--batches", e->batches, "Validation batches")->check(at_least("--batches", 1))->capture_default_str();
   ev->add_option("--backend", e->backend, kBackendHelp)->check(CLI::IsMember({"emu", "cuda"}));
   ev->callback([e]() {
     auto backend = make_backend(chosen_backend(e->backend));
@@ -84,9 +99,21 @@ void register_eval_sample(CLI::App& app) {
   auto* sm = app.add_subcommand("sample", "Generate text from a checkpoint (byte-level models)");
   sm->add_option("--checkpoint", s->checkpoint, "A checkpoint directory, or a run's checkpoints directory")->required();
   sm->add_option("--prompt", s->prompt, "Text to continue");
-  sm->add_option("--tokens", s->tokens, "Tokens to generate");
-  sm->add_option("--temperature", s->temperature, "0 = greedy");
-  sm->add_option("--seed", s->seed, "Sampling seed");
+  sm->add_option("--tokens", s->tokens, "Tokens to generate")->check(at_least("--tokens", 0))->capture_default_str();
+  sm->add_option("--temperature", s->temperature, "0 = greedy")
+      ->check(CLI::Validator(
+          [](const std::string& v) -> std::string {
+            try {
+              size_t used = 0;
+              const double t = std::stod(v, &used);
+              if (used == v.size() && std::isfinite(t) && t >= 0) return "";
+            } catch (const std::exception&) {
+            }
+            return "--temperature must be a finite number >= 0, got '" + v + "'";
+          },
+          "FLOAT >= 0"))
+      ->capture_default_str();
+  sm->add_option("--seed", s->seed, "Sampling seed")->capture_default_str();
   sm->add_option("--backend", s->backend, kBackendHelp)->check(CLI::IsMember({"emu", "cuda"}));
   sm->callback([s]() {
     auto backend = make_backend(chosen_backend(s->backend));

@@ -1,6 +1,9 @@
 #include "tools/npy.hpp"
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -85,9 +88,19 @@ std::string AtomicOutputs::stage(const std::string& final_path) {
 }
 
 void AtomicOutputs::commit() {
+  // what can be checked before anything moves: every final path is free or a plain file
   for (auto& f : files_) {
-    if (std::rename(f.first.c_str(), f.second.c_str()) != 0)
-      throw std::runtime_error(f.second + ": cannot move the finished file into place");
+    std::error_code ec;
+    if (std::filesystem::is_directory(f.second, ec))
+      throw std::runtime_error(f.second + ": is a directory; nothing was written");
+  }
+  for (size_t i = 0; i < files_.size(); ++i) {
+    if (std::rename(files_[i].first.c_str(), files_[i].second.c_str()) != 0) {
+      // take back the outputs already moved, so the prefix never mixes this run's files with older ones
+      for (size_t j = 0; j < i; ++j) std::remove(files_[j].second.c_str());
+      throw std::runtime_error(files_[i].second + ": cannot move the finished file into place (" +
+                               std::strerror(errno) + "); no output of this run was kept");
+    }
   }
   committed_ = true;
 }

@@ -25,7 +25,8 @@ void write_npy_u16(const std::string& path, const uint16_t* data, const std::vec
 std::string shape_string(const std::vector<size_t>& shape);
 
 // Files written under temporary names and renamed into place only when every one is complete, so
-// a failure never leaves partial outputs behind.
+// a failure never leaves partial outputs behind; a rename that fails in commit() takes back the
+// files already moved, so a prefix never mixes one run's files with another's.
 class AtomicOutputs {
  public:
   ~AtomicOutputs();

@@ -45,7 +45,9 @@ void expect_config_error(std::vector<std::string> overrides, const std::string& 
 TEST(Recipe, ImpossibleCombinationsAreErrorsNamingTheKey) {
   expect_config_error({"recipe.name=nvfp4", "recipe.four_over_six=activations"}, "recipe.rht");
   expect_config_error({"recipe.name=nvfp4", "recipe.four_over_six=all", "recipe.rht=false"}, "stochastic");
-  expect_config_error({"recipe.name=mxfp4"}, "recipe.weight_2d");
+  expect_config_error({"recipe.name=mxfp4", "recipe.weight_2d=true"}, "recipe.weight_2d");
+  EXPECT_FALSE(run_with({"recipe.name=mxfp4"}).recipe.weight_2d);  // MXFP4's default: 1-D weight blocks
+  EXPECT_TRUE(run_with({"recipe.name=nvfp4"}).recipe.weight_2d);
   expect_config_error({"recipe.name=mxfp4", "recipe.weight_2d=false", "recipe.four_over_six=weights"}, "MXFP4");
   expect_config_error({"recipe.name=nvfp4", "recipe.hp_layers=[5]"}, "recipe.hp_layers");
   expect_config_error({"recipe.name=nvfp4", "recipe.hp_last=3"}, "n_layers");

@@ -102,6 +102,15 @@ expect_fail "gemm missing quantized file" "q/nope.meta.json" "$bin" gemm --a-pre
 cp q/gb.scales.npy q/gbad.scales.npy; cp q/gb.meta.json q/gbad.meta.json; cp q/gb.amax.npy q/gbad.amax.npy; cp q/ga.codes.npy q/gbad.codes.npy
 expect_fail "gemm inconsistent quantized files" "q/gbad.scales.npy" "$bin" gemm --a-prefix q/ga --b-prefix q/gbad out.npy --backend emu
 expect_fail "gemm cublaslt on emu" "cublaslt" "$bin" gemm ga.npy gb.npy out.npy --gemm cublaslt --backend emu
+expect_fail "gemm C without beta" "--beta" "$bin" gemm ga.npy gb.npy out.npy --c ga.npy --backend emu
+expect_fail "gemm --format with prefixes" "--format does not go" "$bin" gemm --a-prefix q/ga --b-prefix q/gb out.npy --format mxfp4 --backend emu
+expect_fail "gemm positional operands with prefixes" "give only the output" "$bin" gemm ga.npy gb.npy out.npy --a-prefix q/ga --b-prefix q/gb --backend emu
+"$bin" make-tensor gc.npy --rows 128 --cols 32 >/dev/null && "$bin" make-tensor gd.npy --rows 128 --cols 16 --seed 7 >/dev/null \
+  && "$bin" quantize gc.npy q/gc_rht --columnwise --rht --backend emu >/dev/null && "$bin" quantize gd.npy q/gd --columnwise --backend emu >/dev/null
+expect_fail "gemm RHT with non-RHT operand" "RHT copy" "$bin" gemm --a-prefix q/gc_rht --b-prefix q/gd out.npy --backend emu
+"$bin" quantize gb.npy q/gs --backend emu >/dev/null
+"$bin" make-tensor ge.npy --rows 16 --cols 128 --seed 9 >/dev/null && "$bin" quantize ge.npy q/ge --backend emu >/dev/null && cp q/ge.scales.npy q/gs.scales.npy
+expect_fail "gemm scales of another run" "do not decode" "$bin" gemm --a-prefix q/ga --b-prefix q/gs out.npy --backend emu
 expect_fail "mma bad value" "not an E2M1 value" "$bin" mma --a 0:5 --b 0:1 --sfa 1,1,1,1 --sfb 1,1,1,1
 expect_fail "mma bad scale" "not a power of two" "$bin" mma --a 0:1 --b 0:1 --sfa 3,1,1,1 --sfb 1,1,1,1
 
@@ -130,6 +139,22 @@ cp -r run2 run3 && truncate -s 100 run3/checkpoints/step_00000004/model.safetens
 expect_fail "eval truncated checkpoint" "model.safetensors" "$bin" eval --checkpoint run3/checkpoints
 sed -i 's/"contract_version": 1/"contract_version": 7/' run2/checkpoints/step_00000004/state.json
 expect_fail "eval wrong contract version" "contract_version 7" "$bin" eval --checkpoint run2/checkpoints
+expect_fail "eval zero batches" "--batches must be an integer >= 1" "$bin" eval --checkpoint run/checkpoints --batches 0 --backend emu
+expect_fail "sample NaN temperature" "--temperature must be a finite number" "$bin" sample --checkpoint run/checkpoints --temperature nan --backend emu
+expect_fail "sample negative tokens" "--tokens must be an integer >= 0" "$bin" sample --checkpoint run/checkpoints --tokens -5 --backend emu
+expect_fail "resume past train.steps" "nothing left to train" "$bin" train --config "$cfg" $micro train.out_dir=out.run --resume run/checkpoints --backend emu
+expect_fail "config integer key given a fraction" "must be an integer" "$bin" config --config "$cfg" model.d_model=128.5
+expect_fail "config negative eval_every" "train.eval_every" "$bin" config --config "$cfg" train.eval_every=-1
+"$bin" config --config "$cfg" recipe.name=mxfp4 >log.txt 2>&1 && grep -q '"weight_2d": false' log.txt \
+  && ok "config: mxfp4 defaults to 1-D weight blocks" || bad "config mxfp4 default: $(tail -2 log.txt)"
+expect_fail "quantize --mx-rule with nvfp4" "--mx-rule" "$bin" quantize x.npy out --mx-rule ceil --backend emu
+expect_fail "quantize negative seed" "--seed" "$bin" quantize x.npy out --sr --seed -1 --backend emu
+mkdir -p blocked/q.meta.json
+if "$bin" quantize x.npy blocked/q --backend emu >/dev/null 2>stderr.txt; then bad "quantize onto a directory (exit 0)"
+elif ! grep -q "is a directory" stderr.txt; then bad "quantize onto a directory: $(cat stderr.txt)"
+elif [ "$(ls blocked)" != "q.meta.json" ]; then bad "quantize onto a directory (left files: $(ls blocked))"
+else ok "quantize onto a directory: error, nothing written"; fi
+expect_fail "crosscheck malformed shape" "is not MxNxK" "$bin" crosscheck gemm --shapes 64x64
 
 "$bin" info >info.txt 2>&1 && grep -q "contract_version 1" info.txt && ok "info" || bad "info: $(cat info.txt)"
 
