@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "emu/backend.hpp"
+#include "emu/layers.hpp"
 #include "tools/backends.hpp"
 
 #if FP4SIM_HAVE_CUDA
@@ -52,6 +53,24 @@ void BM_CpuGemmExact(benchmark::State& state) {
                                                 benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_CpuGemmExact)->Arg(256)->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
+
+// The emulator's BF16 GEMM (chained T-FDPA per output, emu::bf16_gemm_tn, the training stack's
+// linear layers), on a tiny-preset shape: 1024 tokens x 512 outputs x K 128, Gaussian operands.
+void BM_CpuBf16Gemm(benchmark::State& state) {
+  const int64_t M = state.range(0), N = state.range(1), K = state.range(2);
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> a(static_cast<size_t>(M * K)), b(static_cast<size_t>(N * K)), d(static_cast<size_t>(M * N));
+  for (auto& v : a) v = nd(rng);
+  for (auto& v : b) v = nd(rng);
+  for (auto _ : state) {
+    emu::bf16_gemm_tn(d.data(), a.data(), b.data(), M, N, K);
+    benchmark::DoNotOptimize(d.data());
+  }
+  state.counters["GFLOPs"] = benchmark::Counter(2.0 * M * N * K * state.iterations() / 1e9,
+                                                benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_CpuBf16Gemm)->Args({1024, 512, 128})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
 
 #if FP4SIM_HAVE_CUDA
 void BM_GpuGemmExact(benchmark::State& state) {
