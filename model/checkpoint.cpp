@@ -155,6 +155,9 @@ Checkpoint load_checkpoint(const std::string& path) {
   } catch (const std::exception& e) {
     throw std::runtime_error((p / kStateFile).string() + ": corrupt (" + e.what() + ")");
   }
+  if (!ck.state.contains("contract_version") || !ck.state["contract_version"].is_number_integer())
+    throw std::runtime_error((p / kStateFile).string() + ": no contract_version (not a checkpoint of fp4sim, or "
+                             "written before contract versions)");
   const int version = ck.state.value("contract_version", -1);
   if (version != kContractVersion)
     throw std::runtime_error(p.string() + ": written under contract_version " + std::to_string(version) +

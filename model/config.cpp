@@ -203,13 +203,13 @@ std::vector<std::string> valid_keys() {
   return k;
 }
 
-RunConfig config_from_json(const Json& j, const std::vector<std::string>& overrides) {
+RunConfig config_from_json(const Json& j, const std::vector<std::string>& overrides, const std::string& source) {
   RunConfig c;
   std::vector<std::pair<std::string, Json>> kv;
   flatten(j, "", kv);
   std::vector<std::string> set_keys;
   for (const auto& [k, v] : kv) {
-    set_key(c, k, v, "config file");
+    set_key(c, k, v, source);
     set_keys.push_back(k);
   }
   for (const std::string& o : overrides) {
@@ -243,7 +243,7 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
     throw std::invalid_argument(path + ": not valid JSON (" + e.what() + ")");
   }
   if (!j.is_object()) throw std::invalid_argument(path + ": a config file is a JSON object");
-  return config_from_json(j, overrides);
+  return config_from_json(j, overrides, path);
 }
 
 void validate(const RunConfig& c) {

@@ -90,7 +90,9 @@ nlohmann::json to_json(const RunConfig& c);
 // Unknown keys, wrong types and impossible values throw std::invalid_argument naming the key and
 // listing the valid ones; validate() is called on the result.
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides);
-RunConfig config_from_json(const nlohmann::json& j, const std::vector<std::string>& overrides);
+// `source` names the JSON in error messages (a config file's path, a checkpoint's state.json).
+RunConfig config_from_json(const nlohmann::json& j, const std::vector<std::string>& overrides,
+                           const std::string& source = "config file");
 
 // d_model divisible by heads, heads by KV heads, sequence within the positions table, known
 // activation/norm/positions/schedule/recipe names, positive sizes.

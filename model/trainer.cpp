@@ -139,7 +139,7 @@ LoadedModel load_trained(const std::string& checkpoint, Backend& be) {
   if (!ck.state.contains("run_config"))
     throw std::runtime_error(checkpoint + ": the checkpoint carries no run_config");
   LoadedModel lm;
-  lm.config = config_from_json(ck.state.at("run_config"), {});
+  lm.config = config_from_json(ck.state.at("run_config"), {}, checkpoint + " (state.json run_config)");
   Gpt model(lm.config.model, be);
   lm.params.assign(model.num_params(), 0.0f);
   for (const ParamTensor& t : model.tensors())
@@ -231,13 +231,22 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     pos = ck.state.at("data_position").get<int64_t>();
     if (opt.print) std::printf("resumed from %s at step %lld\n", opt.resume.c_str(), static_cast<long long>(step0));
   }
-  fs::create_directories(c.train.out_dir);
+  // the output folders before anything is written, each error naming its option
+  auto make_dir = [](const std::string& dir, const std::string& option) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec || !fs::is_directory(dir))
+      throw std::runtime_error(option + " " + dir + ": cannot create the folder (" +
+                               (ec ? ec.message() : std::string("a file is in the way")) + ")");
+  };
+  if (!opt.dump_dir.empty()) make_dir(opt.dump_dir, "--dump");
+  make_dir(c.train.out_dir, "train.out_dir");
   std::ofstream log(c.train.out_dir + "/log.jsonl", step0 ? std::ios::app : std::ios::trunc);
+  if (!log) throw std::runtime_error("train.out_dir " + c.train.out_dir + ": cannot write log.jsonl");
   const int64_t B = c.train.batch, T = c.model.seq_len;
   TrainResult res;
   std::vector<int32_t> tok, tgt;
   TensorMap dump_batches;
-  if (!opt.dump_dir.empty()) fs::create_directories(opt.dump_dir);
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     if (c.train.shuffle) sample_batch(data.train, c.train.seed, step, B, T, tok, tgt);

@@ -53,6 +53,8 @@ QuantizedHost load_quantized(const std::string& prefix, const char* name, bool* 
   } catch (const std::exception& e) {
     throw std::runtime_error(prefix + ".meta.json: not valid JSON (" + e.what() + ")");
   }
+  if (!meta.contains("contract_version") || !meta["contract_version"].is_number_integer())
+    throw std::runtime_error(prefix + ".meta.json: no contract_version (not written by fp4sim quantize?)");
   if (meta.value("contract_version", -1) != kContractVersion)
     throw std::runtime_error(prefix + ".meta.json: contract_version " +
                              std::to_string(meta.value("contract_version", -1)) + ", this build is " +
@@ -78,7 +80,7 @@ QuantizedHost load_quantized(const std::string& prefix, const char* name, bool* 
       static_cast<int64_t>(scales.shape[1]) * block != q.cols)
     throw std::runtime_error(prefix + ".scales.npy: expected " + (fp8 ? "float32 " : "uint8 ") +
                              shape_str(q.rows, q.cols / block) + " for " + qformat_name(q.format) +
-                             " codes of " + shape_str(q.rows, q.cols) + ", got " +
+                             " codes of " + shape_str(q.rows, q.cols) + ", got '" + scales.dtype + "' " +
                              io::shape_string(scales.shape));
   if (amax.dtype != "<f4" || amax.bytes.size() != 4)
     throw std::runtime_error(prefix + ".amax.npy: expected float32 [1]");
@@ -276,46 +278,89 @@ void run_gemm_cmd(const GemmArgs& g) {
 // ---- one MMA ---------------------------------------------------------------------------------------
 
 // "v0,v1,..." (dense) or "k:v,k:v" (sparse) -> 64 E2M1 values, exactly representable.
+// Strict number parsing for mma's flags: the whole text must be the number, or the error names the
+// flag and the text (std::stoi alone accepts "1x" and says only "stoi").
+long long parse_integer(const std::string& text, const std::string& flag, int base = 10) {
+  size_t used = 0;
+  long long v = 0;
+  try {
+    v = std::stoll(text, &used, base);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || used != text.size())
+    throw std::invalid_argument(flag + ": '" + text + "' is not " + (base == 16 ? "a hex byte" : "an integer"));
+  return v;
+}
+
+// A number written as 2^N or in decimal (inf and nan accepted), as a double.
+double parse_number(const std::string& text, const std::string& flag) {
+  if (text.rfind("2^", 0) == 0) {
+    const long long e = parse_integer(text.substr(2), flag);
+    if (e < -1074 || e > 1023) throw std::invalid_argument(flag + ": " + text + " is out of range");
+    return std::ldexp(1.0, static_cast<int>(e));
+  }
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || used != text.size()) throw std::invalid_argument(flag + ": '" + text + "' is not a number");
+  return v;
+}
+
 std::vector<float> parse_e2m1_list(const std::string& s, const char* flag) {
   std::vector<float> v(kGstK, 0.0f);
+  std::vector<bool> seen(kGstK, false);
   std::stringstream ss(s);
   std::string item;
   int next = 0;
   while (std::getline(ss, item, ',')) {
-    if (item.empty()) continue;
-    int k = next;
+    if (item.empty()) throw std::invalid_argument(std::string(flag) + ": an empty entry in '" + s + "'");
+    long long k = next;
     std::string val = item;
     const auto colon = item.find(':');
     if (colon != std::string::npos) {
-      k = std::stoi(item.substr(0, colon));
+      k = parse_integer(item.substr(0, colon), flag);
       val = item.substr(colon + 1);
     }
     if (k < 0 || k >= kGstK) throw std::invalid_argument(std::string(flag) + ": index " + std::to_string(k) + " outside 0..63");
-    const float x = std::stof(val);
-    if (e2m1_to_f32(e2m1_rn_satfinite(x)) != x)
+    if (seen[static_cast<size_t>(k)])
+      throw std::invalid_argument(std::string(flag) + ": index " + std::to_string(k) + " given twice");
+    seen[static_cast<size_t>(k)] = true;
+    const double d = parse_number(val, flag);
+    const float x = static_cast<float>(d);
+    if (static_cast<double>(x) != d || e2m1_to_f32(e2m1_rn_satfinite(x)) != x)
       throw std::invalid_argument(std::string(flag) + ": " + val + " is not an E2M1 value (±0, 0.5, 1, 1.5, 2, 3, 4, 6)");
-    v[k] = x;
-    next = k + 1;
+    v[static_cast<size_t>(k)] = x;
+    next = static_cast<int>(k) + 1;
   }
   return v;
 }
 
-// "2^11,1,0.5" -> scale bytes of the kind, exactly.
+// "2^11,1,0.5" or raw bytes "0x38" -> scale bytes of the kind, exactly.
 std::vector<uint8_t> parse_scales(const std::string& s, ScaleKind kind, const char* flag) {
   std::vector<uint8_t> out;
   std::stringstream ss(s);
   std::string item;
   while (std::getline(ss, item, ',')) {
-    double v;
-    if (item.rfind("0x", 0) == 0) {
-      out.push_back(static_cast<uint8_t>(std::stoul(item, nullptr, 16)));
+    if (item.rfind("0x", 0) == 0 || item.rfind("0X", 0) == 0) {
+      const long long byte = parse_integer(item.substr(2), flag, 16);
+      if (byte < 0 || byte > 0xFF) throw std::invalid_argument(std::string(flag) + ": " + item + " is not a byte");
+      if (kind == ScaleKind::UE4M3_16 && byte > 0x7F)
+        throw std::invalid_argument(std::string(flag) + ": " + item + " has the sign bit set; UE4M3 scales are unsigned");
+      out.push_back(static_cast<uint8_t>(byte));
       continue;
     }
-    if (item.rfind("2^", 0) == 0) v = std::ldexp(1.0, std::stoi(item.substr(2)));
-    else v = std::stod(item);
+    const double v = parse_number(item, flag);
+    if (std::signbit(v) && v != 0.0)
+      throw std::invalid_argument(std::string(flag) + ": " + item + " is negative; block scales are unsigned");
     if (kind == ScaleKind::UE4M3_16) {
       const uint8_t b = e4m3_rn_satfinite(static_cast<float>(v));
-      if (e4m3_to_f32(b) != v) throw std::invalid_argument(std::string(flag) + ": " + item + " is not an E4M3 value");
+      if (static_cast<double>(e4m3_to_f32(b)) != v)
+        throw std::invalid_argument(std::string(flag) + ": " + item + " is not an E4M3 value");
       out.push_back(b & 0x7F);
     } else {
       int e;
@@ -340,7 +385,10 @@ void run_mma(const MmaArgs& m) {
                          : m.kind == "ue8m0-32" ? ScaleKind::UE8M0_32 : ScaleKind::UE8M0_16;
   const std::vector<float> a = parse_e2m1_list(m.a, "--a"), b = parse_e2m1_list(m.b, "--b");
   const std::vector<uint8_t> sfa = parse_scales(m.sfa, kind, "--sfa"), sfb = parse_scales(m.sfb, kind, "--sfb");
-  const float c = m.c.rfind("2^", 0) == 0 ? std::ldexp(1.0f, std::stoi(m.c.substr(2))) : std::stof(m.c);
+  const double c_wide = parse_number(m.c, "--c");
+  const float c = static_cast<float>(c_wide);
+  if (std::isfinite(c_wide) && !std::isfinite(c))
+    throw std::invalid_argument("--c: " + m.c + " is beyond the FP32 range (write inf for an infinite C)");
   uint8_t pa[32] = {}, pb[32] = {};
   for (int k = 0; k < kGstK; ++k) {
     pa[k / 2] |= e2m1_rn_satfinite(a[k]) << (4 * (k & 1));

@@ -1,6 +1,7 @@
 // fp4sim: emulation-first simulator of NVFP4 LLM pretraining. See README.md for every command.
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include "tools/commands.hpp"
 
@@ -18,6 +19,19 @@ int main(int argc, char** argv) {
   fp4sim::cli::register_train(app);
   fp4sim::cli::register_eval_sample(app);
   fp4sim::cli::register_info(app);
+  // an unknown first word is a mistyped command: say so, rather than CLI11's "a subcommand is required"
+  if (argc > 1 && argv[1][0] != '-') {
+    bool known = false;
+    std::string names;
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+      known = known || sub->check_name(argv[1]);
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      std::fprintf(stderr, "fp4sim: error: unknown command '%s'; the commands are: %s\n", argv[1], names.c_str());
+      return 109;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

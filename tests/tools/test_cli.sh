@@ -113,6 +113,9 @@ expect_fail "gemm RHT with non-RHT operand" "RHT copy" "$bin" gemm --a-prefix q/
 expect_fail "gemm scales of another run" "do not decode" "$bin" gemm --a-prefix q/ga --b-prefix q/gs out.npy --backend emu
 expect_fail "mma bad value" "not an E2M1 value" "$bin" mma --a 0:5 --b 0:1 --sfa 1,1,1,1 --sfb 1,1,1,1
 expect_fail "mma bad scale" "not a power of two" "$bin" mma --a 0:1 --b 0:1 --sfa 3,1,1,1 --sfb 1,1,1,1
+expect_fail "mma trailing junk" "--c: '1.5xyz' is not a number" "$bin" mma --a 0:1 --b 0:1 --sfa 1,1,1,1 --sfb 1,1,1,1 --c 1.5xyz
+expect_fail "mma repeated index" "index 0 given twice" "$bin" mma --a 0:1,0:2 --b 0:1 --sfa 1,1,1,1 --sfb 1,1,1,1
+expect_fail "mma negative UE4M3 scale" "unsigned" "$bin" mma --a 0:1 --b 0:1 --scale ue4m3 --sfa -2,1,1,1 --sfb 1,1,1,1
 
 # train / eval / sample on a micro model with synthetic tokens
 cfg=$(dirname "$0")/../../configs/tiny.json
