@@ -115,8 +115,11 @@ class Backend {
                                             const int32_t* /*targets*/, int64_t /*N*/, int64_t /*V*/) {
     missing("crossentropy_softmax_forward");
   }
+  // dlogits = (probs - onehot) * dlosses, written (not accumulated), BF16-rounded when round_bf16
+  // (emu/layers.hpp)
   virtual void crossentropy_softmax_backward(float* /*dlogits*/, const float* /*probs*/, const int32_t* /*targets*/,
-                                             const float* /*dlosses*/, int64_t /*N*/, int64_t /*V*/) {
+                                             const float* /*dlosses*/, int64_t /*N*/, int64_t /*V*/,
+                                             bool /*round_bf16*/) {
     missing("crossentropy_softmax_backward");
   }
   // One AdamW step over n elements (emu/optim.hpp's adamw_element on each).

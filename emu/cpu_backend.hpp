@@ -116,8 +116,8 @@ class CpuBackend final : public Backend {
     emu::crossentropy_softmax_forward(losses, probs, logits, targets, N, V);
   }
   void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
-                                     const float* dlosses, int64_t N, int64_t V) override {
-    emu::crossentropy_softmax_backward(dlogits, probs, targets, dlosses, N, V);
+                                     const float* dlosses, int64_t N, int64_t V, bool round_bf16) override {
+    emu::crossentropy_softmax_backward(dlogits, probs, targets, dlosses, N, V, round_bf16);
   }
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override {

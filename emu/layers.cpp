@@ -178,12 +178,13 @@ void crossentropy_softmax_forward(float* losses, float* probs, const float* logi
 }
 
 void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
-                                   const float* dlosses, int64_t N, int64_t V) {
+                                   const float* dlosses, int64_t N, int64_t V, bool round_bf16) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t i = 0; i < V; ++i) {
       const float indicator = i == targets[n] ? 1.0f : 0.0f;
-      dlogits[n * V + i] += (probs[n * V + i] - indicator) * dlosses[n];
+      const float d = (probs[n * V + i] - indicator) * dlosses[n];
+      dlogits[n * V + i] = round_bf16 ? bf16_round(d) : d;
     }
   }
 }

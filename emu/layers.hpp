@@ -42,9 +42,11 @@ void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N
 // Fused softmax + cross-entropy: probs (N,V) = softmax(logits), losses (N) = -log probs[target].
 void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
                                   const int32_t* targets, int64_t N, int64_t V);
-// dlogits (N,V) += (probs - onehot(target)) * dlosses[n].
+// dlogits (N,V) = (probs - onehot(target)) * dlosses[n] (RN each; written, not accumulated: the
+// logits have no other consumer), then bf16_round when round_bf16 (the model's BF16 storage of the
+// gradient, fused into the op instead of a separate pass).
 void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
-                                   const float* dlosses, int64_t N, int64_t V);
+                                   const float* dlosses, int64_t N, int64_t V, bool round_bf16);
 
 }  // namespace fp4sim::emu
 

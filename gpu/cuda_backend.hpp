@@ -91,7 +91,7 @@ class CudaBackend final : public Backend {
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
                                     const int32_t* targets, int64_t N, int64_t V) override;
   void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
-                                     const float* dlosses, int64_t N, int64_t V) override;
+                                     const float* dlosses, int64_t N, int64_t V, bool round_bf16) override;
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override;
   double sum_squares(const float* x, int64_t n) override;

@@ -524,15 +524,17 @@ __global__ void crossentropy_softmax_forward_kernel(float* losses, float* probs,
   if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(expf(__fsub_rn(z[targets[n]], maxv)), sum));
 }
 
-// dlogits (N,V) += (probs - onehot(target)) * dlosses[n], each step RN: bitwise.
+// dlogits (N,V) = (probs - onehot(target)) * dlosses[n], each step RN, then bf16_round when
+// round_bf16: bitwise. Written, not accumulated (no zeroing pass before, no rounding pass after).
 __global__ void crossentropy_softmax_backward_kernel(float* dlogits, const float* probs,
                                                      const int32_t* targets, const float* dlosses,
-                                                     int64_t N, int64_t V) {
+                                                     int64_t N, int64_t V, bool round_bf16) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * V;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = e / V, i = e % V;
     const float indicator = i == targets[n] ? 1.0f : 0.0f;
-    dlogits[e] = __fadd_rn(dlogits[e], __fmul_rn(__fsub_rn(probs[e], indicator), dlosses[n]));
+    const float d = __fmul_rn(__fsub_rn(probs[e], indicator), dlosses[n]);
+    dlogits[e] = round_bf16 ? bf16_round(d) : d;
   }
 }
 
@@ -1008,10 +1010,10 @@ void CudaBackend::crossentropy_softmax_forward(float* losses, float* probs, cons
 
 void CudaBackend::crossentropy_softmax_backward(float* dlogits, const float* probs,
                                                 const int32_t* targets, const float* dlosses,
-                                                int64_t N, int64_t V) {
+                                                int64_t N, int64_t V, bool round_bf16) {
   if (N * V == 0) return;
   crossentropy_softmax_backward_kernel<<<elementwise_grid(N * V), kThreads, 0, stream_>>>(
-      dlogits, probs, targets, dlosses, N, V);
+      dlogits, probs, targets, dlosses, N, V, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

@@ -320,9 +320,9 @@ void Gpt::backward() {
   be_.zero(grads(), n_params_ * 4);
   const std::vector<float> dl(static_cast<size_t>(N), 1.0f / static_cast<float>(N));
   be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
-  zero(dlogits_, N * V);
-  be_.crossentropy_softmax_backward(F32(dlogits_), F32(probs_), targets_.as<int32_t>(), F32(dlosses_), N, V);
-  store(F32(dlogits_), N * V);
+  // written (not accumulated) and BF16-rounded in the op: no zeroing or rounding pass over N x V
+  be_.crossentropy_softmax_backward(F32(dlogits_), F32(probs_), targets_.as<int32_t>(), F32(dlosses_), N, V,
+                                    cfg_.activation_dtype == "bf16");
   zero(dlnf_, N * C);
   zero(dx_, N * C);
   be_.matmul_backward(F32(dlnf_), c.tied_embeddings ? g("wte") : g("lm_head.weight"), nullptr, F32(dlogits_),

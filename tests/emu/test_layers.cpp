@@ -119,7 +119,7 @@ TEST(Layers, CrossEntropyBackwardMatchesFiniteDifferences) {
   };
   loss();
   std::vector<float> dz(N * V, 0.0f);
-  crossentropy_softmax_backward(dz.data(), probs.data(), targets.data(), dlosses.data(), N, V);
+  crossentropy_softmax_backward(dz.data(), probs.data(), targets.data(), dlosses.data(), N, V, false);
   check_grad("cross-entropy", z, dz, loss, 1e-3);
   // uniform logits: loss = log V
   std::vector<float> flat(V, 0.5f), p(V);

@@ -744,11 +744,14 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
 
     const Vec dlosses = randn(sz(N), rng, 1.0f / static_cast<float>(N)), dl0 = randn(sz(N * V), rng);
     const Vec& probs = e[1];
-    const Op bwd = [&](Backend& bk, Call& c) {
-      float* dlogits = c.out(dl0);
-      bk.crossentropy_softmax_backward(dlogits, c.in(probs), c.in(targets), c.in(dlosses), N, V);
-    };
-    expect_bitwise("crossentropy_backward dlogits" + tag, run(*be.emu, bwd)[0], run(*be.cuda, bwd)[0]);
+    for (bool round_bf16 : {false, true}) {  // dl0: what the output held before, overwritten
+      const Op bwd = [&](Backend& bk, Call& c) {
+        float* dlogits = c.out(dl0);
+        bk.crossentropy_softmax_backward(dlogits, c.in(probs), c.in(targets), c.in(dlosses), N, V, round_bf16);
+      };
+      expect_bitwise("crossentropy_backward dlogits" + tag + (round_bf16 ? " bf16" : ""), run(*be.emu, bwd)[0],
+                     run(*be.cuda, bwd)[0]);
+    }
   }
 }
 
