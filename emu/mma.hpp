@@ -475,17 +475,20 @@ FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zer
 // kExpAdd (the GPU's variant 6): each term, C and the final sum are scaled by 2^sh by adding
 // sh to the exponent field of the double (ldexp_exact) instead of multiplying by a constructed
 // 2^sh, and a term is zero exactly when its integer p4 * sig_a * sig_b is (a zero scale has sig 0),
-// so the sh < -1000 test goes too. Exact because nothing leaves the normal range: a nonzero term is
-// an integer in [1, 2^20) whose group takes part in e_max, so sh <= 25 - 2, and sh >= -485 for the
-// widest exponents (UE8M0: exp_sum >= -254, e_max <= 254); C scaled lies in [2^-378, 2^26]; the
-// final sum is an integer in [1, 2^49) and grid >= -149 - 25. Same bits (tests/emu/test_mma.cpp).
+// so the sh < -1000 test goes too. Exact because nothing leaves the normal range (F = kGstF = 35):
+// a nonzero term is an integer in [1, 2^19] whose group takes part in e_max, so sh <= 35 - 2 (and
+// sh >= -475 for the widest exponents, UE8M0: exp_sum >= -254, e_max <= 254); C scaled lies in
+// [2^-368, 2^36); the final sum is an integer in [1, 2^49) and grid >= -254 - 35. Adding to the
+// exponent field of a normal double that stays normal never carries into the sign bit, so negative
+// values work alike. Same bits (tests/emu/test_mma.cpp).
 constexpr int32_t kGstZeroScaleExp = -(1 << 20);
 FP4SIM_HD int32_t gst_zero_scale_biased(int32_t sig, int32_t exp) { return sig == 0 ? kGstZeroScaleExp : exp; }
 
 // x * 2^e for a finite nonzero double x when the result stays normal: e added to the exponent field.
 FP4SIM_HD double ldexp_exact(double x, int e) {
 #if defined(__CUDA_ARCH__)
-  return __hiloint2double(__double2hiint(x) + (e << 20), __double2loint(x));
+  // (e << 20 on a negative int is undefined in C++17: shift the unsigned bits)
+  return __hiloint2double(__double2hiint(x) + static_cast<int>(static_cast<unsigned>(e) << 20), __double2loint(x));
 #else
   uint64_t b;
   std::memcpy(&b, &x, sizeof b);
@@ -500,7 +503,8 @@ FP4SIM_HD double ldexp_exact(double x, int e) {
 FP4SIM_HD double scaled_term(int32_t v, int sh) {
   const double d = static_cast<double>(v);
 #if defined(__CUDA_ARCH__)
-  return __hiloint2double(v == 0 ? 0 : __double2hiint(d) + (sh << 20), __double2loint(d));
+  return __hiloint2double(v == 0 ? 0 : __double2hiint(d) + static_cast<int>(static_cast<unsigned>(sh) << 20),
+                          __double2loint(d));
 #else
   return v == 0 ? 0.0 : ldexp_exact(d, sh);
 #endif

@@ -1,6 +1,7 @@
 #include "model/config.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -73,10 +74,20 @@ void set_key(RunConfig& c, const std::string& key, const Json& v, const std::str
   }
   const Field* f = find_field(key);
   if (!f) throw std::invalid_argument(where + ": unknown config key '" + key + "'; valid keys: " + key_list());
-  if (f->get(RunConfig{}).is_number_integer() && v.is_number_float())
-    throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be an integer");
+  // integer keys: an integral float (1e3, 1000.0) is that integer; a fraction, or a negative value
+  // for an unsigned key (train.seed), is an error rather than a silent truncation or wrap-around
+  const Json def = f->get(RunConfig{});
+  Json val = v;
+  if (def.is_number_integer() && v.is_number_float()) {
+    const double d = v.get<double>();
+    if (!(std::trunc(d) == d && std::fabs(d) < 9.2e18))
+      throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be an integer");
+    val = static_cast<int64_t>(d);
+  }
+  if (def.is_number_unsigned() && val.is_number_integer() && !val.is_number_unsigned() && val.get<int64_t>() < 0)
+    throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be >= 0");
   try {
-    f->set(c, v);
+    f->set(c, val);
   } catch (const Json::exception&) {
     throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " has the wrong type (expected " +
                                 f->get(RunConfig{}).type_name() + ")");

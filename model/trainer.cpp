@@ -75,8 +75,9 @@ int64_t next_batch(const TokenFile& f, int64_t pos, int64_t B, int64_t T, std::v
 }
 
 // train.shuffle: window b of step `step` starts at a uniform offset in [0, n - T - 1], from Philox
-// with key = seed and counter (step lo, step hi, b, "data"): a stream apart from the SR streams
-// (whose counters are chunk indices under a different key layout), and independent of the
+// with key = seed and counter (step lo, step hi, b, "data"). The SR streams share the key but put
+// chunk indices in counter words 0-1 and their stream (step << 32 | ...) in words 2-3, so the two
+// meet only if an SR stream's high word equals "data" (step 0x64617461). Independent of the
 // position, so resume needs no data state.
 void sample_batch(const TokenFile& f, uint64_t seed, int64_t step, int64_t B, int64_t T, std::vector<int32_t>& tok,
                   std::vector<int32_t>& tgt) {
@@ -229,6 +230,12 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       throw std::invalid_argument(opt.resume + " is at step " + std::to_string(step0) + " and train.steps is " +
                                   std::to_string(c.train.steps) + ": nothing left to train (raise train.steps)");
     pos = ck.state.at("data_position").get<int64_t>();
+    // the batch order must continue as it began: file order from data_position, or shuffled
+    const bool ck_shuffle = ck.state.contains("run_config") && ck.state["run_config"].contains("train") &&
+                            ck.state["run_config"]["train"].value("shuffle", false);
+    if (ck_shuffle != c.train.shuffle)
+      throw std::invalid_argument(opt.resume + " was trained with train.shuffle=" + (ck_shuffle ? "true" : "false") +
+                                  "; resume with the same setting");
     if (opt.print) std::printf("resumed from %s at step %lld\n", opt.resume.c_str(), static_cast<long long>(step0));
   }
   // the output folders before anything is written, each error naming its option

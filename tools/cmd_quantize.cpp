@@ -107,12 +107,12 @@ Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<
         if (x != 0.0f && (code & (fp8 ? 0x7F : 7)) == 0) ++st.flushed;
         if (std::fabs(fmul_rn(x, enc)) > elem_max) ++st.saturated;
         const double err = static_cast<double>(deq[e]) - x;
-        if (std::isfinite(err)) {
+        if (std::isfinite(err)) {  // numerator and denominator over the same elements
           ++st.finite_err;
           st.sum_sq_err += err * err;
           st.max_abs_err = std::max(st.max_abs_err, std::fabs(err));
+          st.sum_sq_ref += static_cast<double>(x) * x;
         }
-        if (std::isfinite(x)) st.sum_sq_ref += static_cast<double>(x) * x;
       }
       ++st.blocks;
       const float sv = fp8 ? fp8_scale : mx ? ue8m0_to_f32(s) : e4m3_to_f32(s);

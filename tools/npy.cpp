@@ -96,10 +96,13 @@ void AtomicOutputs::commit() {
   }
   for (size_t i = 0; i < files_.size(); ++i) {
     if (std::rename(files_[i].first.c_str(), files_[i].second.c_str()) != 0) {
-      // take back the outputs already moved, so the prefix never mixes this run's files with older ones
+      const int err = errno;
+      // take back the outputs already moved, so the prefix never mixes this run's files with older
+      // ones (files of an earlier run under those names were replaced by them, so they are gone too)
       for (size_t j = 0; j < i; ++j) std::remove(files_[j].second.c_str());
       throw std::runtime_error(files_[i].second + ": cannot move the finished file into place (" +
-                               std::strerror(errno) + "); no output of this run was kept");
+                               std::strerror(err) + "); no output of this run was kept" +
+                               (i ? ", and the " + std::to_string(i) + " it had already moved are removed" : ""));
     }
   }
   committed_ = true;

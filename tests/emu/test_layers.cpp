@@ -121,6 +121,17 @@ TEST(Layers, CrossEntropyBackwardMatchesFiniteDifferences) {
   std::vector<float> dz(N * V, 0.0f);
   crossentropy_softmax_backward(dz.data(), probs.data(), targets.data(), dlosses.data(), N, V, false);
   check_grad("cross-entropy", z, dz, loss, 1e-3);
+  // the gradient is written, not accumulated (whatever the output held is gone), and with
+  // round_bf16 it is the same values rounded to BF16
+  loss();  // probs of the unperturbed logits again (check_grad evaluated others)
+  std::vector<float> over(N * V, std::nanf("")), rounded(N * V, 7.0f);
+  crossentropy_softmax_backward(over.data(), probs.data(), targets.data(), dlosses.data(), N, V, false);
+  crossentropy_softmax_backward(rounded.data(), probs.data(), targets.data(), dlosses.data(), N, V, true);
+  for (int64_t i = 0; i < N * V; ++i) {
+    const float want = (probs[i] - (i % V == targets[i / V] ? 1.0f : 0.0f)) * dlosses[i / V];
+    ASSERT_EQ(f32_bits(over[i]), f32_bits(want)) << i;
+    ASSERT_EQ(f32_bits(rounded[i]), f32_bits(bf16_round(want))) << i;
+  }
   // uniform logits: loss = log V
   std::vector<float> flat(V, 0.5f), p(V);
   float l;

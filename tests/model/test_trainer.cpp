@@ -49,6 +49,30 @@ void expect_bitwise_resume(bool shuffle) {
 }
 
 TEST(Trainer, BitwiseResumeFromStep5) { expect_bitwise_resume(false); }
+
+// A run resumes in the batch order it began with: another train.shuffle is an error before any work.
+TEST(Trainer, ResumeWithAnotherShuffleSettingIsAnError) {
+  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_resume_shuf_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  TrainOptions quiet;
+  quiet.print = false;
+  RunConfig c = micro_run(dir + "/a");
+  c.train.steps = 5;
+  train(c, quiet, *make_cpu_backend());  // file order, checkpoint at step 5
+  c.train.steps = 10;
+  c.train.shuffle = true;
+  c.train.out_dir = dir + "/b";
+  TrainOptions resume = quiet;
+  resume.resume = dir + "/a/checkpoints";
+  try {
+    train(c, resume, *make_cpu_backend());
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("train.shuffle"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir + "/b"));
+  std::filesystem::remove_all(dir);
+}
 TEST(Trainer, BitwiseResumeFromStep5Shuffled) { expect_bitwise_resume(true); }
 
 // train.shuffle draws other batches than the file order, and the same seed draws the same ones.
