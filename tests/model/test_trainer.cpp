@@ -21,13 +21,48 @@ RunConfig micro_run(const std::string& out) {
   return config_from_json(j, {});
 }
 
+// A fresh scratch folder under the temp directory, removed when the test ends.
+struct ScratchDir {
+  std::string path;
+  explicit ScratchDir(const std::string& name)
+      : path((std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid()))).string()) {
+    std::filesystem::remove_all(path);
+  }
+  ~ScratchDir() { std::filesystem::remove_all(path); }
+};
+
+TrainOptions quiet_options() {
+  TrainOptions o;
+  o.print = false;
+  return o;
+}
+
+// Resuming `c` from `resume` throws E with `needle` in its message.
+template <typename E>
+void expect_resume_error(const RunConfig& c, const std::string& resume, const std::string& needle) {
+  TrainOptions o = quiet_options();
+  o.resume = resume;
+  try {
+    train(c, o, *make_cpu_backend());
+    ADD_FAILURE() << "expected an error naming '" << needle << "'";
+  } catch (const E& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// A 5-step micro run into `out`, leaving its checkpoint at step 5; returns its config.
+RunConfig train_five_steps(const std::string& out) {
+  RunConfig c = micro_run(out);
+  c.train.steps = 5;
+  train(c, quiet_options(), *make_cpu_backend());
+  return c;
+}
+
 // Train 10 steps with a checkpoint at 5, resume from it in a second run: steps 5-9 bit for bit.
 void expect_bitwise_resume(bool shuffle) {
-  const std::string dir = (std::filesystem::temp_directory_path() /
-                           ("fp4sim_train_" + std::to_string(::getpid()) + (shuffle ? "_shuffle" : ""))).string();
-  std::filesystem::remove_all(dir);
-  TrainOptions quiet;
-  quiet.print = false;
+  const ScratchDir scratch(std::string("fp4sim_train") + (shuffle ? "_shuffle" : ""));
+  const std::string& dir = scratch.path;
+  const TrainOptions quiet = quiet_options();
   RunConfig c = micro_run(dir + "/full");
   c.train.shuffle = shuffle;
   const TrainResult full = train(c, quiet, *make_cpu_backend());
@@ -45,42 +80,29 @@ void expect_bitwise_resume(bool shuffle) {
     std::memcpy(&b, &full.steps[5 + i].loss, 4);
     EXPECT_EQ(a, b) << "step " << cont.steps[i].step << ": " << cont.steps[i].loss << " vs " << full.steps[5 + i].loss;
   }
-  std::filesystem::remove_all(dir);
 }
 
 TEST(Trainer, BitwiseResumeFromStep5) { expect_bitwise_resume(false); }
 
 // A run resumes in the batch order it began with: another train.shuffle is an error before any work.
 TEST(Trainer, ResumeWithAnotherShuffleSettingIsAnError) {
-  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_resume_shuf_" + std::to_string(::getpid()))).string();
-  std::filesystem::remove_all(dir);
-  TrainOptions quiet;
-  quiet.print = false;
-  RunConfig c = micro_run(dir + "/a");
-  c.train.steps = 5;
-  train(c, quiet, *make_cpu_backend());  // file order, checkpoint at step 5
+  const ScratchDir scratch("fp4sim_resume_shuf");
+  const std::string& dir = scratch.path;
+  RunConfig c = train_five_steps(dir + "/a");  // file order
   c.train.steps = 10;
   c.train.shuffle = true;
   c.train.out_dir = dir + "/b";
-  TrainOptions resume = quiet;
-  resume.resume = dir + "/a/checkpoints";
-  try {
-    train(c, resume, *make_cpu_backend());
-    FAIL() << "expected an error";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("train.shuffle"), std::string::npos) << e.what();
-  }
+  expect_resume_error<std::invalid_argument>(c, dir + "/a/checkpoints", "train.shuffle");
   EXPECT_FALSE(std::filesystem::exists(dir + "/b"));
-  std::filesystem::remove_all(dir);
 }
+
 TEST(Trainer, BitwiseResumeFromStep5Shuffled) { expect_bitwise_resume(true); }
 
 // train.shuffle draws other batches than the file order, and the same seed draws the same ones.
 TEST(Trainer, ShuffledBatchesAreReproducibleAndDifferFromFileOrder) {
-  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_shuf_" + std::to_string(::getpid()))).string();
-  std::filesystem::remove_all(dir);
-  TrainOptions quiet;
-  quiet.print = false;
+  const ScratchDir scratch("fp4sim_shuf");
+  const std::string& dir = scratch.path;
+  const TrainOptions quiet = quiet_options();
   auto first_losses = [&](bool shuffle, uint64_t seed, const std::string& name) {
     RunConfig c = micro_run(dir + "/" + name);
     c.train.steps = 3;
@@ -96,40 +118,24 @@ TEST(Trainer, ShuffledBatchesAreReproducibleAndDifferFromFileOrder) {
              again = first_losses(true, 7, "c");
   EXPECT_EQ(shuffled, again);
   EXPECT_NE(shuffled[0], ordered[0]);  // same initial weights, other batch
-  std::filesystem::remove_all(dir);
 }
 
 // A NaN in the weights makes the loss NaN: the run stops naming the step.
 TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
-  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_nan_" + std::to_string(::getpid()))).string();
-  std::filesystem::remove_all(dir);
-  TrainOptions quiet;
-  quiet.print = false;
-  RunConfig c = micro_run(dir + "/a");
-  c.train.steps = 5;
-  train(c, quiet, *make_cpu_backend());  // leaves a checkpoint at step 5
+  const ScratchDir scratch("fp4sim_nan");
+  const std::string& dir = scratch.path;
+  train_five_steps(dir + "/a");
   Checkpoint ck = load_checkpoint(dir + "/a/checkpoints");
   const float nan = std::nanf("");
   std::memcpy(ck.model.at("ln_f.weight").bytes.data(), &nan, 4);
   save_checkpoint(dir + "/b", ck, 0);
-  RunConfig c2 = micro_run(dir + "/c");
-  TrainOptions resume = quiet;
-  resume.resume = dir + "/b";
-  try {
-    train(c2, resume, *make_cpu_backend());
-    FAIL() << "expected the run to stop";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("step 5"), std::string::npos) << e.what();
-  }
-  std::filesystem::remove_all(dir);
+  expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/b", "step 5");
 }
 
 TEST(Trainer, MissingDataIsAnErrorBeforeAnyWork) {
   RunConfig c = micro_run("/tmp/unused");
   c.train.data = "/nonexistent/corpus";
-  TrainOptions quiet;
-  quiet.print = false;
-  EXPECT_THROW(train(c, quiet, *make_cpu_backend()), std::runtime_error);
+  EXPECT_THROW(train(c, quiet_options(), *make_cpu_backend()), std::runtime_error);
 }
 
 }  // namespace
