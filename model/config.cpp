@@ -86,6 +86,11 @@ void set_key(RunConfig& c, const std::string& key, const Json& v, const std::str
   }
   if (def.is_number_unsigned() && val.is_number_integer() && !val.is_number_unsigned() && val.get<int64_t>() < 0)
     throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be >= 0");
+  if (def.is_array() && val.is_array())  // integer lists (recipe.hp_layers): every element an integer
+    for (size_t i = 0; i < val.size(); ++i)
+      if (!val[i].is_number_integer())
+        throw std::invalid_argument(where + ": " + key + "[" + std::to_string(i) + "] = " + val[i].dump() +
+                                    " must be an integer");
   try {
     f->set(c, val);
   } catch (const Json::exception&) {

@@ -389,6 +389,8 @@ void run_mma(const MmaArgs& m) {
   const float c = static_cast<float>(c_wide);
   if (std::isfinite(c_wide) && !std::isfinite(c))
     throw std::invalid_argument("--c: " + m.c + " is beyond the FP32 range (write inf for an infinite C)");
+  if (c_wide != 0.0 && c == 0.0f)
+    throw std::invalid_argument("--c: " + m.c + " is below FP32's smallest subnormal (2^-149)");
   uint8_t pa[32] = {}, pb[32] = {};
   for (int k = 0; k < kGstK; ++k) {
     pa[k / 2] |= e2m1_rn_satfinite(a[k]) << (4 * (k & 1));
