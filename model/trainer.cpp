@@ -92,6 +92,14 @@ void sample_batch(const TokenFile& f, uint64_t seed, int64_t step, int64_t B, in
   }
 }
 
+// 75 -> "1m15s", 4000 -> "1h6m", 8 -> "8s".
+std::string duration_text(double seconds) {
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return std::to_string(s / 3600) + "h" + std::to_string(s % 3600 / 60) + "m";
+  if (s >= 60) return std::to_string(s / 60) + "m" + std::to_string(s % 60) + "s";
+  return std::to_string(s) + "s";
+}
+
 StoredTensor as_stored(const float* data, const std::vector<int64_t>& shape, int64_t n) {
   StoredTensor s;
   s.dtype = "F32";
@@ -254,6 +262,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   TrainResult res;
   std::vector<int32_t> tok, tgt;
   TensorMap dump_batches;
+  const auto run_start = std::chrono::steady_clock::now();
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     if (c.train.shuffle) sample_batch(data.train, c.train.seed, step, B, T, tok, tgt);
@@ -322,9 +331,14 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     res.peak_device_memory = std::max(res.peak_device_memory, mem);
     const double tok_s = static_cast<double>(B * T) / (ms / 1000.0);
     const double mfu = tok_s * training_flops_per_token(c.model) / kH200DenseBf16Flops;
-    if (opt.print)
-      std::printf("step %5lld | loss %.4f | grad norm %.3f | lr %.2e | %.1f ms | %.0f tok/s | MFU %.4f%%\n",
-                  static_cast<long long>(step + 1), loss, norm, lr, ms, tok_s, 100.0 * mfu);
+    if (opt.print) {
+      // time left at the run's mean wall time per step so far (validation and checkpoints included)
+      const double elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+      const int64_t done = step + 1 - step0, left = c.train.steps - (step + 1);
+      const std::string eta = duration_text(elapsed_s / static_cast<double>(done) * static_cast<double>(left));
+      std::printf("step %5lld | loss %.4f | grad norm %.3f | lr %.2e | %.1f ms | %.0f tok/s | MFU %.4f%% | eta %s\n",
+                  static_cast<long long>(step + 1), loss, norm, lr, ms, tok_s, 100.0 * mfu, eta.c_str());
+    }
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms},
                            {"tok_per_s", tok_s}, {"mfu", mfu}};
     if (mem >= 0) line["device_mem_gib"] = static_cast<double>(mem) / (1 << 30);
