@@ -33,7 +33,7 @@ const std::vector<Field>& fields() {
       FP4SIM_FIELD(model, d_ff), FP4SIM_FIELD(model, activation), FP4SIM_FIELD(model, norm),
       FP4SIM_FIELD(model, positions), FP4SIM_FIELD(model, max_positions),
       FP4SIM_FIELD(model, tied_embeddings), FP4SIM_FIELD(model, bias), FP4SIM_FIELD(model, activation_dtype),
-      FP4SIM_FIELD(train, batch), FP4SIM_FIELD(train, steps), FP4SIM_FIELD(train, lr),
+      FP4SIM_FIELD(train, batch), FP4SIM_FIELD(train, grad_accum), FP4SIM_FIELD(train, steps), FP4SIM_FIELD(train, lr),
       FP4SIM_FIELD(train, min_lr_ratio), FP4SIM_FIELD(train, warmup), FP4SIM_FIELD(train, schedule),
       FP4SIM_FIELD(train, decay_fraction), FP4SIM_FIELD(train, weight_decay),
       FP4SIM_FIELD(train, beta1), FP4SIM_FIELD(train, beta2), FP4SIM_FIELD(train, eps),
@@ -276,6 +276,9 @@ void validate(const RunConfig& c) {
   positive("model.n_kv_heads", m.n_kv_heads);
   positive("model.d_ff", m.d_ff);
   positive("train.batch", t.batch);
+  if (t.grad_accum < 1 || t.grad_accum > 256)
+    bad("train.grad_accum must be within 1..256 (the SR stream has 8 bits for the micro-batch), got " +
+        std::to_string(t.grad_accum));
   positive("train.steps", t.steps);
   if (m.vocab > 65536) bad("model.vocab " + std::to_string(m.vocab) + " exceeds the 16-bit token files");
   if (m.d_model % m.n_heads != 0)

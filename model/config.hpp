@@ -33,7 +33,8 @@ struct ModelConfig {
 };
 
 struct TrainConfig {
-  int64_t batch = 8;     // sequences per step
+  int64_t batch = 8;     // sequences per micro-batch
+  int64_t grad_accum = 1;  // micro-batches per step (gradient accumulation): batch * grad_accum sequences a step
   int64_t steps = 100;
   double lr = 3e-4;
   double min_lr_ratio = 0.1;

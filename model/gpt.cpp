@@ -106,7 +106,7 @@ void Gpt::store(float* x, int64_t n) {
 
 void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC) {
   const std::string name = lname(l, kLinearNames[linear]);
-  const LinearIds ids{run_.train.seed, step_, 0, l, linear};
+  const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
                  cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
                  &acts_[static_cast<size_t>(l)].saved_x[linear]);
@@ -114,7 +114,7 @@ void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_
 
 void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC) {
   const std::string name = lname(l, kLinearNames[linear]);
-  const LinearIds ids{run_.train.seed, step_, 0, l, linear};
+  const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   LayerActs& a = acts_[static_cast<size_t>(l)];
   const LinearRecipe& r = linear_recipe(l, linear);
   const float* inp = r.wgrad == "bf16" ? linear_input(l, linear) : nullptr;  // else the saved copy
@@ -309,7 +309,7 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   return static_cast<float>(sum / static_cast<double>(N));
 }
 
-void Gpt::backward() {
+void Gpt::backward(int64_t micro_batches, bool accumulate) {
   const ModelConfig& c = cfg_;
   const int64_t B = B_, T = T_, N = B * T, C = c.d_model, NH = c.n_heads, NKV = c.n_kv_heads, HD = C / NH;
   const int64_t QKV = (NH + 2 * NKV) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
@@ -317,8 +317,9 @@ void Gpt::backward() {
   const bool ln = c.norm == "layernorm";
   auto F32 = [](const BackendBuffer& b) { return b.as<float>(); };
   auto zero = [&](const BackendBuffer& b, int64_t n) { be_.zero(b.get(), static_cast<size_t>(n) * 4); };
-  be_.zero(grads(), n_params_ * 4);
-  const std::vector<float> dl(static_cast<size_t>(N), 1.0f / static_cast<float>(N));
+  if (micro_batches < 1) throw std::invalid_argument("backward: micro_batches must be >= 1");
+  if (!accumulate) be_.zero(grads(), n_params_ * 4);
+  const std::vector<float> dl(static_cast<size_t>(N), 1.0f / static_cast<float>(N * micro_batches));
   be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
   // written (not accumulated) and BF16-rounded in the op: no zeroing or rounding pass over N x V
   be_.crossentropy_softmax_backward(F32(dlogits_), F32(probs_), targets_.as<int32_t>(), F32(dlosses_), N, V,

@@ -41,13 +41,17 @@ class Gpt {
   // tokens, targets (B,T) host arrays. Returns the mean cross-entropy loss (FP64 sum of the
   // per-row losses on the host); keeps the activations.
   float forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T);
-  // Gradients of the mean loss of the last forward into grads() (zeroed first).
-  void backward();
+  // Gradients of the mean loss of the last forward into grads(): zeroed first, or with
+  // accumulate added to what they hold; scaled by 1 / micro_batches (gradient accumulation: the
+  // mean over all micro-batches' tokens).
+  void backward(int64_t micro_batches = 1, bool accumulate = false);
 
   // The low-precision recipe of the block linear layers (issue 5; BF16 until called). The step
   // selects SR streams and the late BF16 switch; call set_step before each forward.
   void set_recipe(const RunConfig& run);
   void set_step(int64_t step);
+  // The micro-batch within the step (gradient accumulation): part of every SR stream.
+  void set_micro_batch(int64_t micro_batch) { micro_batch_ = micro_batch; }
   const LinearRecipe& linear_recipe(int64_t layer, int linear) const {
     return recipes_[static_cast<size_t>(layer * 4 + linear)];
   }
@@ -111,7 +115,7 @@ class Gpt {
   std::vector<bool> high_precision_;
   BackendBuffer scratch_in_[4];  // the linear inputs that are not kept
   std::vector<LinearRecipe> recipes_;  // [layer * 4 + linear]
-  int64_t step_ = 0;
+  int64_t step_ = 0, micro_batch_ = 0;
   bool collect_stats_ = false, stats_active_ = false;
   std::vector<QuantStat> stats_;
   emu::GemmPrecision prec_ = emu::GemmPrecision::BF16;

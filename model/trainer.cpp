@@ -74,19 +74,20 @@ int64_t next_batch(const TokenFile& f, int64_t pos, int64_t B, int64_t T, std::v
   return pos;
 }
 
-// train.shuffle: window b of step `step` starts at a uniform offset in [0, n - T - 1], from Philox
-// with key = seed and counter (step lo, step hi, b, "data"). The SR streams share the key but put
+// train.shuffle: window w of step `step` (w = micro_batch * batch + b) starts at a uniform offset in
+// [0, n - T - 1], from Philox with key = seed and counter (step lo, step hi, w, "data"). The SR streams share the key but put
 // chunk indices in counter words 0-1 and their stream (step << 32 | ...) in words 2-3, so the two
 // meet only if an SR stream's high word equals "data" (step 0x64617461). Independent of the
 // position, so resume needs no data state.
-void sample_batch(const TokenFile& f, uint64_t seed, int64_t step, int64_t B, int64_t T, std::vector<int32_t>& tok,
-                  std::vector<int32_t>& tgt) {
+void sample_batch(const TokenFile& f, uint64_t seed, int64_t step, int64_t first_window, int64_t B, int64_t T,
+                  std::vector<int32_t>& tok, std::vector<int32_t>& tgt) {
   const uint64_t starts = static_cast<uint64_t>(static_cast<int64_t>(f.tokens.size()) - T);  // >= 1 (load_data)
   tok.resize(static_cast<size_t>(B * T));
   tgt.resize(static_cast<size_t>(B * T));
   for (int64_t b = 0; b < B; ++b) {
     const Philox4x32 r = philox4x32_10(static_cast<uint32_t>(step), static_cast<uint32_t>(static_cast<uint64_t>(step) >> 32),
-                                       static_cast<uint32_t>(b), 0x64617461u /* "data" */, static_cast<uint32_t>(seed),
+                                       static_cast<uint32_t>(first_window + b), 0x64617461u /* "data" */,
+                                       static_cast<uint32_t>(seed),
                                        static_cast<uint32_t>(seed >> 32));
     copy_window(f, static_cast<int64_t>(((static_cast<uint64_t>(r.v[1]) << 32) | r.v[0]) % starts), b, T, tok, tgt);
   }
@@ -254,47 +255,58 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       throw std::runtime_error(option + " " + dir + ": cannot create the folder (" +
                                (ec ? ec.message() : std::string("a file is in the way")) + ")");
   };
+  if (!opt.dump_dir.empty() && c.train.grad_accum > 1)
+    throw std::invalid_argument("--dump writes one batch per step for the PyTorch check: it needs train.grad_accum=1");
   if (!opt.dump_dir.empty()) make_dir(opt.dump_dir, "--dump");
   make_dir(c.train.out_dir, "train.out_dir");
   std::ofstream log(c.train.out_dir + "/log.jsonl", step0 ? std::ios::app : std::ios::trunc);
   if (!log) throw std::runtime_error("train.out_dir " + c.train.out_dir + ": cannot write log.jsonl");
-  const int64_t B = c.train.batch, T = c.model.seq_len;
+  const int64_t B = c.train.batch, T = c.model.seq_len, A = c.train.grad_accum;
   TrainResult res;
   std::vector<int32_t> tok, tgt;
   TensorMap dump_batches;
   const auto run_start = std::chrono::steady_clock::now();
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
-    if (c.train.shuffle) sample_batch(data.train, c.train.seed, step, B, T, tok, tgt);
-    else pos = next_batch(data.train, pos, B, T, tok, tgt);
     model.set_step(step);
     if (opt.print && c.recipe.name != "bf16" && step + 1 == c.recipe.bf16_from_step && step > 0)
       std::printf("step %5lld | late switch to BF16 (%s)\n", static_cast<long long>(step + 1), c.recipe.bf16_switch.c_str());
     const bool stats_now = c.recipe.stats_every > 0 && c.recipe.name != "bf16" && step % c.recipe.stats_every == 0;
-    if (stats_now) model.collect_stats_once();
-    const float loss = model.forward(tok.data(), tgt.data(), B, T);
-    if (!std::isfinite(loss))
-      throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
-    if (!opt.dump_dir.empty() && step - step0 < opt.dump_steps) {
-      auto i32 = [&](const std::vector<int32_t>& v) {
-        StoredTensor st;
-        st.dtype = "I32";
-        st.shape = {B, T};
-        st.bytes.resize(v.size() * 4);
-        std::memcpy(st.bytes.data(), v.data(), st.bytes.size());
-        return st;
-      };
-      dump_batches["tokens." + std::to_string(step)] = i32(tok);
-      dump_batches["targets." + std::to_string(step)] = i32(tgt);
+    // grad_accum micro-batches of B sequences; the gradients add up in grads(), each scaled by
+    // 1 / (tokens of all micro-batches), and the step's loss is the mean of the micro-batches' means
+    double loss_sum = 0;
+    for (int64_t mb = 0; mb < A; ++mb) {
+      if (c.train.shuffle) sample_batch(data.train, c.train.seed, step, mb * B, B, T, tok, tgt);
+      else pos = next_batch(data.train, pos, B, T, tok, tgt);
+      model.set_micro_batch(mb);
+      if (stats_now && mb == 0) model.collect_stats_once();  // the first micro-batch's statistics
+      const float mb_loss = model.forward(tok.data(), tgt.data(), B, T);
+      if (!std::isfinite(mb_loss))
+        throw std::runtime_error("step " + std::to_string(step) + (A > 1 ? " (micro-batch " + std::to_string(mb) + ")" : "") +
+                                 ": the loss is " + std::to_string(mb_loss));
+      loss_sum += mb_loss;
+      if (!opt.dump_dir.empty() && step - step0 < opt.dump_steps) {
+        auto i32 = [&](const std::vector<int32_t>& v) {
+          StoredTensor st;
+          st.dtype = "I32";
+          st.shape = {B, T};
+          st.bytes.resize(v.size() * 4);
+          std::memcpy(st.bytes.data(), v.data(), st.bytes.size());
+          return st;
+        };
+        dump_batches["tokens." + std::to_string(step)] = i32(tok);
+        dump_batches["targets." + std::to_string(step)] = i32(tgt);
+      }
+      if (!opt.dump_dir.empty() && step == step0) {  // weights before this step's update
+        TensorMap w;
+        const std::vector<float> hp = model.params_to_host();
+        for (const ParamTensor& t : model.tensors()) w[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
+        write_safetensors(opt.dump_dir + "/weights.safetensors", w);
+      }
+      model.backward(A, mb > 0);
     }
+    const float loss = static_cast<float>(loss_sum / static_cast<double>(A));
     const bool dump_now = !opt.dump_dir.empty() && step == step0;
-    if (dump_now) {  // weights before this step's update
-      TensorMap w;
-      const std::vector<float> hp = model.params_to_host();
-      for (const ParamTensor& t : model.tensors()) w[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
-      write_safetensors(opt.dump_dir + "/weights.safetensors", w);
-    }
-    model.backward();
     if (dump_now) {
       TensorMap gr;
       const std::vector<float> hg = model.grads_to_host();
@@ -329,7 +341,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     res.steps.push_back({step + 1, loss, norm, lr});
     const int64_t mem = be.device_memory_used();
     res.peak_device_memory = std::max(res.peak_device_memory, mem);
-    const double tok_s = static_cast<double>(B * T) / (ms / 1000.0);
+    const double tok_s = static_cast<double>(B * T * A) / (ms / 1000.0);
     const double mfu = tok_s * training_flops_per_token(c.model) / kH200DenseBf16Flops;
     if (opt.print) {
       // time left at the run's mean wall time per step so far (validation and checkpoints included)

@@ -59,12 +59,13 @@ RunConfig train_five_steps(const std::string& out) {
 }
 
 // Train 10 steps with a checkpoint at 5, resume from it in a second run: steps 5-9 bit for bit.
-void expect_bitwise_resume(bool shuffle) {
-  const ScratchDir scratch(std::string("fp4sim_train") + (shuffle ? "_shuffle" : ""));
+void expect_bitwise_resume(bool shuffle, int64_t grad_accum = 1) {
+  const ScratchDir scratch(std::string("fp4sim_train") + (shuffle ? "_shuffle" : "") + "_" + std::to_string(grad_accum));
   const std::string& dir = scratch.path;
   const TrainOptions quiet = quiet_options();
   RunConfig c = micro_run(dir + "/full");
   c.train.shuffle = shuffle;
+  c.train.grad_accum = grad_accum;
   const TrainResult full = train(c, quiet, *make_cpu_backend());
   ASSERT_EQ(full.steps.size(), 10u);
   // the first run also left a checkpoint at step 5; a second run resumes from it
@@ -83,6 +84,31 @@ void expect_bitwise_resume(bool shuffle) {
 }
 
 TEST(Trainer, BitwiseResumeFromStep5) { expect_bitwise_resume(false); }
+TEST(Trainer, BitwiseResumeFromStep5WithGradAccumulation) {
+  expect_bitwise_resume(false, 3);
+  expect_bitwise_resume(true, 2);
+}
+
+// Two micro-batches of 2 sequences train like one batch of 4 (the same tokens, in file order):
+// the same loss, the gradients up to summation order.
+TEST(Trainer, GradAccumulationMatchesOneLargeBatch) {
+  const ScratchDir scratch("fp4sim_accum");
+  auto run = [&](int64_t batch, int64_t accum, const std::string& name) {
+    RunConfig c = micro_run(scratch.path + "/" + name);
+    c.train.steps = 3;
+    c.train.checkpoint_every = 0;
+    c.train.eval_every = 0;
+    c.train.batch = batch;
+    c.train.grad_accum = accum;
+    return train(c, quiet_options(), *make_cpu_backend()).steps;
+  };
+  const auto one = run(4, 1, "one"), two = run(2, 2, "two");
+  ASSERT_EQ(one.size(), 3u);
+  ASSERT_EQ(two.size(), 3u);
+  EXPECT_NEAR(two[0].loss, one[0].loss, 1e-6 * one[0].loss);
+  EXPECT_NEAR(two[0].grad_norm, one[0].grad_norm, 1e-5 * one[0].grad_norm);
+  EXPECT_NEAR(two[2].loss, one[2].loss, 1e-4 * one[2].loss);
+}
 
 // A run resumes in the batch order it began with: another train.shuffle is an error before any work.
 TEST(Trainer, ResumeWithAnotherShuffleSettingIsAnError) {

@@ -148,6 +148,8 @@ expect_fail "sample negative tokens" "--tokens must be an integer >= 0" "$bin" s
 expect_fail "resume past train.steps" "nothing left to train" "$bin" train --config "$cfg" $micro train.out_dir=out.run --resume run/checkpoints --backend emu
 expect_fail "config integer key given a fraction" "must be an integer" "$bin" config --config "$cfg" model.d_model=128.5
 expect_fail "config negative eval_every" "train.eval_every" "$bin" config --config "$cfg" train.eval_every=-1
+expect_fail "config grad_accum 0" "train.grad_accum" "$bin" config --config "$cfg" train.grad_accum=0
+expect_fail "train --dump with grad_accum" "train.grad_accum=1" "$bin" train --config "$cfg" $micro train.grad_accum=2 train.out_dir=out.ga --dump out.dump --backend emu
 "$bin" config --config "$cfg" recipe.name=mxfp4 >log.txt 2>&1 && grep -q '"weight_2d": false' log.txt \
   && ok "config: mxfp4 defaults to 1-D weight blocks" || bad "config mxfp4 default: $(tail -2 log.txt)"
 expect_fail "quantize --mx-rule with nvfp4" "--mx-rule" "$bin" quantize x.npy out --mx-rule ceil --backend emu
