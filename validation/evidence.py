@@ -47,6 +47,19 @@ def main():
     for name, (step, vl, tl, tps) in final.items():
         gap = f"{100 * (vl - ref) / ref:+.2f}%" if ref else "n/a"
         lines.append(f"| {name} | {step} | {vl:.4f} | {gap} | {tl:.4f} | {tps:,.0f} |")
+    # the gap at every evaluation (against the BF16 seeds' mean at the same step): where it opens
+    evals = {name: {r["step"]: r["val_loss"] for r in rows if "val_loss" in r} for name, rows in runs.items()}
+    bf16_runs = [n for n in evals if n.startswith("bf16")]
+    steps = sorted(set.intersection(*(set(e) for e in evals.values()))) if evals else []
+    if bf16_runs and steps:
+        lines += ["", "| run | " + " | ".join(f"gap @{st}" for st in steps) + " |",
+                  "|---|" + "---|" * len(steps)]
+        for name, e in evals.items():
+            cells = []
+            for st in steps:
+                r = sum(evals[b][st] for b in bf16_runs) / len(bf16_runs)
+                cells.append(f"{100 * (e[st] - r) / r:+.2f}%")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(run_dir, "evidence.md"), "w") as f:
