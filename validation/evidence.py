@@ -60,6 +60,25 @@ def main():
                 r = sum(evals[b][st] for b in bf16_runs) / len(bf16_runs)
                 cells.append(f"{100 * (e[st] - r) / r:+.2f}%")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    # where 4 bits hurt: the last quant_stats line of each run (recipe.stats_every), per tensor role
+    # (fprop.x activations, fprop.w weights, dgrad.dy gradients, ...), averaged over the layers
+    stats_lines = []
+    for name, rows in runs.items():
+        logged = [r for r in rows if "quant_stats" in r]
+        if not logged:
+            continue
+        by_role = {}
+        for tensor, q in logged[-1]["quant_stats"].items():
+            by_role.setdefault(".".join(tensor.split(".")[-2:]), []).append(q)
+        for role, qs in sorted(by_role.items()):
+            n = len(qs)
+            stats_lines.append(f"| {name} | {logged[-1]['step']} | {role} | {n} | "
+                               f"{sum(q['rel_error'] for q in qs) / n:.4f} | "
+                               f"{100 * sum(q['saturated'] for q in qs) / n:.2f}% | "
+                               f"{100 * sum(q['underflow_blocks'] for q in qs) / n:.3f}% |")
+    if stats_lines:
+        lines += ["", "| run | step | tensor role | tensors | mean rel. error | mean saturated | "
+                  "mean underflowed blocks |", "|---|---|---|---|---|---|---|"] + stats_lines
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(run_dir, "evidence.md"), "w") as f:
