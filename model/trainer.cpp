@@ -122,26 +122,33 @@ void load_stored(const TensorMap& m, const std::string& name, float* dst, int64_
 
 namespace {
 
-float evaluate_on(const RunConfig& c, const TokenFile& val, Gpt& model, int64_t batches) {
+float evaluate_on(const RunConfig& c, const TokenFile& val, Gpt& model, int64_t batches,
+                  const std::function<void(int64_t, int64_t)>& progress = {}) {
   std::vector<int32_t> tok, tgt;
   int64_t pos = 0;
   double sum = 0;
   for (int64_t i = 0; i < batches; ++i) {
     pos = next_batch(val, pos, c.train.batch, c.model.seq_len, tok, tgt);
     sum += model.forward(tok.data(), tgt.data(), c.train.batch, c.model.seq_len);
+    if (progress) progress(i + 1, batches);
   }
   return static_cast<float>(sum / static_cast<double>(batches));
 }
 
 }  // namespace
 
-float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches, Backend& be) {
+float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches, Backend& be, int64_t* used,
+               const std::function<void(int64_t, int64_t)>& progress) {
   Gpt model(c.model, be);
   model.params_from_host(params);
   model.set_recipe(c);  // the forward pass of the trained recipe, as at the end of training
   model.set_step(c.train.steps);
+  const Dataset data = load_data(c, false);
+  if (batches == kAllValidationBatches)  // each batch reads B*T tokens plus the last target
+    batches = (static_cast<int64_t>(data.val.tokens.size()) - 1) / (c.train.batch * c.model.seq_len);
   if (batches < 1) throw std::invalid_argument("evaluate: batches must be >= 1, got " + std::to_string(batches));
-  return evaluate_on(c, load_data(c, false).val, model, batches);
+  if (used) *used = batches;
+  return evaluate_on(c, data.val, model, batches, progress);
 }
 
 LoadedModel load_trained(const std::string& checkpoint, Backend& be) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,12 @@ struct TrainResult {
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt, Backend& backend);
 
 // Validation loss of a model config + parameters on up to `batches` batches of the val split.
-float evaluate(const RunConfig& cfg, const std::vector<float>& params, int64_t batches, Backend& backend);
+// batches = kAllValidationBatches: every full batch of the split, read once (no wrap-around);
+// *used (when given) receives the number of batches evaluated.
+constexpr int64_t kAllValidationBatches = -1;
+// progress (when given) is called after each batch with (done, total).
+float evaluate(const RunConfig& cfg, const std::vector<float>& params, int64_t batches, Backend& backend,
+               int64_t* used = nullptr, const std::function<void(int64_t, int64_t)>& progress = {});
 
 // The run configuration and parameters stored in a checkpoint (a step directory, or a run's
 // checkpoints directory for its latest).

@@ -2,6 +2,7 @@
 #include <fmt/core.h>
 
 #include <cmath>
+#include <cstdio>
 
 #include "model/config.hpp"
 #include "model/trainer.hpp"
@@ -71,19 +72,30 @@ void register_eval_sample(CLI::App& app) {
   struct EvalArgs {
     std::string checkpoint, data, backend;
     int64_t batches = 16;
+    bool all = false;
   };
   auto e = std::make_shared<EvalArgs>();
   auto* ev = app.add_subcommand("eval", "Validation loss and bits per byte of a checkpoint");
   ev->add_option("--checkpoint", e->checkpoint, "A checkpoint directory, or a run's checkpoints directory")->required();
   ev->add_option("--data", e->data, "Token files prefix (default: the run's train.data)");
-  ev->add_option("--batches", e->batches, "Validation batches")->check(at_least("--batches", 1))->capture_default_str();
+  auto* batches_opt = ev->add_option("--batches", e->batches, "Validation batches")
+                          ->check(at_least("--batches", 1))
+                          ->capture_default_str();
+  ev->add_flag("--all", e->all, "Every full batch of the validation split, once")->excludes(batches_opt);
   ev->add_option("--backend", e->backend, kBackendHelp)->check(CLI::IsMember({"emu", "cuda"}));
   ev->callback([e]() {
     auto backend = make_backend(chosen_backend(e->backend));
     model::LoadedModel m = model::load_trained(e->checkpoint, *backend);
     if (!e->data.empty()) m.config.train.data = e->data;
-    const float loss = model::evaluate(m.config, m.params, e->batches, *backend);
-    fmt::print("{}: val loss {:.4f} nats/token over {} batches of {} x {}", e->checkpoint, loss, e->batches,
+    int64_t used = 0;
+    // progress on stderr for long evaluations: a line every tenth of the batches
+    const auto progress = [](int64_t done, int64_t total) {
+      if (total >= 20 && (done * 10 / total != (done - 1) * 10 / total || done == total))
+        std::fprintf(stderr, "eval: %lld / %lld batches\n", static_cast<long long>(done), static_cast<long long>(total));
+    };
+    const float loss = model::evaluate(m.config, m.params, e->all ? model::kAllValidationBatches : e->batches,
+                                       *backend, &used, progress);
+    fmt::print("{}: val loss {:.4f} nats/token over {} batches of {} x {}", e->checkpoint, loss, used,
                m.config.train.batch, m.config.model.seq_len);
     if (m.config.model.vocab == 256) fmt::print(" = {:.4f} bits per byte", loss / std::log(2.0));
     fmt::print("\n");

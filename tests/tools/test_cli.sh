@@ -142,6 +142,9 @@ cp -r run2 run3 && truncate -s 100 run3/checkpoints/step_00000004/model.safetens
 expect_fail "eval truncated checkpoint" "model.safetensors" "$bin" eval --checkpoint run3/checkpoints
 sed -i 's/"contract_version": 1/"contract_version": 7/' run2/checkpoints/step_00000004/state.json
 expect_fail "eval wrong contract version" "contract_version 7" "$bin" eval --checkpoint run2/checkpoints
+"$bin" eval --checkpoint run/checkpoints --all --backend emu >log.txt 2>&1 && grep -q "val loss" log.txt \
+  && ok "eval --all" || bad "eval --all: $(cat log.txt)"
+expect_fail "eval --all with --batches" "excludes" "$bin" eval --checkpoint run/checkpoints --all --batches 2 --backend emu
 expect_fail "eval zero batches" "--batches must be an integer >= 1" "$bin" eval --checkpoint run/checkpoints --batches 0 --backend emu
 expect_fail "sample NaN temperature" "--temperature must be a finite number" "$bin" sample --checkpoint run/checkpoints --temperature nan --backend emu
 expect_fail "sample negative tokens" "--tokens must be an integer >= 0" "$bin" sample --checkpoint run/checkpoints --tokens -5 --backend emu
