@@ -1,9 +1,11 @@
 // fp4sim train / eval / sample: the training loop (BF16 recipe so far) on either backend.
 #include <fmt/core.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 
+#include "emu/contract.hpp"
 #include "model/config.hpp"
 #include "model/trainer.hpp"
 #include "tools/backends.hpp"
@@ -36,16 +38,22 @@ void register_train(CLI::App& app) {
   cmd->callback([a]() {
     const model::RunConfig c = model::load_config(a->config, a->overrides);
     auto backend = make_backend(chosen_backend(a->backend));
-    fmt::print("fp4sim train  (backend {}{}, contract_version 1)\n{}\nparameters: {:.3f} M\n", backend->name(),
-               a->backend.empty() ? " by default" : "", model::to_json(c).dump(2),
+    fmt::print("fp4sim train  (backend {}{}, contract_version {})\n{}\nparameters: {:.3f} M\n", backend->name(),
+               a->backend.empty() ? " by default" : "", kContractVersion, model::to_json(c).dump(2),
                model::parameter_count(c.model) / 1e6);
     model::TrainOptions opt;
     opt.resume = a->resume;
     opt.dump_dir = a->dump;
+    const auto t0 = std::chrono::steady_clock::now();
     const model::TrainResult r = model::train(c, opt, *backend);
-    if (!r.steps.empty())
-      fmt::print("done: loss {:.4f} -> {:.4f} over {} steps; log {}/log.jsonl\n", r.steps.front().loss,
-                 r.steps.back().loss, r.steps.size(), c.train.out_dir);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!r.steps.empty()) {
+      const double tokens = static_cast<double>(r.steps.size()) * static_cast<double>(c.train.batch) *
+                            static_cast<double>(c.model.seq_len) * static_cast<double>(c.train.grad_accum);
+      fmt::print("done: loss {:.4f} -> {:.4f} over {} steps in {:.1f} s ({:.0f} tokens/s overall, validation and "
+                 "checkpoints included); log {}/log.jsonl\n",
+                 r.steps.front().loss, r.steps.back().loss, r.steps.size(), s, tokens / s, c.train.out_dir);
+    }
   });
 }
 
