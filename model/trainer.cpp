@@ -74,11 +74,11 @@ int64_t next_batch(const TokenFile& f, int64_t pos, int64_t B, int64_t T, std::v
   return pos;
 }
 
-// train.shuffle: window w of step `step` (w = micro_batch * batch + b) starts at a uniform offset in
-// [0, n - T - 1], from Philox with key = seed and counter (step lo, step hi, w, "data"). The SR streams share the key but put
-// chunk indices in counter words 0-1 and their stream (step << 32 | ...) in words 2-3, so the two
-// meet only if an SR stream's high word equals "data" (step 0x64617461). Independent of the
-// position, so resume needs no data state.
+// train.shuffle: window w of step `step` (w = micro_batch * batch + b) starts at a uniform offset
+// in [0, n - T - 1], from Philox with key = seed and counter (step lo, step hi, w, "data"). The SR
+// streams share the key but put chunk indices in counter words 0-1 and their stream (step << 32 |
+// ...) in words 2-3, so the two meet only if an SR stream's high word equals "data" (step
+// 0x64617461). Independent of the position, so resume needs no data state.
 void sample_batch(const TokenFile& f, uint64_t seed, int64_t step, int64_t first_window, int64_t B, int64_t T,
                   std::vector<int32_t>& tok, std::vector<int32_t>& tgt) {
   const uint64_t starts = static_cast<uint64_t>(static_cast<int64_t>(f.tokens.size()) - T);  // >= 1 (load_data)
@@ -204,6 +204,8 @@ std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32
 
 TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   namespace fs = std::filesystem;
+  if (!opt.dump_dir.empty() && c.train.grad_accum > 1)
+    throw std::invalid_argument("--dump writes one batch per step for the PyTorch check: it needs train.grad_accum=1");
   const Dataset data = load_data(c);  // every input error before any work
   Gpt model(c.model, be);
   model.init(c.train.seed);
@@ -232,6 +234,17 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     const Checkpoint ck = load_checkpoint(opt.resume);
     if (ck.state.at("config") != to_json(c).at("model"))
       throw std::runtime_error(opt.resume + ": the checkpoint's model config differs from this run's");
+    step0 = ck.step;
+    if (step0 >= c.train.steps)
+      throw std::invalid_argument(opt.resume + " is at step " + std::to_string(step0) + " and train.steps is " +
+                                  std::to_string(c.train.steps) + ": nothing left to train (raise train.steps)");
+    // the batch order must continue as it began: file order from data_position, or shuffled
+    const bool ck_shuffle = ck.state.contains("run_config") && ck.state["run_config"].contains("train") &&
+                            ck.state["run_config"]["train"].value("shuffle", false);
+    if (ck_shuffle != c.train.shuffle)
+      throw std::invalid_argument(opt.resume + " was trained with train.shuffle=" + (ck_shuffle ? "true" : "false") +
+                                  "; resume with the same setting");
+    pos = ck.state.at("data_position").get<int64_t>();
     std::vector<float> hp(n_params), hm(n_params), hv(n_params);
     for (const ParamTensor& t : model.tensors()) {
       load_stored(ck.model, t.name, hp.data() + t.offset, t.numel(), opt.resume);
@@ -241,17 +254,6 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     model.params_from_host(hp);
     be.upload(m, hm.data(), n_params * 4);
     be.upload(v, hv.data(), n_params * 4);
-    step0 = ck.step;
-    if (step0 >= c.train.steps)
-      throw std::invalid_argument(opt.resume + " is at step " + std::to_string(step0) + " and train.steps is " +
-                                  std::to_string(c.train.steps) + ": nothing left to train (raise train.steps)");
-    pos = ck.state.at("data_position").get<int64_t>();
-    // the batch order must continue as it began: file order from data_position, or shuffled
-    const bool ck_shuffle = ck.state.contains("run_config") && ck.state["run_config"].contains("train") &&
-                            ck.state["run_config"]["train"].value("shuffle", false);
-    if (ck_shuffle != c.train.shuffle)
-      throw std::invalid_argument(opt.resume + " was trained with train.shuffle=" + (ck_shuffle ? "true" : "false") +
-                                  "; resume with the same setting");
     if (opt.print) std::printf("resumed from %s at step %lld\n", opt.resume.c_str(), static_cast<long long>(step0));
   }
   // the output folders before anything is written, each error naming its option
@@ -262,8 +264,6 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       throw std::runtime_error(option + " " + dir + ": cannot create the folder (" +
                                (ec ? ec.message() : std::string("a file is in the way")) + ")");
   };
-  if (!opt.dump_dir.empty() && c.train.grad_accum > 1)
-    throw std::invalid_argument("--dump writes one batch per step for the PyTorch check: it needs train.grad_accum=1");
   if (!opt.dump_dir.empty()) make_dir(opt.dump_dir, "--dump");
   make_dir(c.train.out_dir, "train.out_dir");
   std::ofstream log(c.train.out_dir + "/log.jsonl", step0 ? std::ios::app : std::ios::trunc);
@@ -292,29 +292,27 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
         throw std::runtime_error("step " + std::to_string(step) + (A > 1 ? " (micro-batch " + std::to_string(mb) + ")" : "") +
                                  ": the loss is " + std::to_string(mb_loss));
       loss_sum += mb_loss;
-      if (!opt.dump_dir.empty() && step - step0 < opt.dump_steps) {
-        auto i32 = [&](const std::vector<int32_t>& v) {
-          StoredTensor st;
-          st.dtype = "I32";
-          st.shape = {B, T};
-          st.bytes.resize(v.size() * 4);
-          std::memcpy(st.bytes.data(), v.data(), st.bytes.size());
-          return st;
-        };
-        dump_batches["tokens." + std::to_string(step)] = i32(tok);
-        dump_batches["targets." + std::to_string(step)] = i32(tgt);
-      }
-      if (!opt.dump_dir.empty() && step == step0) {  // weights before this step's update
-        TensorMap w;
-        const std::vector<float> hp = model.params_to_host();
-        for (const ParamTensor& t : model.tensors()) w[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
-        write_safetensors(opt.dump_dir + "/weights.safetensors", w);
-      }
       model.backward(A, mb > 0);
     }
     const float loss = static_cast<float>(loss_sum / static_cast<double>(A));
-    const bool dump_now = !opt.dump_dir.empty() && step == step0;
-    if (dump_now) {
+    // --dump (grad_accum is 1 there, so tok and tgt hold the step's one batch)
+    if (!opt.dump_dir.empty() && step - step0 < opt.dump_steps) {
+      auto i32 = [&](const std::vector<int32_t>& v) {
+        StoredTensor st;
+        st.dtype = "I32";
+        st.shape = {B, T};
+        st.bytes.resize(v.size() * 4);
+        std::memcpy(st.bytes.data(), v.data(), st.bytes.size());
+        return st;
+      };
+      dump_batches["tokens." + std::to_string(step)] = i32(tok);
+      dump_batches["targets." + std::to_string(step)] = i32(tgt);
+    }
+    if (!opt.dump_dir.empty() && step == step0) {  // weights before this step's update, gradients
+      TensorMap w;
+      const std::vector<float> hp = model.params_to_host();
+      for (const ParamTensor& t : model.tensors()) w[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
+      write_safetensors(opt.dump_dir + "/weights.safetensors", w);
       TensorMap gr;
       const std::vector<float> hg = model.grads_to_host();
       for (const ParamTensor& t : model.tensors()) gr[t.name] = as_stored(hg.data() + t.offset, t.shape, t.numel());
