@@ -40,25 +40,23 @@ std::string gpu_description() {
 #endif
 }
 
-std::string default_backend_name() {
+std::string cuda_backend_unavailable_reason() {
 #if FP4SIM_HAVE_CUDA
-  if (gpu::gpu_available()) return "cuda";
+  return gpu::gpu_available() ? "" : "no CUDA GPU is available (" + gpu_description() + ")";
+#else
+  return "this build of fp4sim has no CUDA backend (nvcc was not found at configure time)";
 #endif
-  return "emu";
 }
+
+std::string default_backend_name() { return cuda_backend_unavailable_reason().empty() ? "cuda" : "emu"; }
 
 std::unique_ptr<Backend> make_backend(const std::string& name) {
   if (name == "emu") return make_cpu_backend();
   if (name == "cuda") {
+    const std::string why = cuda_backend_unavailable_reason();
+    if (!why.empty()) throw std::runtime_error("--backend cuda: " + why + "; use --backend emu");
 #if FP4SIM_HAVE_CUDA
-    if (!gpu::gpu_available())
-      throw std::runtime_error("--backend cuda: no CUDA GPU is available (" + gpu_description() +
-                               "); use --backend emu");
     return gpu::make_cuda_backend();
-#else
-    throw std::runtime_error(
-        "--backend cuda: this build of fp4sim has no CUDA backend (nvcc was not found at configure "
-        "time); use --backend emu");
 #endif
   }
   throw std::invalid_argument("--backend: unknown backend '" + name + "' (valid: emu, cuda)");

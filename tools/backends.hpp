@@ -16,6 +16,8 @@ std::unique_ptr<Backend> make_backend(const std::string& name);
 std::string default_backend_name();
 
 bool cuda_backend_built();
+// Why the CUDA backend cannot run here (not built, or no GPU), or "" when it can.
+std::string cuda_backend_unavailable_reason();
 // One line describing the GPU, or why there is none.
 std::string gpu_description();
 std::string cuda_archs();

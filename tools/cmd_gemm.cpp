@@ -13,6 +13,7 @@
 #include "emu/contract.hpp"
 #include "emu/gemm.hpp"
 #include "tools/backends.hpp"
+#include "tools/cli_parse.hpp"
 #include "tools/commands.hpp"
 #include "tools/npy.hpp"
 
@@ -165,9 +166,7 @@ struct GemmArgs {
 };
 
 void run_gemm_cmd(const GemmArgs& g) {
-  const bool from_prefix = !g.a_prefix.empty() || !g.b_prefix.empty();
-  if (from_prefix && (g.a_prefix.empty() || g.b_prefix.empty()))
-    throw std::invalid_argument("--a-prefix and --b-prefix go together");
+  const bool from_prefix = !g.a_prefix.empty();  // with b_prefix: the callback checks they go together
   if (!from_prefix && (g.a.empty() || g.b.empty()))
     throw std::invalid_argument("give A.npy and B.npy, or --a-prefix P --b-prefix Q");
   const QFormat fmt = g.format == "fp8" ? QFormat::FP8 : (g.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
@@ -278,39 +277,6 @@ void run_gemm_cmd(const GemmArgs& g) {
 // ---- one MMA ---------------------------------------------------------------------------------------
 
 // "v0,v1,..." (dense) or "k:v,k:v" (sparse) -> 64 E2M1 values, exactly representable.
-// Strict number parsing for mma's flags: the whole text must be the number, or the error names the
-// flag and the text (std::stoi alone accepts "1x" and says only "stoi").
-long long parse_integer(const std::string& text, const std::string& flag, int base = 10) {
-  size_t used = 0;
-  long long v = 0;
-  try {
-    v = std::stoll(text, &used, base);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (text.empty() || used != text.size())
-    throw std::invalid_argument(flag + ": '" + text + "' is not " + (base == 16 ? "a hex byte" : "an integer"));
-  return v;
-}
-
-// A number written as 2^N or in decimal (inf and nan accepted), as a double.
-double parse_number(const std::string& text, const std::string& flag) {
-  if (text.rfind("2^", 0) == 0) {
-    const long long e = parse_integer(text.substr(2), flag);
-    if (e < -1074 || e > 1023) throw std::invalid_argument(flag + ": " + text + " is out of range");
-    return std::ldexp(1.0, static_cast<int>(e));
-  }
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (text.empty() || used != text.size()) throw std::invalid_argument(flag + ": '" + text + "' is not a number");
-  return v;
-}
-
 std::vector<float> parse_e2m1_list(const std::string& s, const char* flag) {
   std::vector<float> v(kGstK, 0.0f);
   std::vector<bool> seen(kGstK, false);
@@ -436,17 +402,10 @@ void run_crosscheck(const CrossArgs& x) {
     }
     if (shapes.empty()) throw std::invalid_argument("--shapes: no shape given");
   }
+  const std::string why = cuda_backend_unavailable_reason();
+  if (!why.empty()) throw std::runtime_error("crosscheck compares the emu and cuda backends and needs a GPU: " + why);
   auto emu = make_backend("emu");
-  std::unique_ptr<Backend> cuda;
-  try {
-    cuda = make_backend("cuda");
-  } catch (const std::exception& e) {
-    std::string why = e.what();
-    const auto cut = why.find("; use --backend emu");
-    if (cut != std::string::npos) why.erase(cut);
-    if (why.rfind("--backend cuda: ", 0) == 0) why.erase(0, 16);
-    throw std::runtime_error("crosscheck compares the emu and cuda backends and needs a GPU: " + why);
-  }
+  auto cuda = make_backend("cuda");
   const QFormat fmt = x.format == "fp8" ? QFormat::FP8 : (x.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
   int bad = 0;
   for (const auto& [item, mnk] : shapes) {

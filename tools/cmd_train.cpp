@@ -9,6 +9,7 @@
 #include "model/config.hpp"
 #include "model/trainer.hpp"
 #include "tools/backends.hpp"
+#include "tools/cli_parse.hpp"
 #include "tools/commands.hpp"
 
 namespace fp4sim::cli {
@@ -61,21 +62,6 @@ void register_train(CLI::App& app) {
 
 namespace fp4sim::cli {
 
-// An integer flag's lower bound, with a message that names the flag and the bound.
-static CLI::Validator at_least(const std::string& flag, int64_t min) {
-  return CLI::Validator(
-      [flag, min](const std::string& v) -> std::string {
-        try {
-          size_t used = 0;
-          const long long x = std::stoll(v, &used);
-          if (used == v.size() && x >= min) return "";
-        } catch (const std::exception&) {
-        }
-        return flag + " must be an integer >= " + std::to_string(min) + ", got '" + v + "'";
-      },
-      "INT >= " + std::to_string(min));
-}
-
 void register_eval_sample(CLI::App& app) {
   struct EvalArgs {
     std::string checkpoint, data, backend;
@@ -121,17 +107,7 @@ void register_eval_sample(CLI::App& app) {
   sm->add_option("--prompt", s->prompt, "Text to continue");
   sm->add_option("--tokens", s->tokens, "Tokens to generate")->check(at_least("--tokens", 0))->capture_default_str();
   sm->add_option("--temperature", s->temperature, "0 = greedy")
-      ->check(CLI::Validator(
-          [](const std::string& v) -> std::string {
-            try {
-              size_t used = 0;
-              const double t = std::stod(v, &used);
-              if (used == v.size() && std::isfinite(t) && t >= 0) return "";
-            } catch (const std::exception&) {
-            }
-            return "--temperature must be a finite number >= 0, got '" + v + "'";
-          },
-          "FLOAT >= 0"))
+      ->check(finite_non_negative("--temperature"))
       ->capture_default_str();
   sm->add_option("--seed", s->seed, "Sampling seed")->capture_default_str();
   sm->add_option("--backend", s->backend, kBackendHelp)->check(CLI::IsMember({"emu", "cuda"}));
