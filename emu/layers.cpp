@@ -229,6 +229,26 @@ Bf16Operand prepare_bf16(const float* x, int64_t rows, int64_t K, int64_t Kp) {
   return o;
 }
 
+// The chained T-FDPA of row ra of A and row rb of B (Kp = chunks * 16 prepared values each), from
+// +0: the prepared T-FDPA per chunk, the literal one for chunks holding a NaN or Inf.
+// (Always inlined: in bf16_gemm_row's AVX-512/AVX2 clones it must be compiled for their target.)
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
+inline float bf16_row_dot(const Bf16Operand& A, int64_t ra, const Bf16Operand& B, int64_t rb, int64_t Kp,
+                          int64_t chunks) {
+  float acc = 0.0f;
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const size_t ia = static_cast<size_t>(ra * Kp + ch * kBf16FdpaL), ib = static_cast<size_t>(rb * Kp + ch * kBf16FdpaL);
+    if (A.special_chunk[static_cast<size_t>(ra * chunks + ch)] | B.special_chunk[static_cast<size_t>(rb * chunks + ch)]) {
+      acc = tfdpa_bf16(&A.f[ia], &B.f[ib], acc);
+      continue;
+    }
+    acc = tfdpa_bf16_prepared(&A.d[ia], &A.e[ia], &B.d[ib], &B.e[ib], &A.f[ia], &B.f[ib], acc);
+  }
+  return acc;
+}
+
 // One output row of bf16_gemm_tn. Compiled also for x86-64-v4 (AVX-512: the 16 truncated terms of a
 // chunk convert to int64 eight at a time) and v3 (AVX2), chosen at run time by the CPU; the
 // arithmetic is exact in every version (products exact in double, truncation by the int64
@@ -239,18 +259,7 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 void bf16_gemm_row(float* out_row, const Bf16Operand& A, const Bf16Operand& B, int64_t m, int64_t N, int64_t Kp,
                    int64_t chunks) {
-  for (int64_t n = 0; n < N; ++n) {
-    float acc = 0.0f;
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-      const size_t ia = static_cast<size_t>(m * Kp + ch * kBf16FdpaL), ib = static_cast<size_t>(n * Kp + ch * kBf16FdpaL);
-      if (A.special_chunk[static_cast<size_t>(m * chunks + ch)] | B.special_chunk[static_cast<size_t>(n * chunks + ch)]) {
-        acc = tfdpa_bf16(&A.f[ia], &B.f[ib], acc);
-        continue;
-      }
-      acc = tfdpa_bf16_prepared(&A.d[ia], &A.e[ia], &B.d[ib], &B.e[ib], &A.f[ia], &B.f[ib], acc);
-    }
-    out_row[n] = acc;
-  }
+  for (int64_t n = 0; n < N; ++n) out_row[n] = bf16_row_dot(A, m, B, n, Kp, chunks);
 }
 
 }  // namespace
@@ -373,56 +382,33 @@ float chain(bool bf16, int64_t k0, int64_t n, float c, const A& a, const Bf& b) 
 // The operands of one (b, head): rows (T, HD) of qkv or dout rounded once as the precision mode
 // reads them, and their transpose (HD, T), so every chain walks contiguous memory.
 // For the row-by-row dot products (HD a multiple of 16, BF16 mode) the rows are also prepared as
-// bf16_gemm_tn prepares its operands: doubles, exponent readings, and a flag per 16-chunk holding
-// a NaN or Inf (such chunks take the literal T-FDPA).
+// bf16_gemm_tn prepares its operands (prepare_bf16), and dot_rows chains them as it does.
 struct HeadOperand {
   std::vector<float> rows, cols;  // rows[t * HD + i] == cols[i * T + t]
-  std::vector<double> d;          // rows as doubles
-  std::vector<int32_t> e;         // exponent readings of rows
-  std::vector<uint8_t> special;   // [t][HD / 16]
+  Bf16Operand prepared;           // of rows, or empty
 };
 HeadOperand head_operand(const float* base, int64_t stride, int64_t T, int64_t HD, bool bf16) {
   HeadOperand o;
   o.rows.resize(static_cast<size_t>(T * HD));
   o.cols.resize(o.rows.size());
-  const bool prepared = bf16 && HD % kBf16FdpaL == 0;
-  if (prepared) {
-    o.d.resize(o.rows.size());
-    o.e.assign(o.rows.size(), kBf16ZeroReading);
-    o.special.assign(static_cast<size_t>(T * (HD / kBf16FdpaL)), 0);
-  }
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < HD; ++i) {
       const float x = bf16 ? bf16_round(base[t * stride + i]) : base[t * stride + i];
-      const size_t r = static_cast<size_t>(t * HD + i);
-      o.rows[r] = x;
+      o.rows[static_cast<size_t>(t * HD + i)] = x;
       o.cols[static_cast<size_t>(i * T + t)] = x;
-      if (prepared) {
-        o.d[r] = x;
-        if (f32_isnan(x) || f32_isinf(x)) o.special[static_cast<size_t>(t * (HD / kBf16FdpaL) + i / kBf16FdpaL)] = 1;
-        else o.e[r] = bf16_exponent_reading(x);
-      }
     }
+  if (bf16 && HD % kBf16FdpaL == 0) o.prepared = prepare_bf16(o.rows.data(), T, HD, HD);
   return o;
 }
 
-// chain over i of a_i b_i for row ra of a and row rb of b (both HD long): the prepared T-FDPA per
-// chunk where the operands were prepared (what tfdpa_bf16_host computes, without preparing each
-// chunk again), else the generic chain
+// chain over i of a_i b_i for row ra of a and row rb of b (both HD long): bf16_row_dot where the
+// operands were prepared, else the generic chain
 float dot_rows(bool bf16, const HeadOperand& a, int64_t ra, const HeadOperand& b, int64_t rb, int64_t HD) {
+  if (bf16 && !a.prepared.d.empty() && !b.prepared.d.empty())
+    return bf16_row_dot(a.prepared, ra, b.prepared, rb, HD, HD / kBf16FdpaL);
   const float* x = &a.rows[static_cast<size_t>(ra * HD)];
   const float* y = &b.rows[static_cast<size_t>(rb * HD)];
-  if (!bf16 || a.d.empty() || b.d.empty())
-    return chain(bf16, 0, HD, 0.0f, [&](int64_t i) { return x[i]; }, [&](int64_t i) { return y[i]; });
-  const int64_t chunks = HD / kBf16FdpaL;
-  float c = 0.0f;
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    const size_t ia = static_cast<size_t>(ra * HD + ch * kBf16FdpaL), ib = static_cast<size_t>(rb * HD + ch * kBf16FdpaL);
-    c = (a.special[static_cast<size_t>(ra * chunks + ch)] | b.special[static_cast<size_t>(rb * chunks + ch)])
-            ? tfdpa_bf16(&a.rows[ia], &b.rows[ib], c)
-            : tfdpa_bf16_prepared(&a.d[ia], &a.e[ia], &b.d[ib], &b.e[ib], &a.rows[ia], &b.rows[ib], c);
-  }
-  return c;
+  return chain(bf16, 0, HD, 0.0f, [&](int64_t i) { return x[i]; }, [&](int64_t i) { return y[i]; });
 }
 
 
