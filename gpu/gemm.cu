@@ -273,26 +273,16 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
   const bool aligned = reinterpret_cast<uintptr_t>(a.codes) % 8 == 0 && reinterpret_cast<uintptr_t>(b.codes) % 8 == 0;
   if (g_gemm_exact_variant >= 1 && aligned) {
     const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile), static_cast<unsigned>((a.rows + kTile - 1) / kTile));
-    const bool split = cfg.split_k > 1;
-    if (g_gemm_exact_variant == 6) {
-      if (split) gemm_exact_tiled_kernel<true, 4, true, true, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-      else gemm_exact_tiled_kernel<true, 4, false, true, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-    } else if (g_gemm_exact_variant == 5) {
-      if (split) gemm_exact_tiled_kernel<true, 4, true, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-      else gemm_exact_tiled_kernel<true, 4, false, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-    } else if (g_gemm_exact_variant == 4) {
-      if (split) gemm_exact_tiled_kernel<true, 4, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-      else gemm_exact_tiled_kernel<true, 4, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-    } else if (g_gemm_exact_variant == 3) {
-      if (split) gemm_exact_tiled_kernel<true, 3, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-      else gemm_exact_tiled_kernel<true, 3, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-    } else if (g_gemm_exact_variant == 2) {
-      if (split) gemm_exact_tiled_kernel<true, 1, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-      else gemm_exact_tiled_kernel<true, 1, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-    } else {
-      if (split) gemm_exact_tiled_kernel<false, 1, true><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-      else gemm_exact_tiled_kernel<false, 1, false><<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
-    }
+    // [variant - 1][split-K]: the tiled kernels' instantiations
+    using Kernel = void (*)(QuantizedView, QuantizedView, const float*, GemmConfig, void*);
+    static constexpr Kernel kTiled[6][2] = {
+        {gemm_exact_tiled_kernel<false, 1, false>, gemm_exact_tiled_kernel<false, 1, true>},
+        {gemm_exact_tiled_kernel<true, 1, false>, gemm_exact_tiled_kernel<true, 1, true>},
+        {gemm_exact_tiled_kernel<true, 3, false>, gemm_exact_tiled_kernel<true, 3, true>},
+        {gemm_exact_tiled_kernel<true, 4, false>, gemm_exact_tiled_kernel<true, 4, true>},
+        {gemm_exact_tiled_kernel<true, 4, false, true>, gemm_exact_tiled_kernel<true, 4, true, true>},
+        {gemm_exact_tiled_kernel<true, 4, false, true, true>, gemm_exact_tiled_kernel<true, 4, true, true, true>}};
+    kTiled[g_gemm_exact_variant - 1][cfg.split_k > 1 ? 1 : 0]<<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
     FP4SIM_CUDA_CHECK_LAUNCH();
     return;
   }
