@@ -339,15 +339,25 @@ __global__ void rmsnorm_backward_partial_kernel(float* partial, const float* dwe
 // per-element function either way, so the split changes no bits.
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-__global__ void round_to_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
+// The grid-stride loop of those kernels: quad(j) for the groups of four elements j < n / 4 when
+// `vectorized` (the caller's pointers are aligned for it), then one(i) for every element left.
+template <class Quad, class One>
+__device__ __forceinline__ void grid_stride_by4(int64_t n, bool vectorized, Quad quad, One one) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nv = aligned16(src) && (reinterpret_cast<uintptr_t>(dst) & 7u) == 0 ? n / 4 : 0;
-  for (int64_t i = t0; i < nv; i += stride) {
-    const float4 v = reinterpret_cast<const float4*>(src)[i];
-    reinterpret_cast<ushort4*>(dst)[i] = make_ushort4(bf16_rne(v.x), bf16_rne(v.y), bf16_rne(v.z), bf16_rne(v.w));
-  }
-  for (int64_t i = nv * 4 + t0; i < n; i += stride) dst[i] = bf16_rne(src[i]);
+  const int64_t nv = vectorized ? n / 4 : 0;
+  for (int64_t j = t0; j < nv; j += stride) quad(j);
+  for (int64_t i = nv * 4 + t0; i < n; i += stride) one(i);
+}
+
+__global__ void round_to_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
+  grid_stride_by4(
+      n, aligned16(src) && (reinterpret_cast<uintptr_t>(dst) & 7u) == 0,
+      [&](int64_t j) {
+        const float4 v = reinterpret_cast<const float4*>(src)[j];
+        reinterpret_cast<ushort4*>(dst)[j] = make_ushort4(bf16_rne(v.x), bf16_rne(v.y), bf16_rne(v.z), bf16_rne(v.w));
+      },
+      [&](int64_t i) { dst[i] = bf16_rne(src[i]); });
 }
 
 // out (N,OC) += bias (OC), one FP32 RN addition after the GEMM, as the emulator: bitwise given the
@@ -451,30 +461,28 @@ __global__ void squared_relu_backward_kernel(float* dinp, const float* inp, cons
 // out = a + b, FP32 RN: bitwise.
 // x = bf16_round(x): the emulator's function, bitwise.
 __global__ void round_to_bf16_inplace_kernel(float* x, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nv = aligned16(x) ? n / 4 : 0;
-  for (int64_t j = t0; j < nv; j += stride) {
-    float4 v = reinterpret_cast<float4*>(x)[j];
-    v.x = bf16_round(v.x);
-    v.y = bf16_round(v.y);
-    v.z = bf16_round(v.z);
-    v.w = bf16_round(v.w);
-    reinterpret_cast<float4*>(x)[j] = v;
-  }
-  for (int64_t j = nv * 4 + t0; j < n; j += stride) x[j] = bf16_round(x[j]);
+  grid_stride_by4(
+      n, aligned16(x),
+      [&](int64_t j) {
+        float4 v = reinterpret_cast<float4*>(x)[j];
+        v.x = bf16_round(v.x);
+        v.y = bf16_round(v.y);
+        v.z = bf16_round(v.z);
+        v.w = bf16_round(v.w);
+        reinterpret_cast<float4*>(x)[j] = v;
+      },
+      [&](int64_t i) { x[i] = bf16_round(x[i]); });
 }
 
 __global__ void residual_forward_kernel(float* out, const float* a, const float* b, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nv = aligned16(out) && aligned16(a) && aligned16(b) ? n / 4 : 0;
-  for (int64_t j = t0; j < nv; j += stride) {
-    const float4 u = reinterpret_cast<const float4*>(a)[j], w = reinterpret_cast<const float4*>(b)[j];
-    reinterpret_cast<float4*>(out)[j] =
-        make_float4(__fadd_rn(u.x, w.x), __fadd_rn(u.y, w.y), __fadd_rn(u.z, w.z), __fadd_rn(u.w, w.w));
-  }
-  for (int64_t j = nv * 4 + t0; j < n; j += stride) out[j] = __fadd_rn(a[j], b[j]);
+  grid_stride_by4(
+      n, aligned16(out) && aligned16(a) && aligned16(b),
+      [&](int64_t j) {
+        const float4 u = reinterpret_cast<const float4*>(a)[j], w = reinterpret_cast<const float4*>(b)[j];
+        reinterpret_cast<float4*>(out)[j] =
+            make_float4(__fadd_rn(u.x, w.x), __fadd_rn(u.y, w.y), __fadd_rn(u.z, w.z), __fadd_rn(u.w, w.w));
+      },
+      [&](int64_t i) { out[i] = __fadd_rn(a[i], b[i]); });
 }
 
 // SwiGLU on inp (N, 2F) = [gate | up] per row: the emulator's expressions in its order, CUDA expf
