@@ -144,6 +144,19 @@ int blocks_for(int64_t n, int threads) {
   return static_cast<int>(b < 65535 * 8 ? (b > 0 ? b : 1) : 65535 * 8);
 }
 
+// One launch of the tile kernel for input element type T; its dynamic shared memory (over the
+// 48 KB default) is allowed once per instantiation.
+template <class T>
+void launch_fp8_tile(const dim3& grid, const void* x, const Fp8TileArgs& a, cudaStream_t stream) {
+  static bool attr = false;
+  if (!attr) {
+    FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_tile_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kFp8TileSmem)));
+    attr = true;
+  }
+  fp8_quantize_tile_kernel<T><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(static_cast<const T*>(x), a);
+}
+
 }  // namespace
 
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
@@ -167,24 +180,8 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
     throw std::invalid_argument("quantize (cuda, fp8): tensor '" + std::string(x.name) + "' " +
                                 shape_str(x.rows, x.cols) + " has too many rows for one launch");
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
-  if (x.dtype == DType::F32) {
-    static bool attr = false;
-    if (!attr) {
-      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_tile_kernel<float>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kFp8TileSmem)));
-      attr = true;
-    }
-    fp8_quantize_tile_kernel<float><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(static_cast<const float*>(x.data), a);
-  } else {
-    static bool attr = false;
-    if (!attr) {
-      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_tile_kernel<uint16_t>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kFp8TileSmem)));
-      attr = true;
-    }
-    fp8_quantize_tile_kernel<uint16_t><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(
-        static_cast<const uint16_t*>(x.data), a);
-  }
+  if (x.dtype == DType::F32) launch_fp8_tile<float>(grid, x.data, a, stream);
+  else launch_fp8_tile<uint16_t>(grid, x.data, a, stream);
   FP4SIM_CUDA_CHECK_LAUNCH();
   if (cfg.rowwise.enabled && cfg.columnwise.enabled)
     FP4SIM_CUDA_CHECK(cudaMemcpyAsync(columnwise->amax, rowwise->amax, sizeof(float), cudaMemcpyDeviceToDevice, stream));
