@@ -8,7 +8,8 @@
 #   recipes   build + gpt2-124m tokens/s and peak memory per recipe (bf16, fp8, nvfp4 with cuBLASLt
 #             GEMMs, RUNS runs each, default 3; nvfp4 with exact GEMMs once), then train
 #   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
-#             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build)
+#             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
+#             GEMM_FILTER narrows the benchmark, GEMM_NCU="6 7" profiles those variants with ncu)
 # Carry .deps (xtensor/xtl headers) and, for the corpus-based agreement tests, data (token files).
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
@@ -35,9 +36,18 @@ if [ "${1:-}" = "gemm" ]; then
   rc=$?
   grep -E "tests passed|bitwise identical|differs|Failed|FAILED" "$out/ctest_gemm.log" | head -20
   row "ctest -R GemmGpu" "exit $rc, $(grep -E 'tests passed' "$out/ctest_gemm.log" | tail -1)"
-  build-gpu/bench_gemm --benchmark_filter='GpuGemmExact/8192' >"$out/bench_gemm_exact.txt" 2>&1
+  build-gpu/bench_gemm --benchmark_filter="${GEMM_FILTER:-GpuGemmExact/8192}" >"$out/bench_gemm_exact.txt" 2>&1
   while read -r line; do row "$(echo "$line" | awk '{print $1}')" "$(echo "$line" | grep -oE 'TFLOPs=[^ ]+')"; done \
     < <(grep -E "median" "$out/bench_gemm_exact.txt")
+  # the tiled kernels' SASS (instruction counts per variant, read on the development machine) and,
+  # with GEMM_NCU="6 7", one profiled launch per listed variant: issue, pipes and stall reasons
+  cuobjdump -sass build-gpu/CMakeFiles/fp4sim_gpu.dir/gpu/gemm.cu.o >"$out/gemm.sass" 2>&1
+  for v in ${GEMM_NCU:-}; do
+    ncu --launch-count 1 --kernel-name regex:gemm_exact_tiled --section SchedulerStats --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats --section Occupancy \
+      build-gpu/bench_gemm --benchmark_filter="GpuGemmExact/8192/$v/" >"$out/ncu_gemm_$v.txt" 2>&1
+    row "ncu variant $v" "$(grep -E 'Issue Slots Busy|Executed Ipc Active' "$out/ncu_gemm_$v.txt" | awk '{print $NF}' | tr '\n' ' ')"
+  done
 fi
 
 if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] && [ "${1:-}" != "gemm" ]; then
