@@ -555,67 +555,6 @@ FP4SIM_HD bool gst_fdpa_core_lean(const int32_t* p4, const int32_t* sig_a, const
   return true;
 }
 
-// The exact-sum fast path of the GPU GEMM (variant 7). When C and every group's term already lie
-// on the 2^(e_max - 35) grid, GST-FDPA truncates nothing, so the five-term sum is the plain exact sum
-// C + sum_g P4_g * (scale_a/2) * (scale_b/2) (P4 is four times the group's dot product of E2M1
-// values). That sum needs no grid at all: each product P4 * half_a has at most 12 + 4 significant
-// bits, P4 * half_a * half_b at most 20, and every partial sum is a multiple of the grid unit below
-// 2^50 of them (the same bound as the truncated sum), so FP64 FMAs give it exactly in any order.
-// The test: the smallest exponent sum of the four groups (zero-scale and all-zero groups included,
-// which only makes it stricter) puts its term's lsb, exp_sum - 2 * man_bits - 2, on or above the
-// grid, and C's lsb (-149 for a subnormal) too. Otherwise, and for an exactly zero sum (its sign
-// needs the per-product signs) or a non-finite C, it returns false and the caller takes
-// gst_fdpa_core_lean. NaN scales must be filtered by the caller. exp_a/exp_b as for
-// gst_fdpa_core_lean<kZeroScaleBiased>; half_a/half_b from gst_half_scale. Equal to the readable
-// core wherever it returns true (tests/emu/test_mma.cpp).
-FP4SIM_HD double gst_half_scale(int32_t sig, int32_t exp, int man_bits) {  // sig * 2^(exp - man_bits - 1)
-  return sig == 0 ? 0.0 : static_cast<double>(sig) * pow2_double(exp - man_bits - 1);
-}
-
-FP4SIM_HD double int_to_double_exact(int32_t v) {
-#if defined(__CUDA_ARCH__)
-  // 2^52 + 2^51 + (v + 2^31) from the bits, minus the constant: an integer add and an FP64 add
-  // instead of a conversion on the (16 per clock and SM) conversion unit
-  return __hiloint2double(0x43380000, v ^ static_cast<int>(0x80000000u)) - 0x1.800008p+52;
-#else
-  return static_cast<double>(v);
-#endif
-}
-
-template <bool kZeroScaleBiased = true>
-FP4SIM_HD bool gst_fdpa_core_exact_sum(const int32_t* p4, const int32_t* exp_a, const int32_t* exp_b,
-                                       const double* half_a, const double* half_b, uint32_t all_zero,
-                                       int man_bits, float c, uint32_t* out_bits) {
-  const uint32_t cb = f32_bits(c);
-  const uint32_t c_biased = (cb >> 23) & 0xFFu;
-  if (c_biased == 0xFFu) return false;
-  int e_max = kGstZeroExp, e_min = 1 << 30;
-  FP4SIM_UNROLL
-  for (int g = 0; g < kGstGroups; ++g) {
-    const int exp_sum = exp_a[g] + exp_b[g];
-    const bool zero = ((all_zero >> g) & 1u) != 0 || (!kZeroScaleBiased && (half_a[g] == 0.0 || half_b[g] == 0.0));
-    const int align = zero ? kGstZeroExp : exp_sum;
-    e_max = align > e_max ? align : e_max;
-    e_min = exp_sum < e_min ? exp_sum : e_min;
-  }
-  const bool c_zero = (cb & 0x7FFFFFFFu) == 0;
-  const int ce = c_biased == 0 ? kFp32Emin : static_cast<int>(c_biased) - 127;
-  if (!c_zero) e_max = ce > e_max ? ce : e_max;
-  const int grid = e_max - kGstF;
-  if (e_min - 2 * man_bits - 2 < grid) return false;          // some term would be truncated
-  if (!c_zero && ce - kFp32ManBits < grid) return false;      // C would be truncated
-  double sum = static_cast<double>(c);
-  FP4SIM_UNROLL
-  for (int g = 0; g < kGstGroups; ++g) sum = fma(int_to_double_exact(p4[g]) * half_a[g], half_b[g], sum);
-  if (sum == 0.0) return false;
-  if (fabs(sum) >= 0x1p128) {
-    *out_bits = sum < 0 ? 0xFF800000u : 0x7F800000u;
-    return true;
-  }
-  *out_bits = f32_bits(double_to_f32_rz(sum));
-  return true;
-}
-
 // The exact group sums of one 64-wide chunk from packed E2M1 codes (element 2i in the low nibble).
 FP4SIM_HD void gst_group_sums(const uint8_t* a_packed, const uint8_t* b_packed, GroupSum* groups) {
   for (int g = 0; g < kGstGroups; ++g) {

@@ -6,8 +6,8 @@
 //    each thread computes 4 x 4 outputs: the 16-element group sums with __dp4a (exact integer dot
 //    products), then gst_fdpa_core_packed_bits with its FP64 sum (variant 1), or (variants 2-4,
 //    4) gst_fdpa_core_lean from unpacked scales for the common case and the packed core, out of
-//    line, for the rest (NaN scales, non-finite C, a zero sum); 5, 6 (the default) and 7 refine
-//    that core. Every formulation is tested equal to the readable core on the CPU and the
+//    line, for the rest (NaN scales, non-finite C, a zero sum); 5 and 6 (the default) refine that
+//    core. Every formulation is tested equal to the readable core on the CPU and the
 //    kernels bitwise equal to each other on the GPU.
 #include <cuda_runtime.h>
 
@@ -67,7 +67,6 @@ constexpr int kRowBytes = kGemmChunk + 16;  // int8 row stride in shared memory 
 
 // One operand's chunk in shared memory.
 struct ChunkTile {
-  double half[kTile][kGstGroups];    // variant 7: gst_half_scale of each group's scale (first: aligned)
   int8_t twice[kTile * kRowBytes];   // 2 * e2m1 values, zero beyond the tensor
   uint16_t nonzero[kTile][kGstGroups];
   uint16_t sign[kTile][kGstGroups];
@@ -80,7 +79,7 @@ struct ChunkTile {
 };
 
 // Thread t decodes group (t % 4) of row (t / 4) of the tile: 16 codes (8 bytes) and its scale.
-template <bool kLean, bool kBiased, bool kHalf = false>
+template <bool kLean, bool kBiased>
 __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch, ScaleKind kind, ChunkTile& s) {
   const int t = threadIdx.x, r = t / kGstGroups, g = t % kGstGroups;
   const int64_t row = row0 + r, k0 = ch * kGemmChunk + g * kGstGroup;
@@ -112,7 +111,6 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
     // kBiased (variant 5): a zero scale's exponent reading is kGstZeroScaleExp, for gst_fdpa_core_lean<true>
     s.exp[r][g] = kBiased ? gst_zero_scale_biased(s.sig[r][g], ds.exp) : ds.exp;
     s.nan[r][g] = ds.nan ? 1 : 0;
-    if constexpr (kHalf) s.half[r][g] = gst_half_scale(s.sig[r][g], ds.exp, ds.man_bits);
   }
 }
 
@@ -142,39 +140,9 @@ __device__ __noinline__ float packed_core_from_tiles(const int32_t* p4, const Ch
   return packed_core(p4, wa, sa, sb, ra, rb, man_bits, acc);
 }
 
-// Variant 7's path where the exact-sum core declines (a term or C below the grid, a zero sum, NaN
-// scales, non-finite C): variant 6's lean core, then the packed core, out of line.
-// The group sums come by value (in registers): a pointer would make the caller store them to local
-// memory on every output and chunk, taken or not.
-__device__ __noinline__ float packed_core_from_values(int32_t p0, int32_t p1, int32_t p2, int32_t p3, const ChunkTile& sa,
-                                                      const ChunkTile& sb, int ra, int rb, int man_bits, float acc) {
-  const int32_t p4[kGstGroups] = {p0, p1, p2, p3};
-  return packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, acc);
-}
-
-__device__ __noinline__ float lean_core_from_tiles(int32_t p0, int32_t p1, int32_t p2, int32_t p3, const ChunkTile& sa,
-                                                   const ChunkTile& sb, int ra, int rb, int man_bits, uint32_t all_zero,
-                                                   float acc) {
-  const int32_t p4[kGstGroups] = {p0, p1, p2, p3};
-  int32_t siga[kGstGroups], expa[kGstGroups], sigb[kGstGroups], expb[kGstGroups];
-  FP4SIM_UNROLL
-  for (int g = 0; g < kGstGroups; ++g) {
-    siga[g] = sa.sig[ra][g];
-    expa[g] = sa.exp[ra][g];
-    sigb[g] = sb.sig[rb][g];
-    expb[g] = sb.exp[rb][g];
-  }
-  const uint32_t nan = *reinterpret_cast<const uint32_t*>(&sa.nan[ra][0]) | *reinterpret_cast<const uint32_t*>(&sb.nan[rb][0]);
-  uint32_t bits;
-  if (nan == 0 && gst_fdpa_core_lean<true, true>(p4, siga, expa, sigb, expb, all_zero, man_bits, acc, &bits))
-    return f32_from_bits(bits);
-  return packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, acc);
-}
-
 // kLean (variant 2): the common case through gst_fdpa_core_lean from unpacked scales, fewer integer
 // instructions per output and chunk; the rest (NaN scales, non-finite C, a zero sum) as variant 1.
-template <bool kLean, int kMinBlocks, bool kSplit, bool kBiased = false, bool kExpAdd = false, bool kExactSum = false,
-          bool kRegs = false>
+template <bool kLean, int kMinBlocks, bool kSplit, bool kBiased = false, bool kExpAdd = false>
 __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_kernel(QuantizedView a, QuantizedView b,
                                                                          const float* c, GemmConfig cfg, void* out) {
   __shared__ ChunkTile sa, sb;
@@ -193,8 +161,8 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
       for (int j = 0; j < kPer; ++j) acc[i][j] = 0.0f;
     for (int64_t ch = s * per_split; ch < (s + 1) * per_split; ++ch) {
       __syncthreads();  // the previous chunk's readers are done
-      load_chunk_tile<kLean, kBiased, kExactSum>(a, m0, ch, kind, sa);
-      load_chunk_tile<kLean, kBiased, kExactSum>(b, n0, ch, kind, sb);
+      load_chunk_tile<kLean, kBiased>(a, m0, ch, kind, sa);
+      load_chunk_tile<kLean, kBiased>(b, n0, ch, kind, sb);
       __syncthreads();
 #pragma unroll 1
       for (int i = 0; i < kPer; ++i) {
@@ -208,11 +176,7 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
         }
         int32_t siga[kGstGroups], expa[kGstGroups];
         uint32_t nza[kGstGroups], nan_a = 0;
-        if constexpr (kExactSum) {  // (A's halved scales are read from shared memory: registers are short)
-          FP4SIM_UNROLL
-          for (int g = 0; g < kGstGroups; ++g) expa[g] = sa.exp[ra][g];
-          nan_a = *reinterpret_cast<const uint32_t*>(&sa.nan[ra][0]);
-        } else if constexpr (kLean) {
+        if constexpr (kLean) {
           FP4SIM_UNROLL
           for (int g = 0; g < kGstGroups; ++g) {
             siga[g] = sa.sig[ra][g];
@@ -224,9 +188,6 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
         FP4SIM_UNROLL
         for (int j = 0; j < kPer; ++j) {
           const int rb = tx + 16 * j;
-          // kRegs: the row being computed is always acc[0] (rotated below), so acc stays in registers;
-          // without it the loop's runtime index i puts acc in local memory
-          float& accv = acc[kRegs ? 0 : i][j];
           const uint4* xb = reinterpret_cast<const uint4*>(sb.twice + rb * kRowBytes);
           const uint4 y0 = xb[0], y1 = xb[1], y2 = xb[2], y3 = xb[3];
           int32_t p4[kGstGroups];
@@ -234,31 +195,7 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
           p4[1] = __dp4a(int(x1.w), int(y1.w), __dp4a(int(x1.z), int(y1.z), __dp4a(int(x1.y), int(y1.y), __dp4a(int(x1.x), int(y1.x), 0))));
           p4[2] = __dp4a(int(x2.w), int(y2.w), __dp4a(int(x2.z), int(y2.z), __dp4a(int(x2.y), int(y2.y), __dp4a(int(x2.x), int(y2.x), 0))));
           p4[3] = __dp4a(int(x3.w), int(y3.w), __dp4a(int(x3.z), int(y3.z), __dp4a(int(x3.y), int(y3.y), __dp4a(int(x3.x), int(y3.x), 0))));
-          if constexpr (kExactSum) {
-            // variant 7: the exact sum where nothing is truncated (almost always), else variant 6's path
-            int32_t expb[kGstGroups];
-            double hb[kGstGroups];
-            FP4SIM_UNROLL
-            for (int g = 0; g < kGstGroups; ++g) {
-              expb[g] = sb.exp[rb][g];
-              hb[g] = sb.half[rb][g];
-            }
-            uint32_t all_zero = 0;
-            if ((p4[0] == 0) | (p4[1] == 0) | (p4[2] == 0) | (p4[3] == 0)) {
-              FP4SIM_UNROLL
-              for (int g = 0; g < kGstGroups; ++g)
-                all_zero |= ((static_cast<uint32_t>(sa.nonzero[ra][g]) & sb.nonzero[rb][g]) == 0 ? 1u : 0u) << g;
-            }
-            const uint32_t nan_b = *reinterpret_cast<const uint32_t*>(&sb.nan[rb][0]);
-            uint32_t bits;
-            if ((nan_a | nan_b) == 0 &&
-                gst_fdpa_core_exact_sum<true>(p4, expa, expb, sa.half[ra], hb, all_zero, man_bits, accv, &bits)) {
-              accv = f32_from_bits(bits);
-              continue;
-            }
-            accv = lean_core_from_tiles(p4[0], p4[1], p4[2], p4[3], sa, sb, ra, rb, man_bits, all_zero, accv);
-            continue;
-          } else if constexpr (kLean) {
+          if constexpr (kLean) {
             int32_t sigb[kGstGroups], expb[kGstGroups];
             uint32_t all_zero = 0;
             FP4SIM_UNROLL
@@ -279,28 +216,16 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
             const uint32_t nan_b = *reinterpret_cast<const uint32_t*>(&sb.nan[rb][0]);
             uint32_t bits;
             if ((nan_a | nan_b) == 0 &&
-                gst_fdpa_core_lean<kBiased, kExpAdd>(p4, siga, expa, sigb, expb, all_zero, man_bits, accv, &bits)) {
-              accv = f32_from_bits(bits);
+                gst_fdpa_core_lean<kBiased, kExpAdd>(p4, siga, expa, sigb, expb, all_zero, man_bits, acc[i][j], &bits)) {
+              acc[i][j] = f32_from_bits(bits);
               continue;
             }
           }
-          if constexpr (kLean && !kExactSum && kRegs) {
-            accv = packed_core_from_values(p4[0], p4[1], p4[2], p4[3], sa, sb, ra, rb, man_bits, accv);
-            continue;
-          } else if constexpr (kLean && !kExactSum) {
-            accv = packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, accv);
+          if constexpr (kLean) {
+            acc[i][j] = packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, acc[i][j]);
             continue;
           }
-          accv = packed_core(p4, wa, sa, sb, ra, rb, man_bits, accv);
-        }
-        if constexpr (kRegs) {  // rows 1..3 move up, row 0 to the end: after kPer rows, the original order
-          FP4SIM_UNROLL
-          for (int j = 0; j < kPer; ++j) {
-            const float first = acc[0][j];
-            FP4SIM_UNROLL
-            for (int r = 0; r + 1 < kPer; ++r) acc[r][j] = acc[r + 1][j];
-            acc[kPer - 1][j] = first;
-          }
+          acc[i][j] = packed_core(p4, wa, sa, sb, ra, rb, man_bits, acc[i][j]);
         }
       }
     }
@@ -329,24 +254,17 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
 // CTAs per SM (77 / 64 registers without split-K, no spills, since the rare path is out of line).
 // 5 = 4 with zero scales' exponents biased (gst_fdpa_core_lean<true>) and the all-zero masks built
 // only where a group sum is zero. 6 (the default) = 5 with gst_fdpa_core_lean<true, true> (terms
-// scaled by exponent addition). 7 = 6 with gst_fdpa_core_exact_sum first (no truncation, no grid:
-// FP64 FMAs of the group sums with the halved scales), 6's core where it declines, with kRegs, at 3
-// CTAs per SM (80 registers, no spills); 8 = 6 with kRegs at 3 CTAs per SM; 9 = 7 at 4 CTAs per SM
-// (64 registers: spills). kRegs: the accumulators stay in registers (the row loop rotates them
-// instead of indexing them at run time) and the group sums reach the out-of-line paths by value.
-// H200, 8192^3
-// (validation/perf.md): 10.3 / 14.6 / 16.2 / 17.0 / 18.2 / 18.9 TFLOP/s for 1-6; 7 without kRegs and at 3 CTAs per SM 17.3 and 16.7 (ncu: 10% fewer
-// instructions than 6, but 66% issue-slot use against 80%, the accumulators in local memory); 7-9 as they
-// are now have not run yet.
-// A fourth-session experiment that took the group sums from int8 mma.sync instead of __dp4a ran at
-// 18.1 (no gain: the per-output core is the bottleneck) and was removed. A benchmark knob; the same
-// bits.
+// scaled by exponent addition). H200, 8192^3 (validation/perf.md): 10.3 / 14.6 / 16.2 / 17.0 /
+// 18.2 / 18.9 TFLOP/s for 1-6. Tried and removed, all bitwise equal and all slower: the group sums
+// from int8 mma.sync instead of __dp4a (18.1, commit 6da98bf); an untruncated FP64 exact-sum core
+// tried first, and accumulators kept in registers by rotating rows (16.4-18.2, commit 587b501).
+// A benchmark knob; the same bits.
 int g_gemm_exact_variant = kGemmExactDefaultVariant;
 
 }  // namespace
 
 void set_gemm_exact_variant(int variant) {
-  if (variant < 0 || variant > 9) throw std::invalid_argument("exact GEMM variant must be 0 to 9");
+  if (variant < 0 || variant > 6) throw std::invalid_argument("exact GEMM variant must be 0 to 6");
   g_gemm_exact_variant = variant;
 }
 
@@ -358,19 +276,13 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
     const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile), static_cast<unsigned>((a.rows + kTile - 1) / kTile));
     // [variant - 1][split-K]: the tiled kernels' instantiations
     using Kernel = void (*)(QuantizedView, QuantizedView, const float*, GemmConfig, void*);
-    static constexpr Kernel kTiled[9][2] = {
+    static constexpr Kernel kTiled[6][2] = {
         {gemm_exact_tiled_kernel<false, 1, false>, gemm_exact_tiled_kernel<false, 1, true>},
         {gemm_exact_tiled_kernel<true, 1, false>, gemm_exact_tiled_kernel<true, 1, true>},
         {gemm_exact_tiled_kernel<true, 3, false>, gemm_exact_tiled_kernel<true, 3, true>},
         {gemm_exact_tiled_kernel<true, 4, false>, gemm_exact_tiled_kernel<true, 4, true>},
         {gemm_exact_tiled_kernel<true, 4, false, true>, gemm_exact_tiled_kernel<true, 4, true, true>},
-        {gemm_exact_tiled_kernel<true, 4, false, true, true>, gemm_exact_tiled_kernel<true, 4, true, true, true>},
-        {gemm_exact_tiled_kernel<true, 3, false, true, true, true, true>,
-         gemm_exact_tiled_kernel<true, 3, true, true, true, true, true>},
-        {gemm_exact_tiled_kernel<true, 3, false, true, true, false, true>,
-         gemm_exact_tiled_kernel<true, 3, true, true, true, false, true>},
-        {gemm_exact_tiled_kernel<true, 4, false, true, true, true, true>,
-         gemm_exact_tiled_kernel<true, 4, true, true, true, true, true>}};
+        {gemm_exact_tiled_kernel<true, 4, false, true, true>, gemm_exact_tiled_kernel<true, 4, true, true, true>}};
     kTiled[g_gemm_exact_variant - 1][cfg.split_k > 1 ? 1 : 0]<<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
     FP4SIM_CUDA_CHECK_LAUNCH();
     return;
