@@ -54,29 +54,41 @@ class Backend {
 
   // ---- training-stack ops (issue 4): the names, argument orders and semantics of emu/layers.hpp
   // and emu/optim.hpp, on this backend's memory. A backend that lacks one says so by name.
+  // round_bf16 (last argument where present): every value the op writes to its activation output
+  // (out, or dinp for the backward ops; not mean/rstd or the parameter gradients) is rounded to
+  // BF16 (bf16_round) in the same op, the storage of BF16 activations, with the bits of the op
+  // followed by round_to_bf16 over that output.
   virtual void embedding_forward(float* /*out*/, const int32_t* /*tokens*/, const int32_t* /*pos*/, const float* /*wte*/,
                                  const float* /*wpe*/, int64_t /*N*/, int64_t /*C*/) { missing("embedding_forward"); }
   virtual void embedding_backward(float* /*dwte*/, float* /*dwpe*/, const float* /*dout*/, const int32_t* /*tokens*/,
                                   const int32_t* /*pos*/, int64_t /*N*/, int64_t /*C*/) { missing("embedding_backward"); }
   virtual void layernorm_forward(float* /*out*/, float* /*mean*/, float* /*rstd*/, const float* /*inp*/, const float* /*weight*/,
-                                 const float* /*bias*/, int64_t /*N*/, int64_t /*C*/) { missing("layernorm_forward"); }
+                                 const float* /*bias*/, int64_t /*N*/, int64_t /*C*/, bool /*round_bf16*/) {
+    missing("layernorm_forward");
+  }
   virtual void layernorm_backward(float* /*dinp*/, float* /*dweight*/, float* /*dbias*/, const float* /*dout*/,
                                   const float* /*inp*/, const float* /*weight*/, const float* /*mean*/,
-                                  const float* /*rstd*/, int64_t /*N*/, int64_t /*C*/) { missing("layernorm_backward"); }
+                                  const float* /*rstd*/, int64_t /*N*/, int64_t /*C*/, bool /*round_bf16*/) {
+    missing("layernorm_backward");
+  }
   virtual void rmsnorm_forward(float* /*out*/, float* /*rstd*/, const float* /*inp*/, const float* /*weight*/, int64_t /*N*/,
-                               int64_t /*C*/) { missing("rmsnorm_forward"); }
+                               int64_t /*C*/, bool /*round_bf16*/) { missing("rmsnorm_forward"); }
   virtual void rmsnorm_backward(float* /*dinp*/, float* /*dweight*/, const float* /*dout*/, const float* /*inp*/,
-                                const float* /*weight*/, const float* /*rstd*/, int64_t /*N*/, int64_t /*C*/) {
+                                const float* /*weight*/, const float* /*rstd*/, int64_t /*N*/, int64_t /*C*/,
+                                bool /*round_bf16*/) {
     missing("rmsnorm_backward");
   }
   virtual void matmul_forward(float* /*out*/, const float* /*inp*/, const float* /*weight*/, const float* /*bias*/,
-                              int64_t /*N*/, int64_t /*K*/, int64_t /*OC*/, emu::GemmPrecision /*prec*/) {
+                              int64_t /*N*/, int64_t /*K*/, int64_t /*OC*/, emu::GemmPrecision /*prec*/,
+                              bool /*round_bf16*/) {
     missing("matmul_forward");
   }
   virtual void matmul_backward(float* /*dinp*/, float* /*dweight*/, float* /*dbias*/, const float* /*dout*/,
                                const float* /*inp*/, const float* /*weight*/, int64_t /*N*/, int64_t /*K*/, int64_t /*OC*/,
                                emu::GemmPrecision /*prec*/) { missing("matmul_backward"); }
-  virtual void bias_forward(float* /*out*/, const float* /*bias*/, int64_t /*N*/, int64_t /*OC*/) { missing("bias_forward"); }
+  virtual void bias_forward(float* /*out*/, const float* /*bias*/, int64_t /*N*/, int64_t /*OC*/, bool /*round_bf16*/) {
+    missing("bias_forward");
+  }
   virtual void bias_backward(float* /*dbias*/, const float* /*dout*/, int64_t /*N*/, int64_t /*OC*/) {
     missing("bias_backward");
   }
@@ -97,20 +109,33 @@ class Backend {
   virtual void rope_backward(float* /*dqkv*/, int64_t /*B*/, int64_t /*T*/, int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/) {
     missing("rope_backward");
   }
-  virtual void gelu_forward(float* /*out*/, const float* /*inp*/, int64_t /*n*/) { missing("gelu_forward"); }
-  virtual void gelu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*n*/) { missing("gelu_backward"); }
-  virtual void squared_relu_forward(float* /*out*/, const float* /*inp*/, int64_t /*n*/) { missing("squared_relu_forward"); }
-  virtual void squared_relu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*n*/) {
+  virtual void gelu_forward(float* /*out*/, const float* /*inp*/, int64_t /*n*/, bool /*round_bf16*/) {
+    missing("gelu_forward");
+  }
+  virtual void gelu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*n*/,
+                             bool /*round_bf16*/) {
+    missing("gelu_backward");
+  }
+  virtual void squared_relu_forward(float* /*out*/, const float* /*inp*/, int64_t /*n*/, bool /*round_bf16*/) {
+    missing("squared_relu_forward");
+  }
+  virtual void squared_relu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*n*/,
+                                     bool /*round_bf16*/) {
     missing("squared_relu_backward");
   }
-  virtual void swiglu_forward(float* /*out*/, const float* /*inp*/, int64_t /*N*/, int64_t /*F*/) { missing("swiglu_forward"); }
-  virtual void swiglu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*N*/, int64_t /*F*/) {
+  virtual void swiglu_forward(float* /*out*/, const float* /*inp*/, int64_t /*N*/, int64_t /*F*/, bool /*round_bf16*/) {
+    missing("swiglu_forward");
+  }
+  virtual void swiglu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*N*/, int64_t /*F*/,
+                               bool /*round_bf16*/) {
     missing("swiglu_backward");
   }
   // x (n) = bf16_round(x) in place (RNE; NaN -> the canonical BF16 NaN): BF16 storage of activations.
   virtual void round_to_bf16(float* /*x*/, int64_t /*n*/) { missing("round_to_bf16"); }
   // out (n) = a + b (the residual stream; FP32 RN).
-  virtual void residual_forward(float* /*out*/, const float* /*a*/, const float* /*b*/, int64_t /*n*/) { missing("residual_forward"); }
+  virtual void residual_forward(float* /*out*/, const float* /*a*/, const float* /*b*/, int64_t /*n*/, bool /*round_bf16*/) {
+    missing("residual_forward");
+  }
   virtual void crossentropy_softmax_forward(float* /*losses*/, float* /*probs*/, const float* /*logits*/,
                                             const int32_t* /*targets*/, int64_t /*N*/, int64_t /*V*/) {
     missing("crossentropy_softmax_forward");

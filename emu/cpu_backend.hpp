@@ -45,25 +45,30 @@ class CpuBackend final : public Backend {
     emu::embedding_backward(dwte, dwpe, dout, tokens, pos, N, C);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                         const float* bias, int64_t N, int64_t C) override {
+                         const float* bias, int64_t N, int64_t C, bool round_bf16) override {
     emu::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
+    if (round_bf16) emu::round_to_bf16(out, N * C);
   }
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                           const float* weight, const float* mean, const float* rstd, int64_t N,
-                          int64_t C) override {
+                          int64_t C, bool round_bf16) override {
     emu::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+    if (round_bf16) emu::round_to_bf16(dinp, N * C);
   }
   void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
-                       int64_t C) override {
+                       int64_t C, bool round_bf16) override {
     emu::rmsnorm_forward(out, rstd, inp, weight, N, C);
+    if (round_bf16) emu::round_to_bf16(out, N * C);
   }
   void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                        const float* weight, const float* rstd, int64_t N, int64_t C) override {
+                        const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16) override {
     emu::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+    if (round_bf16) emu::round_to_bf16(dinp, N * C);
   }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N,
-                      int64_t K, int64_t OC, emu::GemmPrecision prec) override {
+                      int64_t K, int64_t OC, emu::GemmPrecision prec, bool round_bf16) override {
     emu::matmul_forward(out, inp, weight, bias, N, K, OC, prec);
+    if (round_bf16) emu::round_to_bf16(out, N * OC);
   }
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int64_t N, int64_t K, int64_t OC,
@@ -85,31 +90,42 @@ class CpuBackend final : public Backend {
   void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override {
     emu::rope_backward(dqkv, B, T, NH, NKV, HD);
   }
-  void gelu_forward(float* out, const float* inp, int64_t n) override { emu::gelu_forward(out, inp, n); }
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
+  void gelu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override {
+    emu::gelu_forward(out, inp, n);
+    if (round_bf16) emu::round_to_bf16(out, n);
+  }
+  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) override {
     emu::gelu_backward(dinp, inp, dout, n);
+    if (round_bf16) emu::round_to_bf16(dinp, n);
   }
-  void squared_relu_forward(float* out, const float* inp, int64_t n) override {
+  void squared_relu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override {
     emu::squared_relu_forward(out, inp, n);
+    if (round_bf16) emu::round_to_bf16(out, n);
   }
-  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
+  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) override {
     emu::squared_relu_backward(dinp, inp, dout, n);
+    if (round_bf16) emu::round_to_bf16(dinp, n);
   }
-  void bias_forward(float* out, const float* bias, int64_t N, int64_t OC) override {
+  void bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) override {
     emu::bias_forward(out, bias, N, OC);
+    if (round_bf16) emu::round_to_bf16(out, N * OC);
   }
   void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override {
     emu::bias_backward(dbias, dout, N, OC);
   }
   void round_to_bf16(float* x, int64_t n) override { emu::round_to_bf16(x, n); }
-  void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) override {
+  void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F, bool round_bf16) override {
     emu::swiglu_forward(out, inp, N, F);
+    if (round_bf16) emu::round_to_bf16(out, N * F);
   }
-  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) override {
+  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F,
+                       bool round_bf16) override {
     emu::swiglu_backward(dinp, inp, dout, N, F);
+    if (round_bf16) emu::round_to_bf16(dinp, N * 2 * F);
   }
-  void residual_forward(float* out, const float* a, const float* b, int64_t n) override {
+  void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override {
     for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+    if (round_bf16) emu::round_to_bf16(out, n);
   }
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
                                     const int32_t* targets, int64_t N, int64_t V) override {

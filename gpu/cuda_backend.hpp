@@ -54,16 +54,16 @@ class CudaBackend final : public Backend {
   void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
                           const int32_t* pos, int64_t N, int64_t C) override;
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                         const float* weight, const float* bias, int64_t N, int64_t C) override;
+                         const float* weight, const float* bias, int64_t N, int64_t C, bool round_bf16) override;
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                           const float* inp, const float* weight, const float* mean,
-                          const float* rstd, int64_t N, int64_t C) override;
+                          const float* rstd, int64_t N, int64_t C, bool round_bf16) override;
   void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
-                       int64_t C) override;
+                       int64_t C, bool round_bf16) override;
   void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                        const float* weight, const float* rstd, int64_t N, int64_t C) override;
+                        const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16) override;
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                      int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec) override;
+                      int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec, bool round_bf16) override;
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                        const float* inp, const float* weight, int64_t N, int64_t K, int64_t OC,
                        emu::GemmPrecision prec) override;
@@ -78,16 +78,16 @@ class CudaBackend final : public Backend {
                     int64_t HD) override;
   void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                      int64_t HD) override;
-  void gelu_forward(float* out, const float* inp, int64_t n) override;
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override;
-  void squared_relu_forward(float* out, const float* inp, int64_t n) override;
-  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override;
-  void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) override;
-  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) override;
-  void bias_forward(float* out, const float* bias, int64_t N, int64_t OC) override;
+  void gelu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override;
+  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) override;
+  void squared_relu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override;
+  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) override;
+  void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F, bool round_bf16) override;
+  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F, bool round_bf16) override;
+  void bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) override;
   void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override;
   void round_to_bf16(float* x, int64_t n) override;
-  void residual_forward(float* out, const float* a, const float* b, int64_t n) override;
+  void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override;
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
                                     const int32_t* targets, int64_t N, int64_t V) override;
   void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,

@@ -202,6 +202,10 @@ __global__ void embedding_scatter_kernel(float* dtable, const float* dout, const
 
 // ---- layernorm / rmsnorm ----------------------------------------------------------------------
 
+// An activation value as stored: bf16_round when the op's round_bf16 is set (the model's BF16
+// activations, Backend's contract), else as computed. The same function as round_to_bf16's.
+__device__ __forceinline__ float stored(float v, bool round_bf16) { return round_bf16 ? bf16_round(v) : v; }
+
 // One block per row n. mean and variance: each thread sums its strided elements in increasing
 // index order, then block_sum (fixed tree), FP32 RN; var = sum((x - mean)^2) / C (two passes, as
 // the emulator); rstd = 1 / sqrt(var + eps) (IEEE sqrt and division).
@@ -209,7 +213,7 @@ __global__ void embedding_scatter_kernel(float* dtable, const float* dout, const
 // Agreement with the emulator: bounded (the row sums are a tree, not sequential).
 __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp,
                                          const float* weight, const float* bias, int64_t C,
-                                         float c_f32, float eps) {
+                                         float c_f32, float eps, bool round_bf16) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   float s = 0.0f;
@@ -224,7 +228,7 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
   const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(v, eps)));
   float* o = out + n * C;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    o[i] = __fadd_rn(__fmul_rn(__fmul_rn(r, __fsub_rn(x[i], m)), weight[i]), bias[i]);
+    o[i] = stored(__fadd_rn(__fmul_rn(__fmul_rn(r, __fsub_rn(x[i], m)), weight[i]), bias[i]), round_bf16);
   if (threadIdx.x == 0) {
     mean[n] = m;
     rstd[n] = r;
@@ -236,7 +240,7 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
 // divided by C. Bounded against the emulator (tree vs sequential row sums).
 __global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp,
                                                const float* weight, const float* mean,
-                                               const float* rstd, int64_t C, float c_f32) {
+                                               const float* rstd, int64_t C, float c_f32, bool round_bf16) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   const float* dy = dout + n * C;
@@ -254,9 +258,10 @@ __global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, c
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     const float norm = __fmul_rn(__fsub_rn(x[i], m), s);
     const float dnorm = __fmul_rn(weight[i], dy[i]);
-    dx[i] = __fadd_rn(dx[i], __fmul_rn(__fsub_rn(__fsub_rn(dnorm, dnorm_mean),
-                                                 __fmul_rn(norm, dnorm_norm_mean)),
-                                       s));
+    dx[i] = stored(__fadd_rn(dx[i], __fmul_rn(__fsub_rn(__fsub_rn(dnorm, dnorm_mean),
+                                                        __fmul_rn(norm, dnorm_norm_mean)),
+                                              s)),
+                   round_bf16);
   }
 }
 
@@ -285,7 +290,7 @@ __global__ void layernorm_backward_partial_kernel(float* partial, const float* d
 // One block per row: ms = block_sum(x * x) / C (FP32 tree), rstd = 1 / sqrt(ms + eps);
 // out (N,C) = (x * rstd) * weight. Bounded against the emulator.
 __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* inp,
-                                       const float* weight, int64_t C, float c_f32, float eps) {
+                                       const float* weight, int64_t C, float c_f32, float eps, bool round_bf16) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   float ss = 0.0f;
@@ -293,7 +298,7 @@ __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* inp
   const float ms = __fdiv_rn(block_sum(ss), c_f32);
   const float s = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    out[n * C + i] = __fmul_rn(__fmul_rn(x[i], s), weight[i]);
+    out[n * C + i] = stored(__fmul_rn(__fmul_rn(x[i], s), weight[i]), round_bf16);
   if (threadIdx.x == 0) rstd[n] = s;
 }
 
@@ -301,7 +306,7 @@ __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* inp
 // dot = sum_i (dout * weight) * x (block_sum tree, FP32). Bounded against the emulator.
 __global__ void rmsnorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp,
                                              const float* weight, const float* rstd, int64_t C,
-                                             float c_f32) {
+                                             float c_f32, bool round_bf16) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   const float* dy = dout + n * C;
@@ -312,8 +317,9 @@ __global__ void rmsnorm_backward_dinp_kernel(float* dinp, const float* dout, con
   dot = block_sum(dot);
   const float k = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(dot, s), s), s), c_f32);
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    dinp[n * C + i] = __fadd_rn(dinp[n * C + i], __fsub_rn(__fmul_rn(__fmul_rn(dy[i], weight[i]), s),
-                                                           __fmul_rn(x[i], k)));
+    dinp[n * C + i] = stored(__fadd_rn(dinp[n * C + i], __fsub_rn(__fmul_rn(__fmul_rn(dy[i], weight[i]), s),
+                                                                  __fmul_rn(x[i], k))),
+                             round_bf16);
 }
 
 // Partial column sums for dweight: sum_n (dout * x) * rstd; partial (chunks, C), chunk 0
@@ -362,12 +368,12 @@ __global__ void round_to_bf16_kernel(uint16_t* dst, const float* src, int64_t n)
 
 // out (N,OC) += bias (OC), one FP32 RN addition after the GEMM, as the emulator: bitwise given the
 // GEMM's value. grid.y walks the rows, x the columns (no per-element division).
-__global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_t OC) {
+__global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) {
   for (int64_t r = blockIdx.y; r < N; r += gridDim.y) {
     float* row = out + r * OC;
     for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < OC;
          c += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      row[c] = __fadd_rn(row[c], bias[c]);
+      row[c] = stored(__fadd_rn(row[c], bias[c]), round_bf16);
   }
 }
 dim3 bias_grid(int64_t N, int64_t OC) {
@@ -413,20 +419,20 @@ __global__ void rope_kernel(float* x, const float* cos_sin, int64_t B, int64_t T
 // GELU (tanh approximation), the emulator's order: cube = ((0.044715 x) x) x;
 // out = (0.5 x) (1 + tanhf(sqrt(2/pi) (x + cube))). CUDA tanhf (<= 2 ulp): a few ulp from the
 // emulator, not bitwise.
-__global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n) {
+__global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n, bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float x = inp[j];
     const float cube = __fmul_rn(__fmul_rn(__fmul_rn(kGeluCubic, x), x), x);
-    out[j] = __fmul_rn(__fmul_rn(0.5f, x),
-                       __fadd_rn(1.0f, tanhf(__fmul_rn(kGeluScale, __fadd_rn(x, cube)))));
+    out[j] = stored(__fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(__fmul_rn(kGeluScale, __fadd_rn(x, cube))))),
+                    round_bf16);
   }
 }
 
 // dinp (n) += local * dout, local = 0.5 (1 + t) + (((x 0.5) sech2) sqrt(2/pi)) (1 + (3 0.044715) x x),
 // t = tanhf(sqrt(2/pi) (x + cube)), sech2 = 1 - t t; left to right as the emulator writes it.
 // CUDA tanhf: not bitwise (1 - t^2 amplifies an ulp of t where |t| is near 1).
-__global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n) {
+__global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float x = inp[j];
@@ -437,28 +443,28 @@ __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float*
     const float local =
         __fadd_rn(__fmul_rn(0.5f, __fadd_rn(1.0f, t)),
                   __fmul_rn(__fmul_rn(__fmul_rn(__fmul_rn(x, 0.5f), sech2), kGeluScale), poly));
-    dinp[j] = __fadd_rn(dinp[j], __fmul_rn(local, dout[j]));
+    dinp[j] = stored(__fadd_rn(dinp[j], __fmul_rn(local, dout[j])), round_bf16);
   }
 }
 
 // out = max(x, 0)^2 as `x > 0 ? x : 0` (NaN -> 0), squared RN: bitwise.
-__global__ void squared_relu_forward_kernel(float* out, const float* inp, int64_t n) {
+__global__ void squared_relu_forward_kernel(float* out, const float* inp, int64_t n, bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float r = inp[j] > 0.0f ? inp[j] : 0.0f;
-    out[j] = __fmul_rn(r, r);
+    out[j] = stored(__fmul_rn(r, r), round_bf16);
   }
 }
 
 // dinp += (x > 0 ? 2 x : 0) * dout: bitwise.
 __global__ void squared_relu_backward_kernel(float* dinp, const float* inp, const float* dout,
-                                             int64_t n) {
+                                             int64_t n, bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dinp[j] = __fadd_rn(dinp[j], __fmul_rn(inp[j] > 0.0f ? __fmul_rn(2.0f, inp[j]) : 0.0f, dout[j]));
+    dinp[j] = stored(__fadd_rn(dinp[j], __fmul_rn(inp[j] > 0.0f ? __fmul_rn(2.0f, inp[j]) : 0.0f, dout[j])),
+                     round_bf16);
 }
 
-// out = a + b, FP32 RN: bitwise.
 // x = bf16_round(x): the emulator's function, bitwise.
 __global__ void round_to_bf16_inplace_kernel(float* x, int64_t n) {
   grid_stride_by4(
@@ -474,29 +480,32 @@ __global__ void round_to_bf16_inplace_kernel(float* x, int64_t n) {
       [&](int64_t i) { x[i] = bf16_round(x[i]); });
 }
 
-__global__ void residual_forward_kernel(float* out, const float* a, const float* b, int64_t n) {
+// out = a + b, FP32 RN (then bf16_round when round_bf16): bitwise.
+__global__ void residual_forward_kernel(float* out, const float* a, const float* b, int64_t n, bool round_bf16) {
   grid_stride_by4(
       n, aligned16(out) && aligned16(a) && aligned16(b),
       [&](int64_t j) {
         const float4 u = reinterpret_cast<const float4*>(a)[j], w = reinterpret_cast<const float4*>(b)[j];
         reinterpret_cast<float4*>(out)[j] =
-            make_float4(__fadd_rn(u.x, w.x), __fadd_rn(u.y, w.y), __fadd_rn(u.z, w.z), __fadd_rn(u.w, w.w));
+            make_float4(stored(__fadd_rn(u.x, w.x), round_bf16), stored(__fadd_rn(u.y, w.y), round_bf16),
+                        stored(__fadd_rn(u.z, w.z), round_bf16), stored(__fadd_rn(u.w, w.w), round_bf16));
       },
-      [&](int64_t i) { out[i] = __fadd_rn(a[i], b[i]); });
+      [&](int64_t i) { out[i] = stored(__fadd_rn(a[i], b[i]), round_bf16); });
 }
 
 // SwiGLU on inp (N, 2F) = [gate | up] per row: the emulator's expressions in its order, CUDA expf
 // instead of glibc's exp (a few ulp).
-__global__ void swiglu_forward_kernel(float* out, const float* inp, int64_t N, int64_t F) {
+__global__ void swiglu_forward_kernel(float* out, const float* inp, int64_t N, int64_t F, bool round_bf16) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * F;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = e / F, i = e - n * F;
     const float g = inp[n * 2 * F + i], u = inp[n * 2 * F + F + i];
-    out[e] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+    out[e] = stored(__fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u), round_bf16);
   }
 }
 
-__global__ void swiglu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) {
+__global__ void swiglu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F,
+                                       bool round_bf16) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * F;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = e / F, i = e - n * F;
@@ -505,8 +514,8 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
     const float silu = __fmul_rn(g, sig);
     const float dy = dout[e];
     const float dsilu = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sig))));
-    dinp[n * 2 * F + i] = __fadd_rn(dinp[n * 2 * F + i], __fmul_rn(__fmul_rn(dy, u), dsilu));
-    dinp[n * 2 * F + F + i] = __fadd_rn(dinp[n * 2 * F + F + i], __fmul_rn(dy, silu));
+    dinp[n * 2 * F + i] = stored(__fadd_rn(dinp[n * 2 * F + i], __fmul_rn(__fmul_rn(dy, u), dsilu)), round_bf16);
+    dinp[n * 2 * F + F + i] = stored(__fadd_rn(dinp[n * 2 * F + F + i], __fmul_rn(dy, silu)), round_bf16);
   }
 }
 
@@ -810,11 +819,12 @@ void CudaBackend::embedding_backward(float* dwte, float* dwpe, const float* dout
 }
 
 void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                                    const float* weight, const float* bias, int64_t N, int64_t C) {
+                                    const float* weight, const float* bias, int64_t N, int64_t C,
+                                    bool round_bf16) {
   require_rows("layernorm_forward", N);
   if (N == 0 || C == 0) return;
   layernorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      out, mean, rstd, inp, weight, bias, C, static_cast<float>(C), kNormEps);
+      out, mean, rstd, inp, weight, bias, C, static_cast<float>(C), kNormEps, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -822,11 +832,11 @@ void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const 
 // seeded with the current value, chunks summed in order (bitwise the emulator's when N <= 64).
 void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                      const float* inp, const float* weight, const float* mean,
-                                     const float* rstd, int64_t N, int64_t C) {
+                                     const float* rstd, int64_t N, int64_t C, bool round_bf16) {
   require_rows("layernorm_backward", N);
   if (N == 0 || C == 0) return;
   layernorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      dinp, dout, inp, weight, mean, rstd, C, static_cast<float>(C));
+      dinp, dout, inp, weight, mean, rstd, C, static_cast<float>(C), round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
   const int64_t chunks = column_chunks(N);
   float* partial = layers_state().columns.get<float>(static_cast<size_t>(2 * chunks * C), stream_);
@@ -838,20 +848,21 @@ void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, 
 }
 
 void CudaBackend::rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
-                                  int64_t N, int64_t C) {
+                                  int64_t N, int64_t C, bool round_bf16) {
   require_rows("rmsnorm_forward", N);
   if (N == 0 || C == 0) return;
   rmsnorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      out, rstd, inp, weight, C, static_cast<float>(C), kNormEps);
+      out, rstd, inp, weight, C, static_cast<float>(C), kNormEps, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                                   const float* weight, const float* rstd, int64_t N, int64_t C) {
+                                   const float* weight, const float* rstd, int64_t N, int64_t C,
+                                   bool round_bf16) {
   require_rows("rmsnorm_backward", N);
   if (N == 0 || C == 0) return;
   rmsnorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      dinp, dout, inp, weight, rstd, C, static_cast<float>(C));
+      dinp, dout, inp, weight, rstd, C, static_cast<float>(C), round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
   float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
   rmsnorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream_>>>(
@@ -861,9 +872,10 @@ void CudaBackend::rmsnorm_backward(float* dinp, float* dweight, const float* dou
 }
 
 // out (N,OC) = inp (N,K) W (OC,K)^T, then + bias. Row-major out is col-major out^T (OC x N) =
-// W (op T of the col-major (K x OC) view) * inp^T (the col-major (K x N) view).
+// W (op T of the col-major (K x OC) view) * inp^T (the col-major (K x N) view). The BF16 rounding
+// of the output rides on the bias pass (one pass instead of two), or has its own without a bias.
 void CudaBackend::matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                                 int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec) {
+                                 int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec, bool round_bf16) {
   if (N == 0 || OC == 0) return;
   if (K == 0) {
     FP4SIM_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(N * OC) * sizeof(float), stream_));
@@ -875,8 +887,10 @@ void CudaBackend::matmul_forward(float* out, const float* inp, const float* weig
     lt_matmul(st.lt, bf16, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f, stream_);
   }
   if (bias) {
-    add_bias_kernel<<<bias_grid(N, OC), kThreads, 0, stream_>>>(out, bias, N, OC);
+    add_bias_kernel<<<bias_grid(N, OC), kThreads, 0, stream_>>>(out, bias, N, OC, round_bf16);
     FP4SIM_CUDA_CHECK_LAUNCH();
+  } else if (round_bf16) {
+    round_to_bf16(out, N * OC);
   }
 }
 
@@ -944,45 +958,45 @@ void CudaBackend::rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, i
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::gelu_forward(float* out, const float* inp, int64_t n) {
+void CudaBackend::gelu_forward(float* out, const float* inp, int64_t n, bool round_bf16) {
   if (n == 0) return;
-  gelu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, inp, n);
+  gelu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, inp, n, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) {
   if (n == 0) return;
-  gelu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n);
+  gelu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::squared_relu_forward(float* out, const float* inp, int64_t n) {
+void CudaBackend::squared_relu_forward(float* out, const float* inp, int64_t n, bool round_bf16) {
   if (n == 0) return;
-  squared_relu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, inp, n);
+  squared_relu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, inp, n, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+void CudaBackend::squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) {
   if (n == 0) return;
-  squared_relu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n);
+  squared_relu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) {
+void CudaBackend::swiglu_forward(float* out, const float* inp, int64_t N, int64_t F, bool round_bf16) {
   if (N * F == 0) return;
-  swiglu_forward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(out, inp, N, F);
+  swiglu_forward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(out, inp, N, F, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F) {
+void CudaBackend::swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F, bool round_bf16) {
   if (N * F == 0) return;
-  swiglu_backward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(dinp, inp, dout, N, F);
+  swiglu_backward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(dinp, inp, dout, N, F, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::bias_forward(float* out, const float* bias, int64_t N, int64_t OC) {
+void CudaBackend::bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) {
   if (N * OC == 0) return;
-  add_bias_kernel<<<bias_grid(N, OC), kThreads, 0, stream_>>>(out, bias, N, OC);
+  add_bias_kernel<<<bias_grid(N, OC), kThreads, 0, stream_>>>(out, bias, N, OC, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -1001,9 +1015,9 @@ void CudaBackend::round_to_bf16(float* x, int64_t n) {
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::residual_forward(float* out, const float* a, const float* b, int64_t n) {
+void CudaBackend::residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) {
   if (n == 0) return;
-  residual_forward_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(out, a, b, n);
+  residual_forward_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(out, a, b, n, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

@@ -104,11 +104,13 @@ void Gpt::store(float* x, int64_t n) {
   if (cfg_.activation_dtype == "bf16") be_.round_to_bf16(x, n);
 }
 
-void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC) {
+void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
+                     bool round_bf16) {
   const std::string name = lname(l, kLinearNames[linear]);
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
-                 cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
+                 cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, round_bf16,
+                 stats_active_ ? &stats_ : nullptr, name,
                  &acts_[static_cast<size_t>(l)].saved_x[linear]);
 }
 
@@ -257,50 +259,45 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   be_.upload(tokens_.get(), tokens, static_cast<size_t>(N) * 4);
   be_.upload(targets_.get(), targets, static_cast<size_t>(N) * 4);
   be_.upload(pos_.get(), pos.data(), static_cast<size_t>(N) * 4);
-  const bool ln = c.norm == "layernorm";
+  const bool ln = c.norm == "layernorm", rb = round_bf16();
   auto F32 = [](const BackendBuffer& b) { return b.as<float>(); };
   be_.embedding_forward(F32(emb_), tokens_.as<int32_t>(), pos_.as<int32_t>(), p("wte"),
                         c.positions == "learned" ? p("wpe") : nullptr, N, C);
   store(F32(emb_), N * C);
   const float* x = F32(emb_);
   auto norm_fwd = [&](float* out, BackendBuffer& mean, BackendBuffer& rstd, const float* in, const std::string& pre) {
-    if (ln) be_.layernorm_forward(out, F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N, C);
-    else be_.rmsnorm_forward(out, F32(rstd), in, p(pre + ".weight"), N, C);
-    store(out, N * C);
+    if (ln) be_.layernorm_forward(out, F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N, C, rb);
+    else be_.rmsnorm_forward(out, F32(rstd), in, p(pre + ".weight"), N, C, rb);
   };
   for (int64_t l = 0; l < c.n_layers; ++l) {
     LayerActs& a = acts_[static_cast<size_t>(l)];
     float* const ln1 = linear_input(l, 0);
     norm_fwd(ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
-    linear_fwd(l, 0, F32(a.qkv), ln1, N, C, QKV);
-    if (c.positions == "rope") be_.rope_forward(F32(a.qkv), B, T, NH, NKV, HD);
-    store(F32(a.qkv), N * QKV);
+    // RoPE rotates the GEMM's output: then the rounding comes after it
+    linear_fwd(l, 0, F32(a.qkv), ln1, N, C, QKV, rb && c.positions != "rope");
+    if (c.positions == "rope") {
+      be_.rope_forward(F32(a.qkv), B, T, NH, NKV, HD);
+      store(F32(a.qkv), N * QKV);
+    }
     float* const atty = linear_input(l, 1);
     be_.attention_forward(atty, F32(a.lse), F32(a.qkv), B, T, NH, NKV, HD, prec_);
     store(atty, N * C);
-    linear_fwd(l, 1, F32(a.attproj), atty, N, C, C);
-    store(F32(a.attproj), N * C);
-    be_.residual_forward(F32(a.res1), x, F32(a.attproj), N * C);
-    store(F32(a.res1), N * C);
+    linear_fwd(l, 1, F32(a.attproj), atty, N, C, C, rb);
+    be_.residual_forward(F32(a.res1), x, F32(a.attproj), N * C, rb);
     float* const ln2 = linear_input(l, 2);
     norm_fwd(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
-    linear_fwd(l, 2, F32(a.fc), ln2, N, C, FC);
-    store(F32(a.fc), N * FC);
+    linear_fwd(l, 2, F32(a.fc), ln2, N, C, FC, rb);
     float* const act = linear_input(l, 3);
-    if (c.activation == "gelu_tanh") be_.gelu_forward(act, F32(a.fc), N * F);
-    else if (c.activation == "squared_relu") be_.squared_relu_forward(act, F32(a.fc), N * F);
-    else be_.swiglu_forward(act, F32(a.fc), N, F);
-    store(act, N * F);
-    linear_fwd(l, 3, F32(a.fcproj), act, N, F, C);
-    store(F32(a.fcproj), N * C);
-    be_.residual_forward(F32(a.res2), F32(a.res1), F32(a.fcproj), N * C);
-    store(F32(a.res2), N * C);
+    if (c.activation == "gelu_tanh") be_.gelu_forward(act, F32(a.fc), N * F, rb);
+    else if (c.activation == "squared_relu") be_.squared_relu_forward(act, F32(a.fc), N * F, rb);
+    else be_.swiglu_forward(act, F32(a.fc), N, F, rb);
+    linear_fwd(l, 3, F32(a.fcproj), act, N, F, C, rb);
+    be_.residual_forward(F32(a.res2), F32(a.res1), F32(a.fcproj), N * C, rb);
     x = F32(a.res2);
   }
   norm_fwd(F32(lnf_), lnf_mean_, lnf_rstd_, x, "ln_f");
   be_.matmul_forward(F32(logits_), F32(lnf_), c.tied_embeddings ? p("wte") : p("lm_head.weight"), nullptr, N, C,
-                     V, prec_);
-  store(F32(logits_), N * V);
+                     V, prec_, rb);
   be_.crossentropy_softmax_forward(F32(losses_), F32(probs_), F32(logits_), targets_.as<int32_t>(), N, V);
   std::vector<float> losses(static_cast<size_t>(N));
   be_.download(losses.data(), F32(losses_), losses.size() * 4);
@@ -314,7 +311,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   const int64_t B = B_, T = T_, N = B * T, C = c.d_model, NH = c.n_heads, NKV = c.n_kv_heads, HD = C / NH;
   const int64_t QKV = (NH + 2 * NKV) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
   if (N == 0) throw std::logic_error("backward: no forward pass to differentiate");
-  const bool ln = c.norm == "layernorm";
+  const bool ln = c.norm == "layernorm", rb = round_bf16();
   auto F32 = [](const BackendBuffer& b) { return b.as<float>(); };
   auto zero = [&](const BackendBuffer& b, int64_t n) { be_.zero(b.get(), static_cast<size_t>(n) * 4); };
   if (micro_batches < 1) throw std::invalid_argument("backward: micro_batches must be >= 1");
@@ -331,13 +328,12 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   auto norm_bwd = [&](float* din, const float* dout, const float* in, const BackendBuffer& mean,
                       const BackendBuffer& rstd, const std::string& pre) {
     if (ln) be_.layernorm_backward(din, g(pre + ".weight"), g(pre + ".bias"), dout, in, p(pre + ".weight"),
-                                   F32(mean), F32(rstd), N, C);
-    else be_.rmsnorm_backward(din, g(pre + ".weight"), dout, in, p(pre + ".weight"), F32(rstd), N, C);
+                                   F32(mean), F32(rstd), N, C, rb);
+    else be_.rmsnorm_backward(din, g(pre + ".weight"), dout, in, p(pre + ".weight"), F32(rstd), N, C, rb);
   };
   store(F32(dlnf_), N * C);
   const float* last = c.n_layers ? F32(acts_.back().res2) : F32(emb_);
   norm_bwd(F32(dx_), F32(dlnf_), last, lnf_mean_, lnf_rstd_, "ln_f");
-  store(F32(dx_), N * C);
   // dx holds d(residual stream) at the top; walk the layers down. The norms' backward passes
   // accumulate into dx, which is how the residual branches add up.
   for (int64_t l = c.n_layers - 1; l >= 0; --l) {
@@ -348,14 +344,12 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     zero(dln2_, N * C);
     linear_bwd(l, 3, F32(dact_), F32(dx_), N, F, C);
     store(F32(dact_), N * F);
-    if (c.activation == "gelu_tanh") be_.gelu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F);
-    else if (c.activation == "squared_relu") be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F);
-    else be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F);
-    store(F32(dfc_), N * FC);
+    if (c.activation == "gelu_tanh") be_.gelu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb);
+    else if (c.activation == "squared_relu") be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb);
+    else be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F, rb);
     linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC);
     store(F32(dln2_), N * C);
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
-    store(F32(dx_), N * C);
     zero(datty_, N * C);
     zero(dqkv_, N * QKV);
     zero(dln1_, N * C);
@@ -369,7 +363,6 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     linear_bwd(l, 0, F32(dln1_), F32(dqkv_), N, C, QKV);
     store(F32(dln1_), N * C);
     norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"));
-    store(F32(dx_), N * C);
   }
   be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_), tokens_.as<int32_t>(),
                          pos_.as<int32_t>(), N, C);

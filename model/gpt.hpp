@@ -103,9 +103,12 @@ class Gpt {
   int64_t fc_width() const { return cfg_.activation == "swiglu" ? 2 * cfg_.d_ff : cfg_.d_ff; }
 
   // The storage of an activation or activation gradient: rounded to BF16 unless
-  // model.activation_dtype = fp32 (DESIGN.md §9).
+  // model.activation_dtype = fp32 (DESIGN.md §9). Ops that can round their own output take
+  // round_bf16() instead (one pass over the array instead of two); store is for the rest.
   void store(float* x, int64_t n);
-  void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC);
+  bool round_bf16() const { return cfg_.activation_dtype == "bf16"; }
+  void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
+                  bool round_bf16);
   void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC);
 
   ModelConfig cfg_;

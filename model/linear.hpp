@@ -83,10 +83,11 @@ struct QuantizedCopy {
 // quantized, x's column-wise Wgrad copy is made here and kept there (else reset), so the backward
 // pass can run without the FP32 x (DESIGN.md §9: saved activations in quantized form); the bits
 // are those linear_backward would make from x. saved_wgrad_input (backward): that copy, or null to
-// quantize inp there; inp may be null when the copy is given.
+// quantize inp there; inp may be null when the copy is given. round_bf16: out rounded to BF16 (the
+// model's activation storage) with the bias add (Backend's round_bf16).
 void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
-                    emu::GemmPrecision prec, std::vector<QuantStat>* stats, const std::string& name,
+                    emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats, const std::string& name,
                     std::unique_ptr<QuantizedCopy>* save_wgrad_input = nullptr);
 void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,

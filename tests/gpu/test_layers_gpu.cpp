@@ -239,7 +239,7 @@ TEST(LayersGpu, LayernormMatchesEmulator) {
       float* out = c.out(Vec(sz(N * C), kNaN));
       float* mean = c.out(Vec(sz(N), kNaN));
       float* rstd = c.out(Vec(sz(N), kNaN));
-      bk.layernorm_forward(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C);
+      bk.layernorm_forward(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C, false);
     };
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     const Vec &mean = e[1], &rstd = e[2];
@@ -264,7 +264,7 @@ TEST(LayersGpu, LayernormMatchesEmulator) {
       float* dinp = c.out(dinp0);
       float* dw = c.out(dw0);
       float* db = c.out(db0);
-      bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C);
+      bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, false);
     };
     const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
     Mag mag_dx(sz(N * C)), mag_dw = abs_of(dw0), mag_db = abs_of(db0);
@@ -307,7 +307,7 @@ TEST(LayersGpu, RmsnormMatchesEmulator) {
     const Op fwd = [&](Backend& bk, Call& c) {
       float* out = c.out(Vec(sz(N * C), kNaN));
       float* rstd = c.out(Vec(sz(N), kNaN));
-      bk.rmsnorm_forward(out, rstd, c.in(x), c.in(w), N, C);
+      bk.rmsnorm_forward(out, rstd, c.in(x), c.in(w), N, C, false);
     };
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     const Vec& rstd = e[1];
@@ -322,7 +322,7 @@ TEST(LayersGpu, RmsnormMatchesEmulator) {
     const Op bwd = [&](Backend& bk, Call& c) {
       float* dinp = c.out(dinp0);
       float* dw = c.out(dw0);
-      bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C);
+      bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, false);
     };
     const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
     Mag mag_dx(sz(N * C)), mag_dw = abs_of(dw0);
@@ -390,7 +390,7 @@ TEST(LayersGpu, MatmulMatchesEmulator) {
                   bias = randn(sz(OC), rng);
         const Op fwd = [&](Backend& bk, Call& c) {
           float* out = c.out(Vec(sz(N * OC), kNaN));
-          bk.matmul_forward(out, c.in(x), c.in(w), with_bias ? c.in(bias) : nullptr, N, K, OC, prec);
+          bk.matmul_forward(out, c.in(x), c.in(w), with_bias ? c.in(bias) : nullptr, N, K, OC, prec, false);
         };
         const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
         Mag mag = gemm_mag(x, w, N, OC, K, bf16);
@@ -441,7 +441,7 @@ TEST(LayersGpu, MatmulBf16RoundsOperandsExactly) {
     const bool bf16 = prec == emu::GemmPrecision::BF16;
     const Op fwd = [&](Backend& bk, Call& c) {
       float* out = c.out(Vec(sz(N * OC), kNaN));
-      bk.matmul_forward(out, c.in(x), c.in(w), nullptr, N, K, OC, prec);
+      bk.matmul_forward(out, c.in(x), c.in(w), nullptr, N, K, OC, prec, false);
     };
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     expect_bitwise(std::string("matmul_forward exact ") + (bf16 ? "bf16" : "fp32"), e[0], g[0]);
@@ -678,8 +678,8 @@ TEST(LayersGpu, ElementwiseMatchesEmulator) {
   const int64_t n = static_cast<int64_t>(x.size());
   const Vec dout = randn(sz(n), rng), dinp0 = randn(sz(n), rng), y = randn(sz(n), rng);
 
-  const Op gelu_f = [&](Backend& bk, Call& c) { bk.gelu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n); };
-  const Op gelu_b = [&](Backend& bk, Call& c) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), n); };
+  const Op gelu_f = [&](Backend& bk, Call& c) { bk.gelu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n, false); };
+  const Op gelu_b = [&](Backend& bk, Call& c) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false); };
   // GELU goes through tanhf: a few ulp of 0.5|x| (the 1 + tanh cancellation for x << 0), and of
   // the derivative's terms for the backward.
   constexpr double kScale = 0.7978845608028654, kCubic = 0.044715;
@@ -695,12 +695,81 @@ TEST(LayersGpu, ElementwiseMatchesEmulator) {
   expect_bounded("gelu_backward dinp", run(*be.emu, gelu_b)[0], run(*be.cuda, gelu_b)[0], mag_b,
                  kTranscendentalRtol);
 
-  const Op sq_f = [&](Backend& bk, Call& c) { bk.squared_relu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n); };
-  const Op sq_b = [&](Backend& bk, Call& c) { bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), n); };
-  const Op res = [&](Backend& bk, Call& c) { bk.residual_forward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(y), n); };
+  const Op sq_f = [&](Backend& bk, Call& c) { bk.squared_relu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n, false); };
+  const Op sq_b = [&](Backend& bk, Call& c) { bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false); };
+  const Op res = [&](Backend& bk, Call& c) { bk.residual_forward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(y), n, false); };
   expect_bitwise("squared_relu_forward out", run(*be.emu, sq_f)[0], run(*be.cuda, sq_f)[0]);
   expect_bitwise("squared_relu_backward dinp", run(*be.emu, sq_b)[0], run(*be.cuda, sq_b)[0]);
   expect_bitwise("residual_forward out", run(*be.emu, res)[0], run(*be.cuda, res)[0]);
+}
+
+// round_bf16 (the model's BF16 activation storage fused into the op) gives exactly the op's output
+// followed by round_to_bf16 over it, on both backends, for every op that takes it.
+TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(909);
+  const int64_t N = 37, C = 96, F = 53, K = 40;
+  const Vec x = with_specials(randn(sz(N * C), rng, 2.0f)), y = randn(sz(N * C), rng), w = randn(sz(C), rng, 1.0f, 1.0f),
+            b = randn(sz(C), rng), dout = randn(sz(N * C), rng), dinp0 = randn(sz(N * C), rng);
+  const Vec sw_in = randn(sz(N * 2 * F), rng, 2.0f), sw_dout = randn(sz(N * F), rng), sw_dinp0 = randn(sz(N * 2 * F), rng);
+  const Vec mx = randn(sz(N * K), rng), mw = randn(sz(C * K), rng, 0.3f);
+  // each op writes its activation output first (c.out index 0); the rest are scratch it also needs
+  using RoundOp = std::function<void(Backend&, Call&, bool)>;
+  const std::vector<std::pair<std::string, RoundOp>> ops = {
+      {"layernorm_forward", [&](Backend& bk, Call& c, bool r) {
+         float* out = c.out(Vec(sz(N * C), kNaN));
+         bk.layernorm_forward(out, c.out(Vec(sz(N), kNaN)), c.out(Vec(sz(N), kNaN)), c.in(x), c.in(w), c.in(b), N, C, r);
+       }},
+      {"layernorm_backward", [&](Backend& bk, Call& c, bool r) {
+         float* dinp = c.out(dinp0);
+         Vec mean(sz(N), 0.25f), rstd(sz(N), 0.75f);
+         bk.layernorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.out(Vec(sz(C), 0.0f)), c.in(dout), c.in(x), c.in(w),
+                               c.in(mean), c.in(rstd), N, C, r);
+       }},
+      {"rmsnorm_forward", [&](Backend& bk, Call& c, bool r) {
+         float* out = c.out(Vec(sz(N * C), kNaN));
+         bk.rmsnorm_forward(out, c.out(Vec(sz(N), kNaN)), c.in(x), c.in(w), N, C, r);
+       }},
+      {"rmsnorm_backward", [&](Backend& bk, Call& c, bool r) {
+         float* dinp = c.out(dinp0);
+         Vec rstd(sz(N), 0.75f);
+         bk.rmsnorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, r);
+       }},
+      {"matmul_forward bias", [&](Backend& bk, Call& c, bool r) {
+         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), c.in(b), N, K, C, emu::GemmPrecision::BF16, r);
+       }},
+      {"matmul_forward", [&](Backend& bk, Call& c, bool r) {
+         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), nullptr, N, K, C, emu::GemmPrecision::BF16, r);
+       }},
+      {"bias_forward", [&](Backend& bk, Call& c, bool r) { bk.bias_forward(c.out(y), c.in(b), N, C, r); }},
+      {"gelu_forward", [&](Backend& bk, Call& c, bool r) { bk.gelu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r); }},
+      {"gelu_backward", [&](Backend& bk, Call& c, bool r) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r); }},
+      {"squared_relu_forward",
+       [&](Backend& bk, Call& c, bool r) { bk.squared_relu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r); }},
+      {"squared_relu_backward",
+       [&](Backend& bk, Call& c, bool r) { bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r); }},
+      {"swiglu_forward",
+       [&](Backend& bk, Call& c, bool r) { bk.swiglu_forward(c.out(Vec(sz(N * F), kNaN)), c.in(sw_in), N, F, r); }},
+      {"swiglu_backward",
+       [&](Backend& bk, Call& c, bool r) { bk.swiglu_backward(c.out(sw_dinp0), c.in(sw_in), c.in(sw_dout), N, F, r); }},
+      {"residual_forward",
+       [&](Backend& bk, Call& c, bool r) { bk.residual_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), c.in(y), N * C, r); }},
+  };
+  for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
+    for (const auto& [name, op] : ops) {
+      const Vec fused = run(*bk, [&](Backend& k, Call& c) { op(k, c, true); })[0];
+      Vec separate = run(*bk, [&](Backend& k, Call& c) { op(k, c, false); })[0];
+      bool any_changed = false;
+      for (float& v : separate) {
+        const float r = bf16_round(v);
+        any_changed = any_changed || !same_bits(r, v);
+        v = r;
+      }
+      expect_bitwise(name + " round_bf16 on " + bk->name(), separate, fused);
+      EXPECT_TRUE(any_changed) << name << ": the case does not exercise the rounding";
+    }
+  }
 }
 
 TEST(LayersGpu, CrossEntropyMatchesEmulator) {
@@ -828,18 +897,18 @@ TEST(LayersGpu, ReductionsAreDeterministic) {
     float* out = c.out(Vec(sz(N * C)));
     float* m = c.out(Vec(sz(N)));
     float* r = c.out(Vec(sz(N)));
-    bk.layernorm_forward(out, m, r, c.in(x), c.in(w), c.in(bias), N, C);
+    bk.layernorm_forward(out, m, r, c.in(x), c.in(w), c.in(bias), N, C, false);
   });
   twice("layernorm_backward", [&](Backend& bk, Call& c) {
     float* dinp = c.out(x);
     float* dw = c.out(dC);
     float* db = c.out(bias);
-    bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C);
+    bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, false);
   });
   twice("rmsnorm_backward", [&](Backend& bk, Call& c) {
     float* dinp = c.out(x);
     float* dw = c.out(dC);
-    bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C);
+    bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, false);
   });
   for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
     const int64_t K = 130, OC = C;  // dout (N,OC) reused

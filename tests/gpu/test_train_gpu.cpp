@@ -194,7 +194,7 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
       BackendBuffer by(be, static_cast<size_t>(N * OC) * 4);
       std::unique_ptr<QuantizedCopy> saved;
       linear_forward(be, r, ids, by.as<float>(), bx->as<float>(), bw->as<float>(), bb->as<float>(), N, K, OC,
-                     emu::GemmPrecision::BF16, nullptr, "t", v.saved ? &saved : nullptr);
+                     emu::GemmPrecision::BF16, false, nullptr, "t", v.saved ? &saved : nullptr);
       linear_backward(be, r, ids, bdx->as<float>(), bdw->as<float>(), bdb->as<float>(), bdy->as<float>(),
                       v.saved && saved ? nullptr : bx->as<float>(), bw->as<float>(), N, K, OC,
                       emu::GemmPrecision::BF16, nullptr, "t", saved.get());

@@ -141,7 +141,7 @@ TEST(Recipe, Nvfp4LinearTracksFp32) {
     return std::sqrt(e / n);
   };
   std::vector<float> y(N * OC), y32(N * OC);
-  linear_forward(*be, r, ids, y.data(), x.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::BF16, nullptr, "t");
+  linear_forward(*be, r, ids, y.data(), x.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::BF16, false, nullptr, "t");
   emu::matmul_forward(y32.data(), x.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::FP32);
   std::vector<float> dx(N * K, 0.5f), dw(OC * K, 0.25f), db(OC, 0.0f), dx32(N * K, 0.5f), dw32(OC * K, 0.25f), db32(OC, 0.0f);
   std::vector<QuantStat> stats;
