@@ -42,5 +42,8 @@ run nvfp4_s2 recipe.name=nvfp4 recipe.gemm=$gemm train.seed=2
 run nvfp4_all_off recipe.name=nvfp4 recipe.gemm=$gemm recipe.rht=false recipe.stochastic_rounding=off \
   recipe.weight_2d=false recipe.hp_first=0 recipe.hp_last=0 train.seed=1
 run mxfp4 recipe.name=mxfp4 recipe.weight_2d=false recipe.gemm=$gemm train.seed=1
+# the paper's late precision switch: every GEMM in BF16 for the last 20% of the steps
+run nvfp4_bf16_late recipe.name=nvfp4 recipe.gemm=$gemm recipe.bf16_from_step=$((steps * 4 / 5 + 1)) \
+  recipe.bf16_switch=all train.seed=1
 [ "$backend" = emu ] || run nvfp4_exact recipe.name=nvfp4 recipe.gemm=exact train.seed=1
 python3 validation/evidence.py "$out" || true
