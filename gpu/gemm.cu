@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <stdexcept>
+#include <type_traits>
 
 #include "emu/gemm.hpp"
 #include "gpu/cuda_backend.hpp"
@@ -65,22 +66,54 @@ constexpr int kPer = 4;
 constexpr int kRowBytes = kGemmChunk + 16;  // int8 row stride in shared memory (80 B: the 16-byte
                                             // loads of 8 consecutive rows hit distinct banks)
 
-// One operand's chunk in shared memory.
-struct ChunkTile {
-  int8_t twice[kTile * kRowBytes];   // 2 * e2m1 values, zero beyond the tensor
+// One operand's chunk in shared memory, in one of two layouts behind the same accessors (tw: a
+// row's 64 values 2 * e2m1 as int8, zero beyond the tensor; nzm/sign: per-group masks of nonzero
+// and negative codes; scale: pack_scale(decode_scale(byte)); sigv/expv/nanv: the scales unpacked
+// for the lean core (variant 2): significand (0 for a zero scale), exponent reading, NaN flag).
+struct ChunkTile {  // one array per field
+  int8_t twice[kTile * kRowBytes];
   uint16_t nonzero[kTile][kGstGroups];
   uint16_t sign[kTile][kGstGroups];
-  uint32_t scale[kTile][kGstGroups];  // pack_scale(decode_scale(byte))
-  // the same scales unpacked for the lean core (variant 2): significand (0 for a zero scale),
-  // exponent reading, NaN flag
+  uint32_t scale[kTile][kGstGroups];
   int32_t sig[kTile][kGstGroups];
   int32_t exp[kTile][kGstGroups];
   uint8_t nan[kTile][kGstGroups];
+  __device__ int8_t* tw(int r) { return twice + r * kRowBytes; }
+  __device__ uint16_t& nzm(int r, int g) { return nonzero[r][g]; }
+  __device__ uint16_t nzm(int r, int g) const { return nonzero[r][g]; }
+  __device__ int32_t& sigv(int r, int g) { return sig[r][g]; }
+  __device__ int32_t& expv(int r, int g) { return exp[r][g]; }
+  __device__ uint8_t& nanv(int r, int g) { return nan[r][g]; }
+  __device__ uint32_t nan_word(int r) const { return *reinterpret_cast<const uint32_t*>(&nan[r][0]); }
+};
+
+// kRows (variants 7 and 8): what the common path reads per row in one 112-byte record (the 64
+// values, then sig[4], exp[4], nonzero[4], nan[4], 4 bytes free), so one base address per row plus
+// immediate offsets reach all of it. The SASS of the array layout spends ~8 of the ~144
+// instructions per output and chunk recomputing five arrays' addresses (64 registers leave no room
+// to keep them). 112 bytes = 28 words: the 16-byte loads of 8 consecutive rows still hit distinct
+// banks, like the 80-byte stride.
+constexpr int kRecBytes = 112;
+struct ChunkTileRows {
+  alignas(16) unsigned char rec[kTile * kRecBytes];
+  uint16_t sign[kTile][kGstGroups];
+  uint32_t scale[kTile][kGstGroups];
+  template <class T>
+  __device__ T& at(int r, int off) { return *reinterpret_cast<T*>(rec + r * kRecBytes + off); }
+  template <class T>
+  __device__ T at(int r, int off) const { return *reinterpret_cast<const T*>(rec + r * kRecBytes + off); }
+  __device__ int8_t* tw(int r) { return reinterpret_cast<int8_t*>(rec + r * kRecBytes); }
+  __device__ uint16_t& nzm(int r, int g) { return at<uint16_t>(r, 96 + 2 * g); }
+  __device__ uint16_t nzm(int r, int g) const { return at<uint16_t>(r, 96 + 2 * g); }
+  __device__ int32_t& sigv(int r, int g) { return at<int32_t>(r, 64 + 4 * g); }
+  __device__ int32_t& expv(int r, int g) { return at<int32_t>(r, 80 + 4 * g); }
+  __device__ uint8_t& nanv(int r, int g) { return at<uint8_t>(r, 104 + g); }
+  __device__ uint32_t nan_word(int r) const { return at<uint32_t>(r, 104); }
 };
 
 // Thread t decodes group (t % 4) of row (t / 4) of the tile: 16 codes (8 bytes) and its scale.
-template <bool kLean, bool kBiased>
-__device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch, ScaleKind kind, ChunkTile& s) {
+template <bool kLean, bool kBiased, class Tile>
+__device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch, ScaleKind kind, Tile& s) {
   const int t = threadIdx.x, r = t / kGstGroups, g = t % kGstGroups;
   const int64_t row = row0 + r, k0 = ch * kGemmChunk + g * kGstGroup;
   const int block_shift = kind == ScaleKind::UE8M0_32 ? 5 : 4;
@@ -101,27 +134,29 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
     nz |= ((code & 7u) != 0 ? 1u : 0u) << i;
     sg |= (code >> 3) << i;
   }
-  *reinterpret_cast<uint4*>(s.twice + r * kRowBytes + g * kGstGroup) = make_uint4(words[0], words[1], words[2], words[3]);
-  s.nonzero[r][g] = static_cast<uint16_t>(nz);
+  *reinterpret_cast<uint4*>(s.tw(r) + g * kGstGroup) = make_uint4(words[0], words[1], words[2], words[3]);
+  s.nzm(r, g) = static_cast<uint16_t>(nz);
   s.sign[r][g] = static_cast<uint16_t>(sg);
   const DecodedScale ds = decode_scale(sbyte, kind);
   s.scale[r][g] = pack_scale(ds);
   if constexpr (kLean) {
-    s.sig[r][g] = ds.zero ? 0 : static_cast<int32_t>(ds.sig);
+    const int32_t sig = ds.zero ? 0 : static_cast<int32_t>(ds.sig);
+    s.sigv(r, g) = sig;
     // kBiased (variant 5): a zero scale's exponent reading is kGstZeroScaleExp, for gst_fdpa_core_lean<true>
-    s.exp[r][g] = kBiased ? gst_zero_scale_biased(s.sig[r][g], ds.exp) : ds.exp;
-    s.nan[r][g] = ds.nan ? 1 : 0;
+    s.expv(r, g) = kBiased ? gst_zero_scale_biased(sig, ds.exp) : ds.exp;
+    s.nanv(r, g) = ds.nan ? 1 : 0;
   }
 }
 
 // The packed core for one output from the shared tiles (row ra of A's tile, rb of B's), with A's
 // packed scales wa already in registers: variant 1's path for every output.
-__device__ __forceinline__ float packed_core(const int32_t* p4, const uint32_t* wa, const ChunkTile& sa,
-                                             const ChunkTile& sb, int ra, int rb, int man_bits, float acc) {
+template <class Tile>
+__device__ __forceinline__ float packed_core(const int32_t* p4, const uint32_t* wa, const Tile& sa, const Tile& sb,
+                                             int ra, int rb, int man_bits, float acc) {
   uint32_t all_zero = 0, all_neg_zero = 0, wb[kGstGroups];
   FP4SIM_UNROLL
   for (int g = 0; g < kGstGroups; ++g) {
-    const uint32_t nz = static_cast<uint32_t>(sa.nonzero[ra][g]) & sb.nonzero[rb][g];
+    const uint32_t nz = static_cast<uint32_t>(sa.nzm(ra, g)) & sb.nzm(rb, g);
     const uint32_t neg = static_cast<uint32_t>(sa.sign[ra][g]) ^ sb.sign[rb][g];
     all_zero |= (nz == 0 ? 1u : 0u) << g;
     all_neg_zero |= (nz == 0 && neg == 0xFFFFu ? 1u : 0u) << g;
@@ -132,20 +167,37 @@ __device__ __forceinline__ float packed_core(const int32_t* p4, const uint32_t* 
 
 // The same for the lean kernels' rare path (NaN scales, non-finite C, a zero sum), out of line so
 // its registers do not count against the common path.
-__device__ __noinline__ float packed_core_from_tiles(const int32_t* p4, const ChunkTile& sa, const ChunkTile& sb,
-                                                     int ra, int rb, int man_bits, float acc) {
+template <class Tile>
+__device__ __noinline__ float packed_core_from_tiles(const int32_t* p4, const Tile& sa, const Tile& sb, int ra, int rb,
+                                                     int man_bits, float acc) {
   uint32_t wa[kGstGroups];
   FP4SIM_UNROLL
   for (int g = 0; g < kGstGroups; ++g) wa[g] = sa.scale[ra][g];
   return packed_core(p4, wa, sa, sb, ra, rb, man_bits, acc);
 }
 
+// The same with the group sums by value (kFold): a pointer makes the caller store them to local
+// memory on every output and chunk, whether the call happens or not.
+template <class Tile>
+__device__ __noinline__ float packed_core_from_values(int32_t p0, int32_t p1, int32_t p2, int32_t p3, const Tile& sa,
+                                                      const Tile& sb, int ra, int rb, int man_bits, float acc) {
+  const int32_t p4[kGstGroups] = {p0, p1, p2, p3};
+  return packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, acc);
+}
+
 // kLean (variant 2): the common case through gst_fdpa_core_lean from unpacked scales, fewer integer
 // instructions per output and chunk; the rest (NaN scales, non-finite C, a zero sum) as variant 1.
-template <bool kLean, int kMinBlocks, bool kSplit, bool kBiased = false, bool kExpAdd = false>
+// kRows: the ChunkTileRows layout. kFold (needs kBiased): a group whose products are all zero gets
+// B's exponent kGstZeroScaleExp instead of a bit in an all-zero mask (the same answers and bits,
+// tests/emu/test_mma.cpp), so the core's per-group mask selects fold away; the group sums reach
+// the out-of-line path by value.
+template <bool kLean, int kMinBlocks, bool kSplit, bool kBiased = false, bool kExpAdd = false, bool kRows = false,
+          bool kFold = false>
 __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_kernel(QuantizedView a, QuantizedView b,
                                                                          const float* c, GemmConfig cfg, void* out) {
-  __shared__ ChunkTile sa, sb;
+  static_assert(!kFold || (kLean && kBiased), "kFold needs the biased lean core");
+  using Tile = std::conditional_t<kRows, ChunkTileRows, ChunkTile>;
+  __shared__ Tile sa, sb;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, n0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
   const ScaleKind kind = a.format == QFormat::MXFP4 ? ScaleKind::UE8M0_32 : ScaleKind::UE4M3_16;
@@ -167,7 +219,7 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
 #pragma unroll 1
       for (int i = 0; i < kPer; ++i) {
         const int ra = ty + 16 * i;
-        const uint4* xa = reinterpret_cast<const uint4*>(sa.twice + ra * kRowBytes);
+        const uint4* xa = reinterpret_cast<const uint4*>(sa.tw(ra));
         const uint4 x0 = xa[0], x1 = xa[1], x2 = xa[2], x3 = xa[3];
         uint32_t wa[kGstGroups];
         if constexpr (!kLean) {
@@ -179,30 +231,50 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
         if constexpr (kLean) {
           FP4SIM_UNROLL
           for (int g = 0; g < kGstGroups; ++g) {
-            siga[g] = sa.sig[ra][g];
-            expa[g] = sa.exp[ra][g];
-            nza[g] = sa.nonzero[ra][g];
+            siga[g] = sa.sigv(ra, g);
+            expa[g] = sa.expv(ra, g);
+            if constexpr (!kFold) nza[g] = sa.nzm(ra, g);  // (kFold reads them where needed)
           }
-          nan_a = *reinterpret_cast<const uint32_t*>(&sa.nan[ra][0]);
+          nan_a = sa.nan_word(ra);
         }
         FP4SIM_UNROLL
         for (int j = 0; j < kPer; ++j) {
           const int rb = tx + 16 * j;
-          const uint4* xb = reinterpret_cast<const uint4*>(sb.twice + rb * kRowBytes);
+          const uint4* xb = reinterpret_cast<const uint4*>(sb.tw(rb));
           const uint4 y0 = xb[0], y1 = xb[1], y2 = xb[2], y3 = xb[3];
           int32_t p4[kGstGroups];
           p4[0] = __dp4a(int(x0.w), int(y0.w), __dp4a(int(x0.z), int(y0.z), __dp4a(int(x0.y), int(y0.y), __dp4a(int(x0.x), int(y0.x), 0))));
           p4[1] = __dp4a(int(x1.w), int(y1.w), __dp4a(int(x1.z), int(y1.z), __dp4a(int(x1.y), int(y1.y), __dp4a(int(x1.x), int(y1.x), 0))));
           p4[2] = __dp4a(int(x2.w), int(y2.w), __dp4a(int(x2.z), int(y2.z), __dp4a(int(x2.y), int(y2.y), __dp4a(int(x2.x), int(y2.x), 0))));
           p4[3] = __dp4a(int(x3.w), int(y3.w), __dp4a(int(x3.z), int(y3.z), __dp4a(int(x3.y), int(y3.y), __dp4a(int(x3.x), int(y3.x), 0))));
-          if constexpr (kLean) {
+          if constexpr (kFold) {
+            int32_t sigb[kGstGroups], expb[kGstGroups];
+            FP4SIM_UNROLL
+            for (int g = 0; g < kGstGroups; ++g) {
+              sigb[g] = sb.sigv(rb, g);
+              expb[g] = sb.expv(rb, g);
+            }
+            if ((p4[0] == 0) | (p4[1] == 0) | (p4[2] == 0) | (p4[3] == 0)) {  // rare
+              FP4SIM_UNROLL
+              for (int g = 0; g < kGstGroups; ++g)
+                if ((static_cast<uint32_t>(sa.nzm(ra, g)) & sb.nzm(rb, g)) == 0) expb[g] = kGstZeroScaleExp;
+            }
+            uint32_t bits;
+            if ((nan_a | sb.nan_word(rb)) == 0 &&
+                gst_fdpa_core_lean<true, kExpAdd>(p4, siga, expa, sigb, expb, 0u, man_bits, acc[i][j], &bits)) {
+              acc[i][j] = f32_from_bits(bits);
+              continue;
+            }
+            acc[i][j] = packed_core_from_values(p4[0], p4[1], p4[2], p4[3], sa, sb, ra, rb, man_bits, acc[i][j]);
+            continue;
+          } else if constexpr (kLean) {
             int32_t sigb[kGstGroups], expb[kGstGroups];
             uint32_t all_zero = 0;
             FP4SIM_UNROLL
             for (int g = 0; g < kGstGroups; ++g) {
-              sigb[g] = sb.sig[rb][g];
-              expb[g] = sb.exp[rb][g];
-              if constexpr (!kBiased) all_zero |= ((nza[g] & sb.nonzero[rb][g]) == 0 ? 1u : 0u) << g;
+              sigb[g] = sb.sigv(rb, g);
+              expb[g] = sb.expv(rb, g);
+              if constexpr (!kBiased) all_zero |= ((nza[g] & sb.nzm(rb, g)) == 0 ? 1u : 0u) << g;
             }
             // variant 5: a group with a nonzero sum has a nonzero product, so the masks are only
             // needed where some group sum is zero (rare: the branch is almost never taken)
@@ -210,10 +282,10 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
               if ((p4[0] == 0) | (p4[1] == 0) | (p4[2] == 0) | (p4[3] == 0)) {
                 FP4SIM_UNROLL
                 for (int g = 0; g < kGstGroups; ++g)
-                  all_zero |= ((nza[g] & sb.nonzero[rb][g]) == 0 ? 1u : 0u) << g;
+                  all_zero |= ((nza[g] & sb.nzm(rb, g)) == 0 ? 1u : 0u) << g;
               }
             }
-            const uint32_t nan_b = *reinterpret_cast<const uint32_t*>(&sb.nan[rb][0]);
+            const uint32_t nan_b = sb.nan_word(rb);
             uint32_t bits;
             if ((nan_a | nan_b) == 0 &&
                 gst_fdpa_core_lean<kBiased, kExpAdd>(p4, siga, expa, sigb, expb, all_zero, man_bits, acc[i][j], &bits)) {
@@ -221,7 +293,7 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
               continue;
             }
           }
-          if constexpr (kLean) {
+          if constexpr (kLean && !kFold) {
             acc[i][j] = packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, acc[i][j]);
             continue;
           }
@@ -258,13 +330,14 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
 // 18.2 / 18.9 TFLOP/s for 1-6. Tried and removed, all bitwise equal and all slower: the group sums
 // from int8 mma.sync instead of __dp4a (18.1, commit 6da98bf); an untruncated FP64 exact-sum core
 // tried first, and accumulators kept in registers by rotating rows (16.4-18.2, commit 587b501).
-// A benchmark knob; the same bits.
+// 7 = 6 with kRows and kFold; 8 = 6 with kRows only (to tell the two apart): written after the
+// fifth session's SASS reading, not yet run on a GPU. A benchmark knob; the same bits.
 int g_gemm_exact_variant = kGemmExactDefaultVariant;
 
 }  // namespace
 
 void set_gemm_exact_variant(int variant) {
-  if (variant < 0 || variant > 6) throw std::invalid_argument("exact GEMM variant must be 0 to 6");
+  if (variant < 0 || variant > 8) throw std::invalid_argument("exact GEMM variant must be 0 to 8");
   g_gemm_exact_variant = variant;
 }
 
@@ -276,13 +349,17 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
     const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile), static_cast<unsigned>((a.rows + kTile - 1) / kTile));
     // [variant - 1][split-K]: the tiled kernels' instantiations
     using Kernel = void (*)(QuantizedView, QuantizedView, const float*, GemmConfig, void*);
-    static constexpr Kernel kTiled[6][2] = {
+    static constexpr Kernel kTiled[8][2] = {
         {gemm_exact_tiled_kernel<false, 1, false>, gemm_exact_tiled_kernel<false, 1, true>},
         {gemm_exact_tiled_kernel<true, 1, false>, gemm_exact_tiled_kernel<true, 1, true>},
         {gemm_exact_tiled_kernel<true, 3, false>, gemm_exact_tiled_kernel<true, 3, true>},
         {gemm_exact_tiled_kernel<true, 4, false>, gemm_exact_tiled_kernel<true, 4, true>},
         {gemm_exact_tiled_kernel<true, 4, false, true>, gemm_exact_tiled_kernel<true, 4, true, true>},
-        {gemm_exact_tiled_kernel<true, 4, false, true, true>, gemm_exact_tiled_kernel<true, 4, true, true, true>}};
+        {gemm_exact_tiled_kernel<true, 4, false, true, true>, gemm_exact_tiled_kernel<true, 4, true, true, true>},
+        {gemm_exact_tiled_kernel<true, 4, false, true, true, true, true>,
+         gemm_exact_tiled_kernel<true, 4, true, true, true, true, true>},
+        {gemm_exact_tiled_kernel<true, 4, false, true, true, true, false>,
+         gemm_exact_tiled_kernel<true, 4, true, true, true, true, false>}};
     kTiled[g_gemm_exact_variant - 1][cfg.split_k > 1 ? 1 : 0]<<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
     FP4SIM_CUDA_CHECK_LAUNCH();
     return;

@@ -443,7 +443,16 @@ TEST(Gst, FastCoreEqualsReadableCore) {
                                                      sa[0].man_bits, c, &expadd_biased);
       ASSERT_EQ(lean_ok, expadd_biased_ok)
           << "biased exponent-add lean core answers differently, case " << it;
+      // all-zero groups folded into B's exponent (the GPU's variant 7): kGstZeroScaleExp where the
+      // group's products are all zero, and no mask: the same answers and bits
+      int32_t expfb[kGstGroups];
+      for (int g = 0; g < kGstGroups; ++g) expfb[g] = ((az >> g) & 1u) ? kGstZeroScaleExp : expzb[g];
+      uint32_t folded = 0;
+      const bool folded_ok =
+          !any_nan && gst_fdpa_core_lean<true, true>(p4, siga, expza, sigb, expfb, 0u, sa[0].man_bits, c, &folded);
+      ASSERT_EQ(lean_ok, folded_ok) << "folded-zero lean core answers differently, case " << it;
       if (lean_ok) {
+        ASSERT_EQ(folded, lean) << "folded-zero lean core, kind " << static_cast<int>(kind) << " case " << it;
         ASSERT_EQ(expadd, lean) << "exponent-add lean core, kind " << static_cast<int>(kind) << " case " << it;
         ASSERT_EQ(expadd_biased, lean) << "biased exponent-add lean core, kind " << static_cast<int>(kind)
                                        << " case " << it;
