@@ -147,6 +147,13 @@ class Backend {
                                              bool /*round_bf16*/) {
     missing("crossentropy_softmax_backward");
   }
+  // losses as crossentropy_softmax_forward and dlogits as crossentropy_softmax_backward on its
+  // probabilities, in one op that never stores them (emu/layers.hpp): training's path.
+  virtual void crossentropy_softmax_forward_backward(float* /*losses*/, float* /*dlogits*/, const float* /*logits*/,
+                                                     const int32_t* /*targets*/, const float* /*dlosses*/,
+                                                     int64_t /*N*/, int64_t /*V*/, bool /*round_bf16*/) {
+    missing("crossentropy_softmax_forward_backward");
+  }
   // One AdamW step over n elements (emu/optim.hpp's adamw_element on each).
   virtual void adamw_update(float* /*params*/, const float* /*grads*/, float* /*m*/, float* /*v*/, int64_t /*n*/,
                             const AdamWStep& /*step*/) { missing("adamw_update"); }

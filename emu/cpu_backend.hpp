@@ -135,6 +135,11 @@ class CpuBackend final : public Backend {
                                      const float* dlosses, int64_t N, int64_t V, bool round_bf16) override {
     emu::crossentropy_softmax_backward(dlogits, probs, targets, dlosses, N, V, round_bf16);
   }
+  void crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
+                                             const int32_t* targets, const float* dlosses, int64_t N, int64_t V,
+                                             bool round_bf16) override {
+    emu::crossentropy_softmax_forward_backward(losses, dlogits, logits, targets, dlosses, N, V, round_bf16);
+  }
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override {
     for (int64_t i = 0; i < n; ++i) adamw_element(params[i], grads[i], m[i], v[i], step);

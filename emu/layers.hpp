@@ -47,6 +47,12 @@ void crossentropy_softmax_forward(float* losses, float* probs, const float* logi
 // gradient, fused into the op instead of a separate pass).
 void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
                                    const float* dlosses, int64_t N, int64_t V, bool round_bf16);
+// Both at once for training: losses as crossentropy_softmax_forward, dlogits as
+// crossentropy_softmax_backward applied to the probabilities that forward would write (the same
+// bits), without the (N,V) probabilities ever stored.
+void crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
+                                           const int32_t* targets, const float* dlosses, int64_t N, int64_t V,
+                                           bool round_bf16);
 
 }  // namespace fp4sim::emu
 

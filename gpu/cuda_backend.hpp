@@ -92,6 +92,9 @@ class CudaBackend final : public Backend {
                                     const int32_t* targets, int64_t N, int64_t V) override;
   void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
                                      const float* dlosses, int64_t N, int64_t V, bool round_bf16) override;
+  void crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
+                                             const int32_t* targets, const float* dlosses, int64_t N, int64_t V,
+                                             bool round_bf16) override;
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override;
   double sum_squares(const float* x, int64_t n) override;

@@ -525,9 +525,14 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
 // strided sums in increasing index, then block_sum (FP32 tree); probs (N,V) = p / sum, recomputed
 // from the logits in a third read instead of written and read back (same bits, two fewer passes
 // over N x V); losses (N) = -logf(probs[target]) (CUDA logf). Bounded against the emulator (tree
-// sum, expf, logf).
+// sum, expf, logf). kGrad (crossentropy_softmax_forward_backward): the third pass writes, instead
+// of each probability, crossentropy_softmax_backward_kernel's expression on it, (p - onehot) *
+// dlosses[n] then bf16_round when round_bf16: the bits of the two kernels in turn, without the
+// probabilities' write and read.
+template <bool kGrad>
 __global__ void crossentropy_softmax_forward_kernel(float* losses, float* probs, const float* logits,
-                                                    const int32_t* targets, int64_t V) {
+                                                    const int32_t* targets, int64_t V, const float* dlosses = nullptr,
+                                                    bool round_bf16 = false) {
   const int64_t n = blockIdx.x;
   const float* z = logits + n * V;
   float* p = probs + n * V;
@@ -537,7 +542,16 @@ __global__ void crossentropy_softmax_forward_kernel(float* losses, float* probs,
   float s = 0.0f;
   for (int64_t i = threadIdx.x; i < V; i += blockDim.x) s = __fadd_rn(s, expf(__fsub_rn(z[i], maxv)));
   const float sum = block_sum(s);
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) p[i] = __fdiv_rn(expf(__fsub_rn(z[i], maxv)), sum);
+  if constexpr (kGrad) {
+    const int64_t target = targets[n];
+    const float dl = dlosses[n];
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+      const float prob = __fdiv_rn(expf(__fsub_rn(z[i], maxv)), sum);
+      p[i] = stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) p[i] = __fdiv_rn(expf(__fsub_rn(z[i], maxv)), sum);
+  }
   if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(expf(__fsub_rn(z[targets[n]], maxv)), sum));
 }
 
@@ -1025,8 +1039,18 @@ void CudaBackend::crossentropy_softmax_forward(float* losses, float* probs, cons
                                                const int32_t* targets, int64_t N, int64_t V) {
   require_rows("crossentropy_softmax_forward", N);
   if (N == 0) return;
-  crossentropy_softmax_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+  crossentropy_softmax_forward_kernel<false><<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
       losses, probs, logits, targets, V);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
+                                                        const int32_t* targets, const float* dlosses, int64_t N,
+                                                        int64_t V, bool round_bf16) {
+  require_rows("crossentropy_softmax_forward_backward", N);
+  if (N == 0) return;
+  crossentropy_softmax_forward_kernel<true><<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+      losses, dlogits, logits, targets, V, dlosses, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

@@ -137,7 +137,7 @@ float* Gpt::linear_input(int64_t l, int linear) {
 
 size_t Gpt::saved_activation_bytes() const {
   size_t n = emb_.bytes() + lnf_.bytes() + lnf_mean_.bytes() + lnf_rstd_.bytes() + logits_.bytes() +
-             probs_.bytes() + losses_.bytes();
+             losses_.bytes();
   for (const LayerActs& a : acts_) {
     for (const BackendBuffer* b : {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.lse, &a.atty, &a.attproj, &a.res1,
                                    &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.act, &a.fcproj, &a.res2})
@@ -205,7 +205,6 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   lnf_mean_ = f32(N);
   lnf_rstd_ = f32(N);
   logits_ = f32(N * V);
-  probs_ = f32(N * V);
   losses_ = f32(N);
   acts_.clear();
   acts_.resize(static_cast<size_t>(c.n_layers));
@@ -237,7 +236,8 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   alloc_T_ = T;
 }
 
-float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T) {
+float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, int64_t grad_micro_batches) {
+  if (grad_micro_batches < 1) throw std::invalid_argument("forward: grad_micro_batches must be >= 1");
   const ModelConfig& c = cfg_;
   if (T > c.seq_len)
     throw std::invalid_argument("forward: sequence of " + std::to_string(T) + " tokens exceeds model.seq_len " +
@@ -298,12 +298,23 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   norm_fwd(F32(lnf_), lnf_mean_, lnf_rstd_, x, "ln_f");
   be_.matmul_forward(F32(logits_), F32(lnf_), c.tied_embeddings ? p("wte") : p("lm_head.weight"), nullptr, N, C,
                      V, prec_, rb);
-  be_.crossentropy_softmax_forward(F32(losses_), F32(probs_), F32(logits_), targets_.as<int32_t>(), N, V);
+  loss_gradient(grad_micro_batches);
   std::vector<float> losses(static_cast<size_t>(N));
   be_.download(losses.data(), F32(losses_), losses.size() * 4);
   double sum = 0;
   for (float v : losses) sum += v;
   return static_cast<float>(sum / static_cast<double>(N));
+}
+
+void Gpt::loss_gradient(int64_t micro_batches) {
+  const int64_t N = B_ * T_, V = cfg_.vocab;
+  // the gradient of the mean loss over all micro-batches' tokens: written (not accumulated) and
+  // BF16-rounded in the op, so no zeroing or rounding pass over N x V
+  const std::vector<float> dl(static_cast<size_t>(N), 1.0f / static_cast<float>(N * micro_batches));
+  be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
+  be_.crossentropy_softmax_forward_backward(losses_.as<float>(), dlogits_.as<float>(), logits_.as<float>(),
+                                            targets_.as<int32_t>(), dlosses_.as<float>(), N, V, round_bf16());
+  dlogits_micro_batches_ = micro_batches;
 }
 
 void Gpt::backward(int64_t micro_batches, bool accumulate) {
@@ -316,11 +327,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   auto zero = [&](const BackendBuffer& b, int64_t n) { be_.zero(b.get(), static_cast<size_t>(n) * 4); };
   if (micro_batches < 1) throw std::invalid_argument("backward: micro_batches must be >= 1");
   if (!accumulate) be_.zero(grads(), n_params_ * 4);
-  const std::vector<float> dl(static_cast<size_t>(N), 1.0f / static_cast<float>(N * micro_batches));
-  be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
-  // written (not accumulated) and BF16-rounded in the op: no zeroing or rounding pass over N x V
-  be_.crossentropy_softmax_backward(F32(dlogits_), F32(probs_), targets_.as<int32_t>(), F32(dlosses_), N, V,
-                                    cfg_.activation_dtype == "bf16");
+  if (dlogits_micro_batches_ != micro_batches) loss_gradient(micro_batches);  // else the forward formed it
   zero(dlnf_, N * C);
   zero(dx_, N * C);
   be_.matmul_backward(F32(dlnf_), c.tied_embeddings ? g("wte") : g("lm_head.weight"), nullptr, F32(dlogits_),

@@ -39,8 +39,11 @@ class Gpt {
   void init(uint64_t seed);
 
   // tokens, targets (B,T) host arrays. Returns the mean cross-entropy loss (FP64 sum of the
-  // per-row losses on the host); keeps the activations.
-  float forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T);
+  // per-row losses on the host); keeps the activations. The cross-entropy op also forms the loss
+  // gradient for backward(grad_micro_batches, ...) (crossentropy_softmax_forward_backward: the bits
+  // of the forward and backward ops, and the (N,V) probabilities are never stored); a backward with
+  // another micro-batch count forms it again from the kept logits (one more pass).
+  float forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, int64_t grad_micro_batches = 1);
   // Gradients of the mean loss of the last forward into grads(): zeroed first, or with
   // accumulate added to what they hold; scaled by 1 / micro_batches (gradient accumulation: the
   // mean over all micro-batches' tokens).
@@ -128,7 +131,10 @@ class Gpt {
   // activations of the last forward, sized for (B_, T_)
   int64_t B_ = 0, T_ = 0, alloc_B_ = 0, alloc_T_ = 0;
   BackendBuffer tokens_, targets_, pos_;
-  BackendBuffer emb_, lnf_, lnf_mean_, lnf_rstd_, logits_, probs_, losses_;
+  BackendBuffer emb_, lnf_, lnf_mean_, lnf_rstd_, logits_, losses_;
+  int64_t dlogits_micro_batches_ = 0;  // the micro-batch count dlogits_ was formed for (0: none)
+  // dlogits_ (and losses_) from the kept logits, for the mean over micro_batches micro-batches
+  void loss_gradient(int64_t micro_batches);
   std::vector<LayerActs> acts_;
   // backward scratch
   BackendBuffer dlosses_, dlogits_, dlnf_, dx_, dact_, dfc_, dln2_, datty_, dqkv_, dln1_;

@@ -287,7 +287,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       else pos = next_batch(data.train, pos, B, T, tok, tgt);
       model.set_micro_batch(mb);
       if (stats_now && mb == 0) model.collect_stats_once();  // the first micro-batch's statistics
-      const float mb_loss = model.forward(tok.data(), tgt.data(), B, T);
+      const float mb_loss = model.forward(tok.data(), tgt.data(), B, T, A);
       if (!std::isfinite(mb_loss))
         throw std::runtime_error("step " + std::to_string(step) + (A > 1 ? " (micro-batch " + std::to_string(mb) + ")" : "") +
                                  ": the loss is " + std::to_string(mb_loss));

@@ -132,6 +132,15 @@ TEST(Layers, CrossEntropyBackwardMatchesFiniteDifferences) {
     ASSERT_EQ(f32_bits(over[i]), f32_bits(want)) << i;
     ASSERT_EQ(f32_bits(rounded[i]), f32_bits(bf16_round(want))) << i;
   }
+  // the fused op: the forward's losses and the backward's gradient on its probabilities, bit for
+  // bit, in both rounding modes (over an output that held something else)
+  for (bool round : {false, true}) {
+    std::vector<float> fl(N, -1.0f), fd(N * V, std::nanf(""));
+    crossentropy_softmax_forward_backward(fl.data(), fd.data(), z.data(), targets.data(), dlosses.data(), N, V, round);
+    const std::vector<float>& want = round ? rounded : over;
+    for (int64_t n = 0; n < N; ++n) ASSERT_EQ(f32_bits(fl[n]), f32_bits(losses[n])) << n;
+    for (int64_t i = 0; i < N * V; ++i) ASSERT_EQ(f32_bits(fd[i]), f32_bits(want[i])) << i << " round " << round;
+  }
   // uniform logits: loss = log V
   std::vector<float> flat(V, 0.5f), p(V);
   float l;

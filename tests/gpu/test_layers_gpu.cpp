@@ -820,6 +820,23 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
       };
       expect_bitwise("crossentropy_backward dlogits" + tag + (round_bf16 ? " bf16" : ""), run(*be.emu, bwd)[0],
                      run(*be.cuda, bwd)[0]);
+      // the fused op on each backend: that backend's forward losses, and its backward on its own
+      // forward's probabilities, bit for bit
+      for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
+        const Outputs f = run(*bk, fwd);
+        const Op bwd_own = [&](Backend& k, Call& c) {
+          k.crossentropy_softmax_backward(c.out(dl0), c.in(f[1]), c.in(targets), c.in(dlosses), N, V, round_bf16);
+        };
+        const Op fused = [&](Backend& k, Call& c) {
+          float* losses = c.out(Vec(sz(N), kNaN));
+          k.crossentropy_softmax_forward_backward(losses, c.out(dl0), c.in(logits), c.in(targets), c.in(dlosses), N, V,
+                                                  round_bf16);
+        };
+        const Outputs fu = run(*bk, fused);
+        const std::string on = tag + (round_bf16 ? " bf16 " : " ") + bk->name();
+        expect_bitwise("crossentropy_forward_backward losses" + on, f[0], fu[0]);
+        expect_bitwise("crossentropy_forward_backward dlogits" + on, run(*bk, bwd_own)[0], fu[1]);
+      }
     }
   }
 }
