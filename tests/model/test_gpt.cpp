@@ -104,17 +104,24 @@ TEST(Gpt, ShortTrainingRunLowersTheLoss) {
   EXPECT_LT(last, 0.25f * first);
 }
 
+// n tokens and targets over the 16-token vocabulary of micro(): (i * a) % 16 and (i * 3 + c) % 16.
+void pattern_batch(int64_t n, int a, int c, std::vector<int32_t>& tok, std::vector<int32_t>& tgt) {
+  tok.resize(static_cast<size_t>(n));
+  tgt.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    tok[static_cast<size_t>(i)] = static_cast<int32_t>((i * a) % 16);
+    tgt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 3 + c) % 16);
+  }
+}
+
 // BF16 storage of activations: every stored activation is a BF16 value, the loss stays close to
 // the FP32-storage loss, and differs from it (the rounding is really applied).
 TEST(Gpt, Bf16ActivationStorage) {
   ModelConfig m = micro("rope", "rmsnorm", "swiglu", false, 2);
   auto be = make_cpu_backend();
   const int64_t B = 2, T = 8;
-  std::vector<int32_t> tok(B * T), tgt(B * T);
-  for (int64_t i = 0; i < B * T; ++i) {
-    tok[i] = static_cast<int32_t>((i * 7) % 16);
-    tgt[i] = static_cast<int32_t>((i * 3 + 1) % 16);
-  }
+  std::vector<int32_t> tok, tgt;
+  pattern_batch(B * T, 7, 1, tok, tgt);
   Gpt f32(m, *be);
   f32.init(5);
   m.activation_dtype = "bf16";
@@ -136,11 +143,8 @@ TEST(Gpt, LossGradientFromForwardEqualsTheOneBackwardForms) {
   m.activation_dtype = "bf16";
   auto be = make_cpu_backend();
   const int64_t B = 2, T = 8;
-  std::vector<int32_t> tok(B * T), tgt(B * T);
-  for (int64_t i = 0; i < B * T; ++i) {
-    tok[i] = static_cast<int32_t>((i * 5) % 16);
-    tgt[i] = static_cast<int32_t>((i * 3 + 2) % 16);
-  }
+  std::vector<int32_t> tok, tgt;
+  pattern_batch(B * T, 5, 2, tok, tgt);
   Gpt a(m, *be), b(m, *be);
   a.init(9);
   b.init(9);
