@@ -75,7 +75,7 @@ void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, Quant
     fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_);
     return;
   }
-  quantize_launch(x, cfg, rowwise, columnwise, stream_);
+  quantize_launch(x, cfg, rowwise, columnwise, stream_, &rht_keep_);
 }
 
 void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "emu/backend.hpp"
+#include "gpu/device_scratch.hpp"
 
 namespace fp4sim::gpu {
 
@@ -107,6 +108,7 @@ class CudaBackend final : public Backend {
  private:
   cudaStream_t stream_ = nullptr;
   std::shared_ptr<CublasLtState> cublaslt_;  // created on first use
+  DeviceScratch rht_keep_;  // the RHT column-wise copy's transformed input between the quantizer's passes
 
   // The training ops' own cuBLASLt handle and workspace, scratch buffers and RoPE table
   // (gpu/layers.cu). shared_ptr: the type is complete only in gpu/layers.cu.
@@ -117,9 +119,14 @@ class CudaBackend final : public Backend {
 
 std::unique_ptr<Backend> make_cuda_backend();
 
-// Kernel launchers (gpu/quantize.cu), on `stream`, device pointers.
+// Kernel launchers (gpu/quantize.cu), on `stream`, device pointers. rht_keep (may be null): scratch
+// for the RHT-transformed input (BF16, rows x cols), written by the amax pass and read by the
+// quantize pass instead of transforming every element a second time (same bits).
 void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                     QuantizedView* columnwise, cudaStream_t stream);
+                     QuantizedView* columnwise, cudaStream_t stream, DeviceScratch* rht_keep = nullptr);
+// Benchmark knob: whether the common-case quantizer keeps the RHT output between its passes
+// (default) or transforms twice, as before. Results are identical; only speed differs.
+void set_quantize_keep_rht(bool keep);
 // Benchmark knob: the common-case quantize kernel's tile, 1 = 64x128, 2 = 64x256 (BF16 input).
 // Results are identical; only speed differs.
 void set_quantize_tile_variant(int cols_per_thread);

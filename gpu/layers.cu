@@ -616,31 +616,7 @@ uint32_t pointer_alignment(const void* p) {
 // State of the training ops, owned by CudaBackend::LayersState (below).
 namespace training_ops {
 
-// A device buffer that grows (never shrinks). Growing first waits for the stream, so no queued
-// kernel still reads the old buffer.
-struct DeviceScratch {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  DeviceScratch() = default;
-  DeviceScratch(const DeviceScratch&) = delete;
-  DeviceScratch& operator=(const DeviceScratch&) = delete;
-  ~DeviceScratch() {
-    if (ptr) cudaFree(ptr);
-  }
-  template <class T>
-  T* get(size_t count, cudaStream_t stream) {
-    const size_t need = count * sizeof(T);
-    if (need > bytes) {
-      FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream));
-      if (ptr) FP4SIM_CUDA_CHECK(cudaFree(ptr));
-      ptr = nullptr;
-      bytes = 0;
-      FP4SIM_CUDA_CHECK(cudaMalloc(&ptr, need));
-      bytes = need;
-    }
-    return static_cast<T*>(ptr);
-  }
-};
+using gpu::DeviceScratch;  // gpu/device_scratch.hpp
 
 // The matmuls' own cuBLASLt handle and workspace (gpu/gemm_cublaslt.cu keeps its own).
 struct CublasLt {
@@ -683,7 +659,6 @@ CudaBackend::LayersState& CudaBackend::layers_state() {
 namespace {
 
 using training_ops::CublasLt;
-using training_ops::DeviceScratch;
 using training_ops::RopeTable;
 
 struct LtDescriptors {

@@ -79,6 +79,7 @@ __device__ void block_max_to(float v, float* target) {
 struct AmaxArgs {
   float* amax_plain;  // max |x| (or null)
   float* amax_rht;    // max |rht(x)| of the column-wise copy (or null)
+  uint16_t* rht_out;  // where to keep rht(x) (BF16, rows x cols, dense), or null
 };
 
 // Plain amax over a contiguous array, 16-byte loads.
@@ -157,6 +158,11 @@ __global__ void __launch_bounds__(kThreads, 6)
         rht16(in, y);
         FP4SIM_UNROLL
         for (int i = 0; i < kRhtSize; ++i) m_rht = fmax_nan_ignored(m_rht, f32_abs(bf16_to_f32(y[i])));
+        if (args.rht_out) {  // coalesced: consecutive threads, consecutive columns
+          uint16_t* dst = args.rht_out + (r0 + k * kRhtSize) * cols + c;
+          FP4SIM_UNROLL
+          for (int i = 0; i < kRhtSize; ++i) dst[i * cols] = y[i];
+        }
       }
     }
   }
@@ -326,7 +332,7 @@ int g_fast_cols_per_thread = 1;
 
 template <class T, bool kColRht, int kPer>
 __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
-    nvfp4_1x16_kernel(const T* x, QuantArgs a) {
+    nvfp4_1x16_kernel(const T* x, QuantArgs a, const uint16_t* rht_y) {
   using Tile = FastTile<T, kPer>;
   constexpr int kCols = Tile::kCols;
   constexpr int kBlocksPerTileRow = kCols / kNvfp4Block;
@@ -397,12 +403,18 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
     float v[kNvfp4Block];
     const T* col = tile + (k * kNvfp4Block) * kCols + kPer * t + j;
     if constexpr (kColRht) {
-      uint16_t in[kRhtSize], y[kRhtSize];
-      FP4SIM_UNROLL
-      for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(col[i * kCols]);
-      rht16(in, y);
-      FP4SIM_UNROLL
-      for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
+      if (rht_y) {  // rht(x) (BF16, R x C) kept by the amax pass: the same rht16 of the same values
+        const uint16_t* y = rht_y + r * C + c;
+        FP4SIM_UNROLL
+        for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i * C]);
+      } else {
+        uint16_t in[kRhtSize], y[kRhtSize];
+        FP4SIM_UNROLL
+        for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(col[i * kCols]);
+        rht16(in, y);
+        FP4SIM_UNROLL
+        for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
+      }
     } else {
       FP4SIM_UNROLL
       for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(col[i * kCols]);
@@ -417,15 +429,25 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   }
 }
 
+// Whether launch_all keeps the RHT output between its passes when it has scratch for it.
+bool g_keep_rht = true;
+
 template <class T>
 void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* row,
-                QuantizedView* col, cudaStream_t stream) {
+                QuantizedView* col, cudaStream_t stream, DeviceScratch* rht_keep) {
   const T* xp = static_cast<const T*>(x.data);
   const int64_t R = x.rows, C = x.cols, S = x.stride();
   const bool vector_ok = (reinterpret_cast<uintptr_t>(xp) % 16 == 0) &&
                          (S * static_cast<int64_t>(sizeof(T))) % 16 == 0;
   const bool row_on = cfg.rowwise.enabled, col_on = cfg.columnwise.enabled;
   const bool col_rht = col_on && cfg.columnwise.rht;
+  // the common case (1x16 NVFP4, no Four Over Six) runs nvfp4_1x16_kernel, which can read the RHT
+  // output the amax pass keeps; the general kernel transforms again
+  const bool common_case = cfg.format != QFormat::MXFP4 && !cfg.block_2d && !cfg.rowwise.four_over_six &&
+                           !cfg.columnwise.four_over_six;
+  uint16_t* rht_out = col_rht && common_case && g_keep_rht && rht_keep
+                          ? rht_keep->get<uint16_t>(static_cast<size_t>(R * C), stream)
+                          : nullptr;
   // pass 1: amax
   float* amax_plain = row_on ? row->amax : (col_on && !col_rht ? col->amax : nullptr);
   float* amax_rht = col_rht ? col->amax : nullptr;
@@ -436,10 +458,10 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   if (amax_rht || (amax_plain && (S != C || !vector_ok))) {
     if (amax_rht) {
       amax_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
-                                                                AmaxArgs{amax_plain, amax_rht});
+                                                                AmaxArgs{amax_plain, amax_rht, rht_out});
     } else {
       amax_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
-                                                                 AmaxArgs{amax_plain, amax_rht});
+                                                                 AmaxArgs{amax_plain, amax_rht, nullptr});
     }
     FP4SIM_CUDA_CHECK_LAUNCH();
   } else if (amax_plain) {
@@ -477,21 +499,20 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   };
   fill(qa.row, cfg.rowwise, row);
   fill(qa.col, cfg.columnwise, col);
-  const bool common_case = !qa.mx && !qa.block_2d && !qa.row.four_over_six && !qa.col.four_over_six;
   if (common_case) {
     const bool rht = qa.col.enabled && qa.col.rht;
     bool launched = false;
     if constexpr (sizeof(T) == 2) {
       if (g_fast_cols_per_thread == 2) {
         const dim3 fg(static_cast<unsigned>((C + 2 * kThreads - 1) / (2 * kThreads)), grid.y);
-        if (rht) nvfp4_1x16_kernel<T, true, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
-        else nvfp4_1x16_kernel<T, false, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
+        if (rht) nvfp4_1x16_kernel<T, true, 2><<<fg, kThreads, 0, stream>>>(xp, qa, rht_out);
+        else nvfp4_1x16_kernel<T, false, 2><<<fg, kThreads, 0, stream>>>(xp, qa, nullptr);
         launched = true;
       }
     }
     if (!launched) {
-      if (rht) nvfp4_1x16_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
-      else nvfp4_1x16_kernel<T, false, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
+      if (rht) nvfp4_1x16_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(xp, qa, rht_out);
+      else nvfp4_1x16_kernel<T, false, 1><<<grid, kThreads, 0, stream>>>(xp, qa, nullptr);
     }
   } else if (qa.mx) {
     quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
@@ -550,8 +571,10 @@ void set_quantize_tile_variant(int cols_per_thread) {
   g_fast_cols_per_thread = cols_per_thread;
 }
 
+void set_quantize_keep_rht(bool keep) { g_keep_rht = keep; }
+
 void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                     QuantizedView* columnwise, cudaStream_t stream) {
+                     QuantizedView* columnwise, cudaStream_t stream, DeviceScratch* rht_keep) {
   if (x.device != Device::Cuda)
     throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
                                 "' is not in device memory");
@@ -561,9 +584,9 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
     throw std::invalid_argument("quantize (cuda): too many rows for one launch: " +
                                 shape_str(x.rows, x.cols));
   if (x.dtype == DType::F32) {
-    launch_all<float>(x, cfg, rowwise, columnwise, stream);
+    launch_all<float>(x, cfg, rowwise, columnwise, stream, rht_keep);
   } else {
-    launch_all<uint16_t>(x, cfg, rowwise, columnwise, stream);
+    launch_all<uint16_t>(x, cfg, rowwise, columnwise, stream, rht_keep);
   }
 }
 

@@ -229,6 +229,14 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
   const QuantizeResult a = quantize_to_host(*emu, v, c), b = quantize_to_host(*cuda, v, c);
   expect_same(a.rowwise, b.rowwise, "1024x2048 row-wise");
   expect_same(a.columnwise, b.columnwise, "1024x2048 column-wise rht sr");
+#if FP4SIM_HAVE_CUDA
+  // the quantizer that transforms twice instead of keeping the RHT output: the same bits
+  gpu::set_quantize_keep_rht(false);
+  const QuantizeResult t = quantize_to_host(*cuda, v, c);
+  gpu::set_quantize_keep_rht(true);
+  expect_same(a.rowwise, t.rowwise, "1024x2048 row-wise, RHT transformed twice");
+  expect_same(a.columnwise, t.columnwise, "1024x2048 column-wise rht sr, RHT transformed twice");
+#endif
 }
 
 }  // namespace
