@@ -4,6 +4,8 @@
 #include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <tuple>
+#include <utility>
 
 namespace fp4sim::model {
 
@@ -75,10 +77,8 @@ struct CopyRequest {
   uint64_t stream = 0;
 };
 
-// x (rows, cols) FP32 in the backend's memory -> one copy: row-wise (rows, cols) or column-wise
-// (cols, rows), blocks along the written row.
-std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r, uint64_t seed, const float* x,
-                                     int64_t rows, int64_t cols, const CopyRequest& q, const std::string& name) {
+// The quantizer configuration of one requested copy (only that copy enabled).
+QuantizeConfig copy_config(const LinearRecipe& r, uint64_t seed, const CopyRequest& q) {
   QuantizeConfig qc;
   qc.format = format_of(*q.format);
   const bool fp8 = qc.format == QFormat::FP8;
@@ -93,16 +93,50 @@ std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r,
   spec.stream = q.stream;
   spec.rht = q.rht && !fp8;
   spec.four_over_six = q.fos && !fp8;
+  return qc;
+}
+
+// x (rows, cols) FP32 in the backend's memory as the quantizer's input (name: the error messages').
+TensorView copy_input(Backend& be, const float* x, int64_t rows, int64_t cols, const std::string& name) {
   TensorView tv;
   tv.data = const_cast<float*>(x);
   tv.rows = rows;
   tv.cols = cols;
   tv.device = be.device();
   tv.name = name.c_str();
+  return tv;
+}
+
+// x (rows, cols) FP32 in the backend's memory -> one copy: row-wise (rows, cols) or column-wise
+// (cols, rows), blocks along the written row.
+std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r, uint64_t seed, const float* x,
+                                     int64_t rows, int64_t cols, const CopyRequest& q, const std::string& name) {
+  const QuantizeConfig qc = copy_config(r, seed, q);
+  const CopySpec& spec = q.columnwise ? qc.columnwise : qc.rowwise;
+  const TensorView tv = copy_input(be, x, rows, cols, name);
   auto c = std::make_unique<QuantizedCopy>(be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format,
                                    spec.four_over_six);
   be.quantize(tv, qc, q.columnwise ? nullptr : &c->view, q.columnwise ? &c->view : nullptr);
   return c;
+}
+
+// A row-wise and a column-wise copy of the same x, in one quantize call where they can share it
+// (same format, block shape and Four Over Six setting): one amax pass and one read of x instead of
+// two each. The bits are those of two quantize_copy calls: each copy keeps its own rounding, RHT
+// and SR stream, and its amax is taken over the same values.
+std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quantize_both(
+    Backend& be, const LinearRecipe& r, uint64_t seed, const float* x, int64_t rows, int64_t cols,
+    const CopyRequest& row_q, const CopyRequest& col_q, const std::string& name) {
+  if (*row_q.format != *col_q.format || row_q.weight != col_q.weight || row_q.fos != col_q.fos)
+    return {quantize_copy(be, r, seed, x, rows, cols, row_q, name), quantize_copy(be, r, seed, x, rows, cols, col_q, name)};
+  QuantizeConfig qc = copy_config(r, seed, row_q);
+  const QuantizeConfig cc = copy_config(r, seed, col_q);
+  qc.columnwise = cc.columnwise;
+  const TensorView tv = copy_input(be, x, rows, cols, name);
+  auto row = std::make_unique<QuantizedCopy>(be, rows, cols, qc.format, qc.rowwise.four_over_six);
+  auto col = std::make_unique<QuantizedCopy>(be, cols, rows, qc.format, qc.columnwise.four_over_six);
+  be.quantize(tv, qc, &row->view, &col->view);
+  return {std::move(row), std::move(col)};
 }
 
 // Statistics of a row-wise copy of x (rows, cols), on the host.
@@ -186,22 +220,28 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
   auto stream = [&](TensorRole role, int copy) {
     return sr_stream(ids.step, ids.micro_batch, ids.layer, ids.linear, role, copy);
   };
-  // the Wgrad operand x^T, quantized now so the backward pass needs no FP32 copy of x
+  const CopyRequest x_fprop{&r.fprop, false, false, false, r.sr_other, r.fos_activations,
+                           stream(TensorRole::Activation, 0)};
+  const CopyRequest x_wgrad{&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations,
+                            stream(TensorRole::Activation, 1)};
+  // the Wgrad operand x^T, quantized now so the backward pass needs no FP32 copy of x; with a
+  // quantized Fprop too, both copies come from one quantize call
+  std::unique_ptr<QuantizedCopy> xq;
   if (save_wgrad_input) {
     save_wgrad_input->reset();
-    if (r.wgrad != "bf16")
-      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K,
-                                        {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations,
-                                         stream(TensorRole::Activation, 1)},
-                                        name + " input");
+    if (r.wgrad != "bf16" && r.fprop != "bf16") {
+      auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop, x_wgrad, name + " input");
+      xq = std::move(both.first);
+      *save_wgrad_input = std::move(both.second);
+    } else if (r.wgrad != "bf16") {
+      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad, name + " input");
+    }
   }
   if (r.fprop == "bf16") {
     be.matmul_forward(out, inp, weight, bias, N, K, OC, prec, round_bf16);
     return;
   }
-  const auto xq = quantize_copy(be, r, ids.seed, inp, N, K,
-                                {&r.fprop, false, false, false, r.sr_other, r.fos_activations, stream(TensorRole::Activation, 0)},
-                                name + " input");
+  if (!xq) xq = quantize_copy(be, r, ids.seed, inp, N, K, x_fprop, name + " input");
   const auto wq = quantize_copy(be, r, ids.seed, weight, OC, K,
                                 {&r.fprop, false, true, false, r.sr_other, r.fos_weights, stream(TensorRole::Weight, 0)},
                                 name + ".weight");
@@ -232,15 +272,20 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   GemmConfig acc;  // D = alpha' * A B^T + 1 * D: the += of matmul_backward, in the epilogue
   acc.impl = r.impl;
   acc.beta = 1.0f;
+  const CopyRequest dy_dgrad{&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients,
+                             stream(TensorRole::Gradient, 0)};
+  const CopyRequest dy_wgrad{&r.wgrad, true, false, r.rht, r.sr_gradients, r.fos_gradients,
+                             stream(TensorRole::Gradient, 1)};
+  // dy's Dgrad and Wgrad copies from one quantize call when both GEMMs are quantized
+  std::unique_ptr<QuantizedCopy> dyq, dyc;
+  if (dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16")
+    std::tie(dyq, dyc) = quantize_both(be, r, ids.seed, dout, N, OC, dy_dgrad, dy_wgrad, name + " output gradient");
   // Dgrad: dx (N,K) += dy (N,OC) . W (OC,K) = dy_rowwise x (W column-wise (K,OC))^T
   if (dinp) {
     if (r.dgrad == "bf16") {
       be.matmul_backward(dinp, nullptr, nullptr, dout, inp, weight, N, K, OC, prec);
     } else {
-      const auto dyq = quantize_copy(be, r, ids.seed, dout, N, OC,
-                                     {&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients,
-                                      stream(TensorRole::Gradient, 0)},
-                                     name + " output gradient");
+      if (!dyq) dyq = quantize_copy(be, r, ids.seed, dout, N, OC, dy_dgrad, name + " output gradient");
       const auto wq = quantize_copy(be, r, ids.seed, weight, OC, K,
                                     {&r.dgrad, true, true, false, r.sr_other, r.fos_weights, stream(TensorRole::Weight, 1)},
                                     name + ".weight");
@@ -254,16 +299,12 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
     if (r.wgrad == "bf16") {
       be.matmul_backward(nullptr, dweight, nullptr, dout, inp, weight, N, K, OC, prec);
     } else {
-      const auto dyc = quantize_copy(be, r, ids.seed, dout, N, OC,
-                                     {&r.wgrad, true, false, r.rht, r.sr_gradients, r.fos_gradients,
-                                      stream(TensorRole::Gradient, 1)},
-                                     name + " output gradient");
+      if (!dyc) dyc = quantize_copy(be, r, ids.seed, dout, N, OC, dy_wgrad, name + " output gradient");
       std::unique_ptr<QuantizedCopy> own;
       const QuantizedCopy* xc = saved_wgrad_input;
       if (!xc) {
         own = quantize_copy(be, r, ids.seed, inp, N, K,
-                            {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations,
-                             stream(TensorRole::Activation, 1)},
+                            {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations, stream(TensorRole::Activation, 1)},
                             name + " input");
         xc = own.get();
       }
