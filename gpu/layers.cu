@@ -542,6 +542,9 @@ __global__ void crossentropy_softmax_forward_kernel(float* losses, float* probs,
   float s = 0.0f;
   for (int64_t i = threadIdx.x; i < V; i += blockDim.x) s = __fadd_rn(s, expf(__fsub_rn(z[i], maxv)));
   const float sum = block_sum(s);
+  // the loss before the third pass, which may overwrite the logits when the output aliases them
+  if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(expf(__fsub_rn(z[targets[n]], maxv)), sum));
+  __syncthreads();
   if constexpr (kGrad) {
     const int64_t target = targets[n];
     const float dl = dlosses[n];
@@ -552,7 +555,6 @@ __global__ void crossentropy_softmax_forward_kernel(float* losses, float* probs,
   } else {
     for (int64_t i = threadIdx.x; i < V; i += blockDim.x) p[i] = __fdiv_rn(expf(__fsub_rn(z[i], maxv)), sum);
   }
-  if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(expf(__fsub_rn(z[targets[n]], maxv)), sum));
 }
 
 // dlogits (N,V) = (probs - onehot(target)) * dlosses[n], each step RN, then bf16_round when
