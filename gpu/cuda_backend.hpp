@@ -136,8 +136,8 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
 // 2 = tiled with the lean core, 3 and 4 = 2 at 3 or 4 CTAs per SM, 5 = 4 with fewer integer
 // operations per output, 6 = 5 scaling the terms by exponent addition (the default: 18.9 TFLOP/s
 // at 8192^3 on the H200; gpu/gemm.cu has the measurements), 7 = 6 with per-row shared-memory
-// records and all-zero groups folded into the exponents, 8 = 6 with the records only (7 and 8 not
-// yet run). Results are identical; only speed differs.
+// records and all-zero groups folded into the exponents, 8 = 6 with the records only, 9 = 7 at 3 CTAs
+// per SM (7-9 not yet run). Results are identical; only speed differs.
 constexpr int kGemmExactDefaultVariant = 6;
 void set_gemm_exact_variant(int variant);
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);

@@ -330,14 +330,15 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
 // 18.2 / 18.9 TFLOP/s for 1-6. Tried and removed, all bitwise equal and all slower: the group sums
 // from int8 mma.sync instead of __dp4a (18.1, commit 6da98bf); an untruncated FP64 exact-sum core
 // tried first, and accumulators kept in registers by rotating rows (16.4-18.2, commit 587b501).
-// 7 = 6 with kRows and kFold; 8 = 6 with kRows only (to tell the two apart): written after the
-// fifth session's SASS reading, not yet run on a GPU. A benchmark knob; the same bits.
+// 7 = 6 with kRows and kFold; 8 = 6 with kRows only (to tell the two apart); 9 = 7 at 3 CTAs per
+// SM (80 registers: room to keep addresses and A's fields): written after the fifth session's
+// SASS reading, not yet run on a GPU. A benchmark knob; the same bits.
 int g_gemm_exact_variant = kGemmExactDefaultVariant;
 
 }  // namespace
 
 void set_gemm_exact_variant(int variant) {
-  if (variant < 0 || variant > 8) throw std::invalid_argument("exact GEMM variant must be 0 to 8");
+  if (variant < 0 || variant > 9) throw std::invalid_argument("exact GEMM variant must be 0 to 9");
   g_gemm_exact_variant = variant;
 }
 
@@ -349,7 +350,7 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
     const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile), static_cast<unsigned>((a.rows + kTile - 1) / kTile));
     // [variant - 1][split-K]: the tiled kernels' instantiations
     using Kernel = void (*)(QuantizedView, QuantizedView, const float*, GemmConfig, void*);
-    static constexpr Kernel kTiled[8][2] = {
+    static constexpr Kernel kTiled[9][2] = {
         {gemm_exact_tiled_kernel<false, 1, false>, gemm_exact_tiled_kernel<false, 1, true>},
         {gemm_exact_tiled_kernel<true, 1, false>, gemm_exact_tiled_kernel<true, 1, true>},
         {gemm_exact_tiled_kernel<true, 3, false>, gemm_exact_tiled_kernel<true, 3, true>},
@@ -359,7 +360,9 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
         {gemm_exact_tiled_kernel<true, 4, false, true, true, true, true>,
          gemm_exact_tiled_kernel<true, 4, true, true, true, true, true>},
         {gemm_exact_tiled_kernel<true, 4, false, true, true, true, false>,
-         gemm_exact_tiled_kernel<true, 4, true, true, true, true, false>}};
+         gemm_exact_tiled_kernel<true, 4, true, true, true, true, false>},
+        {gemm_exact_tiled_kernel<true, 3, false, true, true, true, true>,
+         gemm_exact_tiled_kernel<true, 3, true, true, true, true, true>}};
     kTiled[g_gemm_exact_variant - 1][cfg.split_k > 1 ? 1 : 0]<<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
     FP4SIM_CUDA_CHECK_LAUNCH();
     return;

@@ -42,7 +42,7 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
           const auto e = run_gemm_bits(*emu, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
           auto g = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);  // the default kernel
           // the other tiled kernels on every case, the reference kernel on two fills
-          for (int kernel : {0, 1, 2, 3, 4, 5, 7, 8}) {
+          for (int kernel : {0, 1, 2, 3, 4, 5, 7, 8, 9}) {
             if (kernel == 0 && fill != test::Fill::Specials && fill != test::Fill::Gaussian) continue;
             gpu::set_gemm_exact_variant(kernel);
             const auto r = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
