@@ -38,6 +38,8 @@ std::vector<Case> all_configs() {
     c.columnwise.rounding = Rounding::SR;
     c.columnwise.rht = true;
     add("nvfp4_col_rht_sr", c);
+    c.rowwise.rounding = Rounding::SR;  // the recipe's dy: Dgrad copy SR, Wgrad copy RHT + SR, one call
+    add("nvfp4_row_sr_col_rht_sr", c);
   }
   {
     QuantizeConfig c = base;
