@@ -6,6 +6,7 @@
 
 #include "emu/backend.hpp"
 #include "emu/cpu_backend.hpp"
+#include "tests/emu/copies_check.hpp"
 #include "tests/emu/test_util.hpp"
 
 namespace fp4sim {
@@ -27,6 +28,13 @@ std::vector<float> worked_vector() {
 }
 
 // DESIGN.md §5 worked vector: amax 2, S_enc 1344, scales 7E 46, the packed codes below.
+// A tensor's two copies from one call equal each copy from its own call (model/linear.cpp relies
+// on it), for every format and option pair the recipes combine.
+TEST(Quantize, CopiesFromOneCallEqualSeparateCalls) {
+  auto be = make_cpu_backend();
+  test::check_copy_pairs(*be);
+}
+
 TEST(Quantize, Nvfp4_WorkedVector) {
   auto be = make_cpu_backend();
   std::vector<float> x = worked_vector();

@@ -9,6 +9,7 @@
 #endif
 
 #include "emu/backend.hpp"
+#include "tests/emu/copies_check.hpp"
 #include "tests/emu/test_util.hpp"
 #include "tests/gpu/gpu_test_util.hpp"
 #include "tools/backends.hpp"
@@ -208,6 +209,14 @@ TEST(QuantizeGpu, DequantizeAndTiledScalesMatchEmulator) {
     cuda->download(tg.data(), o.get(), tg.size());
     EXPECT_EQ(te, tg);
   }
+}
+
+// The CUDA quantizer: both copies from one call equal each from its own call (the recipes'
+// combined calls), every format and option pair, bit for bit.
+TEST(QuantizeGpu, CopiesFromOneCallEqualSeparateCalls) {
+  REQUIRE_GPU();
+  auto cuda = make_backend("cuda");
+  test::check_copy_pairs(*cuda);
 }
 
 TEST(QuantizeGpu, LargeTensorMatchesEmulator) {

@@ -1,0 +1,84 @@
+// A quantizer property the recipes rely on (model/linear.cpp makes a tensor's row-wise and
+// column-wise copies in one quantize call when it can): both copies from one call equal each copy
+// from its own call, bit for bit, on any backend. Used by the emulator and the GPU tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "emu/backend.hpp"
+#include "tests/emu/test_util.hpp"
+
+namespace fp4sim::test {
+
+// The combinations the recipes request in one call: x (Fprop RN + Wgrad RHT), dy (Dgrad SR +
+// Wgrad RHT SR), 2D weights, Four Over Six, MXFP4 with RHT and SR, FP8 1x128 and 128x128.
+inline std::vector<std::pair<std::string, QuantizeConfig>> copy_pair_configs() {
+  std::vector<std::pair<std::string, QuantizeConfig>> out;
+  QuantizeConfig base;
+  base.rowwise.enabled = base.columnwise.enabled = true;
+  base.seed = 77;
+  base.rowwise.stream = 5;
+  base.columnwise.stream = 6;
+  QuantizeConfig c = base;
+  c.columnwise.rht = true;
+  out.emplace_back("nvfp4 x: row RN, col RHT", c);
+  c.rowwise.rounding = c.columnwise.rounding = Rounding::SR;
+  out.emplace_back("nvfp4 dy: row SR, col RHT SR", c);
+  c = base;
+  c.block_2d = true;
+  out.emplace_back("nvfp4 2D weight", c);
+  c = base;
+  c.rowwise.four_over_six = c.columnwise.four_over_six = true;
+  out.emplace_back("nvfp4 Four Over Six", c);
+  c = base;
+  c.format = QFormat::MXFP4;
+  c.columnwise.rht = true;
+  c.columnwise.rounding = Rounding::SR;
+  out.emplace_back("mxfp4 row RN, col RHT SR", c);
+  c = base;
+  c.format = QFormat::FP8;
+  out.emplace_back("fp8 1x128", c);
+  c.block_2d = true;
+  out.emplace_back("fp8 128x128", c);
+  return out;
+}
+
+inline void expect_same_copy(const QuantizedHost& a, const QuantizedHost& b, const std::string& what) {
+  EXPECT_EQ(bits(a.amax), bits(b.amax)) << what << ": amax";
+  EXPECT_TRUE(a.scales == b.scales) << what << ": scales";
+  EXPECT_TRUE(a.codes == b.codes) << what << ": codes";
+}
+
+// host_x: a host tensor (quantize_to_host uploads it where the backend needs it).
+inline void expect_copies_independent(Backend& be, const TensorView& host_x, const QuantizeConfig& both,
+                                      const std::string& what) {
+  QuantizeConfig row_only = both, col_only = both;
+  row_only.columnwise.enabled = false;
+  col_only.rowwise.enabled = false;
+  const QuantizeResult b = quantize_to_host(be, host_x, both);
+  const QuantizeResult r = quantize_to_host(be, host_x, row_only);
+  const QuantizeResult c = quantize_to_host(be, host_x, col_only);
+  expect_same_copy(b.rowwise, r.rowwise, what + ", row-wise copy: one call vs its own");
+  expect_same_copy(b.columnwise, c.columnwise, what + ", column-wise copy: one call vs its own");
+}
+
+// Every pair configuration on a 256 x 256 tensor of each fill.
+inline void check_copy_pairs(Backend& be) {
+  const int64_t n = 256;
+  for (const auto& [name, cfg] : copy_pair_configs()) {
+    for (Fill f : {Fill::Gaussian, Fill::HeavyTailed, Fill::Specials}) {
+      std::vector<float> x = make_fill(f, static_cast<size_t>(n * n), 4242);
+      TensorView v;
+      v.data = x.data();
+      v.rows = n;
+      v.cols = n;
+      expect_copies_independent(be, v, cfg, name + " " + fill_name(f) + " on " + be.name());
+    }
+  }
+}
+
+}  // namespace fp4sim::test
