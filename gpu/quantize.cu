@@ -345,8 +345,10 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   const int64_t R = a.rows, C = a.cols;
 
   // ---- load the tile: every 16-byte load issued before any is used (small, unrolled code) ----
+  // (not needed when the only copy is an RHT copy whose transform the amax pass kept)
+  const bool need_tile = a.row.enabled || !kColRht || rht_y == nullptr;
   FP4SIM_UNROLL
-  for (int k = 0; k < Tile::kRowUnits; ++k) {
+  for (int k = 0; k < (need_tile ? Tile::kRowUnits : 0); ++k) {
     const int u = t + k * kThreads;
     const int tr = u / kBlocksPerTileRow, tb = u % kBlocksPerTileRow;
     const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
@@ -445,9 +447,16 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   // output the amax pass keeps; the general kernel transforms again
   const bool common_case = cfg.format != QFormat::MXFP4 && !cfg.block_2d && !cfg.rowwise.four_over_six &&
                            !cfg.columnwise.four_over_six;
-  uint16_t* rht_out = col_rht && common_case && g_keep_rht && rht_keep
-                          ? rht_keep->get<uint16_t>(static_cast<size_t>(R * C), stream)
-                          : nullptr;
+  // (if the scratch cannot be had, transform twice as before rather than fail)
+  uint16_t* rht_out = nullptr;
+  if (col_rht && common_case && g_keep_rht && rht_keep) {
+    try {
+      rht_out = rht_keep->get<uint16_t>(static_cast<size_t>(R * C), stream);
+    } catch (const std::runtime_error&) {
+      (void)cudaGetLastError();  // the failed allocation's error, not sticky
+      rht_out = nullptr;
+    }
+  }
   // pass 1: amax
   float* amax_plain = row_on ? row->amax : (col_on && !col_rht ? col->amax : nullptr);
   float* amax_rht = col_rht ? col->amax : nullptr;

@@ -124,10 +124,14 @@ std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r,
 // (same format, block shape and Four Over Six setting): one amax pass and one read of x instead of
 // two each. The bits are those of two quantize_copy calls: each copy keeps its own rounding, RHT
 // and SR stream, and its amax is taken over the same values.
+bool can_combine(const CopyRequest& row_q, const CopyRequest& col_q) {
+  return *row_q.format == *col_q.format && row_q.weight == col_q.weight && row_q.fos == col_q.fos;
+}
+
 std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quantize_both(
     Backend& be, const LinearRecipe& r, uint64_t seed, const float* x, int64_t rows, int64_t cols,
     const CopyRequest& row_q, const CopyRequest& col_q, const std::string& name) {
-  if (*row_q.format != *col_q.format || row_q.weight != col_q.weight || row_q.fos != col_q.fos)
+  if (!can_combine(row_q, col_q))
     return {quantize_copy(be, r, seed, x, rows, cols, row_q, name), quantize_copy(be, r, seed, x, rows, cols, col_q, name)};
   QuantizeConfig qc = copy_config(r, seed, row_q);
   const QuantizeConfig cc = copy_config(r, seed, col_q);
@@ -220,28 +224,31 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
   auto stream = [&](TensorRole role, int copy) {
     return sr_stream(ids.step, ids.micro_batch, ids.layer, ids.linear, role, copy);
   };
-  const CopyRequest x_fprop{&r.fprop, false, false, false, r.sr_other, r.fos_activations,
-                           stream(TensorRole::Activation, 0)};
-  const CopyRequest x_wgrad{&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations,
-                            stream(TensorRole::Activation, 1)};
+  // (built only where a copy is made: a BF16 GEMM draws no SR stream)
+  auto x_fprop = [&] {
+    return CopyRequest{&r.fprop, false, false, false, r.sr_other, r.fos_activations, stream(TensorRole::Activation, 0)};
+  };
+  auto x_wgrad = [&] {
+    return CopyRequest{&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations, stream(TensorRole::Activation, 1)};
+  };
   // the Wgrad operand x^T, quantized now so the backward pass needs no FP32 copy of x; with a
   // quantized Fprop too, both copies come from one quantize call
   std::unique_ptr<QuantizedCopy> xq;
   if (save_wgrad_input) {
     save_wgrad_input->reset();
     if (r.wgrad != "bf16" && r.fprop != "bf16") {
-      auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop, x_wgrad, name + " input");
+      auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop(), x_wgrad(), name + " input");
       xq = std::move(both.first);
       *save_wgrad_input = std::move(both.second);
     } else if (r.wgrad != "bf16") {
-      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad, name + " input");
+      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad(), name + " input");
     }
   }
   if (r.fprop == "bf16") {
     be.matmul_forward(out, inp, weight, bias, N, K, OC, prec, round_bf16);
     return;
   }
-  if (!xq) xq = quantize_copy(be, r, ids.seed, inp, N, K, x_fprop, name + " input");
+  if (!xq) xq = quantize_copy(be, r, ids.seed, inp, N, K, x_fprop(), name + " input");
   const auto wq = quantize_copy(be, r, ids.seed, weight, OC, K,
                                 {&r.fprop, false, true, false, r.sr_other, r.fos_weights, stream(TensorRole::Weight, 0)},
                                 name + ".weight");
@@ -272,26 +279,31 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   GemmConfig acc;  // D = alpha' * A B^T + 1 * D: the += of matmul_backward, in the epilogue
   acc.impl = r.impl;
   acc.beta = 1.0f;
-  const CopyRequest dy_dgrad{&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients,
-                             stream(TensorRole::Gradient, 0)};
-  const CopyRequest dy_wgrad{&r.wgrad, true, false, r.rht, r.sr_gradients, r.fos_gradients,
-                             stream(TensorRole::Gradient, 1)};
-  // dy's Dgrad and Wgrad copies from one quantize call when both GEMMs are quantized
+  auto dy_dgrad = [&] {
+    return CopyRequest{&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients, stream(TensorRole::Gradient, 0)};
+  };
+  auto dy_wgrad = [&] {
+    return CopyRequest{&r.wgrad, true, false, r.rht, r.sr_gradients, r.fos_gradients, stream(TensorRole::Gradient, 1)};
+  };
+  // dy's Dgrad and Wgrad copies from one quantize call when both GEMMs are quantized and the
+  // copies can share it (else each is made where it is used, and the Dgrad one freed before the
+  // Wgrad one exists)
   std::unique_ptr<QuantizedCopy> dyq, dyc;
-  if (dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16")
-    std::tie(dyq, dyc) = quantize_both(be, r, ids.seed, dout, N, OC, dy_dgrad, dy_wgrad, name + " output gradient");
+  if (dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" && can_combine(dy_dgrad(), dy_wgrad()))
+    std::tie(dyq, dyc) = quantize_both(be, r, ids.seed, dout, N, OC, dy_dgrad(), dy_wgrad(), name + " output gradient");
   // Dgrad: dx (N,K) += dy (N,OC) . W (OC,K) = dy_rowwise x (W column-wise (K,OC))^T
   if (dinp) {
     if (r.dgrad == "bf16") {
       be.matmul_backward(dinp, nullptr, nullptr, dout, inp, weight, N, K, OC, prec);
     } else {
-      if (!dyq) dyq = quantize_copy(be, r, ids.seed, dout, N, OC, dy_dgrad, name + " output gradient");
+      if (!dyq) dyq = quantize_copy(be, r, ids.seed, dout, N, OC, dy_dgrad(), name + " output gradient");
       const auto wq = quantize_copy(be, r, ids.seed, weight, OC, K,
                                     {&r.dgrad, true, true, false, r.sr_other, r.fos_weights, stream(TensorRole::Weight, 1)},
                                     name + ".weight");
       const TensorView d = f32_view(be, dinp, N, K);
       be.gemm(dyq->view, wq->view, &d, acc, d);
       if (stats) stats->push_back(stat_of(be, dout, *dyq, name + ".dgrad.dy"));
+      dyq.reset();
     }
   }
   // Wgrad: dW (OC,K) += dy^T (OC,N) . x (N,K) = (dy column-wise) x (x column-wise)^T, RHT on both
@@ -299,7 +311,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
     if (r.wgrad == "bf16") {
       be.matmul_backward(nullptr, dweight, nullptr, dout, inp, weight, N, K, OC, prec);
     } else {
-      if (!dyc) dyc = quantize_copy(be, r, ids.seed, dout, N, OC, dy_wgrad, name + " output gradient");
+      if (!dyc) dyc = quantize_copy(be, r, ids.seed, dout, N, OC, dy_wgrad(), name + " output gradient");
       std::unique_ptr<QuantizedCopy> own;
       const QuantizedCopy* xc = saved_wgrad_input;
       if (!xc) {

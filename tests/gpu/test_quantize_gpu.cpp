@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <functional>
+#include <utility>
 #include <string>
 #if defined(__x86_64__)
 #include <xmmintrin.h>
@@ -99,6 +101,15 @@ std::string first_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>
     }
   return "sizes differ";
 }
+
+// Sets a process-wide benchmark knob and puts it back on scope exit, even when a check throws.
+struct KnobGuard {
+  std::function<void()> undo;
+  KnobGuard(const std::function<void()>& set, std::function<void()> reset) : undo(std::move(reset)) { set(); }
+  ~KnobGuard() { undo(); }
+  KnobGuard(const KnobGuard&) = delete;
+  KnobGuard& operator=(const KnobGuard&) = delete;
+};
 
 void expect_same(const QuantizedHost& e, const QuantizedHost& g, const std::string& what) {
   ASSERT_EQ(test::bits(e.amax), test::bits(g.amax)) << what << ": amax emu " << e.amax << " cuda " << g.amax;
@@ -242,13 +253,62 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
   expect_same(a.columnwise, b.columnwise, "1024x2048 column-wise rht sr");
 #if FP4SIM_HAVE_CUDA
   // the quantizer that transforms twice instead of keeping the RHT output: the same bits
-  gpu::set_quantize_keep_rht(false);
-  const QuantizeResult t = quantize_to_host(*cuda, v, c);
-  gpu::set_quantize_keep_rht(true);
+  QuantizeResult t;
+  {
+    KnobGuard twice([] { gpu::set_quantize_keep_rht(false); }, [] { gpu::set_quantize_keep_rht(true); });
+    t = quantize_to_host(*cuda, v, c);
+  }
   expect_same(a.rowwise, t.rowwise, "1024x2048 row-wise, RHT transformed twice");
   expect_same(a.columnwise, t.columnwise, "1024x2048 column-wise rht sr, RHT transformed twice");
 #endif
 }
+
+#if FP4SIM_HAVE_CUDA
+// The fast kernel's 64x256 tile (BF16 input) and strided inputs (row stride != cols), with RHT
+// kept between the passes and transformed twice: the emulator's bits.
+TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
+  REQUIRE_GPU();
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  const int64_t rows = 96, cols = 400, stride = 416;
+  const std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * stride), 7);
+  std::vector<uint16_t> h(x.size());
+  for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
+  int checked = 0;
+  for (const Case& cs : all_configs()) {
+    if (cs.cfg.format != QFormat::NVFP4) continue;
+    for (DType dt : {DType::F32, DType::BF16}) {
+      for (int64_t st : {cols, stride}) {
+        TensorView v;
+        v.data = dt == DType::BF16 ? static_cast<void*>(h.data()) : const_cast<float*>(x.data());
+        v.dtype = dt;
+        v.rows = rows;
+        v.cols = cols;
+        v.row_stride = st;
+        const QuantizeResult e = quantize_to_host(*emu, v, cs.cfg);
+        for (int tile : {1, 2}) {
+          for (bool keep : {true, false}) {
+            QuantizeResult g;
+            {
+              KnobGuard knobs([&] { gpu::set_quantize_tile_variant(tile); gpu::set_quantize_keep_rht(keep); },
+                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true); });
+              g = quantize_to_host(*cuda, v, cs.cfg);
+            }
+            const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st) + " tile " +
+                                     std::to_string(tile) + (keep ? " rht kept" : " rht twice");
+            if (cs.cfg.rowwise.enabled) expect_same(e.rowwise, g.rowwise, what + " row-wise");
+            if (cs.cfg.columnwise.enabled) expect_same(e.columnwise, g.columnwise, what + " column-wise");
+            if (HasFatalFailure()) return;
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  std::printf("[quantize-gpu] %d tile/stride/RHT-path cases bitwise identical\n", checked);
+  EXPECT_GT(checked, 50);
+}
+#endif
 
 }  // namespace
 }  // namespace fp4sim
