@@ -92,7 +92,9 @@ QuantizeConfig copy_config(const LinearRecipe& r, uint64_t seed, const CopyReque
   spec.rounding = q.sr && !fp8 ? Rounding::SR : Rounding::RN;
   spec.stream = q.stream;
   spec.rht = q.rht && !fp8;
-  spec.four_over_six = q.fos && !fp8;
+  // Four Over Six is an NVFP4 technique: a GEMM overridden to MXFP4 or FP8 in an NVFP4 recipe that
+  // uses it runs without it (as the recipe check does for whole MXFP4 and FP8 recipes)
+  spec.four_over_six = q.fos && qc.format == QFormat::NVFP4;
   return qc;
 }
 

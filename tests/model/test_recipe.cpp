@@ -166,6 +166,37 @@ TEST(Recipe, Nvfp4LinearTracksFp32) {
   EXPECT_GT(stats[0].rel_error, 0.0);
 }
 
+// An NVFP4 recipe with Four Over Six and one GEMM overridden to MXFP4: that GEMM runs without Four
+// Over Six instead of failing in the quantizer mid-step (FP8 overrides already did).
+TEST(Recipe, FourOverSixSkipsGemmsOverriddenToOtherFormats) {
+  auto be = make_cpu_backend();
+  const int64_t N = 32, K = 64, OC = 32;
+  std::vector<float> x(N * K), w(OC * K), dy(N * OC);
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto* v : {&x, &w, &dy})
+    for (auto& e : *v) e = nd(rng);
+  for (const char* fmt : {"mxfp4"}) {
+    RunConfig c = run_with({"recipe.name=nvfp4", "recipe.four_over_six=all", "recipe.stochastic_rounding=off",
+                            "recipe.rht=false", std::string("recipe.override.h.0.attn.c_attn.wgrad=") + fmt,
+                            std::string("recipe.override.h.0.attn.c_attn.fprop=") + fmt});
+    const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 0, 0);
+    ASSERT_EQ(r.wgrad, fmt);
+    ASSERT_TRUE(r.fos_activations);
+    const LinearIds ids{1, 0, 0, 0, 0};
+    std::vector<float> y(N * OC), dx(N * K, 0.0f), dw(OC * K, 0.0f);
+    std::unique_ptr<QuantizedCopy> saved;
+    EXPECT_NO_THROW(linear_forward(*be, r, ids, y.data(), x.data(), w.data(), nullptr, N, K, OC,
+                                   emu::GemmPrecision::BF16, false, nullptr, "t", &saved))
+        << fmt;
+    EXPECT_NO_THROW(linear_backward(*be, r, ids, dx.data(), dw.data(), nullptr, dy.data(), x.data(), w.data(), N, K,
+                                    OC, emu::GemmPrecision::BF16, nullptr, "t", saved.get()))
+        << fmt;
+    ASSERT_TRUE(saved);
+    EXPECT_FALSE(saved->view.four_over_six) << fmt;
+  }
+}
+
 // Under weight_2d the Dgrad weight (column-wise copy) is exactly the transpose of the Fprop weight.
 TEST(Recipe, Weight2dDgradCopyIsTheExactTranspose) {
   auto be = make_cpu_backend();
