@@ -147,23 +147,6 @@ void destroy_plan(GemmPlan& p) {
   p = GemmPlan{};
 }
 
-// A device scratch buffer that only grows (stream-ordered reuse: every user runs on one stream).
-struct Scratch {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  void* get(size_t need) {
-    if (need > bytes) {
-      if (ptr) FP4SIM_CUDA_CHECK(cudaFree(ptr));  // (synchronises: earlier users are done)
-      FP4SIM_CUDA_CHECK(cudaMalloc(&ptr, need));
-      bytes = need;
-    }
-    return ptr;
-  }
-  ~Scratch() {
-    if (ptr) cudaFree(ptr);
-  }
-};
-
 }  // namespace
 
 struct CublasLtState {
@@ -172,7 +155,7 @@ struct CublasLtState {
   void* workspace = nullptr;
   size_t workspace_bytes = 64u << 20;
   std::map<std::tuple<PlanKind, int64_t, int64_t, int64_t>, GemmPlan> plans;
-  Scratch a_bf16, b_bf16, d_f32, a_tiled, b_tiled, scalars;
+  DeviceScratch a_bf16, b_bf16, d_f32, a_tiled, b_tiled, scalars;  // gpu/device_scratch.hpp
   ~CublasLtState() {
     for (auto& kv : plans) destroy_plan(kv.second);
     if (workspace) cudaFree(workspace);
@@ -292,8 +275,8 @@ void fp4_native_gemm_tn(CublasLtState& st, const QuantizedView& a, const Quantiz
   const int64_t M = a.rows, N = b.rows, K = a.cols;
   const bool mx = a.format == QFormat::MXFP4;
   const int64_t kb = K / (mx ? kMxfp4Block : kNvfp4Block);
-  auto* sa = static_cast<uint8_t*>(st.a_tiled.get(tiled_scale_bytes(M, kb)));
-  auto* sb = static_cast<uint8_t*>(st.b_tiled.get(tiled_scale_bytes(N, kb)));
+  auto* sa = st.a_tiled.get<uint8_t>(tiled_scale_bytes(M, kb), stream);
+  auto* sb = st.b_tiled.get<uint8_t>(tiled_scale_bytes(N, kb), stream);
   scales_to_tiled_launch(a.scales, M, kb, sa, stream);
   scales_to_tiled_launch(b.scales, N, kb, sb, stream);
   GemmPlan& p = plan_for(st, mx ? PlanKind::Mxfp4Native : PlanKind::Nvfp4Native, M, N, K);
@@ -316,18 +299,18 @@ void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Quant
   }
   const int64_t M = a.rows, N = b.rows, K = a.cols;
   // alpha' = alpha * (global decode scales) and beta, computed on the device from the amax values
-  auto* scalars = static_cast<float*>(st.scalars.get(2 * sizeof(float)));
+  auto* scalars = st.scalars.get<float>(2, stream);
   epilogue_scalars_kernel<<<1, 1, 0, stream>>>(a, b, cfg.alpha, cfg.beta, scalars);
   FP4SIM_CUDA_CHECK_LAUNCH();
   const bool f32_out = cfg.out == GemmOut::F32;
   float* d = f32_out ? static_cast<float*>(out)
-                     : static_cast<float*>(st.d_f32.get(static_cast<size_t>(M * N) * 4));
+                     : st.d_f32.get<float>(static_cast<size_t>(M * N), stream);
   const float* cc = cfg.beta != 0.0f ? c : nullptr;
   if (st.cc_major >= 10) {  // Blackwell: native FP4 (never reached on Hopper)
     fp4_native_gemm_tn(st, a, b, cc, d, scalars, stream);
   } else {
-    auto* da = static_cast<uint16_t*>(st.a_bf16.get(static_cast<size_t>(M * K) * 2));
-    auto* db = static_cast<uint16_t*>(st.b_bf16.get(static_cast<size_t>(N * K) * 2));
+    auto* da = st.a_bf16.get<uint16_t>(static_cast<size_t>(M * K), stream);
+    auto* db = st.b_bf16.get<uint16_t>(static_cast<size_t>(N * K), stream);
     const dim3 grid(static_cast<unsigned>((K / kDequantChunk + kDequantThreads - 1) / kDequantThreads),
                     static_cast<unsigned>(M + N < 65535 ? M + N : 65535));
     dequantize_block_scaled_bf16<<<grid, kDequantThreads, 0, stream>>>(a, da, b, db);
@@ -364,20 +347,20 @@ void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Q
                                 ": cuBLASLt's block-scaled FP8 needs the rows of A and B to be multiples of 8 "
                                 "and K a multiple of 128; use --gemm exact");
   const int64_t kb = K / kFp8Block;
-  auto* sa = static_cast<float*>(st.a_tiled.get(static_cast<size_t>(M * kb) * sizeof(float)));
-  auto* sb = static_cast<float*>(st.b_tiled.get(static_cast<size_t>(N * kb) * sizeof(float)));
+  auto* sa = st.a_tiled.get<float>(static_cast<size_t>(M * kb), stream);
+  auto* sb = st.b_tiled.get<float>(static_cast<size_t>(N * kb), stream);
   fp8_scales_to_vec128_kernel<<<grid_for(M * kb), 256, 0, stream>>>(reinterpret_cast<const float*>(a.scales), M,
                                                                     kb, sa);
   FP4SIM_CUDA_CHECK_LAUNCH();
   fp8_scales_to_vec128_kernel<<<grid_for(N * kb), 256, 0, stream>>>(reinterpret_cast<const float*>(b.scales), N,
                                                                     kb, sb);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  auto* scalars = static_cast<float*>(st.scalars.get(2 * sizeof(float)));
+  auto* scalars = st.scalars.get<float>(2, stream);
   fp8_epilogue_scalars_kernel<<<1, 1, 0, stream>>>(cfg.alpha, cfg.beta, scalars);
   FP4SIM_CUDA_CHECK_LAUNCH();
   const bool f32_out = cfg.out == GemmOut::F32;
   float* d = f32_out ? static_cast<float*>(out)
-                     : static_cast<float*>(st.d_f32.get(static_cast<size_t>(M * N) * 4));
+                     : st.d_f32.get<float>(static_cast<size_t>(M * N), stream);
   const float* cc = cfg.beta != 0.0f ? c : nullptr;
   GemmPlan& p = plan_for(st, PlanKind::Fp8Vec128, M, N, K);
   // cuBLASLt's A is our B (N x K) and its B is our A (M x K): the scale pointers swap with them
