@@ -545,15 +545,11 @@ __global__ void crossentropy_softmax_forward_kernel(float* losses, float* probs,
   // the loss before the third pass, which may overwrite the logits when the output aliases them
   if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(expf(__fsub_rn(z[targets[n]], maxv)), sum));
   __syncthreads();
-  if constexpr (kGrad) {
-    const int64_t target = targets[n];
-    const float dl = dlosses[n];
-    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-      const float prob = __fdiv_rn(expf(__fsub_rn(z[i], maxv)), sum);
-      p[i] = stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16);
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) p[i] = __fdiv_rn(expf(__fsub_rn(z[i], maxv)), sum);
+  const int64_t target = targets[n];
+  const float dl = kGrad ? dlosses[n] : 0.0f;
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+    const float prob = __fdiv_rn(expf(__fsub_rn(z[i], maxv)), sum);
+    p[i] = kGrad ? stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16) : prob;
   }
 }
 
@@ -566,8 +562,7 @@ __global__ void crossentropy_softmax_backward_kernel(float* dlogits, const float
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = e / V, i = e % V;
     const float indicator = i == targets[n] ? 1.0f : 0.0f;
-    const float d = __fmul_rn(__fsub_rn(probs[e], indicator), dlosses[n]);
-    dlogits[e] = round_bf16 ? bf16_round(d) : d;
+    dlogits[e] = stored(__fmul_rn(__fsub_rn(probs[e], indicator), dlosses[n]), round_bf16);
   }
 }
 
