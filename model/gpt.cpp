@@ -101,7 +101,7 @@ std::vector<QuantStat> Gpt::take_stats() {
 }
 
 void Gpt::store(float* x, int64_t n) {
-  if (cfg_.activation_dtype == "bf16") be_.round_to_bf16(x, n);
+  if (round_bf16()) be_.round_to_bf16(x, n);
 }
 
 void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,

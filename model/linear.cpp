@@ -122,13 +122,15 @@ std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r,
   return c;
 }
 
-// A row-wise and a column-wise copy of the same x, in one quantize call where they can share it
-// (same format, block shape and Four Over Six setting): one amax pass and one read of x instead of
-// two each. The bits are those of two quantize_copy calls: each copy keeps its own rounding, RHT
-// and SR stream, and its amax is taken over the same values.
+// Whether one quantize call can make both copies: same format, block shape and Four Over Six.
 bool can_combine(const CopyRequest& row_q, const CopyRequest& col_q) {
   return *row_q.format == *col_q.format && row_q.weight == col_q.weight && row_q.fos == col_q.fos;
 }
+
+// A row-wise and a column-wise copy of the same x, in one quantize call where can_combine allows
+// (else two): one amax pass and one read of x instead of two each. The bits are those of two
+// quantize_copy calls: each copy keeps its own rounding, RHT and SR stream, and its amax is taken
+// over the same values.
 
 std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quantize_both(
     Backend& be, const LinearRecipe& r, uint64_t seed, const float* x, int64_t rows, int64_t cols,
@@ -143,6 +145,17 @@ std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quanti
   auto col = std::make_unique<QuantizedCopy>(be, cols, rows, qc.format, qc.columnwise.four_over_six);
   be.quantize(tv, qc, &row->view, &col->view);
   return {std::move(row), std::move(col)};
+}
+
+// The SR stream of one copy of a linear layer's GEMM operands (sr_stream's fields from ids).
+uint64_t copy_stream(const LinearIds& ids, TensorRole role, int copy) {
+  return sr_stream(ids.step, ids.micro_batch, ids.layer, ids.linear, role, copy);
+}
+
+// x's Wgrad copy (column-wise, RHT when the recipe says so), made in the forward pass to be saved
+// or in the backward pass when it was not.
+CopyRequest x_wgrad_request(const LinearRecipe& r, const LinearIds& ids) {
+  return {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations, copy_stream(ids, TensorRole::Activation, 1)};
 }
 
 // Statistics of a row-wise copy of x (rows, cols), on the host.
@@ -223,15 +236,9 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                     emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats,
                     const std::string& name, std::unique_ptr<QuantizedCopy>* save_wgrad_input) {
-  auto stream = [&](TensorRole role, int copy) {
-    return sr_stream(ids.step, ids.micro_batch, ids.layer, ids.linear, role, copy);
-  };
   // (built only where a copy is made: a BF16 GEMM draws no SR stream)
   auto x_fprop = [&] {
-    return CopyRequest{&r.fprop, false, false, false, r.sr_other, r.fos_activations, stream(TensorRole::Activation, 0)};
-  };
-  auto x_wgrad = [&] {
-    return CopyRequest{&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations, stream(TensorRole::Activation, 1)};
+    return CopyRequest{&r.fprop, false, false, false, r.sr_other, r.fos_activations, copy_stream(ids, TensorRole::Activation, 0)};
   };
   // the Wgrad operand x^T, quantized now so the backward pass needs no FP32 copy of x; with a
   // quantized Fprop too, both copies come from one quantize call
@@ -239,11 +246,11 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
   if (save_wgrad_input) {
     save_wgrad_input->reset();
     if (r.wgrad != "bf16" && r.fprop != "bf16") {
-      auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop(), x_wgrad(), name + " input");
+      auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop(), x_wgrad_request(r, ids), name + " input");
       xq = std::move(both.first);
       *save_wgrad_input = std::move(both.second);
     } else if (r.wgrad != "bf16") {
-      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad(), name + " input");
+      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids), name + " input");
     }
   }
   if (r.fprop == "bf16") {
@@ -252,7 +259,7 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
   }
   if (!xq) xq = quantize_copy(be, r, ids.seed, inp, N, K, x_fprop(), name + " input");
   const auto wq = quantize_copy(be, r, ids.seed, weight, OC, K,
-                                {&r.fprop, false, true, false, r.sr_other, r.fos_weights, stream(TensorRole::Weight, 0)},
+                                {&r.fprop, false, true, false, r.sr_other, r.fos_weights, copy_stream(ids, TensorRole::Weight, 0)},
                                 name + ".weight");
   GemmConfig g;
   g.impl = r.impl;
@@ -275,17 +282,14 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
     be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
     return;
   }
-  auto stream = [&](TensorRole role, int copy) {
-    return sr_stream(ids.step, ids.micro_batch, ids.layer, ids.linear, role, copy);
-  };
   GemmConfig acc;  // D = alpha' * A B^T + 1 * D: the += of matmul_backward, in the epilogue
   acc.impl = r.impl;
   acc.beta = 1.0f;
   auto dy_dgrad = [&] {
-    return CopyRequest{&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients, stream(TensorRole::Gradient, 0)};
+    return CopyRequest{&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients, copy_stream(ids, TensorRole::Gradient, 0)};
   };
   auto dy_wgrad = [&] {
-    return CopyRequest{&r.wgrad, true, false, r.rht, r.sr_gradients, r.fos_gradients, stream(TensorRole::Gradient, 1)};
+    return CopyRequest{&r.wgrad, true, false, r.rht, r.sr_gradients, r.fos_gradients, copy_stream(ids, TensorRole::Gradient, 1)};
   };
   // dy's Dgrad and Wgrad copies from one quantize call when both GEMMs are quantized and the
   // copies can share it (else each is made where it is used, and the Dgrad one freed before the
@@ -300,7 +304,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
     } else {
       if (!dyq) dyq = quantize_copy(be, r, ids.seed, dout, N, OC, dy_dgrad(), name + " output gradient");
       const auto wq = quantize_copy(be, r, ids.seed, weight, OC, K,
-                                    {&r.dgrad, true, true, false, r.sr_other, r.fos_weights, stream(TensorRole::Weight, 1)},
+                                    {&r.dgrad, true, true, false, r.sr_other, r.fos_weights, copy_stream(ids, TensorRole::Weight, 1)},
                                     name + ".weight");
       const TensorView d = f32_view(be, dinp, N, K);
       be.gemm(dyq->view, wq->view, &d, acc, d);
@@ -317,9 +321,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
       std::unique_ptr<QuantizedCopy> own;
       const QuantizedCopy* xc = saved_wgrad_input;
       if (!xc) {
-        own = quantize_copy(be, r, ids.seed, inp, N, K,
-                            {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations, stream(TensorRole::Activation, 1)},
-                            name + " input");
+        own = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids), name + " input");
         xc = own.get();
       }
       const TensorView d = f32_view(be, dweight, OC, K);
