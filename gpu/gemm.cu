@@ -11,7 +11,9 @@
 //    kernels bitwise equal to each other on the GPU.
 #include <cuda_runtime.h>
 
+#include <iterator>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "emu/gemm.hpp"
@@ -335,10 +337,28 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
 // SASS reading, not yet run on a GPU. A benchmark knob; the same bits.
 int g_gemm_exact_variant = kGemmExactDefaultVariant;
 
+// [variant - 1][split-K]: the tiled kernels' instantiations (variants 1 to std::size(kTiled))
+using Kernel = void (*)(QuantizedView, QuantizedView, const float*, GemmConfig, void*);
+constexpr Kernel kTiled[][2] = {
+    {gemm_exact_tiled_kernel<false, 1, false>, gemm_exact_tiled_kernel<false, 1, true>},
+    {gemm_exact_tiled_kernel<true, 1, false>, gemm_exact_tiled_kernel<true, 1, true>},
+    {gemm_exact_tiled_kernel<true, 3, false>, gemm_exact_tiled_kernel<true, 3, true>},
+    {gemm_exact_tiled_kernel<true, 4, false>, gemm_exact_tiled_kernel<true, 4, true>},
+    {gemm_exact_tiled_kernel<true, 4, false, true>, gemm_exact_tiled_kernel<true, 4, true, true>},
+    {gemm_exact_tiled_kernel<true, 4, false, true, true>, gemm_exact_tiled_kernel<true, 4, true, true, true>},
+    {gemm_exact_tiled_kernel<true, 4, false, true, true, true, true>,
+     gemm_exact_tiled_kernel<true, 4, true, true, true, true, true>},
+    {gemm_exact_tiled_kernel<true, 4, false, true, true, true, false>,
+     gemm_exact_tiled_kernel<true, 4, true, true, true, true, false>},
+    {gemm_exact_tiled_kernel<true, 3, false, true, true, true, true>,
+     gemm_exact_tiled_kernel<true, 3, true, true, true, true, true>}};
+
 }  // namespace
 
 void set_gemm_exact_variant(int variant) {
-  if (variant < 0 || variant > 9) throw std::invalid_argument("exact GEMM variant must be 0 to 9");
+  const int last = static_cast<int>(std::size(kTiled));
+  if (variant < 0 || variant > last)
+    throw std::invalid_argument("exact GEMM variant must be 0 to " + std::to_string(last));
   g_gemm_exact_variant = variant;
 }
 
@@ -348,21 +368,6 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
   const bool aligned = reinterpret_cast<uintptr_t>(a.codes) % 8 == 0 && reinterpret_cast<uintptr_t>(b.codes) % 8 == 0;
   if (g_gemm_exact_variant >= 1 && aligned) {
     const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile), static_cast<unsigned>((a.rows + kTile - 1) / kTile));
-    // [variant - 1][split-K]: the tiled kernels' instantiations
-    using Kernel = void (*)(QuantizedView, QuantizedView, const float*, GemmConfig, void*);
-    static constexpr Kernel kTiled[9][2] = {
-        {gemm_exact_tiled_kernel<false, 1, false>, gemm_exact_tiled_kernel<false, 1, true>},
-        {gemm_exact_tiled_kernel<true, 1, false>, gemm_exact_tiled_kernel<true, 1, true>},
-        {gemm_exact_tiled_kernel<true, 3, false>, gemm_exact_tiled_kernel<true, 3, true>},
-        {gemm_exact_tiled_kernel<true, 4, false>, gemm_exact_tiled_kernel<true, 4, true>},
-        {gemm_exact_tiled_kernel<true, 4, false, true>, gemm_exact_tiled_kernel<true, 4, true, true>},
-        {gemm_exact_tiled_kernel<true, 4, false, true, true>, gemm_exact_tiled_kernel<true, 4, true, true, true>},
-        {gemm_exact_tiled_kernel<true, 4, false, true, true, true, true>,
-         gemm_exact_tiled_kernel<true, 4, true, true, true, true, true>},
-        {gemm_exact_tiled_kernel<true, 4, false, true, true, true, false>,
-         gemm_exact_tiled_kernel<true, 4, true, true, true, true, false>},
-        {gemm_exact_tiled_kernel<true, 3, false, true, true, true, true>,
-         gemm_exact_tiled_kernel<true, 3, true, true, true, true, true>}};
     kTiled[g_gemm_exact_variant - 1][cfg.split_k > 1 ? 1 : 0]<<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
     FP4SIM_CUDA_CHECK_LAUNCH();
     return;
