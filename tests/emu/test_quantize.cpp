@@ -6,7 +6,7 @@
 
 #include "emu/backend.hpp"
 #include "emu/cpu_backend.hpp"
-#include "tests/emu/copies_check.hpp"
+#include "tests/emu/quantize_checks.hpp"
 #include "tests/emu/test_util.hpp"
 
 namespace fp4sim {

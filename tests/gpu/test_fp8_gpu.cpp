@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "emu/backend.hpp"
+#include "tests/emu/quantize_checks.hpp"
 #include "tests/emu/test_util.hpp"
 #include "tests/gpu/gpu_test_util.hpp"
 #include "tools/backends.hpp"
@@ -32,13 +33,7 @@ QuantizeResult quantize_on(Backend& be, std::vector<float>& x, int64_t rows, int
   return quantize_to_host(be, v, c);
 }
 
-void expect_same(const QuantizedHost& a, const QuantizedHost& b, const std::string& what) {
-  ASSERT_EQ(a.codes.size(), b.codes.size()) << what;
-  for (size_t i = 0; i < a.codes.size(); ++i)
-    ASSERT_EQ(a.codes[i], b.codes[i]) << what << ": code " << i;
-  ASSERT_EQ(a.scales, b.scales) << what << ": scales";
-  ASSERT_EQ(test::bits(a.amax), test::bits(b.amax)) << what << ": amax";
-}
+using test::expect_same_quantized;
 
 TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
@@ -58,8 +53,8 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
                              g = quantize_on(*cuda, x, R, C, bf16, two_d, !partial);
         const std::string what = std::string(test::fill_name(fill)) + (bf16 ? " bf16" : " f32") + (two_d ? " 2d" : " 1d") +
                                  " " + std::to_string(R) + "x" + std::to_string(C);
-        expect_same(e.rowwise, g.rowwise, what + " row-wise");
-        if (!partial) expect_same(e.columnwise, g.columnwise, what + " column-wise");
+        expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+        if (!partial) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
         QuantizedHost er = e.rowwise, gr = g.rowwise;
         const std::vector<float> de = dequantize_to_host(*emu, er), dg = dequantize_to_host(*cuda, gr);
         for (size_t i = 0; i < de.size(); ++i) ASSERT_EQ(test::bits(de[i]), test::bits(dg[i])) << what << " dequant " << i;

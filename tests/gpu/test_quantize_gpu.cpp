@@ -11,7 +11,7 @@
 #endif
 
 #include "emu/backend.hpp"
-#include "tests/emu/copies_check.hpp"
+#include "tests/emu/quantize_checks.hpp"
 #include "tests/emu/test_util.hpp"
 #include "tests/gpu/gpu_test_util.hpp"
 #include "tools/backends.hpp"
@@ -92,16 +92,6 @@ std::vector<Case> all_configs() {
   return out;
 }
 
-std::string first_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i] != b[i]) {
-      char buf[96];
-      std::snprintf(buf, sizeof buf, "first difference at byte %zu: emu 0x%02X cuda 0x%02X", i, a[i], b[i]);
-      return buf;
-    }
-  return "sizes differ";
-}
-
 // Sets a process-wide benchmark knob and puts it back on scope exit, even when a check throws.
 struct KnobGuard {
   std::function<void()> undo;
@@ -111,11 +101,7 @@ struct KnobGuard {
   KnobGuard& operator=(const KnobGuard&) = delete;
 };
 
-void expect_same(const QuantizedHost& e, const QuantizedHost& g, const std::string& what) {
-  ASSERT_EQ(test::bits(e.amax), test::bits(g.amax)) << what << ": amax emu " << e.amax << " cuda " << g.amax;
-  ASSERT_TRUE(e.scales == g.scales) << what << ": scales " << first_diff(e.scales, g.scales);
-  ASSERT_TRUE(e.codes == g.codes) << what << ": codes " << first_diff(e.codes, g.codes);
-}
+using test::expect_same_quantized;
 
 // The host FP environment the emulator runs in, before and after the CUDA runtime is loaded.
 TEST(QuantizeGpu, HostFloatingPointEnvironment) {
@@ -183,8 +169,8 @@ TEST(QuantizeGpu, BitwiseEqualsEmulatorAllFillsAllOptions) {
                 break;
               }
           }
-          if (c.rowwise.enabled) expect_same(a.rowwise, b.rowwise, what + " row-wise");
-          if (c.columnwise.enabled) expect_same(a.columnwise, b.columnwise, what + " column-wise");
+          if (c.rowwise.enabled) expect_same_quantized(a.rowwise, b.rowwise, what + " row-wise");
+          if (c.columnwise.enabled) expect_same_quantized(a.columnwise, b.columnwise, what + " column-wise");
           if (HasFatalFailure()) return;
           ++checked;
         }
@@ -249,8 +235,8 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
   c.seed = 1234;
   c.columnwise.stream = 99;
   const QuantizeResult a = quantize_to_host(*emu, v, c), b = quantize_to_host(*cuda, v, c);
-  expect_same(a.rowwise, b.rowwise, "1024x2048 row-wise");
-  expect_same(a.columnwise, b.columnwise, "1024x2048 column-wise rht sr");
+  expect_same_quantized(a.rowwise, b.rowwise, "1024x2048 row-wise");
+  expect_same_quantized(a.columnwise, b.columnwise, "1024x2048 column-wise rht sr");
 #if FP4SIM_HAVE_CUDA
   // the quantizer that transforms twice instead of keeping the RHT output: the same bits
   QuantizeResult t;
@@ -258,8 +244,8 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
     KnobGuard twice([] { gpu::set_quantize_keep_rht(false); }, [] { gpu::set_quantize_keep_rht(true); });
     t = quantize_to_host(*cuda, v, c);
   }
-  expect_same(a.rowwise, t.rowwise, "1024x2048 row-wise, RHT transformed twice");
-  expect_same(a.columnwise, t.columnwise, "1024x2048 column-wise rht sr, RHT transformed twice");
+  expect_same_quantized(a.rowwise, t.rowwise, "1024x2048 row-wise, RHT transformed twice");
+  expect_same_quantized(a.columnwise, t.columnwise, "1024x2048 column-wise rht sr, RHT transformed twice");
 #endif
 }
 
@@ -296,8 +282,8 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
             }
             const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st) + " tile " +
                                      std::to_string(tile) + (keep ? " rht kept" : " rht twice");
-            if (cs.cfg.rowwise.enabled) expect_same(e.rowwise, g.rowwise, what + " row-wise");
-            if (cs.cfg.columnwise.enabled) expect_same(e.columnwise, g.columnwise, what + " column-wise");
+            if (cs.cfg.rowwise.enabled) expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+            if (cs.cfg.columnwise.enabled) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
             if (HasFatalFailure()) return;
             ++checked;
           }

@@ -1,10 +1,13 @@
-// A quantizer property the recipes rely on (model/linear.cpp makes a tensor's row-wise and
-// column-wise copies in one quantize call when it can): both copies from one call equal each copy
-// from its own call, bit for bit, on any backend. Used by the emulator and the GPU tests.
+// Quantizer checks shared by the emulator and GPU tests: two quantized copies equal bit for bit
+// (with the first differing byte named), and a property the recipes rely on (model/linear.cpp makes
+// a tensor's row-wise and column-wise copies in one quantize call when it can): both copies from one
+// call equal each copy from its own call, on any backend.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -47,10 +50,22 @@ inline std::vector<std::pair<std::string, QuantizeConfig>> copy_pair_configs() {
   return out;
 }
 
-inline void expect_same_copy(const QuantizedHost& a, const QuantizedHost& b, const std::string& what) {
-  EXPECT_EQ(bits(a.amax), bits(b.amax)) << what << ": amax";
-  EXPECT_TRUE(a.scales == b.scales) << what << ": scales";
-  EXPECT_TRUE(a.codes == b.codes) << what << ": codes";
+inline std::string first_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    if (a[i] != b[i]) {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "first difference at byte %zu: 0x%02X vs 0x%02X", i, a[i], b[i]);
+      return buf;
+    }
+  return "sizes differ: " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
+}
+
+// Codes, scales and amax of two copies, bit for bit (fatal in the caller's sense of ASSERT: it
+// returns at the first mismatch; check HasFatalFailure() to stop a loop).
+inline void expect_same_quantized(const QuantizedHost& a, const QuantizedHost& b, const std::string& what) {
+  ASSERT_EQ(bits(a.amax), bits(b.amax)) << what << ": amax " << a.amax << " vs " << b.amax;
+  ASSERT_TRUE(a.scales == b.scales) << what << ": scales " << first_diff(a.scales, b.scales);
+  ASSERT_TRUE(a.codes == b.codes) << what << ": codes " << first_diff(a.codes, b.codes);
 }
 
 // host_x: a host tensor (quantize_to_host uploads it where the backend needs it).
@@ -62,8 +77,8 @@ inline void expect_copies_independent(Backend& be, const TensorView& host_x, con
   const QuantizeResult b = quantize_to_host(be, host_x, both);
   const QuantizeResult r = quantize_to_host(be, host_x, row_only);
   const QuantizeResult c = quantize_to_host(be, host_x, col_only);
-  expect_same_copy(b.rowwise, r.rowwise, what + ", row-wise copy: one call vs its own");
-  expect_same_copy(b.columnwise, c.columnwise, what + ", column-wise copy: one call vs its own");
+  expect_same_quantized(b.rowwise, r.rowwise, what + ", row-wise copy: one call vs its own");
+  expect_same_quantized(b.columnwise, c.columnwise, what + ", column-wise copy: one call vs its own");
 }
 
 // Every pair configuration on a 256 x 256 tensor of each fill.
