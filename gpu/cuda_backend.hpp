@@ -134,11 +134,11 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
                        const GemmConfig& cfg, void* out, cudaStream_t stream);
 // Benchmark knob: the exact GEMM kernel, 0 = one thread per output (reference), 1 = tiled,
 // 2 = tiled with the lean core, 3 and 4 = 2 at 3 or 4 CTAs per SM, 5 = 4 with fewer integer
-// operations per output, 6 = 5 scaling the terms by exponent addition (the default: 18.9 TFLOP/s
-// at 8192^3 on the H200; gpu/gemm.cu has the measurements), 7 = 6 with per-row shared-memory
-// records and all-zero groups folded into the exponents, 8 = 6 with the records only, 9 = 7 at 3 CTAs
-// per SM (7-9 not yet run). Results are identical; only speed differs.
-constexpr int kGemmExactDefaultVariant = 6;
+// operations per output, 6 = 5 scaling the terms by exponent addition (18.9 TFLOP/s at 8192^3 on the
+// H200), 7 = 6 with per-row shared-memory records and all-zero groups folded into the exponents (the
+// default: 20.4 TFLOP/s), 8 = 6 with the records only (19.0), 9 = 7 at 3 CTAs per SM (19.1);
+// validation/perf.md has the measurements. Results are identical; only speed differs.
+constexpr int kGemmExactDefaultVariant = 7;
 void set_gemm_exact_variant(int variant);
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 // The FP8 block format (gpu/fp8.cu).
