@@ -2,7 +2,8 @@
 # Issue 5 "first evidence": the `small` preset trained for one fixed token budget in several recipes
 # on the CUDA backend, same data and (per seed) same initialisation; then validation/evidence.py
 # tabulates the final validation losses against BF16 (and per evaluation), the quantization
-# statistics of the quantized runs (logged every STEPS/10 steps), and plots the curves.
+# statistics of the quantized runs (logged every STEPS/10 steps), and plots the curves. Batches are
+# drawn at random offsets (train.shuffle=true; EXTRA="train.shuffle=false" reads in file order).
 # usage: validation/first_evidence.sh [STEPS] [OUT_DIR]     (STEPS x 32 x 512 tokens per run)
 #   env: RUN_TIMEOUT (seconds per run), EVAL_BATCHES (default 16), FP4SIM (the binary),
 #        CONFIG (default configs/small.json), BACKEND (default cuda; with emu every GEMM is exact, so
@@ -23,7 +24,7 @@ gemm=cublaslt
 [ "$backend" = emu ] && gemm=exact
 common=(--config "${CONFIG:-configs/small.json}" --backend "$backend" train.steps="$steps" train.warmup=$((steps / 10))
         train.eval_every=$((steps / 4)) train.eval_batches="${EVAL_BATCHES:-16}" train.checkpoint_every=0
-        recipe.stats_every=$(( steps / 10 > 0 ? steps / 10 : 1 ))
+        recipe.stats_every=$(( steps / 10 > 0 ? steps / 10 : 1 )) train.shuffle=true
         ${EXTRA:-})
 probe=${PROBE:-}
 run() {  # name, then overrides
