@@ -84,4 +84,14 @@ std::vector<float> dequantize_to_host(Backend& backend, QuantizedHost& q) {
   return host;
 }
 
+QuantErrorSums quant_error_sums_on(Backend& backend, const std::vector<float>& x, QuantizedHost& q) {
+  if (static_cast<int64_t>(x.size()) != q.rows * q.cols)
+    throw std::invalid_argument("quant_error_sums_on: x has " + std::to_string(x.size()) + " values, the copy is " +
+                                shape_str(q.rows, q.cols));
+  QuantizedBuffers in = QuantizedBuffers::uploaded(backend, q);
+  BackendBuffer xb(backend, x.size() * sizeof(float));
+  backend.upload(xb.get(), x.data(), x.size() * sizeof(float));
+  return backend.quant_error_sums(xb.as<float>(), in.view);
+}
+
 }  // namespace fp4sim

@@ -5,10 +5,12 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "emu/gemm.hpp"
 #include "emu/layers.hpp"
 #include "emu/optim.hpp"
+#include "emu/quant_stats.hpp"
 #include "emu/quantize.hpp"
 #include "emu/tensor.hpp"
 
@@ -41,6 +43,11 @@ class Backend {
   // out (F32, q.rows x q.cols) = decode(q). NVFP4: e2m1 * ((s_b * amax) * (1/2688 or 1/1536));
   // MXFP4: e2m1 * 2^(byte - 127), byte 0xFF -> NaN.
   virtual void dequantize(const QuantizedView& q, const TensorView& out) = 0;
+
+  // Error sums of copy q against the F32 tensor x (q.rows x q.cols, this backend's memory) it was
+  // quantized from, for the quantization statistics (emu/quant_stats.hpp): the same bits on every
+  // backend. Synchronous: the sums are on the host when it returns.
+  virtual QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) = 0;
 
   // Exact block-scaled FP4 GEMM (DESIGN.md §8): d = alpha * a * b^T (+ beta * c), bit-identical
   // on every backend. a [M, K], b [N, K] row-wise copies; c F32 [M, N] or null; d F32 or BF16.
@@ -217,6 +224,10 @@ QuantizeResult quantize_to_host(Backend& backend, const TensorView& host_x,
 
 // Dequantize a host copy on any backend; returns rows*cols floats.
 std::vector<float> dequantize_to_host(Backend& backend, QuantizedHost& q);
+
+// Error sums (Backend::quant_error_sums) of a host copy against host x (q.rows * q.cols floats),
+// on any backend.
+QuantErrorSums quant_error_sums_on(Backend& backend, const std::vector<float>& x, QuantizedHost& q);
 
 std::unique_ptr<Backend> make_cpu_backend();
 

@@ -23,6 +23,9 @@ class CpuBackend final : public Backend {
   void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                 QuantizedView* columnwise) override;
   void dequantize(const QuantizedView& q, const TensorView& out) override;
+  QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) override {
+    return fp4sim::quant_error_sums(x, q);
+  }
   void gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
             const GemmConfig& cfg, const TensorView& d) override {
     validate_gemm(a, b, c, cfg, d);

@@ -79,6 +79,22 @@ FP4SIM_HD float ffma_rn(float a, float b, float c) {
 #endif
 }
 
+// IEEE binary64 operations, each rounded to nearest-even, never fused (sums of statistics).
+FP4SIM_HD double dmul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FP4SIM_HD double dadd_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
 FP4SIM_HD bool f32_isnan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
 FP4SIM_HD bool f32_isinf(float x) { return (f32_bits(x) & 0x7FFFFFFFu) == 0x7F800000u; }
 FP4SIM_HD float f32_abs(float x) { return f32_from_bits(f32_bits(x) & 0x7FFFFFFFu); }

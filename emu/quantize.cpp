@@ -1,5 +1,9 @@
 #include "emu/quantize.hpp"
 
+#include <vector>
+
+#include "emu/quant_stats.hpp"
+
 #include <sstream>
 #include <stdexcept>
 
@@ -112,6 +116,29 @@ void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < k_blocks; ++c)
       out[tiled_scale_offset(r, c, k_blocks)] = scales[r * k_blocks + c];
+}
+
+void validate_quant_error_sums(const float* x, const QuantizedView& q) {
+  const std::string what = std::string("quantization statistics of a ") + qformat_name(q.format) + " copy " +
+                           shape_str(q.rows, q.cols);
+  if (q.rows < 0 || q.cols <= 0 || q.cols % q.block() != 0)
+    throw std::invalid_argument(what + ": cols must be a positive multiple of " + std::to_string(q.block()));
+  if (!x || !q.codes || !q.scales || !q.amax) throw std::invalid_argument(what + ": a buffer is null");
+}
+
+QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) {
+  validate_quant_error_sums(x, q);
+  const int64_t blocks = q.cols / q.block();
+  const float amax = *q.amax;
+  std::vector<QuantErrorSums> rows(static_cast<size_t>(q.rows));
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q.rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b)
+      add_error_sums(rows[static_cast<size_t>(r)],
+                     quant_block_error(x, q.codes, q.scales, r, b, q.cols, q.format, q.four_over_six, amax));
+  QuantErrorSums total;
+  for (const QuantErrorSums& row : rows) add_error_sums(total, row);
+  return total;
 }
 
 }  // namespace fp4sim

@@ -1,6 +1,7 @@
 #include "gpu/cuda_backend.hpp"
 
 #include <stdexcept>
+#include <vector>
 
 #include "gpu/cuda_check.hpp"
 
@@ -83,6 +84,20 @@ void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {
     throw std::invalid_argument("dequantize: output must be float32 " + shape_str(q.rows, q.cols));
   if (q.format == QFormat::FP8) fp8_dequantize_launch(q, out, stream_);
   else dequantize_launch(q, out, stream_);
+}
+
+QuantErrorSums CudaBackend::quant_error_sums(const float* x, const QuantizedView& q) {
+  validate_quant_error_sums(x, q);
+  // scratch for this call only (a statistics step is rare; nothing stays allocated between them)
+  DeviceScratch blocks, rows;
+  auto* block_sums = blocks.get<QuantErrorSums>(static_cast<size_t>(q.scale_count()), stream_);
+  auto* row_sums = rows.get<QuantErrorSums>(static_cast<size_t>(q.rows), stream_);
+  quant_error_rows_launch(x, q, block_sums, row_sums, stream_);
+  std::vector<QuantErrorSums> host(static_cast<size_t>(q.rows));
+  download(host.data(), row_sums, host.size() * sizeof(QuantErrorSums));
+  QuantErrorSums total;
+  for (const QuantErrorSums& r : host) add_error_sums(total, r);
+  return total;
 }
 
 void CudaBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,

@@ -43,6 +43,7 @@ class CudaBackend final : public Backend {
   void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                 QuantizedView* columnwise) override;
   void dequantize(const QuantizedView& q, const TensorView& out) override;
+  QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) override;
   void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
                        uint8_t* out) override;
   void gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
@@ -141,6 +142,10 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
 constexpr int kGemmExactDefaultVariant = 7;
 void set_gemm_exact_variant(int variant);
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
+// Per-row error sums of copy q against x into rows_out[q.rows] (device memory), each row's blocks
+// added in order (emu/quant_stats.hpp); block_sums: scratch of q.scale_count() entries.
+void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorSums* block_sums,
+                             QuantErrorSums* rows_out, cudaStream_t stream);
 // The FP8 block format (gpu/fp8.cu).
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                          QuantizedView* columnwise, cudaStream_t stream);

@@ -556,6 +556,27 @@ __global__ void dequantize_kernel(QuantizedView q, float* out, int64_t out_strid
   }
 }
 
+// Quantization statistics (emu/quant_stats.hpp): one thread per block, then one per row adding
+// its blocks in order, so the sums are the emulator's bit for bit.
+__global__ void quant_error_blocks_kernel(const float* x, QuantizedView q, int64_t per_row, QuantErrorSums* block_sums) {
+  const int64_t n = q.rows * per_row;
+  const float amax = *q.amax;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    block_sums[i] = quant_block_error(x, q.codes, q.scales, i / per_row, i % per_row, q.cols, q.format,
+                                      q.four_over_six, amax);
+}
+
+__global__ void quant_error_rows_kernel(const QuantErrorSums* block_sums, int64_t rows, int64_t per_row,
+                                        QuantErrorSums* rows_out) {
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    QuantErrorSums s;
+    for (int64_t b = 0; b < per_row; ++b) add_error_sums(s, block_sums[r * per_row + b]);
+    rows_out[r] = s;
+  }
+}
+
 __global__ void scales_to_tiled_kernel(const uint8_t* scales, int64_t rows, int64_t k_blocks,
                                        uint8_t* out, int64_t padded_rows, int64_t padded_k) {
   const int64_t n = padded_rows * padded_k;
@@ -603,6 +624,15 @@ void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream
   const int64_t n = q.rows * q.cols;
   dequantize_kernel<<<grid_for(n, 256), 256, 0, stream>>>(q, static_cast<float*>(out.data),
                                                           out.stride());
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorSums* block_sums,
+                             QuantErrorSums* rows_out, cudaStream_t stream) {
+  if (q.rows == 0) return;
+  quant_error_blocks_kernel<<<grid_for(q.scale_count(), 256), 256, 0, stream>>>(x, q, q.cols / q.block(), block_sums);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  quant_error_rows_kernel<<<grid_for(q.rows, 128), 128, 0, stream>>>(block_sums, q.rows, q.cols / q.block(), rows_out);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

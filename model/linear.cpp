@@ -158,65 +158,17 @@ CopyRequest x_wgrad_request(const LinearRecipe& r, const LinearIds& ids) {
   return {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations, copy_stream(ids, TensorRole::Activation, 1)};
 }
 
-// Statistics of a row-wise copy of x (rows, cols), on the host.
+// Statistics of a row-wise copy of x (rows, cols): the error sums on the backend, the ratios here.
 QuantStat stat_of(Backend& be, const float* x, const QuantizedCopy& q, const std::string& tensor) {
-  const int64_t rows = q.view.rows, cols = q.view.cols, blk = q.view.block();
-  std::vector<float> hx(static_cast<size_t>(rows * cols));
-  std::vector<uint8_t> codes(static_cast<size_t>(q.view.code_bytes())), scales(static_cast<size_t>(q.view.scale_bytes()));
-  float amax = 0.0f;
-  be.download(hx.data(), x, hx.size() * 4);
-  be.download(codes.data(), q.view.codes, codes.size());
-  be.download(scales.data(), q.view.scales, scales.size());
-  be.download(&amax, q.view.amax, 4);
-  const bool mx = q.view.format == QFormat::MXFP4, fp8 = q.view.format == QFormat::FP8;
-  const float range = q.view.four_over_six ? kFourOverSixRange : kNvfp4Range;
-  const float elem_max = fp8 ? kE4M3Max : 6.0f;
+  const QuantErrorSums sums = be.quant_error_sums(x, q.view);  // on the backend, in one fixed order
   QuantStat st;
   st.tensor = tensor;
-  st.amax = amax;
-  st.elements = rows * cols;
-  // per-row partial sums, rows in parallel (OpenMP), then added in row order: the same numbers
-  // for any thread count. (A single-threaded pass took ~18 s per statistics step on `small`.)
-  struct RowSums {
-    double err2 = 0, ref2 = 0;
-    int64_t saturated = 0, underflow = 0;
-  };
-  std::vector<RowSums> row_sums(static_cast<size_t>(rows));
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    RowSums& rs = row_sums[static_cast<size_t>(r)];
-    for (int64_t b = 0; b < cols / blk; ++b) {
-      const size_t si = static_cast<size_t>(r * (cols / blk) + b);
-      const uint8_t s = fp8 ? 0 : scales[si];  // (FP8: an FP32 scale, read below)
-      float factor;
-      if (fp8) std::memcpy(&factor, &scales[4 * si], 4);
-      else factor = mx ? ue8m0_to_f32(s) : nvfp4_decode_factor(s, amax, range);
-      float bmax = 0.0f;
-      for (int64_t i = 0; i < blk; ++i) {
-        const int64_t e = r * cols + b * blk + i;
-        const float xv = hx[static_cast<size_t>(e)];
-        const float d = fp8 ? fp8_decode_element(codes[static_cast<size_t>(e)], factor)
-                            : decode_element((codes[static_cast<size_t>(e / 2)] >> (4 * (e & 1))) & 0xFu, factor);
-        bmax = std::fmax(bmax, std::fabs(xv));
-        if (factor > 0.0f && std::fabs(xv) > elem_max * factor) ++rs.saturated;
-        rs.err2 += (static_cast<double>(d) - xv) * (static_cast<double>(d) - xv);
-        rs.ref2 += static_cast<double>(xv) * xv;
-      }
-      if (bmax > 0.0f && ((mx || fp8) ? factor == 0.0f : s == 0)) ++rs.underflow;
-    }
-  }
-  double err2 = 0, ref2 = 0;
-  int64_t saturated = 0, underflow = 0;
-  const int64_t blocks = rows * (cols / blk);
-  for (const RowSums& rs : row_sums) {
-    err2 += rs.err2;
-    ref2 += rs.ref2;
-    saturated += rs.saturated;
-    underflow += rs.underflow;
-  }
-  st.saturated = static_cast<double>(saturated) / static_cast<double>(std::max<int64_t>(1, st.elements));
-  st.underflow_blocks = static_cast<double>(underflow) / static_cast<double>(std::max<int64_t>(1, blocks));
-  st.rel_error = ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
+  be.download(&st.amax, q.view.amax, 4);
+  st.elements = q.view.rows * q.view.cols;
+  st.saturated = static_cast<double>(sums.saturated) / static_cast<double>(std::max<int64_t>(1, st.elements));
+  st.underflow_blocks =
+      static_cast<double>(sums.underflow_blocks) / static_cast<double>(std::max<int64_t>(1, q.view.scale_count()));
+  st.rel_error = sums.ref2 > 0 ? std::sqrt(sums.err2 / sums.ref2) : 0.0;
   return st;
 }
 

@@ -78,8 +78,8 @@ struct QuantizedCopy {
   size_t bytes() const { return codes.bytes() + scales.bytes() + amax.bytes(); }
 };
 
-// stats: when non-null, the row-wise (non-RHT) copies made here append their statistics (costly:
-// the tensors come back to the host). save_wgrad_input: when non-null and the Wgrad GEMM is
+// stats: when non-null, the row-wise (non-RHT) copies made here append their statistics (computed
+// on the backend, Backend::quant_error_sums; one extra pass over x and the copy). save_wgrad_input: when non-null and the Wgrad GEMM is
 // quantized, x's column-wise Wgrad copy is made here and kept there (else reset), so the backward
 // pass can run without the FP32 x (DESIGN.md §9: saved activations in quantized form); the bits
 // are those linear_backward would make from x. saved_wgrad_input (backward): that copy, or null to

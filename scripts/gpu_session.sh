@@ -7,6 +7,8 @@
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
 #   recipes   build + gpt2-124m tokens/s and peak memory per recipe (bf16, fp8, nvfp4 with cuBLASLt
 #             GEMMs, RUNS runs each, default 3; nvfp4 with exact GEMMs once), then train
+#   trainprofile  build + per-kernel GPU time of a gpt2-124m step (RECIPE, default nvfp4) and the
+#             quantization-statistics step time on `small`
 #   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
 #             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
 #             GEMM_FILTER narrows the benchmark, GEMM_NCU="6 7" profiles those variants with ncu)
@@ -50,7 +52,7 @@ if [ "${1:-}" = "gemm" ]; then
   done
 fi
 
-if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] && [ "${1:-}" != "gemm" ]; then
+if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ]; then
   ( cd build-gpu && ctest -L gpu --output-on-failure -j1 ) >"$out/ctest_gpu.log" 2>&1
   rc=$?
   grep -E "tests passed|bitwise identical|\[train-gpu\] worst|cublaslt-bound\] largest|Failed|FAILED" "$out/ctest_gpu.log"
@@ -102,6 +104,41 @@ if [ "${1:-}" = "recipes" ]; then
   train_speed
 fi
 
+# where a training step's GPU time goes: gpt2-124m, batch 16 x 1024, recipe $RECIPE (default nvfp4,
+# cuBLASLt GEMMs), per-kernel time summed over the run (nsys when installed: 4 steps; else ncu: 1
+# step); then the quantization-statistics step time on `small` (needs data/: the corpus)
+if [ "${1:-}" = "trainprofile" ]; then
+  args=(train --config configs/gpt2-124m.json --backend cuda train.data=synthetic train.batch=16 train.warmup=1
+        train.eval_every=0 train.out_dir=runs/prof recipe.name="${RECIPE:-nvfp4}" recipe.gemm=cublaslt)
+  nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+  if [ -n "$nsys" ]; then
+    timeout 200 "$nsys" profile -o "$out/prof" --force-overwrite true -t cuda build-gpu/fp4sim "${args[@]}" train.steps=4 \
+      >"$out/prof_run.log" 2>&1
+    "$nsys" stats --report cuda_gpu_kern_sum --format csv "$out/prof.nsys-rep" >"$out/prof_kernels.csv" 2>"$out/prof_stats.log"
+    python3 - "$out/prof_kernels.csv" <<'PY' | tee "$out/prof_summary.txt"
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if r]
+hdr = next(i for i, r in enumerate(rows) if "Total Time (ns)" in r)
+h = rows[hdr]; ti = h.index("Total Time (ns)"); ni = h.index("Name"); ci = h.index("Instances")
+data = [(float(r[ti]), int(r[ci]), r[ni]) for r in rows[hdr + 1:] if len(r) == len(h)]
+total = sum(d[0] for d in data)
+print(f"total kernel time {total / 1e6 / 4:.1f} ms per step (4 steps, nsys)")
+for t, c, n in sorted(data, reverse=True)[:30]:
+    print(f"{t / 4e6:8.2f} ms {100 * t / total:5.1f}% {c // 4:5d}x  {n.split('(')[0][:90]}")
+PY
+  else
+    timeout 240 ncu --csv --clock-control none --metrics gpu__time_duration.sum build-gpu/fp4sim "${args[@]}" \
+      train.steps=1 >"$out/prof_ncu.csv" 2>"$out/prof_ncu.log"
+    python3 validation/ncu_summary.py "$out/prof_ncu.csv" | head -32 | tee "$out/prof_summary.txt"
+  fi
+  row "profile ${RECIPE:-nvfp4} gpt2-124m" "$(head -1 "$out/prof_summary.txt")"
+  if [ -f data/corpus.train.tokens ]; then
+    timeout 120 build-gpu/fp4sim train --config configs/small.json --backend cuda train.steps=12 train.warmup=2 \
+      train.eval_every=0 train.out_dir=runs/stats recipe.name=nvfp4 recipe.stats_every=5 >"$out/stats_run.log" 2>&1
+    row "small nvfp4 step ms (stats steps 1, 6, 11)" "$(grep -E '^step' "$out/stats_run.log" | awk -F'|' '{gsub(/ ms/,"",$5); printf "%s ", $5+0}')"
+  fi
+fi
+
 if [ "${1:-}" = "profile" ]; then
   # per-kernel time, DRAM and SM throughput of the first launches of each benchmark mode
   for mode in 0 1 2; do
@@ -113,7 +150,7 @@ if [ "${1:-}" = "profile" ]; then
   done
 fi
 if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] \
-   && [ "${1:-}" != "gemm" ]; then
+   && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ]; then
   build-gpu/bench_quantize --benchmark_filter=Gpu --benchmark_repetitions=5 \
     --benchmark_report_aggregates_only=true --benchmark_out="$out/bench_quantize.json" \
     --benchmark_out_format=json >"$out/bench_quantize.txt" 2>&1

@@ -1,14 +1,18 @@
 // Quantizer checks shared by the emulator and GPU tests: two quantized copies equal bit for bit
 // (with the first differing byte named), and a property the recipes rely on (model/linear.cpp makes
 // a tensor's row-wise and column-wise copies in one quantize call when it can): both copies from one
-// call equal each copy from its own call, on any backend.
+// call equal each copy from its own call, on any backend. And the quantization statistics' error
+// sums against a reference written from the dequantized copy.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -93,6 +97,79 @@ inline void check_copy_pairs(Backend& be) {
       v.cols = n;
       expect_copies_independent(be, v, cfg, name + " " + fill_name(f) + " on " + be.name());
     }
+  }
+}
+
+// The row-wise copies the statistics are taken of (model/linear.cpp's stat_of): every format and
+// option of copy_pair_configs, with the row-wise copy made by SR too.
+inline std::vector<std::pair<std::string, QuantizeConfig>> error_sum_configs() {
+  std::vector<std::pair<std::string, QuantizeConfig>> out;
+  for (auto [name, cfg] : copy_pair_configs()) {
+    cfg.columnwise.enabled = false;
+    out.emplace_back(name, cfg);
+  }
+  return out;
+}
+
+// The error sums element by element from the backend's dequantized copy, in flat order (not the
+// per-block, per-row order of quant_error_sums, so the FP64 sums agree only to rounding).
+inline QuantErrorSums reference_error_sums(Backend& be, const std::vector<float>& x, QuantizedHost& q) {
+  const std::vector<float> d = dequantize_to_host(be, q);
+  const bool mx = q.format == QFormat::MXFP4, fp8 = q.format == QFormat::FP8;
+  const int64_t blk = q.block_size(), per_row = q.cols / blk;
+  QuantErrorSums s;
+  for (int64_t r = 0; r < q.rows; ++r)
+    for (int64_t b = 0; b < per_row; ++b) {
+      const size_t si = static_cast<size_t>(r * per_row + b);
+      uint8_t sb = 0;
+      float factor;
+      if (fp8) {
+        std::memcpy(&factor, &q.scales[4 * si], 4);
+      } else {
+        sb = q.scales[si];
+        factor = mx ? ue8m0_to_f32(sb) : nvfp4_decode_factor(sb, q.amax, q.four_over_six ? 1536.0f : 2688.0f);
+      }
+      bool nonzero = false;
+      for (int64_t i = 0; i < blk; ++i) {
+        const size_t e = static_cast<size_t>(r * q.cols + b * blk + i);
+        const double diff = static_cast<double>(d[e]) - static_cast<double>(x[e]);
+        s.err2 += diff * diff;
+        s.ref2 += static_cast<double>(x[e]) * static_cast<double>(x[e]);
+        nonzero = nonzero || (!std::isnan(x[e]) && x[e] != 0.0f);
+        if (factor > 0.0f && std::fabs(x[e]) > (fp8 ? 448.0f : 6.0f) * factor) ++s.saturated;
+      }
+      if (nonzero && ((mx || fp8) ? factor == 0.0f : sb == 0)) ++s.underflow_blocks;
+    }
+  return s;
+}
+
+// Counts exactly; FP64 sums to 1e-10 relative (65,536 equal terms summed flat drift by ~1e-12), or
+// both the same non-finite value.
+inline void expect_error_sums_near(const QuantErrorSums& a, const QuantErrorSums& b, const std::string& what) {
+  EXPECT_EQ(a.saturated, b.saturated) << what << ": saturated elements";
+  EXPECT_EQ(a.underflow_blocks, b.underflow_blocks) << what << ": underflowed blocks";
+  for (auto [u, v, n] : {std::tuple{a.err2, b.err2, "err2"}, std::tuple{a.ref2, b.ref2, "ref2"}}) {
+    if (!std::isfinite(u) || !std::isfinite(v)) {
+      EXPECT_EQ(std::isnan(u), std::isnan(v)) << what << ": " << n << " " << u << " vs " << v;
+      if (!std::isnan(u)) {
+        EXPECT_EQ(u, v) << what << ": " << n;
+      }
+    } else {
+      EXPECT_LE(std::fabs(u - v), 1e-10 * std::max(std::fabs(u), std::fabs(v))) << what << ": " << n << " " << u << " vs " << v;
+    }
+  }
+}
+
+// Bit for bit (a NaN sum matches any NaN: CPUs and GPUs propagate different payloads).
+inline void expect_error_sums_identical(const QuantErrorSums& a, const QuantErrorSums& b, const std::string& what) {
+  EXPECT_EQ(a.saturated, b.saturated) << what << ": saturated elements";
+  EXPECT_EQ(a.underflow_blocks, b.underflow_blocks) << what << ": underflowed blocks";
+  for (auto [u, v, n] : {std::tuple{a.err2, b.err2, "err2"}, std::tuple{a.ref2, b.ref2, "ref2"}}) {
+    if (std::isnan(u) && std::isnan(v)) continue;
+    uint64_t ub, vb;
+    std::memcpy(&ub, &u, 8);
+    std::memcpy(&vb, &v, 8);
+    EXPECT_EQ(ub, vb) << what << ": " << n << " " << u << " vs " << v;
   }
 }
 

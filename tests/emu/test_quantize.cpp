@@ -292,6 +292,46 @@ TEST(Quantize, BadInputNamesTensorShapeAndFlag) {
   expect_error(32, 32, none, "no copy requested");
 }
 
+// The quantization statistics' error sums (emu/quant_stats.hpp) equal a reference summed element
+// by element from the dequantized copy, for every format and fill; the fills reach both counters,
+// so the test cannot pass with them stuck at zero.
+TEST(QuantStats, ErrorSumsMatchDequantizedReference) {
+  auto be = make_cpu_backend();
+  const int64_t n = 256;
+  int64_t saturated = 0;
+  for (const auto& [name, cfg] : test::error_sum_configs())
+    for (int fill = -1; fill < static_cast<int>(test::all_fills().size()); ++fill) {
+      // fill -1: columns 16-31 of every row 1e-9 times the rest, so NVFP4's E4M3 block scales
+      // underflow there (every row's second 1x16 block, every 16x16 tile in that column range)
+      std::vector<float> x = test::make_fill(fill < 0 ? test::Fill::Gaussian : test::all_fills()[static_cast<size_t>(fill)],
+                                             static_cast<size_t>(n * n), 515);
+      if (fill < 0)
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t c = 16; c < 32; ++c) x[static_cast<size_t>(r * n + c)] *= 1e-9f;
+      const std::string what = name + " " + (fill < 0 ? "tiny_second_block" : test::fill_name(test::all_fills()[static_cast<size_t>(fill)]));
+      QuantizeResult r = quantize_to_host(*be, host_view(x.data(), n, n), cfg);
+      const QuantErrorSums got = quant_error_sums_on(*be, x, r.rowwise);
+      test::expect_error_sums_near(got, test::reference_error_sums(*be, x, r.rowwise), what);
+      saturated += got.saturated;
+      if (fill < 0 && cfg.format == QFormat::NVFP4) {
+        EXPECT_EQ(got.underflow_blocks, n) << what;
+      }
+    }
+  EXPECT_GT(saturated, 0);
+  QuantizedHost q;
+  q.resize(2, 32, QFormat::NVFP4, false);
+  std::vector<float> x(64, 1.0f);
+  EXPECT_THROW(quant_error_sums_on(*be, std::vector<float>(63, 1.0f), q), std::invalid_argument);
+  QuantizedView bad = q.view();
+  bad.cols = 24;
+  try {
+    be->quant_error_sums(x.data(), bad);
+    ADD_FAILURE() << "cols 24 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[2, 24]"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace fp4sim
 

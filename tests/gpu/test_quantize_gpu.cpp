@@ -208,6 +208,30 @@ TEST(QuantizeGpu, DequantizeAndTiledScalesMatchEmulator) {
   }
 }
 
+// The quantization statistics' error sums on the GPU equal the emulator's bit for bit (same
+// per-block function, same order), for every format and option of the recipes' row-wise copies
+// and every fill, on copies the emulator made.
+TEST(QuantizeGpu, ErrorSumsEqualEmulator) {
+  REQUIRE_GPU();
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  const int64_t n = 256;
+  for (const auto& [name, cfg] : test::error_sum_configs())
+    for (test::Fill f : test::all_fills()) {
+      std::vector<float> x = test::make_fill(f, static_cast<size_t>(n * n), 616);
+      QuantizeResult r = quantize_to_host(*emu, host_view(x.data(), n, n), cfg);
+      test::expect_error_sums_identical(quant_error_sums_on(*cuda, x, r.rowwise),
+                                        quant_error_sums_on(*emu, x, r.rowwise), name + " " + test::fill_name(f));
+    }
+  // a large tensor: many blocks per thread of the grid-stride loop, rows longer than one block's threads
+  std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, 2048 * 3072, 617);
+  QuantizeConfig c;
+  c.rowwise.enabled = true;
+  QuantizeResult r = quantize_to_host(*emu, host_view(x.data(), 2048, 3072), c);
+  test::expect_error_sums_identical(quant_error_sums_on(*cuda, x, r.rowwise), quant_error_sums_on(*emu, x, r.rowwise),
+                                    "nvfp4 2048 x 3072");
+}
+
 // The CUDA quantizer: both copies from one call equal each from its own call (the recipes'
 // combined calls), every format and option pair, bit for bit.
 TEST(QuantizeGpu, CopiesFromOneCallEqualSeparateCalls) {
