@@ -132,7 +132,7 @@ PY
     python3 validation/ncu_summary.py "$out/prof_ncu.csv" | head -32 | tee "$out/prof_summary.txt"
   fi
   row "profile ${RECIPE:-nvfp4} gpt2-124m" "$(head -1 "$out/prof_summary.txt")"
-  if [ -f data/corpus.train.tokens ]; then
+  if [ -f data/corpus.train.tokens ] && [ -z "${SKIP_STATS:-}" ]; then
     timeout 120 build-gpu/fp4sim train --config configs/small.json --backend cuda train.steps=12 train.warmup=2 \
       train.eval_every=0 train.out_dir=runs/stats recipe.name=nvfp4 recipe.stats_every=5 >"$out/stats_run.log" 2>&1
     row "small nvfp4 step ms (stats steps 1, 6, 11)" "$(grep -E '^step' "$out/stats_run.log" | awk -F'|' '{gsub(/ ms/,"",$5); printf "%s ", $5+0}')"
