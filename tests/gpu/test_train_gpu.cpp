@@ -148,6 +148,21 @@ TEST(TrainGpu, BitwiseResumeOnCuda) {
   expect_bitwise_resume("cuda", {"recipe.name=nvfp4"});
 }
 
+// The quantization statistics on the CUDA backend (Backend::quant_error_sums) only read: tiny in
+// NVFP4 logging them every step trains bit for bit like the run without them.
+TEST(TrainGpu, StatisticsDoNotChangeTraining) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  const std::string dir = temp_dir("stats");
+  const TrainResult with = run(tiny({"train.steps=4", "recipe.name=nvfp4", "recipe.stats_every=1", "train.out_dir=" + dir + "/a"}), "cuda");
+  const TrainResult without = run(tiny({"train.steps=4", "recipe.name=nvfp4", "train.out_dir=" + dir + "/b"}), "cuda");
+  ASSERT_EQ(with.steps.size(), without.steps.size());
+  for (size_t i = 0; i < with.steps.size(); ++i) {
+    EXPECT_EQ(with.steps[i].loss, without.steps[i].loss) << "step " << i + 1;
+    EXPECT_EQ(with.steps[i].grad_norm, without.steps[i].grad_norm) << "step " << i + 1;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // The quantized linear layer on both backends, exact GEMMs: out, dx, dW, dbias bit for bit, for
 // the recipe and its switches.
 TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {

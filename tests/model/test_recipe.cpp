@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <set>
 
@@ -249,6 +250,38 @@ TEST(Recipe, Nvfp4TrainingResumesBitwise) {
   const TrainResult bf16 = train(run_with({"train.out_dir=" + dir + "/bf16"}), quiet, *make_cpu_backend());
   EXPECT_NE(bf16.steps.back().loss, full.steps.back().loss);
   EXPECT_NEAR(bf16.steps.back().loss, full.steps.back().loss, 0.05 * bf16.steps.back().loss);
+  std::filesystem::remove_all(dir);
+}
+
+// The quantization statistics only read: a run that logs them every step trains bit for bit like
+// one that does not (NVFP4 with SR and RHT, and FP8), and the log carries them.
+TEST(Recipe, StatisticsDoNotChangeTraining) {
+  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_stats_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  TrainOptions quiet;
+  quiet.print = false;
+  for (const char* recipe : {"nvfp4", "fp8"}) {
+    auto cfg = [&](int every) {
+      std::vector<std::string> o = {std::string("recipe.name=") + recipe, "recipe.stats_every=" + std::to_string(every),
+                                    "train.steps=4", "train.checkpoint_every=0",
+                                    "train.out_dir=" + dir + "/" + recipe + std::to_string(every)};
+      if (std::string(recipe) == "fp8")  // FP8's 128-element blocks: d 128, 128 tokens a batch
+        o.insert(o.end(), {"model.d_model=128", "model.d_ff=256", "train.batch=8"});
+      return run_with(o);
+    };
+    const TrainResult with = train(cfg(1), quiet, *make_cpu_backend());
+    const TrainResult without = train(cfg(0), quiet, *make_cpu_backend());
+    ASSERT_EQ(with.steps.size(), without.steps.size());
+    for (size_t i = 0; i < with.steps.size(); ++i) {
+      EXPECT_EQ(with.steps[i].loss, without.steps[i].loss) << recipe << " step " << i + 1;
+      EXPECT_EQ(with.steps[i].grad_norm, without.steps[i].grad_norm) << recipe << " step " << i + 1;
+    }
+    std::ifstream log(dir + "/" + recipe + "1/log.jsonl");
+    std::string line;
+    int with_stats = 0;
+    while (std::getline(log, line)) with_stats += line.find("\"quant_stats\"") != std::string::npos;
+    EXPECT_EQ(with_stats, 4) << recipe;
+  }
   std::filesystem::remove_all(dir);
 }
 
