@@ -94,4 +94,14 @@ QuantErrorSums quant_error_sums_on(Backend& backend, const std::vector<float>& x
   return backend.quant_error_sums(xb.as<float>(), in.view);
 }
 
+void validate_sum_squares_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts) {
+  if (offsets.size() != counts.size())
+    throw std::invalid_argument("sum_squares_many: " + std::to_string(offsets.size()) + " offsets but " +
+                                std::to_string(counts.size()) + " counts");
+  for (size_t i = 0; i < offsets.size(); ++i)
+    if (offsets[i] < 0 || counts[i] < 0)
+      throw std::invalid_argument("sum_squares_many: tensor " + std::to_string(i) + " has offset " +
+                                  std::to_string(offsets[i]) + " and count " + std::to_string(counts[i]));
+}
+
 }  // namespace fp4sim

@@ -16,6 +16,9 @@
 
 namespace fp4sim {
 
+// sum_squares_many's arguments: as many offsets as counts, none negative (std::invalid_argument).
+void validate_sum_squares_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts);
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -166,6 +169,13 @@ class Backend {
                             const AdamWStep& /*step*/) { missing("adamw_update"); }
   // sum of x_i^2 in FP64 (the global gradient norm).
   virtual double sum_squares(const float* /*x*/, int64_t /*n*/) { missing("sum_squares"); }
+  // sums[i] = sum_squares(base + offsets[i], counts[i]) for every i, the same bits, in one call
+  // (the gradient norm over all parameter tensors; the CUDA backend makes one round trip for all).
+  virtual void sum_squares_many(const float* base, const std::vector<int64_t>& offsets,
+                                const std::vector<int64_t>& counts, double* sums) {
+    validate_sum_squares_many(offsets, counts);
+    for (size_t i = 0; i < offsets.size(); ++i) sums[i] = sum_squares(base + offsets[i], counts[i]);
+  }
 
  protected:
   [[noreturn]] void missing(const char* op) const;

@@ -100,6 +100,8 @@ class CudaBackend final : public Backend {
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override;
   double sum_squares(const float* x, int64_t n) override;
+  void sum_squares_many(const float* base, const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                        double* sums) override;
 
   // Device memory in use now (total - free, all processes), for the trainer's peak report.
   int64_t device_memory_used() const override;

@@ -145,7 +145,18 @@ __global__ void column_sums_finalize_kernel(float* out, const float* partial, in
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   float acc = partial[c];
-  for (int64_t k = 1; k < chunks; ++k) acc = __fadd_rn(acc, partial[k * C + c]);
+  // a column's chunks are added one after another; loading eight ahead keeps eight loads in
+  // flight instead of one (the pass is latency-bound: a few thousand threads, ~256 chunks each)
+  constexpr int kAhead = 8;
+  int64_t k = 1;
+  for (; k + kAhead <= chunks; k += kAhead) {
+    float v[kAhead];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) v[u] = partial[(k + u) * C + c];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) acc = __fadd_rn(acc, v[u]);
+  }
+  for (; k < chunks; ++k) acc = __fadd_rn(acc, partial[k * C + c]);
   out[c] = add_to_out ? __fadd_rn(out[c], acc) : acc;
 }
 
@@ -158,8 +169,10 @@ dim3 column_partial_grid(int64_t N, int64_t C) {
 
 void column_sums_finalize(float* out, const float* partial, int64_t N, int64_t C, bool add_to_out,
                           cudaStream_t stream) {
-  column_sums_finalize_kernel<<<static_cast<unsigned>((C + kThreads - 1) / kThreads), kThreads, 0,
-                                stream>>>(out, partial, column_chunks(N), C, add_to_out);
+  // 64 threads a block: C is a few thousand, so this spreads the columns over more SMs
+  constexpr int kFinalizeThreads = 64;
+  column_sums_finalize_kernel<<<static_cast<unsigned>((C + kFinalizeThreads - 1) / kFinalizeThreads), kFinalizeThreads,
+                                0, stream>>>(out, partial, column_chunks(N), C, add_to_out);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -343,7 +356,7 @@ __global__ void rmsnorm_backward_partial_kernel(float* partial, const float* dwe
 // Memory-bound elementwise kernels move four floats per access where every pointer is 16-byte
 // aligned (the vector loop), and one at a time for the rest: each element gets the same
 // per-element function either way, so the split changes no bits.
-__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+__host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // The grid-stride loop of those kernels: quad(j) for the groups of four elements j < n / 4 when
 // `vectorized` (the caller's pointers are aligned for it), then one(i) for every element left.
@@ -367,18 +380,37 @@ __global__ void round_to_bf16_kernel(uint16_t* dst, const float* src, int64_t n)
 }
 
 // out (N,OC) += bias (OC), one FP32 RN addition after the GEMM, as the emulator: bitwise given the
-// GEMM's value. grid.y walks the rows, x the columns (no per-element division).
-__global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) {
+// GEMM's value. grid.y walks the rows (several per block, so a block has work enough), x the
+// columns, four at a time when `vec` (OC a multiple of 4, both pointers 16-byte aligned; the same
+// per-element function either way).
+__global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16, bool vec) {
+  const int64_t cols = vec ? OC / 4 : OC;
   for (int64_t r = blockIdx.y; r < N; r += gridDim.y) {
     float* row = out + r * OC;
-    for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < OC;
-         c += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      row[c] = stored(__fadd_rn(row[c], bias[c]), round_bf16);
+    for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
+         c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      if (vec) {
+        float4 v = reinterpret_cast<float4*>(row)[c];
+        const float4 b = reinterpret_cast<const float4*>(bias)[c];
+        v.x = stored(__fadd_rn(v.x, b.x), round_bf16);
+        v.y = stored(__fadd_rn(v.y, b.y), round_bf16);
+        v.z = stored(__fadd_rn(v.z, b.z), round_bf16);
+        v.w = stored(__fadd_rn(v.w, b.w), round_bf16);
+        reinterpret_cast<float4*>(row)[c] = v;
+      } else {
+        row[c] = stored(__fadd_rn(row[c], bias[c]), round_bf16);
+      }
+    }
   }
 }
-dim3 bias_grid(int64_t N, int64_t OC) {
-  const int64_t x = (OC + kThreads - 1) / kThreads, y = N < 65535 ? N : 65535;
-  return dim3(static_cast<unsigned>(x < kMaxGridBlocks ? x : kMaxGridBlocks), static_cast<unsigned>(y > 0 ? y : 1));
+constexpr int64_t kBiasRowBlocks = 2048;  // grid.y cap: 8 rows a block at N = 16384
+void add_bias(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16, cudaStream_t stream) {
+  const bool vec = OC % 4 == 0 && aligned16(out) && aligned16(bias);
+  const int64_t cols = vec ? OC / 4 : OC;
+  const int64_t x = (cols + kThreads - 1) / kThreads, y = N < kBiasRowBlocks ? N : kBiasRowBlocks;
+  const dim3 grid(static_cast<unsigned>(x < kMaxGridBlocks ? x : kMaxGridBlocks), static_cast<unsigned>(y > 0 ? y : 1));
+  add_bias_kernel<<<grid, kThreads, 0, stream>>>(out, bias, N, OC, round_bf16, vec);
+  FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 // Partial column sums of dout (N,OC) for dbias: partial (chunks, OC), every chunk from +0 (the
@@ -576,11 +608,15 @@ __global__ void adamw_kernel(float* params, const float* grads, float* m, float*
     adamw_element(params[j], grads[j], m[j], v[j], step);
 }
 
-// sum x^2 in FP64: each product (double)x * (double)x is exact; each thread of a fixed grid
-// (kSumSquaresBlocks x kThreads) sums its grid-strided elements in increasing index, block_sum per
-// block into partial (kSumSquaresBlocks); a second single-block pass sums the partials the same
-// way. The tree depends only on n: deterministic (and identical on every GPU).
-__global__ void sum_squares_partial_kernel(double* partial, const float* x, int64_t n) {
+// sum x^2 in FP64 of tensor y = blockIdx.y, elements [offset, offset + count) of base (seg: the
+// (offset, count) pairs): each product (double)x * (double)x is exact; each thread of a fixed grid
+// (kSumSquaresBlocks x kThreads per tensor) sums its grid-strided elements in increasing index,
+// block_sum per block into partial (tensor, kSumSquaresBlocks); a second pass, one block per
+// tensor, sums a tensor's partials the same way. The tree depends only on the count:
+// deterministic, identical on every GPU, and the same whether a tensor is summed alone or with others.
+__global__ void sum_squares_partial_kernel(double* partial, const float* base, const int64_t* seg) {
+  const float* x = base + seg[2 * blockIdx.y];
+  const int64_t n = seg[2 * blockIdx.y + 1];
   double s = 0.0;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -588,14 +624,15 @@ __global__ void sum_squares_partial_kernel(double* partial, const float* x, int6
     s = __dadd_rn(s, __dmul_rn(d, d));
   }
   s = block_sum(s);
-  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+  if (threadIdx.x == 0) partial[static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x] = s;
 }
 
-__global__ void sum_partials_kernel(double* out, const double* partial, int64_t n) {
+__global__ void sum_partials_kernel(double* out, const double* partial, int64_t per_tensor) {
+  const double* p = partial + static_cast<int64_t>(blockIdx.x) * per_tensor;
   double s = 0.0;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s = __dadd_rn(s, partial[j]);
+  for (int64_t j = threadIdx.x; j < per_tensor; j += blockDim.x) s = __dadd_rn(s, p[j]);
   s = block_sum(s);
-  if (threadIdx.x == 0) *out = s;
+  if (threadIdx.x == 0) out[blockIdx.x] = s;
 }
 
 // ---- cuBLASLt ---------------------------------------------------------------------------------
@@ -643,9 +680,10 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch columns;                      // partial column sums
   training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O) (B,NH,T)
   training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
-  training_ops::DeviceScratch sums;                         // sum_squares partials and result
+  training_ops::DeviceScratch sums;                         // sum_squares partials and results
+  training_ops::DeviceScratch segments;                     // sum_squares (offset, count) pairs
   training_ops::RopeTable rope;
-  std::vector<double> host_result = std::vector<double>(1);
+  std::vector<int64_t> host_segments;
 };
 
 CudaBackend::LayersState& CudaBackend::layers_state() {
@@ -873,8 +911,7 @@ void CudaBackend::matmul_forward(float* out, const float* inp, const float* weig
     lt_matmul(st.lt, bf16, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f, stream_);
   }
   if (bias) {
-    add_bias_kernel<<<bias_grid(N, OC), kThreads, 0, stream_>>>(out, bias, N, OC, round_bf16);
-    FP4SIM_CUDA_CHECK_LAUNCH();
+    add_bias(out, bias, N, OC, round_bf16, stream_);
   } else if (round_bf16) {
     round_to_bf16(out, N * OC);
   }
@@ -982,8 +1019,7 @@ void CudaBackend::swiglu_backward(float* dinp, const float* inp, const float* do
 
 void CudaBackend::bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) {
   if (N * OC == 0) return;
-  add_bias_kernel<<<bias_grid(N, OC), kThreads, 0, stream_>>>(out, bias, N, OC, round_bf16);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  add_bias(out, bias, N, OC, round_bf16, stream_);
 }
 
 // dbias (OC) += column sums of dout (N,OC) in emu::bias_backward's chunked order: bitwise.
@@ -1043,18 +1079,37 @@ void CudaBackend::adamw_update(float* params, const float* grads, float* m, floa
 }
 
 double CudaBackend::sum_squares(const float* x, int64_t n) {
-  if (n == 0) return 0.0;
+  double s = 0.0;
+  sum_squares_many(x, {0}, {n}, &s);
+  return s;
+}
+
+// All tensors in two launches and one copy back (the gradient norm: one round trip per step
+// instead of one per parameter tensor).
+void CudaBackend::sum_squares_many(const float* base, const std::vector<int64_t>& offsets,
+                                   const std::vector<int64_t>& counts, double* sums) {
+  validate_sum_squares_many(offsets, counts);
+  const size_t tensors = offsets.size();
+  if (tensors == 0) return;
+  if (tensors > 65535) throw std::invalid_argument("sum_squares_many: at most 65535 tensors per call, got " + std::to_string(tensors));
   LayersState& st = layers_state();
-  double* partial = st.sums.get<double>(kSumSquaresBlocks + 1, stream_);
-  sum_squares_partial_kernel<<<kSumSquaresBlocks, kThreads, 0, stream_>>>(partial, x, n);
+  st.host_segments.resize(2 * tensors);
+  for (size_t i = 0; i < tensors; ++i) {
+    st.host_segments[2 * i] = offsets[i];
+    st.host_segments[2 * i + 1] = counts[i];
+  }
+  int64_t* seg = st.segments.get<int64_t>(2 * tensors, stream_);
+  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(seg, st.host_segments.data(), 2 * tensors * sizeof(int64_t),
+                                    cudaMemcpyHostToDevice, stream_));
+  double* partial = st.sums.get<double>(tensors * (kSumSquaresBlocks + 1), stream_);
+  double* out = partial + tensors * kSumSquaresBlocks;
+  sum_squares_partial_kernel<<<dim3(kSumSquaresBlocks, static_cast<unsigned>(tensors)), kThreads, 0, stream_>>>(
+      partial, base, seg);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  sum_partials_kernel<<<1, kThreads, 0, stream_>>>(partial + kSumSquaresBlocks, partial,
-                                                   kSumSquaresBlocks);
+  sum_partials_kernel<<<static_cast<unsigned>(tensors), kThreads, 0, stream_>>>(out, partial, kSumSquaresBlocks);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(st.host_result.data(), partial + kSumSquaresBlocks,
-                                    sizeof(double), cudaMemcpyDeviceToHost, stream_));
+  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(sums, out, tensors * sizeof(double), cudaMemcpyDeviceToHost, stream_));
   FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return st.host_result[0];
 }
 
 }  // namespace fp4sim::gpu

@@ -320,12 +320,20 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       write_safetensors(opt.dump_dir + "/step0_grads.safetensors", gr);
       std::ofstream(opt.dump_dir + "/config.json") << to_json(c).dump(2) << "\n";
     }
-    double sq = 0;
+    // every tensor's sum of squares in one backend call, then added in tensor order
+    std::vector<int64_t> offsets, counts;
     for (const ParamTensor& t : model.tensors()) {
-      const double s2 = be.sum_squares(model.grads() + t.offset, t.numel());
-      if (!std::isfinite(s2))
-        throw std::runtime_error("step " + std::to_string(step) + ": gradient of '" + t.name + "' is not finite");
-      sq += s2;
+      offsets.push_back(t.offset);
+      counts.push_back(t.numel());
+    }
+    std::vector<double> sums(offsets.size());
+    be.sum_squares_many(model.grads(), offsets, counts, sums.data());
+    double sq = 0;
+    for (size_t i = 0; i < sums.size(); ++i) {
+      if (!std::isfinite(sums[i]))
+        throw std::runtime_error("step " + std::to_string(step) + ": gradient of '" + model.tensors()[i].name +
+                                 "' is not finite");
+      sq += sums[i];
     }
     const double norm = std::sqrt(sq);
     const double lr = learning_rate(c.train.schedule, step, c.train.steps, c.train.warmup, c.train.lr,

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -890,6 +891,58 @@ TEST(LayersGpu, SumSquaresMatchesEmulator) {
   const double e = sum_squares_on(*be.emu, x), g = sum_squares_on(*be.cuda, x);
   EXPECT_EQ(e, g);
   EXPECT_GT(g, 0.0);
+}
+
+// Every tensor's sum from one sum_squares_many call equals its own sum_squares call bit for bit, on
+// both backends (the trainer's gradient norm makes one call for all parameter tensors).
+TEST(LayersGpu, SumSquaresManyEqualsOneByOne) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(1011);
+  const std::vector<int64_t> counts = {5, 0, 1037, (int64_t{1} << 20) + 3, 1, 768, 300007};
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (int64_t n : counts) {
+    offsets.push_back(total);
+    total += n;
+  }
+  const Vec x = randn(sz(total), rng, 0.01f);
+  for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
+    BackendBuffer b(*bk, x.size() * sizeof(float));
+    bk->upload(b.get(), x.data(), x.size() * sizeof(float));
+    std::vector<double> many(counts.size());
+    bk->sum_squares_many(b.as<float>(), offsets, counts, many.data());
+    for (size_t i = 0; i < counts.size(); ++i) {
+      const double one = bk->sum_squares(b.as<float>() + offsets[i], counts[i]);
+      EXPECT_EQ(std::memcmp(&one, &many[i], sizeof(double)), 0)
+          << bk->name() << " tensor " << i << " (" << counts[i] << "): " << one << " vs " << many[i];
+    }
+  }
+  std::vector<double> out(1);
+  EXPECT_THROW(be.cuda->sum_squares_many(nullptr, {0, 1}, {1}, out.data()), std::invalid_argument);
+}
+
+// The bias add (forward) and the bias gradient's column sums, bitwise against the emulator: rows
+// beyond the kernel's row-block cap, column counts that are and are not multiples of 4, and a
+// bias pointer off 16-byte alignment (the scalar path).
+TEST(LayersGpu, BiasForwardAndBackwardBitwise) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(1212);
+  for (const auto& [N, OC] : {std::pair<int64_t, int64_t>{1, 5}, {37, 96}, {5000, 3072}, {4099, 45}}) {
+    const Vec y = randn(sz(N * OC), rng), b = randn(sz(OC + 1), rng), dy = randn(sz(N * OC), rng), db = randn(sz(OC), rng);
+    for (bool shifted : {false, true}) {
+      for (bool rb : {false, true}) {
+        const Op fwd = [&](Backend& bk, Call& c) { bk.bias_forward(c.out(y), c.in(b) + (shifted ? 1 : 0), N, OC, rb); };
+        expect_bitwise("bias_forward N=" + std::to_string(N) + " OC=" + std::to_string(OC) + (shifted ? " shifted" : "") +
+                           (rb ? " bf16" : ""),
+                       run(*be.emu, fwd)[0], run(*be.cuda, fwd)[0]);
+      }
+    }
+    const Op bwd = [&](Backend& bk, Call& c) { bk.bias_backward(c.out(db), c.in(dy), N, OC); };
+    expect_bitwise("bias_backward N=" + std::to_string(N) + " OC=" + std::to_string(OC), run(*be.emu, bwd)[0],
+                   run(*be.cuda, bwd)[0]);
+  }
 }
 
 // ---- determinism ----------------------------------------------------------------------------------
