@@ -88,6 +88,7 @@ void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {
 
 QuantErrorSums CudaBackend::quant_error_sums(const float* x, const QuantizedView& q) {
   validate_quant_error_sums(x, q);
+  if (q.rows == 0) return {};
   // scratch for this call only (a statistics step is rare; nothing stays allocated between them)
   DeviceScratch blocks, rows;
   auto* block_sums = blocks.get<QuantErrorSums>(static_cast<size_t>(q.scale_count()), stream_);

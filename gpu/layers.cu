@@ -23,6 +23,7 @@
 
 #include <cub/device/device_radix_sort.cuh>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <stdexcept>
@@ -405,6 +406,7 @@ __global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_
 }
 constexpr int64_t kBiasRowBlocks = 2048;  // grid.y cap: 8 rows a block at N = 16384
 void add_bias(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16, cudaStream_t stream) {
+  if (N == 0 || OC == 0) return;
   const bool vec = OC % 4 == 0 && aligned16(out) && aligned16(bias);
   const int64_t cols = vec ? OC / 4 : OC;
   const int64_t x = (cols + kThreads - 1) / kThreads, y = N < kBiasRowBlocks ? N : kBiasRowBlocks;
@@ -1089,27 +1091,28 @@ double CudaBackend::sum_squares(const float* x, int64_t n) {
 void CudaBackend::sum_squares_many(const float* base, const std::vector<int64_t>& offsets,
                                    const std::vector<int64_t>& counts, double* sums) {
   validate_sum_squares_many(offsets, counts);
-  const size_t tensors = offsets.size();
-  if (tensors == 0) return;
-  if (tensors > 65535) throw std::invalid_argument("sum_squares_many: at most 65535 tensors per call, got " + std::to_string(tensors));
   LayersState& st = layers_state();
-  st.host_segments.resize(2 * tensors);
-  for (size_t i = 0; i < tensors; ++i) {
-    st.host_segments[2 * i] = offsets[i];
-    st.host_segments[2 * i + 1] = counts[i];
+  constexpr size_t kMaxTensors = 65535;  // grid.y per launch
+  for (size_t first = 0; first < offsets.size(); first += kMaxTensors) {
+    const size_t tensors = std::min(kMaxTensors, offsets.size() - first);
+    st.host_segments.resize(2 * tensors);
+    for (size_t i = 0; i < tensors; ++i) {
+      st.host_segments[2 * i] = offsets[first + i];
+      st.host_segments[2 * i + 1] = counts[first + i];
+    }
+    int64_t* seg = st.segments.get<int64_t>(2 * tensors, stream_);
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(seg, st.host_segments.data(), 2 * tensors * sizeof(int64_t),
+                                      cudaMemcpyHostToDevice, stream_));
+    double* partial = st.sums.get<double>(tensors * (kSumSquaresBlocks + 1), stream_);
+    double* out = partial + tensors * kSumSquaresBlocks;
+    sum_squares_partial_kernel<<<dim3(kSumSquaresBlocks, static_cast<unsigned>(tensors)), kThreads, 0, stream_>>>(
+        partial, base, seg);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    sum_partials_kernel<<<static_cast<unsigned>(tensors), kThreads, 0, stream_>>>(out, partial, kSumSquaresBlocks);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(sums + first, out, tensors * sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the next batch reuses the buffers
   }
-  int64_t* seg = st.segments.get<int64_t>(2 * tensors, stream_);
-  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(seg, st.host_segments.data(), 2 * tensors * sizeof(int64_t),
-                                    cudaMemcpyHostToDevice, stream_));
-  double* partial = st.sums.get<double>(tensors * (kSumSquaresBlocks + 1), stream_);
-  double* out = partial + tensors * kSumSquaresBlocks;
-  sum_squares_partial_kernel<<<dim3(kSumSquaresBlocks, static_cast<unsigned>(tensors)), kThreads, 0, stream_>>>(
-      partial, base, seg);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  sum_partials_kernel<<<static_cast<unsigned>(tensors), kThreads, 0, stream_>>>(out, partial, kSumSquaresBlocks);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(sums, out, tensors * sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 }  // namespace fp4sim::gpu

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -893,8 +894,50 @@ TEST(LayersGpu, SumSquaresMatchesEmulator) {
   EXPECT_GT(g, 0.0);
 }
 
+// The CUDA sum of squares' documented tree (gpu/layers.cu), on the host: 1024 blocks x 256 threads,
+// each thread adding its grid-strided squares in increasing index; per block a butterfly within
+// each warp (lane l adds lane l ^ off, off = 16 .. 1), then the same over the 8 warp sums padded
+// with +0; then one block over the 1024 partials (thread t: t, t + 256, ...) the same way.
+double gpu_tree_sum_squares(const float* x, int64_t n) {
+  constexpr int kBlocks = 1024, kThreadsPerBlock = 256;
+  using Lanes = std::array<double, 32>;
+  auto butterfly = [](Lanes v) {  // 32 lanes -> their common sum
+    for (int off = 16; off > 0; off >>= 1) {
+      Lanes w{};
+      for (int l = 0; l < 32; ++l) w[static_cast<size_t>(l)] = v[static_cast<size_t>(l)] + v[static_cast<size_t>(l ^ off)];
+      v = w;
+    }
+    return v[0];
+  };
+  auto block_sum = [&](const std::vector<double>& t) {  // 256 thread values
+    Lanes warps{};  // +0 where a block has fewer than 32 warps
+    for (int w = 0; w < kThreadsPerBlock / 32; ++w) {
+      Lanes lanes{};
+      for (int l = 0; l < 32; ++l) lanes[static_cast<size_t>(l)] = t[static_cast<size_t>(32 * w + l)];
+      warps[static_cast<size_t>(w)] = butterfly(lanes);
+    }
+    return butterfly(warps);
+  };
+  std::vector<double> partial(kBlocks);
+  const int64_t stride = int64_t{kBlocks} * kThreadsPerBlock;
+  for (int b = 0; b < kBlocks; ++b) {
+    std::vector<double> t(kThreadsPerBlock, 0.0);
+    for (int i = 0; i < kThreadsPerBlock; ++i)
+      for (int64_t j = int64_t{b} * kThreadsPerBlock + i; j < n; j += stride) {
+        const double d = static_cast<double>(x[j]);
+        t[static_cast<size_t>(i)] += d * d;
+      }
+    partial[static_cast<size_t>(b)] = block_sum(t);
+  }
+  std::vector<double> t(kThreadsPerBlock, 0.0);
+  for (int i = 0; i < kThreadsPerBlock; ++i)
+    for (int j = i; j < kBlocks; j += kThreadsPerBlock) t[static_cast<size_t>(i)] += partial[static_cast<size_t>(j)];
+  return block_sum(t);
+}
+
 // Every tensor's sum from one sum_squares_many call equals its own sum_squares call bit for bit, on
-// both backends (the trainer's gradient norm makes one call for all parameter tensors).
+// both backends (the trainer's gradient norm makes one call for all parameter tensors), and on the
+// GPU equals the documented tree computed on the host.
 TEST(LayersGpu, SumSquaresManyEqualsOneByOne) {
   REQUIRE_GPU();
   Backends be;
@@ -916,6 +959,11 @@ TEST(LayersGpu, SumSquaresManyEqualsOneByOne) {
       const double one = bk->sum_squares(b.as<float>() + offsets[i], counts[i]);
       EXPECT_EQ(std::memcmp(&one, &many[i], sizeof(double)), 0)
           << bk->name() << " tensor " << i << " (" << counts[i] << "): " << one << " vs " << many[i];
+      if (bk == be.cuda.get()) {
+        const double tree = gpu_tree_sum_squares(x.data() + offsets[i], counts[i]);
+        EXPECT_EQ(std::memcmp(&tree, &many[i], sizeof(double)), 0)
+            << "tensor " << i << " (" << counts[i] << "): host model of the tree " << tree << " vs cuda " << many[i];
+      }
     }
   }
   std::vector<double> out(1);
@@ -931,11 +979,15 @@ TEST(LayersGpu, BiasForwardAndBackwardBitwise) {
   std::mt19937 rng(1212);
   for (const auto& [N, OC] : {std::pair<int64_t, int64_t>{1, 5}, {37, 96}, {5000, 3072}, {4099, 45}}) {
     const Vec y = randn(sz(N * OC), rng), b = randn(sz(OC + 1), rng), dy = randn(sz(N * OC), rng), db = randn(sz(OC), rng);
-    for (bool shifted : {false, true}) {
+    Vec y1(y.size() + 1, 0.5f);  // y after one leading element: an output off 16-byte alignment
+    std::copy(y.begin(), y.end(), y1.begin() + 1);
+    for (int shift : {0, 1, 2}) {  // 1: the bias pointer shifted, 2: the output pointer shifted
       for (bool rb : {false, true}) {
-        const Op fwd = [&](Backend& bk, Call& c) { bk.bias_forward(c.out(y), c.in(b) + (shifted ? 1 : 0), N, OC, rb); };
-        expect_bitwise("bias_forward N=" + std::to_string(N) + " OC=" + std::to_string(OC) + (shifted ? " shifted" : "") +
-                           (rb ? " bf16" : ""),
+        const Op fwd = [&](Backend& bk, Call& c) {
+          bk.bias_forward(shift == 2 ? c.out(y1) + 1 : c.out(y), c.in(b) + (shift == 1 ? 1 : 0), N, OC, rb);
+        };
+        expect_bitwise("bias_forward N=" + std::to_string(N) + " OC=" + std::to_string(OC) + " shift " +
+                           std::to_string(shift) + (rb ? " bf16" : ""),
                        run(*be.emu, fwd)[0], run(*be.cuda, fwd)[0]);
       }
     }
