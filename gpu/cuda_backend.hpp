@@ -143,6 +143,9 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
 // validation/perf.md has the measurements. Results are identical; only speed differs.
 constexpr int kGemmExactDefaultVariant = 7;
 void set_gemm_exact_variant(int variant);
+// Test knob: the cross-entropy kernel caches a row of logits in shared memory where it fits (the
+// default) or reads them from memory in every pass. Results are identical; only speed differs.
+void set_crossentropy_cached(bool on);
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 // Per-row error sums of copy q against x into rows_out[q.rows] (device memory), each row's blocks
 // added in order (emu/quant_stats.hpp); block_sums: scratch of q.scale_count() entries.

@@ -555,36 +555,78 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
 
 // ---- cross-entropy ----------------------------------------------------------------------------
 
-// One block per row n of logits (N,V). max: exact; p = expf(z - max) (CUDA expf); sum: per-thread
-// strided sums in increasing index, then block_sum (FP32 tree); probs (N,V) = p / sum, recomputed
-// from the logits in a third read instead of written and read back (same bits, two fewer passes
-// over N x V); losses (N) = -logf(probs[target]) (CUDA logf). Bounded against the emulator (tree
+// One block per row n of logits (N,V): kCeThreads threads, or 256 for V < 4096 (a byte-level
+// vocabulary would leave most of 1024 idle). max: exact; p = expf(z - max) (CUDA
+// expf); sum: per-thread strided sums in increasing index, then block_sum (FP32 tree); probs (N,V)
+// = p / sum; losses (N) = -logf(probs[target]) (CUDA logf). Bounded against the emulator (tree
 // sum, expf, logf). kGrad (crossentropy_softmax_forward_backward): the third pass writes, instead
 // of each probability, crossentropy_softmax_backward_kernel's expression on it, (p - onehot) *
 // dlosses[n] then bf16_round when round_bf16: the bits of the two kernels in turn, without the
 // probabilities' write and read.
-template <bool kGrad>
-__global__ void crossentropy_softmax_forward_kernel(float* losses, float* probs, const float* logits,
-                                                    const int32_t* targets, int64_t V, const float* dlosses = nullptr,
-                                                    bool round_bf16 = false) {
+// kCached (the row fits in shared memory): the first pass copies the row there and the second
+// replaces each logit by its exponential, so the logits are read from memory once and each
+// exponential computed once; without it the passes read the logits again and the third recomputes
+// the exponentials. Each element gets the same expressions from the same thread either way: the
+// same bits.
+constexpr int kCeThreads = 1024;
+template <bool kGrad, bool kCached>
+__global__ void __launch_bounds__(kCeThreads)
+    crossentropy_softmax_forward_kernel(float* losses, float* probs, const float* logits, const int32_t* targets,
+                                        int64_t V, const float* dlosses, bool round_bf16) {
+  extern __shared__ float row[];  // kCached: the row's logits, then their exponentials
   const int64_t n = blockIdx.x;
   const float* z = logits + n * V;
   float* p = probs + n * V;
   float m = -INFINITY;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) m = max_skip_nan(m, z[i]);
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+    const float v = z[i];
+    if (kCached) row[i] = v;
+    m = max_skip_nan(m, v);
+  }
   const float maxv = block_max(m);
   float s = 0.0f;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) s = __fadd_rn(s, expf(__fsub_rn(z[i], maxv)));
-  const float sum = block_sum(s);
-  // the loss before the third pass, which may overwrite the logits when the output aliases them
-  if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(expf(__fsub_rn(z[targets[n]], maxv)), sum));
-  __syncthreads();
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+    const float e = expf(__fsub_rn(kCached ? row[i] : z[i], maxv));
+    if (kCached) row[i] = e;  // each thread rewrites only its own elements
+    s = __fadd_rn(s, e);
+  }
+  const float sum = block_sum(s);  // ends with a barrier: every exponential is in `row`
   const int64_t target = targets[n];
+  // the loss before the third pass, which may overwrite the logits when the output aliases them
+  if (threadIdx.x == 0)
+    losses[n] = -logf(__fdiv_rn(kCached ? row[target] : expf(__fsub_rn(z[target], maxv)), sum));
+  __syncthreads();
   const float dl = kGrad ? dlosses[n] : 0.0f;
   for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float prob = __fdiv_rn(expf(__fsub_rn(z[i], maxv)), sum);
+    const float prob = __fdiv_rn(kCached ? row[i] : expf(__fsub_rn(z[i], maxv)), sum);
     p[i] = kGrad ? stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16) : prob;
   }
+}
+
+bool g_crossentropy_cached = true;
+
+// Launches the cross-entropy kernel, with the row cached in shared memory when it fits the
+// device's per-block opt-in limit (V = 50304 needs 196.5 KiB of the H200's 227 KiB).
+template <bool kGrad>
+void launch_crossentropy(float* losses, float* out, const float* logits, const int32_t* targets, int64_t N,
+                         int64_t V, const float* dlosses, bool round_bf16, cudaStream_t stream) {
+  const size_t bytes = static_cast<size_t>(V) * sizeof(float);
+  const unsigned threads = V >= 4096 ? kCeThreads : 256;
+  int device = 0, optin = 0;
+  FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
+  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  // (block_max and block_sum hold 32 values each in static shared memory)
+  if (g_crossentropy_cached && bytes + 512 <= static_cast<size_t>(optin)) {
+    if (bytes > 48 * 1024)  // above the default dynamic shared memory limit: opt in
+      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    crossentropy_softmax_forward_kernel<kGrad, true><<<static_cast<unsigned>(N), threads, bytes, stream>>>(
+        losses, out, logits, targets, V, dlosses, round_bf16);
+  } else {
+    crossentropy_softmax_forward_kernel<kGrad, false><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+        losses, out, logits, targets, V, dlosses, round_bf16);
+  }
+  FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 // dlogits (N,V) = (probs - onehot(target)) * dlosses[n], each step RN, then bf16_round when
@@ -648,6 +690,8 @@ uint32_t pointer_alignment(const void* p) {
 }
 
 }  // namespace
+
+void set_crossentropy_cached(bool on) { g_crossentropy_cached = on; }
 
 // State of the training ops, owned by CudaBackend::LayersState (below).
 namespace training_ops {
@@ -1049,9 +1093,7 @@ void CudaBackend::crossentropy_softmax_forward(float* losses, float* probs, cons
                                                const int32_t* targets, int64_t N, int64_t V) {
   require_rows("crossentropy_softmax_forward", N);
   if (N == 0) return;
-  crossentropy_softmax_forward_kernel<false><<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      losses, probs, logits, targets, V);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  launch_crossentropy<false>(losses, probs, logits, targets, N, V, nullptr, false, stream_);
 }
 
 void CudaBackend::crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
@@ -1059,9 +1101,7 @@ void CudaBackend::crossentropy_softmax_forward_backward(float* losses, float* dl
                                                         int64_t V, bool round_bf16) {
   require_rows("crossentropy_softmax_forward_backward", N);
   if (N == 0) return;
-  crossentropy_softmax_forward_kernel<true><<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      losses, dlogits, logits, targets, V, dlosses, round_bf16);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  launch_crossentropy<true>(losses, dlogits, logits, targets, N, V, dlosses, round_bf16, stream_);
 }
 
 void CudaBackend::crossentropy_softmax_backward(float* dlogits, const float* probs,

@@ -774,6 +774,35 @@ TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
   }
 }
 
+// The cross-entropy kernel with its row cached in shared memory (the default where it fits) and
+// reading the logits in every pass: the same bits, forward-only and fused with the backward, at
+// gpt2's vocabulary (196.5 KiB of shared memory) and small ones.
+TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
+  REQUIRE_GPU();
+  auto cuda = make_backend("cuda");
+  std::mt19937 rng(818);
+  for (const RowsCols s : {RowsCols{6, 50304}, RowsCols{37, 256}, RowsCols{3, 13}}) {
+    const int64_t N = s.N, V = s.C;
+    const Vec logits = randn(sz(N * V), rng, 3.0f), dlosses = randn(sz(N), rng, 0.1f);
+    const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
+    for (int mode = 0; mode < 3; ++mode) {  // forward; fused; fused with BF16 rounding
+      const Op op = [&](Backend& bk, Call& c) {
+        float* losses = c.out(Vec(sz(N), kNaN));
+        float* out = c.out(Vec(sz(N * V), kNaN));
+        if (mode == 0) bk.crossentropy_softmax_forward(losses, out, c.in(logits), c.in(targets), N, V);
+        else bk.crossentropy_softmax_forward_backward(losses, out, c.in(logits), c.in(targets), c.in(dlosses), N, V, mode == 2);
+      };
+      const Outputs cached = run(*cuda, op);
+      gpu::set_crossentropy_cached(false);
+      const Outputs plain = run(*cuda, op);
+      gpu::set_crossentropy_cached(true);
+      const std::string tag = " " + std::to_string(N) + "x" + std::to_string(V) + " mode " + std::to_string(mode);
+      expect_bitwise("crossentropy losses cached vs not" + tag, plain[0], cached[0]);
+      expect_bitwise("crossentropy output cached vs not" + tag, plain[1], cached[1]);
+    }
+  }
+}
+
 TEST(LayersGpu, CrossEntropyMatchesEmulator) {
   REQUIRE_GPU();
   Backends be;
@@ -791,8 +820,8 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     // The emulator sums the V exponentials sequentially in FP32: its own error reaches (V-1) ulp
     // of the sum (seen: 0.15 V ulp at V = 50257), so against it the budget grows with V. Against a
-    // double-precision softmax the CUDA kernel (256 strided sums of V/256 terms, then a 10-level
-    // tree) must stay within (V/256 + 10) ulp.
+    // double-precision softmax the CUDA kernel (256 or, from V = 4096, 1024 strided sums of V/256 or
+    // V/1024 terms, then an 8- or 10-level tree) must stay within (V/256 + 10) ulp.
     const double rtol_emu = kTranscendentalRtol + static_cast<double>(V - 1) * kUlp;
     const double rtol_exact = kTranscendentalRtol + (static_cast<double>(V) / 256.0 + 10.0) * kUlp;
     Vec exact_probs(sz(N * V)), exact_losses(sz(N));
