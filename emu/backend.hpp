@@ -146,8 +146,10 @@ class Backend {
   virtual void residual_forward(float* /*out*/, const float* /*a*/, const float* /*b*/, int64_t /*n*/, bool /*round_bf16*/) {
     missing("residual_forward");
   }
+  // bf16_logits: each logit read as bf16_round(logit) (emu/layers.hpp)
   virtual void crossentropy_softmax_forward(float* /*losses*/, float* /*probs*/, const float* /*logits*/,
-                                            const int32_t* /*targets*/, int64_t /*N*/, int64_t /*V*/) {
+                                            const int32_t* /*targets*/, int64_t /*N*/, int64_t /*V*/,
+                                            bool /*bf16_logits*/) {
     missing("crossentropy_softmax_forward");
   }
   // dlogits = (probs - onehot) * dlosses, written (not accumulated), BF16-rounded when round_bf16
@@ -158,7 +160,8 @@ class Backend {
     missing("crossentropy_softmax_backward");
   }
   // losses as crossentropy_softmax_forward and dlogits as crossentropy_softmax_backward on its
-  // probabilities, in one op that never stores them (emu/layers.hpp): training's path.
+  // probabilities, in one op that never stores them (emu/layers.hpp): training's path. round_bf16:
+  // the logits read rounded to BF16 and dlogits written rounded.
   virtual void crossentropy_softmax_forward_backward(float* /*losses*/, float* /*dlogits*/, const float* /*logits*/,
                                                      const int32_t* /*targets*/, const float* /*dlosses*/,
                                                      int64_t /*N*/, int64_t /*V*/, bool /*round_bf16*/) {

@@ -131,8 +131,8 @@ class CpuBackend final : public Backend {
     if (round_bf16) emu::round_to_bf16(out, n);
   }
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
-                                    const int32_t* targets, int64_t N, int64_t V) override {
-    emu::crossentropy_softmax_forward(losses, probs, logits, targets, N, V);
+                                    const int32_t* targets, int64_t N, int64_t V, bool bf16_logits) override {
+    emu::crossentropy_softmax_forward(losses, probs, logits, targets, N, V, bf16_logits);
   }
   void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
                                      const float* dlosses, int64_t N, int64_t V, bool round_bf16) override {

@@ -91,7 +91,7 @@ class CudaBackend final : public Backend {
   void round_to_bf16(float* x, int64_t n) override;
   void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override;
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
-                                    const int32_t* targets, int64_t N, int64_t V) override;
+                                    const int32_t* targets, int64_t N, int64_t V, bool bf16_logits) override;
   void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
                                      const float* dlosses, int64_t N, int64_t V, bool round_bf16) override;
   void crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,

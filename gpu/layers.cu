@@ -563,6 +563,8 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
 // of each probability, crossentropy_softmax_backward_kernel's expression on it, (p - onehot) *
 // dlosses[n] then bf16_round when round_bf16: the bits of the two kernels in turn, without the
 // probabilities' write and read.
+// bf16_logits: each logit is read as bf16_round(logit) (the model's BF16 storage of the logits,
+// applied here instead of by a pass over them after the GEMM).
 // kCached (the row fits in shared memory): the first pass copies the row there and the second
 // replaces each logit by its exponential, so the logits are read from memory once and each
 // exponential computed once; without it the passes read the logits again and the third recomputes
@@ -572,21 +574,22 @@ constexpr int kCeThreads = 1024;
 template <bool kGrad, bool kCached>
 __global__ void __launch_bounds__(kCeThreads)
     crossentropy_softmax_forward_kernel(float* losses, float* probs, const float* logits, const int32_t* targets,
-                                        int64_t V, const float* dlosses, bool round_bf16) {
+                                        int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits) {
   extern __shared__ float row[];  // kCached: the row's logits, then their exponentials
   const int64_t n = blockIdx.x;
   const float* z = logits + n * V;
   float* p = probs + n * V;
+  auto logit = [&](int64_t i) { return bf16_logits ? bf16_round(z[i]) : z[i]; };
   float m = -INFINITY;
   for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = z[i];
+    const float v = logit(i);
     if (kCached) row[i] = v;
     m = max_skip_nan(m, v);
   }
   const float maxv = block_max(m);
   float s = 0.0f;
   for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float e = expf(__fsub_rn(kCached ? row[i] : z[i], maxv));
+    const float e = expf(__fsub_rn(kCached ? row[i] : logit(i), maxv));
     if (kCached) row[i] = e;  // each thread rewrites only its own elements
     s = __fadd_rn(s, e);
   }
@@ -594,11 +597,11 @@ __global__ void __launch_bounds__(kCeThreads)
   const int64_t target = targets[n];
   // the loss before the third pass, which may overwrite the logits when the output aliases them
   if (threadIdx.x == 0)
-    losses[n] = -logf(__fdiv_rn(kCached ? row[target] : expf(__fsub_rn(z[target], maxv)), sum));
+    losses[n] = -logf(__fdiv_rn(kCached ? row[target] : expf(__fsub_rn(logit(target), maxv)), sum));
   __syncthreads();
   const float dl = kGrad ? dlosses[n] : 0.0f;
   for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float prob = __fdiv_rn(kCached ? row[i] : expf(__fsub_rn(z[i], maxv)), sum);
+    const float prob = __fdiv_rn(kCached ? row[i] : expf(__fsub_rn(logit(i), maxv)), sum);
     p[i] = kGrad ? stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16) : prob;
   }
 }
@@ -609,7 +612,7 @@ bool g_crossentropy_cached = true;
 // device's per-block opt-in limit (V = 50304 needs 196.5 KiB of the H200's 227 KiB).
 template <bool kGrad>
 void launch_crossentropy(float* losses, float* out, const float* logits, const int32_t* targets, int64_t N,
-                         int64_t V, const float* dlosses, bool round_bf16, cudaStream_t stream) {
+                         int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits, cudaStream_t stream) {
   const size_t bytes = static_cast<size_t>(V) * sizeof(float);
   const unsigned threads = V >= 4096 ? kCeThreads : 256;
   int device = 0, optin = 0;
@@ -621,10 +624,10 @@ void launch_crossentropy(float* losses, float* out, const float* logits, const i
       FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
     crossentropy_softmax_forward_kernel<kGrad, true><<<static_cast<unsigned>(N), threads, bytes, stream>>>(
-        losses, out, logits, targets, V, dlosses, round_bf16);
+        losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits);
   } else {
     crossentropy_softmax_forward_kernel<kGrad, false><<<static_cast<unsigned>(N), threads, 0, stream>>>(
-        losses, out, logits, targets, V, dlosses, round_bf16);
+        losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits);
   }
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
@@ -1090,10 +1093,10 @@ void CudaBackend::residual_forward(float* out, const float* a, const float* b, i
 }
 
 void CudaBackend::crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
-                                               const int32_t* targets, int64_t N, int64_t V) {
+                                               const int32_t* targets, int64_t N, int64_t V, bool bf16_logits) {
   require_rows("crossentropy_softmax_forward", N);
   if (N == 0) return;
-  launch_crossentropy<false>(losses, probs, logits, targets, N, V, nullptr, false, stream_);
+  launch_crossentropy<false>(losses, probs, logits, targets, N, V, nullptr, false, bf16_logits, stream_);
 }
 
 void CudaBackend::crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
@@ -1101,7 +1104,7 @@ void CudaBackend::crossentropy_softmax_forward_backward(float* losses, float* dl
                                                         int64_t V, bool round_bf16) {
   require_rows("crossentropy_softmax_forward_backward", N);
   if (N == 0) return;
-  launch_crossentropy<true>(losses, dlogits, logits, targets, N, V, dlosses, round_bf16, stream_);
+  launch_crossentropy<true>(losses, dlogits, logits, targets, N, V, dlosses, round_bf16, round_bf16, stream_);
 }
 
 void CudaBackend::crossentropy_softmax_backward(float* dlogits, const float* probs,

@@ -172,6 +172,8 @@ std::vector<float> Gpt::logits_row_to_host(int64_t row) const {
     throw std::out_of_range("logits_row_to_host: row " + std::to_string(row) + " of " + std::to_string(B_ * T_));
   std::vector<float> h(static_cast<size_t>(cfg_.vocab));
   be_.download(h.data(), logits_.as<float>() + row * cfg_.vocab, h.size() * 4);
+  if (round_bf16())  // the logits' BF16 storage, applied where they are read (see forward)
+    for (float& v : h) v = bf16_round(v);
   return h;
 }
 
@@ -296,8 +298,10 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     x = F32(a.res2);
   }
   norm_fwd(F32(lnf_), lnf_mean_, lnf_rstd_, x, "ln_f");
+  // the logits stay unrounded in memory: their BF16 storage is applied where they are read (the
+  // cross-entropy op, logits_row_to_host), which saves a rounding pass over N x V
   be_.matmul_forward(F32(logits_), F32(lnf_), c.tied_embeddings ? p("wte") : p("lm_head.weight"), nullptr, N, C,
-                     V, prec_, rb);
+                     V, prec_, false);
   loss_gradient(grad_micro_batches);
   std::vector<float> losses(static_cast<size_t>(N));
   be_.download(losses.data(), F32(losses_), losses.size() * 4);

@@ -81,7 +81,8 @@ class Gpt {
   // Bytes of activations kept for the backward pass (backend buffers of the last forward: per-layer
   // activations and saved quantized copies; scratch and gradients excluded).
   size_t saved_activation_bytes() const;
-  // Row `row` (0 <= row < B*T) of the logits (B,T,V) of the last forward.
+  // Row `row` (0 <= row < B*T) of the logits (B,T,V) of the last forward, as stored (BF16-rounded
+  // under BF16 activation storage).
   std::vector<float> logits_row_to_host(int64_t row) const;
 
  private:

@@ -112,7 +112,7 @@ TEST(Layers, CrossEntropyBackwardMatchesFiniteDifferences) {
   const std::vector<int32_t> targets = {3, 0, 49, 17};
   const std::vector<float> dlosses(N, 1.0f / N);
   auto loss = [&]() {
-    crossentropy_softmax_forward(losses.data(), probs.data(), z.data(), targets.data(), N, V);
+    crossentropy_softmax_forward(losses.data(), probs.data(), z.data(), targets.data(), N, V, false);
     double s = 0;
     for (int64_t n = 0; n < N; ++n) s += losses[n] / N;
     return s;
@@ -133,19 +133,38 @@ TEST(Layers, CrossEntropyBackwardMatchesFiniteDifferences) {
     ASSERT_EQ(f32_bits(rounded[i]), f32_bits(bf16_round(want))) << i;
   }
   // the fused op: the forward's losses and the backward's gradient on its probabilities, bit for
-  // bit, in both rounding modes (over an output that held something else)
-  for (bool round : {false, true}) {
+  // bit (over an output that held something else); with round_bf16 on BF16-read logits, so against
+  // the unfused ops on the logits rounded beforehand
+  {
     std::vector<float> fl(N, -1.0f), fd(N * V, std::nanf(""));
-    crossentropy_softmax_forward_backward(fl.data(), fd.data(), z.data(), targets.data(), dlosses.data(), N, V, round);
-    const std::vector<float>& want = round ? rounded : over;
+    crossentropy_softmax_forward_backward(fl.data(), fd.data(), z.data(), targets.data(), dlosses.data(), N, V, false);
     for (int64_t n = 0; n < N; ++n) ASSERT_EQ(f32_bits(fl[n]), f32_bits(losses[n])) << n;
-    for (int64_t i = 0; i < N * V; ++i) ASSERT_EQ(f32_bits(fd[i]), f32_bits(want[i])) << i << " round " << round;
+    for (int64_t i = 0; i < N * V; ++i) ASSERT_EQ(f32_bits(fd[i]), f32_bits(over[i])) << i;
+  }
+  {
+    std::vector<float> zr(z), rl(N), rp(N * V), rd(N * V), fl(N, -1.0f), fd(N * V, std::nanf("")), bl(N), bp(N * V);
+    for (float& v : zr) v = bf16_round(v);
+    crossentropy_softmax_forward(rl.data(), rp.data(), zr.data(), targets.data(), N, V, false);
+    crossentropy_softmax_backward(rd.data(), rp.data(), targets.data(), dlosses.data(), N, V, true);
+    crossentropy_softmax_forward_backward(fl.data(), fd.data(), z.data(), targets.data(), dlosses.data(), N, V, true);
+    crossentropy_softmax_forward(bl.data(), bp.data(), z.data(), targets.data(), N, V, true);  // bf16_logits
+    for (int64_t n = 0; n < N; ++n) {
+      ASSERT_EQ(f32_bits(fl[n]), f32_bits(rl[n])) << n;
+      ASSERT_EQ(f32_bits(bl[n]), f32_bits(rl[n])) << n;
+    }
+    for (int64_t i = 0; i < N * V; ++i) {
+      ASSERT_EQ(f32_bits(fd[i]), f32_bits(rd[i])) << i;
+      ASSERT_EQ(f32_bits(bp[i]), f32_bits(rp[i])) << i;
+    }
+    bool differs = false;  // z (random FP32) is not BF16-exact, so the rounding really happened
+    for (int64_t n = 0; n < N; ++n) differs = differs || fl[n] != losses[n];
+    EXPECT_TRUE(differs);
   }
   // uniform logits: loss = log V
   std::vector<float> flat(V, 0.5f), p(V);
   float l;
   const int32_t t = 7;
-  crossentropy_softmax_forward(&l, p.data(), flat.data(), &t, 1, V);
+  crossentropy_softmax_forward(&l, p.data(), flat.data(), &t, 1, V, false);
   EXPECT_NEAR(l, std::log(50.0f), 1e-5);
 }
 

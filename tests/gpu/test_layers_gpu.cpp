@@ -789,7 +789,7 @@ TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
       const Op op = [&](Backend& bk, Call& c) {
         float* losses = c.out(Vec(sz(N), kNaN));
         float* out = c.out(Vec(sz(N * V), kNaN));
-        if (mode == 0) bk.crossentropy_softmax_forward(losses, out, c.in(logits), c.in(targets), N, V);
+        if (mode == 0) bk.crossentropy_softmax_forward(losses, out, c.in(logits), c.in(targets), N, V, false);
         else bk.crossentropy_softmax_forward_backward(losses, out, c.in(logits), c.in(targets), c.in(dlosses), N, V, mode == 2);
       };
       const Outputs cached = run(*cuda, op);
@@ -800,6 +800,20 @@ TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
       expect_bitwise("crossentropy losses cached vs not" + tag, plain[0], cached[0]);
       expect_bitwise("crossentropy output cached vs not" + tag, plain[1], cached[1]);
     }
+    // bf16_logits reads each logit rounded: the same as the op on logits rounded beforehand
+    Vec rounded = logits;
+    for (float& v : rounded) v = bf16_round(v);
+    auto fwd = [&](const Vec& z, bool bf16_logits) {
+      return run(*cuda, [&](Backend& bk, Call& c) {
+        float* losses = c.out(Vec(sz(N), kNaN));
+        bk.crossentropy_softmax_forward(losses, c.out(Vec(sz(N * V), kNaN)), c.in(z), c.in(targets), N, V, bf16_logits);
+      });
+    };
+    const Outputs a = fwd(logits, true), b = fwd(rounded, false), unrounded = fwd(logits, false);
+    const std::string tag = " " + std::to_string(N) + "x" + std::to_string(V);
+    expect_bitwise("crossentropy bf16_logits losses" + tag, b[0], a[0]);
+    expect_bitwise("crossentropy bf16_logits probs" + tag, b[1], a[1]);
+    EXPECT_NE(unrounded[0], a[0]) << "the rounding changed nothing" << tag;
   }
 }
 
@@ -815,7 +829,7 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
     const Op fwd = [&](Backend& bk, Call& c) {
       float* losses = c.out(Vec(sz(N), kNaN));
       float* probs = c.out(Vec(sz(N * V), kNaN));
-      bk.crossentropy_softmax_forward(losses, probs, c.in(logits), c.in(targets), N, V);
+      bk.crossentropy_softmax_forward(losses, probs, c.in(logits), c.in(targets), N, V, false);
     };
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     // The emulator sums the V exponentials sequentially in FP32: its own error reaches (V-1) ulp
@@ -853,8 +867,14 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
                      run(*be.cuda, bwd)[0]);
       // the fused op on each backend: that backend's forward losses, and its backward on its own
       // forward's probabilities, bit for bit
+      // (with round_bf16 the fused op reads the logits rounded: its forward is the one with bf16_logits)
+      const Op fwd_r = [&](Backend& bk, Call& c) {
+        float* losses = c.out(Vec(sz(N), kNaN));
+        float* probs = c.out(Vec(sz(N * V), kNaN));
+        bk.crossentropy_softmax_forward(losses, probs, c.in(logits), c.in(targets), N, V, round_bf16);
+      };
       for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
-        const Outputs f = run(*bk, fwd);
+        const Outputs f = run(*bk, fwd_r);
         const Op bwd_own = [&](Backend& k, Call& c) {
           k.crossentropy_softmax_backward(c.out(dl0), c.in(f[1]), c.in(targets), c.in(dlosses), N, V, round_bf16);
         };
@@ -1104,7 +1124,7 @@ TEST(LayersGpu, ReductionsAreDeterministic) {
     twice("crossentropy_forward", [&](Backend& bk, Call& c) {
       float* losses = c.out(Vec(sz(N)));
       float* probs = c.out(Vec(sz(N * C)));
-      bk.crossentropy_softmax_forward(losses, probs, c.in(x), c.in(tokens), N, C);
+      bk.crossentropy_softmax_forward(losses, probs, c.in(x), c.in(tokens), N, C, false);
     });
   }
   const Vec big = randn((size_t{1} << 20) + 7, rng);
