@@ -608,21 +608,32 @@ __global__ void __launch_bounds__(kCeThreads)
 
 bool g_crossentropy_cached = true;
 
-// Launches the cross-entropy kernel, with the row cached in shared memory when it fits the
-// device's per-block opt-in limit (V = 50304 needs 196.5 KiB of the H200's 227 KiB).
+// The most dynamic shared memory the cached cross-entropy kernel may use on this device: the
+// per-block opt-in limit less the kernel's static shared memory (block_max and block_sum), allowed
+// once per instantiation (V = 50304 needs 196.5 KiB of the H200's 227 KiB).
+template <bool kGrad>
+size_t crossentropy_cache_bytes() {
+  static const size_t limit = [] {
+    int device = 0, optin = 0;
+    FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
+    FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    cudaFuncAttributes fa{};
+    FP4SIM_CUDA_CHECK(cudaFuncGetAttributes(&fa, crossentropy_softmax_forward_kernel<kGrad, true>));
+    const size_t dynamic = static_cast<size_t>(optin) > fa.sharedSizeBytes ? static_cast<size_t>(optin) - fa.sharedSizeBytes : 0;
+    FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic)));
+    return dynamic;
+  }();
+  return limit;
+}
+
+// Launches the cross-entropy kernel, with the row cached in shared memory when it fits.
 template <bool kGrad>
 void launch_crossentropy(float* losses, float* out, const float* logits, const int32_t* targets, int64_t N,
                          int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits, cudaStream_t stream) {
   const size_t bytes = static_cast<size_t>(V) * sizeof(float);
   const unsigned threads = V >= 4096 ? kCeThreads : 256;
-  int device = 0, optin = 0;
-  FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
-  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  // (block_max and block_sum hold 32 values each in static shared memory)
-  if (g_crossentropy_cached && bytes + 512 <= static_cast<size_t>(optin)) {
-    if (bytes > 48 * 1024)  // above the default dynamic shared memory limit: opt in
-      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  if (g_crossentropy_cached && bytes <= crossentropy_cache_bytes<kGrad>()) {
     crossentropy_softmax_forward_kernel<kGrad, true><<<static_cast<unsigned>(N), threads, bytes, stream>>>(
         losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits);
   } else {
