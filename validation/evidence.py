@@ -3,7 +3,9 @@
 
 usage: validation/evidence.py RUN_DIR [--png OUT.png]
 Reads RUN_DIR/<name>/log.jsonl for each run; prints a markdown table of the final validation loss
-and its gap to the mean BF16 validation loss, and writes RUN_DIR/evidence.md (and the PNG).
+and its gap to the mean BF16 validation loss, the mean and spread of runs that differ only in the
+seed (<name>_s1, <name>_s2, ...), the gap at every evaluation and the last quantization
+statistics, and writes RUN_DIR/evidence.md (and the PNG).
 """
 import json
 import os
@@ -47,6 +49,21 @@ def main():
     for name, (step, vl, tl, tps) in final.items():
         gap = f"{100 * (vl - ref) / ref:+.2f}%" if ref else "n/a"
         lines.append(f"| {name} | {step} | {vl:.4f} | {gap} | {tl:.4f} | {tps:,.0f} |")
+    # runs that differ only in the seed (name_s1, name_s2, ...): their mean and spread, the number
+    # to hold against a target such as "within 2% of BF16"
+    groups = {}
+    for name, v in final.items():
+        base, sep, seed = name.rpartition("_s")
+        if sep and seed.isdigit():
+            groups.setdefault(base, []).append(v[1])
+    seeded = {k: g for k, g in groups.items() if len(g) > 1}
+    if seeded and ref:
+        lines += ["", "| recipe | seeds | mean final val loss | gap of the mean to BF16 | seed spread (max - min) |",
+                  "|---|---|---|---|---|"]
+        for base, g in sorted(seeded.items()):
+            mean = sum(g) / len(g)
+            lines.append(f"| {base} | {len(g)} | {mean:.4f} | {100 * (mean - ref) / ref:+.2f}% | "
+                         f"{100 * (max(g) - min(g)) / mean:.2f}% |")
     # the gap at every evaluation (against the BF16 seeds' mean at the same step): where it opens
     evals = {name: {r["step"]: r["val_loss"] for r in rows if "val_loss" in r} for name, rows in runs.items()}
     bf16_runs = [n for n in evals if n.startswith("bf16")]
