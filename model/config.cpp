@@ -137,7 +137,7 @@ void validate_recipe(const RunConfig& c) {
   for (int64_t l : r.hp_layers)
     if (l < 0 || l >= L)
       bad("recipe.hp_layers: block " + std::to_string(l) + " is outside 0.." + std::to_string(L - 1));
-  if (r.stats_every < 0) bad("recipe.stats_every must be >= 0");
+  if (r.stats_every < 0) bad("recipe.stats_every must be >= 0 (0: no statistics), got " + std::to_string(r.stats_every));
   if (r.bf16_from_step == 0 || r.bf16_from_step < -1)
     bad("recipe.bf16_from_step must be a step number >= 1 (steps count from 1), or -1 for never");
   const bool fos = r.four_over_six != "off";
@@ -297,14 +297,23 @@ void validate(const RunConfig& c) {
   one_of("model.positions", m.positions, {"learned", "rope"});
   one_of("model.activation_dtype", m.activation_dtype, {"bf16", "fp32"});
   one_of("train.schedule", t.schedule, {"cosine", "wsd"});
-  if (t.lr <= 0) bad("train.lr must be positive");
-  if (t.warmup < 0 || t.warmup > t.steps) bad("train.warmup must be within 0..train.steps");
-  if (t.grad_clip < 0) bad("train.grad_clip must be >= 0 (0 disables clipping)");
-  if (t.decay_fraction < 0 || t.decay_fraction > 1) bad("train.decay_fraction must be within 0..1");
-  if (t.eval_every < 0) bad("train.eval_every must be >= 0 (0: no periodic validation)");
-  if (t.eval_batches < 1) bad("train.eval_batches must be >= 1");
-  if (t.checkpoint_every < 0) bad("train.checkpoint_every must be >= 0 (0: no periodic checkpoints)");
-  if (t.keep_last < 0) bad("train.keep_last must be >= 0 (0 keeps every checkpoint)");
+  auto num = [](double v) {  // as the user wrote it: 3e-4, 0.1, 10
+    std::ostringstream o;
+    o << v;
+    return o.str();
+  };
+  if (t.lr <= 0) bad("train.lr must be positive, got " + num(t.lr));
+  if (t.warmup < 0 || t.warmup > t.steps)
+    bad("train.warmup = " + std::to_string(t.warmup) + " must be within 0..train.steps (" + std::to_string(t.steps) +
+        "); set train.warmup too when shortening a run");
+  if (t.grad_clip < 0) bad("train.grad_clip must be >= 0 (0 disables clipping), got " + num(t.grad_clip));
+  if (t.decay_fraction < 0 || t.decay_fraction > 1)
+    bad("train.decay_fraction must be within 0..1, got " + num(t.decay_fraction));
+  if (t.eval_every < 0) bad("train.eval_every must be >= 0 (0: no periodic validation), got " + std::to_string(t.eval_every));
+  if (t.eval_batches < 1) bad("train.eval_batches must be >= 1, got " + std::to_string(t.eval_batches));
+  if (t.checkpoint_every < 0)
+    bad("train.checkpoint_every must be >= 0 (0: no periodic checkpoints), got " + std::to_string(t.checkpoint_every));
+  if (t.keep_last < 0) bad("train.keep_last must be >= 0 (0 keeps every checkpoint), got " + std::to_string(t.keep_last));
   validate_recipe(c);
 }
 

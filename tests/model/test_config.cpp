@@ -47,6 +47,10 @@ TEST(Config, BadInputIsAClearErrorBeforeAnyWork) {
   expect_error(base, {"model.activation=relu"}, "is not one of");
   expect_error(base, {"recipe.name=int8"}, "recipe.name 'int8'");
   expect_error(base, {"d_model"}, "expected key=value");
+  // range errors name the value given (and, for the warmup, the steps it must fit in)
+  expect_error(base, {"train.steps=5", "train.warmup=20"}, "train.warmup = 20 must be within 0..train.steps (5)");
+  expect_error(base, {"train.lr=-0.5"}, "train.lr must be positive, got -0.5");
+  expect_error(base, {"recipe.stats_every=-2"}, "recipe.stats_every must be >= 0 (0: no statistics), got -2");
   nlohmann::json j = base;
   j["model"]["heads"] = 4;
   expect_error(j, {}, "unknown config key 'model.heads'");
