@@ -30,7 +30,7 @@ FP4SIM_HD QuantErrorSums quant_block_error(const float* x, const uint8_t* codes,
                                            int64_t r, int64_t b, int64_t cols, QFormat format,
                                            bool four_over_six, float amax) {
   const bool mx = format == QFormat::MXFP4, fp8 = format == QFormat::FP8;
-  const int64_t blk = fp8 ? kFp8Block : (mx ? kMxfp4Block : kNvfp4Block);
+  const int64_t blk = qformat_block(format);
   const int64_t si = r * (cols / blk) + b;
   uint8_t s = 0;
   float factor;
@@ -65,6 +65,13 @@ FP4SIM_HD void add_error_sums(QuantErrorSums& a, const QuantErrorSums& b) {
   a.ref2 = dadd_rn(a.ref2, b.ref2);
   a.saturated += b.saturated;
   a.underflow_blocks += b.underflow_blocks;
+}
+
+// The tensor's sums from its rows' (n of them), added in row order: the last step on both backends.
+FP4SIM_HD QuantErrorSums add_rows_in_order(const QuantErrorSums* rows, int64_t n) {
+  QuantErrorSums total;
+  for (int64_t r = 0; r < n; ++r) add_error_sums(total, rows[r]);
+  return total;
 }
 
 // Throws std::invalid_argument (naming the copy's shape) unless x and q can be compared: non-null

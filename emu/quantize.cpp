@@ -1,11 +1,10 @@
 #include "emu/quantize.hpp"
 
+#include <sstream>
+#include <stdexcept>
 #include <vector>
 
 #include "emu/quant_stats.hpp"
-
-#include <sstream>
-#include <stdexcept>
 
 namespace fp4sim {
 
@@ -136,9 +135,7 @@ QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) {
     for (int64_t b = 0; b < blocks; ++b)
       add_error_sums(rows[static_cast<size_t>(r)],
                      quant_block_error(x, q.codes, q.scales, r, b, q.cols, q.format, q.four_over_six, amax));
-  QuantErrorSums total;
-  for (const QuantErrorSums& row : rows) add_error_sums(total, row);
-  return total;
+  return add_rows_in_order(rows.data(), q.rows);
 }
 
 }  // namespace fp4sim

@@ -17,8 +17,8 @@ namespace fp4sim {
 // 1x128 block or 128x128 tile: the paper's FP8 baseline, DESIGN.md §9).
 enum class QFormat : uint8_t { NVFP4, MXFP4, FP8 };
 
-// Elements per scale.
-inline int64_t qformat_block(QFormat f) {
+// Elements per scale (host and device).
+FP4SIM_HD int64_t qformat_block(QFormat f) {
   return f == QFormat::FP8 ? kFp8Block : (f == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block);
 }
 enum class Rounding : uint8_t { RN, SR };
@@ -60,7 +60,7 @@ struct QuantizedView {
   bool four_over_six = false;  // decode with 1/1536 instead of 1/2688
   Device device = Device::Host;
 
-  int64_t block() const { return qformat_block(format); }
+  FP4SIM_HD int64_t block() const { return qformat_block(format); }
   int64_t code_bytes() const { return format == QFormat::FP8 ? rows * cols : rows * cols / 2; }
   int64_t scale_count() const { return rows * (cols / block()); }
   // FP8 scales are FP32 (4 bytes each, native byte order), the FP4 formats' one byte.

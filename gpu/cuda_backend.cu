@@ -96,9 +96,7 @@ QuantErrorSums CudaBackend::quant_error_sums(const float* x, const QuantizedView
   quant_error_rows_launch(x, q, block_sums, row_sums, stream_);
   std::vector<QuantErrorSums> host(static_cast<size_t>(q.rows));
   download(host.data(), row_sums, host.size() * sizeof(QuantErrorSums));
-  QuantErrorSums total;
-  for (const QuantErrorSums& r : host) add_error_sums(total, r);
-  return total;
+  return add_rows_in_order(host.data(), q.rows);
 }
 
 void CudaBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,

@@ -542,7 +542,7 @@ void check_view(const QuantizedView* q, int64_t rows, int64_t cols, const Quanti
 
 __global__ void dequantize_kernel(QuantizedView q, float* out, int64_t out_stride) {
   const int64_t n = q.rows * q.cols;
-  const int64_t block = q.format == QFormat::MXFP4 ? kMxfp4Block : kNvfp4Block;
+  const int64_t block = q.block();
   const float range = q.four_over_six ? kFourOverSixRange : kNvfp4Range;
   const float amax = *q.amax;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
@@ -558,8 +558,8 @@ __global__ void dequantize_kernel(QuantizedView q, float* out, int64_t out_strid
 
 // Quantization statistics (emu/quant_stats.hpp): one thread per block, then one per row adding
 // its blocks in order, so the sums are the emulator's bit for bit.
-__global__ void quant_error_blocks_kernel(const float* x, QuantizedView q, int64_t per_row, QuantErrorSums* block_sums) {
-  const int64_t n = q.rows * per_row;
+__global__ void quant_error_blocks_kernel(const float* x, QuantizedView q, QuantErrorSums* block_sums) {
+  const int64_t per_row = q.cols / q.block(), n = q.rows * per_row;
   const float amax = *q.amax;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -630,7 +630,7 @@ void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream
 void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorSums* block_sums,
                              QuantErrorSums* rows_out, cudaStream_t stream) {
   if (q.rows == 0) return;
-  quant_error_blocks_kernel<<<grid_for(q.scale_count(), 256), 256, 0, stream>>>(x, q, q.cols / q.block(), block_sums);
+  quant_error_blocks_kernel<<<grid_for(q.scale_count(), 256), 256, 0, stream>>>(x, q, block_sums);
   FP4SIM_CUDA_CHECK_LAUNCH();
   quant_error_rows_kernel<<<grid_for(q.rows, 128), 128, 0, stream>>>(block_sums, q.rows, q.cols / q.block(), rows_out);
   FP4SIM_CUDA_CHECK_LAUNCH();

@@ -1,7 +1,6 @@
 #include "model/linear.hpp"
 
 #include <cmath>
-#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <tuple>
@@ -131,7 +130,6 @@ bool can_combine(const CopyRequest& row_q, const CopyRequest& col_q) {
 // (else two): one amax pass and one read of x instead of two each. The bits are those of two
 // quantize_copy calls: each copy keeps its own rounding, RHT and SR stream, and its amax is taken
 // over the same values.
-
 std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quantize_both(
     Backend& be, const LinearRecipe& r, uint64_t seed, const float* x, int64_t rows, int64_t cols,
     const CopyRequest& row_q, const CopyRequest& col_q, const std::string& name) {

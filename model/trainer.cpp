@@ -272,6 +272,13 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   TrainResult res;
   std::vector<int32_t> tok, tgt;
   TensorMap dump_batches;
+  // the parameter tensors' places in grads(), for the gradient norm's one sum_squares_many call
+  std::vector<int64_t> grad_offsets, grad_counts;
+  for (const ParamTensor& t : model.tensors()) {
+    grad_offsets.push_back(t.offset);
+    grad_counts.push_back(t.numel());
+  }
+  std::vector<double> sums(grad_offsets.size());
   const auto run_start = std::chrono::steady_clock::now();
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -321,13 +328,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       std::ofstream(opt.dump_dir + "/config.json") << to_json(c).dump(2) << "\n";
     }
     // every tensor's sum of squares in one backend call, then added in tensor order
-    std::vector<int64_t> offsets, counts;
-    for (const ParamTensor& t : model.tensors()) {
-      offsets.push_back(t.offset);
-      counts.push_back(t.numel());
-    }
-    std::vector<double> sums(offsets.size());
-    be.sum_squares_many(model.grads(), offsets, counts, sums.data());
+    be.sum_squares_many(model.grads(), grad_offsets, grad_counts, sums.data());
     double sq = 0;
     for (size_t i = 0; i < sums.size(); ++i) {
       if (!std::isfinite(sums[i]))
