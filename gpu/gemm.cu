@@ -4,11 +4,11 @@
 //  - gemm_exact_tiled_kernel: 64 x 64 output tiles; each 64-wide K chunk of both operands is
 //    decoded once into shared memory (2 * e2m1 as int8, per-group zero/sign masks, packed scales),
 //    each thread computes 4 x 4 outputs: the 16-element group sums with __dp4a (exact integer dot
-//    products), then gst_fdpa_core_packed_bits with its FP64 sum (variant 1), or (variants 2-4,
-//    4) gst_fdpa_core_lean from unpacked scales for the common case and the packed core, out of
-//    line, for the rest (NaN scales, non-finite C, a zero sum); 5 and 6 (the default) refine that
-//    core. Every formulation is tested equal to the readable core on the CPU and the
-//    kernels bitwise equal to each other on the GPU.
+//    products), then gst_fdpa_core_packed_bits with its FP64 sum (variant 1), or (variants 2-4)
+//    gst_fdpa_core_lean from unpacked scales for the common case and the packed core, out of line,
+//    for the rest (NaN scales, non-finite C, a zero sum); 5 to 9 refine that core and the tile
+//    layout, 7 the default. Every formulation is tested equal to the readable core on the CPU and
+//    the kernels bitwise equal to each other on the GPU.
 #include <cuda_runtime.h>
 
 #include <iterator>
@@ -327,14 +327,15 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
 // 0 reference, 1 tiled, 2 tiled with the lean core, 3 and 4 = 2 under __launch_bounds__ for 3 or 4
 // CTAs per SM (77 / 64 registers without split-K, no spills, since the rare path is out of line).
 // 5 = 4 with zero scales' exponents biased (gst_fdpa_core_lean<true>) and the all-zero masks built
-// only where a group sum is zero. 6 (the default) = 5 with gst_fdpa_core_lean<true, true> (terms
+// only where a group sum is zero. 6 = 5 with gst_fdpa_core_lean<true, true> (terms
 // scaled by exponent addition). H200, 8192^3 (validation/perf.md): 10.3 / 14.6 / 16.2 / 17.0 /
 // 18.2 / 18.9 TFLOP/s for 1-6. Tried and removed, all bitwise equal and all slower: the group sums
 // from int8 mma.sync instead of __dp4a (18.1, commit 6da98bf); an untruncated FP64 exact-sum core
 // tried first, and accumulators kept in registers by rotating rows (16.4-18.2, commit 587b501).
 // 7 = 6 with kRows and kFold; 8 = 6 with kRows only (to tell the two apart); 9 = 7 at 3 CTAs per
-// SM (80 registers: room to keep addresses and A's fields): written after the fifth session's
-// SASS reading, not yet run on a GPU. A benchmark knob; the same bits.
+// SM (80 registers: room to keep addresses and A's fields), written after the fifth session's
+// SASS reading: 20.4 / 19.0 / 19.1 TFLOP/s in the sixth session, so 7 is the default. A benchmark
+// knob; the same bits.
 int g_gemm_exact_variant = kGemmExactDefaultVariant;
 
 // [variant - 1][split-K]: the tiled kernels' instantiations (variants 1 to std::size(kTiled))

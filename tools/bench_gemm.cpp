@@ -79,7 +79,7 @@ void BM_GpuGemmExact(benchmark::State& state) {
     return;
   }
   const int64_t n = state.range(0);
-  gpu::set_gemm_exact_variant(static_cast<int>(state.range(1)));  // 0 reference, 1 tiled, 2 lean, 3/4 lean at 3/4 CTAs per SM, 5 biased, 6 = 5 with exponent-add scaling (default), 7 = 6 + row records + folded all-zero groups, 8 = 6 + row records, 9 = 7 at 3 CTAs/SM: same bits
+  gpu::set_gemm_exact_variant(static_cast<int>(state.range(1)));  // 0 reference, 1 tiled, 2 lean, 3/4 lean at 3/4 CTAs per SM, 5 biased, 6 = 5 with exponent-add scaling, 7 = 6 + row records + folded all-zero groups (default), 8 = 6 + row records, 9 = 7 at 3 CTAs/SM: same bits
   auto cpu = make_backend("emu");
   gpu::CudaBackend be;
   QuantizedHost a = quantized_gaussian(*cpu, n, n, 1), b = quantized_gaussian(*cpu, n, n, 2);
