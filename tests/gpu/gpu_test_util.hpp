@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "emu/backend.hpp"
@@ -19,6 +21,15 @@ inline bool have_gpu() {
   return false;
 #endif
 }
+
+// Sets a process-wide benchmark knob and puts it back on scope exit, even when a check throws.
+struct KnobGuard {
+  std::function<void()> undo;
+  KnobGuard(const std::function<void()>& set, std::function<void()> reset) : undo(std::move(reset)) { set(); }
+  ~KnobGuard() { undo(); }
+  KnobGuard(const KnobGuard&) = delete;
+  KnobGuard& operator=(const KnobGuard&) = delete;
+};
 
 // D of one GEMM on `be` as bit patterns (F32, or BF16 widened); D starts as NaN patterns so a GEMM
 // that reads C when beta = 0 shows. c: F32 [M, N] host values or null.

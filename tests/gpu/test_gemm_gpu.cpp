@@ -44,9 +44,12 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
           // the other tiled kernels on every case, the reference kernel on two fills
           for (int kernel : {0, 1, 2, 3, 4, 5, 7, 8, 9}) {
             if (kernel == 0 && fill != test::Fill::Specials && fill != test::Fill::Gaussian) continue;
-            gpu::set_gemm_exact_variant(kernel);
-            const auto r = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
-            gpu::set_gemm_exact_variant(gpu::kGemmExactDefaultVariant);
+            std::vector<uint32_t> r;
+            {
+              KnobGuard k([&] { gpu::set_gemm_exact_variant(kernel); },
+                          [] { gpu::set_gemm_exact_variant(gpu::kGemmExactDefaultVariant); });
+              r = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
+            }
             ASSERT_EQ(r, g) << "CUDA kernel " << kernel << " differs from the default one: " << qformat_name(f) << " "
                             << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant " << variant;
           }

@@ -782,9 +782,6 @@ TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
   REQUIRE_GPU();
   auto cuda = make_backend("cuda");
   std::mt19937 rng(818);
-  struct CachedKnob {  // restored even when a check throws
-    ~CachedKnob() { gpu::set_crossentropy_cached(true); }
-  } knob;
   for (const RowsCols s : {RowsCols{6, 50304}, RowsCols{5, 12288}, RowsCols{3, 60000}, RowsCols{37, 256}, RowsCols{3, 13}}) {
     const int64_t N = s.N, V = s.C;
     const Vec logits = randn(sz(N * V), rng, 3.0f), dlosses = randn(sz(N), rng, 0.1f);
@@ -797,9 +794,11 @@ TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
         else bk.crossentropy_softmax_forward_backward(losses, out, c.in(logits), c.in(targets), c.in(dlosses), N, V, mode == 2);
       };
       const Outputs cached = run(*cuda, op);
-      gpu::set_crossentropy_cached(false);
-      const Outputs plain = run(*cuda, op);
-      gpu::set_crossentropy_cached(true);
+      Outputs plain;
+      {
+        KnobGuard uncached([] { gpu::set_crossentropy_cached(false); }, [] { gpu::set_crossentropy_cached(true); });
+        plain = run(*cuda, op);
+      }
       const std::string tag = " " + std::to_string(N) + "x" + std::to_string(V) + " mode " + std::to_string(mode);
       expect_bitwise("crossentropy losses cached vs not" + tag, plain[0], cached[0]);
       expect_bitwise("crossentropy output cached vs not" + tag, plain[1], cached[1]);

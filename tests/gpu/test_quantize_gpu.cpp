@@ -92,15 +92,6 @@ std::vector<Case> all_configs() {
   return out;
 }
 
-// Sets a process-wide benchmark knob and puts it back on scope exit, even when a check throws.
-struct KnobGuard {
-  std::function<void()> undo;
-  KnobGuard(const std::function<void()>& set, std::function<void()> reset) : undo(std::move(reset)) { set(); }
-  ~KnobGuard() { undo(); }
-  KnobGuard(const KnobGuard&) = delete;
-  KnobGuard& operator=(const KnobGuard&) = delete;
-};
-
 using test::expect_same_quantized;
 
 // The host FP environment the emulator runs in, before and after the CUDA runtime is loaded.
