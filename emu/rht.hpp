@@ -51,15 +51,14 @@ FP4SIM_HD void rht16_reference(const uint16_t* x, uint16_t* y) {
   }
 }
 
-// Rounds Y_j * 2^grid (RZ to FP32, then RNE to BF16) for any grid, subnormal and overflowing results
-// included. Out of line: it only runs for inputs near the extremes of the BF16 range.
-FP4SIM_HD_NOINLINE void rht16_round_general(const int32_t* u, int grid, uint16_t* y) {
-  for (int j = 0; j < kRhtSize; ++j) {
-    const int32_t v = u[j];
-    const bool neg = v < 0;
-    const uint64_t mag = neg ? static_cast<uint64_t>(-static_cast<int64_t>(v)) : static_cast<uint64_t>(v);
-    y[j] = bf16_rne(f32_from_bits(mag == 0 ? 0u : round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits)));
-  }
+// Rounds Y * 2^grid (RZ to FP32, then RNE to BF16) for any grid, subnormal and overflowing results
+// included. Out of line: it only runs for inputs near the extremes of the BF16 range. It takes one
+// value, not the array: an array whose address reaches a call lives in local memory on the GPU,
+// and rht16's u[] would then be stored and reloaded on every call, not only the rare ones.
+FP4SIM_HD_NOINLINE uint16_t rht16_round_general(int32_t v, int grid) {
+  const bool neg = v < 0;
+  const uint64_t mag = neg ? static_cast<uint64_t>(-static_cast<int64_t>(v)) : static_cast<uint64_t>(v);
+  return bf16_rne(f32_from_bits(mag == 0 ? 0u : round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits)));
 }
 
 // Same bits as rht16_reference (see the header comment).
@@ -138,7 +137,8 @@ FP4SIM_UNROLL
     FP4SIM_UNROLL
     for (int j = 0; j < kRhtSize; ++j) y[j] = bf16_rne(fmul_rn(int_to_f32_rz(u[j]), pow2));
   } else {
-    rht16_round_general(u, grid, y);
+    FP4SIM_UNROLL
+    for (int j = 0; j < kRhtSize; ++j) y[j] = rht16_round_general(u[j], grid);
   }
 }
 

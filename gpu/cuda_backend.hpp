@@ -110,6 +110,7 @@ class CudaBackend final : public Backend {
 
  private:
   cudaStream_t stream_ = nullptr;
+  bool stream_ordered_ = false;  // allocate/release through the device's memory pool on stream_
   std::shared_ptr<CublasLtState> cublaslt_;  // created on first use
   DeviceScratch rht_keep_;  // the RHT column-wise copy's transformed input between the quantizer's passes
 

@@ -2,7 +2,8 @@
 # One device call that checks and measures a session's GPU work (about 6 minutes on the H200):
 #   1. build + every GPU test                         (gpu_session.sh quick)
 #   2. gpt2-124m tokens/s and peak memory per recipe   (RUNS=3 gpu_session.sh recipes, with torch.compile)
-#   3. per-kernel time of one gpt2-124m step, BF16     (RECIPE=bf16 gpu_session.sh trainprofile)
+#   3. per-kernel time of one gpt2-124m step          (RECIPE=$PROFILE_RECIPE gpu_session.sh trainprofile;
+#      PROFILE_RECIPE defaults to bf16)
 # Each part's logs come back as $OUT/<part>/gpu_session.tgz; the summaries print in order.
 # Carry .deps and data. A part that fails does not stop the next (the tests' result is in part 1).
 set -uo pipefail
@@ -13,5 +14,5 @@ echo "== 1/3 GPU tests"
 SKIP_EMU=1 OUT=$base/tests scripts/gpu_session.sh quick 2>&1 | tail -6
 echo "== 2/3 recipes"
 RUNS=${RUNS:-3} OUT=$base/recipes scripts/gpu_session.sh recipes 2>&1 | tail -7
-echo "== 3/3 profile (bf16)"
-SKIP_STATS=1 RECIPE=bf16 OUT=$base/profile scripts/gpu_session.sh trainprofile 2>&1 | tail -24
+echo "== 3/3 profile (${PROFILE_RECIPE:-bf16})"
+SKIP_STATS=1 RECIPE=${PROFILE_RECIPE:-bf16} OUT=$base/profile scripts/gpu_session.sh trainprofile 2>&1 | tail -24
