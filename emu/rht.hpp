@@ -61,6 +61,20 @@ FP4SIM_HD_NOINLINE uint16_t rht16_round_general(int32_t v, int grid) {
   return bf16_rne(f32_from_bits(mag == 0 ? 0u : round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits)));
 }
 
+// One stage of the in-place Walsh-Hadamard transform: (u_k, u_k+span) <- (u_k + u_k+span,
+// u_k - u_k+span) for every k whose `span` bit is clear. No overflow: |u_i| < 2^26, so |Y| < 2^30.
+template <int kSpan>
+FP4SIM_HD void rht_butterflies(int32_t (&u)[kRhtSize]) {
+  FP4SIM_UNROLL
+  for (int k = 0; k < kRhtSize; ++k) {
+    if ((k & kSpan) == 0) {
+      const int32_t p = u[k], q = u[k + kSpan];
+      u[k] = p + q;
+      u[k + kSpan] = p - q;
+    }
+  }
+}
+
 // Same bits as rht16_reference (see the header comment).
 FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
   int emax = -1000;
@@ -115,18 +129,12 @@ FP4SIM_UNROLL
     u[i] = neg ? -static_cast<int32_t>(t) : static_cast<int32_t>(t);
   }
   // in-place Walsh-Hadamard butterflies: Y_j = sum_i u_i (-1)^popcount(i & j); |Y| < 2^31
-  FP4SIM_UNROLL
-  for (int len = 1; len < kRhtSize; len <<= 1) {
-    FP4SIM_UNROLL
-    for (int i = 0; i < kRhtSize; i += 2 * len) {
-      FP4SIM_UNROLL
-      for (int k = i; k < i + len; ++k) {
-        const int32_t p = u[k], q = u[k + len];
-        u[k] = p + q;
-        u[k + len] = p - q;
-      }
-    }
-  }
+  // (one stage per call with a constant span: nested loops whose bounds depend on the outer ones
+  // were not fully unrolled by nvcc, which then indexed u[] at run time through select chains)
+  rht_butterflies<1>(u);
+  rht_butterflies<2>(u);
+  rht_butterflies<4>(u);
+  rht_butterflies<8>(u);
   // value_j = Y_j * 2^grid, RZ to FP32. |Y| < 2^31, so RZ(Y) * 2^grid is exact and equals the RZ of
   // the product whenever the result stays normal: grid in [-126, 97] (and Y = 0 gives +0, as the
   // contract's zero-sum rule does with C = +0). Outside that range (inputs within a few binades of

@@ -39,6 +39,7 @@ __device__ __forceinline__ float warp_max_nan_ignored(float m) {
 struct Fp8TileArgs {
   int64_t rows, cols, stride;
   bool two_d;
+  bool vector_ok;  // rows aligned for 4-element loads (16 bytes FP32, 8 bytes BF16)
   QuantizedView row, col;  // codes null = copy disabled
   unsigned int* amax_bits;
 };
@@ -59,23 +60,75 @@ __device__ __forceinline__ void fp8_quantize_line(const float* line, int step, b
   if (lane == 0) *scale = fdiv_rn(1.0f, enc);
 }
 
+// Four consecutive elements of row r from column c as FP32 (zeros outside the tensor): one 16-byte
+// (FP32) or 8-byte (BF16) load where the caller says the rows are aligned for it.
+template <class T>
+__device__ __forceinline__ void fp8_load4(const T* x, const Fp8TileArgs& a, int64_t r, int64_t c, float (&v)[4]) {
+  if (a.vector_ok && r < a.rows && c + 4 <= a.cols) {
+    if constexpr (sizeof(T) == 2) {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(x + r * a.stride + c));
+      v[0] = bf16_to_f32(static_cast<uint16_t>(u.x & 0xFFFFu));
+      v[1] = bf16_to_f32(static_cast<uint16_t>(u.x >> 16));
+      v[2] = bf16_to_f32(static_cast<uint16_t>(u.y & 0xFFFFu));
+      v[3] = bf16_to_f32(static_cast<uint16_t>(u.y >> 16));
+    } else {
+      const float4 u = __ldg(reinterpret_cast<const float4*>(x + r * a.stride + c));
+      v[0] = u.x;
+      v[1] = u.y;
+      v[2] = u.z;
+      v[3] = u.w;
+    }
+    return;
+  }
+  for (int k = 0; k < 4; ++k) {
+    float e = 0.0f;
+    if (r < a.rows && c + k < a.cols) {
+      if constexpr (sizeof(T) == 2) e = bf16_to_f32(x[r * a.stride + c + k]);
+      else e = x[r * a.stride + c + k];
+    }
+    v[k] = e;
+  }
+}
+
+// Warp w reads tile rows w, w + 8, ..., lane l the four elements 4l..4l+3 of each (coalesced
+// 16-byte loads). A 1x128 row-wise block is then one warp's registers: its amax by shuffles, its
+// four codes per lane written as one 4-byte store, so the row-wise copy never goes through shared
+// memory (2D copies, whose scale is the tile's amax, still do). The tile goes to shared memory for
+// the column-wise copy (and the 2D row-wise one) only.
 template <class T>
 __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(const T* x, Fp8TileArgs a) {
   extern __shared__ float tile[];  // [128][129]
   __shared__ float warp_partial[kFp8TileThreads / 32];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kFp8Block, c0 = static_cast<int64_t>(blockIdx.x) * kFp8Block;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool row_now = a.row.codes && !a.two_d;  // row-wise 1x128 from registers
+  const bool need_tile = a.col.codes || (a.row.codes && a.two_d);
   float m = 0.0f;
-  for (int i = threadIdx.x; i < kFp8Block * kFp8Block; i += kFp8TileThreads) {
-    const int tr = i / kFp8Block, tc = i % kFp8Block;
-    const int64_t r = r0 + tr, c = c0 + tc;
-    float v = 0.0f;
-    if (r < a.rows && c < a.cols) {
-      if constexpr (sizeof(T) == 2) v = bf16_to_f32(x[r * a.stride + c]);
-      else v = x[r * a.stride + c];
+  for (int tr = warp; tr < kFp8Block; tr += kFp8TileThreads / 32) {
+    const int64_t r = r0 + tr, c = c0 + 4 * lane;
+    float v[4];
+    fp8_load4(x, a, r, c, v);
+    float mb = 0.0f;
+    FP4SIM_UNROLL
+    for (int k = 0; k < 4; ++k) mb = fmax_nan_ignored(mb, f32_abs(v[k]));
+    m = fmax_nan_ignored(m, mb);
+    if (need_tile) {
+      FP4SIM_UNROLL
+      for (int k = 0; k < 4; ++k) tile[tr * kFp8TilePitch + 4 * lane + k] = v[k];
     }
-    tile[tr * kFp8TilePitch + tc] = v;
-    m = fmax_nan_ignored(m, f32_abs(v));
+    if (row_now && r < a.rows) {
+      const float enc = fp8_block_encode_scale(warp_max_nan_ignored(mb));
+      uint32_t packed = 0;
+      FP4SIM_UNROLL
+      for (int k = 0; k < 4; ++k) packed |= static_cast<uint32_t>(fp8_quantize_element(v[k], enc)) << (8 * k);
+      uint8_t* dst = a.row.codes + r * a.cols + c;
+      if (c + 4 <= a.cols) {
+        *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
+      } else {
+        for (int k = 0; k < 4 && c + k < a.cols; ++k) dst[k] = static_cast<uint8_t>(packed >> (8 * k));
+      }
+      if (lane == 0) reinterpret_cast<float*>(a.row.scales)[r * (a.cols / kFp8Block) + c0 / kFp8Block] = fdiv_rn(1.0f, enc);
+    }
   }
   m = warp_max_nan_ignored(m);
   if (lane == 0) warp_partial[warp] = m;
@@ -84,8 +137,8 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
   for (int w = 0; w < kFp8TileThreads / 32; ++w) tile_amax = fmax_nan_ignored(tile_amax, warp_partial[w]);
   if (threadIdx.x == 0) atomicMax(a.amax_bits, f32_bits(tile_amax));
 
-  // row-wise: rows r0.. of the input, written at (r, c0 + k)
-  if (a.row.codes) {
+  // row-wise 2D: rows r0.. of the input, written at (r, c0 + k), with the tile's amax
+  if (a.row.codes && a.two_d) {
     float* scales = reinterpret_cast<float*>(a.row.scales);
     for (int tr = warp; tr < kFp8Block; tr += kFp8TileThreads / 32) {
       const int64_t r = r0 + tr;
@@ -170,6 +223,9 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
   a.cols = x.cols;
   a.stride = x.stride();
   a.two_d = cfg.block_2d;
+  const int64_t vec_bytes = 4 * (x.dtype == DType::F32 ? 4 : 2);
+  a.vector_ok = reinterpret_cast<uintptr_t>(x.data) % vec_bytes == 0 &&
+                (a.stride * (x.dtype == DType::F32 ? 4 : 2)) % vec_bytes == 0;
   if (cfg.rowwise.enabled) a.row = *rowwise;
   if (cfg.columnwise.enabled) a.col = *columnwise;
   if (!cfg.rowwise.enabled) a.row.codes = nullptr;

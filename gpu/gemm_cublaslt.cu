@@ -110,11 +110,17 @@ __global__ void fp8_epilogue_scalars_kernel(float alpha, float beta, float* out)
 // i.e. out[b * rows + r] = scales[r * k_blocks + b]. rows is a multiple of 8 here (checked by the
 // launcher), so this is also Transformer Engine's GEMM-ready layout [ceil(K/128), roundup(rows, 4)].
 // A pure copy: the scale values are unchanged. One thread per output element (coalesced writes).
-__global__ void fp8_scales_to_vec128_kernel(const float* scales, int64_t rows, int64_t k_blocks, float* out) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * k_blocks;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t blk = i / rows, r = i % rows;
-    out[i] = scales[r * k_blocks + blk];
+__global__ void fp8_scales_to_vec128_kernel(const float* scales, int64_t rows, int64_t k_blocks, float* out,
+                                            const float* scales2, int64_t rows2, float* out2) {
+  // both operands in one launch (a GEMM's two transposes cost one launch, not two): indices
+  // [0, rows * k_blocks) are the first's, the rest the second's (same k_blocks)
+  const int64_t n1 = rows * k_blocks, n = n1 + rows2 * k_blocks;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const bool first = j < n1;
+    const int64_t i = first ? j : j - n1, R = first ? rows : rows2;
+    const int64_t blk = i / R, r = i % R;
+    (first ? out : out2)[i] = (first ? scales : scales2)[r * k_blocks + blk];
   }
 }
 
@@ -349,20 +355,19 @@ void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Q
   const int64_t kb = K / kFp8Block;
   auto* sa = st.a_tiled.get<float>(static_cast<size_t>(M * kb), stream);
   auto* sb = st.b_tiled.get<float>(static_cast<size_t>(N * kb), stream);
-  fp8_scales_to_vec128_kernel<<<grid_for(M * kb), 256, 0, stream>>>(reinterpret_cast<const float*>(a.scales), M,
-                                                                    kb, sa);
+  fp8_scales_to_vec128_kernel<<<grid_for((M + N) * kb), 256, 0, stream>>>(
+      reinterpret_cast<const float*>(a.scales), M, kb, sa, reinterpret_cast<const float*>(b.scales), N, sb);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  fp8_scales_to_vec128_kernel<<<grid_for(N * kb), 256, 0, stream>>>(reinterpret_cast<const float*>(b.scales), N,
-                                                                    kb, sb);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  GemmPlan& p = plan_for(st, PlanKind::Fp8Vec128, M, N, K);
   auto* scalars = st.scalars.get<float>(2, stream);
-  fp8_epilogue_scalars_kernel<<<1, 1, 0, stream>>>(cfg.alpha, cfg.beta, scalars);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  if (!p.host_scalars) {  // (with host scalars the plan reads alpha and beta from the host)
+    fp8_epilogue_scalars_kernel<<<1, 1, 0, stream>>>(cfg.alpha, cfg.beta, scalars);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  }
   const bool f32_out = cfg.out == GemmOut::F32;
   float* d = f32_out ? static_cast<float*>(out)
                      : st.d_f32.get<float>(static_cast<size_t>(M * N), stream);
   const float* cc = cfg.beta != 0.0f ? c : nullptr;
-  GemmPlan& p = plan_for(st, PlanKind::Fp8Vec128, M, N, K);
   // cuBLASLt's A is our B (N x K) and its B is our A (M x K): the scale pointers swap with them
   const void* scale_a = sb;
   const void* scale_b = sa;

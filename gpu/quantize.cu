@@ -101,48 +101,47 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t
   block_max_to(m, out);
 }
 
-template <class T>
-__device__ __forceinline__ void load16(const T* src, bool vector_ok, int64_t valid, float* v,
-                                       T* raw) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (vector_ok && valid >= kNvfp4Block) {
-    FP4SIM_UNROLL
-    for (int q = 0; q < kNvfp4Block / kVec; ++q)
-      *reinterpret_cast<uint4*>(raw + q * kVec) = __ldg(reinterpret_cast<const uint4*>(src) + q);
-  } else {
-    FP4SIM_UNROLL
-    for (int i = 0; i < kNvfp4Block; ++i) raw[i] = i < valid ? src[i] : T(0);
-  }
-  FP4SIM_UNROLL
-  for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(raw[i]);
-}
-
 // Tiled amax: the plain amax (any stride) and/or the amax of the RHT column-wise copy. The tile
 // is loaded as in the quantize pass; the RHT amax is taken over the transformed BF16 outputs.
 template <class T, bool kRht>
 __global__ void __launch_bounds__(kThreads, 6)
     amax_tile_kernel(const T* x, int64_t rows, int64_t cols, int64_t stride, bool vector_ok,
                      AmaxArgs args) {
-  __shared__ __align__(16) T tile[kTileRows * kTileCols];
+  // the tile holds the RHT's BF16 inputs (an FP32 input is rounded as it is stored): 16 KB, so the
+  // shared memory no longer limits the CTAs per SM (the FP32 tile did, at 6)
+  __shared__ __align__(16) uint16_t tile[kRht ? kTileRows * kTileCols : 8];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   const int t = threadIdx.x;
-  constexpr int kBlocksPerTileRow = kTileCols / kNvfp4Block;
+  // coalesced: consecutive threads read consecutive 16-byte vectors of a row (the plain amax does
+  // not care which thread sees which value), stored at the same place in the tile
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kVecPerRow = kTileCols / kVec;
   float m_plain = 0.0f, m_rht = 0.0f;
   FP4SIM_UNROLL
-  for (int k = 0; k < kTileRows * kBlocksPerTileRow / kThreads; ++k) {
-    const int u = t + k * kThreads;
-    const int tr = u / kBlocksPerTileRow, tb = u % kBlocksPerTileRow;
-    const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
-    alignas(16) T raw[kNvfp4Block];
-    float v[kNvfp4Block];
-    load16(x + r * stride + c, vector_ok, r < rows ? cols - c : 0, v, raw);
-    m_plain = fmax_nan_ignored(m_plain, amax_strided(v, kNvfp4Block, 1));
-    if constexpr (kRht) {
-      T* dst = tile + tr * kTileCols + tb * kNvfp4Block;
+  for (int k = 0; k < kTileRows * kVecPerRow / kThreads; ++k) {
+    const int i = t + k * kThreads;
+    const int tr = i / kVecPerRow, tc = (i % kVecPerRow) * kVec;
+    const int64_t r = r0 + tr, c = c0 + tc;
+    alignas(16) T raw[kVec];
+    if (vector_ok && r < rows && c + kVec <= cols) {
+      *reinterpret_cast<uint4*>(raw) = __ldg(reinterpret_cast<const uint4*>(x + r * stride + c));
+    } else {
       FP4SIM_UNROLL
-      for (int q = 0; q < kNvfp4Block * static_cast<int>(sizeof(T)) / 16; ++q)
-        reinterpret_cast<uint4*>(dst)[q] = reinterpret_cast<const uint4*>(raw)[q];
+      for (int q = 0; q < kVec; ++q) raw[q] = (r < rows && c + q < cols) ? x[r * stride + c + q] : T(0);
+    }
+    FP4SIM_UNROLL
+    for (int q = 0; q < kVec; ++q) m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(raw[q])));
+    if constexpr (kRht) {
+      uint16_t* dst = tile + tr * kTileCols + tc;
+      if constexpr (sizeof(T) == 2) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(raw);
+      } else {
+        uint32_t lo = 0, hi = 0;
+        lo = static_cast<uint32_t>(rht_input(raw[0])) | static_cast<uint32_t>(rht_input(raw[1])) << 16;
+        hi = static_cast<uint32_t>(rht_input(raw[2])) | static_cast<uint32_t>(rht_input(raw[3])) << 16;
+        *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+      }
     }
   }
   if constexpr (kRht) {
@@ -154,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, 6)
         if (r0 + (k + 1) * kRhtSize > rows) break;  // rows % 16 == 0 for an RHT copy
         uint16_t in[kRhtSize], y[kRhtSize];
         FP4SIM_UNROLL
-        for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(tile[(k * kRhtSize + i) * kTileCols + t]);
+        for (int i = 0; i < kRhtSize; ++i) in[i] = tile[(k * kRhtSize + i) * kTileCols + t];
         rht16(in, y);
         FP4SIM_UNROLL
         for (int i = 0; i < kRhtSize; ++i) m_rht = fmax_nan_ignored(m_rht, f32_abs(bf16_to_f32(y[i])));

@@ -9,6 +9,8 @@
 #             GEMMs, RUNS runs each, default 3; nvfp4 with exact GEMMs once), then train
 #   trainprofile  build + per-kernel GPU time of a gpt2-124m step (RECIPE, default nvfp4) and the
 #             quantization-statistics step time on `small`
+#   profile   build + the quantizer kernels' SASS and ncu sections of the training step's RHT kernels
+#             (SKIP_BENCH_PROFILE=1 stops there), then ncu metrics of the quantizer benchmark modes
 #   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
 #             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
 #             GEMM_FILTER narrows the benchmark, GEMM_NCU="6 7" profiles those variants with ncu)
@@ -142,6 +144,19 @@ PY
 fi
 
 if [ "${1:-}" = "profile" ]; then
+  # the quantizer kernels' SASS (read on the development machine, which has no cuobjdump), and the
+  # training step's own RHT column-copy kernels (FP32 input) under ncu: stall reasons, instruction
+  # mix and the source lines with the most stalls
+  cuobjdump -sass build-gpu/CMakeFiles/fp4sim_gpu.dir/gpu/quantize.cu.o >"$out/quantize.sass" 2>&1
+  timeout 240 ncu --kernel-name regex:"nvfp4_1x16_kernel|amax_tile_kernel" --launch-count 2 \
+    --section WarpStateStats --section InstructionStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section Occupancy --section SourceCounters --section LaunchStats \
+    build-gpu/fp4sim train --config configs/gpt2-124m.json --backend cuda train.data=synthetic train.batch=16 \
+    train.warmup=1 train.eval_every=0 train.out_dir=runs/prof recipe.name=nvfp4 recipe.gemm=cublaslt train.steps=1 \
+    >"$out/ncu_train_quant.txt" 2>&1
+  grep -E "nvfp4_1x16|amax_tile|Duration|Issue Slots Busy|Executed Ipc Active|Stall|Registers Per|Achieved Occupancy" \
+    "$out/ncu_train_quant.txt" | sed 's/  */ /g' | cut -c1-150 | head -40
+  [ -n "${SKIP_BENCH_PROFILE:-}" ] && { echo; echo "================ fp4sim GPU session summary ================"; printf '%s\n' "${summary[@]}"; exit 0; }
   # per-kernel time, DRAM and SM throughput of the first launches of each benchmark mode
   for mode in 0 1 2; do
     ncu --clock-control none --kernel-name regex:"amax|nvfp4|quantize_tile" --launch-count 2 \

@@ -6,6 +6,7 @@
 #      PROFILE_RECIPE defaults to bf16)
 # Each part's logs come back as $OUT/<part>/gpu_session.tgz; the summaries print in order.
 # Carry .deps and data. A part that fails does not stop the next (the tests' result is in part 1).
+# BENCH_QUANT=1 adds part 4: the GPU quantizer benchmark (medians of 5); SKIP_PROFILE=1 drops part 3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 base=${OUT:-runs/verify}
@@ -14,5 +15,10 @@ echo "== 1/3 GPU tests"
 SKIP_EMU=1 OUT=$base/tests scripts/gpu_session.sh quick 2>&1 | tail -6
 echo "== 2/3 recipes"
 RUNS=${RUNS:-3} OUT=$base/recipes scripts/gpu_session.sh recipes 2>&1 | tail -7
-echo "== 3/3 profile (${PROFILE_RECIPE:-bf16})"
-SKIP_STATS=1 RECIPE=${PROFILE_RECIPE:-bf16} OUT=$base/profile scripts/gpu_session.sh trainprofile 2>&1 | tail -24
+[ -n "${SKIP_PROFILE:-}" ] || echo "== 3/3 profile (${PROFILE_RECIPE:-bf16})"
+[ -n "${SKIP_PROFILE:-}" ] || SKIP_STATS=1 RECIPE=${PROFILE_RECIPE:-bf16} OUT=$base/profile scripts/gpu_session.sh trainprofile 2>&1 | grep -v "^fp4sim\|^backends\|^default\|^CUDA\|^GPU\|^compiler\|^OpenMP\|^libraries\|^fp build\|^name\|^NVIDIA" | tail -40
+if [ -n "${BENCH_QUANT:-}" ]; then
+  echo "== 4/4 quantizer benchmark (issue 2 bars: row+col RN >= 70%, row RN + col RHT+SR >= 50% of copy bandwidth)"
+  build-gpu/bench_quantize --benchmark_filter='BM_GpuQuantize/8192/8192/./1/1' --benchmark_repetitions=5 \
+    --benchmark_report_aggregates_only=true 2>&1 | grep -E "median" | sed 's/  */ /g'
+fi

@@ -15,10 +15,12 @@ namespace fp4sim {
 namespace {
 
 // columnwise: also the transposed copy (it blocks along the rows, so rows must be a multiple of 128)
+// pitch: elements from one row to the next (0: cols); x holds rows * pitch values.
 QuantizeResult quantize_on(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols, bool bf16, bool two_d,
-                           bool columnwise = true) {
+                           bool columnwise = true, int64_t pitch = 0) {
   std::vector<uint16_t> h;
   TensorView v = host_view(x.data(), rows, cols);
+  v.row_stride = pitch;
   if (bf16) {  // the same values as BF16 bit patterns
     h.resize(x.size());
     for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
@@ -60,6 +62,18 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
         for (size_t i = 0; i < de.size(); ++i) ASSERT_EQ(test::bits(de[i]), test::bits(dg[i])) << what << " dequant " << i;
         ++checked;
       }
+  }
+  // rows 129 elements apart (FP32: not 16-byte aligned; BF16: not 8-byte aligned): the kernel's
+  // element-by-element loads instead of its vector loads
+  for (bool bf16 : {false, true}) {
+    const int64_t R = 256, C = 128, P = 129;
+    std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(R * P), 12);
+    const QuantizeResult e = quantize_on(*emu, x, R, C, bf16, false, true, P),
+                         g = quantize_on(*cuda, x, R, C, bf16, false, true, P);
+    const std::string what = std::string("strided") + (bf16 ? " bf16" : " f32");
+    expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+    expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
+    ++checked;
   }
   std::printf("[fp8-gpu] %d quantizations bitwise identical (codes, scales, amax, dequant)\n", checked);
 }
