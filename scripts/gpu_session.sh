@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run the GPU tests, the benchmarks and the oracles, print a
 # short table last. Full logs go to $OUT (or runs/gpu_session when $OUT is unset).
-# usage: scripts/gpu_session.sh [quick|train|recipes|profile|gemm]
+# usage: scripts/gpu_session.sh [quick|train|recipes|profile|trainprofile|spot|gemm]
 #   (default) build, GPU tests, benchmarks, crosscheck, PyTorch check, oracles, training speed
 #   quick     build + GPU tests (and the CPU tests, unless SKIP_EMU=1)
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
@@ -11,6 +11,8 @@
 #             quantization-statistics step time on `small`
 #   profile   build + the quantizer kernels' SASS and ncu sections of the training step's RHT kernels
 #             (SKIP_BENCH_PROFILE=1 stops there), then ncu metrics of the quantizer benchmark modes
+#   spot      build + the tests matching TESTS (ctest regex) + one gpt2-124m run (RUNS) per recipe in
+#             RECIPES (default "bf16 fp8 nvfp4"): the cheapest check of a change (~2 minutes)
 #   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
 #             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
 #             GEMM_FILTER narrows the benchmark, GEMM_NCU="6 7" profiles those variants with ncu)
@@ -55,7 +57,7 @@ if [ "${1:-}" = "gemm" ]; then
 fi
 
 if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] \
-   && [ "${1:-}" != "profile" ]; then
+   && [ "${1:-}" != "profile" ] && [ "${1:-}" != "spot" ]; then
   ( cd build-gpu && ctest -L gpu --output-on-failure -j1 ) >"$out/ctest_gpu.log" 2>&1
   rc=$?
   grep -E "tests passed|bitwise identical|\[train-gpu\] worst|cublaslt-bound\] largest|Failed|FAILED" "$out/ctest_gpu.log"
@@ -96,6 +98,21 @@ recipe_run() {  # name gemm steps log
     | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'
 }
 median_of() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'; }
+# spot: the cheapest check of a change, for a session with little device time left: the tests that
+# match $TESTS (a ctest regex), then one run (RUNS) of each recipe in $RECIPES (default "bf16 fp8
+# nvfp4"); no torch.compile, no exact-GEMM run
+if [ "${1:-}" = "spot" ]; then
+  if [ -n "${TESTS:-}" ]; then
+    ( cd build-gpu && ctest -R "$TESTS" --output-on-failure -j1 ) >"$out/ctest_spot.log" 2>&1
+    row "ctest -R '$TESTS'" "exit $?, $(grep -E 'tests passed' "$out/ctest_spot.log" | tail -1)"
+    grep -E "bitwise identical|Failure|FAILED" "$out/ctest_spot.log" | head -20
+  fi
+  for r in ${RECIPES:-bf16 fp8 nvfp4}; do
+    runs=""
+    for i in $(seq 1 "${RUNS:-1}"); do runs="$runs $(recipe_run "$r" cublaslt 8 "$out/recipe_${r}_$i.log")"; done
+    row "gpt2-124m $r cublaslt tok/s (runs:$runs)" "median $(echo "$runs" | median_of)"
+  done
+fi
 if [ "${1:-}" = "recipes" ]; then
   for r in bf16 fp8 nvfp4; do
     runs=""
@@ -168,7 +185,7 @@ if [ "${1:-}" = "profile" ]; then
   done
 fi
 if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] \
-   && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ]; then
+   && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] && [ "${1:-}" != "spot" ]; then
   build-gpu/bench_quantize --benchmark_filter=Gpu --benchmark_repetitions=5 \
     --benchmark_report_aggregates_only=true --benchmark_out="$out/bench_quantize.json" \
     --benchmark_out_format=json >"$out/bench_quantize.txt" 2>&1
