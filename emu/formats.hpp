@@ -125,7 +125,30 @@ FP4SIM_HD float e2m1_to_f32(uint8_t code) {
 //    (bits >> 22) - 252 and the top 8 discarded bits are bits 21..14;
 //  - [0, 1): step 0.5, floor(512 a) = lo_code * 256 + floor(frac * 256), with 512 a = m24 * 2^(e - 141).
 // tests/emu/test_formats.cpp holds this equal to the FP32 formulation of the contract.
+//
+// e2m1_rs_satfinite_scaled is the same function without branches, which the GPU uses (a warp's
+// lanes no longer split between the [0, 1) and [1, 6) paths): the region's step is 2^-9 * 256 for
+// [0, 2), 2^-8 * 256 for [2, 4), 2^-7 * 256 for [4, 6), so f = floor(a * 512, 256 or 128) (an
+// exact FP32 product: a power-of-two scaling; truncation = floor for a >= 0) holds lo's code
+// offset in its bits 8 and up and floor(frac * 256) in its low 8 bits.
+// tests/emu/test_formats_exhaustive.cpp holds the two equal over all 2^32 inputs.
+FP4SIM_HD uint8_t e2m1_rs_satfinite_scaled(float y, uint8_t r) {
+  const uint32_t b = f32_bits(y);
+  const uint32_t a = b & 0x7FFFFFFFu;
+  const uint32_t sign = (b >> 31) << 3;
+  const bool big = a >= 0x40C00000u;  // |y| >= 6, Inf and NaN
+  const bool below2 = a < 0x40000000u, below4 = a < 0x40800000u;
+  const float scale = below2 ? 512.0f : (below4 ? 256.0f : 128.0f);
+  const uint32_t first = below2 ? 0u : (below4 ? 2u : 4u);
+  const uint32_t f = static_cast<uint32_t>(fmul_rn(big ? 0.0f : f32_from_bits(a), scale));  // < 768
+  const uint32_t code = big ? E2M1::kMaxMagCode : (f >> 8) + first + (((f & 0xFFu) + r) >> 8);
+  return a > 0x7F800000u ? kE2M1NaNCode : static_cast<uint8_t>(sign | code);
+}
+
 FP4SIM_HD uint8_t e2m1_rs_satfinite(float y, uint8_t r) {
+#if defined(__CUDA_ARCH__)
+  return e2m1_rs_satfinite_scaled(y, r);
+#endif
   const uint32_t b = f32_bits(y);
   const uint32_t a = b & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return kE2M1NaNCode;

@@ -59,5 +59,31 @@ TEST(FormatsExhaustive, AllFp32BitPatternsMatchCudaHeaders) {
   }
 }
 
+// The GPU's branch-free stochastic rounding (e2m1_rs_satfinite_scaled) against the host's bit-pattern
+// formulation: every FP32 input with a random byte derived from it, and every random byte for
+// every 4099th input (so each input region meets all 256 bytes).
+TEST(FormatsExhaustive, E2m1StochasticRoundingScaledEqualsBitPattern) {
+  Mismatch m;
+  constexpr uint64_t kTotal = 1ull << 32;
+  constexpr uint64_t kSlices = 16;
+  for (uint64_t slice = 0; slice < kSlices; ++slice) {
+    const uint64_t begin = slice * (kTotal / kSlices), end = begin + kTotal / kSlices;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = static_cast<int64_t>(begin); i < static_cast<int64_t>(end); ++i) {
+      const uint32_t u = static_cast<uint32_t>(i);
+      float x;
+      std::memcpy(&x, &u, 4);
+      const uint8_t r = static_cast<uint8_t>((u * 0x9E3779B1u) >> 24);
+      if (e2m1_rs_satfinite_scaled(x, r) != e2m1_rs_satfinite(x, r)) m.add(u);
+      if (u % 4099u == 0)
+        for (int rr = 0; rr < 256; ++rr)
+          if (e2m1_rs_satfinite_scaled(x, static_cast<uint8_t>(rr)) != e2m1_rs_satfinite(x, static_cast<uint8_t>(rr)))
+            m.add(u);
+    }
+  }
+  std::printf("e2m1.rs scaled vs bit pattern mismatches: %llu\n", static_cast<unsigned long long>(m.count.load()));
+  EXPECT_EQ(m.count.load(), 0u) << "first mismatch at 0x" << std::hex << m.first.load();
+}
+
 }  // namespace
 }  // namespace fp4sim
