@@ -23,32 +23,40 @@ struct Mismatch {
   }
 };
 
-TEST(FormatsExhaustive, AllFp32BitPatternsMatchCudaHeaders) {
-  Mismatch e2m1, e4m3, e5m2, bf16, rz, rp;
+// Calls check(u, x) for every FP32 bit pattern u (x its float), in `slices` slices across OpenMP
+// threads, printing progress every eighth of the way.
+template <class Check>
+void for_all_fp32(uint64_t slices, const char* what, Check check) {
   constexpr uint64_t kTotal = 1ull << 32;
-  constexpr uint64_t kSlices = 64;
-  for (uint64_t slice = 0; slice < kSlices; ++slice) {
-    const uint64_t begin = slice * (kTotal / kSlices), end = begin + kTotal / kSlices;
+  for (uint64_t slice = 0; slice < slices; ++slice) {
+    const uint64_t begin = slice * (kTotal / slices), end = begin + kTotal / slices;
 #pragma omp parallel for schedule(static)
     for (int64_t i = static_cast<int64_t>(begin); i < static_cast<int64_t>(end); ++i) {
       const uint32_t u = static_cast<uint32_t>(i);
       float x;
       std::memcpy(&x, &u, 4);
-      if (e2m1_rn_satfinite(x) != __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)) e2m1.add(u);
-      if (e4m3_rn_satfinite(x) != __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)) e4m3.add(u);
-      if (e5m2_rn_satfinite(x) != __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2)) e5m2.add(u);
-      if (ue8m0_rz_satfinite(x) != __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundZero)) rz.add(u);
-      if (ue8m0_rp_satfinite(x) != __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundPosInf)) rp.add(u);
-      const __nv_bfloat16 b = __float2bfloat16(x);
-      uint16_t bb;
-      std::memcpy(&bb, &b, 2);
-      if (bf16_rne(x) != bb) bf16.add(u);
+      check(u, x);
     }
-    if ((slice + 1) % 8 == 0)
-      std::printf("[exhaustive] %3llu%% of 2^32 patterns\n",
-                  static_cast<unsigned long long>((slice + 1) * 100 / kSlices));
+    if ((slice + 1) % (slices / 8) == 0)
+      std::printf("[exhaustive] %s: %3llu%% of 2^32 patterns\n", what,
+                  static_cast<unsigned long long>((slice + 1) * 100 / slices));
     std::fflush(stdout);
   }
+}
+
+TEST(FormatsExhaustive, AllFp32BitPatternsMatchCudaHeaders) {
+  Mismatch e2m1, e4m3, e5m2, bf16, rz, rp;
+  for_all_fp32(64, "cuda headers", [&](uint32_t u, float x) {
+    if (e2m1_rn_satfinite(x) != __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)) e2m1.add(u);
+    if (e4m3_rn_satfinite(x) != __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)) e4m3.add(u);
+    if (e5m2_rn_satfinite(x) != __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2)) e5m2.add(u);
+    if (ue8m0_rz_satfinite(x) != __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundZero)) rz.add(u);
+    if (ue8m0_rp_satfinite(x) != __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundPosInf)) rp.add(u);
+    const __nv_bfloat16 b = __float2bfloat16(x);
+    uint16_t bb;
+    std::memcpy(&bb, &b, 2);
+    if (bf16_rne(x) != bb) bf16.add(u);
+  });
   struct Row { const char* name; Mismatch* m; };
   for (const Row& r : {Row{"e2m1", &e2m1}, Row{"e4m3", &e4m3}, Row{"e5m2", &e5m2},
                        Row{"bf16", &bf16}, Row{"ue8m0.rz", &rz}, Row{"ue8m0.rp", &rp}}) {
@@ -64,23 +72,14 @@ TEST(FormatsExhaustive, AllFp32BitPatternsMatchCudaHeaders) {
 // every 4099th input (so each input region meets all 256 bytes).
 TEST(FormatsExhaustive, E2m1StochasticRoundingScaledEqualsBitPattern) {
   Mismatch m;
-  constexpr uint64_t kTotal = 1ull << 32;
-  constexpr uint64_t kSlices = 16;
-  for (uint64_t slice = 0; slice < kSlices; ++slice) {
-    const uint64_t begin = slice * (kTotal / kSlices), end = begin + kTotal / kSlices;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = static_cast<int64_t>(begin); i < static_cast<int64_t>(end); ++i) {
-      const uint32_t u = static_cast<uint32_t>(i);
-      float x;
-      std::memcpy(&x, &u, 4);
-      const uint8_t r = static_cast<uint8_t>((u * 0x9E3779B1u) >> 24);
-      if (e2m1_rs_satfinite_scaled(x, r) != e2m1_rs_satfinite(x, r)) m.add(u);
-      if (u % 4099u == 0)
-        for (int rr = 0; rr < 256; ++rr)
-          if (e2m1_rs_satfinite_scaled(x, static_cast<uint8_t>(rr)) != e2m1_rs_satfinite(x, static_cast<uint8_t>(rr)))
-            m.add(u);
-    }
-  }
+  for_all_fp32(16, "e2m1.rs scaled", [&](uint32_t u, float x) {
+    const uint8_t r = static_cast<uint8_t>((u * 0x9E3779B1u) >> 24);
+    if (e2m1_rs_satfinite_scaled(x, r) != e2m1_rs_satfinite(x, r)) m.add(u);
+    if (u % 4099u == 0)
+      for (int rr = 0; rr < 256; ++rr)
+        if (e2m1_rs_satfinite_scaled(x, static_cast<uint8_t>(rr)) != e2m1_rs_satfinite(x, static_cast<uint8_t>(rr)))
+          m.add(u);
+  });
   std::printf("e2m1.rs scaled vs bit pattern mismatches: %llu\n", static_cast<unsigned long long>(m.count.load()));
   EXPECT_EQ(m.count.load(), 0u) << "first mismatch at 0x" << std::hex << m.first.load();
 }
