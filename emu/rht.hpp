@@ -77,18 +77,15 @@ FP4SIM_HD void rht_butterflies(int32_t (&u)[kRhtSize]) {
 
 // Same bits as rht16_reference (see the header comment).
 FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
-  int emax = -1000;
-  bool special = false;
-FP4SIM_UNROLL
+  // the largest magnitude's bits give both the specials test and emax (magnitudes order as their
+  // bit patterns): E(x) = max(floor(log2|x|), -126), subnormals included
+  uint32_t amax_bits = 0;
+  FP4SIM_UNROLL
   for (int i = 0; i < kRhtSize; ++i) {
     const uint32_t a = x[i] & 0x7FFFu;
-    if (a >= 0x7F80u) special = true;  // Inf or NaN: rare, take the literal path
-    if (a != 0) {
-      const int biased = static_cast<int>(a >> 7);
-      const int e = biased == 0 ? -126 : biased - 127;  // E(x) = max(floor(log2|x|), -126)
-      if (e > emax) emax = e;
-    }
+    amax_bits = a > amax_bits ? a : amax_bits;
   }
+  const bool special = amax_bits >= 0x7F80u;  // Inf or NaN: rare, take the literal path
   if (special) {
     // the same outcome as the literal path: any NaN -> every output NaN; otherwise each output is
     // the Inf of its products' sign, or NaN when +Inf and -Inf meet (H has no zeros: no Inf * 0).
@@ -110,23 +107,38 @@ FP4SIM_UNROLL
     }
     return;
   }
-  if (emax == -1000) {  // all products zero; C = +0 is not -0, so every output is +0
+  if (amax_bits == 0) {  // all products zero; C = +0 is not -0, so every output is +0
     for (int j = 0; j < kRhtSize; ++j) y[j] = 0;
     return;
   }
-  // term i on the grid 2^(emax - 2 - 25): |x_i|/4 = sig_i * 2^(E_i - 9), i.e. sig_i << 18 >> d_i
-  // with d_i = emax - E_i >= 0 (terms more than 31 binades down truncate to 0)
+  const int emax = static_cast<int>(amax_bits >> 7 > 1u ? amax_bits >> 7 : 1u) - 127;
+  // term i on the grid 2^(emax - 2 - 25): |x_i|/4 truncated there, i.e. floor(|x_i| * 2^(25 - emax))
+  // (< 2^26), with the sign of x_i * s_i
   int32_t u[kRhtSize];
-  FP4SIM_UNROLL
-  for (int i = 0; i < kRhtSize; ++i) {
-    const uint32_t a = x[i] & 0x7FFFu;
-    const uint32_t biased = a >> 7;
-    const uint32_t sig = biased == 0 ? a : ((a & 0x7Fu) | 0x80u);
-    const int e = biased == 0 ? -126 : static_cast<int>(biased) - 127;
-    const int d = emax - e;
-    const uint32_t t = d > 31 ? 0u : ((sig << 18) >> d);
-    const uint32_t neg = (x[i] >> 15) ^ ((kRhtSignMask >> i) & 1u);
-    u[i] = neg ? -static_cast<int32_t>(t) : static_cast<int32_t>(t);
+  if (emax >= -102) {
+    // as one FP32 product per term: a power-of-two scaling, exact whenever the result is normal;
+    // results below 1 (subnormal ones included) truncate to 0 either way. 2^(25 - emax) is a normal
+    // FP32 for emax >= -102. Truncation toward zero keeps the sign: u_i = sign * floor(|.|).
+    const float pow2 = f32_from_bits(static_cast<uint32_t>(25 - emax + 127) << 23);
+    FP4SIM_UNROLL
+    for (int i = 0; i < kRhtSize; ++i) {
+      const uint16_t signed_x = static_cast<uint16_t>(x[i] ^ (((kRhtSignMask >> i) & 1u) << 15));
+      u[i] = static_cast<int32_t>(fmul_rn(bf16_to_f32(signed_x), pow2));
+    }
+  } else {
+    // every input below 2^-101 (2^(25 - emax) would overflow FP32): the same terms on integers,
+    // |x_i|/4 = sig_i * 2^(E_i - 9), i.e. sig_i << 18 >> d_i with d_i = emax - E_i >= 0
+    FP4SIM_UNROLL
+    for (int i = 0; i < kRhtSize; ++i) {
+      const uint32_t a = x[i] & 0x7FFFu;
+      const uint32_t biased = a >> 7;
+      const uint32_t sig = biased == 0 ? a : ((a & 0x7Fu) | 0x80u);
+      const int e = biased == 0 ? -126 : static_cast<int>(biased) - 127;
+      const int d = emax - e;
+      const uint32_t t = d > 31 ? 0u : ((sig << 18) >> d);
+      const uint32_t neg = (x[i] >> 15) ^ ((kRhtSignMask >> i) & 1u);
+      u[i] = neg ? -static_cast<int32_t>(t) : static_cast<int32_t>(t);
+    }
   }
   // in-place Walsh-Hadamard butterflies: Y_j = sum_i u_i (-1)^popcount(i & j); |Y| < 2^31
   // (one stage per call with a constant span: nested loops whose bounds depend on the outer ones

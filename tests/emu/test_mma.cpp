@@ -173,6 +173,30 @@ TEST(Rht, FastPathEqualsLiteralTfdpa) {
   }
 }
 
+// Chunks whose largest input sits near either end of the BF16 range, where rht16 changes paths:
+// every input below 2^-101 (integer terms), the grid below -126 or above 97 (general rounding),
+// and wide spreads inside one chunk (terms truncated to 0).
+TEST(Rht, FastPathEqualsLiteralTfdpaAtTheExtremes) {
+  std::mt19937_64 rng(4);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (int trial = 0; trial < 200000; ++trial) {
+    const int kind = trial % 4;
+    // exponent window of the chunk: tiny (down to subnormals), huge, or tiny plus one large input
+    const int lo = kind == 1 ? 100 : -140, hi = kind == 1 ? 127 : (kind == 0 ? -95 : -60);
+    std::uniform_int_distribution<int> e(lo, hi);
+    uint16_t x[16], y_fast[16], y_ref[16];
+    for (int i = 0; i < 16; ++i) {
+      float v = std::ldexp(n(rng), e(rng));
+      if (rng() % 13 == 0) v = from_bits(static_cast<uint32_t>(rng() & 0x807F0000u));  // ±subnormal
+      x[i] = bf16_rne(v);
+    }
+    if (kind == 3) x[rng() % 16] = bf16_rne(std::ldexp(n(rng), static_cast<int>(rng() % 40) - 20));
+    rht16(x, y_fast);
+    rht16_reference(x, y_ref);
+    for (int j = 0; j < 16; ++j) ASSERT_EQ(y_fast[j], y_ref[j]) << "trial " << trial << " j " << j;
+  }
+}
+
 TEST(Rht, ExactOnSmallIntegers) {
   // integers small enough that every step is exact: y = x H exactly, and y H^T = x
   std::mt19937 rng(5);
