@@ -189,7 +189,23 @@ FP4SIM_HD uint8_t e4m3_rn_satfinite(float x) {
 #endif
 }
 
+// The same decode without branches or a leading-zero count (the GPU's quantizer decodes a block
+// scale per 16 elements): a normal code's FP32 bits are its exponent rebased (+120) and its 3
+// mantissa bits at the top of the fraction; a subnormal one is man * 2^-9, an exact product.
+// tests/emu/test_formats.cpp holds it equal to e4m3_to_f32 for all 256 codes.
+FP4SIM_HD float e4m3_to_f32_direct(uint8_t code) {
+  const uint32_t mag = code & 0x7Fu, exp_field = mag >> 3, man = mag & 0x7u;
+  const float normal = f32_from_bits(((exp_field + 120u) << 23) | (man << 20));
+  const float sub = fmul_rn(static_cast<float>(man), 0.001953125f);  // 2^-9
+  const float m = exp_field == 0 ? sub : normal;
+  const uint32_t bits = f32_bits(m) | (static_cast<uint32_t>(code & 0x80u) << 24);
+  return f32_from_bits(mag == 0x7Fu ? 0x7FFFFFFFu : bits);
+}
+
 FP4SIM_HD float e4m3_to_f32(uint8_t code) {
+#if defined(__CUDA_ARCH__)
+  return e4m3_to_f32_direct(code);
+#endif
   const uint32_t mag = code & 0x7Fu;
   if (mag == 0x7Fu) return f32_from_bits(0x7FFFFFFFu);
   const float m = decode_magnitude<E4M3>(mag);

@@ -74,6 +74,14 @@ TEST(Formats, E4M3_AllCodesDecode) {
   EXPECT_EQ(ue4m3_to_f32(0xFE), 448.0f);  // sign bit masked
 }
 
+// The GPU's branch-free decode (e4m3_to_f32_direct) against the host's: the same bits for every code
+// (-0 and the canonical NaN included).
+TEST(Formats, E4M3_DirectDecodeEqualsGeneric) {
+  for (int c = 0; c < 256; ++c)
+    EXPECT_EQ(f32_bits(e4m3_to_f32_direct(static_cast<uint8_t>(c))), f32_bits(e4m3_to_f32(static_cast<uint8_t>(c))))
+        << "code 0x" << std::hex << c;
+}
+
 TEST(Formats, E4M3_SaturatesAndMidpoints) {
   EXPECT_EQ(e4m3_rn_satfinite(464.0f), 0x7E);
   EXPECT_EQ(e4m3_rn_satfinite(1e9f), 0x7E);
