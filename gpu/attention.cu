@@ -13,9 +13,11 @@
 //
 // Numerics (emu/layers.hpp states the contract; this file agrees with it within a bound, not
 // bitwise):
-// - Operands: q, k, v, dout rounded FP32 -> BF16 RNE while staged (cvt.rn.bf16x2.f32: the value of
-//   emu/formats.hpp's bf16_rne for every input, NaN -> canonical NaN); a no-op on BF16-stored
-//   activations. P and dS rounded the same way in registers before they feed an MMA.
+// - Operands: q, k, v, dout rounded FP32 -> BF16 RNE once per call into BF16 copies (cvt.rn.bf16x2.f32:
+//   the value of emu/formats.hpp's bf16_rne for every input, NaN -> canonical NaN; a no-op on
+//   BF16-stored activations), which the kernels stage with cp.async, the next tile's copy in flight
+//   while the current one is used (two buffers for HD <= 64). P and dS rounded the same way in
+//   registers before they feed an MMA.
 // - Products exact, sums in FP32 inside the tensor core (its order, not the emulator's
 //   sequential one); every MMA chain starts from +0.
 // - s = acc * scale (one FP32 multiplication, scale = 1/sqrt(HD) as the emulator computes it).
@@ -137,41 +139,68 @@ __device__ __forceinline__ void mma_block(float (&d_lo)[4], float (&d_hi)[4], co
   mma_bf16(d_hi, a, b[2], b[3]);
 }
 
-// Rows row0..row0+kTile-1 of one head (HD FP32 columns starting at src, rows row_stride apart),
-// rounded to BF16, into a shared tile; rows >= T are zeros. float4 loads (16-byte aligned rows).
+// ---- staging: BF16 operands, copied global -> shared with cp.async -------------------------------
+// The launchers round qkv and dout to BF16 once per call (bf16_rne: the same values the kernels
+// used to round while staging), so a tile is a plain 16-byte copy that the copy engine does while
+// the warps compute on the other buffer.
+
+// 16 bytes global -> shared, asynchronously; zero-filled (nothing read) when !valid.
+__device__ __forceinline__ void cp_async16(bf16* smem, const bf16* gmem, bool valid) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// wait until at most N of this thread's committed groups are still in flight
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Buffers per staged operand: two (copy the next tile while computing on this one) where they fit
+// in the 48 KB of static shared memory, one for HD = 128.
 template <int HD>
-__device__ __forceinline__ void stage_tile(bf16* tile, const float* src, int64_t row_stride,
-                                           int row0, int T) {
-  constexpr int kStride = HD + kSmemPad, kVecsPerRow = HD / 4;
-  for (int e = threadIdx.x; e < kTile * kVecsPerRow; e += kThreads) {
-    const int r = e / kVecsPerRow, c = (e % kVecsPerRow) * 4;
-    float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (row0 + r < T) x = *reinterpret_cast<const float4*>(src + (row0 + r) * row_stride + c);
-    *reinterpret_cast<uint2*>(tile + r * kStride + c) =
-        make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
+constexpr int kStages = HD <= 64 ? 2 : 1;
+
+// Rows row0..row0+kTile-1 of one head (HD BF16 columns starting at src, rows row_stride apart) into
+// a shared tile, asynchronously; rows >= T are zeros. The caller commits and waits.
+template <int HD>
+__device__ __forceinline__ void stage_tile_async(bf16* tile, const bf16* src, int64_t row_stride, int row0,
+                                                 int T) {
+  constexpr int kStride = HD + kSmemPad, kChunksPerRow = HD / 8;
+  for (int e = threadIdx.x; e < kTile * kChunksPerRow; e += kThreads) {
+    const int r = e / kChunksPerRow, c = (e % kChunksPerRow) * 8;
+    const bool valid = row0 + r < T;
+    cp_async16(tile + r * kStride + c, src + (valid ? static_cast<int64_t>(row0 + r) * row_stride + c : 0), valid);
   }
 }
 
 // The A fragments (HD/16 of them, along HD) of the 16 rows row0..row0+15 of one head, straight
-// from global memory (rows >= T are zeros): Q in the forward and dQ kernels, dO in the dQ kernel,
-// K and V in the dK/dV kernel. Loaded once per CTA.
+// from the BF16 copy in global memory (rows >= T are zeros): Q in the forward and dQ kernels, dO in
+// the dQ kernel, K and V in the dK/dV kernel. Loaded once per CTA. (Two BF16 values per 4-byte
+// load, the lower column in the low half, as the fragment wants.)
 template <int HD>
-__device__ __forceinline__ void load_a_rows(uint32_t (&a)[HD / 16][4], const float* src,
-                                            int64_t row_stride, int row0, int T, int lane) {
+__device__ __forceinline__ void load_a_rows(uint32_t (&a)[HD / 16][4], const bf16* src, int64_t row_stride,
+                                            int row0, int T, int lane) {
   const int gid = lane >> 2, tig = lane & 3;
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + gid + half * 8;
-    const float* p = src + row * row_stride + 2 * tig;
+    const bf16* p = src + static_cast<int64_t>(row) * row_stride + 2 * tig;
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
-      float2 lo = make_float2(0.0f, 0.0f), hi = lo;
-      if (row < T) {
-        lo = *reinterpret_cast<const float2*>(p + kk * 16);
-        hi = *reinterpret_cast<const float2*>(p + kk * 16 + 8);
-      }
-      a[kk][half] = pack_bf16x2(lo.x, lo.y);
-      a[kk][half + 2] = pack_bf16x2(hi.x, hi.y);
+      a[kk][half] = row < T ? *reinterpret_cast<const uint32_t*>(p + kk * 16) : 0u;
+      a[kk][half + 2] = row < T ? *reinterpret_cast<const uint32_t*>(p + kk * 16 + 8) : 0u;
     }
+  }
+}
+
+// FP32 -> BF16 (RNE; NaN -> the canonical NaN, as bf16_rne), four at a time: n % 4 == 0 and both
+// pointers 16-byte / 8-byte aligned (the launchers' shapes guarantee it).
+__global__ void to_bf16_kernel(bf16* dst, const float* src, int64_t n4) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 v = reinterpret_cast<const float4*>(src)[i];
+    reinterpret_cast<uint2*>(dst)[i] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
   }
 }
 
@@ -193,18 +222,24 @@ __device__ __forceinline__ float exp_via_exp2(float x) { return exp2f(__fmul_rn(
 // first. Warp w owns query rows q_tile*64 + 16w .. +15; each lane two of them (gid, gid + 8).
 template <int HD>
 __global__ void __launch_bounds__(kThreads)
-    attention_forward_kernel(float* out, float* lse, const float* qkv, int T, int NH, int NKV,
+    attention_forward_kernel(float* out, float* lse, const bf16* qkv, int T, int NH, int NKV,
                              float scale) {
-  constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16;
-  __shared__ __align__(16) bf16 k_s[kTile * kStride];
-  __shared__ __align__(16) bf16 v_s[kTile * kStride];
+  constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
+  __shared__ __align__(16) bf16 k_buf[kS][kTile * kStride];
+  __shared__ __align__(16) bf16 v_buf[kS][kTile * kStride];
   const int b = blockIdx.x / NH, h = blockIdx.x % NH, g = h / (NH / NKV);
   const int q_tile = static_cast<int>(gridDim.y) - 1 - static_cast<int>(blockIdx.y);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
   const int64_t W = static_cast<int64_t>(NH + 2 * NKV) * HD;
-  const float* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
+  const bf16* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
   const int row0 = q_tile * kTile + warp * kWarpRows;
   const int rows[2] = {row0 + gid, row0 + gid + 8};
+  auto stage = [&](int kt) {  // K and V of key tile kt into buffer kt % kS
+    stage_tile_async<HD>(k_buf[kt % kS], qkv_b + (NH + g) * HD, W, kt * kTile, T);
+    stage_tile_async<HD>(v_buf[kt % kS], qkv_b + (NH + NKV + g) * HD, W, kt * kTile, T);
+    cp_async_commit();
+  };
+  if (kS == 2) stage(0);
 
   uint32_t qa[kDk][4];
   load_a_rows<HD>(qa, qkv_b + h * HD, W, row0, T, lane);
@@ -214,10 +249,20 @@ __global__ void __launch_bounds__(kThreads)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
   for (int kt = 0; kt <= q_tile; ++kt) {
-    __syncthreads();  // the previous tile's reads are done
-    stage_tile<HD>(k_s, qkv_b + (NH + g) * HD, W, kt * kTile, T);
-    stage_tile<HD>(v_s, qkv_b + (NH + NKV + g) * HD, W, kt * kTile, T);
+    // two buffers: tile kt + 1 is copied while this one is used (its buffer was last read in
+    // iteration kt - 1, which every warp has left: the barrier at the end of the loop); one buffer:
+    // copy, wait, use
+    if (kS == 2) {
+      if (kt < q_tile) stage(kt + 1);
+      else cp_async_commit();  // (an empty group keeps the count: wait<1> below then waits for kt)
+      cp_async_wait<1>();
+    } else {
+      stage(kt);
+      cp_async_wait<0>();
+    }
     __syncthreads();
+    const bf16* k_s = k_buf[kt % kS];
+    const bf16* v_s = v_buf[kt % kS];
     // S (16 x 64 per warp) = Q K^T
     float s[kTile / 8][4];
 #pragma unroll
@@ -278,6 +323,7 @@ __global__ void __launch_bounds__(kThreads)
         mma_block<kStride, false>(o[2 * dn], o[2 * dn + 1], pa, v_s, kc * 16, dn * 16, lane);
       }
     }
+    __syncthreads();  // every warp is done with this buffer before it is staged again
   }
   // the quad's partial row sums (a fixed butterfly), then out = acc / l and lse = m + log(l)
 #pragma unroll
@@ -330,18 +376,24 @@ __global__ void attention_dsum_kernel(float* dsum, const float* dout, const floa
 // Each dq element is added to dqkv by the one lane that holds it.
 template <int HD>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dq_kernel(float* dqkv, const float* dout, const float* qkv, const float* lse,
+    attention_backward_dq_kernel(float* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
                                  const float* dsum, int T, int NH, int NKV, float scale) {
-  constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16;
-  __shared__ __align__(16) bf16 k_s[kTile * kStride];
-  __shared__ __align__(16) bf16 v_s[kTile * kStride];
+  constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
+  __shared__ __align__(16) bf16 k_buf[kS][kTile * kStride];
+  __shared__ __align__(16) bf16 v_buf[kS][kTile * kStride];
   const int b = blockIdx.x / NH, h = blockIdx.x % NH, g = h / (NH / NKV);
   const int q_tile = static_cast<int>(gridDim.y) - 1 - static_cast<int>(blockIdx.y);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
   const int64_t W = static_cast<int64_t>(NH + 2 * NKV) * HD, C = static_cast<int64_t>(NH) * HD;
-  const float* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
+  const bf16* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
   const int row0 = q_tile * kTile + warp * kWarpRows;
   const int rows[2] = {row0 + gid, row0 + gid + 8};
+  auto stage = [&](int kt) {  // K and V of key tile kt into buffer kt % kS
+    stage_tile_async<HD>(k_buf[kt % kS], qkv_b + (NH + g) * HD, W, kt * kTile, T);
+    stage_tile_async<HD>(v_buf[kt % kS], qkv_b + (NH + NKV + g) * HD, W, kt * kTile, T);
+    cp_async_commit();
+  };
+  if (kS == 2) stage(0);
   float row_lse[2], row_dsum[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -357,10 +409,17 @@ __global__ void __launch_bounds__(kThreads)
   for (int n = 0; n < kDn; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
 
   for (int kt = 0; kt <= q_tile; ++kt) {
+    if (kS == 2) {  // (as in the forward kernel)
+      if (kt < q_tile) stage(kt + 1);
+      else cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      stage(kt);
+      cp_async_wait<0>();
+    }
     __syncthreads();
-    stage_tile<HD>(k_s, qkv_b + (NH + g) * HD, W, kt * kTile, T);
-    stage_tile<HD>(v_s, qkv_b + (NH + NKV + g) * HD, W, kt * kTile, T);
-    __syncthreads();
+    const bf16* k_s = k_buf[kt % kS];
+    const bf16* v_s = v_buf[kt % kS];
     const bool diagonal = kt == q_tile;
 #pragma unroll
     for (int kc = 0; kc < kTile / 16; ++kc) {
@@ -389,6 +448,7 @@ __global__ void __launch_bounds__(kThreads)
         mma_block<kStride, false>(dq[2 * dn], dq[2 * dn + 1], dsa, k_s, kc * 16, dn * 16, lane);
       }
     }
+    __syncthreads();  // every warp is done with this buffer before it is staged again
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -413,22 +473,38 @@ __global__ void __launch_bounds__(kThreads)
 // that holds it.
 template <int HD>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dkdv_kernel(float* dqkv, const float* dout, const float* qkv,
+    attention_backward_dkdv_kernel(float* dqkv, const bf16* dout, const bf16* qkv,
                                    const float* lse, const float* dsum, int T, int NH, int NKV,
                                    float scale) {
-  constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16;
-  __shared__ __align__(16) bf16 q_s[kTile * kStride];
-  __shared__ __align__(16) bf16 do_s[kTile * kStride];
-  __shared__ float lse_s[kTile], dsum_s[kTile];
+  constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
+  __shared__ __align__(16) bf16 q_buf[kS][kTile * kStride];
+  __shared__ __align__(16) bf16 do_buf[kS][kTile * kStride];
+  __shared__ float lse_buf[kS][kTile], dsum_buf[kS][kTile];
   const int b = blockIdx.x / NKV, g = blockIdx.x % NKV, group = NH / NKV;
   const int k_tile = static_cast<int>(blockIdx.y);
   const int q_tiles = (T + kTile - 1) / kTile;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
   const int64_t W = static_cast<int64_t>(NH + 2 * NKV) * HD, C = static_cast<int64_t>(NH) * HD;
-  const float* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
-  const float* dout_b = dout + static_cast<int64_t>(b) * T * C;
+  const bf16* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
+  const bf16* dout_b = dout + static_cast<int64_t>(b) * T * C;
   const int key0 = k_tile * kTile + warp * kWarpRows;
   const int keys[2] = {key0 + gid, key0 + gid + 8};
+  // iteration it: query head g * group + it / n_qt, query tile k_tile + it % n_qt (the heads of the
+  // group in increasing order, each from the diagonal tile on: the order of the sums)
+  const int n_qt = q_tiles - k_tile, n_it = group * n_qt;
+  auto stage = [&](int it) {  // Q, dO, lse and dsum of iteration it into buffer it % kS
+    const int h = g * group + it / n_qt, qt = k_tile + it % n_qt, buf = it % kS;
+    stage_tile_async<HD>(q_buf[buf], qkv_b + h * HD, W, qt * kTile, T);
+    stage_tile_async<HD>(do_buf[buf], dout_b + h * HD, C, qt * kTile, T);
+    cp_async_commit();
+    for (int r = threadIdx.x; r < kTile; r += kThreads) {  // (plain loads: 64 floats)
+      const int t = qt * kTile + r;
+      const int64_t i = (static_cast<int64_t>(b) * NH + h) * T + t;
+      lse_buf[buf][r] = t < T ? lse[i] : 0.0f;
+      dsum_buf[buf][r] = t < T ? dsum[i] : 0.0f;
+    }
+  };
+  if (kS == 2) stage(0);
   uint32_t ka[kDk][4], va[kDk][4];
   load_a_rows<HD>(ka, qkv_b + (NH + g) * HD, W, key0, T, lane);
   load_a_rows<HD>(va, qkv_b + (NH + NKV + g) * HD, W, key0, T, lane);
@@ -439,50 +515,53 @@ __global__ void __launch_bounds__(kThreads)
     dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
   }
 
-  for (int h = g * group; h < (g + 1) * group; ++h) {
-    for (int qt = k_tile; qt < q_tiles; ++qt) {
-      __syncthreads();
-      stage_tile<HD>(q_s, qkv_b + h * HD, W, qt * kTile, T);
-      stage_tile<HD>(do_s, dout_b + h * HD, C, qt * kTile, T);
-      for (int r = threadIdx.x; r < kTile; r += kThreads) {
-        const int t = qt * kTile + r;
-        const int64_t i = (static_cast<int64_t>(b) * NH + h) * T + t;
-        lse_s[r] = t < T ? lse[i] : 0.0f;
-        dsum_s[r] = t < T ? dsum[i] : 0.0f;
+  for (int it = 0; it < n_it; ++it) {
+    if (kS == 2) {  // (as in the forward kernel)
+      if (it + 1 < n_it) stage(it + 1);
+      else cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      stage(it);
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int qt = k_tile + it % n_qt, buf = it % kS;
+    const bf16* q_s = q_buf[buf];
+    const bf16* do_s = do_buf[buf];
+    const float* lse_s = lse_buf[buf];
+    const float* dsum_s = dsum_buf[buf];
+    const bool diagonal = qt == k_tile;
+#pragma unroll
+    for (int qc = 0; qc < kTile / 16; ++qc) {
+      // query rows qt*64 + 16qc.. are all before this warp's keys, or all past T: nothing to add
+      if ((diagonal && qc < warp) || qt * kTile + qc * 16 >= T) continue;
+      float st[2][4] = {}, dpt[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < kDk; ++kk) {
+        mma_block<kStride, true>(st[0], st[1], ka[kk], q_s, qc * 16, kk * 16, lane);
+        mma_block<kStride, true>(dpt[0], dpt[1], va[kk], do_s, qc * 16, kk * 16, lane);
       }
-      __syncthreads();
-      const bool diagonal = qt == k_tile;
+      float p[2][4], ds[2][4];
 #pragma unroll
-      for (int qc = 0; qc < kTile / 16; ++qc) {
-        // query rows qt*64 + 16qc.. are all before this warp's keys, or all past T: nothing to add
-        if ((diagonal && qc < warp) || qt * kTile + qc * 16 >= T) continue;
-        float st[2][4] = {}, dpt[2][4] = {};
+      for (int n = 0; n < 2; ++n)
 #pragma unroll
-        for (int kk = 0; kk < kDk; ++kk) {
-          mma_block<kStride, true>(st[0], st[1], ka[kk], q_s, qc * 16, kk * 16, lane);
-          mma_block<kStride, true>(dpt[0], dpt[1], va[kk], do_s, qc * 16, kk * 16, lane);
+        for (int e = 0; e < 4; ++e) {
+          const int qr = qc * 16 + n * 8 + 2 * tig + (e & 1), t = qt * kTile + qr;
+          const bool masked = t >= T || keys[e >> 1] > t;
+          const float pe = exp_via_exp2(__fsub_rn(__fmul_rn(st[n][e], scale), lse_s[qr]));
+          p[n][e] = masked ? 0.0f : pe;
+          ds[n][e] = masked ? 0.0f : __fmul_rn(pe, __fsub_rn(dpt[n][e], dsum_s[qr]));
         }
-        float p[2][4], ds[2][4];
+      uint32_t pa[4], dsa[4];
+      accumulators_to_a(pa, p[0], p[1]);
+      accumulators_to_a(dsa, ds[0], ds[1]);
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int qr = qc * 16 + n * 8 + 2 * tig + (e & 1), t = qt * kTile + qr;
-            const bool masked = t >= T || keys[e >> 1] > t;
-            const float pe = exp_via_exp2(__fsub_rn(__fmul_rn(st[n][e], scale), lse_s[qr]));
-            p[n][e] = masked ? 0.0f : pe;
-            ds[n][e] = masked ? 0.0f : __fmul_rn(pe, __fsub_rn(dpt[n][e], dsum_s[qr]));
-          }
-        uint32_t pa[4], dsa[4];
-        accumulators_to_a(pa, p[0], p[1]);
-        accumulators_to_a(dsa, ds[0], ds[1]);
-#pragma unroll
-        for (int dn = 0; dn < HD / 16; ++dn) {
-          mma_block<kStride, false>(dv[2 * dn], dv[2 * dn + 1], pa, do_s, qc * 16, dn * 16, lane);
-          mma_block<kStride, false>(dk[2 * dn], dk[2 * dn + 1], dsa, q_s, qc * 16, dn * 16, lane);
-        }
+      for (int dn = 0; dn < HD / 16; ++dn) {
+        mma_block<kStride, false>(dv[2 * dn], dv[2 * dn + 1], pa, do_s, qc * 16, dn * 16, lane);
+        mma_block<kStride, false>(dk[2 * dn], dk[2 * dn + 1], dsa, q_s, qc * 16, dn * 16, lane);
       }
     }
+    __syncthreads();  // every warp is done with this buffer before it is staged again
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -503,7 +582,57 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- host side ----------------------------------------------------------------------------------
 
-void require_attention_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+void require_aligned(const char* op, const char* tensor, const void* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
+    throw std::invalid_argument(std::string(op) + ": " + tensor +
+                                " must be 16-byte aligned (vector and cp.async loads)");
+}
+
+// dst (n FP32 values, n % 4 == 0) as BF16 bits.
+void to_bf16(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
+  const int64_t n4 = n / 4;
+  const int64_t blocks = (n4 + 255) / 256;
+  to_bf16_kernel<<<static_cast<unsigned>(blocks < 132 * 32 ? (blocks > 0 ? blocks : 1) : 132 * 32), 256, 0, stream>>>(
+      dst, src, n4);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+template <int HD>
+void forward_for(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t NH,
+                 int64_t NKV, cudaStream_t stream) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));  // as the emulator, on the host
+  const dim3 grid(static_cast<unsigned>(B * NH), static_cast<unsigned>((T + kTile - 1) / kTile));
+  attention_forward_kernel<HD><<<grid, kThreads, 0, stream>>>(
+      out, lse, qkv, static_cast<int>(T), static_cast<int>(NH), static_cast<int>(NKV), scale);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+template <int HD>
+void backward_for(float* dqkv, float* dsum, const float* dout, const bf16* dout16, const bf16* qkv16,
+                  const float* out, const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                  cudaStream_t stream) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+  const int64_t rows = B * T * NH, tiles = (T + kTile - 1) / kTile;
+  const int64_t dsum_blocks = (rows + kDsumThreads - 1) / kDsumThreads;
+  attention_dsum_kernel<HD>
+      <<<static_cast<unsigned>(dsum_blocks < 65536 ? dsum_blocks : 65536), kDsumThreads, 0,
+         stream>>>(dsum, dout, out, rows, static_cast<int>(T), static_cast<int>(NH));
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  attention_backward_dkdv_kernel<HD>
+      <<<dim3(static_cast<unsigned>(B * NKV), static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
+          dqkv, dout16, qkv16, lse, dsum, static_cast<int>(T), static_cast<int>(NH),
+          static_cast<int>(NKV), scale);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  attention_backward_dq_kernel<HD>
+      <<<dim3(static_cast<unsigned>(B * NH), static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
+          dqkv, dout16, qkv16, lse, dsum, static_cast<int>(T), static_cast<int>(NH),
+          static_cast<int>(NKV), scale);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                              int64_t HD) {
   if (HD != 16 && HD != 32 && HD != 64 && HD != 128)
     throw std::invalid_argument(std::string(op) + ": head dim HD=" + std::to_string(HD) +
@@ -521,90 +650,58 @@ void require_attention_shape(const char* op, int64_t B, int64_t T, int64_t NH, i
                                 " and B*NH < 2^31 (one CTA per head and 64-row tile)");
 }
 
-void require_aligned(const char* op, const char* tensor, const void* p) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
-    throw std::invalid_argument(std::string(op) + ": " + tensor +
-                                " must be 16-byte aligned (rows are read as float4)");
-}
-
-template <int HD>
-void forward_for(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                 int64_t NKV, cudaStream_t stream) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));  // as the emulator, on the host
-  const dim3 grid(static_cast<unsigned>(B * NH), static_cast<unsigned>((T + kTile - 1) / kTile));
-  attention_forward_kernel<HD><<<grid, kThreads, 0, stream>>>(
-      out, lse, qkv, static_cast<int>(T), static_cast<int>(NH), static_cast<int>(NKV), scale);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-template <int HD>
-void backward_for(float* dqkv, float* dsum, const float* dout, const float* qkv, const float* out,
-                  const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                  cudaStream_t stream) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
-  const int64_t rows = B * T * NH, tiles = (T + kTile - 1) / kTile;
-  const int64_t dsum_blocks = (rows + kDsumThreads - 1) / kDsumThreads;
-  attention_dsum_kernel<HD>
-      <<<static_cast<unsigned>(dsum_blocks < 65536 ? dsum_blocks : 65536), kDsumThreads, 0,
-         stream>>>(dsum, dout, out, rows, static_cast<int>(T), static_cast<int>(NH));
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  attention_backward_dkdv_kernel<HD>
-      <<<dim3(static_cast<unsigned>(B * NKV), static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
-          dqkv, dout, qkv, lse, dsum, static_cast<int>(T), static_cast<int>(NH),
-          static_cast<int>(NKV), scale);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  attention_backward_dq_kernel<HD>
-      <<<dim3(static_cast<unsigned>(B * NH), static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
-          dqkv, dout, qkv, lse, dsum, static_cast<int>(T), static_cast<int>(NH),
-          static_cast<int>(NKV), scale);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-}  // namespace
-
-void attention_forward_launch(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
+void attention_forward_launch(float* out, float* lse, const float* qkv, uint16_t* qkv16, int64_t B, int64_t T,
                               int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream) {
-  require_attention_shape("attention_forward", B, T, NH, NKV, HD);
+  attention_check_shape("attention_forward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
   require_aligned("attention_forward", "qkv", qkv);
   require_aligned("attention_forward", "out", out);
+  require_aligned("attention_forward", "qkv16 (scratch)", qkv16);
+  bf16* q16 = reinterpret_cast<bf16*>(qkv16);
+  to_bf16(q16, qkv, B * T * (NH + 2 * NKV) * HD, stream);
   switch (HD) {
     case 16:
-      forward_for<16>(out, lse, qkv, B, T, NH, NKV, stream);
+      forward_for<16>(out, lse, q16, B, T, NH, NKV, stream);
       break;
     case 32:
-      forward_for<32>(out, lse, qkv, B, T, NH, NKV, stream);
+      forward_for<32>(out, lse, q16, B, T, NH, NKV, stream);
       break;
     case 64:
-      forward_for<64>(out, lse, qkv, B, T, NH, NKV, stream);
+      forward_for<64>(out, lse, q16, B, T, NH, NKV, stream);
       break;
     default:
-      forward_for<128>(out, lse, qkv, B, T, NH, NKV, stream);
+      forward_for<128>(out, lse, q16, B, T, NH, NKV, stream);
       break;
   }
 }
 
 void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv,
-                               const float* out, const float* lse, int64_t B, int64_t T, int64_t NH,
-                               int64_t NKV, int64_t HD, cudaStream_t stream) {
-  require_attention_shape("attention_backward", B, T, NH, NKV, HD);
+                               const float* out, const float* lse, uint16_t* qkv16, uint16_t* dout16,
+                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream) {
+  attention_check_shape("attention_backward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
   require_aligned("attention_backward", "dqkv", dqkv);
   require_aligned("attention_backward", "dout", dout);
   require_aligned("attention_backward", "qkv", qkv);
   require_aligned("attention_backward", "out", out);
+  require_aligned("attention_backward", "qkv16 (scratch)", qkv16);
+  require_aligned("attention_backward", "dout16 (scratch)", dout16);
+  bf16* q16 = reinterpret_cast<bf16*>(qkv16);
+  bf16* d16 = reinterpret_cast<bf16*>(dout16);
+  to_bf16(q16, qkv, B * T * (NH + 2 * NKV) * HD, stream);
+  to_bf16(d16, dout, B * T * NH * HD, stream);
   switch (HD) {
     case 16:
-      backward_for<16>(dqkv, dsum, dout, qkv, out, lse, B, T, NH, NKV, stream);
+      backward_for<16>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, stream);
       break;
     case 32:
-      backward_for<32>(dqkv, dsum, dout, qkv, out, lse, B, T, NH, NKV, stream);
+      backward_for<32>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, stream);
       break;
     case 64:
-      backward_for<64>(dqkv, dsum, dout, qkv, out, lse, B, T, NH, NKV, stream);
+      backward_for<64>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, stream);
       break;
     default:
-      backward_for<128>(dqkv, dsum, dout, qkv, out, lse, B, T, NH, NKV, stream);
+      backward_for<128>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, stream);
       break;
   }
 }

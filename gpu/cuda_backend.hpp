@@ -161,12 +161,17 @@ void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const
 // Causal attention with grouped KV heads (gpu/attention.cu): FlashAttention-2 kernels on
 // mma.sync BF16 -> FP32, the contract of emu/layers.hpp's attention_forward/backward within a bound
 // (tests/gpu/test_layers_gpu.cpp). HD in {16, 32, 64, 128}, else std::invalid_argument. dsum
-// (B,NH,T): the backward pass's scratch for rowsum(dout * out).
-void attention_forward_launch(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
+// (B,NH,T): the backward pass's scratch for rowsum(dout * out). qkv16 (and dout16): scratch for the
+// BF16 copies of qkv (and dout) the kernels read, as many elements as the FP32 tensors, 16-byte
+// aligned.
+// The launchers' shape checks (HD, NH/NKV, T's tile count), std::invalid_argument naming `op`:
+// callers run them before sizing scratch from the shape.
+void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD);
+void attention_forward_launch(float* out, float* lse, const float* qkv, uint16_t* qkv16, int64_t B, int64_t T,
                               int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream);
 void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv,
-                               const float* out, const float* lse, int64_t B, int64_t T,
-                               int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream);
+                               const float* out, const float* lse, uint16_t* qkv16, uint16_t* dout16,
+                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream);
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream);
 

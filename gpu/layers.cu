@@ -739,6 +739,7 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch bf16_a, bf16_b, bf16_c;       // BF16 operands of the matmuls
   training_ops::DeviceScratch columns;                      // partial column sums
   training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O) (B,NH,T)
+  training_ops::DeviceScratch att_qkv16, att_dout16;        // attention's BF16 copies of qkv and dout
   training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
   training_ops::DeviceScratch sums;                         // sum_squares partials and results
   training_ops::DeviceScratch segments;                     // sum_squares (offset, count) pairs
@@ -1008,7 +1009,10 @@ void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, in
                                     int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec) {
   require_heads("attention_forward", NH, NKV, HD);
   require_bf16_attention("attention_forward", prec);
-  attention_forward_launch(out, lse, qkv, B, T, NH, NKV, HD, stream_);
+  attention_check_shape("attention_forward", B, T, NH, NKV, HD);  // before any scratch is sized
+  const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
+  uint16_t* qkv16 = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
+  attention_forward_launch(out, lse, qkv, qkv16, B, T, NH, NKV, HD, stream_);
 }
 
 void CudaBackend::attention_backward(float* dqkv, const float* dout, const float* qkv,
@@ -1016,9 +1020,14 @@ void CudaBackend::attention_backward(float* dqkv, const float* dout, const float
                                      int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec) {
   require_heads("attention_backward", NH, NKV, HD);
   require_bf16_attention("attention_backward", prec);
+  attention_check_shape("attention_backward", B, T, NH, NKV, HD);  // before any scratch is sized
   if (B * T == 0) return;
-  float* dsum = layers_state().att_dsum.get<float>(static_cast<size_t>(B * NH * T), stream_);
-  attention_backward_launch(dqkv, dsum, dout, qkv, out, lse, B, T, NH, NKV, HD, stream_);
+  LayersState& st = layers_state();
+  float* dsum = st.att_dsum.get<float>(static_cast<size_t>(B * NH * T), stream_);
+  const size_t bt = B > 0 && T > 0 ? static_cast<size_t>(B * T) : 0;  // (B * T == 0 returned above)
+  uint16_t* qkv16 = st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
+  uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
+  attention_backward_launch(dqkv, dsum, dout, qkv, out, lse, qkv16, dout16, B, T, NH, NKV, HD, stream_);
 }
 
 void CudaBackend::rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
