@@ -90,6 +90,34 @@ __device__ __forceinline__ void fp8_load4(const T* x, const Fp8TileArgs& a, int6
   }
 }
 
+// One warp's row of a tile after its load: the tile max, the shared-memory copy (when needed) and
+// the row-wise 1x128 block from registers (row_now).
+__device__ __forceinline__ void fp8_row_chunk(const Fp8TileArgs& a, const float (&v)[4], int tr, int64_t r,
+                                              int64_t c, int64_t c0, int lane, bool need_tile, bool row_now,
+                                              float* tile, float& m) {
+  float mb = 0.0f;
+  FP4SIM_UNROLL
+  for (int k = 0; k < 4; ++k) mb = fmax_nan_ignored(mb, f32_abs(v[k]));
+  m = fmax_nan_ignored(m, mb);
+  if (need_tile) {
+    FP4SIM_UNROLL
+    for (int k = 0; k < 4; ++k) tile[tr * kFp8TilePitch + 4 * lane + k] = v[k];
+  }
+  if (row_now && r < a.rows) {  // (r is the same for the whole warp: the shuffles are safe)
+    const float enc = fp8_block_encode_scale(warp_max_nan_ignored(mb));
+    uint32_t packed = 0;
+    FP4SIM_UNROLL
+    for (int k = 0; k < 4; ++k) packed |= static_cast<uint32_t>(fp8_quantize_element(v[k], enc)) << (8 * k);
+    uint8_t* dst = a.row.codes + r * a.cols + c;
+    if (c + 4 <= a.cols) {
+      *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
+    } else {
+      for (int k = 0; k < 4 && c + k < a.cols; ++k) dst[k] = static_cast<uint8_t>(packed >> (8 * k));
+    }
+    if (lane == 0) reinterpret_cast<float*>(a.row.scales)[r * (a.cols / kFp8Block) + c0 / kFp8Block] = fdiv_rn(1.0f, enc);
+  }
+}
+
 // Warp w reads tile rows w, w + 8, ..., lane l the four elements 4l..4l+3 of each (coalesced
 // 16-byte loads). A 1x128 row-wise block is then one warp's registers: its amax by shuffles, its
 // four codes per lane written as one 4-byte store, so the row-wise copy never goes through shared
@@ -104,30 +132,20 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
   const bool row_now = a.row.codes && !a.two_d;  // row-wise 1x128 from registers
   const bool need_tile = a.col.codes || (a.row.codes && a.two_d);
   float m = 0.0f;
-  for (int tr = warp; tr < kFp8Block; tr += kFp8TileThreads / 32) {
-    const int64_t r = r0 + tr, c = c0 + 4 * lane;
-    float v[4];
-    fp8_load4(x, a, r, c, v);
-    float mb = 0.0f;
+  // rows in groups of kGroup, each group's loads issued before any is used (memory parallelism: a
+  // warp would otherwise wait for one row's load before it asks for the next)
+  constexpr int kWarpsPerTile = kFp8TileThreads / 32, kGroup = 4;
+#pragma unroll 1
+  for (int g = 0; g < kFp8Block / (kWarpsPerTile * kGroup); ++g) {
+    float v[kGroup][4];
     FP4SIM_UNROLL
-    for (int k = 0; k < 4; ++k) mb = fmax_nan_ignored(mb, f32_abs(v[k]));
-    m = fmax_nan_ignored(m, mb);
-    if (need_tile) {
-      FP4SIM_UNROLL
-      for (int k = 0; k < 4; ++k) tile[tr * kFp8TilePitch + 4 * lane + k] = v[k];
-    }
-    if (row_now && r < a.rows) {
-      const float enc = fp8_block_encode_scale(warp_max_nan_ignored(mb));
-      uint32_t packed = 0;
-      FP4SIM_UNROLL
-      for (int k = 0; k < 4; ++k) packed |= static_cast<uint32_t>(fp8_quantize_element(v[k], enc)) << (8 * k);
-      uint8_t* dst = a.row.codes + r * a.cols + c;
-      if (c + 4 <= a.cols) {
-        *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
-      } else {
-        for (int k = 0; k < 4 && c + k < a.cols; ++k) dst[k] = static_cast<uint8_t>(packed >> (8 * k));
-      }
-      if (lane == 0) reinterpret_cast<float*>(a.row.scales)[r * (a.cols / kFp8Block) + c0 / kFp8Block] = fdiv_rn(1.0f, enc);
+    for (int u = 0; u < kGroup; ++u)
+      fp8_load4(x, a, r0 + warp + kWarpsPerTile * (g * kGroup + u), c0 + 4 * lane, v[u]);
+    FP4SIM_UNROLL
+    for (int u = 0; u < kGroup; ++u) {
+      const int tr = warp + kWarpsPerTile * (g * kGroup + u);
+      const int64_t r = r0 + tr, c = c0 + 4 * lane;
+      fp8_row_chunk(a, v[u], tr, r, c, c0, lane, need_tile, row_now, tile, m);
     }
   }
   m = warp_max_nan_ignored(m);
@@ -148,13 +166,43 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
     }
   }
   // column-wise: input column c0 + tc is written row c0 + tc, its elements r0.. at columns r0..
+  // Two columns (tc, tc + 8) per warp and iteration, their loads, shuffles and stores interleaved
+  // (one column's chain of shuffle, scale and store latencies would otherwise run alone).
   if (a.col.codes) {
     float* scales = reinterpret_cast<float*>(a.col.scales);
-    for (int tc = warp; tc < kFp8Block; tc += kFp8TileThreads / 32) {
-      const int64_t c = c0 + tc;
-      if (c >= a.cols) break;
-      fp8_quantize_line(tile + tc, kFp8TilePitch, a.two_d, tile_amax, a.col.codes + c * a.rows + r0,
-                        scales + c * (a.rows / kFp8Block) + r0 / kFp8Block, lane);
+#pragma unroll 1
+    for (int jj = 0; jj < kFp8Block / (2 * kWarpsPerTile); ++jj) {
+      const int tc0 = warp + 2 * kWarpsPerTile * jj, tc1 = tc0 + kWarpsPerTile;
+      const int64_t cc0 = c0 + tc0, cc1 = c0 + tc1;
+      if (cc0 >= a.cols) break;
+      const bool second = cc1 < a.cols;  // (warp-uniform; past the last column the tile holds zeros)
+      float v0[kFp8Block / 32], v1[kFp8Block / 32];
+      float mb0 = 0.0f, mb1 = 0.0f;
+      FP4SIM_UNROLL
+      for (int j = 0; j < kFp8Block / 32; ++j) {
+        v0[j] = tile[(lane + 32 * j) * kFp8TilePitch + tc0];
+        v1[j] = tile[(lane + 32 * j) * kFp8TilePitch + tc1];
+        mb0 = fmax_nan_ignored(mb0, f32_abs(v0[j]));
+        mb1 = fmax_nan_ignored(mb1, f32_abs(v1[j]));
+      }
+      FP4SIM_UNROLL
+      for (int off = 16; off > 0; off >>= 1) {
+        mb0 = fmax_nan_ignored(mb0, __shfl_xor_sync(0xFFFFFFFFu, mb0, off));
+        mb1 = fmax_nan_ignored(mb1, __shfl_xor_sync(0xFFFFFFFFu, mb1, off));
+      }
+      const float enc0 = fp8_block_encode_scale(a.two_d ? tile_amax : mb0);
+      const float enc1 = fp8_block_encode_scale(a.two_d ? tile_amax : mb1);
+      uint8_t* dst0 = a.col.codes + cc0 * a.rows + r0;
+      uint8_t* dst1 = a.col.codes + cc1 * a.rows + r0;
+      FP4SIM_UNROLL
+      for (int j = 0; j < kFp8Block / 32; ++j) {
+        dst0[lane + 32 * j] = fp8_quantize_element(v0[j], enc0);
+        if (second) dst1[lane + 32 * j] = fp8_quantize_element(v1[j], enc1);
+      }
+      if (lane == 0) {
+        scales[cc0 * (a.rows / kFp8Block) + r0 / kFp8Block] = fdiv_rn(1.0f, enc0);
+        if (second) scales[cc1 * (a.rows / kFp8Block) + r0 / kFp8Block] = fdiv_rn(1.0f, enc1);
+      }
     }
   }
 }
