@@ -140,7 +140,7 @@ FP4SIM_HD uint8_t e2m1_rs_satfinite_scaled(float y, uint8_t r) {
   const bool below2 = a < 0x40000000u, below4 = a < 0x40800000u;
   const float scale = below2 ? 512.0f : (below4 ? 256.0f : 128.0f);
   const uint32_t first = below2 ? 0u : (below4 ? 2u : 4u);
-  const uint32_t f = static_cast<uint32_t>(fmul_rn(big ? 0.0f : f32_from_bits(a), scale));  // < 768
+  const uint32_t f = static_cast<uint32_t>(fmul_rn(big ? 0.0f : f32_from_bits(a), scale));  // < 1024
   const uint32_t code = big ? E2M1::kMaxMagCode : (f >> 8) + first + (((f & 0xFFu) + r) >> 8);
   return a > 0x7F800000u ? kE2M1NaNCode : static_cast<uint8_t>(sign | code);
 }
