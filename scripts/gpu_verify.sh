@@ -14,7 +14,23 @@ mkdir -p "$base/tests" "$base/recipes" "$base/profile"
 echo "== 1/3 GPU tests"
 SKIP_EMU=1 OUT=$base/tests scripts/gpu_session.sh quick 2>&1 | tail -6
 echo "== 2/3 recipes"
-RUNS=${RUNS:-3} OUT=$base/recipes scripts/gpu_session.sh recipes 2>&1 | tail -7
+RUNS=${RUNS:-3} OUT=$base/recipes scripts/gpu_session.sh recipes 2>&1 | tail -7 | tee "$base/recipes/summary.txt"
+# the issue bars as ratios, from the summary lines above (fp8 >= 1.05x and nvfp4 >= 0.85x BF16,
+# BF16 >= 1.0x torch.compile)
+python3 - "$base/recipes/summary.txt" <<'PY'
+import re, sys
+txt = open(sys.argv[1]).read()
+med = {r: float(m) for r, m in re.findall(r"gpt2-124m (\w+) cublaslt tok/s \(runs:[^)]*\) median ([0-9.]+)", txt)}
+torch = re.search(r"tokens_per_s=([0-9.]+)", txt)
+bf = med.get("bf16")
+if bf:
+    for r, bar in (("fp8", 1.05), ("nvfp4", 0.85)):
+        if r in med:
+            print(f"ratio {r}/bf16 = {med[r] / bf:.3f} (bar {bar}: {'met' if med[r] / bf >= bar else 'not met'})")
+    if torch:
+        t = float(torch.group(1))
+        print(f"ratio bf16/torch.compile = {bf / t:.3f} (bar 1.0: {'met' if bf >= t else 'not met'})")
+PY
 [ -n "${SKIP_PROFILE:-}" ] || echo "== 3/3 profile (${PROFILE_RECIPE:-bf16})"
 [ -n "${SKIP_PROFILE:-}" ] || SKIP_STATS=1 RECIPE=${PROFILE_RECIPE:-bf16} OUT=$base/profile scripts/gpu_session.sh trainprofile 2>&1 | grep -v "^fp4sim\|^backends\|^default\|^CUDA\|^GPU\|^compiler\|^OpenMP\|^libraries\|^fp build\|^name\|^NVIDIA" | tail -40
 if [ -n "${BENCH_QUANT:-}" ]; then
