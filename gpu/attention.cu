@@ -162,6 +162,24 @@ __device__ __forceinline__ void cp_async_wait() {
 template <int HD>
 constexpr int kStages = HD <= 64 ? 2 : 1;
 
+// The top of iteration i of n of a staged loop: with two buffers, start copying i + 1 (or, on the
+// last iteration, commit an empty group, so that wait<1> still means "all but the newest") and wait
+// for i, whose copy began an iteration earlier; with one buffer, copy i and wait for it. Then the
+// barrier that makes the copies visible to every warp. The buffer i + 1 goes to was last read in
+// iteration i - 1, which every warp has left: the loops end with a barrier.
+template <int kS, class Stage>
+__device__ __forceinline__ void staged_acquire(int i, int n, const Stage& stage) {
+  if (kS == 2) {
+    if (i + 1 < n) stage(i + 1);
+    else cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    stage(i);
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
 // Rows row0..row0+kTile-1 of one head (HD BF16 columns starting at src, rows row_stride apart) into
 // a shared tile, asynchronously; rows >= T are zeros. The caller commits and waits.
 template <int HD>
@@ -249,18 +267,7 @@ __global__ void __launch_bounds__(kThreads)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
   for (int kt = 0; kt <= q_tile; ++kt) {
-    // two buffers: tile kt + 1 is copied while this one is used (its buffer was last read in
-    // iteration kt - 1, which every warp has left: the barrier at the end of the loop); one buffer:
-    // copy, wait, use
-    if (kS == 2) {
-      if (kt < q_tile) stage(kt + 1);
-      else cp_async_commit();  // (an empty group keeps the count: wait<1> below then waits for kt)
-      cp_async_wait<1>();
-    } else {
-      stage(kt);
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    staged_acquire<kS>(kt, q_tile + 1, stage);  // tile kt + 1 is copied while this one is used
     const bf16* k_s = k_buf[kt % kS];
     const bf16* v_s = v_buf[kt % kS];
     // S (16 x 64 per warp) = Q K^T
@@ -409,15 +416,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int n = 0; n < kDn; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
 
   for (int kt = 0; kt <= q_tile; ++kt) {
-    if (kS == 2) {  // (as in the forward kernel)
-      if (kt < q_tile) stage(kt + 1);
-      else cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      stage(kt);
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    staged_acquire<kS>(kt, q_tile + 1, stage);
     const bf16* k_s = k_buf[kt % kS];
     const bf16* v_s = v_buf[kt % kS];
     const bool diagonal = kt == q_tile;
@@ -516,15 +515,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   for (int it = 0; it < n_it; ++it) {
-    if (kS == 2) {  // (as in the forward kernel)
-      if (it + 1 < n_it) stage(it + 1);
-      else cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      stage(it);
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    staged_acquire<kS>(it, n_it, stage);
     const int qt = k_tile + it % n_qt, buf = it % kS;
     const bf16* q_s = q_buf[buf];
     const bf16* do_s = do_buf[buf];
