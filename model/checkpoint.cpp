@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include "emu/contract.hpp"
@@ -29,6 +30,22 @@ int64_t numel(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
+}
+
+// Push a written file to the disk (or throw naming it): a checkpoint is renamed into place only
+// after its files are durable, so a crash or power loss leaves the previous one intact.
+void sync_file(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw std::runtime_error(path.string() + ": cannot reopen to sync it");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw std::runtime_error(path.string() + ": fsync failed (disk full or I/O error?)");
+}
+
+// The step number of a checkpoint folder name step_NNNNNNNN.
+int64_t checkpoint_step(const std::string& path) {
+  const std::string name = fs::path(path).filename().string();
+  return std::stoll(name.substr(std::strlen("step_")));
 }
 
 constexpr const char* kStateFile = "state.json";
@@ -58,7 +75,8 @@ void write_safetensors(const std::string& path, const TensorMap& tensors,
   out.write(h.data(), static_cast<std::streamsize>(h.size()));
   for (const auto& [name, t] : tensors)
     out.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
-  if (!out) throw std::runtime_error(path + ": write failed");
+  out.close();  // (the last buffered bytes are written here: a full disk shows up now)
+  if (!out) throw std::runtime_error(path + ": write failed (disk full or I/O error?)");
 }
 
 TensorMap read_safetensors(const std::string& path, std::map<std::string, std::string>* metadata) {
@@ -68,7 +86,8 @@ TensorMap read_safetensors(const std::string& path, std::map<std::string, std::s
   uint64_t n = 0;
   in.read(reinterpret_cast<char*>(&n), 8);
   if (in.gcount() != 8 || n > size - 8)
-    throw std::runtime_error(path + ": not a safetensors file (header length " + std::to_string(n) + ")");
+    throw std::runtime_error(path + ": truncated, or not a safetensors file (header length " + std::to_string(n) +
+                             " in a file of " + std::to_string(size) + " bytes)");
   std::string h(n, '\0');
   in.read(h.data(), static_cast<std::streamsize>(n));
   Json header;
@@ -77,27 +96,38 @@ TensorMap read_safetensors(const std::string& path, std::map<std::string, std::s
   } catch (const std::exception& e) {
     throw std::runtime_error(path + ": bad safetensors header (" + e.what() + ")");
   }
+  if (!header.is_object()) throw std::runtime_error(path + ": bad safetensors header (not a JSON object)");
   const uint64_t data_start = 8 + n;
   TensorMap out;
   for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      if (metadata) *metadata = it->get<std::map<std::string, std::string>>();
-      continue;
+    try {
+      if (it.key() == "__metadata__") {
+        if (metadata) *metadata = it->get<std::map<std::string, std::string>>();
+        continue;
+      }
+      StoredTensor t;
+      t.dtype = it->at("dtype").get<std::string>();
+      t.shape = it->at("shape").get<std::vector<int64_t>>();
+      const auto off = it->at("data_offsets").get<std::vector<uint64_t>>();
+      if (dtype_bytes(t.dtype) == 0)
+        throw std::runtime_error("unknown dtype '" + t.dtype + "'");
+      uint64_t bytes = static_cast<uint64_t>(dtype_bytes(t.dtype));
+      for (int64_t d : t.shape)
+        if (d < 0 || __builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes))
+          throw std::runtime_error("impossible shape");
+      if (off.size() != 2 || off[1] < off[0] || off[1] - off[0] != bytes)
+        throw std::runtime_error("offsets do not match its dtype and shape");
+      if (off[1] > size - data_start)
+        throw std::runtime_error("truncated file (the tensor ends " + std::to_string(off[1] - (size - data_start)) +
+                                 " bytes past the end)");
+      t.bytes.resize(off[1] - off[0]);
+      in.seekg(static_cast<std::streamoff>(data_start + off[0]));
+      in.read(reinterpret_cast<char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
+      if (static_cast<uint64_t>(in.gcount()) != t.bytes.size()) throw std::runtime_error("short read");
+      out.emplace(it.key(), std::move(t));
+    } catch (const std::exception& e) {
+      throw std::runtime_error(path + ": tensor '" + it.key() + "': " + e.what());
     }
-    StoredTensor t;
-    t.dtype = it->at("dtype").get<std::string>();
-    t.shape = it->at("shape").get<std::vector<int64_t>>();
-    const auto off = it->at("data_offsets").get<std::vector<uint64_t>>();
-    if (off.size() != 2 || off[1] < off[0] ||
-        off[1] - off[0] != static_cast<uint64_t>(numel(t.shape) * dtype_bytes(t.dtype)))
-      throw std::runtime_error(path + ": tensor '" + it.key() + "' offsets do not match its dtype and shape");
-    if (data_start + off[1] > size)
-      throw std::runtime_error(path + ": truncated (tensor '" + it.key() + "' ends at byte " +
-                               std::to_string(data_start + off[1]) + " of " + std::to_string(size) + ")");
-    t.bytes.resize(off[1] - off[0]);
-    in.seekg(static_cast<std::streamoff>(data_start + off[0]));
-    in.read(reinterpret_cast<char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
-    out.emplace(it.key(), std::move(t));
   }
   return out;
 }
@@ -107,9 +137,12 @@ std::vector<std::string> list_checkpoints(const std::string& dir) {
   if (!fs::is_directory(dir)) return out;
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
-    // complete checkpoints only: step_NNNNNNNN with its state.json (temporaries carry a suffix)
-    if (e.is_directory() && name.rfind(kStepPrefix, 0) == 0 && name.find('.') == std::string::npos &&
-        fs::exists(e.path() / kStateFile))
+    // complete checkpoints only: step_ and digits, with its state.json (temporaries carry a suffix)
+    const size_t np = std::strlen(kStepPrefix);
+    const bool digits = name.size() > np && name.rfind(kStepPrefix, 0) == 0 &&
+                        std::all_of(name.begin() + static_cast<std::ptrdiff_t>(np), name.end(),
+                                    [](char ch) { return ch >= '0' && ch <= '9'; });
+    if (e.is_directory() && digits && fs::exists(e.path() / kStateFile))
       out.push_back(e.path().string());
   }
   std::sort(out.begin(), out.end());
@@ -124,19 +157,35 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
   const fs::path tmp = fs::path(dir) / (std::string(name) + ".tmp-" + std::to_string(::getpid()));
   fs::remove_all(tmp);
   fs::create_directories(tmp);
-  const std::map<std::string, std::string> meta = {{"contract_version", std::to_string(kContractVersion)},
-                                                   {"step", std::to_string(ck.step)}};
-  write_safetensors((tmp / "model.safetensors").string(), ck.model, meta);
-  write_safetensors((tmp / "optimizer.safetensors").string(), ck.optimizer, meta);
-  Json state = ck.state;
-  state["contract_version"] = kContractVersion;
-  state["step"] = ck.step;
-  std::ofstream((tmp / kStateFile).string()) << state.dump(2) << "\n";  // written last
+  try {
+    const std::map<std::string, std::string> meta = {{"contract_version", std::to_string(kContractVersion)},
+                                                     {"step", std::to_string(ck.step)}};
+    write_safetensors((tmp / "model.safetensors").string(), ck.model, meta);
+    write_safetensors((tmp / "optimizer.safetensors").string(), ck.optimizer, meta);
+    Json state = ck.state;
+    state["contract_version"] = kContractVersion;
+    state["step"] = ck.step;
+    std::ofstream st((tmp / kStateFile).string());  // written last
+    st << state.dump(2) << "\n";
+    st.close();
+    if (!st) throw std::runtime_error((tmp / kStateFile).string() + ": write failed (disk full or I/O error?)");
+    for (const char* f : {"model.safetensors", "optimizer.safetensors", kStateFile}) sync_file(tmp / f);
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);  // nothing half-written stays; the previous checkpoints are untouched
+    throw std::runtime_error("checkpoint " + final_dir.string() + " not written (" + e.what() +
+                             "); the earlier checkpoints are untouched");
+  }
   fs::remove_all(final_dir);
   fs::rename(tmp, final_dir);  // the checkpoint appears complete, or not at all
+  sync_file(dir);              // (the rename itself)
+  // keep-last counts this checkpoint and the ones before it; checkpoints of later steps (an
+  // earlier run's, which the trainer refuses to mix with this one) are neither counted nor removed
   if (keep_last > 0) {
-    const std::vector<std::string> all = list_checkpoints(dir);
-    for (size_t i = 0; i + static_cast<size_t>(keep_last) < all.size(); ++i) fs::remove_all(all[i]);
+    std::vector<std::string> older;
+    for (const std::string& c : list_checkpoints(dir))
+      if (checkpoint_step(c) <= ck.step) older.push_back(c);
+    for (size_t i = 0; i + static_cast<size_t>(keep_last) < older.size(); ++i) fs::remove_all(older[i]);
   }
   return final_dir.string();
 }

@@ -232,6 +232,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   int64_t step0 = 0, pos = 0;
   if (!opt.resume.empty()) {
     const Checkpoint ck = load_checkpoint(opt.resume);
+    for (const char* key : {"config", "data_position"})
+      if (!ck.state.contains(key))
+        throw std::runtime_error(opt.resume + ": its state.json has no '" + key + "' (corrupt checkpoint)");
     if (ck.state.at("config") != to_json(c).at("model"))
       throw std::runtime_error(opt.resume + ": the checkpoint's model config differs from this run's");
     step0 = ck.step;
@@ -244,7 +247,12 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     if (ck_shuffle != c.train.shuffle)
       throw std::invalid_argument(opt.resume + " was trained with train.shuffle=" + (ck_shuffle ? "true" : "false") +
                                   "; resume with the same setting");
+    if (!ck.state.at("data_position").is_number_integer())
+      throw std::runtime_error(opt.resume + ": data_position in its state.json is not an integer (corrupt checkpoint)");
     pos = ck.state.at("data_position").get<int64_t>();
+    if (pos < 0 || pos >= static_cast<int64_t>(data.train.tokens.size()))
+      throw std::runtime_error(opt.resume + ": data_position " + std::to_string(pos) + " is outside the training split (" +
+                               std::to_string(data.train.tokens.size()) + " tokens): a corrupt checkpoint, or another corpus");
     std::vector<float> hp(n_params), hm(n_params), hv(n_params);
     for (const ParamTensor& t : model.tensors()) {
       load_stored(ck.model, t.name, hp.data() + t.offset, t.numel(), opt.resume);
@@ -266,7 +274,35 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   };
   if (!opt.dump_dir.empty()) make_dir(opt.dump_dir, "--dump");
   make_dir(c.train.out_dir, "train.out_dir");
-  std::ofstream log(c.train.out_dir + "/log.jsonl", step0 ? std::ios::app : std::ios::trunc);
+  // checkpoints of later steps in this out_dir come from another run (or an abandoned future of
+  // this one): keep-last and `--resume DIR` pick by step, so they would be mixed with this run's
+  if (c.train.checkpoint_every > 0) {
+    std::string later;
+    for (const std::string& ck_dir : list_checkpoints(c.train.out_dir + "/checkpoints"))
+      if (std::stoll(fs::path(ck_dir).filename().string().substr(5)) > step0)
+        later += (later.empty() ? "" : ", ") + fs::path(ck_dir).filename().string();
+    if (!later.empty())
+      throw std::invalid_argument("train.out_dir " + c.train.out_dir + " already holds checkpoints of later steps (" +
+                                  later + ") than this run starts from (step " + std::to_string(step0) +
+                                  "): use another train.out_dir, or remove them");
+  }
+  // on resume, the log keeps the records up to the resumed step (a longer earlier run's later
+  // records would otherwise appear twice)
+  const std::string log_path = c.train.out_dir + "/log.jsonl";
+  if (step0 > 0 && fs::exists(log_path)) {
+    std::ifstream old_log(log_path);
+    std::string kept, text;
+    while (std::getline(old_log, text)) {
+      const nlohmann::json rec = nlohmann::json::parse(text, nullptr, false);
+      if (!rec.is_discarded() && rec.is_object() && rec.value("step", int64_t{0}) <= step0) kept += text + "\n";
+    }
+    old_log.close();
+    std::ofstream trimmed(log_path, std::ios::trunc);
+    trimmed << kept;
+    trimmed.close();
+    if (!trimmed) throw std::runtime_error("train.out_dir " + c.train.out_dir + ": cannot rewrite log.jsonl");
+  }
+  std::ofstream log(log_path, step0 ? std::ios::app : std::ios::trunc);
   if (!log) throw std::runtime_error("train.out_dir " + c.train.out_dir + ": cannot write log.jsonl");
   const int64_t B = c.train.batch, T = c.model.seq_len, A = c.train.grad_accum;
   TrainResult res;
@@ -296,7 +332,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       if (stats_now && mb == 0) model.collect_stats_once();  // the first micro-batch's statistics
       const float mb_loss = model.forward(tok.data(), tgt.data(), B, T, A);
       if (!std::isfinite(mb_loss))
-        throw std::runtime_error("step " + std::to_string(step) + (A > 1 ? " (micro-batch " + std::to_string(mb) + ")" : "") +
+        throw std::runtime_error("step " + std::to_string(step + 1) + (A > 1 ? " (micro-batch " + std::to_string(mb) + ")" : "") +
                                  ": the loss is " + std::to_string(mb_loss));
       loss_sum += mb_loss;
       model.backward(A, mb > 0);
@@ -332,7 +368,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     double sq = 0;
     for (size_t i = 0; i < sums.size(); ++i) {
       if (!std::isfinite(sums[i]))
-        throw std::runtime_error("step " + std::to_string(step) + ": gradient of '" + model.tensors()[i].name +
+        throw std::runtime_error("step " + std::to_string(step + 1) + ": gradient of '" + model.tensors()[i].name +
                                  "' is not finite");
       sq += sums[i];
     }

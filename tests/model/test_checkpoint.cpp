@@ -57,6 +57,56 @@ TEST(Checkpoint, SafetensorsRoundTripAndLayout) {
   fs::remove_all(d);
 }
 
+// keep-last counts the checkpoint just written and the earlier ones only: saving step 15 into a
+// folder that already holds step 20 keeps 15 (and leaves 20 alone, for the trainer to refuse).
+// Malformed safetensors headers: errors that name the file (and the tensor), no crash.
+TEST(Checkpoint, MalformedSafetensorsAreClearErrors) {
+  const fs::path d = temp_dir("bad");
+  auto write_raw = [&](const std::string& name, const std::string& header, size_t data_bytes) {
+    std::string h = header;
+    while (h.size() % 8) h += ' ';
+    std::ofstream out((d / name).string(), std::ios::binary);
+    const uint64_t n = h.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << h << std::string(data_bytes, '\0');
+  };
+  write_raw("array.safetensors", "[1,2]", 0);
+  write_raw("dtype.safetensors", R"({"w":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", 8);
+  write_raw("neg.safetensors", R"({"w":{"dtype":"F32","shape":[-2,-2],"data_offsets":[0,16]}})", 16);
+  write_raw("nodtype.safetensors", R"({"w":{"shape":[2],"data_offsets":[0,8]}})", 8);
+  write_raw("past.safetensors", R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[18446744073709551584,18446744073709551600]}})", 16);
+  for (const auto& [name, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"array.safetensors", "not a JSON object"}, {"dtype.safetensors", "unknown dtype"},
+           {"neg.safetensors", "impossible shape"}, {"nodtype.safetensors", "'w'"}, {"past.safetensors", "truncated"}}) {
+    try {
+      read_safetensors((d / name).string());
+      ADD_FAILURE() << name << " was read";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
+  fs::remove_all(d);
+}
+
+TEST(Checkpoint, KeepLastNeverRemovesTheCheckpointJustWritten) {
+  const fs::path d = temp_dir("keep");
+  for (int64_t step : {5, 20, 10, 15}) {
+    Checkpoint ck;
+    ck.step = step;
+    ck.model = {{"w", f32({2, 2}, static_cast<float>(step))}};
+    ck.optimizer = {{"w.m", f32({2, 2}, 0.0f)}};
+    ck.state = {{"data_position", step}};
+    save_checkpoint(d.string(), ck, 1);
+    EXPECT_TRUE(fs::exists(d / ("step_000000" + std::string(step < 10 ? "0" : "") + std::to_string(step)) / "state.json"))
+        << "step " << step << " was removed right after it was written";
+  }
+  std::vector<std::string> names;
+  for (const std::string& c : list_checkpoints(d.string())) names.push_back(fs::path(c).filename().string());
+  EXPECT_EQ(names, (std::vector<std::string>{"step_00000015", "step_00000020"}));
+  fs::remove_all(d);
+}
+
 TEST(Checkpoint, AtomicKeepLastAndVersionCheck) {
   const fs::path d = temp_dir("run");
   for (int64_t step : {5, 10, 15, 20}) {

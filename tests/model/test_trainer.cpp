@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <unistd.h>
 
 #include <cmath>
@@ -155,7 +156,65 @@ TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
   const float nan = std::nanf("");
   std::memcpy(ck.model.at("ln_f.weight").bytes.data(), &nan, 4);
   save_checkpoint(dir + "/b", ck, 0);
-  expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/b", "step 5");
+  // the checkpoint is at step 5, so the first step trained (and the one that goes bad) is step 6,
+  // counted from 1 as the step lines print it
+  expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/b", "step 6:");
+}
+
+// A run that would write checkpoints into an out_dir holding later steps (here: resuming at 5
+// where the first run reached 10) stops before any work instead of mixing the two.
+TEST(Trainer, RefusesAnOutDirWithCheckpointsOfLaterSteps) {
+  const ScratchDir scratch("fp4sim_later");
+  const std::string& dir = scratch.path;
+  RunConfig c = micro_run(dir + "/a");
+  train(c, quiet_options(), *make_cpu_backend());  // checkpoints at 5 and 10
+  expect_resume_error<std::invalid_argument>(c, dir + "/a/checkpoints/step_00000005", "step_00000010");
+  // a fresh run into the same folder is refused the same way
+  try {
+    train(c, quiet_options(), *make_cpu_backend());
+    ADD_FAILURE() << "expected an error naming step_00000010";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("step_00000010"), std::string::npos) << e.what();
+  }
+}
+
+// Resuming into the folder of a longer run without writing checkpoints: the log keeps the
+// records up to the resumed step and then the new ones, each step once.
+TEST(Trainer, ResumeTrimsTheLogToTheResumedStep) {
+  const ScratchDir scratch("fp4sim_log");
+  const std::string& dir = scratch.path;
+  RunConfig c = micro_run(dir + "/a");
+  train(c, quiet_options(), *make_cpu_backend());  // steps 1-10
+  c.train.checkpoint_every = 0;
+  TrainOptions o = quiet_options();
+  o.resume = dir + "/a/checkpoints/step_00000005";
+  train(c, o, *make_cpu_backend());  // steps 6-10 again
+  std::ifstream in(dir + "/a/log.jsonl");
+  std::vector<int64_t> steps;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json rec = nlohmann::json::parse(line);
+    if (rec.contains("step")) steps.push_back(rec["step"].get<int64_t>());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}));
+}
+
+// A state.json with a data position outside the training split, or without its config: a clear
+// error naming the checkpoint, before any work.
+TEST(Trainer, CorruptCheckpointStateIsAClearError) {
+  const ScratchDir scratch("fp4sim_state");
+  const std::string& dir = scratch.path;
+  train_five_steps(dir + "/a");
+  const std::string state = dir + "/a/checkpoints/step_00000005/state.json";
+  nlohmann::json j;
+  std::ifstream(state) >> j;
+  nlohmann::json bad = j;
+  bad["data_position"] = -5;
+  std::ofstream(state) << bad.dump();
+  expect_resume_error<std::runtime_error>(micro_run(dir + "/b"), dir + "/a/checkpoints", "data_position -5");
+  bad = j;
+  bad.erase("config");
+  std::ofstream(state) << bad.dump();
+  expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/a/checkpoints", "no 'config'");
 }
 
 TEST(Trainer, MissingDataIsAnErrorBeforeAnyWork) {
