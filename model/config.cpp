@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -86,6 +87,10 @@ void set_key(RunConfig& c, const std::string& key, const Json& v, const std::str
   }
   if (def.is_number_unsigned() && val.is_number_integer() && !val.is_number_unsigned() && val.get<int64_t>() < 0)
     throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be >= 0");
+  // a signed key given a value past 2^63 - 1 (which would wrap to a negative number)
+  if (def.is_number_integer() && !def.is_number_unsigned() && val.is_number_unsigned() &&
+      val.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " is out of range");
   if (def.is_array() && val.is_array())  // integer lists (recipe.hp_layers): every element an integer
     for (size_t i = 0; i < val.size(); ++i)
       if (!val[i].is_number_integer())
@@ -131,6 +136,9 @@ void validate_recipe(const RunConfig& c) {
   one_of("recipe.mx_scale_rule", r.mx_scale_rule, {"floor", "ceil"});
   one_of("recipe.bf16_switch", r.bf16_switch, {"forward", "all"});
   const int64_t L = m.n_layers;
+  if (r.hp_first < -1 || r.hp_last < -1)
+    bad("recipe.hp_first/hp_last (" + std::to_string(r.hp_first) + ", " + std::to_string(r.hp_last) +
+        ") must be >= 0, or -1 for the recipe's default");
   if (r.hp_first > L || r.hp_last > L)
     bad("recipe.hp_first/hp_last (" + std::to_string(r.hp_first) + ", " + std::to_string(r.hp_last) +
         ") exceed model.n_layers " + std::to_string(L));
@@ -314,6 +322,16 @@ void validate(const RunConfig& c) {
   if (t.checkpoint_every < 0)
     bad("train.checkpoint_every must be >= 0 (0: no periodic checkpoints), got " + std::to_string(t.checkpoint_every));
   if (t.keep_last < 0) bad("train.keep_last must be >= 0 (0 keeps every checkpoint), got " + std::to_string(t.keep_last));
+  // AdamW: beta1, beta2 in [0, 1) (1 divides by zero in the bias correction), eps > 0
+  if (!(t.beta1 >= 0 && t.beta1 < 1)) bad("train.beta1 must be within [0, 1), got " + num(t.beta1));
+  if (!(t.beta2 >= 0 && t.beta2 < 1)) bad("train.beta2 must be within [0, 1), got " + num(t.beta2));
+  if (!(t.eps > 0)) bad("train.eps must be positive, got " + num(t.eps));
+  if (!(t.weight_decay >= 0)) bad("train.weight_decay must be >= 0, got " + num(t.weight_decay));
+  if (!(t.min_lr_ratio >= 0 && t.min_lr_ratio <= 1)) bad("train.min_lr_ratio must be within 0..1, got " + num(t.min_lr_ratio));
+  // a batch's token count must fit comfortably in 64 bits (and in memory): 2^40 tokens is far past both
+  if (t.batch > (int64_t{1} << 40) / m.seq_len)
+    bad("train.batch " + std::to_string(t.batch) + " x model.seq_len " + std::to_string(m.seq_len) +
+        " tokens is too large for one batch");
   validate_recipe(c);
 }
 

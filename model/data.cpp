@@ -30,6 +30,15 @@ TokenFile read_token_file(const std::string& path) {
   if (version != kTokenFileVersion)
     throw std::runtime_error(path + ": token file version " + std::to_string(version) +
                              ", this build reads version " + std::to_string(kTokenFileVersion));
+  // the count against the file's size before anything is allocated (a corrupt count would
+  // otherwise ask for terabytes, or leave trailing bytes unread)
+  const auto data_bytes = static_cast<uint64_t>(fs::file_size(path)) - kTokenFileHeaderBytes;
+  if (count > data_bytes / 2)
+    throw std::runtime_error(path + ": truncated token file (" + std::to_string(data_bytes / 2) + " of " +
+                             std::to_string(count) + " tokens)");
+  if (count * 2 != data_bytes)
+    throw std::runtime_error(path + ": " + std::to_string(data_bytes - count * 2) + " bytes after the " +
+                             std::to_string(count) + " tokens the header announces (corrupt file)");
   TokenFile f;
   f.vocab = vocab;
   f.tokens.resize(count);
@@ -58,6 +67,7 @@ void write_token_file(const std::string& path, const TokenFile& f) {
     std::memcpy(header + 16, &count, 8);
     out.write(header, kTokenFileHeaderBytes);
     out.write(reinterpret_cast<const char*>(f.tokens.data()), static_cast<std::streamsize>(count * 2));
+    out.close();  // (a full disk shows up at the last flush)
     if (!out) {
       std::remove(tmp.c_str());
       throw std::runtime_error(path + ": write failed");

@@ -213,6 +213,8 @@ void run_quantize(const QuantizeArgs& a) {
     std::ofstream m(out.stage(a.prefix + ".meta.json"));
     if (!m) throw std::runtime_error(a.prefix + ".meta.json: cannot open file for writing");
     m << meta.dump(2) << "\n";
+    m.close();
+    if (!m) throw std::runtime_error(a.prefix + ".meta.json: write failed (disk full or I/O error?); nothing was kept");
   }
   out.commit();
 

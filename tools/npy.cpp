@@ -23,6 +23,72 @@ std::string shape_string(const std::vector<size_t>& shape) {
   return s.str();
 }
 
+namespace {
+
+// The header's shape and item size against the file's size, before anything is allocated: a
+// corrupt shape (an overflowing product, or more or fewer data bytes than the file holds) is an
+// error naming the file, not a crash or a huge allocation. `in` is positioned after the magic.
+void check_npy_size(const std::string& path, std::ifstream& in) {
+  unsigned char v[2] = {};
+  in.read(reinterpret_cast<char*>(v), 2);
+  size_t prefix = 0, hlen = 0;
+  unsigned char l[4] = {};
+  if (v[0] == 1) {
+    in.read(reinterpret_cast<char*>(l), 2);
+    prefix = 10;
+    hlen = static_cast<size_t>(l[0]) | static_cast<size_t>(l[1]) << 8;
+  } else if (v[0] == 2 || v[0] == 3) {
+    in.read(reinterpret_cast<char*>(l), 4);
+    prefix = 12;
+    hlen = static_cast<size_t>(l[0]) | static_cast<size_t>(l[1]) << 8 | static_cast<size_t>(l[2]) << 16 |
+           static_cast<size_t>(l[3]) << 24;
+  } else {
+    throw std::runtime_error(path + ": unsupported .npy format version " + std::to_string(v[0]));
+  }
+  const auto file_bytes = static_cast<size_t>(std::filesystem::file_size(path));
+  if (!in || prefix + hlen > file_bytes)
+    throw std::runtime_error(path + ": truncated .npy file (the header runs past the end of the file)");
+  std::string h(hlen, '\0');
+  in.read(h.data(), static_cast<std::streamsize>(hlen));
+  // 'descr': '<f4' -> item size 4; 'shape': (a, b, ...)
+  const size_t d = h.find("'descr'"), sh = h.find("'shape'");
+  if (d == std::string::npos || sh == std::string::npos)
+    throw std::runtime_error(path + ": malformed .npy header (no descr or shape)");
+  const size_t q0 = h.find('\'', h.find(':', d)), q1 = q0 == std::string::npos ? q0 : h.find('\'', q0 + 1);
+  const size_t p0 = h.find('(', sh), p1 = p0 == std::string::npos ? p0 : h.find(')', p0);
+  if (q1 == std::string::npos || p1 == std::string::npos)
+    throw std::runtime_error(path + ": malformed .npy header (descr or shape)");
+  const std::string descr = h.substr(q0 + 1, q1 - q0 - 1);
+  size_t item = 0;
+  for (size_t i = 0; i < descr.size(); ++i)
+    if (descr[i] >= '0' && descr[i] <= '9') item = item * 10 + static_cast<size_t>(descr[i] - '0');
+  std::vector<size_t> shape;
+  std::string dims = h.substr(p0 + 1, p1 - p0 - 1);
+  std::stringstream ss(dims);
+  for (std::string tok; std::getline(ss, tok, ',');) {
+    const size_t a = tok.find_first_not_of(" \t"), b = tok.find_last_not_of(" \tL");
+    if (a == std::string::npos) continue;
+    const std::string t = tok.substr(a, b - a + 1);
+    if (t.empty() || t.find_first_not_of("0123456789") != std::string::npos)
+      throw std::runtime_error(path + ": malformed .npy header (shape entry '" + t + "')");
+    if (t.size() > 19) throw std::runtime_error(path + ": .npy shape entry " + t + " is too large");
+    shape.push_back(static_cast<size_t>(std::stoull(t)));
+  }
+  size_t need = item;
+  for (size_t dim : shape)
+    if (__builtin_mul_overflow(need, dim, &need))
+      throw std::runtime_error(path + ": .npy shape " + shape_string(shape) + " is too large (its byte count overflows)");
+  const size_t have = file_bytes - prefix - hlen;
+  if (have < need)
+    throw std::runtime_error(path + ": truncated .npy file (" + std::to_string(have) + " of " + std::to_string(need) +
+                             " data bytes for shape " + shape_string(shape) + ")");
+  if (have > need)
+    throw std::runtime_error(path + ": " + std::to_string(have - need) + " bytes after the data of shape " +
+                             shape_string(shape) + " (corrupt header or file)");
+}
+
+}  // namespace
+
 NpyArray read_npy(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error(path + ": cannot open file for reading");
@@ -30,6 +96,8 @@ NpyArray read_npy(const std::string& path) {
   in.read(magic, 6);
   if (!in || std::string(magic, 6) != "\x93NUMPY")
     throw std::runtime_error(path + ": not a .npy file (bad magic bytes)");
+  check_npy_size(path, in);
+  in.clear();
   in.seekg(0);
   std::unique_ptr<xt::detail::npy_file> f;
   try {
@@ -54,15 +122,23 @@ NpyArray read_npy(const std::string& path) {
 }
 
 namespace {
+// The name a user gave: AtomicOutputs stages each output as NAME.tmp.PID.
+std::string user_path(const std::string& path) {
+  const size_t t = path.rfind(".tmp.");
+  if (t == std::string::npos || path.find_first_not_of("0123456789", t + 5) != std::string::npos) return path;
+  return path.substr(0, t);
+}
+
 template <class T>
 void write_npy(const std::string& path, const T* data, const std::vector<size_t>& shape) {
   size_t n = 1;
   for (size_t d : shape) n *= d;
   auto view = xt::adapt(data, n, xt::no_ownership(), shape);
-  std::ofstream probe(path, std::ios::binary);
-  if (!probe) throw std::runtime_error(path + ": cannot open file for writing");
-  probe.close();
-  xt::dump_npy(path, view);
+  std::ofstream out(path, std::ios::binary);
+  if (!out) throw std::runtime_error(user_path(path) + ": cannot open file for writing");
+  xt::detail::dump_npy_stream(out, view);
+  out.close();  // (the last buffered bytes are written here: a full disk shows up now)
+  if (!out) throw std::runtime_error(user_path(path) + ": write failed (disk full or I/O error?); nothing was kept");
 }
 }  // namespace
 

@@ -64,6 +64,29 @@ TEST(Data, CorruptFilesAreClearErrors) {
     EXPECT_NE(std::string(e.what()).find("version 99"), std::string::npos) << e.what();
   }
   EXPECT_THROW(read_token_file((d / "missing.tokens").string()), std::runtime_error);
+  // a count that disagrees with the file's size: bytes after the tokens, or a huge count (checked
+  // before anything is allocated)
+  write_token_file((d / "e.tokens").string(), synthetic_tokens(10, 256, 3));
+  std::ofstream((d / "e.tokens").string(), std::ios::app | std::ios::binary) << "xy";
+  {
+    std::fstream f((d / "f.tokens").string(), std::ios::out | std::ios::binary);
+    write_token_file((d / "f.tokens").string(), synthetic_tokens(10, 256, 3));
+  }
+  {
+    std::fstream f((d / "f.tokens").string(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(16);
+    const uint64_t huge = uint64_t{1} << 60;
+    f.write(reinterpret_cast<const char*>(&huge), 8);
+  }
+  for (const auto& [name, needle] : {std::pair<const char*, const char*>{"e.tokens", "bytes after"}, {"f.tokens", "truncated"}}) {
+    try {
+      read_token_file((d / name).string());
+      ADD_FAILURE() << name << " was read";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  }
   fs::remove_all(d);
 }
 

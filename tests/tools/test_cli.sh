@@ -84,6 +84,16 @@ hdr += " " * (118 - len(hdr)) + "\n"
 open("r3.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr.encode() + b"\0" * (4 * 4 * 16 * 4))
 PY
 expect_fail "wrong dtype" "dtype '<f8'" "$bin" quantize f64.npy out --backend emu
+# a header whose shape disagrees with the file: trailing bytes, or a product that overflows
+cp x.npy trail.npy && printf '\0\0\0\0' >> trail.npy
+expect_fail "npy with bytes after the data" "bytes after the data" "$bin" quantize trail.npy out --backend emu
+python3 - <<'PY' 2>/dev/null
+import struct
+hdr = "{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776, 1099511627776), }"
+hdr += " " * (118 - len(hdr)) + "\n"
+open("huge.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr.encode() + b"\0" * 64)
+PY
+[ -f huge.npy ] && expect_fail "npy shape overflowing" "too large" "$bin" quantize huge.npy out --backend emu
 [ -f r3.npy ] && expect_fail "wrong rank" "2-D" "$bin" quantize r3.npy out --backend emu
 # gemm and mma
 "$bin" make-tensor ga.npy --rows 32 --cols 128 >/dev/null && "$bin" make-tensor gb.npy --rows 16 --cols 128 --seed 5 >/dev/null
@@ -152,6 +162,11 @@ expect_fail "resume past train.steps" "nothing left to train" "$bin" train --con
 expect_fail "config integer key given a fraction" "must be an integer" "$bin" config --config "$cfg" model.d_model=128.5
 expect_fail "config negative eval_every" "train.eval_every" "$bin" config --config "$cfg" train.eval_every=-1
 expect_fail "config grad_accum 0" "train.grad_accum" "$bin" config --config "$cfg" train.grad_accum=0
+expect_fail "config beta1 of 1" "train.beta1" "$bin" config --config "$cfg" train.beta1=1
+expect_fail "config batch overflowing" "too large for one batch" "$bin" config --config "$cfg" train.batch=72057594037927936
+expect_fail "config key past 2^63" "out of range" "$bin" config --config "$cfg" model.vocab=18446744073709551615
+# a checkpoint folder of later steps than the run starts from: refused before any work
+expect_fail "train into an out_dir with later checkpoints" "step_00000004" "$bin" train --config "$cfg" $micro train.out_dir=run --backend emu
 expect_fail "train --dump with grad_accum" "train.grad_accum=1" "$bin" train --config "$cfg" $micro train.grad_accum=2 train.out_dir=out.ga --dump out.dump --backend emu
 "$bin" config --config "$cfg" recipe.name=mxfp4 >log.txt 2>&1 && grep -q '"weight_2d": false' log.txt \
   && ok "config: mxfp4 defaults to 1-D weight blocks" || bad "config mxfp4 default: $(tail -2 log.txt)"
