@@ -178,7 +178,14 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
   }
   fs::remove_all(final_dir);
   fs::rename(tmp, final_dir);  // the checkpoint appears complete, or not at all
-  sync_file(dir);              // (the rename itself)
+  {  // the rename itself, best effort: some file systems cannot sync a folder (EINVAL), and the
+     // files inside are durable already
+    const int fd = ::open(dir.c_str(), O_RDONLY);
+    if (fd >= 0) {
+      (void)::fsync(fd);
+      ::close(fd);
+    }
+  }
   // keep-last counts this checkpoint and the ones before it; checkpoints of later steps (an
   // earlier run's, which the trainer refuses to mix with this one) are neither counted nor removed
   if (keep_last > 0) {
