@@ -32,20 +32,15 @@ int64_t numel(const std::vector<int64_t>& shape) {
   return n;
 }
 
-// Push a written file to the disk (or throw naming it): a checkpoint is renamed into place only
-// after its files are durable, so a crash or power loss leaves the previous one intact.
-void sync_file(const fs::path& path) {
+// Push a file or folder to the disk; false when it cannot be opened or synced. A checkpoint is
+// renamed into place only after its files are durable, so a crash or power loss leaves the
+// previous one intact.
+bool fsync_path(const fs::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) throw std::runtime_error(path.string() + ": cannot reopen to sync it");
+  if (fd < 0) return false;
   const int rc = ::fsync(fd);
   ::close(fd);
-  if (rc != 0) throw std::runtime_error(path.string() + ": fsync failed (disk full or I/O error?)");
-}
-
-// The step number of a checkpoint folder name step_NNNNNNNN.
-int64_t checkpoint_step(const std::string& path) {
-  const std::string name = fs::path(path).filename().string();
-  return std::stoll(name.substr(std::strlen("step_")));
+  return rc == 0;
 }
 
 constexpr const char* kStateFile = "state.json";
@@ -132,6 +127,10 @@ TensorMap read_safetensors(const std::string& path, std::map<std::string, std::s
   return out;
 }
 
+int64_t checkpoint_step(const std::string& path) {
+  return std::stoll(fs::path(path).filename().string().substr(std::strlen(kStepPrefix)));
+}
+
 std::vector<std::string> list_checkpoints(const std::string& dir) {
   std::vector<std::string> out;
   if (!fs::is_directory(dir)) return out;
@@ -169,7 +168,8 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
     st << state.dump(2) << "\n";
     st.close();
     if (!st) throw std::runtime_error((tmp / kStateFile).string() + ": write failed (disk full or I/O error?)");
-    for (const char* f : {"model.safetensors", "optimizer.safetensors", kStateFile}) sync_file(tmp / f);
+    for (const char* f : {"model.safetensors", "optimizer.safetensors", kStateFile})
+      if (!fsync_path(tmp / f)) throw std::runtime_error((tmp / f).string() + ": fsync failed (disk full or I/O error?)");
   } catch (const std::exception& e) {
     std::error_code ec;
     fs::remove_all(tmp, ec);  // nothing half-written stays; the previous checkpoints are untouched
@@ -178,14 +178,9 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
   }
   fs::remove_all(final_dir);
   fs::rename(tmp, final_dir);  // the checkpoint appears complete, or not at all
-  {  // the rename itself, best effort: some file systems cannot sync a folder (EINVAL), and the
-     // files inside are durable already
-    const int fd = ::open(dir.c_str(), O_RDONLY);
-    if (fd >= 0) {
-      (void)::fsync(fd);
-      ::close(fd);
-    }
-  }
+  // the rename itself, best effort: some file systems cannot sync a folder (EINVAL), and the
+  // files inside are durable already
+  (void)fsync_path(dir);
   // keep-last counts this checkpoint and the ones before it; checkpoints of later steps (an
   // earlier run's, which the trainer refuses to mix with this one) are neither counted nor removed
   if (keep_last > 0) {

@@ -41,5 +41,7 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
 Checkpoint load_checkpoint(const std::string& path);
 // Complete checkpoints under dir, oldest first.
 std::vector<std::string> list_checkpoints(const std::string& dir);
+// The step of a checkpoint folder that list_checkpoints returned (step_NNNNNNNN).
+int64_t checkpoint_step(const std::string& path);
 
 }  // namespace fp4sim::model

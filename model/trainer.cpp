@@ -279,7 +279,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   if (c.train.checkpoint_every > 0) {
     std::string later;
     for (const std::string& ck_dir : list_checkpoints(c.train.out_dir + "/checkpoints"))
-      if (std::stoll(fs::path(ck_dir).filename().string().substr(5)) > step0)
+      if (checkpoint_step(ck_dir) > step0)
         later += (later.empty() ? "" : ", ") + fs::path(ck_dir).filename().string();
     if (!later.empty())
       throw std::invalid_argument("train.out_dir " + c.train.out_dir + " already holds checkpoints of later steps (" +
