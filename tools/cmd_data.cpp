@@ -1,15 +1,14 @@
 // fp4sim data build | show: the token files the trainer reads.
 #include <fmt/core.h>
 
-#include <cstdio>
 #include <fstream>
-#include <string>
-#include <vector>
+#include <stdexcept>
 #include <nlohmann/json.hpp>
 
 #include "emu/contract.hpp"
 #include "model/data.hpp"
 #include "tools/commands.hpp"
+#include "tools/npy.hpp"
 
 namespace fp4sim::cli {
 namespace {
@@ -35,20 +34,10 @@ void run_build(const BuildArgs& a) {
       }
     names.push_back(n);
   }
-  // the three outputs appear together or not at all: a failed later one takes the earlier ones back
-  std::vector<std::string> written;
-  auto undo = [&] {
-    for (const std::string& f : written) std::remove(f.c_str());
-  };
-  try {
-    model::write_token_file(a.out + ".train.tokens", s.train);
-    written.push_back(a.out + ".train.tokens");
-    model::write_token_file(a.out + ".val.tokens", s.val);
-    written.push_back(a.out + ".val.tokens");
-  } catch (...) {
-    undo();
-    throw;
-  }
+  // the three outputs appear together or not at all (tools/npy.hpp's AtomicOutputs)
+  io::AtomicOutputs out;
+  model::write_token_file(out.stage(a.out + ".train.tokens"), s.train);
+  model::write_token_file(out.stage(a.out + ".val.tokens"), s.val);
   nlohmann::json meta = {{"contract_version", kContractVersion},
                          {"generator", "fp4sim data build"},
                          {"tokenizer", "bytes"},
@@ -59,18 +48,8 @@ void run_build(const BuildArgs& a) {
                          {"train_tokens", s.train.tokens.size()},
                          {"val_tokens", s.val.tokens.size()},
                          {"files", names}};
-  {
-    std::ofstream m(a.out + ".meta.json");
-    const bool opened = m.is_open();
-    if (opened) m << meta.dump(2) << "\n";
-    m.close();
-    if (!opened || !m) {
-      undo();
-      if (opened) std::remove((a.out + ".meta.json").c_str());  // (only what this run wrote)
-      throw std::runtime_error(a.out + ".meta.json: cannot write it (a folder in the way, disk full or I/O error?); "
-                               "the token files were not kept either");
-    }
-  }
+  io::write_text(out.stage(a.out + ".meta.json"), meta.dump(2) + "\n");
+  out.commit();
   fmt::print("  documents   {} ({} to validation: every {}th in sorted path order)\n", s.documents,
              s.val_documents, a.val_every);
   fmt::print("  tokens      train {}   val {}   (byte-level, vocab 256)\n", s.train.tokens.size(),

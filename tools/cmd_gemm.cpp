@@ -262,13 +262,7 @@ void run_gemm_cmd(const GemmArgs& g) {
                          {"a", from_prefix ? g.a_prefix : g.a},
                          {"b", from_prefix ? g.b_prefix : g.b},
                          {"model", "one CTA walking K in increasing 64-wide chunks (DESIGN.md §8)"}};
-  {
-    std::ofstream m(out.stage(g.out + ".meta.json"));
-    if (!m) throw std::runtime_error(g.out + ".meta.json: cannot open file for writing");
-    m << meta.dump(2) << "\n";
-    m.close();
-    if (!m) throw std::runtime_error(g.out + ".meta.json: write failed (disk full or I/O error?); nothing was kept");
-  }
+  io::write_text(out.stage(g.out + ".meta.json"), meta.dump(2) + "\n");
   out.commit();
   fmt::print("fp4sim gemm  D[{} x {}] = A[{} x {}] * B[{} x {}]^T  {} exact, backend {}, {:.1f} ms "
              "({:.2f} GFLOP/s)\n",

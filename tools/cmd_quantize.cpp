@@ -209,13 +209,7 @@ void run_quantize(const QuantizeArgs& a) {
                                                   : "uint8 E4M3 [rows, cols/16]"},
         {"amax", "float32 [1]"},
         {"dequant", "float32 [rows, cols]"}}}};
-  {
-    std::ofstream m(out.stage(a.prefix + ".meta.json"));
-    if (!m) throw std::runtime_error(a.prefix + ".meta.json: cannot open file for writing");
-    m << meta.dump(2) << "\n";
-    m.close();
-    if (!m) throw std::runtime_error(a.prefix + ".meta.json: write failed (disk full or I/O error?); nothing was kept");
-  }
+  io::write_text(out.stage(a.prefix + ".meta.json"), meta.dump(2) + "\n");
   out.commit();
 
   // one-screen summary

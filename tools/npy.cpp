@@ -122,10 +122,14 @@ NpyArray read_npy(const std::string& path) {
 }
 
 namespace {
-// The name a user gave: AtomicOutputs stages each output as NAME.tmp.PID.
+// AtomicOutputs stages each output as NAME + kStageSuffix + PID.
+constexpr const char* kStageSuffix = ".tmp.";
+
+// The name a user gave, for a staged path.
 std::string user_path(const std::string& path) {
-  const size_t t = path.rfind(".tmp.");
-  if (t == std::string::npos || path.find_first_not_of("0123456789", t + 5) != std::string::npos) return path;
+  const size_t t = path.rfind(kStageSuffix);
+  const size_t digits = t == std::string::npos ? t : t + std::strlen(kStageSuffix);
+  if (t == std::string::npos || path.find_first_not_of("0123456789", digits) != std::string::npos) return path;
   return path.substr(0, t);
 }
 
@@ -141,6 +145,14 @@ void write_npy(const std::string& path, const T* data, const std::vector<size_t>
   if (!out) throw std::runtime_error(user_path(path) + ": write failed (disk full or I/O error?); nothing was kept");
 }
 }  // namespace
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error(user_path(path) + ": cannot open file for writing");
+  out << text;
+  out.close();
+  if (!out) throw std::runtime_error(user_path(path) + ": write failed (disk full or I/O error?); nothing was kept");
+}
 
 void write_npy_f32(const std::string& p, const float* d, const std::vector<size_t>& s) {
   write_npy(p, d, s);
@@ -158,7 +170,7 @@ AtomicOutputs::~AtomicOutputs() {
 }
 
 std::string AtomicOutputs::stage(const std::string& final_path) {
-  const std::string tmp = final_path + ".tmp." + std::to_string(::getpid());
+  const std::string tmp = final_path + kStageSuffix + std::to_string(::getpid());
   files_.emplace_back(tmp, final_path);
   return tmp;
 }

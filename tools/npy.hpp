@@ -24,6 +24,10 @@ void write_npy_u16(const std::string& path, const uint16_t* data, const std::vec
 
 std::string shape_string(const std::vector<size_t>& shape);
 
+// Writes `text` to `path` (typically an AtomicOutputs staged path) and checks it after close, so a
+// full disk is an error; errors name the path the user gave, not the staged one.
+void write_text(const std::string& path, const std::string& text);
+
 // Files written under temporary names and renamed into place only when every one is complete, so
 // a failure never leaves partial outputs behind; a rename that fails in commit() takes back the
 // files already moved, so a prefix never mixes one run's files with another's.
