@@ -28,6 +28,16 @@ StoredTensor f32(std::vector<int64_t> shape, float start) {
   return t;
 }
 
+// A small checkpoint of `step`: one weight holding the step, its optimizer state, a data position.
+Checkpoint small_checkpoint(int64_t step, int64_t data_position) {
+  Checkpoint ck;
+  ck.step = step;
+  ck.model = {{"w", f32({2, 2}, static_cast<float>(step))}};
+  ck.optimizer = {{"w.m", f32({2, 2}, 0.0f)}};
+  ck.state = {{"data_position", data_position}};
+  return ck;
+}
+
 fs::path temp_dir(const char* name) {
   fs::path p = fs::temp_directory_path() / (std::string("fp4sim_ck_") + name + "_" + std::to_string(::getpid()));
   fs::remove_all(p);
@@ -92,14 +102,8 @@ TEST(Checkpoint, MalformedSafetensorsAreClearErrors) {
 TEST(Checkpoint, KeepLastNeverRemovesTheCheckpointJustWritten) {
   const fs::path d = temp_dir("keep");
   for (int64_t step : {5, 20, 10, 15}) {
-    Checkpoint ck;
-    ck.step = step;
-    ck.model = {{"w", f32({2, 2}, static_cast<float>(step))}};
-    ck.optimizer = {{"w.m", f32({2, 2}, 0.0f)}};
-    ck.state = {{"data_position", step}};
-    save_checkpoint(d.string(), ck, 1);
-    EXPECT_TRUE(fs::exists(d / ("step_000000" + std::string(step < 10 ? "0" : "") + std::to_string(step)) / "state.json"))
-        << "step " << step << " was removed right after it was written";
+    const std::string where = save_checkpoint(d.string(), small_checkpoint(step, step), 1);
+    EXPECT_TRUE(fs::exists(fs::path(where) / "state.json")) << "step " << step << " was removed right after it was written";
   }
   std::vector<std::string> names;
   for (const std::string& c : list_checkpoints(d.string())) names.push_back(fs::path(c).filename().string());
@@ -109,14 +113,7 @@ TEST(Checkpoint, KeepLastNeverRemovesTheCheckpointJustWritten) {
 
 TEST(Checkpoint, AtomicKeepLastAndVersionCheck) {
   const fs::path d = temp_dir("run");
-  for (int64_t step : {5, 10, 15, 20}) {
-    Checkpoint ck;
-    ck.step = step;
-    ck.model = {{"w", f32({2, 2}, static_cast<float>(step))}};
-    ck.optimizer = {{"w.m", f32({2, 2}, 0.0f)}};
-    ck.state = {{"data_position", step * 100}};
-    save_checkpoint(d.string(), ck, 2);
-  }
+  for (int64_t step : {5, 10, 15, 20}) save_checkpoint(d.string(), small_checkpoint(step, step * 100), 2);
   // a crash mid-write leaves a temporary directory: it is never taken for a checkpoint
   fs::create_directories(d / "step_00000025.tmp-999");
   const auto all = list_checkpoints(d.string());
