@@ -42,6 +42,13 @@ class Backend {
   // view's rows/cols must be the written shape.
   virtual void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                         QuantizedView* columnwise) = 0;
+  // Whether gemm with this impl reads a view's decoded_bf16 (and quantize writes it) for the FP4
+  // formats: the CUDA backend's cuBLASLt GEMM on a GPU without FP4 tensor cores. Callers set
+  // decoded_bf16 only where this is true; the results are the same bits either way.
+  virtual bool decodes_for_gemm(GemmImpl impl) const {
+    (void)impl;
+    return false;
+  }
 
   // out (F32, q.rows x q.cols) = decode(q). NVFP4: e2m1 * ((s_b * amax) * (1/2688 or 1/1536));
   // MXFP4: e2m1 * 2^(byte - 127), byte 0xFF -> NaN.

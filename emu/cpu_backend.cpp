@@ -141,6 +141,9 @@ void check_output(const QuantizedView* q, const CopyShape& w, const QuantizeConf
                   const CopySpec& spec, const char* which) {
   if (!q) throw std::invalid_argument(std::string("quantize: the ") + which +
                                       " copy is enabled but no output was given");
+  if (q->decoded_bf16)
+    throw std::invalid_argument(std::string("quantize (emu): the ") + which +
+                                " output asks for a decoded BF16 copy, which only the CUDA backend writes");
   if (q->rows != w.rows || q->cols != w.cols || q->format != cfg.format ||
       q->four_over_six != spec.four_over_six)
     throw std::invalid_argument(std::string("quantize: the ") + which + " output is " +

@@ -59,6 +59,12 @@ struct QuantizedView {
   QFormat format = QFormat::NVFP4;
   bool four_over_six = false;  // decode with 1/1536 instead of 1/2688
   Device device = Device::Host;
+  // Optional, CUDA backend only (Backend::decodes_for_gemm): BF16 bits [rows, cols] that the
+  // quantizer also writes, e2m1(code) * block scale (NVFP4: the E4M3 value; MXFP4: 2^(byte - 127)),
+  // without the global scale. Exact (at most 6 significant bits), so it is the operand a BF16
+  // tensor-core GEMM needs on Hopper, made while the codes are still in registers instead of by a
+  // second pass over them. Null: not written. The emulator rejects a non-null one.
+  uint16_t* decoded_bf16 = nullptr;
 
   FP4SIM_HD int64_t block() const { return qformat_block(format); }
   int64_t code_bytes() const { return format == QFormat::FP8 ? rows * cols : rows * cols / 2; }

@@ -47,6 +47,7 @@ CudaBackend::CudaBackend() {
   int dev = 0, pools = 0;
   FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
   FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, dev));
+  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major_, cudaDevAttrComputeCapabilityMajor, dev));
   stream_ordered_ = pools != 0;
   if (stream_ordered_) {
     cudaMemPool_t pool = nullptr;
@@ -95,6 +96,9 @@ void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, Quant
                            QuantizedView* columnwise) {
   validate_quantize(x, cfg);
   if (cfg.format == QFormat::FP8) {
+    if ((rowwise && rowwise->decoded_bf16) || (columnwise && columnwise->decoded_bf16))
+      throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
+                                  "': a decoded BF16 copy exists for the FP4 formats only, not FP8");
     if (x.device != Device::Cuda)
       throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name + "' is not in device memory");
     fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_);

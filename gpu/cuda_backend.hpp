@@ -42,6 +42,9 @@ class CudaBackend final : public Backend {
 
   void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                 QuantizedView* columnwise) override;
+  // cuBLASLt on a GPU without FP4 tensor cores (compute capability < 10) multiplies the FP4
+  // formats as decoded BF16; the quantizer writes that decode when a view asks (decoded_bf16).
+  bool decodes_for_gemm(GemmImpl impl) const override { return impl == GemmImpl::CublasLt && cc_major_ < 10; }
   void dequantize(const QuantizedView& q, const TensorView& out) override;
   QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) override;
   void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
@@ -110,7 +113,8 @@ class CudaBackend final : public Backend {
 
  private:
   cudaStream_t stream_ = nullptr;
-  bool stream_ordered_ = false;  // allocate/release through the device's memory pool on stream_
+  bool stream_ordered_ = false;
+  int cc_major_ = 0;  // compute capability of the device  // allocate/release through the device's memory pool on stream_
   std::shared_ptr<CublasLtState> cublaslt_;  // created on first use
   DeviceScratch rht_keep_;  // the RHT column-wise copy's transformed input between the quantizer's passes
 
@@ -124,7 +128,7 @@ class CudaBackend final : public Backend {
 std::unique_ptr<Backend> make_cuda_backend();
 
 // Kernel launchers (gpu/quantize.cu), on `stream`, device pointers. rht_keep (may be null): scratch
-// for the RHT-transformed input (BF16, rows x cols), written by the amax pass and read by the
+// for the RHT-transformed input (BF16, transposed: cols x rows), written by the amax pass and read by the
 // quantize pass instead of transforming every element a second time (same bits).
 void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                      QuantizedView* columnwise, cudaStream_t stream, DeviceScratch* rht_keep = nullptr);

@@ -22,6 +22,7 @@
 #include "emu/gemm.hpp"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/decode_bf16.cuh"
 
 #define FP4SIM_CUBLAS_CHECK(call)                                                           \
   do {                                                                                      \
@@ -37,38 +38,10 @@ namespace {
 constexpr int kDequantThreads = 256;
 constexpr int64_t kDequantChunk = 8;  // elements per thread: 4 code bytes in, one 16-byte store out
 
-// E2M1 code -> FP32, by table: the 8 magnitudes' FP32 patterns have only their top two bytes set
-// (0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0), each
-// picked with one byte permute; the sign is bit 3. Equal to e2m1_to_f32 for all 16 codes (the
-// cuBLASLt-vs-exact tests would see any difference); a few instructions instead of ~15.
-__device__ __forceinline__ float e2m1_to_f32_by_table(uint32_t code) {
-  const uint32_t mag = code & 0x7u;
-  const uint32_t hi = __byte_perm(0x3F3F3F00u, 0x40404040u, mag) & 0xFFu;
-  const uint32_t lo = __byte_perm(0xC0800000u, 0xC0804000u, mag) & 0xFFu;
-  return __uint_as_float((hi << 24) | (lo << 16) | ((code & 0x8u) << 28));
-}
-
-// out [rows, cols] BF16 bits = e2m1(code) * block scale (no global scale): exact, since the product
-// has at most 6 significant bits (1 + 3 + carry) and lies inside BF16's range, so its BF16 RNE is
-// its top 16 bits (a NaN scale gives a NaN). One thread decodes 8 consecutive elements of row r
-// (4 code bytes, one scale byte) into one 16-byte store. ncu on the H200: with the generic decoders
+// The decode pass (gpu/decode_bf16.cuh): one thread decodes 8 consecutive elements of row r (4 code
+// bytes, one scale byte) into one 16-byte store. ncu on the H200: with the generic decoders
 // (e2m1_to_f32, bf16_rne) and 64-bit divisions the kernel was issue-bound (SM 87%, DRAM 26%,
 // 256 us for two 8192 x 8192 operands); rows come from the grid, the block from a shift.
-__device__ __forceinline__ void dequantize_chunk_bf16(const QuantizedView& q, uint16_t* out, int64_t r, int64_t c0) {
-  const int block_shift = q.format == QFormat::MXFP4 ? 5 : 4;  // 32 or 16 elements per scale
-  const uint8_t s = q.scales[r * (q.cols >> block_shift) + (c0 >> block_shift)];
-  const float sv = q.format == QFormat::MXFP4 ? ue8m0_to_f32(s) : e4m3_to_f32(s);
-  const uint32_t codes = *reinterpret_cast<const uint32_t*>(q.codes + ((r * q.cols + c0) >> 1));
-  uint32_t packed[4];
-  FP4SIM_UNROLL
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = __float_as_uint(fmul_rn(e2m1_to_f32_by_table(codes >> (8 * i)), sv)) >> 16;
-    const uint32_t hi = __float_as_uint(fmul_rn(e2m1_to_f32_by_table(codes >> (8 * i + 4)), sv)) >> 16;
-    packed[i] = lo | (hi << 16);
-  }
-  *reinterpret_cast<uint4*>(out + r * q.cols + c0) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-}
-
 // Both operands in one launch: grid rows [0, a.rows) are a's, the rest b's (rows beyond the grid's
 // y extent are walked with a stride); x covers the 8-element chunks of a row.
 __global__ void dequantize_block_scaled_bf16(QuantizedView a, uint16_t* da, QuantizedView b, uint16_t* db) {
@@ -315,12 +288,24 @@ void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Quant
   if (st.cc_major >= 10) {  // Blackwell: native FP4 (never reached on Hopper)
     fp4_native_gemm_tn(st, a, b, cc, d, scalars, stream);
   } else {
-    auto* da = st.a_bf16.get<uint16_t>(static_cast<size_t>(M * K), stream);
-    auto* db = st.b_bf16.get<uint16_t>(static_cast<size_t>(N * K), stream);
-    const dim3 grid(static_cast<unsigned>((K / kDequantChunk + kDequantThreads - 1) / kDequantThreads),
-                    static_cast<unsigned>(M + N < 65535 ? M + N : 65535));
-    dequantize_block_scaled_bf16<<<grid, kDequantThreads, 0, stream>>>(a, da, b, db);
-    FP4SIM_CUDA_CHECK_LAUNCH();
+    // an operand whose quantizer already wrote its decoded BF16 copy is read from there (same bits);
+    // the others are decoded into scratch, both in one launch (a view with rows = 0 is skipped)
+    const uint16_t* da = a.decoded_bf16;
+    const uint16_t* db = b.decoded_bf16;
+    if (!da || !db) {
+      QuantizedView pa = a, pb = b;
+      uint16_t* wa = nullptr;
+      uint16_t* wb = nullptr;
+      if (da) pa.rows = 0;
+      else da = wa = st.a_bf16.get<uint16_t>(static_cast<size_t>(M * K), stream);
+      if (db) pb.rows = 0;
+      else db = wb = st.b_bf16.get<uint16_t>(static_cast<size_t>(N * K), stream);
+      const int64_t rows = pa.rows + pb.rows;
+      const dim3 grid(static_cast<unsigned>((K / kDequantChunk + kDequantThreads - 1) / kDequantThreads),
+                      static_cast<unsigned>(rows < 65535 ? rows : 65535));
+      dequantize_block_scaled_bf16<<<grid, kDequantThreads, 0, stream>>>(pa, wa, pb, wb);
+      FP4SIM_CUDA_CHECK_LAUNCH();
+    }
     GemmPlan& p = plan_for(st, PlanKind::Bf16DeviceScalars, M, N, K);
     FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, scalars, db, p.la, da, p.lb, scalars + 1, cc ? cc : d,
                                        p.lc, d, p.lc, &p.algo, st.workspace, st.workspace_bytes, stream));

@@ -14,6 +14,7 @@
 #include "emu/rht.hpp"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/decode_bf16.cuh"
 
 namespace fp4sim::gpu {
 namespace {
@@ -21,6 +22,12 @@ namespace {
 constexpr int kTileRows = 64;
 constexpr int kTileCols = 128;  // = threads per CTA
 constexpr int kThreads = kTileCols;
+
+// Blocks for a grid-stride loop over n items.
+int grid_for(int64_t n, int threads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<int>(b < 65535 * 8 ? (b > 0 ? b : 1) : 65535 * 8);
+}
 
 template <class T>
 struct Elem;
@@ -79,7 +86,7 @@ __device__ void block_max_to(float v, float* target) {
 struct AmaxArgs {
   float* amax_plain;  // max |x| (or null)
   float* amax_rht;    // max |rht(x)| of the column-wise copy (or null)
-  uint16_t* rht_out;  // where to keep rht(x) (BF16, rows x cols, dense), or null
+  uint16_t* rht_out;  // where to keep rht(x) (BF16, transposed: cols x rows, dense), or null
 };
 
 // Plain amax over a contiguous array, 16-byte loads.
@@ -110,6 +117,10 @@ __global__ void __launch_bounds__(kThreads, 6)
   // the tile holds the RHT's BF16 inputs (an FP32 input is rounded as it is stored): 16 KB, so the
   // shared memory no longer limits the CTAs per SM (the FP32 tile did, at 6)
   __shared__ __align__(16) uint16_t tile[kRht ? kTileRows * kTileCols : 8];
+  // rht(x) of the tile, transposed (column t's 64 rows contiguous; rows padded to 72 elements so
+  // that both the per-column 32-byte stores and the cooperative 16-byte reads are conflict-free)
+  constexpr int kYtStride = kTileRows + 8;
+  __shared__ __align__(16) uint16_t yt[kRht ? kTileCols * kYtStride : 8];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   const int t = threadIdx.x;
@@ -157,11 +168,28 @@ __global__ void __launch_bounds__(kThreads, 6)
         rht16(in, y);
         FP4SIM_UNROLL
         for (int i = 0; i < kRhtSize; ++i) m_rht = fmax_nan_ignored(m_rht, f32_abs(bf16_to_f32(y[i])));
-        if (args.rht_out) {  // coalesced: consecutive threads, consecutive columns
-          uint16_t* dst = args.rht_out + (r0 + k * kRhtSize) * cols + c;
+        if (args.rht_out) {
+          uint4* dst = reinterpret_cast<uint4*>(yt + t * kYtStride + k * kRhtSize);
+          uint32_t w[kRhtSize / 2];
           FP4SIM_UNROLL
-          for (int i = 0; i < kRhtSize; ++i) dst[i * cols] = y[i];
+          for (int i = 0; i < kRhtSize / 2; ++i) w[i] = static_cast<uint32_t>(y[2 * i]) | static_cast<uint32_t>(y[2 * i + 1]) << 16;
+          dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+          dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
         }
+      }
+    }
+    // rht(x) out transposed (cols x rows, the written copy's order): 8 threads write a column's 64
+    // rows as one 128-byte line
+    if (args.rht_out) {
+      __syncthreads();
+      constexpr int kParts = kTileRows / 8;
+      FP4SIM_UNROLL
+      for (int u = t; u < kTileCols * kParts; u += kThreads) {
+        const int col = u / kParts, part = u % kParts;
+        const int64_t cc = c0 + col, r = r0 + part * 8;
+        if (cc < cols && r < rows)  // rows % 16 == 0: whole 8-row parts
+          *reinterpret_cast<uint4*>(args.rht_out + cc * rows + r) =
+              *reinterpret_cast<const uint4*>(yt + col * kYtStride + part * 8);
       }
     }
   }
@@ -181,6 +209,7 @@ struct CopyArgs {
   uint8_t* codes;
   uint8_t* scales;
   const float* amax;
+  uint16_t* decoded;  // QuantizedView::decoded_bf16 (null: not written)
 };
 
 struct QuantArgs {
@@ -212,12 +241,32 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
   // 2D: one scale per 16x16 tile and copy (each copy has its own global scale and options)
   if (a.block_2d) {
     constexpr int kTilesR = kTileRows / kNvfp4Block, kTilesC = kTileCols / kNvfp4Block;
+    // standard copies: a 16x16 tile's amax is the max of its 16 columns' 16-row maxima (thread t owns
+    // tile column t; max is order-free), so 128 threads find it in 16 steps and a 4-step shuffle
+    // instead of 64 threads walking 256 values each; the scale is nvfp4_tile_scale's
+    const bool row_std = a.row.enabled && !a.row.four_over_six, col_std = a.col.enabled && !a.col.four_over_six;
+    if (row_std || col_std) {
+      FP4SIM_UNROLL
+      for (int k = 0; k < kTilesR; ++k) {
+        float m = 0.0f;
+        FP4SIM_UNROLL
+        for (int i = 0; i < kNvfp4Block; ++i)
+          m = fmax_nan_ignored(m, f32_abs(Elem<T>::to_f32(tile[(k * kNvfp4Block + i) * kTileCols + t])));
+        FP4SIM_UNROLL
+        for (int o = kNvfp4Block / 2; o > 0; o >>= 1) m = fmax_nan_ignored(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        if ((t & (kNvfp4Block - 1)) == 0) {
+          if (row_std) tile_scale[0][k][t / kNvfp4Block] = nvfp4_block_scale(m, g_row.s_enc);
+          if (col_std) tile_scale[1][k][t / kNvfp4Block] = nvfp4_block_scale(m, g_col.s_enc);
+        }
+      }
+    }
+    // Four Over Six copies: one thread per tile and copy tries both candidate scales
     if (t < 2 * kTilesR * kTilesC) {
       const bool col = t >= kTilesR * kTilesC;
       const int idx = col ? t - kTilesR * kTilesC : t;
       const int tr = idx / kTilesC, tc = idx % kTilesC;
       const CopyArgs& ca = col ? a.col : a.row;
-      if (ca.enabled) {
+      if (ca.enabled && ca.four_over_six) {
         const T* base = tile + (tr * kNvfp4Block) * kTileCols + tc * kNvfp4Block;
         const auto load = [&](int i, int j) { return Elem<T>::to_f32(base[i * kTileCols + j]); };
         tile_scale[col][tr][tc] =
@@ -331,7 +380,7 @@ int g_fast_cols_per_thread = 1;
 
 template <class T, bool kColRht, int kPer>
 __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
-    nvfp4_1x16_kernel(const T* x, QuantArgs a, const uint16_t* rht_y) {
+    nvfp4_1x16_kernel(const T* x, QuantArgs a) {
   using Tile = FastTile<T, kPer>;
   constexpr int kCols = Tile::kCols;
   constexpr int kBlocksPerTileRow = kCols / kNvfp4Block;
@@ -344,10 +393,8 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   const int64_t R = a.rows, C = a.cols;
 
   // ---- load the tile: every 16-byte load issued before any is used (small, unrolled code) ----
-  // (not needed when the only copy is an RHT copy whose transform the amax pass kept)
-  const bool need_tile = a.row.enabled || !kColRht || rht_y == nullptr;
   FP4SIM_UNROLL
-  for (int k = 0; k < (need_tile ? Tile::kRowUnits : 0); ++k) {
+  for (int k = 0; k < Tile::kRowUnits; ++k) {
     const int u = t + k * kThreads;
     const int tr = u / kBlocksPerTileRow, tb = u % kBlocksPerTileRow;
     const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
@@ -388,6 +435,7 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
       const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
       *reinterpret_cast<uint2*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint2*>(packed);
       a.row.scales[r * (C / kNvfp4Block) + c / kNvfp4Block] = s;
+      if (a.row.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.row.decoded + r * C + c);
     }
   }
   if (!a.col.enabled) return;
@@ -404,18 +452,12 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
     float v[kNvfp4Block];
     const T* col = tile + (k * kNvfp4Block) * kCols + kPer * t + j;
     if constexpr (kColRht) {
-      if (rht_y) {  // rht(x) (BF16, R x C) kept by the amax pass: the same rht16 of the same values
-        const uint16_t* y = rht_y + r * C + c;
-        FP4SIM_UNROLL
-        for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i * C]);
-      } else {
-        uint16_t in[kRhtSize], y[kRhtSize];
-        FP4SIM_UNROLL
-        for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(col[i * kCols]);
-        rht16(in, y);
-        FP4SIM_UNROLL
-        for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
-      }
+      uint16_t in[kRhtSize], y[kRhtSize];
+      FP4SIM_UNROLL
+      for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(col[i * kCols]);
+      rht16(in, y);
+      FP4SIM_UNROLL
+      for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
     } else {
       FP4SIM_UNROLL
       for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(col[i * kCols]);
@@ -427,7 +469,111 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
     // the 4 chunks of a column land in one 32-byte sector, written by this thread in turn
     *reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2) = *reinterpret_cast<uint2*>(packed);
     a.col.scales[c * (R / kNvfp4Block) + r / kNvfp4Block] = s;
+    if (a.col.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.col.decoded + c * R + r);
   }
+}
+
+// ---- The recipe's RHT copies: the amax pass kept rht(x) (BF16, R x C), so neither copy needs a
+// shared-memory tile. One streaming launch, one 1x16 block per thread, no barrier: a thread's loads
+// are all issued before its arithmetic, and the many resident warps (about 45 registers each
+// instead of the tiled kernel's 80, no shared memory) hide the memory latency the tiled kernel's
+// serial column loop exposed. Same block functions, same SR chunks, same bits.
+
+// Calls body(i) for i in [0, n) over CTAs cta of ctas (a share of the grid); 32-bit index
+// arithmetic (the bodies divide i) where n allows it, which is every training tensor.
+template <class Body>
+__device__ __forceinline__ void grid_loop(int64_t n, uint32_t cta, uint32_t ctas, const Body& body) {
+  if (n <= INT32_MAX - static_cast<int64_t>(ctas) * blockDim.x) {
+    for (uint32_t i = cta * blockDim.x + threadIdx.x; i < static_cast<uint32_t>(n); i += ctas * blockDim.x) body(i);
+  } else {
+    for (int64_t i = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<int64_t>(ctas) * blockDim.x)
+      body(i);
+  }
+}
+
+// Row-wise copy of x: thread i quantizes block i % (C / 16) of row i / (C / 16); a warp's 16-byte
+// loads cover a contiguous 2 KiB (FP32) or 1 KiB (BF16) of a row.
+template <class T>
+__device__ __forceinline__ void nvfp4_rows(const T* x, const QuantArgs& a, uint32_t cta, uint32_t ctas) {
+  const Nvfp4Global g = nvfp4_global(*a.row.amax, false);
+  const int64_t bpr = a.cols / kNvfp4Block;
+  grid_loop(a.rows * bpr, cta, ctas, [&](auto i) {
+    constexpr int kVec = 16 / sizeof(T);
+    using I = decltype(i);
+    const int64_t r = i / static_cast<I>(bpr), c = static_cast<int64_t>(i % static_cast<I>(bpr)) * kNvfp4Block;
+    const T* src = x + r * a.stride + c;
+    alignas(16) T raw[kNvfp4Block];
+    if (a.vector_ok) {
+      FP4SIM_UNROLL
+      for (int q = 0; q < kNvfp4Block / kVec; ++q)
+        reinterpret_cast<uint4*>(raw)[q] = __ldg(reinterpret_cast<const uint4*>(src) + q);
+    } else {
+      FP4SIM_UNROLL
+      for (int q = 0; q < kNvfp4Block; ++q) raw[q] = src[q];
+    }
+    float v[kNvfp4Block];
+    FP4SIM_UNROLL
+    for (int q = 0; q < kNvfp4Block; ++q) v[q] = Elem<T>::to_f32(raw[q]);
+    const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
+                                          static_cast<uint64_t>(r * (a.cols / kSrChunk) + c / kSrChunk));
+    alignas(8) uint8_t packed[kNvfp4Block / 2];
+    const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
+    *reinterpret_cast<uint2*>(a.row.codes + (r * a.cols + c) / 2) = *reinterpret_cast<uint2*>(packed);
+    a.row.scales[i] = s;
+    if (a.row.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.row.decoded + r * a.cols + c);
+  });
+}
+
+// Column-wise RHT copy from the kept rht(x), which the amax pass stored transposed (C x R, the
+// written copy's order): thread i quantizes block i of the written tensor, 16 contiguous values,
+// so a warp reads 1 KiB and writes 256 code bytes, 32 scale bytes (and 1 KiB decoded) contiguously.
+__device__ __forceinline__ void nvfp4_cols_rht(const uint16_t* rht_t, const QuantArgs& a, uint32_t cta, uint32_t ctas) {
+  const int64_t R = a.rows, C = a.cols;
+  const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
+  grid_loop((R / kNvfp4Block) * C, cta, ctas, [&](auto i) {
+    using I = decltype(i);
+    const int64_t c = i / static_cast<I>(R / kNvfp4Block);
+    const int64_t r = static_cast<int64_t>(i % static_cast<I>(R / kNvfp4Block)) * kNvfp4Block;
+    const uint4* src = reinterpret_cast<const uint4*>(rht_t + c * R + r);
+    const uint4 lo = __ldg(src), hi = __ldg(src + 1);
+    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    float v[kNvfp4Block];
+    FP4SIM_UNROLL
+    for (int q = 0; q < kNvfp4Block / 2; ++q) {
+      v[2 * q] = bf16_to_f32(static_cast<uint16_t>(w[q] & 0xFFFFu));
+      v[2 * q + 1] = bf16_to_f32(static_cast<uint16_t>(w[q] >> 16));
+    }
+    const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
+                                          static_cast<uint64_t>(c * (R / kSrChunk) + r / kSrChunk));
+    alignas(8) uint8_t packed[kNvfp4Block / 2];
+    const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
+    *reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2) = *reinterpret_cast<uint2*>(packed);
+    a.col.scales[i] = s;
+    if (a.col.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.col.decoded + c * R + r);
+  });
+}
+
+// Both in one launch: with a row-wise copy, even CTAs take rows and odd ones columns, so the
+// memory-heavy row work and the arithmetic-heavy SR column work share the SMs throughout.
+template <class T>
+__global__ void __launch_bounds__(256) nvfp4_rht_kept_kernel(const T* x, const uint16_t* rht_t, QuantArgs a) {
+  if (!a.row.enabled) {
+    nvfp4_cols_rht(rht_t, a, blockIdx.x, gridDim.x);
+  } else if (blockIdx.x & 1u) {
+    nvfp4_cols_rht(rht_t, a, blockIdx.x >> 1, gridDim.x >> 1);
+  } else {
+    nvfp4_rows(x, a, blockIdx.x >> 1, gridDim.x >> 1);
+  }
+}
+
+// The decoded BF16 copy of q (QuantizedView::decoded_bf16) from its codes and scales, for the
+// quantize paths that do not write it themselves (2D blocks, Four Over Six, MXFP4): the same bits.
+__global__ void decode_bf16_kernel(QuantizedView q) {
+  const int64_t chunks = q.cols / 8;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < q.rows * chunks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dequantize_chunk_bf16(q, q.decoded_bf16, i / chunks, (i % chunks) * 8);
 }
 
 // Whether launch_all keeps the RHT output between its passes when it has scratch for it.
@@ -504,28 +650,40 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
     ca.codes = spec.enabled ? q->codes : nullptr;
     ca.scales = spec.enabled ? q->scales : nullptr;
     ca.amax = spec.enabled ? q->amax : nullptr;
+    ca.decoded = spec.enabled ? q->decoded_bf16 : nullptr;
   };
   fill(qa.row, cfg.rowwise, row);
   fill(qa.col, cfg.columnwise, col);
-  if (common_case) {
+  if (common_case && rht_out) {  // RHT copy kept by the amax pass: the streaming kernel
+    // (as many CTAs for each copy as one 1x16 block per thread needs, up to grid_for's cap)
+    const int per_copy = grid_for(R * (C / kNvfp4Block), 256);
+    nvfp4_rht_kept_kernel<T><<<qa.row.enabled ? 2 * per_copy : per_copy, 256, 0, stream>>>(xp, rht_out, qa);
+  } else if (common_case) {
     const bool rht = qa.col.enabled && qa.col.rht;
     bool launched = false;
     if constexpr (sizeof(T) == 2) {
       if (g_fast_cols_per_thread == 2) {
         const dim3 fg(static_cast<unsigned>((C + 2 * kThreads - 1) / (2 * kThreads)), grid.y);
-        if (rht) nvfp4_1x16_kernel<T, true, 2><<<fg, kThreads, 0, stream>>>(xp, qa, rht_out);
-        else nvfp4_1x16_kernel<T, false, 2><<<fg, kThreads, 0, stream>>>(xp, qa, nullptr);
+        if (rht) nvfp4_1x16_kernel<T, true, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
+        else nvfp4_1x16_kernel<T, false, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
         launched = true;
       }
     }
     if (!launched) {
-      if (rht) nvfp4_1x16_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(xp, qa, rht_out);
-      else nvfp4_1x16_kernel<T, false, 1><<<grid, kThreads, 0, stream>>>(xp, qa, nullptr);
+      if (rht) nvfp4_1x16_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
+      else nvfp4_1x16_kernel<T, false, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
     }
-  } else if (qa.mx) {
-    quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
   } else {
-    quantize_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, qa);
+    if (qa.mx) quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
+    else quantize_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, qa);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    for (const CopyArgs* ca : {&qa.row, &qa.col}) {
+      if (!ca->decoded) continue;
+      const QuantizedView& q = ca == &qa.row ? *row : *col;
+      decode_bf16_kernel<<<grid_for(q.rows * (q.cols / 8), 256), 256, 0, stream>>>(q);
+      FP4SIM_CUDA_CHECK_LAUNCH();
+    }
+    return;
   }
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
@@ -585,11 +743,6 @@ __global__ void scales_to_tiled_kernel(const uint8_t* scales, int64_t rows, int6
     out[tiled_scale_offset(r, c, k_blocks)] =
         (r < rows && c < k_blocks) ? scales[r * k_blocks + c] : uint8_t(0);
   }
-}
-
-int grid_for(int64_t n, int threads) {
-  const int64_t b = (n + threads - 1) / threads;
-  return static_cast<int>(b < 65535 * 8 ? (b > 0 ? b : 1) : 65535 * 8);
 }
 
 }  // namespace

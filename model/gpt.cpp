@@ -111,7 +111,7 @@ void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_
   linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
                  cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, round_bf16,
                  stats_active_ ? &stats_ : nullptr, name,
-                 &acts_[static_cast<size_t>(l)].saved_x[linear]);
+                 &acts_[static_cast<size_t>(l)].saved_x[linear], &acts_[static_cast<size_t>(l)].saved_w[linear]);
 }
 
 void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC) {
@@ -122,7 +122,7 @@ void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int6
   const float* inp = r.wgrad == "bf16" ? linear_input(l, linear) : nullptr;  // else the saved copy
   linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr, dout, inp,
                   p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
-                  a.saved_x[linear].get());
+                  a.saved_x[linear].get(), a.saved_w[linear].get());
 }
 
 float* Gpt::linear_input(int64_t l, int linear) {
@@ -143,6 +143,8 @@ size_t Gpt::saved_activation_bytes() const {
                                    &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.act, &a.fcproj, &a.res2})
       n += b->bytes();
     for (const auto& q : a.saved_x)
+      if (q) n += q->bytes();
+    for (const auto& q : a.saved_w)
       if (q) n += q->bytes();
   }
   return n;

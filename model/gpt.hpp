@@ -95,6 +95,9 @@ class Gpt {
     // scratch buffer shared by all layers (DESIGN.md §9, saved activations in quantized form).
     // atty is always kept: the attention backward pass reads it.
     std::unique_ptr<QuantizedCopy> saved_x[4];
+    // W's Dgrad copy of each linear layer, from the forward pass's quantize call (linear_forward's
+    // save_dgrad_weight), replaced by the next forward pass like saved_x
+    std::unique_ptr<QuantizedCopy> saved_w[4];
   };
   // The FP32 input of linear `linear` of a layer: its own buffer when the backward pass needs it
   // (a BF16 Wgrad), else the shared scratch.

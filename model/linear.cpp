@@ -46,7 +46,7 @@ LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& 
   return r;
 }
 
-QuantizedCopy::QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos) {
+QuantizedCopy::QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos, bool with_decoded) {
   view.rows = rows;
   view.cols = cols;
   view.format = f;
@@ -58,6 +58,10 @@ QuantizedCopy::QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f,
   view.codes = codes.as<uint8_t>();
   view.scales = scales.as<uint8_t>();
   view.amax = amax.as<float>();
+  if (with_decoded) {
+    decoded = BackendBuffer(be, static_cast<size_t>(rows * cols) * sizeof(uint16_t));
+    view.decoded_bf16 = decoded.as<uint16_t>();
+  }
 }
 
 namespace {
@@ -74,7 +78,15 @@ struct CopyRequest {
   bool sr = false;
   bool fos = false;
   uint64_t stream = 0;
+  // the copy is multiplied soon (not saved for the backward pass): where the backend's GEMM reads
+  // a decoded BF16 operand, the quantizer writes it too (Backend::decodes_for_gemm)
+  bool transient = true;
 };
+
+// Whether copy q gets a decoded BF16 buffer: a transient FP4 copy on a backend that reads one.
+bool wants_decoded(Backend& be, const LinearRecipe& r, const CopyRequest& q) {
+  return q.transient && *q.format != "fp8" && be.decodes_for_gemm(r.impl);
+}
 
 // The quantizer configuration of one requested copy (only that copy enabled).
 QuantizeConfig copy_config(const LinearRecipe& r, uint64_t seed, const CopyRequest& q) {
@@ -116,7 +128,7 @@ std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r,
   const CopySpec& spec = q.columnwise ? qc.columnwise : qc.rowwise;
   const TensorView tv = copy_input(be, x, rows, cols, name);
   auto c = std::make_unique<QuantizedCopy>(be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format,
-                                   spec.four_over_six);
+                                   spec.four_over_six, wants_decoded(be, r, q));
   be.quantize(tv, qc, q.columnwise ? nullptr : &c->view, q.columnwise ? &c->view : nullptr);
   return c;
 }
@@ -139,8 +151,10 @@ std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quanti
   const QuantizeConfig cc = copy_config(r, seed, col_q);
   qc.columnwise = cc.columnwise;
   const TensorView tv = copy_input(be, x, rows, cols, name);
-  auto row = std::make_unique<QuantizedCopy>(be, rows, cols, qc.format, qc.rowwise.four_over_six);
-  auto col = std::make_unique<QuantizedCopy>(be, cols, rows, qc.format, qc.columnwise.four_over_six);
+  auto row = std::make_unique<QuantizedCopy>(be, rows, cols, qc.format, qc.rowwise.four_over_six,
+                                             wants_decoded(be, r, row_q));
+  auto col = std::make_unique<QuantizedCopy>(be, cols, rows, qc.format, qc.columnwise.four_over_six,
+                                             wants_decoded(be, r, col_q));
   be.quantize(tv, qc, &row->view, &col->view);
   return {std::move(row), std::move(col)};
 }
@@ -152,8 +166,15 @@ uint64_t copy_stream(const LinearIds& ids, TensorRole role, int copy) {
 
 // x's Wgrad copy (column-wise, RHT when the recipe says so), made in the forward pass to be saved
 // or in the backward pass when it was not.
-CopyRequest x_wgrad_request(const LinearRecipe& r, const LinearIds& ids) {
-  return {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations, copy_stream(ids, TensorRole::Activation, 1)};
+CopyRequest x_wgrad_request(const LinearRecipe& r, const LinearIds& ids, bool saved) {
+  return {&r.wgrad, true, false, r.rht, r.sr_other, r.fos_activations, copy_stream(ids, TensorRole::Activation, 1),
+          !saved};
+}
+
+// W's Dgrad copy (column-wise, 2D blocks when the recipe says so), made in the forward pass to be
+// saved or in the backward pass when it was not.
+CopyRequest w_dgrad_request(const LinearRecipe& r, const LinearIds& ids, bool saved) {
+  return {&r.dgrad, true, true, false, r.sr_other, r.fos_weights, copy_stream(ids, TensorRole::Weight, 1), !saved};
 }
 
 // Statistics of a row-wise copy of x (rows, cols): the error sums on the backend, the ratios here.
@@ -185,7 +206,8 @@ TensorView f32_view(Backend& be, float* p, int64_t rows, int64_t cols) {
 void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                     emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats,
-                    const std::string& name, std::unique_ptr<QuantizedCopy>* save_wgrad_input) {
+                    const std::string& name, std::unique_ptr<QuantizedCopy>* save_wgrad_input,
+                    std::unique_ptr<QuantizedCopy>* save_dgrad_weight) {
   // (built only where a copy is made: a BF16 GEMM draws no SR stream)
   auto x_fprop = [&] {
     return CopyRequest{&r.fprop, false, false, false, r.sr_other, r.fos_activations, copy_stream(ids, TensorRole::Activation, 0)};
@@ -193,14 +215,15 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
   // the Wgrad operand x^T, quantized now so the backward pass needs no FP32 copy of x; with a
   // quantized Fprop too, both copies come from one quantize call
   std::unique_ptr<QuantizedCopy> xq;
+  if (save_dgrad_weight) save_dgrad_weight->reset();  // (also when this pass makes none: never a stale W)
   if (save_wgrad_input) {
     save_wgrad_input->reset();
     if (r.wgrad != "bf16" && r.fprop != "bf16") {
-      auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop(), x_wgrad_request(r, ids), name + " input");
+      auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop(), x_wgrad_request(r, ids, true), name + " input");
       xq = std::move(both.first);
       *save_wgrad_input = std::move(both.second);
     } else if (r.wgrad != "bf16") {
-      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids), name + " input");
+      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids, true), name + " input");
     }
   }
   if (r.fprop == "bf16") {
@@ -208,9 +231,14 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
     return;
   }
   if (!xq) xq = quantize_copy(be, r, ids.seed, inp, N, K, x_fprop(), name + " input");
-  const auto wq = quantize_copy(be, r, ids.seed, weight, OC, K,
-                                {&r.fprop, false, true, false, r.sr_other, r.fos_weights, copy_stream(ids, TensorRole::Weight, 0)},
-                                name + ".weight");
+  const CopyRequest w_fprop{&r.fprop, false, true, false, r.sr_other, r.fos_weights, copy_stream(ids, TensorRole::Weight, 0)};
+  std::unique_ptr<QuantizedCopy> wq;
+  if (save_dgrad_weight && r.dgrad != "bf16" && can_combine(w_fprop, w_dgrad_request(r, ids, true))) {
+    std::tie(wq, *save_dgrad_weight) =
+        quantize_both(be, r, ids.seed, weight, OC, K, w_fprop, w_dgrad_request(r, ids, true), name + ".weight");
+  } else {
+    wq = quantize_copy(be, r, ids.seed, weight, OC, K, w_fprop, name + ".weight");
+  }
   GemmConfig g;
   g.impl = r.impl;
   be.gemm(xq->view, wq->view, nullptr, g, f32_view(be, out, N, OC));
@@ -225,7 +253,8 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
 void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
-                     const std::string& name, const QuantizedCopy* saved_wgrad_input) {
+                     const std::string& name, const QuantizedCopy* saved_wgrad_input,
+                     const QuantizedCopy* saved_dgrad_weight) {
   if (!inp && (r.wgrad == "bf16" || !saved_wgrad_input))
     throw std::logic_error("linear_backward (" + name + "): no input: the FP32 x or its saved Wgrad copy is needed");
   if (r.dgrad == "bf16" && r.wgrad == "bf16") {
@@ -253,9 +282,12 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
       be.matmul_backward(dinp, nullptr, nullptr, dout, inp, weight, N, K, OC, prec);
     } else {
       if (!dyq) dyq = quantize_copy(be, r, ids.seed, dout, N, OC, dy_dgrad(), name + " output gradient");
-      const auto wq = quantize_copy(be, r, ids.seed, weight, OC, K,
-                                    {&r.dgrad, true, true, false, r.sr_other, r.fos_weights, copy_stream(ids, TensorRole::Weight, 1)},
-                                    name + ".weight");
+      std::unique_ptr<QuantizedCopy> own_w;
+      const QuantizedCopy* wq = saved_dgrad_weight;
+      if (!wq) {
+        own_w = quantize_copy(be, r, ids.seed, weight, OC, K, w_dgrad_request(r, ids, false), name + ".weight");
+        wq = own_w.get();
+      }
       const TensorView d = f32_view(be, dinp, N, K);
       be.gemm(dyq->view, wq->view, &d, acc, d);
       if (stats) stats->push_back(stat_of(be, dout, *dyq, name + ".dgrad.dy"));
@@ -271,7 +303,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
       std::unique_ptr<QuantizedCopy> own;
       const QuantizedCopy* xc = saved_wgrad_input;
       if (!xc) {
-        own = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids), name + " input");
+        own = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids, false), name + " input");
         xc = own.get();
       }
       const TensorView d = f32_view(be, dweight, OC, K);

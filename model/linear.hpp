@@ -74,8 +74,9 @@ struct QuantStat {
 struct QuantizedCopy {
   BackendBuffer codes, scales, amax;
   QuantizedView view;
-  QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos);
-  size_t bytes() const { return codes.bytes() + scales.bytes() + amax.bytes(); }
+  BackendBuffer decoded;  // the view's decoded_bf16, when asked for (empty otherwise)
+  QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos, bool with_decoded = false);
+  size_t bytes() const { return codes.bytes() + scales.bytes() + amax.bytes() + decoded.bytes(); }
 };
 
 // stats: when non-null, the row-wise (non-RHT) copies made here append their statistics (computed
@@ -84,14 +85,19 @@ struct QuantizedCopy {
 // pass can run without the FP32 x (DESIGN.md §9: saved activations in quantized form); the bits
 // are those linear_backward would make from x. saved_wgrad_input (backward): that copy, or null to
 // quantize inp there; inp may be null when the copy is given. round_bf16: out rounded to BF16 (the
-// model's activation storage) with the bias add (Backend's round_bf16).
+// model's activation storage) with the bias add (Backend's round_bf16). save_dgrad_weight /
+// saved_dgrad_weight: the same for W's column-wise Dgrad copy, made in the forward pass from the
+// quantize call that makes W's Fprop copy when both GEMMs are quantized alike (one amax pass and
+// one read of W instead of two of each; W does not change between the passes of a micro-batch).
 void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                     emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats, const std::string& name,
-                    std::unique_ptr<QuantizedCopy>* save_wgrad_input = nullptr);
+                    std::unique_ptr<QuantizedCopy>* save_wgrad_input = nullptr,
+                    std::unique_ptr<QuantizedCopy>* save_dgrad_weight = nullptr);
 void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
-                     const std::string& name, const QuantizedCopy* saved_wgrad_input = nullptr);
+                     const std::string& name, const QuantizedCopy* saved_wgrad_input = nullptr,
+                     const QuantizedCopy* saved_dgrad_weight = nullptr);
 
 }  // namespace fp4sim::model

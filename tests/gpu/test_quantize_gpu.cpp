@@ -309,6 +309,125 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
   std::printf("[quantize-gpu] %d tile/stride/RHT-path cases bitwise identical\n", checked);
   EXPECT_GT(checked, 50);
 }
+
+// QuantizedView::decoded_bf16: the BF16 operand the quantizer writes for the cuBLASLt GEMM on Hopper
+// equals e2m1(code) * block scale of the codes it wrote (every path: the common-case kernel's tile
+// variants with RHT kept or transformed twice, and the decode pass after 2D, Four Over Six and
+// MXFP4), the codes are unchanged by asking for it, and a GEMM reading it gives the same D bits
+// as one that decodes the codes itself.
+TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
+  REQUIRE_GPU();
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  ASSERT_TRUE(cuda->decodes_for_gemm(GemmImpl::CublasLt)) << "Hopper: cuBLASLt multiplies FP4 as BF16";
+  EXPECT_FALSE(cuda->decodes_for_gemm(GemmImpl::Exact));
+  EXPECT_FALSE(emu->decodes_for_gemm(GemmImpl::CublasLt));
+  struct DevCopy {
+    QuantizedBuffers q;
+    BackendBuffer decoded;
+  };
+  const std::pair<int64_t, int64_t> shapes[] = {{96, 160}, {64, 288}, {224, 416}};
+  int checked = 0;
+  for (const Case& cs : all_configs()) {
+    for (const auto& [rows, cols] : shapes) {
+      for (test::Fill f : {test::Fill::HeavyTailed, test::Fill::Specials, test::Fill::Ties}) {
+        for (DType dt : {DType::F32, DType::BF16}) {
+          std::vector<float> x = test::make_fill(f, static_cast<size_t>(rows * cols), rows * 7 + cols);
+          std::vector<uint16_t> h(x.size());
+          for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
+          TensorView hv;
+          hv.data = dt == DType::BF16 ? static_cast<void*>(h.data()) : static_cast<void*>(x.data());
+          hv.dtype = dt;
+          hv.rows = rows;
+          hv.cols = cols;
+          const QuantizeResult ref = quantize_to_host(*emu, hv, cs.cfg);
+          const size_t in_bytes = x.size() * (dt == DType::BF16 ? 2 : 4);
+          BackendBuffer xin(*cuda, in_bytes);
+          cuda->upload(xin.get(), hv.data, in_bytes);
+          TensorView dv = hv;
+          dv.data = xin.get();
+          dv.device = Device::Cuda;
+          for (int variant = 0; variant < 3; ++variant) {  // tile 1 rht kept, tile 2, rht twice
+            std::vector<std::unique_ptr<DevCopy>> out(2);
+            for (int col = 0; col < 2; ++col) {
+              const CopySpec& spec = col ? cs.cfg.columnwise : cs.cfg.rowwise;
+              if (!spec.enabled) continue;
+              QuantizedHost shape;
+              shape.resize(col ? cols : rows, col ? rows : cols, cs.cfg.format, spec.four_over_six);
+              out[col] = std::make_unique<DevCopy>(DevCopy{QuantizedBuffers(*cuda, shape), BackendBuffer()});
+              out[col]->decoded = BackendBuffer(*cuda, static_cast<size_t>(rows * cols) * 2);
+              out[col]->q.view.decoded_bf16 = out[col]->decoded.as<uint16_t>();
+            }
+            {
+              KnobGuard knobs([&] { gpu::set_quantize_tile_variant(variant == 1 ? 2 : 1);
+                                    gpu::set_quantize_keep_rht(variant != 2); },
+                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true); });
+              cuda->quantize(dv, cs.cfg, out[0] ? &out[0]->q.view : nullptr, out[1] ? &out[1]->q.view : nullptr);
+            }
+            for (int col = 0; col < 2; ++col) {
+              if (!out[col]) continue;
+              const std::string what = cs.name + " " + dtype_name(dt) + " " + std::to_string(rows) + "x" +
+                                       std::to_string(cols) + " variant " + std::to_string(variant) +
+                                       (col ? " column-wise" : " row-wise");
+              QuantizedHost got;
+              got.resize(out[col]->q.view.rows, out[col]->q.view.cols, cs.cfg.format, out[col]->q.view.four_over_six);
+              out[col]->q.download_to(*cuda, got);
+              expect_same_quantized(col ? ref.columnwise : ref.rowwise, got, what);
+              std::vector<uint16_t> dec(static_cast<size_t>(rows * cols));
+              cuda->download(dec.data(), out[col]->decoded.get(), dec.size() * 2);
+              const int64_t block = got.block_size();
+              int64_t bad = 0;
+              for (int64_t r = 0; r < got.rows; ++r) {
+                for (int64_t c = 0; c < got.cols; ++c) {
+                  const int64_t e = r * got.cols + c;
+                  const uint8_t code = (got.codes[static_cast<size_t>(e / 2)] >> (4 * (e & 1))) & 0xFu;
+                  const uint8_t sb = got.scales[static_cast<size_t>(r * (got.cols / block) + c / block)];
+                  const float sv = cs.cfg.format == QFormat::MXFP4 ? ue8m0_to_f32(sb) : e4m3_to_f32(sb);
+                  const float want = fmul_rn(e2m1_to_f32(code), sv);
+                  const uint16_t g = dec[static_cast<size_t>(e)];
+                  const bool ok = f32_isnan(want) ? (g & 0x7FFFu) > 0x7F80u
+                                                  : g == static_cast<uint16_t>(f32_bits(want) >> 16) &&
+                                                        (f32_bits(want) & 0xFFFFu) == 0u;
+                  if (!ok && ++bad <= 3)
+                    ADD_FAILURE() << what << ": element (" << r << ", " << c << ") decoded 0x" << std::hex << g
+                                  << ", want 0x" << (f32_bits(want) >> 16) << std::dec;
+                }
+              }
+              ASSERT_EQ(bad, 0) << what;
+              ++checked;
+            }
+            // the GEMM: A = the row-wise copy (rows x cols), B = the same copy, with and without
+            // its decoded operand, D bit for bit (only where the row-wise copy exists)
+            if (out[0] && f == test::Fill::HeavyTailed && variant == 0) {
+              GemmConfig g;
+              g.impl = GemmImpl::CublasLt;
+              BackendBuffer d1(*cuda, static_cast<size_t>(rows * rows) * 4), d2(*cuda, static_cast<size_t>(rows * rows) * 4);
+              TensorView o;
+              o.rows = o.cols = rows;
+              o.device = Device::Cuda;
+              QuantizedView plain = out[0]->q.view;
+              plain.decoded_bf16 = nullptr;
+              o.data = d1.get();
+              cuda->gemm(out[0]->q.view, out[0]->q.view, nullptr, g, o);
+              o.data = d2.get();
+              cuda->gemm(plain, plain, nullptr, g, o);
+              std::vector<uint32_t> b1(static_cast<size_t>(rows * rows)), b2(b1.size());
+              cuda->download(b1.data(), d1.get(), b1.size() * 4);
+              cuda->download(b2.data(), d2.get(), b2.size() * 4);
+              ASSERT_EQ(b1, b2) << cs.name << ": D of the cuBLASLt GEMM differs with the decoded operand";
+              o.data = d1.get();
+              cuda->gemm(out[0]->q.view, plain, nullptr, g, o);  // one operand decoded, one not
+              cuda->download(b1.data(), d1.get(), b1.size() * 4);
+              ASSERT_EQ(b1, b2) << cs.name << ": D differs with one decoded operand";
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("[quantize-gpu] %d decoded BF16 copies equal the decode of their codes\n", checked);
+  EXPECT_GT(checked, 200);
+}
 #endif
 
 }  // namespace
