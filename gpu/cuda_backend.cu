@@ -55,8 +55,11 @@ CudaBackend::CudaBackend() {
     uint64_t keep = UINT64_MAX;
     FP4SIM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   }
+  FP4SIM_CUDA_CHECK(cudaMalloc(&amax_ws_, 4 * sizeof(unsigned)));
+  FP4SIM_CUDA_CHECK(cudaMemsetAsync(amax_ws_, 0, 4 * sizeof(unsigned), stream_));  // (ordered before any pass)
 }
 CudaBackend::~CudaBackend() {
+  if (amax_ws_) cudaFree(amax_ws_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -104,7 +107,7 @@ void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, Quant
     fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_);
     return;
   }
-  quantize_launch(x, cfg, rowwise, columnwise, stream_, &rht_keep_);
+  quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_);
 }
 
 void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {

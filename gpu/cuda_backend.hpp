@@ -117,6 +117,7 @@ class CudaBackend final : public Backend {
   int cc_major_ = 0;  // compute capability of the device  // allocate/release through the device's memory pool on stream_
   std::shared_ptr<CublasLtState> cublaslt_;  // created on first use
   DeviceScratch rht_keep_;  // the RHT column-wise copy's transformed input between the quantizer's passes
+  unsigned* amax_ws_ = nullptr;  // the quantizer's amax workspace (quantize_launch), zeroed at creation
 
   // The training ops' own cuBLASLt handle and workspace, scratch buffers and RoPE table
   // (gpu/layers.cu). shared_ptr: the type is complete only in gpu/layers.cu.
@@ -127,11 +128,13 @@ class CudaBackend final : public Backend {
 
 std::unique_ptr<Backend> make_cuda_backend();
 
-// Kernel launchers (gpu/quantize.cu), on `stream`, device pointers. rht_keep (may be null): scratch
-// for the RHT-transformed input (BF16, transposed: cols x rows), written by the amax pass and read by the
-// quantize pass instead of transforming every element a second time (same bits).
+// Kernel launchers (gpu/quantize.cu), on `stream`, device pointers. amax_ws: 3 zeroed unsigned ints
+// of device memory used by no other stream (the amax pass leaves them zero again). rht_keep (may
+// be null): scratch for the RHT-transformed input (BF16, transposed: cols x rows), written by the
+// amax pass and read by the quantize pass instead of transforming every element a second time.
 void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                     QuantizedView* columnwise, cudaStream_t stream, DeviceScratch* rht_keep = nullptr);
+                     QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
+                     DeviceScratch* rht_keep = nullptr);
 // Benchmark knob: whether the common-case quantizer keeps the RHT output between its passes
 // (default) or transforms twice, as before. Results are identical; only speed differs.
 void set_quantize_keep_rht(bool keep);

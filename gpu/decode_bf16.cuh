@@ -48,6 +48,16 @@ __device__ __forceinline__ void decode16_bf16(uint2 codes, uint8_t scale, uint16
   decode8_bf16(codes.y, sv, out + 8);
 }
 
+// One MXFP4 block's 16 code bytes and UE8M0 scale -> 32 BF16 at out (16-byte aligned).
+__device__ __forceinline__ void decode32_mx_bf16(const uint8_t* packed, uint8_t scale, uint16_t* out) {
+  const float sv = ue8m0_to_f32(scale);
+  const uint4 w = *reinterpret_cast<const uint4*>(packed);
+  decode8_bf16(w.x, sv, out);
+  decode8_bf16(w.y, sv, out + 8);
+  decode8_bf16(w.z, sv, out + 16);
+  decode8_bf16(w.w, sv, out + 24);
+}
+
 // Elements [c0, c0 + 8) of row r of q (c0 a multiple of 8) -> out (row-major, q.cols per row).
 __device__ __forceinline__ void dequantize_chunk_bf16(const QuantizedView& q, uint16_t* out, int64_t r,
                                                       int64_t c0) {

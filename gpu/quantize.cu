@@ -70,28 +70,49 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Block-wide max, then one atomicMax on the FP32 bit pattern (non-negative floats order as ints).
-__device__ void block_max_to(float v, float* target) {
-  __shared__ float partial[kThreads / 32];
-  v = warp_max(v);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float m = partial[0];
-    for (int w = 1; w < kThreads / 32; ++w) m = fmax_nan_ignored(m, partial[w]);
-    atomicMax(reinterpret_cast<unsigned int*>(target), __float_as_uint(m));
-  }
-}
-
 struct AmaxArgs {
-  float* amax_plain;  // max |x| (or null)
-  float* amax_rht;    // max |rht(x)| of the column-wise copy (or null)
-  uint16_t* rht_out;  // where to keep rht(x) (BF16, transposed: cols x rows, dense), or null
+  float* amax_plain;   // max |x| (or null)
+  float* amax_plain2;  // a second copy of max |x| (the non-RHT column-wise copy's), or null
+  float* amax_rht;     // max |rht(x)| of the column-wise copy (or null)
+  uint16_t* rht_out;   // where to keep rht(x) (BF16, transposed: cols x rows, dense), or null
+  unsigned* ws;        // the backend's amax workspace: {plain, rht, CTAs done}, zero between passes
 };
+
+// The pass's result without zeroing the targets first: each CTA's maxima go to the workspace by
+// atomicMax on the FP32 bit pattern (non-negative floats order as ints); the last CTA to finish
+// (a counter, after a fence) copies them to the targets and puts the workspace back to zero for
+// the next pass on the stream. Replaces two memsets (and a copy) per quantize call.
+__device__ void amax_finish(float m_plain, float m_rht, const AmaxArgs& args) {
+  __shared__ float partial[2][kThreads / 32];
+  m_plain = warp_max(m_plain);
+  m_rht = warp_max(m_rht);
+  if ((threadIdx.x & 31) == 0) {
+    partial[0][threadIdx.x >> 5] = m_plain;
+    partial[1][threadIdx.x >> 5] = m_rht;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  float p = partial[0][0], q = partial[1][0];
+  for (int w = 1; w < kThreads / 32; ++w) {
+    p = fmax_nan_ignored(p, partial[0][w]);
+    q = fmax_nan_ignored(q, partial[1][w]);
+  }
+  unsigned* ws = args.ws;
+  if (args.amax_plain) atomicMax(ws, __float_as_uint(p));
+  if (args.amax_rht) atomicMax(ws + 1, __float_as_uint(q));
+  __threadfence();
+  if (atomicAdd(ws + 2, 1u) != gridDim.x * gridDim.y - 1) return;
+  __threadfence();
+  const float plain = __uint_as_float(atomicExch(ws, 0u)), rht = __uint_as_float(atomicExch(ws + 1, 0u));
+  if (args.amax_plain) *args.amax_plain = plain;
+  if (args.amax_plain2) *args.amax_plain2 = plain;
+  if (args.amax_rht) *args.amax_rht = rht;
+  atomicExch(ws + 2, 0u);
+}
 
 // Plain amax over a contiguous array, 16-byte loads.
 template <class T>
-__global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t n, float* out) {
+__global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t n, AmaxArgs args) {
   constexpr int kVec = 16 / sizeof(T);
   float m = 0.0f;
   const int64_t nvec = n / kVec;
@@ -105,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t
   for (int64_t i = nvec * kVec + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += step)
     m = fmax_nan_ignored(m, f32_abs(Elem<T>::to_f32(x[i])));
-  block_max_to(m, out);
+  amax_finish(m, 0.0f, args);
 }
 
 // Tiled amax: the plain amax (any stride) and/or the amax of the RHT column-wise copy. The tile
@@ -193,11 +214,7 @@ __global__ void __launch_bounds__(kThreads, 6)
       }
     }
   }
-  if (args.amax_plain) block_max_to(m_plain, args.amax_plain);
-  if (args.amax_rht) {
-    __syncthreads();
-    block_max_to(m_rht, args.amax_rht);
-  }
+  amax_finish(m_plain, m_rht, args);
 }
 
 struct CopyArgs {
@@ -295,6 +312,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
         s = mxfp4_quantize_1x32(v, a.mx_rule, sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream, chunk),
                                 sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream, chunk + 1), packed);
         *reinterpret_cast<uint4*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint4*>(packed);
+        if (a.row.decoded) decode32_mx_bf16(packed, s, a.row.decoded + r * C + c);
       } else {
         const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream, chunk);
         if (a.block_2d) {
@@ -304,6 +322,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
           s = nvfp4_quantize_1x16(v, g_row, a.row.four_over_six, a.mse, bits, packed);
         }
         *reinterpret_cast<uint2*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint2*>(packed);
+        if (a.row.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.row.decoded + r * C + c);
       }
       a.row.scales[r * scales_per_row + c / block] = s;
     }
@@ -342,6 +361,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
           uint2* dst = reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2);
           dst[0] = *reinterpret_cast<uint2*>(packed);
           dst[1] = *reinterpret_cast<uint2*>(packed + 8);
+          if (a.col.decoded) decode32_mx_bf16(packed, s, a.col.decoded + c * R + r);
         } else {
           const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream, chunk);
           if (a.block_2d) {
@@ -351,6 +371,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
             s = nvfp4_quantize_1x16(v, g_col, a.col.four_over_six, a.mse, bits, packed);
           }
           *reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2) = *reinterpret_cast<uint2*>(packed);
+          if (a.col.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.col.decoded + c * R + r);
         }
         a.col.scales[c * scales_per_row + r / block] = s;
       }
@@ -567,21 +588,12 @@ __global__ void __launch_bounds__(256) nvfp4_rht_kept_kernel(const T* x, const u
   }
 }
 
-// The decoded BF16 copy of q (QuantizedView::decoded_bf16) from its codes and scales, for the
-// quantize paths that do not write it themselves (2D blocks, Four Over Six, MXFP4): the same bits.
-__global__ void decode_bf16_kernel(QuantizedView q) {
-  const int64_t chunks = q.cols / 8;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < q.rows * chunks;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dequantize_chunk_bf16(q, q.decoded_bf16, i / chunks, (i % chunks) * 8);
-}
-
 // Whether launch_all keeps the RHT output between its passes when it has scratch for it.
 bool g_keep_rht = true;
 
 template <class T>
 void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* row,
-                QuantizedView* col, cudaStream_t stream, DeviceScratch* rht_keep) {
+                QuantizedView* col, cudaStream_t stream, DeviceScratch* rht_keep, unsigned* amax_ws) {
   const T* xp = static_cast<const T*>(x.data);
   const int64_t R = x.rows, C = x.cols, S = x.stride();
   const bool vector_ok = (reinterpret_cast<uintptr_t>(xp) % 16 == 0) &&
@@ -602,20 +614,19 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
       rht_out = nullptr;
     }
   }
-  // pass 1: amax
+  // pass 1: amax (a non-RHT column-wise copy's amax is x's, written by the same pass)
   float* amax_plain = row_on ? row->amax : (col_on && !col_rht ? col->amax : nullptr);
+  float* amax_plain2 = row_on && col_on && !col_rht ? col->amax : nullptr;
   float* amax_rht = col_rht ? col->amax : nullptr;
-  if (amax_plain) FP4SIM_CUDA_CHECK(cudaMemsetAsync(amax_plain, 0, sizeof(float), stream));
-  if (amax_rht) FP4SIM_CUDA_CHECK(cudaMemsetAsync(amax_rht, 0, sizeof(float), stream));
   const dim3 grid(static_cast<unsigned>((C + kTileCols - 1) / kTileCols),
                   static_cast<unsigned>((R + kTileRows - 1) / kTileRows));
   if (amax_rht || (amax_plain && (S != C || !vector_ok))) {
     if (amax_rht) {
       amax_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
-                                                                AmaxArgs{amax_plain, amax_rht, rht_out});
+                                                                AmaxArgs{amax_plain, amax_plain2, amax_rht, rht_out, amax_ws});
     } else {
       amax_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
-                                                                 AmaxArgs{amax_plain, amax_rht, nullptr});
+                                                                 AmaxArgs{amax_plain, amax_plain2, amax_rht, nullptr, amax_ws});
     }
     FP4SIM_CUDA_CHECK_LAUNCH();
   } else if (amax_plain) {
@@ -624,12 +635,10 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
     FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     const int64_t want = (R * C / (16 / sizeof(T)) + kThreads - 1) / kThreads;
     const int blocks = static_cast<int>(want < sms * 16 ? (want > 0 ? want : 1) : sms * 16);
-    amax_flat_kernel<T><<<blocks, kThreads, 0, stream>>>(xp, R * C, amax_plain);
+    amax_flat_kernel<T><<<blocks, kThreads, 0, stream>>>(xp, R * C,
+                                                         AmaxArgs{amax_plain, amax_plain2, nullptr, nullptr, amax_ws});
     FP4SIM_CUDA_CHECK_LAUNCH();
   }
-  if (row_on && col_on && !col_rht)
-    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(col->amax, row->amax, sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream));
   // pass 2: both copies
   QuantArgs qa{};
   qa.rows = R;
@@ -673,17 +682,10 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
       if (rht) nvfp4_1x16_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
       else nvfp4_1x16_kernel<T, false, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
     }
+  } else if (qa.mx) {
+    quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
   } else {
-    if (qa.mx) quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
-    else quantize_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, qa);
-    FP4SIM_CUDA_CHECK_LAUNCH();
-    for (const CopyArgs* ca : {&qa.row, &qa.col}) {
-      if (!ca->decoded) continue;
-      const QuantizedView& q = ca == &qa.row ? *row : *col;
-      decode_bf16_kernel<<<grid_for(q.rows * (q.cols / 8), 256), 256, 0, stream>>>(q);
-      FP4SIM_CUDA_CHECK_LAUNCH();
-    }
-    return;
+    quantize_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, qa);
   }
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
@@ -756,7 +758,8 @@ void set_quantize_tile_variant(int cols_per_thread) {
 void set_quantize_keep_rht(bool keep) { g_keep_rht = keep; }
 
 void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                     QuantizedView* columnwise, cudaStream_t stream, DeviceScratch* rht_keep) {
+                     QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws, DeviceScratch* rht_keep) {
+  if (!amax_ws) throw std::logic_error("quantize_launch: no amax workspace");
   if (x.device != Device::Cuda)
     throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
                                 "' is not in device memory");
@@ -766,9 +769,9 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
     throw std::invalid_argument("quantize (cuda): too many rows for one launch: " +
                                 shape_str(x.rows, x.cols));
   if (x.dtype == DType::F32) {
-    launch_all<float>(x, cfg, rowwise, columnwise, stream, rht_keep);
+    launch_all<float>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws);
   } else {
-    launch_all<uint16_t>(x, cfg, rowwise, columnwise, stream, rht_keep);
+    launch_all<uint16_t>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws);
   }
 }
 

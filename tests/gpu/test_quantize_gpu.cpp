@@ -312,8 +312,8 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
 
 // QuantizedView::decoded_bf16: the BF16 operand the quantizer writes for the cuBLASLt GEMM on Hopper
 // equals e2m1(code) * block scale of the codes it wrote (every path: the common-case kernel's tile
-// variants with RHT kept or transformed twice, and the decode pass after 2D, Four Over Six and
-// MXFP4), the codes are unchanged by asking for it, and a GEMM reading it gives the same D bits
+// variants with RHT transformed twice, the streaming kernel from the kept transform, and the
+// general kernel for 2D, Four Over Six and MXFP4), the codes are unchanged by asking for it, and a GEMM reading it gives the same D bits
 // as one that decodes the codes itself.
 TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
   REQUIRE_GPU();
