@@ -24,6 +24,7 @@ cd "$(dirname "$0")/.."
 out=runs/gpu_session
 rm -rf "$out"
 mkdir -p "$out"
+mkdir -p "${OUT:-runs}"  # (an $OUT subfolder that does not exist yet would lose the archive)
 trap 'tar czf "${OUT:-runs}/gpu_session.tgz" -C runs gpu_session 2>/dev/null' EXIT
 archs=${FP4SIM_ARCHS:-90a}
 summary=()

@@ -7,6 +7,7 @@
 # Each part's logs come back as $OUT/<part>/gpu_session.tgz; the summaries print in order.
 # Carry .deps and data. A part that fails does not stop the next (the tests' result is in part 1).
 # BENCH_QUANT=1 adds part 4: the GPU quantizer benchmark (medians of 5); SKIP_PROFILE=1 drops part 3.
+# PROFILE_BASE=RECIPE adds that recipe's profile to part 3 and prints the per-kernel difference.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 base=${OUT:-runs/verify}
@@ -33,6 +34,15 @@ if bf:
 PY
 [ -n "${SKIP_PROFILE:-}" ] || echo "== 3/3 profile (${PROFILE_RECIPE:-bf16})"
 [ -n "${SKIP_PROFILE:-}" ] || SKIP_STATS=1 RECIPE=${PROFILE_RECIPE:-bf16} OUT=$base/profile scripts/gpu_session.sh trainprofile 2>&1 | grep -v "^fp4sim\|^backends\|^default\|^CUDA\|^GPU\|^compiler\|^OpenMP\|^libraries\|^fp build\|^name\|^NVIDIA" | tail -40
+# PROFILE_BASE=bf16 (with PROFILE_RECIPE=nvfp4, say): the base recipe's step too, then the
+# per-kernel difference (validation/ncu_summary.py BASE OTHER), largest first
+if [ -z "${SKIP_PROFILE:-}" ] && [ -n "${PROFILE_BASE:-}" ]; then
+  cp runs/gpu_session/prof_ncu.csv "$base/profile/other.csv" 2>/dev/null
+  SKIP_STATS=1 RECIPE=$PROFILE_BASE OUT=$base/profile/base scripts/gpu_session.sh trainprofile >/dev/null 2>&1
+  cp runs/gpu_session/prof_ncu.csv "$base/profile/base.csv" 2>/dev/null
+  echo "== per-kernel difference, ${PROFILE_RECIPE:-bf16} - $PROFILE_BASE"
+  python3 validation/ncu_summary.py "$base/profile/base.csv" "$base/profile/other.csv" | head -30
+fi
 if [ -n "${BENCH_QUANT:-}" ]; then
   echo "== 4/4 quantizer benchmark (issue 2 bars: row+col RN >= 70%, row RN + col RHT+SR >= 50% of copy bandwidth)"
   build-gpu/bench_quantize --benchmark_filter='BM_GpuQuantize/8192/8192/./1/1' --benchmark_repetitions=5 \
