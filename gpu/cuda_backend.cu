@@ -44,6 +44,16 @@ std::string describe_gpu() {
 // and so the peak memory the trainer reports, counts what the pool holds.
 CudaBackend::CudaBackend() {
   FP4SIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  try {
+    init_device();
+  } catch (...) {  // the destructor does not run for a constructor that throws
+    if (amax_ws_) cudaFree(amax_ws_);
+    cudaStreamDestroy(stream_);
+    throw;
+  }
+}
+
+void CudaBackend::init_device() {
   int dev = 0, pools = 0;
   FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
   FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, dev));

@@ -113,8 +113,8 @@ class CudaBackend final : public Backend {
 
  private:
   cudaStream_t stream_ = nullptr;
-  bool stream_ordered_ = false;
-  int cc_major_ = 0;  // compute capability of the device  // allocate/release through the device's memory pool on stream_
+  bool stream_ordered_ = false;  // allocate/release through the device's memory pool on stream_
+  int cc_major_ = 0;             // compute capability of the device
   std::shared_ptr<CublasLtState> cublaslt_;  // created on first use
   DeviceScratch rht_keep_;  // the RHT column-wise copy's transformed input between the quantizer's passes
   unsigned* amax_ws_ = nullptr;  // the quantizer's amax workspace (quantize_launch), zeroed at creation
@@ -124,6 +124,7 @@ class CudaBackend final : public Backend {
   struct LayersState;
   std::shared_ptr<LayersState> layers_;  // created on first use
   LayersState& layers_state();
+  void init_device();  // the constructor's part after the stream exists (pool, capability, workspace)
 };
 
 std::unique_ptr<Backend> make_cuda_backend();

@@ -319,9 +319,10 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  ASSERT_TRUE(cuda->decodes_for_gemm(GemmImpl::CublasLt)) << "Hopper: cuBLASLt multiplies FP4 as BF16";
   EXPECT_FALSE(cuda->decodes_for_gemm(GemmImpl::Exact));
   EXPECT_FALSE(emu->decodes_for_gemm(GemmImpl::CublasLt));
+  if (!cuda->decodes_for_gemm(GemmImpl::CublasLt))
+    GTEST_SKIP() << "this GPU multiplies FP4 natively (compute capability >= 10): no decoded operand";
   struct DevCopy {
     QuantizedBuffers q;
     BackendBuffer decoded;
@@ -347,7 +348,9 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
           TensorView dv = hv;
           dv.data = xin.get();
           dv.device = Device::Cuda;
-          for (int variant = 0; variant < 3; ++variant) {  // tile 1 rht kept, tile 2, rht twice
+          // 0: the streaming kernel where the RHT transform is kept (the tiled kernel otherwise);
+          // 1 and 2: the tiled kernel's 64x256 (BF16) and 64x128 tiles, transforming twice
+          for (int variant = 0; variant < 3; ++variant) {
             std::vector<std::unique_ptr<DevCopy>> out(2);
             for (int col = 0; col < 2; ++col) {
               const CopySpec& spec = col ? cs.cfg.columnwise : cs.cfg.rowwise;
@@ -360,7 +363,7 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
             }
             {
               KnobGuard knobs([&] { gpu::set_quantize_tile_variant(variant == 1 ? 2 : 1);
-                                    gpu::set_quantize_keep_rht(variant != 2); },
+                                    gpu::set_quantize_keep_rht(variant == 0); },
                               [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true); });
               cuda->quantize(dv, cs.cfg, out[0] ? &out[0]->q.view : nullptr, out[1] ? &out[1]->q.view : nullptr);
             }
@@ -396,29 +399,39 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
               ASSERT_EQ(bad, 0) << what;
               ++checked;
             }
-            // the GEMM: A = the row-wise copy (rows x cols), B = the same copy, with and without
-            // its decoded operand, D bit for bit (only where the row-wise copy exists)
+            // the GEMM: A = B = the row-wise copy (rows x cols). D from the codes (a copy of them,
+            // no decoded operand) is the reference; then the copy's own codes are overwritten with
+            // junk, so a GEMM that reads its decoded operand (both, only A, only B) must still give
+            // the reference bits, and one that read the junk codes would not (checked too)
             if (out[0] && f == test::Fill::HeavyTailed && variant == 0) {
               GemmConfig g;
               g.impl = GemmImpl::CublasLt;
-              BackendBuffer d1(*cuda, static_cast<size_t>(rows * rows) * 4), d2(*cuda, static_cast<size_t>(rows * rows) * 4);
-              TensorView o;
-              o.rows = o.cols = rows;
-              o.device = Device::Cuda;
+              const size_t nd = static_cast<size_t>(rows * rows);
+              BackendBuffer d(*cuda, nd * 4), codes(*cuda, static_cast<size_t>(out[0]->q.view.code_bytes()));
+              cuda->copy(codes.get(), out[0]->q.view.codes, codes.bytes());
               QuantizedView plain = out[0]->q.view;
               plain.decoded_bf16 = nullptr;
-              o.data = d1.get();
-              cuda->gemm(out[0]->q.view, out[0]->q.view, nullptr, g, o);
-              o.data = d2.get();
-              cuda->gemm(plain, plain, nullptr, g, o);
-              std::vector<uint32_t> b1(static_cast<size_t>(rows * rows)), b2(b1.size());
-              cuda->download(b1.data(), d1.get(), b1.size() * 4);
-              cuda->download(b2.data(), d2.get(), b2.size() * 4);
-              ASSERT_EQ(b1, b2) << cs.name << ": D of the cuBLASLt GEMM differs with the decoded operand";
-              o.data = d1.get();
-              cuda->gemm(out[0]->q.view, plain, nullptr, g, o);  // one operand decoded, one not
-              cuda->download(b1.data(), d1.get(), b1.size() * 4);
-              ASSERT_EQ(b1, b2) << cs.name << ": D differs with one decoded operand";
+              plain.codes = codes.as<uint8_t>();
+              const QuantizedView dec = out[0]->q.view;
+              QuantizedView junk = dec;
+              junk.decoded_bf16 = nullptr;
+              auto run = [&](const QuantizedView& a, const QuantizedView& b) {
+                TensorView o;
+                o.rows = o.cols = rows;
+                o.device = Device::Cuda;
+                o.data = d.get();
+                cuda->gemm(a, b, nullptr, g, o);
+                std::vector<uint32_t> bits(nd);
+                cuda->download(bits.data(), d.get(), nd * 4);
+                return bits;
+              };
+              const std::vector<uint32_t> want = run(plain, plain);
+              const std::vector<uint8_t> garbage(codes.bytes(), 0x77);  // every code 7 (6.0)
+              cuda->upload(dec.codes, garbage.data(), garbage.size());
+              ASSERT_EQ(run(dec, dec), want) << cs.name << ": D differs with both operands decoded";
+              ASSERT_EQ(run(dec, plain), want) << cs.name << ": D differs with only A decoded";
+              ASSERT_EQ(run(plain, dec), want) << cs.name << ": D differs with only B decoded";
+              ASSERT_NE(run(junk, plain), want) << cs.name << ": the junk codes do not change D (the check could not fail)";
             }
           }
         }
