@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run the GPU tests, the benchmarks and the oracles, print a
 # short table last. Full logs go to $OUT (or runs/gpu_session when $OUT is unset).
-# usage: scripts/gpu_session.sh [quick|train|recipes|profile|trainprofile|spot|gemm]
+# usage: scripts/gpu_session.sh [quick|train|recipes|profile|trainprofile|spot|oracles|gemm]
 #   (default) build, GPU tests, benchmarks, crosscheck, PyTorch check, oracles, training speed
 #   quick     build + GPU tests (and the CPU tests, unless SKIP_EMU=1)
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
@@ -13,6 +13,7 @@
 #             (SKIP_BENCH_PROFILE=1 stops there), then ncu metrics of the quantizer benchmark modes
 #   spot      build + the tests matching TESTS (ctest regex) + one gpt2-124m run (RUNS) per recipe in
 #             RECIPES (default "bf16 fp8 nvfp4"): the cheapest check of a change (~2 minutes)
+#   oracles   build + issue 2's two independent oracles only, their agreement tables printed
 #   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
 #             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
 #             GEMM_FILTER narrows the benchmark, GEMM_NCU="6 7" profiles those variants with ncu)
@@ -29,6 +30,16 @@ trap 'tar czf "${OUT:-runs}/gpu_session.tgz" -C runs gpu_session 2>/dev/null' EX
 archs=${FP4SIM_ARCHS:-90a}
 summary=()
 row() { summary+=("$(printf '%-44s %s' "$1" "$2")"); }
+# the two independent oracles (validation/), logs in $out, one summary row each
+run_oracles() {
+  for s in validation/oracle_torch_quantize.py validation/oracle_ml_dtypes.py; do
+    [ -f "$s" ] || continue
+    PYTHONUNBUFFERED=1 timeout 300 python3 "$s" --fp4sim build-gpu/fp4sim --out "$out" \
+      $( [ "$s" = validation/oracle_torch_quantize.py ] && echo --backends emu,cuda ) \
+      >"$out/$(basename "$s" .py).log" 2>&1
+    row "$(basename "$s")" "exit $? ($(tail -1 "$out/$(basename "$s" .py).log"))"
+  done
+}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
 t0=$(date +%s)
@@ -58,7 +69,7 @@ if [ "${1:-}" = "gemm" ]; then
 fi
 
 if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] \
-   && [ "${1:-}" != "profile" ] && [ "${1:-}" != "spot" ]; then
+   && [ "${1:-}" != "profile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ]; then
   ( cd build-gpu && ctest -L gpu --output-on-failure -j1 ) >"$out/ctest_gpu.log" 2>&1
   rc=$?
   grep -E "tests passed|bitwise identical|\[train-gpu\] worst|cublaslt-bound\] largest|Failed|FAILED" "$out/ctest_gpu.log"
@@ -186,7 +197,7 @@ if [ "${1:-}" = "profile" ]; then
   done
 fi
 if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] \
-   && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] && [ "${1:-}" != "spot" ]; then
+   && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ]; then
   build-gpu/bench_quantize --benchmark_filter=Gpu --benchmark_repetitions=5 \
     --benchmark_report_aggregates_only=true --benchmark_out="$out/bench_quantize.json" \
     --benchmark_out_format=json >"$out/bench_quantize.txt" 2>&1
@@ -214,12 +225,15 @@ if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train"
     row "torch_gpt_check.py" "exit $? ($(tail -1 "$out/torch_gpt_check.log"))"
   fi
   [ -n "${SKIP_TRAIN:-}" ] || train_speed
-  for s in $( [ -n "${SKIP_ORACLES:-}" ] || echo validation/oracle_torch_quantize.py validation/oracle_ml_dtypes.py ); do
-    [ -f "$s" ] || continue
-    PYTHONUNBUFFERED=1 timeout 300 python3 "$s" --fp4sim build-gpu/fp4sim --out "$out" \
-      $( [ "$s" = validation/oracle_torch_quantize.py ] && echo --backends emu,cuda ) \
-      >"$out/$(basename "$s" .py).log" 2>&1
-    row "$(basename "$s")" "exit $? ($(tail -1 "$out/$(basename "$s" .py).log"))"
+  [ -n "${SKIP_ORACLES:-}" ] || run_oracles
+fi
+# oracles: only the two independent oracles of issue 2 (PyTorch float8 casts, ml_dtypes), their
+# agreement tables printed (the counts a closing note reports; copy them into validation/)
+if [ "${1:-}" = "oracles" ]; then
+  run_oracles
+  for s in oracle_torch_quantize oracle_ml_dtypes; do
+    echo "== $s"
+    tail -40 "$out/$s.log"
   done
 fi
 echo
