@@ -177,6 +177,14 @@ CopyRequest w_dgrad_request(const LinearRecipe& r, const LinearIds& ids, bool sa
   return {&r.dgrad, true, true, false, r.sr_other, r.fos_weights, copy_stream(ids, TensorRole::Weight, 1), !saved};
 }
 
+// The copy saved by the forward pass, or one made now by make() and kept alive in own.
+template <class Make>
+const QuantizedCopy* saved_or_made(const QuantizedCopy* saved, std::unique_ptr<QuantizedCopy>& own, const Make& make) {
+  if (saved) return saved;
+  own = make();
+  return own.get();
+}
+
 // Statistics of a row-wise copy of x (rows, cols): the error sums on the backend, the ratios here.
 QuantStat stat_of(Backend& be, const float* x, const QuantizedCopy& q, const std::string& tensor) {
   const QuantErrorSums sums = be.quant_error_sums(x, q.view);  // on the backend, in one fixed order
@@ -283,11 +291,9 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
     } else {
       if (!dyq) dyq = quantize_copy(be, r, ids.seed, dout, N, OC, dy_dgrad(), name + " output gradient");
       std::unique_ptr<QuantizedCopy> own_w;
-      const QuantizedCopy* wq = saved_dgrad_weight;
-      if (!wq) {
-        own_w = quantize_copy(be, r, ids.seed, weight, OC, K, w_dgrad_request(r, ids, false), name + ".weight");
-        wq = own_w.get();
-      }
+      const QuantizedCopy* wq = saved_or_made(saved_dgrad_weight, own_w, [&] {
+        return quantize_copy(be, r, ids.seed, weight, OC, K, w_dgrad_request(r, ids, false), name + ".weight");
+      });
       const TensorView d = f32_view(be, dinp, N, K);
       be.gemm(dyq->view, wq->view, &d, acc, d);
       if (stats) stats->push_back(stat_of(be, dout, *dyq, name + ".dgrad.dy"));
@@ -300,12 +306,10 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
       be.matmul_backward(nullptr, dweight, nullptr, dout, inp, weight, N, K, OC, prec);
     } else {
       if (!dyc) dyc = quantize_copy(be, r, ids.seed, dout, N, OC, dy_wgrad(), name + " output gradient");
-      std::unique_ptr<QuantizedCopy> own;
-      const QuantizedCopy* xc = saved_wgrad_input;
-      if (!xc) {
-        own = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids, false), name + " input");
-        xc = own.get();
-      }
+      std::unique_ptr<QuantizedCopy> own_x;
+      const QuantizedCopy* xc = saved_or_made(saved_wgrad_input, own_x, [&] {
+        return quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids, false), name + " input");
+      });
       const TensorView d = f32_view(be, dweight, OC, K);
       be.gemm(dyc->view, xc->view, &d, acc, d);
     }
