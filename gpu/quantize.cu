@@ -2,10 +2,12 @@
 // so every code, scale and amax matches it bit for bit; only the data movement is GPU-specific.
 //
 // Two passes over the input: (1) amax (NaN ignored) of the input and, with RHT, of the transformed
-// column-wise copy; (2) one tiled pass that writes both copies. A CTA owns a 64-row x 128-column
-// input tile in shared memory (kept in the input dtype): each thread quantizes 1x16 (or 1x32) blocks
-// along rows for the row-wise copy and the 64-element column strip of one column for the
-// column-wise copy, whose 32 code bytes are contiguous in the transposed output.
+// column-wise copy; (2) one pass that writes both copies. Where the amax pass kept the transform
+// (the training recipe's NVFP4 1x16 RHT copies), a streaming kernel reads x and the kept transform
+// without a tile; otherwise a CTA owns a 64-row x 128-column input tile in shared memory (kept in
+// the input dtype): each thread quantizes 1x16 (or 1x32) blocks along rows for the row-wise copy and
+// the 64-element column strip of one column for the column-wise copy, whose 32 code bytes are
+// contiguous in the transposed output.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -494,8 +496,8 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   }
 }
 
-// ---- The recipe's RHT copies: the amax pass kept rht(x) (BF16, R x C), so neither copy needs a
-// shared-memory tile. One streaming launch, one 1x16 block per thread, no barrier: a thread's loads
+// ---- The recipe's RHT copies: the amax pass kept rht(x) (BF16, transposed: C x R), so neither copy
+// needs a shared-memory tile. One streaming launch, one 1x16 block per thread, no barrier: a thread's loads
 // are all issued before its arithmetic, and the many resident warps (about 45 registers each
 // instead of the tiled kernel's 80, no shared memory) hide the memory latency the tiled kernel's
 // serial column loop exposed. Same block functions, same SR chunks, same bits.
