@@ -23,6 +23,13 @@ void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Q
 void bf16_gemm_tn(CublasLtState& st, const uint16_t* a, const uint16_t* b, const float* c, float* d,
                   int64_t M, int64_t N, int64_t K, float alpha, float beta, cudaStream_t stream);
 
+// The same GEMM with alpha and beta as host (Host) or device (Device) scalars. The FP4 path on
+// Hopper uses Device: alpha' comes from the operands' amax on the device.
+enum class Bf16Scalars { Host, Device };
+void bf16_gemm_tn_scalars(CublasLtState& st, Bf16Scalars mode, const uint16_t* a, const uint16_t* b, const float* c,
+                          float* d, int64_t M, int64_t N, int64_t K, const float* alpha, const float* beta,
+                          cudaStream_t stream);
+
 bool gpu_available();
 std::string describe_gpu();
 

@@ -168,6 +168,10 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
   p.host_scalars = host_scalars;
   if (!host_scalars) {
+    // (a device beta makes cuBLASLt run its general-beta kernels: as fast as the beta-0 ones when
+    // beta is 0 at run time, ~25% slower than its beta-1 ones on gpt2-124m's Dgrad shapes when it
+    // is 1; H200, bench_gemm BM_GpuGemmScalarModes. A device alpha vector with a host beta,
+    // CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_HOST, finds no algorithm: status 15.)
     const cublasLtPointerMode_t pm = CUBLASLT_POINTER_MODE_DEVICE;
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pm, sizeof pm));
   }
@@ -240,8 +244,14 @@ GemmPlan& plan_for(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int64
 
 void bf16_gemm_tn(CublasLtState& st, const uint16_t* a, const uint16_t* b, const float* c, float* d,
                   int64_t M, int64_t N, int64_t K, float alpha, float beta, cudaStream_t stream) {
-  GemmPlan& p = plan_for(st, PlanKind::Bf16HostScalars, M, N, K);
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, &alpha, b, p.la, a, p.lb, &beta, c ? c : d, p.lc, d, p.lc,
+  bf16_gemm_tn_scalars(st, Bf16Scalars::Host, a, b, c, d, M, N, K, &alpha, &beta, stream);
+}
+
+void bf16_gemm_tn_scalars(CublasLtState& st, Bf16Scalars mode, const uint16_t* a, const uint16_t* b, const float* c,
+                          float* d, int64_t M, int64_t N, int64_t K, const float* alpha, const float* beta,
+                          cudaStream_t stream) {
+  GemmPlan& p = plan_for(st, mode == Bf16Scalars::Host ? PlanKind::Bf16HostScalars : PlanKind::Bf16DeviceScalars, M, N, K);
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, alpha, b, p.la, a, p.lb, beta, c ? c : d, p.lc, d, p.lc,
                                      &p.algo, st.workspace, st.workspace_bytes, stream));
 }
 
@@ -306,9 +316,7 @@ void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Quant
       dequantize_block_scaled_bf16<<<grid, kDequantThreads, 0, stream>>>(pa, wa, pb, wb);
       FP4SIM_CUDA_CHECK_LAUNCH();
     }
-    GemmPlan& p = plan_for(st, PlanKind::Bf16DeviceScalars, M, N, K);
-    FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, scalars, db, p.la, da, p.lb, scalars + 1, cc ? cc : d,
-                                       p.lc, d, p.lc, &p.algo, st.workspace, st.workspace_bytes, stream));
+    bf16_gemm_tn_scalars(st, Bf16Scalars::Device, da, db, cc, d, M, N, K, scalars, scalars + 1, stream);
   }
   if (!f32_out) {
     f32_to_bf16_kernel<<<grid_for(M * N), 256, 0, stream>>>(d, static_cast<uint16_t*>(out), M * N);

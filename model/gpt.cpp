@@ -352,9 +352,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   for (int64_t l = c.n_layers - 1; l >= 0; --l) {
     LayerActs& a = acts_[static_cast<size_t>(l)];
     const float* x_in = l == 0 ? F32(emb_) : F32(acts_[static_cast<size_t>(l - 1)].res2);
-    zero(dact_, N * F);
-    zero(dfc_, N * FC);
-    zero(dln2_, N * C);
+    zero(dfc_, N * FC);  // (dact_, dln2_, datty_, dln1_: written by linear_bwd, no zeroing)
     linear_bwd(l, 3, F32(dact_), F32(dx_), N, F, C);
     store(F32(dact_), N * F);
     if (c.activation == "gelu_tanh") be_.gelu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb);
@@ -363,9 +361,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC);
     store(F32(dln2_), N * C);
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
-    zero(datty_, N * C);
     zero(dqkv_, N * QKV);
-    zero(dln1_, N * C);
     linear_bwd(l, 1, F32(datty_), F32(dx_), N, C, C);
     store(F32(datty_), N * C);
     be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), linear_input(l, 1), F32(a.lse), B, T, NH, NKV, HD,

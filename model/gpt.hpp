@@ -116,6 +116,7 @@ class Gpt {
   bool round_bf16() const { return cfg_.activation_dtype == "bf16"; }
   void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
                   bool round_bf16);
+  // dinp written (linear_backward's contract), the weight and bias gradients accumulated
   void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC);
 
   ModelConfig cfg_;

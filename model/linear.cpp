@@ -265,13 +265,17 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
                      const QuantizedCopy* saved_dgrad_weight) {
   if (!inp && (r.wgrad == "bf16" || !saved_wgrad_input))
     throw std::logic_error("linear_backward (" + name + "): no input: the FP32 x or its saved Wgrad copy is needed");
+  // (Backend::matmul_backward adds to dinp: it gets a zeroed one)
+  if (dinp && r.dgrad == "bf16") be.zero(dinp, static_cast<size_t>(N * K) * sizeof(float));
   if (r.dgrad == "bf16" && r.wgrad == "bf16") {
     be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
     return;
   }
-  GemmConfig acc;  // D = alpha' * A B^T + 1 * D: the += of matmul_backward, in the epilogue
+  GemmConfig acc;  // Wgrad: D = alpha' * A B^T + 1 * D, the += of matmul_backward in the epilogue
   acc.impl = r.impl;
   acc.beta = 1.0f;
+  GemmConfig put;  // Dgrad: D = alpha' * A B^T, dinp written
+  put.impl = r.impl;
   auto dy_dgrad = [&] {
     return CopyRequest{&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients, copy_stream(ids, TensorRole::Gradient, 0)};
   };
@@ -284,7 +288,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   std::unique_ptr<QuantizedCopy> dyq, dyc;
   if (dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" && can_combine(dy_dgrad(), dy_wgrad()))
     std::tie(dyq, dyc) = quantize_both(be, r, ids.seed, dout, N, OC, dy_dgrad(), dy_wgrad(), name + " output gradient");
-  // Dgrad: dx (N,K) += dy (N,OC) . W (OC,K) = dy_rowwise x (W column-wise (K,OC))^T
+  // Dgrad: dx (N,K) = dy (N,OC) . W (OC,K) = dy_rowwise x (W column-wise (K,OC))^T
   if (dinp) {
     if (r.dgrad == "bf16") {
       be.matmul_backward(dinp, nullptr, nullptr, dout, inp, weight, N, K, OC, prec);
@@ -295,7 +299,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
         return quantize_copy(be, r, ids.seed, weight, OC, K, w_dgrad_request(r, ids, false), name + ".weight");
       });
       const TensorView d = f32_view(be, dinp, N, K);
-      be.gemm(dyq->view, wq->view, &d, acc, d);
+      be.gemm(dyq->view, wq->view, nullptr, put, d);
       if (stats) stats->push_back(stat_of(be, dout, *dyq, name + ".dgrad.dy"));
       dyq.reset();
     }

@@ -89,6 +89,11 @@ struct QuantizedCopy {
 // saved_dgrad_weight: the same for W's column-wise Dgrad copy, made in the forward pass from the
 // quantize call that makes W's Fprop copy when both GEMMs are quantized alike (one amax pass and
 // one read of W instead of two of each; W does not change between the passes of a micro-batch).
+// linear_backward WRITES dinp (= dy W; the old contents are ignored) and ADDS to dweight and dbias
+// (+=, the parameter gradients accumulate over micro-batches). Writing dinp lets a quantized Dgrad
+// GEMM run with beta = 0: no zeroing pass before it and no read of the old dinp in its epilogue
+// (and on Hopper's cuBLASLt path, where alpha' is a device scalar, it avoids the general-beta kernel
+// that a device beta = 1 forces, ~25% slower on gpt2-124m's Dgrad shapes; validation/perf.md).
 void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                     emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats, const std::string& name,

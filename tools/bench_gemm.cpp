@@ -177,6 +177,72 @@ void BM_GpuGemmCublasLt(benchmark::State& state) {
 BENCHMARK(BM_GpuGemmCublasLt)->Arg(8192)->UseManualTime()->Iterations(3)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
 
+// How cuBLASLt is handed alpha and beta, on the gpt2-124m GEMM shapes of one layer (batch 16 x
+// 1024 tokens) as the FP4 path on Hopper runs them: BF16 operands, TN, FP32 output, beta 0 for
+// Fprop and 1 for Dgrad/Wgrad (the backward pass's +=). range(0): shape index into kGpt2Shapes;
+// range(1): gpu::Bf16Scalars (0 host scalars, 1 device scalars).
+// The FP4 path cannot use host scalars (alpha' comes from the device's amax); mode 0 is the BF16
+// recipe's own setting, the baseline.
+struct Gpt2Shape {
+  const char* name;
+  int64_t M, N, K;
+  float beta;
+};
+constexpr Gpt2Shape kGpt2Shapes[] = {
+    {"fprop_qkv", 16384, 2304, 768, 0.0f},  {"fprop_proj", 16384, 768, 768, 0.0f},
+    {"fprop_fc", 16384, 3072, 768, 0.0f},   {"fprop_fc2", 16384, 768, 3072, 0.0f},
+    {"dgrad_qkv", 16384, 768, 2304, 1.0f},  {"dgrad_proj", 16384, 768, 768, 1.0f},
+    {"dgrad_fc", 16384, 768, 3072, 1.0f},   {"dgrad_fc2", 16384, 3072, 768, 1.0f},
+    {"wgrad_qkv", 2304, 768, 16384, 1.0f},  {"wgrad_proj", 768, 768, 16384, 1.0f},
+    {"wgrad_fc", 3072, 768, 16384, 1.0f},   {"wgrad_fc2", 768, 3072, 16384, 1.0f},
+};
+
+void BM_GpuGemmScalarModes(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const Gpt2Shape& s = kGpt2Shapes[state.range(0)];
+  const auto mode = static_cast<gpu::Bf16Scalars>(state.range(1));
+  state.SetLabel(s.name);
+  gpu::CudaBackend be;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<uint16_t> ha(static_cast<size_t>(s.M * s.K)), hb(static_cast<size_t>(s.N * s.K));
+  for (auto& v : ha) v = bf16_rne(nd(rng));
+  for (auto& v : hb) v = bf16_rne(nd(rng));
+  BackendBuffer a(be, ha.size() * 2), b(be, hb.size() * 2), d(be, static_cast<size_t>(s.M * s.N) * 4);
+  be.upload(a.get(), ha.data(), ha.size() * 2);
+  be.upload(b.get(), hb.data(), hb.size() * 2);
+  be.zero(d.get(), static_cast<size_t>(s.M * s.N) * 4);
+  std::vector<float> hs(static_cast<size_t>(s.N) + 1, 0.5f);
+  hs.back() = s.beta;
+  BackendBuffer scal(be, hs.size() * 4);
+  be.upload(scal.get(), hs.data(), hs.size() * 4);
+  const float h_alpha = 0.5f, h_beta = s.beta;
+  const float* dev = scal.as<float>();
+  const float* alpha = mode == gpu::Bf16Scalars::Host ? &h_alpha : dev;
+  const float* beta = mode == gpu::Bf16Scalars::Device ? dev + s.N : &h_beta;
+  auto st = gpu::make_cublaslt_state();
+  auto run = [&]() {
+    gpu::bf16_gemm_tn_scalars(*st, mode, static_cast<const uint16_t*>(a.get()), static_cast<const uint16_t*>(b.get()),
+                              s.beta != 0.0f ? d.as<float>() : nullptr, d.as<float>(), s.M, s.N, s.K, alpha, beta,
+                              be.stream());
+  };
+  GpuTimer timer;
+  timer.ms(be.stream(), 3, run);
+  double ms = 0;
+  for (auto _ : state) {
+    ms = timer.ms(be.stream(), 20, run);
+    state.SetIterationTime(ms * 1e-3);
+  }
+  state.counters["us"] = ms * 1e3;
+  state.counters["TFLOPs"] = 2.0 * s.M * s.N * s.K / (ms * 1e-3) / 1e12;
+}
+BENCHMARK(BM_GpuGemmScalarModes)
+    ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}})
+    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+
 // Attention's batched BF16 GEMMs on the tensor cores (gpu/attention.cu), one gpt2-124m layer:
 // B 16, NH 12, T 1024, HD 64. range(0): 0 forward, 1 backward. TFLOP/s counts the causal half of
 // the score matrix: forward 2 GEMMs (QK^T, PV), backward 5 (QK^T, dO V^T, dQ, dK, dV), each

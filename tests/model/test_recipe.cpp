@@ -10,7 +10,9 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <limits>
 #include <set>
+#include <tuple>
 
 #include "model/gpt.hpp"
 #include "model/linear.hpp"
@@ -151,7 +153,7 @@ TEST(Recipe, Nvfp4LinearTracksFp32) {
   emu::matmul_backward(dx32.data(), dw32.data(), db32.data(), dy.data(), x.data(), w.data(), N, K, OC,
                        emu::GemmPrecision::FP32);
   // subtract the starting values so the error is that of the products, not hidden by the offsets
-  for (auto& v : dx) v -= 0.5f;
+  // (linear_backward writes dx; emu::matmul_backward adds to dx32)
   for (auto& v : dx32) v -= 0.5f;
   for (auto& v : dw) v -= 0.25f;
   for (auto& v : dw32) v -= 0.25f;
@@ -195,6 +197,37 @@ TEST(Recipe, FourOverSixSkipsGemmsOverriddenToOtherFormats) {
         << fmt;
     ASSERT_TRUE(saved);
     EXPECT_FALSE(saved->view.four_over_six) << fmt;
+  }
+}
+
+// linear_backward writes dx (whatever dx held before: here NaN) and adds to dW and db, for a
+// quantized Dgrad (beta-0 GEMM) and a BF16 one (zeroed, then Backend::matmul_backward's +=).
+TEST(Recipe, LinearBackwardWritesDinpAndAccumulatesWeightGradients) {
+  auto be = make_cpu_backend();
+  const int64_t N = 32, K = 64, OC = 48;
+  std::mt19937 rng(12);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(N * K), w(OC * K), dy(N * OC);
+  for (auto* v : {&x, &w, &dy})
+    for (auto& e : *v) e = nd(rng);
+  for (const char* recipe : {"nvfp4", "bf16"}) {
+    RunConfig c = run_with({std::string("recipe.name=") + recipe});
+    const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 0, 5);
+    ASSERT_EQ(r.dgrad, recipe);
+    const LinearIds ids{1, 0, 0, 0, 0};
+    auto run = [&](float dx0, float dw0) {
+      std::vector<float> y(N * OC), dx(N * K, dx0), dw(OC * K, dw0), db(OC, dw0);
+      linear_forward(*be, r, ids, y.data(), x.data(), w.data(), nullptr, N, K, OC, emu::GemmPrecision::BF16, false,
+                     nullptr, "t");
+      linear_backward(*be, r, ids, dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, K, OC,
+                      emu::GemmPrecision::BF16, nullptr, "t");
+      return std::make_tuple(dx, dw, db);
+    };
+    const auto [dx_a, dw_a, db_a] = run(0.0f, 0.0f);
+    const auto [dx_b, dw_b, db_b] = run(std::numeric_limits<float>::quiet_NaN(), 1.0f);
+    EXPECT_EQ(0, std::memcmp(dx_a.data(), dx_b.data(), dx_a.size() * 4)) << recipe << ": dx must be written";
+    for (size_t i = 0; i < dw_a.size(); ++i) ASSERT_EQ(dw_b[i], 1.0f + dw_a[i]) << recipe << ": dW must accumulate";
+    for (size_t i = 0; i < db_a.size(); ++i) ASSERT_EQ(db_b[i], 1.0f + db_a[i]) << recipe << ": db must accumulate";
   }
 }
 
