@@ -64,7 +64,7 @@ void quantize_written(const float* w, int64_t rows, int64_t cols, float amax,
         for (int64_t i = 0; i < tile; ++i)
           for (int64_t k = 0; k < kFp8Block; ++k)
             amax_b = fmax_nan_ignored(amax_b, f32_abs(w[(t * tile + i) * cols + b * kFp8Block + k]));
-        const float enc = fp8_block_encode_scale(amax_b), scale = fdiv_rn(1.0f, enc);
+        const float enc = fp8_block_encode_scale(amax_b), scale = fp8_block_decode_scale(enc);
         for (int64_t i = 0; i < tile; ++i) {
           const int64_t r = t * tile + i;
           for (int64_t k = 0; k < kFp8Block; ++k)

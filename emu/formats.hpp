@@ -189,6 +189,23 @@ FP4SIM_HD uint8_t e4m3_rn_satfinite(float x) {
 #endif
 }
 
+// Two E4M3 codes at once: lo's in the low byte, hi's in the high byte, each e4m3_rn_satfinite's.
+// On sm_89+ one conversion instruction for both (its ±Inf -> ±448 is the contract's; a NaN gets the
+// contract's 0x7F whatever the instruction gives). tests/gpu/test_formats_gpu.cu holds it equal to
+// the host's pair of e4m3_rn_satfinite over all 2^32 inputs in each byte.
+FP4SIM_HD uint32_t e4m3x2_rn_satfinite(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+  uint32_t p = pair;
+  if ((f32_bits(lo) & 0x7FFFFFFFu) > 0x7F800000u) p = (p & 0xFF00u) | kE4M3NaN;
+  if ((f32_bits(hi) & 0x7FFFFFFFu) > 0x7F800000u) p = (p & 0x00FFu) | (uint32_t{kE4M3NaN} << 8);
+  return p;
+#else
+  return e4m3_rn_satfinite(lo) | (uint32_t{e4m3_rn_satfinite(hi)} << 8);
+#endif
+}
+
 // The same decode without branches or a leading-zero count (the GPU's quantizer decodes a block
 // scale per 16 elements): a normal code's FP32 bits are its exponent rebased (+120) and its 3
 // mantissa bits at the top of the fraction; a subnormal one is man * 2^-9, an exact product.

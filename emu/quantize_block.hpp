@@ -52,8 +52,21 @@ FP4SIM_HD uint8_t nvfp4_block_scale(float amax_b, float s_enc) {
 // FP8 block scaling (DESIGN.md §9, the paper's FP8 baseline): enc = fminf(448 / amax_b, FLT_MAX),
 // 1 when amax_b == 0 or the quotient is 0 (amax_b = Inf); the stored FP32 scale is 1 / enc.
 FP4SIM_HD float fp8_block_encode_scale(float amax_b) { return nvfp4_global_encode_scale(amax_b, kE4M3Max); }
+// The stored FP32 scale of a block: 1 / enc, correctly rounded (on the GPU by __frcp_rn, the
+// same value as __fdiv_rn(1, enc) in fewer instructions).
+FP4SIM_HD float fp8_block_decode_scale(float enc) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(enc);
+#else
+  return fdiv_rn(1.0f, enc);
+#endif
+}
 // One element: e4m3_rn_satfinite(x * enc) (NaN -> 0x7F).
 FP4SIM_HD uint8_t fp8_quantize_element(float x, float enc) { return e4m3_rn_satfinite(fmul_rn(x, enc)); }
+// Two elements' codes as one pair (x0's in the low byte): fp8_quantize_element of each.
+FP4SIM_HD uint32_t fp8_quantize_pair(float x0, float x1, float enc) {
+  return e4m3x2_rn_satfinite(fmul_rn(x0, enc), fmul_rn(x1, enc));
+}
 // Decoded element: e4m3(code) * scale, a NaN result canonical.
 FP4SIM_HD float fp8_decode_element(uint8_t code, float scale) {
   const float v = fmul_rn(e4m3_to_f32(code), scale);

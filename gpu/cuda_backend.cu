@@ -114,7 +114,7 @@ void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, Quant
                                   "': a decoded BF16 copy exists for the FP4 formats only, not FP8");
     if (x.device != Device::Cuda)
       throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name + "' is not in device memory");
-    fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_);
+    fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_);
     return;
   }
   quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_);

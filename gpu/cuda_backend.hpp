@@ -167,9 +167,9 @@ void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream
 // added in order (emu/quant_stats.hpp); block_sums: scratch of q.scale_count() entries.
 void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorSums* block_sums,
                              QuantErrorSums* rows_out, cudaStream_t stream);
-// The FP8 block format (gpu/fp8.cu).
+// The FP8 block format (gpu/fp8.cu). amax_ws: as for quantize_launch.
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                         QuantizedView* columnwise, cudaStream_t stream);
+                         QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws);
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
                            void* out, cudaStream_t stream);

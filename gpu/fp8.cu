@@ -10,6 +10,7 @@
 
 #include "emu/gemm.hpp"
 #include "emu/mma.hpp"
+#include "gpu/amax_finish.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 
@@ -17,17 +18,26 @@ namespace fp4sim::gpu {
 namespace {
 
 // Both copies in one pass over a 128 x 128 input tile in shared memory (FP32, rows padded to 129
-// floats so that column reads are free of bank conflicts), 256 threads = 8 warps:
-//  - the tile's NaN-ignoring max |x| goes to the global amax (one integer atomicMax on the bit
-//    pattern per CTA: non-negative floats order as their bits, so the result is order-free);
-//  - a 1x128 block is one warp's row (row-wise copy) or column (column-wise copy: input column c is
-//    row c of the written C x R tensor, its 128-block the tile's 128 rows), 4 elements per lane,
-//    the block amax by shuffles; a 128x128 tile (2D) uses the tile's amax for every row;
-//  - then enc = fp8_block_encode_scale(amax_b), scale = 1 / enc, codes fp8_quantize_element(x, enc):
-//    the emulator's functions, so the bits are the emulator's.
-// Rows past R read as zeros and are not written (the row-wise 1x128 copy allows any R; the host
-// checks the dimensions each copy blocks along).
+// floats so that column reads are free of bank conflicts), 256 threads = 8 warps, warp w owning
+// tile rows w, w + 8, ..., w + 120 (and, for the column-wise copy, tile columns likewise):
+//  1. load: lane l reads elements 4l..4l+3 of each of its warp's rows (coalesced 16-byte loads,
+//     four rows in flight per warp), stores them to the tile and takes each row's block max by
+//     shuffles, lane i keeping the warp's i-th row's; the tile's NaN-ignoring max |x| goes to the
+//     global amax of both copies (amax_commit: the backend's self-resetting workspace);
+//  2. row-wise copy: lanes 0..15 each turn one row's block max into its scale (the division and
+//     the stored 1/enc once per row, sixteen rows side by side, instead of once per row by the
+//     whole warp); then per row, enc from lane i by a shuffle, the lane's four codes (two pair
+//     conversions) as one 4-byte store;
+//  3. column-wise (input column c0 + tc is written row c0 + tc, its elements r0.. at columns
+//     r0..): the same in two sweeps over the warp's sixteen columns, block maxima (lane i keeping
+//     column i's), then scales by lanes 0..15, then codes (lane l: rows l, l + 32, ...).
+// A 128x128 tile (2D) uses the tile's amax for every block of both copies. Codes and scales are
+// the emulator's functions (fp8_block_encode_scale, fp8_block_decode_scale, fp8_quantize_pair),
+// so the bits are the emulator's. Rows past R read as zeros and are not written (the row-wise
+// 1x128 copy allows any R; the host checks the dimensions each copy blocks along).
 constexpr int kFp8TileThreads = 256;
+constexpr int kFp8Warps = kFp8TileThreads / 32;
+constexpr int kFp8LinesPerWarp = kFp8Block / kFp8Warps;  // 16 rows (and columns) per warp
 constexpr int kFp8TilePitch = kFp8Block + 1;
 constexpr size_t kFp8TileSmem = sizeof(float) * kFp8Block * kFp8TilePitch;
 
@@ -41,24 +51,8 @@ struct Fp8TileArgs {
   bool two_d;
   bool vector_ok;  // rows aligned for 4-element loads (16 bytes FP32, 8 bytes BF16)
   QuantizedView row, col;  // codes null = copy disabled
-  unsigned int* amax_bits;
+  AmaxArgs amax;           // targets: the enabled copies' amax
 };
-
-// One 1x128 block of a written copy, by one warp: lane reads elements lane + 32 j of a tile line
-// (a row: step 1; a column: step kFp8TilePitch), the block amax is the line's (or, under 2D, the
-// tile's), and the lane writes its four codes at dst[lane + 32 j]; lane 0 writes the FP32 scale.
-__device__ __forceinline__ void fp8_quantize_line(const float* line, int step, bool two_d, float tile_amax,
-                                                  uint8_t* dst, float* scale, int lane) {
-  float v[kFp8Block / 32];
-  float mb = 0.0f;
-  for (int j = 0; j < kFp8Block / 32; ++j) {
-    v[j] = line[(lane + 32 * j) * step];
-    mb = fmax_nan_ignored(mb, f32_abs(v[j]));
-  }
-  const float enc = fp8_block_encode_scale(two_d ? tile_amax : warp_max_nan_ignored(mb));
-  for (int j = 0; j < kFp8Block / 32; ++j) dst[lane + 32 * j] = fp8_quantize_element(v[j], enc);
-  if (lane == 0) *scale = fdiv_rn(1.0f, enc);
-}
 
 // Four consecutive elements of row r from column c as FP32 (zeros outside the tensor): one 16-byte
 // (FP32) or 8-byte (BF16) load where the caller says the rows are aligned for it.
@@ -90,119 +84,102 @@ __device__ __forceinline__ void fp8_load4(const T* x, const Fp8TileArgs& a, int6
   }
 }
 
-// One warp's row of a tile after its load: the tile max, the shared-memory copy (when needed) and
-// the row-wise 1x128 block from registers (row_now).
-__device__ __forceinline__ void fp8_row_chunk(const Fp8TileArgs& a, const float (&v)[4], int tr, int64_t r,
-                                              int64_t c, int64_t c0, int lane, bool need_tile, bool row_now,
-                                              float* tile, float& m) {
-  float mb = 0.0f;
-  FP4SIM_UNROLL
-  for (int k = 0; k < 4; ++k) mb = fmax_nan_ignored(mb, f32_abs(v[k]));
-  m = fmax_nan_ignored(m, mb);
-  if (need_tile) {
-    FP4SIM_UNROLL
-    for (int k = 0; k < 4; ++k) tile[tr * kFp8TilePitch + 4 * lane + k] = v[k];
-  }
-  if (row_now && r < a.rows) {  // (r is the same for the whole warp: the shuffles are safe)
-    const float enc = fp8_block_encode_scale(warp_max_nan_ignored(mb));
-    uint32_t packed = 0;
-    FP4SIM_UNROLL
-    for (int k = 0; k < 4; ++k) packed |= static_cast<uint32_t>(fp8_quantize_element(v[k], enc)) << (8 * k);
-    uint8_t* dst = a.row.codes + r * a.cols + c;
-    if (c + 4 <= a.cols) {
-      *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
-    } else {
-      for (int k = 0; k < 4 && c + k < a.cols; ++k) dst[k] = static_cast<uint8_t>(packed >> (8 * k));
-    }
-    if (lane == 0) reinterpret_cast<float*>(a.row.scales)[r * (a.cols / kFp8Block) + c0 / kFp8Block] = fdiv_rn(1.0f, enc);
-  }
-}
-
-// Warp w reads tile rows w, w + 8, ..., lane l the four elements 4l..4l+3 of each (coalesced
-// 16-byte loads). A 1x128 row-wise block is then one warp's registers: its amax by shuffles, its
-// four codes per lane written as one 4-byte store, so the row-wise copy never goes through shared
-// memory (2D copies, whose scale is the tile's amax, still do). The tile goes to shared memory for
-// the column-wise copy (and the 2D row-wise one) only.
 template <class T>
 __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(const T* x, Fp8TileArgs a) {
   extern __shared__ float tile[];  // [128][129]
-  __shared__ float warp_partial[kFp8TileThreads / 32];
+  __shared__ float warp_partial[kFp8Warps];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kFp8Block, c0 = static_cast<int64_t>(blockIdx.x) * kFp8Block;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const bool row_now = a.row.codes && !a.two_d;  // row-wise 1x128 from registers
-  const bool need_tile = a.col.codes || (a.row.codes && a.two_d);
-  float m = 0.0f;
-  // rows in groups of kGroup, each group's loads issued before any is used (memory parallelism: a
-  // warp would otherwise wait for one row's load before it asks for the next)
-  constexpr int kWarpsPerTile = kFp8TileThreads / 32, kGroup = 4;
+  const unsigned full = 0xFFFFFFFFu;
+  // 1. load, tile, block maxima of the rows (lane i: the warp's i-th row, tile row warp + 8 i)
+  float m = 0.0f, row_max = 0.0f;
+  constexpr int kGroup = 4;  // rows whose loads are issued before any is used (memory parallelism)
 #pragma unroll 1
-  for (int g = 0; g < kFp8Block / (kWarpsPerTile * kGroup); ++g) {
+  for (int g = 0; g < kFp8LinesPerWarp / kGroup; ++g) {
     float v[kGroup][4];
     FP4SIM_UNROLL
     for (int u = 0; u < kGroup; ++u)
-      fp8_load4(x, a, r0 + warp + kWarpsPerTile * (g * kGroup + u), c0 + 4 * lane, v[u]);
+      fp8_load4(x, a, r0 + warp + kFp8Warps * (g * kGroup + u), c0 + 4 * lane, v[u]);
     FP4SIM_UNROLL
     for (int u = 0; u < kGroup; ++u) {
-      const int tr = warp + kWarpsPerTile * (g * kGroup + u);
-      const int64_t r = r0 + tr, c = c0 + 4 * lane;
-      fp8_row_chunk(a, v[u], tr, r, c, c0, lane, need_tile, row_now, tile, m);
+      const int i = g * kGroup + u, tr = warp + kFp8Warps * i;
+      float mb = 0.0f;
+      FP4SIM_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        mb = fmax_nan_ignored(mb, f32_abs(v[u][k]));
+        tile[tr * kFp8TilePitch + 4 * lane + k] = v[u][k];
+      }
+      m = fmax_nan_ignored(m, mb);
+      if (!a.two_d) {
+        mb = warp_max_nan_ignored(mb);
+        if (lane == i) row_max = mb;
+      }
     }
   }
   m = warp_max_nan_ignored(m);
   if (lane == 0) warp_partial[warp] = m;
   __syncthreads();
   float tile_amax = 0.0f;
-  for (int w = 0; w < kFp8TileThreads / 32; ++w) tile_amax = fmax_nan_ignored(tile_amax, warp_partial[w]);
-  if (threadIdx.x == 0) atomicMax(a.amax_bits, f32_bits(tile_amax));
+  for (int w = 0; w < kFp8Warps; ++w) tile_amax = fmax_nan_ignored(tile_amax, warp_partial[w]);
+  if (threadIdx.x == 0) amax_commit(tile_amax, 0.0f, a.amax);
+  const float enc_tile = a.two_d ? fp8_block_encode_scale(tile_amax) : 0.0f;
 
-  // row-wise 2D: rows r0.. of the input, written at (r, c0 + k), with the tile's amax
-  if (a.row.codes && a.two_d) {
+  // 2. row-wise copy: rows r0.. of the input, written at (r, c0 + 4 lane ..)
+  if (a.row.codes) {
     float* scales = reinterpret_cast<float*>(a.row.scales);
-    for (int tr = warp; tr < kFp8Block; tr += kFp8TileThreads / 32) {
-      const int64_t r = r0 + tr;
-      if (r >= a.rows) break;
-      fp8_quantize_line(tile + tr * kFp8TilePitch, 1, a.two_d, tile_amax, a.row.codes + r * a.cols + c0,
-                        scales + r * (a.cols / kFp8Block) + c0 / kFp8Block, lane);
+    const int64_t kb = a.cols / kFp8Block;
+    const float enc_mine = a.two_d ? enc_tile : fp8_block_encode_scale(row_max);
+    const int64_t r_mine = r0 + warp + kFp8Warps * lane;
+    if (lane < kFp8LinesPerWarp && r_mine < a.rows) scales[r_mine * kb + c0 / kFp8Block] = fp8_block_decode_scale(enc_mine);
+#pragma unroll 2
+    for (int i = 0; i < kFp8LinesPerWarp; ++i) {
+      const int tr = warp + kFp8Warps * i;
+      const int64_t r = r0 + tr, c = c0 + 4 * lane;
+      if (r >= a.rows) break;  // (warp-uniform)
+      const float enc = __shfl_sync(full, enc_mine, i);
+      const float* t = tile + tr * kFp8TilePitch + 4 * lane;
+      const uint32_t packed = fp8_quantize_pair(t[0], t[1], enc) | (fp8_quantize_pair(t[2], t[3], enc) << 16);
+      uint8_t* dst = a.row.codes + r * a.cols + c;
+      if (c + 4 <= a.cols) {
+        *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
+      } else {
+        for (int k = 0; k < 4 && c + k < a.cols; ++k) dst[k] = static_cast<uint8_t>(packed >> (8 * k));
+      }
     }
   }
-  // column-wise: input column c0 + tc is written row c0 + tc, its elements r0.. at columns r0..
-  // Two columns (tc, tc + 8) per warp and iteration, their loads, shuffles and stores interleaved
-  // (one column's chain of shuffle, scale and store latencies would otherwise run alone).
+  // 3. column-wise copy: tile column tc = warp + 8 i (lane i keeps its block max)
   if (a.col.codes) {
     float* scales = reinterpret_cast<float*>(a.col.scales);
-#pragma unroll 1
-    for (int jj = 0; jj < kFp8Block / (2 * kWarpsPerTile); ++jj) {
-      const int tc0 = warp + 2 * kWarpsPerTile * jj, tc1 = tc0 + kWarpsPerTile;
-      const int64_t cc0 = c0 + tc0, cc1 = c0 + tc1;
-      if (cc0 >= a.cols) break;
-      const bool second = cc1 < a.cols;  // (warp-uniform; past the last column the tile holds zeros)
-      float v0[kFp8Block / 32], v1[kFp8Block / 32];
-      float mb0 = 0.0f, mb1 = 0.0f;
-      FP4SIM_UNROLL
-      for (int j = 0; j < kFp8Block / 32; ++j) {
-        v0[j] = tile[(lane + 32 * j) * kFp8TilePitch + tc0];
-        v1[j] = tile[(lane + 32 * j) * kFp8TilePitch + tc1];
-        mb0 = fmax_nan_ignored(mb0, f32_abs(v0[j]));
-        mb1 = fmax_nan_ignored(mb1, f32_abs(v1[j]));
+    float col_max = 0.0f;
+    if (!a.two_d) {
+#pragma unroll 2
+      for (int i = 0; i < kFp8LinesPerWarp; ++i) {
+        const int tc = warp + kFp8Warps * i;
+        float mb = 0.0f;
+        FP4SIM_UNROLL
+        for (int j = 0; j < kFp8Block / 32; ++j) mb = fmax_nan_ignored(mb, f32_abs(tile[(lane + 32 * j) * kFp8TilePitch + tc]));
+        mb = warp_max_nan_ignored(mb);
+        if (lane == i) col_max = mb;
       }
-      FP4SIM_UNROLL
-      for (int off = 16; off > 0; off >>= 1) {
-        mb0 = fmax_nan_ignored(mb0, __shfl_xor_sync(0xFFFFFFFFu, mb0, off));
-        mb1 = fmax_nan_ignored(mb1, __shfl_xor_sync(0xFFFFFFFFu, mb1, off));
-      }
-      const float enc0 = fp8_block_encode_scale(a.two_d ? tile_amax : mb0);
-      const float enc1 = fp8_block_encode_scale(a.two_d ? tile_amax : mb1);
-      uint8_t* dst0 = a.col.codes + cc0 * a.rows + r0;
-      uint8_t* dst1 = a.col.codes + cc1 * a.rows + r0;
-      FP4SIM_UNROLL
-      for (int j = 0; j < kFp8Block / 32; ++j) {
-        dst0[lane + 32 * j] = fp8_quantize_element(v0[j], enc0);
-        if (second) dst1[lane + 32 * j] = fp8_quantize_element(v1[j], enc1);
-      }
-      if (lane == 0) {
-        scales[cc0 * (a.rows / kFp8Block) + r0 / kFp8Block] = fdiv_rn(1.0f, enc0);
-        if (second) scales[cc1 * (a.rows / kFp8Block) + r0 / kFp8Block] = fdiv_rn(1.0f, enc1);
-      }
+    }
+    const float enc_mine = a.two_d ? enc_tile : fp8_block_encode_scale(col_max);
+    const int64_t cc_mine = c0 + warp + kFp8Warps * lane;
+    if (lane < kFp8LinesPerWarp && cc_mine < a.cols)
+      scales[cc_mine * (a.rows / kFp8Block) + r0 / kFp8Block] = fp8_block_decode_scale(enc_mine);
+#pragma unroll 2
+    for (int i = 0; i < kFp8LinesPerWarp; ++i) {
+      const int tc = warp + kFp8Warps * i;
+      const int64_t cc = c0 + tc;
+      if (cc >= a.cols) break;  // (warp-uniform; past the last column the tile holds zeros)
+      const float enc = __shfl_sync(full, enc_mine, i);
+      const float* t = tile + lane * kFp8TilePitch + tc;
+      const uint32_t p01 = fp8_quantize_pair(t[0], t[32 * kFp8TilePitch], enc);
+      const uint32_t p23 = fp8_quantize_pair(t[64 * kFp8TilePitch], t[96 * kFp8TilePitch], enc);
+      uint8_t* dst = a.col.codes + cc * a.rows + r0 + lane;
+      dst[0] = static_cast<uint8_t>(p01);
+      dst[32] = static_cast<uint8_t>(p01 >> 8);
+      dst[64] = static_cast<uint8_t>(p23);
+      dst[96] = static_cast<uint8_t>(p23 >> 8);
     }
   }
 }
@@ -261,11 +238,8 @@ void launch_fp8_tile(const dim3& grid, const void* x, const Fp8TileArgs& a, cuda
 }  // namespace
 
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                         QuantizedView* columnwise, cudaStream_t stream) {
-  // the copies' amax is the input's (no transform): reduced once, into the row-wise copy's (or the
-  // column-wise copy's) amax, then copied
-  unsigned int* amax_bits = reinterpret_cast<unsigned int*>(cfg.rowwise.enabled ? rowwise->amax : columnwise->amax);
-  FP4SIM_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(float), stream));
+                         QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws) {
+  if (!amax_ws) throw std::logic_error("fp8_quantize_launch: no amax workspace");
   Fp8TileArgs a{};
   a.rows = x.rows;
   a.cols = x.cols;
@@ -278,7 +252,10 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
   if (cfg.columnwise.enabled) a.col = *columnwise;
   if (!cfg.rowwise.enabled) a.row.codes = nullptr;
   if (!cfg.columnwise.enabled) a.col.codes = nullptr;
-  a.amax_bits = amax_bits;
+  // the copies' amax is the input's (no transform): reduced once, written to both
+  a.amax = AmaxArgs{cfg.rowwise.enabled ? rowwise->amax : columnwise->amax,
+                    cfg.rowwise.enabled && cfg.columnwise.enabled ? columnwise->amax : nullptr, nullptr, nullptr,
+                    amax_ws};
   const int64_t gy = (x.rows + kFp8Block - 1) / kFp8Block, gx = (x.cols + kFp8Block - 1) / kFp8Block;
   if (gy > 65535)
     throw std::invalid_argument("quantize (cuda, fp8): tensor '" + std::string(x.name) + "' " +
@@ -287,8 +264,6 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
   if (x.dtype == DType::F32) launch_fp8_tile<float>(grid, x.data, a, stream);
   else launch_fp8_tile<uint16_t>(grid, x.data, a, stream);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  if (cfg.rowwise.enabled && cfg.columnwise.enabled)
-    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(columnwise->amax, rowwise->amax, sizeof(float), cudaMemcpyDeviceToDevice, stream));
 }
 
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {

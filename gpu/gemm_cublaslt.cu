@@ -217,17 +217,21 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   return true;
 }
 
-// The plan for (kind, M, N, K), built on first use. Alpha and beta go as device pointers except for
-// Bf16HostScalars; for FP8, if the heuristic finds nothing with device pointers, host pointers are
-// tried before giving up (FP8 has no global scale, so the host knows alpha' = alpha).
+// The plan for (kind, M, N, K), built on first use. Alpha and beta go as device pointers for the FP4
+// kinds (alpha' depends on the operands' amax, on the device), as host pointers for
+// Bf16HostScalars and (when the heuristic has an algorithm for them, else device) for FP8.
 GemmPlan& plan_for(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int64_t K) {
   const auto key = std::make_tuple(kind, M, N, K);
   auto it = st.plans.find(key);
   if (it != st.plans.end()) return it->second;
   GemmPlan p;
   cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
-  bool ok = try_build_plan(st, kind, M, N, K, kind == PlanKind::Bf16HostScalars, p, status);
-  if (!ok && kind == PlanKind::Fp8Vec128) ok = try_build_plan(st, kind, M, N, K, true, p, status);
+  // FP8 has no global scale, so its alpha and beta are known on the host: host scalars let cuBLASLt
+  // run its beta-0 / beta-1 kernels (a device beta forces its slower general-beta ones) and need
+  // no kernel to write them; device pointers only where the heuristic has nothing for host ones
+  const bool fp8 = kind == PlanKind::Fp8Vec128;
+  bool ok = try_build_plan(st, kind, M, N, K, kind == PlanKind::Bf16HostScalars || fp8, p, status);
+  if (!ok && fp8) ok = try_build_plan(st, kind, M, N, K, false, p, status);
   if (!ok) {
     std::string msg = std::string("cuBLASLt found no ") + plan_kind_name(kind) + " GEMM algorithm for M=" +
                       std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +

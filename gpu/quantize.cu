@@ -15,6 +15,7 @@
 #include "emu/quantize_block.hpp"
 #include "emu/rht.hpp"
 #include "gpu/cuda_backend.hpp"
+#include "gpu/amax_finish.cuh"
 #include "gpu/cuda_check.hpp"
 #include "gpu/decode_bf16.cuh"
 
@@ -66,52 +67,6 @@ __device__ void load_tile(T* tile, const T* x, int64_t rows, int64_t cols, int64
   }
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmax_nan_ignored(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-  return v;
-}
-
-struct AmaxArgs {
-  float* amax_plain;   // max |x| (or null)
-  float* amax_plain2;  // a second copy of max |x| (the non-RHT column-wise copy's), or null
-  float* amax_rht;     // max |rht(x)| of the column-wise copy (or null)
-  uint16_t* rht_out;   // where to keep rht(x) (BF16, transposed: cols x rows, dense), or null
-  unsigned* ws;        // the backend's amax workspace: {plain, rht, CTAs done}, zero between passes
-};
-
-// The pass's result without zeroing the targets first: each CTA's maxima go to the workspace by
-// atomicMax on the FP32 bit pattern (non-negative floats order as ints); the last CTA to finish
-// (a counter, after a fence) copies them to the targets and puts the workspace back to zero for
-// the next pass on the stream. Replaces two memsets (and a copy) per quantize call.
-__device__ void amax_finish(float m_plain, float m_rht, const AmaxArgs& args) {
-  __shared__ float partial[2][kThreads / 32];
-  m_plain = warp_max(m_plain);
-  m_rht = warp_max(m_rht);
-  if ((threadIdx.x & 31) == 0) {
-    partial[0][threadIdx.x >> 5] = m_plain;
-    partial[1][threadIdx.x >> 5] = m_rht;
-  }
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  float p = partial[0][0], q = partial[1][0];
-  for (int w = 1; w < kThreads / 32; ++w) {
-    p = fmax_nan_ignored(p, partial[0][w]);
-    q = fmax_nan_ignored(q, partial[1][w]);
-  }
-  unsigned* ws = args.ws;
-  if (args.amax_plain) atomicMax(ws, __float_as_uint(p));
-  if (args.amax_rht) atomicMax(ws + 1, __float_as_uint(q));
-  __threadfence();
-  if (atomicAdd(ws + 2, 1u) != gridDim.x * gridDim.y - 1) return;
-  __threadfence();
-  const float plain = __uint_as_float(atomicExch(ws, 0u)), rht = __uint_as_float(atomicExch(ws + 1, 0u));
-  if (args.amax_plain) *args.amax_plain = plain;
-  if (args.amax_plain2) *args.amax_plain2 = plain;
-  if (args.amax_rht) *args.amax_rht = rht;
-  atomicExch(ws + 2, 0u);
-}
-
 // Plain amax over a contiguous array, 16-byte loads.
 template <class T>
 __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t n, AmaxArgs args) {
@@ -128,7 +83,7 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t
   for (int64_t i = nvec * kVec + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += step)
     m = fmax_nan_ignored(m, f32_abs(Elem<T>::to_f32(x[i])));
-  amax_finish(m, 0.0f, args);
+  amax_finish<kThreads>(m, 0.0f, args);
 }
 
 // Tiled amax: the plain amax (any stride) and/or the amax of the RHT column-wise copy. The tile
@@ -216,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, 6)
       }
     }
   }
-  amax_finish(m_plain, m_rht, args);
+  amax_finish<kThreads>(m_plain, m_rht, args);
 }
 
 struct CopyArgs {
