@@ -33,7 +33,7 @@ __device__ __forceinline__ void amax_commit(float p, float q, const AmaxArgs& ar
   if (args.amax_plain) atomicMax(ws, __float_as_uint(p));
   if (args.amax_rht) atomicMax(ws + 1, __float_as_uint(q));
   __threadfence();
-  if (atomicAdd(ws + 2, 1u) != gridDim.x * gridDim.y - 1) return;
+  if (atomicAdd(ws + 2, 1u) != gridDim.x * gridDim.y * gridDim.z - 1) return;
   __threadfence();
   const float plain = __uint_as_float(atomicExch(ws, 0u)), rht = __uint_as_float(atomicExch(ws + 1, 0u));
   if (args.amax_plain) *args.amax_plain = plain;

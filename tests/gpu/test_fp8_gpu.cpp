@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 
 #include "emu/backend.hpp"
 #include "tests/emu/quantize_checks.hpp"
@@ -92,6 +93,23 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
     qc.columnwise.enabled = true;
     const QuantizeResult e = quantize_to_host(*emu, v, qc), g = quantize_to_host(*cuda, v, qc);
     expect_same_quantized(e.columnwise, g.columnwise, std::string("column-only 256x200") + (bf16 ? " bf16" : " f32"));
+    ++checked;
+  }
+  // all-NaN blocks: a column whose rows 0..63 are NaN, one whose 128 rows of the first block all
+  // are, and a row whose second 128-column block is: a block max is the NaN-ignoring max from +0,
+  // so an all-NaN block has max +0 and scale 1 (a GPU reduction that starts from the first
+  // element would give a NaN scale there)
+  for (bool bf16 : {false, true}) {
+    const int64_t R = 256, C = 256;
+    std::vector<float> x = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(R * C), 14);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t r = 0; r < 64; ++r) x[static_cast<size_t>(r * C + 3)] = nan;     // half a column block
+    for (int64_t r = 0; r < 128; ++r) x[static_cast<size_t>(r * C + 5)] = nan;    // a whole column block
+    for (int64_t c = 128; c < 256; ++c) x[static_cast<size_t>(130 * C + c)] = nan;  // a whole row block
+    const QuantizeResult e = quantize_on(*emu, x, R, C, bf16, false), g = quantize_on(*cuda, x, R, C, bf16, false);
+    const std::string what = std::string("NaN blocks") + (bf16 ? " bf16" : " f32");
+    expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+    expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
     ++checked;
   }
   std::printf("[fp8-gpu] %d quantizations bitwise identical (codes, scales, amax, dequant)\n", checked);
