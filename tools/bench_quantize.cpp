@@ -11,6 +11,7 @@
 
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "emu/backend.hpp"
@@ -89,6 +90,72 @@ BENCHMARK(BM_CpuQuantize)
 // ---- GPU ----------------------------------------------------------------------------------------
 #if FP4SIM_HAVE_CUDA
 
+// A GPU quantize benchmark's device buffers: the input (uploaded from the host) and a copy target
+// of the same size, and the row-wise (rows x cols) and column-wise (cols x rows) copies' codes,
+// scales and amax, sized for `format`.
+struct GpuQuantizeBuffers {
+  size_t in_bytes;
+  BackendBuffer in, copy_dst, rc, rs, ra, cc, cs, ca;
+  QuantizedView rv, cv;
+  TensorView v;
+  GpuQuantizeBuffers(Backend& be, const void* host, int64_t rows, int64_t cols, DType dtype, QFormat format)
+      : in_bytes(static_cast<size_t>(rows * cols) * (dtype == DType::F32 ? 4 : 2)),
+        in(be, in_bytes),
+        copy_dst(be, in_bytes),
+        rc(be, code_bytes(rows, cols, format)),
+        rs(be, scale_bytes(rows, cols, format)),
+        ra(be, 4),
+        cc(be, code_bytes(rows, cols, format)),
+        cs(be, scale_bytes(rows, cols, format)),
+        ca(be, 4) {
+    be.upload(in.get(), host, in_bytes);
+    for (auto [q, c, sc, am, r, k] : {std::tuple{&rv, &rc, &rs, &ra, rows, cols}, std::tuple{&cv, &cc, &cs, &ca, cols, rows}}) {
+      q->format = format;
+      q->codes = c->as<uint8_t>();
+      q->scales = sc->as<uint8_t>();
+      q->amax = am->as<float>();
+      q->rows = r;
+      q->cols = k;
+      q->device = Device::Cuda;
+    }
+    v.data = in.get();
+    v.dtype = dtype;
+    v.rows = rows;
+    v.cols = cols;
+    v.device = Device::Cuda;
+  }
+  static size_t code_bytes(int64_t rows, int64_t cols, QFormat f) {
+    return static_cast<size_t>(rows * cols) / (f == QFormat::FP8 ? 1 : 2);
+  }
+  static size_t scale_bytes(int64_t rows, int64_t cols, QFormat f) {
+    return f == QFormat::FP8 ? static_cast<size_t>(rows * cols) / kFp8Block * 4 : static_cast<size_t>(rows * cols) / 16;
+  }
+};
+
+// Times `quantize` (10 calls, after 3 warm-ups) and a device-to-device copy of the input in each
+// repetition; counters: ms, GB/s for `bytes` moved, the copy's GB/s (read + write) and the ratio.
+template <class F>
+void time_against_copy(benchmark::State& state, gpu::CudaBackend& be, const GpuQuantizeBuffers& b, double bytes,
+                       F&& quantize) {
+  auto copy = [&]() {
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(b.copy_dst.get(), b.in.get(), b.in_bytes, cudaMemcpyDeviceToDevice, be.stream()));
+  };
+  GpuTimer timer;
+  for (int i = 0; i < 3; ++i) { quantize(); copy(); }  // warm-up
+  be.synchronize();
+  double last_ms = 0, copy_bw = 0;
+  for (auto _ : state) {
+    const double copy_ms = timer.ms(be.stream(), 10, copy);
+    copy_bw = 2.0 * static_cast<double>(b.in_bytes) / (copy_ms * 1e-3);  // read + write
+    last_ms = timer.ms(be.stream(), 10, quantize);
+    state.SetIterationTime(last_ms * 1e-3);
+  }
+  state.counters["ms"] = last_ms;
+  state.counters["GBps"] = bytes / (last_ms * 1e-3) / 1e9;
+  state.counters["copy_GBps"] = copy_bw / 1e9;
+  state.counters["pct_of_copy_bw"] = 100.0 * (bytes / (last_ms * 1e-3)) / copy_bw;
+}
+
 void BM_GpuQuantize(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
@@ -104,42 +171,12 @@ void BM_GpuQuantize(benchmark::State& state) {
   std::vector<float> xf = gaussian(n, 5);
   std::vector<uint16_t> xh(n);
   for (size_t i = 0; i < n; ++i) xh[i] = bf16_rne(xf[i]);
-  BackendBuffer in(be, n * 2), copy_dst(be, n * 2);
-  be.upload(in.get(), xh.data(), n * 2);
-  BackendBuffer rc(be, n / 2), rs(be, n / 16), ra(be, 4), cc(be, n / 2), cs(be, n / 16), ca(be, 4);
-  QuantizedView rv, cv;
-  rv.codes = rc.as<uint8_t>(); rv.scales = rs.as<uint8_t>(); rv.amax = ra.as<float>();
-  rv.rows = rows; rv.cols = cols; rv.device = Device::Cuda;
-  cv.codes = cc.as<uint8_t>(); cv.scales = cs.as<uint8_t>(); cv.amax = ca.as<float>();
-  cv.rows = cols; cv.cols = rows; cv.device = Device::Cuda;
-  TensorView v;
-  v.data = in.get();
-  v.dtype = DType::BF16;
-  v.rows = rows;
-  v.cols = cols;
-  v.device = Device::Cuda;
-  auto quantize = [&]() { be.quantize(v, cfg, &rv, cfg.columnwise.enabled ? &cv : nullptr); };
-  auto copy = [&]() {
-    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(copy_dst.get(), in.get(), n * 2, cudaMemcpyDeviceToDevice, be.stream()));
-  };
-  GpuTimer timer;
-  for (int i = 0; i < 3; ++i) { quantize(); copy(); }  // warm-up
-  be.synchronize();
+  GpuQuantizeBuffers b(be, xh.data(), rows, cols, DType::BF16, QFormat::NVFP4);
   const int copies = cfg.columnwise.enabled ? 2 : 1;
   // bytes moved: amax pass reads input; quantize pass reads input, writes codes + scales per copy
   // (not counted: with RHT the transformed input kept between the passes, written and read once)
   const double bytes = 2.0 * n * 2 + copies * (n / 2.0 + n / 16.0);
-  double last_ms = 0, copy_bw = 0;
-  for (auto _ : state) {
-    const double copy_ms = timer.ms(be.stream(), 10, copy);
-    copy_bw = 2.0 * n * 2 / (copy_ms * 1e-3);  // read + write
-    last_ms = timer.ms(be.stream(), 10, quantize);
-    state.SetIterationTime(last_ms * 1e-3);
-  }
-  state.counters["ms"] = last_ms;
-  state.counters["GBps"] = bytes / (last_ms * 1e-3) / 1e9;
-  state.counters["copy_GBps"] = copy_bw / 1e9;
-  state.counters["pct_of_copy_bw"] = 100.0 * (bytes / (last_ms * 1e-3)) / copy_bw;
+  time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, cfg.columnwise.enabled ? &b.cv : nullptr); });
   state.SetLabel(std::string(mode_name(mode)) + (state.range(3) == 2 ? " tile64x256" : " tile64x128") +
                  (mode == 2 && state.range(4) == 0 ? " rht-twice" : ""));
   gpu::set_quantize_tile_variant(1);
@@ -173,41 +210,10 @@ void BM_GpuQuantizeFp8(benchmark::State& state) {
   cfg.format = QFormat::FP8;
   cfg.rowwise.enabled = cfg.columnwise.enabled = true;
   const size_t n = static_cast<size_t>(rows * cols);
-  std::vector<float> xf = gaussian(n, 6);
-  BackendBuffer in(be, n * 4), copy_dst(be, n * 4);
-  be.upload(in.get(), xf.data(), n * 4);
-  BackendBuffer rc(be, n), rs(be, n / 128 * 4), ra(be, 4), cc(be, n), cs(be, n / 128 * 4), ca(be, 4);
-  QuantizedView rv, cv;
-  rv.format = cv.format = QFormat::FP8;
-  rv.codes = rc.as<uint8_t>(); rv.scales = rs.as<uint8_t>(); rv.amax = ra.as<float>();
-  rv.rows = rows; rv.cols = cols; rv.device = Device::Cuda;
-  cv.codes = cc.as<uint8_t>(); cv.scales = cs.as<uint8_t>(); cv.amax = ca.as<float>();
-  cv.rows = cols; cv.cols = rows; cv.device = Device::Cuda;
-  TensorView v;
-  v.data = in.get();
-  v.dtype = DType::F32;
-  v.rows = rows;
-  v.cols = cols;
-  v.device = Device::Cuda;
-  auto quantize = [&]() { be.quantize(v, cfg, &rv, &cv); };
-  auto copy = [&]() {
-    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(copy_dst.get(), in.get(), n * 4, cudaMemcpyDeviceToDevice, be.stream()));
-  };
-  GpuTimer timer;
-  for (int i = 0; i < 3; ++i) { quantize(); copy(); }  // warm-up
-  be.synchronize();
+  const std::vector<float> xf = gaussian(n, 6);
+  GpuQuantizeBuffers b(be, xf.data(), rows, cols, DType::F32, QFormat::FP8);
   const double bytes = 4.0 * n + 2 * (n + n / 128.0 * 4);
-  double last_ms = 0, copy_bw = 0;
-  for (auto _ : state) {
-    const double copy_ms = timer.ms(be.stream(), 10, copy);
-    copy_bw = 2.0 * n * 4 / (copy_ms * 1e-3);
-    last_ms = timer.ms(be.stream(), 10, quantize);
-    state.SetIterationTime(last_ms * 1e-3);
-  }
-  state.counters["us"] = last_ms * 1e3;
-  state.counters["GBps"] = bytes / (last_ms * 1e-3) / 1e9;
-  state.counters["copy_GBps"] = copy_bw / 1e9;
-  state.counters["pct_of_copy_bw"] = 100.0 * (bytes / (last_ms * 1e-3)) / copy_bw;
+  time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, &b.cv); });
 }
 BENCHMARK(BM_GpuQuantizeFp8)->UseManualTime()->Iterations(5)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
