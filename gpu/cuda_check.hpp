@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -12,6 +13,13 @@ namespace fp4sim::gpu {
   throw std::runtime_error(std::string("CUDA error: ") + cudaGetErrorString(e) + " (" +
                            cudaGetErrorName(e) + ") in " + what + " at " + file + ":" +
                            std::to_string(line));
+}
+
+// Blocks of `threads` for a grid-stride loop over n items: one item per thread, at least one block,
+// at most 65535 * 8 (the loop walks the rest).
+inline int grid_stride_blocks(int64_t n, int threads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<int>(b < 65535 * 8 ? (b > 0 ? b : 1) : 65535 * 8);
 }
 
 }  // namespace fp4sim::gpu

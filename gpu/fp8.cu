@@ -41,11 +41,6 @@ constexpr int kFp8LinesPerWarp = kFp8Block / kFp8Warps;  // 16 rows (and columns
 constexpr int kFp8TilePitch = kFp8Block + 1;
 constexpr size_t kFp8TileSmem = sizeof(float) * kFp8Block * kFp8TilePitch;
 
-__device__ __forceinline__ float warp_max_nan_ignored(float m) {
-  for (int off = 16; off > 0; off >>= 1) m = fmax_nan_ignored(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-  return m;
-}
-
 struct Fp8TileArgs {
   int64_t rows, cols, stride;
   bool two_d;
@@ -111,12 +106,12 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
       }
       m = fmax_nan_ignored(m, mb);
       if (!a.two_d) {
-        mb = warp_max_nan_ignored(mb);
+        mb = warp_max(mb);
         if (lane == i) row_max = mb;
       }
     }
   }
-  m = warp_max_nan_ignored(m);
+  m = warp_max(m);
   if (lane == 0) warp_partial[warp] = m;
   __syncthreads();
   float tile_amax = 0.0f;
@@ -158,7 +153,7 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
         float mb = 0.0f;
         FP4SIM_UNROLL
         for (int j = 0; j < kFp8Block / 32; ++j) mb = fmax_nan_ignored(mb, f32_abs(tile[(lane + 32 * j) * kFp8TilePitch + tc]));
-        mb = warp_max_nan_ignored(mb);
+        mb = warp_max(mb);
         if (lane == i) col_max = mb;
       }
     }
@@ -217,11 +212,6 @@ __global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const fl
   gemm_store(cfg, cfg.alpha, total, c, idx, out);
 }
 
-int blocks_for(int64_t n, int threads) {
-  const int64_t b = (n + threads - 1) / threads;
-  return static_cast<int>(b < 65535 * 8 ? (b > 0 ? b : 1) : 65535 * 8);
-}
-
 // One launch of the tile kernel for input element type T; its dynamic shared memory (over the
 // 48 KB default) is allowed once per instantiation.
 template <class T>
@@ -267,7 +257,7 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
 }
 
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {
-  fp8_dequantize_kernel<<<blocks_for(q.rows * q.cols, 256), 256, 0, stream>>>(q, static_cast<float*>(out.data),
+  fp8_dequantize_kernel<<<grid_stride_blocks(q.rows * q.cols, 256), 256, 0, stream>>>(q, static_cast<float*>(out.data),
                                                                              out.stride());
   FP4SIM_CUDA_CHECK_LAUNCH();
 }

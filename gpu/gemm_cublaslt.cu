@@ -169,8 +169,8 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   p.host_scalars = host_scalars;
   if (!host_scalars) {
     // (a device beta makes cuBLASLt run its general-beta kernels: as fast as the beta-0 ones when
-    // beta is 0 at run time, ~25% slower than its beta-1 ones on gpt2-124m's Dgrad shapes when it
-    // is 1; H200, bench_gemm BM_GpuGemmScalarModes. A device alpha vector with a host beta,
+    // beta is 0 at run time, 20-47% slower than its beta-1 ones on gpt2-124m's Dgrad shapes when
+    // it is 1; H200, bench_gemm BM_GpuGemmScalarModes. A device alpha vector with a host beta,
     // CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_HOST, finds no algorithm: status 15.)
     const cublasLtPointerMode_t pm = CUBLASLT_POINTER_MODE_DEVICE;
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pm, sizeof pm));

@@ -26,12 +26,6 @@ constexpr int kTileRows = 64;
 constexpr int kTileCols = 128;  // = threads per CTA
 constexpr int kThreads = kTileCols;
 
-// Blocks for a grid-stride loop over n items.
-int grid_for(int64_t n, int threads) {
-  const int64_t b = (n + threads - 1) / threads;
-  return static_cast<int>(b < 65535 * 8 ? (b > 0 ? b : 1) : 65535 * 8);
-}
-
 template <class T>
 struct Elem;
 template <>
@@ -621,8 +615,8 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   fill(qa.row, cfg.rowwise, row);
   fill(qa.col, cfg.columnwise, col);
   if (common_case && rht_out) {  // RHT copy kept by the amax pass: the streaming kernel
-    // (as many CTAs for each copy as one 1x16 block per thread needs, up to grid_for's cap)
-    const int per_copy = grid_for(R * (C / kNvfp4Block), 256);
+    // (as many CTAs for each copy as one 1x16 block per thread needs, up to grid_stride_blocks' cap)
+    const int per_copy = grid_stride_blocks(R * (C / kNvfp4Block), 256);
     nvfp4_rht_kept_kernel<T><<<qa.row.enabled ? 2 * per_copy : per_copy, 256, 0, stream>>>(xp, rht_out, qa);
   } else if (common_case) {
     const bool rht = qa.col.enabled && qa.col.rht;
@@ -734,7 +728,7 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
 
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {
   const int64_t n = q.rows * q.cols;
-  dequantize_kernel<<<grid_for(n, 256), 256, 0, stream>>>(q, static_cast<float*>(out.data),
+  dequantize_kernel<<<grid_stride_blocks(n, 256), 256, 0, stream>>>(q, static_cast<float*>(out.data),
                                                           out.stride());
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
@@ -742,16 +736,16 @@ void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream
 void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorSums* block_sums,
                              QuantErrorSums* rows_out, cudaStream_t stream) {
   if (q.rows == 0) return;
-  quant_error_blocks_kernel<<<grid_for(q.scale_count(), 256), 256, 0, stream>>>(x, q, block_sums);
+  quant_error_blocks_kernel<<<grid_stride_blocks(q.scale_count(), 256), 256, 0, stream>>>(x, q, block_sums);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  quant_error_rows_kernel<<<grid_for(q.rows, 128), 128, 0, stream>>>(block_sums, q.rows, q.cols / q.block(), rows_out);
+  quant_error_rows_kernel<<<grid_stride_blocks(q.rows, 128), 128, 0, stream>>>(block_sums, q.rows, q.cols / q.block(), rows_out);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream) {
   const int64_t pr = round_up(rows, kTiledRows), pk = round_up(k_blocks, kTiledCols);
-  scales_to_tiled_kernel<<<grid_for(pr * pk, 256), 256, 0, stream>>>(scales, rows, k_blocks, out,
+  scales_to_tiled_kernel<<<grid_stride_blocks(pr * pk, 256), 256, 0, stream>>>(scales, rows, k_blocks, out,
                                                                      pr, pk);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }

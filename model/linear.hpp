@@ -93,7 +93,7 @@ struct QuantizedCopy {
 // (+=, the parameter gradients accumulate over micro-batches). Writing dinp lets a quantized Dgrad
 // GEMM run with beta = 0: no zeroing pass before it and no read of the old dinp in its epilogue
 // (and on Hopper's cuBLASLt path, where alpha' is a device scalar, it avoids the general-beta kernel
-// that a device beta = 1 forces, ~25% slower on gpt2-124m's Dgrad shapes; validation/perf.md).
+// that a device beta = 1 forces, 20-47% slower on gpt2-124m's Dgrad shapes; validation/perf.md).
 void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                     emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats, const std::string& name,
