@@ -50,6 +50,14 @@ class Backend {
     return false;
   }
 
+  // Whether gemm with this impl reads an FP8 view's scales_gemm (and quantize writes it): the CUDA
+  // backend's cuBLASLt GEMM. Callers set scales_gemm only where this is true; the results are the
+  // same bits either way.
+  virtual bool fp8_scales_for_gemm(GemmImpl impl) const {
+    (void)impl;
+    return false;
+  }
+
   // out (F32, q.rows x q.cols) = decode(q). NVFP4: e2m1 * ((s_b * amax) * (1/2688 or 1/1536));
   // MXFP4: e2m1 * 2^(byte - 127), byte 0xFF -> NaN.
   virtual void dequantize(const QuantizedView& q, const TensorView& out) = 0;

@@ -144,6 +144,9 @@ void check_output(const QuantizedView* q, const CopyShape& w, const QuantizeConf
   if (q->decoded_bf16)
     throw std::invalid_argument(std::string("quantize (emu): the ") + which +
                                 " output asks for a decoded BF16 copy, which only the CUDA backend writes");
+  if (q->scales_gemm)
+    throw std::invalid_argument(std::string("quantize (emu): the ") + which +
+                                " output asks for GEMM-layout FP8 scales, which only the CUDA backend writes");
   if (q->rows != w.rows || q->cols != w.cols || q->format != cfg.format ||
       q->four_over_six != spec.four_over_six)
     throw std::invalid_argument(std::string("quantize: the ") + which + " output is " +

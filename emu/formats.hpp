@@ -197,10 +197,12 @@ FP4SIM_HD uint32_t e4m3x2_rn_satfinite(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   uint16_t pair;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
-  uint32_t p = pair;
-  if ((f32_bits(lo) & 0x7FFFFFFFu) > 0x7F800000u) p = (p & 0xFF00u) | kE4M3NaN;
-  if ((f32_bits(hi) & 0x7FFFFFFFu) > 0x7F800000u) p = (p & 0x00FFu) | (uint32_t{kE4M3NaN} << 8);
-  return p;
+  // A NaN converts to S.1111.111 with either sign, and nothing else gives low bits 111 1111
+  // (satfinite stops at 0x7E): clear the sign bit of each byte whose low seven bits are all ones
+  // (adding 1 to them carries into bit 7 of that byte only), which leaves the contract's 0x7F.
+  const uint32_t p = pair;
+  static_assert(kE4M3NaN == 0x7F, "the NaN fix-up below assumes the NaN code 0x7F");
+  return p & ~(((p & 0x7F7Fu) + 0x0101u) & 0x8080u);
 #else
   return e4m3_rn_satfinite(lo) | (uint32_t{e4m3_rn_satfinite(hi)} << 8);
 #endif

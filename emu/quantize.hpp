@@ -65,6 +65,11 @@ struct QuantizedView {
   // tensor-core GEMM needs on Hopper, made while the codes are still in registers instead of by a
   // second pass over them. Null: not written. The emulator rejects a non-null one.
   uint16_t* decoded_bf16 = nullptr;
+  // Optional, CUDA backend only, FP8 only (Backend::fp8_scales_for_gemm): the block scales again,
+  // as [cols / 128, rows] (rows contiguous), the layout cuBLASLt's VEC128_32F scale mode reads, so
+  // the GEMM needs no re-layout pass. Same values as scales. Null: not written. The emulator
+  // rejects a non-null one.
+  float* scales_gemm = nullptr;
 
   FP4SIM_HD int64_t block() const { return qformat_block(format); }
   int64_t code_bytes() const { return format == QFormat::FP8 ? rows * cols : rows * cols / 2; }

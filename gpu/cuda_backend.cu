@@ -108,6 +108,9 @@ void CudaBackend::copy(void* dst, const void* src, size_t n) {
 void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                            QuantizedView* columnwise) {
   validate_quantize(x, cfg);
+  if (cfg.format != QFormat::FP8 && ((rowwise && rowwise->scales_gemm) || (columnwise && columnwise->scales_gemm)))
+    throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
+                                "': GEMM-layout scales (scales_gemm) exist for FP8 only");
   if (cfg.format == QFormat::FP8) {
     if ((rowwise && rowwise->decoded_bf16) || (columnwise && columnwise->decoded_bf16))
       throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +

@@ -52,6 +52,7 @@ class CudaBackend final : public Backend {
   // cuBLASLt on a GPU without FP4 tensor cores (compute capability < 10) multiplies the FP4
   // formats as decoded BF16; the quantizer writes that decode when a view asks (decoded_bf16).
   bool decodes_for_gemm(GemmImpl impl) const override { return impl == GemmImpl::CublasLt && cc_major_ < 10; }
+  bool fp8_scales_for_gemm(GemmImpl impl) const override { return impl == GemmImpl::CublasLt; }
   void dequantize(const QuantizedView& q, const TensorView& out) override;
   QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) override;
   void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,

@@ -17,34 +17,42 @@
 namespace fp4sim::gpu {
 namespace {
 
-// Both copies in one pass over a 128 x 128 input tile in shared memory (FP32, rows padded to 129
-// floats so that column reads are free of bank conflicts), 256 threads = 8 warps, warp w owning
-// tile rows w, w + 8, ..., w + 120 (and, for the column-wise copy, tile columns likewise):
-//  1. load: lane l reads elements 4l..4l+3 of each of its warp's rows (coalesced 16-byte loads,
-//     four rows in flight per warp), stores them to the tile and takes each row's block max by
-//     shuffles, lane i keeping the warp's i-th row's; the tile's NaN-ignoring max |x| goes to the
-//     global amax of both copies (amax_commit: the backend's self-resetting workspace);
-//  2. row-wise copy: lanes 0..15 each turn one row's block max into its scale (the division and
-//     the stored 1/enc once per row, sixteen rows side by side, instead of once per row by the
-//     whole warp); then per row, enc from lane i by a shuffle, the lane's four codes (two pair
-//     conversions) as one 4-byte store;
-//  3. column-wise (input column c0 + tc is written row c0 + tc, its elements r0.. at columns
-//     r0..): the same in two sweeps over the warp's sixteen columns, block maxima (lane i keeping
-//     column i's), then scales by lanes 0..15, then codes (lane l: rows l, l + 32, ...).
+// Both copies in one pass over a 128 x 128 input tile in shared memory (FP32, rows of 128 floats,
+// unpadded: every shared-memory access below is either a warp's 512 contiguous bytes or 32
+// consecutive words of one row, so none has a bank conflict), 256 threads = 8 warps:
+//  1. load: warp w takes tile rows w, w + 8, ..., w + 120; lane l reads elements 4l..4l+3 of each
+//     (coalesced 16-byte loads; an FP32 tile inside the tensor by cp.async, all 16 rows in flight,
+//     else four rows in flight through registers), stores them as one 16-byte word and
+//     takes each row's block max by shuffles, lane i keeping the warp's i-th row's, and its four
+//     columns' maxima over the warp's rows (the eight warps' partial maxima meet in shared
+//     memory); the tile's NaN-ignoring max |x| goes to the global amax of both copies
+//     (amax_commit: the backend's self-resetting workspace);
+//  2. (the column maxima: thread t takes the eight partials of tile column t % 128);
+//  3. row-wise copy: lanes 0..15 each turn one row's block max into its scale (the division and
+//     the stored 1/enc once per row); then per row, enc from lane i by a shuffle, the lane's four
+//     codes (two pair conversions) as one 4-byte store;
+//  4. column-wise copy (input column c0 + tc is written as row c0 + tc, its elements r0.. at columns
+//     r0..): thread t quantizes its half column, tile rows 64 (t / 128) .. + 63 (a warp reads 32
+//     consecutive words of a row at a time), and writes its 64 codes as four 16-byte stores;
+//     the half-0 thread writes the column's scale.
+// Where a copy's scales_gemm is set, each scale is also written there, [k-block][written row].
 // A 128x128 tile (2D) uses the tile's amax for every block of both copies. Codes and scales are
 // the emulator's functions (fp8_block_encode_scale, fp8_block_decode_scale, fp8_quantize_pair),
 // so the bits are the emulator's. Rows past R read as zeros and are not written (the row-wise
-// 1x128 copy allows any R; the host checks the dimensions each copy blocks along).
+// 1x128 copy allows any R; the column-wise copy needs R % 128 == 0, which the host checks, as it
+// checks the dimensions each copy blocks along).
 constexpr int kFp8TileThreads = 256;
 constexpr int kFp8Warps = kFp8TileThreads / 32;
-constexpr int kFp8LinesPerWarp = kFp8Block / kFp8Warps;  // 16 rows (and columns) per warp
-constexpr int kFp8TilePitch = kFp8Block + 1;
-constexpr size_t kFp8TileSmem = sizeof(float) * kFp8Block * kFp8TilePitch;
+constexpr int kFp8LinesPerWarp = kFp8Block / kFp8Warps;  // 16 rows per warp
+constexpr int kFp8HalfRows = kFp8Block / 2;              // a column-wise thread's share of a column
+constexpr size_t kFp8TileSmem = sizeof(float) * kFp8Block * kFp8Block;
+static_assert(kFp8TileThreads == 2 * kFp8Block, "two threads per tile column");
 
 struct Fp8TileArgs {
   int64_t rows, cols, stride;
   bool two_d;
-  bool vector_ok;  // rows aligned for 4-element loads (16 bytes FP32, 8 bytes BF16)
+  bool vector_ok;      // rows aligned for 4-element loads (16 bytes FP32, 8 bytes BF16)
+  bool col_vector_ok;  // column-wise codes 16-byte aligned (R % 128 == 0 makes every row so)
   QuantizedView row, col;  // codes null = copy disabled
   AmaxArgs amax;           // targets: the enabled copies' amax
 };
@@ -52,23 +60,17 @@ struct Fp8TileArgs {
 // Four consecutive elements of row r from column c as FP32 (zeros outside the tensor): one 16-byte
 // (FP32) or 8-byte (BF16) load where the caller says the rows are aligned for it.
 template <class T>
-__device__ __forceinline__ void fp8_load4(const T* x, const Fp8TileArgs& a, int64_t r, int64_t c, float (&v)[4]) {
+__device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, int64_t r, int64_t c) {
   if (a.vector_ok && r < a.rows && c + 4 <= a.cols) {
     if constexpr (sizeof(T) == 2) {
       const uint2 u = __ldg(reinterpret_cast<const uint2*>(x + r * a.stride + c));
-      v[0] = bf16_to_f32(static_cast<uint16_t>(u.x & 0xFFFFu));
-      v[1] = bf16_to_f32(static_cast<uint16_t>(u.x >> 16));
-      v[2] = bf16_to_f32(static_cast<uint16_t>(u.y & 0xFFFFu));
-      v[3] = bf16_to_f32(static_cast<uint16_t>(u.y >> 16));
+      return make_float4(bf16_to_f32(static_cast<uint16_t>(u.x & 0xFFFFu)), bf16_to_f32(static_cast<uint16_t>(u.x >> 16)),
+                         bf16_to_f32(static_cast<uint16_t>(u.y & 0xFFFFu)), bf16_to_f32(static_cast<uint16_t>(u.y >> 16)));
     } else {
-      const float4 u = __ldg(reinterpret_cast<const float4*>(x + r * a.stride + c));
-      v[0] = u.x;
-      v[1] = u.y;
-      v[2] = u.z;
-      v[3] = u.w;
+      return __ldg(reinterpret_cast<const float4*>(x + r * a.stride + c));
     }
-    return;
   }
+  float v[4];
   for (int k = 0; k < 4; ++k) {
     float e = 0.0f;
     if (r < a.rows && c + k < a.cols) {
@@ -77,63 +79,91 @@ __device__ __forceinline__ void fp8_load4(const T* x, const Fp8TileArgs& a, int6
     }
     v[k] = e;
   }
+  return make_float4(v[0], v[1], v[2], v[3]);
 }
 
 template <class T>
 __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(const T* x, Fp8TileArgs a) {
-  extern __shared__ float tile[];  // [128][129]
+  extern __shared__ float4 tile4[];  // [128][32] float4 = [128][128] floats
+  const float* tile = reinterpret_cast<const float*>(tile4);
   __shared__ float warp_partial[kFp8Warps];
+  __shared__ float4 col_partial[kFp8Warps * kFp8Block / 4];  // [warp][128]: column maxima over a warp's rows
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kFp8Block, c0 = static_cast<int64_t>(blockIdx.x) * kFp8Block;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned full = 0xFFFFFFFFu;
-  // 1. load, tile, block maxima of the rows (lane i: the warp's i-th row, tile row warp + 8 i)
-  float m = 0.0f, row_max = 0.0f;
+  // 1. load, tile, block maxima of the rows (lane i: the warp's i-th row, tile row warp + 8 i).
+  // An FP32 tile wholly inside an aligned tensor goes straight to shared memory (cp.async: the
+  // warp's 16 rows, 8 KB, in flight at once and no registers held), then is read back; otherwise
+  // through registers, four rows' loads issued before any is used.
+  bool async_tile = false;
+  if constexpr (sizeof(T) == 4)
+    async_tile = a.vector_ok && r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols;  // (CTA-uniform)
+  if (async_tile) {
+    FP4SIM_UNROLL
+    for (int i = 0; i < kFp8LinesPerWarp; ++i) {
+      const int tr = warp + kFp8Warps * i;
+      const T* src = x + (r0 + tr) * a.stride + c0 + 4 * lane;
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(tile4 + tr * (kFp8Block / 4) + lane));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  }
+  float row_max = 0.0f;
+  float4 col_max = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // columns 4 lane .. 4 lane + 3 over the warp's rows
   constexpr int kGroup = 4;  // rows whose loads are issued before any is used (memory parallelism)
 #pragma unroll 1
   for (int g = 0; g < kFp8LinesPerWarp / kGroup; ++g) {
-    float v[kGroup][4];
+    float4 v[kGroup];
     FP4SIM_UNROLL
-    for (int u = 0; u < kGroup; ++u)
-      fp8_load4(x, a, r0 + warp + kFp8Warps * (g * kGroup + u), c0 + 4 * lane, v[u]);
+    for (int u = 0; u < kGroup; ++u) {
+      const int tr = warp + kFp8Warps * (g * kGroup + u);
+      v[u] = async_tile ? tile4[tr * (kFp8Block / 4) + lane] : fp8_load4(x, a, r0 + tr, c0 + 4 * lane);
+    }
     FP4SIM_UNROLL
     for (int u = 0; u < kGroup; ++u) {
       const int i = g * kGroup + u, tr = warp + kFp8Warps * i;
-      float mb = 0.0f;
-      FP4SIM_UNROLL
-      for (int k = 0; k < 4; ++k) {
-        mb = fmax_nan_ignored(mb, f32_abs(v[u][k]));
-        tile[tr * kFp8TilePitch + 4 * lane + k] = v[u][k];
-      }
-      m = fmax_nan_ignored(m, mb);
+      if (!async_tile) tile4[tr * (kFp8Block / 4) + lane] = v[u];
+      const float4 av = make_float4(f32_abs(v[u].x), f32_abs(v[u].y), f32_abs(v[u].z), f32_abs(v[u].w));
+      col_max = make_float4(fmax_nan_ignored(col_max.x, av.x), fmax_nan_ignored(col_max.y, av.y),
+                            fmax_nan_ignored(col_max.z, av.z), fmax_nan_ignored(col_max.w, av.w));
       if (!a.two_d) {
-        mb = warp_max(mb);
+        // (from +0, as the emulator's block max: an all-NaN block has max +0, not NaN)
+        const float mb = warp_max(fmax_nan_ignored(0.0f, fmax_nan_ignored(fmax_nan_ignored(av.x, av.y), fmax_nan_ignored(av.z, av.w))));
         if (lane == i) row_max = mb;
       }
     }
   }
-  m = warp_max(m);
+  col_partial[warp * (kFp8Block / 4) + lane] = col_max;
+  const float m = warp_max(fmax_nan_ignored(fmax_nan_ignored(col_max.x, col_max.y), fmax_nan_ignored(col_max.z, col_max.w)));
   if (lane == 0) warp_partial[warp] = m;
   __syncthreads();
   float tile_amax = 0.0f;
   for (int w = 0; w < kFp8Warps; ++w) tile_amax = fmax_nan_ignored(tile_amax, warp_partial[w]);
   if (threadIdx.x == 0) amax_commit(tile_amax, 0.0f, a.amax);
   const float enc_tile = a.two_d ? fp8_block_encode_scale(tile_amax) : 0.0f;
+  const int tc = threadIdx.x % kFp8Block, half = threadIdx.x / kFp8Block;
+  const float* my_col = tile + half * kFp8HalfRows * kFp8Block + tc;
 
-  // 2. row-wise copy: rows r0.. of the input, written at (r, c0 + 4 lane ..)
+  // 3. row-wise copy: rows r0.. of the input, written at (r, c0 + 4 lane ..)
   if (a.row.codes) {
     float* scales = reinterpret_cast<float*>(a.row.scales);
     const int64_t kb = a.cols / kFp8Block;
     const float enc_mine = a.two_d ? enc_tile : fp8_block_encode_scale(row_max);
     const int64_t r_mine = r0 + warp + kFp8Warps * lane;
-    if (lane < kFp8LinesPerWarp && r_mine < a.rows) scales[r_mine * kb + c0 / kFp8Block] = fp8_block_decode_scale(enc_mine);
+    if (lane < kFp8LinesPerWarp && r_mine < a.rows) {
+      const float s = fp8_block_decode_scale(enc_mine);
+      scales[r_mine * kb + c0 / kFp8Block] = s;
+      if (a.row.scales_gemm) a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r_mine] = s;
+    }
 #pragma unroll 2
     for (int i = 0; i < kFp8LinesPerWarp; ++i) {
       const int tr = warp + kFp8Warps * i;
       const int64_t r = r0 + tr, c = c0 + 4 * lane;
       if (r >= a.rows) break;  // (warp-uniform)
       const float enc = __shfl_sync(full, enc_mine, i);
-      const float* t = tile + tr * kFp8TilePitch + 4 * lane;
-      const uint32_t packed = fp8_quantize_pair(t[0], t[1], enc) | (fp8_quantize_pair(t[2], t[3], enc) << 16);
+      const float4 t = tile4[tr * (kFp8Block / 4) + lane];
+      const uint32_t packed = fp8_quantize_pair(t.x, t.y, enc) | (fp8_quantize_pair(t.z, t.w, enc) << 16);
       uint8_t* dst = a.row.codes + r * a.cols + c;
       if (c + 4 <= a.cols) {
         *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
@@ -142,39 +172,36 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
       }
     }
   }
-  // 3. column-wise copy: tile column tc = warp + 8 i (lane i keeps its block max)
+  // 4. column-wise copy: this thread's half of tile column tc, 64 codes as four 16-byte stores
   if (a.col.codes) {
-    float* scales = reinterpret_cast<float*>(a.col.scales);
-    float col_max = 0.0f;
+    const int64_t cc = c0 + tc;
+    if (cc >= a.cols) return;  // past the last column the tile holds zeros
+    float cm = 0.0f;
     if (!a.two_d) {
-#pragma unroll 2
-      for (int i = 0; i < kFp8LinesPerWarp; ++i) {
-        const int tc = warp + kFp8Warps * i;
-        float mb = 0.0f;
-        FP4SIM_UNROLL
-        for (int j = 0; j < kFp8Block / 32; ++j) mb = fmax_nan_ignored(mb, f32_abs(tile[(lane + 32 * j) * kFp8TilePitch + tc]));
-        mb = warp_max(mb);
-        if (lane == i) col_max = mb;
-      }
+      const float* part = reinterpret_cast<const float*>(col_partial) + tc;
+      FP4SIM_UNROLL
+      for (int w = 0; w < kFp8Warps; ++w) cm = fmax_nan_ignored(cm, part[w * kFp8Block]);
     }
-    const float enc_mine = a.two_d ? enc_tile : fp8_block_encode_scale(col_max);
-    const int64_t cc_mine = c0 + warp + kFp8Warps * lane;
-    if (lane < kFp8LinesPerWarp && cc_mine < a.cols)
-      scales[cc_mine * (a.rows / kFp8Block) + r0 / kFp8Block] = fp8_block_decode_scale(enc_mine);
-#pragma unroll 2
-    for (int i = 0; i < kFp8LinesPerWarp; ++i) {
-      const int tc = warp + kFp8Warps * i;
-      const int64_t cc = c0 + tc;
-      if (cc >= a.cols) break;  // (warp-uniform; past the last column the tile holds zeros)
-      const float enc = __shfl_sync(full, enc_mine, i);
-      const float* t = tile + lane * kFp8TilePitch + tc;
-      const uint32_t p01 = fp8_quantize_pair(t[0], t[32 * kFp8TilePitch], enc);
-      const uint32_t p23 = fp8_quantize_pair(t[64 * kFp8TilePitch], t[96 * kFp8TilePitch], enc);
-      uint8_t* dst = a.col.codes + cc * a.rows + r0 + lane;
-      dst[0] = static_cast<uint8_t>(p01);
-      dst[32] = static_cast<uint8_t>(p01 >> 8);
-      dst[64] = static_cast<uint8_t>(p23);
-      dst[96] = static_cast<uint8_t>(p23 >> 8);
+    const float enc = a.two_d ? enc_tile : fp8_block_encode_scale(cm);
+    if (half == 0) {
+      const float s = fp8_block_decode_scale(enc);
+      reinterpret_cast<float*>(a.col.scales)[cc * (a.rows / kFp8Block) + r0 / kFp8Block] = s;
+      if (a.col.scales_gemm) a.col.scales_gemm[(r0 / kFp8Block) * a.cols + cc] = s;
+    }
+    uint8_t* dst = a.col.codes + cc * a.rows + r0 + half * kFp8HalfRows;
+#pragma unroll 1
+    for (int q = 0; q < kFp8HalfRows / 16; ++q) {
+      uint32_t w[4];
+      FP4SIM_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        const float* e = my_col + (16 * q + 4 * k) * kFp8Block;
+        w[k] = fp8_quantize_pair(e[0], e[kFp8Block], enc) | (fp8_quantize_pair(e[2 * kFp8Block], e[3 * kFp8Block], enc) << 16);
+      }
+      if (a.col_vector_ok) {
+        reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[0], w[1], w[2], w[3]);
+      } else {
+        for (int k = 0; k < 16; ++k) dst[16 * q + k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
+      }
     }
   }
 }
@@ -240,6 +267,7 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
                 (a.stride * (x.dtype == DType::F32 ? 4 : 2)) % vec_bytes == 0;
   if (cfg.rowwise.enabled) a.row = *rowwise;
   if (cfg.columnwise.enabled) a.col = *columnwise;
+  a.col_vector_ok = cfg.columnwise.enabled && reinterpret_cast<uintptr_t>(columnwise->codes) % 16 == 0;
   if (!cfg.rowwise.enabled) a.row.codes = nullptr;
   if (!cfg.columnwise.enabled) a.col.codes = nullptr;
   // the copies' amax is the input's (no transform): reduced once, written to both

@@ -350,11 +350,18 @@ void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Q
                                 ": cuBLASLt's block-scaled FP8 needs the rows of A and B to be multiples of 8 "
                                 "and K a multiple of 128; use --gemm exact");
   const int64_t kb = K / kFp8Block;
-  auto* sa = st.a_tiled.get<float>(static_cast<size_t>(M * kb), stream);
-  auto* sb = st.b_tiled.get<float>(static_cast<size_t>(N * kb), stream);
-  fp8_scales_to_vec128_kernel<<<grid_for((M + N) * kb), 256, 0, stream>>>(
-      reinterpret_cast<const float*>(a.scales), M, kb, sa, reinterpret_cast<const float*>(b.scales), N, sb);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  // the scales in cuBLASLt's layout: as the quantizer wrote them (scales_gemm), else re-laid here
+  const float* sa = a.scales_gemm;
+  const float* sb = b.scales_gemm;
+  if (!sa || !sb) {
+    float* ta = st.a_tiled.get<float>(static_cast<size_t>(M * kb), stream);
+    float* tb = st.b_tiled.get<float>(static_cast<size_t>(N * kb), stream);
+    fp8_scales_to_vec128_kernel<<<grid_for((M + N) * kb), 256, 0, stream>>>(
+        reinterpret_cast<const float*>(a.scales), M, kb, ta, reinterpret_cast<const float*>(b.scales), N, tb);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    sa = ta;
+    sb = tb;
+  }
   GemmPlan& p = plan_for(st, PlanKind::Fp8Vec128, M, N, K);
   auto* scalars = st.scalars.get<float>(2, stream);
   if (!p.host_scalars) {  // (with host scalars the plan reads alpha and beta from the host)

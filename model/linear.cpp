@@ -46,7 +46,8 @@ LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& 
   return r;
 }
 
-QuantizedCopy::QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos, bool with_decoded) {
+QuantizedCopy::QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos, bool with_decoded,
+                             bool with_scales_gemm) {
   view.rows = rows;
   view.cols = cols;
   view.format = f;
@@ -61,6 +62,10 @@ QuantizedCopy::QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f,
   if (with_decoded) {
     decoded = BackendBuffer(be, static_cast<size_t>(rows * cols) * sizeof(uint16_t));
     view.decoded_bf16 = decoded.as<uint16_t>();
+  }
+  if (with_scales_gemm) {
+    scales_gemm = BackendBuffer(be, static_cast<size_t>(view.scale_bytes()));
+    view.scales_gemm = scales_gemm.as<float>();
   }
 }
 
@@ -86,6 +91,12 @@ struct CopyRequest {
 // Whether copy q gets a decoded BF16 buffer: a transient FP4 copy on a backend that reads one.
 bool wants_decoded(Backend& be, const LinearRecipe& r, const CopyRequest& q) {
   return q.transient && *q.format != "fp8" && be.decodes_for_gemm(r.impl);
+}
+
+// Whether copy q gets its scales also in the GEMM's layout: an FP8 copy (saved or not) on a backend
+// whose GEMM reads them (Backend::fp8_scales_for_gemm).
+bool wants_scales_gemm(Backend& be, const LinearRecipe& r, const CopyRequest& q) {
+  return *q.format == "fp8" && be.fp8_scales_for_gemm(r.impl);
 }
 
 // The quantizer configuration of one requested copy (only that copy enabled).
@@ -128,7 +139,7 @@ std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r,
   const CopySpec& spec = q.columnwise ? qc.columnwise : qc.rowwise;
   const TensorView tv = copy_input(be, x, rows, cols, name);
   auto c = std::make_unique<QuantizedCopy>(be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format,
-                                   spec.four_over_six, wants_decoded(be, r, q));
+                                   spec.four_over_six, wants_decoded(be, r, q), wants_scales_gemm(be, r, q));
   be.quantize(tv, qc, q.columnwise ? nullptr : &c->view, q.columnwise ? &c->view : nullptr);
   return c;
 }
@@ -152,9 +163,9 @@ std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quanti
   qc.columnwise = cc.columnwise;
   const TensorView tv = copy_input(be, x, rows, cols, name);
   auto row = std::make_unique<QuantizedCopy>(be, rows, cols, qc.format, qc.rowwise.four_over_six,
-                                             wants_decoded(be, r, row_q));
+                                             wants_decoded(be, r, row_q), wants_scales_gemm(be, r, row_q));
   auto col = std::make_unique<QuantizedCopy>(be, cols, rows, qc.format, qc.columnwise.four_over_six,
-                                             wants_decoded(be, r, col_q));
+                                             wants_decoded(be, r, col_q), wants_scales_gemm(be, r, col_q));
   be.quantize(tv, qc, &row->view, &col->view);
   return {std::move(row), std::move(col)};
 }

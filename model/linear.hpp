@@ -74,9 +74,11 @@ struct QuantStat {
 struct QuantizedCopy {
   BackendBuffer codes, scales, amax;
   QuantizedView view;
-  BackendBuffer decoded;  // the view's decoded_bf16, when asked for (empty otherwise)
-  QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos, bool with_decoded = false);
-  size_t bytes() const { return codes.bytes() + scales.bytes() + amax.bytes() + decoded.bytes(); }
+  BackendBuffer decoded;      // the view's decoded_bf16, when asked for (empty otherwise)
+  BackendBuffer scales_gemm;  // the view's scales_gemm (FP8), when asked for (empty otherwise)
+  QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos, bool with_decoded = false,
+                bool with_scales_gemm = false);
+  size_t bytes() const { return codes.bytes() + scales.bytes() + amax.bytes() + decoded.bytes() + scales_gemm.bytes(); }
 };
 
 // stats: when non-null, the row-wise (non-RHT) copies made here append their statistics (computed

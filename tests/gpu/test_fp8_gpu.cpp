@@ -115,6 +115,92 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
   std::printf("[fp8-gpu] %d quantizations bitwise identical (codes, scales, amax, dequant)\n", checked);
 }
 
+// The scales a copy also gets in cuBLASLt's layout (QuantizedView::scales_gemm, [k-block][row]),
+// written by the quantizer itself for both copies and both block shapes: the same bits as its
+// row-major scales, re-laid; and the cuBLASLt FP8 GEMM reading them gives the same D, bit for bit,
+// as the one that re-lays the row-major scales itself. The emulator refuses such a view.
+TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  auto cuda = make_backend("cuda");
+  auto emu = make_backend("emu");
+  const int64_t R = 256, C = 384;
+  for (bool two_d : {false, true}) {
+    std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(R * C), 21);
+    BackendBuffer xb(*cuda, x.size() * 4);
+    cuda->upload(xb.get(), x.data(), x.size() * 4);
+    TensorView xv;
+    xv.data = xb.get();
+    xv.rows = R;
+    xv.cols = C;
+    xv.device = Device::Cuda;
+    xv.name = "x";
+    QuantizeConfig qc;
+    qc.format = QFormat::FP8;
+    qc.block_2d = two_d;
+    qc.rowwise.enabled = qc.columnwise.enabled = true;
+    struct Copy {
+      QuantizedBuffers buf;
+      BackendBuffer sg;
+    };
+    auto make = [&](int64_t rows, int64_t cols) {
+      QuantizedHost h;
+      h.rows = rows;
+      h.cols = cols;
+      h.format = QFormat::FP8;
+      h.codes.assign(static_cast<size_t>(rows * cols), 0);
+      h.scales.assign(static_cast<size_t>(rows * (cols / kFp8Block)) * 4, 0);
+      Copy c{QuantizedBuffers(*cuda, h), BackendBuffer(*cuda, static_cast<size_t>(rows * (cols / kFp8Block)) * 4)};
+      c.buf.view.scales_gemm = c.sg.as<float>();
+      return c;
+    };
+    Copy row = make(R, C), col = make(C, R);
+    cuda->quantize(xv, qc, &row.buf.view, &col.buf.view);
+    cuda->synchronize();
+    for (Copy* c : {&row, &col}) {
+      const QuantizedView& v = c->buf.view;
+      const int64_t kb = v.cols / kFp8Block;
+      std::vector<uint32_t> s(static_cast<size_t>(v.rows * kb)), t(s.size());
+      cuda->download(s.data(), v.scales, s.size() * 4);
+      cuda->download(t.data(), v.scales_gemm, t.size() * 4);
+      for (int64_t r = 0; r < v.rows; ++r)
+        for (int64_t b = 0; b < kb; ++b)
+          ASSERT_EQ(t[static_cast<size_t>(b * v.rows + r)], s[static_cast<size_t>(r * kb + b)])
+              << (two_d ? "2d " : "1d ") << (c == &row ? "row-wise" : "column-wise") << " scale (" << r << ", " << b << ")";
+    }
+    // D = x . x^T's row-wise copy against itself (M = N = 256, K = 384), with and without them
+    GemmConfig cfg;
+    cfg.impl = GemmImpl::CublasLt;
+    BackendBuffer d(*cuda, static_cast<size_t>(R * R) * 4);
+    TensorView dv;
+    dv.data = d.get();
+    dv.rows = dv.cols = R;
+    dv.device = Device::Cuda;
+    std::vector<uint32_t> with(static_cast<size_t>(R * R)), without(with.size());
+    cuda->gemm(row.buf.view, row.buf.view, nullptr, cfg, dv);
+    cuda->download(with.data(), d.get(), with.size() * 4);
+    QuantizedView plain = row.buf.view;
+    plain.scales_gemm = nullptr;
+    cuda->gemm(plain, plain, nullptr, cfg, dv);
+    cuda->download(without.data(), d.get(), without.size() * 4);
+    EXPECT_EQ(with, without) << (two_d ? "2d" : "1d") << ": cuBLASLt D with the quantizer's GEMM-layout scales";
+  }
+  // the emulator writes no GEMM-layout scales and says so
+  std::vector<float> x = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(R * C), 22);
+  QuantizeConfig qc;
+  qc.format = QFormat::FP8;
+  qc.rowwise.enabled = true;
+  QuantizedHost h;
+  h.rows = R;
+  h.cols = C;
+  h.format = QFormat::FP8;
+  h.codes.assign(static_cast<size_t>(R * C), 0);
+  h.scales.assign(static_cast<size_t>(R * (C / kFp8Block)) * 4, 0);
+  std::vector<float> sg(static_cast<size_t>(R * (C / kFp8Block)));
+  QuantizedView v = h.view();
+  v.scales_gemm = sg.data();
+  EXPECT_THROW(emu->quantize(host_view(x.data(), R, C), qc, &v, nullptr), std::invalid_argument);
+}
+
 TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
