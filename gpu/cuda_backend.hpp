@@ -160,6 +160,11 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
 // validation/perf.md has the measurements. Results are identical; only speed differs.
 constexpr int kGemmExactDefaultVariant = 7;
 void set_gemm_exact_variant(int variant);
+// Benchmark knob: which of the cuBLASLt heuristic's algorithms a GEMM plan built from now on uses
+// (0, the default: its first; up to kMaxHeuristicPick). A plan fails where the list is shorter.
+// Results may differ in the last bits (cuBLASLt's order of summation); speed differs.
+constexpr int kMaxHeuristicPick = 15;
+void set_cublaslt_heuristic_pick(int index);
 // Test knob: the cross-entropy kernel caches a row of logits in shared memory where it fits (the
 // default) or reads them from memory in every pass. Results are identical; only speed differs.
 void set_crossentropy_cached(bool on);

@@ -19,34 +19,35 @@ namespace {
 
 // Both copies in one pass over a 128 x 128 input tile in shared memory (FP32, rows of 128 floats,
 // unpadded: every shared-memory access below is either a warp's 512 contiguous bytes or 32
-// consecutive words of one row, so none has a bank conflict), 256 threads = 8 warps:
-//  1. load: warp w takes tile rows w, w + 8, ..., w + 120; lane l reads elements 4l..4l+3 of each
-//     (coalesced 16-byte loads; an FP32 tile inside the tensor by cp.async, all 16 rows in flight,
+// consecutive words of one row, so none has a bank conflict), 512 threads = 16 warps:
+//  1. load: warp w takes tile rows w, w + 16, ..., w + 112; lane l reads elements 4l..4l+3 of each
+//     (coalesced 16-byte loads; an FP32 tile inside the tensor by cp.async, all 8 rows in flight,
 //     else four rows in flight through registers), stores them as one 16-byte word and
 //     takes each row's block max by shuffles, lane i keeping the warp's i-th row's, and its four
-//     columns' maxima over the warp's rows (the eight warps' partial maxima meet in shared
-//     memory); the tile's NaN-ignoring max |x| goes to the global amax of both copies
+//     columns' maxima over the warp's rows (the warps' partial maxima meet in shared memory); the tile's NaN-ignoring max |x| goes to the global amax of both copies
 //     (amax_commit: the backend's self-resetting workspace);
-//  2. (the column maxima: thread t takes the eight partials of tile column t % 128);
-//  3. row-wise copy: lanes 0..15 each turn one row's block max into its scale (the division and
+//  2. (the column maxima: thread t takes the sixteen partials of tile column t % 128);
+//  3. row-wise copy: lanes 0..7 each turn one row's block max into its scale (the division and
 //     the stored 1/enc once per row); then per row, enc from lane i by a shuffle, the lane's four
 //     codes (two pair conversions) as one 4-byte store;
 //  4. column-wise copy (input column c0 + tc is written as row c0 + tc, its elements r0.. at columns
-//     r0..): thread t quantizes its half column, tile rows 64 (t / 128) .. + 63 (a warp reads 32
-//     consecutive words of a row at a time), and writes its 64 codes as four 16-byte stores;
-//     the half-0 thread writes the column's scale.
+//     r0..): thread t quantizes a quarter column, tile rows 32 (t / 128) .. + 31 (a warp reads 32
+//     consecutive words of a row at a time), and writes its 32 codes (one 32-byte sector) as two
+//     16-byte stores; the thread of the first quarter writes the column's scale.
 // Where a copy's scales_gemm is set, each scale is also written there, [k-block][written row].
 // A 128x128 tile (2D) uses the tile's amax for every block of both copies. Codes and scales are
 // the emulator's functions (fp8_block_encode_scale, fp8_block_decode_scale, fp8_quantize_pair),
 // so the bits are the emulator's. Rows past R read as zeros and are not written (the row-wise
 // 1x128 copy allows any R; the column-wise copy needs R % 128 == 0, which the host checks, as it
 // checks the dimensions each copy blocks along).
-constexpr int kFp8TileThreads = 256;
+constexpr int kFp8TileThreads = 512;
 constexpr int kFp8Warps = kFp8TileThreads / 32;
-constexpr int kFp8LinesPerWarp = kFp8Block / kFp8Warps;  // 16 rows per warp
-constexpr int kFp8HalfRows = kFp8Block / 2;              // a column-wise thread's share of a column
+constexpr int kFp8LinesPerWarp = kFp8Block / kFp8Warps;   // tile rows per warp
+constexpr int kFp8ColParts = kFp8TileThreads / kFp8Block;  // threads per tile column (column-wise copy)
+constexpr int kFp8PartRows = kFp8Block / kFp8ColParts;     // a column-wise thread's share of its column
 constexpr size_t kFp8TileSmem = sizeof(float) * kFp8Block * kFp8Block;
-static_assert(kFp8TileThreads == 2 * kFp8Block, "two threads per tile column");
+static_assert(kFp8TileThreads % kFp8Block == 0 && kFp8PartRows % 16 == 0 && kFp8LinesPerWarp <= 32,
+              "whole tile columns per thread group, 16-byte column stores, a scale per lane");
 
 struct Fp8TileArgs {
   int64_t rows, cols, stride;
@@ -83,7 +84,7 @@ __device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, in
 }
 
 template <class T>
-__global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(const T* x, Fp8TileArgs a) {
+__global__ void __launch_bounds__(kFp8TileThreads, 3) fp8_quantize_tile_kernel(const T* x, Fp8TileArgs a) {
   extern __shared__ float4 tile4[];  // [128][32] float4 = [128][128] floats
   const float* tile = reinterpret_cast<const float*>(tile4);
   __shared__ float warp_partial[kFp8Warps];
@@ -91,10 +92,23 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kFp8Block, c0 = static_cast<int64_t>(blockIdx.x) * kFp8Block;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned full = 0xFFFFFFFFu;
-  // 1. load, tile, block maxima of the rows (lane i: the warp's i-th row, tile row warp + 8 i).
+  // 1. load, tile, block maxima of the rows (lane i: the warp's i-th row, tile row warp + 16 i).
   // An FP32 tile wholly inside an aligned tensor goes straight to shared memory (cp.async: the
-  // warp's 16 rows, 8 KB, in flight at once and no registers held), then is read back; otherwise
+  // warp's 8 rows, 4 KB, in flight at once and no registers held), then is read back; otherwise
   // through registers, four rows' loads issued before any is used.
+  float row_max = 0.0f;
+  float4 col_max = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // columns 4 lane .. 4 lane + 3 over the warp's rows
+  // the warp's i-th row, lane's four values v: into the column maxima and (lane i) the row's max
+  auto take_row = [&](int i, const float4& v) {
+    const float4 av = make_float4(f32_abs(v.x), f32_abs(v.y), f32_abs(v.z), f32_abs(v.w));
+    col_max = make_float4(fmax_nan_ignored(col_max.x, av.x), fmax_nan_ignored(col_max.y, av.y),
+                          fmax_nan_ignored(col_max.z, av.z), fmax_nan_ignored(col_max.w, av.w));
+    if (!a.two_d) {
+      // (from +0, as the emulator's block max: an all-NaN block has max +0, not NaN)
+      const float mb = warp_max(fmax_nan_ignored(0.0f, fmax_nan_ignored(fmax_nan_ignored(av.x, av.y), fmax_nan_ignored(av.z, av.w))));
+      if (lane == i) row_max = mb;
+    }
+  };
   bool async_tile = false;
   if constexpr (sizeof(T) == 4)
     async_tile = a.vector_ok && r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols;  // (CTA-uniform)
@@ -108,29 +122,19 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-  }
-  float row_max = 0.0f;
-  float4 col_max = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // columns 4 lane .. 4 lane + 3 over the warp's rows
-  constexpr int kGroup = 4;  // rows whose loads are issued before any is used (memory parallelism)
+    FP4SIM_UNROLL
+    for (int i = 0; i < kFp8LinesPerWarp; ++i) take_row(i, tile4[(warp + kFp8Warps * i) * (kFp8Block / 4) + lane]);
+  } else {
+    constexpr int kGroup = 4;  // rows whose loads are issued before any is used (memory parallelism)
 #pragma unroll 1
-  for (int g = 0; g < kFp8LinesPerWarp / kGroup; ++g) {
-    float4 v[kGroup];
-    FP4SIM_UNROLL
-    for (int u = 0; u < kGroup; ++u) {
-      const int tr = warp + kFp8Warps * (g * kGroup + u);
-      v[u] = async_tile ? tile4[tr * (kFp8Block / 4) + lane] : fp8_load4(x, a, r0 + tr, c0 + 4 * lane);
-    }
-    FP4SIM_UNROLL
-    for (int u = 0; u < kGroup; ++u) {
-      const int i = g * kGroup + u, tr = warp + kFp8Warps * i;
-      if (!async_tile) tile4[tr * (kFp8Block / 4) + lane] = v[u];
-      const float4 av = make_float4(f32_abs(v[u].x), f32_abs(v[u].y), f32_abs(v[u].z), f32_abs(v[u].w));
-      col_max = make_float4(fmax_nan_ignored(col_max.x, av.x), fmax_nan_ignored(col_max.y, av.y),
-                            fmax_nan_ignored(col_max.z, av.z), fmax_nan_ignored(col_max.w, av.w));
-      if (!a.two_d) {
-        // (from +0, as the emulator's block max: an all-NaN block has max +0, not NaN)
-        const float mb = warp_max(fmax_nan_ignored(0.0f, fmax_nan_ignored(fmax_nan_ignored(av.x, av.y), fmax_nan_ignored(av.z, av.w))));
-        if (lane == i) row_max = mb;
+    for (int g = 0; g < kFp8LinesPerWarp / kGroup; ++g) {
+      float4 v[kGroup];
+      FP4SIM_UNROLL
+      for (int u = 0; u < kGroup; ++u) v[u] = fp8_load4(x, a, r0 + warp + kFp8Warps * (g * kGroup + u), c0 + 4 * lane);
+      FP4SIM_UNROLL
+      for (int u = 0; u < kGroup; ++u) {
+        tile4[(warp + kFp8Warps * (g * kGroup + u)) * (kFp8Block / 4) + lane] = v[u];
+        take_row(g * kGroup + u, v[u]);
       }
     }
   }
@@ -142,8 +146,8 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
   for (int w = 0; w < kFp8Warps; ++w) tile_amax = fmax_nan_ignored(tile_amax, warp_partial[w]);
   if (threadIdx.x == 0) amax_commit(tile_amax, 0.0f, a.amax);
   const float enc_tile = a.two_d ? fp8_block_encode_scale(tile_amax) : 0.0f;
-  const int tc = threadIdx.x % kFp8Block, half = threadIdx.x / kFp8Block;
-  const float* my_col = tile + half * kFp8HalfRows * kFp8Block + tc;
+  const int tc = threadIdx.x % kFp8Block, part = threadIdx.x / kFp8Block;
+  const float* my_col = tile + part * kFp8PartRows * kFp8Block + tc;
 
   // 3. row-wise copy: rows r0.. of the input, written at (r, c0 + 4 lane ..)
   if (a.row.codes) {
@@ -156,7 +160,7 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
       scales[r_mine * kb + c0 / kFp8Block] = s;
       if (a.row.scales_gemm) a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r_mine] = s;
     }
-#pragma unroll 2
+    FP4SIM_UNROLL
     for (int i = 0; i < kFp8LinesPerWarp; ++i) {
       const int tr = warp + kFp8Warps * i;
       const int64_t r = r0 + tr, c = c0 + 4 * lane;
@@ -172,7 +176,7 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
       }
     }
   }
-  // 4. column-wise copy: this thread's half of tile column tc, 64 codes as four 16-byte stores
+  // 4. column-wise copy: this thread's part of tile column tc, its codes as 16-byte stores
   if (a.col.codes) {
     const int64_t cc = c0 + tc;
     if (cc >= a.cols) return;  // past the last column the tile holds zeros
@@ -183,14 +187,14 @@ __global__ void __launch_bounds__(kFp8TileThreads) fp8_quantize_tile_kernel(cons
       for (int w = 0; w < kFp8Warps; ++w) cm = fmax_nan_ignored(cm, part[w * kFp8Block]);
     }
     const float enc = a.two_d ? enc_tile : fp8_block_encode_scale(cm);
-    if (half == 0) {
+    if (part == 0) {
       const float s = fp8_block_decode_scale(enc);
       reinterpret_cast<float*>(a.col.scales)[cc * (a.rows / kFp8Block) + r0 / kFp8Block] = s;
       if (a.col.scales_gemm) a.col.scales_gemm[(r0 / kFp8Block) * a.cols + cc] = s;
     }
-    uint8_t* dst = a.col.codes + cc * a.rows + r0 + half * kFp8HalfRows;
-#pragma unroll 1
-    for (int q = 0; q < kFp8HalfRows / 16; ++q) {
+    uint8_t* dst = a.col.codes + cc * a.rows + r0 + part * kFp8PartRows;
+    FP4SIM_UNROLL
+    for (int q = 0; q < kFp8PartRows / 16; ++q) {
       uint32_t w[4];
       FP4SIM_UNROLL
       for (int k = 0; k < 4; ++k) {

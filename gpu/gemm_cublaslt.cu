@@ -14,6 +14,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -154,6 +155,30 @@ std::shared_ptr<CublasLtState> make_cublaslt_state() {
 
 namespace {
 
+int heuristic_pick = 0;  // set_cublaslt_heuristic_pick
+
+}  // namespace
+
+void set_cublaslt_heuristic_pick(int index) {
+  if (index < 0 || index > kMaxHeuristicPick)
+    throw std::invalid_argument("set_cublaslt_heuristic_pick: index " + std::to_string(index) + " is outside 0.." +
+                                std::to_string(kMaxHeuristicPick));
+  heuristic_pick = index;
+}
+
+namespace {
+
+// Where the heuristic's first block-scaled FP8 algorithm is measurably not its best: on Hopper, a
+// GEMM with K at least 4 max(M, N) and an output of at least 2^21 elements (gpt2-124m's MLP Wgrads,
+// 3072 x 768 and 768 x 3072 over K = 16384 tokens) ran its first algorithm (a 192x64 split-K
+// kernel) in 145 / 153 us and its second in 109 / 115 us; on the smaller Wgrads (2304 x 768,
+// 768 x 768) the first was the fastest of the list (H200, cuBLASLt 13.1, `bench_gemm
+// --benchmark_filter=GpuGemmFp8`, validation/perf.md). A fixed rule, not a timing at run time, so
+// that every run of a configuration multiplies with the same algorithm and gives the same bits.
+bool fp8_prefers_second_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K) {
+  return st.cc_major == 9 && K >= 4 * std::max(M, N) && M * N >= (int64_t{1} << 21);
+}
+
 // D_rm [M, N] = alpha * A_rm [M, K] * B_rm [N, K]^T + beta * C_rm: in cuBLASLt's column-major
 // terms D^T (N x M) = op(B^T as K x N, transposed) * (A^T as K x M): "TN", lda = ldb = K, ldd = N.
 // (TN is also the only FP8 layout Hopper's FP8 kernels take.) Builds the descriptors for `kind` and
@@ -205,15 +230,19 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &st.workspace_bytes, sizeof st.workspace_bytes));
-  cublasLtMatmulHeuristicResult_t heur{};
+  // the heuristic's first algorithm (a benchmark knob can ask for a later one of its list), except
+  // for the long-K FP8 GEMMs below
+  const int pick = heuristic_pick != 0 ? heuristic_pick : (fp8 && fp8_prefers_second_algo(st, M, N, K) ? 1 : 0);
+  cublasLtMatmulHeuristicResult_t heur[kMaxHeuristicPick + 1]{};
   int found = 0;
-  status = cublasLtMatmulAlgoGetHeuristic(st.handle, p.op, p.la, p.lb, p.lc, p.lc, pref, 1, &heur, &found);
+  status = cublasLtMatmulAlgoGetHeuristic(st.handle, p.op, p.la, p.lb, p.lc, p.lc, pref, pick + 1, heur, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
+  if (status != CUBLAS_STATUS_SUCCESS || found <= pick) {
+    if (status == CUBLAS_STATUS_SUCCESS) status = CUBLAS_STATUS_NOT_SUPPORTED;
     destroy_plan(p);
     return false;
   }
-  p.algo = heur.algo;
+  p.algo = heur[pick].algo;
   return true;
 }
 

@@ -4,6 +4,7 @@
 #include <benchmark/benchmark.h>
 
 #include <random>
+#include <string>
 #include <vector>
 
 #include "emu/backend.hpp"
@@ -241,6 +242,97 @@ void BM_GpuGemmScalarModes(benchmark::State& state) {
 }
 BENCHMARK(BM_GpuGemmScalarModes)
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}})
+    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+
+// The same twelve shapes through the FP8 recipe's GEMM (cuBLASLt block-scaled FP8, E4M3 codes,
+// 1x128 FP32 scales in cuBLASLt's layout as the quantizer writes them, host alpha/beta): how the
+// FP8 GEMMs compare with the BF16 ones above (BM_GpuGemmScalarModes mode 0, the BF16 recipe's
+// setting), and what beta 1 (the backward pass's +=) costs against beta 0 on the same shape.
+// range(0): shape index into kGpt2Shapes; range(1): 0 the shape's beta, 1 beta 0.
+void BM_GpuGemmFp8(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const Gpt2Shape& s = kGpt2Shapes[state.range(0)];
+  const float beta = state.range(1) == 0 ? s.beta : 0.0f;
+  const int pick = static_cast<int>(state.range(2));
+  state.SetLabel(std::string(s.name) + (beta != 0.0f ? " beta 1" : " beta 0") + " algo " + std::to_string(pick));
+  gpu::set_cublaslt_heuristic_pick(pick);
+  struct PickReset {
+    ~PickReset() { gpu::set_cublaslt_heuristic_pick(0); }
+  } pick_reset;
+  gpu::CudaBackend be;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  struct Operand {
+    BackendBuffer codes, scales, scales_gemm, amax;
+    QuantizedView q;
+  };
+  auto make = [&](int64_t rows, int64_t k) {
+    std::vector<float> h(static_cast<size_t>(rows * k));
+    for (auto& v : h) v = nd(rng);
+    BackendBuffer in(be, h.size() * 4);
+    be.upload(in.get(), h.data(), h.size() * 4);
+    TensorView tv;
+    tv.data = in.get();
+    tv.rows = rows;
+    tv.cols = k;
+    tv.device = Device::Cuda;
+    tv.name = s.name;
+    const size_t nscales = static_cast<size_t>(rows * (k / kFp8Block));
+    Operand o{BackendBuffer(be, h.size()), BackendBuffer(be, nscales * 4), BackendBuffer(be, nscales * 4),
+              BackendBuffer(be, 4), QuantizedView{}};
+    o.q.codes = o.codes.as<uint8_t>();
+    o.q.scales = o.scales.as<uint8_t>();
+    o.q.scales_gemm = o.scales_gemm.as<float>();
+    o.q.amax = o.amax.as<float>();
+    o.q.rows = rows;
+    o.q.cols = k;
+    o.q.format = QFormat::FP8;
+    o.q.device = Device::Cuda;
+    QuantizeConfig qc;
+    qc.format = QFormat::FP8;
+    qc.rowwise.enabled = true;
+    be.quantize(tv, qc, &o.q, nullptr);
+    be.synchronize();
+    return o;
+  };
+  Operand a = make(s.M, s.K), b = make(s.N, s.K);
+  BackendBuffer d(be, static_cast<size_t>(s.M * s.N) * 4);
+  be.zero(d.get(), static_cast<size_t>(s.M * s.N) * 4);
+  TensorView dv;
+  dv.data = d.get();
+  dv.rows = s.M;
+  dv.cols = s.N;
+  dv.device = Device::Cuda;
+  GemmConfig cfg;
+  cfg.impl = GemmImpl::CublasLt;
+  cfg.alpha = 0.5f;
+  cfg.beta = beta;
+  auto run = [&]() { be.gemm(a.q, b.q, beta != 0.0f ? &dv : nullptr, cfg, dv); };
+  GpuTimer timer;
+  try {
+    timer.ms(be.stream(), 3, run);
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+    return;
+  }
+  double ms = 0;
+  for (auto _ : state) {
+    ms = timer.ms(be.stream(), 20, run);
+    state.SetIterationTime(ms * 1e-3);
+  }
+  state.counters["us"] = ms * 1e3;
+  state.counters["TFLOPs"] = 2.0 * s.M * s.N * s.K / (ms * 1e-3) / 1e12;
+}
+BENCHMARK(BM_GpuGemmFp8)
+    ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {0}})
+    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+// The cuBLASLt heuristic's later algorithms on the Wgrad shapes (range(2): its list index; a
+// shape whose list is shorter reports an error instead of a time).
+BENCHMARK(BM_GpuGemmFp8)
+    ->ArgsProduct({{8, 9, 10, 11}, {0}, benchmark::CreateDenseRange(1, 7, 1)})
     ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 
 // Attention's batched BF16 GEMMs on the tensor cores (gpu/attention.cu), one gpt2-124m layer:

@@ -229,7 +229,8 @@ TEST(Fp8CublasLtGpu, Bf16OutputAndAlphaBetaWithinBound) {
 // so enc = 2^j exactly and the stored scale is 2^-j; its codes are 448 (A at the block's k = 0, B
 // at k = 1) and small integers in [-2, 2] elsewhere. A block's code products are integers below
 // 2 * 448 * 2 + 126 * 4 = 2296 < 2^12 (exact on the E8M13 grid and in any wgmma), the scaled sums
-// are multiples of 2^-5 (alpha 0.5 included) below 32 * 2296 < 2^17: 22 bits, exact in FP32. C holds
+// are multiples of 2^-5 (alpha 0.5 included) below 48 * 2296 < 2^17 for K <= 6144 (48 blocks): 22
+// bits, exact in FP32. C holds
 // small integers and beta = -2, so the epilogue is exact too. Any difference is a wrong scale,
 // operand, layout or epilogue, not rounding.
 std::vector<float> make_exact_input(int64_t rows, int64_t cols, int big_at, bool tiles, uint64_t seed) {
@@ -252,14 +253,17 @@ TEST(Fp8CublasLtGpu, ExactlyRepresentableBitwiseEqualsExact) {
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
   int checked = 0;
-  for (const Shape& sh : {Shape{128, 128, 512}, Shape{64, 256, 4096}, Shape{24, 128, 128}}) {
+  // (1536 x 1536 x 6144: a long-K GEMM for which the plan takes the heuristic's second algorithm,
+  // gpu/gemm_cublaslt.cu fp8_prefers_second_algo; 48 k-blocks keep every sum exact, see above)
+  for (const Shape& sh : {Shape{128, 128, 512}, Shape{64, 256, 4096}, Shape{24, 128, 128}, Shape{1536, 1536, 6144}}) {
+    const bool long_k = sh.K > 4096;
     for (bool b_tiles : {false, true}) {
       std::vector<float> xa = make_exact_input(sh.M, sh.K, 0, false, sh.M + sh.K);
       std::vector<float> xb = make_exact_input(sh.N, sh.K, 1, b_tiles, sh.N * 3 + sh.K);
       QuantizedHost a = quantize_fp8(*emu, xa, sh.M, sh.K, false), b = quantize_fp8(*emu, xb, sh.N, sh.K, b_tiles);
       std::vector<float> c(static_cast<size_t>(sh.M * sh.N));
       for (size_t i = 0; i < c.size(); ++i) c[i] = static_cast<float>(static_cast<int>(i * 7 % 17) - 8);
-      for (int variant = 0; variant < 3; ++variant) {
+      for (int variant = 0; variant < (long_k ? 2 : 3); ++variant) {
         GemmConfig cfg;
         if (variant >= 1) { cfg.alpha = 0.5f; cfg.beta = -2.0f; }
         if (variant == 2) cfg.out = GemmOut::BF16;
