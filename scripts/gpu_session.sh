@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run the GPU tests, the benchmarks and the oracles, print a
 # short table last. Full logs go to $OUT (or runs/gpu_session when $OUT is unset).
-# usage: scripts/gpu_session.sh [quick|train|recipes|profile|trainprofile|spot|oracles|gemm]
+# usage: scripts/gpu_session.sh [quick|train|recipes|profile|trainprofile|spot|oracles|gemm|picks]
 #   (default) build, GPU tests, benchmarks, crosscheck, PyTorch check, oracles, training speed
 #   quick     build + GPU tests (and the CPU tests, unless SKIP_EMU=1)
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
@@ -14,12 +14,20 @@
 #   spot      build + the tests matching TESTS (ctest regex) + one gpt2-124m run (RUNS) per recipe in
 #             RECIPES (default "bf16 fp8 nvfp4"): the cheapest check of a change (~2 minutes)
 #   oracles   build + issue 2's two independent oracles only, their agreement tables printed
+#   picks     build + every cuBLASLt heuristic algorithm (index 0..7) on the twelve gpt2-124m GEMM
+#             shapes of a layer, FP8 and BF16 (bench_gemm, ~3 minutes), tabled by
+#             validation/gemm_picks.py: where a plan's default (index 0) is not the fastest
 #   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
 #             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
 #             GEMM_FILTER narrows the benchmark, GEMM_NCU="6 7" profiles those variants with ncu)
 # Carry .deps (xtensor/xtl headers) and, for the corpus-based agreement tests, data (token files).
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
+case "${1:-}" in
+  ""|quick|train|recipes|profile|trainprofile|spot|oracles|gemm|picks) ;;
+  *) echo "gpu_session.sh: unknown mode '$1' (quick, train, recipes, profile, trainprofile, spot, oracles, gemm, picks, or none for all)" >&2
+     exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 # logs gather in runs/gpu_session and travel back as one archive (the device returns <= 8 files)
 out=runs/gpu_session
@@ -68,8 +76,15 @@ if [ "${1:-}" = "gemm" ]; then
   done
 fi
 
+if [ "${1:-}" = "picks" ]; then
+  build-gpu/bench_gemm --benchmark_filter='GpuGemmFp8/[0-9]+/0/|ScalarModes/[0-9]+/0/' --benchmark_format=csv \
+    >"$out/picks.csv" 2>"$out/picks.log"
+  python3 validation/gemm_picks.py "$out/picks.csv" | tee "$out/picks.txt"
+  row "heuristic picks (fp8, bf16)" "$(grep -cE '^(fp8|bf16)' "$out/picks.txt") shapes tabled, $(awk '$(NF-1) != 0' "$out/picks.txt" | grep -cE '^(fp8|bf16)') with a faster index"
+fi
+
 if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] \
-   && [ "${1:-}" != "profile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ]; then
+   && [ "${1:-}" != "profile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ] && [ "${1:-}" != "picks" ]; then
   ( cd build-gpu && ctest -L gpu --output-on-failure -j1 ) >"$out/ctest_gpu.log" 2>&1
   rc=$?
   grep -E "tests passed|bitwise identical|\[train-gpu\] worst|cublaslt-bound\] largest|Failed|FAILED" "$out/ctest_gpu.log"
@@ -197,7 +212,8 @@ if [ "${1:-}" = "profile" ]; then
   done
 fi
 if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] \
-   && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ]; then
+   && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ] \
+   && [ "${1:-}" != "picks" ]; then
   build-gpu/bench_quantize --benchmark_filter=Gpu --benchmark_repetitions=5 \
     --benchmark_report_aggregates_only=true --benchmark_out="$out/bench_quantize.json" \
     --benchmark_out_format=json >"$out/bench_quantize.txt" 2>&1

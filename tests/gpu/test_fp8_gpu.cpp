@@ -38,6 +38,17 @@ QuantizeResult quantize_on(Backend& be, std::vector<float>& x, int64_t rows, int
 
 using test::expect_same_quantized;
 
+// An all-zero FP8 copy of rows x cols on the host (the shape of a quantizer output).
+QuantizedHost zero_fp8_host(int64_t rows, int64_t cols) {
+  QuantizedHost h;
+  h.rows = rows;
+  h.cols = cols;
+  h.format = QFormat::FP8;
+  h.codes.assign(static_cast<size_t>(rows * cols), 0);
+  h.scales.assign(static_cast<size_t>(rows * (cols / kFp8Block)) * 4, 0);
+  return h;
+}
+
 TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
@@ -143,13 +154,8 @@ TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
       BackendBuffer sg;
     };
     auto make = [&](int64_t rows, int64_t cols) {
-      QuantizedHost h;
-      h.rows = rows;
-      h.cols = cols;
-      h.format = QFormat::FP8;
-      h.codes.assign(static_cast<size_t>(rows * cols), 0);
-      h.scales.assign(static_cast<size_t>(rows * (cols / kFp8Block)) * 4, 0);
-      Copy c{QuantizedBuffers(*cuda, h), BackendBuffer(*cuda, static_cast<size_t>(rows * (cols / kFp8Block)) * 4)};
+      Copy c{QuantizedBuffers(*cuda, zero_fp8_host(rows, cols)),
+             BackendBuffer(*cuda, static_cast<size_t>(rows * (cols / kFp8Block)) * 4)};
       c.buf.view.scales_gemm = c.sg.as<float>();
       return c;
     };
@@ -189,12 +195,7 @@ TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
   QuantizeConfig qc;
   qc.format = QFormat::FP8;
   qc.rowwise.enabled = true;
-  QuantizedHost h;
-  h.rows = R;
-  h.cols = C;
-  h.format = QFormat::FP8;
-  h.codes.assign(static_cast<size_t>(R * C), 0);
-  h.scales.assign(static_cast<size_t>(R * (C / kFp8Block)) * 4, 0);
+  QuantizedHost h = zero_fp8_host(R, C);
   std::vector<float> sg(static_cast<size_t>(R * (C / kFp8Block)));
   QuantizedView v = h.view();
   v.scales_gemm = sg.data();
