@@ -197,9 +197,9 @@ FP4SIM_HD uint32_t e4m3x2_rn_satfinite(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   uint16_t pair;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
-  // A NaN converts to S.1111.111 with either sign, and nothing else gives low bits 111 1111
-  // (satfinite stops at 0x7E): clear the sign bit of each byte whose low seven bits are all ones
-  // (adding 1 to them carries into bit 7 of that byte only), which leaves the contract's 0x7F.
+  // Only a NaN converts to low bits 111 1111 (satfinite stops at 0x7E). Should the instruction
+  // keep a NaN's sign (0xFF), clear the sign bit of each byte whose low seven bits are all ones
+  // (adding 1 to them carries into bit 7 of that byte only): every NaN ends as the contract's 0x7F.
   const uint32_t p = pair;
   static_assert(kE4M3NaN == 0x7F, "the NaN fix-up below assumes the NaN code 0x7F");
   return p & ~(((p & 0x7F7Fu) + 0x0101u) & 0x8080u);
