@@ -32,6 +32,8 @@ void bf16_gemm_tn_scalars(CublasLtState& st, Bf16Scalars mode, const uint16_t* a
 
 bool gpu_available();
 std::string describe_gpu();
+// The cuBLASLt library loaded at run time, "major.minor.patch" (cublasLtGetVersion).
+std::string cublaslt_version();
 
 class CudaBackend final : public Backend {
  public:

@@ -131,6 +131,7 @@ void destroy_plan(GemmPlan& p) {
 
 struct CublasLtState {
   int cc_major = 0;  // compute capability of the current device
+  size_t version = 0;  // cublasLtGetVersion(): major * 10000 + minor * 100 + patch
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 64u << 20;
@@ -149,6 +150,7 @@ std::shared_ptr<CublasLtState> make_cublaslt_state() {
   int dev = 0;
   FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
   FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&s->cc_major, cudaDevAttrComputeCapabilityMajor, dev));
+  s->version = cublasLtGetVersion();
   FP4SIM_CUDA_CHECK(cudaMalloc(&s->workspace, s->workspace_bytes));
   return s;
 }
@@ -158,6 +160,11 @@ namespace {
 int heuristic_pick = 0;  // set_cublaslt_heuristic_pick
 
 }  // namespace
+
+std::string cublaslt_version() {
+  const size_t v = cublasLtGetVersion();
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+}
 
 void set_cublaslt_heuristic_pick(int index) {
   if (index < 0 || index > kMaxHeuristicPick)
@@ -174,9 +181,11 @@ namespace {
 // kernel) in 145 / 153 us and its second in 109 / 115 us; on the smaller Wgrads (2304 x 768,
 // 768 x 768) the first was the fastest of the list (H200, cuBLASLt 13.1, `bench_gemm
 // --benchmark_filter=GpuGemmFp8`, validation/perf.md). A fixed rule, not a timing at run time, so
-// that every run of a configuration multiplies with the same algorithm and gives the same bits.
+// that every run of a configuration multiplies with the same algorithm and gives the same bits; it
+// holds only for the cuBLASLt release it was measured on (13.1.x, whose heuristic list it indexes),
+// and other releases keep their heuristic's first choice.
 bool fp8_prefers_second_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K) {
-  return st.cc_major == 9 && K >= 4 * std::max(M, N) && M * N >= (int64_t{1} << 21);
+  return st.cc_major == 9 && st.version / 100 == 1301 && K >= 4 * std::max(M, N) && M * N >= (int64_t{1} << 21);
 }
 
 // D_rm [M, N] = alpha * A_rm [M, K] * B_rm [N, K]^T + beta * C_rm: in cuBLASLt's column-major

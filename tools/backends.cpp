@@ -32,6 +32,14 @@ std::string cuda_compiler_version() {
 #endif
 }
 
+std::string cublaslt_runtime_version() {
+#if FP4SIM_HAVE_CUDA
+  return gpu::cublaslt_version();
+#else
+  return "";
+#endif
+}
+
 std::string gpu_description() {
 #if FP4SIM_HAVE_CUDA
   return gpu::describe_gpu();

@@ -22,5 +22,7 @@ std::string cuda_backend_unavailable_reason();
 std::string gpu_description();
 std::string cuda_archs();
 std::string cuda_compiler_version();
+// The cuBLASLt library loaded at run time ("major.minor.patch"), or "" without the CUDA backend.
+std::string cublaslt_runtime_version();
 
 }  // namespace fp4sim

@@ -22,7 +22,8 @@ void register_info(CLI::App& app) {
     fmt::print("backends:        emu{}\n", cuda_backend_built() ? ", cuda" : "");
     fmt::print("default backend: {}\n", default_backend_name());
     if (cuda_backend_built())
-      fmt::print("CUDA:            nvcc {}, archs {}\n", cuda_compiler_version(), cuda_archs());
+      fmt::print("CUDA:            nvcc {}, archs {}, cuBLASLt {}\n", cuda_compiler_version(), cuda_archs(),
+                 cublaslt_runtime_version());
     else
       fmt::print("CUDA:            not built (nvcc not found at configure time)\n");
     fmt::print("GPU:             {}\n", gpu_description());
