@@ -83,8 +83,10 @@ __device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, in
   return make_float4(v[0], v[1], v[2], v[3]);
 }
 
+// (3 CTAs per SM holds the FP32 kernel to 40 registers, its smem-limited maximum; the BF16 one,
+// which loads through registers, would spill there, so it gets 2)
 template <class T>
-__global__ void __launch_bounds__(kFp8TileThreads, 3) fp8_quantize_tile_kernel(const T* x, Fp8TileArgs a) {
+__global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_quantize_tile_kernel(const T* x, Fp8TileArgs a) {
   extern __shared__ float4 tile4[];  // [128][32] float4 = [128][128] floats
   const float* tile = reinterpret_cast<const float*>(tile4);
   __shared__ float warp_partial[kFp8Warps];
