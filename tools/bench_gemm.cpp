@@ -226,6 +226,12 @@ void time_shape(benchmark::State& state, const Gpt2Shape& s, cudaStream_t stream
   state.counters["TFLOPs"] = 2.0 * s.M * s.N * s.K / (ms * 1e-3) / 1e12;
 }
 
+// The registration settings the per-shape GEMM benchmarks share: manual time, 3 iterations of 20
+// calls, 3 repetitions, aggregates only, microseconds.
+void shape_benchmark_settings(benchmark::internal::Benchmark* b) {
+  b->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+}
+
 void BM_GpuGemmScalarModes(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
@@ -264,12 +270,12 @@ void BM_GpuGemmScalarModes(benchmark::State& state) {
 }
 BENCHMARK(BM_GpuGemmScalarModes)
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {0}})
-    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+    ->Apply(shape_benchmark_settings);
 // The BF16 recipe's setting (host scalars) with the cuBLASLt heuristic's later algorithms (range(2):
 // its list index). Filter: 'ScalarModes/[0-9]+/0/[1-7]'.
 BENCHMARK(BM_GpuGemmScalarModes)
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0}, benchmark::CreateDenseRange(1, 7, 1)})
-    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+    ->Apply(shape_benchmark_settings);
 
 // The same twelve shapes through the FP8 recipe's GEMM (cuBLASLt block-scaled FP8, E4M3 codes,
 // 1x128 FP32 scales in cuBLASLt's layout as the quantizer writes them, host alpha/beta): how the
@@ -339,12 +345,12 @@ void BM_GpuGemmFp8(benchmark::State& state) {
 }
 BENCHMARK(BM_GpuGemmFp8)
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {0}})
-    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+    ->Apply(shape_benchmark_settings);
 // The cuBLASLt heuristic's later algorithms on every shape (range(2): its list index; a shape
 // whose list is shorter reports an error instead of a time). Filter: 'GpuGemmFp8/[0-9]+/0/[1-7]'.
 BENCHMARK(BM_GpuGemmFp8)
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0}, benchmark::CreateDenseRange(1, 7, 1)})
-    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+    ->Apply(shape_benchmark_settings);
 
 // Attention's batched BF16 GEMMs on the tensor cores (gpu/attention.cu), one gpt2-124m layer:
 // B 16, NH 12, T 1024, HD 64. range(0): 0 forward, 1 backward. TFLOP/s counts the causal half of
