@@ -24,8 +24,9 @@ namespace {
 //     (coalesced 16-byte loads; an FP32 tile inside the tensor by cp.async, all 8 rows in flight,
 //     else four rows in flight through registers), stores them as one 16-byte word and
 //     takes each row's block max by shuffles, lane i keeping the warp's i-th row's, and its four
-//     columns' maxima over the warp's rows (the warps' partial maxima meet in shared memory); the tile's NaN-ignoring max |x| goes to the global amax of both copies
-//     (amax_commit: the backend's self-resetting workspace);
+//     columns' maxima over the warp's rows (the warps' partial maxima meet in shared memory);
+//     the tile's NaN-ignoring max |x| goes to the global amax of both copies (amax_commit: the
+//     backend's self-resetting workspace);
 //  2. (the column maxima: thread t takes the sixteen partials of tile column t % 128);
 //  3. row-wise copy: lanes 0..7 each turn one row's block max into its scale (the division and
 //     the stored 1/enc once per row); then per row, enc from lane i by a shuffle, the lane's four
@@ -81,6 +82,12 @@ __device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, in
     v[k] = e;
   }
   return make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// Four consecutive codes of one copy as one word, x0's in the low byte (the emulator's
+// fp8_quantize_pair, two pairs).
+__device__ __forceinline__ uint32_t fp8_quantize_quad(float x0, float x1, float x2, float x3, float enc) {
+  return fp8_quantize_pair(x0, x1, enc) | (fp8_quantize_pair(x2, x3, enc) << 16);
 }
 
 // (3 CTAs per SM holds the FP32 kernel to 40 registers, its smem-limited maximum; the BF16 one,
@@ -169,7 +176,7 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
       if (r >= a.rows) break;  // (warp-uniform)
       const float enc = __shfl_sync(full, enc_mine, i);
       const float4 t = tile4[tr * (kFp8Block / 4) + lane];
-      const uint32_t packed = fp8_quantize_pair(t.x, t.y, enc) | (fp8_quantize_pair(t.z, t.w, enc) << 16);
+      const uint32_t packed = fp8_quantize_quad(t.x, t.y, t.z, t.w, enc);
       uint8_t* dst = a.row.codes + r * a.cols + c;
       if (c + 4 <= a.cols) {
         *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
@@ -201,7 +208,7 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
       FP4SIM_UNROLL
       for (int k = 0; k < 4; ++k) {
         const float* e = my_col + (16 * q + 4 * k) * kFp8Block;
-        w[k] = fp8_quantize_pair(e[0], e[kFp8Block], enc) | (fp8_quantize_pair(e[2 * kFp8Block], e[3 * kFp8Block], enc) << 16);
+        w[k] = fp8_quantize_quad(e[0], e[kFp8Block], e[2 * kFp8Block], e[3 * kFp8Block], enc);
       }
       if (a.col_vector_ok) {
         reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[0], w[1], w[2], w[3]);

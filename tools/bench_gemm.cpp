@@ -226,10 +226,15 @@ void time_shape(benchmark::State& state, const Gpt2Shape& s, cudaStream_t stream
   state.counters["TFLOPs"] = 2.0 * s.M * s.N * s.K / (ms * 1e-3) / 1e12;
 }
 
-// The registration settings the per-shape GEMM benchmarks share: manual time, 3 iterations of 20
-// calls, 3 repetitions, aggregates only, microseconds.
-void shape_benchmark_settings(benchmark::internal::Benchmark* b) {
-  b->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+// The registration both per-shape GEMM benchmarks share. Arguments (shape, mode, heuristic index):
+// every shape in both modes with the heuristic's first algorithm, then every shape in mode 0 with
+// its later algorithms 1..7 (filter '<name>/[0-9]+/0/[1-7]'; a shape whose list is shorter reports
+// an error instead of a time). Manual time, 3 iterations of 20 calls, 3 repetitions, aggregates
+// only, microseconds.
+void shape_benchmark_registration(benchmark::internal::Benchmark* b) {
+  b->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {0}})
+      ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0}, benchmark::CreateDenseRange(1, 7, 1)})
+      ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 }
 
 void BM_GpuGemmScalarModes(benchmark::State& state) {
@@ -268,14 +273,7 @@ void BM_GpuGemmScalarModes(benchmark::State& state) {
   };
   time_shape(state, s, be.stream(), run);
 }
-BENCHMARK(BM_GpuGemmScalarModes)
-    ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {0}})
-    ->Apply(shape_benchmark_settings);
-// The BF16 recipe's setting (host scalars) with the cuBLASLt heuristic's later algorithms (range(2):
-// its list index). Filter: 'ScalarModes/[0-9]+/0/[1-7]'.
-BENCHMARK(BM_GpuGemmScalarModes)
-    ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0}, benchmark::CreateDenseRange(1, 7, 1)})
-    ->Apply(shape_benchmark_settings);
+BENCHMARK(BM_GpuGemmScalarModes)->Apply(shape_benchmark_registration);
 
 // The same twelve shapes through the FP8 recipe's GEMM (cuBLASLt block-scaled FP8, E4M3 codes,
 // 1x128 FP32 scales in cuBLASLt's layout as the quantizer writes them, host alpha/beta): how the
@@ -343,14 +341,7 @@ void BM_GpuGemmFp8(benchmark::State& state) {
   auto run = [&]() { be.gemm(a.q, b.q, beta != 0.0f ? &dv : nullptr, cfg, dv); };
   time_shape(state, s, be.stream(), run);
 }
-BENCHMARK(BM_GpuGemmFp8)
-    ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {0}})
-    ->Apply(shape_benchmark_settings);
-// The cuBLASLt heuristic's later algorithms on every shape (range(2): its list index; a shape
-// whose list is shorter reports an error instead of a time). Filter: 'GpuGemmFp8/[0-9]+/0/[1-7]'.
-BENCHMARK(BM_GpuGemmFp8)
-    ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0}, benchmark::CreateDenseRange(1, 7, 1)})
-    ->Apply(shape_benchmark_settings);
+BENCHMARK(BM_GpuGemmFp8)->Apply(shape_benchmark_registration);
 
 // Attention's batched BF16 GEMMs on the tensor cores (gpu/attention.cu), one gpt2-124m layer:
 // B 16, NH 12, T 1024, HD 64. range(0): 0 forward, 1 backward. TFLOP/s counts the causal half of
