@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -116,6 +117,19 @@ class Backend {
   }
   virtual void bias_backward(float* /*dbias*/, const float* /*dout*/, int64_t /*N*/, int64_t /*OC*/) {
     missing("bias_backward");
+  }
+  // quantize(x, cfg, rowwise, columnwise), then bias_backward(dbias, x, x.rows, x.cols): the
+  // quantized copies of a linear layer's output gradient and its bias gradient (dbias += x's column
+  // sums in bias_backward's order), x dense F32. A backend may take the column sums in the quantize
+  // pass instead of a pass of their own (the CUDA backend does for FP8 with a column-wise copy);
+  // the bits are those of the two calls either way.
+  virtual void quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                                           QuantizedView* columnwise, float* dbias) {
+    if (x.dtype != DType::F32 || x.stride() != x.cols)
+      throw std::invalid_argument(std::string("quantize_with_bias_backward: tensor '") + x.name +
+                                  "' must be dense float32 (the bias gradient's input)");
+    quantize(x, cfg, rowwise, columnwise);
+    bias_backward(dbias, static_cast<const float*>(x.data), x.rows, x.cols);
   }
   // lse (B,NH,T): the saved log-sum-exp rows, not the (B,NH,T,T) probabilities; prec FP32 (no
   // BF16 operand rounding) is for gradient checks on the emulator only (emu/layers.hpp)

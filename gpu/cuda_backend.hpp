@@ -101,6 +101,10 @@ class CudaBackend final : public Backend {
   void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F, bool round_bf16) override;
   void bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) override;
   void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override;
+  // FP8 with a column-wise copy: the quantizer's tile pass also takes the 64-row partial column
+  // sums (gpu/fp8.cu); otherwise Backend's quantize then bias_backward. The same bits either way.
+  void quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                                   QuantizedView* columnwise, float* dbias) override;
   void round_to_bf16(float* x, int64_t n) override;
   void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override;
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
@@ -176,8 +180,12 @@ void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream
 void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorSums* block_sums,
                              QuantErrorSums* rows_out, cudaStream_t stream);
 // The FP8 block format (gpu/fp8.cu). amax_ws: as for quantize_launch.
+// column_partial (optional; F32 x with a column-wise copy only): the kernel also writes x's column
+// sums over each 64-row chunk (emu::kColumnChunkRows), [R / 64, C], each from +0 in increasing row
+// order, for column_sums_finalize (gpu/layers.cu): the bits of bias_backward's first pass.
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                         QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws);
+                         QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
+                         float* column_partial = nullptr);
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
                            void* out, cudaStream_t stream);

@@ -49,6 +49,10 @@ constexpr int kFp8PartRows = kFp8Block / kFp8ColParts;     // a column-wise thre
 constexpr size_t kFp8TileSmem = sizeof(float) * kFp8Block * kFp8Block;
 static_assert(kFp8TileThreads % kFp8Block == 0 && kFp8PartRows % 16 == 0 && kFp8LinesPerWarp <= 32,
               "whole tile columns per thread group, 16-byte column stores, a scale per lane");
+constexpr int kFp8ChunkParts = static_cast<int>(emu::kColumnChunkRows) / kFp8PartRows;  // parts per column-sum chunk
+static_assert(kFp8ChunkParts >= 1 && kFp8ChunkParts * kFp8PartRows == emu::kColumnChunkRows &&
+                  kFp8Block % emu::kColumnChunkRows == 0,
+              "a tile's 64-row column-sum chunks are whole parts");
 
 struct Fp8TileArgs {
   int64_t rows, cols, stride;
@@ -57,6 +61,7 @@ struct Fp8TileArgs {
   bool col_vector_ok;  // column-wise codes 16-byte aligned (R % 128 == 0 makes every row so)
   QuantizedView row, col;  // codes null = copy disabled
   AmaxArgs amax;           // targets: the enabled copies' amax
+  float* col_partial;      // x's 64-row column sums [R / 64, C] (fp8_quantize_launch), or null
 };
 
 // Four consecutive elements of row r from column c as FP32 (zeros outside the tensor): one 16-byte
@@ -201,6 +206,13 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
       reinterpret_cast<float*>(a.col.scales)[cc * (a.rows / kFp8Block) + r0 / kFp8Block] = s;
       if (a.col.scales_gemm) a.col.scales_gemm[(r0 / kFp8Block) * a.cols + cc] = s;
     }
+    // the first part of each 64-row chunk also sums the chunk's rows of this column, from +0 in
+    // increasing row order (emu::bias_backward's partial sums, for column_sums_finalize)
+    if (a.col_partial && part % kFp8ChunkParts == 0) {
+      float s = 0.0f;
+      for (int r = 0; r < emu::kColumnChunkRows; ++r) s = __fadd_rn(s, my_col[r * kFp8Block]);
+      a.col_partial[((r0 + part * kFp8PartRows) / emu::kColumnChunkRows) * a.cols + cc] = s;
+    }
     uint8_t* dst = a.col.codes + cc * a.rows + r0 + part * kFp8PartRows;
     FP4SIM_UNROLL
     for (int q = 0; q < kFp8PartRows / 16; ++q) {
@@ -268,8 +280,10 @@ void launch_fp8_tile(const dim3& grid, const void* x, const Fp8TileArgs& a, cuda
 }  // namespace
 
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                         QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws) {
+                         QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws, float* column_partial) {
   if (!amax_ws) throw std::logic_error("fp8_quantize_launch: no amax workspace");
+  if (column_partial && (!cfg.columnwise.enabled || x.dtype != DType::F32 || x.rows % emu::kColumnChunkRows != 0))
+    throw std::logic_error("fp8_quantize_launch: column sums need a column-wise copy of a float32 input");
   Fp8TileArgs a{};
   a.rows = x.rows;
   a.cols = x.cols;
@@ -281,6 +295,7 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
   if (cfg.rowwise.enabled) a.row = *rowwise;
   if (cfg.columnwise.enabled) a.col = *columnwise;
   a.col_vector_ok = cfg.columnwise.enabled && reinterpret_cast<uintptr_t>(columnwise->codes) % 16 == 0;
+  a.col_partial = column_partial;
   if (!cfg.rowwise.enabled) a.row.codes = nullptr;
   if (!cfg.columnwise.enabled) a.col.codes = nullptr;
   // the copies' amax is the input's (no transform): reduced once, written to both

@@ -1100,6 +1100,25 @@ void CudaBackend::bias_backward(float* dbias, const float* dout, int64_t N, int6
   column_sums_finalize(dbias, partial, N, OC, true, stream_);
 }
 
+// FP8 with a column-wise copy of a dense F32 x whose rows fill whole 64-row chunks: the tile pass
+// writes the chunks' column sums (gpu/fp8.cu) in place of column_partial_kernel's pass over x,
+// then the same finalize as bias_backward. Otherwise the base class's two calls. Bitwise either way.
+void CudaBackend::quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                                              QuantizedView* columnwise, float* dbias) {
+  const bool fused = cfg.format == QFormat::FP8 && cfg.columnwise.enabled && x.dtype == DType::F32 &&
+                     x.stride() == x.cols && x.rows % kColumnChunkRows == 0 && x.device == Device::Cuda &&
+                     x.rows * x.cols > 0 && !(rowwise && rowwise->decoded_bf16) &&
+                     !(columnwise && columnwise->decoded_bf16);
+  if (!fused) {
+    Backend::quantize_with_bias_backward(x, cfg, rowwise, columnwise, dbias);
+    return;
+  }
+  validate_quantize(x, cfg);
+  float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
+  fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
+  column_sums_finalize(dbias, partial, x.rows, x.cols, true, stream_);
+}
+
 void CudaBackend::round_to_bf16(float* x, int64_t n) {
   if (n == 0) return;
   round_to_bf16_inplace_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(x, n);

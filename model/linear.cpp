@@ -153,9 +153,14 @@ bool can_combine(const CopyRequest& row_q, const CopyRequest& col_q) {
 // (else two): one amax pass and one read of x instead of two each. The bits are those of two
 // quantize_copy calls: each copy keeps its own rounding, RHT and SR stream, and its amax is taken
 // over the same values.
+// dbias (output gradients only; null otherwise): where the call is combined, dbias also gets x's
+// column sums (Backend::quantize_with_bias_backward) and *dbias_done is set; otherwise the caller
+// still owes bias_backward.
 std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quantize_both(
     Backend& be, const LinearRecipe& r, uint64_t seed, const float* x, int64_t rows, int64_t cols,
-    const CopyRequest& row_q, const CopyRequest& col_q, const std::string& name) {
+    const CopyRequest& row_q, const CopyRequest& col_q, const std::string& name, float* dbias = nullptr,
+    bool* dbias_done = nullptr) {
+  if (dbias_done) *dbias_done = false;
   if (!can_combine(row_q, col_q))
     return {quantize_copy(be, r, seed, x, rows, cols, row_q, name), quantize_copy(be, r, seed, x, rows, cols, col_q, name)};
   QuantizeConfig qc = copy_config(r, seed, row_q);
@@ -166,7 +171,12 @@ std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quanti
                                              wants_decoded(be, r, row_q), wants_scales_gemm(be, r, row_q));
   auto col = std::make_unique<QuantizedCopy>(be, cols, rows, qc.format, qc.columnwise.four_over_six,
                                              wants_decoded(be, r, col_q), wants_scales_gemm(be, r, col_q));
-  be.quantize(tv, qc, &row->view, &col->view);
+  if (dbias) {
+    be.quantize_with_bias_backward(tv, qc, &row->view, &col->view, dbias);
+    if (dbias_done) *dbias_done = true;
+  } else {
+    be.quantize(tv, qc, &row->view, &col->view);
+  }
   return {std::move(row), std::move(col)};
 }
 
@@ -296,9 +306,12 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   // dy's Dgrad and Wgrad copies from one quantize call when both GEMMs are quantized and the
   // copies can share it (else each is made where it is used, and the Dgrad one freed before the
   // Wgrad one exists)
+  // (dbias from the same call: Backend::quantize_with_bias_backward; the same bits as bias_backward)
   std::unique_ptr<QuantizedCopy> dyq, dyc;
+  bool dbias_done = false;
   if (dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" && can_combine(dy_dgrad(), dy_wgrad()))
-    std::tie(dyq, dyc) = quantize_both(be, r, ids.seed, dout, N, OC, dy_dgrad(), dy_wgrad(), name + " output gradient");
+    std::tie(dyq, dyc) = quantize_both(be, r, ids.seed, dout, N, OC, dy_dgrad(), dy_wgrad(), name + " output gradient",
+                                       dbias, &dbias_done);
   // Dgrad: dx (N,K) = dy (N,OC) . W (OC,K) = dy_rowwise x (W column-wise (K,OC))^T
   if (dinp) {
     if (r.dgrad == "bf16") {
@@ -329,7 +342,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
       be.gemm(dyc->view, xc->view, &d, acc, d);
     }
   }
-  if (dbias) be.bias_backward(dbias, dout, N, OC);
+  if (dbias && !dbias_done) be.bias_backward(dbias, dout, N, OC);
 }
 
 }  // namespace fp4sim::model
