@@ -570,7 +570,13 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
 // exponential computed once; without it the passes read the logits again and the third recomputes
 // the exponentials. Each element gets the same expressions from the same thread either way: the
 // same bits.
+// Reads of the logits go kCeBatch at a time: a thread's next kCeBatch logits are loaded before the
+// first is used, then used in increasing index as before (the same per-thread order of the max and
+// the sum, so the same bits). One-at-a-time, each load waited for the previous one's shared-memory
+// store (the compiler cannot move a load of a generic pointer above a store to shared memory): with
+// one 1024-thread CTA per SM that kept ~4 KB of loads in flight per SM.
 constexpr int kCeThreads = 1024;
+constexpr int kCeBatch = 8;
 template <bool kGrad, bool kCached>
 __global__ void __launch_bounds__(kCeThreads)
     crossentropy_softmax_forward_kernel(float* losses, float* probs, const float* logits, const int32_t* targets,
@@ -580,18 +586,36 @@ __global__ void __launch_bounds__(kCeThreads)
   const float* z = logits + n * V;
   float* p = probs + n * V;
   auto logit = [&](int64_t i) { return bf16_logits ? bf16_round(z[i]) : z[i]; };
+  // f(i, logit(i)) for this thread's indices i = threadIdx.x + k blockDim.x in increasing order,
+  // the logits loaded kCeBatch at a time (each index is read before this thread writes it, so an
+  // output that aliases the logits is still safe)
+  auto for_each_logit = [&](auto&& f) {
+    const int64_t step = blockDim.x;
+    int64_t i = threadIdx.x;
+    for (; i + (kCeBatch - 1) * step < V; i += kCeBatch * step) {
+      float v[kCeBatch];
+#pragma unroll
+      for (int u = 0; u < kCeBatch; ++u) v[u] = logit(i + u * step);
+#pragma unroll
+      for (int u = 0; u < kCeBatch; ++u) f(i + u * step, v[u]);
+    }
+    for (; i < V; i += step) f(i, logit(i));
+  };
   float m = -INFINITY;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = logit(i);
+  for_each_logit([&](int64_t i, float v) {
     if (kCached) row[i] = v;
     m = max_skip_nan(m, v);
-  }
+  });
   const float maxv = block_max(m);
   float s = 0.0f;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float e = expf(__fsub_rn(kCached ? row[i] : logit(i), maxv));
-    if (kCached) row[i] = e;  // each thread rewrites only its own elements
-    s = __fadd_rn(s, e);
+  if (kCached) {
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+      const float e = expf(__fsub_rn(row[i], maxv));
+      row[i] = e;  // each thread rewrites only its own elements
+      s = __fadd_rn(s, e);
+    }
+  } else {
+    for_each_logit([&](int64_t, float v) { s = __fadd_rn(s, expf(__fsub_rn(v, maxv))); });
   }
   const float sum = block_sum(s);  // ends with a barrier: every exponential is in `row`
   const int64_t target = targets[n];
@@ -600,9 +624,14 @@ __global__ void __launch_bounds__(kCeThreads)
     losses[n] = -logf(__fdiv_rn(kCached ? row[target] : expf(__fsub_rn(logit(target), maxv)), sum));
   __syncthreads();
   const float dl = kGrad ? dlosses[n] : 0.0f;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float prob = __fdiv_rn(kCached ? row[i] : expf(__fsub_rn(logit(i), maxv)), sum);
+  auto put = [&](int64_t i, float e) {
+    const float prob = __fdiv_rn(e, sum);
     p[i] = kGrad ? stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16) : prob;
+  };
+  if (kCached) {
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) put(i, row[i]);
+  } else {
+    for_each_logit([&](int64_t i, float v) { put(i, expf(__fsub_rn(v, maxv))); });
   }
 }
 
