@@ -327,11 +327,10 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int64_t N, int64_t K, int64_t OC, GemmPrecision prec) {
   // dinp = dout (N,OC) * W (OC,K): TN form with B = W^T (K,OC)
   if (dinp) {
-    std::vector<float> wt(static_cast<size_t>(K * OC)), tmp(static_cast<size_t>(N * K));
+    std::vector<float> wt(static_cast<size_t>(K * OC));
     for (int64_t o = 0; o < OC; ++o)
       for (int64_t k = 0; k < K; ++k) wt[k * OC + o] = weight[o * K + k];
-    gemm_tn(tmp.data(), dout, wt.data(), N, K, OC, prec);
-    for (int64_t i = 0; i < N * K; ++i) dinp[i] += tmp[i];
+    gemm_tn(dinp, dout, wt.data(), N, K, OC, prec);  // written, not added (emu/layers.hpp)
   }
   // dweight = dout^T (OC,N) * inp (N,K): TN form with A = dout^T, B = inp^T (K,N)
   if (dweight) {

@@ -83,8 +83,8 @@ void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC);
 // Linear layer y = x W^T + bias (x (N,K), W (OC,K), y (N,OC)), the GEMMs in BF16 as above.
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
                     int64_t N, int64_t K, int64_t OC, GemmPrecision prec = GemmPrecision::BF16);
-// dinp (N,K) += dout W; dweight (OC,K) += dout^T inp; dbias (OC) += column sums of dout (FP32,
-// bias_backward's order).
+// dinp (N,K) = dout W (written: what dinp held does not matter); dweight (OC,K) += dout^T inp;
+// dbias (OC) += column sums of dout (FP32, bias_backward's order).
 // Any of dinp, dweight, dbias may be null (that product is skipped).
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t N, int64_t K, int64_t OC,

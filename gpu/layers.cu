@@ -1008,8 +1008,8 @@ void CudaBackend::matmul_forward(float* out, const float* inp, const float* weig
   }
 }
 
-// dinp (N,K) += dout (N,OC) W (OC,K): col-major dinp^T (K x N) = W^T (the (K x OC) view, op N) *
-// dout^T (the (OC x N) view, op N), beta = 1.
+// dinp (N,K) = dout (N,OC) W (OC,K), written: col-major dinp^T (K x N) = W^T (the (K x OC) view,
+// op N) * dout^T (the (OC x N) view, op N), beta = 0 (no zeroing before, no read of dinp).
 // dweight (OC,K) += dout^T inp: col-major dweight^T (K x OC) = inp^T (the (K x N) view, op N) *
 // dout (op T of the (OC x N) view), beta = 1.
 // dbias (OC) += column sums of dout (64-row chunks from +0, summed in order; then one addition).
@@ -1023,7 +1023,7 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
     const void* dy = gemm_operand(st.bf16_a, dout, N * OC, prec, stream_);
     const void* w = dinp ? gemm_operand(st.bf16_b, weight, OC * K, prec, stream_) : nullptr;
     const void* x = dweight ? gemm_operand(st.bf16_c, inp, N * K, prec, stream_) : nullptr;
-    if (dinp) lt_matmul(st.lt, bf16, false, false, K, N, OC, w, K, dy, OC, dinp, 1.0f, stream_);
+    if (dinp) lt_matmul(st.lt, bf16, false, false, K, N, OC, w, K, dy, OC, dinp, 0.0f, stream_);
     if (dweight) lt_matmul(st.lt, bf16, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
   }
   if (dbias) {

@@ -334,8 +334,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   if (micro_batches < 1) throw std::invalid_argument("backward: micro_batches must be >= 1");
   if (!accumulate) be_.zero(grads(), n_params_ * 4);
   if (dlogits_micro_batches_ != micro_batches) loss_gradient(micro_batches);  // else the forward formed it
-  zero(dlnf_, N * C);
-  zero(dx_, N * C);
+  zero(dx_, N * C);  // (dlnf_: written by matmul_backward)
   be_.matmul_backward(F32(dlnf_), c.tied_embeddings ? g("wte") : g("lm_head.weight"), nullptr, F32(dlogits_),
                       F32(lnf_), c.tied_embeddings ? p("wte") : p("lm_head.weight"), N, C, V, prec_);
   auto norm_bwd = [&](float* din, const float* dout, const float* in, const BackendBuffer& mean,

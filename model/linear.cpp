@@ -286,8 +286,6 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
                      const QuantizedCopy* saved_dgrad_weight) {
   if (!inp && (r.wgrad == "bf16" || !saved_wgrad_input))
     throw std::logic_error("linear_backward (" + name + "): no input: the FP32 x or its saved Wgrad copy is needed");
-  // (Backend::matmul_backward adds to dinp: it gets a zeroed one)
-  if (dinp && r.dgrad == "bf16") be.zero(dinp, static_cast<size_t>(N * K) * sizeof(float));
   if (r.dgrad == "bf16" && r.wgrad == "bf16") {
     be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
     return;

@@ -5,8 +5,8 @@
 //   Fprop  y  = x W^T     A = x row-wise (1x16, RN),           B = W row-wise (2D, RN)
 //   Dgrad  dx = dy W      A = dy row-wise (SR),                B = W column-wise (2D, RN)
 //   Wgrad  dW = dy^T x    A = dy column-wise (RHT, SR),        B = x column-wise (RHT, RN)
-// Dgrad and Wgrad accumulate into dx and dW through the GEMM epilogue (C = D, beta = 1), as
-// matmul_backward does with +=. Quantized copies are made from the FP32 tensors when each GEMM needs
+// Dgrad writes dx (beta = 0), as matmul_backward does; Wgrad accumulates into dW through the GEMM
+// epilogue (C = D, beta = 1), as matmul_backward does with +=. Quantized copies are made from the FP32 tensors when each GEMM needs
 // them (the backward pass re-quantizes x and W: same bits as keeping them, since RN is
 // deterministic and SR draws from the same stream).
 #pragma once

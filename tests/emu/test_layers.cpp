@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -241,7 +242,8 @@ TEST(Layers, MatmulBackwardIsTheTransposedGemms) {
   for (auto& v : x) v = static_cast<float>(static_cast<int>(rng() % 5) - 2);
   for (auto& v : w) v = static_cast<float>(static_cast<int>(rng() % 5) - 2);
   for (auto& v : dout) v = static_cast<float>(static_cast<int>(rng() % 5) - 2);
-  std::vector<float> y(N * OC), dx(N * K, 0.0f), dw(OC * K, 0.0f), db(OC, 0.0f);
+  // dx starts as NaN: matmul_backward writes it (dw and db start at zero and are added to)
+  std::vector<float> y(N * OC), dx(N * K, std::numeric_limits<float>::quiet_NaN()), dw(OC * K, 0.0f), db(OC, 0.0f);
   matmul_forward(y.data(), x.data(), w.data(), bias.data(), N, K, OC);
   matmul_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), N, K, OC);
   for (int64_t n = 0; n < N; ++n)

@@ -153,8 +153,7 @@ TEST(Recipe, Nvfp4LinearTracksFp32) {
   emu::matmul_backward(dx32.data(), dw32.data(), db32.data(), dy.data(), x.data(), w.data(), N, K, OC,
                        emu::GemmPrecision::FP32);
   // subtract the starting values so the error is that of the products, not hidden by the offsets
-  // (linear_backward writes dx; emu::matmul_backward adds to dx32)
-  for (auto& v : dx32) v -= 0.5f;
+  // (linear_backward and emu::matmul_backward write dx; both add to dW)
   for (auto& v : dw) v -= 0.25f;
   for (auto& v : dw32) v -= 0.25f;
   const double ey = rel(y, y32), edx = rel(dx, dx32), edw = rel(dw, dw32);
@@ -201,7 +200,7 @@ TEST(Recipe, FourOverSixSkipsGemmsOverriddenToOtherFormats) {
 }
 
 // linear_backward writes dx (whatever dx held before: here NaN) and adds to dW and db, for a
-// quantized Dgrad (beta-0 GEMM) and a BF16 one (zeroed, then Backend::matmul_backward's +=).
+// quantized Dgrad (beta-0 GEMM) and a BF16 one (Backend::matmul_backward, which writes dinp too).
 TEST(Recipe, LinearBackwardWritesDinpAndAccumulatesWeightGradients) {
   auto be = make_cpu_backend();
   const int64_t N = 32, K = 64, OC = 48;
