@@ -179,8 +179,11 @@ void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream
 // added in order (emu/quant_stats.hpp); block_sums: scratch of q.scale_count() entries.
 void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorSums* block_sums,
                              QuantErrorSums* rows_out, cudaStream_t stream);
+// Test hook: how many CudaBackend::quantize_with_bias_backward calls took the fused FP8 path (the
+// tile pass's column sums) in this process.
+uint64_t fused_bias_backward_count();
 // The FP8 block format (gpu/fp8.cu). amax_ws: as for quantize_launch.
-// column_partial (optional; F32 x with a column-wise copy only): the kernel also writes x's column
+// column_partial (optional; F32 x with a column-wise copy, R % 128 == 0): the kernel also writes x's column
 // sums over each 64-row chunk (emu::kColumnChunkRows), [R / 64, C], each from +0 in increasing row
 // order, for column_sums_finalize (gpu/layers.cu): the bits of bias_backward's first pass.
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,

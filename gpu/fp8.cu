@@ -282,8 +282,11 @@ void launch_fp8_tile(const dim3& grid, const void* x, const Fp8TileArgs& a, cuda
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                          QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws, float* column_partial) {
   if (!amax_ws) throw std::logic_error("fp8_quantize_launch: no amax workspace");
-  if (column_partial && (!cfg.columnwise.enabled || x.dtype != DType::F32 || x.rows % emu::kColumnChunkRows != 0))
-    throw std::logic_error("fp8_quantize_launch: column sums need a column-wise copy of a float32 input");
+  // (whole 128-row tiles, which a column-wise copy needs anyway: a 64-row remainder would sum
+  // the tile's zero padding into a chunk past the buffer)
+  if (column_partial && (!cfg.columnwise.enabled || x.dtype != DType::F32 || x.rows % kFp8Block != 0))
+    throw std::logic_error("fp8_quantize_launch: column sums need a column-wise copy of a float32 input "
+                           "with whole 128-row tiles");
   Fp8TileArgs a{};
   a.rows = x.rows;
   a.cols = x.cols;

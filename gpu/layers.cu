@@ -1016,7 +1016,11 @@ void CudaBackend::matmul_forward(float* out, const float* inp, const float* weig
 void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                   const float* inp, const float* weight, int64_t N, int64_t K,
                                   int64_t OC, emu::GemmPrecision prec) {
-  if (N == 0 || OC == 0) return;
+  if (N == 0) return;
+  if (OC == 0) {  // an empty sum: dinp is written as zeros (the emulator's empty chain), the rest unchanged
+    if (dinp && K > 0) FP4SIM_CUDA_CHECK(cudaMemsetAsync(dinp, 0, static_cast<size_t>(N * K) * sizeof(float), stream_));
+    return;
+  }
   LayersState& st = layers_state();
   const bool bf16 = prec == emu::GemmPrecision::BF16;
   if (K > 0) {
@@ -1130,13 +1134,19 @@ void CudaBackend::bias_backward(float* dbias, const float* dout, int64_t N, int6
   column_sums_finalize(dbias, partial, N, OC, true, stream_);
 }
 
-// FP8 with a column-wise copy of a dense F32 x whose rows fill whole 64-row chunks: the tile pass
+namespace {
+uint64_t g_fused_bias_backward = 0;  // fused_bias_backward_count
+}  // namespace
+
+uint64_t fused_bias_backward_count() { return g_fused_bias_backward; }
+
+// FP8 with a column-wise copy of a dense F32 x whose rows fill whole 128-row tiles: the tile pass
 // writes the chunks' column sums (gpu/fp8.cu) in place of column_partial_kernel's pass over x,
 // then the same finalize as bias_backward. Otherwise the base class's two calls. Bitwise either way.
 void CudaBackend::quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                                               QuantizedView* columnwise, float* dbias) {
   const bool fused = cfg.format == QFormat::FP8 && cfg.columnwise.enabled && x.dtype == DType::F32 &&
-                     x.stride() == x.cols && x.rows % kColumnChunkRows == 0 && x.device == Device::Cuda &&
+                     x.stride() == x.cols && x.rows % kFp8Block == 0 && x.device == Device::Cuda &&
                      x.rows * x.cols > 0 && !(rowwise && rowwise->decoded_bf16) &&
                      !(columnwise && columnwise->decoded_bf16);
   if (!fused) {
@@ -1147,6 +1157,7 @@ void CudaBackend::quantize_with_bias_backward(const TensorView& x, const Quantiz
   float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
   fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
   column_sums_finalize(dbias, partial, x.rows, x.cols, true, stream_);
+  ++g_fused_bias_backward;
 }
 
 void CudaBackend::round_to_bf16(float* x, int64_t n) {

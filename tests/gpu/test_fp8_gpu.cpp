@@ -259,7 +259,9 @@ TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
     };
     const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) + "x" + std::to_string(k.C);
     QuantizedHost fr, fc, tr, tc, er, ec;
+    const uint64_t fused_before = gpu::fused_bias_backward_count();
     const std::vector<uint32_t> fused = run(*cuda, true, fr, fc), two = run(*cuda, false, tr, tc);
+    EXPECT_EQ(gpu::fused_bias_backward_count(), fused_before + 1) << what << ": the fused path did not run";
     if (k.rowwise) expect_same_quantized(tr, fr, what + " row-wise (fused vs two calls)");
     expect_same_quantized(tc, fc, what + " column-wise (fused vs two calls)");
     for (size_t i = 0; i < fused.size(); ++i)
