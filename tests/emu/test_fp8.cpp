@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 
 #include "emu/backend.hpp"
 #include "emu/gemm.hpp"
@@ -102,6 +103,44 @@ TEST(Fp8, ImpossibleOptionsAreErrors) {
   c.columnwise.enabled = false;
   c.block_2d = true;  // 100 rows: not a multiple of the 128-row tile
   EXPECT_THROW(quantize_to_host(*be, v, c), std::invalid_argument);
+}
+
+// Backend::quantize_with_bias_backward on the emulator: the copies and dbias of quantize then
+// bias_backward, bit for bit (dbias starts non-zero: the column sums are added), and an input
+// that is not dense float32 is refused with the tensor's name.
+TEST(Fp8, QuantizeWithBiasBackwardIsQuantizeThenBiasBackward) {
+  auto be = make_cpu_backend();
+  const int64_t R = 256, C = 384;
+  std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(R * C), 41);
+  QuantizeConfig c;
+  c.format = QFormat::FP8;
+  c.rowwise.enabled = c.columnwise.enabled = true;
+  TensorView v = host_view(x.data(), R, C, "dy");
+  QuantizedHost r1, c1, r2, c2;
+  r1.resize(R, C, QFormat::FP8, false);
+  c1.resize(C, R, QFormat::FP8, false);
+  r2.resize(R, C, QFormat::FP8, false);
+  c2.resize(C, R, QFormat::FP8, false);
+  std::vector<float> db1(static_cast<size_t>(C), 0.5f), db2 = db1;
+  QuantizedView rv1 = r1.view(), cv1 = c1.view(), rv2 = r2.view(), cv2 = c2.view();
+  be->quantize_with_bias_backward(v, c, &rv1, &cv1, db1.data());
+  be->quantize(v, c, &rv2, &cv2);
+  be->bias_backward(db2.data(), x.data(), R, C);
+  EXPECT_EQ(r1.codes, r2.codes);
+  EXPECT_EQ(r1.scales, r2.scales);
+  EXPECT_EQ(c1.codes, c2.codes);
+  EXPECT_EQ(c1.scales, c2.scales);
+  for (int64_t i = 0; i < C; ++i) ASSERT_EQ(test::bits(db1[i]), test::bits(db2[i])) << "dbias[" << i << "]";
+  // (a view quantize itself accepts: 256 of the 384 columns)
+  TensorView strided = v;
+  strided.cols = 256;
+  strided.row_stride = C;
+  try {
+    be->quantize_with_bias_backward(strided, c, &rv1, &cv1, db1.data());
+    FAIL() << "expected std::invalid_argument for a strided input";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'dy'"), std::string::npos) << e.what();
+  }
 }
 
 QuantizedHost fp8_operand(int64_t rows, int64_t K, const std::vector<uint8_t>& codes, const std::vector<float>& scales) {
