@@ -45,7 +45,15 @@ constexpr int64_t kDequantChunk = 8;  // elements per thread: 4 code bytes in, o
 // 256 us for two 8192 x 8192 operands); rows come from the grid, the block from a shift.
 // Both operands in one launch: grid rows [0, a.rows) are a's, the rest b's (rows beyond the grid's
 // y extent are walked with a stride); x covers the 8-element chunks of a row.
-__global__ void dequantize_block_scaled_bf16(QuantizedView a, uint16_t* da, QuantizedView b, uint16_t* db) {
+// With `scalars` set, its first thread also writes the GEMM's alpha' and beta (the work of
+// epilogue_scalars_kernel below, from the amax of a and b, which a view with rows = 0 still
+// carries): one launch fewer before a GEMM that decodes an operand.
+__global__ void dequantize_block_scaled_bf16(QuantizedView a, uint16_t* da, QuantizedView b, uint16_t* db,
+                                             float alpha, float beta, float* scalars) {
+  if (scalars && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    scalars[0] = gemm_epilogue_alpha(alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
+    scalars[1] = beta;
+  }
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kDequantChunk;
   if (c0 >= a.cols) return;  // a.cols == b.cols == K
   for (int64_t row = blockIdx.y; row < a.rows + b.rows; row += gridDim.y) {
@@ -175,17 +183,26 @@ void set_cublaslt_heuristic_pick(int index) {
 
 namespace {
 
-// Where the heuristic's first block-scaled FP8 algorithm is measurably not its best: on Hopper, a
-// GEMM with K at least 4 max(M, N) and an output of at least 2^21 elements (gpt2-124m's MLP Wgrads,
-// 3072 x 768 and 768 x 3072 over K = 16384 tokens) ran its first algorithm (a 192x64 split-K
-// kernel) in 145 / 153 us and its second in 109 / 115 us; on the smaller Wgrads (2304 x 768,
-// 768 x 768) the first was the fastest of the list (H200, cuBLASLt 13.1, `bench_gemm
-// --benchmark_filter=GpuGemmFp8`, validation/perf.md). A fixed rule, not a timing at run time, so
-// that every run of a configuration multiplies with the same algorithm and gives the same bits; it
-// holds only for the cuBLASLt release it was measured on (13.1.x, whose heuristic list it indexes),
-// and other releases keep their heuristic's first choice.
-bool fp8_prefers_second_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K) {
-  return st.cc_major == 9 && st.version / 100 == 1301 && K >= 4 * std::max(M, N) && M * N >= (int64_t{1} << 21);
+// Where the heuristic's first block-scaled FP8 algorithm is measurably not its best (H200,
+// cuBLASLt 13.1, `scripts/gpu_session.sh picks`: bench_gemm's BM_GpuGemmFp8 at every index of the
+// heuristic's list, validation/perf.md), the index the FP8 plan takes instead:
+// - 1 where K is at least 4 max(M, N) and the output has at least 2^21 elements (gpt2-124m's MLP
+//   Wgrads, 3072 x 768 and 768 x 3072 over K = 16384 tokens: a 192x64 split-K kernel first, 145 /
+//   153 us, the second 109 / 115 us; on the smaller Wgrads, 2304 x 768 and 768 x 768, the first was
+//   the fastest of the list);
+// - 6 for a tall output over a short K (M >= 4 max(N, K), K < 3072: gpt2-124m's Fprops of the QKV,
+//   projection and FC layers and the Dgrads of the QKV, projection and FC2 layers; fprop qkv
+//   16384 x 2304 x 768 92.6 -> 82.3 us, fprop fc 16384 x 3072 x 768 119.6 -> 108.5 us, dgrad proj
+//   46.5 -> 43.6 us, none slower; at K = 3072, fprop fc2 and dgrad fc, index 6 was 2-5% slower).
+// 0 (the heuristic's first) everywhere else, and where the list is shorter than the index. A
+// fixed rule, not a timing at run time, so that every run of a configuration multiplies with the
+// same algorithm and gets the same bits (resume stays bitwise); it indexes the heuristic list of
+// the cuBLASLt release it was measured on (13.1.x), and other releases keep their first choice.
+int fp8_preferred_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K) {
+  if (st.cc_major != 9 || st.version / 100 != 1301) return 0;
+  if (K >= 4 * std::max(M, N) && M * N >= (int64_t{1} << 21)) return 1;
+  if (M >= 4 * std::max(N, K) && K < 3072) return 6;
+  return 0;
 }
 
 // D_rm [M, N] = alpha * A_rm [M, K] * B_rm [N, K]^T + beta * C_rm: in cuBLASLt's column-major
@@ -239,19 +256,22 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &st.workspace_bytes, sizeof st.workspace_bytes));
-  // the heuristic's first algorithm (a benchmark knob can ask for a later one of its list), except
-  // for the long-K FP8 GEMMs below
-  const int pick = heuristic_pick != 0 ? heuristic_pick : (fp8 && fp8_prefers_second_algo(st, M, N, K) ? 1 : 0);
+  // the heuristic's first algorithm (a benchmark knob can ask for a later one of its list, and
+  // fails the plan where the list is shorter), except for the FP8 shapes of fp8_preferred_algo,
+  // which fall back to the first where the list is shorter
+  const int preferred = heuristic_pick == 0 && fp8 ? fp8_preferred_algo(st, M, N, K) : 0;
+  const int pick = heuristic_pick != 0 ? heuristic_pick : preferred;
   cublasLtMatmulHeuristicResult_t heur[kMaxHeuristicPick + 1]{};
   int found = 0;
   status = cublasLtMatmulAlgoGetHeuristic(st.handle, p.op, p.la, p.lb, p.lc, p.lc, pref, pick + 1, heur, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  if (status != CUBLAS_STATUS_SUCCESS || found <= pick) {
+  const bool knob = heuristic_pick != 0;
+  if (status != CUBLAS_STATUS_SUCCESS || found == 0 || (knob && found <= pick)) {
     if (status == CUBLAS_STATUS_SUCCESS) status = CUBLAS_STATUS_NOT_SUPPORTED;
     destroy_plan(p);
     return false;
   }
-  p.algo = heur[pick].algo;
+  p.algo = heur[found > pick ? pick : 0].algo;
   return true;
 }
 
@@ -329,10 +349,14 @@ void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Quant
     return;
   }
   const int64_t M = a.rows, N = b.rows, K = a.cols;
-  // alpha' = alpha * (global decode scales) and beta, computed on the device from the amax values
+  // alpha' = alpha * (global decode scales) and beta, computed on the device from the amax values:
+  // by the decode kernel where one runs (Hopper, an operand without its decoded copy), else here
   auto* scalars = st.scalars.get<float>(2, stream);
-  epilogue_scalars_kernel<<<1, 1, 0, stream>>>(a, b, cfg.alpha, cfg.beta, scalars);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  const bool decode = st.cc_major < 10 && (!a.decoded_bf16 || !b.decoded_bf16);
+  if (!decode) {
+    epilogue_scalars_kernel<<<1, 1, 0, stream>>>(a, b, cfg.alpha, cfg.beta, scalars);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  }
   const bool f32_out = cfg.out == GemmOut::F32;
   float* d = f32_out ? static_cast<float*>(out)
                      : st.d_f32.get<float>(static_cast<size_t>(M * N), stream);
@@ -355,7 +379,8 @@ void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Quant
       const int64_t rows = pa.rows + pb.rows;
       const dim3 grid(static_cast<unsigned>((K / kDequantChunk + kDequantThreads - 1) / kDequantThreads),
                       static_cast<unsigned>(rows < 65535 ? rows : 65535));
-      dequantize_block_scaled_bf16<<<grid, kDequantThreads, 0, stream>>>(pa, wa, pb, wb);
+      dequantize_block_scaled_bf16<<<grid, kDequantThreads, 0, stream>>>(pa, wa, pb, wb, cfg.alpha, cfg.beta,
+                                                                         scalars);
       FP4SIM_CUDA_CHECK_LAUNCH();
     }
     bf16_gemm_tn_scalars(st, Bf16Scalars::Device, da, db, cc, d, M, N, K, scalars, scalars + 1, stream);

@@ -25,6 +25,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <map>
+#include <tuple>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -742,14 +744,31 @@ namespace training_ops {
 
 using gpu::DeviceScratch;  // gpu/device_scratch.hpp
 
-// The matmuls' own cuBLASLt handle and workspace (gpu/gemm_cublaslt.cu keeps its own).
+// The matmuls' own cuBLASLt handle and workspace (gpu/gemm_cublaslt.cu keeps its own), and their
+// plans: descriptors and the heuristic's algorithm per (operand type, transposes, m, n, k, leading
+// dimensions, pointer alignments), built on a matmul's first call with them and reused after (the
+// heuristic answers the same for the same question, so the algorithm, and the bits, are those of a
+// per-call query; the host skips four descriptor builds and a heuristic query a GEMM).
 struct CublasLt {
+  struct Plan {
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  using PlanKey = std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t, uint32_t>;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
+  std::map<PlanKey, Plan> plans;
   CublasLt() = default;
   CublasLt(const CublasLt&) = delete;
   CublasLt& operator=(const CublasLt&) = delete;
   ~CublasLt() {
+    for (auto& kv : plans) {
+      if (kv.second.ld) cublasLtMatrixLayoutDestroy(kv.second.ld);
+      if (kv.second.lb) cublasLtMatrixLayoutDestroy(kv.second.lb);
+      if (kv.second.la) cublasLtMatrixLayoutDestroy(kv.second.la);
+      if (kv.second.op) cublasLtMatmulDescDestroy(kv.second.op);
+    }
     if (workspace) cudaFree(workspace);
     if (handle) cublasLtDestroy(handle);
   }
@@ -814,46 +833,59 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
     FP4SIM_CUBLAS_CHECK(cublasLtCreate(&lt.handle));
     FP4SIM_CUDA_CHECK(cudaMalloc(&lt.workspace, kCublasWorkspaceBytes));
   }
-  const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
-  LtDescriptors d;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.la, in_type, static_cast<uint64_t>(transa ? k : m),
-                                                 static_cast<uint64_t>(transa ? m : k), lda));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.lb, in_type, static_cast<uint64_t>(transb ? n : k),
-                                                 static_cast<uint64_t>(transb ? k : n), ldb));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.ld, CUDA_R_32F, static_cast<uint64_t>(m),
-                                                 static_cast<uint64_t>(n), m));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
-  const size_t ws = kCublasWorkspaceBytes;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  // The caller's pointers may sit at any float offset inside a larger buffer: tell the
-  // heuristic, so it never picks a kernel that assumes 256-byte alignment.
+  // The caller's pointers may sit at any float offset inside a larger buffer: the heuristic is
+  // told, so it never picks a kernel that assumes 256-byte alignment (and the plan is per alignment).
   const uint32_t align_a = pointer_alignment(A), align_b = pointer_alignment(B),
                  align_d = pointer_alignment(D);
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d));
-  cublasLtMatmulHeuristicResult_t heur{};
-  int found = 0;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld, d.ld, d.pref,
-                                                     1, &heur, &found));
-  if (found == 0)
-    throw std::runtime_error(std::string("matmul: cuBLASLt has no ") + (bf16 ? "BF16" : "FP32") +
-                             " algorithm for m=" + std::to_string(m) + " n=" + std::to_string(n) +
-                             " k=" + std::to_string(k));
+  const CublasLt::PlanKey key{bf16, transa, transb, m, n, k, lda, ldb, align_a, align_b, align_d};
+  auto it = lt.plans.find(key);
+  if (it == lt.plans.end()) {
+    const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    LtDescriptors d;
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.la, in_type, static_cast<uint64_t>(transa ? k : m),
+                                                   static_cast<uint64_t>(transa ? m : k), lda));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.lb, in_type, static_cast<uint64_t>(transb ? n : k),
+                                                   static_cast<uint64_t>(transb ? k : n), ldb));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.ld, CUDA_R_32F, static_cast<uint64_t>(m),
+                                                   static_cast<uint64_t>(n), m));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+    const size_t ws = kCublasWorkspaceBytes;
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d));
+    cublasLtMatmulHeuristicResult_t heur{};
+    int found = 0;
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld, d.ld, d.pref,
+                                                       1, &heur, &found));
+    if (found == 0)
+      throw std::runtime_error(std::string("matmul: cuBLASLt has no ") + (bf16 ? "BF16" : "FP32") +
+                               " algorithm for m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                               " k=" + std::to_string(k));
+    CublasLt::Plan plan;
+    plan.algo = heur.algo;
+    // the plan takes over the descriptors (the preference is not needed after the query)
+    std::swap(plan.op, d.op);
+    std::swap(plan.la, d.la);
+    std::swap(plan.lb, d.lb);
+    std::swap(plan.ld, d.ld);
+    it = lt.plans.emplace(key, plan).first;
+  }
+  const CublasLt::Plan& p = it->second;
   const float alpha = 1.0f;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(lt.handle, d.op, &alpha, A, d.la, B, d.lb, &beta, D, d.ld, D,
-                                     d.ld, &heur.algo, lt.workspace, kCublasWorkspaceBytes, stream));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(lt.handle, p.op, &alpha, A, p.la, B, p.lb, &beta, D, p.ld, D,
+                                     p.ld, &p.algo, lt.workspace, kCublasWorkspaceBytes, stream));
 }
 
 // The GEMM operand x (count FP32 values) as the matmul reads it: its BF16 bits in `scratch` for

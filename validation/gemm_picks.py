@@ -2,10 +2,13 @@
 """Table of cuBLASLt's heuristic algorithms per GEMM shape, from bench_gemm's CSV output.
 
 usage: gemm_picks.py PICKS.csv
-PICKS.csv: `bench_gemm --benchmark_filter='GpuGemmFp8/[0-9]+/0/|ScalarModes/[0-9]+/0/'
---benchmark_format=csv` (BM_GpuGemmFp8/<shape>/0/<index> and BM_GpuGemmScalarModes/<shape>/0/<index>,
-medians of repetitions). Prints, per kind (fp8, bf16) and shape, the median microseconds of each
-heuristic index, the fastest index and its gain over index 0 (the plans' default).
+PICKS.csv: `bench_gemm --benchmark_filter='GpuGemmFp8/[0-9]+/[01]/|ScalarModes/[0-9]+/[01]/'
+--benchmark_format=csv` (BM_GpuGemmFp8/<shape>/<mode>/<index> and
+BM_GpuGemmScalarModes/<shape>/<mode>/<index>, medians of repetitions). Prints, per kind and shape,
+the median microseconds of each heuristic index, the fastest index and its gain over index 0 (the
+plan's own choice). Kinds: fp8 (mode 0: the shape's beta, 1 for Dgrad and Wgrad), fp8b0 (mode 1:
+beta 0, as the training's FP8 Dgrads run), bf16 (mode 0: host alpha and beta, the BF16 recipe's
+setting) and bf16dev (mode 1: device alpha and beta, the FP4 path on Hopper).
 """
 import csv
 import re
@@ -23,21 +26,22 @@ def main(path):
     if start is None:
         sys.exit(f"{path}: no CSV header (name,...) found")
     for row in csv.DictReader(lines[start:]):
-        m = re.match(r"BM_Gpu(GemmFp8|GemmScalarModes)/(\d+)/0/(\d+)/.*_median$", row["name"])
+        m = re.match(r"BM_Gpu(GemmFp8|GemmScalarModes)/(\d+)/([01])/(\d+)/.*_median$", row["name"])
         if not m or row.get("error_occurred") == "true":
             continue
-        kind = "fp8" if m.group(1) == "GemmFp8" else "bf16"
+        kind = ("fp8" if m.group(1) == "GemmFp8" else "bf16") + ("" if m.group(3) == "0" else
+                                                                 ("b0" if m.group(1) == "GemmFp8" else "dev"))
         us = float(row["us"]) if row.get("us") else float(row["real_time"])
-        times.setdefault((kind, int(m.group(2))), {})[int(m.group(3))] = us
+        times.setdefault((kind, int(m.group(2))), {})[int(m.group(4))] = us
     if not times:
         sys.exit(f"{path}: no BM_GpuGemmFp8 or BM_GpuGemmScalarModes medians")
     picks = sorted({i for v in times.values() for i in v})
-    print("kind shape        " + " ".join(f"{i:>7d}" for i in picks) + "   best  gain")
+    print("kind    shape        " + " ".join(f"{i:>7d}" for i in picks) + "   best  gain")
     for (kind, shape), v in sorted(times.items()):
         best = min(v, key=v.get)
         gain = f"{100 * (1 - v[best] / v[0]):5.1f}%" if 0 in v else "  n/a"
         cells = " ".join(f"{v[i]:7.1f}" if i in v else "      -" for i in picks)
-        print(f"{kind:4s} {SHAPES[shape]:12s} {cells}   {best:4d} {gain}")
+        print(f"{kind:7s} {SHAPES[shape]:12s} {cells}   {best:4d} {gain}")
 
 
 if __name__ == "__main__":

@@ -254,8 +254,10 @@ TEST(Fp8CublasLtGpu, ExactlyRepresentableBitwiseEqualsExact) {
   auto cuda = make_backend("cuda");
   int checked = 0;
   // (1536 x 1536 x 6144: a long-K GEMM for which the plan takes the heuristic's second algorithm,
-  // gpu/gemm_cublaslt.cu fp8_prefers_second_algo; 48 k-blocks keep every sum exact, see above)
-  for (const Shape& sh : {Shape{128, 128, 512}, Shape{64, 256, 4096}, Shape{24, 128, 128}, Shape{1536, 1536, 6144}}) {
+  // 48 k-blocks keep every sum exact, see above; 2048 x 256 x 512: a tall output over a short K, for
+  // which it takes the seventh; gpu/gemm_cublaslt.cu fp8_preferred_algo, on Hopper with cuBLASLt 13.1)
+  for (const Shape& sh : {Shape{128, 128, 512}, Shape{64, 256, 4096}, Shape{24, 128, 128}, Shape{1536, 1536, 6144},
+                          Shape{2048, 256, 512}}) {
     const bool long_k = sh.K > 4096;
     for (bool b_tiles : {false, true}) {
       std::vector<float> xa = make_exact_input(sh.M, sh.K, 0, false, sh.M + sh.K);
