@@ -205,6 +205,18 @@ int fp8_preferred_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K)
   return 0;
 }
 
+// The same for the BF16 plans (TN, FP32 out: the FP4 path's GEMMs on Hopper, decoded operands,
+// alpha' and beta on the device; and the host-scalar plan): index 6 for a tall output over a short
+// K (M >= 4 max(N, K), K <= 1024). H200, cuBLASLt 13.1, bench_gemm BM_GpuGemmScalarModes at every
+// index, beta 0 (as the FP4 path's Fprops and Dgrads run), device scalars: 16384 x 2304 x 768 103.0
+// -> 91.5 us, 16384 x 768 x 768 38.7 -> 34.6 us, 16384 x 3072 x 768 131.9 -> 112.8 us (host
+// scalars: 101.8 -> 89.5, 38.8 -> 34.3, 132.6 -> 110.3); at K = 3072 index 6 was no faster, and the
+// Wgrads (K = 16384) ran fastest at index 0. Same conditions as fp8_preferred_algo.
+int bf16_preferred_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K) {
+  if (st.cc_major != 9 || st.version / 100 != 1301) return 0;
+  return M >= 4 * std::max(N, K) && K <= 1024 ? 6 : 0;
+}
+
 // D_rm [M, N] = alpha * A_rm [M, K] * B_rm [N, K]^T + beta * C_rm: in cuBLASLt's column-major
 // terms D^T (N x M) = op(B^T as K x N, transposed) * (A^T as K x M): "TN", lda = ldb = K, ldd = N.
 // (TN is also the only FP8 layout Hopper's FP8 kernels take.) Builds the descriptors for `kind` and
@@ -257,9 +269,13 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &st.workspace_bytes, sizeof st.workspace_bytes));
   // the heuristic's first algorithm (a benchmark knob can ask for a later one of its list, and
-  // fails the plan where the list is shorter), except for the FP8 shapes of fp8_preferred_algo,
-  // which fall back to the first where the list is shorter
-  const int preferred = heuristic_pick == 0 && fp8 ? fp8_preferred_algo(st, M, N, K) : 0;
+  // fails the plan where the list is shorter), except for the shapes of fp8_preferred_algo and
+  // bf16_preferred_algo, which fall back to the first where the list is shorter
+  const bool bf16 = kind == PlanKind::Bf16HostScalars || kind == PlanKind::Bf16DeviceScalars;
+  const int preferred = heuristic_pick != 0 ? 0
+                        : fp8               ? fp8_preferred_algo(st, M, N, K)
+                        : bf16              ? bf16_preferred_algo(st, M, N, K)
+                                            : 0;
   const int pick = heuristic_pick != 0 ? heuristic_pick : preferred;
   cublasLtMatmulHeuristicResult_t heur[kMaxHeuristicPick + 1]{};
   int found = 0;
