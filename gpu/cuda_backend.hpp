@@ -167,10 +167,16 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
 constexpr int kGemmExactDefaultVariant = 7;
 void set_gemm_exact_variant(int variant);
 // Benchmark knob: which of the cuBLASLt heuristic's algorithms a GEMM plan built from now on uses
-// (0, the default: its first; up to kMaxHeuristicPick). A plan fails where the list is shorter.
-// Results may differ in the last bits (cuBLASLt's order of summation); speed differs.
+// (0, the default: the plan's own choice, gpu/gemm_cublaslt.cu fp8_preferred_algo and
+// bf16_preferred_algo; 1..kMaxHeuristicPick: that index of the list). A plan fails where the list is
+// shorter. Results may differ in the last bits (cuBLASLt's order of summation); speed differs.
 constexpr int kMaxHeuristicPick = 15;
 void set_cublaslt_heuristic_pick(int index);
+// Benchmark knob, the same for the training matmuls (CudaBackend::matmul_forward/backward, the BF16
+// recipe's Linears and every recipe's output head): 0, the default, the heuristic's first
+// algorithm; 1..kMaxHeuristicPick that index (a matmul fails where the list is shorter). Plans are
+// kept per index, so switching back finds the default's again.
+void set_matmul_heuristic_pick(int index);
 // Test knob: the cross-entropy kernel caches a row of logits in shared memory where it fits (the
 // default) or reads them from memory in every pass. Results are identical; only speed differs.
 void set_crossentropy_cached(bool on);

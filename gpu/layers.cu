@@ -739,6 +739,17 @@ uint32_t pointer_alignment(const void* p) {
 
 void set_crossentropy_cached(bool on) { g_crossentropy_cached = on; }
 
+namespace {
+int g_matmul_pick = 0;  // set_matmul_heuristic_pick
+}  // namespace
+
+void set_matmul_heuristic_pick(int index) {
+  if (index < 0 || index > kMaxHeuristicPick)
+    throw std::invalid_argument("set_matmul_heuristic_pick: index " + std::to_string(index) + " is outside 0.." +
+                                std::to_string(kMaxHeuristicPick));
+  g_matmul_pick = index;
+}
+
 // State of the training ops, owned by CudaBackend::LayersState (below).
 namespace training_ops {
 
@@ -755,7 +766,8 @@ struct CublasLt {
     cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  using PlanKey = std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t, uint32_t>;
+  using PlanKey =
+      std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t, uint32_t, int>;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   std::map<PlanKey, Plan> plans;
@@ -837,7 +849,8 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
   // told, so it never picks a kernel that assumes 256-byte alignment (and the plan is per alignment).
   const uint32_t align_a = pointer_alignment(A), align_b = pointer_alignment(B),
                  align_d = pointer_alignment(D);
-  const CublasLt::PlanKey key{bf16, transa, transb, m, n, k, lda, ldb, align_a, align_b, align_d};
+  const int pick = g_matmul_pick;  // (a benchmark knob; 0 in training)
+  const CublasLt::PlanKey key{bf16, transa, transb, m, n, k, lda, ldb, align_a, align_b, align_d, pick};
   auto it = lt.plans.find(key);
   if (it == lt.plans.end()) {
     const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
@@ -865,16 +878,17 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
         d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d));
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d));
-    cublasLtMatmulHeuristicResult_t heur{};
+    cublasLtMatmulHeuristicResult_t heur[kMaxHeuristicPick + 1]{};
     int found = 0;
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld, d.ld, d.pref,
-                                                       1, &heur, &found));
-    if (found == 0)
+                                                       pick + 1, heur, &found));
+    if (found <= pick)
       throw std::runtime_error(std::string("matmul: cuBLASLt has no ") + (bf16 ? "BF16" : "FP32") +
-                               " algorithm for m=" + std::to_string(m) + " n=" + std::to_string(n) +
-                               " k=" + std::to_string(k));
+                               " algorithm" + (pick ? " at heuristic index " + std::to_string(pick) : std::string()) +
+                               " for m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                               " (it lists " + std::to_string(found) + ")");
     CublasLt::Plan plan;
-    plan.algo = heur.algo;
+    plan.algo = heur[pick].algo;
     // the plan takes over the descriptors (the preference is not needed after the query)
     std::swap(plan.op, d.op);
     std::swap(plan.la, d.la);

@@ -15,8 +15,8 @@
 #             RECIPES (default "bf16 fp8 nvfp4"): the cheapest check of a change (~2 minutes)
 #   oracles   build + issue 2's two independent oracles only, their agreement tables printed
 #   picks     build + every cuBLASLt heuristic algorithm (index 0..7) on the twelve gpt2-124m GEMM
-#             shapes of a layer, FP8 and BF16, both scalar modes (bench_gemm, ~6 minutes; one mode
-#             ~3: PICKS_FILTER='GpuGemmFp8/[0-9]+/0/|ScalarModes/[0-9]+/0/'), tabled by
+#             shapes of a layer: FP8, BF16 TN in both scalar modes, and the BF16 recipe's own
+#             matmuls (bench_gemm, ~7 minutes; narrow with PICKS_FILTER, e.g. 'MatmulPicks'), tabled by
 #             validation/gemm_picks.py: where a plan's default (index 0) is not the fastest
 #   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
 #             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
@@ -78,7 +78,7 @@ if [ "${1:-}" = "gemm" ]; then
 fi
 
 if [ "${1:-}" = "picks" ]; then
-  build-gpu/bench_gemm --benchmark_filter="${PICKS_FILTER:-GpuGemmFp8/[0-9]+/[01]/|ScalarModes/[0-9]+/[01]/}" --benchmark_format=csv \
+  build-gpu/bench_gemm --benchmark_filter="${PICKS_FILTER:-GpuGemmFp8/[0-9]+/[01]/|ScalarModes/[0-9]+/[01]/|MatmulPicks}" --benchmark_format=csv \
     >"$out/picks.csv" 2>"$out/picks.log"
   python3 validation/gemm_picks.py "$out/picks.csv" | tee "$out/picks.txt"
   row "heuristic picks (fp8, bf16)" "$(grep -cE '^(fp8|bf16)' "$out/picks.txt") shapes tabled, $(awk '$(NF-1) != 0' "$out/picks.txt" | grep -cE '^(fp8|bf16)') with a faster index"

@@ -276,6 +276,59 @@ void BM_GpuGemmScalarModes(benchmark::State& state) {
 }
 BENCHMARK(BM_GpuGemmScalarModes)->Apply(shape_benchmark_registration);
 
+// The same twelve shapes as the BF16 recipe runs them: CudaBackend::matmul_forward (Fprop shapes)
+// and matmul_backward with only dinp (Dgrad, written) or only dweight (Wgrad, accumulated), FP32
+// arrays in and out, BF16 GEMMs through the matmuls' own cuBLASLt plans (gpu/layers.cu lt_matmul,
+// NN/NT layouts, host alpha/beta), at heuristic index range(1) (gpu::set_matmul_heuristic_pick).
+// The time includes the matmul's FP32 -> BF16 operand copies, the same at every index. The survey
+// the FP4 and FP8 plans' rules came from, for the BF16 recipe: whether its GEMMs have faster
+// algorithms too (which would move every recipe's ratio to BF16).
+void BM_GpuMatmulPicks(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const int si = static_cast<int>(state.range(0));
+  const Gpt2Shape& s = kGpt2Shapes[si];
+  const int pick = static_cast<int>(state.range(1));
+  state.SetLabel(std::string(s.name) + " algo " + std::to_string(pick));
+  gpu::set_matmul_heuristic_pick(pick);
+  struct Reset {
+    ~Reset() { gpu::set_matmul_heuristic_pick(0); }
+  } reset;
+  gpu::CudaBackend be;
+  // the op's (N tokens, K in, OC out) for each kind of shape (kGpt2Shapes lists the GEMM's M x N x K)
+  const int64_t N = si < 8 ? s.M : s.K, K = si < 4 ? s.K : s.N, OC = si < 4 ? s.N : (si < 8 ? s.K : s.M);
+  std::mt19937_64 rng(13);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto filled = [&](int64_t n) {
+    std::vector<float> h(static_cast<size_t>(n));
+    for (auto& v : h) v = bf16_to_f32(bf16_rne(nd(rng)));
+    BackendBuffer b(be, h.size() * 4);
+    be.upload(b.get(), h.data(), h.size() * 4);
+    return b;
+  };
+  BackendBuffer x = filled(N * K), w = filled(OC * K), dy = filled(N * OC);
+  BackendBuffer y(be, static_cast<size_t>(N * OC) * 4), dx(be, static_cast<size_t>(N * K) * 4),
+      dw(be, static_cast<size_t>(OC * K) * 4);
+  be.zero(dw.get(), static_cast<size_t>(OC * K) * 4);
+  auto run = [&]() {
+    if (si < 4)
+      be.matmul_forward(y.as<float>(), x.as<float>(), w.as<float>(), nullptr, N, K, OC, emu::GemmPrecision::BF16,
+                        false);
+    else if (si < 8)
+      be.matmul_backward(dx.as<float>(), nullptr, nullptr, dy.as<float>(), x.as<float>(), w.as<float>(), N, K, OC,
+                         emu::GemmPrecision::BF16);
+    else
+      be.matmul_backward(nullptr, dw.as<float>(), nullptr, dy.as<float>(), x.as<float>(), w.as<float>(), N, K, OC,
+                         emu::GemmPrecision::BF16);
+  };
+  time_shape(state, s, be.stream(), run);
+}
+BENCHMARK(BM_GpuMatmulPicks)
+    ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), benchmark::CreateDenseRange(0, 7, 1)})
+    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+
 // The same twelve shapes through the FP8 recipe's GEMM (cuBLASLt block-scaled FP8, E4M3 codes,
 // 1x128 FP32 scales in cuBLASLt's layout as the quantizer writes them, host alpha/beta): how the
 // FP8 GEMMs compare with the BF16 ones above (BM_GpuGemmScalarModes mode 0, the BF16 recipe's

@@ -2,13 +2,15 @@
 """Table of cuBLASLt's heuristic algorithms per GEMM shape, from bench_gemm's CSV output.
 
 usage: gemm_picks.py PICKS.csv
-PICKS.csv: `bench_gemm --benchmark_filter='GpuGemmFp8/[0-9]+/[01]/|ScalarModes/[0-9]+/[01]/'
+PICKS.csv: `bench_gemm --benchmark_filter='GpuGemmFp8/[0-9]+/[01]/|ScalarModes/[0-9]+/[01]/|MatmulPicks'
 --benchmark_format=csv` (BM_GpuGemmFp8/<shape>/<mode>/<index> and
 BM_GpuGemmScalarModes/<shape>/<mode>/<index>, medians of repetitions). Prints, per kind and shape,
 the median microseconds of each heuristic index, the fastest index and its gain over index 0 (the
 plan's own choice). Kinds: fp8 (mode 0: the shape's beta, 1 for Dgrad and Wgrad), fp8b0 (mode 1:
 beta 0, as the training's FP8 Dgrads run), bf16 (mode 0: host alpha and beta, the BF16 recipe's
-setting) and bf16dev (mode 1: device alpha and beta, the FP4 path on Hopper).
+setting of its TN plans) and bf16dev (mode 1: device alpha and beta, the FP4 path on Hopper); and
+matmul (BM_GpuMatmulPicks/<shape>/<index>: the BF16 recipe's own matmuls, NN/NT plans, their FP32 ->
+BF16 operand copies included in the time).
 """
 import csv
 import re
@@ -26,6 +28,11 @@ def main(path):
     if start is None:
         sys.exit(f"{path}: no CSV header (name,...) found")
     for row in csv.DictReader(lines[start:]):
+        mm = re.match(r"BM_GpuMatmulPicks/(\d+)/(\d+)/.*_median$", row["name"])
+        if mm and row.get("error_occurred") != "true":  # the BF16 recipe's matmuls (operand copies included)
+            us = float(row["us"]) if row.get("us") else float(row["real_time"])
+            times.setdefault(("matmul", int(mm.group(1))), {})[int(mm.group(2))] = us
+            continue
         m = re.match(r"BM_Gpu(GemmFp8|GemmScalarModes)/(\d+)/([01])/(\d+)/.*_median$", row["name"])
         if not m or row.get("error_occurred") == "true":
             continue
@@ -34,7 +41,7 @@ def main(path):
         us = float(row["us"]) if row.get("us") else float(row["real_time"])
         times.setdefault((kind, int(m.group(2))), {})[int(m.group(4))] = us
     if not times:
-        sys.exit(f"{path}: no BM_GpuGemmFp8 or BM_GpuGemmScalarModes medians")
+        sys.exit(f"{path}: no BM_GpuGemmFp8, BM_GpuGemmScalarModes or BM_GpuMatmulPicks medians")
     picks = sorted({i for v in times.values() for i in v})
     print("kind    shape        " + " ".join(f"{i:>7d}" for i in picks) + "   best  gain")
     for (kind, shape), v in sorted(times.items()):
