@@ -167,9 +167,10 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
 constexpr int kGemmExactDefaultVariant = 7;
 void set_gemm_exact_variant(int variant);
 // Benchmark knob: which of the cuBLASLt heuristic's algorithms a GEMM plan built from now on uses
-// (0, the default: the plan's own choice, gpu/gemm_cublaslt.cu fp8_preferred_algo and
-// bf16_preferred_algo; 1..kMaxHeuristicPick: that index of the list). A plan fails where the list is
-// shorter. Results may differ in the last bits (cuBLASLt's order of summation); speed differs.
+// (kPlanOwnPick, the default: the plan's own choice, gpu/gemm_cublaslt.cu fp8_preferred_algo and
+// bf16_preferred_algo; 0..kMaxHeuristicPick: that index of the list, where a plan fails if the list
+// is shorter). Results may differ in the last bits (cuBLASLt's order of summation); speed differs.
+constexpr int kPlanOwnPick = -1;
 constexpr int kMaxHeuristicPick = 15;
 void set_cublaslt_heuristic_pick(int index);
 // Benchmark knob, the same for the training matmuls (CudaBackend::matmul_forward/backward, the BF16

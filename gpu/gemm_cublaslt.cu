@@ -165,7 +165,7 @@ std::shared_ptr<CublasLtState> make_cublaslt_state() {
 
 namespace {
 
-int heuristic_pick = 0;  // set_cublaslt_heuristic_pick
+int heuristic_pick = kPlanOwnPick;  // set_cublaslt_heuristic_pick
 
 }  // namespace
 
@@ -175,9 +175,9 @@ std::string cublaslt_version() {
 }
 
 void set_cublaslt_heuristic_pick(int index) {
-  if (index < 0 || index > kMaxHeuristicPick)
-    throw std::invalid_argument("set_cublaslt_heuristic_pick: index " + std::to_string(index) + " is outside 0.." +
-                                std::to_string(kMaxHeuristicPick));
+  if (index < kPlanOwnPick || index > kMaxHeuristicPick)
+    throw std::invalid_argument("set_cublaslt_heuristic_pick: index " + std::to_string(index) + " is outside " +
+                                std::to_string(kPlanOwnPick) + ".." + std::to_string(kMaxHeuristicPick));
   heuristic_pick = index;
 }
 
@@ -272,16 +272,15 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   // fails the plan where the list is shorter), except for the shapes of fp8_preferred_algo and
   // bf16_preferred_algo, which fall back to the first where the list is shorter
   const bool bf16 = kind == PlanKind::Bf16HostScalars || kind == PlanKind::Bf16DeviceScalars;
-  const int preferred = heuristic_pick != 0 ? 0
-                        : fp8               ? fp8_preferred_algo(st, M, N, K)
-                        : bf16              ? bf16_preferred_algo(st, M, N, K)
-                                            : 0;
-  const int pick = heuristic_pick != 0 ? heuristic_pick : preferred;
+  const bool knob = heuristic_pick != kPlanOwnPick;
+  const int pick = knob ? heuristic_pick
+                 : fp8  ? fp8_preferred_algo(st, M, N, K)
+                 : bf16 ? bf16_preferred_algo(st, M, N, K)
+                        : 0;
   cublasLtMatmulHeuristicResult_t heur[kMaxHeuristicPick + 1]{};
   int found = 0;
   status = cublasLtMatmulAlgoGetHeuristic(st.handle, p.op, p.la, p.lb, p.lc, p.lc, pref, pick + 1, heur, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  const bool knob = heuristic_pick != 0;
   if (status != CUBLAS_STATUS_SUCCESS || found == 0 || (knob && found <= pick)) {
     if (status == CUBLAS_STATUS_SUCCESS) status = CUBLAS_STATUS_NOT_SUPPORTED;
     destroy_plan(p);

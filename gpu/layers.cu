@@ -887,14 +887,15 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
                                " algorithm" + (pick ? " at heuristic index " + std::to_string(pick) : std::string()) +
                                " for m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                                " (it lists " + std::to_string(found) + ")");
-    CublasLt::Plan plan;
+    // the plan takes over the descriptors once it is in the map (an insertion that throws leaves
+    // them with `d`, which frees them); the preference is not needed after the query
+    it = lt.plans.emplace(key, CublasLt::Plan{}).first;
+    CublasLt::Plan& plan = it->second;
     plan.algo = heur[pick].algo;
-    // the plan takes over the descriptors (the preference is not needed after the query)
     std::swap(plan.op, d.op);
     std::swap(plan.la, d.la);
     std::swap(plan.lb, d.lb);
     std::swap(plan.ld, d.ld);
-    it = lt.plans.emplace(key, plan).first;
   }
   const CublasLt::Plan& p = it->second;
   const float alpha = 1.0f;

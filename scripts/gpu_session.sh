@@ -81,7 +81,7 @@ if [ "${1:-}" = "picks" ]; then
   build-gpu/bench_gemm --benchmark_filter="${PICKS_FILTER:-GpuGemmFp8/[0-9]+/[01]/|ScalarModes/[0-9]+/[01]/|MatmulPicks}" --benchmark_format=csv \
     >"$out/picks.csv" 2>"$out/picks.log"
   python3 validation/gemm_picks.py "$out/picks.csv" | tee "$out/picks.txt"
-  row "heuristic picks (fp8, bf16)" "$(grep -cE '^(fp8|bf16)' "$out/picks.txt") shapes tabled, $(awk '$(NF-1) != 0' "$out/picks.txt" | grep -cE '^(fp8|bf16)') with a faster index"
+  row "heuristic picks (fp8, bf16)" "$(grep -cE '^(fp8|bf16|matmul)' "$out/picks.txt") shapes tabled, $(awk '$(NF-1) != 0' "$out/picks.txt" | grep -cE '^(fp8|bf16|matmul)') with a faster index"
 fi
 
 if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] \

@@ -202,7 +202,7 @@ constexpr Gpt2Shape kGpt2Shapes[] = {
 // The cuBLASLt heuristic's list index for the plans a benchmark builds, back to 0 when it ends.
 struct HeuristicPick {
   explicit HeuristicPick(int index) { gpu::set_cublaslt_heuristic_pick(index); }
-  ~HeuristicPick() { gpu::set_cublaslt_heuristic_pick(0); }
+  ~HeuristicPick() { gpu::set_cublaslt_heuristic_pick(gpu::kPlanOwnPick); }
   HeuristicPick(const HeuristicPick&) = delete;
   HeuristicPick& operator=(const HeuristicPick&) = delete;
 };
@@ -227,14 +227,14 @@ void time_shape(benchmark::State& state, const Gpt2Shape& s, cudaStream_t stream
 }
 
 // The registration both per-shape GEMM benchmarks share. Arguments (shape, mode, heuristic index):
-// every shape in both modes with the heuristic's first algorithm (index 0: the plan's own choice,
-// which for FP8 follows gpu/gemm_cublaslt.cu fp8_preferred_algo), then every shape in both modes
-// with the list's algorithms 1..7 (filter '<name>/[0-9]+/<mode>/[1-7]'; a shape whose list is
-// shorter reports an error instead of a time). Manual time, 3 iterations of 20 calls, 3 repetitions, aggregates
+// every shape in both modes with the plan's own algorithm (index -1: gpu/gemm_cublaslt.cu
+// fp8_preferred_algo and bf16_preferred_algo, else the heuristic's first), then every shape in
+// both modes at each index 0..7 of the heuristic's list (filter '<name>/[0-9]+/<mode>/[0-7]'; a
+// shape whose list is shorter reports an error instead of a time). Manual time, 3 iterations of 20 calls, 3 repetitions, aggregates
 // only, microseconds.
 void shape_benchmark_registration(benchmark::internal::Benchmark* b) {
-  b->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {0}})
-      ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, benchmark::CreateDenseRange(1, 7, 1)})
+  b->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {gpu::kPlanOwnPick}})
+      ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, benchmark::CreateDenseRange(0, 7, 1)})
       ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 }
 

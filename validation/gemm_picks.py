@@ -5,9 +5,10 @@ usage: gemm_picks.py PICKS.csv
 PICKS.csv: `bench_gemm --benchmark_filter='GpuGemmFp8/[0-9]+/[01]/|ScalarModes/[0-9]+/[01]/|MatmulPicks'
 --benchmark_format=csv` (BM_GpuGemmFp8/<shape>/<mode>/<index> and
 BM_GpuGemmScalarModes/<shape>/<mode>/<index>, medians of repetitions). Prints, per kind and shape,
-the median microseconds of each heuristic index, the fastest index and its gain over index 0 (the
-plan's own choice). Kinds: fp8 (mode 0: the shape's beta, 1 for Dgrad and Wgrad), fp8b0 (mode 1:
-beta 0, as the training's FP8 Dgrads run), bf16 (mode 0: host alpha and beta, the BF16 recipe's
+the median microseconds of each heuristic index (-1: the plan's own choice, gpu/gemm_cublaslt.cu's
+rules, else index 0), the fastest index 0..7 and its gain over index 0 (the heuristic's first).
+Kinds: fp8 (mode 0: the shape's beta, 1 for Dgrad and Wgrad), fp8b0 (mode 1: beta 0, as the
+training's FP8 Dgrads run), bf16 (mode 0: host alpha and beta, the BF16 recipe's
 setting of its TN plans) and bf16dev (mode 1: device alpha and beta, the FP4 path on Hopper); and
 matmul (BM_GpuMatmulPicks/<shape>/<index>: the BF16 recipe's own matmuls, NN/NT plans, their FP32 ->
 BF16 operand copies included in the time).
@@ -33,7 +34,7 @@ def main(path):
             us = float(row["us"]) if row.get("us") else float(row["real_time"])
             times.setdefault(("matmul", int(mm.group(1))), {})[int(mm.group(2))] = us
             continue
-        m = re.match(r"BM_Gpu(GemmFp8|GemmScalarModes)/(\d+)/([01])/(\d+)/.*_median$", row["name"])
+        m = re.match(r"BM_Gpu(GemmFp8|GemmScalarModes)/(\d+)/([01])/(-?\d+)/.*_median$", row["name"])
         if not m or row.get("error_occurred") == "true":
             continue
         kind = ("fp8" if m.group(1) == "GemmFp8" else "bf16") + ("" if m.group(3) == "0" else
@@ -45,7 +46,7 @@ def main(path):
     picks = sorted({i for v in times.values() for i in v})
     print("kind    shape        " + " ".join(f"{i:>7d}" for i in picks) + "   best  gain")
     for (kind, shape), v in sorted(times.items()):
-        best = min(v, key=v.get)
+        best = min((i for i in v if i >= 0), key=v.get, default=-1)
         gain = f"{100 * (1 - v[best] / v[0]):5.1f}%" if 0 in v else "  n/a"
         cells = " ".join(f"{v[i]:7.1f}" if i in v else "      -" for i in picks)
         print(f"{kind:7s} {SHAPES[shape]:12s} {cells}   {best:4d} {gain}")
