@@ -362,7 +362,9 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
     zero(dqkv_, N * QKV);
     linear_bwd(l, 1, F32(datty_), F32(dx_), N, C, C);
-    store(F32(datty_), N * C);
+    // (no rounding pass over datty_ with BF16 attention: attention_backward is its only reader and
+    // reads it as bf16(dout) on both backends, so the pass would change no bit it computes)
+    if (prec_ != emu::GemmPrecision::BF16) store(F32(datty_), N * C);
     be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), linear_input(l, 1), F32(a.lse), B, T, NH, NKV, HD,
                            prec_);
     // the saved qkv is post-RoPE, the GEMM's output pre-RoPE: rotate the gradient back
