@@ -138,7 +138,8 @@ if [ "${1:-}" = "spot" ]; then
   for r in ${RECIPES:-bf16 fp8 nvfp4}; do
     runs=""
     for i in $(seq 1 "${RUNS:-1}"); do runs="$runs $(recipe_run "$r" cublaslt 8 "$out/recipe_${r}_$i.log")"; done
-    row "gpt2-124m $r cublaslt tok/s (runs:$runs)" "median $(echo "$runs" | median_of)"
+    mem=$(grep -oE "peak device memory in use: [0-9.]+ GiB" "$out/recipe_${r}_1.log" | grep -oE "[0-9.]+ GiB")
+    row "gpt2-124m $r cublaslt tok/s (runs:$runs)" "median $(echo "$runs" | median_of), peak ${mem:-n/a}"
   done
 fi
 if [ "${1:-}" = "recipes" ]; then
