@@ -45,12 +45,12 @@ constexpr int64_t kDequantChunk = 8;  // elements per thread: 4 code bytes in, o
 // 256 us for two 8192 x 8192 operands); rows come from the grid, the block from a shift.
 // Both operands in one launch: grid rows [0, a.rows) are a's, the rest b's (rows beyond the grid's
 // y extent are walked with a stride); x covers the 8-element chunks of a row.
-// With `scalars` set, its first thread also writes the GEMM's alpha' and beta (the work of
+// Its first thread also writes the GEMM's alpha' and beta to `scalars` (the work of
 // epilogue_scalars_kernel below, from the amax of a and b, which a view with rows = 0 still
 // carries): one launch fewer before a GEMM that decodes an operand.
 __global__ void dequantize_block_scaled_bf16(QuantizedView a, uint16_t* da, QuantizedView b, uint16_t* db,
                                              float alpha, float beta, float* scalars) {
-  if (scalars && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
     scalars[0] = gemm_epilogue_alpha(alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
     scalars[1] = beta;
   }
@@ -198,8 +198,10 @@ namespace {
 // fixed rule, not a timing at run time, so that every run of a configuration multiplies with the
 // same algorithm and gets the same bits (resume stays bitwise); it indexes the heuristic list of
 // the cuBLASLt release it was measured on (13.1.x), and other releases keep their first choice.
+bool picks_measured_here(const CublasLtState& st) { return st.cc_major == 9 && st.version / 100 == 1301; }
+
 int fp8_preferred_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K) {
-  if (st.cc_major != 9 || st.version / 100 != 1301) return 0;
+  if (!picks_measured_here(st)) return 0;
   if (K >= 4 * std::max(M, N) && M * N >= (int64_t{1} << 21)) return 1;
   if (M >= 4 * std::max(N, K) && K < 3072) return 6;
   return 0;
@@ -213,7 +215,7 @@ int fp8_preferred_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K)
 // scalars: 101.8 -> 89.5, 38.8 -> 34.3, 132.6 -> 110.3); at K = 3072 index 6 was no faster, and the
 // Wgrads (K = 16384) ran fastest at index 0. Same conditions as fp8_preferred_algo.
 int bf16_preferred_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K) {
-  if (st.cc_major != 9 || st.version / 100 != 1301) return 0;
+  if (!picks_measured_here(st)) return 0;
   return M >= 4 * std::max(N, K) && K <= 1024 ? 6 : 0;
 }
 
@@ -383,7 +385,7 @@ void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Quant
     // the others are decoded into scratch, both in one launch (a view with rows = 0 is skipped)
     const uint16_t* da = a.decoded_bf16;
     const uint16_t* db = b.decoded_bf16;
-    if (!da || !db) {
+    if (decode) {
       QuantizedView pa = a, pb = b;
       uint16_t* wa = nullptr;
       uint16_t* wb = nullptr;

@@ -25,9 +25,10 @@
 
 #include <algorithm>
 #include <climits>
-#include <map>
-#include <tuple>
 #include <cmath>
+#include <map>
+#include <memory>
+#include <tuple>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -755,6 +756,23 @@ namespace training_ops {
 
 using gpu::DeviceScratch;  // gpu/device_scratch.hpp
 
+// One matmul's cuBLASLt descriptors, destroyed with it.
+struct LtDescriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  LtDescriptors() = default;
+  LtDescriptors(const LtDescriptors&) = delete;
+  LtDescriptors& operator=(const LtDescriptors&) = delete;
+  ~LtDescriptors() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
 // The matmuls' own cuBLASLt handle and workspace (gpu/gemm_cublaslt.cu keeps its own), and their
 // plans: descriptors and the heuristic's algorithm per (operand type, transposes, m, n, k, leading
 // dimensions, pointer alignments), built on a matmul's first call with them and reused after (the
@@ -762,8 +780,7 @@ using gpu::DeviceScratch;  // gpu/device_scratch.hpp
 // per-call query; the host skips four descriptor builds and a heuristic query a GEMM).
 struct CublasLt {
   struct Plan {
-    cublasLtMatmulDesc_t op = nullptr;
-    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+    std::unique_ptr<LtDescriptors> d;
     cublasLtMatmulAlgo_t algo{};
   };
   using PlanKey =
@@ -775,12 +792,7 @@ struct CublasLt {
   CublasLt(const CublasLt&) = delete;
   CublasLt& operator=(const CublasLt&) = delete;
   ~CublasLt() {
-    for (auto& kv : plans) {
-      if (kv.second.ld) cublasLtMatrixLayoutDestroy(kv.second.ld);
-      if (kv.second.lb) cublasLtMatrixLayoutDestroy(kv.second.lb);
-      if (kv.second.la) cublasLtMatrixLayoutDestroy(kv.second.la);
-      if (kv.second.op) cublasLtMatmulDescDestroy(kv.second.op);
-    }
+    plans.clear();  // (the descriptors before the handle, as they were made)
     if (workspace) cudaFree(workspace);
     if (handle) cublasLtDestroy(handle);
   }
@@ -816,23 +828,8 @@ CudaBackend::LayersState& CudaBackend::layers_state() {
 namespace {
 
 using training_ops::CublasLt;
+using training_ops::LtDescriptors;
 using training_ops::RopeTable;
-
-struct LtDescriptors {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  LtDescriptors() = default;
-  LtDescriptors(const LtDescriptors&) = delete;
-  LtDescriptors& operator=(const LtDescriptors&) = delete;
-  ~LtDescriptors() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (ld) cublasLtMatrixLayoutDestroy(ld);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
 
 // D (col-major m x n, ld m) = op(A) op(B) + beta * D, FP32 accumulation and output
 // (CUBLAS_COMPUTE_32F: no TF32), operands BF16 (`bf16`) or FP32. A is stored (m x k) col-major
@@ -854,7 +851,8 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
   auto it = lt.plans.find(key);
   if (it == lt.plans.end()) {
     const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
-    LtDescriptors d;
+    auto owned = std::make_unique<LtDescriptors>();
+    LtDescriptors& d = *owned;
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -887,20 +885,12 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
                                " algorithm" + (pick ? " at heuristic index " + std::to_string(pick) : std::string()) +
                                " for m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                                " (it lists " + std::to_string(found) + ")");
-    // the plan takes over the descriptors once it is in the map (an insertion that throws leaves
-    // them with `d`, which frees them); the preference is not needed after the query
-    it = lt.plans.emplace(key, CublasLt::Plan{}).first;
-    CublasLt::Plan& plan = it->second;
-    plan.algo = heur[pick].algo;
-    std::swap(plan.op, d.op);
-    std::swap(plan.la, d.la);
-    std::swap(plan.lb, d.lb);
-    std::swap(plan.ld, d.ld);
+    it = lt.plans.emplace(key, CublasLt::Plan{std::move(owned), heur[pick].algo}).first;
   }
-  const CublasLt::Plan& p = it->second;
+  const LtDescriptors& d = *it->second.d;
   const float alpha = 1.0f;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(lt.handle, p.op, &alpha, A, p.la, B, p.lb, &beta, D, p.ld, D,
-                                     p.ld, &p.algo, lt.workspace, kCublasWorkspaceBytes, stream));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(lt.handle, d.op, &alpha, A, d.la, B, d.lb, &beta, D, d.ld, D,
+                                     d.ld, &it->second.algo, lt.workspace, kCublasWorkspaceBytes, stream));
 }
 
 // The GEMM operand x (count FP32 values) as the matmul reads it: its BF16 bits in `scratch` for

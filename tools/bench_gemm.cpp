@@ -199,12 +199,17 @@ constexpr Gpt2Shape kGpt2Shapes[] = {
     {"wgrad_fc", 3072, 768, 16384, 1.0f},   {"wgrad_fc2", 768, 3072, 16384, 1.0f},
 };
 
-// The cuBLASLt heuristic's list index for the plans a benchmark builds, back to 0 when it ends.
+// A heuristic-index knob (gpu::set_cublaslt_heuristic_pick, gpu::set_matmul_heuristic_pick) set
+// for the plans a benchmark builds, back to its default when the benchmark ends.
 struct HeuristicPick {
-  explicit HeuristicPick(int index) { gpu::set_cublaslt_heuristic_pick(index); }
-  ~HeuristicPick() { gpu::set_cublaslt_heuristic_pick(gpu::kPlanOwnPick); }
+  HeuristicPick(void (*set)(int), int index, int default_index) : set_(set), default_(default_index) { set(index); }
+  ~HeuristicPick() { set_(default_); }
   HeuristicPick(const HeuristicPick&) = delete;
   HeuristicPick& operator=(const HeuristicPick&) = delete;
+
+ private:
+  void (*set_)(int);
+  int default_;
 };
 
 // Times one shape's GEMM (run): 3 warm-up calls, then 20 per iteration; counters us and TFLOPs. A
@@ -247,7 +252,7 @@ void BM_GpuGemmScalarModes(benchmark::State& state) {
   const auto mode = static_cast<gpu::Bf16Scalars>(state.range(1));
   const int pick = static_cast<int>(state.range(2));
   state.SetLabel(std::string(s.name) + " algo " + std::to_string(pick));
-  HeuristicPick pick_guard(pick);
+  HeuristicPick pick_guard(gpu::set_cublaslt_heuristic_pick, pick, gpu::kPlanOwnPick);
   gpu::CudaBackend be;
   std::mt19937_64 rng(11);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -292,10 +297,7 @@ void BM_GpuMatmulPicks(benchmark::State& state) {
   const Gpt2Shape& s = kGpt2Shapes[si];
   const int pick = static_cast<int>(state.range(1));
   state.SetLabel(std::string(s.name) + " algo " + std::to_string(pick));
-  gpu::set_matmul_heuristic_pick(pick);
-  struct Reset {
-    ~Reset() { gpu::set_matmul_heuristic_pick(0); }
-  } reset;
+  HeuristicPick pick_guard(gpu::set_matmul_heuristic_pick, pick, 0);
   gpu::CudaBackend be;
   // the op's (N tokens, K in, OC out) for each kind of shape (kGpt2Shapes lists the GEMM's M x N x K)
   const int64_t N = si < 8 ? s.M : s.K, K = si < 4 ? s.K : s.N, OC = si < 4 ? s.N : (si < 8 ? s.K : s.M);
@@ -343,7 +345,7 @@ void BM_GpuGemmFp8(benchmark::State& state) {
   const float beta = state.range(1) == 0 ? s.beta : 0.0f;
   const int pick = static_cast<int>(state.range(2));
   state.SetLabel(std::string(s.name) + (beta != 0.0f ? " beta 1" : " beta 0") + " algo " + std::to_string(pick));
-  HeuristicPick pick_guard(pick);
+  HeuristicPick pick_guard(gpu::set_cublaslt_heuristic_pick, pick, gpu::kPlanOwnPick);
   gpu::CudaBackend be;
   std::mt19937_64 rng(11);
   std::normal_distribution<float> nd(0.0f, 1.0f);
