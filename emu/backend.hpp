@@ -137,9 +137,10 @@ class Backend {
                                  int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/, emu::GemmPrecision /*prec*/) {
     missing("attention_forward");
   }
+  // dqkv written, not accumulated (emu/layers.hpp), then BF16-rounded when round_bf16
   virtual void attention_backward(float* /*dqkv*/, const float* /*dout*/, const float* /*qkv*/, const float* /*out*/,
                                   const float* /*lse*/, int64_t /*B*/, int64_t /*T*/, int64_t /*NH*/, int64_t /*NKV*/,
-                                  int64_t /*HD*/, emu::GemmPrecision /*prec*/) {
+                                  int64_t /*HD*/, emu::GemmPrecision /*prec*/, bool /*round_bf16*/) {
     missing("attention_backward");
   }
   virtual void rope_forward(float* /*qkv*/, int64_t /*B*/, int64_t /*T*/, int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/) {
@@ -151,6 +152,7 @@ class Backend {
   virtual void gelu_forward(float* /*out*/, const float* /*inp*/, int64_t /*n*/, bool /*round_bf16*/) {
     missing("gelu_forward");
   }
+  // the activations' backward passes write dinp (not accumulated; emu/layers.hpp)
   virtual void gelu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*n*/,
                              bool /*round_bf16*/) {
     missing("gelu_backward");

@@ -84,8 +84,9 @@ class CpuBackend final : public Backend {
   }
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                           const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                          int64_t HD, emu::GemmPrecision prec) override {
+                          int64_t HD, emu::GemmPrecision prec, bool round_bf16) override {
     emu::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, prec);
+    if (round_bf16) emu::round_to_bf16(dqkv, B * T * (NH + 2 * NKV) * HD);
   }
   void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override {
     emu::rope_forward(qkv, B, T, NH, NKV, HD);

@@ -110,7 +110,7 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) 
     const float t = std::tanh(arg);
     const float sech2 = 1.0f - t * t;
     const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
-    dinp[i] += local * dout[i];
+    dinp[i] = 0.0f + local * dout[i];  // written (see layers.hpp)
   }
 }
 
@@ -129,7 +129,7 @@ void squared_relu_forward(float* out, const float* inp, int64_t n) {
 
 void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) dinp[i] += (inp[i] > 0.0f ? 2.0f * inp[i] : 0.0f) * dout[i];
+  for (int64_t i = 0; i < n; ++i) dinp[i] = 0.0f + (inp[i] > 0.0f ? 2.0f * inp[i] : 0.0f) * dout[i];
 }
 
 void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) {
@@ -153,8 +153,8 @@ void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N
       const float silu = g[i] * sig;
       const float dy = dout[n * F + i];
       // d silu / dx = sig * (1 + x * (1 - sig))
-      dg[i] += (dy * u[i]) * (sig * (1.0f + g[i] * (1.0f - sig)));
-      du[i] += dy * silu;
+      dg[i] = 0.0f + (dy * u[i]) * (sig * (1.0f + g[i] * (1.0f - sig)));
+      du[i] = 0.0f + dy * silu;
     }
   }
 }
@@ -518,7 +518,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           float* dq = dqkv + (b * T + t) * W + h * HD;
           for (int64_t i = 0; i < HD; ++i) {
             const float* ki = &k.cols[static_cast<size_t>(i * T)];
-            dq[i] += chain(bf16, 0, t + 1, 0.0f, [&](int64_t j) { return ds[j]; }, [&](int64_t j) { return ki[j]; }) * scale;
+            dq[i] = 0.0f + chain(bf16, 0, t + 1, 0.0f, [&](int64_t j) { return ds[j]; }, [&](int64_t j) { return ki[j]; }) * scale;
           }
         }
       }
@@ -537,8 +537,8 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             sk = chain(bf16, j, T, sk, [&](int64_t t) { return ds_j[t]; }, [&](int64_t t) { return qi[t]; });
             sv = chain(bf16, j, T, sv, [&](int64_t t) { return p_j[t]; }, [&](int64_t t) { return dyi[t]; });
           }
-          dk[i] += sk * scale;
-          dv[i] += sv;
+          dk[i] = 0.0f + sk * scale;
+          dv[i] = 0.0f + sv;
         }
       }
     }

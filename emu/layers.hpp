@@ -25,7 +25,9 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 
 // GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). n elements.
 void gelu_forward(float* out, const float* inp, int64_t n);
-void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);  // accumulates
+// The activations' backward passes write dinp = +0 + local * dout (the bits of accumulating into a
+// zeroed dinp: -0 becomes +0) and never read dinp, so the caller needs no zeroing pass.
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
 
 // x (n) rounded to BF16 in place (RNE), as the activations' BF16 storage (DESIGN.md §9).
 void round_to_bf16(float* x, int64_t n);
@@ -35,7 +37,7 @@ void squared_relu_forward(float* out, const float* inp, int64_t n);
 void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
 
 // SwiGLU: inp (N, 2F) holds [gate | up] per row; out (N,F) = silu(gate) * up,
-// silu(x) = x / (1 + exp(-x)). The backward pass accumulates into both halves of dinp (N, 2F).
+// silu(x) = x / (1 + exp(-x)). The backward pass writes both halves of dinp (N, 2F), as above.
 void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F);
 void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F);
 
@@ -116,16 +118,18 @@ namespace fp4sim::emu {
 // the roundings would make finite differences meaningless; the CUDA kernels refuse it.
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
                        int64_t NKV, int64_t HD, GemmPrecision prec = GemmPrecision::BF16);
-// dqkv (B,T,(NH+2NKV)*HD) += gradients; dout (B,T,NH*HD); out and lse from attention_forward.
+// dqkv (B,T,(NH+2NKV)*HD) = gradients, every element written as +0 + its value (the bits of adding
+// it to a zeroed dqkv: -0 becomes +0), nothing read from dqkv; dout (B,T,NH*HD); out and lse from
+// attention_forward.
 // Numerics, per query row t of head h (q, k, v, dout rounded to BF16 as above; "chain" as above):
 // - p_j = exp(s_j - lse) (s_j recomputed as in the forward pass); dP_j = chain over i of
 //   dout_i v_ji; Dsum = sum_i dout_i out_i (FP32, increasing i: not a GEMM); dS_j = p_j * (dP_j -
 //   Dsum) (FP32).
-// - dq = scale * (chain over j of bf16(dS_j) k_j), one FP32 multiplication, added to dqkv.
+// - dq = scale * (chain over j of bf16(dS_j) k_j), one FP32 multiplication, written (+0 + dq).
 // - dk_j = scale * (sum over h, t of bf16(dS_tj) q_t), dv_j = sum over h, t of bf16(p_tj) dout_t:
 //   one chain continued over the KV head's query heads h in increasing order, each over t (chunks
-//   of 16 t from 0; t < j are zero terms); then the scale multiplication (dk only) and one
-//   addition to dqkv. So a KV head's gradient sums over its query heads (GQA), and scale is
+//   of 16 t from 0; t < j are zero terms); then the scale multiplication (dk only), written
+//   (+0 + value). So a KV head's gradient sums over its query heads (GQA), and scale is
 //   applied once to each sum, never to a BF16 operand.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,

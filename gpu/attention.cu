@@ -1,7 +1,7 @@
 // Causal self-attention with grouped KV heads on the tensor cores: FlashAttention-2 kernels (Dao,
 // 2023) on mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, the CUDA twins of
-// emu/layers.hpp's attention_forward / attention_backward (same shapes, same saved lse, same
-// dqkv +=). The (B,NH,T,T) probabilities are never stored.
+// emu/layers.hpp's attention_forward / attention_backward (same shapes, same saved lse, dqkv
+// written as +0 + value). The (B,NH,T,T) probabilities are never stored.
 //
 // Shapes: qkv (B,T,(NH+2NKV)*HD) FP32 holding the NH query heads, then NKV key heads, then NKV
 // value heads; out and dout (B,T,NH*HD); lse and dsum (B,NH,T). Query head h reads KV head
@@ -33,7 +33,8 @@
 //   bf16(dS_j) k_j), dk_j = scale * (sum_{h,t} bf16(dS_tj) q_t), dv_j = sum_{h,t} bf16(p_tj)
 //   dout_t, each sum FP32 from +0 in registers over a fixed loop order (heads, then query tiles,
 //   then 16-row chunks, each in increasing order), then one FP32 multiplication by scale (dq, dk)
-//   and one FP32 addition into dqkv by the one thread that owns the element.
+//   and the store of +0 + value (BF16-rounded when the caller asks) by the one thread that owns
+//   the element; dqkv is never read, so it needs no zeroing.
 // - Deterministic: no atomics, no order that depends on scheduling: run to run bitwise.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -353,6 +354,13 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward -----------------------------------------------------------------------------------
 
+// A gradient element as the backward kernels store it: +0 + v (the emulator's bits for a value
+// written where it used to be added to a zeroed dqkv: -0 becomes +0), BF16-rounded when round_bf16.
+__device__ __forceinline__ float written(float v, bool round_bf16) {
+  const float w = __fadd_rn(0.0f, v);
+  return round_bf16 ? bf16_round(w) : w;
+}
+
 // dsum (B,NH,T) = sum_i bf16(dout_i) * out_i over one head's row, one thread per row
 // r = (b*T + t)*NH + h, FP32 from +0 in increasing i: the emulator's order, bitwise.
 template <int HD>
@@ -379,12 +387,13 @@ __global__ void attention_dsum_kernel(float* dsum, const float* dout, const floa
 // dq: one CTA per (b, h, 64-row query tile), grid (B*NH, query tiles), most keys first. Warp w
 // owns query rows q_tile*64 + 16w .. +15 and keeps their Q and dO fragments in registers; K and V
 // tiles up to the diagonal go through shared memory, 16 keys at a time:
-// S = Q K^T, dP = dO V^T, p = exp(s*scale - lse), dS = p (dP - dsum), dq += bf16(dS) K.
-// Each dq element is added to dqkv by the one lane that holds it.
+// S = Q K^T, dP = dO V^T, p = exp(s*scale - lse), dS = p (dP - dsum), dq = bf16(dS) K.
+// Each dq element is written to dqkv (+0 + value, then BF16-rounded when round_bf16) by the one
+// lane that holds it; dqkv is never read.
 template <int HD>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_dq_kernel(float* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
-                                 const float* dsum, int T, int NH, int NKV, float scale) {
+                                 const float* dsum, int T, int NH, int NKV, float scale, bool round_bf16) {
   constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
   __shared__ __align__(16) bf16 k_buf[kS][kTile * kStride];
   __shared__ __align__(16) bf16 v_buf[kS][kTile * kStride];
@@ -456,9 +465,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int n = 0; n < kDn; ++n) {
       float2* p = reinterpret_cast<float2*>(dq_row + n * 8 + 2 * tig);
-      const float2 cur = *p;
-      *p = make_float2(__fadd_rn(cur.x, __fmul_rn(dq[n][2 * r], scale)),
-                       __fadd_rn(cur.y, __fmul_rn(dq[n][2 * r + 1], scale)));
+      *p = make_float2(written(__fmul_rn(dq[n][2 * r], scale), round_bf16),
+                       written(__fmul_rn(dq[n][2 * r + 1], scale), round_bf16));
     }
   }
 }
@@ -468,13 +476,13 @@ __global__ void __launch_bounds__(kThreads)
 // V fragments in registers; for each query head h of the group in increasing order and each query
 // tile from the diagonal on, Q and dO go through shared memory, 16 query rows at a time:
 // S^T = K Q^T, dP^T = V dO^T, p = exp(s*scale - lse_t), dS = p (dP - dsum_t),
-// dv += bf16(P^T) dO, dk += bf16(dS^T) Q. Each dk, dv element is added to dqkv by the one lane
-// that holds it.
+// dv = bf16(P^T) dO, dk = bf16(dS^T) Q. Each dk, dv element is written to dqkv (as dq above) by
+// the one lane that holds it.
 template <int HD>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_dkdv_kernel(float* dqkv, const bf16* dout, const bf16* qkv,
                                    const float* lse, const float* dsum, int T, int NH, int NKV,
-                                   float scale) {
+                                   float scale, bool round_bf16) {
   constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
   __shared__ __align__(16) bf16 q_buf[kS][kTile * kStride];
   __shared__ __align__(16) bf16 do_buf[kS][kTile * kStride];
@@ -563,10 +571,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int n = 0; n < kDn; ++n) {
       float2* pk = reinterpret_cast<float2*>(dk_row + n * 8 + 2 * tig);
       float2* pv = reinterpret_cast<float2*>(dv_row + n * 8 + 2 * tig);
-      const float2 ck = *pk, cv = *pv;
-      *pk = make_float2(__fadd_rn(ck.x, __fmul_rn(dk[n][2 * r], scale)),
-                        __fadd_rn(ck.y, __fmul_rn(dk[n][2 * r + 1], scale)));
-      *pv = make_float2(__fadd_rn(cv.x, dv[n][2 * r]), __fadd_rn(cv.y, dv[n][2 * r + 1]));
+      *pk = make_float2(written(__fmul_rn(dk[n][2 * r], scale), round_bf16),
+                        written(__fmul_rn(dk[n][2 * r + 1], scale), round_bf16));
+      *pv = make_float2(written(dv[n][2 * r], round_bf16), written(dv[n][2 * r + 1], round_bf16));
     }
   }
 }
@@ -601,7 +608,7 @@ void forward_for(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, 
 template <int HD>
 void backward_for(float* dqkv, float* dsum, const float* dout, const bf16* dout16, const bf16* qkv16,
                   const float* out, const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                  cudaStream_t stream) {
+                  bool round_bf16, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const int64_t rows = B * T * NH, tiles = (T + kTile - 1) / kTile;
   const int64_t dsum_blocks = (rows + kDsumThreads - 1) / kDsumThreads;
@@ -612,12 +619,12 @@ void backward_for(float* dqkv, float* dsum, const float* dout, const bf16* dout1
   attention_backward_dkdv_kernel<HD>
       <<<dim3(static_cast<unsigned>(B * NKV), static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
           dqkv, dout16, qkv16, lse, dsum, static_cast<int>(T), static_cast<int>(NH),
-          static_cast<int>(NKV), scale);
+          static_cast<int>(NKV), scale, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
   attention_backward_dq_kernel<HD>
       <<<dim3(static_cast<unsigned>(B * NH), static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
           dqkv, dout16, qkv16, lse, dsum, static_cast<int>(T), static_cast<int>(NH),
-          static_cast<int>(NKV), scale);
+          static_cast<int>(NKV), scale, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -668,7 +675,8 @@ void attention_forward_launch(float* out, float* lse, const float* qkv, uint16_t
 
 void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv,
                                const float* out, const float* lse, uint16_t* qkv16, uint16_t* dout16,
-                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream) {
+                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16,
+                               cudaStream_t stream) {
   attention_check_shape("attention_backward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
   require_aligned("attention_backward", "dqkv", dqkv);
@@ -683,16 +691,16 @@ void attention_backward_launch(float* dqkv, float* dsum, const float* dout, cons
   to_bf16(d16, dout, B * T * NH * HD, stream);
   switch (HD) {
     case 16:
-      backward_for<16>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, stream);
+      backward_for<16>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     case 32:
-      backward_for<32>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, stream);
+      backward_for<32>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     case 64:
-      backward_for<64>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, stream);
+      backward_for<64>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     default:
-      backward_for<128>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, stream);
+      backward_for<128>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, round_bf16, stream);
       break;
   }
 }

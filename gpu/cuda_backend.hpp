@@ -88,7 +88,7 @@ class CudaBackend final : public Backend {
                          int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec) override;
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                           const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                          int64_t HD, emu::GemmPrecision prec) override;
+                          int64_t HD, emu::GemmPrecision prec, bool round_bf16) override;
   void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                     int64_t HD) override;
   void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
@@ -212,7 +212,8 @@ void attention_forward_launch(float* out, float* lse, const float* qkv, uint16_t
                               int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream);
 void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv,
                                const float* out, const float* lse, uint16_t* qkv16, uint16_t* dout16,
-                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream);
+                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16,
+                               cudaStream_t stream);
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream);
 

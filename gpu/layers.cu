@@ -467,7 +467,7 @@ __global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n, boo
   }
 }
 
-// dinp (n) += local * dout, local = 0.5 (1 + t) + (((x 0.5) sech2) sqrt(2/pi)) (1 + (3 0.044715) x x),
+// dinp (n) = +0 + local * dout (written, never read: emu/layers.hpp), local = 0.5 (1 + t) + (((x 0.5) sech2) sqrt(2/pi)) (1 + (3 0.044715) x x),
 // t = tanhf(sqrt(2/pi) (x + cube)), sech2 = 1 - t t; left to right as the emulator writes it.
 // CUDA tanhf: not bitwise (1 - t^2 amplifies an ulp of t where |t| is near 1).
 __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) {
@@ -481,7 +481,7 @@ __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float*
     const float local =
         __fadd_rn(__fmul_rn(0.5f, __fadd_rn(1.0f, t)),
                   __fmul_rn(__fmul_rn(__fmul_rn(__fmul_rn(x, 0.5f), sech2), kGeluScale), poly));
-    dinp[j] = stored(__fadd_rn(dinp[j], __fmul_rn(local, dout[j])), round_bf16);
+    dinp[j] = stored(__fadd_rn(0.0f, __fmul_rn(local, dout[j])), round_bf16);
   }
 }
 
@@ -494,12 +494,12 @@ __global__ void squared_relu_forward_kernel(float* out, const float* inp, int64_
   }
 }
 
-// dinp += (x > 0 ? 2 x : 0) * dout: bitwise.
+// dinp = +0 + (x > 0 ? 2 x : 0) * dout (written): bitwise.
 __global__ void squared_relu_backward_kernel(float* dinp, const float* inp, const float* dout,
                                              int64_t n, bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dinp[j] = stored(__fadd_rn(dinp[j], __fmul_rn(inp[j] > 0.0f ? __fmul_rn(2.0f, inp[j]) : 0.0f, dout[j])),
+    dinp[j] = stored(__fadd_rn(0.0f, __fmul_rn(inp[j] > 0.0f ? __fmul_rn(2.0f, inp[j]) : 0.0f, dout[j])),
                      round_bf16);
 }
 
@@ -552,8 +552,8 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
     const float silu = __fmul_rn(g, sig);
     const float dy = dout[e];
     const float dsilu = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sig))));
-    dinp[n * 2 * F + i] = stored(__fadd_rn(dinp[n * 2 * F + i], __fmul_rn(__fmul_rn(dy, u), dsilu)), round_bf16);
-    dinp[n * 2 * F + F + i] = stored(__fadd_rn(dinp[n * 2 * F + F + i], __fmul_rn(dy, silu)), round_bf16);
+    dinp[n * 2 * F + i] = stored(__fadd_rn(0.0f, __fmul_rn(__fmul_rn(dy, u), dsilu)), round_bf16);  // written
+    dinp[n * 2 * F + F + i] = stored(__fadd_rn(0.0f, __fmul_rn(dy, silu)), round_bf16);
   }
 }
 
@@ -1088,7 +1088,8 @@ void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, in
 
 void CudaBackend::attention_backward(float* dqkv, const float* dout, const float* qkv,
                                      const float* out, const float* lse, int64_t B, int64_t T,
-                                     int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec) {
+                                     int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec,
+                                     bool round_bf16) {
   require_heads("attention_backward", NH, NKV, HD);
   require_bf16_attention("attention_backward", prec);
   attention_check_shape("attention_backward", B, T, NH, NKV, HD);  // before any scratch is sized
@@ -1098,7 +1099,7 @@ void CudaBackend::attention_backward(float* dqkv, const float* dout, const float
   const size_t bt = B > 0 && T > 0 ? static_cast<size_t>(B * T) : 0;  // (B * T == 0 returned above)
   uint16_t* qkv16 = st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
-  attention_backward_launch(dqkv, dsum, dout, qkv, out, lse, qkv16, dout16, B, T, NH, NKV, HD, stream_);
+  attention_backward_launch(dqkv, dsum, dout, qkv, out, lse, qkv16, dout16, B, T, NH, NKV, HD, round_bf16, stream_);
 }
 
 void CudaBackend::rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,

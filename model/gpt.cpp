@@ -351,7 +351,8 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   for (int64_t l = c.n_layers - 1; l >= 0; --l) {
     LayerActs& a = acts_[static_cast<size_t>(l)];
     const float* x_in = l == 0 ? F32(emb_) : F32(acts_[static_cast<size_t>(l - 1)].res2);
-    zero(dfc_, N * FC);  // (dact_, dln2_, datty_, dln1_: written by linear_bwd, no zeroing)
+    // (dact_, dln2_, datty_, dln1_: written by linear_bwd; dfc_ by the activation's backward pass;
+    // dqkv_ by attention_backward: no zeroing)
     linear_bwd(l, 3, F32(dact_), F32(dx_), N, F, C);
     store(F32(dact_), N * F);
     if (c.activation == "gelu_tanh") be_.gelu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb);
@@ -360,16 +361,19 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC);
     store(F32(dln2_), N * C);
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
-    zero(dqkv_, N * QKV);
     linear_bwd(l, 1, F32(datty_), F32(dx_), N, C, C);
     // (no rounding pass over datty_ with BF16 attention: attention_backward is its only reader and
     // reads it as bf16(dout) on both backends, so the pass would change no bit it computes)
     if (prec_ != emu::GemmPrecision::BF16) store(F32(datty_), N * C);
+    // the BF16 storage of dqkv rides on the attention's own write, except with RoPE: the saved qkv
+    // is post-RoPE, the GEMM's output pre-RoPE, so the gradient is rotated back first
+    const bool rope = c.positions == "rope";
     be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), linear_input(l, 1), F32(a.lse), B, T, NH, NKV, HD,
-                           prec_);
-    // the saved qkv is post-RoPE, the GEMM's output pre-RoPE: rotate the gradient back
-    if (c.positions == "rope") be_.rope_backward(F32(dqkv_), B, T, NH, NKV, HD);
-    store(F32(dqkv_), N * QKV);
+                           prec_, rb && !rope);
+    if (rope) {
+      be_.rope_backward(F32(dqkv_), B, T, NH, NKV, HD);
+      store(F32(dqkv_), N * QKV);
+    }
     linear_bwd(l, 0, F32(dln1_), F32(dqkv_), N, C, QKV);
     store(F32(dln1_), N * C);
     norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"));

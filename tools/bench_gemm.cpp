@@ -429,7 +429,7 @@ void BM_GpuAttention(benchmark::State& state) {
   auto call = [&] {
     if (backward)
       be.attention_backward(dqkv.as<float>(), dout.as<float>(), qkv.as<float>(), out.as<float>(), lse.as<float>(), B,
-                            T, NH, NKV, HD, emu::GemmPrecision::BF16);
+                            T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
     else
       be.attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV, HD,
                            emu::GemmPrecision::BF16);

@@ -551,7 +551,7 @@ AttnMags attention_mags(const AttnShape& sh, const Vec& qkv, const Vec& dout, co
           }
         }
     }
-  // the one FP32 addition of each gradient to dqkv's previous value: an ulp of the result
+  // an ulp of the result for the final store's rounding (+0 + value is exact; kept as margin)
   for (size_t i = 0; i < m.dqkv.size(); ++i) m.dqkv[i] += std::fabs(dqkv_result[i]) * 0x1p-16;
   return m;
 }
@@ -573,12 +573,12 @@ TEST(LayersGpu, AttentionMatchesEmulator) {
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     const Vec &out = e[0], &lse = e[1];
 
-    // backward from the emulator's out and lse, into a non-zero dqkv
-    const Vec dout = randn(sz(B * T * C), rng), dqkv0 = randn(sz(B * T * W), rng);
+    // backward from the emulator's out and lse, into a dqkv of NaN: every element is written
+    const Vec dout = randn(sz(B * T * C), rng), dqkv0(sz(B * T * W), kNaN);
     const Op bwd = [&](Backend& bk, Call& c) {
       float* dqkv = c.out(dqkv0);
       bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(out), c.in(lse), B, T, NH, NKV, HD,
-                            emu::GemmPrecision::BF16);
+                            emu::GemmPrecision::BF16, false);
     };
     const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
     const AttnMags m = attention_mags(sh, qkv, dout, out, lse, eb[0]);
@@ -586,14 +586,20 @@ TEST(LayersGpu, AttentionMatchesEmulator) {
     expect_bounded("attention_forward lse" + tag, e[1], g[1], m.lse, lse_rtol(sh));
     expect_bounded("attention_backward dqkv" + tag, eb[0], gb[0], m.dqkv,
                    kAttnBf16Rtol + kAttnFp32Rtol);
-    // and the CUDA backward from the CUDA forward: run to run bitwise
-    const Op bwd_cuda = [&](Backend& bk, Call& c) {
-      float* dqkv = c.out(dqkv0);
-      bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(g[0]), c.in(g[1]), B, T, NH, NKV, HD,
-                            emu::GemmPrecision::BF16);
+    // and the CUDA backward from the CUDA forward: run to run bitwise; with the BF16 storage asked
+    // of the op, the bits of bf16_round of its unrounded output
+    const auto bwd_cuda = [&](bool round) {
+      return Op([&, round](Backend& bk, Call& c) {
+        float* dqkv = c.out(dqkv0);
+        bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(g[0]), c.in(g[1]), B, T, NH, NKV, HD,
+                              emu::GemmPrecision::BF16, round);
+      });
     };
-    expect_bitwise("attention_backward twice" + tag, run(*be.cuda, bwd_cuda)[0],
-                   run(*be.cuda, bwd_cuda)[0]);
+    const Vec plain = run(*be.cuda, bwd_cuda(false))[0];
+    expect_bitwise("attention_backward twice" + tag, plain, run(*be.cuda, bwd_cuda(false))[0]);
+    Vec rounded = plain;
+    for (float& v : rounded) v = bf16_round(v);
+    expect_bitwise("attention_backward round_bf16" + tag, rounded, run(*be.cuda, bwd_cuda(true))[0]);
   }
 }
 
@@ -641,7 +647,7 @@ TEST(LayersGpu, AttentionGpt2LayerShapeRuns) {
   float* lse = c.out(Vec(sz(B * NH * T)));
   float* dqkv = c.out(Vec(sz(B * T * W)));
   g.attention_forward(out, lse, qkv, B, T, NH, NKV, HD, emu::GemmPrecision::BF16);
-  g.attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16);
+  g.attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
   const Outputs r = c.results();
   for (const Vec& v : r)
     for (float x : v) ASSERT_TRUE(std::isfinite(x));
@@ -1111,7 +1117,7 @@ TEST(LayersGpu, ReductionsAreDeterministic) {
     twice("attention_backward", [&](Backend& bk, Call& c) {
       float* dqkv = c.out(qkv);
       bk.attention_backward(dqkv, c.in(dy), c.in(qkv), c.in(f[0]), c.in(f[1]), B, T, NH, NKV, HD,
-                            emu::GemmPrecision::BF16);
+                            emu::GemmPrecision::BF16, false);
     });
   }
   {
