@@ -152,23 +152,25 @@ class Backend {
   virtual void gelu_forward(float* /*out*/, const float* /*inp*/, int64_t /*n*/, bool /*round_bf16*/) {
     missing("gelu_forward");
   }
-  // the activations' backward passes write dinp (not accumulated; emu/layers.hpp)
+  // The activations' backward passes write dinp (not accumulated; emu/layers.hpp), BF16-rounded
+  // when round_bf16; bf16_dout: dout is read as bf16_round(dout) (the incoming gradient's BF16
+  // storage applied where it is read: the caller needs no rounding pass over it).
   virtual void gelu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*n*/,
-                             bool /*round_bf16*/) {
+                             bool /*round_bf16*/, bool /*bf16_dout*/) {
     missing("gelu_backward");
   }
   virtual void squared_relu_forward(float* /*out*/, const float* /*inp*/, int64_t /*n*/, bool /*round_bf16*/) {
     missing("squared_relu_forward");
   }
   virtual void squared_relu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*n*/,
-                                     bool /*round_bf16*/) {
+                                     bool /*round_bf16*/, bool /*bf16_dout*/) {
     missing("squared_relu_backward");
   }
   virtual void swiglu_forward(float* /*out*/, const float* /*inp*/, int64_t /*N*/, int64_t /*F*/, bool /*round_bf16*/) {
     missing("swiglu_forward");
   }
   virtual void swiglu_backward(float* /*dinp*/, const float* /*inp*/, const float* /*dout*/, int64_t /*N*/, int64_t /*F*/,
-                               bool /*round_bf16*/) {
+                               bool /*round_bf16*/, bool /*bf16_dout*/) {
     missing("swiglu_backward");
   }
   // x (n) = bf16_round(x) in place (RNE; NaN -> the canonical BF16 NaN): BF16 storage of activations.

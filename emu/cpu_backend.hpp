@@ -3,10 +3,21 @@
 #pragma once
 
 #include <stdexcept>
+#include <vector>
 
 #include "emu/backend.hpp"
+#include "emu/layers.hpp"
 
 namespace fp4sim::emu {
+
+// dout (n) as a backward pass reads it: a BF16-rounded copy in `rounded` when bf16_dout (the
+// caller's BF16 storage of the gradient, applied where it is read), else dout itself.
+inline const float* read_as_bf16(const float* dout, int64_t n, bool bf16_dout, std::vector<float>& rounded) {
+  if (!bf16_dout) return dout;
+  rounded.assign(dout, dout + n);
+  round_to_bf16(rounded.data(), n);
+  return rounded.data();
+}
 
 class CpuBackend final : public Backend {
  public:
@@ -98,16 +109,20 @@ class CpuBackend final : public Backend {
     emu::gelu_forward(out, inp, n);
     if (round_bf16) emu::round_to_bf16(out, n);
   }
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) override {
-    emu::gelu_backward(dinp, inp, dout, n);
+  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
+                     bool bf16_dout) override {
+    std::vector<float> rounded;
+    emu::gelu_backward(dinp, inp, read_as_bf16(dout, n, bf16_dout, rounded), n);
     if (round_bf16) emu::round_to_bf16(dinp, n);
   }
   void squared_relu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override {
     emu::squared_relu_forward(out, inp, n);
     if (round_bf16) emu::round_to_bf16(out, n);
   }
-  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) override {
-    emu::squared_relu_backward(dinp, inp, dout, n);
+  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
+                             bool bf16_dout) override {
+    std::vector<float> rounded;
+    emu::squared_relu_backward(dinp, inp, read_as_bf16(dout, n, bf16_dout, rounded), n);
     if (round_bf16) emu::round_to_bf16(dinp, n);
   }
   void bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) override {
@@ -123,8 +138,9 @@ class CpuBackend final : public Backend {
     if (round_bf16) emu::round_to_bf16(out, N * F);
   }
   void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F,
-                       bool round_bf16) override {
-    emu::swiglu_backward(dinp, inp, dout, N, F);
+                       bool round_bf16, bool bf16_dout) override {
+    std::vector<float> rounded;
+    emu::swiglu_backward(dinp, inp, read_as_bf16(dout, N * F, bf16_dout, rounded), N, F);
     if (round_bf16) emu::round_to_bf16(dinp, N * 2 * F);
   }
   void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override {

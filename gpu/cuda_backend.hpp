@@ -94,11 +94,14 @@ class CudaBackend final : public Backend {
   void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                      int64_t HD) override;
   void gelu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override;
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) override;
+  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
+                     bool bf16_dout) override;
   void squared_relu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override;
-  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) override;
+  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
+                             bool bf16_dout) override;
   void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F, bool round_bf16) override;
-  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F, bool round_bf16) override;
+  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F, bool round_bf16,
+                       bool bf16_dout) override;
   void bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) override;
   void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override;
   // FP8 with a column-wise copy: the quantizer's tile pass also takes the 64-row partial column

@@ -223,6 +223,9 @@ __global__ void embedding_scatter_kernel(float* dtable, const float* dout, const
 // An activation value as stored: bf16_round when the op's round_bf16 is set (the model's BF16
 // activations, Backend's contract), else as computed. The same function as round_to_bf16's.
 __device__ __forceinline__ float stored(float v, bool round_bf16) { return round_bf16 ? bf16_round(v) : v; }
+// An incoming gradient as a backward pass reads it: bf16_round(v) where the caller stores gradients
+// in BF16 and left the rounding to the reader (bf16_dout), else v.
+__device__ __forceinline__ float read_dout(float v, bool bf16_dout) { return bf16_dout ? bf16_round(v) : v; }
 
 // One block per row n. mean and variance: each thread sums its strided elements in increasing
 // index order, then block_sum (fixed tree), FP32 RN; var = sum((x - mean)^2) / C (two passes, as
@@ -470,7 +473,8 @@ __global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n, boo
 // dinp (n) = +0 + local * dout (written, never read: emu/layers.hpp), local = 0.5 (1 + t) + (((x 0.5) sech2) sqrt(2/pi)) (1 + (3 0.044715) x x),
 // t = tanhf(sqrt(2/pi) (x + cube)), sech2 = 1 - t t; left to right as the emulator writes it.
 // CUDA tanhf: not bitwise (1 - t^2 amplifies an ulp of t where |t| is near 1).
-__global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) {
+__global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
+                                     bool bf16_dout) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float x = inp[j];
@@ -481,7 +485,7 @@ __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float*
     const float local =
         __fadd_rn(__fmul_rn(0.5f, __fadd_rn(1.0f, t)),
                   __fmul_rn(__fmul_rn(__fmul_rn(__fmul_rn(x, 0.5f), sech2), kGeluScale), poly));
-    dinp[j] = stored(__fadd_rn(0.0f, __fmul_rn(local, dout[j])), round_bf16);
+    dinp[j] = stored(__fadd_rn(0.0f, __fmul_rn(local, read_dout(dout[j], bf16_dout))), round_bf16);
   }
 }
 
@@ -496,10 +500,11 @@ __global__ void squared_relu_forward_kernel(float* out, const float* inp, int64_
 
 // dinp = +0 + (x > 0 ? 2 x : 0) * dout (written): bitwise.
 __global__ void squared_relu_backward_kernel(float* dinp, const float* inp, const float* dout,
-                                             int64_t n, bool round_bf16) {
+                                             int64_t n, bool round_bf16, bool bf16_dout) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dinp[j] = stored(__fadd_rn(0.0f, __fmul_rn(inp[j] > 0.0f ? __fmul_rn(2.0f, inp[j]) : 0.0f, dout[j])),
+    dinp[j] = stored(__fadd_rn(0.0f, __fmul_rn(inp[j] > 0.0f ? __fmul_rn(2.0f, inp[j]) : 0.0f,
+                                               read_dout(dout[j], bf16_dout))),
                      round_bf16);
 }
 
@@ -543,14 +548,14 @@ __global__ void swiglu_forward_kernel(float* out, const float* inp, int64_t N, i
 }
 
 __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F,
-                                       bool round_bf16) {
+                                       bool round_bf16, bool bf16_dout) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * F;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = e / F, i = e - n * F;
     const float g = inp[n * 2 * F + i], u = inp[n * 2 * F + F + i];
     const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
     const float silu = __fmul_rn(g, sig);
-    const float dy = dout[e];
+    const float dy = read_dout(dout[e], bf16_dout);
     const float dsilu = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sig))));
     dinp[n * 2 * F + i] = stored(__fadd_rn(0.0f, __fmul_rn(__fmul_rn(dy, u), dsilu)), round_bf16);  // written
     dinp[n * 2 * F + F + i] = stored(__fadd_rn(0.0f, __fmul_rn(dy, silu)), round_bf16);
@@ -1128,9 +1133,10 @@ void CudaBackend::gelu_forward(float* out, const float* inp, int64_t n, bool rou
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) {
+void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
+                                bool bf16_dout) {
   if (n == 0) return;
-  gelu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n, round_bf16);
+  gelu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n, round_bf16, bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -1140,9 +1146,11 @@ void CudaBackend::squared_relu_forward(float* out, const float* inp, int64_t n, 
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16) {
+void CudaBackend::squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
+                                        bool bf16_dout) {
   if (n == 0) return;
-  squared_relu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n, round_bf16);
+  squared_relu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n, round_bf16,
+                                                                             bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -1152,9 +1160,11 @@ void CudaBackend::swiglu_forward(float* out, const float* inp, int64_t N, int64_
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F, bool round_bf16) {
+void CudaBackend::swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F,
+                                  bool round_bf16, bool bf16_dout) {
   if (N * F == 0) return;
-  swiglu_backward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(dinp, inp, dout, N, F, round_bf16);
+  swiglu_backward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(dinp, inp, dout, N, F, round_bf16,
+                                                                          bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

@@ -354,10 +354,10 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     // (dact_, dln2_, datty_, dln1_: written by linear_bwd; dfc_ by the activation's backward pass;
     // dqkv_ by attention_backward: no zeroing)
     linear_bwd(l, 3, F32(dact_), F32(dx_), N, F, C);
-    store(F32(dact_), N * F);
-    if (c.activation == "gelu_tanh") be_.gelu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb);
-    else if (c.activation == "squared_relu") be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb);
-    else be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F, rb);
+    // (dact_'s BF16 storage is applied where the activation's backward pass reads it, rb: no pass)
+    if (c.activation == "gelu_tanh") be_.gelu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb, rb);
+    else if (c.activation == "squared_relu") be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb, rb);
+    else be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F, rb, rb);
     linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC);
     store(F32(dln2_), N * C);
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));

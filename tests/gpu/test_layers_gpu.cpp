@@ -687,7 +687,7 @@ TEST(LayersGpu, ElementwiseMatchesEmulator) {
   const Vec dout = randn(sz(n), rng), dinp0 = randn(sz(n), rng), y = randn(sz(n), rng);
 
   const Op gelu_f = [&](Backend& bk, Call& c) { bk.gelu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n, false); };
-  const Op gelu_b = [&](Backend& bk, Call& c) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false); };
+  const Op gelu_b = [&](Backend& bk, Call& c) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false, false); };
   // GELU goes through tanhf: a few ulp of 0.5|x| (the 1 + tanh cancellation for x << 0), and of
   // the derivative's terms for the backward.
   constexpr double kScale = 0.7978845608028654, kCubic = 0.044715;
@@ -704,7 +704,7 @@ TEST(LayersGpu, ElementwiseMatchesEmulator) {
                  kTranscendentalRtol);
 
   const Op sq_f = [&](Backend& bk, Call& c) { bk.squared_relu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n, false); };
-  const Op sq_b = [&](Backend& bk, Call& c) { bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false); };
+  const Op sq_b = [&](Backend& bk, Call& c) { bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false, false); };
   const Op res = [&](Backend& bk, Call& c) { bk.residual_forward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(y), n, false); };
   expect_bitwise("squared_relu_forward out", run(*be.emu, sq_f)[0], run(*be.cuda, sq_f)[0]);
   expect_bitwise("squared_relu_backward dinp", run(*be.emu, sq_b)[0], run(*be.cuda, sq_b)[0]);
@@ -752,15 +752,15 @@ TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
        }},
       {"bias_forward", [&](Backend& bk, Call& c, bool r) { bk.bias_forward(c.out(y), c.in(b), N, C, r); }},
       {"gelu_forward", [&](Backend& bk, Call& c, bool r) { bk.gelu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r); }},
-      {"gelu_backward", [&](Backend& bk, Call& c, bool r) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r); }},
+      {"gelu_backward", [&](Backend& bk, Call& c, bool r) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r, false); }},
       {"squared_relu_forward",
        [&](Backend& bk, Call& c, bool r) { bk.squared_relu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r); }},
       {"squared_relu_backward",
-       [&](Backend& bk, Call& c, bool r) { bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r); }},
+       [&](Backend& bk, Call& c, bool r) { bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r, false); }},
       {"swiglu_forward",
        [&](Backend& bk, Call& c, bool r) { bk.swiglu_forward(c.out(Vec(sz(N * F), kNaN)), c.in(sw_in), N, F, r); }},
       {"swiglu_backward",
-       [&](Backend& bk, Call& c, bool r) { bk.swiglu_backward(c.out(sw_dinp0), c.in(sw_in), c.in(sw_dout), N, F, r); }},
+       [&](Backend& bk, Call& c, bool r) { bk.swiglu_backward(c.out(sw_dinp0), c.in(sw_in), c.in(sw_dout), N, F, r, false); }},
       {"residual_forward",
        [&](Backend& bk, Call& c, bool r) { bk.residual_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), c.in(y), N * C, r); }},
   };
@@ -778,6 +778,37 @@ TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
       EXPECT_TRUE(any_changed) << name << ": the case does not exercise the rounding";
     }
   }
+}
+
+// bf16_dout: an activation's backward pass reading dout as bf16_round(dout) gives the bits of the
+// same pass on a dout rounded beforehand, on both backends.
+TEST(LayersGpu, ActivationBackwardReadsBf16Dout) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(919);
+  const int64_t N = 7, F = 96, n = N * F;
+  const Vec x = randn(sz(n), rng), dout = randn(sz(n), rng), sw_in = randn(sz(2 * n), rng);
+  Vec rounded = dout;
+  for (float& v : rounded) v = bf16_round(v);
+  using BwdOp = std::function<void(Backend&, Call&, const Vec&, bool)>;
+  const std::vector<std::pair<std::string, BwdOp>> ops = {
+      {"gelu_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
+         bk.gelu_backward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(d), n, true, b); }},
+      {"squared_relu_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
+         bk.squared_relu_backward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(d), n, true, b); }},
+      {"swiglu_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
+         bk.swiglu_backward(c.out(Vec(sz(2 * n), kNaN)), c.in(sw_in), c.in(d), N, F, true, b); }},
+  };
+  for (Backend* bk : {be.emu.get(), be.cuda.get()})
+    for (const auto& [name, op] : ops) {
+      const Vec on_read = run(*bk, [&](Backend& k, Call& c) { op(k, c, dout, true); })[0];
+      const Vec before = run(*bk, [&](Backend& k, Call& c) { op(k, c, rounded, false); })[0];
+      const Vec raw = run(*bk, [&](Backend& k, Call& c) { op(k, c, dout, false); })[0];
+      expect_bitwise(name + " bf16_dout on " + bk->name(), before, on_read);
+      bool differs = false;
+      for (size_t i = 0; i < raw.size(); ++i) differs = differs || !same_bits(raw[i], on_read[i]);
+      EXPECT_TRUE(differs) << name << ": the case does not exercise the rounding of dout";
+    }
 }
 
 // The cross-entropy kernel with its row cached in shared memory (the default where it fits) and

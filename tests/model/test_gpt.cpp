@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "emu/optim.hpp"
@@ -138,6 +139,35 @@ TEST(Gpt, Bf16ActivationStorage) {
 
 // The loss gradient formed in the forward's cross-entropy op for 3 micro-batches equals the one a
 // backward for 3 micro-batches forms again after a forward made for 1: the same gradients, bit for bit.
+// The emulator backend's bf16_dout (the activations' backward passes reading dout as
+// bf16_round(dout)): the bits of the same pass on a dout rounded beforehand; and the passes write
+// dinp whatever it held.
+TEST(Gpt, CpuActivationBackwardBf16DoutAndWrite) {
+  auto be = make_cpu_backend();
+  const int64_t N = 5, F = 48, n = N * F;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 1.5f);
+  std::vector<float> x(static_cast<size_t>(2 * n)), dout(static_cast<size_t>(n));
+  for (float& v : x) v = nd(rng);
+  for (float& v : dout) v = nd(rng);
+  std::vector<float> rounded = dout;
+  for (float& v : rounded) v = bf16_round(v);
+  for (int kind = 0; kind < 3; ++kind) {
+    const size_t m = static_cast<size_t>(kind == 2 ? 2 * n : n);
+    auto call = [&](const std::vector<float>& d, bool bf16_dout, float fill) {
+      std::vector<float> dinp(m, fill);
+      if (kind == 0) be->gelu_backward(dinp.data(), x.data(), d.data(), n, true, bf16_dout);
+      else if (kind == 1) be->squared_relu_backward(dinp.data(), x.data(), d.data(), n, true, bf16_dout);
+      else be->swiglu_backward(dinp.data(), x.data(), d.data(), N, F, true, bf16_dout);
+      return dinp;
+    };
+    const std::vector<float> on_read = call(dout, true, NAN), before = call(rounded, false, 0.0f);
+    const std::vector<float> raw = call(dout, false, 0.0f);
+    EXPECT_EQ(0, std::memcmp(on_read.data(), before.data(), m * 4)) << "kind " << kind;
+    EXPECT_NE(0, std::memcmp(on_read.data(), raw.data(), m * 4)) << "kind " << kind << ": rounding not exercised";
+  }
+}
+
 TEST(Gpt, LossGradientFromForwardEqualsTheOneBackwardForms) {
   ModelConfig m = micro("learned", "layernorm", "gelu_tanh", true, 2);
   m.activation_dtype = "bf16";
