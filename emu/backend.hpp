@@ -92,16 +92,19 @@ class Backend {
                                  const float* /*bias*/, int64_t /*N*/, int64_t /*C*/, bool /*round_bf16*/) {
     missing("layernorm_forward");
   }
+  // The norms' backward passes: bf16_dout reads dout as bf16_round(dout), as the activations' do
+  // (below), for every use of it (dinp and the weight and bias gradients).
   virtual void layernorm_backward(float* /*dinp*/, float* /*dweight*/, float* /*dbias*/, const float* /*dout*/,
                                   const float* /*inp*/, const float* /*weight*/, const float* /*mean*/,
-                                  const float* /*rstd*/, int64_t /*N*/, int64_t /*C*/, bool /*round_bf16*/) {
+                                  const float* /*rstd*/, int64_t /*N*/, int64_t /*C*/, bool /*round_bf16*/,
+                                  bool /*bf16_dout*/) {
     missing("layernorm_backward");
   }
   virtual void rmsnorm_forward(float* /*out*/, float* /*rstd*/, const float* /*inp*/, const float* /*weight*/, int64_t /*N*/,
                                int64_t /*C*/, bool /*round_bf16*/) { missing("rmsnorm_forward"); }
   virtual void rmsnorm_backward(float* /*dinp*/, float* /*dweight*/, const float* /*dout*/, const float* /*inp*/,
                                 const float* /*weight*/, const float* /*rstd*/, int64_t /*N*/, int64_t /*C*/,
-                                bool /*round_bf16*/) {
+                                bool /*round_bf16*/, bool /*bf16_dout*/) {
     missing("rmsnorm_backward");
   }
   virtual void matmul_forward(float* /*out*/, const float* /*inp*/, const float* /*weight*/, const float* /*bias*/,

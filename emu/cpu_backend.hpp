@@ -65,8 +65,10 @@ class CpuBackend final : public Backend {
   }
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                           const float* weight, const float* mean, const float* rstd, int64_t N,
-                          int64_t C, bool round_bf16) override {
-    emu::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+                          int64_t C, bool round_bf16, bool bf16_dout) override {
+    std::vector<float> rounded;
+    emu::layernorm_backward(dinp, dweight, dbias, read_as_bf16(dout, N * C, bf16_dout, rounded), inp, weight, mean,
+                            rstd, N, C);
     if (round_bf16) emu::round_to_bf16(dinp, N * C);
   }
   void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
@@ -75,8 +77,10 @@ class CpuBackend final : public Backend {
     if (round_bf16) emu::round_to_bf16(out, N * C);
   }
   void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                        const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16) override {
-    emu::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+                        const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16,
+                        bool bf16_dout) override {
+    std::vector<float> rounded;
+    emu::rmsnorm_backward(dinp, dweight, read_as_bf16(dout, N * C, bf16_dout, rounded), inp, weight, rstd, N, C);
     if (round_bf16) emu::round_to_bf16(dinp, N * C);
   }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N,

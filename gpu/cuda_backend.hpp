@@ -72,11 +72,12 @@ class CudaBackend final : public Backend {
                          const float* weight, const float* bias, int64_t N, int64_t C, bool round_bf16) override;
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                           const float* inp, const float* weight, const float* mean,
-                          const float* rstd, int64_t N, int64_t C, bool round_bf16) override;
+                          const float* rstd, int64_t N, int64_t C, bool round_bf16, bool bf16_dout) override;
   void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
                        int64_t C, bool round_bf16) override;
   void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                        const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16) override;
+                        const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16,
+                        bool bf16_dout) override;
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
                       int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec, bool round_bf16) override;
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,

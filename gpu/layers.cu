@@ -261,7 +261,8 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
 // divided by C. Bounded against the emulator (tree vs sequential row sums).
 __global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp,
                                                const float* weight, const float* mean,
-                                               const float* rstd, int64_t C, float c_f32, bool round_bf16) {
+                                               const float* rstd, int64_t C, float c_f32, bool round_bf16,
+                                               bool bf16_dout) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   const float* dy = dout + n * C;
@@ -270,7 +271,7 @@ __global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, c
   float dnorm_sum = 0.0f, dnorm_norm_sum = 0.0f;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     const float norm = __fmul_rn(__fsub_rn(x[i], m), s);
-    const float dnorm = __fmul_rn(weight[i], dy[i]);
+    const float dnorm = __fmul_rn(weight[i], read_dout(dy[i], bf16_dout));
     dnorm_sum = __fadd_rn(dnorm_sum, dnorm);
     dnorm_norm_sum = __fadd_rn(dnorm_norm_sum, __fmul_rn(dnorm, norm));
   }
@@ -278,7 +279,7 @@ __global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, c
   const float dnorm_norm_mean = __fdiv_rn(block_sum(dnorm_norm_sum), c_f32);
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     const float norm = __fmul_rn(__fsub_rn(x[i], m), s);
-    const float dnorm = __fmul_rn(weight[i], dy[i]);
+    const float dnorm = __fmul_rn(weight[i], read_dout(dy[i], bf16_dout));
     dx[i] = stored(__fadd_rn(dx[i], __fmul_rn(__fsub_rn(__fsub_rn(dnorm, dnorm_mean),
                                                         __fmul_rn(norm, dnorm_norm_mean)),
                                               s)),
@@ -292,14 +293,14 @@ __global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, c
 __global__ void layernorm_backward_partial_kernel(float* partial, const float* dweight,
                                                   const float* dbias, const float* dout,
                                                   const float* inp, const float* mean,
-                                                  const float* rstd, int64_t N, int64_t C) {
+                                                  const float* rstd, int64_t N, int64_t C, bool bf16_dout) {
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int64_t k = blockIdx.x, chunks = gridDim.x;
   const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   float w = k == 0 ? dweight[c] : 0.0f, b = k == 0 ? dbias[c] : 0.0f;
   for (int64_t n = n0; n < n1; ++n) {
-    const float dy = dout[n * C + c];
+    const float dy = read_dout(dout[n * C + c], bf16_dout);
     const float norm = __fmul_rn(__fsub_rn(inp[n * C + c], mean[n]), rstd[n]);
     b = __fadd_rn(b, dy);
     w = __fadd_rn(w, __fmul_rn(norm, dy));
@@ -327,18 +328,20 @@ __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* inp
 // dot = sum_i (dout * weight) * x (block_sum tree, FP32). Bounded against the emulator.
 __global__ void rmsnorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp,
                                              const float* weight, const float* rstd, int64_t C,
-                                             float c_f32, bool round_bf16) {
+                                             float c_f32, bool round_bf16, bool bf16_dout) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   const float* dy = dout + n * C;
   const float s = rstd[n];
   float dot = 0.0f;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(dy[i], weight[i]), x[i]));
+    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(read_dout(dy[i], bf16_dout), weight[i]), x[i]));
   dot = block_sum(dot);
   const float k = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(dot, s), s), s), c_f32);
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    dinp[n * C + i] = stored(__fadd_rn(dinp[n * C + i], __fsub_rn(__fmul_rn(__fmul_rn(dy[i], weight[i]), s),
+    dinp[n * C + i] = stored(__fadd_rn(dinp[n * C + i], __fsub_rn(__fmul_rn(__fmul_rn(read_dout(dy[i], bf16_dout),
+                                                                                        weight[i]),
+                                                                              s),
                                                                   __fmul_rn(x[i], k))),
                              round_bf16);
 }
@@ -347,14 +350,14 @@ __global__ void rmsnorm_backward_dinp_kernel(float* dinp, const float* dout, con
 // starting from the current dweight.
 __global__ void rmsnorm_backward_partial_kernel(float* partial, const float* dweight,
                                                 const float* dout, const float* inp,
-                                                const float* rstd, int64_t N, int64_t C) {
+                                                const float* rstd, int64_t N, int64_t C, bool bf16_dout) {
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int64_t k = blockIdx.x;
   const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   float w = k == 0 ? dweight[c] : 0.0f;
   for (int64_t n = n0; n < n1; ++n)
-    w = __fadd_rn(w, __fmul_rn(__fmul_rn(dout[n * C + c], inp[n * C + c]), rstd[n]));
+    w = __fadd_rn(w, __fmul_rn(__fmul_rn(read_dout(dout[n * C + c], bf16_dout), inp[n * C + c]), rstd[n]));
   partial[k * C + c] = w;
 }
 
@@ -989,16 +992,16 @@ void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const 
 // seeded with the current value, chunks summed in order (bitwise the emulator's when N <= 64).
 void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                      const float* inp, const float* weight, const float* mean,
-                                     const float* rstd, int64_t N, int64_t C, bool round_bf16) {
+                                     const float* rstd, int64_t N, int64_t C, bool round_bf16, bool bf16_dout) {
   require_rows("layernorm_backward", N);
   if (N == 0 || C == 0) return;
   layernorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      dinp, dout, inp, weight, mean, rstd, C, static_cast<float>(C), round_bf16);
+      dinp, dout, inp, weight, mean, rstd, C, static_cast<float>(C), round_bf16, bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
   const int64_t chunks = column_chunks(N);
   float* partial = layers_state().columns.get<float>(static_cast<size_t>(2 * chunks * C), stream_);
   layernorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream_>>>(
-      partial, dweight, dbias, dout, inp, mean, rstd, N, C);
+      partial, dweight, dbias, dout, inp, mean, rstd, N, C, bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
   column_sums_finalize(dweight, partial, N, C, false, stream_);
   column_sums_finalize(dbias, partial + chunks * C, N, C, false, stream_);
@@ -1015,15 +1018,15 @@ void CudaBackend::rmsnorm_forward(float* out, float* rstd, const float* inp, con
 
 void CudaBackend::rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
                                    const float* weight, const float* rstd, int64_t N, int64_t C,
-                                   bool round_bf16) {
+                                   bool round_bf16, bool bf16_dout) {
   require_rows("rmsnorm_backward", N);
   if (N == 0 || C == 0) return;
   rmsnorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      dinp, dout, inp, weight, rstd, C, static_cast<float>(C), round_bf16);
+      dinp, dout, inp, weight, rstd, C, static_cast<float>(C), round_bf16, bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
   float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
   rmsnorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream_>>>(
-      partial, dweight, dout, inp, rstd, N, C);
+      partial, dweight, dout, inp, rstd, N, C, bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
   column_sums_finalize(dweight, partial, N, C, false, stream_);
 }

@@ -339,11 +339,11 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
                       F32(lnf_), c.tied_embeddings ? p("wte") : p("lm_head.weight"), N, C, V, prec_);
   auto norm_bwd = [&](float* din, const float* dout, const float* in, const BackendBuffer& mean,
                       const BackendBuffer& rstd, const std::string& pre) {
+    // (dout is a Dgrad output: its BF16 storage is applied where the norm reads it, rb: no pass)
     if (ln) be_.layernorm_backward(din, g(pre + ".weight"), g(pre + ".bias"), dout, in, p(pre + ".weight"),
-                                   F32(mean), F32(rstd), N, C, rb);
-    else be_.rmsnorm_backward(din, g(pre + ".weight"), dout, in, p(pre + ".weight"), F32(rstd), N, C, rb);
+                                   F32(mean), F32(rstd), N, C, rb, rb);
+    else be_.rmsnorm_backward(din, g(pre + ".weight"), dout, in, p(pre + ".weight"), F32(rstd), N, C, rb, rb);
   };
-  store(F32(dlnf_), N * C);
   const float* last = c.n_layers ? F32(acts_.back().res2) : F32(emb_);
   norm_bwd(F32(dx_), F32(dlnf_), last, lnf_mean_, lnf_rstd_, "ln_f");
   // dx holds d(residual stream) at the top; walk the layers down. The norms' backward passes
@@ -359,7 +359,6 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     else if (c.activation == "squared_relu") be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb, rb);
     else be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F, rb, rb);
     linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC);
-    store(F32(dln2_), N * C);
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
     linear_bwd(l, 1, F32(datty_), F32(dx_), N, C, C);
     // (no rounding pass over datty_ with BF16 attention: attention_backward is its only reader and
@@ -375,7 +374,6 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
       store(F32(dqkv_), N * QKV);
     }
     linear_bwd(l, 0, F32(dln1_), F32(dqkv_), N, C, QKV);
-    store(F32(dln1_), N * C);
     norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"));
   }
   be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_), tokens_.as<int32_t>(),

@@ -266,7 +266,7 @@ TEST(LayersGpu, LayernormMatchesEmulator) {
       float* dinp = c.out(dinp0);
       float* dw = c.out(dw0);
       float* db = c.out(db0);
-      bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, false);
+      bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, false, false);
     };
     const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
     Mag mag_dx(sz(N * C)), mag_dw = abs_of(dw0), mag_db = abs_of(db0);
@@ -324,7 +324,7 @@ TEST(LayersGpu, RmsnormMatchesEmulator) {
     const Op bwd = [&](Backend& bk, Call& c) {
       float* dinp = c.out(dinp0);
       float* dw = c.out(dw0);
-      bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, false);
+      bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, false, false);
     };
     const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
     Mag mag_dx(sz(N * C)), mag_dw = abs_of(dw0);
@@ -733,7 +733,7 @@ TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
          float* dinp = c.out(dinp0);
          Vec mean(sz(N), 0.25f), rstd(sz(N), 0.75f);
          bk.layernorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.out(Vec(sz(C), 0.0f)), c.in(dout), c.in(x), c.in(w),
-                               c.in(mean), c.in(rstd), N, C, r);
+                               c.in(mean), c.in(rstd), N, C, r, false);
        }},
       {"rmsnorm_forward", [&](Backend& bk, Call& c, bool r) {
          float* out = c.out(Vec(sz(N * C), kNaN));
@@ -742,7 +742,7 @@ TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
       {"rmsnorm_backward", [&](Backend& bk, Call& c, bool r) {
          float* dinp = c.out(dinp0);
          Vec rstd(sz(N), 0.75f);
-         bk.rmsnorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, r);
+         bk.rmsnorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, r, false);
        }},
       {"matmul_forward bias", [&](Backend& bk, Call& c, bool r) {
          bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), c.in(b), N, K, C, emu::GemmPrecision::BF16, r);
@@ -780,14 +780,16 @@ TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
   }
 }
 
-// bf16_dout: an activation's backward pass reading dout as bf16_round(dout) gives the bits of the
-// same pass on a dout rounded beforehand, on both backends.
-TEST(LayersGpu, ActivationBackwardReadsBf16Dout) {
+// bf16_dout: an activation's or norm's backward pass reading dout as bf16_round(dout) gives the
+// bits of the same pass on a dout rounded beforehand (every output: dinp, and the norms' weight and
+// bias gradients), on both backends.
+TEST(LayersGpu, BackwardPassesReadBf16Dout) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(919);
   const int64_t N = 7, F = 96, n = N * F;
   const Vec x = randn(sz(n), rng), dout = randn(sz(n), rng), sw_in = randn(sz(2 * n), rng);
+  const Vec w = randn(sz(F), rng), mean(sz(N), 0.25f), rstd(sz(N), 0.75f);
   Vec rounded = dout;
   for (float& v : rounded) v = bf16_round(v);
   using BwdOp = std::function<void(Backend&, Call&, const Vec&, bool)>;
@@ -798,15 +800,22 @@ TEST(LayersGpu, ActivationBackwardReadsBf16Dout) {
          bk.squared_relu_backward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(d), n, true, b); }},
       {"swiglu_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
          bk.swiglu_backward(c.out(Vec(sz(2 * n), kNaN)), c.in(sw_in), c.in(d), N, F, true, b); }},
+      {"layernorm_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
+         bk.layernorm_backward(c.out(Vec(sz(n), 0.0f)), c.out(Vec(sz(F), 0.0f)), c.out(Vec(sz(F), 0.0f)), c.in(d),
+                               c.in(x), c.in(w), c.in(mean), c.in(rstd), N, F, true, b); }},
+      {"rmsnorm_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
+         bk.rmsnorm_backward(c.out(Vec(sz(n), 0.0f)), c.out(Vec(sz(F), 0.0f)), c.in(d), c.in(x), c.in(w),
+                             c.in(rstd), N, F, true, b); }},
   };
   for (Backend* bk : {be.emu.get(), be.cuda.get()})
     for (const auto& [name, op] : ops) {
-      const Vec on_read = run(*bk, [&](Backend& k, Call& c) { op(k, c, dout, true); })[0];
-      const Vec before = run(*bk, [&](Backend& k, Call& c) { op(k, c, rounded, false); })[0];
-      const Vec raw = run(*bk, [&](Backend& k, Call& c) { op(k, c, dout, false); })[0];
-      expect_bitwise(name + " bf16_dout on " + bk->name(), before, on_read);
+      const Outputs on_read = run(*bk, [&](Backend& k, Call& c) { op(k, c, dout, true); });
+      const Outputs before = run(*bk, [&](Backend& k, Call& c) { op(k, c, rounded, false); });
+      const Outputs raw = run(*bk, [&](Backend& k, Call& c) { op(k, c, dout, false); });
+      for (size_t o = 0; o < on_read.size(); ++o)
+        expect_bitwise(name + " output " + std::to_string(o) + " bf16_dout on " + bk->name(), before[o], on_read[o]);
       bool differs = false;
-      for (size_t i = 0; i < raw.size(); ++i) differs = differs || !same_bits(raw[i], on_read[i]);
+      for (size_t i = 0; i < raw[0].size(); ++i) differs = differs || !same_bits(raw[0][i], on_read[0][i]);
       EXPECT_TRUE(differs) << name << ": the case does not exercise the rounding of dout";
     }
 }
@@ -1114,12 +1123,12 @@ TEST(LayersGpu, ReductionsAreDeterministic) {
     float* dinp = c.out(x);
     float* dw = c.out(dC);
     float* db = c.out(bias);
-    bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, false);
+    bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, false, false);
   });
   twice("rmsnorm_backward", [&](Backend& bk, Call& c) {
     float* dinp = c.out(x);
     float* dw = c.out(dC);
-    bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, false);
+    bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, false, false);
   });
   for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
     const int64_t K = 130, OC = C;  // dout (N,OC) reused

@@ -139,10 +139,10 @@ TEST(Gpt, Bf16ActivationStorage) {
 
 // The loss gradient formed in the forward's cross-entropy op for 3 micro-batches equals the one a
 // backward for 3 micro-batches forms again after a forward made for 1: the same gradients, bit for bit.
-// The emulator backend's bf16_dout (the activations' backward passes reading dout as
-// bf16_round(dout)): the bits of the same pass on a dout rounded beforehand; and the passes write
-// dinp whatever it held.
-TEST(Gpt, CpuActivationBackwardBf16DoutAndWrite) {
+// The emulator backend's bf16_dout (the activations' and norms' backward passes reading dout as
+// bf16_round(dout)): the bits of the same pass on a dout rounded beforehand; and the activations'
+// passes write dinp whatever it held.
+TEST(Gpt, CpuBackwardPassesBf16DoutAndWrite) {
   auto be = make_cpu_backend();
   const int64_t N = 5, F = 48, n = N * F;
   std::mt19937 rng(3);
@@ -165,6 +165,25 @@ TEST(Gpt, CpuActivationBackwardBf16DoutAndWrite) {
     const std::vector<float> raw = call(dout, false, 0.0f);
     EXPECT_EQ(0, std::memcmp(on_read.data(), before.data(), m * 4)) << "kind " << kind;
     EXPECT_NE(0, std::memcmp(on_read.data(), raw.data(), m * 4)) << "kind " << kind << ": rounding not exercised";
+  }
+  // the norms: dinp, dweight (and dbias) from a dout read as bf16 equal those from a rounded dout
+  const std::vector<float> w(x.begin(), x.begin() + F), mean(static_cast<size_t>(N), 0.25f),
+      rstd(static_cast<size_t>(N), 0.75f);
+  for (bool layernorm : {true, false}) {
+    auto call = [&](const std::vector<float>& d, bool bf16_dout) {
+      std::vector<float> out(static_cast<size_t>(n + 2 * F), 0.0f);  // dinp, dweight, dbias
+      float* dinp = out.data();
+      float* dw = dinp + n;
+      if (layernorm)
+        be->layernorm_backward(dinp, dw, dw + F, d.data(), x.data(), w.data(), mean.data(), rstd.data(), N, F, true,
+                               bf16_dout);
+      else
+        be->rmsnorm_backward(dinp, dw, d.data(), x.data(), w.data(), rstd.data(), N, F, true, bf16_dout);
+      return out;
+    };
+    const std::vector<float> on_read = call(dout, true), before = call(rounded, false), raw = call(dout, false);
+    EXPECT_EQ(0, std::memcmp(on_read.data(), before.data(), on_read.size() * 4)) << "layernorm " << layernorm;
+    EXPECT_NE(0, std::memcmp(on_read.data(), raw.data(), on_read.size() * 4)) << "layernorm " << layernorm;
   }
 }
 
