@@ -135,9 +135,11 @@ class Backend {
     bias_backward(dbias, static_cast<const float*>(x.data), x.rows, x.cols);
   }
   // lse (B,NH,T): the saved log-sum-exp rows, not the (B,NH,T,T) probabilities; prec FP32 (no
-  // BF16 operand rounding) is for gradient checks on the emulator only (emu/layers.hpp)
+  // BF16 operand rounding) is for gradient checks on the emulator only (emu/layers.hpp); out
+  // BF16-rounded when round_bf16 (lse never)
   virtual void attention_forward(float* /*out*/, float* /*lse*/, const float* /*qkv*/, int64_t /*B*/, int64_t /*T*/,
-                                 int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/, emu::GemmPrecision /*prec*/) {
+                                 int64_t /*NH*/, int64_t /*NKV*/, int64_t /*HD*/, emu::GemmPrecision /*prec*/,
+                                 bool /*round_bf16*/) {
     missing("attention_forward");
   }
   // dqkv written, not accumulated (emu/layers.hpp), then BF16-rounded when round_bf16

@@ -94,8 +94,9 @@ class CpuBackend final : public Backend {
     emu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
   }
   void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                         int64_t NKV, int64_t HD, emu::GemmPrecision prec) override {
+                         int64_t NKV, int64_t HD, emu::GemmPrecision prec, bool round_bf16) override {
     emu::attention_forward(out, lse, qkv, B, T, NH, NKV, HD, prec);
+    if (round_bf16) emu::round_to_bf16(out, B * T * NH * HD);
   }
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                           const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,

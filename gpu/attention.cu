@@ -237,9 +237,13 @@ __device__ __forceinline__ float exp_via_exp2(float x) { return exp2f(__fmul_rn(
 
 // ---- forward ------------------------------------------------------------------------------------
 
+template <bool kRound>
+__device__ __forceinline__ float stored_out(float v) { return kRound ? bf16_round(v) : v; }
+
 // One CTA per (b, h, 64-row query tile); grid (B*NH, query tiles), the tiles with the most keys
 // first. Warp w owns query rows q_tile*64 + 16w .. +15; each lane two of them (gid, gid + 8).
-template <int HD>
+// kRound: out stored BF16-rounded (the model's BF16 storage of the attention output).
+template <int HD, bool kRound>
 __global__ void __launch_bounds__(kThreads)
     attention_forward_kernel(float* out, float* lse, const bf16* qkv, int T, int NH, int NKV,
                              float scale) {
@@ -346,7 +350,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int n = 0; n < kDn; ++n)
       *reinterpret_cast<float2*>(o_row + n * 8 + 2 * tig) =
-          make_float2(__fdiv_rn(o[n][2 * r], l[r]), __fdiv_rn(o[n][2 * r + 1], l[r]));
+          make_float2(stored_out<kRound>(__fdiv_rn(o[n][2 * r], l[r])),
+                      stored_out<kRound>(__fdiv_rn(o[n][2 * r + 1], l[r])));
     if (tig == 0)
       lse[(static_cast<int64_t>(b) * NH + h) * T + rows[r]] = __fadd_rn(m[r], logf(l[r]));
   }
@@ -600,11 +605,15 @@ void to_bf16(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
 
 template <int HD>
 void forward_for(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t NH,
-                 int64_t NKV, cudaStream_t stream) {
+                 int64_t NKV, bool round_bf16, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));  // as the emulator, on the host
   const dim3 grid(static_cast<unsigned>(B * NH), static_cast<unsigned>((T + kTile - 1) / kTile));
-  attention_forward_kernel<HD><<<grid, kThreads, 0, stream>>>(
-      out, lse, qkv, static_cast<int>(T), static_cast<int>(NH), static_cast<int>(NKV), scale);
+  if (round_bf16)
+    attention_forward_kernel<HD, true><<<grid, kThreads, 0, stream>>>(
+        out, lse, qkv, static_cast<int>(T), static_cast<int>(NH), static_cast<int>(NKV), scale);
+  else
+    attention_forward_kernel<HD, false><<<grid, kThreads, 0, stream>>>(
+        out, lse, qkv, static_cast<int>(T), static_cast<int>(NH), static_cast<int>(NKV), scale);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -660,7 +669,7 @@ void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int
 }
 
 void attention_forward_launch(float* out, float* lse, const float* qkv, uint16_t* qkv16, int64_t B, int64_t T,
-                              int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream) {
+                              int64_t NH, int64_t NKV, int64_t HD, bool round_bf16, cudaStream_t stream) {
   attention_check_shape("attention_forward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
   require_aligned("attention_forward", "qkv", qkv);
@@ -670,16 +679,16 @@ void attention_forward_launch(float* out, float* lse, const float* qkv, uint16_t
   to_bf16(q16, qkv, B * T * (NH + 2 * NKV) * HD, stream);
   switch (HD) {
     case 16:
-      forward_for<16>(out, lse, q16, B, T, NH, NKV, stream);
+      forward_for<16>(out, lse, q16, B, T, NH, NKV, round_bf16, stream);
       break;
     case 32:
-      forward_for<32>(out, lse, q16, B, T, NH, NKV, stream);
+      forward_for<32>(out, lse, q16, B, T, NH, NKV, round_bf16, stream);
       break;
     case 64:
-      forward_for<64>(out, lse, q16, B, T, NH, NKV, stream);
+      forward_for<64>(out, lse, q16, B, T, NH, NKV, round_bf16, stream);
       break;
     default:
-      forward_for<128>(out, lse, q16, B, T, NH, NKV, stream);
+      forward_for<128>(out, lse, q16, B, T, NH, NKV, round_bf16, stream);
       break;
   }
 }

@@ -86,7 +86,7 @@ class CudaBackend final : public Backend {
   // attention: FlashAttention-2 kernels on mma.sync (gpu/attention.cu), launched from gpu/layers.cu
   // (prec must be BF16: the kernels' operands are BF16)
   void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                         int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec) override;
+                         int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec, bool round_bf16) override;
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                           const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                           int64_t HD, emu::GemmPrecision prec, bool round_bf16) override;
@@ -213,7 +213,7 @@ void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const
 // callers run them before sizing scratch from the shape.
 void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD);
 void attention_forward_launch(float* out, float* lse, const float* qkv, uint16_t* qkv16, int64_t B, int64_t T,
-                              int64_t NH, int64_t NKV, int64_t HD, cudaStream_t stream);
+                              int64_t NH, int64_t NKV, int64_t HD, bool round_bf16, cudaStream_t stream);
 void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv,
                                const float* out, const float* lse, uint16_t* qkv16, uint16_t* dout16,
                                int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16,

@@ -1085,13 +1085,14 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
 
 // The kernels are in gpu/attention.cu; here the checks and the backward pass's scratch.
 void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                                    int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec) {
+                                    int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec,
+                                    bool round_bf16) {
   require_heads("attention_forward", NH, NKV, HD);
   require_bf16_attention("attention_forward", prec);
   attention_check_shape("attention_forward", B, T, NH, NKV, HD);  // before any scratch is sized
   const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
   uint16_t* qkv16 = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
-  attention_forward_launch(out, lse, qkv, qkv16, B, T, NH, NKV, HD, stream_);
+  attention_forward_launch(out, lse, qkv, qkv16, B, T, NH, NKV, HD, round_bf16, stream_);
 }
 
 void CudaBackend::attention_backward(float* dqkv, const float* dout, const float* qkv,

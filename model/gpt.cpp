@@ -284,8 +284,7 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
       store(F32(a.qkv), N * QKV);
     }
     float* const atty = linear_input(l, 1);
-    be_.attention_forward(atty, F32(a.lse), F32(a.qkv), B, T, NH, NKV, HD, prec_);
-    store(atty, N * C);
+    be_.attention_forward(atty, F32(a.lse), F32(a.qkv), B, T, NH, NKV, HD, prec_, rb);
     linear_fwd(l, 1, F32(a.attproj), atty, N, C, C, rb);
     be_.residual_forward(F32(a.res1), x, F32(a.attproj), N * C, rb);
     float* const ln2 = linear_input(l, 2);

@@ -424,7 +424,7 @@ void BM_GpuAttention(benchmark::State& state) {
   upload(qkv, B * T * W);
   upload(dout, B * T * C);
   be.attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV, HD,
-                       emu::GemmPrecision::BF16);  // warm-up, and the saved state for backward
+                       emu::GemmPrecision::BF16, false);  // warm-up, and the saved state for backward
   be.synchronize();
   auto call = [&] {
     if (backward)
@@ -432,7 +432,7 @@ void BM_GpuAttention(benchmark::State& state) {
                             T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
     else
       be.attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV, HD,
-                           emu::GemmPrecision::BF16);
+                           emu::GemmPrecision::BF16, false);
   };
   call();
   be.synchronize();

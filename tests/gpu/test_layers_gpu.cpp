@@ -568,10 +568,22 @@ TEST(LayersGpu, AttentionMatchesEmulator) {
     const Op fwd = [&](Backend& bk, Call& c) {
       float* out = c.out(Vec(sz(B * T * C), kNaN));  // every element written
       float* lse = c.out(Vec(sz(B * NH * T), kNaN));
-      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16);
+      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
     };
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     const Vec &out = e[0], &lse = e[1];
+    // with the BF16 storage asked of the op: the bits of bf16_round of its out, the same lse
+    for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
+      const Outputs r = run(*bk, [&](Backend& k, Call& c) {
+        float* o = c.out(Vec(sz(B * T * C), kNaN));
+        float* ls = c.out(Vec(sz(B * NH * T), kNaN));
+        k.attention_forward(o, ls, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, true);
+      });
+      Vec rounded = bk == be.emu.get() ? e[0] : g[0];
+      for (float& v : rounded) v = bf16_round(v);
+      expect_bitwise("attention_forward round_bf16 out on " + bk->name() + tag, rounded, r[0]);
+      expect_bitwise("attention_forward round_bf16 lse on " + bk->name() + tag, bk == be.emu.get() ? e[1] : g[1], r[1]);
+    }
 
     // backward from the emulator's out and lse, into a dqkv of NaN: every element is written
     const Vec dout = randn(sz(B * T * C), rng), dqkv0(sz(B * T * W), kNaN);
@@ -614,7 +626,7 @@ TEST(LayersGpu, AttentionRejectsUnsupportedHeadDimAndFp32) {
         qkv(*be.cuda, sz(B * T * W) * 4);
     try {
       be.cuda->attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV,
-                                 HD, emu::GemmPrecision::BF16);
+                                 HD, emu::GemmPrecision::BF16, false);
       ADD_FAILURE() << "HD=" << HD << " accepted";
     } catch (const std::invalid_argument& ex) {
       EXPECT_NE(std::string(ex.what()).find("HD=" + std::to_string(HD)), std::string::npos)
@@ -625,7 +637,7 @@ TEST(LayersGpu, AttentionRejectsUnsupportedHeadDimAndFp32) {
   BackendBuffer out(*be.cuda, sz(B * T * NH * HD) * 4), lse(*be.cuda, sz(B * NH * T) * 4),
       qkv(*be.cuda, sz(B * T * W) * 4);
   EXPECT_THROW(be.cuda->attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T,
-                                          NH, NKV, HD, emu::GemmPrecision::FP32),
+                                          NH, NKV, HD, emu::GemmPrecision::FP32, false),
                std::invalid_argument);
 }
 
@@ -646,7 +658,7 @@ TEST(LayersGpu, AttentionGpt2LayerShapeRuns) {
   float* out = c.out(Vec(sz(B * T * C)));
   float* lse = c.out(Vec(sz(B * NH * T)));
   float* dqkv = c.out(Vec(sz(B * T * W)));
-  g.attention_forward(out, lse, qkv, B, T, NH, NKV, HD, emu::GemmPrecision::BF16);
+  g.attention_forward(out, lse, qkv, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
   g.attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
   const Outputs r = c.results();
   for (const Vec& v : r)
@@ -1147,12 +1159,12 @@ TEST(LayersGpu, ReductionsAreDeterministic) {
     twice("attention_forward", [&](Backend& bk, Call& c) {
       float* out = c.out(Vec(sz(B * T * NH * HD)));
       float* lse = c.out(Vec(sz(B * NH * T)));
-      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16);
+      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
     });
     const Outputs f = run(g, [&](Backend& bk, Call& c) {
       float* out = c.out(Vec(sz(B * T * NH * HD)));
       float* lse = c.out(Vec(sz(B * NH * T)));
-      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16);
+      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
     });
     twice("attention_backward", [&](Backend& bk, Call& c) {
       float* dqkv = c.out(qkv);
