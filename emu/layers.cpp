@@ -518,7 +518,8 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           float* dq = dqkv + (b * T + t) * W + h * HD;
           for (int64_t i = 0; i < HD; ++i) {
             const float* ki = &k.cols[static_cast<size_t>(i * T)];
-            dq[i] = 0.0f + chain(bf16, 0, t + 1, 0.0f, [&](int64_t j) { return ds[j]; }, [&](int64_t j) { return ki[j]; }) * scale;
+            dq[i] = 0.0f + chain(bf16, 0, t + 1, 0.0f, [&](int64_t j) { return ds[j]; },
+                                 [&](int64_t j) { return ki[j]; }) * scale;
           }
         }
       }

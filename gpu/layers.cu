@@ -338,12 +338,10 @@ __global__ void rmsnorm_backward_dinp_kernel(float* dinp, const float* dout, con
     dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(read_dout(dy[i], bf16_dout), weight[i]), x[i]));
   dot = block_sum(dot);
   const float k = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(dot, s), s), s), c_f32);
-  for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    dinp[n * C + i] = stored(__fadd_rn(dinp[n * C + i], __fsub_rn(__fmul_rn(__fmul_rn(read_dout(dy[i], bf16_dout),
-                                                                                        weight[i]),
-                                                                              s),
-                                                                  __fmul_rn(x[i], k))),
-                             round_bf16);
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const float dyw = __fmul_rn(read_dout(dy[i], bf16_dout), weight[i]);
+    dinp[n * C + i] = stored(__fadd_rn(dinp[n * C + i], __fsub_rn(__fmul_rn(dyw, s), __fmul_rn(x[i], k))), round_bf16);
+  }
 }
 
 // Partial column sums for dweight: sum_n (dout * x) * rstd; partial (chunks, C), chunk 0
@@ -473,7 +471,8 @@ __global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n, boo
   }
 }
 
-// dinp (n) = +0 + local * dout (written, never read: emu/layers.hpp), local = 0.5 (1 + t) + (((x 0.5) sech2) sqrt(2/pi)) (1 + (3 0.044715) x x),
+// dinp (n) = +0 + local * dout (written, never read: emu/layers.hpp),
+// local = 0.5 (1 + t) + (((x 0.5) sech2) sqrt(2/pi)) (1 + (3 0.044715) x x),
 // t = tanhf(sqrt(2/pi) (x + cube)), sech2 = 1 - t t; left to right as the emulator writes it.
 // CUDA tanhf: not bitwise (1 - t^2 amplifies an ulp of t where |t| is near 1).
 __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,

@@ -813,11 +813,16 @@ TEST(LayersGpu, BackwardPassesReadBf16Dout) {
       {"swiglu_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
          bk.swiglu_backward(c.out(Vec(sz(2 * n), kNaN)), c.in(sw_in), c.in(d), N, F, true, b); }},
       {"layernorm_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
-         bk.layernorm_backward(c.out(Vec(sz(n), 0.0f)), c.out(Vec(sz(F), 0.0f)), c.out(Vec(sz(F), 0.0f)), c.in(d),
-                               c.in(x), c.in(w), c.in(mean), c.in(rstd), N, F, true, b); }},
+         float* dinp = c.out(Vec(sz(n), 0.0f));  // (outputs made in order: output 0 is dinp)
+         float* dw = c.out(Vec(sz(F), 0.0f));
+         float* db = c.out(Vec(sz(F), 0.0f));
+         bk.layernorm_backward(dinp, dw, db, c.in(d), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, F, true, b);
+       }},
       {"rmsnorm_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
-         bk.rmsnorm_backward(c.out(Vec(sz(n), 0.0f)), c.out(Vec(sz(F), 0.0f)), c.in(d), c.in(x), c.in(w),
-                             c.in(rstd), N, F, true, b); }},
+         float* dinp = c.out(Vec(sz(n), 0.0f));
+         float* dw = c.out(Vec(sz(F), 0.0f));
+         bk.rmsnorm_backward(dinp, dw, c.in(d), c.in(x), c.in(w), c.in(rstd), N, F, true, b);
+       }},
   };
   for (Backend* bk : {be.emu.get(), be.cuda.get()})
     for (const auto& [name, op] : ops) {

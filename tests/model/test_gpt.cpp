@@ -137,8 +137,6 @@ TEST(Gpt, Bf16ActivationStorage) {
   for (float g : b16.grads_to_host()) EXPECT_TRUE(std::isfinite(g));
 }
 
-// The loss gradient formed in the forward's cross-entropy op for 3 micro-batches equals the one a
-// backward for 3 micro-batches forms again after a forward made for 1: the same gradients, bit for bit.
 // The emulator backend's bf16_dout (the activations' and norms' backward passes reading dout as
 // bf16_round(dout)): the bits of the same pass on a dout rounded beforehand; and the activations'
 // passes write dinp whatever it held.
@@ -187,6 +185,8 @@ TEST(Gpt, CpuBackwardPassesBf16DoutAndWrite) {
   }
 }
 
+// The loss gradient formed in the forward's cross-entropy op for 3 micro-batches equals the one a
+// backward for 3 micro-batches forms again after a forward made for 1: the same gradients, bit for bit.
 TEST(Gpt, LossGradientFromForwardEqualsTheOneBackwardForms) {
   ModelConfig m = micro("learned", "layernorm", "gelu_tanh", true, 2);
   m.activation_dtype = "bf16";
