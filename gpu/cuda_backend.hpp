@@ -177,6 +177,15 @@ void set_gemm_exact_variant(int variant);
 constexpr int kPlanOwnPick = -1;
 constexpr int kMaxHeuristicPick = 15;
 void set_cublaslt_heuristic_pick(int index);
+// Test hook: what the most recently built cuBLASLt GEMM plan (gpu/gemm_cublaslt.cu) chose.
+// rules_active: Hopper with cuBLASLt 13.1.x, where fp8_preferred_algo / bf16_preferred_algo apply;
+// preferred: the index the rule (or the knob) asked for; found: how many algorithms the heuristic
+// returned (at most preferred + 1); used: the index taken (preferred, or 0 where the list is shorter).
+struct CublasLtPlanPick {
+  bool rules_active = false;
+  int preferred = -1, found = 0, used = -1;
+};
+CublasLtPlanPick last_cublaslt_plan_pick();
 // Benchmark knob, the same for the training matmuls (CudaBackend::matmul_forward/backward, the BF16
 // recipe's Linears and every recipe's output head): 0, the default, the heuristic's first
 // algorithm; 1..kMaxHeuristicPick that index (a matmul fails where the list is shorter). Plans are

@@ -166,6 +166,7 @@ std::shared_ptr<CublasLtState> make_cublaslt_state() {
 namespace {
 
 int heuristic_pick = kPlanOwnPick;  // set_cublaslt_heuristic_pick
+CublasLtPlanPick last_pick;          // last_cublaslt_plan_pick
 
 }  // namespace
 
@@ -173,6 +174,8 @@ std::string cublaslt_version() {
   const size_t v = cublasLtGetVersion();
   return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
 }
+
+CublasLtPlanPick last_cublaslt_plan_pick() { return last_pick; }
 
 void set_cublaslt_heuristic_pick(int index) {
   if (index < kPlanOwnPick || index > kMaxHeuristicPick)
@@ -289,6 +292,10 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
     return false;
   }
   p.algo = heur[found > pick ? pick : 0].algo;
+  last_pick.rules_active = st.cc_major == 9 && st.version / 100 == 1301;
+  last_pick.preferred = pick;
+  last_pick.found = found;
+  last_pick.used = found > pick ? pick : 0;
   return true;
 }
 
