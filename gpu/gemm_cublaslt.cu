@@ -292,7 +292,7 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
     return false;
   }
   p.algo = heur[found > pick ? pick : 0].algo;
-  last_pick.rules_active = st.cc_major == 9 && st.version / 100 == 1301;
+  last_pick.rules_active = picks_measured_here(st);
   last_pick.preferred = pick;
   last_pick.found = found;
   last_pick.used = found > pick ? pick : 0;
