@@ -157,6 +157,10 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
 // Benchmark knob: whether the common-case quantizer keeps the RHT output between its passes
 // (default) or transforms twice, as before. Results are identical; only speed differs.
 void set_quantize_keep_rht(bool keep);
+// Test knob: the kernel of NVFP4 2D copies without Four Over Six or RHT, 1 = one 16x16 block per
+// half-warp (default; rows and cols multiples of 16, 16-byte aligned rows), 0 = the general tile
+// kernel. Same bits.
+void set_quantize_2d_variant(int variant);
 // Benchmark knob: the common-case quantize kernel's tile, 1 = 64x128, 2 = 64x256 (BF16 input).
 // Results are identical; only speed differs.
 void set_quantize_tile_variant(int cols_per_thread);

@@ -330,6 +330,76 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
   }
 }
 
+// ---- NVFP4 2D copies (16x16 blocks) without Four Over Six or RHT: the recipe's weights ----
+//
+// A half-warp owns one 16x16 block: lane j loads the block's row j (16-byte loads), the block's
+// amax is the half-warp's max of the lanes' row maxima (max is order-free: the tile kernel's
+// value), lane j quantizes row j for the row-wise copy and, after a transpose through shared
+// memory, input column j for the column-wise copy. Same block functions, SR chunks and bits as
+// quantize_tile_kernel's 2D path; 16 blocks per 256-thread CTA instead of a 64x128 tile per
+// 128-thread CTA, so a weight matrix of a few million elements spreads over every SM instead of
+// leaving each of ~200 CTAs a long serial loop (the tile kernel took 21-26 us per gpt2-124m
+// weight, one wave at a few warps per SM). Needs rows and cols multiples of 16 and 16-byte rows.
+constexpr int k2dThreads = 256;
+constexpr int k2dBlocksPerCta = k2dThreads / kNvfp4Block;
+
+template <class T>
+__global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantArgs a) {
+  __shared__ float blk[k2dBlocksPerCta][kNvfp4Block][kNvfp4Block + 1];  // (padded: conflict-free both ways)
+  const int hw = static_cast<int>(threadIdx.x) / kNvfp4Block, j = static_cast<int>(threadIdx.x) % kNvfp4Block;
+  const unsigned half = 0xFFFFu << (threadIdx.x & 16u);  // this half-warp's lanes
+  const int64_t R = a.rows, C = a.cols, bcols = C / kNvfp4Block;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * k2dBlocksPerCta + hw;
+  if (b >= (R / kNvfp4Block) * bcols) return;  // (half-warp uniform)
+  const int64_t r0 = (b / bcols) * kNvfp4Block, c0 = (b % bcols) * kNvfp4Block;
+  const int64_t r = r0 + j;
+  constexpr int kVec = 16 / sizeof(T);
+  alignas(16) T raw[kNvfp4Block];
+  FP4SIM_UNROLL
+  for (int q = 0; q < kNvfp4Block / kVec; ++q)
+    reinterpret_cast<uint4*>(raw)[q] = __ldg(reinterpret_cast<const uint4*>(x + r * a.stride + c0) + q);
+  float v[kNvfp4Block];
+  float m = 0.0f;
+  FP4SIM_UNROLL
+  for (int i = 0; i < kNvfp4Block; ++i) {
+    v[i] = Elem<T>::to_f32(raw[i]);
+    m = fmax_nan_ignored(m, f32_abs(v[i]));
+  }
+  FP4SIM_UNROLL
+  for (int o = kNvfp4Block / 2; o > 0; o >>= 1) m = fmax_nan_ignored(m, __shfl_xor_sync(half, m, o));
+  alignas(8) uint8_t packed[kNvfp4Block / 2];
+  if (a.row.enabled) {
+    const Nvfp4Global g = nvfp4_global(*a.row.amax, false);
+    const uint8_t s = nvfp4_block_scale(m, g.s_enc);
+    const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
+                                          static_cast<uint64_t>(r * (C / kSrChunk) + c0 / kSrChunk));
+    e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), bits, packed);
+    *reinterpret_cast<uint2*>(a.row.codes + (r * C + c0) / 2) = *reinterpret_cast<uint2*>(packed);
+    a.row.scales[r * bcols + c0 / kNvfp4Block] = s;
+    if (a.row.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.row.decoded + r * C + c0);
+  }
+  if (a.col.enabled) {
+    FP4SIM_UNROLL
+    for (int i = 0; i < kNvfp4Block; ++i) blk[hw][j][i] = v[i];
+    __syncwarp(half);
+    FP4SIM_UNROLL
+    for (int i = 0; i < kNvfp4Block; ++i) v[i] = blk[hw][i][j];
+    const int64_t cc = c0 + j;  // input column j = row cc of the written (C x R) copy, columns r0..
+    const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
+    const uint8_t s = nvfp4_block_scale(m, g.s_enc);
+    const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
+                                          static_cast<uint64_t>(cc * (R / kSrChunk) + r0 / kSrChunk));
+    e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), bits, packed);
+    *reinterpret_cast<uint2*>(a.col.codes + (cc * R + r0) / 2) = *reinterpret_cast<uint2*>(packed);
+    a.col.scales[cc * (R / kNvfp4Block) + r0 / kNvfp4Block] = s;
+    if (a.col.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.col.decoded + cc * R + r0);
+  }
+}
+
+// Which kernel makes NVFP4 2D copies: 1 = nvfp4_2d_kernel where it applies (default), 0 = always
+// the tile kernel. Same bits; the tests compare them.
+int g_2d_variant = 1;
+
 // ---- The recipe's common case: NVFP4 1x16 (no 2D, no Four Over Six), RN or SR, RHT optional ----
 //
 // A CTA owns a 64-row tile, 256 columns wide for BF16 input (128 for FP32: 32 KiB of shared memory
@@ -633,6 +703,12 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
       if (rht) nvfp4_1x16_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
       else nvfp4_1x16_kernel<T, false, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
     }
+  } else if (g_2d_variant == 1 && cfg.format == QFormat::NVFP4 && cfg.block_2d && !qa.row.four_over_six &&
+             !qa.col.four_over_six && !(qa.col.enabled && qa.col.rht) && R % kNvfp4Block == 0 &&
+             C % kNvfp4Block == 0 && vector_ok) {
+    const int64_t blocks = (R / kNvfp4Block) * (C / kNvfp4Block);
+    nvfp4_2d_kernel<T><<<static_cast<unsigned>((blocks + k2dBlocksPerCta - 1) / k2dBlocksPerCta), k2dThreads, 0,
+                         stream>>>(xp, qa);
   } else if (qa.mx) {
     quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
   } else {
@@ -707,6 +783,11 @@ void set_quantize_tile_variant(int cols_per_thread) {
 }
 
 void set_quantize_keep_rht(bool keep) { g_keep_rht = keep; }
+
+void set_quantize_2d_variant(int variant) {
+  if (variant != 0 && variant != 1) throw std::invalid_argument("2D quantize variant must be 0 (tile) or 1 (half-warp blocks)");
+  g_2d_variant = variant;
+}
 
 void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                      QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws, DeviceScratch* rht_keep) {

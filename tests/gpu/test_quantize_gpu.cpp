@@ -58,6 +58,17 @@ std::vector<Case> all_configs() {
     QuantizeConfig c = base;
     c.block_2d = true;
     add("nvfp4_2d", c);
+    {
+      QuantizeConfig d = c;  // (unusual: SR on weights) and single 2D copies
+      d.rowwise.rounding = d.columnwise.rounding = Rounding::SR;
+      add("nvfp4_2d_sr", d);
+      d = c;
+      d.columnwise.enabled = false;
+      add("nvfp4_2d_row_only", d);
+      d = c;
+      d.rowwise.enabled = false;
+      add("nvfp4_2d_col_only", d);
+    }
     c.rowwise.four_over_six = c.columnwise.four_over_six = true;
     add("nvfp4_2d_fos_mae", c);
     c.fos_error = FourOverSixError::MSE;
@@ -308,6 +319,50 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
   }
   std::printf("[quantize-gpu] %d tile/stride/RHT-path cases bitwise identical\n", checked);
   EXPECT_GT(checked, 50);
+}
+
+// NVFP4 2D copies from both kernels (one 16x16 block per half-warp, and the general tile kernel),
+// FP32 and BF16 input, dense and strided rows, all fills: the emulator's bits, decoded operand included.
+TEST(QuantizeGpu, TwoDKernelsMatchEmulator) {
+  REQUIRE_GPU();
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  const int64_t rows = 208, cols = 400, stride = 416;
+  int checked = 0;
+  for (const Case& cs : all_configs()) {
+    if (cs.cfg.format != QFormat::NVFP4 || !cs.cfg.block_2d) continue;
+    for (test::Fill f : {test::Fill::HeavyTailed, test::Fill::Specials, test::Fill::Ties}) {
+      const std::vector<float> x = test::make_fill(f, static_cast<size_t>(rows * stride), 11);
+      std::vector<uint16_t> h(x.size());
+      for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
+      for (DType dt : {DType::F32, DType::BF16}) {
+        for (int64_t st : {cols, stride}) {
+          TensorView v;
+          v.data = dt == DType::BF16 ? static_cast<void*>(h.data()) : const_cast<float*>(x.data());
+          v.dtype = dt;
+          v.rows = rows;
+          v.cols = cols;
+          v.row_stride = st;
+          const QuantizeResult e = quantize_to_host(*emu, v, cs.cfg);
+          for (int variant : {1, 0}) {
+            QuantizeResult g;
+            {
+              KnobGuard knob([&] { gpu::set_quantize_2d_variant(variant); }, [] { gpu::set_quantize_2d_variant(1); });
+              g = quantize_to_host(*cuda, v, cs.cfg);
+            }
+            const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st) +
+                                     (variant == 1 ? " half-warp kernel" : " tile kernel");
+            if (cs.cfg.rowwise.enabled) expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+            if (cs.cfg.columnwise.enabled) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
+            if (HasFatalFailure()) return;
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  std::printf("[quantize-gpu] %d 2D kernel cases bitwise identical\n", checked);
+  EXPECT_GE(checked, 4 * 3 * 2 * 2 * 2);
 }
 
 // QuantizedView::decoded_bf16: the BF16 operand the quantizer writes for the cuBLASLt GEMM on Hopper
