@@ -22,11 +22,11 @@ namespace {
 // consecutive words of one row, so none has a bank conflict), 512 threads = 16 warps:
 //  1. load: warp w takes tile rows w, w + 16, ..., w + 112; lane l reads elements 4l..4l+3 of each
 //     (coalesced 16-byte loads; an FP32 tile inside the tensor by cp.async, all 8 rows in flight,
-//     else four rows in flight through registers), stores them as one 16-byte word and
-//     takes each row's block max by shuffles, lane i keeping the warp's i-th row's, and its four
-//     columns' maxima over the warp's rows (the warps' partial maxima meet in shared memory);
-//     the tile's NaN-ignoring max |x| goes to the global amax of both copies (amax_commit: the
-//     backend's self-resetting workspace);
+//     else row pairs in flight through registers), stores them as one 16-byte word and
+//     takes each row's block max by shuffles (the warp's 8 rows reduced together, 10 shuffles),
+//     lane i keeping the warp's i-th row's, and its four columns' maxima over the warp's rows (the
+//     warps' partial maxima meet in shared memory); the tile's NaN-ignoring max |x| goes to the
+//     global amax of both copies (amax_commit: the backend's self-resetting workspace);
 //  2. (the column maxima: thread t takes the sixteen partials of tile column t % 128);
 //  3. row-wise copy: lanes 0..7 each turn one row's block max into its scale (the division and
 //     the stored 1/enc once per row); then per row, enc from lane i by a shuffle, the lane's four
@@ -109,19 +109,25 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
   // 1. load, tile, block maxima of the rows (lane i: the warp's i-th row, tile row warp + 16 i).
   // An FP32 tile wholly inside an aligned tensor goes straight to shared memory (cp.async: the
   // warp's 8 rows, 4 KB, in flight at once and no registers held), then is read back; otherwise
-  // through registers, four rows' loads issued before any is used.
+  // through registers, row pairs' loads issued before any is used.
   float row_max = 0.0f;
   float4 col_max = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // columns 4 lane .. 4 lane + 3 over the warp's rows
-  // the warp's i-th row, lane's four values v: into the column maxima and (lane i) the row's max
-  auto take_row = [&](int i, const float4& v) {
+  // the warp's i-th row, lane's four values v: into the column maxima; returns the
+  // lane's share of the row's block max (from +0, as the emulator's: an all-NaN block has max +0)
+  auto take_row = [&](const float4& v) {
     const float4 av = make_float4(f32_abs(v.x), f32_abs(v.y), f32_abs(v.z), f32_abs(v.w));
     col_max = make_float4(fmax_nan_ignored(col_max.x, av.x), fmax_nan_ignored(col_max.y, av.y),
                           fmax_nan_ignored(col_max.z, av.z), fmax_nan_ignored(col_max.w, av.w));
-    if (!a.two_d) {
-      // (from +0, as the emulator's block max: an all-NaN block has max +0, not NaN)
-      const float mb = warp_max(fmax_nan_ignored(0.0f, fmax_nan_ignored(fmax_nan_ignored(av.x, av.y), fmax_nan_ignored(av.z, av.w))));
-      if (lane == i) row_max = mb;
-    }
+    return fmax_nan_ignored(0.0f, fmax_nan_ignored(fmax_nan_ignored(av.x, av.y), fmax_nan_ignored(av.z, av.w)));
+  };
+  // the row maxima of rows k and k + 4 meet half-reduced: lanes 0-15 keep row k's (adding lane
+  // l + 16's), lanes 16-31 row k + 4's (rows_reduce below finishes); one shuffle for two rows
+  float half_max[kFp8LinesPerWarp / 2];
+  static_assert(kFp8LinesPerWarp == 8, "rows_reduce below is written for 8 rows a warp");
+  auto pair_rows = [&](int k, float lo, float hi) {
+    if (a.two_d) return;  // (no row maxima: one scale per tile)
+    const bool upper = (lane & 16) != 0;
+    half_max[k] = fmax_nan_ignored(upper ? hi : lo, __shfl_xor_sync(full, upper ? lo : hi, 16));
   };
   bool async_tile = false;
   if constexpr (sizeof(T) == 4)
@@ -137,20 +143,51 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     FP4SIM_UNROLL
-    for (int i = 0; i < kFp8LinesPerWarp; ++i) take_row(i, tile4[(warp + kFp8Warps * i) * (kFp8Block / 4) + lane]);
+    for (int k = 0; k < kFp8LinesPerWarp / 2; ++k) {
+      const float lo = take_row(tile4[(warp + kFp8Warps * k) * (kFp8Block / 4) + lane]);
+      const float hi = take_row(tile4[(warp + kFp8Warps * (k + 4)) * (kFp8Block / 4) + lane]);
+      pair_rows(k, lo, hi);
+    }
   } else {
-    constexpr int kGroup = 4;  // rows whose loads are issued before any is used (memory parallelism)
-#pragma unroll 1
-    for (int g = 0; g < kFp8LinesPerWarp / kGroup; ++g) {
-      float4 v[kGroup];
+    // rows whose loads are issued before any is used (memory parallelism): row pairs (k, k + 4),
+    // two pairs at a time for BF16, one for FP32 (which comes here only for edge or unaligned
+    // tiles, and would spill at its 40 registers with four rows in flight)
+    constexpr int kPairs = sizeof(T) == 4 ? 1 : 2;
+    FP4SIM_UNROLL
+    for (int g = 0; g < kFp8LinesPerWarp / 2 / kPairs; ++g) {
+      float4 v[2 * kPairs];
       FP4SIM_UNROLL
-      for (int u = 0; u < kGroup; ++u) v[u] = fp8_load4(x, a, r0 + warp + kFp8Warps * (g * kGroup + u), c0 + 4 * lane);
+      for (int u = 0; u < 2 * kPairs; ++u) {
+        const int i = kPairs * g + (u >> 1) + 4 * (u & 1);  // rows k, k + 4 for k = kPairs g + u / 2
+        v[u] = fp8_load4(x, a, r0 + warp + kFp8Warps * i, c0 + 4 * lane);
+      }
       FP4SIM_UNROLL
-      for (int u = 0; u < kGroup; ++u) {
-        tile4[(warp + kFp8Warps * (g * kGroup + u)) * (kFp8Block / 4) + lane] = v[u];
-        take_row(g * kGroup + u, v[u]);
+      for (int u = 0; u < 2 * kPairs; ++u) {
+        const int i = kPairs * g + (u >> 1) + 4 * (u & 1);
+        tile4[(warp + kFp8Warps * i) * (kFp8Block / 4) + lane] = v[u];
+      }
+      FP4SIM_UNROLL
+      for (int p = 0; p < kPairs; ++p) {
+        const float lo = take_row(v[2 * p]);
+        const float hi = take_row(v[2 * p + 1]);
+        pair_rows(kPairs * g + p, lo, hi);
       }
     }
+  }
+  // rows_reduce: after pair_rows lane l holds row k + 4 b4 (b = the bits of l) for k = 0..3; two
+  // more exchange steps leave it row b2 + 2 b3 + 4 b4, two butterflies complete the sums over all
+  // 32 lanes, and lane i takes row i's max from a lane that holds it: 10 shuffles for the warp's 8
+  // row maxima instead of 8 x 5 (max is order-free: the same value)
+  if (!a.two_d) {
+    const bool b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
+    const float q0 = fmax_nan_ignored(b3 ? half_max[2] : half_max[0], __shfl_xor_sync(full, b3 ? half_max[0] : half_max[2], 8));
+    const float q1 = fmax_nan_ignored(b3 ? half_max[3] : half_max[1], __shfl_xor_sync(full, b3 ? half_max[1] : half_max[3], 8));
+    float m = fmax_nan_ignored(b2 ? q1 : q0, __shfl_xor_sync(full, b2 ? q0 : q1, 4));
+    m = fmax_nan_ignored(m, __shfl_xor_sync(full, m, 2));
+    m = fmax_nan_ignored(m, __shfl_xor_sync(full, m, 1));
+    const int src = ((lane & 1) << 2) | (((lane >> 1) & 1) << 3) | (((lane >> 2) & 1) << 4);  // holds row lane % 8
+    m = __shfl_sync(full, m, src);
+    if (lane < kFp8LinesPerWarp) row_max = m;
   }
   col_partial[warp * (kFp8Block / 4) + lane] = col_max;
   const float m = warp_max(fmax_nan_ignored(fmax_nan_ignored(col_max.x, col_max.y), fmax_nan_ignored(col_max.z, col_max.w)));
