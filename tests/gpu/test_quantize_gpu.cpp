@@ -105,6 +105,18 @@ std::vector<Case> all_configs() {
 
 using test::expect_same_quantized;
 
+// A host tensor view of rows x cols (row stride `stride`) over x, or over h (x's BF16 bits) for BF16.
+TensorView strided_input(const std::vector<float>& x, std::vector<uint16_t>& h, DType dt, int64_t rows, int64_t cols,
+                         int64_t stride) {
+  TensorView v;
+  v.data = dt == DType::BF16 ? static_cast<void*>(h.data()) : const_cast<float*>(x.data());
+  v.dtype = dt;
+  v.rows = rows;
+  v.cols = cols;
+  v.row_stride = stride;
+  return v;
+}
+
 // The host FP environment the emulator runs in, before and after the CUDA runtime is loaded.
 TEST(QuantizeGpu, HostFloatingPointEnvironment) {
 #if defined(__x86_64__)
@@ -291,12 +303,7 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
     if (cs.cfg.format != QFormat::NVFP4) continue;
     for (DType dt : {DType::F32, DType::BF16}) {
       for (int64_t st : {cols, stride}) {
-        TensorView v;
-        v.data = dt == DType::BF16 ? static_cast<void*>(h.data()) : const_cast<float*>(x.data());
-        v.dtype = dt;
-        v.rows = rows;
-        v.cols = cols;
-        v.row_stride = st;
+        const TensorView v = strided_input(x, h, dt, rows, cols, st);
         const QuantizeResult e = quantize_to_host(*emu, v, cs.cfg);
         for (int tile : {1, 2}) {
           for (bool keep : {true, false}) {
@@ -322,7 +329,8 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
 }
 
 // NVFP4 2D copies from both kernels (one 16x16 block per half-warp, and the general tile kernel),
-// FP32 and BF16 input, dense and strided rows, all fills: the emulator's bits, decoded operand included.
+// FP32 and BF16 input, dense and strided rows, three fills: the emulator's codes, scales and amax
+// (the decoded operand of the default kernel: DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm).
 TEST(QuantizeGpu, TwoDKernelsMatchEmulator) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
@@ -337,12 +345,7 @@ TEST(QuantizeGpu, TwoDKernelsMatchEmulator) {
       for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
       for (DType dt : {DType::F32, DType::BF16}) {
         for (int64_t st : {cols, stride}) {
-          TensorView v;
-          v.data = dt == DType::BF16 ? static_cast<void*>(h.data()) : const_cast<float*>(x.data());
-          v.dtype = dt;
-          v.rows = rows;
-          v.cols = cols;
-          v.row_stride = st;
+          const TensorView v = strided_input(x, h, dt, rows, cols, st);
           const QuantizeResult e = quantize_to_host(*emu, v, cs.cfg);
           for (int variant : {1, 0}) {
             QuantizeResult g;
