@@ -237,6 +237,7 @@ __device__ __forceinline__ float exp_via_exp2(float x) { return exp2f(__fmul_rn(
 
 // ---- forward ------------------------------------------------------------------------------------
 
+// An output element as the kernels store it: BF16-rounded when kRound (the caller's BF16 storage).
 template <bool kRound>
 __device__ __forceinline__ float stored_out(float v) { return kRound ? bf16_round(v) : v; }
 
@@ -365,8 +366,7 @@ __global__ void __launch_bounds__(kThreads)
 // 177, one CTA per SM fewer.)
 template <bool kRound>
 __device__ __forceinline__ float written(float v) {
-  const float w = __fadd_rn(0.0f, v);
-  return kRound ? bf16_round(w) : w;
+  return stored_out<kRound>(__fadd_rn(0.0f, v));
 }
 
 // dsum (B,NH,T) = sum_i bf16(dout_i) * out_i over one head's row, one thread per row

@@ -45,15 +45,20 @@ constexpr int64_t kDequantChunk = 8;  // elements per thread: 4 code bytes in, o
 // 256 us for two 8192 x 8192 operands); rows come from the grid, the block from a shift.
 // Both operands in one launch: grid rows [0, a.rows) are a's, the rest b's (rows beyond the grid's
 // y extent are walked with a stride); x covers the 8-element chunks of a row.
-// Its first thread also writes the GEMM's alpha' and beta to `scalars` (the work of
-// epilogue_scalars_kernel below, from the amax of a and b, which a view with rows = 0 still
-// carries): one launch fewer before a GEMM that decodes an operand.
+// alpha' = alpha * (global decode scales of a and b, from their amax) and beta, to out[0..1]: the
+// GEMM's device scalars, with no host synchronisation.
+__device__ __forceinline__ void write_epilogue_scalars(const QuantizedView& a, const QuantizedView& b, float alpha,
+                                                       float beta, float* out) {
+  out[0] = gemm_epilogue_alpha(alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
+  out[1] = beta;
+}
+
+// Its first thread also writes the GEMM's alpha' and beta to `scalars` (write_epilogue_scalars,
+// from the amax of a and b, which a view with rows = 0 still carries): one launch fewer before a
+// GEMM that decodes an operand.
 __global__ void dequantize_block_scaled_bf16(QuantizedView a, uint16_t* da, QuantizedView b, uint16_t* db,
                                              float alpha, float beta, float* scalars) {
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-    scalars[0] = gemm_epilogue_alpha(alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
-    scalars[1] = beta;
-  }
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) write_epilogue_scalars(a, b, alpha, beta, scalars);
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kDequantChunk;
   if (c0 >= a.cols) return;  // a.cols == b.cols == K
   for (int64_t row = blockIdx.y; row < a.rows + b.rows; row += gridDim.y) {
@@ -73,11 +78,10 @@ int grid_for(int64_t n) {
   return static_cast<int>(b < 132 * 64 ? (b > 0 ? b : 1) : 132 * 64);
 }
 
-// alpha' (and beta) on the device, from the operands' amax: no host synchronisation.
+// alpha' (and beta) on the device where no decode launch writes them.
 __global__ void epilogue_scalars_kernel(QuantizedView a, QuantizedView b, float alpha, float beta,
                                         float* out) {
-  out[0] = gemm_epilogue_alpha(alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
-  out[1] = beta;
+  write_epilogue_scalars(a, b, alpha, beta, out);
 }
 
 // FP8 has no global scales: alpha' = alpha. Written on the device like the FP4 path's scalars (and
@@ -291,11 +295,9 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
     destroy_plan(p);
     return false;
   }
-  p.algo = heur[found > pick ? pick : 0].algo;
-  last_pick.rules_active = picks_measured_here(st);
-  last_pick.preferred = pick;
-  last_pick.found = found;
-  last_pick.used = found > pick ? pick : 0;
+  const int used = found > pick ? pick : 0;
+  p.algo = heur[used].algo;
+  last_pick = CublasLtPlanPick{picks_measured_here(st), pick, found, used};
   return true;
 }
 

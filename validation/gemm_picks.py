@@ -30,16 +30,15 @@ def main(path):
         sys.exit(f"{path}: no CSV header (name,...) found")
     for row in csv.DictReader(lines[start:]):
         mm = re.match(r"BM_GpuMatmulPicks/(\d+)/(\d+)/.*_median$", row["name"])
-        if mm and row.get("error_occurred") != "true":  # the BF16 recipe's matmuls (operand copies included)
-            us = float(row["us"]) if row.get("us") else float(row["real_time"])
-            times.setdefault(("matmul", int(mm.group(1))), {})[int(mm.group(2))] = us
-            continue
         m = re.match(r"BM_Gpu(GemmFp8|GemmScalarModes)/(\d+)/([01])/(-?\d+)/.*_median$", row["name"])
-        if not m or row.get("error_occurred") == "true":
+        if not (mm or m) or row.get("error_occurred") == "true":
+            continue
+        us = float(row["us"]) if row.get("us") else float(row["real_time"])
+        if mm:  # the BF16 recipe's matmuls (operand copies included)
+            times.setdefault(("matmul", int(mm.group(1))), {})[int(mm.group(2))] = us
             continue
         kind = ("fp8" if m.group(1) == "GemmFp8" else "bf16") + ("" if m.group(3) == "0" else
                                                                  ("b0" if m.group(1) == "GemmFp8" else "dev"))
-        us = float(row["us"]) if row.get("us") else float(row["real_time"])
         times.setdefault((kind, int(m.group(2))), {})[int(m.group(4))] = us
     if not times:
         sys.exit(f"{path}: no BM_GpuGemmFp8, BM_GpuGemmScalarModes or BM_GpuMatmulPicks medians")

@@ -1,8 +1,12 @@
 // Shared by the GPU tests: whether a CUDA GPU is present (the tests skip cleanly without one).
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
+#include <cstdio>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -21,6 +25,19 @@ inline bool have_gpu() {
   return false;
 #endif
 }
+
+#if FP4SIM_HAVE_CUDA
+// Where the Hopper picks rules apply (gpu::last_cublaslt_plan_pick().rules_active), the cuBLASLt
+// plan the last GEMM built asked for the rule's `index` and took it (or the first where the list is
+// shorter); `what` labels the failure and the log line. Elsewhere there is nothing to check.
+inline void expect_rule_pick(int index, const std::string& what) {
+  const gpu::CublasLtPlanPick pk = gpu::last_cublaslt_plan_pick();
+  if (!pk.rules_active) return;
+  EXPECT_EQ(pk.preferred, index) << what;
+  EXPECT_EQ(pk.used, pk.found > index ? index : 0) << what;
+  std::printf("%s plan: heuristic index %d (%d listed)\n", what.c_str(), pk.used, pk.found);
+}
+#endif
 
 // Sets a process-wide benchmark knob and puts it back on scope exit, even when a check throws.
 struct KnobGuard {
