@@ -484,6 +484,10 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
                 return bits;
               };
               const std::vector<uint32_t> want = run(plain, plain);
+              {  // the GEMM's other decode kernel (8 elements a thread): the same D
+                KnobGuard narrow([] { gpu::set_fp4_decode_variant(0); }, [] { gpu::set_fp4_decode_variant(1); });
+                ASSERT_EQ(run(plain, plain), want) << cs.name << ": D differs between the two decode kernels";
+              }
               const std::vector<uint8_t> garbage(codes.bytes(), 0x77);  // every code 7 (6.0)
               cuda->upload(dec.codes, garbage.data(), garbage.size());
               ASSERT_EQ(run(dec, dec), want) << cs.name << ": D differs with both operands decoded";
