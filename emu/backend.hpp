@@ -115,6 +115,14 @@ class Backend {
   virtual void matmul_backward(float* /*dinp*/, float* /*dweight*/, float* /*dbias*/, const float* /*dout*/,
                                const float* /*inp*/, const float* /*weight*/, int64_t /*N*/, int64_t /*K*/, int64_t /*OC*/,
                                emu::GemmPrecision /*prec*/) { missing("matmul_backward"); }
+  // matmul_backward without dbias, dout (N,OC) stored as BF16 bits: the same bits as matmul_backward on
+  // dout's values as FP32 (the output head's Dgrad and Wgrad, whose dout the cross-entropy op wrote in
+  // BF16: crossentropy_softmax_forward_backward_bf16).
+  virtual void matmul_backward_bf16_dout(float* /*dinp*/, float* /*dweight*/, const uint16_t* /*dout*/,
+                                         const float* /*inp*/, const float* /*weight*/, int64_t /*N*/, int64_t /*K*/,
+                                         int64_t /*OC*/, emu::GemmPrecision /*prec*/) {
+    missing("matmul_backward_bf16_dout");
+  }
   virtual void bias_forward(float* /*out*/, const float* /*bias*/, int64_t /*N*/, int64_t /*OC*/, bool /*round_bf16*/) {
     missing("bias_forward");
   }
@@ -204,6 +212,13 @@ class Backend {
                                                      const int32_t* /*targets*/, const float* /*dlosses*/,
                                                      int64_t /*N*/, int64_t /*V*/, bool /*round_bf16*/) {
     missing("crossentropy_softmax_forward_backward");
+  }
+  // crossentropy_softmax_forward_backward with round_bf16, dlogits stored as BF16 bits (the values it
+  // writes are BF16-rounded: the same numbers in half the memory, and no conversion before the GEMM).
+  virtual void crossentropy_softmax_forward_backward_bf16(float* /*losses*/, uint16_t* /*dlogits*/,
+                                                          const float* /*logits*/, const int32_t* /*targets*/,
+                                                          const float* /*dlosses*/, int64_t /*N*/, int64_t /*V*/) {
+    missing("crossentropy_softmax_forward_backward_bf16");
   }
   // One AdamW step over n elements (emu/optim.hpp's adamw_element on each).
   virtual void adamw_update(float* /*params*/, const float* /*grads*/, float* /*m*/, float* /*v*/, int64_t /*n*/,

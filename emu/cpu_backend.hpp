@@ -93,6 +93,13 @@ class CpuBackend final : public Backend {
                        emu::GemmPrecision prec) override {
     emu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
   }
+  void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, const float* inp,
+                                 const float* weight, int64_t N, int64_t K, int64_t OC,
+                                 emu::GemmPrecision prec) override {
+    std::vector<float> d(static_cast<size_t>(N * OC));
+    for (size_t i = 0; i < d.size(); ++i) d[i] = bf16_to_f32(dout[i]);
+    emu::matmul_backward(dinp, dweight, nullptr, d.data(), inp, weight, N, K, OC, prec);
+  }
   void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
                          int64_t NKV, int64_t HD, emu::GemmPrecision prec, bool round_bf16) override {
     emu::attention_forward(out, lse, qkv, B, T, NH, NKV, HD, prec);
@@ -164,6 +171,13 @@ class CpuBackend final : public Backend {
                                              const int32_t* targets, const float* dlosses, int64_t N, int64_t V,
                                              bool round_bf16) override {
     emu::crossentropy_softmax_forward_backward(losses, dlogits, logits, targets, dlosses, N, V, round_bf16);
+  }
+  void crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits, const float* logits,
+                                                  const int32_t* targets, const float* dlosses, int64_t N,
+                                                  int64_t V) override {
+    std::vector<float> d(static_cast<size_t>(N * V));
+    emu::crossentropy_softmax_forward_backward(losses, d.data(), logits, targets, dlosses, N, V, true);
+    for (size_t i = 0; i < d.size(); ++i) dlogits[i] = bf16_rne(d[i]);  // (exact: d is BF16-rounded)
   }
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override {

@@ -83,6 +83,10 @@ class CudaBackend final : public Backend {
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                        const float* inp, const float* weight, int64_t N, int64_t K, int64_t OC,
                        emu::GemmPrecision prec) override;
+  // (BF16 precision: the GEMMs read dout as it is, no conversion pass)
+  void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, const float* inp,
+                                 const float* weight, int64_t N, int64_t K, int64_t OC,
+                                 emu::GemmPrecision prec) override;
   // attention: FlashAttention-2 kernels on mma.sync (gpu/attention.cu), launched from gpu/layers.cu
   // (prec must be BF16: the kernels' operands are BF16)
   void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
@@ -118,6 +122,9 @@ class CudaBackend final : public Backend {
   void crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
                                              const int32_t* targets, const float* dlosses, int64_t N, int64_t V,
                                              bool round_bf16) override;
+  void crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits, const float* logits,
+                                                  const int32_t* targets, const float* dlosses, int64_t N,
+                                                  int64_t V) override;
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override;
   double sum_squares(const float* x, int64_t n) override;
@@ -142,6 +149,9 @@ class CudaBackend final : public Backend {
   struct LayersState;
   std::shared_ptr<LayersState> layers_;  // created on first use
   LayersState& layers_state();
+  // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (gpu/layers.cu)
+  void matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp, const float* weight,
+                             int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec);
   void init_device();  // the constructor's part after the stream exists (pool, capability, workspace)
 };
 

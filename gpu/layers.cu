@@ -511,6 +511,13 @@ __global__ void squared_relu_backward_kernel(float* dinp, const float* inp, cons
 }
 
 // x = bf16_round(x): the emulator's function, bitwise.
+// dst[i] = the FP32 value of BF16 bits src[i] (exact).
+__global__ void bf16_to_f32_kernel(float* dst, const uint16_t* src, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = bf16_to_f32(src[i]);
+}
+
 __global__ void round_to_bf16_inplace_kernel(float* x, int64_t n) {
   grid_stride_by4(
       n, aligned16(x),
@@ -588,14 +595,16 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
 // one 1024-thread CTA per SM that kept ~4 KB of loads in flight per SM.
 constexpr int kCeThreads = 1024;
 constexpr int kCeBatch = 8;
-template <bool kGrad, bool kCached>
+// Out = uint16_t (kGrad with round_bf16 only): the written values stored as BF16 bits, the same
+// numbers (each is BF16-rounded) in half the bytes.
+template <bool kGrad, bool kCached, class Out = float>
 __global__ void __launch_bounds__(kCeThreads)
-    crossentropy_softmax_forward_kernel(float* losses, float* probs, const float* logits, const int32_t* targets,
+    crossentropy_softmax_forward_kernel(float* losses, Out* probs, const float* logits, const int32_t* targets,
                                         int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits) {
   extern __shared__ float row[];  // kCached: the row's logits, then their exponentials
   const int64_t n = blockIdx.x;
   const float* z = logits + n * V;
-  float* p = probs + n * V;
+  Out* p = probs + n * V;
   auto logit = [&](int64_t i) { return bf16_logits ? bf16_round(z[i]) : z[i]; };
   // f(i, logit(i)) for this thread's indices i = threadIdx.x + k blockDim.x in increasing order,
   // the logits loaded kCeBatch at a time (each index is read before this thread writes it, so an
@@ -637,7 +646,10 @@ __global__ void __launch_bounds__(kCeThreads)
   const float dl = kGrad ? dlosses[n] : 0.0f;
   auto put = [&](int64_t i, float e) {
     const float prob = __fdiv_rn(e, sum);
-    p[i] = kGrad ? stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16) : prob;
+    if constexpr (std::is_same_v<Out, uint16_t>)
+      p[i] = bf16_rne(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl));
+    else
+      p[i] = kGrad ? stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16) : prob;
   };
   if (kCached) {
     for (int64_t i = threadIdx.x; i < V; i += blockDim.x) put(i, row[i]);
@@ -651,16 +663,16 @@ bool g_crossentropy_cached = true;
 // The most dynamic shared memory the cached cross-entropy kernel may use on this device: the
 // per-block opt-in limit less the kernel's static shared memory (block_max and block_sum), allowed
 // once per instantiation (V = 50304 needs 196.5 KiB of the H200's 227 KiB).
-template <bool kGrad>
+template <bool kGrad, class Out>
 size_t crossentropy_cache_bytes() {
   static const size_t limit = [] {
     int device = 0, optin = 0;
     FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
     FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     cudaFuncAttributes fa{};
-    FP4SIM_CUDA_CHECK(cudaFuncGetAttributes(&fa, crossentropy_softmax_forward_kernel<kGrad, true>));
+    FP4SIM_CUDA_CHECK(cudaFuncGetAttributes(&fa, crossentropy_softmax_forward_kernel<kGrad, true, Out>));
     const size_t dynamic = static_cast<size_t>(optin) > fa.sharedSizeBytes ? static_cast<size_t>(optin) - fa.sharedSizeBytes : 0;
-    FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true>,
+    FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true, Out>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic)));
     return dynamic;
   }();
@@ -668,16 +680,16 @@ size_t crossentropy_cache_bytes() {
 }
 
 // Launches the cross-entropy kernel, with the row cached in shared memory when it fits.
-template <bool kGrad>
-void launch_crossentropy(float* losses, float* out, const float* logits, const int32_t* targets, int64_t N,
+template <bool kGrad, class Out = float>
+void launch_crossentropy(float* losses, Out* out, const float* logits, const int32_t* targets, int64_t N,
                          int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits, cudaStream_t stream) {
   const size_t bytes = static_cast<size_t>(V) * sizeof(float);
   const unsigned threads = V >= 4096 ? kCeThreads : 256;
-  if (g_crossentropy_cached && bytes <= crossentropy_cache_bytes<kGrad>()) {
-    crossentropy_softmax_forward_kernel<kGrad, true><<<static_cast<unsigned>(N), threads, bytes, stream>>>(
+  if (g_crossentropy_cached && bytes <= crossentropy_cache_bytes<kGrad, Out>()) {
+    crossentropy_softmax_forward_kernel<kGrad, true, Out><<<static_cast<unsigned>(N), threads, bytes, stream>>>(
         losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits);
   } else {
-    crossentropy_softmax_forward_kernel<kGrad, false><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+    crossentropy_softmax_forward_kernel<kGrad, false, Out><<<static_cast<unsigned>(N), threads, 0, stream>>>(
         losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits);
   }
   FP4SIM_CUDA_CHECK_LAUNCH();
@@ -817,6 +829,7 @@ struct RopeTable {
 struct CudaBackend::LayersState {
   training_ops::CublasLt lt;                                // created on the first matmul
   training_ops::DeviceScratch bf16_a, bf16_b, bf16_c;       // BF16 operands of the matmuls
+  training_ops::DeviceScratch f32_dout;                     // matmul_backward_bf16_dout's dout at FP32 precision
   training_ops::DeviceScratch columns;                      // partial column sums
   training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O) (B,NH,T)
   training_ops::DeviceScratch att_qkv16, att_dout16;        // attention's BF16 copies of qkv and dout
@@ -1066,20 +1079,47 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
     return;
   }
   LayersState& st = layers_state();
-  const bool bf16 = prec == emu::GemmPrecision::BF16;
-  if (K > 0) {
-    const void* dy = gemm_operand(st.bf16_a, dout, N * OC, prec, stream_);
-    const void* w = dinp ? gemm_operand(st.bf16_b, weight, OC * K, prec, stream_) : nullptr;
-    const void* x = dweight ? gemm_operand(st.bf16_c, inp, N * K, prec, stream_) : nullptr;
-    if (dinp) lt_matmul(st.lt, bf16, false, false, K, N, OC, w, K, dy, OC, dinp, 0.0f, stream_);
-    if (dweight) lt_matmul(st.lt, bf16, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
-  }
+  if (K > 0) matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_), inp, weight,
+                                   N, K, OC, prec);
   if (dbias) {
     float* partial = st.columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
     column_partial_kernel<<<column_partial_grid(N, OC), kThreads, 0, stream_>>>(partial, dout, N, OC);
     FP4SIM_CUDA_CHECK_LAUNCH();
     column_sums_finalize(dbias, partial, N, OC, true, stream_);
   }
+}
+
+// matmul_backward's two GEMMs from dy, dout as the GEMMs read it (BF16 bits, or FP32 at FP32
+// precision): the Dgrad writes dinp (if any), the Wgrad adds into dweight (if any); K > 0.
+void CudaBackend::matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp,
+                                        const float* weight, int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec) {
+  LayersState& st = layers_state();
+  const bool bf16 = prec == emu::GemmPrecision::BF16;
+  const void* w = dinp ? gemm_operand(st.bf16_b, weight, OC * K, prec, stream_) : nullptr;
+  const void* x = dweight ? gemm_operand(st.bf16_c, inp, N * K, prec, stream_) : nullptr;
+  if (dinp) lt_matmul(st.lt, bf16, false, false, K, N, OC, w, K, dy, OC, dinp, 0.0f, stream_);
+  if (dweight) lt_matmul(st.lt, bf16, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
+}
+
+// matmul_backward (no dbias) with dout in BF16 bits: at BF16 precision the GEMMs read it as it is;
+// at FP32 precision it is widened first (exact).
+void CudaBackend::matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, const float* inp,
+                                            const float* weight, int64_t N, int64_t K, int64_t OC,
+                                            emu::GemmPrecision prec) {
+  if (N == 0) return;
+  if (OC == 0) {  // as matmul_backward: dinp written as zeros, dweight unchanged
+    if (dinp && K > 0) FP4SIM_CUDA_CHECK(cudaMemsetAsync(dinp, 0, static_cast<size_t>(N * K) * sizeof(float), stream_));
+    return;
+  }
+  if (K == 0) return;
+  const void* dy = dout;
+  if (prec == emu::GemmPrecision::FP32) {
+    float* wide = layers_state().f32_dout.get<float>(static_cast<size_t>(N * OC), stream_);  // (FP32 GEMMs only)
+    bf16_to_f32_kernel<<<elementwise_grid(N * OC), kThreads, 0, stream_>>>(wide, dout, N * OC);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    dy = wide;
+  }
+  matmul_backward_gemms(dinp, dweight, dy, inp, weight, N, K, OC, prec);
 }
 
 // The kernels are in gpu/attention.cu; here the checks and the backward pass's scratch.
@@ -1236,6 +1276,14 @@ void CudaBackend::crossentropy_softmax_forward_backward(float* losses, float* dl
   require_rows("crossentropy_softmax_forward_backward", N);
   if (N == 0) return;
   launch_crossentropy<true>(losses, dlogits, logits, targets, N, V, dlosses, round_bf16, round_bf16, stream_);
+}
+
+void CudaBackend::crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits, const float* logits,
+                                                             const int32_t* targets, const float* dlosses, int64_t N,
+                                                             int64_t V) {
+  require_rows("crossentropy_softmax_forward_backward_bf16", N);
+  if (N == 0) return;
+  launch_crossentropy<true, uint16_t>(losses, dlogits, logits, targets, N, V, dlosses, true, true, stream_);
 }
 
 void CudaBackend::crossentropy_softmax_backward(float* dlogits, const float* probs,

@@ -227,7 +227,9 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   }
   for (int i : {0, 2, 3}) scratch_in_[i] = f32(N * (i == 3 ? F : C));  // (linear 1's input is always kept)
   dlosses_ = f32(N);
-  dlogits_ = f32(N * V);
+  // (BF16 activations: dlogits stored as BF16 bits, the values the cross-entropy op writes rounded
+  // anyway, so half the bytes and no conversion pass before the head's GEMMs)
+  dlogits_ = round_bf16() ? BackendBuffer(be_, static_cast<size_t>(N * V) * 2) : f32(N * V);
   dlnf_ = f32(N * C);
   dx_ = f32(N * C);
   dact_ = f32(N * F);
@@ -317,8 +319,12 @@ void Gpt::loss_gradient(int64_t micro_batches) {
   // BF16-rounded in the op, so no zeroing or rounding pass over N x V
   const std::vector<float> dl(static_cast<size_t>(N), 1.0f / static_cast<float>(N * micro_batches));
   be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
-  be_.crossentropy_softmax_forward_backward(losses_.as<float>(), dlogits_.as<float>(), logits_.as<float>(),
-                                            targets_.as<int32_t>(), dlosses_.as<float>(), N, V, round_bf16());
+  if (round_bf16())
+    be_.crossentropy_softmax_forward_backward_bf16(losses_.as<float>(), dlogits_.as<uint16_t>(), logits_.as<float>(),
+                                                   targets_.as<int32_t>(), dlosses_.as<float>(), N, V);
+  else
+    be_.crossentropy_softmax_forward_backward(losses_.as<float>(), dlogits_.as<float>(), logits_.as<float>(),
+                                              targets_.as<int32_t>(), dlosses_.as<float>(), N, V, false);
   dlogits_micro_batches_ = micro_batches;
 }
 
@@ -334,8 +340,12 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   if (!accumulate) be_.zero(grads(), n_params_ * 4);
   if (dlogits_micro_batches_ != micro_batches) loss_gradient(micro_batches);  // else the forward formed it
   zero(dx_, N * C);  // (dlnf_: written by matmul_backward)
-  be_.matmul_backward(F32(dlnf_), c.tied_embeddings ? g("wte") : g("lm_head.weight"), nullptr, F32(dlogits_),
-                      F32(lnf_), c.tied_embeddings ? p("wte") : p("lm_head.weight"), N, C, V, prec_);
+  float* head_dw = c.tied_embeddings ? g("wte") : g("lm_head.weight");
+  const float* head_w = c.tied_embeddings ? p("wte") : p("lm_head.weight");
+  if (round_bf16())
+    be_.matmul_backward_bf16_dout(F32(dlnf_), head_dw, dlogits_.as<uint16_t>(), F32(lnf_), head_w, N, C, V, prec_);
+  else
+    be_.matmul_backward(F32(dlnf_), head_dw, nullptr, F32(dlogits_), F32(lnf_), head_w, N, C, V, prec_);
   auto norm_bwd = [&](float* din, const float* dout, const float* in, const BackendBuffer& mean,
                       const BackendBuffer& rstd, const std::string& pre) {
     // (dout is a Dgrad output: its BF16 storage is applied where the norm reads it, rb: no pass)

@@ -958,6 +958,72 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
   }
 }
 
+// The output head's BF16-dout ops against their FP32 twins on the same backend, bit for bit: the
+// cross-entropy op's BF16 dlogits are the bits of the FP32 op's BF16-rounded ones (losses equal),
+// and matmul_backward_bf16_dout equals matmul_backward on the widened dout (dinp written over NaN,
+// dweight added to), at both precisions. The emulator always; the CUDA backend where there is a GPU.
+TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
+  std::vector<std::unique_ptr<Backend>> backends;
+  backends.push_back(make_backend("emu"));
+  if (have_gpu()) backends.push_back(make_backend("cuda"));
+  std::mt19937 rng(515);
+  // 16-bit outputs through Call::out's float buffers: a float per two BF16 values
+  auto bits_of = [](const Vec& raw, size_t n) {
+    std::vector<uint16_t> b(n);
+    std::memcpy(b.data(), raw.data(), n * sizeof(uint16_t));
+    return b;
+  };
+  for (auto& bk : backends) {
+    for (int64_t V : {int64_t{300}, int64_t{5000}}) {
+      const int64_t N = 9;
+      const Vec logits = randn(sz(N * V), rng, 3.0f), dlosses = randn(sz(N), rng, 0.1f);
+      const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
+      // (outputs declared in order, one statement each: argument evaluation order is unspecified)
+      const Op fp32 = [&](Backend& k, Call& c) {
+        float* losses = c.out(Vec(sz(N), kNaN));
+        float* d = c.out(Vec(sz(N * V), kNaN));
+        k.crossentropy_softmax_forward_backward(losses, d, c.in(logits), c.in(targets), c.in(dlosses), N, V, true);
+      };
+      const Op half = [&](Backend& k, Call& c) {
+        float* losses = c.out(Vec(sz(N), kNaN));
+        auto* d = reinterpret_cast<uint16_t*>(c.out(Vec(sz((N * V + 1) / 2), kNaN)));
+        k.crossentropy_softmax_forward_backward_bf16(losses, d, c.in(logits), c.in(targets), c.in(dlosses), N, V);
+      };
+      const Outputs f = run(*bk, fp32), h = run(*bk, half);
+      const std::string tag = " V=" + std::to_string(V) + " " + bk->name();
+      expect_bitwise("crossentropy bf16 losses" + tag, f[0], h[0]);
+      const std::vector<uint16_t> hb = bits_of(h[1], sz(N * V));
+      Vec widened(sz(N * V));
+      for (size_t i = 0; i < widened.size(); ++i) widened[i] = bf16_to_f32(hb[i]);
+      expect_bitwise("crossentropy bf16 dlogits" + tag, f[1], widened);
+    }
+    for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
+      const int64_t N = 33, K = 70, OC = 45;
+      const Vec x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f), dw0 = randn(sz(OC * K), rng);
+      std::vector<uint16_t> dout(sz(N * OC));
+      Vec dout_f(dout.size());
+      for (size_t i = 0; i < dout.size(); ++i) {
+        dout[i] = bf16_rne(randn(1, rng)[0]);
+        dout_f[i] = bf16_to_f32(dout[i]);
+      }
+      const Op ref = [&](Backend& k, Call& c) {
+        float* dinp = c.out(Vec(sz(N * K), kNaN));
+        float* dw = c.out(dw0);
+        k.matmul_backward(dinp, dw, nullptr, c.in(dout_f), c.in(x), c.in(w), N, K, OC, prec);
+      };
+      const Op got = [&](Backend& k, Call& c) {
+        float* dinp = c.out(Vec(sz(N * K), kNaN));
+        float* dw = c.out(dw0);
+        k.matmul_backward_bf16_dout(dinp, dw, c.in(dout), c.in(x), c.in(w), N, K, OC, prec);
+      };
+      const Outputs r = run(*bk, ref), g = run(*bk, got);
+      const std::string tag = std::string(prec == emu::GemmPrecision::BF16 ? " bf16 " : " fp32 ") + bk->name();
+      expect_bitwise("matmul_backward_bf16_dout dinp" + tag, r[0], g[0]);
+      expect_bitwise("matmul_backward_bf16_dout dweight" + tag, r[1], g[1]);
+    }
+  }
+}
+
 // ---- optimizer ----------------------------------------------------------------------------------
 
 TEST(LayersGpu, AdamWBitwiseEqualsEmulator) {
