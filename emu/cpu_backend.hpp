@@ -96,8 +96,8 @@ class CpuBackend final : public Backend {
   void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, const float* inp,
                                  const float* weight, int64_t N, int64_t K, int64_t OC,
                                  emu::GemmPrecision prec) override {
-    std::vector<float> d(static_cast<size_t>(N * OC));
-    for (size_t i = 0; i < d.size(); ++i) d[i] = bf16_to_f32(dout[i]);
+    std::vector<float> d(static_cast<size_t>(N * OC));  // (a temporary FP32 copy: the emulator's twins
+    for (size_t i = 0; i < d.size(); ++i) d[i] = bf16_to_f32(dout[i]);  // trade memory for one code path)
     emu::matmul_backward(dinp, dweight, nullptr, d.data(), inp, weight, N, K, OC, prec);
   }
   void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,

@@ -31,6 +31,7 @@
 #include <tuple>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "emu/formats.hpp"
@@ -510,13 +511,14 @@ __global__ void squared_relu_backward_kernel(float* dinp, const float* inp, cons
                      round_bf16);
 }
 
-// x = bf16_round(x): the emulator's function, bitwise.
 // dst[i] = the FP32 value of BF16 bits src[i] (exact).
 __global__ void bf16_to_f32_kernel(float* dst, const uint16_t* src, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     dst[i] = bf16_to_f32(src[i]);
 }
+
+// x = bf16_round(x): the emulator's function, bitwise.
 
 __global__ void round_to_bf16_inplace_kernel(float* x, int64_t n) {
   grid_stride_by4(
@@ -601,6 +603,7 @@ template <bool kGrad, bool kCached, class Out = float>
 __global__ void __launch_bounds__(kCeThreads)
     crossentropy_softmax_forward_kernel(float* losses, Out* probs, const float* logits, const int32_t* targets,
                                         int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits) {
+  static_assert(kGrad || std::is_same_v<Out, float>, "BF16 output is for the gradient (dlogits) only");
   extern __shared__ float row[];  // kCached: the row's logits, then their exponentials
   const int64_t n = blockIdx.x;
   const float* z = logits + n * V;
@@ -829,7 +832,8 @@ struct RopeTable {
 struct CudaBackend::LayersState {
   training_ops::CublasLt lt;                                // created on the first matmul
   training_ops::DeviceScratch bf16_a, bf16_b, bf16_c;       // BF16 operands of the matmuls
-  training_ops::DeviceScratch f32_dout;                     // matmul_backward_bf16_dout's dout at FP32 precision
+  training_ops::DeviceScratch f32_dout;  // matmul_backward_bf16_dout's dout widened, FP32 GEMMs only (kept, as
+                                         // the others; no training configuration pairs BF16 activations with them)
   training_ops::DeviceScratch columns;                      // partial column sums
   training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O) (B,NH,T)
   training_ops::DeviceScratch att_qkv16, att_dout16;        // attention's BF16 copies of qkv and dout

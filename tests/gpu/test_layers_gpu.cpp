@@ -967,6 +967,10 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
   backends.push_back(make_backend("emu"));
   if (have_gpu()) backends.push_back(make_backend("cuda"));
   std::mt19937 rng(515);
+  // the CUDA cross-entropy kernel's knob (the emulator has one path)
+  auto set_cached = [](const std::string& backend, bool on) {
+    if (backend == "cuda") gpu::set_crossentropy_cached(on);
+  };
   // 16-bit outputs through Call::out's float buffers: a float per two BF16 values
   auto bits_of = [](const Vec& raw, size_t n) {
     std::vector<uint16_t> b(n);
@@ -974,8 +978,8 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
     return b;
   };
   for (auto& bk : backends) {
-    for (int64_t V : {int64_t{300}, int64_t{5000}}) {
-      const int64_t N = 9;
+    for (int64_t V : {int64_t{300}, int64_t{5000}, int64_t{50304}}) {
+      const int64_t N = V > 5000 ? 3 : 9;
       const Vec logits = randn(sz(N * V), rng, 3.0f), dlosses = randn(sz(N), rng, 0.1f);
       const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
       // (outputs declared in order, one statement each: argument evaluation order is unspecified)
@@ -984,18 +988,26 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
         float* d = c.out(Vec(sz(N * V), kNaN));
         k.crossentropy_softmax_forward_backward(losses, d, c.in(logits), c.in(targets), c.in(dlosses), N, V, true);
       };
+      // (the BF16 output starts as NaN in both halves of each float: 0x7FFF7FFF)
       const Op half = [&](Backend& k, Call& c) {
         float* losses = c.out(Vec(sz(N), kNaN));
-        auto* d = reinterpret_cast<uint16_t*>(c.out(Vec(sz((N * V + 1) / 2), kNaN)));
+        auto* d = reinterpret_cast<uint16_t*>(c.out(Vec(sz((N * V + 1) / 2), f32_from_bits(0x7FFF7FFFu))));
         k.crossentropy_softmax_forward_backward_bf16(losses, d, c.in(logits), c.in(targets), c.in(dlosses), N, V);
       };
-      const Outputs f = run(*bk, fp32), h = run(*bk, half);
-      const std::string tag = " V=" + std::to_string(V) + " " + bk->name();
-      expect_bitwise("crossentropy bf16 losses" + tag, f[0], h[0]);
-      const std::vector<uint16_t> hb = bits_of(h[1], sz(N * V));
-      Vec widened(sz(N * V));
-      for (size_t i = 0; i < widened.size(); ++i) widened[i] = bf16_to_f32(hb[i]);
-      expect_bitwise("crossentropy bf16 dlogits" + tag, f[1], widened);
+      const Outputs f = run(*bk, fp32);
+      for (bool cached : {true, false}) {  // (CUDA: the row in shared memory, or read in every pass)
+        Outputs h;
+        {
+          KnobGuard knob([&] { set_cached(bk->name(), cached); }, [&] { set_cached(bk->name(), true); });
+          h = run(*bk, half);
+        }
+        const std::string tag = " V=" + std::to_string(V) + " " + bk->name() + (cached ? "" : " uncached");
+        expect_bitwise("crossentropy bf16 losses" + tag, f[0], h[0]);
+        const std::vector<uint16_t> hb = bits_of(h[1], sz(N * V));
+        Vec widened(sz(N * V));
+        for (size_t i = 0; i < widened.size(); ++i) widened[i] = bf16_to_f32(hb[i]);
+        expect_bitwise("crossentropy bf16 dlogits" + tag, f[1], widened);
+      }
     }
     for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
       const int64_t N = 33, K = 70, OC = 45;
