@@ -77,10 +77,7 @@ __global__ void dequantize_block_scaled_bf16(QuantizedView a, uint16_t* da, Quan
 constexpr int64_t kDequantWide = 32;
 __global__ void dequantize_wide_bf16(QuantizedView a, uint16_t* da, QuantizedView b, uint16_t* db, float alpha,
                                      float beta, float* scalars) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    scalars[0] = gemm_epilogue_alpha(alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
-    scalars[1] = beta;
-  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) write_epilogue_scalars(a, b, alpha, beta, scalars);
   const uint32_t per_row = static_cast<uint32_t>(a.cols / kDequantWide);  // a.cols == b.cols == K
   const uint32_t a_chunks = static_cast<uint32_t>(a.rows) * per_row;
   const uint32_t total = a_chunks + static_cast<uint32_t>(b.rows) * per_row;
