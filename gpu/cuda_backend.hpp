@@ -191,9 +191,9 @@ void set_gemm_exact_variant(int variant);
 constexpr int kPlanOwnPick = -1;
 constexpr int kMaxHeuristicPick = 15;
 void set_cublaslt_heuristic_pick(int index);
-// Test knob: the Hopper FP4 path's decode of an operand without its decoded copy, 1 = 32 elements a
-// thread over a 1-D grid (default, where K % 32 == 0 and the buffers are 16-byte aligned), 0 = 8
-// elements a thread, a grid row per tensor row. Same bits.
+// Test knob: the Hopper FP4 path's decode of an operand without its decoded copy, 1 = flat over both
+// operands' code words, warp-coalesced (default, where the buffers are aligned), 0 = 8 elements a
+// thread, a grid row per tensor row. Same bits.
 void set_fp4_decode_variant(int variant);
 // Test hook: what the most recently built cuBLASLt GEMM plan (gpu/gemm_cublaslt.cu) chose.
 // rules_active: Hopper with cuBLASLt 13.1.x, where fp8_preferred_algo / bf16_preferred_algo apply;

@@ -4,6 +4,7 @@
 #include <benchmark/benchmark.h>
 
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -178,6 +179,82 @@ void BM_GpuGemmCublasLt(benchmark::State& state) {
 }
 BENCHMARK(BM_GpuGemmCublasLt)->Arg(8192)->UseManualTime()->Iterations(3)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
+
+// The Hopper FP4 path's decode kernels (gpu/gemm_cublaslt.cu, knob set_fp4_decode_variant) on the
+// training step's Wgrad shapes (M x N output, K = 16 x 1024 tokens; operands quantized without
+// their decoded copies, as the saved activations are): the whole GEMM timed with each kernel in the
+// same repetition; the GEMM itself is the same, so the difference is the decode's.
+void BM_GpuFp4DecodeVariants(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const int64_t M = state.range(0), N = state.range(1), K = state.range(2);
+  gpu::CudaBackend be;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto quantized = [&](int64_t rows, std::vector<std::unique_ptr<BackendBuffer>>& keep) {
+    std::vector<uint16_t> x(static_cast<size_t>(rows * K));
+    for (auto& v : x) v = bf16_rne(nd(rng));
+    auto in = std::make_unique<BackendBuffer>(be, x.size() * 2);
+    be.upload(in->get(), x.data(), x.size() * 2);
+    TensorView tv;
+    tv.data = in->get();
+    tv.dtype = DType::BF16;
+    tv.rows = rows;
+    tv.cols = K;
+    tv.device = Device::Cuda;
+    QuantizeConfig qc;
+    qc.rowwise.enabled = true;
+    auto codes = std::make_unique<BackendBuffer>(be, x.size() / 2);
+    auto scales = std::make_unique<BackendBuffer>(be, x.size() / 16);
+    auto amax = std::make_unique<BackendBuffer>(be, 4);
+    QuantizedView q;
+    q.codes = codes->as<uint8_t>();
+    q.scales = scales->as<uint8_t>();
+    q.amax = amax->as<float>();
+    q.rows = rows;
+    q.cols = K;
+    q.device = Device::Cuda;
+    be.quantize(tv, qc, &q, nullptr);
+    keep.push_back(std::move(in));
+    keep.push_back(std::move(codes));
+    keep.push_back(std::move(scales));
+    keep.push_back(std::move(amax));
+    return q;
+  };
+  std::vector<std::unique_ptr<BackendBuffer>> keep;
+  const QuantizedView qa = quantized(M, keep), qb = quantized(N, keep);
+  BackendBuffer d(be, static_cast<size_t>(M * N) * 4);
+  TensorView dv;
+  dv.data = d.get();
+  dv.rows = M;
+  dv.cols = N;
+  dv.device = Device::Cuda;
+  GemmConfig cfg;
+  cfg.impl = GemmImpl::CublasLt;
+  auto with = [&](int variant) {
+    return [&, variant]() {
+      gpu::set_fp4_decode_variant(variant);
+      be.gemm(qa, qb, nullptr, cfg, dv);
+    };
+  };
+  GpuTimer timer;
+  timer.ms(be.stream(), 2, with(0));
+  timer.ms(be.stream(), 2, with(1));
+  double narrow_ms = 0, flat_ms = 0;
+  for (auto _ : state) {
+    narrow_ms = timer.ms(be.stream(), 10, with(0));
+    flat_ms = timer.ms(be.stream(), 10, with(1));
+    state.SetIterationTime(flat_ms * 1e-3);
+  }
+  gpu::set_fp4_decode_variant(1);
+  state.counters["gemm_us_8elem"] = narrow_ms * 1e3;
+  state.counters["gemm_us_flat"] = flat_ms * 1e3;
+  state.counters["saved_us"] = (narrow_ms - flat_ms) * 1e3;
+}
+BENCHMARK(BM_GpuFp4DecodeVariants)->Args({768, 768, 16384})->Args({3072, 768, 16384})->Args({768, 2304, 16384})
+    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 
 // How cuBLASLt is handed alpha and beta, on the gpt2-124m GEMM shapes of one layer (batch 16 x
 // 1024 tokens) as the FP4 path on Hopper runs them: BF16 operands, TN, FP32 output, beta 0 for

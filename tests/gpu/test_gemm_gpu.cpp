@@ -70,6 +70,49 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
 
 #endif
 
+// The Hopper FP4 path's two decode kernels (set_fp4_decode_variant: 0 = 8 elements a thread on a
+// 2-D grid, 1 = flat over both operands' code words) give the same D on shapes whose code-word
+// counts (rows x K / 8) are not multiples of a warp's 128-word span, so one warp decodes the end of
+// A and the start of B, and one operand is shorter than a span; NaN and Inf scales included.
+TEST(GemmGpu, CublasLtDecodeKernelsAgree) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU: " << gpu_description();
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  if (!cuda->decodes_for_gemm(GemmImpl::CublasLt))
+    GTEST_SKIP() << "this GPU multiplies FP4 natively (compute capability >= 10): no decode pass";
+  struct Shape { int64_t M, N, K; };
+  int checked = 0;
+  for (QFormat f : {QFormat::NVFP4, QFormat::MXFP4}) {
+    for (const Shape& s : {Shape{40, 24, 48}, Shape{8, 200, 32}, Shape{136, 72, 416}, Shape{3, 5, 1024}}) {
+      if (f == QFormat::MXFP4 && s.K % 32) continue;
+      for (test::Fill fill : {test::Fill::HeavyTailed, test::Fill::Specials}) {
+        std::vector<float> xa = test::make_fill(fill, static_cast<size_t>(s.M * s.K), s.M + 5 * s.K);
+        std::vector<float> xb = test::make_fill(fill, static_cast<size_t>(s.N * s.K), s.N * 7 + s.K);
+        TensorView va, vb;
+        va.data = xa.data(); va.rows = s.M; va.cols = s.K;
+        vb.data = xb.data(); vb.rows = s.N; vb.cols = s.K;
+        QuantizeConfig qc;
+        qc.format = f;
+        qc.rowwise.enabled = true;
+        QuantizedHost a = quantize_to_host(*emu, va, qc).rowwise, b = quantize_to_host(*emu, vb, qc).rowwise;
+        GemmConfig lt;
+        lt.impl = GemmImpl::CublasLt;
+        std::vector<uint32_t> d[2];
+        for (int variant = 0; variant < 2; ++variant) {
+          KnobGuard knob([&] { gpu::set_fp4_decode_variant(variant); }, [] { gpu::set_fp4_decode_variant(1); });
+          d[variant] = run_gemm_bits(*cuda, a, b, nullptr, lt);
+        }
+        size_t differ = 0;
+        for (size_t i = 0; i < d[0].size(); ++i) differ += d[0][i] != d[1][i];
+        EXPECT_EQ(differ, 0u) << qformat_name(f) << " " << s.M << "x" << s.N << "x" << s.K << " "
+                              << test::fill_name(fill) << ": outputs that differ between the decode kernels";
+        ++checked;
+      }
+    }
+  }
+  std::printf("[decode-kernels] %d GEMMs identical under both decode kernels\n", checked);
+}
+
 // |cublaslt - exact| <= gemm_cublaslt_bound for every output, and the bound is no looser than 10x
 // the largest difference observed (all-positive operands make the rounding errors add up).
 TEST(GemmGpu, CublasLtWithinDocumentedBound) {
