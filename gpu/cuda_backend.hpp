@@ -167,6 +167,8 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
 // Benchmark knob: whether the common-case quantizer keeps the RHT output between its passes
 // (default) or transforms twice, as before. Results are identical; only speed differs.
 void set_quantize_keep_rht(bool keep);
+// Benchmark and test knob: the tile rows of the RHT amax pass, 32 (default) or 64. Same bits.
+void set_quantize_rht_amax_rows(int rows);
 // Test knob: the kernel of NVFP4 2D copies without Four Over Six or RHT, 1 = one 16x16 block per
 // half-warp (default; rows and cols multiples of 16, 16-byte aligned rows), 0 = the general tile
 // kernel. Same bits.

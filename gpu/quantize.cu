@@ -81,19 +81,24 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t
 }
 
 // Tiled amax: the plain amax (any stride) and/or the amax of the RHT column-wise copy. The tile
-// is loaded as in the quantize pass; the RHT amax is taken over the transformed BF16 outputs.
-template <class T, bool kRht>
-__global__ void __launch_bounds__(kThreads, 6)
+// (kRows x kTileCols) is loaded as in the quantize pass; the RHT amax is taken over the transformed
+// BF16 outputs. kRows = 64 (plain; the RHT pass before 2026-11-30) or 32 (the RHT pass, default:
+// 18 KB of shared memory a CTA instead of 34, so 8 CTAs an SM instead of 6, at 58 registers; ncu
+// had the 64-row RHT pass at 32% achieved occupancy and 45% issue-active in the training step,
+// 5.32 ms a nvfp4 step, 4.87 ms on 32 rows).
+template <class T, bool kRht, int kRows = kTileRows>
+__global__ void __launch_bounds__(kThreads, kRows == 32 ? 8 : 6)
     amax_tile_kernel(const T* x, int64_t rows, int64_t cols, int64_t stride, bool vector_ok,
                      AmaxArgs args) {
-  // the tile holds the RHT's BF16 inputs (an FP32 input is rounded as it is stored): 16 KB, so the
-  // shared memory no longer limits the CTAs per SM (the FP32 tile did, at 6)
-  __shared__ __align__(16) uint16_t tile[kRht ? kTileRows * kTileCols : 8];
-  // rht(x) of the tile, transposed (column t's 64 rows contiguous; rows padded to 72 elements so
-  // that both the per-column 32-byte stores and the cooperative 16-byte reads are conflict-free)
-  constexpr int kYtStride = kTileRows + 8;
+  static_assert(kRows % kRhtSize == 0 && kRows % 8 == 0, "whole RHT chunks and 8-row output parts");
+  // the tile holds the RHT's BF16 inputs (an FP32 input is rounded as it is stored): 16 KB at 64
+  // rows, so the shared memory no longer limits the CTAs per SM (the FP32 tile did, at 6)
+  __shared__ __align__(16) uint16_t tile[kRht ? kRows * kTileCols : 8];
+  // rht(x) of the tile, transposed (column t's kRows rows contiguous; rows padded by 8 elements so
+  // that the per-column 32-byte stores and the cooperative 16-byte reads are (nearly) conflict-free)
+  constexpr int kYtStride = kRows + 8;
   __shared__ __align__(16) uint16_t yt[kRht ? kTileCols * kYtStride : 8];
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRows;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   const int t = threadIdx.x;
   // coalesced: consecutive threads read consecutive 16-byte vectors of a row (the plain amax does
@@ -102,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 6)
   constexpr int kVecPerRow = kTileCols / kVec;
   float m_plain = 0.0f, m_rht = 0.0f;
   FP4SIM_UNROLL
-  for (int k = 0; k < kTileRows * kVecPerRow / kThreads; ++k) {
+  for (int k = 0; k < kRows * kVecPerRow / kThreads; ++k) {
     const int i = t + k * kThreads;
     const int tr = i / kVecPerRow, tc = (i % kVecPerRow) * kVec;
     const int64_t r = r0 + tr, c = c0 + tc;
@@ -132,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 6)
     const int64_t c = c0 + t;
     if (c < cols) {
 #pragma unroll 1
-      for (int k = 0; k < kTileRows / kRhtSize; ++k) {
+      for (int k = 0; k < kRows / kRhtSize; ++k) {
         if (r0 + (k + 1) * kRhtSize > rows) break;  // rows % 16 == 0 for an RHT copy
         uint16_t in[kRhtSize], y[kRhtSize];
         FP4SIM_UNROLL
@@ -150,11 +155,11 @@ __global__ void __launch_bounds__(kThreads, 6)
         }
       }
     }
-    // rht(x) out transposed (cols x rows, the written copy's order): 8 threads write a column's 64
-    // rows as one 128-byte line
+    // rht(x) out transposed (cols x rows, the written copy's order): kRows / 8 threads write a
+    // column's kRows rows (one 128-byte line at 64 rows)
     if (args.rht_out) {
       __syncthreads();
-      constexpr int kParts = kTileRows / 8;
+      constexpr int kParts = kRows / 8;
       FP4SIM_UNROLL
       for (int u = t; u < kTileCols * kParts; u += kThreads) {
         const int col = u / kParts, part = u % kParts;
@@ -611,6 +616,8 @@ __global__ void __launch_bounds__(256) nvfp4_rht_kept_kernel(const T* x, const u
 
 // Whether launch_all keeps the RHT output between its passes when it has scratch for it.
 bool g_keep_rht = true;
+// The RHT amax pass's tile rows: 32 (default) or 64 (set_quantize_rht_amax_rows).
+int g_rht_amax_rows = 32;
 
 template <class T>
 void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* row,
@@ -643,8 +650,13 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
                   static_cast<unsigned>((R + kTileRows - 1) / kTileRows));
   if (amax_rht || (amax_plain && (S != C || !vector_ok))) {
     if (amax_rht) {
-      amax_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
-                                                                AmaxArgs{amax_plain, amax_plain2, amax_rht, rht_out, amax_ws});
+      const AmaxArgs args{amax_plain, amax_plain2, amax_rht, rht_out, amax_ws};
+      if (g_rht_amax_rows == 32) {
+        const dim3 grid32(grid.x, static_cast<unsigned>((R + 31) / 32));
+        amax_tile_kernel<T, true, 32><<<grid32, kThreads, 0, stream>>>(xp, R, C, S, vector_ok, args);
+      } else {
+        amax_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok, args);
+      }
     } else {
       amax_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
                                                                  AmaxArgs{amax_plain, amax_plain2, amax_rht, nullptr, amax_ws});
@@ -784,6 +796,11 @@ void set_quantize_tile_variant(int cols_per_thread) {
 
 void set_quantize_keep_rht(bool keep) { g_keep_rht = keep; }
 
+void set_quantize_rht_amax_rows(int rows) {
+  if (rows != 32 && rows != 64) throw std::invalid_argument("RHT amax pass tile rows must be 32 or 64");
+  g_rht_amax_rows = rows;
+}
+
 void set_quantize_2d_variant(int variant) {
   if (variant != 0 && variant != 1) throw std::invalid_argument("2D quantize variant must be 0 (tile) or 1 (half-warp blocks)");
   g_2d_variant = variant;
@@ -797,7 +814,7 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
                                 "' is not in device memory");
   if (cfg.rowwise.enabled) check_view(rowwise, x.rows, x.cols, cfg, cfg.rowwise, "row-wise");
   if (cfg.columnwise.enabled) check_view(columnwise, x.cols, x.rows, cfg, cfg.columnwise, "column-wise");
-  if ((x.rows + kTileRows - 1) / kTileRows > 65535)
+  if ((x.rows + 31) / 32 > 65535)  // the RHT amax pass's 32-row tiles; the other kernels' are 64
     throw std::invalid_argument("quantize (cuda): too many rows for one launch: " +
                                 shape_str(x.rows, x.cols));
   if (x.dtype == DType::F32) {

@@ -294,7 +294,7 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  const int64_t rows = 96, cols = 400, stride = 416;
+  const int64_t rows = 112, cols = 400, stride = 416;  // 112: partial 32- and 64-row tiles
   const std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * stride), 7);
   std::vector<uint16_t> h(x.size());
   for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
@@ -306,15 +306,20 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
         const TensorView v = strided_input(x, h, dt, rows, cols, st);
         const QuantizeResult e = quantize_to_host(*emu, v, cs.cfg);
         for (int tile : {1, 2}) {
-          for (bool keep : {true, false}) {
+          for (int path : {0, 1, 2}) {  // RHT kept (amax pass on 32-row tiles, then 64), RHT twice
+            const bool keep = path < 2;
+            const int amax_rows = path == 1 ? 64 : 32;
             QuantizeResult g;
             {
-              KnobGuard knobs([&] { gpu::set_quantize_tile_variant(tile); gpu::set_quantize_keep_rht(keep); },
-                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true); });
+              KnobGuard knobs([&] { gpu::set_quantize_tile_variant(tile); gpu::set_quantize_keep_rht(keep);
+                                    gpu::set_quantize_rht_amax_rows(amax_rows); },
+                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true);
+                                   gpu::set_quantize_rht_amax_rows(32); });
               g = quantize_to_host(*cuda, v, cs.cfg);
             }
             const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st) + " tile " +
-                                     std::to_string(tile) + (keep ? " rht kept" : " rht twice");
+                                     std::to_string(tile) + (keep ? " rht kept" : " rht twice") + " amax rows " +
+                                     std::to_string(amax_rows);
             if (cs.cfg.rowwise.enabled) expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
             if (cs.cfg.columnwise.enabled) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
             if (HasFatalFailure()) return;
@@ -385,6 +390,8 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
     QuantizedBuffers q;
     BackendBuffer decoded;
   };
+  // (MXFP4 column-wise copies need rows % 32 == 0; the RHT amax pass's partial 32-row tiles are
+  // TileVariantsAndStridedInputMatchEmulator's, 112 rows)
   const std::pair<int64_t, int64_t> shapes[] = {{96, 160}, {64, 288}, {224, 416}};
   int checked = 0;
   for (const Case& cs : all_configs()) {
@@ -407,8 +414,9 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
           dv.data = xin.get();
           dv.device = Device::Cuda;
           // 0: the streaming kernel where the RHT transform is kept (the tiled kernel otherwise);
-          // 1 and 2: the tiled kernel's 64x256 (BF16) and 64x128 tiles, transforming twice
-          for (int variant = 0; variant < 3; ++variant) {
+          // 1 and 2: the tiled kernel's 64x256 (BF16) and 64x128 tiles, transforming twice;
+          // 3: as 0 with the RHT amax pass on 64-row tiles (0 has its default 32)
+          for (int variant = 0; variant < 4; ++variant) {
             std::vector<std::unique_ptr<DevCopy>> out(2);
             for (int col = 0; col < 2; ++col) {
               const CopySpec& spec = col ? cs.cfg.columnwise : cs.cfg.rowwise;
@@ -421,8 +429,10 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
             }
             {
               KnobGuard knobs([&] { gpu::set_quantize_tile_variant(variant == 1 ? 2 : 1);
-                                    gpu::set_quantize_keep_rht(variant == 0); },
-                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true); });
+                                    gpu::set_quantize_keep_rht(variant == 0 || variant == 3);
+                                    gpu::set_quantize_rht_amax_rows(variant == 3 ? 64 : 32); },
+                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true);
+                                   gpu::set_quantize_rht_amax_rows(32); });
               cuda->quantize(dv, cs.cfg, out[0] ? &out[0]->q.view : nullptr, out[1] ? &out[1]->q.view : nullptr);
             }
             for (int col = 0; col < 2; ++col) {
