@@ -167,8 +167,10 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
 // Benchmark knob: whether the common-case quantizer keeps the RHT output between its passes
 // (default) or transforms twice, as before. Results are identical; only speed differs.
 void set_quantize_keep_rht(bool keep);
-// Benchmark and test knob: the tile rows of the RHT amax pass, 32 (default) or 64. Same bits.
-void set_quantize_rht_amax_rows(int rows);
+// Benchmark and test knob: the RHT amax pass, 0 = one 64-row tile a CTA, 1 = one 32-row tile a CTA,
+// 2 = persistent CTAs with cp.async double buffering where cols % 128 == 0, rows % 32 == 0 and
+// rows are 16-byte aligned, else 1 (default). Same bits.
+void set_quantize_rht_amax_variant(int variant);
 // Test knob: the kernel of NVFP4 2D copies without Four Over Six or RHT, 1 = one 16x16 block per
 // half-warp (default; rows and cols multiples of 16, 16-byte aligned rows), 0 = the general tile
 // kernel. Same bits.

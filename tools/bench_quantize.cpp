@@ -196,16 +196,16 @@ BENCHMARK(BM_GpuQuantize)
     ->Unit(benchmark::kMicrosecond);
 
 // The training step's NVFP4 quantize of an FP32 activation or gradient (16384 tokens x cols):
-// row-wise RN + column-wise RHT + SR, the transform kept between the passes, with the RHT amax
-// pass on 32- or 64-row tiles (set_quantize_rht_amax_rows). Bytes as BM_GpuQuantize counts them,
-// plus the kept transform (BF16, written once and read once).
-void BM_GpuQuantizeRhtAmaxRows(benchmark::State& state) {
+// row-wise RN + column-wise RHT + SR, the transform kept between the passes, with each RHT amax
+// pass (set_quantize_rht_amax_variant: 0 = 64-row tiles, 1 = 32-row tiles, 2 = pipelined). Bytes
+// as BM_GpuQuantize counts them, plus the kept transform (BF16, written once and read once).
+void BM_GpuQuantizeRhtAmaxVariants(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
     return;
   }
   const int64_t rows = 16384, cols = state.range(0);
-  gpu::set_quantize_rht_amax_rows(static_cast<int>(state.range(1)));
+  gpu::set_quantize_rht_amax_variant(static_cast<int>(state.range(1)));
   gpu::CudaBackend be;
   const QuantizeConfig cfg = config_for(2);
   const size_t n = static_cast<size_t>(rows * cols);
@@ -213,11 +213,12 @@ void BM_GpuQuantizeRhtAmaxRows(benchmark::State& state) {
   GpuQuantizeBuffers b(be, xf.data(), rows, cols, DType::F32, QFormat::NVFP4);
   const double bytes = 2.0 * n * 4 + 2 * (n / 2.0 + n / 16.0) + 2.0 * n * 2;
   time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, &b.cv); });
-  gpu::set_quantize_rht_amax_rows(32);
+  gpu::set_quantize_rht_amax_variant(2);
 }
-// {cols, RHT amax pass tile rows}
-BENCHMARK(BM_GpuQuantizeRhtAmaxRows)->Args({768, 64})->Args({768, 32})->Args({3072, 64})->Args({3072, 32})
-    ->UseManualTime()->Iterations(5)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+// {cols, RHT amax pass variant}
+BENCHMARK(BM_GpuQuantizeRhtAmaxVariants)->Args({768, 0})->Args({768, 1})->Args({768, 2})->Args({3072, 0})
+    ->Args({3072, 1})->Args({3072, 2})->UseManualTime()->Iterations(5)->Repetitions(3)->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMicrosecond);
 
 // The FP8 block quantizer (1x128, row-wise + column-wise copies, one tiled pass with the amax)
 // on an FP32 input the shape of gpt2-124m's largest activation gradient (16384 x 3072), against a

@@ -2,8 +2,10 @@
 // adversarial fills, shapes that are not multiples of the tile, every option. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <utility>
 #include <string>
 #if defined(__x86_64__)
@@ -288,6 +290,51 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
 }
 
 #if FP4SIM_HAVE_CUDA
+// The pipelined RHT amax pass (persistent CTAs, cp.async double buffering; the training step's
+// shapes: cols % 128 == 0, rows % 32 == 0) on a tensor with more 32 x 128 tiles than the grid has
+// CTAs, so CTAs take several tiles: FP32 and BF16 input, dense and strided rows, NaN and Inf
+// among heavy-tailed values, against the emulator and against the one-tile-a-CTA passes.
+TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
+  REQUIRE_GPU();
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  const int64_t rows = 4096, cols = 1536, stride = 1664;
+  std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * stride), 4242);
+  x[static_cast<size_t>(17 * stride + 300)] = std::numeric_limits<float>::infinity();  // one column chunk Inf
+  x[static_cast<size_t>(2000 * stride + 1000)] = std::nanf("");                        // and one NaN
+  std::vector<uint16_t> h(x.size());
+  for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
+  QuantizeConfig c;
+  c.rowwise.enabled = c.columnwise.enabled = true;
+  c.columnwise.rht = true;
+  c.columnwise.rounding = Rounding::SR;
+  c.seed = 77;
+  c.rowwise.stream = 1;
+  c.columnwise.stream = 2;
+  int checked = 0;
+  for (DType dt : {DType::F32, DType::BF16}) {
+    for (int64_t st : {cols, stride}) {
+      const TensorView v = strided_input(x, h, dt, rows, cols, st);
+      const QuantizeResult e = quantize_to_host(*emu, v, c);
+      for (int variant : {2, 1, 0}) {
+        QuantizeResult g;
+        {
+          KnobGuard knob([&] { gpu::set_quantize_rht_amax_variant(variant); },
+                         [] { gpu::set_quantize_rht_amax_variant(2); });
+          g = quantize_to_host(*cuda, v, c);
+        }
+        const std::string what = std::string(dtype_name(dt)) + " stride " + std::to_string(st) + " amax variant " +
+                                 std::to_string(variant);
+        expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+        expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise rht sr");
+        if (HasFatalFailure()) return;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 12);
+}
+
 // The fast kernel's 64x256 tile (BF16 input) and strided inputs (row stride != cols), with RHT
 // kept between the passes and transformed twice: the emulator's bits.
 TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
@@ -306,20 +353,20 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
         const TensorView v = strided_input(x, h, dt, rows, cols, st);
         const QuantizeResult e = quantize_to_host(*emu, v, cs.cfg);
         for (int tile : {1, 2}) {
-          for (int path : {0, 1, 2}) {  // RHT kept (amax pass on 32-row tiles, then 64), RHT twice
+          for (int path : {0, 1, 2}) {  // RHT kept (amax pass by default, then on 64-row tiles), RHT twice
             const bool keep = path < 2;
-            const int amax_rows = path == 1 ? 64 : 32;
+            const int amax_variant = path == 1 ? 0 : 2;
             QuantizeResult g;
             {
               KnobGuard knobs([&] { gpu::set_quantize_tile_variant(tile); gpu::set_quantize_keep_rht(keep);
-                                    gpu::set_quantize_rht_amax_rows(amax_rows); },
+                                    gpu::set_quantize_rht_amax_variant(amax_variant); },
                               [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true);
-                                   gpu::set_quantize_rht_amax_rows(32); });
+                                   gpu::set_quantize_rht_amax_variant(2); });
               g = quantize_to_host(*cuda, v, cs.cfg);
             }
             const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st) + " tile " +
-                                     std::to_string(tile) + (keep ? " rht kept" : " rht twice") + " amax rows " +
-                                     std::to_string(amax_rows);
+                                     std::to_string(tile) + (keep ? " rht kept" : " rht twice") + " amax variant " +
+                                     std::to_string(amax_variant);
             if (cs.cfg.rowwise.enabled) expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
             if (cs.cfg.columnwise.enabled) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
             if (HasFatalFailure()) return;
@@ -415,7 +462,7 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
           dv.device = Device::Cuda;
           // 0: the streaming kernel where the RHT transform is kept (the tiled kernel otherwise);
           // 1 and 2: the tiled kernel's 64x256 (BF16) and 64x128 tiles, transforming twice;
-          // 3: as 0 with the RHT amax pass on 64-row tiles (0 has its default 32)
+          // 3: as 0 with the RHT amax pass on 64-row tiles (0 has the default pass)
           for (int variant = 0; variant < 4; ++variant) {
             std::vector<std::unique_ptr<DevCopy>> out(2);
             for (int col = 0; col < 2; ++col) {
@@ -430,9 +477,9 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
             {
               KnobGuard knobs([&] { gpu::set_quantize_tile_variant(variant == 1 ? 2 : 1);
                                     gpu::set_quantize_keep_rht(variant == 0 || variant == 3);
-                                    gpu::set_quantize_rht_amax_rows(variant == 3 ? 64 : 32); },
+                                    gpu::set_quantize_rht_amax_variant(variant == 3 ? 0 : 2); },
                               [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true);
-                                   gpu::set_quantize_rht_amax_rows(32); });
+                                   gpu::set_quantize_rht_amax_variant(2); });
               cuda->quantize(dv, cs.cfg, out[0] ? &out[0]->q.view : nullptr, out[1] ? &out[1]->q.view : nullptr);
             }
             for (int col = 0; col < 2; ++col) {
