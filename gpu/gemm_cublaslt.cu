@@ -102,6 +102,8 @@ __global__ void dequantize_flat_bf16(QuantizedView a, uint16_t* da, QuantizedVie
         sbyte[j] = (in_a ? a.scales : b.scales)[f == QFormat::MXFP4 ? lw >> 2 : lw >> 1];
       }
     }
+    // (the decode loop recomputes w's operand and index: keeping them from the load loop in arrays
+    // took the kernel from 32 to 37 registers, 8 to 6 CTAs an SM; ptxas)
 #pragma unroll
     for (int j = 0; j < kFlatUnroll; ++j) {
       const uint32_t w = base + j * 32u + lane;

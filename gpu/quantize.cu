@@ -80,6 +80,42 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t
   amax_finish<kThreads>(m, 0.0f, args);
 }
 
+// One 16-row chunk of a tile column through the RHT (the amax passes): rht16 of the BF16 inputs
+// `in`, their outputs' max |y| into m_rht, and, with `keep`, the 16 outputs to yt_col (the column's
+// row k * 16 of the transposed tile, 16-byte aligned) as two 16-byte stores.
+__device__ __forceinline__ void rht_chunk_amax(const uint16_t (&in)[kRhtSize], float& m_rht, bool keep,
+                                               uint16_t* yt_col) {
+  uint16_t y[kRhtSize];
+  rht16(in, y);
+  FP4SIM_UNROLL
+  for (int i = 0; i < kRhtSize; ++i) m_rht = fmax_nan_ignored(m_rht, f32_abs(bf16_to_f32(y[i])));
+  if (keep) {
+    uint4* dst = reinterpret_cast<uint4*>(yt_col);
+    uint32_t w[kRhtSize / 2];
+    FP4SIM_UNROLL
+    for (int i = 0; i < kRhtSize / 2; ++i) w[i] = static_cast<uint32_t>(y[2 * i]) | static_cast<uint32_t>(y[2 * i + 1]) << 16;
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
+
+// The kept transform of a kRows x kTileCols tile, transposed in shared memory (yt: column t's rows
+// contiguous, kYtStride apart), out to rht_out (cols x rows, the written copy's order): kRows / 8
+// threads write a column's kRows rows (one 128-byte line at 64 rows). Whole 8-row parts: rows % 16
+// == 0 for an RHT copy; columns past `cols` are skipped.
+template <int kRows, int kYtStride>
+__device__ __forceinline__ void store_rht_transposed(const uint16_t* yt, uint16_t* rht_out, int64_t rows,
+                                                     int64_t cols, int64_t r0, int64_t c0) {
+  constexpr int kParts = kRows / 8;
+  FP4SIM_UNROLL
+  for (int u = threadIdx.x; u < kTileCols * kParts; u += kThreads) {
+    const int col = u / kParts, part = u % kParts;
+    const int64_t cc = c0 + col, r = r0 + part * 8;
+    if (cc < cols && r < rows)
+      *reinterpret_cast<uint4*>(rht_out + cc * rows + r) = *reinterpret_cast<const uint4*>(yt + col * kYtStride + part * 8);
+  }
+}
+
 // Tiled amax: the plain amax (any stride) and/or the amax of the RHT column-wise copy. The tile
 // (kRows x kTileCols) is loaded as in the quantize pass; the RHT amax is taken over the transformed
 // BF16 outputs. kRows = 64 (plain; the RHT pass before 2026-11-30) or 32 (the RHT pass, default:
@@ -139,35 +175,15 @@ __global__ void __launch_bounds__(kThreads, kRows == 32 ? 8 : 6)
 #pragma unroll 1
       for (int k = 0; k < kRows / kRhtSize; ++k) {
         if (r0 + (k + 1) * kRhtSize > rows) break;  // rows % 16 == 0 for an RHT copy
-        uint16_t in[kRhtSize], y[kRhtSize];
+        uint16_t in[kRhtSize];
         FP4SIM_UNROLL
         for (int i = 0; i < kRhtSize; ++i) in[i] = tile[(k * kRhtSize + i) * kTileCols + t];
-        rht16(in, y);
-        FP4SIM_UNROLL
-        for (int i = 0; i < kRhtSize; ++i) m_rht = fmax_nan_ignored(m_rht, f32_abs(bf16_to_f32(y[i])));
-        if (args.rht_out) {
-          uint4* dst = reinterpret_cast<uint4*>(yt + t * kYtStride + k * kRhtSize);
-          uint32_t w[kRhtSize / 2];
-          FP4SIM_UNROLL
-          for (int i = 0; i < kRhtSize / 2; ++i) w[i] = static_cast<uint32_t>(y[2 * i]) | static_cast<uint32_t>(y[2 * i + 1]) << 16;
-          dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-          dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-        }
+        rht_chunk_amax(in, m_rht, args.rht_out != nullptr, yt + t * kYtStride + k * kRhtSize);
       }
     }
-    // rht(x) out transposed (cols x rows, the written copy's order): kRows / 8 threads write a
-    // column's kRows rows (one 128-byte line at 64 rows)
     if (args.rht_out) {
       __syncthreads();
-      constexpr int kParts = kRows / 8;
-      FP4SIM_UNROLL
-      for (int u = t; u < kTileCols * kParts; u += kThreads) {
-        const int col = u / kParts, part = u % kParts;
-        const int64_t cc = c0 + col, r = r0 + part * 8;
-        if (cc < cols && r < rows)  // rows % 16 == 0: whole 8-row parts
-          *reinterpret_cast<uint4*>(args.rht_out + cc * rows + r) =
-              *reinterpret_cast<const uint4*>(yt + col * kYtStride + part * 8);
-      }
+      store_rht_transposed<kRows, kYtStride>(yt, args.rht_out, rows, cols, r0, c0);
     }
   }
   amax_finish<kThreads>(m_plain, m_rht, args);
@@ -233,37 +249,20 @@ __global__ void __launch_bounds__(kThreads, 5)
     const T* tl = raw[buf];
 #pragma unroll 1
     for (int k = 0; k < kPipeRows / kRhtSize; ++k) {
-      uint16_t in[kRhtSize], y[kRhtSize];
+      uint16_t in[kRhtSize];
       FP4SIM_UNROLL
       for (int i = 0; i < kRhtSize; ++i) {
         const T v = tl[(k * kRhtSize + i) * kTileCols + t];
         m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(v)));
         in[i] = rht_input(v);
       }
-      rht16(in, y);
-      FP4SIM_UNROLL
-      for (int i = 0; i < kRhtSize; ++i) m_rht = fmax_nan_ignored(m_rht, f32_abs(bf16_to_f32(y[i])));
-      if (args.rht_out) {
-        uint4* dst = reinterpret_cast<uint4*>(yt + t * kYtStride + k * kRhtSize);
-        uint32_t w[kRhtSize / 2];
-        FP4SIM_UNROLL
-        for (int i = 0; i < kRhtSize / 2; ++i) w[i] = static_cast<uint32_t>(y[2 * i]) | static_cast<uint32_t>(y[2 * i + 1]) << 16;
-        dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-        dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-      }
+      rht_chunk_amax(in, m_rht, args.rht_out != nullptr, yt + t * kYtStride + k * kRhtSize);
     }
     if (args.rht_out) {
-      // rht(x) out transposed (cols x rows): 4 threads write a column's 32 rows (64 bytes)
       __syncthreads();
-      const int64_t r0 = static_cast<int64_t>(tile / tiles_x) * kPipeRows;
-      const int64_t c0 = static_cast<int64_t>(tile % tiles_x) * kTileCols;
-      constexpr int kParts = kPipeRows / 8;
-      FP4SIM_UNROLL
-      for (int u = t; u < kTileCols * kParts; u += kThreads) {
-        const int col = u / kParts, part = u % kParts;
-        *reinterpret_cast<uint4*>(args.rht_out + (c0 + col) * rows + r0 + part * 8) =
-            *reinterpret_cast<const uint4*>(yt + col * kYtStride + part * 8);
-      }
+      store_rht_transposed<kPipeRows, kYtStride>(yt, args.rht_out, rows, cols,
+                                                 static_cast<int64_t>(tile / tiles_x) * kPipeRows,
+                                                 static_cast<int64_t>(tile % tiles_x) * kTileCols);
     }
     __syncthreads();  // raw[buf] and yt are free for the next tile
   }

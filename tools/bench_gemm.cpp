@@ -4,7 +4,6 @@
 #include <benchmark/benchmark.h>
 
 #include <functional>
-#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -111,6 +110,50 @@ BENCHMARK(BM_GpuGemmExact)->Args({2048, 0})->Args({2048, 1})->UseManualTime()->I
 BENCHMARK(BM_GpuGemmExact)->Args({8192, 1})->Args({8192, 2})->Args({8192, 3})->Args({8192, 4})->Args({8192, 5})->Args({8192, 6})->Args({8192, 7})->Args({8192, 8})->Args({8192, 9})->UseManualTime()->Iterations(3)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
 
+// A rows x cols BF16 tensor of seeded Gaussian values on the device and its NVFP4 row-wise copy
+// (1x16, RN), quantized on the GPU: the operands of the FP4 GEMM benchmarks.
+struct DeviceNvfp4 {
+  BackendBuffer in, codes, scales, amax;
+  QuantizedView q;
+  DeviceNvfp4(Backend& be, int64_t rows, int64_t cols, std::mt19937_64& rng) {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<uint16_t> x(static_cast<size_t>(rows * cols));
+    for (auto& v : x) v = bf16_rne(nd(rng));
+    in = BackendBuffer(be, x.size() * 2);
+    be.upload(in.get(), x.data(), x.size() * 2);
+    codes = BackendBuffer(be, x.size() / 2);
+    scales = BackendBuffer(be, x.size() / 16);
+    amax = BackendBuffer(be, 4);
+    TensorView tv;
+    tv.data = in.get();
+    tv.dtype = DType::BF16;
+    tv.rows = rows;
+    tv.cols = cols;
+    tv.device = Device::Cuda;
+    QuantizeConfig qc;
+    qc.rowwise.enabled = true;
+    q.codes = codes.as<uint8_t>();
+    q.scales = scales.as<uint8_t>();
+    q.amax = amax.as<float>();
+    q.rows = rows;
+    q.cols = cols;
+    q.device = Device::Cuda;
+    be.quantize(tv, qc, &q, nullptr);
+  }
+};
+
+// An FP32 rows x cols GEMM output on the device and its view.
+struct DeviceF32Out {
+  BackendBuffer d;
+  TensorView v;
+  DeviceF32Out(Backend& be, int64_t rows, int64_t cols) : d(be, static_cast<size_t>(rows * cols) * 4) {
+    v.data = d.get();
+    v.rows = rows;
+    v.cols = cols;
+    v.device = Device::Cuda;
+  }
+};
+
 // The cuBLASLt NVFP4 path on Hopper (dequantize both operands to BF16 + cuBLASLt BF16 GEMM, operands
 // already quantized) against cuBLASLt's BF16 GEMM on the same shape, timed in the same repetition.
 void BM_GpuGemmCublasLt(benchmark::State& state) {
@@ -120,48 +163,24 @@ void BM_GpuGemmCublasLt(benchmark::State& state) {
   }
   const int64_t n = state.range(0);
   gpu::CudaBackend be;
-  auto cpu = make_backend("emu");
-  // quantize on the GPU (fast) from a seeded Gaussian
   std::mt19937_64 rng(7);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<uint16_t> x(static_cast<size_t>(n * n));
-  for (auto& v : x) v = bf16_rne(nd(rng));
-  BackendBuffer in(be, x.size() * 2);
-  be.upload(in.get(), x.data(), x.size() * 2);
-  TensorView tv;
-  tv.data = in.get();
-  tv.dtype = DType::BF16;
-  tv.rows = n;
-  tv.cols = n;
-  tv.device = Device::Cuda;
-  QuantizeConfig qc;
-  qc.rowwise.enabled = true;
-  BackendBuffer codes(be, x.size() / 2), scales(be, x.size() / 16), amax(be, 4);
-  QuantizedView q;
-  q.codes = codes.as<uint8_t>();
-  q.scales = scales.as<uint8_t>();
-  q.amax = amax.as<float>();
-  q.rows = n;
-  q.cols = n;
-  q.device = Device::Cuda;
-  be.quantize(tv, qc, &q, nullptr);
-  BackendBuffer d(be, x.size() * 4);
-  TensorView dv;
-  dv.data = d.get();
-  dv.rows = n;
-  dv.cols = n;
-  dv.device = Device::Cuda;
+  const DeviceNvfp4 op(be, n, n, rng);  // quantized on the GPU (fast)
+  const BackendBuffer& in = op.in;
+  const QuantizedView& q = op.q;
+  const size_t elements = static_cast<size_t>(n * n);
+  const DeviceF32Out out(be, n, n);
+  const TensorView& dv = out.v;
   GemmConfig cfg;
   cfg.impl = GemmImpl::CublasLt;
   auto st = gpu::make_cublaslt_state();
   // the FP4 path multiplies two distinct BF16 buffers (its two dequantized operands), so the
   // baseline does too: A = in, B = a copy of it (one shared buffer would favour it through L2)
-  BackendBuffer in_b(be, x.size() * 2);
-  be.copy(in_b.get(), in.get(), x.size() * 2);
+  BackendBuffer in_b(be, elements * 2);
+  be.copy(in_b.get(), in.get(), elements * 2);
   auto fp4_path = [&]() { be.gemm(q, q, nullptr, cfg, dv); };
   auto bf16 = [&]() {
     gpu::bf16_gemm_tn(*st, static_cast<const uint16_t*>(in.get()), static_cast<const uint16_t*>(in_b.get()),
-                      nullptr, d.as<float>(), n, n, n, 1.0f, 0.0f, be.stream());
+                      nullptr, out.d.as<float>(), n, n, n, 1.0f, 0.0f, be.stream());
   };
   GpuTimer timer;
   timer.ms(be.stream(), 2, fp4_path);
@@ -192,45 +211,10 @@ void BM_GpuFp4DecodeVariants(benchmark::State& state) {
   const int64_t M = state.range(0), N = state.range(1), K = state.range(2);
   gpu::CudaBackend be;
   std::mt19937_64 rng(11);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto quantized = [&](int64_t rows, std::vector<std::unique_ptr<BackendBuffer>>& keep) {
-    std::vector<uint16_t> x(static_cast<size_t>(rows * K));
-    for (auto& v : x) v = bf16_rne(nd(rng));
-    auto in = std::make_unique<BackendBuffer>(be, x.size() * 2);
-    be.upload(in->get(), x.data(), x.size() * 2);
-    TensorView tv;
-    tv.data = in->get();
-    tv.dtype = DType::BF16;
-    tv.rows = rows;
-    tv.cols = K;
-    tv.device = Device::Cuda;
-    QuantizeConfig qc;
-    qc.rowwise.enabled = true;
-    auto codes = std::make_unique<BackendBuffer>(be, x.size() / 2);
-    auto scales = std::make_unique<BackendBuffer>(be, x.size() / 16);
-    auto amax = std::make_unique<BackendBuffer>(be, 4);
-    QuantizedView q;
-    q.codes = codes->as<uint8_t>();
-    q.scales = scales->as<uint8_t>();
-    q.amax = amax->as<float>();
-    q.rows = rows;
-    q.cols = K;
-    q.device = Device::Cuda;
-    be.quantize(tv, qc, &q, nullptr);
-    keep.push_back(std::move(in));
-    keep.push_back(std::move(codes));
-    keep.push_back(std::move(scales));
-    keep.push_back(std::move(amax));
-    return q;
-  };
-  std::vector<std::unique_ptr<BackendBuffer>> keep;
-  const QuantizedView qa = quantized(M, keep), qb = quantized(N, keep);
-  BackendBuffer d(be, static_cast<size_t>(M * N) * 4);
-  TensorView dv;
-  dv.data = d.get();
-  dv.rows = M;
-  dv.cols = N;
-  dv.device = Device::Cuda;
+  const DeviceNvfp4 a(be, M, K, rng), b(be, N, K, rng);
+  const QuantizedView qa = a.q, qb = b.q;
+  const DeviceF32Out out(be, M, N);
+  const TensorView& dv = out.v;
   GemmConfig cfg;
   cfg.impl = GemmImpl::CublasLt;
   auto with = [&](int variant) {

@@ -14,6 +14,19 @@ namespace fp4sim {
 namespace {
 
 
+// The emulator's row-wise copy (1x16 NVFP4 or 1x32 MXFP4, RN) of a rows x K fill: a GEMM operand.
+QuantizedHost quantized_operand(Backend& emu, QFormat f, test::Fill fill, int64_t rows, int64_t K, uint64_t seed) {
+  std::vector<float> x = test::make_fill(fill, static_cast<size_t>(rows * K), seed);
+  TensorView v;
+  v.data = x.data();
+  v.rows = rows;
+  v.cols = K;
+  QuantizeConfig qc;
+  qc.format = f;
+  qc.rowwise.enabled = true;
+  return quantize_to_host(emu, v, qc).rowwise;
+}
+
 TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU: " << gpu_description();
   auto emu = make_backend("emu");
@@ -25,15 +38,8 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
       if (f == QFormat::MXFP4 && s.K % 32) continue;
       for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials,
                               test::Fill::Subnormal, test::Fill::SignedZeros, test::Fill::HugeTiny}) {
-        std::vector<float> xa = test::make_fill(fill, static_cast<size_t>(s.M * s.K), s.M + s.K);
-        std::vector<float> xb = test::make_fill(fill, static_cast<size_t>(s.N * s.K), s.N * 3 + s.K);
-        TensorView va, vb;
-        va.data = xa.data(); va.rows = s.M; va.cols = s.K;
-        vb.data = xb.data(); vb.rows = s.N; vb.cols = s.K;
-        QuantizeConfig qc;
-        qc.format = f;
-        qc.rowwise.enabled = true;
-        QuantizedHost a = quantize_to_host(*emu, va, qc).rowwise, b = quantize_to_host(*emu, vb, qc).rowwise;
+        QuantizedHost a = quantized_operand(*emu, f, fill, s.M, s.K, s.M + s.K);
+        QuantizedHost b = quantized_operand(*emu, f, fill, s.N, s.K, s.N * 3 + s.K);
         std::vector<float> c = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(s.M * s.N), 9);
         for (int variant = 0; variant < 3; ++variant) {
           GemmConfig cfg;
@@ -86,15 +92,8 @@ TEST(GemmGpu, CublasLtDecodeKernelsAgree) {
     for (const Shape& s : {Shape{40, 24, 48}, Shape{8, 200, 32}, Shape{136, 72, 416}, Shape{3, 5, 1024}}) {
       if (f == QFormat::MXFP4 && s.K % 32) continue;
       for (test::Fill fill : {test::Fill::HeavyTailed, test::Fill::Specials}) {
-        std::vector<float> xa = test::make_fill(fill, static_cast<size_t>(s.M * s.K), s.M + 5 * s.K);
-        std::vector<float> xb = test::make_fill(fill, static_cast<size_t>(s.N * s.K), s.N * 7 + s.K);
-        TensorView va, vb;
-        va.data = xa.data(); va.rows = s.M; va.cols = s.K;
-        vb.data = xb.data(); vb.rows = s.N; vb.cols = s.K;
-        QuantizeConfig qc;
-        qc.format = f;
-        qc.rowwise.enabled = true;
-        QuantizedHost a = quantize_to_host(*emu, va, qc).rowwise, b = quantize_to_host(*emu, vb, qc).rowwise;
+        QuantizedHost a = quantized_operand(*emu, f, fill, s.M, s.K, s.M + 5 * s.K);
+        QuantizedHost b = quantized_operand(*emu, f, fill, s.N, s.K, s.N * 7 + s.K);
         GemmConfig lt;
         lt.impl = GemmImpl::CublasLt;
         std::vector<uint32_t> d[2];

@@ -256,6 +256,18 @@ TEST(QuantizeGpu, CopiesFromOneCallEqualSeparateCalls) {
   test::check_copy_pairs(*cuda);
 }
 
+// NVFP4 row-wise RN and column-wise RHT + SR copies from one call, with the given seed and streams.
+QuantizeConfig rowwise_rn_columnwise_rht_sr(uint64_t seed, uint64_t row_stream, uint64_t col_stream) {
+  QuantizeConfig c;
+  c.rowwise.enabled = c.columnwise.enabled = true;
+  c.columnwise.rht = true;
+  c.columnwise.rounding = Rounding::SR;
+  c.seed = seed;
+  c.rowwise.stream = row_stream;
+  c.columnwise.stream = col_stream;
+  return c;
+}
+
 TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
@@ -268,12 +280,7 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
   v.dtype = DType::BF16;
   v.rows = 1024;
   v.cols = 2048;
-  QuantizeConfig c;
-  c.rowwise.enabled = c.columnwise.enabled = true;
-  c.columnwise.rht = true;
-  c.columnwise.rounding = Rounding::SR;
-  c.seed = 1234;
-  c.columnwise.stream = 99;
+  const QuantizeConfig c = rowwise_rn_columnwise_rht_sr(1234, 0, 99);
   const QuantizeResult a = quantize_to_host(*emu, v, c), b = quantize_to_host(*cuda, v, c);
   expect_same_quantized(a.rowwise, b.rowwise, "1024x2048 row-wise");
   expect_same_quantized(a.columnwise, b.columnwise, "1024x2048 column-wise rht sr");
@@ -304,13 +311,7 @@ TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
   x[static_cast<size_t>(2000 * stride + 1000)] = std::nanf("");                        // and one NaN
   std::vector<uint16_t> h(x.size());
   for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
-  QuantizeConfig c;
-  c.rowwise.enabled = c.columnwise.enabled = true;
-  c.columnwise.rht = true;
-  c.columnwise.rounding = Rounding::SR;
-  c.seed = 77;
-  c.rowwise.stream = 1;
-  c.columnwise.stream = 2;
+  const QuantizeConfig c = rowwise_rn_columnwise_rht_sr(77, 1, 2);
   int checked = 0;
   for (DType dt : {DType::F32, DType::BF16}) {
     for (int64_t st : {cols, stride}) {
