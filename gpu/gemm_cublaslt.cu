@@ -121,7 +121,8 @@ __global__ void dequantize_flat_bf16(QuantizedView a, uint16_t* da, QuantizedVie
 bool dequantize_flat_ok(const QuantizedView& a, const uint16_t* da, const QuantizedView& b, const uint16_t* db) {
   const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
   const int64_t words = (a.rows * a.cols + b.rows * b.cols) / 8;
-  return a.cols % 16 == 0 && b.cols % 16 == 0 && words < (int64_t{1} << 31) &&
+  const auto blocks_whole = [](const QuantizedView& q) { return q.cols % (q.format == QFormat::MXFP4 ? 32 : 16) == 0; };
+  return blocks_whole(a) && blocks_whole(b) && words < (int64_t{1} << 31) &&
          (a.rows == 0 || (aligned(a.codes, 4) && aligned(da, 16))) &&
          (b.rows == 0 || (aligned(b.codes, 4) && aligned(db, 16)));
 }

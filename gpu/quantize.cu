@@ -727,8 +727,9 @@ __global__ void __launch_bounds__(256) nvfp4_rht_kept_kernel(const T* x, const u
 
 // Whether launch_all keeps the RHT output between its passes when it has scratch for it.
 bool g_keep_rht = true;
-// The RHT amax pass (set_quantize_rht_amax_variant): 0 = 64-row tiles, 1 = 32-row tiles, 2 = the
-// pipelined kernel where the shape allows it, else 1 (default).
+// The RHT amax pass (set_quantize_rht_amax_variant): 0 = 64-row tiles, 1 = 32-row tiles (64 where
+// more than 65535 row tiles would be needed), 2 = the pipelined kernel where the shape allows it,
+// else 1 (default).
 int g_rht_amax_variant = 2;
 
 template <class T>
@@ -769,7 +770,7 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
         const int ctas = amax_rht_pipelined_grid<T>();
         amax_rht_pipelined_kernel<T><<<static_cast<unsigned>(tiles < ctas ? tiles : ctas), kThreads, 0, stream>>>(
             xp, R, C, S, args);
-      } else if (g_rht_amax_variant >= 1) {
+      } else if (g_rht_amax_variant >= 1 && (R + 31) / 32 <= 65535) {
         const dim3 grid32(grid.x, static_cast<unsigned>((R + 31) / 32));
         amax_tile_kernel<T, true, 32><<<grid32, kThreads, 0, stream>>>(xp, R, C, S, vector_ok, args);
       } else {
@@ -933,7 +934,7 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
                                 "' is not in device memory");
   if (cfg.rowwise.enabled) check_view(rowwise, x.rows, x.cols, cfg, cfg.rowwise, "row-wise");
   if (cfg.columnwise.enabled) check_view(columnwise, x.cols, x.rows, cfg, cfg.columnwise, "column-wise");
-  if ((x.rows + 31) / 32 > 65535)  // the RHT amax pass's 32-row tiles; the other kernels' are 64
+  if ((x.rows + kTileRows - 1) / kTileRows > 65535)  // (the 32-row RHT amax pass falls back to 64 rows)
     throw std::invalid_argument("quantize (cuda): too many rows for one launch: " +
                                 shape_str(x.rows, x.cols));
   if (x.dtype == DType::F32) {

@@ -79,7 +79,8 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
 // The Hopper FP4 path's two decode kernels (set_fp4_decode_variant: 0 = 8 elements a thread on a
 // 2-D grid, 1 = flat over both operands' code words) give the same D on shapes whose code-word
 // counts (rows x K / 8) are not multiples of a warp's 128-word span, so one warp decodes the end of
-// A and the start of B, and one operand is shorter than a span; NaN and Inf scales included.
+// A and the start of B, and one operand is shorter than a span; NaN and Inf scales included. Each
+// kernel runs on scratch the other has just filled with other operands' values.
 TEST(GemmGpu, CublasLtDecodeKernelsAgree) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU: " << gpu_description();
   auto emu = make_backend("emu");
@@ -94,10 +95,19 @@ TEST(GemmGpu, CublasLtDecodeKernelsAgree) {
       for (test::Fill fill : {test::Fill::HeavyTailed, test::Fill::Specials}) {
         QuantizedHost a = quantized_operand(*emu, f, fill, s.M, s.K, s.M + 5 * s.K);
         QuantizedHost b = quantized_operand(*emu, f, fill, s.N, s.K, s.N * 7 + s.K);
+        // other operands of the same shapes (other values, other amax): run through the other kernel
+        // just before, they leave the backend's decode scratch and alpha'/beta holding wrong data, so
+        // a kernel that skips any word or the scalars gives a different D
+        QuantizedHost a2 = quantized_operand(*emu, f, test::Fill::Gaussian, s.M, s.K, 91 + s.M);
+        QuantizedHost b2 = quantized_operand(*emu, f, test::Fill::Gaussian, s.N, s.K, 97 + s.N);
         GemmConfig lt;
         lt.impl = GemmImpl::CublasLt;
         std::vector<uint32_t> d[2];
         for (int variant = 0; variant < 2; ++variant) {
+          {
+            KnobGuard other([&] { gpu::set_fp4_decode_variant(1 - variant); }, [] { gpu::set_fp4_decode_variant(1); });
+            run_gemm_bits(*cuda, a2, b2, nullptr, lt);
+          }
           KnobGuard knob([&] { gpu::set_fp4_decode_variant(variant); }, [] { gpu::set_fp4_decode_variant(1); });
           d[variant] = run_gemm_bits(*cuda, a, b, nullptr, lt);
         }

@@ -299,41 +299,49 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
 #if FP4SIM_HAVE_CUDA
 // The pipelined RHT amax pass (persistent CTAs, cp.async double buffering; the training step's
 // shapes: cols % 128 == 0, rows % 32 == 0) on a tensor with more 32 x 128 tiles than the grid has
-// CTAs, so CTAs take several tiles: FP32 and BF16 input, dense and strided rows, NaN and Inf
-// among heavy-tailed values, against the emulator and against the one-tile-a-CTA passes.
+// CTAs, so CTAs take several tiles: FP32 and BF16 input, dense and strided rows, heavy-tailed
+// values with a NaN (finite amax), then with an Inf too, against the emulator and against the
+// one-tile-a-CTA passes.
 TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
   const int64_t rows = 4096, cols = 1536, stride = 1664;
-  std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * stride), 4242);
-  x[static_cast<size_t>(17 * stride + 300)] = std::numeric_limits<float>::infinity();  // one column chunk Inf
-  x[static_cast<size_t>(2000 * stride + 1000)] = std::nanf("");                        // and one NaN
-  std::vector<uint16_t> h(x.size());
-  for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
   const QuantizeConfig c = rowwise_rn_columnwise_rht_sr(77, 1, 2);
   int checked = 0;
-  for (DType dt : {DType::F32, DType::BF16}) {
-    for (int64_t st : {cols, stride}) {
-      const TensorView v = strided_input(x, h, dt, rows, cols, st);
-      const QuantizeResult e = quantize_to_host(*emu, v, c);
-      for (int variant : {2, 1, 0}) {
-        QuantizeResult g;
-        {
-          KnobGuard knob([&] { gpu::set_quantize_rht_amax_variant(variant); },
-                         [] { gpu::set_quantize_rht_amax_variant(2); });
-          g = quantize_to_host(*cuda, v, c);
+  // finite values with one NaN (which every amax ignores: the amax then depends on every tile,
+  // each CTA's several tiles included), then the same with one Inf (which makes both amax Inf)
+  for (bool with_inf : {false, true}) {
+    std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * stride), 4242);
+    x[static_cast<size_t>(2000 * stride + 1000)] = std::nanf("");
+    if (with_inf) x[static_cast<size_t>(17 * stride + 300)] = std::numeric_limits<float>::infinity();
+    std::vector<uint16_t> h(x.size());
+    for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
+    for (DType dt : {DType::F32, DType::BF16}) {
+      for (int64_t st : {cols, stride}) {
+        const TensorView v = strided_input(x, h, dt, rows, cols, st);
+        const QuantizeResult e = quantize_to_host(*emu, v, c);
+        for (int variant : {2, 1, 0}) {
+          QuantizeResult g;
+          {
+            KnobGuard knob([&] { gpu::set_quantize_rht_amax_variant(variant); },
+                           [] { gpu::set_quantize_rht_amax_variant(2); });
+            g = quantize_to_host(*cuda, v, c);
+          }
+          const std::string what = std::string(dtype_name(dt)) + " stride " + std::to_string(st) + " amax variant " +
+                                   std::to_string(variant) + (with_inf ? " with Inf" : " finite");
+          expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+          expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise rht sr");
+          if (HasFatalFailure()) return;
+          if (!with_inf) {
+            EXPECT_TRUE(std::isfinite(g.rowwise.amax) && std::isfinite(g.columnwise.amax)) << what;
+          }
+          ++checked;
         }
-        const std::string what = std::string(dtype_name(dt)) + " stride " + std::to_string(st) + " amax variant " +
-                                 std::to_string(variant);
-        expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
-        expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise rht sr");
-        if (HasFatalFailure()) return;
-        ++checked;
       }
     }
   }
-  EXPECT_EQ(checked, 12);
+  EXPECT_EQ(checked, 24);
 }
 
 // The fast kernel's 64x256 tile (BF16 input) and strided inputs (row stride != cols), with RHT
