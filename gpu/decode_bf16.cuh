@@ -67,18 +67,4 @@ __device__ __forceinline__ void dequantize_chunk_bf16(const QuantizedView& q, ui
   decode8_bf16(codes, block_scale_value(q.format, s), out + r * q.cols + c0);
 }
 
-// Elements [c0, c0 + 32) of row r of q (c0 a multiple of 32, q.cols a multiple of 32, the codes
-// 16-byte aligned) -> out (row-major, q.cols per row): one 16-byte code load, four 16-byte stores,
-// each 8-element part with its block's scale. The same decode8_bf16 as dequantize_chunk_bf16.
-__device__ __forceinline__ void dequantize_chunk32_bf16(const QuantizedView& q, uint16_t* out, int64_t r,
-                                                        int64_t c0) {
-  const int block_shift = q.format == QFormat::MXFP4 ? 5 : 4;  // 32 or 16 elements per scale
-  const uint8_t* srow = q.scales + r * (q.cols >> block_shift);
-  const uint4 codes = *reinterpret_cast<const uint4*>(q.codes + ((r * q.cols + c0) >> 1));
-  const uint32_t w[4] = {codes.x, codes.y, codes.z, codes.w};
-  uint16_t* o = out + r * q.cols + c0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) decode8_bf16(w[j], block_scale_value(q.format, srow[(c0 + 8 * j) >> block_shift]), o + 8 * j);
-}
-
 }  // namespace fp4sim::gpu

@@ -11,6 +11,7 @@
 #include "emu/gemm.hpp"
 #include "emu/mma.hpp"
 #include "gpu/amax_finish.cuh"
+#include "gpu/cp_async.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 
@@ -136,12 +137,10 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
     FP4SIM_UNROLL
     for (int i = 0; i < kFp8LinesPerWarp; ++i) {
       const int tr = warp + kFp8Warps * i;
-      const T* src = x + (r0 + tr) * a.stride + c0 + 4 * lane;
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(tile4 + tr * (kFp8Block / 4) + lane));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+      cp_async16(tile4 + tr * (kFp8Block / 4) + lane, x + (r0 + tr) * a.stride + c0 + 4 * lane);
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    cp_async_commit();
+    cp_async_wait<0>();
     FP4SIM_UNROLL
     for (int k = 0; k < kFp8LinesPerWarp / 2; ++k) {
       const float lo = take_row(tile4[(warp + kFp8Warps * k) * (kFp8Block / 4) + lane]);

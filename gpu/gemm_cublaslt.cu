@@ -79,6 +79,8 @@ __global__ void dequantize_block_scaled_bf16(QuantizedView a, uint16_t* da, Quan
 // 1.14 ms a nvfp4 step (ncu, 80 launches). Needs 4-byte aligned codes, 16-byte aligned decoded
 // buffers and fewer than 2^31 words (dequantize_flat_ok); the first thread writes alpha' and beta.
 constexpr int kFlatUnroll = 4;
+// Word w of the joint numbering (a's words first) as an index into its own operand.
+__device__ __forceinline__ uint32_t flat_index(uint32_t w, uint32_t a_words) { return w < a_words ? w : w - a_words; }
 __global__ void dequantize_flat_bf16(QuantizedView a, uint16_t* da, QuantizedView b, uint16_t* db, float alpha,
                                      float beta, float* scalars) {
   if (blockIdx.x == 0 && threadIdx.x == 0) write_epilogue_scalars(a, b, alpha, beta, scalars);
@@ -96,7 +98,7 @@ __global__ void dequantize_flat_bf16(QuantizedView a, uint16_t* da, QuantizedVie
       const uint32_t w = base + j * 32u + lane;
       if (w < total) {
         const bool in_a = w < a_words;
-        const uint32_t lw = in_a ? w : w - a_words;
+        const uint32_t lw = flat_index(w, a_words);
         const QFormat f = in_a ? a.format : b.format;
         codes[j] = reinterpret_cast<const uint32_t*>(in_a ? a.codes : b.codes)[lw];
         sbyte[j] = (in_a ? a.scales : b.scales)[f == QFormat::MXFP4 ? lw >> 2 : lw >> 1];
@@ -109,9 +111,8 @@ __global__ void dequantize_flat_bf16(QuantizedView a, uint16_t* da, QuantizedVie
       const uint32_t w = base + j * 32u + lane;
       if (w < total) {
         const bool in_a = w < a_words;
-        const uint32_t lw = in_a ? w : w - a_words;
         decode8_bf16(codes[j], block_scale_value(in_a ? a.format : b.format, sbyte[j]),
-                     (in_a ? da : db) + static_cast<size_t>(lw) * 8);
+                     (in_a ? da : db) + static_cast<size_t>(flat_index(w, a_words)) * 8);
       }
     }
   }

@@ -16,6 +16,7 @@
 #include "emu/rht.hpp"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/amax_finish.cuh"
+#include "gpu/cp_async.cuh"
 #include "gpu/cuda_check.hpp"
 #include "gpu/decode_bf16.cuh"
 
@@ -189,18 +190,6 @@ __global__ void __launch_bounds__(kThreads, kRows == 32 ? 8 : 6)
   amax_finish<kThreads>(m_plain, m_rht, args);
 }
 
-// cp.async (sm_80+): 16 bytes global -> shared without a register, L1 bypassed; commit and wait
-// by group.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // The RHT amax pass, pipelined (the training step's shapes: cols % 128 == 0, rows % 32 == 0,
 // 16-byte aligned rows): persistent CTAs walk 32 x 128 tiles, each tile's input copied to shared
 // memory by cp.async while the CTA transforms the previous one (two buffers), so a CTA always has
@@ -213,8 +202,7 @@ __device__ __forceinline__ void cp_async_wait() {
 constexpr int kPipeRows = 32;
 template <class T>
 __global__ void __launch_bounds__(kThreads, 5)
-    amax_rht_pipelined_kernel(const T* x, int64_t rows, int64_t cols,
-                                                                     int64_t stride, AmaxArgs args) {
+    amax_rht_pipelined_kernel(const T* x, int64_t rows, int64_t cols, int64_t stride, AmaxArgs args) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kVecPerRow = kTileCols / kVec;
   constexpr int kCopies = kPipeRows * kVecPerRow / kThreads;  // 16-byte copies a thread per tile
@@ -306,6 +294,16 @@ struct QuantArgs {
   uint64_t seed;
   CopyArgs row, col;
 };
+
+// One NVFP4 block of a copy written: its 8 code bytes for the 16 elements from e (the written
+// tensor's row-major index of the block's first element), its scale at scale_index and, where the
+// copy asks for it, its 16 decoded BF16 values (decode16_bf16) at e.
+__device__ __forceinline__ void store_nvfp4_block(const CopyArgs& c, int64_t e, int64_t scale_index,
+                                                  const uint8_t* packed, uint8_t s) {
+  *reinterpret_cast<uint2*>(c.codes + e / 2) = *reinterpret_cast<const uint2*>(packed);
+  c.scales[scale_index] = s;
+  if (c.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, c.decoded + e);
+}
 
 template <class T, bool kMx>
 __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, QuantArgs a) {
@@ -490,9 +488,7 @@ __global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantA
     const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
                                           static_cast<uint64_t>(r * (C / kSrChunk) + c0 / kSrChunk));
     e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), bits, packed);
-    *reinterpret_cast<uint2*>(a.row.codes + (r * C + c0) / 2) = *reinterpret_cast<uint2*>(packed);
-    a.row.scales[r * bcols + c0 / kNvfp4Block] = s;
-    if (a.row.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.row.decoded + r * C + c0);
+    store_nvfp4_block(a.row, r * C + c0, r * bcols + c0 / kNvfp4Block, packed, s);
   }
   if (a.col.enabled) {
     FP4SIM_UNROLL
@@ -506,9 +502,7 @@ __global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantA
     const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
                                           static_cast<uint64_t>(cc * (R / kSrChunk) + r0 / kSrChunk));
     e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), bits, packed);
-    *reinterpret_cast<uint2*>(a.col.codes + (cc * R + r0) / 2) = *reinterpret_cast<uint2*>(packed);
-    a.col.scales[cc * (R / kNvfp4Block) + r0 / kNvfp4Block] = s;
-    if (a.col.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.col.decoded + cc * R + r0);
+    store_nvfp4_block(a.col, cc * R + r0, cc * (R / kNvfp4Block) + r0 / kNvfp4Block, packed, s);
   }
 }
 
@@ -591,9 +585,7 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
                                             static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));
       alignas(8) uint8_t packed[kNvfp4Block / 2];
       const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
-      *reinterpret_cast<uint2*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint2*>(packed);
-      a.row.scales[r * (C / kNvfp4Block) + c / kNvfp4Block] = s;
-      if (a.row.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.row.decoded + r * C + c);
+      store_nvfp4_block(a.row, r * C + c, r * (C / kNvfp4Block) + c / kNvfp4Block, packed, s);
     }
   }
   if (!a.col.enabled) return;
@@ -625,9 +617,7 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
     alignas(8) uint8_t packed[kNvfp4Block / 2];
     const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
     // the 4 chunks of a column land in one 32-byte sector, written by this thread in turn
-    *reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2) = *reinterpret_cast<uint2*>(packed);
-    a.col.scales[c * (R / kNvfp4Block) + r / kNvfp4Block] = s;
-    if (a.col.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.col.decoded + c * R + r);
+    store_nvfp4_block(a.col, c * R + r, c * (R / kNvfp4Block) + r / kNvfp4Block, packed, s);
   }
 }
 
@@ -677,9 +667,7 @@ __device__ __forceinline__ void nvfp4_rows(const T* x, const QuantArgs& a, uint3
                                           static_cast<uint64_t>(r * (a.cols / kSrChunk) + c / kSrChunk));
     alignas(8) uint8_t packed[kNvfp4Block / 2];
     const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
-    *reinterpret_cast<uint2*>(a.row.codes + (r * a.cols + c) / 2) = *reinterpret_cast<uint2*>(packed);
-    a.row.scales[i] = s;
-    if (a.row.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.row.decoded + r * a.cols + c);
+    store_nvfp4_block(a.row, r * a.cols + c, static_cast<int64_t>(i), packed, s);
   });
 }
 
@@ -706,9 +694,7 @@ __device__ __forceinline__ void nvfp4_cols_rht(const uint16_t* rht_t, const Quan
                                           static_cast<uint64_t>(c * (R / kSrChunk) + r / kSrChunk));
     alignas(8) uint8_t packed[kNvfp4Block / 2];
     const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
-    *reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2) = *reinterpret_cast<uint2*>(packed);
-    a.col.scales[i] = s;
-    if (a.col.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.col.decoded + c * R + r);
+    store_nvfp4_block(a.col, c * R + r, static_cast<int64_t>(i), packed, s);
   });
 }
 

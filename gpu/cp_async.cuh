@@ -1,0 +1,20 @@
+// cp.async (sm_80+): 16 bytes from global to shared memory without passing through a register, L1
+// bypassed (.cg); copies are committed in groups and waited for by group. Used by the quantizers'
+// tiled passes (gpu/quantize.cu, gpu/fp8.cu).
+#pragma once
+#include <cuda_runtime.h>
+
+namespace fp4sim::gpu {
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+}  // namespace fp4sim::gpu
