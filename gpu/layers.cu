@@ -519,7 +519,6 @@ __global__ void bf16_to_f32_kernel(float* dst, const uint16_t* src, int64_t n) {
 }
 
 // x = bf16_round(x): the emulator's function, bitwise.
-
 __global__ void round_to_bf16_inplace_kernel(float* x, int64_t n) {
   grid_stride_by4(
       n, aligned16(x),
@@ -1069,6 +1068,18 @@ void CudaBackend::matmul_forward(float* out, const float* inp, const float* weig
   }
 }
 
+// The matmul backward passes' cases without a GEMM: nothing to do for N = 0; for OC = 0 an empty
+// sum, dinp written as zeros (the emulator's empty chain) and the rest unchanged. True when the
+// caller has nothing left to do.
+namespace {
+bool matmul_backward_empty(float* dinp, int64_t N, int64_t K, int64_t OC, cudaStream_t stream) {
+  if (N == 0) return true;
+  if (OC != 0) return false;
+  if (dinp && K > 0) FP4SIM_CUDA_CHECK(cudaMemsetAsync(dinp, 0, static_cast<size_t>(N * K) * sizeof(float), stream));
+  return true;
+}
+}  // namespace
+
 // dinp (N,K) = dout (N,OC) W (OC,K), written: col-major dinp^T (K x N) = W^T (the (K x OC) view,
 // op N) * dout^T (the (OC x N) view, op N), beta = 0 (no zeroing before, no read of dinp).
 // dweight (OC,K) += dout^T inp: col-major dweight^T (K x OC) = inp^T (the (K x N) view, op N) *
@@ -1077,11 +1088,7 @@ void CudaBackend::matmul_forward(float* out, const float* inp, const float* weig
 void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                   const float* inp, const float* weight, int64_t N, int64_t K,
                                   int64_t OC, emu::GemmPrecision prec) {
-  if (N == 0) return;
-  if (OC == 0) {  // an empty sum: dinp is written as zeros (the emulator's empty chain), the rest unchanged
-    if (dinp && K > 0) FP4SIM_CUDA_CHECK(cudaMemsetAsync(dinp, 0, static_cast<size_t>(N * K) * sizeof(float), stream_));
-    return;
-  }
+  if (matmul_backward_empty(dinp, N, K, OC, stream_)) return;
   LayersState& st = layers_state();
   if (K > 0) matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_), inp, weight,
                                    N, K, OC, prec);
@@ -1110,12 +1117,7 @@ void CudaBackend::matmul_backward_gemms(float* dinp, float* dweight, const void*
 void CudaBackend::matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, const float* inp,
                                             const float* weight, int64_t N, int64_t K, int64_t OC,
                                             emu::GemmPrecision prec) {
-  if (N == 0) return;
-  if (OC == 0) {  // as matmul_backward: dinp written as zeros, dweight unchanged
-    if (dinp && K > 0) FP4SIM_CUDA_CHECK(cudaMemsetAsync(dinp, 0, static_cast<size_t>(N * K) * sizeof(float), stream_));
-    return;
-  }
-  if (K == 0) return;
+  if (matmul_backward_empty(dinp, N, K, OC, stream_) || K == 0) return;
   const void* dy = dout;
   if (prec == emu::GemmPrecision::FP32) {
     float* wide = layers_state().f32_dout.get<float>(static_cast<size_t>(N * OC), stream_);  // (FP32 GEMMs only)

@@ -195,13 +195,13 @@ if [ "${1:-}" = "profile" ]; then
   # training step's own RHT column-copy kernels (FP32 input) under ncu: stall reasons, instruction
   # mix and the source lines with the most stalls
   cuobjdump -sass build-gpu/CMakeFiles/fp4sim_gpu.dir/gpu/quantize.cu.o >"$out/quantize.sass" 2>&1
-  timeout 240 ncu --kernel-name regex:"nvfp4_rht_kept_kernel|amax_tile_kernel" --launch-count 4 \
+  timeout 240 ncu --kernel-name regex:"nvfp4_rht_kept_kernel|amax_rht_pipelined_kernel|amax_tile_kernel" --launch-count 4 \
     --section SpeedOfLight --section WarpStateStats --section InstructionStats --section SchedulerStats --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis --section Occupancy --section SourceCounters --section LaunchStats \
     build-gpu/fp4sim train --config configs/gpt2-124m.json --backend cuda train.data=synthetic train.batch=16 \
     train.warmup=1 train.eval_every=0 train.out_dir=runs/prof recipe.name=nvfp4 recipe.gemm=cublaslt train.steps=1 \
     >"$out/ncu_train_quant.txt" 2>&1
-  grep -E "nvfp4_rht_kept|amax_tile|Duration|Issue Slots Busy|Executed Ipc Active|Stall|Registers Per|Achieved Occupancy|Throughput|Hit Rate" \
+  grep -E "nvfp4_rht_kept|amax_rht_pipelined|amax_tile|Duration|Issue Slots Busy|Executed Ipc Active|Stall|Registers Per|Achieved Occupancy|Throughput|Hit Rate" \
     "$out/ncu_train_quant.txt" | sed 's/  */ /g' | cut -c1-150 | head -90
   [ -n "${SKIP_BENCH_PROFILE:-}" ] && { echo; echo "================ fp4sim GPU session summary ================"; printf '%s\n' "${summary[@]}"; exit 0; }
   # per-kernel time, DRAM and SM throughput of the first launches of each benchmark mode
