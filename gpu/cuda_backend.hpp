@@ -209,10 +209,18 @@ struct CublasLtPlanPick {
 };
 CublasLtPlanPick last_cublaslt_plan_pick();
 // Benchmark knob, the same for the training matmuls (CudaBackend::matmul_forward/backward, the BF16
-// recipe's Linears and every recipe's output head): 0, the default, the heuristic's first
-// algorithm; 1..kMaxHeuristicPick that index (a matmul fails where the list is shorter). Plans are
-// kept per index, so switching back finds the default's again.
+// recipe's Linears and every recipe's output head): kPlanOwnPick, the default, the plan's own
+// choice (gpu/layers.cu matmul_preferred_algo, falling back to the first where the list is shorter);
+// 0..kMaxHeuristicPick that index (a matmul fails where the list is shorter). Plans are kept per
+// index, so switching back finds the default's again.
 void set_matmul_heuristic_pick(int index);
+// The training matmuls' rule (gpu/layers.cu): the heuristic index a plan for lt_matmul's
+// column-major m x n x k (A transposed when transa, B when transb) takes, given whether the rules
+// apply (rules_active: Hopper with cuBLASLt 13.1.x) and whether the operands are BF16.
+int matmul_preferred_algo(bool rules_active, bool bf16, bool transa, bool transb, int64_t m, int64_t n, int64_t k);
+// Test hook: what the most recently built training-matmul plan chose (fields as CublasLtPlanPick).
+using MatmulPlanPick = CublasLtPlanPick;
+MatmulPlanPick last_matmul_plan_pick();
 // Test knob: the cross-entropy kernel caches a row of logits in shared memory where it fits (the
 // default) or reads them from memory in every pass. Results are identical; only speed differs.
 void set_crossentropy_cached(bool on);

@@ -762,14 +762,38 @@ uint32_t pointer_alignment(const void* p) {
 void set_crossentropy_cached(bool on) { g_crossentropy_cached = on; }
 
 namespace {
-int g_matmul_pick = 0;  // set_matmul_heuristic_pick
+int g_matmul_pick = kPlanOwnPick;  // set_matmul_heuristic_pick
+MatmulPlanPick g_last_matmul_pick;  // last_matmul_plan_pick
 }  // namespace
 
 void set_matmul_heuristic_pick(int index) {
-  if (index < 0 || index > kMaxHeuristicPick)
-    throw std::invalid_argument("set_matmul_heuristic_pick: index " + std::to_string(index) + " is outside 0.." +
-                                std::to_string(kMaxHeuristicPick));
+  if (index < kPlanOwnPick || index > kMaxHeuristicPick)
+    throw std::invalid_argument("set_matmul_heuristic_pick: index " + std::to_string(index) + " is outside " +
+                                std::to_string(kPlanOwnPick) + ".." + std::to_string(kMaxHeuristicPick));
   g_matmul_pick = index;
+}
+
+MatmulPlanPick last_matmul_plan_pick() { return g_last_matmul_pick; }
+
+// Where the heuristic's first algorithm for a training matmul (lt_matmul's column-major m x n x k,
+// BF16 operands) is measurably not its best (H200, cuBLASLt 13.1, bench_gemm BM_GpuMatmulPicks at
+// every index 0..7, validation/perf.md, twelfth and thirteenth sessions), the index its plan takes:
+// - 1 for a Wgrad (NT: !transa, transb) whose k is at least 4 max(m, n) over at least 2^21 outputs:
+//   gpt2-124m's MLP Wgrads, 768 x 3072 and 3072 x 768 over k = 16384 tokens, 208.0 -> 202.3 and
+//   214.0 -> 201.9 us (the smaller Wgrads, 768 x 2304 and 768 x 768, ran best at 0 or within 1%);
+// - 6 for a tall output over a short k (n >= 4 max(m, k), k <= 1024): the Fprops of the QKV,
+//   projection and FC layers and the Dgrads of the projection and FC2 layers, 130.9 -> 115.6,
+//   65.8 -> 60.8, 161.7 -> 140.1, 67.9 -> 62.5 and 163.0 -> 139.8 us (at k = 2304 and 3072 no index
+//   was more than 2% faster than 0).
+// 0 everywhere else, for FP32 operands, and off Hopper or off cuBLASLt 13.1.x (the list's order is
+// the release's). The same fixed-rule approach as the FP8 and FP4 plans' fp8_preferred_algo and
+// bf16_preferred_algo (gpu/gemm_cublaslt.cu): no timing at run time, so every run of a
+// configuration multiplies with the same algorithm and gets the same bits.
+int matmul_preferred_algo(bool rules_active, bool bf16, bool transa, bool transb, int64_t m, int64_t n, int64_t k) {
+  if (!rules_active || !bf16) return 0;
+  if (!transa && transb && k >= 4 * std::max(m, n) && m * n >= (int64_t{1} << 21)) return 1;
+  if (n >= 4 * std::max(m, k) && k <= 1024) return 6;
+  return 0;
 }
 
 // State of the training ops, owned by CudaBackend::LayersState (below).
@@ -808,6 +832,7 @@ struct CublasLt {
       std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t, uint32_t, int>;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
+  bool rules_active = false;  // matmul_preferred_algo's rules apply (Hopper, cuBLASLt 13.1.x)
   std::map<PlanKey, Plan> plans;
   CublasLt() = default;
   CublasLt(const CublasLt&) = delete;
@@ -864,13 +889,20 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
   if (!lt.handle) {
     FP4SIM_CUBLAS_CHECK(cublasLtCreate(&lt.handle));
     FP4SIM_CUDA_CHECK(cudaMalloc(&lt.workspace, kCublasWorkspaceBytes));
+    int dev = 0, cc_major = 0;
+    FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
+    FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev));
+    lt.rules_active = cc_major == 9 && cublasLtGetVersion() / 100 == 1301;
   }
   // The caller's pointers may sit at any float offset inside a larger buffer: the heuristic is
   // told, so it never picks a kernel that assumes 256-byte alignment (and the plan is per alignment).
   const uint32_t align_a = pointer_alignment(A), align_b = pointer_alignment(B),
                  align_d = pointer_alignment(D);
-  const int pick = g_matmul_pick;  // (a benchmark knob; 0 in training)
-  const CublasLt::PlanKey key{bf16, transa, transb, m, n, k, lda, ldb, align_a, align_b, align_d, pick};
+  // the rule's index (matmul_preferred_algo), or the benchmark knob's, which fails the plan where
+  // the heuristic's list is shorter; the rule falls back to the first algorithm there
+  const bool knob = g_matmul_pick != kPlanOwnPick;
+  const int pick = knob ? g_matmul_pick : matmul_preferred_algo(lt.rules_active, bf16, transa, transb, m, n, k);
+  const CublasLt::PlanKey key{bf16, transa, transb, m, n, k, lda, ldb, align_a, align_b, align_d, knob ? pick : -1 - pick};
   auto it = lt.plans.find(key);
   if (it == lt.plans.end()) {
     const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
@@ -903,12 +935,14 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
     int found = 0;
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld, d.ld, d.pref,
                                                        pick + 1, heur, &found));
-    if (found <= pick)
+    if (found == 0 || (knob && found <= pick))
       throw std::runtime_error(std::string("matmul: cuBLASLt has no ") + (bf16 ? "BF16" : "FP32") +
                                " algorithm" + (pick ? " at heuristic index " + std::to_string(pick) : std::string()) +
                                " for m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                                " (it lists " + std::to_string(found) + ")");
-    it = lt.plans.emplace(key, CublasLt::Plan{std::move(owned), heur[pick].algo}).first;
+    const int used = found > pick ? pick : 0;
+    g_last_matmul_pick = MatmulPlanPick{lt.rules_active, pick, found, used};
+    it = lt.plans.emplace(key, CublasLt::Plan{std::move(owned), heur[used].algo}).first;
   }
   const LtDescriptors& d = *it->second.d;
   const float alpha = 1.0f;

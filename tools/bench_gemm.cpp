@@ -345,7 +345,8 @@ BENCHMARK(BM_GpuGemmScalarModes)->Apply(shape_benchmark_registration);
 // The same twelve shapes as the BF16 recipe runs them: CudaBackend::matmul_forward (Fprop shapes)
 // and matmul_backward with only dinp (Dgrad, written) or only dweight (Wgrad, accumulated), FP32
 // arrays in and out, BF16 GEMMs through the matmuls' own cuBLASLt plans (gpu/layers.cu lt_matmul,
-// NN/NT layouts, host alpha/beta), at heuristic index range(1) (gpu::set_matmul_heuristic_pick).
+// NN/NT layouts, host alpha/beta), at heuristic index range(1) (gpu::set_matmul_heuristic_pick;
+// -1 the plan's own choice, gpu/layers.cu matmul_preferred_algo, which training uses).
 // The time includes the matmul's FP32 -> BF16 operand copies, the same at every index. The survey
 // the FP4 and FP8 plans' rules came from, for the BF16 recipe: whether its GEMMs have faster
 // algorithms too (which would move every recipe's ratio to BF16).
@@ -358,7 +359,7 @@ void BM_GpuMatmulPicks(benchmark::State& state) {
   const Gpt2Shape& s = kGpt2Shapes[si];
   const int pick = static_cast<int>(state.range(1));
   state.SetLabel(std::string(s.name) + " algo " + std::to_string(pick));
-  HeuristicPick pick_guard(gpu::set_matmul_heuristic_pick, pick, 0);
+  HeuristicPick pick_guard(gpu::set_matmul_heuristic_pick, pick, gpu::kPlanOwnPick);
   gpu::CudaBackend be;
   // the op's (N tokens, K in, OC out) for each kind of shape (kGpt2Shapes lists the GEMM's M x N x K)
   const int64_t N = si < 8 ? s.M : s.K, K = si < 4 ? s.K : s.N, OC = si < 4 ? s.N : (si < 8 ? s.K : s.M);
@@ -389,6 +390,7 @@ void BM_GpuMatmulPicks(benchmark::State& state) {
   time_shape(state, s, be.stream(), run);
 }
 BENCHMARK(BM_GpuMatmulPicks)
+    ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {gpu::kPlanOwnPick}})
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), benchmark::CreateDenseRange(0, 7, 1)})
     ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 

@@ -29,7 +29,7 @@ def main(path):
     if start is None:
         sys.exit(f"{path}: no CSV header (name,...) found")
     for row in csv.DictReader(lines[start:]):
-        mm = re.match(r"BM_GpuMatmulPicks/(\d+)/(\d+)/.*_median$", row["name"])
+        mm = re.match(r"BM_GpuMatmulPicks/(\d+)/(-?\d+)/.*_median$", row["name"])
         m = re.match(r"BM_Gpu(GemmFp8|GemmScalarModes)/(\d+)/([01])/(-?\d+)/.*_median$", row["name"])
         if not (mm or m) or row.get("error_occurred") == "true":
             continue

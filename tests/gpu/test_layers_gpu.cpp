@@ -432,6 +432,118 @@ TEST(LayersGpu, MatmulMatchesEmulator) {
   }
 }
 
+#if FP4SIM_HAVE_CUDA
+// The training matmuls' algorithm rule (gpu/layers.cu matmul_preferred_algo) on the twelve
+// gpt2-124m Linear GEMMs (batch 16 x 1024 tokens) as matmul_forward / matmul_backward call
+// lt_matmul: (transa, transb, m, n, k) = Fprop (T, N, OC, tokens, K), Dgrad (N, N, K, tokens, OC),
+// Wgrad (N, T, K, OC, tokens). No GPU needed.
+TEST(LayersGpu, MatmulPickRuleOnGpt2Shapes) {
+  const int64_t T = 16384;
+  struct Linear {
+    const char* name;
+    int64_t K, OC;
+    int fprop, dgrad, wgrad;  // the index the rule must give
+  };
+  for (const Linear l : {Linear{"qkv", 768, 2304, 6, 0, 0}, Linear{"proj", 768, 768, 6, 6, 0},
+                         Linear{"fc", 768, 3072, 6, 0, 1}, Linear{"fc2", 3072, 768, 0, 6, 1},
+                         Linear{"head", 768, 50304, 0, 0, 0}}) {
+    EXPECT_EQ(gpu::matmul_preferred_algo(true, true, true, false, l.OC, T, l.K), l.fprop) << "fprop " << l.name;
+    EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, false, l.K, T, l.OC), l.dgrad) << "dgrad " << l.name;
+    EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, true, l.K, l.OC, T), l.wgrad) << "wgrad " << l.name;
+    // off Hopper / cuBLASLt 13.1, and for FP32 operands: always the heuristic's first
+    EXPECT_EQ(gpu::matmul_preferred_algo(false, true, true, false, l.OC, T, l.K), 0) << l.name;
+    EXPECT_EQ(gpu::matmul_preferred_algo(true, false, true, false, l.OC, T, l.K), 0) << l.name;
+    EXPECT_EQ(gpu::matmul_preferred_algo(true, false, false, true, l.K, l.OC, T), 0) << l.name;
+  }
+  // the edges: the Wgrad rule's k >= 4 max(m, n) and 2^21 outputs, the other's n >= 4 max(m, k), k <= 1024
+  EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, true, 1024, 2048, 8192), 1);
+  EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, true, 1024, 2048, 8191), 0);
+  EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, true, 1024, 2047, 8192), 0);
+  EXPECT_EQ(gpu::matmul_preferred_algo(true, true, true, false, 768, 4096, 1024), 6);
+  EXPECT_EQ(gpu::matmul_preferred_algo(true, true, true, false, 768, 4100, 1025), 0);
+  EXPECT_EQ(gpu::matmul_preferred_algo(true, true, true, false, 1025, 4099, 768), 0);
+}
+
+// The rule's algorithms compute the matmul: on three gpt2-124m shapes whose rule index is not 0
+// (Fprop proj, index 6; Dgrad fc2, 6; Wgrad fc, 1), the plan takes the rule's index where the rules
+// apply, and both its result and the heuristic's first algorithm's (set_matmul_heuristic_pick(0))
+// are within the BF16 GEMM bound of an FP64 reference on 4096 sampled outputs (BF16-exact operands).
+TEST(LayersGpu, MatmulPlanTakesTheRulesIndex) {
+  REQUIRE_GPU();
+  struct Case {
+    const char* name;
+    int kind;  // 0 Fprop, 1 Dgrad, 2 Wgrad
+    int64_t N, K, OC;
+    int index;
+  };
+  std::mt19937 rng(808);
+  for (const Case cs : {Case{"fprop proj", 0, 16384, 768, 768, 6}, Case{"dgrad fc2", 1, 16384, 3072, 768, 6},
+                        Case{"wgrad fc", 2, 16384, 768, 3072, 1}}) {
+    const int64_t N = cs.N, K = cs.K, OC = cs.OC;
+    auto bf16_randn = [&](int64_t n) {
+      Vec v = randn(sz(n), rng);
+      for (auto& x : v) x = bf16_round(x);
+      return v;
+    };
+    const Vec x = bf16_randn(N * K), w = bf16_randn(OC * K), dy = bf16_randn(N * OC);
+    // the output (rows x cols, row-major) and its element (r, c) as a dot product of `len` terms
+    const int64_t rows = cs.kind == 0 ? N : cs.kind == 1 ? N : OC, cols = cs.kind == 0 ? OC : K,
+                  len = cs.kind == 0 ? K : cs.kind == 1 ? OC : N;
+    auto term = [&](int64_t r, int64_t c, int64_t i) -> std::pair<double, double> {
+      if (cs.kind == 0) return {x[sz(r * K + i)], w[sz(c * K + i)]};     // out[n][o] = x[n] . w[o]
+      if (cs.kind == 1) return {dy[sz(r * OC + i)], w[sz(i * K + c)]};   // dx[n][k] = dy[n] . w[:, k]
+      return {dy[sz(i * OC + r)], x[sz(i * K + c)]};                     // dw[o][k] = dy[:, o] . x[:, k]
+    };
+    const Op op = [&](Backend& bk, Call& c) {
+      if (cs.kind == 0) {
+        float* out = c.out(Vec(sz(N * OC), kNaN));
+        bk.matmul_forward(out, c.in(x), c.in(w), nullptr, N, K, OC, emu::GemmPrecision::BF16, false);
+      } else if (cs.kind == 1) {
+        float* dx = c.out(Vec(sz(N * K), kNaN));
+        bk.matmul_backward(dx, nullptr, nullptr, c.in(dy), c.in(x), c.in(w), N, K, OC, emu::GemmPrecision::BF16);
+      } else {
+        float* dw = c.out(Vec(sz(OC * K), 0.0f));
+        bk.matmul_backward(nullptr, dw, nullptr, c.in(dy), c.in(x), c.in(w), N, K, OC, emu::GemmPrecision::BF16);
+      }
+    };
+    Backends be;
+    const Vec ruled = run(*be.cuda, op)[0];
+    const gpu::MatmulPlanPick pk = gpu::last_matmul_plan_pick();
+    if (pk.rules_active) {
+      EXPECT_EQ(pk.preferred, cs.index) << cs.name;
+      EXPECT_EQ(pk.used, pk.found > cs.index ? cs.index : 0) << cs.name;
+    } else {
+      EXPECT_EQ(pk.preferred, 0) << cs.name;
+    }
+    std::printf("%s: heuristic index %d of %d listed (rules %s)\n", cs.name, pk.used, pk.found,
+                pk.rules_active ? "active" : "off");
+    Vec first;
+    {
+      KnobGuard knob([] { gpu::set_matmul_heuristic_pick(0); },
+                     [] { gpu::set_matmul_heuristic_pick(gpu::kPlanOwnPick); });
+      first = run(*be.cuda, op)[0];
+      EXPECT_EQ(gpu::last_matmul_plan_pick().used, 0) << cs.name;
+    }
+    std::uniform_int_distribution<int64_t> pick_r(0, rows - 1), pick_c(0, cols - 1);
+    int bad_ruled = 0, bad_first = 0;
+    for (int s = 0; s < 4096; ++s) {
+      const int64_t r = pick_r(rng), c = pick_c(rng);
+      double ref = 0, mag = 0;
+      for (int64_t i = 0; i < len; ++i) {
+        const auto [a, b] = term(r, c, i);
+        ref += a * b;
+        mag += std::fabs(a * b);
+      }
+      const double tol = kBf16GemmRtol * mag;
+      bad_ruled += !(std::fabs(ruled[sz(r * cols + c)] - ref) <= tol);
+      bad_first += !(std::fabs(first[sz(r * cols + c)] - ref) <= tol);
+    }
+    EXPECT_EQ(bad_ruled, 0) << cs.name << ": rule's algorithm outside the bound";
+    EXPECT_EQ(bad_first, 0) << cs.name << ": first algorithm outside the bound";
+  }
+}
+#endif
+
 // Operands that BF16 rounding changes and that every accumulation order sums exactly: both
 // backends give the same bits, and BF16 differs from FP32 (the rounding happened, on both).
 TEST(LayersGpu, MatmulBf16RoundsOperandsExactly) {
