@@ -67,6 +67,10 @@ FP4SIM_HD uint8_t fp8_quantize_element(float x, float enc) { return e4m3_rn_satf
 FP4SIM_HD uint32_t fp8_quantize_pair(float x0, float x1, float enc) {
   return e4m3x2_rn_satfinite(fmul_rn(x0, enc), fmul_rn(x1, enc));
 }
+// Four elements' codes as one word (x0's in the low byte): fp8_quantize_element of each.
+FP4SIM_HD uint32_t fp8_quantize_quad(float x0, float x1, float x2, float x3, float enc) {
+  return e4m3x4_rn_satfinite(fmul_rn(x0, enc), fmul_rn(x1, enc), fmul_rn(x2, enc), fmul_rn(x3, enc));
+}
 // Decoded element: e4m3(code) * scale, a NaN result canonical.
 FP4SIM_HD float fp8_decode_element(uint8_t code, float scale) {
   const float v = fmul_rn(e4m3_to_f32(code), scale);

@@ -38,7 +38,7 @@ namespace {
 //     16-byte stores; the thread of the first quarter writes the column's scale.
 // Where a copy's scales_gemm is set, each scale is also written there, [k-block][written row].
 // A 128x128 tile (2D) uses the tile's amax for every block of both copies. Codes and scales are
-// the emulator's functions (fp8_block_encode_scale, fp8_block_decode_scale, fp8_quantize_pair),
+// the emulator's functions (fp8_block_encode_scale, fp8_block_decode_scale, fp8_quantize_quad),
 // so the bits are the emulator's. Rows past R read as zeros and are not written (the row-wise
 // 1x128 copy allows any R; the column-wise copy needs R % 128 == 0, which the host checks, as it
 // checks the dimensions each copy blocks along).
@@ -90,12 +90,6 @@ __device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, in
   return make_float4(v[0], v[1], v[2], v[3]);
 }
 
-// Four consecutive codes of one copy as one word, x0's in the low byte (the emulator's
-// fp8_quantize_pair, two pairs).
-__device__ __forceinline__ uint32_t fp8_quantize_quad(float x0, float x1, float x2, float x3, float enc) {
-  return fp8_quantize_pair(x0, x1, enc) | (fp8_quantize_pair(x2, x3, enc) << 16);
-}
-
 // (3 CTAs per SM holds the FP32 kernel to 40 registers, its smem-limited maximum; the BF16 one,
 // which loads through registers, would spill there, so it gets 2)
 template <class T>
@@ -115,8 +109,10 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
   float4 col_max = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // columns 4 lane .. 4 lane + 3 over the warp's rows
   // the warp's i-th row, lane's four values v: into the column maxima; returns the
   // lane's share of the row's block max (from +0, as the emulator's: an all-NaN block has max +0)
+  // (fabsf, not the shared f32_abs: the compiler folds it into the max instructions as an operand
+  // modifier instead of a separate AND per element; for the NaN-ignoring max the two are the same)
   auto take_row = [&](const float4& v) {
-    const float4 av = make_float4(f32_abs(v.x), f32_abs(v.y), f32_abs(v.z), f32_abs(v.w));
+    const float4 av = make_float4(fabsf(v.x), fabsf(v.y), fabsf(v.z), fabsf(v.w));
     col_max = make_float4(fmax_nan_ignored(col_max.x, av.x), fmax_nan_ignored(col_max.y, av.y),
                           fmax_nan_ignored(col_max.z, av.z), fmax_nan_ignored(col_max.w, av.w));
     return fmax_nan_ignored(0.0f, fmax_nan_ignored(fmax_nan_ignored(av.x, av.y), fmax_nan_ignored(av.z, av.w)));
@@ -210,19 +206,32 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
       scales[r_mine * kb + c0 / kFp8Block] = s;
       if (a.row.scales_gemm) a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r_mine] = s;
     }
-    FP4SIM_UNROLL
-    for (int i = 0; i < kFp8LinesPerWarp; ++i) {
-      const int tr = warp + kFp8Warps * i;
-      const int64_t r = r0 + tr, c = c0 + 4 * lane;
-      if (r >= a.rows) break;  // (warp-uniform)
-      const float enc = __shfl_sync(full, enc_mine, i);
-      const float4 t = tile4[tr * (kFp8Block / 4) + lane];
-      const uint32_t packed = fp8_quantize_quad(t.x, t.y, t.z, t.w, enc);
-      uint8_t* dst = a.row.codes + r * a.cols + c;
-      if (c + 4 <= a.cols) {
-        *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
-      } else {
-        for (int k = 0; k < 4 && c + k < a.cols; ++k) dst[k] = static_cast<uint8_t>(packed >> (8 * k));
+    if (r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols) {
+      // a whole tile (CTA-uniform; every tile of a training tensor): no per-row bounds, one base
+      // pointer and a fixed step between the warp's rows (a.cols % 128 == 0: 4-byte aligned words)
+      uint32_t* dst = reinterpret_cast<uint32_t*>(a.row.codes + (r0 + warp) * a.cols + c0) + lane;
+      const int64_t step = kFp8Warps * (a.cols / 4);
+      FP4SIM_UNROLL
+      for (int i = 0; i < kFp8LinesPerWarp; ++i) {
+        const float enc = __shfl_sync(full, enc_mine, i);
+        const float4 t = tile4[(warp + kFp8Warps * i) * (kFp8Block / 4) + lane];
+        dst[i * step] = fp8_quantize_quad(t.x, t.y, t.z, t.w, enc);
+      }
+    } else {
+      FP4SIM_UNROLL
+      for (int i = 0; i < kFp8LinesPerWarp; ++i) {
+        const int tr = warp + kFp8Warps * i;
+        const int64_t r = r0 + tr, c = c0 + 4 * lane;
+        if (r >= a.rows) break;  // (warp-uniform)
+        const float enc = __shfl_sync(full, enc_mine, i);
+        const float4 t = tile4[tr * (kFp8Block / 4) + lane];
+        const uint32_t packed = fp8_quantize_quad(t.x, t.y, t.z, t.w, enc);
+        uint8_t* dst = a.row.codes + r * a.cols + c;
+        if (c + 4 <= a.cols) {
+          *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
+        } else {
+          for (int k = 0; k < 4 && c + k < a.cols; ++k) dst[k] = static_cast<uint8_t>(packed >> (8 * k));
+        }
       }
     }
   }

@@ -18,6 +18,10 @@
 #             shapes of a layer: FP8, BF16 TN in both scalar modes, and the BF16 recipe's own
 #             matmuls (bench_gemm, ~7 minutes; narrow with PICKS_FILTER, e.g. 'MatmulPicks'), tabled by
 #             validation/gemm_picks.py: where a plan's default (index 0) is not the fastest
+#   kprofile  build + ncu of the kernels matching KERNEL (regex) in one gpt2-124m step of RECIPE (default
+#             fp8): LAUNCH_SKIP (default 2) launches skipped, LAUNCH_COUNT (default 2) profiled; speed
+#             of light, warp stalls, instruction mix, occupancy, and the per-SASS-instruction execution
+#             and stall counts (ncu --page source), plus the kernel file's SASS (cuobjdump)
 #   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
 #             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
 #             GEMM_FILTER narrows the benchmark, GEMM_NCU="6 7" profiles those variants with ncu)
@@ -25,8 +29,8 @@
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
 case "${1:-}" in
-  ""|quick|train|recipes|profile|trainprofile|spot|oracles|gemm|picks) ;;
-  *) echo "gpu_session.sh: unknown mode '$1' (quick, train, recipes, profile, trainprofile, spot, oracles, gemm, picks, or none for all)" >&2
+  ""|quick|train|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile) ;;
+  *) echo "gpu_session.sh: unknown mode '$1' (quick, train, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
@@ -84,8 +88,26 @@ if [ "${1:-}" = "picks" ]; then
   row "heuristic picks (fp8, bf16)" "$(grep -cE '^(fp8|bf16|matmul)' "$out/picks.txt") shapes tabled, $(awk '$(NF-1) != 0' "$out/picks.txt" | grep -cE '^(fp8|bf16|matmul)') with a faster index"
 fi
 
+if [ "${1:-}" = "kprofile" ]; then
+  [ -n "${KERNEL:-}" ] || { echo "gpu_session.sh kprofile: set KERNEL (a kernel-name regex)" >&2; exit 2; }
+  kargs=(build-gpu/fp4sim train --config configs/gpt2-124m.json --backend cuda train.data=synthetic train.batch=16
+         train.warmup=1 train.eval_every=0 train.out_dir=runs/prof recipe.name="${RECIPE:-fp8}" recipe.gemm=cublaslt
+         train.steps=1)
+  timeout 240 ncu --kernel-name regex:"$KERNEL" --launch-skip "${LAUNCH_SKIP:-2}" --launch-count "${LAUNCH_COUNT:-2}" \
+    --section SpeedOfLight --section WarpStateStats --section InstructionStats --section SchedulerStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    --section SourceCounters -o "$out/kprof" "${kargs[@]}" >"$out/kprof_run.log" 2>&1
+  ncu -i "$out/kprof.ncu-rep" >"$out/kprof.txt" 2>&1
+  ncu -i "$out/kprof.ncu-rep" --page source --csv --print-source sass >"$out/kprof_sass.csv" 2>&1
+  for o in build-gpu/CMakeFiles/fp4sim_gpu.dir/gpu/*.cu.o; do cuobjdump -sass "$o" >"$out/$(basename "$o" .cu.o).sass" 2>&1; done
+  grep -E "Duration|Issue Slots Busy|Executed Ipc Active|Registers Per|Achieved Occupancy|DRAM Throughput|Executed Instructions |Grid Size|Block Size" \
+    "$out/kprof.txt" | sed 's/  */ /g' | cut -c1-120 | head -40
+  row "kprofile $KERNEL (${RECIPE:-fp8})" "$(grep -cE '^ *[A-Za-z_].*\(' "$out/kprof.txt") kernel reports, $(wc -l <"$out/kprof_sass.csv") SASS lines"
+fi
+
 if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] \
-   && [ "${1:-}" != "profile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ] && [ "${1:-}" != "picks" ]; then
+   && [ "${1:-}" != "profile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ] && [ "${1:-}" != "picks" ] \
+   && [ "${1:-}" != "kprofile" ]; then
   ( cd build-gpu && ctest -L gpu --output-on-failure -j1 ) >"$out/ctest_gpu.log" 2>&1
   rc=$?
   grep -E "tests passed|bitwise identical|\[train-gpu\] worst|cublaslt-bound\] largest|Failed|FAILED" "$out/ctest_gpu.log"
@@ -215,7 +237,7 @@ if [ "${1:-}" = "profile" ]; then
 fi
 if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] \
    && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ] \
-   && [ "${1:-}" != "picks" ]; then
+   && [ "${1:-}" != "picks" ] && [ "${1:-}" != "kprofile" ]; then
   build-gpu/bench_quantize --benchmark_filter=Gpu --benchmark_repetitions=5 \
     --benchmark_report_aggregates_only=true --benchmark_out="$out/bench_quantize.json" \
     --benchmark_out_format=json >"$out/bench_quantize.txt" 2>&1
