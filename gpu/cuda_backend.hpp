@@ -178,11 +178,6 @@ void set_quantize_2d_variant(int variant);
 // Benchmark knob: the common-case quantize kernel's tile, 1 = 64x128, 2 = 64x256 (BF16 input).
 // Results are identical; only speed differs.
 void set_quantize_tile_variant(int cols_per_thread);
-// Benchmark and test knob: the FP8 block quantizer's kernel for an FP32 input of whole 128 x 128
-// tiles with 1x128 blocks (the training step's activations and gradients): 0 = one CTA a tile
-// (fp8_quantize_tile_kernel, which every other case runs), 1 = persistent, double-buffered (the
-// default), 2 = 1 on two CTAs, each looping over many tiles (a test of the loop). Same bits.
-void set_fp8_quantize_variant(int variant);
 void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
                        const GemmConfig& cfg, void* out, cudaStream_t stream);
 // Benchmark knob: the exact GEMM kernel, 0 = one thread per output (reference), 1 = tiled,

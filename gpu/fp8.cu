@@ -276,148 +276,6 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
   }
 }
 
-// The same pass as fp8_quantize_tile_kernel, persistent and double-buffered, for the training
-// step's case: an FP32 input of whole 128 x 128 tiles with 16-byte aligned rows, 1x128 blocks (no
-// 2D), column-wise codes 16-byte aligned. One 1024-thread CTA per SM loops over tiles; while it
-// quantizes tile t from one shared-memory buffer, tile t + grid is landing in the other (cp.async),
-// so an SM's loads are in flight through its arithmetic instead of between its tiles (ncu of the
-// one-tile-a-CTA kernel on the training step's 16384 x 768 input: half the warp-stall samples in
-// its load and maxima phase, a fifth between the barrier and the first conversion).
-//  - maxima: warp w takes tile rows w + 32 i (i = 0..3), lane l elements 4l..4l+3 of each (its own
-//    cp.async data: no barrier before it); the 4 rows' block maxima by 7 shuffles; the column
-//    maxima meet in shared memory by integer atomicMax on the FP32 bits (each warp's column max is
-//    NaN-free and >= +0, where the bit order is the value order: the same max);
-//  - row-wise copy from the same rows right away (lanes 0..3 the rows' scales);
-//  - after one barrier, the column-wise copy: thread t quantizes rows 16 (t / 128) .. + 15 of tile
-//    column t % 128 (one 16-byte store), the first part writes the column's scale, the first part
-//    of each 64-row chunk its column sum (as the tile kernel, from +0 in row order);
-//  - a second barrier frees the buffer for the tile after next.
-// Each CTA commits its maximum once, after its last tile. Same functions, same bits.
-constexpr int kFp8PipeThreads = 1024;
-constexpr int kFp8PipeWarps = kFp8PipeThreads / 32;
-constexpr int kFp8PipeRowsPerWarp = kFp8Block / kFp8PipeWarps;           // 4
-constexpr int kFp8PipeParts = kFp8PipeThreads / kFp8Block;               // 8 threads a column
-constexpr int kFp8PipePartRows = kFp8Block / kFp8PipeParts;              // 16 rows a thread
-constexpr int kFp8PipeChunkParts = static_cast<int>(emu::kColumnChunkRows) / kFp8PipePartRows;  // 4
-constexpr size_t kFp8PipeSmem = 2 * kFp8TileSmem;
-static_assert(kFp8PipeRowsPerWarp == 4 && kFp8PipePartRows == 16 && kFp8PipeChunkParts * kFp8PipePartRows ==
-                  emu::kColumnChunkRows,
-              "the maxima's shuffle tree is written for 4 rows a warp, the column store for 16 rows a thread");
-
-__global__ void __launch_bounds__(kFp8PipeThreads, 1) fp8_quantize_pipelined_kernel(const float* x, Fp8TileArgs a) {
-  extern __shared__ float4 buf4[];  // [2][128][32] float4
-  __shared__ unsigned col_max[2][kFp8Block];  // per buffer: the tile's column maxima as FP32 bits
-  __shared__ float warp_partial[kFp8PipeWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned full = 0xFFFFFFFFu;
-  const int64_t tiles_x = a.cols / kFp8Block, tiles = tiles_x * (a.rows / kFp8Block);
-  const int64_t kb = a.cols / kFp8Block;
-  if (threadIdx.x < 2 * kFp8Block) col_max[threadIdx.x / kFp8Block][threadIdx.x % kFp8Block] = 0u;
-  // this thread's 16-byte pieces of tile t (rows warp + 32 i, elements 4 lane ..) into buffer b
-  auto load = [&](int64_t t, int b) {
-    const int64_t r0 = (t / tiles_x) * kFp8Block, c0 = (t % tiles_x) * kFp8Block;
-    FP4SIM_UNROLL
-    for (int i = 0; i < kFp8PipeRowsPerWarp; ++i) {
-      const int tr = warp + kFp8PipeWarps * i;
-      cp_async16(buf4 + (b * kFp8Block + tr) * (kFp8Block / 4) + lane, x + (r0 + tr) * a.stride + c0 + 4 * lane);
-    }
-  };
-  float thread_max = 0.0f;  // over every element this thread loads, for the global amax
-  int b = 0;
-  if (static_cast<int64_t>(blockIdx.x) < tiles) load(blockIdx.x, 0);
-  cp_async_commit();
-  __syncthreads();  // (the column maxima's zeros)
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x, b ^= 1) {
-    if (t + gridDim.x < tiles) load(t + gridDim.x, b ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();  // this thread's pieces of tile t are in
-    const int64_t r0 = (t / tiles_x) * kFp8Block, c0 = (t % tiles_x) * kFp8Block;
-    const float4* tile4 = buf4 + b * kFp8Block * (kFp8Block / 4);
-    // maxima of the warp's 4 rows: lanes 0-15 keep rows 0 and 1's pair maxima, lanes 16-31 rows 2
-    // and 3's (one shuffle each); then lane l holds row b3 + 2 b4 (b = the bits of l) after one
-    // more exchange, and three butterflies complete it over all 32 lanes
-    float m_row[kFp8PipeRowsPerWarp];
-    float4 cmax = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    FP4SIM_UNROLL
-    for (int i = 0; i < kFp8PipeRowsPerWarp; ++i) {
-      const float4 v = tile4[(warp + kFp8PipeWarps * i) * (kFp8Block / 4) + lane];
-      const float4 av = make_float4(fabsf(v.x), fabsf(v.y), fabsf(v.z), fabsf(v.w));
-      cmax = make_float4(fmax_nan_ignored(cmax.x, av.x), fmax_nan_ignored(cmax.y, av.y),
-                         fmax_nan_ignored(cmax.z, av.z), fmax_nan_ignored(cmax.w, av.w));
-      m_row[i] = fmax_nan_ignored(0.0f, fmax_nan_ignored(fmax_nan_ignored(av.x, av.y), fmax_nan_ignored(av.z, av.w)));
-    }
-    const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0;
-    const float h0 = fmax_nan_ignored(b4 ? m_row[2] : m_row[0], __shfl_xor_sync(full, b4 ? m_row[0] : m_row[2], 16));
-    const float h1 = fmax_nan_ignored(b4 ? m_row[3] : m_row[1], __shfl_xor_sync(full, b4 ? m_row[1] : m_row[3], 16));
-    float m = fmax_nan_ignored(b3 ? h1 : h0, __shfl_xor_sync(full, b3 ? h0 : h1, 8));
-    m = fmax_nan_ignored(m, __shfl_xor_sync(full, m, 4));
-    m = fmax_nan_ignored(m, __shfl_xor_sync(full, m, 2));
-    m = fmax_nan_ignored(m, __shfl_xor_sync(full, m, 1));
-    const float row_max = __shfl_sync(full, m, ((lane & 1) << 3) | (((lane >> 1) & 1) << 4));  // lane i < 4: row i
-    thread_max = fmax_nan_ignored(thread_max, row_max);
-    atomicMax(&col_max[b][4 * lane + 0], __float_as_uint(cmax.x));
-    atomicMax(&col_max[b][4 * lane + 1], __float_as_uint(cmax.y));
-    atomicMax(&col_max[b][4 * lane + 2], __float_as_uint(cmax.z));
-    atomicMax(&col_max[b][4 * lane + 3], __float_as_uint(cmax.w));
-    // row-wise copy of the warp's rows
-    if (a.row.codes) {
-      const float enc_mine = fp8_block_encode_scale(row_max);
-      if (lane < kFp8PipeRowsPerWarp) {
-        const int64_t r = r0 + warp + kFp8PipeWarps * lane;
-        const float s = fp8_block_decode_scale(enc_mine);
-        reinterpret_cast<float*>(a.row.scales)[r * kb + c0 / kFp8Block] = s;
-        if (a.row.scales_gemm) a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r] = s;
-      }
-      uint32_t* dst = reinterpret_cast<uint32_t*>(a.row.codes + (r0 + warp) * a.cols + c0) + lane;
-      const int64_t step = kFp8PipeWarps * (a.cols / 4);
-      FP4SIM_UNROLL
-      for (int i = 0; i < kFp8PipeRowsPerWarp; ++i) {
-        const float enc = __shfl_sync(full, enc_mine, i);
-        const float4 v = tile4[(warp + kFp8PipeWarps * i) * (kFp8Block / 4) + lane];
-        dst[i * step] = fp8_quantize_quad(v.x, v.y, v.z, v.w, enc);
-      }
-    }
-    __syncthreads();  // the tile's column maxima, and every thread's pieces of it, are in
-    if (a.col.codes) {
-      const int tc = threadIdx.x % kFp8Block, part = threadIdx.x / kFp8Block;
-      const int64_t cc = c0 + tc;
-      const float* my_col = reinterpret_cast<const float*>(tile4) + part * kFp8PipePartRows * kFp8Block + tc;
-      const float enc = fp8_block_encode_scale(__uint_as_float(col_max[b][tc]));
-      if (part == 0) {
-        const float s = fp8_block_decode_scale(enc);
-        reinterpret_cast<float*>(a.col.scales)[cc * (a.rows / kFp8Block) + r0 / kFp8Block] = s;
-        if (a.col.scales_gemm) a.col.scales_gemm[(r0 / kFp8Block) * a.cols + cc] = s;
-      }
-      if (a.col_partial && part % kFp8PipeChunkParts == 0) {
-        float s = 0.0f;
-        for (int r = 0; r < emu::kColumnChunkRows; ++r) s = __fadd_rn(s, my_col[r * kFp8Block]);
-        a.col_partial[((r0 + part * kFp8PipePartRows) / emu::kColumnChunkRows) * a.cols + cc] = s;
-      }
-      uint32_t w[4];
-      FP4SIM_UNROLL
-      for (int k = 0; k < 4; ++k) {
-        const float* e = my_col + 4 * k * kFp8Block;
-        w[k] = fp8_quantize_quad(e[0], e[kFp8Block], e[2 * kFp8Block], e[3 * kFp8Block], enc);
-      }
-      *reinterpret_cast<uint4*>(a.col.codes + cc * a.rows + r0 + part * kFp8PipePartRows) =
-          make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    // the other buffer's maxima start again from zero for the tile after this one (its last
-    // readers finished before the barrier that ended the previous tile)
-    if (threadIdx.x < kFp8Block) col_max[b ^ 1][threadIdx.x] = 0u;
-    __syncthreads();  // buffer b and its maxima are free for tile t + 2 grid
-  }
-  cp_async_wait<0>();
-  const float wm = warp_max(thread_max);
-  if (lane == 0) warp_partial[warp] = wm;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float p = 0.0f;
-    for (int w = 0; w < kFp8PipeWarps; ++w) p = fmax_nan_ignored(p, warp_partial[w]);
-    amax_commit(p, 0.0f, a.amax);
-  }
-}
-
 __global__ void fp8_dequantize_kernel(QuantizedView q, float* out, int64_t out_stride) {
   const float* scales = reinterpret_cast<const float*>(q.scales);
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < q.rows * q.cols;
@@ -464,9 +322,6 @@ void launch_fp8_tile(const dim3& grid, const void* x, const Fp8TileArgs& a, cuda
   fp8_quantize_tile_kernel<T><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(static_cast<const T*>(x), a);
 }
 
-// set_fp8_quantize_variant
-int g_fp8_variant = 1;
-
 }  // namespace
 
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
@@ -500,36 +355,9 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
     throw std::invalid_argument("quantize (cuda, fp8): tensor '" + std::string(x.name) + "' " +
                                 shape_str(x.rows, x.cols) + " has too many rows for one launch");
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
-  const bool pipelined_case = g_fp8_variant != 0 && x.dtype == DType::F32 && !a.two_d && a.vector_ok &&
-                              x.rows % kFp8Block == 0 && x.cols % kFp8Block == 0 &&
-                              (!cfg.columnwise.enabled || a.col_vector_ok);
-  if (pipelined_case) {
-    static bool attr = false;
-    if (!attr) {
-      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_pipelined_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(kFp8PipeSmem)));
-      attr = true;
-    }
-    int sms = 0, dev = 0;
-    FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
-    FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    const int64_t tiles = gx * gy;
-    const int64_t ctas = g_fp8_variant == 2 ? 2 : sms;  // (variant 2: two CTAs, many tiles each, for tests)
-    fp8_quantize_pipelined_kernel<<<static_cast<unsigned>(tiles < ctas ? tiles : ctas), kFp8PipeThreads,
-                                    kFp8PipeSmem, stream>>>(static_cast<const float*>(x.data), a);
-  } else if (x.dtype == DType::F32) {
-    launch_fp8_tile<float>(grid, x.data, a, stream);
-  } else {
-    launch_fp8_tile<uint16_t>(grid, x.data, a, stream);
-  }
+  if (x.dtype == DType::F32) launch_fp8_tile<float>(grid, x.data, a, stream);
+  else launch_fp8_tile<uint16_t>(grid, x.data, a, stream);
   FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-void set_fp8_quantize_variant(int variant) {
-  if (variant < 0 || variant > 2)
-    throw std::invalid_argument("set_fp8_quantize_variant: variant must be 0 (a CTA a tile), 1 (persistent, "
-                                "double-buffered) or 2 (1 with two CTAs)");
-  g_fp8_variant = variant;
 }
 
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {

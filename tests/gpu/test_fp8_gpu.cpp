@@ -38,38 +38,6 @@ QuantizeResult quantize_on(Backend& be, std::vector<float>& x, int64_t rows, int
 
 using test::expect_same_quantized;
 
-// The persistent double-buffered kernel (gpu::set_fp8_quantize_variant 1, the default, and 2: two
-// CTAs, ten tiles each) on FP32 inputs of whole tiles, every fill (NaN, Inf, subnormals, signed
-// zeros, huge and tiny), both copies, then each copy alone: == the emulator, bit for bit.
-TEST(Fp8Gpu, PipelinedQuantizeBitwiseEqualsEmulator) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
-  auto emu = make_backend("emu");
-  auto cuda = make_backend("cuda");
-  const int64_t R = 512, C = 640;  // 4 x 5 tiles
-  int checked = 0;
-  for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials, test::Fill::Subnormal,
-                          test::Fill::SignedZeros, test::Fill::HugeTiny}) {
-    std::vector<float> x = test::make_fill(fill, static_cast<size_t>(R * C), 17);
-    for (int copies = 0; copies < 3; ++copies) {  // both, row-wise alone, column-wise alone
-      QuantizeConfig qc;
-      qc.format = QFormat::FP8;
-      qc.rowwise.enabled = copies != 2;
-      qc.columnwise.enabled = copies != 1;
-      const QuantizeResult e = quantize_to_host(*emu, host_view(x.data(), R, C), qc);
-      for (int variant : {1, 2}) {
-        KnobGuard knob([&] { gpu::set_fp8_quantize_variant(variant); }, [] { gpu::set_fp8_quantize_variant(1); });
-        const QuantizeResult g = quantize_to_host(*cuda, host_view(x.data(), R, C), qc);
-        const std::string what = std::string(test::fill_name(fill)) + " copies " + std::to_string(copies) +
-                                 " variant " + std::to_string(variant);
-        if (qc.rowwise.enabled) expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
-        if (qc.columnwise.enabled) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
-        ++checked;
-      }
-    }
-  }
-  std::printf("[fp8-gpu] %d persistent-kernel quantizations bitwise identical\n", checked);
-}
-
 // An all-zero FP8 copy of rows x cols on the host (the shape of a quantizer output).
 QuantizedHost zero_fp8_host(int64_t rows, int64_t cols) {
   QuantizedHost h;
@@ -250,10 +218,6 @@ TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
     bool rowwise;
   };
   int checked = 0;
-  // each FP32 whole-tile case on the one-tile-a-CTA kernel, the persistent one, and the persistent
-  // one on two CTAs (gpu::set_fp8_quantize_variant; the partial case runs the first every time)
-  for (int variant : {0, 1, 2}) {
-  KnobGuard knob([&] { gpu::set_fp8_quantize_variant(variant); }, [] { gpu::set_fp8_quantize_variant(1); });
   for (const Case& k : {Case{256, 384, test::Fill::Gaussian, true}, Case{128, 200, test::Fill::HeavyTailed, false},
                         Case{512, 128, test::Fill::HugeTiny, true}, Case{256, 256, test::Fill::Specials, true}}) {
     const std::vector<float> x = test::make_fill(k.fill, static_cast<size_t>(k.R * k.C), 31);
@@ -293,8 +257,7 @@ TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
       be.download(d.data(), db.get(), d.size() * 4);
       return d;
     };
-    const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) + "x" +
-                             std::to_string(k.C) + " variant " + std::to_string(variant);
+    const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) + "x" + std::to_string(k.C);
     QuantizedHost fr, fc, tr, tc, er, ec;
     const uint64_t fused_before = gpu::fused_bias_backward_count();
     const std::vector<uint32_t> fused = run(*cuda, true, fr, fc), two = run(*cuda, false, tr, tc);
@@ -310,7 +273,6 @@ TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
       for (size_t i = 0; i < fused.size(); ++i) ASSERT_EQ(e[i], fused[i]) << what << ": dbias[" << i << "] vs the emulator";
     }
     ++checked;
-  }
   }
   std::printf("[fp8-gpu] %d fused quantize + bias gradients bitwise identical\n", checked);
 }
