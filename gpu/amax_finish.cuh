@@ -18,6 +18,7 @@ struct AmaxArgs {
   float* amax_rht;     // max |rht(x)| of the column-wise copy (or null)
   uint16_t* rht_out;   // where to keep rht(x) (BF16, transposed: cols x rows, dense), or null
   unsigned* ws;        // the backend's amax workspace: {plain, rht, CTAs done}, zero between passes
+  float* col_partial = nullptr;  // x's 64-row chunk column sums [R / 64, C] (the pipelined RHT pass only), or null
 };
 
 __device__ __forceinline__ float warp_max(float v) {

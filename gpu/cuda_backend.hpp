@@ -161,9 +161,12 @@ std::unique_ptr<Backend> make_cuda_backend();
 // of device memory used by no other stream (the amax pass leaves them zero again). rht_keep (may
 // be null): scratch for the RHT-transformed input (BF16, transposed: cols x rows), written by the
 // amax pass and read by the quantize pass instead of transforming every element a second time.
-void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+// column_partial (may be null): where the RHT amax pass is the pipelined kernel and x is FP32 with
+// rows % 64 == 0, x's 64-row chunk column sums [rows / 64, cols] (emu::bias_backward's partial
+// sums, for column_sums_finalize) are written there too; returns whether they were.
+bool quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                      QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
-                     DeviceScratch* rht_keep = nullptr);
+                     DeviceScratch* rht_keep = nullptr, float* column_partial = nullptr);
 // Benchmark knob: whether the common-case quantizer keeps the RHT output between its passes
 // (default) or transforms twice, as before. Results are identical; only speed differs.
 void set_quantize_keep_rht(bool keep);
@@ -232,6 +235,9 @@ void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorS
 // Test hook: how many CudaBackend::quantize_with_bias_backward calls took the fused FP8 path (the
 // tile pass's column sums) in this process.
 uint64_t fused_bias_backward_count();
+// Test hook: how many CudaBackend::matmul_backward calls at BF16 precision took dout's BF16 copy and
+// the bias gradient's column sums from one pass (round_to_bf16_column_partial_kernel) in this process.
+uint64_t fused_matmul_bias_count();
 // The FP8 block format (gpu/fp8.cu). amax_ws: as for quantize_launch.
 // column_partial (optional; F32 x with a column-wise copy, R % 128 == 0): the kernel also writes x's column
 // sums over each 64-row chunk (emu::kColumnChunkRows), [R / 64, C], each from +0 in increasing row

@@ -436,6 +436,28 @@ __global__ void column_partial_kernel(float* partial, const float* dout, int64_t
   partial[k * C + c] = s;
 }
 
+// column_partial_kernel and round_to_bf16_kernel of the same dout in one pass (matmul_backward at
+// BF16 precision with a bias: the Dgrad/Wgrad operand and the bias gradient's chunk sums), two
+// adjacent columns a thread (C even, dout 8-byte and h 4-byte aligned): dout is read once instead
+// of twice. The same sums in the same order and the same roundings: the same bits.
+__global__ void round_to_bf16_column_partial_kernel(uint16_t* h, float* partial, const float* dout, int64_t N,
+                                                    int64_t C) {
+  const int64_t c = 2 * (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
+  if (c >= C) return;
+  const int64_t k = blockIdx.x;
+  const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
+  float s0 = 0.0f, s1 = 0.0f;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float2 v = *reinterpret_cast<const float2*>(dout + n * C + c);
+    s0 = __fadd_rn(s0, v.x);
+    s1 = __fadd_rn(s1, v.y);
+    *reinterpret_cast<uint32_t*>(h + n * C + c) = static_cast<uint32_t>(bf16_rne(v.x)) |
+                                                  (static_cast<uint32_t>(bf16_rne(v.y)) << 16);
+  }
+  partial[k * C + c] = s0;
+  partial[k * C + c + 1] = s1;
+}
+
 // ---- RoPE -------------------------------------------------------------------------------------
 
 // In place on the NH query and NKV key heads of x (B,T,(NH+2NKV)*HD): the pair (2i, 2i+1) at
@@ -762,6 +784,8 @@ uint32_t pointer_alignment(const void* p) {
 void set_crossentropy_cached(bool on) { g_crossentropy_cached = on; }
 
 namespace {
+uint64_t g_fused_bias_backward = 0;  // fused_bias_backward_count
+uint64_t g_fused_matmul_bias = 0;    // fused_matmul_bias_count
 int g_matmul_pick = kPlanOwnPick;  // set_matmul_heuristic_pick
 MatmulPlanPick g_last_matmul_pick;  // last_matmul_plan_pick
 }  // namespace
@@ -1124,6 +1148,19 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
                                   int64_t OC, emu::GemmPrecision prec) {
   if (matmul_backward_empty(dinp, N, K, OC, stream_)) return;
   LayersState& st = layers_state();
+  if (dbias && K > 0 && prec == emu::GemmPrecision::BF16 && OC % 2 == 0 &&
+      reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
+    // dout's BF16 copy and the bias gradient's chunk sums from one read of dout
+    uint16_t* h = st.bf16_a.get<uint16_t>(static_cast<size_t>(N * OC), stream_);
+    float* partial = st.columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
+    const dim3 grid(static_cast<unsigned>(column_chunks(N)), static_cast<unsigned>((OC / 2 + kThreads - 1) / kThreads));
+    round_to_bf16_column_partial_kernel<<<grid, kThreads, 0, stream_>>>(h, partial, dout, N, OC);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    column_sums_finalize(dbias, partial, N, OC, true, stream_);
+    matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
+    ++g_fused_matmul_bias;
+    return;
+  }
   if (K > 0) matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_), inp, weight,
                                    N, K, OC, prec);
   if (dbias) {
@@ -1265,17 +1302,29 @@ void CudaBackend::bias_backward(float* dbias, const float* dout, int64_t N, int6
   column_sums_finalize(dbias, partial, N, OC, true, stream_);
 }
 
-namespace {
-uint64_t g_fused_bias_backward = 0;  // fused_bias_backward_count
-}  // namespace
-
 uint64_t fused_bias_backward_count() { return g_fused_bias_backward; }
+uint64_t fused_matmul_bias_count() { return g_fused_matmul_bias; }
 
 // FP8 with a column-wise copy of a dense F32 x whose rows fill whole 128-row tiles: the tile pass
 // writes the chunks' column sums (gpu/fp8.cu) in place of column_partial_kernel's pass over x,
-// then the same finalize as bias_backward. Otherwise the base class's two calls. Bitwise either way.
+// then the same finalize as bias_backward. NVFP4 with an RHT column-wise copy of a dense F32 x
+// (rows % 64 == 0): the pipelined RHT amax pass takes the sums where it runs (gpu/quantize.cu),
+// else bias_backward's own pass. Otherwise the base class's two calls. Bitwise either way.
 void CudaBackend::quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                                               QuantizedView* columnwise, float* dbias) {
+  if (cfg.format == QFormat::NVFP4 && cfg.columnwise.enabled && cfg.columnwise.rht && x.dtype == DType::F32 &&
+      x.stride() == x.cols && x.rows % emu::kColumnChunkRows == 0 && x.device == Device::Cuda && x.rows * x.cols > 0 &&
+      !(rowwise && rowwise->scales_gemm) && !(columnwise && columnwise->scales_gemm)) {
+    validate_quantize(x, cfg);
+    float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
+    if (quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_, partial)) {
+      column_sums_finalize(dbias, partial, x.rows, x.cols, true, stream_);
+      ++g_fused_bias_backward;
+    } else {
+      bias_backward(dbias, static_cast<const float*>(x.data), x.rows, x.cols);
+    }
+    return;
+  }
   const bool fused = cfg.format == QFormat::FP8 && cfg.columnwise.enabled && x.dtype == DType::F32 &&
                      x.stride() == x.cols && x.rows % kFp8Block == 0 && x.device == Device::Cuda &&
                      x.rows * x.cols > 0 && !(rowwise && rowwise->decoded_bf16) &&

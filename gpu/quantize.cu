@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, kRows == 32 ? 8 : 6)
 // computed. Per tile the same work as amax_tile_kernel<T, true, 32>: the plain amax over the raw
 // values, rht16 of each column's 16-row chunks over the BF16 inputs, the RHT amax over its BF16
 // outputs, and the outputs kept transposed (rht_out) when asked. Same bits (max is order-free).
-// 5 CTAs an SM (FP32 input: 42 KB of shared memory a CTA; ptxas: 75 registers FP32, 91 BF16).
+// 5 CTAs an SM (FP32 input: 42 KB of shared memory a CTA; ptxas: 80 registers FP32, 81 BF16).
 constexpr int kPipeRows = 32;
 template <class T>
 __global__ void __launch_bounds__(kThreads, 5)
@@ -224,17 +224,31 @@ __global__ void __launch_bounds__(kThreads, 5)
     for (int k = 0; k < kCopies; ++k) cp_async16(sm + k * kThreads * kVec, g + k * copy_step);
   };
   float m_plain = 0.0f, m_rht = 0.0f;
-  uint32_t tile = blockIdx.x;
-  if (tile < ntiles) issue(tile, 0);
+  // The CTA's sequence of tiles, s = 0, 1, ...: item blockIdx.x + (s / sub) grid, its row tile
+  // sub (item / tiles_x) + s % sub. With column sums (args.col_partial) sub = 2, so a CTA takes the
+  // two 32-row tiles of a 64-row chunk one after the other and thread t carries column t's sum
+  // from the first into the second (rows % 64 == 0, checked by the host); else sub = 1, the tiles
+  // in grid-stride order.
+  const uint32_t sub = args.col_partial ? 2u : 1u;
+  const uint32_t per_cta = ntiles / sub > blockIdx.x ? (ntiles / sub - blockIdx.x + gridDim.x - 1) / gridDim.x * sub : 0u;
+  auto tile_of = [&](uint32_t s) {
+    const uint32_t item = blockIdx.x + (s / sub) * gridDim.x;
+    return (item / tiles_x * sub + s % sub) * tiles_x + item % tiles_x;
+  };
+  float col_sum = 0.0f;
+  if (per_cta > 0) issue(tile_of(0), 0);
   cp_async_commit();
 #pragma unroll 1
-  for (int buf = 0; tile < ntiles; tile += gridDim.x, buf ^= 1) {
+  for (uint32_t s = 0; s < per_cta; ++s) {
+    const int buf = static_cast<int>(s & 1u);
+    const uint32_t tile = tile_of(s);
     // the next tile into the other buffer (free: the previous iteration ended with a barrier)
-    if (tile + gridDim.x < ntiles) issue(tile + gridDim.x, buf ^ 1);
+    if (s + 1 < per_cta) issue(tile_of(s + 1), buf ^ 1);
     cp_async_commit();
     cp_async_wait<1>();  // this thread's copies of the current tile have landed
     __syncthreads();     // and everyone's
     const T* tl = raw[buf];
+    if (s % sub == 0) col_sum = 0.0f;
 #pragma unroll 1
     for (int k = 0; k < kPipeRows / kRhtSize; ++k) {
       uint16_t in[kRhtSize];
@@ -243,9 +257,13 @@ __global__ void __launch_bounds__(kThreads, 5)
         const T v = tl[(k * kRhtSize + i) * kTileCols + t];
         m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(v)));
         in[i] = rht_input(v);
+        if (sub == 2u) col_sum = __fadd_rn(col_sum, Elem<T>::to_f32(v));  // rows in increasing order, from +0
       }
       rht_chunk_amax(in, m_rht, args.rht_out != nullptr, yt + t * kYtStride + k * kRhtSize);
     }
+    if (sub == 2u && s % 2 == 1)
+      args.col_partial[static_cast<int64_t>(tile / tiles_x / 2) * cols + static_cast<int64_t>(tile % tiles_x) * kTileCols + t] =
+          col_sum;
     if (args.rht_out) {
       __syncthreads();
       store_rht_transposed<kPipeRows, kYtStride>(yt, args.rht_out, rows, cols,
@@ -718,9 +736,13 @@ bool g_keep_rht = true;
 // else 1 (default).
 int g_rht_amax_variant = 2;
 
+// col_partial (or null): where the pipelined RHT amax pass can take x's 64-row chunk column sums
+// (an FP32 x, rows % 64 == 0), it writes them there; returns whether it did.
 template <class T>
-void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* row,
-                QuantizedView* col, cudaStream_t stream, DeviceScratch* rht_keep, unsigned* amax_ws) {
+bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* row,
+                QuantizedView* col, cudaStream_t stream, DeviceScratch* rht_keep, unsigned* amax_ws,
+                float* col_partial) {
+  bool sums_written = false;
   const T* xp = static_cast<const T*>(x.data);
   const int64_t R = x.rows, C = x.cols, S = x.stride();
   const bool vector_ok = (reinterpret_cast<uintptr_t>(xp) % 16 == 0) &&
@@ -749,13 +771,16 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
                   static_cast<unsigned>((R + kTileRows - 1) / kTileRows));
   if (amax_rht || (amax_plain && (S != C || !vector_ok))) {
     if (amax_rht) {
-      const AmaxArgs args{amax_plain, amax_plain2, amax_rht, rht_out, amax_ws};
+      AmaxArgs args{amax_plain, amax_plain2, amax_rht, rht_out, amax_ws};
       if (g_rht_amax_variant == 2 && vector_ok && C % kTileCols == 0 && R % kPipeRows == 0 &&
           (C / kTileCols) * (R / kPipeRows) < (int64_t{1} << 31)) {
-        const int64_t tiles = (C / kTileCols) * (R / kPipeRows);
+        const bool sums = col_partial && sizeof(T) == 4 && R % (2 * kPipeRows) == 0;
+        if (sums) args.col_partial = col_partial;
+        const int64_t tiles = (C / kTileCols) * (R / kPipeRows), items = sums ? tiles / 2 : tiles;
         const int ctas = amax_rht_pipelined_grid<T>();
-        amax_rht_pipelined_kernel<T><<<static_cast<unsigned>(tiles < ctas ? tiles : ctas), kThreads, 0, stream>>>(
+        amax_rht_pipelined_kernel<T><<<static_cast<unsigned>(items < ctas ? items : ctas), kThreads, 0, stream>>>(
             xp, R, C, S, args);
+        sums_written = sums;
       } else if (g_rht_amax_variant >= 1 && (R + 31) / 32 <= 65535) {
         const dim3 grid32(grid.x, static_cast<unsigned>((R + 31) / 32));
         amax_tile_kernel<T, true, 32><<<grid32, kThreads, 0, stream>>>(xp, R, C, S, vector_ok, args);
@@ -832,6 +857,7 @@ void launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
     quantize_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, qa);
   }
   FP4SIM_CUDA_CHECK_LAUNCH();
+  return sums_written;
 }
 
 void check_view(const QuantizedView* q, int64_t rows, int64_t cols, const QuantizeConfig& cfg,
@@ -912,8 +938,9 @@ void set_quantize_2d_variant(int variant) {
   g_2d_variant = variant;
 }
 
-void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                     QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws, DeviceScratch* rht_keep) {
+bool quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                     QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws, DeviceScratch* rht_keep,
+                     float* column_partial) {
   if (!amax_ws) throw std::logic_error("quantize_launch: no amax workspace");
   if (x.device != Device::Cuda)
     throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
@@ -923,11 +950,8 @@ void quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
   if ((x.rows + kTileRows - 1) / kTileRows > 65535)  // (the 32-row RHT amax pass falls back to 64 rows)
     throw std::invalid_argument("quantize (cuda): too many rows for one launch: " +
                                 shape_str(x.rows, x.cols));
-  if (x.dtype == DType::F32) {
-    launch_all<float>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws);
-  } else {
-    launch_all<uint16_t>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws);
-  }
+  if (x.dtype == DType::F32) return launch_all<float>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws, column_partial);
+  return launch_all<uint16_t>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws, column_partial);
 }
 
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {

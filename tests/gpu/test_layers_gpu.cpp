@@ -544,6 +544,48 @@ TEST(LayersGpu, MatmulPlanTakesTheRulesIndex) {
 }
 #endif
 
+// matmul_backward at BF16 precision with a bias takes dout's BF16 copy and the bias gradient's
+// chunk sums from one pass (OC even): the same bits as the same call without dbias followed by
+// bias_backward (the separate column pass), on the CUDA backend, for chunked N (3 whole 64-row
+// chunks and a partial one), with an Inf and a NaN in dout; an odd OC takes the separate passes.
+TEST(LayersGpu, MatmulBackwardBf16BiasFusedEqualsSeparate) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(909);
+  struct Shape {
+    int64_t N, K, OC;
+    bool fused;
+  };
+  for (const Shape s : {Shape{200, 48, 96, true}, Shape{64, 32, 30, true}, Shape{130, 40, 45, false}}) {
+    const int64_t N = s.N, K = s.K, OC = s.OC;
+    const Vec x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f), dw0 = randn(sz(OC * K), rng),
+              db0 = randn(sz(OC), rng);
+    Vec dout = randn(sz(N * OC), rng);
+    dout[sz(5 * OC + 3)] = kInf;
+    dout[sz(70 * OC + 1)] = kNaN;
+    const std::string tag = std::to_string(N) + "x" + std::to_string(K) + "x" + std::to_string(OC);
+    const uint64_t before = gpu::fused_matmul_bias_count();
+    const Outputs fused = run(*be.cuda, [&](Backend& bk, Call& c) {
+      float* dinp = c.out(Vec(sz(N * K), kNaN));
+      float* dw = c.out(dw0);
+      float* db = c.out(db0);
+      bk.matmul_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), N, K, OC, emu::GemmPrecision::BF16);
+    });
+    EXPECT_EQ(gpu::fused_matmul_bias_count(), before + (s.fused ? 1 : 0)) << tag;
+    const Outputs separate = run(*be.cuda, [&](Backend& bk, Call& c) {
+      float* dinp = c.out(Vec(sz(N * K), kNaN));
+      float* dw = c.out(dw0);
+      float* db = c.out(db0);
+      const float* d = c.in(dout);
+      bk.matmul_backward(dinp, dw, nullptr, d, c.in(x), c.in(w), N, K, OC, emu::GemmPrecision::BF16);
+      bk.bias_backward(db, d, N, OC);
+    });
+    expect_bitwise("fused matmul_backward dinp " + tag, separate[0], fused[0]);
+    expect_bitwise("fused matmul_backward dweight " + tag, separate[1], fused[1]);
+    expect_bitwise("fused matmul_backward dbias " + tag, separate[2], fused[2]);
+  }
+}
+
 // Operands that BF16 rounding changes and that every accumulation order sums exactly: both
 // backends give the same bits, and BF16 differs from FP32 (the rounding happened, on both).
 TEST(LayersGpu, MatmulBf16RoundsOperandsExactly) {
