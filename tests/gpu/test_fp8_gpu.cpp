@@ -227,51 +227,14 @@ TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
     qc.format = QFormat::FP8;
     qc.rowwise.enabled = k.rowwise;
     qc.columnwise.enabled = true;
-    const bool finite = k.fill != test::Fill::Specials;
-    // one backend's copies and dbias, by the fused call or by the two calls
-    auto run = [&](Backend& be, bool fused, QuantizedHost& row, QuantizedHost& col) {
-      BackendBuffer xb(be, x.size() * 4), db(be, dbias0.size() * 4);
-      be.upload(xb.get(), x.data(), x.size() * 4);
-      be.upload(db.get(), dbias0.data(), dbias0.size() * 4);
-      TensorView xv;
-      xv.data = xb.get();
-      xv.rows = k.R;
-      xv.cols = k.C;
-      xv.device = be.device();
-      xv.name = "dy";
-      // (a row-wise copy of the 200-column case would not block: its views are there but unused)
-      QuantizedBuffers rq(be, zero_fp8_host(k.R, k.rowwise ? k.C : kFp8Block)), cq(be, zero_fp8_host(k.C, k.R));
-      QuantizedView* rv = k.rowwise ? &rq.view : nullptr;
-      if (fused) {
-        be.quantize_with_bias_backward(xv, qc, rv, &cq.view, db.as<float>());
-      } else {
-        be.quantize(xv, qc, rv, &cq.view);
-        be.bias_backward(db.as<float>(), xb.as<float>(), k.R, k.C);
-      }
-      be.synchronize();
-      row = zero_fp8_host(k.R, k.rowwise ? k.C : kFp8Block);
-      col = zero_fp8_host(k.C, k.R);
-      if (k.rowwise) rq.download_to(be, row);
-      cq.download_to(be, col);
-      std::vector<uint32_t> d(dbias0.size());
-      be.download(d.data(), db.get(), d.size() * 4);
-      return d;
-    };
+    // (a row-wise copy of the 200-column case would not block: its host copy is there but unused)
+    auto blank = [&] { return std::make_pair(zero_fp8_host(k.R, k.rowwise ? k.C : kFp8Block), zero_fp8_host(k.C, k.R)); };
     const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) + "x" + std::to_string(k.C);
-    QuantizedHost fr, fc, tr, tc, er, ec;
+    SCOPED_TRACE(what);
     const uint64_t fused_before = gpu::fused_bias_backward_count();
-    const std::vector<uint32_t> fused = run(*cuda, true, fr, fc), two = run(*cuda, false, tr, tc);
+    expect_fused_bias_grad_bitwise(*cuda, k.fill != test::Fill::Specials ? emu.get() : nullptr, x, k.R, k.C, qc, dbias0,
+                                   blank, what);
     EXPECT_EQ(gpu::fused_bias_backward_count(), fused_before + 1) << what << ": the fused path did not run";
-    if (k.rowwise) expect_same_quantized(tr, fr, what + " row-wise (fused vs two calls)");
-    expect_same_quantized(tc, fc, what + " column-wise (fused vs two calls)");
-    for (size_t i = 0; i < fused.size(); ++i)
-      ASSERT_EQ(two[i], fused[i]) << what << ": dbias[" << i << "] fused vs quantize + bias_backward on the GPU";
-    if (finite) {
-      const std::vector<uint32_t> e = run(*emu, true, er, ec);
-      if (k.rowwise) expect_same_quantized(er, fr, what + " row-wise (vs emulator)");
-      expect_same_quantized(ec, fc, what + " column-wise (vs emulator)");
-      for (size_t i = 0; i < fused.size(); ++i) ASSERT_EQ(e[i], fused[i]) << what << ": dbias[" << i << "] vs the emulator";
-    }
     ++checked;
   }
   std::printf("[fp8-gpu] %d fused quantize + bias gradients bitwise identical\n", checked);

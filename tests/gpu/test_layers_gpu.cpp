@@ -547,29 +547,36 @@ TEST(LayersGpu, MatmulPlanTakesTheRulesIndex) {
 // matmul_backward at BF16 precision with a bias takes dout's BF16 copy and the bias gradient's
 // chunk sums from one pass (OC even): the same bits as the same call without dbias followed by
 // bias_backward (the separate column pass), on the CUDA backend, for chunked N (3 whole 64-row
-// chunks and a partial one), with an Inf and a NaN in dout; an odd OC takes the separate passes.
+// chunks and a partial one), with an Inf and a NaN in dout; an odd OC, and a dout one float off
+// 8-byte alignment, take the separate passes.
 TEST(LayersGpu, MatmulBackwardBf16BiasFusedEqualsSeparate) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(909);
   struct Shape {
     int64_t N, K, OC;
-    bool fused;
+    bool misaligned, fused;
   };
-  for (const Shape s : {Shape{200, 48, 96, true}, Shape{64, 32, 30, true}, Shape{130, 40, 45, false}}) {
+  for (const Shape s : {Shape{200, 48, 96, false, true}, Shape{64, 32, 30, false, true}, Shape{130, 40, 45, false, false},
+                        Shape{200, 48, 96, true, false}}) {
     const int64_t N = s.N, K = s.K, OC = s.OC;
     const Vec x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f), dw0 = randn(sz(OC * K), rng),
               db0 = randn(sz(OC), rng);
     Vec dout = randn(sz(N * OC), rng);
     dout[sz(5 * OC + 3)] = kInf;
     dout[sz(70 * OC + 1)] = kNaN;
-    const std::string tag = std::to_string(N) + "x" + std::to_string(K) + "x" + std::to_string(OC);
+    // (misaligned: dout starts one float into its buffer)
+    Vec dout_buf = dout;
+    if (s.misaligned) dout_buf.insert(dout_buf.begin(), 0.0f);
+    const std::string tag = std::to_string(N) + "x" + std::to_string(K) + "x" + std::to_string(OC) +
+                            (s.misaligned ? " misaligned" : "");
     const uint64_t before = gpu::fused_matmul_bias_count();
     const Outputs fused = run(*be.cuda, [&](Backend& bk, Call& c) {
       float* dinp = c.out(Vec(sz(N * K), kNaN));
       float* dw = c.out(dw0);
       float* db = c.out(db0);
-      bk.matmul_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), N, K, OC, emu::GemmPrecision::BF16);
+      const float* d = c.in(dout_buf) + (s.misaligned ? 1 : 0);
+      bk.matmul_backward(dinp, dw, db, d, c.in(x), c.in(w), N, K, OC, emu::GemmPrecision::BF16);
     });
     EXPECT_EQ(gpu::fused_matmul_bias_count(), before + (s.fused ? 1 : 0)) << tag;
     const Outputs separate = run(*be.cuda, [&](Backend& bk, Call& c) {

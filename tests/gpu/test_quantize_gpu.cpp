@@ -349,7 +349,9 @@ TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
 // pipelined RHT amax pass also takes the 64-row column sums) == quantize then bias_backward, bit
 // for bit: the copies and dbias (which starts non-zero), against the CUDA backend's own two calls
 // (NaN payloads are the GPU's there) and, for finite inputs, the emulator's. Shapes: many tiles a
-// CTA, a few, three 64-row chunks; 96 rows (not whole 64-row chunks) takes the separate pass.
+// CTA (GPU against GPU only), a few, three 64-row chunks; 96 rows (not whole 64-row chunks) takes
+// the base class's two calls, and 256 x 384 with the 32-row RHT amax pass (variant 1, which takes
+// no sums) takes the fused quantize call with bias_backward's own pass.
 TEST(QuantizeGpu, RhtAmaxPassColumnSumsEqualBiasBackward) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
@@ -359,58 +361,36 @@ TEST(QuantizeGpu, RhtAmaxPassColumnSumsEqualBiasBackward) {
   struct Shape {
     int64_t R, C;
     test::Fill fill;
-    bool fused;
+    int amax_variant;
+    bool fused, against_emu;
   };
   int checked = 0;
-  for (const Shape& k : {Shape{4096, 1536, test::Fill::HeavyTailed, true}, Shape{256, 384, test::Fill::Gaussian, true},
-                         Shape{192, 128, test::Fill::Specials, true}, Shape{96, 256, test::Fill::Gaussian, false}}) {
+  for (const Shape& k : {Shape{16384, 3072, test::Fill::Gaussian, 2, true, false},
+                         Shape{4096, 1536, test::Fill::HeavyTailed, 2, true, true},
+                         Shape{256, 384, test::Fill::Gaussian, 2, true, true},
+                         Shape{192, 128, test::Fill::Specials, 2, true, false},
+                         Shape{96, 256, test::Fill::Gaussian, 2, false, true},
+                         Shape{256, 384, test::Fill::Gaussian, 1, false, true}}) {
+    KnobGuard knob([&] { gpu::set_quantize_rht_amax_variant(k.amax_variant); },
+                   [] { gpu::set_quantize_rht_amax_variant(2); });
     const std::vector<float> x = test::make_fill(k.fill, static_cast<size_t>(k.R * k.C), 55);
     std::vector<float> dbias0(static_cast<size_t>(k.C));
     for (size_t i = 0; i < dbias0.size(); ++i) dbias0[i] = 0.5f * static_cast<float>(static_cast<int>(i % 7) - 3);
-    auto run = [&](Backend& be, bool fused, QuantizedHost& row, QuantizedHost& col) {
-      BackendBuffer xb(be, x.size() * 4), db(be, dbias0.size() * 4);
-      be.upload(xb.get(), x.data(), x.size() * 4);
-      be.upload(db.get(), dbias0.data(), dbias0.size() * 4);
-      TensorView xv;
-      xv.data = xb.get();
-      xv.rows = k.R;
-      xv.cols = k.C;
-      xv.device = be.device();
-      xv.name = "dy";
-      row.resize(k.R, k.C, qc.format, false);
-      col.resize(k.C, k.R, qc.format, false);
-      QuantizedBuffers rq(be, row), cq(be, col);
-      if (fused) {
-        be.quantize_with_bias_backward(xv, qc, &rq.view, &cq.view, db.as<float>());
-      } else {
-        be.quantize(xv, qc, &rq.view, &cq.view);
-        be.bias_backward(db.as<float>(), xb.as<float>(), k.R, k.C);
-      }
-      be.synchronize();
-      rq.download_to(be, row);
-      cq.download_to(be, col);
-      std::vector<uint32_t> d(dbias0.size());
-      be.download(d.data(), db.get(), d.size() * 4);
-      return d;
+    auto blank = [&] {
+      std::pair<QuantizedHost, QuantizedHost> p;
+      p.first.resize(k.R, k.C, qc.format, false);
+      p.second.resize(k.C, k.R, qc.format, false);
+      return p;
     };
-    const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) + "x" + std::to_string(k.C);
-    QuantizedHost fr, fc, tr, tc, er, ec;
+    const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) + "x" +
+                             std::to_string(k.C) + " amax variant " + std::to_string(k.amax_variant);
+    SCOPED_TRACE(what);
     const uint64_t before = gpu::fused_bias_backward_count();
-    const std::vector<uint32_t> fused = run(*cuda, true, fr, fc), two = run(*cuda, false, tr, tc);
+    expect_fused_bias_grad_bitwise(*cuda, k.against_emu ? emu.get() : nullptr, x, k.R, k.C, qc, dbias0, blank, what);
     EXPECT_EQ(gpu::fused_bias_backward_count(), before + (k.fused ? 1 : 0)) << what << ": fused path taken?";
-    expect_same_quantized(tr, fr, what + " row-wise (fused vs two calls)");
-    expect_same_quantized(tc, fc, what + " column-wise (fused vs two calls)");
-    for (size_t i = 0; i < fused.size(); ++i)
-      ASSERT_EQ(two[i], fused[i]) << what << ": dbias[" << i << "] fused vs quantize + bias_backward on the GPU";
-    if (k.fill != test::Fill::Specials) {
-      const std::vector<uint32_t> e = run(*emu, true, er, ec);
-      expect_same_quantized(er, fr, what + " row-wise (vs emulator)");
-      expect_same_quantized(ec, fc, what + " column-wise (vs emulator)");
-      for (size_t i = 0; i < fused.size(); ++i) ASSERT_EQ(e[i], fused[i]) << what << ": dbias[" << i << "] vs the emulator";
-    }
     ++checked;
   }
-  EXPECT_EQ(checked, 4);
+  EXPECT_EQ(checked, 6);
 }
 
 // The fast kernel's 64x256 tile (BF16 input) and strided inputs (row stride != cols), with RHT
