@@ -196,6 +196,10 @@ void set_gemm_exact_variant(int variant);
 // bf16_preferred_algo; 0..kMaxHeuristicPick: that index of the list, where a plan fails if the list
 // is shorter). Results may differ in the last bits (cuBLASLt's order of summation); speed differs.
 constexpr int kPlanOwnPick = -1;
+// Whether the plans' heuristic-index rules (gpu/gemm_cublaslt.cu fp8_preferred_algo and
+// bf16_preferred_algo, gpu/layers.cu matmul_preferred_algo) apply: they index the heuristic list of
+// the release they were measured on, cuBLASLt 13.1.x on Hopper (compute capability 9.x).
+bool cublaslt_picks_measured_here(int cc_major, size_t lt_version);
 constexpr int kMaxHeuristicPick = 15;
 void set_cublaslt_heuristic_pick(int index);
 // Test knob: the Hopper FP4 path's decode of an operand without its decoded copy, 1 = flat over both

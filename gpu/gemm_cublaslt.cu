@@ -259,6 +259,10 @@ void set_cublaslt_heuristic_pick(int index) {
   heuristic_pick = index;
 }
 
+bool cublaslt_picks_measured_here(int cc_major, size_t lt_version) {
+  return cc_major == 9 && lt_version / 100 == 1301;
+}
+
 namespace {
 
 // Where the heuristic's first block-scaled FP8 algorithm is measurably not its best (H200,
@@ -276,7 +280,7 @@ namespace {
 // fixed rule, not a timing at run time, so that every run of a configuration multiplies with the
 // same algorithm and gets the same bits (resume stays bitwise); it indexes the heuristic list of
 // the cuBLASLt release it was measured on (13.1.x), and other releases keep their first choice.
-bool picks_measured_here(const CublasLtState& st) { return st.cc_major == 9 && st.version / 100 == 1301; }
+bool picks_measured_here(const CublasLtState& st) { return cublaslt_picks_measured_here(st.cc_major, st.version); }
 
 int fp8_preferred_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K) {
   if (!picks_measured_here(st)) return 0;

@@ -450,26 +450,23 @@ __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, fl
   const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   constexpr int kAhead = 16;
   float s0 = 0.0f, s1 = 0.0f;
+  auto load = [&](int64_t n) { return __ldg(reinterpret_cast<const float2*>(dout + n * C + c)); };
+  // row n's pair into the sums and the BF16 copy
+  auto take = [&](int64_t n, float2 v) {
+    s0 = __fadd_rn(s0, v.x);
+    s1 = __fadd_rn(s1, v.y);
+    *reinterpret_cast<uint32_t*>(h + n * C + c) =
+        static_cast<uint32_t>(bf16_rne(v.x)) | (static_cast<uint32_t>(bf16_rne(v.y)) << 16);
+  };
   int64_t n = n0;
   for (; n + kAhead <= n1; n += kAhead) {
     float2 v[kAhead];
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) v[u] = __ldg(reinterpret_cast<const float2*>(dout + (n + u) * C + c));
+    for (int u = 0; u < kAhead; ++u) v[u] = load(n + u);
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      s0 = __fadd_rn(s0, v[u].x);
-      s1 = __fadd_rn(s1, v[u].y);
-      *reinterpret_cast<uint32_t*>(h + (n + u) * C + c) =
-          static_cast<uint32_t>(bf16_rne(v[u].x)) | (static_cast<uint32_t>(bf16_rne(v[u].y)) << 16);
-    }
+    for (int u = 0; u < kAhead; ++u) take(n + u, v[u]);
   }
-  for (; n < n1; ++n) {
-    const float2 v = *reinterpret_cast<const float2*>(dout + n * C + c);
-    s0 = __fadd_rn(s0, v.x);
-    s1 = __fadd_rn(s1, v.y);
-    *reinterpret_cast<uint32_t*>(h + n * C + c) = static_cast<uint32_t>(bf16_rne(v.x)) |
-                                                  (static_cast<uint32_t>(bf16_rne(v.y)) << 16);
-  }
+  for (; n < n1; ++n) take(n, load(n));
   partial[k * C + c] = s0;
   partial[k * C + c + 1] = s1;
 }
@@ -932,7 +929,7 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
     int dev = 0, cc_major = 0;
     FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
     FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev));
-    lt.rules_active = cc_major == 9 && cublasLtGetVersion() / 100 == 1301;
+    lt.rules_active = cublaslt_picks_measured_here(cc_major, cublasLtGetVersion());
   }
   // The caller's pointers may sit at any float offset inside a larger buffer: the heuristic is
   // told, so it never picks a kernel that assumes 256-byte alignment (and the plan is per alignment).
@@ -1179,12 +1176,7 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
   }
   if (K > 0) matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_), inp, weight,
                                    N, K, OC, prec);
-  if (dbias) {
-    float* partial = st.columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
-    column_partial_kernel<<<column_partial_grid(N, OC), kThreads, 0, stream_>>>(partial, dout, N, OC);
-    FP4SIM_CUDA_CHECK_LAUNCH();
-    column_sums_finalize(dbias, partial, N, OC, true, stream_);
-  }
+  if (dbias) bias_backward(dbias, dout, N, OC);
 }
 
 // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (BF16 bits, or FP32 at FP32

@@ -28,15 +28,18 @@ inline bool have_gpu() {
 }
 
 #if FP4SIM_HAVE_CUDA
-// Where the Hopper picks rules apply (gpu::last_cublaslt_plan_pick().rules_active), the cuBLASLt
-// plan the last GEMM built asked for the rule's `index` and took it (or the first where the list is
-// shorter); `what` labels the failure and the log line. Elsewhere there is nothing to check.
-inline void expect_rule_pick(int index, const std::string& what) {
-  const gpu::CublasLtPlanPick pk = gpu::last_cublaslt_plan_pick();
+// Where the Hopper picks rules apply (pk.rules_active), the plan that reported pk asked for the
+// rule's `index` and took it (or the first where the list is shorter); `what` labels the failure
+// and the log line. Elsewhere there is nothing to check.
+inline void expect_rule_pick(const gpu::CublasLtPlanPick& pk, int index, const std::string& what) {
   if (!pk.rules_active) return;
   EXPECT_EQ(pk.preferred, index) << what;
   EXPECT_EQ(pk.used, pk.found > index ? index : 0) << what;
   std::printf("%s plan: heuristic index %d (%d listed)\n", what.c_str(), pk.used, pk.found);
+}
+// The same for the cuBLASLt GEMM plan (gpu/gemm_cublaslt.cu) the last GEMM built.
+inline void expect_rule_pick(int index, const std::string& what) {
+  expect_rule_pick(gpu::last_cublaslt_plan_pick(), index, what);
 }
 #endif
 

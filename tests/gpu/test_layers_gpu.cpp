@@ -509,14 +509,10 @@ TEST(LayersGpu, MatmulPlanTakesTheRulesIndex) {
     Backends be;
     const Vec ruled = run(*be.cuda, op)[0];
     const gpu::MatmulPlanPick pk = gpu::last_matmul_plan_pick();
-    if (pk.rules_active) {
-      EXPECT_EQ(pk.preferred, cs.index) << cs.name;
-      EXPECT_EQ(pk.used, pk.found > cs.index ? cs.index : 0) << cs.name;
-    } else {
+    expect_rule_pick(pk, cs.index, cs.name);
+    if (!pk.rules_active) {
       EXPECT_EQ(pk.preferred, 0) << cs.name;
     }
-    std::printf("%s: heuristic index %d of %d listed (rules %s)\n", cs.name, pk.used, pk.found,
-                pk.rules_active ? "active" : "off");
     Vec first;
     {
       KnobGuard knob([] { gpu::set_matmul_heuristic_pick(0); },
