@@ -21,7 +21,7 @@
 #   kprofile  build + ncu of the kernels matching KERNEL (regex) in one gpt2-124m step of RECIPE (default
 #             fp8): LAUNCH_SKIP (default 2) launches skipped, LAUNCH_COUNT (default 2) profiled; speed
 #             of light, warp stalls, instruction mix, occupancy, and the per-SASS-instruction execution
-#             and stall counts (ncu --page source), plus the kernel file's SASS (cuobjdump)
+#             and stall counts (ncu --page source), plus the SASS of every gpu/ object (cuobjdump)
 #   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
 #             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
 #             GEMM_FILTER narrows the benchmark, GEMM_NCU="6 7" profiles those variants with ncu)
@@ -102,12 +102,11 @@ if [ "${1:-}" = "kprofile" ]; then
   for o in build-gpu/CMakeFiles/fp4sim_gpu.dir/gpu/*.cu.o; do cuobjdump -sass "$o" >"$out/$(basename "$o" .cu.o).sass" 2>&1; done
   grep -E "Duration|Issue Slots Busy|Executed Ipc Active|Registers Per|Achieved Occupancy|DRAM Throughput|Executed Instructions |Grid Size|Block Size" \
     "$out/kprof.txt" | sed 's/  */ /g' | cut -c1-120 | head -40
-  row "kprofile $KERNEL (${RECIPE:-fp8})" "$(grep -cE '^ *[A-Za-z_].*\(' "$out/kprof.txt") kernel reports, $(wc -l <"$out/kprof_sass.csv") SASS lines"
+  row "kprofile $KERNEL (${RECIPE:-fp8})" "$(grep -c 'Section: GPU Speed Of Light' "$out/kprof.txt") launches profiled, $(wc -l <"$out/kprof_sass.csv") SASS lines"
 fi
 
-if [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] \
-   && [ "${1:-}" != "profile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ] && [ "${1:-}" != "picks" ] \
-   && [ "${1:-}" != "kprofile" ]; then
+# the GPU (and CPU) tests: the default mode and quick (the mode was checked against the list above)
+if [ -z "${1:-}" ] || [ "${1:-}" = "quick" ]; then
   ( cd build-gpu && ctest -L gpu --output-on-failure -j1 ) >"$out/ctest_gpu.log" 2>&1
   rc=$?
   grep -E "tests passed|bitwise identical|\[train-gpu\] worst|cublaslt-bound\] largest|Failed|FAILED" "$out/ctest_gpu.log"
@@ -235,9 +234,8 @@ if [ "${1:-}" = "profile" ]; then
     grep -E "nvfp4|amax|quantize_tile|gpu__time|dram__|sm__|smsp__inst|l1tex" "$out/ncu_mode$mode.txt" | sed 's/  */ /g' | cut -c1-150
   done
 fi
-if [ "${1:-}" != "quick" ] && [ "${1:-}" != "profile" ] && [ "${1:-}" != "train" ] && [ "${1:-}" != "recipes" ] \
-   && [ "${1:-}" != "gemm" ] && [ "${1:-}" != "trainprofile" ] && [ "${1:-}" != "spot" ] && [ "${1:-}" != "oracles" ] \
-   && [ "${1:-}" != "picks" ] && [ "${1:-}" != "kprofile" ]; then
+# benchmarks, crosscheck, PyTorch check, oracles, training speed: the default mode only
+if [ -z "${1:-}" ]; then
   build-gpu/bench_quantize --benchmark_filter=Gpu --benchmark_repetitions=5 \
     --benchmark_report_aggregates_only=true --benchmark_out="$out/bench_quantize.json" \
     --benchmark_out_format=json >"$out/bench_quantize.txt" 2>&1
