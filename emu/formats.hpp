@@ -79,29 +79,74 @@ FP4SIM_HD float decode_magnitude(uint32_t mag) {
 
 // ---- E2M1 ----------------------------------------------------------------------------------------
 
+// The GPU's E2M1 formulation: one IEEE addition rounds a value onto the E2M1 grid. The grid's step
+// is 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6], the FP32 ULP of M = 2^22, 2^23 and 2^24: for c
+// clamped to [-6, 6], |c| + M rounds |c| to the step (RN: to nearest, ties to the even step count,
+// which has the code's parity; RZ: down), the sum's low bits count the steps q, and the code is q
+// plus the region's first code 0, 2 or 4 (= (bits(M) >> 22) - 298). M's bits are max(|c|'s
+// exponent bits + 22, 2^22's), one VIADDMNMX on sm_90. The decoded magnitude q * step comes out of
+// the same sum. tests/emu/test_formats_exhaustive.cpp holds both roundings equal to the host's
+// bit-pattern formulations over all 2^32 inputs, tests/gpu/test_formats_gpu.cu the device's.
+
+// y clamped to [-6, 6], a NaN to +6 (min/max ignore a NaN operand): the satfinite of both roundings.
+FP4SIM_HD float e2m1_clamp(float y) {
+  return fmax_nan_ignored(fmin_nan_ignored(y, kE2M1Max), -kE2M1Max);
+}
+
+// bits(M) for c = e2m1_clamp(y): 2^22 (0x4A800000) on [0, 2), 2^23 on [2, 4), 2^24 on [4, 6].
+FP4SIM_HD uint32_t e2m1_magic_bits(float c) {
+#if defined(__CUDA_ARCH__)
+  return __viaddmax_u32(f32_bits(c) & 0x7F800000u, 22u << 23, 0x4A800000u);
+#else
+  const uint32_t m = (f32_bits(c) & 0x7F800000u) + (22u << 23);
+  return m > 0x4A800000u ? m : 0x4A800000u;
+#endif
+}
+
+FP4SIM_HD float e2m1_abs(float c) {
+#if defined(__CUDA_ARCH__)
+  return fabsf(c);  // an operand modifier (c is never a NaN here)
+#else
+  return f32_abs(c);
+#endif
+}
+
+// E2M1 cvt.rn.satfinite code of y; *mag = the rounded magnitude (e2m1_to_f32 of the code, unsigned).
+FP4SIM_HD uint32_t e2m1_rn_magic(float y, float* mag) {
+  const float c = e2m1_clamp(y);
+  const uint32_t mb = e2m1_magic_bits(c);
+  const float t = fadd_rn(e2m1_abs(c), f32_from_bits(mb));
+  *mag = fsub_rn(t, f32_from_bits(mb));
+  return (f32_bits(t) - mb - 298u + (mb >> 22)) | ((f32_bits(c) >> 31) << 3);
+}
+
+// E2M1 stochastic rounding (DESIGN.md §4) of y with random byte r: f = floor(|c| * 256 / step) from
+// |c| + M / 256 rounded toward zero (its low bits: the step count below |c| times 256 plus
+// floor(frac * 256)), and the step count after rounding is (f + r) >> 8. *mag as e2m1_rn_magic.
+FP4SIM_HD uint32_t e2m1_rs_magic(float y, uint32_t r, float* mag) {
+  const float c = e2m1_clamp(y);
+  const uint32_t mb = e2m1_magic_bits(c);
+  const uint32_t fb = mb - (8u << 23);  // M / 256
+  const uint32_t q = (f32_bits(fadd_rz_pow2(e2m1_abs(c), f32_from_bits(fb))) - fb + r) >> 8;
+  *mag = fsub_rn(f32_from_bits(mb + q), f32_from_bits(mb));
+  return (q - 298u + (mb >> 22)) | ((f32_bits(c) >> 31) << 3);
+}
+
 // FP32 -> E2M1 cvt.rn.satfinite: ties to even; |x| > 6 -> ±6; NaN -> +6 (0x7); -0 -> 0x8.
-// On the device: the grid steps are 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6]. Scaling |x| (clamped to 6; a NaN
-// clamps to 6 too) by 2, 1 or 1/2 puts the region's grid on the integers, exactly (powers of two),
-// and adding 2^23 rounds to an integer, nearest-even, in one IEEE addition: the integer's bits are
-// the low bits of the sum. code = that integer + 0, 2 or 4 (the region's first code): 0.25 -> 0,
-// 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+// The device computes it as e2m1_rn_magic. The host works on the bit pattern, which vectorises
+// better: below 1 two boundaries (compared as bit patterns; ties to the even code); from 1 up the
+// E2M1 codes continue the FP32 bit pattern, code = (bits >> 22) - 252 after rounding the bits to one
+// fraction bit (RNE), and everything past 6 (Inf and NaN too) saturates.
+// tests/emu/test_formats_exhaustive.cpp holds this one equal to cuda_fp4.h and to e2m1_rn_magic,
+// tests/gpu/test_formats_gpu.cu the device's equal to it, all over 2^32 inputs.
 FP4SIM_HD uint8_t e2m1_rn_satfinite(float x) {
+#if defined(__CUDA_ARCH__)
+  float mag;
+  return static_cast<uint8_t>(e2m1_rn_magic(x, &mag));
+#else
   const uint32_t b = f32_bits(x);
   const uint32_t abits = b & 0x7FFFFFFFu;
   const uint32_t sign = abits > 0x7F800000u ? 0u : (b >> 31);  // NaN -> +6
-#if defined(__CUDA_ARCH__)
-  const float a = fmin_nan_ignored(f32_from_bits(abits), kE2M1Max);  // NaN -> 6
-  const bool below2 = a < 2.0f, below4 = a < 4.0f;
-  const float scale = below2 ? 2.0f : (below4 ? 1.0f : 0.5f);
-  const uint32_t first = below2 ? 0u : (below4 ? 2u : 4u);
-  const uint32_t code = f32_bits(fadd_rn(fmul_rn(a, scale), 8388608.0f)) - 0x4B000000u + first;
-#else
-  // The same function on integers, which vectorises better on the host: below 1 two boundaries
-  // (compared as bit patterns; ties to the even code); from 1 up the E2M1 codes continue the FP32
-  // bit pattern, code = (bits >> 22) - 252 after rounding the bits to one fraction bit (RNE), and
-  // everything past 6 (Inf and NaN too) saturates. tests/gpu/test_formats_gpu.cu holds the two
-  // formulations equal over all 2^32 inputs; tests/emu/test_formats_exhaustive.cpp holds this one
-  // equal to cuda_fp4.h.
   uint32_t code;
   if (abits < 0x3F800000u) {
     code = static_cast<uint32_t>(abits > 0x3E800000u) + static_cast<uint32_t>(abits >= 0x3F400000u);
@@ -109,8 +154,8 @@ FP4SIM_HD uint8_t e2m1_rn_satfinite(float x) {
     code = ((abits + 0x1FFFFFu + ((abits >> 22) & 1u)) >> 22) - 252u;
     code = code > E2M1::kMaxMagCode ? E2M1::kMaxMagCode : code;
   }
-#endif
   return static_cast<uint8_t>((sign << 3) | code);
+#endif
 }
 
 FP4SIM_HD float e2m1_to_f32(uint8_t code) {
@@ -125,29 +170,12 @@ FP4SIM_HD float e2m1_to_f32(uint8_t code) {
 //    (bits >> 22) - 252 and the top 8 discarded bits are bits 21..14;
 //  - [0, 1): step 0.5, floor(512 a) = lo_code * 256 + floor(frac * 256), with 512 a = m24 * 2^(e - 141).
 // tests/emu/test_formats.cpp holds this equal to the FP32 formulation of the contract.
-//
-// e2m1_rs_satfinite_scaled is the same function without branches, which the GPU uses (a warp's
-// lanes no longer split between the [0, 1) and [1, 6) paths): the region's step is 2^-9 * 256 for
-// [0, 2), 2^-8 * 256 for [2, 4), 2^-7 * 256 for [4, 6), so f = floor(a * 512, 256 or 128) (an
-// exact FP32 product: a power-of-two scaling; truncation = floor for a >= 0) holds lo's code
-// offset in its bits 8 and up and floor(frac * 256) in its low 8 bits.
-// tests/emu/test_formats_exhaustive.cpp holds the two equal over all 2^32 inputs.
-FP4SIM_HD uint8_t e2m1_rs_satfinite_scaled(float y, uint8_t r) {
-  const uint32_t b = f32_bits(y);
-  const uint32_t a = b & 0x7FFFFFFFu;
-  const uint32_t sign = (b >> 31) << 3;
-  const bool big = a >= 0x40C00000u;  // |y| >= 6, Inf and NaN
-  const bool below2 = a < 0x40000000u, below4 = a < 0x40800000u;
-  const float scale = below2 ? 512.0f : (below4 ? 256.0f : 128.0f);
-  const uint32_t first = below2 ? 0u : (below4 ? 2u : 4u);
-  const uint32_t f = static_cast<uint32_t>(fmul_rn(big ? 0.0f : f32_from_bits(a), scale));  // < 1024
-  const uint32_t code = big ? E2M1::kMaxMagCode : (f >> 8) + first + (((f & 0xFFu) + r) >> 8);
-  return a > 0x7F800000u ? kE2M1NaNCode : static_cast<uint8_t>(sign | code);
-}
 
+// The device computes it as e2m1_rs_magic (held equal to this over all 2^32 inputs).
 FP4SIM_HD uint8_t e2m1_rs_satfinite(float y, uint8_t r) {
 #if defined(__CUDA_ARCH__)
-  return e2m1_rs_satfinite_scaled(y, r);
+  float mag;
+  return static_cast<uint8_t>(e2m1_rs_magic(y, r, &mag));
 #endif
   const uint32_t b = f32_bits(y);
   const uint32_t a = b & 0x7FFFFFFFu;

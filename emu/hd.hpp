@@ -70,6 +70,24 @@ FP4SIM_HD float fdiv_rn(float a, float b) {
   return a / b;
 #endif
 }
+// a + p rounded toward zero, for a finite a >= 0 and p = 2^e > a (the sum stays in p's binade):
+// one FADD.RZ on the device. The host forms the sum in binary64 and cuts its significand to 24
+// bits, which is exact: an a >= 2^(e-23) (one FP32 ULP of p) has no bits below 2^(e-46), so the
+// binary64 sum (ULP <= 2^(e-51)) is exact; a smaller a is at most 2^(e-23) - 2^(e-47), and the
+// binary64 rounding (half ULP <= 2^(e-52)) cannot lift the sum to p + 2^(e-23): both give p.
+FP4SIM_HD float fadd_rz_pow2(float a, float p) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rz(a, p);
+#else
+  const double s = static_cast<double>(a) + static_cast<double>(p);
+  uint64_t u;
+  std::memcpy(&u, &s, sizeof u);
+  u &= ~((uint64_t{1} << 29) - 1u);  // 52 - 23 fraction bits dropped: toward zero (s > 0)
+  double t;
+  std::memcpy(&t, &u, sizeof t);
+  return static_cast<float>(t);  // exact: t has 24 significant bits in FP32's range
+#endif
+}
 // fmaf only where the contract names an FMA (the FP8 promotion, DESIGN.md §9).
 FP4SIM_HD float ffma_rn(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)

@@ -170,6 +170,10 @@ bool quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
 // Benchmark knob: whether the common-case quantizer keeps the RHT output between its passes
 // (default) or transforms twice, as before. Results are identical; only speed differs.
 void set_quantize_keep_rht(bool keep);
+// Benchmark knob: the streaming kernel that writes both copies from the kept RHT transform runs
+// at most `ctas` CTAs per SM and copy, each thread looping over several 1x16 blocks (default 8);
+// 0 = one block a thread (as before). Same bits.
+void set_quantize_kept_ctas_per_sm(int ctas);
 // Benchmark and test knob: the RHT amax pass, 0 = one 64-row tile a CTA, 1 = one 32-row tile a CTA,
 // 2 = persistent CTAs with cp.async double buffering where cols % 128 == 0, rows % 32 == 0 and
 // rows are 16-byte aligned, else 1 (default). Same bits.

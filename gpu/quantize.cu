@@ -10,7 +10,9 @@
 // contiguous in the transposed output.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
+#include <string>
 
 #include "emu/quantize_block.hpp"
 #include "emu/rht.hpp"
@@ -323,6 +325,50 @@ __device__ __forceinline__ void store_nvfp4_block(const CopyArgs& c, int64_t e, 
   if (c.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, c.decoded + e);
 }
 
+// The recipe's common block (NVFP4 1x16, no Four Over Six), quantized and stored in one pass over
+// its 16 values: nvfp4_quantize_1x16's scale and codes (its amax, block scale and encode scale; the
+// E2M1 rounding of e2m1_rn_satfinite / e2m1_rs_satfinite, whose device form e2m1_*_magic also
+// yields the rounded magnitude), and, with kDec, the decoded BF16 operand sign * magnitude * e4m3(s),
+// the same bits decode16_bf16 makes from the codes (an exact product: its top 16 bits are its BF16),
+// without decoding the codes again.
+template <bool kDec>
+__device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, const Nvfp4Global& g, const SrBits& sr,
+                                                       const CopyArgs& c, int64_t e, int64_t scale_index) {
+  float amax_b = 0.0f;
+  FP4SIM_UNROLL
+  for (int i = 0; i < kNvfp4Block; ++i) amax_b = fmaxf(amax_b, fabsf(v[i]));  // NaN ignored: amax_strided
+  const uint8_t s = nvfp4_block_scale(amax_b, g.s_enc);
+  const float enc = nvfp4_block_encode_scale(s, g.s_dec);
+  const float sv = e4m3_to_f32(s);
+  uint32_t w[2] = {0u, 0u}, d[8];
+  FP4SIM_UNROLL
+  for (int i = 0; i < kNvfp4Block; ++i) {
+    const float y = fmul_rn(v[i], enc);
+    float mag;
+    const uint32_t code = sr.enabled ? e2m1_rs_magic(y, sr_byte_for_element(sr.bits, i), &mag) : e2m1_rn_magic(y, &mag);
+    w[i / 8] |= code << (4 * (i % 8));
+    if constexpr (kDec) {
+      // sign * magnitude: the sign of the clamped y is y's (a NaN y clamps to +6 with code 7)
+      const float smag = __uint_as_float(__float_as_uint(mag) | ((code & 0x8u) << 28));
+      const uint32_t b = __float_as_uint(fmul_rn(smag, sv)) >> 16;
+      if (i % 2 == 0) d[i / 2] = b;
+      else d[i / 2] |= b << 16;
+    }
+  }
+  *reinterpret_cast<uint2*>(c.codes + e / 2) = make_uint2(w[0], w[1]);
+  c.scales[scale_index] = s;
+  if constexpr (kDec) {
+    uint4* out = reinterpret_cast<uint4*>(c.decoded + e);
+    out[0] = make_uint4(d[0], d[1], d[2], d[3]);
+    out[1] = make_uint4(d[4], d[5], d[6], d[7]);
+  }
+}
+__device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, const Nvfp4Global& g, const SrBits& sr,
+                                                       const CopyArgs& c, int64_t e, int64_t scale_index) {
+  if (c.decoded) nvfp4_block_1x16_store<true>(v, g, sr, c, e, scale_index);
+  else nvfp4_block_1x16_store<false>(v, g, sr, c, e, scale_index);
+}
+
 template <class T, bool kMx>
 __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, QuantArgs a) {
   __shared__ __align__(16) T tile[kTileRows * kTileCols];
@@ -601,9 +647,7 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
       for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(raw[i]);
       const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
                                             static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));
-      alignas(8) uint8_t packed[kNvfp4Block / 2];
-      const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
-      store_nvfp4_block(a.row, r * C + c, r * (C / kNvfp4Block) + c / kNvfp4Block, packed, s);
+      nvfp4_block_1x16_store(v, g, bits, a.row, r * C + c, r * (C / kNvfp4Block) + c / kNvfp4Block);
     }
   }
   if (!a.col.enabled) return;
@@ -632,10 +676,8 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
     }
     const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
                                           static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
-    alignas(8) uint8_t packed[kNvfp4Block / 2];
-    const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
     // the 4 chunks of a column land in one 32-byte sector, written by this thread in turn
-    store_nvfp4_block(a.col, c * R + r, c * (R / kNvfp4Block) + r / kNvfp4Block, packed, s);
+    nvfp4_block_1x16_store(v, g, bits, a.col, c * R + r, c * (R / kNvfp4Block) + r / kNvfp4Block);
   }
 }
 
@@ -683,9 +725,7 @@ __device__ __forceinline__ void nvfp4_rows(const T* x, const QuantArgs& a, uint3
     for (int q = 0; q < kNvfp4Block; ++q) v[q] = Elem<T>::to_f32(raw[q]);
     const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
                                           static_cast<uint64_t>(r * (a.cols / kSrChunk) + c / kSrChunk));
-    alignas(8) uint8_t packed[kNvfp4Block / 2];
-    const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
-    store_nvfp4_block(a.row, r * a.cols + c, static_cast<int64_t>(i), packed, s);
+    nvfp4_block_1x16_store(v, g, bits, a.row, r * a.cols + c, static_cast<int64_t>(i));
   });
 }
 
@@ -710,9 +750,7 @@ __device__ __forceinline__ void nvfp4_cols_rht(const uint16_t* rht_t, const Quan
     }
     const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
                                           static_cast<uint64_t>(c * (R / kSrChunk) + r / kSrChunk));
-    alignas(8) uint8_t packed[kNvfp4Block / 2];
-    const uint8_t s = nvfp4_quantize_1x16(v, g, false, false, bits, packed);
-    store_nvfp4_block(a.col, c * R + r, static_cast<int64_t>(i), packed, s);
+    nvfp4_block_1x16_store(v, g, bits, a.col, c * R + r, static_cast<int64_t>(i));
   });
 }
 
@@ -729,6 +767,8 @@ __global__ void __launch_bounds__(256) nvfp4_rht_kept_kernel(const T* x, const u
   }
 }
 
+// The streaming kernel's CTAs per SM and copy (set_quantize_kept_ctas_per_sm; 0: one block a thread).
+int g_kept_ctas_per_sm = 8;
 // Whether launch_all keeps the RHT output between its passes when it has scratch for it.
 bool g_keep_rht = true;
 // The RHT amax pass (set_quantize_rht_amax_variant): 0 = 64-row tiles, 1 = 32-row tiles (64 where
@@ -827,8 +867,18 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   fill(qa.row, cfg.rowwise, row);
   fill(qa.col, cfg.columnwise, col);
   if (common_case && rht_out) {  // RHT copy kept by the amax pass: the streaming kernel
-    // (as many CTAs for each copy as one 1x16 block per thread needs, up to grid_stride_blocks' cap)
-    const int per_copy = grid_stride_blocks(R * (C / kNvfp4Block), 256);
+    // (CTAs for one 1x16 block a thread, up to g_kept_ctas_per_sm an SM per copy, so each thread
+    // spreads its setup, the global scales and the Philox key, over several blocks)
+    int per_copy = grid_stride_blocks(R * (C / kNvfp4Block), 256);
+    if (g_kept_ctas_per_sm > 0) {
+      static int sms = 0;
+      if (sms == 0) {
+        int dev = 0;
+        FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
+        FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+      }
+      per_copy = std::min(per_copy, sms * g_kept_ctas_per_sm);
+    }
     nvfp4_rht_kept_kernel<T><<<qa.row.enabled ? 2 * per_copy : per_copy, 256, 0, stream>>>(xp, rht_out, qa);
   } else if (common_case) {
     const bool rht = qa.col.enabled && qa.col.rht;
@@ -926,6 +976,10 @@ void set_quantize_tile_variant(int cols_per_thread) {
 }
 
 void set_quantize_keep_rht(bool keep) { g_keep_rht = keep; }
+void set_quantize_kept_ctas_per_sm(int ctas) {
+  if (ctas < 0) throw std::invalid_argument("set_quantize_kept_ctas_per_sm: " + std::to_string(ctas) + " < 0");
+  g_kept_ctas_per_sm = ctas;
+}
 
 void set_quantize_rht_amax_variant(int variant) {
   if (variant < 0 || variant > 2)

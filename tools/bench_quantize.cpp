@@ -220,6 +220,30 @@ BENCHMARK(BM_GpuQuantizeRhtAmaxVariants)->Args({768, 0})->Args({768, 1})->Args({
     ->Args({3072, 1})->Args({3072, 2})->UseManualTime()->Iterations(5)->Repetitions(3)->ReportAggregatesOnly(true)
     ->Unit(benchmark::kMicrosecond);
 
+// The same training-step quantize (FP32 16384 x cols, row RN + column RHT + SR, the pipelined amax
+// pass) with the streaming kernel's grid capped at `ctas` CTAs per SM and copy (0: one 1x16 block a
+// thread), the knob set_quantize_kept_ctas_per_sm.
+void BM_GpuQuantizeKeptGrid(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const int64_t rows = 16384, cols = state.range(0);
+  gpu::set_quantize_kept_ctas_per_sm(static_cast<int>(state.range(1)));
+  gpu::CudaBackend be;
+  const QuantizeConfig cfg = config_for(2);
+  const size_t n = static_cast<size_t>(rows * cols);
+  const std::vector<float> xf = gaussian(n, 8);
+  GpuQuantizeBuffers b(be, xf.data(), rows, cols, DType::F32, QFormat::NVFP4);
+  const double bytes = 2.0 * n * 4 + 2 * (n / 2.0 + n / 16.0) + 2.0 * n * 2;
+  time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, &b.cv); });
+  gpu::set_quantize_kept_ctas_per_sm(8);
+}
+// {cols, CTAs per SM and copy}
+BENCHMARK(BM_GpuQuantizeKeptGrid)->Args({768, 0})->Args({768, 2})->Args({768, 4})->Args({768, 8})->Args({3072, 0})
+    ->Args({3072, 2})->Args({3072, 4})->Args({3072, 8})->UseManualTime()->Iterations(5)->Repetitions(3)
+    ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+
 // The FP8 block quantizer (1x128, row-wise + column-wise copies, one tiled pass with the amax)
 // on an FP32 input the shape of gpt2-124m's largest activation gradient (16384 x 3072), against a
 // device copy of the same FP32 input in the same repetition. Bytes: the input read once, 1-byte

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "emu/formats.hpp"
 
@@ -67,21 +68,32 @@ TEST(FormatsExhaustive, AllFp32BitPatternsMatchCudaHeaders) {
   }
 }
 
-// The GPU's branch-free stochastic rounding (e2m1_rs_satfinite_scaled) against the host's bit-pattern
-// formulation: every FP32 input with a random byte derived from it, and every random byte for
-// every 4099th input (so each input region meets all 256 bytes).
-TEST(FormatsExhaustive, E2m1StochasticRoundingScaledEqualsBitPattern) {
-  Mismatch m;
-  for_all_fp32(16, "e2m1.rs scaled", [&](uint32_t u, float x) {
-    const uint8_t r = static_cast<uint8_t>((u * 0x9E3779B1u) >> 24);
-    if (e2m1_rs_satfinite_scaled(x, r) != e2m1_rs_satfinite(x, r)) m.add(u);
+// The GPU's E2M1 formulation (e2m1_rn_magic, e2m1_rs_magic: one rounding addition) against the
+// host's bit-pattern formulations: every FP32 input, SR with a random byte derived from it and every
+// random byte for every 4099th input (so each input region meets all 256 bytes); the magnitude both
+// return must be the code's value.
+TEST(FormatsExhaustive, E2m1MagicFormulationsEqualBitPattern) {
+  Mismatch rn, rs, mag;
+  auto check_rs = [&](uint32_t u, float x, uint8_t r) {
+    float m = -1.0f;
+    const uint32_t code = e2m1_rs_magic(x, r, &m);
+    if (code != e2m1_rs_satfinite(x, r)) rs.add(u);
+    if (f32_bits(m) != f32_bits(e2m1_to_f32(static_cast<uint8_t>(code & 0x7u)))) mag.add(u);
+  };
+  for_all_fp32(16, "e2m1 magic", [&](uint32_t u, float x) {
+    float m = -1.0f;
+    const uint32_t code = e2m1_rn_magic(x, &m);
+    if (code != e2m1_rn_satfinite(x)) rn.add(u);
+    if (f32_bits(m) != f32_bits(e2m1_to_f32(static_cast<uint8_t>(code & 0x7u)))) mag.add(u);
+    check_rs(u, x, static_cast<uint8_t>((u * 0x9E3779B1u) >> 24));
     if (u % 4099u == 0)
-      for (int rr = 0; rr < 256; ++rr)
-        if (e2m1_rs_satfinite_scaled(x, static_cast<uint8_t>(rr)) != e2m1_rs_satfinite(x, static_cast<uint8_t>(rr)))
-          m.add(u);
+      for (int rr = 0; rr < 256; ++rr) check_rs(u, x, static_cast<uint8_t>(rr));
   });
-  std::printf("e2m1.rs scaled vs bit pattern mismatches: %llu\n", static_cast<unsigned long long>(m.count.load()));
-  EXPECT_EQ(m.count.load(), 0u) << "first mismatch at 0x" << std::hex << m.first.load();
+  for (const auto& [name, m] : {std::pair<const char*, Mismatch*>{"e2m1.rn magic", &rn}, {"e2m1.rs magic", &rs},
+                                {"e2m1 magic magnitude", &mag}}) {
+    std::printf("%s vs bit pattern mismatches: %llu\n", name, static_cast<unsigned long long>(m->count.load()));
+    EXPECT_EQ(m->count.load(), 0u) << name << ": first mismatch at 0x" << std::hex << m->first.load();
+  }
 }
 
 }  // namespace
