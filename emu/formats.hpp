@@ -276,6 +276,32 @@ FP4SIM_HD float e4m3_to_f32(uint8_t code) {
   return (code & 0x80u) ? -m : m;
 }
 
+// Block-scale forms for a value known to be >= 0 and not a NaN (an NVFP4 block scale before
+// rounding: a NaN-ignoring amax times a finite scale) and for the codes such a value gets (0..0x7E):
+// on sm_89+ the conversion instructions alone (e4m3x2 -> f16x2 is exact: every E4M3 value is an
+// FP16 value), without the NaN and Inf cases of e4m3_rn_satfinite and e4m3_to_f32. Equal to those
+// on their domains: tests/gpu/test_formats_gpu.cu, over all 2^31 non-negative inputs and 127 codes.
+FP4SIM_HD uint8_t e4m3_rn_satfinite_nonneg(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t pair;  // (min: +Inf would need the contract's 448 spelled out; above 448 satfinite gives it)
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(fminf(x, kE4M3Max)));
+  return static_cast<uint8_t>(pair & 0xFFu);
+#else
+  return e4m3_rn_satfinite(x);
+#endif
+}
+FP4SIM_HD float e4m3_to_f32_nonneg(uint8_t code) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t h2;  // (the code in both bytes: both halves hold its value, whichever byte feeds which)
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<uint16_t>(code * 0x0101u)));
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<uint16_t>(h2)));
+  return f;
+#else
+  return e4m3_to_f32(code);
+#endif
+}
+
 // UE4M3: the scale as the tensor core reads it, sign bit masked; 0x7F after masking is NaN.
 FP4SIM_HD float ue4m3_to_f32(uint8_t code) { return e4m3_to_f32(code & 0x7Fu); }
 

@@ -21,7 +21,8 @@
 #   kprofile  build + ncu of the kernels matching KERNEL (regex) in one gpt2-124m step of RECIPE (default
 #             fp8): LAUNCH_SKIP (default 2) launches skipped, LAUNCH_COUNT (default 2) profiled; speed
 #             of light, warp stalls, instruction mix, occupancy, and the per-SASS-instruction execution
-#             and stall counts (ncu --page source), plus the SASS of every gpu/ object (cuobjdump)
+#             and stall counts (ncu --page source), plus the SASS of every gpu/ object (cuobjdump);
+#             KPROF_BENCH (a bench_quantize filter) profiles that benchmark's launches instead
 #   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
 #             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
 #             GEMM_FILTER narrows the benchmark, GEMM_NCU="6 7" profiles those variants with ncu)
@@ -93,6 +94,8 @@ if [ "${1:-}" = "kprofile" ]; then
   kargs=(build-gpu/fp4sim train --config configs/gpt2-124m.json --backend cuda train.data=synthetic train.batch=16
          train.warmup=1 train.eval_every=0 train.out_dir=runs/prof recipe.name="${RECIPE:-fp8}" recipe.gemm=cublaslt
          train.steps=1)
+  # KPROF_BENCH: profile bench_quantize's benchmarks matching that filter instead of a training step
+  [ -n "${KPROF_BENCH:-}" ] && kargs=(build-gpu/bench_quantize --benchmark_filter="$KPROF_BENCH")
   timeout 240 ncu --kernel-name regex:"$KERNEL" --launch-skip "${LAUNCH_SKIP:-2}" --launch-count "${LAUNCH_COUNT:-2}" \
     --section SpeedOfLight --section WarpStateStats --section InstructionStats --section SchedulerStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \

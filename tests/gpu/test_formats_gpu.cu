@@ -13,7 +13,7 @@
 namespace fp4sim {
 namespace {
 
-constexpr int kFormats = 9;
+constexpr int kFormats = 11;
 constexpr int kSliceBits = 22;  // 1024 slices of 4M inputs
 constexpr uint64_t kSlices = 1ull << (32 - kSliceBits);
 
@@ -33,6 +33,11 @@ FP4SIM_HD void convert_all(uint32_t u, uint32_t* out) {
   // the four-code word: x in byte 0, and in bytes 1-3 three more bijections of u (every pattern
   // once in each byte over the run)
   out[8] = e4m3x4_rn_satfinite(x, f32_from_bits(u * 0x2545F491u), f32_from_bits(u * 0x9E3779B1u), f32_from_bits(~u));
+  // the block-scale forms on their domains (|x| of a non-NaN x; codes 0..0x7E), which must give
+  // e4m3_rn_satfinite's and e4m3_to_f32's bits: the host's forms are those functions
+  const float ax = f32_from_bits(u & 0x7FFFFFFFu);
+  out[9] = f32_isnan(ax) ? 0u : e4m3_rn_satfinite_nonneg(ax);
+  out[10] = f32_bits(e4m3_to_f32_nonneg(static_cast<uint8_t>(u % 0x7Fu)));
 }
 
 FP4SIM_HD uint64_t mix(uint64_t h, uint64_t v) {
@@ -77,7 +82,7 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
     }
     for (int f = 0; f < kFormats; ++f) host[s * kFormats + f] = local[f];
   }
-  const char* names[kFormats] = {"e2m1.rn", "e2m1.rs", "e4m3", "e5m2", "bf16", "ue8m0.rz", "ue8m0.rp", "e4m3x2", "e4m3x4"};
+  const char* names[kFormats] = {"e2m1.rn", "e2m1.rs", "e4m3", "e5m2", "bf16", "ue8m0.rz", "ue8m0.rp", "e4m3x2", "e4m3x4", "e4m3.nonneg", "e4m3->f32.nonneg"};
   for (int f = 0; f < kFormats; ++f) {
     int bad = 0;
     for (uint64_t s = 0; s < kSlices; ++s) bad += host[s * kFormats + f] != gpu[s * kFormats + f];
