@@ -41,6 +41,36 @@ __device__ __forceinline__ void decode8_bf16(uint32_t codes, float sv, uint16_t*
   *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
+// decode8_bf16 for an NVFP4 scale value (E4M3: 4 significant bits, 2^-9..448), two elements an
+// instruction: the magnitudes' BF16 bytes by byte permutes from two 8-entry tables (hi: 00 3F 3F 3F
+// 40 40 40 40, lo: 00 00 80 C0 00 40 80 C0), the code's sign bit into bit 15 of each half, then one
+// packed BF16 multiply by (sv, sv). The product of an E2M1 value and an E4M3 one is exact in BF16
+// (<= 6 significant bits, 2^-10..2688: no rounding, no subnormal), so it is decode8_bf16's top 16
+// bits; a NaN sv (scale 0x7F) gives a NaN either way. QuantizeGpu.DecodedBf16EqualsDecodeOfCodes...
+// and the cuBLASLt GEMM tests compare it with the FP32 formulation.
+__device__ __forceinline__ void decode8_bf16_nvfp4(uint32_t codes, float sv, uint16_t* out) {
+  const uint32_t mag = codes & 0x77777777u;  // (a set bit 3 in a selector would replicate a sign)
+  const uint32_t sv2 = (__float_as_uint(sv) >> 16) * 0x10001u;  // sv is exact in BF16
+  uint32_t packed[4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // codes 4h .. 4h + 3
+    const uint32_t sel = mag >> (16 * h);
+    const uint32_t hi = __byte_perm(0x3F3F3F00u, 0x40404040u, sel);
+    const uint32_t lo = __byte_perm(0xC0800000u, 0xC0804000u, sel);
+    const uint32_t c4 = codes >> (16 * h);
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {  // codes 4h + 2p, 4h + 2p + 1 -> one BF16 pair
+      uint32_t m = __byte_perm(lo, hi, p == 0 ? 0x5140u : 0x7362u);
+      const uint32_t c2 = c4 >> (8 * p);  // sign bits at 3 and 7 -> 15 and 31
+      m |= ((c2 << 12) & 0x8000u) | ((c2 << 24) & 0x80000000u);
+      uint32_t r;
+      asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(sv2));
+      packed[2 * h + p] = r;
+    }
+  }
+  *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
 // One NVFP4 block's 8 code bytes (as a uint2) and E4M3 scale -> 16 BF16 at out (16-byte aligned).
 __device__ __forceinline__ void decode16_bf16(uint2 codes, uint8_t scale, uint16_t* out) {
   const float sv = e4m3_to_f32(scale);

@@ -111,8 +111,10 @@ __global__ void dequantize_flat_bf16(QuantizedView a, uint16_t* da, QuantizedVie
       const uint32_t w = base + j * 32u + lane;
       if (w < total) {
         const bool in_a = w < a_words;
-        decode8_bf16(codes[j], block_scale_value(in_a ? a.format : b.format, sbyte[j]),
-                     (in_a ? da : db) + static_cast<size_t>(flat_index(w, a_words)) * 8);
+        const QFormat f = in_a ? a.format : b.format;
+        uint16_t* out = (in_a ? da : db) + static_cast<size_t>(flat_index(w, a_words)) * 8;
+        if (f == QFormat::NVFP4) decode8_bf16_nvfp4(codes[j], e4m3_to_f32(sbyte[j]), out);
+        else decode8_bf16(codes[j], block_scale_value(f, sbyte[j]), out);
       }
     }
   }
