@@ -196,16 +196,12 @@ BENCHMARK(BM_GpuQuantize)
     ->Unit(benchmark::kMicrosecond);
 
 // The training step's NVFP4 quantize of an FP32 activation or gradient (16384 tokens x cols):
-// row-wise RN + column-wise RHT + SR, the transform kept between the passes, with each RHT amax
-// pass (set_quantize_rht_amax_variant: 0 = 64-row tiles, 1 = 32-row tiles, 2 = pipelined). Bytes
-// as BM_GpuQuantize counts them, plus the kept transform (BF16, written once and read once).
-void BM_GpuQuantizeRhtAmaxVariants(benchmark::State& state) {
-  if (!gpu::gpu_available()) {
-    state.SkipWithError("no CUDA GPU");
-    return;
-  }
-  const int64_t rows = 16384, cols = state.range(0);
-  gpu::set_quantize_rht_amax_variant(static_cast<int>(state.range(1)));
+// row-wise RN + column-wise RHT + SR, the transform kept between the passes, timed against a copy.
+// Bytes as BM_GpuQuantize counts them, plus the kept transform (BF16, written once and read once).
+// BM_GpuQuantizeRhtAmaxVariants runs it with each RHT amax pass (set_quantize_rht_amax_variant:
+// 0 = 64-row tiles, 1 = 32-row tiles, 2 = pipelined).
+void time_rht_train_quantize(benchmark::State& state, int64_t cols) {
+  const int64_t rows = 16384;
   gpu::CudaBackend be;
   const QuantizeConfig cfg = config_for(2);
   const size_t n = static_cast<size_t>(rows * cols);
@@ -213,6 +209,14 @@ void BM_GpuQuantizeRhtAmaxVariants(benchmark::State& state) {
   GpuQuantizeBuffers b(be, xf.data(), rows, cols, DType::F32, QFormat::NVFP4);
   const double bytes = 2.0 * n * 4 + 2 * (n / 2.0 + n / 16.0) + 2.0 * n * 2;
   time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, &b.cv); });
+}
+void BM_GpuQuantizeRhtAmaxVariants(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  gpu::set_quantize_rht_amax_variant(static_cast<int>(state.range(1)));
+  time_rht_train_quantize(state, state.range(0));
   gpu::set_quantize_rht_amax_variant(2);
 }
 // {cols, RHT amax pass variant}
@@ -228,15 +232,8 @@ void BM_GpuQuantizeKeptGrid(benchmark::State& state) {
     state.SkipWithError("no CUDA GPU");
     return;
   }
-  const int64_t rows = 16384, cols = state.range(0);
   gpu::set_quantize_kept_ctas_per_sm(static_cast<int>(state.range(1)));
-  gpu::CudaBackend be;
-  const QuantizeConfig cfg = config_for(2);
-  const size_t n = static_cast<size_t>(rows * cols);
-  const std::vector<float> xf = gaussian(n, 8);
-  GpuQuantizeBuffers b(be, xf.data(), rows, cols, DType::F32, QFormat::NVFP4);
-  const double bytes = 2.0 * n * 4 + 2 * (n / 2.0 + n / 16.0) + 2.0 * n * 2;
-  time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, &b.cv); });
+  time_rht_train_quantize(state, state.range(0));
   gpu::set_quantize_kept_ctas_per_sm(8);
 }
 // {cols, CTAs per SM and copy}
