@@ -145,25 +145,34 @@ __device__ float block_max(float v) {
 // backward). partial (chunks, C): chunk k sums rows [k*kColumnChunkRows, (k+1)*kColumnChunkRows)
 // in increasing row order (FP32, RN); the finalize pass sums the chunks in increasing order.
 // With one chunk (N <= kColumnChunkRows) this is exactly the emulator's sequential loop.
-__global__ void column_sums_finalize_kernel(float* out, const float* partial, int64_t chunks,
-                                            int64_t C, bool add_to_out) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  float acc = partial[c];
-  // a column's chunks are added one after another; loading 32 ahead keeps 32 loads in flight
-  // instead of one (the pass is latency-bound: a few thousand threads, ~256 chunks each, and the
-  // adds' order is fixed). At 8 ahead the tenth session's fp8 profile had 98 launches at ~13 us.
-  constexpr int kAhead = 32;
-  int64_t k = 1;
-  for (; k + kAhead <= chunks; k += kAhead) {
-    float v[kAhead];
-#pragma unroll
-    for (int u = 0; u < kAhead; ++u) v[u] = partial[(k + u) * C + c];
-#pragma unroll
-    for (int u = 0; u < kAhead; ++u) acc = __fadd_rn(acc, v[u]);
+// 32 columns a CTA (a warp's lanes) and 8 warps: the warps load a tile of up to 256 chunks of
+// those columns into shared memory together, every load in flight at once, then warp 0 adds the
+// tile up in chunk order, a lane a column; the sum starts from chunk 0's value (not 0 + it: -0).
+// The same additions in the same order as one thread walking its column, which kept 32 loads in
+// flight and was bound by 8 rounds of their latency (~12 us a launch, 98 launches a step).
+constexpr int kFinalizeCols = 32, kFinalizeWarps = 8, kFinalizeTile = 256;
+__global__ void __launch_bounds__(kFinalizeCols * kFinalizeWarps)
+    column_sums_finalize_kernel(float* out, const float* partial, int64_t chunks, int64_t C, bool add_to_out) {
+  __shared__ float tile[kFinalizeTile][kFinalizeCols];
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kFinalizeCols + lane;
+  float acc = 0.0f;
+  for (int64_t k0 = 0; k0 < chunks; k0 += kFinalizeTile) {
+    const int n = static_cast<int>(chunks - k0 < kFinalizeTile ? chunks - k0 : kFinalizeTile);
+    __syncthreads();  // (warp 0 is done with the previous tile)
+    if (c < C) {
+#pragma unroll 8
+      for (int r = warp; r < n; r += kFinalizeWarps) tile[r][lane] = partial[(k0 + r) * C + c];
+    }
+    __syncthreads();
+    if (warp == 0 && c < C) {
+      int r = 0;
+      if (k0 == 0) acc = tile[r++][lane];
+#pragma unroll 16
+      for (; r < n; ++r) acc = __fadd_rn(acc, tile[r][lane]);
+    }
   }
-  for (; k < chunks; ++k) acc = __fadd_rn(acc, partial[k * C + c]);
-  out[c] = add_to_out ? __fadd_rn(out[c], acc) : acc;
+  if (warp == 0 && c < C) out[c] = add_to_out ? __fadd_rn(out[c], acc) : acc;
 }
 
 int64_t column_chunks(int64_t N) { return (N + kColumnChunkRows - 1) / kColumnChunkRows; }
@@ -175,10 +184,9 @@ dim3 column_partial_grid(int64_t N, int64_t C) {
 
 void column_sums_finalize(float* out, const float* partial, int64_t N, int64_t C, bool add_to_out,
                           cudaStream_t stream) {
-  // 64 threads a block: C is a few thousand, so this spreads the columns over more SMs
-  constexpr int kFinalizeThreads = 64;
-  column_sums_finalize_kernel<<<static_cast<unsigned>((C + kFinalizeThreads - 1) / kFinalizeThreads), kFinalizeThreads,
-                                0, stream>>>(out, partial, column_chunks(N), C, add_to_out);
+  column_sums_finalize_kernel<<<static_cast<unsigned>((C + kFinalizeCols - 1) / kFinalizeCols),
+                                kFinalizeCols * kFinalizeWarps, 0, stream>>>(out, partial, column_chunks(N), C,
+                                                                              add_to_out);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

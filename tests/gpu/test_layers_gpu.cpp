@@ -1327,7 +1327,9 @@ TEST(LayersGpu, BiasForwardAndBackwardBitwise) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(1212);
-  for (const auto& [N, OC] : {std::pair<int64_t, int64_t>{1, 5}, {37, 96}, {5000, 3072}, {4099, 45}}) {
+  // (16448 and 20000 rows: 257 and 313 64-row chunks, past the finalize pass's 256-chunk tile)
+  for (const auto& [N, OC] : {std::pair<int64_t, int64_t>{1, 5}, {37, 96}, {5000, 3072}, {4099, 45}, {16448, 33},
+                              {20000, 70}}) {
     const Vec y = randn(sz(N * OC), rng), b = randn(sz(OC + 1), rng), dy = randn(sz(N * OC), rng), db = randn(sz(OC), rng);
     Vec y1(y.size() + 1, 0.5f);  // y after one leading element: an output off 16-byte alignment
     std::copy(y.begin(), y.end(), y1.begin() + 1);
