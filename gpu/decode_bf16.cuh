@@ -46,8 +46,8 @@ __device__ __forceinline__ void decode8_bf16(uint32_t codes, float sv, uint16_t*
 // 40 40 40 40, lo: 00 00 80 C0 00 40 80 C0), the code's sign bit into bit 15 of each half, then one
 // packed BF16 multiply by (sv, sv). The product of an E2M1 value and an E4M3 one is exact in BF16
 // (<= 6 significant bits, 2^-10..2688: no rounding, no subnormal), so it is decode8_bf16's top 16
-// bits; a NaN sv (scale 0x7F) gives a NaN either way. QuantizeGpu.DecodedBf16EqualsDecodeOfCodes...
-// and the cuBLASLt GEMM tests compare it with the FP32 formulation.
+// bits; a NaN sv (scale 0x7F) gives a NaN either way. FormatsGpu.Nvfp4DecodeEqualsFp32Formulation
+// holds it equal to decode8_bf16 for every scale byte.
 __device__ __forceinline__ void decode8_bf16_nvfp4(uint32_t codes, float sv, uint16_t* out) {
   const uint32_t mag = codes & 0x77777777u;  // (a set bit 3 in a selector would replicate a sign)
   const uint32_t sv2 = (__float_as_uint(sv) >> 16) * 0x10001u;  // sv is exact in BF16

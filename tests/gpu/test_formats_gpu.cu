@@ -9,6 +9,7 @@
 #include "emu/formats.hpp"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/decode_bf16.cuh"
 
 namespace fp4sim {
 namespace {
@@ -90,6 +91,42 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
                 static_cast<unsigned long long>(kSlices));
     EXPECT_EQ(bad, 0) << names[f];
   }
+}
+
+// The NVFP4 decode of saved copies (decode8_bf16_nvfp4: byte permutes and a packed BF16 multiply)
+// against the FP32 formulation (decode8_bf16) for every scale byte: 2^16 code words a scale (every
+// pair of bytes, repeated in the word's halves: every code in every position, with both signs)
+// plus 2^16 hashed words; the same BF16 bits, a NaN for a NaN.
+__global__ void decode_compare_kernel(unsigned long long* mismatches) {
+  const uint8_t scale = static_cast<uint8_t>(blockIdx.x);
+  const float sv = e4m3_to_f32(scale);
+  unsigned long long bad = 0;
+  for (uint32_t i = threadIdx.x; i < (1u << 17); i += blockDim.x) {
+    const uint32_t p = i & 0xFFFFu;
+    const uint32_t w = i < (1u << 16) ? (p | (p << 16)) : (p * 0x9E3779B1u) ^ (scale * 0x85EBCA6Bu);
+    alignas(16) uint16_t a[8], b[8];
+    gpu::decode8_bf16(w, sv, a);
+    gpu::decode8_bf16_nvfp4(w, sv, b);
+    for (int k = 0; k < 8; ++k) {
+      const bool nan_a = (a[k] & 0x7FFFu) > 0x7F80u, nan_b = (b[k] & 0x7FFFu) > 0x7F80u;
+      bad += (nan_a || nan_b) ? (nan_a != nan_b) : (a[k] != b[k]);
+    }
+  }
+  atomicAdd(mismatches, bad);
+}
+
+TEST(FormatsGpu, Nvfp4DecodeEqualsFp32Formulation) {
+  if (!gpu::gpu_available()) GTEST_SKIP() << "no CUDA GPU";
+  unsigned long long* d = nullptr;
+  FP4SIM_CUDA_CHECK(cudaMalloc(&d, sizeof(unsigned long long)));
+  FP4SIM_CUDA_CHECK(cudaMemset(d, 0, sizeof(unsigned long long)));
+  decode_compare_kernel<<<256, 256>>>(d);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  unsigned long long bad = 0;
+  FP4SIM_CUDA_CHECK(cudaMemcpy(&bad, d, sizeof bad, cudaMemcpyDeviceToHost));
+  cudaFree(d);
+  std::printf("[formats-gpu] decode8_bf16_nvfp4: 256 scales x 2^17 words x 8, %llu elements differ\n", bad);
+  EXPECT_EQ(bad, 0u);
 }
 
 }  // namespace
