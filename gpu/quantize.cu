@@ -277,6 +277,15 @@ __global__ void __launch_bounds__(kThreads, 5)
   amax_finish<kThreads>(m_plain, m_rht, args);
 }
 
+// The current device's SM count (asked each time: an attribute query, no static cache shared
+// across threads or devices).
+int current_device_sms() {
+  int dev = 0, sms = 0;
+  FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
+  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
 // CTAs of amax_rht_pipelined_kernel<T> an SM can hold (by its shared memory and registers), times
 // the SMs: the persistent grid.
 template <class T>
@@ -856,9 +865,7 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
     }
     FP4SIM_CUDA_CHECK_LAUNCH();
   } else if (amax_plain) {
-    int sms = 0, dev = 0;
-    FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
-    FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int sms = current_device_sms();
     const int64_t want = (R * C / (16 / sizeof(T)) + kThreads - 1) / kThreads;
     const int blocks = static_cast<int>(want < sms * 16 ? (want > 0 ? want : 1) : sms * 16);
     amax_flat_kernel<T><<<blocks, kThreads, 0, stream>>>(xp, R * C,
@@ -893,15 +900,7 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
     // (CTAs for one 1x16 block a thread, up to g_kept_ctas_per_sm an SM per copy, so each thread
     // spreads its setup, the global scales and the Philox key, over several blocks)
     int per_copy = grid_stride_blocks(R * (C / kNvfp4Block), 256);
-    if (g_kept_ctas_per_sm > 0) {
-      static int sms = 0;
-      if (sms == 0) {
-        int dev = 0;
-        FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
-        FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-      }
-      per_copy = std::min(per_copy, sms * g_kept_ctas_per_sm);
-    }
+    if (g_kept_ctas_per_sm > 0) per_copy = std::min(per_copy, current_device_sms() * g_kept_ctas_per_sm);
     const unsigned ctas = static_cast<unsigned>(qa.row.enabled ? 2 * per_copy : per_copy);
     if (vector_ok) nvfp4_rht_kept_kernel<T, true><<<ctas, 256, 0, stream>>>(xp, rht_out, qa);
     else nvfp4_rht_kept_kernel<T, false><<<ctas, 256, 0, stream>>>(xp, rht_out, qa);
