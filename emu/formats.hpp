@@ -111,25 +111,47 @@ FP4SIM_HD float e2m1_abs(float c) {
 #endif
 }
 
+// The steps of |c| on its region's grid (c = e2m1_clamp(y), mb = e2m1_magic_bits(c)), rounded to
+// nearest-even: the low bits of |c| + M.
+FP4SIM_HD uint32_t e2m1_rn_steps(float c, uint32_t mb) {
+  return f32_bits(fadd_rn(e2m1_abs(c), f32_from_bits(mb))) - mb;
+}
+
+// The same with stochastic rounding (DESIGN.md §4) by random byte r: f = floor(|c| * 256 / step)
+// from |c| + M / 256 rounded toward zero (its low bits: the steps below |c| times 256 plus
+// floor(frac * 256)), and the steps after rounding are (f + r) >> 8.
+FP4SIM_HD uint32_t e2m1_rs_steps(float c, uint32_t mb, uint32_t r) {
+  const uint32_t fb = mb - (8u << 23);  // M / 256
+  return (f32_bits(fadd_rz_pow2(e2m1_abs(c), f32_from_bits(fb))) - fb + r) >> 8;
+}
+
+// The rounded magnitude, steps * step (exact: M + steps ULPs, less M).
+FP4SIM_HD float e2m1_steps_magnitude(uint32_t mb, uint32_t steps) {
+  return fsub_rn(f32_from_bits(mb + steps), f32_from_bits(mb));
+}
+
+// The code: steps plus the region's first code 0, 2 or 4, which is (mb >> 22) - 298, and c's sign.
+constexpr uint32_t kE2M1MagicCodeBase = 0x4A800000u >> 22;  // 298
+FP4SIM_HD uint32_t e2m1_magic_code(float c, uint32_t mb, uint32_t steps) {
+  return (steps + (mb >> 22) - kE2M1MagicCodeBase) | ((f32_bits(c) >> 31) << 3);
+}
+
 // E2M1 cvt.rn.satfinite code of y; *mag = the rounded magnitude (e2m1_to_f32 of the code, unsigned).
 FP4SIM_HD uint32_t e2m1_rn_magic(float y, float* mag) {
   const float c = e2m1_clamp(y);
   const uint32_t mb = e2m1_magic_bits(c);
-  const float t = fadd_rn(e2m1_abs(c), f32_from_bits(mb));
-  *mag = fsub_rn(t, f32_from_bits(mb));
-  return (f32_bits(t) - mb - 298u + (mb >> 22)) | ((f32_bits(c) >> 31) << 3);
+  const uint32_t steps = e2m1_rn_steps(c, mb);
+  *mag = e2m1_steps_magnitude(mb, steps);
+  return e2m1_magic_code(c, mb, steps);
 }
 
-// E2M1 stochastic rounding (DESIGN.md §4) of y with random byte r: f = floor(|c| * 256 / step) from
-// |c| + M / 256 rounded toward zero (its low bits: the step count below |c| times 256 plus
-// floor(frac * 256)), and the step count after rounding is (f + r) >> 8. *mag as e2m1_rn_magic.
+// E2M1 stochastic rounding of y with random byte r; *mag as e2m1_rn_magic.
 FP4SIM_HD uint32_t e2m1_rs_magic(float y, uint32_t r, float* mag) {
   const float c = e2m1_clamp(y);
   const uint32_t mb = e2m1_magic_bits(c);
-  const uint32_t fb = mb - (8u << 23);  // M / 256
-  const uint32_t q = (f32_bits(fadd_rz_pow2(e2m1_abs(c), f32_from_bits(fb))) - fb + r) >> 8;
-  *mag = fsub_rn(f32_from_bits(mb + q), f32_from_bits(mb));
-  return (q - 298u + (mb >> 22)) | ((f32_bits(c) >> 31) << 3);
+  const uint32_t steps = e2m1_rs_steps(c, mb, r);
+  *mag = e2m1_steps_magnitude(mb, steps);
+  return e2m1_magic_code(c, mb, steps);
 }
 
 // FP32 -> E2M1 cvt.rn.satfinite: ties to even; |x| > 6 -> ±6; NaN -> +6 (0x7); -0 -> 0x8.

@@ -33,20 +33,27 @@ FP4SIM_HD float nvfp4_global_encode_scale(float amax, float range) {
   return s;
 }
 
-// enc_b = fminf(1 / (s_b * S_dec), FLT_MAX); s_b == 0 gives 1/0 = Inf -> FLT_MAX.
-FP4SIM_HD float nvfp4_block_encode_scale(uint8_t scale, float s_dec) {
+// enc_b = fminf(1 / (s_b * S_dec), FLT_MAX) from the scale's value s_b; s_b == 0 gives 1/0 = Inf
+// -> FLT_MAX.
+FP4SIM_HD float nvfp4_encode_from_scale_value(float s_b, float s_dec) {
 #if defined(__CUDA_ARCH__)
   // __frcp_rn is the correctly rounded 1/x, the same value as __fdiv_rn(1, x) in fewer instructions
-  const float e = __frcp_rn(fmul_rn(e4m3_to_f32(scale), s_dec));
+  const float e = __frcp_rn(fmul_rn(s_b, s_dec));
 #else
-  const float e = fdiv_rn(1.0f, fmul_rn(e4m3_to_f32(scale), s_dec));
+  const float e = fdiv_rn(1.0f, fmul_rn(s_b, s_dec));
 #endif
   return e > kFltMax ? kFltMax : e;
 }
+// The same from the stored scale, a code the block-scale functions made (0..0x7E, never the NaN
+// 0x7F): e4m3_to_f32_nonneg's domain.
+FP4SIM_HD float nvfp4_block_encode_scale(uint8_t scale, float s_dec) {
+  return nvfp4_encode_from_scale_value(e4m3_to_f32_nonneg(scale), s_dec);
+}
 
-// Stored E4M3 scale of a block (standard NVFP4): e4m3_rn_satfinite(amax_b * (S_enc * (1/6))).
+// Stored E4M3 scale of a block (standard NVFP4): e4m3_rn_satfinite(amax_b * (S_enc * (1/6))); the
+// product is >= 0 and never a NaN (a NaN-ignoring amax, a finite S_enc): e4m3_rn_satfinite_nonneg.
 FP4SIM_HD uint8_t nvfp4_block_scale(float amax_b, float s_enc) {
-  return e4m3_rn_satfinite(fmul_rn(amax_b, fmul_rn(s_enc, 1.0f / 6.0f)));
+  return e4m3_rn_satfinite_nonneg(fmul_rn(amax_b, fmul_rn(s_enc, 1.0f / 6.0f)));
 }
 
 // FP8 block scaling (DESIGN.md §9, the paper's FP8 baseline): enc = fminf(448 / amax_b, FLT_MAX),

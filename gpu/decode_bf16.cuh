@@ -74,8 +74,8 @@ __device__ __forceinline__ void decode8_bf16_nvfp4(uint32_t codes, float sv, uin
 // One NVFP4 block's 8 code bytes (as a uint2) and E4M3 scale -> 16 BF16 at out (16-byte aligned).
 __device__ __forceinline__ void decode16_bf16(uint2 codes, uint8_t scale, uint16_t* out) {
   const float sv = e4m3_to_f32(scale);
-  decode8_bf16(codes.x, sv, out);
-  decode8_bf16(codes.y, sv, out + 8);
+  decode8_bf16_nvfp4(codes.x, sv, out);
+  decode8_bf16_nvfp4(codes.y, sv, out + 8);
 }
 
 // One MXFP4 block's 16 code bytes and UE8M0 scale -> 32 BF16 at out (16-byte aligned).

@@ -113,8 +113,9 @@ __global__ void dequantize_flat_bf16(QuantizedView a, uint16_t* da, QuantizedVie
         const bool in_a = w < a_words;
         const QFormat f = in_a ? a.format : b.format;
         uint16_t* out = (in_a ? da : db) + static_cast<size_t>(flat_index(w, a_words)) * 8;
-        if (f == QFormat::NVFP4) decode8_bf16_nvfp4(codes[j], e4m3_to_f32(sbyte[j]), out);
-        else decode8_bf16(codes[j], block_scale_value(f, sbyte[j]), out);
+        const float sv = block_scale_value(f, sbyte[j]);
+        if (f == QFormat::NVFP4) decode8_bf16_nvfp4(codes[j], sv, out);
+        else decode8_bf16(codes[j], sv, out);
       }
     }
   }

@@ -335,40 +335,30 @@ __device__ __forceinline__ void store_nvfp4_block(const CopyArgs& c, int64_t e, 
 }
 
 // The recipe's common block (NVFP4 1x16, no Four Over Six), quantized and stored in one pass over
-// its 16 values: nvfp4_quantize_1x16's scale and codes (its amax, block scale and encode scale, the
-// scale converted by the _nonneg forms its value allows; the E2M1 rounding of e2m1_rn_satfinite /
-// e2m1_rs_satfinite, whose device form e2m1_*_magic also yields the rounded magnitude), and, with
-// kDec, the decoded BF16 operand sign * magnitude * e4m3(s), the same bits decode16_bf16 makes from
-// the codes (an exact product: its top 16 bits are its BF16), without decoding the codes again.
-// The codes are summed into their word unsigned: e2m1_*_magic's code is (steps + (bits(M) >> 22))
-// - 298 | sign << 3, so the word adds the first terms at their nibbles (mod 2^32), subtracts 298
-// at every nibble once (leaving each nibble's code, 0..7) and then ORs the sign bits in.
+// its 16 values: nvfp4_quantize_1x16's amax, block scale, encode scale and E2M1 rounding (the
+// device's e2m1_rn_magic / e2m1_rs_magic, by their step functions), and, with kDec, the decoded
+// BF16 operand sign * magnitude * e4m3(s), the same bits decode16_bf16 makes from the codes (an
+// exact product: its top 16 bits are its BF16), without decoding the codes again. The codes are
+// summed into their word unsigned: e2m1_magic_code is steps + (mb >> 22) - 298 | sign << 3, so the
+// word adds the first two terms at their nibbles (mod 2^32), subtracts 298 at every nibble once
+// (leaving each nibble's code, 0..7) and then ORs the sign bits in.
 template <bool kSr, bool kDec>
 __device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, const Nvfp4Global& g, const SrBits& sr,
                                                        const CopyArgs& c, int64_t e, int64_t scale_index) {
   float amax_b = 0.0f;
   FP4SIM_UNROLL
   for (int i = 0; i < kNvfp4Block; ++i) amax_b = fmaxf(amax_b, fabsf(v[i]));  // NaN ignored: amax_strided
-  const uint8_t s = e4m3_rn_satfinite_nonneg(fmul_rn(amax_b, fmul_rn(g.s_enc, 1.0f / 6.0f)));  // nvfp4_block_scale
-  const float sv = e4m3_to_f32_nonneg(s);
-  const float enc_raw = __frcp_rn(fmul_rn(sv, g.s_dec));  // nvfp4_block_encode_scale
-  const float enc = enc_raw > kFltMax ? kFltMax : enc_raw;
+  const uint8_t s = nvfp4_block_scale(amax_b, g.s_enc);
+  const float sv = e4m3_to_f32_nonneg(s);  // (the scale's value once: the decode needs it too)
+  const float enc = nvfp4_encode_from_scale_value(sv, g.s_dec);  // = nvfp4_block_encode_scale(s, g.s_dec)
   uint32_t w[2] = {0u, 0u}, sgn[2] = {0u, 0u}, d[8];
   FP4SIM_UNROLL
   for (int i = 0; i < kNvfp4Block; ++i) {
     const float cl = e2m1_clamp(fmul_rn(v[i], enc));
     const uint32_t mb = e2m1_magic_bits(cl);
-    uint32_t steps;
-    float mag;
-    if constexpr (kSr) {  // e2m1_rs_magic
-      const uint32_t fb = mb - (8u << 23);
-      steps = (f32_bits(fadd_rz_pow2(fabsf(cl), f32_from_bits(fb))) - fb + sr_byte_for_element(sr.bits, i)) >> 8;
-      if constexpr (kDec) mag = fsub_rn(f32_from_bits(mb + steps), f32_from_bits(mb));
-    } else {  // e2m1_rn_magic
-      const float t = fadd_rn(fabsf(cl), f32_from_bits(mb));
-      steps = f32_bits(t) - mb;
-      if constexpr (kDec) mag = fsub_rn(t, f32_from_bits(mb));
-    }
+    const uint32_t steps = kSr ? e2m1_rs_steps(cl, mb, sr_byte_for_element(sr.bits, i)) : e2m1_rn_steps(cl, mb);
+    float mag;  // (here, not in the decode below: ptxas then gives the FP32 streaming kernel 40 registers, not 48)
+    if constexpr (kDec) mag = e2m1_steps_magnitude(mb, steps);
     const uint32_t sign = f32_bits(cl) & 0x80000000u;
     w[i / 8] += (steps + (mb >> 22)) << (4 * (i % 8));
     sgn[i / 8] |= sign >> (28 - 4 * (i % 8));
@@ -378,8 +368,8 @@ __device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, const Nvf
       else d[i / 2] |= b << 16;
     }
   }
-  constexpr uint32_t k298 = 298u * 0x11111111u;  // 298 off every nibble (mod 2^32)
-  *reinterpret_cast<uint2*>(c.codes + e / 2) = make_uint2((w[0] - k298) | sgn[0], (w[1] - k298) | sgn[1]);
+  constexpr uint32_t kBase = kE2M1MagicCodeBase * 0x11111111u;  // 298 off every nibble (mod 2^32)
+  *reinterpret_cast<uint2*>(c.codes + e / 2) = make_uint2((w[0] - kBase) | sgn[0], (w[1] - kBase) | sgn[1]);
   c.scales[scale_index] = s;
   if constexpr (kDec) {
     uint4* out = reinterpret_cast<uint4*>(c.decoded + e);
