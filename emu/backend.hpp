@@ -20,6 +20,21 @@ namespace fp4sim {
 // sum_squares_many's arguments: as many offsets as counts, none negative (std::invalid_argument).
 void validate_sum_squares_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts);
 
+// An activation op whose output goes straight into a quantizer (Backend::quantize_activation):
+// GELU (tanh) forward, out = gelu_forward(inp), or backward, out = gelu_backward(inp, dout), over
+// rows x cols dense float32 tensors, with the ops' round_bf16 / bf16_dout flags.
+enum class ActivationOp { GeluForward, GeluBackward };
+struct ActivationSource {
+  ActivationOp op = ActivationOp::GeluForward;
+  const float* inp = nullptr;   // the op's input (the pre-activation)
+  const float* dout = nullptr;  // GeluBackward: the incoming gradient
+  float* out = nullptr;         // where the op alone writes its output (rows x cols)
+  int64_t rows = 0, cols = 0;
+  bool round_bf16 = true;
+  bool bf16_dout = true;
+  const char* name = "activation";  // for error messages
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -141,6 +156,29 @@ class Backend {
                                   "' must be dense float32 (the bias gradient's input)");
     quantize(x, cfg, rowwise, columnwise);
     bias_backward(dbias, static_cast<const float*>(x.data), x.rows, x.cols);
+  }
+  // The activation op alone (gelu_forward / gelu_backward into src.out).
+  void run_activation(const ActivationSource& src) {
+    const int64_t n = src.rows * src.cols;
+    if (src.op == ActivationOp::GeluForward) gelu_forward(src.out, src.inp, n, src.round_bf16);
+    else gelu_backward(src.out, src.inp, src.dout, n, src.round_bf16, src.bf16_dout);
+  }
+  // run_activation(src), then quantize(out, cfg, rowwise, columnwise) of src.out as a rows x cols
+  // tensor, or quantize_with_bias_backward(..., dbias) where dbias is set: the copies of an
+  // activation (or of its gradient) that only a quantized GEMM reads. A backend may compute the op
+  // inside the quantize pass instead and leave src.out unwritten (the CUDA backend does for FP8);
+  // the copies, their amax and dbias are the composition's bits either way.
+  virtual void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                                   QuantizedView* columnwise, float* dbias) {
+    run_activation(src);
+    TensorView v;
+    v.data = src.out;
+    v.rows = src.rows;
+    v.cols = src.cols;
+    v.device = device();
+    v.name = src.name;
+    if (dbias) quantize_with_bias_backward(v, cfg, rowwise, columnwise, dbias);
+    else quantize(v, cfg, rowwise, columnwise);
   }
   // lse (B,NH,T): the saved log-sum-exp rows, not the (B,NH,T,T) probabilities; prec FP32 (no
   // BF16 operand rounding) is for gradient checks on the emulator only (emu/layers.hpp); out

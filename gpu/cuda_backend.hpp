@@ -113,6 +113,11 @@ class CudaBackend final : public Backend {
   // sums (gpu/fp8.cu); otherwise Backend's quantize then bias_backward. The same bits either way.
   void quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                                    QuantizedView* columnwise, float* dbias) override;
+  // FP8 (both copies or either, whole 128-row tiles where a column-wise copy or dbias is made): the
+  // activation computed inside the quantizer's tile pass, src.out never written; otherwise
+  // Backend's composition. The same bits either way.
+  void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                           QuantizedView* columnwise, float* dbias) override;
   void round_to_bf16(float* x, int64_t n) override;
   void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override;
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
@@ -243,6 +248,12 @@ void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorS
 // Test hook: how many CudaBackend::quantize_with_bias_backward calls took the fused FP8 path (the
 // tile pass's column sums) in this process.
 uint64_t fused_bias_backward_count();
+// Test hook: how many CudaBackend::quantize_activation calls computed the activation inside the FP8
+// tile pass (src.out left unwritten) in this process.
+uint64_t fused_activation_quantize_count();
+// Test hook: whether CudaBackend::quantize_activation may fuse (default true); off, it always runs
+// Backend's composition (the op, then quantize). Results are identical; only speed differs.
+void set_activation_quantize_fused(bool on);
 // Test hook: how many CudaBackend::matmul_backward calls at BF16 precision took dout's BF16 copy and
 // the bias gradient's column sums from one pass (round_to_bf16_column_partial_kernel) in this process.
 uint64_t fused_matmul_bias_count();
@@ -253,6 +264,12 @@ uint64_t fused_matmul_bias_count();
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                          QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
                          float* column_partial = nullptr);
+// The same tile pass over an activation op's output computed on the way in (src's GELU forward or
+// backward, gpu/activation.cuh), never stored: the bits of running the op, then
+// fp8_quantize_launch on its dense F32 output. column_partial: as above, over the op's output.
+void fp8_quantize_activation_launch(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                                    QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
+                                    float* column_partial = nullptr);
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
                            void* out, cudaStream_t stream);

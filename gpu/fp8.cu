@@ -10,6 +10,7 @@
 
 #include "emu/gemm.hpp"
 #include "emu/mma.hpp"
+#include "gpu/activation.cuh"
 #include "gpu/amax_finish.cuh"
 #include "gpu/cp_async.cuh"
 #include "gpu/cuda_backend.hpp"
@@ -90,10 +91,60 @@ __device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, in
   return make_float4(v[0], v[1], v[2], v[3]);
 }
 
+// Where the tile kernel's values come from. load4(a, r, c): four consecutive elements of row r from
+// column c as FP32, zeros outside the tensor. kAsync: the source is plain FP32 memory that aligned
+// whole tiles copy straight to shared memory (cp.async, `x`); kPairs: row pairs whose loads the
+// register path issues before any is used; kMinBlocks: the kernel's CTAs per SM (launch bounds).
 // (3 CTAs per SM holds the FP32 kernel to 40 registers, its smem-limited maximum; the BF16 one,
 // which loads through registers, would spill there, so it gets 2)
 template <class T>
-__global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_quantize_tile_kernel(const T* x, Fp8TileArgs a) {
+struct Fp8MemorySource {
+  static constexpr bool kAsync = sizeof(T) == 4;
+  static constexpr int kPairs = sizeof(T) == 4 ? 1 : 2;
+  static constexpr int kMinBlocks = sizeof(T) == 4 ? 3 : 2;
+  const T* x;
+  __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const { return fp8_load4(x, a, r, c); }
+};
+
+// An activation op computed on the way in (Backend::quantize_activation): the tile holds the op's
+// stored output, the bits gelu_forward_kernel / gelu_backward_kernel write (gpu/activation.cuh),
+// never stored to memory. Inputs dense F32 (a.stride == a.cols, a.vector_ok for both pointers).
+struct Fp8GeluForwardSource {
+  static constexpr bool kAsync = false;
+  static constexpr int kPairs = 1;
+  static constexpr int kMinBlocks = 2;
+  const float* inp;
+  bool round_bf16;
+  __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const {
+    const float4 x = fp8_load4(inp, a, r, c);
+    const bool in_row = r < a.rows;
+    // (outside the tensor: zeros, as the memory source's, not gelu(0))
+    return make_float4(in_row && c < a.cols ? gelu_forward_stored(x.x, round_bf16) : 0.0f,
+                       in_row && c + 1 < a.cols ? gelu_forward_stored(x.y, round_bf16) : 0.0f,
+                       in_row && c + 2 < a.cols ? gelu_forward_stored(x.z, round_bf16) : 0.0f,
+                       in_row && c + 3 < a.cols ? gelu_forward_stored(x.w, round_bf16) : 0.0f);
+  }
+};
+
+struct Fp8GeluBackwardSource {
+  static constexpr bool kAsync = false;
+  static constexpr int kPairs = 1;
+  static constexpr int kMinBlocks = 2;
+  const float* inp;
+  const float* dout;
+  bool round_bf16, bf16_dout;
+  __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const {
+    const float4 x = fp8_load4(inp, a, r, c), d = fp8_load4(dout, a, r, c);
+    const bool in_row = r < a.rows;
+    return make_float4(in_row && c < a.cols ? gelu_backward_stored(x.x, d.x, round_bf16, bf16_dout) : 0.0f,
+                       in_row && c + 1 < a.cols ? gelu_backward_stored(x.y, d.y, round_bf16, bf16_dout) : 0.0f,
+                       in_row && c + 2 < a.cols ? gelu_backward_stored(x.z, d.z, round_bf16, bf16_dout) : 0.0f,
+                       in_row && c + 3 < a.cols ? gelu_backward_stored(x.w, d.w, round_bf16, bf16_dout) : 0.0f);
+  }
+};
+
+template <class Src>
+__global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize_tile_kernel(Src src, Fp8TileArgs a) {
   extern __shared__ float4 tile4[];  // [128][32] float4 = [128][128] floats
   const float* tile = reinterpret_cast<const float*>(tile4);
   __shared__ float warp_partial[kFp8Warps];
@@ -127,13 +178,15 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
     half_max[k] = fmax_nan_ignored(upper ? hi : lo, __shfl_xor_sync(full, upper ? lo : hi, 16));
   };
   bool async_tile = false;
-  if constexpr (sizeof(T) == 4)
+  if constexpr (Src::kAsync)
     async_tile = a.vector_ok && r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols;  // (CTA-uniform)
   if (async_tile) {
-    FP4SIM_UNROLL
-    for (int i = 0; i < kFp8LinesPerWarp; ++i) {
-      const int tr = warp + kFp8Warps * i;
-      cp_async16(tile4 + tr * (kFp8Block / 4) + lane, x + (r0 + tr) * a.stride + c0 + 4 * lane);
+    if constexpr (Src::kAsync) {
+      FP4SIM_UNROLL
+      for (int i = 0; i < kFp8LinesPerWarp; ++i) {
+        const int tr = warp + kFp8Warps * i;
+        cp_async16(tile4 + tr * (kFp8Block / 4) + lane, src.x + (r0 + tr) * a.stride + c0 + 4 * lane);
+      }
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -147,14 +200,14 @@ __global__ void __launch_bounds__(kFp8TileThreads, sizeof(T) == 4 ? 3 : 2) fp8_q
     // rows whose loads are issued before any is used (memory parallelism): row pairs (k, k + 4),
     // two pairs at a time for BF16, one for FP32 (which comes here only for edge or unaligned
     // tiles, and would spill at its 40 registers with four rows in flight)
-    constexpr int kPairs = sizeof(T) == 4 ? 1 : 2;
+    constexpr int kPairs = Src::kPairs;
     FP4SIM_UNROLL
     for (int g = 0; g < kFp8LinesPerWarp / 2 / kPairs; ++g) {
       float4 v[2 * kPairs];
       FP4SIM_UNROLL
       for (int u = 0; u < 2 * kPairs; ++u) {
         const int i = kPairs * g + (u >> 1) + 4 * (u & 1);  // rows k, k + 4 for k = kPairs g + u / 2
-        v[u] = fp8_load4(x, a, r0 + warp + kFp8Warps * i, c0 + 4 * lane);
+        v[u] = src.load4(a, r0 + warp + kFp8Warps * i, c0 + 4 * lane);
       }
       FP4SIM_UNROLL
       for (int u = 0; u < 2 * kPairs; ++u) {
@@ -309,17 +362,49 @@ __global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const fl
   gemm_store(cfg, cfg.alpha, total, c, idx, out);
 }
 
-// One launch of the tile kernel for input element type T; its dynamic shared memory (over the
-// 48 KB default) is allowed once per instantiation.
-template <class T>
-void launch_fp8_tile(const dim3& grid, const void* x, const Fp8TileArgs& a, cudaStream_t stream) {
+// One launch of the tile kernel for source Src; its dynamic shared memory (over the 48 KB default)
+// is allowed once per instantiation.
+template <class Src>
+void launch_fp8_tile(const dim3& grid, const Src& src, const Fp8TileArgs& a, cudaStream_t stream) {
   static bool attr = false;
   if (!attr) {
-    FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_tile_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_tile_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(kFp8TileSmem)));
     attr = true;
   }
-  fp8_quantize_tile_kernel<T><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(static_cast<const T*>(x), a);
+  fp8_quantize_tile_kernel<Src><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(src, a);
+}
+
+// The tile kernel's arguments for a rows x cols input with the given row stride (elements) and
+// alignment, and the enabled copies (cfg); x's name for the error messages.
+Fp8TileArgs fp8_tile_args(int64_t rows, int64_t cols, int64_t stride, bool vector_ok, const QuantizeConfig& cfg,
+                          QuantizedView* rowwise, QuantizedView* columnwise, unsigned* amax_ws,
+                          float* column_partial) {
+  Fp8TileArgs a{};
+  a.rows = rows;
+  a.cols = cols;
+  a.stride = stride;
+  a.two_d = cfg.block_2d;
+  a.vector_ok = vector_ok;
+  if (cfg.rowwise.enabled) a.row = *rowwise;
+  if (cfg.columnwise.enabled) a.col = *columnwise;
+  a.col_vector_ok = cfg.columnwise.enabled && reinterpret_cast<uintptr_t>(columnwise->codes) % 16 == 0;
+  a.col_partial = column_partial;
+  if (!cfg.rowwise.enabled) a.row.codes = nullptr;
+  if (!cfg.columnwise.enabled) a.col.codes = nullptr;
+  // the copies' amax is the input's (no transform): reduced once, written to both
+  a.amax = AmaxArgs{cfg.rowwise.enabled ? rowwise->amax : columnwise->amax,
+                    cfg.rowwise.enabled && cfg.columnwise.enabled ? columnwise->amax : nullptr, nullptr, nullptr,
+                    amax_ws};
+  return a;
+}
+
+dim3 fp8_tile_grid(int64_t rows, int64_t cols, const char* name) {
+  const int64_t gy = (rows + kFp8Block - 1) / kFp8Block, gx = (cols + kFp8Block - 1) / kFp8Block;
+  if (gy > 65535)
+    throw std::invalid_argument("quantize (cuda, fp8): tensor '" + std::string(name) + "' " + shape_str(rows, cols) +
+                                " has too many rows for one launch");
+  return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
 }
 
 }  // namespace
@@ -332,31 +417,33 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
   if (column_partial && (!cfg.columnwise.enabled || x.dtype != DType::F32 || x.rows % kFp8Block != 0))
     throw std::logic_error("fp8_quantize_launch: column sums need a column-wise copy of a float32 input "
                            "with whole 128-row tiles");
-  Fp8TileArgs a{};
-  a.rows = x.rows;
-  a.cols = x.cols;
-  a.stride = x.stride();
-  a.two_d = cfg.block_2d;
   const int64_t vec_bytes = 4 * (x.dtype == DType::F32 ? 4 : 2);
-  a.vector_ok = reinterpret_cast<uintptr_t>(x.data) % vec_bytes == 0 &&
-                (a.stride * (x.dtype == DType::F32 ? 4 : 2)) % vec_bytes == 0;
-  if (cfg.rowwise.enabled) a.row = *rowwise;
-  if (cfg.columnwise.enabled) a.col = *columnwise;
-  a.col_vector_ok = cfg.columnwise.enabled && reinterpret_cast<uintptr_t>(columnwise->codes) % 16 == 0;
-  a.col_partial = column_partial;
-  if (!cfg.rowwise.enabled) a.row.codes = nullptr;
-  if (!cfg.columnwise.enabled) a.col.codes = nullptr;
-  // the copies' amax is the input's (no transform): reduced once, written to both
-  a.amax = AmaxArgs{cfg.rowwise.enabled ? rowwise->amax : columnwise->amax,
-                    cfg.rowwise.enabled && cfg.columnwise.enabled ? columnwise->amax : nullptr, nullptr, nullptr,
-                    amax_ws};
-  const int64_t gy = (x.rows + kFp8Block - 1) / kFp8Block, gx = (x.cols + kFp8Block - 1) / kFp8Block;
-  if (gy > 65535)
-    throw std::invalid_argument("quantize (cuda, fp8): tensor '" + std::string(x.name) + "' " +
-                                shape_str(x.rows, x.cols) + " has too many rows for one launch");
-  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
-  if (x.dtype == DType::F32) launch_fp8_tile<float>(grid, x.data, a, stream);
-  else launch_fp8_tile<uint16_t>(grid, x.data, a, stream);
+  const bool vector_ok = reinterpret_cast<uintptr_t>(x.data) % vec_bytes == 0 &&
+                         (x.stride() * (x.dtype == DType::F32 ? 4 : 2)) % vec_bytes == 0;
+  const Fp8TileArgs a =
+      fp8_tile_args(x.rows, x.cols, x.stride(), vector_ok, cfg, rowwise, columnwise, amax_ws, column_partial);
+  const dim3 grid = fp8_tile_grid(x.rows, x.cols, x.name);
+  if (x.dtype == DType::F32) launch_fp8_tile(grid, Fp8MemorySource<float>{static_cast<const float*>(x.data)}, a, stream);
+  else launch_fp8_tile(grid, Fp8MemorySource<uint16_t>{static_cast<const uint16_t*>(x.data)}, a, stream);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_quantize_activation_launch(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                                    QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
+                                    float* column_partial) {
+  if (!amax_ws) throw std::logic_error("fp8_quantize_activation_launch: no amax workspace");
+  if (column_partial && (!cfg.columnwise.enabled || src.rows % kFp8Block != 0))
+    throw std::logic_error("fp8_quantize_activation_launch: column sums need a column-wise copy with whole 128-row tiles");
+  const bool backward = src.op == ActivationOp::GeluBackward;
+  if (!src.inp || (backward && !src.dout))
+    throw std::invalid_argument(std::string("quantize_activation (cuda, fp8): '") + src.name + "' has no input");
+  const bool vector_ok = reinterpret_cast<uintptr_t>(src.inp) % 16 == 0 &&
+                         (!backward || reinterpret_cast<uintptr_t>(src.dout) % 16 == 0) && src.cols % 4 == 0;
+  const Fp8TileArgs a =
+      fp8_tile_args(src.rows, src.cols, src.cols, vector_ok, cfg, rowwise, columnwise, amax_ws, column_partial);
+  const dim3 grid = fp8_tile_grid(src.rows, src.cols, src.name);
+  if (backward) launch_fp8_tile(grid, Fp8GeluBackwardSource{src.inp, src.dout, src.round_bf16, src.bf16_dout}, a, stream);
+  else launch_fp8_tile(grid, Fp8GeluForwardSource{src.inp, src.round_bf16}, a, stream);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

@@ -37,6 +37,7 @@
 #include "emu/formats.hpp"
 #include "emu/hd.hpp"
 #include "emu/optim.hpp"
+#include "gpu/activation.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 
@@ -59,9 +60,6 @@ namespace {
 // The emulator's defaults (emu/layers.hpp): the Backend interface passes neither.
 constexpr float kNormEps = 1e-5f;
 constexpr float kRopeBase = 10000.0f;
-// GELU constants, the same FP32 literals as emu/layers.cpp.
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float kGeluCubic = 0.044715f;
 
 constexpr int kThreads = 256;                // elementwise and row kernels
 constexpr int64_t kColumnChunkRows = emu::kColumnChunkRows;  // rows per partial column sum (shared with emu::bias_backward)
@@ -502,37 +500,21 @@ __global__ void rope_kernel(float* x, const float* cos_sin, int64_t B, int64_t T
 
 // ---- elementwise ------------------------------------------------------------------------------
 
-// GELU (tanh approximation), the emulator's order: cube = ((0.044715 x) x) x;
-// out = (0.5 x) (1 + tanhf(sqrt(2/pi) (x + cube))). CUDA tanhf (<= 2 ulp): a few ulp from the
-// emulator, not bitwise.
+// GELU (tanh approximation): gpu/activation.cuh's arithmetic (the emulator's order; CUDA tanhf,
+// a few ulp from the emulator, not bitwise), shared with the FP8 quantizer's fused pass.
 __global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n, bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float x = inp[j];
-    const float cube = __fmul_rn(__fmul_rn(__fmul_rn(kGeluCubic, x), x), x);
-    out[j] = stored(__fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(__fmul_rn(kGeluScale, __fadd_rn(x, cube))))),
-                    round_bf16);
-  }
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[j] = gelu_forward_stored(inp[j], round_bf16);
 }
 
-// dinp (n) = +0 + local * dout (written, never read: emu/layers.hpp),
-// local = 0.5 (1 + t) + (((x 0.5) sech2) sqrt(2/pi)) (1 + (3 0.044715) x x),
-// t = tanhf(sqrt(2/pi) (x + cube)), sech2 = 1 - t t; left to right as the emulator writes it.
-// CUDA tanhf: not bitwise (1 - t^2 amplifies an ulp of t where |t| is near 1).
+// dinp (n) = +0 + local * dout (written, never read: emu/layers.hpp); gpu/activation.cuh.
+// (1 - t^2 amplifies an ulp of t where |t| is near 1: further from the emulator than the forward.)
 __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
                                      bool bf16_dout) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float x = inp[j];
-    const float cube = __fmul_rn(__fmul_rn(__fmul_rn(kGeluCubic, x), x), x);
-    const float t = tanhf(__fmul_rn(kGeluScale, __fadd_rn(x, cube)));
-    const float sech2 = __fsub_rn(1.0f, __fmul_rn(t, t));
-    const float poly = __fadd_rn(1.0f, __fmul_rn(__fmul_rn(__fmul_rn(3.0f, kGeluCubic), x), x));
-    const float local =
-        __fadd_rn(__fmul_rn(0.5f, __fadd_rn(1.0f, t)),
-                  __fmul_rn(__fmul_rn(__fmul_rn(__fmul_rn(x, 0.5f), sech2), kGeluScale), poly));
-    dinp[j] = stored(__fadd_rn(0.0f, __fmul_rn(local, read_dout(dout[j], bf16_dout))), round_bf16);
-  }
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dinp[j] = gelu_backward_stored(inp[j], dout[j], round_bf16, bf16_dout);
 }
 
 // out = max(x, 0)^2 as `x > 0 ? x : 0` (NaN -> 0), squared RN: bitwise.
@@ -806,6 +788,8 @@ void set_crossentropy_cached(bool on) { g_crossentropy_cached = on; }
 
 namespace {
 uint64_t g_fused_bias_backward = 0;  // fused_bias_backward_count
+uint64_t g_fused_activation_quantize = 0;  // fused_activation_quantize_count
+bool g_activation_quantize_fused = true;   // set_activation_quantize_fused
 uint64_t g_fused_matmul_bias = 0;    // fused_matmul_bias_count
 int g_matmul_pick = kPlanOwnPick;  // set_matmul_heuristic_pick
 MatmulPlanPick g_last_matmul_pick;  // last_matmul_plan_pick
@@ -1319,6 +1303,8 @@ void CudaBackend::bias_backward(float* dbias, const float* dout, int64_t N, int6
 }
 
 uint64_t fused_bias_backward_count() { return g_fused_bias_backward; }
+uint64_t fused_activation_quantize_count() { return g_fused_activation_quantize; }
+void set_activation_quantize_fused(bool on) { g_activation_quantize_fused = on; }
 uint64_t fused_matmul_bias_count() { return g_fused_matmul_bias; }
 
 // FP8 with a column-wise copy of a dense F32 x whose rows fill whole 128-row tiles: the tile pass
@@ -1354,6 +1340,29 @@ void CudaBackend::quantize_with_bias_backward(const TensorView& x, const Quantiz
   fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
   column_sums_finalize(dbias, partial, x.rows, x.cols, true, stream_);
   ++g_fused_bias_backward;
+}
+
+void CudaBackend::quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                                      QuantizedView* columnwise, float* dbias) {
+  const bool fused = g_activation_quantize_fused && cfg.format == QFormat::FP8 && src.rows * src.cols > 0 &&
+                     (!cfg.columnwise.enabled || src.rows % kFp8Block == 0) && (!dbias || cfg.columnwise.enabled) &&
+                     !(rowwise && rowwise->decoded_bf16) && !(columnwise && columnwise->decoded_bf16);
+  if (!fused) {
+    Backend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
+    return;
+  }
+  TensorView v;  // (the op's output as quantize would see it: for the checks only, never written)
+  v.data = src.out;
+  v.rows = src.rows;
+  v.cols = src.cols;
+  v.device = Device::Cuda;
+  v.name = src.name;
+  validate_quantize(v, cfg);
+  float* partial =
+      dbias ? layers_state().columns.get<float>(static_cast<size_t>(column_chunks(src.rows) * src.cols), stream_) : nullptr;
+  fp8_quantize_activation_launch(src, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
+  if (dbias) column_sums_finalize(dbias, partial, src.rows, src.cols, true, stream_);
+  ++g_fused_activation_quantize;
 }
 
 void CudaBackend::round_to_bf16(float* x, int64_t n) {

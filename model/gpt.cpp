@@ -105,16 +105,18 @@ void Gpt::store(float* x, int64_t n) {
 }
 
 void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
-                     bool round_bf16) {
+                     bool round_bf16, const ActivationSource* pending_input) {
   const std::string name = lname(l, kLinearNames[linear]);
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
                  cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, round_bf16,
                  stats_active_ ? &stats_ : nullptr, name,
-                 &acts_[static_cast<size_t>(l)].saved_x[linear], &acts_[static_cast<size_t>(l)].saved_w[linear]);
+                 &acts_[static_cast<size_t>(l)].saved_x[linear], &acts_[static_cast<size_t>(l)].saved_w[linear],
+                 pending_input);
 }
 
-void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC) {
+void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
+                     const ActivationSource* pending_dout) {
   const std::string name = lname(l, kLinearNames[linear]);
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   LayerActs& a = acts_[static_cast<size_t>(l)];
@@ -122,7 +124,7 @@ void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int6
   const float* inp = r.wgrad == "bf16" ? linear_input(l, linear) : nullptr;  // else the saved copy
   linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr, dout, inp,
                   p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
-                  a.saved_x[linear].get(), a.saved_w[linear].get());
+                  a.saved_x[linear].get(), a.saved_w[linear].get(), pending_dout);
 }
 
 float* Gpt::linear_input(int64_t l, int linear) {
@@ -293,10 +295,17 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     norm_fwd(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
     linear_fwd(l, 2, F32(a.fc), ln2, N, C, FC, rb);
     float* const act = linear_input(l, 3);
-    if (c.activation == "gelu_tanh") be_.gelu_forward(act, F32(a.fc), N * F, rb);
-    else if (c.activation == "squared_relu") be_.squared_relu_forward(act, F32(a.fc), N * F, rb);
-    else be_.swiglu_forward(act, F32(a.fc), N, F, rb);
-    linear_fwd(l, 3, F32(a.fcproj), act, N, F, C, rb);
+    // GELU's output goes to c_proj's quantizer as a pending activation (linear_forward runs it
+    // unless one quantize call reads it and nothing else does)
+    ActivationSource gelu;
+    if (c.activation == "gelu_tanh") {
+      gelu = ActivationSource{ActivationOp::GeluForward, F32(a.fc), nullptr, act, N, F, rb, false, "mlp activation"};
+    } else if (c.activation == "squared_relu") {
+      be_.squared_relu_forward(act, F32(a.fc), N * F, rb);
+    } else {
+      be_.swiglu_forward(act, F32(a.fc), N, F, rb);
+    }
+    linear_fwd(l, 3, F32(a.fcproj), act, N, F, C, rb, c.activation == "gelu_tanh" ? &gelu : nullptr);
     be_.residual_forward(F32(a.res2), F32(a.res1), F32(a.fcproj), N * C, rb);
     x = F32(a.res2);
   }
@@ -364,10 +373,17 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     // dqkv_ by attention_backward: no zeroing)
     linear_bwd(l, 3, F32(dact_), F32(dx_), N, F, C);
     // (dact_'s BF16 storage is applied where the activation's backward pass reads it, rb: no pass)
-    if (c.activation == "gelu_tanh") be_.gelu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb, rb);
-    else if (c.activation == "squared_relu") be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb, rb);
-    else be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F, rb, rb);
-    linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC);
+    // (GELU's gradient: a pending output gradient of c_fc, as in the forward pass)
+    ActivationSource dgelu;
+    if (c.activation == "gelu_tanh") {
+      dgelu = ActivationSource{ActivationOp::GeluBackward, F32(a.fc), F32(dact_), F32(dfc_), N, F, rb, rb,
+                               "mlp activation gradient"};
+    } else if (c.activation == "squared_relu") {
+      be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb, rb);
+    } else {
+      be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F, rb, rb);
+    }
+    linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC, c.activation == "gelu_tanh" ? &dgelu : nullptr);
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
     linear_bwd(l, 1, F32(datty_), F32(dx_), N, C, C);
     // (no rounding pass over datty_ with BF16 attention: attention_backward is its only reader and

@@ -115,9 +115,11 @@ class Gpt {
   void store(float* x, int64_t n);
   bool round_bf16() const { return cfg_.activation_dtype == "bf16"; }
   void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
-                  bool round_bf16);
+                  bool round_bf16, const ActivationSource* pending_input = nullptr);
   // dinp written (linear_backward's contract), the weight and bias gradients accumulated
-  void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC);
+  // (pending_input / pending_dout: linear_forward's / linear_backward's)
+  void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
+                  const ActivationSource* pending_dout = nullptr);
 
   ModelConfig cfg_;
   Backend& be_;

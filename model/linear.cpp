@@ -159,8 +159,10 @@ bool can_combine(const CopyRequest& row_q, const CopyRequest& col_q) {
 std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quantize_both(
     Backend& be, const LinearRecipe& r, uint64_t seed, const float* x, int64_t rows, int64_t cols,
     const CopyRequest& row_q, const CopyRequest& col_q, const std::string& name, float* dbias = nullptr,
-    bool* dbias_done = nullptr) {
+    bool* dbias_done = nullptr, const ActivationSource* src = nullptr) {
   if (dbias_done) *dbias_done = false;
+  if (src && !can_combine(row_q, col_q))
+    throw std::logic_error("quantize_both (" + name + "): a pending activation needs one combined quantize call");
   if (!can_combine(row_q, col_q))
     return {quantize_copy(be, r, seed, x, rows, cols, row_q, name), quantize_copy(be, r, seed, x, rows, cols, col_q, name)};
   QuantizeConfig qc = copy_config(r, seed, row_q);
@@ -171,7 +173,10 @@ std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quanti
                                              wants_decoded(be, r, row_q), wants_scales_gemm(be, r, row_q));
   auto col = std::make_unique<QuantizedCopy>(be, cols, rows, qc.format, qc.columnwise.four_over_six,
                                              wants_decoded(be, r, col_q), wants_scales_gemm(be, r, col_q));
-  if (dbias) {
+  if (src) {
+    be.quantize_activation(*src, qc, &row->view, &col->view, dbias);
+    if (dbias_done) *dbias_done = dbias != nullptr;
+  } else if (dbias) {
     be.quantize_with_bias_backward(tv, qc, &row->view, &col->view, dbias);
     if (dbias_done) *dbias_done = true;
   } else {
@@ -236,11 +241,16 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                     emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats,
                     const std::string& name, std::unique_ptr<QuantizedCopy>* save_wgrad_input,
-                    std::unique_ptr<QuantizedCopy>* save_dgrad_weight) {
+                    std::unique_ptr<QuantizedCopy>* save_dgrad_weight, const ActivationSource* pending_input) {
   // (built only where a copy is made: a BF16 GEMM draws no SR stream)
   auto x_fprop = [&] {
     return CopyRequest{&r.fprop, false, false, false, r.sr_other, r.fos_activations, copy_stream(ids, TensorRole::Activation, 0)};
   };
+  // a pending input is quantized straight from its op where one call makes both copies and
+  // nothing else reads x; otherwise the op runs now
+  const bool fuse_input = pending_input && save_wgrad_input && r.wgrad != "bf16" && r.fprop != "bf16" && !stats &&
+                          can_combine(x_fprop(), x_wgrad_request(r, ids, true));
+  if (pending_input && !fuse_input) be.run_activation(*pending_input);
   // the Wgrad operand x^T, quantized now so the backward pass needs no FP32 copy of x; with a
   // quantized Fprop too, both copies come from one quantize call
   std::unique_ptr<QuantizedCopy> xq;
@@ -248,7 +258,8 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
   if (save_wgrad_input) {
     save_wgrad_input->reset();
     if (r.wgrad != "bf16" && r.fprop != "bf16") {
-      auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop(), x_wgrad_request(r, ids, true), name + " input");
+      auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop(), x_wgrad_request(r, ids, true), name + " input",
+                                nullptr, nullptr, fuse_input ? pending_input : nullptr);
       xq = std::move(both.first);
       *save_wgrad_input = std::move(both.second);
     } else if (r.wgrad != "bf16") {
@@ -283,9 +294,13 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
                      const std::string& name, const QuantizedCopy* saved_wgrad_input,
-                     const QuantizedCopy* saved_dgrad_weight) {
+                     const QuantizedCopy* saved_dgrad_weight, const ActivationSource* pending_dout) {
   if (!inp && (r.wgrad == "bf16" || !saved_wgrad_input))
     throw std::logic_error("linear_backward (" + name + "): no input: the FP32 x or its saved Wgrad copy is needed");
+  // (a pending dout: quantized straight from its op where the combined call below makes both
+  // copies and nothing else reads dout; otherwise the op runs now)
+  const bool fuse_dout = pending_dout && dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" && !stats;
+  if (pending_dout && !fuse_dout) be.run_activation(*pending_dout);
   if (r.dgrad == "bf16" && r.wgrad == "bf16") {
     be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
     return;
@@ -307,9 +322,11 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   // (dbias from the same call: Backend::quantize_with_bias_backward; the same bits as bias_backward)
   std::unique_ptr<QuantizedCopy> dyq, dyc;
   bool dbias_done = false;
-  if (dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" && can_combine(dy_dgrad(), dy_wgrad()))
+  const bool combine = dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" && can_combine(dy_dgrad(), dy_wgrad());
+  if (fuse_dout && !combine) be.run_activation(*pending_dout);
+  if (combine)
     std::tie(dyq, dyc) = quantize_both(be, r, ids.seed, dout, N, OC, dy_dgrad(), dy_wgrad(), name + " output gradient",
-                                       dbias, &dbias_done);
+                                       dbias, &dbias_done, fuse_dout ? pending_dout : nullptr);
   // Dgrad: dx (N,K) = dy (N,OC) . W (OC,K) = dy_rowwise x (W column-wise (K,OC))^T
   if (dinp) {
     if (r.dgrad == "bf16") {

@@ -91,6 +91,12 @@ struct QuantizedCopy {
 // saved_dgrad_weight: the same for W's column-wise Dgrad copy, made in the forward pass from the
 // quantize call that makes W's Fprop copy when both GEMMs are quantized alike (one amax pass and
 // one read of W instead of two of each; W does not change between the passes of a micro-batch).
+// pending_input (forward) / pending_dout (backward): inp / dout is the output of an activation op
+// not yet run. Where the layer's only use of it is one quantize call making both copies (both GEMMs
+// quantized alike, no statistics), that call is Backend::quantize_activation, which may never store
+// it; otherwise the op runs first (Backend::run_activation) and the layer proceeds as usual. Either
+// way the copies, the GEMMs and the bias gradient are the same bits; only inp / dout may be left
+// unwritten.
 // linear_backward WRITES dinp (= dy W; the old contents are ignored) and ADDS to dweight and dbias
 // (+=, the parameter gradients accumulate over micro-batches). Writing dinp lets a quantized Dgrad
 // GEMM run with beta = 0: no zeroing pass before it and no read of the old dinp in its epilogue
@@ -100,11 +106,13 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                     emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats, const std::string& name,
                     std::unique_ptr<QuantizedCopy>* save_wgrad_input = nullptr,
-                    std::unique_ptr<QuantizedCopy>* save_dgrad_weight = nullptr);
+                    std::unique_ptr<QuantizedCopy>* save_dgrad_weight = nullptr,
+                    const ActivationSource* pending_input = nullptr);
 void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
                      const std::string& name, const QuantizedCopy* saved_wgrad_input = nullptr,
-                     const QuantizedCopy* saved_dgrad_weight = nullptr);
+                     const QuantizedCopy* saved_dgrad_weight = nullptr,
+                     const ActivationSource* pending_dout = nullptr);
 
 }  // namespace fp4sim::model

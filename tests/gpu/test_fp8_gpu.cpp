@@ -240,6 +240,111 @@ TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
   std::printf("[fp8-gpu] %d fused quantize + bias gradients bitwise identical\n", checked);
 }
 
+// GELU (forward, or backward with its incoming gradient) computed inside the FP8 tile pass
+// (CudaBackend::quantize_activation) == the GELU kernel, then quantize (or
+// quantize_with_bias_backward), on the GPU, bit for bit: codes, scales, GEMM-layout scales, amax
+// and dbias; for both rounding flags, 1x128 and 128x128 blocks, either copy alone, partial tiles,
+// and specials (NaN, Inf, huge values that saturate). The fused call leaves the op's output buffer
+// as it was (here a NaN pattern).
+TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  auto cuda = make_backend("cuda");
+  struct Case {
+    int64_t R, C;
+    bool row, col, two_d, dbias;
+    test::Fill fill;
+  };
+  const Case cases[] = {{256, 384, true, true, false, true, test::Fill::Gaussian},
+                        {256, 384, true, true, false, false, test::Fill::HeavyTailed},
+                        {128, 200, false, true, false, true, test::Fill::Specials},
+                        {200, 256, true, false, false, false, test::Fill::Gaussian},
+                        {256, 256, true, true, true, false, test::Fill::Specials},
+                        {384, 128, true, true, false, true, test::Fill::HugeTiny}};
+  int checked = 0;
+  for (const Case& k : cases)
+    for (ActivationOp op : {ActivationOp::GeluForward, ActivationOp::GeluBackward})
+      for (bool rb : {true, false}) {
+        const std::string what = std::string(op == ActivationOp::GeluForward ? "forward " : "backward ") +
+                                 test::fill_name(k.fill) + " " + std::to_string(k.R) + "x" + std::to_string(k.C) +
+                                 (k.row ? " row" : "") + (k.col ? " col" : "") + (k.two_d ? " 2D" : "") +
+                                 (k.dbias ? " dbias" : "") + (rb ? " bf16" : " fp32");
+        SCOPED_TRACE(what);
+        const size_t n = static_cast<size_t>(k.R * k.C);
+        std::vector<float> pre = test::make_fill(k.fill, n, 7 + k.R);
+        for (float& v : pre) v *= 3.0f;  // (across GELU's curve, and past FP8's range for HugeTiny)
+        const std::vector<float> dout = test::make_fill(test::Fill::Gaussian, n, 11 + k.C);
+        std::vector<float> dbias0(static_cast<size_t>(k.C));
+        for (size_t i = 0; i < dbias0.size(); ++i) dbias0[i] = 0.125f * static_cast<float>(static_cast<int>(i % 7) - 3);
+        QuantizeConfig qc;
+        qc.format = QFormat::FP8;
+        qc.block_2d = k.two_d;
+        qc.rowwise.enabled = k.row;
+        qc.columnwise.enabled = k.col;
+        struct Out {
+          QuantizedHost row, col;
+          std::vector<float> row_sg, col_sg, dbias, act;
+        };
+        auto go = [&](bool fused) {
+          gpu::set_activation_quantize_fused(fused);
+          Out o;
+          o.row = zero_fp8_host(k.R, k.row ? k.C : kFp8Block);
+          o.col = zero_fp8_host(k.C, k.col ? k.R : kFp8Block);
+          BackendBuffer pb(*cuda, n * 4), db(*cuda, n * 4), ob(*cuda, n * 4), bb(*cuda, dbias0.size() * 4);
+          BackendBuffer rsg(*cuda, o.row.scales.size()), csg(*cuda, o.col.scales.size());
+          cuda->upload(pb.get(), pre.data(), n * 4);
+          cuda->upload(db.get(), dout.data(), n * 4);
+          const std::vector<uint8_t> nan_bytes(n * 4, 0xFF);
+          cuda->upload(ob.get(), nan_bytes.data(), n * 4);
+          cuda->upload(bb.get(), dbias0.data(), dbias0.size() * 4);
+          QuantizedBuffers rq(*cuda, o.row), cq(*cuda, o.col);
+          rq.view.scales_gemm = rsg.as<float>();
+          cq.view.scales_gemm = csg.as<float>();
+          const ActivationSource src{op, pb.as<float>(), db.as<float>(), ob.as<float>(), k.R, k.C, rb, rb, "act"};
+          cuda->quantize_activation(src, qc, k.row ? &rq.view : nullptr, k.col ? &cq.view : nullptr,
+                                    k.dbias ? bb.as<float>() : nullptr);
+          cuda->synchronize();
+          if (k.row) rq.download_to(*cuda, o.row);
+          if (k.col) cq.download_to(*cuda, o.col);
+          o.row_sg.resize(o.row.scales.size() / 4);
+          o.col_sg.resize(o.col.scales.size() / 4);
+          cuda->download(o.row_sg.data(), rsg.get(), o.row.scales.size());
+          cuda->download(o.col_sg.data(), csg.get(), o.col.scales.size());
+          o.dbias.resize(dbias0.size());
+          cuda->download(o.dbias.data(), bb.get(), dbias0.size() * 4);
+          o.act.resize(n);
+          cuda->download(o.act.data(), ob.get(), n * 4);
+          gpu::set_activation_quantize_fused(true);
+          return o;
+        };
+        const uint64_t before = gpu::fused_activation_quantize_count();
+        const Out f = go(true);
+        EXPECT_EQ(gpu::fused_activation_quantize_count(), before + 1) << "the fused path did not run";
+        const Out t = go(false);
+        EXPECT_EQ(gpu::fused_activation_quantize_count(), before + 1) << "the knob did not turn fusion off";
+        if (k.row) test::expect_same_quantized(t.row, f.row, what + " row-wise");
+        if (k.col) test::expect_same_quantized(t.col, f.col, what + " column-wise");
+        if (k.row) {
+          ASSERT_EQ(0, std::memcmp(t.row_sg.data(), f.row_sg.data(), t.row_sg.size() * 4)) << "row GEMM scales";
+        }
+        if (k.col) {
+          ASSERT_EQ(0, std::memcmp(t.col_sg.data(), f.col_sg.data(), t.col_sg.size() * 4)) << "col GEMM scales";
+        }
+        ASSERT_EQ(0, std::memcmp(t.dbias.data(), f.dbias.data(), t.dbias.size() * 4)) << "dbias";
+        uint32_t untouched = 0, written = 0;
+        for (size_t i = 0; i < n; ++i) {
+          uint32_t a, b;
+          std::memcpy(&a, &f.act[i], 4);
+          std::memcpy(&b, &t.act[i], 4);
+          untouched += a == 0xFFFFFFFFu;
+          written += b != 0xFFFFFFFFu;
+        }
+        EXPECT_EQ(untouched, n) << "the fused call wrote the op's output buffer";
+        EXPECT_GT(written, n / 2) << "the composition did not write the op's output";
+        ++checked;
+      }
+  std::printf("[fp8-gpu] %d fused activation quantize calls bitwise identical to the op then quantize\n", checked);
+}
+
 TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");

@@ -164,6 +164,40 @@ TEST(TrainGpu, StatisticsDoNotChangeTraining) {
   std::filesystem::remove_all(dir);
 }
 
+// GELU computed inside the FP8 quantizer (CudaBackend::quantize_activation, the forward activation
+// into c_proj's copies, its gradient into c_fc's output-gradient copies and bias gradient) trains
+// tiny in FP8 bit for bit like the op and the quantizer run one after the other; and the fused
+// path really ran (2 layers x 2 calls a step).
+TEST(TrainGpu, Fp8FusedActivationQuantizeDoesNotChangeTraining) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  const std::string dir = temp_dir("fp8fused");
+  for (const char* gemm : {"cublaslt", "exact"}) {
+    SCOPED_TRACE(gemm);
+    const std::vector<std::string> o = {"train.steps=3", "recipe.name=fp8", std::string("recipe.gemm=") + gemm};
+    auto with_dir = [&](const char* sub) {
+      std::vector<std::string> v = o;
+      v.push_back("train.out_dir=" + dir + "/" + gemm + sub);
+      return tiny(v);
+    };
+    const uint64_t before = gpu::fused_activation_quantize_count();
+    const TrainResult fused = run(with_dir("a"), "cuda");
+    const uint64_t after = gpu::fused_activation_quantize_count();
+    EXPECT_GE(after - before, 3u * 2u * 2u) << "fused calls: 3 steps x 2 layers x (forward + backward)";
+    TrainResult apart;
+    {
+      KnobGuard off([] { gpu::set_activation_quantize_fused(false); }, [] { gpu::set_activation_quantize_fused(true); });
+      apart = run(with_dir("b"), "cuda");
+    }
+    EXPECT_EQ(gpu::fused_activation_quantize_count(), after) << "the knob must turn the fused path off";
+    ASSERT_EQ(fused.steps.size(), apart.steps.size());
+    for (size_t i = 0; i < fused.steps.size(); ++i) {
+      EXPECT_EQ(fused.steps[i].loss, apart.steps[i].loss) << "step " << i + 1;
+      EXPECT_EQ(fused.steps[i].grad_norm, apart.steps[i].grad_norm) << "step " << i + 1;
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // The quantized linear layer on both backends, exact GEMMs: out, dx, dW, dbias bit for bit, for
 // the recipe and its switches.
 TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {

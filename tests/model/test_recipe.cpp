@@ -230,6 +230,55 @@ TEST(Recipe, LinearBackwardWritesDinpAndAccumulatesWeightGradients) {
   }
 }
 
+// A pending activation (linear_forward's pending_input, linear_backward's pending_dout: GELU's
+// output or gradient, not yet computed) gives the layer the bits of running the op first and
+// passing its output, whether the layer hands it to one combined quantize call
+// (Backend::quantize_activation) or runs it itself (a BF16 GEMM, or statistics that read x): the
+// output, dx, dW and db. The buffers the op would write start as NaN, so a read before the op ran
+// shows.
+TEST(Recipe, PendingActivationEqualsRunningItFirst) {
+  auto be = make_cpu_backend();
+  const int64_t N = 128, K = 128, OC = 128;
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> pre(N * K), w(OC * K), bias(OC), fc(N * OC), dact(N * OC);
+  for (auto* v : {&pre, &w, &bias, &fc, &dact})
+    for (auto& e : *v) e = nd(rng);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const char* recipe : {"fp8", "nvfp4", "bf16"})
+    for (bool stats : {false, true}) {
+      RunConfig c = run_with({std::string("recipe.name=") + recipe, "model.d_model=128", "model.d_ff=128", "train.batch=8"});
+      const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 3, 5);
+      ASSERT_EQ(r.fprop, recipe);
+      const LinearIds ids{1, 4, 0, 0, 3};
+      const std::string what = std::string(recipe) + (stats ? " with statistics" : "");
+      auto run = [&](bool pending) {
+        std::vector<float> act(N * K, nan), dfc(N * OC, nan), y(N * OC), dx(N * K), dw(OC * K, 0.5f), db(OC, 0.25f);
+        const ActivationSource fwd{ActivationOp::GeluForward, pre.data(), nullptr, act.data(), N, K, true, false, "act"};
+        const ActivationSource bwd{ActivationOp::GeluBackward, fc.data(), dact.data(), dfc.data(), N, OC, true, true, "dfc"};
+        if (!pending) {
+          be->run_activation(fwd);
+          be->run_activation(bwd);
+        }
+        std::vector<QuantStat> st;
+        std::unique_ptr<QuantizedCopy> saved_x, saved_w;
+        linear_forward(*be, r, ids, y.data(), act.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::BF16,
+                       true, stats ? &st : nullptr, "t", &saved_x, &saved_w, pending ? &fwd : nullptr);
+        linear_backward(*be, r, ids, dx.data(), dw.data(), db.data(), dfc.data(), r.wgrad == "bf16" ? act.data() : nullptr,
+                        w.data(), N, K, OC, emu::GemmPrecision::BF16, stats ? &st : nullptr, "t", saved_x.get(),
+                        saved_w.get(), pending ? &bwd : nullptr);
+        return std::make_tuple(y, dx, dw, db);
+      };
+      const auto [y_a, dx_a, dw_a, db_a] = run(false);
+      const auto [y_b, dx_b, dw_b, db_b] = run(true);
+      EXPECT_FALSE(std::isnan(y_a[0]) || std::isnan(dx_a[0]) || std::isnan(dw_a[0]) || std::isnan(db_a[0])) << what;
+      EXPECT_EQ(0, std::memcmp(y_a.data(), y_b.data(), y_a.size() * 4)) << what << ": output";
+      EXPECT_EQ(0, std::memcmp(dx_a.data(), dx_b.data(), dx_a.size() * 4)) << what << ": dx";
+      EXPECT_EQ(0, std::memcmp(dw_a.data(), dw_b.data(), dw_a.size() * 4)) << what << ": dW";
+      EXPECT_EQ(0, std::memcmp(db_a.data(), db_b.data(), db_a.size() * 4)) << what << ": db";
+    }
+}
+
 // Under weight_2d the Dgrad weight (column-wise copy) is exactly the transpose of the Fprop weight.
 TEST(Recipe, Weight2dDgradCopyIsTheExactTranspose) {
   auto be = make_cpu_backend();
