@@ -92,54 +92,79 @@ __device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, in
 }
 
 // Where the tile kernel's values come from. load4(a, r, c): four consecutive elements of row r from
-// column c as FP32, zeros outside the tensor. kAsync: the source is plain FP32 memory that aligned
-// whole tiles copy straight to shared memory (cp.async, `x`); kPairs: row pairs whose loads the
-// register path issues before any is used; kMinBlocks: the kernel's CTAs per SM (launch bounds).
+// column c as FP32, zeros outside the tensor (the register path: edge and unaligned tiles, and
+// sources without kAsync). kAsync: aligned whole tiles copy `x` (FP32) straight to shared memory
+// by cp.async; then, where kTransform, each thread rewrites its own four values v as
+// transform(v, aux), aux being what prefetch(aux, a, r, c) loaded for row r (issued while the
+// cp.async copies are in flight). kPairs: row pairs whose loads the register path issues before any
+// is used; kMinBlocks: the kernel's CTAs per SM (launch bounds).
 // (3 CTAs per SM holds the FP32 kernel to 40 registers, its smem-limited maximum; the BF16 one,
 // which loads through registers, would spill there, so it gets 2)
+struct Fp8NoAux {};
+
 template <class T>
 struct Fp8MemorySource {
   static constexpr bool kAsync = sizeof(T) == 4;
+  static constexpr bool kTransform = false;
   static constexpr int kPairs = sizeof(T) == 4 ? 1 : 2;
   static constexpr int kMinBlocks = sizeof(T) == 4 ? 3 : 2;
+  using Aux = Fp8NoAux;
   const T* x;
   __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const { return fp8_load4(x, a, r, c); }
+  __device__ __forceinline__ void prefetch(Aux&, const Fp8TileArgs&, int64_t, int64_t) const {}
+  __device__ __forceinline__ float4 transform(const float4& v, const Aux&) const { return v; }
 };
 
 // An activation op computed on the way in (Backend::quantize_activation): the tile holds the op's
 // stored output, the bits gelu_forward_kernel / gelu_backward_kernel write (gpu/activation.cuh),
-// never stored to memory. Inputs dense F32 (a.stride == a.cols, a.vector_ok for both pointers).
+// never stored to memory. Inputs dense F32 (a.stride == a.cols; a.vector_ok covers every pointer).
+// The pre-activation x takes the cp.async path; the backward pass's incoming gradient is
+// prefetched into registers for the warp's 8 rows at once.
 struct Fp8GeluForwardSource {
-  static constexpr bool kAsync = false;
+  static constexpr bool kAsync = true;
+  static constexpr bool kTransform = true;
   static constexpr int kPairs = 1;
   static constexpr int kMinBlocks = 2;
-  const float* inp;
+  using Aux = Fp8NoAux;
+  const float* x;
   bool round_bf16;
+  __device__ __forceinline__ float4 transform(const float4& v, const Aux&) const {
+    return make_float4(gelu_forward_stored(v.x, round_bf16), gelu_forward_stored(v.y, round_bf16),
+                       gelu_forward_stored(v.z, round_bf16), gelu_forward_stored(v.w, round_bf16));
+  }
+  __device__ __forceinline__ void prefetch(Aux&, const Fp8TileArgs&, int64_t, int64_t) const {}
   __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const {
-    const float4 x = fp8_load4(inp, a, r, c);
+    const float4 v = transform(fp8_load4(x, a, r, c), Aux{});
     const bool in_row = r < a.rows;
     // (outside the tensor: zeros, as the memory source's, not gelu(0))
-    return make_float4(in_row && c < a.cols ? gelu_forward_stored(x.x, round_bf16) : 0.0f,
-                       in_row && c + 1 < a.cols ? gelu_forward_stored(x.y, round_bf16) : 0.0f,
-                       in_row && c + 2 < a.cols ? gelu_forward_stored(x.z, round_bf16) : 0.0f,
-                       in_row && c + 3 < a.cols ? gelu_forward_stored(x.w, round_bf16) : 0.0f);
+    return make_float4(in_row && c < a.cols ? v.x : 0.0f, in_row && c + 1 < a.cols ? v.y : 0.0f,
+                       in_row && c + 2 < a.cols ? v.z : 0.0f, in_row && c + 3 < a.cols ? v.w : 0.0f);
   }
 };
 
 struct Fp8GeluBackwardSource {
-  static constexpr bool kAsync = false;
+  static constexpr bool kAsync = true;
+  static constexpr bool kTransform = true;
   static constexpr int kPairs = 1;
   static constexpr int kMinBlocks = 2;
-  const float* inp;
+  using Aux = float4;  // the incoming gradient's four values
+  const float* x;
   const float* dout;
   bool round_bf16, bf16_dout;
+  __device__ __forceinline__ float4 transform(const float4& v, const Aux& d) const {
+    return make_float4(gelu_backward_stored(v.x, d.x, round_bf16, bf16_dout),
+                       gelu_backward_stored(v.y, d.y, round_bf16, bf16_dout),
+                       gelu_backward_stored(v.z, d.z, round_bf16, bf16_dout),
+                       gelu_backward_stored(v.w, d.w, round_bf16, bf16_dout));
+  }
+  __device__ __forceinline__ void prefetch(Aux& d, const Fp8TileArgs& a, int64_t r, int64_t c) const {
+    d = __ldg(reinterpret_cast<const float4*>(dout + r * a.stride + c));
+  }
   __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const {
-    const float4 x = fp8_load4(inp, a, r, c), d = fp8_load4(dout, a, r, c);
+    const float4 v = transform(fp8_load4(x, a, r, c), fp8_load4(dout, a, r, c));
     const bool in_row = r < a.rows;
-    return make_float4(in_row && c < a.cols ? gelu_backward_stored(x.x, d.x, round_bf16, bf16_dout) : 0.0f,
-                       in_row && c + 1 < a.cols ? gelu_backward_stored(x.y, d.y, round_bf16, bf16_dout) : 0.0f,
-                       in_row && c + 2 < a.cols ? gelu_backward_stored(x.z, d.z, round_bf16, bf16_dout) : 0.0f,
-                       in_row && c + 3 < a.cols ? gelu_backward_stored(x.w, d.w, round_bf16, bf16_dout) : 0.0f);
+    return make_float4(in_row && c < a.cols ? v.x : 0.0f, in_row && c + 1 < a.cols ? v.y : 0.0f,
+                       in_row && c + 2 < a.cols ? v.z : 0.0f, in_row && c + 3 < a.cols ? v.w : 0.0f);
   }
 };
 
@@ -187,14 +212,25 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
         const int tr = warp + kFp8Warps * i;
         cp_async16(tile4 + tr * (kFp8Block / 4) + lane, src.x + (r0 + tr) * a.stride + c0 + 4 * lane);
       }
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    FP4SIM_UNROLL
-    for (int k = 0; k < kFp8LinesPerWarp / 2; ++k) {
-      const float lo = take_row(tile4[(warp + kFp8Warps * k) * (kFp8Block / 4) + lane]);
-      const float hi = take_row(tile4[(warp + kFp8Warps * (k + 4)) * (kFp8Block / 4) + lane]);
-      pair_rows(k, lo, hi);
+      cp_async_commit();
+      typename Src::Aux aux[kFp8LinesPerWarp];
+      FP4SIM_UNROLL
+      for (int i = 0; i < kFp8LinesPerWarp; ++i) src.prefetch(aux[i], a, r0 + warp + kFp8Warps * i, c0 + 4 * lane);
+      cp_async_wait<0>();
+      // (each thread reads back, and rewrites, only the 16 bytes it copied: no barrier)
+      FP4SIM_UNROLL
+      for (int k = 0; k < kFp8LinesPerWarp / 2; ++k) {
+        float4* const plo = tile4 + (warp + kFp8Warps * k) * (kFp8Block / 4) + lane;
+        float4* const phi = tile4 + (warp + kFp8Warps * (k + 4)) * (kFp8Block / 4) + lane;
+        float4 vlo = *plo, vhi = *phi;
+        if constexpr (Src::kTransform) {
+          vlo = src.transform(vlo, aux[k]);
+          vhi = src.transform(vhi, aux[k + 4]);
+          *plo = vlo;
+          *phi = vhi;
+        }
+        pair_rows(k, take_row(vlo), take_row(vhi));
+      }
     }
   } else {
     // rows whose loads are issued before any is used (memory parallelism): row pairs (k, k + 4),

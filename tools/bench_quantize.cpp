@@ -264,6 +264,40 @@ void BM_GpuQuantizeFp8(benchmark::State& state) {
 BENCHMARK(BM_GpuQuantizeFp8)->UseManualTime()->Iterations(5)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 
+// GELU (forward; or backward with its incoming gradient and the bias gradient) into FP8 row- and
+// column-wise copies of a 16384x3072 activation (gpt2-124m's MLP, batch 16 x 1024), through
+// CudaBackend::quantize_activation: {op 0 forward / 1 backward, 1 fused in the tile pass / 0 the
+// op kernel then the quantizer}. Bytes: the fused pass's (the op's inputs read once, the copies
+// written), for both rows, so pct_of_copy_bw compares their times.
+void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const int64_t rows = 16384, cols = 3072;
+  const bool backward = state.range(0) != 0, fused = state.range(1) != 0;
+  gpu::CudaBackend be;
+  QuantizeConfig cfg;
+  cfg.format = QFormat::FP8;
+  cfg.rowwise.enabled = cfg.columnwise.enabled = true;
+  const size_t n = static_cast<size_t>(rows * cols);
+  const std::vector<float> pre = gaussian(n, 7), dout = gaussian(n, 8);
+  GpuQuantizeBuffers b(be, pre.data(), rows, cols, DType::F32, QFormat::FP8);
+  BackendBuffer d(be, n * 4), out(be, n * 4), dbias(be, static_cast<size_t>(cols) * 4);
+  be.upload(d.get(), dout.data(), n * 4);
+  be.zero(dbias.get(), static_cast<size_t>(cols) * 4);
+  const ActivationSource src{backward ? ActivationOp::GeluBackward : ActivationOp::GeluForward, b.in.as<float>(),
+                             d.as<float>(), out.as<float>(), rows, cols, true, true, "act"};
+  const double bytes = (backward ? 8.0 : 4.0) * n + 2 * (n + n / 128.0 * 4);
+  gpu::set_activation_quantize_fused(fused);
+  time_against_copy(state, be, b, bytes,
+                    [&]() { be.quantize_activation(src, cfg, &b.rv, &b.cv, backward ? dbias.as<float>() : nullptr); });
+  gpu::set_activation_quantize_fused(true);
+  state.SetLabel(std::string(backward ? "gelu backward + dbias" : "gelu forward") + (fused ? " fused" : " op then quantize"));
+}
+BENCHMARK(BM_GpuQuantizeActivationFp8)->Args({0, 1})->Args({0, 0})->Args({1, 1})->Args({1, 0})->UseManualTime()
+    ->Iterations(5)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+
 #endif
 
 }  // namespace
