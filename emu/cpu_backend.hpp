@@ -19,7 +19,8 @@ inline const float* read_as_bf16(const float* dout, int64_t n, bool bf16_dout, s
   return rounded.data();
 }
 
-class CpuBackend final : public Backend {
+// (not final: tests derive from it, e.g. to fuse as another backend would)
+class CpuBackend : public Backend {
  public:
   std::string name() const override { return "emu"; }
   Device device() const override { return Device::Host; }

@@ -244,8 +244,10 @@ TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
 // (CudaBackend::quantize_activation) == the GELU kernel, then quantize (or
 // quantize_with_bias_backward), on the GPU, bit for bit: codes, scales, GEMM-layout scales, amax
 // and dbias; for both rounding flags, 1x128 and 128x128 blocks, either copy alone, partial tiles,
-// and specials (NaN, Inf, huge values that saturate). The fused call leaves the op's output buffer
-// as it was (here a NaN pattern).
+// specials (NaN, Inf, huge values that saturate) in the input and in the incoming gradient, every
+// combination of round_bf16 and bf16_dout, and inputs the vector loads cannot take (130 columns,
+// pointers one float off 16-byte alignment: the register path's scalar loads). The fused call leaves
+// the op's output buffer as it was (here a NaN pattern).
 TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto cuda = make_backend("cuda");
@@ -253,26 +255,32 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
     int64_t R, C;
     bool row, col, two_d, dbias;
     test::Fill fill;
+    int64_t offset = 0;  // floats the input and gradient pointers sit past an aligned allocation
   };
   const Case cases[] = {{256, 384, true, true, false, true, test::Fill::Gaussian},
                         {256, 384, true, true, false, false, test::Fill::HeavyTailed},
                         {128, 200, false, true, false, true, test::Fill::Specials},
                         {200, 256, true, false, false, false, test::Fill::Gaussian},
                         {256, 256, true, true, true, false, test::Fill::Specials},
-                        {384, 128, true, true, false, true, test::Fill::HugeTiny}};
+                        {384, 128, true, true, false, true, test::Fill::HugeTiny},
+                        {128, 130, false, true, false, true, test::Fill::Specials, 1},
+                        {256, 256, true, true, false, true, test::Fill::Gaussian, 1}};
   int checked = 0;
   for (const Case& k : cases)
     for (ActivationOp op : {ActivationOp::GeluForward, ActivationOp::GeluBackward})
-      for (bool rb : {true, false}) {
+      for (int flags = 0; flags < 4; ++flags) {
+        const bool rb = (flags & 1) != 0, bd = (flags & 2) != 0;
         const std::string what = std::string(op == ActivationOp::GeluForward ? "forward " : "backward ") +
                                  test::fill_name(k.fill) + " " + std::to_string(k.R) + "x" + std::to_string(k.C) +
                                  (k.row ? " row" : "") + (k.col ? " col" : "") + (k.two_d ? " 2D" : "") +
-                                 (k.dbias ? " dbias" : "") + (rb ? " bf16" : " fp32");
+                                 (k.dbias ? " dbias" : "") + (rb ? " bf16-out" : " fp32-out") +
+                                 (bd ? " bf16-dout" : " fp32-dout") + (k.offset ? " unaligned" : "");
         SCOPED_TRACE(what);
         const size_t n = static_cast<size_t>(k.R * k.C);
         std::vector<float> pre = test::make_fill(k.fill, n, 7 + k.R);
         for (float& v : pre) v *= 3.0f;  // (across GELU's curve, and past FP8's range for HugeTiny)
-        const std::vector<float> dout = test::make_fill(test::Fill::Gaussian, n, 11 + k.C);
+        const std::vector<float> dout =
+            test::make_fill(k.fill == test::Fill::Specials ? test::Fill::Specials : test::Fill::Gaussian, n, 11 + k.C);
         std::vector<float> dbias0(static_cast<size_t>(k.C));
         for (size_t i = 0; i < dbias0.size(); ++i) dbias0[i] = 0.125f * static_cast<float>(static_cast<int>(i % 7) - 3);
         QuantizeConfig qc;
@@ -289,17 +297,18 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
           Out o;
           o.row = zero_fp8_host(k.R, k.row ? k.C : kFp8Block);
           o.col = zero_fp8_host(k.C, k.col ? k.R : kFp8Block);
-          BackendBuffer pb(*cuda, n * 4), db(*cuda, n * 4), ob(*cuda, n * 4), bb(*cuda, dbias0.size() * 4);
+          const size_t off = static_cast<size_t>(k.offset);
+          BackendBuffer pb(*cuda, (n + off) * 4), db(*cuda, (n + off) * 4), ob(*cuda, n * 4), bb(*cuda, dbias0.size() * 4);
           BackendBuffer rsg(*cuda, o.row.scales.size()), csg(*cuda, o.col.scales.size());
-          cuda->upload(pb.get(), pre.data(), n * 4);
-          cuda->upload(db.get(), dout.data(), n * 4);
+          cuda->upload(pb.as<float>() + off, pre.data(), n * 4);
+          cuda->upload(db.as<float>() + off, dout.data(), n * 4);
           const std::vector<uint8_t> nan_bytes(n * 4, 0xFF);
           cuda->upload(ob.get(), nan_bytes.data(), n * 4);
           cuda->upload(bb.get(), dbias0.data(), dbias0.size() * 4);
           QuantizedBuffers rq(*cuda, o.row), cq(*cuda, o.col);
           rq.view.scales_gemm = rsg.as<float>();
           cq.view.scales_gemm = csg.as<float>();
-          const ActivationSource src{op, pb.as<float>(), db.as<float>(), ob.as<float>(), k.R, k.C, rb, rb, "act"};
+          const ActivationSource src{op, pb.as<float>() + off, db.as<float>() + off, ob.as<float>(), k.R, k.C, rb, bd, "act"};
           cuda->quantize_activation(src, qc, k.row ? &rq.view : nullptr, k.col ? &cq.view : nullptr,
                                     k.dbias ? bb.as<float>() : nullptr);
           cuda->synchronize();

@@ -14,6 +14,7 @@
 #include <set>
 #include <tuple>
 
+#include "emu/cpu_backend.hpp"
 #include "model/gpt.hpp"
 #include "model/linear.hpp"
 #include "model/trainer.hpp"
@@ -230,14 +231,32 @@ TEST(Recipe, LinearBackwardWritesDinpAndAccumulatesWeightGradients) {
   }
 }
 
+// The emulator fusing as the CUDA backend does for FP8: quantize_activation never writes src.out
+// (the op's output goes to a scratch of its own), so a read of the pending buffer after the
+// quantize call sees the caller's fill.
+class FusingCpuBackend : public emu::CpuBackend {
+ public:
+  void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                           QuantizedView* columnwise, float* dbias) override {
+    std::vector<float> own(static_cast<size_t>(src.rows * src.cols));
+    ActivationSource s = src;
+    s.out = own.data();
+    Backend::quantize_activation(s, cfg, rowwise, columnwise, dbias);
+    ++fused;
+  }
+  int fused = 0;
+};
+
 // A pending activation (linear_forward's pending_input, linear_backward's pending_dout: GELU's
 // output or gradient, not yet computed) gives the layer the bits of running the op first and
 // passing its output, whether the layer hands it to one combined quantize call
-// (Backend::quantize_activation) or runs it itself (a BF16 GEMM, or statistics that read x): the
-// output, dx, dW and db. The buffers the op would write start as NaN, so a read before the op ran
-// shows.
+// (Backend::quantize_activation, here one that never writes the op's output, as the CUDA
+// backend's) or runs it itself (a BF16 GEMM, copies of different formats, or statistics that read
+// x): the output, dx, dW and db. The buffers the op would write start as NaN, so any read of them
+// that the op did not precede shows.
 TEST(Recipe, PendingActivationEqualsRunningItFirst) {
-  auto be = make_cpu_backend();
+  FusingCpuBackend fusing;
+  emu::CpuBackend plain;
   const int64_t N = 128, K = 128, OC = 128;
   std::mt19937 rng(21);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -245,37 +264,56 @@ TEST(Recipe, PendingActivationEqualsRunningItFirst) {
   for (auto* v : {&pre, &w, &bias, &fc, &dact})
     for (auto& e : *v) e = nd(rng);
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (const char* recipe : {"fp8", "nvfp4", "bf16"})
+  struct Case {
+    const char* recipe;
+    std::vector<std::string> extra;
+    int fused;  // quantize_activation calls expected without statistics
+  };
+  const std::string ov = "recipe.override.h.0.mlp.c_proj.";
+  const Case cases[] = {{"fp8", {}, 2},
+                        {"nvfp4", {}, 2},
+                        {"bf16", {}, 0},
+                        {"nvfp4", {ov + "wgrad=mxfp4"}, 0},  // copies of two formats: the op runs first
+                        {"nvfp4", {ov + "fprop=bf16"}, 1},   // forward runs the op, backward fuses
+                        {"fp8", {ov + "dgrad=bf16"}, 1}};    // the reverse
+  for (const Case& k : cases)
     for (bool stats : {false, true}) {
-      RunConfig c = run_with({std::string("recipe.name=") + recipe, "model.d_model=128", "model.d_ff=128", "train.batch=8"});
+      std::vector<std::string> o = {std::string("recipe.name=") + k.recipe, "model.d_model=128", "model.d_ff=128",
+                                    "train.batch=8"};
+      o.insert(o.end(), k.extra.begin(), k.extra.end());
+      RunConfig c = run_with(o);
       const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 3, 5);
-      ASSERT_EQ(r.fprop, recipe);
       const LinearIds ids{1, 4, 0, 0, 3};
-      const std::string what = std::string(recipe) + (stats ? " with statistics" : "");
-      auto run = [&](bool pending) {
+      const std::string what = std::string(k.recipe) + (k.extra.empty() ? "" : " " + k.extra[0]) +
+                               (stats ? " with statistics" : "");
+      SCOPED_TRACE(what);
+      auto run = [&](Backend& be, bool pending) {
         std::vector<float> act(N * K, nan), dfc(N * OC, nan), y(N * OC), dx(N * K), dw(OC * K, 0.5f), db(OC, 0.25f);
         const ActivationSource fwd{ActivationOp::GeluForward, pre.data(), nullptr, act.data(), N, K, true, false, "act"};
         const ActivationSource bwd{ActivationOp::GeluBackward, fc.data(), dact.data(), dfc.data(), N, OC, true, true, "dfc"};
         if (!pending) {
-          be->run_activation(fwd);
-          be->run_activation(bwd);
+          be.run_activation(fwd);
+          be.run_activation(bwd);
         }
         std::vector<QuantStat> st;
         std::unique_ptr<QuantizedCopy> saved_x, saved_w;
-        linear_forward(*be, r, ids, y.data(), act.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::BF16,
+        linear_forward(be, r, ids, y.data(), act.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::BF16,
                        true, stats ? &st : nullptr, "t", &saved_x, &saved_w, pending ? &fwd : nullptr);
-        linear_backward(*be, r, ids, dx.data(), dw.data(), db.data(), dfc.data(), r.wgrad == "bf16" ? act.data() : nullptr,
+        // (the model passes the FP32 input only where the Wgrad GEMM is BF16: linear_input)
+        linear_backward(be, r, ids, dx.data(), dw.data(), db.data(), dfc.data(), r.wgrad == "bf16" ? act.data() : nullptr,
                         w.data(), N, K, OC, emu::GemmPrecision::BF16, stats ? &st : nullptr, "t", saved_x.get(),
                         saved_w.get(), pending ? &bwd : nullptr);
         return std::make_tuple(y, dx, dw, db);
       };
-      const auto [y_a, dx_a, dw_a, db_a] = run(false);
-      const auto [y_b, dx_b, dw_b, db_b] = run(true);
-      EXPECT_FALSE(std::isnan(y_a[0]) || std::isnan(dx_a[0]) || std::isnan(dw_a[0]) || std::isnan(db_a[0])) << what;
-      EXPECT_EQ(0, std::memcmp(y_a.data(), y_b.data(), y_a.size() * 4)) << what << ": output";
-      EXPECT_EQ(0, std::memcmp(dx_a.data(), dx_b.data(), dx_a.size() * 4)) << what << ": dx";
-      EXPECT_EQ(0, std::memcmp(dw_a.data(), dw_b.data(), dw_a.size() * 4)) << what << ": dW";
-      EXPECT_EQ(0, std::memcmp(db_a.data(), db_b.data(), db_a.size() * 4)) << what << ": db";
+      const auto [y_a, dx_a, dw_a, db_a] = run(plain, false);
+      const int before = fusing.fused;
+      const auto [y_b, dx_b, dw_b, db_b] = run(fusing, true);
+      EXPECT_EQ(fusing.fused - before, stats ? 0 : k.fused) << "quantize_activation calls";
+      EXPECT_FALSE(std::isnan(y_a[0]) || std::isnan(dx_a[0]) || std::isnan(dw_a[0]) || std::isnan(db_a[0]));
+      EXPECT_EQ(0, std::memcmp(y_a.data(), y_b.data(), y_a.size() * 4)) << "output";
+      EXPECT_EQ(0, std::memcmp(dx_a.data(), dx_b.data(), dx_a.size() * 4)) << "dx";
+      EXPECT_EQ(0, std::memcmp(dw_a.data(), dw_b.data(), dw_a.size() * 4)) << "dW";
+      EXPECT_EQ(0, std::memcmp(db_a.data(), db_b.data(), db_a.size() * 4)) << "db";
     }
 }
 
