@@ -124,7 +124,7 @@ struct Fp8GeluForwardSource {
   static constexpr bool kAsync = true;
   static constexpr bool kTransform = true;
   static constexpr int kPairs = 1;
-  static constexpr int kMinBlocks = 2;
+  static constexpr int kMinBlocks = 3;
   using Aux = Fp8NoAux;
   const float* x;
   bool round_bf16;
