@@ -180,6 +180,25 @@ class Backend {
     if (dbias) quantize_with_bias_backward(v, cfg, rowwise, columnwise, dbias);
     else quantize(v, cfg, rowwise, columnwise);
   }
+  // run_activation(src), then matmul_forward(out, src.out, weight, bias, src.rows, src.cols, OC, prec,
+  // round_bf16): a BF16 linear layer whose input an activation op makes. src.out is written (the
+  // backward pass reads it); a backend may make the GEMM's operand in the op's pass instead of
+  // reading src.out back (the CUDA backend does at BF16 precision). The same bits either way.
+  virtual void matmul_forward_activation(float* out, const ActivationSource& src, const float* weight,
+                                         const float* bias, int64_t OC, emu::GemmPrecision prec, bool round_bf16) {
+    run_activation(src);
+    matmul_forward(out, src.out, weight, bias, src.rows, src.cols, OC, prec, round_bf16);
+  }
+  // run_activation(src), then matmul_backward(dinp, dweight, dbias, src.out, inp, weight, src.rows, K,
+  // src.cols, prec): a BF16 linear layer's backward pass whose output gradient an activation's
+  // backward pass makes. A backend may take the GEMMs' operand and the bias gradient's sums in the
+  // op's pass and leave src.out unwritten (the CUDA backend does at BF16 precision with a bias). The
+  // same bits either way.
+  virtual void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
+                                          const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) {
+    run_activation(src);
+    matmul_backward(dinp, dweight, dbias, src.out, inp, weight, src.rows, K, src.cols, prec);
+  }
   // lse (B,NH,T): the saved log-sum-exp rows, not the (B,NH,T,T) probabilities; prec FP32 (no
   // BF16 operand rounding) is for gradient checks on the emulator only (emu/layers.hpp); out
   // BF16-rounded when round_bf16 (lse never)

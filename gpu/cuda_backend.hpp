@@ -118,6 +118,12 @@ class CudaBackend final : public Backend {
   // Backend's composition. The same bits either way.
   void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
                            QuantizedView* columnwise, float* dbias) override;
+  // BF16 precision: GELU's pass writes the GEMM's BF16 operand too (forward) or instead of the
+  // gradient (backward, with a bias: with the bias gradient's sums); else Backend's composition.
+  void matmul_forward_activation(float* out, const ActivationSource& src, const float* weight, const float* bias,
+                                 int64_t OC, emu::GemmPrecision prec, bool round_bf16) override;
+  void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
+                                  const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) override;
   void round_to_bf16(float* x, int64_t n) override;
   void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override;
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
@@ -251,9 +257,13 @@ uint64_t fused_bias_backward_count();
 // Test hook: how many CudaBackend::quantize_activation calls computed the activation inside the FP8
 // tile pass (src.out left unwritten) in this process.
 uint64_t fused_activation_quantize_count();
-// Test hook: whether CudaBackend::quantize_activation may fuse (default true); off, it always runs
-// Backend's composition (the op, then quantize). Results are identical; only speed differs.
-void set_activation_quantize_fused(bool on);
+// Test hook: how many CudaBackend::matmul_forward_activation / matmul_backward_activation calls
+// computed the activation in the pass that makes the BF16 GEMM operand, in this process.
+uint64_t fused_activation_matmul_count();
+// Test and benchmark knob: whether CudaBackend::quantize_activation, matmul_forward_activation and
+// matmul_backward_activation may fuse (default true); off, they run Backend's compositions (the op,
+// then the quantizer or the matmul). Results are identical; only speed differs.
+void set_activation_fusion(bool on);
 // Test hook: how many CudaBackend::matmul_backward calls at BF16 precision took dout's BF16 copy and
 // the bias gradient's column sums from one pass (round_to_bf16_column_partial_kernel) in this process.
 uint64_t fused_matmul_bias_count();

@@ -170,6 +170,7 @@ struct Fp8GeluBackwardSource {
 
 template <class Src>
 __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize_tile_kernel(Src src, Fp8TileArgs a) {
+  static_assert(Src::kAsync || !Src::kTransform, "a transforming source needs kAsync: the rewrite is on the cp.async path");
   extern __shared__ float4 tile4[];  // [128][32] float4 = [128][128] floats
   const float* tile = reinterpret_cast<const float*>(tile4);
   __shared__ float warp_partial[kFp8Warps];

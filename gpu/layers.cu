@@ -447,16 +447,37 @@ __global__ void column_partial_kernel(float* partial, const float* dout, int64_t
 // adjacent columns a thread (C even, dout 8-byte and h 4-byte aligned): dout is read once instead
 // of twice. Rows are loaded 16 at a time before any is used (__restrict__: the stores into h
 // cannot alias them), so a thread has 16 loads in flight rather than one. The same sums in the
-// same order and the same roundings: the same bits.
-__global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, float* __restrict__ partial,
-                                                    const float* __restrict__ dout, int64_t N, int64_t C) {
+// same order and the same roundings: the same bits. Src::load2(n, c): dout's elements (n, c) and
+// (n, c + 1): from memory, or computed by an activation's backward pass (then never stored).
+struct Bf16PairMemory {
+  const float* __restrict__ dout;
+  __device__ __forceinline__ float2 load2(int64_t n, int64_t c, int64_t C) const {
+    return __ldg(reinterpret_cast<const float2*>(dout + n * C + c));
+  }
+};
+// GELU's input gradient as gelu_backward_kernel stores it (gpu/activation.cuh), from the
+// pre-activation and the incoming gradient (both 8-byte aligned).
+struct Bf16PairGeluBackward {
+  const float* __restrict__ inp;
+  const float* __restrict__ dout;
+  bool round_bf16, bf16_dout;
+  __device__ __forceinline__ float2 load2(int64_t n, int64_t c, int64_t C) const {
+    const float2 x = __ldg(reinterpret_cast<const float2*>(inp + n * C + c));
+    const float2 d = __ldg(reinterpret_cast<const float2*>(dout + n * C + c));
+    return make_float2(gelu_backward_stored(x.x, d.x, round_bf16, bf16_dout),
+                       gelu_backward_stored(x.y, d.y, round_bf16, bf16_dout));
+  }
+};
+
+template <class Src>
+__global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, float* __restrict__ partial, Src src,
+                                                    int64_t N, int64_t C) {
   const int64_t c = 2 * (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
   if (c >= C) return;
   const int64_t k = blockIdx.x;
   const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   constexpr int kAhead = 16;
   float s0 = 0.0f, s1 = 0.0f;
-  auto load = [&](int64_t n) { return __ldg(reinterpret_cast<const float2*>(dout + n * C + c)); };
   // row n's pair into the sums and the BF16 copy
   auto take = [&](int64_t n, float2 v) {
     s0 = __fadd_rn(s0, v.x);
@@ -468,13 +489,24 @@ __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, fl
   for (; n + kAhead <= n1; n += kAhead) {
     float2 v[kAhead];
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) v[u] = load(n + u);
+    for (int u = 0; u < kAhead; ++u) v[u] = src.load2(n + u, c, C);
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) take(n + u, v[u]);
   }
-  for (; n < n1; ++n) take(n, load(n));
+  for (; n < n1; ++n) take(n, src.load2(n, c, C));
   partial[k * C + c] = s0;
   partial[k * C + c + 1] = s1;
+}
+
+// gelu_forward_kernel that also writes the stored values' BF16 bits (h), the GEMM operand
+// round_to_bf16_kernel would make from out: the same bits, one pass.
+__global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const float* inp, int64_t n, bool round_bf16) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = gelu_forward_stored(inp[j], round_bf16);
+    out[j] = v;
+    h[j] = bf16_rne(v);
+  }
 }
 
 // ---- RoPE -------------------------------------------------------------------------------------
@@ -789,7 +821,8 @@ void set_crossentropy_cached(bool on) { g_crossentropy_cached = on; }
 namespace {
 uint64_t g_fused_bias_backward = 0;  // fused_bias_backward_count
 uint64_t g_fused_activation_quantize = 0;  // fused_activation_quantize_count
-bool g_activation_quantize_fused = true;   // set_activation_quantize_fused
+uint64_t g_fused_activation_matmul = 0;    // fused_activation_matmul_count
+bool g_activation_fusion = true;           // set_activation_fusion
 uint64_t g_fused_matmul_bias = 0;    // fused_matmul_bias_count
 int g_matmul_pick = kPlanOwnPick;  // set_matmul_heuristic_pick
 MatmulPlanPick g_last_matmul_pick;  // last_matmul_plan_pick
@@ -1159,7 +1192,7 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
     uint16_t* h = st.bf16_a.get<uint16_t>(static_cast<size_t>(N * OC), stream_);
     float* partial = st.columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
     const dim3 grid(static_cast<unsigned>(column_chunks(N)), static_cast<unsigned>((OC / 2 + kThreads - 1) / kThreads));
-    round_to_bf16_column_partial_kernel<<<grid, kThreads, 0, stream_>>>(h, partial, dout, N, OC);
+    round_to_bf16_column_partial_kernel<<<grid, kThreads, 0, stream_>>>(h, partial, Bf16PairMemory{dout}, N, OC);
     FP4SIM_CUDA_CHECK_LAUNCH();
     column_sums_finalize(dbias, partial, N, OC, true, stream_);
     matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
@@ -1197,6 +1230,52 @@ void CudaBackend::matmul_backward_bf16_dout(float* dinp, float* dweight, const u
     dy = wide;
   }
   matmul_backward_gemms(dinp, dweight, dy, inp, weight, N, K, OC, prec);
+}
+
+// BF16 precision: GELU's pass also writes the GEMM's BF16 operand (out's bits are the op's, src.out
+// is written as gelu_forward would); then the matmul as matmul_forward. Else Backend's composition.
+void CudaBackend::matmul_forward_activation(float* out, const ActivationSource& src, const float* weight,
+                                           const float* bias, int64_t OC, emu::GemmPrecision prec, bool round_bf16) {
+  const int64_t N = src.rows, K = src.cols;
+  if (!g_activation_fusion || prec != emu::GemmPrecision::BF16 || src.op != ActivationOp::GeluForward || N == 0 ||
+      K == 0 || OC == 0) {
+    Backend::matmul_forward_activation(out, src, weight, bias, OC, prec, round_bf16);
+    return;
+  }
+  LayersState& st = layers_state();
+  uint16_t* x = st.bf16_b.get<uint16_t>(static_cast<size_t>(N * K), stream_);
+  gelu_forward_bf16_copy_kernel<<<elementwise_grid(N * K), kThreads, 0, stream_>>>(src.out, x, src.inp, N * K,
+                                                                                  src.round_bf16);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  const void* w = gemm_operand(st.bf16_a, weight, OC * K, prec, stream_);
+  lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f, stream_);
+  if (bias) add_bias(out, bias, N, OC, round_bf16, stream_);
+  else if (round_bf16) round_to_bf16(out, N * OC);
+  ++g_fused_activation_matmul;
+}
+
+// BF16 precision with a bias (matmul_backward's fused case): the GEMMs' BF16 operand and the bias
+// gradient's chunk sums computed from GELU's backward pass, src.out never written. Else Backend's
+// composition.
+void CudaBackend::matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
+                                            const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) {
+  const int64_t N = src.rows, OC = src.cols;
+  if (!g_activation_fusion || !dbias || prec != emu::GemmPrecision::BF16 || src.op != ActivationOp::GeluBackward ||
+      N == 0 || K == 0 || OC % 2 != 0 || reinterpret_cast<uintptr_t>(src.inp) % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(src.dout) % 8 != 0) {
+    Backend::matmul_backward_activation(dinp, dweight, dbias, src, inp, weight, K, prec);
+    return;
+  }
+  LayersState& st = layers_state();
+  uint16_t* h = st.bf16_a.get<uint16_t>(static_cast<size_t>(N * OC), stream_);
+  float* partial = st.columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
+  const dim3 grid(static_cast<unsigned>(column_chunks(N)), static_cast<unsigned>((OC / 2 + kThreads - 1) / kThreads));
+  round_to_bf16_column_partial_kernel<<<grid, kThreads, 0, stream_>>>(
+      h, partial, Bf16PairGeluBackward{src.inp, src.dout, src.round_bf16, src.bf16_dout}, N, OC);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  column_sums_finalize(dbias, partial, N, OC, true, stream_);
+  matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
+  ++g_fused_activation_matmul;
 }
 
 // The kernels are in gpu/attention.cu; here the checks and the backward pass's scratch.
@@ -1304,7 +1383,8 @@ void CudaBackend::bias_backward(float* dbias, const float* dout, int64_t N, int6
 
 uint64_t fused_bias_backward_count() { return g_fused_bias_backward; }
 uint64_t fused_activation_quantize_count() { return g_fused_activation_quantize; }
-void set_activation_quantize_fused(bool on) { g_activation_quantize_fused = on; }
+uint64_t fused_activation_matmul_count() { return g_fused_activation_matmul; }
+void set_activation_fusion(bool on) { g_activation_fusion = on; }
 uint64_t fused_matmul_bias_count() { return g_fused_matmul_bias; }
 
 // FP8 with a column-wise copy of a dense F32 x whose rows fill whole 128-row tiles: the tile pass
@@ -1344,7 +1424,7 @@ void CudaBackend::quantize_with_bias_backward(const TensorView& x, const Quantiz
 
 void CudaBackend::quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
                                       QuantizedView* columnwise, float* dbias) {
-  const bool fused = g_activation_quantize_fused && cfg.format == QFormat::FP8 && src.rows * src.cols > 0 &&
+  const bool fused = g_activation_fusion && cfg.format == QFormat::FP8 && src.rows * src.cols > 0 &&
                      (!cfg.columnwise.enabled || src.rows % kFp8Block == 0) && (!dbias || cfg.columnwise.enabled) &&
                      !(rowwise && rowwise->decoded_bf16) && !(columnwise && columnwise->decoded_bf16);
   if (!fused) {

@@ -250,7 +250,11 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
   // nothing else reads x; otherwise the op runs now
   const bool fuse_input = pending_input && save_wgrad_input && r.wgrad != "bf16" && r.fprop != "bf16" && !stats &&
                           can_combine(x_fprop(), x_wgrad_request(r, ids, true));
-  if (pending_input && !fuse_input) be.run_activation(*pending_input);
+  // (a BF16 layer: Backend::matmul_forward_activation, which writes x too for the backward pass)
+  const bool fuse_bf16_input = pending_input && r.fprop == "bf16" && r.wgrad == "bf16";
+  if (pending_input && (pending_input->rows != N || pending_input->cols != K))
+    throw std::logic_error("linear_forward (" + name + "): the pending input's shape is not N x K");
+  if (pending_input && !fuse_input && !fuse_bf16_input) be.run_activation(*pending_input);
   // the Wgrad operand x^T, quantized now so the backward pass needs no FP32 copy of x; with a
   // quantized Fprop too, both copies come from one quantize call
   std::unique_ptr<QuantizedCopy> xq;
@@ -267,7 +271,8 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
     }
   }
   if (r.fprop == "bf16") {
-    be.matmul_forward(out, inp, weight, bias, N, K, OC, prec, round_bf16);
+    if (fuse_bf16_input) be.matmul_forward_activation(out, *pending_input, weight, bias, OC, prec, round_bf16);
+    else be.matmul_forward(out, inp, weight, bias, N, K, OC, prec, round_bf16);
     return;
   }
   if (!xq) xq = quantize_copy(be, r, ids.seed, inp, N, K, x_fprop(), name + " input");
@@ -300,9 +305,14 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   // (a pending dout: quantized straight from its op where the combined call below makes both
   // copies and nothing else reads dout; otherwise the op runs now)
   const bool fuse_dout = pending_dout && dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" && !stats;
-  if (pending_dout && !fuse_dout) be.run_activation(*pending_dout);
+  // (both GEMMs BF16: Backend::matmul_backward_activation)
+  const bool fuse_bf16_dout = pending_dout && r.dgrad == "bf16" && r.wgrad == "bf16";
+  if (pending_dout && (pending_dout->rows != N || pending_dout->cols != OC))
+    throw std::logic_error("linear_backward (" + name + "): the pending output gradient's shape is not N x OC");
+  if (pending_dout && !fuse_dout && !fuse_bf16_dout) be.run_activation(*pending_dout);
   if (r.dgrad == "bf16" && r.wgrad == "bf16") {
-    be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
+    if (fuse_bf16_dout) be.matmul_backward_activation(dinp, dweight, dbias, *pending_dout, inp, weight, K, prec);
+    else be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
     return;
   }
   GemmConfig acc;  // Wgrad: D = alpha' * A B^T + 1 * D, the += of matmul_backward in the epilogue

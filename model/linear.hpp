@@ -94,9 +94,10 @@ struct QuantizedCopy {
 // pending_input (forward) / pending_dout (backward): inp / dout is the output of an activation op
 // not yet run. Where the layer's only use of it is one quantize call making both copies (both GEMMs
 // quantized alike, no statistics), that call is Backend::quantize_activation, which may never store
-// it; otherwise the op runs first (Backend::run_activation) and the layer proceeds as usual. Either
-// way the copies, the GEMMs and the bias gradient are the same bits; only inp / dout may be left
-// unwritten.
+// it; where both of the pass's GEMMs are BF16, the pass is Backend::matmul_forward_activation (which
+// stores inp) / matmul_backward_activation (which may never store dout); otherwise the op runs first
+// (Backend::run_activation) and the layer proceeds as usual. Either way the copies, the GEMMs and
+// the bias gradient are the same bits; only dout, and inp where quantized, may be left unwritten.
 // linear_backward WRITES dinp (= dy W; the old contents are ignored) and ADDS to dweight and dbias
 // (+=, the parameter gradients accumulate over micro-batches). Writing dinp lets a quantized Dgrad
 // GEMM run with beta = 0: no zeroing pass before it and no read of the old dinp in its epilogue

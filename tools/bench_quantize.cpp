@@ -289,10 +289,10 @@ void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
   const ActivationSource src{backward ? ActivationOp::GeluBackward : ActivationOp::GeluForward, b.in.as<float>(),
                              d.as<float>(), out.as<float>(), rows, cols, true, true, "act"};
   const double bytes = (backward ? 8.0 : 4.0) * n + 2 * (n + n / 128.0 * 4);
-  gpu::set_activation_quantize_fused(fused);
+  gpu::set_activation_fusion(fused);
   time_against_copy(state, be, b, bytes,
                     [&]() { be.quantize_activation(src, cfg, &b.rv, &b.cv, backward ? dbias.as<float>() : nullptr); });
-  gpu::set_activation_quantize_fused(true);
+  gpu::set_activation_fusion(true);
   state.SetLabel(std::string(backward ? "gelu backward + dbias" : "gelu forward") + (fused ? " fused" : " op then quantize"));
 }
 BENCHMARK(BM_GpuQuantizeActivationFp8)->Args({0, 1})->Args({0, 0})->Args({1, 1})->Args({1, 0})->UseManualTime()

@@ -293,7 +293,7 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
           std::vector<float> row_sg, col_sg, dbias, act;
         };
         auto go = [&](bool fused) {
-          gpu::set_activation_quantize_fused(fused);
+          gpu::set_activation_fusion(fused);
           Out o;
           o.row = zero_fp8_host(k.R, k.row ? k.C : kFp8Block);
           o.col = zero_fp8_host(k.C, k.col ? k.R : kFp8Block);
@@ -322,7 +322,7 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
           cuda->download(o.dbias.data(), bb.get(), dbias0.size() * 4);
           o.act.resize(n);
           cuda->download(o.act.data(), ob.get(), n * 4);
-          gpu::set_activation_quantize_fused(true);
+          gpu::set_activation_fusion(true);
           return o;
         };
         const uint64_t before = gpu::fused_activation_quantize_count();

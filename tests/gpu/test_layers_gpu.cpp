@@ -589,6 +589,86 @@ TEST(LayersGpu, MatmulBackwardBf16BiasFusedEqualsSeparate) {
   }
 }
 
+// A BF16 linear layer whose input GELU makes (matmul_forward_activation) and whose output gradient
+// GELU's backward pass makes (matmul_backward_activation), fused on the GPU (the GEMM operand
+// written by the op's pass; backward: with the bias gradient's sums, the gradient never stored) ==
+// the op kernel then matmul_forward / matmul_backward, bit for bit: out and the stored activation;
+// dinp, dweight, dbias, and the backward's output buffer left as it was. Specials in the
+// pre-activation and the incoming gradient; both rounding flags; shapes with partial 64-row chunks,
+// odd widths and a misaligned pointer (those two take the composition: counted).
+TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(5150);
+  struct Shape {
+    int64_t N, K, OC;
+    bool misaligned, bwd_fused;
+  };
+  for (const Shape s : {Shape{200, 96, 64, false, true}, Shape{130, 64, 48, false, true}, Shape{64, 45, 33, false, false},
+                        Shape{128, 64, 96, true, false}}) {
+    for (bool rb : {true, false}) {
+      const int64_t N = s.N, K = s.K, OC = s.OC;
+      const std::string tag = std::to_string(N) + "x" + std::to_string(K) + "x" + std::to_string(OC) +
+                              (s.misaligned ? " misaligned" : "") + (rb ? " bf16" : " fp32");
+      // forward: out (N, OC) = gelu(pre (N, K)) W^T + b
+      Vec pre = randn(sz(N * K), rng, 2.0f), w = randn(sz(OC * K), rng, 0.3f), b = randn(sz(OC), rng);
+      pre[3] = kInf;
+      pre[sz(K + 1)] = -kInf;
+      pre[sz(2 * K + 2)] = kNaN;
+      auto fwd = [&](bool fused) {
+        gpu::set_activation_fusion(fused);
+        const Outputs o = run(*be.cuda, [&](Backend& bk, Call& c) {
+          float* out = c.out(Vec(sz(N * OC), kNaN));
+          float* act = c.out(Vec(sz(N * K), kNaN));
+          const ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, rb, false, "act"};
+          bk.matmul_forward_activation(out, src, c.in(w), c.in(b), OC, emu::GemmPrecision::BF16, rb);
+        });
+        gpu::set_activation_fusion(true);
+        return o;
+      };
+      uint64_t before = gpu::fused_activation_matmul_count();
+      const Outputs ff = fwd(true);
+      EXPECT_EQ(gpu::fused_activation_matmul_count(), before + 1) << tag << ": forward fused path";
+      const Outputs fs = fwd(false);
+      expect_bitwise("matmul_forward_activation out " + tag, fs[0], ff[0]);
+      expect_bitwise("matmul_forward_activation act " + tag, fs[1], ff[1]);
+      // backward: dout (N, OC) = gelu'(fc) * dact; dinp (N, K), dW (OC, K) +=, db (OC) +=
+      Vec fc = randn(sz(N * OC), rng, 2.0f), dact = randn(sz(N * OC), rng), x = randn(sz(N * K), rng),
+          dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
+      fc[5] = kNaN;
+      dact[sz(OC + 7)] = kInf;
+      Vec fc_buf = fc, dact_buf = dact;
+      if (s.misaligned) dact_buf.insert(dact_buf.begin(), 0.0f);
+      auto bwd = [&](bool fused) {
+        gpu::set_activation_fusion(fused);
+        const Outputs o = run(*be.cuda, [&](Backend& bk, Call& c) {
+          float* dinp = c.out(Vec(sz(N * K), kNaN));
+          float* dw = c.out(dw0);
+          float* db = c.out(db0);
+          float* dfc = c.out(Vec(sz(N * OC), kNaN));
+          const ActivationSource src{ActivationOp::GeluBackward, c.in(fc_buf), c.in(dact_buf) + (s.misaligned ? 1 : 0),
+                                     dfc, N, OC, rb, rb, "dfc"};
+          bk.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, emu::GemmPrecision::BF16);
+        });
+        gpu::set_activation_fusion(true);
+        return o;
+      };
+      before = gpu::fused_activation_matmul_count();
+      const Outputs bf = bwd(true);
+      EXPECT_EQ(gpu::fused_activation_matmul_count(), before + (s.bwd_fused ? 1 : 0)) << tag << ": backward fused path";
+      const Outputs bs = bwd(false);
+      expect_bitwise("matmul_backward_activation dinp " + tag, bs[0], bf[0]);
+      expect_bitwise("matmul_backward_activation dweight " + tag, bs[1], bf[1]);
+      expect_bitwise("matmul_backward_activation dbias " + tag, bs[2], bf[2]);
+      if (s.bwd_fused) {
+        size_t untouched = 0;
+        for (float v : bf[3]) untouched += f32_bits(v) == f32_bits(kNaN);
+        EXPECT_EQ(untouched, bf[3].size()) << tag << ": the fused backward wrote the gradient buffer";
+      }
+    }
+  }
+}
+
 // Operands that BF16 rounding changes and that every accumulation order sums exactly: both
 // backends give the same bits, and BF16 differs from FP32 (the rounding happened, on both).
 TEST(LayersGpu, MatmulBf16RoundsOperandsExactly) {

@@ -164,31 +164,42 @@ TEST(TrainGpu, StatisticsDoNotChangeTraining) {
   std::filesystem::remove_all(dir);
 }
 
-// GELU computed inside the FP8 quantizer (CudaBackend::quantize_activation, the forward activation
-// into c_proj's copies, its gradient into c_fc's output-gradient copies and bias gradient) trains
-// tiny in FP8 bit for bit like the op and the quantizer run one after the other; and the fused
-// path really ran (2 layers x 2 calls a step).
-TEST(TrainGpu, Fp8FusedActivationQuantizeDoesNotChangeTraining) {
+// GELU computed inside the pass that makes the next GEMM's operand trains tiny bit for bit like the
+// op and that pass run one after the other (set_activation_fusion(false)): in FP8 (cuBLASLt and
+// exact GEMMs) inside the quantizer (CudaBackend::quantize_activation: the forward activation into
+// c_proj's copies, its gradient into c_fc's output-gradient copies and bias gradient), in BF16
+// inside the operand copy (matmul_forward_activation / matmul_backward_activation); and the fused
+// paths really ran (at least 3 steps x 2 layers x (forward + backward)).
+TEST(TrainGpu, FusedActivationsDoNotChangeTraining) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
-  const std::string dir = temp_dir("fp8fused");
-  for (const char* gemm : {"cublaslt", "exact"}) {
-    SCOPED_TRACE(gemm);
-    const std::vector<std::string> o = {"train.steps=3", "recipe.name=fp8", std::string("recipe.gemm=") + gemm};
+  const std::string dir = temp_dir("fused");
+  struct Case {
+    const char* recipe;
+    const char* gemm;
+  };
+  for (const Case k : {Case{"fp8", "cublaslt"}, Case{"fp8", "exact"}, Case{"bf16", "cublaslt"}}) {
+    const std::string tag = std::string(k.recipe) + "-" + k.gemm;
+    SCOPED_TRACE(tag);
+    const std::vector<std::string> o = {"train.steps=3", std::string("recipe.name=") + k.recipe,
+                                        std::string("recipe.gemm=") + k.gemm};
     auto with_dir = [&](const char* sub) {
       std::vector<std::string> v = o;
-      v.push_back("train.out_dir=" + dir + "/" + gemm + sub);
+      v.push_back("train.out_dir=" + dir + "/" + tag + sub);
       return tiny(v);
     };
-    const uint64_t before = gpu::fused_activation_quantize_count();
+    auto count = [&] {
+      return std::string(k.recipe) == "bf16" ? gpu::fused_activation_matmul_count() : gpu::fused_activation_quantize_count();
+    };
+    const uint64_t before = count();
     const TrainResult fused = run(with_dir("a"), "cuda");
-    const uint64_t after = gpu::fused_activation_quantize_count();
+    const uint64_t after = count();
     EXPECT_GE(after - before, 3u * 2u * 2u) << "fused calls: 3 steps x 2 layers x (forward + backward)";
     TrainResult apart;
     {
-      KnobGuard off([] { gpu::set_activation_quantize_fused(false); }, [] { gpu::set_activation_quantize_fused(true); });
+      KnobGuard off([] { gpu::set_activation_fusion(false); }, [] { gpu::set_activation_fusion(true); });
       apart = run(with_dir("b"), "cuda");
     }
-    EXPECT_EQ(gpu::fused_activation_quantize_count(), after) << "the knob must turn the fused path off";
+    EXPECT_EQ(count(), after) << "the knob must turn the fused paths off";
     ASSERT_EQ(fused.steps.size(), apart.steps.size());
     for (size_t i = 0; i < fused.steps.size(); ++i) {
       EXPECT_EQ(fused.steps[i].loss, apart.steps[i].loss) << "step " << i + 1;

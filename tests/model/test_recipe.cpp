@@ -231,9 +231,9 @@ TEST(Recipe, LinearBackwardWritesDinpAndAccumulatesWeightGradients) {
   }
 }
 
-// The emulator fusing as the CUDA backend does for FP8: quantize_activation never writes src.out
-// (the op's output goes to a scratch of its own), so a read of the pending buffer after the
-// quantize call sees the caller's fill.
+// The emulator fusing as the CUDA backend does: quantize_activation and matmul_backward_activation
+// never write src.out (the op's output goes to a scratch of their own), so a read of the pending
+// buffer after those calls sees the caller's fill; matmul_forward_activation is counted.
 class FusingCpuBackend : public emu::CpuBackend {
  public:
   void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
@@ -242,9 +242,22 @@ class FusingCpuBackend : public emu::CpuBackend {
     ActivationSource s = src;
     s.out = own.data();
     Backend::quantize_activation(s, cfg, rowwise, columnwise, dbias);
-    ++fused;
+    ++fused_quantize;
   }
-  int fused = 0;
+  void matmul_forward_activation(float* out, const ActivationSource& src, const float* weight, const float* bias,
+                                 int64_t OC, emu::GemmPrecision prec, bool round_bf16) override {
+    Backend::matmul_forward_activation(out, src, weight, bias, OC, prec, round_bf16);
+    ++fused_matmul;
+  }
+  void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
+                                  const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) override {
+    std::vector<float> own(static_cast<size_t>(src.rows * src.cols));
+    ActivationSource s = src;
+    s.out = own.data();
+    Backend::matmul_backward_activation(dinp, dweight, dbias, s, inp, weight, K, prec);
+    ++fused_matmul;
+  }
+  int fused_quantize = 0, fused_matmul = 0;
 };
 
 // A pending activation (linear_forward's pending_input, linear_backward's pending_dout: GELU's
@@ -267,15 +280,17 @@ TEST(Recipe, PendingActivationEqualsRunningItFirst) {
   struct Case {
     const char* recipe;
     std::vector<std::string> extra;
-    int fused;  // quantize_activation calls expected without statistics
+    int fused_quantize;  // quantize_activation calls expected without statistics (with them: none)
+    int fused_matmul;    // matmul_*_activation calls expected (statistics do not matter: BF16 GEMMs)
   };
   const std::string ov = "recipe.override.h.0.mlp.c_proj.";
-  const Case cases[] = {{"fp8", {}, 2},
-                        {"nvfp4", {}, 2},
-                        {"bf16", {}, 0},
-                        {"nvfp4", {ov + "wgrad=mxfp4"}, 0},  // copies of two formats: the op runs first
-                        {"nvfp4", {ov + "fprop=bf16"}, 1},   // forward runs the op, backward fuses
-                        {"fp8", {ov + "dgrad=bf16"}, 1}};    // the reverse
+  const Case cases[] = {{"fp8", {}, 2, 0},
+                        {"nvfp4", {}, 2, 0},
+                        {"bf16", {}, 0, 2},
+                        {"nvfp4", {ov + "wgrad=mxfp4"}, 0, 0},  // copies of two formats: the op runs first
+                        {"nvfp4", {ov + "fprop=bf16"}, 1, 0},   // forward runs the op, backward fuses
+                        {"fp8", {ov + "dgrad=bf16"}, 1, 0},     // the reverse
+                        {"fp8", {ov + "dgrad=bf16", ov + "wgrad=bf16"}, 0, 1}};  // a BF16 backward pass
   for (const Case& k : cases)
     for (bool stats : {false, true}) {
       std::vector<std::string> o = {std::string("recipe.name=") + k.recipe, "model.d_model=128", "model.d_ff=128",
@@ -284,8 +299,9 @@ TEST(Recipe, PendingActivationEqualsRunningItFirst) {
       RunConfig c = run_with(o);
       const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 3, 5);
       const LinearIds ids{1, 4, 0, 0, 3};
-      const std::string what = std::string(k.recipe) + (k.extra.empty() ? "" : " " + k.extra[0]) +
-                               (stats ? " with statistics" : "");
+      std::string what = k.recipe;
+      for (const std::string& e : k.extra) what += " " + e;
+      what += stats ? " with statistics" : "";
       SCOPED_TRACE(what);
       auto run = [&](Backend& be, bool pending) {
         std::vector<float> act(N * K, nan), dfc(N * OC, nan), y(N * OC), dx(N * K), dw(OC * K, 0.5f), db(OC, 0.25f);
@@ -306,9 +322,10 @@ TEST(Recipe, PendingActivationEqualsRunningItFirst) {
         return std::make_tuple(y, dx, dw, db);
       };
       const auto [y_a, dx_a, dw_a, db_a] = run(plain, false);
-      const int before = fusing.fused;
+      const int before_q = fusing.fused_quantize, before_m = fusing.fused_matmul;
       const auto [y_b, dx_b, dw_b, db_b] = run(fusing, true);
-      EXPECT_EQ(fusing.fused - before, stats ? 0 : k.fused) << "quantize_activation calls";
+      EXPECT_EQ(fusing.fused_quantize - before_q, stats ? 0 : k.fused_quantize) << "quantize_activation calls";
+      EXPECT_EQ(fusing.fused_matmul - before_m, k.fused_matmul) << "matmul_*_activation calls";
       EXPECT_FALSE(std::isnan(y_a[0]) || std::isnan(dx_a[0]) || std::isnan(dw_a[0]) || std::isnan(db_a[0]));
       EXPECT_EQ(0, std::memcmp(y_a.data(), y_b.data(), y_a.size() * 4)) << "output";
       EXPECT_EQ(0, std::memcmp(dx_a.data(), dx_b.data(), dx_a.size() * 4)) << "dx";
