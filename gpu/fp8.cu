@@ -5,6 +5,8 @@
 // one thread per output (correctness first).
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -400,14 +402,22 @@ __global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const fl
 }
 
 // One launch of the tile kernel for source Src; its dynamic shared memory (over the 48 KB default)
-// is allowed once per instantiation.
+// is allowed once per instantiation and device (a function attribute is per device; the set is
+// guarded: several host threads may launch).
 template <class Src>
 void launch_fp8_tile(const dim3& grid, const Src& src, const Fp8TileArgs& a, cudaStream_t stream) {
-  static bool attr = false;
-  if (!attr) {
-    FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_tile_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kFp8TileSmem)));
-    attr = true;
+  static std::mutex mutex;
+  static std::set<int> allowed;
+  int device = 0;
+  FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (allowed.count(device) == 0) {
+      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_tile_kernel<Src>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(kFp8TileSmem)));
+      allowed.insert(device);
+    }
   }
   fp8_quantize_tile_kernel<Src><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(src, a);
 }

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <tuple>
 #include <stdexcept>
 #include <string>
@@ -719,23 +720,28 @@ __global__ void __launch_bounds__(kCeThreads)
 
 bool g_crossentropy_cached = true;
 
-// The most dynamic shared memory the cached cross-entropy kernel may use on this device: the
+// The most dynamic shared memory the cached cross-entropy kernel may use on the current device: the
 // per-block opt-in limit less the kernel's static shared memory (block_max and block_sum), allowed
-// once per instantiation (V = 50304 needs 196.5 KiB of the H200's 227 KiB).
+// once per instantiation and device (V = 50304 needs 196.5 KiB of the H200's 227 KiB); the cache
+// is guarded (several host threads may launch).
 template <bool kGrad, class Out>
 size_t crossentropy_cache_bytes() {
-  static const size_t limit = [] {
-    int device = 0, optin = 0;
-    FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
-    FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    cudaFuncAttributes fa{};
-    FP4SIM_CUDA_CHECK(cudaFuncGetAttributes(&fa, crossentropy_softmax_forward_kernel<kGrad, true, Out>));
-    const size_t dynamic = static_cast<size_t>(optin) > fa.sharedSizeBytes ? static_cast<size_t>(optin) - fa.sharedSizeBytes : 0;
-    FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true, Out>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic)));
-    return dynamic;
-  }();
-  return limit;
+  static std::mutex mutex;
+  static std::map<int, size_t> limits;  // by device
+  int device = 0;
+  FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = limits.find(device);
+  if (it != limits.end()) return it->second;
+  int optin = 0;
+  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes fa{};
+  FP4SIM_CUDA_CHECK(cudaFuncGetAttributes(&fa, crossentropy_softmax_forward_kernel<kGrad, true, Out>));
+  const size_t dynamic = static_cast<size_t>(optin) > fa.sharedSizeBytes ? static_cast<size_t>(optin) - fa.sharedSizeBytes : 0;
+  FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true, Out>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic)));
+  limits[device] = dynamic;
+  return dynamic;
 }
 
 // Launches the cross-entropy kernel, with the row cached in shared memory when it fits.
