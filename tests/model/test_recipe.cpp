@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -260,6 +261,28 @@ class FusingCpuBackend : public emu::CpuBackend {
   int fused_quantize = 0, fused_matmul = 0;
 };
 
+// FusingCpuBackend that also poisons: where it leaves src.out unwritten it fills it with NaN, so a
+// read of that buffer anywhere later in the step (not only in the linear layer) turns the loss or
+// a gradient into NaN.
+class PoisoningCpuBackend : public FusingCpuBackend {
+ public:
+  void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
+                           QuantizedView* columnwise, float* dbias) override {
+    FusingCpuBackend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
+    poison(src);
+  }
+  void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
+                                  const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) override {
+    FusingCpuBackend::matmul_backward_activation(dinp, dweight, dbias, src, inp, weight, K, prec);
+    poison(src);
+  }
+
+ private:
+  static void poison(const ActivationSource& src) {
+    std::fill(src.out, src.out + src.rows * src.cols, std::numeric_limits<float>::quiet_NaN());
+  }
+};
+
 // A pending activation (linear_forward's pending_input, linear_backward's pending_dout: GELU's
 // output or gradient, not yet computed) gives the layer the bits of running the op first and
 // passing its output, whether the layer hands it to one combined quantize call
@@ -332,6 +355,52 @@ TEST(Recipe, PendingActivationEqualsRunningItFirst) {
       EXPECT_EQ(0, std::memcmp(dw_a.data(), dw_b.data(), dw_a.size() * 4)) << "dW";
       EXPECT_EQ(0, std::memcmp(db_a.data(), db_b.data(), db_a.size() * 4)) << "db";
     }
+}
+
+// The whole model's step with the activations fused as the CUDA backend fuses them (and the
+// buffers a fused call leaves unwritten filled with NaN) == the emulator's plain step, bit for bit:
+// the loss and every parameter gradient, over two steps (the second reads buffers the first left
+// behind), for each recipe; the fused calls really happened.
+TEST(Recipe, ModelStepWithFusedActivationsEqualsPlainStep) {
+  for (const char* recipe : {"fp8", "nvfp4", "bf16"}) {
+    SCOPED_TRACE(recipe);
+    const RunConfig c = run_with({std::string("recipe.name=") + recipe, "model.d_model=128", "model.d_ff=256",
+                                  "model.seq_len=64", "model.max_positions=64", "train.batch=2"});
+    PoisoningCpuBackend fusing;
+    emu::CpuBackend plain;
+    auto step_all = [&](Backend& be) {
+      Gpt m(c.model, be);
+      m.set_recipe(c);
+      m.init(7);
+      std::mt19937 rng(3);
+      std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(c.model.vocab) - 1);
+      std::vector<float> losses, grads;
+      for (int64_t step = 0; step < 2; ++step) {
+        std::vector<int32_t> t(128), y(128);
+        for (size_t i = 0; i < t.size(); ++i) {
+          t[i] = tok(rng);
+          y[i] = tok(rng);
+        }
+        m.set_step(step);
+        losses.push_back(m.forward(t.data(), y.data(), 2, 64));
+        m.backward();
+        const std::vector<float> g = m.grads_to_host();
+        grads.insert(grads.end(), g.begin(), g.end());
+      }
+      return std::make_pair(losses, grads);
+    };
+    const auto [loss_a, grad_a] = step_all(plain);
+    const auto [loss_b, grad_b] = step_all(fusing);
+    EXPECT_GT(fusing.fused_quantize + fusing.fused_matmul, 0) << "no fused call happened";
+    for (size_t i = 0; i < loss_a.size(); ++i) {
+      EXPECT_FALSE(std::isnan(loss_a[i]));
+      EXPECT_EQ(test_bits(loss_a[i]), test_bits(loss_b[i])) << "loss of step " << i + 1;
+    }
+    ASSERT_EQ(grad_a.size(), grad_b.size());
+    size_t differ = 0;
+    for (size_t i = 0; i < grad_a.size(); ++i) differ += test_bits(grad_a[i]) != test_bits(grad_b[i]);
+    EXPECT_EQ(differ, 0u) << "gradient elements that differ, of " << grad_a.size();
+  }
 }
 
 // Under weight_2d the Dgrad weight (column-wise copy) is exactly the transpose of the Fprop weight.
