@@ -1267,7 +1267,7 @@ void CudaBackend::matmul_backward_activation(float* dinp, float* dweight, float*
                                             const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) {
   const int64_t N = src.rows, OC = src.cols;
   if (!g_activation_fusion || !dbias || prec != emu::GemmPrecision::BF16 || src.op != ActivationOp::GeluBackward ||
-      N == 0 || K == 0 || OC % 2 != 0 || reinterpret_cast<uintptr_t>(src.inp) % 8 != 0 ||
+      N == 0 || K == 0 || OC == 0 || OC % 2 != 0 || reinterpret_cast<uintptr_t>(src.inp) % 8 != 0 ||
       reinterpret_cast<uintptr_t>(src.dout) % 8 != 0) {
     Backend::matmul_backward_activation(dinp, dweight, dbias, src, inp, weight, K, prec);
     return;
