@@ -295,17 +295,19 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     norm_fwd(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
     linear_fwd(l, 2, F32(a.fc), ln2, N, C, FC, rb);
     float* const act = linear_input(l, 3);
-    // GELU's output goes to c_proj's quantizer as a pending activation (linear_forward runs it
-    // unless one quantize call reads it and nothing else does)
+    // GELU's output goes to c_proj as a pending activation (linear_forward: computed in the pass
+    // that makes the GEMM's operand, or run first)
     ActivationSource gelu;
+    const ActivationSource* pending = nullptr;
     if (c.activation == "gelu_tanh") {
       gelu = ActivationSource{ActivationOp::GeluForward, F32(a.fc), nullptr, act, N, F, rb, false, "mlp activation"};
+      pending = &gelu;
     } else if (c.activation == "squared_relu") {
       be_.squared_relu_forward(act, F32(a.fc), N * F, rb);
     } else {
       be_.swiglu_forward(act, F32(a.fc), N, F, rb);
     }
-    linear_fwd(l, 3, F32(a.fcproj), act, N, F, C, rb, c.activation == "gelu_tanh" ? &gelu : nullptr);
+    linear_fwd(l, 3, F32(a.fcproj), act, N, F, C, rb, pending);
     be_.residual_forward(F32(a.res2), F32(a.res1), F32(a.fcproj), N * C, rb);
     x = F32(a.res2);
   }
@@ -375,15 +377,17 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     // (dact_'s BF16 storage is applied where the activation's backward pass reads it, rb: no pass)
     // (GELU's gradient: a pending output gradient of c_fc, as in the forward pass)
     ActivationSource dgelu;
+    const ActivationSource* pending = nullptr;
     if (c.activation == "gelu_tanh") {
       dgelu = ActivationSource{ActivationOp::GeluBackward, F32(a.fc), F32(dact_), F32(dfc_), N, F, rb, rb,
                                "mlp activation gradient"};
+      pending = &dgelu;
     } else if (c.activation == "squared_relu") {
       be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb, rb);
     } else {
       be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F, rb, rb);
     }
-    linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC, c.activation == "gelu_tanh" ? &dgelu : nullptr);
+    linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC, pending);
     norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
     linear_bwd(l, 1, F32(datty_), F32(dx_), N, C, C);
     // (no rounding pass over datty_ with BF16 attention: attention_backward is its only reader and

@@ -302,10 +302,21 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
                      const QuantizedCopy* saved_dgrad_weight, const ActivationSource* pending_dout) {
   if (!inp && (r.wgrad == "bf16" || !saved_wgrad_input))
     throw std::logic_error("linear_backward (" + name + "): no input: the FP32 x or its saved Wgrad copy is needed");
-  // (a pending dout: quantized straight from its op where the combined call below makes both
-  // copies and nothing else reads dout; otherwise the op runs now)
-  const bool fuse_dout = pending_dout && dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" && !stats;
-  // (both GEMMs BF16: Backend::matmul_backward_activation)
+  // (built only where a copy is made: a BF16 GEMM draws no SR stream)
+  auto dy_dgrad = [&] {
+    return CopyRequest{&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients, copy_stream(ids, TensorRole::Gradient, 0)};
+  };
+  auto dy_wgrad = [&] {
+    return CopyRequest{&r.wgrad, true, false, r.rht, r.sr_gradients, r.fos_gradients, copy_stream(ids, TensorRole::Gradient, 1)};
+  };
+  // dy's Dgrad and Wgrad copies from one quantize call when both GEMMs are quantized and the
+  // copies can share it (else each is made where it is used, and the Dgrad one freed before the
+  // Wgrad one exists)
+  const bool combine = dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" && can_combine(dy_dgrad(), dy_wgrad());
+  // a pending dout is quantized straight from its op where that one call reads it and nothing else
+  // does, or handed to Backend::matmul_backward_activation where both GEMMs are BF16; otherwise the
+  // op runs now
+  const bool fuse_dout = pending_dout && combine && !stats;
   const bool fuse_bf16_dout = pending_dout && r.dgrad == "bf16" && r.wgrad == "bf16";
   if (pending_dout && (pending_dout->rows != N || pending_dout->cols != OC))
     throw std::logic_error("linear_backward (" + name + "): the pending output gradient's shape is not N x OC");
@@ -320,20 +331,9 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   acc.beta = 1.0f;
   GemmConfig put;  // Dgrad: D = alpha' * A B^T, dinp written
   put.impl = r.impl;
-  auto dy_dgrad = [&] {
-    return CopyRequest{&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients, copy_stream(ids, TensorRole::Gradient, 0)};
-  };
-  auto dy_wgrad = [&] {
-    return CopyRequest{&r.wgrad, true, false, r.rht, r.sr_gradients, r.fos_gradients, copy_stream(ids, TensorRole::Gradient, 1)};
-  };
-  // dy's Dgrad and Wgrad copies from one quantize call when both GEMMs are quantized and the
-  // copies can share it (else each is made where it is used, and the Dgrad one freed before the
-  // Wgrad one exists)
   // (dbias from the same call: Backend::quantize_with_bias_backward; the same bits as bias_backward)
   std::unique_ptr<QuantizedCopy> dyq, dyc;
   bool dbias_done = false;
-  const bool combine = dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" && can_combine(dy_dgrad(), dy_wgrad());
-  if (fuse_dout && !combine) be.run_activation(*pending_dout);
   if (combine)
     std::tie(dyq, dyc) = quantize_both(be, r, ids.seed, dout, N, OC, dy_dgrad(), dy_wgrad(), name + " output gradient",
                                        dbias, &dbias_done, fuse_dout ? pending_dout : nullptr);
