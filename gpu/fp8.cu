@@ -104,6 +104,14 @@ __device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, in
 // which loads through registers, would spill there, so it gets 2)
 struct Fp8NoAux {};
 
+// v (four values of row r from column c) with the elements outside the tensor set to +0, as the
+// memory source's padding reads: for a source that computes its values on the register path.
+__device__ __forceinline__ float4 fp8_zero_outside(const float4& v, const Fp8TileArgs& a, int64_t r, int64_t c) {
+  const bool in_row = r < a.rows;
+  return make_float4(in_row && c < a.cols ? v.x : 0.0f, in_row && c + 1 < a.cols ? v.y : 0.0f,
+                     in_row && c + 2 < a.cols ? v.z : 0.0f, in_row && c + 3 < a.cols ? v.w : 0.0f);
+}
+
 template <class T>
 struct Fp8MemorySource {
   static constexpr bool kAsync = sizeof(T) == 4;
@@ -136,11 +144,7 @@ struct Fp8GeluForwardSource {
   }
   __device__ __forceinline__ void prefetch(Aux&, const Fp8TileArgs&, int64_t, int64_t) const {}
   __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const {
-    const float4 v = transform(fp8_load4(x, a, r, c), Aux{});
-    const bool in_row = r < a.rows;
-    // (outside the tensor: zeros, as the memory source's, not gelu(0))
-    return make_float4(in_row && c < a.cols ? v.x : 0.0f, in_row && c + 1 < a.cols ? v.y : 0.0f,
-                       in_row && c + 2 < a.cols ? v.z : 0.0f, in_row && c + 3 < a.cols ? v.w : 0.0f);
+    return fp8_zero_outside(transform(fp8_load4(x, a, r, c), Aux{}), a, r, c);
   }
 };
 
@@ -163,10 +167,7 @@ struct Fp8GeluBackwardSource {
     d = __ldg(reinterpret_cast<const float4*>(dout + r * a.stride + c));
   }
   __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const {
-    const float4 v = transform(fp8_load4(x, a, r, c), fp8_load4(dout, a, r, c));
-    const bool in_row = r < a.rows;
-    return make_float4(in_row && c < a.cols ? v.x : 0.0f, in_row && c + 1 < a.cols ? v.y : 0.0f,
-                       in_row && c + 2 < a.cols ? v.z : 0.0f, in_row && c + 3 < a.cols ? v.w : 0.0f);
+    return fp8_zero_outside(transform(fp8_load4(x, a, r, c), fp8_load4(dout, a, r, c)), a, r, c);
   }
 };
 

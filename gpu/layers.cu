@@ -1029,6 +1029,23 @@ const void* gemm_operand(DeviceScratch& scratch, const float* x, int64_t count,
   return h;
 }
 
+// dout's BF16 GEMM operand (in `operand`) and dbias += dout's column sums (partials in `columns`),
+// from one pass over the source (round_to_bf16_column_partial_kernel: dout read from memory, or
+// computed by GELU's backward pass), then column_sums_finalize: matmul_backward's fused case and
+// matmul_backward_activation's, the same launches so the same bits. OC even, the source's pointers
+// 8-byte aligned.
+template <class Src>
+const uint16_t* bf16_operand_with_bias_grad(DeviceScratch& operand, DeviceScratch& columns, const Src& src,
+                                            float* dbias, int64_t N, int64_t OC, cudaStream_t stream) {
+  uint16_t* h = operand.get<uint16_t>(static_cast<size_t>(N * OC), stream);
+  float* partial = columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream);
+  const dim3 grid(static_cast<unsigned>(column_chunks(N)), static_cast<unsigned>((OC / 2 + kThreads - 1) / kThreads));
+  round_to_bf16_column_partial_kernel<<<grid, kThreads, 0, stream>>>(h, partial, src, N, OC);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  column_sums_finalize(dbias, partial, N, OC, true, stream);
+  return h;
+}
+
 // The RoPE table covering positions 0..T-1 for head size HD, built on the host with the
 // emulator's exact expressions (emu/layers.cpp rope_rotate): freq = base^(-2i/HD) in double,
 // angle = t * freq, cos and sin in double rounded to float. Rebuilt when HD changes or T grows.
@@ -1195,12 +1212,7 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
   if (dbias && K > 0 && prec == emu::GemmPrecision::BF16 && OC % 2 == 0 &&
       reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
     // dout's BF16 copy and the bias gradient's chunk sums from one read of dout
-    uint16_t* h = st.bf16_a.get<uint16_t>(static_cast<size_t>(N * OC), stream_);
-    float* partial = st.columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
-    const dim3 grid(static_cast<unsigned>(column_chunks(N)), static_cast<unsigned>((OC / 2 + kThreads - 1) / kThreads));
-    round_to_bf16_column_partial_kernel<<<grid, kThreads, 0, stream_>>>(h, partial, Bf16PairMemory{dout}, N, OC);
-    FP4SIM_CUDA_CHECK_LAUNCH();
-    column_sums_finalize(dbias, partial, N, OC, true, stream_);
+    const uint16_t* h = bf16_operand_with_bias_grad(st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
     matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
     ++g_fused_matmul_bias;
     return;
@@ -1273,13 +1285,9 @@ void CudaBackend::matmul_backward_activation(float* dinp, float* dweight, float*
     return;
   }
   LayersState& st = layers_state();
-  uint16_t* h = st.bf16_a.get<uint16_t>(static_cast<size_t>(N * OC), stream_);
-  float* partial = st.columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
-  const dim3 grid(static_cast<unsigned>(column_chunks(N)), static_cast<unsigned>((OC / 2 + kThreads - 1) / kThreads));
-  round_to_bf16_column_partial_kernel<<<grid, kThreads, 0, stream_>>>(
-      h, partial, Bf16PairGeluBackward{src.inp, src.dout, src.round_bf16, src.bf16_dout}, N, OC);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  column_sums_finalize(dbias, partial, N, OC, true, stream_);
+  const uint16_t* h =
+      bf16_operand_with_bias_grad(st.bf16_a, st.columns, Bf16PairGeluBackward{src.inp, src.dout, src.round_bf16, src.bf16_dout},
+                                  dbias, N, OC, stream_);
   matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
   ++g_fused_activation_matmul;
 }
