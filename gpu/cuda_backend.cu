@@ -160,8 +160,17 @@ void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const Ten
     else gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
     return;
   }
-  if (a.format == QFormat::FP8) fp8_gemm_exact_launch(a, b, cp, cfg, d.data, stream_);
-  else gemm_exact_launch(a, b, cp, cfg, d.data, stream_);
+  if (a.format == QFormat::FP8) {
+    if (fp8_wgmma_enabled() && fp8_gemm_wgmma_supported(a, b)) {
+      float* ws = cfg.split_k > 1 ? fp8_split_ws_.get<float>(static_cast<size_t>(cfg.split_k * a.rows * b.rows), stream_)
+                                  : nullptr;
+      fp8_gemm_wgmma_launch(a, b, cp, cfg, d.data, ws, stream_);
+    } else {
+      fp8_gemm_exact_launch(a, b, cp, cfg, d.data, stream_);
+    }
+  } else {
+    gemm_exact_launch(a, b, cp, cfg, d.data, stream_);
+  }
 }
 
 std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }

@@ -153,6 +153,7 @@ class CudaBackend final : public Backend {
   int cc_major_ = 0;             // compute capability of the device
   std::shared_ptr<CublasLtState> cublaslt_;  // created on first use
   DeviceScratch rht_keep_;  // the RHT column-wise copy's transformed input between the quantizer's passes
+  DeviceScratch fp8_split_ws_;  // the wgmma FP8 GEMM's split-K partial sums
   unsigned* amax_ws_ = nullptr;  // the quantizer's amax workspace (quantize_launch), zeroed at creation
 
   // The training ops' own cuBLASLt handle and workspace, scratch buffers and RoPE table
@@ -283,6 +284,19 @@ void fp8_quantize_activation_launch(const ActivationSource& src, const QuantizeC
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
                            void* out, cudaStream_t stream);
+// The same exact FP8 GEMM on the tensor cores (gpu/fp8_wgmma.cu, sm_90a wgmma): the bits of
+// fp8_gemm_exact_launch where Hopper's FP8 accumulation is what DESIGN.md §7 models. Supported
+// (fp8_gemm_wgmma_supported) on a compute capability 9.0 device with K a multiple of 128 and 16-byte
+// aligned codes. split_ws: cfg.split_k > 1, split_k * M * N floats of device scratch.
+bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b);
+void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
+                           void* out, float* split_ws, cudaStream_t stream);
+// Test and benchmark knob: whether CudaBackend::gemm runs exact FP8 GEMMs on the tensor cores where
+// supported (default true) or always with the one-thread-an-output model kernel.
+void set_fp8_wgmma(bool on);
+bool fp8_wgmma_enabled();
+// Test hook: how many FP8 GEMMs ran on the tensor cores (fp8_gemm_wgmma_launch) in this process.
+uint64_t fp8_wgmma_gemm_count();
 // Causal attention with grouped KV heads (gpu/attention.cu): FlashAttention-2 kernels on
 // mma.sync BF16 -> FP32, the contract of emu/layers.hpp's attention_forward/backward within a bound
 // (tests/gpu/test_layers_gpu.cpp). HD in {16, 32, 64, 128}, else std::invalid_argument. dsum

@@ -12,7 +12,8 @@
 #   profile   build + the quantizer kernels' SASS and ncu sections of the training step's RHT kernels
 #             (SKIP_BENCH_PROFILE=1 stops there), then ncu metrics of the quantizer benchmark modes
 #   spot      build + the tests matching TESTS (ctest regex) + one gpt2-124m run (RUNS) per recipe in
-#             RECIPES (default "bf16 fp8 nvfp4"): the cheapest check of a change (~2 minutes)
+#             RECIPES (default "bf16 fp8 nvfp4"; " " for none) and one exact-GEMM run per recipe in
+#             EXACT (default none): the cheapest check of a change (~2 minutes)
 #   oracles   build + issue 2's two independent oracles only, their agreement tables printed
 #   picks     build + every cuBLASLt heuristic algorithm (index 0..7) on the twelve gpt2-124m GEMM
 #             shapes of a layer: FP8, BF16 TN in both scalar modes, and the BF16 recipe's own
@@ -152,7 +153,7 @@ recipe_run() {  # name gemm steps log
 median_of() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'; }
 # spot: the cheapest check of a change, for a session with little device time left: the tests that
 # match $TESTS (a ctest regex), then one run (RUNS) of each recipe in $RECIPES (default "bf16 fp8
-# nvfp4"); no torch.compile, no exact-GEMM run
+# nvfp4"), and exact-GEMM runs of the recipes in $EXACT; no torch.compile
 if [ "${1:-}" = "spot" ]; then
   if [ -n "${TESTS:-}" ]; then
     ( cd build-gpu && ctest -R "$TESTS" --output-on-failure -j1 ) >"$out/ctest_spot.log" 2>&1
@@ -164,6 +165,11 @@ if [ "${1:-}" = "spot" ]; then
     for i in $(seq 1 "${RUNS:-1}"); do runs="$runs $(recipe_run "$r" cublaslt 8 "$out/recipe_${r}_$i.log")"; done
     mem=$(grep -oE "peak device memory in use: [0-9.]+ GiB" "$out/recipe_${r}_1.log" | grep -oE "[0-9.]+ GiB")
     row "gpt2-124m $r cublaslt tok/s (runs:$runs)" "median $(echo "$runs" | median_of), peak ${mem:-n/a}"
+  done
+  for r in ${EXACT:-}; do  # recipes to run once more with exact GEMMs (6 steps, median of steps 3-6)
+    ex=$(recipe_run "$r" exact 6 "$out/recipe_${r}_exact.log")
+    mem=$(grep -oE "peak device memory in use: [0-9.]+ GiB" "$out/recipe_${r}_exact.log" | grep -oE "[0-9.]+ GiB")
+    row "gpt2-124m $r exact GEMMs tok/s (1 run)" "$ex, peak ${mem:-n/a}"
   done
 fi
 if [ "${1:-}" = "recipes" ]; then

@@ -399,6 +399,42 @@ BENCHMARK(BM_GpuMatmulPicks)
 // FP8 GEMMs compare with the BF16 ones above (BM_GpuGemmScalarModes mode 0, the BF16 recipe's
 // setting), and what beta 1 (the backward pass's +=) costs against beta 0 on the same shape.
 // range(0): shape index into kGpt2Shapes; range(1): 0 the shape's beta, 1 beta 0.
+// A rows x k FP8 operand (1x128 blocks, with the GEMM-layout scales) quantized on be from N(0, 1).
+struct Fp8Operand {
+  BackendBuffer codes, scales, scales_gemm, amax;
+  QuantizedView q;
+};
+Fp8Operand make_fp8_operand(gpu::CudaBackend& be, std::mt19937_64& rng, int64_t rows, int64_t k, const char* name) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> h(static_cast<size_t>(rows * k));
+  for (auto& v : h) v = nd(rng);
+  BackendBuffer in(be, h.size() * 4);
+  be.upload(in.get(), h.data(), h.size() * 4);
+  TensorView tv;
+  tv.data = in.get();
+  tv.rows = rows;
+  tv.cols = k;
+  tv.device = Device::Cuda;
+  tv.name = name;
+  const size_t nscales = static_cast<size_t>(rows * (k / kFp8Block));
+  Fp8Operand o{BackendBuffer(be, h.size()), BackendBuffer(be, nscales * 4), BackendBuffer(be, nscales * 4),
+               BackendBuffer(be, 4), QuantizedView{}};
+  o.q.codes = o.codes.as<uint8_t>();
+  o.q.scales = o.scales.as<uint8_t>();
+  o.q.scales_gemm = o.scales_gemm.as<float>();
+  o.q.amax = o.amax.as<float>();
+  o.q.rows = rows;
+  o.q.cols = k;
+  o.q.format = QFormat::FP8;
+  o.q.device = Device::Cuda;
+  QuantizeConfig qc;
+  qc.format = QFormat::FP8;
+  qc.rowwise.enabled = true;
+  be.quantize(tv, qc, &o.q, nullptr);
+  be.synchronize();
+  return o;
+}
+
 void BM_GpuGemmFp8(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
@@ -411,41 +447,7 @@ void BM_GpuGemmFp8(benchmark::State& state) {
   HeuristicPick pick_guard(gpu::set_cublaslt_heuristic_pick, pick, gpu::kPlanOwnPick);
   gpu::CudaBackend be;
   std::mt19937_64 rng(11);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  struct Operand {
-    BackendBuffer codes, scales, scales_gemm, amax;
-    QuantizedView q;
-  };
-  auto make = [&](int64_t rows, int64_t k) {
-    std::vector<float> h(static_cast<size_t>(rows * k));
-    for (auto& v : h) v = nd(rng);
-    BackendBuffer in(be, h.size() * 4);
-    be.upload(in.get(), h.data(), h.size() * 4);
-    TensorView tv;
-    tv.data = in.get();
-    tv.rows = rows;
-    tv.cols = k;
-    tv.device = Device::Cuda;
-    tv.name = s.name;
-    const size_t nscales = static_cast<size_t>(rows * (k / kFp8Block));
-    Operand o{BackendBuffer(be, h.size()), BackendBuffer(be, nscales * 4), BackendBuffer(be, nscales * 4),
-              BackendBuffer(be, 4), QuantizedView{}};
-    o.q.codes = o.codes.as<uint8_t>();
-    o.q.scales = o.scales.as<uint8_t>();
-    o.q.scales_gemm = o.scales_gemm.as<float>();
-    o.q.amax = o.amax.as<float>();
-    o.q.rows = rows;
-    o.q.cols = k;
-    o.q.format = QFormat::FP8;
-    o.q.device = Device::Cuda;
-    QuantizeConfig qc;
-    qc.format = QFormat::FP8;
-    qc.rowwise.enabled = true;
-    be.quantize(tv, qc, &o.q, nullptr);
-    be.synchronize();
-    return o;
-  };
-  Operand a = make(s.M, s.K), b = make(s.N, s.K);
+  Fp8Operand a = make_fp8_operand(be, rng, s.M, s.K, s.name), b = make_fp8_operand(be, rng, s.N, s.K, s.name);
   BackendBuffer d(be, static_cast<size_t>(s.M * s.N) * 4);
   be.zero(d.get(), static_cast<size_t>(s.M * s.N) * 4);
   TensorView dv;
@@ -461,6 +463,53 @@ void BM_GpuGemmFp8(benchmark::State& state) {
   time_shape(state, s, be.stream(), run);
 }
 BENCHMARK(BM_GpuGemmFp8)->Apply(shape_benchmark_registration);
+
+// The exact FP8 GEMM (bit for bit the emulator's) against cuBLASLt's block-scaled FP8 GEMM, per
+// gpt2-124m shape at the shape's beta, FP32 out. range(0): shape index into kGpt2Shapes; range(1):
+// 0 cuBLASLt (the plan's own algorithm), 1 exact on the tensor cores (gpu/fp8_wgmma.cu; the
+// benchmark errors where the GPU cannot), 2 exact with the one-thread-an-output model kernel
+// (gpu/fp8.cu; registered for fprop_proj only: it is two orders of magnitude slower); range(2):
+// split-K of the exact GEMM.
+void BM_GpuGemmFp8Exact(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const Gpt2Shape& s = kGpt2Shapes[state.range(0)];
+  const int path = static_cast<int>(state.range(1));
+  const int split = static_cast<int>(state.range(2));
+  state.SetLabel(std::string(s.name) + (path == 0 ? " cublaslt" : path == 1 ? " wgmma" : " model") + " split " +
+                 std::to_string(split));
+  gpu::CudaBackend be;
+  std::mt19937_64 rng(11);
+  Fp8Operand a = make_fp8_operand(be, rng, s.M, s.K, s.name), b = make_fp8_operand(be, rng, s.N, s.K, s.name);
+  if (path == 1 && !gpu::fp8_gemm_wgmma_supported(a.q, b.q)) {
+    state.SkipWithError("this GPU has no wgmma FP8 path (compute capability 9.0 only)");
+    return;
+  }
+  const bool was = gpu::fp8_wgmma_enabled();
+  gpu::set_fp8_wgmma(path == 1);
+  BackendBuffer d(be, static_cast<size_t>(s.M * s.N) * 4);
+  be.zero(d.get(), static_cast<size_t>(s.M * s.N) * 4);
+  TensorView dv;
+  dv.data = d.get();
+  dv.rows = s.M;
+  dv.cols = s.N;
+  dv.device = Device::Cuda;
+  GemmConfig cfg;
+  cfg.impl = path == 0 ? GemmImpl::CublasLt : GemmImpl::Exact;
+  cfg.alpha = 0.5f;
+  cfg.beta = s.beta;
+  cfg.split_k = path == 0 ? 1 : split;
+  auto run = [&]() { be.gemm(a.q, b.q, s.beta != 0.0f ? &dv : nullptr, cfg, dv); };
+  time_shape(state, s, be.stream(), run);
+  gpu::set_fp8_wgmma(was);
+}
+BENCHMARK(BM_GpuGemmFp8Exact)
+    ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {1}})
+    ->ArgsProduct({{8, 9, 10, 11}, {1}, {2, 4, 8}})
+    ->Args({1, 2, 1})
+    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 
 // Attention's batched BF16 GEMMs on the tensor cores (gpu/attention.cu), one gpt2-124m layer:
 // B 16, NH 12, T 1024, HD 64. range(0): 0 forward, 1 backward. TFLOP/s counts the causal half of

@@ -1,12 +1,17 @@
 // The FP8 block format on the CUDA backend == the emulator, bit for bit: quantization (1x128 and
 // 128x128, row- and column-wise, FP32 and BF16 input, adversarial fills), dequantization, and the
 // exact FP8 GEMM (split-K, alpha/beta, BF16 output). Skips without a GPU.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <limits>
+#include <random>
+#include <cmath>
 
 #include "emu/backend.hpp"
+#include "emu/formats.hpp"
+#include "emu/mma.hpp"
 #include "tests/emu/quantize_checks.hpp"
 #include "tests/emu/test_util.hpp"
 #include "tests/gpu/gpu_test_util.hpp"
@@ -354,44 +359,164 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
   std::printf("[fp8-gpu] %d fused activation quantize calls bitwise identical to the op then quantize\n", checked);
 }
 
+// One GEMM of host copies a and b on backend be (C from c when cfg.beta != 0), D's bytes back.
+std::vector<uint8_t> run_fp8_gemm(Backend& be, const QuantizedHost& a, const QuantizedHost& b,
+                                  const std::vector<float>& c, const GemmConfig& cfg) {
+  QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
+  BackendBuffer cb(be, c.size() * 4), d(be, c.size() * 4);
+  be.upload(cb.get(), c.data(), c.size() * 4);
+  TensorView cv, dv;
+  cv.data = cb.get(); cv.rows = a.rows; cv.cols = b.rows; cv.device = be.device();
+  dv.data = d.get(); dv.rows = a.rows; dv.cols = b.rows; dv.device = be.device();
+  dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
+  be.gemm(da.view, db.view, cfg.beta != 0 ? &cv : nullptr, cfg, dv);
+  be.synchronize();
+  std::vector<uint8_t> out(c.size() * (cfg.out == GemmOut::BF16 ? 2 : 4));
+  be.download(out.data(), d.get(), out.size());
+  return out;
+}
+
+// Restores the tensor-core FP8 GEMM switch (gpu::set_fp8_wgmma) when a test ends.
+struct Fp8WgmmaSwitch {
+  explicit Fp8WgmmaSwitch(bool on) { gpu::set_fp8_wgmma(on); }
+  ~Fp8WgmmaSwitch() { gpu::set_fp8_wgmma(true); }
+};
+
+// Whether this GPU runs exact FP8 GEMMs on its tensor cores (compute capability 9.0).
+bool gpu_has_fp8_wgmma() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major == 9 && minor == 0;
+}
+
+// Quantized inputs through the exact GEMM, both CUDA paths (the tensor cores where the GPU has
+// them, and the one-thread-an-output model kernel) against the emulator. Shapes with one tile,
+// several tiles with partial edges, split-K.
 TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
   struct Shape { int64_t M, N, K; };
   int checked = 0;
-  for (const Shape& s : {Shape{64, 48, 256}, Shape{33, 17, 384}, Shape{5, 130, 512}}) {
+  const uint64_t wgmma_before = gpu::fp8_wgmma_gemm_count();
+  for (const Shape& s : {Shape{64, 48, 256}, Shape{33, 17, 384}, Shape{5, 130, 512}, Shape{200, 260, 768},
+                         Shape{256, 384, 1024}}) {
     for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials}) {
       std::vector<float> xa = test::make_fill(fill, static_cast<size_t>(s.M * s.K), s.M + s.K);
       std::vector<float> xb = test::make_fill(fill, static_cast<size_t>(s.N * s.K), s.N + 3 * s.K);
       QuantizedHost a = quantize_on(*emu, xa, s.M, s.K, false, false, false).rowwise;
-      QuantizedHost b = quantize_on(*emu, xb, s.N, s.K, false, false, false).rowwise;
+      QuantizedHost b = quantize_on(*emu, xb, s.N, s.K, false, s.N % 128 == 0, false).rowwise;
       std::vector<float> c = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(s.M * s.N), 5);
-      for (int variant = 0; variant < 3; ++variant) {
+      for (int variant = 0; variant < 4; ++variant) {
         GemmConfig cfg;
         if (variant == 1) { cfg.split_k = (s.K / 128) % 2 == 0 ? 2 : 1; cfg.alpha = 1.5f; }
         if (variant == 2) { cfg.beta = -0.5f; cfg.out = GemmOut::BF16; }
-        auto run = [&](Backend& be) {
-          QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
-          BackendBuffer cb(be, c.size() * 4), d(be, c.size() * 4);
-          be.upload(cb.get(), c.data(), c.size() * 4);
-          TensorView cv, dv;
-          cv.data = cb.get(); cv.rows = s.M; cv.cols = s.N; cv.device = be.device();
-          dv.data = d.get(); dv.rows = s.M; dv.cols = s.N; dv.device = be.device();
-          dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
-          be.gemm(da.view, db.view, cfg.beta != 0 ? &cv : nullptr, cfg, dv);
-          be.synchronize();
-          std::vector<uint8_t> out(c.size() * (cfg.out == GemmOut::BF16 ? 2 : 4));
-          be.download(out.data(), d.get(), out.size());
-          return out;
-        };
-        ASSERT_EQ(run(*emu), run(*cuda)) << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill)
-                                         << " variant " << variant;
-        ++checked;
+        if (variant == 3) { cfg.split_k = static_cast<int>(s.K / 128); cfg.beta = 1.0f; }
+        const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg);
+        for (const bool wgmma : {true, false}) {
+          Fp8WgmmaSwitch sw(wgmma);
+          ASSERT_EQ(want, run_fp8_gemm(*cuda, a, b, c, cfg))
+              << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant " << variant
+              << (wgmma ? " (tensor cores where supported)" : " (model kernel)");
+          ++checked;
+        }
       }
     }
   }
-  std::printf("[fp8-gpu] %d FP8 GEMMs bitwise identical\n", checked);
+  const uint64_t on_tensor_cores = gpu::fp8_wgmma_gemm_count() - wgmma_before;
+  if (gpu_has_fp8_wgmma()) {
+    EXPECT_EQ(on_tensor_cores, static_cast<uint64_t>(checked / 2));
+  }
+  std::printf("[fp8-gpu] %d FP8 GEMMs bitwise identical (%llu on the tensor cores)\n", checked,
+              static_cast<unsigned long long>(on_tensor_cores));
+}
+
+// The accumulation model itself, on raw codes: every finite E4M3 code (and a few NaNs) at random,
+// so the 32 products of one instruction span 2^-18..2^17 and the F = 13 alignment truncation, the
+// RZ to E8M13, cancellation and signed zeros all occur; random FP32 block scales. The tensor cores
+// (where the GPU has wgmma) must give the emulator's bits; elsewhere the model kernel must.
+TEST(Fp8Gpu, TensorCoreAccumulationEqualsModelOnRawCodes) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  std::mt19937 rng(20261130);
+  const int64_t M = 192, N = 160, K = 512;
+  auto make = [&](int64_t rows, int pattern) {
+    QuantizedHost q = zero_fp8_host(rows, K);
+    std::uniform_int_distribution<int> code(0, 255), small(0, 15);
+    std::uniform_real_distribution<float> expo(-12.0f, 12.0f);
+    for (size_t i = 0; i < q.codes.size(); ++i) {
+      uint8_t v = static_cast<uint8_t>(code(rng));
+      if (pattern == 1) v = static_cast<uint8_t>(small(rng) | (code(rng) & 0x80));   // subnormals and ±0
+      if (pattern == 2 && i % 32 != 0) v = static_cast<uint8_t>(code(rng) & 0x9F);    // one big, 31 tiny
+      if ((v & 0x7F) == 0x7F && (pattern != 0 || i % 997 != 0)) v ^= 1;               // NaN only now and then
+      q.codes[i] = v;
+    }
+    std::vector<float> sc(static_cast<size_t>(rows * (K / 128)));
+    for (float& f : sc) f = std::ldexp(1.0f + static_cast<float>(code(rng)) / 256.0f, static_cast<int>(expo(rng)));
+    std::memcpy(q.scales.data(), sc.data(), sc.size() * 4);
+    return q;
+  };
+  // The same chain with the Blackwell f8f6f4 accumulation (F = 25, RZ to FP32) in place of Hopper's,
+  // for output (m, n): where it differs from the emulator's, these data tell the two models apart.
+  auto blackwell_chain = [&](const QuantizedHost& a, const QuantizedHost& b, int64_t m, int64_t n) {
+    const float* sa = reinterpret_cast<const float*>(a.scales.data());
+    const float* sb = reinterpret_cast<const float*>(b.scales.data());
+    float acc = 0.0f;
+    for (int64_t blk = 0; blk < K / 128; ++blk) {
+      float partial = 0.0f;
+      for (int64_t k0 = blk * 128; k0 < (blk + 1) * 128; k0 += kFp8FdpaL) {
+        float va[kFp8FdpaL], vb[kFp8FdpaL];
+        for (int k = 0; k < kFp8FdpaL; ++k) {
+          va[k] = e4m3_to_f32(a.codes[static_cast<size_t>(m * K + k0 + k)]);
+          vb[k] = e4m3_to_f32(b.codes[static_cast<size_t>(n * K + k0 + k)]);
+        }
+        partial = tfdpa_fp8_blackwell(va, vb, partial, kE4M3Operand, kE4M3Operand);
+      }
+      acc = std::fma(sa[m * (K / 128) + blk] * sb[n * (K / 128) + blk], partial, acc);
+    }
+    return acc;
+  };
+  int checked = 0;
+  const uint64_t wgmma_before = gpu::fp8_wgmma_gemm_count();
+  for (int pattern = 0; pattern < 3; ++pattern) {
+    QuantizedHost a = make(M, pattern), b = make(N, pattern);
+    std::vector<float> c(static_cast<size_t>(M * N), 0.0f);
+    for (const int split : {1, 4}) {
+      GemmConfig cfg;
+      cfg.split_k = split;
+      const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg);
+      const std::vector<uint8_t> got = run_fp8_gemm(*cuda, a, b, c, cfg);
+      size_t differ = 0, first = want.size();
+      for (size_t i = 0; i < want.size(); i += 4)
+        if (std::memcmp(&want[i], &got[i], 4) != 0 && differ++ == 0) first = i / 4;
+      EXPECT_EQ(differ, 0u) << "pattern " << pattern << " split " << split << ": first difference at output "
+                            << first;
+      if (split == 1 && pattern != 1) {  // (subnormal codes alone: products too small to truncate)
+        int64_t sensitive = 0, finite = 0;
+        for (int64_t i = 0; i < 512; ++i) {
+          const int64_t m = (i * 37) % M, n = (i * 53) % N;
+          float model = 0.0f;
+          std::memcpy(&model, &want[static_cast<size_t>(4 * (m * N + n))], 4);
+          if (!std::isfinite(model)) continue;
+          ++finite;
+          const float other = blackwell_chain(a, b, m, n);
+          if (std::memcmp(&model, &other, 4) != 0) ++sensitive;
+        }
+        EXPECT_GT(sensitive * 4, finite) << "pattern " << pattern << ": the data hardly tell F = 13 from F = 25";
+        std::printf("[fp8-gpu] pattern %d: %lld of %lld sampled outputs differ between the Hopper and Blackwell models\n",
+                    pattern, static_cast<long long>(sensitive), static_cast<long long>(finite));
+      }
+      ++checked;
+    }
+  }
+  if (gpu_has_fp8_wgmma()) {
+    EXPECT_EQ(gpu::fp8_wgmma_gemm_count() - wgmma_before, static_cast<uint64_t>(checked));
+  }
+  std::printf("[fp8-gpu] %d raw-code FP8 GEMMs (%s) bitwise identical to the model\n", checked,
+              gpu_has_fp8_wgmma() ? "tensor cores" : "model kernel");
 }
 
 }  // namespace

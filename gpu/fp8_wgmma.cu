@@ -1,0 +1,370 @@
+// The exact FP8 GEMM on Hopper's own tensor cores (sm_90a wgmma): the arithmetic DESIGN.md §9 defines
+// for the fp8 recipe's exact GEMM (per 128-wide k-block, four chained m64nNk32 E4M3 instructions
+// from +0, then acc = fmaf(s_a * s_b, partial, acc)) is what a Hopper FP8 kernel with DeepSeek-style
+// promotion computes, so running the instruction itself must give the emulator's bits if the
+// tensor-core model (T-FDPA L = 32, F = 13, RZ to E8M13) is right. tests/gpu/test_fp8_gpu.cpp holds
+// it to the emulator bit for bit; gpu/fp8.cu's one-thread-an-output kernel is the fallback on other
+// GPUs and the test's second witness.
+//
+// Shape of the kernel: persistent CTAs, one an SM, each taking 128 x 128 output tiles (work items)
+// in turn; two warpgroups, 64 rows each, with one m64n128k32 accumulator of 64 FP32 registers a
+// thread plus the promoted sum. 128-wide k-blocks stream through a 4-stage cp.async ring in the
+// 128-byte swizzled layout wgmma reads (8 rows of 128 bytes, 16-byte chunk c of row r at chunk
+// c ^ (r mod 8)); both operands are K-major (TN: A [M, K], B [N, K], as every FP8 GEMM of the
+// recipe is). Each k-block's scales (one FP32 a row of A and of B; a 128x128-block copy stores its
+// tile's scale on each row) travel with it. Split-K (the contract's: each range's chain from +0,
+// the ranges added in order) writes FP32 partial sums that a second kernel adds and stores through
+// the contract's epilogue.
+//
+// Speed (validation/perf.md): bit-exact, but 2-3x slower than cuBLASLt's block-scaled FP8 GEMM. Each
+// k-block waits for its wgmma group before promoting it, with both warpgroups in step at one
+// barrier, so the tensor cores idle while the promotion and the loads issue; overlapping them needs
+// mbarrier-driven stages (a producer warp, warpgroups running apart) or TMA, not done yet.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+
+#include "emu/gemm.hpp"
+#include "emu/quantize.hpp"
+#include "gpu/cuda_backend.hpp"
+#include "gpu/cuda_check.hpp"
+
+namespace fp4sim::gpu {
+namespace {
+
+constexpr int kWgTile = 128;                           // output tile rows = cols = k-block width
+constexpr int kWgStages = 4;
+constexpr int kWgThreads = 256;                        // two warpgroups
+constexpr int kWgOperandBytes = kWgTile * kWgTile;     // one operand's 128 x 128 codes
+constexpr int kWgStageBytes = 2 * kWgOperandBytes + 2 * kWgTile * 4;  // A, B, their scales: 33 KB
+constexpr size_t kWgSmem = static_cast<size_t>(kWgStages) * kWgStageBytes + 1024;  // + 1 KB alignment
+static_assert(kWgStageBytes % 1024 == 0, "each stage's tiles start on a 1024-byte swizzle atom");
+
+// True where this build can run the kernel (the sm_90a feature set: wgmma).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FP4SIM_WGMMA 1
+#else
+#define FP4SIM_WGMMA 0
+#endif
+
+#if FP4SIM_WGMMA
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4_zfill(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// cp.async writes through the generic proxy, wgmma reads through the async proxy
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart (the
+// leading offset is unused in this mode). addr: the shared-window byte address of the first row's
+// first k (k steps of 32 codes add 32 bytes: the swizzle is applied to the computed addresses).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// D (64 x 128, FP32, this warpgroup's registers) = A (64 x 32 E4M3) * B (128 x 32 E4M3)^T + (scale_d ? D : 0)
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// The contract's epilogue (gemm_store) for outputs idx and idx + 1 of one row, as one 8-byte (F32)
+// or 4-byte (BF16) store where both exist and the pair is aligned; ws: the split range's raw sums.
+__device__ __forceinline__ void store_pair(const GemmConfig& cfg, const float* c, void* out, float* ws, int64_t idx,
+                                           bool both, bool aligned, float v0, float v1) {
+  if (ws) {
+    if (both && aligned) *reinterpret_cast<float2*>(ws + idx) = make_float2(v0, v1);
+    else {
+      ws[idx] = v0;
+      if (both) ws[idx + 1] = v1;
+    }
+    return;
+  }
+  if (!(both && aligned)) {
+    gemm_store(cfg, cfg.alpha, v0, c, idx, out);
+    if (both) gemm_store(cfg, cfg.alpha, v1, c, idx + 1, out);
+    return;
+  }
+  const float d0 = gemm_epilogue(cfg.alpha, v0, cfg.beta, c ? c[idx] : 0.0f);
+  const float d1 = gemm_epilogue(cfg.alpha, v1, cfg.beta, c ? c[idx + 1] : 0.0f);
+  if (cfg.out == GemmOut::BF16)
+    *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(out) + idx) =
+        static_cast<uint32_t>(bf16_rne(d0)) | (static_cast<uint32_t>(bf16_rne(d1)) << 16);
+  else
+    *reinterpret_cast<float2*>(static_cast<float*>(out) + idx) = make_float2(d0, d1);
+}
+#endif  // FP4SIM_WGMMA
+
+// Work items: (split range z, M tile, N tile), N tiles fastest, so the CTAs running at one time
+// share A's rows and all of B. A persistent CTA takes items blockIdx.x, + gridDim.x, ...; its
+// k-blocks form one stream through the stage ring, so the next item's first k-blocks load while
+// the current one finishes and stores.
+struct WgItems {
+  int gx, gy, per_split;
+};
+
+#if FP4SIM_WGMMA
+// A position in a CTA's k-block stream: its item, the k-block within the item's range, and the
+// item's tile origin and first k-block (divisions once an item, none a k-block).
+struct WgCursor {
+  int item, kb, m0, n0, kb0;
+  __device__ void start(int it, const WgItems& w) {
+    item = it;
+    kb = 0;
+    const int rest = it / w.gx, z = rest / w.gy;
+    n0 = (it - rest * w.gx) * kWgTile;
+    m0 = (rest - z * w.gy) * kWgTile;
+    kb0 = z * w.per_split;
+  }
+  // true when the next k-block starts a new item
+  __device__ bool advance(const WgItems& w) {
+    if (++kb < w.per_split) return false;
+    start(item + static_cast<int>(gridDim.x), w);
+    return true;
+  }
+};
+
+// This thread's share of loading one k-block: 4 16-byte chunks of A's and 4 of B's 128 x 128 codes
+// (rows t/8 + 32 i, chunk t mod 8, written swizzled: 16-byte chunk c of row r at c ^ (r mod 8),
+// which 32 i leaves alone) and one scale (A's row t, or B's row t - 128). Row pointers are set once
+// an item (set_item); a k-block adds 128 bytes (one scale). Rows past M or N read zeros.
+struct WgLoader {
+  const uint8_t* pa;   // A's row m0 + t/8, chunk t mod 8, at the item's first k-block
+  const uint8_t* pb;   // the same in B
+  const float* ps;     // this thread's scale row at the item's first k-block
+  int rows_a, rows_b;  // rows of the tile that exist, from t/8 on (may be <= 0)
+  bool scale_ok;
+  __device__ void set_item(const QuantizedView& a, const QuantizedView& b, const WgCursor& c, int64_t K, int64_t KB) {
+    const int t = threadIdx.x, r = t >> 3, ch = t & 7;
+    rows_a = static_cast<int>(min(a.rows - c.m0, int64_t{kWgTile})) - r;
+    rows_b = static_cast<int>(min(b.rows - c.n0, int64_t{kWgTile})) - r;
+    pa = a.codes + (rows_a > 0 ? (c.m0 + r) * K + c.kb0 * kWgTile + ch * 16 : 0);
+    pb = b.codes + (rows_b > 0 ? (c.n0 + r) * K + c.kb0 * kWgTile + ch * 16 : 0);
+    const bool is_b = t >= kWgTile;
+    const int64_t row = (is_b ? c.n0 : c.m0) + (t & (kWgTile - 1));
+    scale_ok = row < (is_b ? b.rows : a.rows);
+    ps = reinterpret_cast<const float*>(is_b ? b.scales : a.scales) + (scale_ok ? row * KB + c.kb0 : 0);
+  }
+  // k-block kb of the item into the stage at shared address stage
+  __device__ void load(uint32_t stage, int kb, int64_t K) const {
+    const int t = threadIdx.x, r = t >> 3;
+    const uint32_t off = static_cast<uint32_t>(r * kWgTile + (((t & 7) ^ (r & 7)) << 4));
+    const int64_t k_off = static_cast<int64_t>(kb) * kWgTile, step = 32 * K;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool va = 32 * i < rows_a, vb = 32 * i < rows_b;
+      cp_async16_zfill(stage + off + 4096 * i, va ? pa + k_off + i * step : pa, va);
+      cp_async16_zfill(stage + kWgOperandBytes + off + 4096 * i, vb ? pb + k_off + i * step : pb, vb);
+    }
+    cp_async4_zfill(stage + 2 * kWgOperandBytes + 4 * t, scale_ok ? ps + kb : ps, scale_ok);
+  }
+};
+
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ float2 lds_f32x2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
+#endif
+
+// ws: split_k > 1, the ranges' sums [split_k, M, N]; else the contract's epilogue into out.
+__global__ void __launch_bounds__(kWgThreads, 1)
+    fp8_gemm_wgmma_kernel(QuantizedView a, QuantizedView b, const float* c, GemmConfig cfg, void* out, float* ws,
+                          WgItems items, int item_count) {
+#if FP4SIM_WGMMA
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const int64_t M = a.rows, N = b.rows, K = a.cols, KB = K / kWgTile;
+  const int per = items.per_split;
+  const int mine = (item_count - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
+                   static_cast<int>(gridDim.x);  // this CTA's items
+  const int G = mine * per;                      // its k-blocks
+  const int t = threadIdx.x, wg = t >> 7, warp = (t >> 5) & 3, lane = t & 31;
+
+  WgCursor ld, cur;  // the next k-block to load, the k-block being multiplied
+  ld.start(static_cast<int>(blockIdx.x), items);
+  cur.start(static_cast<int>(blockIdx.x), items);
+  WgLoader loader;
+  loader.set_item(a, b, ld, K, KB);
+  int ld_stage = 0, stage_index = 0;
+  auto load_next = [&]() {
+    loader.load(smem + ld_stage * kWgStageBytes, ld.kb, K);
+    if (ld.advance(items) && ld.item < item_count) loader.set_item(a, b, ld, K, KB);
+    ld_stage = ld_stage + 1 == kWgStages ? 0 : ld_stage + 1;
+  };
+
+#pragma unroll
+  for (int s = 0; s < kWgStages - 1; ++s) {
+    if (s < G) load_next();
+    cp_async_commit_group();
+  }
+  float total[64], part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) total[i] = 0.0f, part[i] = 0.0f;
+
+  const int row_in_tile = wg * 64 + warp * 16 + (lane >> 2);  // and + 8
+  const int col_in_n8 = 2 * (lane & 3);                        // and + 1, in each of 16 n8 blocks
+  for (int g = 0; g < G; ++g) {
+    cp_async_wait_group<kWgStages - 2>();
+    fence_proxy_async();
+    __syncthreads();  // k-block g is in its stage; the stage loaded next was read by k-block g - 1
+    if (g + kWgStages - 1 < G) load_next();
+    cp_async_commit_group();
+
+    const uint32_t stage = smem + stage_index * kWgStageBytes;
+    stage_index = stage_index + 1 == kWgStages ? 0 : stage_index + 1;
+    const uint32_t sa_addr = stage + wg * 64 * kWgTile;
+    const uint32_t sb_addr = stage + kWgOperandBytes;
+#pragma unroll
+    for (int r = 0; r < 64; ++r) fence_operand(part[r]);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kWgTile / 32; ++k)
+      wgmma_m64n128k32_e4m3(part, sw128_desc(sa_addr + 32 * k), sw128_desc(sb_addr + 32 * k), k > 0);
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int r = 0; r < 64; ++r) fence_operand(part[r]);
+
+    const uint32_t scale_a = stage + 2 * kWgOperandBytes, scale_b = scale_a + 4 * kWgTile;
+    const float sa0 = lds_f32(scale_a + 4 * row_in_tile), sa1 = lds_f32(scale_a + 4 * (row_in_tile + 8));
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float2 sb = lds_f32x2(scale_b + 4 * (8 * j + col_in_n8));
+      total[4 * j + 0] = __fmaf_rn(__fmul_rn(sa0, sb.x), part[4 * j + 0], total[4 * j + 0]);
+      total[4 * j + 1] = __fmaf_rn(__fmul_rn(sa0, sb.y), part[4 * j + 1], total[4 * j + 1]);
+      total[4 * j + 2] = __fmaf_rn(__fmul_rn(sa1, sb.x), part[4 * j + 2], total[4 * j + 2]);
+      total[4 * j + 3] = __fmaf_rn(__fmul_rn(sa1, sb.y), part[4 * j + 3], total[4 * j + 3]);
+    }
+
+    if (cur.kb == per - 1) {  // the item's last k-block: store, start the next item from +0
+      float* z_ws = ws ? ws + static_cast<int64_t>(cur.kb0 / per) * M * N : nullptr;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t m = cur.m0 + row_in_tile + 8 * h;
+        if (m < M) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int64_t n = cur.n0 + 8 * j + col_in_n8;
+            if (n < N)
+              store_pair(cfg, c, out, z_ws, m * N + n, n + 1 < N, (N & 1) == 0, total[4 * j + 2 * h],
+                         total[4 * j + 2 * h + 1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+    }
+    cur.advance(items);
+  }
+#else
+  __trap();  // launched only on devices of compute capability 9.0 (fp8_gemm_wgmma_supported)
+#endif
+}
+
+// The split ranges' sums added in order (split_k_chain), then the contract's epilogue.
+__global__ void fp8_split_reduce_kernel(const float* ws, int split, int64_t mn, const float* c, GemmConfig cfg,
+                                        void* out) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < mn;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float total = ws[idx];
+    for (int s = 1; s < split; ++s) total = __fadd_rn(total, ws[s * mn + idx]);
+    gemm_store(cfg, cfg.alpha, total, c, idx, out);
+  }
+}
+
+bool g_fp8_wgmma = true;         // set_fp8_wgmma
+uint64_t g_fp8_wgmma_launches = 0;  // fp8_wgmma_gemm_count
+
+}  // namespace
+
+void set_fp8_wgmma(bool on) { g_fp8_wgmma = on; }
+bool fp8_wgmma_enabled() { return g_fp8_wgmma; }
+uint64_t fp8_wgmma_gemm_count() { return g_fp8_wgmma_launches; }
+
+bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b) {
+  int dev = 0, major = 0, minor = 0;
+  FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
+  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
+  return major == 9 && minor == 0 && a.cols % kWgTile == 0 && aligned(a.codes, 16) && aligned(b.codes, 16) &&
+         aligned(a.scales, 4) && aligned(b.scales, 4);
+}
+
+void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
+                           void* out, float* split_ws, cudaStream_t stream) {
+  const int64_t M = a.rows, N = b.rows, KB = a.cols / kWgTile;
+  const int split = cfg.split_k;
+  if (split < 1 || KB % split != 0)
+    throw std::invalid_argument("gemm (cuda, fp8): split-K " + std::to_string(split) + " does not divide " +
+                                std::to_string(KB) + " k-blocks");
+  if (split > 1 && !split_ws) throw std::logic_error("fp8_gemm_wgmma_launch: split-K without a workspace");
+  const int64_t gx = (N + kWgTile - 1) / kWgTile, gy = (M + kWgTile - 1) / kWgTile;
+  if (gx * gy * split > (int64_t{1} << 30))
+    throw std::invalid_argument("gemm (cuda, fp8): " + std::to_string(M) + " x " + std::to_string(N) +
+                                " outputs are too many tiles for one launch");
+  const WgItems items{static_cast<int>(gx), static_cast<int>(gy), static_cast<int>(KB / split)};
+  const int item_count = static_cast<int>(gx * gy * split);
+  int device = 0, sms = 0;
+  FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
+  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  {
+    static std::mutex mutex;
+    static std::set<int> allowed;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (allowed.count(device) == 0) {
+      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_gemm_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(kWgSmem)));
+      allowed.insert(device);
+    }
+  }
+  const unsigned grid = static_cast<unsigned>(item_count < sms ? item_count : sms);  // one CTA an SM
+  fp8_gemm_wgmma_kernel<<<grid, kWgThreads, kWgSmem, stream>>>(a, b, c, cfg, out, split > 1 ? split_ws : nullptr,
+                                                                items, item_count);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  ++g_fp8_wgmma_launches;
+  if (split > 1) {
+    fp8_split_reduce_kernel<<<grid_stride_blocks(M * N, 256), 256, 0, stream>>>(split_ws, split, M * N, c, cfg, out);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace fp4sim::gpu
