@@ -4,13 +4,18 @@
 // cvt.rs.satfinite.e2m1x4.f32; and (sm_120a) runs a layout check, the worked vector and probes, and
 // random and special tiles through mma.sync ... kind::mxf4nvf4.block_scale (and kind::mxf4), every
 // output against gst_fdpa_fp4_bits. tcgen05.mma (sm_100a) is not probed. On other GPUs it says that
-// it needs sm_100/sm_120 and exits with 2.
+// it needs sm_100/sm_120 and exits with 2. On an sm_90 GPU (H100/H200) it runs named Hopper FP8
+// cases (DESIGN.md §7's FP8 row: alignment at F = 13, RZ to E8M13, the accumulator as a term)
+// through the tensor cores (the exact FP8 GEMM's wgmma path) against the emulator.
 #include <fmt/core.h>
 
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
+#include "emu/backend.hpp"
+#include "emu/formats.hpp"
 #include "emu/mma.hpp"
 #include "tools/backends.hpp"
 #include "tools/commands.hpp"
@@ -81,6 +86,91 @@ void print_model_answers() {
   }
 }
 
+// ---- Hopper FP8 (wgmma m64nNk32 E4M3): named cases through the exact FP8 GEMM ------------------
+// Each case is one output: A and B one row of 128 E4M3 codes (one k-block, four k32 instructions),
+// block scales 1, so D is the k-block's chained T-FDPA result (L = 32, F = 13, RZ to E8M13).
+
+struct Fp8Term {
+  int k;
+  float a, b;
+};
+struct Fp8NamedCase {
+  const char* name;
+  std::vector<Fp8Term> terms;
+};
+
+std::vector<Fp8NamedCase> hopper_fp8_cases() {
+  const float t7 = std::ldexp(1.0f, -7), t6 = std::ldexp(1.0f, -6);
+  std::vector<Fp8Term> tiny(32);
+  for (int k = 0; k < 32; ++k) tiny[static_cast<size_t>(k)] = {k, t7, t7};
+  return {
+      {"1 + 2^-13: kept (grid 2^(e_max - 13))", {{0, 1, 1}, {1, t6, t7}}},
+      {"1 + 2^-14: dropped (F = 13)", {{0, 1, 1}, {1, t7, t7}}},
+      {"1 - 2^-14: term truncated toward zero", {{0, 1, 1}, {1, -t7, t7}}},
+      {"2 + 2^-13: sum RZ to 13 fraction bits", {{0, 1, 1}, {1, 1, 1}, {2, t6, t7}}},
+      {"-(2 + 2^-13): RZ toward zero", {{0, -1, 1}, {1, -1, 1}, {2, -t6, t7}}},
+      {"1 (k 0) + 2^-14 (k 32): C aligned too", {{0, 1, 1}, {32, t7, t7}}},
+      {"32 x 2^-14 alone: alignment is relative", tiny},
+  };
+}
+
+// A 1 x 128 FP8 row with the case's a (or b) values, block scale 1.
+QuantizedHost fp8_probe_row(const Fp8NamedCase& c, bool b_side) {
+  QuantizedHost q;
+  q.rows = 1;
+  q.cols = kFp8Block;
+  q.format = QFormat::FP8;
+  q.codes.assign(kFp8Block, 0);
+  for (const Fp8Term& t : c.terms) q.codes[static_cast<size_t>(t.k)] = e4m3_rn_satfinite(b_side ? t.b : t.a);
+  const float one = 1.0f;
+  q.scales.resize(4);
+  std::memcpy(q.scales.data(), &one, 4);
+  return q;
+}
+
+// D's bits for the case on a backend (exact FP8 GEMM).
+uint32_t fp8_probe_on(Backend& be, const Fp8NamedCase& c) {
+  QuantizedHost a = fp8_probe_row(c, false), b = fp8_probe_row(c, true);
+  QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
+  BackendBuffer d(be, 4);
+  TensorView dv;
+  dv.data = d.get();
+  dv.rows = 1;
+  dv.cols = 1;
+  dv.device = be.device();
+  be.gemm(da.view, db.view, nullptr, GemmConfig{}, dv);
+  be.synchronize();
+  uint32_t bits = 0;
+  be.download(&bits, d.get(), 4);
+  return bits;
+}
+
+// The same chain with Blackwell's f8f6f4 accumulation (F = 25, RZ-FP32), for contrast.
+float fp8_probe_blackwell(const Fp8NamedCase& c) {
+  float va[kFp8Block] = {}, vb[kFp8Block] = {};
+  for (const Fp8Term& t : c.terms) va[t.k] = t.a, vb[t.k] = t.b;
+  float acc = 0.0f;
+  for (int k0 = 0; k0 < kFp8Block; k0 += kFp8FdpaL)
+    acc = tfdpa_fp8_blackwell(va + k0, vb + k0, acc, kE4M3Operand, kE4M3Operand);
+  return acc;
+}
+
+float f32_of(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+void print_hopper_fp8_model() {
+  fmt::print("\nThe model's answers for Hopper FP8 (wgmma E4M3, T-FDPA L = 32, F = 13, RZ to E8M13), one 128-wide\n"
+             "k-block, scales 1 (what an H100/H200 should give; Blackwell's F = 25 for contrast):\n");
+  auto emu = make_backend("emu");
+  for (const Fp8NamedCase& c : hopper_fp8_cases()) {
+    const uint32_t m = fp8_probe_on(*emu, c);
+    fmt::print("  {:<44} 0x{:08X}  {:<16.12g} (F = 25: {:.12g})\n", c.name, m, f32_of(m), fp8_probe_blackwell(c));
+  }
+}
+
 #if FP4SIM_HAVE_CUDA
 // The native MMA section; true when some output that ran differs from the model.
 bool print_native_mma(const gpu::NativeMmaProbe& p) {
@@ -143,21 +233,52 @@ bool print_native_mma(const gpu::NativeMmaProbe& p) {
         p.cc_major, p.cc_minor);
   return differs;
 }
+
+// The Hopper FP8 cases on this GPU's tensor cores (the exact FP8 GEMM's wgmma path) against the
+// emulator; true when one differs.
+bool print_native_hopper_fp8() {
+  fmt::print("native Hopper FP8 (wgmma.mma_async m64n128k32 E4M3 through the exact FP8 GEMM, gpu/fp8_wgmma.cu):\n");
+  auto emu = make_backend("emu");
+  auto cuda = make_backend("cuda");
+  const uint64_t before = gpu::fp8_wgmma_gemm_count();
+  bool differs = false;
+  for (const Fp8NamedCase& c : hopper_fp8_cases()) {
+    const uint32_t n = fp8_probe_on(*cuda, c), m = fp8_probe_on(*emu, c);
+    fmt::print("  {:<44} native 0x{:08X} {:<16.12g} model 0x{:08X}  {}\n", c.name, n, f32_of(n), m,
+               n == m ? "equal" : "DIFFER");
+    differs = differs || n != m;
+  }
+  if (gpu::fp8_wgmma_gemm_count() - before != hopper_fp8_cases().size()) {
+    fmt::print("  (the tensor-core path did not run: these are the model kernel's answers, not the hardware's)\n");
+    return true;
+  }
+  fmt::print("  Random codes over the whole E4M3 range: tests/gpu/test_fp8_gpu.cpp "
+             "(Fp8Gpu.TensorCoreAccumulationEqualsModelOnRawCodes).\n");
+  return differs;
+}
 #endif
 
 int run_probe() {
-  fmt::print("fp4sim probe: native Blackwell FP4 arithmetic against the model (contract DESIGN.md §7)\n\n");
+  fmt::print("fp4sim probe: native tensor-core arithmetic against the model (contract DESIGN.md §7)\n\n");
   print_model_answers();
+  print_hopper_fp8_model();
   fmt::print("\n");
 #if FP4SIM_HAVE_CUDA
   if (!gpu::gpu_available()) {
-    fmt::print("No CUDA GPU found ({}). The native checks need an sm_100 or sm_120 GPU.\n", gpu_description());
+    fmt::print("No CUDA GPU found ({}). The native checks need an sm_90, sm_100 or sm_120 GPU.\n",
+               gpu_description());
     return 2;
   }
   const gpu::NativeProbe p = gpu::run_native_probe();
+  if (p.cc_major == 9 && p.cc_minor == 0) {
+    fmt::print("GPU: {}\n", gpu_description());
+    const bool fp8_differs = print_native_hopper_fp8();
+    fmt::print("\nThe FP4 checks need an sm_100 (B200/GB200) or sm_120 (RTX 50xx) GPU: not run here.\n");
+    return fp8_differs ? 1 : 0;
+  }
   if (p.cc_major < 10) {
-    fmt::print("This GPU is sm_{}{} ({}): the native checks need an sm_100 (B200/GB200) or sm_120 "
-               "(RTX 50xx) GPU. Nothing was checked.\n", p.cc_major, p.cc_minor, gpu_description());
+    fmt::print("This GPU is sm_{}{} ({}): the native checks need an sm_90 (H100/H200), sm_100 (B200/GB200) or "
+               "sm_120 (RTX 50xx) GPU. Nothing was checked.\n", p.cc_major, p.cc_minor, gpu_description());
     return 2;
   }
   fmt::print("GPU: {}\n", gpu_description());
@@ -192,7 +313,7 @@ int run_probe() {
   const bool mma_differs = print_native_mma(gpu::run_native_mma_probe());
   return (p.cvt_rn_supported && p.rn_mismatches != 0) || mma_differs ? 1 : 0;
 #else
-  fmt::print("This build has no CUDA backend: the native checks need an sm_100 or sm_120 GPU.\n");
+  fmt::print("This build has no CUDA backend: the native checks need an sm_90, sm_100 or sm_120 GPU.\n");
   return 2;
 #endif
 }
@@ -200,9 +321,9 @@ int run_probe() {
 }  // namespace
 
 void register_probe(CLI::App& app) {
-  auto* cmd = app.add_subcommand("probe", "Check a Blackwell GPU's native FP4 conversions and block-scaled "
-                                          "MMAs against the model (needs sm_100/sm_120; prints the "
-                                          "model's answers)");
+  auto* cmd = app.add_subcommand("probe", "Check a GPU's native tensor-core arithmetic against the model: "
+                                          "Hopper FP8 wgmma (sm_90), Blackwell FP4 conversions and "
+                                          "block-scaled MMAs (sm_100/sm_120); prints the model's answers");
   cmd->callback([]() {
     const int rc = run_probe();
     if (rc != 0) throw CLI::RuntimeError(rc);

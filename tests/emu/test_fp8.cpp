@@ -189,6 +189,33 @@ TEST(Fp8, GemmModelsHopperAccumulationAndPromotion) {
   EXPECT_EQ(gemm1(a3, b, cfg), 2.0f * (256.0f + 0.015625f));
 }
 
+// The F = 13 boundary and the output rounding, one k-block (the cases `fp4sim probe` runs through a
+// Hopper GPU's wgmma): with the largest term 1, 2^-13 is on the grid and 2^-14 below it, a negative
+// term is truncated toward zero, a sum past 2 loses its 2^-13 (13 fraction bits, RZ, also when
+// negative), the chained partial is a term of the next instruction, and the grid follows the
+// largest term, not 1.
+TEST(Fp8, GemmHopperF13Boundary) {
+  const int64_t K = 128;
+  const float t6 = std::ldexp(1.0f, -6), t7 = std::ldexp(1.0f, -7);
+  const std::vector<float> one = {1.0f};
+  auto gemm_of = [&](std::vector<std::pair<int, float>> a_at, std::vector<std::pair<int, float>> b_at) {
+    std::vector<uint8_t> ca(K, 0), cb(K, 0);
+    for (auto [k, v] : a_at) ca[static_cast<size_t>(k)] = e4m3_rn_satfinite(v);
+    for (auto [k, v] : b_at) cb[static_cast<size_t>(k)] = e4m3_rn_satfinite(v);
+    QuantizedHost a = fp8_operand(1, K, ca, one), b = fp8_operand(1, K, cb, one);
+    return gemm1(a, b);
+  };
+  EXPECT_EQ(gemm_of({{0, 1}, {1, t6}}, {{0, 1}, {1, t7}}), 1.0f + std::ldexp(1.0f, -13));
+  EXPECT_EQ(gemm_of({{0, 1}, {1, t7}}, {{0, 1}, {1, t7}}), 1.0f);
+  EXPECT_EQ(gemm_of({{0, 1}, {1, -t7}}, {{0, 1}, {1, t7}}), 1.0f);
+  EXPECT_EQ(gemm_of({{0, 1}, {1, 1}, {2, t6}}, {{0, 1}, {1, 1}, {2, t7}}), 2.0f);
+  EXPECT_EQ(gemm_of({{0, -1}, {1, -1}, {2, -t6}}, {{0, 1}, {1, 1}, {2, t7}}), -2.0f);
+  EXPECT_EQ(gemm_of({{0, 1}, {32, t7}}, {{0, 1}, {32, t7}}), 1.0f);
+  std::vector<std::pair<int, float>> tiny;
+  for (int k = 0; k < 32; ++k) tiny.push_back({k, t7});
+  EXPECT_EQ(gemm_of(tiny, tiny), std::ldexp(1.0f, -9));
+}
+
 // Small integers with power-of-two scales: every step exact, so the GEMM equals the exact sum.
 TEST(Fp8, GemmExactOnSmallIntegers) {
   const int64_t M = 5, N = 7, K = 384;
