@@ -435,6 +435,25 @@ Fp8Operand make_fp8_operand(gpu::CudaBackend& be, std::mt19937_64& rng, int64_t 
   return o;
 }
 
+// Shape s's FP8 operands (A [M, K], B [N, K]) and a zeroed FP32 D [M, N] on be.
+struct Fp8Problem {
+  Fp8Operand a, b;
+  BackendBuffer d;
+  TensorView dv;
+};
+Fp8Problem make_fp8_problem(gpu::CudaBackend& be, const Gpt2Shape& s) {
+  std::mt19937_64 rng(11);
+  Fp8Operand a = make_fp8_operand(be, rng, s.M, s.K, s.name);
+  Fp8Operand b = make_fp8_operand(be, rng, s.N, s.K, s.name);
+  Fp8Problem p{std::move(a), std::move(b), BackendBuffer(be, static_cast<size_t>(s.M * s.N) * 4), TensorView{}};
+  be.zero(p.d.get(), static_cast<size_t>(s.M * s.N) * 4);
+  p.dv.data = p.d.get();
+  p.dv.rows = s.M;
+  p.dv.cols = s.N;
+  p.dv.device = Device::Cuda;
+  return p;
+}
+
 void BM_GpuGemmFp8(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
@@ -446,20 +465,12 @@ void BM_GpuGemmFp8(benchmark::State& state) {
   state.SetLabel(std::string(s.name) + (beta != 0.0f ? " beta 1" : " beta 0") + " algo " + std::to_string(pick));
   HeuristicPick pick_guard(gpu::set_cublaslt_heuristic_pick, pick, gpu::kPlanOwnPick);
   gpu::CudaBackend be;
-  std::mt19937_64 rng(11);
-  Fp8Operand a = make_fp8_operand(be, rng, s.M, s.K, s.name), b = make_fp8_operand(be, rng, s.N, s.K, s.name);
-  BackendBuffer d(be, static_cast<size_t>(s.M * s.N) * 4);
-  be.zero(d.get(), static_cast<size_t>(s.M * s.N) * 4);
-  TensorView dv;
-  dv.data = d.get();
-  dv.rows = s.M;
-  dv.cols = s.N;
-  dv.device = Device::Cuda;
+  Fp8Problem p = make_fp8_problem(be, s);
   GemmConfig cfg;
   cfg.impl = GemmImpl::CublasLt;
   cfg.alpha = 0.5f;
   cfg.beta = beta;
-  auto run = [&]() { be.gemm(a.q, b.q, beta != 0.0f ? &dv : nullptr, cfg, dv); };
+  auto run = [&]() { be.gemm(p.a.q, p.b.q, beta != 0.0f ? &p.dv : nullptr, cfg, p.dv); };
   time_shape(state, s, be.stream(), run);
 }
 BENCHMARK(BM_GpuGemmFp8)->Apply(shape_benchmark_registration);
@@ -481,27 +492,19 @@ void BM_GpuGemmFp8Exact(benchmark::State& state) {
   state.SetLabel(std::string(s.name) + (path == 0 ? " cublaslt" : path == 1 ? " wgmma" : " model") + " split " +
                  std::to_string(split));
   gpu::CudaBackend be;
-  std::mt19937_64 rng(11);
-  Fp8Operand a = make_fp8_operand(be, rng, s.M, s.K, s.name), b = make_fp8_operand(be, rng, s.N, s.K, s.name);
-  if (path == 1 && !gpu::fp8_gemm_wgmma_supported(a.q, b.q)) {
+  Fp8Problem p = make_fp8_problem(be, s);
+  if (path == 1 && !gpu::fp8_gemm_wgmma_supported(p.a.q, p.b.q)) {
     state.SkipWithError("this GPU has no wgmma FP8 path (compute capability 9.0 only)");
     return;
   }
   const bool was = gpu::fp8_wgmma_enabled();
   gpu::set_fp8_wgmma(path == 1);
-  BackendBuffer d(be, static_cast<size_t>(s.M * s.N) * 4);
-  be.zero(d.get(), static_cast<size_t>(s.M * s.N) * 4);
-  TensorView dv;
-  dv.data = d.get();
-  dv.rows = s.M;
-  dv.cols = s.N;
-  dv.device = Device::Cuda;
   GemmConfig cfg;
   cfg.impl = path == 0 ? GemmImpl::CublasLt : GemmImpl::Exact;
   cfg.alpha = 0.5f;
   cfg.beta = s.beta;
   cfg.split_k = path == 0 ? 1 : split;
-  auto run = [&]() { be.gemm(a.q, b.q, s.beta != 0.0f ? &dv : nullptr, cfg, dv); };
+  auto run = [&]() { be.gemm(p.a.q, p.b.q, s.beta != 0.0f ? &p.dv : nullptr, cfg, p.dv); };
   time_shape(state, s, be.stream(), run);
   gpu::set_fp8_wgmma(was);
 }
