@@ -205,9 +205,10 @@ __device__ __forceinline__ float2 lds_f32x2(uint32_t addr) {
 #endif
 
 // ws: split_k > 1, the ranges' sums [split_k, M, N]; else the contract's epilogue into out.
+// pair_stores: N is even and out (or ws) aligned for one store of two outputs.
 __global__ void __launch_bounds__(kWgThreads, 1)
     fp8_gemm_wgmma_kernel(QuantizedView a, QuantizedView b, const float* c, GemmConfig cfg, void* out, float* ws,
-                          WgItems items, int item_count) {
+                          WgItems items, int item_count, bool pair_stores) {
 #if FP4SIM_WGMMA
   extern __shared__ uint8_t smem_raw[];
   const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
@@ -284,7 +285,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           for (int j = 0; j < 16; ++j) {
             const int64_t n = cur.n0 + 8 * j + col_in_n8;
             if (n < N)
-              store_pair(cfg, c, out, z_ws, m * N + n, n + 1 < N, (N & 1) == 0, total[4 * j + 2 * h],
+              store_pair(cfg, c, out, z_ws, m * N + n, n + 1 < N, pair_stores, total[4 * j + 2 * h],
                          total[4 * j + 2 * h + 1]);
           }
         }
@@ -357,8 +358,10 @@ void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const
     }
   }
   const unsigned grid = static_cast<unsigned>(item_count < sms ? item_count : sms);  // one CTA an SM
-  fp8_gemm_wgmma_kernel<<<grid, kWgThreads, kWgSmem, stream>>>(a, b, c, cfg, out, split > 1 ? split_ws : nullptr,
-                                                                items, item_count);
+  float* ws = split > 1 ? split_ws : nullptr;
+  const uintptr_t pair_bytes = ws || cfg.out == GemmOut::F32 ? 8 : 4;  // a float2, or two BF16 values
+  const bool pair_stores = N % 2 == 0 && reinterpret_cast<uintptr_t>(ws ? static_cast<void*>(ws) : out) % pair_bytes == 0;
+  fp8_gemm_wgmma_kernel<<<grid, kWgThreads, kWgSmem, stream>>>(a, b, c, cfg, out, ws, items, item_count, pair_stores);
   FP4SIM_CUDA_CHECK_LAUNCH();
   ++g_fp8_wgmma_launches;
   if (split > 1) {

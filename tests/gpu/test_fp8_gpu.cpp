@@ -359,20 +359,22 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
   std::printf("[fp8-gpu] %d fused activation quantize calls bitwise identical to the op then quantize\n", checked);
 }
 
-// One GEMM of host copies a and b on backend be (C from c when cfg.beta != 0), D's bytes back.
+// One GEMM of host copies a and b on backend be (C from c when cfg.beta != 0), D's bytes back. D
+// starts out_offset elements into its buffer (1: only 4-byte aligned for F32, 2-byte for BF16).
 std::vector<uint8_t> run_fp8_gemm(Backend& be, const QuantizedHost& a, const QuantizedHost& b,
-                                  const std::vector<float>& c, const GemmConfig& cfg) {
+                                  const std::vector<float>& c, const GemmConfig& cfg, int64_t out_offset = 0) {
+  const size_t elem = cfg.out == GemmOut::BF16 ? 2 : 4, skip = static_cast<size_t>(out_offset) * elem;
   QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
-  BackendBuffer cb(be, c.size() * 4), d(be, c.size() * 4);
+  BackendBuffer cb(be, c.size() * 4), d(be, c.size() * elem + skip);
   be.upload(cb.get(), c.data(), c.size() * 4);
   TensorView cv, dv;
   cv.data = cb.get(); cv.rows = a.rows; cv.cols = b.rows; cv.device = be.device();
-  dv.data = d.get(); dv.rows = a.rows; dv.cols = b.rows; dv.device = be.device();
+  dv.data = static_cast<uint8_t*>(d.get()) + skip; dv.rows = a.rows; dv.cols = b.rows; dv.device = be.device();
   dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
   be.gemm(da.view, db.view, cfg.beta != 0 ? &cv : nullptr, cfg, dv);
   be.synchronize();
-  std::vector<uint8_t> out(c.size() * (cfg.out == GemmOut::BF16 ? 2 : 4));
-  be.download(out.data(), d.get(), out.size());
+  std::vector<uint8_t> out(c.size() * elem);
+  be.download(out.data(), dv.data, out.size());
   return out;
 }
 
@@ -393,7 +395,7 @@ bool gpu_has_fp8_wgmma() {
 
 // Quantized inputs through the exact GEMM, both CUDA paths (the tensor cores where the GPU has
 // them, and the one-thread-an-output model kernel) against the emulator. Shapes with one tile,
-// several tiles with partial edges, split-K.
+// several tiles with partial edges, split-K, D not aligned for paired stores.
 TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
@@ -409,15 +411,16 @@ TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
       QuantizedHost a = quantize_on(*emu, xa, s.M, s.K, false, false, false).rowwise;
       QuantizedHost b = quantize_on(*emu, xb, s.N, s.K, false, s.N % 128 == 0, false).rowwise;
       std::vector<float> c = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(s.M * s.N), 5);
-      for (int variant = 0; variant < 4; ++variant) {
+      for (int variant = 0; variant < 6; ++variant) {
         GemmConfig cfg;
         if (variant == 1) { cfg.split_k = (s.K / 128) % 2 == 0 ? 2 : 1; cfg.alpha = 1.5f; }
-        if (variant == 2) { cfg.beta = -0.5f; cfg.out = GemmOut::BF16; }
+        if (variant == 2 || variant == 5) { cfg.beta = -0.5f; cfg.out = GemmOut::BF16; }
         if (variant == 3) { cfg.split_k = static_cast<int>(s.K / 128); cfg.beta = 1.0f; }
-        const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg);
+        const int64_t offset = variant >= 4 ? 1 : 0;  // D off the pair-store alignment
+        const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg, offset);
         for (const bool wgmma : {true, false}) {
           Fp8WgmmaSwitch sw(wgmma);
-          ASSERT_EQ(want, run_fp8_gemm(*cuda, a, b, c, cfg))
+          ASSERT_EQ(want, run_fp8_gemm(*cuda, a, b, c, cfg, offset))
               << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant " << variant
               << (wgmma ? " (tensor cores where supported)" : " (model kernel)");
           ++checked;
