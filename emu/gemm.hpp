@@ -21,7 +21,7 @@ struct GemmConfig {
   GemmImpl impl = GemmImpl::Exact;
   float alpha = 1.0f;
   float beta = 0.0f;  // needs C
-  int split_k = 1;    // must divide the number of 64-wide K chunks
+  int split_k = 1;    // must divide the number of K chunks (64-wide; FP8: 128-wide k-blocks)
   GemmOut out = GemmOut::F32;
 };
 
@@ -63,8 +63,10 @@ FP4SIM_HD float gemm_epilogue(float alpha_eff, float acc, float beta, float c) {
 
 // Split-K as the contract orders it: the chunks (64-wide for FP4, 128-blocks for FP8) of each of
 // split_k equal ranges chained through an accumulator from +0, acc = chunk(i, acc); then the ranges'
-// results added in order, each addition RN. Both backends' exact GEMMs (all but the tiled kernel,
-// which keeps the same order for its 4 x 4 outputs at once) evaluate an output through this.
+// results added in order, each addition RN. Both backends' exact GEMMs evaluate an output through
+// this, except two CUDA kernels that keep the same order their own way: the tiled FP4 kernel (4 x 4
+// outputs at once) and the FP8 tensor-core kernel (gpu/fp8_wgmma.cu: the chain in registers, the
+// ranges added by its reduce kernel).
 template <class Chunk>
 FP4SIM_HD float split_k_chain(int split_k, int64_t chunks, const Chunk& chunk) {
   const int64_t per_split = chunks / split_k;

@@ -286,8 +286,10 @@ void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const
                            void* out, cudaStream_t stream);
 // The same exact FP8 GEMM on the tensor cores (gpu/fp8_wgmma.cu, sm_90a wgmma): the bits of
 // fp8_gemm_exact_launch where Hopper's FP8 accumulation is what DESIGN.md §7 models. Supported
-// (fp8_gemm_wgmma_supported) on a compute capability 9.0 device with K a multiple of 128 and 16-byte
-// aligned codes. split_ws: cfg.split_k > 1, split_k * M * N floats of device scratch.
+// (fp8_gemm_wgmma_supported) on a compute capability 9.0 device running this build's sm_90a code
+// (a plain sm_90 build has only a trap; asked once per device), with K a multiple of 128, 16-byte
+// aligned codes and 4-byte aligned scales. split_ws: cfg.split_k > 1, split_k * M * N floats of
+// device scratch.
 bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b);
 void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
                            void* out, float* split_ws, cudaStream_t stream);
@@ -297,6 +299,9 @@ void set_fp8_wgmma(bool on);
 bool fp8_wgmma_enabled();
 // Test hook: how many FP8 GEMMs ran on the tensor cores (fp8_gemm_wgmma_launch) in this process.
 uint64_t fp8_wgmma_gemm_count();
+// Test knob: at most n persistent CTAs for the tensor-core FP8 GEMM (0, the default: one an SM), so
+// small GEMMs exercise CTAs that take several work items in turn.
+void set_fp8_wgmma_max_ctas(int n);
 // Causal attention with grouped KV heads (gpu/attention.cu): FlashAttention-2 kernels on
 // mma.sync BF16 -> FP32, the contract of emu/layers.hpp's attention_forward/backward within a bound
 // (tests/gpu/test_layers_gpu.cpp). HD in {16, 32, 64, 128}, else std::invalid_argument. dsum

@@ -3,9 +3,13 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace fp4sim::gpu {
 
@@ -33,3 +37,22 @@ inline int grid_stride_blocks(int64_t n, int threads) {
 
 // After every kernel launch.
 #define FP4SIM_CUDA_CHECK_LAUNCH() FP4SIM_CUDA_CHECK(cudaGetLastError())
+
+namespace fp4sim::gpu {
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory (over the 48 KB default) on the
+// current device: a function attribute is per device, so it is set once per kernel and device,
+// under a lock (several host threads may launch).
+inline void allow_dynamic_smem(const void* kernel, size_t bytes) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> allowed;  // (kernel, device)
+  int device = 0;
+  FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (allowed.count({kernel, device}) != 0) return;
+  FP4SIM_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  allowed.insert({kernel, device});
+}
+
+}  // namespace fp4sim::gpu

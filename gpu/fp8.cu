@@ -5,8 +5,6 @@
 // one thread per output (correctness first).
 #include <cuda_runtime.h>
 
-#include <mutex>
-#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -402,24 +400,11 @@ __global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const fl
   gemm_store(cfg, cfg.alpha, total, c, idx, out);
 }
 
-// One launch of the tile kernel for source Src; its dynamic shared memory (over the 48 KB default)
-// is allowed once per instantiation and device (a function attribute is per device; the set is
-// guarded: several host threads may launch).
+// One launch of the tile kernel for source Src, its dynamic shared memory allowed first
+// (allow_dynamic_smem: once per instantiation and device).
 template <class Src>
 void launch_fp8_tile(const dim3& grid, const Src& src, const Fp8TileArgs& a, cudaStream_t stream) {
-  static std::mutex mutex;
-  static std::set<int> allowed;
-  int device = 0;
-  FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (allowed.count(device) == 0) {
-      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_quantize_tile_kernel<Src>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(kFp8TileSmem)));
-      allowed.insert(device);
-    }
-  }
+  allow_dynamic_smem(reinterpret_cast<const void*>(fp8_quantize_tile_kernel<Src>), kFp8TileSmem);
   fp8_quantize_tile_kernel<Src><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(src, a);
 }
 

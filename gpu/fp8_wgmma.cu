@@ -22,9 +22,12 @@
 // mbarrier-driven stages (a producer warp, warpgroups running apart) or TMA, not done yet.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <limits>
+#include <map>
 #include <mutex>
-#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -159,7 +162,8 @@ struct WgCursor {
 // This thread's share of loading one k-block: 4 16-byte chunks of A's and 4 of B's 128 x 128 codes
 // (rows t/8 + 32 i, chunk t mod 8, written swizzled: 16-byte chunk c of row r at c ^ (r mod 8),
 // which 32 i leaves alone) and one scale (A's row t, or B's row t - 128). Row pointers are set once
-// an item (set_item); a k-block adds 128 bytes (one scale). Rows past M or N read zeros.
+// an item (set_item); each k-block moves the code pointers on by 128 bytes and the scale pointer by
+// one float. Rows past M or N read zeros.
 struct WgLoader {
   const uint8_t* pa;   // A's row m0 + t/8, chunk t mod 8, at the item's first k-block
   const uint8_t* pb;   // the same in B
@@ -296,7 +300,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     cur.advance(items);
   }
 #else
-  __trap();  // launched only on devices of compute capability 9.0 (fp8_gemm_wgmma_supported)
+  __trap();  // never launched: fp8_gemm_wgmma_supported asks the device which build it runs
 #endif
 }
 
@@ -311,14 +315,41 @@ __global__ void fp8_split_reduce_kernel(const float* ws, int split, int64_t mn, 
   }
 }
 
-bool g_fp8_wgmma = true;         // set_fp8_wgmma
-uint64_t g_fp8_wgmma_launches = 0;  // fp8_wgmma_gemm_count
+// Writes 1 where the code running on this device is the sm_90a build (the wgmma kernel's real body),
+// 0 where it is another build for the device (a plain sm_90 one: the body is the trap).
+__global__ void fp8_wgmma_built_kernel(int* out) { *out = FP4SIM_WGMMA; }
+
+std::atomic<bool> g_fp8_wgmma{true};           // set_fp8_wgmma
+std::atomic<uint64_t> g_fp8_wgmma_launches{0};  // fp8_wgmma_gemm_count
+std::atomic<int> g_fp8_wgmma_max_ctas{0};       // set_fp8_wgmma_max_ctas
+
+// Whether the current device (compute capability 9.0) runs this build's wgmma kernel: asked once per
+// device with fp8_wgmma_built_kernel (a one-time synchronous launch), then cached.
+bool wgmma_built_for_current_device(int device) {
+  static std::mutex mutex;
+  static std::map<int, bool> built;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = built.find(device);
+  if (it != built.end()) return it->second;
+  int* flag = nullptr;
+  int host = 0;
+  FP4SIM_CUDA_CHECK(cudaMalloc(&flag, sizeof(int)));
+  fp8_wgmma_built_kernel<<<1, 1>>>(flag);
+  const cudaError_t launched = cudaGetLastError();
+  const cudaError_t copied = launched == cudaSuccess ? cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost)
+                                                     : launched;
+  cudaFree(flag);
+  FP4SIM_CUDA_CHECK(copied);
+  built[device] = host == 1;
+  return host == 1;
+}
 
 }  // namespace
 
 void set_fp8_wgmma(bool on) { g_fp8_wgmma = on; }
 bool fp8_wgmma_enabled() { return g_fp8_wgmma; }
 uint64_t fp8_wgmma_gemm_count() { return g_fp8_wgmma_launches; }
+void set_fp8_wgmma_max_ctas(int n) { g_fp8_wgmma_max_ctas = n > 0 ? n : 0; }
 
 bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b) {
   int dev = 0, major = 0, minor = 0;
@@ -327,7 +358,7 @@ bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b) {
   FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
   return major == 9 && minor == 0 && a.cols % kWgTile == 0 && aligned(a.codes, 16) && aligned(b.codes, 16) &&
-         aligned(a.scales, 4) && aligned(b.scales, 4);
+         aligned(a.scales, 4) && aligned(b.scales, 4) && wgmma_built_for_current_device(dev);
 }
 
 void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
@@ -339,25 +370,21 @@ void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const
                                 std::to_string(KB) + " k-blocks");
   if (split > 1 && !split_ws) throw std::logic_error("fp8_gemm_wgmma_launch: split-K without a workspace");
   const int64_t gx = (N + kWgTile - 1) / kWgTile, gy = (M + kWgTile - 1) / kWgTile;
-  if (gx * gy * split > (int64_t{1} << 30))
-    throw std::invalid_argument("gemm (cuda, fp8): " + std::to_string(M) + " x " + std::to_string(N) +
-                                " outputs are too many tiles for one launch");
-  const WgItems items{static_cast<int>(gx), static_cast<int>(gy), static_cast<int>(KB / split)};
-  const int item_count = static_cast<int>(gx * gy * split);
   int device = 0, sms = 0;
   FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
   FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  {
-    static std::mutex mutex;
-    static std::set<int> allowed;
-    std::lock_guard<std::mutex> lock(mutex);
-    if (allowed.count(device) == 0) {
-      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(fp8_gemm_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(kWgSmem)));
-      allowed.insert(device);
-    }
-  }
-  const unsigned grid = static_cast<unsigned>(item_count < sms ? item_count : sms);  // one CTA an SM
+  const int64_t items64 = gx * gy * split, cap = g_fp8_wgmma_max_ctas > 0 ? g_fp8_wgmma_max_ctas.load() : sms;
+  const int64_t grid64 = std::min<int64_t>(items64, std::min<int64_t>(sms, cap));  // one CTA an SM
+  // the kernel keeps tile origins (tiles x 128 plus a row) and a CTA's k-block count in int
+  const int64_t int_max = std::numeric_limits<int>::max();
+  if (gx * kWgTile >= int_max || gy * kWgTile >= int_max || items64 >= int_max ||
+      (items64 + grid64 - 1) / grid64 * (KB / split) >= int_max)
+    throw std::invalid_argument("gemm (cuda, fp8): " + std::to_string(M) + " x " + std::to_string(N) + " x " +
+                                std::to_string(a.cols) + " is too large for one launch of the tensor-core kernel");
+  const WgItems items{static_cast<int>(gx), static_cast<int>(gy), static_cast<int>(KB / split)};
+  const int item_count = static_cast<int>(items64);
+  allow_dynamic_smem(reinterpret_cast<const void*>(fp8_gemm_wgmma_kernel), kWgSmem);
+  const unsigned grid = static_cast<unsigned>(grid64);
   float* ws = split > 1 ? split_ws : nullptr;
   const uintptr_t pair_bytes = ws || cfg.out == GemmOut::F32 ? 8 : 4;  // a float2, or two BF16 values
   const bool pair_stores = N % 2 == 0 && reinterpret_cast<uintptr_t>(ws ? static_cast<void*>(ws) : out) % pair_bytes == 0;

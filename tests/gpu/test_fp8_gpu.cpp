@@ -378,30 +378,40 @@ std::vector<uint8_t> run_fp8_gemm(Backend& be, const QuantizedHost& a, const Qua
   return out;
 }
 
-// Restores the tensor-core FP8 GEMM switch (gpu::set_fp8_wgmma) when a test ends.
+// Sets the tensor-core FP8 GEMM switch (gpu::set_fp8_wgmma) and its CTA cap
+// (gpu::set_fp8_wgmma_max_ctas) for a scope, back to the defaults when it ends.
 struct Fp8WgmmaSwitch {
-  explicit Fp8WgmmaSwitch(bool on) { gpu::set_fp8_wgmma(on); }
-  ~Fp8WgmmaSwitch() { gpu::set_fp8_wgmma(true); }
+  explicit Fp8WgmmaSwitch(bool on, int max_ctas = 0) {
+    gpu::set_fp8_wgmma(on);
+    gpu::set_fp8_wgmma_max_ctas(max_ctas);
+  }
+  ~Fp8WgmmaSwitch() {
+    gpu::set_fp8_wgmma(true);
+    gpu::set_fp8_wgmma_max_ctas(0);
+  }
 };
 
-// Whether this GPU runs exact FP8 GEMMs on its tensor cores (compute capability 9.0).
+// Whether this GPU runs exact FP8 GEMMs on its tensor cores: compute capability 9.0 and a build with
+// sm_90a code (fp4sim info's archs). Then the tests require the tensor-core path to have run.
 bool gpu_has_fp8_wgmma() {
   int dev = 0, major = 0, minor = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return false;
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  return major == 9 && minor == 0;
+  const std::string archs = "," + cuda_archs() + ",";
+  return major == 9 && minor == 0 && archs.find(",90a,") != std::string::npos;
 }
 
 // Quantized inputs through the exact GEMM, both CUDA paths (the tensor cores where the GPU has
 // them, and the one-thread-an-output model kernel) against the emulator. Shapes with one tile,
-// several tiles with partial edges, split-K, D not aligned for paired stores.
+// several tiles with partial edges, split-K, D not aligned for paired stores, CTAs taking several
+// work items.
 TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
   struct Shape { int64_t M, N, K; };
-  int checked = 0;
+  int checked = 0, wgmma_cases = 0;
   const uint64_t wgmma_before = gpu::fp8_wgmma_gemm_count();
   for (const Shape& s : {Shape{64, 48, 256}, Shape{33, 17, 384}, Shape{5, 130, 512}, Shape{200, 260, 768},
                          Shape{256, 384, 1024}}) {
@@ -418,19 +428,23 @@ TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
         if (variant == 3) { cfg.split_k = static_cast<int>(s.K / 128); cfg.beta = 1.0f; }
         const int64_t offset = variant >= 4 ? 1 : 0;  // D off the pair-store alignment
         const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg, offset);
-        for (const bool wgmma : {true, false}) {
-          Fp8WgmmaSwitch sw(wgmma);
+        // the tensor cores with a CTA an SM (here: one work item each), with 1 and 3 CTAs (each
+        // taking several items in turn, the loader crossing items inside its prefetch window),
+        // and the model kernel
+        for (const int mode : {0, 1, 3, -1}) {
+          Fp8WgmmaSwitch sw(mode >= 0, mode > 0 ? mode : 0);
           ASSERT_EQ(want, run_fp8_gemm(*cuda, a, b, c, cfg, offset))
               << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant " << variant
-              << (wgmma ? " (tensor cores where supported)" : " (model kernel)");
+              << (mode < 0 ? " (model kernel)" : " (tensor cores where supported, CTA cap " + std::to_string(mode) + ")");
           ++checked;
+          if (mode >= 0) ++wgmma_cases;
         }
       }
     }
   }
   const uint64_t on_tensor_cores = gpu::fp8_wgmma_gemm_count() - wgmma_before;
   if (gpu_has_fp8_wgmma()) {
-    EXPECT_EQ(on_tensor_cores, static_cast<uint64_t>(checked / 2));
+    EXPECT_EQ(on_tensor_cores, static_cast<uint64_t>(wgmma_cases));
   }
   std::printf("[fp8-gpu] %d FP8 GEMMs bitwise identical (%llu on the tensor cores)\n", checked,
               static_cast<unsigned long long>(on_tensor_cores));
@@ -491,6 +505,7 @@ TEST(Fp8Gpu, TensorCoreAccumulationEqualsModelOnRawCodes) {
       GemmConfig cfg;
       cfg.split_k = split;
       const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg);
+      Fp8WgmmaSwitch sw(true, split == 4 ? 3 : 0);  // split 4: 16 work items on 3 CTAs
       const std::vector<uint8_t> got = run_fp8_gemm(*cuda, a, b, c, cfg);
       size_t differ = 0, first = want.size();
       for (size_t i = 0; i < want.size(); i += 4)
