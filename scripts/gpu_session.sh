@@ -2,7 +2,7 @@
 # One call on the GPU machine: build, run the GPU tests, the benchmarks and the oracles, print a
 # short table last. Full logs go to $OUT (or runs/gpu_session when $OUT is unset).
 # usage: scripts/gpu_session.sh [quick|train|recipes|profile|trainprofile|spot|oracles|gemm|picks]
-#   (default) build, GPU tests, benchmarks, crosscheck, PyTorch check, oracles, training speed
+#   (default) build, GPU tests, benchmarks, crosscheck, probe, PyTorch check, oracles, training speed
 #   quick     build + GPU tests (and the CPU tests, unless SKIP_EMU=1)
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
 #   recipes   build + gpt2-124m tokens/s and peak memory per recipe (bf16, fp8, nvfp4 with cuBLASLt
@@ -263,6 +263,9 @@ if [ -z "${1:-}" ]; then
   build-gpu/fp4sim crosscheck gemm --format fp8 --split-k 2 --shapes 128x128x256,64x96x512 >>"$out/crosscheck.txt" 2>&1
   row "crosscheck gemm fp8 split-k 2" "exit $?"
   cat "$out/crosscheck.txt"
+  # native tensor-core arithmetic against the model (Hopper: the FP8 wgmma cases)
+  build-gpu/fp4sim probe >"$out/probe.txt" 2>&1
+  row "fp4sim probe" "exit $? ($(grep -cE ' equal$' "$out/probe.txt") native cases equal, $(grep -cE 'DIFFER$' "$out/probe.txt") differ)"
   # the transformer against PyTorch (issue 4): fp4sim trains on the emulator and dumps, torch checks
   if [ -z "${SKIP_ORACLES:-}" ]; then
     build-gpu/fp4sim train --backend emu --config configs/tiny.json train.steps=10 train.warmup=2 train.eval_every=0 \
