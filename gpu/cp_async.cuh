@@ -1,6 +1,7 @@
 // cp.async (sm_80+): 16 bytes from global to shared memory without passing through a register, L1
 // bypassed (.cg); copies are committed in groups and waited for by group. Used by the quantizers'
-// tiled passes (gpu/quantize.cu, gpu/fp8.cu).
+// tiled passes (gpu/quantize.cu, gpu/fp8.cu) and the FP8 tensor-core GEMM's stage ring
+// (gpu/fp8_wgmma.cu).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -9,6 +10,16 @@ namespace fp4sim::gpu {
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+// The same with a shared-window address, and zeros written instead where !valid (source size 0;
+// src must still be a valid address). 16 bytes bypass L1 (.cg), 4 bytes go through it (.ca).
+__device__ __forceinline__ void cp_async16_zfill(unsigned smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4_zfill(unsigned smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 4 : 0)
+               : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most N of this thread's committed groups are still in flight.

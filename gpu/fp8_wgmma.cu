@@ -33,6 +33,7 @@
 
 #include "emu/gemm.hpp"
 #include "emu/quantize.hpp"
+#include "gpu/cp_async.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 
@@ -55,19 +56,6 @@ static_assert(kWgStageBytes % 1024 == 0, "each stage's tiles start on a 1024-byt
 #endif
 
 #if FP4SIM_WGMMA
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async4_zfill(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 // cp.async writes through the generic proxy, wgmma reads through the async proxy
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -238,7 +226,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
   for (int s = 0; s < kWgStages - 1; ++s) {
     if (s < G) load_next();
-    cp_async_commit_group();
+    cp_async_commit();
   }
   float total[64], part[64];
 #pragma unroll
@@ -247,11 +235,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int row_in_tile = wg * 64 + warp * 16 + (lane >> 2);  // and + 8
   const int col_in_n8 = 2 * (lane & 3);                        // and + 1, in each of 16 n8 blocks
   for (int g = 0; g < G; ++g) {
-    cp_async_wait_group<kWgStages - 2>();
+    cp_async_wait<kWgStages - 2>();
     fence_proxy_async();
     __syncthreads();  // k-block g is in its stage; the stage loaded next was read by k-block g - 1
     if (g + kWgStages - 1 < G) load_next();
-    cp_async_commit_group();
+    cp_async_commit();
 
     const uint32_t stage = smem + stage_index * kWgStageBytes;
     stage_index = stage_index + 1 == kWgStages ? 0 : stage_index + 1;
@@ -323,25 +311,44 @@ std::atomic<bool> g_fp8_wgmma{true};           // set_fp8_wgmma
 std::atomic<uint64_t> g_fp8_wgmma_launches{0};  // fp8_wgmma_gemm_count
 std::atomic<int> g_fp8_wgmma_max_ctas{0};       // set_fp8_wgmma_max_ctas
 
-// Whether the current device (compute capability 9.0) runs this build's wgmma kernel: asked once per
-// device with fp8_wgmma_built_kernel (a one-time synchronous launch), then cached.
-bool wgmma_built_for_current_device(int device) {
+// What the launcher needs to know of a device, asked once per device and cached (the exact FP8
+// GEMM asks on every call): whether it runs this build's wgmma kernel (compute capability 9.0 and
+// the sm_90a code, found by one synchronous launch of fp8_wgmma_built_kernel), and its SM count.
+struct WgmmaDevice {
+  bool runs_wgmma = false;
+  int sms = 0;
+};
+WgmmaDevice wgmma_device(int device) {
   static std::mutex mutex;
-  static std::map<int, bool> built;
+  static std::map<int, WgmmaDevice> known;
   std::lock_guard<std::mutex> lock(mutex);
-  const auto it = built.find(device);
-  if (it != built.end()) return it->second;
-  int* flag = nullptr;
-  int host = 0;
-  FP4SIM_CUDA_CHECK(cudaMalloc(&flag, sizeof(int)));
-  fp8_wgmma_built_kernel<<<1, 1>>>(flag);
-  const cudaError_t launched = cudaGetLastError();
-  const cudaError_t copied = launched == cudaSuccess ? cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost)
-                                                     : launched;
-  cudaFree(flag);
-  FP4SIM_CUDA_CHECK(copied);
-  built[device] = host == 1;
-  return host == 1;
+  const auto it = known.find(device);
+  if (it != known.end()) return it->second;
+  int major = 0, minor = 0;
+  WgmmaDevice d;
+  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
+  if (major == 9 && minor == 0) {
+    int* flag = nullptr;
+    int host = 0;
+    FP4SIM_CUDA_CHECK(cudaMalloc(&flag, sizeof(int)));
+    fp8_wgmma_built_kernel<<<1, 1>>>(flag);
+    const cudaError_t launched = cudaGetLastError();
+    const cudaError_t copied =
+        launched == cudaSuccess ? cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) : launched;
+    cudaFree(flag);
+    FP4SIM_CUDA_CHECK(copied);
+    d.runs_wgmma = host == 1;
+  }
+  known[device] = d;
+  return d;
+}
+
+int current_device() {
+  int device = 0;
+  FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
 }
 
 }  // namespace
@@ -352,13 +359,9 @@ uint64_t fp8_wgmma_gemm_count() { return g_fp8_wgmma_launches; }
 void set_fp8_wgmma_max_ctas(int n) { g_fp8_wgmma_max_ctas = n > 0 ? n : 0; }
 
 bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b) {
-  int dev = 0, major = 0, minor = 0;
-  FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
-  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
-  return major == 9 && minor == 0 && a.cols % kWgTile == 0 && aligned(a.codes, 16) && aligned(b.codes, 16) &&
-         aligned(a.scales, 4) && aligned(b.scales, 4) && wgmma_built_for_current_device(dev);
+  return a.cols % kWgTile == 0 && aligned(a.codes, 16) && aligned(b.codes, 16) && aligned(a.scales, 4) &&
+         aligned(b.scales, 4) && wgmma_device(current_device()).runs_wgmma;
 }
 
 void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
@@ -370,9 +373,7 @@ void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const
                                 std::to_string(KB) + " k-blocks");
   if (split > 1 && !split_ws) throw std::logic_error("fp8_gemm_wgmma_launch: split-K without a workspace");
   const int64_t gx = (N + kWgTile - 1) / kWgTile, gy = (M + kWgTile - 1) / kWgTile;
-  int device = 0, sms = 0;
-  FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
-  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = wgmma_device(current_device()).sms;
   const int64_t items64 = gx * gy * split, cap = g_fp8_wgmma_max_ctas > 0 ? g_fp8_wgmma_max_ctas.load() : sms;
   const int64_t grid64 = std::min<int64_t>(items64, std::min<int64_t>(sms, cap));  // one CTA an SM
   // the kernel keeps tile origins (tiles x 128 plus a row) and a CTA's k-block count in int
