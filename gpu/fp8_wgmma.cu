@@ -20,6 +20,8 @@
 // k-block waits for its wgmma group before promoting it, with both warpgroups in step at one
 // barrier, so the tensor cores idle while the promotion and the loads issue; overlapping them needs
 // mbarrier-driven stages (a producer warp, warpgroups running apart) or TMA, not done yet.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,11 +43,20 @@ namespace fp4sim::gpu {
 namespace {
 
 constexpr int kWgTile = 128;                           // output tile rows = cols = k-block width
-constexpr int kWgStages = 4;
-constexpr int kWgThreads = 256;                        // two warpgroups
+constexpr int kWgStages = 6;
+constexpr int kWgThreads = 384;                        // a loading warpgroup, two multiplying ones
+constexpr int kWgProducerRegs = 56, kWgConsumerRegs = 224;  // setmaxnreg: 128 x 56 + 256 x 224 <= 64 K
 constexpr int kWgOperandBytes = kWgTile * kWgTile;     // one operand's 128 x 128 codes
-constexpr int kWgStageBytes = 2 * kWgOperandBytes + 2 * kWgTile * 4;  // A, B, their scales: 33 KB
-constexpr size_t kWgSmem = static_cast<size_t>(kWgStages) * kWgStageBytes + 1024;  // + 1 KB alignment
+// A stage: A's and B's codes, then their scales, laid out so that each multiplying thread reads its
+// own with few wide loads: A's row m = 16 q + 8 h + i at float 16 q + 2 i + h (a thread's rows r and
+// r + 8 side by side); B's row n = 8 j + 2 c + e at float 36 c + 2 j + e (a thread's 32 columns
+// contiguous, the four column groups 36 floats apart so their 16-byte loads hit different banks).
+constexpr int kWgScaleBStride = 36;
+constexpr int kWgScaleBytes = (kWgTile + 4 * kWgScaleBStride) * 4;
+constexpr int kWgStageBytes = (2 * kWgOperandBytes + kWgScaleBytes + 1023) / 1024 * 1024;  // 34 KB
+// + the stages' full and empty mbarriers, + 1 KB alignment
+constexpr size_t kWgSmem = static_cast<size_t>(kWgStages) * kWgStageBytes + 2 * kWgStages * 8 + 1024;
+static_assert(kWgProducerRegs * 128 + kWgConsumerRegs * 256 <= 65536, "register file");
 static_assert(kWgStageBytes % 1024 == 0, "each stage's tiles start on a 1024-byte swizzle atom");
 
 // True where this build can run the kernel (the sm_90a feature set: wgmma).
@@ -57,11 +68,23 @@ static_assert(kWgStageBytes % 1024 == 0, "each stage's tiles start on a 1024-byt
 
 #if FP4SIM_WGMMA
 // cp.async writes through the generic proxy, wgmma reads through the async proxy
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// Waits for this warpgroup's wgmma groups; d's registers are its results from here on (operands of
+// the wait, so the compiler reads none of them before it)
+__device__ __forceinline__ void wgmma_wait_all(float (&d)[64]) {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                 "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                 "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                 "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+               :
+               : "memory");
+}
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart (the
 // leading offset is unused in this mode). addr: the shared-window byte address of the first row's
@@ -147,46 +170,89 @@ struct WgCursor {
   }
 };
 
-// This thread's share of loading one k-block: 4 16-byte chunks of A's and 4 of B's 128 x 128 codes
-// (rows t/8 + 32 i, chunk t mod 8, written swizzled: 16-byte chunk c of row r at c ^ (r mod 8),
-// which 32 i leaves alone) and one scale (A's row t, or B's row t - 128). Row pointers are set once
-// an item (set_item); each k-block moves the code pointers on by 128 bytes and the scale pointer by
-// one float. Rows past M or N read zeros.
-struct WgLoader {
-  const uint8_t* pa;   // A's row m0 + t/8, chunk t mod 8, at the item's first k-block
-  const uint8_t* pb;   // the same in B
-  const float* ps;     // this thread's scale row at the item's first k-block
-  int rows_a, rows_b;  // rows of the tile that exist, from t/8 on (may be <= 0)
-  bool scale_ok;
-  __device__ void set_item(const QuantizedView& a, const QuantizedView& b, const WgCursor& c, int64_t K, int64_t KB) {
-    const int t = threadIdx.x, r = t >> 3, ch = t & 7;
-    rows_a = static_cast<int>(min(a.rows - c.m0, int64_t{kWgTile})) - r;
-    rows_b = static_cast<int>(min(b.rows - c.n0, int64_t{kWgTile})) - r;
-    pa = a.codes + (rows_a > 0 ? (c.m0 + r) * K + c.kb0 * kWgTile + ch * 16 : 0);
-    pb = b.codes + (rows_b > 0 ? (c.n0 + r) * K + c.kb0 * kWgTile + ch * 16 : 0);
-    const bool is_b = t >= kWgTile;
-    const int64_t row = (is_b ? c.n0 : c.m0) + (t & (kWgTile - 1));
-    scale_ok = row < (is_b ? b.rows : a.rows);
-    ps = reinterpret_cast<const float*>(is_b ? b.scales : a.scales) + (scale_ok ? row * KB + c.kb0 : 0);
+// The producer warpgroup's share of loading one k-block's scales (128 threads): A's for row t and
+// B's for row t of the tile. The codes come by TMA (one thread, fp8_gemm_wgmma_kernel). Pointers
+// are set once an item (set_item); each k-block moves them on by one k-block (one float in
+// [rows, KB], a row of scales in the GEMM layout [KB, rows] where the quantizer wrote it). Rows
+// past M or N read zeros.
+struct WgScaleLoader {
+  const float* psa;      // A's scale for row m0 + t at the item's first k-block
+  const float* psb;      // B's for row n0 + t
+  int sa_step, sb_step;  // floats from one k-block's scale to the next
+  bool sa_ok, sb_ok;
+  __device__ static const float* scale_ptr(const QuantizedView& v, int64_t row, int kb0, int64_t KB, bool ok,
+                                           int& step) {
+    step = v.scales_gemm ? static_cast<int>(v.rows) : 1;
+    if (!ok) return reinterpret_cast<const float*>(v.scales);
+    return v.scales_gemm ? v.scales_gemm + kb0 * v.rows + row : reinterpret_cast<const float*>(v.scales) + row * KB + kb0;
   }
-  // k-block kb of the item into the stage at shared address stage
-  __device__ void load(uint32_t stage, int kb, int64_t K) const {
-    const int t = threadIdx.x, r = t >> 3;
-    const uint32_t off = static_cast<uint32_t>(r * kWgTile + (((t & 7) ^ (r & 7)) << 4));
-    const int64_t k_off = static_cast<int64_t>(kb) * kWgTile, step = 32 * K;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const bool va = 32 * i < rows_a, vb = 32 * i < rows_b;
-      cp_async16_zfill(stage + off + 4096 * i, va ? pa + k_off + i * step : pa, va);
-      cp_async16_zfill(stage + kWgOperandBytes + off + 4096 * i, vb ? pb + k_off + i * step : pb, vb);
-    }
-    cp_async4_zfill(stage + 2 * kWgOperandBytes + 4 * t, scale_ok ? ps + kb : ps, scale_ok);
+  __device__ void set_item(const QuantizedView& a, const QuantizedView& b, const WgCursor& c, int64_t KB, int t) {
+    sa_ok = c.m0 + t < a.rows;
+    sb_ok = c.n0 + t < b.rows;
+    psa = scale_ptr(a, c.m0 + t, c.kb0, KB, sa_ok, sa_step);
+    psb = scale_ptr(b, c.n0 + t, c.kb0, KB, sb_ok, sb_step);
+  }
+  // k-block kb of the item into the stage's scale area at shared address scales (the layout at
+  // kWgStageBytes)
+  __device__ void load(uint32_t scales, int kb, int t) const {
+    const int at_a = 16 * (t >> 4) + 2 * (t & 7) + ((t >> 3) & 1);
+    const int at_b = kWgTile + kWgScaleBStride * ((t & 7) >> 1) + 2 * (t >> 3) + (t & 1);
+    cp_async4_zfill(scales + 4 * at_a, sa_ok ? psa + kb * sa_step : psa, sa_ok);
+    cp_async4_zfill(scales + 4 * at_b, sb_ok ? psb + kb * sb_step : psb, sb_ok);
   }
 };
 
-__device__ __forceinline__ float lds_f32(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+// One 128 x 128 box of a tensor map (TMA, 128-byte swizzle) into shared memory, counted on bar
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* map, int k, int row, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// mbarriers (shared-window addresses) and named barriers
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// one arrival on bar once all of this thread's earlier cp.async copies have landed
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ float4 lds_f32x4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
   return v;
 }
 __device__ __forceinline__ float2 lds_f32x2(uint32_t addr) {
@@ -198,74 +264,101 @@ __device__ __forceinline__ float2 lds_f32x2(uint32_t addr) {
 
 // ws: split_k > 1, the ranges' sums [split_k, M, N]; else the contract's epilogue into out.
 // pair_stores: N is even and out (or ws) aligned for one store of two outputs.
+//
+// Warp-specialised: warpgroup 0 loads (cp.async, each stage's arrival counted on its full
+// mbarrier), warpgroups 1 and 2 multiply rows 0-63 and 64-127 of the tile and release each stage on
+// its empty mbarrier once their wgmmas have read it and the scales are used. The two multiplying
+// warpgroups take turns at issuing (named barriers 1 and 2), so that one's k-block runs on the
+// tensor cores while the other promotes its own: without the turns both would issue together,
+// finish together and promote together, with the tensor cores idle.
 __global__ void __launch_bounds__(kWgThreads, 1)
-    fp8_gemm_wgmma_kernel(QuantizedView a, QuantizedView b, const float* c, GemmConfig cfg, void* out, float* ws,
+    fp8_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
+                          QuantizedView a, QuantizedView b, const float* c, GemmConfig cfg, void* out, float* ws,
                           WgItems items, int item_count, bool pair_stores) {
 #if FP4SIM_WGMMA
   extern __shared__ uint8_t smem_raw[];
   const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const uint32_t bars = smem + kWgStages * kWgStageBytes;  // full[s] at bars + 8 s, empty[s] after them
   const int64_t M = a.rows, N = b.rows, K = a.cols, KB = K / kWgTile;
   const int per = items.per_split;
   const int mine = (item_count - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
                    static_cast<int>(gridDim.x);  // this CTA's items
   const int G = mine * per;                      // its k-blocks
-  const int t = threadIdx.x, wg = t >> 7, warp = (t >> 5) & 3, lane = t & 31;
-
-  WgCursor ld, cur;  // the next k-block to load, the k-block being multiplied
-  ld.start(static_cast<int>(blockIdx.x), items);
-  cur.start(static_cast<int>(blockIdx.x), items);
-  WgLoader loader;
-  loader.set_item(a, b, ld, K, KB);
-  int ld_stage = 0, stage_index = 0;
-  auto load_next = [&]() {
-    loader.load(smem + ld_stage * kWgStageBytes, ld.kb, K);
-    if (ld.advance(items) && ld.item < item_count) loader.set_item(a, b, ld, K, KB);
-    ld_stage = ld_stage + 1 == kWgStages ? 0 : ld_stage + 1;
-  };
-
-#pragma unroll
-  for (int s = 0; s < kWgStages - 1; ++s) {
-    if (s < G) load_next();
-    cp_async_commit();
+  const int t = threadIdx.x, wg = t >> 7;
+  if (t == 0) {
+    for (int s = 0; s < kWgStages; ++s) {
+      mbar_init(bars + 8 * s, kWgTile + 1);  // the producer's 128 threads' scales, + the TMA's bytes
+      mbar_init(bars + 8 * (kWgStages + s), 2 * 4);  // one lane of each multiplying warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  __syncthreads();
+
+  if (wg == 0) {  // producer
+    setmaxnreg_dec<kWgProducerRegs>();
+    WgCursor ld;
+    ld.start(static_cast<int>(blockIdx.x), items);
+    WgScaleLoader loader;
+    loader.set_item(a, b, ld, KB, t);
+    for (int g = 0; g < G; ++g) {
+      const int s = g % kWgStages;
+      const uint32_t stage = smem + s * kWgStageBytes, full = bars + 8 * s;
+      mbar_wait(bars + 8 * (kWgStages + s), ((g / kWgStages) & 1) ^ 1);  // stage s is free
+      if (t == 0) {
+        mbar_arrive_expect_tx(full, 2 * kWgOperandBytes);
+        const int k = (ld.kb0 + ld.kb) * kWgTile;
+        tma_load_tile(stage, &tma_a, k, ld.m0, full);
+        tma_load_tile(stage + kWgOperandBytes, &tma_b, k, ld.n0, full);
+      }
+      loader.load(stage + 2 * kWgOperandBytes, ld.kb, t);
+      mbar_arrive_cp_async(full);
+      if (ld.advance(items) && ld.item < item_count) loader.set_item(a, b, ld, KB, t);
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kWgConsumerRegs>();
+  const int mwg = wg - 1, warp = (t >> 5) & 3, lane = t & 31;
+  WgCursor cur;
+  cur.start(static_cast<int>(blockIdx.x), items);
   float total[64], part[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) total[i] = 0.0f, part[i] = 0.0f;
 
-  const int row_in_tile = wg * 64 + warp * 16 + (lane >> 2);  // and + 8
-  const int col_in_n8 = 2 * (lane & 3);                        // and + 1, in each of 16 n8 blocks
+  const int row_in_tile = mwg * 64 + warp * 16 + (lane >> 2);  // and + 8
+  const int col_in_n8 = 2 * (lane & 3);                         // and + 1, in each of 16 n8 blocks
+  const int my_turn = 1 + mwg, their_turn = 2 - mwg;           // named barriers
+  if (mwg == 1) named_bar_arrive(1, 2 * kWgTile);               // warpgroup 1 issues first
   for (int g = 0; g < G; ++g) {
-    cp_async_wait<kWgStages - 2>();
-    fence_proxy_async();
-    __syncthreads();  // k-block g is in its stage; the stage loaded next was read by k-block g - 1
-    if (g + kWgStages - 1 < G) load_next();
-    cp_async_commit();
-
-    const uint32_t stage = smem + stage_index * kWgStageBytes;
-    stage_index = stage_index + 1 == kWgStages ? 0 : stage_index + 1;
-    const uint32_t sa_addr = stage + wg * 64 * kWgTile;
+    const int s = g % kWgStages;
+    const uint32_t stage = smem + s * kWgStageBytes;
+    mbar_wait(bars + 8 * s, (g / kWgStages) & 1);  // k-block g has landed (codes by TMA, scales by cp.async)
+    named_bar_sync(my_turn, 2 * kWgTile);
+    const uint32_t sa_addr = stage + mwg * 64 * kWgTile;
     const uint32_t sb_addr = stage + kWgOperandBytes;
-#pragma unroll
-    for (int r = 0; r < 64; ++r) fence_operand(part[r]);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kWgTile / 32; ++k)
       wgmma_m64n128k32_e4m3(part, sw128_desc(sa_addr + 32 * k), sw128_desc(sb_addr + 32 * k), k > 0);
     wgmma_commit();
-    wgmma_wait_all();
-#pragma unroll
-    for (int r = 0; r < 64; ++r) fence_operand(part[r]);
-
+    if (mwg == 0 || g + 1 < G) named_bar_arrive(their_turn, 2 * kWgTile);
+    // the k-block's scales while the tensor cores work (the layout at kWgStageBytes)
     const uint32_t scale_a = stage + 2 * kWgOperandBytes, scale_b = scale_a + 4 * kWgTile;
-    const float sa0 = lds_f32(scale_a + 4 * row_in_tile), sa1 = lds_f32(scale_a + 4 * (row_in_tile + 8));
+    const float2 sa = lds_f32x2(scale_a + 4 * (16 * (row_in_tile >> 4) + 2 * (lane >> 2)));
+    float4 sb[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) sb[q] = lds_f32x4(scale_b + 4 * (kWgScaleBStride * (lane & 3) + 4 * q));
+    wgmma_wait_all(part);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const float2 sb = lds_f32x2(scale_b + 4 * (8 * j + col_in_n8));
-      total[4 * j + 0] = __fmaf_rn(__fmul_rn(sa0, sb.x), part[4 * j + 0], total[4 * j + 0]);
-      total[4 * j + 1] = __fmaf_rn(__fmul_rn(sa0, sb.y), part[4 * j + 1], total[4 * j + 1]);
-      total[4 * j + 2] = __fmaf_rn(__fmul_rn(sa1, sb.x), part[4 * j + 2], total[4 * j + 2]);
-      total[4 * j + 3] = __fmaf_rn(__fmul_rn(sa1, sb.y), part[4 * j + 3], total[4 * j + 3]);
+      const float b0 = j & 1 ? sb[j >> 1].z : sb[j >> 1].x, b1 = j & 1 ? sb[j >> 1].w : sb[j >> 1].y;
+      total[4 * j + 0] = __fmaf_rn(__fmul_rn(sa.x, b0), part[4 * j + 0], total[4 * j + 0]);
+      total[4 * j + 1] = __fmaf_rn(__fmul_rn(sa.x, b1), part[4 * j + 1], total[4 * j + 1]);
+      total[4 * j + 2] = __fmaf_rn(__fmul_rn(sa.y, b0), part[4 * j + 2], total[4 * j + 2]);
+      total[4 * j + 3] = __fmaf_rn(__fmul_rn(sa.y, b1), part[4 * j + 3], total[4 * j + 3]);
     }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bars + 8 * (kWgStages + s));  // this warp is done with stage s
 
     if (cur.kb == per - 1) {  // the item's last k-block: store, start the next item from +0
       float* z_ws = ws ? ws + static_cast<int64_t>(cur.kb0 / per) * M * N : nullptr;
@@ -345,6 +438,36 @@ WgmmaDevice wgmma_device(int device) {
   return d;
 }
 
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link to libcuda)
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    FP4SIM_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || !p)
+      throw std::runtime_error("gemm (cuda, fp8): the driver has no cuTensorMapEncodeTiled (TMA)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// The TMA view of an operand's codes [rows, K]: 128 x 128 boxes (128 rows of 128 bytes), 128-byte
+// swizzle, rows past the end read as zeros
+CUtensorMap codes_tensor_map(const QuantizedView& v, const char* name) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(v.cols), static_cast<cuuint64_t>(v.rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(v.cols)};
+  const cuuint32_t box[2] = {kWgTile, kWgTile}, unit[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, v.codes, dims, strides, box, unit,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("gemm (cuda, fp8): cuTensorMapEncodeTiled failed (CUresult ") +
+                             std::to_string(static_cast<int>(r)) + ") for operand " + name + ", " +
+                             std::to_string(v.rows) + " x " + std::to_string(v.cols));
+  return map;
+}
+
 int current_device() {
   int device = 0;
   FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
@@ -389,7 +512,9 @@ void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const
   float* ws = split > 1 ? split_ws : nullptr;
   const uintptr_t pair_bytes = ws || cfg.out == GemmOut::F32 ? 8 : 4;  // a float2, or two BF16 values
   const bool pair_stores = N % 2 == 0 && reinterpret_cast<uintptr_t>(ws ? static_cast<void*>(ws) : out) % pair_bytes == 0;
-  fp8_gemm_wgmma_kernel<<<grid, kWgThreads, kWgSmem, stream>>>(a, b, c, cfg, out, ws, items, item_count, pair_stores);
+  const CUtensorMap tma_a = codes_tensor_map(a, "A"), tma_b = codes_tensor_map(b, "B");
+  fp8_gemm_wgmma_kernel<<<grid, kWgThreads, kWgSmem, stream>>>(tma_a, tma_b, a, b, c, cfg, out, ws, items, item_count,
+                                                               pair_stores);
   FP4SIM_CUDA_CHECK_LAUNCH();
   ++g_fp8_wgmma_launches;
   if (split > 1) {

@@ -156,7 +156,7 @@ median_of() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR
 # nvfp4"), and exact-GEMM runs of the recipes in $EXACT; no torch.compile
 if [ "${1:-}" = "spot" ]; then
   if [ -n "${TESTS:-}" ]; then
-    ( cd build-gpu && ctest -R "$TESTS" --output-on-failure -j1 ) >"$out/ctest_spot.log" 2>&1
+    ( cd build-gpu && ctest -R "$TESTS" --timeout "${CTEST_TIMEOUT:-1500}" --output-on-failure -j1 ) >"$out/ctest_spot.log" 2>&1
     row "ctest -R '$TESTS'" "exit $?, $(grep -E 'tests passed' "$out/ctest_spot.log" | tail -1)"
     grep -E "bitwise identical|Failure|FAILED" "$out/ctest_spot.log" | head -20
   fi
