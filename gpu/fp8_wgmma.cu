@@ -51,11 +51,17 @@ constexpr int kWgOperandBytes = kWgTile * kWgTile;     // one operand's 128 x 12
 // own with few wide loads: A's row m = 16 q + 8 h + i at float 16 q + 2 i + h (a thread's rows r and
 // r + 8 side by side); B's row n = 8 j + 2 c + e at float 36 c + 2 j + e (a thread's 32 columns
 // contiguous, the four column groups 36 floats apart so their 16-byte loads hit different banks).
+// After them, B's uniformity words: the four producer warps' B scale bits (one each, valid where that
+// warp's 32 scales are one value) and their four flags; a k-block whose 128 B scales are one value
+// (a 128x128-block copy of the weight) is promoted with two products a thread instead of 64.
 constexpr int kWgScaleBStride = 36;
-constexpr int kWgScaleBytes = (kWgTile + 4 * kWgScaleBStride) * 4;
+constexpr int kWgScaleBytes = (kWgTile + 4 * kWgScaleBStride + 8) * 4;
 constexpr int kWgStageBytes = (2 * kWgOperandBytes + kWgScaleBytes + 1023) / 1024 * 1024;  // 34 KB
+// The producer's staging ring for the scales it fetches ahead (A's and B's 128 each a k-block)
+constexpr int kWgScaleAhead = 4;
+constexpr int kWgStagingBytes = kWgScaleAhead * 2 * kWgTile * 4;
 // + the stages' full and empty mbarriers, + 1 KB alignment
-constexpr size_t kWgSmem = static_cast<size_t>(kWgStages) * kWgStageBytes + 2 * kWgStages * 8 + 1024;
+constexpr size_t kWgSmem = static_cast<size_t>(kWgStages) * kWgStageBytes + kWgStagingBytes + 2 * kWgStages * 8 + 1024;
 static_assert(kWgProducerRegs * 128 + kWgConsumerRegs * 256 <= 65536, "register file");
 static_assert(kWgStageBytes % 1024 == 0, "each stage's tiles start on a 1024-byte swizzle atom");
 
@@ -171,7 +177,8 @@ struct WgCursor {
 };
 
 // The producer warpgroup's share of loading one k-block's scales (128 threads): A's for row t and
-// B's for row t of the tile. The codes come by TMA (one thread, fp8_gemm_wgmma_kernel). Pointers
+// B's for row t of the tile, by cp.async into a staging ring kWgScaleAhead k-blocks ahead (the codes
+// come by TMA, one thread, fp8_gemm_wgmma_kernel). Pointers
 // are set once an item (set_item); each k-block moves them on by one k-block (one float in
 // [rows, KB], a row of scales in the GEMM layout [KB, rows] where the quantizer wrote it). Rows
 // past M or N read zeros.
@@ -192,15 +199,29 @@ struct WgScaleLoader {
     psa = scale_ptr(a, c.m0 + t, c.kb0, KB, sa_ok, sa_step);
     psb = scale_ptr(b, c.n0 + t, c.kb0, KB, sb_ok, sb_step);
   }
-  // k-block kb of the item into the stage's scale area at shared address scales (the layout at
-  // kWgStageBytes)
-  __device__ void load(uint32_t scales, int kb, int t) const {
-    const int at_a = 16 * (t >> 4) + 2 * (t & 7) + ((t >> 3) & 1);
-    const int at_b = kWgTile + kWgScaleBStride * ((t & 7) >> 1) + 2 * (t >> 3) + (t & 1);
-    cp_async4_zfill(scales + 4 * at_a, sa_ok ? psa + kb * sa_step : psa, sa_ok);
-    cp_async4_zfill(scales + 4 * at_b, sb_ok ? psb + kb * sb_step : psb, sb_ok);
+  // k-block kb of the item's two scales for this thread into its two floats of a staging slot (by
+  // cp.async, zeros past the edges); the thread reads them back itself once the copy's group lands
+  __device__ void fetch(int kb, uint32_t slot, int t) const {
+    cp_async4_zfill(slot + 4 * t, sa_ok ? psa + kb * sa_step : psa, sa_ok);
+    cp_async4_zfill(slot + 4 * (kWgTile + t), sb_ok ? psb + kb * sb_step : psb, sb_ok);
   }
 };
+
+// Stores this producer thread's two scales of a k-block into the stage's scale area (the layout at
+// kWgStageBytes) and its warp's B uniformity words.
+__device__ __forceinline__ void store_scales(uint32_t scales, int t, float va, float vb) {
+  const int at_a = 16 * (t >> 4) + 2 * (t & 7) + ((t >> 3) & 1);
+  const int at_b = kWgTile + kWgScaleBStride * ((t & 7) >> 1) + 2 * (t >> 3) + (t & 1);
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scales + 4 * at_a), "f"(va) : "memory");
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scales + 4 * at_b), "f"(vb) : "memory");
+  const uint32_t bits = __float_as_uint(vb);
+  const bool same = __all_sync(0xFFFFFFFFu, bits == __shfl_sync(0xFFFFFFFFu, bits, 0));
+  if ((t & 31) == 0) {
+    const uint32_t words = scales + 4 * (kWgTile + 4 * kWgScaleBStride);
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(words + 4 * (t >> 5)), "r"(bits) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(words + 16 + 4 * (t >> 5)), "r"(same ? 1u : 0u) : "memory");
+  }
+}
 
 // One 128 x 128 box of a tensor map (TMA, 128-byte swizzle) into shared memory, counted on bar
 __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* map, int k, int row, uint32_t bar) {
@@ -231,10 +252,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
-// one arrival on bar once all of this thread's earlier cp.async copies have landed
-__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -250,6 +267,16 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 lds_u32x4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
 __device__ __forceinline__ float4 lds_f32x4(uint32_t addr) {
   float4 v;
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
@@ -278,7 +305,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #if FP4SIM_WGMMA
   extern __shared__ uint8_t smem_raw[];
   const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-  const uint32_t bars = smem + kWgStages * kWgStageBytes;  // full[s] at bars + 8 s, empty[s] after them
+  const uint32_t staging = smem + kWgStages * kWgStageBytes;  // the producer's scale ring
+  const uint32_t bars = staging + kWgStagingBytes;          // full[s] at bars + 8 s, empty[s] after them
   const int64_t M = a.rows, N = b.rows, K = a.cols, KB = K / kWgTile;
   const int per = items.per_split;
   const int mine = (item_count - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
@@ -296,11 +324,25 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   if (wg == 0) {  // producer
     setmaxnreg_dec<kWgProducerRegs>();
-    WgCursor ld;
+    WgCursor ld, pf;  // the k-block loaded now; the one whose scales are fetched ahead
     ld.start(static_cast<int>(blockIdx.x), items);
-    WgScaleLoader loader;
-    loader.set_item(a, b, ld, KB, t);
+    pf.start(static_cast<int>(blockIdx.x), items);
+    WgScaleLoader loader;  // follows pf
+    loader.set_item(a, b, pf, KB, t);
+    auto fetch_next = [&](int g) {  // k-block g's scales into slot g mod kWgScaleAhead, one group
+      if (g < G) {
+        loader.fetch(pf.kb, staging + (g % kWgScaleAhead) * 2 * kWgTile * 4, t);
+        if (pf.advance(items) && pf.item < item_count) loader.set_item(a, b, pf, KB, t);
+      }
+      cp_async_commit();
+    };
+#pragma unroll
+    for (int g = 0; g < kWgScaleAhead - 1; ++g) fetch_next(g);
     for (int g = 0; g < G; ++g) {
+      fetch_next(g + kWgScaleAhead - 1);
+      cp_async_wait<kWgScaleAhead - 1>();  // k-block g's group has landed
+      const uint32_t slot = staging + (g % kWgScaleAhead) * 2 * kWgTile * 4;
+      const float va = lds_f32(slot + 4 * t), vb = lds_f32(slot + 4 * (kWgTile + t));
       const int s = g % kWgStages;
       const uint32_t stage = smem + s * kWgStageBytes, full = bars + 8 * s;
       mbar_wait(bars + 8 * (kWgStages + s), ((g / kWgStages) & 1) ^ 1);  // stage s is free
@@ -310,9 +352,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         tma_load_tile(stage, &tma_a, k, ld.m0, full);
         tma_load_tile(stage + kWgOperandBytes, &tma_b, k, ld.n0, full);
       }
-      loader.load(stage + 2 * kWgOperandBytes, ld.kb, t);
-      mbar_arrive_cp_async(full);
-      if (ld.advance(items) && ld.item < item_count) loader.set_item(a, b, ld, KB, t);
+      store_scales(stage + 2 * kWgOperandBytes, t, va, vb);
+      mbar_arrive(full);
+      ld.advance(items);
     }
     return;
   }
@@ -328,6 +370,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int row_in_tile = mwg * 64 + warp * 16 + (lane >> 2);  // and + 8
   const int col_in_n8 = 2 * (lane & 3);                         // and + 1, in each of 16 n8 blocks
   const int my_turn = 1 + mwg, their_turn = 2 - mwg;           // named barriers
+  const bool c_pairs = (reinterpret_cast<uintptr_t>(c) & 7u) == 0;  // C readable as float2 (or null)
   if (mwg == 1) named_bar_arrive(1, 2 * kWgTile);               // warpgroup 1 issues first
   for (int g = 0; g < G; ++g) {
     const int s = g % kWgStages;
@@ -344,23 +387,69 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     if (mwg == 0 || g + 1 < G) named_bar_arrive(their_turn, 2 * kWgTile);
     // the k-block's scales while the tensor cores work (the layout at kWgStageBytes)
     const uint32_t scale_a = stage + 2 * kWgOperandBytes, scale_b = scale_a + 4 * kWgTile;
+    const uint32_t words = scale_b + 4 * 4 * kWgScaleBStride;
     const float2 sa = lds_f32x2(scale_a + 4 * (16 * (row_in_tile >> 4) + 2 * (lane >> 2)));
-    float4 sb[8];
+    const uint4 wb = lds_u32x4(words), wf = lds_u32x4(words + 16);
+    const bool b_uniform = (wf.x & wf.y & wf.z & wf.w) != 0 && wb.x == wb.y && wb.x == wb.z && wb.x == wb.w;
+    if (b_uniform) {  // one B scale: sa * sb once a row
+      const float sb = __uint_as_float(wb.x), p0 = __fmul_rn(sa.x, sb), p1 = __fmul_rn(sa.y, sb);
+      wgmma_wait_all(part);
 #pragma unroll
-    for (int q = 0; q < 8; ++q) sb[q] = lds_f32x4(scale_b + 4 * (kWgScaleBStride * (lane & 3) + 4 * q));
-    wgmma_wait_all(part);
+      for (int j = 0; j < 16; ++j) {
+        total[4 * j + 0] = __fmaf_rn(p0, part[4 * j + 0], total[4 * j + 0]);
+        total[4 * j + 1] = __fmaf_rn(p0, part[4 * j + 1], total[4 * j + 1]);
+        total[4 * j + 2] = __fmaf_rn(p1, part[4 * j + 2], total[4 * j + 2]);
+        total[4 * j + 3] = __fmaf_rn(p1, part[4 * j + 3], total[4 * j + 3]);
+      }
+    } else {
+      float4 sb[8];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float b0 = j & 1 ? sb[j >> 1].z : sb[j >> 1].x, b1 = j & 1 ? sb[j >> 1].w : sb[j >> 1].y;
-      total[4 * j + 0] = __fmaf_rn(__fmul_rn(sa.x, b0), part[4 * j + 0], total[4 * j + 0]);
-      total[4 * j + 1] = __fmaf_rn(__fmul_rn(sa.x, b1), part[4 * j + 1], total[4 * j + 1]);
-      total[4 * j + 2] = __fmaf_rn(__fmul_rn(sa.y, b0), part[4 * j + 2], total[4 * j + 2]);
-      total[4 * j + 3] = __fmaf_rn(__fmul_rn(sa.y, b1), part[4 * j + 3], total[4 * j + 3]);
+      for (int q = 0; q < 8; ++q) sb[q] = lds_f32x4(scale_b + 4 * (kWgScaleBStride * (lane & 3) + 4 * q));
+      wgmma_wait_all(part);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float b0 = j & 1 ? sb[j >> 1].z : sb[j >> 1].x, b1 = j & 1 ? sb[j >> 1].w : sb[j >> 1].y;
+        total[4 * j + 0] = __fmaf_rn(__fmul_rn(sa.x, b0), part[4 * j + 0], total[4 * j + 0]);
+        total[4 * j + 1] = __fmaf_rn(__fmul_rn(sa.x, b1), part[4 * j + 1], total[4 * j + 1]);
+        total[4 * j + 2] = __fmaf_rn(__fmul_rn(sa.y, b0), part[4 * j + 2], total[4 * j + 2]);
+        total[4 * j + 3] = __fmaf_rn(__fmul_rn(sa.y, b1), part[4 * j + 3], total[4 * j + 3]);
+      }
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(bars + 8 * (kWgStages + s));  // this warp is done with stage s
 
-    if (cur.kb == per - 1) {  // the item's last k-block: store, start the next item from +0
+    if (cur.kb == per - 1 && !ws && pair_stores && c_pairs && cur.m0 + kWgTile <= M && cur.n0 + kWgTile <= N) {
+      // the item's last k-block, a whole tile stored in pairs: C's 64 values first, all in flight
+      // together (part is free until the next k-block), then the contract's epilogue
+      if (c) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            // (a plain load: C may be D itself, read here by the thread that writes it below)
+            const float2 cv =
+                *reinterpret_cast<const float2*>(c + (cur.m0 + row_in_tile + 8 * h) * N + cur.n0 + 8 * j + col_in_n8);
+            part[4 * j + 2 * h] = cv.x;
+            part[4 * j + 2 * h + 1] = cv.y;
+          }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int64_t idx = (cur.m0 + row_in_tile + 8 * h) * N + cur.n0 + 8 * j + col_in_n8;
+          const float d0 = gemm_epilogue(cfg.alpha, total[4 * j + 2 * h], cfg.beta, c ? part[4 * j + 2 * h] : 0.0f);
+          const float d1 =
+              gemm_epilogue(cfg.alpha, total[4 * j + 2 * h + 1], cfg.beta, c ? part[4 * j + 2 * h + 1] : 0.0f);
+          if (cfg.out == GemmOut::BF16)
+            *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(out) + idx) =
+                static_cast<uint32_t>(bf16_rne(d0)) | (static_cast<uint32_t>(bf16_rne(d1)) << 16);
+          else
+            *reinterpret_cast<float2*>(static_cast<float*>(out) + idx) = make_float2(d0, d1);
+        }
+#pragma unroll
+      for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+    } else if (cur.kb == per - 1) {  // the item's last k-block: store, start the next item from +0
       float* z_ws = ws ? ws + static_cast<int64_t>(cur.kb0 / per) * M * N : nullptr;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

@@ -404,7 +404,8 @@ struct Fp8Operand {
   BackendBuffer codes, scales, scales_gemm, amax;
   QuantizedView q;
 };
-Fp8Operand make_fp8_operand(gpu::CudaBackend& be, std::mt19937_64& rng, int64_t rows, int64_t k, const char* name) {
+Fp8Operand make_fp8_operand(gpu::CudaBackend& be, std::mt19937_64& rng, int64_t rows, int64_t k, const char* name,
+                            bool two_d = false) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> h(static_cast<size_t>(rows * k));
   for (auto& v : h) v = nd(rng);
@@ -430,12 +431,14 @@ Fp8Operand make_fp8_operand(gpu::CudaBackend& be, std::mt19937_64& rng, int64_t 
   QuantizeConfig qc;
   qc.format = QFormat::FP8;
   qc.rowwise.enabled = true;
+  qc.block_2d = two_d;
   be.quantize(tv, qc, &o.q, nullptr);
   be.synchronize();
   return o;
 }
 
-// Shape s's FP8 operands (A [M, K], B [N, K]) and a zeroed FP32 D [M, N] on be.
+// Shape s's FP8 operands (A [M, K], B [N, K]) and a zeroed FP32 D [M, N] on be. As in the fp8
+// recipe, B is a 128x128-block copy (the weight) in the Fprop and Dgrad shapes, 1x128 in Wgrad's.
 struct Fp8Problem {
   Fp8Operand a, b;
   BackendBuffer d;
@@ -444,7 +447,7 @@ struct Fp8Problem {
 Fp8Problem make_fp8_problem(gpu::CudaBackend& be, const Gpt2Shape& s) {
   std::mt19937_64 rng(11);
   Fp8Operand a = make_fp8_operand(be, rng, s.M, s.K, s.name);
-  Fp8Operand b = make_fp8_operand(be, rng, s.N, s.K, s.name);
+  Fp8Operand b = make_fp8_operand(be, rng, s.N, s.K, s.name, std::string(s.name).rfind("wgrad", 0) != 0);
   Fp8Problem p{std::move(a), std::move(b), BackendBuffer(be, static_cast<size_t>(s.M * s.N) * 4), TensorView{}};
   be.zero(p.d.get(), static_cast<size_t>(s.M * s.N) * 4);
   p.dv.data = p.d.get();
