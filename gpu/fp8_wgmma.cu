@@ -7,19 +7,25 @@
 // GPUs and the test's second witness.
 //
 // Shape of the kernel: persistent CTAs, one an SM, each taking 128 x 128 output tiles (work items)
-// in turn; two warpgroups, 64 rows each, with one m64n128k32 accumulator of 64 FP32 registers a
-// thread plus the promoted sum. 128-wide k-blocks stream through a 4-stage cp.async ring in the
-// 128-byte swizzled layout wgmma reads (8 rows of 128 bytes, 16-byte chunk c of row r at chunk
-// c ^ (r mod 8)); both operands are K-major (TN: A [M, K], B [N, K], as every FP8 GEMM of the
-// recipe is). Each k-block's scales (one FP32 a row of A and of B; a 128x128-block copy stores its
-// tile's scale on each row) travel with it. Split-K (the contract's: each range's chain from +0,
-// the ranges added in order) writes FP32 partial sums that a second kernel adds and stores through
-// the contract's epilogue.
+// in turn, warp-specialised (384 threads):
+// - Warpgroup 0 produces. One thread loads each 128-wide k-block's codes of A and B by TMA
+//   (cp.async.bulk.tensor, 128 x 128 boxes in the 128-byte swizzle wgmma reads, zeros past the
+//   edges); all 128 threads stage its scales by cp.async four k-blocks ahead, store them where
+//   the multiplying threads read them with few wide loads and vote whether B's 128 scales are one
+//   value. A 6-stage ring of full / empty mbarriers connects it to the multiplying warpgroups.
+// - Warpgroups 1 and 2 multiply rows 0-63 and 64-127 of the tile: one m64n128k32 accumulator of
+//   64 FP32 registers a thread plus the promoted sum (setmaxnreg gives them the registers the
+//   producer gives up). They take turns at issuing (named barriers), so one's wgmmas run while
+//   the other promotes; where B's scales are one value (a 128x128-block weight, every Fprop and
+//   Dgrad of the recipe) the promotion needs two products a thread instead of 64.
+// Both operands are K-major (TN: A [M, K], B [N, K], as every FP8 GEMM of the recipe is). Split-K
+// (the contract's: each range's chain from +0, the ranges added in order) writes FP32 partial sums
+// that a second kernel adds and stores through the contract's epilogue.
 //
-// Speed (validation/perf.md): bit-exact, but 2-3x slower than cuBLASLt's block-scaled FP8 GEMM. Each
-// k-block waits for its wgmma group before promoting it, with both warpgroups in step at one
-// barrier, so the tensor cores idle while the promotion and the loads issue; overlapping them needs
-// mbarrier-driven stages (a producer warp, warpgroups running apart) or TMA, not done yet.
+// Speed (validation/perf.md, H200): 1.2-1.3x cuBLASLt's block-scaled FP8 GEMM time on the Fprop
+// and Dgrad shapes of gpt2-124m, 1.6-3.2x on the Wgrad ones, where both operands' scales vary per
+// row (64 products a thread a k-block) and few tiles fill the GPU (a tile's chain over K is serial
+// by the contract, so 36 or 144 tiles of 128 x 128 leave SMs idle or a second wave nearly empty).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -73,7 +79,6 @@ static_assert(kWgStageBytes % 1024 == 0, "each stage's tiles start on a 1024-byt
 #endif
 
 #if FP4SIM_WGMMA
-// cp.async writes through the generic proxy, wgmma reads through the async proxy
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Waits for this warpgroup's wgmma groups; d's registers are its results from here on (operands of
@@ -292,8 +297,8 @@ __device__ __forceinline__ float2 lds_f32x2(uint32_t addr) {
 // ws: split_k > 1, the ranges' sums [split_k, M, N]; else the contract's epilogue into out.
 // pair_stores: N is even and out (or ws) aligned for one store of two outputs.
 //
-// Warp-specialised: warpgroup 0 loads (cp.async, each stage's arrival counted on its full
-// mbarrier), warpgroups 1 and 2 multiply rows 0-63 and 64-127 of the tile and release each stage on
+// Warp-specialised: warpgroup 0 loads (TMA for the codes, the scales from its staging ring; each
+// stage's arrival counted on its full mbarrier), warpgroups 1 and 2 multiply rows 0-63 and 64-127 of the tile and release each stage on
 // its empty mbarrier once their wgmmas have read it and the scales are used. The two multiplying
 // warpgroups take turns at issuing (named barriers 1 and 2), so that one's k-block runs on the
 // tensor cores while the other promotes its own: without the turns both would issue together,
@@ -375,7 +380,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   for (int g = 0; g < G; ++g) {
     const int s = g % kWgStages;
     const uint32_t stage = smem + s * kWgStageBytes;
-    mbar_wait(bars + 8 * s, (g / kWgStages) & 1);  // k-block g has landed (codes by TMA, scales by cp.async)
+    mbar_wait(bars + 8 * s, (g / kWgStages) & 1);  // k-block g has landed (codes by TMA, scales by the producer's stores)
     named_bar_sync(my_turn, 2 * kWgTile);
     const uint32_t sa_addr = stage + mwg * 64 * kWgTile;
     const uint32_t sb_addr = stage + kWgOperandBytes;
