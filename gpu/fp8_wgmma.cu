@@ -181,32 +181,24 @@ struct WgCursor {
 
 // The producer warpgroup's share of loading one k-block's scales (128 threads): A's for row t and
 // B's for row t of the tile, by cp.async into a staging ring kWgScaleAhead k-blocks ahead (the codes
-// come by TMA, one thread, fp8_gemm_wgmma_kernel). Pointers
-// are set once an item (set_item); each k-block moves them on by one k-block (one float in
-// [rows, KB], a row of scales in the GEMM layout [KB, rows] where the quantizer wrote it). Rows
-// past M or N read zeros.
+// come by TMA, one thread, fp8_gemm_wgmma_kernel). Pointers into the scales [rows, KB] are set once
+// an item (set_item); a k-block is one float on. Rows past M or N read zeros. (Never the GEMM-layout
+// copy scales_gemm: the emulator reads scales, so the kernel reads what it reads.)
 struct WgScaleLoader {
-  const float* psa;      // A's scale for row m0 + t at the item's first k-block
-  const float* psb;      // B's for row n0 + t
-  int sa_step, sb_step;  // floats from one k-block's scale to the next
+  const float* psa;  // A's scale for row m0 + t at the item's first k-block
+  const float* psb;  // B's for row n0 + t
   bool sa_ok, sb_ok;
-  __device__ static const float* scale_ptr(const QuantizedView& v, int64_t row, int kb0, int64_t KB, bool ok,
-                                           int& step) {
-    step = v.scales_gemm ? static_cast<int>(v.rows) : 1;
-    if (!ok) return reinterpret_cast<const float*>(v.scales);
-    return v.scales_gemm ? v.scales_gemm + kb0 * v.rows + row : reinterpret_cast<const float*>(v.scales) + row * KB + kb0;
-  }
   __device__ void set_item(const QuantizedView& a, const QuantizedView& b, const WgCursor& c, int64_t KB, int t) {
     sa_ok = c.m0 + t < a.rows;
     sb_ok = c.n0 + t < b.rows;
-    psa = scale_ptr(a, c.m0 + t, c.kb0, KB, sa_ok, sa_step);
-    psb = scale_ptr(b, c.n0 + t, c.kb0, KB, sb_ok, sb_step);
+    psa = reinterpret_cast<const float*>(a.scales) + (sa_ok ? (c.m0 + t) * KB + c.kb0 : 0);
+    psb = reinterpret_cast<const float*>(b.scales) + (sb_ok ? (c.n0 + t) * KB + c.kb0 : 0);
   }
   // k-block kb of the item's two scales for this thread into its two floats of a staging slot (by
   // cp.async, zeros past the edges); the thread reads them back itself once the copy's group lands
   __device__ void fetch(int kb, uint32_t slot, int t) const {
-    cp_async4_zfill(slot + 4 * t, sa_ok ? psa + kb * sa_step : psa, sa_ok);
-    cp_async4_zfill(slot + 4 * (kWgTile + t), sb_ok ? psb + kb * sb_step : psb, sb_ok);
+    cp_async4_zfill(slot + 4 * t, sa_ok ? psa + kb : psa, sa_ok);
+    cp_async4_zfill(slot + 4 * (kWgTile + t), sb_ok ? psb + kb : psb, sb_ok);
   }
 };
 
@@ -277,17 +269,18 @@ __device__ __forceinline__ float lds_f32(uint32_t addr) {
 }
 __device__ __forceinline__ uint4 lds_u32x4(uint32_t addr) {
   uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
   return v;
 }
 __device__ __forceinline__ float4 lds_f32x4(uint32_t addr) {
   float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr)
+               : "memory");
   return v;
 }
 __device__ __forceinline__ float2 lds_f32x2(uint32_t addr) {
   float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
   return v;
 }
 #endif
@@ -591,9 +584,10 @@ void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const
   const int sms = wgmma_device(current_device()).sms;
   const int64_t items64 = gx * gy * split, cap = g_fp8_wgmma_max_ctas > 0 ? g_fp8_wgmma_max_ctas.load() : sms;
   const int64_t grid64 = std::min<int64_t>(items64, std::min<int64_t>(sms, cap));  // one CTA an SM
-  // the kernel keeps tile origins (tiles x 128 plus a row) and a CTA's k-block count in int
-  const int64_t int_max = std::numeric_limits<int>::max();
-  if (gx * kWgTile >= int_max || gy * kWgTile >= int_max || items64 >= int_max ||
+  // the kernel keeps tile origins (tiles x 128 plus a row), TMA's k coordinate, item indices (one
+  // grid's worth past the last) and a CTA's k-block count (plus the scale look-ahead) in int
+  const int64_t int_max = std::numeric_limits<int>::max() - 1024;
+  if (gx * kWgTile >= int_max || gy * kWgTile >= int_max || a.cols >= int_max || items64 + grid64 >= int_max ||
       (items64 + grid64 - 1) / grid64 * (KB / split) >= int_max)
     throw std::invalid_argument("gemm (cuda, fp8): " + std::to_string(M) + " x " + std::to_string(N) + " x " +
                                 std::to_string(a.cols) + " is too large for one launch of the tensor-core kernel");

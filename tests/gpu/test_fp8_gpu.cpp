@@ -361,8 +361,10 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
 
 // One GEMM of host copies a and b on backend be (C from c when cfg.beta != 0), D's bytes back. D
 // starts out_offset elements into its buffer (1: only 4-byte aligned for F32, 2-byte for BF16).
+// in_place: D starts as C and is C (FP32 out only), as when a GEMM accumulates into its output.
 std::vector<uint8_t> run_fp8_gemm(Backend& be, const QuantizedHost& a, const QuantizedHost& b,
-                                  const std::vector<float>& c, const GemmConfig& cfg, int64_t out_offset = 0) {
+                                  const std::vector<float>& c, const GemmConfig& cfg, int64_t out_offset = 0,
+                                  bool in_place = false) {
   const size_t elem = cfg.out == GemmOut::BF16 ? 2 : 4, skip = static_cast<size_t>(out_offset) * elem;
   QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
   BackendBuffer cb(be, c.size() * 4), d(be, c.size() * elem + skip);
@@ -370,6 +372,10 @@ std::vector<uint8_t> run_fp8_gemm(Backend& be, const QuantizedHost& a, const Qua
   TensorView cv, dv;
   cv.data = cb.get(); cv.rows = a.rows; cv.cols = b.rows; cv.device = be.device();
   dv.data = static_cast<uint8_t*>(d.get()) + skip; dv.rows = a.rows; dv.cols = b.rows; dv.device = be.device();
+  if (in_place) {
+    be.upload(dv.data, c.data(), c.size() * 4);
+    cv.data = dv.data;
+  }
   dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
   be.gemm(da.view, db.view, cfg.beta != 0 ? &cv : nullptr, cfg, dv);
   be.synchronize();
@@ -404,8 +410,9 @@ bool gpu_has_fp8_wgmma() {
 
 // Quantized inputs through the exact GEMM, both CUDA paths (the tensor cores where the GPU has
 // them, and the one-thread-an-output model kernel) against the emulator. Shapes with one tile,
-// several tiles with partial edges, split-K, D not aligned for paired stores, CTAs taking several
-// work items.
+// several tiles with partial edges, split-K, D not aligned for paired stores, C read by whole
+// tiles (FP32 and BF16 out, and C being D), CTAs taking several work items; B in 128x128 blocks
+// where N allows (one scale a k-block and tile: the tensor-core kernel's one-product promotion).
 TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
@@ -421,19 +428,22 @@ TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
       QuantizedHost a = quantize_on(*emu, xa, s.M, s.K, false, false, false).rowwise;
       QuantizedHost b = quantize_on(*emu, xb, s.N, s.K, false, s.N % 128 == 0, false).rowwise;
       std::vector<float> c = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(s.M * s.N), 5);
-      for (int variant = 0; variant < 6; ++variant) {
+      for (int variant = 0; variant < 8; ++variant) {
         GemmConfig cfg;
         if (variant == 1) { cfg.split_k = (s.K / 128) % 2 == 0 ? 2 : 1; cfg.alpha = 1.5f; }
         if (variant == 2 || variant == 5) { cfg.beta = -0.5f; cfg.out = GemmOut::BF16; }
         if (variant == 3) { cfg.split_k = static_cast<int>(s.K / 128); cfg.beta = 1.0f; }
-        const int64_t offset = variant >= 4 ? 1 : 0;  // D off the pair-store alignment
-        const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg, offset);
+        if (variant == 6) cfg.beta = 1.0f;                     // FP32 out with C, one range (Dgrad's form)
+        if (variant == 7) { cfg.alpha = 2.0f; cfg.beta = 0.75f; }  // the same into D = C itself
+        const int64_t offset = variant == 4 || variant == 5 ? 1 : 0;  // D off the pair-store alignment
+        const bool in_place = variant == 7;
+        const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg, offset, in_place);
         // the tensor cores with a CTA an SM (here: one work item each), with 1 and 3 CTAs (each
         // taking several items in turn, the loader crossing items inside its prefetch window),
         // and the model kernel
         for (const int mode : {0, 1, 3, -1}) {
           Fp8WgmmaSwitch sw(mode >= 0, mode > 0 ? mode : 0);
-          ASSERT_EQ(want, run_fp8_gemm(*cuda, a, b, c, cfg, offset))
+          ASSERT_EQ(want, run_fp8_gemm(*cuda, a, b, c, cfg, offset, in_place))
               << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant " << variant
               << (mode < 0 ? " (model kernel)" : " (tensor cores where supported, CTA cap " + std::to_string(mode) + ")");
           ++checked;
