@@ -155,20 +155,20 @@ float fp8_probe_blackwell(const Fp8NamedCase& c) {
   return acc;
 }
 
-float f32_of(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-void print_hopper_fp8_model() {
+// Prints the model's answers (the emulator's exact FP8 GEMM) to the cases and returns their bits,
+// in hopper_fp8_cases() order.
+std::vector<uint32_t> print_hopper_fp8_model() {
   fmt::print("\nThe model's answers for Hopper FP8 (wgmma E4M3, T-FDPA L = 32, F = 13, RZ to E8M13), one 128-wide\n"
              "k-block, scales 1 (what an H100/H200 should give; Blackwell's F = 25 for contrast):\n");
   auto emu = make_backend("emu");
+  std::vector<uint32_t> model;
   for (const Fp8NamedCase& c : hopper_fp8_cases()) {
     const uint32_t m = fp8_probe_on(*emu, c);
-    fmt::print("  {:<44} 0x{:08X}  {:<16.12g} (F = 25: {:.12g})\n", c.name, m, f32_of(m), fp8_probe_blackwell(c));
+    fmt::print("  {:<44} 0x{:08X}  {:<16.12g} (F = 25: {:.12g})\n", c.name, m, f32_from_bits(m),
+               fp8_probe_blackwell(c));
+    model.push_back(m);
   }
+  return model;
 }
 
 #if FP4SIM_HAVE_CUDA
@@ -235,20 +235,20 @@ bool print_native_mma(const gpu::NativeMmaProbe& p) {
 }
 
 // The Hopper FP8 cases on this GPU's tensor cores (the exact FP8 GEMM's wgmma path) against the
-// emulator; true when one differs.
-bool print_native_hopper_fp8() {
+// model's answers (print_hopper_fp8_model's); true when one differs.
+bool print_native_hopper_fp8(const std::vector<uint32_t>& model) {
   fmt::print("native Hopper FP8 (wgmma.mma_async m64n128k32 E4M3 through the exact FP8 GEMM, gpu/fp8_wgmma.cu):\n");
-  auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
+  const std::vector<Fp8NamedCase> cases = hopper_fp8_cases();
   const uint64_t before = gpu::fp8_wgmma_gemm_count();
   bool differs = false;
-  for (const Fp8NamedCase& c : hopper_fp8_cases()) {
-    const uint32_t n = fp8_probe_on(*cuda, c), m = fp8_probe_on(*emu, c);
-    fmt::print("  {:<44} native 0x{:08X} {:<16.12g} model 0x{:08X}  {}\n", c.name, n, f32_of(n), m,
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const uint32_t n = fp8_probe_on(*cuda, cases[i]), m = model[i];
+    fmt::print("  {:<44} native 0x{:08X} {:<16.12g} model 0x{:08X}  {}\n", cases[i].name, n, f32_from_bits(n), m,
                n == m ? "equal" : "DIFFER");
     differs = differs || n != m;
   }
-  if (gpu::fp8_wgmma_gemm_count() - before != hopper_fp8_cases().size()) {
+  if (gpu::fp8_wgmma_gemm_count() - before != cases.size()) {
     fmt::print("  (the tensor-core path did not run: these are the model kernel's answers, not the hardware's)\n");
     return true;
   }
@@ -261,7 +261,7 @@ bool print_native_hopper_fp8() {
 int run_probe() {
   fmt::print("fp4sim probe: native tensor-core arithmetic against the model (contract DESIGN.md §7)\n\n");
   print_model_answers();
-  print_hopper_fp8_model();
+  const std::vector<uint32_t> fp8_model = print_hopper_fp8_model();
   fmt::print("\n");
 #if FP4SIM_HAVE_CUDA
   if (!gpu::gpu_available()) {
@@ -272,7 +272,7 @@ int run_probe() {
   const gpu::NativeProbe p = gpu::run_native_probe();
   if (p.cc_major == 9 && p.cc_minor == 0) {
     fmt::print("GPU: {}\n", gpu_description());
-    const bool fp8_differs = print_native_hopper_fp8();
+    const bool fp8_differs = print_native_hopper_fp8(fp8_model);
     fmt::print("\nThe FP4 checks need an sm_100 (B200/GB200) or sm_120 (RTX 50xx) GPU: not run here.\n");
     return fp8_differs ? 1 : 0;
   }
