@@ -11,12 +11,8 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
-// The same with a shared-window address, and zeros written instead where !valid (source size 0;
-// src must still be a valid address). 16 bytes bypass L1 (.cg), 4 bytes go through it (.ca).
-__device__ __forceinline__ void cp_async16_zfill(unsigned smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0)
-               : "memory");
-}
+// 4 bytes to a shared-window address through L1 (.ca), zeros written instead where !valid (source
+// size 0; src must still be a valid address).
 __device__ __forceinline__ void cp_async4_zfill(unsigned smem, const void* gmem, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 4 : 0)
                : "memory");

@@ -123,6 +123,19 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
 }
 #undef FP4SIM_WG_ACC64
 
+// The contract's epilogue (gemm_store) for the aligned pair of outputs idx and idx + 1 of one row,
+// C's values c0 and c1 given (ignored where beta is 0), as one 8-byte (F32) or 4-byte (BF16) store.
+__device__ __forceinline__ void store_epilogue_pair(const GemmConfig& cfg, void* out, int64_t idx, float v0, float v1,
+                                                    float c0, float c1) {
+  const float d0 = gemm_epilogue(cfg.alpha, v0, cfg.beta, c0);
+  const float d1 = gemm_epilogue(cfg.alpha, v1, cfg.beta, c1);
+  if (cfg.out == GemmOut::BF16)
+    *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(out) + idx) =
+        static_cast<uint32_t>(bf16_rne(d0)) | (static_cast<uint32_t>(bf16_rne(d1)) << 16);
+  else
+    *reinterpret_cast<float2*>(static_cast<float*>(out) + idx) = make_float2(d0, d1);
+}
+
 // The contract's epilogue (gemm_store) for outputs idx and idx + 1 of one row, as one 8-byte (F32)
 // or 4-byte (BF16) store where both exist and the pair is aligned; ws: the split range's raw sums.
 __device__ __forceinline__ void store_pair(const GemmConfig& cfg, const float* c, void* out, float* ws, int64_t idx,
@@ -140,13 +153,7 @@ __device__ __forceinline__ void store_pair(const GemmConfig& cfg, const float* c
     if (both) gemm_store(cfg, cfg.alpha, v1, c, idx + 1, out);
     return;
   }
-  const float d0 = gemm_epilogue(cfg.alpha, v0, cfg.beta, c ? c[idx] : 0.0f);
-  const float d1 = gemm_epilogue(cfg.alpha, v1, cfg.beta, c ? c[idx + 1] : 0.0f);
-  if (cfg.out == GemmOut::BF16)
-    *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(out) + idx) =
-        static_cast<uint32_t>(bf16_rne(d0)) | (static_cast<uint32_t>(bf16_rne(d1)) << 16);
-  else
-    *reinterpret_cast<float2*>(static_cast<float*>(out) + idx) = make_float2(d0, d1);
+  store_epilogue_pair(cfg, out, idx, v0, v1, c ? c[idx] : 0.0f, c ? c[idx + 1] : 0.0f);
 }
 #endif  // FP4SIM_WGMMA
 
@@ -434,14 +441,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const int64_t idx = (cur.m0 + row_in_tile + 8 * h) * N + cur.n0 + 8 * j + col_in_n8;
-          const float d0 = gemm_epilogue(cfg.alpha, total[4 * j + 2 * h], cfg.beta, c ? part[4 * j + 2 * h] : 0.0f);
-          const float d1 =
-              gemm_epilogue(cfg.alpha, total[4 * j + 2 * h + 1], cfg.beta, c ? part[4 * j + 2 * h + 1] : 0.0f);
-          if (cfg.out == GemmOut::BF16)
-            *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(out) + idx) =
-                static_cast<uint32_t>(bf16_rne(d0)) | (static_cast<uint32_t>(bf16_rne(d1)) << 16);
-          else
-            *reinterpret_cast<float2*>(static_cast<float*>(out) + idx) = make_float2(d0, d1);
+          store_epilogue_pair(cfg, out, idx, total[4 * j + 2 * h], total[4 * j + 2 * h + 1],
+                              c ? part[4 * j + 2 * h] : 0.0f, c ? part[4 * j + 2 * h + 1] : 0.0f);
         }
 #pragma unroll
       for (int i = 0; i < 64; ++i) total[i] = 0.0f;

@@ -394,12 +394,8 @@ BENCHMARK(BM_GpuMatmulPicks)
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), benchmark::CreateDenseRange(0, 7, 1)})
     ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 
-// The same twelve shapes through the FP8 recipe's GEMM (cuBLASLt block-scaled FP8, E4M3 codes,
-// 1x128 FP32 scales in cuBLASLt's layout as the quantizer writes them, host alpha/beta): how the
-// FP8 GEMMs compare with the BF16 ones above (BM_GpuGemmScalarModes mode 0, the BF16 recipe's
-// setting), and what beta 1 (the backward pass's +=) costs against beta 0 on the same shape.
-// range(0): shape index into kGpt2Shapes; range(1): 0 the shape's beta, 1 beta 0.
-// A rows x k FP8 operand (1x128 blocks, with the GEMM-layout scales) quantized on be from N(0, 1).
+// A rows x k FP8 operand (1x128 blocks, or 128x128 with two_d; with the GEMM-layout scales)
+// quantized on be from N(0, 1).
 struct Fp8Operand {
   BackendBuffer codes, scales, scales_gemm, amax;
   QuantizedView q;
@@ -457,6 +453,11 @@ Fp8Problem make_fp8_problem(gpu::CudaBackend& be, const Gpt2Shape& s) {
   return p;
 }
 
+// The same twelve shapes through the FP8 recipe's GEMM (cuBLASLt block-scaled FP8, E4M3 codes,
+// FP32 block scales in cuBLASLt's layout as the quantizer writes them, host alpha/beta): how the
+// FP8 GEMMs compare with the BF16 ones above (BM_GpuGemmScalarModes mode 0, the BF16 recipe's
+// setting), and what beta 1 (the backward pass's +=) costs against beta 0 on the same shape.
+// range(0): shape index into kGpt2Shapes; range(1): 0 the shape's beta, 1 beta 0.
 void BM_GpuGemmFp8(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
