@@ -299,6 +299,10 @@ void set_fp8_wgmma(bool on);
 bool fp8_wgmma_enabled();
 // Test hook: how many FP8 GEMMs ran on the tensor cores (fp8_gemm_wgmma_launch) in this process.
 uint64_t fp8_wgmma_gemm_count();
+// Test and benchmark knob: whether the FP8 quantizer's whole tiles write their column-wise codes
+// and row-wise GEMM-layout scales through shared memory as whole lines (default true) or straight
+// from each thread. The bits do not depend on it.
+void set_fp8_quantize_staged(bool on);
 // Test knob: at most n persistent CTAs for the tensor-core FP8 GEMM (0, the default: one an SM), so
 // small GEMMs exercise CTAs that take several work items in turn.
 void set_fp8_wgmma_max_ctas(int n);

@@ -5,6 +5,7 @@
 // one thread per output (correctness first).
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -64,6 +65,8 @@ struct Fp8TileArgs {
   QuantizedView row, col;  // codes null = copy disabled
   AmaxArgs amax;           // targets: the enabled copies' amax
   float* col_partial;      // x's 64-row column sums [R / 64, C] (fp8_quantize_launch), or null
+  bool staged;             // whole tiles write the column-wise codes and row-wise GEMM scales through
+                           // shared memory (set_fp8_quantize_staged)
 };
 
 // Four consecutive elements of row r from column c as FP32 (zeros outside the tensor): one 16-byte
@@ -176,6 +179,7 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
   const float* tile = reinterpret_cast<const float*>(tile4);
   __shared__ float warp_partial[kFp8Warps];
   __shared__ float4 col_partial[kFp8Warps * kFp8Block / 4];  // [warp][128]: column maxima over a warp's rows
+  __shared__ float row_scale_stage[kFp8Block];               // (staged) the row-wise scales, tile row order
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kFp8Block, c0 = static_cast<int64_t>(blockIdx.x) * kFp8Block;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned full = 0xFFFFFFFFu;
@@ -285,6 +289,13 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
   const float enc_tile = a.two_d ? fp8_block_encode_scale(tile_amax) : 0.0f;
   const int tc = threadIdx.x % kFp8Block, part = threadIdx.x / kFp8Block;
   const float* my_col = tile + part * kFp8PartRows * kFp8Block + tc;
+  // Whole tiles with both copies (every tile of a training tensor; CTA-uniform) may stage what
+  // would otherwise be partial-sector stores in shared memory and write it out in whole lines: the
+  // column-wise codes (a thread's 32 codes are one sector, written as two halves, each in a
+  // different line from its neighbours') and the row-wise scales' GEMM layout (one 4-byte store a
+  // sector otherwise).
+  const bool staged = a.staged && r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols && a.row.codes &&
+                      a.col.codes && a.col_vector_ok;
 
   // 3. row-wise copy: rows r0.. of the input, written at (r, c0 + 4 lane ..)
   if (a.row.codes) {
@@ -295,7 +306,8 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
     if (lane < kFp8LinesPerWarp && r_mine < a.rows) {
       const float s = fp8_block_decode_scale(enc_mine);
       scales[r_mine * kb + c0 / kFp8Block] = s;
-      if (a.row.scales_gemm) a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r_mine] = s;
+      if (staged) row_scale_stage[warp + kFp8Warps * lane] = s;
+      else if (a.row.scales_gemm) a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r_mine] = s;
     }
     if (r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols) {
       // a whole tile (CTA-uniform; every tile of a training tensor): no per-row bounds, one base
@@ -348,6 +360,35 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
       float s = 0.0f;
       for (int r = 0; r < emu::kColumnChunkRows; ++r) s = __fadd_rn(s, my_col[r * kFp8Block]);
       a.col_partial[((r0 + part * kFp8PartRows) / emu::kColumnChunkRows) * a.cols + cc] = s;
+    }
+    if (staged) {
+      // the thread's 32 codes, then (every thread done reading the tile) into the tile's first 16 KB
+      // as [written row][eight 16-byte chunks], chunk j of row i at j ^ (i % 8) (no bank conflicts
+      // either way), then out as whole lines: a warp writes four rows' 128 bytes at a time
+      uint32_t w[kFp8PartRows / 4];
+      FP4SIM_UNROLL
+      for (int k = 0; k < kFp8PartRows / 4; ++k) {
+        const float* e = my_col + 4 * k * kFp8Block;
+        w[k] = fp8_quantize_quad(e[0], e[kFp8Block], e[2 * kFp8Block], e[3 * kFp8Block], enc);
+      }
+      constexpr int kChunks = kFp8Block / 16, kPartChunks = kFp8PartRows / 16;
+      static_assert(kChunks == 8 && kFp8TileThreads % kChunks == 0, "eight 16-byte chunks a written row");
+      uint4* const stage = reinterpret_cast<uint4*>(tile4);
+      __syncthreads();
+      FP4SIM_UNROLL
+      for (int q = 0; q < kPartChunks; ++q)
+        stage[tc * kChunks + ((part * kPartChunks + q) ^ (tc % kChunks))] =
+            make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+      if (a.row.scales_gemm && threadIdx.x < kFp8Block)
+        a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r0 + threadIdx.x] = row_scale_stage[threadIdx.x];
+      __syncthreads();
+      constexpr int kRowsPerPass = kFp8TileThreads / kChunks;
+      FP4SIM_UNROLL
+      for (int p = 0; p < kFp8Block / kRowsPerPass; ++p) {
+        const int i = p * kRowsPerPass + static_cast<int>(threadIdx.x) / kChunks, j = threadIdx.x % kChunks;
+        reinterpret_cast<uint4*>(a.col.codes + (c0 + i) * a.rows + r0)[j] = stage[i * kChunks + (j ^ (i % kChunks))];
+      }
+      return;
     }
     uint8_t* dst = a.col.codes + cc * a.rows + r0 + part * kFp8PartRows;
     FP4SIM_UNROLL
@@ -402,9 +443,12 @@ __global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const fl
 
 // One launch of the tile kernel for source Src, its dynamic shared memory allowed first
 // (allow_dynamic_smem: once per instantiation and device).
+std::atomic<bool> g_fp8_staged{true};  // set_fp8_quantize_staged
+
 template <class Src>
-void launch_fp8_tile(const dim3& grid, const Src& src, const Fp8TileArgs& a, cudaStream_t stream) {
+void launch_fp8_tile(const dim3& grid, const Src& src, Fp8TileArgs a, cudaStream_t stream) {
   allow_dynamic_smem(reinterpret_cast<const void*>(fp8_quantize_tile_kernel<Src>), kFp8TileSmem);
+  a.staged = g_fp8_staged.load();
   fp8_quantize_tile_kernel<Src><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(src, a);
 }
 
@@ -479,6 +523,8 @@ void fp8_quantize_activation_launch(const ActivationSource& src, const QuantizeC
   else launch_fp8_tile(grid, Fp8GeluForwardSource{src.inp, src.round_bf16}, a, stream);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
+
+void set_fp8_quantize_staged(bool on) { g_fp8_staged = on; }
 
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {
   fp8_dequantize_kernel<<<grid_stride_blocks(q.rows * q.cols, 256), 256, 0, stream>>>(q, static_cast<float*>(out.data),

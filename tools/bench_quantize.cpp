@@ -242,15 +242,15 @@ BENCHMARK(BM_GpuQuantizeKeptGrid)->Args({768, 0})->Args({768, 2})->Args({768, 4}
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 
 // The FP8 block quantizer (1x128, row-wise + column-wise copies, one tiled pass with the amax)
-// on an FP32 input the shape of gpt2-124m's largest activation gradient (16384 x 3072), against a
-// device copy of the same FP32 input in the same repetition. Bytes: the input read once, 1-byte
-// codes + FP32 scales per copy.
+// on an FP32 input of 16384 x cols (gpt2-124m's activations: 768; its largest activation gradient:
+// 3072), against a device copy of the same FP32 input in the same repetition. Bytes: the input read
+// once, 1-byte codes + FP32 scales per copy. {cols, staged stores (set_fp8_quantize_staged)}.
 void BM_GpuQuantizeFp8(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
     return;
   }
-  const int64_t rows = 16384, cols = 3072;
+  const int64_t rows = 16384, cols = state.range(0);
   gpu::CudaBackend be;
   QuantizeConfig cfg;
   cfg.format = QFormat::FP8;
@@ -259,16 +259,19 @@ void BM_GpuQuantizeFp8(benchmark::State& state) {
   const std::vector<float> xf = gaussian(n, 6);
   GpuQuantizeBuffers b(be, xf.data(), rows, cols, DType::F32, QFormat::FP8);
   const double bytes = 4.0 * n + 2 * (n + n / 128.0 * 4);
+  gpu::set_fp8_quantize_staged(state.range(1) != 0);
   time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, &b.cv); });
+  gpu::set_fp8_quantize_staged(true);
 }
-BENCHMARK(BM_GpuQuantizeFp8)->UseManualTime()->Iterations(5)->Repetitions(3)
+BENCHMARK(BM_GpuQuantizeFp8)->ArgsProduct({{768, 3072}, {0, 1}})->UseManualTime()->Iterations(5)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 
 // GELU (forward; or backward with its incoming gradient and the bias gradient) into FP8 row- and
 // column-wise copies of a 16384x3072 activation (gpt2-124m's MLP, batch 16 x 1024), through
 // CudaBackend::quantize_activation: {op 0 forward / 1 backward, 1 fused in the tile pass / 0 the
-// op kernel then the quantizer}. Bytes: the fused pass's (the op's inputs read once, the copies
-// written), for both rows, so pct_of_copy_bw compares their times.
+// op kernel then the quantizer, staged stores in the FP8 tile pass (set_fp8_quantize_staged)}.
+// Bytes: the fused pass's (the op's inputs read once, the copies written), for both rows, so
+// pct_of_copy_bw compares their times.
 void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
@@ -290,12 +293,15 @@ void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
                              d.as<float>(), out.as<float>(), rows, cols, true, true, "act"};
   const double bytes = (backward ? 8.0 : 4.0) * n + 2 * (n + n / 128.0 * 4);
   gpu::set_activation_fusion(fused);
+  gpu::set_fp8_quantize_staged(state.range(2) != 0);
   time_against_copy(state, be, b, bytes,
                     [&]() { be.quantize_activation(src, cfg, &b.rv, &b.cv, backward ? dbias.as<float>() : nullptr); });
   gpu::set_activation_fusion(true);
+  gpu::set_fp8_quantize_staged(true);
   state.SetLabel(std::string(backward ? "gelu backward + dbias" : "gelu forward") + (fused ? " fused" : " op then quantize"));
 }
-BENCHMARK(BM_GpuQuantizeActivationFp8)->Args({0, 1})->Args({0, 0})->Args({1, 1})->Args({1, 0})->UseManualTime()
+BENCHMARK(BM_GpuQuantizeActivationFp8)->Args({0, 1, 0})->Args({0, 1, 1})->Args({0, 0, 1})->Args({1, 1, 0})
+    ->Args({1, 1, 1})->Args({1, 0, 1})->UseManualTime()
     ->Iterations(5)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
 
 #endif

@@ -59,8 +59,11 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
   int checked = 0;
+  // (staged: whole tiles write the column-wise codes through shared memory, the default; and not)
+  for (bool staged : {true, false})
   for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials, test::Fill::Subnormal,
                           test::Fill::SignedZeros, test::Fill::HugeTiny}) {
+    gpu::set_fp8_quantize_staged(staged);
     for (bool bf16 : {false, true})
       for (bool two_d : {false, true}) {
         // a 256 x 384 input with both copies, and (1x128 only) a 200 x 256 one with the row-wise
@@ -71,7 +74,7 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
         const QuantizeResult e = quantize_on(*emu, x, R, C, bf16, two_d, !partial),
                              g = quantize_on(*cuda, x, R, C, bf16, two_d, !partial);
         const std::string what = std::string(test::fill_name(fill)) + (bf16 ? " bf16" : " f32") + (two_d ? " 2d" : " 1d") +
-                                 " " + std::to_string(R) + "x" + std::to_string(C);
+                                 " " + std::to_string(R) + "x" + std::to_string(C) + (staged ? " staged" : " direct");
         expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
         if (!partial) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
         QuantizedHost er = e.rowwise, gr = g.rowwise;
@@ -80,6 +83,7 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
         ++checked;
       }
   }
+  gpu::set_fp8_quantize_staged(true);
   // rows 129 elements apart (FP32: not 16-byte aligned; BF16: not 8-byte aligned): the kernel's
   // element-by-element loads instead of its vector loads
   for (bool bf16 : {false, true}) {
@@ -140,7 +144,9 @@ TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
   auto cuda = make_backend("cuda");
   auto emu = make_backend("emu");
   const int64_t R = 256, C = 384;
-  for (bool two_d : {false, true}) {
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool two_d = (variant & 1) != 0, staged = variant < 2;  // (staged: the kernel's default)
+    gpu::set_fp8_quantize_staged(staged);
     std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(R * C), 21);
     BackendBuffer xb(*cuda, x.size() * 4);
     cuda->upload(xb.get(), x.data(), x.size() * 4);
@@ -167,6 +173,7 @@ TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
     Copy row = make(R, C), col = make(C, R);
     cuda->quantize(xv, qc, &row.buf.view, &col.buf.view);
     cuda->synchronize();
+    gpu::set_fp8_quantize_staged(true);
     for (Copy* c : {&row, &col}) {
       const QuantizedView& v = c->buf.view;
       const int64_t kb = v.cols / kFp8Block;
@@ -176,7 +183,8 @@ TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
       for (int64_t r = 0; r < v.rows; ++r)
         for (int64_t b = 0; b < kb; ++b)
           ASSERT_EQ(t[static_cast<size_t>(b * v.rows + r)], s[static_cast<size_t>(r * kb + b)])
-              << (two_d ? "2d " : "1d ") << (c == &row ? "row-wise" : "column-wise") << " scale (" << r << ", " << b << ")";
+              << (two_d ? "2d " : "1d ") << (staged ? "staged " : "direct ") << (c == &row ? "row-wise" : "column-wise")
+              << " scale (" << r << ", " << b << ")";
     }
     // D = x . x^T's row-wise copy against itself (M = N = 256, K = 384), with and without them
     GemmConfig cfg;
