@@ -194,9 +194,10 @@ void set_quantize_rht_amax_variant(int variant);
 // half-warp (default; rows and cols multiples of 16, 16-byte aligned rows), 0 = the general tile
 // kernel. Same bits.
 void set_quantize_2d_variant(int variant);
-// Benchmark knob: the common-case quantize kernel's tile, 1 = 64x128, 2 = 64x256 (BF16 input).
-// Results are identical; only speed differs.
-void set_quantize_tile_variant(int cols_per_thread);
+// Benchmark knob: the common-case quantize kernel's tile, 1 = 64x128 (default; whole tiles write
+// their column-wise codes through shared memory), 2 = 64x256 (BF16 input), 3 = 64x128 with each
+// thread storing its column's codes itself. Results are identical; only speed differs.
+void set_quantize_tile_variant(int variant);
 void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
                        const GemmConfig& cfg, void* out, cudaStream_t stream);
 // Benchmark knob: the exact GEMM kernel, 0 = one thread per output (reference), 1 = tiled,

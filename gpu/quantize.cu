@@ -322,6 +322,7 @@ struct QuantArgs {
   MxScaleRule mx_rule;
   uint64_t seed;
   CopyArgs row, col;
+  bool col_staged;  // nvfp4_1x16_kernel (64x128 tiles): whole tiles stage the column-wise codes (host: R % 64 == 0, aligned)
 };
 
 // One NVFP4 block of a copy written: its 8 code bytes for the 16 elements from e (the written
@@ -341,10 +342,12 @@ __device__ __forceinline__ void store_nvfp4_block(const CopyArgs& c, int64_t e, 
 // exact product: its top 16 bits are its BF16), without decoding the codes again. The codes are
 // summed into their word unsigned: e2m1_magic_code is steps + (mb >> 22) - 298 | sign << 3, so the
 // word adds the first two terms at their nibbles (mod 2^32), subtracts 298 at every nibble once
-// (leaving each nibble's code, 0..7) and then ORs the sign bits in.
+// (leaving each nibble's code, 0..7) and then ORs the sign bits in. nvfp4_block_1x16_encode returns
+// the 8 code bytes and the scale (writing only the decoded values); nvfp4_block_1x16_store stores
+// them too.
 template <bool kSr, bool kDec>
-__device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, const Nvfp4Global& g, const SrBits& sr,
-                                                       const CopyArgs& c, int64_t e, int64_t scale_index) {
+__device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, const Nvfp4Global& g, const SrBits& sr,
+                                                         const CopyArgs& c, int64_t e, uint8_t& scale) {
   float amax_b = 0.0f;
   FP4SIM_UNROLL
   for (int i = 0; i < kNvfp4Block; ++i) amax_b = fmaxf(amax_b, fabsf(v[i]));  // NaN ignored: amax_strided
@@ -369,23 +372,28 @@ __device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, const Nvf
     }
   }
   constexpr uint32_t kBase = kE2M1MagicCodeBase * 0x11111111u;  // 298 off every nibble (mod 2^32)
-  *reinterpret_cast<uint2*>(c.codes + e / 2) = make_uint2((w[0] - kBase) | sgn[0], (w[1] - kBase) | sgn[1]);
-  c.scales[scale_index] = s;
   if constexpr (kDec) {
     uint4* out = reinterpret_cast<uint4*>(c.decoded + e);
     out[0] = make_uint4(d[0], d[1], d[2], d[3]);
     out[1] = make_uint4(d[4], d[5], d[6], d[7]);
   }
+  scale = s;
+  return make_uint2((w[0] - kBase) | sgn[0], (w[1] - kBase) | sgn[1]);
+}
+__device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, const Nvfp4Global& g, const SrBits& sr,
+                                                         const CopyArgs& c, int64_t e, uint8_t& scale) {
+  if (sr.enabled) {
+    return c.decoded ? nvfp4_block_1x16_encode<true, true>(v, g, sr, c, e, scale)
+                     : nvfp4_block_1x16_encode<true, false>(v, g, sr, c, e, scale);
+  }
+  return c.decoded ? nvfp4_block_1x16_encode<false, true>(v, g, sr, c, e, scale)
+                   : nvfp4_block_1x16_encode<false, false>(v, g, sr, c, e, scale);
 }
 __device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, const Nvfp4Global& g, const SrBits& sr,
                                                        const CopyArgs& c, int64_t e, int64_t scale_index) {
-  if (sr.enabled) {
-    if (c.decoded) nvfp4_block_1x16_store<true, true>(v, g, sr, c, e, scale_index);
-    else nvfp4_block_1x16_store<true, false>(v, g, sr, c, e, scale_index);
-  } else {
-    if (c.decoded) nvfp4_block_1x16_store<false, true>(v, g, sr, c, e, scale_index);
-    else nvfp4_block_1x16_store<false, false>(v, g, sr, c, e, scale_index);
-  }
+  uint8_t s;
+  *reinterpret_cast<uint2*>(c.codes + e / 2) = nvfp4_block_1x16_encode(v, g, sr, c, e, s);
+  c.scales[scale_index] = s;
 }
 
 template <class T, bool kMx>
@@ -614,6 +622,7 @@ struct FastTile {
 // Which tile shape the common-case kernel uses: 1 = 64x128 (one column per thread), 2 = 64x256
 // (a BF16 column pair per thread). Both give the same bits; bench_quantize compares them.
 int g_fast_cols_per_thread = 1;
+bool g_col_staged = true;  // variant 1 stages whole tiles' column-wise codes (3: it does not)
 
 template <class T, bool kColRht, int kPer>
 __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
@@ -676,14 +685,9 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   // ---- column-wise copy: column c of the input is row c of the written (C x R) tensor ----
   const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
   const int64_t chunks_per_row = R / kSrChunk;
-#pragma unroll 1
-  for (int w = 0; w < kPer * (kTileRows / kNvfp4Block); ++w) {
-    const int j = w / (kTileRows / kNvfp4Block), k = w % (kTileRows / kNvfp4Block);
-    const int64_t c = c0 + kPer * t + j;
-    const int64_t r = r0 + k * kNvfp4Block;
-    if (c >= C || r >= R) continue;
-    float v[kNvfp4Block];
-    const T* col = tile + (k * kNvfp4Block) * kCols + kPer * t + j;
+  // v = the 16 values of tile column tcol's k-th block (rows 16 k ..), RHT-transformed where asked
+  auto column_block = [&](int tcol, int k, float* v) {
+    const T* col = tile + (k * kNvfp4Block) * kCols + tcol;
     if constexpr (kColRht) {
       uint16_t in[kRhtSize], y[kRhtSize];
       FP4SIM_UNROLL
@@ -695,6 +699,50 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
       FP4SIM_UNROLL
       for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(col[i * kCols]);
     }
+  };
+  // A whole 64x128 tile (CTA-uniform) stages its column-wise codes: a thread's four blocks are one
+  // 32-byte sector of its written row, which four 8-byte stores (each a quarter sector of a line
+  // no neighbour writes) would otherwise send out; here they go to shared memory, and a warp then
+  // writes 16 whole sectors a store; the four scale bytes go out as one word.
+  constexpr int kColBlocks = kTileRows / kNvfp4Block;
+  static_assert(kColBlocks == 4, "a column's codes in a tile: one 32-byte sector");
+  if constexpr (kPer == 1) {
+    __shared__ uint2 col_stage[kThreads][kColBlocks];  // [tile column][block ^ (column / 4 % 4)]
+    if (a.col_staged && r0 + kTileRows <= R && c0 + kCols <= C) {
+      const int64_t c = c0 + t;
+      uint32_t scales = 0;
+#pragma unroll 1
+      for (int k = 0; k < kColBlocks; ++k) {
+        const int64_t r = r0 + k * kNvfp4Block;
+        float v[kNvfp4Block];
+        column_block(t, k, v);
+        const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
+                                              static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
+        uint8_t s;
+        col_stage[t][k ^ ((t >> 2) & 3)] = nvfp4_block_1x16_encode(v, g, bits, a.col, c * R + r, s);
+        scales |= static_cast<uint32_t>(s) << (8 * k);
+      }
+      *reinterpret_cast<uint32_t*>(a.col.scales + c * (R / kNvfp4Block) + r0 / kNvfp4Block) = scales;
+      __syncwarp();
+      // lanes 2i and 2i + 1: the two 16-byte halves of the warp's written row i (16 rows a store)
+      const int lane = t & 31;
+      FP4SIM_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int tc = (t & ~31) + 16 * h + lane / 2, half = lane & 1, f = (tc >> 2) & 3;
+        const uint2 lo = col_stage[tc][(2 * half) ^ f], hi = col_stage[tc][(2 * half + 1) ^ f];
+        reinterpret_cast<uint4*>(a.col.codes + ((c0 + tc) * R + r0) / 2)[half] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      }
+      return;
+    }
+  }
+#pragma unroll 1
+  for (int w = 0; w < kPer * (kTileRows / kNvfp4Block); ++w) {
+    const int j = w / (kTileRows / kNvfp4Block), k = w % (kTileRows / kNvfp4Block);
+    const int64_t c = c0 + kPer * t + j;
+    const int64_t r = r0 + k * kNvfp4Block;
+    if (c >= C || r >= R) continue;
+    float v[kNvfp4Block];
+    column_block(kPer * t + j, k, v);
     const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
                                           static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
     // the 4 chunks of a column land in one 32-byte sector, written by this thread in turn
@@ -886,6 +934,10 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   };
   fill(qa.row, cfg.rowwise, row);
   fill(qa.col, cfg.columnwise, col);
+  // (staged column-wise codes: each written row's 32-byte piece of a tile 16-byte aligned, its 4
+  // scale bytes one aligned word)
+  qa.col_staged = g_col_staged && qa.col.enabled && R % kTileRows == 0 &&
+                  reinterpret_cast<uintptr_t>(qa.col.codes) % 16 == 0 && reinterpret_cast<uintptr_t>(qa.col.scales) % 4 == 0;
   if (common_case && rht_out) {  // RHT copy kept by the amax pass: the streaming kernel
     // (CTAs for one 1x16 block a thread, up to g_kept_ctas_per_sm an SM per copy, so each thread
     // spreads its setup, the global scales and the Philox key, over several blocks)
@@ -983,10 +1035,11 @@ __global__ void scales_to_tiled_kernel(const uint8_t* scales, int64_t rows, int6
 
 }  // namespace
 
-void set_quantize_tile_variant(int cols_per_thread) {
-  if (cols_per_thread != 1 && cols_per_thread != 2)
-    throw std::invalid_argument("quantize tile variant must be 1 or 2");
-  g_fast_cols_per_thread = cols_per_thread;
+void set_quantize_tile_variant(int variant) {
+  if (variant < 1 || variant > 3)
+    throw std::invalid_argument("quantize tile variant must be 1 (64x128), 2 (64x256) or 3 (64x128, direct column stores)");
+  g_fast_cols_per_thread = variant == 2 ? 2 : 1;
+  g_col_staged = variant != 3;
 }
 
 void set_quantize_keep_rht(bool keep) { g_keep_rht = keep; }

@@ -177,15 +177,17 @@ void BM_GpuQuantize(benchmark::State& state) {
   // (not counted: with RHT the transformed input kept between the passes, written and read once)
   const double bytes = 2.0 * n * 2 + copies * (n / 2.0 + n / 16.0);
   time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, cfg.columnwise.enabled ? &b.cv : nullptr); });
-  state.SetLabel(std::string(mode_name(mode)) + (state.range(3) == 2 ? " tile64x256" : " tile64x128") +
+  state.SetLabel(std::string(mode_name(mode)) +
+                 (state.range(3) == 2 ? " tile64x256" : state.range(3) == 3 ? " tile64x128-direct" : " tile64x128") +
                  (mode == 2 && state.range(4) == 0 ? " rht-twice" : ""));
   gpu::set_quantize_tile_variant(1);
   gpu::set_quantize_keep_rht(true);
 }
-// {rows, cols, mode, tile variant, keep the RHT output between the passes}
+// {rows, cols, mode, tile variant (set_quantize_tile_variant), keep the RHT output between the passes}
 BENCHMARK(BM_GpuQuantize)
     ->Args({8192, 8192, 0, 1, 1})
     ->Args({8192, 8192, 1, 1, 1})
+    ->Args({8192, 8192, 1, 3, 1})
     ->Args({8192, 8192, 2, 1, 1})
     ->Args({8192, 8192, 2, 1, 0})
     ->Args({8192, 8192, 0, 2, 1})
