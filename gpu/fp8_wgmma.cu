@@ -13,17 +13,20 @@
 //   edges); all 128 threads stage its scales by cp.async four k-blocks ahead, store them where
 //   the multiplying threads read them with few wide loads and vote whether B's 128 scales are one
 //   value. A 6-stage ring of full / empty mbarriers connects it to the multiplying warpgroups.
-// - Warpgroups 1 and 2 multiply rows 0-63 and 64-127 of the tile: one m64n128k32 accumulator of
+// - Warpgroups 1 and 2 multiply rows 0-63 and 64-127 of the tile: two m64n128k32 accumulators of
 //   64 FP32 registers a thread plus the promoted sum (setmaxnreg gives them the registers the
-//   producer gives up). They take turns at issuing (named barriers), so one's wgmmas run while
-//   the other promotes; where B's scales are one value (a 128x128-block weight, every Fprop and
-//   Dgrad of the recipe) the promotion needs two products a thread instead of 64.
+//   producer gives up). They take turns at issuing two k-blocks (named barriers) and promote the
+//   first while the second runs, the second while the other warpgroup's turn runs; where B's
+//   scales are one value (a 128x128-block weight, every Fprop and Dgrad of the recipe) the
+//   promotion needs two products a thread instead of 64.
+// - Where a CTA's k-blocks come in aligned fours (K a multiple of 512, e.g. every Wgrad), the
+//   producer fetches each row's four scales with one 16-byte copy.
 // Both operands are K-major (TN: A [M, K], B [N, K], as every FP8 GEMM of the recipe is). Split-K
 // (the contract's: each range's chain from +0, the ranges added in order) writes FP32 partial sums
 // that a second kernel adds and stores through the contract's epilogue.
 //
-// Speed (validation/perf.md, H200): 1.2-1.3x cuBLASLt's block-scaled FP8 GEMM time on the Fprop
-// and Dgrad shapes of gpt2-124m, 1.6-3.2x on the Wgrad ones, where both operands' scales vary per
+// Speed (validation/perf.md, H200): 1.15-1.3x cuBLASLt's block-scaled FP8 GEMM time on the Fprop
+// and Dgrad shapes of gpt2-124m, 1.5-3.2x on the Wgrad ones, where both operands' scales vary per
 // row (64 products a thread a k-block) and few tiles fill the GPU (a tile's chain over K is serial
 // by the contract, so 36 or 144 tiles of 128 x 128 leave SMs idle or a second wave nearly empty).
 #include <cuda.h>
@@ -51,7 +54,8 @@ namespace {
 constexpr int kWgTile = 128;                           // output tile rows = cols = k-block width
 constexpr int kWgStages = 6;
 constexpr int kWgThreads = 384;                        // a loading warpgroup, two multiplying ones
-constexpr int kWgProducerRegs = 56, kWgConsumerRegs = 224;  // setmaxnreg: 128 x 56 + 256 x 224 <= 64 K
+// setmaxnreg: 128 x 40 + 256 x 232 <= 64 K (a multiplying thread holds two accumulators and the sum)
+constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;
 constexpr int kWgOperandBytes = kWgTile * kWgTile;     // one operand's 128 x 128 codes
 // A stage: A's and B's codes, then their scales, laid out so that each multiplying thread reads its
 // own with few wide loads: A's row m = 16 q + 8 h + i at float 16 q + 2 i + h (a thread's rows r and
@@ -63,9 +67,14 @@ constexpr int kWgOperandBytes = kWgTile * kWgTile;     // one operand's 128 x 12
 constexpr int kWgScaleBStride = 36;
 constexpr int kWgScaleBytes = (kWgTile + 4 * kWgScaleBStride + 8) * 4;
 constexpr int kWgStageBytes = (2 * kWgOperandBytes + kWgScaleBytes + 1023) / 1024 * 1024;  // 34 KB
-// The producer's staging ring for the scales it fetches ahead (A's and B's 128 each a k-block)
+// The producer's staging ring for the scales it fetches ahead (A's and B's 128 each a k-block):
+// kWgScaleAhead slots of one k-block each, or, where a CTA's k-blocks come in aligned fours (the
+// "wide" fetch: each row's four scales are one 16-byte copy, not four 4-byte ones from rows KB
+// floats apart), two buffers of four k-blocks, [operand][row][4].
 constexpr int kWgScaleAhead = 4;
-constexpr int kWgStagingBytes = kWgScaleAhead * 2 * kWgTile * 4;
+constexpr int kWgQuadBytes = 2 * kWgTile * 16;
+constexpr int kWgStagingBytes = 2 * kWgQuadBytes;
+static_assert(kWgStagingBytes >= kWgScaleAhead * 2 * kWgTile * 4, "the one-k-block slots fit too");
 // + the stages' full and empty mbarriers, + 1 KB alignment
 constexpr size_t kWgSmem = static_cast<size_t>(kWgStages) * kWgStageBytes + kWgStagingBytes + 2 * kWgStages * 8 + 1024;
 static_assert(kWgProducerRegs * 128 + kWgConsumerRegs * 256 <= 65536, "register file");
@@ -101,6 +110,15 @@ __device__ __forceinline__ void wgmma_wait_all(float (&d)[64]) {
                : "memory");
 }
 
+// Waits until at most one wgmma group of this warpgroup is pending: the older group (d's) is done,
+// the newer one may still write its own accumulator (which the caller leaves alone until a wait 0)
+__device__ __forceinline__ void wgmma_wait_one(float (&d)[64]) {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n"
+               : FP4SIM_WG_ACC64(d)
+               :
+               : "memory");
+}
+
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart (the
 // leading offset is unused in this mode). addr: the shared-window byte address of the first row's
 // first k (k steps of 32 codes add 32 bytes: the swizzle is applied to the computed addresses).
@@ -109,18 +127,39 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
          (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
-// D (64 x 128, FP32, this warpgroup's registers) = A (64 x 32 E4M3) * B (128 x 32 E4M3)^T + (scale_d ? D : 0)
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+// D (64 x 128, FP32, this warpgroup's registers) = A (64 x 32 E4M3) * B (128 x 32 E4M3)^T + D
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
       " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
       " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1;\n"
       : FP4SIM_WG_ACC64(d)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+      : "l"(desc_a), "l"(desc_b));
 }
+// The same from +0 (scale-d 0): D = A * B^T, D's previous values not read (so its registers are
+// free between the accumulator's last use and this instruction)
+#define FP4SIM_WG_OUT64(d)                                                                                      \
+  "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]),     \
+      "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]),     \
+      "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]),    \
+      "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]),    \
+      "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]),    \
+      "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]),    \
+      "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]),    \
+      "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_first(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 0, 1, 1;\n"
+      : FP4SIM_WG_OUT64(d)
+      : "l"(desc_a), "l"(desc_b));
+}
+#undef FP4SIM_WG_OUT64
 #undef FP4SIM_WG_ACC64
 
 // The contract's epilogue (gemm_store) for the aligned pair of outputs idx and idx + 1 of one row,
@@ -207,6 +246,11 @@ struct WgScaleLoader {
     cp_async4_zfill(slot + 4 * t, sa_ok ? psa + kb : psa, sa_ok);
     cp_async4_zfill(slot + 4 * (kWgTile + t), sb_ok ? psb + kb : psb, sb_ok);
   }
+  // the wide fetch: k-blocks kb .. kb + 3 (kb % 4 == 0, 16-byte aligned) into a quad buffer
+  __device__ void fetch4(int kb, uint32_t quad, int t) const {
+    cp_async16_zfill(quad + 16 * t, sa_ok ? psa + kb : psa, sa_ok);
+    cp_async16_zfill(quad + 16 * (kWgTile + t), sb_ok ? psb + kb : psb, sb_ok);
+  }
 };
 
 // Stores this producer thread's two scales of a k-block into the stage's scale area (the layout at
@@ -292,15 +336,161 @@ __device__ __forceinline__ float2 lds_f32x2(uint32_t addr) {
 }
 #endif
 
+#if FP4SIM_WGMMA
+// A multiplying warpgroup (rows 64 mwg .. + 63 of each tile), two accumulators: each turn at the
+// tensor cores issues two k-blocks (g into acc0, g + 1 into acc1), then promotes g while g + 1 still
+// runs, then g + 1 while the other warpgroup's turn runs. The promotion per k-block is the
+// contract's: total = fmaf(s_a * s_b, acc, total), k-blocks in order. Shaped for ptxas: no wgmma
+// group is pending across the loop's back edge (a turn retires both) and no wgmma is under a branch
+// (with G odd the last turn's second group re-multiplies the last stage into acc1, whose result
+// nobody reads; that stage is released only after both groups are done); each accumulator's first
+// wgmma does not read it, so between its promotion and its next k-block its registers hold C for
+// the epilogue.
+__device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const float* c, const GemmConfig& cfg,
+                                                      void* out, float* ws, const WgItems& items, int G, int64_t M,
+                                                      int64_t N, bool pair_stores, int mwg, int warp, int lane) {
+  const int per = items.per_split;
+  WgCursor cur;
+  cur.start(static_cast<int>(blockIdx.x), items);
+  float total[64], acc0[64], acc1[64];  // (the accumulators: written by their first wgmma)
+#pragma unroll
+  for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+  const int row_in_tile = mwg * 64 + warp * 16 + (lane >> 2);  // and + 8
+  const int col_in_n8 = 2 * (lane & 3);                         // and + 1, in each of 16 n8 blocks
+  const int my_turn = 1 + mwg, their_turn = 2 - mwg;           // named barriers
+  const bool c_pairs = (reinterpret_cast<uintptr_t>(c) & 7u) == 0;
+  const int turns = (G + 1) / 2;
+  if (mwg == 1) named_bar_arrive(1, 2 * kWgTile);  // warpgroup 1 issues first
+
+  // total += (s_a * s_b) * acc for the k-block in `stage` (acc done: the caller waited for it)
+  auto promote = [&](float (&acc)[64], uint32_t stage) {
+    const uint32_t scale_a = stage + 2 * kWgOperandBytes, scale_b = scale_a + 4 * kWgTile;
+    const uint32_t words = scale_b + 4 * 4 * kWgScaleBStride;
+    const float2 sa = lds_f32x2(scale_a + 4 * (16 * (row_in_tile >> 4) + 2 * (lane >> 2)));
+    const uint4 wb = lds_u32x4(words), wf = lds_u32x4(words + 16);
+    const bool b_uniform = (wf.x & wf.y & wf.z & wf.w) != 0 && wb.x == wb.y && wb.x == wb.z && wb.x == wb.w;
+    if (b_uniform) {
+      const float sb = __uint_as_float(wb.x), p0 = __fmul_rn(sa.x, sb), p1 = __fmul_rn(sa.y, sb);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        total[4 * j + 0] = __fmaf_rn(p0, acc[4 * j + 0], total[4 * j + 0]);
+        total[4 * j + 1] = __fmaf_rn(p0, acc[4 * j + 1], total[4 * j + 1]);
+        total[4 * j + 2] = __fmaf_rn(p1, acc[4 * j + 2], total[4 * j + 2]);
+        total[4 * j + 3] = __fmaf_rn(p1, acc[4 * j + 3], total[4 * j + 3]);
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float4 sb = lds_f32x4(scale_b + 4 * (kWgScaleBStride * (lane & 3) + 4 * q));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 2 * q + e;
+          const float b0 = e ? sb.z : sb.x, b1 = e ? sb.w : sb.y;
+          total[4 * j + 0] = __fmaf_rn(__fmul_rn(sa.x, b0), acc[4 * j + 0], total[4 * j + 0]);
+          total[4 * j + 1] = __fmaf_rn(__fmul_rn(sa.x, b1), acc[4 * j + 1], total[4 * j + 1]);
+          total[4 * j + 2] = __fmaf_rn(__fmul_rn(sa.y, b0), acc[4 * j + 2], total[4 * j + 2]);
+          total[4 * j + 3] = __fmaf_rn(__fmul_rn(sa.y, b1), acc[4 * j + 3], total[4 * j + 3]);
+        }
+      }
+    }
+  };
+  // after the item's last k-block: its tile through the contract's epilogue, total back to +0
+  // (cv: the accumulator just promoted, free until its next k-block's first wgmma, which does not
+  // read it: C's 64 values go there, all in flight together)
+  auto finish_item = [&](float (&cv)[64]) {
+    if (!ws && pair_stores && c_pairs && cur.m0 + kWgTile <= M && cur.n0 + kWgTile <= N) {
+      if (c) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            // (a plain load: C may be D itself, read here by the thread that writes it below)
+            const float2 v =
+                *reinterpret_cast<const float2*>(c + (cur.m0 + row_in_tile + 8 * h) * N + cur.n0 + 8 * j + col_in_n8);
+            cv[4 * j + 2 * h] = v.x;
+            cv[4 * j + 2 * h + 1] = v.y;
+          }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int64_t idx = (cur.m0 + row_in_tile + 8 * h) * N + cur.n0 + 8 * j + col_in_n8;
+          store_epilogue_pair(cfg, out, idx, total[4 * j + 2 * h], total[4 * j + 2 * h + 1],
+                              c ? cv[4 * j + 2 * h] : 0.0f, c ? cv[4 * j + 2 * h + 1] : 0.0f);
+        }
+    } else {
+      float* z_ws = ws ? ws + static_cast<int64_t>(cur.kb0 / per) * M * N : nullptr;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t m = cur.m0 + row_in_tile + 8 * h;
+        if (m < M) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int64_t n = cur.n0 + 8 * j + col_in_n8;
+            if (n < N)
+              store_pair(cfg, c, out, z_ws, m * N + n, n + 1 < N, pair_stores, total[4 * j + 2 * h],
+                         total[4 * j + 2 * h + 1]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+  };
+  auto release = [&](int s) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bars + 8 * (kWgStages + s));  // this warp is done with stage s
+  };
+
+  for (int turn = 0; turn < turns; ++turn) {
+    const int g0 = 2 * turn, g1 = g0 + 1;
+    const bool second = g1 < G;
+    const int s0 = g0 % kWgStages, s1 = second ? g1 % kWgStages : s0;
+    const uint32_t stage0 = smem + s0 * kWgStageBytes, stage1 = smem + s1 * kWgStageBytes;
+    mbar_wait(bars + 8 * s0, (g0 / kWgStages) & 1);
+    if (second) mbar_wait(bars + 8 * s1, (g1 / kWgStages) & 1);
+    named_bar_sync(my_turn, 2 * kWgTile);
+    wgmma_fence();
+    auto issue = [&](float (&acc)[64], uint32_t stage) {
+      wgmma_m64n128k32_e4m3_first(acc, sw128_desc(stage + mwg * 64 * kWgTile), sw128_desc(stage + kWgOperandBytes));
+#pragma unroll
+      for (int k = 1; k < kWgTile / 32; ++k)
+        wgmma_m64n128k32_e4m3(acc, sw128_desc(stage + mwg * 64 * kWgTile + 32 * k),
+                              sw128_desc(stage + kWgOperandBytes + 32 * k));
+      wgmma_commit();
+    };
+    issue(acc0, stage0);
+    issue(acc1, stage1);
+    if (mwg == 0 || turn + 1 < turns) named_bar_arrive(their_turn, 2 * kWgTile);
+    wgmma_wait_one(acc0);  // k-block g0 is done; g1 may still run
+    promote(acc0, stage0);
+    if (second) release(s0);
+    if (cur.kb == per - 1) finish_item(acc0);
+    cur.advance(items);
+    wgmma_wait_all(acc1);
+    if (second) {
+      promote(acc1, stage1);
+      release(s1);
+      if (cur.kb == per - 1) finish_item(acc1);
+      cur.advance(items);
+    } else {
+      release(s0);
+    }
+  }
+}
+#endif
+
 // ws: split_k > 1, the ranges' sums [split_k, M, N]; else the contract's epilogue into out.
 // pair_stores: N is even and out (or ws) aligned for one store of two outputs.
 //
 // Warp-specialised: warpgroup 0 loads (TMA for the codes, the scales from its staging ring; each
-// stage's arrival counted on its full mbarrier), warpgroups 1 and 2 multiply rows 0-63 and 64-127 of the tile and release each stage on
-// its empty mbarrier once their wgmmas have read it and the scales are used. The two multiplying
-// warpgroups take turns at issuing (named barriers 1 and 2), so that one's k-block runs on the
-// tensor cores while the other promotes its own: without the turns both would issue together,
-// finish together and promote together, with the tensor cores idle.
+// stage's arrival counted on its full mbarrier), warpgroups 1 and 2 multiply rows 0-63 and 64-127
+// of the tile (wg_consume) and release each stage on its empty mbarrier once their wgmmas have read
+// it and the scales are used. The two multiplying warpgroups take turns at issuing (named barriers
+// 1 and 2), so that one's k-blocks run on the tensor cores while the other promotes its own:
+// without the turns both would issue together, finish together and promote together, with the
+// tensor cores idle.
 __global__ void __launch_bounds__(kWgThreads, 1)
     fp8_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                           QuantizedView a, QuantizedView b, const float* c, GemmConfig cfg, void* out, float* ws,
@@ -332,9 +522,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     pf.start(static_cast<int>(blockIdx.x), items);
     WgScaleLoader loader;  // follows pf
     loader.set_item(a, b, pf, KB, t);
-    auto fetch_next = [&](int g) {  // k-block g's scales into slot g mod kWgScaleAhead, one group
+    // wide: every item's range starts on a multiple of 4 k-blocks and is a multiple of 4 long, and
+    // the rows are 16-byte aligned, so a CTA's k-blocks g come in fours with g % 4 == kb % 4 == 0
+    const bool wide = per % 4 == 0 && KB % 4 == 0 && (reinterpret_cast<uintptr_t>(a.scales) & 15u) == 0 &&
+                      (reinterpret_cast<uintptr_t>(b.scales) & 15u) == 0;
+    auto fetch_next = [&](int g) {  // k-block g's scales (wide: with g % 4 == 0, g .. g + 3), one group
       if (g < G) {
-        loader.fetch(pf.kb, staging + (g % kWgScaleAhead) * 2 * kWgTile * 4, t);
+        if (!wide) loader.fetch(pf.kb, staging + (g % kWgScaleAhead) * 2 * kWgTile * 4, t);
+        else if (g % 4 == 0) loader.fetch4(pf.kb, staging + ((g / 4) % 2) * kWgQuadBytes, t);
         if (pf.advance(items) && pf.item < item_count) loader.set_item(a, b, pf, KB, t);
       }
       cp_async_commit();
@@ -343,9 +538,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     for (int g = 0; g < kWgScaleAhead - 1; ++g) fetch_next(g);
     for (int g = 0; g < G; ++g) {
       fetch_next(g + kWgScaleAhead - 1);
-      cp_async_wait<kWgScaleAhead - 1>();  // k-block g's group has landed
-      const uint32_t slot = staging + (g % kWgScaleAhead) * 2 * kWgTile * 4;
-      const float va = lds_f32(slot + 4 * t), vb = lds_f32(slot + 4 * (kWgTile + t));
+      cp_async_wait<kWgScaleAhead - 1>();  // k-block g's group has landed (wide: g - g % 4's)
+      const uint32_t slot = wide ? staging + ((g / 4) % 2) * kWgQuadBytes + 4 * (g % 4)
+                                 : staging + (g % kWgScaleAhead) * 2 * kWgTile * 4;
+      const int step = wide ? 16 : 4;  // bytes from one row's scale to the next
+      const float va = lds_f32(slot + step * t), vb = lds_f32(slot + step * (kWgTile + t));
       const int s = g % kWgStages;
       const uint32_t stage = smem + s * kWgStageBytes, full = bars + 8 * s;
       mbar_wait(bars + 8 * (kWgStages + s), ((g / kWgStages) & 1) ^ 1);  // stage s is free
@@ -364,108 +561,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   setmaxnreg_inc<kWgConsumerRegs>();
   const int mwg = wg - 1, warp = (t >> 5) & 3, lane = t & 31;
-  WgCursor cur;
-  cur.start(static_cast<int>(blockIdx.x), items);
-  float total[64], part[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) total[i] = 0.0f, part[i] = 0.0f;
-
-  const int row_in_tile = mwg * 64 + warp * 16 + (lane >> 2);  // and + 8
-  const int col_in_n8 = 2 * (lane & 3);                         // and + 1, in each of 16 n8 blocks
-  const int my_turn = 1 + mwg, their_turn = 2 - mwg;           // named barriers
-  const bool c_pairs = (reinterpret_cast<uintptr_t>(c) & 7u) == 0;  // C readable as float2 (or null)
-  if (mwg == 1) named_bar_arrive(1, 2 * kWgTile);               // warpgroup 1 issues first
-  for (int g = 0; g < G; ++g) {
-    const int s = g % kWgStages;
-    const uint32_t stage = smem + s * kWgStageBytes;
-    mbar_wait(bars + 8 * s, (g / kWgStages) & 1);  // k-block g has landed (codes by TMA, scales by the producer's stores)
-    named_bar_sync(my_turn, 2 * kWgTile);
-    const uint32_t sa_addr = stage + mwg * 64 * kWgTile;
-    const uint32_t sb_addr = stage + kWgOperandBytes;
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kWgTile / 32; ++k)
-      wgmma_m64n128k32_e4m3(part, sw128_desc(sa_addr + 32 * k), sw128_desc(sb_addr + 32 * k), k > 0);
-    wgmma_commit();
-    if (mwg == 0 || g + 1 < G) named_bar_arrive(their_turn, 2 * kWgTile);
-    // the k-block's scales while the tensor cores work (the layout at kWgStageBytes)
-    const uint32_t scale_a = stage + 2 * kWgOperandBytes, scale_b = scale_a + 4 * kWgTile;
-    const uint32_t words = scale_b + 4 * 4 * kWgScaleBStride;
-    const float2 sa = lds_f32x2(scale_a + 4 * (16 * (row_in_tile >> 4) + 2 * (lane >> 2)));
-    const uint4 wb = lds_u32x4(words), wf = lds_u32x4(words + 16);
-    const bool b_uniform = (wf.x & wf.y & wf.z & wf.w) != 0 && wb.x == wb.y && wb.x == wb.z && wb.x == wb.w;
-    if (b_uniform) {  // one B scale: sa * sb once a row
-      const float sb = __uint_as_float(wb.x), p0 = __fmul_rn(sa.x, sb), p1 = __fmul_rn(sa.y, sb);
-      wgmma_wait_all(part);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        total[4 * j + 0] = __fmaf_rn(p0, part[4 * j + 0], total[4 * j + 0]);
-        total[4 * j + 1] = __fmaf_rn(p0, part[4 * j + 1], total[4 * j + 1]);
-        total[4 * j + 2] = __fmaf_rn(p1, part[4 * j + 2], total[4 * j + 2]);
-        total[4 * j + 3] = __fmaf_rn(p1, part[4 * j + 3], total[4 * j + 3]);
-      }
-    } else {
-      float4 sb[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) sb[q] = lds_f32x4(scale_b + 4 * (kWgScaleBStride * (lane & 3) + 4 * q));
-      wgmma_wait_all(part);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float b0 = j & 1 ? sb[j >> 1].z : sb[j >> 1].x, b1 = j & 1 ? sb[j >> 1].w : sb[j >> 1].y;
-        total[4 * j + 0] = __fmaf_rn(__fmul_rn(sa.x, b0), part[4 * j + 0], total[4 * j + 0]);
-        total[4 * j + 1] = __fmaf_rn(__fmul_rn(sa.x, b1), part[4 * j + 1], total[4 * j + 1]);
-        total[4 * j + 2] = __fmaf_rn(__fmul_rn(sa.y, b0), part[4 * j + 2], total[4 * j + 2]);
-        total[4 * j + 3] = __fmaf_rn(__fmul_rn(sa.y, b1), part[4 * j + 3], total[4 * j + 3]);
-      }
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bars + 8 * (kWgStages + s));  // this warp is done with stage s
-
-    if (cur.kb == per - 1 && !ws && pair_stores && c_pairs && cur.m0 + kWgTile <= M && cur.n0 + kWgTile <= N) {
-      // the item's last k-block, a whole tile stored in pairs: C's 64 values first, all in flight
-      // together (part is free until the next k-block), then the contract's epilogue
-      if (c) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            // (a plain load: C may be D itself, read here by the thread that writes it below)
-            const float2 cv =
-                *reinterpret_cast<const float2*>(c + (cur.m0 + row_in_tile + 8 * h) * N + cur.n0 + 8 * j + col_in_n8);
-            part[4 * j + 2 * h] = cv.x;
-            part[4 * j + 2 * h + 1] = cv.y;
-          }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int64_t idx = (cur.m0 + row_in_tile + 8 * h) * N + cur.n0 + 8 * j + col_in_n8;
-          store_epilogue_pair(cfg, out, idx, total[4 * j + 2 * h], total[4 * j + 2 * h + 1],
-                              c ? part[4 * j + 2 * h] : 0.0f, c ? part[4 * j + 2 * h + 1] : 0.0f);
-        }
-#pragma unroll
-      for (int i = 0; i < 64; ++i) total[i] = 0.0f;
-    } else if (cur.kb == per - 1) {  // the item's last k-block: store, start the next item from +0
-      float* z_ws = ws ? ws + static_cast<int64_t>(cur.kb0 / per) * M * N : nullptr;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t m = cur.m0 + row_in_tile + 8 * h;
-        if (m < M) {
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const int64_t n = cur.n0 + 8 * j + col_in_n8;
-            if (n < N)
-              store_pair(cfg, c, out, z_ws, m * N + n, n + 1 < N, pair_stores, total[4 * j + 2 * h],
-                         total[4 * j + 2 * h + 1]);
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 64; ++i) total[i] = 0.0f;
-    }
-    cur.advance(items);
-  }
+  wg_consume(smem, bars, c, cfg, out, ws, items, G, M, N, pair_stores, mwg, warp, lane);
 #else
   __trap();  // never launched: fp8_gemm_wgmma_supported asks the device which build it runs
 #endif

@@ -512,6 +512,7 @@ void BM_GpuGemmFp8Exact(benchmark::State& state) {
   time_shape(state, s, be.stream(), run);
   gpu::set_fp8_wgmma(was);
 }
+// {shape, path (0 cuBLASLt, 1 tensor cores, 2 model kernel), split}
 BENCHMARK(BM_GpuGemmFp8Exact)
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {1}})
     ->ArgsProduct({{8, 9, 10, 11}, {1}, {2, 4, 8}})
