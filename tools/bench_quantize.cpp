@@ -264,6 +264,7 @@ void BM_GpuQuantizeFp8(benchmark::State& state) {
   gpu::set_fp8_quantize_staged(state.range(1) != 0);
   time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, &b.cv); });
   gpu::set_fp8_quantize_staged(true);
+  state.SetLabel(state.range(1) != 0 ? "staged stores" : "direct stores");
 }
 BENCHMARK(BM_GpuQuantizeFp8)->ArgsProduct({{768, 3072}, {0, 1}})->UseManualTime()->Iterations(5)->Repetitions(3)
     ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
@@ -300,7 +301,8 @@ void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
                     [&]() { be.quantize_activation(src, cfg, &b.rv, &b.cv, backward ? dbias.as<float>() : nullptr); });
   gpu::set_activation_fusion(true);
   gpu::set_fp8_quantize_staged(true);
-  state.SetLabel(std::string(backward ? "gelu backward + dbias" : "gelu forward") + (fused ? " fused" : " op then quantize"));
+  state.SetLabel(std::string(backward ? "gelu backward + dbias" : "gelu forward") +
+                 (fused ? " fused" : " op then quantize") + (state.range(2) != 0 ? ", staged stores" : ", direct stores"));
 }
 BENCHMARK(BM_GpuQuantizeActivationFp8)->Args({0, 1, 0})->Args({0, 1, 1})->Args({0, 0, 1})->Args({1, 1, 0})
     ->Args({1, 1, 1})->Args({1, 0, 1})->UseManualTime()
