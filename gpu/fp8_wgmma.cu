@@ -339,9 +339,9 @@ __device__ __forceinline__ float2 lds_f32x2(uint32_t addr) {
 // nobody reads; that stage is released only after both groups are done); each accumulator's first
 // wgmma does not read it, so between its promotion and its next k-block its registers hold C for
 // the epilogue.
-__device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const float* c, const GemmConfig& cfg,
-                                                      void* out, float* ws, const WgItems& items, int G, int64_t M,
-                                                      int64_t N, bool pair_stores, int mwg, int warp, int lane) {
+__device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const float* c, const GemmConfig& cfg, void* out,
+                                           float* ws, const WgItems& items, int G, int64_t M, int64_t N,
+                                           bool pair_stores, int mwg, int warp, int lane) {
   const int per = items.per_split;
   WgCursor cur;
   cur.start(static_cast<int>(blockIdx.x), items);
@@ -355,6 +355,15 @@ __device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const f
   const int turns = (G + 1) / 2;
   if (mwg == 1) named_bar_arrive(1, 2 * kWgTile);  // warpgroup 1 issues first
 
+  // the k-block in `stage` into acc on the tensor cores (this warpgroup's 64 rows), as one group
+  auto issue = [&](float (&acc)[64], uint32_t stage) {
+    wgmma_m64n128k32_e4m3_first(acc, sw128_desc(stage + mwg * 64 * kWgTile), sw128_desc(stage + kWgOperandBytes));
+#pragma unroll
+    for (int k = 1; k < kWgTile / 32; ++k)
+      wgmma_m64n128k32_e4m3(acc, sw128_desc(stage + mwg * 64 * kWgTile + 32 * k),
+                            sw128_desc(stage + kWgOperandBytes + 32 * k));
+    wgmma_commit();
+  };
   // total += (s_a * s_b) * acc for the k-block in `stage` (acc done: the caller waited for it)
   auto promote = [&](float (&acc)[64], uint32_t stage) {
     const uint32_t scale_a = stage + 2 * kWgOperandBytes, scale_b = scale_a + 4 * kWgTile;
@@ -445,14 +454,6 @@ __device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const f
     if (second) mbar_wait(bars + 8 * s1, (g1 / kWgStages) & 1);
     named_bar_sync(my_turn, 2 * kWgTile);
     wgmma_fence();
-    auto issue = [&](float (&acc)[64], uint32_t stage) {
-      wgmma_m64n128k32_e4m3_first(acc, sw128_desc(stage + mwg * 64 * kWgTile), sw128_desc(stage + kWgOperandBytes));
-#pragma unroll
-      for (int k = 1; k < kWgTile / 32; ++k)
-        wgmma_m64n128k32_e4m3(acc, sw128_desc(stage + mwg * 64 * kWgTile + 32 * k),
-                              sw128_desc(stage + kWgOperandBytes + 32 * k));
-      wgmma_commit();
-    };
     issue(acc0, stage0);
     issue(acc1, stage1);
     if (mwg == 0 || turn + 1 < turns) named_bar_arrive(their_turn, 2 * kWgTile);
