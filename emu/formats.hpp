@@ -145,6 +145,30 @@ FP4SIM_HD uint32_t e2m1_rn_magic(float y, float* mag) {
   return e2m1_magic_code(c, mb, steps);
 }
 
+// The quantizer's RN formulation for packing many codes (gpu/quantize.cu): the magic number also
+// carries the region's first code. M' = M plus 0, 2 or 4 of its ULPs (an even count: the sum's
+// parity, which ties to even, is the step count's), so the sum's low three bits are the magnitude
+// code itself and bits 3..22 are zero: e2m1_rn_satfinite(y) & 7 == bits(|y|' + M') & 7, with |y|'
+// = fminf(|y|, 6) (a NaN -> 6). bits(M') = max(e + (e >> 22) + K, bits(2^22)) from |y|''s exponent
+// bits e = E << 23 (e >> 22 = 2E): E = 128 gives (150 << 23) + 2, E = 129 (151 << 23) + 4, E = 127
+// exactly 2^22's bits. The sign is left to the caller (the device packs eight at a time).
+// tests/emu/test_formats_exhaustive.cpp holds it equal to e2m1_rn_satfinite over all 2^32 inputs.
+constexpr uint32_t kE2M1OffsetMagicK = (22u << 23) - 2u * 127u;
+FP4SIM_HD uint32_t e2m1_rn_offset_magic_sum(float y) {
+#if defined(__CUDA_ARCH__)
+  const float c = fminf(fabsf(y), kE2M1Max);  // FMNMX with an |.| operand; a NaN -> 6
+  const uint32_t e = f32_bits(c) & 0x7F800000u;
+  const uint32_t mb = __viaddmax_u32(e + (e >> 22), kE2M1OffsetMagicK, 0x4A800000u);
+#else
+  const float c = fmin_nan_ignored(f32_abs(y), kE2M1Max);
+  const uint32_t e = f32_bits(c) & 0x7F800000u;
+  const uint32_t m = e + (e >> 22) + kE2M1OffsetMagicK;
+  const uint32_t mb = m > 0x4A800000u ? m : 0x4A800000u;
+#endif
+  return f32_bits(fadd_rn(c, f32_from_bits(mb)));
+}
+
+
 // E2M1 stochastic rounding of y with random byte r; *mag as e2m1_rn_magic.
 FP4SIM_HD uint32_t e2m1_rs_magic(float y, uint32_t r, float* mag) {
   const float c = e2m1_clamp(y);
@@ -183,6 +207,40 @@ FP4SIM_HD uint8_t e2m1_rn_satfinite(float x) {
 FP4SIM_HD float e2m1_to_f32(uint8_t code) {
   const float m = decode_magnitude<E2M1>(code & 0x7u);
   return (code & 0x8u) ? -m : m;
+}
+
+// Eight elements' E2M1 RN codes in one word, element 0 in the low nibble: e2m1_rn_satfinite(
+// fmul_rn(v[i], enc)) each. The device packs the offset-magic sums by shift-adds (the code is a
+// sum's only bits below bit 23: a pair's byte, then a quad's two bytes, are clean) and the eight
+// signs from the products' sign bytes by byte permutes (PRMT's sign-replicate mode: 0xFF for a
+// negative product). A NaN product is the GPU's positive canonical NaN (0x7FFFFFFF), so a NaN
+// input ends as +6, 0x7, as the contract says; tests/gpu/test_formats_gpu.cu checks negative NaNs.
+FP4SIM_HD uint32_t e2m1x8_rn_scaled(const float* v, float enc) {
+#if defined(__CUDA_ARCH__)
+  float y[8];
+  uint32_t s[8];
+  FP4SIM_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    y[i] = __fmul_rn(v[i], enc);
+    s[i] = e2m1_rn_offset_magic_sum(y[i]);
+  }
+  const uint32_t q0 = (s[3] * 16u + s[2]) * 256u + (s[1] * 16u + s[0]);
+  const uint32_t q1 = (s[7] * 16u + s[6]) * 256u + (s[5] * 16u + s[4]);
+  const uint32_t codes = __byte_perm(q0, q1, 0x5410);
+  // xa = [S0, S2, S0, S2], xb = [S4, S6, S4, S6] (S = a product's sign byte); likewise odd ones
+  uint32_t xa, xb, ya, yb;
+  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(xa) : "r"(f32_bits(y[0])), "r"(f32_bits(y[2])));
+  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(xb) : "r"(f32_bits(y[4])), "r"(f32_bits(y[6])));
+  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(ya) : "r"(f32_bits(y[1])), "r"(f32_bits(y[3])));
+  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(yb) : "r"(f32_bits(y[5])), "r"(f32_bits(y[7])));
+  const uint32_t even = (xa & 0x0000FFFFu) | (xb & 0xFFFF0000u);  // byte j: element 2j's sign
+  const uint32_t odd = (ya & 0x0000FFFFu) | (yb & 0xFFFF0000u);   // byte j: element 2j + 1's
+  return codes | (((even & 0x0F0F0F0Fu) | (odd & 0xF0F0F0F0u)) & 0x88888888u);
+#else
+  uint32_t w = 0;
+  for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(e2m1_rn_satfinite(fmul_rn(v[i], enc))) << (4 * i);
+  return w;
+#endif
 }
 
 // Stochastic rounding to E2M1 (DESIGN.md §4), rs.satfinite. `r` is the element's random byte.

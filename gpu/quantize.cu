@@ -346,14 +346,16 @@ __device__ __forceinline__ void store_nvfp4_block(const CopyArgs& c, int64_t e, 
 // the 8 code bytes and the scale (writing only the decoded values); nvfp4_block_1x16_store stores
 // them too.
 template <bool kSr, bool kDec>
-__device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, const Nvfp4Global& g, const SrBits& sr,
-                                                         const CopyArgs& c, int64_t e, uint8_t& scale) {
-  float amax_b = 0.0f;
-  FP4SIM_UNROLL
-  for (int i = 0; i < kNvfp4Block; ++i) amax_b = fmaxf(amax_b, fabsf(v[i]));  // NaN ignored: amax_strided
+__device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, float amax_b, const Nvfp4Global& g,
+                                                         const SrBits& sr, const CopyArgs& c, int64_t e,
+                                                         uint8_t& scale) {
   const uint8_t s = nvfp4_block_scale(amax_b, g.s_enc);
   const float sv = e4m3_to_f32_nonneg(s);  // (the scale's value once: the decode needs it too)
   const float enc = nvfp4_encode_from_scale_value(sv, g.s_dec);  // = nvfp4_block_encode_scale(s, g.s_dec)
+  if constexpr (!kSr && !kDec) {  // the common case: eight codes a word, packed together
+    scale = s;
+    return make_uint2(e2m1x8_rn_scaled(v, enc), e2m1x8_rn_scaled(v + 8, enc));
+  }
   uint32_t w[2] = {0u, 0u}, sgn[2] = {0u, 0u}, d[8];
   FP4SIM_UNROLL
   for (int i = 0; i < kNvfp4Block; ++i) {
@@ -380,20 +382,67 @@ __device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, const N
   scale = s;
   return make_uint2((w[0] - kBase) | sgn[0], (w[1] - kBase) | sgn[1]);
 }
+// (amax_b: the block's NaN-ignoring max |v|, amax_strided's value, which BF16 callers take from
+// bf16x16_unpack)
+__device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, float amax_b, const Nvfp4Global& g,
+                                                         const SrBits& sr, const CopyArgs& c, int64_t e,
+                                                         uint8_t& scale) {
+  if (sr.enabled) {
+    return c.decoded ? nvfp4_block_1x16_encode<true, true>(v, amax_b, g, sr, c, e, scale)
+                     : nvfp4_block_1x16_encode<true, false>(v, amax_b, g, sr, c, e, scale);
+  }
+  return c.decoded ? nvfp4_block_1x16_encode<false, true>(v, amax_b, g, sr, c, e, scale)
+                   : nvfp4_block_1x16_encode<false, false>(v, amax_b, g, sr, c, e, scale);
+}
+// amax_strided's value as a tree (depth 4, not a chain of 16: the column walks wait on it): a
+// NaN-ignoring max is associative, an all-NaN block's NaN ends as 0 in the last max.
+__device__ __forceinline__ float amax16(const float* v) {
+  float m[kNvfp4Block / 2];
+  FP4SIM_UNROLL
+  for (int i = 0; i < kNvfp4Block / 2; ++i) m[i] = fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1]));
+  FP4SIM_UNROLL
+  for (int w = kNvfp4Block / 4; w >= 1; w /= 2) {
+    FP4SIM_UNROLL
+    for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
+  }
+  return fmaxf(0.0f, m[0]);
+}
 __device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, const Nvfp4Global& g, const SrBits& sr,
                                                          const CopyArgs& c, int64_t e, uint8_t& scale) {
-  if (sr.enabled) {
-    return c.decoded ? nvfp4_block_1x16_encode<true, true>(v, g, sr, c, e, scale)
-                     : nvfp4_block_1x16_encode<true, false>(v, g, sr, c, e, scale);
-  }
-  return c.decoded ? nvfp4_block_1x16_encode<false, true>(v, g, sr, c, e, scale)
-                   : nvfp4_block_1x16_encode<false, false>(v, g, sr, c, e, scale);
+  return nvfp4_block_1x16_encode(v, amax16(v), g, sr, c, e, scale);
+}
+__device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, float amax_b, const Nvfp4Global& g,
+                                                       const SrBits& sr, const CopyArgs& c, int64_t e,
+                                                       int64_t scale_index) {
+  uint8_t s;
+  *reinterpret_cast<uint2*>(c.codes + static_cast<uint64_t>(e) / 2) = nvfp4_block_1x16_encode(v, amax_b, g, sr, c, e, s);
+  c.scales[scale_index] = s;
 }
 __device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, const Nvfp4Global& g, const SrBits& sr,
                                                        const CopyArgs& c, int64_t e, int64_t scale_index) {
-  uint8_t s;
-  *reinterpret_cast<uint2*>(c.codes + e / 2) = nvfp4_block_1x16_encode(v, g, sr, c, e, s);
-  c.scales[scale_index] = s;
+  nvfp4_block_1x16_store(v, amax16(v), g, sr, c, e, scale_index);
+}
+
+// 16 BF16 values held as eight words (element 2q in word q's low half): their FP32 values (a shift
+// or a mask each) and their NaN-ignoring amax, from a tree of max.xorsign.abs.bf16x2 (per half:
+// max(|a|, |b|), a NaN operand ignored; the sign bits it leaves are dropped at the end, and an
+// all-NaN block, whose max is a NaN, gives 0 as amax_strided does). BF16 max is exact, so the
+// amax is the FP32 one's value.
+__device__ __forceinline__ uint32_t bf16x2_max_abs(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ float bf16x16_unpack(const uint32_t* w, float* v) {
+  FP4SIM_UNROLL
+  for (int q = 0; q < kNvfp4Block / 2; ++q) {
+    v[2 * q] = f32_from_bits(w[q] << 16);
+    v[2 * q + 1] = f32_from_bits(w[q] & 0xFFFF0000u);
+  }
+  const uint32_t m = bf16x2_max_abs(bf16x2_max_abs(bf16x2_max_abs(w[0], w[1]), bf16x2_max_abs(w[2], w[3])),
+                                    bf16x2_max_abs(bf16x2_max_abs(w[4], w[5]), bf16x2_max_abs(w[6], w[7])));
+  const uint32_t hi = bf16x2_max_abs(m, m << 16);  // high half: the max of both halves
+  return fmaxf(0.0f, fabsf(f32_from_bits(hi & 0xFFFF0000u)));
 }
 
 template <class T, bool kMx>
@@ -624,47 +673,29 @@ struct FastTile {
 int g_fast_cols_per_thread = 1;
 bool g_col_staged = true;  // variant 1 stages whole tiles' column-wise codes (3: it does not)
 
+// One tile's quantization from the tile in shared memory (rows r0.., columns c0..): the row-wise
+// copy's blocks, then the column-wise copy's (nvfp4_1x16_kernel, after its loads).
+// (globals: the row-wise and column-wise copies' nvfp4_global, which one thread computed for the CTA)
 template <class T, bool kColRht, int kPer>
-__global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
-    nvfp4_1x16_kernel(const T* x, QuantArgs a) {
+__device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64_t c0, const QuantArgs& a,
+                                                const Nvfp4Global* globals) {
   using Tile = FastTile<T, kPer>;
   constexpr int kCols = Tile::kCols;
   constexpr int kBlocksPerTileRow = kCols / kNvfp4Block;
   constexpr int kVec = 16 / sizeof(T);
-  __shared__ __align__(16) T tile[kTileRows * kCols];
-  // Tiles in the reverse of the amax pass's order: the last ones it read are still in L2.
-  const int64_t r0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * kTileRows;
-  const int64_t c0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kCols;
   const int t = threadIdx.x;
   const int64_t R = a.rows, C = a.cols;
 
-  // ---- load the tile: every 16-byte load issued before any is used (small, unrolled code) ----
-  FP4SIM_UNROLL
-  for (int k = 0; k < Tile::kRowUnits; ++k) {
-    const int u = t + k * kThreads;
-    const int tr = u / kBlocksPerTileRow, tb = u % kBlocksPerTileRow;
-    const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
-    const int64_t valid = (r < R) ? (C - c) : 0;
-    T* dst = tile + tr * kCols + tb * kNvfp4Block;
-    const T* src = x + r * a.stride + c;
-    if (a.vector_ok && valid >= kNvfp4Block) {
-      FP4SIM_UNROLL
-      for (int q = 0; q < kNvfp4Block / kVec; ++q)
-        reinterpret_cast<uint4*>(dst)[q] = __ldg(reinterpret_cast<const uint4*>(src) + q);
-    } else {
-      for (int i = 0; i < kNvfp4Block; ++i) dst[i] = i < valid ? src[i] : T(0);
-    }
-  }
-  __syncthreads();
-
   // ---- row-wise copy: one 1x16 block per iteration (loops kept rolled: I-cache) ----
   if (a.row.enabled) {
-    const Nvfp4Global g = nvfp4_global(*a.row.amax, false);
+    const Nvfp4Global g = globals[0];
     const int64_t chunks_per_row = C / kSrChunk;
+    // thread t's blocks: column block t % 8 (BF16; 16 for the 64x256 tile) of rows t / 8 + 16 k
+    const int tr0 = static_cast<int>(static_cast<unsigned>(t) / kBlocksPerTileRow);
+    const int tb = static_cast<int>(static_cast<unsigned>(t) % kBlocksPerTileRow);
 #pragma unroll 1
     for (int k = 0; k < Tile::kRowUnits; ++k) {
-      const int u = t + k * kThreads;
-      const int tr = u / kBlocksPerTileRow, tb = u % kBlocksPerTileRow;
+      const int tr = tr0 + k * (kThreads / kBlocksPerTileRow);
       const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
       if (r >= R || c >= C) continue;
       alignas(16) T raw[kNvfp4Block];
@@ -672,18 +703,23 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
       FP4SIM_UNROLL
       for (int q = 0; q < kNvfp4Block / kVec; ++q)
         reinterpret_cast<uint4*>(raw)[q] = reinterpret_cast<const uint4*>(src)[q];
-      float v[kNvfp4Block];
-      FP4SIM_UNROLL
-      for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(raw[i]);
+      float v[kNvfp4Block], amax_b;
+      if constexpr (sizeof(T) == 2) {
+        amax_b = bf16x16_unpack(reinterpret_cast<const uint32_t*>(raw), v);
+      } else {
+        FP4SIM_UNROLL
+        for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(raw[i]);
+        amax_b = amax16(v);
+      }
       const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
                                             static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));
-      nvfp4_block_1x16_store(v, g, bits, a.row, r * C + c, r * (C / kNvfp4Block) + c / kNvfp4Block);
+      nvfp4_block_1x16_store(v, amax_b, g, bits, a.row, r * C + c, r * (C / kNvfp4Block) + c / kNvfp4Block);
     }
   }
   if (!a.col.enabled) return;
 
   // ---- column-wise copy: column c of the input is row c of the written (C x R) tensor ----
-  const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
+  const Nvfp4Global g = globals[1];
   const int64_t chunks_per_row = R / kSrChunk;
   // v = the 16 values of tile column tcol's k-th block (rows 16 k ..), RHT-transformed where asked
   auto column_block = [&](int tcol, int k, float* v) {
@@ -750,6 +786,65 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   }
 }
 
+
+template <class T, bool kColRht, int kPer>
+__global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
+    nvfp4_1x16_kernel(const T* x, QuantArgs a) {
+  using Tile = FastTile<T, kPer>;
+  constexpr int kCols = Tile::kCols;
+  constexpr int kBlocksPerTileRow = kCols / kNvfp4Block;
+  constexpr int kVec = 16 / sizeof(T);
+  __shared__ __align__(16) T tile[kTileRows * kCols];
+  // Tiles in the reverse of the amax pass's order: the last ones it read are still in L2.
+  const int64_t r0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * kTileRows;
+  const int64_t c0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kCols;
+  const int t = threadIdx.x;
+  const int64_t R = a.rows, C = a.cols;
+
+  // ---- load the tile: every 16-byte load issued before any is used (small, unrolled code); a
+  // thread loads whole 1x16 blocks (a load a warp spanning 512-byte pieces of 1 KB of rows: this
+  // measured faster than a warp loading 512 contiguous bytes a load, 143 against 156 us for row +
+  // column RN at 8192^2 BF16, H200) ----
+  const int tr0 = static_cast<int>(static_cast<unsigned>(t) / kBlocksPerTileRow);  // rows tr0 + 16 k
+  const int tb = static_cast<int>(static_cast<unsigned>(t) % kBlocksPerTileRow);   // column block tb
+  constexpr int kRowStep = kThreads / kBlocksPerTileRow;
+  if (a.vector_ok && r0 + kTileRows <= R && c0 + kCols <= C) {  // a whole tile (CTA-uniform)
+    const T* src = x + (r0 + tr0) * a.stride + c0 + tb * kNvfp4Block;
+    T* dst = tile + tr0 * kCols + tb * kNvfp4Block;
+    FP4SIM_UNROLL
+    for (int k = 0; k < Tile::kRowUnits; ++k) {
+      FP4SIM_UNROLL
+      for (int q = 0; q < kNvfp4Block / kVec; ++q)
+        reinterpret_cast<uint4*>(dst + k * kRowStep * kCols)[q] =
+            __ldg(reinterpret_cast<const uint4*>(src + k * kRowStep * a.stride) + q);
+    }
+  } else {
+    FP4SIM_UNROLL
+    for (int k = 0; k < Tile::kRowUnits; ++k) {
+      const int tr = tr0 + k * kRowStep;
+      const int64_t r = r0 + tr, c = c0 + tb * kNvfp4Block;
+      const int64_t valid = (r < R) ? (C - c) : 0;
+      T* dst = tile + tr * kCols + tb * kNvfp4Block;
+      const T* src = x + r * a.stride + c;
+      if (a.vector_ok && valid >= kNvfp4Block) {
+        FP4SIM_UNROLL
+        for (int q = 0; q < kNvfp4Block / kVec; ++q)
+          reinterpret_cast<uint4*>(dst)[q] = __ldg(reinterpret_cast<const uint4*>(src) + q);
+      } else {
+        for (int i = 0; i < kNvfp4Block; ++i) dst[i] = i < valid ? src[i] : T(0);
+      }
+    }
+  }
+  // The copies' global scales: one thread's divisions for the CTA, while the loads are in flight.
+  __shared__ __align__(16) Nvfp4Global globals[2];
+  if (t == 0) {
+    if (a.row.enabled) globals[0] = nvfp4_global(*a.row.amax, false);
+    if (a.col.enabled) globals[1] = nvfp4_global(*a.col.amax, false);
+  }
+  __syncthreads();
+  nvfp4_1x16_tile<T, kColRht, kPer>(tile, r0, c0, a, globals);
+}
+
 // ---- The recipe's RHT copies: the amax pass kept rht(x) (BF16, transposed: C x R), so neither copy
 // needs a shared-memory tile. One streaming launch, one 1x16 block per thread, no barrier: a thread's loads
 // are all issued before its arithmetic, and the many resident warps (about 45 registers each
@@ -790,12 +885,17 @@ __device__ __forceinline__ void nvfp4_rows(const T* x, const QuantArgs& a, uint3
       FP4SIM_UNROLL
       for (int q = 0; q < kNvfp4Block; ++q) raw[q] = src[q];
     }
-    float v[kNvfp4Block];
-    FP4SIM_UNROLL
-    for (int q = 0; q < kNvfp4Block; ++q) v[q] = Elem<T>::to_f32(raw[q]);
+    float v[kNvfp4Block], amax_b;
+    if constexpr (sizeof(T) == 2) {
+      amax_b = bf16x16_unpack(reinterpret_cast<const uint32_t*>(raw), v);
+    } else {
+      FP4SIM_UNROLL
+      for (int q = 0; q < kNvfp4Block; ++q) v[q] = Elem<T>::to_f32(raw[q]);
+      amax_b = amax16(v);
+    }
     const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
                                           static_cast<uint64_t>(r * (a.cols / kSrChunk) + c / kSrChunk));
-    nvfp4_block_1x16_store(v, g, bits, a.row, r * a.cols + c, static_cast<int64_t>(i));
+    nvfp4_block_1x16_store(v, amax_b, g, bits, a.row, r * a.cols + c, static_cast<int64_t>(i));
   });
 }
 
@@ -813,14 +913,10 @@ __device__ __forceinline__ void nvfp4_cols_rht(const uint16_t* rht_t, const Quan
     const uint4 lo = __ldg(src), hi = __ldg(src + 1);
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     float v[kNvfp4Block];
-    FP4SIM_UNROLL
-    for (int q = 0; q < kNvfp4Block / 2; ++q) {
-      v[2 * q] = bf16_to_f32(static_cast<uint16_t>(w[q] & 0xFFFFu));
-      v[2 * q + 1] = bf16_to_f32(static_cast<uint16_t>(w[q] >> 16));
-    }
+    const float amax_b = bf16x16_unpack(w, v);
     const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
                                           static_cast<uint64_t>(c * (R / kSrChunk) + r / kSrChunk));
-    nvfp4_block_1x16_store(v, g, bits, a.col, c * R + r, static_cast<int64_t>(i));
+    nvfp4_block_1x16_store(v, amax_b, g, bits, a.col, c * R + r, static_cast<int64_t>(i));
   });
 }
 

@@ -73,7 +73,7 @@ TEST(FormatsExhaustive, AllFp32BitPatternsMatchCudaHeaders) {
 // random byte for every 4099th input (so each input region meets all 256 bytes); the magnitude both
 // return must be the code's value.
 TEST(FormatsExhaustive, E2m1MagicFormulationsEqualBitPattern) {
-  Mismatch rn, rs, mag;
+  Mismatch rn, rs, mag, offset;
   auto check_rs = [&](uint32_t u, float x, uint8_t r) {
     float m = -1.0f;
     const uint32_t code = e2m1_rs_magic(x, r, &m);
@@ -84,13 +84,16 @@ TEST(FormatsExhaustive, E2m1MagicFormulationsEqualBitPattern) {
     float m = -1.0f;
     const uint32_t code = e2m1_rn_magic(x, &m);
     if (code != e2m1_rn_satfinite(x)) rn.add(u);
+    // the packing formulation: the magnitude code in the sum's low bits, bits 3..22 clear
+    const uint32_t sum = e2m1_rn_offset_magic_sum(x);
+    if ((sum & 0x7FFFFFu) != (e2m1_rn_satfinite(x) & 0x7u)) offset.add(u);
     if (f32_bits(m) != f32_bits(e2m1_to_f32(static_cast<uint8_t>(code & 0x7u)))) mag.add(u);
     check_rs(u, x, static_cast<uint8_t>((u * 0x9E3779B1u) >> 24));
     if (u % 4099u == 0)
       for (int rr = 0; rr < 256; ++rr) check_rs(u, x, static_cast<uint8_t>(rr));
   });
   for (const auto& [name, m] : {std::pair<const char*, Mismatch*>{"e2m1.rn magic", &rn}, {"e2m1.rs magic", &rs},
-                                {"e2m1 magic magnitude", &mag}}) {
+                                {"e2m1 magic magnitude", &mag}, {"e2m1.rn offset magic", &offset}}) {
     std::printf("%s vs bit pattern mismatches: %llu\n", name, static_cast<unsigned long long>(m->count.load()));
     EXPECT_EQ(m->count.load(), 0u) << name << ": first mismatch at 0x" << std::hex << m->first.load();
   }

@@ -14,12 +14,12 @@
 namespace fp4sim {
 namespace {
 
-constexpr int kFormats = 11;
+constexpr int kFormats = 12;
 constexpr int kSliceBits = 22;  // 1024 slices of 4M inputs
 constexpr uint64_t kSlices = 1ull << (32 - kSliceBits);
 
 // One conversion result per format for input bits u (SR takes a byte derived from u).
-FP4SIM_HD void convert_all(uint32_t u, uint32_t* out) {
+FP4SIM_HD void convert_all(uint32_t u, float one, uint32_t* out) {
   const float x = f32_from_bits(u);
   out[0] = e2m1_rn_satfinite(x);
   out[1] = e2m1_rs_satfinite(x, static_cast<uint8_t>((u * 0x9E3779B1u) >> 24));
@@ -39,6 +39,13 @@ FP4SIM_HD void convert_all(uint32_t u, uint32_t* out) {
   const float ax = f32_from_bits(u & 0x7FFFFFFFu);
   out[9] = f32_isnan(ax) ? 0u : e4m3_rn_satfinite_nonneg(ax);
   out[10] = f32_bits(e4m3_to_f32_nonneg(static_cast<uint8_t>(u % 0x7Fu)));
+  // the quantizer's eight-code word, times `one` (a kernel argument, so the product is computed:
+  // the device's sign bytes rely on a NaN product being positive): x first, then seven more
+  // bijections of u (a sign flip of x among them)
+  const float v8[8] = {x, f32_from_bits(u * 0x2545F491u), f32_from_bits(u ^ 0x80000000u), f32_from_bits(u * 0x9E3779B1u),
+                       f32_from_bits(~u), f32_from_bits(u * 0x85EBCA6Bu), f32_from_bits(u * 0xC2B2AE35u),
+                       f32_from_bits(u * 0x27D4EB2Fu)};
+  out[11] = e2m1x8_rn_scaled(v8, one);
 }
 
 FP4SIM_HD uint64_t mix(uint64_t h, uint64_t v) {
@@ -47,13 +54,13 @@ FP4SIM_HD uint64_t mix(uint64_t h, uint64_t v) {
 }
 
 // Order-independent slice hash: sum over inputs of mix(u, result) (wrapping).
-__global__ void hash_kernel(uint64_t* hashes) {
+__global__ void hash_kernel(uint64_t* hashes, float one) {
   const uint64_t slice = blockIdx.x;
   uint64_t local[kFormats] = {};
   for (uint32_t i = threadIdx.x; i < (1u << kSliceBits); i += blockDim.x) {
     const uint32_t u = static_cast<uint32_t>((slice << kSliceBits) | i);
     uint32_t r[kFormats];
-    convert_all(u, r);
+    convert_all(u, one, r);
     for (int f = 0; f < kFormats; ++f) local[f] += mix(u, r[f]);
   }
   for (int f = 0; f < kFormats; ++f)
@@ -66,7 +73,7 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
   uint64_t* d = nullptr;
   FP4SIM_CUDA_CHECK(cudaMalloc(&d, kSlices * kFormats * sizeof(uint64_t)));
   FP4SIM_CUDA_CHECK(cudaMemset(d, 0, kSlices * kFormats * sizeof(uint64_t)));
-  hash_kernel<<<kSlices, 256>>>(d);
+  hash_kernel<<<kSlices, 256>>>(d, 1.0f);
   FP4SIM_CUDA_CHECK_LAUNCH();
   std::vector<uint64_t> gpu(kSlices * kFormats);
   FP4SIM_CUDA_CHECK(cudaMemcpy(gpu.data(), d, gpu.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
@@ -78,12 +85,12 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
     for (uint32_t i = 0; i < (1u << kSliceBits); ++i) {
       const uint32_t u = static_cast<uint32_t>((static_cast<uint64_t>(s) << kSliceBits) | i);
       uint32_t r[kFormats];
-      convert_all(u, r);
+      convert_all(u, 1.0f, r);
       for (int f = 0; f < kFormats; ++f) local[f] += mix(u, r[f]);
     }
     for (int f = 0; f < kFormats; ++f) host[s * kFormats + f] = local[f];
   }
-  const char* names[kFormats] = {"e2m1.rn", "e2m1.rs", "e4m3", "e5m2", "bf16", "ue8m0.rz", "ue8m0.rp", "e4m3x2", "e4m3x4", "e4m3.nonneg", "e4m3->f32.nonneg"};
+  const char* names[kFormats] = {"e2m1.rn", "e2m1.rs", "e4m3", "e5m2", "bf16", "ue8m0.rz", "ue8m0.rp", "e4m3x2", "e4m3x4", "e4m3.nonneg", "e4m3->f32.nonneg", "e2m1x8.rn"};
   for (int f = 0; f < kFormats; ++f) {
     int bad = 0;
     for (uint64_t s = 0; s < kSlices; ++s) bad += host[s * kFormats + f] != gpu[s * kFormats + f];
