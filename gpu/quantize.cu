@@ -663,9 +663,12 @@ struct FastTile {
   static constexpr int kColsPerThread = kPer;
   static constexpr int kCols = kThreads * kColsPerThread;
   static constexpr int kRowUnits = kTileRows * (kCols / kNvfp4Block) / kThreads;  // per thread
-  // (6 CTAs an SM for the register budget: 78 registers. 10 (48 registers) measured slower for row +
-  // column RN, 213 against 204 us at 8192^2 BF16, H200, bench_quantize medians of 3)
-  static constexpr int kMinBlocks = kPer == 1 ? 6 : 4;
+  // (8 CTAs an SM for the 64x128 tile: 64 registers. 8192^2 BF16 row + column RN, H200,
+  // bench_quantize medians of 3, after the packed E2M1 encode: 134 / 131 / 128 / 128 / 132 us at
+  // 6 / 7 / 8 / 10 / 12 CTAs an SM, row RN alone 89.3 / 87.0 / 85.5 / 88.1 / 91.8 us. Before that
+  // encode, 10 had measured slower than 6: 213 against 204 us.)
+  // (FP32 tiles, 32 KiB: shared memory holds 6 CTAs an SM, so they keep 6 and 80 registers.)
+  static constexpr int kMinBlocks = kPer == 2 ? 4 : sizeof(T) == 2 ? 8 : 6;
 };
 
 // Which tile shape the common-case kernel uses: 1 = 64x128 (one column per thread), 2 = 64x256
