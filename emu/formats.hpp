@@ -169,6 +169,26 @@ FP4SIM_HD uint32_t e2m1_rn_offset_magic_sum(float y) {
 }
 
 
+// The same for stochastic rounding: F' = M / 256 plus the region's first code in 256-ULP steps (F's
+// ULP is the grid step / 256), so bits(|y|' + F' rounded toward zero) = bits(F) + (first code) *
+// 256 + floor(|y|' * 256 / step), and adding the random byte r carries into the step count exactly
+// when e2m1_rs_satfinite rounds up: the result's low three bits are the magnitude code and bits
+// 3..14 are zero. bits(F') = max(e + (e >> 14) + Ksr, bits(2^14)) (e >> 14 = 512 E = 256 * 2E).
+constexpr uint32_t kE2M1OffsetMagicKsr = (14u << 23) - 127u * 512u;
+FP4SIM_HD uint32_t e2m1_rs_offset_magic_code(float y, uint32_t r) {
+#if defined(__CUDA_ARCH__)
+  const float c = fminf(fabsf(y), kE2M1Max);
+  const uint32_t e = f32_bits(c) & 0x7F800000u;
+  const uint32_t fb = __viaddmax_u32(e + (e >> 14), kE2M1OffsetMagicKsr, 0x46800000u);
+#else
+  const float c = fmin_nan_ignored(f32_abs(y), kE2M1Max);
+  const uint32_t e = f32_bits(c) & 0x7F800000u;
+  const uint32_t m = e + (e >> 14) + kE2M1OffsetMagicKsr;
+  const uint32_t fb = m > 0x46800000u ? m : 0x46800000u;
+#endif
+  return (f32_bits(fadd_rz_pow2(c, f32_from_bits(fb))) + r) >> 8;
+}
+
 // E2M1 stochastic rounding of y with random byte r; *mag as e2m1_rn_magic.
 FP4SIM_HD uint32_t e2m1_rs_magic(float y, uint32_t r, float* mag) {
   const float c = e2m1_clamp(y);
@@ -209,6 +229,21 @@ FP4SIM_HD float e2m1_to_f32(uint8_t code) {
   return (code & 0x8u) ? -m : m;
 }
 
+// The sign bits of eight products (the device's half of e2m1x8_rn_scaled and e2m1x8_rs_scaled):
+// bit 4 i + 3 set where y[i] is negative (a NaN product is the GPU's positive canonical NaN).
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ uint32_t e2m1x8_sign_bits(const float* y) {
+  uint32_t xa, xb, ya, yb;  // xa = [S0, S2, S0, S2], xb = [S4, S6, S4, S6]; likewise the odd ones
+  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(xa) : "r"(f32_bits(y[0])), "r"(f32_bits(y[2])));
+  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(xb) : "r"(f32_bits(y[4])), "r"(f32_bits(y[6])));
+  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(ya) : "r"(f32_bits(y[1])), "r"(f32_bits(y[3])));
+  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(yb) : "r"(f32_bits(y[5])), "r"(f32_bits(y[7])));
+  const uint32_t even = (xa & 0x0000FFFFu) | (xb & 0xFFFF0000u);  // byte j: element 2j's sign
+  const uint32_t odd = (ya & 0x0000FFFFu) | (yb & 0xFFFF0000u);   // byte j: element 2j + 1's
+  return ((even & 0x0F0F0F0Fu) | (odd & 0xF0F0F0F0u)) & 0x88888888u;
+}
+#endif
+
 // Eight elements' E2M1 RN codes in one word, element 0 in the low nibble: e2m1_rn_satfinite(
 // fmul_rn(v[i], enc)) each. The device packs the offset-magic sums by shift-adds (the code is a
 // sum's only bits below bit 23: a pair's byte, then a quad's two bytes, are clean) and the eight
@@ -226,22 +261,14 @@ FP4SIM_HD uint32_t e2m1x8_rn_scaled(const float* v, float enc) {
   }
   const uint32_t q0 = (s[3] * 16u + s[2]) * 256u + (s[1] * 16u + s[0]);
   const uint32_t q1 = (s[7] * 16u + s[6]) * 256u + (s[5] * 16u + s[4]);
-  const uint32_t codes = __byte_perm(q0, q1, 0x5410);
-  // xa = [S0, S2, S0, S2], xb = [S4, S6, S4, S6] (S = a product's sign byte); likewise odd ones
-  uint32_t xa, xb, ya, yb;
-  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(xa) : "r"(f32_bits(y[0])), "r"(f32_bits(y[2])));
-  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(xb) : "r"(f32_bits(y[4])), "r"(f32_bits(y[6])));
-  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(ya) : "r"(f32_bits(y[1])), "r"(f32_bits(y[3])));
-  asm("prmt.b32 %0, %1, %2, 0xFBFB;" : "=r"(yb) : "r"(f32_bits(y[5])), "r"(f32_bits(y[7])));
-  const uint32_t even = (xa & 0x0000FFFFu) | (xb & 0xFFFF0000u);  // byte j: element 2j's sign
-  const uint32_t odd = (ya & 0x0000FFFFu) | (yb & 0xFFFF0000u);   // byte j: element 2j + 1's
-  return codes | (((even & 0x0F0F0F0Fu) | (odd & 0xF0F0F0F0u)) & 0x88888888u);
+  return __byte_perm(q0, q1, 0x5410) | e2m1x8_sign_bits(y);
 #else
   uint32_t w = 0;
   for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(e2m1_rn_satfinite(fmul_rn(v[i], enc))) << (4 * i);
   return w;
 #endif
 }
+
 
 // Stochastic rounding to E2M1 (DESIGN.md §4), rs.satfinite. `r` is the element's random byte.
 // Round away from zero iff floor(frac*256) + r >= 256, frac = (a - lo)/step: the carry out of adding
@@ -274,6 +301,32 @@ FP4SIM_HD uint8_t e2m1_rs_satfinite(float y, uint8_t r) {
     top8 = f512 & 0xFFu;
   }
   return static_cast<uint8_t>(sign | (lo_code + ((top8 + r) >> 8)));
+}
+
+// Eight elements' E2M1 stochastic-rounding codes in one word: e2m1_rs_satfinite(fmul_rn(v[i],
+// enc), byte i % 4 of r0 (i < 4) or r1), sr_byte_for_element's bytes. The device packs the
+// offset-magic codes pairwise (a pair's byte is clean: a code's junk starts at bit 15) and then
+// gathers the four bytes by permutes.
+FP4SIM_HD uint32_t e2m1x8_rs_scaled(const float* v, float enc, uint32_t r0, uint32_t r1) {
+#if defined(__CUDA_ARCH__)
+  float y[8];
+  uint32_t t[8];
+  FP4SIM_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    y[i] = __fmul_rn(v[i], enc);
+    t[i] = e2m1_rs_offset_magic_code(y[i], ((i < 4 ? r0 : r1) >> (8 * (i & 3))) & 0xFFu);
+  }
+  const uint32_t lo = __byte_perm(t[1] * 16u + t[0], t[3] * 16u + t[2], 0x0040);
+  const uint32_t hi = __byte_perm(t[5] * 16u + t[4], t[7] * 16u + t[6], 0x0040);
+  return __byte_perm(lo, hi, 0x5410) | e2m1x8_sign_bits(y);
+#else
+  uint32_t w = 0;
+  for (int i = 0; i < 8; ++i) {
+    const uint8_t r = static_cast<uint8_t>((i < 4 ? r0 : r1) >> (8 * (i & 3)));
+    w |= static_cast<uint32_t>(e2m1_rs_satfinite(fmul_rn(v[i], enc), r)) << (4 * i);
+  }
+  return w;
+#endif
 }
 
 // ---- E4M3 / UE4M3 --------------------------------------------------------------------------------

@@ -70,7 +70,9 @@ FP4SIM_HD float fdiv_rn(float a, float b) {
   return a / b;
 #endif
 }
-// a + p rounded toward zero, for a finite a >= 0 and p = 2^e > a (the sum stays in p's binade):
+// a + p rounded toward zero, for a finite a >= 0 and p = 2^e > a (the sum stays in p's binade; the
+// argument below holds as well for any p in [2^e, 2^(e+1)) with a + p < 2^(e+1), which the offset
+// magic numbers of emu/formats.hpp are):
 // one FADD.RZ on the device. The host forms the sum in binary64 and cuts its significand to 24
 // bits, which is exact: an a >= 2^(e-23) (one FP32 ULP of p) has no bits below 2^(e-46), so the
 // binary64 sum (ULP <= 2^(e-51)) is exact; a smaller a is at most 2^(e-23) - 2^(e-47), and the

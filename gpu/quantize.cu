@@ -352,8 +352,12 @@ __device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, float a
   const uint8_t s = nvfp4_block_scale(amax_b, g.s_enc);
   const float sv = e4m3_to_f32_nonneg(s);  // (the scale's value once: the decode needs it too)
   const float enc = nvfp4_encode_from_scale_value(sv, g.s_dec);  // = nvfp4_block_encode_scale(s, g.s_dec)
-  if constexpr (!kSr && !kDec) {  // the common case: eight codes a word, packed together
+  if constexpr (!kDec) {  // the common cases: eight codes a word, packed together
     scale = s;
+    if constexpr (kSr) {  // (element j's random byte: byte j % 4 of word j / 4, sr_byte_for_element)
+      return make_uint2(e2m1x8_rs_scaled(v, enc, sr.bits.v[0], sr.bits.v[1]),
+                        e2m1x8_rs_scaled(v + 8, enc, sr.bits.v[2], sr.bits.v[3]));
+    }
     return make_uint2(e2m1x8_rn_scaled(v, enc), e2m1x8_rn_scaled(v + 8, enc));
   }
   uint32_t w[2] = {0u, 0u}, sgn[2] = {0u, 0u}, d[8];

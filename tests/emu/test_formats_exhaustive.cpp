@@ -73,11 +73,13 @@ TEST(FormatsExhaustive, AllFp32BitPatternsMatchCudaHeaders) {
 // random byte for every 4099th input (so each input region meets all 256 bytes); the magnitude both
 // return must be the code's value.
 TEST(FormatsExhaustive, E2m1MagicFormulationsEqualBitPattern) {
-  Mismatch rn, rs, mag, offset;
+  Mismatch rn, rs, mag, offset, rs_offset;
   auto check_rs = [&](uint32_t u, float x, uint8_t r) {
     float m = -1.0f;
     const uint32_t code = e2m1_rs_magic(x, r, &m);
     if (code != e2m1_rs_satfinite(x, r)) rs.add(u);
+    // the packing formulation: the magnitude code in the low bits, bits 3..14 clear
+    if ((e2m1_rs_offset_magic_code(x, r) & 0x7FFFu) != (e2m1_rs_satfinite(x, r) & 0x7u)) rs_offset.add(u);
     if (f32_bits(m) != f32_bits(e2m1_to_f32(static_cast<uint8_t>(code & 0x7u)))) mag.add(u);
   };
   for_all_fp32(16, "e2m1 magic", [&](uint32_t u, float x) {
@@ -93,7 +95,8 @@ TEST(FormatsExhaustive, E2m1MagicFormulationsEqualBitPattern) {
       for (int rr = 0; rr < 256; ++rr) check_rs(u, x, static_cast<uint8_t>(rr));
   });
   for (const auto& [name, m] : {std::pair<const char*, Mismatch*>{"e2m1.rn magic", &rn}, {"e2m1.rs magic", &rs},
-                                {"e2m1 magic magnitude", &mag}, {"e2m1.rn offset magic", &offset}}) {
+                                {"e2m1 magic magnitude", &mag}, {"e2m1.rn offset magic", &offset},
+                                {"e2m1.rs offset magic", &rs_offset}}) {
     std::printf("%s vs bit pattern mismatches: %llu\n", name, static_cast<unsigned long long>(m->count.load()));
     EXPECT_EQ(m->count.load(), 0u) << name << ": first mismatch at 0x" << std::hex << m->first.load();
   }

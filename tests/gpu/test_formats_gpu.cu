@@ -14,7 +14,7 @@
 namespace fp4sim {
 namespace {
 
-constexpr int kFormats = 12;
+constexpr int kFormats = 13;
 constexpr int kSliceBits = 22;  // 1024 slices of 4M inputs
 constexpr uint64_t kSlices = 1ull << (32 - kSliceBits);
 
@@ -46,6 +46,8 @@ FP4SIM_HD void convert_all(uint32_t u, float one, uint32_t* out) {
                        f32_from_bits(~u), f32_from_bits(u * 0x85EBCA6Bu), f32_from_bits(u * 0xC2B2AE35u),
                        f32_from_bits(u * 0x27D4EB2Fu)};
   out[11] = e2m1x8_rn_scaled(v8, one);
+  // its stochastic-rounding twin, random bytes from two more bijections of u
+  out[12] = e2m1x8_rs_scaled(v8, one, u * 0x9E3779B1u, ~u * 0x85EBCA6Bu);
 }
 
 FP4SIM_HD uint64_t mix(uint64_t h, uint64_t v) {
@@ -90,7 +92,7 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
     }
     for (int f = 0; f < kFormats; ++f) host[s * kFormats + f] = local[f];
   }
-  const char* names[kFormats] = {"e2m1.rn", "e2m1.rs", "e4m3", "e5m2", "bf16", "ue8m0.rz", "ue8m0.rp", "e4m3x2", "e4m3x4", "e4m3.nonneg", "e4m3->f32.nonneg", "e2m1x8.rn"};
+  const char* names[kFormats] = {"e2m1.rn", "e2m1.rs", "e4m3", "e5m2", "bf16", "ue8m0.rz", "ue8m0.rp", "e4m3x2", "e4m3x4", "e4m3.nonneg", "e4m3->f32.nonneg", "e2m1x8.rn", "e2m1x8.rs"};
   for (int f = 0; f < kFormats; ++f) {
     int bad = 0;
     for (uint64_t s = 0; s < kSlices; ++s) bad += host[s * kFormats + f] != gpu[s * kFormats + f];
