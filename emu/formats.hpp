@@ -154,20 +154,26 @@ FP4SIM_HD uint32_t e2m1_rn_magic(float y, float* mag) {
 // exactly 2^22's bits. The sign is left to the caller (the device packs eight at a time).
 // tests/emu/test_formats_exhaustive.cpp holds it equal to e2m1_rn_satfinite over all 2^32 inputs.
 constexpr uint32_t kE2M1OffsetMagicK = (22u << 23) - 2u * 127u;
-FP4SIM_HD uint32_t e2m1_rn_offset_magic_sum(float y) {
+// (both offset formulations: *c = fminf(|y|, 6), a NaN -> 6, and the magic number's bits
+// max(e + (e >> kShift) + k, lowest) from c's exponent bits e)
+template <int kShift>
+FP4SIM_HD uint32_t e2m1_offset_magic_bits(float y, uint32_t k, uint32_t lowest, float* c) {
 #if defined(__CUDA_ARCH__)
-  const float c = fminf(fabsf(y), kE2M1Max);  // FMNMX with an |.| operand; a NaN -> 6
-  const uint32_t e = f32_bits(c) & 0x7F800000u;
-  const uint32_t mb = __viaddmax_u32(e + (e >> 22), kE2M1OffsetMagicK, 0x4A800000u);
+  *c = fminf(fabsf(y), kE2M1Max);  // FMNMX with an |.| operand
+  const uint32_t e = f32_bits(*c) & 0x7F800000u;
+  return __viaddmax_u32(e + (e >> kShift), k, lowest);
 #else
-  const float c = fmin_nan_ignored(f32_abs(y), kE2M1Max);
-  const uint32_t e = f32_bits(c) & 0x7F800000u;
-  const uint32_t m = e + (e >> 22) + kE2M1OffsetMagicK;
-  const uint32_t mb = m > 0x4A800000u ? m : 0x4A800000u;
+  *c = fmin_nan_ignored(f32_abs(y), kE2M1Max);
+  const uint32_t e = f32_bits(*c) & 0x7F800000u;
+  const uint32_t m = e + (e >> kShift) + k;
+  return m > lowest ? m : lowest;
 #endif
+}
+FP4SIM_HD uint32_t e2m1_rn_offset_magic_sum(float y) {
+  float c;
+  const uint32_t mb = e2m1_offset_magic_bits<22>(y, kE2M1OffsetMagicK, 0x4A800000u, &c);
   return f32_bits(fadd_rn(c, f32_from_bits(mb)));
 }
-
 
 // The same for stochastic rounding: F' = M / 256 plus the region's first code in 256-ULP steps (F's
 // ULP is the grid step / 256), so bits(|y|' + F' rounded toward zero) = bits(F) + (first code) *
@@ -176,16 +182,8 @@ FP4SIM_HD uint32_t e2m1_rn_offset_magic_sum(float y) {
 // 3..14 are zero. bits(F') = max(e + (e >> 14) + Ksr, bits(2^14)) (e >> 14 = 512 E = 256 * 2E).
 constexpr uint32_t kE2M1OffsetMagicKsr = (14u << 23) - 127u * 512u;
 FP4SIM_HD uint32_t e2m1_rs_offset_magic_code(float y, uint32_t r) {
-#if defined(__CUDA_ARCH__)
-  const float c = fminf(fabsf(y), kE2M1Max);
-  const uint32_t e = f32_bits(c) & 0x7F800000u;
-  const uint32_t fb = __viaddmax_u32(e + (e >> 14), kE2M1OffsetMagicKsr, 0x46800000u);
-#else
-  const float c = fmin_nan_ignored(f32_abs(y), kE2M1Max);
-  const uint32_t e = f32_bits(c) & 0x7F800000u;
-  const uint32_t m = e + (e >> 14) + kE2M1OffsetMagicKsr;
-  const uint32_t fb = m > 0x46800000u ? m : 0x46800000u;
-#endif
+  float c;
+  const uint32_t fb = e2m1_offset_magic_bits<14>(y, kE2M1OffsetMagicKsr, 0x46800000u, &c);
   return (f32_bits(fadd_rz_pow2(c, f32_from_bits(fb))) + r) >> 8;
 }
 

@@ -448,6 +448,17 @@ __device__ __forceinline__ float bf16x16_unpack(const uint32_t* w, float* v) {
   const uint32_t hi = bf16x2_max_abs(m, m << 16);  // high half: the max of both halves
   return fmaxf(0.0f, fabsf(f32_from_bits(hi & 0xFFFF0000u)));
 }
+// A 1x16 block's FP32 values from its raw elements (FP32, or BF16 16-byte aligned) and its amax.
+template <class T>
+__device__ __forceinline__ float block16_values(const T* raw, float* v) {
+  if constexpr (sizeof(T) == 2) {
+    return bf16x16_unpack(reinterpret_cast<const uint32_t*>(raw), v);
+  } else {
+    FP4SIM_UNROLL
+    for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(raw[i]);
+    return amax16(v);
+  }
+}
 
 template <class T, bool kMx>
 __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, QuantArgs a) {
@@ -656,12 +667,11 @@ int g_2d_variant = 1;
 
 // ---- The recipe's common case: NVFP4 1x16 (no 2D, no Four Over Six), RN or SR, RHT optional ----
 //
-// A CTA owns a 64-row tile, 256 columns wide for BF16 input (128 for FP32: 32 KiB of shared memory
-// either way). Each thread loads its 1x16 row blocks straight from global memory (16-byte loads; a
-// warp covers contiguous 512-byte row segments), quantizes them for the row-wise copy from
-// registers, and parks the raw values in shared memory; after one barrier it walks kColsPerThread
-// adjacent columns (one 4-byte shared load per row for a BF16 pair) for the column-wise copy, whose
-// 32 code bytes and 4 scale bytes per column are contiguous in the transposed output.
+// A CTA owns a 64-row tile, 128 columns wide (tile variant 2: 256 for BF16 input, a column pair a
+// thread). Each thread loads whole 1x16 row blocks into the shared tile (16-byte loads); after one
+// barrier it quantizes those blocks for the row-wise copy, then walks its column(s) for the
+// column-wise copy, whose 32 code bytes and 4 scale bytes per column are contiguous in the
+// transposed output (whole tiles stage the codes in shared memory and store whole sectors).
 template <class T, int kPer>
 struct FastTile {
   static constexpr int kColsPerThread = kPer;
@@ -710,14 +720,8 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
       FP4SIM_UNROLL
       for (int q = 0; q < kNvfp4Block / kVec; ++q)
         reinterpret_cast<uint4*>(raw)[q] = reinterpret_cast<const uint4*>(src)[q];
-      float v[kNvfp4Block], amax_b;
-      if constexpr (sizeof(T) == 2) {
-        amax_b = bf16x16_unpack(reinterpret_cast<const uint32_t*>(raw), v);
-      } else {
-        FP4SIM_UNROLL
-        for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(raw[i]);
-        amax_b = amax16(v);
-      }
+      float v[kNvfp4Block];
+      const float amax_b = block16_values(raw, v);
       const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
                                             static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));
       nvfp4_block_1x16_store(v, amax_b, g, bits, a.row, r * C + c, r * (C / kNvfp4Block) + c / kNvfp4Block);
@@ -892,14 +896,8 @@ __device__ __forceinline__ void nvfp4_rows(const T* x, const QuantArgs& a, uint3
       FP4SIM_UNROLL
       for (int q = 0; q < kNvfp4Block; ++q) raw[q] = src[q];
     }
-    float v[kNvfp4Block], amax_b;
-    if constexpr (sizeof(T) == 2) {
-      amax_b = bf16x16_unpack(reinterpret_cast<const uint32_t*>(raw), v);
-    } else {
-      FP4SIM_UNROLL
-      for (int q = 0; q < kNvfp4Block; ++q) v[q] = Elem<T>::to_f32(raw[q]);
-      amax_b = amax16(v);
-    }
+    float v[kNvfp4Block];
+    const float amax_b = block16_values(raw, v);
     const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
                                           static_cast<uint64_t>(r * (a.cols / kSrChunk) + c / kSrChunk));
     nvfp4_block_1x16_store(v, amax_b, g, bits, a.row, r * a.cols + c, static_cast<int64_t>(i));
