@@ -267,7 +267,6 @@ FP4SIM_HD uint32_t e2m1x8_rn_scaled(const float* v, float enc) {
 #endif
 }
 
-
 // Stochastic rounding to E2M1 (DESIGN.md §4), rs.satfinite. `r` is the element's random byte.
 // Round away from zero iff floor(frac*256) + r >= 256, frac = (a - lo)/step: the carry out of adding
 // 8 random bits to the top 8 discarded bits. Computed on the bit pattern, exactly:

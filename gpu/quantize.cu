@@ -339,10 +339,11 @@ __device__ __forceinline__ void store_nvfp4_block(const CopyArgs& c, int64_t e, 
 // its 16 values: nvfp4_quantize_1x16's amax, block scale, encode scale and E2M1 rounding (the
 // device's e2m1_rn_magic / e2m1_rs_magic, by their step functions), and, with kDec, the decoded
 // BF16 operand sign * magnitude * e4m3(s), the same bits decode16_bf16 makes from the codes (an
-// exact product: its top 16 bits are its BF16), without decoding the codes again. The codes are
-// summed into their word unsigned: e2m1_magic_code is steps + (mb >> 22) - 298 | sign << 3, so the
-// word adds the first two terms at their nibbles (mod 2^32), subtracts 298 at every nibble once
-// (leaving each nibble's code, 0..7) and then ORs the sign bits in. nvfp4_block_1x16_encode returns
+// exact product: its top 16 bits are its BF16), without decoding the codes again. Without kDec the
+// codes come eight a word from e2m1x8_rn_scaled / e2m1x8_rs_scaled; with it they are summed into
+// their word unsigned: e2m1_magic_code is steps + (mb >> 22) - 298 | sign << 3, so the word adds
+// the first two terms at their nibbles (mod 2^32), subtracts 298 at every nibble once (leaving each
+// nibble's code, 0..7) and then ORs the sign bits in. nvfp4_block_1x16_encode returns
 // the 8 code bytes and the scale (writing only the decoded values); nvfp4_block_1x16_store stores
 // them too.
 template <bool kSr, bool kDec>
@@ -797,7 +798,6 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
   }
 }
 
-
 template <class T, bool kColRht, int kPer>
 __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
     nvfp4_1x16_kernel(const T* x, QuantArgs a) {
@@ -816,7 +816,7 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   // thread loads whole 1x16 blocks (a load a warp spanning 512-byte pieces of 1 KB of rows: this
   // measured faster than a warp loading 512 contiguous bytes a load, 143 against 156 us for row +
   // column RN at 8192^2 BF16, H200) ----
-  const int tr0 = static_cast<int>(static_cast<unsigned>(t) / kBlocksPerTileRow);  // rows tr0 + 16 k
+  const int tr0 = static_cast<int>(static_cast<unsigned>(t) / kBlocksPerTileRow);  // rows tr0 + kRowStep k
   const int tb = static_cast<int>(static_cast<unsigned>(t) % kBlocksPerTileRow);   // column block tb
   constexpr int kRowStep = kThreads / kBlocksPerTileRow;
   if (a.vector_ok && r0 + kTileRows <= R && c0 + kCols <= C) {  // a whole tile (CTA-uniform)
