@@ -182,6 +182,13 @@ bool quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
 // Benchmark knob: whether the common-case quantizer keeps the RHT output between its passes
 // (default) or transforms twice, as before. Results are identical; only speed differs.
 void set_quantize_keep_rht(bool keep);
+// Benchmark knob: the common-case quantize pass is launched as a programmatic dependent of the amax
+// pass (default), so its CTAs load their tiles while the amax pass's last CTAs finish, or after it
+// as an ordinary launch. Same bits.
+void set_quantize_early_launch(bool early);
+// Benchmark knob: 16-byte loads a thread keeps in flight in the contiguous amax pass, 1 or 4
+// (default). Same bits.
+void set_quantize_amax_unroll(int loads);
 // Benchmark knob: the streaming kernel that writes both copies from the kept RHT transform runs
 // at most `ctas` CTAs per SM and copy, each thread looping over several 1x16 blocks (default 8);
 // 0 = one block a thread (as before). Same bits.

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "emu/quantize_block.hpp"
 #include "emu/rht.hpp"
@@ -64,19 +65,44 @@ __device__ void load_tile(T* tile, const T* x, int64_t rows, int64_t cols, int64
   }
 }
 
-// Plain amax over a contiguous array, 16-byte loads.
-template <class T>
+// Programmatic dependent launch (sm_90 and later): the quantize pass is launched while the amax
+// pass still runs (launch_quantize_pass), so its CTAs take the SMs the amax pass's last CTAs free,
+// load their tiles, and only then wait (pdl_wait) for the amax pass to finish and its global amax
+// to be visible. The amax passes allow that launch as soon as every CTA of theirs has started
+// (pdl_allow_dependents); the quantize pass reads nothing the amax pass writes before its wait.
+__device__ __forceinline__ void pdl_allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Plain amax over a contiguous array, 16-byte loads, kUnroll of them in flight a thread.
+template <class T, int kUnroll>
 __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t n, AmaxArgs args) {
+  pdl_allow_dependents();
   constexpr int kVec = 16 / sizeof(T);
   float m = 0.0f;
   const int64_t nvec = n / kVec;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < nvec; i += step) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(x) + i);
+  auto take = [&](const uint4& u) {
     const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
+    FP4SIM_UNROLL
     for (int k = 0; k < kVec; ++k) m = fmax_nan_ignored(m, f32_abs(Elem<T>::to_f32(e[k])));
+  };
+  int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  for (; i + (kUnroll - 1) * step < nvec; i += kUnroll * step) {
+    uint4 u[kUnroll];
+    FP4SIM_UNROLL
+    for (int j = 0; j < kUnroll; ++j) u[j] = __ldg(reinterpret_cast<const uint4*>(x) + i + j * step);
+    FP4SIM_UNROLL
+    for (int j = 0; j < kUnroll; ++j) take(u[j]);
   }
+  for (; i < nvec; i += step) take(__ldg(reinterpret_cast<const uint4*>(x) + i));
   for (int64_t i = nvec * kVec + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += step)
     m = fmax_nan_ignored(m, f32_abs(Elem<T>::to_f32(x[i])));
@@ -137,6 +163,7 @@ __global__ void __launch_bounds__(kThreads, kRows == 32 ? 8 : 6)
   // that the per-column 32-byte stores and the cooperative 16-byte reads are (nearly) conflict-free)
   constexpr int kYtStride = kRows + 8;
   __shared__ __align__(16) uint16_t yt[kRht ? kTileCols * kYtStride : 8];
+  pdl_allow_dependents();
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRows;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   const int t = threadIdx.x;
@@ -411,10 +438,6 @@ __device__ __forceinline__ float amax16(const float* v) {
     for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
   }
   return fmaxf(0.0f, m[0]);
-}
-__device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, const Nvfp4Global& g, const SrBits& sr,
-                                                         const CopyArgs& c, int64_t e, uint8_t& scale) {
-  return nvfp4_block_1x16_encode(v, amax16(v), g, sr, c, e, scale);
 }
 __device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, float amax_b, const Nvfp4Global& g,
                                                        const SrBits& sr, const CopyArgs& c, int64_t e,
@@ -691,8 +714,118 @@ struct FastTile {
 int g_fast_cols_per_thread = 1;
 bool g_col_staged = true;  // variant 1 stages whole tiles' column-wise codes (3: it does not)
 
+// v = the 16 values of tile column tcol's k-th block (rows 16 k ..), RHT-transformed where asked
+template <class T, bool kColRht, int kCols>
+__device__ __forceinline__ void tile_column_block(const T* tile, int tcol, int k, float* v) {
+  const T* col = tile + (k * kNvfp4Block) * kCols + tcol;
+  if constexpr (kColRht) {
+    uint16_t in[kRhtSize], y[kRhtSize];
+    FP4SIM_UNROLL
+    for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(col[i * kCols]);
+    rht16(in, y);
+    FP4SIM_UNROLL
+    for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
+  } else {
+    FP4SIM_UNROLL
+    for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(col[i * kCols]);
+  }
+}
+
+// A whole tile's row-wise copy (CTA-uniform: the tile lies inside the tensor), the rounding and the
+// decoded operand fixed at compile time: thread t's blocks are column block tb of rows tr0 + kRowStep k,
+// and each output moves by a fixed stride from one to the next (no per-block bounds tests, 64-bit
+// index products or rounding branches: those were ~3 instructions an element).
+template <class T, int kPer, bool kSr, bool kDec>
+__device__ __forceinline__ void tile_rows_whole(const T* tile, int64_t r0, int64_t c0, const QuantArgs& a,
+                                                const Nvfp4Global& g) {
+  using Tile = FastTile<T, kPer>;
+  constexpr int kCols = Tile::kCols;
+  constexpr int kBlocksPerTileRow = kCols / kNvfp4Block;
+  constexpr int kRowStep = kThreads / kBlocksPerTileRow;
+  constexpr int kVec = 16 / sizeof(T);
+  const int t = threadIdx.x;
+  const int tr0 = static_cast<int>(static_cast<unsigned>(t) / kBlocksPerTileRow);
+  const int tb = static_cast<int>(static_cast<unsigned>(t) % kBlocksPerTileRow);
+  const int64_t C = a.cols;
+  const int64_t e0 = (r0 + tr0) * C + c0 + tb * kNvfp4Block;  // the first block's first element
+  const int64_t e_step = kRowStep * C;
+  uint2* codes = reinterpret_cast<uint2*>(a.row.codes) + e0 / kNvfp4Block;
+  uint8_t* scales = a.row.scales + e0 / kNvfp4Block;
+  const T* src = tile + tr0 * kCols + tb * kNvfp4Block;
+  static_assert(kSrChunk == kNvfp4Block, "one Philox chunk a block");
+#pragma unroll 1
+  for (int k = 0; k < Tile::kRowUnits; ++k) {
+    alignas(16) T raw[kNvfp4Block];
+    FP4SIM_UNROLL
+    for (int q = 0; q < kNvfp4Block / kVec; ++q)
+      reinterpret_cast<uint4*>(raw)[q] = reinterpret_cast<const uint4*>(src + k * kRowStep * kCols)[q];
+    float v[kNvfp4Block];
+    const float amax_b = block16_values(raw, v);
+    const int64_t e = e0 + k * e_step;
+    SrBits bits{};
+    if constexpr (kSr) bits = sr_bits_for_chunk(true, a.seed, a.row.stream, static_cast<uint64_t>(e / kSrChunk));
+    uint8_t s;
+    codes[k * (e_step / kNvfp4Block)] = nvfp4_block_1x16_encode<kSr, kDec>(v, amax_b, g, bits, a.row, e, s);
+    scales[k * (e_step / kNvfp4Block)] = s;
+  }
+}
+
+// A whole 64x128 tile's column-wise copy through shared memory, the rounding and the decoded operand
+// fixed at compile time: a thread's four blocks are one 32-byte sector of its written row, which
+// four 8-byte stores (each a quarter sector of a line no neighbour writes) would otherwise send out;
+// here they go to shared memory, and a warp then writes 16 whole sectors a store; the four scale
+// bytes go out as one word.
+// (col_stage: [tile column][block ^ (column / 4 % 4)], the caller's shared array)
+constexpr int kColBlocks = kTileRows / kNvfp4Block;
+static_assert(kColBlocks == 4, "a column's codes in a tile: one 32-byte sector");
+template <class T, bool kColRht, bool kSr, bool kDec>
+__device__ __forceinline__ void tile_cols_staged(const T* tile, int64_t r0, int64_t c0, const QuantArgs& a,
+                                                 const Nvfp4Global& g, uint2 (*col_stage)[kColBlocks]) {
+  constexpr int kCols = FastTile<T, 1>::kCols;
+  const int t = threadIdx.x;
+  const int64_t R = a.rows;
+  const int64_t e0 = (c0 + t) * R + r0;  // the column's first block's first element, written order
+  uint32_t scales = 0;
+#pragma unroll 1
+  for (int k = 0; k < kColBlocks; ++k) {
+    float v[kNvfp4Block];
+    tile_column_block<T, kColRht, kCols>(tile, t, k, v);
+    const int64_t e = e0 + k * kNvfp4Block;
+    SrBits bits{};
+    if constexpr (kSr) bits = sr_bits_for_chunk(true, a.seed, a.col.stream, static_cast<uint64_t>(e / kSrChunk));
+    uint8_t s;
+    col_stage[t][k ^ ((t >> 2) & 3)] = nvfp4_block_1x16_encode<kSr, kDec>(v, amax16(v), g, bits, a.col, e, s);
+    scales |= static_cast<uint32_t>(s) << (8 * k);
+  }
+  *reinterpret_cast<uint32_t*>(a.col.scales + e0 / kNvfp4Block) = scales;
+  __syncwarp();
+  // lanes 2i and 2i + 1: the two 16-byte halves of the warp's written row i (16 rows a store)
+  const int lane = t & 31;
+  FP4SIM_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const int tc = (t & ~31) + 16 * h + lane / 2, half = lane & 1, f = (tc >> 2) & 3;
+    const uint2 lo = col_stage[tc][(2 * half) ^ f], hi = col_stage[tc][(2 * half + 1) ^ f];
+    reinterpret_cast<uint4*>(a.col.codes + ((c0 + tc) * R + r0) / 2)[half] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+  }
+}
+
+// Calls f(std::integral_constant<bool, sr>, std::integral_constant<bool, dec>) for a copy's rounding
+// and decoded operand: the four specialisations of a whole tile's loop.
+template <class F>
+__device__ __forceinline__ void with_copy_kind(const CopyArgs& c, const F& f) {
+  using std::integral_constant;
+  if (c.sr) {
+    if (c.decoded) f(integral_constant<bool, true>{}, integral_constant<bool, true>{});
+    else f(integral_constant<bool, true>{}, integral_constant<bool, false>{});
+  } else {
+    if (c.decoded) f(integral_constant<bool, false>{}, integral_constant<bool, true>{});
+    else f(integral_constant<bool, false>{}, integral_constant<bool, false>{});
+  }
+}
+
 // One tile's quantization from the tile in shared memory (rows r0.., columns c0..): the row-wise
-// copy's blocks, then the column-wise copy's (nvfp4_1x16_kernel, after its loads).
+// copy's blocks, then the column-wise copy's (nvfp4_1x16_kernel, after its loads). Whole tiles take
+// the specialised loops above; tiles on the tensor's edge the general ones below.
 // (globals: the row-wise and column-wise copies' nvfp4_global, which one thread computed for the CTA)
 template <class T, bool kColRht, int kPer>
 __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64_t c0, const QuantArgs& a,
@@ -703,9 +836,15 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
   constexpr int kVec = 16 / sizeof(T);
   const int t = threadIdx.x;
   const int64_t R = a.rows, C = a.cols;
+  const bool whole = r0 + kTileRows <= R && c0 + kCols <= C;  // (CTA-uniform)
 
   // ---- row-wise copy: one 1x16 block per iteration (loops kept rolled: I-cache) ----
-  if (a.row.enabled) {
+  if (a.row.enabled && whole) {
+    const Nvfp4Global g = globals[0];
+    with_copy_kind(a.row, [&](auto sr, auto dec) {
+      tile_rows_whole<T, kPer, decltype(sr)::value, decltype(dec)::value>(tile, r0, c0, a, g);
+    });
+  } else if (a.row.enabled) {
     const Nvfp4Global g = globals[0];
     const int64_t chunks_per_row = C / kSrChunk;
     // thread t's blocks: column block t % 8 (BF16; 16 for the 64x256 tile) of rows t / 8 + 16 k
@@ -732,57 +871,16 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
 
   // ---- column-wise copy: column c of the input is row c of the written (C x R) tensor ----
   const Nvfp4Global g = globals[1];
-  const int64_t chunks_per_row = R / kSrChunk;
-  // v = the 16 values of tile column tcol's k-th block (rows 16 k ..), RHT-transformed where asked
-  auto column_block = [&](int tcol, int k, float* v) {
-    const T* col = tile + (k * kNvfp4Block) * kCols + tcol;
-    if constexpr (kColRht) {
-      uint16_t in[kRhtSize], y[kRhtSize];
-      FP4SIM_UNROLL
-      for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(col[i * kCols]);
-      rht16(in, y);
-      FP4SIM_UNROLL
-      for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
-    } else {
-      FP4SIM_UNROLL
-      for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(col[i * kCols]);
-    }
-  };
-  // A whole 64x128 tile (CTA-uniform) stages its column-wise codes: a thread's four blocks are one
-  // 32-byte sector of its written row, which four 8-byte stores (each a quarter sector of a line
-  // no neighbour writes) would otherwise send out; here they go to shared memory, and a warp then
-  // writes 16 whole sectors a store; the four scale bytes go out as one word.
-  constexpr int kColBlocks = kTileRows / kNvfp4Block;
-  static_assert(kColBlocks == 4, "a column's codes in a tile: one 32-byte sector");
   if constexpr (kPer == 1) {
-    __shared__ uint2 col_stage[kThreads][kColBlocks];  // [tile column][block ^ (column / 4 % 4)]
-    if (a.col_staged && r0 + kTileRows <= R && c0 + kCols <= C) {
-      const int64_t c = c0 + t;
-      uint32_t scales = 0;
-#pragma unroll 1
-      for (int k = 0; k < kColBlocks; ++k) {
-        const int64_t r = r0 + k * kNvfp4Block;
-        float v[kNvfp4Block];
-        column_block(t, k, v);
-        const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
-                                              static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
-        uint8_t s;
-        col_stage[t][k ^ ((t >> 2) & 3)] = nvfp4_block_1x16_encode(v, g, bits, a.col, c * R + r, s);
-        scales |= static_cast<uint32_t>(s) << (8 * k);
-      }
-      *reinterpret_cast<uint32_t*>(a.col.scales + c * (R / kNvfp4Block) + r0 / kNvfp4Block) = scales;
-      __syncwarp();
-      // lanes 2i and 2i + 1: the two 16-byte halves of the warp's written row i (16 rows a store)
-      const int lane = t & 31;
-      FP4SIM_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int tc = (t & ~31) + 16 * h + lane / 2, half = lane & 1, f = (tc >> 2) & 3;
-        const uint2 lo = col_stage[tc][(2 * half) ^ f], hi = col_stage[tc][(2 * half + 1) ^ f];
-        reinterpret_cast<uint4*>(a.col.codes + ((c0 + tc) * R + r0) / 2)[half] = make_uint4(lo.x, lo.y, hi.x, hi.y);
-      }
+    if (a.col_staged && whole) {
+      __shared__ uint2 col_stage[kThreads][kColBlocks];
+      with_copy_kind(a.col, [&](auto sr, auto dec) {
+        tile_cols_staged<T, kColRht, decltype(sr)::value, decltype(dec)::value>(tile, r0, c0, a, g, col_stage);
+      });
       return;
     }
   }
+  const int64_t chunks_per_row = R / kSrChunk;
 #pragma unroll 1
   for (int w = 0; w < kPer * (kTileRows / kNvfp4Block); ++w) {
     const int j = w / (kTileRows / kNvfp4Block), k = w % (kTileRows / kNvfp4Block);
@@ -790,7 +888,7 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
     const int64_t r = r0 + k * kNvfp4Block;
     if (c >= C || r >= R) continue;
     float v[kNvfp4Block];
-    column_block(kPer * t + j, k, v);
+    tile_column_block<T, kColRht, kCols>(tile, kPer * t + j, k, v);
     const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
                                           static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
     // the 4 chunks of a column land in one 32-byte sector, written by this thread in turn
@@ -846,8 +944,10 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
       }
     }
   }
-  // The copies' global scales: one thread's divisions for the CTA, while the loads are in flight.
+  // The copies' global scales: one thread's divisions for the CTA, while the loads are in flight
+  // (and, launched early, once the amax pass has finished: pdl_wait).
   __shared__ __align__(16) Nvfp4Global globals[2];
+  pdl_wait();
   if (t == 0) {
     if (a.row.enabled) globals[0] = nvfp4_global(*a.row.amax, false);
     if (a.col.enabled) globals[1] = nvfp4_global(*a.col.amax, false);
@@ -938,6 +1038,29 @@ __global__ void __launch_bounds__(256) nvfp4_rht_kept_kernel(const T* x, const u
   }
 }
 
+// Whether the tile quantize pass is launched early, as a programmatic dependent of the amax pass
+// (set_quantize_early_launch; pdl_wait), and how many 16-byte loads amax_flat_kernel keeps in
+// flight a thread (set_quantize_amax_unroll: 1 or 4).
+bool g_quantize_pdl = true;
+int g_amax_unroll = 4;
+
+// nvfp4_1x16_kernel's launch: with g_quantize_pdl, allowed to start before the kernel ahead of it
+// in the stream (the amax pass) has finished; the kernel waits for it before reading its amax.
+template <class T>
+void launch_quantize_pass(void (*kernel)(const T*, QuantArgs), dim3 grid, cudaStream_t stream, const T* x,
+                          const QuantArgs& qa) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = g_quantize_pdl ? 1 : 0;
+  FP4SIM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, x, qa));
+}
+
 // The streaming kernel's CTAs per SM and copy (set_quantize_kept_ctas_per_sm; 0: one block a thread).
 int g_kept_ctas_per_sm = 8;
 // Whether launch_all keeps the RHT output between its passes when it has scratch for it.
@@ -1007,8 +1130,9 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
     const int sms = current_device_sms();
     const int64_t want = (R * C / (16 / sizeof(T)) + kThreads - 1) / kThreads;
     const int blocks = static_cast<int>(want < sms * 16 ? (want > 0 ? want : 1) : sms * 16);
-    amax_flat_kernel<T><<<blocks, kThreads, 0, stream>>>(xp, R * C,
-                                                         AmaxArgs{amax_plain, amax_plain2, nullptr, nullptr, amax_ws});
+    const AmaxArgs args{amax_plain, amax_plain2, nullptr, nullptr, amax_ws};
+    if (g_amax_unroll == 4) amax_flat_kernel<T, 4><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
+    else amax_flat_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
     FP4SIM_CUDA_CHECK_LAUNCH();
   }
   // pass 2: both copies
@@ -1053,14 +1177,14 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
     if constexpr (sizeof(T) == 2) {
       if (g_fast_cols_per_thread == 2) {
         const dim3 fg(static_cast<unsigned>((C + 2 * kThreads - 1) / (2 * kThreads)), grid.y);
-        if (rht) nvfp4_1x16_kernel<T, true, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
-        else nvfp4_1x16_kernel<T, false, 2><<<fg, kThreads, 0, stream>>>(xp, qa);
+        if (rht) launch_quantize_pass(nvfp4_1x16_kernel<T, true, 2>, fg, stream, xp, qa);
+        else launch_quantize_pass(nvfp4_1x16_kernel<T, false, 2>, fg, stream, xp, qa);
         launched = true;
       }
     }
     if (!launched) {
-      if (rht) nvfp4_1x16_kernel<T, true, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
-      else nvfp4_1x16_kernel<T, false, 1><<<grid, kThreads, 0, stream>>>(xp, qa);
+      if (rht) launch_quantize_pass(nvfp4_1x16_kernel<T, true, 1>, grid, stream, xp, qa);
+      else launch_quantize_pass(nvfp4_1x16_kernel<T, false, 1>, grid, stream, xp, qa);
     }
   } else if (g_2d_variant == 1 && cfg.format == QFormat::NVFP4 && cfg.block_2d && !qa.row.four_over_six &&
              !qa.col.four_over_six && !(qa.col.enabled && qa.col.rht) && R % kNvfp4Block == 0 &&
@@ -1144,6 +1268,11 @@ void set_quantize_tile_variant(int variant) {
 }
 
 void set_quantize_keep_rht(bool keep) { g_keep_rht = keep; }
+void set_quantize_early_launch(bool early) { g_quantize_pdl = early; }
+void set_quantize_amax_unroll(int loads) {
+  if (loads != 1 && loads != 4) throw std::invalid_argument("amax unroll must be 1 or 4, not " + std::to_string(loads));
+  g_amax_unroll = loads;
+}
 void set_quantize_kept_ctas_per_sm(int ctas) {
   if (ctas < 0) throw std::invalid_argument("set_quantize_kept_ctas_per_sm: " + std::to_string(ctas) + " < 0");
   g_kept_ctas_per_sm = ctas;

@@ -165,6 +165,9 @@ void BM_GpuQuantize(benchmark::State& state) {
   const int mode = static_cast<int>(state.range(2));
   gpu::set_quantize_tile_variant(static_cast<int>(state.range(3)));
   gpu::set_quantize_keep_rht(state.range(4) != 0);
+  const int passes = static_cast<int>(state.range(5));
+  gpu::set_quantize_amax_unroll(passes == 0 ? 1 : 4);
+  gpu::set_quantize_early_launch(passes == 2);
   gpu::CudaBackend be;
   const QuantizeConfig cfg = config_for(mode);
   const size_t n = static_cast<size_t>(rows * cols);
@@ -179,20 +182,28 @@ void BM_GpuQuantize(benchmark::State& state) {
   time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, cfg.columnwise.enabled ? &b.cv : nullptr); });
   state.SetLabel(std::string(mode_name(mode)) +
                  (state.range(3) == 2 ? " tile64x256" : state.range(3) == 3 ? " tile64x128-direct" : " tile64x128") +
-                 (mode == 2 && state.range(4) == 0 ? " rht-twice" : ""));
+                 (mode == 2 && state.range(4) == 0 ? " rht-twice" : "") +
+                 (passes == 0 ? " amax1-serial" : passes == 1 ? " amax4-serial" : ""));
   gpu::set_quantize_tile_variant(1);
   gpu::set_quantize_keep_rht(true);
+  gpu::set_quantize_amax_unroll(4);
+  gpu::set_quantize_early_launch(true);
 }
-// {rows, cols, mode, tile variant (set_quantize_tile_variant), keep the RHT output between the passes}
+// {rows, cols, mode, tile variant (set_quantize_tile_variant), keep the RHT output between the
+// passes, how the passes run: 0 = one load in flight a thread in the amax pass, quantize pass
+// launched after it; 1 = four loads; 2 = four, and the quantize pass launched early (the default)}
 BENCHMARK(BM_GpuQuantize)
-    ->Args({8192, 8192, 0, 1, 1})
-    ->Args({8192, 8192, 1, 1, 1})
-    ->Args({8192, 8192, 1, 3, 1})
-    ->Args({8192, 8192, 2, 1, 1})
-    ->Args({8192, 8192, 2, 1, 0})
-    ->Args({8192, 8192, 0, 2, 1})
-    ->Args({8192, 8192, 1, 2, 1})
-    ->Args({8192, 8192, 2, 2, 1})
+    ->Args({8192, 8192, 0, 1, 1, 2})
+    ->Args({8192, 8192, 0, 1, 1, 0})
+    ->Args({8192, 8192, 1, 1, 1, 2})
+    ->Args({8192, 8192, 1, 1, 1, 1})
+    ->Args({8192, 8192, 1, 1, 1, 0})
+    ->Args({8192, 8192, 1, 3, 1, 2})
+    ->Args({8192, 8192, 2, 1, 1, 2})
+    ->Args({8192, 8192, 2, 1, 0, 2})
+    ->Args({8192, 8192, 0, 2, 1, 2})
+    ->Args({8192, 8192, 1, 2, 1, 2})
+    ->Args({8192, 8192, 2, 2, 1, 2})
     ->UseManualTime()
     ->Iterations(5)
     ->Unit(benchmark::kMicrosecond);
