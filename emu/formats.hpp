@@ -516,6 +516,17 @@ FP4SIM_HD uint16_t bf16_rne(float x) {
 
 FP4SIM_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
 
+// Two FP32 -> BF16 RNE, packed: lo in the low half. On the GPU one conversion instruction for both
+// (cvt.rn.bf16x2.f32, the pair form of bf16_rne's; callers pass no NaN).
+FP4SIM_HD uint32_t bf16x2_rne(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#endif
+  return static_cast<uint32_t>(bf16_rne(lo)) | static_cast<uint32_t>(bf16_rne(hi)) << 16;
+}
+
 // Round an FP32 to the nearest BF16 value, kept as FP32 (NaN -> the canonical BF16 NaN).
 FP4SIM_HD float bf16_round(float x) { return bf16_to_f32(bf16_rne(x)); }
 

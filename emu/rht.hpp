@@ -75,56 +75,64 @@ FP4SIM_HD void rht_butterflies(int32_t (&u)[kRhtSize]) {
   }
 }
 
-// Same bits as rht16_reference (see the header comment).
-FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
-  // the largest magnitude's bits give both the specials test and emax (magnitudes order as their
-  // bit patterns): E(x) = max(floor(log2|x|), -126), subnormals included
+// The largest input magnitude's BF16 bits (magnitudes order as their bit patterns; NaN above Inf).
+FP4SIM_HD uint32_t rht16_input_max_bits(const uint16_t* x) {
   uint32_t amax_bits = 0;
   FP4SIM_UNROLL
   for (int i = 0; i < kRhtSize; ++i) {
     const uint32_t a = x[i] & 0x7FFFu;
     amax_bits = a > amax_bits ? a : amax_bits;
   }
-  const bool special = amax_bits >= 0x7F80u;  // Inf or NaN: rare, take the literal path
-  if (special) {
-    // the same outcome as the literal path: any NaN -> every output NaN; otherwise each output is
-    // the Inf of its products' sign, or NaN when +Inf and -Inf meet (H has no zeros: no Inf * 0).
-    // Written with bit masks and unrolled loops so that nothing is indexed at run time.
-    bool any_nan = false;
-    uint32_t inf_mask = 0, neg_mask = 0;  // bit i: x_i is ±Inf; sign(x_i) xor s_i
-    FP4SIM_UNROLL
-    for (int i = 0; i < kRhtSize; ++i) {
-      const uint32_t a = x[i] & 0x7FFFu;
-      any_nan = any_nan || a > 0x7F80u;
-      if (a == 0x7F80u) inf_mask |= 1u << i;
-      neg_mask |= ((static_cast<uint32_t>(x[i] >> 15) ^ (kRhtSignMask >> i)) & 1u) << i;
-    }
-    FP4SIM_UNROLL
-    for (int j = 0; j < kRhtSize; ++j) {
-      const uint32_t neg_j = neg_mask ^ hadamard_odd_mask(j);  // product sign for each i
-      const bool pos = (inf_mask & ~neg_j) != 0, neg = (inf_mask & neg_j) != 0;
-      y[j] = (any_nan || (pos && neg)) ? kBF16NaN : (pos ? uint16_t(0x7F80u) : uint16_t(0xFF80u));
-    }
-    return;
+  return amax_bits;
+}
+
+// The NaN-ignoring max |x_i| of a chunk with an Inf or NaN input (the rare path).
+FP4SIM_HD float rht16_input_amax_special(const uint16_t* x) {
+  float m = 0.0f;
+  for (int i = 0; i < kRhtSize; ++i) m = fmax_nan_ignored(m, f32_abs(bf16_to_f32(x[i])));
+  return m;
+}
+
+// Outputs of a chunk with an Inf or NaN input, packed two a word (element 2k in word k's low half):
+// the literal path's outcome, any NaN -> every output NaN; otherwise each output is the Inf of its
+// products' sign, or NaN when +Inf and -Inf meet (H has no zeros: no Inf * 0). Written with bit
+// masks and unrolled loops so that nothing is indexed at run time.
+FP4SIM_HD void rht16_special_packed(const uint16_t* x, uint32_t* w) {
+  bool any_nan = false;
+  uint32_t inf_mask = 0, neg_mask = 0;  // bit i: x_i is ±Inf; sign(x_i) xor s_i
+  FP4SIM_UNROLL
+  for (int i = 0; i < kRhtSize; ++i) {
+    const uint32_t a = x[i] & 0x7FFFu;
+    any_nan = any_nan || a > 0x7F80u;
+    if (a == 0x7F80u) inf_mask |= 1u << i;
+    neg_mask |= ((static_cast<uint32_t>(x[i] >> 15) ^ (kRhtSignMask >> i)) & 1u) << i;
   }
-  if (amax_bits == 0) {  // all products zero; C = +0 is not -0, so every output is +0
-    for (int j = 0; j < kRhtSize; ++j) y[j] = 0;
-    return;
+  FP4SIM_UNROLL
+  for (int j = 0; j < kRhtSize; ++j) {
+    const uint32_t neg_j = neg_mask ^ hadamard_odd_mask(j);  // product sign for each i
+    const bool pos = (inf_mask & ~neg_j) != 0, neg = (inf_mask & neg_j) != 0;
+    const uint32_t y = (any_nan || (pos && neg)) ? kBF16NaN : (pos ? 0x7F80u : 0xFF80u);
+    if (j % 2 == 0) w[j / 2] = y;
+    else w[j / 2] |= y << 16;
   }
+}
+
+// The terms of a finite, nonzero chunk (amax_bits = rht16_input_max_bits(x), below 0x7F80, not 0):
+// term i on the grid 2^(emax - 2 - 25), |x_i|/4 truncated there, i.e. floor(|x_i| * 2^(25 - emax))
+// (< 2^26), with the sign of x_i * s_i; E(x) = max(floor(log2|x|), -126), subnormals included.
+// Returns emax.
+FP4SIM_HD int rht16_terms(const uint16_t* x, uint32_t amax_bits, int32_t (&u)[kRhtSize]) {
   const int emax = static_cast<int>(amax_bits >> 7 > 1u ? amax_bits >> 7 : 1u) - 127;
-  // term i on the grid 2^(emax - 2 - 25): |x_i|/4 truncated there, i.e. floor(|x_i| * 2^(25 - emax))
-  // (< 2^26), with the sign of x_i * s_i
-  int32_t u[kRhtSize];
   if (emax >= -102) {
     // as one FP32 product per term: a power-of-two scaling, exact whenever the result is normal;
     // results below 1 (subnormal ones included) truncate to 0 either way. 2^(25 - emax) is a normal
-    // FP32 for emax >= -102. Truncation toward zero keeps the sign: u_i = sign * floor(|.|).
+    // FP32 for emax >= -102. Truncation toward zero keeps the sign: u_i = sign * floor(|.|). The
+    // sign s_i rides on the factor (-2^(25 - emax) where s_i = -1), an exact negation.
     const float pow2 = f32_from_bits(static_cast<uint32_t>(25 - emax + 127) << 23);
+    const float npow2 = -pow2;
     FP4SIM_UNROLL
-    for (int i = 0; i < kRhtSize; ++i) {
-      const uint16_t signed_x = static_cast<uint16_t>(x[i] ^ (((kRhtSignMask >> i) & 1u) << 15));
-      u[i] = static_cast<int32_t>(fmul_rn(bf16_to_f32(signed_x), pow2));
-    }
+    for (int i = 0; i < kRhtSize; ++i)
+      u[i] = static_cast<int32_t>(fmul_rn(bf16_to_f32(x[i]), ((kRhtSignMask >> i) & 1u) ? npow2 : pow2));
   } else {
     // every input below 2^-101 (2^(25 - emax) would overflow FP32): the same terms on integers,
     // |x_i|/4 = sig_i * 2^(E_i - 9), i.e. sig_i << 18 >> d_i with d_i = emax - E_i >= 0
@@ -140,6 +148,33 @@ FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
       u[i] = neg ? -static_cast<int32_t>(t) : static_cast<int32_t>(t);
     }
   }
+  return emax;
+}
+
+// value = Y * 2^grid, RZ to FP32, then RNE to BF16. |Y| < 2^31, so RZ(Y) * 2^grid is exact and
+// equals the RZ of the product whenever the result stays normal: grid in [-126, 97] (and Y = 0
+// gives +0, as the contract's zero-sum rule does with C = +0). Outside that range (inputs within a
+// few binades of the BF16 extremes) the chunk takes the general rounding. Both are monotone in
+// |Y| and odd in Y.
+FP4SIM_HD bool rht16_grid_fast(int grid) { return grid >= -126 && grid <= 97; }
+
+// Same bits as rht16_reference (see the header comment), the 16 outputs packed two a word (element
+// 2k in word k's low half). in_amax (optional): the NaN-ignoring max |x_i|, from the same bits.
+FP4SIM_HD void rht16_packed(const uint16_t* x, uint32_t* w, float* in_amax = nullptr) {
+  const uint32_t amax_bits = rht16_input_max_bits(x);
+  if (amax_bits >= 0x7F80u) {  // Inf or NaN: rare, take the literal path's outcome
+    if (in_amax) *in_amax = rht16_input_amax_special(x);
+    rht16_special_packed(x, w);
+    return;
+  }
+  if (in_amax) *in_amax = bf16_to_f32(static_cast<uint16_t>(amax_bits));
+  if (amax_bits == 0) {  // all products zero; C = +0 is not -0, so every output is +0
+    FP4SIM_UNROLL
+    for (int k = 0; k < kRhtSize / 2; ++k) w[k] = 0;
+    return;
+  }
+  int32_t u[kRhtSize];
+  const int emax = rht16_terms(x, amax_bits, u);
   // in-place Walsh-Hadamard butterflies: Y_j = sum_i u_i (-1)^popcount(i & j); |Y| < 2^31
   // (one stage per call with a constant span: nested loops whose bounds depend on the outer ones
   // were not fully unrolled by nvcc, which then indexed u[] at run time through select chains)
@@ -147,19 +182,64 @@ FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
   rht_butterflies<2>(u);
   rht_butterflies<4>(u);
   rht_butterflies<8>(u);
-  // value_j = Y_j * 2^grid, RZ to FP32. |Y| < 2^31, so RZ(Y) * 2^grid is exact and equals the RZ of
-  // the product whenever the result stays normal: grid in [-126, 97] (and Y = 0 gives +0, as the
-  // contract's zero-sum rule does with C = +0). Outside that range (inputs within a few binades of
-  // the BF16 extremes) the whole chunk takes the general rounding.
   const int grid = emax - 2 - kBf16FdpaF;
-  if (grid >= -126 && grid <= 97) {
+  if (rht16_grid_fast(grid)) {
     const float pow2 = f32_from_bits(static_cast<uint32_t>(grid + 127) << 23);
     FP4SIM_UNROLL
-    for (int j = 0; j < kRhtSize; ++j) y[j] = bf16_rne(fmul_rn(int_to_f32_rz(u[j]), pow2));
+    for (int k = 0; k < kRhtSize / 2; ++k)
+      w[k] = bf16x2_rne(fmul_rn(int_to_f32_rz(u[2 * k]), pow2), fmul_rn(int_to_f32_rz(u[2 * k + 1]), pow2));
   } else {
     FP4SIM_UNROLL
-    for (int j = 0; j < kRhtSize; ++j) y[j] = rht16_round_general(u[j], grid);
+    for (int k = 0; k < kRhtSize / 2; ++k)
+      w[k] = static_cast<uint32_t>(rht16_round_general(u[2 * k], grid)) |
+             static_cast<uint32_t>(rht16_round_general(u[2 * k + 1], grid)) << 16;
   }
+}
+
+// Same bits as rht16_reference, one output a BF16 element.
+FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
+  uint32_t w[kRhtSize / 2];
+  rht16_packed(x, w);
+  FP4SIM_UNROLL
+  for (int k = 0; k < kRhtSize / 2; ++k) {
+    y[2 * k] = static_cast<uint16_t>(w[k]);
+    y[2 * k + 1] = static_cast<uint16_t>(w[k] >> 16);
+  }
+}
+
+// The NaN-ignoring max |y_j| of rht16's outputs (0 when every output is NaN), without rounding
+// each: the rounding is monotone in |Y| and odd, so max |y_j| is the rounding of max |Y_j|, and
+// the last butterfly stage's pairs (p + q, p - q) have max(|p + q|, |p - q|) = |p| + |q|.
+// in_amax (optional): the NaN-ignoring max |x_i|.
+FP4SIM_HD float rht16_abs_max(const uint16_t* x, float* in_amax = nullptr) {
+  const uint32_t amax_bits = rht16_input_max_bits(x);
+  if (amax_bits >= 0x7F80u) {
+    if (in_amax) *in_amax = rht16_input_amax_special(x);
+    uint32_t w[kRhtSize / 2];
+    rht16_special_packed(x, w);
+    float m = 0.0f;
+    for (int j = 0; j < kRhtSize; ++j)
+      m = fmax_nan_ignored(m, f32_abs(bf16_to_f32(static_cast<uint16_t>(w[j / 2] >> (16 * (j % 2))))));
+    return m;
+  }
+  if (in_amax) *in_amax = bf16_to_f32(static_cast<uint16_t>(amax_bits));
+  if (amax_bits == 0) return 0.0f;
+  int32_t u[kRhtSize];
+  const int emax = rht16_terms(x, amax_bits, u);
+  rht_butterflies<1>(u);
+  rht_butterflies<2>(u);
+  rht_butterflies<4>(u);
+  int32_t ymax = 0;  // max_j |Y_j| < 2^31
+  FP4SIM_UNROLL
+  for (int k = 0; k < kRhtSize / 2; ++k) {
+    const int32_t p = u[k] < 0 ? -u[k] : u[k], q = u[k + 8] < 0 ? -u[k + 8] : u[k + 8];
+    ymax = p + q > ymax ? p + q : ymax;
+  }
+  const int grid = emax - 2 - kBf16FdpaF;
+  const uint16_t y = rht16_grid_fast(grid)
+                         ? bf16_rne(fmul_rn(int_to_f32_rz(ymax), f32_from_bits(static_cast<uint32_t>(grid + 127) << 23)))
+                         : rht16_round_general(ymax, grid);
+  return bf16_to_f32(y);
 }
 
 }  // namespace fp4sim

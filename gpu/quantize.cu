@@ -109,22 +109,38 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t
   amax_finish<kThreads>(m, 0.0f, args);
 }
 
-// One 16-row chunk of a tile column through the RHT (the amax passes): rht16 of the BF16 inputs
-// `in`, their outputs' max |y| into m_rht, and, with `keep`, the 16 outputs to yt_col (the column's
-// row k * 16 of the transposed tile, 16-byte aligned) as two 16-byte stores.
+// The NaN-ignoring max |v| of 16 BF16 values held as eight words (element 2q in word q's low half),
+// from a tree of max.xorsign.abs.bf16x2 (per half: max(|a|, |b|), a NaN operand ignored; the sign
+// bits it leaves are dropped at the end, and an all-NaN block, whose max is a NaN, gives 0 as
+// amax_strided does). BF16 max is exact, so the amax is the FP32 one's value.
+__device__ __forceinline__ uint32_t bf16x2_max_abs(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ float bf16x16_abs_max(const uint32_t* w) {
+  const uint32_t m = bf16x2_max_abs(bf16x2_max_abs(bf16x2_max_abs(w[0], w[1]), bf16x2_max_abs(w[2], w[3])),
+                                    bf16x2_max_abs(bf16x2_max_abs(w[4], w[5]), bf16x2_max_abs(w[6], w[7])));
+  const uint32_t hi = bf16x2_max_abs(m, m << 16);  // high half: the max of both halves
+  return fmaxf(0.0f, fabsf(f32_from_bits(hi & 0xFFFF0000u)));
+}
+
+// One 16-row chunk of a tile column through the RHT (the amax passes): the max |y| of its outputs
+// into m_rht and, with `keep`, the 16 outputs to yt_col (the column's row k * 16 of the
+// transposed tile, 16-byte aligned) as two 16-byte stores; without it only max |y|
+// (rht16_abs_max: one rounding a chunk instead of 16). in_amax (optional): the inputs' NaN-ignoring
+// max |x|, from the same bits.
 __device__ __forceinline__ void rht_chunk_amax(const uint16_t (&in)[kRhtSize], float& m_rht, bool keep,
-                                               uint16_t* yt_col) {
-  uint16_t y[kRhtSize];
-  rht16(in, y);
-  FP4SIM_UNROLL
-  for (int i = 0; i < kRhtSize; ++i) m_rht = fmax_nan_ignored(m_rht, f32_abs(bf16_to_f32(y[i])));
+                                               uint16_t* yt_col, float* in_amax = nullptr) {
   if (keep) {
-    uint4* dst = reinterpret_cast<uint4*>(yt_col);
     uint32_t w[kRhtSize / 2];
-    FP4SIM_UNROLL
-    for (int i = 0; i < kRhtSize / 2; ++i) w[i] = static_cast<uint32_t>(y[2 * i]) | static_cast<uint32_t>(y[2 * i + 1]) << 16;
+    rht16_packed(in, w, in_amax);
+    m_rht = fmax_nan_ignored(m_rht, bf16x16_abs_max(w));
+    uint4* dst = reinterpret_cast<uint4*>(yt_col);
     dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
     dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  } else {
+    m_rht = fmax_nan_ignored(m_rht, rht16_abs_max(in, in_amax));
   }
 }
 
@@ -227,11 +243,12 @@ __global__ void __launch_bounds__(kThreads, kRows == 32 ? 8 : 6)
 // computed. Per tile the same work as amax_tile_kernel<T, true, 32>: the plain amax over the raw
 // values, rht16 of each column's 16-row chunks over the BF16 inputs, the RHT amax over its BF16
 // outputs, and the outputs kept transposed (rht_out) when asked. Same bits (max is order-free).
-// 5 CTAs an SM (FP32 input: 42 KB of shared memory a CTA; ptxas: 80 registers FP32, 81 BF16).
+// 5 CTAs an SM for FP32 input (42 KB of shared memory a CTA), 8 for BF16 (26 KB, 64 registers).
 constexpr int kPipeRows = 32;
 template <class T>
-__global__ void __launch_bounds__(kThreads, 5)
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 8 : 5)
     amax_rht_pipelined_kernel(const T* x, int64_t rows, int64_t cols, int64_t stride, AmaxArgs args) {
+  pdl_allow_dependents();
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kVecPerRow = kTileCols / kVec;
   constexpr int kCopies = kPipeRows * kVecPerRow / kThreads;  // 16-byte copies a thread per tile
@@ -284,11 +301,15 @@ __global__ void __launch_bounds__(kThreads, 5)
       FP4SIM_UNROLL
       for (int i = 0; i < kRhtSize; ++i) {
         const T v = tl[(k * kRhtSize + i) * kTileCols + t];
-        m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(v)));
+        // (BF16 input: the plain amax comes from the RHT's own max of the input bits)
+        if constexpr (sizeof(T) == 4) m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(v)));
         in[i] = rht_input(v);
         if (sub == 2u) col_sum = __fadd_rn(col_sum, Elem<T>::to_f32(v));  // rows in increasing order, from +0
       }
-      rht_chunk_amax(in, m_rht, args.rht_out != nullptr, yt + t * kYtStride + k * kRhtSize);
+      float chunk_plain = 0.0f;
+      rht_chunk_amax(in, m_rht, args.rht_out != nullptr, yt + t * kYtStride + k * kRhtSize,
+                     sizeof(T) == 2 ? &chunk_plain : nullptr);
+      if constexpr (sizeof(T) == 2) m_plain = fmax_nan_ignored(m_plain, chunk_plain);
     }
     if (sub == 2u && s % 2 == 1)
       args.col_partial[static_cast<int64_t>(tile / tiles_x / 2) * cols + static_cast<int64_t>(tile % tiles_x) * kTileCols + t] =
@@ -446,31 +467,16 @@ __device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, float ama
   *reinterpret_cast<uint2*>(c.codes + static_cast<uint64_t>(e) / 2) = nvfp4_block_1x16_encode(v, amax_b, g, sr, c, e, s);
   c.scales[scale_index] = s;
 }
-__device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, const Nvfp4Global& g, const SrBits& sr,
-                                                       const CopyArgs& c, int64_t e, int64_t scale_index) {
-  nvfp4_block_1x16_store(v, amax16(v), g, sr, c, e, scale_index);
-}
 
 // 16 BF16 values held as eight words (element 2q in word q's low half): their FP32 values (a shift
-// or a mask each) and their NaN-ignoring amax, from a tree of max.xorsign.abs.bf16x2 (per half:
-// max(|a|, |b|), a NaN operand ignored; the sign bits it leaves are dropped at the end, and an
-// all-NaN block, whose max is a NaN, gives 0 as amax_strided does). BF16 max is exact, so the
-// amax is the FP32 one's value.
-__device__ __forceinline__ uint32_t bf16x2_max_abs(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
+// or a mask each) and their NaN-ignoring amax (bf16x16_abs_max).
 __device__ __forceinline__ float bf16x16_unpack(const uint32_t* w, float* v) {
   FP4SIM_UNROLL
   for (int q = 0; q < kNvfp4Block / 2; ++q) {
     v[2 * q] = f32_from_bits(w[q] << 16);
     v[2 * q + 1] = f32_from_bits(w[q] & 0xFFFF0000u);
   }
-  const uint32_t m = bf16x2_max_abs(bf16x2_max_abs(bf16x2_max_abs(w[0], w[1]), bf16x2_max_abs(w[2], w[3])),
-                                    bf16x2_max_abs(bf16x2_max_abs(w[4], w[5]), bf16x2_max_abs(w[6], w[7])));
-  const uint32_t hi = bf16x2_max_abs(m, m << 16);  // high half: the max of both halves
-  return fmaxf(0.0f, fabsf(f32_from_bits(hi & 0xFFFF0000u)));
+  return bf16x16_abs_max(w);
 }
 // A 1x16 block's FP32 values from its raw elements (FP32, or BF16 16-byte aligned) and its amax.
 template <class T>
@@ -715,19 +721,21 @@ int g_fast_cols_per_thread = 1;
 bool g_col_staged = true;  // variant 1 stages whole tiles' column-wise codes (3: it does not)
 
 // v = the 16 values of tile column tcol's k-th block (rows 16 k ..), RHT-transformed where asked
+// and returns their amax (amax_strided's value)
 template <class T, bool kColRht, int kCols>
-__device__ __forceinline__ void tile_column_block(const T* tile, int tcol, int k, float* v) {
+__device__ __forceinline__ float tile_column_block(const T* tile, int tcol, int k, float* v) {
   const T* col = tile + (k * kNvfp4Block) * kCols + tcol;
   if constexpr (kColRht) {
-    uint16_t in[kRhtSize], y[kRhtSize];
+    uint16_t in[kRhtSize];
+    uint32_t w[kRhtSize / 2];
     FP4SIM_UNROLL
     for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(col[i * kCols]);
-    rht16(in, y);
-    FP4SIM_UNROLL
-    for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(y[i]);
+    rht16_packed(in, w);
+    return bf16x16_unpack(w, v);
   } else {
     FP4SIM_UNROLL
     for (int i = 0; i < kNvfp4Block; ++i) v[i] = Elem<T>::to_f32(col[i * kCols]);
+    return amax16(v);
   }
 }
 
@@ -789,12 +797,12 @@ __device__ __forceinline__ void tile_cols_staged(const T* tile, int64_t r0, int6
 #pragma unroll 1
   for (int k = 0; k < kColBlocks; ++k) {
     float v[kNvfp4Block];
-    tile_column_block<T, kColRht, kCols>(tile, t, k, v);
+    const float amax_b = tile_column_block<T, kColRht, kCols>(tile, t, k, v);
     const int64_t e = e0 + k * kNvfp4Block;
     SrBits bits{};
     if constexpr (kSr) bits = sr_bits_for_chunk(true, a.seed, a.col.stream, static_cast<uint64_t>(e / kSrChunk));
     uint8_t s;
-    col_stage[t][k ^ ((t >> 2) & 3)] = nvfp4_block_1x16_encode<kSr, kDec>(v, amax16(v), g, bits, a.col, e, s);
+    col_stage[t][k ^ ((t >> 2) & 3)] = nvfp4_block_1x16_encode<kSr, kDec>(v, amax_b, g, bits, a.col, e, s);
     scales |= static_cast<uint32_t>(s) << (8 * k);
   }
   *reinterpret_cast<uint32_t*>(a.col.scales + e0 / kNvfp4Block) = scales;
@@ -888,11 +896,11 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
     const int64_t r = r0 + k * kNvfp4Block;
     if (c >= C || r >= R) continue;
     float v[kNvfp4Block];
-    tile_column_block<T, kColRht, kCols>(tile, kPer * t + j, k, v);
+    const float amax_b = tile_column_block<T, kColRht, kCols>(tile, kPer * t + j, k, v);
     const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
                                           static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
     // the 4 chunks of a column land in one 32-byte sector, written by this thread in turn
-    nvfp4_block_1x16_store(v, g, bits, a.col, c * R + r, c * (R / kNvfp4Block) + r / kNvfp4Block);
+    nvfp4_block_1x16_store(v, amax_b, g, bits, a.col, c * R + r, c * (R / kNvfp4Block) + r / kNvfp4Block);
   }
 }
 

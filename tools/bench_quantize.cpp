@@ -237,6 +237,23 @@ BENCHMARK(BM_GpuQuantizeRhtAmaxVariants)->Args({768, 0})->Args({768, 1})->Args({
     ->Args({3072, 1})->Args({3072, 2})->UseManualTime()->Iterations(5)->Repetitions(3)->ReportAggregatesOnly(true)
     ->Unit(benchmark::kMicrosecond);
 
+// The same training-step quantize with the RHT transform kept between the passes (1) or computed
+// again in the tile kernel (0, set_quantize_keep_rht(false)); compare the times (ms): the byte count,
+// and so pct_of_copy_bw, includes the kept transform either way.
+void BM_GpuQuantizeTrainKeep(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  gpu::set_quantize_keep_rht(state.range(1) != 0);
+  time_rht_train_quantize(state, state.range(0));
+  gpu::set_quantize_keep_rht(true);
+  state.SetLabel(state.range(1) != 0 ? "kept" : "rht-twice");
+}
+// {cols, keep the transform}
+BENCHMARK(BM_GpuQuantizeTrainKeep)->ArgsProduct({{768, 3072}, {1, 0}})->UseManualTime()->Iterations(5)->Repetitions(3)
+    ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+
 // The same training-step quantize (FP32 16384 x cols, row RN + column RHT + SR, the pipelined amax
 // pass) with the streaming kernel's grid capped at `ctas` CTAs per SM and copy (0: one 1x16 block a
 // thread), the knob set_quantize_kept_ctas_per_sm.

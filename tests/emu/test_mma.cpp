@@ -154,6 +154,23 @@ TEST(Rht, SignVectorAndOrthogonality) {
     }
 }
 
+// rht16_abs_max's two results against the literal outputs and inputs: the NaN-ignoring max |y_j|
+// and max |x_i|, as the amax passes fold them.
+void expect_abs_max_matches(const uint16_t* x, const uint16_t* y_ref, int trial) {
+  float want_y = 0.0f, want_x = 0.0f;
+  for (int j = 0; j < 16; ++j) {
+    want_y = fmax_nan_ignored(want_y, f32_abs(bf16_to_f32(y_ref[j])));
+    want_x = fmax_nan_ignored(want_x, f32_abs(bf16_to_f32(x[j])));
+  }
+  float got_x = -1.0f, packed_x = -1.0f;
+  const float got_y = rht16_abs_max(x, &got_x);
+  uint32_t w[8];
+  rht16_packed(x, w, &packed_x);
+  ASSERT_EQ(f32_bits(got_y), f32_bits(want_y)) << "trial " << trial << ": max |y|";
+  ASSERT_EQ(f32_bits(got_x), f32_bits(want_x)) << "trial " << trial << ": max |x| (rht16_abs_max)";
+  ASSERT_EQ(f32_bits(packed_x), f32_bits(want_x)) << "trial " << trial << ": max |x| (rht16_packed)";
+}
+
 TEST(Rht, FastPathEqualsLiteralTfdpa) {
   std::mt19937_64 rng(3);
   for (int trial = 0; trial < 300000; ++trial) {
@@ -170,6 +187,7 @@ TEST(Rht, FastPathEqualsLiteralTfdpa) {
     rht16(x, y_fast);
     rht16_reference(x, y_ref);
     for (int j = 0; j < 16; ++j) ASSERT_EQ(y_fast[j], y_ref[j]) << "trial " << trial << " j " << j;
+    ASSERT_NO_FATAL_FAILURE(expect_abs_max_matches(x, y_ref, trial));
   }
 }
 
@@ -194,6 +212,7 @@ TEST(Rht, FastPathEqualsLiteralTfdpaAtTheExtremes) {
     rht16(x, y_fast);
     rht16_reference(x, y_ref);
     for (int j = 0; j < 16; ++j) ASSERT_EQ(y_fast[j], y_ref[j]) << "trial " << trial << " j " << j;
+    ASSERT_NO_FATAL_FAILURE(expect_abs_max_matches(x, y_ref, trial));
   }
 }
 
