@@ -41,12 +41,51 @@ FP4SIM_HD Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32
   return Philox4x32{{c0, c1, c2, c3}};
 }
 
+// The ten round keys of a key (k0, k1): round r adds r Weyl steps. A kernel that draws many
+// chunks under one seed passes them in (its parameter space), so each round's key is an operand
+// instead of two additions a round and chunk.
+struct PhiloxKeys {
+  uint32_t k0[kPhiloxRounds], k1[kPhiloxRounds];
+};
+FP4SIM_HD PhiloxKeys philox_round_keys(uint64_t seed) {
+  PhiloxKeys keys{};
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    keys.k0[round] = k0;
+    keys.k1[round] = k1;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
+  }
+  return keys;
+}
+// philox4x32_10 with its round keys given (the same bits).
+FP4SIM_HD Philox4x32 philox4x32_10_keyed(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, const PhiloxKeys& keys) {
+  FP4SIM_UNROLL
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    const uint32_t hi0 = mulhi32(kPhiloxM0, c0);
+    const uint32_t lo0 = kPhiloxM0 * c0;
+    const uint32_t hi1 = mulhi32(kPhiloxM1, c2);
+    const uint32_t lo1 = kPhiloxM1 * c2;
+    c0 = hi1 ^ c1 ^ keys.k0[round];
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ keys.k1[round];
+    c3 = lo0;
+  }
+  return Philox4x32{{c0, c1, c2, c3}};
+}
+
 // The random bits of one 16-element chunk of a tensor as written (R rows x C columns): chunk index
 // g = r*(C/16) + c/16, counter (g lo, g hi, stream lo, stream hi), key = seed.
 FP4SIM_HD Philox4x32 sr_chunk_bits(uint64_t seed, uint64_t stream, uint64_t chunk) {
   return philox4x32_10(static_cast<uint32_t>(chunk), static_cast<uint32_t>(chunk >> 32),
                        static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32),
                        static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// sr_chunk_bits with the seed's round keys given (philox_round_keys(seed)).
+FP4SIM_HD Philox4x32 sr_chunk_bits_keyed(const PhiloxKeys& keys, uint64_t stream, uint64_t chunk) {
+  return philox4x32_10_keyed(static_cast<uint32_t>(chunk), static_cast<uint32_t>(chunk >> 32),
+                             static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32), keys);
 }
 
 // Which random byte feeds element j (0..15) of a chunk: byte j%4 (byte 0 = bits 7..0) of word j/4.

@@ -207,25 +207,24 @@ FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
   }
 }
 
-// The NaN-ignoring max |y_j| of rht16's outputs (0 when every output is NaN), without rounding
-// each: the rounding is monotone in |Y| and odd, so max |y_j| is the rounding of max |Y_j|, and
-// the last butterfly stage's pairs (p + q, p - q) have max(|p + q|, |p - q|) = |p| + |q|.
-// in_amax (optional): the NaN-ignoring max |x_i|.
-FP4SIM_HD float rht16_abs_max(const uint16_t* x, float* in_amax = nullptr) {
-  const uint32_t amax_bits = rht16_input_max_bits(x);
-  if (amax_bits >= 0x7F80u) {
-    if (in_amax) *in_amax = rht16_input_amax_special(x);
-    uint32_t w[kRhtSize / 2];
-    rht16_special_packed(x, w);
-    float m = 0.0f;
-    for (int j = 0; j < kRhtSize; ++j)
-      m = fmax_nan_ignored(m, f32_abs(bf16_to_f32(static_cast<uint16_t>(w[j / 2] >> (16 * (j % 2))))));
-    return m;
-  }
-  if (in_amax) *in_amax = bf16_to_f32(static_cast<uint16_t>(amax_bits));
-  if (amax_bits == 0) return 0.0f;
+// max |y_j| of a chunk on the common path (every input finite, emax in [-99, 124]: the FMUL terms
+// and the fast grid), given its input max bits: the rounding is monotone in |Y| and odd, so max
+// |y_j| is the rounding of max |Y_j|, and the last butterfly stage's pairs (p + q, p - q) have
+// max(|p + q|, |p - q|) = |p| + |q|. Straight-line code: on the GPU it runs for every chunk, its
+// result kept only where the path applies, so a caller's chunks can interleave.
+FP4SIM_HD float rht16_abs_max_common(const uint16_t* x, int emax) {
   int32_t u[kRhtSize];
-  const int emax = rht16_terms(x, amax_bits, u);
+  const float pow2 = f32_from_bits(static_cast<uint32_t>(25 - emax + 127) << 23);
+  const float npow2 = -pow2;
+  FP4SIM_UNROLL
+  for (int i = 0; i < kRhtSize; ++i) {
+    const float term = fmul_rn(bf16_to_f32(x[i]), ((kRhtSignMask >> i) & 1u) ? npow2 : pow2);
+#if defined(__CUDA_ARCH__)
+    u[i] = __float2int_rz(term);  // (saturating where the path does not apply: no undefined value)
+#else
+    u[i] = static_cast<int32_t>(term);
+#endif
+  }
   rht_butterflies<1>(u);
   rht_butterflies<2>(u);
   rht_butterflies<4>(u);
@@ -236,10 +235,69 @@ FP4SIM_HD float rht16_abs_max(const uint16_t* x, float* in_amax = nullptr) {
     ymax = p + q > ymax ? p + q : ymax;
   }
   const int grid = emax - 2 - kBf16FdpaF;
+  return bf16_to_f32(bf16_rne(fmul_rn(int_to_f32_rz(ymax), f32_from_bits(static_cast<uint32_t>(grid + 127) << 23))));
+}
+
+// rht16_abs_max off the common path (an Inf or NaN input, all zeros, or inputs near the ends of
+// the BF16 range): out of line, it is rare. The chunk comes by value (an array whose address
+// reaches a call lives in local memory on the GPU, stored there for every chunk).
+struct Bf16Chunk {
+  uint16_t v[kRhtSize];
+};
+FP4SIM_HD_NOINLINE float rht16_abs_max_rare(Bf16Chunk chunk, uint32_t amax_bits) {
+  const uint16_t* x = chunk.v;
+  if (amax_bits >= 0x7F80u) {
+    uint32_t w[kRhtSize / 2];
+    rht16_special_packed(x, w);
+    float m = 0.0f;
+    for (int j = 0; j < kRhtSize; ++j)
+      m = fmax_nan_ignored(m, f32_abs(bf16_to_f32(static_cast<uint16_t>(w[j / 2] >> (16 * (j % 2))))));
+    return m;
+  }
+  if (amax_bits == 0) return 0.0f;
+  int32_t u[kRhtSize];
+  const int emax = rht16_terms(x, amax_bits, u);
+  rht_butterflies<1>(u);
+  rht_butterflies<2>(u);
+  rht_butterflies<4>(u);
+  int32_t ymax = 0;
+  for (int k = 0; k < kRhtSize / 2; ++k) {
+    const int32_t p = u[k] < 0 ? -u[k] : u[k], q = u[k + 8] < 0 ? -u[k + 8] : u[k + 8];
+    ymax = p + q > ymax ? p + q : ymax;
+  }
+  const int grid = emax - 2 - kBf16FdpaF;
   const uint16_t y = rht16_grid_fast(grid)
                          ? bf16_rne(fmul_rn(int_to_f32_rz(ymax), f32_from_bits(static_cast<uint32_t>(grid + 127) << 23)))
                          : rht16_round_general(ymax, grid);
   return bf16_to_f32(y);
+}
+
+// The NaN-ignoring max |y_j| of rht16's outputs (0 when every output is NaN), without rounding
+// each output (rht16_abs_max_common). in_amax (optional): the NaN-ignoring max |x_i|.
+FP4SIM_HD float rht16_abs_max(const uint16_t* x, float* in_amax = nullptr) {
+  const uint32_t amax_bits = rht16_input_max_bits(x);
+  if (in_amax)
+    *in_amax = amax_bits >= 0x7F80u ? rht16_input_amax_special(x) : bf16_to_f32(static_cast<uint16_t>(amax_bits));
+  const int emax = static_cast<int>(amax_bits >> 7 > 1u ? amax_bits >> 7 : 1u) - 127;
+  // the common path: finite inputs, the FMUL terms (emax >= -102) and the fast grid (emax - 27 in
+  // [-126, 97])
+  const bool common = amax_bits < 0x7F80u && emax >= -99 && emax <= 124;
+#if defined(__CUDA_ARCH__)
+  // (the GPU computes the common path for every chunk, before the branch: straight-line code that
+  // a caller's chunks can interleave)
+  const float y = rht16_abs_max_common(x, common ? emax : 0);
+#endif
+  if (!common) {
+    Bf16Chunk c;
+    FP4SIM_UNROLL
+    for (int i = 0; i < kRhtSize; ++i) c.v[i] = x[i];
+    return rht16_abs_max_rare(c, amax_bits);
+  }
+#if defined(__CUDA_ARCH__)
+  return y;
+#else
+  return rht16_abs_max_common(x, emax);
+#endif
 }
 
 }  // namespace fp4sim

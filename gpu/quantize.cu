@@ -263,8 +263,9 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 8 : 5)
   constexpr int kRowsPerCopy = kThreads / kVecPerRow;
   const T* const xt = x + (t / kVecPerRow) * stride + (t % kVecPerRow) * kVec;
   const int64_t copy_step = kRowsPerCopy * stride;
-  auto issue = [&](uint32_t tile, int buf) {
-    const T* g = xt + static_cast<int64_t>(tile / tiles_x) * kPipeRows * stride + (tile % tiles_x) * kTileCols;
+  // a tile by its row tile and column tile
+  auto issue = [&](uint32_t row_tile, uint32_t col_tile, int buf) {
+    const T* g = xt + static_cast<int64_t>(row_tile) * kPipeRows * stride + static_cast<int64_t>(col_tile) * kTileCols;
     T* sm = raw[buf] + t * kVec;
     FP4SIM_UNROLL
     for (int k = 0; k < kCopies; ++k) cp_async16(sm + k * kThreads * kVec, g + k * copy_step);
@@ -277,26 +278,40 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 8 : 5)
   // in grid-stride order.
   const uint32_t sub = args.col_partial ? 2u : 1u;
   const uint32_t per_cta = ntiles / sub > blockIdx.x ? (ntiles / sub - blockIdx.x + gridDim.x - 1) / gridDim.x * sub : 0u;
-  auto tile_of = [&](uint32_t s) {
-    const uint32_t item = blockIdx.x + (s / sub) * gridDim.x;
-    return (item / tiles_x * sub + s % sub) * tiles_x + item % tiles_x;
+  // The items walked without a division a step: (item / tiles_x, item % tiles_x) advance by the
+  // grid's quotient and remainder (the divisions by a run-time tiles_x were ~60 instructions a tile,
+  // ~15% of the pass, ncu 2026-12-01).
+  const uint32_t step_q = gridDim.x / tiles_x, step_r = gridDim.x % tiles_x;
+  uint32_t item_q = blockIdx.x / tiles_x, item_r = blockIdx.x % tiles_x;  // step s's item
+  uint32_t next_q = item_q, next_r = item_r;                             // step s + 1's item
+  auto advance = [&](uint32_t& q, uint32_t& r) {
+    q += step_q;
+    r += step_r;
+    if (r >= tiles_x) {
+      r -= tiles_x;
+      ++q;
+    }
   };
+  if (sub == 1u) advance(next_q, next_r);
   float col_sum = 0.0f;
-  if (per_cta > 0) issue(tile_of(0), 0);
+  if (per_cta > 0) issue(item_q * sub, item_r, 0);
   cp_async_commit();
 #pragma unroll 1
   for (uint32_t s = 0; s < per_cta; ++s) {
     const int buf = static_cast<int>(s & 1u);
-    const uint32_t tile = tile_of(s);
+    const uint32_t row_tile = item_q * sub + s % sub, col_tile = item_r;
     // the next tile into the other buffer (free: the previous iteration ended with a barrier)
-    if (s + 1 < per_cta) issue(tile_of(s + 1), buf ^ 1);
+    if (s + 1 < per_cta) issue(next_q * sub + (s + 1) % sub, next_r, buf ^ 1);
+    item_q = next_q;  // (step s + 1's item, and s + 2's below)
+    item_r = next_r;
+    if ((s + 2) % sub == 0) advance(next_q, next_r);
     cp_async_commit();
     cp_async_wait<1>();  // this thread's copies of the current tile have landed
     __syncthreads();     // and everyone's
     const T* tl = raw[buf];
     if (s % sub == 0) col_sum = 0.0f;
-#pragma unroll 1
-    for (int k = 0; k < kPipeRows / kRhtSize; ++k) {
+    // the column's chunks of this tile (keep: rht_chunk_amax with the outputs kept)
+    auto chunk = [&](int k, bool keep) {
       uint16_t in[kRhtSize];
       FP4SIM_UNROLL
       for (int i = 0; i < kRhtSize; ++i) {
@@ -307,18 +322,23 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 8 : 5)
         if (sub == 2u) col_sum = __fadd_rn(col_sum, Elem<T>::to_f32(v));  // rows in increasing order, from +0
       }
       float chunk_plain = 0.0f;
-      rht_chunk_amax(in, m_rht, args.rht_out != nullptr, yt + t * kYtStride + k * kRhtSize,
-                     sizeof(T) == 2 ? &chunk_plain : nullptr);
+      rht_chunk_amax(in, m_rht, keep, yt + t * kYtStride + k * kRhtSize, sizeof(T) == 2 ? &chunk_plain : nullptr);
       if constexpr (sizeof(T) == 2) m_plain = fmax_nan_ignored(m_plain, chunk_plain);
+    };
+    if (args.rht_out) {
+#pragma unroll 1
+      for (int k = 0; k < kPipeRows / kRhtSize; ++k) chunk(k, true);
+    } else {
+      // (unrolled: rht16_abs_max's common path is straight-line code, so the two chunks interleave)
+      FP4SIM_UNROLL
+      for (int k = 0; k < kPipeRows / kRhtSize; ++k) chunk(k, false);
     }
     if (sub == 2u && s % 2 == 1)
-      args.col_partial[static_cast<int64_t>(tile / tiles_x / 2) * cols + static_cast<int64_t>(tile % tiles_x) * kTileCols + t] =
-          col_sum;
+      args.col_partial[static_cast<int64_t>(row_tile / 2) * cols + static_cast<int64_t>(col_tile) * kTileCols + t] = col_sum;
     if (args.rht_out) {
       __syncthreads();
-      store_rht_transposed<kPipeRows, kYtStride>(yt, args.rht_out, rows, cols,
-                                                 static_cast<int64_t>(tile / tiles_x) * kPipeRows,
-                                                 static_cast<int64_t>(tile % tiles_x) * kTileCols);
+      store_rht_transposed<kPipeRows, kYtStride>(yt, args.rht_out, rows, cols, static_cast<int64_t>(row_tile) * kPipeRows,
+                                                 static_cast<int64_t>(col_tile) * kTileCols);
     }
     __syncthreads();  // raw[buf] and yt are free for the next tile
   }
@@ -371,7 +391,16 @@ struct QuantArgs {
   uint64_t seed;
   CopyArgs row, col;
   bool col_staged;  // nvfp4_1x16_kernel (64x128 tiles): whole tiles stage the column-wise codes (host: R % 64 == 0, aligned)
+  PhiloxKeys keys;  // philox_round_keys(seed), for sr_bits_keyed
 };
+
+// sr_bits_for_chunk's bits from the call's round keys (a.keys: the same bits, fewer instructions).
+__device__ __forceinline__ SrBits sr_bits_keyed(bool enabled, const QuantArgs& a, uint64_t stream, uint64_t chunk) {
+  SrBits s;
+  s.enabled = enabled;
+  s.bits = enabled ? sr_chunk_bits_keyed(a.keys, stream, chunk) : Philox4x32{{0, 0, 0, 0}};
+  return s;
+}
 
 // One NVFP4 block of a copy written: its 8 code bytes for the 16 elements from e (the written
 // tensor's row-major index of the block's first element), its scale at scale_index and, where the
@@ -714,6 +743,8 @@ struct FastTile {
   // (FP32 tiles, 32 KiB: shared memory holds 6 CTAs an SM, so they keep 6 and 80 registers.)
   static constexpr int kMinBlocks = kPer == 2 ? 4 : sizeof(T) == 2 ? 8 : 6;
 };
+// (The RHT-in-tile variant at 7 and 6 CTAs an SM, 72 and 80 registers: 173 and 175 us against 172
+// at 8 for 8192^2 BF16 row RN + column RHT + SR, H200, 2026-12-01.)
 
 // Which tile shape the common-case kernel uses: 1 = 64x128 (one column per thread), 2 = 64x256
 // (a BF16 column pair per thread). Both give the same bits; bench_quantize compares them.
@@ -761,6 +792,7 @@ __device__ __forceinline__ void tile_rows_whole(const T* tile, int64_t r0, int64
   uint8_t* scales = a.row.scales + e0 / kNvfp4Block;
   const T* src = tile + tr0 * kCols + tb * kNvfp4Block;
   static_assert(kSrChunk == kNvfp4Block, "one Philox chunk a block");
+  const uint64_t chunk0 = static_cast<uint64_t>(e0) / kSrChunk, chunk_step = static_cast<uint64_t>(e_step) / kSrChunk;
 #pragma unroll 1
   for (int k = 0; k < Tile::kRowUnits; ++k) {
     alignas(16) T raw[kNvfp4Block];
@@ -771,7 +803,7 @@ __device__ __forceinline__ void tile_rows_whole(const T* tile, int64_t r0, int64
     const float amax_b = block16_values(raw, v);
     const int64_t e = e0 + k * e_step;
     SrBits bits{};
-    if constexpr (kSr) bits = sr_bits_for_chunk(true, a.seed, a.row.stream, static_cast<uint64_t>(e / kSrChunk));
+    if constexpr (kSr) bits = sr_bits_keyed(true, a, a.row.stream, chunk0 + k * chunk_step);
     uint8_t s;
     codes[k * (e_step / kNvfp4Block)] = nvfp4_block_1x16_encode<kSr, kDec>(v, amax_b, g, bits, a.row, e, s);
     scales[k * (e_step / kNvfp4Block)] = s;
@@ -793,6 +825,7 @@ __device__ __forceinline__ void tile_cols_staged(const T* tile, int64_t r0, int6
   const int t = threadIdx.x;
   const int64_t R = a.rows;
   const int64_t e0 = (c0 + t) * R + r0;  // the column's first block's first element, written order
+  const uint64_t chunk0 = static_cast<uint64_t>(e0) / kSrChunk;  // (its blocks: chunks chunk0 + k)
   uint32_t scales = 0;
 #pragma unroll 1
   for (int k = 0; k < kColBlocks; ++k) {
@@ -800,7 +833,7 @@ __device__ __forceinline__ void tile_cols_staged(const T* tile, int64_t r0, int6
     const float amax_b = tile_column_block<T, kColRht, kCols>(tile, t, k, v);
     const int64_t e = e0 + k * kNvfp4Block;
     SrBits bits{};
-    if constexpr (kSr) bits = sr_bits_for_chunk(true, a.seed, a.col.stream, static_cast<uint64_t>(e / kSrChunk));
+    if constexpr (kSr) bits = sr_bits_keyed(true, a, a.col.stream, chunk0 + k);
     uint8_t s;
     col_stage[t][k ^ ((t >> 2) & 3)] = nvfp4_block_1x16_encode<kSr, kDec>(v, amax_b, g, bits, a.col, e, s);
     scales |= static_cast<uint32_t>(s) << (8 * k);
@@ -1006,8 +1039,7 @@ __device__ __forceinline__ void nvfp4_rows(const T* x, const QuantArgs& a, uint3
     }
     float v[kNvfp4Block];
     const float amax_b = block16_values(raw, v);
-    const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
-                                          static_cast<uint64_t>(r * (a.cols / kSrChunk) + c / kSrChunk));
+    const SrBits bits = sr_bits_keyed(a.row.sr, a, a.row.stream, static_cast<uint64_t>(i));  // (chunk i: block i)
     nvfp4_block_1x16_store(v, amax_b, g, bits, a.row, r * a.cols + c, static_cast<int64_t>(i));
   });
 }
@@ -1027,8 +1059,7 @@ __device__ __forceinline__ void nvfp4_cols_rht(const uint16_t* rht_t, const Quan
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     float v[kNvfp4Block];
     const float amax_b = bf16x16_unpack(w, v);
-    const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
-                                          static_cast<uint64_t>(c * (R / kSrChunk) + r / kSrChunk));
+    const SrBits bits = sr_bits_keyed(a.col.sr, a, a.col.stream, static_cast<uint64_t>(i));  // (chunk i: block i)
     nvfp4_block_1x16_store(v, amax_b, g, bits, a.col, c * R + r, static_cast<int64_t>(i));
   });
 }
@@ -1051,6 +1082,9 @@ __global__ void __launch_bounds__(256) nvfp4_rht_kept_kernel(const T* x, const u
 // flight a thread (set_quantize_amax_unroll: 1 or 4).
 bool g_quantize_pdl = true;
 int g_amax_unroll = 4;
+// amax_flat_kernel's grid: this many CTAs an SM at most (set_quantize_amax_ctas_per_sm; 16 fill an
+// SM, fewer leave room for the early-launched tile pass to load its first tiles alongside)
+int g_amax_ctas_per_sm = 16;
 
 // nvfp4_1x16_kernel's launch: with g_quantize_pdl, allowed to start before the kernel ahead of it
 // in the stream (the amax pass) has finished; the kernel waits for it before reading its amax.
@@ -1137,7 +1171,7 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   } else if (amax_plain) {
     const int sms = current_device_sms();
     const int64_t want = (R * C / (16 / sizeof(T)) + kThreads - 1) / kThreads;
-    const int blocks = static_cast<int>(want < sms * 16 ? (want > 0 ? want : 1) : sms * 16);
+    const int blocks = static_cast<int>(want < sms * g_amax_ctas_per_sm ? (want > 0 ? want : 1) : sms * g_amax_ctas_per_sm);
     const AmaxArgs args{amax_plain, amax_plain2, nullptr, nullptr, amax_ws};
     if (g_amax_unroll == 4) amax_flat_kernel<T, 4><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
     else amax_flat_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
@@ -1154,6 +1188,7 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   qa.mse = cfg.fos_error == FourOverSixError::MSE;
   qa.mx_rule = cfg.mx_rule;
   qa.seed = cfg.seed;
+  qa.keys = philox_round_keys(cfg.seed);
   auto fill = [](CopyArgs& ca, const CopySpec& spec, QuantizedView* q) {
     ca.enabled = spec.enabled;
     ca.sr = spec.rounding == Rounding::SR;
@@ -1277,6 +1312,10 @@ void set_quantize_tile_variant(int variant) {
 
 void set_quantize_keep_rht(bool keep) { g_keep_rht = keep; }
 void set_quantize_early_launch(bool early) { g_quantize_pdl = early; }
+void set_quantize_amax_ctas_per_sm(int ctas) {
+  if (ctas < 1 || ctas > 16) throw std::invalid_argument("amax CTAs per SM must be 1..16, not " + std::to_string(ctas));
+  g_amax_ctas_per_sm = ctas;
+}
 void set_quantize_amax_unroll(int loads) {
   if (loads != 1 && loads != 4) throw std::invalid_argument("amax unroll must be 1 or 4, not " + std::to_string(loads));
   g_amax_unroll = loads;
