@@ -10,8 +10,9 @@
 
 #if defined(__CUDACC__)
 #define FP4SIM_HD __host__ __device__ __forceinline__
-// for rare, large paths (special values) that must not bloat the hot kernels' registers
-#define FP4SIM_HD_NOINLINE __host__ __device__ __noinline__
+// for rare, large paths (special values) that must not bloat the hot kernels' registers (inline:
+// one definition however many .cu files include the header)
+#define FP4SIM_HD_NOINLINE inline __host__ __device__ __noinline__
 #define FP4SIM_UNROLL _Pragma("unroll")
 #else
 #define FP4SIM_UNROLL

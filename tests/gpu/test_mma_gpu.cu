@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "emu/mma.hpp"
+#include "emu/rht.hpp"
 #include "gpu/cuda_check.hpp"
 #include "tests/gpu/gpu_test_util.hpp"
 
@@ -40,6 +41,26 @@ __global__ void fp8_kernel(const Fp8Case* cases, uint32_t* out, int n) {
   const OperandFormat fb = k.fb_e5m2 ? kE5M2Operand : kE4M3Operand;
   out[2 * i] = f32_bits(tfdpa_fp8_hopper(k.a, k.b, k.c, fa, fb));
   out[2 * i + 1] = f32_bits(tfdpa_fp8_blackwell(k.a, k.b, k.c, fa, fb));
+}
+
+struct RhtCase {
+  uint16_t x[16];
+};
+
+// Per chunk: rht16_packed's 8 words and its max |x|, rht16_abs_max's max |y| and max |x| (11 words).
+__global__ void rht_kernel(const RhtCase* cases, uint32_t* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  uint16_t x[16];
+  for (int k = 0; k < 16; ++k) x[k] = cases[i].x[k];
+  uint32_t w[8];
+  float in_packed = 0.0f, in_abs = 0.0f;
+  rht16_packed(x, w, &in_packed);
+  const float ymax = rht16_abs_max(x, &in_abs);
+  for (int k = 0; k < 8; ++k) out[11 * i + k] = w[k];
+  out[11 * i + 8] = f32_bits(in_packed);
+  out[11 * i + 9] = f32_bits(ymax);
+  out[11 * i + 10] = f32_bits(in_abs);
 }
 
 float random_c(std::mt19937_64& rng) {
@@ -130,6 +151,53 @@ TEST(MmaGpu, Fp8Tfdpa_RandomBitPatterns_MatchHost) {
                     << "/0x" << dev[2 * i + 1];
   }
   std::printf("[mma-gpu] FP8 T-FDPA: %zu random cases x 2 instructions, %d differ\n", cases.size(), bad);
+  EXPECT_EQ(bad, 0);
+}
+
+// The RHT's GPU forms (packed outputs, max |y| from one rounding a chunk, the input max from a
+// NaN-propagating FP32 tree, the common path computed for every chunk) against the host's, over
+// chunks at every scale, with NaN, Inf, zeros, subnormals and both ends of the BF16 range.
+TEST(MmaGpu, Rht16_RandomChunks_MatchHost) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  std::mt19937_64 rng(2028);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<RhtCase> cases(1000000);
+  for (size_t c = 0; c < cases.size(); ++c) {
+    RhtCase& k = cases[c];
+    const int kind = static_cast<int>(c % 8);
+    const int center = kind == 0 ? 0 : kind == 1 ? -110 : kind == 2 ? 118 : static_cast<int>(rng() % 240) - 120;
+    const int spread = kind == 3 ? 40 : kind == 4 ? 1 : 8;
+    for (int i = 0; i < 16; ++i) {
+      const float v = std::ldexp(nd(rng), center + static_cast<int>(rng() % (2 * spread + 1)) - spread);
+      k.x[i] = bf16_rne(v);
+      const uint32_t r = static_cast<uint32_t>(rng() % 1000);
+      if (r == 0) k.x[i] = 0x7FC0;                                       // NaN
+      if (r == 1) k.x[i] = static_cast<uint16_t>(rng() & 1 ? 0x7F80 : 0xFF80);  // Inf
+      if (r == 2) k.x[i] = static_cast<uint16_t>(rng() & 0x807F);        // subnormal or zero
+      if (r == 3) k.x[i] = static_cast<uint16_t>(rng());                 // any pattern
+    }
+    if (kind == 5 && rng() % 4 == 0)
+      for (int i = 0; i < 16; ++i) k.x[i] = static_cast<uint16_t>(rng() & 1 ? 0x8000 : 0);  // all zeros
+  }
+  const std::vector<uint32_t> dev = run_on_device(cases, 11, rht_kernel);
+  int bad = 0;
+  for (size_t c = 0; c < cases.size(); ++c) {
+    uint32_t w[8];
+    float in_packed = 0.0f, in_abs = 0.0f;
+    rht16_packed(cases[c].x, w, &in_packed);
+    const float ymax = rht16_abs_max(cases[c].x, &in_abs);
+    uint32_t host[11];
+    for (int k = 0; k < 8; ++k) host[k] = w[k];
+    host[8] = f32_bits(in_packed);
+    host[9] = f32_bits(ymax);
+    host[10] = f32_bits(in_abs);
+    for (int k = 0; k < 11; ++k) {
+      if (host[k] != dev[11 * c + k] && ++bad <= 5)
+        ADD_FAILURE() << "chunk " << c << " word " << k << ": host 0x" << std::hex << host[k] << " device 0x"
+                      << dev[11 * c + k];
+    }
+  }
+  std::printf("[mma-gpu] RHT: %zu random chunks x 11 words, %d differ\n", cases.size(), bad);
   EXPECT_EQ(bad, 0);
 }
 
