@@ -311,7 +311,11 @@ FP4SIM_HD uint32_t e2m1x8_rs_scaled(const float* v, float enc, uint32_t r0, uint
   FP4SIM_UNROLL
   for (int i = 0; i < 8; ++i) {
     y[i] = __fmul_rn(v[i], enc);
-    t[i] = e2m1_rs_offset_magic_code(y[i], ((i < 4 ? r0 : r1) >> (8 * (i & 3))) & 0xFFu);
+    // (the middle bytes by one byte permute, not a shift and a mask: the SR kernels are bound on
+    // the ALU pipe; byte 0 is a mask and byte 3 a shift the add absorbs)
+    const uint32_t w = i < 4 ? r0 : r1;
+    const uint32_t r = (i & 3) == 1 || (i & 3) == 2 ? __byte_perm(w, 0u, 0x4440u | (i & 3)) : (w >> (8 * (i & 3))) & 0xFFu;
+    t[i] = e2m1_rs_offset_magic_code(y[i], r);
   }
   const uint32_t lo = __byte_perm(t[1] * 16u + t[0], t[3] * 16u + t[2], 0x0040);
   const uint32_t hi = __byte_perm(t[5] * 16u + t[4], t[7] * 16u + t[6], 0x0040);

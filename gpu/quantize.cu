@@ -1105,8 +1105,9 @@ void launch_quantize_pass(void (*kernel)(const T*, QuantArgs), dim3 grid, cudaSt
 
 // The streaming kernel's CTAs per SM and copy (set_quantize_kept_ctas_per_sm; 0: one block a thread).
 int g_kept_ctas_per_sm = 8;
-// Whether launch_all keeps the RHT output between its passes when it has scratch for it.
-bool g_keep_rht = true;
+// Whether launch_all keeps the RHT output between its passes when it has scratch for it: 1, 0, or
+// kQuantizeKeepRhtAuto (FP32 input only).
+int g_keep_rht = kQuantizeKeepRhtDefault;
 // The RHT amax pass (set_quantize_rht_amax_variant): 0 = 64-row tiles, 1 = 32-row tiles (64 where
 // more than 65535 row tiles would be needed), 2 = the pipelined kernel where the shape allows it,
 // else 1 (default).
@@ -1131,7 +1132,8 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
                            !cfg.columnwise.four_over_six;
   // (if the scratch cannot be had, transform twice as before rather than fail)
   uint16_t* rht_out = nullptr;
-  if (col_rht && common_case && g_keep_rht && rht_keep) {
+  const bool keep = g_keep_rht == kQuantizeKeepRhtAuto ? sizeof(T) == 4 : g_keep_rht != 0;
+  if (col_rht && common_case && keep && rht_keep) {
     try {
       rht_out = rht_keep->get<uint16_t>(static_cast<size_t>(R * C), stream);
     } catch (const std::runtime_error&) {
@@ -1310,7 +1312,11 @@ void set_quantize_tile_variant(int variant) {
   g_col_staged = variant != 3;
 }
 
-void set_quantize_keep_rht(bool keep) { g_keep_rht = keep; }
+void set_quantize_keep_rht(int keep) {
+  if (keep != 0 && keep != 1 && keep != kQuantizeKeepRhtAuto)
+    throw std::invalid_argument("set_quantize_keep_rht: " + std::to_string(keep) + " is not 0, 1 or kQuantizeKeepRhtAuto");
+  g_keep_rht = keep;
+}
 void set_quantize_early_launch(bool early) { g_quantize_pdl = early; }
 void set_quantize_amax_ctas_per_sm(int ctas) {
   if (ctas < 1 || ctas > 16) throw std::invalid_argument("amax CTAs per SM must be 1..16, not " + std::to_string(ctas));

@@ -183,10 +183,10 @@ void BM_GpuQuantize(benchmark::State& state) {
   time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, cfg.columnwise.enabled ? &b.cv : nullptr); });
   state.SetLabel(std::string(mode_name(mode)) +
                  (state.range(3) == 2 ? " tile64x256" : state.range(3) == 3 ? " tile64x128-direct" : " tile64x128") +
-                 (mode == 2 && state.range(4) == 0 ? " rht-twice" : "") +
+                 (mode == 2 ? (state.range(4) != 0 ? " rht-kept" : " rht-twice (default for BF16)") : "") +
                  (passes == 0 ? " amax1-serial" : passes == 1 ? " amax4-serial" : passes == 3 ? " amax8ctas" : passes == 4 ? " amax4ctas" : ""));
   gpu::set_quantize_tile_variant(1);
-  gpu::set_quantize_keep_rht(true);
+  gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
   gpu::set_quantize_amax_unroll(4);
   gpu::set_quantize_early_launch(true);
   gpu::set_quantize_amax_ctas_per_sm(16);
@@ -252,7 +252,7 @@ void BM_GpuQuantizeTrainKeep(benchmark::State& state) {
   }
   gpu::set_quantize_keep_rht(state.range(1) != 0);
   time_rht_train_quantize(state, state.range(0));
-  gpu::set_quantize_keep_rht(true);
+  gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
   state.SetLabel(state.range(1) != 0 ? "kept" : "rht-twice");
 }
 // {cols, keep the transform}

@@ -285,14 +285,19 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
   expect_same_quantized(a.rowwise, b.rowwise, "1024x2048 row-wise");
   expect_same_quantized(a.columnwise, b.columnwise, "1024x2048 column-wise rht sr");
 #if FP4SIM_HAVE_CUDA
-  // the quantizer that transforms twice instead of keeping the RHT output: the same bits
-  QuantizeResult t;
-  {
-    KnobGuard twice([] { gpu::set_quantize_keep_rht(false); }, [] { gpu::set_quantize_keep_rht(true); });
-    t = quantize_to_host(*cuda, v, c);
+  // both ways of the RHT copy, whichever is the default: the output kept by the amax pass, or
+  // transformed twice: the same bits
+  for (bool keep : {true, false}) {
+    QuantizeResult t;
+    {
+      KnobGuard knob([keep] { gpu::set_quantize_keep_rht(keep); },
+                     [] { gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault); });
+      t = quantize_to_host(*cuda, v, c);
+    }
+    const std::string how = keep ? ", RHT output kept" : ", RHT transformed twice";
+    expect_same_quantized(a.rowwise, t.rowwise, "1024x2048 row-wise" + how);
+    expect_same_quantized(a.columnwise, t.columnwise, "1024x2048 column-wise rht sr" + how);
   }
-  expect_same_quantized(a.rowwise, t.rowwise, "1024x2048 row-wise, RHT transformed twice");
-  expect_same_quantized(a.columnwise, t.columnwise, "1024x2048 column-wise rht sr, RHT transformed twice");
 #endif
 }
 
@@ -321,15 +326,18 @@ TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
       for (int64_t st : {cols, stride}) {
         const TensorView v = strided_input(x, h, dt, rows, cols, st);
         const QuantizeResult e = quantize_to_host(*emu, v, c);
-        for (int variant : {2, 1, 0}) {
+        for (int run = 0; run < 6; ++run) {  // each amax pass, with the RHT output kept and without
+          const int variant = 2 - run % 3;
+          const bool keep = run < 3;
           QuantizeResult g;
           {
-            KnobGuard knob([&] { gpu::set_quantize_rht_amax_variant(variant); },
-                           [] { gpu::set_quantize_rht_amax_variant(2); });
+            KnobGuard knob([&] { gpu::set_quantize_rht_amax_variant(variant); gpu::set_quantize_keep_rht(keep); },
+                           [] { gpu::set_quantize_rht_amax_variant(2); gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault); });
             g = quantize_to_host(*cuda, v, c);
           }
           const std::string what = std::string(dtype_name(dt)) + " stride " + std::to_string(st) + " amax variant " +
-                                   std::to_string(variant) + (with_inf ? " with Inf" : " finite");
+                                   std::to_string(variant) + (keep ? " kept" : " twice") +
+                                   (with_inf ? " with Inf" : " finite");
           expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
           expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise rht sr");
           if (HasFatalFailure()) return;
@@ -341,7 +349,7 @@ TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
       }
     }
   }
-  EXPECT_EQ(checked, 24);
+  EXPECT_EQ(checked, 48);
 }
 
 // A linear layer's output gradient in the NVFP4 recipe (row-wise SR copy, column-wise RHT + SR copy)
@@ -420,7 +428,7 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
             {
               KnobGuard knobs([&] { gpu::set_quantize_tile_variant(tile); gpu::set_quantize_keep_rht(keep);
                                     gpu::set_quantize_rht_amax_variant(amax_variant); },
-                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true);
+                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
                                    gpu::set_quantize_rht_amax_variant(2); });
               g = quantize_to_host(*cuda, v, cs.cfg);
             }
@@ -463,7 +471,7 @@ TEST(QuantizeGpu, StagedColumnStoresMatchEmulator) {
           QuantizeResult g;
           {
             KnobGuard knobs([&] { gpu::set_quantize_tile_variant(tile); gpu::set_quantize_keep_rht(false); },
-                            [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true); });
+                            [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault); });
             g = quantize_to_host(*cuda, v, cs.cfg);
           }
           const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st) +
@@ -578,7 +586,7 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
               KnobGuard knobs([&] { gpu::set_quantize_tile_variant(variant == 1 ? 2 : 1);
                                     gpu::set_quantize_keep_rht(variant == 0 || variant == 3);
                                     gpu::set_quantize_rht_amax_variant(variant == 3 ? 0 : 2); },
-                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(true);
+                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
                                    gpu::set_quantize_rht_amax_variant(2); });
               cuda->quantize(dv, cs.cfg, out[0] ? &out[0]->q.view : nullptr, out[1] ? &out[1]->q.view : nullptr);
             }
