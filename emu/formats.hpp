@@ -312,7 +312,8 @@ FP4SIM_HD uint32_t e2m1x8_rs_scaled(const float* v, float enc, uint32_t r0, uint
   for (int i = 0; i < 8; ++i) {
     y[i] = __fmul_rn(v[i], enc);
     // (the middle bytes by one byte permute, not a shift and a mask: the SR kernels are bound on
-    // the ALU pipe; byte 0 is a mask and byte 3 a shift the add absorbs)
+    // the ALU pipe; bytes 0 and 3 keep the mask-and-shift form, whose mask ptxas drops for byte 3
+    // and folds the shift into the add, LEA.HI)
     const uint32_t w = i < 4 ? r0 : r1;
     const uint32_t r = (i & 3) == 1 || (i & 3) == 2 ? __byte_perm(w, 0u, 0x4440u | (i & 3)) : (w >> (8 * (i & 3))) & 0xFFu;
     t[i] = e2m1_rs_offset_magic_code(y[i], r);

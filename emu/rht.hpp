@@ -80,7 +80,8 @@ FP4SIM_HD void rht_butterflies(int32_t (&u)[kRhtSize]) {
 // canonical NaN 0x7FFFFFFF, whose top half, 0x7FFF, is above Inf's as the integer max of a NaN's
 // bits is; otherwise the max magnitude exactly): 15 FMNMX on the FP32 values the terms use anyway,
 // instead of 16 masks and 6 three-way integer maxima on the ALU pipe the quantize kernels are
-// bound on. The callers only ask whether the result is >= 0x7F80 or, below that, its value.
+// bound on. Where the result is >= 0x7F80 the callers only test that (the emax they also derive
+// from it is then not used).
 FP4SIM_HD uint32_t rht16_input_max_bits(const uint16_t* x) {
 #if defined(__CUDA_ARCH__)
   auto max_nan = [](float a, float b) {
@@ -241,7 +242,9 @@ FP4SIM_HD float rht16_abs_max_common(const uint16_t* x, int emax) {
   for (int i = 0; i < kRhtSize; ++i) {
     const float term = fmul_rn(bf16_to_f32(x[i]), ((kRhtSignMask >> i) & 1u) ? npow2 : pow2);
 #if defined(__CUDA_ARCH__)
-    u[i] = __float2int_rz(term);  // (saturating where the path does not apply: no undefined value)
+    // (where the path does not apply the conversion saturates and the sums below may wrap; that
+    // result is discarded by rht16_abs_max, which takes the rare path for such chunks)
+    u[i] = __float2int_rz(term);
 #else
     u[i] = static_cast<int32_t>(term);
 #endif

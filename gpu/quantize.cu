@@ -1088,6 +1088,9 @@ int g_amax_ctas_per_sm = 16;
 
 // nvfp4_1x16_kernel's launch: with g_quantize_pdl, allowed to start before the kernel ahead of it
 // in the stream (the amax pass) has finished; the kernel waits for it before reading its amax.
+// Only ever launched right after an amax pass of launch_all (every enabled copy has one): the
+// kernel reads x before its wait, which is safe only because the kernel ahead of it (an ordinary
+// launch) started after x's producer had finished, and does not write x.
 template <class T>
 void launch_quantize_pass(void (*kernel)(const T*, QuantArgs), dim3 grid, cudaStream_t stream, const T* x,
                           const QuantArgs& qa) {

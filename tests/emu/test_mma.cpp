@@ -216,6 +216,31 @@ TEST(Rht, FastPathEqualsLiteralTfdpaAtTheExtremes) {
   }
 }
 
+// Chunks whose largest input sits exactly at the edges of rht16_abs_max's common path (emax -99
+// and 124 in, -100 and 125 out) and of the FMUL terms (emax -102 / -103), with the other inputs
+// spread below it: all of rht16's forms against the literal T-FDPA.
+TEST(Rht, PathBoundariesEqualLiteralTfdpa) {
+  std::mt19937_64 rng(6);
+  int checked = 0;
+  for (int emax : {-104, -103, -102, -101, -100, -99, -98, 122, 123, 124, 125, 126, 127}) {
+    for (int trial = 0; trial < 400; ++trial) {
+      uint16_t x[16], y_fast[16], y_ref[16];
+      for (int i = 0; i < 16; ++i) {
+        const int e = emax - static_cast<int>(rng() % 30);
+        const float m = 1.0f + static_cast<float>(rng() % 128) / 128.0f;
+        x[i] = bf16_rne((rng() & 1 ? -1.0f : 1.0f) * std::ldexp(m, e));
+      }
+      x[rng() % 16] = bf16_rne((rng() & 1 ? -1.0f : 1.0f) * std::ldexp(1.0f + static_cast<float>(rng() % 128) / 128.0f, emax));
+      rht16(x, y_fast);
+      rht16_reference(x, y_ref);
+      for (int j = 0; j < 16; ++j) ASSERT_EQ(y_fast[j], y_ref[j]) << "emax " << emax << " trial " << trial << " j " << j;
+      ASSERT_NO_FATAL_FAILURE(expect_abs_max_matches(x, y_ref, trial));
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 13 * 400);
+}
+
 TEST(Rht, ExactOnSmallIntegers) {
   // integers small enough that every step is exact: y = x H exactly, and y H^T = x
   std::mt19937 rng(5);

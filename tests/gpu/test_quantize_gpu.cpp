@@ -306,12 +306,13 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
 // shapes: cols % 128 == 0, rows % 32 == 0) on a tensor with more 32 x 128 tiles than the grid has
 // CTAs, so CTAs take several tiles: FP32 and BF16 input, dense and strided rows, heavy-tailed
 // values with a NaN (finite amax), then with an Inf too, against the emulator and against the
-// one-tile-a-CTA passes.
+// one-tile-a-CTA passes. (13 column tiles: no multiple of 132, so the persistent grid's walk wraps
+// across tile rows.)
 TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  const int64_t rows = 4096, cols = 1536, stride = 1664;
+  const int64_t rows = 4096, cols = 1664, stride = 1792;
   const QuantizeConfig c = rowwise_rn_columnwise_rht_sr(77, 1, 2);
   int checked = 0;
   // finite values with one NaN (which every amax ignores: the amax then depends on every tile,
@@ -350,6 +351,48 @@ TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
     }
   }
   EXPECT_EQ(checked, 48);
+}
+
+// The benchmark knobs of the two passes (the tile pass launched early or after the amax pass; the
+// contiguous amax pass's loads in flight and CTAs an SM) give the default's bits: row + column RN
+// (contiguous amax pass) and row RN + column RHT + SR, FP32 and BF16 input, a shape with edge tiles.
+TEST(QuantizeGpu, PassLaunchKnobsGiveSameBits) {
+  REQUIRE_GPU();
+  auto cuda = make_backend("cuda");
+  const int64_t rows = 320, cols = 416;
+  const std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * cols), 31);
+  std::vector<uint16_t> h(x.size());
+  for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
+  QuantizeConfig rn = rowwise_rn_columnwise_rht_sr(5, 1, 2);
+  rn.columnwise.rht = false;
+  rn.columnwise.rounding = Rounding::RN;
+  const QuantizeConfig rht = rowwise_rn_columnwise_rht_sr(5, 1, 2);
+  int checked = 0;
+  const QuantizeConfig* configs[] = {&rn, &rht};
+  for (const QuantizeConfig* c : configs) {
+    for (DType dt : {DType::F32, DType::BF16}) {
+      const TensorView v = strided_input(x, h, dt, rows, cols, cols);
+      const QuantizeResult want = quantize_to_host(*cuda, v, *c);
+      for (int knob = 0; knob < 4; ++knob) {
+        QuantizeResult g;
+        {
+          KnobGuard guard([knob] { gpu::set_quantize_early_launch(knob != 0);
+                                   gpu::set_quantize_amax_unroll(knob == 1 ? 1 : 4);
+                                   gpu::set_quantize_amax_ctas_per_sm(knob == 2 ? 3 : knob == 3 ? 8 : 16); },
+                          [] { gpu::set_quantize_early_launch(true); gpu::set_quantize_amax_unroll(4);
+                               gpu::set_quantize_amax_ctas_per_sm(16); });
+          g = quantize_to_host(*cuda, v, *c);
+        }
+        const std::string what = std::string(c == &rn ? "row + column RN " : "row RN + column RHT SR ") +
+                                 dtype_name(dt) + " knob setting " + std::to_string(knob);
+        expect_same_quantized(want.rowwise, g.rowwise, what + " row-wise");
+        expect_same_quantized(want.columnwise, g.columnwise, what + " column-wise");
+        if (HasFatalFailure()) return;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 16);
 }
 
 // A linear layer's output gradient in the NVFP4 recipe (row-wise SR copy, column-wise RHT + SR copy)
