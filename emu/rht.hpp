@@ -139,22 +139,39 @@ FP4SIM_HD void rht16_special_packed(const uint16_t* x, uint32_t* w) {
   }
 }
 
+// E(x) of the chunk's largest magnitude (its BF16 bits amax_bits): max(floor(log2|x|), -126),
+// subnormals included.
+FP4SIM_HD int rht16_emax(uint32_t amax_bits) {
+  return static_cast<int>(amax_bits >> 7 > 1u ? amax_bits >> 7 : 1u) - 127;
+}
+
+// The terms for emax >= -102 as one FP32 product each: a power-of-two scaling, exact whenever the
+// result is normal; results below 1 (subnormal ones included) truncate to 0 either way. 2^(25 -
+// emax) is a normal FP32 for emax >= -102. Truncation toward zero keeps the sign: u_i = sign *
+// floor(|.|). The sign s_i rides on the factor (-2^(25 - emax) where s_i = -1), an exact negation.
+// (rht16_abs_max_common runs it for every chunk on the GPU: where it does not apply the conversion
+// saturates, and its result is discarded.)
+FP4SIM_HD void rht16_fmul_terms(const uint16_t* x, int emax, int32_t (&u)[kRhtSize]) {
+  const float pow2 = f32_from_bits(static_cast<uint32_t>(25 - emax + 127) << 23);
+  const float npow2 = -pow2;
+  FP4SIM_UNROLL
+  for (int i = 0; i < kRhtSize; ++i) {
+    const float term = fmul_rn(bf16_to_f32(x[i]), ((kRhtSignMask >> i) & 1u) ? npow2 : pow2);
+#if defined(__CUDA_ARCH__)
+    u[i] = __float2int_rz(term);
+#else
+    u[i] = static_cast<int32_t>(term);
+#endif
+  }
+}
+
 // The terms of a finite, nonzero chunk (amax_bits = rht16_input_max_bits(x), below 0x7F80, not 0):
 // term i on the grid 2^(emax - 2 - 25), |x_i|/4 truncated there, i.e. floor(|x_i| * 2^(25 - emax))
-// (< 2^26), with the sign of x_i * s_i; E(x) = max(floor(log2|x|), -126), subnormals included.
-// Returns emax.
+// (< 2^26), with the sign of x_i * s_i. Returns emax.
 FP4SIM_HD int rht16_terms(const uint16_t* x, uint32_t amax_bits, int32_t (&u)[kRhtSize]) {
-  const int emax = static_cast<int>(amax_bits >> 7 > 1u ? amax_bits >> 7 : 1u) - 127;
+  const int emax = rht16_emax(amax_bits);
   if (emax >= -102) {
-    // as one FP32 product per term: a power-of-two scaling, exact whenever the result is normal;
-    // results below 1 (subnormal ones included) truncate to 0 either way. 2^(25 - emax) is a normal
-    // FP32 for emax >= -102. Truncation toward zero keeps the sign: u_i = sign * floor(|.|). The
-    // sign s_i rides on the factor (-2^(25 - emax) where s_i = -1), an exact negation.
-    const float pow2 = f32_from_bits(static_cast<uint32_t>(25 - emax + 127) << 23);
-    const float npow2 = -pow2;
-    FP4SIM_UNROLL
-    for (int i = 0; i < kRhtSize; ++i)
-      u[i] = static_cast<int32_t>(fmul_rn(bf16_to_f32(x[i]), ((kRhtSignMask >> i) & 1u) ? npow2 : pow2));
+    rht16_fmul_terms(x, emax, u);
   } else {
     // every input below 2^-101 (2^(25 - emax) would overflow FP32): the same terms on integers,
     // |x_i|/4 = sig_i * 2^(E_i - 9), i.e. sig_i << 18 >> d_i with d_i = emax - E_i >= 0
@@ -179,6 +196,11 @@ FP4SIM_HD int rht16_terms(const uint16_t* x, uint32_t amax_bits, int32_t (&u)[kR
 // few binades of the BF16 extremes) the chunk takes the general rounding. Both are monotone in
 // |Y| and odd in Y.
 FP4SIM_HD bool rht16_grid_fast(int grid) { return grid >= -126 && grid <= 97; }
+FP4SIM_HD float rht16_grid_scale(int grid) { return f32_from_bits(static_cast<uint32_t>(grid + 127) << 23); }
+// One output Y_j on a fast grid (rht16_grid_fast(grid)).
+FP4SIM_HD uint16_t rht16_round_fast(int32_t y, int grid) {
+  return bf16_rne(fmul_rn(int_to_f32_rz(y), rht16_grid_scale(grid)));
+}
 
 // Same bits as rht16_reference (see the header comment), the 16 outputs packed two a word (element
 // 2k in word k's low half). in_amax (optional): the NaN-ignoring max |x_i|, from the same bits.
@@ -206,7 +228,7 @@ FP4SIM_HD void rht16_packed(const uint16_t* x, uint32_t* w, float* in_amax = nul
   rht_butterflies<8>(u);
   const int grid = emax - 2 - kBf16FdpaF;
   if (rht16_grid_fast(grid)) {
-    const float pow2 = f32_from_bits(static_cast<uint32_t>(grid + 127) << 23);
+    const float pow2 = rht16_grid_scale(grid);
     FP4SIM_UNROLL
     for (int k = 0; k < kRhtSize / 2; ++k)
       w[k] = bf16x2_rne(fmul_rn(int_to_f32_rz(u[2 * k]), pow2), fmul_rn(int_to_f32_rz(u[2 * k + 1]), pow2));
@@ -229,37 +251,30 @@ FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
   }
 }
 
-// max |y_j| of a chunk on the common path (every input finite, emax in [-99, 124]: the FMUL terms
-// and the fast grid), given its input max bits: the rounding is monotone in |Y| and odd, so max
-// |y_j| is the rounding of max |Y_j|, and the last butterfly stage's pairs (p + q, p - q) have
-// max(|p + q|, |p - q|) = |p| + |q|. Straight-line code: on the GPU it runs for every chunk, its
-// result kept only where the path applies, so a caller's chunks can interleave.
-FP4SIM_HD float rht16_abs_max_common(const uint16_t* x, int emax) {
-  int32_t u[kRhtSize];
-  const float pow2 = f32_from_bits(static_cast<uint32_t>(25 - emax + 127) << 23);
-  const float npow2 = -pow2;
-  FP4SIM_UNROLL
-  for (int i = 0; i < kRhtSize; ++i) {
-    const float term = fmul_rn(bf16_to_f32(x[i]), ((kRhtSignMask >> i) & 1u) ? npow2 : pow2);
-#if defined(__CUDA_ARCH__)
-    // (where the path does not apply the conversion saturates and the sums below may wrap; that
-    // result is discarded by rht16_abs_max, which takes the rare path for such chunks)
-    u[i] = __float2int_rz(term);
-#else
-    u[i] = static_cast<int32_t>(term);
-#endif
-  }
+// max_j |Y_j| (< 2^31) of a chunk's terms, without the last butterfly stage: its pairs (p + q,
+// p - q) have max(|p + q|, |p - q|) = |p| + |q|. Since the outputs' rounding is monotone in |Y|
+// and odd, the chunk's max |y_j| is the rounding of this.
+FP4SIM_HD int32_t rht16_abs_max_of_terms(int32_t (&u)[kRhtSize]) {
   rht_butterflies<1>(u);
   rht_butterflies<2>(u);
   rht_butterflies<4>(u);
-  int32_t ymax = 0;  // max_j |Y_j| < 2^31
+  int32_t ymax = 0;
   FP4SIM_UNROLL
   for (int k = 0; k < kRhtSize / 2; ++k) {
     const int32_t p = u[k] < 0 ? -u[k] : u[k], q = u[k + 8] < 0 ? -u[k + 8] : u[k + 8];
     ymax = p + q > ymax ? p + q : ymax;
   }
-  const int grid = emax - 2 - kBf16FdpaF;
-  return bf16_to_f32(bf16_rne(fmul_rn(int_to_f32_rz(ymax), f32_from_bits(static_cast<uint32_t>(grid + 127) << 23))));
+  return ymax;
+}
+
+// max |y_j| of a chunk on the common path (every input finite, emax in [-99, 124]: the FMUL terms
+// and the fast grid). Straight-line code: on the GPU it runs for every chunk, its result kept only
+// where the path applies, so a caller's chunks can interleave (elsewhere the sums may wrap; that
+// result is discarded).
+FP4SIM_HD float rht16_abs_max_common(const uint16_t* x, int emax) {
+  int32_t u[kRhtSize];
+  rht16_fmul_terms(x, emax, u);
+  return bf16_to_f32(rht16_round_fast(rht16_abs_max_of_terms(u), emax - 2 - kBf16FdpaF));
 }
 
 // rht16_abs_max off the common path (an Inf or NaN input, all zeros, or inputs near the ends of
@@ -281,19 +296,9 @@ FP4SIM_HD_NOINLINE float rht16_abs_max_rare(Bf16Chunk chunk, uint32_t amax_bits)
   if (amax_bits == 0) return 0.0f;
   int32_t u[kRhtSize];
   const int emax = rht16_terms(x, amax_bits, u);
-  rht_butterflies<1>(u);
-  rht_butterflies<2>(u);
-  rht_butterflies<4>(u);
-  int32_t ymax = 0;
-  for (int k = 0; k < kRhtSize / 2; ++k) {
-    const int32_t p = u[k] < 0 ? -u[k] : u[k], q = u[k + 8] < 0 ? -u[k + 8] : u[k + 8];
-    ymax = p + q > ymax ? p + q : ymax;
-  }
+  const int32_t ymax = rht16_abs_max_of_terms(u);
   const int grid = emax - 2 - kBf16FdpaF;
-  const uint16_t y = rht16_grid_fast(grid)
-                         ? bf16_rne(fmul_rn(int_to_f32_rz(ymax), f32_from_bits(static_cast<uint32_t>(grid + 127) << 23)))
-                         : rht16_round_general(ymax, grid);
-  return bf16_to_f32(y);
+  return bf16_to_f32(rht16_grid_fast(grid) ? rht16_round_fast(ymax, grid) : rht16_round_general(ymax, grid));
 }
 
 // The NaN-ignoring max |y_j| of rht16's outputs (0 when every output is NaN), without rounding
@@ -302,7 +307,7 @@ FP4SIM_HD float rht16_abs_max(const uint16_t* x, float* in_amax = nullptr) {
   const uint32_t amax_bits = rht16_input_max_bits(x);
   if (in_amax)
     *in_amax = amax_bits >= 0x7F80u ? rht16_input_amax_special(x) : bf16_to_f32(static_cast<uint16_t>(amax_bits));
-  const int emax = static_cast<int>(amax_bits >> 7 > 1u ? amax_bits >> 7 : 1u) - 127;
+  const int emax = rht16_emax(amax_bits);
   // the common path: finite inputs, the FMUL terms (emax >= -102) and the fast grid (emax - 27 in
   // [-126, 97])
   const bool common = amax_bits < 0x7F80u && emax >= -99 && emax <= 124;
@@ -310,18 +315,14 @@ FP4SIM_HD float rht16_abs_max(const uint16_t* x, float* in_amax = nullptr) {
   // (the GPU computes the common path for every chunk, before the branch: straight-line code that
   // a caller's chunks can interleave)
   const float y = rht16_abs_max_common(x, common ? emax : 0);
-#endif
-  if (!common) {
-    Bf16Chunk c;
-    FP4SIM_UNROLL
-    for (int i = 0; i < kRhtSize; ++i) c.v[i] = x[i];
-    return rht16_abs_max_rare(c, amax_bits);
-  }
-#if defined(__CUDA_ARCH__)
-  return y;
+  if (common) return y;
 #else
-  return rht16_abs_max_common(x, emax);
+  if (common) return rht16_abs_max_common(x, emax);
 #endif
+  Bf16Chunk c;
+  FP4SIM_UNROLL
+  for (int i = 0; i < kRhtSize; ++i) c.v[i] = x[i];
+  return rht16_abs_max_rare(c, amax_bits);
 }
 
 }  // namespace fp4sim
