@@ -196,8 +196,6 @@ void set_quantize_early_launch(bool early);
 // Benchmark knob: 16-byte loads a thread keeps in flight in the contiguous amax pass, 1 or 4
 // (default). Same bits.
 void set_quantize_amax_unroll(int loads);
-// Benchmark knob: CTAs an SM (1..16, default 16) of the contiguous amax pass's grid. Same bits.
-void set_quantize_amax_ctas_per_sm(int ctas);
 // Benchmark knob: the streaming kernel that writes both copies from the kept RHT transform runs
 // at most `ctas` CTAs per SM and copy, each thread looping over several 1x16 blocks (default 8);
 // 0 = one block a thread (as before). Same bits.

@@ -388,10 +388,9 @@ struct QuantArgs {
   bool block_2d;
   bool mse;
   MxScaleRule mx_rule;
-  uint64_t seed;
   CopyArgs row, col;
   bool col_staged;  // nvfp4_1x16_kernel (64x128 tiles): whole tiles stage the column-wise codes (host: R % 64 == 0, aligned)
-  PhiloxKeys keys;  // philox_round_keys(seed), for sr_bits_keyed
+  PhiloxKeys keys;  // philox_round_keys(the call's seed): every SR draw goes through sr_bits_keyed
 };
 
 // sr_bits_for_chunk's bits from the call's round keys (a.keys: the same bits, fewer instructions).
@@ -588,12 +587,12 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
       alignas(16) uint8_t packed[block / 2];
       uint8_t s;
       if constexpr (kMx) {
-        s = mxfp4_quantize_1x32(v, a.mx_rule, sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream, chunk),
-                                sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream, chunk + 1), packed);
+        s = mxfp4_quantize_1x32(v, a.mx_rule, sr_bits_keyed(a.row.sr, a, a.row.stream, chunk),
+                                sr_bits_keyed(a.row.sr, a, a.row.stream, chunk + 1), packed);
         *reinterpret_cast<uint4*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint4*>(packed);
         if (a.row.decoded) decode32_mx_bf16(packed, s, a.row.decoded + r * C + c);
       } else {
-        const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream, chunk);
+        const SrBits bits = sr_bits_keyed(a.row.sr, a, a.row.stream, chunk);
         if (a.block_2d) {
           s = tile_scale[0][tr / kNvfp4Block][tb];
           e2m1_encode16(v, nvfp4_block_encode_scale(s, g_row.s_dec), bits, packed);
@@ -635,14 +634,14 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
         alignas(16) uint8_t packed[block / 2];
         uint8_t s;
         if constexpr (kMx) {
-          s = mxfp4_quantize_1x32(v, a.mx_rule, sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream, chunk),
-                                  sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream, chunk + 1), packed);
+          s = mxfp4_quantize_1x32(v, a.mx_rule, sr_bits_keyed(a.col.sr, a, a.col.stream, chunk),
+                                  sr_bits_keyed(a.col.sr, a, a.col.stream, chunk + 1), packed);
           uint2* dst = reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2);
           dst[0] = *reinterpret_cast<uint2*>(packed);
           dst[1] = *reinterpret_cast<uint2*>(packed + 8);
           if (a.col.decoded) decode32_mx_bf16(packed, s, a.col.decoded + c * R + r);
         } else {
-          const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream, chunk);
+          const SrBits bits = sr_bits_keyed(a.col.sr, a, a.col.stream, chunk);
           if (a.block_2d) {
             s = tile_scale[1][k][t / kNvfp4Block];
             e2m1_encode16(v, nvfp4_block_encode_scale(s, g_col.s_dec), bits, packed);
@@ -699,7 +698,7 @@ __global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantA
   if (a.row.enabled) {
     const Nvfp4Global g = nvfp4_global(*a.row.amax, false);
     const uint8_t s = nvfp4_block_scale(m, g.s_enc);
-    const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
+    const SrBits bits = sr_bits_keyed(a.row.sr, a, a.row.stream,
                                           static_cast<uint64_t>(r * (C / kSrChunk) + c0 / kSrChunk));
     e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), bits, packed);
     store_nvfp4_block(a.row, r * C + c0, r * bcols + c0 / kNvfp4Block, packed, s);
@@ -713,7 +712,7 @@ __global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantA
     const int64_t cc = c0 + j;  // input column j = row cc of the written (C x R) copy, columns r0..
     const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
     const uint8_t s = nvfp4_block_scale(m, g.s_enc);
-    const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
+    const SrBits bits = sr_bits_keyed(a.col.sr, a, a.col.stream,
                                           static_cast<uint64_t>(cc * (R / kSrChunk) + r0 / kSrChunk));
     e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), bits, packed);
     store_nvfp4_block(a.col, cc * R + r0, cc * (R / kNvfp4Block) + r0 / kNvfp4Block, packed, s);
@@ -903,7 +902,7 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
         reinterpret_cast<uint4*>(raw)[q] = reinterpret_cast<const uint4*>(src)[q];
       float v[kNvfp4Block];
       const float amax_b = block16_values(raw, v);
-      const SrBits bits = sr_bits_for_chunk(a.row.sr, a.seed, a.row.stream,
+      const SrBits bits = sr_bits_keyed(a.row.sr, a, a.row.stream,
                                             static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));
       nvfp4_block_1x16_store(v, amax_b, g, bits, a.row, r * C + c, r * (C / kNvfp4Block) + c / kNvfp4Block);
     }
@@ -930,7 +929,7 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
     if (c >= C || r >= R) continue;
     float v[kNvfp4Block];
     const float amax_b = tile_column_block<T, kColRht, kCols>(tile, kPer * t + j, k, v);
-    const SrBits bits = sr_bits_for_chunk(a.col.sr, a.seed, a.col.stream,
+    const SrBits bits = sr_bits_keyed(a.col.sr, a, a.col.stream,
                                           static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
     // the 4 chunks of a column land in one 32-byte sector, written by this thread in turn
     nvfp4_block_1x16_store(v, amax_b, g, bits, a.col, c * R + r, c * (R / kNvfp4Block) + r / kNvfp4Block);
@@ -1082,9 +1081,6 @@ __global__ void __launch_bounds__(256) nvfp4_rht_kept_kernel(const T* x, const u
 // flight a thread (set_quantize_amax_unroll: 1 or 4).
 bool g_quantize_pdl = true;
 int g_amax_unroll = 4;
-// amax_flat_kernel's grid: this many CTAs an SM at most (set_quantize_amax_ctas_per_sm; 16 fill an
-// SM, fewer leave room for the early-launched tile pass to load its first tiles alongside)
-int g_amax_ctas_per_sm = 16;
 
 // nvfp4_1x16_kernel's launch: with g_quantize_pdl, allowed to start before the kernel ahead of it
 // in the stream (the amax pass) has finished; the kernel waits for it before reading its amax.
@@ -1176,7 +1172,7 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   } else if (amax_plain) {
     const int sms = current_device_sms();
     const int64_t want = (R * C / (16 / sizeof(T)) + kThreads - 1) / kThreads;
-    const int blocks = static_cast<int>(want < sms * g_amax_ctas_per_sm ? (want > 0 ? want : 1) : sms * g_amax_ctas_per_sm);
+    const int blocks = static_cast<int>(want < sms * 16 ? (want > 0 ? want : 1) : sms * 16);
     const AmaxArgs args{amax_plain, amax_plain2, nullptr, nullptr, amax_ws};
     if (g_amax_unroll == 4) amax_flat_kernel<T, 4><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
     else amax_flat_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
@@ -1192,7 +1188,6 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   qa.block_2d = cfg.block_2d;
   qa.mse = cfg.fos_error == FourOverSixError::MSE;
   qa.mx_rule = cfg.mx_rule;
-  qa.seed = cfg.seed;
   qa.keys = philox_round_keys(cfg.seed);
   auto fill = [](CopyArgs& ca, const CopySpec& spec, QuantizedView* q) {
     ca.enabled = spec.enabled;
@@ -1321,10 +1316,6 @@ void set_quantize_keep_rht(int keep) {
   g_keep_rht = keep;
 }
 void set_quantize_early_launch(bool early) { g_quantize_pdl = early; }
-void set_quantize_amax_ctas_per_sm(int ctas) {
-  if (ctas < 1 || ctas > 16) throw std::invalid_argument("amax CTAs per SM must be 1..16, not " + std::to_string(ctas));
-  g_amax_ctas_per_sm = ctas;
-}
 void set_quantize_amax_unroll(int loads) {
   if (loads != 1 && loads != 4) throw std::invalid_argument("amax unroll must be 1 or 4, not " + std::to_string(loads));
   g_amax_unroll = loads;
