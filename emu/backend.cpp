@@ -1,6 +1,9 @@
 #include "emu/backend.hpp"
 
 #include <stdexcept>
+#include <vector>
+
+#include "emu/formats.hpp"
 
 #include "emu/cpu_backend.hpp"
 
@@ -12,6 +15,141 @@ void Backend::missing(const char* op) const {
 }
 
 std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<emu::CpuBackend>(); }
+
+// ---- BF16-stored activations: the compositions (FP32 op on widened values, then narrowing) ------
+
+namespace {
+
+// n FP32 values in b's memory (a composition's temporary).
+BackendBuffer f32_temp(Backend& b, int64_t n) { return BackendBuffer(b, static_cast<size_t>(n) * sizeof(float)); }
+
+// Exactly one of the FP32 and the BF16 pointer of a tensor is set (std::logic_error otherwise).
+void one_of(const char* op, const char* tensor, const void* f32, const void* bf16) {
+  if ((f32 == nullptr) == (bf16 == nullptr))
+    throw std::logic_error(std::string(op) + ": exactly one of " + tensor + " and " + tensor +
+                           "16 must be given (FP32 or BF16 storage)");
+}
+
+}  // namespace
+
+void Backend::narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) {
+  if (n <= 0) return;
+  std::vector<float> h(static_cast<size_t>(n));
+  download(h.data(), src, h.size() * sizeof(float));
+  std::vector<uint16_t> o(h.size());
+  for (size_t i = 0; i < h.size(); ++i) o[i] = bf16_rne(h[i]);
+  upload(dst, o.data(), o.size() * sizeof(uint16_t));
+}
+
+void Backend::widen_bf16(float* dst, const uint16_t* src, int64_t n) {
+  if (n <= 0) return;
+  std::vector<uint16_t> h(static_cast<size_t>(n));
+  download(h.data(), src, h.size() * sizeof(uint16_t));
+  std::vector<float> o(h.size());
+  for (size_t i = 0; i < h.size(); ++i) o[i] = bf16_to_f32(h[i]);
+  upload(dst, o.data(), o.size() * sizeof(float));
+}
+
+void Backend::run_activation(const ActivationSource& src) {
+  const int64_t n = src.rows * src.cols;
+  if (src.out16) {
+    if (src.op != ActivationOp::GeluForward)
+      throw std::logic_error(std::string("run_activation (") + src.name + "): out16 is for GELU's forward pass only");
+    BackendBuffer t = f32_temp(*this, n);
+    gelu_forward(t.as<float>(), src.inp, n, true);
+    narrow_to_bf16(src.out16, t.as<float>(), n);
+    return;
+  }
+  if (src.op == ActivationOp::GeluForward) gelu_forward(src.out, src.inp, n, src.round_bf16);
+  else gelu_backward(src.out, src.inp, src.dout, n, src.round_bf16, src.bf16_dout);
+}
+
+void Backend::layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp, const float* weight,
+                                     const float* bias, int64_t N, int64_t C) {
+  BackendBuffer t = f32_temp(*this, N * C);
+  layernorm_forward(t.as<float>(), mean, rstd, inp, weight, bias, N, C, true);
+  narrow_to_bf16(out, t.as<float>(), N * C);
+}
+
+void Backend::rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                                   int64_t C) {
+  BackendBuffer t = f32_temp(*this, N * C);
+  rmsnorm_forward(t.as<float>(), rstd, inp, weight, N, C, true);
+  narrow_to_bf16(out, t.as<float>(), N * C);
+}
+
+void Backend::matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16,
+                                  const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
+                                  bool round_bf16) {
+  one_of("matmul_forward_bf16", "out", out, out16);
+  one_of("matmul_forward_bf16", "inp", inp, inp16);
+  BackendBuffer x, y;
+  if (inp16) {
+    x = f32_temp(*this, N * K);
+    widen_bf16(x.as<float>(), inp16, N * K);
+    inp = x.as<float>();
+  }
+  if (out16) {
+    y = f32_temp(*this, N * OC);
+    out = y.as<float>();
+  }
+  matmul_forward(out, inp, weight, bias, N, K, OC, emu::GemmPrecision::BF16, out16 ? true : round_bf16);
+  if (out16) narrow_to_bf16(out16, out, N * OC);
+}
+
+void Backend::matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias, const float* dout,
+                                         const uint16_t* inp16, const float* weight, int64_t N, int64_t K, int64_t OC) {
+  BackendBuffer x = f32_temp(*this, N * K);
+  widen_bf16(x.as<float>(), inp16, N * K);
+  matmul_backward(dinp, dweight, dbias, dout, x.as<float>(), weight, N, K, OC, emu::GemmPrecision::BF16);
+}
+
+void Backend::matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias,
+                                                    const ActivationSource& src, const uint16_t* inp16,
+                                                    const float* weight, int64_t K) {
+  BackendBuffer x = f32_temp(*this, src.rows * K);
+  widen_bf16(x.as<float>(), inp16, src.rows * K);
+  matmul_backward_activation(dinp, dweight, dbias, src, x.as<float>(), weight, K, emu::GemmPrecision::BF16);
+}
+
+void Backend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv16,
+                                     int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) {
+  one_of("attention_forward_bf16", "out", out, out16);
+  one_of("attention_forward_bf16", "qkv", qkv, qkv16);
+  BackendBuffer q, o;
+  if (qkv16) {
+    const int64_t n = B * T * (NH + 2 * NKV) * HD;
+    q = f32_temp(*this, n);
+    widen_bf16(q.as<float>(), qkv16, n);
+    qkv = q.as<float>();
+  }
+  if (out16) {
+    o = f32_temp(*this, B * T * NH * HD);
+    out = o.as<float>();
+  }
+  attention_forward(out, lse, qkv, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, out16 ? true : round_bf16);
+  if (out16) narrow_to_bf16(out16, out, B * T * NH * HD);
+}
+
+void Backend::attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const uint16_t* qkv16,
+                                      const float* out, const uint16_t* out16, const float* lse, int64_t B,
+                                      int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) {
+  one_of("attention_backward_bf16", "qkv", qkv, qkv16);
+  one_of("attention_backward_bf16", "out", out, out16);
+  BackendBuffer q, o;
+  if (qkv16) {
+    const int64_t n = B * T * (NH + 2 * NKV) * HD;
+    q = f32_temp(*this, n);
+    widen_bf16(q.as<float>(), qkv16, n);
+    qkv = q.as<float>();
+  }
+  if (out16) {
+    o = f32_temp(*this, B * T * NH * HD);
+    widen_bf16(o.as<float>(), out16, B * T * NH * HD);
+    out = o.as<float>();
+  }
+  attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, round_bf16);
+}
 
 QuantizedBuffers::QuantizedBuffers(Backend& b, const QuantizedHost& h)
     : codes(b, h.codes.size()), scales(b, h.scales.size()), amax(b, sizeof(float)) {

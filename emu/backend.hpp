@@ -33,6 +33,9 @@ struct ActivationSource {
   bool round_bf16 = true;
   bool bf16_dout = true;
   const char* name = "activation";  // for error messages
+  // GeluForward into a BF16 linear (Backend::matmul_forward_activation only): the output stored as
+  // BF16 bits here instead of out (round_bf16 implied; out unused). Null otherwise.
+  uint16_t* out16 = nullptr;
 };
 
 class Backend {
@@ -157,12 +160,9 @@ class Backend {
     quantize(x, cfg, rowwise, columnwise);
     bias_backward(dbias, static_cast<const float*>(x.data), x.rows, x.cols);
   }
-  // The activation op alone (gelu_forward / gelu_backward into src.out).
-  void run_activation(const ActivationSource& src) {
-    const int64_t n = src.rows * src.cols;
-    if (src.op == ActivationOp::GeluForward) gelu_forward(src.out, src.inp, n, src.round_bf16);
-    else gelu_backward(src.out, src.inp, src.dout, n, src.round_bf16, src.bf16_dout);
-  }
+  // The activation op alone (gelu_forward / gelu_backward into src.out, or into src.out16 as BF16
+  // bits: gelu_forward with round_bf16, then narrow_to_bf16).
+  void run_activation(const ActivationSource& src);
   // run_activation(src), then quantize(out, cfg, rowwise, columnwise) of src.out as a rows x cols
   // tensor, or quantize_with_bias_backward(..., dbias) where dbias is set: the copies of an
   // activation (or of its gradient) that only a quantized GEMM reads. A backend may compute the op
@@ -170,6 +170,8 @@ class Backend {
   // the copies, their amax and dbias are the composition's bits either way.
   virtual void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
                                    QuantizedView* columnwise, float* dbias) {
+    if (src.out16)
+      throw std::logic_error(std::string("quantize_activation (") + src.name + "): a BF16-stored output (out16) is for BF16 linears only");
     run_activation(src);
     TensorView v;
     v.data = src.out;
@@ -184,9 +186,17 @@ class Backend {
   // round_bf16): a BF16 linear layer whose input an activation op makes. src.out is written (the
   // backward pass reads it); a backend may make the GEMM's operand in the op's pass instead of
   // reading src.out back (the CUDA backend does at BF16 precision). The same bits either way.
+  // With src.out16 (BF16 precision only) the op's output is stored there as BF16 bits and the
+  // matmul is matmul_forward_bf16 on them.
   virtual void matmul_forward_activation(float* out, const ActivationSource& src, const float* weight,
                                          const float* bias, int64_t OC, emu::GemmPrecision prec, bool round_bf16) {
     run_activation(src);
+    if (src.out16) {
+      if (prec != emu::GemmPrecision::BF16)
+        throw std::logic_error(std::string("matmul_forward_activation (") + src.name + "): out16 needs BF16 precision");
+      matmul_forward_bf16(out, nullptr, nullptr, src.out16, weight, bias, src.rows, src.cols, OC, round_bf16);
+      return;
+    }
     matmul_forward(out, src.out, weight, bias, src.rows, src.cols, OC, prec, round_bf16);
   }
   // run_activation(src), then matmul_backward(dinp, dweight, dbias, src.out, inp, weight, src.rows, K,
@@ -199,6 +209,40 @@ class Backend {
     run_activation(src);
     matmul_backward(dinp, dweight, dbias, src.out, inp, weight, src.rows, K, src.cols, prec);
   }
+  // ---- BF16-stored activations. Where the model stores an activation rounded to BF16 anyway (a
+  // BF16 linear layer's input, its output when attention reads it, attention's output), it may
+  // keep it as BF16 bits (uint16_t, half the bytes) instead of FP32 values. Each op below is the
+  // FP32 op on the widened values, followed by narrowing where it writes BF16: the same bits.
+  // The defaults here compose exactly that (through temporaries); a backend may read and write the
+  // BF16 bits directly (the CUDA backend does). In each pair of pointers exactly one is set.
+  // dst (n) = the BF16 bits of src (bf16_rne; src usually BF16-representable already).
+  virtual void narrow_to_bf16(uint16_t* dst, const float* src, int64_t n);
+  // dst (n) = src's BF16 values as FP32 (exact).
+  virtual void widen_bf16(float* dst, const uint16_t* src, int64_t n);
+  // layernorm_forward / rmsnorm_forward with round_bf16, out stored as BF16 bits.
+  virtual void layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp, const float* weight,
+                                      const float* bias, int64_t N, int64_t C);
+  virtual void rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                                    int64_t C);
+  // matmul_forward at BF16 precision: inp16 in place of inp; out16 in place of out (rounded:
+  // round_bf16 is then implied).
+  virtual void matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16,
+                                   const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
+                                   bool round_bf16);
+  // matmul_backward / matmul_backward_activation at BF16 precision with the input stored as BF16.
+  virtual void matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias, const float* dout,
+                                          const uint16_t* inp16, const float* weight, int64_t N, int64_t K,
+                                          int64_t OC);
+  virtual void matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias,
+                                                     const ActivationSource& src, const uint16_t* inp16,
+                                                     const float* weight, int64_t K);
+  // attention_forward / attention_backward at BF16 precision: qkv16 in place of qkv, out16 in place
+  // of out (attention_forward: rounded, round_bf16 implied).
+  virtual void attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv16,
+                                      int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16);
+  virtual void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const uint16_t* qkv16,
+                                       const float* out, const uint16_t* out16, const float* lse, int64_t B,
+                                       int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16);
   // lse (B,NH,T): the saved log-sum-exp rows, not the (B,NH,T,T) probabilities; prec FP32 (no
   // BF16 operand rounding) is for gradient checks on the emulator only (emu/layers.hpp); out
   // BF16-rounded when round_bf16 (lse never)

@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "emu/formats.hpp"
 #include "gpu/cuda_backend.hpp"
@@ -244,9 +245,9 @@ __device__ __forceinline__ float stored_out(float v) { return kRound ? bf16_roun
 // One CTA per (b, h, 64-row query tile); grid (B*NH, query tiles), the tiles with the most keys
 // first. Warp w owns query rows q_tile*64 + 16w .. +15; each lane two of them (gid, gid + 8).
 // kRound: out stored BF16-rounded (the model's BF16 storage of the attention output).
-template <int HD, bool kRound>
+template <int HD, bool kRound, class OutT>
 __global__ void __launch_bounds__(kThreads)
-    attention_forward_kernel(float* out, float* lse, const bf16* qkv, int T, int NH, int NKV,
+    attention_forward_kernel(OutT* out, float* lse, const bf16* qkv, int T, int NH, int NKV,
                              float scale) {
   constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
   __shared__ __align__(16) bf16 k_buf[kS][kTile * kStride];
@@ -347,12 +348,15 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (rows[r] >= T) continue;
-    float* o_row = out + (static_cast<int64_t>(b) * T + rows[r]) * NH * HD + h * HD;
+    OutT* o_row = out + (static_cast<int64_t>(b) * T + rows[r]) * NH * HD + h * HD;
 #pragma unroll
-    for (int n = 0; n < kDn; ++n)
-      *reinterpret_cast<float2*>(o_row + n * 8 + 2 * tig) =
-          make_float2(stored_out<kRound>(__fdiv_rn(o[n][2 * r], l[r])),
-                      stored_out<kRound>(__fdiv_rn(o[n][2 * r + 1], l[r])));
+    for (int n = 0; n < kDn; ++n) {
+      const float v0 = __fdiv_rn(o[n][2 * r], l[r]), v1 = __fdiv_rn(o[n][2 * r + 1], l[r]);
+      if constexpr (std::is_same_v<OutT, float>)
+        *reinterpret_cast<float2*>(o_row + n * 8 + 2 * tig) = make_float2(stored_out<kRound>(v0), stored_out<kRound>(v1));
+      else  // BF16 bits: the rounding is the storage (the bits of bf16_round's value)
+        *reinterpret_cast<uint32_t*>(o_row + n * 8 + 2 * tig) = pack_bf16x2(v0, v1);
+    }
     if (tig == 0)
       lse[(static_cast<int64_t>(b) * NH + h) * T + rows[r]] = __fadd_rn(m[r], logf(l[r]));
   }
@@ -371,17 +375,25 @@ __device__ __forceinline__ float written(float v) {
 
 // dsum (B,NH,T) = sum_i bf16(dout_i) * out_i over one head's row, one thread per row
 // r = (b*T + t)*NH + h, FP32 from +0 in increasing i: the emulator's order, bitwise.
-template <int HD>
-__global__ void attention_dsum_kernel(float* dsum, const float* dout, const float* out,
+// Four output values from FP32 storage or from BF16 bits (widened: the same values).
+__device__ __forceinline__ float4 load_out4(const float* out, int64_t i) { return reinterpret_cast<const float4*>(out)[i]; }
+__device__ __forceinline__ float4 load_out4(const uint16_t* out, int64_t i) {
+  const uint2 u = reinterpret_cast<const uint2*>(out)[i];
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xFFFF0000u));
+}
+
+template <int HD, class OutT>
+__global__ void attention_dsum_kernel(float* dsum, const float* dout, const OutT* out,
                                       int64_t rows, int T, int NH) {
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float4* dy = reinterpret_cast<const float4*>(dout + r * HD);
-    const float4* o = reinterpret_cast<const float4*>(out + r * HD);
+    const OutT* o = out + r * HD;
     float acc = 0.0f;
 #pragma unroll 4
     for (int i = 0; i < HD / 4; ++i) {
-      const float4 a = dy[i], c = o[i];
+      const float4 a = dy[i], c = load_out4(o, i);
       acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.x), c.x));
       acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.y), c.y));
       acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.z), c.z));
@@ -604,16 +616,17 @@ void to_bf16(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
 }
 
 template <int HD>
-void forward_for(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t NH,
+void forward_for(float* out, uint16_t* out16, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t NH,
                  int64_t NKV, bool round_bf16, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));  // as the emulator, on the host
   const dim3 grid(static_cast<unsigned>(B * NH), static_cast<unsigned>((T + kTile - 1) / kTile));
-  if (round_bf16)
-    attention_forward_kernel<HD, true><<<grid, kThreads, 0, stream>>>(
-        out, lse, qkv, static_cast<int>(T), static_cast<int>(NH), static_cast<int>(NKV), scale);
+  const int t = static_cast<int>(T), nh = static_cast<int>(NH), nkv = static_cast<int>(NKV);
+  if (out16)
+    attention_forward_kernel<HD, true, uint16_t><<<grid, kThreads, 0, stream>>>(out16, lse, qkv, t, nh, nkv, scale);
+  else if (round_bf16)
+    attention_forward_kernel<HD, true, float><<<grid, kThreads, 0, stream>>>(out, lse, qkv, t, nh, nkv, scale);
   else
-    attention_forward_kernel<HD, false><<<grid, kThreads, 0, stream>>>(
-        out, lse, qkv, static_cast<int>(T), static_cast<int>(NH), static_cast<int>(NKV), scale);
+    attention_forward_kernel<HD, false, float><<<grid, kThreads, 0, stream>>>(out, lse, qkv, t, nh, nkv, scale);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -635,14 +648,18 @@ void backward_kernels(float* dqkv, const float* dsum, const bf16* dout16, const 
 
 template <int HD>
 void backward_for(float* dqkv, float* dsum, const float* dout, const bf16* dout16, const bf16* qkv16,
-                  const float* out, const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                  bool round_bf16, cudaStream_t stream) {
+                  const float* out, const uint16_t* out16, const float* lse, int64_t B, int64_t T, int64_t NH,
+                  int64_t NKV, bool round_bf16, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const int64_t rows = B * T * NH;
   const int64_t dsum_blocks = (rows + kDsumThreads - 1) / kDsumThreads;
-  attention_dsum_kernel<HD>
-      <<<static_cast<unsigned>(dsum_blocks < 65536 ? dsum_blocks : 65536), kDsumThreads, 0,
-         stream>>>(dsum, dout, out, rows, static_cast<int>(T), static_cast<int>(NH));
+  const unsigned dsum_grid = static_cast<unsigned>(dsum_blocks < 65536 ? dsum_blocks : 65536);
+  if (out16)
+    attention_dsum_kernel<HD, uint16_t><<<dsum_grid, kDsumThreads, 0, stream>>>(
+        dsum, dout, out16, rows, static_cast<int>(T), static_cast<int>(NH));
+  else
+    attention_dsum_kernel<HD, float><<<dsum_grid, kDsumThreads, 0, stream>>>(
+        dsum, dout, out, rows, static_cast<int>(T), static_cast<int>(NH));
   FP4SIM_CUDA_CHECK_LAUNCH();
   if (round_bf16) backward_kernels<HD, true>(dqkv, dsum, dout16, qkv16, lse, B, T, NH, NKV, scale, stream);
   else backward_kernels<HD, false>(dqkv, dsum, dout16, qkv16, lse, B, T, NH, NKV, scale, stream);
@@ -668,59 +685,73 @@ void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int
                                 " and B*NH < 2^31 (one CTA per head and 64-row tile)");
 }
 
-void attention_forward_launch(float* out, float* lse, const float* qkv, uint16_t* qkv16, int64_t B, int64_t T,
-                              int64_t NH, int64_t NKV, int64_t HD, bool round_bf16, cudaStream_t stream) {
+// qkv (FP32, converted into the qkv16 scratch here) or qkv_in16 (BF16 bits, read as they are);
+// out (FP32, BF16-rounded when round_bf16) or out16 (BF16 bits).
+void attention_forward_launch(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv_in16,
+                              uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                              bool round_bf16, cudaStream_t stream) {
   attention_check_shape("attention_forward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
-  require_aligned("attention_forward", "qkv", qkv);
-  require_aligned("attention_forward", "out", out);
-  require_aligned("attention_forward", "qkv16 (scratch)", qkv16);
-  bf16* q16 = reinterpret_cast<bf16*>(qkv16);
-  to_bf16(q16, qkv, B * T * (NH + 2 * NKV) * HD, stream);
+  require_aligned("attention_forward", out16 ? "out16" : "out", out16 ? static_cast<const void*>(out16) : out);
+  const bf16* q16 = reinterpret_cast<const bf16*>(qkv_in16);
+  if (!qkv_in16) {
+    require_aligned("attention_forward", "qkv", qkv);
+    require_aligned("attention_forward", "qkv16 (scratch)", qkv16);
+    to_bf16(reinterpret_cast<bf16*>(qkv16), qkv, B * T * (NH + 2 * NKV) * HD, stream);
+    q16 = reinterpret_cast<const bf16*>(qkv16);
+  } else {
+    require_aligned("attention_forward", "qkv16", qkv_in16);
+  }
   switch (HD) {
     case 16:
-      forward_for<16>(out, lse, q16, B, T, NH, NKV, round_bf16, stream);
+      forward_for<16>(out, out16, lse, q16, B, T, NH, NKV, round_bf16, stream);
       break;
     case 32:
-      forward_for<32>(out, lse, q16, B, T, NH, NKV, round_bf16, stream);
+      forward_for<32>(out, out16, lse, q16, B, T, NH, NKV, round_bf16, stream);
       break;
     case 64:
-      forward_for<64>(out, lse, q16, B, T, NH, NKV, round_bf16, stream);
+      forward_for<64>(out, out16, lse, q16, B, T, NH, NKV, round_bf16, stream);
       break;
     default:
-      forward_for<128>(out, lse, q16, B, T, NH, NKV, round_bf16, stream);
+      forward_for<128>(out, out16, lse, q16, B, T, NH, NKV, round_bf16, stream);
       break;
   }
 }
 
-void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv,
-                               const float* out, const float* lse, uint16_t* qkv16, uint16_t* dout16,
-                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16,
-                               cudaStream_t stream) {
+// qkv / qkv_in16 and out / out16 as attention_forward_launch's (one of each pair).
+void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv, const uint16_t* qkv_in16,
+                               const float* out, const uint16_t* out16, const float* lse, uint16_t* qkv16,
+                               uint16_t* dout16, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                               bool round_bf16, cudaStream_t stream) {
   attention_check_shape("attention_backward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
   require_aligned("attention_backward", "dqkv", dqkv);
   require_aligned("attention_backward", "dout", dout);
-  require_aligned("attention_backward", "qkv", qkv);
-  require_aligned("attention_backward", "out", out);
-  require_aligned("attention_backward", "qkv16 (scratch)", qkv16);
+  require_aligned("attention_backward", out16 ? "out16" : "out", out16 ? static_cast<const void*>(out16) : out);
   require_aligned("attention_backward", "dout16 (scratch)", dout16);
-  bf16* q16 = reinterpret_cast<bf16*>(qkv16);
+  const bf16* q16 = reinterpret_cast<const bf16*>(qkv_in16);
+  if (!qkv_in16) {
+    require_aligned("attention_backward", "qkv", qkv);
+    require_aligned("attention_backward", "qkv16 (scratch)", qkv16);
+    to_bf16(reinterpret_cast<bf16*>(qkv16), qkv, B * T * (NH + 2 * NKV) * HD, stream);
+    q16 = reinterpret_cast<const bf16*>(qkv16);
+  } else {
+    require_aligned("attention_backward", "qkv16", qkv_in16);
+  }
   bf16* d16 = reinterpret_cast<bf16*>(dout16);
-  to_bf16(q16, qkv, B * T * (NH + 2 * NKV) * HD, stream);
   to_bf16(d16, dout, B * T * NH * HD, stream);
   switch (HD) {
     case 16:
-      backward_for<16>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<16>(dqkv, dsum, dout, d16, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     case 32:
-      backward_for<32>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<32>(dqkv, dsum, dout, d16, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     case 64:
-      backward_for<64>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<64>(dqkv, dsum, dout, d16, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     default:
-      backward_for<128>(dqkv, dsum, dout, d16, q16, out, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<128>(dqkv, dsum, dout, d16, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
   }
 }

@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "emu/backend.hpp"
 #include "gpu/device_scratch.hpp"
@@ -124,6 +125,25 @@ class CudaBackend final : public Backend {
                                  int64_t OC, emu::GemmPrecision prec, bool round_bf16) override;
   void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
                                   const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) override;
+  // BF16-stored activations (Backend's *_bf16 ops): read and written as BF16 bits directly; the
+  // c_attn GEMM writes qkv's bits and adds its bias in cuBLASLt's epilogue (set_matmul_bf16_epilogue)
+  void narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) override;
+  void widen_bf16(float* dst, const uint16_t* src, int64_t n) override;
+  void layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp, const float* weight,
+                              const float* bias, int64_t N, int64_t C) override;
+  void rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                            int64_t C) override;
+  void matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16, const float* weight,
+                           const float* bias, int64_t N, int64_t K, int64_t OC, bool round_bf16) override;
+  void matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias, const float* dout, const uint16_t* inp16,
+                                  const float* weight, int64_t N, int64_t K, int64_t OC) override;
+  void matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
+                                             const uint16_t* inp16, const float* weight, int64_t K) override;
+  void attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv16,
+                              int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) override;
+  void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const uint16_t* qkv16,
+                               const float* out, const uint16_t* out16, const float* lse, int64_t B, int64_t T,
+                               int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) override;
   void round_to_bf16(float* x, int64_t n) override;
   void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override;
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
@@ -161,9 +181,11 @@ class CudaBackend final : public Backend {
   struct LayersState;
   std::shared_ptr<LayersState> layers_;  // created on first use
   LayersState& layers_state();
-  // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (gpu/layers.cu)
+  // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (gpu/layers.cu); inp16: the
+  // input as BF16 bits instead of inp (BF16 precision)
   void matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp, const float* weight,
-                             int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec);
+                             int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
+                             const uint16_t* inp16 = nullptr);
   void init_device();  // the constructor's part after the stream exists (pool, capability, workspace)
 };
 
@@ -280,6 +302,15 @@ uint64_t fused_activation_matmul_count();
 // matmul_backward_activation may fuse (default true); off, they run Backend's compositions (the op,
 // then the quantizer or the matmul). Results are identical; only speed differs.
 void set_activation_fusion(bool on);
+// Test and benchmark knob: whether CudaBackend::matmul_forward_bf16 with a BF16 output (out16) lets
+// cuBLASLt write the BF16 bits and add the bias in its epilogue (default true, where the bias is
+// 16-byte aligned); off, the GEMM writes FP32 and add_bias and a narrowing pass follow. The same
+// bits (LayersGpu.MatmulBf16EpilogueEqualsSeparatePasses); only speed differs.
+void set_matmul_bf16_epilogue(bool on);
+// Test hook: how many matmul_forward_bf16 calls with a BF16 output (out16) had cuBLASLt write it
+// (and add the bias) in its epilogue (first), or write FP32 with the bias added in its epilogue
+// before a narrowing pass (second; where it lists no algorithm for the first), in this process.
+std::pair<uint64_t, uint64_t> matmul_bf16_epilogue_count();
 // Test hook: how many CudaBackend::matmul_backward calls at BF16 precision took dout's BF16 copy and
 // the bias gradient's column sums from one pass (round_to_bf16_column_partial_kernel) in this process.
 uint64_t fused_matmul_bias_count();
@@ -330,12 +361,15 @@ void set_fp8_wgmma_max_ctas(int n);
 // The launchers' shape checks (HD, NH/NKV, T's tile count), std::invalid_argument naming `op`:
 // callers run them before sizing scratch from the shape.
 void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD);
-void attention_forward_launch(float* out, float* lse, const float* qkv, uint16_t* qkv16, int64_t B, int64_t T,
-                              int64_t NH, int64_t NKV, int64_t HD, bool round_bf16, cudaStream_t stream);
-void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv,
-                               const float* out, const float* lse, uint16_t* qkv16, uint16_t* dout16,
-                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16,
-                               cudaStream_t stream);
+// qkv_in16 / out16: qkv read / out written as BF16 bits instead (Backend::attention_*_bf16; then
+// qkv / out is null, and qkv is not converted into the qkv16 scratch).
+void attention_forward_launch(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv_in16,
+                              uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                              bool round_bf16, cudaStream_t stream);
+void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv, const uint16_t* qkv_in16,
+                               const float* out, const uint16_t* out16, const float* lse, uint16_t* qkv16,
+                               uint16_t* dout16, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                               bool round_bf16, cudaStream_t stream);
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream);
 

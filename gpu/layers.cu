@@ -234,13 +234,19 @@ __device__ __forceinline__ float stored(float v, bool round_bf16) { return round
 // An incoming gradient as a backward pass reads it: bf16_round(v) where the caller stores gradients
 // in BF16 and left the rounding to the reader (bf16_dout), else v.
 __device__ __forceinline__ float read_dout(float v, bool bf16_dout) { return bf16_dout ? bf16_round(v) : v; }
+// o[i] = the stored value of v: FP32 (stored), or BF16 bits (the rounding is the storage; round_bf16
+// implied).
+__device__ __forceinline__ void put_stored(float* o, int64_t i, float v, bool round_bf16) { o[i] = stored(v, round_bf16); }
+__device__ __forceinline__ void put_stored(uint16_t* o, int64_t i, float v, bool) { o[i] = bf16_rne(v); }
 
 // One block per row n. mean and variance: each thread sums its strided elements in increasing
 // index order, then block_sum (fixed tree), FP32 RN; var = sum((x - mean)^2) / C (two passes, as
 // the emulator); rstd = 1 / sqrt(var + eps) (IEEE sqrt and division).
 // out (N,C) = ((rstd * (x - mean)) * weight) + bias, each step RN (the emulator's order).
 // Agreement with the emulator: bounded (the row sums are a tree, not sequential).
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp,
+// OutT: float, or uint16_t for BF16 bits (Backend::layernorm_forward_bf16).
+template <class OutT>
+__global__ void layernorm_forward_kernel(OutT* out, float* mean, float* rstd, const float* inp,
                                          const float* weight, const float* bias, int64_t C,
                                          float c_f32, float eps, bool round_bf16) {
   const int64_t n = blockIdx.x;
@@ -255,9 +261,9 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
   }
   v = __fdiv_rn(block_sum(v), c_f32);
   const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(v, eps)));
-  float* o = out + n * C;
+  OutT* o = out + n * C;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    o[i] = stored(__fadd_rn(__fmul_rn(__fmul_rn(r, __fsub_rn(x[i], m)), weight[i]), bias[i]), round_bf16);
+    put_stored(o, i, __fadd_rn(__fmul_rn(__fmul_rn(r, __fsub_rn(x[i], m)), weight[i]), bias[i]), round_bf16);
   if (threadIdx.x == 0) {
     mean[n] = m;
     rstd[n] = r;
@@ -319,7 +325,8 @@ __global__ void layernorm_backward_partial_kernel(float* partial, const float* d
 
 // One block per row: ms = block_sum(x * x) / C (FP32 tree), rstd = 1 / sqrt(ms + eps);
 // out (N,C) = (x * rstd) * weight. Bounded against the emulator.
-__global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* inp,
+template <class OutT>
+__global__ void rmsnorm_forward_kernel(OutT* out, float* rstd, const float* inp,
                                        const float* weight, int64_t C, float c_f32, float eps, bool round_bf16) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
@@ -328,7 +335,7 @@ __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* inp
   const float ms = __fdiv_rn(block_sum(ss), c_f32);
   const float s = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    out[n * C + i] = stored(__fmul_rn(__fmul_rn(x[i], s), weight[i]), round_bf16);
+    put_stored(out, n * C + i, __fmul_rn(__fmul_rn(x[i], s), weight[i]), round_bf16);
   if (threadIdx.x == 0) rstd[n] = s;
 }
 
@@ -500,12 +507,13 @@ __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, fl
 }
 
 // gelu_forward_kernel that also writes the stored values' BF16 bits (h), the GEMM operand
-// round_to_bf16_kernel would make from out: the same bits, one pass.
+// round_to_bf16_kernel would make from out: the same bits, one pass. out null: h only (the
+// activation kept as BF16 bits).
 __global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const float* inp, int64_t n, bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float v = gelu_forward_stored(inp[j], round_bf16);
-    out[j] = v;
+    if (out) out[j] = v;
     h[j] = bf16_rne(v);
   }
 }
@@ -829,6 +837,9 @@ uint64_t g_fused_bias_backward = 0;  // fused_bias_backward_count
 uint64_t g_fused_activation_quantize = 0;  // fused_activation_quantize_count
 uint64_t g_fused_activation_matmul = 0;    // fused_activation_matmul_count
 bool g_activation_fusion = true;           // set_activation_fusion
+bool g_matmul_bf16_epilogue = true;        // set_matmul_bf16_epilogue
+uint64_t g_matmul_bf16_epilogue_calls = 0;  // matmul_bf16_epilogue_count
+uint64_t g_matmul_f32_epilogue_calls = 0;   // matmul_bf16_epilogue_count
 uint64_t g_fused_matmul_bias = 0;    // fused_matmul_bias_count
 int g_matmul_pick = kPlanOwnPick;  // set_matmul_heuristic_pick
 MatmulPlanPick g_last_matmul_pick;  // last_matmul_plan_pick
@@ -895,9 +906,11 @@ struct CublasLt {
   struct Plan {
     std::unique_ptr<LtDescriptors> d;
     cublasLtMatmulAlgo_t algo{};
+    bool supported = true;  // false: a BF16-output or bias-epilogue question cuBLASLt has no algorithm for
   };
-  using PlanKey =
-      std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t, uint32_t, int>;
+  // (the last two: D stored as BF16, a bias epilogue)
+  using PlanKey = std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t,
+                             uint32_t, int, bool, bool>;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   bool rules_active = false;  // matmul_preferred_algo's rules apply (Hopper, cuBLASLt 13.1.x)
@@ -924,6 +937,7 @@ struct RopeTable {
 struct CudaBackend::LayersState {
   training_ops::CublasLt lt;                                // created on the first matmul
   training_ops::DeviceScratch bf16_a, bf16_b, bf16_c;       // BF16 operands of the matmuls
+  training_ops::DeviceScratch f32_out;  // matmul_forward_bf16's FP32 output where the epilogue does not write BF16
   training_ops::DeviceScratch f32_dout;  // matmul_backward_bf16_dout's dout widened, FP32 GEMMs only (kept, as
                                          // the others; no training configuration pairs BF16 activations with them)
   training_ops::DeviceScratch columns;                      // partial column sums
@@ -951,9 +965,15 @@ using training_ops::RopeTable;
 // (CUBLAS_COMPUTE_32F: no TF32), operands BF16 (`bf16`) or FP32. A is stored (m x k) col-major
 // with ld lda, or (k x m) when transa; B is (k x n), or (n x k) when transb. beta = 1 accumulates:
 // D = fl(acc + D), the emulator's `d += gemm` given the GEMM's FP32 value.
-void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int64_t n, int64_t k,
-               const void* A, int64_t lda, const void* B, int64_t ldb, float* D, float beta,
-               cudaStream_t stream) {
+// d_bf16: D stored as BF16 bits (the epilogue's RNE of the FP32 value; beta 0 only). bias (m FP32
+// values, or null): D = fl(acc + bias[row]) in the epilogue, the bits of add_bias after the GEMM
+// (tests: LayersGpu.MatmulBf16EpilogueRoundsLikeAddBias). Returns false, having run nothing, where
+// cuBLASLt has no algorithm for such an output (the caller then takes separate passes); the FP32
+// output without an epilogue always runs (or throws).
+bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int64_t n, int64_t k,
+               const void* A, int64_t lda, const void* B, int64_t ldb, void* D, float beta,
+               cudaStream_t stream, bool d_bf16 = false, const float* bias = nullptr) {
+  if (d_bf16 && beta != 0.0f) throw std::logic_error("lt_matmul: a BF16 output takes beta = 0 only");
   if (!lt.handle) {
     FP4SIM_CUBLAS_CHECK(cublasLtCreate(&lt.handle));
     FP4SIM_CUDA_CHECK(cudaMalloc(&lt.workspace, kCublasWorkspaceBytes));
@@ -970,7 +990,8 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
   // the heuristic's list is shorter; the rule falls back to the first algorithm there
   const bool knob = g_matmul_pick != kPlanOwnPick;
   const int pick = knob ? g_matmul_pick : matmul_preferred_algo(lt.rules_active, bf16, transa, transb, m, n, k);
-  const CublasLt::PlanKey key{bf16, transa, transb, m, n, k, lda, ldb, align_a, align_b, align_d, knob ? pick : -1 - pick};
+  const CublasLt::PlanKey key{bf16,    transa, transb, m, n, k, lda, ldb, align_a, align_b, align_d,
+                              knob ? pick : -1 - pick, d_bf16, bias != nullptr};
   auto it = lt.plans.find(key);
   if (it == lt.plans.end()) {
     const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
@@ -985,8 +1006,16 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
                                                    static_cast<uint64_t>(transa ? m : k), lda));
     FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.lb, in_type, static_cast<uint64_t>(transb ? n : k),
                                                    static_cast<uint64_t>(transb ? k : n), ldb));
-    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.ld, CUDA_R_32F, static_cast<uint64_t>(m),
+    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.ld, d_bf16 ? CUDA_R_16BF : CUDA_R_32F, static_cast<uint64_t>(m),
                                                    static_cast<uint64_t>(n), m));
+    if (bias) {
+      const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+      const cudaDataType_t bias_type = CUDA_R_32F;
+      FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+      FP4SIM_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
+      FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+    }
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
     const size_t ws = kCublasWorkspaceBytes;
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
@@ -1001,8 +1030,14 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
         d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d));
     cublasLtMatmulHeuristicResult_t heur[kMaxHeuristicPick + 1]{};
     int found = 0;
-    FP4SIM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld, d.ld, d.pref,
-                                                       pick + 1, heur, &found));
+    const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld, d.ld, d.pref,
+                                                             pick + 1, heur, &found);
+    if ((d_bf16 || bias) && (hs != CUBLAS_STATUS_SUCCESS || found == 0)) {
+      // (remembered: the question is not asked again)
+      lt.plans.emplace(key, CublasLt::Plan{std::move(owned), {}, false});
+      return false;
+    }
+    FP4SIM_CUBLAS_CHECK(hs);
     if (found == 0 || (knob && found <= pick))
       throw std::runtime_error(std::string("matmul: cuBLASLt has no ") + (bf16 ? "BF16" : "FP32") +
                                " algorithm" + (pick ? " at heuristic index " + std::to_string(pick) : std::string()) +
@@ -1012,10 +1047,14 @@ void lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
     g_last_matmul_pick = MatmulPlanPick{lt.rules_active, pick, found, used};
     it = lt.plans.emplace(key, CublasLt::Plan{std::move(owned), heur[used].algo}).first;
   }
+  if (!it->second.supported) return false;
   const LtDescriptors& d = *it->second.d;
+  if (bias)  // (the plan's descriptor, pointed at this call's bias)
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
   const float alpha = 1.0f;
   FP4SIM_CUBLAS_CHECK(cublasLtMatmul(lt.handle, d.op, &alpha, A, d.la, B, d.lb, &beta, D, d.ld, D,
                                      d.ld, &it->second.algo, lt.workspace, kCublasWorkspaceBytes, stream));
+  return true;
 }
 
 // The GEMM operand x (count FP32 values) as the matmul reads it: its BF16 bits in `scratch` for
@@ -1225,11 +1264,12 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
 // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (BF16 bits, or FP32 at FP32
 // precision): the Dgrad writes dinp (if any), the Wgrad adds into dweight (if any); K > 0.
 void CudaBackend::matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp,
-                                        const float* weight, int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec) {
+                                        const float* weight, int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
+                                        const uint16_t* inp16) {
   LayersState& st = layers_state();
   const bool bf16 = prec == emu::GemmPrecision::BF16;
   const void* w = dinp ? gemm_operand(st.bf16_b, weight, OC * K, prec, stream_) : nullptr;
-  const void* x = dweight ? gemm_operand(st.bf16_c, inp, N * K, prec, stream_) : nullptr;
+  const void* x = !dweight ? nullptr : inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_c, inp, N * K, prec, stream_);
   if (dinp) lt_matmul(st.lt, bf16, false, false, K, N, OC, w, K, dy, OC, dinp, 0.0f, stream_);
   if (dweight) lt_matmul(st.lt, bf16, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
 }
@@ -1261,9 +1301,10 @@ void CudaBackend::matmul_forward_activation(float* out, const ActivationSource& 
     return;
   }
   LayersState& st = layers_state();
-  uint16_t* x = st.bf16_b.get<uint16_t>(static_cast<size_t>(N * K), stream_);
-  gelu_forward_bf16_copy_kernel<<<elementwise_grid(N * K), kThreads, 0, stream_>>>(src.out, x, src.inp, N * K,
-                                                                                  src.round_bf16);
+  // (src.out16: the operand is the activation's BF16 storage itself, src.out unwritten)
+  uint16_t* x = src.out16 ? src.out16 : st.bf16_b.get<uint16_t>(static_cast<size_t>(N * K), stream_);
+  gelu_forward_bf16_copy_kernel<<<elementwise_grid(N * K), kThreads, 0, stream_>>>(
+      src.out16 ? nullptr : src.out, x, src.inp, N * K, src.out16 ? true : src.round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
   const void* w = gemm_operand(st.bf16_a, weight, OC * K, prec, stream_);
   lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f, stream_);
@@ -1292,6 +1333,152 @@ void CudaBackend::matmul_backward_activation(float* dinp, float* dweight, float*
   ++g_fused_activation_matmul;
 }
 
+// ---- BF16-stored activations ---------------------------------------------------------------------
+
+namespace {
+void require_one_of(const char* op, const char* tensor, const void* f32, const void* bf16) {
+  if ((f32 == nullptr) == (bf16 == nullptr))
+    throw std::logic_error(std::string(op) + ": exactly one of " + tensor + " and " + tensor +
+                           "16 must be given (FP32 or BF16 storage)");
+}
+}  // namespace
+
+void CudaBackend::narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) {
+  if (n <= 0) return;
+  round_to_bf16_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(dst, src, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::widen_bf16(float* dst, const uint16_t* src, int64_t n) {
+  if (n <= 0) return;
+  bf16_to_f32_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dst, src, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp,
+                                         const float* weight, const float* bias, int64_t N, int64_t C) {
+  require_rows("layernorm_forward_bf16", N);
+  if (N == 0 || C == 0) return;
+  layernorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+      out, mean, rstd, inp, weight, bias, C, static_cast<float>(C), kNormEps, true);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                                       int64_t C) {
+  require_rows("rmsnorm_forward_bf16", N);
+  if (N == 0 || C == 0) return;
+  rmsnorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+      out, rstd, inp, weight, C, static_cast<float>(C), kNormEps, true);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+// matmul_forward's GEMM on the BF16 input bits as they are; a BF16 output (out16) written by
+// cuBLASLt's epilogue with the bias added there (RNE of fl(acc + bias): the bits of add_bias with
+// rounding), or, with the knob off or a bias not 16-byte aligned, through an FP32 scratch, add_bias
+// and a narrowing pass.
+void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16,
+                                      const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
+                                      bool round_bf16) {
+  require_one_of("matmul_forward_bf16", "out", out, out16);
+  require_one_of("matmul_forward_bf16", "inp", inp, inp16);
+  if (N == 0 || OC == 0) return;
+  if (K == 0) {  // (an empty sum: the composition's zeros plus bias)
+    Backend::matmul_forward_bf16(out, out16, inp, inp16, weight, bias, N, K, OC, round_bf16);
+    return;
+  }
+  LayersState& st = layers_state();
+  const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
+  const void* w = gemm_operand(st.bf16_a, weight, OC * K, prec, stream_);
+  const void* x = inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_b, inp, N * K, prec, stream_);
+  if (out16 && g_matmul_bf16_epilogue && (!bias || aligned16(bias)) &&
+      lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out16, 0.0f, stream_,
+                /*d_bf16=*/true, bias)) {
+    ++g_matmul_bf16_epilogue_calls;
+    return;
+  }
+  float* y = out16 ? st.f32_out.get<float>(static_cast<size_t>(N * OC), stream_) : out;
+  // (a BF16 output without an algorithm for it: the FP32 output with the bias in the epilogue, then
+  // narrowing, where cuBLASLt has that; else the GEMM, add_bias, narrowing)
+  if (out16 && bias && g_matmul_bf16_epilogue && aligned16(bias) &&
+      lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, y, 0.0f, stream_, false, bias)) {
+    ++g_matmul_f32_epilogue_calls;
+    narrow_to_bf16(out16, y, N * OC);
+    return;
+  }
+  lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, y, 0.0f, stream_);
+  if (bias) add_bias(y, bias, N, OC, out16 ? true : round_bf16, stream_);
+  else if (round_bf16 && !out16) round_to_bf16(y, N * OC);
+  if (out16) narrow_to_bf16(out16, y, N * OC);
+}
+
+void CudaBackend::matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias, const float* dout,
+                                             const uint16_t* inp16, const float* weight, int64_t N, int64_t K,
+                                             int64_t OC) {
+  const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
+  if (matmul_backward_empty(dinp, N, K, OC, stream_)) return;
+  LayersState& st = layers_state();
+  if (dbias && K > 0 && OC % 2 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
+    const uint16_t* h = bf16_operand_with_bias_grad(st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
+    matmul_backward_gemms(dinp, dweight, h, nullptr, weight, N, K, OC, prec, inp16);
+    ++g_fused_matmul_bias;
+    return;
+  }
+  if (K > 0)
+    matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_), nullptr, weight, N, K,
+                          OC, prec, inp16);
+  if (dbias) bias_backward(dbias, dout, N, OC);
+}
+
+void CudaBackend::matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias,
+                                                        const ActivationSource& src, const uint16_t* inp16,
+                                                        const float* weight, int64_t K) {
+  const int64_t N = src.rows, OC = src.cols;
+  if (!g_activation_fusion || !dbias || src.op != ActivationOp::GeluBackward || N == 0 || K == 0 || OC == 0 ||
+      OC % 2 != 0 || reinterpret_cast<uintptr_t>(src.inp) % 8 != 0 || reinterpret_cast<uintptr_t>(src.dout) % 8 != 0) {
+    Backend::matmul_backward_activation_bf16_input(dinp, dweight, dbias, src, inp16, weight, K);
+    return;
+  }
+  LayersState& st = layers_state();
+  const uint16_t* h =
+      bf16_operand_with_bias_grad(st.bf16_a, st.columns, Bf16PairGeluBackward{src.inp, src.dout, src.round_bf16, src.bf16_dout},
+                                  dbias, N, OC, stream_);
+  matmul_backward_gemms(dinp, dweight, h, nullptr, weight, N, K, OC, emu::GemmPrecision::BF16, inp16);
+  ++g_fused_activation_matmul;
+}
+
+void CudaBackend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv,
+                                         const uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                                         int64_t HD, bool round_bf16) {
+  require_one_of("attention_forward_bf16", "out", out, out16);
+  require_one_of("attention_forward_bf16", "qkv", qkv, qkv16);
+  require_heads("attention_forward_bf16", NH, NKV, HD);
+  attention_check_shape("attention_forward_bf16", B, T, NH, NKV, HD);  // before any scratch is sized
+  uint16_t* scratch = nullptr;
+  if (!qkv16) {
+    const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
+    scratch = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
+  }
+  attention_forward_launch(out, out16, lse, qkv, qkv16, scratch, B, T, NH, NKV, HD, round_bf16, stream_);
+}
+
+void CudaBackend::attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const uint16_t* qkv16,
+                                          const float* out, const uint16_t* out16, const float* lse, int64_t B,
+                                          int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) {
+  require_one_of("attention_backward_bf16", "qkv", qkv, qkv16);
+  require_one_of("attention_backward_bf16", "out", out, out16);
+  require_heads("attention_backward_bf16", NH, NKV, HD);
+  attention_check_shape("attention_backward_bf16", B, T, NH, NKV, HD);  // before any scratch is sized
+  if (B * T == 0) return;
+  LayersState& st = layers_state();
+  float* dsum = st.att_dsum.get<float>(static_cast<size_t>(B * NH * T), stream_);
+  const size_t bt = static_cast<size_t>(B * T);
+  uint16_t* scratch = qkv16 ? nullptr : st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
+  uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
+  attention_backward_launch(dqkv, dsum, dout, qkv, qkv16, out, out16, lse, scratch, dout16, B, T, NH, NKV, HD,
+                            round_bf16, stream_);
+}
+
 // The kernels are in gpu/attention.cu; here the checks and the backward pass's scratch.
 void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
                                     int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec,
@@ -1301,7 +1488,7 @@ void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, in
   attention_check_shape("attention_forward", B, T, NH, NKV, HD);  // before any scratch is sized
   const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
   uint16_t* qkv16 = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
-  attention_forward_launch(out, lse, qkv, qkv16, B, T, NH, NKV, HD, round_bf16, stream_);
+  attention_forward_launch(out, nullptr, lse, qkv, nullptr, qkv16, B, T, NH, NKV, HD, round_bf16, stream_);
 }
 
 void CudaBackend::attention_backward(float* dqkv, const float* dout, const float* qkv,
@@ -1317,7 +1504,8 @@ void CudaBackend::attention_backward(float* dqkv, const float* dout, const float
   const size_t bt = B > 0 && T > 0 ? static_cast<size_t>(B * T) : 0;  // (B * T == 0 returned above)
   uint16_t* qkv16 = st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
-  attention_backward_launch(dqkv, dsum, dout, qkv, out, lse, qkv16, dout16, B, T, NH, NKV, HD, round_bf16, stream_);
+  attention_backward_launch(dqkv, dsum, dout, qkv, nullptr, out, nullptr, lse, qkv16, dout16, B, T, NH, NKV, HD,
+                            round_bf16, stream_);
 }
 
 void CudaBackend::rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
@@ -1399,6 +1587,10 @@ uint64_t fused_bias_backward_count() { return g_fused_bias_backward; }
 uint64_t fused_activation_quantize_count() { return g_fused_activation_quantize; }
 uint64_t fused_activation_matmul_count() { return g_fused_activation_matmul; }
 void set_activation_fusion(bool on) { g_activation_fusion = on; }
+void set_matmul_bf16_epilogue(bool on) { g_matmul_bf16_epilogue = on; }
+std::pair<uint64_t, uint64_t> matmul_bf16_epilogue_count() {
+  return {g_matmul_bf16_epilogue_calls, g_matmul_f32_epilogue_calls};
+}
 uint64_t fused_matmul_bias_count() { return g_fused_matmul_bias; }
 
 // FP8 with a column-wise copy of a dense F32 x whose rows fill whole 128-row tiles: the tile pass

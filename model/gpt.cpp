@@ -104,9 +104,37 @@ void Gpt::store(float* x, int64_t n) {
   if (round_bf16()) be_.round_to_bf16(x, n);
 }
 
+bool Gpt::stores_bits(int64_t l, int linear) const {
+  const LinearRecipe& r = linear_recipe(l, linear);
+  return bf16_bits_ && round_bf16() && prec_ == emu::GemmPrecision::BF16 && r.fprop == "bf16" &&
+         r.dgrad == "bf16" && r.wgrad == "bf16" && (linear != 3 || cfg_.activation == "gelu_tanh");
+}
+
+float* Gpt::f32_buffer(BackendBuffer& b, int64_t n) {
+  if (b.bytes() != static_cast<size_t>(n) * 4) b = BackendBuffer(be_, static_cast<size_t>(n) * 4);
+  return b.as<float>();
+}
+
+uint16_t* Gpt::bf16_buffer(BackendBuffer& b, int64_t n) {
+  if (b.bytes() != static_cast<size_t>(n) * 2) b = BackendBuffer(be_, static_cast<size_t>(n) * 2);
+  return b.as<uint16_t>();
+}
+
 void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
-                     bool round_bf16, const ActivationSource* pending_input) {
+                     bool round_bf16, const ActivationSource* pending_input, const uint16_t* inp16, uint16_t* out16) {
   const std::string name = lname(l, kLinearNames[linear]);
+  if (inp16 || out16 || (pending_input && pending_input->out16)) {
+    // a BF16 linear with BF16-stored operands: nothing quantized, nothing saved
+    if (!stores_bits(l, linear)) throw std::logic_error("linear_fwd (" + name + "): BF16 bits for a linear that is not all BF16");
+    LayerActs& a = acts_[static_cast<size_t>(l)];
+    a.saved_x[linear].reset();
+    a.saved_w[linear].reset();
+    const float* w = p(name + ".weight");
+    const float* b = cfg_.bias ? p(name + ".bias") : nullptr;
+    if (pending_input) be_.matmul_forward_activation(out, *pending_input, w, b, OC, prec_, round_bf16);
+    else be_.matmul_forward_bf16(out, out16, inp, inp16, w, b, N, K, OC, round_bf16);
+    return;
+  }
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
                  cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, round_bf16,
@@ -121,6 +149,14 @@ void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int6
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   LayerActs& a = acts_[static_cast<size_t>(l)];
   const LinearRecipe& r = linear_recipe(l, linear);
+  if (a.in16[linear]) {  // (stores_bits held in the forward pass: all three GEMMs BF16)
+    const uint16_t* x = linear_input16(l, linear);
+    float* dw = g(name + ".weight");
+    float* db = cfg_.bias ? g(name + ".bias") : nullptr;
+    if (pending_dout) be_.matmul_backward_activation_bf16_input(dinp, dw, db, *pending_dout, x, p(name + ".weight"), K);
+    else be_.matmul_backward_bf16_input(dinp, dw, db, dout, x, p(name + ".weight"), N, K, OC);
+    return;
+  }
   const float* inp = r.wgrad == "bf16" ? linear_input(l, linear) : nullptr;  // else the saved copy
   linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr, dout, inp,
                   p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
@@ -132,9 +168,13 @@ float* Gpt::linear_input(int64_t l, int linear) {
   // the attention output (linear 1's input) is always kept: the attention backward pass reads it
   if (linear != 1 && linear_recipe(l, linear).wgrad != "bf16") return scratch_in_[linear].as<float>();
   LayerActs& a = acts_[static_cast<size_t>(l)];
-  BackendBuffer& b = linear == 0 ? a.ln1 : linear == 1 ? a.atty : linear == 2 ? a.ln2 : a.act;
-  if (b.bytes() < static_cast<size_t>(N * width) * 4) b = BackendBuffer(be_, static_cast<size_t>(N * width) * 4);
-  return b.as<float>();
+  return f32_buffer(linear == 0 ? a.ln1 : linear == 1 ? a.atty : linear == 2 ? a.ln2 : a.act, N * width);
+}
+
+uint16_t* Gpt::linear_input16(int64_t l, int linear) {
+  const int64_t N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
+  LayerActs& a = acts_[static_cast<size_t>(l)];
+  return bf16_buffer(linear == 0 ? a.ln1 : linear == 1 ? a.atty : linear == 2 ? a.ln2 : a.act, N * width);
 }
 
 size_t Gpt::saved_activation_bytes() const {
@@ -217,7 +257,6 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   for (LayerActs& a : acts_) {
     a.ln1_mean = f32(N);
     a.ln1_rstd = f32(N);
-    a.qkv = f32(N * QKV);
     a.lse = f32(B * NH * T);  // attention's log-sum-exp rows (B,NH,T), not the (B,NH,T,T) probabilities
     a.attproj = f32(N * C);
     a.res1 = f32(N * C);
@@ -277,30 +316,59 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     if (ln) be_.layernorm_forward(out, F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N, C, rb);
     else be_.rmsnorm_forward(out, F32(rstd), in, p(pre + ".weight"), N, C, rb);
   };
+  auto norm_fwd16 = [&](uint16_t* out, BackendBuffer& mean, BackendBuffer& rstd, const float* in, const std::string& pre) {
+    if (ln) be_.layernorm_forward_bf16(out, F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N, C);
+    else be_.rmsnorm_forward_bf16(out, F32(rstd), in, p(pre + ".weight"), N, C);
+  };
   for (int64_t l = 0; l < c.n_layers; ++l) {
     LayerActs& a = acts_[static_cast<size_t>(l)];
-    float* const ln1 = linear_input(l, 0);
-    norm_fwd(ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
-    // RoPE rotates the GEMM's output: then the rounding comes after it
-    linear_fwd(l, 0, F32(a.qkv), ln1, N, C, QKV, rb && c.positions != "rope");
-    if (c.positions == "rope") {
-      be_.rope_forward(F32(a.qkv), B, T, NH, NKV, HD);
-      store(F32(a.qkv), N * QKV);
+    for (int i = 0; i < 4; ++i) a.in16[i] = stores_bits(l, i);
+    // (RoPE rotates qkv in place in FP32)
+    a.qkv16 = a.in16[0] && c.positions != "rope";
+    float* const qkv = a.qkv16 ? nullptr : f32_buffer(a.qkv, N * QKV);
+    uint16_t* const qkv16 = a.qkv16 ? bf16_buffer(a.qkv, N * QKV) : nullptr;
+    if (a.in16[0]) {
+      uint16_t* const ln1 = linear_input16(l, 0);
+      norm_fwd16(ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
+      linear_fwd(l, 0, qkv, nullptr, N, C, QKV, rb && c.positions != "rope", nullptr, ln1, qkv16);
+    } else {
+      float* const ln1 = linear_input(l, 0);
+      norm_fwd(ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
+      // RoPE rotates the GEMM's output: then the rounding comes after it
+      linear_fwd(l, 0, qkv, ln1, N, C, QKV, rb && c.positions != "rope");
     }
-    float* const atty = linear_input(l, 1);
-    be_.attention_forward(atty, F32(a.lse), F32(a.qkv), B, T, NH, NKV, HD, prec_, rb);
-    linear_fwd(l, 1, F32(a.attproj), atty, N, C, C, rb);
+    if (c.positions == "rope") {
+      be_.rope_forward(qkv, B, T, NH, NKV, HD);
+      store(qkv, N * QKV);
+    }
+    if (a.in16[1] || a.qkv16) {
+      uint16_t* const atty16 = a.in16[1] ? linear_input16(l, 1) : nullptr;
+      float* const atty = a.in16[1] ? nullptr : linear_input(l, 1);
+      be_.attention_forward_bf16(atty, atty16, F32(a.lse), qkv, qkv16, B, T, NH, NKV, HD, rb);
+      linear_fwd(l, 1, F32(a.attproj), atty, N, C, C, rb, nullptr, atty16);
+    } else {
+      float* const atty = linear_input(l, 1);
+      be_.attention_forward(atty, F32(a.lse), qkv, B, T, NH, NKV, HD, prec_, rb);
+      linear_fwd(l, 1, F32(a.attproj), atty, N, C, C, rb);
+    }
     be_.residual_forward(F32(a.res1), x, F32(a.attproj), N * C, rb);
-    float* const ln2 = linear_input(l, 2);
-    norm_fwd(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
-    linear_fwd(l, 2, F32(a.fc), ln2, N, C, FC, rb);
-    float* const act = linear_input(l, 3);
+    if (a.in16[2]) {
+      uint16_t* const ln2 = linear_input16(l, 2);
+      norm_fwd16(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
+      linear_fwd(l, 2, F32(a.fc), nullptr, N, C, FC, rb, nullptr, ln2);
+    } else {
+      float* const ln2 = linear_input(l, 2);
+      norm_fwd(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
+      linear_fwd(l, 2, F32(a.fc), ln2, N, C, FC, rb);
+    }
     // GELU's output goes to c_proj as a pending activation (linear_forward: computed in the pass
-    // that makes the GEMM's operand, or run first)
+    // that makes the GEMM's operand, or run first; kept as BF16 bits where linear 3 stores bits)
+    float* const act = a.in16[3] ? nullptr : linear_input(l, 3);
     ActivationSource gelu;
     const ActivationSource* pending = nullptr;
     if (c.activation == "gelu_tanh") {
       gelu = ActivationSource{ActivationOp::GeluForward, F32(a.fc), nullptr, act, N, F, rb, false, "mlp activation"};
+      if (a.in16[3]) gelu.out16 = linear_input16(l, 3);
       pending = &gelu;
     } else if (c.activation == "squared_relu") {
       be_.squared_relu_forward(act, F32(a.fc), N * F, rb);
@@ -396,8 +464,13 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     // the BF16 storage of dqkv rides on the attention's own write, except with RoPE: the saved qkv
     // is post-RoPE, the GEMM's output pre-RoPE, so the gradient is rotated back first
     const bool rope = c.positions == "rope";
-    be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), linear_input(l, 1), F32(a.lse), B, T, NH, NKV, HD,
-                           prec_, rb && !rope);
+    if (a.in16[1] || a.qkv16)
+      be_.attention_backward_bf16(F32(dqkv_), F32(datty_), a.qkv16 ? nullptr : F32(a.qkv),
+                                  a.qkv16 ? a.qkv.as<uint16_t>() : nullptr, a.in16[1] ? nullptr : linear_input(l, 1),
+                                  a.in16[1] ? linear_input16(l, 1) : nullptr, F32(a.lse), B, T, NH, NKV, HD, rb && !rope);
+    else
+      be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), linear_input(l, 1), F32(a.lse), B, T, NH, NKV, HD,
+                             prec_, rb && !rope);
     if (rope) {
       be_.rope_backward(F32(dqkv_), B, T, NH, NKV, HD);
       store(F32(dqkv_), N * QKV);

@@ -6,7 +6,8 @@
 // runs on the emulator and on the CUDA backend. The host sees the model through explicit copies
 // (params_to_host, grads_to_host, logits_row_to_host) and the per-row losses of each forward.
 // Activations and their gradients are stored as BF16 (rounded at every op's output; kept in FP32
-// arrays so far, so the memory saving is not realised yet) with FP32 compute, or FP32 with
+// arrays, except BF16 linear layers' inputs and qkv, kept as BF16 bits: set_bf16_bits_storage) with
+// FP32 compute, or FP32 with
 // model.activation_dtype = fp32; the GEMMs' precision is the backend's BF16 model (T-FDPA on the
 // emulator, cuBLASLt BF16 with FP32 accumulation on the GPU).
 #pragma once
@@ -66,6 +67,11 @@ class Gpt {
 
   // FP32 GEMMs instead of the BF16 ones (gradient checks only).
   void set_gemm_precision(emu::GemmPrecision p) { prec_ = p; }
+  // BF16 storage as BF16 bits (on by default): where a block's linear layer runs all three GEMMs in
+  // BF16, its input (ln_1, the attention output, ln_2, the GELU output) and c_attn's output (qkv,
+  // without RoPE) are kept as BF16 bits instead of FP32 arrays holding BF16 values (the Backend's
+  // *_bf16 ops). The same bits either way (tests); off: the FP32 arrays (A/B measurements).
+  void set_bf16_bits_storage(bool on) { bf16_bits_ = on; }
 
   const ModelConfig& config() const { return cfg_; }
   Backend& backend() const { return be_; }
@@ -98,7 +104,18 @@ class Gpt {
     // W's Dgrad copy of each linear layer, from the forward pass's quantize call (linear_forward's
     // save_dgrad_weight), replaced by the next forward pass like saved_x
     std::unique_ptr<QuantizedCopy> saved_w[4];
+    // which of ln1, atty, ln2, act (the inputs of linears 0..3) and qkv the last forward kept as
+    // BF16 bits (Gpt::stores_bits; the backward pass reads them the same way)
+    bool in16[4] = {false, false, false, false};
+    bool qkv16 = false;
   };
+  // Whether linear `linear` of block l keeps its input as BF16 bits in this forward pass: BF16
+  // activations and GEMMs, all three of its GEMMs BF16, and (linear 3) GELU.
+  bool stores_bits(int64_t l, int linear) const;
+  // b resized to hold n values of 4 (FP32) or 2 (BF16 bits) bytes, reallocated only when its size
+  // differs (the per-layer activation buffers, whose storage may differ between forwards).
+  float* f32_buffer(BackendBuffer& b, int64_t n);
+  uint16_t* bf16_buffer(BackendBuffer& b, int64_t n);
   // The FP32 input of linear `linear` of a layer: its own buffer when the backward pass needs it
   // (a BF16 Wgrad), else the shared scratch.
   float* linear_input(int64_t layer, int linear);
@@ -114,12 +131,17 @@ class Gpt {
   // round_bf16() instead (one pass over the array instead of two); store is for the rest.
   void store(float* x, int64_t n);
   bool round_bf16() const { return cfg_.activation_dtype == "bf16"; }
+  // inp16 / out16 (or a pending input with out16): the input / output kept as BF16 bits, for a
+  // linear whose GEMMs are all BF16 (then inp / out is null)
   void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
-                  bool round_bf16, const ActivationSource* pending_input = nullptr);
+                  bool round_bf16, const ActivationSource* pending_input = nullptr, const uint16_t* inp16 = nullptr,
+                  uint16_t* out16 = nullptr);
   // dinp written (linear_backward's contract), the weight and bias gradients accumulated
   // (pending_input / pending_dout: linear_forward's / linear_backward's)
   void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
                   const ActivationSource* pending_dout = nullptr);
+  // where linear `linear`'s input is kept as BF16 bits (acts_[l].in16[linear])
+  uint16_t* linear_input16(int64_t l, int linear);
 
   ModelConfig cfg_;
   Backend& be_;
@@ -132,6 +154,7 @@ class Gpt {
   bool collect_stats_ = false, stats_active_ = false;
   std::vector<QuantStat> stats_;
   emu::GemmPrecision prec_ = emu::GemmPrecision::BF16;
+  bool bf16_bits_ = true;
   std::vector<ParamTensor> tensors_;
   size_t n_params_ = 0;
   BackendBuffer params_, grads_;

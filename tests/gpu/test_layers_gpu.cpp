@@ -1273,6 +1273,241 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
   }
 }
 
+// BF16 bits in a Call's float buffers: n 16-bit outputs (a float per two, starting as NaN bits)
+// and their values widened back to FP32.
+uint16_t* bf16_out(Call& c, int64_t n) {
+  return reinterpret_cast<uint16_t*>(c.out(Vec(sz((n + 1) / 2), f32_from_bits(0x7FFF7FFFu))));
+}
+Vec widened(const Vec& raw, int64_t n) {
+  std::vector<uint16_t> b(sz(n));
+  std::memcpy(b.data(), raw.data(), b.size() * sizeof(uint16_t));
+  Vec v(b.size());
+  for (size_t i = 0; i < b.size(); ++i) v[i] = bf16_to_f32(b[i]);
+  return v;
+}
+std::vector<uint16_t> bf16_bits_of(const Vec& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = bf16_rne(v[i]);
+  return b;
+}
+Vec bf16_values_of(const Vec& v) {
+  Vec r(v);
+  for (float& x : r) x = bf16_round(x);
+  return r;
+}
+
+// The BF16-stored activation ops (Backend's *_bf16, the model's BF16 bits storage) against the
+// FP32 ops on the same values: bit for bit, on the emulator (the compositions) and the CUDA
+// backend (kernels reading and writing the bits; the epilogue knob off, so the GEMMs run the plans
+// of FP32 outputs: MatmulBf16EpilogueRoundsLikeAddBias covers the epilogue).
+TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
+  std::vector<std::unique_ptr<Backend>> backends;
+  backends.push_back(make_backend("emu"));
+  if (have_gpu()) backends.push_back(make_backend("cuda"));
+  std::mt19937 rng(616);
+  const auto bf16 = emu::GemmPrecision::BF16;
+  for (auto& bk : backends) {
+    const bool cuda = bk->name() == "cuda";
+    KnobGuard knob([&] { if (cuda) gpu::set_matmul_bf16_epilogue(false); },
+                   [&] { if (cuda) gpu::set_matmul_bf16_epilogue(true); });
+    // norms
+    {
+      const int64_t N = 37, C = 96;
+      const Vec x = randn(sz(N * C), rng, 2.0f, 0.5f), w = randn(sz(C), rng), b = randn(sz(C), rng);
+      for (bool layernorm : {true, false}) {
+        const Outputs r = run(*bk, [&](Backend& k, Call& c) {
+          float* out = c.out(Vec(sz(N * C), kNaN));
+          float* mean = c.out(Vec(sz(N), kNaN));
+          float* rstd = c.out(Vec(sz(N), kNaN));
+          if (layernorm) k.layernorm_forward(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C, true);
+          else k.rmsnorm_forward(out, rstd, c.in(x), c.in(w), N, C, true);
+        });
+        const Outputs g = run(*bk, [&](Backend& k, Call& c) {
+          uint16_t* out = bf16_out(c, N * C);
+          float* mean = c.out(Vec(sz(N), kNaN));
+          float* rstd = c.out(Vec(sz(N), kNaN));
+          if (layernorm) k.layernorm_forward_bf16(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C);
+          else k.rmsnorm_forward_bf16(out, rstd, c.in(x), c.in(w), N, C);
+        });
+        const std::string tag = std::string(layernorm ? "layernorm" : "rmsnorm") + "_forward_bf16 " + bk->name();
+        expect_bitwise(tag + " out", r[0], widened(g[0], N * C));
+        if (layernorm) expect_bitwise(tag + " mean", r[1], g[1]);
+        expect_bitwise(tag + " rstd", r[2], g[2]);
+      }
+    }
+    // matmuls: inputs and outputs as bits, with and without a bias
+    for (bool with_bias : {true, false}) {
+      const int64_t N = 70, K = 48, OC = 40;
+      const Vec x = bf16_values_of(randn(sz(N * K), rng)), w = randn(sz(OC * K), rng, 0.3f), b = randn(sz(OC), rng);
+      const std::vector<uint16_t> x16 = bf16_bits_of(x);
+      const std::string tag = std::string(with_bias ? " bias " : " ") + bk->name();
+      const Outputs r = run(*bk, [&](Backend& k, Call& c) {
+        float* out = c.out(Vec(sz(N * OC), kNaN));
+        k.matmul_forward(out, c.in(x), c.in(w), with_bias ? c.in(b) : nullptr, N, K, OC, bf16, true);
+      });
+      for (int mode = 0; mode < 3; ++mode) {  // bits in / bits out / both
+        const Outputs g = run(*bk, [&](Backend& k, Call& c) {
+          const bool in16 = mode != 1, out16 = mode != 0;
+          float* out = out16 ? nullptr : c.out(Vec(sz(N * OC), kNaN));
+          uint16_t* o16 = out16 ? bf16_out(c, N * OC) : nullptr;
+          k.matmul_forward_bf16(out, o16, in16 ? nullptr : c.in(x), in16 ? c.in(x16) : nullptr, c.in(w),
+                                with_bias ? c.in(b) : nullptr, N, K, OC, true);
+        });
+        expect_bitwise("matmul_forward_bf16 mode " + std::to_string(mode) + tag, r[0],
+                       mode == 0 ? g[0] : widened(g[0], N * OC));
+      }
+      // backward with the input as bits (dbias with the bias case)
+      const Vec dout = randn(sz(N * OC), rng), dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
+      const Outputs rb = run(*bk, [&](Backend& k, Call& c) {
+        float* dinp = c.out(Vec(sz(N * K), kNaN));
+        float* dw = c.out(dw0);
+        float* db = c.out(db0);
+        k.matmul_backward(dinp, dw, with_bias ? db : nullptr, c.in(dout), c.in(x), c.in(w), N, K, OC, bf16);
+      });
+      const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
+        float* dinp = c.out(Vec(sz(N * K), kNaN));
+        float* dw = c.out(dw0);
+        float* db = c.out(db0);
+        k.matmul_backward_bf16_input(dinp, dw, with_bias ? db : nullptr, c.in(dout), c.in(x16), c.in(w), N, K, OC);
+      });
+      for (size_t i = 0; i < 3; ++i)
+        expect_bitwise("matmul_backward_bf16_input " + std::to_string(i) + tag, rb[i], gb[i]);
+    }
+    // GELU into a BF16 linear: forward with the activation kept as bits, backward with the input as bits
+    {
+      const int64_t N = 64, K = 96, OC = 32;
+      const Vec pre = randn(sz(N * K), rng, 2.0f), w = randn(sz(OC * K), rng, 0.3f), b = randn(sz(OC), rng);
+      const Outputs r = run(*bk, [&](Backend& k, Call& c) {
+        float* out = c.out(Vec(sz(N * OC), kNaN));
+        float* act = c.out(Vec(sz(N * K), kNaN));
+        const ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, true, false, "act"};
+        k.matmul_forward_activation(out, src, c.in(w), c.in(b), OC, bf16, true);
+      });
+      const Outputs g = run(*bk, [&](Backend& k, Call& c) {
+        float* out = c.out(Vec(sz(N * OC), kNaN));
+        ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, nullptr, N, K, true, false, "act"};
+        src.out16 = bf16_out(c, N * K);
+        k.matmul_forward_activation(out, src, c.in(w), c.in(b), OC, bf16, true);
+      });
+      expect_bitwise("matmul_forward_activation out16: out " + bk->name(), r[0], g[0]);
+      expect_bitwise("matmul_forward_activation out16: act " + bk->name(), r[1], widened(g[1], N * K));
+      const Vec fc = randn(sz(N * OC), rng, 2.0f), dact = randn(sz(N * OC), rng), x = bf16_values_of(randn(sz(N * K), rng)),
+                dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
+      const std::vector<uint16_t> x16 = bf16_bits_of(x);
+      const Outputs rb = run(*bk, [&](Backend& k, Call& c) {
+        float* dinp = c.out(Vec(sz(N * K), kNaN));
+        float* dw = c.out(dw0);
+        float* db = c.out(db0);
+        float* dfc = c.out(Vec(sz(N * OC), kNaN));
+        const ActivationSource src{ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
+        k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
+      });
+      const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
+        float* dinp = c.out(Vec(sz(N * K), kNaN));
+        float* dw = c.out(dw0);
+        float* db = c.out(db0);
+        float* dfc = c.out(Vec(sz(N * OC), kNaN));
+        const ActivationSource src{ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
+        k.matmul_backward_activation_bf16_input(dinp, dw, db, src, c.in(x16), c.in(w), K);
+      });
+      for (size_t i = 0; i < 3; ++i)
+        expect_bitwise("matmul_backward_activation_bf16_input " + std::to_string(i) + " " + bk->name(), rb[i], gb[i]);
+    }
+    // attention with qkv and out as bits (either or both)
+    {
+      const int64_t B = 2, T = 70, NH = 4, NKV = 2, HD = 32, W = (NH + 2 * NKV) * HD, C = NH * HD;
+      const Vec qkv = bf16_values_of(randn(sz(B * T * W), rng));
+      const std::vector<uint16_t> qkv16 = bf16_bits_of(qkv);
+      const Outputs r = run(*bk, [&](Backend& k, Call& c) {
+        float* out = c.out(Vec(sz(B * T * C), kNaN));
+        float* lse = c.out(Vec(sz(B * NH * T), kNaN));
+        k.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, bf16, true);
+      });
+      for (int mode = 0; mode < 3; ++mode) {
+        const bool q16 = mode != 1, o16 = mode != 0;
+        const Outputs g = run(*bk, [&](Backend& k, Call& c) {
+          float* out = o16 ? nullptr : c.out(Vec(sz(B * T * C), kNaN));
+          uint16_t* out16 = o16 ? bf16_out(c, B * T * C) : nullptr;
+          float* lse = c.out(Vec(sz(B * NH * T), kNaN));
+          k.attention_forward_bf16(out, out16, lse, q16 ? nullptr : c.in(qkv), q16 ? c.in(qkv16) : nullptr, B, T, NH,
+                                   NKV, HD, true);
+        });
+        const std::string tag = " mode " + std::to_string(mode) + " " + bk->name();
+        expect_bitwise("attention_forward_bf16 out" + tag, r[0], o16 ? widened(g[0], B * T * C) : g[0]);
+        expect_bitwise("attention_forward_bf16 lse" + tag, r[1], g[1]);
+      }
+      const Vec dout = randn(sz(B * T * C), rng);
+      const std::vector<uint16_t> out16 = bf16_bits_of(r[0]);
+      const Outputs rb = run(*bk, [&](Backend& k, Call& c) {
+        float* dqkv = c.out(Vec(sz(B * T * W), kNaN));
+        k.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(r[0]), c.in(r[1]), B, T, NH, NKV, HD, bf16, true);
+      });
+      for (int mode = 0; mode < 3; ++mode) {
+        const bool q16 = mode != 1, o16 = mode != 0;
+        const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
+          float* dqkv = c.out(Vec(sz(B * T * W), kNaN));
+          k.attention_backward_bf16(dqkv, c.in(dout), q16 ? nullptr : c.in(qkv), q16 ? c.in(qkv16) : nullptr,
+                                    o16 ? nullptr : c.in(r[0]), o16 ? c.in(out16) : nullptr, c.in(r[1]), B, T, NH, NKV,
+                                    HD, true);
+        });
+        expect_bitwise("attention_backward_bf16 dqkv mode " + std::to_string(mode) + " " + bk->name(), rb[0], gb[0]);
+      }
+    }
+    // both pointers of a pair, or neither: a logic error naming the op
+    EXPECT_THROW(bk->matmul_forward_bf16(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, 1, true),
+                 std::logic_error);
+  }
+}
+
+// cuBLASLt's BF16-output epilogue with the bias (matmul_forward_bf16, out16, knob on): the bits of
+// RNE(fl32(acc + bias)) computed here, where every accumulation order gives the same exact acc
+// (small integers): so the epilogue's addition and rounding are what is tested, ties included
+// (bias values that put acc + bias on an odd integer above 256, halfway between BF16 values). On
+// the training shapes of gpt2-124m's c_attn (N 4096 of its 16384 rows) and small odd ones.
+TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
+  REQUIRE_GPU();
+  auto be = make_backend("cuda");
+  std::mt19937 rng(717);
+  std::uniform_int_distribution<int> small(-4, 4);
+  struct Shape {
+    int64_t N, K, OC;
+  };
+  for (const Shape s : {Shape{4096, 768, 2304}, Shape{256, 64, 96}, Shape{100, 40, 24}}) {
+    const int64_t N = s.N, K = s.K, OC = s.OC;
+    Vec x(sz(N * K)), w(sz(OC * K)), b(sz(OC));
+    for (float& v : x) v = static_cast<float>(small(rng));
+    for (float& v : w) v = static_cast<float>(small(rng));
+    for (size_t j = 0; j < b.size(); ++j)  // ties (odd integers near 300), large, fractional
+      b[j] = j % 3 == 0 ? 301.0f + 2.0f * static_cast<float>(j % 7) : j % 3 == 1 ? 1e5f * randn(1, rng)[0] : randn(1, rng)[0];
+    const std::vector<uint16_t> x16 = bf16_bits_of(x);
+    for (bool with_bias : {true, false}) {
+      const auto before = gpu::matmul_bf16_epilogue_count();
+      const Outputs g = run(*be, [&](Backend& k, Call& c) {
+        uint16_t* o16 = bf16_out(c, N * OC);
+        k.matmul_forward_bf16(nullptr, o16, nullptr, c.in(x16), c.in(w), with_bias ? c.in(b) : nullptr, N, K, OC, true);
+      });
+      const auto after = gpu::matmul_bf16_epilogue_count();
+      std::printf("[layers-gpu] %lldx%lldx%lld%s: %s\n", static_cast<long long>(N), static_cast<long long>(K),
+                  static_cast<long long>(OC), with_bias ? " bias" : "",
+                  after.first > before.first    ? "cuBLASLt wrote BF16 (epilogue)"
+                  : after.second > before.second ? "cuBLASLt wrote FP32 with the bias (epilogue), then narrowing"
+                                                 : "separate passes (no epilogue algorithm listed)");
+      Vec ref(sz(N * OC));
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t o = 0; o < OC; ++o) {
+          int64_t acc = 0;  // exact
+          for (int64_t k = 0; k < K; ++k)
+            acc += static_cast<int64_t>(x[sz(n * K + k)]) * static_cast<int64_t>(w[sz(o * K + k)]);
+          const float sum = with_bias ? static_cast<float>(acc) + b[sz(o)] : static_cast<float>(acc);
+          ref[sz(n * OC + o)] = bf16_round(sum);
+        }
+      expect_bitwise("matmul_forward_bf16 epilogue " + std::to_string(N) + "x" + std::to_string(K) + "x" +
+                         std::to_string(OC) + (with_bias ? " bias" : ""),
+                     ref, widened(g[0], N * OC));
+    }
+  }
+}
+
 // ---- optimizer ----------------------------------------------------------------------------------
 
 TEST(LayersGpu, AdamWBitwiseEqualsEmulator) {

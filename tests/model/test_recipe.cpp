@@ -404,6 +404,59 @@ TEST(Recipe, ModelStepWithFusedActivationsEqualsPlainStep) {
   }
 }
 
+// BF16 activations kept as BF16 bits (Gpt::set_bf16_bits_storage: the BF16 linears' inputs, qkv,
+// the attention output, through the Backend's *_bf16 ops) give the bits of the FP32 arrays holding
+// the same values: losses and every gradient over 2 steps, for GPT-2's layer (GELU, LayerNorm,
+// learned positions), a Llama-style one (SwiGLU, RMSNorm, RoPE: qkv stays FP32), and NVFP4 with
+// its BF16 high-precision blocks (bits) around quantized ones (FP32), with statistics on step 2.
+TEST(Recipe, Bf16BitsStorageEqualsFp32Arrays) {
+  const std::vector<std::vector<std::string>> cases = {
+      {"recipe.name=bf16"},
+      {"recipe.name=bf16", "model.activation=swiglu", "model.norm=rmsnorm", "model.positions=rope",
+       "model.n_kv_heads=2", "model.bias=false", "model.tied_embeddings=false"},
+      {"recipe.name=nvfp4", "model.n_layers=3", "recipe.hp_first=1", "recipe.hp_last=0"},
+  };
+  for (const auto& ov : cases) {
+    SCOPED_TRACE(ov.size() > 1 ? ov[1] : ov[0]);
+    std::vector<std::string> all = {"model.d_model=128", "model.d_ff=256", "model.seq_len=64", "model.max_positions=64",
+                                    "train.batch=2"};
+    all.insert(all.end(), ov.begin(), ov.end());
+    const RunConfig c = run_with(all);
+    emu::CpuBackend be;
+    auto steps = [&](bool bits) {
+      Gpt m(c.model, be);
+      m.set_recipe(c);
+      m.set_bf16_bits_storage(bits);
+      m.init(7);
+      std::mt19937 rng(3);
+      std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(c.model.vocab) - 1);
+      std::vector<float> out;
+      for (int64_t step = 0; step < 2; ++step) {
+        std::vector<int32_t> t(128), y(128);
+        for (size_t i = 0; i < t.size(); ++i) {
+          t[i] = tok(rng);
+          y[i] = tok(rng);
+        }
+        m.set_step(step);
+        if (step == 1) m.collect_stats_once();
+        out.push_back(m.forward(t.data(), y.data(), 2, 64));
+        m.backward();
+        const std::vector<float> g = m.grads_to_host();
+        out.insert(out.end(), g.begin(), g.end());
+      }
+      return std::make_pair(out, m.saved_activation_bytes());
+    };
+    const auto [plain, plain_bytes] = steps(false);
+    const auto [bits, bits_bytes] = steps(true);
+    ASSERT_EQ(plain.size(), bits.size());
+    EXPECT_FALSE(std::isnan(plain[0]));
+    size_t differ = 0;
+    for (size_t i = 0; i < plain.size(); ++i) differ += test_bits(plain[i]) != test_bits(bits[i]);
+    EXPECT_EQ(differ, 0u) << "values that differ, of " << plain.size();
+    EXPECT_LT(bits_bytes, plain_bytes) << "BF16 bits must keep fewer activation bytes";
+  }
+}
+
 // Under weight_2d the Dgrad weight (column-wise copy) is exactly the transpose of the Fprop weight.
 TEST(Recipe, Weight2dDgradCopyIsTheExactTranspose) {
   auto be = make_cpu_backend();
@@ -492,14 +545,16 @@ TEST(Recipe, StatisticsDoNotChangeTraining) {
 }
 
 // Saved activations in quantized form (DESIGN.md §9): with quantized Wgrad GEMMs the layers keep
-// their inputs' Wgrad copies (4 or 8 bits plus scales) instead of the FP32 inputs.
+// their inputs' Wgrad copies (4 or 8 bits plus scales) instead of the FP32 inputs (BF16 with the
+// inputs in FP32 arrays; with BF16 bits storage, the default, BF16 keeps 2 bytes an input value).
 TEST(Recipe, QuantizedWgradKeepsLessActivationMemory) {
-  auto bytes = [](const std::vector<std::string>& o) {
+  auto bytes = [](const std::vector<std::string>& o, bool bits = false) {
     RunConfig c = run_with(o);
     auto be = make_cpu_backend();
     Gpt m(c.model, *be);
     m.init(1);
     m.set_recipe(c);
+    m.set_bf16_bits_storage(bits);
     const int64_t B = 2, T = 16;
     std::vector<int32_t> tok(B * T, 3), tgt(B * T, 5);
     m.forward(tok.data(), tgt.data(), B, T);
@@ -507,8 +562,8 @@ TEST(Recipe, QuantizedWgradKeepsLessActivationMemory) {
     return m.saved_activation_bytes();
   };
   const size_t bf16 = bytes({}), nvfp4 = bytes({"recipe.name=nvfp4"}), mx = bytes({"recipe.name=mxfp4", "recipe.weight_2d=false"});
-  std::printf("[recipe] saved activation bytes: bf16 %zu, nvfp4 %zu (%.1f%%), mxfp4 %zu\n", bf16, nvfp4,
-              100.0 * static_cast<double>(nvfp4) / static_cast<double>(bf16), mx);
+  std::printf("[recipe] saved activation bytes: bf16 %zu (with BF16 bits storage %zu), nvfp4 %zu (%.1f%%), mxfp4 %zu\n",
+              bf16, bytes({}, true), nvfp4, 100.0 * static_cast<double>(nvfp4) / static_cast<double>(bf16), mx);
   EXPECT_LT(nvfp4, bf16);
   EXPECT_LT(mx, bf16);
 }
