@@ -64,6 +64,11 @@ void Backend::run_activation(const ActivationSource& src) {
   else gelu_backward(src.out, src.inp, src.dout, n, src.round_bf16, src.bf16_dout);
 }
 
+void Backend::bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N, int64_t OC) {
+  bias_forward(x, bias, N, OC, true);
+  narrow_to_bf16(out16, x, N * OC);
+}
+
 void Backend::layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp, const float* weight,
                                      const float* bias, int64_t N, int64_t C) {
   BackendBuffer t = f32_temp(*this, N * C);

@@ -219,6 +219,9 @@ class Backend {
   virtual void narrow_to_bf16(uint16_t* dst, const float* src, int64_t n);
   // dst (n) = src's BF16 values as FP32 (exact).
   virtual void widen_bf16(float* dst, const uint16_t* src, int64_t n);
+  // out16 (N,OC) = the BF16 bits of bias_forward(x, bias, N, OC, round_bf16 = true): a quantized
+  // GEMM's FP32 output x (a temporary: its contents afterwards are unspecified) to BF16 storage.
+  virtual void bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N, int64_t OC);
   // layernorm_forward / rmsnorm_forward with round_bf16, out stored as BF16 bits.
   virtual void layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp, const float* weight,
                                       const float* bias, int64_t N, int64_t C);

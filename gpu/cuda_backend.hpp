@@ -129,6 +129,7 @@ class CudaBackend final : public Backend {
   // c_attn GEMM writes qkv's bits and adds its bias in cuBLASLt's epilogue (set_matmul_bf16_epilogue)
   void narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) override;
   void widen_bf16(float* dst, const uint16_t* src, int64_t n) override;
+  void bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N, int64_t OC) override;
   void layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp, const float* weight,
                               const float* bias, int64_t N, int64_t C) override;
   void rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,

@@ -427,14 +427,43 @@ __global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_
     }
   }
 }
+// out16 (N,OC) = the BF16 bits of in + bias (add_bias_kernel's sum, RNE): add_bias with rounding
+// and then round_to_bf16_kernel, in one pass. vec: OC % 4 == 0, in and bias 16-byte aligned, out16
+// 8-byte aligned.
+__global__ void add_bias_bf16_kernel(uint16_t* out16, const float* in, const float* bias, int64_t N, int64_t OC,
+                                     bool vec) {
+  const int64_t cols = vec ? OC / 4 : OC;
+  for (int64_t r = blockIdx.y; r < N; r += gridDim.y) {
+    const float* row = in + r * OC;
+    uint16_t* o = out16 + r * OC;
+    for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
+         c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      if (vec) {
+        const float4 v = reinterpret_cast<const float4*>(row)[c];
+        const float4 b = reinterpret_cast<const float4*>(bias)[c];
+        reinterpret_cast<ushort4*>(o)[c] = make_ushort4(bf16_rne(__fadd_rn(v.x, b.x)), bf16_rne(__fadd_rn(v.y, b.y)),
+                                                        bf16_rne(__fadd_rn(v.z, b.z)), bf16_rne(__fadd_rn(v.w, b.w)));
+      } else {
+        o[c] = bf16_rne(__fadd_rn(row[c], bias[c]));
+      }
+    }
+  }
+}
 constexpr int64_t kBiasRowBlocks = 2048;  // grid.y cap: 8 rows a block at N = 16384
+dim3 bias_grid(int64_t N, int64_t cols) {
+  const int64_t x = (cols + kThreads - 1) / kThreads, y = N < kBiasRowBlocks ? N : kBiasRowBlocks;
+  return dim3(static_cast<unsigned>(x < kMaxGridBlocks ? x : kMaxGridBlocks), static_cast<unsigned>(y > 0 ? y : 1));
+}
 void add_bias(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16, cudaStream_t stream) {
   if (N == 0 || OC == 0) return;
   const bool vec = OC % 4 == 0 && aligned16(out) && aligned16(bias);
-  const int64_t cols = vec ? OC / 4 : OC;
-  const int64_t x = (cols + kThreads - 1) / kThreads, y = N < kBiasRowBlocks ? N : kBiasRowBlocks;
-  const dim3 grid(static_cast<unsigned>(x < kMaxGridBlocks ? x : kMaxGridBlocks), static_cast<unsigned>(y > 0 ? y : 1));
-  add_bias_kernel<<<grid, kThreads, 0, stream>>>(out, bias, N, OC, round_bf16, vec);
+  add_bias_kernel<<<bias_grid(N, vec ? OC / 4 : OC), kThreads, 0, stream>>>(out, bias, N, OC, round_bf16, vec);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+void add_bias_bf16(uint16_t* out16, const float* in, const float* bias, int64_t N, int64_t OC, cudaStream_t stream) {
+  if (N == 0 || OC == 0) return;
+  const bool vec = OC % 4 == 0 && aligned16(in) && aligned16(bias) && (reinterpret_cast<uintptr_t>(out16) & 7u) == 0;
+  add_bias_bf16_kernel<<<bias_grid(N, vec ? OC / 4 : OC), kThreads, 0, stream>>>(out16, in, bias, N, OC, vec);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -1355,6 +1384,10 @@ void CudaBackend::widen_bf16(float* dst, const uint16_t* src, int64_t n) {
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
+void CudaBackend::bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N, int64_t OC) {
+  add_bias_bf16(out16, x, bias, N, OC, stream_);
+}
+
 void CudaBackend::layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp,
                                          const float* weight, const float* bias, int64_t N, int64_t C) {
   require_rows("layernorm_forward_bf16", N);
@@ -1407,9 +1440,10 @@ void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* 
     return;
   }
   lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, y, 0.0f, stream_);
-  if (bias) add_bias(y, bias, N, OC, out16 ? true : round_bf16, stream_);
-  else if (round_bf16 && !out16) round_to_bf16(y, N * OC);
-  if (out16) narrow_to_bf16(out16, y, N * OC);
+  if (out16 && bias) add_bias_bf16(out16, y, bias, N, OC, stream_);
+  else if (out16) narrow_to_bf16(out16, y, N * OC);
+  else if (bias) add_bias(y, bias, N, OC, round_bf16, stream_);
+  else if (round_bf16) round_to_bf16(y, N * OC);
 }
 
 void CudaBackend::matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias, const float* dout,

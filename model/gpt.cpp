@@ -106,8 +106,11 @@ void Gpt::store(float* x, int64_t n) {
 
 bool Gpt::stores_bits(int64_t l, int linear) const {
   const LinearRecipe& r = linear_recipe(l, linear);
-  return bf16_bits_ && round_bf16() && prec_ == emu::GemmPrecision::BF16 && r.fprop == "bf16" &&
-         r.dgrad == "bf16" && r.wgrad == "bf16" && (linear != 3 || cfg_.activation == "gelu_tanh");
+  const bool all_bf16 = r.fprop == "bf16" && r.dgrad == "bf16" && r.wgrad == "bf16";
+  // (statistics read a quantized linear's FP32 input; GELU's output stays FP32 where a quantizer
+  // takes it from the op: Backend::quantize_activation)
+  return bf16_bits_ && round_bf16() && prec_ == emu::GemmPrecision::BF16 && (all_bf16 || !stats_active_) &&
+         (linear != 3 || (all_bf16 && cfg_.activation == "gelu_tanh"));
 }
 
 float* Gpt::f32_buffer(BackendBuffer& b, int64_t n) {
@@ -123,24 +126,12 @@ uint16_t* Gpt::bf16_buffer(BackendBuffer& b, int64_t n) {
 void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
                      bool round_bf16, const ActivationSource* pending_input, const uint16_t* inp16, uint16_t* out16) {
   const std::string name = lname(l, kLinearNames[linear]);
-  if (inp16 || out16 || (pending_input && pending_input->out16)) {
-    // a BF16 linear with BF16-stored operands: nothing quantized, nothing saved
-    if (!stores_bits(l, linear)) throw std::logic_error("linear_fwd (" + name + "): BF16 bits for a linear that is not all BF16");
-    LayerActs& a = acts_[static_cast<size_t>(l)];
-    a.saved_x[linear].reset();
-    a.saved_w[linear].reset();
-    const float* w = p(name + ".weight");
-    const float* b = cfg_.bias ? p(name + ".bias") : nullptr;
-    if (pending_input) be_.matmul_forward_activation(out, *pending_input, w, b, OC, prec_, round_bf16);
-    else be_.matmul_forward_bf16(out, out16, inp, inp16, w, b, N, K, OC, round_bf16);
-    return;
-  }
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
                  cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, round_bf16,
                  stats_active_ ? &stats_ : nullptr, name,
                  &acts_[static_cast<size_t>(l)].saved_x[linear], &acts_[static_cast<size_t>(l)].saved_w[linear],
-                 pending_input);
+                 pending_input, LinearBits{inp16, out16});
 }
 
 void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
@@ -149,18 +140,12 @@ void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int6
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   LayerActs& a = acts_[static_cast<size_t>(l)];
   const LinearRecipe& r = linear_recipe(l, linear);
-  if (a.in16[linear]) {  // (stores_bits held in the forward pass: all three GEMMs BF16)
-    const uint16_t* x = linear_input16(l, linear);
-    float* dw = g(name + ".weight");
-    float* db = cfg_.bias ? g(name + ".bias") : nullptr;
-    if (pending_dout) be_.matmul_backward_activation_bf16_input(dinp, dw, db, *pending_dout, x, p(name + ".weight"), K);
-    else be_.matmul_backward_bf16_input(dinp, dw, db, dout, x, p(name + ".weight"), N, K, OC);
-    return;
-  }
-  const float* inp = r.wgrad == "bf16" ? linear_input(l, linear) : nullptr;  // else the saved copy
+  // the input as the forward pass kept it (FP32 or BF16 bits), where the Wgrad reads it (else the saved copy)
+  const float* inp = r.wgrad == "bf16" && !a.in16[linear] ? linear_input(l, linear) : nullptr;
+  const uint16_t* inp16 = r.wgrad == "bf16" && a.in16[linear] ? linear_input16(l, linear) : nullptr;
   linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr, dout, inp,
                   p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
-                  a.saved_x[linear].get(), a.saved_w[linear].get(), pending_dout);
+                  a.saved_x[linear].get(), a.saved_w[linear].get(), pending_dout, inp16);
 }
 
 float* Gpt::linear_input(int64_t l, int linear) {
@@ -173,6 +158,8 @@ float* Gpt::linear_input(int64_t l, int linear) {
 
 uint16_t* Gpt::linear_input16(int64_t l, int linear) {
   const int64_t N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
+  // (as linear_input: a quantized Wgrad's input is not kept, except the attention output)
+  if (linear != 1 && linear_recipe(l, linear).wgrad != "bf16") return bf16_buffer(scratch16_in_[linear], N * width);
   LayerActs& a = acts_[static_cast<size_t>(l)];
   return bf16_buffer(linear == 0 ? a.ln1 : linear == 1 ? a.atty : linear == 2 ? a.ln2 : a.act, N * width);
 }
@@ -324,7 +311,7 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     LayerActs& a = acts_[static_cast<size_t>(l)];
     for (int i = 0; i < 4; ++i) a.in16[i] = stores_bits(l, i);
     // (RoPE rotates qkv in place in FP32)
-    a.qkv16 = a.in16[0] && c.positions != "rope";
+    a.qkv16 = bf16_bits_ && rb && prec_ == emu::GemmPrecision::BF16 && c.positions != "rope";
     float* const qkv = a.qkv16 ? nullptr : f32_buffer(a.qkv, N * QKV);
     uint16_t* const qkv16 = a.qkv16 ? bf16_buffer(a.qkv, N * QKV) : nullptr;
     if (a.in16[0]) {
@@ -335,7 +322,7 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
       float* const ln1 = linear_input(l, 0);
       norm_fwd(ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
       // RoPE rotates the GEMM's output: then the rounding comes after it
-      linear_fwd(l, 0, qkv, ln1, N, C, QKV, rb && c.positions != "rope");
+      linear_fwd(l, 0, qkv, ln1, N, C, QKV, rb && c.positions != "rope", nullptr, nullptr, qkv16);
     }
     if (c.positions == "rope") {
       be_.rope_forward(qkv, B, T, NH, NKV, HD);

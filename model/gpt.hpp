@@ -67,10 +67,11 @@ class Gpt {
 
   // FP32 GEMMs instead of the BF16 ones (gradient checks only).
   void set_gemm_precision(emu::GemmPrecision p) { prec_ = p; }
-  // BF16 storage as BF16 bits (on by default): where a block's linear layer runs all three GEMMs in
-  // BF16, its input (ln_1, the attention output, ln_2, the GELU output) and c_attn's output (qkv,
-  // without RoPE) are kept as BF16 bits instead of FP32 arrays holding BF16 values (the Backend's
-  // *_bf16 ops). The same bits either way (tests); off: the FP32 arrays (A/B measurements).
+  // BF16 storage as BF16 bits (on by default): the linear layers' inputs (ln_1, the attention
+  // output, ln_2; the GELU output where c_proj is all BF16) and c_attn's output (qkv, without RoPE)
+  // are kept as BF16 bits instead of FP32 arrays holding BF16 values (the Backend's *_bf16 ops,
+  // quantizers reading BF16 input; stores_bits). The same bits either way (tests); off: the FP32
+  // arrays (A/B measurements).
   void set_bf16_bits_storage(bool on) { bf16_bits_ = on; }
 
   const ModelConfig& config() const { return cfg_; }
@@ -110,7 +111,8 @@ class Gpt {
     bool qkv16 = false;
   };
   // Whether linear `linear` of block l keeps its input as BF16 bits in this forward pass: BF16
-  // activations and GEMMs, all three of its GEMMs BF16, and (linear 3) GELU.
+  // activations and precision; no statistics this step unless all three of its GEMMs are BF16;
+  // linear 3 (GELU's output) only with all three BF16.
   bool stores_bits(int64_t l, int linear) const;
   // b resized to hold n values of 4 (FP32) or 2 (BF16 bits) bytes, reallocated only when its size
   // differs (the per-layer activation buffers, whose storage may differ between forwards).
@@ -148,7 +150,7 @@ class Gpt {
   RunConfig run_;
   bool has_recipe_ = false;
   std::vector<bool> high_precision_;
-  BackendBuffer scratch_in_[4];  // the linear inputs that are not kept
+  BackendBuffer scratch_in_[4], scratch16_in_[4];  // the linear inputs that are not kept (FP32, BF16 bits)
   std::vector<LinearRecipe> recipes_;  // [layer * 4 + linear]
   int64_t step_ = 0, micro_batch_ = 0;
   bool collect_stats_ = false, stats_active_ = false;

@@ -120,10 +120,13 @@ QuantizeConfig copy_config(const LinearRecipe& r, uint64_t seed, const CopyReque
   return qc;
 }
 
-// x (rows, cols) FP32 in the backend's memory as the quantizer's input (name: the error messages').
-TensorView copy_input(Backend& be, const float* x, int64_t rows, int64_t cols, const std::string& name) {
+// x (rows, cols) FP32 in the backend's memory, or x16 its BF16 bits (x null), as the quantizer's
+// input (name: the error messages').
+TensorView copy_input(Backend& be, const float* x, int64_t rows, int64_t cols, const std::string& name,
+                      const uint16_t* x16 = nullptr) {
   TensorView tv;
-  tv.data = const_cast<float*>(x);
+  tv.data = x16 ? static_cast<void*>(const_cast<uint16_t*>(x16)) : static_cast<void*>(const_cast<float*>(x));
+  tv.dtype = x16 ? DType::BF16 : DType::F32;
   tv.rows = rows;
   tv.cols = cols;
   tv.device = be.device();
@@ -131,13 +134,15 @@ TensorView copy_input(Backend& be, const float* x, int64_t rows, int64_t cols, c
   return tv;
 }
 
-// x (rows, cols) FP32 in the backend's memory -> one copy: row-wise (rows, cols) or column-wise
-// (cols, rows), blocks along the written row.
+// x (rows, cols) FP32 in the backend's memory (or x16, its BF16 bits) -> one copy: row-wise (rows,
+// cols) or column-wise (cols, rows), blocks along the written row. The quantizer reads BF16 input
+// as its FP32 values: the same copy either way.
 std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r, uint64_t seed, const float* x,
-                                     int64_t rows, int64_t cols, const CopyRequest& q, const std::string& name) {
+                                     int64_t rows, int64_t cols, const CopyRequest& q, const std::string& name,
+                                     const uint16_t* x16 = nullptr) {
   const QuantizeConfig qc = copy_config(r, seed, q);
   const CopySpec& spec = q.columnwise ? qc.columnwise : qc.rowwise;
-  const TensorView tv = copy_input(be, x, rows, cols, name);
+  const TensorView tv = copy_input(be, x, rows, cols, name, x16);
   auto c = std::make_unique<QuantizedCopy>(be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format,
                                    spec.four_over_six, wants_decoded(be, r, q), wants_scales_gemm(be, r, q));
   be.quantize(tv, qc, q.columnwise ? nullptr : &c->view, q.columnwise ? &c->view : nullptr);
@@ -159,16 +164,19 @@ bool can_combine(const CopyRequest& row_q, const CopyRequest& col_q) {
 std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quantize_both(
     Backend& be, const LinearRecipe& r, uint64_t seed, const float* x, int64_t rows, int64_t cols,
     const CopyRequest& row_q, const CopyRequest& col_q, const std::string& name, float* dbias = nullptr,
-    bool* dbias_done = nullptr, const ActivationSource* src = nullptr) {
+    bool* dbias_done = nullptr, const ActivationSource* src = nullptr, const uint16_t* x16 = nullptr) {
   if (dbias_done) *dbias_done = false;
   if (src && !can_combine(row_q, col_q))
     throw std::logic_error("quantize_both (" + name + "): a pending activation needs one combined quantize call");
+  if (x16 && (dbias || src))
+    throw std::logic_error("quantize_both (" + name + "): BF16 bits input with a bias gradient or a pending activation");
   if (!can_combine(row_q, col_q))
-    return {quantize_copy(be, r, seed, x, rows, cols, row_q, name), quantize_copy(be, r, seed, x, rows, cols, col_q, name)};
+    return {quantize_copy(be, r, seed, x, rows, cols, row_q, name, x16),
+            quantize_copy(be, r, seed, x, rows, cols, col_q, name, x16)};
   QuantizeConfig qc = copy_config(r, seed, row_q);
   const QuantizeConfig cc = copy_config(r, seed, col_q);
   qc.columnwise = cc.columnwise;
-  const TensorView tv = copy_input(be, x, rows, cols, name);
+  const TensorView tv = copy_input(be, x, rows, cols, name, x16);
   auto row = std::make_unique<QuantizedCopy>(be, rows, cols, qc.format, qc.rowwise.four_over_six,
                                              wants_decoded(be, r, row_q), wants_scales_gemm(be, r, row_q));
   auto col = std::make_unique<QuantizedCopy>(be, cols, rows, qc.format, qc.columnwise.four_over_six,
@@ -241,7 +249,18 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                     emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats,
                     const std::string& name, std::unique_ptr<QuantizedCopy>* save_wgrad_input,
-                    std::unique_ptr<QuantizedCopy>* save_dgrad_weight, const ActivationSource* pending_input) {
+                    std::unique_ptr<QuantizedCopy>* save_dgrad_weight, const ActivationSource* pending_input,
+                    const LinearBits& bits) {
+  const uint16_t* inp16 = bits.inp16;
+  uint16_t* out16 = bits.out16;
+  const bool any_bits = inp16 || out16 || (pending_input && pending_input->out16);
+  if (any_bits && prec != emu::GemmPrecision::BF16)
+    throw std::logic_error("linear_forward (" + name + "): BF16 bits storage needs BF16 precision");
+  if ((inp16 && (inp || (stats && r.fprop != "bf16"))) || (out16 && out))
+    throw std::logic_error("linear_forward (" + name + "): BF16 bits and FP32 arrays for the same tensor, or bits "
+                           "input with statistics (they read the FP32 input)");
+  if (pending_input && pending_input->out16 && (r.fprop != "bf16" || r.wgrad != "bf16"))
+    throw std::logic_error("linear_forward (" + name + "): a pending input kept as BF16 bits needs BF16 GEMMs");
   // (built only where a copy is made: a BF16 GEMM draws no SR stream)
   auto x_fprop = [&] {
     return CopyRequest{&r.fprop, false, false, false, r.sr_other, r.fos_activations, copy_stream(ids, TensorRole::Activation, 0)};
@@ -263,19 +282,21 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
     save_wgrad_input->reset();
     if (r.wgrad != "bf16" && r.fprop != "bf16") {
       auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop(), x_wgrad_request(r, ids, true), name + " input",
-                                nullptr, nullptr, fuse_input ? pending_input : nullptr);
+                                nullptr, nullptr, fuse_input ? pending_input : nullptr, inp16);
       xq = std::move(both.first);
       *save_wgrad_input = std::move(both.second);
     } else if (r.wgrad != "bf16") {
-      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids, true), name + " input");
+      *save_wgrad_input =
+          quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids, true), name + " input", inp16);
     }
   }
   if (r.fprop == "bf16") {
     if (fuse_bf16_input) be.matmul_forward_activation(out, *pending_input, weight, bias, OC, prec, round_bf16);
+    else if (inp16 || out16) be.matmul_forward_bf16(out, out16, inp, inp16, weight, bias, N, K, OC, round_bf16);
     else be.matmul_forward(out, inp, weight, bias, N, K, OC, prec, round_bf16);
     return;
   }
-  if (!xq) xq = quantize_copy(be, r, ids.seed, inp, N, K, x_fprop(), name + " input");
+  if (!xq) xq = quantize_copy(be, r, ids.seed, inp, N, K, x_fprop(), name + " input", inp16);
   const CopyRequest w_fprop{&r.fprop, false, true, false, r.sr_other, r.fos_weights, copy_stream(ids, TensorRole::Weight, 0)};
   std::unique_ptr<QuantizedCopy> wq;
   if (save_dgrad_weight && r.dgrad != "bf16" && can_combine(w_fprop, w_dgrad_request(r, ids, true))) {
@@ -286,9 +307,22 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
   }
   GemmConfig g;
   g.impl = r.impl;
+  // (a BF16-bits output: the GEMM's FP32 values in a temporary, then the bias and the rounding in
+  // the pass that writes the bits)
+  BackendBuffer y;
+  if (out16) {
+    y = BackendBuffer(be, static_cast<size_t>(N * OC) * sizeof(float));
+    out = y.as<float>();
+  }
   be.gemm(xq->view, wq->view, nullptr, g, f32_view(be, out, N, OC));
-  if (bias) be.bias_forward(out, bias, N, OC, round_bf16);
-  else if (round_bf16) be.round_to_bf16(out, N * OC);
+  if (out16) {
+    if (bias) be.bias_forward_bf16(out16, out, bias, N, OC);
+    else be.narrow_to_bf16(out16, out, N * OC);
+  } else if (bias) {
+    be.bias_forward(out, bias, N, OC, round_bf16);
+  } else if (round_bf16) {
+    be.round_to_bf16(out, N * OC);
+  }
   if (stats) {
     stats->push_back(stat_of(be, inp, *xq, name + ".fprop.x"));
     stats->push_back(stat_of(be, weight, *wq, name + ".fprop.w"));
@@ -299,9 +333,12 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
                      const std::string& name, const QuantizedCopy* saved_wgrad_input,
-                     const QuantizedCopy* saved_dgrad_weight, const ActivationSource* pending_dout) {
-  if (!inp && (r.wgrad == "bf16" || !saved_wgrad_input))
-    throw std::logic_error("linear_backward (" + name + "): no input: the FP32 x or its saved Wgrad copy is needed");
+                     const QuantizedCopy* saved_dgrad_weight, const ActivationSource* pending_dout,
+                     const uint16_t* inp16) {
+  if (!inp && !inp16 && (r.wgrad == "bf16" || !saved_wgrad_input))
+    throw std::logic_error("linear_backward (" + name + "): no input: the FP32 x, its BF16 bits or its saved Wgrad copy is needed");
+  if (inp16 && (inp || prec != emu::GemmPrecision::BF16))
+    throw std::logic_error("linear_backward (" + name + "): BF16 bits input with an FP32 one, or at FP32 precision");
   // (built only where a copy is made: a BF16 GEMM draws no SR stream)
   auto dy_dgrad = [&] {
     return CopyRequest{&r.dgrad, false, false, false, r.sr_gradients, r.fos_gradients, copy_stream(ids, TensorRole::Gradient, 0)};
@@ -322,7 +359,9 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
     throw std::logic_error("linear_backward (" + name + "): the pending output gradient's shape is not N x OC");
   if (pending_dout && !fuse_dout && !fuse_bf16_dout) be.run_activation(*pending_dout);
   if (r.dgrad == "bf16" && r.wgrad == "bf16") {
-    if (fuse_bf16_dout) be.matmul_backward_activation(dinp, dweight, dbias, *pending_dout, inp, weight, K, prec);
+    if (fuse_bf16_dout && inp16) be.matmul_backward_activation_bf16_input(dinp, dweight, dbias, *pending_dout, inp16, weight, K);
+    else if (fuse_bf16_dout) be.matmul_backward_activation(dinp, dweight, dbias, *pending_dout, inp, weight, K, prec);
+    else if (inp16) be.matmul_backward_bf16_input(dinp, dweight, dbias, dout, inp16, weight, N, K, OC);
     else be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
     return;
   }
@@ -340,7 +379,8 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   // Dgrad: dx (N,K) = dy (N,OC) . W (OC,K) = dy_rowwise x (W column-wise (K,OC))^T
   if (dinp) {
     if (r.dgrad == "bf16") {
-      be.matmul_backward(dinp, nullptr, nullptr, dout, inp, weight, N, K, OC, prec);
+      if (inp16) be.matmul_backward_bf16_input(dinp, nullptr, nullptr, dout, inp16, weight, N, K, OC);
+      else be.matmul_backward(dinp, nullptr, nullptr, dout, inp, weight, N, K, OC, prec);
     } else {
       if (!dyq) dyq = quantize_copy(be, r, ids.seed, dout, N, OC, dy_dgrad(), name + " output gradient");
       std::unique_ptr<QuantizedCopy> own_w;
@@ -356,12 +396,13 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   // Wgrad: dW (OC,K) += dy^T (OC,N) . x (N,K) = (dy column-wise) x (x column-wise)^T, RHT on both
   if (dweight) {
     if (r.wgrad == "bf16") {
-      be.matmul_backward(nullptr, dweight, nullptr, dout, inp, weight, N, K, OC, prec);
+      if (inp16) be.matmul_backward_bf16_input(nullptr, dweight, nullptr, dout, inp16, weight, N, K, OC);
+      else be.matmul_backward(nullptr, dweight, nullptr, dout, inp, weight, N, K, OC, prec);
     } else {
       if (!dyc) dyc = quantize_copy(be, r, ids.seed, dout, N, OC, dy_wgrad(), name + " output gradient");
       std::unique_ptr<QuantizedCopy> own_x;
       const QuantizedCopy* xc = saved_or_made(saved_wgrad_input, own_x, [&] {
-        return quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids, false), name + " input");
+        return quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids, false), name + " input", inp16);
       });
       const TensorView d = f32_view(be, dweight, OC, K);
       be.gemm(dyc->view, xc->view, &d, acc, d);

@@ -103,17 +103,28 @@ struct QuantizedCopy {
 // GEMM run with beta = 0: no zeroing pass before it and no read of the old dinp in its epilogue
 // (and on Hopper's cuBLASLt path, where alpha' is a device scalar, it avoids the general-beta kernel
 // that a device beta = 1 forces, 20-47% slower on gpt2-124m's Dgrad shapes; validation/perf.md).
+// BF16 bits storage (BF16 precision; Gpt::set_bf16_bits_storage): x kept as BF16 bits (inp16, inp
+// null: the GEMM or the quantizer reads the bits; no statistics, which read the FP32 x) and/or y
+// written as BF16 bits (out16, out null; rounded, round_bf16 implied: a BF16 Fprop writes them from
+// the GEMM (Backend::matmul_forward_bf16), a quantized one through an FP32 temporary and
+// Backend::bias_forward_bf16). A pending input's out16 (GELU's output kept as bits) needs a BF16
+// Fprop and Wgrad. The same bits as the FP32 arrays holding the same values.
+struct LinearBits {
+  const uint16_t* inp16 = nullptr;
+  uint16_t* out16 = nullptr;
+};
 void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
                     const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                     emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats, const std::string& name,
                     std::unique_ptr<QuantizedCopy>* save_wgrad_input = nullptr,
                     std::unique_ptr<QuantizedCopy>* save_dgrad_weight = nullptr,
-                    const ActivationSource* pending_input = nullptr);
+                    const ActivationSource* pending_input = nullptr, const LinearBits& bits = LinearBits{});
+// inp16: x as BF16 bits (inp null), as linear_forward's.
 void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
                      const std::string& name, const QuantizedCopy* saved_wgrad_input = nullptr,
                      const QuantizedCopy* saved_dgrad_weight = nullptr,
-                     const ActivationSource* pending_dout = nullptr);
+                     const ActivationSource* pending_dout = nullptr, const uint16_t* inp16 = nullptr);
 
 }  // namespace fp4sim::model

@@ -210,11 +210,12 @@ TEST(TrainGpu, FusedActivationsDoNotChangeTraining) {
   std::filesystem::remove_all(dir);
 }
 
-// The model's BF16 bits storage (Gpt::set_bf16_bits_storage: BF16 linears' inputs, qkv and the
+// The model's BF16 bits storage (Gpt::set_bf16_bits_storage: the linears' inputs, qkv and the
 // attention output kept as BF16 bits) on the CUDA backend: with the epilogue knob off (the GEMMs run
 // the FP32-output plans) the losses and every gradient of 2 steps equal the FP32 arrays' bit for
-// bit, for GPT-2's layer and a Llama-style one (RoPE: qkv stays FP32); with it on (cuBLASLt writes
-// qkv's bits, bias in the epilogue, maybe through another algorithm) the losses within 1e-4.
+// bit, for GPT-2's layer, a Llama-style one (RoPE: qkv stays FP32), NVFP4 (a BF16 block, cuBLASLt
+// or exact GEMMs) and FP8 (quantizers reading BF16 input); with it on (cuBLASLt writes qkv's bits,
+// bias in the epilogue, maybe through another algorithm) the losses within 1e-4.
 TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto be = make_backend("cuda");
@@ -222,7 +223,9 @@ TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
       {"recipe.name=bf16"},
       {"recipe.name=bf16", "model.activation=swiglu", "model.norm=rmsnorm", "model.positions=rope",
        "model.n_kv_heads=2", "model.bias=false", "model.tied_embeddings=false"},
-      {"recipe.name=nvfp4", "recipe.gemm=cublaslt", "model.n_layers=3", "recipe.hp_first=1", "recipe.hp_last=0"}};
+      {"recipe.name=nvfp4", "recipe.gemm=cublaslt", "model.n_layers=3", "recipe.hp_first=1", "recipe.hp_last=0"},
+      {"recipe.name=fp8", "recipe.gemm=cublaslt"},
+      {"recipe.name=nvfp4", "recipe.gemm=exact"}};
   for (const auto& ov : cases) {
     const std::string tag = ov.size() > 1 ? ov[1] : ov[0];
     SCOPED_TRACE(tag);

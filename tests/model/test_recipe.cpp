@@ -404,17 +404,20 @@ TEST(Recipe, ModelStepWithFusedActivationsEqualsPlainStep) {
   }
 }
 
-// BF16 activations kept as BF16 bits (Gpt::set_bf16_bits_storage: the BF16 linears' inputs, qkv,
-// the attention output, through the Backend's *_bf16 ops) give the bits of the FP32 arrays holding
-// the same values: losses and every gradient over 2 steps, for GPT-2's layer (GELU, LayerNorm,
-// learned positions), a Llama-style one (SwiGLU, RMSNorm, RoPE: qkv stays FP32), and NVFP4 with
-// its BF16 high-precision blocks (bits) around quantized ones (FP32), with statistics on step 2.
+// BF16 activations kept as BF16 bits (Gpt::set_bf16_bits_storage: the linears' inputs, qkv, the
+// attention output, through the Backend's *_bf16 ops and quantizers reading BF16) give the bits of
+// the FP32 arrays holding the same values: losses and every gradient over 2 steps, for GPT-2's
+// layer (GELU, LayerNorm, learned positions), a Llama-style one (SwiGLU, RMSNorm, RoPE: qkv stays
+// FP32), NVFP4 with a BF16 high-precision block, FP8, and NVFP4 with single GEMMs overridden to
+// BF16 (mixed linears); statistics on step 2 (quantized linears then keep FP32 inputs).
 TEST(Recipe, Bf16BitsStorageEqualsFp32Arrays) {
   const std::vector<std::vector<std::string>> cases = {
       {"recipe.name=bf16"},
       {"recipe.name=bf16", "model.activation=swiglu", "model.norm=rmsnorm", "model.positions=rope",
        "model.n_kv_heads=2", "model.bias=false", "model.tied_embeddings=false"},
       {"recipe.name=nvfp4", "model.n_layers=3", "recipe.hp_first=1", "recipe.hp_last=0"},
+      {"recipe.name=fp8"},
+      {"recipe.name=nvfp4", "recipe.override.h.0.attn.c_attn.wgrad=bf16", "recipe.override.h.1.mlp.c_fc.fprop=bf16"},
   };
   for (const auto& ov : cases) {
     SCOPED_TRACE(ov.size() > 1 ? ov[1] : ov[0]);
