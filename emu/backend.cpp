@@ -52,6 +52,16 @@ void Backend::widen_bf16(float* dst, const uint16_t* src, int64_t n) {
 
 void Backend::run_activation(const ActivationSource& src) {
   const int64_t n = src.rows * src.cols;
+  if (src.inp16) {
+    one_of("run_activation", "inp", src.inp, src.inp16);
+    BackendBuffer x = f32_temp(*this, n);
+    widen_bf16(x.as<float>(), src.inp16, n);
+    ActivationSource s = src;
+    s.inp = x.as<float>();
+    s.inp16 = nullptr;
+    run_activation(s);
+    return;
+  }
   if (src.out16) {
     if (src.op != ActivationOp::GeluForward)
       throw std::logic_error(std::string("run_activation (") + src.name + "): out16 is for GELU's forward pass only");
@@ -62,6 +72,12 @@ void Backend::run_activation(const ActivationSource& src) {
   }
   if (src.op == ActivationOp::GeluForward) gelu_forward(src.out, src.inp, n, src.round_bf16);
   else gelu_backward(src.out, src.inp, src.dout, n, src.round_bf16, src.bf16_dout);
+}
+
+void Backend::residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n, bool round_bf16) {
+  BackendBuffer b = f32_temp(*this, n);
+  widen_bf16(b.as<float>(), b16, n);
+  residual_forward(out, a, b.as<float>(), n, round_bf16);
 }
 
 void Backend::bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N, int64_t OC) {

@@ -36,6 +36,9 @@ struct ActivationSource {
   // GeluForward into a BF16 linear (Backend::matmul_forward_activation only): the output stored as
   // BF16 bits here instead of out (round_bf16 implied; out unused). Null otherwise.
   uint16_t* out16 = nullptr;
+  // The op's input kept as BF16 bits instead of inp (inp null; a BF16 c_fc's output read by the
+  // BF16 linears' matmul_*_activation ops, not by quantize_activation). Null otherwise.
+  const uint16_t* inp16 = nullptr;
 };
 
 class Backend {
@@ -161,7 +164,7 @@ class Backend {
     bias_backward(dbias, static_cast<const float*>(x.data), x.rows, x.cols);
   }
   // The activation op alone (gelu_forward / gelu_backward into src.out, or into src.out16 as BF16
-  // bits: gelu_forward with round_bf16, then narrow_to_bf16).
+  // bits: gelu_forward with round_bf16, then narrow_to_bf16), from src.inp or src.inp16's values.
   void run_activation(const ActivationSource& src);
   // run_activation(src), then quantize(out, cfg, rowwise, columnwise) of src.out as a rows x cols
   // tensor, or quantize_with_bias_backward(..., dbias) where dbias is set: the copies of an
@@ -170,8 +173,9 @@ class Backend {
   // the copies, their amax and dbias are the composition's bits either way.
   virtual void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
                                    QuantizedView* columnwise, float* dbias) {
-    if (src.out16)
-      throw std::logic_error(std::string("quantize_activation (") + src.name + "): a BF16-stored output (out16) is for BF16 linears only");
+    if (src.out16 || src.inp16)
+      throw std::logic_error(std::string("quantize_activation (") + src.name +
+                             "): BF16-bits input or output (inp16, out16) are for BF16 linears only");
     run_activation(src);
     TensorView v;
     v.data = src.out;
@@ -186,15 +190,16 @@ class Backend {
   // round_bf16): a BF16 linear layer whose input an activation op makes. src.out is written (the
   // backward pass reads it); a backend may make the GEMM's operand in the op's pass instead of
   // reading src.out back (the CUDA backend does at BF16 precision). The same bits either way.
-  // With src.out16 (BF16 precision only) the op's output is stored there as BF16 bits and the
-  // matmul is matmul_forward_bf16 on them.
-  virtual void matmul_forward_activation(float* out, const ActivationSource& src, const float* weight,
+  // With src.out16 or out16 (BF16 precision only: the op's output, the matmul's output kept as
+  // BF16 bits; out null with out16) the matmul is matmul_forward_bf16.
+  virtual void matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src, const float* weight,
                                          const float* bias, int64_t OC, emu::GemmPrecision prec, bool round_bf16) {
     run_activation(src);
-    if (src.out16) {
+    if (src.out16 || out16) {
       if (prec != emu::GemmPrecision::BF16)
-        throw std::logic_error(std::string("matmul_forward_activation (") + src.name + "): out16 needs BF16 precision");
-      matmul_forward_bf16(out, nullptr, nullptr, src.out16, weight, bias, src.rows, src.cols, OC, round_bf16);
+        throw std::logic_error(std::string("matmul_forward_activation (") + src.name + "): BF16 bits need BF16 precision");
+      matmul_forward_bf16(out, out16, src.out16 ? nullptr : src.out, src.out16, weight, bias, src.rows, src.cols, OC,
+                          round_bf16);
       return;
     }
     matmul_forward(out, src.out, weight, bias, src.rows, src.cols, OC, prec, round_bf16);
@@ -209,6 +214,8 @@ class Backend {
     run_activation(src);
     matmul_backward(dinp, dweight, dbias, src.out, inp, weight, src.rows, K, src.cols, prec);
   }
+  // out (n) = a + b16's values (residual_forward with b kept as BF16 bits: a linear's output).
+  virtual void residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n, bool round_bf16);
   // ---- BF16-stored activations. Where the model stores an activation rounded to BF16 anyway (a
   // BF16 linear layer's input, its output when attention reads it, attention's output), it may
   // keep it as BF16 bits (uint16_t, half the bytes) instead of FP32 values. Each op below is the

@@ -121,7 +121,7 @@ class CudaBackend final : public Backend {
                            QuantizedView* columnwise, float* dbias) override;
   // BF16 precision: GELU's pass writes the GEMM's BF16 operand too (forward) or instead of the
   // gradient (backward, with a bias: with the bias gradient's sums); else Backend's composition.
-  void matmul_forward_activation(float* out, const ActivationSource& src, const float* weight, const float* bias,
+  void matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src, const float* weight, const float* bias,
                                  int64_t OC, emu::GemmPrecision prec, bool round_bf16) override;
   void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
                                   const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) override;
@@ -145,6 +145,7 @@ class CudaBackend final : public Backend {
   void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const uint16_t* qkv16,
                                const float* out, const uint16_t* out16, const float* lse, int64_t B, int64_t T,
                                int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) override;
+  void residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n, bool round_bf16) override;
   void round_to_bf16(float* x, int64_t n) override;
   void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override;
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
@@ -187,6 +188,8 @@ class CudaBackend final : public Backend {
   void matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp, const float* weight,
                              int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
                              const uint16_t* inp16 = nullptr);
+  // GELU's backward pass as the BF16 GEMMs' operand, with dbias's chunk sums (gpu/layers.cu)
+  const uint16_t* gelu_backward_operand(const ActivationSource& src, float* dbias);
   void init_device();  // the constructor's part after the stream exists (pool, capability, workspace)
 };
 

@@ -506,6 +506,19 @@ struct Bf16PairGeluBackward {
   }
 };
 
+// Bf16PairGeluBackward with the pre-activation kept as BF16 bits (4-byte aligned pairs).
+struct Bf16PairGeluBackward16 {
+  const uint16_t* __restrict__ inp;
+  const float* __restrict__ dout;
+  bool round_bf16, bf16_dout;
+  __device__ __forceinline__ float2 load2(int64_t n, int64_t c, int64_t C) const {
+    const uint32_t x = __ldg(reinterpret_cast<const unsigned int*>(inp + n * C + c));
+    const float2 d = __ldg(reinterpret_cast<const float2*>(dout + n * C + c));
+    return make_float2(gelu_backward_stored(__uint_as_float(x << 16), d.x, round_bf16, bf16_dout),
+                       gelu_backward_stored(__uint_as_float(x & 0xFFFF0000u), d.y, round_bf16, bf16_dout));
+  }
+};
+
 template <class Src>
 __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, float* __restrict__ partial, Src src,
                                                     int64_t N, int64_t C) {
@@ -538,10 +551,15 @@ __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, fl
 // gelu_forward_kernel that also writes the stored values' BF16 bits (h), the GEMM operand
 // round_to_bf16_kernel would make from out: the same bits, one pass. out null: h only (the
 // activation kept as BF16 bits).
-__global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const float* inp, int64_t n, bool round_bf16) {
+// An input element as FP32: stored FP32, or BF16 bits widened (exact).
+__device__ __forceinline__ float load_f32(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_f32(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+
+template <class InT>
+__global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT* inp, int64_t n, bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float v = gelu_forward_stored(inp[j], round_bf16);
+    const float v = gelu_forward_stored(load_f32(inp, j), round_bf16);
     if (out) out[j] = v;
     h[j] = bf16_rne(v);
   }
@@ -639,6 +657,23 @@ __global__ void residual_forward_kernel(float* out, const float* a, const float*
                         stored(__fadd_rn(u.z, w.z), round_bf16), stored(__fadd_rn(u.w, w.w), round_bf16));
       },
       [&](int64_t i) { out[i] = stored(__fadd_rn(a[i], b[i]), round_bf16); });
+}
+
+// residual_forward_kernel with b kept as BF16 bits (b16 8-byte aligned for the vector path).
+__global__ void residual_forward_bf16_kernel(float* out, const float* a, const uint16_t* b16, int64_t n,
+                                             bool round_bf16) {
+  grid_stride_by4(
+      n, aligned16(out) && aligned16(a) && (reinterpret_cast<uintptr_t>(b16) & 7u) == 0,
+      [&](int64_t j) {
+        const float4 u = reinterpret_cast<const float4*>(a)[j];
+        const uint2 w = reinterpret_cast<const uint2*>(b16)[j];
+        const float w0 = __uint_as_float(w.x << 16), w1 = __uint_as_float(w.x & 0xFFFF0000u),
+                    w2 = __uint_as_float(w.y << 16), w3 = __uint_as_float(w.y & 0xFFFF0000u);
+        reinterpret_cast<float4*>(out)[j] =
+            make_float4(stored(__fadd_rn(u.x, w0), round_bf16), stored(__fadd_rn(u.y, w1), round_bf16),
+                        stored(__fadd_rn(u.z, w2), round_bf16), stored(__fadd_rn(u.w, w3), round_bf16));
+      },
+      [&](int64_t i) { out[i] = stored(__fadd_rn(a[i], bf16_to_f32(b16[i])), round_bf16); });
 }
 
 // SwiGLU on inp (N, 2F) = [gate | up] per row: the emulator's expressions in its order, CUDA expf
@@ -1321,43 +1356,63 @@ void CudaBackend::matmul_backward_bf16_dout(float* dinp, float* dweight, const u
 
 // BF16 precision: GELU's pass also writes the GEMM's BF16 operand (out's bits are the op's, src.out
 // is written as gelu_forward would); then the matmul as matmul_forward. Else Backend's composition.
-void CudaBackend::matmul_forward_activation(float* out, const ActivationSource& src, const float* weight,
-                                           const float* bias, int64_t OC, emu::GemmPrecision prec, bool round_bf16) {
+void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src,
+                                           const float* weight, const float* bias, int64_t OC, emu::GemmPrecision prec,
+                                           bool round_bf16) {
   const int64_t N = src.rows, K = src.cols;
   if (!g_activation_fusion || prec != emu::GemmPrecision::BF16 || src.op != ActivationOp::GeluForward || N == 0 ||
       K == 0 || OC == 0) {
-    Backend::matmul_forward_activation(out, src, weight, bias, OC, prec, round_bf16);
+    Backend::matmul_forward_activation(out, out16, src, weight, bias, OC, prec, round_bf16);
     return;
   }
   LayersState& st = layers_state();
   // (src.out16: the operand is the activation's BF16 storage itself, src.out unwritten)
   uint16_t* x = src.out16 ? src.out16 : st.bf16_b.get<uint16_t>(static_cast<size_t>(N * K), stream_);
-  gelu_forward_bf16_copy_kernel<<<elementwise_grid(N * K), kThreads, 0, stream_>>>(
-      src.out16 ? nullptr : src.out, x, src.inp, N * K, src.out16 ? true : src.round_bf16);
+  float* const act = src.out16 ? nullptr : src.out;
+  const bool rb = src.out16 ? true : src.round_bf16;
+  if (src.inp16)
+    gelu_forward_bf16_copy_kernel<<<elementwise_grid(N * K), kThreads, 0, stream_>>>(act, x, src.inp16, N * K, rb);
+  else
+    gelu_forward_bf16_copy_kernel<<<elementwise_grid(N * K), kThreads, 0, stream_>>>(act, x, src.inp, N * K, rb);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  const void* w = gemm_operand(st.bf16_a, weight, OC * K, prec, stream_);
-  lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f, stream_);
-  if (bias) add_bias(out, bias, N, OC, round_bf16, stream_);
-  else if (round_bf16) round_to_bf16(out, N * OC);
+  matmul_forward_bf16(out, out16, nullptr, x, weight, bias, N, K, OC, round_bf16);  // (x: not st.bf16_b's user there)
   ++g_fused_activation_matmul;
 }
 
 // BF16 precision with a bias (matmul_backward's fused case): the GEMMs' BF16 operand and the bias
 // gradient's chunk sums computed from GELU's backward pass, src.out never written. Else Backend's
 // composition.
+namespace {
+// Whether matmul_backward_activation(_bf16_input) takes GELU's gradient in the pass that makes the
+// GEMMs' operand: BF16 precision, a bias, the pairs' pointers aligned.
+bool gelu_backward_fusable(const ActivationSource& src, const float* dbias, int64_t K, emu::GemmPrecision prec) {
+  const int64_t N = src.rows, OC = src.cols;
+  const uintptr_t inp_align = src.inp16 ? reinterpret_cast<uintptr_t>(src.inp16) % 4 : reinterpret_cast<uintptr_t>(src.inp) % 8;
+  return g_activation_fusion && dbias && prec == emu::GemmPrecision::BF16 && src.op == ActivationOp::GeluBackward &&
+         N != 0 && K != 0 && OC != 0 && OC % 2 == 0 && inp_align == 0 && reinterpret_cast<uintptr_t>(src.dout) % 8 == 0;
+}
+}  // namespace
+
+// The GEMMs' BF16 operand of GELU's backward pass and the bias gradient's sums (one pass).
+const uint16_t* CudaBackend::gelu_backward_operand(const ActivationSource& src, float* dbias) {
+  LayersState& st = layers_state();
+  if (src.inp16)
+    return bf16_operand_with_bias_grad(st.bf16_a, st.columns,
+                                       Bf16PairGeluBackward16{src.inp16, src.dout, src.round_bf16, src.bf16_dout}, dbias,
+                                       src.rows, src.cols, stream_);
+  return bf16_operand_with_bias_grad(st.bf16_a, st.columns,
+                                     Bf16PairGeluBackward{src.inp, src.dout, src.round_bf16, src.bf16_dout}, dbias,
+                                     src.rows, src.cols, stream_);
+}
+
 void CudaBackend::matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
                                             const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) {
   const int64_t N = src.rows, OC = src.cols;
-  if (!g_activation_fusion || !dbias || prec != emu::GemmPrecision::BF16 || src.op != ActivationOp::GeluBackward ||
-      N == 0 || K == 0 || OC == 0 || OC % 2 != 0 || reinterpret_cast<uintptr_t>(src.inp) % 8 != 0 ||
-      reinterpret_cast<uintptr_t>(src.dout) % 8 != 0) {
+  if (!gelu_backward_fusable(src, dbias, K, prec)) {
     Backend::matmul_backward_activation(dinp, dweight, dbias, src, inp, weight, K, prec);
     return;
   }
-  LayersState& st = layers_state();
-  const uint16_t* h =
-      bf16_operand_with_bias_grad(st.bf16_a, st.columns, Bf16PairGeluBackward{src.inp, src.dout, src.round_bf16, src.bf16_dout},
-                                  dbias, N, OC, stream_);
+  const uint16_t* h = gelu_backward_operand(src, dbias);
   matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
   ++g_fused_activation_matmul;
 }
@@ -1468,15 +1523,11 @@ void CudaBackend::matmul_backward_activation_bf16_input(float* dinp, float* dwei
                                                         const ActivationSource& src, const uint16_t* inp16,
                                                         const float* weight, int64_t K) {
   const int64_t N = src.rows, OC = src.cols;
-  if (!g_activation_fusion || !dbias || src.op != ActivationOp::GeluBackward || N == 0 || K == 0 || OC == 0 ||
-      OC % 2 != 0 || reinterpret_cast<uintptr_t>(src.inp) % 8 != 0 || reinterpret_cast<uintptr_t>(src.dout) % 8 != 0) {
+  if (!gelu_backward_fusable(src, dbias, K, emu::GemmPrecision::BF16)) {
     Backend::matmul_backward_activation_bf16_input(dinp, dweight, dbias, src, inp16, weight, K);
     return;
   }
-  LayersState& st = layers_state();
-  const uint16_t* h =
-      bf16_operand_with_bias_grad(st.bf16_a, st.columns, Bf16PairGeluBackward{src.inp, src.dout, src.round_bf16, src.bf16_dout},
-                                  dbias, N, OC, stream_);
+  const uint16_t* h = gelu_backward_operand(src, dbias);
   matmul_backward_gemms(dinp, dweight, h, nullptr, weight, N, K, OC, emu::GemmPrecision::BF16, inp16);
   ++g_fused_activation_matmul;
 }
@@ -1664,6 +1715,10 @@ void CudaBackend::quantize_with_bias_backward(const TensorView& x, const Quantiz
 
 void CudaBackend::quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
                                       QuantizedView* columnwise, float* dbias) {
+  if (src.inp16 || src.out16) {  // (Backend's says why)
+    Backend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
+    return;
+  }
   const bool fused = g_activation_fusion && cfg.format == QFormat::FP8 && src.rows * src.cols > 0 &&
                      (!cfg.columnwise.enabled || src.rows % kFp8Block == 0) && (!dbias || cfg.columnwise.enabled) &&
                      !(rowwise && rowwise->decoded_bf16) && !(columnwise && columnwise->decoded_bf16);
@@ -1694,6 +1749,12 @@ void CudaBackend::round_to_bf16(float* x, int64_t n) {
 void CudaBackend::residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) {
   if (n == 0) return;
   residual_forward_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(out, a, b, n, round_bf16);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n, bool round_bf16) {
+  if (n == 0) return;
+  residual_forward_bf16_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(out, a, b16, n, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

@@ -245,12 +245,9 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
     a.ln1_mean = f32(N);
     a.ln1_rstd = f32(N);
     a.lse = f32(B * NH * T);  // attention's log-sum-exp rows (B,NH,T), not the (B,NH,T,T) probabilities
-    a.attproj = f32(N * C);
     a.res1 = f32(N * C);
     a.ln2_mean = f32(N);
     a.ln2_rstd = f32(N);
-    a.fc = f32(N * FC);
-    a.fcproj = f32(N * C);
     a.res2 = f32(N * C);
   }
   for (int i : {0, 2, 3}) scratch_in_[i] = f32(N * (i == 3 ? F : C));  // (linear 1's input is always kept)
@@ -312,6 +309,10 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     for (int i = 0; i < 4; ++i) a.in16[i] = stores_bits(l, i);
     // (RoPE rotates qkv in place in FP32)
     a.qkv16 = bf16_bits_ && rb && prec_ == emu::GemmPrecision::BF16 && c.positions != "rope";
+    a.proj16 = bf16_bits_ && rb && prec_ == emu::GemmPrecision::BF16;
+    // (c_fc's output as bits: both MLP linears all BF16 with GELU, whose BF16 passes read the bits)
+    const LinearRecipe& r2 = linear_recipe(l, 2);
+    a.fc16 = a.in16[3] && r2.fprop == "bf16" && r2.dgrad == "bf16" && r2.wgrad == "bf16";
     float* const qkv = a.qkv16 ? nullptr : f32_buffer(a.qkv, N * QKV);
     uint16_t* const qkv16 = a.qkv16 ? bf16_buffer(a.qkv, N * QKV) : nullptr;
     if (a.in16[0]) {
@@ -328,25 +329,40 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
       be_.rope_forward(qkv, B, T, NH, NKV, HD);
       store(qkv, N * QKV);
     }
+    // c_proj's and the MLP's c_proj's outputs: read once, by the residual add (kept as BF16 bits in
+    // one scratch shared by both and by every layer, or in the layer's FP32 arrays)
+    uint16_t* const proj16 = a.proj16 ? bf16_buffer(proj16_, N * C) : nullptr;
+    if (a.proj16) {
+      a.attproj = BackendBuffer();
+      a.fcproj = BackendBuffer();
+    }
+    float* const attproj = a.proj16 ? nullptr : f32_buffer(a.attproj, N * C);
+    float* const fcproj = a.proj16 ? nullptr : f32_buffer(a.fcproj, N * C);
+    auto residual = [&](float* out, const float* in, const float* b) {
+      if (a.proj16) be_.residual_forward_bf16(out, in, proj16, N * C, rb);
+      else be_.residual_forward(out, in, b, N * C, rb);
+    };
     if (a.in16[1] || a.qkv16) {
       uint16_t* const atty16 = a.in16[1] ? linear_input16(l, 1) : nullptr;
       float* const atty = a.in16[1] ? nullptr : linear_input(l, 1);
       be_.attention_forward_bf16(atty, atty16, F32(a.lse), qkv, qkv16, B, T, NH, NKV, HD, rb);
-      linear_fwd(l, 1, F32(a.attproj), atty, N, C, C, rb, nullptr, atty16);
+      linear_fwd(l, 1, attproj, atty, N, C, C, rb, nullptr, atty16, proj16);
     } else {
       float* const atty = linear_input(l, 1);
       be_.attention_forward(atty, F32(a.lse), qkv, B, T, NH, NKV, HD, prec_, rb);
-      linear_fwd(l, 1, F32(a.attproj), atty, N, C, C, rb);
+      linear_fwd(l, 1, attproj, atty, N, C, C, rb, nullptr, nullptr, proj16);
     }
-    be_.residual_forward(F32(a.res1), x, F32(a.attproj), N * C, rb);
+    residual(F32(a.res1), x, attproj);
+    float* const fc = a.fc16 ? nullptr : f32_buffer(a.fc, N * FC);
+    uint16_t* const fc16 = a.fc16 ? bf16_buffer(a.fc, N * FC) : nullptr;
     if (a.in16[2]) {
       uint16_t* const ln2 = linear_input16(l, 2);
       norm_fwd16(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
-      linear_fwd(l, 2, F32(a.fc), nullptr, N, C, FC, rb, nullptr, ln2);
+      linear_fwd(l, 2, fc, nullptr, N, C, FC, rb, nullptr, ln2, fc16);
     } else {
       float* const ln2 = linear_input(l, 2);
       norm_fwd(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
-      linear_fwd(l, 2, F32(a.fc), ln2, N, C, FC, rb);
+      linear_fwd(l, 2, fc, ln2, N, C, FC, rb, nullptr, nullptr, fc16);
     }
     // GELU's output goes to c_proj as a pending activation (linear_forward: computed in the pass
     // that makes the GEMM's operand, or run first; kept as BF16 bits where linear 3 stores bits)
@@ -354,16 +370,17 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     ActivationSource gelu;
     const ActivationSource* pending = nullptr;
     if (c.activation == "gelu_tanh") {
-      gelu = ActivationSource{ActivationOp::GeluForward, F32(a.fc), nullptr, act, N, F, rb, false, "mlp activation"};
+      gelu = ActivationSource{ActivationOp::GeluForward, fc, nullptr, act, N, F, rb, false, "mlp activation"};
       if (a.in16[3]) gelu.out16 = linear_input16(l, 3);
+      gelu.inp16 = fc16;
       pending = &gelu;
     } else if (c.activation == "squared_relu") {
-      be_.squared_relu_forward(act, F32(a.fc), N * F, rb);
+      be_.squared_relu_forward(act, fc, N * F, rb);
     } else {
-      be_.swiglu_forward(act, F32(a.fc), N, F, rb);
+      be_.swiglu_forward(act, fc, N, F, rb);
     }
-    linear_fwd(l, 3, F32(a.fcproj), act, N, F, C, rb, pending);
-    be_.residual_forward(F32(a.res2), F32(a.res1), F32(a.fcproj), N * C, rb);
+    linear_fwd(l, 3, fcproj, act, N, F, C, rb, pending, nullptr, proj16);
+    residual(F32(a.res2), F32(a.res1), fcproj);
     x = F32(a.res2);
   }
   norm_fwd(F32(lnf_), lnf_mean_, lnf_rstd_, x, "ln_f");
@@ -434,8 +451,9 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     ActivationSource dgelu;
     const ActivationSource* pending = nullptr;
     if (c.activation == "gelu_tanh") {
-      dgelu = ActivationSource{ActivationOp::GeluBackward, F32(a.fc), F32(dact_), F32(dfc_), N, F, rb, rb,
-                               "mlp activation gradient"};
+      dgelu = ActivationSource{ActivationOp::GeluBackward, a.fc16 ? nullptr : F32(a.fc), F32(dact_), F32(dfc_), N, F,
+                               rb, rb, "mlp activation gradient"};
+      dgelu.inp16 = a.fc16 ? a.fc.as<uint16_t>() : nullptr;
       pending = &dgelu;
     } else if (c.activation == "squared_relu") {
       be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb, rb);

@@ -68,10 +68,10 @@ class Gpt {
   // FP32 GEMMs instead of the BF16 ones (gradient checks only).
   void set_gemm_precision(emu::GemmPrecision p) { prec_ = p; }
   // BF16 storage as BF16 bits (on by default): the linear layers' inputs (ln_1, the attention
-  // output, ln_2; the GELU output where c_proj is all BF16) and c_attn's output (qkv, without RoPE)
-  // are kept as BF16 bits instead of FP32 arrays holding BF16 values (the Backend's *_bf16 ops,
-  // quantizers reading BF16 input; stores_bits). The same bits either way (tests); off: the FP32
-  // arrays (A/B measurements).
+  // output, ln_2; the GELU output where c_proj is all BF16), their outputs qkv (without RoPE), the
+  // c_proj outputs and (both MLP linears all BF16) c_fc's are kept as BF16 bits instead of FP32
+  // arrays holding BF16 values (the Backend's *_bf16 ops, quantizers reading BF16 input;
+  // stores_bits). The same bits either way (tests); off: the FP32 arrays (A/B measurements).
   void set_bf16_bits_storage(bool on) { bf16_bits_ = on; }
 
   const ModelConfig& config() const { return cfg_; }
@@ -109,6 +109,8 @@ class Gpt {
     // BF16 bits (Gpt::stores_bits; the backward pass reads them the same way)
     bool in16[4] = {false, false, false, false};
     bool qkv16 = false;
+    bool fc16 = false;    // c_fc's output (GELU's input)
+    bool proj16 = false;  // the two c_proj outputs, in proj16_ (read once, by the residual add)
   };
   // Whether linear `linear` of block l keeps its input as BF16 bits in this forward pass: BF16
   // activations and precision; no statistics this step unless all three of its GEMMs are BF16;
@@ -151,6 +153,7 @@ class Gpt {
   bool has_recipe_ = false;
   std::vector<bool> high_precision_;
   BackendBuffer scratch_in_[4], scratch16_in_[4];  // the linear inputs that are not kept (FP32, BF16 bits)
+  BackendBuffer proj16_;  // the c_proj outputs as BF16 bits until the residual add reads them
   std::vector<LinearRecipe> recipes_;  // [layer * 4 + linear]
   int64_t step_ = 0, micro_batch_ = 0;
   bool collect_stats_ = false, stats_active_ = false;

@@ -291,7 +291,7 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
     }
   }
   if (r.fprop == "bf16") {
-    if (fuse_bf16_input) be.matmul_forward_activation(out, *pending_input, weight, bias, OC, prec, round_bf16);
+    if (fuse_bf16_input) be.matmul_forward_activation(out, out16, *pending_input, weight, bias, OC, prec, round_bf16);
     else if (inp16 || out16) be.matmul_forward_bf16(out, out16, inp, inp16, weight, bias, N, K, OC, round_bf16);
     else be.matmul_forward(out, inp, weight, bias, N, K, OC, prec, round_bf16);
     return;

@@ -621,7 +621,7 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
           float* out = c.out(Vec(sz(N * OC), kNaN));
           float* act = c.out(Vec(sz(N * K), kNaN));
           const ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, rb, false, "act"};
-          bk.matmul_forward_activation(out, src, c.in(w), c.in(b), OC, emu::GemmPrecision::BF16, rb);
+          bk.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, emu::GemmPrecision::BF16, rb);
         });
         gpu::set_activation_fusion(true);
         return o;
@@ -1381,16 +1381,46 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
         float* out = c.out(Vec(sz(N * OC), kNaN));
         float* act = c.out(Vec(sz(N * K), kNaN));
         const ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, true, false, "act"};
-        k.matmul_forward_activation(out, src, c.in(w), c.in(b), OC, bf16, true);
+        k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
       });
       const Outputs g = run(*bk, [&](Backend& k, Call& c) {
         float* out = c.out(Vec(sz(N * OC), kNaN));
         ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, nullptr, N, K, true, false, "act"};
         src.out16 = bf16_out(c, N * K);
-        k.matmul_forward_activation(out, src, c.in(w), c.in(b), OC, bf16, true);
+        k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
       });
       expect_bitwise("matmul_forward_activation out16: out " + bk->name(), r[0], g[0]);
       expect_bitwise("matmul_forward_activation out16: act " + bk->name(), r[1], widened(g[1], N * K));
+      // the pre-activation as bits (its values BF16) and the matmul's output as bits
+      const Vec pre_r = bf16_values_of(pre);
+      const std::vector<uint16_t> pre16 = bf16_bits_of(pre);
+      const Outputs r2 = run(*bk, [&](Backend& k, Call& c) {
+        float* out = c.out(Vec(sz(N * OC), kNaN));
+        float* act = c.out(Vec(sz(N * K), kNaN));
+        const ActivationSource src{ActivationOp::GeluForward, c.in(pre_r), nullptr, act, N, K, true, false, "act"};
+        k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
+      });
+      const Outputs g2 = run(*bk, [&](Backend& k, Call& c) {
+        uint16_t* out16 = bf16_out(c, N * OC);
+        ActivationSource src{ActivationOp::GeluForward, nullptr, nullptr, nullptr, N, K, true, false, "act"};
+        src.inp16 = c.in(pre16);
+        src.out16 = bf16_out(c, N * K);
+        k.matmul_forward_activation(nullptr, out16, src, c.in(w), c.in(b), OC, bf16, true);
+      });
+      expect_bitwise("matmul_forward_activation inp16 out16: out " + bk->name(), r2[0], widened(g2[0], N * OC));
+      expect_bitwise("matmul_forward_activation inp16 out16: act " + bk->name(), r2[1], widened(g2[1], N * K));
+      // the residual add reading b as bits
+      const Vec ra = randn(sz(N * OC), rng);
+      const Outputs rr = run(*bk, [&](Backend& k, Call& c) {
+        float* o = c.out(Vec(sz(N * OC), kNaN));
+        k.residual_forward(o, c.in(ra), c.in(r2[0]), N * OC, true);
+      });
+      const std::vector<uint16_t> b16 = bf16_bits_of(r2[0]);
+      const Outputs gr = run(*bk, [&](Backend& k, Call& c) {
+        float* o = c.out(Vec(sz(N * OC), kNaN));
+        k.residual_forward_bf16(o, c.in(ra), c.in(b16), N * OC, true);
+      });
+      expect_bitwise("residual_forward_bf16 " + bk->name(), rr[0], gr[0]);
       const Vec fc = randn(sz(N * OC), rng, 2.0f), dact = randn(sz(N * OC), rng), x = bf16_values_of(randn(sz(N * K), rng)),
                 dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
       const std::vector<uint16_t> x16 = bf16_bits_of(x);
@@ -1412,6 +1442,32 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
       });
       for (size_t i = 0; i < 3; ++i)
         expect_bitwise("matmul_backward_activation_bf16_input " + std::to_string(i) + " " + bk->name(), rb[i], gb[i]);
+      // GELU's input (fc) as bits too: the bits of the FP32 fc holding the same values
+      const Vec fc_r = bf16_values_of(fc);
+      const std::vector<uint16_t> fc16 = bf16_bits_of(fc);
+      for (bool x_bits : {false, true}) {
+        const Outputs rf = run(*bk, [&](Backend& k, Call& c) {
+          float* dinp = c.out(Vec(sz(N * K), kNaN));
+          float* dw = c.out(dw0);
+          float* db = c.out(db0);
+          float* dfc = c.out(Vec(sz(N * OC), kNaN));
+          const ActivationSource src{ActivationOp::GeluBackward, c.in(fc_r), c.in(dact), dfc, N, OC, true, true, "dfc"};
+          k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
+        });
+        const Outputs gf = run(*bk, [&](Backend& k, Call& c) {
+          float* dinp = c.out(Vec(sz(N * K), kNaN));
+          float* dw = c.out(dw0);
+          float* db = c.out(db0);
+          float* dfc = c.out(Vec(sz(N * OC), kNaN));
+          ActivationSource src{ActivationOp::GeluBackward, nullptr, c.in(dact), dfc, N, OC, true, true, "dfc"};
+          src.inp16 = c.in(fc16);
+          if (x_bits) k.matmul_backward_activation_bf16_input(dinp, dw, db, src, c.in(x16), c.in(w), K);
+          else k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
+        });
+        for (size_t i = 0; i < 3; ++i)
+          expect_bitwise("matmul_backward_activation src.inp16 " + std::to_string(i) + (x_bits ? " x16 " : " ") + bk->name(),
+                         rf[i], gf[i]);
+      }
     }
     // attention with qkv and out as bits (either or both)
     {

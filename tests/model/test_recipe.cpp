@@ -245,9 +245,9 @@ class FusingCpuBackend : public emu::CpuBackend {
     Backend::quantize_activation(s, cfg, rowwise, columnwise, dbias);
     ++fused_quantize;
   }
-  void matmul_forward_activation(float* out, const ActivationSource& src, const float* weight, const float* bias,
+  void matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src, const float* weight, const float* bias,
                                  int64_t OC, emu::GemmPrecision prec, bool round_bf16) override {
-    Backend::matmul_forward_activation(out, src, weight, bias, OC, prec, round_bf16);
+    Backend::matmul_forward_activation(out, out16, src, weight, bias, OC, prec, round_bf16);
     ++fused_matmul;
   }
   void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
