@@ -315,6 +315,9 @@ void set_matmul_bf16_epilogue(bool on);
 // (and add the bias) in its epilogue (first), or write FP32 with the bias added in its epilogue
 // before a narrowing pass (second; where it lists no algorithm for the first), in this process.
 std::pair<uint64_t, uint64_t> matmul_bf16_epilogue_count();
+// Test hook: the last BF16-output or bias-epilogue plan cuBLASLt refused (status, algorithms
+// listed, shape), or empty.
+std::string last_matmul_epilogue_refusal();
 // Test hook: how many CudaBackend::matmul_backward calls at BF16 precision took dout's BF16 copy and
 // the bias gradient's column sums from one pass (round_to_bf16_column_partial_kernel) in this process.
 uint64_t fused_matmul_bias_count();

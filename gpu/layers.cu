@@ -904,6 +904,7 @@ bool g_activation_fusion = true;           // set_activation_fusion
 bool g_matmul_bf16_epilogue = true;        // set_matmul_bf16_epilogue
 uint64_t g_matmul_bf16_epilogue_calls = 0;  // matmul_bf16_epilogue_count
 uint64_t g_matmul_f32_epilogue_calls = 0;   // matmul_bf16_epilogue_count
+std::string g_last_epilogue_refusal;         // last_matmul_epilogue_refusal
 uint64_t g_fused_matmul_bias = 0;    // fused_matmul_bias_count
 int g_matmul_pick = kPlanOwnPick;  // set_matmul_heuristic_pick
 MatmulPlanPick g_last_matmul_pick;  // last_matmul_plan_pick
@@ -1097,6 +1098,9 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
     const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld, d.ld, d.pref,
                                                              pick + 1, heur, &found);
     if ((d_bf16 || bias) && (hs != CUBLAS_STATUS_SUCCESS || found == 0)) {
+      g_last_epilogue_refusal = std::string(cublasLtGetStatusName(hs)) + ", " + std::to_string(found) + " algorithms for m=" +
+                                std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                (d_bf16 ? " BF16 D" : " FP32 D") + (bias ? " + bias" : "");
       // (remembered: the question is not asked again)
       lt.plans.emplace(key, CublasLt::Plan{std::move(owned), {}, false});
       return false;
@@ -1673,6 +1677,7 @@ uint64_t fused_activation_quantize_count() { return g_fused_activation_quantize;
 uint64_t fused_activation_matmul_count() { return g_fused_activation_matmul; }
 void set_activation_fusion(bool on) { g_activation_fusion = on; }
 void set_matmul_bf16_epilogue(bool on) { g_matmul_bf16_epilogue = on; }
+std::string last_matmul_epilogue_refusal() { return g_last_epilogue_refusal; }
 std::pair<uint64_t, uint64_t> matmul_bf16_epilogue_count() {
   return {g_matmul_bf16_epilogue_calls, g_matmul_f32_epilogue_calls};
 }
