@@ -80,6 +80,14 @@ void Backend::residual_forward_bf16(float* out, const float* a, const uint16_t* 
   residual_forward(out, a, b.as<float>(), n, round_bf16);
 }
 
+void Backend::crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits, const uint16_t* logits16,
+                                                         const int32_t* targets, const float* dlosses, int64_t N,
+                                                         int64_t V) {
+  BackendBuffer z = f32_temp(*this, N * V);
+  widen_bf16(z.as<float>(), logits16, N * V);
+  crossentropy_softmax_forward_backward_bf16(losses, dlogits, z.as<float>(), targets, dlosses, N, V);
+}
+
 void Backend::bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N, int64_t OC) {
   bias_forward(x, bias, N, OC, true);
   narrow_to_bf16(out16, x, N * OC);

@@ -331,6 +331,11 @@ class Backend {
                                                           const float* /*dlosses*/, int64_t /*N*/, int64_t /*V*/) {
     missing("crossentropy_softmax_forward_backward_bf16");
   }
+  // crossentropy_softmax_forward_backward_bf16 with the logits kept as BF16 bits (logits16: the
+  // head GEMM's output stored rounded, which the op reads rounded anyway): the same bits.
+  virtual void crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits, const uint16_t* logits16,
+                                                          const int32_t* targets, const float* dlosses, int64_t N,
+                                                          int64_t V);
   // One AdamW step over n elements (emu/optim.hpp's adamw_element on each).
   virtual void adamw_update(float* /*params*/, const float* /*grads*/, float* /*m*/, float* /*v*/, int64_t /*n*/,
                             const AdamWStep& /*step*/) { missing("adamw_update"); }

@@ -158,6 +158,9 @@ class CudaBackend final : public Backend {
   void crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits, const float* logits,
                                                   const int32_t* targets, const float* dlosses, int64_t N,
                                                   int64_t V) override;
+  void crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits, const uint16_t* logits16,
+                                                  const int32_t* targets, const float* dlosses, int64_t N,
+                                                  int64_t V) override;
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override;
   double sum_squares(const float* x, int64_t n) override;

@@ -728,16 +728,20 @@ constexpr int kCeThreads = 1024;
 constexpr int kCeBatch = 8;
 // Out = uint16_t (kGrad with round_bf16 only): the written values stored as BF16 bits, the same
 // numbers (each is BF16-rounded) in half the bytes.
-template <bool kGrad, bool kCached, class Out = float>
+// In = uint16_t: the logits kept as BF16 bits (read widened: the values bf16_logits reads).
+template <bool kGrad, bool kCached, class Out = float, class In = float>
 __global__ void __launch_bounds__(kCeThreads)
-    crossentropy_softmax_forward_kernel(float* losses, Out* probs, const float* logits, const int32_t* targets,
+    crossentropy_softmax_forward_kernel(float* losses, Out* probs, const In* logits, const int32_t* targets,
                                         int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits) {
   static_assert(kGrad || std::is_same_v<Out, float>, "BF16 output is for the gradient (dlogits) only");
   extern __shared__ float row[];  // kCached: the row's logits, then their exponentials
   const int64_t n = blockIdx.x;
-  const float* z = logits + n * V;
+  const In* z = logits + n * V;
   Out* p = probs + n * V;
-  auto logit = [&](int64_t i) { return bf16_logits ? bf16_round(z[i]) : z[i]; };
+  auto logit = [&](int64_t i) {
+    if constexpr (std::is_same_v<In, uint16_t>) return bf16_to_f32(z[i]);
+    else return bf16_logits ? bf16_round(z[i]) : z[i];
+  };
   // f(i, logit(i)) for this thread's indices i = threadIdx.x + k blockDim.x in increasing order,
   // the logits loaded kCeBatch at a time (each index is read before this thread writes it, so an
   // output that aliases the logits is still safe)
@@ -796,7 +800,7 @@ bool g_crossentropy_cached = true;
 // per-block opt-in limit less the kernel's static shared memory (block_max and block_sum), allowed
 // once per instantiation and device (V = 50304 needs 196.5 KiB of the H200's 227 KiB); the cache
 // is guarded (several host threads may launch).
-template <bool kGrad, class Out>
+template <bool kGrad, class Out, class In>
 size_t crossentropy_cache_bytes() {
   static std::mutex mutex;
   static std::map<int, size_t> limits;  // by device
@@ -808,25 +812,25 @@ size_t crossentropy_cache_bytes() {
   int optin = 0;
   FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   cudaFuncAttributes fa{};
-  FP4SIM_CUDA_CHECK(cudaFuncGetAttributes(&fa, crossentropy_softmax_forward_kernel<kGrad, true, Out>));
+  FP4SIM_CUDA_CHECK(cudaFuncGetAttributes(&fa, crossentropy_softmax_forward_kernel<kGrad, true, Out, In>));
   const size_t dynamic = static_cast<size_t>(optin) > fa.sharedSizeBytes ? static_cast<size_t>(optin) - fa.sharedSizeBytes : 0;
-  FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true, Out>,
+  FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true, Out, In>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic)));
   limits[device] = dynamic;
   return dynamic;
 }
 
 // Launches the cross-entropy kernel, with the row cached in shared memory when it fits.
-template <bool kGrad, class Out = float>
-void launch_crossentropy(float* losses, Out* out, const float* logits, const int32_t* targets, int64_t N,
+template <bool kGrad, class Out = float, class In = float>
+void launch_crossentropy(float* losses, Out* out, const In* logits, const int32_t* targets, int64_t N,
                          int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits, cudaStream_t stream) {
   const size_t bytes = static_cast<size_t>(V) * sizeof(float);
   const unsigned threads = V >= 4096 ? kCeThreads : 256;
-  if (g_crossentropy_cached && bytes <= crossentropy_cache_bytes<kGrad, Out>()) {
-    crossentropy_softmax_forward_kernel<kGrad, true, Out><<<static_cast<unsigned>(N), threads, bytes, stream>>>(
+  if (g_crossentropy_cached && bytes <= crossentropy_cache_bytes<kGrad, Out, In>()) {
+    crossentropy_softmax_forward_kernel<kGrad, true, Out, In><<<static_cast<unsigned>(N), threads, bytes, stream>>>(
         losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits);
   } else {
-    crossentropy_softmax_forward_kernel<kGrad, false, Out><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+    crossentropy_softmax_forward_kernel<kGrad, false, Out, In><<<static_cast<unsigned>(N), threads, 0, stream>>>(
         losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits);
   }
   FP4SIM_CUDA_CHECK_LAUNCH();
@@ -1784,6 +1788,14 @@ void CudaBackend::crossentropy_softmax_forward_backward_bf16(float* losses, uint
   require_rows("crossentropy_softmax_forward_backward_bf16", N);
   if (N == 0) return;
   launch_crossentropy<true, uint16_t>(losses, dlogits, logits, targets, N, V, dlosses, true, true, stream_);
+}
+
+void CudaBackend::crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits, const uint16_t* logits16,
+                                                             const int32_t* targets, const float* dlosses, int64_t N,
+                                                             int64_t V) {
+  require_rows("crossentropy_softmax_forward_backward_bits", N);
+  if (N == 0) return;
+  launch_crossentropy<true, uint16_t, uint16_t>(losses, dlogits, logits16, targets, N, V, dlosses, true, true, stream_);
 }
 
 void CudaBackend::crossentropy_softmax_backward(float* dlogits, const float* probs,

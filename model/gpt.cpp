@@ -202,6 +202,12 @@ std::vector<float> Gpt::logits_row_to_host(int64_t row) const {
   if (row < 0 || row >= B_ * T_)
     throw std::out_of_range("logits_row_to_host: row " + std::to_string(row) + " of " + std::to_string(B_ * T_));
   std::vector<float> h(static_cast<size_t>(cfg_.vocab));
+  if (logits16_) {  // (kept as BF16 bits)
+    std::vector<uint16_t> b(h.size());
+    be_.download(b.data(), logits_.as<uint16_t>() + row * cfg_.vocab, b.size() * 2);
+    for (size_t i = 0; i < h.size(); ++i) h[i] = bf16_to_f32(b[i]);
+    return h;
+  }
   be_.download(h.data(), logits_.as<float>() + row * cfg_.vocab, h.size() * 4);
   if (round_bf16())  // the logits' BF16 storage, applied where they are read (see forward)
     for (float& v : h) v = bf16_round(v);
@@ -237,7 +243,6 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   lnf_ = f32(N * C);
   lnf_mean_ = f32(N);
   lnf_rstd_ = f32(N);
-  logits_ = f32(N * V);
   losses_ = f32(N);
   acts_.clear();
   acts_.resize(static_cast<size_t>(c.n_layers));
@@ -386,8 +391,13 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   norm_fwd(F32(lnf_), lnf_mean_, lnf_rstd_, x, "ln_f");
   // the logits stay unrounded in memory: their BF16 storage is applied where they are read (the
   // cross-entropy op, logits_row_to_host), which saves a rounding pass over N x V
-  be_.matmul_forward(F32(logits_), F32(lnf_), c.tied_embeddings ? p("wte") : p("lm_head.weight"), nullptr, N, C,
-                     V, prec_, false);
+  // (or kept as BF16 bits, the GEMM writing them: no bias, so cuBLASLt's BF16 output serves)
+  logits16_ = bf16_bits_ && rb && prec_ == emu::GemmPrecision::BF16;
+  const float* head_w = c.tied_embeddings ? p("wte") : p("lm_head.weight");
+  if (logits16_)
+    be_.matmul_forward_bf16(nullptr, bf16_buffer(logits_, N * V), F32(lnf_), nullptr, head_w, nullptr, N, C, V, true);
+  else
+    be_.matmul_forward(f32_buffer(logits_, N * V), F32(lnf_), head_w, nullptr, N, C, V, prec_, false);
   loss_gradient(grad_micro_batches);
   std::vector<float> losses(static_cast<size_t>(N));
   be_.download(losses.data(), F32(losses_), losses.size() * 4);
@@ -402,7 +412,10 @@ void Gpt::loss_gradient(int64_t micro_batches) {
   // BF16-rounded in the op, so no zeroing or rounding pass over N x V
   const std::vector<float> dl(static_cast<size_t>(N), 1.0f / static_cast<float>(N * micro_batches));
   be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
-  if (round_bf16())
+  if (logits16_)
+    be_.crossentropy_softmax_forward_backward_bits(losses_.as<float>(), dlogits_.as<uint16_t>(), logits_.as<uint16_t>(),
+                                                   targets_.as<int32_t>(), dlosses_.as<float>(), N, V);
+  else if (round_bf16())
     be_.crossentropy_softmax_forward_backward_bf16(losses_.as<float>(), dlogits_.as<uint16_t>(), logits_.as<float>(),
                                                    targets_.as<int32_t>(), dlosses_.as<float>(), N, V);
   else

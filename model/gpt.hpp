@@ -154,6 +154,7 @@ class Gpt {
   std::vector<bool> high_precision_;
   BackendBuffer scratch_in_[4], scratch16_in_[4];  // the linear inputs that are not kept (FP32, BF16 bits)
   BackendBuffer proj16_;  // the c_proj outputs as BF16 bits until the residual add reads them
+  bool logits16_ = false;  // the last forward kept the logits as BF16 bits
   std::vector<LinearRecipe> recipes_;  // [layer * 4 + linear]
   int64_t step_ = 0, micro_batch_ = 0;
   bool collect_stats_ = false, stats_active_ = false;

@@ -1509,6 +1509,29 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
         expect_bitwise("attention_backward_bf16 dqkv mode " + std::to_string(mode) + " " + bk->name(), rb[0], gb[0]);
       }
     }
+    // the cross-entropy reading the logits as bits (cached row and not, on CUDA)
+    for (int64_t V : {int64_t{300}, int64_t{50304}}) {
+      const int64_t N = V > 5000 ? 3 : 9;
+      const Vec logits = bf16_values_of(randn(sz(N * V), rng, 3.0f)), dlosses = randn(sz(N), rng, 0.1f);
+      const std::vector<uint16_t> logits16 = bf16_bits_of(logits);
+      const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
+      const Outputs r = run(*bk, [&](Backend& k, Call& c) {
+        float* losses = c.out(Vec(sz(N), kNaN));
+        uint16_t* d = bf16_out(c, N * V);
+        k.crossentropy_softmax_forward_backward_bf16(losses, d, c.in(logits), c.in(targets), c.in(dlosses), N, V);
+      });
+      for (bool cached : {true, false}) {
+        KnobGuard ce([&] { if (cuda) gpu::set_crossentropy_cached(cached); }, [&] { if (cuda) gpu::set_crossentropy_cached(true); });
+        const Outputs g = run(*bk, [&](Backend& k, Call& c) {
+          float* losses = c.out(Vec(sz(N), kNaN));
+          uint16_t* d = bf16_out(c, N * V);
+          k.crossentropy_softmax_forward_backward_bits(losses, d, c.in(logits16), c.in(targets), c.in(dlosses), N, V);
+        });
+        const std::string tag = " V=" + std::to_string(V) + (cached ? " " : " uncached ") + bk->name();
+        expect_bitwise("crossentropy bits losses" + tag, r[0], g[0]);
+        expect_bitwise("crossentropy bits dlogits" + tag, widened(r[1], N * V), widened(g[1], N * V));
+      }
+    }
     // both pointers of a pair, or neither: a logic error naming the op
     EXPECT_THROW(bk->matmul_forward_bf16(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, 1, true),
                  std::logic_error);
