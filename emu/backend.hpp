@@ -222,6 +222,12 @@ class Backend {
   // FP32 op on the widened values, followed by narrowing where it writes BF16: the same bits.
   // The defaults here compose exactly that (through temporaries); a backend may read and write the
   // BF16 bits directly (the CUDA backend does). In each pair of pointers exactly one is set.
+  // A BF16 shadow of the weights (n values from base; shadow their bits, narrow_to_bf16): until
+  // cleared (n = 0), the BF16 matmuls may read a weight lying within [base, base + n) as the bits
+  // at its offset in shadow instead of rounding the FP32 values themselves (the same bits). The
+  // caller keeps shadow current while it is set (model/gpt.cpp: refreshed and set for each
+  // forward and backward pass, cleared after). The emulator rounds as before (a no-op here).
+  virtual void set_bf16_weight_shadow(const float* /*base*/, const uint16_t* /*shadow*/, int64_t /*n*/) {}
   // dst (n) = the BF16 bits of src (bf16_rne; src usually BF16-representable already).
   virtual void narrow_to_bf16(uint16_t* dst, const float* src, int64_t n);
   // dst (n) = src's BF16 values as FP32 (exact).

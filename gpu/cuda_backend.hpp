@@ -127,6 +127,7 @@ class CudaBackend final : public Backend {
                                   const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) override;
   // BF16-stored activations (Backend's *_bf16 ops): read and written as BF16 bits directly; the
   // c_attn GEMM writes qkv's bits and adds its bias in cuBLASLt's epilogue (set_matmul_bf16_epilogue)
+  void set_bf16_weight_shadow(const float* base, const uint16_t* shadow, int64_t n) override;
   void narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) override;
   void widen_bf16(float* dst, const uint16_t* src, int64_t n) override;
   void bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N, int64_t OC) override;
@@ -191,6 +192,11 @@ class CudaBackend final : public Backend {
   void matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp, const float* weight,
                              int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
                              const uint16_t* inp16 = nullptr);
+  // set_bf16_weight_shadow's range, and a weight's GEMM operand through it (gpu/layers.cu)
+  const float* shadow_base_ = nullptr;
+  const uint16_t* shadow_ = nullptr;
+  int64_t shadow_n_ = 0;
+  const void* weight_operand(DeviceScratch& scratch, const float* weight, int64_t count, emu::GemmPrecision prec);
   // GELU's backward pass as the BF16 GEMMs' operand, with dbias's chunk sums (gpu/layers.cu)
   const uint16_t* gelu_backward_operand(const ActivationSource& src, float* dbias);
   void init_device();  // the constructor's part after the stream exists (pool, capability, workspace)
@@ -321,6 +327,8 @@ std::pair<uint64_t, uint64_t> matmul_bf16_epilogue_count();
 // Test hook: the last BF16-output or bias-epilogue plan cuBLASLt refused (status, algorithms
 // listed, shape), or empty.
 std::string last_matmul_epilogue_refusal();
+// Test hook: how many BF16 matmul weight operands were read from set_bf16_weight_shadow's bits.
+uint64_t weight_shadow_read_count();
 // Test hook: how many CudaBackend::matmul_backward calls at BF16 precision took dout's BF16 copy and
 // the bias gradient's column sums from one pass (round_to_bf16_column_partial_kernel) in this process.
 uint64_t fused_matmul_bias_count();

@@ -909,6 +909,7 @@ bool g_matmul_bf16_epilogue = true;        // set_matmul_bf16_epilogue
 uint64_t g_matmul_bf16_epilogue_calls = 0;  // matmul_bf16_epilogue_count
 uint64_t g_matmul_f32_epilogue_calls = 0;   // matmul_bf16_epilogue_count
 std::string g_last_epilogue_refusal;         // last_matmul_epilogue_refusal
+uint64_t g_weight_shadow_reads = 0;          // weight_shadow_read_count
 uint64_t g_fused_matmul_bias = 0;    // fused_matmul_bias_count
 int g_matmul_pick = kPlanOwnPick;  // set_matmul_heuristic_pick
 MatmulPlanPick g_last_matmul_pick;  // last_matmul_plan_pick
@@ -1287,7 +1288,7 @@ void CudaBackend::matmul_forward(float* out, const float* inp, const float* weig
   } else {
     LayersState& st = layers_state();
     const bool bf16 = prec == emu::GemmPrecision::BF16;
-    const void* w = gemm_operand(st.bf16_a, weight, OC * K, prec, stream_);
+    const void* w = weight_operand(st.bf16_a, weight, OC * K, prec);
     const void* x = gemm_operand(st.bf16_b, inp, N * K, prec, stream_);
     lt_matmul(st.lt, bf16, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f, stream_);
   }
@@ -1340,7 +1341,7 @@ void CudaBackend::matmul_backward_gemms(float* dinp, float* dweight, const void*
                                         const uint16_t* inp16) {
   LayersState& st = layers_state();
   const bool bf16 = prec == emu::GemmPrecision::BF16;
-  const void* w = dinp ? gemm_operand(st.bf16_b, weight, OC * K, prec, stream_) : nullptr;
+  const void* w = dinp ? weight_operand(st.bf16_b, weight, OC * K, prec) : nullptr;
   const void* x = !dweight ? nullptr : inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_c, inp, N * K, prec, stream_);
   if (dinp) lt_matmul(st.lt, bf16, false, false, K, N, OC, w, K, dy, OC, dinp, 0.0f, stream_);
   if (dweight) lt_matmul(st.lt, bf16, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
@@ -1435,6 +1436,24 @@ void require_one_of(const char* op, const char* tensor, const void* f32, const v
 }
 }  // namespace
 
+void CudaBackend::set_bf16_weight_shadow(const float* base, const uint16_t* shadow, int64_t n) {
+  shadow_base_ = n > 0 ? base : nullptr;
+  shadow_ = n > 0 ? shadow : nullptr;
+  shadow_n_ = n > 0 ? n : 0;
+}
+
+// A weight's BF16 GEMM operand: its bits in the shadow where the whole weight lies in its range,
+// else rounded into `scratch` (gemm_operand).
+const void* CudaBackend::weight_operand(DeviceScratch& scratch, const float* weight, int64_t count,
+                                        emu::GemmPrecision prec) {
+  if (prec == emu::GemmPrecision::BF16 && shadow_ && weight >= shadow_base_ && count <= shadow_n_ &&
+      weight - shadow_base_ <= shadow_n_ - count) {
+    ++g_weight_shadow_reads;
+    return shadow_ + (weight - shadow_base_);
+  }
+  return gemm_operand(scratch, weight, count, prec, stream_);
+}
+
 void CudaBackend::narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) {
   if (n <= 0) return;
   round_to_bf16_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(dst, src, n);
@@ -1485,7 +1504,7 @@ void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* 
   }
   LayersState& st = layers_state();
   const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
-  const void* w = gemm_operand(st.bf16_a, weight, OC * K, prec, stream_);
+  const void* w = weight_operand(st.bf16_a, weight, OC * K, prec);
   const void* x = inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_b, inp, N * K, prec, stream_);
   if (out16 && g_matmul_bf16_epilogue && (!bias || aligned16(bias)) &&
       lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out16, 0.0f, stream_,
@@ -1682,6 +1701,7 @@ uint64_t fused_activation_matmul_count() { return g_fused_activation_matmul; }
 void set_activation_fusion(bool on) { g_activation_fusion = on; }
 void set_matmul_bf16_epilogue(bool on) { g_matmul_bf16_epilogue = on; }
 std::string last_matmul_epilogue_refusal() { return g_last_epilogue_refusal; }
+uint64_t weight_shadow_read_count() { return g_weight_shadow_reads; }
 std::pair<uint64_t, uint64_t> matmul_bf16_epilogue_count() {
   return {g_matmul_bf16_epilogue_calls, g_matmul_f32_epilogue_calls};
 }

@@ -104,6 +104,25 @@ void Gpt::store(float* x, int64_t n) {
   if (round_bf16()) be_.round_to_bf16(x, n);
 }
 
+Gpt::WeightShadow::WeightShadow(Gpt& m) : m_(m) {
+  // (the BF16 recipe's every matmul reads its weight in BF16: one narrowing pass over all
+  // parameters instead of one conversion per matmul, twice a step; other recipes quantize most
+  // weights themselves)
+  bool all_bf16 = m.bf16_bits_ && m.round_bf16() && m.prec_ == emu::GemmPrecision::BF16;
+  for (size_t i = 0; all_bf16 && i < m.recipes_.size(); ++i)
+    all_bf16 = m.recipes_[i].fprop == "bf16" && m.recipes_[i].dgrad == "bf16" && m.recipes_[i].wgrad == "bf16";
+  if (!all_bf16) return;
+  const int64_t n = static_cast<int64_t>(m.n_params_);
+  uint16_t* bits = m.bf16_buffer(m.params16_, n);
+  m.be_.narrow_to_bf16(bits, m.params(), n);
+  m.be_.set_bf16_weight_shadow(m.params(), bits, n);
+  set_ = true;
+}
+
+Gpt::WeightShadow::~WeightShadow() {
+  if (set_) m_.be_.set_bf16_weight_shadow(nullptr, nullptr, 0);
+}
+
 bool Gpt::stores_bits(int64_t l, int linear) const {
   const LinearRecipe& r = linear_recipe(l, linear);
   const bool all_bf16 = r.fprop == "bf16" && r.dgrad == "bf16" && r.wgrad == "bf16";
@@ -289,6 +308,7 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     pos[static_cast<size_t>(i)] = static_cast<int32_t>(i % T);
   }
   allocate_activations(B, T);
+  const WeightShadow shadow(*this);
   stats_active_ = collect_stats_;
   B_ = B;
   T_ = T;
@@ -433,6 +453,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   auto F32 = [](const BackendBuffer& b) { return b.as<float>(); };
   auto zero = [&](const BackendBuffer& b, int64_t n) { be_.zero(b.get(), static_cast<size_t>(n) * 4); };
   if (micro_batches < 1) throw std::invalid_argument("backward: micro_batches must be >= 1");
+  const WeightShadow shadow(*this);
   if (!accumulate) be_.zero(grads(), n_params_ * 4);
   if (dlogits_micro_batches_ != micro_batches) loss_gradient(micro_batches);  // else the forward formed it
   zero(dx_, N * C);  // (dlnf_: written by matmul_backward)

@@ -155,6 +155,21 @@ class Gpt {
   BackendBuffer scratch_in_[4], scratch16_in_[4];  // the linear inputs that are not kept (FP32, BF16 bits)
   BackendBuffer proj16_;  // the c_proj outputs as BF16 bits until the residual add reads them
   bool logits16_ = false;  // the last forward kept the logits as BF16 bits
+  // The parameters' BF16 bits, current while a forward or backward pass runs (WeightShadow: made
+  // and handed to Backend::set_bf16_weight_shadow at the pass's start, withdrawn at its end, so no
+  // later change of the parameters can meet a stale copy). The BF16 recipe only.
+  BackendBuffer params16_;
+  class WeightShadow {
+   public:
+    explicit WeightShadow(Gpt& m);
+    ~WeightShadow();
+    WeightShadow(const WeightShadow&) = delete;
+    WeightShadow& operator=(const WeightShadow&) = delete;
+
+   private:
+    Gpt& m_;
+    bool set_ = false;
+  };
   std::vector<LinearRecipe> recipes_;  // [layer * 4 + linear]
   int64_t step_ = 0, micro_batch_ = 0;
   bool collect_stats_ = false, stats_active_ = false;

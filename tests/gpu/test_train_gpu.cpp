@@ -257,9 +257,16 @@ TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
     };
     const std::vector<float> plain = steps(false);
     std::vector<float> bits;
+    const uint64_t shadow_before = gpu::weight_shadow_read_count();
     {
       KnobGuard knob([] { gpu::set_matmul_bf16_epilogue(false); }, [] { gpu::set_matmul_bf16_epilogue(true); });
       bits = steps(true);
+    }
+    // (the BF16 recipe reads its weights from the parameters' BF16 shadow; the others do not make one)
+    if (ov[0] == "recipe.name=bf16") {
+      EXPECT_GT(gpu::weight_shadow_read_count(), shadow_before) << "no weight read from the shadow";
+    } else {
+      EXPECT_EQ(gpu::weight_shadow_read_count(), shadow_before) << "a quantized recipe made a shadow";
     }
     ASSERT_EQ(plain.size(), bits.size());
     size_t differ = 0;
