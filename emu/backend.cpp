@@ -52,6 +52,16 @@ void Backend::widen_bf16(float* dst, const uint16_t* src, int64_t n) {
 
 void Backend::run_activation(const ActivationSource& src) {
   const int64_t n = src.rows * src.cols;
+  if (src.dout16) {
+    one_of("run_activation", "dout", src.dout, src.dout16);
+    BackendBuffer d = f32_temp(*this, n);
+    widen_bf16(d.as<float>(), src.dout16, n);
+    ActivationSource s = src;
+    s.dout = d.as<float>();
+    s.dout16 = nullptr;
+    run_activation(s);
+    return;
+  }
   if (src.inp16) {
     one_of("run_activation", "inp", src.inp, src.inp16);
     BackendBuffer x = f32_temp(*this, n);
@@ -72,6 +82,38 @@ void Backend::run_activation(const ActivationSource& src) {
   }
   if (src.op == ActivationOp::GeluForward) gelu_forward(src.out, src.inp, n, src.round_bf16);
   else gelu_backward(src.out, src.inp, src.dout, n, src.round_bf16, src.bf16_dout);
+}
+
+void Backend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias, const float* dout,
+                                   const ActivationSource* src, const float* inp, const uint16_t* inp16,
+                                   const float* weight, int64_t N, int64_t K, int64_t OC) {
+  if (dinp && dinp16) throw std::logic_error("matmul_backward_bits: dinp and dinp16 both given");
+  if ((dout == nullptr) == (src == nullptr)) throw std::logic_error("matmul_backward_bits: exactly one of dout and src");
+  BackendBuffer t;
+  if (dinp16) {
+    t = f32_temp(*this, N * K);
+    dinp = t.as<float>();
+  }
+  if (src && inp16) matmul_backward_activation_bf16_input(dinp, dweight, dbias, *src, inp16, weight, K);
+  else if (src) matmul_backward_activation(dinp, dweight, dbias, *src, inp, weight, K, emu::GemmPrecision::BF16);
+  else if (inp16) matmul_backward_bf16_input(dinp, dweight, dbias, dout, inp16, weight, N, K, OC);
+  else matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, emu::GemmPrecision::BF16);
+  if (dinp16) narrow_to_bf16(dinp16, dinp, N * K);
+}
+
+void Backend::layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16,
+                                      const float* inp, const float* weight, const float* mean, const float* rstd,
+                                      int64_t N, int64_t C, bool round_bf16) {
+  BackendBuffer d = f32_temp(*this, N * C);
+  widen_bf16(d.as<float>(), dout16, N * C);
+  layernorm_backward(dinp, dweight, dbias, d.as<float>(), inp, weight, mean, rstd, N, C, round_bf16, true);
+}
+
+void Backend::rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp,
+                                    const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16) {
+  BackendBuffer d = f32_temp(*this, N * C);
+  widen_bf16(d.as<float>(), dout16, N * C);
+  rmsnorm_backward(dinp, dweight, d.as<float>(), inp, weight, rstd, N, C, round_bf16, true);
 }
 
 void Backend::residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n, bool round_bf16) {
@@ -160,12 +202,18 @@ void Backend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, co
   if (out16) narrow_to_bf16(out16, out, B * T * NH * HD);
 }
 
-void Backend::attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const uint16_t* qkv16,
-                                      const float* out, const uint16_t* out16, const float* lse, int64_t B,
-                                      int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) {
+void Backend::attention_backward_bf16(float* dqkv, const float* dout, const uint16_t* dout16, const float* qkv,
+                                      const uint16_t* qkv16, const float* out, const uint16_t* out16, const float* lse,
+                                      int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) {
+  one_of("attention_backward_bf16", "dout", dout, dout16);
   one_of("attention_backward_bf16", "qkv", qkv, qkv16);
   one_of("attention_backward_bf16", "out", out, out16);
-  BackendBuffer q, o;
+  BackendBuffer q, o, d;
+  if (dout16) {
+    d = f32_temp(*this, B * T * NH * HD);
+    widen_bf16(d.as<float>(), dout16, B * T * NH * HD);
+    dout = d.as<float>();
+  }
   if (qkv16) {
     const int64_t n = B * T * (NH + 2 * NKV) * HD;
     q = f32_temp(*this, n);

@@ -39,6 +39,9 @@ struct ActivationSource {
   // The op's input kept as BF16 bits instead of inp (inp null; a BF16 c_fc's output read by the
   // BF16 linears' matmul_*_activation ops, not by quantize_activation). Null otherwise.
   const uint16_t* inp16 = nullptr;
+  // GeluBackward: the incoming gradient kept as BF16 bits instead of dout (dout null; a BF16
+  // Dgrad's output), for the same ops as inp16. Null otherwise.
+  const uint16_t* dout16 = nullptr;
 };
 
 class Backend {
@@ -173,7 +176,7 @@ class Backend {
   // the copies, their amax and dbias are the composition's bits either way.
   virtual void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
                                    QuantizedView* columnwise, float* dbias) {
-    if (src.out16 || src.inp16)
+    if (src.out16 || src.inp16 || src.dout16)
       throw std::logic_error(std::string("quantize_activation (") + src.name +
                              "): BF16-bits input or output (inp16, out16) are for BF16 linears only");
     run_activation(src);
@@ -252,13 +255,27 @@ class Backend {
   virtual void matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias,
                                                      const ActivationSource& src, const uint16_t* inp16,
                                                      const float* weight, int64_t K);
+  // A BF16 linear layer's backward pass (matmul_backward at BF16 precision, or
+  // matmul_backward_activation with src, GELU's pending gradient, in place of dout), with BF16-bits
+  // storage: inp16 in place of inp; dinp16 in place of dinp (the Dgrad output rounded to BF16:
+  // the value its readers, reading it rounded, see). dinp and dinp16 both null: no Dgrad. dout is
+  // null with src.
+  virtual void matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias, const float* dout,
+                                    const ActivationSource* src, const float* inp, const uint16_t* inp16,
+                                    const float* weight, int64_t N, int64_t K, int64_t OC);
+  // layernorm_backward / rmsnorm_backward with dout kept as BF16 bits (bf16_dout implied).
+  virtual void layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16,
+                                       const float* inp, const float* weight, const float* mean, const float* rstd,
+                                       int64_t N, int64_t C, bool round_bf16);
+  virtual void rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp,
+                                     const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16);
   // attention_forward / attention_backward at BF16 precision: qkv16 in place of qkv, out16 in place
-  // of out (attention_forward: rounded, round_bf16 implied).
+  // of out (attention_forward: rounded, round_bf16 implied), dout16 in place of dout.
   virtual void attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv16,
                                       int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16);
-  virtual void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const uint16_t* qkv16,
-                                       const float* out, const uint16_t* out16, const float* lse, int64_t B,
-                                       int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16);
+  virtual void attention_backward_bf16(float* dqkv, const float* dout, const uint16_t* dout16, const float* qkv,
+                                       const uint16_t* qkv16, const float* out, const uint16_t* out16, const float* lse,
+                                       int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16);
   // lse (B,NH,T): the saved log-sum-exp rows, not the (B,NH,T,T) probabilities; prec FP32 (no
   // BF16 operand rounding) is for gradient checks on the emulator only (emu/layers.hpp); out
   // BF16-rounded when round_bf16 (lse never)

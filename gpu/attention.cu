@@ -375,7 +375,7 @@ __device__ __forceinline__ float written(float v) {
 
 // dsum (B,NH,T) = sum_i bf16(dout_i) * out_i over one head's row, one thread per row
 // r = (b*T + t)*NH + h, FP32 from +0 in increasing i: the emulator's order, bitwise.
-// Four output values from FP32 storage or from BF16 bits (widened: the same values).
+// Four values (an output's or dout's) from FP32 storage or from BF16 bits (widened: the same values).
 __device__ __forceinline__ float4 load_out4(const float* out, int64_t i) { return reinterpret_cast<const float4*>(out)[i]; }
 __device__ __forceinline__ float4 load_out4(const uint16_t* out, int64_t i) {
   const uint2 u = reinterpret_cast<const uint2*>(out)[i];
@@ -383,17 +383,17 @@ __device__ __forceinline__ float4 load_out4(const uint16_t* out, int64_t i) {
                      __uint_as_float(u.y & 0xFFFF0000u));
 }
 
-template <int HD, class OutT>
-__global__ void attention_dsum_kernel(float* dsum, const float* dout, const OutT* out,
+template <int HD, class DoutT, class OutT>
+__global__ void attention_dsum_kernel(float* dsum, const DoutT* dout, const OutT* out,
                                       int64_t rows, int T, int NH) {
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float4* dy = reinterpret_cast<const float4*>(dout + r * HD);
+    const DoutT* dy = dout + r * HD;
     const OutT* o = out + r * HD;
     float acc = 0.0f;
 #pragma unroll 4
     for (int i = 0; i < HD / 4; ++i) {
-      const float4 a = dy[i], c = load_out4(o, i);
+      const float4 a = load_out4(dy, i), c = load_out4(o, i);
       acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.x), c.x));
       acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.y), c.y));
       acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.z), c.z));
@@ -647,19 +647,24 @@ void backward_kernels(float* dqkv, const float* dsum, const bf16* dout16, const 
 }
 
 template <int HD>
-void backward_for(float* dqkv, float* dsum, const float* dout, const bf16* dout16, const bf16* qkv16,
+void backward_for(float* dqkv, float* dsum, const float* dout, const bf16* dout16, bool dout_bits, const bf16* qkv16,
                   const float* out, const uint16_t* out16, const float* lse, int64_t B, int64_t T, int64_t NH,
                   int64_t NKV, bool round_bf16, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const int64_t rows = B * T * NH;
   const int64_t dsum_blocks = (rows + kDsumThreads - 1) / kDsumThreads;
   const unsigned dsum_grid = static_cast<unsigned>(dsum_blocks < 65536 ? dsum_blocks : 65536);
-  if (out16)
-    attention_dsum_kernel<HD, uint16_t><<<dsum_grid, kDsumThreads, 0, stream>>>(
-        dsum, dout, out16, rows, static_cast<int>(T), static_cast<int>(NH));
+  const int t = static_cast<int>(T), nh = static_cast<int>(NH);
+  // (dout_bits: dout given as BF16 bits, read from dout16; the bits bf16_round(dout) would give)
+  const uint16_t* d16 = reinterpret_cast<const uint16_t*>(dout16);
+  if (dout_bits && out16)
+    attention_dsum_kernel<HD, uint16_t, uint16_t><<<dsum_grid, kDsumThreads, 0, stream>>>(dsum, d16, out16, rows, t, nh);
+  else if (dout_bits)
+    attention_dsum_kernel<HD, uint16_t, float><<<dsum_grid, kDsumThreads, 0, stream>>>(dsum, d16, out, rows, t, nh);
+  else if (out16)
+    attention_dsum_kernel<HD, float, uint16_t><<<dsum_grid, kDsumThreads, 0, stream>>>(dsum, dout, out16, rows, t, nh);
   else
-    attention_dsum_kernel<HD, float><<<dsum_grid, kDsumThreads, 0, stream>>>(
-        dsum, dout, out, rows, static_cast<int>(T), static_cast<int>(NH));
+    attention_dsum_kernel<HD, float, float><<<dsum_grid, kDsumThreads, 0, stream>>>(dsum, dout, out, rows, t, nh);
   FP4SIM_CUDA_CHECK_LAUNCH();
   if (round_bf16) backward_kernels<HD, true>(dqkv, dsum, dout16, qkv16, lse, B, T, NH, NKV, scale, stream);
   else backward_kernels<HD, false>(dqkv, dsum, dout16, qkv16, lse, B, T, NH, NKV, scale, stream);
@@ -719,16 +724,16 @@ void attention_forward_launch(float* out, uint16_t* out16, float* lse, const flo
 }
 
 // qkv / qkv_in16 and out / out16 as attention_forward_launch's (one of each pair).
-void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv, const uint16_t* qkv_in16,
-                               const float* out, const uint16_t* out16, const float* lse, uint16_t* qkv16,
-                               uint16_t* dout16, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
-                               bool round_bf16, cudaStream_t stream) {
+void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const uint16_t* dout_in16, const float* qkv,
+                               const uint16_t* qkv_in16, const float* out, const uint16_t* out16, const float* lse,
+                               uint16_t* qkv16, uint16_t* dout16, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                               int64_t HD, bool round_bf16, cudaStream_t stream) {
   attention_check_shape("attention_backward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
   require_aligned("attention_backward", "dqkv", dqkv);
-  require_aligned("attention_backward", "dout", dout);
+  require_aligned("attention_backward", dout_in16 ? "dout16" : "dout", dout_in16 ? static_cast<const void*>(dout_in16) : dout);
   require_aligned("attention_backward", out16 ? "out16" : "out", out16 ? static_cast<const void*>(out16) : out);
-  require_aligned("attention_backward", "dout16 (scratch)", dout16);
+  if (!dout_in16) require_aligned("attention_backward", "dout16 (scratch)", dout16);
   const bf16* q16 = reinterpret_cast<const bf16*>(qkv_in16);
   if (!qkv_in16) {
     require_aligned("attention_backward", "qkv", qkv);
@@ -738,20 +743,24 @@ void attention_backward_launch(float* dqkv, float* dsum, const float* dout, cons
   } else {
     require_aligned("attention_backward", "qkv16", qkv_in16);
   }
-  bf16* d16 = reinterpret_cast<bf16*>(dout16);
-  to_bf16(d16, dout, B * T * NH * HD, stream);
+  const bf16* d16 = reinterpret_cast<const bf16*>(dout_in16);
+  if (!dout_in16) {
+    to_bf16(reinterpret_cast<bf16*>(dout16), dout, B * T * NH * HD, stream);
+    d16 = reinterpret_cast<const bf16*>(dout16);
+  }
+  const bool bits = dout_in16 != nullptr;
   switch (HD) {
     case 16:
-      backward_for<16>(dqkv, dsum, dout, d16, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<16>(dqkv, dsum, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     case 32:
-      backward_for<32>(dqkv, dsum, dout, d16, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<32>(dqkv, dsum, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     case 64:
-      backward_for<64>(dqkv, dsum, dout, d16, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<64>(dqkv, dsum, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     default:
-      backward_for<128>(dqkv, dsum, dout, d16, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<128>(dqkv, dsum, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
   }
 }

@@ -143,9 +143,17 @@ class CudaBackend final : public Backend {
                                              const uint16_t* inp16, const float* weight, int64_t K) override;
   void attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv16,
                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) override;
-  void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const uint16_t* qkv16,
-                               const float* out, const uint16_t* out16, const float* lse, int64_t B, int64_t T,
-                               int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) override;
+  void attention_backward_bf16(float* dqkv, const float* dout, const uint16_t* dout16, const float* qkv,
+                               const uint16_t* qkv16, const float* out, const uint16_t* out16, const float* lse, int64_t B,
+                               int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) override;
+  void matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias, const float* dout,
+                            const ActivationSource* src, const float* inp, const uint16_t* inp16, const float* weight,
+                            int64_t N, int64_t K, int64_t OC) override;
+  void layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16, const float* inp,
+                               const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                               bool round_bf16) override;
+  void rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp, const float* weight,
+                             const float* rstd, int64_t N, int64_t C, bool round_bf16) override;
   void residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n, bool round_bf16) override;
   void round_to_bf16(float* x, int64_t n) override;
   void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override;
@@ -379,15 +387,15 @@ void set_fp8_wgmma_max_ctas(int n);
 // The launchers' shape checks (HD, NH/NKV, T's tile count), std::invalid_argument naming `op`:
 // callers run them before sizing scratch from the shape.
 void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD);
-// qkv_in16 / out16: qkv read / out written as BF16 bits instead (Backend::attention_*_bf16; then
-// qkv / out is null, and qkv is not converted into the qkv16 scratch).
+// qkv_in16 / out16 / dout_in16: qkv read / out written / dout read as BF16 bits instead
+// (Backend::attention_*_bf16; then qkv / out / dout is null, and not converted into the scratch).
 void attention_forward_launch(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv_in16,
                               uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
                               bool round_bf16, cudaStream_t stream);
-void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const float* qkv, const uint16_t* qkv_in16,
-                               const float* out, const uint16_t* out16, const float* lse, uint16_t* qkv16,
-                               uint16_t* dout16, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
-                               bool round_bf16, cudaStream_t stream);
+void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const uint16_t* dout_in16, const float* qkv,
+                               const uint16_t* qkv_in16, const float* out, const uint16_t* out16, const float* lse,
+                               uint16_t* qkv16, uint16_t* dout16, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                               int64_t HD, bool round_bf16, cudaStream_t stream);
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream);
 

@@ -234,6 +234,9 @@ __device__ __forceinline__ float stored(float v, bool round_bf16) { return round
 // An incoming gradient as a backward pass reads it: bf16_round(v) where the caller stores gradients
 // in BF16 and left the rounding to the reader (bf16_dout), else v.
 __device__ __forceinline__ float read_dout(float v, bool bf16_dout) { return bf16_dout ? bf16_round(v) : v; }
+// An input element as FP32: stored FP32, or BF16 bits widened (exact).
+__device__ __forceinline__ float load_f32(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_f32(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 // o[i] = the stored value of v: FP32 (stored), or BF16 bits (the rounding is the storage; round_bf16
 // implied).
 __device__ __forceinline__ void put_stored(float* o, int64_t i, float v, bool round_bf16) { o[i] = stored(v, round_bf16); }
@@ -273,19 +276,22 @@ __global__ void layernorm_forward_kernel(OutT* out, float* mean, float* rstd, co
 // dinp (N,C) += ((dnorm - mean(dnorm)) - norm * mean(dnorm * norm)) * rstd, norm = (x - mean) *
 // rstd, dnorm = weight * dout. One block per row; the two row means are block_sum trees (FP32)
 // divided by C. Bounded against the emulator (tree vs sequential row sums).
-__global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp,
+// DT: float, or uint16_t for dout kept as BF16 bits (Backend::layernorm_backward_bits; read
+// widened, bf16_dout then a no-op).
+template <class DT>
+__global__ void layernorm_backward_dinp_kernel(float* dinp, const DT* dout, const float* inp,
                                                const float* weight, const float* mean,
                                                const float* rstd, int64_t C, float c_f32, bool round_bf16,
                                                bool bf16_dout) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
-  const float* dy = dout + n * C;
+  const DT* dy = dout + n * C;
   float* dx = dinp + n * C;
   const float m = mean[n], s = rstd[n];
   float dnorm_sum = 0.0f, dnorm_norm_sum = 0.0f;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     const float norm = __fmul_rn(__fsub_rn(x[i], m), s);
-    const float dnorm = __fmul_rn(weight[i], read_dout(dy[i], bf16_dout));
+    const float dnorm = __fmul_rn(weight[i], read_dout(load_f32(dy, i), bf16_dout));
     dnorm_sum = __fadd_rn(dnorm_sum, dnorm);
     dnorm_norm_sum = __fadd_rn(dnorm_norm_sum, __fmul_rn(dnorm, norm));
   }
@@ -293,7 +299,7 @@ __global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, c
   const float dnorm_norm_mean = __fdiv_rn(block_sum(dnorm_norm_sum), c_f32);
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     const float norm = __fmul_rn(__fsub_rn(x[i], m), s);
-    const float dnorm = __fmul_rn(weight[i], read_dout(dy[i], bf16_dout));
+    const float dnorm = __fmul_rn(weight[i], read_dout(load_f32(dy, i), bf16_dout));
     dx[i] = stored(__fadd_rn(dx[i], __fmul_rn(__fsub_rn(__fsub_rn(dnorm, dnorm_mean),
                                                         __fmul_rn(norm, dnorm_norm_mean)),
                                               s)),
@@ -304,8 +310,9 @@ __global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, c
 // Partial column sums for dweight (sum_n norm * dout) and dbias (sum_n dout): partial (2, chunks,
 // C), chunk 0 starting from the current dweight/dbias (the emulator accumulates straight into
 // them), the others from +0. grid (chunks, ceil(C / blockDim)), one thread per column.
+template <class DT>
 __global__ void layernorm_backward_partial_kernel(float* partial, const float* dweight,
-                                                  const float* dbias, const float* dout,
+                                                  const float* dbias, const DT* dout,
                                                   const float* inp, const float* mean,
                                                   const float* rstd, int64_t N, int64_t C, bool bf16_dout) {
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
@@ -314,7 +321,7 @@ __global__ void layernorm_backward_partial_kernel(float* partial, const float* d
   const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   float w = k == 0 ? dweight[c] : 0.0f, b = k == 0 ? dbias[c] : 0.0f;
   for (int64_t n = n0; n < n1; ++n) {
-    const float dy = read_dout(dout[n * C + c], bf16_dout);
+    const float dy = read_dout(load_f32(dout, n * C + c), bf16_dout);
     const float norm = __fmul_rn(__fsub_rn(inp[n * C + c], mean[n]), rstd[n]);
     b = __fadd_rn(b, dy);
     w = __fadd_rn(w, __fmul_rn(norm, dy));
@@ -341,28 +348,30 @@ __global__ void rmsnorm_forward_kernel(OutT* out, float* rstd, const float* inp,
 
 // dinp (N,C) += (dout * weight) * rstd - x * k, k = (((dot * rstd) * rstd) * rstd) / C,
 // dot = sum_i (dout * weight) * x (block_sum tree, FP32). Bounded against the emulator.
-__global__ void rmsnorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp,
+template <class DT>
+__global__ void rmsnorm_backward_dinp_kernel(float* dinp, const DT* dout, const float* inp,
                                              const float* weight, const float* rstd, int64_t C,
                                              float c_f32, bool round_bf16, bool bf16_dout) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
-  const float* dy = dout + n * C;
+  const DT* dy = dout + n * C;
   const float s = rstd[n];
   float dot = 0.0f;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(read_dout(dy[i], bf16_dout), weight[i]), x[i]));
+    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(read_dout(load_f32(dy, i), bf16_dout), weight[i]), x[i]));
   dot = block_sum(dot);
   const float k = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(dot, s), s), s), c_f32);
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
-    const float dyw = __fmul_rn(read_dout(dy[i], bf16_dout), weight[i]);
+    const float dyw = __fmul_rn(read_dout(load_f32(dy, i), bf16_dout), weight[i]);
     dinp[n * C + i] = stored(__fadd_rn(dinp[n * C + i], __fsub_rn(__fmul_rn(dyw, s), __fmul_rn(x[i], k))), round_bf16);
   }
 }
 
 // Partial column sums for dweight: sum_n (dout * x) * rstd; partial (chunks, C), chunk 0
 // starting from the current dweight.
+template <class DT>
 __global__ void rmsnorm_backward_partial_kernel(float* partial, const float* dweight,
-                                                const float* dout, const float* inp,
+                                                const DT* dout, const float* inp,
                                                 const float* rstd, int64_t N, int64_t C, bool bf16_dout) {
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
@@ -370,7 +379,7 @@ __global__ void rmsnorm_backward_partial_kernel(float* partial, const float* dwe
   const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   float w = k == 0 ? dweight[c] : 0.0f;
   for (int64_t n = n0; n < n1; ++n)
-    w = __fadd_rn(w, __fmul_rn(__fmul_rn(read_dout(dout[n * C + c], bf16_dout), inp[n * C + c]), rstd[n]));
+    w = __fadd_rn(w, __fmul_rn(__fmul_rn(read_dout(load_f32(dout, n * C + c), bf16_dout), inp[n * C + c]), rstd[n]));
   partial[k * C + c] = w;
 }
 
@@ -492,30 +501,24 @@ struct Bf16PairMemory {
     return __ldg(reinterpret_cast<const float2*>(dout + n * C + c));
   }
 };
+// Two consecutive elements as FP32: float2, or a BF16 pair (4-byte aligned) widened.
+__device__ __forceinline__ float2 load_pair(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
+__device__ __forceinline__ float2 load_pair(const uint16_t* p) {
+  const uint32_t x = __ldg(reinterpret_cast<const unsigned int*>(p));
+  return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xFFFF0000u));
+}
 // GELU's input gradient as gelu_backward_kernel stores it (gpu/activation.cuh), from the
-// pre-activation and the incoming gradient (both 8-byte aligned).
+// pre-activation and the incoming gradient, each FP32 (8-byte aligned) or BF16 bits (4-byte
+// aligned; read widened: Backend's inp16 / dout16).
+template <class InT = float, class DoutT = float>
 struct Bf16PairGeluBackward {
-  const float* __restrict__ inp;
-  const float* __restrict__ dout;
+  const InT* __restrict__ inp;
+  const DoutT* __restrict__ dout;
   bool round_bf16, bf16_dout;
   __device__ __forceinline__ float2 load2(int64_t n, int64_t c, int64_t C) const {
-    const float2 x = __ldg(reinterpret_cast<const float2*>(inp + n * C + c));
-    const float2 d = __ldg(reinterpret_cast<const float2*>(dout + n * C + c));
+    const float2 x = load_pair(inp + n * C + c), d = load_pair(dout + n * C + c);
     return make_float2(gelu_backward_stored(x.x, d.x, round_bf16, bf16_dout),
                        gelu_backward_stored(x.y, d.y, round_bf16, bf16_dout));
-  }
-};
-
-// Bf16PairGeluBackward with the pre-activation kept as BF16 bits (4-byte aligned pairs).
-struct Bf16PairGeluBackward16 {
-  const uint16_t* __restrict__ inp;
-  const float* __restrict__ dout;
-  bool round_bf16, bf16_dout;
-  __device__ __forceinline__ float2 load2(int64_t n, int64_t c, int64_t C) const {
-    const uint32_t x = __ldg(reinterpret_cast<const unsigned int*>(inp + n * C + c));
-    const float2 d = __ldg(reinterpret_cast<const float2*>(dout + n * C + c));
-    return make_float2(gelu_backward_stored(__uint_as_float(x << 16), d.x, round_bf16, bf16_dout),
-                       gelu_backward_stored(__uint_as_float(x & 0xFFFF0000u), d.y, round_bf16, bf16_dout));
   }
 };
 
@@ -551,10 +554,6 @@ __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, fl
 // gelu_forward_kernel that also writes the stored values' BF16 bits (h), the GEMM operand
 // round_to_bf16_kernel would make from out: the same bits, one pass. out null: h only (the
 // activation kept as BF16 bits).
-// An input element as FP32: stored FP32, or BF16 bits widened (exact).
-__device__ __forceinline__ float load_f32(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load_f32(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-
 template <class InT>
 __global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT* inp, int64_t n, bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
@@ -1236,21 +1235,62 @@ void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const 
 
 // dinp: one block per row (bounded vs the emulator). dweight/dbias: fixed 64-row chunks, chunk 0
 // seeded with the current value, chunks summed in order (bitwise the emulator's when N <= 64).
+namespace {
+// The norms' backward launches for dout stored as DT (partial: 2 x chunks x C floats of scratch
+// for LayerNorm, chunks x C for RMSNorm).
+template <class DT>
+void layernorm_backward_launch(float* dinp, float* dweight, float* dbias, const DT* dout, const float* inp,
+                               const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                               bool round_bf16, bool bf16_dout, float* partial, cudaStream_t stream) {
+  layernorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
+      dinp, dout, inp, weight, mean, rstd, C, static_cast<float>(C), round_bf16, bf16_dout);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  layernorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream>>>(
+      partial, dweight, dbias, dout, inp, mean, rstd, N, C, bf16_dout);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  column_sums_finalize(dweight, partial, N, C, false, stream);
+  column_sums_finalize(dbias, partial + column_chunks(N) * C, N, C, false, stream);
+}
+template <class DT>
+void rmsnorm_backward_launch(float* dinp, float* dweight, const DT* dout, const float* inp, const float* weight,
+                             const float* rstd, int64_t N, int64_t C, bool round_bf16, bool bf16_dout, float* partial,
+                             cudaStream_t stream) {
+  rmsnorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
+      dinp, dout, inp, weight, rstd, C, static_cast<float>(C), round_bf16, bf16_dout);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  rmsnorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream>>>(
+      partial, dweight, dout, inp, rstd, N, C, bf16_dout);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  column_sums_finalize(dweight, partial, N, C, false, stream);
+}
+}  // namespace
+
 void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                      const float* inp, const float* weight, const float* mean,
                                      const float* rstd, int64_t N, int64_t C, bool round_bf16, bool bf16_dout) {
   require_rows("layernorm_backward", N);
   if (N == 0 || C == 0) return;
-  layernorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      dinp, dout, inp, weight, mean, rstd, C, static_cast<float>(C), round_bf16, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  const int64_t chunks = column_chunks(N);
-  float* partial = layers_state().columns.get<float>(static_cast<size_t>(2 * chunks * C), stream_);
-  layernorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream_>>>(
-      partial, dweight, dbias, dout, inp, mean, rstd, N, C, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  column_sums_finalize(dweight, partial, N, C, false, stream_);
-  column_sums_finalize(dbias, partial + chunks * C, N, C, false, stream_);
+  float* partial = layers_state().columns.get<float>(static_cast<size_t>(2 * column_chunks(N) * C), stream_);
+  layernorm_backward_launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, round_bf16, bf16_dout, partial,
+                            stream_);
+}
+
+void CudaBackend::layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16,
+                                          const float* inp, const float* weight, const float* mean, const float* rstd,
+                                          int64_t N, int64_t C, bool round_bf16) {
+  require_rows("layernorm_backward_bits", N);
+  if (N == 0 || C == 0) return;
+  float* partial = layers_state().columns.get<float>(static_cast<size_t>(2 * column_chunks(N) * C), stream_);
+  layernorm_backward_launch(dinp, dweight, dbias, dout16, inp, weight, mean, rstd, N, C, round_bf16, true, partial,
+                            stream_);
+}
+
+void CudaBackend::rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp,
+                                        const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16) {
+  require_rows("rmsnorm_backward_bits", N);
+  if (N == 0 || C == 0) return;
+  float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
+  rmsnorm_backward_launch(dinp, dweight, dout16, inp, weight, rstd, N, C, round_bf16, true, partial, stream_);
 }
 
 void CudaBackend::rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
@@ -1267,14 +1307,8 @@ void CudaBackend::rmsnorm_backward(float* dinp, float* dweight, const float* dou
                                    bool round_bf16, bool bf16_dout) {
   require_rows("rmsnorm_backward", N);
   if (N == 0 || C == 0) return;
-  rmsnorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      dinp, dout, inp, weight, rstd, C, static_cast<float>(C), round_bf16, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
   float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
-  rmsnorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream_>>>(
-      partial, dweight, dout, inp, rstd, N, C, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  column_sums_finalize(dweight, partial, N, C, false, stream_);
+  rmsnorm_backward_launch(dinp, dweight, dout, inp, weight, rstd, N, C, round_bf16, bf16_dout, partial, stream_);
 }
 
 // out (N,OC) = inp (N,K) W (OC,K)^T, then + bias. Row-major out is col-major out^T (OC x N) =
@@ -1397,21 +1431,24 @@ namespace {
 bool gelu_backward_fusable(const ActivationSource& src, const float* dbias, int64_t K, emu::GemmPrecision prec) {
   const int64_t N = src.rows, OC = src.cols;
   const uintptr_t inp_align = src.inp16 ? reinterpret_cast<uintptr_t>(src.inp16) % 4 : reinterpret_cast<uintptr_t>(src.inp) % 8;
+  const uintptr_t dout_align =
+      src.dout16 ? reinterpret_cast<uintptr_t>(src.dout16) % 4 : reinterpret_cast<uintptr_t>(src.dout) % 8;
   return g_activation_fusion && dbias && prec == emu::GemmPrecision::BF16 && src.op == ActivationOp::GeluBackward &&
-         N != 0 && K != 0 && OC != 0 && OC % 2 == 0 && inp_align == 0 && reinterpret_cast<uintptr_t>(src.dout) % 8 == 0;
+         N != 0 && K != 0 && OC != 0 && OC % 2 == 0 && inp_align == 0 && dout_align == 0;
 }
 }  // namespace
 
 // The GEMMs' BF16 operand of GELU's backward pass and the bias gradient's sums (one pass).
 const uint16_t* CudaBackend::gelu_backward_operand(const ActivationSource& src, float* dbias) {
   LayersState& st = layers_state();
-  if (src.inp16)
-    return bf16_operand_with_bias_grad(st.bf16_a, st.columns,
-                                       Bf16PairGeluBackward16{src.inp16, src.dout, src.round_bf16, src.bf16_dout}, dbias,
-                                       src.rows, src.cols, stream_);
-  return bf16_operand_with_bias_grad(st.bf16_a, st.columns,
-                                     Bf16PairGeluBackward{src.inp, src.dout, src.round_bf16, src.bf16_dout}, dbias,
-                                     src.rows, src.cols, stream_);
+  auto make = [&](auto pair) {
+    return bf16_operand_with_bias_grad(st.bf16_a, st.columns, pair, dbias, src.rows, src.cols, stream_);
+  };
+  const bool rb = src.round_bf16, bd = src.bf16_dout;
+  if (src.inp16 && src.dout16) return make(Bf16PairGeluBackward<uint16_t, uint16_t>{src.inp16, src.dout16, rb, bd});
+  if (src.inp16) return make(Bf16PairGeluBackward<uint16_t, float>{src.inp16, src.dout, rb, bd});
+  if (src.dout16) return make(Bf16PairGeluBackward<float, uint16_t>{src.inp, src.dout16, rb, bd});
+  return make(Bf16PairGeluBackward<float, float>{src.inp, src.dout, rb, bd});
 }
 
 void CudaBackend::matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
@@ -1559,6 +1596,54 @@ void CudaBackend::matmul_backward_activation_bf16_input(float* dinp, float* dwei
   ++g_fused_activation_matmul;
 }
 
+// The BF16 linear's backward pass: dy's BF16 operand (from GELU's backward pass with the bias
+// gradient's sums, or from dout with them, or converted), then the Dgrad into dinp, or into dinp16
+// as cuBLASLt's BF16 output (no bias: listed; the knob set_matmul_bf16_epilogue off, or no
+// algorithm: FP32 then one narrowing pass), and the Wgrad from inp or inp16.
+void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias, const float* dout,
+                                       const ActivationSource* src, const float* inp, const uint16_t* inp16,
+                                       const float* weight, int64_t N, int64_t K, int64_t OC) {
+  const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
+  if (dinp && dinp16) throw std::logic_error("matmul_backward_bits: dinp and dinp16 both given");
+  if ((dout == nullptr) == (src == nullptr)) throw std::logic_error("matmul_backward_bits: exactly one of dout and src");
+  if (src && (src->rows != N || src->cols != OC))
+    throw std::logic_error("matmul_backward_bits: the pending gradient's shape is not N x OC");
+  if (N == 0 || K == 0 || OC == 0 || (src && !gelu_backward_fusable(*src, dbias, K, prec))) {
+    Backend::matmul_backward_bits(dinp, dinp16, dweight, dbias, dout, src, inp, inp16, weight, N, K, OC);
+    return;
+  }
+  LayersState& st = layers_state();
+  const void* dy = nullptr;
+  bool dbias_done = false;
+  if (src) {
+    dy = gelu_backward_operand(*src, dbias);
+    dbias_done = true;
+    ++g_fused_activation_matmul;
+  } else if (dbias && OC % 2 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
+    dy = bf16_operand_with_bias_grad(st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
+    dbias_done = true;
+    ++g_fused_matmul_bias;
+  } else {
+    dy = gemm_operand(st.bf16_a, dout, N * OC, prec, stream_);
+  }
+  if (dinp || dinp16) {
+    const void* w = weight_operand(st.bf16_b, weight, OC * K, prec);
+    if (dinp) {
+      lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, dinp, 0.0f, stream_);
+    } else if (!g_matmul_bf16_epilogue ||
+               !lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, dinp16, 0.0f, stream_, /*d_bf16=*/true)) {
+      float* t = st.f32_out.get<float>(static_cast<size_t>(N * K), stream_);
+      lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, t, 0.0f, stream_);
+      narrow_to_bf16(dinp16, t, N * K);
+    }
+  }
+  if (dweight) {
+    const void* x = inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_c, inp, N * K, prec, stream_);
+    lt_matmul(st.lt, true, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
+  }
+  if (dbias && !dbias_done) bias_backward(dbias, dout, N, OC);
+}
+
 void CudaBackend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv,
                                          const uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                                          int64_t HD, bool round_bf16) {
@@ -1574,9 +1659,11 @@ void CudaBackend::attention_forward_bf16(float* out, uint16_t* out16, float* lse
   attention_forward_launch(out, out16, lse, qkv, qkv16, scratch, B, T, NH, NKV, HD, round_bf16, stream_);
 }
 
-void CudaBackend::attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const uint16_t* qkv16,
-                                          const float* out, const uint16_t* out16, const float* lse, int64_t B,
-                                          int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) {
+void CudaBackend::attention_backward_bf16(float* dqkv, const float* dout, const uint16_t* dout16, const float* qkv,
+                                          const uint16_t* qkv16, const float* out, const uint16_t* out16,
+                                          const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                                          bool round_bf16) {
+  require_one_of("attention_backward_bf16", "dout", dout, dout16);
   require_one_of("attention_backward_bf16", "qkv", qkv, qkv16);
   require_one_of("attention_backward_bf16", "out", out, out16);
   require_heads("attention_backward_bf16", NH, NKV, HD);
@@ -1586,8 +1673,8 @@ void CudaBackend::attention_backward_bf16(float* dqkv, const float* dout, const 
   float* dsum = st.att_dsum.get<float>(static_cast<size_t>(B * NH * T), stream_);
   const size_t bt = static_cast<size_t>(B * T);
   uint16_t* scratch = qkv16 ? nullptr : st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
-  uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
-  attention_backward_launch(dqkv, dsum, dout, qkv, qkv16, out, out16, lse, scratch, dout16, B, T, NH, NKV, HD,
+  uint16_t* dscratch = dout16 ? nullptr : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
+  attention_backward_launch(dqkv, dsum, dout, dout16, qkv, qkv16, out, out16, lse, scratch, dscratch, B, T, NH, NKV, HD,
                             round_bf16, stream_);
 }
 
@@ -1616,7 +1703,7 @@ void CudaBackend::attention_backward(float* dqkv, const float* dout, const float
   const size_t bt = B > 0 && T > 0 ? static_cast<size_t>(B * T) : 0;  // (B * T == 0 returned above)
   uint16_t* qkv16 = st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
-  attention_backward_launch(dqkv, dsum, dout, qkv, nullptr, out, nullptr, lse, qkv16, dout16, B, T, NH, NKV, HD,
+  attention_backward_launch(dqkv, dsum, dout, nullptr, qkv, nullptr, out, nullptr, lse, qkv16, dout16, B, T, NH, NKV, HD,
                             round_bf16, stream_);
 }
 

@@ -154,7 +154,7 @@ void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_
 }
 
 void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
-                     const ActivationSource* pending_dout) {
+                     const ActivationSource* pending_dout, uint16_t* dinp16) {
   const std::string name = lname(l, kLinearNames[linear]);
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   LayerActs& a = acts_[static_cast<size_t>(l)];
@@ -164,7 +164,7 @@ void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int6
   const uint16_t* inp16 = r.wgrad == "bf16" && a.in16[linear] ? linear_input16(l, linear) : nullptr;
   linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr, dout, inp,
                   p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
-                  a.saved_x[linear].get(), a.saved_w[linear].get(), pending_dout, inp16);
+                  a.saved_x[linear].get(), a.saved_w[linear].get(), pending_dout, inp16, dinp16);
 }
 
 float* Gpt::linear_input(int64_t l, int linear) {
@@ -464,11 +464,27 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   else
     be_.matmul_backward(F32(dlnf_), head_dw, nullptr, F32(dlogits_), F32(lnf_), head_w, N, C, V, prec_);
   auto norm_bwd = [&](float* din, const float* dout, const float* in, const BackendBuffer& mean,
-                      const BackendBuffer& rstd, const std::string& pre) {
-    // (dout is a Dgrad output: its BF16 storage is applied where the norm reads it, rb: no pass)
-    if (ln) be_.layernorm_backward(din, g(pre + ".weight"), g(pre + ".bias"), dout, in, p(pre + ".weight"),
+                      const BackendBuffer& rstd, const std::string& pre, const uint16_t* dout16 = nullptr) {
+    // (dout is a Dgrad output: its BF16 storage is applied where the norm reads it, rb: no pass;
+    // or it was written as BF16 bits)
+    if (dout16 && ln)
+      be_.layernorm_backward_bits(din, g(pre + ".weight"), g(pre + ".bias"), dout16, in, p(pre + ".weight"), F32(mean),
+                                  F32(rstd), N, C, rb);
+    else if (dout16)
+      be_.rmsnorm_backward_bits(din, g(pre + ".weight"), dout16, in, p(pre + ".weight"), F32(rstd), N, C, rb);
+    else if (ln) be_.layernorm_backward(din, g(pre + ".weight"), g(pre + ".bias"), dout, in, p(pre + ".weight"),
                                    F32(mean), F32(rstd), N, C, rb, rb);
     else be_.rmsnorm_backward(din, g(pre + ".weight"), dout, in, p(pre + ".weight"), F32(rstd), N, C, rb, rb);
+  };
+  // Dgrad output i as BF16 bits (see dinp16_), or null
+  auto all_bf16 = [&](int64_t l, int i) {
+    const LinearRecipe& r = linear_recipe(l, i);
+    return r.fprop == "bf16" && r.dgrad == "bf16" && r.wgrad == "bf16";
+  };
+  auto dinp16 = [&](int64_t l, int i, int64_t width) -> uint16_t* {
+    const bool bits = bf16_bits_ && rb && prec_ == emu::GemmPrecision::BF16 && all_bf16(l, i) &&
+                      (i != 3 || (c.activation == "gelu_tanh" && all_bf16(l, 2)));
+    return bits ? bf16_buffer(dinp16_[i], N * width) : nullptr;
   };
   const float* last = c.n_layers ? F32(acts_.back().res2) : F32(emb_);
   norm_bwd(F32(dx_), F32(dlnf_), last, lnf_mean_, lnf_rstd_, "ln_f");
@@ -479,24 +495,28 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     const float* x_in = l == 0 ? F32(emb_) : F32(acts_[static_cast<size_t>(l - 1)].res2);
     // (dact_, dln2_, datty_, dln1_: written by linear_bwd; dfc_ by the activation's backward pass;
     // dqkv_ by attention_backward: no zeroing)
-    linear_bwd(l, 3, F32(dact_), F32(dx_), N, F, C);
+    uint16_t* const dact16 = dinp16(l, 3, F);
+    linear_bwd(l, 3, dact16 ? nullptr : F32(dact_), F32(dx_), N, F, C, nullptr, dact16);
     // (dact_'s BF16 storage is applied where the activation's backward pass reads it, rb: no pass)
     // (GELU's gradient: a pending output gradient of c_fc, as in the forward pass)
     ActivationSource dgelu;
     const ActivationSource* pending = nullptr;
     if (c.activation == "gelu_tanh") {
-      dgelu = ActivationSource{ActivationOp::GeluBackward, a.fc16 ? nullptr : F32(a.fc), F32(dact_), F32(dfc_), N, F,
-                               rb, rb, "mlp activation gradient"};
+      dgelu = ActivationSource{ActivationOp::GeluBackward, a.fc16 ? nullptr : F32(a.fc), dact16 ? nullptr : F32(dact_),
+                               F32(dfc_), N, F, rb, rb, "mlp activation gradient"};
       dgelu.inp16 = a.fc16 ? a.fc.as<uint16_t>() : nullptr;
+      dgelu.dout16 = dact16;
       pending = &dgelu;
     } else if (c.activation == "squared_relu") {
       be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb, rb);
     } else {
       be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F, rb, rb);
     }
-    linear_bwd(l, 2, F32(dln2_), F32(dfc_), N, C, FC, pending);
-    norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
-    linear_bwd(l, 1, F32(datty_), F32(dx_), N, C, C);
+    uint16_t* const dln2_16 = dinp16(l, 2, C);
+    linear_bwd(l, 2, dln2_16 ? nullptr : F32(dln2_), F32(dfc_), N, C, FC, pending, dln2_16);
+    norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"), dln2_16);
+    uint16_t* const datty16 = a.in16[1] || a.qkv16 ? dinp16(l, 1, C) : nullptr;
+    linear_bwd(l, 1, datty16 ? nullptr : F32(datty_), F32(dx_), N, C, C, nullptr, datty16);
     // (no rounding pass over datty_ with BF16 attention: attention_backward is its only reader and
     // reads it as bf16(dout) on both backends, so the pass would change no bit it computes)
     if (prec_ != emu::GemmPrecision::BF16) store(F32(datty_), N * C);
@@ -504,7 +524,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     // is post-RoPE, the GEMM's output pre-RoPE, so the gradient is rotated back first
     const bool rope = c.positions == "rope";
     if (a.in16[1] || a.qkv16)
-      be_.attention_backward_bf16(F32(dqkv_), F32(datty_), a.qkv16 ? nullptr : F32(a.qkv),
+      be_.attention_backward_bf16(F32(dqkv_), datty16 ? nullptr : F32(datty_), datty16, a.qkv16 ? nullptr : F32(a.qkv),
                                   a.qkv16 ? a.qkv.as<uint16_t>() : nullptr, a.in16[1] ? nullptr : linear_input(l, 1),
                                   a.in16[1] ? linear_input16(l, 1) : nullptr, F32(a.lse), B, T, NH, NKV, HD, rb && !rope);
     else
@@ -514,8 +534,9 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
       be_.rope_backward(F32(dqkv_), B, T, NH, NKV, HD);
       store(F32(dqkv_), N * QKV);
     }
-    linear_bwd(l, 0, F32(dln1_), F32(dqkv_), N, C, QKV);
-    norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"));
+    uint16_t* const dln1_16 = dinp16(l, 0, C);
+    linear_bwd(l, 0, dln1_16 ? nullptr : F32(dln1_), F32(dqkv_), N, C, QKV, nullptr, dln1_16);
+    norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"), dln1_16);
   }
   be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_), tokens_.as<int32_t>(),
                          pos_.as<int32_t>(), N, C);

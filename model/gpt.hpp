@@ -143,7 +143,7 @@ class Gpt {
   // dinp written (linear_backward's contract), the weight and bias gradients accumulated
   // (pending_input / pending_dout: linear_forward's / linear_backward's)
   void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
-                  const ActivationSource* pending_dout = nullptr);
+                  const ActivationSource* pending_dout = nullptr, uint16_t* dinp16 = nullptr);
   // where linear `linear`'s input is kept as BF16 bits (acts_[l].in16[linear])
   uint16_t* linear_input16(int64_t l, int linear);
 
@@ -189,6 +189,9 @@ class Gpt {
   std::vector<LayerActs> acts_;
   // backward scratch
   BackendBuffer dlosses_, dlogits_, dlnf_, dx_, dact_, dfc_, dln2_, datty_, dqkv_, dln1_;
+  // the Dgrad outputs dln1, datty, dln2, dact as BF16 bits (linear i all BF16; dact also needs
+  // c_fc all BF16 with GELU, whose fused backward pass reads it)
+  BackendBuffer dinp16_[4];
   std::vector<int32_t> host_targets_;
 };
 

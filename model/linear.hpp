@@ -119,12 +119,14 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
                     std::unique_ptr<QuantizedCopy>* save_wgrad_input = nullptr,
                     std::unique_ptr<QuantizedCopy>* save_dgrad_weight = nullptr,
                     const ActivationSource* pending_input = nullptr, const LinearBits& bits = LinearBits{});
-// inp16: x as BF16 bits (inp null), as linear_forward's.
+// inp16: x as BF16 bits (inp null), as linear_forward's. dinp16 (a linear whose GEMMs are all BF16;
+// dinp null): dx written as BF16 bits (rounded: the values its readers, reading it rounded, see).
 void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
                      const std::string& name, const QuantizedCopy* saved_wgrad_input = nullptr,
                      const QuantizedCopy* saved_dgrad_weight = nullptr,
-                     const ActivationSource* pending_dout = nullptr, const uint16_t* inp16 = nullptr);
+                     const ActivationSource* pending_dout = nullptr, const uint16_t* inp16 = nullptr,
+                     uint16_t* dinp16 = nullptr);
 
 }  // namespace fp4sim::model

@@ -1500,13 +1500,93 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
       });
       for (int mode = 0; mode < 3; ++mode) {
         const bool q16 = mode != 1, o16 = mode != 0;
-        const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
-          float* dqkv = c.out(Vec(sz(B * T * W), kNaN));
-          k.attention_backward_bf16(dqkv, c.in(dout), q16 ? nullptr : c.in(qkv), q16 ? c.in(qkv16) : nullptr,
-                                    o16 ? nullptr : c.in(r[0]), o16 ? c.in(out16) : nullptr, c.in(r[1]), B, T, NH, NKV,
-                                    HD, true);
+        for (bool d16 : {false, true}) {  // dout as bits too (its values BF16: the kernels read it rounded)
+          const Vec dout_r = bf16_values_of(dout);
+          const std::vector<uint16_t> dout16 = bf16_bits_of(dout);
+          const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
+            float* dqkv = c.out(Vec(sz(B * T * W), kNaN));
+            k.attention_backward_bf16(dqkv, d16 ? nullptr : c.in(dout), d16 ? c.in(dout16) : nullptr,
+                                      q16 ? nullptr : c.in(qkv), q16 ? c.in(qkv16) : nullptr, o16 ? nullptr : c.in(r[0]),
+                                      o16 ? c.in(out16) : nullptr, c.in(r[1]), B, T, NH, NKV, HD, true);
+          });
+          expect_bitwise("attention_backward_bf16 dqkv mode " + std::to_string(mode) + (d16 ? " dout16 " : " ") +
+                             bk->name(),
+                         rb[0], gb[0]);
+          (void)dout_r;
+        }
+      }
+    }
+    // the norms' backward passes reading dout as bits
+    {
+      const int64_t N = 37, C = 96;
+      const Vec x = randn(sz(N * C), rng, 2.0f, 0.5f), w = randn(sz(C), rng), dout = randn(sz(N * C), rng),
+                dx0 = randn(sz(N * C), rng), dw0 = randn(sz(C), rng), db0 = randn(sz(C), rng),
+                mean = randn(sz(N), rng, 0.1f), rstd = randn(sz(N), rng, 0.1f, 1.0f);
+      const std::vector<uint16_t> dout16 = bf16_bits_of(dout);
+      for (bool layernorm : {true, false}) {
+        const Outputs r = run(*bk, [&](Backend& k, Call& c) {
+          float* dx = c.out(dx0);
+          float* dw = c.out(dw0);
+          float* db = c.out(db0);
+          if (layernorm)
+            k.layernorm_backward(dx, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, true, true);
+          else
+            k.rmsnorm_backward(dx, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, true, true);
         });
-        expect_bitwise("attention_backward_bf16 dqkv mode " + std::to_string(mode) + " " + bk->name(), rb[0], gb[0]);
+        const Outputs g = run(*bk, [&](Backend& k, Call& c) {
+          float* dx = c.out(dx0);
+          float* dw = c.out(dw0);
+          float* db = c.out(db0);
+          if (layernorm)
+            k.layernorm_backward_bits(dx, dw, db, c.in(dout16), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, true);
+          else
+            k.rmsnorm_backward_bits(dx, dw, c.in(dout16), c.in(x), c.in(w), c.in(rstd), N, C, true);
+        });
+        for (size_t i = 0; i < 3; ++i)
+          expect_bitwise(std::string(layernorm ? "layernorm" : "rmsnorm") + "_backward_bits " + std::to_string(i) + " " +
+                             bk->name(),
+                         r[i], g[i]);
+      }
+    }
+    // the linear backward with bits (matmul_backward_bits): dinp16, inp16, GELU's pending gradient
+    // with inp16 / dout16, against matmul_backward(_activation) on the values
+    {
+      const int64_t N = 64, K = 96, OC = 32;
+      const Vec w = randn(sz(OC * K), rng, 0.3f), x = bf16_values_of(randn(sz(N * K), rng)), dout = randn(sz(N * OC), rng),
+                fc = bf16_values_of(randn(sz(N * OC), rng, 2.0f)), dact = bf16_values_of(randn(sz(N * OC), rng)),
+                dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
+      const std::vector<uint16_t> x16 = bf16_bits_of(x), fc16 = bf16_bits_of(fc), dact16 = bf16_bits_of(dact);
+      for (int mode = 0; mode < 4; ++mode) {  // dout / GELU (FP32) / GELU (inp16) / GELU (inp16 + dout16)
+        const bool gelu = mode > 0;
+        const Outputs r = run(*bk, [&](Backend& k, Call& c) {
+          float* dinp = c.out(Vec(sz(N * K), kNaN));
+          float* dw = c.out(dw0);
+          float* db = c.out(db0);
+          if (gelu) {
+            float* dfc = c.out(Vec(sz(N * OC), kNaN));
+            const ActivationSource src{ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
+            k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
+          } else {
+            k.matmul_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), N, K, OC, bf16);
+          }
+        });
+        for (bool x_bits : {false, true}) {
+          const Outputs g = run(*bk, [&](Backend& k, Call& c) {
+            uint16_t* dinp16 = bf16_out(c, N * K);
+            float* dw = c.out(dw0);
+            float* db = c.out(db0);
+            ActivationSource src{ActivationOp::GeluBackward, mode >= 2 ? nullptr : c.in(fc),
+                                 mode == 3 ? nullptr : c.in(dact), c.out(Vec(sz(N * OC), kNaN)), N, OC, true, true, "dfc"};
+            if (mode >= 2) src.inp16 = c.in(fc16);
+            if (mode == 3) src.dout16 = c.in(dact16);
+            k.matmul_backward_bits(nullptr, dinp16, dw, db, gelu ? nullptr : c.in(dout), gelu ? &src : nullptr,
+                                   x_bits ? nullptr : c.in(x), x_bits ? c.in(x16) : nullptr, c.in(w), N, K, OC);
+          });
+          const std::string tag = " mode " + std::to_string(mode) + (x_bits ? " x16 " : " ") + bk->name();
+          expect_bitwise("matmul_backward_bits dinp16" + tag, bf16_values_of(r[0]), widened(g[0], N * K));
+          expect_bitwise("matmul_backward_bits dweight" + tag, r[1], g[1]);
+          expect_bitwise("matmul_backward_bits dbias" + tag, r[2], g[2]);
+        }
       }
     }
     // the cross-entropy reading the logits as bits (cached row and not, on CUDA)
