@@ -125,8 +125,11 @@ class CudaBackend final : public Backend {
                                  int64_t OC, emu::GemmPrecision prec, bool round_bf16) override;
   void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
                                   const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) override;
-  // BF16-stored activations (Backend's *_bf16 ops): read and written as BF16 bits directly; the
-  // c_attn GEMM writes qkv's bits and adds its bias in cuBLASLt's epilogue (set_matmul_bf16_epilogue)
+  // BF16-stored activations (Backend's *_bf16 / *_bits ops): read and written as BF16 bits
+  // directly. A GEMM writing bits: cuBLASLt's BF16 output where it has no bias (the logits, the
+  // Dgrads); with a bias, FP32 with the bias added in cuBLASLt's epilogue, then one narrowing pass
+  // (cuBLASLt 13.1 on Hopper lists no algorithm for a BF16 output with an FP32 bias:
+  // last_matmul_epilogue_refusal). set_matmul_bf16_epilogue turns both off.
   void set_bf16_weight_shadow(const float* base, const uint16_t* shadow, int64_t n) override;
   void narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) override;
   void widen_bf16(float* dst, const uint16_t* src, int64_t n) override;
@@ -323,10 +326,12 @@ uint64_t fused_activation_matmul_count();
 // matmul_backward_activation may fuse (default true); off, they run Backend's compositions (the op,
 // then the quantizer or the matmul). Results are identical; only speed differs.
 void set_activation_fusion(bool on);
-// Test and benchmark knob: whether CudaBackend::matmul_forward_bf16 with a BF16 output (out16) lets
-// cuBLASLt write the BF16 bits and add the bias in its epilogue (default true, where the bias is
-// 16-byte aligned); off, the GEMM writes FP32 and add_bias and a narrowing pass follow. The same
-// bits (LayersGpu.MatmulBf16EpilogueEqualsSeparatePasses); only speed differs.
+// Test and benchmark knob: whether a BF16 matmul writing BF16 bits (matmul_forward_bf16's out16,
+// matmul_backward_bits' dinp16) lets cuBLASLt write them (no bias) or add the bias in its epilogue
+// (default true, where the bias is 16-byte aligned and cuBLASLt lists an algorithm); off, the GEMM
+// writes FP32 through the plans of FP32 outputs, then add_bias_bf16 or a narrowing pass. The same
+// rounding (LayersGpu.MatmulBf16EpilogueRoundsLikeAddBias); the accumulation may differ where
+// cuBLASLt picks another algorithm for the other output (bounded, as every cuBLASLt GEMM).
 void set_matmul_bf16_epilogue(bool on);
 // Test hook: how many matmul_forward_bf16 calls with a BF16 output (out16) had cuBLASLt write it
 // (and add the bias) in its epilogue (first), or write FP32 with the bias added in its epilogue

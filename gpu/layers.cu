@@ -1527,8 +1527,9 @@ void CudaBackend::rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* 
 
 // matmul_forward's GEMM on the BF16 input bits as they are; a BF16 output (out16) written by
 // cuBLASLt's epilogue with the bias added there (RNE of fl(acc + bias): the bits of add_bias with
-// rounding), or, with the knob off or a bias not 16-byte aligned, through an FP32 scratch, add_bias
-// and a narrowing pass.
+// rounding) where it lists an algorithm for that (cuBLASLt 13.1 on Hopper: only without a bias),
+// else FP32 with the bias in the epilogue and a narrowing pass, else (the knob off, a bias not
+// 16-byte aligned) FP32 and one add_bias_bf16 pass.
 void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16,
                                       const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                                       bool round_bf16) {
