@@ -195,8 +195,12 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
 Checkpoint load_checkpoint(const std::string& path) {
   fs::path p = path;
   if (!fs::exists(p / kStateFile)) {
-    const std::vector<std::string> all = list_checkpoints(path);
-    if (all.empty()) throw std::runtime_error(path + ": no complete checkpoint (step_*/state.json) found");
+    // a checkpoint, a checkpoints directory, or a run's out_dir (its checkpoints/ folder)
+    std::vector<std::string> all = list_checkpoints(path);
+    if (all.empty() && fs::is_directory(p / "checkpoints")) all = list_checkpoints((p / "checkpoints").string());
+    if (all.empty())
+      throw std::runtime_error(path + ": no complete checkpoint (step_*/state.json) found, here or in " + path +
+                               "/checkpoints");
     p = all.back();
   }
   Checkpoint ck;

@@ -33,7 +33,7 @@ void register_train(CLI::App& app) {
   cmd->add_option("--config", a->config, "configs/tiny.json, configs/small.json, ... or your own")->required();
   cmd->add_option("overrides", a->overrides, "key=value ... (see fp4sim config)");
   cmd->add_option("--backend", a->backend, kBackendHelp)->check(CLI::IsMember({"emu", "cuda"}));
-  cmd->add_option("--resume", a->resume, "A checkpoint directory, or a run's checkpoints directory (latest)");
+  cmd->add_option("--resume", a->resume, "A checkpoint directory, or a run's checkpoints directory or out_dir (its latest)");
   cmd->add_option("--dump", a->dump, "Folder for outside checks: initial weights, step-0 loss and gradients, "
                                      "the first 10 batches (validation/torch_gpt_check.py reads them)");
   cmd->callback([a]() {
@@ -70,7 +70,7 @@ void register_eval_sample(CLI::App& app) {
   };
   auto e = std::make_shared<EvalArgs>();
   auto* ev = app.add_subcommand("eval", "Validation loss and bits per byte of a checkpoint");
-  ev->add_option("--checkpoint", e->checkpoint, "A checkpoint directory, or a run's checkpoints directory")->required();
+  ev->add_option("--checkpoint", e->checkpoint, "A checkpoint directory, or a run's checkpoints directory or out_dir (its latest)")->required();
   ev->add_option("--data", e->data, "Token files prefix (default: the run's train.data)");
   auto* batches_opt = ev->add_option("--batches", e->batches, "Validation batches")
                           ->check(at_least("--batches", 1))
@@ -103,7 +103,7 @@ void register_eval_sample(CLI::App& app) {
   };
   auto s = std::make_shared<SampleArgs>();
   auto* sm = app.add_subcommand("sample", "Generate text from a checkpoint (byte-level models)");
-  sm->add_option("--checkpoint", s->checkpoint, "A checkpoint directory, or a run's checkpoints directory")->required();
+  sm->add_option("--checkpoint", s->checkpoint, "A checkpoint directory, or a run's checkpoints directory or out_dir (its latest)")->required();
   sm->add_option("--prompt", s->prompt, "Text to continue");
   sm->add_option("--tokens", s->tokens, "Tokens to generate")->check(at_least("--tokens", 0))->capture_default_str();
   sm->add_option("--temperature", s->temperature, "0 = greedy")

@@ -115,6 +115,14 @@ TEST(Checkpoint, AtomicKeepLastAndVersionCheck) {
   ASSERT_EQ(all.size(), 2u);
   const Checkpoint latest = load_checkpoint(d.string());
   EXPECT_EQ(latest.step, 20);
+  // a run's out_dir (checkpoints in its checkpoints/ folder) names its latest checkpoint too
+  {
+    const fs::path run = temp_dir("outdir");
+    fs::create_directories(run);
+    fs::copy(d, run / "checkpoints", fs::copy_options::recursive);
+    EXPECT_EQ(load_checkpoint(run.string()).step, 20);
+    fs::remove_all(run);
+  }
   EXPECT_EQ(latest.state["data_position"], 2000);
   EXPECT_EQ(latest.model.at("w").bytes, f32({2, 2}, 20.0f).bytes);
   // a checkpoint from another contract version is refused
