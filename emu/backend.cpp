@@ -52,26 +52,18 @@ void Backend::widen_bf16(float* dst, const uint16_t* src, int64_t n) {
 
 void Backend::run_activation(const ActivationSource& src) {
   const int64_t n = src.rows * src.cols;
-  if (src.dout16) {
-    one_of("run_activation", "dout", src.dout, src.dout16);
-    BackendBuffer d = f32_temp(*this, n);
-    widen_bf16(d.as<float>(), src.dout16, n);
+  // an input kept as BF16 bits (inp16, dout16): widened into a temporary, then the op on it
+  auto on_widened = [&](const float* ActivationSource::*f32, const uint16_t* ActivationSource::*bits, const char* what) {
+    one_of("run_activation", what, src.*f32, src.*bits);
+    BackendBuffer t = f32_temp(*this, n);
+    widen_bf16(t.as<float>(), src.*bits, n);
     ActivationSource s = src;
-    s.dout = d.as<float>();
-    s.dout16 = nullptr;
+    s.*f32 = t.as<float>();
+    s.*bits = nullptr;
     run_activation(s);
-    return;
-  }
-  if (src.inp16) {
-    one_of("run_activation", "inp", src.inp, src.inp16);
-    BackendBuffer x = f32_temp(*this, n);
-    widen_bf16(x.as<float>(), src.inp16, n);
-    ActivationSource s = src;
-    s.inp = x.as<float>();
-    s.inp16 = nullptr;
-    run_activation(s);
-    return;
-  }
+  };
+  if (src.dout16) return on_widened(&ActivationSource::dout, &ActivationSource::dout16, "dout");
+  if (src.inp16) return on_widened(&ActivationSource::inp, &ActivationSource::inp16, "inp");
   if (src.out16) {
     if (src.op != ActivationOp::GeluForward)
       throw std::logic_error(std::string("run_activation (") + src.name + "): out16 is for GELU's forward pass only");

@@ -17,6 +17,7 @@
 #include "model/linear.hpp"
 #include "model/trainer.hpp"
 #include "tests/gpu/gpu_test_util.hpp"
+#include "tests/model/model_steps.hpp"
 #include "tools/backends.hpp"
 
 namespace fp4sim::model {
@@ -234,26 +235,7 @@ TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
     const RunConfig c = tiny(all);
     const int64_t B = 4, T = c.model.seq_len;
     auto steps = [&](bool bits) {
-      Gpt m(c.model, *be);
-      m.set_recipe(c);
-      m.set_bf16_bits_storage(bits);
-      m.init(7);
-      std::mt19937 rng(3);
-      std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(c.model.vocab) - 1);
-      std::vector<float> out;
-      for (int64_t step = 0; step < 2; ++step) {
-        std::vector<int32_t> t(static_cast<size_t>(B * T)), y(t.size());
-        for (size_t i = 0; i < t.size(); ++i) {
-          t[i] = tok(rng);
-          y[i] = tok(rng);
-        }
-        m.set_step(step);
-        out.push_back(m.forward(t.data(), y.data(), B, T));
-        m.backward();
-        const std::vector<float> g = m.grads_to_host();
-        out.insert(out.end(), g.begin(), g.end());
-      }
-      return out;
+      return model_steps(*be, c, B, T, [&](Gpt& m) { m.set_bf16_bits_storage(bits); });
     };
     const std::vector<float> plain = steps(false);
     std::vector<float> bits;

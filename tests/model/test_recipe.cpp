@@ -19,6 +19,7 @@
 #include "model/gpt.hpp"
 #include "model/linear.hpp"
 #include "model/trainer.hpp"
+#include "tests/model/model_steps.hpp"
 
 namespace fp4sim::model {
 namespace {
@@ -368,39 +369,18 @@ TEST(Recipe, ModelStepWithFusedActivationsEqualsPlainStep) {
                                   "model.seq_len=64", "model.max_positions=64", "train.batch=2"});
     PoisoningCpuBackend fusing;
     emu::CpuBackend plain;
-    auto step_all = [&](Backend& be) {
-      Gpt m(c.model, be);
-      m.set_recipe(c);
-      m.init(7);
-      std::mt19937 rng(3);
-      std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(c.model.vocab) - 1);
-      std::vector<float> losses, grads;
-      for (int64_t step = 0; step < 2; ++step) {
-        std::vector<int32_t> t(128), y(128);
-        for (size_t i = 0; i < t.size(); ++i) {
-          t[i] = tok(rng);
-          y[i] = tok(rng);
-        }
-        m.set_step(step);
-        losses.push_back(m.forward(t.data(), y.data(), 2, 64));
-        m.backward();
-        const std::vector<float> g = m.grads_to_host();
-        grads.insert(grads.end(), g.begin(), g.end());
-      }
-      return std::make_pair(losses, grads);
-    };
-    const auto [loss_a, grad_a] = step_all(plain);
-    const auto [loss_b, grad_b] = step_all(fusing);
+    const std::vector<float> a = model_steps(plain, c, 2, 64), b = model_steps(fusing, c, 2, 64);
     if (std::string(recipe) == "bf16") EXPECT_GT(fusing.fused_matmul, 0) << "no fused BF16 matmul call happened";
     else EXPECT_GT(fusing.fused_quantize, 0) << "no fused quantize call happened";
-    for (size_t i = 0; i < loss_a.size(); ++i) {
-      EXPECT_FALSE(std::isnan(loss_a[i]));
-      EXPECT_EQ(test_bits(loss_a[i]), test_bits(loss_b[i])) << "loss of step " << i + 1;
+    ASSERT_EQ(a.size(), b.size());
+    const size_t step2 = a.size() / 2;  // [loss, gradients..., loss, gradients...]
+    for (size_t i : {size_t{0}, step2}) {
+      EXPECT_FALSE(std::isnan(a[i]));
+      EXPECT_EQ(test_bits(a[i]), test_bits(b[i])) << "loss of step " << (i ? 2 : 1);
     }
-    ASSERT_EQ(grad_a.size(), grad_b.size());
     size_t differ = 0;
-    for (size_t i = 0; i < grad_a.size(); ++i) differ += test_bits(grad_a[i]) != test_bits(grad_b[i]);
-    EXPECT_EQ(differ, 0u) << "gradient elements that differ, of " << grad_a.size();
+    for (size_t i = 0; i < a.size(); ++i) differ += test_bits(a[i]) != test_bits(b[i]);
+    EXPECT_EQ(differ, 0u) << "values (losses and gradients) that differ, of " << a.size();
   }
 }
 
@@ -426,28 +406,10 @@ TEST(Recipe, Bf16BitsStorageEqualsFp32Arrays) {
     all.insert(all.end(), ov.begin(), ov.end());
     const RunConfig c = run_with(all);
     emu::CpuBackend be;
-    auto steps = [&](bool bits) {
-      Gpt m(c.model, be);
-      m.set_recipe(c);
-      m.set_bf16_bits_storage(bits);
-      m.init(7);
-      std::mt19937 rng(3);
-      std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(c.model.vocab) - 1);
-      std::vector<float> out;
-      for (int64_t step = 0; step < 2; ++step) {
-        std::vector<int32_t> t(128), y(128);
-        for (size_t i = 0; i < t.size(); ++i) {
-          t[i] = tok(rng);
-          y[i] = tok(rng);
-        }
-        m.set_step(step);
-        if (step == 1) m.collect_stats_once();
-        out.push_back(m.forward(t.data(), y.data(), 2, 64));
-        m.backward();
-        const std::vector<float> g = m.grads_to_host();
-        out.insert(out.end(), g.begin(), g.end());
-      }
-      return std::make_pair(out, m.saved_activation_bytes());
+    auto steps = [&](bool bits) {  // (and the bytes kept: the bits storage must keep fewer)
+      size_t bytes = 0;
+      std::vector<float> out = model_steps(be, c, 2, 64, [&](Gpt& m) { m.set_bf16_bits_storage(bits); }, 2, 1, &bytes);
+      return std::make_pair(out, bytes);
     };
     const auto [plain, plain_bytes] = steps(false);
     const auto [bits, bits_bytes] = steps(true);
