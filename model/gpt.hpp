@@ -5,11 +5,10 @@
 // every op goes through Backend (emu/layers.hpp's names and argument orders), so the same class
 // runs on the emulator and on the CUDA backend. The host sees the model through explicit copies
 // (params_to_host, grads_to_host, logits_row_to_host) and the per-row losses of each forward.
-// Activations and their gradients are stored as BF16 (rounded at every op's output; kept in FP32
-// arrays, except BF16 linear layers' inputs and qkv, kept as BF16 bits: set_bf16_bits_storage) with
-// FP32 compute, or FP32 with
-// model.activation_dtype = fp32; the GEMMs' precision is the backend's BF16 model (T-FDPA on the
-// emulator, cuBLASLt BF16 with FP32 accumulation on the GPU).
+// Activations and their gradients are stored as BF16 (rounded at every op's output) with FP32
+// compute: as BF16 bits where they feed or leave a BF16 GEMM (set_bf16_bits_storage), else in FP32
+// arrays holding BF16 values; or FP32 with model.activation_dtype = fp32. The GEMMs' precision is
+// the backend's BF16 model (T-FDPA on the emulator, cuBLASLt BF16 with FP32 accumulation on the GPU).
 #pragma once
 
 #include <cstdint>
@@ -69,9 +68,10 @@ class Gpt {
   void set_gemm_precision(emu::GemmPrecision p) { prec_ = p; }
   // BF16 storage as BF16 bits (on by default): the linear layers' inputs (ln_1, the attention
   // output, ln_2; the GELU output where c_proj is all BF16), their outputs qkv (without RoPE), the
-  // c_proj outputs and (both MLP linears all BF16) c_fc's are kept as BF16 bits instead of FP32
-  // arrays holding BF16 values (the Backend's *_bf16 ops, quantizers reading BF16 input;
-  // stores_bits). The same bits either way (tests); off: the FP32 arrays (A/B measurements).
+  // c_proj outputs and (both MLP linears all BF16) c_fc's, the logits, the Dgrad outputs of
+  // all-BF16 linears, and (the BF16 recipe) the weights' bits once a pass are kept as BF16 bits
+  // instead of FP32 arrays holding BF16 values (the Backend's *_bf16 / *_bits ops, quantizers
+  // reading BF16 input; stores_bits). The same bits either way (tests); off: the FP32 arrays.
   void set_bf16_bits_storage(bool on) { bf16_bits_ = on; }
 
   const ModelConfig& config() const { return cfg_; }
@@ -135,8 +135,8 @@ class Gpt {
   // round_bf16() instead (one pass over the array instead of two); store is for the rest.
   void store(float* x, int64_t n);
   bool round_bf16() const { return cfg_.activation_dtype == "bf16"; }
-  // inp16 / out16 (or a pending input with out16): the input / output kept as BF16 bits, for a
-  // linear whose GEMMs are all BF16 (then inp / out is null)
+  // inp16 / out16 (or a pending input with out16): the input / output kept as BF16 bits
+  // (linear_forward's LinearBits; then inp / out is null); dinp16: linear_backward's
   void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
                   bool round_bf16, const ActivationSource* pending_input = nullptr, const uint16_t* inp16 = nullptr,
                   uint16_t* out16 = nullptr);
