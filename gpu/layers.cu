@@ -1832,7 +1832,7 @@ void CudaBackend::quantize_with_bias_backward(const TensorView& x, const Quantiz
 
 void CudaBackend::quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
                                       QuantizedView* columnwise, float* dbias) {
-  if (src.inp16 || src.out16) {  // (Backend's says why)
+  if (src.inp16 || src.out16 || src.dout16) {  // (Backend's throws, saying why)
     Backend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
     return;
   }

@@ -108,7 +108,8 @@ struct QuantizedCopy {
 // written as BF16 bits (out16, out null; rounded, round_bf16 implied: a BF16 Fprop writes them from
 // the GEMM (Backend::matmul_forward_bf16), a quantized one through an FP32 temporary and
 // Backend::bias_forward_bf16). A pending input's out16 (GELU's output kept as bits) needs a BF16
-// Fprop and Wgrad. The same bits as the FP32 arrays holding the same values.
+// Fprop and Wgrad. The same bits as the FP32 arrays holding the same values (on CUDA with cuBLASLt's
+// BF16-output and bias-epilogue plans on, gpu::set_matmul_bf16_epilogue: within its bound).
 struct LinearBits {
   const uint16_t* inp16 = nullptr;
   uint16_t* out16 = nullptr;
