@@ -30,6 +30,15 @@ void one_of(const char* op, const char* tensor, const void* f32, const void* bf1
                            "16 must be given (FP32 or BF16 storage)");
 }
 
+// A tensor of n values given as BF16 bits (x16) or FP32 (x): its FP32 values, widened from x16
+// into `keep` (a temporary that must outlive their use), else x itself.
+const float* values_of(Backend& b, BackendBuffer& keep, const float* x, const uint16_t* x16, int64_t n) {
+  if (!x16) return x;
+  keep = f32_temp(b, n);
+  b.widen_bf16(keep.as<float>(), x16, n);
+  return keep.as<float>();
+}
+
 }  // namespace
 
 void Backend::narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) {
@@ -55,10 +64,9 @@ void Backend::run_activation(const ActivationSource& src) {
   // an input kept as BF16 bits (inp16, dout16): widened into a temporary, then the op on it
   auto on_widened = [&](const float* ActivationSource::*f32, const uint16_t* ActivationSource::*bits, const char* what) {
     one_of("run_activation", what, src.*f32, src.*bits);
-    BackendBuffer t = f32_temp(*this, n);
-    widen_bf16(t.as<float>(), src.*bits, n);
+    BackendBuffer t;
     ActivationSource s = src;
-    s.*f32 = t.as<float>();
+    s.*f32 = values_of(*this, t, nullptr, src.*bits, n);
     s.*bits = nullptr;
     run_activation(s);
   };
@@ -96,30 +104,28 @@ void Backend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight
 void Backend::layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16,
                                       const float* inp, const float* weight, const float* mean, const float* rstd,
                                       int64_t N, int64_t C, bool round_bf16) {
-  BackendBuffer d = f32_temp(*this, N * C);
-  widen_bf16(d.as<float>(), dout16, N * C);
-  layernorm_backward(dinp, dweight, dbias, d.as<float>(), inp, weight, mean, rstd, N, C, round_bf16, true);
+  BackendBuffer d;
+  layernorm_backward(dinp, dweight, dbias, values_of(*this, d, nullptr, dout16, N * C), inp, weight, mean, rstd, N, C,
+                     round_bf16, true);
 }
 
 void Backend::rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp,
                                     const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16) {
-  BackendBuffer d = f32_temp(*this, N * C);
-  widen_bf16(d.as<float>(), dout16, N * C);
-  rmsnorm_backward(dinp, dweight, d.as<float>(), inp, weight, rstd, N, C, round_bf16, true);
+  BackendBuffer d;
+  rmsnorm_backward(dinp, dweight, values_of(*this, d, nullptr, dout16, N * C), inp, weight, rstd, N, C, round_bf16, true);
 }
 
 void Backend::residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n, bool round_bf16) {
-  BackendBuffer b = f32_temp(*this, n);
-  widen_bf16(b.as<float>(), b16, n);
-  residual_forward(out, a, b.as<float>(), n, round_bf16);
+  BackendBuffer b;
+  residual_forward(out, a, values_of(*this, b, nullptr, b16, n), n, round_bf16);
 }
 
 void Backend::crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits, const uint16_t* logits16,
                                                          const int32_t* targets, const float* dlosses, int64_t N,
                                                          int64_t V) {
-  BackendBuffer z = f32_temp(*this, N * V);
-  widen_bf16(z.as<float>(), logits16, N * V);
-  crossentropy_softmax_forward_backward_bf16(losses, dlogits, z.as<float>(), targets, dlosses, N, V);
+  BackendBuffer z;
+  crossentropy_softmax_forward_backward_bf16(losses, dlogits, values_of(*this, z, nullptr, logits16, N * V), targets,
+                                             dlosses, N, V);
 }
 
 void Backend::bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N, int64_t OC) {
@@ -147,11 +153,7 @@ void Backend::matmul_forward_bf16(float* out, uint16_t* out16, const float* inp,
   one_of("matmul_forward_bf16", "out", out, out16);
   one_of("matmul_forward_bf16", "inp", inp, inp16);
   BackendBuffer x, y;
-  if (inp16) {
-    x = f32_temp(*this, N * K);
-    widen_bf16(x.as<float>(), inp16, N * K);
-    inp = x.as<float>();
-  }
+  inp = values_of(*this, x, inp, inp16, N * K);
   if (out16) {
     y = f32_temp(*this, N * OC);
     out = y.as<float>();
@@ -162,17 +164,17 @@ void Backend::matmul_forward_bf16(float* out, uint16_t* out16, const float* inp,
 
 void Backend::matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias, const float* dout,
                                          const uint16_t* inp16, const float* weight, int64_t N, int64_t K, int64_t OC) {
-  BackendBuffer x = f32_temp(*this, N * K);
-  widen_bf16(x.as<float>(), inp16, N * K);
-  matmul_backward(dinp, dweight, dbias, dout, x.as<float>(), weight, N, K, OC, emu::GemmPrecision::BF16);
+  BackendBuffer x;
+  matmul_backward(dinp, dweight, dbias, dout, values_of(*this, x, nullptr, inp16, N * K), weight, N, K, OC,
+                  emu::GemmPrecision::BF16);
 }
 
 void Backend::matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias,
                                                     const ActivationSource& src, const uint16_t* inp16,
                                                     const float* weight, int64_t K) {
-  BackendBuffer x = f32_temp(*this, src.rows * K);
-  widen_bf16(x.as<float>(), inp16, src.rows * K);
-  matmul_backward_activation(dinp, dweight, dbias, src, x.as<float>(), weight, K, emu::GemmPrecision::BF16);
+  BackendBuffer x;
+  matmul_backward_activation(dinp, dweight, dbias, src, values_of(*this, x, nullptr, inp16, src.rows * K), weight, K,
+                             emu::GemmPrecision::BF16);
 }
 
 void Backend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv16,
@@ -180,12 +182,7 @@ void Backend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, co
   one_of("attention_forward_bf16", "out", out, out16);
   one_of("attention_forward_bf16", "qkv", qkv, qkv16);
   BackendBuffer q, o;
-  if (qkv16) {
-    const int64_t n = B * T * (NH + 2 * NKV) * HD;
-    q = f32_temp(*this, n);
-    widen_bf16(q.as<float>(), qkv16, n);
-    qkv = q.as<float>();
-  }
+  qkv = values_of(*this, q, qkv, qkv16, B * T * (NH + 2 * NKV) * HD);
   if (out16) {
     o = f32_temp(*this, B * T * NH * HD);
     out = o.as<float>();
@@ -201,22 +198,9 @@ void Backend::attention_backward_bf16(float* dqkv, const float* dout, const uint
   one_of("attention_backward_bf16", "qkv", qkv, qkv16);
   one_of("attention_backward_bf16", "out", out, out16);
   BackendBuffer q, o, d;
-  if (dout16) {
-    d = f32_temp(*this, B * T * NH * HD);
-    widen_bf16(d.as<float>(), dout16, B * T * NH * HD);
-    dout = d.as<float>();
-  }
-  if (qkv16) {
-    const int64_t n = B * T * (NH + 2 * NKV) * HD;
-    q = f32_temp(*this, n);
-    widen_bf16(q.as<float>(), qkv16, n);
-    qkv = q.as<float>();
-  }
-  if (out16) {
-    o = f32_temp(*this, B * T * NH * HD);
-    widen_bf16(o.as<float>(), out16, B * T * NH * HD);
-    out = o.as<float>();
-  }
+  dout = values_of(*this, d, dout, dout16, B * T * NH * HD);
+  qkv = values_of(*this, q, qkv, qkv16, B * T * (NH + 2 * NKV) * HD);
+  out = values_of(*this, o, out, out16, B * T * NH * HD);
   attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, round_bf16);
 }
 
