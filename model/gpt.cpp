@@ -1,8 +1,10 @@
 #include "model/gpt.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <stdexcept>
+#include <utility>
 
 
 namespace fp4sim::model {
@@ -108,10 +110,9 @@ Gpt::WeightShadow::WeightShadow(Gpt& m) : m_(m) {
   // (the BF16 recipe's every matmul reads its weight in BF16: one narrowing pass over all
   // parameters instead of one conversion per matmul, twice a step; other recipes quantize most
   // weights themselves)
-  bool all_bf16 = m.bf16_bits_ && m.round_bf16() && m.prec_ == emu::GemmPrecision::BF16;
-  for (size_t i = 0; all_bf16 && i < m.recipes_.size(); ++i)
-    all_bf16 = m.recipes_[i].fprop == "bf16" && m.recipes_[i].dgrad == "bf16" && m.recipes_[i].wgrad == "bf16";
-  if (!all_bf16) return;
+  if (!m.bits_on() || std::any_of(m.recipes_.begin(), m.recipes_.end(),
+                                   [](const LinearRecipe& r) { return r.any_quantized(); }))
+    return;
   const int64_t n = static_cast<int64_t>(m.n_params_);
   uint16_t* bits = m.bf16_buffer(m.params16_, n);
   m.be_.narrow_to_bf16(bits, m.params(), n);
@@ -124,12 +125,10 @@ Gpt::WeightShadow::~WeightShadow() {
 }
 
 bool Gpt::stores_bits(int64_t l, int linear) const {
-  const LinearRecipe& r = linear_recipe(l, linear);
-  const bool all_bf16 = r.fprop == "bf16" && r.dgrad == "bf16" && r.wgrad == "bf16";
+  const bool all_bf16 = !linear_recipe(l, linear).any_quantized();
   // (statistics read a quantized linear's FP32 input; GELU's output stays FP32 where a quantizer
   // takes it from the op: Backend::quantize_activation)
-  return bf16_bits_ && round_bf16() && prec_ == emu::GemmPrecision::BF16 && (all_bf16 || !stats_active_) &&
-         (linear != 3 || (all_bf16 && cfg_.activation == "gelu_tanh"));
+  return bits_on() && (all_bf16 || !stats_active_) && (linear != 3 || (all_bf16 && cfg_.activation == "gelu_tanh"));
 }
 
 float* Gpt::f32_buffer(BackendBuffer& b, int64_t n) {
@@ -333,23 +332,27 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     LayerActs& a = acts_[static_cast<size_t>(l)];
     for (int i = 0; i < 4; ++i) a.in16[i] = stores_bits(l, i);
     // (RoPE rotates qkv in place in FP32)
-    a.qkv16 = bf16_bits_ && rb && prec_ == emu::GemmPrecision::BF16 && c.positions != "rope";
-    a.proj16 = bf16_bits_ && rb && prec_ == emu::GemmPrecision::BF16;
+    a.qkv16 = bits_on() && c.positions != "rope";
+    a.proj16 = bits_on();
     // (c_fc's output as bits: both MLP linears all BF16 with GELU, whose BF16 passes read the bits)
-    const LinearRecipe& r2 = linear_recipe(l, 2);
-    a.fc16 = a.in16[3] && r2.fprop == "bf16" && r2.dgrad == "bf16" && r2.wgrad == "bf16";
+    a.fc16 = a.in16[3] && !linear_recipe(l, 2).any_quantized();
     float* const qkv = a.qkv16 ? nullptr : f32_buffer(a.qkv, N * QKV);
     uint16_t* const qkv16 = a.qkv16 ? bf16_buffer(a.qkv, N * QKV) : nullptr;
-    if (a.in16[0]) {
-      uint16_t* const ln1 = linear_input16(l, 0);
-      norm_fwd16(ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
-      linear_fwd(l, 0, qkv, nullptr, N, C, QKV, rb && c.positions != "rope", nullptr, ln1, qkv16);
-    } else {
-      float* const ln1 = linear_input(l, 0);
-      norm_fwd(ln1, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
-      // RoPE rotates the GEMM's output: then the rounding comes after it
-      linear_fwd(l, 0, qkv, ln1, N, C, QKV, rb && c.positions != "rope", nullptr, nullptr, qkv16);
-    }
+    // linear i's input made by a norm, into its BF16 bits or its FP32 buffer (a.in16[i])
+    auto norm_input = [&](int i, BackendBuffer& mean, BackendBuffer& rstd, const float* in,
+                          const std::string& pre) -> std::pair<float*, uint16_t*> {
+      if (!a.in16[i]) {
+        float* const y = linear_input(l, i);
+        norm_fwd(y, mean, rstd, in, pre);
+        return {y, nullptr};
+      }
+      uint16_t* const y16 = linear_input16(l, i);
+      norm_fwd16(y16, mean, rstd, in, pre);
+      return {nullptr, y16};
+    };
+    const auto ln1 = norm_input(0, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
+    // RoPE rotates the GEMM's output: then the rounding comes after it
+    linear_fwd(l, 0, qkv, ln1.first, N, C, QKV, rb && c.positions != "rope", nullptr, ln1.second, qkv16);
     if (c.positions == "rope") {
       be_.rope_forward(qkv, B, T, NH, NKV, HD);
       store(qkv, N * QKV);
@@ -380,15 +383,8 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     residual(F32(a.res1), x, attproj);
     float* const fc = a.fc16 ? nullptr : f32_buffer(a.fc, N * FC);
     uint16_t* const fc16 = a.fc16 ? bf16_buffer(a.fc, N * FC) : nullptr;
-    if (a.in16[2]) {
-      uint16_t* const ln2 = linear_input16(l, 2);
-      norm_fwd16(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
-      linear_fwd(l, 2, fc, nullptr, N, C, FC, rb, nullptr, ln2, fc16);
-    } else {
-      float* const ln2 = linear_input(l, 2);
-      norm_fwd(ln2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
-      linear_fwd(l, 2, fc, ln2, N, C, FC, rb, nullptr, nullptr, fc16);
-    }
+    const auto ln2 = norm_input(2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
+    linear_fwd(l, 2, fc, ln2.first, N, C, FC, rb, nullptr, ln2.second, fc16);
     // GELU's output goes to c_proj as a pending activation (linear_forward: computed in the pass
     // that makes the GEMM's operand, or run first; kept as BF16 bits where linear 3 stores bits)
     float* const act = a.in16[3] ? nullptr : linear_input(l, 3);
@@ -412,7 +408,7 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   // the logits stay unrounded in memory: their BF16 storage is applied where they are read (the
   // cross-entropy op, logits_row_to_host), which saves a rounding pass over N x V
   // (or kept as BF16 bits, the GEMM writing them: no bias, so cuBLASLt's BF16 output serves)
-  logits16_ = bf16_bits_ && rb && prec_ == emu::GemmPrecision::BF16;
+  logits16_ = bits_on();
   const float* head_w = c.tied_embeddings ? p("wte") : p("lm_head.weight");
   if (logits16_)
     be_.matmul_forward_bf16(nullptr, bf16_buffer(logits_, N * V), F32(lnf_), nullptr, head_w, nullptr, N, C, V, true);
@@ -477,13 +473,9 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     else be_.rmsnorm_backward(din, g(pre + ".weight"), dout, in, p(pre + ".weight"), F32(rstd), N, C, rb, rb);
   };
   // Dgrad output i as BF16 bits (see dinp16_), or null
-  auto all_bf16 = [&](int64_t l, int i) {
-    const LinearRecipe& r = linear_recipe(l, i);
-    return r.fprop == "bf16" && r.dgrad == "bf16" && r.wgrad == "bf16";
-  };
+  auto all_bf16 = [&](int64_t l, int i) { return !linear_recipe(l, i).any_quantized(); };
   auto dinp16 = [&](int64_t l, int i, int64_t width) -> uint16_t* {
-    const bool bits = bf16_bits_ && rb && prec_ == emu::GemmPrecision::BF16 && all_bf16(l, i) &&
-                      (i != 3 || (c.activation == "gelu_tanh" && all_bf16(l, 2)));
+    const bool bits = bits_on() && all_bf16(l, i) && (i != 3 || (c.activation == "gelu_tanh" && all_bf16(l, 2)));
     return bits ? bf16_buffer(dinp16_[i], N * width) : nullptr;
   };
   const float* last = c.n_layers ? F32(acts_.back().res2) : F32(emb_);

@@ -120,6 +120,8 @@ class Gpt {
   // activations and precision; no statistics this step unless all three of its GEMMs are BF16;
   // linear 3 (GELU's output) only with all three BF16.
   bool stores_bits(int64_t l, int linear) const;
+  // Whether any tensor may be kept as BF16 bits: the switch on, BF16 activations and precision.
+  bool bits_on() const { return bf16_bits_ && round_bf16() && prec_ == emu::GemmPrecision::BF16; }
   // b resized to hold n values of 4 (FP32) or 2 (BF16 bits) bytes, reallocated only when its size
   // differs (the per-layer activation buffers, whose storage may differ between forwards).
   float* f32_buffer(BackendBuffer& b, int64_t n);
