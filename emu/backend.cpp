@@ -285,6 +285,26 @@ QuantErrorSums quant_error_sums_on(Backend& backend, const std::vector<float>& x
   return backend.quant_error_sums(xb.as<float>(), in.view);
 }
 
+void Backend::adamw_update_many(float* params, const float* grads, float* m, float* v,
+                                const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                                const std::vector<AdamWStep>& steps) {
+  validate_adamw_update_many(offsets, counts, steps);
+  for (size_t i = 0; i < offsets.size(); ++i)
+    adamw_update(params + offsets[i], grads + offsets[i], m + offsets[i], v + offsets[i], counts[i], steps[i]);
+}
+
+void validate_adamw_update_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                                const std::vector<AdamWStep>& steps) {
+  if (offsets.size() != counts.size() || offsets.size() != steps.size())
+    throw std::invalid_argument("adamw_update_many: " + std::to_string(offsets.size()) + " offsets, " +
+                                std::to_string(counts.size()) + " counts and " + std::to_string(steps.size()) +
+                                " steps (one of each per tensor)");
+  for (size_t i = 0; i < offsets.size(); ++i)
+    if (offsets[i] < 0 || counts[i] < 0)
+      throw std::invalid_argument("adamw_update_many: tensor " + std::to_string(i) + " has offset " +
+                                  std::to_string(offsets[i]) + " and count " + std::to_string(counts[i]));
+}
+
 void validate_sum_squares_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts) {
   if (offsets.size() != counts.size())
     throw std::invalid_argument("sum_squares_many: " + std::to_string(offsets.size()) + " offsets but " +

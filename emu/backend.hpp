@@ -19,6 +19,10 @@ namespace fp4sim {
 
 // sum_squares_many's arguments: as many offsets as counts, none negative (std::invalid_argument).
 void validate_sum_squares_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts);
+// adamw_update_many's arguments: one offset, count and step per tensor, no offset or count negative
+// (std::invalid_argument).
+void validate_adamw_update_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                                const std::vector<AdamWStep>& steps);
 
 // An activation op whose output goes straight into a quantizer (Backend::quantize_activation):
 // GELU (tanh) forward, out = gelu_forward(inp), or backward, out = gelu_backward(inp, dout), over
@@ -131,6 +135,11 @@ class Backend {
                                 bool /*round_bf16*/, bool /*bf16_dout*/) {
     missing("rmsnorm_backward");
   }
+  // out (N,OC) = inp (N,K) W (OC,K)^T, then + bias (FP32, RN), then RNE to BF16 when round_bf16.
+  // With round_bf16 the bias added is the bias's BF16 rounding: out = RNE(fl32(acc + bf16(bias))),
+  // as a BF16 GEMM's epilogue adds the bias in the output's type (cuBLASLt, Transformer Engine,
+  // PyTorch autocast). The same rule holds for every op below that adds a bias to a BF16 output
+  // (bias_forward, bias_forward_bf16, matmul_forward_bf16, matmul_forward_activation).
   virtual void matmul_forward(float* /*out*/, const float* /*inp*/, const float* /*weight*/, const float* /*bias*/,
                               int64_t /*N*/, int64_t /*K*/, int64_t /*OC*/, emu::GemmPrecision /*prec*/,
                               bool /*round_bf16*/) {
@@ -147,6 +156,8 @@ class Backend {
                                          int64_t /*OC*/, emu::GemmPrecision /*prec*/) {
     missing("matmul_backward_bf16_dout");
   }
+  // out (N,OC) += bias (FP32, RN), then RNE to BF16 when round_bf16, the bias then rounded to BF16
+  // first (matmul_forward's rule).
   virtual void bias_forward(float* /*out*/, const float* /*bias*/, int64_t /*N*/, int64_t /*OC*/, bool /*round_bf16*/) {
     missing("bias_forward");
   }
@@ -362,6 +373,13 @@ class Backend {
   // One AdamW step over n elements (emu/optim.hpp's adamw_element on each).
   virtual void adamw_update(float* /*params*/, const float* /*grads*/, float* /*m*/, float* /*v*/, int64_t /*n*/,
                             const AdamWStep& /*step*/) { missing("adamw_update"); }
+  // adamw_update(params + offsets[i], grads + offsets[i], m + offsets[i], v + offsets[i], counts[i],
+  // steps[i]) for every tensor i, in one call: the same bits (each element's update depends on that
+  // element alone). The optimizer step over all parameter tensors; the CUDA backend makes one launch.
+  // Tensors must not overlap. std::invalid_argument for unequal list lengths or a negative entry.
+  virtual void adamw_update_many(float* params, const float* grads, float* m, float* v,
+                                 const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                                 const std::vector<AdamWStep>& steps);
   // sum of x_i^2 in FP64 (the global gradient norm).
   virtual double sum_squares(const float* /*x*/, int64_t /*n*/) { missing("sum_squares"); }
   // sums[i] = sum_squares(base + offsets[i], counts[i]) for every i, the same bits, in one call

@@ -19,6 +19,15 @@ inline const float* read_as_bf16(const float* dout, int64_t n, bool bf16_dout, s
   return rounded.data();
 }
 
+// The bias a linear adds when its output is rounded to BF16: the bias's BF16 rounding (a copy in
+// `rounded`), as a BF16 GEMM's epilogue adds a BF16 bias (Backend::matmul_forward); else bias itself.
+inline const float* bias_as_added(const float* bias, int64_t OC, bool round_bf16, std::vector<float>& rounded) {
+  if (!bias || !round_bf16) return bias;
+  rounded.assign(bias, bias + OC);
+  round_to_bf16(rounded.data(), OC);
+  return rounded.data();
+}
+
 // (not final: tests derive from it, e.g. to fuse as another backend would)
 class CpuBackend : public Backend {
  public:
@@ -86,7 +95,8 @@ class CpuBackend : public Backend {
   }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N,
                       int64_t K, int64_t OC, emu::GemmPrecision prec, bool round_bf16) override {
-    emu::matmul_forward(out, inp, weight, bias, N, K, OC, prec);
+    std::vector<float> b16;
+    emu::matmul_forward(out, inp, weight, bias_as_added(bias, OC, round_bf16, b16), N, K, OC, prec);
     if (round_bf16) emu::round_to_bf16(out, N * OC);
   }
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -139,7 +149,8 @@ class CpuBackend : public Backend {
     if (round_bf16) emu::round_to_bf16(dinp, n);
   }
   void bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) override {
-    emu::bias_forward(out, bias, N, OC);
+    std::vector<float> b16;
+    emu::bias_forward(out, bias_as_added(bias, OC, round_bf16, b16), N, OC);
     if (round_bf16) emu::round_to_bf16(out, N * OC);
   }
   void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override {

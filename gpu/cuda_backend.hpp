@@ -175,6 +175,8 @@ class CudaBackend final : public Backend {
                                                   int64_t V) override;
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override;
+  void adamw_update_many(float* params, const float* grads, float* m, float* v, const std::vector<int64_t>& offsets,
+                         const std::vector<int64_t>& counts, const std::vector<AdamWStep>& steps) override;
   double sum_squares(const float* x, int64_t n) override;
   void sum_squares_many(const float* base, const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
                         double* sums) override;
@@ -334,9 +336,8 @@ void set_activation_fusion(bool on);
 // cuBLASLt picks another algorithm for the other output (bounded, as every cuBLASLt GEMM).
 void set_matmul_bf16_epilogue(bool on);
 // Test hook: how many matmul_forward_bf16 calls with a BF16 output (out16) had cuBLASLt write it
-// (and add the bias) in its epilogue (first), or write FP32 with the bias added in its epilogue
-// before a narrowing pass (second; where it lists no algorithm for the first), in this process.
-std::pair<uint64_t, uint64_t> matmul_bf16_epilogue_count();
+// (and add the bias, as BF16) in its epilogue, in this process.
+uint64_t matmul_bf16_epilogue_count();
 // Test hook: the last BF16-output or bias-epilogue plan cuBLASLt refused (status, algorithms
 // listed, shape), or empty.
 std::string last_matmul_epilogue_refusal();

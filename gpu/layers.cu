@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -242,6 +243,10 @@ __device__ __forceinline__ float load_f32(const uint16_t* p, int64_t i) { return
 __device__ __forceinline__ void put_stored(float* o, int64_t i, float v, bool round_bf16) { o[i] = stored(v, round_bf16); }
 __device__ __forceinline__ void put_stored(uint16_t* o, int64_t i, float v, bool) { o[i] = bf16_rne(v); }
 
+// The general path of the norms (any C, any alignment): the kernels below, one block per row, and
+// the partial column-sum kernels. The row-in-registers kernels after them take the shapes of the
+// models (C % 4 == 0, C <= 1024, aligned rows) with the same per-element expressions.
+
 // One block per row n. mean and variance: each thread sums its strided elements in increasing
 // index order, then block_sum (fixed tree), FP32 RN; var = sum((x - mean)^2) / C (two passes, as
 // the emulator); rstd = 1 / sqrt(var + eps) (IEEE sqrt and division).
@@ -383,6 +388,341 @@ __global__ void rmsnorm_backward_partial_kernel(float* partial, const float* dwe
   partial[k * C + c] = w;
 }
 
+// ---- layernorm / rmsnorm: the row in registers ------------------------------------------------
+//
+// The norms' fast path, taken when C % 4 == 0, C <= kNormMaxC and inp, weight, bias and dinp are
+// 16-byte aligned: a rule on C and those pointers alone (never N, out or dout), so an op and its
+// BF16-bits twin take the same path and compute the same bits. The per-element expressions are
+// the kernels' above, every step RN; only the trees of the row sums differ (each a function of C
+// alone, stated on each kernel; bounded against the emulator). The column sums are the partial
+// kernels' very additions (bitwise). out and dout move four elements an access where their own
+// alignment allows and one at a time otherwise: the same values either way.
+constexpr int kNormMaxQuadsPerLane = 8;                       // float4 a lane
+constexpr int64_t kNormMaxC = 32 * 4 * kNormMaxQuadsPerLane;  // 1024
+constexpr int kNormRowWarps = 8;                              // rows a block at once, a warp each
+
+// Four consecutive elements as FP32 (16-byte aligned: one shared-memory access).
+struct alignas(16) F32x4 {
+  float v[4];
+};
+
+// p[i..i+3] (i a multiple of 4) as FP32: one access when `vec` (p aligned to four elements), else four.
+__device__ __forceinline__ F32x4 load_f32x4(const float* p, int64_t i, bool vec) {
+  if (vec) {
+    const float4 f = *reinterpret_cast<const float4*>(p + i);
+    return {{f.x, f.y, f.z, f.w}};
+  }
+  return {{p[i], p[i + 1], p[i + 2], p[i + 3]}};
+}
+__device__ __forceinline__ F32x4 load_f32x4(const uint16_t* p, int64_t i, bool vec) {
+  const ushort4 h = vec ? *reinterpret_cast<const ushort4*>(p + i) : make_ushort4(p[i], p[i + 1], p[i + 2], p[i + 3]);
+  return {{bf16_to_f32(h.x), bf16_to_f32(h.y), bf16_to_f32(h.z), bf16_to_f32(h.w)}};
+}
+// o[i..i+3] = put_stored's values of q, in one access when `vec`, else four.
+__device__ __forceinline__ void put_stored_x4(float* o, int64_t i, const F32x4& q, bool round_bf16, bool vec) {
+  const float4 s = make_float4(stored(q.v[0], round_bf16), stored(q.v[1], round_bf16), stored(q.v[2], round_bf16),
+                               stored(q.v[3], round_bf16));
+  if (vec) {
+    *reinterpret_cast<float4*>(o + i) = s;
+  } else {
+    o[i] = s.x;
+    o[i + 1] = s.y;
+    o[i + 2] = s.z;
+    o[i + 3] = s.w;
+  }
+}
+__device__ __forceinline__ void put_stored_x4(uint16_t* o, int64_t i, const F32x4& q, bool, bool vec) {
+  const ushort4 h = make_ushort4(bf16_rne(q.v[0]), bf16_rne(q.v[1]), bf16_rne(q.v[2]), bf16_rne(q.v[3]));
+  if (vec) {
+    *reinterpret_cast<ushort4*>(o + i) = h;
+  } else {
+    o[i] = h.x;
+    o[i + 1] = h.y;
+    o[i + 2] = h.z;
+    o[i + 3] = h.w;
+  }
+}
+
+// Row n of inp in a warp's registers: lane l holds the quads (4 columns each) l, l + 32, ..., up
+// to kQuads of them; those from C / 4 on are +0 and take part in no sum.
+template <int kQuads>
+__device__ __forceinline__ void load_row_quads(F32x4 (&x)[kQuads], const float* row, int64_t C, int lane) {
+#pragma unroll
+  for (int q = 0; q < kQuads; ++q) {
+    const int64_t j = lane + 32 * q;
+    x[q] = j < C / 4 ? load_f32x4(row, 4 * j, true) : F32x4{};
+  }
+}
+
+// LayerNorm forward, a warp a row, the row in registers (load_row_quads). mean: each lane adds its
+// elements in increasing column order to +0, then warp_sum; var: the same tree over (x - mean)^2
+// (two passes, as the emulator); rstd = 1 / sqrt(var / C + eps). out (N,C) = ((rstd * (x - mean))
+// * weight) + bias, each step RN. Bounded against the emulator (tree vs sequential row sums).
+// Block: kNormRowWarps warps (rows); grid: ceil(N / kNormRowWarps). OutT: float or BF16 bits.
+template <class OutT, int kQuads>
+__global__ void __launch_bounds__(kNormRowWarps * 32)
+    layernorm_forward_rows_kernel(OutT* out, float* mean, float* rstd, const float* inp, const float* weight,
+                                  const float* bias, int64_t N, int64_t C, float c_f32, float eps, bool round_bf16,
+                                  bool out_vec) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kNormRowWarps + (threadIdx.x >> 5);
+  if (n >= N) return;  // (a whole warp)
+  F32x4 x[kQuads];
+  load_row_quads(x, inp + n * C, C, lane);
+  float s = 0.0f;
+#pragma unroll
+  for (int q = 0; q < kQuads; ++q)
+    if (lane + 32 * q < C / 4)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s = __fadd_rn(s, x[q].v[e]);
+  const float m = __fdiv_rn(warp_sum(s), c_f32);
+  float v = 0.0f;
+#pragma unroll
+  for (int q = 0; q < kQuads; ++q)
+    if (lane + 32 * q < C / 4)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float d = __fsub_rn(x[q].v[e], m);
+        v = __fadd_rn(v, __fmul_rn(d, d));
+      }
+  v = __fdiv_rn(warp_sum(v), c_f32);
+  const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(v, eps)));
+#pragma unroll
+  for (int q = 0; q < kQuads; ++q) {
+    const int64_t j = lane + 32 * q;
+    if (j >= C / 4) continue;
+    const F32x4 w = load_f32x4(weight, 4 * j, true), b = load_f32x4(bias, 4 * j, true);
+    F32x4 o;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      o.v[e] = __fadd_rn(__fmul_rn(__fmul_rn(r, __fsub_rn(x[q].v[e], m)), w.v[e]), b.v[e]);
+    put_stored_x4(out + n * C, 4 * j, o, round_bf16, out_vec);
+  }
+  if (lane == 0) {
+    mean[n] = m;
+    rstd[n] = r;
+  }
+}
+
+// RMSNorm forward, laid out as layernorm_forward_rows_kernel: ms = (sum of x * x: each lane in
+// column order from +0, then warp_sum) / C, rstd = 1 / sqrt(ms + eps); out (N,C) = (x * rstd) *
+// weight. Bounded against the emulator.
+template <class OutT, int kQuads>
+__global__ void __launch_bounds__(kNormRowWarps * 32)
+    rmsnorm_forward_rows_kernel(OutT* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
+                                float c_f32, float eps, bool round_bf16, bool out_vec) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kNormRowWarps + (threadIdx.x >> 5);
+  if (n >= N) return;  // (a whole warp)
+  F32x4 x[kQuads];
+  load_row_quads(x, inp + n * C, C, lane);
+  float ss = 0.0f;
+#pragma unroll
+  for (int q = 0; q < kQuads; ++q)
+    if (lane + 32 * q < C / 4)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ss = __fadd_rn(ss, __fmul_rn(x[q].v[e], x[q].v[e]));
+  const float ms = __fdiv_rn(warp_sum(ss), c_f32);
+  const float s = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+#pragma unroll
+  for (int q = 0; q < kQuads; ++q) {
+    const int64_t j = lane + 32 * q;
+    if (j >= C / 4) continue;
+    const F32x4 w = load_f32x4(weight, 4 * j, true);
+    F32x4 o;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o.v[e] = __fmul_rn(__fmul_rn(x[q].v[e], s), w.v[e]);
+    put_stored_x4(out + n * C, 4 * j, o, round_bf16, out_vec);
+  }
+  if (lane == 0) rstd[n] = s;
+}
+
+// The backward kernels below: one block of kNormRowWarps warps per chunk k of kColumnChunkRows
+// rows (the column sums' chunking). The chunk's rows go kNormRowWarps at a time, a warp a row, the
+// row's x, dout and dinp in registers as in the forward kernels (load_row_quads; the row sums are
+// the forward's tree: each lane in column order from +0, then warp_sum), and each row's column-sum
+// terms go to shared memory; after a barrier, thread t < C / 4 adds those of its quad of columns
+// to its running sums, the group's rows in increasing order, so every column sum is the sequential
+// one of the partial kernels; a second barrier frees the terms for the next group. (Prefetching
+// later rows to L2 made it slower on an H200.) Block: kNormRowWarps * 32 threads, two blocks an
+// SM; dynamic shared memory norm_terms_bytes; grid: chunks.
+
+// LayerNorm backward, fused. dinp (N,C) += ((dnorm - mean(dnorm)) - norm * mean(dnorm * norm)) *
+// rstd, norm = (x - mean) * rstd, dnorm = weight * dout, each step RN (bounded: the row sums'
+// tree). partial_w / partial_b (chunks, C): sums over the chunk's rows, increasing, of norm * dout
+// and of dout, chunk 0 starting from dweight / dbias and the others from +0: the additions of
+// layernorm_backward_partial_kernel, bitwise (with one chunk, partial_w / partial_b may be dweight /
+// dbias themselves: each thread reads its columns before it writes them).
+template <class DT, int kQuads>
+__global__ void __launch_bounds__(kNormRowWarps * 32, 2)
+    layernorm_backward_chunk_kernel(float* dinp, float* partial_w, float* partial_b, const float* dweight,
+                                    const float* dbias, const DT* dout, const float* inp, const float* weight,
+                                    const float* mean, const float* rstd, int64_t N, int64_t C, float c_f32,
+                                    bool round_bf16, bool bf16_dout, bool dout_vec) {
+  extern __shared__ F32x4 terms[];  // [2][kNormRowWarps][C / 4]: norm * dout and dout of the group's rows
+  const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5;
+  const int cols = static_cast<int>(C), quads = cols / 4;
+  const int64_t k = blockIdx.x, n0 = k * kColumnChunkRows;
+  const int rows = static_cast<int>(N - n0 < kColumnChunkRows ? N - n0 : kColumnChunkRows);
+  // the chunk's rows: offsets below rows * C <= kColumnChunkRows * kNormMaxC fit an int
+  const float* x_chunk = inp + n0 * C;
+  const DT* dy_chunk = dout + n0 * C;
+  float* dx_chunk = dinp + n0 * C;
+  F32x4* nd_terms = terms;
+  F32x4* dy_terms = terms + kNormRowWarps * quads;
+  F32x4 col_w{}, col_b{};
+  if (k == 0 && t < quads) {
+    col_w = load_f32x4(dweight, 4 * t, false);
+    col_b = load_f32x4(dbias, 4 * t, false);
+  }
+  for (int g = 0; g < rows; g += kNormRowWarps) {
+    const int r = g + warp;
+    if (r < rows) {
+      F32x4 norm[kQuads], dy[kQuads], dx_row[kQuads];
+      load_row_quads(norm, x_chunk + r * cols, C, lane);
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) {
+        const int j = lane + 32 * q;
+        if (j >= quads) break;
+        dy[q] = load_f32x4(dy_chunk, r * cols + 4 * j, dout_vec);
+        dx_row[q] = load_f32x4(dx_chunk, r * cols + 4 * j, true);
+      }
+      const float m = mean[n0 + r], s = rstd[n0 + r];
+      float a = 0.0f, b = 0.0f;
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) {
+        const int j = lane + 32 * q;
+        if (j >= quads) break;
+        const F32x4 w = load_f32x4(weight, 4 * j, true);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          norm[q].v[e] = __fmul_rn(__fsub_rn(norm[q].v[e], m), s);
+          dy[q].v[e] = read_dout(dy[q].v[e], bf16_dout);
+          const float dnorm = __fmul_rn(w.v[e], dy[q].v[e]);
+          a = __fadd_rn(a, dnorm);
+          b = __fadd_rn(b, __fmul_rn(dnorm, norm[q].v[e]));
+        }
+      }
+      const float dnorm_mean = __fdiv_rn(warp_sum(a), c_f32), dnorm_norm_mean = __fdiv_rn(warp_sum(b), c_f32);
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) {
+        const int j = lane + 32 * q;
+        if (j >= quads) break;
+        const F32x4 w = load_f32x4(weight, 4 * j, true);
+        F32x4& dx = dx_row[q];
+        F32x4 nd;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float dnorm = __fmul_rn(w.v[e], dy[q].v[e]);
+          dx.v[e] = stored(__fadd_rn(dx.v[e], __fmul_rn(__fsub_rn(__fsub_rn(dnorm, dnorm_mean),
+                                                                  __fmul_rn(norm[q].v[e], dnorm_norm_mean)),
+                                                        s)),
+                           round_bf16);
+          nd.v[e] = __fmul_rn(norm[q].v[e], dy[q].v[e]);
+        }
+        put_stored_x4(dx_chunk, r * cols + 4 * j, dx, false, true);
+        nd_terms[warp * quads + j] = nd;
+        dy_terms[warp * quads + j] = dy[q];
+      }
+    }
+    __syncthreads();
+    if (t < quads) {
+      const int group_rows = rows - g < kNormRowWarps ? rows - g : kNormRowWarps;
+      for (int i = 0; i < group_rows; ++i) {
+        const F32x4 nd = nd_terms[i * quads + t], d = dy_terms[i * quads + t];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          col_b.v[e] = __fadd_rn(col_b.v[e], d.v[e]);
+          col_w.v[e] = __fadd_rn(col_w.v[e], nd.v[e]);
+        }
+      }
+    }
+    __syncthreads();  // (the next group's rows overwrite the terms)
+  }
+  if (t < quads) {
+    put_stored_x4(partial_w, k * C + 4 * t, col_w, false, false);
+    put_stored_x4(partial_b, k * C + 4 * t, col_b, false, false);
+  }
+}
+
+// RMSNorm backward, fused, laid out as layernorm_backward_chunk_kernel. dinp (N,C) += (dout *
+// weight) * rstd - x * kk, kk = (((dot * rstd) * rstd) * rstd) / C, dot = sum of (dout * weight) *
+// x (the row sums' tree; bounded). partial_w (chunks, C): sums over the chunk's rows, increasing,
+// of (dout * x) * rstd, chunk 0 starting from dweight, the others from +0: the additions of
+// rmsnorm_backward_partial_kernel, bitwise (partial_w may be dweight itself with one chunk).
+template <class DT, int kQuads>
+__global__ void __launch_bounds__(kNormRowWarps * 32, 2)
+    rmsnorm_backward_chunk_kernel(float* dinp, float* partial_w, const float* dweight, const DT* dout,
+                                  const float* inp, const float* weight, const float* rstd, int64_t N, int64_t C,
+                                  float c_f32, bool round_bf16, bool bf16_dout, bool dout_vec) {
+  extern __shared__ F32x4 terms[];  // [kNormRowWarps][C / 4]: (dout * x) * rstd of the group's rows
+  const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5;
+  const int cols = static_cast<int>(C), quads = cols / 4;
+  const int64_t k = blockIdx.x, n0 = k * kColumnChunkRows;
+  const int rows = static_cast<int>(N - n0 < kColumnChunkRows ? N - n0 : kColumnChunkRows);
+  const float* x_chunk = inp + n0 * C;
+  const DT* dy_chunk = dout + n0 * C;
+  float* dx_chunk = dinp + n0 * C;
+  F32x4 col_w{};
+  if (k == 0 && t < quads) col_w = load_f32x4(dweight, 4 * t, false);
+  for (int g = 0; g < rows; g += kNormRowWarps) {
+    const int r = g + warp;
+    if (r < rows) {
+      F32x4 x[kQuads], dy[kQuads], dx_row[kQuads];
+      load_row_quads(x, x_chunk + r * cols, C, lane);
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) {
+        const int j = lane + 32 * q;
+        if (j >= quads) break;
+        dy[q] = load_f32x4(dy_chunk, r * cols + 4 * j, dout_vec);
+        dx_row[q] = load_f32x4(dx_chunk, r * cols + 4 * j, true);
+      }
+      const float s = rstd[n0 + r];
+      float dot = 0.0f;
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) {
+        const int j = lane + 32 * q;
+        if (j >= quads) break;
+        const F32x4 w = load_f32x4(weight, 4 * j, true);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dy[q].v[e] = read_dout(dy[q].v[e], bf16_dout);
+          dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(dy[q].v[e], w.v[e]), x[q].v[e]));
+        }
+      }
+      dot = warp_sum(dot);
+      const float kk = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(dot, s), s), s), c_f32);
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) {
+        const int j = lane + 32 * q;
+        if (j >= quads) break;
+        const F32x4 w = load_f32x4(weight, 4 * j, true);
+        F32x4& dx = dx_row[q];
+        F32x4 term;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float dyw = __fmul_rn(dy[q].v[e], w.v[e]);
+          dx.v[e] = stored(__fadd_rn(dx.v[e], __fsub_rn(__fmul_rn(dyw, s), __fmul_rn(x[q].v[e], kk))), round_bf16);
+          term.v[e] = __fmul_rn(__fmul_rn(dy[q].v[e], x[q].v[e]), s);
+        }
+        put_stored_x4(dx_chunk, r * cols + 4 * j, dx, false, true);
+        terms[warp * quads + j] = term;
+      }
+    }
+    __syncthreads();
+    if (t < quads) {
+      const int group_rows = rows - g < kNormRowWarps ? rows - g : kNormRowWarps;
+      for (int i = 0; i < group_rows; ++i) {
+        const F32x4 term = terms[i * quads + t];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) col_w.v[e] = __fadd_rn(col_w.v[e], term.v[e]);
+      }
+    }
+    __syncthreads();  // (the next group's rows overwrite the terms)
+  }
+  if (t < quads) put_stored_x4(partial_w, k * C + 4 * t, col_w, false, false);
+}
+
 // ---- matmul -----------------------------------------------------------------------------------
 
 // dst (n) = BF16 RNE bits of src (emu/formats.hpp: NaN -> 0x7FFF), the emulator's operand rounding.
@@ -412,8 +752,12 @@ __global__ void round_to_bf16_kernel(uint16_t* dst, const float* src, int64_t n)
       [&](int64_t i) { dst[i] = bf16_rne(src[i]); });
 }
 
+// The bias value added to an output that is rounded to BF16: the bias's BF16 rounding (the rule of
+// Backend::matmul_forward, as a BF16 GEMM epilogue adds a BF16 bias); else the bias.
+__device__ __forceinline__ float bias_added(float b, bool round_bf16) { return round_bf16 ? bf16_round(b) : b; }
+
 // out (N,OC) += bias (OC), one FP32 RN addition after the GEMM, as the emulator: bitwise given the
-// GEMM's value. grid.y walks the rows (several per block, so a block has work enough), x the
+// GEMM's value; with round_bf16, the bias rounded to BF16 first and the sum rounded. grid.y walks the rows (several per block, so a block has work enough), x the
 // columns, four at a time when `vec` (OC a multiple of 4, both pointers 16-byte aligned; the same
 // per-element function either way).
 __global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16, bool vec) {
@@ -425,18 +769,18 @@ __global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_
       if (vec) {
         float4 v = reinterpret_cast<float4*>(row)[c];
         const float4 b = reinterpret_cast<const float4*>(bias)[c];
-        v.x = stored(__fadd_rn(v.x, b.x), round_bf16);
-        v.y = stored(__fadd_rn(v.y, b.y), round_bf16);
-        v.z = stored(__fadd_rn(v.z, b.z), round_bf16);
-        v.w = stored(__fadd_rn(v.w, b.w), round_bf16);
+        v.x = stored(__fadd_rn(v.x, bias_added(b.x, round_bf16)), round_bf16);
+        v.y = stored(__fadd_rn(v.y, bias_added(b.y, round_bf16)), round_bf16);
+        v.z = stored(__fadd_rn(v.z, bias_added(b.z, round_bf16)), round_bf16);
+        v.w = stored(__fadd_rn(v.w, bias_added(b.w, round_bf16)), round_bf16);
         reinterpret_cast<float4*>(row)[c] = v;
       } else {
-        row[c] = stored(__fadd_rn(row[c], bias[c]), round_bf16);
+        row[c] = stored(__fadd_rn(row[c], bias_added(bias[c], round_bf16)), round_bf16);
       }
     }
   }
 }
-// out16 (N,OC) = the BF16 bits of in + bias (add_bias_kernel's sum, RNE): add_bias with rounding
+// out16 (N,OC) = the BF16 bits of in + bf16(bias) (add_bias_kernel's sum, RNE): add_bias with rounding
 // and then round_to_bf16_kernel, in one pass. vec: OC % 4 == 0, in and bias 16-byte aligned, out16
 // 8-byte aligned.
 __global__ void add_bias_bf16_kernel(uint16_t* out16, const float* in, const float* bias, int64_t N, int64_t OC,
@@ -450,10 +794,11 @@ __global__ void add_bias_bf16_kernel(uint16_t* out16, const float* in, const flo
       if (vec) {
         const float4 v = reinterpret_cast<const float4*>(row)[c];
         const float4 b = reinterpret_cast<const float4*>(bias)[c];
-        reinterpret_cast<ushort4*>(o)[c] = make_ushort4(bf16_rne(__fadd_rn(v.x, b.x)), bf16_rne(__fadd_rn(v.y, b.y)),
-                                                        bf16_rne(__fadd_rn(v.z, b.z)), bf16_rne(__fadd_rn(v.w, b.w)));
+        reinterpret_cast<ushort4*>(o)[c] =
+            make_ushort4(bf16_rne(__fadd_rn(v.x, bf16_round(b.x))), bf16_rne(__fadd_rn(v.y, bf16_round(b.y))),
+                         bf16_rne(__fadd_rn(v.z, bf16_round(b.z))), bf16_rne(__fadd_rn(v.w, bf16_round(b.w))));
       } else {
-        o[c] = bf16_rne(__fadd_rn(row[c], bias[c]));
+        o[c] = bf16_rne(__fadd_rn(row[c], bf16_round(bias[c])));
       }
     }
   }
@@ -554,14 +899,38 @@ __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, fl
 // gelu_forward_kernel that also writes the stored values' BF16 bits (h), the GEMM operand
 // round_to_bf16_kernel would make from out: the same bits, one pass. out null: h only (the
 // activation kept as BF16 bits).
+// Four elements an access where `vec` (gelu_copy_vectorized: the pointers aligned for it), else one:
+// the same per-element function either way.
 template <class InT>
-__global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT* inp, int64_t n, bool round_bf16) {
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float v = gelu_forward_stored(load_f32(inp, j), round_bf16);
-    if (out) out[j] = v;
-    h[j] = bf16_rne(v);
-  }
+__global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT* inp, int64_t n, bool round_bf16,
+                                              bool vec) {
+  grid_stride_by4(
+      n, vec,
+      [&](int64_t j) {
+        float x[4];
+        if constexpr (std::is_same_v<InT, uint16_t>) {
+          const ushort4 u = reinterpret_cast<const ushort4*>(inp)[j];
+          x[0] = bf16_to_f32(u.x), x[1] = bf16_to_f32(u.y), x[2] = bf16_to_f32(u.z), x[3] = bf16_to_f32(u.w);
+        } else {
+          const float4 f = reinterpret_cast<const float4*>(inp)[j];
+          x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
+        }
+        float v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = gelu_forward_stored(x[u], round_bf16);
+        if (out) reinterpret_cast<float4*>(out)[j] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<ushort4*>(h)[j] = make_ushort4(bf16_rne(v[0]), bf16_rne(v[1]), bf16_rne(v[2]), bf16_rne(v[3]));
+      },
+      [&](int64_t i) {
+        const float v = gelu_forward_stored(load_f32(inp, i), round_bf16);
+        if (out) out[i] = v;
+        h[i] = bf16_rne(v);
+      });
+}
+template <class InT>
+bool gelu_copy_vectorized(const float* out, const uint16_t* h, const InT* inp) {
+  const auto aligned8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
+  return aligned8(h) && (std::is_same_v<InT, uint16_t> ? aligned8(inp) : aligned16(inp)) && (!out || aligned16(out));
 }
 
 // ---- RoPE -------------------------------------------------------------------------------------
@@ -704,101 +1073,145 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
 // ---- cross-entropy ----------------------------------------------------------------------------
 
 // One block per row n of logits (N,V): kCeThreads threads, or 256 for V < 4096 (a byte-level
-// vocabulary would leave most of 1024 idle). max: exact; p = expf(z - max) (CUDA
-// expf); sum: per-thread strided sums in increasing index, then block_sum (FP32 tree); probs (N,V)
-// = p / sum; losses (N) = -logf(probs[target]) (CUDA logf). Bounded against the emulator (tree
-// sum, expf, logf). kGrad (crossentropy_softmax_forward_backward): the third pass writes, instead
-// of each probability, crossentropy_softmax_backward_kernel's expression on it, (p - onehot) *
-// dlosses[n] then bf16_round when round_bf16: the bits of the two kernels in turn, without the
-// probabilities' write and read.
+// vocabulary would leave most of them idle). Thread t owns the chunks c = t, t + blockDim, ... of
+// kCeVec consecutive logits [kCeVec c, kCeVec c + kCeVec) (the last one cut at V), and walks its
+// logits chunk by chunk in increasing index. max: exact; p = expf(z - max) (CUDA expf); sum: each
+// thread's sequential sum in that order, then block_sum (FP32 tree); probs (N,V) = p / sum; losses
+// (N) = -logf(probs[target]) (CUDA logf). Bounded against the emulator (tree sum, expf, logf); the
+// tree depends only on V (the thread count and the chunking), never on the storage types or the
+// pointers' alignment, so the FP32 and the BF16-bits instantiations give the same bits.
+// kGrad (crossentropy_softmax_forward_backward): the third pass writes, instead of each
+// probability, crossentropy_softmax_backward_kernel's expression on it, (p - onehot) * dlosses[n]
+// then bf16_round when round_bf16: the bits of the two kernels in turn, without the probabilities'
+// write and read.
 // bf16_logits: each logit is read as bf16_round(logit) (the model's BF16 storage of the logits,
 // applied here instead of by a pass over them after the GEMM).
-// kCached (the row fits in shared memory): the first pass copies the row there and the second
-// replaces each logit by its exponential, so the logits are read from memory once and each
-// exponential computed once; without it the passes read the logits again and the third recomputes
-// the exponentials. Each element gets the same expressions from the same thread either way: the
-// same bits.
-// Reads of the logits go kCeBatch at a time: a thread's next kCeBatch logits are loaded before the
-// first is used, then used in increasing index as before (the same per-thread order of the max and
-// the sum, so the same bits). One-at-a-time, each load waited for the previous one's shared-memory
-// store (the compiler cannot move a load of a generic pointer above a store to shared memory): with
-// one 1024-thread CTA per SM that kept ~4 KB of loads in flight per SM.
-constexpr int kCeThreads = 1024;
-constexpr int kCeBatch = 8;
+// kCached (the row fits in shared memory): the first pass copies the row there as it is stored (In:
+// BF16 bits take 2 bytes a logit, so two CTAs share an SM at V = 50304 and one's loads overlap the
+// other's arithmetic), the second and third read it from there: the logits are read from memory
+// once. Without it the passes read the logits from memory again. The exponentials are computed in
+// the second pass and again in the third (the same expression on the same value: the same bits).
+// Memory: chunks move as 16-byte vectors (`vec`: V a multiple of the vector's elements and the
+// pointers 16-byte aligned), else element by element; kCeBatch chunks are loaded before the first
+// is used. The same values in the same order either way.
+constexpr int kCeThreads = 512;
+constexpr int kCeVec = 8;    // logits a chunk: 16 bytes of BF16 bits
+constexpr int kCeBatch = 4;  // chunks a thread has in flight in the first pass
+
 // Out = uint16_t (kGrad with round_bf16 only): the written values stored as BF16 bits, the same
 // numbers (each is BF16-rounded) in half the bytes.
 // In = uint16_t: the logits kept as BF16 bits (read widened: the values bf16_logits reads).
+template <class T>
+struct CeChunk {
+  T v[kCeVec];
+};
+
+// chunk c of row z (count = its logits: kCeVec, or fewer for the last), as stored
+template <class T>
+__device__ __forceinline__ CeChunk<T> ce_load(const T* z, int64_t c, int count, bool vec) {
+  CeChunk<T> k;
+  if (vec && count == kCeVec) {
+    static_assert(sizeof(CeChunk<T>) % 16 == 0, "a chunk is whole 16-byte vectors");
+#pragma unroll
+    for (int q = 0; q < static_cast<int>(sizeof(CeChunk<T>) / 16); ++q)
+      reinterpret_cast<uint4*>(&k)[q] = reinterpret_cast<const uint4*>(z + c * kCeVec)[q];
+  } else {
+#pragma unroll
+    for (int u = 0; u < kCeVec; ++u)
+      if (u < count) k.v[u] = z[c * kCeVec + u];
+  }
+  return k;
+}
+
+template <class T>
+__device__ __forceinline__ void ce_store(T* p, int64_t c, int count, bool vec, const CeChunk<T>& k) {
+  if (vec && count == kCeVec) {
+#pragma unroll
+    for (int q = 0; q < static_cast<int>(sizeof(CeChunk<T>) / 16); ++q)
+      reinterpret_cast<uint4*>(p + c * kCeVec)[q] = reinterpret_cast<const uint4*>(&k)[q];
+  } else {
+#pragma unroll
+    for (int u = 0; u < kCeVec; ++u)
+      if (u < count) p[c * kCeVec + u] = k.v[u];
+  }
+}
+
 template <bool kGrad, bool kCached, class Out = float, class In = float>
-__global__ void __launch_bounds__(kCeThreads)
+__global__ void __launch_bounds__(kCeThreads, 2)
     crossentropy_softmax_forward_kernel(float* losses, Out* probs, const In* logits, const int32_t* targets,
-                                        int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits) {
+                                        int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits,
+                                        bool vec_in, bool vec_out) {
   static_assert(kGrad || std::is_same_v<Out, float>, "BF16 output is for the gradient (dlogits) only");
-  extern __shared__ float row[];  // kCached: the row's logits, then their exponentials
+  extern __shared__ uint4 ce_smem[];  // kCached: the row's logits as stored
+  In* const row = reinterpret_cast<In*>(ce_smem);
   const int64_t n = blockIdx.x;
   const In* z = logits + n * V;
   Out* p = probs + n * V;
-  auto logit = [&](int64_t i) {
-    if constexpr (std::is_same_v<In, uint16_t>) return bf16_to_f32(z[i]);
-    else return bf16_logits ? bf16_round(z[i]) : z[i];
+  const int64_t chunks = (V + kCeVec - 1) / kCeVec, step = blockDim.x;
+  auto count_of = [&](int64_t c) { return static_cast<int>(V - c * kCeVec < kCeVec ? V - c * kCeVec : kCeVec); };
+  auto value = [&](In s) {
+    if constexpr (std::is_same_v<In, uint16_t>) return bf16_to_f32(s);
+    else return bf16_logits ? bf16_round(s) : s;
   };
-  // f(i, logit(i)) for this thread's indices i = threadIdx.x + k blockDim.x in increasing order,
-  // the logits loaded kCeBatch at a time (each index is read before this thread writes it, so an
-  // output that aliases the logits is still safe)
-  auto for_each_logit = [&](auto&& f) {
-    const int64_t step = blockDim.x;
-    int64_t i = threadIdx.x;
-    for (; i + (kCeBatch - 1) * step < V; i += kCeBatch * step) {
-      float v[kCeBatch];
+  // f(c, count, chunk) for this thread's chunks in increasing order: from memory, kCeBatch loads in
+  // flight (each chunk is read before this thread writes it, so an output that aliases the logits
+  // is still safe), or from the cache
+  auto for_each_chunk = [&](bool from_cache, auto&& f) {
+    constexpr int batch = kCached ? kCeBatch : 2;  // (the uncached passes: fewer, so no spills)
+    int64_t c = threadIdx.x;
+    if (!from_cache) {
+      for (; c + (batch - 1) * step < chunks; c += batch * step) {
+        CeChunk<In> k[batch];
 #pragma unroll
-      for (int u = 0; u < kCeBatch; ++u) v[u] = logit(i + u * step);
+        for (int b = 0; b < batch; ++b) k[b] = ce_load(z, c + b * step, count_of(c + b * step), vec_in);
 #pragma unroll
-      for (int u = 0; u < kCeBatch; ++u) f(i + u * step, v[u]);
+        for (int b = 0; b < batch; ++b) f(c + b * step, count_of(c + b * step), k[b]);
+      }
     }
-    for (; i < V; i += step) f(i, logit(i));
+    for (; c < chunks; c += step) f(c, count_of(c), from_cache ? ce_load(row, c, count_of(c), true) : ce_load(z, c, count_of(c), vec_in));
   };
   float m = -INFINITY;
-  for_each_logit([&](int64_t i, float v) {
-    if (kCached) row[i] = v;
-    m = max_skip_nan(m, v);
+  for_each_chunk(false, [&](int64_t c, int count, const CeChunk<In>& k) {
+    if (kCached) ce_store(row, c, count, true, k);
+#pragma unroll
+    for (int u = 0; u < kCeVec; ++u)
+      if (u < count) m = max_skip_nan(m, value(k.v[u]));
   });
-  const float maxv = block_max(m);
+  const float maxv = block_max(m);  // (ends with a barrier: the cached row is complete)
   float s = 0.0f;
-  if (kCached) {
-    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-      const float e = expf(__fsub_rn(row[i], maxv));
-      row[i] = e;  // each thread rewrites only its own elements
-      s = __fadd_rn(s, e);
-    }
-  } else {
-    for_each_logit([&](int64_t, float v) { s = __fadd_rn(s, expf(__fsub_rn(v, maxv))); });
-  }
-  const float sum = block_sum(s);  // ends with a barrier: every exponential is in `row`
+  for_each_chunk(kCached, [&](int64_t, int count, const CeChunk<In>& k) {
+#pragma unroll
+    for (int u = 0; u < kCeVec; ++u)
+      if (u < count) s = __fadd_rn(s, expf(__fsub_rn(value(k.v[u]), maxv)));
+  });
+  const float sum = block_sum(s);
   const int64_t target = targets[n];
   // the loss before the third pass, which may overwrite the logits when the output aliases them
-  if (threadIdx.x == 0)
-    losses[n] = -logf(__fdiv_rn(kCached ? row[target] : expf(__fsub_rn(logit(target), maxv)), sum));
+  if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(expf(__fsub_rn(value(kCached ? row[target] : z[target]), maxv)), sum));
   __syncthreads();
   const float dl = kGrad ? dlosses[n] : 0.0f;
-  auto put = [&](int64_t i, float e) {
-    const float prob = __fdiv_rn(e, sum);
-    if constexpr (std::is_same_v<Out, uint16_t>)
-      p[i] = bf16_rne(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl));
-    else
-      p[i] = kGrad ? stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16) : prob;
-  };
-  if (kCached) {
-    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) put(i, row[i]);
-  } else {
-    for_each_logit([&](int64_t i, float v) { put(i, expf(__fsub_rn(v, maxv))); });
-  }
+  for_each_chunk(kCached, [&](int64_t c, int count, const CeChunk<In>& k) {
+    CeChunk<Out> o;
+#pragma unroll
+    for (int u = 0; u < kCeVec; ++u) {
+      if (u >= count) continue;
+      const int64_t i = c * kCeVec + u;
+      const float prob = __fdiv_rn(expf(__fsub_rn(value(k.v[u]), maxv)), sum);
+      if constexpr (std::is_same_v<Out, uint16_t>)
+        o.v[u] = bf16_rne(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl));
+      else
+        o.v[u] = kGrad ? stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16) : prob;
+    }
+    ce_store(p, c, count, vec_out, o);
+  });
 }
 
 bool g_crossentropy_cached = true;
 
 // The most dynamic shared memory the cached cross-entropy kernel may use on the current device: the
 // per-block opt-in limit less the kernel's static shared memory (block_max and block_sum), allowed
-// once per instantiation and device (V = 50304 needs 196.5 KiB of the H200's 227 KiB); the cache
-// is guarded (several host threads may launch).
+// once per instantiation and device (V = 50304 needs 98.3 KiB as BF16 bits, 196.5 KiB as FP32, of
+// the H200's 227 KiB); the cache is guarded (several host threads may launch).
 template <bool kGrad, class Out, class In>
 size_t crossentropy_cache_bytes() {
   static std::mutex mutex;
@@ -815,6 +1228,10 @@ size_t crossentropy_cache_bytes() {
   const size_t dynamic = static_cast<size_t>(optin) > fa.sharedSizeBytes ? static_cast<size_t>(optin) - fa.sharedSizeBytes : 0;
   FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true, Out, In>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic)));
+  // (the most shared memory an SM has, so two CTAs of a BF16 row fit side by side)
+  FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true, Out, In>,
+                                         cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   limits[device] = dynamic;
   return dynamic;
 }
@@ -823,14 +1240,17 @@ size_t crossentropy_cache_bytes() {
 template <bool kGrad, class Out = float, class In = float>
 void launch_crossentropy(float* losses, Out* out, const In* logits, const int32_t* targets, int64_t N,
                          int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits, cudaStream_t stream) {
-  const size_t bytes = static_cast<size_t>(V) * sizeof(float);
+  // (a row's chunks are whole 16-byte vectors when V is a multiple of a vector's elements)
+  const bool vec_in = V % static_cast<int64_t>(16 / sizeof(In)) == 0 && aligned16(logits);
+  const bool vec_out = V % static_cast<int64_t>(16 / sizeof(Out)) == 0 && aligned16(out);
+  const size_t bytes = (static_cast<size_t>((V + kCeVec - 1) / kCeVec) * kCeVec) * sizeof(In);
   const unsigned threads = V >= 4096 ? kCeThreads : 256;
   if (g_crossentropy_cached && bytes <= crossentropy_cache_bytes<kGrad, Out, In>()) {
     crossentropy_softmax_forward_kernel<kGrad, true, Out, In><<<static_cast<unsigned>(N), threads, bytes, stream>>>(
-        losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits);
+        losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits, vec_in, vec_out);
   } else {
     crossentropy_softmax_forward_kernel<kGrad, false, Out, In><<<static_cast<unsigned>(N), threads, 0, stream>>>(
-        losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits);
+        losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits, vec_in, vec_out);
   }
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
@@ -856,6 +1276,42 @@ __global__ void adamw_kernel(float* params, const float* grads, float* m, float*
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x)
     adamw_element(params[j], grads[j], m[j], v[j], step);
+}
+
+// adamw_update_many's one launch: CTA b updates the element range of work item b, a piece of at
+// most kAdamWItemElems elements of one tensor, with that tensor's step (one of up to kAdamWSteps
+// distinct ones, passed by value). adamw_element on every element: bitwise. Four elements a load
+// where `vec` (the four arrays 16-byte aligned; the range's head and tail one by one).
+constexpr int kAdamWSteps = 4;
+constexpr int64_t kAdamWItemElems = 4 * 4 * kThreads;  // four float4s a thread
+struct AdamWSteps {
+  AdamWStep s[kAdamWSteps];
+};
+struct AdamWItem {
+  int64_t begin, end;  // elements [begin, end) of the flat arrays
+  int64_t step;        // index into AdamWSteps
+};
+__global__ void adamw_many_kernel(float* params, const float* grads, float* m, float* v, const AdamWItem* items,
+                                  AdamWSteps steps, bool vec) {
+  const AdamWItem it = items[blockIdx.x];
+  const AdamWStep s = steps.s[it.step];
+  const int64_t a4 = vec ? (it.begin + 3) / 4 * 4 < it.end ? (it.begin + 3) / 4 * 4 : it.end : it.end;
+  const int64_t nv = (it.end - a4) / 4, e4 = a4 + 4 * nv;
+  for (int64_t i = it.begin + threadIdx.x; i < a4; i += blockDim.x) adamw_element(params[i], grads[i], m[i], v[i], s);
+  for (int64_t j = threadIdx.x; j < nv; j += blockDim.x) {
+    const int64_t i = a4 + 4 * j;
+    float4 p = *reinterpret_cast<float4*>(params + i), mm = *reinterpret_cast<float4*>(m + i),
+           vv = *reinterpret_cast<float4*>(v + i);
+    const float4 g = *reinterpret_cast<const float4*>(grads + i);
+    adamw_element(p.x, g.x, mm.x, vv.x, s);
+    adamw_element(p.y, g.y, mm.y, vv.y, s);
+    adamw_element(p.z, g.z, mm.z, vv.z, s);
+    adamw_element(p.w, g.w, mm.w, vv.w, s);
+    *reinterpret_cast<float4*>(params + i) = p;
+    *reinterpret_cast<float4*>(m + i) = mm;
+    *reinterpret_cast<float4*>(v + i) = vv;
+  }
+  for (int64_t i = e4 + threadIdx.x; i < it.end; i += blockDim.x) adamw_element(params[i], grads[i], m[i], v[i], s);
 }
 
 // sum x^2 in FP64 of tensor y = blockIdx.y, elements [offset, offset + count) of base (seg: the
@@ -906,7 +1362,6 @@ uint64_t g_fused_activation_matmul = 0;    // fused_activation_matmul_count
 bool g_activation_fusion = true;           // set_activation_fusion
 bool g_matmul_bf16_epilogue = true;        // set_matmul_bf16_epilogue
 uint64_t g_matmul_bf16_epilogue_calls = 0;  // matmul_bf16_epilogue_count
-uint64_t g_matmul_f32_epilogue_calls = 0;   // matmul_bf16_epilogue_count
 std::string g_last_epilogue_refusal;         // last_matmul_epilogue_refusal
 uint64_t g_weight_shadow_reads = 0;          // weight_shadow_read_count
 uint64_t g_fused_matmul_bias = 0;    // fused_matmul_bias_count
@@ -1009,12 +1464,16 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch f32_out;  // matmul_forward_bf16's FP32 output where the epilogue does not write BF16
   training_ops::DeviceScratch f32_dout;  // matmul_backward_bf16_dout's dout widened, FP32 GEMMs only (kept, as
                                          // the others; no training configuration pairs BF16 activations with them)
+  training_ops::DeviceScratch bias16;                       // a bias's BF16 bits for the BF16-output epilogue
   training_ops::DeviceScratch columns;                      // partial column sums
   training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O) (B,NH,T)
   training_ops::DeviceScratch att_qkv16, att_dout16;        // attention's BF16 copies of qkv and dout
   training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
   training_ops::DeviceScratch sums;                         // sum_squares partials and results
   training_ops::DeviceScratch segments;                     // sum_squares (offset, count) pairs
+  training_ops::DeviceScratch adamw_items;                  // adamw_update_many's work items (AdamWItem)
+  std::vector<int64_t> adamw_key;                           // the (offset, count, step index) they were made for
+  int64_t adamw_item_count = 0;
   training_ops::RopeTable rope;
   std::vector<int64_t> host_segments;
 };
@@ -1034,14 +1493,16 @@ using training_ops::RopeTable;
 // (CUBLAS_COMPUTE_32F: no TF32), operands BF16 (`bf16`) or FP32. A is stored (m x k) col-major
 // with ld lda, or (k x m) when transa; B is (k x n), or (n x k) when transb. beta = 1 accumulates:
 // D = fl(acc + D), the emulator's `d += gemm` given the GEMM's FP32 value.
-// d_bf16: D stored as BF16 bits (the epilogue's RNE of the FP32 value; beta 0 only). bias (m FP32
-// values, or null): D = fl(acc + bias[row]) in the epilogue, the bits of add_bias after the GEMM
-// (tests: LayersGpu.MatmulBf16EpilogueRoundsLikeAddBias). Returns false, having run nothing, where
-// cuBLASLt has no algorithm for such an output (the caller then takes separate passes); the FP32
-// output without an epilogue always runs (or throws).
+// d_bf16: D stored as BF16 bits (the epilogue's RNE of the FP32 value; beta 0 only). bias (m values
+// of D's type, BF16 bits for a BF16 D, or null): D = fl(acc + bias[row]) in the epilogue, then the
+// rounding: the bits of add_bias(_bf16) after the GEMM (tests:
+// LayersGpu.MatmulBf16EpilogueRoundsLikeAddBias). cuBLASLt 13.1 on Hopper refuses a BF16 D with an
+// FP32 bias (twenty-second session), so the bias takes D's type. Returns false, having run nothing,
+// where cuBLASLt has no algorithm for such an output (the caller then takes separate passes); the
+// FP32 output without an epilogue always runs (or throws).
 bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int64_t n, int64_t k,
                const void* A, int64_t lda, const void* B, int64_t ldb, void* D, float beta,
-               cudaStream_t stream, bool d_bf16 = false, const float* bias = nullptr) {
+               cudaStream_t stream, bool d_bf16 = false, const void* bias = nullptr) {
   if (d_bf16 && beta != 0.0f) throw std::logic_error("lt_matmul: a BF16 output takes beta = 0 only");
   if (!lt.handle) {
     FP4SIM_CUBLAS_CHECK(cublasLtCreate(&lt.handle));
@@ -1079,7 +1540,7 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
                                                    static_cast<uint64_t>(n), m));
     if (bias) {
       const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-      const cudaDataType_t bias_type = CUDA_R_32F;
+      const cudaDataType_t bias_type = d_bf16 ? CUDA_R_16BF : CUDA_R_32F;
       FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
       FP4SIM_CUBLAS_CHECK(
           cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
@@ -1223,47 +1684,147 @@ void CudaBackend::embedding_backward(float* dwte, float* dwpe, const float* dout
   }
 }
 
-void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                                    const float* weight, const float* bias, int64_t N, int64_t C,
-                                    bool round_bf16) {
-  require_rows("layernorm_forward", N);
-  if (N == 0 || C == 0) return;
-  layernorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      out, mean, rstd, inp, weight, bias, C, static_cast<float>(C), kNormEps, round_bf16);
+// The norms' launches, shared by the FP32 and BF16-bits entry points (the same path and the same
+// bits for both): the row-in-registers kernels where norm_rows_fit, the general ones otherwise.
+namespace {
+// The fast path's rule: C alone and the 16-byte alignment of `aligned` (inp, weight, bias, dinp).
+template <class... P>
+bool norm_rows_fit(int64_t C, const P*... aligned) {
+  return C % 4 == 0 && C <= kNormMaxC && (aligned16(aligned) && ...);
+}
+
+// Whether p takes four elements an access (16 bytes for FP32, 8 for BF16 bits).
+template <class T>
+bool quad_aligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
+}
+
+// f(std::integral_constant<int, kQuads>) for the fewest instantiated quads a lane (1, 2, 4, 6 or
+// 8) that cover C / 4 (C <= kNormMaxC).
+template <class F>
+void with_row_quads(int64_t C, F f) {
+  const int64_t need = (C / 4 + 31) / 32;
+  if (need <= 1) f(std::integral_constant<int, 1>{});
+  else if (need <= 2) f(std::integral_constant<int, 2>{});
+  else if (need <= 4) f(std::integral_constant<int, 4>{});
+  else if (need <= 6) f(std::integral_constant<int, 6>{});
+  else f(std::integral_constant<int, kNormMaxQuadsPerLane>{});
+}
+
+unsigned norm_rows_grid(int64_t N) { return static_cast<unsigned>((N + kNormRowWarps - 1) / kNormRowWarps); }
+// The backward kernels' shared memory: `arrays` rows of column-sum terms (C floats) a warp.
+size_t norm_terms_bytes(int64_t C, int arrays) {
+  return static_cast<size_t>(arrays) * kNormRowWarps * static_cast<size_t>(C) * sizeof(float);
+}
+// Lets `kernel` take `bytes` of dynamic shared memory (beyond the default 48 KiB).
+template <class Kernel>
+void allow_shared_bytes(Kernel* kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    FP4SIM_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+template <class OutT>
+void layernorm_forward_launch(OutT* out, float* mean, float* rstd, const float* inp, const float* weight,
+                              const float* bias, int64_t N, int64_t C, bool round_bf16, cudaStream_t stream) {
+  const float c_f32 = static_cast<float>(C);
+  if (norm_rows_fit(C, inp, weight, bias)) {
+    with_row_quads(C, [&](auto quads) {
+      layernorm_forward_rows_kernel<OutT, decltype(quads)::value><<<norm_rows_grid(N), kNormRowWarps * 32, 0, stream>>>(
+          out, mean, rstd, inp, weight, bias, N, C, c_f32, kNormEps, round_bf16, quad_aligned(out));
+    });
+  } else {
+    layernorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(out, mean, rstd, inp, weight, bias,
+                                                                               C, c_f32, kNormEps, round_bf16);
+  }
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-// dinp: one block per row (bounded vs the emulator). dweight/dbias: fixed 64-row chunks, chunk 0
-// seeded with the current value, chunks summed in order (bitwise the emulator's when N <= 64).
-namespace {
-// The norms' backward launches for dout stored as DT (partial: 2 x chunks x C floats of scratch
-// for LayerNorm, chunks x C for RMSNorm).
+template <class OutT>
+void rmsnorm_forward_launch(OutT* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
+                            bool round_bf16, cudaStream_t stream) {
+  const float c_f32 = static_cast<float>(C);
+  if (norm_rows_fit(C, inp, weight)) {
+    with_row_quads(C, [&](auto quads) {
+      rmsnorm_forward_rows_kernel<OutT, decltype(quads)::value><<<norm_rows_grid(N), kNormRowWarps * 32, 0, stream>>>(
+          out, rstd, inp, weight, N, C, c_f32, kNormEps, round_bf16, quad_aligned(out));
+    });
+  } else {
+    rmsnorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(out, rstd, inp, weight, C, c_f32,
+                                                                             kNormEps, round_bf16);
+  }
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+// The backward launches for dout stored as DT. dinp: bounded vs the emulator (row-sum trees).
+// dweight/dbias: fixed 64-row chunks, chunk 0 seeded with the current value, chunks summed in order
+// (bitwise the emulator's when N <= 64). partial: 2 x chunks x C floats of scratch for LayerNorm,
+// chunks x C for RMSNorm; with one chunk the fused kernels write dweight/dbias in place (the
+// finalize of one chunk is a copy).
 template <class DT>
 void layernorm_backward_launch(float* dinp, float* dweight, float* dbias, const DT* dout, const float* inp,
                                const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
                                bool round_bf16, bool bf16_dout, float* partial, cudaStream_t stream) {
-  layernorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
-      dinp, dout, inp, weight, mean, rstd, C, static_cast<float>(C), round_bf16, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  layernorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream>>>(
-      partial, dweight, dbias, dout, inp, mean, rstd, N, C, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  const int64_t chunks = column_chunks(N);
+  if (norm_rows_fit(C, inp, weight, dinp)) {
+    const bool one = chunks == 1;
+    const size_t smem = norm_terms_bytes(C, 2);
+    with_row_quads(C, [&](auto quads) {
+      auto* kernel = layernorm_backward_chunk_kernel<DT, decltype(quads)::value>;
+      allow_shared_bytes(kernel, smem);
+      kernel<<<static_cast<unsigned>(chunks), kNormRowWarps * 32, smem, stream>>>(
+          dinp, one ? dweight : partial, one ? dbias : partial + chunks * C, dweight, dbias, dout, inp, weight, mean,
+          rstd, N, C, static_cast<float>(C), round_bf16, bf16_dout, quad_aligned(dout));
+    });
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    if (one) return;
+  } else {
+    layernorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
+        dinp, dout, inp, weight, mean, rstd, C, static_cast<float>(C), round_bf16, bf16_dout);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    layernorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream>>>(
+        partial, dweight, dbias, dout, inp, mean, rstd, N, C, bf16_dout);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  }
   column_sums_finalize(dweight, partial, N, C, false, stream);
-  column_sums_finalize(dbias, partial + column_chunks(N) * C, N, C, false, stream);
+  column_sums_finalize(dbias, partial + chunks * C, N, C, false, stream);
 }
 template <class DT>
 void rmsnorm_backward_launch(float* dinp, float* dweight, const DT* dout, const float* inp, const float* weight,
                              const float* rstd, int64_t N, int64_t C, bool round_bf16, bool bf16_dout, float* partial,
                              cudaStream_t stream) {
-  rmsnorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
-      dinp, dout, inp, weight, rstd, C, static_cast<float>(C), round_bf16, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  rmsnorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream>>>(
-      partial, dweight, dout, inp, rstd, N, C, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  const int64_t chunks = column_chunks(N);
+  if (norm_rows_fit(C, inp, weight, dinp)) {
+    const bool one = chunks == 1;
+    const size_t smem = norm_terms_bytes(C, 1);
+    with_row_quads(C, [&](auto quads) {
+      auto* kernel = rmsnorm_backward_chunk_kernel<DT, decltype(quads)::value>;
+      allow_shared_bytes(kernel, smem);
+      kernel<<<static_cast<unsigned>(chunks), kNormRowWarps * 32, smem, stream>>>(
+          dinp, one ? dweight : partial, dweight, dout, inp, weight, rstd, N, C, static_cast<float>(C), round_bf16,
+          bf16_dout, quad_aligned(dout));
+    });
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    if (one) return;
+  } else {
+    rmsnorm_backward_dinp_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
+        dinp, dout, inp, weight, rstd, C, static_cast<float>(C), round_bf16, bf16_dout);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    rmsnorm_backward_partial_kernel<<<column_partial_grid(N, C), kThreads, 0, stream>>>(
+        partial, dweight, dout, inp, rstd, N, C, bf16_dout);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  }
   column_sums_finalize(dweight, partial, N, C, false, stream);
 }
 }  // namespace
+
+void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                                    const float* weight, const float* bias, int64_t N, int64_t C,
+                                    bool round_bf16) {
+  require_rows("layernorm_forward", N);
+  if (N == 0 || C == 0) return;
+  layernorm_forward_launch(out, mean, rstd, inp, weight, bias, N, C, round_bf16, stream_);
+}
 
 void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                      const float* inp, const float* weight, const float* mean,
@@ -1297,9 +1858,7 @@ void CudaBackend::rmsnorm_forward(float* out, float* rstd, const float* inp, con
                                   int64_t N, int64_t C, bool round_bf16) {
   require_rows("rmsnorm_forward", N);
   if (N == 0 || C == 0) return;
-  rmsnorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      out, rstd, inp, weight, C, static_cast<float>(C), kNormEps, round_bf16);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  rmsnorm_forward_launch(out, rstd, inp, weight, N, C, round_bf16, stream_);
 }
 
 void CudaBackend::rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
@@ -1414,9 +1973,11 @@ void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16, const A
   float* const act = src.out16 ? nullptr : src.out;
   const bool rb = src.out16 ? true : src.round_bf16;
   if (src.inp16)
-    gelu_forward_bf16_copy_kernel<<<elementwise_grid(N * K), kThreads, 0, stream_>>>(act, x, src.inp16, N * K, rb);
+    gelu_forward_bf16_copy_kernel<<<elementwise_grid((N * K + 3) / 4), kThreads, 0, stream_>>>(
+        act, x, src.inp16, N * K, rb, gelu_copy_vectorized(act, x, src.inp16));
   else
-    gelu_forward_bf16_copy_kernel<<<elementwise_grid(N * K), kThreads, 0, stream_>>>(act, x, src.inp, N * K, rb);
+    gelu_forward_bf16_copy_kernel<<<elementwise_grid((N * K + 3) / 4), kThreads, 0, stream_>>>(
+        act, x, src.inp, N * K, rb, gelu_copy_vectorized(act, x, src.inp));
   FP4SIM_CUDA_CHECK_LAUNCH();
   matmul_forward_bf16(out, out16, nullptr, x, weight, bias, N, K, OC, round_bf16);  // (x: not st.bf16_b's user there)
   ++g_fused_activation_matmul;
@@ -1511,25 +2072,21 @@ void CudaBackend::layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd
                                          const float* weight, const float* bias, int64_t N, int64_t C) {
   require_rows("layernorm_forward_bf16", N);
   if (N == 0 || C == 0) return;
-  layernorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      out, mean, rstd, inp, weight, bias, C, static_cast<float>(C), kNormEps, true);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  layernorm_forward_launch(out, mean, rstd, inp, weight, bias, N, C, true, stream_);
 }
 
 void CudaBackend::rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,
                                        int64_t C) {
   require_rows("rmsnorm_forward_bf16", N);
   if (N == 0 || C == 0) return;
-  rmsnorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
-      out, rstd, inp, weight, C, static_cast<float>(C), kNormEps, true);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  rmsnorm_forward_launch(out, rstd, inp, weight, N, C, true, stream_);
 }
 
 // matmul_forward's GEMM on the BF16 input bits as they are; a BF16 output (out16) written by
-// cuBLASLt's epilogue with the bias added there (RNE of fl(acc + bias): the bits of add_bias with
-// rounding) where it lists an algorithm for that (cuBLASLt 13.1 on Hopper: only without a bias),
-// else FP32 with the bias in the epilogue and a narrowing pass, else (the knob off, a bias not
-// 16-byte aligned) FP32 and one add_bias_bf16 pass.
+// cuBLASLt's epilogue, the bias added there as BF16 bits (RNE(fl32(acc + bf16(bias))): the bits of
+// add_bias_bf16; the bias's bits from the weight shadow where it covers them 16-byte aligned, else
+// narrowed into a scratch), where it lists an algorithm for that; else (or with the knob off) the
+// FP32 GEMM and one add_bias_bf16 / narrowing pass.
 void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16,
                                       const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
                                       bool round_bf16) {
@@ -1544,21 +2101,19 @@ void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* 
   const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
   const void* w = weight_operand(st.bf16_a, weight, OC * K, prec);
   const void* x = inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_b, inp, N * K, prec, stream_);
-  if (out16 && g_matmul_bf16_epilogue && (!bias || aligned16(bias)) &&
-      lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out16, 0.0f, stream_,
-                /*d_bf16=*/true, bias)) {
-    ++g_matmul_bf16_epilogue_calls;
-    return;
+  if (out16 && g_matmul_bf16_epilogue) {
+    const void* b16 = nullptr;
+    if (bias) {
+      b16 = weight_operand(st.bias16, bias, OC, prec);
+      if (!aligned16(b16)) b16 = gemm_operand(st.bias16, bias, OC, prec, stream_);
+    }
+    if (lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out16, 0.0f, stream_,
+                  /*d_bf16=*/true, b16)) {
+      ++g_matmul_bf16_epilogue_calls;
+      return;
+    }
   }
   float* y = out16 ? st.f32_out.get<float>(static_cast<size_t>(N * OC), stream_) : out;
-  // (a BF16 output without an algorithm for it: the FP32 output with the bias in the epilogue, then
-  // narrowing, where cuBLASLt has that; else the GEMM, add_bias, narrowing)
-  if (out16 && bias && g_matmul_bf16_epilogue && aligned16(bias) &&
-      lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, y, 0.0f, stream_, false, bias)) {
-    ++g_matmul_f32_epilogue_calls;
-    narrow_to_bf16(out16, y, N * OC);
-    return;
-  }
   lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, y, 0.0f, stream_);
   if (out16 && bias) add_bias_bf16(out16, y, bias, N, OC, stream_);
   else if (out16) narrow_to_bf16(out16, y, N * OC);
@@ -1790,9 +2345,7 @@ void set_activation_fusion(bool on) { g_activation_fusion = on; }
 void set_matmul_bf16_epilogue(bool on) { g_matmul_bf16_epilogue = on; }
 std::string last_matmul_epilogue_refusal() { return g_last_epilogue_refusal; }
 uint64_t weight_shadow_read_count() { return g_weight_shadow_reads; }
-std::pair<uint64_t, uint64_t> matmul_bf16_epilogue_count() {
-  return {g_matmul_bf16_epilogue_calls, g_matmul_f32_epilogue_calls};
-}
+uint64_t matmul_bf16_epilogue_count() { return g_matmul_bf16_epilogue_calls; }
 uint64_t fused_matmul_bias_count() { return g_fused_matmul_bias; }
 
 // FP8 with a column-wise copy of a dense F32 x whose rows fill whole 128-row tiles: the tile pass
@@ -1919,6 +2472,52 @@ void CudaBackend::adamw_update(float* params, const float* grads, float* m, floa
                                const AdamWStep& step) {
   if (n == 0) return;
   adamw_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(params, grads, m, v, n, step);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+// One launch over all tensors (adamw_many_kernel): the work items (pieces of kAdamWItemElems
+// elements of one tensor) are made and uploaded once for a layout, then reused while the offsets,
+// counts and the pattern of distinct steps stay the same; the steps travel as a kernel parameter.
+// More than kAdamWSteps distinct steps: one adamw_update per tensor.
+void CudaBackend::adamw_update_many(float* params, const float* grads, float* m, float* v,
+                                    const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                                    const std::vector<AdamWStep>& steps) {
+  validate_adamw_update_many(offsets, counts, steps);
+  AdamWSteps distinct{};
+  int n_distinct = 0;
+  std::vector<int64_t> key;
+  key.reserve(3 * offsets.size());
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    int k = 0;
+    while (k < n_distinct && std::memcmp(&distinct.s[k], &steps[i], sizeof(AdamWStep)) != 0) ++k;
+    if (k == n_distinct) {
+      if (n_distinct == kAdamWSteps) {
+        Backend::adamw_update_many(params, grads, m, v, offsets, counts, steps);
+        return;
+      }
+      distinct.s[n_distinct++] = steps[i];
+    }
+    key.insert(key.end(), {offsets[i], counts[i], k});
+  }
+  LayersState& st = layers_state();
+  if (key != st.adamw_key) {
+    std::vector<AdamWItem> items;
+    for (size_t i = 0; i < offsets.size(); ++i)
+      for (int64_t b = 0; b < counts[i]; b += kAdamWItemElems)
+        items.push_back({offsets[i] + b, offsets[i] + std::min(counts[i], b + kAdamWItemElems), key[3 * i + 2]});
+    AdamWItem* dev = st.adamw_items.get<AdamWItem>(items.size(), stream_);
+    if (!items.empty())
+      FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dev, items.data(), items.size() * sizeof(AdamWItem), cudaMemcpyHostToDevice,
+                                        stream_));
+    FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (items is a host temporary)
+    st.adamw_key = std::move(key);
+    st.adamw_item_count = static_cast<int64_t>(items.size());
+  }
+  if (st.adamw_item_count == 0) return;
+  const bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v);
+  adamw_many_kernel<<<static_cast<unsigned>(st.adamw_item_count), kThreads, 0, stream_>>>(
+      params, grads, m, v, st.adamw_items.get<AdamWItem>(static_cast<size_t>(st.adamw_item_count), stream_), distinct,
+      vec);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

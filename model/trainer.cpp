@@ -380,13 +380,13 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                                         static_cast<float>(c.train.weight_decay), step + 1,
                                         clip_factor(norm, c.train.grad_clip));
     // weight decay on matrices only (wte, wpe, the linear weights), not on 1-D tensors (biases, norm
-    // weights), as nanoGPT does
+    // weights), as nanoGPT does; every tensor in one backend call
+    std::vector<AdamWStep> steps;
     for (const ParamTensor& t : model.tensors()) {
-      AdamWStep st = s;
-      if (t.shape.size() < 2) st.weight_decay = 0.0f;
-      be.adamw_update(model.params() + t.offset, model.grads() + t.offset, m + t.offset, v + t.offset, t.numel(),
-                      st);
+      steps.push_back(s);
+      if (t.shape.size() < 2) steps.back().weight_decay = 0.0f;
     }
+    be.adamw_update_many(model.params(), model.grads(), m, v, grad_offsets, grad_counts, steps);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     res.steps.push_back({step + 1, loss, norm, lr});
     const int64_t mem = be.device_memory_used();

@@ -961,7 +961,9 @@ TEST(LayersGpu, ElementwiseMatchesEmulator) {
 }
 
 // round_bf16 (the model's BF16 activation storage fused into the op) gives exactly the op's output
-// followed by round_to_bf16 over it, on both backends, for every op that takes it.
+// followed by round_to_bf16 over it, on both backends, for every op that takes it; an op that adds
+// a bias adds it rounded to BF16 then (Backend::matmul_forward), so its unrounded run is given the
+// rounded bias.
 TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
   REQUIRE_GPU();
   Backends be;
@@ -971,6 +973,8 @@ TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
             b = randn(sz(C), rng), dout = randn(sz(N * C), rng), dinp0 = randn(sz(N * C), rng);
   const Vec sw_in = randn(sz(N * 2 * F), rng, 2.0f), sw_dout = randn(sz(N * F), rng), sw_dinp0 = randn(sz(N * 2 * F), rng);
   const Vec mx = randn(sz(N * K), rng), mw = randn(sz(C * K), rng, 0.3f);
+  Vec b16 = b;
+  for (float& v : b16) v = bf16_round(v);
   // each op writes its activation output first (c.out index 0); the rest are scratch it also needs
   using RoundOp = std::function<void(Backend&, Call&, bool)>;
   const std::vector<std::pair<std::string, RoundOp>> ops = {
@@ -994,12 +998,13 @@ TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
          bk.rmsnorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, r, false);
        }},
       {"matmul_forward bias", [&](Backend& bk, Call& c, bool r) {
-         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), c.in(b), N, K, C, emu::GemmPrecision::BF16, r);
+         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), c.in(r ? b : b16), N, K, C,
+                           emu::GemmPrecision::BF16, r);
        }},
       {"matmul_forward", [&](Backend& bk, Call& c, bool r) {
          bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), nullptr, N, K, C, emu::GemmPrecision::BF16, r);
        }},
-      {"bias_forward", [&](Backend& bk, Call& c, bool r) { bk.bias_forward(c.out(y), c.in(b), N, C, r); }},
+      {"bias_forward", [&](Backend& bk, Call& c, bool r) { bk.bias_forward(c.out(y), c.in(r ? b : b16), N, C, r); }},
       {"gelu_forward", [&](Backend& bk, Call& c, bool r) { bk.gelu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r); }},
       {"gelu_backward", [&](Backend& bk, Call& c, bool r) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r, false); }},
       {"squared_relu_forward",
@@ -1619,7 +1624,7 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
 }
 
 // cuBLASLt's BF16-output epilogue with the bias (matmul_forward_bf16, out16, knob on): the bits of
-// RNE(fl32(acc + bias)) computed here, where every accumulation order gives the same exact acc
+// RNE(fl32(acc + bf16(bias))) computed here (the bias added as its BF16 rounding: Backend::matmul_forward), where every accumulation order gives the same exact acc
 // (small integers): so the epilogue's addition and rounding are what is tested, ties included
 // (bias values that put acc + bias on an odd integer above 256, halfway between BF16 values). On
 // the training shapes of gpt2-124m's c_attn (N 4096 of its 16384 rows) and small odd ones.
@@ -1651,9 +1656,7 @@ TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
       const auto after = gpu::matmul_bf16_epilogue_count();
       std::printf("[layers-gpu] %lldx%lldx%lld%s: %s (last refusal: %s)\n", static_cast<long long>(N),
                   static_cast<long long>(K), static_cast<long long>(OC), with_bias ? " bias" : "",
-                  after.first > before.first    ? "cuBLASLt wrote BF16 (epilogue)"
-                  : after.second > before.second ? "cuBLASLt wrote FP32 with the bias (epilogue), then narrowing"
-                                                 : "separate passes (no epilogue algorithm listed)",
+                  after > before ? "cuBLASLt wrote BF16 (epilogue)" : "separate passes (no epilogue algorithm listed)",
                   gpu::last_matmul_epilogue_refusal().c_str());
       const int64_t step = N > 1024 ? 61 : 1;
       Vec ref, got;
@@ -1663,7 +1666,7 @@ TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
           int64_t acc = 0;  // exact
           for (int64_t k = 0; k < K; ++k)
             acc += static_cast<int64_t>(x[sz(n * K + k)]) * static_cast<int64_t>(w[sz(o * K + k)]);
-          const float sum = with_bias ? static_cast<float>(acc) + b[sz(o)] : static_cast<float>(acc);
+          const float sum = with_bias ? static_cast<float>(acc) + bf16_round(b[sz(o)]) : static_cast<float>(acc);
           ref.push_back(bf16_round(sum));
           got.push_back(all[sz(n * OC + o)]);
         }
@@ -1699,6 +1702,49 @@ TEST(LayersGpu, AdamWBitwiseEqualsEmulator) {
     expect_bitwise("adamw m" + tag, e[1], g[1]);
     expect_bitwise("adamw v" + tag, e[2], g[2]);
   }
+}
+
+// adamw_update_many (one launch on CUDA) equals the emulator's per-tensor adamw_update bit for bit:
+// tensors at offsets off 16-byte alignment, longer than one work item, empty, with two distinct
+// steps (the trainer's decay / no-decay pair) and with five (more than the launch takes: the
+// per-tensor fallback); then the same layout again (the cached work items) with new steps.
+TEST(LayersGpu, AdamWManyEqualsPerTensorUpdates) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(919);
+  const std::vector<int64_t> offsets{0, 5, 4101, 4101, 20000, 20771}, counts{5, 4096, 0, 15899, 771, 3};
+  const int64_t n = 20774;
+  const Vec p0 = randn(sz(n), rng), grads = with_specials(randn(sz(n) - 16, rng, 0.01f)), m0 = randn(sz(n), rng, 0.01f);
+  Vec v0 = randn(sz(n), rng, 1e-4f);
+  for (auto& v : v0) v = std::fabs(v);
+  for (int variant = 0; variant < 3; ++variant) {
+    std::vector<AdamWStep> steps;
+    for (size_t i = 0; i < offsets.size(); ++i) {
+      const int64_t t = variant == 1 ? static_cast<int64_t>(i) + 1 : variant + 1;  // variant 1: six distinct steps
+      steps.push_back(make_adamw_step(3e-4f, 0.9f, 0.95f, 1e-8f, i % 2 ? 0.0f : 0.1f, t, 0.8f));
+    }
+    const Outputs e = run(*be.emu, [&](Backend& bk, Call& c) {
+      float* p = c.out(p0);
+      float* m = c.out(m0);
+      float* v = c.out(v0);
+      const float* gr = c.in(grads);
+      for (size_t i = 0; i < offsets.size(); ++i)
+        bk.adamw_update(p + offsets[i], gr + offsets[i], m + offsets[i], v + offsets[i], counts[i], steps[i]);
+    });
+    const Outputs g = run(*be.cuda, [&](Backend& bk, Call& c) {
+      float* p = c.out(p0);
+      float* m = c.out(m0);
+      float* v = c.out(v0);
+      bk.adamw_update_many(p, c.in(grads), m, v, offsets, counts, steps);
+    });
+    const std::string tag = " variant " + std::to_string(variant);
+    expect_bitwise("adamw_update_many params" + tag, e[0], g[0]);
+    expect_bitwise("adamw_update_many m" + tag, e[1], g[1]);
+    expect_bitwise("adamw_update_many v" + tag, e[2], g[2]);
+  }
+  const std::vector<AdamWStep> one(1);
+  EXPECT_THROW(be.cuda->adamw_update_many(nullptr, nullptr, nullptr, nullptr, {0, 1}, {1, 1}, one), std::invalid_argument);
+  EXPECT_THROW(be.emu->adamw_update_many(nullptr, nullptr, nullptr, nullptr, {-1}, {1}, one), std::invalid_argument);
 }
 
 double sum_squares_on(Backend& bk, const Vec& x) {
