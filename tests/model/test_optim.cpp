@@ -2,7 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <stdexcept>
+#include <vector>
 
+#include "emu/cpu_backend.hpp"
 #include "emu/optim.hpp"
 #include "model/schedule.hpp"
 
@@ -37,6 +40,31 @@ TEST(Optim, FirstStepMovesByLrTimesSign) {
   float p = 1.0f, m = 0.0f, v = 0.0f;
   adamw_element(p, -3.0f, m, v, make_adamw_step(0.01f, 0.9f, 0.999f, 1e-8f, 0.0f, 1, 1.0f));
   EXPECT_NEAR(p, 1.01f, 1e-6);
+}
+
+// Backend::adamw_update_many (the trainer's one call for all tensors) on the emulator: each tensor
+// updated with its own step, the elements between tensors untouched; mismatched lists or a negative
+// offset are refused before anything is written.
+TEST(Optim, AdamWUpdateManyUpdatesEachTensorWithItsStep) {
+  emu::CpuBackend be;
+  std::vector<float> p(10, 1.0f), m(10, 0.0f), v(10, 0.0f), g(10, 0.5f);
+  const std::vector<int64_t> offsets{0, 6}, counts{4, 3};
+  const std::vector<AdamWStep> steps{make_adamw_step(0.01f, 0.9f, 0.999f, 1e-8f, 0.0f, 1, 1.0f),
+                                     make_adamw_step(0.02f, 0.9f, 0.999f, 1e-8f, 0.5f, 1, 1.0f)};
+  be.adamw_update_many(p.data(), g.data(), m.data(), v.data(), offsets, counts, steps);
+  for (int i = 0; i < 10; ++i) {
+    float pe = 1.0f, me = 0.0f, ve = 0.0f;
+    if (i < 4) adamw_element(pe, 0.5f, me, ve, steps[0]);
+    if (i >= 6 && i < 9) adamw_element(pe, 0.5f, me, ve, steps[1]);
+    EXPECT_EQ(p[i], pe) << i;
+    EXPECT_EQ(m[i], me) << i;
+  }
+  EXPECT_NE(p[0], p[6]);  // (the two steps differ)
+  const std::vector<float> before = p;
+  EXPECT_THROW(be.adamw_update_many(p.data(), g.data(), m.data(), v.data(), offsets, {4}, steps), std::invalid_argument);
+  EXPECT_THROW(be.adamw_update_many(p.data(), g.data(), m.data(), v.data(), {0, -1}, counts, steps),
+               std::invalid_argument);
+  EXPECT_EQ(p, before);
 }
 
 TEST(Optim, ClipFactor) {
