@@ -111,7 +111,9 @@ class Backend {
   // round_bf16 (last argument where present): every value the op writes to its activation output
   // (out, or dinp for the backward ops; not mean/rstd or the parameter gradients) is rounded to
   // BF16 (bf16_round) in the same op, the storage of BF16 activations, with the bits of the op
-  // followed by round_to_bf16 over that output.
+  // followed by round_to_bf16 over that output; an op that adds a bias adds the bias's BF16
+  // rounding then (matmul_forward), so its output is that of the op on the rounded bias, then
+  // round_to_bf16.
   virtual void embedding_forward(float* /*out*/, const int32_t* /*tokens*/, const int32_t* /*pos*/, const float* /*wte*/,
                                  const float* /*wpe*/, int64_t /*N*/, int64_t /*C*/) { missing("embedding_forward"); }
   virtual void embedding_backward(float* /*dwte*/, float* /*dwpe*/, const float* /*dout*/, const int32_t* /*tokens*/,
@@ -139,7 +141,9 @@ class Backend {
   // With round_bf16 the bias added is the bias's BF16 rounding: out = RNE(fl32(acc + bf16(bias))),
   // as a BF16 GEMM's epilogue adds the bias in the output's type (cuBLASLt, Transformer Engine,
   // PyTorch autocast). The same rule holds for every op below that adds a bias to a BF16 output
-  // (bias_forward, bias_forward_bf16, matmul_forward_bf16, matmul_forward_activation).
+  // (bias_forward, bias_forward_bf16, matmul_forward_bf16, matmul_forward_activation). It is the
+  // op's rule: an output the op leaves in FP32 gets the FP32 bias, even if the caller rounds it
+  // later (model/gpt.cpp: c_attn's output before RoPE).
   virtual void matmul_forward(float* /*out*/, const float* /*inp*/, const float* /*weight*/, const float* /*bias*/,
                               int64_t /*N*/, int64_t /*K*/, int64_t /*OC*/, emu::GemmPrecision /*prec*/,
                               bool /*round_bf16*/) {

@@ -1101,6 +1101,8 @@ constexpr int kCeBatch = 4;  // chunks a thread has in flight in the first pass
 // Out = uint16_t (kGrad with round_bf16 only): the written values stored as BF16 bits, the same
 // numbers (each is BF16-rounded) in half the bytes.
 // In = uint16_t: the logits kept as BF16 bits (read widened: the values bf16_logits reads).
+// (no alignas(16): it made ptxas spill 24 bytes in the cached BF16 kernel; a chunk lives in
+// registers, where the 16-byte views of it cost nothing)
 template <class T>
 struct CeChunk {
   T v[kCeVec];

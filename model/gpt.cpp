@@ -351,7 +351,9 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
       return {nullptr, y16};
     };
     const auto ln1 = norm_input(0, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
-    // RoPE rotates the GEMM's output: then the rounding comes after it
+    // RoPE rotates the GEMM's output: then the rounding comes after it (so c_attn's output, and the
+    // bias it adds, stay FP32 until then: Backend::matmul_forward's bias rule covers an output the
+    // op rounds itself)
     linear_fwd(l, 0, qkv, ln1.first, N, C, QKV, rb && c.positions != "rope", nullptr, ln1.second, qkv16);
     if (c.positions == "rope") {
       be_.rope_forward(qkv, B, T, NH, NKV, HD);

@@ -1706,7 +1706,7 @@ TEST(LayersGpu, AdamWBitwiseEqualsEmulator) {
 
 // adamw_update_many (one launch on CUDA) equals the emulator's per-tensor adamw_update bit for bit:
 // tensors at offsets off 16-byte alignment, longer than one work item, empty, with two distinct
-// steps (the trainer's decay / no-decay pair) and with five (more than the launch takes: the
+// steps (the trainer's decay / no-decay pair) and with six (more than the launch takes: the
 // per-tensor fallback); then the same layout again (the cached work items) with new steps.
 TEST(LayersGpu, AdamWManyEqualsPerTensorUpdates) {
   REQUIRE_GPU();
