@@ -293,26 +293,30 @@ void Backend::adamw_update_many(float* params, const float* grads, float* m, flo
     adamw_update(params + offsets[i], grads + offsets[i], m + offsets[i], v + offsets[i], counts[i], steps[i]);
 }
 
-void validate_adamw_update_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
-                                const std::vector<AdamWStep>& steps) {
-  if (offsets.size() != counts.size() || offsets.size() != steps.size())
-    throw std::invalid_argument("adamw_update_many: " + std::to_string(offsets.size()) + " offsets, " +
-                                std::to_string(counts.size()) + " counts and " + std::to_string(steps.size()) +
-                                " steps (one of each per tensor)");
-  for (size_t i = 0; i < offsets.size(); ++i)
-    if (offsets[i] < 0 || counts[i] < 0)
-      throw std::invalid_argument("adamw_update_many: tensor " + std::to_string(i) + " has offset " +
-                                  std::to_string(offsets[i]) + " and count " + std::to_string(counts[i]));
-}
-
-void validate_sum_squares_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts) {
+namespace {
+// The tensors of a *_many op (op names it in the message): as many offsets as counts, none negative.
+void validate_tensor_segments(const std::string& op, const std::vector<int64_t>& offsets,
+                              const std::vector<int64_t>& counts) {
   if (offsets.size() != counts.size())
-    throw std::invalid_argument("sum_squares_many: " + std::to_string(offsets.size()) + " offsets but " +
+    throw std::invalid_argument(op + ": " + std::to_string(offsets.size()) + " offsets but " +
                                 std::to_string(counts.size()) + " counts");
   for (size_t i = 0; i < offsets.size(); ++i)
     if (offsets[i] < 0 || counts[i] < 0)
-      throw std::invalid_argument("sum_squares_many: tensor " + std::to_string(i) + " has offset " +
-                                  std::to_string(offsets[i]) + " and count " + std::to_string(counts[i]));
+      throw std::invalid_argument(op + ": tensor " + std::to_string(i) + " has offset " + std::to_string(offsets[i]) +
+                                  " and count " + std::to_string(counts[i]));
+}
+}  // namespace
+
+void validate_adamw_update_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                                const std::vector<AdamWStep>& steps) {
+  validate_tensor_segments("adamw_update_many", offsets, counts);
+  if (steps.size() != offsets.size())
+    throw std::invalid_argument("adamw_update_many: " + std::to_string(offsets.size()) + " tensors but " +
+                                std::to_string(steps.size()) + " steps (one a tensor)");
+}
+
+void validate_sum_squares_many(const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts) {
+  validate_tensor_segments("sum_squares_many", offsets, counts);
 }
 
 }  // namespace fp4sim

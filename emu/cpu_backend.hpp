@@ -22,10 +22,7 @@ inline const float* read_as_bf16(const float* dout, int64_t n, bool bf16_dout, s
 // The bias a linear adds when its output is rounded to BF16: the bias's BF16 rounding (a copy in
 // `rounded`), as a BF16 GEMM's epilogue adds a BF16 bias (Backend::matmul_forward); else bias itself.
 inline const float* bias_as_added(const float* bias, int64_t OC, bool round_bf16, std::vector<float>& rounded) {
-  if (!bias || !round_bf16) return bias;
-  rounded.assign(bias, bias + OC);
-  round_to_bf16(rounded.data(), OC);
-  return rounded.data();
+  return bias ? read_as_bf16(bias, OC, round_bf16, rounded) : nullptr;
 }
 
 // (not final: tests derive from it, e.g. to fuse as another backend would)

@@ -730,6 +730,11 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
 // aligned (the vector loop), and one at a time for the rest: each element gets the same
 // per-element function either way, so the split changes no bits.
 __host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+// Whether p takes four elements an access (16 bytes for FP32, 8 for BF16 bits).
+template <class T>
+bool quad_aligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
+}
 
 // The grid-stride loop of those kernels: quad(j) for the groups of four elements j < n / 4 when
 // `vectorized` (the caller's pointers are aligned for it), then one(i) for every element left.
@@ -757,9 +762,10 @@ __global__ void round_to_bf16_kernel(uint16_t* dst, const float* src, int64_t n)
 __device__ __forceinline__ float bias_added(float b, bool round_bf16) { return round_bf16 ? bf16_round(b) : b; }
 
 // out (N,OC) += bias (OC), one FP32 RN addition after the GEMM, as the emulator: bitwise given the
-// GEMM's value; with round_bf16, the bias rounded to BF16 first and the sum rounded. grid.y walks the rows (several per block, so a block has work enough), x the
-// columns, four at a time when `vec` (OC a multiple of 4, both pointers 16-byte aligned; the same
-// per-element function either way).
+// GEMM's value; with round_bf16, the bias rounded to BF16 first and the sum rounded. grid.y walks
+// the rows (several per block, so a block has work enough), x the columns, four at a time when
+// `vec` (OC a multiple of 4, both pointers 16-byte aligned; the same per-element function either
+// way).
 __global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16, bool vec) {
   const int64_t cols = vec ? OC / 4 : OC;
   for (int64_t r = blockIdx.y; r < N; r += gridDim.y) {
@@ -929,8 +935,7 @@ __global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT
 }
 template <class InT>
 bool gelu_copy_vectorized(const float* out, const uint16_t* h, const InT* inp) {
-  const auto aligned8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
-  return aligned8(h) && (std::is_same_v<InT, uint16_t> ? aligned8(inp) : aligned16(inp)) && (!out || aligned16(out));
+  return quad_aligned(h) && quad_aligned(inp) && (!out || quad_aligned(out));
 }
 
 // ---- RoPE -------------------------------------------------------------------------------------
@@ -1695,11 +1700,6 @@ bool norm_rows_fit(int64_t C, const P*... aligned) {
   return C % 4 == 0 && C <= kNormMaxC && (aligned16(aligned) && ...);
 }
 
-// Whether p takes four elements an access (16 bytes for FP32, 8 for BF16 bits).
-template <class T>
-bool quad_aligned(const T* p) {
-  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
-}
 
 // f(std::integral_constant<int, kQuads>) for the fewest instantiated quads a lane (1, 2, 4, 6 or
 // 8) that cover C / 4 (C <= kNormMaxC).
