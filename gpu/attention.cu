@@ -1,7 +1,9 @@
 // Causal self-attention with grouped KV heads on the tensor cores: FlashAttention-2 kernels (Dao,
 // 2023) on mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, the CUDA twins of
 // emu/layers.hpp's attention_forward / attention_backward (same shapes, same saved lse, dqkv
-// written as +0 + value). The (B,NH,T,T) probabilities are never stored.
+// written as +0 + value). The (B,NH,T,T) probabilities are never stored; for HD <= 64 the backward
+// pass stores bf16(dS) (B,NH, causal tiles) in a scratch the dQ kernel reads, and otherwise recomputes
+// it in the dQ kernel (the same values either way).
 //
 // Shapes: qkv (B,T,(NH+2NKV)*HD) FP32 holding the NH query heads, then NKV key heads, then NKV
 // value heads; out and dout (B,T,NH*HD); lse and dsum (B,NH,T). Query head h reads KV head
@@ -39,6 +41,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -59,7 +62,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 64;      // query rows per CTA, keys per K/V tile (kWarps * kWarpRows)
 constexpr int kWarpRows = 16;  // the M of one m16n8k16 MMA
 constexpr int kSmemPad = 8;    // BF16 elements of padding per shared row (16 bytes)
-constexpr int kDsumThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kTile == kWarps * kWarpRows, "each warp owns 16 rows of a tile");
 
@@ -103,6 +105,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr)
                : "memory");
+}
+
+// The transpose of an 8x8 BF16 matrix held as an MMA fragment (lane: row gid, columns 2tig..+1),
+// in the same layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
+  return d;
 }
 
 // Shared tiles are row-major BF16 [kTile][kStride]. Three ways to read MMA operands from them:
@@ -151,6 +161,12 @@ __device__ __forceinline__ void cp_async16(bf16* smem, const bf16* gmem, bool va
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+// 4 bytes global -> shared, asynchronously (through L1); zero-filled when !valid.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // wait until at most N of this thread's committed groups are still in flight
@@ -373,34 +389,73 @@ __device__ __forceinline__ float written(float v) {
   return stored_out<kRound>(__fadd_rn(0.0f, v));
 }
 
-// dsum (B,NH,T) = sum_i bf16(dout_i) * out_i over one head's row, one thread per row
-// r = (b*T + t)*NH + h, FP32 from +0 in increasing i: the emulator's order, bitwise.
-// Four values (an output's or dout's) from FP32 storage or from BF16 bits (widened: the same values).
-__device__ __forceinline__ float4 load_out4(const float* out, int64_t i) { return reinterpret_cast<const float4*>(out)[i]; }
-__device__ __forceinline__ float4 load_out4(const uint16_t* out, int64_t i) {
-  const uint2 u = reinterpret_cast<const uint2*>(out)[i];
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u), __uint_as_float(u.y << 16),
-                     __uint_as_float(u.y & 0xFFFF0000u));
+// dsum (B,NH,T) = sum_i bf16(dout_i) * out_i over one head's row r = (b*T + t)*NH + h, one thread
+// per row, FP32 from +0 in increasing i: the emulator's order, bitwise. A CTA's kRows rows of dout
+// and of out are contiguous in memory: they are copied into shared memory with coalesced 16-byte
+// loads (rows padded by 16 bytes, so that both the row-wise stores and each thread's 16-byte reads
+// of its own row are free of bank conflicts), then each thread sums its row.
+// Values from FP32 storage or from BF16 bits (widened: the same values), 16 bytes at a time.
+__device__ __forceinline__ int values_in(const uint4& u, float (&x)[8], const float*) {
+  x[0] = __uint_as_float(u.x), x[1] = __uint_as_float(u.y), x[2] = __uint_as_float(u.z), x[3] = __uint_as_float(u.w);
+  return 4;
+}
+__device__ __forceinline__ int values_in(const uint4& u, float (&x)[8], const uint16_t*) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[2 * i] = __uint_as_float(w[i] << 16), x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  return 8;
 }
 
 template <int HD, class DoutT, class OutT>
-__global__ void attention_dsum_kernel(float* dsum, const DoutT* dout, const OutT* out,
-                                      int64_t rows, int T, int NH) {
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
-       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const DoutT* dy = dout + r * HD;
-    const OutT* o = out + r * HD;
-    float acc = 0.0f;
-#pragma unroll 4
-    for (int i = 0; i < HD / 4; ++i) {
-      const float4 a = load_out4(dy, i), c = load_out4(o, i);
-      acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.x), c.x));
-      acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.y), c.y));
-      acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.z), c.z));
-      acc = __fadd_rn(acc, __fmul_rn(bf16_round(a.w), c.w));
+struct DsumShape {
+  static constexpr int kWidest = sizeof(DoutT) > sizeof(OutT) ? sizeof(DoutT) : sizeof(OutT);
+  static constexpr int kRows = HD * kWidest <= 128 ? 128 : HD * kWidest <= 256 ? 64 : 32;  // = threads
+  static constexpr int kDyWords = HD * static_cast<int>(sizeof(DoutT)) / 4 + 4;  // padded row, 4-byte words
+  static constexpr int kOWords = HD * static_cast<int>(sizeof(OutT)) / 4 + 4;
+};
+
+// Rows row0..row0+n-1 of src (rows of `chunks` 16-byte chunks, contiguous) into a shared array of
+// rows `stride` 4-byte words apart, by R threads.
+template <int R>
+__device__ __forceinline__ void rows_to_shared(uint32_t* dst, const void* src, int64_t row0, int n, int chunks,
+                                               int stride) {
+  const uint4* g = reinterpret_cast<const uint4*>(src) + row0 * chunks;
+  for (int c = threadIdx.x; c < n * chunks; c += R)
+    *reinterpret_cast<uint4*>(dst + (c / chunks) * stride + (c % chunks) * 4) = g[c];
+}
+
+template <int HD, class DoutT, class OutT>
+__global__ void __launch_bounds__((DsumShape<HD, DoutT, OutT>::kRows))
+    attention_dsum_kernel(float* dsum, const DoutT* dout, const OutT* out, int64_t rows, int T, int NH) {
+  using Shape = DsumShape<HD, DoutT, OutT>;
+  constexpr int R = Shape::kRows;
+  constexpr int kDyChunks = HD * static_cast<int>(sizeof(DoutT)) / 16, kOChunks = HD * static_cast<int>(sizeof(OutT)) / 16;
+  __shared__ __align__(16) uint32_t dy_s[R * Shape::kDyWords];
+  __shared__ __align__(16) uint32_t o_s[R * Shape::kOWords];
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * R; row0 < rows; row0 += static_cast<int64_t>(gridDim.x) * R) {
+    const int n = static_cast<int>(rows - row0 < R ? rows - row0 : R);
+    rows_to_shared<R>(dy_s, dout, row0, n, kDyChunks, Shape::kDyWords);
+    rows_to_shared<R>(o_s, out, row0, n, kOChunks, Shape::kOWords);
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < n) {
+      const uint32_t* dy_row = dy_s + threadIdx.x * Shape::kDyWords;
+      const uint32_t* o_row = o_s + threadIdx.x * Shape::kOWords;
+      float acc = 0.0f, a[8], c[8];
+      // (i counts values; each 16-byte chunk holds 4 FP32 or 8 BF16 values)
+      constexpr int kA = 16 / static_cast<int>(sizeof(DoutT)), kC = 16 / static_cast<int>(sizeof(OutT));
+      constexpr int kStep = kA < kC ? kA : kC;  // values consumed per step: both chunks' boundaries align
+#pragma unroll
+      for (int i = 0; i < HD; i += kStep) {
+        if (i % kA == 0) values_in(*reinterpret_cast<const uint4*>(dy_row + (i / kA) * 4), a, static_cast<const DoutT*>(nullptr));
+        if (i % kC == 0) values_in(*reinterpret_cast<const uint4*>(o_row + (i / kC) * 4), c, static_cast<const OutT*>(nullptr));
+#pragma unroll
+        for (int j = 0; j < kStep; ++j) acc = __fadd_rn(acc, __fmul_rn(bf16_round(a[(i + j) % kA]), c[(i + j) % kC]));
+      }
+      const int64_t r = row0 + threadIdx.x;
+      const int64_t h = r % NH, bt = r / NH, t = bt % T, b = bt / T;
+      dsum[(b * NH + h) * T + t] = acc;
     }
-    const int64_t h = r % NH, bt = r / NH, t = bt % T, b = bt / T;
-    dsum[(b * NH + h) * T + t] = acc;
+    __syncthreads();  // before the next rows overwrite the shared arrays
   }
 }
 
@@ -491,22 +546,36 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The dS^T tiles the dK/dV kernel can leave for the dQ kernel (the stored-dS path): for each (b, h)
+// the nt(nt+1)/2 (query tile qt, key tile kt <= qt) pairs in the order (qt, kt), pair index
+// qt(qt+1)/2 + kt; a pair is 16 blocks of 16 query rows x 16 keys, block (qc, kc) at 32(4qc + kc)
+// uint4s; a block holds, per lane, the A fragment of its bf16(dS^T) (keys x queries) as the dK MMA
+// reads it: one 16-byte store a lane, 512 contiguous bytes a warp. Blocks the kernels skip (on the
+// diagonal above it, rows past T) are never written nor read as values.
+constexpr int kDsBlockUint4 = 32;                            // one block: 32 lanes x 16 bytes
+constexpr int kDsPairUint4 = (kTile / 16) * (kTile / 16) * kDsBlockUint4;  // 8 KB a tile pair
+__host__ __device__ constexpr int64_t ds_pairs(int64_t tiles) { return tiles * (tiles + 1) / 2; }
+
 // dk, dv: one CTA per (b, KV head g, 64-key tile), grid (B*NKV, key tiles), the tiles with the
 // most query rows (the first) first. Warp w owns keys k_tile*64 + 16w .. +15 and keeps their K and
 // V fragments in registers; for each query head h of the group in increasing order and each query
-// tile from the diagonal on, Q and dO go through shared memory, 16 query rows at a time:
+// tile from the diagonal on, Q, dO, lse and dsum go through shared memory (cp.async, the next
+// tile's copy in flight), 16 query rows at a time:
 // S^T = K Q^T, dP^T = V dO^T, p = exp(s*scale - lse_t), dS = p (dP - dsum_t),
 // dv = bf16(P^T) dO, dk = bf16(dS^T) Q. Each dk, dv element is written to dqkv (as dq above) by
-// the one lane that holds it.
-template <int HD, bool kRound>
-__global__ void __launch_bounds__(kThreads)
-    attention_backward_dkdv_kernel(float* dqkv, const bf16* dout, const bf16* qkv,
+// the one lane that holds it. kStoreDs: bf16(dS^T) also goes to ds (the layout above) for
+// attention_backward_dq_stored_kernel. Only the diagonal tile and a last tile past T need the mask;
+// the other iterations run a copy of the loop body without it.
+template <int HD, bool kRound, bool kStoreDs>
+__global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
+    attention_backward_dkdv_kernel(float* dqkv, uint4* ds, const bf16* dout, const bf16* qkv,
                                    const float* lse, const float* dsum, int T, int NH, int NKV,
                                    float scale) {
   constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
   __shared__ __align__(16) bf16 q_buf[kS][kTile * kStride];
   __shared__ __align__(16) bf16 do_buf[kS][kTile * kStride];
-  __shared__ float lse_buf[kS][kTile], dsum_buf[kS][kTile];
+  __shared__ __align__(16) float lse_buf[kS][kTile];
+  __shared__ __align__(16) float dsum_buf[kS][kTile];
   const int b = blockIdx.x / NKV, g = blockIdx.x % NKV, group = NH / NKV;
   const int k_tile = static_cast<int>(blockIdx.y);
   const int q_tiles = (T + kTile - 1) / kTile;
@@ -523,13 +592,14 @@ __global__ void __launch_bounds__(kThreads)
     const int h = g * group + it / n_qt, qt = k_tile + it % n_qt, buf = it % kS;
     stage_tile_async<HD>(q_buf[buf], qkv_b + h * HD, W, qt * kTile, T);
     stage_tile_async<HD>(do_buf[buf], dout_b + h * HD, C, qt * kTile, T);
-    cp_async_commit();
-    for (int r = threadIdx.x; r < kTile; r += kThreads) {  // (plain loads: 64 floats)
-      const int t = qt * kTile + r;
-      const int64_t i = (static_cast<int64_t>(b) * NH + h) * T + t;
-      lse_buf[buf][r] = t < T ? lse[i] : 0.0f;
-      dsum_buf[buf][r] = t < T ? dsum[i] : 0.0f;
+    {  // threads 0..63 copy lse, 64..127 dsum (rows past T: zeros)
+      static_assert(kThreads == 2 * kTile, "one 4-byte copy a thread");
+      const int r = threadIdx.x % kTile, t = qt * kTile + r;
+      const int64_t i = (static_cast<int64_t>(b) * NH + h) * T + (t < T ? t : 0);
+      if (threadIdx.x < kTile) cp_async4(&lse_buf[buf][r], lse + i, t < T);
+      else cp_async4(&dsum_buf[buf][r], dsum + i, t < T);
     }
+    cp_async_commit();
   };
   if (kS == 2) stage(0);
   uint32_t ka[kDk][4], va[kDk][4];
@@ -541,39 +611,58 @@ __global__ void __launch_bounds__(kThreads)
     dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.0f;
     dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
   }
+  const int64_t pairs = ds_pairs(q_tiles);
 
-  for (int it = 0; it < n_it; ++it) {
+  const auto iteration = [&](int it, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
     staged_acquire<kS>(it, n_it, stage);
     const int qt = k_tile + it % n_qt, buf = it % kS;
     const bf16* q_s = q_buf[buf];
     const bf16* do_s = do_buf[buf];
     const float* lse_s = lse_buf[buf];
     const float* dsum_s = dsum_buf[buf];
-    const bool diagonal = qt == k_tile;
+    [[maybe_unused]] uint4* ds_pair = nullptr;
+    if constexpr (kStoreDs) {
+      const int h = g * group + it / n_qt;
+      ds_pair = ds + ((static_cast<int64_t>(b) * NH + h) * pairs + ds_pairs(qt) + k_tile) * kDsPairUint4 +
+                warp * kDsBlockUint4 + lane;
+    }
 #pragma unroll
     for (int qc = 0; qc < kTile / 16; ++qc) {
       // query rows qt*64 + 16qc.. are all before this warp's keys, or all past T: nothing to add
-      if ((diagonal && qc < warp) || qt * kTile + qc * 16 >= T) continue;
+      if (kMasked && ((qt == k_tile && qc < warp) || qt * kTile + qc * 16 >= T)) continue;
       float st[2][4] = {}, dpt[2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < kDk; ++kk) {
         mma_block<kStride, true>(st[0], st[1], ka[kk], q_s, qc * 16, kk * 16, lane);
         mma_block<kStride, true>(dpt[0], dpt[1], va[kk], do_s, qc * 16, kk * 16, lane);
       }
-      float p[2][4], ds[2][4];
+      float p[2][4], ds_v[2][4];
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+      for (int n = 0; n < 2; ++n) {
+        const int qr = qc * 16 + n * 8 + 2 * tig;  // this lane's query rows qr, qr + 1 of the tile
+        const float2 row_lse = *reinterpret_cast<const float2*>(lse_s + qr);
+        const float2 row_dsum = *reinterpret_cast<const float2*>(dsum_s + qr);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int qr = qc * 16 + n * 8 + 2 * tig + (e & 1), t = qt * kTile + qr;
-          const bool masked = t >= T || keys[e >> 1] > t;
-          const float pe = exp_via_exp2(__fsub_rn(__fmul_rn(st[n][e], scale), lse_s[qr]));
-          p[n][e] = masked ? 0.0f : pe;
-          ds[n][e] = masked ? 0.0f : __fmul_rn(pe, __fsub_rn(dpt[n][e], dsum_s[qr]));
+          const float l_e = e & 1 ? row_lse.y : row_lse.x, d_e = e & 1 ? row_dsum.y : row_dsum.x;
+          const float pe = exp_via_exp2(__fsub_rn(__fmul_rn(st[n][e], scale), l_e));
+          const float dse = __fmul_rn(pe, __fsub_rn(dpt[n][e], d_e));
+          if constexpr (kMasked) {
+            const int t = qt * kTile + qr + (e & 1);
+            const bool masked = t >= T || keys[e >> 1] > t;
+            p[n][e] = masked ? 0.0f : pe;
+            ds_v[n][e] = masked ? 0.0f : dse;
+          } else {
+            p[n][e] = pe;
+            ds_v[n][e] = dse;
+          }
         }
+      }
       uint32_t pa[4], dsa[4];
       accumulators_to_a(pa, p[0], p[1]);
-      accumulators_to_a(dsa, ds[0], ds[1]);
+      accumulators_to_a(dsa, ds_v[0], ds_v[1]);
+      if constexpr (kStoreDs) ds_pair[qc * (kTile / 16) * kDsBlockUint4] = make_uint4(dsa[0], dsa[1], dsa[2], dsa[3]);
 #pragma unroll
       for (int dn = 0; dn < HD / 16; ++dn) {
         mma_block<kStride, false>(dv[2 * dn], dv[2 * dn + 1], pa, do_s, qc * 16, dn * 16, lane);
@@ -581,6 +670,11 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncthreads();  // every warp is done with this buffer before it is staged again
+  };
+  for (int it = 0; it < n_it; ++it) {
+    const int qt = k_tile + it % n_qt;
+    if (qt == k_tile || (qt + 1) * kTile > T) iteration(it, std::true_type{});
+    else iteration(it, std::false_type{});
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -594,6 +688,77 @@ __global__ void __launch_bounds__(kThreads)
       *pk = make_float2(written<kRound>(__fmul_rn(dk[n][2 * r], scale)),
                         written<kRound>(__fmul_rn(dk[n][2 * r + 1], scale)));
       *pv = make_float2(written<kRound>(dv[n][2 * r]), written<kRound>(dv[n][2 * r + 1]));
+    }
+  }
+}
+
+// dq from the stored dS (the dK/dV kernel's kStoreDs): one CTA per (b, h, 64-row query tile), grid
+// (B*NH, query tiles), most keys first. Warp w owns query rows q_tile*64 + 16w .. +15; for each key
+// tile up to the diagonal, K and the warp's four dS^T blocks go through shared memory (cp.async, the
+// next tile's copy in flight); each block is transposed in registers (movmatrix) into the A fragment
+// of dS, and dq = bf16(dS) K: the same BF16 values in the same MMA chain (key tiles, then 16-key
+// chunks, in increasing order) as attention_backward_dq_kernel, which recomputes them. Each dq
+// element is written to dqkv (+0 + value, BF16-rounded when round_bf16) by the lane that holds it.
+template <int HD, bool kRound>
+__global__ void __launch_bounds__(kThreads)
+    attention_backward_dq_stored_kernel(float* dqkv, const uint4* ds, const bf16* qkv, int T, int NH, int NKV,
+                                        float scale) {
+  constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kS = kStages<HD>, kBlocks = kTile / 16;
+  __shared__ __align__(16) bf16 k_buf[kS][kTile * kStride];
+  __shared__ __align__(16) uint4 ds_buf[kS][kDsPairUint4];
+  const int b = blockIdx.x / NH, h = blockIdx.x % NH, g = h / (NH / NKV);
+  const int q_tile = static_cast<int>(gridDim.y) - 1 - static_cast<int>(blockIdx.y);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tig = lane & 3, gid = lane >> 2;
+  const int64_t W = static_cast<int64_t>(NH + 2 * NKV) * HD;
+  const bf16* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
+  const uint4* ds_row = ds + ((static_cast<int64_t>(b) * NH + h) * ds_pairs(gridDim.y) + ds_pairs(q_tile)) * kDsPairUint4;
+  // this warp's blocks (qc = warp, kc = 0..3): 4 x 512 contiguous bytes, each lane copies its own
+  const int own = warp * kBlocks * kDsBlockUint4 + lane;
+  auto stage = [&](int kt) {  // K of key tile kt and the dS^T blocks of pair (q_tile, kt) into buffer kt % kS
+    stage_tile_async<HD>(k_buf[kt % kS], qkv_b + (NH + g) * HD, W, kt * kTile, T);
+#pragma unroll
+    for (int kc = 0; kc < kBlocks; ++kc) {
+      const int i = own + kc * kDsBlockUint4;
+      cp_async16(reinterpret_cast<bf16*>(&ds_buf[kt % kS][i]), reinterpret_cast<const bf16*>(ds_row + kt * kDsPairUint4 + i),
+                 kt < q_tile || kc <= warp);  // (above the diagonal: never written, not read)
+    }
+    cp_async_commit();
+  };
+  if (kS == 2) stage(0);
+  float dq[kDn][4];
+#pragma unroll
+  for (int n = 0; n < kDn; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+
+  for (int kt = 0; kt <= q_tile; ++kt) {
+    staged_acquire<kS>(kt, q_tile + 1, stage);
+    const bf16* k_s = k_buf[kt % kS];
+    const bool diagonal = kt == q_tile;
+#pragma unroll
+    for (int kc = 0; kc < kBlocks; ++kc) {
+      if (diagonal && kc > warp) break;  // keys above this warp's rows: nothing to add
+      const uint4 t = ds_buf[kt % kS][own + kc * kDsBlockUint4];
+      // dS^T's fragment: x = (keys 0-7, queries 0-7), y = (keys 8-15, q 0-7), z = (k 0-7, q 8-15),
+      // w = (k 8-15, q 8-15); dS's: (q 0-7, k 0-7), (q 8-15, k 0-7), (q 0-7, k 8-15), (q 8-15, k 8-15)
+      uint32_t dsa[4];
+      dsa[0] = movmatrix_trans(t.x), dsa[1] = movmatrix_trans(t.z), dsa[2] = movmatrix_trans(t.y), dsa[3] = movmatrix_trans(t.w);
+#pragma unroll
+      for (int dn = 0; dn < HD / 16; ++dn) {
+        mma_block<kStride, false>(dq[2 * dn], dq[2 * dn + 1], dsa, k_s, kc * 16, dn * 16, lane);
+      }
+    }
+    __syncthreads();  // every warp is done with this buffer before it is staged again
+  }
+  const int row0 = q_tile * kTile + warp * kWarpRows;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + gid + 8 * r;
+    if (row >= T) continue;
+    float* dq_row = dqkv + (static_cast<int64_t>(b) * T + row) * W + h * HD;
+#pragma unroll
+    for (int n = 0; n < kDn; ++n) {
+      float2* p = reinterpret_cast<float2*>(dq_row + n * 8 + 2 * tig);
+      *p = make_float2(written<kRound>(__fmul_rn(dq[n][2 * r], scale)),
+                       written<kRound>(__fmul_rn(dq[n][2 * r + 1], scale)));
     }
   }
 }
@@ -631,46 +796,68 @@ void forward_for(float* out, uint16_t* out16, float* lse, const bf16* qkv, int64
 }
 
 template <int HD, bool kRound>
-void backward_kernels(float* dqkv, const float* dsum, const bf16* dout16, const bf16* qkv16, const float* lse,
-                      int64_t B, int64_t T, int64_t NH, int64_t NKV, float scale, cudaStream_t stream) {
+void backward_kernels(float* dqkv, const float* dsum, uint4* ds, const bf16* dout16, const bf16* qkv16,
+                      const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, float scale, cudaStream_t stream) {
   const int64_t tiles = (T + kTile - 1) / kTile;
-  attention_backward_dkdv_kernel<HD, kRound>
-      <<<dim3(static_cast<unsigned>(B * NKV), static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
-          dqkv, dout16, qkv16, lse, dsum, static_cast<int>(T), static_cast<int>(NH),
-          static_cast<int>(NKV), scale);
+  const int t = static_cast<int>(T), nh = static_cast<int>(NH), nkv = static_cast<int>(NKV);
+  const dim3 kv_grid(static_cast<unsigned>(B * NKV), static_cast<unsigned>(tiles));
+  const dim3 q_grid(static_cast<unsigned>(B * NH), static_cast<unsigned>(tiles));
+  if constexpr (HD <= 64) {
+    if (ds) {
+      attention_backward_dkdv_kernel<HD, kRound, true>
+          <<<kv_grid, kThreads, 0, stream>>>(dqkv, ds, dout16, qkv16, lse, dsum, t, nh, nkv, scale);
+      FP4SIM_CUDA_CHECK_LAUNCH();
+      attention_backward_dq_stored_kernel<HD, kRound><<<q_grid, kThreads, 0, stream>>>(dqkv, ds, qkv16, t, nh, nkv, scale);
+      FP4SIM_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
+  attention_backward_dkdv_kernel<HD, kRound, false>
+      <<<kv_grid, kThreads, 0, stream>>>(dqkv, nullptr, dout16, qkv16, lse, dsum, t, nh, nkv, scale);
   FP4SIM_CUDA_CHECK_LAUNCH();
   attention_backward_dq_kernel<HD, kRound>
-      <<<dim3(static_cast<unsigned>(B * NH), static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
-          dqkv, dout16, qkv16, lse, dsum, static_cast<int>(T), static_cast<int>(NH),
-          static_cast<int>(NKV), scale);
+      <<<q_grid, kThreads, 0, stream>>>(dqkv, dout16, qkv16, lse, dsum, t, nh, nkv, scale);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+template <int HD, class DoutT, class OutT>
+void dsum_launch(float* dsum, const DoutT* dout, const OutT* out, int64_t rows, int T, int NH, cudaStream_t stream) {
+  constexpr int R = DsumShape<HD, DoutT, OutT>::kRows;
+  const int64_t blocks = (rows + R - 1) / R;
+  attention_dsum_kernel<HD, DoutT, OutT>
+      <<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), R, 0, stream>>>(dsum, dout, out, rows, T, NH);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 template <int HD>
-void backward_for(float* dqkv, float* dsum, const float* dout, const bf16* dout16, bool dout_bits, const bf16* qkv16,
-                  const float* out, const uint16_t* out16, const float* lse, int64_t B, int64_t T, int64_t NH,
-                  int64_t NKV, bool round_bf16, cudaStream_t stream) {
+void backward_for(float* dqkv, float* dsum, uint4* ds, const float* dout, const bf16* dout16, bool dout_bits,
+                  const bf16* qkv16, const float* out, const uint16_t* out16, const float* lse, int64_t B, int64_t T,
+                  int64_t NH, int64_t NKV, bool round_bf16, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const int64_t rows = B * T * NH;
-  const int64_t dsum_blocks = (rows + kDsumThreads - 1) / kDsumThreads;
-  const unsigned dsum_grid = static_cast<unsigned>(dsum_blocks < 65536 ? dsum_blocks : 65536);
   const int t = static_cast<int>(T), nh = static_cast<int>(NH);
   // (dout_bits: dout given as BF16 bits, read from dout16; the bits bf16_round(dout) would give)
   const uint16_t* d16 = reinterpret_cast<const uint16_t*>(dout16);
-  if (dout_bits && out16)
-    attention_dsum_kernel<HD, uint16_t, uint16_t><<<dsum_grid, kDsumThreads, 0, stream>>>(dsum, d16, out16, rows, t, nh);
-  else if (dout_bits)
-    attention_dsum_kernel<HD, uint16_t, float><<<dsum_grid, kDsumThreads, 0, stream>>>(dsum, d16, out, rows, t, nh);
-  else if (out16)
-    attention_dsum_kernel<HD, float, uint16_t><<<dsum_grid, kDsumThreads, 0, stream>>>(dsum, dout, out16, rows, t, nh);
-  else
-    attention_dsum_kernel<HD, float, float><<<dsum_grid, kDsumThreads, 0, stream>>>(dsum, dout, out, rows, t, nh);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  if (round_bf16) backward_kernels<HD, true>(dqkv, dsum, dout16, qkv16, lse, B, T, NH, NKV, scale, stream);
-  else backward_kernels<HD, false>(dqkv, dsum, dout16, qkv16, lse, B, T, NH, NKV, scale, stream);
+  if (dout_bits && out16) dsum_launch<HD>(dsum, d16, out16, rows, t, nh, stream);
+  else if (dout_bits) dsum_launch<HD>(dsum, d16, out, rows, t, nh, stream);
+  else if (out16) dsum_launch<HD>(dsum, dout, out16, rows, t, nh, stream);
+  else dsum_launch<HD>(dsum, dout, out, rows, t, nh, stream);
+  if (round_bf16) backward_kernels<HD, true>(dqkv, dsum, ds, dout16, qkv16, lse, B, T, NH, NKV, scale, stream);
+  else backward_kernels<HD, false>(dqkv, dsum, ds, dout16, qkv16, lse, B, T, NH, NKV, scale, stream);
 }
 
+std::atomic<bool> g_recompute_dq{false};  // set_attention_recompute_dq
+
 }  // namespace
+
+void set_attention_recompute_dq(bool on) { g_recompute_dq = on; }
+
+int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD) {
+  constexpr int64_t kMaxDsBytes = int64_t{1} << 30;
+  if (HD > 64 || B <= 0 || T <= 0 || g_recompute_dq) return 0;
+  const int64_t bytes = B * NH * ds_pairs((T + kTile - 1) / kTile) * kDsPairUint4 * 16;
+  return bytes <= kMaxDsBytes ? bytes : 0;
+}
 
 void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                              int64_t HD) {
@@ -726,8 +913,8 @@ void attention_forward_launch(float* out, uint16_t* out16, float* lse, const flo
 // qkv / qkv_in16 and out / out16 as attention_forward_launch's (one of each pair).
 void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const uint16_t* dout_in16, const float* qkv,
                                const uint16_t* qkv_in16, const float* out, const uint16_t* out16, const float* lse,
-                               uint16_t* qkv16, uint16_t* dout16, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                               int64_t HD, bool round_bf16, cudaStream_t stream) {
+                               uint16_t* qkv16, uint16_t* dout16, void* ds, int64_t B, int64_t T, int64_t NH,
+                               int64_t NKV, int64_t HD, bool round_bf16, cudaStream_t stream) {
   attention_check_shape("attention_backward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
   require_aligned("attention_backward", "dqkv", dqkv);
@@ -749,18 +936,20 @@ void attention_backward_launch(float* dqkv, float* dsum, const float* dout, cons
     d16 = reinterpret_cast<const bf16*>(dout16);
   }
   const bool bits = dout_in16 != nullptr;
+  if (ds) require_aligned("attention_backward", "ds (scratch)", ds);
+  uint4* ds4 = static_cast<uint4*>(ds);
   switch (HD) {
     case 16:
-      backward_for<16>(dqkv, dsum, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<16>(dqkv, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     case 32:
-      backward_for<32>(dqkv, dsum, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<32>(dqkv, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     case 64:
-      backward_for<64>(dqkv, dsum, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<64>(dqkv, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     default:
-      backward_for<128>(dqkv, dsum, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<128>(dqkv, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
   }
 }

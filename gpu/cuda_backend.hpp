@@ -400,8 +400,16 @@ void attention_forward_launch(float* out, uint16_t* out16, float* lse, const flo
                               bool round_bf16, cudaStream_t stream);
 void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const uint16_t* dout_in16, const float* qkv,
                                const uint16_t* qkv_in16, const float* out, const uint16_t* out16, const float* lse,
-                               uint16_t* qkv16, uint16_t* dout16, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                               int64_t HD, bool round_bf16, cudaStream_t stream);
+                               uint16_t* qkv16, uint16_t* dout16, void* ds, int64_t B, int64_t T, int64_t NH,
+                               int64_t NKV, int64_t HD, bool round_bf16, cudaStream_t stream);
+// The backward pass's dS scratch: attention_ds_scratch_bytes(B, T, NH, HD) bytes (16-byte aligned)
+// passed as `ds` make the dK/dV kernel store bf16(dS) and the dQ kernel a plain GEMM over it (the
+// same values and sums as recomputing it); 0 where that path is not taken (HD > 64, more than
+// 1 GiB of scratch, or set_attention_recompute_dq), and then ds may be null.
+int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD);
+// Tests: true makes attention_ds_scratch_bytes 0, so the dQ kernel recomputes dS (to compare the
+// two paths); false (the default) restores the stored-dS path.
+void set_attention_recompute_dq(bool on);
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream);
 

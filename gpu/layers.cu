@@ -1475,6 +1475,7 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch columns;                      // partial column sums
   training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O) (B,NH,T)
   training_ops::DeviceScratch att_qkv16, att_dout16;        // attention's BF16 copies of qkv and dout
+  training_ops::DeviceScratch att_ds;                       // attention backward's stored bf16(dS) tiles
   training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
   training_ops::DeviceScratch sums;                         // sum_squares partials and results
   training_ops::DeviceScratch segments;                     // sum_squares (offset, count) pairs
@@ -2232,8 +2233,10 @@ void CudaBackend::attention_backward_bf16(float* dqkv, const float* dout, const 
   const size_t bt = static_cast<size_t>(B * T);
   uint16_t* scratch = qkv16 ? nullptr : st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dscratch = dout16 ? nullptr : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
-  attention_backward_launch(dqkv, dsum, dout, dout16, qkv, qkv16, out, out16, lse, scratch, dscratch, B, T, NH, NKV, HD,
-                            round_bf16, stream_);
+  const int64_t ds_bytes = attention_ds_scratch_bytes(B, T, NH, HD);  // (0: dq recomputes dS)
+  void* ds = ds_bytes > 0 ? st.att_ds.get<uint8_t>(static_cast<size_t>(ds_bytes), stream_) : nullptr;
+  attention_backward_launch(dqkv, dsum, dout, dout16, qkv, qkv16, out, out16, lse, scratch, dscratch, ds, B, T, NH, NKV,
+                            HD, round_bf16, stream_);
 }
 
 // The kernels are in gpu/attention.cu; here the checks and the backward pass's scratch.
@@ -2261,8 +2264,10 @@ void CudaBackend::attention_backward(float* dqkv, const float* dout, const float
   const size_t bt = B > 0 && T > 0 ? static_cast<size_t>(B * T) : 0;  // (B * T == 0 returned above)
   uint16_t* qkv16 = st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
-  attention_backward_launch(dqkv, dsum, dout, nullptr, qkv, nullptr, out, nullptr, lse, qkv16, dout16, B, T, NH, NKV, HD,
-                            round_bf16, stream_);
+  const int64_t ds_bytes = attention_ds_scratch_bytes(B, T, NH, HD);  // (0: dq recomputes dS)
+  void* ds = ds_bytes > 0 ? st.att_ds.get<uint8_t>(static_cast<size_t>(ds_bytes), stream_) : nullptr;
+  attention_backward_launch(dqkv, dsum, dout, nullptr, qkv, nullptr, out, nullptr, lse, qkv16, dout16, ds, B, T, NH, NKV,
+                            HD, round_bf16, stream_);
 }
 
 void CudaBackend::rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,

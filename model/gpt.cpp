@@ -114,9 +114,16 @@ Gpt::WeightShadow::WeightShadow(Gpt& m) : m_(m) {
                                    [](const LinearRecipe& r) { return r.any_quantized(); }))
     return;
   const int64_t n = static_cast<int64_t>(m.n_params_);
+  const float* params = m.params_.as<float>();  // (not params(): reading does not stale the shadow)
+  const void* before = m.params16_.get();
   uint16_t* bits = m.bf16_buffer(m.params16_, n);
-  m.be_.narrow_to_bf16(bits, m.params(), n);
-  m.be_.set_bf16_weight_shadow(m.params(), bits, n);
+  // the bits of the parameters as they are unless no writable view was taken since they were made
+  // (the backward pass reuses its forward pass's: one narrowing pass a step, not two)
+  if (m.shadow_version_ != m.params_version_ || bits != before) {
+    m.be_.narrow_to_bf16(bits, params, n);
+    m.shadow_version_ = m.params_version_;
+  }
+  m.be_.set_bf16_weight_shadow(params, bits, n);
   set_ = true;
 }
 
@@ -254,9 +261,14 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   const int64_t N = B * T, C = c.d_model, NH = c.n_heads, HD = C / NH;
   const int64_t QKV = (NH + 2 * c.n_kv_heads) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
   auto f32 = [&](int64_t n) { return BackendBuffer(be_, static_cast<size_t>(n) * 4); };
-  tokens_ = f32(N);
-  targets_ = f32(N);
+  batch_ = f32(2 * N);
   pos_ = f32(N);
+  {
+    std::vector<int32_t> pos(static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(i % T);
+    be_.upload(pos_.get(), pos.data(), static_cast<size_t>(N) * 4);
+  }
+  dlosses_for_ = 0;
   emb_ = f32(N * C);
   lnf_ = f32(N * C);
   lnf_mean_ = f32(N);
@@ -298,25 +310,24 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
                                 std::to_string(c.seq_len));
   const int64_t N = B * T, C = c.d_model, NH = c.n_heads, NKV = c.n_kv_heads, HD = C / NH;
   const int64_t QKV = (NH + 2 * NKV) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
-  std::vector<int32_t> pos(static_cast<size_t>(N));
   for (int64_t i = 0; i < N; ++i) {
     if (tokens[i] < 0 || tokens[i] >= V || targets[i] < 0 || targets[i] >= V)
       throw std::invalid_argument("forward: token " + std::to_string(tokens[i] < 0 || tokens[i] >= V ? tokens[i] : targets[i]) +
                                   " at position " + std::to_string(i) + " is outside the vocabulary of " +
                                   std::to_string(V));
-    pos[static_cast<size_t>(i)] = static_cast<int32_t>(i % T);
   }
   allocate_activations(B, T);
   const WeightShadow shadow(*this);
   stats_active_ = collect_stats_;
   B_ = B;
   T_ = T;
-  be_.upload(tokens_.get(), tokens, static_cast<size_t>(N) * 4);
-  be_.upload(targets_.get(), targets, static_cast<size_t>(N) * 4);
-  be_.upload(pos_.get(), pos.data(), static_cast<size_t>(N) * 4);
+  host_batch_.resize(static_cast<size_t>(2 * N));
+  std::copy(tokens, tokens + N, host_batch_.begin());
+  std::copy(targets, targets + N, host_batch_.begin() + N);
+  be_.upload(batch_.get(), host_batch_.data(), host_batch_.size() * 4);
   const bool ln = c.norm == "layernorm", rb = round_bf16();
   auto F32 = [](const BackendBuffer& b) { return b.as<float>(); };
-  be_.embedding_forward(F32(emb_), tokens_.as<int32_t>(), pos_.as<int32_t>(), p("wte"),
+  be_.embedding_forward(F32(emb_), tokens_dev(), pos_.as<int32_t>(), p("wte"),
                         c.positions == "learned" ? p("wpe") : nullptr, N, C);
   store(F32(emb_), N * C);
   const float* x = F32(emb_);
@@ -428,17 +439,20 @@ void Gpt::loss_gradient(int64_t micro_batches) {
   const int64_t N = B_ * T_, V = cfg_.vocab;
   // the gradient of the mean loss over all micro-batches' tokens: written (not accumulated) and
   // BF16-rounded in the op, so no zeroing or rounding pass over N x V
-  const std::vector<float> dl(static_cast<size_t>(N), 1.0f / static_cast<float>(N * micro_batches));
-  be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
+  if (dlosses_for_ != micro_batches) {  // (the same values every step: uploaded when they change)
+    const std::vector<float> dl(static_cast<size_t>(N), 1.0f / static_cast<float>(N * micro_batches));
+    be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
+    dlosses_for_ = micro_batches;
+  }
   if (logits16_)
     be_.crossentropy_softmax_forward_backward_bits(losses_.as<float>(), dlogits_.as<uint16_t>(), logits_.as<uint16_t>(),
-                                                   targets_.as<int32_t>(), dlosses_.as<float>(), N, V);
+                                                   targets_dev(), dlosses_.as<float>(), N, V);
   else if (round_bf16())
     be_.crossentropy_softmax_forward_backward_bf16(losses_.as<float>(), dlogits_.as<uint16_t>(), logits_.as<float>(),
-                                                   targets_.as<int32_t>(), dlosses_.as<float>(), N, V);
+                                                   targets_dev(), dlosses_.as<float>(), N, V);
   else
     be_.crossentropy_softmax_forward_backward(losses_.as<float>(), dlogits_.as<float>(), logits_.as<float>(),
-                                              targets_.as<int32_t>(), dlosses_.as<float>(), N, V, false);
+                                              targets_dev(), dlosses_.as<float>(), N, V, false);
   dlogits_micro_batches_ = micro_batches;
 }
 
@@ -532,7 +546,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     linear_bwd(l, 0, dln1_16 ? nullptr : F32(dln1_), F32(dqkv_), N, C, QKV, nullptr, dln1_16);
     norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"), dln1_16);
   }
-  be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_), tokens_.as<int32_t>(),
+  be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_), tokens_dev(),
                          pos_.as<int32_t>(), N, C);
   collect_stats_ = stats_active_ = false;
 }

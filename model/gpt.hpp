@@ -82,7 +82,14 @@ class Gpt {
   Backend& backend() const { return be_; }
   size_t num_params() const { return n_params_; }
   // The flat parameter and gradient vectors in the backend's memory (host memory on the emulator).
-  float* params() const { return params_.as<float>(); }
+  // params() on a non-const model is the writable view: taking it marks the BF16 weight shadow stale,
+  // so the next forward pass narrows the parameters again (write through it before that pass; a
+  // backward pass reads the shadow its forward pass made, the weights it differentiates).
+  float* params() {
+    ++params_version_;
+    return params_.as<float>();
+  }
+  const float* params() const { return params_.as<float>(); }
   float* grads() const { return grads_.as<float>(); }
   std::vector<float> params_to_host() const;
   void params_from_host(const std::vector<float>& host);
@@ -129,7 +136,7 @@ class Gpt {
   // The FP32 input of linear `linear` of a layer: its own buffer when the backward pass needs it
   // (a BF16 Wgrad), else the shared scratch.
   float* linear_input(int64_t layer, int linear);
-  float* p(const std::string& name) const { return params() + tensor(name).offset; }
+  const float* p(const std::string& name) const { return params_.as<float>() + tensor(name).offset; }
   float* g(const std::string& name) const { return grads() + tensor(name).offset; }
   void add(const std::string& name, std::vector<int64_t> shape);
   std::string lname(int64_t l, const char* what) const;
@@ -165,6 +172,9 @@ class Gpt {
   // and handed to Backend::set_bf16_weight_shadow at the pass's start, withdrawn at its end, so no
   // later change of the parameters can meet a stale copy). The BF16 recipe only.
   BackendBuffer params16_;
+  // params() hands out writable views (params_version_ counts them); params16_ holds the bits of the
+  // version shadow_version_ (none when it differs: the shadow is remade)
+  uint64_t params_version_ = 0, shadow_version_ = ~uint64_t{0};
   class WeightShadow {
    public:
     explicit WeightShadow(Gpt& m);
@@ -187,7 +197,13 @@ class Gpt {
   BackendBuffer params_, grads_;
   // activations of the last forward, sized for (B_, T_)
   int64_t B_ = 0, T_ = 0, alloc_B_ = 0, alloc_T_ = 0;
-  BackendBuffer tokens_, targets_, pos_;
+  // the batch's tokens then its targets (2N int32, one upload a forward pass), the positions i % T
+  // (uploaded when the buffers are sized)
+  BackendBuffer batch_, pos_;
+  std::vector<int32_t> host_batch_;
+  const int32_t* tokens_dev() const { return batch_.as<int32_t>(); }
+  const int32_t* targets_dev() const { return batch_.as<int32_t>() + B_ * T_; }
+  int64_t dlosses_for_ = 0;  // the micro-batch count dlosses_ holds 1/(N * count) for (0: none)
   BackendBuffer emb_, lnf_, lnf_mean_, lnf_rstd_, logits_, losses_;
   int64_t dlogits_micro_batches_ = 0;  // the micro-batch count dlogits_ was formed for (0: none)
   // dlogits_ (and losses_) from the kept logits, for the mean over micro_batches micro-batches
@@ -198,7 +214,6 @@ class Gpt {
   // the Dgrad outputs dln1, datty, dln2, dact as BF16 bits (linear i all BF16; dact also needs
   // c_fc all BF16 with GELU, whose fused backward pass reads it)
   BackendBuffer dinp16_[4];
-  std::vector<int32_t> host_targets_;
 };
 
 }  // namespace fp4sim::model

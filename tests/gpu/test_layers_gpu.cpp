@@ -852,6 +852,51 @@ TEST(LayersGpu, AttentionMatchesEmulator) {
   }
 }
 
+// The backward pass's two ways to dq (HD <= 64): dS stored by the dK/dV kernel and read by a plain
+// GEMM, or recomputed in the dQ kernel (gpu::set_attention_recompute_dq): the same BF16 dS values in
+// the same MMA chain, so the same bits, with and without the BF16 storage of the result.
+TEST(LayersGpu, AttentionStoredDsEqualsRecomputedDs) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(515);
+  struct Restore {
+    ~Restore() { gpu::set_attention_recompute_dq(false); }
+  } restore;
+  int compared = 0;
+  for (const AttnShape sh : kAttnShapes) {
+    const int64_t B = sh.B, T = sh.T, NH = sh.NH, NKV = sh.NKV, HD = sh.HD;
+    if (HD > 64) {
+      EXPECT_EQ(gpu::attention_ds_scratch_bytes(B, T, NH, HD), 0) << attn_tag(sh);
+      continue;
+    }
+    const int64_t W = (NH + 2 * NKV) * HD, C = NH * HD;
+    const std::string tag = attn_tag(sh);
+    const Vec qkv = randn(sz(B * T * W), rng), dout = randn(sz(B * T * C), rng);
+    const Outputs f = run(*be.cuda, [&](Backend& bk, Call& c) {
+      float* out = c.out(Vec(sz(B * T * C)));
+      float* lse = c.out(Vec(sz(B * NH * T)));
+      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
+    });
+    for (const bool round : {false, true}) {
+      const Op bwd = [&](Backend& bk, Call& c) {
+        float* dqkv = c.out(Vec(sz(B * T * W), kNaN));
+        bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(f[0]), c.in(f[1]), B, T, NH, NKV, HD,
+                              emu::GemmPrecision::BF16, round);
+      };
+      gpu::set_attention_recompute_dq(false);
+      ASSERT_GT(gpu::attention_ds_scratch_bytes(B, T, NH, HD), 0) << tag;  // the stored path is taken
+      const Vec stored = run(*be.cuda, bwd)[0];
+      gpu::set_attention_recompute_dq(true);
+      ASSERT_EQ(gpu::attention_ds_scratch_bytes(B, T, NH, HD), 0) << tag;
+      const Vec recomputed = run(*be.cuda, bwd)[0];
+      expect_bitwise(std::string("attention_backward stored dS vs recomputed") + (round ? " round_bf16" : "") + tag,
+                     recomputed, stored);
+      ++compared;
+    }
+  }
+  EXPECT_GE(compared, 10);
+}
+
 // Head sizes outside the kernels' templates and the emulator-only FP32 mode: errors that say so.
 TEST(LayersGpu, AttentionRejectsUnsupportedHeadDimAndFp32) {
   REQUIRE_GPU();
