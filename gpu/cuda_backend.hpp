@@ -407,6 +407,10 @@ void attention_backward_launch(float* dqkv, float* dsum, const float* dout, cons
 // same values and sums as recomputing it); 0 where that path is not taken (HD > 64, more than
 // 1 GiB of scratch, or set_attention_recompute_dq), and then ds may be null.
 int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD);
+// Tests: the cross-entropy kernel's division by the row's sum (one reciprocal a row, then three
+// FMAs a quotient) against __fdiv_rn on `pairs` pseudo-random pairs of its fast range: the number
+// of quotients that differ in any bit (0 expected).
+int64_t ce_division_mismatches(int64_t pairs, uint64_t seed);
 // Tests: true makes attention_ds_scratch_bytes 0, so the dQ kernel recomputes dS (to compare the
 // two paths); false (the default) restores the stored-dS path.
 void set_attention_recompute_dq(bool on);

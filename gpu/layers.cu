@@ -151,11 +151,20 @@ __device__ float block_max(float v) {
 // The same additions in the same order as one thread walking its column, which kept 32 loads in
 // flight and was bound by 8 rounds of their latency (~12 us a launch, 98 launches a step).
 constexpr int kFinalizeCols = 32, kFinalizeWarps = 8, kFinalizeTile = 256;
+// Two arrays of sums in one launch (out2/partial2 non-null: a norm's dweight and dbias): the CTAs
+// from `second` on take the second, each CTA the same work as in a launch of its own.
 __global__ void __launch_bounds__(kFinalizeCols * kFinalizeWarps)
-    column_sums_finalize_kernel(float* out, const float* partial, int64_t chunks, int64_t C, bool add_to_out) {
+    column_sums_finalize_kernel(float* out, const float* partial, int64_t chunks, int64_t C, bool add_to_out,
+                                float* out2, const float* partial2, unsigned second) {
   __shared__ float tile[kFinalizeTile][kFinalizeCols];
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kFinalizeCols + lane;
+  unsigned block = blockIdx.x;
+  if (out2 && block >= second) {
+    out = out2;
+    partial = partial2;
+    block -= second;
+  }
+  const int64_t c = static_cast<int64_t>(block) * kFinalizeCols + lane;
   float acc = 0.0f;
   for (int64_t k0 = 0; k0 < chunks; k0 += kFinalizeTile) {
     const int n = static_cast<int>(chunks - k0 < kFinalizeTile ? chunks - k0 : kFinalizeTile);
@@ -182,11 +191,12 @@ dim3 column_partial_grid(int64_t N, int64_t C) {
               static_cast<unsigned>((C + kThreads - 1) / kThreads));
 }
 
+// out (and out2, when given: the sums of partial2, the same shape) from the chunk partials.
 void column_sums_finalize(float* out, const float* partial, int64_t N, int64_t C, bool add_to_out,
-                          cudaStream_t stream) {
-  column_sums_finalize_kernel<<<static_cast<unsigned>((C + kFinalizeCols - 1) / kFinalizeCols),
-                                kFinalizeCols * kFinalizeWarps, 0, stream>>>(out, partial, column_chunks(N), C,
-                                                                              add_to_out);
+                          cudaStream_t stream, float* out2 = nullptr, const float* partial2 = nullptr) {
+  const unsigned blocks = static_cast<unsigned>((C + kFinalizeCols - 1) / kFinalizeCols);
+  column_sums_finalize_kernel<<<out2 ? 2 * blocks : blocks, kFinalizeCols * kFinalizeWarps, 0, stream>>>(
+      out, partial, column_chunks(N), C, add_to_out, out2, partial2, blocks);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -933,6 +943,39 @@ __global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT
         h[i] = bf16_rne(v);
       });
 }
+// GELU's stored BF16 bits as a function of its BF16 input's bits: table[x] = bf16_rne(gelu_forward_
+// stored(x, true)), for all 65536 x (that is also bf16_rne(gelu_tanh_value(x)): RNE of a BF16-rounded
+// value is the same BF16). Made once by the device itself (the same function, so the same bits as
+// gelu_forward_bf16_copy_kernel computes), then the forward pass on BF16 input with only BF16 output
+// is a lookup: gelu_forward_bf16_lut_kernel. The arithmetic (tanhf) otherwise made that pass
+// compute-bound.
+constexpr int kGeluLutEntries = 1 << 16;
+constexpr int kGeluLutThreads = 1024;
+__global__ void gelu_bf16_table_kernel(uint16_t* table) {
+  const int i = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < kGeluLutEntries) table[i] = bf16_rne(gelu_forward_stored(bf16_to_f32(static_cast<uint16_t>(i)), true));
+}
+
+// h = table[inp] element by element, the table (128 KB) in shared memory; one CTA an SM. `vec`:
+// both pointers 16-byte aligned, eight elements a load, the tail one by one.
+__global__ void __launch_bounds__(kGeluLutThreads)
+    gelu_forward_bf16_lut_kernel(uint16_t* h, const uint16_t* inp, const uint16_t* table, int64_t n, bool vec) {
+  extern __shared__ uint4 gelu_lut_smem[];
+  uint16_t* const lut = reinterpret_cast<uint16_t*>(gelu_lut_smem);
+  for (int i = threadIdx.x; i < kGeluLutEntries / 8; i += blockDim.x)
+    gelu_lut_smem[i] = reinterpret_cast<const uint4*>(table)[i];
+  __syncthreads();
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n8 = vec ? n / 8 : 0;
+  auto look = [&](uint32_t w) { return static_cast<uint32_t>(lut[w & 0xFFFFu]) | static_cast<uint32_t>(lut[w >> 16]) << 16; };
+  for (int64_t j = t0; j < n8; j += stride) {
+    const uint4 u = reinterpret_cast<const uint4*>(inp)[j];
+    reinterpret_cast<uint4*>(h)[j] = make_uint4(look(u.x), look(u.y), look(u.z), look(u.w));
+  }
+  for (int64_t i = n8 * 8 + t0; i < n; i += stride) h[i] = lut[inp[i]];
+}
+
 template <class InT>
 bool gelu_copy_vectorized(const float* out, const uint16_t* h, const InT* inp) {
   return quad_aligned(h) && quad_aligned(inp) && (!out || quad_aligned(out));
@@ -1143,6 +1186,53 @@ __device__ __forceinline__ void ce_store(T* p, int64_t c, int count, bool vec, c
   }
 }
 
+// a / b for many a and one b, the bits of __fdiv_rn(a, b): y is the reciprocal that the division's
+// fast path refines from rcp.approx (one Newton step), q0 = a y, and the remainder's correction
+// q = q0 + y (a - b q0) (Markstein): the fast path's own instructions, with y made once instead of
+// for every quotient. Used only where that path is exact and the division takes it: b in [1, 2^24]
+// and a in [2^-64, 1], so that a / b and the remainder are normal (a softmax: b >= 1 is the sum
+// with the maximum's exp(0) = 1 in it, a <= 1). `fast` false: every quotient by __fdiv_rn.
+// (tests/gpu: CeDivisionEqualsFdivRn compares it with __fdiv_rn on 2^26 pairs and the range's ends)
+struct SumDivisor {
+  static constexpr float kMinDividend = 0x1p-64f;
+  float b, y;
+  bool fast;
+  __device__ __forceinline__ float quotient(float a) const {
+    const float q0 = __fmaf_rn(y, a, 0.0f);
+    return __fmaf_rn(y, __fmaf_rn(-b, q0, a), q0);
+  }
+};
+__device__ __forceinline__ SumDivisor sum_divisor(float b) {
+  float y0;
+  asm("rcp.approx.f32 %0, %1;" : "=f"(y0) : "f"(b));
+  return {b, __fmaf_rn(y0, __fmaf_rn(-b, y0, 1.0f), y0), b >= 1.0f && b <= 0x1p24f};
+}
+
+// The test's entry: for `pairs` pseudo-random (a, b) in the ranges above (every a exponent in
+// [-64, 0], b in [1, 2^24]) and the ends of both, the number of quotients that differ from
+// __fdiv_rn in any bit.
+__global__ void ce_division_check_kernel(unsigned long long* mismatches, int64_t pairs, uint64_t seed) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t x = seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;  // splitmix64
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    const uint32_t lo = static_cast<uint32_t>(x), hi = static_cast<uint32_t>(x >> 32);
+    // a: exponent -64..0, any mantissa (a = 1 exactly when the exponent is 0 and the mantissa 0)
+    const int ea = static_cast<int>(lo % 65u) - 64;
+    float a = __uint_as_float((static_cast<uint32_t>(ea + 127) << 23) | (hi & 0x7FFFFFu));
+    if (ea == 0) a = 1.0f;
+    // b: exponent 0..23, any mantissa, or an end of the range
+    const int eb = static_cast<int>((lo >> 8) % 24u);
+    float b = __uint_as_float((static_cast<uint32_t>(eb + 127) << 23) | ((hi >> 9) | (lo << 23)) & 0x7FFFFFu);
+    if ((lo >> 16) % 64u == 0) b = (lo >> 22) & 1 ? 1.0f : 0x1p24f;
+    if ((lo >> 24) % 64u == 1) a = SumDivisor::kMinDividend;
+    const SumDivisor d = sum_divisor(b);
+    if (!d.fast || __float_as_uint(d.quotient(a)) != __float_as_uint(__fdiv_rn(a, b))) atomicAdd(mismatches, 1ull);
+  }
+}
+
 template <bool kGrad, bool kCached, class Out = float, class In = float>
 __global__ void __launch_bounds__(kCeThreads, 2)
     crossentropy_softmax_forward_kernel(float* losses, Out* probs, const In* logits, const int32_t* targets,
@@ -1177,19 +1267,27 @@ __global__ void __launch_bounds__(kCeThreads, 2)
     }
     for (; c < chunks; c += step) f(c, count_of(c), from_cache ? ce_load(row, c, count_of(c), true) : ce_load(z, c, count_of(c), vec_in));
   };
+  // g(u) on the chunk's logits u < count, in increasing u: a whole chunk (the common case) without
+  // a test per logit
+  auto each = [&](int count, auto&& g) {
+    if (count == kCeVec) {
+#pragma unroll
+      for (int u = 0; u < kCeVec; ++u) g(u);
+    } else {
+#pragma unroll
+      for (int u = 0; u < kCeVec; ++u)
+        if (u < count) g(u);
+    }
+  };
   float m = -INFINITY;
   for_each_chunk(false, [&](int64_t c, int count, const CeChunk<In>& k) {
     if (kCached) ce_store(row, c, count, true, k);
-#pragma unroll
-    for (int u = 0; u < kCeVec; ++u)
-      if (u < count) m = max_skip_nan(m, value(k.v[u]));
+    each(count, [&](int u) { m = max_skip_nan(m, value(k.v[u])); });
   });
   const float maxv = block_max(m);  // (ends with a barrier: the cached row is complete)
   float s = 0.0f;
   for_each_chunk(kCached, [&](int64_t, int count, const CeChunk<In>& k) {
-#pragma unroll
-    for (int u = 0; u < kCeVec; ++u)
-      if (u < count) s = __fadd_rn(s, expf(__fsub_rn(value(k.v[u]), maxv)));
+    each(count, [&](int u) { s = __fadd_rn(s, expf(__fsub_rn(value(k.v[u]), maxv))); });
   });
   const float sum = block_sum(s);
   const int64_t target = targets[n];
@@ -1197,18 +1295,25 @@ __global__ void __launch_bounds__(kCeThreads, 2)
   if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(expf(__fsub_rn(value(kCached ? row[target] : z[target]), maxv)), sum));
   __syncthreads();
   const float dl = kGrad ? dlosses[n] : 0.0f;
+  const SumDivisor div = sum_divisor(sum);
   for_each_chunk(kCached, [&](int64_t c, int count, const CeChunk<In>& k) {
+    float prob[kCeVec];
+    bool fast = div.fast;  // every quotient of the chunk in div's fast range (else all by __fdiv_rn)
+    each(count, [&](int u) {
+      const float e = expf(__fsub_rn(value(k.v[u]), maxv));
+      prob[u] = div.quotient(e);
+      fast = fast && e >= SumDivisor::kMinDividend;
+    });
+    if (!fast) each(count, [&](int u) { prob[u] = __fdiv_rn(expf(__fsub_rn(value(k.v[u]), maxv)), sum); });
+    const int64_t t_off = target - c * kCeVec;  // the target's place in this chunk, if it is here
+    const int tu = t_off >= 0 && t_off < kCeVec ? static_cast<int>(t_off) : -1;
     CeChunk<Out> o;
-#pragma unroll
-    for (int u = 0; u < kCeVec; ++u) {
-      if (u >= count) continue;
-      const int64_t i = c * kCeVec + u;
-      const float prob = __fdiv_rn(expf(__fsub_rn(value(k.v[u]), maxv)), sum);
+    each(count, [&](int u) {
       if constexpr (std::is_same_v<Out, uint16_t>)
-        o.v[u] = bf16_rne(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl));
+        o.v[u] = bf16_rne(__fmul_rn(__fsub_rn(prob[u], u == tu ? 1.0f : 0.0f), dl));
       else
-        o.v[u] = kGrad ? stored(__fmul_rn(__fsub_rn(prob, i == target ? 1.0f : 0.0f), dl), round_bf16) : prob;
-    }
+        o.v[u] = kGrad ? stored(__fmul_rn(__fsub_rn(prob[u], u == tu ? 1.0f : 0.0f), dl), round_bf16) : prob[u];
+    });
     ce_store(p, c, count, vec_out, o);
   });
 }
@@ -1476,6 +1581,9 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O) (B,NH,T)
   training_ops::DeviceScratch att_qkv16, att_dout16;        // attention's BF16 copies of qkv and dout
   training_ops::DeviceScratch att_ds;                       // attention backward's stored bf16(dS) tiles
+  training_ops::DeviceScratch gelu_lut;                     // GELU's BF16 output bits by input bits
+  bool gelu_lut_ready = false;
+  int gelu_lut_ctas = 0;                                    // its kernel's grid: one CTA an SM
   training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
   training_ops::DeviceScratch sums;                         // sum_squares partials and results
   training_ops::DeviceScratch segments;                     // sum_squares (offset, count) pairs
@@ -1789,8 +1897,7 @@ void layernorm_backward_launch(float* dinp, float* dweight, float* dbias, const 
         partial, dweight, dbias, dout, inp, mean, rstd, N, C, bf16_dout);
     FP4SIM_CUDA_CHECK_LAUNCH();
   }
-  column_sums_finalize(dweight, partial, N, C, false, stream);
-  column_sums_finalize(dbias, partial + chunks * C, N, C, false, stream);
+  column_sums_finalize(dweight, partial, N, C, false, stream, dbias, partial + chunks * C);
 }
 template <class DT>
 void rmsnorm_backward_launch(float* dinp, float* dweight, const DT* dout, const float* inp, const float* weight,
@@ -1975,7 +2082,22 @@ void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16, const A
   uint16_t* x = src.out16 ? src.out16 : st.bf16_b.get<uint16_t>(static_cast<size_t>(N * K), stream_);
   float* const act = src.out16 ? nullptr : src.out;
   const bool rb = src.out16 ? true : src.round_bf16;
-  if (src.inp16)
+  if (src.inp16 && !act) {  // (BF16 in, BF16 bits out: the table, made on first use)
+    if (!st.gelu_lut_ready) {
+      gelu_bf16_table_kernel<<<kGeluLutEntries / kThreads, kThreads, 0, stream_>>>(
+          st.gelu_lut.get<uint16_t>(kGeluLutEntries, stream_));
+      FP4SIM_CUDA_CHECK_LAUNCH();
+      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(gelu_forward_bf16_lut_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             kGeluLutEntries * 2));
+      int device = 0;
+      FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
+      FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&st.gelu_lut_ctas, cudaDevAttrMultiProcessorCount, device));
+      st.gelu_lut_ready = true;
+    }
+    const bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(src.inp16) % 16 == 0;
+    gelu_forward_bf16_lut_kernel<<<static_cast<unsigned>(st.gelu_lut_ctas), kGeluLutThreads, kGeluLutEntries * 2, stream_>>>(
+        x, src.inp16, st.gelu_lut.get<uint16_t>(kGeluLutEntries, stream_), N * K, vec);
+  } else if (src.inp16)
     gelu_forward_bf16_copy_kernel<<<elementwise_grid((N * K + 3) / 4), kThreads, 0, stream_>>>(
         act, x, src.inp16, N * K, rb, gelu_copy_vectorized(act, x, src.inp16));
   else
@@ -2561,6 +2683,21 @@ void CudaBackend::sum_squares_many(const float* base, const std::vector<int64_t>
     FP4SIM_CUDA_CHECK(cudaMemcpyAsync(sums + first, out, tensors * sizeof(double), cudaMemcpyDeviceToHost, stream_));
     FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the next batch reuses the buffers
   }
+}
+
+int64_t ce_division_mismatches(int64_t pairs, uint64_t seed) {
+  unsigned long long* d = nullptr;
+  FP4SIM_CUDA_CHECK(cudaMalloc(&d, sizeof(unsigned long long)));
+  unsigned long long h = 0;
+  cudaError_t err = cudaMemset(d, 0, sizeof(h));
+  if (err == cudaSuccess) {
+    ce_division_check_kernel<<<1024, kThreads>>>(d, pairs, seed);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess) err = cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost);
+  cudaFree(d);
+  FP4SIM_CUDA_CHECK(err);
+  return static_cast<int64_t>(h);
 }
 
 }  // namespace fp4sim::gpu

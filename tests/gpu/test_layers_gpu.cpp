@@ -852,6 +852,15 @@ TEST(LayersGpu, AttentionMatchesEmulator) {
   }
 }
 
+// The cross-entropy kernel divides by the row's sum with a reciprocal made once a row and three
+// FMAs a quotient (the fast path of __fdiv_rn's own sequence): the same bits as __fdiv_rn on its
+// range (dividends in [2^-64, 1], divisors in [1, 2^24]).
+TEST(LayersGpu, CeDivisionEqualsFdivRn) {
+  REQUIRE_GPU();
+  EXPECT_EQ(gpu::ce_division_mismatches(int64_t{1} << 26, 0x5eed), 0);
+  EXPECT_EQ(gpu::ce_division_mismatches(int64_t{1} << 26, 0xfeed), 0);
+}
+
 // The backward pass's two ways to dq (HD <= 64): dS stored by the dK/dV kernel and read by a plain
 // GEMM, or recomputed in the dQ kernel (gpu::set_attention_recompute_dq): the same BF16 dS values in
 // the same MMA chain, so the same bits, with and without the BF16 storage of the result.
@@ -1344,6 +1353,42 @@ Vec bf16_values_of(const Vec& v) {
   Vec r(v);
   for (float& x : r) x = bf16_round(x);
   return r;
+}
+
+// GELU into a BF16 linear with BF16 input and output bits takes the lookup table of GELU's bits
+// (gpu/layers.cu: gelu_forward_bf16_lut_kernel): on every finite BF16 input, the activation and the
+// matmul's output equal the computing path's (FP32 input and activation) bit for bit.
+TEST(LayersGpu, GeluLookupEqualsComputedOnEveryBf16) {
+  REQUIRE_GPU();
+  Backends be;
+  const int64_t N = 256, K = 256, OC = 16;  // N * K = 65536: every bit pattern once
+  std::mt19937 rng(717);
+  std::vector<uint16_t> pre16(sz(N * K));
+  Vec pre(pre16.size());
+  for (size_t i = 0; i < pre16.size(); ++i) {
+    const uint16_t bits = static_cast<uint16_t>(i);
+    pre16[i] = (bits & 0x7F80u) == 0x7F80u ? uint16_t{0} : bits;  // (Inf and NaN: 0 instead)
+    pre[i] = bf16_to_f32(pre16[i]);
+  }
+  const Vec w = randn(sz(OC * K), rng, 0.3f), b = randn(sz(OC), rng);
+  const emu::GemmPrecision bf16 = emu::GemmPrecision::BF16;
+  const Outputs r = run(*be.cuda, [&](Backend& k, Call& c) {
+    float* out = c.out(Vec(sz(N * OC), kNaN));
+    float* act = c.out(Vec(sz(N * K), kNaN));
+    const ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, true, false, "act"};
+    k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
+  });
+  const Outputs g = run(*be.cuda, [&](Backend& k, Call& c) {
+    uint16_t* out16 = bf16_out(c, N * OC);
+    ActivationSource src{ActivationOp::GeluForward, nullptr, nullptr, nullptr, N, K, true, false, "act"};
+    src.inp16 = c.in(pre16);
+    src.out16 = bf16_out(c, N * K);
+    k.matmul_forward_activation(nullptr, out16, src, c.in(w), c.in(b), OC, bf16, true);
+  });
+  expect_bitwise("GELU table: act", r[1], widened(g[1], N * K));
+  Vec out_r = r[0];
+  for (float& v : out_r) v = bf16_round(v);
+  expect_bitwise("GELU table: out", out_r, widened(g[0], N * OC));
 }
 
 // The BF16-stored activation ops (Backend's *_bf16, the model's BF16 bits storage) against the
