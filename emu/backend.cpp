@@ -140,6 +140,13 @@ void Backend::layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, co
   narrow_to_bf16(out, t.as<float>(), N * C);
 }
 
+void Backend::residual_layernorm_forward_bf16(float* res, uint16_t* out, float* mean, float* rstd, const float* a,
+                                              const uint16_t* b16, const float* weight, const float* bias, int64_t N,
+                                              int64_t C, bool round_bf16) {
+  residual_forward_bf16(res, a, b16, N * C, round_bf16);
+  layernorm_forward_bf16(out, mean, rstd, res, weight, bias, N, C);
+}
+
 void Backend::rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,
                                    int64_t C) {
   BackendBuffer t = f32_temp(*this, N * C);

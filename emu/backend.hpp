@@ -258,6 +258,12 @@ class Backend {
                                       const float* bias, int64_t N, int64_t C);
   virtual void rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,
                                     int64_t C);
+  // residual_forward_bf16(res, a, b16, N * C, round_bf16) and then layernorm_forward_bf16(out, mean,
+  // rstd, res, weight, bias, N, C): the residual add whose result a LayerNorm reads next, in one call
+  // (a backend may do both in one pass over the rows: the same bits).
+  virtual void residual_layernorm_forward_bf16(float* res, uint16_t* out, float* mean, float* rstd, const float* a,
+                                               const uint16_t* b16, const float* weight, const float* bias, int64_t N,
+                                               int64_t C, bool round_bf16);
   // matmul_forward at BF16 precision: inp16 in place of inp; out16 in place of out (rounded:
   // round_bf16 is then implied).
   virtual void matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16,

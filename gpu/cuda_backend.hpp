@@ -158,6 +158,9 @@ class CudaBackend final : public Backend {
   void rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp, const float* weight,
                              const float* rstd, int64_t N, int64_t C, bool round_bf16) override;
   void residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n, bool round_bf16) override;
+  void residual_layernorm_forward_bf16(float* res, uint16_t* out, float* mean, float* rstd, const float* a,
+                                       const uint16_t* b16, const float* weight, const float* bias, int64_t N,
+                                       int64_t C, bool round_bf16) override;
   void round_to_bf16(float* x, int64_t n) override;
   void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override;
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,

@@ -464,6 +464,15 @@ __device__ __forceinline__ void load_row_quads(F32x4 (&x)[kQuads], const float* 
   }
 }
 
+// A residual add fused in front of a norm (residual_layernorm_forward_bf16): out (N,C) = stored(a +
+// b16's values, round_bf16), residual_forward_bf16's expression, the norm's input. out null: none.
+struct ResidualIn {
+  float* out = nullptr;
+  const float* a = nullptr;
+  const uint16_t* b16 = nullptr;
+  bool round_bf16 = false;
+};
+
 // LayerNorm forward, a warp a row, the row in registers (load_row_quads). mean: each lane adds its
 // elements in increasing column order to +0, then warp_sum; var: the same tree over (x - mean)^2
 // (two passes, as the emulator); rstd = 1 / sqrt(var / C + eps). out (N,C) = ((rstd * (x - mean))
@@ -473,12 +482,27 @@ template <class OutT, int kQuads>
 __global__ void __launch_bounds__(kNormRowWarps * 32)
     layernorm_forward_rows_kernel(OutT* out, float* mean, float* rstd, const float* inp, const float* weight,
                                   const float* bias, int64_t N, int64_t C, float c_f32, float eps, bool round_bf16,
-                                  bool out_vec) {
+                                  bool out_vec, ResidualIn res = {}) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kNormRowWarps + (threadIdx.x >> 5);
   if (n >= N) return;  // (a whole warp)
   F32x4 x[kQuads];
-  load_row_quads(x, inp + n * C, C, lane);
+  if (res.out) {  // the row is residual_forward_bf16's: stored(a + b16), written to res.out, then normalized
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) {
+      const int64_t j = lane + 32 * q;
+      if (j >= C / 4) {
+        x[q] = F32x4{};
+        continue;
+      }
+      const F32x4 u = load_f32x4(res.a + n * C, 4 * j, true), w = load_f32x4(res.b16 + n * C, 4 * j, true);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[q].v[e] = stored(__fadd_rn(u.v[e], w.v[e]), res.round_bf16);
+      *reinterpret_cast<float4*>(res.out + n * C + 4 * j) = make_float4(x[q].v[0], x[q].v[1], x[q].v[2], x[q].v[3]);
+    }
+  } else {
+    load_row_quads(x, inp + n * C, C, lane);
+  }
   float s = 0.0f;
 #pragma unroll
   for (int q = 0; q < kQuads; ++q)
@@ -1835,14 +1859,16 @@ void allow_shared_bytes(Kernel* kernel, size_t bytes) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
+// res (res.out set): the row kernel's residual input, for which the caller checked norm_rows_fit.
 template <class OutT>
 void layernorm_forward_launch(OutT* out, float* mean, float* rstd, const float* inp, const float* weight,
-                              const float* bias, int64_t N, int64_t C, bool round_bf16, cudaStream_t stream) {
+                              const float* bias, int64_t N, int64_t C, bool round_bf16, cudaStream_t stream,
+                              ResidualIn res = {}) {
   const float c_f32 = static_cast<float>(C);
-  if (norm_rows_fit(C, inp, weight, bias)) {
+  if (res.out || norm_rows_fit(C, inp, weight, bias)) {
     with_row_quads(C, [&](auto quads) {
       layernorm_forward_rows_kernel<OutT, decltype(quads)::value><<<norm_rows_grid(N), kNormRowWarps * 32, 0, stream>>>(
-          out, mean, rstd, inp, weight, bias, N, C, c_f32, kNormEps, round_bf16, quad_aligned(out));
+          out, mean, rstd, inp, weight, bias, N, C, c_f32, kNormEps, round_bf16, quad_aligned(out), res);
     });
   } else {
     layernorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(out, mean, rstd, inp, weight, bias,
@@ -2198,6 +2224,22 @@ void CudaBackend::layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd
   require_rows("layernorm_forward_bf16", N);
   if (N == 0 || C == 0) return;
   layernorm_forward_launch(out, mean, rstd, inp, weight, bias, N, C, true, stream_);
+}
+
+// One pass: the row kernel adds the residual as it loads the row (residual_forward_bf16's
+// expression), writes it, and normalizes it from registers; the base class's two calls where the
+// row kernel does not apply (C > 1024, C % 4, pointers not 16-byte aligned).
+void CudaBackend::residual_layernorm_forward_bf16(float* res, uint16_t* out, float* mean, float* rstd, const float* a,
+                                                  const uint16_t* b16, const float* weight, const float* bias,
+                                                  int64_t N, int64_t C, bool round_bf16) {
+  require_rows("residual_layernorm_forward_bf16", N);
+  if (N == 0 || C == 0) return;
+  if (!norm_rows_fit(C, res, a, b16, weight, bias)) {
+    Backend::residual_layernorm_forward_bf16(res, out, mean, rstd, a, b16, weight, bias, N, C, round_bf16);
+    return;
+  }
+  layernorm_forward_launch(out, mean, rstd, nullptr, weight, bias, N, C, true, stream_,
+                           ResidualIn{res, a, b16, round_bf16});
 }
 
 void CudaBackend::rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,

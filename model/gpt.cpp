@@ -339,6 +339,11 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     if (ln) be_.layernorm_forward_bf16(out, F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N, C);
     else be_.rmsnorm_forward_bf16(out, F32(rstd), in, p(pre + ".weight"), N, C);
   };
+  // a residual add that a LayerNorm with BF16-bits output reads next is one backend call
+  // (residual_layernorm_forward_bf16: the same bits as the two ops): ln_2 after the attention's
+  // residual, and the next layer's ln_1 after the MLP's (ln1_done: made by the layer before)
+  auto fused_norm = [&](int64_t l, int i) { return ln && bits_on() && stores_bits(l, i); };
+  bool ln1_done = false;
   for (int64_t l = 0; l < c.n_layers; ++l) {
     LayerActs& a = acts_[static_cast<size_t>(l)];
     for (int i = 0; i < 4; ++i) a.in16[i] = stores_bits(l, i);
@@ -361,7 +366,9 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
       norm_fwd16(y16, mean, rstd, in, pre);
       return {nullptr, y16};
     };
-    const auto ln1 = norm_input(0, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
+    const auto ln1 = ln1_done ? std::pair<float*, uint16_t*>{nullptr, linear_input16(l, 0)}
+                              : norm_input(0, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
+    ln1_done = false;
     // RoPE rotates the GEMM's output: then the rounding comes after it (so c_attn's output, and the
     // bias it adds, stay FP32 until then: Backend::matmul_forward's bias rule covers an output the
     // op rounds itself)
@@ -393,10 +400,18 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
       be_.attention_forward(atty, F32(a.lse), qkv, B, T, NH, NKV, HD, prec_, rb);
       linear_fwd(l, 1, attproj, atty, N, C, C, rb, nullptr, nullptr, proj16);
     }
-    residual(F32(a.res1), x, attproj);
+    std::pair<float*, uint16_t*> ln2;
+    if (a.proj16 && fused_norm(l, 2)) {
+      const std::string pre = lname(l, "ln_2");
+      ln2 = {nullptr, linear_input16(l, 2)};
+      be_.residual_layernorm_forward_bf16(F32(a.res1), ln2.second, F32(a.ln2_mean), F32(a.ln2_rstd), x, proj16,
+                                          p(pre + ".weight"), p(pre + ".bias"), N, C, rb);
+    } else {
+      residual(F32(a.res1), x, attproj);
+      ln2 = norm_input(2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
+    }
     float* const fc = a.fc16 ? nullptr : f32_buffer(a.fc, N * FC);
     uint16_t* const fc16 = a.fc16 ? bf16_buffer(a.fc, N * FC) : nullptr;
-    const auto ln2 = norm_input(2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
     linear_fwd(l, 2, fc, ln2.first, N, C, FC, rb, nullptr, ln2.second, fc16);
     // GELU's output goes to c_proj as a pending activation (linear_forward: computed in the pass
     // that makes the GEMM's operand, or run first; kept as BF16 bits where linear 3 stores bits)
@@ -414,7 +429,16 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
       be_.swiglu_forward(act, fc, N, F, rb);
     }
     linear_fwd(l, 3, fcproj, act, N, F, C, rb, pending, nullptr, proj16);
-    residual(F32(a.res2), F32(a.res1), fcproj);
+    if (a.proj16 && l + 1 < c.n_layers && fused_norm(l + 1, 0)) {
+      LayerActs& next = acts_[static_cast<size_t>(l + 1)];
+      const std::string pre = lname(l + 1, "ln_1");
+      be_.residual_layernorm_forward_bf16(F32(a.res2), linear_input16(l + 1, 0), F32(next.ln1_mean),
+                                          F32(next.ln1_rstd), F32(a.res1), proj16, p(pre + ".weight"),
+                                          p(pre + ".bias"), N, C, rb);
+      ln1_done = true;
+    } else {
+      residual(F32(a.res2), F32(a.res1), fcproj);
+    }
     x = F32(a.res2);
   }
   norm_fwd(F32(lnf_), lnf_mean_, lnf_rstd_, x, "ln_f");

@@ -1355,6 +1355,42 @@ Vec bf16_values_of(const Vec& v) {
   return r;
 }
 
+// The residual add fused into the LayerNorm that reads it (one pass on the CUDA backend where the
+// row kernel applies: C <= 1024, C % 4 == 0, aligned) against the two ops, bit for bit: the
+// residual stream, the BF16 output, mean and rstd; with and without the residual's BF16 rounding,
+// at gpt2's C, a C the rows kernel covers with a partial quad set, and one past its limit.
+TEST(LayersGpu, ResidualLayerNormEqualsTheTwoOps) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(818);
+  for (const int64_t C : {int64_t{768}, int64_t{100}, int64_t{1028}}) {
+    for (const bool rb : {true, false}) {
+      const int64_t N = 37;
+      const Vec a = randn(sz(N * C), rng), w = randn(sz(C), rng), b = randn(sz(C), rng);
+      const std::vector<uint16_t> p16 = bf16_bits_of(randn(sz(N * C), rng));
+      const std::string tag = " C=" + std::to_string(C) + (rb ? " round_bf16" : "");
+      const Outputs two = run(*be.cuda, [&](Backend& k, Call& c) {
+        float* res = c.out(Vec(sz(N * C), kNaN));
+        uint16_t* out16 = bf16_out(c, N * C);
+        float* mean = c.out(Vec(sz(N), kNaN));
+        float* rstd = c.out(Vec(sz(N), kNaN));
+        k.residual_forward_bf16(res, c.in(a), c.in(p16), N * C, rb);
+        k.layernorm_forward_bf16(out16, mean, rstd, res, c.in(w), c.in(b), N, C);
+      });
+      const Outputs one = run(*be.cuda, [&](Backend& k, Call& c) {
+        float* res = c.out(Vec(sz(N * C), kNaN));
+        uint16_t* out16 = bf16_out(c, N * C);
+        float* mean = c.out(Vec(sz(N), kNaN));
+        float* rstd = c.out(Vec(sz(N), kNaN));
+        k.residual_layernorm_forward_bf16(res, out16, mean, rstd, c.in(a), c.in(p16), c.in(w), c.in(b), N, C, rb);
+      });
+      const char* names[] = {"res", "out16", "mean", "rstd"};
+      for (size_t i = 0; i < 4; ++i)
+        expect_bitwise(std::string("residual_layernorm_forward_bf16 ") + names[i] + tag, two[i], one[i]);
+    }
+  }
+}
+
 // GELU into a BF16 linear with BF16 input and output bits takes the lookup table of GELU's bits
 // (gpu/layers.cu: gelu_forward_bf16_lut_kernel): on every finite BF16 input, the activation and the
 // matmul's output equal the computing path's (FP32 input and activation) bit for bit.
