@@ -300,6 +300,13 @@ void Backend::adamw_update_many(float* params, const float* grads, float* m, flo
     adamw_update(params + offsets[i], grads + offsets[i], m + offsets[i], v + offsets[i], counts[i], steps[i]);
 }
 
+void Backend::adamw_update_many_bf16(float* params, uint16_t* params16, const float* grads, float* m, float* v,
+                                     const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                                     const std::vector<AdamWStep>& steps) {
+  adamw_update_many(params, grads, m, v, offsets, counts, steps);
+  for (size_t i = 0; i < offsets.size(); ++i) narrow_to_bf16(params16 + offsets[i], params + offsets[i], counts[i]);
+}
+
 namespace {
 // The tensors of a *_many op (op names it in the message): as many offsets as counts, none negative.
 void validate_tensor_segments(const std::string& op, const std::vector<int64_t>& offsets,

@@ -390,6 +390,12 @@ class Backend {
   virtual void adamw_update_many(float* params, const float* grads, float* m, float* v,
                                  const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
                                  const std::vector<AdamWStep>& steps);
+  // adamw_update_many, then params16 (as many elements as params, the same offsets) = the BF16 bits
+  // of every updated tensor (narrow_to_bf16): the BF16 weight shadow kept current by the step
+  // itself. The CUDA backend writes the bits in the update's own pass.
+  virtual void adamw_update_many_bf16(float* params, uint16_t* params16, const float* grads, float* m, float* v,
+                                      const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                                      const std::vector<AdamWStep>& steps);
   // sum of x_i^2 in FP64 (the global gradient norm).
   virtual double sum_squares(const float* /*x*/, int64_t /*n*/) { missing("sum_squares"); }
   // sums[i] = sum_squares(base + offsets[i], counts[i]) for every i, the same bits, in one call

@@ -180,6 +180,9 @@ class CudaBackend final : public Backend {
                     const AdamWStep& step) override;
   void adamw_update_many(float* params, const float* grads, float* m, float* v, const std::vector<int64_t>& offsets,
                          const std::vector<int64_t>& counts, const std::vector<AdamWStep>& steps) override;
+  void adamw_update_many_bf16(float* params, uint16_t* params16, const float* grads, float* m, float* v,
+                              const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                              const std::vector<AdamWStep>& steps) override;
   double sum_squares(const float* x, int64_t n) override;
   void sum_squares_many(const float* base, const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
                         double* sums) override;
@@ -203,6 +206,9 @@ class CudaBackend final : public Backend {
   struct LayersState;
   std::shared_ptr<LayersState> layers_;  // created on first use
   LayersState& layers_state();
+  void adamw_many(float* params, uint16_t* p16, const float* grads, float* m, float* v,
+                  const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                  const std::vector<AdamWStep>& steps);
   // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (gpu/layers.cu); inp16: the
   // input as BF16 bits instead of inp (BF16 precision)
   void matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp, const float* weight,

@@ -106,13 +106,37 @@ void Gpt::store(float* x, int64_t n) {
   if (round_bf16()) be_.round_to_bf16(x, n);
 }
 
-Gpt::WeightShadow::WeightShadow(Gpt& m) : m_(m) {
+bool Gpt::uses_weight_shadow() const {
   // (the BF16 recipe's every matmul reads its weight in BF16: one narrowing pass over all
-  // parameters instead of one conversion per matmul, twice a step; other recipes quantize most
-  // weights themselves)
-  if (!m.bits_on() || std::any_of(m.recipes_.begin(), m.recipes_.end(),
-                                   [](const LinearRecipe& r) { return r.any_quantized(); }))
-    return;
+  // parameters instead of one conversion per matmul; other recipes quantize most weights themselves)
+  return bits_on() &&
+         std::none_of(recipes_.begin(), recipes_.end(), [](const LinearRecipe& r) { return r.any_quantized(); });
+}
+
+void Gpt::adamw_step(float* m, float* v, const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                     const std::vector<AdamWStep>& steps) {
+  float* const w = params();  // (a writable view: the shadow is stale from here unless the step writes it)
+  // the tensors, by offset, tile [0, n_params) exactly
+  std::vector<std::pair<int64_t, int64_t>> segs;
+  for (size_t i = 0; i < offsets.size() && i < counts.size(); ++i) segs.emplace_back(offsets[i], counts[i]);
+  std::sort(segs.begin(), segs.end());
+  int64_t end = 0;
+  bool tiles = offsets.size() == counts.size();
+  for (const auto& sg : segs) {
+    tiles = tiles && sg.first == end;
+    end = sg.first + sg.second;
+  }
+  tiles = tiles && end == static_cast<int64_t>(n_params_);
+  if (tiles && uses_weight_shadow() && params16_.bytes() == n_params_ * 2) {
+    be_.adamw_update_many_bf16(w, params16_.as<uint16_t>(), grads(), m, v, offsets, counts, steps);
+    shadow_version_ = params_version_;
+  } else {
+    be_.adamw_update_many(w, grads(), m, v, offsets, counts, steps);
+  }
+}
+
+Gpt::WeightShadow::WeightShadow(Gpt& m) : m_(m) {
+  if (!m.uses_weight_shadow()) return;
   const int64_t n = static_cast<int64_t>(m.n_params_);
   const float* params = m.params_.as<float>();  // (not params(): reading does not stale the shadow)
   const void* before = m.params16_.get();

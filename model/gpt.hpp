@@ -90,6 +90,12 @@ class Gpt {
     return params_.as<float>();
   }
   const float* params() const { return params_.as<float>(); }
+  // One AdamW step over the parameter tensors at offsets / counts (Backend::adamw_update_many on
+  // params() and grads()). Where the BF16 weight shadow is in use and the tensors cover every
+  // parameter once, the step writes the shadow too (adamw_update_many_bf16, the same bits as the
+  // narrowing pass), and the next forward pass makes none.
+  void adamw_step(float* m, float* v, const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                  const std::vector<AdamWStep>& steps);
   float* grads() const { return grads_.as<float>(); }
   std::vector<float> params_to_host() const;
   void params_from_host(const std::vector<float>& host);
@@ -175,6 +181,7 @@ class Gpt {
   // params() hands out writable views (params_version_ counts them); params16_ holds the bits of the
   // version shadow_version_ (none when it differs: the shadow is remade)
   uint64_t params_version_ = 0, shadow_version_ = ~uint64_t{0};
+  bool uses_weight_shadow() const;  // the BF16 recipe with BF16 bits: every matmul reads BF16 weights
   class WeightShadow {
    public:
     explicit WeightShadow(Gpt& m);

@@ -386,7 +386,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       steps.push_back(s);
       if (t.shape.size() < 2) steps.back().weight_decay = 0.0f;
     }
-    be.adamw_update_many(model.params(), model.grads(), m, v, grad_offsets, grad_counts, steps);
+    model.adamw_step(m, v, grad_offsets, grad_counts, steps);  // (and the BF16 weight shadow, where in use)
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     res.steps.push_back({step + 1, loss, norm, lr});
     const int64_t mem = be.device_memory_used();

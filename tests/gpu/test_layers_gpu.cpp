@@ -1427,6 +1427,49 @@ TEST(LayersGpu, GeluLookupEqualsComputedOnEveryBf16) {
   expect_bitwise("GELU table: out", out_r, widened(g[0], N * OC));
 }
 
+// GELU's backward pass on BF16 bits (pre-activation and gradient) looks its local gradient up in a
+// table for |x| < 16 and computes it beyond: on every finite BF16 pre-activation below 2^60 (larger
+// ones make NaN gradients, which would hide every other bit), the BF16 linear's backward pass
+// (dinp, dweight, dbias) equals the FP32 GELU path's bit for bit.
+TEST(LayersGpu, GeluBackwardLookupEqualsComputedOnEveryBf16) {
+  REQUIRE_GPU();
+  Backends be;
+  const int64_t N = 256, OC = 256, K = 32;  // N * OC = 65536: every bit pattern once
+  std::mt19937 rng(919);
+  std::vector<uint16_t> fc16(sz(N * OC));
+  Vec fc(fc16.size());
+  for (size_t i = 0; i < fc16.size(); ++i) {
+    const uint16_t bits = static_cast<uint16_t>(i);
+    fc16[i] = (bits & 0x7FFFu) >= 0x5D80u ? uint16_t{0} : bits;  // (|x| >= 2^60, Inf, NaN: 0 instead)
+    fc[i] = bf16_to_f32(fc16[i]);
+  }
+  const Vec dact = bf16_values_of(randn(sz(N * OC), rng)), x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f);
+  const std::vector<uint16_t> dact16 = bf16_bits_of(dact);
+  const Vec dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
+  const emu::GemmPrecision bf16 = emu::GemmPrecision::BF16;
+  const Outputs r = run(*be.cuda, [&](Backend& k, Call& c) {
+    float* dinp = c.out(Vec(sz(N * K), kNaN));
+    float* dw = c.out(dw0);
+    float* db = c.out(db0);
+    float* dfc = c.out(Vec(sz(N * OC), kNaN));
+    const ActivationSource src{ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
+    k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
+  });
+  const Outputs g = run(*be.cuda, [&](Backend& k, Call& c) {
+    uint16_t* dinp16 = bf16_out(c, N * K);
+    float* dw = c.out(dw0);
+    float* db = c.out(db0);
+    ActivationSource src{ActivationOp::GeluBackward, nullptr, nullptr, c.out(Vec(sz(N * OC), kNaN)), N, OC, true, true,
+                         "dfc"};
+    src.inp16 = c.in(fc16);
+    src.dout16 = c.in(dact16);
+    k.matmul_backward_bits(nullptr, dinp16, dw, db, nullptr, &src, c.in(x), nullptr, c.in(w), N, K, OC);
+  });
+  expect_bitwise("GELU backward table: dinp16", bf16_values_of(r[0]), widened(g[0], N * K));
+  expect_bitwise("GELU backward table: dweight", r[1], g[1]);
+  expect_bitwise("GELU backward table: dbias", r[2], g[2]);
+}
+
 // The BF16-stored activation ops (Backend's *_bf16, the model's BF16 bits storage) against the
 // FP32 ops on the same values: bit for bit, on the emulator (the compositions) and the CUDA
 // backend (kernels reading and writing the bits; the epilogue knob off, so the GEMMs run the plans
@@ -1827,6 +1870,44 @@ TEST(LayersGpu, AdamWBitwiseEqualsEmulator) {
     expect_bitwise("adamw params" + tag, e[0], g[0]);
     expect_bitwise("adamw m" + tag, e[1], g[1]);
     expect_bitwise("adamw v" + tag, e[2], g[2]);
+  }
+}
+
+// adamw_update_many_bf16 (the bits written in the update's own launch) equals adamw_update_many
+// followed by narrow_to_bf16 of each tensor, on CUDA, bit for bit: tensors off alignment, longer
+// than a work item, empty; two distinct steps (the one launch) and six (the per-tensor fallback).
+TEST(LayersGpu, AdamWManyBf16WritesTheNarrowedParameters) {
+  REQUIRE_GPU();
+  Backends be;
+  std::mt19937 rng(929);
+  const std::vector<int64_t> offsets{0, 5, 4101, 4101, 20000, 20771}, counts{5, 4096, 0, 15899, 771, 3};
+  const int64_t n = 20774;
+  const Vec p0 = randn(sz(n), rng), grads = randn(sz(n), rng, 0.01f), m0 = randn(sz(n), rng, 0.01f);
+  Vec v0 = randn(sz(n), rng, 1e-4f);
+  for (auto& v : v0) v = std::fabs(v);
+  for (const bool six : {false, true}) {
+    std::vector<AdamWStep> steps;
+    for (size_t i = 0; i < offsets.size(); ++i)
+      steps.push_back(make_adamw_step(3e-4f, 0.9f, 0.95f, 1e-8f, i % 2 ? 0.0f : 0.1f,
+                                      six ? static_cast<int64_t>(i) + 1 : 3, 0.8f));
+    const Outputs two = run(*be.cuda, [&](Backend& bk, Call& c) {
+      float* p = c.out(p0);
+      float* m = c.out(m0);
+      float* v = c.out(v0);
+      uint16_t* p16 = bf16_out(c, n);
+      bk.adamw_update_many(p, c.in(grads), m, v, offsets, counts, steps);
+      for (size_t i = 0; i < offsets.size(); ++i) bk.narrow_to_bf16(p16 + offsets[i], p + offsets[i], counts[i]);
+    });
+    const Outputs one = run(*be.cuda, [&](Backend& bk, Call& c) {
+      float* p = c.out(p0);
+      float* m = c.out(m0);
+      float* v = c.out(v0);
+      uint16_t* p16 = bf16_out(c, n);
+      bk.adamw_update_many_bf16(p, p16, c.in(grads), m, v, offsets, counts, steps);
+    });
+    const std::string tag = six ? " six steps" : " two steps";
+    const char* names[] = {"params", "m", "v", "params16"};
+    for (size_t i = 0; i < 4; ++i) expect_bitwise(std::string("adamw_update_many_bf16 ") + names[i] + tag, two[i], one[i]);
   }
 }
 
