@@ -907,10 +907,12 @@ struct Bf16PairGeluBackward {
   }
 };
 
-// One work item of round_to_bf16_column_partial_kernel: columns c, c + 1 of row chunk k.
 template <class Src>
-__device__ __forceinline__ void column_partial_item(uint16_t* __restrict__ h, float* __restrict__ partial,
-                                                    const Src& src, int64_t N, int64_t C, int64_t k, int64_t c) {
+__global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, float* __restrict__ partial, Src src,
+                                                    int64_t N, int64_t C) {
+  const int64_t c = 2 * (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
+  if (c >= C) return;
+  const int64_t k = blockIdx.x;
   const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   constexpr int kAhead = 16;
   float s0 = 0.0f, s1 = 0.0f;
@@ -932,67 +934,6 @@ __device__ __forceinline__ void column_partial_item(uint16_t* __restrict__ h, fl
   for (; n < n1; ++n) take(n, src.load2(n, c, C));
   partial[k * C + c] = s0;
   partial[k * C + c + 1] = s1;
-}
-
-template <class Src>
-__global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, float* __restrict__ partial, Src src,
-                                                    int64_t N, int64_t C) {
-  const int64_t c = 2 * (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
-  if (c >= C) return;
-  column_partial_item(h, partial, src, N, C, static_cast<int64_t>(blockIdx.x), c);
-}
-
-// GELU's backward pass on BF16 bits (pre-activation and incoming gradient) with its local gradient
-// looked up: gelu_tanh_local_grad of every BF16 x with |x| < 16 (sign, exponent field <= 130, any
-// mantissa: 2 x 0x4180 FP32 values, 131 KB) in a table the device makes with that very function;
-// other x compute it. So the values are gelu_backward_stored's, bit for bit; the tanhf that made the
-// pass compute-bound runs only where the table stops.
-constexpr int kGeluGradLutHalf = 0x4180;  // the BF16 magnitudes below 16
-constexpr int kGeluGradLutEntries = 2 * kGeluGradLutHalf;
-__device__ __forceinline__ int gelu_grad_lut_index(uint32_t bits) {
-  const uint32_t m = bits & 0x7FFFu;
-  return m < static_cast<uint32_t>(kGeluGradLutHalf) ? static_cast<int>((bits >> 15) * kGeluGradLutHalf + m) : -1;
-}
-__global__ void gelu_grad_table_kernel(float* table) {
-  const int i = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= kGeluGradLutEntries) return;
-  const uint32_t bits = i < kGeluGradLutHalf ? static_cast<uint32_t>(i) : 0x8000u | static_cast<uint32_t>(i - kGeluGradLutHalf);
-  table[i] = gelu_tanh_local_grad(bf16_to_f32(static_cast<uint16_t>(bits)));
-}
-struct Bf16PairGeluBackwardLut {
-  const uint16_t* __restrict__ inp;
-  const uint16_t* __restrict__ dout;
-  const float* lut;  // (shared memory)
-  bool round_bf16, bf16_dout;
-  __device__ __forceinline__ float grad(uint32_t xbits, float d) const {
-    const int i = gelu_grad_lut_index(xbits);
-    const float local = i >= 0 ? lut[i] : gelu_tanh_local_grad(__uint_as_float(xbits << 16));
-    const float v = __fadd_rn(0.0f, __fmul_rn(local, bf16_dout ? bf16_round(d) : d));
-    return round_bf16 ? bf16_round(v) : v;
-  }
-  __device__ __forceinline__ float2 load2(int64_t n, int64_t c, int64_t C) const {
-    const uint32_t x = __ldg(reinterpret_cast<const unsigned int*>(inp + n * C + c));
-    const float2 d = load_pair(dout + n * C + c);
-    return make_float2(grad(x & 0xFFFFu, d.x), grad(x >> 16, d.y));
-  }
-};
-constexpr int kGeluGradLutThreads = 1024;  // four groups of kThreads, each a work item at a time
-__global__ void __launch_bounds__(kGeluGradLutThreads)
-    gelu_backward_column_partial_lut_kernel(uint16_t* __restrict__ h, float* __restrict__ partial,
-                                            Bf16PairGeluBackwardLut src, const float* table, int64_t N, int64_t C) {
-  extern __shared__ float4 gelu_grad_smem[];
-  for (int i = threadIdx.x; i < kGeluGradLutEntries / 4; i += blockDim.x)
-    gelu_grad_smem[i] = reinterpret_cast<const float4*>(table)[i];
-  __syncthreads();
-  src.lut = reinterpret_cast<const float*>(gelu_grad_smem);
-  const int64_t chunks = (N + kColumnChunkRows - 1) / kColumnChunkRows;
-  const int64_t col_blocks = (C / 2 + kThreads - 1) / kThreads;
-  const int groups = kGeluGradLutThreads / kThreads, t = static_cast<int>(threadIdx.x) % kThreads;
-  for (int64_t item = static_cast<int64_t>(blockIdx.x) * groups + threadIdx.x / kThreads; item < chunks * col_blocks;
-       item += static_cast<int64_t>(gridDim.x) * groups) {
-    const int64_t k = item % chunks, c = 2 * ((item / chunks) * kThreads + t);
-    if (c < C) column_partial_item(h, partial, src, N, C, k, c);
-  }
 }
 
 // gelu_forward_kernel that also writes the stored values' BF16 bits (h), the GEMM operand
@@ -1676,9 +1617,6 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch gelu_lut;                     // GELU's BF16 output bits by input bits
   bool gelu_lut_ready = false;
   int gelu_lut_ctas = 0;                                    // its kernel's grid: one CTA an SM
-  training_ops::DeviceScratch gelu_grad_lut;                // GELU's local gradient by BF16 input bits, |x| < 16
-  bool gelu_grad_lut_ready = false;
-  int gelu_grad_lut_ctas = 0;
   training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
   training_ops::DeviceScratch sums;                         // sum_squares partials and results
   training_ops::DeviceScratch segments;                     // sum_squares (offset, count) pairs
@@ -2228,29 +2166,7 @@ const uint16_t* CudaBackend::gelu_backward_operand(const ActivationSource& src, 
     return bf16_operand_with_bias_grad(st.bf16_a, st.columns, pair, dbias, src.rows, src.cols, stream_);
   };
   const bool rb = src.round_bf16, bd = src.bf16_dout;
-  if (src.inp16 && src.dout16) {  // (the local gradient looked up: the same bits, without most tanhf)
-    if (!st.gelu_grad_lut_ready) {
-      float* table = st.gelu_grad_lut.get<float>(kGeluGradLutEntries, stream_);
-      gelu_grad_table_kernel<<<(kGeluGradLutEntries + kThreads - 1) / kThreads, kThreads, 0, stream_>>>(table);
-      FP4SIM_CUDA_CHECK_LAUNCH();
-      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(gelu_backward_column_partial_lut_kernel,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kGeluGradLutEntries * 4));
-      int device = 0;
-      FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
-      FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&st.gelu_grad_lut_ctas, cudaDevAttrMultiProcessorCount, device));
-      st.gelu_grad_lut_ready = true;
-    }
-    const int64_t N = src.rows, OC = src.cols;
-    uint16_t* h = st.bf16_a.get<uint16_t>(static_cast<size_t>(N * OC), stream_);
-    float* partial = st.columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
-    gelu_backward_column_partial_lut_kernel<<<static_cast<unsigned>(st.gelu_grad_lut_ctas), kGeluGradLutThreads,
-                                              kGeluGradLutEntries * 4, stream_>>>(
-        h, partial, Bf16PairGeluBackwardLut{src.inp16, src.dout16, nullptr, rb, bd},
-        st.gelu_grad_lut.get<float>(kGeluGradLutEntries, stream_), N, OC);
-    FP4SIM_CUDA_CHECK_LAUNCH();
-    column_sums_finalize(dbias, partial, N, OC, true, stream_);
-    return h;
-  }
+  if (src.inp16 && src.dout16) return make(Bf16PairGeluBackward<uint16_t, uint16_t>{src.inp16, src.dout16, rb, bd});
   if (src.inp16) return make(Bf16PairGeluBackward<uint16_t, float>{src.inp16, src.dout, rb, bd});
   if (src.dout16) return make(Bf16PairGeluBackward<float, uint16_t>{src.inp, src.dout16, rb, bd});
   return make(Bf16PairGeluBackward<float, float>{src.inp, src.dout, rb, bd});

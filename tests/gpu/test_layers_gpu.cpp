@@ -1427,11 +1427,12 @@ TEST(LayersGpu, GeluLookupEqualsComputedOnEveryBf16) {
   expect_bitwise("GELU table: out", out_r, widened(g[0], N * OC));
 }
 
-// GELU's backward pass on BF16 bits (pre-activation and gradient) looks its local gradient up in a
-// table for |x| < 16 and computes it beyond: on every finite BF16 pre-activation below 2^60 (larger
-// ones make NaN gradients, which would hide every other bit), the BF16 linear's backward pass
-// (dinp, dweight, dbias) equals the FP32 GELU path's bit for bit.
-TEST(LayersGpu, GeluBackwardLookupEqualsComputedOnEveryBf16) {
+// GELU's backward pass on BF16 bits (pre-activation and gradient) against the FP32 GELU path: on
+// every finite BF16 pre-activation below 2^60 (larger ones make NaN gradients, which would hide
+// every other bit), the BF16 linear's backward pass (dinp, dweight, dbias) is the same bit for bit.
+// (Written for a lookup table of GELU's local gradient, which it passed on the H200; the table ran
+// slower than computing, 1.71 against 1.48 ms a step, and was removed. The check stays.)
+TEST(LayersGpu, GeluBackwardBitsEqualFp32OnEveryBf16) {
   REQUIRE_GPU();
   Backends be;
   const int64_t N = 256, OC = 256, K = 32;  // N * OC = 65536: every bit pattern once
@@ -1465,9 +1466,9 @@ TEST(LayersGpu, GeluBackwardLookupEqualsComputedOnEveryBf16) {
     src.dout16 = c.in(dact16);
     k.matmul_backward_bits(nullptr, dinp16, dw, db, nullptr, &src, c.in(x), nullptr, c.in(w), N, K, OC);
   });
-  expect_bitwise("GELU backward table: dinp16", bf16_values_of(r[0]), widened(g[0], N * K));
-  expect_bitwise("GELU backward table: dweight", r[1], g[1]);
-  expect_bitwise("GELU backward table: dbias", r[2], g[2]);
+  expect_bitwise("GELU backward bits: dinp16", bf16_values_of(r[0]), widened(g[0], N * K));
+  expect_bitwise("GELU backward bits: dweight", r[1], g[1]);
+  expect_bitwise("GELU backward bits: dbias", r[2], g[2]);
 }
 
 // The BF16-stored activation ops (Backend's *_bf16, the model's BF16 bits storage) against the
