@@ -17,6 +17,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "emu/backend.hpp"
@@ -1391,6 +1392,18 @@ TEST(LayersGpu, ResidualLayerNormEqualsTheTwoOps) {
   }
 }
 
+// Every BF16 bit pattern once (65536 of them, in order), those `drop` rejects replaced by +0, as
+// bits and as their FP32 values.
+std::pair<std::vector<uint16_t>, Vec> every_bf16(const std::function<bool(uint16_t)>& drop) {
+  std::vector<uint16_t> bits(size_t{1} << 16);
+  Vec values(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) {
+    bits[i] = drop(static_cast<uint16_t>(i)) ? uint16_t{0} : static_cast<uint16_t>(i);
+    values[i] = bf16_to_f32(bits[i]);
+  }
+  return {bits, values};
+}
+
 // GELU into a BF16 linear with BF16 input and output bits takes the lookup table of GELU's bits
 // (gpu/layers.cu: gelu_forward_bf16_lut_kernel): on every finite BF16 input, the activation and the
 // matmul's output equal the computing path's (FP32 input and activation) bit for bit.
@@ -1399,13 +1412,9 @@ TEST(LayersGpu, GeluLookupEqualsComputedOnEveryBf16) {
   Backends be;
   const int64_t N = 256, K = 256, OC = 16;  // N * K = 65536: every bit pattern once
   std::mt19937 rng(717);
-  std::vector<uint16_t> pre16(sz(N * K));
-  Vec pre(pre16.size());
-  for (size_t i = 0; i < pre16.size(); ++i) {
-    const uint16_t bits = static_cast<uint16_t>(i);
-    pre16[i] = (bits & 0x7F80u) == 0x7F80u ? uint16_t{0} : bits;  // (Inf and NaN: 0 instead)
-    pre[i] = bf16_to_f32(pre16[i]);
-  }
+  const auto inputs = every_bf16([](uint16_t b) { return (b & 0x7F80u) == 0x7F80u; });  // (not Inf, NaN)
+  const std::vector<uint16_t>& pre16 = inputs.first;
+  const Vec& pre = inputs.second;
   const Vec w = randn(sz(OC * K), rng, 0.3f), b = randn(sz(OC), rng);
   const emu::GemmPrecision bf16 = emu::GemmPrecision::BF16;
   const Outputs r = run(*be.cuda, [&](Backend& k, Call& c) {
@@ -1437,13 +1446,9 @@ TEST(LayersGpu, GeluBackwardBitsEqualFp32OnEveryBf16) {
   Backends be;
   const int64_t N = 256, OC = 256, K = 32;  // N * OC = 65536: every bit pattern once
   std::mt19937 rng(919);
-  std::vector<uint16_t> fc16(sz(N * OC));
-  Vec fc(fc16.size());
-  for (size_t i = 0; i < fc16.size(); ++i) {
-    const uint16_t bits = static_cast<uint16_t>(i);
-    fc16[i] = (bits & 0x7FFFu) >= 0x5D80u ? uint16_t{0} : bits;  // (|x| >= 2^60, Inf, NaN: 0 instead)
-    fc[i] = bf16_to_f32(fc16[i]);
-  }
+  const auto inputs = every_bf16([](uint16_t b) { return (b & 0x7FFFu) >= 0x5D80u; });  // (not |x| >= 2^60, Inf, NaN)
+  const std::vector<uint16_t>& fc16 = inputs.first;
+  const Vec& fc = inputs.second;
   const Vec dact = bf16_values_of(randn(sz(N * OC), rng)), x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f);
   const std::vector<uint16_t> dact16 = bf16_bits_of(dact);
   const Vec dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
