@@ -459,6 +459,25 @@ __global__ void __launch_bounds__((DsumShape<HD, DoutT, OutT>::kRows))
   }
 }
 
+// A warp's dq accumulators (rows row0 + gid and row0 + gid + 8 of head h, the MMA's C layout) into
+// dqkv: scale * acc, written as +0 + value (BF16-rounded with kRound) by the lane that holds it; rows
+// past T are not written. Both dQ kernels end with it.
+template <int HD, bool kRound>
+__device__ __forceinline__ void store_dq_rows(float* dqkv, const float (&dq)[HD / 8][4], int b, int h, int row0, int T,
+                                              int64_t W, float scale, int lane) {
+  const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + gid + 8 * r;
+    if (row >= T) continue;
+    float* dq_row = dqkv + (static_cast<int64_t>(b) * T + row) * W + h * HD;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n)
+      *reinterpret_cast<float2*>(dq_row + n * 8 + 2 * tig) =
+          make_float2(written<kRound>(__fmul_rn(dq[n][2 * r], scale)), written<kRound>(__fmul_rn(dq[n][2 * r + 1], scale)));
+  }
+}
+
 // dq: one CTA per (b, h, 64-row query tile), grid (B*NH, query tiles), most keys first. Warp w
 // owns query rows q_tile*64 + 16w .. +15 and keeps their Q and dO fragments in registers; K and V
 // tiles up to the diagonal go through shared memory, 16 keys at a time:
@@ -533,17 +552,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();  // every warp is done with this buffer before it is staged again
   }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (rows[r] >= T) continue;
-    float* dq_row = dqkv + (static_cast<int64_t>(b) * T + rows[r]) * W + h * HD;
-#pragma unroll
-    for (int n = 0; n < kDn; ++n) {
-      float2* p = reinterpret_cast<float2*>(dq_row + n * 8 + 2 * tig);
-      *p = make_float2(written<kRound>(__fmul_rn(dq[n][2 * r], scale)),
-                       written<kRound>(__fmul_rn(dq[n][2 * r + 1], scale)));
-    }
-  }
+  store_dq_rows<HD, kRound>(dqkv, dq, b, h, row0, T, W, scale, lane);
 }
 
 // The dS^T tiles the dK/dV kernel can leave for the dQ kernel (the stored-dS path): for each (b, h)
@@ -708,7 +717,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ __align__(16) uint4 ds_buf[kS][kDsPairUint4];
   const int b = blockIdx.x / NH, h = blockIdx.x % NH, g = h / (NH / NKV);
   const int q_tile = static_cast<int>(gridDim.y) - 1 - static_cast<int>(blockIdx.y);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tig = lane & 3, gid = lane >> 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t W = static_cast<int64_t>(NH + 2 * NKV) * HD;
   const bf16* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
   const uint4* ds_row = ds + ((static_cast<int64_t>(b) * NH + h) * ds_pairs(gridDim.y) + ds_pairs(q_tile)) * kDsPairUint4;
@@ -748,19 +757,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();  // every warp is done with this buffer before it is staged again
   }
-  const int row0 = q_tile * kTile + warp * kWarpRows;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + gid + 8 * r;
-    if (row >= T) continue;
-    float* dq_row = dqkv + (static_cast<int64_t>(b) * T + row) * W + h * HD;
-#pragma unroll
-    for (int n = 0; n < kDn; ++n) {
-      float2* p = reinterpret_cast<float2*>(dq_row + n * 8 + 2 * tig);
-      *p = make_float2(written<kRound>(__fmul_rn(dq[n][2 * r], scale)),
-                       written<kRound>(__fmul_rn(dq[n][2 * r + 1], scale)));
-    }
-  }
+  store_dq_rows<HD, kRound>(dqkv, dq, b, h, q_tile * kTile + warp * kWarpRows, T, W, scale, lane);
 }
 
 // ---- host side ----------------------------------------------------------------------------------

@@ -1615,8 +1615,7 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch att_qkv16, att_dout16;        // attention's BF16 copies of qkv and dout
   training_ops::DeviceScratch att_ds;                       // attention backward's stored bf16(dS) tiles
   training_ops::DeviceScratch gelu_lut;                     // GELU's BF16 output bits by input bits
-  bool gelu_lut_ready = false;
-  int gelu_lut_ctas = 0;                                    // its kernel's grid: one CTA an SM
+  int gelu_lut_ctas = 0;  // the table's kernel's grid, one CTA an SM (0: the table is not made yet)
   training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
   training_ops::DeviceScratch sums;                         // sum_squares partials and results
   training_ops::DeviceScratch segments;                     // sum_squares (offset, count) pairs
@@ -2118,7 +2117,7 @@ void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16, const A
   float* const act = src.out16 ? nullptr : src.out;
   const bool rb = src.out16 ? true : src.round_bf16;
   if (src.inp16 && !act) {  // (BF16 in, BF16 bits out: the table, made on first use)
-    if (!st.gelu_lut_ready) {
+    if (st.gelu_lut_ctas == 0) {
       gelu_bf16_table_kernel<<<kGeluLutEntries / kThreads, kThreads, 0, stream_>>>(
           st.gelu_lut.get<uint16_t>(kGeluLutEntries, stream_));
       FP4SIM_CUDA_CHECK_LAUNCH();
@@ -2127,9 +2126,8 @@ void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16, const A
       int device = 0;
       FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
       FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&st.gelu_lut_ctas, cudaDevAttrMultiProcessorCount, device));
-      st.gelu_lut_ready = true;
     }
-    const bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(src.inp16) % 16 == 0;
+    const bool vec = aligned16(x) && aligned16(src.inp16);
     gelu_forward_bf16_lut_kernel<<<static_cast<unsigned>(st.gelu_lut_ctas), kGeluLutThreads, kGeluLutEntries * 2, stream_>>>(
         x, src.inp16, st.gelu_lut.get<uint16_t>(kGeluLutEntries, stream_), N * K, vec);
   } else if (src.inp16)
@@ -2376,6 +2374,15 @@ void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dwe
   if (dbias && !dbias_done) bias_backward(dbias, dout, N, OC);
 }
 
+namespace {
+// The attention backward pass's dS scratch from `scratch`, or null where the dQ kernel recomputes
+// dS (attention_ds_scratch_bytes 0).
+void* attention_ds_scratch(DeviceScratch& scratch, int64_t B, int64_t T, int64_t NH, int64_t HD, cudaStream_t stream) {
+  const int64_t bytes = attention_ds_scratch_bytes(B, T, NH, HD);
+  return bytes > 0 ? scratch.get<uint8_t>(static_cast<size_t>(bytes), stream) : nullptr;
+}
+}  // namespace
+
 void CudaBackend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv,
                                          const uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                                          int64_t HD, bool round_bf16) {
@@ -2406,8 +2413,7 @@ void CudaBackend::attention_backward_bf16(float* dqkv, const float* dout, const 
   const size_t bt = static_cast<size_t>(B * T);
   uint16_t* scratch = qkv16 ? nullptr : st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dscratch = dout16 ? nullptr : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
-  const int64_t ds_bytes = attention_ds_scratch_bytes(B, T, NH, HD);  // (0: dq recomputes dS)
-  void* ds = ds_bytes > 0 ? st.att_ds.get<uint8_t>(static_cast<size_t>(ds_bytes), stream_) : nullptr;
+  void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
   attention_backward_launch(dqkv, dsum, dout, dout16, qkv, qkv16, out, out16, lse, scratch, dscratch, ds, B, T, NH, NKV,
                             HD, round_bf16, stream_);
 }
@@ -2437,8 +2443,7 @@ void CudaBackend::attention_backward(float* dqkv, const float* dout, const float
   const size_t bt = B > 0 && T > 0 ? static_cast<size_t>(B * T) : 0;  // (B * T == 0 returned above)
   uint16_t* qkv16 = st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
-  const int64_t ds_bytes = attention_ds_scratch_bytes(B, T, NH, HD);  // (0: dq recomputes dS)
-  void* ds = ds_bytes > 0 ? st.att_ds.get<uint8_t>(static_cast<size_t>(ds_bytes), stream_) : nullptr;
+  void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
   attention_backward_launch(dqkv, dsum, dout, nullptr, qkv, nullptr, out, nullptr, lse, qkv16, dout16, ds, B, T, NH, NKV,
                             HD, round_bf16, stream_);
 }
@@ -2709,8 +2714,7 @@ void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, f
     st.adamw_item_count = static_cast<int64_t>(items.size());
   }
   if (st.adamw_item_count == 0) return;
-  const bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) &&
-                   reinterpret_cast<uintptr_t>(p16) % 8 == 0;
+  const bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && quad_aligned(p16);
   adamw_many_kernel<<<static_cast<unsigned>(st.adamw_item_count), kThreads, 0, stream_>>>(
       params, grads, m, v, st.adamw_items.get<AdamWItem>(static_cast<size_t>(st.adamw_item_count), stream_), distinct,
       vec, p16);

@@ -366,7 +366,13 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   // a residual add that a LayerNorm with BF16-bits output reads next is one backend call
   // (residual_layernorm_forward_bf16: the same bits as the two ops): ln_2 after the attention's
   // residual, and the next layer's ln_1 after the MLP's (ln1_done: made by the layer before)
-  auto fused_norm = [&](int64_t l, int i) { return ln && bits_on() && stores_bits(l, i); };
+  auto fused_norm = [&](int64_t l, int i) { return ln && stores_bits(l, i); };
+  // res = in + proj16, then LayerNorm `pre` of it into out16 (mean, rstd): one backend call
+  auto residual_norm16 = [&](float* res, const float* in, const uint16_t* proj16, uint16_t* out16, BackendBuffer& mean,
+                             BackendBuffer& rstd, const std::string& pre) {
+    be_.residual_layernorm_forward_bf16(res, out16, F32(mean), F32(rstd), in, proj16, p(pre + ".weight"),
+                                        p(pre + ".bias"), N, C, rb);
+  };
   bool ln1_done = false;
   for (int64_t l = 0; l < c.n_layers; ++l) {
     LayerActs& a = acts_[static_cast<size_t>(l)];
@@ -426,10 +432,8 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     }
     std::pair<float*, uint16_t*> ln2;
     if (a.proj16 && fused_norm(l, 2)) {
-      const std::string pre = lname(l, "ln_2");
       ln2 = {nullptr, linear_input16(l, 2)};
-      be_.residual_layernorm_forward_bf16(F32(a.res1), ln2.second, F32(a.ln2_mean), F32(a.ln2_rstd), x, proj16,
-                                          p(pre + ".weight"), p(pre + ".bias"), N, C, rb);
+      residual_norm16(F32(a.res1), x, proj16, ln2.second, a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
     } else {
       residual(F32(a.res1), x, attproj);
       ln2 = norm_input(2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
@@ -455,10 +459,8 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     linear_fwd(l, 3, fcproj, act, N, F, C, rb, pending, nullptr, proj16);
     if (a.proj16 && l + 1 < c.n_layers && fused_norm(l + 1, 0)) {
       LayerActs& next = acts_[static_cast<size_t>(l + 1)];
-      const std::string pre = lname(l + 1, "ln_1");
-      be_.residual_layernorm_forward_bf16(F32(a.res2), linear_input16(l + 1, 0), F32(next.ln1_mean),
-                                          F32(next.ln1_rstd), F32(a.res1), proj16, p(pre + ".weight"),
-                                          p(pre + ".bias"), N, C, rb);
+      residual_norm16(F32(a.res2), F32(a.res1), proj16, linear_input16(l + 1, 0), next.ln1_mean, next.ln1_rstd,
+                      lname(l + 1, "ln_1"));
       ln1_done = true;
     } else {
       residual(F32(a.res2), F32(a.res1), fcproj);
