@@ -102,7 +102,7 @@ namespace fp4sim::emu {
 // head h reads KV head h / (NH/NKV). out (B,T,NH*HD); lse (B,NH,T) the per-row log-sum-exp of the
 // scaled scores (natural log), saved for backward. Query row t sees keys j <= t.
 // Numerics (both backends; the CUDA twin agrees within a bound, not bitwise: its sums are the
-// tensor core's in its own order, its exp is exp2f, its softmax is online):
+// tensor core's in its own order, its exp is 2^x by ex2.approx.ftz on base-2 scores, its softmax is online):
 // - q, k, v (and dout in the backward) are rounded to BF16 (RNE, bf16_round) before use: a no-op
 //   for BF16-stored activations. scale = 1/sqrt(HD) in FP32.
 // - Every sum of products is one of attention's batched BF16 GEMMs (DESIGN.md §8): a T-FDPA chain

@@ -23,15 +23,20 @@
 // - Products exact, sums in FP32 inside the tensor core (its order, not the emulator's
 //   sequential one); every MMA chain starts from +0.
 // - s = acc * scale (one FP32 multiplication, scale = 1/sqrt(HD) as the emulator computes it).
-// - exp(x) is evaluated as exp2f(x * log2(e)) (x * log2e one FP32 rounding, exp2f <= 2 ulp): a few
-//   ulp from the emulator's expf, more for large |x| where p is tiny.
-// - Forward: online softmax per 64-key tile, FP32: m_new = max(m, tile max); the running sum l
-//   and the output accumulator are rescaled by exp(m - m_new); p = exp(s - m_new) is rounded to
-//   BF16 for the PV MMA while l sums the unrounded p. So P is rounded relative to the running max,
-//   not the final one: each term of out differs from the emulator's by up to one BF16 rounding
-//   (2^-8 relative) of each side. out = acc / l (IEEE division); lse = m + logf(l).
+// - Exponentials in base 2, as FlashAttention computes them: the scores are scaled by
+//   scale * log2(e) (both FP32-rounded once, the product once more; one multiplication an element)
+//   and exp(x) is ex2.approx.ftz (one MUFU instruction, <= 2 ulp; results below 2^-126 flush to
+//   zero, p that small adds nothing a BF16 P can hold next to the row's largest p = 1): a few ulp
+//   from the emulator's expf, more for large |x| where p is tiny.
+// - Forward: online softmax per 64-key tile, FP32, in base-2 units u = s * scale * log2(e):
+//   m_new = max(m, tile max); the running sum l and the output accumulator are rescaled by
+//   2^(m - m_new); p = 2^(u - m_new) (the row's maximum gives exactly 1) is rounded to BF16 for
+//   the PV MMA while l sums the unrounded p. So P is rounded relative to the running max, not the
+//   final one: each term of out differs from the emulator's by up to one BF16 rounding (2^-8
+//   relative) of each side. out = acc / l (IEEE division); lse = (m + log2f(l)) * ln(2), natural
+//   units as the emulator saves it.
 // - Backward: dsum = rowsum(bf16(dout) * out), FP32 from +0 in increasing i (the emulator's order:
-//   bitwise). p = exp(s - lse) recomputed; dS = p * (dP - dsum), FP32; dq = scale * (sum_j
+//   bitwise). p = 2^(u - lse * log2(e)) recomputed; dS = p * (dP - dsum), FP32; dq = scale * (sum_j
 //   bf16(dS_j) k_j), dk_j = scale * (sum_{h,t} bf16(dS_tj) q_t), dv_j = sum_{h,t} bf16(p_tj)
 //   dout_t, each sum FP32 from +0 in registers over a fixed loop order (heads, then query tiles,
 //   then 16-row chunks, each in increasing order), then one FP32 multiplication by scale (dq, dk)
@@ -250,7 +255,16 @@ __device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[4], const float 
   a[3] = pack_bf16x2(c1[2], c1[3]);
 }
 
-__device__ __forceinline__ float exp_via_exp2(float x) { return exp2f(__fmul_rn(x, kLog2e)); }
+constexpr float kLn2 = 0.6931471805599453f;
+// 2^x with one MUFU.EX2 (ex2.approx.ftz: <= 2 ulp, subnormal results flushed to +0, 2^-inf = +0);
+// exp2f is the same instruction with a rescaling around it for subnormal results: four instructions
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// The scores' factor into base-2 units: scale * log2(e), FP32 (the same value in every kernel)
+__device__ __forceinline__ float log2_scale(float scale) { return __fmul_rn(scale, kLog2e); }
 
 // ---- forward ------------------------------------------------------------------------------------
 
@@ -288,6 +302,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int n = 0; n < kDn; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  const float scale2 = log2_scale(scale);
 
   for (int kt = 0; kt <= q_tile; ++kt) {
     staged_acquire<kS>(kt, q_tile + 1, stage);  // tile kt + 1 is copied while this one is used
@@ -303,19 +318,22 @@ __global__ void __launch_bounds__(kThreads)
       for (int np = 0; np < kTile / 16; ++np) {
         mma_block<kStride, true>(s[2 * np], s[2 * np + 1], qa[kk], k_s, np * 16, kk * 16, lane);
       }
-    // scale, causal mask (only the diagonal tile has keys above a row: the keys of earlier tiles
-    // are below every row of this tile and < T), tile row max over the quad
-    const bool diagonal = kt == q_tile;
+    // scale into base-2 units, causal mask (only the diagonal tile has keys above a row: the keys
+    // of earlier tiles are below every row of this tile and < T), tile row max over the quad
+    if (kt == q_tile) {  // (-inf scales to -inf; the other tiles run no mask code)
+#pragma unroll
+      for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (kt * kTile + n * 8 + 2 * tig + (e & 1) > rows[e >> 1]) s[n][e] = -INFINITY;
+    }
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = kt * kTile + n * 8 + 2 * tig + (e & 1);
-        float x = __fmul_rn(s[n][e], scale);
-        if (diagonal && key > rows[e >> 1]) x = -INFINITY;
-        s[n][e] = x;
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+        s[n][e] = __fmul_rn(s[n][e], scale2);
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
       }
     float alpha[2];
 #pragma unroll
@@ -324,7 +342,7 @@ __global__ void __launch_bounds__(kThreads)
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 2));
       // every row has key 0 in tile 0 (and key q_tile*64 in its diagonal tile): the max is finite
       const float m_new = fmaxf(m[r], tile_max[r]);
-      alpha[r] = exp_via_exp2(__fsub_rn(m[r], m_new));  // exp(-inf) = 0 on the first tile
+      alpha[r] = exp2_ftz(__fsub_rn(m[r], m_new));  // 2^-inf = 0 on the first tile
       m[r] = m_new;
       l[r] = __fmul_rn(l[r], alpha[r]);
     }
@@ -332,7 +350,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float p = exp_via_exp2(__fsub_rn(s[n][e], m[e >> 1]));
+        const float p = exp2_ftz(__fsub_rn(s[n][e], m[e >> 1]));
         s[n][e] = p;
         l[e >> 1] = __fadd_rn(l[e >> 1], p);
       }
@@ -374,7 +392,7 @@ __global__ void __launch_bounds__(kThreads)
         *reinterpret_cast<uint32_t*>(o_row + n * 8 + 2 * tig) = pack_bf16x2(v0, v1);
     }
     if (tig == 0)
-      lse[(static_cast<int64_t>(b) * NH + h) * T + rows[r]] = __fadd_rn(m[r], logf(l[r]));
+      lse[(static_cast<int64_t>(b) * NH + h) * T + rows[r]] = __fmul_rn(__fadd_rn(m[r], log2f(l[r])), kLn2);
   }
 }
 
@@ -393,7 +411,8 @@ __device__ __forceinline__ float written(float v) {
 // per row, FP32 from +0 in increasing i: the emulator's order, bitwise. A CTA's kRows rows of dout
 // and of out are contiguous in memory: they are copied into shared memory with coalesced 16-byte
 // loads (rows padded by 16 bytes, so that both the row-wise stores and each thread's 16-byte reads
-// of its own row are free of bank conflicts), then each thread sums its row.
+// of its own row are free of bank conflicts), then each thread sums its row. The same thread writes
+// the row's lse in base-2 units, lse2 = lse * log2(e) (B,NH,T), which the backward kernels read.
 // Values from FP32 storage or from BF16 bits (widened: the same values), 16 bytes at a time.
 __device__ __forceinline__ int values_in(const uint4& u, float (&x)[8], const float*) {
   x[0] = __uint_as_float(u.x), x[1] = __uint_as_float(u.y), x[2] = __uint_as_float(u.z), x[3] = __uint_as_float(u.w);
@@ -426,7 +445,8 @@ __device__ __forceinline__ void rows_to_shared(uint32_t* dst, const void* src, i
 
 template <int HD, class DoutT, class OutT>
 __global__ void __launch_bounds__((DsumShape<HD, DoutT, OutT>::kRows))
-    attention_dsum_kernel(float* dsum, const DoutT* dout, const OutT* out, int64_t rows, int T, int NH) {
+    attention_dsum_kernel(float* dsum, float* lse2, const float* lse, const DoutT* dout, const OutT* out, int64_t rows,
+                          int T, int NH) {
   using Shape = DsumShape<HD, DoutT, OutT>;
   constexpr int R = Shape::kRows;
   constexpr int kDyChunks = HD * static_cast<int>(sizeof(DoutT)) / 16, kOChunks = HD * static_cast<int>(sizeof(OutT)) / 16;
@@ -454,6 +474,7 @@ __global__ void __launch_bounds__((DsumShape<HD, DoutT, OutT>::kRows))
       const int64_t r = row0 + threadIdx.x;
       const int64_t h = r % NH, bt = r / NH, t = bt % T, b = bt / T;
       dsum[(b * NH + h) * T + t] = acc;
+      lse2[(b * NH + h) * T + t] = __fmul_rn(lse[(b * NH + h) * T + t], kLog2e);  // (base 2, for the backward)
     }
     __syncthreads();  // before the next rows overwrite the shared arrays
   }
@@ -486,7 +507,7 @@ __device__ __forceinline__ void store_dq_rows(float* dqkv, const float (&dq)[HD 
 // lane that holds it; dqkv is never read.
 template <int HD, bool kRound>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dq_kernel(float* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
+    attention_backward_dq_kernel(float* dqkv, const bf16* dout, const bf16* qkv, const float* lse2,
                                  const float* dsum, int T, int NH, int NKV, float scale) {
   constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
   __shared__ __align__(16) bf16 k_buf[kS][kTile * kStride];
@@ -504,11 +525,12 @@ __global__ void __launch_bounds__(kThreads)
     cp_async_commit();
   };
   if (kS == 2) stage(0);
-  float row_lse[2], row_dsum[2];
+  float row_lse[2], row_dsum[2];  // (lse in base-2 units)
+  const float scale2 = log2_scale(scale);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t i = (static_cast<int64_t>(b) * NH + h) * T + rows[r];
-    row_lse[r] = rows[r] < T ? lse[i] : 0.0f;
+    row_lse[r] = rows[r] < T ? lse2[i] : 0.0f;
     row_dsum[r] = rows[r] < T ? dsum[i] : 0.0f;
   }
   uint32_t qa[kDk][4], da[kDk][4];
@@ -540,7 +562,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1, key = kt * kTile + kc * 16 + n * 8 + 2 * tig + (e & 1);
           const bool masked = diagonal && key > rows[r];
-          const float p = exp_via_exp2(__fsub_rn(__fmul_rn(s[n][e], scale), row_lse[r]));
+          const float p = exp2_ftz(__fsub_rn(__fmul_rn(s[n][e], scale2), row_lse[r]));
           ds[n][e] = masked ? 0.0f : __fmul_rn(p, __fsub_rn(dp[n][e], row_dsum[r]));
         }
       uint32_t dsa[4];
@@ -578,7 +600,7 @@ __host__ __device__ constexpr int64_t ds_pairs(int64_t tiles) { return tiles * (
 template <int HD, bool kRound, bool kStoreDs>
 __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
     attention_backward_dkdv_kernel(float* dqkv, uint4* ds, const bf16* dout, const bf16* qkv,
-                                   const float* lse, const float* dsum, int T, int NH, int NKV,
+                                   const float* lse2, const float* dsum, int T, int NH, int NKV,
                                    float scale) {
   constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
   __shared__ __align__(16) bf16 q_buf[kS][kTile * kStride];
@@ -605,7 +627,7 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
       static_assert(kThreads == 2 * kTile, "one 4-byte copy a thread");
       const int r = threadIdx.x % kTile, t = qt * kTile + r;
       const int64_t i = (static_cast<int64_t>(b) * NH + h) * T + (t < T ? t : 0);
-      if (threadIdx.x < kTile) cp_async4(&lse_buf[buf][r], lse + i, t < T);
+      if (threadIdx.x < kTile) cp_async4(&lse_buf[buf][r], lse2 + i, t < T);
       else cp_async4(&dsum_buf[buf][r], dsum + i, t < T);
     }
     cp_async_commit();
@@ -621,6 +643,7 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
     dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
   }
   const int64_t pairs = ds_pairs(q_tiles);
+  const float scale2 = log2_scale(scale);
 
   const auto iteration = [&](int it, auto masked_tag) {
     constexpr bool kMasked = decltype(masked_tag)::value;
@@ -650,12 +673,12 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         const int qr = qc * 16 + n * 8 + 2 * tig;  // this lane's query rows qr, qr + 1 of the tile
-        const float2 row_lse = *reinterpret_cast<const float2*>(lse_s + qr);
+        const float2 row_lse = *reinterpret_cast<const float2*>(lse_s + qr);  // (base 2)
         const float2 row_dsum = *reinterpret_cast<const float2*>(dsum_s + qr);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float l_e = e & 1 ? row_lse.y : row_lse.x, d_e = e & 1 ? row_dsum.y : row_dsum.x;
-          const float pe = exp_via_exp2(__fsub_rn(__fmul_rn(st[n][e], scale), l_e));
+          const float pe = exp2_ftz(__fsub_rn(__fmul_rn(st[n][e], scale2), l_e));
           const float dse = __fmul_rn(pe, __fsub_rn(dpt[n][e], d_e));
           if constexpr (kMasked) {
             const int t = qt * kTile + qr + (e & 1);
@@ -794,7 +817,7 @@ void forward_for(float* out, uint16_t* out16, float* lse, const bf16* qkv, int64
 
 template <int HD, bool kRound>
 void backward_kernels(float* dqkv, const float* dsum, uint4* ds, const bf16* dout16, const bf16* qkv16,
-                      const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, float scale, cudaStream_t stream) {
+                      const float* lse2, int64_t B, int64_t T, int64_t NH, int64_t NKV, float scale, cudaStream_t stream) {
   const int64_t tiles = (T + kTile - 1) / kTile;
   const int t = static_cast<int>(T), nh = static_cast<int>(NH), nkv = static_cast<int>(NKV);
   const dim3 kv_grid(static_cast<unsigned>(B * NKV), static_cast<unsigned>(tiles));
@@ -802,7 +825,7 @@ void backward_kernels(float* dqkv, const float* dsum, uint4* ds, const bf16* dou
   if constexpr (HD <= 64) {
     if (ds) {
       attention_backward_dkdv_kernel<HD, kRound, true>
-          <<<kv_grid, kThreads, 0, stream>>>(dqkv, ds, dout16, qkv16, lse, dsum, t, nh, nkv, scale);
+          <<<kv_grid, kThreads, 0, stream>>>(dqkv, ds, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
       FP4SIM_CUDA_CHECK_LAUNCH();
       attention_backward_dq_stored_kernel<HD, kRound><<<q_grid, kThreads, 0, stream>>>(dqkv, ds, qkv16, t, nh, nkv, scale);
       FP4SIM_CUDA_CHECK_LAUNCH();
@@ -810,19 +833,20 @@ void backward_kernels(float* dqkv, const float* dsum, uint4* ds, const bf16* dou
     }
   }
   attention_backward_dkdv_kernel<HD, kRound, false>
-      <<<kv_grid, kThreads, 0, stream>>>(dqkv, nullptr, dout16, qkv16, lse, dsum, t, nh, nkv, scale);
+      <<<kv_grid, kThreads, 0, stream>>>(dqkv, nullptr, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
   FP4SIM_CUDA_CHECK_LAUNCH();
   attention_backward_dq_kernel<HD, kRound>
-      <<<q_grid, kThreads, 0, stream>>>(dqkv, dout16, qkv16, lse, dsum, t, nh, nkv, scale);
+      <<<q_grid, kThreads, 0, stream>>>(dqkv, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 template <int HD, class DoutT, class OutT>
-void dsum_launch(float* dsum, const DoutT* dout, const OutT* out, int64_t rows, int T, int NH, cudaStream_t stream) {
+void dsum_launch(float* dsum, float* lse2, const float* lse, const DoutT* dout, const OutT* out, int64_t rows, int T, int NH,
+                 cudaStream_t stream) {
   constexpr int R = DsumShape<HD, DoutT, OutT>::kRows;
   const int64_t blocks = (rows + R - 1) / R;
   attention_dsum_kernel<HD, DoutT, OutT>
-      <<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), R, 0, stream>>>(dsum, dout, out, rows, T, NH);
+      <<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), R, 0, stream>>>(dsum, lse2, lse, dout, out, rows, T, NH);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -835,12 +859,14 @@ void backward_for(float* dqkv, float* dsum, uint4* ds, const float* dout, const 
   const int t = static_cast<int>(T), nh = static_cast<int>(NH);
   // (dout_bits: dout given as BF16 bits, read from dout16; the bits bf16_round(dout) would give)
   const uint16_t* d16 = reinterpret_cast<const uint16_t*>(dout16);
-  if (dout_bits && out16) dsum_launch<HD>(dsum, d16, out16, rows, t, nh, stream);
-  else if (dout_bits) dsum_launch<HD>(dsum, d16, out, rows, t, nh, stream);
-  else if (out16) dsum_launch<HD>(dsum, dout, out16, rows, t, nh, stream);
-  else dsum_launch<HD>(dsum, dout, out, rows, t, nh, stream);
-  if (round_bf16) backward_kernels<HD, true>(dqkv, dsum, ds, dout16, qkv16, lse, B, T, NH, NKV, scale, stream);
-  else backward_kernels<HD, false>(dqkv, dsum, ds, dout16, qkv16, lse, B, T, NH, NKV, scale, stream);
+  // dsum's scratch holds rows values of dsum, then rows of lse2 = lse * log2(e)
+  float* lse2 = dsum + rows;
+  if (dout_bits && out16) dsum_launch<HD>(dsum, lse2, lse, d16, out16, rows, t, nh, stream);
+  else if (dout_bits) dsum_launch<HD>(dsum, lse2, lse, d16, out, rows, t, nh, stream);
+  else if (out16) dsum_launch<HD>(dsum, lse2, lse, dout, out16, rows, t, nh, stream);
+  else dsum_launch<HD>(dsum, lse2, lse, dout, out, rows, t, nh, stream);
+  if (round_bf16) backward_kernels<HD, true>(dqkv, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
+  else backward_kernels<HD, false>(dqkv, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
 }
 
 std::atomic<bool> g_recompute_dq{false};  // set_attention_recompute_dq

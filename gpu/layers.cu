@@ -1611,7 +1611,7 @@ struct CudaBackend::LayersState {
                                          // the others; no training configuration pairs BF16 activations with them)
   training_ops::DeviceScratch bias16;                       // a bias's BF16 bits for the BF16-output epilogue
   training_ops::DeviceScratch columns;                      // partial column sums
-  training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O) (B,NH,T)
+  training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O), then lse*log2(e): 2 x (B,NH,T)
   training_ops::DeviceScratch att_qkv16, att_dout16;        // attention's BF16 copies of qkv and dout
   training_ops::DeviceScratch att_ds;                       // attention backward's stored bf16(dS) tiles
   training_ops::DeviceScratch gelu_lut;                     // GELU's BF16 output bits by input bits
@@ -2409,7 +2409,7 @@ void CudaBackend::attention_backward_bf16(float* dqkv, const float* dout, const 
   attention_check_shape("attention_backward_bf16", B, T, NH, NKV, HD);  // before any scratch is sized
   if (B * T == 0) return;
   LayersState& st = layers_state();
-  float* dsum = st.att_dsum.get<float>(static_cast<size_t>(B * NH * T), stream_);
+  float* dsum = st.att_dsum.get<float>(static_cast<size_t>(2 * B * NH * T), stream_);
   const size_t bt = static_cast<size_t>(B * T);
   uint16_t* scratch = qkv16 ? nullptr : st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dscratch = dout16 ? nullptr : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
@@ -2439,7 +2439,7 @@ void CudaBackend::attention_backward(float* dqkv, const float* dout, const float
   attention_check_shape("attention_backward", B, T, NH, NKV, HD);  // before any scratch is sized
   if (B * T == 0) return;
   LayersState& st = layers_state();
-  float* dsum = st.att_dsum.get<float>(static_cast<size_t>(B * NH * T), stream_);
+  float* dsum = st.att_dsum.get<float>(static_cast<size_t>(2 * B * NH * T), stream_);
   const size_t bt = B > 0 && T > 0 ? static_cast<size_t>(B * T) : 0;  // (B * T == 0 returned above)
   uint16_t* qkv16 = st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);

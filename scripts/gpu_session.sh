@@ -5,6 +5,9 @@
 #   (default) build, GPU tests, benchmarks, crosscheck, probe, PyTorch check, oracles, training speed
 #   quick     build + GPU tests (and the CPU tests, unless SKIP_EMU=1)
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
+#   trace     build + the GPU timelines (CUPTI, tools/cupti_trace.cpp) of a gpt2-124m BF16 run and of
+#             torch.compile, cut into steps: busy vs idle, the largest gaps (validation/trace_gaps.py);
+#             then the SM clock and power during a 30-step run
 #   recipes   build + gpt2-124m tokens/s and peak memory per recipe (bf16, fp8, nvfp4 with cuBLASLt
 #             GEMMs, RUNS runs each, default 3; nvfp4 with exact GEMMs once), then train
 #   trainprofile  build + per-kernel GPU time of a gpt2-124m step (RECIPE, default nvfp4) and the
@@ -31,8 +34,8 @@
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
 case "${1:-}" in
-  ""|quick|train|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile) ;;
-  *) echo "gpu_session.sh: unknown mode '$1' (quick, train, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
+  ""|quick|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile) ;;
+  *) echo "gpu_session.sh: unknown mode '$1' (quick, train, trace, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
@@ -140,6 +143,35 @@ train_speed() {
   row "torch.compile gpt2-124m" "$(tail -1 "$out/torch_bench.log")"
 }
 if [ "${1:-}" = "train" ]; then train_speed; fi
+
+# trace: the GPU timelines of a gpt2-124m BF16 training run and of the torch.compile benchmark,
+# recorded by the CUPTI injection library (tools/cupti_trace.cpp; Nsight Systems is not on the
+# machine), cut into steps by validation/trace_gaps.py: GPU busy time against each step's span, the
+# idle gaps and what the host was doing; then the SM clock and power sampled during a plain run
+if [ "${1:-}" = "trace" ]; then
+  lib=build-gpu/libfp4sim_cupti_trace.so
+  if [ ! -f "$lib" ]; then row "trace" "no $lib (CUPTI not found at configure time)"; else
+    CUDA_INJECTION64_PATH=$PWD/$lib FP4SIM_TRACE_OUT=$out/trace_fp4sim.csv timeout 200 build-gpu/fp4sim train \
+      --config configs/gpt2-124m.json --backend cuda train.data=synthetic train.batch=16 train.steps=8 train.warmup=1 \
+      train.eval_every=0 train.out_dir=runs/trace >"$out/trace_fp4sim.log" 2>&1
+    python3 validation/trace_gaps.py "$out/trace_fp4sim.csv" >"$out/trace_fp4sim.txt" 2>&1
+    row "trace fp4sim (last step: span busy idle ms)" "$(awk '$1 ~ /^[0-9]+$/ {l=$2" "$3" "$4} END {print l}' "$out/trace_fp4sim.txt")"
+    CUDA_INJECTION64_PATH=$PWD/$lib FP4SIM_TRACE_OUT=$out/trace_torch.csv PYTHONUNBUFFERED=1 timeout 300 \
+      python3 validation/torch_gpt_bench.py --config configs/gpt2-124m.json --steps 6 --warmup 3 --repeats 3 \
+      >"$out/trace_torch.log" 2>&1
+    python3 validation/trace_gaps.py "$out/trace_torch.csv" --marker-kernel "${TORCH_MARKER:-[Aa]dam}" \
+      >"$out/trace_torch.txt" 2>&1
+    row "trace torch (last step: span busy idle ms)" "$(awk '$1 ~ /^[0-9]+$/ {l=$2" "$3" "$4} END {print l}' "$out/trace_torch.txt")"
+  fi
+  nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 100 \
+    >"$out/clocks_fp4sim.csv" 2>&1 &
+  smi=$!
+  timeout 200 build-gpu/fp4sim train --config configs/gpt2-124m.json --backend cuda train.data=synthetic \
+    train.batch=16 train.steps=30 train.warmup=1 train.eval_every=0 train.out_dir=runs/trace >"$out/clocks_run.log" 2>&1
+  kill $smi 2>/dev/null
+  row "SM MHz / W during 30 steps (median)" "$(awk -F', ' '$2 > 300 {print $1" "$2}' "$out/clocks_fp4sim.csv" | sort -n \
+    | awk '{a[NR]=$0} END {print a[int((NR+1)/2)] " (" NR " samples over 300 W)"}')"
+fi
 
 # issue 5 speed and memory: one gpt2-124m run = 8 steps (6 with exact GEMMs), tokens/s = median
 # of the trainer's steps 3..N; a recipe's figure = median over its runs
