@@ -85,11 +85,13 @@ void Backend::run_activation(const ActivationSource& src) {
 }
 
 void Backend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias, const float* dout,
-                                   const ActivationSource* src, const float* inp, const uint16_t* inp16,
-                                   const float* weight, int64_t N, int64_t K, int64_t OC) {
+                                   const uint16_t* dout16, const ActivationSource* src, const float* inp,
+                                   const uint16_t* inp16, const float* weight, int64_t N, int64_t K, int64_t OC) {
   if (dinp && dinp16) throw std::logic_error("matmul_backward_bits: dinp and dinp16 both given");
-  if ((dout == nullptr) == (src == nullptr)) throw std::logic_error("matmul_backward_bits: exactly one of dout and src");
-  BackendBuffer t;
+  if ((dout != nullptr) + (dout16 != nullptr) + (src != nullptr) != 1)
+    throw std::logic_error("matmul_backward_bits: exactly one of dout, dout16 and src");
+  BackendBuffer t, d;
+  if (dout16) dout = values_of(*this, d, nullptr, dout16, N * OC);
   if (dinp16) {
     t = f32_temp(*this, N * K);
     dinp = t.as<float>();
@@ -198,9 +200,11 @@ void Backend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, co
   if (out16) narrow_to_bf16(out16, out, B * T * NH * HD);
 }
 
-void Backend::attention_backward_bf16(float* dqkv, const float* dout, const uint16_t* dout16, const float* qkv,
-                                      const uint16_t* qkv16, const float* out, const uint16_t* out16, const float* lse,
-                                      int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) {
+void Backend::attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout, const uint16_t* dout16,
+                                      const float* qkv, const uint16_t* qkv16, const float* out, const uint16_t* out16,
+                                      const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                                      bool round_bf16) {
+  one_of("attention_backward_bf16", "dqkv", dqkv, dqkv16);
   one_of("attention_backward_bf16", "dout", dout, dout16);
   one_of("attention_backward_bf16", "qkv", qkv, qkv16);
   one_of("attention_backward_bf16", "out", out, out16);
@@ -208,7 +212,14 @@ void Backend::attention_backward_bf16(float* dqkv, const float* dout, const uint
   dout = values_of(*this, d, dout, dout16, B * T * NH * HD);
   qkv = values_of(*this, q, qkv, qkv16, B * T * (NH + 2 * NKV) * HD);
   out = values_of(*this, o, out, out16, B * T * NH * HD);
-  attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, round_bf16);
+  BackendBuffer g;
+  const int64_t n = B * T * (NH + 2 * NKV) * HD;
+  if (dqkv16) {
+    g = f32_temp(*this, n);
+    dqkv = g.as<float>();
+  }
+  attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, dqkv16 ? true : round_bf16);
+  if (dqkv16) narrow_to_bf16(dqkv16, dqkv, n);
 }
 
 QuantizedBuffers::QuantizedBuffers(Backend& b, const QuantizedHost& h)

@@ -279,11 +279,11 @@ class Backend {
   // A BF16 linear layer's backward pass (matmul_backward at BF16 precision, or
   // matmul_backward_activation with src, GELU's pending gradient, in place of dout), with BF16-bits
   // storage: inp16 in place of inp; dinp16 in place of dinp (the Dgrad output rounded to BF16:
-  // the value its readers, reading it rounded, see). dinp and dinp16 both null: no Dgrad. dout is
-  // null with src.
+  // the value its readers, reading it rounded, see). dinp and dinp16 both null: no Dgrad. dy is one
+  // of dout, dout16 (dout's BF16 bits: the attention backward pass's dqkv16) and src.
   virtual void matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias, const float* dout,
-                                    const ActivationSource* src, const float* inp, const uint16_t* inp16,
-                                    const float* weight, int64_t N, int64_t K, int64_t OC);
+                                    const uint16_t* dout16, const ActivationSource* src, const float* inp,
+                                    const uint16_t* inp16, const float* weight, int64_t N, int64_t K, int64_t OC);
   // layernorm_backward / rmsnorm_backward with dout kept as BF16 bits (bf16_dout implied).
   virtual void layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16,
                                        const float* inp, const float* weight, const float* mean, const float* rstd,
@@ -291,10 +291,12 @@ class Backend {
   virtual void rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp,
                                      const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16);
   // attention_forward / attention_backward at BF16 precision: qkv16 in place of qkv, out16 in place
-  // of out (attention_forward: rounded, round_bf16 implied), dout16 in place of dout.
+  // of out (attention_forward: rounded, round_bf16 implied), dout16 in place of dout, dqkv16 in place
+  // of dqkv (rounded, round_bf16 implied).
   virtual void attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv16,
                                       int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16);
-  virtual void attention_backward_bf16(float* dqkv, const float* dout, const uint16_t* dout16, const float* qkv,
+  virtual void attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout, const uint16_t* dout16,
+                                       const float* qkv,
                                        const uint16_t* qkv16, const float* out, const uint16_t* out16, const float* lse,
                                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16);
   // lse (B,NH,T): the saved log-sum-exp rows, not the (B,NH,T,T) probabilities; prec FP32 (no

@@ -406,6 +406,17 @@ template <bool kRound>
 __device__ __forceinline__ float written(float v) {
   return stored_out<kRound>(__fadd_rn(0.0f, v));
 }
+// Two adjacent gradient elements (the first at an even index) as written(): FP32, or (OutT
+// uint16_t, kRound) the BF16 bits of the rounded values (cvt.rn.bf16x2: bf16_rne's bits).
+template <bool kRound, class OutT>
+__device__ __forceinline__ void store_written2(OutT* p, float v0, float v1) {
+  if constexpr (std::is_same_v<OutT, float>) {
+    *reinterpret_cast<float2*>(p) = make_float2(written<kRound>(v0), written<kRound>(v1));
+  } else {
+    static_assert(kRound && std::is_same_v<OutT, uint16_t>, "BF16 bits hold the rounded gradient");
+    *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(__fadd_rn(0.0f, v0), __fadd_rn(0.0f, v1));
+  }
+}
 
 // dsum (B,NH,T) = sum_i bf16(dout_i) * out_i over one head's row r = (b*T + t)*NH + h, one thread
 // per row, FP32 from +0 in increasing i: the emulator's order, bitwise. A CTA's kRows rows of dout
@@ -483,19 +494,18 @@ __global__ void __launch_bounds__((DsumShape<HD, DoutT, OutT>::kRows))
 // A warp's dq accumulators (rows row0 + gid and row0 + gid + 8 of head h, the MMA's C layout) into
 // dqkv: scale * acc, written as +0 + value (BF16-rounded with kRound) by the lane that holds it; rows
 // past T are not written. Both dQ kernels end with it.
-template <int HD, bool kRound>
-__device__ __forceinline__ void store_dq_rows(float* dqkv, const float (&dq)[HD / 8][4], int b, int h, int row0, int T,
+template <int HD, bool kRound, class OutT>
+__device__ __forceinline__ void store_dq_rows(OutT* dqkv, const float (&dq)[HD / 8][4], int b, int h, int row0, int T,
                                               int64_t W, float scale, int lane) {
   const int gid = lane >> 2, tig = lane & 3;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + gid + 8 * r;
     if (row >= T) continue;
-    float* dq_row = dqkv + (static_cast<int64_t>(b) * T + row) * W + h * HD;
+    OutT* dq_row = dqkv + (static_cast<int64_t>(b) * T + row) * W + h * HD;
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n)
-      *reinterpret_cast<float2*>(dq_row + n * 8 + 2 * tig) =
-          make_float2(written<kRound>(__fmul_rn(dq[n][2 * r], scale)), written<kRound>(__fmul_rn(dq[n][2 * r + 1], scale)));
+      store_written2<kRound>(dq_row + n * 8 + 2 * tig, __fmul_rn(dq[n][2 * r], scale), __fmul_rn(dq[n][2 * r + 1], scale));
   }
 }
 
@@ -505,9 +515,9 @@ __device__ __forceinline__ void store_dq_rows(float* dqkv, const float (&dq)[HD 
 // S = Q K^T, dP = dO V^T, p = exp(s*scale - lse), dS = p (dP - dsum), dq = bf16(dS) K.
 // Each dq element is written to dqkv (+0 + value, then BF16-rounded when round_bf16) by the one
 // lane that holds it; dqkv is never read.
-template <int HD, bool kRound>
+template <int HD, bool kRound, class OutT>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dq_kernel(float* dqkv, const bf16* dout, const bf16* qkv, const float* lse2,
+    attention_backward_dq_kernel(OutT* dqkv, const bf16* dout, const bf16* qkv, const float* lse2,
                                  const float* dsum, int T, int NH, int NKV, float scale) {
   constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
   __shared__ __align__(16) bf16 k_buf[kS][kTile * kStride];
@@ -597,9 +607,9 @@ __host__ __device__ constexpr int64_t ds_pairs(int64_t tiles) { return tiles * (
 // the one lane that holds it. kStoreDs: bf16(dS^T) also goes to ds (the layout above) for
 // attention_backward_dq_stored_kernel. Only the diagonal tile and a last tile past T need the mask;
 // the other iterations run a copy of the loop body without it.
-template <int HD, bool kRound, bool kStoreDs>
+template <int HD, bool kRound, bool kStoreDs, class OutT>
 __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
-    attention_backward_dkdv_kernel(float* dqkv, uint4* ds, const bf16* dout, const bf16* qkv,
+    attention_backward_dkdv_kernel(OutT* dqkv, uint4* ds, const bf16* dout, const bf16* qkv,
                                    const float* lse2, const float* dsum, int T, int NH, int NKV,
                                    float scale) {
   constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kDk = HD / 16, kS = kStages<HD>;
@@ -711,15 +721,12 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (keys[r] >= T) continue;
-    float* dk_row = dqkv + (static_cast<int64_t>(b) * T + keys[r]) * W + (NH + g) * HD;
-    float* dv_row = dqkv + (static_cast<int64_t>(b) * T + keys[r]) * W + (NH + NKV + g) * HD;
+    OutT* dk_row = dqkv + (static_cast<int64_t>(b) * T + keys[r]) * W + (NH + g) * HD;
+    OutT* dv_row = dqkv + (static_cast<int64_t>(b) * T + keys[r]) * W + (NH + NKV + g) * HD;
 #pragma unroll
     for (int n = 0; n < kDn; ++n) {
-      float2* pk = reinterpret_cast<float2*>(dk_row + n * 8 + 2 * tig);
-      float2* pv = reinterpret_cast<float2*>(dv_row + n * 8 + 2 * tig);
-      *pk = make_float2(written<kRound>(__fmul_rn(dk[n][2 * r], scale)),
-                        written<kRound>(__fmul_rn(dk[n][2 * r + 1], scale)));
-      *pv = make_float2(written<kRound>(dv[n][2 * r]), written<kRound>(dv[n][2 * r + 1]));
+      store_written2<kRound>(dk_row + n * 8 + 2 * tig, __fmul_rn(dk[n][2 * r], scale), __fmul_rn(dk[n][2 * r + 1], scale));
+      store_written2<kRound>(dv_row + n * 8 + 2 * tig, dv[n][2 * r], dv[n][2 * r + 1]);
     }
   }
 }
@@ -731,9 +738,9 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
 // of dS, and dq = bf16(dS) K: the same BF16 values in the same MMA chain (key tiles, then 16-key
 // chunks, in increasing order) as attention_backward_dq_kernel, which recomputes them. Each dq
 // element is written to dqkv (+0 + value, BF16-rounded when round_bf16) by the lane that holds it.
-template <int HD, bool kRound>
+template <int HD, bool kRound, class OutT>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dq_stored_kernel(float* dqkv, const uint4* ds, const bf16* qkv, int T, int NH, int NKV,
+    attention_backward_dq_stored_kernel(OutT* dqkv, const uint4* ds, const bf16* qkv, int T, int NH, int NKV,
                                         float scale) {
   constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kS = kStages<HD>, kBlocks = kTile / 16;
   __shared__ __align__(16) bf16 k_buf[kS][kTile * kStride];
@@ -815,8 +822,8 @@ void forward_for(float* out, uint16_t* out16, float* lse, const bf16* qkv, int64
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-template <int HD, bool kRound>
-void backward_kernels(float* dqkv, const float* dsum, uint4* ds, const bf16* dout16, const bf16* qkv16,
+template <int HD, bool kRound, class OutT>
+void backward_kernels(OutT* dqkv, const float* dsum, uint4* ds, const bf16* dout16, const bf16* qkv16,
                       const float* lse2, int64_t B, int64_t T, int64_t NH, int64_t NKV, float scale, cudaStream_t stream) {
   const int64_t tiles = (T + kTile - 1) / kTile;
   const int t = static_cast<int>(T), nh = static_cast<int>(NH), nkv = static_cast<int>(NKV);
@@ -824,18 +831,18 @@ void backward_kernels(float* dqkv, const float* dsum, uint4* ds, const bf16* dou
   const dim3 q_grid(static_cast<unsigned>(B * NH), static_cast<unsigned>(tiles));
   if constexpr (HD <= 64) {
     if (ds) {
-      attention_backward_dkdv_kernel<HD, kRound, true>
+      attention_backward_dkdv_kernel<HD, kRound, true, OutT>
           <<<kv_grid, kThreads, 0, stream>>>(dqkv, ds, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
       FP4SIM_CUDA_CHECK_LAUNCH();
-      attention_backward_dq_stored_kernel<HD, kRound><<<q_grid, kThreads, 0, stream>>>(dqkv, ds, qkv16, t, nh, nkv, scale);
+      attention_backward_dq_stored_kernel<HD, kRound, OutT><<<q_grid, kThreads, 0, stream>>>(dqkv, ds, qkv16, t, nh, nkv, scale);
       FP4SIM_CUDA_CHECK_LAUNCH();
       return;
     }
   }
-  attention_backward_dkdv_kernel<HD, kRound, false>
+  attention_backward_dkdv_kernel<HD, kRound, false, OutT>
       <<<kv_grid, kThreads, 0, stream>>>(dqkv, nullptr, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  attention_backward_dq_kernel<HD, kRound>
+  attention_backward_dq_kernel<HD, kRound, OutT>
       <<<q_grid, kThreads, 0, stream>>>(dqkv, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
@@ -851,7 +858,7 @@ void dsum_launch(float* dsum, float* lse2, const float* lse, const DoutT* dout, 
 }
 
 template <int HD>
-void backward_for(float* dqkv, float* dsum, uint4* ds, const float* dout, const bf16* dout16, bool dout_bits,
+void backward_for(float* dqkv, uint16_t* dqkv16, float* dsum, uint4* ds, const float* dout, const bf16* dout16, bool dout_bits,
                   const bf16* qkv16, const float* out, const uint16_t* out16, const float* lse, int64_t B, int64_t T,
                   int64_t NH, int64_t NKV, bool round_bf16, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
@@ -865,7 +872,8 @@ void backward_for(float* dqkv, float* dsum, uint4* ds, const float* dout, const 
   else if (dout_bits) dsum_launch<HD>(dsum, lse2, lse, d16, out, rows, t, nh, stream);
   else if (out16) dsum_launch<HD>(dsum, lse2, lse, dout, out16, rows, t, nh, stream);
   else dsum_launch<HD>(dsum, lse2, lse, dout, out, rows, t, nh, stream);
-  if (round_bf16) backward_kernels<HD, true>(dqkv, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
+  if (dqkv16) backward_kernels<HD, true>(dqkv16, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
+  else if (round_bf16) backward_kernels<HD, true>(dqkv, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
   else backward_kernels<HD, false>(dqkv, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
 }
 
@@ -933,14 +941,14 @@ void attention_forward_launch(float* out, uint16_t* out16, float* lse, const flo
   }
 }
 
-// qkv / qkv_in16 and out / out16 as attention_forward_launch's (one of each pair).
-void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const uint16_t* dout_in16, const float* qkv,
+// qkv / qkv_in16 and out / out16 as attention_forward_launch's (one of each pair); dqkv or dqkv16.
+void attention_backward_launch(float* dqkv, uint16_t* dqkv16, float* dsum, const float* dout, const uint16_t* dout_in16, const float* qkv,
                                const uint16_t* qkv_in16, const float* out, const uint16_t* out16, const float* lse,
                                uint16_t* qkv16, uint16_t* dout16, void* ds, int64_t B, int64_t T, int64_t NH,
                                int64_t NKV, int64_t HD, bool round_bf16, cudaStream_t stream) {
   attention_check_shape("attention_backward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
-  require_aligned("attention_backward", "dqkv", dqkv);
+  require_aligned("attention_backward", dqkv16 ? "dqkv16" : "dqkv", dqkv16 ? static_cast<const void*>(dqkv16) : dqkv);
   require_aligned("attention_backward", dout_in16 ? "dout16" : "dout", dout_in16 ? static_cast<const void*>(dout_in16) : dout);
   require_aligned("attention_backward", out16 ? "out16" : "out", out16 ? static_cast<const void*>(out16) : out);
   if (!dout_in16) require_aligned("attention_backward", "dout16 (scratch)", dout16);
@@ -963,16 +971,16 @@ void attention_backward_launch(float* dqkv, float* dsum, const float* dout, cons
   uint4* ds4 = static_cast<uint4*>(ds);
   switch (HD) {
     case 16:
-      backward_for<16>(dqkv, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<16>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     case 32:
-      backward_for<32>(dqkv, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<32>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     case 64:
-      backward_for<64>(dqkv, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<64>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
     default:
-      backward_for<128>(dqkv, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<128>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
       break;
   }
 }

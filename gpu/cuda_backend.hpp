@@ -146,12 +146,13 @@ class CudaBackend final : public Backend {
                                              const uint16_t* inp16, const float* weight, int64_t K) override;
   void attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv16,
                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) override;
-  void attention_backward_bf16(float* dqkv, const float* dout, const uint16_t* dout16, const float* qkv,
-                               const uint16_t* qkv16, const float* out, const uint16_t* out16, const float* lse, int64_t B,
-                               int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) override;
+  void attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout, const uint16_t* dout16,
+                               const float* qkv, const uint16_t* qkv16, const float* out, const uint16_t* out16,
+                               const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                               bool round_bf16) override;
   void matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias, const float* dout,
-                            const ActivationSource* src, const float* inp, const uint16_t* inp16, const float* weight,
-                            int64_t N, int64_t K, int64_t OC) override;
+                            const uint16_t* dout16, const ActivationSource* src, const float* inp, const uint16_t* inp16,
+                            const float* weight, int64_t N, int64_t K, int64_t OC) override;
   void layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16, const float* inp,
                                const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
                                bool round_bf16) override;
@@ -402,12 +403,13 @@ void set_fp8_wgmma_max_ctas(int n);
 // The launchers' shape checks (HD, NH/NKV, T's tile count), std::invalid_argument naming `op`:
 // callers run them before sizing scratch from the shape.
 void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD);
-// qkv_in16 / out16 / dout_in16: qkv read / out written / dout read as BF16 bits instead
-// (Backend::attention_*_bf16; then qkv / out / dout is null, and not converted into the scratch).
+// qkv_in16 / out16 / dout_in16 / dqkv16: qkv read / out written / dout read / dqkv written as BF16
+// bits instead (Backend::attention_*_bf16; then qkv / out / dout / dqkv is null, and qkv and dout
+// are not converted into the scratch; dqkv16 implies round_bf16).
 void attention_forward_launch(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv_in16,
                               uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
                               bool round_bf16, cudaStream_t stream);
-void attention_backward_launch(float* dqkv, float* dsum, const float* dout, const uint16_t* dout_in16, const float* qkv,
+void attention_backward_launch(float* dqkv, uint16_t* dqkv16, float* dsum, const float* dout, const uint16_t* dout_in16, const float* qkv,
                                const uint16_t* qkv_in16, const float* out, const uint16_t* out16, const float* lse,
                                uint16_t* qkv16, uint16_t* dout16, void* ds, int64_t B, int64_t T, int64_t NH,
                                int64_t NKV, int64_t HD, bool round_bf16, cudaStream_t stream);

@@ -892,6 +892,12 @@ __device__ __forceinline__ float2 load_pair(const uint16_t* p) {
   const uint32_t x = __ldg(reinterpret_cast<const unsigned int*>(p));
   return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xFFFF0000u));
 }
+// dout kept as BF16 bits (4-byte aligned, C even), widened: the operand needs no copy, so the kernel
+// is given no h and only sums (Backend::matmul_backward_bits' dout16).
+struct Bf16PairBits {
+  const uint16_t* __restrict__ dout;
+  __device__ __forceinline__ float2 load2(int64_t n, int64_t c, int64_t C) const { return load_pair(dout + n * C + c); }
+};
 // GELU's input gradient as gelu_backward_kernel stores it (gpu/activation.cuh), from the
 // pre-activation and the incoming gradient, each FP32 (8-byte aligned) or BF16 bits (4-byte
 // aligned; read widened: Backend's inp16 / dout16).
@@ -907,6 +913,7 @@ struct Bf16PairGeluBackward {
   }
 };
 
+// h null: the sums only (the operand exists already).
 template <class Src>
 __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, float* __restrict__ partial, Src src,
                                                     int64_t N, int64_t C) {
@@ -920,8 +927,9 @@ __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, fl
   auto take = [&](int64_t n, float2 v) {
     s0 = __fadd_rn(s0, v.x);
     s1 = __fadd_rn(s1, v.y);
-    *reinterpret_cast<uint32_t*>(h + n * C + c) =
-        static_cast<uint32_t>(bf16_rne(v.x)) | (static_cast<uint32_t>(bf16_rne(v.y)) << 16);
+    if (h)
+      *reinterpret_cast<uint32_t*>(h + n * C + c) =
+          static_cast<uint32_t>(bf16_rne(v.x)) | (static_cast<uint32_t>(bf16_rne(v.y)) << 16);
   };
   int64_t n = n0;
   for (; n + kAhead <= n1; n += kAhead) {
@@ -1754,10 +1762,11 @@ const void* gemm_operand(DeviceScratch& scratch, const float* x, int64_t count,
 // computed by GELU's backward pass), then column_sums_finalize: matmul_backward's fused case and
 // matmul_backward_activation's, the same launches so the same bits. OC even, the source's pointers
 // 8-byte aligned.
+// (operand null: dbias only, h not written: Bf16PairBits, whose operand is its source.)
 template <class Src>
-const uint16_t* bf16_operand_with_bias_grad(DeviceScratch& operand, DeviceScratch& columns, const Src& src,
+const uint16_t* bf16_operand_with_bias_grad(DeviceScratch* operand, DeviceScratch& columns, const Src& src,
                                             float* dbias, int64_t N, int64_t OC, cudaStream_t stream) {
-  uint16_t* h = operand.get<uint16_t>(static_cast<size_t>(N * OC), stream);
+  uint16_t* h = operand ? operand->get<uint16_t>(static_cast<size_t>(N * OC), stream) : nullptr;
   float* partial = columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream);
   const dim3 grid(static_cast<unsigned>(column_chunks(N)), static_cast<unsigned>((OC / 2 + kThreads - 1) / kThreads));
   round_to_bf16_column_partial_kernel<<<grid, kThreads, 0, stream>>>(h, partial, src, N, OC);
@@ -2061,7 +2070,7 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
   if (dbias && K > 0 && prec == emu::GemmPrecision::BF16 && OC % 2 == 0 &&
       reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
     // dout's BF16 copy and the bias gradient's chunk sums from one read of dout
-    const uint16_t* h = bf16_operand_with_bias_grad(st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
+    const uint16_t* h = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
     matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
     ++g_fused_matmul_bias;
     return;
@@ -2161,7 +2170,7 @@ bool gelu_backward_fusable(const ActivationSource& src, const float* dbias, int6
 const uint16_t* CudaBackend::gelu_backward_operand(const ActivationSource& src, float* dbias) {
   LayersState& st = layers_state();
   auto make = [&](auto pair) {
-    return bf16_operand_with_bias_grad(st.bf16_a, st.columns, pair, dbias, src.rows, src.cols, stream_);
+    return bf16_operand_with_bias_grad(&st.bf16_a, st.columns, pair, dbias, src.rows, src.cols, stream_);
   };
   const bool rb = src.round_bf16, bd = src.bf16_dout;
   if (src.inp16 && src.dout16) return make(Bf16PairGeluBackward<uint16_t, uint16_t>{src.inp16, src.dout16, rb, bd});
@@ -2302,7 +2311,7 @@ void CudaBackend::matmul_backward_bf16_input(float* dinp, float* dweight, float*
   if (matmul_backward_empty(dinp, N, K, OC, stream_)) return;
   LayersState& st = layers_state();
   if (dbias && K > 0 && OC % 2 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
-    const uint16_t* h = bf16_operand_with_bias_grad(st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
+    const uint16_t* h = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
     matmul_backward_gemms(dinp, dweight, h, nullptr, weight, N, K, OC, prec, inp16);
     ++g_fused_matmul_bias;
     return;
@@ -2331,15 +2340,19 @@ void CudaBackend::matmul_backward_activation_bf16_input(float* dinp, float* dwei
 // as cuBLASLt's BF16 output (no bias: listed; the knob set_matmul_bf16_epilogue off, or no
 // algorithm: FP32 then one narrowing pass), and the Wgrad from inp or inp16.
 void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias, const float* dout,
-                                       const ActivationSource* src, const float* inp, const uint16_t* inp16,
-                                       const float* weight, int64_t N, int64_t K, int64_t OC) {
+                                       const uint16_t* dout16, const ActivationSource* src, const float* inp,
+                                       const uint16_t* inp16, const float* weight, int64_t N, int64_t K, int64_t OC) {
   const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
   if (dinp && dinp16) throw std::logic_error("matmul_backward_bits: dinp and dinp16 both given");
-  if ((dout == nullptr) == (src == nullptr)) throw std::logic_error("matmul_backward_bits: exactly one of dout and src");
+  if ((dout != nullptr) + (dout16 != nullptr) + (src != nullptr) != 1)
+    throw std::logic_error("matmul_backward_bits: exactly one of dout, dout16 and src");
   if (src && (src->rows != N || src->cols != OC))
     throw std::logic_error("matmul_backward_bits: the pending gradient's shape is not N x OC");
-  if (N == 0 || K == 0 || OC == 0 || (src && !gelu_backward_fusable(*src, dbias, K, prec))) {
-    Backend::matmul_backward_bits(dinp, dinp16, dweight, dbias, dout, src, inp, inp16, weight, N, K, OC);
+  // (dout16 with a bias: its column sums read pairs, 4-byte aligned)
+  const bool bits_pairs = dout16 && OC % 2 == 0 && (reinterpret_cast<uintptr_t>(dout16) & 3u) == 0;
+  if (N == 0 || K == 0 || OC == 0 || (src && !gelu_backward_fusable(*src, dbias, K, prec)) ||
+      (dout16 && dbias && !bits_pairs)) {
+    Backend::matmul_backward_bits(dinp, dinp16, dweight, dbias, dout, dout16, src, inp, inp16, weight, N, K, OC);
     return;
   }
   LayersState& st = layers_state();
@@ -2349,8 +2362,12 @@ void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dwe
     dy = gelu_backward_operand(*src, dbias);
     dbias_done = true;
     ++g_fused_activation_matmul;
+  } else if (dout16) {  // the operand as it is; dbias from its values, the sums of the FP32 path
+    dy = dout16;
+    if (dbias) bf16_operand_with_bias_grad(nullptr, st.columns, Bf16PairBits{dout16}, dbias, N, OC, stream_);
+    dbias_done = true;
   } else if (dbias && OC % 2 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
-    dy = bf16_operand_with_bias_grad(st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
+    dy = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
     dbias_done = true;
     ++g_fused_matmul_bias;
   } else {
@@ -2398,10 +2415,11 @@ void CudaBackend::attention_forward_bf16(float* out, uint16_t* out16, float* lse
   attention_forward_launch(out, out16, lse, qkv, qkv16, scratch, B, T, NH, NKV, HD, round_bf16, stream_);
 }
 
-void CudaBackend::attention_backward_bf16(float* dqkv, const float* dout, const uint16_t* dout16, const float* qkv,
-                                          const uint16_t* qkv16, const float* out, const uint16_t* out16,
-                                          const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
-                                          bool round_bf16) {
+void CudaBackend::attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout, const uint16_t* dout16,
+                                          const float* qkv, const uint16_t* qkv16, const float* out,
+                                          const uint16_t* out16, const float* lse, int64_t B, int64_t T, int64_t NH,
+                                          int64_t NKV, int64_t HD, bool round_bf16) {
+  require_one_of("attention_backward_bf16", "dqkv", dqkv, dqkv16);
   require_one_of("attention_backward_bf16", "dout", dout, dout16);
   require_one_of("attention_backward_bf16", "qkv", qkv, qkv16);
   require_one_of("attention_backward_bf16", "out", out, out16);
@@ -2414,7 +2432,7 @@ void CudaBackend::attention_backward_bf16(float* dqkv, const float* dout, const 
   uint16_t* scratch = qkv16 ? nullptr : st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dscratch = dout16 ? nullptr : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
   void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
-  attention_backward_launch(dqkv, dsum, dout, dout16, qkv, qkv16, out, out16, lse, scratch, dscratch, ds, B, T, NH, NKV,
+  attention_backward_launch(dqkv, dqkv16, dsum, dout, dout16, qkv, qkv16, out, out16, lse, scratch, dscratch, ds, B, T, NH, NKV,
                             HD, round_bf16, stream_);
 }
 
@@ -2444,7 +2462,7 @@ void CudaBackend::attention_backward(float* dqkv, const float* dout, const float
   uint16_t* qkv16 = st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
   void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
-  attention_backward_launch(dqkv, dsum, dout, nullptr, qkv, nullptr, out, nullptr, lse, qkv16, dout16, ds, B, T, NH, NKV,
+  attention_backward_launch(dqkv, nullptr, dsum, dout, nullptr, qkv, nullptr, out, nullptr, lse, qkv16, dout16, ds, B, T, NH, NKV,
                             HD, round_bf16, stream_);
 }
 

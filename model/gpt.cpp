@@ -184,7 +184,7 @@ void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_
 }
 
 void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
-                     const ActivationSource* pending_dout, uint16_t* dinp16) {
+                     const ActivationSource* pending_dout, uint16_t* dinp16, const uint16_t* dout16) {
   const std::string name = lname(l, kLinearNames[linear]);
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   LayerActs& a = acts_[static_cast<size_t>(l)];
@@ -194,7 +194,7 @@ void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int6
   const uint16_t* inp16 = r.wgrad == "bf16" && a.in16[linear] ? linear_input16(l, linear) : nullptr;
   linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr, dout, inp,
                   p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
-                  a.saved_x[linear].get(), a.saved_w[linear].get(), pending_dout, inp16, dinp16);
+                  a.saved_x[linear].get(), a.saved_w[linear].get(), pending_dout, inp16, dinp16, dout16);
 }
 
 float* Gpt::linear_input(int64_t l, int linear) {
@@ -579,10 +579,15 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     // reads it as bf16(dout) on both backends, so the pass would change no bit it computes)
     if (prec_ != emu::GemmPrecision::BF16) store(F32(datty_), N * C);
     // the BF16 storage of dqkv rides on the attention's own write, except with RoPE: the saved qkv
-    // is post-RoPE, the GEMM's output pre-RoPE, so the gradient is rotated back first
+    // is post-RoPE, the GEMM's output pre-RoPE, so the gradient is rotated back first. Where c_attn's
+    // GEMMs are all BF16 and dqkv is stored BF16, the attention writes it as bits (dqkv16, in dqkv_'s
+    // memory) and c_attn's backward reads them: the same values, half the bytes, no narrowing pass
     const bool rope = c.positions == "rope";
+    uint16_t* const dqkv16 =
+        (a.in16[1] || a.qkv16) && bits_on() && rb && !rope && all_bf16(l, 0) ? dqkv_.as<uint16_t>() : nullptr;
     if (a.in16[1] || a.qkv16)
-      be_.attention_backward_bf16(F32(dqkv_), datty16 ? nullptr : F32(datty_), datty16, a.qkv16 ? nullptr : F32(a.qkv),
+      be_.attention_backward_bf16(dqkv16 ? nullptr : F32(dqkv_), dqkv16, datty16 ? nullptr : F32(datty_), datty16,
+                                  a.qkv16 ? nullptr : F32(a.qkv),
                                   a.qkv16 ? a.qkv.as<uint16_t>() : nullptr, a.in16[1] ? nullptr : linear_input(l, 1),
                                   a.in16[1] ? linear_input16(l, 1) : nullptr, F32(a.lse), B, T, NH, NKV, HD, rb && !rope);
     else
@@ -593,7 +598,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
       store(F32(dqkv_), N * QKV);
     }
     uint16_t* const dln1_16 = dinp16(l, 0, C);
-    linear_bwd(l, 0, dln1_16 ? nullptr : F32(dln1_), F32(dqkv_), N, C, QKV, nullptr, dln1_16);
+    linear_bwd(l, 0, dln1_16 ? nullptr : F32(dln1_), dqkv16 ? nullptr : F32(dqkv_), N, C, QKV, nullptr, dln1_16, dqkv16);
     norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"), dln1_16);
   }
   be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_), tokens_dev(),

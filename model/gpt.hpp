@@ -162,7 +162,8 @@ class Gpt {
   // dinp written (linear_backward's contract), the weight and bias gradients accumulated
   // (pending_input / pending_dout: linear_forward's / linear_backward's)
   void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
-                  const ActivationSource* pending_dout = nullptr, uint16_t* dinp16 = nullptr);
+                  const ActivationSource* pending_dout = nullptr, uint16_t* dinp16 = nullptr,
+                  const uint16_t* dout16 = nullptr);
   // where linear `linear`'s input is kept as BF16 bits (acts_[l].in16[linear])
   uint16_t* linear_input16(int64_t l, int linear);
 

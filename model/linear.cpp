@@ -334,7 +334,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
                      const std::string& name, const QuantizedCopy* saved_wgrad_input,
                      const QuantizedCopy* saved_dgrad_weight, const ActivationSource* pending_dout,
-                     const uint16_t* inp16, uint16_t* dinp16) {
+                     const uint16_t* inp16, uint16_t* dinp16, const uint16_t* dout16) {
   if (!inp && !inp16 && (r.wgrad == "bf16" || !saved_wgrad_input))
     throw std::logic_error("linear_backward (" + name + "): no input: the FP32 x, its BF16 bits or its saved Wgrad copy is needed");
   if (inp16 && (inp || prec != emu::GemmPrecision::BF16))
@@ -360,9 +360,11 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   if (pending_dout && !fuse_dout && !fuse_bf16_dout) be.run_activation(*pending_dout);
   if (dinp16 && (dinp || r.dgrad != "bf16" || r.wgrad != "bf16" || prec != emu::GemmPrecision::BF16))
     throw std::logic_error("linear_backward (" + name + "): dinp16 is for a linear whose GEMMs are all BF16, without dinp");
+  if (dout16 && (dout || pending_dout || r.dgrad != "bf16" || r.wgrad != "bf16" || prec != emu::GemmPrecision::BF16))
+    throw std::logic_error("linear_backward (" + name + "): dout16 is for a linear whose GEMMs are all BF16, without dout");
   if (r.dgrad == "bf16" && r.wgrad == "bf16") {
-    if (inp16 || dinp16 || (pending_dout && (pending_dout->inp16 || pending_dout->dout16)))
-      be.matmul_backward_bits(dinp, dinp16, dweight, dbias, fuse_bf16_dout ? nullptr : dout,
+    if (inp16 || dinp16 || dout16 || (pending_dout && (pending_dout->inp16 || pending_dout->dout16)))
+      be.matmul_backward_bits(dinp, dinp16, dweight, dbias, fuse_bf16_dout ? nullptr : dout, dout16,
                               fuse_bf16_dout ? pending_dout : nullptr, inp, inp16, weight, N, K, OC);
     else if (fuse_bf16_dout) be.matmul_backward_activation(dinp, dweight, dbias, *pending_dout, inp, weight, K, prec);
     else be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);

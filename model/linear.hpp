@@ -122,12 +122,13 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
                     const ActivationSource* pending_input = nullptr, const LinearBits& bits = LinearBits{});
 // inp16: x as BF16 bits (inp null), as linear_forward's. dinp16 (a linear whose GEMMs are all BF16;
 // dinp null): dx written as BF16 bits (rounded: the values its readers, reading it rounded, see).
+// dout16 (a linear whose GEMMs are all BF16; dout null, no pending_dout): dy as BF16 bits.
 void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
                      float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
                      int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
                      const std::string& name, const QuantizedCopy* saved_wgrad_input = nullptr,
                      const QuantizedCopy* saved_dgrad_weight = nullptr,
                      const ActivationSource* pending_dout = nullptr, const uint16_t* inp16 = nullptr,
-                     uint16_t* dinp16 = nullptr);
+                     uint16_t* dinp16 = nullptr, const uint16_t* dout16 = nullptr);
 
 }  // namespace fp4sim::model

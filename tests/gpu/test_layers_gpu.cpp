@@ -1469,7 +1469,7 @@ TEST(LayersGpu, GeluBackwardBitsEqualFp32OnEveryBf16) {
                          "dfc"};
     src.inp16 = c.in(fc16);
     src.dout16 = c.in(dact16);
-    k.matmul_backward_bits(nullptr, dinp16, dw, db, nullptr, &src, c.in(x), nullptr, c.in(w), N, K, OC);
+    k.matmul_backward_bits(nullptr, dinp16, dw, db, nullptr, nullptr, &src, c.in(x), nullptr, c.in(w), N, K, OC);
   });
   expect_bitwise("GELU backward bits: dinp16", bf16_values_of(r[0]), widened(g[0], N * K));
   expect_bitwise("GELU backward bits: dweight", r[1], g[1]);
@@ -1680,19 +1680,21 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
       });
       for (int mode = 0; mode < 3; ++mode) {
         const bool q16 = mode != 1, o16 = mode != 0;
-        for (bool d16 : {false, true}) {  // dout as bits too (its values BF16: the kernels read it rounded)
-          const Vec dout_r = bf16_values_of(dout);
+        // dout as bits too (its values BF16: the kernels read it rounded); dqkv as bits (g16: the
+        // bits of the rounded values)
+        for (int io = 0; io < 4; ++io) {
+          const bool d16 = io & 1, g16 = io & 2;
           const std::vector<uint16_t> dout16 = bf16_bits_of(dout);
           const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
-            float* dqkv = c.out(Vec(sz(B * T * W), kNaN));
-            k.attention_backward_bf16(dqkv, d16 ? nullptr : c.in(dout), d16 ? c.in(dout16) : nullptr,
+            float* dqkv = g16 ? nullptr : c.out(Vec(sz(B * T * W), kNaN));
+            uint16_t* dqkv16 = g16 ? bf16_out(c, B * T * W) : nullptr;
+            k.attention_backward_bf16(dqkv, dqkv16, d16 ? nullptr : c.in(dout), d16 ? c.in(dout16) : nullptr,
                                       q16 ? nullptr : c.in(qkv), q16 ? c.in(qkv16) : nullptr, o16 ? nullptr : c.in(r[0]),
                                       o16 ? c.in(out16) : nullptr, c.in(r[1]), B, T, NH, NKV, HD, true);
           });
-          expect_bitwise("attention_backward_bf16 dqkv mode " + std::to_string(mode) + (d16 ? " dout16 " : " ") +
-                             bk->name(),
-                         rb[0], gb[0]);
-          (void)dout_r;
+          expect_bitwise("attention_backward_bf16 dqkv mode " + std::to_string(mode) + (d16 ? " dout16" : "") +
+                             (g16 ? " dqkv16 " : " ") + bk->name(),
+                         rb[0], g16 ? widened(gb[0], B * T * W) : gb[0]);
         }
       }
     }
@@ -1729,15 +1731,18 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
       }
     }
     // the linear backward with bits (matmul_backward_bits): dinp16, inp16, GELU's pending gradient
-    // with inp16 / dout16, against matmul_backward(_activation) on the values
+    // with inp16 / dout16, dout as BF16 bits, against matmul_backward(_activation) on the values
     {
       const int64_t N = 64, K = 96, OC = 32;
       const Vec w = randn(sz(OC * K), rng, 0.3f), x = bf16_values_of(randn(sz(N * K), rng)), dout = randn(sz(N * OC), rng),
                 fc = bf16_values_of(randn(sz(N * OC), rng, 2.0f)), dact = bf16_values_of(randn(sz(N * OC), rng)),
                 dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
       const std::vector<uint16_t> x16 = bf16_bits_of(x), fc16 = bf16_bits_of(fc), dact16 = bf16_bits_of(dact);
-      for (int mode = 0; mode < 4; ++mode) {  // dout / GELU (FP32) / GELU (inp16) / GELU (inp16 + dout16)
-        const bool gelu = mode > 0;
+      const Vec dout_r = bf16_values_of(dout);
+      const std::vector<uint16_t> dout16 = bf16_bits_of(dout);
+      // dout / GELU (FP32) / GELU (inp16) / GELU (inp16 + dout16) / dout16 (BF16 values)
+      for (int mode = 0; mode < 5; ++mode) {
+        const bool gelu = mode > 0 && mode < 4, bits = mode == 4;
         const Outputs r = run(*bk, [&](Backend& k, Call& c) {
           float* dinp = c.out(Vec(sz(N * K), kNaN));
           float* dw = c.out(dw0);
@@ -1747,7 +1752,7 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
             const ActivationSource src{ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
             k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
           } else {
-            k.matmul_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), N, K, OC, bf16);
+            k.matmul_backward(dinp, dw, db, c.in(bits ? dout_r : dout), c.in(x), c.in(w), N, K, OC, bf16);
           }
         });
         for (bool x_bits : {false, true}) {
@@ -1757,9 +1762,10 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
             float* db = c.out(db0);
             ActivationSource src{ActivationOp::GeluBackward, mode >= 2 ? nullptr : c.in(fc),
                                  mode == 3 ? nullptr : c.in(dact), c.out(Vec(sz(N * OC), kNaN)), N, OC, true, true, "dfc"};
-            if (mode >= 2) src.inp16 = c.in(fc16);
+            if (mode == 2 || mode == 3) src.inp16 = c.in(fc16);
             if (mode == 3) src.dout16 = c.in(dact16);
-            k.matmul_backward_bits(nullptr, dinp16, dw, db, gelu ? nullptr : c.in(dout), gelu ? &src : nullptr,
+            k.matmul_backward_bits(nullptr, dinp16, dw, db, gelu || bits ? nullptr : c.in(dout),
+                                   bits ? c.in(dout16) : nullptr, gelu ? &src : nullptr,
                                    x_bits ? nullptr : c.in(x), x_bits ? c.in(x16) : nullptr, c.in(w), N, K, OC);
           });
           const std::string tag = " mode " + std::to_string(mode) + (x_bits ? " x16 " : " ") + bk->name();
