@@ -25,8 +25,8 @@
 // - s = acc * scale (one FP32 multiplication, scale = 1/sqrt(HD) as the emulator computes it).
 // - Exponentials in base 2, as FlashAttention computes them: the scores are scaled by
 //   scale * log2(e) (both FP32-rounded once, the product once more; one multiplication an element)
-//   and exp(x) is ex2.approx.ftz (one MUFU instruction, <= 2 ulp; results below 2^-126 flush to
-//   zero, p that small adds nothing a BF16 P can hold next to the row's largest p = 1): a few ulp
+//   and exp(x) is ex2.approx.ftz (gpu/exp2.cuh: one MUFU instruction, ~2 ulp; results below
+//   2^-126 flush to zero, p that small adds nothing a BF16 P can hold next to the row's largest p = 1): a few ulp
 //   from the emulator's expf, more for large |x| where p is tiny.
 // - Forward: online softmax per 64-key tile, FP32, in base-2 units u = s * scale * log2(e):
 //   m_new = max(m, tile max); the running sum l and the output accumulator are rescaled by
@@ -57,6 +57,7 @@
 #include "emu/formats.hpp"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/exp2.cuh"
 
 namespace fp4sim::gpu {
 
@@ -67,7 +68,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 64;      // query rows per CTA, keys per K/V tile (kWarps * kWarpRows)
 constexpr int kWarpRows = 16;  // the M of one m16n8k16 MMA
 constexpr int kSmemPad = 8;    // BF16 elements of padding per shared row (16 bytes)
-constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kTile == kWarps * kWarpRows, "each warp owns 16 rows of a tile");
 
 using bf16 = __nv_bfloat16;
@@ -255,14 +255,6 @@ __device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[4], const float 
   a[3] = pack_bf16x2(c1[2], c1[3]);
 }
 
-constexpr float kLn2 = 0.6931471805599453f;
-// 2^x with one MUFU.EX2 (ex2.approx.ftz: <= 2 ulp, subnormal results flushed to +0, 2^-inf = +0);
-// exp2f is the same instruction with a rescaling around it for subnormal results: four instructions
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 // The scores' factor into base-2 units: scale * log2(e), FP32 (the same value in every kernel)
 __device__ __forceinline__ float log2_scale(float scale) { return __fmul_rn(scale, kLog2e); }
 

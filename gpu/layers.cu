@@ -11,7 +11,8 @@
 //   only on the shapes (then it is bitwise reproducible run to run, and bounded against the
 //   emulator). Which one is stated on each kernel.
 // - expf, logf and tanhf are CUDA's accurate versions (<= 2 ulp), not glibc's: results that go
-//   through them agree with the emulator within a few ulp, not bitwise.
+//   through them agree with the emulator within a few ulp, not bitwise. The cross-entropy's
+//   exponentials are 2^(x log2 e) by one MUFU.EX2 instead (gpu/exp2.cuh), bounded the same way.
 // - matmul: cuBLASLt, FP32 accumulation (CUBLAS_COMPUTE_32F, never TF32); BF16 operands rounded
 //   RNE by emu/formats.hpp's bf16_rne. Reproducible run to run on one GPU model, toolkit and
 //   workspace size (cuBLAS's reproducibility guarantee); bounded against the emulator's exact
@@ -42,6 +43,7 @@
 #include "gpu/activation.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/exp2.cuh"
 
 #ifndef FP4SIM_CUBLAS_CHECK
 #define FP4SIM_CUBLAS_CHECK(call)                                                              \
@@ -1155,9 +1157,12 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
 // One block per row n of logits (N,V): kCeThreads threads, or 256 for V < 4096 (a byte-level
 // vocabulary would leave most of them idle). Thread t owns the chunks c = t, t + blockDim, ... of
 // kCeVec consecutive logits [kCeVec c, kCeVec c + kCeVec) (the last one cut at V), and walks its
-// logits chunk by chunk in increasing index. max: exact; p = expf(z - max) (CUDA expf); sum: each
-// thread's sequential sum in that order, then block_sum (FP32 tree); probs (N,V) = p / sum; losses
-// (N) = -logf(probs[target]) (CUDA logf). Bounded against the emulator (tree sum, expf, logf); the
+// logits chunk by chunk in increasing index. max: exact; p = exp(z - max) computed as
+// exp2_ftz((z - max) log2 e) (gpu/exp2.cuh; as torch.compile's kernels compute it: one MUFU.EX2
+// where CUDA's expf takes eight instructions; a few ulp for the probabilities that matter, up to
+// |z - max| ulp for the tiny ones, +0 below 2^-126); sum: each thread's sequential sum in that
+// order, then block_sum (FP32 tree); probs (N,V) = p / sum; losses (N) = -logf(probs[target])
+// (CUDA logf). Bounded against the emulator (tree sum, its expf, logf); the
 // tree depends only on V (the thread count and the chunking), never on the storage types or the
 // pointers' alignment, so the FP32 and the BF16-bits instantiations give the same bits.
 // kGrad (crossentropy_softmax_forward_backward): the third pass writes, instead of each
@@ -1317,14 +1322,16 @@ __global__ void __launch_bounds__(kCeThreads, 2)
     each(count, [&](int u) { m = max_skip_nan(m, value(k.v[u])); });
   });
   const float maxv = block_max(m);  // (ends with a barrier: the cached row is complete)
+  // e^(z - max) as 2^((z - max) log2 e): one subtraction, one multiplication, one MUFU.EX2
+  auto exp_of = [&](In z_u) { return exp2_ftz(__fmul_rn(__fsub_rn(value(z_u), maxv), kLog2e)); };
   float s = 0.0f;
   for_each_chunk(kCached, [&](int64_t, int count, const CeChunk<In>& k) {
-    each(count, [&](int u) { s = __fadd_rn(s, expf(__fsub_rn(value(k.v[u]), maxv))); });
+    each(count, [&](int u) { s = __fadd_rn(s, exp_of(k.v[u])); });
   });
   const float sum = block_sum(s);
   const int64_t target = targets[n];
   // the loss before the third pass, which may overwrite the logits when the output aliases them
-  if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(expf(__fsub_rn(value(kCached ? row[target] : z[target]), maxv)), sum));
+  if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(exp_of(kCached ? row[target] : z[target]), sum));
   __syncthreads();
   const float dl = kGrad ? dlosses[n] : 0.0f;
   const SumDivisor div = sum_divisor(sum);
@@ -1332,20 +1339,21 @@ __global__ void __launch_bounds__(kCeThreads, 2)
     float prob[kCeVec];
     bool fast = div.fast;  // every quotient of the chunk in div's fast range (else all by __fdiv_rn)
     each(count, [&](int u) {
-      const float e = expf(__fsub_rn(value(k.v[u]), maxv));
+      const float e = exp_of(k.v[u]);
       prob[u] = div.quotient(e);
       fast = fast && e >= SumDivisor::kMinDividend;
     });
-    if (!fast) each(count, [&](int u) { prob[u] = __fdiv_rn(expf(__fsub_rn(value(k.v[u]), maxv)), sum); });
+    if (!fast) each(count, [&](int u) { prob[u] = __fdiv_rn(exp_of(k.v[u]), sum); });
     const int64_t t_off = target - c * kCeVec;  // the target's place in this chunk, if it is here
     const int tu = t_off >= 0 && t_off < kCeVec ? static_cast<int>(t_off) : -1;
     CeChunk<Out> o;
-    each(count, [&](int u) {
-      if constexpr (std::is_same_v<Out, uint16_t>)
-        o.v[u] = bf16_rne(__fmul_rn(__fsub_rn(prob[u], u == tu ? 1.0f : 0.0f), dl));
-      else
-        o.v[u] = kGrad ? stored(__fmul_rn(__fsub_rn(prob[u], u == tu ? 1.0f : 0.0f), dl), round_bf16) : prob[u];
-    });
+    auto put = [&](int u, float g) {
+      if constexpr (std::is_same_v<Out, uint16_t>) o.v[u] = bf16_rne(g);
+      else o.v[u] = kGrad ? stored(g, round_bf16) : prob[u];
+    };
+    // (p - onehot) dl; a chunk without the target (all but one of a row's) as p dl: p - 0 is p
+    if (!kGrad || tu < 0) each(count, [&](int u) { put(u, __fmul_rn(prob[u], dl)); });
+    else each(count, [&](int u) { put(u, __fmul_rn(__fsub_rn(prob[u], u == tu ? 1.0f : 0.0f), dl)); });
     ce_store(p, c, count, vec_out, o);
   });
 }

@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
@@ -10,6 +12,7 @@
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/decode_bf16.cuh"
+#include "gpu/exp2.cuh"
 
 namespace fp4sim {
 namespace {
@@ -136,6 +139,39 @@ TEST(FormatsGpu, Nvfp4DecodeEqualsFp32Formulation) {
   cudaFree(d);
   std::printf("[formats-gpu] decode8_bf16_nvfp4: 256 scales x 2^17 words x 8, %llu elements differ\n", bad);
   EXPECT_EQ(bad, 0u);
+}
+
+// exp2_ftz (ex2.approx.ftz), which the attention and cross-entropy kernels rely on for two things:
+// an integer power of two is exact (2^0 = 1: a softmax row's maximum gives exactly 1, so its sum
+// is >= 1), and any other result is within about 2 ulp of 2^x (against exp2 in double for 2^20
+// arguments spread over [-126, 0]: the H200's worst was 2.05 ulp of the exact value, 2026-12-01;
+// below 2^-126 the result is +0).
+__global__ void exp2_check_kernel(float* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = gpu::exp2_ftz(i < 254 ? static_cast<float>(i - 126) : -126.0f * (i - 254) / (n - 254));
+}
+
+TEST(FormatsGpu, Exp2FtzExactPowersAndAboutTwoUlp) {
+  if (!gpu::gpu_available()) GTEST_SKIP() << "no CUDA GPU";
+  const int n = 254 + (1 << 20);
+  float* d = nullptr;
+  FP4SIM_CUDA_CHECK(cudaMalloc(&d, sizeof(float) * n));
+  exp2_check_kernel<<<(n + 255) / 256, 256>>>(d, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  std::vector<float> h(static_cast<size_t>(n));
+  FP4SIM_CUDA_CHECK(cudaMemcpy(h.data(), d, sizeof(float) * n, cudaMemcpyDeviceToHost));
+  cudaFree(d);
+  for (int i = 0; i < 254; ++i) EXPECT_EQ(h[i], std::ldexp(1.0f, i - 126)) << "2^" << i - 126;
+  double worst = 0;
+  for (int i = 254; i < n; ++i) {
+    const float x = -126.0f * (i - 254) / (n - 254);  // (the kernel's argument, the same FP32 steps)
+    const double ref = std::exp2(static_cast<double>(x));
+    const double ulp = std::ldexp(1.0, std::ilogb(ref) - 23);
+    worst = std::max(worst, std::fabs(static_cast<double>(h[i]) - ref) / ulp);
+  }
+  std::printf("[formats-gpu] exp2_ftz: 2^k exact for k in [-126, 127]; worst error %.2f ulp over 2^20 arguments\n",
+              worst);
+  EXPECT_LE(worst, 2.5);
 }
 
 }  // namespace
