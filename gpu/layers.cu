@@ -1038,8 +1038,9 @@ __global__ void rope_kernel(float* x, const float* cos_sin, int64_t B, int64_t T
 
 // ---- elementwise ------------------------------------------------------------------------------
 
-// GELU (tanh approximation): gpu/activation.cuh's arithmetic (the emulator's order; CUDA tanhf,
-// a few ulp from the emulator, not bitwise), shared with the FP8 quantizer's fused pass.
+// GELU (tanh approximation): gpu/activation.cuh's arithmetic (the emulator's order; CUDA tanhf in
+// the forward, tanh_exp2 in the derivative: a few ulp from the emulator, not bitwise), shared with
+// the FP8 quantizer's fused pass.
 __global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n, bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x)
