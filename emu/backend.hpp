@@ -65,6 +65,9 @@ class Backend {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   // Device memory in use (bytes), or -1 where the backend has no separate memory (the emulator).
   virtual int64_t device_memory_used() const { return -1; }
+  // Whether the attention ops take heads of hd elements (models check it before any work): every
+  // size on the emulator.
+  virtual bool supports_attention_head_dim(int64_t hd) const { return hd > 0; }
 
   // Quantize x (F32 or BF16, rows x cols) into the requested copies (DESIGN.md §5, §6). Either
   // output may be null when its copy is disabled. Outputs live in this backend's memory; each

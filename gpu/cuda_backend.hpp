@@ -190,6 +190,8 @@ class CudaBackend final : public Backend {
 
   // Device memory in use now (total - free, all processes), for the trainer's peak report.
   int64_t device_memory_used() const override;
+  // the attention kernels' head sizes (gpu/attention.cu: a template argument)
+  bool supports_attention_head_dim(int64_t hd) const override { return hd == 16 || hd == 32 || hd == 64 || hd == 128; }
 
   cudaStream_t stream() const { return stream_; }
 

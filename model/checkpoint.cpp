@@ -1,12 +1,15 @@
 #include "model/checkpoint.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include "emu/contract.hpp"
@@ -154,6 +157,19 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
   std::snprintf(name, sizeof name, "%s%08lld", kStepPrefix, static_cast<long long>(ck.step));
   const fs::path final_dir = fs::path(dir) / name;
   const fs::path tmp = fs::path(dir) / (std::string(name) + ".tmp-" + std::to_string(::getpid()));
+  // the half-written folders of processes that died mid-write (a crash, a kill): never complete
+  // checkpoints (state.json is written last and the folder renamed only after it), so removed
+  for (const fs::directory_entry& e : fs::directory_iterator(dir)) {
+    const std::string f = e.path().filename().string();
+    const size_t at = f.rfind(".tmp-");
+    if (f.rfind(kStepPrefix, 0) != 0 || at == std::string::npos) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(f.c_str() + at + 5, &end, 10);
+    if (end && *end == '\0' && pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      std::error_code ec;
+      fs::remove_all(e.path(), ec);
+    }
+  }
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   try {
@@ -218,8 +234,15 @@ Checkpoint load_checkpoint(const std::string& path) {
     throw std::runtime_error(p.string() + ": written under contract_version " + std::to_string(version) +
                              ", this build is " + std::to_string(kContractVersion));
   ck.step = ck.state.value("step", int64_t{0});
-  ck.model = read_safetensors((p / "model.safetensors").string());
-  ck.optimizer = read_safetensors((p / "optimizer.safetensors").string());
+  // each file's own contract_version (its metadata) too: files copied in from another checkpoint
+  for (auto [file, map] : {std::pair{"model.safetensors", &ck.model}, std::pair{"optimizer.safetensors", &ck.optimizer}}) {
+    std::map<std::string, std::string> meta;
+    *map = read_safetensors((p / file).string(), &meta);
+    const auto it = meta.find("contract_version");
+    if (it != meta.end() && it->second != std::to_string(kContractVersion))
+      throw std::runtime_error((p / file).string() + ": written under contract_version " + it->second +
+                               ", this build is " + std::to_string(kContractVersion));
+  }
   return ck;
 }
 

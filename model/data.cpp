@@ -19,6 +19,9 @@ TokenFile read_token_file(const std::string& path) {
   if (!in) throw std::runtime_error(path + ": cannot open token file");
   char header[kTokenFileHeaderBytes] = {};
   in.read(header, kTokenFileHeaderBytes);
+  if (in.gcount() >= 8 && std::memcmp(header, kTokenFileMagic, 8) == 0 && in.gcount() != kTokenFileHeaderBytes)
+    throw std::runtime_error(path + ": truncated token file (" + std::to_string(in.gcount()) + " bytes, the header alone is " +
+                             std::to_string(kTokenFileHeaderBytes) + ")");
   if (in.gcount() != kTokenFileHeaderBytes || std::memcmp(header, kTokenFileMagic, 8) != 0)
     throw std::runtime_error(path + ": not an fp4sim token file (bad magic); build one with "
                                     "`fp4sim data build`");
@@ -113,6 +116,15 @@ std::vector<std::string> collect_text_files(const std::vector<std::string>& inpu
 CorpusSplit build_corpus(const std::vector<std::string>& files, int val_every) {
   if (val_every < 2) throw std::invalid_argument("--val-every must be at least 2");
   CorpusSplit s;
+  s.split_documents = files.size() < static_cast<size_t>(val_every);
+  auto append = [](TokenFile& dst, const std::string& text) {
+    if (!dst.tokens.empty()) {
+      dst.tokens.push_back('\n');
+      dst.tokens.push_back('\n');
+    }
+    const std::vector<uint16_t> t = tokenize_bytes(text);
+    dst.tokens.insert(dst.tokens.end(), t.begin(), t.end());
+  };
   for (size_t i = 0; i < files.size(); ++i) {
     std::ifstream in(files[i], std::ios::binary);
     if (!in) throw std::runtime_error(files[i] + ": cannot read");
@@ -120,20 +132,23 @@ CorpusSplit build_corpus(const std::vector<std::string>& files, int val_every) {
     ss << in.rdbuf();
     std::string text = ss.str();
     if (text.empty()) continue;
-    const bool val = static_cast<int>(i % static_cast<size_t>(val_every)) == val_every - 1;
-    TokenFile& dst = val ? s.val : s.train;
-    if (!dst.tokens.empty()) {
-      dst.tokens.push_back('\n');
-      dst.tokens.push_back('\n');
-    }
-    const std::vector<uint16_t> t = tokenize_bytes(text);
-    dst.tokens.insert(dst.tokens.end(), t.begin(), t.end());
     ++s.documents;
+    if (s.split_documents) {  // the document's last 1/val_every bytes to validation
+      const size_t cut = text.size() - text.size() / static_cast<size_t>(val_every);
+      append(s.train, text.substr(0, cut));
+      if (cut < text.size()) {
+        append(s.val, text.substr(cut));
+        ++s.val_documents;
+      }
+      continue;
+    }
+    const bool val = static_cast<int>(i % static_cast<size_t>(val_every)) == val_every - 1;
+    append(val ? s.val : s.train, text);
     if (val) ++s.val_documents;
   }
   if (s.train.tokens.empty() || s.val.tokens.empty())
     throw std::runtime_error("the corpus needs at least " + std::to_string(val_every) +
-                             " non-empty documents to have both a training and a validation split");
+                             " bytes of text to have both a training and a validation split");
   return s;
 }
 

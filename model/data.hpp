@@ -33,10 +33,13 @@ std::vector<std::string> collect_text_files(const std::vector<std::string>& inpu
 struct CorpusSplit {
   TokenFile train, val;
   int64_t documents = 0, val_documents = 0;
+  bool split_documents = false;  // fewer files than val_every: each file split (below)
 };
 
 // Each file is a document; document i goes to validation when i % val_every == val_every - 1, so
-// the split is fixed by the sorted file list. Documents are joined by a blank line.
+// the split is fixed by the sorted file list. With fewer files than val_every (a single text file,
+// say), each document's last floor(bytes / val_every) bytes go to validation and the rest to
+// training instead. Documents (and parts) are joined by a blank line.
 CorpusSplit build_corpus(const std::vector<std::string>& files, int val_every);
 
 // Deterministic synthetic tokens (uniform over the vocabulary) for throughput runs.

@@ -37,6 +37,10 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
   high_precision_.assign(static_cast<size_t>(cfg.n_layers), true);
   recipes_.assign(static_cast<size_t>(cfg.n_layers * 4), LinearRecipe{});
   const int64_t C = cfg.d_model, HD = C / cfg.n_heads, QKV = (cfg.n_heads + 2 * cfg.n_kv_heads) * HD;
+  if (!be_.supports_attention_head_dim(HD))
+    throw std::invalid_argument("model: head size model.d_model / model.n_heads = " + std::to_string(HD) + " (" +
+                                std::to_string(C) + " / " + std::to_string(cfg.n_heads) +
+                                ") is not one the " + be_.name() + " backend's attention takes (16, 32, 64 or 128)");
   add("wte", {cfg.vocab, C});
   if (cfg.positions == "learned") add("wpe", {cfg.max_positions, C});
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
@@ -179,8 +183,9 @@ void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_
   linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
                  cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, round_bf16,
                  stats_active_ ? &stats_ : nullptr, name,
-                 &acts_[static_cast<size_t>(l)].saved_x[linear], &acts_[static_cast<size_t>(l)].saved_w[linear],
-                 pending_input, LinearBits{inp16, out16});
+                 inference_ ? nullptr : &acts_[static_cast<size_t>(l)].saved_x[linear],
+                 inference_ ? nullptr : &acts_[static_cast<size_t>(l)].saved_w[linear], pending_input,
+                 LinearBits{inp16, out16});
 }
 
 void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
@@ -245,6 +250,32 @@ std::vector<float> Gpt::grads_to_host() const {
   std::vector<float> h(n_params_);
   be_.download(h.data(), grads(), n_params_ * 4);
   return h;
+}
+
+std::string Gpt::first_nonfinite_in_forward() const {
+  // (a sum of squares in FP64 is finite exactly when every element is: FP32 squares cannot overflow it)
+  std::vector<int64_t> offsets, counts;
+  for (const ParamTensor& t : tensors_) {
+    offsets.push_back(t.offset);
+    counts.push_back(t.numel());
+  }
+  std::vector<double> sums(offsets.size());
+  be_.sum_squares_many(params(), offsets, counts, sums.data());
+  for (size_t i = 0; i < sums.size(); ++i)
+    if (!std::isfinite(sums[i])) return "parameter '" + tensors_[i].name + "'";
+  const int64_t n = B_ * T_ * cfg_.d_model;
+  auto bad = [&](const BackendBuffer& b) {
+    if (n == 0 || b.bytes() != static_cast<size_t>(n) * 4) return false;  // (not kept as FP32 here)
+    double sum = 0;
+    be_.sum_squares_many(b.as<float>(), {0}, {n}, &sum);
+    return !std::isfinite(sum);
+  };
+  if (bad(emb_)) return "the embeddings' output (wte + wpe)";
+  for (size_t l = 0; l < acts_.size(); ++l) {
+    if (bad(acts_[l].res1)) return "the residual stream after layer " + std::to_string(l) + "'s attention";
+    if (bad(acts_[l].res2)) return "the residual stream after layer " + std::to_string(l) + "'s MLP";
+  }
+  return "the logits or the loss (the residual stream is finite)";
 }
 
 std::vector<float> Gpt::logits_row_to_host(int64_t row) const {
@@ -329,6 +360,7 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
 float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, int64_t grad_micro_batches) {
   if (grad_micro_batches < 1) throw std::invalid_argument("forward: grad_micro_batches must be >= 1");
   const ModelConfig& c = cfg_;
+  inference_pass_ = inference_;
   if (T > c.seq_len)
     throw std::invalid_argument("forward: sequence of " + std::to_string(T) + " tokens exceeds model.seq_len " +
                                 std::to_string(c.seq_len));
@@ -511,6 +543,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   const int64_t B = B_, T = T_, N = B * T, C = c.d_model, NH = c.n_heads, NKV = c.n_kv_heads, HD = C / NH;
   const int64_t QKV = (NH + 2 * NKV) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
   if (N == 0) throw std::logic_error("backward: no forward pass to differentiate");
+  if (inference_pass_) throw std::logic_error("backward: the last forward pass was an inference pass (set_inference)");
   const bool ln = c.norm == "layernorm", rb = round_bf16();
   auto F32 = [](const BackendBuffer& b) { return b.as<float>(); };
   auto zero = [&](const BackendBuffer& b, int64_t n) { be_.zero(b.get(), static_cast<size_t>(n) * 4); };

@@ -55,6 +55,11 @@ class Gpt {
   void set_step(int64_t step);
   // The micro-batch within the step (gradient accumulation): part of every SR stream.
   void set_micro_batch(int64_t micro_batch) { micro_batch_ = micro_batch; }
+  // Forward passes with no backward pass after them (sampling): the linear layers make only their
+  // Fprop copies, not the column-wise Wgrad/Dgrad copies a backward pass reads (those block along
+  // the rows, 16 or 128 of them, which a sampling window of any length does not fill); the same
+  // outputs bit for bit. backward() after such a pass is an error.
+  void set_inference(bool on) { inference_ = on; }
   const LinearRecipe& linear_recipe(int64_t layer, int linear) const {
     return recipes_[static_cast<size_t>(layer * 4 + linear)];
   }
@@ -108,6 +113,11 @@ class Gpt {
   // Row `row` (0 <= row < B*T) of the logits (B,T,V) of the last forward, as stored (BF16-rounded
   // under BF16 activation storage).
   std::vector<float> logits_row_to_host(int64_t row) const;
+  // Where a non-finite value (NaN, Inf) first shows in the last forward pass, for the trainer's
+  // stop message: the first parameter tensor holding one ("parameter 'h.0.mlp.c_fc.weight'"), else
+  // the first residual-stream tensor holding one, in forward order (the embeddings' output, then
+  // each layer's residual after attention and after the MLP), else the logits or the loss.
+  std::string first_nonfinite_in_forward() const;
 
  private:
   struct LayerActs {
@@ -197,6 +207,7 @@ class Gpt {
   std::vector<LinearRecipe> recipes_;  // [layer * 4 + linear]
   int64_t step_ = 0, micro_batch_ = 0;
   bool collect_stats_ = false, stats_active_ = false;
+  bool inference_ = false, inference_pass_ = false;  // (set_inference; the last forward pass's)
   std::vector<QuantStat> stats_;
   emu::GemmPrecision prec_ = emu::GemmPrecision::BF16;
   bool bf16_bits_ = true;

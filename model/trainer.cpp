@@ -110,11 +110,22 @@ StoredTensor as_stored(const float* data, const std::vector<int64_t>& shape, int
   return s;
 }
 
-void load_stored(const TensorMap& m, const std::string& name, float* dst, int64_t n, const std::string& where) {
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string t = "[";
+  for (size_t i = 0; i < shape.size(); ++i) t += (i ? ", " : "") + std::to_string(shape[i]);
+  return t + "]";
+}
+
+// Tensor `name` of m into dst: F32 of exactly `shape` (the model's), else an error naming both.
+void load_stored(const TensorMap& m, const std::string& name, float* dst, const std::vector<int64_t>& shape,
+                 const std::string& where) {
   const auto it = m.find(name);
   if (it == m.end()) throw std::runtime_error(where + ": tensor '" + name + "' missing");
-  if (static_cast<int64_t>(it->second.bytes.size()) != n * 4 || it->second.dtype != "F32")
-    throw std::runtime_error(where + ": tensor '" + name + "' has the wrong size or dtype");
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  if (it->second.dtype != "F32" || it->second.shape != shape || static_cast<int64_t>(it->second.bytes.size()) != n * 4)
+    throw std::runtime_error(where + ": tensor '" + name + "' is " + it->second.dtype + " " +
+                             shape_text(it->second.shape) + ", the model's is F32 " + shape_text(shape));
   std::memcpy(dst, it->second.bytes.data(), it->second.bytes.size());
 }
 
@@ -160,7 +171,7 @@ LoadedModel load_trained(const std::string& checkpoint, Backend& be) {
   Gpt model(lm.config.model, be);
   lm.params.assign(model.num_params(), 0.0f);
   for (const ParamTensor& t : model.tensors())
-    load_stored(ck.model, t.name, lm.params.data() + t.offset, t.numel(), checkpoint);
+    load_stored(ck.model, t.name, lm.params.data() + t.offset, t.shape, checkpoint);
   return lm;
 }
 
@@ -170,6 +181,7 @@ std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32
   model.params_from_host(m.params);
   model.set_recipe(m.config);
   model.set_step(m.config.train.steps);
+  model.set_inference(true);  // (windows of any length: no Wgrad copies, which block along the rows)
   std::vector<int32_t> seq = prompt;
   if (seq.empty()) seq.push_back('\n');
   std::mt19937_64 rng(seed);
@@ -235,8 +247,41 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     for (const char* key : {"config", "data_position"})
       if (!ck.state.contains(key))
         throw std::runtime_error(opt.resume + ": its state.json has no '" + key + "' (corrupt checkpoint)");
+    // "prefix.key: a -> b" for each key whose value differs between two JSON objects
+    auto differences = [](const nlohmann::json& a, const nlohmann::json& b, const std::string& prefix) {
+      std::vector<std::string> out;
+      if (!a.is_object() || !b.is_object()) return out;
+      for (const auto& [k, va] : a.items())
+        if (!b.contains(k) || b.at(k) != va)
+          out.push_back(prefix + k + ": " + va.dump() + " -> " + (b.contains(k) ? b.at(k).dump() : "(none)"));
+      for (const auto& [k, vb] : b.items())
+        if (!a.contains(k)) out.push_back(prefix + k + ": (none) -> " + vb.dump());
+      return out;
+    };
+    auto joined = [](const std::vector<std::string>& v) {
+      std::string t;
+      for (const std::string& x : v) t += (t.empty() ? "" : ", ") + x;
+      return t;
+    };
     if (ck.state.at("config") != to_json(c).at("model"))
-      throw std::runtime_error(opt.resume + ": the checkpoint's model config differs from this run's");
+      throw std::runtime_error(opt.resume + ": the checkpoint's model config differs from this run's (checkpoint -> "
+                               "this run: " + joined(differences(ck.state.at("config"), to_json(c).at("model"), "model.")) +
+                               ")");
+    // settings that make the continuation another run than the uninterrupted one: said, not refused
+    // (a recipe change on resume can be deliberate); the schedule's length (train.steps) is expected
+    // to change
+    if (opt.print && ck.state.contains("run_config")) {
+      const nlohmann::json was = ck.state.at("run_config"), now = to_json(c);
+      std::vector<std::string> changed = differences(was.value("recipe", nlohmann::json::object()),
+                                                     now.at("recipe"), "recipe.");
+      const nlohmann::json was_train = was.value("train", nlohmann::json::object()), now_train = now.at("train");
+      for (const char* k : {"seed", "batch", "grad_accum", "data", "lr", "warmup", "schedule", "weight_decay"})
+        if (was_train.contains(k) && now_train.contains(k) && was_train.at(k) != now_train.at(k))
+          changed.push_back(std::string("train.") + k + ": " + was_train.at(k).dump() + " -> " + now_train.at(k).dump());
+      if (!changed.empty())
+        std::printf("warning: resuming with settings that differ from the checkpoint's run (so not its uninterrupted "
+                    "continuation): %s\n", joined(changed).c_str());
+    }
     step0 = ck.step;
     if (step0 >= c.train.steps)
       throw std::invalid_argument(opt.resume + " is at step " + std::to_string(step0) + " and train.steps is " +
@@ -255,9 +300,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                                std::to_string(data.train.tokens.size()) + " tokens): a corrupt checkpoint, or another corpus");
     std::vector<float> hp(n_params), hm(n_params), hv(n_params);
     for (const ParamTensor& t : model.tensors()) {
-      load_stored(ck.model, t.name, hp.data() + t.offset, t.numel(), opt.resume);
-      load_stored(ck.optimizer, t.name + ".exp_avg", hm.data() + t.offset, t.numel(), opt.resume);
-      load_stored(ck.optimizer, t.name + ".exp_avg_sq", hv.data() + t.offset, t.numel(), opt.resume);
+      load_stored(ck.model, t.name, hp.data() + t.offset, t.shape, opt.resume);
+      load_stored(ck.optimizer, t.name + ".exp_avg", hm.data() + t.offset, t.shape, opt.resume);
+      load_stored(ck.optimizer, t.name + ".exp_avg_sq", hv.data() + t.offset, t.shape, opt.resume);
     }
     model.params_from_host(hp);
     be.upload(m, hm.data(), n_params * 4);
@@ -275,8 +320,10 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   if (!opt.dump_dir.empty()) make_dir(opt.dump_dir, "--dump");
   make_dir(c.train.out_dir, "train.out_dir");
   // checkpoints of later steps in this out_dir come from another run (or an abandoned future of
-  // this one): keep-last and `--resume DIR` pick by step, so they would be mixed with this run's
-  if (c.train.checkpoint_every > 0) {
+  // this one): keep-last and `--resume DIR` pick by step, so they would be mixed with this run's.
+  // A fresh run is refused even when it writes no checkpoints: it would replace that run's
+  // log.jsonl (a resumed run without checkpoints only trims the log to its step, below).
+  if (c.train.checkpoint_every > 0 || step0 == 0) {
     std::string later;
     for (const std::string& ck_dir : list_checkpoints(c.train.out_dir + "/checkpoints"))
       if (checkpoint_step(ck_dir) > step0)
@@ -333,7 +380,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       const float mb_loss = model.forward(tok.data(), tgt.data(), B, T, A);
       if (!std::isfinite(mb_loss))
         throw std::runtime_error("step " + std::to_string(step + 1) + (A > 1 ? " (micro-batch " + std::to_string(mb) + ")" : "") +
-                                 ": the loss is " + std::to_string(mb_loss));
+                                 ": the loss is " + std::to_string(mb_loss) + "; the first non-finite tensor: " +
+                                 model.first_nonfinite_in_forward());
       loss_sum += mb_loss;
       model.backward(A, mb > 0);
     }
@@ -366,11 +414,18 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     // every tensor's sum of squares in one backend call, then added in tensor order
     be.sum_squares_many(model.grads(), grad_offsets, grad_counts, sums.data());
     double sq = 0;
+    std::vector<std::string> bad;  // the tensors whose gradient holds a NaN or an Inf, in parameter order
     for (size_t i = 0; i < sums.size(); ++i) {
-      if (!std::isfinite(sums[i]))
-        throw std::runtime_error("step " + std::to_string(step + 1) + ": gradient of '" + model.tensors()[i].name +
-                                 "' is not finite");
+      if (!std::isfinite(sums[i])) bad.push_back(model.tensors()[i].name);
       sq += sums[i];
+    }
+    if (!bad.empty()) {
+      std::string names;
+      for (size_t i = 0; i < bad.size() && i < 6; ++i) names += (i ? ", '" : "'") + bad[i] + "'";
+      if (bad.size() > 6) names += ", ...";
+      throw std::runtime_error("step " + std::to_string(step + 1) + ": gradient of '" + bad[0] + "' is not finite (" +
+                               std::to_string(bad.size()) + " of " + std::to_string(sums.size()) +
+                               " tensors, in parameter order: " + names + ")");
     }
     const double norm = std::sqrt(sq);
     const double lr = learning_rate(c.train.schedule, step, c.train.steps, c.train.warmup, c.train.lr,
@@ -402,7 +457,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                   static_cast<long long>(step + 1), loss, norm, lr, ms, tok_s, 100.0 * mfu, eta.c_str());
     }
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms},
-                           {"tok_per_s", tok_s}, {"mfu", mfu}};
+                           {"tok_per_s", tok_s}, {"mfu", mfu}, {"contract_version", kContractVersion}};
     if (mem >= 0) line["device_mem_gib"] = static_cast<double>(mem) / (1 << 30);
     if (stats_now) {
       nlohmann::json qs = nlohmann::json::object();
@@ -417,7 +472,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       line["val_loss"] = vl;
       if (opt.print) std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step + 1), vl);
     }
-    log << line.dump() << "\n";
+    log << line.dump() << "\n" << std::flush;  // (a step's line is on disk before its checkpoint is written)
     if (c.train.checkpoint_every > 0 && ((step + 1) % c.train.checkpoint_every == 0 || step + 1 == c.train.steps)) {
       Checkpoint ck;
       ck.step = step + 1;
@@ -430,7 +485,11 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
         ck.optimizer[t.name + ".exp_avg"] = as_stored(hm.data() + t.offset, t.shape, t.numel());
         ck.optimizer[t.name + ".exp_avg_sq"] = as_stored(hv.data() + t.offset, t.shape, t.numel());
       }
-      ck.state = {{"data_position", pos}, {"config", to_json(c).at("model")}, {"run_config", to_json(c)}};
+      ck.state = {{"data_position", pos}, {"config", to_json(c).at("model")}, {"run_config", to_json(c)},
+                  // the training's random draws (SR, RHT signs, shuffled windows) are Philox4x32-10
+                  // keyed by the seed with the step (and micro-batch, layer, role) in the counter:
+                  // the generator's whole state is the pair below
+                  {"rng", {{"generator", "philox4x32-10"}, {"key", c.train.seed}, {"next_step", step + 1}}}};
       const std::string where = save_checkpoint(c.train.out_dir + "/checkpoints", ck, static_cast<int>(c.train.keep_last));
       if (opt.print) std::printf("checkpoint %s\n", where.c_str());
     }

@@ -50,8 +50,12 @@ void run_build(const BuildArgs& a) {
                          {"files", names}};
   io::write_text(out.stage(a.out + ".meta.json"), meta.dump(2) + "\n");
   out.commit();
-  fmt::print("  documents   {} ({} to validation: every {}th in sorted path order)\n", s.documents,
-             s.val_documents, a.val_every);
+  if (s.split_documents)
+    fmt::print("  documents   {} (fewer files than --val-every {}: the last 1/{} of each to validation)\n",
+               s.documents, a.val_every, a.val_every);
+  else
+    fmt::print("  documents   {} ({} to validation: every {}th in sorted path order)\n", s.documents,
+               s.val_documents, a.val_every);
   fmt::print("  tokens      train {}   val {}   (byte-level, vocab 256)\n", s.train.tokens.size(),
              s.val.tokens.size());
   fmt::print("  wrote       {0}.train.tokens {0}.val.tokens {0}.meta.json\n", a.out);

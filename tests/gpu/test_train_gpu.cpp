@@ -70,6 +70,24 @@ TEST(TrainGpu, TinyTenStepsMatchEmulator) {
   std::filesystem::remove_all(dir);
 }
 
+// A head size the CUDA attention kernels do not take (48) is refused when the model is made, before
+// any work (no out_dir), naming the size; the emulator takes it.
+TEST(TrainGpu, UnsupportedHeadSizeRefusedBeforeAnyWork) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  const std::string dir = temp_dir("hd48");
+  const RunConfig c = tiny({"model.d_model=192", "model.n_heads=4", "model.n_kv_heads=4", "train.steps=1",
+                            "train.out_dir=" + dir});
+  try {
+    run(c, "cuda");
+    ADD_FAILURE() << "expected the head size 48 to be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("head size model.d_model / model.n_heads = 48"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir)) << "out_dir made before the error";
+  auto emu = make_backend("emu");
+  EXPECT_NO_THROW(Gpt(c.model, *emu));
+}
+
 // BF16 storage of activations: the CUDA rounding is the emulator's, bit for bit (NaN, Inf, ties,
 // subnormals included).
 TEST(TrainGpu, RoundToBf16BitwiseEqualsEmulator) {

@@ -106,6 +106,40 @@ TEST(Checkpoint, KeepLastNeverRemovesTheCheckpointJustWritten) {
   fs::remove_all(d);
 }
 
+// The half-written folder a dead process left (a crash mid-write) is removed by the next save; one
+// of a live process (here: this one) is not, nor is anything not named like a checkpoint's.
+TEST(Checkpoint, NextSaveRemovesHalfWrittenFoldersOfDeadProcesses) {
+  const fs::path d = temp_dir("stale");
+  const fs::path dead = d / "step_00000003.tmp-2147483646", live = d / ("step_00000009.tmp-" + std::to_string(::getpid()));
+  const fs::path other = d / "notes.tmp-2147483646";
+  for (const fs::path& p : {dead, live, other}) {
+    fs::create_directories(p);
+    std::ofstream(p / "model.safetensors") << "partial";
+  }
+  save_checkpoint(d.string(), small_checkpoint(4, 4), 0);
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_TRUE(fs::exists(live));
+  EXPECT_TRUE(fs::exists(other));
+  EXPECT_EQ(load_checkpoint(d.string()).step, 4);
+  fs::remove_all(d);
+}
+
+// A model or optimizer file whose own metadata names another contract version is refused.
+TEST(Checkpoint, SafetensorsMetadataVersionChecked) {
+  const fs::path d = temp_dir("metaver");
+  const std::string where = save_checkpoint(d.string(), small_checkpoint(2, 2), 0);
+  const Checkpoint ck = load_checkpoint(where);
+  write_safetensors((fs::path(where) / "optimizer.safetensors").string(), ck.optimizer, {{"contract_version", "9"}});
+  try {
+    load_checkpoint(where);
+    ADD_FAILURE() << "expected contract_version 9 to be refused";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer.safetensors: written under contract_version 9"), std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(d);
+}
+
 TEST(Checkpoint, AtomicKeepLastAndVersionCheck) {
   const fs::path d = temp_dir("run");
   for (int64_t step : {5, 10, 15, 20}) save_checkpoint(d.string(), small_checkpoint(step, step * 100), 2);

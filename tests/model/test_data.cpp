@@ -42,6 +42,14 @@ TEST(Data, CorruptFilesAreClearErrors) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
   }
+  // truncated inside the header (the magic is there): truncated, not "bad magic"
+  fs::resize_file(d / "a.tokens", 30);
+  try {
+    read_token_file((d / "a.tokens").string());
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("truncated token file (30 bytes"), std::string::npos) << e.what();
+  }
   // not a token file
   std::ofstream((d / "b.tokens").string()) << "hello world, this is not a token file at all, not even close......";
   try {
@@ -97,7 +105,14 @@ TEST(Data, CorpusSplitIsFixedBySortedPaths) {
   EXPECT_EQ(detokenize_bytes(s.val.tokens), "document 4\n\ndocument 9");
   EXPECT_EQ(build_corpus(files, 5).train.tokens, s.train.tokens);
   EXPECT_THROW(collect_text_files({(d / "nope").string()}), std::runtime_error);
-  EXPECT_THROW(build_corpus({files[0]}, 5), std::runtime_error);  // no validation document
+  // fewer files than val_every (one here): each file's last bytes / val_every bytes to validation
+  const CorpusSplit one = build_corpus({files[0]}, 5);  // "document 0": 10 bytes
+  EXPECT_TRUE(one.split_documents);
+  EXPECT_EQ(detokenize_bytes(one.train.tokens), "document");
+  EXPECT_EQ(detokenize_bytes(one.val.tokens), " 0");
+  // too little text for a validation part
+  std::ofstream((d / "tiny.txt").string()) << "abc";
+  EXPECT_THROW(build_corpus({(d / "tiny.txt").string()}, 5), std::runtime_error);
   fs::remove_all(d);
 }
 

@@ -159,6 +159,31 @@ TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
   // the checkpoint is at step 5, so the first step trained (and the one that goes bad) is step 6,
   // counted from 1 as the step lines print it
   expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/b", "step 6:");
+  // and it names the first tensor that holds one: here a parameter
+  expect_resume_error<std::runtime_error>(micro_run(dir + "/d"), dir + "/b",
+                                          "the first non-finite tensor: parameter 'ln_f.weight'");
+  // finite weights whose sum overflows: the embeddings' output is the first non-finite tensor
+  Checkpoint big = load_checkpoint(dir + "/a/checkpoints");
+  const float huge = 3e38f;
+  for (const char* name : {"wte", "wpe"}) {
+    std::vector<uint8_t>& bytes = big.model.at(name).bytes;
+    for (size_t i = 0; i + 4 <= bytes.size(); i += 4) std::memcpy(bytes.data() + i, &huge, 4);
+  }
+  save_checkpoint(dir + "/e", big, 0);
+  expect_resume_error<std::runtime_error>(micro_run(dir + "/f"), dir + "/e",
+                                          "the first non-finite tensor: the embeddings' output");
+}
+
+// A checkpoint tensor of the right size but another shape is refused, naming both shapes.
+TEST(Trainer, CheckpointTensorOfAnotherShapeRefused) {
+  const ScratchDir scratch("fp4sim_shape");
+  const std::string& dir = scratch.path;
+  train_five_steps(dir + "/a");
+  Checkpoint ck = load_checkpoint(dir + "/a/checkpoints");
+  ck.model.at("ln_f.weight").shape = {2, 16};
+  save_checkpoint(dir + "/b", ck, 0);
+  expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/b",
+                                          "tensor 'ln_f.weight' is F32 [2, 16], the model's is F32 [32]");
 }
 
 // A run that would write checkpoints into an out_dir holding later steps (here: resuming at 5
@@ -175,6 +200,15 @@ TEST(Trainer, RefusesAnOutDirWithCheckpointsOfLaterSteps) {
     ADD_FAILURE() << "expected an error naming step_00000010";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("step_00000010"), std::string::npos) << e.what();
+  }
+  // and so is a fresh run that writes no checkpoints (it would replace the run's log.jsonl)
+  RunConfig no_ck = c;
+  no_ck.train.checkpoint_every = 0;
+  try {
+    train(no_ck, quiet_options(), *make_cpu_backend());
+    ADD_FAILURE() << "expected an error naming step_00000005";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("step_00000005"), std::string::npos) << e.what();
   }
 }
 

@@ -138,6 +138,14 @@ micro="model.d_model=32 model.n_layers=1 model.d_ff=64 model.n_heads=2 model.n_k
 "$bin" eval --checkpoint run/checkpoints --batches 1 --backend emu >log.txt 2>&1 && grep -q "val loss" log.txt && ok "eval" || bad "eval: $(cat log.txt)"
 "$bin" train --config "$cfg" $micro model.vocab=256 train.out_dir=run2 --backend emu >/dev/null 2>&1 \
   && "$bin" sample --checkpoint run2/checkpoints --prompt "ab" --tokens 5 --backend emu >log.txt 2>&1 && ok "sample" || bad "sample: $(cat log.txt)"
+# a quantized recipe's checkpoint: sampling windows of 3..7 tokens (no multiple of 16 rows: the
+# forward passes make no column-wise Wgrad copies)
+for r in nvfp4 fp8; do
+  shape=$([ $r = fp8 ] && echo "model.d_model=128 model.d_ff=128 train.batch=8")  # (FP8: 128-element blocks)
+  "$bin" train --config "$cfg" $micro model.vocab=256 recipe.name=$r $shape train.steps=2 train.out_dir=run_$r --backend emu >/dev/null 2>&1 \
+    && "$bin" sample --checkpoint run_$r/checkpoints --prompt "abc" --tokens 5 --backend emu >log.txt 2>&1 \
+    && ok "sample from a $r checkpoint" || bad "sample $r: $(tail -3 log.txt)"
+done
 want=$("$bin" info 2>/dev/null | awk '/^default backend:/ {print $3}')
 "$bin" train --config "$cfg" $micro train.steps=1 train.checkpoint_every=0 train.out_dir=rundef >log.txt 2>&1 \
   && grep -q "backend $want by default" log.txt && ok "train without --backend runs on the default backend ($want)" \
@@ -158,6 +166,13 @@ expect_fail "eval --all with --batches" "excludes" "$bin" eval --checkpoint run/
 expect_fail "eval zero batches" "--batches must be an integer >= 1" "$bin" eval --checkpoint run/checkpoints --batches 0 --backend emu
 expect_fail "sample NaN temperature" "--temperature must be a finite number" "$bin" sample --checkpoint run/checkpoints --temperature nan --backend emu
 expect_fail "sample negative tokens" "--tokens must be an integer >= 0" "$bin" sample --checkpoint run/checkpoints --tokens -5 --backend emu
+# --resume with other settings: the model's are refused naming the key, the run's are said
+cp -r run run_rs
+expect_fail "resume with another model" "model.d_ff: 64 -> 128" "$bin" train --config "$cfg" $micro model.d_ff=128 train.steps=6 \
+  train.out_dir=run_rs --resume run_rs/checkpoints --backend emu
+"$bin" train --config "$cfg" $micro train.steps=6 train.seed=99 train.out_dir=run_rs --resume run_rs/checkpoints --backend emu >log.txt 2>&1 \
+  && grep -q "warning: resuming with settings that differ.*train.seed: [0-9]* -> 99" log.txt \
+  && ok "resume with another seed says so" || bad "resume with another seed: $(grep -i warning log.txt)"
 expect_fail "resume past train.steps" "nothing left to train" "$bin" train --config "$cfg" $micro train.out_dir=out.run --resume run/checkpoints --backend emu
 expect_fail "config integer key given a fraction" "must be an integer" "$bin" config --config "$cfg" model.d_model=128.5
 expect_fail "config negative eval_every" "train.eval_every" "$bin" config --config "$cfg" train.eval_every=-1
