@@ -75,7 +75,7 @@ TEST(TrainGpu, TinyTenStepsMatchEmulator) {
 TEST(TrainGpu, UnsupportedHeadSizeRefusedBeforeAnyWork) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   const std::string dir = temp_dir("hd48");
-  const RunConfig c = tiny({"model.d_model=192", "model.n_heads=4", "model.n_kv_heads=4", "train.steps=1",
+  const RunConfig c = tiny({"model.d_model=192", "model.n_heads=4", "model.n_kv_heads=4", "train.steps=2",
                             "train.out_dir=" + dir});
   try {
     run(c, "cuda");
