@@ -1163,7 +1163,7 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
 // where CUDA's expf takes eight instructions; a few ulp for the probabilities that matter, up to
 // |z - max| ulp for the tiny ones, +0 below 2^-126); sum: each thread's sequential sum in that
 // order, then block_sum (FP32 tree); probs (N,V) = p / sum; losses (N) = -logf(probs[target])
-// (CUDA logf). Bounded against the emulator (tree sum, its expf, logf); the
+// (CUDA logf), except where the target's exp2_ftz flushed to +0: then its expf (a finite loss). Bounded against the emulator (tree sum, its expf, logf); the
 // tree depends only on V (the thread count and the chunking), never on the storage types or the
 // pointers' alignment, so the FP32 and the BF16-bits instantiations give the same bits.
 // kGrad (crossentropy_softmax_forward_backward): the third pass writes, instead of each
@@ -1332,7 +1332,14 @@ __global__ void __launch_bounds__(kCeThreads, 2)
   const float sum = block_sum(s);
   const int64_t target = targets[n];
   // the loss before the third pass, which may overwrite the logits when the output aliases them
-  if (threadIdx.x == 0) losses[n] = -logf(__fdiv_rn(exp_of(kCached ? row[target] : z[target]), sum));
+  // (exp_of flushes below 2^-126, a target more than ~87.3 below the row's maximum: there expf's
+  // subnormal keeps the loss finite, as the emulator's is, up to a gap of ~103.9)
+  if (threadIdx.x == 0) {
+    const In zt = kCached ? row[target] : z[target];
+    float et = exp_of(zt);
+    if (et == 0.0f) et = expf(__fsub_rn(value(zt), maxv));
+    losses[n] = -logf(__fdiv_rn(et, sum));
+  }
   __syncthreads();
   const float dl = kGrad ? dlosses[n] : 0.0f;
   const SumDivisor div = sum_divisor(sum);

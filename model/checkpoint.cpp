@@ -158,7 +158,8 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
   const fs::path final_dir = fs::path(dir) / name;
   const fs::path tmp = fs::path(dir) / (std::string(name) + ".tmp-" + std::to_string(::getpid()));
   // the half-written folders of processes that died mid-write (a crash, a kill): never complete
-  // checkpoints (state.json is written last and the folder renamed only after it), so removed
+  // checkpoints (state.json is written last and the folder renamed only after it), so removed.
+  // (The PID is this host's: two hosts writing one shared folder at once are not supported.)
   for (const fs::directory_entry& e : fs::directory_iterator(dir)) {
     const std::string f = e.path().filename().string();
     const size_t at = f.rfind(".tmp-");

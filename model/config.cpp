@@ -244,17 +244,17 @@ RunConfig config_from_json(const Json& j, const std::vector<std::string>& overri
       throw std::invalid_argument("override '" + o + "': expected key=value (e.g. model.d_model=256)");
     const std::string key = o.substr(0, eq), text = o.substr(eq + 1);
     Json v = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-    if (v.is_discarded()) {
+    const Field* f = find_field(key);
+    const bool as_written = (f && f->get(RunConfig{}).is_string()) || key.rfind(kOverridePrefix, 0) == 0;
+    if (v.is_discarded() && !as_written) {
       // a number too large for a double (1e400) is not a word: say so rather than "wrong type"
       char* end = nullptr;
       errno = 0;
       (void)std::strtod(text.c_str(), &end);
       if (!text.empty() && end && *end == '\0' && errno == ERANGE)
         throw std::invalid_argument("override '" + o + "': " + text + " is out of the range of a double");
-      v = text;  // a bare word: a string
     }
-    const Field* f = find_field(key);
-    if ((f && f->get(RunConfig{}).is_string()) || key.rfind(kOverridePrefix, 0) == 0) v = text;  // as written
+    if (v.is_discarded() || as_written) v = text;  // a bare word, or a string key's value: as written
     set_key(c, key, v, "override '" + o + "'");
     set_keys.push_back(key);
   }

@@ -147,8 +147,13 @@ CorpusSplit build_corpus(const std::vector<std::string>& files, int val_every) {
     if (val) ++s.val_documents;
   }
   if (s.train.tokens.empty() || s.val.tokens.empty())
-    throw std::runtime_error("the corpus needs at least " + std::to_string(val_every) +
-                             " bytes of text to have both a training and a validation split");
+    throw std::runtime_error(s.split_documents
+                                 ? "the corpus needs at least " + std::to_string(val_every) +
+                                       " bytes of text to have both a training and a validation split"
+                                 : "the corpus needs at least " + std::to_string(val_every) +
+                                       " non-empty documents in its first " + std::to_string(val_every) +
+                                       " files to have both a training and a validation split (validation takes "
+                                       "every " + std::to_string(val_every) + "th file in sorted path order)");
   return s;
 }
 

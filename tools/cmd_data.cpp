@@ -45,6 +45,7 @@ void run_build(const BuildArgs& a) {
                          {"documents", s.documents},
                          {"val_documents", s.val_documents},
                          {"val_every", a.val_every},
+                         {"split", s.split_documents ? "the last 1/val_every of each file" : "every val_every-th file"},
                          {"train_tokens", s.train.tokens.size()},
                          {"val_tokens", s.val.tokens.size()},
                          {"files", names}};

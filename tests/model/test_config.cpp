@@ -41,6 +41,7 @@ TEST(Config, BadInputIsAClearErrorBeforeAnyWork) {
   expect_error(base, {"model.dmodel=3"}, "unknown config key 'model.dmodel'");
   expect_error(base, {"model.dmodel=3"}, "valid keys: model.vocab");
   expect_error(base, {"train.lr=1e400"}, "1e400 is out of the range of a double");
+  EXPECT_EQ(config_from_json(base, {"train.out_dir=1e400"}).train.out_dir, "1e400");  // a string key: as written
   expect_error(base, {"model.d_model=130"}, "not divisible by model.n_heads");
   expect_error(base, {"model.n_kv_heads=3"}, "not divisible by model.n_kv_heads");
   expect_error(base, {"model.seq_len=1024"}, "longer than the learned positions table");
