@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <unistd.h>
 
@@ -147,31 +148,43 @@ TEST(Trainer, ShuffledBatchesAreReproducibleAndDifferFromFileOrder) {
   EXPECT_NE(shuffled[0], ordered[0]);  // same initial weights, other batch
 }
 
-// A NaN in the weights makes the loss NaN: the run stops naming the step.
+// The step-5 checkpoint of the micro run in dir/a, changed by `edit` and saved as dir/NAME; a
+// resume from it must stop with E naming `needle`.
+template <class E>
+void expect_edited_resume_error(const std::string& dir, const std::string& name,
+                                const std::function<void(Checkpoint&)>& edit, const std::string& needle) {
+  Checkpoint ck = load_checkpoint(dir + "/a/checkpoints");
+  edit(ck);
+  save_checkpoint(dir + "/" + name, ck, 0);
+  expect_resume_error<E>(micro_run(dir + "/" + name + "_run"), dir + "/" + name, needle);
+}
+
+// A NaN in the weights makes the loss NaN: the run stops naming the step and the first tensor that
+// holds one.
 TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
   const ScratchDir scratch("fp4sim_nan");
   const std::string& dir = scratch.path;
   train_five_steps(dir + "/a");
-  Checkpoint ck = load_checkpoint(dir + "/a/checkpoints");
-  const float nan = std::nanf("");
-  std::memcpy(ck.model.at("ln_f.weight").bytes.data(), &nan, 4);
-  save_checkpoint(dir + "/b", ck, 0);
+  const auto nan_weight = [](Checkpoint& ck) {
+    const float nan = std::nanf("");
+    std::memcpy(ck.model.at("ln_f.weight").bytes.data(), &nan, 4);
+  };
   // the checkpoint is at step 5, so the first step trained (and the one that goes bad) is step 6,
-  // counted from 1 as the step lines print it
-  expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/b", "step 6:");
-  // and it names the first tensor that holds one: here a parameter
-  expect_resume_error<std::runtime_error>(micro_run(dir + "/d"), dir + "/b",
-                                          "the first non-finite tensor: parameter 'ln_f.weight'");
+  // counted from 1 as the step lines print it; the first non-finite tensor is a parameter
+  expect_edited_resume_error<std::runtime_error>(dir, "b", nan_weight, "step 6:");
+  expect_edited_resume_error<std::runtime_error>(dir, "c", nan_weight,
+                                                 "the first non-finite tensor: parameter 'ln_f.weight'");
   // finite weights whose sum overflows: the embeddings' output is the first non-finite tensor
-  Checkpoint big = load_checkpoint(dir + "/a/checkpoints");
-  const float huge = 3e38f;
-  for (const char* name : {"wte", "wpe"}) {
-    std::vector<uint8_t>& bytes = big.model.at(name).bytes;
-    for (size_t i = 0; i + 4 <= bytes.size(); i += 4) std::memcpy(bytes.data() + i, &huge, 4);
-  }
-  save_checkpoint(dir + "/e", big, 0);
-  expect_resume_error<std::runtime_error>(micro_run(dir + "/f"), dir + "/e",
-                                          "the first non-finite tensor: the embeddings' output");
+  expect_edited_resume_error<std::runtime_error>(
+      dir, "d",
+      [](Checkpoint& ck) {
+        const float huge = 3e38f;
+        for (const char* name : {"wte", "wpe"}) {
+          std::vector<uint8_t>& bytes = ck.model.at(name).bytes;
+          for (size_t i = 0; i + 4 <= bytes.size(); i += 4) std::memcpy(bytes.data() + i, &huge, 4);
+        }
+      },
+      "the first non-finite tensor: the embeddings' output");
 }
 
 // A checkpoint tensor of the right size but another shape is refused, naming both shapes.
@@ -179,11 +192,9 @@ TEST(Trainer, CheckpointTensorOfAnotherShapeRefused) {
   const ScratchDir scratch("fp4sim_shape");
   const std::string& dir = scratch.path;
   train_five_steps(dir + "/a");
-  Checkpoint ck = load_checkpoint(dir + "/a/checkpoints");
-  ck.model.at("ln_f.weight").shape = {2, 16};
-  save_checkpoint(dir + "/b", ck, 0);
-  expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/b",
-                                          "tensor 'ln_f.weight' is F32 [2, 16], the model's is F32 [32]");
+  expect_edited_resume_error<std::runtime_error>(
+      dir, "b", [](Checkpoint& ck) { ck.model.at("ln_f.weight").shape = {2, 16}; },
+      "tensor 'ln_f.weight' is F32 [2, 16], the model's is F32 [32]");
 }
 
 // A run that would write checkpoints into an out_dir holding later steps (here: resuming at 5
