@@ -218,7 +218,7 @@ void Backend::attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float
     g = f32_temp(*this, n);
     dqkv = g.as<float>();
   }
-  attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, dqkv16 ? true : round_bf16);
+  attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, dqkv16 || round_bf16);
   if (dqkv16) narrow_to_bf16(dqkv16, dqkv, n);
 }
 

@@ -26,8 +26,8 @@
 // - Exponentials in base 2, as FlashAttention computes them: the scores are scaled by
 //   scale * log2(e) (both FP32-rounded once, the product once more; one multiplication an element)
 //   and exp(x) is ex2.approx.ftz (gpu/exp2.cuh: one MUFU instruction, ~2 ulp; results below
-//   2^-126 flush to zero, p that small adds nothing a BF16 P can hold next to the row's largest p = 1): a few ulp
-//   from the emulator's expf, more for large |x| where p is tiny.
+//   2^-126 flush to zero, p that small adds nothing a BF16 P can hold next to the row's largest
+//   p = 1): a few ulp from the emulator's expf, more for large |x| where p is tiny.
 // - Forward: online softmax per 64-key tile, FP32, in base-2 units u = s * scale * log2(e):
 //   m_new = max(m, tile max); the running sum l and the output accumulator are rescaled by
 //   2^(m - m_new); p = 2^(u - m_new) (the row's maximum gives exactly 1) is rounded to BF16 for
@@ -884,7 +884,7 @@ int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD)
 
 void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                              int64_t HD) {
-  if (HD != 16 && HD != 32 && HD != 64 && HD != 128)
+  if (!attention_head_dim_supported(HD))
     throw std::invalid_argument(std::string(op) + ": head dim HD=" + std::to_string(HD) +
                                 " is not supported by the CUDA attention kernels; expected 16, 32, "
                                 "64 or 128");

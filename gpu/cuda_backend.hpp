@@ -31,6 +31,9 @@ void bf16_gemm_tn_scalars(CublasLtState& st, Bf16Scalars mode, const uint16_t* a
                           float* d, int64_t M, int64_t N, int64_t K, const float* alpha, const float* beta,
                           cudaStream_t stream);
 
+// The head sizes the attention kernels are instantiated for (gpu/attention.cu: a template argument).
+constexpr bool attention_head_dim_supported(int64_t hd) { return hd == 16 || hd == 32 || hd == 64 || hd == 128; }
+
 bool gpu_available();
 std::string describe_gpu();
 // The cuBLASLt library loaded at run time, "major.minor.patch" (cublasLtGetVersion).
@@ -190,8 +193,7 @@ class CudaBackend final : public Backend {
 
   // Device memory in use now (total - free, all processes), for the trainer's peak report.
   int64_t device_memory_used() const override;
-  // the attention kernels' head sizes (gpu/attention.cu: a template argument)
-  bool supports_attention_head_dim(int64_t hd) const override { return hd == 16 || hd == 32 || hd == 64 || hd == 128; }
+  bool supports_attention_head_dim(int64_t hd) const override { return attention_head_dim_supported(hd); }
 
   cudaStream_t stream() const { return stream_; }
 

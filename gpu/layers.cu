@@ -771,6 +771,11 @@ template <class T>
 bool quad_aligned(const T* p) {
   return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
 }
+// Whether p takes two elements an access (the column-sum kernels' pairs: 8 bytes for FP32, 4 for BF16 bits).
+template <class T>
+bool pair_aligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % (2 * sizeof(T)) == 0;
+}
 
 // The grid-stride loop of those kernels: quad(j) for the groups of four elements j < n / 4 when
 // `vectorized` (the caller's pointers are aligned for it), then one(i) for every element left.
@@ -1163,9 +1168,10 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
 // where CUDA's expf takes eight instructions; a few ulp for the probabilities that matter, up to
 // |z - max| ulp for the tiny ones, +0 below 2^-126); sum: each thread's sequential sum in that
 // order, then block_sum (FP32 tree); probs (N,V) = p / sum; losses (N) = -logf(probs[target])
-// (CUDA logf), except where the target's exp2_ftz flushed to +0: then its expf (a finite loss). Bounded against the emulator (tree sum, its expf, logf); the
-// tree depends only on V (the thread count and the chunking), never on the storage types or the
-// pointers' alignment, so the FP32 and the BF16-bits instantiations give the same bits.
+// (CUDA logf), except where the target's exp2_ftz flushed to +0: then its expf (a finite loss).
+// Bounded against the emulator (tree sum, its expf, logf); the tree depends only on V (the thread
+// count and the chunking), never on the storage types or the pointers' alignment, so the FP32 and
+// the BF16-bits instantiations give the same bits.
 // kGrad (crossentropy_softmax_forward_backward): the third pass writes, instead of each
 // probability, crossentropy_softmax_backward_kernel's expression on it, (p - onehot) * dlosses[n]
 // then bf16_round when round_bf16: the bits of the two kernels in turn, without the probabilities'
@@ -2084,7 +2090,7 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
   if (matmul_backward_empty(dinp, N, K, OC, stream_)) return;
   LayersState& st = layers_state();
   if (dbias && K > 0 && prec == emu::GemmPrecision::BF16 && OC % 2 == 0 &&
-      reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
+      pair_aligned(dout)) {
     // dout's BF16 copy and the bias gradient's chunk sums from one read of dout
     const uint16_t* h = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
     matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
@@ -2326,7 +2332,7 @@ void CudaBackend::matmul_backward_bf16_input(float* dinp, float* dweight, float*
   const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
   if (matmul_backward_empty(dinp, N, K, OC, stream_)) return;
   LayersState& st = layers_state();
-  if (dbias && K > 0 && OC % 2 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
+  if (dbias && K > 0 && OC % 2 == 0 && pair_aligned(dout)) {
     const uint16_t* h = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
     matmul_backward_gemms(dinp, dweight, h, nullptr, weight, N, K, OC, prec, inp16);
     ++g_fused_matmul_bias;
@@ -2365,7 +2371,7 @@ void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dwe
   if (src && (src->rows != N || src->cols != OC))
     throw std::logic_error("matmul_backward_bits: the pending gradient's shape is not N x OC");
   // (dout16 with a bias: its column sums read pairs, 4-byte aligned)
-  const bool bits_pairs = dout16 && OC % 2 == 0 && (reinterpret_cast<uintptr_t>(dout16) & 3u) == 0;
+  const bool bits_pairs = dout16 && OC % 2 == 0 && pair_aligned(dout16);
   if (N == 0 || K == 0 || OC == 0 || (src && !gelu_backward_fusable(*src, dbias, K, prec)) ||
       (dout16 && dbias && !bits_pairs)) {
     Backend::matmul_backward_bits(dinp, dinp16, dweight, dbias, dout, dout16, src, inp, inp16, weight, N, K, OC);
@@ -2382,7 +2388,7 @@ void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dwe
     dy = dout16;
     if (dbias) bf16_operand_with_bias_grad(nullptr, st.columns, Bf16PairBits{dout16}, dbias, N, OC, stream_);
     dbias_done = true;
-  } else if (dbias && OC % 2 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
+  } else if (dbias && OC % 2 == 0 && pair_aligned(dout)) {
     dy = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
     dbias_done = true;
     ++g_fused_matmul_bias;

@@ -230,19 +230,20 @@ Checkpoint load_checkpoint(const std::string& path) {
   if (!ck.state.contains("contract_version") || !ck.state["contract_version"].is_number_integer())
     throw std::runtime_error((p / kStateFile).string() + ": no contract_version (not a checkpoint of fp4sim, or "
                              "written before contract versions)");
-  const int version = ck.state.value("contract_version", -1);
-  if (version != kContractVersion)
-    throw std::runtime_error(p.string() + ": written under contract_version " + std::to_string(version) +
-                             ", this build is " + std::to_string(kContractVersion));
+  // `what` (the checkpoint, or one of its files) written under contract_version `version`
+  const std::string ours = std::to_string(kContractVersion);
+  auto require_version = [&](const fs::path& what, const std::string& version) {
+    if (version != ours)
+      throw std::runtime_error(what.string() + ": written under contract_version " + version + ", this build is " + ours);
+  };
+  require_version(p, std::to_string(ck.state.value("contract_version", -1)));
   ck.step = ck.state.value("step", int64_t{0});
   // each file's own contract_version (its metadata) too: files copied in from another checkpoint
   for (auto [file, map] : {std::pair{"model.safetensors", &ck.model}, std::pair{"optimizer.safetensors", &ck.optimizer}}) {
     std::map<std::string, std::string> meta;
     *map = read_safetensors((p / file).string(), &meta);
     const auto it = meta.find("contract_version");
-    if (it != meta.end() && it->second != std::to_string(kContractVersion))
-      throw std::runtime_error((p / file).string() + ": written under contract_version " + it->second +
-                               ", this build is " + std::to_string(kContractVersion));
+    if (it != meta.end()) require_version(p / file, it->second);
   }
   return ck;
 }

@@ -25,6 +25,15 @@ void Gpt::add(const std::string& name, std::vector<int64_t> shape) {
   tensors_.push_back(t);
 }
 
+Gpt::TensorSpans Gpt::tensor_spans() const {
+  TensorSpans s;
+  for (const ParamTensor& t : tensors_) {
+    s.offsets.push_back(static_cast<int64_t>(t.offset));
+    s.counts.push_back(t.numel());
+  }
+  return s;
+}
+
 const ParamTensor& Gpt::tensor(const std::string& name) const {
   for (const ParamTensor& t : tensors_)
     if (t.name == name) return t;
@@ -254,13 +263,9 @@ std::vector<float> Gpt::grads_to_host() const {
 
 std::string Gpt::first_nonfinite_in_forward() const {
   // (a sum of squares in FP64 is finite exactly when every element is: FP32 squares cannot overflow it)
-  std::vector<int64_t> offsets, counts;
-  for (const ParamTensor& t : tensors_) {
-    offsets.push_back(t.offset);
-    counts.push_back(t.numel());
-  }
-  std::vector<double> sums(offsets.size());
-  be_.sum_squares_many(params(), offsets, counts, sums.data());
+  const TensorSpans spans = tensor_spans();
+  std::vector<double> sums(spans.offsets.size());
+  be_.sum_squares_many(params(), spans.offsets, spans.counts, sums.data());
   for (size_t i = 0; i < sums.size(); ++i)
     if (!std::isfinite(sums[i])) return "parameter '" + tensors_[i].name + "'";
   const int64_t n = B_ * T_ * cfg_.d_model;

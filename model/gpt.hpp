@@ -106,6 +106,12 @@ class Gpt {
   void params_from_host(const std::vector<float>& host);
   std::vector<float> grads_to_host() const;
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
+  // Every parameter tensor's offset and element count in params() / grads(), in tensor order: the
+  // span lists of Backend::sum_squares_many and adamw_step.
+  struct TensorSpans {
+    std::vector<int64_t> offsets, counts;
+  };
+  TensorSpans tensor_spans() const;
   const ParamTensor& tensor(const std::string& name) const;
   // Bytes of activations kept for the backward pass (backend buffers of the last forward: per-layer
   // activations and saved quantized copies; scratch and gradients excluded).

@@ -263,15 +263,16 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       for (const std::string& x : v) t += (t.empty() ? "" : ", ") + x;
       return t;
     };
-    if (ck.state.at("config") != to_json(c).at("model"))
+    const nlohmann::json now = to_json(c);
+    if (ck.state.at("config") != now.at("model"))
       throw std::runtime_error(opt.resume + ": the checkpoint's model config differs from this run's (checkpoint -> "
-                               "this run: " + joined(differences(ck.state.at("config"), to_json(c).at("model"), "model.")) +
+                               "this run: " + joined(differences(ck.state.at("config"), now.at("model"), "model.")) +
                                ")");
     // settings that make the continuation another run than the uninterrupted one: said, not refused
     // (a recipe change on resume can be deliberate); the schedule's length (train.steps) is expected
     // to change
     if (opt.print && ck.state.contains("run_config")) {
-      const nlohmann::json was = ck.state.at("run_config"), now = to_json(c);
+      const nlohmann::json& was = ck.state.at("run_config");
       std::vector<std::string> changed = differences(was.value("recipe", nlohmann::json::object()),
                                                      now.at("recipe"), "recipe.");
       const nlohmann::json was_train = was.value("train", nlohmann::json::object()), now_train = now.at("train");
@@ -356,11 +357,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   std::vector<int32_t> tok, tgt;
   TensorMap dump_batches;
   // the parameter tensors' places in grads(), for the gradient norm's one sum_squares_many call
-  std::vector<int64_t> grad_offsets, grad_counts;
-  for (const ParamTensor& t : model.tensors()) {
-    grad_offsets.push_back(t.offset);
-    grad_counts.push_back(t.numel());
-  }
+  const Gpt::TensorSpans spans = model.tensor_spans();
+  const std::vector<int64_t>& grad_offsets = spans.offsets;
+  const std::vector<int64_t>& grad_counts = spans.counts;
   std::vector<double> sums(grad_offsets.size());
   const auto run_start = std::chrono::steady_clock::now();
   for (int64_t step = step0; step < c.train.steps; ++step) {
