@@ -63,12 +63,14 @@ void quantize_written(const float* w, int64_t rows, int64_t cols, float amax,
         float amax_b = 0.0f;
         for (int64_t i = 0; i < tile; ++i)
           for (int64_t k = 0; k < kFp8Block; ++k)
-            amax_b = fmax_nan_ignored(amax_b, f32_abs(w[(t * tile + i) * cols + b * kFp8Block + k]));
+            amax_b =
+                fmax_nan_ignored(amax_b, f32_abs(w[(t * tile + i) * cols + b * kFp8Block + k]));
         const float enc = fp8_block_encode_scale(amax_b), scale = fp8_block_decode_scale(enc);
         for (int64_t i = 0; i < tile; ++i) {
           const int64_t r = t * tile + i;
           for (int64_t k = 0; k < kFp8Block; ++k)
-            out.codes[r * cols + b * kFp8Block + k] = fp8_quantize_element(w[r * cols + b * kFp8Block + k], enc);
+            out.codes[r * cols + b * kFp8Block + k] =
+                fp8_quantize_element(w[r * cols + b * kFp8Block + k], enc);
           std::memcpy(out.scales + 4 * (r * blocks_per_row + b), &scale, 4);
         }
       }
@@ -114,7 +116,8 @@ void quantize_written(const float* w, int64_t rows, int64_t cols, float amax,
     for (int64_t u = 0; u < blocks_per_row; ++u) {
       const float* tile = w + (t * kNvfp4Block) * cols + u * kNvfp4Block;
       uint8_t packed[kNvfp4Block * 8];
-      // element (a, b) of the input tile; the written tile is its transpose for the column-wise copy
+      // element (a, b) of the input tile; the written tile is its transpose for the column-wise
+      // copy
       const auto load = [&](int a, int b) {
         return written_transposed ? tile[b * cols + a] : tile[a * cols + b];
       };
@@ -139,14 +142,17 @@ namespace {
 
 void check_output(const QuantizedView* q, const CopyShape& w, const QuantizeConfig& cfg,
                   const CopySpec& spec, const char* which) {
-  if (!q) throw std::invalid_argument(std::string("quantize: the ") + which +
-                                      " copy is enabled but no output was given");
+  if (!q)
+    throw std::invalid_argument(std::string("quantize: the ") + which +
+                                " copy is enabled but no output was given");
   if (q->decoded_bf16)
-    throw std::invalid_argument(std::string("quantize (emu): the ") + which +
-                                " output asks for a decoded BF16 copy, which only the CUDA backend writes");
+    throw std::invalid_argument(
+        std::string("quantize (emu): the ") + which +
+        " output asks for a decoded BF16 copy, which only the CUDA backend writes");
   if (q->scales_gemm)
-    throw std::invalid_argument(std::string("quantize (emu): the ") + which +
-                                " output asks for GEMM-layout FP8 scales, which only the CUDA backend writes");
+    throw std::invalid_argument(
+        std::string("quantize (emu): the ") + which +
+        " output asks for GEMM-layout FP8 scales, which only the CUDA backend writes");
   if (q->rows != w.rows || q->cols != w.cols || q->format != cfg.format ||
       q->four_over_six != spec.four_over_six)
     throw std::invalid_argument(std::string("quantize: the ") + which + " output is " +
@@ -175,7 +181,8 @@ void CpuBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, Quanti
                           QuantizedView* columnwise) {
   validate_quantize(x, cfg);
   require_ieee_fp_env();
-  if (cfg.rowwise.enabled) check_output(rowwise, written_shape(x, false), cfg, cfg.rowwise, "row-wise");
+  if (cfg.rowwise.enabled)
+    check_output(rowwise, written_shape(x, false), cfg, cfg.rowwise, "row-wise");
   if (cfg.columnwise.enabled)
     check_output(columnwise, written_shape(x, true), cfg, cfg.columnwise, "column-wise");
   std::vector<float> storage;
@@ -215,7 +222,8 @@ void CpuBackend::dequantize(const QuantizedView& q, const TensorView& out) {
         float scale;
         std::memcpy(&scale, q.scales + 4 * (r * blocks_per_row + b), 4);
         for (int64_t i = 0; i < block; ++i)
-          o[r * out.stride() + b * block + i] = fp8_decode_element(q.codes[r * q.cols + b * block + i], scale);
+          o[r * out.stride() + b * block + i] =
+              fp8_decode_element(q.codes[r * q.cols + b * block + i], scale);
       }
     return;
   }
@@ -223,8 +231,8 @@ void CpuBackend::dequantize(const QuantizedView& q, const TensorView& out) {
   for (int64_t r = 0; r < q.rows; ++r) {
     for (int64_t b = 0; b < blocks_per_row; ++b) {
       const uint8_t s = q.scales[r * blocks_per_row + b];
-      const float factor = q.format == QFormat::MXFP4 ? ue8m0_to_f32(s)
-                                                      : nvfp4_decode_factor(s, amax, range);
+      const float factor =
+          q.format == QFormat::MXFP4 ? ue8m0_to_f32(s) : nvfp4_decode_factor(s, amax, range);
       for (int64_t i = 0; i < block; ++i) {
         const int64_t e = r * q.cols + b * block + i;
         const uint8_t code = (q.codes[e / 2] >> (4 * (e & 1))) & 0xFu;

@@ -12,7 +12,8 @@ namespace fp4sim::emu {
 
 // dout (n) as a backward pass reads it: a BF16-rounded copy in `rounded` when bf16_dout (the
 // caller's BF16 storage of the gradient, applied where it is read), else dout itself.
-inline const float* read_as_bf16(const float* dout, int64_t n, bool bf16_dout, std::vector<float>& rounded) {
+inline const float* read_as_bf16(const float* dout, int64_t n, bool bf16_dout,
+                                 std::vector<float>& rounded) {
   if (!bf16_dout) return dout;
   rounded.assign(dout, dout + n);
   round_to_bf16(rounded.data(), n);
@@ -20,8 +21,10 @@ inline const float* read_as_bf16(const float* dout, int64_t n, bool bf16_dout, s
 }
 
 // The bias a linear adds when its output is rounded to BF16: the bias's BF16 rounding (a copy in
-// `rounded`), as a BF16 GEMM's epilogue adds a BF16 bias (Backend::matmul_forward); else bias itself.
-inline const float* bias_as_added(const float* bias, int64_t OC, bool round_bf16, std::vector<float>& rounded) {
+// `rounded`), as a BF16 GEMM's epilogue adds a BF16 bias (Backend::matmul_forward); else bias
+// itself.
+inline const float* bias_as_added(const float* bias, int64_t OC, bool round_bf16,
+                                  std::vector<float>& rounded) {
   return bias ? read_as_bf16(bias, OC, round_bf16, rounded) : nullptr;
 }
 
@@ -65,17 +68,19 @@ class CpuBackend : public Backend {
                           const int32_t* pos, int64_t N, int64_t C) override {
     emu::embedding_backward(dwte, dwpe, dout, tokens, pos, N, C);
   }
-  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                         const float* bias, int64_t N, int64_t C, bool round_bf16) override {
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                         const float* weight, const float* bias, int64_t N, int64_t C,
+                         bool round_bf16) override {
     emu::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
     if (round_bf16) emu::round_to_bf16(out, N * C);
   }
-  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                          const float* weight, const float* mean, const float* rstd, int64_t N,
-                          int64_t C, bool round_bf16, bool bf16_dout) override {
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                          const float* inp, const float* weight, const float* mean,
+                          const float* rstd, int64_t N, int64_t C, bool round_bf16,
+                          bool bf16_dout) override {
     std::vector<float> rounded;
-    emu::layernorm_backward(dinp, dweight, dbias, read_as_bf16(dout, N * C, bf16_dout, rounded), inp, weight, mean,
-                            rstd, N, C);
+    emu::layernorm_backward(dinp, dweight, dbias, read_as_bf16(dout, N * C, bf16_dout, rounded),
+                            inp, weight, mean, rstd, N, C);
     if (round_bf16) emu::round_to_bf16(dinp, N * C);
   }
   void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
@@ -84,32 +89,37 @@ class CpuBackend : public Backend {
     if (round_bf16) emu::round_to_bf16(out, N * C);
   }
   void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                        const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16,
-                        bool bf16_dout) override {
+                        const float* weight, const float* rstd, int64_t N, int64_t C,
+                        bool round_bf16, bool bf16_dout) override {
     std::vector<float> rounded;
-    emu::rmsnorm_backward(dinp, dweight, read_as_bf16(dout, N * C, bf16_dout, rounded), inp, weight, rstd, N, C);
+    emu::rmsnorm_backward(dinp, dweight, read_as_bf16(dout, N * C, bf16_dout, rounded), inp, weight,
+                          rstd, N, C);
     if (round_bf16) emu::round_to_bf16(dinp, N * C);
   }
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N,
-                      int64_t K, int64_t OC, emu::GemmPrecision prec, bool round_bf16) override {
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                      int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
+                      bool round_bf16) override {
     std::vector<float> b16;
     emu::matmul_forward(out, inp, weight, bias_as_added(bias, OC, round_bf16, b16), N, K, OC, prec);
     if (round_bf16) emu::round_to_bf16(out, N * OC);
   }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                       const float* weight, int64_t N, int64_t K, int64_t OC,
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                       const float* inp, const float* weight, int64_t N, int64_t K, int64_t OC,
                        emu::GemmPrecision prec) override {
     emu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
   }
-  void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, const float* inp,
-                                 const float* weight, int64_t N, int64_t K, int64_t OC,
-                                 emu::GemmPrecision prec) override {
-    std::vector<float> d(static_cast<size_t>(N * OC));  // (a temporary FP32 copy: the emulator's twins
-    for (size_t i = 0; i < d.size(); ++i) d[i] = bf16_to_f32(dout[i]);  // trade memory for one code path)
+  void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout,
+                                 const float* inp, const float* weight, int64_t N, int64_t K,
+                                 int64_t OC, emu::GemmPrecision prec) override {
+    std::vector<float> d(
+        static_cast<size_t>(N * OC));  // (a temporary FP32 copy: the emulator's twins
+    for (size_t i = 0; i < d.size(); ++i)
+      d[i] = bf16_to_f32(dout[i]);  // trade memory for one code path)
     emu::matmul_backward(dinp, dweight, nullptr, d.data(), inp, weight, N, K, OC, prec);
   }
   void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                         int64_t NKV, int64_t HD, emu::GemmPrecision prec, bool round_bf16) override {
+                         int64_t NKV, int64_t HD, emu::GemmPrecision prec,
+                         bool round_bf16) override {
     emu::attention_forward(out, lse, qkv, B, T, NH, NKV, HD, prec);
     if (round_bf16) emu::round_to_bf16(out, B * T * NH * HD);
   }
@@ -119,10 +129,12 @@ class CpuBackend : public Backend {
     emu::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, prec);
     if (round_bf16) emu::round_to_bf16(dqkv, B * T * (NH + 2 * NKV) * HD);
   }
-  void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override {
+  void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                    int64_t HD) override {
     emu::rope_forward(qkv, B, T, NH, NKV, HD);
   }
-  void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override {
+  void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                     int64_t HD) override {
     emu::rope_backward(dqkv, B, T, NH, NKV, HD);
   }
   void gelu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override {
@@ -139,13 +151,14 @@ class CpuBackend : public Backend {
     emu::squared_relu_forward(out, inp, n);
     if (round_bf16) emu::round_to_bf16(out, n);
   }
-  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
-                             bool bf16_dout) override {
+  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
+                             bool round_bf16, bool bf16_dout) override {
     std::vector<float> rounded;
     emu::squared_relu_backward(dinp, inp, read_as_bf16(dout, n, bf16_dout, rounded), n);
     if (round_bf16) emu::round_to_bf16(dinp, n);
   }
-  void bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) override {
+  void bias_forward(float* out, const float* bias, int64_t N, int64_t OC,
+                    bool round_bf16) override {
     std::vector<float> b16;
     emu::bias_forward(out, bias_as_added(bias, OC, round_bf16, b16), N, OC);
     if (round_bf16) emu::round_to_bf16(out, N * OC);
@@ -154,7 +167,8 @@ class CpuBackend : public Backend {
     emu::bias_backward(dbias, dout, N, OC);
   }
   void round_to_bf16(float* x, int64_t n) override { emu::round_to_bf16(x, n); }
-  void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F, bool round_bf16) override {
+  void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F,
+                      bool round_bf16) override {
     emu::swiglu_forward(out, inp, N, F);
     if (round_bf16) emu::round_to_bf16(out, N * F);
   }
@@ -164,29 +178,36 @@ class CpuBackend : public Backend {
     emu::swiglu_backward(dinp, inp, read_as_bf16(dout, N * F, bf16_dout, rounded), N, F);
     if (round_bf16) emu::round_to_bf16(dinp, N * 2 * F);
   }
-  void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override {
+  void residual_forward(float* out, const float* a, const float* b, int64_t n,
+                        bool round_bf16) override {
     for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
     if (round_bf16) emu::round_to_bf16(out, n);
   }
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
-                                    const int32_t* targets, int64_t N, int64_t V, bool bf16_logits) override {
+                                    const int32_t* targets, int64_t N, int64_t V,
+                                    bool bf16_logits) override {
     emu::crossentropy_softmax_forward(losses, probs, logits, targets, N, V, bf16_logits);
   }
   void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
-                                     const float* dlosses, int64_t N, int64_t V, bool round_bf16) override {
+                                     const float* dlosses, int64_t N, int64_t V,
+                                     bool round_bf16) override {
     emu::crossentropy_softmax_backward(dlogits, probs, targets, dlosses, N, V, round_bf16);
   }
   void crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
-                                             const int32_t* targets, const float* dlosses, int64_t N, int64_t V,
-                                             bool round_bf16) override {
-    emu::crossentropy_softmax_forward_backward(losses, dlogits, logits, targets, dlosses, N, V, round_bf16);
+                                             const int32_t* targets, const float* dlosses,
+                                             int64_t N, int64_t V, bool round_bf16) override {
+    emu::crossentropy_softmax_forward_backward(losses, dlogits, logits, targets, dlosses, N, V,
+                                               round_bf16);
   }
-  void crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits, const float* logits,
-                                                  const int32_t* targets, const float* dlosses, int64_t N,
+  void crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits,
+                                                  const float* logits, const int32_t* targets,
+                                                  const float* dlosses, int64_t N,
                                                   int64_t V) override {
     std::vector<float> d(static_cast<size_t>(N * V));
-    emu::crossentropy_softmax_forward_backward(losses, d.data(), logits, targets, dlosses, N, V, true);
-    for (size_t i = 0; i < d.size(); ++i) dlogits[i] = bf16_rne(d[i]);  // (exact: d is BF16-rounded)
+    emu::crossentropy_softmax_forward_backward(losses, d.data(), logits, targets, dlosses, N, V,
+                                               true);
+    for (size_t i = 0; i < d.size(); ++i)
+      dlogits[i] = bf16_rne(d[i]);  // (exact: d is BF16-rounded)
   }
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override {

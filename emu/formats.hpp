@@ -16,7 +16,7 @@ struct MiniFloat {
   static constexpr int kExpBits = kExpBits_;
   static constexpr int kManBits = kManBits_;
   static constexpr int kBias = kBias_;
-  static constexpr int kEmin = 1 - kBias_;           // exponent of the smallest normal
+  static constexpr int kEmin = 1 - kBias_;              // exponent of the smallest normal
   static constexpr uint8_t kMaxMagCode = kMaxMagCode_;  // largest finite magnitude code
   static constexpr uint8_t kSignBit = uint8_t(1u << (kExpBits_ + kManBits_));
 };
@@ -77,7 +77,8 @@ FP4SIM_HD float decode_magnitude(uint32_t mag) {
   return f32_from_bits((static_cast<uint32_t>(exp32) << 23) | (norm & 0x7FFFFFu));
 }
 
-// ---- E2M1 ----------------------------------------------------------------------------------------
+// ---- E2M1
+// ----------------------------------------------------------------------------------------
 
 // The GPU's E2M1 formulation: one IEEE addition rounds a value onto the E2M1 grid. The grid's step
 // is 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6], the FP32 ULP of M = 2^22, 2^23 and 2^24: for c
@@ -88,7 +89,8 @@ FP4SIM_HD float decode_magnitude(uint32_t mag) {
 // the same sum. tests/emu/test_formats_exhaustive.cpp holds both roundings equal to the host's
 // bit-pattern formulations over all 2^32 inputs, tests/gpu/test_formats_gpu.cu the device's.
 
-// y clamped to [-6, 6], a NaN to +6 (min/max ignore a NaN operand): the satfinite of both roundings.
+// y clamped to [-6, 6], a NaN to +6 (min/max ignore a NaN operand): the satfinite of both
+// roundings.
 FP4SIM_HD float e2m1_clamp(float y) {
   return fmax_nan_ignored(fmin_nan_ignored(y, kE2M1Max), -kE2M1Max);
 }
@@ -136,7 +138,8 @@ FP4SIM_HD uint32_t e2m1_magic_code(float c, uint32_t mb, uint32_t steps) {
   return (steps + (mb >> 22) - kE2M1MagicCodeBase) | ((f32_bits(c) >> 31) << 3);
 }
 
-// E2M1 cvt.rn.satfinite code of y; *mag = the rounded magnitude (e2m1_to_f32 of the code, unsigned).
+// E2M1 cvt.rn.satfinite code of y; *mag = the rounded magnitude (e2m1_to_f32 of the code,
+// unsigned).
 FP4SIM_HD uint32_t e2m1_rn_magic(float y, float* mag) {
   const float c = e2m1_clamp(y);
   const uint32_t mb = e2m1_magic_bits(c);
@@ -199,8 +202,8 @@ FP4SIM_HD uint32_t e2m1_rs_magic(float y, uint32_t r, float* mag) {
 // FP32 -> E2M1 cvt.rn.satfinite: ties to even; |x| > 6 -> ±6; NaN -> +6 (0x7); -0 -> 0x8.
 // The device computes it as e2m1_rn_magic. The host works on the bit pattern, which vectorises
 // better: below 1 two boundaries (compared as bit patterns; ties to the even code); from 1 up the
-// E2M1 codes continue the FP32 bit pattern, code = (bits >> 22) - 252 after rounding the bits to one
-// fraction bit (RNE), and everything past 6 (Inf and NaN too) saturates.
+// E2M1 codes continue the FP32 bit pattern, code = (bits >> 22) - 252 after rounding the bits to
+// one fraction bit (RNE), and everything past 6 (Inf and NaN too) saturates.
 // tests/emu/test_formats_exhaustive.cpp holds this one equal to cuda_fp4.h and to e2m1_rn_magic,
 // tests/gpu/test_formats_gpu.cu the device's equal to it, all over 2^32 inputs.
 FP4SIM_HD uint8_t e2m1_rn_satfinite(float x) {
@@ -262,17 +265,19 @@ FP4SIM_HD uint32_t e2m1x8_rn_scaled(const float* v, float enc) {
   return __byte_perm(q0, q1, 0x5410) | e2m1x8_sign_bits(y);
 #else
   uint32_t w = 0;
-  for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(e2m1_rn_satfinite(fmul_rn(v[i], enc))) << (4 * i);
+  for (int i = 0; i < 8; ++i)
+    w |= static_cast<uint32_t>(e2m1_rn_satfinite(fmul_rn(v[i], enc))) << (4 * i);
   return w;
 #endif
 }
 
 // Stochastic rounding to E2M1 (DESIGN.md §4), rs.satfinite. `r` is the element's random byte.
-// Round away from zero iff floor(frac*256) + r >= 256, frac = (a - lo)/step: the carry out of adding
-// 8 random bits to the top 8 discarded bits. Computed on the bit pattern, exactly:
+// Round away from zero iff floor(frac*256) + r >= 256, frac = (a - lo)/step: the carry out of
+// adding 8 random bits to the top 8 discarded bits. Computed on the bit pattern, exactly:
 //  - [1, 6): the E2M1 codes continue the FP32 bit pattern (one fraction bit), so lo's code is
 //    (bits >> 22) - 252 and the top 8 discarded bits are bits 21..14;
-//  - [0, 1): step 0.5, floor(512 a) = lo_code * 256 + floor(frac * 256), with 512 a = m24 * 2^(e - 141).
+//  - [0, 1): step 0.5, floor(512 a) = lo_code * 256 + floor(frac * 256), with 512 a = m24 * 2^(e -
+//  141).
 // tests/emu/test_formats.cpp holds this equal to the FP32 formulation of the contract.
 
 // The device computes it as e2m1_rs_magic (held equal to this over all 2^32 inputs).
@@ -315,7 +320,8 @@ FP4SIM_HD uint32_t e2m1x8_rs_scaled(const float* v, float enc, uint32_t r0, uint
     // the ALU pipe; bytes 0 and 3 keep the mask-and-shift form, whose mask ptxas drops for byte 3
     // and folds the shift into the add, LEA.HI)
     const uint32_t w = i < 4 ? r0 : r1;
-    const uint32_t r = (i & 3) == 1 || (i & 3) == 2 ? __byte_perm(w, 0u, 0x4440u | (i & 3)) : (w >> (8 * (i & 3))) & 0xFFu;
+    const uint32_t r = (i & 3) == 1 || (i & 3) == 2 ? __byte_perm(w, 0u, 0x4440u | (i & 3))
+                                                    : (w >> (8 * (i & 3))) & 0xFFu;
     t[i] = e2m1_rs_offset_magic_code(y[i], r);
   }
   const uint32_t lo = __byte_perm(t[1] * 16u + t[0], t[3] * 16u + t[2], 0x0040);
@@ -331,7 +337,8 @@ FP4SIM_HD uint32_t e2m1x8_rs_scaled(const float* v, float enc, uint32_t r0, uint
 #endif
 }
 
-// ---- E4M3 / UE4M3 --------------------------------------------------------------------------------
+// ---- E4M3 / UE4M3
+// --------------------------------------------------------------------------------
 
 // FP32 -> E4M3 cvt.rn.satfinite: |x| > 448 (Inf included) -> ±448; NaN -> 0x7F. (cuda_fp8.h returns
 // 0x7F for NaN of either sign; DESIGN.md §2 reads "0x7F | sign": we follow the hardware headers.)
@@ -412,13 +419,15 @@ FP4SIM_HD float e4m3_to_f32(uint8_t code) {
 }
 
 // Block-scale forms for a value known to be >= 0 and not a NaN (an NVFP4 block scale before
-// rounding: a NaN-ignoring amax times a finite scale) and for the codes such a value gets (0..0x7E):
-// on sm_89+ the conversion instructions alone (e4m3x2 -> f16x2 is exact: every E4M3 value is an
-// FP16 value), without the NaN and Inf cases of e4m3_rn_satfinite and e4m3_to_f32. Equal to those
-// on their domains: tests/gpu/test_formats_gpu.cu, over all 2^31 non-negative inputs and 127 codes.
+// rounding: a NaN-ignoring amax times a finite scale) and for the codes such a value gets
+// (0..0x7E): on sm_89+ the conversion instructions alone (e4m3x2 -> f16x2 is exact: every E4M3
+// value is an FP16 value), without the NaN and Inf cases of e4m3_rn_satfinite and e4m3_to_f32.
+// Equal to those on their domains: tests/gpu/test_formats_gpu.cu, over all 2^31 non-negative inputs
+// and 127 codes.
 FP4SIM_HD uint8_t e4m3_rn_satfinite_nonneg(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  uint16_t pair;  // (min: +Inf would need the contract's 448 spelled out; above 448 satfinite gives it)
+  uint16_t
+      pair;  // (min: +Inf would need the contract's 448 spelled out; above 448 satfinite gives it)
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(fminf(x, kE4M3Max)));
   return static_cast<uint8_t>(pair & 0xFFu);
 #else
@@ -440,7 +449,8 @@ FP4SIM_HD float e4m3_to_f32_nonneg(uint8_t code) {
 // UE4M3: the scale as the tensor core reads it, sign bit masked; 0x7F after masking is NaN.
 FP4SIM_HD float ue4m3_to_f32(uint8_t code) { return e4m3_to_f32(code & 0x7Fu); }
 
-// ---- E5M2 ----------------------------------------------------------------------------------------
+// ---- E5M2
+// ----------------------------------------------------------------------------------------
 
 // FP32 -> E5M2 cvt.rn.satfinite: |x| > 57344 (Inf included) -> ±57344; NaN -> 0x7F.
 FP4SIM_HD uint8_t e5m2_rn_satfinite(float x) {
@@ -461,7 +471,8 @@ FP4SIM_HD float e5m2_to_f32(uint8_t code) {
   return neg ? -m : m;
 }
 
-// ---- UE8M0 ---------------------------------------------------------------------------------------
+// ---- UE8M0
+// ---------------------------------------------------------------------------------------
 
 // rz: the exponent field of |x| truncated to BF16 (zero/subnormal -> 0x00); satfinite: Inf -> 0xFE.
 FP4SIM_HD uint8_t ue8m0_rz_satfinite(float x) {
@@ -500,7 +511,8 @@ FP4SIM_HD float ue8m0_to_f32(uint8_t e) {
   return f32_from_bits(static_cast<uint32_t>(e) << 23);
 }
 
-// ---- BF16 ----------------------------------------------------------------------------------------
+// ---- BF16
+// ----------------------------------------------------------------------------------------
 
 // FP32 -> BF16 round-to-nearest-even; every NaN -> 0x7FFF; overflow rounds to Inf.
 FP4SIM_HD uint16_t bf16_rne(float x) {

@@ -47,13 +47,13 @@ namespace {
 // padded), the sign and nonzero bits, and the four groups' decoded scales.
 struct DecodedOperand {
   int64_t rows = 0, chunks = 0;
-  std::vector<int8_t> twice;           // [rows][chunks*64]
+  std::vector<int8_t> twice;            // [rows][chunks*64]
   std::vector<uint64_t> sign, nonzero;  // [rows][chunks]
   std::vector<uint32_t> scales;         // [rows][chunks][4], pack_scale(decode_scale(byte))
   // the same scales unpacked for gst_fdpa_core_lean: significand (0 for a zero scale), exponent
   // reading; nan_chunk: a NaN scale among the chunk's four (the lean core does not take those)
-  std::vector<int32_t> sig, exp;        // [rows][chunks][4]
-  std::vector<uint8_t> nan_chunk;       // [rows][chunks]
+  std::vector<int32_t> sig, exp;   // [rows][chunks][4]
+  std::vector<uint8_t> nan_chunk;  // [rows][chunks]
 };
 
 DecodedOperand decode_operand(const QuantizedView& q) {
@@ -106,10 +106,11 @@ DecodedOperand decode_operand(const QuantizedView& q) {
 namespace {
 
 // FP8 (DESIGN.md §9): per 128-wide k-block, four chained Hopper FP8 T-FDPAs (L = 32, F = 13, E8M13
-// RZ; the host's prepared evaluation, the literal one for groups with a NaN code) from +0, then t = s_a * s_b (RN) and acc = fmaf(t, partial, acc), the
-// promotion of Hopper FP8 kernels (one FMA). Split-K ranges of k-blocks are added in order (RN).
-void gemm_exact_fp8_host(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
-                         void* out) {
+// RZ; the host's prepared evaluation, the literal one for groups with a NaN code) from +0, then t =
+// s_a * s_b (RN) and acc = fmaf(t, partial, acc), the promotion of Hopper FP8 kernels (one FMA).
+// Split-K ranges of k-blocks are added in order (RN).
+void gemm_exact_fp8_host(const QuantizedView& a, const QuantizedView& b, const float* c,
+                         const GemmConfig& cfg, void* out) {
   const int64_t M = a.rows, N = b.rows, K = a.cols, kb = K / kFp8Block;
   // operands decoded once: values (float and double), exponent readings, NaN codes per 32-group
   struct Decoded {
@@ -128,8 +129,10 @@ void gemm_exact_fp8_host(const QuantizedView& a, const QuantizedView& b, const f
     for (size_t i = 0; i < n; ++i) {
       o.f[i] = e4m3_to_f32(q.codes[i]);
       o.d[i] = o.f[i];
-      if (f32_isnan(o.f[i])) o.group_nan[i / kFp8FdpaL] = 1;
-      else o.e[i] = e4m3_exponent_reading(o.f[i]);
+      if (f32_isnan(o.f[i]))
+        o.group_nan[i / kFp8FdpaL] = 1;
+      else
+        o.e[i] = e4m3_exponent_reading(o.f[i]);
     }
     return o;
   };
@@ -146,10 +149,11 @@ void gemm_exact_fp8_host(const QuantizedView& a, const QuantizedView& b, const f
         float partial = 0.0f;
         for (int64_t k0 = blk * kFp8Block; k0 < (blk + 1) * kFp8Block; k0 += kFp8FdpaL) {
           const size_t ia = static_cast<size_t>(m * K + k0), ib = static_cast<size_t>(n * K + k0);
-          partial = (da.group_nan[ia / kFp8FdpaL] || db.group_nan[ib / kFp8FdpaL])
-                        ? tfdpa_fp8_hopper(&da.f[ia], &db.f[ib], partial, kE4M3Operand, kE4M3Operand)
-                        : tfdpa_fp8_hopper_prepared(&da.d[ia], &da.e[ia], &db.d[ib], &db.e[ib], &da.f[ia],
-                                                    &db.f[ib], partial);
+          partial =
+              (da.group_nan[ia / kFp8FdpaL] || db.group_nan[ib / kFp8FdpaL])
+                  ? tfdpa_fp8_hopper(&da.f[ia], &db.f[ib], partial, kE4M3Operand, kE4M3Operand)
+                  : tfdpa_fp8_hopper_prepared(&da.d[ia], &da.e[ia], &db.d[ib], &db.e[ib], &da.f[ia],
+                                              &db.f[ib], partial);
         }
         return std::fmaf(fmul_rn(scale(a, m, blk), scale(b, n, blk)), partial, acc);
       });
@@ -171,8 +175,8 @@ void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float
   const DecodedOperand da = decode_operand(a), db = decode_operand(b);
   const int64_t M = a.rows, N = b.rows, chunks = da.chunks, kp = chunks * kGemmChunk;
   const int man_bits = scale_kind_of(a.format) == ScaleKind::UE4M3_16 ? 3 : 0;
-  const float alpha = gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax,
-                                          b.four_over_six);
+  const float alpha =
+      gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
@@ -195,12 +199,13 @@ void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float
         const size_t sa = static_cast<size_t>((m * chunks + ch) * kGstGroups),
                      sb = static_cast<size_t>((n * chunks + ch) * kGstGroups);
         uint32_t bits;
-        if (!(da.nan_chunk[static_cast<size_t>(m * chunks + ch)] | db.nan_chunk[static_cast<size_t>(n * chunks + ch)]) &&
-            gst_fdpa_core_lean(p4, &da.sig[sa], &da.exp[sa], &db.sig[sb], &db.exp[sb], all_zero, man_bits, acc,
-                               &bits))
+        if (!(da.nan_chunk[static_cast<size_t>(m * chunks + ch)] |
+              db.nan_chunk[static_cast<size_t>(n * chunks + ch)]) &&
+            gst_fdpa_core_lean(p4, &da.sig[sa], &da.exp[sa], &db.sig[sb], &db.exp[sb], all_zero,
+                               man_bits, acc, &bits))
           return f32_from_bits(bits);
-        return f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, &da.scales[sa], &db.scales[sb],
-                                                       man_bits, acc));
+        return f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, &da.scales[sa],
+                                                       &db.scales[sb], man_bits, acc));
       });
       gemm_store(cfg, alpha, total, c, m * N + n, out);
     }

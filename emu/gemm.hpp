@@ -1,6 +1,6 @@
-// Exact block-scaled FP4 GEMM (DESIGN.md §8): D = alpha * A * B^T (+ beta * C), A M x K and B N x K,
-// both K-major ("TN") row-wise quantized copies (NVFP4 or MXFP4), modelling one CTA that walks K in
-// increasing order with GST-FDPA (emu/mma.hpp) per 64-wide chunk.
+// Exact block-scaled FP4 GEMM (DESIGN.md §8): D = alpha * A * B^T (+ beta * C), A M x K and B N x
+// K, both K-major ("TN") row-wise quantized copies (NVFP4 or MXFP4), modelling one CTA that walks K
+// in increasing order with GST-FDPA (emu/mma.hpp) per 64-wide chunk.
 #pragma once
 
 #include <cstdint>
@@ -44,8 +44,8 @@ void gemm_exact_host(const QuantizedView& a, const QuantizedView& b, const float
 
 // Epilogue scale: NVFP4 ((alpha * amax_A) * amax_B) * k with k the FP32 constant
 // 1 / (6 * 6 * m_A * m_B), m = 448 (256 for a Four Over Six operand); MXFP4 alpha itself.
-FP4SIM_HD float gemm_epilogue_alpha(float alpha, QFormat fmt, float amax_a, bool fos_a, float amax_b,
-                                    bool fos_b) {
+FP4SIM_HD float gemm_epilogue_alpha(float alpha, QFormat fmt, float amax_a, bool fos_a,
+                                    float amax_b, bool fos_b) {
   if (fmt != QFormat::NVFP4) return alpha;  // MXFP4 and FP8 have no global scales
   const float ma = fos_a ? 256.0f : kE4M3Max, mb = fos_b ? 256.0f : kE4M3Max;
   const float k = fdiv_rn(1.0f, fmul_rn(fmul_rn(36.0f, ma), mb));  // the product is exact
@@ -62,11 +62,11 @@ FP4SIM_HD float gemm_epilogue(float alpha_eff, float acc, float beta, float c) {
 }
 
 // Split-K as the contract orders it: the chunks (64-wide for FP4, 128-blocks for FP8) of each of
-// split_k equal ranges chained through an accumulator from +0, acc = chunk(i, acc); then the ranges'
-// results added in order, each addition RN. Both backends' exact GEMMs evaluate an output through
-// this, except two CUDA kernels that keep the same order their own way: the tiled FP4 kernel (4 x 4
-// outputs at once) and the FP8 tensor-core kernel (gpu/fp8_wgmma.cu: the chain in registers, the
-// ranges added by its reduce kernel).
+// split_k equal ranges chained through an accumulator from +0, acc = chunk(i, acc); then the
+// ranges' results added in order, each addition RN. Both backends' exact GEMMs evaluate an output
+// through this, except two CUDA kernels that keep the same order their own way: the tiled FP4
+// kernel (4 x 4 outputs at once) and the FP8 tensor-core kernel (gpu/fp8_wgmma.cu: the chain in
+// registers, the ranges added by its reduce kernel).
 template <class Chunk>
 FP4SIM_HD float split_k_chain(int split_k, int64_t chunks, const Chunk& chunk) {
   const int64_t per_split = chunks / split_k;
@@ -81,7 +81,8 @@ FP4SIM_HD float split_k_chain(int split_k, int64_t chunks, const Chunk& chunk) {
 
 // Output idx of an exact GEMM: D = gemm_epilogue(alpha_eff, acc, beta, C[idx]) as FP32, or its BF16
 // (RNE) bits, per cfg.out.
-FP4SIM_HD void gemm_store(const GemmConfig& cfg, float alpha_eff, float acc, const float* c, int64_t idx, void* out) {
+FP4SIM_HD void gemm_store(const GemmConfig& cfg, float alpha_eff, float acc, const float* c,
+                          int64_t idx, void* out) {
   const float d = gemm_epilogue(alpha_eff, acc, cfg.beta, c ? c[idx] : 0.0f);
   if (cfg.out == GemmOut::BF16)
     static_cast<uint16_t*>(out)[idx] = bf16_rne(d);

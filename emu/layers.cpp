@@ -109,7 +109,8 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) 
     const float arg = kGeluScale * (x + cube);
     const float t = std::tanh(arg);
     const float sech2 = 1.0f - t * t;
-    const float local = 0.5f * (1.0f + t) + x * 0.5f * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
+    const float local =
+        0.5f * (1.0f + t) + x * 0.5f * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
     dinp[i] = 0.0f + local * dout[i];  // written (see layers.hpp)
   }
 }
@@ -163,7 +164,8 @@ namespace {
 
 // One row of the softmax cross-entropy: p (V) = softmax(z), *loss = -log p[target]; each logit
 // read as bf16_round(z[i]) when bf16_logits.
-void crossentropy_forward_row(float* loss, float* p, const float* z, int32_t target, int64_t V, bool bf16_logits) {
+void crossentropy_forward_row(float* loss, float* p, const float* z, int32_t target, int64_t V,
+                              bool bf16_logits) {
   auto logit = [&](int64_t i) { return bf16_logits ? bf16_round(z[i]) : z[i]; };
   float maxv = -INFINITY;
   for (int64_t i = 0; i < V; ++i) maxv = logit(i) > maxv ? logit(i) : maxv;
@@ -177,7 +179,8 @@ void crossentropy_forward_row(float* loss, float* p, const float* z, int32_t tar
 }
 
 // d (V) = (p - onehot(target)) * dloss (d may be p itself).
-void crossentropy_backward_row(float* d, const float* p, int32_t target, float dloss, int64_t V, bool round_bf16) {
+void crossentropy_backward_row(float* d, const float* p, int32_t target, float dloss, int64_t V,
+                               bool round_bf16) {
   for (int64_t i = 0; i < V; ++i) {
     const float indicator = i == target ? 1.0f : 0.0f;
     const float v = (p[i] - indicator) * dloss;
@@ -197,8 +200,8 @@ void crossentropy_softmax_forward(float* losses, float* probs, const float* logi
 // Row by row: the forward's probabilities in dlogits' row, then the backward's expression on them
 // in place: the same operations as the two ops one after the other.
 void crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
-                                           const int32_t* targets, const float* dlosses, int64_t N, int64_t V,
-                                           bool round_bf16) {
+                                           const int32_t* targets, const float* dlosses, int64_t N,
+                                           int64_t V, bool round_bf16) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     float* d = dlogits + n * V;
@@ -211,7 +214,8 @@ void crossentropy_softmax_backward(float* dlogits, const float* probs, const int
                                    const float* dlosses, int64_t N, int64_t V, bool round_bf16) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n)
-    crossentropy_backward_row(dlogits + n * V, probs + n * V, targets[n], dlosses[n], V, round_bf16);
+    crossentropy_backward_row(dlogits + n * V, probs + n * V, targets[n], dlosses[n], V,
+                              round_bf16);
 }
 
 }  // namespace fp4sim::emu
@@ -229,9 +233,9 @@ namespace {
 // exponent readings E(x) = max(floor(log2|x|), -126), a large negative number for zeros so that a
 // zero product never sets e_max. Rows padded with zeros to a multiple of 16.
 struct Bf16Operand {
-  std::vector<float> f;    // BF16 values as floats (for the literal fallback)
-  std::vector<double> d;   // the same values as doubles
-  std::vector<int32_t> e;  // exponent readings
+  std::vector<float> f;                // BF16 values as floats (for the literal fallback)
+  std::vector<double> d;               // the same values as doubles
+  std::vector<int32_t> e;              // exponent readings
   std::vector<uint8_t> special_chunk;  // per (row, chunk): a NaN or Inf in it
 };
 
@@ -248,8 +252,10 @@ Bf16Operand prepare_bf16(const float* x, int64_t rows, int64_t K, int64_t Kp) {
       o.f[i] = v;
       o.d[i] = v;
       const uint32_t u = f32_bits(v) & 0x7FFFFFFFu;
-      if (u >= 0x7F800000u) o.special_chunk[static_cast<size_t>(r * (Kp / kBf16FdpaL) + k / kBf16FdpaL)] = 1;
-      else o.e[i] = bf16_exponent_reading(v);
+      if (u >= 0x7F800000u)
+        o.special_chunk[static_cast<size_t>(r * (Kp / kBf16FdpaL) + k / kBf16FdpaL)] = 1;
+      else
+        o.e[i] = bf16_exponent_reading(v);
     }
   return o;
 }
@@ -260,12 +266,15 @@ Bf16Operand prepare_bf16(const float* x, int64_t rows, int64_t K, int64_t Kp) {
 #if defined(__GNUC__)
 __attribute__((always_inline))
 #endif
-inline float bf16_row_dot(const Bf16Operand& A, int64_t ra, const Bf16Operand& B, int64_t rb, int64_t Kp,
-                          int64_t chunks) {
+inline float
+bf16_row_dot(const Bf16Operand& A, int64_t ra, const Bf16Operand& B, int64_t rb, int64_t Kp,
+             int64_t chunks) {
   float acc = 0.0f;
   for (int64_t ch = 0; ch < chunks; ++ch) {
-    const size_t ia = static_cast<size_t>(ra * Kp + ch * kBf16FdpaL), ib = static_cast<size_t>(rb * Kp + ch * kBf16FdpaL);
-    if (A.special_chunk[static_cast<size_t>(ra * chunks + ch)] | B.special_chunk[static_cast<size_t>(rb * chunks + ch)]) {
+    const size_t ia = static_cast<size_t>(ra * Kp + ch * kBf16FdpaL),
+                 ib = static_cast<size_t>(rb * Kp + ch * kBf16FdpaL);
+    if (A.special_chunk[static_cast<size_t>(ra * chunks + ch)] |
+        B.special_chunk[static_cast<size_t>(rb * chunks + ch)]) {
       acc = tfdpa_bf16(&A.f[ia], &B.f[ib], acc);
       continue;
     }
@@ -309,14 +318,17 @@ void fp32_gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t
 }
 
 namespace {
-void gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t N, int64_t K, GemmPrecision p) {
-  if (p == GemmPrecision::BF16) bf16_gemm_tn(out, a, b, M, N, K);
-  else fp32_gemm_tn(out, a, b, M, N, K);
+void gemm_tn(float* out, const float* a, const float* b, int64_t M, int64_t N, int64_t K,
+             GemmPrecision p) {
+  if (p == GemmPrecision::BF16)
+    bf16_gemm_tn(out, a, b, M, N, K);
+  else
+    fp32_gemm_tn(out, a, b, M, N, K);
 }
 }  // namespace
 
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                    int64_t N, int64_t K, int64_t OC, GemmPrecision prec) {
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N,
+                    int64_t K, int64_t OC, GemmPrecision prec) {
   gemm_tn(out, inp, weight, N, OC, K, prec);
   if (bias)
     for (int64_t n = 0; n < N; ++n)
@@ -334,7 +346,8 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
   }
   // dweight = dout^T (OC,N) * inp (N,K): TN form with A = dout^T, B = inp^T (K,N)
   if (dweight) {
-    std::vector<float> dt(static_cast<size_t>(OC * N)), it(static_cast<size_t>(K * N)), tw(static_cast<size_t>(OC * K));
+    std::vector<float> dt(static_cast<size_t>(OC * N)), it(static_cast<size_t>(K * N)),
+        tw(static_cast<size_t>(OC * K));
     for (int64_t n = 0; n < N; ++n) {
       for (int64_t o = 0; o < OC; ++o) dt[o * N + n] = dout[n * OC + o];
       for (int64_t k = 0; k < K; ++k) it[k * N + n] = inp[n * K + k];
@@ -356,7 +369,8 @@ void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
     float acc = 0.0f;
     for (int64_t k = 0; k * kColumnChunkRows < N; ++k) {
       float s = 0.0f;
-      for (int64_t n = k * kColumnChunkRows; n < std::min(N, (k + 1) * kColumnChunkRows); ++n) s += dout[n * OC + o];
+      for (int64_t n = k * kColumnChunkRows; n < std::min(N, (k + 1) * kColumnChunkRows); ++n)
+        s += dout[n * OC + o];
       acc = k == 0 ? s : acc + s;
     }
     dbias[o] += acc;
@@ -427,14 +441,15 @@ HeadOperand head_operand(const float* base, int64_t stride, int64_t T, int64_t H
 
 // chain over i of a_i b_i for row ra of a and row rb of b (both HD long): bf16_row_dot where the
 // operands were prepared, else the generic chain
-float dot_rows(bool bf16, const HeadOperand& a, int64_t ra, const HeadOperand& b, int64_t rb, int64_t HD) {
+float dot_rows(bool bf16, const HeadOperand& a, int64_t ra, const HeadOperand& b, int64_t rb,
+               int64_t HD) {
   if (bf16 && !a.prepared.d.empty() && !b.prepared.d.empty())
     return bf16_row_dot(a.prepared, ra, b.prepared, rb, HD, HD / kBf16FdpaL);
   const float* x = &a.rows[static_cast<size_t>(ra * HD)];
   const float* y = &b.rows[static_cast<size_t>(rb * HD)];
-  return chain(bf16, 0, HD, 0.0f, [&](int64_t i) { return x[i]; }, [&](int64_t i) { return y[i]; });
+  return chain(
+      bf16, 0, HD, 0.0f, [&](int64_t i) { return x[i]; }, [&](int64_t i) { return y[i]; });
 }
-
 
 }  // namespace
 
@@ -467,7 +482,10 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
         float* o = out + (b * T + t) * NH * HD + h * HD;
         for (int64_t i = 0; i < HD; ++i) {
           const float* vi = &v.cols[static_cast<size_t>(i * T)];  // v_ji = vi[j]
-          o[i] = chain(bf16, 0, t + 1, 0.0f, [&](int64_t j) { return pb[j]; }, [&](int64_t j) { return vi[j]; }) / l;
+          o[i] = chain(
+                     bf16, 0, t + 1, 0.0f, [&](int64_t j) { return pb[j]; },
+                     [&](int64_t j) { return vi[j]; }) /
+                 l;
         }
         lse[(b * NH + h) * T + t] = m + std::log(l);
       }
@@ -518,8 +536,10 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           float* dq = dqkv + (b * T + t) * W + h * HD;
           for (int64_t i = 0; i < HD; ++i) {
             const float* ki = &k.cols[static_cast<size_t>(i * T)];
-            dq[i] = 0.0f + chain(bf16, 0, t + 1, 0.0f, [&](int64_t j) { return ds[j]; },
-                                 [&](int64_t j) { return ki[j]; }) * scale;
+            dq[i] = 0.0f + chain(
+                               bf16, 0, t + 1, 0.0f, [&](int64_t j) { return ds[j]; },
+                               [&](int64_t j) { return ki[j]; }) *
+                               scale;
           }
         }
       }
@@ -535,8 +555,12 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             const float* p_j = &pbt[static_cast<size_t>((hh * T + j) * T)];
             const float* qi = &q[static_cast<size_t>(hh)].cols[static_cast<size_t>(i * T)];
             const float* dyi = &dy[static_cast<size_t>(hh)].cols[static_cast<size_t>(i * T)];
-            sk = chain(bf16, j, T, sk, [&](int64_t t) { return ds_j[t]; }, [&](int64_t t) { return qi[t]; });
-            sv = chain(bf16, j, T, sv, [&](int64_t t) { return p_j[t]; }, [&](int64_t t) { return dyi[t]; });
+            sk = chain(
+                bf16, j, T, sk, [&](int64_t t) { return ds_j[t]; },
+                [&](int64_t t) { return qi[t]; });
+            sv = chain(
+                bf16, j, T, sv, [&](int64_t t) { return p_j[t]; },
+                [&](int64_t t) { return dyi[t]; });
           }
           dk[i] = 0.0f + sk * scale;
           dv[i] = 0.0f + sv;
@@ -555,9 +579,11 @@ void rope_rotate(float* x, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_
       for (int64_t h = 0; h < NH + NKV; ++h) {  // query heads, then key heads
         float* v = x + (b * T + t) * W + h * HD;
         for (int64_t i = 0; i < HD / 2; ++i) {
-          const double freq = std::pow(static_cast<double>(base), -2.0 * static_cast<double>(i) / static_cast<double>(HD));
+          const double freq = std::pow(static_cast<double>(base),
+                                       -2.0 * static_cast<double>(i) / static_cast<double>(HD));
           const double ang = static_cast<double>(t) * freq;
-          const float c = static_cast<float>(std::cos(ang)), s = sign * static_cast<float>(std::sin(ang));
+          const float c = static_cast<float>(std::cos(ang)),
+                      s = sign * static_cast<float>(std::sin(ang));
           const float x0 = v[2 * i], x1 = v[2 * i + 1];
           v[2 * i] = x0 * c - x1 * s;
           v[2 * i + 1] = x0 * s + x1 * c;
@@ -566,10 +592,12 @@ void rope_rotate(float* x, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_
 }
 }  // namespace
 
-void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, float base) {
+void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                  float base) {
   rope_rotate(qkv, B, T, NH, NKV, HD, base, 1.0f);
 }
-void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, float base) {
+void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                   float base) {
   rope_rotate(dqkv, B, T, NH, NKV, HD, base, -1.0f);
 }
 

@@ -56,8 +56,8 @@ void crossentropy_softmax_backward(float* dlogits, const float* probs, const int
 // (the same bits), without the (N,V) probabilities ever stored. round_bf16 is the model's BF16
 // storage on both sides: the logits read rounded, the gradient written rounded.
 void crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
-                                           const int32_t* targets, const float* dlosses, int64_t N, int64_t V,
-                                           bool round_bf16);
+                                           const int32_t* targets, const float* dlosses, int64_t N,
+                                           int64_t V, bool round_bf16);
 
 }  // namespace fp4sim::emu
 
@@ -83,8 +83,8 @@ void bias_forward(float* out, const float* bias, int64_t N, int64_t OC);
 void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC);
 
 // Linear layer y = x W^T + bias (x (N,K), W (OC,K), y (N,OC)), the GEMMs in BF16 as above.
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                    int64_t N, int64_t K, int64_t OC, GemmPrecision prec = GemmPrecision::BF16);
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N,
+                    int64_t K, int64_t OC, GemmPrecision prec = GemmPrecision::BF16);
 // dinp (N,K) = dout W (written: what dinp held does not matter); dweight (OC,K) += dout^T inp;
 // dbias (OC) += column sums of dout (FP32, bias_backward's order).
 // Any of dinp, dweight, dbias may be null (that product is skipped).
@@ -102,7 +102,8 @@ namespace fp4sim::emu {
 // head h reads KV head h / (NH/NKV). out (B,T,NH*HD); lse (B,NH,T) the per-row log-sum-exp of the
 // scaled scores (natural log), saved for backward. Query row t sees keys j <= t.
 // Numerics (both backends; the CUDA twin agrees within a bound, not bitwise: its sums are the
-// tensor core's in its own order, its exp is 2^x by ex2.approx.ftz on base-2 scores, its softmax is online):
+// tensor core's in its own order, its exp is 2^x by ex2.approx.ftz on base-2 scores, its softmax is
+// online):
 // - q, k, v (and dout in the backward) are rounded to BF16 (RNE, bf16_round) before use: a no-op
 //   for BF16-stored activations. scale = 1/sqrt(HD) in FP32.
 // - Every sum of products is one of attention's batched BF16 GEMMs (DESIGN.md §8): a T-FDPA chain
@@ -132,8 +133,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 //   (+0 + value). So a KV head's gradient sums over its query heads (GQA), and scale is
 //   applied once to each sum, never to a BF16 operand.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                        int64_t HD, GemmPrecision prec = GemmPrecision::BF16);
+                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                        GemmPrecision prec = GemmPrecision::BF16);
 
 // Rotary position embedding on the query and key heads of qkv, in place: pairs (2i, 2i+1) of each
 // head at position t rotate by t * base^(-2i/HD). The backward pass rotates the gradient back

@@ -1,9 +1,9 @@
 // The tensor-core arithmetic model (DESIGN.md §7): truncated fused dot-product-add, per output.
 //
 // T-FDPA(L, F, rho) over L products and an addend C: products exact and not renormalised, each read
-// at exponent E(a)+E(b); every term truncated toward zero onto the grid 2^(e_max - F); exact integer
-// sum; one final rounding rho (RZ to FP32, or RZ to 13 fraction bits on Hopper FP8). Host and device
-// share this code. The sums are exact in int64: with F <= 35 no term reaches 2^47.
+// at exponent E(a)+E(b); every term truncated toward zero onto the grid 2^(e_max - F); exact
+// integer sum; one final rounding rho (RZ to FP32, or RZ to 13 fraction bits on Hopper FP8). Host
+// and device share this code. The sums are exact in int64: with F <= 35 no term reaches 2^47.
 #pragma once
 
 #include <cmath>
@@ -11,15 +11,14 @@
 #include <cstring>
 
 #include "emu/formats.hpp"
-
 #include "emu/hd.hpp"
 
 namespace fp4sim {
 
-constexpr int kTfdpaZeroExp = -133;   // exponent a zero product or a zero C reads (T-FDPA)
-constexpr int kFp32Emin = -126;       // C's exponent floor
-constexpr int kFp32ManBits = 23;      // RZ-FP32 output
-constexpr int kE8M13ManBits = 13;     // Hopper FP8 wgmma output (E8M13)
+constexpr int kTfdpaZeroExp = -133;  // exponent a zero product or a zero C reads (T-FDPA)
+constexpr int kFp32Emin = -126;      // C's exponent floor
+constexpr int kFp32ManBits = 23;     // RZ-FP32 output
+constexpr int kE8M13ManBits = 13;    // Hopper FP8 wgmma output (E8M13)
 constexpr uint32_t kCanonicalNaN = 0x7FFFFFFFu;
 
 // One exact term of a fused dot product: value = (-1)^neg * sig * 2^lsb_exp, aligned at align_exp.
@@ -184,7 +183,8 @@ FP4SIM_HD uint32_t tfdpa_bits(const float* a, const float* b, float c, OperandFo
   return fdpa_truncated_sum_bits(terms, L + 1, e_max, F, out_man_bits, all_neg_zero);
 }
 
-// ---- The instruction table of DESIGN.md §7 -------------------------------------------------------
+// ---- The instruction table of DESIGN.md §7
+// -------------------------------------------------------
 
 // BF16/FP16 -> FP32 (Hopper and Blackwell): L = 16, F = 25, RZ-FP32.
 constexpr int kBf16FdpaL = 16;
@@ -192,12 +192,12 @@ constexpr int kBf16FdpaF = 25;
 constexpr int kBf16ManBits = 7;
 constexpr int kBf16Emin = -126;
 FP4SIM_HD float tfdpa_bf16(const float* a, const float* b, float c) {
-  return f32_from_bits(tfdpa_bits<kBf16FdpaL>(a, b, c, kBf16Operand, kBf16Operand, kBf16FdpaF,
-                                              kFp32ManBits));
+  return f32_from_bits(
+      tfdpa_bits<kBf16FdpaL>(a, b, c, kBf16Operand, kBf16Operand, kBf16FdpaF, kFp32ManBits));
 }
 FP4SIM_HD float tfdpa_fp16(const float* a, const float* b, float c) {
-  return f32_from_bits(tfdpa_bits<kBf16FdpaL>(a, b, c, kFp16Operand, kFp16Operand, kBf16FdpaF,
-                                              kFp32ManBits));
+  return f32_from_bits(
+      tfdpa_bits<kBf16FdpaL>(a, b, c, kFp16Operand, kFp16Operand, kBf16FdpaF, kFp32ManBits));
 }
 
 // FP8 (E4M3/E5M2, any mix) -> FP32: L = 32. Hopper wgmma: F = 13, RZ to 13 fraction bits (E8M13;
@@ -214,13 +214,14 @@ FP4SIM_HD float tfdpa_fp8_blackwell(const float* a, const float* b, float c, Ope
   return f32_from_bits(tfdpa_bits<kFp8FdpaL>(a, b, c, fa, fb, kFp8BlackwellF, kFp32ManBits));
 }
 
-// ---- GST-FDPA: Blackwell block-scaled FP4, K = 64 (DESIGN.md §7) ---------------------------------
+// ---- GST-FDPA: Blackwell block-scaled FP4, K = 64 (DESIGN.md §7)
+// ---------------------------------
 
-constexpr int kGstK = 64;           // products per instruction
-constexpr int kGstGroup = 16;       // G: products summed exactly before scaling (also for 32-blocks)
+constexpr int kGstK = 64;      // products per instruction
+constexpr int kGstGroup = 16;  // G: products summed exactly before scaling (also for 32-blocks)
 constexpr int kGstGroups = kGstK / kGstGroup;
-constexpr int kGstF = 35;           // alignment grid 2^(e_max - 35)
-constexpr int kGstZeroExp = -139;   // exponent of an all-zero group, a zero-scale group, a zero C
+constexpr int kGstF = 35;          // alignment grid 2^(e_max - 35)
+constexpr int kGstZeroExp = -139;  // exponent of an all-zero group, a zero-scale group, a zero C
 
 enum class ScaleKind : uint8_t {
   UE4M3_16,  // NVFP4: E4M3 bits with the sign masked, one per 16 elements
@@ -334,7 +335,8 @@ FP4SIM_HD uint32_t gst_fdpa_core_bits(const GroupSum* groups, const DecodedScale
 // A decoded scale packed in one word for the GEMM kernels: sig in bits 0-7, exp + 512 in bits 8-17,
 // zero in bit 30, NaN in bit 31 (man_bits is the scale kind's: 3 for UE4M3, 0 for UE8M0).
 FP4SIM_HD uint32_t pack_scale(const DecodedScale& d) {
-  return d.sig | (static_cast<uint32_t>(d.exp + 512) << 8) | (d.zero ? 1u << 30 : 0u) | (d.nan ? 1u << 31 : 0u);
+  return d.sig | (static_cast<uint32_t>(d.exp + 512) << 8) | (d.zero ? 1u << 30 : 0u) |
+         (d.nan ? 1u << 31 : 0u);
 }
 FP4SIM_HD DecodedScale unpack_scale(uint32_t w, int man_bits) {
   DecodedScale d;
@@ -346,21 +348,22 @@ FP4SIM_HD DecodedScale unpack_scale(uint32_t w, int man_bits) {
   return d;
 }
 
-// RZ of a double to FP32 (subnormals kept; magnitudes >= 2^128 give FLT_MAX here: callers map them to
-// Inf). The device has it as one instruction; the host steps the RN result toward zero.
+// RZ of a double to FP32 (subnormals kept; magnitudes >= 2^128 give FLT_MAX here: callers map them
+// to Inf). The device has it as one instruction; the host steps the RN result toward zero.
 FP4SIM_HD float double_to_f32_rz(double x) {
 #if defined(__CUDA_ARCH__)
   return __double2float_rz(x);
 #else
   float r = static_cast<float>(x);
-  if (std::fabs(static_cast<double>(r)) > std::fabs(x)) r = f32_from_bits(f32_bits(r) - 1u);  // toward zero
+  if (std::fabs(static_cast<double>(r)) > std::fabs(x))
+    r = f32_from_bits(f32_bits(r) - 1u);  // toward zero
   return r;
 #endif
 }
 
 // The five-term truncated sum of GST-FDPA in double arithmetic, for finite C and non-NaN scales:
-// every term is an integer number of grid units 2^(e_max - 35) below 2^46 after truncation (trunc is
-// exact in double: the unshifted term has at most 24 significant bits), so the sum (< 2^49) is
+// every term is an integer number of grid units 2^(e_max - 35) below 2^46 after truncation (trunc
+// is exact in double: the unshifted term has at most 24 significant bits), so the sum (< 2^49) is
 // exact, and RZ to FP32 of sum * 2^grid is one conversion. Used by the GPU GEMM, whose FP64 units
 // do this in fewer instructions than 64-bit integer shifts; equal to the integer formulation
 // (tests/emu/test_mma.cpp). Signed zeros: an exactly zero sum takes the caller's rule.
@@ -375,16 +378,17 @@ FP4SIM_HD double pow2_double(int e) {  // 2^e for -1022 <= e <= 1023
 #endif
 }
 
-// gst_fdpa_core_bits for the GEMMs' inner loop (both backends): the same bits (tests/emu/test_mma.cpp
-// compares them on millions of random group sums, scales and C, specials included), with packed
-// scales, C decoded from its bit pattern and the five terms kept in registers. p4[g] the group sums,
-// bit g of all_zero / all_neg_zero the group flags, wa/wb the groups' packed scales, man_bits the
-// scale kind's fraction bits. Each term fits an int64 on the 2^(e_max - 35) grid: a group's
-// |P4| * sig_a * sig_b < 2^19 shifted left by at most 27 (UE4M3; UE8M0: 2^12 by at most 33), C's
-// 24-bit significand by at most 12. NaN scales and non-finite C take the readable path.
-// use_double: the same sum in FP64 (see above); the GPU kernel passes true.
-FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zero, uint32_t all_neg_zero_groups,
-                                             const uint32_t* wa, const uint32_t* wb, int man_bits, float c,
+// gst_fdpa_core_bits for the GEMMs' inner loop (both backends): the same bits
+// (tests/emu/test_mma.cpp compares them on millions of random group sums, scales and C, specials
+// included), with packed scales, C decoded from its bit pattern and the five terms kept in
+// registers. p4[g] the group sums, bit g of all_zero / all_neg_zero the group flags, wa/wb the
+// groups' packed scales, man_bits the scale kind's fraction bits. Each term fits an int64 on the
+// 2^(e_max - 35) grid: a group's |P4| * sig_a * sig_b < 2^19 shifted left by at most 27 (UE4M3;
+// UE8M0: 2^12 by at most 33), C's 24-bit significand by at most 12. NaN scales and non-finite C
+// take the readable path. use_double: the same sum in FP64 (see above); the GPU kernel passes true.
+FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zero,
+                                             uint32_t all_neg_zero_groups, const uint32_t* wa,
+                                             const uint32_t* wb, int man_bits, float c,
                                              bool use_double = false) {
   const uint32_t cb = f32_bits(c);
   const uint32_t c_biased = (cb >> 23) & 0xFFu;
@@ -444,7 +448,8 @@ FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zer
     }
     if (sum == 0.0) return all_neg_zero ? 0x80000000u : 0u;
     const double value = sum * pow2_double(grid);  // exact: grid >= -174
-    if (fabs(value) >= 0x1p128) return value < 0 ? 0xFF800000u : 0x7F800000u;  // overflow -> Inf under RZ
+    if (fabs(value) >= 0x1p128)
+      return value < 0 ? 0xFF800000u : 0x7F800000u;  // overflow -> Inf under RZ
     return f32_bits(double_to_f32_rz(value));
   }
   int64_t sum = 0;
@@ -456,8 +461,8 @@ FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zer
   }
   if (sum == 0) return all_neg_zero ? 0x80000000u : 0u;
   const bool sum_neg = sum < 0;
-  return round_rz_to_f32_bits(sum_neg ? static_cast<uint64_t>(-sum) : static_cast<uint64_t>(sum), grid, sum_neg,
-                              kFp32ManBits);
+  return round_rz_to_f32_bits(sum_neg ? static_cast<uint64_t>(-sum) : static_cast<uint64_t>(sum),
+                              grid, sum_neg, kFp32ManBits);
 }
 
 // The lean GST-FDPA core of the GPU GEMM's second kernel: the scales arrive unpacked (significand,
@@ -482,13 +487,17 @@ FP4SIM_HD uint32_t gst_fdpa_core_packed_bits(const int32_t* p4, uint32_t all_zer
 // exponent field of a normal double that stays normal never carries into the sign bit, so negative
 // values work alike. Same bits (tests/emu/test_mma.cpp).
 constexpr int32_t kGstZeroScaleExp = -(1 << 20);
-FP4SIM_HD int32_t gst_zero_scale_biased(int32_t sig, int32_t exp) { return sig == 0 ? kGstZeroScaleExp : exp; }
+FP4SIM_HD int32_t gst_zero_scale_biased(int32_t sig, int32_t exp) {
+  return sig == 0 ? kGstZeroScaleExp : exp;
+}
 
-// x * 2^e for a finite nonzero double x when the result stays normal: e added to the exponent field.
+// x * 2^e for a finite nonzero double x when the result stays normal: e added to the exponent
+// field.
 FP4SIM_HD double ldexp_exact(double x, int e) {
 #if defined(__CUDA_ARCH__)
   // (e << 20 on a negative int is undefined in C++17: shift the unsigned bits)
-  return __hiloint2double(__double2hiint(x) + static_cast<int>(static_cast<unsigned>(e) << 20), __double2loint(x));
+  return __hiloint2double(__double2hiint(x) + static_cast<int>(static_cast<unsigned>(e) << 20),
+                          __double2loint(x));
 #else
   uint64_t b;
   std::memcpy(&b, &x, sizeof b);
@@ -503,8 +512,9 @@ FP4SIM_HD double ldexp_exact(double x, int e) {
 FP4SIM_HD double scaled_term(int32_t v, int sh) {
   const double d = static_cast<double>(v);
 #if defined(__CUDA_ARCH__)
-  return __hiloint2double(v == 0 ? 0 : __double2hiint(d) + static_cast<int>(static_cast<unsigned>(sh) << 20),
-                          __double2loint(d));
+  return __hiloint2double(
+      v == 0 ? 0 : __double2hiint(d) + static_cast<int>(static_cast<unsigned>(sh) << 20),
+      __double2loint(d));
 #else
   return v == 0 ? 0.0 : ldexp_exact(d, sh);
 #endif
@@ -512,8 +522,8 @@ FP4SIM_HD double scaled_term(int32_t v, int sh) {
 
 template <bool kZeroScaleBiased = false, bool kExpAdd = false>
 FP4SIM_HD bool gst_fdpa_core_lean(const int32_t* p4, const int32_t* sig_a, const int32_t* exp_a,
-                                  const int32_t* sig_b, const int32_t* exp_b, uint32_t all_zero, int man_bits,
-                                  float c, uint32_t* out_bits) {
+                                  const int32_t* sig_b, const int32_t* exp_b, uint32_t all_zero,
+                                  int man_bits, float c, uint32_t* out_bits) {
   const uint32_t cb = f32_bits(c);
   const uint32_t c_biased = (cb >> 23) & 0xFFu;
   if (c_biased == 0xFFu) return false;
@@ -522,7 +532,8 @@ FP4SIM_HD bool gst_fdpa_core_lean(const int32_t* p4, const int32_t* sig_a, const
   FP4SIM_UNROLL
   for (int g = 0; g < kGstGroups; ++g) {
     exp_sum[g] = exp_a[g] + exp_b[g];
-    const bool zero = ((all_zero >> g) & 1u) != 0 || (!kZeroScaleBiased && (sig_a[g] == 0 || sig_b[g] == 0));
+    const bool zero =
+        ((all_zero >> g) & 1u) != 0 || (!kZeroScaleBiased && (sig_a[g] == 0 || sig_b[g] == 0));
     const int align = zero ? kGstZeroExp : exp_sum[g];
     e_max = align > e_max ? align : e_max;
   }
@@ -533,8 +544,10 @@ FP4SIM_HD bool gst_fdpa_core_lean(const int32_t* p4, const int32_t* sig_a, const
   }
   const int grid = e_max - kGstF;
   double sum;
-  if constexpr (kExpAdd) sum = c_zero ? 0.0 : trunc(ldexp_exact(static_cast<double>(c), -grid));
-  else sum = c_zero ? 0.0 : trunc(static_cast<double>(c) * pow2_double(-grid));
+  if constexpr (kExpAdd)
+    sum = c_zero ? 0.0 : trunc(ldexp_exact(static_cast<double>(c), -grid));
+  else
+    sum = c_zero ? 0.0 : trunc(static_cast<double>(c) * pow2_double(-grid));
   FP4SIM_UNROLL
   for (int g = 0; g < kGstGroups; ++g) {
     const int sh = exp_sum[g] - 2 * man_bits - 2 - grid;  // the term's lsb on the grid
@@ -647,7 +660,7 @@ inline float tfdpa_bf16_prepared(const double* ad, const int32_t* ae, const doub
   int64_t sum = static_cast<int64_t>(static_cast<double>(c) * down);
 #pragma omp simd reduction(+ : sum)
   for (int k = 0; k < kBf16FdpaL; ++k) sum += terms[k];
-  if (sum == 0) return tfdpa_bf16(af, bf, c);  // the signed-zero rule
+  if (sum == 0) return tfdpa_bf16(af, bf, c);                         // the signed-zero rule
   const double exact = static_cast<double>(sum) * pow2_double(grid);  // exact: |sum| < 2^32
   if (std::fabs(exact) >= 0x1p128) return exact > 0 ? INFINITY : -INFINITY;
   return double_to_f32_rz(exact);
@@ -667,8 +680,9 @@ inline int32_t e4m3_exponent_reading(float x) {
   return fl < kE4M3Operand.emin ? kE4M3Operand.emin : fl;
 }
 
-inline float tfdpa_fp8_hopper_prepared(const double* ad, const int32_t* ae, const double* bd, const int32_t* be_,
-                                       const float* af, const float* bf, float c) {
+inline float tfdpa_fp8_hopper_prepared(const double* ad, const int32_t* ae, const double* bd,
+                                       const int32_t* be_, const float* af, const float* bf,
+                                       float c) {
   const uint32_t uc = f32_bits(c) & 0x7FFFFFFFu;
   if (uc >= 0x7F800000u) return tfdpa_fp8_hopper(af, bf, c, kE4M3Operand, kE4M3Operand);
   int32_t e_max = kTfdpaZeroExp;
@@ -684,9 +698,11 @@ inline float tfdpa_fp8_hopper_prepared(const double* ad, const int32_t* ae, cons
   const double down = pow2_double(-grid);  // terms below 2^15 grid units: int64 truncation is exact
   int64_t sum = static_cast<int64_t>(static_cast<double>(c) * down);
   for (int k = 0; k < kFp8FdpaL; ++k) sum += static_cast<int64_t>(ad[k] * bd[k] * down);
-  if (sum == 0) return tfdpa_fp8_hopper(af, bf, c, kE4M3Operand, kE4M3Operand);  // the signed-zero rule
+  if (sum == 0)
+    return tfdpa_fp8_hopper(af, bf, c, kE4M3Operand, kE4M3Operand);  // the signed-zero rule
   const bool neg = sum < 0;
-  return f32_from_bits(round_rz_to_f32_bits(static_cast<uint64_t>(neg ? -sum : sum), grid, neg, kE8M13ManBits));
+  return f32_from_bits(
+      round_rz_to_f32_bits(static_cast<uint64_t>(neg ? -sum : sum), grid, neg, kE8M13ManBits));
 }
 
 // The same for one chunk of plain floats (BF16 values): prepares the operands, then as above.
@@ -694,7 +710,8 @@ inline float tfdpa_bf16_host(const float* a, const float* b, float c) {
   double ad[kBf16FdpaL], bd[kBf16FdpaL];
   int32_t ae[kBf16FdpaL], be_[kBf16FdpaL];
   for (int k = 0; k < kBf16FdpaL; ++k) {
-    if (f32_isnan(a[k]) || f32_isinf(a[k]) || f32_isnan(b[k]) || f32_isinf(b[k])) return tfdpa_bf16(a, b, c);
+    if (f32_isnan(a[k]) || f32_isinf(a[k]) || f32_isnan(b[k]) || f32_isinf(b[k]))
+      return tfdpa_bf16(a, b, c);
     ad[k] = a[k];
     bd[k] = b[k];
     ae[k] = bf16_exponent_reading(a[k]);

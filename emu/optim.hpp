@@ -51,8 +51,10 @@ inline AdamWStep make_adamw_step(float lr, float beta1, float beta2, float eps, 
   s.beta2 = beta2;
   s.eps = eps;
   s.weight_decay = weight_decay;
-  s.bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(t)));
-  s.bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(t)));
+  s.bias_correction1 =
+      static_cast<float>(1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(t)));
+  s.bias_correction2 =
+      static_cast<float>(1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(t)));
   s.grad_scale = grad_scale;
   return s;
 }

@@ -59,7 +59,8 @@ FP4SIM_HD PhiloxKeys philox_round_keys(uint64_t seed) {
   return keys;
 }
 // philox4x32_10 with its round keys given (the same bits).
-FP4SIM_HD Philox4x32 philox4x32_10_keyed(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, const PhiloxKeys& keys) {
+FP4SIM_HD Philox4x32 philox4x32_10_keyed(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                         const PhiloxKeys& keys) {
   FP4SIM_UNROLL
   for (int round = 0; round < kPhiloxRounds; ++round) {
     const uint32_t hi0 = mulhi32(kPhiloxM0, c0);
@@ -85,11 +86,13 @@ FP4SIM_HD Philox4x32 sr_chunk_bits(uint64_t seed, uint64_t stream, uint64_t chun
 // sr_chunk_bits with the seed's round keys given (philox_round_keys(seed)).
 FP4SIM_HD Philox4x32 sr_chunk_bits_keyed(const PhiloxKeys& keys, uint64_t stream, uint64_t chunk) {
   return philox4x32_10_keyed(static_cast<uint32_t>(chunk), static_cast<uint32_t>(chunk >> 32),
-                             static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32), keys);
+                             static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32),
+                             keys);
 }
 
 // Which random byte feeds element j (0..15) of a chunk: byte j%4 (byte 0 = bits 7..0) of word j/4.
-// The hardware's own alignment for cvt.rs...e2m1x4 is not public; this is the one place to change it.
+// The hardware's own alignment for cvt.rs...e2m1x4 is not public; this is the one place to change
+// it.
 FP4SIM_HD uint8_t sr_byte_for_element(const Philox4x32& bits, int j) {
   return static_cast<uint8_t>(bits.v[j >> 2] >> (8 * (j & 3)));
 }

@@ -16,19 +16,21 @@ namespace fp4sim {
 
 // Sums over a quantized copy (or one block, or one row of blocks).
 struct QuantErrorSums {
-  double err2 = 0;               // sum over elements of (decoded - x)^2, in FP64
-  double ref2 = 0;               // sum of x^2
-  int64_t saturated = 0;         // elements with |x| > element max * decode factor (|x * enc_b| > 6,
-                                 // or > 448 for FP8, before rounding); blocks with a zero factor never count
+  double err2 = 0;  // sum over elements of (decoded - x)^2, in FP64
+  double ref2 = 0;  // sum of x^2
+  int64_t saturated =
+      0;  // elements with |x| > element max * decode factor (|x * enc_b| > 6,
+          // or > 448 for FP8, before rounding); blocks with a zero factor never count
   int64_t underflow_blocks = 0;  // blocks with amax_b > 0 whose stored scale is zero (NVFP4: the
                                  // E4M3 byte is 0; MXFP4 and FP8: the decode factor is 0)
 };
 
 // Block b (of cols / block) of row r. x: the F32 tensor (rows x cols, row-major, the copy's
 // written shape); codes, scales: the copy's; amax: its global amax (NVFP4's decode factor).
-FP4SIM_HD QuantErrorSums quant_block_error(const float* x, const uint8_t* codes, const uint8_t* scales,
-                                           int64_t r, int64_t b, int64_t cols, QFormat format,
-                                           bool four_over_six, float amax) {
+FP4SIM_HD QuantErrorSums quant_block_error(const float* x, const uint8_t* codes,
+                                           const uint8_t* scales, int64_t r, int64_t b,
+                                           int64_t cols, QFormat format, bool four_over_six,
+                                           float amax) {
   const bool mx = format == QFormat::MXFP4, fp8 = format == QFormat::FP8;
   const int64_t blk = qformat_block(format);
   const int64_t si = r * (cols / blk) + b;
@@ -38,7 +40,8 @@ FP4SIM_HD QuantErrorSums quant_block_error(const float* x, const uint8_t* codes,
     std::memcpy(&factor, scales + 4 * si, 4);  // FP32 scale, native byte order
   } else {
     s = scales[si];
-    factor = mx ? ue8m0_to_f32(s) : nvfp4_decode_factor(s, amax, four_over_six ? kFourOverSixRange : kNvfp4Range);
+    factor = mx ? ue8m0_to_f32(s)
+                : nvfp4_decode_factor(s, amax, four_over_six ? kFourOverSixRange : kNvfp4Range);
   }
   const float limit = fmul_rn(fp8 ? kE4M3Max : 6.0f, factor);
   QuantErrorSums e;
@@ -46,8 +49,9 @@ FP4SIM_HD QuantErrorSums quant_block_error(const float* x, const uint8_t* codes,
   for (int64_t i = 0; i < blk; ++i) {
     const int64_t k = r * cols + b * blk + i;
     const float xv = x[k];
-    const float d = fp8 ? fp8_decode_element(codes[k], factor)
-                        : decode_element(static_cast<uint8_t>((codes[k / 2] >> (4 * (k & 1))) & 0xFu), factor);
+    const float d =
+        fp8 ? fp8_decode_element(codes[k], factor)
+            : decode_element(static_cast<uint8_t>((codes[k / 2] >> (4 * (k & 1))) & 0xFu), factor);
     const float ax = f32_abs(xv);
     if (ax > bmax) bmax = ax;  // a NaN is ignored, as fmax does
     if (factor > 0.0f && ax > limit) ++e.saturated;

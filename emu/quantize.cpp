@@ -53,14 +53,16 @@ namespace {
 void validate_quantize(const TensorView& x, const QuantizeConfig& cfg) {
   const std::string name = std::string("tensor '") + x.name + "' " + shape_str(x.rows, x.cols);
   if (x.dtype != DType::F32 && x.dtype != DType::BF16)
-    fail(name + ": dtype " + dtype_name(x.dtype) + " cannot be quantized (expected float32 or bfloat16)");
+    fail(name + ": dtype " + dtype_name(x.dtype) +
+         " cannot be quantized (expected float32 or bfloat16)");
   if (x.rows <= 0 || x.cols <= 0) fail(name + ": empty tensor");
   if (!cfg.rowwise.enabled && !cfg.columnwise.enabled)
     fail(name + ": no copy requested (enable the row-wise and/or the column-wise copy)");
   const bool mx = cfg.format == QFormat::MXFP4, fp8 = cfg.format == QFormat::FP8;
   const int64_t block = qformat_block(cfg.format);
   const int64_t tile = fp8 ? kFp8Block : kNvfp4Block;
-  if (mx && cfg.block_2d) fail("--2d: MXFP4 has no 2D (16x16) blocks; 2D applies to NVFP4 (16x16) and FP8 (128x128)");
+  if (mx && cfg.block_2d)
+    fail("--2d: MXFP4 has no 2D (16x16) blocks; 2D applies to NVFP4 (16x16) and FP8 (128x128)");
   if (fp8) {
     for (const CopySpec* s : {&cfg.rowwise, &cfg.columnwise}) {
       if (!s->enabled) continue;
@@ -70,10 +72,13 @@ void validate_quantize(const TensorView& x, const QuantizeConfig& cfg) {
     }
   }
   if (cfg.block_2d && cfg.columnwise.rht)
-    fail("--2d with --rht: 2D tiles are for weights, the RHT for Wgrad activations and gradients; "
-         "the combination is not supported");
+    fail(
+        "--2d with --rht: 2D tiles are for weights, the RHT for Wgrad activations and gradients; "
+        "the combination is not supported");
   if (cfg.rowwise.rht)
-    fail("--rht: the random Hadamard transform applies to the column-wise copy only (add --columnwise)");
+    fail(
+        "--rht: the random Hadamard transform applies to the column-wise copy only (add "
+        "--columnwise)");
   const CopySpec* specs[2] = {&cfg.rowwise, &cfg.columnwise};
   for (int i = 0; i < 2; ++i) {
     const CopySpec& s = *specs[i];
@@ -91,15 +96,16 @@ void validate_quantize(const TensorView& x, const QuantizeConfig& cfg) {
     }
     if (cfg.block_2d && w.rows % tile != 0) {
       std::ostringstream m;
-      m << name << ": --2d needs both dimensions to be multiples of " << tile << " (" << tile << "x" << tile
-        << " tiles); the " << which << " copy has " << w.rows << " rows";
+      m << name << ": --2d needs both dimensions to be multiples of " << tile << " (" << tile << "x"
+        << tile << " tiles); the " << which << " copy has " << w.rows << " rows";
       fail(m.str());
     }
     if (s.four_over_six) {
       if (mx) fail("--four-over-six: applies to NVFP4 only, not MXFP4");
       if (s.rounding == Rounding::SR)
-        fail("--four-over-six: cannot be combined with stochastic rounding (--sr); it applies to "
-             "copies rounded to nearest only");
+        fail(
+            "--four-over-six: cannot be combined with stochastic rounding (--sr); it applies to "
+            "copies rounded to nearest only");
       if (s.rht) fail("--four-over-six: cannot be combined with --rht");
     }
   }
@@ -118,11 +124,13 @@ void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint
 }
 
 void validate_quant_error_sums(const float* x, const QuantizedView& q) {
-  const std::string what = std::string("quantization statistics of a ") + qformat_name(q.format) + " copy " +
-                           shape_str(q.rows, q.cols);
+  const std::string what = std::string("quantization statistics of a ") + qformat_name(q.format) +
+                           " copy " + shape_str(q.rows, q.cols);
   if (q.rows < 0 || q.cols <= 0 || q.cols % q.block() != 0)
-    throw std::invalid_argument(what + ": cols must be a positive multiple of " + std::to_string(q.block()));
-  if (!x || !q.codes || !q.scales || !q.amax) throw std::invalid_argument(what + ": a buffer is null");
+    throw std::invalid_argument(what + ": cols must be a positive multiple of " +
+                                std::to_string(q.block()));
+  if (!x || !q.codes || !q.scales || !q.amax)
+    throw std::invalid_argument(what + ": a buffer is null");
 }
 
 QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) {
@@ -133,8 +141,9 @@ QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < q.rows; ++r)
     for (int64_t b = 0; b < blocks; ++b)
-      add_error_sums(rows[static_cast<size_t>(r)],
-                     quant_block_error(x, q.codes, q.scales, r, b, q.cols, q.format, q.four_over_six, amax));
+      add_error_sums(
+          rows[static_cast<size_t>(r)],
+          quant_block_error(x, q.codes, q.scales, r, b, q.cols, q.format, q.four_over_six, amax));
   return add_rows_in_order(rows.data(), q.rows);
 }
 

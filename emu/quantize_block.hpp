@@ -12,11 +12,11 @@
 
 namespace fp4sim {
 
-constexpr int kNvfp4Block = 16;            // elements per NVFP4 scale (1x16, or a 16x16 tile)
-constexpr int kMxfp4Block = 32;            // elements per MXFP4 scale
-constexpr int kFp8Block = 128;             // elements per FP8 scale (1x128, or a 128x128 tile)
-constexpr int kSrChunk = 16;               // elements per Philox call
-constexpr float kNvfp4Range = 2688.0f;     // 448 * 6: E4M3 max times E2M1 max
+constexpr int kNvfp4Block = 16;               // elements per NVFP4 scale (1x16, or a 16x16 tile)
+constexpr int kMxfp4Block = 32;               // elements per MXFP4 scale
+constexpr int kFp8Block = 128;                // elements per FP8 scale (1x128, or a 128x128 tile)
+constexpr int kSrChunk = 16;                  // elements per Philox call
+constexpr float kNvfp4Range = 2688.0f;        // 448 * 6: E4M3 max times E2M1 max
 constexpr float kFourOverSixRange = 1536.0f;  // 256 * 6
 constexpr float kFourOverSixScaleMax = 448.0f;
 
@@ -58,7 +58,9 @@ FP4SIM_HD uint8_t nvfp4_block_scale(float amax_b, float s_enc) {
 
 // FP8 block scaling (DESIGN.md §9, the paper's FP8 baseline): enc = fminf(448 / amax_b, FLT_MAX),
 // 1 when amax_b == 0 or the quotient is 0 (amax_b = Inf); the stored FP32 scale is 1 / enc.
-FP4SIM_HD float fp8_block_encode_scale(float amax_b) { return nvfp4_global_encode_scale(amax_b, kE4M3Max); }
+FP4SIM_HD float fp8_block_encode_scale(float amax_b) {
+  return nvfp4_global_encode_scale(amax_b, kE4M3Max);
+}
 // The stored FP32 scale of a block: 1 / enc, correctly rounded (on the GPU by __frcp_rn, the
 // same value as __fdiv_rn(1, enc) in fewer instructions).
 FP4SIM_HD float fp8_block_decode_scale(float enc) {
@@ -69,14 +71,17 @@ FP4SIM_HD float fp8_block_decode_scale(float enc) {
 #endif
 }
 // One element: e4m3_rn_satfinite(x * enc) (NaN -> 0x7F).
-FP4SIM_HD uint8_t fp8_quantize_element(float x, float enc) { return e4m3_rn_satfinite(fmul_rn(x, enc)); }
+FP4SIM_HD uint8_t fp8_quantize_element(float x, float enc) {
+  return e4m3_rn_satfinite(fmul_rn(x, enc));
+}
 // Two elements' codes as one pair (x0's in the low byte): fp8_quantize_element of each.
 FP4SIM_HD uint32_t fp8_quantize_pair(float x0, float x1, float enc) {
   return e4m3x2_rn_satfinite(fmul_rn(x0, enc), fmul_rn(x1, enc));
 }
 // Four elements' codes as one word (x0's in the low byte): fp8_quantize_element of each.
 FP4SIM_HD uint32_t fp8_quantize_quad(float x0, float x1, float x2, float x3, float enc) {
-  return e4m3x4_rn_satfinite(fmul_rn(x0, enc), fmul_rn(x1, enc), fmul_rn(x2, enc), fmul_rn(x3, enc));
+  return e4m3x4_rn_satfinite(fmul_rn(x0, enc), fmul_rn(x1, enc), fmul_rn(x2, enc),
+                             fmul_rn(x3, enc));
 }
 // Decoded element: e4m3(code) * scale, a NaN result canonical.
 FP4SIM_HD float fp8_decode_element(uint8_t code, float scale) {
@@ -112,14 +117,16 @@ FP4SIM_HD void four_over_six_candidates(float amax_b, float s_enc, uint8_t* map6
 
 // Error contribution of one element under a Four Over Six candidate scale:
 // val = ((e2m1(q) * (float)s) * amax) / 1536, diff = val - x; |diff| (mae) or diff*diff (mse).
-FP4SIM_HD float four_over_six_element_error(float x, uint8_t q, uint8_t scale, float amax, bool mse) {
-  const float val = fdiv_rn(fmul_rn(fmul_rn(e2m1_to_f32(q), e4m3_to_f32(scale)), amax),
-                            kFourOverSixRange);
+FP4SIM_HD float four_over_six_element_error(float x, uint8_t q, uint8_t scale, float amax,
+                                            bool mse) {
+  const float val =
+      fdiv_rn(fmul_rn(fmul_rn(e2m1_to_f32(q), e4m3_to_f32(scale)), amax), kFourOverSixRange);
   const float diff = fsub_rn(val, x);
   return mse ? fmul_rn(diff, diff) : f32_abs(diff);
 }
 
-// ---- Whole NVFP4 blocks ----------------------------------------------------------------------------
+// ---- Whole NVFP4 blocks
+// ----------------------------------------------------------------------------
 
 // The per-tensor part of an NVFP4 copy: amax, S_enc, S_dec and the decode range (2688, or 1536 for
 // a Four Over Six copy).
@@ -157,7 +164,8 @@ FP4SIM_HD void e2m1_encode16(const float* v, float enc, const SrBits& sr, uint8_
   if (sr.enabled) {
     FP4SIM_UNROLL
     for (int i = 0; i < kNvfp4Block / 2; ++i) {
-      const uint8_t lo = e2m1_rs_satfinite(fmul_rn(v[2 * i], enc), sr_byte_for_element(sr.bits, 2 * i));
+      const uint8_t lo =
+          e2m1_rs_satfinite(fmul_rn(v[2 * i], enc), sr_byte_for_element(sr.bits, 2 * i));
       const uint8_t hi =
           e2m1_rs_satfinite(fmul_rn(v[2 * i + 1], enc), sr_byte_for_element(sr.bits, 2 * i + 1));
       packed[i] = static_cast<uint8_t>(lo | (hi << 4));
@@ -222,8 +230,8 @@ FP4SIM_HD float tile16_amax(const Load& load) {
   return m;
 }
 
-// Four Over Six scale of a 16x16 tile. The error is one sequential FP32 sum over the 256 elements in
-// the input's row-major order (a outer, b inner), so the row-wise and the transposed column-wise
+// Four Over Six scale of a 16x16 tile. The error is one sequential FP32 sum over the 256 elements
+// in the input's row-major order (a outer, b inner), so the row-wise and the transposed column-wise
 // copies choose the same scale and the Dgrad weight stays the exact transpose of the Fprop weight.
 template <class Load>
 FP4SIM_HD uint8_t nvfp4_tile_four_over_six_scale(const Load& load, const Nvfp4Global& g, bool mse) {
@@ -252,7 +260,8 @@ FP4SIM_HD uint8_t nvfp4_tile_scale(const Load& load, const Nvfp4Global& g, bool 
                        : nvfp4_block_scale(tile16_amax(load), g.s_enc);
 }
 
-// ---- MXFP4 ---------------------------------------------------------------------------------------
+// ---- MXFP4
+// ---------------------------------------------------------------------------------------
 
 enum class MxScaleRule : uint8_t { Floor, Ceil };
 
@@ -263,8 +272,8 @@ FP4SIM_HD uint8_t mxfp4_block_scale(float amax_b, bool has_inf, bool all_nan, Mx
   if (amax_b == 0.0f) return 0;
   const uint32_t a = f32_bits(amax_b);
   const int biased = static_cast<int>(a >> 23);
-  int e;             // floor(log2 amax_b)
-  uint32_t man23;    // the significand's fraction, normalised to 23 bits
+  int e;           // floor(log2 amax_b)
+  uint32_t man23;  // the significand's fraction, normalised to 23 bits
   if (biased != 0) {
     e = biased - 127;
     man23 = a & 0x7FFFFFu;
@@ -312,7 +321,8 @@ FP4SIM_HD uint8_t mxfp4_quantize_1x32(const float* v, MxScaleRule rule, const Sr
   return byte;
 }
 
-// ---- cuBLASLt 128x4 tiled scale layout (DESIGN.md §8) ---------------------------------------------
+// ---- cuBLASLt 128x4 tiled scale layout (DESIGN.md §8)
+// ---------------------------------------------
 
 constexpr int kTiledRows = 128;
 constexpr int kTiledCols = 4;

@@ -3,9 +3,10 @@
 // H = diag(s) * H16 / 4 with H16 the Sylvester Hadamard matrix and s the fixed sign vector (mask
 // 0xD7E8: bit i set where s_i = -1). Each output is what the Blackwell tensor core computes:
 //   y_j = bf16_rne( T-FDPA(x[0..15], H[:, j], c = +0; L = 16, F = 25, RZ-FP32) ).
-// rht16_reference evaluates exactly that (16 T-FDPAs); rht16 computes the same bits with one integer
-// fast Walsh-Hadamard transform, because every product x_i * H_ij has the same magnitude |x_i|/4 for
-// all j, so its truncation onto the grid does not depend on j. Tests hold the two equal.
+// rht16_reference evaluates exactly that (16 T-FDPAs); rht16 computes the same bits with one
+// integer fast Walsh-Hadamard transform, because every product x_i * H_ij has the same magnitude
+// |x_i|/4 for all j, so its truncation onto the grid does not depend on j. Tests hold the two
+// equal.
 #pragma once
 
 #include <cstdint>
@@ -57,8 +58,10 @@ FP4SIM_HD void rht16_reference(const uint16_t* x, uint16_t* y) {
 // and rht16's u[] would then be stored and reloaded on every call, not only the rare ones.
 FP4SIM_HD_NOINLINE uint16_t rht16_round_general(int32_t v, int grid) {
   const bool neg = v < 0;
-  const uint64_t mag = neg ? static_cast<uint64_t>(-static_cast<int64_t>(v)) : static_cast<uint64_t>(v);
-  return bf16_rne(f32_from_bits(mag == 0 ? 0u : round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits)));
+  const uint64_t mag =
+      neg ? static_cast<uint64_t>(-static_cast<int64_t>(v)) : static_cast<uint64_t>(v);
+  return bf16_rne(
+      f32_from_bits(mag == 0 ? 0u : round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits)));
 }
 
 // One stage of the in-place Walsh-Hadamard transform: (u_k, u_k+span) <- (u_k + u_k+span,
@@ -91,7 +94,8 @@ FP4SIM_HD uint32_t rht16_input_max_bits(const uint16_t* x) {
   };
   float m[kRhtSize / 2];
   FP4SIM_UNROLL
-  for (int i = 0; i < kRhtSize / 2; ++i) m[i] = max_nan(fabsf(bf16_to_f32(x[2 * i])), fabsf(bf16_to_f32(x[2 * i + 1])));
+  for (int i = 0; i < kRhtSize / 2; ++i)
+    m[i] = max_nan(fabsf(bf16_to_f32(x[2 * i])), fabsf(bf16_to_f32(x[2 * i + 1])));
   FP4SIM_UNROLL
   for (int w = kRhtSize / 4; w >= 1; w /= 2) {
     FP4SIM_UNROLL
@@ -134,8 +138,10 @@ FP4SIM_HD void rht16_special_packed(const uint16_t* x, uint32_t* w) {
     const uint32_t neg_j = neg_mask ^ hadamard_odd_mask(j);  // product sign for each i
     const bool pos = (inf_mask & ~neg_j) != 0, neg = (inf_mask & neg_j) != 0;
     const uint32_t y = (any_nan || (pos && neg)) ? kBF16NaN : (pos ? 0x7F80u : 0xFF80u);
-    if (j % 2 == 0) w[j / 2] = y;
-    else w[j / 2] |= y << 16;
+    if (j % 2 == 0)
+      w[j / 2] = y;
+    else
+      w[j / 2] |= y << 16;
   }
 }
 
@@ -196,7 +202,9 @@ FP4SIM_HD int rht16_terms(const uint16_t* x, uint32_t amax_bits, int32_t (&u)[kR
 // few binades of the BF16 extremes) the chunk takes the general rounding. Both are monotone in
 // |Y| and odd in Y.
 FP4SIM_HD bool rht16_grid_fast(int grid) { return grid >= -126 && grid <= 97; }
-FP4SIM_HD float rht16_grid_scale(int grid) { return f32_from_bits(static_cast<uint32_t>(grid + 127) << 23); }
+FP4SIM_HD float rht16_grid_scale(int grid) {
+  return f32_from_bits(static_cast<uint32_t>(grid + 127) << 23);
+}
 // One output Y_j on a fast grid (rht16_grid_fast(grid)).
 FP4SIM_HD uint16_t rht16_round_fast(int32_t y, int grid) {
   return bf16_rne(fmul_rn(int_to_f32_rz(y), rht16_grid_scale(grid)));
@@ -231,7 +239,8 @@ FP4SIM_HD void rht16_packed(const uint16_t* x, uint32_t* w, float* in_amax = nul
     const float pow2 = rht16_grid_scale(grid);
     FP4SIM_UNROLL
     for (int k = 0; k < kRhtSize / 2; ++k)
-      w[k] = bf16x2_rne(fmul_rn(int_to_f32_rz(u[2 * k]), pow2), fmul_rn(int_to_f32_rz(u[2 * k + 1]), pow2));
+      w[k] = bf16x2_rne(fmul_rn(int_to_f32_rz(u[2 * k]), pow2),
+                        fmul_rn(int_to_f32_rz(u[2 * k + 1]), pow2));
   } else {
     FP4SIM_UNROLL
     for (int k = 0; k < kRhtSize / 2; ++k)
@@ -290,7 +299,8 @@ FP4SIM_HD_NOINLINE float rht16_abs_max_rare(Bf16Chunk chunk, uint32_t amax_bits)
     rht16_special_packed(x, w);
     float m = 0.0f;
     for (int j = 0; j < kRhtSize; ++j)
-      m = fmax_nan_ignored(m, f32_abs(bf16_to_f32(static_cast<uint16_t>(w[j / 2] >> (16 * (j % 2))))));
+      m = fmax_nan_ignored(m,
+                           f32_abs(bf16_to_f32(static_cast<uint16_t>(w[j / 2] >> (16 * (j % 2))))));
     return m;
   }
   if (amax_bits == 0) return 0.0f;
@@ -298,7 +308,8 @@ FP4SIM_HD_NOINLINE float rht16_abs_max_rare(Bf16Chunk chunk, uint32_t amax_bits)
   const int emax = rht16_terms(x, amax_bits, u);
   const int32_t ymax = rht16_abs_max_of_terms(u);
   const int grid = emax - 2 - kBf16FdpaF;
-  return bf16_to_f32(rht16_grid_fast(grid) ? rht16_round_fast(ymax, grid) : rht16_round_general(ymax, grid));
+  return bf16_to_f32(rht16_grid_fast(grid) ? rht16_round_fast(ymax, grid)
+                                           : rht16_round_general(ymax, grid));
 }
 
 // The NaN-ignoring max |y_j| of rht16's outputs (0 when every output is NaN), without rounding
@@ -306,7 +317,8 @@ FP4SIM_HD_NOINLINE float rht16_abs_max_rare(Bf16Chunk chunk, uint32_t amax_bits)
 FP4SIM_HD float rht16_abs_max(const uint16_t* x, float* in_amax = nullptr) {
   const uint32_t amax_bits = rht16_input_max_bits(x);
   if (in_amax)
-    *in_amax = amax_bits >= 0x7F80u ? rht16_input_amax_special(x) : bf16_to_f32(static_cast<uint16_t>(amax_bits));
+    *in_amax = amax_bits >= 0x7F80u ? rht16_input_amax_special(x)
+                                    : bf16_to_f32(static_cast<uint16_t>(amax_bits));
   const int emax = rht16_emax(amax_bits);
   // the common path: finite inputs, the FMUL terms (emax >= -102) and the fast grid (emax - 27 in
   // [-126, 97])

@@ -24,7 +24,8 @@ constexpr float kGeluCubic = 0.044715f;
 
 __device__ __forceinline__ float gelu_tanh_value(float x) {
   const float cube = __fmul_rn(__fmul_rn(__fmul_rn(kGeluCubic, x), x), x);
-  return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(__fmul_rn(kGeluScale, __fadd_rn(x, cube)))));
+  return __fmul_rn(__fmul_rn(0.5f, x),
+                   __fadd_rn(1.0f, tanhf(__fmul_rn(kGeluScale, __fadd_rn(x, cube)))));
 }
 
 // tanh(y) = 1 - 2 / (e^(2y) + 1), e^(2y) = 2^(2y log2 e) by exp2_ftz and the reciprocal by
@@ -56,8 +57,10 @@ __device__ __forceinline__ float gelu_forward_stored(float x, bool round_bf16) {
 
 // The stored GELU input gradient, +0 + local * dout (written, never accumulated: emu/layers.hpp),
 // dout read as bf16_round(dout) when bf16_dout, the result bf16_round-ed when round_bf16.
-__device__ __forceinline__ float gelu_backward_stored(float x, float dout, bool round_bf16, bool bf16_dout) {
-  const float v = __fadd_rn(0.0f, __fmul_rn(gelu_tanh_local_grad(x), bf16_dout ? bf16_round(dout) : dout));
+__device__ __forceinline__ float gelu_backward_stored(float x, float dout, bool round_bf16,
+                                                      bool bf16_dout) {
+  const float v =
+      __fadd_rn(0.0f, __fmul_rn(gelu_tanh_local_grad(x), bf16_dout ? bf16_round(dout) : dout));
   return round_bf16 ? bf16_round(v) : v;
 }
 

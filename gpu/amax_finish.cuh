@@ -18,7 +18,8 @@ struct AmaxArgs {
   float* amax_rht;     // max |rht(x)| of the column-wise copy (or null)
   uint16_t* rht_out;   // where to keep rht(x) (BF16, transposed: cols x rows, dense), or null
   unsigned* ws;        // the backend's amax workspace: {plain, rht, CTAs done}, zero between passes
-  float* col_partial = nullptr;  // x's 64-row chunk column sums [R / 64, C] (the pipelined RHT pass only), or null
+  float* col_partial =
+      nullptr;  // x's 64-row chunk column sums [R / 64, C] (the pipelined RHT pass only), or null
 };
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -36,7 +37,8 @@ __device__ __forceinline__ void amax_commit(float p, float q, const AmaxArgs& ar
   __threadfence();
   if (atomicAdd(ws + 2, 1u) != gridDim.x * gridDim.y * gridDim.z - 1) return;
   __threadfence();
-  const float plain = __uint_as_float(atomicExch(ws, 0u)), rht = __uint_as_float(atomicExch(ws + 1, 0u));
+  const float plain = __uint_as_float(atomicExch(ws, 0u)),
+              rht = __uint_as_float(atomicExch(ws + 1, 0u));
   if (args.amax_plain) *args.amax_plain = plain;
   if (args.amax_plain2) *args.amax_plain2 = plain;
   if (args.amax_rht) *args.amax_rht = rht;

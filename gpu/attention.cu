@@ -2,8 +2,8 @@
 // 2023) on mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, the CUDA twins of
 // emu/layers.hpp's attention_forward / attention_backward (same shapes, same saved lse, dqkv
 // written as +0 + value). The (B,NH,T,T) probabilities are never stored; for HD <= 64 the backward
-// pass stores bf16(dS) (B,NH, causal tiles) in a scratch the dQ kernel reads, and otherwise recomputes
-// it in the dQ kernel (the same values either way).
+// pass stores bf16(dS) (B,NH, causal tiles) in a scratch the dQ kernel reads, and otherwise
+// recomputes it in the dQ kernel (the same values either way).
 //
 // Shapes: qkv (B,T,(NH+2NKV)*HD) FP32 holding the NH query heads, then NKV key heads, then NKV
 // value heads; out and dout (B,T,NH*HD); lse and dsum (B,NH,T). Query head h reads KV head
@@ -15,7 +15,8 @@
 //
 // Numerics (emu/layers.hpp states the contract; this file agrees with it within a bound, not
 // bitwise):
-// - Operands: q, k, v, dout rounded FP32 -> BF16 RNE once per call into BF16 copies (cvt.rn.bf16x2.f32:
+// - Operands: q, k, v, dout rounded FP32 -> BF16 RNE once per call into BF16 copies
+// (cvt.rn.bf16x2.f32:
 //   the value of emu/formats.hpp's bf16_rne for every input, NaN -> canonical NaN; a no-op on
 //   BF16-stored activations), which the kernels stage with cp.async, the next tile's copy in flight
 //   while the current one is used (two buffers for HD <= 64). P and dS rounded the same way in
@@ -147,33 +148,40 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* tile, in
 // (r0, c0) of a shared tile read by load_b_nk (kRowsAreN: tile rows are B's n) or load_b_kn (rows
 // are B's k)
 template <int kStride, bool kRowsAreN>
-__device__ __forceinline__ void mma_block(float (&d_lo)[4], float (&d_hi)[4], const uint32_t (&a)[4],
-                                          const bf16* tile, int r0, int c0, int lane) {
+__device__ __forceinline__ void mma_block(float (&d_lo)[4], float (&d_hi)[4],
+                                          const uint32_t (&a)[4], const bf16* tile, int r0, int c0,
+                                          int lane) {
   uint32_t b[4];
-  if constexpr (kRowsAreN) load_b_nk<kStride>(b, tile, r0, c0, lane);
-  else load_b_kn<kStride>(b, tile, r0, c0, lane);
+  if constexpr (kRowsAreN)
+    load_b_nk<kStride>(b, tile, r0, c0, lane);
+  else
+    load_b_kn<kStride>(b, tile, r0, c0, lane);
   mma_bf16(d_lo, a, b[0], b[1]);
   mma_bf16(d_hi, a, b[2], b[3]);
 }
 
-// ---- staging: BF16 operands, copied global -> shared with cp.async -------------------------------
-// The launchers round qkv and dout to BF16 once per call (bf16_rne: the same values the kernels
-// used to round while staging), so a tile is a plain 16-byte copy that the copy engine does while
-// the warps compute on the other buffer.
+// ---- staging: BF16 operands, copied global -> shared with cp.async
+// ------------------------------- The launchers round qkv and dout to BF16 once per call (bf16_rne:
+// the same values the kernels used to round while staging), so a tile is a plain 16-byte copy that
+// the copy engine does while the warps compute on the other buffer.
 
 // 16 bytes global -> shared, asynchronously; zero-filled (nothing read) when !valid.
 __device__ __forceinline__ void cp_async16(bf16* smem, const bf16* gmem, bool valid) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n)
+               : "memory");
 }
 // 4 bytes global -> shared, asynchronously (through L1); zero-filled when !valid.
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int n = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n)
+               : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 // wait until at most N of this thread's committed groups are still in flight
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -193,8 +201,10 @@ constexpr int kStages = HD <= 64 ? 2 : 1;
 template <int kS, class Stage>
 __device__ __forceinline__ void staged_acquire(int i, int n, const Stage& stage) {
   if (kS == 2) {
-    if (i + 1 < n) stage(i + 1);
-    else cp_async_commit();
+    if (i + 1 < n)
+      stage(i + 1);
+    else
+      cp_async_commit();
     cp_async_wait<1>();
   } else {
     stage(i);
@@ -206,13 +216,14 @@ __device__ __forceinline__ void staged_acquire(int i, int n, const Stage& stage)
 // Rows row0..row0+kTile-1 of one head (HD BF16 columns starting at src, rows row_stride apart) into
 // a shared tile, asynchronously; rows >= T are zeros. The caller commits and waits.
 template <int HD>
-__device__ __forceinline__ void stage_tile_async(bf16* tile, const bf16* src, int64_t row_stride, int row0,
-                                                 int T) {
+__device__ __forceinline__ void stage_tile_async(bf16* tile, const bf16* src, int64_t row_stride,
+                                                 int row0, int T) {
   constexpr int kStride = HD + kSmemPad, kChunksPerRow = HD / 8;
   for (int e = threadIdx.x; e < kTile * kChunksPerRow; e += kThreads) {
     const int r = e / kChunksPerRow, c = (e % kChunksPerRow) * 8;
     const bool valid = row0 + r < T;
-    cp_async16(tile + r * kStride + c, src + (valid ? static_cast<int64_t>(row0 + r) * row_stride + c : 0), valid);
+    cp_async16(tile + r * kStride + c,
+               src + (valid ? static_cast<int64_t>(row0 + r) * row_stride + c : 0), valid);
   }
 }
 
@@ -221,8 +232,8 @@ __device__ __forceinline__ void stage_tile_async(bf16* tile, const bf16* src, in
 // the dQ kernel, K and V in the dK/dV kernel. Loaded once per CTA. (Two BF16 values per 4-byte
 // load, the lower column in the low half, as the fragment wants.)
 template <int HD>
-__device__ __forceinline__ void load_a_rows(uint32_t (&a)[HD / 16][4], const bf16* src, int64_t row_stride,
-                                            int row0, int T, int lane) {
+__device__ __forceinline__ void load_a_rows(uint32_t (&a)[HD / 16][4], const bf16* src,
+                                            int64_t row_stride, int row0, int T, int lane) {
   const int gid = lane >> 2, tig = lane & 3;
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + gid + half * 8;
@@ -262,7 +273,9 @@ __device__ __forceinline__ float log2_scale(float scale) { return __fmul_rn(scal
 
 // An output element as the kernels store it: BF16-rounded when kRound (the caller's BF16 storage).
 template <bool kRound>
-__device__ __forceinline__ float stored_out(float v) { return kRound ? bf16_round(v) : v; }
+__device__ __forceinline__ float stored_out(float v) {
+  return kRound ? bf16_round(v) : v;
+}
 
 // One CTA per (b, h, 64-row query tile); grid (B*NH, query tiles), the tiles with the most keys
 // first. Warp w owns query rows q_tile*64 + 16w .. +15; each lane two of them (gid, gid + 8).
@@ -379,12 +392,14 @@ __global__ void __launch_bounds__(kThreads)
     for (int n = 0; n < kDn; ++n) {
       const float v0 = __fdiv_rn(o[n][2 * r], l[r]), v1 = __fdiv_rn(o[n][2 * r + 1], l[r]);
       if constexpr (std::is_same_v<OutT, float>)
-        *reinterpret_cast<float2*>(o_row + n * 8 + 2 * tig) = make_float2(stored_out<kRound>(v0), stored_out<kRound>(v1));
+        *reinterpret_cast<float2*>(o_row + n * 8 + 2 * tig) =
+            make_float2(stored_out<kRound>(v0), stored_out<kRound>(v1));
       else  // BF16 bits: the rounding is the storage (the bits of bf16_round's value)
         *reinterpret_cast<uint32_t*>(o_row + n * 8 + 2 * tig) = pack_bf16x2(v0, v1);
     }
     if (tig == 0)
-      lse[(static_cast<int64_t>(b) * NH + h) * T + rows[r]] = __fmul_rn(__fadd_rn(m[r], log2f(l[r])), kLn2);
+      lse[(static_cast<int64_t>(b) * NH + h) * T + rows[r]] =
+          __fmul_rn(__fadd_rn(m[r], log2f(l[r])), kLn2);
   }
 }
 
@@ -418,29 +433,34 @@ __device__ __forceinline__ void store_written2(OutT* p, float v0, float v1) {
 // the row's lse in base-2 units, lse2 = lse * log2(e) (B,NH,T), which the backward kernels read.
 // Values from FP32 storage or from BF16 bits (widened: the same values), 16 bytes at a time.
 __device__ __forceinline__ int values_in(const uint4& u, float (&x)[8], const float*) {
-  x[0] = __uint_as_float(u.x), x[1] = __uint_as_float(u.y), x[2] = __uint_as_float(u.z), x[3] = __uint_as_float(u.w);
+  x[0] = __uint_as_float(u.x), x[1] = __uint_as_float(u.y), x[2] = __uint_as_float(u.z),
+  x[3] = __uint_as_float(u.w);
   return 4;
 }
 __device__ __forceinline__ int values_in(const uint4& u, float (&x)[8], const uint16_t*) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) x[2 * i] = __uint_as_float(w[i] << 16), x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  for (int i = 0; i < 4; ++i)
+    x[2 * i] = __uint_as_float(w[i] << 16), x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
   return 8;
 }
 
 template <int HD, class DoutT, class OutT>
 struct DsumShape {
   static constexpr int kWidest = sizeof(DoutT) > sizeof(OutT) ? sizeof(DoutT) : sizeof(OutT);
-  static constexpr int kRows = HD * kWidest <= 128 ? 128 : HD * kWidest <= 256 ? 64 : 32;  // = threads
-  static constexpr int kDyWords = HD * static_cast<int>(sizeof(DoutT)) / 4 + 4;  // padded row, 4-byte words
+  static constexpr int kRows = HD * kWidest <= 128   ? 128
+                               : HD * kWidest <= 256 ? 64
+                                                     : 32;  // = threads
+  static constexpr int kDyWords =
+      HD * static_cast<int>(sizeof(DoutT)) / 4 + 4;  // padded row, 4-byte words
   static constexpr int kOWords = HD * static_cast<int>(sizeof(OutT)) / 4 + 4;
 };
 
 // Rows row0..row0+n-1 of src (rows of `chunks` 16-byte chunks, contiguous) into a shared array of
 // rows `stride` 4-byte words apart, by R threads.
 template <int R>
-__device__ __forceinline__ void rows_to_shared(uint32_t* dst, const void* src, int64_t row0, int n, int chunks,
-                                               int stride) {
+__device__ __forceinline__ void rows_to_shared(uint32_t* dst, const void* src, int64_t row0, int n,
+                                               int chunks, int stride) {
   const uint4* g = reinterpret_cast<const uint4*>(src) + row0 * chunks;
   for (int c = threadIdx.x; c < n * chunks; c += R)
     *reinterpret_cast<uint4*>(dst + (c / chunks) * stride + (c % chunks) * 4) = g[c];
@@ -448,14 +468,16 @@ __device__ __forceinline__ void rows_to_shared(uint32_t* dst, const void* src, i
 
 template <int HD, class DoutT, class OutT>
 __global__ void __launch_bounds__((DsumShape<HD, DoutT, OutT>::kRows))
-    attention_dsum_kernel(float* dsum, float* lse2, const float* lse, const DoutT* dout, const OutT* out, int64_t rows,
-                          int T, int NH) {
+    attention_dsum_kernel(float* dsum, float* lse2, const float* lse, const DoutT* dout,
+                          const OutT* out, int64_t rows, int T, int NH) {
   using Shape = DsumShape<HD, DoutT, OutT>;
   constexpr int R = Shape::kRows;
-  constexpr int kDyChunks = HD * static_cast<int>(sizeof(DoutT)) / 16, kOChunks = HD * static_cast<int>(sizeof(OutT)) / 16;
+  constexpr int kDyChunks = HD * static_cast<int>(sizeof(DoutT)) / 16,
+                kOChunks = HD * static_cast<int>(sizeof(OutT)) / 16;
   __shared__ __align__(16) uint32_t dy_s[R * Shape::kDyWords];
   __shared__ __align__(16) uint32_t o_s[R * Shape::kOWords];
-  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * R; row0 < rows; row0 += static_cast<int64_t>(gridDim.x) * R) {
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * R; row0 < rows;
+       row0 += static_cast<int64_t>(gridDim.x) * R) {
     const int n = static_cast<int>(rows - row0 < R ? rows - row0 : R);
     rows_to_shared<R>(dy_s, dout, row0, n, kDyChunks, Shape::kDyWords);
     rows_to_shared<R>(o_s, out, row0, n, kOChunks, Shape::kOWords);
@@ -465,30 +487,39 @@ __global__ void __launch_bounds__((DsumShape<HD, DoutT, OutT>::kRows))
       const uint32_t* o_row = o_s + threadIdx.x * Shape::kOWords;
       float acc = 0.0f, a[8], c[8];
       // (i counts values; each 16-byte chunk holds 4 FP32 or 8 BF16 values)
-      constexpr int kA = 16 / static_cast<int>(sizeof(DoutT)), kC = 16 / static_cast<int>(sizeof(OutT));
-      constexpr int kStep = kA < kC ? kA : kC;  // values consumed per step: both chunks' boundaries align
+      constexpr int kA = 16 / static_cast<int>(sizeof(DoutT)),
+                    kC = 16 / static_cast<int>(sizeof(OutT));
+      constexpr int kStep =
+          kA < kC ? kA : kC;  // values consumed per step: both chunks' boundaries align
 #pragma unroll
       for (int i = 0; i < HD; i += kStep) {
-        if (i % kA == 0) values_in(*reinterpret_cast<const uint4*>(dy_row + (i / kA) * 4), a, static_cast<const DoutT*>(nullptr));
-        if (i % kC == 0) values_in(*reinterpret_cast<const uint4*>(o_row + (i / kC) * 4), c, static_cast<const OutT*>(nullptr));
+        if (i % kA == 0)
+          values_in(*reinterpret_cast<const uint4*>(dy_row + (i / kA) * 4), a,
+                    static_cast<const DoutT*>(nullptr));
+        if (i % kC == 0)
+          values_in(*reinterpret_cast<const uint4*>(o_row + (i / kC) * 4), c,
+                    static_cast<const OutT*>(nullptr));
 #pragma unroll
-        for (int j = 0; j < kStep; ++j) acc = __fadd_rn(acc, __fmul_rn(bf16_round(a[(i + j) % kA]), c[(i + j) % kC]));
+        for (int j = 0; j < kStep; ++j)
+          acc = __fadd_rn(acc, __fmul_rn(bf16_round(a[(i + j) % kA]), c[(i + j) % kC]));
       }
       const int64_t r = row0 + threadIdx.x;
       const int64_t h = r % NH, bt = r / NH, t = bt % T, b = bt / T;
       dsum[(b * NH + h) * T + t] = acc;
-      lse2[(b * NH + h) * T + t] = __fmul_rn(lse[(b * NH + h) * T + t], kLog2e);  // (base 2, for the backward)
+      lse2[(b * NH + h) * T + t] =
+          __fmul_rn(lse[(b * NH + h) * T + t], kLog2e);  // (base 2, for the backward)
     }
     __syncthreads();  // before the next rows overwrite the shared arrays
   }
 }
 
 // A warp's dq accumulators (rows row0 + gid and row0 + gid + 8 of head h, the MMA's C layout) into
-// dqkv: scale * acc, written as +0 + value (BF16-rounded with kRound) by the lane that holds it; rows
-// past T are not written. Both dQ kernels end with it.
+// dqkv: scale * acc, written as +0 + value (BF16-rounded with kRound) by the lane that holds it;
+// rows past T are not written. Both dQ kernels end with it.
 template <int HD, bool kRound, class OutT>
-__device__ __forceinline__ void store_dq_rows(OutT* dqkv, const float (&dq)[HD / 8][4], int b, int h, int row0, int T,
-                                              int64_t W, float scale, int lane) {
+__device__ __forceinline__ void store_dq_rows(OutT* dqkv, const float (&dq)[HD / 8][4], int b,
+                                              int h, int row0, int T, int64_t W, float scale,
+                                              int lane) {
   const int gid = lane >> 2, tig = lane & 3;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -497,7 +528,8 @@ __device__ __forceinline__ void store_dq_rows(OutT* dqkv, const float (&dq)[HD /
     OutT* dq_row = dqkv + (static_cast<int64_t>(b) * T + row) * W + h * HD;
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n)
-      store_written2<kRound>(dq_row + n * 8 + 2 * tig, __fmul_rn(dq[n][2 * r], scale), __fmul_rn(dq[n][2 * r + 1], scale));
+      store_written2<kRound>(dq_row + n * 8 + 2 * tig, __fmul_rn(dq[n][2 * r], scale),
+                             __fmul_rn(dq[n][2 * r + 1], scale));
   }
 }
 
@@ -585,7 +617,7 @@ __global__ void __launch_bounds__(kThreads)
 // uint4s; a block holds, per lane, the A fragment of its bf16(dS^T) (keys x queries) as the dK MMA
 // reads it: one 16-byte store a lane, 512 contiguous bytes a warp. Blocks the kernels skip (on the
 // diagonal above it, rows past T) are never written nor read as values.
-constexpr int kDsBlockUint4 = 32;                            // one block: 32 lanes x 16 bytes
+constexpr int kDsBlockUint4 = 32;  // one block: 32 lanes x 16 bytes
 constexpr int kDsPairUint4 = (kTile / 16) * (kTile / 16) * kDsBlockUint4;  // 8 KB a tile pair
 __host__ __device__ constexpr int64_t ds_pairs(int64_t tiles) { return tiles * (tiles + 1) / 2; }
 
@@ -629,8 +661,10 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
       static_assert(kThreads == 2 * kTile, "one 4-byte copy a thread");
       const int r = threadIdx.x % kTile, t = qt * kTile + r;
       const int64_t i = (static_cast<int64_t>(b) * NH + h) * T + (t < T ? t : 0);
-      if (threadIdx.x < kTile) cp_async4(&lse_buf[buf][r], lse2 + i, t < T);
-      else cp_async4(&dsum_buf[buf][r], dsum + i, t < T);
+      if (threadIdx.x < kTile)
+        cp_async4(&lse_buf[buf][r], lse2 + i, t < T);
+      else
+        cp_async4(&dsum_buf[buf][r], dsum + i, t < T);
     }
     cp_async_commit();
   };
@@ -658,8 +692,9 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
     [[maybe_unused]] uint4* ds_pair = nullptr;
     if constexpr (kStoreDs) {
       const int h = g * group + it / n_qt;
-      ds_pair = ds + ((static_cast<int64_t>(b) * NH + h) * pairs + ds_pairs(qt) + k_tile) * kDsPairUint4 +
-                warp * kDsBlockUint4 + lane;
+      ds_pair =
+          ds + ((static_cast<int64_t>(b) * NH + h) * pairs + ds_pairs(qt) + k_tile) * kDsPairUint4 +
+          warp * kDsBlockUint4 + lane;
     }
 #pragma unroll
     for (int qc = 0; qc < kTile / 16; ++qc) {
@@ -696,7 +731,8 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
       uint32_t pa[4], dsa[4];
       accumulators_to_a(pa, p[0], p[1]);
       accumulators_to_a(dsa, ds_v[0], ds_v[1]);
-      if constexpr (kStoreDs) ds_pair[qc * (kTile / 16) * kDsBlockUint4] = make_uint4(dsa[0], dsa[1], dsa[2], dsa[3]);
+      if constexpr (kStoreDs)
+        ds_pair[qc * (kTile / 16) * kDsBlockUint4] = make_uint4(dsa[0], dsa[1], dsa[2], dsa[3]);
 #pragma unroll
       for (int dn = 0; dn < HD / 16; ++dn) {
         mma_block<kStride, false>(dv[2 * dn], dv[2 * dn + 1], pa, do_s, qc * 16, dn * 16, lane);
@@ -707,8 +743,10 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
   };
   for (int it = 0; it < n_it; ++it) {
     const int qt = k_tile + it % n_qt;
-    if (qt == k_tile || (qt + 1) * kTile > T) iteration(it, std::true_type{});
-    else iteration(it, std::false_type{});
+    if (qt == k_tile || (qt + 1) * kTile > T)
+      iteration(it, std::true_type{});
+    else
+      iteration(it, std::false_type{});
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -717,7 +755,8 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
     OutT* dv_row = dqkv + (static_cast<int64_t>(b) * T + keys[r]) * W + (NH + NKV + g) * HD;
 #pragma unroll
     for (int n = 0; n < kDn; ++n) {
-      store_written2<kRound>(dk_row + n * 8 + 2 * tig, __fmul_rn(dk[n][2 * r], scale), __fmul_rn(dk[n][2 * r + 1], scale));
+      store_written2<kRound>(dk_row + n * 8 + 2 * tig, __fmul_rn(dk[n][2 * r], scale),
+                             __fmul_rn(dk[n][2 * r + 1], scale));
       store_written2<kRound>(dv_row + n * 8 + 2 * tig, dv[n][2 * r], dv[n][2 * r + 1]);
     }
   }
@@ -725,15 +764,16 @@ __global__ void __launch_bounds__(kThreads, kStoreDs ? 3 : 1)
 
 // dq from the stored dS (the dK/dV kernel's kStoreDs): one CTA per (b, h, 64-row query tile), grid
 // (B*NH, query tiles), most keys first. Warp w owns query rows q_tile*64 + 16w .. +15; for each key
-// tile up to the diagonal, K and the warp's four dS^T blocks go through shared memory (cp.async, the
-// next tile's copy in flight); each block is transposed in registers (movmatrix) into the A fragment
-// of dS, and dq = bf16(dS) K: the same BF16 values in the same MMA chain (key tiles, then 16-key
-// chunks, in increasing order) as attention_backward_dq_kernel, which recomputes them. Each dq
-// element is written to dqkv (+0 + value, BF16-rounded when round_bf16) by the lane that holds it.
+// tile up to the diagonal, K and the warp's four dS^T blocks go through shared memory (cp.async,
+// the next tile's copy in flight); each block is transposed in registers (movmatrix) into the A
+// fragment of dS, and dq = bf16(dS) K: the same BF16 values in the same MMA chain (key tiles, then
+// 16-key chunks, in increasing order) as attention_backward_dq_kernel, which recomputes them. Each
+// dq element is written to dqkv (+0 + value, BF16-rounded when round_bf16) by the lane that holds
+// it.
 template <int HD, bool kRound, class OutT>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dq_stored_kernel(OutT* dqkv, const uint4* ds, const bf16* qkv, int T, int NH, int NKV,
-                                        float scale) {
+    attention_backward_dq_stored_kernel(OutT* dqkv, const uint4* ds, const bf16* qkv, int T, int NH,
+                                        int NKV, float scale) {
   constexpr int kStride = HD + kSmemPad, kDn = HD / 8, kS = kStages<HD>, kBlocks = kTile / 16;
   __shared__ __align__(16) bf16 k_buf[kS][kTile * kStride];
   __shared__ __align__(16) uint4 ds_buf[kS][kDsPairUint4];
@@ -742,15 +782,19 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t W = static_cast<int64_t>(NH + 2 * NKV) * HD;
   const bf16* qkv_b = qkv + static_cast<int64_t>(b) * T * W;
-  const uint4* ds_row = ds + ((static_cast<int64_t>(b) * NH + h) * ds_pairs(gridDim.y) + ds_pairs(q_tile)) * kDsPairUint4;
+  const uint4* ds_row =
+      ds +
+      ((static_cast<int64_t>(b) * NH + h) * ds_pairs(gridDim.y) + ds_pairs(q_tile)) * kDsPairUint4;
   // this warp's blocks (qc = warp, kc = 0..3): 4 x 512 contiguous bytes, each lane copies its own
   const int own = warp * kBlocks * kDsBlockUint4 + lane;
-  auto stage = [&](int kt) {  // K of key tile kt and the dS^T blocks of pair (q_tile, kt) into buffer kt % kS
+  auto stage = [&](int kt) {  // K of key tile kt and the dS^T blocks of pair (q_tile, kt) into
+                              // buffer kt % kS
     stage_tile_async<HD>(k_buf[kt % kS], qkv_b + (NH + g) * HD, W, kt * kTile, T);
 #pragma unroll
     for (int kc = 0; kc < kBlocks; ++kc) {
       const int i = own + kc * kDsBlockUint4;
-      cp_async16(reinterpret_cast<bf16*>(&ds_buf[kt % kS][i]), reinterpret_cast<const bf16*>(ds_row + kt * kDsPairUint4 + i),
+      cp_async16(reinterpret_cast<bf16*>(&ds_buf[kt % kS][i]),
+                 reinterpret_cast<const bf16*>(ds_row + kt * kDsPairUint4 + i),
                  kt < q_tile || kc <= warp);  // (above the diagonal: never written, not read)
     }
     cp_async_commit();
@@ -769,9 +813,11 @@ __global__ void __launch_bounds__(kThreads)
       if (diagonal && kc > warp) break;  // keys above this warp's rows: nothing to add
       const uint4 t = ds_buf[kt % kS][own + kc * kDsBlockUint4];
       // dS^T's fragment: x = (keys 0-7, queries 0-7), y = (keys 8-15, q 0-7), z = (k 0-7, q 8-15),
-      // w = (k 8-15, q 8-15); dS's: (q 0-7, k 0-7), (q 8-15, k 0-7), (q 0-7, k 8-15), (q 8-15, k 8-15)
+      // w = (k 8-15, q 8-15); dS's: (q 0-7, k 0-7), (q 8-15, k 0-7), (q 0-7, k 8-15), (q 8-15, k
+      // 8-15)
       uint32_t dsa[4];
-      dsa[0] = movmatrix_trans(t.x), dsa[1] = movmatrix_trans(t.z), dsa[2] = movmatrix_trans(t.y), dsa[3] = movmatrix_trans(t.w);
+      dsa[0] = movmatrix_trans(t.x), dsa[1] = movmatrix_trans(t.z), dsa[2] = movmatrix_trans(t.y),
+      dsa[3] = movmatrix_trans(t.w);
 #pragma unroll
       for (int dn = 0; dn < HD / 16; ++dn) {
         mma_block<kStride, false>(dq[2 * dn], dq[2 * dn + 1], dsa, k_s, kc * 16, dn * 16, lane);
@@ -794,45 +840,50 @@ void require_aligned(const char* op, const char* tensor, const void* p) {
 void to_bf16(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
   const int64_t n4 = n / 4;
   const int64_t blocks = (n4 + 255) / 256;
-  to_bf16_kernel<<<static_cast<unsigned>(blocks < 132 * 32 ? (blocks > 0 ? blocks : 1) : 132 * 32), 256, 0, stream>>>(
-      dst, src, n4);
+  to_bf16_kernel<<<static_cast<unsigned>(blocks < 132 * 32 ? (blocks > 0 ? blocks : 1) : 132 * 32),
+                   256, 0, stream>>>(dst, src, n4);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 template <int HD>
-void forward_for(float* out, uint16_t* out16, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t NH,
-                 int64_t NKV, bool round_bf16, cudaStream_t stream) {
+void forward_for(float* out, uint16_t* out16, float* lse, const bf16* qkv, int64_t B, int64_t T,
+                 int64_t NH, int64_t NKV, bool round_bf16, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));  // as the emulator, on the host
   const dim3 grid(static_cast<unsigned>(B * NH), static_cast<unsigned>((T + kTile - 1) / kTile));
   const int t = static_cast<int>(T), nh = static_cast<int>(NH), nkv = static_cast<int>(NKV);
   if (out16)
-    attention_forward_kernel<HD, true, uint16_t><<<grid, kThreads, 0, stream>>>(out16, lse, qkv, t, nh, nkv, scale);
+    attention_forward_kernel<HD, true, uint16_t>
+        <<<grid, kThreads, 0, stream>>>(out16, lse, qkv, t, nh, nkv, scale);
   else if (round_bf16)
-    attention_forward_kernel<HD, true, float><<<grid, kThreads, 0, stream>>>(out, lse, qkv, t, nh, nkv, scale);
+    attention_forward_kernel<HD, true, float>
+        <<<grid, kThreads, 0, stream>>>(out, lse, qkv, t, nh, nkv, scale);
   else
-    attention_forward_kernel<HD, false, float><<<grid, kThreads, 0, stream>>>(out, lse, qkv, t, nh, nkv, scale);
+    attention_forward_kernel<HD, false, float>
+        <<<grid, kThreads, 0, stream>>>(out, lse, qkv, t, nh, nkv, scale);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 template <int HD, bool kRound, class OutT>
-void backward_kernels(OutT* dqkv, const float* dsum, uint4* ds, const bf16* dout16, const bf16* qkv16,
-                      const float* lse2, int64_t B, int64_t T, int64_t NH, int64_t NKV, float scale, cudaStream_t stream) {
+void backward_kernels(OutT* dqkv, const float* dsum, uint4* ds, const bf16* dout16,
+                      const bf16* qkv16, const float* lse2, int64_t B, int64_t T, int64_t NH,
+                      int64_t NKV, float scale, cudaStream_t stream) {
   const int64_t tiles = (T + kTile - 1) / kTile;
   const int t = static_cast<int>(T), nh = static_cast<int>(NH), nkv = static_cast<int>(NKV);
   const dim3 kv_grid(static_cast<unsigned>(B * NKV), static_cast<unsigned>(tiles));
   const dim3 q_grid(static_cast<unsigned>(B * NH), static_cast<unsigned>(tiles));
   if constexpr (HD <= 64) {
     if (ds) {
-      attention_backward_dkdv_kernel<HD, kRound, true, OutT>
-          <<<kv_grid, kThreads, 0, stream>>>(dqkv, ds, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
+      attention_backward_dkdv_kernel<HD, kRound, true, OutT><<<kv_grid, kThreads, 0, stream>>>(
+          dqkv, ds, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
       FP4SIM_CUDA_CHECK_LAUNCH();
-      attention_backward_dq_stored_kernel<HD, kRound, OutT><<<q_grid, kThreads, 0, stream>>>(dqkv, ds, qkv16, t, nh, nkv, scale);
+      attention_backward_dq_stored_kernel<HD, kRound, OutT>
+          <<<q_grid, kThreads, 0, stream>>>(dqkv, ds, qkv16, t, nh, nkv, scale);
       FP4SIM_CUDA_CHECK_LAUNCH();
       return;
     }
   }
-  attention_backward_dkdv_kernel<HD, kRound, false, OutT>
-      <<<kv_grid, kThreads, 0, stream>>>(dqkv, nullptr, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
+  attention_backward_dkdv_kernel<HD, kRound, false, OutT><<<kv_grid, kThreads, 0, stream>>>(
+      dqkv, nullptr, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
   FP4SIM_CUDA_CHECK_LAUNCH();
   attention_backward_dq_kernel<HD, kRound, OutT>
       <<<q_grid, kThreads, 0, stream>>>(dqkv, dout16, qkv16, lse2, dsum, t, nh, nkv, scale);
@@ -840,19 +891,21 @@ void backward_kernels(OutT* dqkv, const float* dsum, uint4* ds, const bf16* dout
 }
 
 template <int HD, class DoutT, class OutT>
-void dsum_launch(float* dsum, float* lse2, const float* lse, const DoutT* dout, const OutT* out, int64_t rows, int T, int NH,
-                 cudaStream_t stream) {
+void dsum_launch(float* dsum, float* lse2, const float* lse, const DoutT* dout, const OutT* out,
+                 int64_t rows, int T, int NH, cudaStream_t stream) {
   constexpr int R = DsumShape<HD, DoutT, OutT>::kRows;
   const int64_t blocks = (rows + R - 1) / R;
   attention_dsum_kernel<HD, DoutT, OutT>
-      <<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), R, 0, stream>>>(dsum, lse2, lse, dout, out, rows, T, NH);
+      <<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), R, 0, stream>>>(
+          dsum, lse2, lse, dout, out, rows, T, NH);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 template <int HD>
-void backward_for(float* dqkv, uint16_t* dqkv16, float* dsum, uint4* ds, const float* dout, const bf16* dout16, bool dout_bits,
-                  const bf16* qkv16, const float* out, const uint16_t* out16, const float* lse, int64_t B, int64_t T,
-                  int64_t NH, int64_t NKV, bool round_bf16, cudaStream_t stream) {
+void backward_for(float* dqkv, uint16_t* dqkv16, float* dsum, uint4* ds, const float* dout,
+                  const bf16* dout16, bool dout_bits, const bf16* qkv16, const float* out,
+                  const uint16_t* out16, const float* lse, int64_t B, int64_t T, int64_t NH,
+                  int64_t NKV, bool round_bf16, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const int64_t rows = B * T * NH;
   const int t = static_cast<int>(T), nh = static_cast<int>(NH);
@@ -860,13 +913,20 @@ void backward_for(float* dqkv, uint16_t* dqkv16, float* dsum, uint4* ds, const f
   const uint16_t* d16 = reinterpret_cast<const uint16_t*>(dout16);
   // dsum's scratch holds rows values of dsum, then rows of lse2 = lse * log2(e)
   float* lse2 = dsum + rows;
-  if (dout_bits && out16) dsum_launch<HD>(dsum, lse2, lse, d16, out16, rows, t, nh, stream);
-  else if (dout_bits) dsum_launch<HD>(dsum, lse2, lse, d16, out, rows, t, nh, stream);
-  else if (out16) dsum_launch<HD>(dsum, lse2, lse, dout, out16, rows, t, nh, stream);
-  else dsum_launch<HD>(dsum, lse2, lse, dout, out, rows, t, nh, stream);
-  if (dqkv16) backward_kernels<HD, true>(dqkv16, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
-  else if (round_bf16) backward_kernels<HD, true>(dqkv, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
-  else backward_kernels<HD, false>(dqkv, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
+  if (dout_bits && out16)
+    dsum_launch<HD>(dsum, lse2, lse, d16, out16, rows, t, nh, stream);
+  else if (dout_bits)
+    dsum_launch<HD>(dsum, lse2, lse, d16, out, rows, t, nh, stream);
+  else if (out16)
+    dsum_launch<HD>(dsum, lse2, lse, dout, out16, rows, t, nh, stream);
+  else
+    dsum_launch<HD>(dsum, lse2, lse, dout, out, rows, t, nh, stream);
+  if (dqkv16)
+    backward_kernels<HD, true>(dqkv16, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
+  else if (round_bf16)
+    backward_kernels<HD, true>(dqkv, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
+  else
+    backward_kernels<HD, false>(dqkv, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
 }
 
 std::atomic<bool> g_recompute_dq{false};  // set_attention_recompute_dq
@@ -883,7 +943,7 @@ int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD)
 }
 
 void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                             int64_t HD) {
+                           int64_t HD) {
   if (!attention_head_dim_supported(HD))
     throw std::invalid_argument(std::string(op) + ": head dim HD=" + std::to_string(HD) +
                                 " is not supported by the CUDA attention kernels; expected 16, 32, "
@@ -902,12 +962,14 @@ void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int
 
 // qkv (FP32, converted into the qkv16 scratch here) or qkv_in16 (BF16 bits, read as they are);
 // out (FP32, BF16-rounded when round_bf16) or out16 (BF16 bits).
-void attention_forward_launch(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv_in16,
-                              uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
-                              bool round_bf16, cudaStream_t stream) {
+void attention_forward_launch(float* out, uint16_t* out16, float* lse, const float* qkv,
+                              const uint16_t* qkv_in16, uint16_t* qkv16, int64_t B, int64_t T,
+                              int64_t NH, int64_t NKV, int64_t HD, bool round_bf16,
+                              cudaStream_t stream) {
   attention_check_shape("attention_forward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
-  require_aligned("attention_forward", out16 ? "out16" : "out", out16 ? static_cast<const void*>(out16) : out);
+  require_aligned("attention_forward", out16 ? "out16" : "out",
+                  out16 ? static_cast<const void*>(out16) : out);
   const bf16* q16 = reinterpret_cast<const bf16*>(qkv_in16);
   if (!qkv_in16) {
     require_aligned("attention_forward", "qkv", qkv);
@@ -934,15 +996,20 @@ void attention_forward_launch(float* out, uint16_t* out16, float* lse, const flo
 }
 
 // qkv / qkv_in16 and out / out16 as attention_forward_launch's (one of each pair); dqkv or dqkv16.
-void attention_backward_launch(float* dqkv, uint16_t* dqkv16, float* dsum, const float* dout, const uint16_t* dout_in16, const float* qkv,
-                               const uint16_t* qkv_in16, const float* out, const uint16_t* out16, const float* lse,
-                               uint16_t* qkv16, uint16_t* dout16, void* ds, int64_t B, int64_t T, int64_t NH,
-                               int64_t NKV, int64_t HD, bool round_bf16, cudaStream_t stream) {
+void attention_backward_launch(float* dqkv, uint16_t* dqkv16, float* dsum, const float* dout,
+                               const uint16_t* dout_in16, const float* qkv,
+                               const uint16_t* qkv_in16, const float* out, const uint16_t* out16,
+                               const float* lse, uint16_t* qkv16, uint16_t* dout16, void* ds,
+                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                               bool round_bf16, cudaStream_t stream) {
   attention_check_shape("attention_backward", B, T, NH, NKV, HD);
   if (B * T == 0) return;
-  require_aligned("attention_backward", dqkv16 ? "dqkv16" : "dqkv", dqkv16 ? static_cast<const void*>(dqkv16) : dqkv);
-  require_aligned("attention_backward", dout_in16 ? "dout16" : "dout", dout_in16 ? static_cast<const void*>(dout_in16) : dout);
-  require_aligned("attention_backward", out16 ? "out16" : "out", out16 ? static_cast<const void*>(out16) : out);
+  require_aligned("attention_backward", dqkv16 ? "dqkv16" : "dqkv",
+                  dqkv16 ? static_cast<const void*>(dqkv16) : dqkv);
+  require_aligned("attention_backward", dout_in16 ? "dout16" : "dout",
+                  dout_in16 ? static_cast<const void*>(dout_in16) : dout);
+  require_aligned("attention_backward", out16 ? "out16" : "out",
+                  out16 ? static_cast<const void*>(out16) : out);
   if (!dout_in16) require_aligned("attention_backward", "dout16 (scratch)", dout16);
   const bf16* q16 = reinterpret_cast<const bf16*>(qkv_in16);
   if (!qkv_in16) {
@@ -963,16 +1030,20 @@ void attention_backward_launch(float* dqkv, uint16_t* dqkv16, float* dsum, const
   uint4* ds4 = static_cast<uint4*>(ds);
   switch (HD) {
     case 16:
-      backward_for<16>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<16>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH,
+                       NKV, round_bf16, stream);
       break;
     case 32:
-      backward_for<32>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<32>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH,
+                       NKV, round_bf16, stream);
       break;
     case 64:
-      backward_for<64>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<64>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH,
+                       NKV, round_bf16, stream);
       break;
     default:
-      backward_for<128>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH, NKV, round_bf16, stream);
+      backward_for<128>(dqkv, dqkv16, dsum, ds4, dout, d16, bits, q16, out, out16, lse, B, T, NH,
+                        NKV, round_bf16, stream);
       break;
   }
 }

@@ -14,15 +14,19 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 // 4 bytes to a shared-window address through L1 (.ca), zeros written instead where !valid (source
 // size 0; src must still be a valid address).
 __device__ __forceinline__ void cp_async4_zfill(unsigned smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 4 : 0)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem),
+               "r"(valid ? 4 : 0)
                : "memory");
 }
 // 16 bytes to a shared-window address (.cg), zeros where !valid (as cp_async4_zfill).
 __device__ __forceinline__ void cp_async16_zfill(unsigned smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
+               "r"(valid ? 16 : 0)
                : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

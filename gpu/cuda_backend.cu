@@ -1,8 +1,7 @@
-#include "gpu/cuda_backend.hpp"
-
 #include <stdexcept>
 #include <vector>
 
+#include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 
 namespace fp4sim::gpu {
@@ -31,9 +30,9 @@ std::string describe_gpu() {
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
   return std::string(p.name) + ", sm_" + std::to_string(p.major) + std::to_string(p.minor) + ", " +
-         std::to_string(p.multiProcessorCount) + " SMs, " +
-         std::to_string(p.totalGlobalMem >> 20) + " MiB, driver " + std::to_string(driver) +
-         ", runtime " + std::to_string(runtime) + (n > 1 ? " (+" + std::to_string(n - 1) + " more)" : "");
+         std::to_string(p.multiProcessorCount) + " SMs, " + std::to_string(p.totalGlobalMem >> 20) +
+         " MiB, driver " + std::to_string(driver) + ", runtime " + std::to_string(runtime) +
+         (n > 1 ? " (+" + std::to_string(n - 1) + " more)" : "");
 }
 
 // Allocations are stream-ordered (cudaMallocAsync / cudaFreeAsync on stream_, from the device's
@@ -66,7 +65,8 @@ void CudaBackend::init_device() {
     FP4SIM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   }
   FP4SIM_CUDA_CHECK(cudaMalloc(&amax_ws_, 4 * sizeof(unsigned)));
-  FP4SIM_CUDA_CHECK(cudaMemsetAsync(amax_ws_, 0, 4 * sizeof(unsigned), stream_));  // (ordered before any pass)
+  FP4SIM_CUDA_CHECK(
+      cudaMemsetAsync(amax_ws_, 0, 4 * sizeof(unsigned), stream_));  // (ordered before any pass)
 }
 CudaBackend::~CudaBackend() {
   if (amax_ws_) cudaFree(amax_ws_);
@@ -77,13 +77,17 @@ CudaBackend::~CudaBackend() {
 // and upload/download synchronise it.
 void* CudaBackend::allocate(size_t bytes) {
   void* p = nullptr;
-  if (stream_ordered_) FP4SIM_CUDA_CHECK(cudaMallocAsync(&p, bytes ? bytes : 1, stream_));
-  else FP4SIM_CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1));
+  if (stream_ordered_)
+    FP4SIM_CUDA_CHECK(cudaMallocAsync(&p, bytes ? bytes : 1, stream_));
+  else
+    FP4SIM_CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1));
   return p;
 }
 void CudaBackend::release(void* p) {
-  if (stream_ordered_) cudaFreeAsync(p, stream_);
-  else cudaFree(p);
+  if (stream_ordered_)
+    cudaFreeAsync(p, stream_);
+  else
+    cudaFree(p);
 }
 void CudaBackend::upload(void* dst, const void* src, size_t n) {
   FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream_));
@@ -108,15 +112,18 @@ void CudaBackend::copy(void* dst, const void* src, size_t n) {
 void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                            QuantizedView* columnwise) {
   validate_quantize(x, cfg);
-  if (cfg.format != QFormat::FP8 && ((rowwise && rowwise->scales_gemm) || (columnwise && columnwise->scales_gemm)))
+  if (cfg.format != QFormat::FP8 &&
+      ((rowwise && rowwise->scales_gemm) || (columnwise && columnwise->scales_gemm)))
     throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
                                 "': GEMM-layout scales (scales_gemm) exist for FP8 only");
   if (cfg.format == QFormat::FP8) {
     if ((rowwise && rowwise->decoded_bf16) || (columnwise && columnwise->decoded_bf16))
-      throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
-                                  "': a decoded BF16 copy exists for the FP4 formats only, not FP8");
+      throw std::invalid_argument(
+          std::string("quantize (cuda): tensor '") + x.name +
+          "': a decoded BF16 copy exists for the FP4 formats only, not FP8");
     if (x.device != Device::Cuda)
-      throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name + "' is not in device memory");
+      throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
+                                  "' is not in device memory");
     fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_);
     return;
   }
@@ -126,8 +133,10 @@ void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, Quant
 void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {
   if (out.dtype != DType::F32 || out.rows != q.rows || out.cols != q.cols)
     throw std::invalid_argument("dequantize: output must be float32 " + shape_str(q.rows, q.cols));
-  if (q.format == QFormat::FP8) fp8_dequantize_launch(q, out, stream_);
-  else dequantize_launch(q, out, stream_);
+  if (q.format == QFormat::FP8)
+    fp8_dequantize_launch(q, out, stream_);
+  else
+    dequantize_launch(q, out, stream_);
 }
 
 QuantErrorSums CudaBackend::quant_error_sums(const float* x, const QuantizedView& q) {
@@ -154,15 +163,19 @@ void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const Ten
   const float* cp = c ? static_cast<const float*>(c->data) : nullptr;
   if (cfg.impl == GemmImpl::CublasLt) {
     if (cfg.split_k != 1)
-      throw std::invalid_argument("gemm: --split-k models the exact GEMM only; cuBLASLt chooses its own");
+      throw std::invalid_argument(
+          "gemm: --split-k models the exact GEMM only; cuBLASLt chooses its own");
     if (!cublaslt_) cublaslt_ = make_cublaslt_state();
-    if (a.format == QFormat::FP8) fp8_gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
-    else gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
+    if (a.format == QFormat::FP8)
+      fp8_gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
+    else
+      gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
     return;
   }
   if (a.format == QFormat::FP8) {
     if (fp8_wgmma_enabled() && fp8_gemm_wgmma_supported(a, b)) {
-      float* ws = cfg.split_k > 1 ? fp8_split_ws_.get<float>(static_cast<size_t>(cfg.split_k * a.rows * b.rows), stream_)
+      float* ws = cfg.split_k > 1 ? fp8_split_ws_.get<float>(
+                                        static_cast<size_t>(cfg.split_k * a.rows * b.rows), stream_)
                                   : nullptr;
       fp8_gemm_wgmma_launch(a, b, cp, cfg, d.data, ws, stream_);
     } else {

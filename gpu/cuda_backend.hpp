@@ -18,7 +18,8 @@ std::shared_ptr<CublasLtState> make_cublaslt_state();
 void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b,
                           const float* c, const GemmConfig& cfg, void* out, cudaStream_t stream);
 void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b,
-                              const float* c, const GemmConfig& cfg, void* out, cudaStream_t stream);
+                              const float* c, const GemmConfig& cfg, void* out,
+                              cudaStream_t stream);
 
 // D_rm [M, N] = alpha * A_rm [M, K] * B_rm [N, K]^T (+ beta * C), BF16 operands, FP32 output.
 void bf16_gemm_tn(CublasLtState& st, const uint16_t* a, const uint16_t* b, const float* c, float* d,
@@ -27,12 +28,15 @@ void bf16_gemm_tn(CublasLtState& st, const uint16_t* a, const uint16_t* b, const
 // The same GEMM with alpha and beta as host (Host) or device (Device) scalars. The FP4 path on
 // Hopper uses Device: alpha' comes from the operands' amax on the device.
 enum class Bf16Scalars { Host, Device };
-void bf16_gemm_tn_scalars(CublasLtState& st, Bf16Scalars mode, const uint16_t* a, const uint16_t* b, const float* c,
-                          float* d, int64_t M, int64_t N, int64_t K, const float* alpha, const float* beta,
-                          cudaStream_t stream);
+void bf16_gemm_tn_scalars(CublasLtState& st, Bf16Scalars mode, const uint16_t* a, const uint16_t* b,
+                          const float* c, float* d, int64_t M, int64_t N, int64_t K,
+                          const float* alpha, const float* beta, cudaStream_t stream);
 
-// The head sizes the attention kernels are instantiated for (gpu/attention.cu: a template argument).
-constexpr bool attention_head_dim_supported(int64_t hd) { return hd == 16 || hd == 32 || hd == 64 || hd == 128; }
+// The head sizes the attention kernels are instantiated for (gpu/attention.cu: a template
+// argument).
+constexpr bool attention_head_dim_supported(int64_t hd) {
+  return hd == 16 || hd == 32 || hd == 64 || hd == 128;
+}
 
 bool gpu_available();
 std::string describe_gpu();
@@ -57,7 +61,9 @@ class CudaBackend final : public Backend {
                 QuantizedView* columnwise) override;
   // cuBLASLt on a GPU without FP4 tensor cores (compute capability < 10) multiplies the FP4
   // formats as decoded BF16; the quantizer writes that decode when a view asks (decoded_bf16).
-  bool decodes_for_gemm(GemmImpl impl) const override { return impl == GemmImpl::CublasLt && cc_major_ < 10; }
+  bool decodes_for_gemm(GemmImpl impl) const override {
+    return impl == GemmImpl::CublasLt && cc_major_ < 10;
+  }
   bool fp8_scales_for_gemm(GemmImpl impl) const override { return impl == GemmImpl::CublasLt; }
   void dequantize(const QuantizedView& q, const TensorView& out) override;
   QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) override;
@@ -73,61 +79,68 @@ class CudaBackend final : public Backend {
   void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
                           const int32_t* pos, int64_t N, int64_t C) override;
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                         const float* weight, const float* bias, int64_t N, int64_t C, bool round_bf16) override;
+                         const float* weight, const float* bias, int64_t N, int64_t C,
+                         bool round_bf16) override;
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                           const float* inp, const float* weight, const float* mean,
-                          const float* rstd, int64_t N, int64_t C, bool round_bf16, bool bf16_dout) override;
+                          const float* rstd, int64_t N, int64_t C, bool round_bf16,
+                          bool bf16_dout) override;
   void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
                        int64_t C, bool round_bf16) override;
   void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                        const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16,
-                        bool bf16_dout) override;
+                        const float* weight, const float* rstd, int64_t N, int64_t C,
+                        bool round_bf16, bool bf16_dout) override;
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                      int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec, bool round_bf16) override;
+                      int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
+                      bool round_bf16) override;
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                        const float* inp, const float* weight, int64_t N, int64_t K, int64_t OC,
                        emu::GemmPrecision prec) override;
   // (BF16 precision: the GEMMs read dout as it is, no conversion pass)
-  void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, const float* inp,
-                                 const float* weight, int64_t N, int64_t K, int64_t OC,
-                                 emu::GemmPrecision prec) override;
+  void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout,
+                                 const float* inp, const float* weight, int64_t N, int64_t K,
+                                 int64_t OC, emu::GemmPrecision prec) override;
   // attention: FlashAttention-2 kernels on mma.sync (gpu/attention.cu), launched from gpu/layers.cu
   // (prec must be BF16: the kernels' operands are BF16)
-  void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                         int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec, bool round_bf16) override;
+  void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
+                         int64_t NKV, int64_t HD, emu::GemmPrecision prec,
+                         bool round_bf16) override;
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                           const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                           int64_t HD, emu::GemmPrecision prec, bool round_bf16) override;
-  void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                    int64_t HD) override;
+  void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override;
   void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                      int64_t HD) override;
   void gelu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override;
   void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
                      bool bf16_dout) override;
   void squared_relu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override;
-  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
-                             bool bf16_dout) override;
+  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
+                             bool round_bf16, bool bf16_dout) override;
   void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F, bool round_bf16) override;
-  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F, bool round_bf16,
-                       bool bf16_dout) override;
+  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F,
+                       bool round_bf16, bool bf16_dout) override;
   void bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) override;
   void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override;
   // FP8 with a column-wise copy: the quantizer's tile pass also takes the 64-row partial column
   // sums (gpu/fp8.cu); otherwise Backend's quantize then bias_backward. The same bits either way.
-  void quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                                   QuantizedView* columnwise, float* dbias) override;
+  void quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg,
+                                   QuantizedView* rowwise, QuantizedView* columnwise,
+                                   float* dbias) override;
   // FP8 (both copies or either, whole 128-row tiles where a column-wise copy or dbias is made): the
   // activation computed inside the quantizer's tile pass, src.out never written; otherwise
   // Backend's composition. The same bits either way.
-  void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                           QuantizedView* columnwise, float* dbias) override;
+  void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg,
+                           QuantizedView* rowwise, QuantizedView* columnwise,
+                           float* dbias) override;
   // BF16 precision: GELU's pass writes the GEMM's BF16 operand too (forward) or instead of the
   // gradient (backward, with a bias: with the bias gradient's sums); else Backend's composition.
-  void matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src, const float* weight, const float* bias,
-                                 int64_t OC, emu::GemmPrecision prec, bool round_bf16) override;
-  void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
-                                  const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) override;
+  void matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src,
+                                 const float* weight, const float* bias, int64_t OC,
+                                 emu::GemmPrecision prec, bool round_bf16) override;
+  void matmul_backward_activation(float* dinp, float* dweight, float* dbias,
+                                  const ActivationSource& src, const float* inp,
+                                  const float* weight, int64_t K, emu::GemmPrecision prec) override;
   // BF16-stored activations (Backend's *_bf16 / *_bits ops): read and written as BF16 bits
   // directly. A GEMM writing bits: cuBLASLt's BF16 output where it has no bias (the logits, the
   // Dgrads); with a bias, FP32 with the bias added in cuBLASLt's epilogue, then one narrowing pass
@@ -136,64 +149,84 @@ class CudaBackend final : public Backend {
   void set_bf16_weight_shadow(const float* base, const uint16_t* shadow, int64_t n) override;
   void narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) override;
   void widen_bf16(float* dst, const uint16_t* src, int64_t n) override;
-  void bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N, int64_t OC) override;
-  void layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp, const float* weight,
-                              const float* bias, int64_t N, int64_t C) override;
-  void rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,
-                            int64_t C) override;
-  void matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16, const float* weight,
-                           const float* bias, int64_t N, int64_t K, int64_t OC, bool round_bf16) override;
-  void matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias, const float* dout, const uint16_t* inp16,
-                                  const float* weight, int64_t N, int64_t K, int64_t OC) override;
-  void matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
-                                             const uint16_t* inp16, const float* weight, int64_t K) override;
-  void attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv16,
-                              int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD, bool round_bf16) override;
-  void attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout, const uint16_t* dout16,
-                               const float* qkv, const uint16_t* qkv16, const float* out, const uint16_t* out16,
-                               const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+  void bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N,
+                         int64_t OC) override;
+  void layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp,
+                              const float* weight, const float* bias, int64_t N,
+                              int64_t C) override;
+  void rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight,
+                            int64_t N, int64_t C) override;
+  void matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16,
+                           const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
+                           bool round_bf16) override;
+  void matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias, const float* dout,
+                                  const uint16_t* inp16, const float* weight, int64_t N, int64_t K,
+                                  int64_t OC) override;
+  void matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias,
+                                             const ActivationSource& src, const uint16_t* inp16,
+                                             const float* weight, int64_t K) override;
+  void attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv,
+                              const uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                              int64_t HD, bool round_bf16) override;
+  void attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout,
+                               const uint16_t* dout16, const float* qkv, const uint16_t* qkv16,
+                               const float* out, const uint16_t* out16, const float* lse, int64_t B,
+                               int64_t T, int64_t NH, int64_t NKV, int64_t HD,
                                bool round_bf16) override;
-  void matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias, const float* dout,
-                            const uint16_t* dout16, const ActivationSource* src, const float* inp, const uint16_t* inp16,
-                            const float* weight, int64_t N, int64_t K, int64_t OC) override;
-  void layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16, const float* inp,
-                               const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
-                               bool round_bf16) override;
-  void rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp, const float* weight,
-                             const float* rstd, int64_t N, int64_t C, bool round_bf16) override;
-  void residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n, bool round_bf16) override;
-  void residual_layernorm_forward_bf16(float* res, uint16_t* out, float* mean, float* rstd, const float* a,
-                                       const uint16_t* b16, const float* weight, const float* bias, int64_t N,
-                                       int64_t C, bool round_bf16) override;
+  void matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias,
+                            const float* dout, const uint16_t* dout16, const ActivationSource* src,
+                            const float* inp, const uint16_t* inp16, const float* weight, int64_t N,
+                            int64_t K, int64_t OC) override;
+  void layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16,
+                               const float* inp, const float* weight, const float* mean,
+                               const float* rstd, int64_t N, int64_t C, bool round_bf16) override;
+  void rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp,
+                             const float* weight, const float* rstd, int64_t N, int64_t C,
+                             bool round_bf16) override;
+  void residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n,
+                             bool round_bf16) override;
+  void residual_layernorm_forward_bf16(float* res, uint16_t* out, float* mean, float* rstd,
+                                       const float* a, const uint16_t* b16, const float* weight,
+                                       const float* bias, int64_t N, int64_t C,
+                                       bool round_bf16) override;
   void round_to_bf16(float* x, int64_t n) override;
-  void residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) override;
+  void residual_forward(float* out, const float* a, const float* b, int64_t n,
+                        bool round_bf16) override;
   void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
-                                    const int32_t* targets, int64_t N, int64_t V, bool bf16_logits) override;
+                                    const int32_t* targets, int64_t N, int64_t V,
+                                    bool bf16_logits) override;
   void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
-                                     const float* dlosses, int64_t N, int64_t V, bool round_bf16) override;
+                                     const float* dlosses, int64_t N, int64_t V,
+                                     bool round_bf16) override;
   void crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
-                                             const int32_t* targets, const float* dlosses, int64_t N, int64_t V,
-                                             bool round_bf16) override;
-  void crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits, const float* logits,
-                                                  const int32_t* targets, const float* dlosses, int64_t N,
+                                             const int32_t* targets, const float* dlosses,
+                                             int64_t N, int64_t V, bool round_bf16) override;
+  void crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits,
+                                                  const float* logits, const int32_t* targets,
+                                                  const float* dlosses, int64_t N,
                                                   int64_t V) override;
-  void crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits, const uint16_t* logits16,
-                                                  const int32_t* targets, const float* dlosses, int64_t N,
+  void crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits,
+                                                  const uint16_t* logits16, const int32_t* targets,
+                                                  const float* dlosses, int64_t N,
                                                   int64_t V) override;
   void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                     const AdamWStep& step) override;
-  void adamw_update_many(float* params, const float* grads, float* m, float* v, const std::vector<int64_t>& offsets,
-                         const std::vector<int64_t>& counts, const std::vector<AdamWStep>& steps) override;
-  void adamw_update_many_bf16(float* params, uint16_t* params16, const float* grads, float* m, float* v,
-                              const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+  void adamw_update_many(float* params, const float* grads, float* m, float* v,
+                         const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                         const std::vector<AdamWStep>& steps) override;
+  void adamw_update_many_bf16(float* params, uint16_t* params16, const float* grads, float* m,
+                              float* v, const std::vector<int64_t>& offsets,
+                              const std::vector<int64_t>& counts,
                               const std::vector<AdamWStep>& steps) override;
   double sum_squares(const float* x, int64_t n) override;
-  void sum_squares_many(const float* base, const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
-                        double* sums) override;
+  void sum_squares_many(const float* base, const std::vector<int64_t>& offsets,
+                        const std::vector<int64_t>& counts, double* sums) override;
 
   // Device memory in use now (total - free, all processes), for the trainer's peak report.
   int64_t device_memory_used() const override;
-  bool supports_attention_head_dim(int64_t hd) const override { return attention_head_dim_supported(hd); }
+  bool supports_attention_head_dim(int64_t hd) const override {
+    return attention_head_dim_supported(hd);
+  }
 
   cudaStream_t stream() const { return stream_; }
 
@@ -202,9 +235,11 @@ class CudaBackend final : public Backend {
   bool stream_ordered_ = false;  // allocate/release through the device's memory pool on stream_
   int cc_major_ = 0;             // compute capability of the device
   std::shared_ptr<CublasLtState> cublaslt_;  // created on first use
-  DeviceScratch rht_keep_;  // the RHT column-wise copy's transformed input between the quantizer's passes
+  DeviceScratch
+      rht_keep_;  // the RHT column-wise copy's transformed input between the quantizer's passes
   DeviceScratch fp8_split_ws_;  // the wgmma FP8 GEMM's split-K partial sums
-  unsigned* amax_ws_ = nullptr;  // the quantizer's amax workspace (quantize_launch), zeroed at creation
+  unsigned* amax_ws_ =
+      nullptr;  // the quantizer's amax workspace (quantize_launch), zeroed at creation
 
   // The training ops' own cuBLASLt handle and workspace, scratch buffers and RoPE table
   // (gpu/layers.cu). shared_ptr: the type is complete only in gpu/layers.cu.
@@ -216,17 +251,19 @@ class CudaBackend final : public Backend {
                   const std::vector<AdamWStep>& steps);
   // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (gpu/layers.cu); inp16: the
   // input as BF16 bits instead of inp (BF16 precision)
-  void matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp, const float* weight,
-                             int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
-                             const uint16_t* inp16 = nullptr);
+  void matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp,
+                             const float* weight, int64_t N, int64_t K, int64_t OC,
+                             emu::GemmPrecision prec, const uint16_t* inp16 = nullptr);
   // set_bf16_weight_shadow's range, and a weight's GEMM operand through it (gpu/layers.cu)
   const float* shadow_base_ = nullptr;
   const uint16_t* shadow_ = nullptr;
   int64_t shadow_n_ = 0;
-  const void* weight_operand(DeviceScratch& scratch, const float* weight, int64_t count, emu::GemmPrecision prec);
+  const void* weight_operand(DeviceScratch& scratch, const float* weight, int64_t count,
+                             emu::GemmPrecision prec);
   // GELU's backward pass as the BF16 GEMMs' operand, with dbias's chunk sums (gpu/layers.cu)
   const uint16_t* gelu_backward_operand(const ActivationSource& src, float* dbias);
-  void init_device();  // the constructor's part after the stream exists (pool, capability, workspace)
+  void
+  init_device();  // the constructor's part after the stream exists (pool, capability, workspace)
 };
 
 std::unique_ptr<Backend> make_cuda_backend();
@@ -278,9 +315,9 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
                        const GemmConfig& cfg, void* out, cudaStream_t stream);
 // Benchmark knob: the exact GEMM kernel, 0 = one thread per output (reference), 1 = tiled,
 // 2 = tiled with the lean core, 3 and 4 = 2 at 3 or 4 CTAs per SM, 5 = 4 with fewer integer
-// operations per output, 6 = 5 scaling the terms by exponent addition (18.9 TFLOP/s at 8192^3 on the
-// H200), 7 = 6 with per-row shared-memory records and all-zero groups folded into the exponents (the
-// default: 20.4 TFLOP/s), 8 = 6 with the records only (19.0), 9 = 7 at 3 CTAs per SM (19.1);
+// operations per output, 6 = 5 scaling the terms by exponent addition (18.9 TFLOP/s at 8192^3 on
+// the H200), 7 = 6 with per-row shared-memory records and all-zero groups folded into the exponents
+// (the default: 20.4 TFLOP/s), 8 = 6 with the records only (19.0), 9 = 7 at 3 CTAs per SM (19.1);
 // validation/perf.md has the measurements. Results are identical; only speed differs.
 constexpr int kGemmExactDefaultVariant = 7;
 void set_gemm_exact_variant(int variant);
@@ -295,14 +332,15 @@ constexpr int kPlanOwnPick = -1;
 bool cublaslt_picks_measured_here(int cc_major, size_t lt_version);
 constexpr int kMaxHeuristicPick = 15;
 void set_cublaslt_heuristic_pick(int index);
-// Test knob: the Hopper FP4 path's decode of an operand without its decoded copy, 1 = flat over both
-// operands' code words, warp-coalesced (default, where the buffers are aligned), 0 = 8 elements a
-// thread, a grid row per tensor row. Same bits.
+// Test knob: the Hopper FP4 path's decode of an operand without its decoded copy, 1 = flat over
+// both operands' code words, warp-coalesced (default, where the buffers are aligned), 0 = 8
+// elements a thread, a grid row per tensor row. Same bits.
 void set_fp4_decode_variant(int variant);
 // Test hook: what the most recently built cuBLASLt GEMM plan (gpu/gemm_cublaslt.cu) chose.
 // rules_active: Hopper with cuBLASLt 13.1.x, where fp8_preferred_algo / bf16_preferred_algo apply;
 // preferred: the index the rule (or the knob) asked for; found: how many algorithms the heuristic
-// returned (at most preferred + 1); used: the index taken (preferred, or 0 where the list is shorter).
+// returned (at most preferred + 1); used: the index taken (preferred, or 0 where the list is
+// shorter).
 struct CublasLtPlanPick {
   bool rules_active = false;
   int preferred = -1, found = 0, used = -1;
@@ -310,14 +348,15 @@ struct CublasLtPlanPick {
 CublasLtPlanPick last_cublaslt_plan_pick();
 // Benchmark knob, the same for the training matmuls (CudaBackend::matmul_forward/backward, the BF16
 // recipe's Linears and every recipe's output head): kPlanOwnPick, the default, the plan's own
-// choice (gpu/layers.cu matmul_preferred_algo, falling back to the first where the list is shorter);
-// 0..kMaxHeuristicPick that index (a matmul fails where the list is shorter). Plans are kept per
-// index, so switching back finds the default's again.
+// choice (gpu/layers.cu matmul_preferred_algo, falling back to the first where the list is
+// shorter); 0..kMaxHeuristicPick that index (a matmul fails where the list is shorter). Plans are
+// kept per index, so switching back finds the default's again.
 void set_matmul_heuristic_pick(int index);
 // The training matmuls' rule (gpu/layers.cu): the heuristic index a plan for lt_matmul's
 // column-major m x n x k (A transposed when transa, B when transb) takes, given whether the rules
 // apply (rules_active: Hopper with cuBLASLt 13.1.x) and whether the operands are BF16.
-int matmul_preferred_algo(bool rules_active, bool bf16, bool transa, bool transb, int64_t m, int64_t n, int64_t k);
+int matmul_preferred_algo(bool rules_active, bool bf16, bool transa, bool transb, int64_t m,
+                          int64_t n, int64_t k);
 // Test hook: what the most recently built training-matmul plan chose (fields as CublasLtPlanPick).
 using MatmulPlanPick = CublasLtPlanPick;
 MatmulPlanPick last_matmul_plan_pick();
@@ -357,25 +396,28 @@ uint64_t matmul_bf16_epilogue_count();
 std::string last_matmul_epilogue_refusal();
 // Test hook: how many BF16 matmul weight operands were read from set_bf16_weight_shadow's bits.
 uint64_t weight_shadow_read_count();
-// Test hook: how many CudaBackend::matmul_backward calls at BF16 precision took dout's BF16 copy and
-// the bias gradient's column sums from one pass (round_to_bf16_column_partial_kernel) in this process.
+// Test hook: how many CudaBackend::matmul_backward calls at BF16 precision took dout's BF16 copy
+// and the bias gradient's column sums from one pass (round_to_bf16_column_partial_kernel) in this
+// process.
 uint64_t fused_matmul_bias_count();
 // The FP8 block format (gpu/fp8.cu). amax_ws: as for quantize_launch.
-// column_partial (optional; F32 x with a column-wise copy, R % 128 == 0): the kernel also writes x's column
-// sums over each 64-row chunk (emu::kColumnChunkRows), [R / 64, C], each from +0 in increasing row
-// order, for column_sums_finalize (gpu/layers.cu): the bits of bias_backward's first pass.
+// column_partial (optional; F32 x with a column-wise copy, R % 128 == 0): the kernel also writes
+// x's column sums over each 64-row chunk (emu::kColumnChunkRows), [R / 64, C], each from +0 in
+// increasing row order, for column_sums_finalize (gpu/layers.cu): the bits of bias_backward's first
+// pass.
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                          QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
                          float* column_partial = nullptr);
 // The same tile pass over an activation op's output computed on the way in (src's GELU forward or
 // backward, gpu/activation.cuh), never stored: the bits of running the op, then
 // fp8_quantize_launch on its dense F32 output. column_partial: as above, over the op's output.
-void fp8_quantize_activation_launch(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                                    QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
+void fp8_quantize_activation_launch(const ActivationSource& src, const QuantizeConfig& cfg,
+                                    QuantizedView* rowwise, QuantizedView* columnwise,
+                                    cudaStream_t stream, unsigned* amax_ws,
                                     float* column_partial = nullptr);
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
-void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
-                           void* out, cudaStream_t stream);
+void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
+                           const GemmConfig& cfg, void* out, cudaStream_t stream);
 // The same exact FP8 GEMM on the tensor cores (gpu/fp8_wgmma.cu, sm_90a wgmma): the bits of
 // fp8_gemm_exact_launch where Hopper's FP8 accumulation is what DESIGN.md §7 models. Supported
 // (fp8_gemm_wgmma_supported) on a compute capability 9.0 device running this build's sm_90a code
@@ -383,8 +425,8 @@ void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const
 // aligned codes and 4-byte aligned scales. split_ws: cfg.split_k > 1, split_k * M * N floats of
 // device scratch.
 bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b);
-void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
-                           void* out, float* split_ws, cudaStream_t stream);
+void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
+                           const GemmConfig& cfg, void* out, float* split_ws, cudaStream_t stream);
 // Test and benchmark knob: whether CudaBackend::gemm runs exact FP8 GEMMs on the tensor cores where
 // supported (default true) or always with the one-thread-an-output model kernel.
 void set_fp8_wgmma(bool on);
@@ -406,17 +448,21 @@ void set_fp8_wgmma_max_ctas(int n);
 // aligned.
 // The launchers' shape checks (HD, NH/NKV, T's tile count), std::invalid_argument naming `op`:
 // callers run them before sizing scratch from the shape.
-void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD);
+void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                           int64_t HD);
 // qkv_in16 / out16 / dout_in16 / dqkv16: qkv read / out written / dout read / dqkv written as BF16
 // bits instead (Backend::attention_*_bf16; then qkv / out / dout / dqkv is null, and qkv and dout
 // are not converted into the scratch; dqkv16 implies round_bf16).
-void attention_forward_launch(float* out, uint16_t* out16, float* lse, const float* qkv, const uint16_t* qkv_in16,
-                              uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
-                              bool round_bf16, cudaStream_t stream);
-void attention_backward_launch(float* dqkv, uint16_t* dqkv16, float* dsum, const float* dout, const uint16_t* dout_in16, const float* qkv,
-                               const uint16_t* qkv_in16, const float* out, const uint16_t* out16, const float* lse,
-                               uint16_t* qkv16, uint16_t* dout16, void* ds, int64_t B, int64_t T, int64_t NH,
-                               int64_t NKV, int64_t HD, bool round_bf16, cudaStream_t stream);
+void attention_forward_launch(float* out, uint16_t* out16, float* lse, const float* qkv,
+                              const uint16_t* qkv_in16, uint16_t* qkv16, int64_t B, int64_t T,
+                              int64_t NH, int64_t NKV, int64_t HD, bool round_bf16,
+                              cudaStream_t stream);
+void attention_backward_launch(float* dqkv, uint16_t* dqkv16, float* dsum, const float* dout,
+                               const uint16_t* dout_in16, const float* qkv,
+                               const uint16_t* qkv_in16, const float* out, const uint16_t* out16,
+                               const float* lse, uint16_t* qkv16, uint16_t* dout16, void* ds,
+                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                               bool round_bf16, cudaStream_t stream);
 // The backward pass's dS scratch: attention_ds_scratch_bytes(B, T, NH, HD) bytes (16-byte aligned)
 // passed as `ds` make the dK/dV kernel store bf16(dS) and the dQ kernel a plain GEMM over it (the
 // same values and sums as recomputing it); 0 where that path is not taken (HD > 64, more than

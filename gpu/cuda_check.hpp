@@ -28,11 +28,11 @@ inline int grid_stride_blocks(int64_t n, int threads) {
 
 }  // namespace fp4sim::gpu
 
-#define FP4SIM_CUDA_CHECK(call)                                                    \
-  do {                                                                             \
-    cudaError_t fp4sim_err_ = (call);                                              \
-    if (fp4sim_err_ != cudaSuccess)                                                \
-      ::fp4sim::gpu::cuda_fail(fp4sim_err_, #call, __FILE__, __LINE__);            \
+#define FP4SIM_CUDA_CHECK(call)                                         \
+  do {                                                                  \
+    cudaError_t fp4sim_err_ = (call);                                   \
+    if (fp4sim_err_ != cudaSuccess)                                     \
+      ::fp4sim::gpu::cuda_fail(fp4sim_err_, #call, __FILE__, __LINE__); \
   } while (0)
 
 // After every kernel launch.
@@ -50,8 +50,8 @@ inline void allow_dynamic_smem(const void* kernel, size_t bytes) {
   FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
   if (allowed.count({kernel, device}) != 0) return;
-  FP4SIM_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(bytes)));
   allowed.insert({kernel, device});
 }
 

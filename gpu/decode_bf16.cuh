@@ -14,8 +14,8 @@
 namespace fp4sim::gpu {
 
 // E2M1 code -> FP32, by table: the 8 magnitudes' FP32 patterns have only their top two bytes set
-// (0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0), each
-// picked with one byte permute; the sign is bit 3. Equal to e2m1_to_f32 for all 16 codes (the
+// (0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0),
+// each picked with one byte permute; the sign is bit 3. Equal to e2m1_to_f32 for all 16 codes (the
 // cuBLASLt-vs-exact tests would see any difference); a few instructions instead of ~15.
 __device__ __forceinline__ float e2m1_to_f32_by_table(uint32_t code) {
   const uint32_t mag = code & 0x7u;
@@ -29,13 +29,15 @@ __device__ __forceinline__ float block_scale_value(QFormat f, uint8_t s) {
   return f == QFormat::MXFP4 ? ue8m0_to_f32(s) : e4m3_to_f32(s);
 }
 
-// 4 code bytes (8 elements, element 2i in the low nibble) -> 8 BF16 bit patterns, one 16-byte store.
+// 4 code bytes (8 elements, element 2i in the low nibble) -> 8 BF16 bit patterns, one 16-byte
+// store.
 __device__ __forceinline__ void decode8_bf16(uint32_t codes, float sv, uint16_t* out) {
   uint32_t packed[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const uint32_t lo = __float_as_uint(fmul_rn(e2m1_to_f32_by_table(codes >> (8 * i)), sv)) >> 16;
-    const uint32_t hi = __float_as_uint(fmul_rn(e2m1_to_f32_by_table(codes >> (8 * i + 4)), sv)) >> 16;
+    const uint32_t hi =
+        __float_as_uint(fmul_rn(e2m1_to_f32_by_table(codes >> (8 * i + 4)), sv)) >> 16;
     packed[i] = lo | (hi << 16);
   }
   *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
@@ -79,7 +81,8 @@ __device__ __forceinline__ void decode16_bf16(uint2 codes, uint8_t scale, uint16
 }
 
 // One MXFP4 block's 16 code bytes and UE8M0 scale -> 32 BF16 at out (16-byte aligned).
-__device__ __forceinline__ void decode32_mx_bf16(const uint8_t* packed, uint8_t scale, uint16_t* out) {
+__device__ __forceinline__ void decode32_mx_bf16(const uint8_t* packed, uint8_t scale,
+                                                 uint16_t* out) {
   const float sv = ue8m0_to_f32(scale);
   const uint4 w = *reinterpret_cast<const uint4*>(packed);
   decode8_bf16(w.x, sv, out);
@@ -89,8 +92,8 @@ __device__ __forceinline__ void decode32_mx_bf16(const uint8_t* packed, uint8_t 
 }
 
 // Elements [c0, c0 + 8) of row r of q (c0 a multiple of 8) -> out (row-major, q.cols per row).
-__device__ __forceinline__ void dequantize_chunk_bf16(const QuantizedView& q, uint16_t* out, int64_t r,
-                                                      int64_t c0) {
+__device__ __forceinline__ void dequantize_chunk_bf16(const QuantizedView& q, uint16_t* out,
+                                                      int64_t r, int64_t c0) {
   const int block_shift = q.format == QFormat::MXFP4 ? 5 : 4;  // 32 or 16 elements per scale
   const uint8_t s = q.scales[r * (q.cols >> block_shift) + (c0 >> block_shift)];
   const uint32_t codes = *reinterpret_cast<const uint32_t*>(q.codes + ((r * q.cols + c0) >> 1));

@@ -34,7 +34,8 @@ namespace {
 //  3. row-wise copy: lanes 0..7 each turn one row's block max into its scale (the division and
 //     the stored 1/enc once per row); then per row, enc from lane i by a shuffle, the lane's four
 //     codes (two pair conversions) as one 4-byte store;
-//  4. column-wise copy (input column c0 + tc is written as row c0 + tc, its elements r0.. at columns
+//  4. column-wise copy (input column c0 + tc is written as row c0 + tc, its elements r0.. at
+//  columns
 //     r0..): thread t quantizes a quarter column, tile rows 32 (t / 128) .. + 31 (a warp reads 32
 //     consecutive words of a row at a time), and writes its 32 codes (one 32-byte sector) as two
 //     16-byte stores; the thread of the first quarter writes the column's scale.
@@ -46,13 +47,16 @@ namespace {
 // checks the dimensions each copy blocks along).
 constexpr int kFp8TileThreads = 512;
 constexpr int kFp8Warps = kFp8TileThreads / 32;
-constexpr int kFp8LinesPerWarp = kFp8Block / kFp8Warps;   // tile rows per warp
-constexpr int kFp8ColParts = kFp8TileThreads / kFp8Block;  // threads per tile column (column-wise copy)
-constexpr int kFp8PartRows = kFp8Block / kFp8ColParts;     // a column-wise thread's share of its column
+constexpr int kFp8LinesPerWarp = kFp8Block / kFp8Warps;  // tile rows per warp
+constexpr int kFp8ColParts =
+    kFp8TileThreads / kFp8Block;  // threads per tile column (column-wise copy)
+constexpr int kFp8PartRows =
+    kFp8Block / kFp8ColParts;  // a column-wise thread's share of its column
 constexpr size_t kFp8TileSmem = sizeof(float) * kFp8Block * kFp8Block;
 static_assert(kFp8TileThreads % kFp8Block == 0 && kFp8PartRows % 16 == 0 && kFp8LinesPerWarp <= 32,
               "whole tile columns per thread group, 16-byte column stores, a scale per lane");
-constexpr int kFp8ChunkParts = static_cast<int>(emu::kColumnChunkRows) / kFp8PartRows;  // parts per column-sum chunk
+constexpr int kFp8ChunkParts =
+    static_cast<int>(emu::kColumnChunkRows) / kFp8PartRows;  // parts per column-sum chunk
 static_assert(kFp8ChunkParts >= 1 && kFp8ChunkParts * kFp8PartRows == emu::kColumnChunkRows &&
                   kFp8Block % emu::kColumnChunkRows == 0,
               "a tile's 64-row column-sum chunks are whole parts");
@@ -60,24 +64,27 @@ static_assert(kFp8ChunkParts >= 1 && kFp8ChunkParts * kFp8PartRows == emu::kColu
 struct Fp8TileArgs {
   int64_t rows, cols, stride;
   bool two_d;
-  bool vector_ok;      // rows aligned for 4-element loads (16 bytes FP32, 8 bytes BF16)
-  bool col_vector_ok;  // column-wise codes 16-byte aligned (R % 128 == 0 makes every row so)
+  bool vector_ok;          // rows aligned for 4-element loads (16 bytes FP32, 8 bytes BF16)
+  bool col_vector_ok;      // column-wise codes 16-byte aligned (R % 128 == 0 makes every row so)
   QuantizedView row, col;  // codes null = copy disabled
   AmaxArgs amax;           // targets: the enabled copies' amax
   float* col_partial;      // x's 64-row column sums [R / 64, C] (fp8_quantize_launch), or null
-  bool staged;             // whole tiles write the column-wise codes and row-wise GEMM scales through
-                           // shared memory (set_fp8_quantize_staged)
+  bool staged;  // whole tiles write the column-wise codes and row-wise GEMM scales through
+                // shared memory (set_fp8_quantize_staged)
 };
 
 // Four consecutive elements of row r from column c as FP32 (zeros outside the tensor): one 16-byte
 // (FP32) or 8-byte (BF16) load where the caller says the rows are aligned for it.
 template <class T>
-__device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, int64_t r, int64_t c) {
+__device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, int64_t r,
+                                            int64_t c) {
   if (a.vector_ok && r < a.rows && c + 4 <= a.cols) {
     if constexpr (sizeof(T) == 2) {
       const uint2 u = __ldg(reinterpret_cast<const uint2*>(x + r * a.stride + c));
-      return make_float4(bf16_to_f32(static_cast<uint16_t>(u.x & 0xFFFFu)), bf16_to_f32(static_cast<uint16_t>(u.x >> 16)),
-                         bf16_to_f32(static_cast<uint16_t>(u.y & 0xFFFFu)), bf16_to_f32(static_cast<uint16_t>(u.y >> 16)));
+      return make_float4(bf16_to_f32(static_cast<uint16_t>(u.x & 0xFFFFu)),
+                         bf16_to_f32(static_cast<uint16_t>(u.x >> 16)),
+                         bf16_to_f32(static_cast<uint16_t>(u.y & 0xFFFFu)),
+                         bf16_to_f32(static_cast<uint16_t>(u.y >> 16)));
     } else {
       return __ldg(reinterpret_cast<const float4*>(x + r * a.stride + c));
     }
@@ -86,8 +93,10 @@ __device__ __forceinline__ float4 fp8_load4(const T* x, const Fp8TileArgs& a, in
   for (int k = 0; k < 4; ++k) {
     float e = 0.0f;
     if (r < a.rows && c + k < a.cols) {
-      if constexpr (sizeof(T) == 2) e = bf16_to_f32(x[r * a.stride + c + k]);
-      else e = x[r * a.stride + c + k];
+      if constexpr (sizeof(T) == 2)
+        e = bf16_to_f32(x[r * a.stride + c + k]);
+      else
+        e = x[r * a.stride + c + k];
     }
     v[k] = e;
   }
@@ -107,7 +116,8 @@ struct Fp8NoAux {};
 
 // v (four values of row r from column c) with the elements outside the tensor set to +0, as the
 // memory source's padding reads: for a source that computes its values on the register path.
-__device__ __forceinline__ float4 fp8_zero_outside(const float4& v, const Fp8TileArgs& a, int64_t r, int64_t c) {
+__device__ __forceinline__ float4 fp8_zero_outside(const float4& v, const Fp8TileArgs& a, int64_t r,
+                                                   int64_t c) {
   const bool in_row = r < a.rows;
   return make_float4(in_row && c < a.cols ? v.x : 0.0f, in_row && c + 1 < a.cols ? v.y : 0.0f,
                      in_row && c + 2 < a.cols ? v.z : 0.0f, in_row && c + 3 < a.cols ? v.w : 0.0f);
@@ -121,7 +131,9 @@ struct Fp8MemorySource {
   static constexpr int kMinBlocks = sizeof(T) == 4 ? 3 : 2;
   using Aux = Fp8NoAux;
   const T* x;
-  __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const { return fp8_load4(x, a, r, c); }
+  __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const {
+    return fp8_load4(x, a, r, c);
+  }
   __device__ __forceinline__ void prefetch(Aux&, const Fp8TileArgs&, int64_t, int64_t) const {}
   __device__ __forceinline__ float4 transform(const float4& v, const Aux&) const { return v; }
 };
@@ -164,7 +176,8 @@ struct Fp8GeluBackwardSource {
                        gelu_backward_stored(v.z, d.z, round_bf16, bf16_dout),
                        gelu_backward_stored(v.w, d.w, round_bf16, bf16_dout));
   }
-  __device__ __forceinline__ void prefetch(Aux& d, const Fp8TileArgs& a, int64_t r, int64_t c) const {
+  __device__ __forceinline__ void prefetch(Aux& d, const Fp8TileArgs& a, int64_t r,
+                                           int64_t c) const {
     d = __ldg(reinterpret_cast<const float4*>(dout + r * a.stride + c));
   }
   __device__ __forceinline__ float4 load4(const Fp8TileArgs& a, int64_t r, int64_t c) const {
@@ -173,14 +186,18 @@ struct Fp8GeluBackwardSource {
 };
 
 template <class Src>
-__global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize_tile_kernel(Src src, Fp8TileArgs a) {
-  static_assert(Src::kAsync || !Src::kTransform, "a transforming source needs kAsync: the rewrite is on the cp.async path");
+__global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks)
+    fp8_quantize_tile_kernel(Src src, Fp8TileArgs a) {
+  static_assert(Src::kAsync || !Src::kTransform,
+                "a transforming source needs kAsync: the rewrite is on the cp.async path");
   extern __shared__ float4 tile4[];  // [128][32] float4 = [128][128] floats
   const float* tile = reinterpret_cast<const float*>(tile4);
   __shared__ float warp_partial[kFp8Warps];
-  __shared__ float4 col_partial[kFp8Warps * kFp8Block / 4];  // [warp][128]: column maxima over a warp's rows
-  __shared__ float row_scale_stage[kFp8Block];               // (staged) the row-wise scales, tile row order
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kFp8Block, c0 = static_cast<int64_t>(blockIdx.x) * kFp8Block;
+  __shared__ float4
+      col_partial[kFp8Warps * kFp8Block / 4];   // [warp][128]: column maxima over a warp's rows
+  __shared__ float row_scale_stage[kFp8Block];  // (staged) the row-wise scales, tile row order
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kFp8Block,
+                c0 = static_cast<int64_t>(blockIdx.x) * kFp8Block;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned full = 0xFFFFFFFFu;
   // 1. load, tile, block maxima of the rows (lane i: the warp's i-th row, tile row warp + 16 i).
@@ -188,7 +205,8 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
   // warp's 8 rows, 4 KB, in flight at once and no registers held), then is read back; otherwise
   // through registers, row pairs' loads issued before any is used.
   float row_max = 0.0f;
-  float4 col_max = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // columns 4 lane .. 4 lane + 3 over the warp's rows
+  float4 col_max =
+      make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // columns 4 lane .. 4 lane + 3 over the warp's rows
   // the warp's i-th row, lane's four values v: into the column maxima; returns the
   // lane's share of the row's block max (from +0, as the emulator's: an all-NaN block has max +0)
   // (fabsf, not the shared f32_abs: the compiler folds it into the max instructions as an operand
@@ -197,7 +215,8 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
     const float4 av = make_float4(fabsf(v.x), fabsf(v.y), fabsf(v.z), fabsf(v.w));
     col_max = make_float4(fmax_nan_ignored(col_max.x, av.x), fmax_nan_ignored(col_max.y, av.y),
                           fmax_nan_ignored(col_max.z, av.z), fmax_nan_ignored(col_max.w, av.w));
-    return fmax_nan_ignored(0.0f, fmax_nan_ignored(fmax_nan_ignored(av.x, av.y), fmax_nan_ignored(av.z, av.w)));
+    return fmax_nan_ignored(
+        0.0f, fmax_nan_ignored(fmax_nan_ignored(av.x, av.y), fmax_nan_ignored(av.z, av.w)));
   };
   // the row maxima of rows k and k + 4 meet half-reduced: lanes 0-15 keep row k's (adding lane
   // l + 16's), lanes 16-31 row k + 4's (rows_reduce below finishes); one shuffle for two rows
@@ -210,18 +229,21 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
   };
   bool async_tile = false;
   if constexpr (Src::kAsync)
-    async_tile = a.vector_ok && r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols;  // (CTA-uniform)
+    async_tile =
+        a.vector_ok && r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols;  // (CTA-uniform)
   if (async_tile) {
     if constexpr (Src::kAsync) {
       FP4SIM_UNROLL
       for (int i = 0; i < kFp8LinesPerWarp; ++i) {
         const int tr = warp + kFp8Warps * i;
-        cp_async16(tile4 + tr * (kFp8Block / 4) + lane, src.x + (r0 + tr) * a.stride + c0 + 4 * lane);
+        cp_async16(tile4 + tr * (kFp8Block / 4) + lane,
+                   src.x + (r0 + tr) * a.stride + c0 + 4 * lane);
       }
       cp_async_commit();
       typename Src::Aux aux[kFp8LinesPerWarp];
       FP4SIM_UNROLL
-      for (int i = 0; i < kFp8LinesPerWarp; ++i) src.prefetch(aux[i], a, r0 + warp + kFp8Warps * i, c0 + 4 * lane);
+      for (int i = 0; i < kFp8LinesPerWarp; ++i)
+        src.prefetch(aux[i], a, r0 + warp + kFp8Warps * i, c0 + 4 * lane);
       cp_async_wait<0>();
       // (each thread reads back, and rewrites, only the 16 bytes it copied: no barrier)
       FP4SIM_UNROLL
@@ -248,7 +270,8 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
       float4 v[2 * kPairs];
       FP4SIM_UNROLL
       for (int u = 0; u < 2 * kPairs; ++u) {
-        const int i = kPairs * g + (u >> 1) + 4 * (u & 1);  // rows k, k + 4 for k = kPairs g + u / 2
+        const int i =
+            kPairs * g + (u >> 1) + 4 * (u & 1);  // rows k, k + 4 for k = kPairs g + u / 2
         v[u] = src.load4(a, r0 + warp + kFp8Warps * i, c0 + 4 * lane);
       }
       FP4SIM_UNROLL
@@ -270,17 +293,21 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
   // row maxima instead of 8 x 5 (max is order-free: the same value)
   if (!a.two_d) {
     const bool b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
-    const float q0 = fmax_nan_ignored(b3 ? half_max[2] : half_max[0], __shfl_xor_sync(full, b3 ? half_max[0] : half_max[2], 8));
-    const float q1 = fmax_nan_ignored(b3 ? half_max[3] : half_max[1], __shfl_xor_sync(full, b3 ? half_max[1] : half_max[3], 8));
+    const float q0 = fmax_nan_ignored(b3 ? half_max[2] : half_max[0],
+                                      __shfl_xor_sync(full, b3 ? half_max[0] : half_max[2], 8));
+    const float q1 = fmax_nan_ignored(b3 ? half_max[3] : half_max[1],
+                                      __shfl_xor_sync(full, b3 ? half_max[1] : half_max[3], 8));
     float m = fmax_nan_ignored(b2 ? q1 : q0, __shfl_xor_sync(full, b2 ? q0 : q1, 4));
     m = fmax_nan_ignored(m, __shfl_xor_sync(full, m, 2));
     m = fmax_nan_ignored(m, __shfl_xor_sync(full, m, 1));
-    const int src = ((lane & 1) << 2) | (((lane >> 1) & 1) << 3) | (((lane >> 2) & 1) << 4);  // holds row lane % 8
+    const int src = ((lane & 1) << 2) | (((lane >> 1) & 1) << 3) |
+                    (((lane >> 2) & 1) << 4);  // holds row lane % 8
     m = __shfl_sync(full, m, src);
     if (lane < kFp8LinesPerWarp) row_max = m;
   }
   col_partial[warp * (kFp8Block / 4) + lane] = col_max;
-  const float m = warp_max(fmax_nan_ignored(fmax_nan_ignored(col_max.x, col_max.y), fmax_nan_ignored(col_max.z, col_max.w)));
+  const float m = warp_max(fmax_nan_ignored(fmax_nan_ignored(col_max.x, col_max.y),
+                                            fmax_nan_ignored(col_max.z, col_max.w)));
   if (lane == 0) warp_partial[warp] = m;
   __syncthreads();
   float tile_amax = 0.0f;
@@ -294,8 +321,8 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
   // column-wise codes (a thread's 32 codes are one sector, written as two halves, each in a
   // different line from its neighbours') and the row-wise scales' GEMM layout (one 4-byte store a
   // sector otherwise).
-  const bool staged = a.staged && r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols && a.row.codes &&
-                      a.col.codes && a.col_vector_ok;
+  const bool staged = a.staged && r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols &&
+                      a.row.codes && a.col.codes && a.col_vector_ok;
 
   // 3. row-wise copy: rows r0.. of the input, written at (r, c0 + 4 lane ..)
   if (a.row.codes) {
@@ -306,8 +333,10 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
     if (lane < kFp8LinesPerWarp && r_mine < a.rows) {
       const float s = fp8_block_decode_scale(enc_mine);
       scales[r_mine * kb + c0 / kFp8Block] = s;
-      if (staged) row_scale_stage[warp + kFp8Warps * lane] = s;
-      else if (a.row.scales_gemm) a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r_mine] = s;
+      if (staged)
+        row_scale_stage[warp + kFp8Warps * lane] = s;
+      else if (a.row.scales_gemm)
+        a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r_mine] = s;
     }
     if (r0 + kFp8Block <= a.rows && c0 + kFp8Block <= a.cols) {
       // a whole tile (CTA-uniform; every tile of a training tensor): no per-row bounds, one base
@@ -333,7 +362,8 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
         if (c + 4 <= a.cols) {
           *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
         } else {
-          for (int k = 0; k < 4 && c + k < a.cols; ++k) dst[k] = static_cast<uint8_t>(packed >> (8 * k));
+          for (int k = 0; k < 4 && c + k < a.cols; ++k)
+            dst[k] = static_cast<uint8_t>(packed >> (8 * k));
         }
       }
     }
@@ -362,9 +392,10 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
       a.col_partial[((r0 + part * kFp8PartRows) / emu::kColumnChunkRows) * a.cols + cc] = s;
     }
     if (staged) {
-      // the thread's 32 codes, then (every thread done reading the tile) into the tile's first 16 KB
-      // as [written row][eight 16-byte chunks], chunk j of row i at j ^ (i % 8) (no bank conflicts
-      // either way), then out as whole lines: a warp writes four rows' 128 bytes at a time
+      // the thread's 32 codes, then (every thread done reading the tile) into the tile's first 16
+      // KB as [written row][eight 16-byte chunks], chunk j of row i at j ^ (i % 8) (no bank
+      // conflicts either way), then out as whole lines: a warp writes four rows' 128 bytes at a
+      // time
       uint32_t w[kFp8PartRows / 4];
       FP4SIM_UNROLL
       for (int k = 0; k < kFp8PartRows / 4; ++k) {
@@ -372,7 +403,8 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
         w[k] = fp8_quantize_quad(e[0], e[kFp8Block], e[2 * kFp8Block], e[3 * kFp8Block], enc);
       }
       constexpr int kChunks = kFp8Block / 16, kPartChunks = kFp8PartRows / 16;
-      static_assert(kChunks == 8 && kFp8TileThreads % kChunks == 0, "eight 16-byte chunks a written row");
+      static_assert(kChunks == 8 && kFp8TileThreads % kChunks == 0,
+                    "eight 16-byte chunks a written row");
       uint4* const stage = reinterpret_cast<uint4*>(tile4);
       __syncthreads();
       FP4SIM_UNROLL
@@ -380,13 +412,16 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
         stage[tc * kChunks + ((part * kPartChunks + q) ^ (tc % kChunks))] =
             make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
       if (a.row.scales_gemm && threadIdx.x < kFp8Block)
-        a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r0 + threadIdx.x] = row_scale_stage[threadIdx.x];
+        a.row.scales_gemm[(c0 / kFp8Block) * a.rows + r0 + threadIdx.x] =
+            row_scale_stage[threadIdx.x];
       __syncthreads();
       constexpr int kRowsPerPass = kFp8TileThreads / kChunks;
       FP4SIM_UNROLL
       for (int p = 0; p < kFp8Block / kRowsPerPass; ++p) {
-        const int i = p * kRowsPerPass + static_cast<int>(threadIdx.x) / kChunks, j = threadIdx.x % kChunks;
-        reinterpret_cast<uint4*>(a.col.codes + (c0 + i) * a.rows + r0)[j] = stage[i * kChunks + (j ^ (i % kChunks))];
+        const int i = p * kRowsPerPass + static_cast<int>(threadIdx.x) / kChunks,
+                  j = threadIdx.x % kChunks;
+        reinterpret_cast<uint4*>(a.col.codes + (c0 + i) * a.rows + r0)[j] =
+            stage[i * kChunks + (j ^ (i % kChunks))];
       }
       return;
     }
@@ -402,7 +437,8 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks) fp8_quantize
       if (a.col_vector_ok) {
         reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[0], w[1], w[2], w[3]);
       } else {
-        for (int k = 0; k < 16; ++k) dst[16 * q + k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
+        for (int k = 0; k < 16; ++k)
+          dst[16 * q + k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
       }
     }
   }
@@ -413,13 +449,15 @@ __global__ void fp8_dequantize_kernel(QuantizedView q, float* out, int64_t out_s
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < q.rows * q.cols;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = e / q.cols, c = e % q.cols;
-    out[r * out_stride + c] = fp8_decode_element(q.codes[e], scales[r * (q.cols / kFp8Block) + c / kFp8Block]);
+    out[r * out_stride + c] =
+        fp8_decode_element(q.codes[e], scales[r * (q.cols / kFp8Block) + c / kFp8Block]);
   }
 }
 
 // One thread per output: per 128-block four chained Hopper FP8 T-FDPAs from +0, then
 // acc = fmaf(s_a * s_b, partial, acc); split-K ranges added in order; the emulator's epilogue.
-__global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const float* c, GemmConfig cfg, void* out) {
+__global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const float* c,
+                                      GemmConfig cfg, void* out) {
   const int64_t N = b.rows, K = a.cols, kb = K / kFp8Block;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= a.rows * N) return;
@@ -454,9 +492,9 @@ void launch_fp8_tile(const dim3& grid, const Src& src, Fp8TileArgs a, cudaStream
 
 // The tile kernel's arguments for a rows x cols input with the given row stride (elements) and
 // alignment, and the enabled copies (cfg); x's name for the error messages.
-Fp8TileArgs fp8_tile_args(int64_t rows, int64_t cols, int64_t stride, bool vector_ok, const QuantizeConfig& cfg,
-                          QuantizedView* rowwise, QuantizedView* columnwise, unsigned* amax_ws,
-                          float* column_partial) {
+Fp8TileArgs fp8_tile_args(int64_t rows, int64_t cols, int64_t stride, bool vector_ok,
+                          const QuantizeConfig& cfg, QuantizedView* rowwise,
+                          QuantizedView* columnwise, unsigned* amax_ws, float* column_partial) {
   Fp8TileArgs a{};
   a.rows = rows;
   a.cols = cols;
@@ -465,77 +503,92 @@ Fp8TileArgs fp8_tile_args(int64_t rows, int64_t cols, int64_t stride, bool vecto
   a.vector_ok = vector_ok;
   if (cfg.rowwise.enabled) a.row = *rowwise;
   if (cfg.columnwise.enabled) a.col = *columnwise;
-  a.col_vector_ok = cfg.columnwise.enabled && reinterpret_cast<uintptr_t>(columnwise->codes) % 16 == 0;
+  a.col_vector_ok =
+      cfg.columnwise.enabled && reinterpret_cast<uintptr_t>(columnwise->codes) % 16 == 0;
   a.col_partial = column_partial;
   if (!cfg.rowwise.enabled) a.row.codes = nullptr;
   if (!cfg.columnwise.enabled) a.col.codes = nullptr;
   // the copies' amax is the input's (no transform): reduced once, written to both
   a.amax = AmaxArgs{cfg.rowwise.enabled ? rowwise->amax : columnwise->amax,
-                    cfg.rowwise.enabled && cfg.columnwise.enabled ? columnwise->amax : nullptr, nullptr, nullptr,
-                    amax_ws};
+                    cfg.rowwise.enabled && cfg.columnwise.enabled ? columnwise->amax : nullptr,
+                    nullptr, nullptr, amax_ws};
   return a;
 }
 
 dim3 fp8_tile_grid(int64_t rows, int64_t cols, const char* name) {
   const int64_t gy = (rows + kFp8Block - 1) / kFp8Block, gx = (cols + kFp8Block - 1) / kFp8Block;
   if (gy > 65535)
-    throw std::invalid_argument("quantize (cuda, fp8): tensor '" + std::string(name) + "' " + shape_str(rows, cols) +
-                                " has too many rows for one launch");
+    throw std::invalid_argument("quantize (cuda, fp8): tensor '" + std::string(name) + "' " +
+                                shape_str(rows, cols) + " has too many rows for one launch");
   return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
 }
 
 }  // namespace
 
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                         QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws, float* column_partial) {
+                         QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
+                         float* column_partial) {
   if (!amax_ws) throw std::logic_error("fp8_quantize_launch: no amax workspace");
   // (whole 128-row tiles, which a column-wise copy needs anyway: a 64-row remainder would sum
   // the tile's zero padding into a chunk past the buffer)
-  if (column_partial && (!cfg.columnwise.enabled || x.dtype != DType::F32 || x.rows % kFp8Block != 0))
-    throw std::logic_error("fp8_quantize_launch: column sums need a column-wise copy of a float32 input "
-                           "with whole 128-row tiles");
+  if (column_partial &&
+      (!cfg.columnwise.enabled || x.dtype != DType::F32 || x.rows % kFp8Block != 0))
+    throw std::logic_error(
+        "fp8_quantize_launch: column sums need a column-wise copy of a float32 input "
+        "with whole 128-row tiles");
   const int64_t vec_bytes = 4 * (x.dtype == DType::F32 ? 4 : 2);
   const bool vector_ok = reinterpret_cast<uintptr_t>(x.data) % vec_bytes == 0 &&
                          (x.stride() * (x.dtype == DType::F32 ? 4 : 2)) % vec_bytes == 0;
-  const Fp8TileArgs a =
-      fp8_tile_args(x.rows, x.cols, x.stride(), vector_ok, cfg, rowwise, columnwise, amax_ws, column_partial);
+  const Fp8TileArgs a = fp8_tile_args(x.rows, x.cols, x.stride(), vector_ok, cfg, rowwise,
+                                      columnwise, amax_ws, column_partial);
   const dim3 grid = fp8_tile_grid(x.rows, x.cols, x.name);
-  if (x.dtype == DType::F32) launch_fp8_tile(grid, Fp8MemorySource<float>{static_cast<const float*>(x.data)}, a, stream);
-  else launch_fp8_tile(grid, Fp8MemorySource<uint16_t>{static_cast<const uint16_t*>(x.data)}, a, stream);
+  if (x.dtype == DType::F32)
+    launch_fp8_tile(grid, Fp8MemorySource<float>{static_cast<const float*>(x.data)}, a, stream);
+  else
+    launch_fp8_tile(grid, Fp8MemorySource<uint16_t>{static_cast<const uint16_t*>(x.data)}, a,
+                    stream);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void fp8_quantize_activation_launch(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                                    QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
-                                    float* column_partial) {
+void fp8_quantize_activation_launch(const ActivationSource& src, const QuantizeConfig& cfg,
+                                    QuantizedView* rowwise, QuantizedView* columnwise,
+                                    cudaStream_t stream, unsigned* amax_ws, float* column_partial) {
   if (!amax_ws) throw std::logic_error("fp8_quantize_activation_launch: no amax workspace");
   if (column_partial && (!cfg.columnwise.enabled || src.rows % kFp8Block != 0))
-    throw std::logic_error("fp8_quantize_activation_launch: column sums need a column-wise copy with whole 128-row tiles");
+    throw std::logic_error(
+        "fp8_quantize_activation_launch: column sums need a column-wise copy with whole 128-row "
+        "tiles");
   const bool backward = src.op == ActivationOp::GeluBackward;
   if (!src.inp || (backward && !src.dout))
-    throw std::invalid_argument(std::string("quantize_activation (cuda, fp8): '") + src.name + "' has no input");
+    throw std::invalid_argument(std::string("quantize_activation (cuda, fp8): '") + src.name +
+                                "' has no input");
   const bool vector_ok = reinterpret_cast<uintptr_t>(src.inp) % 16 == 0 &&
-                         (!backward || reinterpret_cast<uintptr_t>(src.dout) % 16 == 0) && src.cols % 4 == 0;
-  const Fp8TileArgs a =
-      fp8_tile_args(src.rows, src.cols, src.cols, vector_ok, cfg, rowwise, columnwise, amax_ws, column_partial);
+                         (!backward || reinterpret_cast<uintptr_t>(src.dout) % 16 == 0) &&
+                         src.cols % 4 == 0;
+  const Fp8TileArgs a = fp8_tile_args(src.rows, src.cols, src.cols, vector_ok, cfg, rowwise,
+                                      columnwise, amax_ws, column_partial);
   const dim3 grid = fp8_tile_grid(src.rows, src.cols, src.name);
-  if (backward) launch_fp8_tile(grid, Fp8GeluBackwardSource{src.inp, src.dout, src.round_bf16, src.bf16_dout}, a, stream);
-  else launch_fp8_tile(grid, Fp8GeluForwardSource{src.inp, src.round_bf16}, a, stream);
+  if (backward)
+    launch_fp8_tile(grid, Fp8GeluBackwardSource{src.inp, src.dout, src.round_bf16, src.bf16_dout},
+                    a, stream);
+  else
+    launch_fp8_tile(grid, Fp8GeluForwardSource{src.inp, src.round_bf16}, a, stream);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 void set_fp8_quantize_staged(bool on) { g_fp8_staged = on; }
 
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {
-  fp8_dequantize_kernel<<<grid_stride_blocks(q.rows * q.cols, 256), 256, 0, stream>>>(q, static_cast<float*>(out.data),
-                                                                             out.stride());
+  fp8_dequantize_kernel<<<grid_stride_blocks(q.rows * q.cols, 256), 256, 0, stream>>>(
+      q, static_cast<float*>(out.data), out.stride());
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
-                           void* out, cudaStream_t stream) {
+void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
+                           const GemmConfig& cfg, void* out, cudaStream_t stream) {
   const int64_t n = a.rows * b.rows;
-  fp8_gemm_exact_kernel<<<static_cast<unsigned>((n + 127) / 128), 128, 0, stream>>>(a, b, c, cfg, out);
+  fp8_gemm_exact_kernel<<<static_cast<unsigned>((n + 127) / 128), 128, 0, stream>>>(a, b, c, cfg,
+                                                                                    out);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,10 +1,10 @@
-// The exact FP8 GEMM on Hopper's own tensor cores (sm_90a wgmma): the arithmetic DESIGN.md §9 defines
-// for the fp8 recipe's exact GEMM (per 128-wide k-block, four chained m64nNk32 E4M3 instructions
-// from +0, then acc = fmaf(s_a * s_b, partial, acc)) is what a Hopper FP8 kernel with DeepSeek-style
-// promotion computes, so running the instruction itself must give the emulator's bits if the
-// tensor-core model (T-FDPA L = 32, F = 13, RZ to E8M13) is right. tests/gpu/test_fp8_gpu.cpp holds
-// it to the emulator bit for bit; gpu/fp8.cu's one-thread-an-output kernel is the fallback on other
-// GPUs and the test's second witness.
+// The exact FP8 GEMM on Hopper's own tensor cores (sm_90a wgmma): the arithmetic DESIGN.md §9
+// defines for the fp8 recipe's exact GEMM (per 128-wide k-block, four chained m64nNk32 E4M3
+// instructions from +0, then acc = fmaf(s_a * s_b, partial, acc)) is what a Hopper FP8 kernel with
+// DeepSeek-style promotion computes, so running the instruction itself must give the emulator's
+// bits if the tensor-core model (T-FDPA L = 32, F = 13, RZ to E8M13) is right.
+// tests/gpu/test_fp8_gpu.cpp holds it to the emulator bit for bit; gpu/fp8.cu's
+// one-thread-an-output kernel is the fallback on other GPUs and the test's second witness.
 //
 // Shape of the kernel: persistent CTAs, one an SM, each taking 128 x 128 output tiles (work items)
 // in turn, warp-specialised (384 threads):
@@ -51,19 +51,20 @@
 namespace fp4sim::gpu {
 namespace {
 
-constexpr int kWgTile = 128;                           // output tile rows = cols = k-block width
+constexpr int kWgTile = 128;  // output tile rows = cols = k-block width
 constexpr int kWgStages = 6;
-constexpr int kWgThreads = 384;                        // a loading warpgroup, two multiplying ones
-// setmaxnreg: 128 x 40 + 256 x 232 <= 64 K (a multiplying thread holds two accumulators and the sum)
+constexpr int kWgThreads = 384;  // a loading warpgroup, two multiplying ones
+// setmaxnreg: 128 x 40 + 256 x 232 <= 64 K (a multiplying thread holds two accumulators and the
+// sum)
 constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;
-constexpr int kWgOperandBytes = kWgTile * kWgTile;     // one operand's 128 x 128 codes
+constexpr int kWgOperandBytes = kWgTile * kWgTile;  // one operand's 128 x 128 codes
 // A stage: A's and B's codes, then their scales, laid out so that each multiplying thread reads its
-// own with few wide loads: A's row m = 16 q + 8 h + i at float 16 q + 2 i + h (a thread's rows r and
-// r + 8 side by side); B's row n = 8 j + 2 c + e at float 36 c + 2 j + e (a thread's 32 columns
+// own with few wide loads: A's row m = 16 q + 8 h + i at float 16 q + 2 i + h (a thread's rows r
+// and r + 8 side by side); B's row n = 8 j + 2 c + e at float 36 c + 2 j + e (a thread's 32 columns
 // contiguous, the four column groups 36 floats apart so their 16-byte loads hit different banks).
-// After them, B's uniformity words: the four producer warps' B scale bits (one each, valid where that
-// warp's 32 scales are one value) and their four flags; a k-block whose 128 B scales are one value
-// (a 128x128-block copy of the weight) is promoted with two products a thread instead of 64.
+// After them, B's uniformity words: the four producer warps' B scale bits (one each, valid where
+// that warp's 32 scales are one value) and their four flags; a k-block whose 128 B scales are one
+// value (a 128x128-block copy of the weight) is promoted with two products a thread instead of 64.
 constexpr int kWgScaleBStride = 36;
 constexpr int kWgScaleBytes = (kWgTile + 4 * kWgScaleBStride + 8) * 4;
 constexpr int kWgStageBytes = (2 * kWgOperandBytes + kWgScaleBytes + 1023) / 1024 * 1024;  // 34 KB
@@ -76,7 +77,8 @@ constexpr int kWgQuadBytes = 2 * kWgTile * 16;
 constexpr int kWgStagingBytes = 2 * kWgQuadBytes;
 static_assert(kWgStagingBytes >= kWgScaleAhead * 2 * kWgTile * 4, "the one-k-block slots fit too");
 // + the stages' full and empty mbarriers, + 1 KB alignment
-constexpr size_t kWgSmem = static_cast<size_t>(kWgStages) * kWgStageBytes + kWgStagingBytes + 2 * kWgStages * 8 + 1024;
+constexpr size_t kWgSmem =
+    static_cast<size_t>(kWgStages) * kWgStageBytes + kWgStagingBytes + 2 * kWgStages * 8 + 1024;
 static_assert(kWgProducerRegs * 128 + kWgConsumerRegs * 256 <= 65536, "register file");
 static_assert(kWgStageBytes % 1024 == 0, "each stage's tiles start on a 1024-byte swizzle atom");
 
@@ -90,33 +92,32 @@ static_assert(kWgStageBytes % 1024 == 0, "each stage's tiles start on a 1024-byt
 #if FP4SIM_WGMMA
 // A warpgroup's 64 accumulator registers as asm operands with constraint c ("+f": read and
 // written; "=f": written only)
-#define FP4SIM_WG_REG64(c, d) \
-  c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]), c(d[6]), c(d[7]), c(d[8]), c(d[9]), c(d[10]), c(d[11]), \
-      c(d[12]), c(d[13]), c(d[14]), c(d[15]), c(d[16]), c(d[17]), c(d[18]), c(d[19]), c(d[20]), c(d[21]), c(d[22]), \
-      c(d[23]), c(d[24]), c(d[25]), c(d[26]), c(d[27]), c(d[28]), c(d[29]), c(d[30]), c(d[31]), c(d[32]), c(d[33]), \
-      c(d[34]), c(d[35]), c(d[36]), c(d[37]), c(d[38]), c(d[39]), c(d[40]), c(d[41]), c(d[42]), c(d[43]), c(d[44]), \
-      c(d[45]), c(d[46]), c(d[47]), c(d[48]), c(d[49]), c(d[50]), c(d[51]), c(d[52]), c(d[53]), c(d[54]), c(d[55]), \
-      c(d[56]), c(d[57]), c(d[58]), c(d[59]), c(d[60]), c(d[61]), c(d[62]), c(d[63])
+#define FP4SIM_WG_REG64(c, d)                                                                   \
+  c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]), c(d[6]), c(d[7]), c(d[8]), c(d[9]),     \
+      c(d[10]), c(d[11]), c(d[12]), c(d[13]), c(d[14]), c(d[15]), c(d[16]), c(d[17]), c(d[18]), \
+      c(d[19]), c(d[20]), c(d[21]), c(d[22]), c(d[23]), c(d[24]), c(d[25]), c(d[26]), c(d[27]), \
+      c(d[28]), c(d[29]), c(d[30]), c(d[31]), c(d[32]), c(d[33]), c(d[34]), c(d[35]), c(d[36]), \
+      c(d[37]), c(d[38]), c(d[39]), c(d[40]), c(d[41]), c(d[42]), c(d[43]), c(d[44]), c(d[45]), \
+      c(d[46]), c(d[47]), c(d[48]), c(d[49]), c(d[50]), c(d[51]), c(d[52]), c(d[53]), c(d[54]), \
+      c(d[55]), c(d[56]), c(d[57]), c(d[58]), c(d[59]), c(d[60]), c(d[61]), c(d[62]), c(d[63])
 #define FP4SIM_WG_ACC64(d) FP4SIM_WG_REG64("+f", d)
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 // Waits for this warpgroup's wgmma groups; d's registers are its results from here on (operands of
 // the wait, so the compiler reads none of them before it)
 __device__ __forceinline__ void wgmma_wait_all(float (&d)[64]) {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n"
-               : FP4SIM_WG_ACC64(d)
-               :
-               : "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" : FP4SIM_WG_ACC64(d) : : "memory");
 }
 
 // Waits until at most one wgmma group of this warpgroup is pending: the older group (d's) is done,
 // the newer one may still write its own accumulator (which the caller leaves alone until a wait 0)
 __device__ __forceinline__ void wgmma_wait_one(float (&d)[64]) {
-  asm volatile("wgmma.wait_group.sync.aligned 1;\n"
-               : FP4SIM_WG_ACC64(d)
-               :
-               : "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" : FP4SIM_WG_ACC64(d) : : "memory");
 }
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart (the
@@ -128,26 +129,30 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
 }
 
 // D (64 x 128, FP32, this warpgroup's registers) = A (64 x 32 E4M3) * B (128 x 32 E4M3)^T + D
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a,
+                                                      uint64_t desc_b) {
   asm volatile(
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
       " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
       " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1;\n"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, "
+      "1, 1, 1;\n"
       : FP4SIM_WG_ACC64(d)
       : "l"(desc_a), "l"(desc_b));
 }
 // The same from +0 (scale-d 0): D = A * B^T, D's previous values not read (so its registers are
 // free between the accumulator's last use and this instruction)
 #define FP4SIM_WG_OUT64(d) FP4SIM_WG_REG64("=f", d)
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3_first(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_first(float (&d)[64], uint64_t desc_a,
+                                                            uint64_t desc_b) {
   asm volatile(
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
       " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
       " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 0, 1, 1;\n"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, "
+      "0, 1, 1;\n"
       : FP4SIM_WG_OUT64(d)
       : "l"(desc_a), "l"(desc_b));
 }
@@ -157,8 +162,8 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_first(float (&d)[64], uint
 
 // The contract's epilogue (gemm_store) for the aligned pair of outputs idx and idx + 1 of one row,
 // C's values c0 and c1 given (ignored where beta is 0), as one 8-byte (F32) or 4-byte (BF16) store.
-__device__ __forceinline__ void store_epilogue_pair(const GemmConfig& cfg, void* out, int64_t idx, float v0, float v1,
-                                                    float c0, float c1) {
+__device__ __forceinline__ void store_epilogue_pair(const GemmConfig& cfg, void* out, int64_t idx,
+                                                    float v0, float v1, float c0, float c1) {
   const float d0 = gemm_epilogue(cfg.alpha, v0, cfg.beta, c0);
   const float d1 = gemm_epilogue(cfg.alpha, v1, cfg.beta, c1);
   if (cfg.out == GemmOut::BF16)
@@ -170,10 +175,12 @@ __device__ __forceinline__ void store_epilogue_pair(const GemmConfig& cfg, void*
 
 // The contract's epilogue (gemm_store) for outputs idx and idx + 1 of one row, as one 8-byte (F32)
 // or 4-byte (BF16) store where both exist and the pair is aligned; ws: the split range's raw sums.
-__device__ __forceinline__ void store_pair(const GemmConfig& cfg, const float* c, void* out, float* ws, int64_t idx,
-                                           bool both, bool aligned, float v0, float v1) {
+__device__ __forceinline__ void store_pair(const GemmConfig& cfg, const float* c, void* out,
+                                           float* ws, int64_t idx, bool both, bool aligned,
+                                           float v0, float v1) {
   if (ws) {
-    if (both && aligned) *reinterpret_cast<float2*>(ws + idx) = make_float2(v0, v1);
+    if (both && aligned)
+      *reinterpret_cast<float2*>(ws + idx) = make_float2(v0, v1);
     else {
       ws[idx] = v0;
       if (both) ws[idx + 1] = v1;
@@ -219,15 +226,16 @@ struct WgCursor {
 };
 
 // The producer warpgroup's share of loading one k-block's scales (128 threads): A's for row t and
-// B's for row t of the tile, by cp.async into a staging ring kWgScaleAhead k-blocks ahead (the codes
-// come by TMA, one thread, fp8_gemm_wgmma_kernel). Pointers into the scales [rows, KB] are set once
-// an item (set_item); a k-block is one float on. Rows past M or N read zeros. (Never the GEMM-layout
-// copy scales_gemm: the emulator reads scales, so the kernel reads what it reads.)
+// B's for row t of the tile, by cp.async into a staging ring kWgScaleAhead k-blocks ahead (the
+// codes come by TMA, one thread, fp8_gemm_wgmma_kernel). Pointers into the scales [rows, KB] are
+// set once an item (set_item); a k-block is one float on. Rows past M or N read zeros. (Never the
+// GEMM-layout copy scales_gemm: the emulator reads scales, so the kernel reads what it reads.)
 struct WgScaleLoader {
   const float* psa;  // A's scale for row m0 + t at the item's first k-block
   const float* psb;  // B's for row n0 + t
   bool sa_ok, sb_ok;
-  __device__ void set_item(const QuantizedView& a, const QuantizedView& b, const WgCursor& c, int64_t KB, int t) {
+  __device__ void set_item(const QuantizedView& a, const QuantizedView& b, const WgCursor& c,
+                           int64_t KB, int t) {
     sa_ok = c.m0 + t < a.rows;
     sb_ok = c.n0 + t < b.rows;
     psa = reinterpret_cast<const float*>(a.scales) + (sa_ok ? (c.m0 + t) * KB + c.kb0 : 0);
@@ -258,20 +266,25 @@ __device__ __forceinline__ void store_scales(uint32_t scales, int t, float va, f
   if ((t & 31) == 0) {
     const uint32_t words = scales + 4 * (kWgTile + 4 * kWgScaleBStride);
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(words + 4 * (t >> 5)), "r"(bits) : "memory");
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(words + 16 + 4 * (t >> 5)), "r"(same ? 1u : 0u) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(words + 16 + 4 * (t >> 5)), "r"(same ? 1u : 0u)
+                 : "memory");
   }
 }
 
 // One 128 x 128 box of a tensor map (TMA, 128-byte swizzle) into shared memory, counted on bar
-__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* map, int k, int row, uint32_t bar) {
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* map, int k, int row,
+                                              uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
       : "memory");
 }
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
-               : "memory");
+  asm volatile(
+      "{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
+      "r"(bytes)
+      : "memory");
 }
 
 // mbarriers (shared-window addresses) and named barriers
@@ -282,14 +295,16 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   do {
     asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, "
+        "0, p;\n}\n"
         : "=r"(done)
         : "r"(bar), "r"(parity)
         : "memory");
   } while (!done);
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
+               : "memory");
 }
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -313,12 +328,17 @@ __device__ __forceinline__ float lds_f32(uint32_t addr) {
 }
 __device__ __forceinline__ uint4 lds_u32x4(uint32_t addr) {
   uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
   return v;
 }
 __device__ __forceinline__ float4 lds_f32x4(uint32_t addr) {
   float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr)
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
                : "memory");
   return v;
 }
@@ -331,16 +351,17 @@ __device__ __forceinline__ float2 lds_f32x2(uint32_t addr) {
 
 #if FP4SIM_WGMMA
 // A multiplying warpgroup (rows 64 mwg .. + 63 of each tile), two accumulators: each turn at the
-// tensor cores issues two k-blocks (g into acc0, g + 1 into acc1), then promotes g while g + 1 still
-// runs, then g + 1 while the other warpgroup's turn runs. The promotion per k-block is the
+// tensor cores issues two k-blocks (g into acc0, g + 1 into acc1), then promotes g while g + 1
+// still runs, then g + 1 while the other warpgroup's turn runs. The promotion per k-block is the
 // contract's: total = fmaf(s_a * s_b, acc, total), k-blocks in order. Shaped for ptxas: no wgmma
 // group is pending across the loop's back edge (a turn retires both) and no wgmma is under a branch
 // (with G odd the last turn's second group re-multiplies the last stage into acc1, whose result
 // nobody reads; that stage is released only after both groups are done); each accumulator's first
 // wgmma does not read it, so between its promotion and its next k-block its registers hold C for
 // the epilogue.
-__device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const float* c, const GemmConfig& cfg, void* out,
-                                           float* ws, const WgItems& items, int G, int64_t M, int64_t N,
+__device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const float* c,
+                                           const GemmConfig& cfg, void* out, float* ws,
+                                           const WgItems& items, int G, int64_t M, int64_t N,
                                            bool pair_stores, int mwg, int warp, int lane) {
   const int per = items.per_split;
   WgCursor cur;
@@ -349,15 +370,16 @@ __device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const f
 #pragma unroll
   for (int i = 0; i < 64; ++i) total[i] = 0.0f;
   const int row_in_tile = mwg * 64 + warp * 16 + (lane >> 2);  // and + 8
-  const int col_in_n8 = 2 * (lane & 3);                         // and + 1, in each of 16 n8 blocks
+  const int col_in_n8 = 2 * (lane & 3);                        // and + 1, in each of 16 n8 blocks
   const int my_turn = 1 + mwg, their_turn = 2 - mwg;           // named barriers
   const bool c_pairs = (reinterpret_cast<uintptr_t>(c) & 7u) == 0;
   const int turns = (G + 1) / 2;
   if (mwg == 1) named_bar_arrive(1, 2 * kWgTile);  // warpgroup 1 issues first
 
   // the k-block in `stage` into acc on the tensor cores (this warpgroup's 64 rows), as one group
-  auto issue = [&](float (&acc)[64], uint32_t stage) {
-    wgmma_m64n128k32_e4m3_first(acc, sw128_desc(stage + mwg * 64 * kWgTile), sw128_desc(stage + kWgOperandBytes));
+  auto issue = [&](float(&acc)[64], uint32_t stage) {
+    wgmma_m64n128k32_e4m3_first(acc, sw128_desc(stage + mwg * 64 * kWgTile),
+                                sw128_desc(stage + kWgOperandBytes));
 #pragma unroll
     for (int k = 1; k < kWgTile / 32; ++k)
       wgmma_m64n128k32_e4m3(acc, sw128_desc(stage + mwg * 64 * kWgTile + 32 * k),
@@ -365,12 +387,13 @@ __device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const f
     wgmma_commit();
   };
   // total += (s_a * s_b) * acc for the k-block in `stage` (acc done: the caller waited for it)
-  auto promote = [&](float (&acc)[64], uint32_t stage) {
+  auto promote = [&](float(&acc)[64], uint32_t stage) {
     const uint32_t scale_a = stage + 2 * kWgOperandBytes, scale_b = scale_a + 4 * kWgTile;
     const uint32_t words = scale_b + 4 * 4 * kWgScaleBStride;
     const float2 sa = lds_f32x2(scale_a + 4 * (16 * (row_in_tile >> 4) + 2 * (lane >> 2)));
     const uint4 wb = lds_u32x4(words), wf = lds_u32x4(words + 16);
-    const bool b_uniform = (wf.x & wf.y & wf.z & wf.w) != 0 && wb.x == wb.y && wb.x == wb.z && wb.x == wb.w;
+    const bool b_uniform =
+        (wf.x & wf.y & wf.z & wf.w) != 0 && wb.x == wb.y && wb.x == wb.z && wb.x == wb.w;
     if (b_uniform) {
       const float sb = __uint_as_float(wb.x), p0 = __fmul_rn(sa.x, sb), p1 = __fmul_rn(sa.y, sb);
 #pragma unroll
@@ -399,7 +422,7 @@ __device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const f
   // after the item's last k-block: its tile through the contract's epilogue, total back to +0
   // (cv: the accumulator just promoted, free until its next k-block's first wgmma, which does not
   // read it: C's 64 values go there, all in flight together)
-  auto finish_item = [&](float (&cv)[64]) {
+  auto finish_item = [&](float(&cv)[64]) {
     if (!ws && pair_stores && c_pairs && cur.m0 + kWgTile <= M && cur.n0 + kWgTile <= N) {
       if (c) {
 #pragma unroll
@@ -407,8 +430,8 @@ __device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const f
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
             // (a plain load: C may be D itself, read here by the thread that writes it below)
-            const float2 v =
-                *reinterpret_cast<const float2*>(c + (cur.m0 + row_in_tile + 8 * h) * N + cur.n0 + 8 * j + col_in_n8);
+            const float2 v = *reinterpret_cast<const float2*>(
+                c + (cur.m0 + row_in_tile + 8 * h) * N + cur.n0 + 8 * j + col_in_n8);
             cv[4 * j + 2 * h] = v.x;
             cv[4 * j + 2 * h + 1] = v.y;
           }
@@ -486,14 +509,16 @@ __device__ __forceinline__ void wg_consume(uint32_t smem, uint32_t bars, const f
 // without the turns both would issue together, finish together and promote together, with the
 // tensor cores idle.
 __global__ void __launch_bounds__(kWgThreads, 1)
-    fp8_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
-                          QuantizedView a, QuantizedView b, const float* c, GemmConfig cfg, void* out, float* ws,
+    fp8_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tma_a,
+                          const __grid_constant__ CUtensorMap tma_b, QuantizedView a,
+                          QuantizedView b, const float* c, GemmConfig cfg, void* out, float* ws,
                           WgItems items, int item_count, bool pair_stores) {
 #if FP4SIM_WGMMA
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const uint32_t smem =
+      (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
   const uint32_t staging = smem + kWgStages * kWgStageBytes;  // the producer's scale ring
-  const uint32_t bars = staging + kWgStagingBytes;          // full[s] at bars + 8 s, empty[s] after them
+  const uint32_t bars = staging + kWgStagingBytes;  // full[s] at bars + 8 s, empty[s] after them
   const int64_t M = a.rows, N = b.rows, K = a.cols, KB = K / kWgTile;
   const int per = items.per_split;
   const int mine = (item_count - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
@@ -502,7 +527,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int t = threadIdx.x, wg = t >> 7;
   if (t == 0) {
     for (int s = 0; s < kWgStages; ++s) {
-      mbar_init(bars + 8 * s, kWgTile + 1);  // the producer's 128 threads' scales, + the TMA's bytes
+      mbar_init(bars + 8 * s,
+                kWgTile + 1);  // the producer's 128 threads' scales, + the TMA's bytes
       mbar_init(bars + 8 * (kWgStages + s), 2 * 4);  // one lane of each multiplying warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -518,16 +544,20 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     loader.set_item(a, b, pf, KB, t);
     // wide: every item's range starts on a multiple of 4 k-blocks and is a multiple of 4 long, and
     // the rows are 16-byte aligned, so a CTA's k-blocks g come in fours with g % 4 == kb % 4 == 0
-    const bool wide = per % 4 == 0 && KB % 4 == 0 && (reinterpret_cast<uintptr_t>(a.scales) & 15u) == 0 &&
+    const bool wide = per % 4 == 0 && KB % 4 == 0 &&
+                      (reinterpret_cast<uintptr_t>(a.scales) & 15u) == 0 &&
                       (reinterpret_cast<uintptr_t>(b.scales) & 15u) == 0;
-    auto fetch_next = [&](int g) {  // k-block g's scales (wide: with g % 4 == 0, g .. g + 3), one group
-      if (g < G) {
-        if (!wide) loader.fetch(pf.kb, staging + (g % kWgScaleAhead) * 2 * kWgTile * 4, t);
-        else if (g % 4 == 0) loader.fetch4(pf.kb, staging + ((g / 4) % 2) * kWgQuadBytes, t);
-        if (pf.advance(items) && pf.item < item_count) loader.set_item(a, b, pf, KB, t);
-      }
-      cp_async_commit();
-    };
+    auto fetch_next =
+        [&](int g) {  // k-block g's scales (wide: with g % 4 == 0, g .. g + 3), one group
+          if (g < G) {
+            if (!wide)
+              loader.fetch(pf.kb, staging + (g % kWgScaleAhead) * 2 * kWgTile * 4, t);
+            else if (g % 4 == 0)
+              loader.fetch4(pf.kb, staging + ((g / 4) % 2) * kWgQuadBytes, t);
+            if (pf.advance(items) && pf.item < item_count) loader.set_item(a, b, pf, KB, t);
+          }
+          cp_async_commit();
+        };
 #pragma unroll
     for (int g = 0; g < kWgScaleAhead - 1; ++g) fetch_next(g);
     for (int g = 0; g < G; ++g) {
@@ -562,8 +592,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 }
 
 // The split ranges' sums added in order (split_k_chain), then the contract's epilogue.
-__global__ void fp8_split_reduce_kernel(const float* ws, int split, int64_t mn, const float* c, GemmConfig cfg,
-                                        void* out) {
+__global__ void fp8_split_reduce_kernel(const float* ws, int split, int64_t mn, const float* c,
+                                        GemmConfig cfg, void* out) {
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < mn;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float total = ws[idx];
@@ -572,11 +602,11 @@ __global__ void fp8_split_reduce_kernel(const float* ws, int split, int64_t mn, 
   }
 }
 
-// Writes 1 where the code running on this device is the sm_90a build (the wgmma kernel's real body),
-// 0 where it is another build for the device (a plain sm_90 one: the body is the trap).
+// Writes 1 where the code running on this device is the sm_90a build (the wgmma kernel's real
+// body), 0 where it is another build for the device (a plain sm_90 one: the body is the trap).
 __global__ void fp8_wgmma_built_kernel(int* out) { *out = FP4SIM_WGMMA; }
 
-std::atomic<bool> g_fp8_wgmma{true};           // set_fp8_wgmma
+std::atomic<bool> g_fp8_wgmma{true};            // set_fp8_wgmma
 std::atomic<uint64_t> g_fp8_wgmma_launches{0};  // fp8_wgmma_gemm_count
 std::atomic<int> g_fp8_wgmma_max_ctas{0};       // set_fp8_wgmma_max_ctas
 
@@ -604,8 +634,9 @@ WgmmaDevice wgmma_device(int device) {
     FP4SIM_CUDA_CHECK(cudaMalloc(&flag, sizeof(int)));
     fp8_wgmma_built_kernel<<<1, 1>>>(flag);
     const cudaError_t launched = cudaGetLastError();
-    const cudaError_t copied =
-        launched == cudaSuccess ? cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) : launched;
+    const cudaError_t copied = launched == cudaSuccess
+                                   ? cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost)
+                                   : launched;
     cudaFree(flag);
     FP4SIM_CUDA_CHECK(copied);
     d.runs_wgmma = host == 1;
@@ -619,7 +650,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    FP4SIM_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found));
+    FP4SIM_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                       cudaEnableDefault, &found));
     if (found != cudaDriverEntryPointSuccess || !p)
       throw std::runtime_error("gemm (cuda, fp8): the driver has no cuTensorMapEncodeTiled (TMA)");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
@@ -634,13 +666,15 @@ CUtensorMap codes_tensor_map(const QuantizedView& v, const char* name) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(v.cols), static_cast<cuuint64_t>(v.rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(v.cols)};
   const cuuint32_t box[2] = {kWgTile, kWgTile}, unit[2] = {1, 1};
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, v.codes, dims, strides, box, unit,
-                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, v.codes, dims, strides, box,
+                           unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
-    throw std::runtime_error(std::string("gemm (cuda, fp8): cuTensorMapEncodeTiled failed (CUresult ") +
-                             std::to_string(static_cast<int>(r)) + ") for operand " + name + ", " +
-                             std::to_string(v.rows) + " x " + std::to_string(v.cols));
+    throw std::runtime_error(
+        std::string("gemm (cuda, fp8): cuTensorMapEncodeTiled failed (CUresult ") +
+        std::to_string(static_cast<int>(r)) + ") for operand " + name + ", " +
+        std::to_string(v.rows) + " x " + std::to_string(v.cols));
   return map;
 }
 
@@ -658,44 +692,53 @@ uint64_t fp8_wgmma_gemm_count() { return g_fp8_wgmma_launches; }
 void set_fp8_wgmma_max_ctas(int n) { g_fp8_wgmma_max_ctas = n > 0 ? n : 0; }
 
 bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b) {
-  const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
-  return a.cols % kWgTile == 0 && aligned(a.codes, 16) && aligned(b.codes, 16) && aligned(a.scales, 4) &&
-         aligned(b.scales, 4) && wgmma_device(current_device()).runs_wgmma;
+  const auto aligned = [](const void* p, uintptr_t n) {
+    return reinterpret_cast<uintptr_t>(p) % n == 0;
+  };
+  return a.cols % kWgTile == 0 && aligned(a.codes, 16) && aligned(b.codes, 16) &&
+         aligned(a.scales, 4) && aligned(b.scales, 4) && wgmma_device(current_device()).runs_wgmma;
 }
 
-void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c, const GemmConfig& cfg,
-                           void* out, float* split_ws, cudaStream_t stream) {
+void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
+                           const GemmConfig& cfg, void* out, float* split_ws, cudaStream_t stream) {
   const int64_t M = a.rows, N = b.rows, KB = a.cols / kWgTile;
   const int split = cfg.split_k;
   if (split < 1 || KB % split != 0)
-    throw std::invalid_argument("gemm (cuda, fp8): split-K " + std::to_string(split) + " does not divide " +
-                                std::to_string(KB) + " k-blocks");
-  if (split > 1 && !split_ws) throw std::logic_error("fp8_gemm_wgmma_launch: split-K without a workspace");
+    throw std::invalid_argument("gemm (cuda, fp8): split-K " + std::to_string(split) +
+                                " does not divide " + std::to_string(KB) + " k-blocks");
+  if (split > 1 && !split_ws)
+    throw std::logic_error("fp8_gemm_wgmma_launch: split-K without a workspace");
   const int64_t gx = (N + kWgTile - 1) / kWgTile, gy = (M + kWgTile - 1) / kWgTile;
   const int sms = wgmma_device(current_device()).sms;
-  const int64_t items64 = gx * gy * split, cap = g_fp8_wgmma_max_ctas > 0 ? g_fp8_wgmma_max_ctas.load() : sms;
+  const int64_t items64 = gx * gy * split,
+                cap = g_fp8_wgmma_max_ctas > 0 ? g_fp8_wgmma_max_ctas.load() : sms;
   const int64_t grid64 = std::min<int64_t>(items64, std::min<int64_t>(sms, cap));  // one CTA an SM
   // the kernel keeps tile origins (tiles x 128 plus a row), TMA's k coordinate, item indices (one
   // grid's worth past the last) and a CTA's k-block count (plus the scale look-ahead) in int
   const int64_t int_max = std::numeric_limits<int>::max() - 1024;
-  if (gx * kWgTile >= int_max || gy * kWgTile >= int_max || a.cols >= int_max || items64 + grid64 >= int_max ||
-      (items64 + grid64 - 1) / grid64 * (KB / split) >= int_max)
-    throw std::invalid_argument("gemm (cuda, fp8): " + std::to_string(M) + " x " + std::to_string(N) + " x " +
-                                std::to_string(a.cols) + " is too large for one launch of the tensor-core kernel");
+  if (gx * kWgTile >= int_max || gy * kWgTile >= int_max || a.cols >= int_max ||
+      items64 + grid64 >= int_max || (items64 + grid64 - 1) / grid64 * (KB / split) >= int_max)
+    throw std::invalid_argument("gemm (cuda, fp8): " + std::to_string(M) + " x " +
+                                std::to_string(N) + " x " + std::to_string(a.cols) +
+                                " is too large for one launch of the tensor-core kernel");
   const WgItems items{static_cast<int>(gx), static_cast<int>(gy), static_cast<int>(KB / split)};
   const int item_count = static_cast<int>(items64);
   allow_dynamic_smem(reinterpret_cast<const void*>(fp8_gemm_wgmma_kernel), kWgSmem);
   const unsigned grid = static_cast<unsigned>(grid64);
   float* ws = split > 1 ? split_ws : nullptr;
-  const uintptr_t pair_bytes = ws || cfg.out == GemmOut::F32 ? 8 : 4;  // a float2, or two BF16 values
-  const bool pair_stores = N % 2 == 0 && reinterpret_cast<uintptr_t>(ws ? static_cast<void*>(ws) : out) % pair_bytes == 0;
+  const uintptr_t pair_bytes =
+      ws || cfg.out == GemmOut::F32 ? 8 : 4;  // a float2, or two BF16 values
+  const bool pair_stores =
+      N % 2 == 0 &&
+      reinterpret_cast<uintptr_t>(ws ? static_cast<void*>(ws) : out) % pair_bytes == 0;
   const CUtensorMap tma_a = codes_tensor_map(a, "A"), tma_b = codes_tensor_map(b, "B");
-  fp8_gemm_wgmma_kernel<<<grid, kWgThreads, kWgSmem, stream>>>(tma_a, tma_b, a, b, c, cfg, out, ws, items, item_count,
-                                                               pair_stores);
+  fp8_gemm_wgmma_kernel<<<grid, kWgThreads, kWgSmem, stream>>>(tma_a, tma_b, a, b, c, cfg, out, ws,
+                                                               items, item_count, pair_stores);
   FP4SIM_CUDA_CHECK_LAUNCH();
   ++g_fp8_wgmma_launches;
   if (split > 1) {
-    fp8_split_reduce_kernel<<<grid_stride_blocks(M * N, 256), 256, 0, stream>>>(split_ws, split, M * N, c, cfg, out);
+    fp8_split_reduce_kernel<<<grid_stride_blocks(M * N, 256), 256, 0, stream>>>(split_ws, split,
+                                                                                M * N, c, cfg, out);
     FP4SIM_CUDA_CHECK_LAUNCH();
   }
 }

@@ -43,8 +43,8 @@ __device__ void gather_chunk(const QuantizedView& q, int64_t r, int64_t ch, uint
   }
 }
 
-__global__ void gemm_exact_reference_kernel(QuantizedView a, QuantizedView b, const float* c, GemmConfig cfg,
-                                            void* out) {
+__global__ void gemm_exact_reference_kernel(QuantizedView a, QuantizedView b, const float* c,
+                                            GemmConfig cfg, void* out) {
   const int64_t N = b.rows;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= a.rows * N) return;
@@ -61,9 +61,8 @@ __global__ void gemm_exact_reference_kernel(QuantizedView a, QuantizedView b, co
   gemm_store(cfg, alpha, total, c, idx, out);
 }
 
-
-constexpr int kTile = 64;               // output rows (of A) and columns (rows of B) per block
-constexpr int kTiledThreads = 256;      // 16 x 16 threads, 4 x 4 outputs each
+constexpr int kTile = 64;           // output rows (of A) and columns (rows of B) per block
+constexpr int kTiledThreads = 256;  // 16 x 16 threads, 4 x 4 outputs each
 constexpr int kPer = 4;
 constexpr int kRowBytes = kGemmChunk + 16;  // int8 row stride in shared memory (80 B: the 16-byte
                                             // loads of 8 consecutive rows hit distinct banks)
@@ -86,7 +85,9 @@ struct ChunkTile {  // one array per field
   __device__ int32_t& sigv(int r, int g) { return sig[r][g]; }
   __device__ int32_t& expv(int r, int g) { return exp[r][g]; }
   __device__ uint8_t& nanv(int r, int g) { return nan[r][g]; }
-  __device__ uint32_t nan_word(int r) const { return *reinterpret_cast<const uint32_t*>(&nan[r][0]); }
+  __device__ uint32_t nan_word(int r) const {
+    return *reinterpret_cast<const uint32_t*>(&nan[r][0]);
+  }
 };
 
 // kRows (variants 7 and 8): what the common path reads per row in one 112-byte record (the 64
@@ -101,9 +102,13 @@ struct ChunkTileRows {
   uint16_t sign[kTile][kGstGroups];
   uint32_t scale[kTile][kGstGroups];
   template <class T>
-  __device__ T& at(int r, int off) { return *reinterpret_cast<T*>(rec + r * kRecBytes + off); }
+  __device__ T& at(int r, int off) {
+    return *reinterpret_cast<T*>(rec + r * kRecBytes + off);
+  }
   template <class T>
-  __device__ T at(int r, int off) const { return *reinterpret_cast<const T*>(rec + r * kRecBytes + off); }
+  __device__ T at(int r, int off) const {
+    return *reinterpret_cast<const T*>(rec + r * kRecBytes + off);
+  }
   __device__ int8_t* tw(int r) { return reinterpret_cast<int8_t*>(rec + r * kRecBytes); }
   __device__ uint16_t& nzm(int r, int g) { return at<uint16_t>(r, 96 + 2 * g); }
   __device__ uint16_t nzm(int r, int g) const { return at<uint16_t>(r, 96 + 2 * g); }
@@ -115,7 +120,8 @@ struct ChunkTileRows {
 
 // Thread t decodes group (t % 4) of row (t / 4) of the tile: 16 codes (8 bytes) and its scale.
 template <bool kLean, bool kBiased, class Tile>
-__device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch, ScaleKind kind, Tile& s) {
+__device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch, ScaleKind kind,
+                                Tile& s) {
   const int t = threadIdx.x, r = t / kGstGroups, g = t % kGstGroups;
   const int64_t row = row0 + r, k0 = ch * kGemmChunk + g * kGstGroup;
   const int block_shift = kind == ScaleKind::UE8M0_32 ? 5 : 4;
@@ -136,7 +142,8 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
     nz |= ((code & 7u) != 0 ? 1u : 0u) << i;
     sg |= (code >> 3) << i;
   }
-  *reinterpret_cast<uint4*>(s.tw(r) + g * kGstGroup) = make_uint4(words[0], words[1], words[2], words[3]);
+  *reinterpret_cast<uint4*>(s.tw(r) + g * kGstGroup) =
+      make_uint4(words[0], words[1], words[2], words[3]);
   s.nzm(r, g) = static_cast<uint16_t>(nz);
   s.sign[r][g] = static_cast<uint16_t>(sg);
   const DecodedScale ds = decode_scale(sbyte, kind);
@@ -144,7 +151,8 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
   if constexpr (kLean) {
     const int32_t sig = ds.zero ? 0 : static_cast<int32_t>(ds.sig);
     s.sigv(r, g) = sig;
-    // kBiased (variant 5): a zero scale's exponent reading is kGstZeroScaleExp, for gst_fdpa_core_lean<true>
+    // kBiased (variant 5): a zero scale's exponent reading is kGstZeroScaleExp, for
+    // gst_fdpa_core_lean<true>
     s.expv(r, g) = kBiased ? gst_zero_scale_biased(sig, ds.exp) : ds.exp;
     s.nanv(r, g) = ds.nan ? 1 : 0;
   }
@@ -153,8 +161,9 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
 // The packed core for one output from the shared tiles (row ra of A's tile, rb of B's), with A's
 // packed scales wa already in registers: variant 1's path for every output.
 template <class Tile>
-__device__ __forceinline__ float packed_core(const int32_t* p4, const uint32_t* wa, const Tile& sa, const Tile& sb,
-                                             int ra, int rb, int man_bits, float acc) {
+__device__ __forceinline__ float packed_core(const int32_t* p4, const uint32_t* wa, const Tile& sa,
+                                             const Tile& sb, int ra, int rb, int man_bits,
+                                             float acc) {
   uint32_t all_zero = 0, all_neg_zero = 0, wb[kGstGroups];
   FP4SIM_UNROLL
   for (int g = 0; g < kGstGroups; ++g) {
@@ -164,14 +173,16 @@ __device__ __forceinline__ float packed_core(const int32_t* p4, const uint32_t* 
     all_neg_zero |= (nz == 0 && neg == 0xFFFFu ? 1u : 0u) << g;
     wb[g] = sb.scale[rb][g];
   }
-  return f32_from_bits(gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, wa, wb, man_bits, acc, true));
+  return f32_from_bits(
+      gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, wa, wb, man_bits, acc, true));
 }
 
 // The same for the lean kernels' rare path (NaN scales, non-finite C, a zero sum), out of line so
 // its registers do not count against the common path.
 template <class Tile>
-__device__ __noinline__ float packed_core_from_tiles(const int32_t* p4, const Tile& sa, const Tile& sb, int ra, int rb,
-                                                     int man_bits, float acc) {
+__device__ __noinline__ float packed_core_from_tiles(const int32_t* p4, const Tile& sa,
+                                                     const Tile& sb, int ra, int rb, int man_bits,
+                                                     float acc) {
   uint32_t wa[kGstGroups];
   FP4SIM_UNROLL
   for (int g = 0; g < kGstGroups; ++g) wa[g] = sa.scale[ra][g];
@@ -181,8 +192,9 @@ __device__ __noinline__ float packed_core_from_tiles(const int32_t* p4, const Ti
 // The same with the group sums by value (kFold): a pointer makes the caller store them to local
 // memory on every output and chunk, whether the call happens or not.
 template <class Tile>
-__device__ __noinline__ float packed_core_from_values(int32_t p0, int32_t p1, int32_t p2, int32_t p3, const Tile& sa,
-                                                      const Tile& sb, int ra, int rb, int man_bits, float acc) {
+__device__ __noinline__ float packed_core_from_values(int32_t p0, int32_t p1, int32_t p2,
+                                                      int32_t p3, const Tile& sa, const Tile& sb,
+                                                      int ra, int rb, int man_bits, float acc) {
   const int32_t p4[kGstGroups] = {p0, p1, p2, p3};
   return packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, acc);
 }
@@ -193,14 +205,16 @@ __device__ __noinline__ float packed_core_from_values(int32_t p0, int32_t p1, in
 // B's exponent kGstZeroScaleExp instead of a bit in an all-zero mask (the same answers and bits,
 // tests/emu/test_mma.cpp), so the core's per-group mask selects fold away; the group sums reach
 // the out-of-line path by value.
-template <bool kLean, int kMinBlocks, bool kSplit, bool kBiased = false, bool kExpAdd = false, bool kRows = false,
-          bool kFold = false>
-__global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_kernel(QuantizedView a, QuantizedView b,
-                                                                         const float* c, GemmConfig cfg, void* out) {
+template <bool kLean, int kMinBlocks, bool kSplit, bool kBiased = false, bool kExpAdd = false,
+          bool kRows = false, bool kFold = false>
+__global__ void __launch_bounds__(kTiledThreads, kMinBlocks)
+    gemm_exact_tiled_kernel(QuantizedView a, QuantizedView b, const float* c, GemmConfig cfg,
+                            void* out) {
   static_assert(!kFold || (kLean && kBiased), "kFold needs the biased lean core");
   using Tile = std::conditional_t<kRows, ChunkTileRows, ChunkTile>;
   __shared__ Tile sa, sb;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, n0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile,
+                n0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
   const ScaleKind kind = a.format == QFormat::MXFP4 ? ScaleKind::UE8M0_32 : ScaleKind::UE4M3_16;
   const int man_bits = kind == ScaleKind::UE4M3_16 ? 3 : 0;
@@ -210,9 +224,8 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
   for (int s = 0; s < splits; ++s) {
     float acc[kPer][kPer];
     FP4SIM_UNROLL
-    for (int i = 0; i < kPer; ++i)
-      FP4SIM_UNROLL
-      for (int j = 0; j < kPer; ++j) acc[i][j] = 0.0f;
+    for (int i = 0; i < kPer; ++i) FP4SIM_UNROLL
+    for (int j = 0; j < kPer; ++j) acc[i][j] = 0.0f;
     for (int64_t ch = s * per_split; ch < (s + 1) * per_split; ++ch) {
       __syncthreads();  // the previous chunk's readers are done
       load_chunk_tile<kLean, kBiased>(a, m0, ch, kind, sa);
@@ -245,10 +258,18 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
           const uint4* xb = reinterpret_cast<const uint4*>(sb.tw(rb));
           const uint4 y0 = xb[0], y1 = xb[1], y2 = xb[2], y3 = xb[3];
           int32_t p4[kGstGroups];
-          p4[0] = __dp4a(int(x0.w), int(y0.w), __dp4a(int(x0.z), int(y0.z), __dp4a(int(x0.y), int(y0.y), __dp4a(int(x0.x), int(y0.x), 0))));
-          p4[1] = __dp4a(int(x1.w), int(y1.w), __dp4a(int(x1.z), int(y1.z), __dp4a(int(x1.y), int(y1.y), __dp4a(int(x1.x), int(y1.x), 0))));
-          p4[2] = __dp4a(int(x2.w), int(y2.w), __dp4a(int(x2.z), int(y2.z), __dp4a(int(x2.y), int(y2.y), __dp4a(int(x2.x), int(y2.x), 0))));
-          p4[3] = __dp4a(int(x3.w), int(y3.w), __dp4a(int(x3.z), int(y3.z), __dp4a(int(x3.y), int(y3.y), __dp4a(int(x3.x), int(y3.x), 0))));
+          p4[0] = __dp4a(int(x0.w), int(y0.w),
+                         __dp4a(int(x0.z), int(y0.z),
+                                __dp4a(int(x0.y), int(y0.y), __dp4a(int(x0.x), int(y0.x), 0))));
+          p4[1] = __dp4a(int(x1.w), int(y1.w),
+                         __dp4a(int(x1.z), int(y1.z),
+                                __dp4a(int(x1.y), int(y1.y), __dp4a(int(x1.x), int(y1.x), 0))));
+          p4[2] = __dp4a(int(x2.w), int(y2.w),
+                         __dp4a(int(x2.z), int(y2.z),
+                                __dp4a(int(x2.y), int(y2.y), __dp4a(int(x2.x), int(y2.x), 0))));
+          p4[3] = __dp4a(int(x3.w), int(y3.w),
+                         __dp4a(int(x3.z), int(y3.z),
+                                __dp4a(int(x3.y), int(y3.y), __dp4a(int(x3.x), int(y3.x), 0))));
           if constexpr (kFold) {
             int32_t sigb[kGstGroups], expb[kGstGroups];
             FP4SIM_UNROLL
@@ -259,15 +280,18 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
             if ((p4[0] == 0) | (p4[1] == 0) | (p4[2] == 0) | (p4[3] == 0)) {  // rare
               FP4SIM_UNROLL
               for (int g = 0; g < kGstGroups; ++g)
-                if ((static_cast<uint32_t>(sa.nzm(ra, g)) & sb.nzm(rb, g)) == 0) expb[g] = kGstZeroScaleExp;
+                if ((static_cast<uint32_t>(sa.nzm(ra, g)) & sb.nzm(rb, g)) == 0)
+                  expb[g] = kGstZeroScaleExp;
             }
             uint32_t bits;
             if ((nan_a | sb.nan_word(rb)) == 0 &&
-                gst_fdpa_core_lean<true, kExpAdd>(p4, siga, expa, sigb, expb, 0u, man_bits, acc[i][j], &bits)) {
+                gst_fdpa_core_lean<true, kExpAdd>(p4, siga, expa, sigb, expb, 0u, man_bits,
+                                                  acc[i][j], &bits)) {
               acc[i][j] = f32_from_bits(bits);
               continue;
             }
-            acc[i][j] = packed_core_from_values(p4[0], p4[1], p4[2], p4[3], sa, sb, ra, rb, man_bits, acc[i][j]);
+            acc[i][j] = packed_core_from_values(p4[0], p4[1], p4[2], p4[3], sa, sb, ra, rb,
+                                                man_bits, acc[i][j]);
             continue;
           } else if constexpr (kLean) {
             int32_t sigb[kGstGroups], expb[kGstGroups];
@@ -290,7 +314,8 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
             const uint32_t nan_b = sb.nan_word(rb);
             uint32_t bits;
             if ((nan_a | nan_b) == 0 &&
-                gst_fdpa_core_lean<kBiased, kExpAdd>(p4, siga, expa, sigb, expb, all_zero, man_bits, acc[i][j], &bits)) {
+                gst_fdpa_core_lean<kBiased, kExpAdd>(p4, siga, expa, sigb, expb, all_zero, man_bits,
+                                                     acc[i][j], &bits)) {
               acc[i][j] = f32_from_bits(bits);
               continue;
             }
@@ -304,9 +329,9 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) gemm_exact_tiled_ke
       }
     }
     FP4SIM_UNROLL
-    for (int i = 0; i < kPer; ++i)
-      FP4SIM_UNROLL
-      for (int j = 0; j < kPer; ++j) total[i][j] = (!kSplit || s == 0) ? acc[i][j] : fadd_rn(total[i][j], acc[i][j]);
+    for (int i = 0; i < kPer; ++i) FP4SIM_UNROLL
+    for (int j = 0; j < kPer; ++j)
+      total[i][j] = (!kSplit || s == 0) ? acc[i][j] : fadd_rn(total[i][j], acc[i][j]);
   }
   const float alpha =
       gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
@@ -346,7 +371,8 @@ constexpr Kernel kTiled[][2] = {
     {gemm_exact_tiled_kernel<true, 3, false>, gemm_exact_tiled_kernel<true, 3, true>},
     {gemm_exact_tiled_kernel<true, 4, false>, gemm_exact_tiled_kernel<true, 4, true>},
     {gemm_exact_tiled_kernel<true, 4, false, true>, gemm_exact_tiled_kernel<true, 4, true, true>},
-    {gemm_exact_tiled_kernel<true, 4, false, true, true>, gemm_exact_tiled_kernel<true, 4, true, true, true>},
+    {gemm_exact_tiled_kernel<true, 4, false, true, true>,
+     gemm_exact_tiled_kernel<true, 4, true, true, true>},
     {gemm_exact_tiled_kernel<true, 4, false, true, true, true, true>,
      gemm_exact_tiled_kernel<true, 4, true, true, true, true, true>},
     {gemm_exact_tiled_kernel<true, 4, false, true, true, true, false>,
@@ -366,17 +392,20 @@ void set_gemm_exact_variant(int variant) {
 void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
                        const GemmConfig& cfg, void* out, cudaStream_t stream) {
   // the tiled kernel reads codes 8 bytes at a time; views at odd offsets take the reference kernel
-  const bool aligned = reinterpret_cast<uintptr_t>(a.codes) % 8 == 0 && reinterpret_cast<uintptr_t>(b.codes) % 8 == 0;
+  const bool aligned = reinterpret_cast<uintptr_t>(a.codes) % 8 == 0 &&
+                       reinterpret_cast<uintptr_t>(b.codes) % 8 == 0;
   if (g_gemm_exact_variant >= 1 && aligned) {
-    const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile), static_cast<unsigned>((a.rows + kTile - 1) / kTile));
-    kTiled[g_gemm_exact_variant - 1][cfg.split_k > 1 ? 1 : 0]<<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
+    const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile),
+                    static_cast<unsigned>((a.rows + kTile - 1) / kTile));
+    kTiled[g_gemm_exact_variant - 1][cfg.split_k > 1 ? 1 : 0]<<<grid, kTiledThreads, 0, stream>>>(
+        a, b, c, cfg, out);
     FP4SIM_CUDA_CHECK_LAUNCH();
     return;
   }
   const int64_t n = a.rows * b.rows;
   const int threads = 128;
-  gemm_exact_reference_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, stream>>>(
-      a, b, c, cfg, out);
+  gemm_exact_reference_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0,
+                                stream>>>(a, b, c, cfg, out);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

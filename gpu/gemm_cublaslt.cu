@@ -25,11 +25,11 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/decode_bf16.cuh"
 
-#define FP4SIM_CUBLAS_CHECK(call)                                                           \
-  do {                                                                                      \
-    cublasStatus_t fp4sim_st_ = (call);                                                     \
-    if (fp4sim_st_ != CUBLAS_STATUS_SUCCESS)                                                \
-      throw std::runtime_error(std::string("cuBLASLt error ") +                             \
+#define FP4SIM_CUBLAS_CHECK(call)                                                            \
+  do {                                                                                       \
+    cublasStatus_t fp4sim_st_ = (call);                                                      \
+    if (fp4sim_st_ != CUBLAS_STATUS_SUCCESS)                                                 \
+      throw std::runtime_error(std::string("cuBLASLt error ") +                              \
                                std::to_string(static_cast<int>(fp4sim_st_)) + " in " #call); \
   } while (0)
 
@@ -47,7 +47,8 @@ constexpr int64_t kDequantChunk = 8;  // elements per thread: 4 code bytes in, o
 // y extent are walked with a stride); x covers the 8-element chunks of a row.
 // alpha' = alpha * (global decode scales of a and b, from their amax) and beta, to out[0..1]: the
 // GEMM's device scalars, with no host synchronisation.
-__device__ __forceinline__ void write_epilogue_scalars(const QuantizedView& a, const QuantizedView& b, float alpha,
+__device__ __forceinline__ void write_epilogue_scalars(const QuantizedView& a,
+                                                       const QuantizedView& b, float alpha,
                                                        float beta, float* out) {
   out[0] = gemm_epilogue_alpha(alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
   out[1] = beta;
@@ -56,14 +57,18 @@ __device__ __forceinline__ void write_epilogue_scalars(const QuantizedView& a, c
 // Its first thread also writes the GEMM's alpha' and beta to `scalars` (write_epilogue_scalars,
 // from the amax of a and b, which a view with rows = 0 still carries): one launch fewer before a
 // GEMM that decodes an operand.
-__global__ void dequantize_block_scaled_bf16(QuantizedView a, uint16_t* da, QuantizedView b, uint16_t* db,
-                                             float alpha, float beta, float* scalars) {
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) write_epilogue_scalars(a, b, alpha, beta, scalars);
+__global__ void dequantize_block_scaled_bf16(QuantizedView a, uint16_t* da, QuantizedView b,
+                                             uint16_t* db, float alpha, float beta,
+                                             float* scalars) {
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+    write_epilogue_scalars(a, b, alpha, beta, scalars);
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kDequantChunk;
   if (c0 >= a.cols) return;  // a.cols == b.cols == K
   for (int64_t row = blockIdx.y; row < a.rows + b.rows; row += gridDim.y) {
-    if (row < a.rows) dequantize_chunk_bf16(a, da, row, c0);
-    else dequantize_chunk_bf16(b, db, row - a.rows, c0);
+    if (row < a.rows)
+      dequantize_chunk_bf16(a, da, row, c0);
+    else
+      dequantize_chunk_bf16(b, db, row - a.rows, c0);
   }
 }
 
@@ -80,9 +85,11 @@ __global__ void dequantize_block_scaled_bf16(QuantizedView a, uint16_t* da, Quan
 // buffers and fewer than 2^31 words (dequantize_flat_ok); the first thread writes alpha' and beta.
 constexpr int kFlatUnroll = 4;
 // Word w of the joint numbering (a's words first) as an index into its own operand.
-__device__ __forceinline__ uint32_t flat_index(uint32_t w, uint32_t a_words) { return w < a_words ? w : w - a_words; }
-__global__ void dequantize_flat_bf16(QuantizedView a, uint16_t* da, QuantizedView b, uint16_t* db, float alpha,
-                                     float beta, float* scalars) {
+__device__ __forceinline__ uint32_t flat_index(uint32_t w, uint32_t a_words) {
+  return w < a_words ? w : w - a_words;
+}
+__global__ void dequantize_flat_bf16(QuantizedView a, uint16_t* da, QuantizedView b, uint16_t* db,
+                                     float alpha, float beta, float* scalars) {
   if (blockIdx.x == 0 && threadIdx.x == 0) write_epilogue_scalars(a, b, alpha, beta, scalars);
   const uint32_t a_words = static_cast<uint32_t>(a.rows * a.cols / 8);
   const uint32_t total = a_words + static_cast<uint32_t>(b.rows * b.cols / 8);
@@ -114,18 +121,25 @@ __global__ void dequantize_flat_bf16(QuantizedView a, uint16_t* da, QuantizedVie
         const QFormat f = in_a ? a.format : b.format;
         uint16_t* out = (in_a ? da : db) + static_cast<size_t>(flat_index(w, a_words)) * 8;
         const float sv = block_scale_value(f, sbyte[j]);
-        if (f == QFormat::NVFP4) decode8_bf16_nvfp4(codes[j], sv, out);
-        else decode8_bf16(codes[j], sv, out);
+        if (f == QFormat::NVFP4)
+          decode8_bf16_nvfp4(codes[j], sv, out);
+        else
+          decode8_bf16(codes[j], sv, out);
       }
     }
   }
 }
 
 // Whether dequantize_flat_bf16 can decode the operands (a view with rows = 0 is skipped).
-bool dequantize_flat_ok(const QuantizedView& a, const uint16_t* da, const QuantizedView& b, const uint16_t* db) {
-  const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
+bool dequantize_flat_ok(const QuantizedView& a, const uint16_t* da, const QuantizedView& b,
+                        const uint16_t* db) {
+  const auto aligned = [](const void* p, uintptr_t n) {
+    return reinterpret_cast<uintptr_t>(p) % n == 0;
+  };
   const int64_t words = (a.rows * a.cols + b.rows * b.cols) / 8;
-  const auto blocks_whole = [](const QuantizedView& q) { return q.cols % (q.format == QFormat::MXFP4 ? 32 : 16) == 0; };
+  const auto blocks_whole = [](const QuantizedView& q) {
+    return q.cols % (q.format == QFormat::MXFP4 ? 32 : 16) == 0;
+  };
   return blocks_whole(a) && blocks_whole(b) && words < (int64_t{1} << 31) &&
          (a.rows == 0 || (aligned(a.codes, 4) && aligned(da, 16))) &&
          (b.rows == 0 || (aligned(b.codes, 4) && aligned(db, 16)));
@@ -162,10 +176,12 @@ __global__ void fp8_epilogue_scalars_kernel(float alpha, float beta, float* out)
 // Our FP8 scales [rows, k_blocks] (row-major FP32, one per row and 128-wide k-block) -> the layout
 // cuBLASLt reads for VEC128_32F: [k_blocks, rows], rows contiguous ("outer-dimension major"),
 // i.e. out[b * rows + r] = scales[r * k_blocks + b]. rows is a multiple of 8 here (checked by the
-// launcher), so this is also Transformer Engine's GEMM-ready layout [ceil(K/128), roundup(rows, 4)].
-// A pure copy: the scale values are unchanged. One thread per output element (coalesced writes).
-__global__ void fp8_scales_to_vec128_kernel(const float* scales, int64_t rows, int64_t k_blocks, float* out,
-                                            const float* scales2, int64_t rows2, float* out2) {
+// launcher), so this is also Transformer Engine's GEMM-ready layout [ceil(K/128), roundup(rows,
+// 4)]. A pure copy: the scale values are unchanged. One thread per output element (coalesced
+// writes).
+__global__ void fp8_scales_to_vec128_kernel(const float* scales, int64_t rows, int64_t k_blocks,
+                                            float* out, const float* scales2, int64_t rows2,
+                                            float* out2) {
   // both operands in one launch (a GEMM's two transposes cost one launch, not two): indices
   // [0, rows * k_blocks) are the first's, the rest the second's (same k_blocks)
   const int64_t n1 = rows * k_blocks, n = n1 + rows2 * k_blocks;
@@ -183,10 +199,14 @@ enum class PlanKind { Bf16HostScalars, Bf16DeviceScalars, Nvfp4Native, Mxfp4Nati
 const char* plan_kind_name(PlanKind kind) {
   switch (kind) {
     case PlanKind::Bf16HostScalars:
-    case PlanKind::Bf16DeviceScalars: return "BF16";
-    case PlanKind::Nvfp4Native: return "native NVFP4 (VEC16_UE4M3)";
-    case PlanKind::Mxfp4Native: return "native MXFP4 (VEC32_UE8M0)";
-    case PlanKind::Fp8Vec128: return "block-scaled FP8 (E4M3, VEC128_32F)";
+    case PlanKind::Bf16DeviceScalars:
+      return "BF16";
+    case PlanKind::Nvfp4Native:
+      return "native NVFP4 (VEC16_UE4M3)";
+    case PlanKind::Mxfp4Native:
+      return "native MXFP4 (VEC32_UE8M0)";
+    case PlanKind::Fp8Vec128:
+      return "block-scaled FP8 (E4M3, VEC128_32F)";
   }
   return "?";
 }
@@ -210,7 +230,7 @@ void destroy_plan(GemmPlan& p) {
 }  // namespace
 
 struct CublasLtState {
-  int cc_major = 0;  // compute capability of the current device
+  int cc_major = 0;    // compute capability of the current device
   size_t version = 0;  // cublasLtGetVersion(): major * 10000 + minor * 100 + patch
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
@@ -238,27 +258,31 @@ std::shared_ptr<CublasLtState> make_cublaslt_state() {
 namespace {
 
 int heuristic_pick = kPlanOwnPick;  // set_cublaslt_heuristic_pick
-CublasLtPlanPick last_pick;          // last_cublaslt_plan_pick
+CublasLtPlanPick last_pick;         // last_cublaslt_plan_pick
 
 }  // namespace
 
 std::string cublaslt_version() {
   const size_t v = cublasLtGetVersion();
-  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
+         std::to_string(v % 100);
 }
 
 CublasLtPlanPick last_cublaslt_plan_pick() { return last_pick; }
 
 void set_fp4_decode_variant(int variant) {
   if (variant != 0 && variant != 1)
-    throw std::invalid_argument("set_fp4_decode_variant: variant must be 0 (8 elements a thread, 2-D grid) or 1 (flat, warp-coalesced)");
+    throw std::invalid_argument(
+        "set_fp4_decode_variant: variant must be 0 (8 elements a thread, 2-D grid) or 1 (flat, "
+        "warp-coalesced)");
   g_decode_variant = variant;
 }
 
 void set_cublaslt_heuristic_pick(int index) {
   if (index < kPlanOwnPick || index > kMaxHeuristicPick)
-    throw std::invalid_argument("set_cublaslt_heuristic_pick: index " + std::to_string(index) + " is outside " +
-                                std::to_string(kPlanOwnPick) + ".." + std::to_string(kMaxHeuristicPick));
+    throw std::invalid_argument("set_cublaslt_heuristic_pick: index " + std::to_string(index) +
+                                " is outside " + std::to_string(kPlanOwnPick) + ".." +
+                                std::to_string(kMaxHeuristicPick));
   heuristic_pick = index;
 }
 
@@ -283,7 +307,9 @@ namespace {
 // fixed rule, not a timing at run time, so that every run of a configuration multiplies with the
 // same algorithm and gets the same bits (resume stays bitwise); it indexes the heuristic list of
 // the cuBLASLt release it was measured on (13.1.x), and other releases keep their first choice.
-bool picks_measured_here(const CublasLtState& st) { return cublaslt_picks_measured_here(st.cc_major, st.version); }
+bool picks_measured_here(const CublasLtState& st) {
+  return cublaslt_picks_measured_here(st.cc_major, st.version);
+}
 
 int fp8_preferred_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K) {
   if (!picks_measured_here(st)) return 0;
@@ -307,15 +333,18 @@ int bf16_preferred_algo(const CublasLtState& st, int64_t M, int64_t N, int64_t K
 // D_rm [M, N] = alpha * A_rm [M, K] * B_rm [N, K]^T + beta * C_rm: in cuBLASLt's column-major
 // terms D^T (N x M) = op(B^T as K x N, transposed) * (A^T as K x M): "TN", lda = ldb = K, ldd = N.
 // (TN is also the only FP8 layout Hopper's FP8 kernels take.) Builds the descriptors for `kind` and
-// asks the heuristic for one algorithm; false (descriptors destroyed, status kept) when it has none.
-bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int64_t K, bool host_scalars,
-                    GemmPlan& p, cublasStatus_t& status) {
+// asks the heuristic for one algorithm; false (descriptors destroyed, status kept) when it has
+// none.
+bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int64_t K,
+                    bool host_scalars, GemmPlan& p, cublasStatus_t& status) {
   const bool fp4_native = kind == PlanKind::Nvfp4Native || kind == PlanKind::Mxfp4Native;
   const bool fp8 = kind == PlanKind::Fp8Vec128;
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  FP4SIM_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  FP4SIM_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
   p.host_scalars = host_scalars;
   if (!host_scalars) {
     // (a device beta makes cuBLASLt run its general-beta kernels: as fast as the beta-0 ones when
@@ -323,29 +352,33 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
     // it is 1; H200, bench_gemm BM_GpuGemmScalarModes. A device alpha vector with a host beta,
     // CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_HOST, finds no algorithm: status 15.)
     const cublasLtPointerMode_t pm = CUBLASLT_POINTER_MODE_DEVICE;
-    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pm, sizeof pm));
+    FP4SIM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pm, sizeof pm));
   }
   if (fp4_native || fp8) {
-    const int32_t mode = fp8 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
-                             : (kind == PlanKind::Mxfp4Native ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0
-                                                              : CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3);
-    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode));
-    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode));
+    const int32_t mode =
+        fp8 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+            : (kind == PlanKind::Mxfp4Native ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0
+                                             : CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3);
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                                       &mode, sizeof mode));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                                       &mode, sizeof mode));
     // The heuristic rejects block-scaled modes while the scale pointers are unset (measured on the
     // H200, cuBLASLt 13.1: status 7 for VEC128_32F without them, an algorithm with them). Any
     // aligned device address will do here; every launch sets the real ones before cublasLtMatmul.
     const void* placeholder = st.workspace;
-    FP4SIM_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &placeholder, sizeof placeholder));
-    FP4SIM_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &placeholder, sizeof placeholder));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                       &placeholder, sizeof placeholder));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                       &placeholder, sizeof placeholder));
   }
   if (fp8) {
     // No "fast accumulation": partial sums are promoted to FP32 at every scale block (block-scaled
     // FP8 accepts only this mode; set explicitly rather than relying on the default).
     const int8_t fast_accum = 0;
-    FP4SIM_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof fast_accum));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                                                       &fast_accum, sizeof fast_accum));
   }
   const cudaDataType_t in = fp8 ? CUDA_R_8F_E4M3 : (fp4_native ? CUDA_R_4F_E2M1 : CUDA_R_16BF);
   FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.la, in, K, N, K));
@@ -353,20 +386,22 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lc, CUDA_R_32F, N, M, N));
   cublasLtMatmulPreference_t pref;
   FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &st.workspace_bytes, sizeof st.workspace_bytes));
+  FP4SIM_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &st.workspace_bytes, sizeof st.workspace_bytes));
   // the heuristic's first algorithm (a benchmark knob can ask for a later one of its list, and
   // fails the plan where the list is shorter), except for the shapes of fp8_preferred_algo and
   // bf16_preferred_algo, which fall back to the first where the list is shorter
   const bool bf16 = kind == PlanKind::Bf16HostScalars || kind == PlanKind::Bf16DeviceScalars;
   const bool knob = heuristic_pick != kPlanOwnPick;
-  const int pick = knob ? heuristic_pick
-                 : fp8  ? fp8_preferred_algo(st, M, N, K)
-                 : bf16 ? bf16_preferred_algo(st, M, N, K)
-                        : 0;
+  const int pick = knob   ? heuristic_pick
+                   : fp8  ? fp8_preferred_algo(st, M, N, K)
+                   : bf16 ? bf16_preferred_algo(st, M, N, K)
+                          : 0;
   cublasLtMatmulHeuristicResult_t heur[kMaxHeuristicPick + 1]{};
   int found = 0;
-  status = cublasLtMatmulAlgoGetHeuristic(st.handle, p.op, p.la, p.lb, p.lc, p.lc, pref, pick + 1, heur, &found);
+  status = cublasLtMatmulAlgoGetHeuristic(st.handle, p.op, p.la, p.lb, p.lc, p.lc, pref, pick + 1,
+                                          heur, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0 || (knob && found <= pick)) {
     if (status == CUBLAS_STATUS_SUCCESS) status = CUBLAS_STATUS_NOT_SUPPORTED;
@@ -379,8 +414,8 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   return true;
 }
 
-// The plan for (kind, M, N, K), built on first use. Alpha and beta go as device pointers for the FP4
-// kinds (alpha' depends on the operands' amax, on the device), as host pointers for
+// The plan for (kind, M, N, K), built on first use. Alpha and beta go as device pointers for the
+// FP4 kinds (alpha' depends on the operands' amax, on the device), as host pointers for
 // Bf16HostScalars and (when the heuristic has an algorithm for them, else device) for FP8.
 GemmPlan& plan_for(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int64_t K) {
   const auto key = std::make_tuple(kind, M, N, K);
@@ -395,12 +430,15 @@ GemmPlan& plan_for(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int64
   bool ok = try_build_plan(st, kind, M, N, K, kind == PlanKind::Bf16HostScalars || fp8, p, status);
   if (!ok && fp8) ok = try_build_plan(st, kind, M, N, K, false, p, status);
   if (!ok) {
-    std::string msg = std::string("cuBLASLt found no ") + plan_kind_name(kind) + " GEMM algorithm for M=" +
-                      std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
-                      " (heuristic status " + std::to_string(static_cast<int>(status)) + ", compute capability " +
+    std::string msg = std::string("cuBLASLt found no ") + plan_kind_name(kind) +
+                      " GEMM algorithm for M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                      " K=" + std::to_string(K) + " (heuristic status " +
+                      std::to_string(static_cast<int>(status)) + ", compute capability " +
                       std::to_string(st.cc_major) + ".x)";
     if (kind == PlanKind::Fp8Vec128)
-      msg += "; cuBLASLt's block-scaled FP8 needs cuBLAS >= 12.9 and is native on Hopper (sm_90); use --gemm exact";
+      msg +=
+          "; cuBLASLt's block-scaled FP8 needs cuBLAS >= 12.9 and is native on Hopper (sm_90); use "
+          "--gemm exact";
     throw std::runtime_error(msg);
   }
   return st.plans.emplace(key, p).first->second;
@@ -413,12 +451,15 @@ void bf16_gemm_tn(CublasLtState& st, const uint16_t* a, const uint16_t* b, const
   bf16_gemm_tn_scalars(st, Bf16Scalars::Host, a, b, c, d, M, N, K, &alpha, &beta, stream);
 }
 
-void bf16_gemm_tn_scalars(CublasLtState& st, Bf16Scalars mode, const uint16_t* a, const uint16_t* b, const float* c,
-                          float* d, int64_t M, int64_t N, int64_t K, const float* alpha, const float* beta,
-                          cudaStream_t stream) {
-  GemmPlan& p = plan_for(st, mode == Bf16Scalars::Host ? PlanKind::Bf16HostScalars : PlanKind::Bf16DeviceScalars, M, N, K);
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, alpha, b, p.la, a, p.lb, beta, c ? c : d, p.lc, d, p.lc,
-                                     &p.algo, st.workspace, st.workspace_bytes, stream));
+void bf16_gemm_tn_scalars(CublasLtState& st, Bf16Scalars mode, const uint16_t* a, const uint16_t* b,
+                          const float* c, float* d, int64_t M, int64_t N, int64_t K,
+                          const float* alpha, const float* beta, cudaStream_t stream) {
+  GemmPlan& p = plan_for(
+      st, mode == Bf16Scalars::Host ? PlanKind::Bf16HostScalars : PlanKind::Bf16DeviceScalars, M, N,
+      K);
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, alpha, b, p.la, a, p.lb, beta, c ? c : d,
+                                     p.lc, d, p.lc, &p.algo, st.workspace, st.workspace_bytes,
+                                     stream));
 }
 
 namespace {
@@ -438,10 +479,13 @@ void fp4_native_gemm_tn(CublasLtState& st, const QuantizedView& a, const Quantiz
   // cuBLASLt's A is our B (N x K) and its B is our A (M x K)
   const void* scale_a = sb;
   const void* scale_b = sa;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof scale_a));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof scale_b));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, scalars, b.codes, p.la, a.codes, p.lb, scalars + 1,
-                                     c ? c : d, p.lc, d, p.lc, &p.algo, st.workspace, st.workspace_bytes, stream));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                     &scale_a, sizeof scale_a));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                     &scale_b, sizeof scale_b));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, scalars, b.codes, p.la, a.codes, p.lb,
+                                     scalars + 1, c ? c : d, p.lc, d, p.lc, &p.algo, st.workspace,
+                                     st.workspace_bytes, stream));
 }
 
 }  // namespace
@@ -462,37 +506,45 @@ void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Quant
     FP4SIM_CUDA_CHECK_LAUNCH();
   }
   const bool f32_out = cfg.out == GemmOut::F32;
-  float* d = f32_out ? static_cast<float*>(out)
-                     : st.d_f32.get<float>(static_cast<size_t>(M * N), stream);
+  float* d =
+      f32_out ? static_cast<float*>(out) : st.d_f32.get<float>(static_cast<size_t>(M * N), stream);
   const float* cc = cfg.beta != 0.0f ? c : nullptr;
   if (st.cc_major >= 10) {  // Blackwell: native FP4 (never reached on Hopper)
     fp4_native_gemm_tn(st, a, b, cc, d, scalars, stream);
   } else {
-    // an operand whose quantizer already wrote its decoded BF16 copy is read from there (same bits);
-    // the others are decoded into scratch, both in one launch (a view with rows = 0 is skipped)
+    // an operand whose quantizer already wrote its decoded BF16 copy is read from there (same
+    // bits); the others are decoded into scratch, both in one launch (a view with rows = 0 is
+    // skipped)
     const uint16_t* da = a.decoded_bf16;
     const uint16_t* db = b.decoded_bf16;
     if (decode) {
       QuantizedView pa = a, pb = b;
       uint16_t* wa = nullptr;
       uint16_t* wb = nullptr;
-      if (da) pa.rows = 0;
-      else da = wa = st.a_bf16.get<uint16_t>(static_cast<size_t>(M * K), stream);
-      if (db) pb.rows = 0;
-      else db = wb = st.b_bf16.get<uint16_t>(static_cast<size_t>(N * K), stream);
+      if (da)
+        pa.rows = 0;
+      else
+        da = wa = st.a_bf16.get<uint16_t>(static_cast<size_t>(M * K), stream);
+      if (db)
+        pb.rows = 0;
+      else
+        db = wb = st.b_bf16.get<uint16_t>(static_cast<size_t>(N * K), stream);
       const int64_t rows = pa.rows + pb.rows;
       if (g_decode_variant == 1 && dequantize_flat_ok(pa, wa, pb, wb)) {
-        dequantize_flat_bf16<<<grid_stride_blocks(rows * K / 8 / kFlatUnroll, kDequantThreads), kDequantThreads, 0,
-                               stream>>>(pa, wa, pb, wb, cfg.alpha, cfg.beta, scalars);
+        dequantize_flat_bf16<<<grid_stride_blocks(rows * K / 8 / kFlatUnroll, kDequantThreads),
+                               kDequantThreads, 0, stream>>>(pa, wa, pb, wb, cfg.alpha, cfg.beta,
+                                                             scalars);
       } else {
-        const dim3 grid(static_cast<unsigned>((K / kDequantChunk + kDequantThreads - 1) / kDequantThreads),
-                        static_cast<unsigned>(rows < 65535 ? rows : 65535));
-        dequantize_block_scaled_bf16<<<grid, kDequantThreads, 0, stream>>>(pa, wa, pb, wb, cfg.alpha, cfg.beta,
-                                                                           scalars);
+        const dim3 grid(
+            static_cast<unsigned>((K / kDequantChunk + kDequantThreads - 1) / kDequantThreads),
+            static_cast<unsigned>(rows < 65535 ? rows : 65535));
+        dequantize_block_scaled_bf16<<<grid, kDequantThreads, 0, stream>>>(
+            pa, wa, pb, wb, cfg.alpha, cfg.beta, scalars);
       }
       FP4SIM_CUDA_CHECK_LAUNCH();
     }
-    bf16_gemm_tn_scalars(st, Bf16Scalars::Device, da, db, cc, d, M, N, K, scalars, scalars + 1, stream);
+    bf16_gemm_tn_scalars(st, Bf16Scalars::Device, da, db, cc, d, M, N, K, scalars, scalars + 1,
+                         stream);
   }
   if (!f32_out) {
     f32_to_bf16_kernel<<<grid_for(M * N), 256, 0, stream>>>(d, static_cast<uint16_t*>(out), M * N);
@@ -509,18 +561,21 @@ void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Quant
 // array). Numerics: cuBLASLt's own (Hopper: FP8 wgmma partial sums promoted to FP32 with the scales
 // applied at every 128-block, in an order and with a split-K of its choosing), compared with the
 // exact model within a bound (tests/gpu/test_fp8_cublaslt_gpu.cpp). Unverified on hardware so far.
-void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b, const float* c,
-                              const GemmConfig& cfg, void* out, cudaStream_t stream) {
+void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b,
+                              const float* c, const GemmConfig& cfg, void* out,
+                              cudaStream_t stream) {
   const int64_t M = a.rows, N = b.rows, K = a.cols;
   if (a.format != QFormat::FP8 || b.format != QFormat::FP8)
     throw std::invalid_argument("gemm (cublaslt, fp8): both operands must be fp8");
   // Transformer Engine's requirement for cuBLASLt's FP8 block scaling (outer dimensions multiples
-  // of 8); it also makes the VEC128_32F scale stride (rows) equal to its GEMM-ready roundup(rows, 4).
+  // of 8); it also makes the VEC128_32F scale stride (rows) equal to its GEMM-ready roundup(rows,
+  // 4).
   constexpr int64_t kOuterAlign = 8;
   if (M % kOuterAlign != 0 || N % kOuterAlign != 0 || K % kFp8Block != 0)
-    throw std::invalid_argument("gemm (cublaslt, fp8): A " + shape_str(M, K) + ", B " + shape_str(N, K) +
-                                ": cuBLASLt's block-scaled FP8 needs the rows of A and B to be multiples of 8 "
-                                "and K a multiple of 128; use --gemm exact");
+    throw std::invalid_argument(
+        "gemm (cublaslt, fp8): A " + shape_str(M, K) + ", B " + shape_str(N, K) +
+        ": cuBLASLt's block-scaled FP8 needs the rows of A and B to be multiples of 8 "
+        "and K a multiple of 128; use --gemm exact");
   const int64_t kb = K / kFp8Block;
   // the scales in cuBLASLt's layout: as the quantizer wrote them (scales_gemm), else re-laid here
   const float* sa = a.scales_gemm;
@@ -529,7 +584,8 @@ void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Q
     float* ta = st.a_tiled.get<float>(static_cast<size_t>(M * kb), stream);
     float* tb = st.b_tiled.get<float>(static_cast<size_t>(N * kb), stream);
     fp8_scales_to_vec128_kernel<<<grid_for((M + N) * kb), 256, 0, stream>>>(
-        reinterpret_cast<const float*>(a.scales), M, kb, ta, reinterpret_cast<const float*>(b.scales), N, tb);
+        reinterpret_cast<const float*>(a.scales), M, kb, ta,
+        reinterpret_cast<const float*>(b.scales), N, tb);
     FP4SIM_CUDA_CHECK_LAUNCH();
     sa = ta;
     sb = tb;
@@ -541,19 +597,22 @@ void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Q
     FP4SIM_CUDA_CHECK_LAUNCH();
   }
   const bool f32_out = cfg.out == GemmOut::F32;
-  float* d = f32_out ? static_cast<float*>(out)
-                     : st.d_f32.get<float>(static_cast<size_t>(M * N), stream);
+  float* d =
+      f32_out ? static_cast<float*>(out) : st.d_f32.get<float>(static_cast<size_t>(M * N), stream);
   const float* cc = cfg.beta != 0.0f ? c : nullptr;
   // cuBLASLt's A is our B (N x K) and its B is our A (M x K): the scale pointers swap with them
   const void* scale_a = sb;
   const void* scale_b = sa;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof scale_a));
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof scale_b));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                     &scale_a, sizeof scale_a));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                     &scale_b, sizeof scale_b));
   const float host_alpha = cfg.alpha, host_beta = cfg.beta;
   const void* alpha_p = p.host_scalars ? static_cast<const void*>(&host_alpha) : scalars;
   const void* beta_p = p.host_scalars ? static_cast<const void*>(&host_beta) : scalars + 1;
-  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, alpha_p, b.codes, p.la, a.codes, p.lb, beta_p, cc ? cc : d,
-                                     p.lc, d, p.lc, &p.algo, st.workspace, st.workspace_bytes, stream));
+  FP4SIM_CUBLAS_CHECK(cublasLtMatmul(st.handle, p.op, alpha_p, b.codes, p.la, a.codes, p.lb, beta_p,
+                                     cc ? cc : d, p.lc, d, p.lc, &p.algo, st.workspace,
+                                     st.workspace_bytes, stream));
   if (!f32_out) {
     f32_to_bf16_kernel<<<grid_for(M * N), 256, 0, stream>>>(d, static_cast<uint16_t*>(out), M * N);
     FP4SIM_CUDA_CHECK_LAUNCH();

@@ -22,18 +22,17 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
-#include <cub/device/device_radix_sort.cuh>
-
 #include <algorithm>
 #include <climits>
-#include <cstring>
 #include <cmath>
+#include <cstring>
+#include <cub/device/device_radix_sort.cuh>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <tuple>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -46,14 +45,14 @@
 #include "gpu/exp2.cuh"
 
 #ifndef FP4SIM_CUBLAS_CHECK
-#define FP4SIM_CUBLAS_CHECK(call)                                                              \
-  do {                                                                                         \
-    cublasStatus_t fp4sim_st_ = (call);                                                        \
-    if (fp4sim_st_ != CUBLAS_STATUS_SUCCESS)                                                   \
-      throw std::runtime_error(std::string("cuBLASLt error: ") +                               \
-                               cublasLtGetStatusName(fp4sim_st_) + " (" +                      \
-                               cublasLtGetStatusString(fp4sim_st_) + ") in " #call " at " +    \
-                               __FILE__ + ":" + std::to_string(__LINE__));                     \
+#define FP4SIM_CUBLAS_CHECK(call)                                                           \
+  do {                                                                                      \
+    cublasStatus_t fp4sim_st_ = (call);                                                     \
+    if (fp4sim_st_ != CUBLAS_STATUS_SUCCESS)                                                \
+      throw std::runtime_error(std::string("cuBLASLt error: ") +                            \
+                               cublasLtGetStatusName(fp4sim_st_) + " (" +                   \
+                               cublasLtGetStatusString(fp4sim_st_) + ") in " #call " at " + \
+                               __FILE__ + ":" + std::to_string(__LINE__));                  \
   } while (0)
 #endif
 
@@ -65,8 +64,9 @@ namespace {
 constexpr float kNormEps = 1e-5f;
 constexpr float kRopeBase = 10000.0f;
 
-constexpr int kThreads = 256;                // elementwise and row kernels
-constexpr int64_t kColumnChunkRows = emu::kColumnChunkRows;  // rows per partial column sum (shared with emu::bias_backward)
+constexpr int kThreads = 256;  // elementwise and row kernels
+constexpr int64_t kColumnChunkRows =
+    emu::kColumnChunkRows;  // rows per partial column sum (shared with emu::bias_backward)
 constexpr int64_t kMaxGridBlocks = 1 << 16;  // grid-stride cap for elementwise kernels
 constexpr int kSumSquaresBlocks = 1024;      // fixed: the FP64 reduction tree is shape-only
 constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
@@ -85,8 +85,8 @@ void require_rows(const char* op, int64_t rows) {
 
 void require_heads(const char* op, int64_t NH, int64_t NKV, int64_t HD) {
   if (NH <= 0 || NKV <= 0 || NH % NKV != 0 || HD <= 0)
-    throw std::invalid_argument(std::string(op) + ": NH=" + std::to_string(NH) + " NKV=" +
-                                std::to_string(NKV) + " HD=" + std::to_string(HD) +
+    throw std::invalid_argument(std::string(op) + ": NH=" + std::to_string(NH) +
+                                " NKV=" + std::to_string(NKV) + " HD=" + std::to_string(HD) +
                                 "; expected NH, NKV, HD > 0 and NH a multiple of NKV");
 }
 
@@ -155,9 +155,10 @@ __device__ float block_max(float v) {
 constexpr int kFinalizeCols = 32, kFinalizeWarps = 8, kFinalizeTile = 256;
 // Two arrays of sums in one launch (out2/partial2 non-null: a norm's dweight and dbias): the CTAs
 // from `second` on take the second, each CTA the same work as in a launch of its own.
-__global__ void __launch_bounds__(kFinalizeCols * kFinalizeWarps)
-    column_sums_finalize_kernel(float* out, const float* partial, int64_t chunks, int64_t C, bool add_to_out,
-                                float* out2, const float* partial2, unsigned second) {
+__global__ void __launch_bounds__(kFinalizeCols* kFinalizeWarps)
+    column_sums_finalize_kernel(float* out, const float* partial, int64_t chunks, int64_t C,
+                                bool add_to_out, float* out2, const float* partial2,
+                                unsigned second) {
   __shared__ float tile[kFinalizeTile][kFinalizeCols];
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   unsigned block = blockIdx.x;
@@ -195,10 +196,12 @@ dim3 column_partial_grid(int64_t N, int64_t C) {
 
 // out (and out2, when given: the sums of partial2, the same shape) from the chunk partials.
 void column_sums_finalize(float* out, const float* partial, int64_t N, int64_t C, bool add_to_out,
-                          cudaStream_t stream, float* out2 = nullptr, const float* partial2 = nullptr) {
+                          cudaStream_t stream, float* out2 = nullptr,
+                          const float* partial2 = nullptr) {
   const unsigned blocks = static_cast<unsigned>((C + kFinalizeCols - 1) / kFinalizeCols);
-  column_sums_finalize_kernel<<<out2 ? 2 * blocks : blocks, kFinalizeCols * kFinalizeWarps, 0, stream>>>(
-      out, partial, column_chunks(N), C, add_to_out, out2, partial2, blocks);
+  column_sums_finalize_kernel<<<out2 ? 2 * blocks : blocks, kFinalizeCols * kFinalizeWarps, 0,
+                                stream>>>(out, partial, column_chunks(N), C, add_to_out, out2,
+                                          partial2, blocks);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -225,8 +228,9 @@ __global__ void iota_kernel(int32_t* idx, int64_t N) {
 // original row of each sorted entry. One block per sorted position; the block that starts a run
 // of equal ids owns that table row and adds the run's dout rows in increasing n, starting from
 // the table's value: exactly the emulator's sequential order, so bitwise.
-__global__ void embedding_scatter_kernel(float* dtable, const float* dout, const int32_t* sorted_ids,
-                                         const int32_t* rows, int64_t N, int64_t C) {
+__global__ void embedding_scatter_kernel(float* dtable, const float* dout,
+                                         const int32_t* sorted_ids, const int32_t* rows, int64_t N,
+                                         int64_t C) {
   const int64_t j = blockIdx.x;
   const int32_t id = sorted_ids[j];
   if (j > 0 && sorted_ids[j - 1] == id) return;
@@ -243,17 +247,27 @@ __global__ void embedding_scatter_kernel(float* dtable, const float* dout, const
 
 // An activation value as stored: bf16_round when the op's round_bf16 is set (the model's BF16
 // activations, Backend's contract), else as computed. The same function as round_to_bf16's.
-__device__ __forceinline__ float stored(float v, bool round_bf16) { return round_bf16 ? bf16_round(v) : v; }
+__device__ __forceinline__ float stored(float v, bool round_bf16) {
+  return round_bf16 ? bf16_round(v) : v;
+}
 // An incoming gradient as a backward pass reads it: bf16_round(v) where the caller stores gradients
 // in BF16 and left the rounding to the reader (bf16_dout), else v.
-__device__ __forceinline__ float read_dout(float v, bool bf16_dout) { return bf16_dout ? bf16_round(v) : v; }
+__device__ __forceinline__ float read_dout(float v, bool bf16_dout) {
+  return bf16_dout ? bf16_round(v) : v;
+}
 // An input element as FP32: stored FP32, or BF16 bits widened (exact).
 __device__ __forceinline__ float load_f32(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load_f32(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-// o[i] = the stored value of v: FP32 (stored), or BF16 bits (the rounding is the storage; round_bf16
-// implied).
-__device__ __forceinline__ void put_stored(float* o, int64_t i, float v, bool round_bf16) { o[i] = stored(v, round_bf16); }
-__device__ __forceinline__ void put_stored(uint16_t* o, int64_t i, float v, bool) { o[i] = bf16_rne(v); }
+__device__ __forceinline__ float load_f32(const uint16_t* p, int64_t i) {
+  return bf16_to_f32(p[i]);
+}
+// o[i] = the stored value of v: FP32 (stored), or BF16 bits (the rounding is the storage;
+// round_bf16 implied).
+__device__ __forceinline__ void put_stored(float* o, int64_t i, float v, bool round_bf16) {
+  o[i] = stored(v, round_bf16);
+}
+__device__ __forceinline__ void put_stored(uint16_t* o, int64_t i, float v, bool) {
+  o[i] = bf16_rne(v);
+}
 
 // The general path of the norms (any C, any alignment): the kernels below, one block per row, and
 // the partial column-sum kernels. The row-in-registers kernels after them take the shapes of the
@@ -283,7 +297,8 @@ __global__ void layernorm_forward_kernel(OutT* out, float* mean, float* rstd, co
   const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(v, eps)));
   OutT* o = out + n * C;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    put_stored(o, i, __fadd_rn(__fmul_rn(__fmul_rn(r, __fsub_rn(x[i], m)), weight[i]), bias[i]), round_bf16);
+    put_stored(o, i, __fadd_rn(__fmul_rn(__fmul_rn(r, __fsub_rn(x[i], m)), weight[i]), bias[i]),
+               round_bf16);
   if (threadIdx.x == 0) {
     mean[n] = m;
     rstd[n] = r;
@@ -298,8 +313,8 @@ __global__ void layernorm_forward_kernel(OutT* out, float* mean, float* rstd, co
 template <class DT>
 __global__ void layernorm_backward_dinp_kernel(float* dinp, const DT* dout, const float* inp,
                                                const float* weight, const float* mean,
-                                               const float* rstd, int64_t C, float c_f32, bool round_bf16,
-                                               bool bf16_dout) {
+                                               const float* rstd, int64_t C, float c_f32,
+                                               bool round_bf16, bool bf16_dout) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   const DT* dy = dout + n * C;
@@ -331,11 +346,13 @@ template <class DT>
 __global__ void layernorm_backward_partial_kernel(float* partial, const float* dweight,
                                                   const float* dbias, const DT* dout,
                                                   const float* inp, const float* mean,
-                                                  const float* rstd, int64_t N, int64_t C, bool bf16_dout) {
+                                                  const float* rstd, int64_t N, int64_t C,
+                                                  bool bf16_dout) {
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int64_t k = blockIdx.x, chunks = gridDim.x;
-  const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
+  const int64_t n0 = k * kColumnChunkRows,
+                n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   float w = k == 0 ? dweight[c] : 0.0f, b = k == 0 ? dbias[c] : 0.0f;
   for (int64_t n = n0; n < n1; ++n) {
     const float dy = read_dout(load_f32(dout, n * C + c), bf16_dout);
@@ -351,7 +368,8 @@ __global__ void layernorm_backward_partial_kernel(float* partial, const float* d
 // out (N,C) = (x * rstd) * weight. Bounded against the emulator.
 template <class OutT>
 __global__ void rmsnorm_forward_kernel(OutT* out, float* rstd, const float* inp,
-                                       const float* weight, int64_t C, float c_f32, float eps, bool round_bf16) {
+                                       const float* weight, int64_t C, float c_f32, float eps,
+                                       bool round_bf16) {
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   float ss = 0.0f;
@@ -375,12 +393,14 @@ __global__ void rmsnorm_backward_dinp_kernel(float* dinp, const DT* dout, const 
   const float s = rstd[n];
   float dot = 0.0f;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(read_dout(load_f32(dy, i), bf16_dout), weight[i]), x[i]));
+    dot = __fadd_rn(dot,
+                    __fmul_rn(__fmul_rn(read_dout(load_f32(dy, i), bf16_dout), weight[i]), x[i]));
   dot = block_sum(dot);
   const float k = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(dot, s), s), s), c_f32);
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     const float dyw = __fmul_rn(read_dout(load_f32(dy, i), bf16_dout), weight[i]);
-    dinp[n * C + i] = stored(__fadd_rn(dinp[n * C + i], __fsub_rn(__fmul_rn(dyw, s), __fmul_rn(x[i], k))), round_bf16);
+    dinp[n * C + i] = stored(
+        __fadd_rn(dinp[n * C + i], __fsub_rn(__fmul_rn(dyw, s), __fmul_rn(x[i], k))), round_bf16);
   }
 }
 
@@ -388,15 +408,18 @@ __global__ void rmsnorm_backward_dinp_kernel(float* dinp, const DT* dout, const 
 // starting from the current dweight.
 template <class DT>
 __global__ void rmsnorm_backward_partial_kernel(float* partial, const float* dweight,
-                                                const DT* dout, const float* inp,
-                                                const float* rstd, int64_t N, int64_t C, bool bf16_dout) {
+                                                const DT* dout, const float* inp, const float* rstd,
+                                                int64_t N, int64_t C, bool bf16_dout) {
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int64_t k = blockIdx.x;
-  const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
+  const int64_t n0 = k * kColumnChunkRows,
+                n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   float w = k == 0 ? dweight[c] : 0.0f;
   for (int64_t n = n0; n < n1; ++n)
-    w = __fadd_rn(w, __fmul_rn(__fmul_rn(read_dout(load_f32(dout, n * C + c), bf16_dout), inp[n * C + c]), rstd[n]));
+    w = __fadd_rn(
+        w, __fmul_rn(__fmul_rn(read_dout(load_f32(dout, n * C + c), bf16_dout), inp[n * C + c]),
+                     rstd[n]));
   partial[k * C + c] = w;
 }
 
@@ -418,7 +441,8 @@ struct alignas(16) F32x4 {
   float v[4];
 };
 
-// p[i..i+3] (i a multiple of 4) as FP32: one access when `vec` (p aligned to four elements), else four.
+// p[i..i+3] (i a multiple of 4) as FP32: one access when `vec` (p aligned to four elements), else
+// four.
 __device__ __forceinline__ F32x4 load_f32x4(const float* p, int64_t i, bool vec) {
   if (vec) {
     const float4 f = *reinterpret_cast<const float4*>(p + i);
@@ -427,13 +451,15 @@ __device__ __forceinline__ F32x4 load_f32x4(const float* p, int64_t i, bool vec)
   return {{p[i], p[i + 1], p[i + 2], p[i + 3]}};
 }
 __device__ __forceinline__ F32x4 load_f32x4(const uint16_t* p, int64_t i, bool vec) {
-  const ushort4 h = vec ? *reinterpret_cast<const ushort4*>(p + i) : make_ushort4(p[i], p[i + 1], p[i + 2], p[i + 3]);
+  const ushort4 h = vec ? *reinterpret_cast<const ushort4*>(p + i)
+                        : make_ushort4(p[i], p[i + 1], p[i + 2], p[i + 3]);
   return {{bf16_to_f32(h.x), bf16_to_f32(h.y), bf16_to_f32(h.z), bf16_to_f32(h.w)}};
 }
 // o[i..i+3] = put_stored's values of q, in one access when `vec`, else four.
-__device__ __forceinline__ void put_stored_x4(float* o, int64_t i, const F32x4& q, bool round_bf16, bool vec) {
-  const float4 s = make_float4(stored(q.v[0], round_bf16), stored(q.v[1], round_bf16), stored(q.v[2], round_bf16),
-                               stored(q.v[3], round_bf16));
+__device__ __forceinline__ void put_stored_x4(float* o, int64_t i, const F32x4& q, bool round_bf16,
+                                              bool vec) {
+  const float4 s = make_float4(stored(q.v[0], round_bf16), stored(q.v[1], round_bf16),
+                               stored(q.v[2], round_bf16), stored(q.v[3], round_bf16));
   if (vec) {
     *reinterpret_cast<float4*>(o + i) = s;
   } else {
@@ -443,8 +469,10 @@ __device__ __forceinline__ void put_stored_x4(float* o, int64_t i, const F32x4& 
     o[i + 3] = s.w;
   }
 }
-__device__ __forceinline__ void put_stored_x4(uint16_t* o, int64_t i, const F32x4& q, bool, bool vec) {
-  const ushort4 h = make_ushort4(bf16_rne(q.v[0]), bf16_rne(q.v[1]), bf16_rne(q.v[2]), bf16_rne(q.v[3]));
+__device__ __forceinline__ void put_stored_x4(uint16_t* o, int64_t i, const F32x4& q, bool,
+                                              bool vec) {
+  const ushort4 h =
+      make_ushort4(bf16_rne(q.v[0]), bf16_rne(q.v[1]), bf16_rne(q.v[2]), bf16_rne(q.v[3]));
   if (vec) {
     *reinterpret_cast<ushort4*>(o + i) = h;
   } else {
@@ -458,7 +486,8 @@ __device__ __forceinline__ void put_stored_x4(uint16_t* o, int64_t i, const F32x
 // Row n of inp in a warp's registers: lane l holds the quads (4 columns each) l, l + 32, ..., up
 // to kQuads of them; those from C / 4 on are +0 and take part in no sum.
 template <int kQuads>
-__device__ __forceinline__ void load_row_quads(F32x4 (&x)[kQuads], const float* row, int64_t C, int lane) {
+__device__ __forceinline__ void load_row_quads(F32x4 (&x)[kQuads], const float* row, int64_t C,
+                                               int lane) {
 #pragma unroll
   for (int q = 0; q < kQuads; ++q) {
     const int64_t j = lane + 32 * q;
@@ -482,14 +511,16 @@ struct ResidualIn {
 // Block: kNormRowWarps warps (rows); grid: ceil(N / kNormRowWarps). OutT: float or BF16 bits.
 template <class OutT, int kQuads>
 __global__ void __launch_bounds__(kNormRowWarps * 32)
-    layernorm_forward_rows_kernel(OutT* out, float* mean, float* rstd, const float* inp, const float* weight,
-                                  const float* bias, int64_t N, int64_t C, float c_f32, float eps, bool round_bf16,
-                                  bool out_vec, ResidualIn res = {}) {
+    layernorm_forward_rows_kernel(OutT* out, float* mean, float* rstd, const float* inp,
+                                  const float* weight, const float* bias, int64_t N, int64_t C,
+                                  float c_f32, float eps, bool round_bf16, bool out_vec,
+                                  ResidualIn res = {}) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kNormRowWarps + (threadIdx.x >> 5);
   if (n >= N) return;  // (a whole warp)
   F32x4 x[kQuads];
-  if (res.out) {  // the row is residual_forward_bf16's: stored(a + b16), written to res.out, then normalized
+  if (res.out) {  // the row is residual_forward_bf16's: stored(a + b16), written to res.out, then
+                  // normalized
 #pragma unroll
     for (int q = 0; q < kQuads; ++q) {
       const int64_t j = lane + 32 * q;
@@ -497,10 +528,12 @@ __global__ void __launch_bounds__(kNormRowWarps * 32)
         x[q] = F32x4{};
         continue;
       }
-      const F32x4 u = load_f32x4(res.a + n * C, 4 * j, true), w = load_f32x4(res.b16 + n * C, 4 * j, true);
+      const F32x4 u = load_f32x4(res.a + n * C, 4 * j, true),
+                  w = load_f32x4(res.b16 + n * C, 4 * j, true);
 #pragma unroll
       for (int e = 0; e < 4; ++e) x[q].v[e] = stored(__fadd_rn(u.v[e], w.v[e]), res.round_bf16);
-      *reinterpret_cast<float4*>(res.out + n * C + 4 * j) = make_float4(x[q].v[0], x[q].v[1], x[q].v[2], x[q].v[3]);
+      *reinterpret_cast<float4*>(res.out + n * C + 4 * j) =
+          make_float4(x[q].v[0], x[q].v[1], x[q].v[2], x[q].v[3]);
     }
   } else {
     load_row_quads(x, inp + n * C, C, lane);
@@ -545,8 +578,9 @@ __global__ void __launch_bounds__(kNormRowWarps * 32)
 // weight. Bounded against the emulator.
 template <class OutT, int kQuads>
 __global__ void __launch_bounds__(kNormRowWarps * 32)
-    rmsnorm_forward_rows_kernel(OutT* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
-                                float c_f32, float eps, bool round_bf16, bool out_vec) {
+    rmsnorm_forward_rows_kernel(OutT* out, float* rstd, const float* inp, const float* weight,
+                                int64_t N, int64_t C, float c_f32, float eps, bool round_bf16,
+                                bool out_vec) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kNormRowWarps + (threadIdx.x >> 5);
   if (n >= N) return;  // (a whole warp)
@@ -587,15 +621,17 @@ __global__ void __launch_bounds__(kNormRowWarps * 32)
 // rstd, norm = (x - mean) * rstd, dnorm = weight * dout, each step RN (bounded: the row sums'
 // tree). partial_w / partial_b (chunks, C): sums over the chunk's rows, increasing, of norm * dout
 // and of dout, chunk 0 starting from dweight / dbias and the others from +0: the additions of
-// layernorm_backward_partial_kernel, bitwise (with one chunk, partial_w / partial_b may be dweight /
-// dbias themselves: each thread reads its columns before it writes them).
+// layernorm_backward_partial_kernel, bitwise (with one chunk, partial_w / partial_b may be dweight
+// / dbias themselves: each thread reads its columns before it writes them).
 template <class DT, int kQuads>
 __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
-    layernorm_backward_chunk_kernel(float* dinp, float* partial_w, float* partial_b, const float* dweight,
-                                    const float* dbias, const DT* dout, const float* inp, const float* weight,
-                                    const float* mean, const float* rstd, int64_t N, int64_t C, float c_f32,
+    layernorm_backward_chunk_kernel(float* dinp, float* partial_w, float* partial_b,
+                                    const float* dweight, const float* dbias, const DT* dout,
+                                    const float* inp, const float* weight, const float* mean,
+                                    const float* rstd, int64_t N, int64_t C, float c_f32,
                                     bool round_bf16, bool bf16_dout, bool dout_vec) {
-  extern __shared__ F32x4 terms[];  // [2][kNormRowWarps][C / 4]: norm * dout and dout of the group's rows
+  extern __shared__ F32x4
+      terms[];  // [2][kNormRowWarps][C / 4]: norm * dout and dout of the group's rows
   const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5;
   const int cols = static_cast<int>(C), quads = cols / 4;
   const int64_t k = blockIdx.x, n0 = k * kColumnChunkRows;
@@ -639,7 +675,8 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
           b = __fadd_rn(b, __fmul_rn(dnorm, norm[q].v[e]));
         }
       }
-      const float dnorm_mean = __fdiv_rn(warp_sum(a), c_f32), dnorm_norm_mean = __fdiv_rn(warp_sum(b), c_f32);
+      const float dnorm_mean = __fdiv_rn(warp_sum(a), c_f32),
+                  dnorm_norm_mean = __fdiv_rn(warp_sum(b), c_f32);
 #pragma unroll
       for (int q = 0; q < kQuads; ++q) {
         const int j = lane + 32 * q;
@@ -650,10 +687,11 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float dnorm = __fmul_rn(w.v[e], dy[q].v[e]);
-          dx.v[e] = stored(__fadd_rn(dx.v[e], __fmul_rn(__fsub_rn(__fsub_rn(dnorm, dnorm_mean),
-                                                                  __fmul_rn(norm[q].v[e], dnorm_norm_mean)),
-                                                        s)),
-                           round_bf16);
+          dx.v[e] = stored(
+              __fadd_rn(dx.v[e], __fmul_rn(__fsub_rn(__fsub_rn(dnorm, dnorm_mean),
+                                                     __fmul_rn(norm[q].v[e], dnorm_norm_mean)),
+                                           s)),
+              round_bf16);
           nd.v[e] = __fmul_rn(norm[q].v[e], dy[q].v[e]);
         }
         put_stored_x4(dx_chunk, r * cols + 4 * j, dx, false, true);
@@ -688,9 +726,10 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
 // rmsnorm_backward_partial_kernel, bitwise (partial_w may be dweight itself with one chunk).
 template <class DT, int kQuads>
 __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
-    rmsnorm_backward_chunk_kernel(float* dinp, float* partial_w, const float* dweight, const DT* dout,
-                                  const float* inp, const float* weight, const float* rstd, int64_t N, int64_t C,
-                                  float c_f32, bool round_bf16, bool bf16_dout, bool dout_vec) {
+    rmsnorm_backward_chunk_kernel(float* dinp, float* partial_w, const float* dweight,
+                                  const DT* dout, const float* inp, const float* weight,
+                                  const float* rstd, int64_t N, int64_t C, float c_f32,
+                                  bool round_bf16, bool bf16_dout, bool dout_vec) {
   extern __shared__ F32x4 terms[];  // [kNormRowWarps][C / 4]: (dout * x) * rstd of the group's rows
   const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5;
   const int cols = static_cast<int>(C), quads = cols / 4;
@@ -738,7 +777,9 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float dyw = __fmul_rn(dy[q].v[e], w.v[e]);
-          dx.v[e] = stored(__fadd_rn(dx.v[e], __fsub_rn(__fmul_rn(dyw, s), __fmul_rn(x[q].v[e], kk))), round_bf16);
+          dx.v[e] =
+              stored(__fadd_rn(dx.v[e], __fsub_rn(__fmul_rn(dyw, s), __fmul_rn(x[q].v[e], kk))),
+                     round_bf16);
           term.v[e] = __fmul_rn(__fmul_rn(dy[q].v[e], x[q].v[e]), s);
         }
         put_stored_x4(dx_chunk, r * cols + 4 * j, dx, false, true);
@@ -765,13 +806,16 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
 // Memory-bound elementwise kernels move four floats per access where every pointer is 16-byte
 // aligned (the vector loop), and one at a time for the rest: each element gets the same
 // per-element function either way, so the split changes no bits.
-__host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+__host__ __device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
 // Whether p takes four elements an access (16 bytes for FP32, 8 for BF16 bits).
 template <class T>
 bool quad_aligned(const T* p) {
   return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
 }
-// Whether p takes two elements an access (the column-sum kernels' pairs: 8 bytes for FP32, 4 for BF16 bits).
+// Whether p takes two elements an access (the column-sum kernels' pairs: 8 bytes for FP32, 4 for
+// BF16 bits).
 template <class T>
 bool pair_aligned(const T* p) {
   return reinterpret_cast<uintptr_t>(p) % (2 * sizeof(T)) == 0;
@@ -793,21 +837,25 @@ __global__ void round_to_bf16_kernel(uint16_t* dst, const float* src, int64_t n)
       n, aligned16(src) && (reinterpret_cast<uintptr_t>(dst) & 7u) == 0,
       [&](int64_t j) {
         const float4 v = reinterpret_cast<const float4*>(src)[j];
-        reinterpret_cast<ushort4*>(dst)[j] = make_ushort4(bf16_rne(v.x), bf16_rne(v.y), bf16_rne(v.z), bf16_rne(v.w));
+        reinterpret_cast<ushort4*>(dst)[j] =
+            make_ushort4(bf16_rne(v.x), bf16_rne(v.y), bf16_rne(v.z), bf16_rne(v.w));
       },
       [&](int64_t i) { dst[i] = bf16_rne(src[i]); });
 }
 
 // The bias value added to an output that is rounded to BF16: the bias's BF16 rounding (the rule of
 // Backend::matmul_forward, as a BF16 GEMM epilogue adds a BF16 bias); else the bias.
-__device__ __forceinline__ float bias_added(float b, bool round_bf16) { return round_bf16 ? bf16_round(b) : b; }
+__device__ __forceinline__ float bias_added(float b, bool round_bf16) {
+  return round_bf16 ? bf16_round(b) : b;
+}
 
 // out (N,OC) += bias (OC), one FP32 RN addition after the GEMM, as the emulator: bitwise given the
 // GEMM's value; with round_bf16, the bias rounded to BF16 first and the sum rounded. grid.y walks
 // the rows (several per block, so a block has work enough), x the columns, four at a time when
 // `vec` (OC a multiple of 4, both pointers 16-byte aligned; the same per-element function either
 // way).
-__global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16, bool vec) {
+__global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_t OC,
+                                bool round_bf16, bool vec) {
   const int64_t cols = vec ? OC / 4 : OC;
   for (int64_t r = blockIdx.y; r < N; r += gridDim.y) {
     float* row = out + r * OC;
@@ -827,11 +875,11 @@ __global__ void add_bias_kernel(float* out, const float* bias, int64_t N, int64_
     }
   }
 }
-// out16 (N,OC) = the BF16 bits of in + bf16(bias) (add_bias_kernel's sum, RNE): add_bias with rounding
-// and then round_to_bf16_kernel, in one pass. vec: OC % 4 == 0, in and bias 16-byte aligned, out16
-// 8-byte aligned.
-__global__ void add_bias_bf16_kernel(uint16_t* out16, const float* in, const float* bias, int64_t N, int64_t OC,
-                                     bool vec) {
+// out16 (N,OC) = the BF16 bits of in + bf16(bias) (add_bias_kernel's sum, RNE): add_bias with
+// rounding and then round_to_bf16_kernel, in one pass. vec: OC % 4 == 0, in and bias 16-byte
+// aligned, out16 8-byte aligned.
+__global__ void add_bias_bf16_kernel(uint16_t* out16, const float* in, const float* bias, int64_t N,
+                                     int64_t OC, bool vec) {
   const int64_t cols = vec ? OC / 4 : OC;
   for (int64_t r = blockIdx.y; r < N; r += gridDim.y) {
     const float* row = in + r * OC;
@@ -841,9 +889,9 @@ __global__ void add_bias_bf16_kernel(uint16_t* out16, const float* in, const flo
       if (vec) {
         const float4 v = reinterpret_cast<const float4*>(row)[c];
         const float4 b = reinterpret_cast<const float4*>(bias)[c];
-        reinterpret_cast<ushort4*>(o)[c] =
-            make_ushort4(bf16_rne(__fadd_rn(v.x, bf16_round(b.x))), bf16_rne(__fadd_rn(v.y, bf16_round(b.y))),
-                         bf16_rne(__fadd_rn(v.z, bf16_round(b.z))), bf16_rne(__fadd_rn(v.w, bf16_round(b.w))));
+        reinterpret_cast<ushort4*>(o)[c] = make_ushort4(
+            bf16_rne(__fadd_rn(v.x, bf16_round(b.x))), bf16_rne(__fadd_rn(v.y, bf16_round(b.y))),
+            bf16_rne(__fadd_rn(v.z, bf16_round(b.z))), bf16_rne(__fadd_rn(v.w, bf16_round(b.w))));
       } else {
         o[c] = bf16_rne(__fadd_rn(row[c], bf16_round(bias[c])));
       }
@@ -853,18 +901,24 @@ __global__ void add_bias_bf16_kernel(uint16_t* out16, const float* in, const flo
 constexpr int64_t kBiasRowBlocks = 2048;  // grid.y cap: 8 rows a block at N = 16384
 dim3 bias_grid(int64_t N, int64_t cols) {
   const int64_t x = (cols + kThreads - 1) / kThreads, y = N < kBiasRowBlocks ? N : kBiasRowBlocks;
-  return dim3(static_cast<unsigned>(x < kMaxGridBlocks ? x : kMaxGridBlocks), static_cast<unsigned>(y > 0 ? y : 1));
+  return dim3(static_cast<unsigned>(x < kMaxGridBlocks ? x : kMaxGridBlocks),
+              static_cast<unsigned>(y > 0 ? y : 1));
 }
-void add_bias(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16, cudaStream_t stream) {
+void add_bias(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16,
+              cudaStream_t stream) {
   if (N == 0 || OC == 0) return;
   const bool vec = OC % 4 == 0 && aligned16(out) && aligned16(bias);
-  add_bias_kernel<<<bias_grid(N, vec ? OC / 4 : OC), kThreads, 0, stream>>>(out, bias, N, OC, round_bf16, vec);
+  add_bias_kernel<<<bias_grid(N, vec ? OC / 4 : OC), kThreads, 0, stream>>>(out, bias, N, OC,
+                                                                            round_bf16, vec);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
-void add_bias_bf16(uint16_t* out16, const float* in, const float* bias, int64_t N, int64_t OC, cudaStream_t stream) {
+void add_bias_bf16(uint16_t* out16, const float* in, const float* bias, int64_t N, int64_t OC,
+                   cudaStream_t stream) {
   if (N == 0 || OC == 0) return;
-  const bool vec = OC % 4 == 0 && aligned16(in) && aligned16(bias) && (reinterpret_cast<uintptr_t>(out16) & 7u) == 0;
-  add_bias_bf16_kernel<<<bias_grid(N, vec ? OC / 4 : OC), kThreads, 0, stream>>>(out16, in, bias, N, OC, vec);
+  const bool vec = OC % 4 == 0 && aligned16(in) && aligned16(bias) &&
+                   (reinterpret_cast<uintptr_t>(out16) & 7u) == 0;
+  add_bias_bf16_kernel<<<bias_grid(N, vec ? OC / 4 : OC), kThreads, 0, stream>>>(out16, in, bias, N,
+                                                                                 OC, vec);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -874,7 +928,8 @@ __global__ void column_partial_kernel(float* partial, const float* dout, int64_t
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int64_t k = blockIdx.x;
-  const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
+  const int64_t n0 = k * kColumnChunkRows,
+                n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   float s = 0.0f;
   for (int64_t n = n0; n < n1; ++n) s = __fadd_rn(s, dout[n * C + c]);
   partial[k * C + c] = s;
@@ -894,16 +949,20 @@ struct Bf16PairMemory {
   }
 };
 // Two consecutive elements as FP32: float2, or a BF16 pair (4-byte aligned) widened.
-__device__ __forceinline__ float2 load_pair(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
+__device__ __forceinline__ float2 load_pair(const float* p) {
+  return __ldg(reinterpret_cast<const float2*>(p));
+}
 __device__ __forceinline__ float2 load_pair(const uint16_t* p) {
   const uint32_t x = __ldg(reinterpret_cast<const unsigned int*>(p));
   return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xFFFF0000u));
 }
-// dout kept as BF16 bits (4-byte aligned, C even), widened: the operand needs no copy, so the kernel
-// is given no h and only sums (Backend::matmul_backward_bits' dout16).
+// dout kept as BF16 bits (4-byte aligned, C even), widened: the operand needs no copy, so the
+// kernel is given no h and only sums (Backend::matmul_backward_bits' dout16).
 struct Bf16PairBits {
   const uint16_t* __restrict__ dout;
-  __device__ __forceinline__ float2 load2(int64_t n, int64_t c, int64_t C) const { return load_pair(dout + n * C + c); }
+  __device__ __forceinline__ float2 load2(int64_t n, int64_t c, int64_t C) const {
+    return load_pair(dout + n * C + c);
+  }
 };
 // GELU's input gradient as gelu_backward_kernel stores it (gpu/activation.cuh), from the
 // pre-activation and the incoming gradient, each FP32 (8-byte aligned) or BF16 bits (4-byte
@@ -922,12 +981,14 @@ struct Bf16PairGeluBackward {
 
 // h null: the sums only (the operand exists already).
 template <class Src>
-__global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, float* __restrict__ partial, Src src,
-                                                    int64_t N, int64_t C) {
+__global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h,
+                                                    float* __restrict__ partial, Src src, int64_t N,
+                                                    int64_t C) {
   const int64_t c = 2 * (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
   if (c >= C) return;
   const int64_t k = blockIdx.x;
-  const int64_t n0 = k * kColumnChunkRows, n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
+  const int64_t n0 = k * kColumnChunkRows,
+                n1 = n0 + kColumnChunkRows < N ? n0 + kColumnChunkRows : N;
   constexpr int kAhead = 16;
   float s0 = 0.0f, s1 = 0.0f;
   // row n's pair into the sums and the BF16 copy
@@ -954,18 +1015,19 @@ __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h, fl
 // gelu_forward_kernel that also writes the stored values' BF16 bits (h), the GEMM operand
 // round_to_bf16_kernel would make from out: the same bits, one pass. out null: h only (the
 // activation kept as BF16 bits).
-// Four elements an access where `vec` (gelu_copy_vectorized: the pointers aligned for it), else one:
-// the same per-element function either way.
+// Four elements an access where `vec` (gelu_copy_vectorized: the pointers aligned for it), else
+// one: the same per-element function either way.
 template <class InT>
-__global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT* inp, int64_t n, bool round_bf16,
-                                              bool vec) {
+__global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT* inp, int64_t n,
+                                              bool round_bf16, bool vec) {
   grid_stride_by4(
       n, vec,
       [&](int64_t j) {
         float x[4];
         if constexpr (std::is_same_v<InT, uint16_t>) {
           const ushort4 u = reinterpret_cast<const ushort4*>(inp)[j];
-          x[0] = bf16_to_f32(u.x), x[1] = bf16_to_f32(u.y), x[2] = bf16_to_f32(u.z), x[3] = bf16_to_f32(u.w);
+          x[0] = bf16_to_f32(u.x), x[1] = bf16_to_f32(u.y), x[2] = bf16_to_f32(u.z),
+          x[3] = bf16_to_f32(u.w);
         } else {
           const float4 f = reinterpret_cast<const float4*>(inp)[j];
           x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
@@ -974,7 +1036,8 @@ __global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT
 #pragma unroll
         for (int u = 0; u < 4; ++u) v[u] = gelu_forward_stored(x[u], round_bf16);
         if (out) reinterpret_cast<float4*>(out)[j] = make_float4(v[0], v[1], v[2], v[3]);
-        reinterpret_cast<ushort4*>(h)[j] = make_ushort4(bf16_rne(v[0]), bf16_rne(v[1]), bf16_rne(v[2]), bf16_rne(v[3]));
+        reinterpret_cast<ushort4*>(h)[j] =
+            make_ushort4(bf16_rne(v[0]), bf16_rne(v[1]), bf16_rne(v[2]), bf16_rne(v[3]));
       },
       [&](int64_t i) {
         const float v = gelu_forward_stored(load_f32(inp, i), round_bf16);
@@ -983,22 +1046,24 @@ __global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT
       });
 }
 // GELU's stored BF16 bits as a function of its BF16 input's bits: table[x] = bf16_rne(gelu_forward_
-// stored(x, true)), for all 65536 x (that is also bf16_rne(gelu_tanh_value(x)): RNE of a BF16-rounded
-// value is the same BF16). Made once by the device itself (the same function, so the same bits as
-// gelu_forward_bf16_copy_kernel computes), then the forward pass on BF16 input with only BF16 output
-// is a lookup: gelu_forward_bf16_lut_kernel. The arithmetic (tanhf) otherwise made that pass
-// compute-bound.
+// stored(x, true)), for all 65536 x (that is also bf16_rne(gelu_tanh_value(x)): RNE of a
+// BF16-rounded value is the same BF16). Made once by the device itself (the same function, so the
+// same bits as gelu_forward_bf16_copy_kernel computes), then the forward pass on BF16 input with
+// only BF16 output is a lookup: gelu_forward_bf16_lut_kernel. The arithmetic (tanhf) otherwise made
+// that pass compute-bound.
 constexpr int kGeluLutEntries = 1 << 16;
 constexpr int kGeluLutThreads = 1024;
 __global__ void gelu_bf16_table_kernel(uint16_t* table) {
   const int i = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < kGeluLutEntries) table[i] = bf16_rne(gelu_forward_stored(bf16_to_f32(static_cast<uint16_t>(i)), true));
+  if (i < kGeluLutEntries)
+    table[i] = bf16_rne(gelu_forward_stored(bf16_to_f32(static_cast<uint16_t>(i)), true));
 }
 
 // h = table[inp] element by element, the table (128 KB) in shared memory; one CTA an SM. `vec`:
 // both pointers 16-byte aligned, eight elements a load, the tail one by one.
 __global__ void __launch_bounds__(kGeluLutThreads)
-    gelu_forward_bf16_lut_kernel(uint16_t* h, const uint16_t* inp, const uint16_t* table, int64_t n, bool vec) {
+    gelu_forward_bf16_lut_kernel(uint16_t* h, const uint16_t* inp, const uint16_t* table, int64_t n,
+                                 bool vec) {
   extern __shared__ uint4 gelu_lut_smem[];
   uint16_t* const lut = reinterpret_cast<uint16_t*>(gelu_lut_smem);
   for (int i = threadIdx.x; i < kGeluLutEntries / 8; i += blockDim.x)
@@ -1007,7 +1072,9 @@ __global__ void __launch_bounds__(kGeluLutThreads)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t n8 = vec ? n / 8 : 0;
-  auto look = [&](uint32_t w) { return static_cast<uint32_t>(lut[w & 0xFFFFu]) | static_cast<uint32_t>(lut[w >> 16]) << 16; };
+  auto look = [&](uint32_t w) {
+    return static_cast<uint32_t>(lut[w & 0xFFFFu]) | static_cast<uint32_t>(lut[w >> 16]) << 16;
+  };
   for (int64_t j = t0; j < n8; j += stride) {
     const uint4 u = reinterpret_cast<const uint4*>(inp)[j];
     reinterpret_cast<uint4*>(h)[j] = make_uint4(look(u.x), look(u.y), look(u.z), look(u.w));
@@ -1033,7 +1100,8 @@ __global__ void rope_kernel(float* x, const float* cos_sin, int64_t B, int64_t T
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = e % half, h = (e / half) % heads, bt = e / (half * heads), t = bt % T;
-    const float c = cos_sin[(t * half + i) * 2], s = __fmul_rn(sign, cos_sin[(t * half + i) * 2 + 1]);
+    const float c = cos_sin[(t * half + i) * 2],
+                s = __fmul_rn(sign, cos_sin[(t * half + i) * 2 + 1]);
     float* v = x + bt * W + h * HD;
     const float x0 = v[2 * i], x1 = v[2 * i + 1];
     v[2 * i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
@@ -1054,15 +1122,16 @@ __global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n, boo
 
 // dinp (n) = +0 + local * dout (written, never read: emu/layers.hpp); gpu/activation.cuh.
 // (1 - t^2 amplifies an ulp of t where |t| is near 1: further from the emulator than the forward.)
-__global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
-                                     bool bf16_dout) {
+__global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n,
+                                     bool round_bf16, bool bf16_dout) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x)
     dinp[j] = gelu_backward_stored(inp[j], dout[j], round_bf16, bf16_dout);
 }
 
 // out = max(x, 0)^2 as `x > 0 ? x : 0` (NaN -> 0), squared RN: bitwise.
-__global__ void squared_relu_forward_kernel(float* out, const float* inp, int64_t n, bool round_bf16) {
+__global__ void squared_relu_forward_kernel(float* out, const float* inp, int64_t n,
+                                            bool round_bf16) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float r = inp[j] > 0.0f ? inp[j] : 0.0f;
@@ -1103,21 +1172,23 @@ __global__ void round_to_bf16_inplace_kernel(float* x, int64_t n) {
 }
 
 // out = a + b, FP32 RN (then bf16_round when round_bf16): bitwise.
-__global__ void residual_forward_kernel(float* out, const float* a, const float* b, int64_t n, bool round_bf16) {
+__global__ void residual_forward_kernel(float* out, const float* a, const float* b, int64_t n,
+                                        bool round_bf16) {
   grid_stride_by4(
       n, aligned16(out) && aligned16(a) && aligned16(b),
       [&](int64_t j) {
-        const float4 u = reinterpret_cast<const float4*>(a)[j], w = reinterpret_cast<const float4*>(b)[j];
-        reinterpret_cast<float4*>(out)[j] =
-            make_float4(stored(__fadd_rn(u.x, w.x), round_bf16), stored(__fadd_rn(u.y, w.y), round_bf16),
-                        stored(__fadd_rn(u.z, w.z), round_bf16), stored(__fadd_rn(u.w, w.w), round_bf16));
+        const float4 u = reinterpret_cast<const float4*>(a)[j],
+                     w = reinterpret_cast<const float4*>(b)[j];
+        reinterpret_cast<float4*>(out)[j] = make_float4(
+            stored(__fadd_rn(u.x, w.x), round_bf16), stored(__fadd_rn(u.y, w.y), round_bf16),
+            stored(__fadd_rn(u.z, w.z), round_bf16), stored(__fadd_rn(u.w, w.w), round_bf16));
       },
       [&](int64_t i) { out[i] = stored(__fadd_rn(a[i], b[i]), round_bf16); });
 }
 
 // residual_forward_kernel with b kept as BF16 bits (b16 8-byte aligned for the vector path).
-__global__ void residual_forward_bf16_kernel(float* out, const float* a, const uint16_t* b16, int64_t n,
-                                             bool round_bf16) {
+__global__ void residual_forward_bf16_kernel(float* out, const float* a, const uint16_t* b16,
+                                             int64_t n, bool round_bf16) {
   grid_stride_by4(
       n, aligned16(out) && aligned16(a) && (reinterpret_cast<uintptr_t>(b16) & 7u) == 0,
       [&](int64_t j) {
@@ -1125,16 +1196,17 @@ __global__ void residual_forward_bf16_kernel(float* out, const float* a, const u
         const uint2 w = reinterpret_cast<const uint2*>(b16)[j];
         const float w0 = __uint_as_float(w.x << 16), w1 = __uint_as_float(w.x & 0xFFFF0000u),
                     w2 = __uint_as_float(w.y << 16), w3 = __uint_as_float(w.y & 0xFFFF0000u);
-        reinterpret_cast<float4*>(out)[j] =
-            make_float4(stored(__fadd_rn(u.x, w0), round_bf16), stored(__fadd_rn(u.y, w1), round_bf16),
-                        stored(__fadd_rn(u.z, w2), round_bf16), stored(__fadd_rn(u.w, w3), round_bf16));
+        reinterpret_cast<float4*>(out)[j] = make_float4(
+            stored(__fadd_rn(u.x, w0), round_bf16), stored(__fadd_rn(u.y, w1), round_bf16),
+            stored(__fadd_rn(u.z, w2), round_bf16), stored(__fadd_rn(u.w, w3), round_bf16));
       },
       [&](int64_t i) { out[i] = stored(__fadd_rn(a[i], bf16_to_f32(b16[i])), round_bf16); });
 }
 
 // SwiGLU on inp (N, 2F) = [gate | up] per row: the emulator's expressions in its order, CUDA expf
 // instead of glibc's exp (a few ulp).
-__global__ void swiglu_forward_kernel(float* out, const float* inp, int64_t N, int64_t F, bool round_bf16) {
+__global__ void swiglu_forward_kernel(float* out, const float* inp, int64_t N, int64_t F,
+                                      bool round_bf16) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * F;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = e / F, i = e - n * F;
@@ -1143,8 +1215,8 @@ __global__ void swiglu_forward_kernel(float* out, const float* inp, int64_t N, i
   }
 }
 
-__global__ void swiglu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F,
-                                       bool round_bf16, bool bf16_dout) {
+__global__ void swiglu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t N,
+                                       int64_t F, bool round_bf16, bool bf16_dout) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * F;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = e / F, i = e - n * F;
@@ -1153,7 +1225,8 @@ __global__ void swiglu_backward_kernel(float* dinp, const float* inp, const floa
     const float silu = __fmul_rn(g, sig);
     const float dy = read_dout(dout[e], bf16_dout);
     const float dsilu = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sig))));
-    dinp[n * 2 * F + i] = stored(__fadd_rn(0.0f, __fmul_rn(__fmul_rn(dy, u), dsilu)), round_bf16);  // written
+    dinp[n * 2 * F + i] =
+        stored(__fadd_rn(0.0f, __fmul_rn(__fmul_rn(dy, u), dsilu)), round_bf16);  // written
     dinp[n * 2 * F + F + i] = stored(__fadd_rn(0.0f, __fmul_rn(dy, silu)), round_bf16);
   }
 }
@@ -1218,7 +1291,8 @@ __device__ __forceinline__ CeChunk<T> ce_load(const T* z, int64_t c, int count, 
 }
 
 template <class T>
-__device__ __forceinline__ void ce_store(T* p, int64_t c, int count, bool vec, const CeChunk<T>& k) {
+__device__ __forceinline__ void ce_store(T* p, int64_t c, int count, bool vec,
+                                         const CeChunk<T>& k) {
   if (vec && count == kCeVec) {
 #pragma unroll
     for (int q = 0; q < static_cast<int>(sizeof(CeChunk<T>) / 16); ++q)
@@ -1255,7 +1329,8 @@ __device__ __forceinline__ SumDivisor sum_divisor(float b) {
 // The test's entry: for `pairs` pseudo-random (a, b) in the ranges above (every a exponent in
 // [-64, 0], b in [1, 2^24]) and the ends of both, the number of quotients that differ from
 // __fdiv_rn in any bit.
-__global__ void ce_division_check_kernel(unsigned long long* mismatches, int64_t pairs, uint64_t seed) {
+__global__ void ce_division_check_kernel(unsigned long long* mismatches, int64_t pairs,
+                                         uint64_t seed) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     uint64_t x = seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;  // splitmix64
@@ -1269,30 +1344,38 @@ __global__ void ce_division_check_kernel(unsigned long long* mismatches, int64_t
     if (ea == 0) a = 1.0f;
     // b: exponent 0..23, any mantissa, or an end of the range
     const int eb = static_cast<int>((lo >> 8) % 24u);
-    float b = __uint_as_float((static_cast<uint32_t>(eb + 127) << 23) | ((hi >> 9) | (lo << 23)) & 0x7FFFFFu);
+    float b = __uint_as_float((static_cast<uint32_t>(eb + 127) << 23) |
+                              ((hi >> 9) | (lo << 23)) & 0x7FFFFFu);
     if ((lo >> 16) % 64u == 0) b = (lo >> 22) & 1 ? 1.0f : 0x1p24f;
     if ((lo >> 24) % 64u == 1) a = SumDivisor::kMinDividend;
     const SumDivisor d = sum_divisor(b);
-    if (!d.fast || __float_as_uint(d.quotient(a)) != __float_as_uint(__fdiv_rn(a, b))) atomicAdd(mismatches, 1ull);
+    if (!d.fast || __float_as_uint(d.quotient(a)) != __float_as_uint(__fdiv_rn(a, b)))
+      atomicAdd(mismatches, 1ull);
   }
 }
 
 template <bool kGrad, bool kCached, class Out = float, class In = float>
 __global__ void __launch_bounds__(kCeThreads, 2)
-    crossentropy_softmax_forward_kernel(float* losses, Out* probs, const In* logits, const int32_t* targets,
-                                        int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits,
-                                        bool vec_in, bool vec_out) {
-  static_assert(kGrad || std::is_same_v<Out, float>, "BF16 output is for the gradient (dlogits) only");
+    crossentropy_softmax_forward_kernel(float* losses, Out* probs, const In* logits,
+                                        const int32_t* targets, int64_t V, const float* dlosses,
+                                        bool round_bf16, bool bf16_logits, bool vec_in,
+                                        bool vec_out) {
+  static_assert(kGrad || std::is_same_v<Out, float>,
+                "BF16 output is for the gradient (dlogits) only");
   extern __shared__ uint4 ce_smem[];  // kCached: the row's logits as stored
   In* const row = reinterpret_cast<In*>(ce_smem);
   const int64_t n = blockIdx.x;
   const In* z = logits + n * V;
   Out* p = probs + n * V;
   const int64_t chunks = (V + kCeVec - 1) / kCeVec, step = blockDim.x;
-  auto count_of = [&](int64_t c) { return static_cast<int>(V - c * kCeVec < kCeVec ? V - c * kCeVec : kCeVec); };
+  auto count_of = [&](int64_t c) {
+    return static_cast<int>(V - c * kCeVec < kCeVec ? V - c * kCeVec : kCeVec);
+  };
   auto value = [&](In s) {
-    if constexpr (std::is_same_v<In, uint16_t>) return bf16_to_f32(s);
-    else return bf16_logits ? bf16_round(s) : s;
+    if constexpr (std::is_same_v<In, uint16_t>)
+      return bf16_to_f32(s);
+    else
+      return bf16_logits ? bf16_round(s) : s;
   };
   // f(c, count, chunk) for this thread's chunks in increasing order: from memory, kCeBatch loads in
   // flight (each chunk is read before this thread writes it, so an output that aliases the logits
@@ -1304,12 +1387,15 @@ __global__ void __launch_bounds__(kCeThreads, 2)
       for (; c + (batch - 1) * step < chunks; c += batch * step) {
         CeChunk<In> k[batch];
 #pragma unroll
-        for (int b = 0; b < batch; ++b) k[b] = ce_load(z, c + b * step, count_of(c + b * step), vec_in);
+        for (int b = 0; b < batch; ++b)
+          k[b] = ce_load(z, c + b * step, count_of(c + b * step), vec_in);
 #pragma unroll
         for (int b = 0; b < batch; ++b) f(c + b * step, count_of(c + b * step), k[b]);
       }
     }
-    for (; c < chunks; c += step) f(c, count_of(c), from_cache ? ce_load(row, c, count_of(c), true) : ce_load(z, c, count_of(c), vec_in));
+    for (; c < chunks; c += step)
+      f(c, count_of(c),
+        from_cache ? ce_load(row, c, count_of(c), true) : ce_load(z, c, count_of(c), vec_in));
   };
   // g(u) on the chunk's logits u < count, in increasing u: a whole chunk (the common case) without
   // a test per logit
@@ -1351,7 +1437,8 @@ __global__ void __launch_bounds__(kCeThreads, 2)
   const SumDivisor div = sum_divisor(sum);
   for_each_chunk(kCached, [&](int64_t c, int count, const CeChunk<In>& k) {
     float prob[kCeVec];
-    bool fast = div.fast;  // every quotient of the chunk in div's fast range (else all by __fdiv_rn)
+    bool fast =
+        div.fast;  // every quotient of the chunk in div's fast range (else all by __fdiv_rn)
     each(count, [&](int u) {
       const float e = exp_of(k.v[u]);
       prob[u] = div.quotient(e);
@@ -1362,12 +1449,16 @@ __global__ void __launch_bounds__(kCeThreads, 2)
     const int tu = t_off >= 0 && t_off < kCeVec ? static_cast<int>(t_off) : -1;
     CeChunk<Out> o;
     auto put = [&](int u, float g) {
-      if constexpr (std::is_same_v<Out, uint16_t>) o.v[u] = bf16_rne(g);
-      else o.v[u] = kGrad ? stored(g, round_bf16) : prob[u];
+      if constexpr (std::is_same_v<Out, uint16_t>)
+        o.v[u] = bf16_rne(g);
+      else
+        o.v[u] = kGrad ? stored(g, round_bf16) : prob[u];
     };
     // (p - onehot) dl; a chunk without the target (all but one of a row's) as p dl: p - 0 is p
-    if (!kGrad || tu < 0) each(count, [&](int u) { put(u, __fmul_rn(prob[u], dl)); });
-    else each(count, [&](int u) { put(u, __fmul_rn(__fsub_rn(prob[u], u == tu ? 1.0f : 0.0f), dl)); });
+    if (!kGrad || tu < 0)
+      each(count, [&](int u) { put(u, __fmul_rn(prob[u], dl)); });
+    else
+      each(count, [&](int u) { put(u, __fmul_rn(__fsub_rn(prob[u], u == tu ? 1.0f : 0.0f), dl)); });
     ce_store(p, c, count, vec_out, o);
   });
 }
@@ -1388,12 +1479,17 @@ size_t crossentropy_cache_bytes() {
   const auto it = limits.find(device);
   if (it != limits.end()) return it->second;
   int optin = 0;
-  FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  FP4SIM_CUDA_CHECK(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   cudaFuncAttributes fa{};
-  FP4SIM_CUDA_CHECK(cudaFuncGetAttributes(&fa, crossentropy_softmax_forward_kernel<kGrad, true, Out, In>));
-  const size_t dynamic = static_cast<size_t>(optin) > fa.sharedSizeBytes ? static_cast<size_t>(optin) - fa.sharedSizeBytes : 0;
+  FP4SIM_CUDA_CHECK(
+      cudaFuncGetAttributes(&fa, crossentropy_softmax_forward_kernel<kGrad, true, Out, In>));
+  const size_t dynamic = static_cast<size_t>(optin) > fa.sharedSizeBytes
+                             ? static_cast<size_t>(optin) - fa.sharedSizeBytes
+                             : 0;
   FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true, Out, In>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic)));
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(dynamic)));
   // (the most shared memory an SM has, so two CTAs of a BF16 row fit side by side)
   FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(crossentropy_softmax_forward_kernel<kGrad, true, Out, In>,
                                          cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -1404,19 +1500,22 @@ size_t crossentropy_cache_bytes() {
 
 // Launches the cross-entropy kernel, with the row cached in shared memory when it fits.
 template <bool kGrad, class Out = float, class In = float>
-void launch_crossentropy(float* losses, Out* out, const In* logits, const int32_t* targets, int64_t N,
-                         int64_t V, const float* dlosses, bool round_bf16, bool bf16_logits, cudaStream_t stream) {
+void launch_crossentropy(float* losses, Out* out, const In* logits, const int32_t* targets,
+                         int64_t N, int64_t V, const float* dlosses, bool round_bf16,
+                         bool bf16_logits, cudaStream_t stream) {
   // (a row's chunks are whole 16-byte vectors when V is a multiple of a vector's elements)
   const bool vec_in = V % static_cast<int64_t>(16 / sizeof(In)) == 0 && aligned16(logits);
   const bool vec_out = V % static_cast<int64_t>(16 / sizeof(Out)) == 0 && aligned16(out);
   const size_t bytes = (static_cast<size_t>((V + kCeVec - 1) / kCeVec) * kCeVec) * sizeof(In);
   const unsigned threads = V >= 4096 ? kCeThreads : 256;
   if (g_crossentropy_cached && bytes <= crossentropy_cache_bytes<kGrad, Out, In>()) {
-    crossentropy_softmax_forward_kernel<kGrad, true, Out, In><<<static_cast<unsigned>(N), threads, bytes, stream>>>(
-        losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits, vec_in, vec_out);
+    crossentropy_softmax_forward_kernel<kGrad, true, Out, In>
+        <<<static_cast<unsigned>(N), threads, bytes, stream>>>(
+            losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits, vec_in, vec_out);
   } else {
-    crossentropy_softmax_forward_kernel<kGrad, false, Out, In><<<static_cast<unsigned>(N), threads, 0, stream>>>(
-        losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits, vec_in, vec_out);
+    crossentropy_softmax_forward_kernel<kGrad, false, Out, In>
+        <<<static_cast<unsigned>(N), threads, 0, stream>>>(
+            losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits, vec_in, vec_out);
   }
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
@@ -1459,11 +1558,13 @@ struct AdamWItem {
 };
 // p16 (non-null): the BF16 bits of each updated parameter too (bf16_rne: narrow_to_bf16's), 8-byte
 // aligned when `vec`.
-__global__ void adamw_many_kernel(float* params, const float* grads, float* m, float* v, const AdamWItem* items,
-                                  AdamWSteps steps, bool vec, uint16_t* p16) {
+__global__ void adamw_many_kernel(float* params, const float* grads, float* m, float* v,
+                                  const AdamWItem* items, AdamWSteps steps, bool vec,
+                                  uint16_t* p16) {
   const AdamWItem it = items[blockIdx.x];
   const AdamWStep s = steps.s[it.step];
-  const int64_t a4 = vec ? (it.begin + 3) / 4 * 4 < it.end ? (it.begin + 3) / 4 * 4 : it.end : it.end;
+  const int64_t a4 =
+      vec ? (it.begin + 3) / 4 * 4 < it.end ? (it.begin + 3) / 4 * 4 : it.end : it.end;
   const int64_t nv = (it.end - a4) / 4, e4 = a4 + 4 * nv;
   auto one = [&](int64_t i) {
     adamw_element(params[i], grads[i], m[i], v[i], s);
@@ -1483,8 +1584,9 @@ __global__ void adamw_many_kernel(float* params, const float* grads, float* m, f
     *reinterpret_cast<float4*>(m + i) = mm;
     *reinterpret_cast<float4*>(v + i) = vv;
     if (p16)
-      *reinterpret_cast<uint2*>(p16 + i) = make_uint2(static_cast<uint32_t>(bf16_rne(p.x)) | static_cast<uint32_t>(bf16_rne(p.y)) << 16,
-                                                      static_cast<uint32_t>(bf16_rne(p.z)) | static_cast<uint32_t>(bf16_rne(p.w)) << 16);
+      *reinterpret_cast<uint2*>(p16 + i) = make_uint2(
+          static_cast<uint32_t>(bf16_rne(p.x)) | static_cast<uint32_t>(bf16_rne(p.y)) << 16,
+          static_cast<uint32_t>(bf16_rne(p.z)) | static_cast<uint32_t>(bf16_rne(p.w)) << 16);
   }
   for (int64_t i = e4 + threadIdx.x; i < it.end; i += blockDim.x) one(i);
 }
@@ -1494,7 +1596,8 @@ __global__ void adamw_many_kernel(float* params, const float* grads, float* m, f
 // (kSumSquaresBlocks x kThreads per tensor) sums its grid-strided elements in increasing index,
 // block_sum per block into partial (tensor, kSumSquaresBlocks); a second pass, one block per
 // tensor, sums a tensor's partials the same way. The tree depends only on the count:
-// deterministic, identical on every GPU, and the same whether a tensor is summed alone or with others.
+// deterministic, identical on every GPU, and the same whether a tensor is summed alone or with
+// others.
 __global__ void sum_squares_partial_kernel(double* partial, const float* base, const int64_t* seg) {
   const float* x = base + seg[2 * blockIdx.y];
   const int64_t n = seg[2 * blockIdx.y + 1];
@@ -1531,23 +1634,24 @@ uint32_t pointer_alignment(const void* p) {
 void set_crossentropy_cached(bool on) { g_crossentropy_cached = on; }
 
 namespace {
-uint64_t g_fused_bias_backward = 0;  // fused_bias_backward_count
-uint64_t g_fused_activation_quantize = 0;  // fused_activation_quantize_count
-uint64_t g_fused_activation_matmul = 0;    // fused_activation_matmul_count
-bool g_activation_fusion = true;           // set_activation_fusion
-bool g_matmul_bf16_epilogue = true;        // set_matmul_bf16_epilogue
+uint64_t g_fused_bias_backward = 0;         // fused_bias_backward_count
+uint64_t g_fused_activation_quantize = 0;   // fused_activation_quantize_count
+uint64_t g_fused_activation_matmul = 0;     // fused_activation_matmul_count
+bool g_activation_fusion = true;            // set_activation_fusion
+bool g_matmul_bf16_epilogue = true;         // set_matmul_bf16_epilogue
 uint64_t g_matmul_bf16_epilogue_calls = 0;  // matmul_bf16_epilogue_count
-std::string g_last_epilogue_refusal;         // last_matmul_epilogue_refusal
-uint64_t g_weight_shadow_reads = 0;          // weight_shadow_read_count
-uint64_t g_fused_matmul_bias = 0;    // fused_matmul_bias_count
-int g_matmul_pick = kPlanOwnPick;  // set_matmul_heuristic_pick
-MatmulPlanPick g_last_matmul_pick;  // last_matmul_plan_pick
+std::string g_last_epilogue_refusal;        // last_matmul_epilogue_refusal
+uint64_t g_weight_shadow_reads = 0;         // weight_shadow_read_count
+uint64_t g_fused_matmul_bias = 0;           // fused_matmul_bias_count
+int g_matmul_pick = kPlanOwnPick;           // set_matmul_heuristic_pick
+MatmulPlanPick g_last_matmul_pick;          // last_matmul_plan_pick
 }  // namespace
 
 void set_matmul_heuristic_pick(int index) {
   if (index < kPlanOwnPick || index > kMaxHeuristicPick)
-    throw std::invalid_argument("set_matmul_heuristic_pick: index " + std::to_string(index) + " is outside " +
-                                std::to_string(kPlanOwnPick) + ".." + std::to_string(kMaxHeuristicPick));
+    throw std::invalid_argument("set_matmul_heuristic_pick: index " + std::to_string(index) +
+                                " is outside " + std::to_string(kPlanOwnPick) + ".." +
+                                std::to_string(kMaxHeuristicPick));
   g_matmul_pick = index;
 }
 
@@ -1567,7 +1671,8 @@ MatmulPlanPick last_matmul_plan_pick() { return g_last_matmul_pick; }
 // the release's). The same fixed-rule approach as the FP8 and FP4 plans' fp8_preferred_algo and
 // bf16_preferred_algo (gpu/gemm_cublaslt.cu): no timing at run time, so every run of a
 // configuration multiplies with the same algorithm and gets the same bits.
-int matmul_preferred_algo(bool rules_active, bool bf16, bool transa, bool transb, int64_t m, int64_t n, int64_t k) {
+int matmul_preferred_algo(bool rules_active, bool bf16, bool transa, bool transb, int64_t m,
+                          int64_t n, int64_t k) {
   if (!rules_active || !bf16) return 0;
   if (!transa && transb && k >= 4 * std::max(m, n) && m * n >= (int64_t{1} << 21)) return 1;
   if (n >= 4 * std::max(m, k) && k <= 1024) return 6;
@@ -1605,11 +1710,12 @@ struct CublasLt {
   struct Plan {
     std::unique_ptr<LtDescriptors> d;
     cublasLtMatmulAlgo_t algo{};
-    bool supported = true;  // false: a BF16-output or bias-epilogue question cuBLASLt has no algorithm for
+    bool supported =
+        true;  // false: a BF16-output or bias-epilogue question cuBLASLt has no algorithm for
   };
   // (the last two: D stored as BF16, a bias epilogue)
-  using PlanKey = std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, uint32_t,
-                             uint32_t, int, bool, bool>;
+  using PlanKey = std::tuple<bool, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t,
+                             uint32_t, uint32_t, uint32_t, int, bool, bool>;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   bool rules_active = false;  // matmul_preferred_algo's rules apply (Hopper, cuBLASLt 13.1.x)
@@ -1634,23 +1740,26 @@ struct RopeTable {
 }  // namespace training_ops
 
 struct CudaBackend::LayersState {
-  training_ops::CublasLt lt;                                // created on the first matmul
-  training_ops::DeviceScratch bf16_a, bf16_b, bf16_c;       // BF16 operands of the matmuls
-  training_ops::DeviceScratch f32_out;  // matmul_forward_bf16's FP32 output where the epilogue does not write BF16
-  training_ops::DeviceScratch f32_dout;  // matmul_backward_bf16_dout's dout widened, FP32 GEMMs only (kept, as
-                                         // the others; no training configuration pairs BF16 activations with them)
-  training_ops::DeviceScratch bias16;                       // a bias's BF16 bits for the BF16-output epilogue
-  training_ops::DeviceScratch columns;                      // partial column sums
-  training_ops::DeviceScratch att_dsum;                     // attention backward rowsum(dO*O), then lse*log2(e): 2 x (B,NH,T)
-  training_ops::DeviceScratch att_qkv16, att_dout16;        // attention's BF16 copies of qkv and dout
-  training_ops::DeviceScratch att_ds;                       // attention backward's stored bf16(dS) tiles
-  training_ops::DeviceScratch gelu_lut;                     // GELU's BF16 output bits by input bits
+  training_ops::CublasLt lt;                           // created on the first matmul
+  training_ops::DeviceScratch bf16_a, bf16_b, bf16_c;  // BF16 operands of the matmuls
+  training_ops::DeviceScratch
+      f32_out;  // matmul_forward_bf16's FP32 output where the epilogue does not write BF16
+  training_ops::DeviceScratch
+      f32_dout;  // matmul_backward_bf16_dout's dout widened, FP32 GEMMs only (kept, as
+                 // the others; no training configuration pairs BF16 activations with them)
+  training_ops::DeviceScratch bias16;   // a bias's BF16 bits for the BF16-output epilogue
+  training_ops::DeviceScratch columns;  // partial column sums
+  training_ops::DeviceScratch
+      att_dsum;  // attention backward rowsum(dO*O), then lse*log2(e): 2 x (B,NH,T)
+  training_ops::DeviceScratch att_qkv16, att_dout16;  // attention's BF16 copies of qkv and dout
+  training_ops::DeviceScratch att_ds;                 // attention backward's stored bf16(dS) tiles
+  training_ops::DeviceScratch gelu_lut;               // GELU's BF16 output bits by input bits
   int gelu_lut_ctas = 0;  // the table's kernel's grid, one CTA an SM (0: the table is not made yet)
   training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
-  training_ops::DeviceScratch sums;                         // sum_squares partials and results
-  training_ops::DeviceScratch segments;                     // sum_squares (offset, count) pairs
-  training_ops::DeviceScratch adamw_items;                  // adamw_update_many's work items (AdamWItem)
-  std::vector<int64_t> adamw_key;                           // the (offset, count, step index) they were made for
+  training_ops::DeviceScratch sums;         // sum_squares partials and results
+  training_ops::DeviceScratch segments;     // sum_squares (offset, count) pairs
+  training_ops::DeviceScratch adamw_items;  // adamw_update_many's work items (AdamWItem)
+  std::vector<int64_t> adamw_key;           // the (offset, count, step index) they were made for
   int64_t adamw_item_count = 0;
   training_ops::RopeTable rope;
   std::vector<int64_t> host_segments;
@@ -1681,7 +1790,8 @@ using training_ops::RopeTable;
 bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int64_t n, int64_t k,
                const void* A, int64_t lda, const void* B, int64_t ldb, void* D, float beta,
                cudaStream_t stream, bool d_bf16 = false, const void* bias = nullptr) {
-  if (d_bf16 && beta != 0.0f) throw std::logic_error("lt_matmul: a BF16 output takes beta = 0 only");
+  if (d_bf16 && beta != 0.0f)
+    throw std::logic_error("lt_matmul: a BF16 output takes beta = 0 only");
   if (!lt.handle) {
     FP4SIM_CUBLAS_CHECK(cublasLtCreate(&lt.handle));
     FP4SIM_CUDA_CHECK(cudaMalloc(&lt.workspace, kCublasWorkspaceBytes));
@@ -1691,15 +1801,22 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
     lt.rules_active = cublaslt_picks_measured_here(cc_major, cublasLtGetVersion());
   }
   // The caller's pointers may sit at any float offset inside a larger buffer: the heuristic is
-  // told, so it never picks a kernel that assumes 256-byte alignment (and the plan is per alignment).
+  // told, so it never picks a kernel that assumes 256-byte alignment (and the plan is per
+  // alignment).
   const uint32_t align_a = pointer_alignment(A), align_b = pointer_alignment(B),
                  align_d = pointer_alignment(D);
   // the rule's index (matmul_preferred_algo), or the benchmark knob's, which fails the plan where
   // the heuristic's list is shorter; the rule falls back to the first algorithm there
   const bool knob = g_matmul_pick != kPlanOwnPick;
-  const int pick = knob ? g_matmul_pick : matmul_preferred_algo(lt.rules_active, bf16, transa, transb, m, n, k);
-  const CublasLt::PlanKey key{bf16,    transa, transb, m, n, k, lda, ldb, align_a, align_b, align_d,
-                              knob ? pick : -1 - pick, d_bf16, bias != nullptr};
+  const int pick =
+      knob ? g_matmul_pick : matmul_preferred_algo(lt.rules_active, bf16, transa, transb, m, n, k);
+  const CublasLt::PlanKey key{bf16,    transa,
+                              transb,  m,
+                              n,       k,
+                              lda,     ldb,
+                              align_a, align_b,
+                              align_d, knob ? pick : -1 - pick,
+                              d_bf16,  bias != nullptr};
   auto it = lt.plans.find(key);
   if (it == lt.plans.end()) {
     const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
@@ -1708,21 +1825,28 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
-    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.la, in_type, static_cast<uint64_t>(transa ? k : m),
+    FP4SIM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    FP4SIM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.la, in_type,
+                                                   static_cast<uint64_t>(transa ? k : m),
                                                    static_cast<uint64_t>(transa ? m : k), lda));
-    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.lb, in_type, static_cast<uint64_t>(transb ? n : k),
+    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.lb, in_type,
+                                                   static_cast<uint64_t>(transb ? n : k),
                                                    static_cast<uint64_t>(transb ? k : n), ldb));
-    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.ld, d_bf16 ? CUDA_R_16BF : CUDA_R_32F, static_cast<uint64_t>(m),
+    FP4SIM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.ld, d_bf16 ? CUDA_R_16BF : CUDA_R_32F,
+                                                   static_cast<uint64_t>(m),
                                                    static_cast<uint64_t>(n), m));
     if (bias) {
       const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
       const cudaDataType_t bias_type = d_bf16 ? CUDA_R_16BF : CUDA_R_32F;
-      FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
       FP4SIM_CUBLAS_CHECK(
-          cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
-      FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+          cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+      FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                         &bias_type, sizeof bias_type));
+      FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                         &bias, sizeof bias));
     }
     FP4SIM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
     const size_t ws = kCublasWorkspaceBytes;
@@ -1738,11 +1862,12 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
         d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d));
     cublasLtMatmulHeuristicResult_t heur[kMaxHeuristicPick + 1]{};
     int found = 0;
-    const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld, d.ld, d.pref,
-                                                             pick + 1, heur, &found);
+    const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld,
+                                                             d.ld, d.pref, pick + 1, heur, &found);
     if ((d_bf16 || bias) && (hs != CUBLAS_STATUS_SUCCESS || found == 0)) {
-      g_last_epilogue_refusal = std::string(cublasLtGetStatusName(hs)) + ", " + std::to_string(found) + " algorithms for m=" +
-                                std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+      g_last_epilogue_refusal = std::string(cublasLtGetStatusName(hs)) + ", " +
+                                std::to_string(found) + " algorithms for m=" + std::to_string(m) +
+                                " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                                 (d_bf16 ? " BF16 D" : " FP32 D") + (bias ? " + bias" : "");
       // (remembered: the question is not asked again)
       lt.plans.emplace(key, CublasLt::Plan{std::move(owned), {}, false});
@@ -1750,10 +1875,11 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
     }
     FP4SIM_CUBLAS_CHECK(hs);
     if (found == 0 || (knob && found <= pick))
-      throw std::runtime_error(std::string("matmul: cuBLASLt has no ") + (bf16 ? "BF16" : "FP32") +
-                               " algorithm" + (pick ? " at heuristic index " + std::to_string(pick) : std::string()) +
-                               " for m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
-                               " (it lists " + std::to_string(found) + ")");
+      throw std::runtime_error(
+          std::string("matmul: cuBLASLt has no ") + (bf16 ? "BF16" : "FP32") + " algorithm" +
+          (pick ? " at heuristic index " + std::to_string(pick) : std::string()) +
+          " for m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+          " (it lists " + std::to_string(found) + ")");
     const int used = found > pick ? pick : 0;
     g_last_matmul_pick = MatmulPlanPick{lt.rules_active, pick, found, used};
     it = lt.plans.emplace(key, CublasLt::Plan{std::move(owned), heur[used].algo}).first;
@@ -1761,10 +1887,12 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
   if (!it->second.supported) return false;
   const LtDescriptors& d = *it->second.d;
   if (bias)  // (the plan's descriptor, pointed at this call's bias)
-    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+    FP4SIM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                       &bias, sizeof bias));
   const float alpha = 1.0f;
   FP4SIM_CUBLAS_CHECK(cublasLtMatmul(lt.handle, d.op, &alpha, A, d.la, B, d.lb, &beta, D, d.ld, D,
-                                     d.ld, &it->second.algo, lt.workspace, kCublasWorkspaceBytes, stream));
+                                     d.ld, &it->second.algo, lt.workspace, kCublasWorkspaceBytes,
+                                     stream));
   return true;
 }
 
@@ -1786,11 +1914,13 @@ const void* gemm_operand(DeviceScratch& scratch, const float* x, int64_t count,
 // 8-byte aligned.
 // (operand null: dbias only, h not written: Bf16PairBits, whose operand is its source.)
 template <class Src>
-const uint16_t* bf16_operand_with_bias_grad(DeviceScratch* operand, DeviceScratch& columns, const Src& src,
-                                            float* dbias, int64_t N, int64_t OC, cudaStream_t stream) {
+const uint16_t* bf16_operand_with_bias_grad(DeviceScratch* operand, DeviceScratch& columns,
+                                            const Src& src, float* dbias, int64_t N, int64_t OC,
+                                            cudaStream_t stream) {
   uint16_t* h = operand ? operand->get<uint16_t>(static_cast<size_t>(N * OC), stream) : nullptr;
   float* partial = columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream);
-  const dim3 grid(static_cast<unsigned>(column_chunks(N)), static_cast<unsigned>((OC / 2 + kThreads - 1) / kThreads));
+  const dim3 grid(static_cast<unsigned>(column_chunks(N)),
+                  static_cast<unsigned>((OC / 2 + kThreads - 1) / kThreads));
   round_to_bf16_column_partial_kernel<<<grid, kThreads, 0, stream>>>(h, partial, src, N, OC);
   FP4SIM_CUDA_CHECK_LAUNCH();
   column_sums_finalize(dbias, partial, N, OC, true, stream);
@@ -1829,7 +1959,7 @@ void CudaBackend::embedding_forward(float* out, const int32_t* tokens, const int
                                     const float* wte, const float* wpe, int64_t N, int64_t C) {
   if (N * C == 0) return;
   embedding_forward_kernel<<<elementwise_grid(N * C), kThreads, 0, stream_>>>(out, tokens, pos, wte,
-                                                                             wpe, N, C);
+                                                                              wpe, N, C);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -1857,8 +1987,8 @@ void CudaBackend::embedding_backward(float* dwte, float* dwpe, const float* dout
     void* temp = st.sort_temp.get<unsigned char>(temp_bytes, stream_);
     FP4SIM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, ids, keys_out, rows_in,
                                                       rows_out, n, 0, 32, stream_));
-    embedding_scatter_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(dtable, dout, keys_out,
-                                                                               rows_out, N, C);
+    embedding_scatter_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream_>>>(
+        dtable, dout, keys_out, rows_out, N, C);
     FP4SIM_CUDA_CHECK_LAUNCH();
   }
 }
@@ -1872,20 +2002,26 @@ bool norm_rows_fit(int64_t C, const P*... aligned) {
   return C % 4 == 0 && C <= kNormMaxC && (aligned16(aligned) && ...);
 }
 
-
 // f(std::integral_constant<int, kQuads>) for the fewest instantiated quads a lane (1, 2, 4, 6 or
 // 8) that cover C / 4 (C <= kNormMaxC).
 template <class F>
 void with_row_quads(int64_t C, F f) {
   const int64_t need = (C / 4 + 31) / 32;
-  if (need <= 1) f(std::integral_constant<int, 1>{});
-  else if (need <= 2) f(std::integral_constant<int, 2>{});
-  else if (need <= 4) f(std::integral_constant<int, 4>{});
-  else if (need <= 6) f(std::integral_constant<int, 6>{});
-  else f(std::integral_constant<int, kNormMaxQuadsPerLane>{});
+  if (need <= 1)
+    f(std::integral_constant<int, 1>{});
+  else if (need <= 2)
+    f(std::integral_constant<int, 2>{});
+  else if (need <= 4)
+    f(std::integral_constant<int, 4>{});
+  else if (need <= 6)
+    f(std::integral_constant<int, 6>{});
+  else
+    f(std::integral_constant<int, kNormMaxQuadsPerLane>{});
 }
 
-unsigned norm_rows_grid(int64_t N) { return static_cast<unsigned>((N + kNormRowWarps - 1) / kNormRowWarps); }
+unsigned norm_rows_grid(int64_t N) {
+  return static_cast<unsigned>((N + kNormRowWarps - 1) / kNormRowWarps);
+}
 // The backward kernels' shared memory: `arrays` rows of column-sum terms (C floats) a warp.
 size_t norm_terms_bytes(int64_t C, int arrays) {
   return static_cast<size_t>(arrays) * kNormRowWarps * static_cast<size_t>(C) * sizeof(float);
@@ -1894,40 +2030,43 @@ size_t norm_terms_bytes(int64_t C, int arrays) {
 template <class Kernel>
 void allow_shared_bytes(Kernel* kernel, size_t bytes) {
   if (bytes > 48 * 1024)
-    FP4SIM_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(bytes)));
 }
 
 // res (res.out set): the row kernel's residual input, for which the caller checked norm_rows_fit.
 template <class OutT>
-void layernorm_forward_launch(OutT* out, float* mean, float* rstd, const float* inp, const float* weight,
-                              const float* bias, int64_t N, int64_t C, bool round_bf16, cudaStream_t stream,
-                              ResidualIn res = {}) {
+void layernorm_forward_launch(OutT* out, float* mean, float* rstd, const float* inp,
+                              const float* weight, const float* bias, int64_t N, int64_t C,
+                              bool round_bf16, cudaStream_t stream, ResidualIn res = {}) {
   const float c_f32 = static_cast<float>(C);
   if (res.out || norm_rows_fit(C, inp, weight, bias)) {
     with_row_quads(C, [&](auto quads) {
-      layernorm_forward_rows_kernel<OutT, decltype(quads)::value><<<norm_rows_grid(N), kNormRowWarps * 32, 0, stream>>>(
-          out, mean, rstd, inp, weight, bias, N, C, c_f32, kNormEps, round_bf16, quad_aligned(out), res);
+      layernorm_forward_rows_kernel<OutT, decltype(quads)::value>
+          <<<norm_rows_grid(N), kNormRowWarps * 32, 0, stream>>>(out, mean, rstd, inp, weight, bias,
+                                                                 N, C, c_f32, kNormEps, round_bf16,
+                                                                 quad_aligned(out), res);
     });
   } else {
-    layernorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(out, mean, rstd, inp, weight, bias,
-                                                                               C, c_f32, kNormEps, round_bf16);
+    layernorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
+        out, mean, rstd, inp, weight, bias, C, c_f32, kNormEps, round_bf16);
   }
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 template <class OutT>
-void rmsnorm_forward_launch(OutT* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
-                            bool round_bf16, cudaStream_t stream) {
+void rmsnorm_forward_launch(OutT* out, float* rstd, const float* inp, const float* weight,
+                            int64_t N, int64_t C, bool round_bf16, cudaStream_t stream) {
   const float c_f32 = static_cast<float>(C);
   if (norm_rows_fit(C, inp, weight)) {
     with_row_quads(C, [&](auto quads) {
-      rmsnorm_forward_rows_kernel<OutT, decltype(quads)::value><<<norm_rows_grid(N), kNormRowWarps * 32, 0, stream>>>(
-          out, rstd, inp, weight, N, C, c_f32, kNormEps, round_bf16, quad_aligned(out));
+      rmsnorm_forward_rows_kernel<OutT, decltype(quads)::value>
+          <<<norm_rows_grid(N), kNormRowWarps * 32, 0, stream>>>(
+              out, rstd, inp, weight, N, C, c_f32, kNormEps, round_bf16, quad_aligned(out));
     });
   } else {
-    rmsnorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(out, rstd, inp, weight, C, c_f32,
-                                                                             kNormEps, round_bf16);
+    rmsnorm_forward_kernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
+        out, rstd, inp, weight, C, c_f32, kNormEps, round_bf16);
   }
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
@@ -1938,9 +2077,10 @@ void rmsnorm_forward_launch(OutT* out, float* rstd, const float* inp, const floa
 // chunks x C for RMSNorm; with one chunk the fused kernels write dweight/dbias in place (the
 // finalize of one chunk is a copy).
 template <class DT>
-void layernorm_backward_launch(float* dinp, float* dweight, float* dbias, const DT* dout, const float* inp,
-                               const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
-                               bool round_bf16, bool bf16_dout, float* partial, cudaStream_t stream) {
+void layernorm_backward_launch(float* dinp, float* dweight, float* dbias, const DT* dout,
+                               const float* inp, const float* weight, const float* mean,
+                               const float* rstd, int64_t N, int64_t C, bool round_bf16,
+                               bool bf16_dout, float* partial, cudaStream_t stream) {
   const int64_t chunks = column_chunks(N);
   if (norm_rows_fit(C, inp, weight, dinp)) {
     const bool one = chunks == 1;
@@ -1949,8 +2089,9 @@ void layernorm_backward_launch(float* dinp, float* dweight, float* dbias, const 
       auto* kernel = layernorm_backward_chunk_kernel<DT, decltype(quads)::value>;
       allow_shared_bytes(kernel, smem);
       kernel<<<static_cast<unsigned>(chunks), kNormRowWarps * 32, smem, stream>>>(
-          dinp, one ? dweight : partial, one ? dbias : partial + chunks * C, dweight, dbias, dout, inp, weight, mean,
-          rstd, N, C, static_cast<float>(C), round_bf16, bf16_dout, quad_aligned(dout));
+          dinp, one ? dweight : partial, one ? dbias : partial + chunks * C, dweight, dbias, dout,
+          inp, weight, mean, rstd, N, C, static_cast<float>(C), round_bf16, bf16_dout,
+          quad_aligned(dout));
     });
     FP4SIM_CUDA_CHECK_LAUNCH();
     if (one) return;
@@ -1965,9 +2106,9 @@ void layernorm_backward_launch(float* dinp, float* dweight, float* dbias, const 
   column_sums_finalize(dweight, partial, N, C, false, stream, dbias, partial + chunks * C);
 }
 template <class DT>
-void rmsnorm_backward_launch(float* dinp, float* dweight, const DT* dout, const float* inp, const float* weight,
-                             const float* rstd, int64_t N, int64_t C, bool round_bf16, bool bf16_dout, float* partial,
-                             cudaStream_t stream) {
+void rmsnorm_backward_launch(float* dinp, float* dweight, const DT* dout, const float* inp,
+                             const float* weight, const float* rstd, int64_t N, int64_t C,
+                             bool round_bf16, bool bf16_dout, float* partial, cudaStream_t stream) {
   const int64_t chunks = column_chunks(N);
   if (norm_rows_fit(C, inp, weight, dinp)) {
     const bool one = chunks == 1;
@@ -1976,8 +2117,8 @@ void rmsnorm_backward_launch(float* dinp, float* dweight, const DT* dout, const 
       auto* kernel = rmsnorm_backward_chunk_kernel<DT, decltype(quads)::value>;
       allow_shared_bytes(kernel, smem);
       kernel<<<static_cast<unsigned>(chunks), kNormRowWarps * 32, smem, stream>>>(
-          dinp, one ? dweight : partial, dweight, dout, inp, weight, rstd, N, C, static_cast<float>(C), round_bf16,
-          bf16_dout, quad_aligned(dout));
+          dinp, one ? dweight : partial, dweight, dout, inp, weight, rstd, N, C,
+          static_cast<float>(C), round_bf16, bf16_dout, quad_aligned(dout));
     });
     FP4SIM_CUDA_CHECK_LAUNCH();
     if (one) return;
@@ -2003,30 +2144,37 @@ void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const 
 
 void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                      const float* inp, const float* weight, const float* mean,
-                                     const float* rstd, int64_t N, int64_t C, bool round_bf16, bool bf16_dout) {
+                                     const float* rstd, int64_t N, int64_t C, bool round_bf16,
+                                     bool bf16_dout) {
   require_rows("layernorm_backward", N);
   if (N == 0 || C == 0) return;
-  float* partial = layers_state().columns.get<float>(static_cast<size_t>(2 * column_chunks(N) * C), stream_);
-  layernorm_backward_launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, round_bf16, bf16_dout, partial,
-                            stream_);
+  float* partial =
+      layers_state().columns.get<float>(static_cast<size_t>(2 * column_chunks(N) * C), stream_);
+  layernorm_backward_launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, round_bf16,
+                            bf16_dout, partial, stream_);
 }
 
-void CudaBackend::layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16,
-                                          const float* inp, const float* weight, const float* mean, const float* rstd,
+void CudaBackend::layernorm_backward_bits(float* dinp, float* dweight, float* dbias,
+                                          const uint16_t* dout16, const float* inp,
+                                          const float* weight, const float* mean, const float* rstd,
                                           int64_t N, int64_t C, bool round_bf16) {
   require_rows("layernorm_backward_bits", N);
   if (N == 0 || C == 0) return;
-  float* partial = layers_state().columns.get<float>(static_cast<size_t>(2 * column_chunks(N) * C), stream_);
-  layernorm_backward_launch(dinp, dweight, dbias, dout16, inp, weight, mean, rstd, N, C, round_bf16, true, partial,
-                            stream_);
+  float* partial =
+      layers_state().columns.get<float>(static_cast<size_t>(2 * column_chunks(N) * C), stream_);
+  layernorm_backward_launch(dinp, dweight, dbias, dout16, inp, weight, mean, rstd, N, C, round_bf16,
+                            true, partial, stream_);
 }
 
-void CudaBackend::rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp,
-                                        const float* weight, const float* rstd, int64_t N, int64_t C, bool round_bf16) {
+void CudaBackend::rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16,
+                                        const float* inp, const float* weight, const float* rstd,
+                                        int64_t N, int64_t C, bool round_bf16) {
   require_rows("rmsnorm_backward_bits", N);
   if (N == 0 || C == 0) return;
-  float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
-  rmsnorm_backward_launch(dinp, dweight, dout16, inp, weight, rstd, N, C, round_bf16, true, partial, stream_);
+  float* partial =
+      layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
+  rmsnorm_backward_launch(dinp, dweight, dout16, inp, weight, rstd, N, C, round_bf16, true, partial,
+                          stream_);
 }
 
 void CudaBackend::rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
@@ -2041,24 +2189,29 @@ void CudaBackend::rmsnorm_backward(float* dinp, float* dweight, const float* dou
                                    bool round_bf16, bool bf16_dout) {
   require_rows("rmsnorm_backward", N);
   if (N == 0 || C == 0) return;
-  float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
-  rmsnorm_backward_launch(dinp, dweight, dout, inp, weight, rstd, N, C, round_bf16, bf16_dout, partial, stream_);
+  float* partial =
+      layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
+  rmsnorm_backward_launch(dinp, dweight, dout, inp, weight, rstd, N, C, round_bf16, bf16_dout,
+                          partial, stream_);
 }
 
 // out (N,OC) = inp (N,K) W (OC,K)^T, then + bias. Row-major out is col-major out^T (OC x N) =
 // W (op T of the col-major (K x OC) view) * inp^T (the col-major (K x N) view). The BF16 rounding
 // of the output rides on the bias pass (one pass instead of two), or has its own without a bias.
-void CudaBackend::matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                                 int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec, bool round_bf16) {
+void CudaBackend::matmul_forward(float* out, const float* inp, const float* weight,
+                                 const float* bias, int64_t N, int64_t K, int64_t OC,
+                                 emu::GemmPrecision prec, bool round_bf16) {
   if (N == 0 || OC == 0) return;
   if (K == 0) {
-    FP4SIM_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(N * OC) * sizeof(float), stream_));
+    FP4SIM_CUDA_CHECK(
+        cudaMemsetAsync(out, 0, static_cast<size_t>(N * OC) * sizeof(float), stream_));
   } else {
     LayersState& st = layers_state();
     const bool bf16 = prec == emu::GemmPrecision::BF16;
     const void* w = weight_operand(st.bf16_a, weight, OC * K, prec);
     const void* x = gemm_operand(st.bf16_b, inp, N * K, prec, stream_);
-    lt_matmul(st.lt, bf16, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f, stream_);
+    lt_matmul(st.lt, bf16, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f,
+              stream_);
   }
   if (bias) {
     add_bias(out, bias, N, OC, round_bf16, stream_);
@@ -2074,7 +2227,8 @@ namespace {
 bool matmul_backward_empty(float* dinp, int64_t N, int64_t K, int64_t OC, cudaStream_t stream) {
   if (N == 0) return true;
   if (OC != 0) return false;
-  if (dinp && K > 0) FP4SIM_CUDA_CHECK(cudaMemsetAsync(dinp, 0, static_cast<size_t>(N * K) * sizeof(float), stream));
+  if (dinp && K > 0)
+    FP4SIM_CUDA_CHECK(cudaMemsetAsync(dinp, 0, static_cast<size_t>(N * K) * sizeof(float), stream));
   return true;
 }
 }  // namespace
@@ -2089,41 +2243,46 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
                                   int64_t OC, emu::GemmPrecision prec) {
   if (matmul_backward_empty(dinp, N, K, OC, stream_)) return;
   LayersState& st = layers_state();
-  if (dbias && K > 0 && prec == emu::GemmPrecision::BF16 && OC % 2 == 0 &&
-      pair_aligned(dout)) {
+  if (dbias && K > 0 && prec == emu::GemmPrecision::BF16 && OC % 2 == 0 && pair_aligned(dout)) {
     // dout's BF16 copy and the bias gradient's chunk sums from one read of dout
-    const uint16_t* h = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
+    const uint16_t* h = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout},
+                                                    dbias, N, OC, stream_);
     matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
     ++g_fused_matmul_bias;
     return;
   }
-  if (K > 0) matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_), inp, weight,
-                                   N, K, OC, prec);
+  if (K > 0)
+    matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_), inp,
+                          weight, N, K, OC, prec);
   if (dbias) bias_backward(dbias, dout, N, OC);
 }
 
 // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (BF16 bits, or FP32 at FP32
 // precision): the Dgrad writes dinp (if any), the Wgrad adds into dweight (if any); K > 0.
-void CudaBackend::matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp,
-                                        const float* weight, int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
+void CudaBackend::matmul_backward_gemms(float* dinp, float* dweight, const void* dy,
+                                        const float* inp, const float* weight, int64_t N, int64_t K,
+                                        int64_t OC, emu::GemmPrecision prec,
                                         const uint16_t* inp16) {
   LayersState& st = layers_state();
   const bool bf16 = prec == emu::GemmPrecision::BF16;
   const void* w = dinp ? weight_operand(st.bf16_b, weight, OC * K, prec) : nullptr;
-  const void* x = !dweight ? nullptr : inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_c, inp, N * K, prec, stream_);
+  const void* x = !dweight ? nullptr
+                  : inp16  ? static_cast<const void*>(inp16)
+                           : gemm_operand(st.bf16_c, inp, N * K, prec, stream_);
   if (dinp) lt_matmul(st.lt, bf16, false, false, K, N, OC, w, K, dy, OC, dinp, 0.0f, stream_);
   if (dweight) lt_matmul(st.lt, bf16, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
 }
 
 // matmul_backward (no dbias) with dout in BF16 bits: at BF16 precision the GEMMs read it as it is;
 // at FP32 precision it is widened first (exact).
-void CudaBackend::matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, const float* inp,
-                                            const float* weight, int64_t N, int64_t K, int64_t OC,
-                                            emu::GemmPrecision prec) {
+void CudaBackend::matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout,
+                                            const float* inp, const float* weight, int64_t N,
+                                            int64_t K, int64_t OC, emu::GemmPrecision prec) {
   if (matmul_backward_empty(dinp, N, K, OC, stream_) || K == 0) return;
   const void* dy = dout;
   if (prec == emu::GemmPrecision::FP32) {
-    float* wide = layers_state().f32_dout.get<float>(static_cast<size_t>(N * OC), stream_);  // (FP32 GEMMs only)
+    float* wide = layers_state().f32_dout.get<float>(static_cast<size_t>(N * OC),
+                                                     stream_);  // (FP32 GEMMs only)
     bf16_to_f32_kernel<<<elementwise_grid(N * OC), kThreads, 0, stream_>>>(wide, dout, N * OC);
     FP4SIM_CUDA_CHECK_LAUNCH();
     dy = wide;
@@ -2133,18 +2292,20 @@ void CudaBackend::matmul_backward_bf16_dout(float* dinp, float* dweight, const u
 
 // BF16 precision: GELU's pass also writes the GEMM's BF16 operand (out's bits are the op's, src.out
 // is written as gelu_forward would); then the matmul as matmul_forward. Else Backend's composition.
-void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src,
-                                           const float* weight, const float* bias, int64_t OC, emu::GemmPrecision prec,
-                                           bool round_bf16) {
+void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16,
+                                            const ActivationSource& src, const float* weight,
+                                            const float* bias, int64_t OC, emu::GemmPrecision prec,
+                                            bool round_bf16) {
   const int64_t N = src.rows, K = src.cols;
-  if (!g_activation_fusion || prec != emu::GemmPrecision::BF16 || src.op != ActivationOp::GeluForward || N == 0 ||
-      K == 0 || OC == 0) {
+  if (!g_activation_fusion || prec != emu::GemmPrecision::BF16 ||
+      src.op != ActivationOp::GeluForward || N == 0 || K == 0 || OC == 0) {
     Backend::matmul_forward_activation(out, out16, src, weight, bias, OC, prec, round_bf16);
     return;
   }
   LayersState& st = layers_state();
   // (src.out16: the operand is the activation's BF16 storage itself, src.out unwritten)
-  uint16_t* x = src.out16 ? src.out16 : st.bf16_b.get<uint16_t>(static_cast<size_t>(N * K), stream_);
+  uint16_t* x =
+      src.out16 ? src.out16 : st.bf16_b.get<uint16_t>(static_cast<size_t>(N * K), stream_);
   float* const act = src.out16 ? nullptr : src.out;
   const bool rb = src.out16 ? true : src.round_bf16;
   if (src.inp16 && !act) {  // (BF16 in, BF16 bits out: the table, made on first use)
@@ -2152,14 +2313,17 @@ void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16, const A
       gelu_bf16_table_kernel<<<kGeluLutEntries / kThreads, kThreads, 0, stream_>>>(
           st.gelu_lut.get<uint16_t>(kGeluLutEntries, stream_));
       FP4SIM_CUDA_CHECK_LAUNCH();
-      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(gelu_forward_bf16_lut_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(gelu_forward_bf16_lut_kernel,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              kGeluLutEntries * 2));
       int device = 0;
       FP4SIM_CUDA_CHECK(cudaGetDevice(&device));
-      FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&st.gelu_lut_ctas, cudaDevAttrMultiProcessorCount, device));
+      FP4SIM_CUDA_CHECK(
+          cudaDeviceGetAttribute(&st.gelu_lut_ctas, cudaDevAttrMultiProcessorCount, device));
     }
     const bool vec = aligned16(x) && aligned16(src.inp16);
-    gelu_forward_bf16_lut_kernel<<<static_cast<unsigned>(st.gelu_lut_ctas), kGeluLutThreads, kGeluLutEntries * 2, stream_>>>(
+    gelu_forward_bf16_lut_kernel<<<static_cast<unsigned>(st.gelu_lut_ctas), kGeluLutThreads,
+                                   kGeluLutEntries * 2, stream_>>>(
         x, src.inp16, st.gelu_lut.get<uint16_t>(kGeluLutEntries, stream_), N * K, vec);
   } else if (src.inp16)
     gelu_forward_bf16_copy_kernel<<<elementwise_grid((N * K + 3) / 4), kThreads, 0, stream_>>>(
@@ -2168,7 +2332,8 @@ void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16, const A
     gelu_forward_bf16_copy_kernel<<<elementwise_grid((N * K + 3) / 4), kThreads, 0, stream_>>>(
         act, x, src.inp, N * K, rb, gelu_copy_vectorized(act, x, src.inp));
   FP4SIM_CUDA_CHECK_LAUNCH();
-  matmul_forward_bf16(out, out16, nullptr, x, weight, bias, N, K, OC, round_bf16);  // (x: not st.bf16_b's user there)
+  matmul_forward_bf16(out, out16, nullptr, x, weight, bias, N, K, OC,
+                      round_bf16);  // (x: not st.bf16_b's user there)
   ++g_fused_activation_matmul;
 }
 
@@ -2178,13 +2343,16 @@ void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16, const A
 namespace {
 // Whether matmul_backward_activation(_bf16_input) takes GELU's gradient in the pass that makes the
 // GEMMs' operand: BF16 precision, a bias, the pairs' pointers aligned.
-bool gelu_backward_fusable(const ActivationSource& src, const float* dbias, int64_t K, emu::GemmPrecision prec) {
+bool gelu_backward_fusable(const ActivationSource& src, const float* dbias, int64_t K,
+                           emu::GemmPrecision prec) {
   const int64_t N = src.rows, OC = src.cols;
-  const uintptr_t inp_align = src.inp16 ? reinterpret_cast<uintptr_t>(src.inp16) % 4 : reinterpret_cast<uintptr_t>(src.inp) % 8;
-  const uintptr_t dout_align =
-      src.dout16 ? reinterpret_cast<uintptr_t>(src.dout16) % 4 : reinterpret_cast<uintptr_t>(src.dout) % 8;
-  return g_activation_fusion && dbias && prec == emu::GemmPrecision::BF16 && src.op == ActivationOp::GeluBackward &&
-         N != 0 && K != 0 && OC != 0 && OC % 2 == 0 && inp_align == 0 && dout_align == 0;
+  const uintptr_t inp_align = src.inp16 ? reinterpret_cast<uintptr_t>(src.inp16) % 4
+                                        : reinterpret_cast<uintptr_t>(src.inp) % 8;
+  const uintptr_t dout_align = src.dout16 ? reinterpret_cast<uintptr_t>(src.dout16) % 4
+                                          : reinterpret_cast<uintptr_t>(src.dout) % 8;
+  return g_activation_fusion && dbias && prec == emu::GemmPrecision::BF16 &&
+         src.op == ActivationOp::GeluBackward && N != 0 && K != 0 && OC != 0 && OC % 2 == 0 &&
+         inp_align == 0 && dout_align == 0;
 }
 }  // namespace
 
@@ -2192,17 +2360,21 @@ bool gelu_backward_fusable(const ActivationSource& src, const float* dbias, int6
 const uint16_t* CudaBackend::gelu_backward_operand(const ActivationSource& src, float* dbias) {
   LayersState& st = layers_state();
   auto make = [&](auto pair) {
-    return bf16_operand_with_bias_grad(&st.bf16_a, st.columns, pair, dbias, src.rows, src.cols, stream_);
+    return bf16_operand_with_bias_grad(&st.bf16_a, st.columns, pair, dbias, src.rows, src.cols,
+                                       stream_);
   };
   const bool rb = src.round_bf16, bd = src.bf16_dout;
-  if (src.inp16 && src.dout16) return make(Bf16PairGeluBackward<uint16_t, uint16_t>{src.inp16, src.dout16, rb, bd});
+  if (src.inp16 && src.dout16)
+    return make(Bf16PairGeluBackward<uint16_t, uint16_t>{src.inp16, src.dout16, rb, bd});
   if (src.inp16) return make(Bf16PairGeluBackward<uint16_t, float>{src.inp16, src.dout, rb, bd});
   if (src.dout16) return make(Bf16PairGeluBackward<float, uint16_t>{src.inp, src.dout16, rb, bd});
   return make(Bf16PairGeluBackward<float, float>{src.inp, src.dout, rb, bd});
 }
 
-void CudaBackend::matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
-                                            const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) {
+void CudaBackend::matmul_backward_activation(float* dinp, float* dweight, float* dbias,
+                                             const ActivationSource& src, const float* inp,
+                                             const float* weight, int64_t K,
+                                             emu::GemmPrecision prec) {
   const int64_t N = src.rows, OC = src.cols;
   if (!gelu_backward_fusable(src, dbias, K, prec)) {
     Backend::matmul_backward_activation(dinp, dweight, dbias, src, inp, weight, K, prec);
@@ -2213,7 +2385,8 @@ void CudaBackend::matmul_backward_activation(float* dinp, float* dweight, float*
   ++g_fused_activation_matmul;
 }
 
-// ---- BF16-stored activations ---------------------------------------------------------------------
+// ---- BF16-stored activations
+// ---------------------------------------------------------------------
 
 namespace {
 void require_one_of(const char* op, const char* tensor, const void* f32, const void* bf16) {
@@ -2253,12 +2426,14 @@ void CudaBackend::widen_bf16(float* dst, const uint16_t* src, int64_t n) {
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N, int64_t OC) {
+void CudaBackend::bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N,
+                                    int64_t OC) {
   add_bias_bf16(out16, x, bias, N, OC, stream_);
 }
 
 void CudaBackend::layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp,
-                                         const float* weight, const float* bias, int64_t N, int64_t C) {
+                                         const float* weight, const float* bias, int64_t N,
+                                         int64_t C) {
   require_rows("layernorm_forward_bf16", N);
   if (N == 0 || C == 0) return;
   layernorm_forward_launch(out, mean, rstd, inp, weight, bias, N, C, true, stream_);
@@ -2267,21 +2442,23 @@ void CudaBackend::layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd
 // One pass: the row kernel adds the residual as it loads the row (residual_forward_bf16's
 // expression), writes it, and normalizes it from registers; the base class's two calls where the
 // row kernel does not apply (C > 1024, C % 4, pointers not 16-byte aligned).
-void CudaBackend::residual_layernorm_forward_bf16(float* res, uint16_t* out, float* mean, float* rstd, const float* a,
-                                                  const uint16_t* b16, const float* weight, const float* bias,
-                                                  int64_t N, int64_t C, bool round_bf16) {
+void CudaBackend::residual_layernorm_forward_bf16(float* res, uint16_t* out, float* mean,
+                                                  float* rstd, const float* a, const uint16_t* b16,
+                                                  const float* weight, const float* bias, int64_t N,
+                                                  int64_t C, bool round_bf16) {
   require_rows("residual_layernorm_forward_bf16", N);
   if (N == 0 || C == 0) return;
   if (!norm_rows_fit(C, res, a, b16, weight, bias)) {
-    Backend::residual_layernorm_forward_bf16(res, out, mean, rstd, a, b16, weight, bias, N, C, round_bf16);
+    Backend::residual_layernorm_forward_bf16(res, out, mean, rstd, a, b16, weight, bias, N, C,
+                                             round_bf16);
     return;
   }
   layernorm_forward_launch(out, mean, rstd, nullptr, weight, bias, N, C, true, stream_,
                            ResidualIn{res, a, b16, round_bf16});
 }
 
-void CudaBackend::rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight, int64_t N,
-                                       int64_t C) {
+void CudaBackend::rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp,
+                                       const float* weight, int64_t N, int64_t C) {
   require_rows("rmsnorm_forward_bf16", N);
   if (N == 0 || C == 0) return;
   rmsnorm_forward_launch(out, rstd, inp, weight, N, C, true, stream_);
@@ -2292,9 +2469,9 @@ void CudaBackend::rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* 
 // add_bias_bf16; the bias's bits from the weight shadow where it covers them 16-byte aligned, else
 // narrowed into a scratch), where it lists an algorithm for that; else (or with the knob off) the
 // FP32 GEMM and one add_bias_bf16 / narrowing pass.
-void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16,
-                                      const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
-                                      bool round_bf16) {
+void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* inp,
+                                      const uint16_t* inp16, const float* weight, const float* bias,
+                                      int64_t N, int64_t K, int64_t OC, bool round_bf16) {
   require_one_of("matmul_forward_bf16", "out", out, out16);
   require_one_of("matmul_forward_bf16", "inp", inp, inp16);
   if (N == 0 || OC == 0) return;
@@ -2305,14 +2482,16 @@ void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* 
   LayersState& st = layers_state();
   const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
   const void* w = weight_operand(st.bf16_a, weight, OC * K, prec);
-  const void* x = inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_b, inp, N * K, prec, stream_);
+  const void* x =
+      inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_b, inp, N * K, prec, stream_);
   if (out16 && g_matmul_bf16_epilogue) {
     const void* b16 = nullptr;
     if (bias) {
       b16 = weight_operand(st.bias16, bias, OC, prec);
       if (!aligned16(b16)) b16 = gemm_operand(st.bias16, bias, OC, prec, stream_);
     }
-    if (lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out16, 0.0f, stream_,
+    if (lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out16, 0.0f,
+                  stream_,
                   /*d_bf16=*/true, b16)) {
       ++g_matmul_bf16_epilogue_calls;
       return;
@@ -2320,40 +2499,48 @@ void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* 
   }
   float* y = out16 ? st.f32_out.get<float>(static_cast<size_t>(N * OC), stream_) : out;
   lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, y, 0.0f, stream_);
-  if (out16 && bias) add_bias_bf16(out16, y, bias, N, OC, stream_);
-  else if (out16) narrow_to_bf16(out16, y, N * OC);
-  else if (bias) add_bias(y, bias, N, OC, round_bf16, stream_);
-  else if (round_bf16) round_to_bf16(y, N * OC);
+  if (out16 && bias)
+    add_bias_bf16(out16, y, bias, N, OC, stream_);
+  else if (out16)
+    narrow_to_bf16(out16, y, N * OC);
+  else if (bias)
+    add_bias(y, bias, N, OC, round_bf16, stream_);
+  else if (round_bf16)
+    round_to_bf16(y, N * OC);
 }
 
-void CudaBackend::matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias, const float* dout,
-                                             const uint16_t* inp16, const float* weight, int64_t N, int64_t K,
+void CudaBackend::matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias,
+                                             const float* dout, const uint16_t* inp16,
+                                             const float* weight, int64_t N, int64_t K,
                                              int64_t OC) {
   const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
   if (matmul_backward_empty(dinp, N, K, OC, stream_)) return;
   LayersState& st = layers_state();
   if (dbias && K > 0 && OC % 2 == 0 && pair_aligned(dout)) {
-    const uint16_t* h = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
+    const uint16_t* h = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout},
+                                                    dbias, N, OC, stream_);
     matmul_backward_gemms(dinp, dweight, h, nullptr, weight, N, K, OC, prec, inp16);
     ++g_fused_matmul_bias;
     return;
   }
   if (K > 0)
-    matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_), nullptr, weight, N, K,
-                          OC, prec, inp16);
+    matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_),
+                          nullptr, weight, N, K, OC, prec, inp16);
   if (dbias) bias_backward(dbias, dout, N, OC);
 }
 
 void CudaBackend::matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias,
-                                                        const ActivationSource& src, const uint16_t* inp16,
-                                                        const float* weight, int64_t K) {
+                                                        const ActivationSource& src,
+                                                        const uint16_t* inp16, const float* weight,
+                                                        int64_t K) {
   const int64_t N = src.rows, OC = src.cols;
   if (!gelu_backward_fusable(src, dbias, K, emu::GemmPrecision::BF16)) {
     Backend::matmul_backward_activation_bf16_input(dinp, dweight, dbias, src, inp16, weight, K);
     return;
   }
   const uint16_t* h = gelu_backward_operand(src, dbias);
-  matmul_backward_gemms(dinp, dweight, h, nullptr, weight, N, K, OC, emu::GemmPrecision::BF16, inp16);
+  matmul_backward_gemms(dinp, dweight, h, nullptr, weight, N, K, OC, emu::GemmPrecision::BF16,
+                        inp16);
   ++g_fused_activation_matmul;
 }
 
@@ -2361,9 +2548,11 @@ void CudaBackend::matmul_backward_activation_bf16_input(float* dinp, float* dwei
 // gradient's sums, or from dout with them, or converted), then the Dgrad into dinp, or into dinp16
 // as cuBLASLt's BF16 output (no bias: listed; the knob set_matmul_bf16_epilogue off, or no
 // algorithm: FP32 then one narrowing pass), and the Wgrad from inp or inp16.
-void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias, const float* dout,
-                                       const uint16_t* dout16, const ActivationSource* src, const float* inp,
-                                       const uint16_t* inp16, const float* weight, int64_t N, int64_t K, int64_t OC) {
+void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias,
+                                       const float* dout, const uint16_t* dout16,
+                                       const ActivationSource* src, const float* inp,
+                                       const uint16_t* inp16, const float* weight, int64_t N,
+                                       int64_t K, int64_t OC) {
   const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
   if (dinp && dinp16) throw std::logic_error("matmul_backward_bits: dinp and dinp16 both given");
   if ((dout != nullptr) + (dout16 != nullptr) + (src != nullptr) != 1)
@@ -2374,7 +2563,8 @@ void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dwe
   const bool bits_pairs = dout16 && OC % 2 == 0 && pair_aligned(dout16);
   if (N == 0 || K == 0 || OC == 0 || (src && !gelu_backward_fusable(*src, dbias, K, prec)) ||
       (dout16 && dbias && !bits_pairs)) {
-    Backend::matmul_backward_bits(dinp, dinp16, dweight, dbias, dout, dout16, src, inp, inp16, weight, N, K, OC);
+    Backend::matmul_backward_bits(dinp, dinp16, dweight, dbias, dout, dout16, src, inp, inp16,
+                                  weight, N, K, OC);
     return;
   }
   LayersState& st = layers_state();
@@ -2386,10 +2576,12 @@ void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dwe
     ++g_fused_activation_matmul;
   } else if (dout16) {  // the operand as it is; dbias from its values, the sums of the FP32 path
     dy = dout16;
-    if (dbias) bf16_operand_with_bias_grad(nullptr, st.columns, Bf16PairBits{dout16}, dbias, N, OC, stream_);
+    if (dbias)
+      bf16_operand_with_bias_grad(nullptr, st.columns, Bf16PairBits{dout16}, dbias, N, OC, stream_);
     dbias_done = true;
   } else if (dbias && OC % 2 == 0 && pair_aligned(dout)) {
-    dy = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC, stream_);
+    dy = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC,
+                                     stream_);
     dbias_done = true;
     ++g_fused_matmul_bias;
   } else {
@@ -2399,15 +2591,16 @@ void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dwe
     const void* w = weight_operand(st.bf16_b, weight, OC * K, prec);
     if (dinp) {
       lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, dinp, 0.0f, stream_);
-    } else if (!g_matmul_bf16_epilogue ||
-               !lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, dinp16, 0.0f, stream_, /*d_bf16=*/true)) {
+    } else if (!g_matmul_bf16_epilogue || !lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy,
+                                                     OC, dinp16, 0.0f, stream_, /*d_bf16=*/true)) {
       float* t = st.f32_out.get<float>(static_cast<size_t>(N * K), stream_);
       lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, t, 0.0f, stream_);
       narrow_to_bf16(dinp16, t, N * K);
     }
   }
   if (dweight) {
-    const void* x = inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_c, inp, N * K, prec, stream_);
+    const void* x = inp16 ? static_cast<const void*>(inp16)
+                          : gemm_operand(st.bf16_c, inp, N * K, prec, stream_);
     lt_matmul(st.lt, true, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
   }
   if (dbias && !dbias_done) bias_backward(dbias, dout, N, OC);
@@ -2416,46 +2609,55 @@ void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dwe
 namespace {
 // The attention backward pass's dS scratch from `scratch`, or null where the dQ kernel recomputes
 // dS (attention_ds_scratch_bytes 0).
-void* attention_ds_scratch(DeviceScratch& scratch, int64_t B, int64_t T, int64_t NH, int64_t HD, cudaStream_t stream) {
+void* attention_ds_scratch(DeviceScratch& scratch, int64_t B, int64_t T, int64_t NH, int64_t HD,
+                           cudaStream_t stream) {
   const int64_t bytes = attention_ds_scratch_bytes(B, T, NH, HD);
   return bytes > 0 ? scratch.get<uint8_t>(static_cast<size_t>(bytes), stream) : nullptr;
 }
 }  // namespace
 
 void CudaBackend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv,
-                                         const uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                                         int64_t HD, bool round_bf16) {
+                                         const uint16_t* qkv16, int64_t B, int64_t T, int64_t NH,
+                                         int64_t NKV, int64_t HD, bool round_bf16) {
   require_one_of("attention_forward_bf16", "out", out, out16);
   require_one_of("attention_forward_bf16", "qkv", qkv, qkv16);
   require_heads("attention_forward_bf16", NH, NKV, HD);
-  attention_check_shape("attention_forward_bf16", B, T, NH, NKV, HD);  // before any scratch is sized
+  attention_check_shape("attention_forward_bf16", B, T, NH, NKV,
+                        HD);  // before any scratch is sized
   uint16_t* scratch = nullptr;
   if (!qkv16) {
     const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
     scratch = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
   }
-  attention_forward_launch(out, out16, lse, qkv, qkv16, scratch, B, T, NH, NKV, HD, round_bf16, stream_);
+  attention_forward_launch(out, out16, lse, qkv, qkv16, scratch, B, T, NH, NKV, HD, round_bf16,
+                           stream_);
 }
 
-void CudaBackend::attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout, const uint16_t* dout16,
-                                          const float* qkv, const uint16_t* qkv16, const float* out,
-                                          const uint16_t* out16, const float* lse, int64_t B, int64_t T, int64_t NH,
-                                          int64_t NKV, int64_t HD, bool round_bf16) {
+void CudaBackend::attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout,
+                                          const uint16_t* dout16, const float* qkv,
+                                          const uint16_t* qkv16, const float* out,
+                                          const uint16_t* out16, const float* lse, int64_t B,
+                                          int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                                          bool round_bf16) {
   require_one_of("attention_backward_bf16", "dqkv", dqkv, dqkv16);
   require_one_of("attention_backward_bf16", "dout", dout, dout16);
   require_one_of("attention_backward_bf16", "qkv", qkv, qkv16);
   require_one_of("attention_backward_bf16", "out", out, out16);
   require_heads("attention_backward_bf16", NH, NKV, HD);
-  attention_check_shape("attention_backward_bf16", B, T, NH, NKV, HD);  // before any scratch is sized
+  attention_check_shape("attention_backward_bf16", B, T, NH, NKV,
+                        HD);  // before any scratch is sized
   if (B * T == 0) return;
   LayersState& st = layers_state();
   float* dsum = st.att_dsum.get<float>(static_cast<size_t>(2 * B * NH * T), stream_);
   const size_t bt = static_cast<size_t>(B * T);
-  uint16_t* scratch = qkv16 ? nullptr : st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
-  uint16_t* dscratch = dout16 ? nullptr : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
+  uint16_t* scratch =
+      qkv16 ? nullptr
+            : st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
+  uint16_t* dscratch =
+      dout16 ? nullptr : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
   void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
-  attention_backward_launch(dqkv, dqkv16, dsum, dout, dout16, qkv, qkv16, out, out16, lse, scratch, dscratch, ds, B, T, NH, NKV,
-                            HD, round_bf16, stream_);
+  attention_backward_launch(dqkv, dqkv16, dsum, dout, dout16, qkv, qkv16, out, out16, lse, scratch,
+                            dscratch, ds, B, T, NH, NKV, HD, round_bf16, stream_);
 }
 
 // The kernels are in gpu/attention.cu; here the checks and the backward pass's scratch.
@@ -2467,7 +2669,8 @@ void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, in
   attention_check_shape("attention_forward", B, T, NH, NKV, HD);  // before any scratch is sized
   const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
   uint16_t* qkv16 = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
-  attention_forward_launch(out, nullptr, lse, qkv, nullptr, qkv16, B, T, NH, NKV, HD, round_bf16, stream_);
+  attention_forward_launch(out, nullptr, lse, qkv, nullptr, qkv16, B, T, NH, NKV, HD, round_bf16,
+                           stream_);
 }
 
 void CudaBackend::attention_backward(float* dqkv, const float* dout, const float* qkv,
@@ -2481,11 +2684,12 @@ void CudaBackend::attention_backward(float* dqkv, const float* dout, const float
   LayersState& st = layers_state();
   float* dsum = st.att_dsum.get<float>(static_cast<size_t>(2 * B * NH * T), stream_);
   const size_t bt = B > 0 && T > 0 ? static_cast<size_t>(B * T) : 0;  // (B * T == 0 returned above)
-  uint16_t* qkv16 = st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
+  uint16_t* qkv16 =
+      st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
   uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
   void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
-  attention_backward_launch(dqkv, nullptr, dsum, dout, nullptr, qkv, nullptr, out, nullptr, lse, qkv16, dout16, ds, B, T, NH, NKV,
-                            HD, round_bf16, stream_);
+  attention_backward_launch(dqkv, nullptr, dsum, dout, nullptr, qkv, nullptr, out, nullptr, lse,
+                            qkv16, dout16, ds, B, T, NH, NKV, HD, round_bf16, stream_);
 }
 
 void CudaBackend::rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
@@ -2504,7 +2708,8 @@ void CudaBackend::rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, i
   const int64_t total = B * T * (NH + NKV) * (HD / 2);
   if (total == 0) return;
   const float* tab = rope_table(layers_state().rope, T, HD, stream_);
-  rope_kernel<<<elementwise_grid(total), kThreads, 0, stream_>>>(dqkv, tab, B, T, NH, NKV, HD, -1.0f);
+  rope_kernel<<<elementwise_grid(total), kThreads, 0, stream_>>>(dqkv, tab, B, T, NH, NKV, HD,
+                                                                 -1.0f);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -2514,42 +2719,47 @@ void CudaBackend::gelu_forward(float* out, const float* inp, int64_t n, bool rou
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
-                                bool bf16_dout) {
+void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
+                                bool round_bf16, bool bf16_dout) {
   if (n == 0) return;
-  gelu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n, round_bf16, bf16_dout);
+  gelu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n,
+                                                                      round_bf16, bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::squared_relu_forward(float* out, const float* inp, int64_t n, bool round_bf16) {
   if (n == 0) return;
-  squared_relu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, inp, n, round_bf16);
+  squared_relu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, inp, n,
+                                                                             round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
-                                        bool bf16_dout) {
+void CudaBackend::squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
+                                        bool round_bf16, bool bf16_dout) {
   if (n == 0) return;
-  squared_relu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n, round_bf16,
-                                                                             bf16_dout);
+  squared_relu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(
+      dinp, inp, dout, n, round_bf16, bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::swiglu_forward(float* out, const float* inp, int64_t N, int64_t F, bool round_bf16) {
+void CudaBackend::swiglu_forward(float* out, const float* inp, int64_t N, int64_t F,
+                                 bool round_bf16) {
   if (N * F == 0) return;
-  swiglu_forward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(out, inp, N, F, round_bf16);
+  swiglu_forward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(out, inp, N, F,
+                                                                           round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F,
-                                  bool round_bf16, bool bf16_dout) {
+void CudaBackend::swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N,
+                                  int64_t F, bool round_bf16, bool bf16_dout) {
   if (N * F == 0) return;
-  swiglu_backward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(dinp, inp, dout, N, F, round_bf16,
-                                                                          bf16_dout);
+  swiglu_backward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(dinp, inp, dout, N, F,
+                                                                            round_bf16, bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) {
+void CudaBackend::bias_forward(float* out, const float* bias, int64_t N, int64_t OC,
+                               bool round_bf16) {
   if (N * OC == 0) return;
   add_bias(out, bias, N, OC, round_bf16, stream_);
 }
@@ -2557,7 +2767,8 @@ void CudaBackend::bias_forward(float* out, const float* bias, int64_t N, int64_t
 // dbias (OC) += column sums of dout (N,OC) in emu::bias_backward's chunked order: bitwise.
 void CudaBackend::bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
   if (N * OC == 0) return;
-  float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
+  float* partial =
+      layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);
   column_partial_kernel<<<column_partial_grid(N, OC), kThreads, 0, stream_>>>(partial, dout, N, OC);
   FP4SIM_CUDA_CHECK_LAUNCH();
   column_sums_finalize(dbias, partial, N, OC, true, stream_);
@@ -2578,13 +2789,16 @@ uint64_t fused_matmul_bias_count() { return g_fused_matmul_bias; }
 // then the same finalize as bias_backward. NVFP4 with an RHT column-wise copy of a dense F32 x
 // (rows % 64 == 0): the pipelined RHT amax pass takes the sums where it runs (gpu/quantize.cu),
 // else bias_backward's own pass. Otherwise the base class's two calls. Bitwise either way.
-void CudaBackend::quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                                              QuantizedView* columnwise, float* dbias) {
-  if (cfg.format == QFormat::NVFP4 && cfg.columnwise.enabled && cfg.columnwise.rht && x.dtype == DType::F32 &&
-      x.stride() == x.cols && x.rows % emu::kColumnChunkRows == 0 && x.device == Device::Cuda && x.rows * x.cols > 0 &&
-      !(rowwise && rowwise->scales_gemm) && !(columnwise && columnwise->scales_gemm)) {
+void CudaBackend::quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg,
+                                              QuantizedView* rowwise, QuantizedView* columnwise,
+                                              float* dbias) {
+  if (cfg.format == QFormat::NVFP4 && cfg.columnwise.enabled && cfg.columnwise.rht &&
+      x.dtype == DType::F32 && x.stride() == x.cols && x.rows % emu::kColumnChunkRows == 0 &&
+      x.device == Device::Cuda && x.rows * x.cols > 0 && !(rowwise && rowwise->scales_gemm) &&
+      !(columnwise && columnwise->scales_gemm)) {
     validate_quantize(x, cfg);
-    float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
+    float* partial = layers_state().columns.get<float>(
+        static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
     if (quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_, partial)) {
       column_sums_finalize(dbias, partial, x.rows, x.cols, true, stream_);
       ++g_fused_bias_backward;
@@ -2593,30 +2807,34 @@ void CudaBackend::quantize_with_bias_backward(const TensorView& x, const Quantiz
     }
     return;
   }
-  const bool fused = cfg.format == QFormat::FP8 && cfg.columnwise.enabled && x.dtype == DType::F32 &&
-                     x.stride() == x.cols && x.rows % kFp8Block == 0 && x.device == Device::Cuda &&
-                     x.rows * x.cols > 0 && !(rowwise && rowwise->decoded_bf16) &&
+  const bool fused = cfg.format == QFormat::FP8 && cfg.columnwise.enabled &&
+                     x.dtype == DType::F32 && x.stride() == x.cols && x.rows % kFp8Block == 0 &&
+                     x.device == Device::Cuda && x.rows * x.cols > 0 &&
+                     !(rowwise && rowwise->decoded_bf16) &&
                      !(columnwise && columnwise->decoded_bf16);
   if (!fused) {
     Backend::quantize_with_bias_backward(x, cfg, rowwise, columnwise, dbias);
     return;
   }
   validate_quantize(x, cfg);
-  float* partial = layers_state().columns.get<float>(static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
+  float* partial = layers_state().columns.get<float>(
+      static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
   fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
   column_sums_finalize(dbias, partial, x.rows, x.cols, true, stream_);
   ++g_fused_bias_backward;
 }
 
-void CudaBackend::quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                                      QuantizedView* columnwise, float* dbias) {
+void CudaBackend::quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg,
+                                      QuantizedView* rowwise, QuantizedView* columnwise,
+                                      float* dbias) {
   if (src.inp16 || src.out16 || src.dout16) {  // (Backend's throws, saying why)
     Backend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
     return;
   }
   const bool fused = g_activation_fusion && cfg.format == QFormat::FP8 && src.rows * src.cols > 0 &&
-                     (!cfg.columnwise.enabled || src.rows % kFp8Block == 0) && (!dbias || cfg.columnwise.enabled) &&
-                     !(rowwise && rowwise->decoded_bf16) && !(columnwise && columnwise->decoded_bf16);
+                     (!cfg.columnwise.enabled || src.rows % kFp8Block == 0) &&
+                     (!dbias || cfg.columnwise.enabled) && !(rowwise && rowwise->decoded_bf16) &&
+                     !(columnwise && columnwise->decoded_bf16);
   if (!fused) {
     Backend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
     return;
@@ -2628,8 +2846,9 @@ void CudaBackend::quantize_activation(const ActivationSource& src, const Quantiz
   v.device = Device::Cuda;
   v.name = src.name;
   validate_quantize(v, cfg);
-  float* partial =
-      dbias ? layers_state().columns.get<float>(static_cast<size_t>(column_chunks(src.rows) * src.cols), stream_) : nullptr;
+  float* partial = dbias ? layers_state().columns.get<float>(
+                               static_cast<size_t>(column_chunks(src.rows) * src.cols), stream_)
+                         : nullptr;
   fp8_quantize_activation_launch(src, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
   if (dbias) column_sums_finalize(dbias, partial, src.rows, src.cols, true, stream_);
   ++g_fused_activation_quantize;
@@ -2641,47 +2860,61 @@ void CudaBackend::round_to_bf16(float* x, int64_t n) {
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::residual_forward(float* out, const float* a, const float* b, int64_t n, bool round_bf16) {
+void CudaBackend::residual_forward(float* out, const float* a, const float* b, int64_t n,
+                                   bool round_bf16) {
   if (n == 0) return;
-  residual_forward_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(out, a, b, n, round_bf16);
+  residual_forward_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(out, a, b, n,
+                                                                                   round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n, bool round_bf16) {
+void CudaBackend::residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n,
+                                        bool round_bf16) {
   if (n == 0) return;
-  residual_forward_bf16_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(out, a, b16, n, round_bf16);
+  residual_forward_bf16_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(
+      out, a, b16, n, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
-                                               const int32_t* targets, int64_t N, int64_t V, bool bf16_logits) {
+                                               const int32_t* targets, int64_t N, int64_t V,
+                                               bool bf16_logits) {
   require_rows("crossentropy_softmax_forward", N);
   if (N == 0) return;
-  launch_crossentropy<false>(losses, probs, logits, targets, N, V, nullptr, false, bf16_logits, stream_);
+  launch_crossentropy<false>(losses, probs, logits, targets, N, V, nullptr, false, bf16_logits,
+                             stream_);
 }
 
-void CudaBackend::crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
-                                                        const int32_t* targets, const float* dlosses, int64_t N,
-                                                        int64_t V, bool round_bf16) {
+void CudaBackend::crossentropy_softmax_forward_backward(float* losses, float* dlogits,
+                                                        const float* logits, const int32_t* targets,
+                                                        const float* dlosses, int64_t N, int64_t V,
+                                                        bool round_bf16) {
   require_rows("crossentropy_softmax_forward_backward", N);
   if (N == 0) return;
-  launch_crossentropy<true>(losses, dlogits, logits, targets, N, V, dlosses, round_bf16, round_bf16, stream_);
+  launch_crossentropy<true>(losses, dlogits, logits, targets, N, V, dlosses, round_bf16, round_bf16,
+                            stream_);
 }
 
-void CudaBackend::crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits, const float* logits,
-                                                             const int32_t* targets, const float* dlosses, int64_t N,
+void CudaBackend::crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits,
+                                                             const float* logits,
+                                                             const int32_t* targets,
+                                                             const float* dlosses, int64_t N,
                                                              int64_t V) {
   require_rows("crossentropy_softmax_forward_backward_bf16", N);
   if (N == 0) return;
-  launch_crossentropy<true, uint16_t>(losses, dlogits, logits, targets, N, V, dlosses, true, true, stream_);
+  launch_crossentropy<true, uint16_t>(losses, dlogits, logits, targets, N, V, dlosses, true, true,
+                                      stream_);
 }
 
-void CudaBackend::crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits, const uint16_t* logits16,
-                                                             const int32_t* targets, const float* dlosses, int64_t N,
+void CudaBackend::crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits,
+                                                             const uint16_t* logits16,
+                                                             const int32_t* targets,
+                                                             const float* dlosses, int64_t N,
                                                              int64_t V) {
   require_rows("crossentropy_softmax_forward_backward_bits", N);
   if (N == 0) return;
-  launch_crossentropy<true, uint16_t, uint16_t>(losses, dlogits, logits16, targets, N, V, dlosses, true, true, stream_);
+  launch_crossentropy<true, uint16_t, uint16_t>(losses, dlogits, logits16, targets, N, V, dlosses,
+                                                true, true, stream_);
 }
 
 void CudaBackend::crossentropy_softmax_backward(float* dlogits, const float* probs,
@@ -2705,13 +2938,15 @@ void CudaBackend::adamw_update(float* params, const float* grads, float* m, floa
 // counts and the pattern of distinct steps stay the same; the steps travel as a kernel parameter.
 // More than kAdamWSteps distinct steps: one adamw_update per tensor.
 void CudaBackend::adamw_update_many(float* params, const float* grads, float* m, float* v,
-                                    const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                                    const std::vector<int64_t>& offsets,
+                                    const std::vector<int64_t>& counts,
                                     const std::vector<AdamWStep>& steps) {
   adamw_many(params, nullptr, grads, m, v, offsets, counts, steps);
 }
 
-void CudaBackend::adamw_update_many_bf16(float* params, uint16_t* params16, const float* grads, float* m, float* v,
-                                         const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+void CudaBackend::adamw_update_many_bf16(float* params, uint16_t* params16, const float* grads,
+                                         float* m, float* v, const std::vector<int64_t>& offsets,
+                                         const std::vector<int64_t>& counts,
                                          const std::vector<AdamWStep>& steps) {
   if (!params16) throw std::invalid_argument("adamw_update_many_bf16: params16 is null");
   adamw_many(params, params16, grads, m, v, offsets, counts, steps);
@@ -2719,7 +2954,8 @@ void CudaBackend::adamw_update_many_bf16(float* params, uint16_t* params16, cons
 
 // adamw_update_many (p16 null) or adamw_update_many_bf16 (the bits written in the same pass).
 void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, float* m, float* v,
-                             const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
+                             const std::vector<int64_t>& offsets,
+                             const std::vector<int64_t>& counts,
                              const std::vector<AdamWStep>& steps) {
   validate_adamw_update_many(offsets, counts, steps);
   AdamWSteps distinct{};
@@ -2731,8 +2967,10 @@ void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, f
     while (k < n_distinct && std::memcmp(&distinct.s[k], &steps[i], sizeof(AdamWStep)) != 0) ++k;
     if (k == n_distinct) {
       if (n_distinct == kAdamWSteps) {
-        if (p16) Backend::adamw_update_many_bf16(params, p16, grads, m, v, offsets, counts, steps);
-        else Backend::adamw_update_many(params, grads, m, v, offsets, counts, steps);
+        if (p16)
+          Backend::adamw_update_many_bf16(params, p16, grads, m, v, offsets, counts, steps);
+        else
+          Backend::adamw_update_many(params, grads, m, v, offsets, counts, steps);
         return;
       }
       distinct.s[n_distinct++] = steps[i];
@@ -2744,19 +2982,22 @@ void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, f
     std::vector<AdamWItem> items;
     for (size_t i = 0; i < offsets.size(); ++i)
       for (int64_t b = 0; b < counts[i]; b += kAdamWItemElems)
-        items.push_back({offsets[i] + b, offsets[i] + std::min(counts[i], b + kAdamWItemElems), key[3 * i + 2]});
+        items.push_back({offsets[i] + b, offsets[i] + std::min(counts[i], b + kAdamWItemElems),
+                         key[3 * i + 2]});
     AdamWItem* dev = st.adamw_items.get<AdamWItem>(items.size(), stream_);
     if (!items.empty())
-      FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dev, items.data(), items.size() * sizeof(AdamWItem), cudaMemcpyHostToDevice,
-                                        stream_));
+      FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dev, items.data(), items.size() * sizeof(AdamWItem),
+                                        cudaMemcpyHostToDevice, stream_));
     FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (items is a host temporary)
     st.adamw_key = std::move(key);
     st.adamw_item_count = static_cast<int64_t>(items.size());
   }
   if (st.adamw_item_count == 0) return;
-  const bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && quad_aligned(p16);
+  const bool vec =
+      aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && quad_aligned(p16);
   adamw_many_kernel<<<static_cast<unsigned>(st.adamw_item_count), kThreads, 0, stream_>>>(
-      params, grads, m, v, st.adamw_items.get<AdamWItem>(static_cast<size_t>(st.adamw_item_count), stream_), distinct,
+      params, grads, m, v,
+      st.adamw_items.get<AdamWItem>(static_cast<size_t>(st.adamw_item_count), stream_), distinct,
       vec, p16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
@@ -2786,12 +3027,14 @@ void CudaBackend::sum_squares_many(const float* base, const std::vector<int64_t>
                                       cudaMemcpyHostToDevice, stream_));
     double* partial = st.sums.get<double>(tensors * (kSumSquaresBlocks + 1), stream_);
     double* out = partial + tensors * kSumSquaresBlocks;
-    sum_squares_partial_kernel<<<dim3(kSumSquaresBlocks, static_cast<unsigned>(tensors)), kThreads, 0, stream_>>>(
-        partial, base, seg);
+    sum_squares_partial_kernel<<<dim3(kSumSquaresBlocks, static_cast<unsigned>(tensors)), kThreads,
+                                 0, stream_>>>(partial, base, seg);
     FP4SIM_CUDA_CHECK_LAUNCH();
-    sum_partials_kernel<<<static_cast<unsigned>(tensors), kThreads, 0, stream_>>>(out, partial, kSumSquaresBlocks);
+    sum_partials_kernel<<<static_cast<unsigned>(tensors), kThreads, 0, stream_>>>(
+        out, partial, kSumSquaresBlocks);
     FP4SIM_CUDA_CHECK_LAUNCH();
-    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(sums + first, out, tensors * sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(sums + first, out, tensors * sizeof(double),
+                                      cudaMemcpyDeviceToHost, stream_));
     FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the next batch reuses the buffers
   }
 }

@@ -12,8 +12,8 @@
 
 #include <cmath>
 #include <random>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "emu/formats.hpp"
@@ -248,8 +248,10 @@ NativeProbe run_native_probe() {
   FP4SIM_CUDA_CHECK_LAUNCH();
   int u = 0;
   FP4SIM_CUDA_CHECK(cudaMemcpy(&u, unsup, sizeof u, cudaMemcpyDeviceToHost));
-  FP4SIM_CUDA_CHECK(cudaMemcpy(&p.rn_mismatches, mism, sizeof p.rn_mismatches, cudaMemcpyDeviceToHost));
-  FP4SIM_CUDA_CHECK(cudaMemcpy(&p.rn_first_mismatch, first, sizeof p.rn_first_mismatch, cudaMemcpyDeviceToHost));
+  FP4SIM_CUDA_CHECK(
+      cudaMemcpy(&p.rn_mismatches, mism, sizeof p.rn_mismatches, cudaMemcpyDeviceToHost));
+  FP4SIM_CUDA_CHECK(
+      cudaMemcpy(&p.rn_first_mismatch, first, sizeof p.rn_first_mismatch, cudaMemcpyDeviceToHost));
   p.cvt_rn_supported = u == 0;
   // rbits experiments: all zero, all ones, then 0x80 in one byte at a time
   const uint32_t h_rbits[6] = {0u, 0xFFFFFFFFu, 0x80u, 0x8000u, 0x800000u, 0x80000000u};

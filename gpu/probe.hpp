@@ -12,12 +12,12 @@ namespace fp4sim::gpu {
 
 struct NativeProbe {
   int cc_major, cc_minor;
-  bool cvt_rn_supported;               // cvt.rn.satfinite.e2m1x2.f32 (sm_100a, sm_120a)
-  unsigned long long rn_mismatches;    // over all 2^32 FP32 inputs, against e2m1_rn_satfinite
-  unsigned int rn_first_mismatch;      // FP32 bits of the smallest mismatching input
-  bool cvt_rs_supported;               // cvt.rs.satfinite.e2m1x4.f32 (sm_100a)
-  uint32_t rs_rbits[6];                // rbits of each experiment
-  uint32_t rs_results[6];              // 16-bit results for inputs {0.25, 1.25, 2.5, 5}
+  bool cvt_rn_supported;             // cvt.rn.satfinite.e2m1x2.f32 (sm_100a, sm_120a)
+  unsigned long long rn_mismatches;  // over all 2^32 FP32 inputs, against e2m1_rn_satfinite
+  unsigned int rn_first_mismatch;    // FP32 bits of the smallest mismatching input
+  bool cvt_rs_supported;             // cvt.rs.satfinite.e2m1x4.f32 (sm_100a)
+  uint32_t rs_rbits[6];              // rbits of each experiment
+  uint32_t rs_results[6];            // 16-bit results for inputs {0.25, 1.25, 2.5, 5}
 };
 
 NativeProbe run_native_probe();
@@ -32,7 +32,7 @@ NativeProbe run_native_probe();
 
 // One case class of one variant: how many outputs agree bitwise with the model.
 struct MmaCaseClass {
-  std::string name;          // "layout", "worked vector + probes", "random", "specials"
+  std::string name;  // "layout", "worked vector + probes", "random", "specials"
   uint64_t outputs = 0;
   uint64_t equal = 0;
 };
@@ -40,7 +40,7 @@ struct MmaCaseClass {
 struct MmaMismatch {
   std::string case_name;
   int m, n;
-  uint32_t native, model;    // FP32 bits
+  uint32_t native, model;  // FP32 bits
 };
 
 // A named single-output case (worked vector, probes): output (0,0) of its tile.
@@ -50,11 +50,11 @@ struct MmaNamedResult {
 };
 
 struct NativeMmaVariantResult {
-  std::string label;         // "UE4M3 per 16", ...
-  std::string instruction;   // the PTX instruction, qualifiers and types
+  std::string label;        // "UE4M3 per 16", ...
+  std::string instruction;  // the PTX instruction, qualifiers and types
   ScaleKind kind;
-  bool supported = false;    // the instruction ran on this GPU
-  std::string why_not;       // when not supported: the reason
+  bool supported = false;  // the instruction ran on this GPU
+  std::string why_not;     // when not supported: the reason
   std::vector<MmaCaseClass> classes;
   std::vector<MmaNamedResult> named;
   std::vector<MmaMismatch> first_mismatches;  // the first few, in case order

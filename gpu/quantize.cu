@@ -5,8 +5,8 @@
 // column-wise copy; (2) one pass that writes both copies. Where the amax pass kept the transform
 // (the training recipe's NVFP4 1x16 RHT copies), a streaming kernel reads x and the kept transform
 // without a tile; otherwise a CTA owns a 64-row x 128-column input tile in shared memory (kept in
-// the input dtype): each thread quantizes 1x16 (or 1x32) blocks along rows for the row-wise copy and
-// the 64-element column strip of one column for the column-wise copy, whose 32 code bytes are
+// the input dtype): each thread quantizes 1x16 (or 1x32) blocks along rows for the row-wise copy
+// and the 64-element column strip of one column for the column-wise copy, whose 32 code bytes are
 // contiguous in the transposed output.
 #include <cuda_runtime.h>
 
@@ -17,9 +17,9 @@
 
 #include "emu/quantize_block.hpp"
 #include "emu/rht.hpp"
-#include "gpu/cuda_backend.hpp"
 #include "gpu/amax_finish.cuh"
 #include "gpu/cp_async.cuh"
+#include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/decode_bf16.cuh"
 
@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t
   for (; i + (kUnroll - 1) * step < nvec; i += kUnroll * step) {
     uint4 u[kUnroll];
     FP4SIM_UNROLL
-    for (int j = 0; j < kUnroll; ++j) u[j] = __ldg(reinterpret_cast<const uint4*>(x) + i + j * step);
+    for (int j = 0; j < kUnroll; ++j)
+      u[j] = __ldg(reinterpret_cast<const uint4*>(x) + i + j * step);
     FP4SIM_UNROLL
     for (int j = 0; j < kUnroll; ++j) take(u[j]);
   }
@@ -119,8 +120,9 @@ __device__ __forceinline__ uint32_t bf16x2_max_abs(uint32_t a, uint32_t b) {
   return d;
 }
 __device__ __forceinline__ float bf16x16_abs_max(const uint32_t* w) {
-  const uint32_t m = bf16x2_max_abs(bf16x2_max_abs(bf16x2_max_abs(w[0], w[1]), bf16x2_max_abs(w[2], w[3])),
-                                    bf16x2_max_abs(bf16x2_max_abs(w[4], w[5]), bf16x2_max_abs(w[6], w[7])));
+  const uint32_t m =
+      bf16x2_max_abs(bf16x2_max_abs(bf16x2_max_abs(w[0], w[1]), bf16x2_max_abs(w[2], w[3])),
+                     bf16x2_max_abs(bf16x2_max_abs(w[4], w[5]), bf16x2_max_abs(w[6], w[7])));
   const uint32_t hi = bf16x2_max_abs(m, m << 16);  // high half: the max of both halves
   return fmaxf(0.0f, fabsf(f32_from_bits(hi & 0xFFFF0000u)));
 }
@@ -130,8 +132,9 @@ __device__ __forceinline__ float bf16x16_abs_max(const uint32_t* w) {
 // transposed tile, 16-byte aligned) as two 16-byte stores; without it only max |y|
 // (rht16_abs_max: one rounding a chunk instead of 16). in_amax (optional): the inputs' NaN-ignoring
 // max |x|, from the same bits.
-__device__ __forceinline__ void rht_chunk_amax(const uint16_t (&in)[kRhtSize], float& m_rht, bool keep,
-                                               uint16_t* yt_col, float* in_amax = nullptr) {
+__device__ __forceinline__ void rht_chunk_amax(const uint16_t (&in)[kRhtSize], float& m_rht,
+                                               bool keep, uint16_t* yt_col,
+                                               float* in_amax = nullptr) {
   if (keep) {
     uint32_t w[kRhtSize / 2];
     rht16_packed(in, w, in_amax);
@@ -149,15 +152,17 @@ __device__ __forceinline__ void rht_chunk_amax(const uint16_t (&in)[kRhtSize], f
 // threads write a column's kRows rows (one 128-byte line at 64 rows). Whole 8-row parts: rows % 16
 // == 0 for an RHT copy; columns past `cols` are skipped.
 template <int kRows, int kYtStride>
-__device__ __forceinline__ void store_rht_transposed(const uint16_t* yt, uint16_t* rht_out, int64_t rows,
-                                                     int64_t cols, int64_t r0, int64_t c0) {
+__device__ __forceinline__ void store_rht_transposed(const uint16_t* yt, uint16_t* rht_out,
+                                                     int64_t rows, int64_t cols, int64_t r0,
+                                                     int64_t c0) {
   constexpr int kParts = kRows / 8;
   FP4SIM_UNROLL
   for (int u = threadIdx.x; u < kTileCols * kParts; u += kThreads) {
     const int col = u / kParts, part = u % kParts;
     const int64_t cc = c0 + col, r = r0 + part * 8;
     if (cc < cols && r < rows)
-      *reinterpret_cast<uint4*>(rht_out + cc * rows + r) = *reinterpret_cast<const uint4*>(yt + col * kYtStride + part * 8);
+      *reinterpret_cast<uint4*>(rht_out + cc * rows + r) =
+          *reinterpret_cast<const uint4*>(yt + col * kYtStride + part * 8);
   }
 }
 
@@ -176,7 +181,8 @@ __global__ void __launch_bounds__(kThreads, kRows == 32 ? 8 : 6)
   // rows, so the shared memory no longer limits the CTAs per SM (the FP32 tile did, at 6)
   __shared__ __align__(16) uint16_t tile[kRht ? kRows * kTileCols : 8];
   // rht(x) of the tile, transposed (column t's kRows rows contiguous; rows padded by 8 elements so
-  // that the per-column 32-byte stores and the cooperative 16-byte reads are (nearly) conflict-free)
+  // that the per-column 32-byte stores and the cooperative 16-byte reads are (nearly)
+  // conflict-free)
   constexpr int kYtStride = kRows + 8;
   __shared__ __align__(16) uint16_t yt[kRht ? kTileCols * kYtStride : 8];
   pdl_allow_dependents();
@@ -198,18 +204,22 @@ __global__ void __launch_bounds__(kThreads, kRows == 32 ? 8 : 6)
       *reinterpret_cast<uint4*>(raw) = __ldg(reinterpret_cast<const uint4*>(x + r * stride + c));
     } else {
       FP4SIM_UNROLL
-      for (int q = 0; q < kVec; ++q) raw[q] = (r < rows && c + q < cols) ? x[r * stride + c + q] : T(0);
+      for (int q = 0; q < kVec; ++q)
+        raw[q] = (r < rows && c + q < cols) ? x[r * stride + c + q] : T(0);
     }
     FP4SIM_UNROLL
-    for (int q = 0; q < kVec; ++q) m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(raw[q])));
+    for (int q = 0; q < kVec; ++q)
+      m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(raw[q])));
     if constexpr (kRht) {
       uint16_t* dst = tile + tr * kTileCols + tc;
       if constexpr (sizeof(T) == 2) {
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(raw);
       } else {
         uint32_t lo = 0, hi = 0;
-        lo = static_cast<uint32_t>(rht_input(raw[0])) | static_cast<uint32_t>(rht_input(raw[1])) << 16;
-        hi = static_cast<uint32_t>(rht_input(raw[2])) | static_cast<uint32_t>(rht_input(raw[3])) << 16;
+        lo = static_cast<uint32_t>(rht_input(raw[0])) | static_cast<uint32_t>(rht_input(raw[1]))
+                                                            << 16;
+        hi = static_cast<uint32_t>(rht_input(raw[2])) | static_cast<uint32_t>(rht_input(raw[3]))
+                                                            << 16;
         *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
       }
     }
@@ -247,7 +257,8 @@ __global__ void __launch_bounds__(kThreads, kRows == 32 ? 8 : 6)
 constexpr int kPipeRows = 32;
 template <class T>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 8 : 5)
-    amax_rht_pipelined_kernel(const T* x, int64_t rows, int64_t cols, int64_t stride, AmaxArgs args) {
+    amax_rht_pipelined_kernel(const T* x, int64_t rows, int64_t cols, int64_t stride,
+                              AmaxArgs args) {
   pdl_allow_dependents();
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kVecPerRow = kTileCols / kVec;
@@ -265,7 +276,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 8 : 5)
   const int64_t copy_step = kRowsPerCopy * stride;
   // a tile by its row tile and column tile
   auto issue = [&](uint32_t row_tile, uint32_t col_tile, int buf) {
-    const T* g = xt + static_cast<int64_t>(row_tile) * kPipeRows * stride + static_cast<int64_t>(col_tile) * kTileCols;
+    const T* g = xt + static_cast<int64_t>(row_tile) * kPipeRows * stride +
+                 static_cast<int64_t>(col_tile) * kTileCols;
     T* sm = raw[buf] + t * kVec;
     FP4SIM_UNROLL
     for (int k = 0; k < kCopies; ++k) cp_async16(sm + k * kThreads * kVec, g + k * copy_step);
@@ -277,13 +289,15 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 8 : 5)
   // from the first into the second (rows % 64 == 0, checked by the host); else sub = 1, the tiles
   // in grid-stride order.
   const uint32_t sub = args.col_partial ? 2u : 1u;
-  const uint32_t per_cta = ntiles / sub > blockIdx.x ? (ntiles / sub - blockIdx.x + gridDim.x - 1) / gridDim.x * sub : 0u;
+  const uint32_t per_cta = ntiles / sub > blockIdx.x
+                               ? (ntiles / sub - blockIdx.x + gridDim.x - 1) / gridDim.x * sub
+                               : 0u;
   // The items walked without a division a step: (item / tiles_x, item % tiles_x) advance by the
-  // grid's quotient and remainder (the divisions by a run-time tiles_x were ~60 instructions a tile,
-  // ~15% of the pass, ncu 2026-12-01).
+  // grid's quotient and remainder (the divisions by a run-time tiles_x were ~60 instructions a
+  // tile, ~15% of the pass, ncu 2026-12-01).
   const uint32_t step_q = gridDim.x / tiles_x, step_r = gridDim.x % tiles_x;
   uint32_t item_q = blockIdx.x / tiles_x, item_r = blockIdx.x % tiles_x;  // step s's item
-  uint32_t next_q = item_q, next_r = item_r;                             // step s + 1's item
+  uint32_t next_q = item_q, next_r = item_r;                              // step s + 1's item
   auto advance = [&](uint32_t& q, uint32_t& r) {
     q += step_q;
     r += step_r;
@@ -317,12 +331,15 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 8 : 5)
       for (int i = 0; i < kRhtSize; ++i) {
         const T v = tl[(k * kRhtSize + i) * kTileCols + t];
         // (BF16 input: the plain amax comes from the RHT's own max of the input bits)
-        if constexpr (sizeof(T) == 4) m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(v)));
+        if constexpr (sizeof(T) == 4)
+          m_plain = fmax_nan_ignored(m_plain, f32_abs(Elem<T>::to_f32(v)));
         in[i] = rht_input(v);
-        if (sub == 2u) col_sum = __fadd_rn(col_sum, Elem<T>::to_f32(v));  // rows in increasing order, from +0
+        if (sub == 2u)
+          col_sum = __fadd_rn(col_sum, Elem<T>::to_f32(v));  // rows in increasing order, from +0
       }
       float chunk_plain = 0.0f;
-      rht_chunk_amax(in, m_rht, keep, yt + t * kYtStride + k * kRhtSize, sizeof(T) == 2 ? &chunk_plain : nullptr);
+      rht_chunk_amax(in, m_rht, keep, yt + t * kYtStride + k * kRhtSize,
+                     sizeof(T) == 2 ? &chunk_plain : nullptr);
       if constexpr (sizeof(T) == 2) m_plain = fmax_nan_ignored(m_plain, chunk_plain);
     };
     if (args.rht_out) {
@@ -334,10 +351,12 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 8 : 5)
       for (int k = 0; k < kPipeRows / kRhtSize; ++k) chunk(k, false);
     }
     if (sub == 2u && s % 2 == 1)
-      args.col_partial[static_cast<int64_t>(row_tile / 2) * cols + static_cast<int64_t>(col_tile) * kTileCols + t] = col_sum;
+      args.col_partial[static_cast<int64_t>(row_tile / 2) * cols +
+                       static_cast<int64_t>(col_tile) * kTileCols + t] = col_sum;
     if (args.rht_out) {
       __syncthreads();
-      store_rht_transposed<kPipeRows, kYtStride>(yt, args.rht_out, rows, cols, static_cast<int64_t>(row_tile) * kPipeRows,
+      store_rht_transposed<kPipeRows, kYtStride>(yt, args.rht_out, rows, cols,
+                                                 static_cast<int64_t>(row_tile) * kPipeRows,
                                                  static_cast<int64_t>(col_tile) * kTileCols);
     }
     __syncthreads();  // raw[buf] and yt are free for the next tile
@@ -363,7 +382,8 @@ int amax_rht_pipelined_grid() {
     int dev = 0, sms = 0, per_sm = 0;
     FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
     FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    FP4SIM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, amax_rht_pipelined_kernel<T>, kThreads, 0));
+    FP4SIM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, amax_rht_pipelined_kernel<T>, kThreads, 0));
     ctas = sms * (per_sm > 0 ? per_sm : 1);
   }
   return ctas;
@@ -389,12 +409,14 @@ struct QuantArgs {
   bool mse;
   MxScaleRule mx_rule;
   CopyArgs row, col;
-  bool col_staged;  // nvfp4_1x16_kernel (64x128 tiles): whole tiles stage the column-wise codes (host: R % 64 == 0, aligned)
+  bool col_staged;  // nvfp4_1x16_kernel (64x128 tiles): whole tiles stage the column-wise codes
+                    // (host: R % 64 == 0, aligned)
   PhiloxKeys keys;  // philox_round_keys(the call's seed): every SR draw goes through sr_bits_keyed
 };
 
 // sr_bits_for_chunk's bits from the call's round keys (a.keys: the same bits, fewer instructions).
-__device__ __forceinline__ SrBits sr_bits_keyed(bool enabled, const QuantArgs& a, uint64_t stream, uint64_t chunk) {
+__device__ __forceinline__ SrBits sr_bits_keyed(bool enabled, const QuantArgs& a, uint64_t stream,
+                                                uint64_t chunk) {
   SrBits s;
   s.enabled = enabled;
   s.bits = enabled ? sr_chunk_bits_keyed(a.keys, stream, chunk) : Philox4x32{{0, 0, 0, 0}};
@@ -423,15 +445,18 @@ __device__ __forceinline__ void store_nvfp4_block(const CopyArgs& c, int64_t e, 
 // the 8 code bytes and the scale (writing only the decoded values); nvfp4_block_1x16_store stores
 // them too.
 template <bool kSr, bool kDec>
-__device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, float amax_b, const Nvfp4Global& g,
-                                                         const SrBits& sr, const CopyArgs& c, int64_t e,
+__device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, float amax_b,
+                                                         const Nvfp4Global& g, const SrBits& sr,
+                                                         const CopyArgs& c, int64_t e,
                                                          uint8_t& scale) {
   const uint8_t s = nvfp4_block_scale(amax_b, g.s_enc);
   const float sv = e4m3_to_f32_nonneg(s);  // (the scale's value once: the decode needs it too)
-  const float enc = nvfp4_encode_from_scale_value(sv, g.s_dec);  // = nvfp4_block_encode_scale(s, g.s_dec)
+  const float enc =
+      nvfp4_encode_from_scale_value(sv, g.s_dec);  // = nvfp4_block_encode_scale(s, g.s_dec)
   if constexpr (!kDec) {  // the common cases: eight codes a word, packed together
     scale = s;
-    if constexpr (kSr) {  // (element j's random byte: byte j % 4 of word j / 4, sr_byte_for_element)
+    if constexpr (kSr) {  // (element j's random byte: byte j % 4 of word j / 4,
+                          // sr_byte_for_element)
       return make_uint2(e2m1x8_rs_scaled(v, enc, sr.bits.v[0], sr.bits.v[1]),
                         e2m1x8_rs_scaled(v + 8, enc, sr.bits.v[2], sr.bits.v[3]));
     }
@@ -442,16 +467,20 @@ __device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, float a
   for (int i = 0; i < kNvfp4Block; ++i) {
     const float cl = e2m1_clamp(fmul_rn(v[i], enc));
     const uint32_t mb = e2m1_magic_bits(cl);
-    const uint32_t steps = kSr ? e2m1_rs_steps(cl, mb, sr_byte_for_element(sr.bits, i)) : e2m1_rn_steps(cl, mb);
-    float mag;  // (here, not in the decode below: ptxas then gives the FP32 streaming kernel 40 registers, not 48)
+    const uint32_t steps =
+        kSr ? e2m1_rs_steps(cl, mb, sr_byte_for_element(sr.bits, i)) : e2m1_rn_steps(cl, mb);
+    float mag;  // (here, not in the decode below: ptxas then gives the FP32 streaming kernel 40
+                // registers, not 48)
     if constexpr (kDec) mag = e2m1_steps_magnitude(mb, steps);
     const uint32_t sign = f32_bits(cl) & 0x80000000u;
     w[i / 8] += (steps + (mb >> 22)) << (4 * (i % 8));
     sgn[i / 8] |= sign >> (28 - 4 * (i % 8));
     if constexpr (kDec) {
       const uint32_t b = f32_bits(fmul_rn(f32_from_bits(f32_bits(mag) | sign), sv)) >> 16;
-      if (i % 2 == 0) d[i / 2] = b;
-      else d[i / 2] |= b << 16;
+      if (i % 2 == 0)
+        d[i / 2] = b;
+      else
+        d[i / 2] |= b << 16;
     }
   }
   constexpr uint32_t kBase = kE2M1MagicCodeBase * 0x11111111u;  // 298 off every nibble (mod 2^32)
@@ -465,8 +494,9 @@ __device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, float a
 }
 // (amax_b: the block's NaN-ignoring max |v|, amax_strided's value, which BF16 callers take from
 // bf16x16_unpack)
-__device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, float amax_b, const Nvfp4Global& g,
-                                                         const SrBits& sr, const CopyArgs& c, int64_t e,
+__device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, float amax_b,
+                                                         const Nvfp4Global& g, const SrBits& sr,
+                                                         const CopyArgs& c, int64_t e,
                                                          uint8_t& scale) {
   if (sr.enabled) {
     return c.decoded ? nvfp4_block_1x16_encode<true, true>(v, amax_b, g, sr, c, e, scale)
@@ -488,11 +518,13 @@ __device__ __forceinline__ float amax16(const float* v) {
   }
   return fmaxf(0.0f, m[0]);
 }
-__device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, float amax_b, const Nvfp4Global& g,
-                                                       const SrBits& sr, const CopyArgs& c, int64_t e,
+__device__ __forceinline__ void nvfp4_block_1x16_store(const float* v, float amax_b,
+                                                       const Nvfp4Global& g, const SrBits& sr,
+                                                       const CopyArgs& c, int64_t e,
                                                        int64_t scale_index) {
   uint8_t s;
-  *reinterpret_cast<uint2*>(c.codes + static_cast<uint64_t>(e) / 2) = nvfp4_block_1x16_encode(v, amax_b, g, sr, c, e, s);
+  *reinterpret_cast<uint2*>(c.codes + static_cast<uint64_t>(e) / 2) =
+      nvfp4_block_1x16_encode(v, amax_b, g, sr, c, e, s);
   c.scales[scale_index] = s;
 }
 
@@ -536,19 +568,22 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
   // 2D: one scale per 16x16 tile and copy (each copy has its own global scale and options)
   if (a.block_2d) {
     constexpr int kTilesR = kTileRows / kNvfp4Block, kTilesC = kTileCols / kNvfp4Block;
-    // standard copies: a 16x16 tile's amax is the max of its 16 columns' 16-row maxima (thread t owns
-    // tile column t; max is order-free), so 128 threads find it in 16 steps and a 4-step shuffle
-    // instead of 64 threads walking 256 values each; the scale is nvfp4_tile_scale's
-    const bool row_std = a.row.enabled && !a.row.four_over_six, col_std = a.col.enabled && !a.col.four_over_six;
+    // standard copies: a 16x16 tile's amax is the max of its 16 columns' 16-row maxima (thread t
+    // owns tile column t; max is order-free), so 128 threads find it in 16 steps and a 4-step
+    // shuffle instead of 64 threads walking 256 values each; the scale is nvfp4_tile_scale's
+    const bool row_std = a.row.enabled && !a.row.four_over_six,
+               col_std = a.col.enabled && !a.col.four_over_six;
     if (row_std || col_std) {
       FP4SIM_UNROLL
       for (int k = 0; k < kTilesR; ++k) {
         float m = 0.0f;
         FP4SIM_UNROLL
         for (int i = 0; i < kNvfp4Block; ++i)
-          m = fmax_nan_ignored(m, f32_abs(Elem<T>::to_f32(tile[(k * kNvfp4Block + i) * kTileCols + t])));
+          m = fmax_nan_ignored(
+              m, f32_abs(Elem<T>::to_f32(tile[(k * kNvfp4Block + i) * kTileCols + t])));
         FP4SIM_UNROLL
-        for (int o = kNvfp4Block / 2; o > 0; o >>= 1) m = fmax_nan_ignored(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        for (int o = kNvfp4Block / 2; o > 0; o >>= 1)
+          m = fmax_nan_ignored(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
         if ((t & (kNvfp4Block - 1)) == 0) {
           if (row_std) tile_scale[0][k][t / kNvfp4Block] = nvfp4_block_scale(m, g_row.s_enc);
           if (col_std) tile_scale[1][k][t / kNvfp4Block] = nvfp4_block_scale(m, g_col.s_enc);
@@ -589,7 +624,8 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
       if constexpr (kMx) {
         s = mxfp4_quantize_1x32(v, a.mx_rule, sr_bits_keyed(a.row.sr, a, a.row.stream, chunk),
                                 sr_bits_keyed(a.row.sr, a, a.row.stream, chunk + 1), packed);
-        *reinterpret_cast<uint4*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint4*>(packed);
+        *reinterpret_cast<uint4*>(a.row.codes + (r * C + c) / 2) =
+            *reinterpret_cast<uint4*>(packed);
         if (a.row.decoded) decode32_mx_bf16(packed, s, a.row.decoded + r * C + c);
       } else {
         const SrBits bits = sr_bits_keyed(a.row.sr, a, a.row.stream, chunk);
@@ -599,8 +635,10 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
         } else {
           s = nvfp4_quantize_1x16(v, g_row, a.row.four_over_six, a.mse, bits, packed);
         }
-        *reinterpret_cast<uint2*>(a.row.codes + (r * C + c) / 2) = *reinterpret_cast<uint2*>(packed);
-        if (a.row.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.row.decoded + r * C + c);
+        *reinterpret_cast<uint2*>(a.row.codes + (r * C + c) / 2) =
+            *reinterpret_cast<uint2*>(packed);
+        if (a.row.decoded)
+          decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.row.decoded + r * C + c);
       }
       a.row.scales[r * scales_per_row + c / block] = s;
     }
@@ -622,13 +660,15 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
             uint16_t in[kRhtSize], y[kRhtSize];
 #pragma unroll
             for (int i = 0; i < kRhtSize; ++i)
-              in[i] = bf16_rne(Elem<T>::to_f32(tile[(k * block + h * kRhtSize + i) * kTileCols + t]));
+              in[i] =
+                  bf16_rne(Elem<T>::to_f32(tile[(k * block + h * kRhtSize + i) * kTileCols + t]));
             rht16(in, y);
 #pragma unroll
             for (int i = 0; i < kRhtSize; ++i) v[h * kRhtSize + i] = bf16_to_f32(y[i]);
           }
         } else {
-          for (int i = 0; i < block; ++i) v[i] = Elem<T>::to_f32(tile[(k * block + i) * kTileCols + t]);
+          for (int i = 0; i < block; ++i)
+            v[i] = Elem<T>::to_f32(tile[(k * block + i) * kTileCols + t]);
         }
         const uint64_t chunk = static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk);
         alignas(16) uint8_t packed[block / 2];
@@ -648,8 +688,10 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
           } else {
             s = nvfp4_quantize_1x16(v, g_col, a.col.four_over_six, a.mse, bits, packed);
           }
-          *reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2) = *reinterpret_cast<uint2*>(packed);
-          if (a.col.decoded) decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.col.decoded + c * R + r);
+          *reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2) =
+              *reinterpret_cast<uint2*>(packed);
+          if (a.col.decoded)
+            decode16_bf16(*reinterpret_cast<const uint2*>(packed), s, a.col.decoded + c * R + r);
         }
         a.col.scales[c * scales_per_row + r / block] = s;
       }
@@ -672,8 +714,10 @@ constexpr int k2dBlocksPerCta = k2dThreads / kNvfp4Block;
 
 template <class T>
 __global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantArgs a) {
-  __shared__ float blk[k2dBlocksPerCta][kNvfp4Block][kNvfp4Block + 1];  // (padded: conflict-free both ways)
-  const int hw = static_cast<int>(threadIdx.x) / kNvfp4Block, j = static_cast<int>(threadIdx.x) % kNvfp4Block;
+  __shared__ float blk[k2dBlocksPerCta][kNvfp4Block]
+                      [kNvfp4Block + 1];  // (padded: conflict-free both ways)
+  const int hw = static_cast<int>(threadIdx.x) / kNvfp4Block,
+            j = static_cast<int>(threadIdx.x) % kNvfp4Block;
   const unsigned half = 0xFFFFu << (threadIdx.x & 16u);  // this half-warp's lanes
   const int64_t R = a.rows, C = a.cols, bcols = C / kNvfp4Block;
   const int64_t b = static_cast<int64_t>(blockIdx.x) * k2dBlocksPerCta + hw;
@@ -684,7 +728,8 @@ __global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantA
   alignas(16) T raw[kNvfp4Block];
   FP4SIM_UNROLL
   for (int q = 0; q < kNvfp4Block / kVec; ++q)
-    reinterpret_cast<uint4*>(raw)[q] = __ldg(reinterpret_cast<const uint4*>(x + r * a.stride + c0) + q);
+    reinterpret_cast<uint4*>(raw)[q] =
+        __ldg(reinterpret_cast<const uint4*>(x + r * a.stride + c0) + q);
   float v[kNvfp4Block];
   float m = 0.0f;
   FP4SIM_UNROLL
@@ -693,13 +738,14 @@ __global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantA
     m = fmax_nan_ignored(m, f32_abs(v[i]));
   }
   FP4SIM_UNROLL
-  for (int o = kNvfp4Block / 2; o > 0; o >>= 1) m = fmax_nan_ignored(m, __shfl_xor_sync(half, m, o));
+  for (int o = kNvfp4Block / 2; o > 0; o >>= 1)
+    m = fmax_nan_ignored(m, __shfl_xor_sync(half, m, o));
   alignas(8) uint8_t packed[kNvfp4Block / 2];
   if (a.row.enabled) {
     const Nvfp4Global g = nvfp4_global(*a.row.amax, false);
     const uint8_t s = nvfp4_block_scale(m, g.s_enc);
     const SrBits bits = sr_bits_keyed(a.row.sr, a, a.row.stream,
-                                          static_cast<uint64_t>(r * (C / kSrChunk) + c0 / kSrChunk));
+                                      static_cast<uint64_t>(r * (C / kSrChunk) + c0 / kSrChunk));
     e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), bits, packed);
     store_nvfp4_block(a.row, r * C + c0, r * bcols + c0 / kNvfp4Block, packed, s);
   }
@@ -713,7 +759,7 @@ __global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantA
     const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
     const uint8_t s = nvfp4_block_scale(m, g.s_enc);
     const SrBits bits = sr_bits_keyed(a.col.sr, a, a.col.stream,
-                                          static_cast<uint64_t>(cc * (R / kSrChunk) + r0 / kSrChunk));
+                                      static_cast<uint64_t>(cc * (R / kSrChunk) + r0 / kSrChunk));
     e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), bits, packed);
     store_nvfp4_block(a.col, cc * R + r0, cc * (R / kNvfp4Block) + r0 / kNvfp4Block, packed, s);
   }
@@ -770,12 +816,12 @@ __device__ __forceinline__ float tile_column_block(const T* tile, int tcol, int 
 }
 
 // A whole tile's row-wise copy (CTA-uniform: the tile lies inside the tensor), the rounding and the
-// decoded operand fixed at compile time: thread t's blocks are column block tb of rows tr0 + kRowStep k,
-// and each output moves by a fixed stride from one to the next (no per-block bounds tests, 64-bit
-// index products or rounding branches: those were ~3 instructions an element).
+// decoded operand fixed at compile time: thread t's blocks are column block tb of rows tr0 +
+// kRowStep k, and each output moves by a fixed stride from one to the next (no per-block bounds
+// tests, 64-bit index products or rounding branches: those were ~3 instructions an element).
 template <class T, int kPer, bool kSr, bool kDec>
-__device__ __forceinline__ void tile_rows_whole(const T* tile, int64_t r0, int64_t c0, const QuantArgs& a,
-                                                const Nvfp4Global& g) {
+__device__ __forceinline__ void tile_rows_whole(const T* tile, int64_t r0, int64_t c0,
+                                                const QuantArgs& a, const Nvfp4Global& g) {
   using Tile = FastTile<T, kPer>;
   constexpr int kCols = Tile::kCols;
   constexpr int kBlocksPerTileRow = kCols / kNvfp4Block;
@@ -791,35 +837,39 @@ __device__ __forceinline__ void tile_rows_whole(const T* tile, int64_t r0, int64
   uint8_t* scales = a.row.scales + e0 / kNvfp4Block;
   const T* src = tile + tr0 * kCols + tb * kNvfp4Block;
   static_assert(kSrChunk == kNvfp4Block, "one Philox chunk a block");
-  const uint64_t chunk0 = static_cast<uint64_t>(e0) / kSrChunk, chunk_step = static_cast<uint64_t>(e_step) / kSrChunk;
+  const uint64_t chunk0 = static_cast<uint64_t>(e0) / kSrChunk,
+                 chunk_step = static_cast<uint64_t>(e_step) / kSrChunk;
 #pragma unroll 1
   for (int k = 0; k < Tile::kRowUnits; ++k) {
     alignas(16) T raw[kNvfp4Block];
     FP4SIM_UNROLL
     for (int q = 0; q < kNvfp4Block / kVec; ++q)
-      reinterpret_cast<uint4*>(raw)[q] = reinterpret_cast<const uint4*>(src + k * kRowStep * kCols)[q];
+      reinterpret_cast<uint4*>(raw)[q] =
+          reinterpret_cast<const uint4*>(src + k * kRowStep * kCols)[q];
     float v[kNvfp4Block];
     const float amax_b = block16_values(raw, v);
     const int64_t e = e0 + k * e_step;
     SrBits bits{};
     if constexpr (kSr) bits = sr_bits_keyed(true, a, a.row.stream, chunk0 + k * chunk_step);
     uint8_t s;
-    codes[k * (e_step / kNvfp4Block)] = nvfp4_block_1x16_encode<kSr, kDec>(v, amax_b, g, bits, a.row, e, s);
+    codes[k * (e_step / kNvfp4Block)] =
+        nvfp4_block_1x16_encode<kSr, kDec>(v, amax_b, g, bits, a.row, e, s);
     scales[k * (e_step / kNvfp4Block)] = s;
   }
 }
 
-// A whole 64x128 tile's column-wise copy through shared memory, the rounding and the decoded operand
-// fixed at compile time: a thread's four blocks are one 32-byte sector of its written row, which
-// four 8-byte stores (each a quarter sector of a line no neighbour writes) would otherwise send out;
-// here they go to shared memory, and a warp then writes 16 whole sectors a store; the four scale
-// bytes go out as one word.
-// (col_stage: [tile column][block ^ (column / 4 % 4)], the caller's shared array)
+// A whole 64x128 tile's column-wise copy through shared memory, the rounding and the decoded
+// operand fixed at compile time: a thread's four blocks are one 32-byte sector of its written row,
+// which four 8-byte stores (each a quarter sector of a line no neighbour writes) would otherwise
+// send out; here they go to shared memory, and a warp then writes 16 whole sectors a store; the
+// four scale bytes go out as one word. (col_stage: [tile column][block ^ (column / 4 % 4)], the
+// caller's shared array)
 constexpr int kColBlocks = kTileRows / kNvfp4Block;
 static_assert(kColBlocks == 4, "a column's codes in a tile: one 32-byte sector");
 template <class T, bool kColRht, bool kSr, bool kDec>
-__device__ __forceinline__ void tile_cols_staged(const T* tile, int64_t r0, int64_t c0, const QuantArgs& a,
-                                                 const Nvfp4Global& g, uint2 (*col_stage)[kColBlocks]) {
+__device__ __forceinline__ void tile_cols_staged(const T* tile, int64_t r0, int64_t c0,
+                                                 const QuantArgs& a, const Nvfp4Global& g,
+                                                 uint2 (*col_stage)[kColBlocks]) {
   constexpr int kCols = FastTile<T, 1>::kCols;
   const int t = threadIdx.x;
   const int64_t R = a.rows;
@@ -834,7 +884,8 @@ __device__ __forceinline__ void tile_cols_staged(const T* tile, int64_t r0, int6
     SrBits bits{};
     if constexpr (kSr) bits = sr_bits_keyed(true, a, a.col.stream, chunk0 + k);
     uint8_t s;
-    col_stage[t][k ^ ((t >> 2) & 3)] = nvfp4_block_1x16_encode<kSr, kDec>(v, amax_b, g, bits, a.col, e, s);
+    col_stage[t][k ^ ((t >> 2) & 3)] =
+        nvfp4_block_1x16_encode<kSr, kDec>(v, amax_b, g, bits, a.col, e, s);
     scales |= static_cast<uint32_t>(s) << (8 * k);
   }
   *reinterpret_cast<uint32_t*>(a.col.scales + e0 / kNvfp4Block) = scales;
@@ -845,31 +896,37 @@ __device__ __forceinline__ void tile_cols_staged(const T* tile, int64_t r0, int6
   for (int h = 0; h < 2; ++h) {
     const int tc = (t & ~31) + 16 * h + lane / 2, half = lane & 1, f = (tc >> 2) & 3;
     const uint2 lo = col_stage[tc][(2 * half) ^ f], hi = col_stage[tc][(2 * half + 1) ^ f];
-    reinterpret_cast<uint4*>(a.col.codes + ((c0 + tc) * R + r0) / 2)[half] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    reinterpret_cast<uint4*>(a.col.codes + ((c0 + tc) * R + r0) / 2)[half] =
+        make_uint4(lo.x, lo.y, hi.x, hi.y);
   }
 }
 
-// Calls f(std::integral_constant<bool, sr>, std::integral_constant<bool, dec>) for a copy's rounding
-// and decoded operand: the four specialisations of a whole tile's loop.
+// Calls f(std::integral_constant<bool, sr>, std::integral_constant<bool, dec>) for a copy's
+// rounding and decoded operand: the four specialisations of a whole tile's loop.
 template <class F>
 __device__ __forceinline__ void with_copy_kind(const CopyArgs& c, const F& f) {
   using std::integral_constant;
   if (c.sr) {
-    if (c.decoded) f(integral_constant<bool, true>{}, integral_constant<bool, true>{});
-    else f(integral_constant<bool, true>{}, integral_constant<bool, false>{});
+    if (c.decoded)
+      f(integral_constant<bool, true>{}, integral_constant<bool, true>{});
+    else
+      f(integral_constant<bool, true>{}, integral_constant<bool, false>{});
   } else {
-    if (c.decoded) f(integral_constant<bool, false>{}, integral_constant<bool, true>{});
-    else f(integral_constant<bool, false>{}, integral_constant<bool, false>{});
+    if (c.decoded)
+      f(integral_constant<bool, false>{}, integral_constant<bool, true>{});
+    else
+      f(integral_constant<bool, false>{}, integral_constant<bool, false>{});
   }
 }
 
 // One tile's quantization from the tile in shared memory (rows r0.., columns c0..): the row-wise
 // copy's blocks, then the column-wise copy's (nvfp4_1x16_kernel, after its loads). Whole tiles take
 // the specialised loops above; tiles on the tensor's edge the general ones below.
-// (globals: the row-wise and column-wise copies' nvfp4_global, which one thread computed for the CTA)
+// (globals: the row-wise and column-wise copies' nvfp4_global, which one thread computed for the
+// CTA)
 template <class T, bool kColRht, int kPer>
-__device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64_t c0, const QuantArgs& a,
-                                                const Nvfp4Global* globals) {
+__device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64_t c0,
+                                                const QuantArgs& a, const Nvfp4Global* globals) {
   using Tile = FastTile<T, kPer>;
   constexpr int kCols = Tile::kCols;
   constexpr int kBlocksPerTileRow = kCols / kNvfp4Block;
@@ -903,8 +960,9 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
       float v[kNvfp4Block];
       const float amax_b = block16_values(raw, v);
       const SrBits bits = sr_bits_keyed(a.row.sr, a, a.row.stream,
-                                            static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));
-      nvfp4_block_1x16_store(v, amax_b, g, bits, a.row, r * C + c, r * (C / kNvfp4Block) + c / kNvfp4Block);
+                                        static_cast<uint64_t>(r * chunks_per_row + c / kSrChunk));
+      nvfp4_block_1x16_store(v, amax_b, g, bits, a.row, r * C + c,
+                             r * (C / kNvfp4Block) + c / kNvfp4Block);
     }
   }
   if (!a.col.enabled) return;
@@ -915,7 +973,8 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
     if (a.col_staged && whole) {
       __shared__ uint2 col_stage[kThreads][kColBlocks];
       with_copy_kind(a.col, [&](auto sr, auto dec) {
-        tile_cols_staged<T, kColRht, decltype(sr)::value, decltype(dec)::value>(tile, r0, c0, a, g, col_stage);
+        tile_cols_staged<T, kColRht, decltype(sr)::value, decltype(dec)::value>(tile, r0, c0, a, g,
+                                                                                col_stage);
       });
       return;
     }
@@ -930,9 +989,10 @@ __device__ __forceinline__ void nvfp4_1x16_tile(const T* tile, int64_t r0, int64
     float v[kNvfp4Block];
     const float amax_b = tile_column_block<T, kColRht, kCols>(tile, kPer * t + j, k, v);
     const SrBits bits = sr_bits_keyed(a.col.sr, a, a.col.stream,
-                                          static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
+                                      static_cast<uint64_t>(c * chunks_per_row + r / kSrChunk));
     // the 4 chunks of a column land in one 32-byte sector, written by this thread in turn
-    nvfp4_block_1x16_store(v, amax_b, g, bits, a.col, c * R + r, c * (R / kNvfp4Block) + r / kNvfp4Block);
+    nvfp4_block_1x16_store(v, amax_b, g, bits, a.col, c * R + r,
+                           c * (R / kNvfp4Block) + r / kNvfp4Block);
   }
 }
 
@@ -954,8 +1014,9 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   // thread loads whole 1x16 blocks (a load a warp spanning 512-byte pieces of 1 KB of rows: this
   // measured faster than a warp loading 512 contiguous bytes a load, 143 against 156 us for row +
   // column RN at 8192^2 BF16, H200) ----
-  const int tr0 = static_cast<int>(static_cast<unsigned>(t) / kBlocksPerTileRow);  // rows tr0 + kRowStep k
-  const int tb = static_cast<int>(static_cast<unsigned>(t) % kBlocksPerTileRow);   // column block tb
+  const int tr0 =
+      static_cast<int>(static_cast<unsigned>(t) / kBlocksPerTileRow);  // rows tr0 + kRowStep k
+  const int tb = static_cast<int>(static_cast<unsigned>(t) % kBlocksPerTileRow);  // column block tb
   constexpr int kRowStep = kThreads / kBlocksPerTileRow;
   if (a.vector_ok && r0 + kTileRows <= R && c0 + kCols <= C) {  // a whole tile (CTA-uniform)
     const T* src = x + (r0 + tr0) * a.stride + c0 + tb * kNvfp4Block;
@@ -996,18 +1057,21 @@ __global__ void __launch_bounds__(kThreads, FastTile<T, kPer>::kMinBlocks)
   nvfp4_1x16_tile<T, kColRht, kPer>(tile, r0, c0, a, globals);
 }
 
-// ---- The recipe's RHT copies: the amax pass kept rht(x) (BF16, transposed: C x R), so neither copy
-// needs a shared-memory tile. One streaming launch, one 1x16 block per thread, no barrier: a thread's loads
-// are all issued before its arithmetic, and the many resident warps (about 45 registers each
-// instead of the tiled kernel's 80, no shared memory) hide the memory latency the tiled kernel's
-// serial column loop exposed. Same block functions, same SR chunks, same bits.
+// ---- The recipe's RHT copies: the amax pass kept rht(x) (BF16, transposed: C x R), so neither
+// copy needs a shared-memory tile. One streaming launch, one 1x16 block per thread, no barrier: a
+// thread's loads are all issued before its arithmetic, and the many resident warps (about 45
+// registers each instead of the tiled kernel's 80, no shared memory) hide the memory latency the
+// tiled kernel's serial column loop exposed. Same block functions, same SR chunks, same bits.
 
 // Calls body(i) for i in [0, n) over CTAs cta of ctas (a share of the grid); 32-bit index
 // arithmetic (the bodies divide i) where n allows it, which is every training tensor.
 template <class Body>
-__device__ __forceinline__ void grid_loop(int64_t n, uint32_t cta, uint32_t ctas, const Body& body) {
+__device__ __forceinline__ void grid_loop(int64_t n, uint32_t cta, uint32_t ctas,
+                                          const Body& body) {
   if (n <= INT32_MAX - static_cast<int64_t>(ctas) * blockDim.x) {
-    for (uint32_t i = cta * blockDim.x + threadIdx.x; i < static_cast<uint32_t>(n); i += ctas * blockDim.x) body(i);
+    for (uint32_t i = cta * blockDim.x + threadIdx.x; i < static_cast<uint32_t>(n);
+         i += ctas * blockDim.x)
+      body(i);
   } else {
     for (int64_t i = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x; i < n;
          i += static_cast<int64_t>(ctas) * blockDim.x)
@@ -1019,12 +1083,14 @@ __device__ __forceinline__ void grid_loop(int64_t n, uint32_t cta, uint32_t ctas
 // loads cover a contiguous 2 KiB (FP32) or 1 KiB (BF16) of a row.
 // (kVectorOk: a.vector_ok, a template argument so the scalar loads are not issued predicated off)
 template <class T, bool kVectorOk>
-__device__ __forceinline__ void nvfp4_rows(const T* x, const QuantArgs& a, uint32_t cta, uint32_t ctas) {
+__device__ __forceinline__ void nvfp4_rows(const T* x, const QuantArgs& a, uint32_t cta,
+                                           uint32_t ctas) {
   const Nvfp4Global g = nvfp4_global(*a.row.amax, false);
   const int64_t bpr = a.cols / kNvfp4Block;
   grid_loop(a.rows * bpr, cta, ctas, [&](auto i) {
     using I = decltype(i);
-    const int64_t r = i / static_cast<I>(bpr), c = static_cast<int64_t>(i % static_cast<I>(bpr)) * kNvfp4Block;
+    const int64_t r = i / static_cast<I>(bpr),
+                  c = static_cast<int64_t>(i % static_cast<I>(bpr)) * kNvfp4Block;
     const T* src = x + r * a.stride + c;
     alignas(16) T raw[kNvfp4Block];
     if constexpr (kVectorOk) {
@@ -1038,7 +1104,8 @@ __device__ __forceinline__ void nvfp4_rows(const T* x, const QuantArgs& a, uint3
     }
     float v[kNvfp4Block];
     const float amax_b = block16_values(raw, v);
-    const SrBits bits = sr_bits_keyed(a.row.sr, a, a.row.stream, static_cast<uint64_t>(i));  // (chunk i: block i)
+    const SrBits bits =
+        sr_bits_keyed(a.row.sr, a, a.row.stream, static_cast<uint64_t>(i));  // (chunk i: block i)
     nvfp4_block_1x16_store(v, amax_b, g, bits, a.row, r * a.cols + c, static_cast<int64_t>(i));
   });
 }
@@ -1046,7 +1113,8 @@ __device__ __forceinline__ void nvfp4_rows(const T* x, const QuantArgs& a, uint3
 // Column-wise RHT copy from the kept rht(x), which the amax pass stored transposed (C x R, the
 // written copy's order): thread i quantizes block i of the written tensor, 16 contiguous values,
 // so a warp reads 1 KiB and writes 256 code bytes, 32 scale bytes (and 1 KiB decoded) contiguously.
-__device__ __forceinline__ void nvfp4_cols_rht(const uint16_t* rht_t, const QuantArgs& a, uint32_t cta, uint32_t ctas) {
+__device__ __forceinline__ void nvfp4_cols_rht(const uint16_t* rht_t, const QuantArgs& a,
+                                               uint32_t cta, uint32_t ctas) {
   const int64_t R = a.rows, C = a.cols;
   const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
   grid_loop((R / kNvfp4Block) * C, cta, ctas, [&](auto i) {
@@ -1058,7 +1126,8 @@ __device__ __forceinline__ void nvfp4_cols_rht(const uint16_t* rht_t, const Quan
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     float v[kNvfp4Block];
     const float amax_b = bf16x16_unpack(w, v);
-    const SrBits bits = sr_bits_keyed(a.col.sr, a, a.col.stream, static_cast<uint64_t>(i));  // (chunk i: block i)
+    const SrBits bits =
+        sr_bits_keyed(a.col.sr, a, a.col.stream, static_cast<uint64_t>(i));  // (chunk i: block i)
     nvfp4_block_1x16_store(v, amax_b, g, bits, a.col, c * R + r, static_cast<int64_t>(i));
   });
 }
@@ -1066,7 +1135,8 @@ __device__ __forceinline__ void nvfp4_cols_rht(const uint16_t* rht_t, const Quan
 // Both in one launch: with a row-wise copy, even CTAs take rows and odd ones columns, so the
 // memory-heavy row work and the arithmetic-heavy SR column work share the SMs throughout.
 template <class T, bool kVectorOk>
-__global__ void __launch_bounds__(256) nvfp4_rht_kept_kernel(const T* x, const uint16_t* rht_t, QuantArgs a) {
+__global__ void __launch_bounds__(256)
+    nvfp4_rht_kept_kernel(const T* x, const uint16_t* rht_t, QuantArgs a) {
   if (!a.row.enabled) {
     nvfp4_cols_rht(rht_t, a, blockIdx.x, gridDim.x);
   } else if (blockIdx.x & 1u) {
@@ -1088,8 +1158,8 @@ int g_amax_unroll = 4;
 // kernel reads x before its wait, which is safe only because the kernel ahead of it (an ordinary
 // launch) started after x's producer had finished, and does not write x.
 template <class T>
-void launch_quantize_pass(void (*kernel)(const T*, QuantArgs), dim3 grid, cudaStream_t stream, const T* x,
-                          const QuantArgs& qa) {
+void launch_quantize_pass(void (*kernel)(const T*, QuantArgs), dim3 grid, cudaStream_t stream,
+                          const T* x, const QuantArgs& qa) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kThreads);
@@ -1102,7 +1172,8 @@ void launch_quantize_pass(void (*kernel)(const T*, QuantArgs), dim3 grid, cudaSt
   FP4SIM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, x, qa));
 }
 
-// The streaming kernel's CTAs per SM and copy (set_quantize_kept_ctas_per_sm; 0: one block a thread).
+// The streaming kernel's CTAs per SM and copy (set_quantize_kept_ctas_per_sm; 0: one block a
+// thread).
 int g_kept_ctas_per_sm = 8;
 // Whether launch_all keeps the RHT output between its passes when it has scratch for it: 1, 0, or
 // kQuantizeKeepRhtAuto (FP32 input only).
@@ -1127,8 +1198,8 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   const bool col_rht = col_on && cfg.columnwise.rht;
   // the common case (1x16 NVFP4, no Four Over Six) runs nvfp4_1x16_kernel, which can read the RHT
   // output the amax pass keeps; the general kernel transforms again
-  const bool common_case = cfg.format != QFormat::MXFP4 && !cfg.block_2d && !cfg.rowwise.four_over_six &&
-                           !cfg.columnwise.four_over_six;
+  const bool common_case = cfg.format != QFormat::MXFP4 && !cfg.block_2d &&
+                           !cfg.rowwise.four_over_six && !cfg.columnwise.four_over_six;
   // (if the scratch cannot be had, transform twice as before rather than fail)
   uint16_t* rht_out = nullptr;
   const bool keep = g_keep_rht == kQuantizeKeepRhtAuto ? sizeof(T) == 4 : g_keep_rht != 0;
@@ -1155,18 +1226,20 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
         if (sums) args.col_partial = col_partial;
         const int64_t tiles = (C / kTileCols) * (R / kPipeRows), items = sums ? tiles / 2 : tiles;
         const int ctas = amax_rht_pipelined_grid<T>();
-        amax_rht_pipelined_kernel<T><<<static_cast<unsigned>(items < ctas ? items : ctas), kThreads, 0, stream>>>(
-            xp, R, C, S, args);
+        amax_rht_pipelined_kernel<T>
+            <<<static_cast<unsigned>(items < ctas ? items : ctas), kThreads, 0, stream>>>(xp, R, C,
+                                                                                          S, args);
         sums_written = sums;
       } else if (g_rht_amax_variant >= 1 && (R + 31) / 32 <= 65535) {
         const dim3 grid32(grid.x, static_cast<unsigned>((R + 31) / 32));
-        amax_tile_kernel<T, true, 32><<<grid32, kThreads, 0, stream>>>(xp, R, C, S, vector_ok, args);
+        amax_tile_kernel<T, true, 32>
+            <<<grid32, kThreads, 0, stream>>>(xp, R, C, S, vector_ok, args);
       } else {
         amax_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok, args);
       }
     } else {
-      amax_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, R, C, S, vector_ok,
-                                                                 AmaxArgs{amax_plain, amax_plain2, amax_rht, nullptr, amax_ws});
+      amax_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(
+          xp, R, C, S, vector_ok, AmaxArgs{amax_plain, amax_plain2, amax_rht, nullptr, amax_ws});
     }
     FP4SIM_CUDA_CHECK_LAUNCH();
   } else if (amax_plain) {
@@ -1174,8 +1247,10 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
     const int64_t want = (R * C / (16 / sizeof(T)) + kThreads - 1) / kThreads;
     const int blocks = static_cast<int>(want < sms * 16 ? (want > 0 ? want : 1) : sms * 16);
     const AmaxArgs args{amax_plain, amax_plain2, nullptr, nullptr, amax_ws};
-    if (g_amax_unroll == 4) amax_flat_kernel<T, 4><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
-    else amax_flat_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
+    if (g_amax_unroll == 4)
+      amax_flat_kernel<T, 4><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
+    else
+      amax_flat_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
     FP4SIM_CUDA_CHECK_LAUNCH();
   }
   // pass 2: both copies
@@ -1205,36 +1280,44 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   // (staged column-wise codes: each written row's 32-byte piece of a tile 16-byte aligned, its 4
   // scale bytes one aligned word)
   qa.col_staged = g_col_staged && qa.col.enabled && R % kTileRows == 0 &&
-                  reinterpret_cast<uintptr_t>(qa.col.codes) % 16 == 0 && reinterpret_cast<uintptr_t>(qa.col.scales) % 4 == 0;
+                  reinterpret_cast<uintptr_t>(qa.col.codes) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(qa.col.scales) % 4 == 0;
   if (common_case && rht_out) {  // RHT copy kept by the amax pass: the streaming kernel
     // (CTAs for one 1x16 block a thread, up to g_kept_ctas_per_sm an SM per copy, so each thread
     // spreads its setup, the global scales and the Philox key, over several blocks)
     int per_copy = grid_stride_blocks(R * (C / kNvfp4Block), 256);
-    if (g_kept_ctas_per_sm > 0) per_copy = std::min(per_copy, current_device_sms() * g_kept_ctas_per_sm);
+    if (g_kept_ctas_per_sm > 0)
+      per_copy = std::min(per_copy, current_device_sms() * g_kept_ctas_per_sm);
     const unsigned ctas = static_cast<unsigned>(qa.row.enabled ? 2 * per_copy : per_copy);
-    if (vector_ok) nvfp4_rht_kept_kernel<T, true><<<ctas, 256, 0, stream>>>(xp, rht_out, qa);
-    else nvfp4_rht_kept_kernel<T, false><<<ctas, 256, 0, stream>>>(xp, rht_out, qa);
+    if (vector_ok)
+      nvfp4_rht_kept_kernel<T, true><<<ctas, 256, 0, stream>>>(xp, rht_out, qa);
+    else
+      nvfp4_rht_kept_kernel<T, false><<<ctas, 256, 0, stream>>>(xp, rht_out, qa);
   } else if (common_case) {
     const bool rht = qa.col.enabled && qa.col.rht;
     bool launched = false;
     if constexpr (sizeof(T) == 2) {
       if (g_fast_cols_per_thread == 2) {
         const dim3 fg(static_cast<unsigned>((C + 2 * kThreads - 1) / (2 * kThreads)), grid.y);
-        if (rht) launch_quantize_pass(nvfp4_1x16_kernel<T, true, 2>, fg, stream, xp, qa);
-        else launch_quantize_pass(nvfp4_1x16_kernel<T, false, 2>, fg, stream, xp, qa);
+        if (rht)
+          launch_quantize_pass(nvfp4_1x16_kernel<T, true, 2>, fg, stream, xp, qa);
+        else
+          launch_quantize_pass(nvfp4_1x16_kernel<T, false, 2>, fg, stream, xp, qa);
         launched = true;
       }
     }
     if (!launched) {
-      if (rht) launch_quantize_pass(nvfp4_1x16_kernel<T, true, 1>, grid, stream, xp, qa);
-      else launch_quantize_pass(nvfp4_1x16_kernel<T, false, 1>, grid, stream, xp, qa);
+      if (rht)
+        launch_quantize_pass(nvfp4_1x16_kernel<T, true, 1>, grid, stream, xp, qa);
+      else
+        launch_quantize_pass(nvfp4_1x16_kernel<T, false, 1>, grid, stream, xp, qa);
     }
-  } else if (g_2d_variant == 1 && cfg.format == QFormat::NVFP4 && cfg.block_2d && !qa.row.four_over_six &&
-             !qa.col.four_over_six && !(qa.col.enabled && qa.col.rht) && R % kNvfp4Block == 0 &&
-             C % kNvfp4Block == 0 && vector_ok) {
+  } else if (g_2d_variant == 1 && cfg.format == QFormat::NVFP4 && cfg.block_2d &&
+             !qa.row.four_over_six && !qa.col.four_over_six && !(qa.col.enabled && qa.col.rht) &&
+             R % kNvfp4Block == 0 && C % kNvfp4Block == 0 && vector_ok) {
     const int64_t blocks = (R / kNvfp4Block) * (C / kNvfp4Block);
-    nvfp4_2d_kernel<T><<<static_cast<unsigned>((blocks + k2dBlocksPerCta - 1) / k2dBlocksPerCta), k2dThreads, 0,
-                         stream>>>(xp, qa);
+    nvfp4_2d_kernel<T><<<static_cast<unsigned>((blocks + k2dBlocksPerCta - 1) / k2dBlocksPerCta),
+                         k2dThreads, 0, stream>>>(xp, qa);
   } else if (qa.mx) {
     quantize_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, qa);
   } else {
@@ -1271,17 +1354,18 @@ __global__ void dequantize_kernel(QuantizedView q, float* out, int64_t out_strid
 
 // Quantization statistics (emu/quant_stats.hpp): one thread per block, then one per row adding
 // its blocks in order, so the sums are the emulator's bit for bit.
-__global__ void quant_error_blocks_kernel(const float* x, QuantizedView q, QuantErrorSums* block_sums) {
+__global__ void quant_error_blocks_kernel(const float* x, QuantizedView q,
+                                          QuantErrorSums* block_sums) {
   const int64_t per_row = q.cols / q.block(), n = q.rows * per_row;
   const float amax = *q.amax;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    block_sums[i] = quant_block_error(x, q.codes, q.scales, i / per_row, i % per_row, q.cols, q.format,
-                                      q.four_over_six, amax);
+    block_sums[i] = quant_block_error(x, q.codes, q.scales, i / per_row, i % per_row, q.cols,
+                                      q.format, q.four_over_six, amax);
 }
 
-__global__ void quant_error_rows_kernel(const QuantErrorSums* block_sums, int64_t rows, int64_t per_row,
-                                        QuantErrorSums* rows_out) {
+__global__ void quant_error_rows_kernel(const QuantErrorSums* block_sums, int64_t rows,
+                                        int64_t per_row, QuantErrorSums* rows_out) {
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     QuantErrorSums s;
@@ -1305,74 +1389,87 @@ __global__ void scales_to_tiled_kernel(const uint8_t* scales, int64_t rows, int6
 
 void set_quantize_tile_variant(int variant) {
   if (variant < 1 || variant > 3)
-    throw std::invalid_argument("quantize tile variant must be 1 (64x128), 2 (64x256) or 3 (64x128, direct column stores)");
+    throw std::invalid_argument(
+        "quantize tile variant must be 1 (64x128), 2 (64x256) or 3 (64x128, direct column stores)");
   g_fast_cols_per_thread = variant == 2 ? 2 : 1;
   g_col_staged = variant != 3;
 }
 
 void set_quantize_keep_rht(int keep) {
   if (keep != 0 && keep != 1 && keep != kQuantizeKeepRhtAuto)
-    throw std::invalid_argument("set_quantize_keep_rht: " + std::to_string(keep) + " is not 0, 1 or kQuantizeKeepRhtAuto");
+    throw std::invalid_argument("set_quantize_keep_rht: " + std::to_string(keep) +
+                                " is not 0, 1 or kQuantizeKeepRhtAuto");
   g_keep_rht = keep;
 }
 void set_quantize_early_launch(bool early) { g_quantize_pdl = early; }
 void set_quantize_amax_unroll(int loads) {
-  if (loads != 1 && loads != 4) throw std::invalid_argument("amax unroll must be 1 or 4, not " + std::to_string(loads));
+  if (loads != 1 && loads != 4)
+    throw std::invalid_argument("amax unroll must be 1 or 4, not " + std::to_string(loads));
   g_amax_unroll = loads;
 }
 void set_quantize_kept_ctas_per_sm(int ctas) {
-  if (ctas < 0) throw std::invalid_argument("set_quantize_kept_ctas_per_sm: " + std::to_string(ctas) + " < 0");
+  if (ctas < 0)
+    throw std::invalid_argument("set_quantize_kept_ctas_per_sm: " + std::to_string(ctas) + " < 0");
   g_kept_ctas_per_sm = ctas;
 }
 
 void set_quantize_rht_amax_variant(int variant) {
   if (variant < 0 || variant > 2)
-    throw std::invalid_argument("RHT amax pass variant must be 0 (64-row tiles), 1 (32-row tiles) or 2 (pipelined)");
+    throw std::invalid_argument(
+        "RHT amax pass variant must be 0 (64-row tiles), 1 (32-row tiles) or 2 (pipelined)");
   g_rht_amax_variant = variant;
 }
 
 void set_quantize_2d_variant(int variant) {
-  if (variant != 0 && variant != 1) throw std::invalid_argument("2D quantize variant must be 0 (tile) or 1 (half-warp blocks)");
+  if (variant != 0 && variant != 1)
+    throw std::invalid_argument("2D quantize variant must be 0 (tile) or 1 (half-warp blocks)");
   g_2d_variant = variant;
 }
 
 bool quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                     QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws, DeviceScratch* rht_keep,
-                     float* column_partial) {
+                     QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
+                     DeviceScratch* rht_keep, float* column_partial) {
   if (!amax_ws) throw std::logic_error("quantize_launch: no amax workspace");
   if (x.device != Device::Cuda)
     throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
                                 "' is not in device memory");
   if (cfg.rowwise.enabled) check_view(rowwise, x.rows, x.cols, cfg, cfg.rowwise, "row-wise");
-  if (cfg.columnwise.enabled) check_view(columnwise, x.cols, x.rows, cfg, cfg.columnwise, "column-wise");
-  if ((x.rows + kTileRows - 1) / kTileRows > 65535)  // (the 32-row RHT amax pass falls back to 64 rows)
+  if (cfg.columnwise.enabled)
+    check_view(columnwise, x.cols, x.rows, cfg, cfg.columnwise, "column-wise");
+  if ((x.rows + kTileRows - 1) / kTileRows >
+      65535)  // (the 32-row RHT amax pass falls back to 64 rows)
     throw std::invalid_argument("quantize (cuda): too many rows for one launch: " +
                                 shape_str(x.rows, x.cols));
-  if (x.dtype == DType::F32) return launch_all<float>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws, column_partial);
-  return launch_all<uint16_t>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws, column_partial);
+  if (x.dtype == DType::F32)
+    return launch_all<float>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws,
+                             column_partial);
+  return launch_all<uint16_t>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws,
+                              column_partial);
 }
 
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {
   const int64_t n = q.rows * q.cols;
-  dequantize_kernel<<<grid_stride_blocks(n, 256), 256, 0, stream>>>(q, static_cast<float*>(out.data),
-                                                          out.stride());
+  dequantize_kernel<<<grid_stride_blocks(n, 256), 256, 0, stream>>>(
+      q, static_cast<float*>(out.data), out.stride());
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorSums* block_sums,
                              QuantErrorSums* rows_out, cudaStream_t stream) {
   if (q.rows == 0) return;
-  quant_error_blocks_kernel<<<grid_stride_blocks(q.scale_count(), 256), 256, 0, stream>>>(x, q, block_sums);
+  quant_error_blocks_kernel<<<grid_stride_blocks(q.scale_count(), 256), 256, 0, stream>>>(
+      x, q, block_sums);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  quant_error_rows_kernel<<<grid_stride_blocks(q.rows, 128), 128, 0, stream>>>(block_sums, q.rows, q.cols / q.block(), rows_out);
+  quant_error_rows_kernel<<<grid_stride_blocks(q.rows, 128), 128, 0, stream>>>(
+      block_sums, q.rows, q.cols / q.block(), rows_out);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream) {
   const int64_t pr = round_up(rows, kTiledRows), pk = round_up(k_blocks, kTiledCols);
-  scales_to_tiled_kernel<<<grid_stride_blocks(pr * pk, 256), 256, 0, stream>>>(scales, rows, k_blocks, out,
-                                                                     pr, pk);
+  scales_to_tiled_kernel<<<grid_stride_blocks(pr * pk, 256), 256, 0, stream>>>(
+      scales, rows, k_blocks, out, pr, pk);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

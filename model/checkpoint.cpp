@@ -1,5 +1,9 @@
 #include "model/checkpoint.hpp"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -8,9 +12,6 @@
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
-#include <fcntl.h>
-#include <signal.h>
-#include <unistd.h>
 
 #include "emu/contract.hpp"
 
@@ -57,10 +58,13 @@ void write_safetensors(const std::string& path, const TensorMap& tensors,
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
     if (static_cast<int64_t>(t.bytes.size()) != numel(t.shape) * dtype_bytes(t.dtype))
-      throw std::invalid_argument("safetensors: tensor '" + name + "' has " + std::to_string(t.bytes.size()) +
+      throw std::invalid_argument("safetensors: tensor '" + name + "' has " +
+                                  std::to_string(t.bytes.size()) +
                                   " bytes, its dtype and shape need " +
                                   std::to_string(numel(t.shape) * dtype_bytes(t.dtype)));
-    header[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes.size()}}};
+    header[name] = {{"dtype", t.dtype},
+                    {"shape", t.shape},
+                    {"data_offsets", {offset, offset + t.bytes.size()}}};
     offset += t.bytes.size();
   }
   if (!metadata.empty()) header["__metadata__"] = metadata;
@@ -72,7 +76,8 @@ void write_safetensors(const std::string& path, const TensorMap& tensors,
   out.write(reinterpret_cast<const char*>(&n), 8);
   out.write(h.data(), static_cast<std::streamsize>(h.size()));
   for (const auto& [name, t] : tensors)
-    out.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
+    out.write(reinterpret_cast<const char*>(t.bytes.data()),
+              static_cast<std::streamsize>(t.bytes.size()));
   out.close();  // (the last buffered bytes are written here: a full disk shows up now)
   if (!out) throw std::runtime_error(path + ": write failed (disk full or I/O error?)");
 }
@@ -84,8 +89,9 @@ TensorMap read_safetensors(const std::string& path, std::map<std::string, std::s
   uint64_t n = 0;
   in.read(reinterpret_cast<char*>(&n), 8);
   if (in.gcount() != 8 || n > size - 8)
-    throw std::runtime_error(path + ": truncated, or not a safetensors file (header length " + std::to_string(n) +
-                             " in a file of " + std::to_string(size) + " bytes)");
+    throw std::runtime_error(path + ": truncated, or not a safetensors file (header length " +
+                             std::to_string(n) + " in a file of " + std::to_string(size) +
+                             " bytes)");
   std::string h(n, '\0');
   in.read(h.data(), static_cast<std::streamsize>(n));
   Json header;
@@ -94,7 +100,8 @@ TensorMap read_safetensors(const std::string& path, std::map<std::string, std::s
   } catch (const std::exception& e) {
     throw std::runtime_error(path + ": bad safetensors header (" + e.what() + ")");
   }
-  if (!header.is_object()) throw std::runtime_error(path + ": bad safetensors header (not a JSON object)");
+  if (!header.is_object())
+    throw std::runtime_error(path + ": bad safetensors header (not a JSON object)");
   const uint64_t data_start = 8 + n;
   TensorMap out;
   for (auto it = header.begin(); it != header.end(); ++it) {
@@ -107,8 +114,7 @@ TensorMap read_safetensors(const std::string& path, std::map<std::string, std::s
       t.dtype = it->at("dtype").get<std::string>();
       t.shape = it->at("shape").get<std::vector<int64_t>>();
       const auto off = it->at("data_offsets").get<std::vector<uint64_t>>();
-      if (dtype_bytes(t.dtype) == 0)
-        throw std::runtime_error("unknown dtype '" + t.dtype + "'");
+      if (dtype_bytes(t.dtype) == 0) throw std::runtime_error("unknown dtype '" + t.dtype + "'");
       uint64_t bytes = static_cast<uint64_t>(dtype_bytes(t.dtype));
       for (int64_t d : t.shape)
         if (d < 0 || __builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes))
@@ -116,12 +122,15 @@ TensorMap read_safetensors(const std::string& path, std::map<std::string, std::s
       if (off.size() != 2 || off[1] < off[0] || off[1] - off[0] != bytes)
         throw std::runtime_error("offsets do not match its dtype and shape");
       if (off[1] > size - data_start)
-        throw std::runtime_error("truncated file (the tensor ends " + std::to_string(off[1] - (size - data_start)) +
+        throw std::runtime_error("truncated file (the tensor ends " +
+                                 std::to_string(off[1] - (size - data_start)) +
                                  " bytes past the end)");
       t.bytes.resize(off[1] - off[0]);
       in.seekg(static_cast<std::streamoff>(data_start + off[0]));
-      in.read(reinterpret_cast<char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
-      if (static_cast<uint64_t>(in.gcount()) != t.bytes.size()) throw std::runtime_error("short read");
+      in.read(reinterpret_cast<char*>(t.bytes.data()),
+              static_cast<std::streamsize>(t.bytes.size()));
+      if (static_cast<uint64_t>(in.gcount()) != t.bytes.size())
+        throw std::runtime_error("short read");
       out.emplace(it.key(), std::move(t));
     } catch (const std::exception& e) {
       throw std::runtime_error(path + ": tensor '" + it.key() + "': " + e.what());
@@ -166,7 +175,8 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
     if (f.rfind(kStepPrefix, 0) != 0 || at == std::string::npos) continue;
     char* end = nullptr;
     const long pid = std::strtol(f.c_str() + at + 5, &end, 10);
-    if (end && *end == '\0' && pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+    if (end && *end == '\0' && pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 &&
+        errno == ESRCH) {
       std::error_code ec;
       fs::remove_all(e.path(), ec);
     }
@@ -174,8 +184,8 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   try {
-    const std::map<std::string, std::string> meta = {{"contract_version", std::to_string(kContractVersion)},
-                                                     {"step", std::to_string(ck.step)}};
+    const std::map<std::string, std::string> meta = {
+        {"contract_version", std::to_string(kContractVersion)}, {"step", std::to_string(ck.step)}};
     write_safetensors((tmp / "model.safetensors").string(), ck.model, meta);
     write_safetensors((tmp / "optimizer.safetensors").string(), ck.optimizer, meta);
     Json state = ck.state;
@@ -184,9 +194,12 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
     std::ofstream st((tmp / kStateFile).string());  // written last
     st << state.dump(2) << "\n";
     st.close();
-    if (!st) throw std::runtime_error((tmp / kStateFile).string() + ": write failed (disk full or I/O error?)");
+    if (!st)
+      throw std::runtime_error((tmp / kStateFile).string() +
+                               ": write failed (disk full or I/O error?)");
     for (const char* f : {"model.safetensors", "optimizer.safetensors", kStateFile})
-      if (!fsync_path(tmp / f)) throw std::runtime_error((tmp / f).string() + ": fsync failed (disk full or I/O error?)");
+      if (!fsync_path(tmp / f))
+        throw std::runtime_error((tmp / f).string() + ": fsync failed (disk full or I/O error?)");
   } catch (const std::exception& e) {
     std::error_code ec;
     fs::remove_all(tmp, ec);  // nothing half-written stays; the previous checkpoints are untouched
@@ -204,7 +217,8 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int ke
     std::vector<std::string> older;
     for (const std::string& c : list_checkpoints(dir))
       if (checkpoint_step(c) <= ck.step) older.push_back(c);
-    for (size_t i = 0; i + static_cast<size_t>(keep_last) < older.size(); ++i) fs::remove_all(older[i]);
+    for (size_t i = 0; i + static_cast<size_t>(keep_last) < older.size(); ++i)
+      fs::remove_all(older[i]);
   }
   return final_dir.string();
 }
@@ -214,10 +228,12 @@ Checkpoint load_checkpoint(const std::string& path) {
   if (!fs::exists(p / kStateFile)) {
     // a checkpoint, a checkpoints directory, or a run's out_dir (its checkpoints/ folder)
     std::vector<std::string> all = list_checkpoints(path);
-    if (all.empty() && fs::is_directory(p / "checkpoints")) all = list_checkpoints((p / "checkpoints").string());
+    if (all.empty() && fs::is_directory(p / "checkpoints"))
+      all = list_checkpoints((p / "checkpoints").string());
     if (all.empty())
-      throw std::runtime_error(path + ": no complete checkpoint (step_*/state.json) found, here or in " + path +
-                               "/checkpoints");
+      throw std::runtime_error(path +
+                               ": no complete checkpoint (step_*/state.json) found, here or in " +
+                               path + "/checkpoints");
     p = all.back();
   }
   Checkpoint ck;
@@ -228,18 +244,21 @@ Checkpoint load_checkpoint(const std::string& path) {
     throw std::runtime_error((p / kStateFile).string() + ": corrupt (" + e.what() + ")");
   }
   if (!ck.state.contains("contract_version") || !ck.state["contract_version"].is_number_integer())
-    throw std::runtime_error((p / kStateFile).string() + ": no contract_version (not a checkpoint of fp4sim, or "
+    throw std::runtime_error((p / kStateFile).string() +
+                             ": no contract_version (not a checkpoint of fp4sim, or "
                              "written before contract versions)");
   // `what` (the checkpoint, or one of its files) written under contract_version `version`
   const std::string ours = std::to_string(kContractVersion);
   auto require_version = [&](const fs::path& what, const std::string& version) {
     if (version != ours)
-      throw std::runtime_error(what.string() + ": written under contract_version " + version + ", this build is " + ours);
+      throw std::runtime_error(what.string() + ": written under contract_version " + version +
+                               ", this build is " + ours);
   };
   require_version(p, std::to_string(ck.state.value("contract_version", -1)));
   ck.step = ck.state.value("step", int64_t{0});
   // each file's own contract_version (its metadata) too: files copied in from another checkpoint
-  for (auto [file, map] : {std::pair{"model.safetensors", &ck.model}, std::pair{"optimizer.safetensors", &ck.optimizer}}) {
+  for (auto [file, map] : {std::pair{"model.safetensors", &ck.model},
+                           std::pair{"optimizer.safetensors", &ck.optimizer}}) {
     std::map<std::string, std::string> meta;
     *map = read_safetensors((p / file).string(), &meta);
     const auto it = meta.find("contract_version");

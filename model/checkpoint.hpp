@@ -5,10 +5,9 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace fp4sim::model {
 
@@ -26,7 +25,8 @@ void write_safetensors(const std::string& path, const TensorMap& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 // Throws std::runtime_error naming the file on a truncated file, bad header, or offsets that do not
 // match the dtype and shape.
-TensorMap read_safetensors(const std::string& path, std::map<std::string, std::string>* metadata = nullptr);
+TensorMap read_safetensors(const std::string& path,
+                           std::map<std::string, std::string>* metadata = nullptr);
 
 struct Checkpoint {
   int64_t step = 0;

@@ -23,32 +23,62 @@ struct Field {
   std::function<Json(const RunConfig&)> get;
 };
 
-#define FP4SIM_FIELD(part, name)                                                                \
-  Field {                                                                                       \
-    #part "." #name, [](RunConfig& c, const Json& v) { c.part.name = v.get<decltype(c.part.name)>(); }, \
-        [](const RunConfig& c) { return Json(c.part.name); }                                    \
+#define FP4SIM_FIELD(part, name)                                                                      \
+  Field {                                                                                             \
+#part "." #name, [](RunConfig& c, const Json& v) { c.part.name = v.get<decltype(c.part.name)>(); }, \
+        [](const RunConfig& c) { return Json(c.part.name); } \
   }
 
 const std::vector<Field>& fields() {
-  static const std::vector<Field> f = {
-      FP4SIM_FIELD(model, vocab), FP4SIM_FIELD(model, seq_len), FP4SIM_FIELD(model, d_model),
-      FP4SIM_FIELD(model, n_layers), FP4SIM_FIELD(model, n_heads), FP4SIM_FIELD(model, n_kv_heads),
-      FP4SIM_FIELD(model, d_ff), FP4SIM_FIELD(model, activation), FP4SIM_FIELD(model, norm),
-      FP4SIM_FIELD(model, positions), FP4SIM_FIELD(model, max_positions),
-      FP4SIM_FIELD(model, tied_embeddings), FP4SIM_FIELD(model, bias), FP4SIM_FIELD(model, activation_dtype),
-      FP4SIM_FIELD(train, batch), FP4SIM_FIELD(train, grad_accum), FP4SIM_FIELD(train, steps), FP4SIM_FIELD(train, lr),
-      FP4SIM_FIELD(train, min_lr_ratio), FP4SIM_FIELD(train, warmup), FP4SIM_FIELD(train, schedule),
-      FP4SIM_FIELD(train, decay_fraction), FP4SIM_FIELD(train, weight_decay),
-      FP4SIM_FIELD(train, beta1), FP4SIM_FIELD(train, beta2), FP4SIM_FIELD(train, eps),
-      FP4SIM_FIELD(train, grad_clip), FP4SIM_FIELD(train, seed), FP4SIM_FIELD(train, data), FP4SIM_FIELD(train, shuffle),
-      FP4SIM_FIELD(train, eval_every), FP4SIM_FIELD(train, eval_batches),
-      FP4SIM_FIELD(train, checkpoint_every), FP4SIM_FIELD(train, keep_last),
-      FP4SIM_FIELD(train, out_dir), FP4SIM_FIELD(recipe, name), FP4SIM_FIELD(recipe, gemm),
-      FP4SIM_FIELD(recipe, rht), FP4SIM_FIELD(recipe, stochastic_rounding), FP4SIM_FIELD(recipe, weight_2d),
-      FP4SIM_FIELD(recipe, four_over_six), FP4SIM_FIELD(recipe, fos_error), FP4SIM_FIELD(recipe, mx_scale_rule),
-      FP4SIM_FIELD(recipe, hp_first), FP4SIM_FIELD(recipe, hp_last), FP4SIM_FIELD(recipe, hp_layers),
-      FP4SIM_FIELD(recipe, bf16_from_step), FP4SIM_FIELD(recipe, bf16_switch),
-      FP4SIM_FIELD(recipe, stats_every)};
+  static const std::vector<Field> f = {FP4SIM_FIELD(model, vocab),
+                                       FP4SIM_FIELD(model, seq_len),
+                                       FP4SIM_FIELD(model, d_model),
+                                       FP4SIM_FIELD(model, n_layers),
+                                       FP4SIM_FIELD(model, n_heads),
+                                       FP4SIM_FIELD(model, n_kv_heads),
+                                       FP4SIM_FIELD(model, d_ff),
+                                       FP4SIM_FIELD(model, activation),
+                                       FP4SIM_FIELD(model, norm),
+                                       FP4SIM_FIELD(model, positions),
+                                       FP4SIM_FIELD(model, max_positions),
+                                       FP4SIM_FIELD(model, tied_embeddings),
+                                       FP4SIM_FIELD(model, bias),
+                                       FP4SIM_FIELD(model, activation_dtype),
+                                       FP4SIM_FIELD(train, batch),
+                                       FP4SIM_FIELD(train, grad_accum),
+                                       FP4SIM_FIELD(train, steps),
+                                       FP4SIM_FIELD(train, lr),
+                                       FP4SIM_FIELD(train, min_lr_ratio),
+                                       FP4SIM_FIELD(train, warmup),
+                                       FP4SIM_FIELD(train, schedule),
+                                       FP4SIM_FIELD(train, decay_fraction),
+                                       FP4SIM_FIELD(train, weight_decay),
+                                       FP4SIM_FIELD(train, beta1),
+                                       FP4SIM_FIELD(train, beta2),
+                                       FP4SIM_FIELD(train, eps),
+                                       FP4SIM_FIELD(train, grad_clip),
+                                       FP4SIM_FIELD(train, seed),
+                                       FP4SIM_FIELD(train, data),
+                                       FP4SIM_FIELD(train, shuffle),
+                                       FP4SIM_FIELD(train, eval_every),
+                                       FP4SIM_FIELD(train, eval_batches),
+                                       FP4SIM_FIELD(train, checkpoint_every),
+                                       FP4SIM_FIELD(train, keep_last),
+                                       FP4SIM_FIELD(train, out_dir),
+                                       FP4SIM_FIELD(recipe, name),
+                                       FP4SIM_FIELD(recipe, gemm),
+                                       FP4SIM_FIELD(recipe, rht),
+                                       FP4SIM_FIELD(recipe, stochastic_rounding),
+                                       FP4SIM_FIELD(recipe, weight_2d),
+                                       FP4SIM_FIELD(recipe, four_over_six),
+                                       FP4SIM_FIELD(recipe, fos_error),
+                                       FP4SIM_FIELD(recipe, mx_scale_rule),
+                                       FP4SIM_FIELD(recipe, hp_first),
+                                       FP4SIM_FIELD(recipe, hp_last),
+                                       FP4SIM_FIELD(recipe, hp_layers),
+                                       FP4SIM_FIELD(recipe, bf16_from_step),
+                                       FP4SIM_FIELD(recipe, bf16_switch),
+                                       FP4SIM_FIELD(recipe, stats_every)};
   return f;
 }
 
@@ -71,12 +101,15 @@ constexpr const char* kOverridePrefix = "recipe.override.";
 void set_key(RunConfig& c, const std::string& key, const Json& v, const std::string& where) {
   if (key.rfind(kOverridePrefix, 0) == 0) {  // a per-GEMM recipe; checked in validate()
     if (!v.is_string())
-      throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be a recipe name (bf16, nvfp4, mxfp4, fp8)");
+      throw std::invalid_argument(where + ": " + key + " = " + v.dump() +
+                                  " must be a recipe name (bf16, nvfp4, mxfp4, fp8)");
     c.recipe.override_gemms[key.substr(std::string(kOverridePrefix).size())] = v.get<std::string>();
     return;
   }
   const Field* f = find_field(key);
-  if (!f) throw std::invalid_argument(where + ": unknown config key '" + key + "'; valid keys: " + key_list());
+  if (!f)
+    throw std::invalid_argument(where + ": unknown config key '" + key +
+                                "'; valid keys: " + key_list());
   // integer keys: an integral float (1e3, 1000.0) is that integer; a fraction, or a negative value
   // for an unsigned key (train.seed), is an error rather than a silent truncation or wrap-around
   const Json def = f->get(RunConfig{});
@@ -87,31 +120,37 @@ void set_key(RunConfig& c, const std::string& key, const Json& v, const std::str
       throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be an integer");
     val = static_cast<int64_t>(d);
   }
-  if (def.is_number_unsigned() && val.is_number_integer() && !val.is_number_unsigned() && val.get<int64_t>() < 0)
+  if (def.is_number_unsigned() && val.is_number_integer() && !val.is_number_unsigned() &&
+      val.get<int64_t>() < 0)
     throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " must be >= 0");
   // a signed key given a value past 2^63 - 1 (which would wrap to a negative number)
   if (def.is_number_integer() && !def.is_number_unsigned() && val.is_number_unsigned() &&
       val.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
     throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " is out of range");
-  if (def.is_array() && val.is_array())  // integer lists (recipe.hp_layers): every element an integer
+  if (def.is_array() &&
+      val.is_array())  // integer lists (recipe.hp_layers): every element an integer
     for (size_t i = 0; i < val.size(); ++i)
       if (!val[i].is_number_integer())
-        throw std::invalid_argument(where + ": " + key + "[" + std::to_string(i) + "] = " + val[i].dump() +
-                                    " must be an integer");
+        throw std::invalid_argument(where + ": " + key + "[" + std::to_string(i) +
+                                    "] = " + val[i].dump() + " must be an integer");
   try {
     f->set(c, val);
   } catch (const Json::exception&) {
-    throw std::invalid_argument(where + ": " + key + " = " + v.dump() + " has the wrong type (expected " +
-                                f->get(RunConfig{}).type_name() + ")");
+    throw std::invalid_argument(where + ": " + key + " = " + v.dump() +
+                                " has the wrong type (expected " + f->get(RunConfig{}).type_name() +
+                                ")");
   }
 }
 
 // {"model": {"d_model": 1}} and {"model.d_model": 1} both become ("model.d_model", 1).
-void flatten(const Json& j, const std::string& prefix, std::vector<std::pair<std::string, Json>>& out) {
+void flatten(const Json& j, const std::string& prefix,
+             std::vector<std::pair<std::string, Json>>& out) {
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string key = prefix.empty() ? it.key() : prefix + "." + it.key();
-    if (it->is_object()) flatten(*it, key, out);
-    else out.emplace_back(key, *it);
+    if (it->is_object())
+      flatten(*it, key, out);
+    else
+      out.emplace_back(key, *it);
   }
 }
 
@@ -139,33 +178,40 @@ void validate_recipe(const RunConfig& c) {
   one_of("recipe.bf16_switch", r.bf16_switch, {"forward", "all"});
   const int64_t L = m.n_layers;
   if (r.hp_first < -1 || r.hp_last < -1)
-    bad("recipe.hp_first/hp_last (" + std::to_string(r.hp_first) + ", " + std::to_string(r.hp_last) +
-        ") must be >= 0, or -1 for the recipe's default");
+    bad("recipe.hp_first/hp_last (" + std::to_string(r.hp_first) + ", " +
+        std::to_string(r.hp_last) + ") must be >= 0, or -1 for the recipe's default");
   if (r.hp_first > L || r.hp_last > L)
-    bad("recipe.hp_first/hp_last (" + std::to_string(r.hp_first) + ", " + std::to_string(r.hp_last) +
-        ") exceed model.n_layers " + std::to_string(L));
+    bad("recipe.hp_first/hp_last (" + std::to_string(r.hp_first) + ", " +
+        std::to_string(r.hp_last) + ") exceed model.n_layers " + std::to_string(L));
   for (int64_t l : r.hp_layers)
     if (l < 0 || l >= L)
-      bad("recipe.hp_layers: block " + std::to_string(l) + " is outside 0.." + std::to_string(L - 1));
-  if (r.stats_every < 0) bad("recipe.stats_every must be >= 0 (0: no statistics), got " + std::to_string(r.stats_every));
+      bad("recipe.hp_layers: block " + std::to_string(l) + " is outside 0.." +
+          std::to_string(L - 1));
+  if (r.stats_every < 0)
+    bad("recipe.stats_every must be >= 0 (0: no statistics), got " + std::to_string(r.stats_every));
   if (r.bf16_from_step == 0 || r.bf16_from_step < -1)
     bad("recipe.bf16_from_step must be a step number >= 1 (steps count from 1), or -1 for never");
   const bool fos = r.four_over_six != "off";
   const bool mx = r.name == "mxfp4";
-  if (mx && r.weight_2d) bad("recipe.weight_2d: MXFP4 has no 2D blocks (set recipe.weight_2d=false)");
+  if (mx && r.weight_2d)
+    bad("recipe.weight_2d: MXFP4 has no 2D blocks (set recipe.weight_2d=false)");
   if (mx && fos) bad("recipe.four_over_six: Four Over Six is an NVFP4 technique, not MXFP4");
-  if (r.name == "fp8" && fos) bad("recipe.four_over_six: Four Over Six is an NVFP4 technique, not FP8");
+  if (r.name == "fp8" && fos)
+    bad("recipe.four_over_six: Four Over Six is an NVFP4 technique, not FP8");
   // Four Over Six needs RN and no RHT on every copy of the tensors it applies to
   if ((r.four_over_six == "activations" || r.four_over_six == "all") && r.rht)
-    bad("recipe.four_over_six " + r.four_over_six + " with recipe.rht: the Wgrad copies get the RHT, which "
+    bad("recipe.four_over_six " + r.four_over_six +
+        " with recipe.rht: the Wgrad copies get the RHT, which "
         "Four Over Six cannot follow; set recipe.rht=false");
   if (r.four_over_six == "all" && r.stochastic_rounding != "off")
     bad("recipe.four_over_six all with stochastic rounding: Four Over Six is RN only; set "
         "recipe.stochastic_rounding=off");
   if (r.four_over_six == "weights" && r.stochastic_rounding == "all")
-    bad("recipe.four_over_six weights with recipe.stochastic_rounding all: Four Over Six is RN only");
+    bad("recipe.four_over_six weights with recipe.stochastic_rounding all: Four Over Six is RN "
+        "only");
   if (r.four_over_six == "activations" && r.stochastic_rounding == "all")
-    bad("recipe.four_over_six activations with recipe.stochastic_rounding all: Four Over Six is RN only");
+    bad("recipe.four_over_six activations with recipe.stochastic_rounding all: Four Over Six is RN "
+        "only");
   // block sizes: every quantized GEMM's K dimension (d_model, d_ff, the qkv width, the tokens of a
   // step for Wgrad) must be a multiple of the block (16 NVFP4, 32 MXFP4), and so must the 2D rows
   bool any_mx = mx, any_fp8 = r.name == "fp8", any_q = r.name != "bf16";
@@ -183,8 +229,9 @@ void validate_recipe(const RunConfig& c) {
         {"the tokens of a step (train.batch * model.seq_len)", c.train.batch * m.seq_len}};
     for (const auto& [what, v] : dims)
       if (v % blk != 0)
-        bad(std::string(what) + " = " + std::to_string(v) + " is not a multiple of " + std::to_string(blk) +
-            ", the " + (any_fp8 ? "FP8" : (any_mx ? "MXFP4" : "NVFP4")) + " block the quantized GEMMs need");
+        bad(std::string(what) + " = " + std::to_string(v) + " is not a multiple of " +
+            std::to_string(blk) + ", the " + (any_fp8 ? "FP8" : (any_mx ? "MXFP4" : "NVFP4")) +
+            " block the quantized GEMMs need");
   }
   for (const auto& [k, v] : r.override_gemms) {
     // h.<layer>.<linear>.<gemm>
@@ -199,13 +246,17 @@ void validate_recipe(const RunConfig& c) {
       }
     }
     const std::string lin = ok ? k.substr(b + 1, z - b - 1) : "", g = ok ? k.substr(z + 1) : "";
-    ok = ok && (lin == "attn.c_attn" || lin == "attn.c_proj" || lin == "mlp.c_fc" || lin == "mlp.c_proj") &&
+    ok = ok &&
+         (lin == "attn.c_attn" || lin == "attn.c_proj" || lin == "mlp.c_fc" ||
+          lin == "mlp.c_proj") &&
          (g == "fprop" || g == "dgrad" || g == "wgrad");
     if (!ok)
-      bad("recipe.override." + k + ": expected recipe.override.h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|"
+      bad("recipe.override." + k +
+          ": expected recipe.override.h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|"
           "mlp.c_proj>.<fprop|dgrad|wgrad>");
     if (l < 0 || l >= L)
-      bad("recipe.override." + k + ": block " + std::to_string(l) + " is outside 0.." + std::to_string(L - 1));
+      bad("recipe.override." + k + ": block " + std::to_string(l) + " is outside 0.." +
+          std::to_string(L - 1));
     one_of("recipe.override." + k, v, {"bf16", "nvfp4", "mxfp4", "fp8"});
   }
 }
@@ -229,7 +280,8 @@ std::vector<std::string> valid_keys() {
   return k;
 }
 
-RunConfig config_from_json(const Json& j, const std::vector<std::string>& overrides, const std::string& source) {
+RunConfig config_from_json(const Json& j, const std::vector<std::string>& overrides,
+                           const std::string& source) {
   RunConfig c;
   std::vector<std::pair<std::string, Json>> kv;
   flatten(j, "", kv);
@@ -241,20 +293,24 @@ RunConfig config_from_json(const Json& j, const std::vector<std::string>& overri
   for (const std::string& o : overrides) {
     const auto eq = o.find('=');
     if (eq == std::string::npos || eq == 0)
-      throw std::invalid_argument("override '" + o + "': expected key=value (e.g. model.d_model=256)");
+      throw std::invalid_argument("override '" + o +
+                                  "': expected key=value (e.g. model.d_model=256)");
     const std::string key = o.substr(0, eq), text = o.substr(eq + 1);
     Json v = Json::parse(text, nullptr, /*allow_exceptions=*/false);
     const Field* f = find_field(key);
-    const bool as_written = (f && f->get(RunConfig{}).is_string()) || key.rfind(kOverridePrefix, 0) == 0;
+    const bool as_written =
+        (f && f->get(RunConfig{}).is_string()) || key.rfind(kOverridePrefix, 0) == 0;
     if (v.is_discarded() && !as_written) {
       // a number too large for a double (1e400) is not a word: say so rather than "wrong type"
       char* end = nullptr;
       errno = 0;
       (void)std::strtod(text.c_str(), &end);
       if (!text.empty() && end && *end == '\0' && errno == ERANGE)
-        throw std::invalid_argument("override '" + o + "': " + text + " is out of the range of a double");
+        throw std::invalid_argument("override '" + o + "': " + text +
+                                    " is out of the range of a double");
     }
-    if (v.is_discarded() || as_written) v = text;  // a bare word, or a string key's value: as written
+    if (v.is_discarded() || as_written)
+      v = text;  // a bare word, or a string key's value: as written
     set_key(c, key, v, "override '" + o + "'");
     set_keys.push_back(key);
   }
@@ -295,10 +351,12 @@ void validate(const RunConfig& c) {
   positive("model.d_ff", m.d_ff);
   positive("train.batch", t.batch);
   if (t.grad_accum < 1 || t.grad_accum > 256)
-    bad("train.grad_accum must be within 1..256 (the SR stream has 8 bits for the micro-batch), got " +
+    bad("train.grad_accum must be within 1..256 (the SR stream has 8 bits for the micro-batch), "
+        "got " +
         std::to_string(t.grad_accum));
   positive("train.steps", t.steps);
-  if (m.vocab > 65536) bad("model.vocab " + std::to_string(m.vocab) + " exceeds the 16-bit token files");
+  if (m.vocab > 65536)
+    bad("model.vocab " + std::to_string(m.vocab) + " exceeds the 16-bit token files");
   if (m.d_model % m.n_heads != 0)
     bad("model.d_model " + std::to_string(m.d_model) + " is not divisible by model.n_heads " +
         std::to_string(m.n_heads));
@@ -308,8 +366,10 @@ void validate(const RunConfig& c) {
   if (m.positions == "rope" && (m.d_model / m.n_heads) % 2 != 0)
     bad("rope needs an even head dimension, got " + std::to_string(m.d_model / m.n_heads));
   if (m.positions == "learned" && m.seq_len > m.max_positions)
-    bad("model.seq_len " + std::to_string(m.seq_len) + " is longer than the learned positions table "
-        "(model.max_positions " + std::to_string(m.max_positions) + ")");
+    bad("model.seq_len " + std::to_string(m.seq_len) +
+        " is longer than the learned positions table "
+        "(model.max_positions " +
+        std::to_string(m.max_positions) + ")");
   one_of("model.activation", m.activation, {"gelu_tanh", "squared_relu", "swiglu"});
   one_of("model.norm", m.norm, {"layernorm", "rmsnorm"});
   one_of("model.positions", m.positions, {"learned", "rope"});
@@ -322,23 +382,32 @@ void validate(const RunConfig& c) {
   };
   if (t.lr <= 0) bad("train.lr must be positive, got " + num(t.lr));
   if (t.warmup < 0 || t.warmup > t.steps)
-    bad("train.warmup = " + std::to_string(t.warmup) + " must be within 0..train.steps (" + std::to_string(t.steps) +
-        "); set train.warmup too when shortening a run");
-  if (t.grad_clip < 0) bad("train.grad_clip must be >= 0 (0 disables clipping), got " + num(t.grad_clip));
+    bad("train.warmup = " + std::to_string(t.warmup) + " must be within 0..train.steps (" +
+        std::to_string(t.steps) + "); set train.warmup too when shortening a run");
+  if (t.grad_clip < 0)
+    bad("train.grad_clip must be >= 0 (0 disables clipping), got " + num(t.grad_clip));
   if (t.decay_fraction < 0 || t.decay_fraction > 1)
     bad("train.decay_fraction must be within 0..1, got " + num(t.decay_fraction));
-  if (t.eval_every < 0) bad("train.eval_every must be >= 0 (0: no periodic validation), got " + std::to_string(t.eval_every));
-  if (t.eval_batches < 1) bad("train.eval_batches must be >= 1, got " + std::to_string(t.eval_batches));
+  if (t.eval_every < 0)
+    bad("train.eval_every must be >= 0 (0: no periodic validation), got " +
+        std::to_string(t.eval_every));
+  if (t.eval_batches < 1)
+    bad("train.eval_batches must be >= 1, got " + std::to_string(t.eval_batches));
   if (t.checkpoint_every < 0)
-    bad("train.checkpoint_every must be >= 0 (0: no periodic checkpoints), got " + std::to_string(t.checkpoint_every));
-  if (t.keep_last < 0) bad("train.keep_last must be >= 0 (0 keeps every checkpoint), got " + std::to_string(t.keep_last));
+    bad("train.checkpoint_every must be >= 0 (0: no periodic checkpoints), got " +
+        std::to_string(t.checkpoint_every));
+  if (t.keep_last < 0)
+    bad("train.keep_last must be >= 0 (0 keeps every checkpoint), got " +
+        std::to_string(t.keep_last));
   // AdamW: beta1, beta2 in [0, 1) (1 divides by zero in the bias correction), eps > 0
   if (!(t.beta1 >= 0 && t.beta1 < 1)) bad("train.beta1 must be within [0, 1), got " + num(t.beta1));
   if (!(t.beta2 >= 0 && t.beta2 < 1)) bad("train.beta2 must be within [0, 1), got " + num(t.beta2));
   if (!(t.eps > 0)) bad("train.eps must be positive, got " + num(t.eps));
   if (!(t.weight_decay >= 0)) bad("train.weight_decay must be >= 0, got " + num(t.weight_decay));
-  if (!(t.min_lr_ratio >= 0 && t.min_lr_ratio <= 1)) bad("train.min_lr_ratio must be within 0..1, got " + num(t.min_lr_ratio));
-  // a batch's token count must fit comfortably in 64 bits (and in memory): 2^40 tokens is far past both
+  if (!(t.min_lr_ratio >= 0 && t.min_lr_ratio <= 1))
+    bad("train.min_lr_ratio must be within 0..1, got " + num(t.min_lr_ratio));
+  // a batch's token count must fit comfortably in 64 bits (and in memory): 2^40 tokens is far past
+  // both
   if (t.batch > (int64_t{1} << 40) / m.seq_len)
     bad("train.batch " + std::to_string(t.batch) + " x model.seq_len " + std::to_string(m.seq_len) +
         " tokens is too large for one batch");
@@ -348,8 +417,11 @@ void validate(const RunConfig& c) {
 std::vector<bool> high_precision_blocks(const RunConfig& c) {
   const int64_t L = c.model.n_layers;
   const bool fp8 = c.recipe.name == "fp8";
-  auto round_div = [](int64_t num, int64_t den) { return (2 * num + den) / (2 * den); };  // round half up
-  const int64_t first = c.recipe.hp_first >= 0 ? c.recipe.hp_first : round_div((fp8 ? 1 : 2) * L, 62);
+  auto round_div = [](int64_t num, int64_t den) {
+    return (2 * num + den) / (2 * den);
+  };  // round half up
+  const int64_t first =
+      c.recipe.hp_first >= 0 ? c.recipe.hp_first : round_div((fp8 ? 1 : 2) * L, 62);
   const int64_t last = c.recipe.hp_last >= 0 ? c.recipe.hp_last : round_div((fp8 ? 2 : 8) * L, 62);
   std::vector<bool> hp(static_cast<size_t>(L), c.recipe.name == "bf16");
   for (int64_t l = 0; l < L; ++l)
@@ -374,7 +446,8 @@ int64_t parameter_count(const ModelConfig& m) {
 }
 
 double training_flops_per_token(const ModelConfig& m) {
-  const double pos = m.positions == "learned" ? static_cast<double>(m.max_positions * m.d_model) : 0.0;
+  const double pos =
+      m.positions == "learned" ? static_cast<double>(m.max_positions * m.d_model) : 0.0;
   const double n = static_cast<double>(parameter_count(m)) - pos;
   return 6.0 * n + 12.0 * static_cast<double>(m.n_layers * m.seq_len * m.d_model);
 }

@@ -5,10 +5,9 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace fp4sim::model {
 
@@ -33,8 +32,9 @@ struct ModelConfig {
 };
 
 struct TrainConfig {
-  int64_t batch = 8;     // sequences per micro-batch
-  int64_t grad_accum = 1;  // micro-batches per step (gradient accumulation): batch * grad_accum sequences a step
+  int64_t batch = 8;  // sequences per micro-batch
+  int64_t grad_accum =
+      1;  // micro-batches per step (gradient accumulation): batch * grad_accum sequences a step
   int64_t steps = 100;
   double lr = 3e-4;
   double min_lr_ratio = 0.1;
@@ -47,33 +47,35 @@ struct TrainConfig {
   uint64_t seed = 1337;
   std::string data = "data/corpus";  // PREFIX.train.tokens / PREFIX.val.tokens, or "synthetic"
   // false: each step reads the next B windows of the training split in file order, wrapping around;
-  // true: each window starts at a random offset drawn from Philox (key seed, counter (step, window)),
-  // so the order is a function of (seed, step) alone and a resumed run draws the same batches
+  // true: each window starts at a random offset drawn from Philox (key seed, counter (step,
+  // window)), so the order is a function of (seed, step) alone and a resumed run draws the same
+  // batches
   bool shuffle = false;
   int64_t eval_every = 50;
   int64_t eval_batches = 8;
   int64_t checkpoint_every = 0;  // 0: no periodic checkpoints
-  int64_t keep_last = 3;  // checkpoints kept (0: all)
+  int64_t keep_last = 3;         // checkpoints kept (0: all)
   std::string out_dir = "runs/train";
 };
 
 // The low-precision recipe (DESIGN.md §9, issue 5). Defaults are the published NVFP4 recipe; they
 // are ignored by recipe.name = bf16.
 struct RecipeConfig {
-  std::string name = "bf16";        // bf16 | fp8 | nvfp4 | mxfp4 (fp8: exact GEMMs only)
-  std::string gemm = "exact";       // exact (the tensor-core model) | cublaslt (cuda backend only)
-  bool rht = true;                  // 16-point RHT on the Wgrad operands
+  std::string name = "bf16";   // bf16 | fp8 | nvfp4 | mxfp4 (fp8: exact GEMMs only)
+  std::string gemm = "exact";  // exact (the tensor-core model) | cublaslt (cuda backend only)
+  bool rht = true;             // 16-point RHT on the Wgrad operands
   std::string stochastic_rounding = "gradients";  // gradients | off | all (all: unusual, warns)
-  bool weight_2d = true;            // NVFP4 16x16 weight blocks (Dgrad weight = Fprop weight^T)
-  std::string four_over_six = "off";  // off | weights | activations | all
-  std::string fos_error = "mae";      // mae | mse
+  bool weight_2d = true;                // NVFP4 16x16 weight blocks (Dgrad weight = Fprop weight^T)
+  std::string four_over_six = "off";    // off | weights | activations | all
+  std::string fos_error = "mae";        // mae | mse
   std::string mx_scale_rule = "floor";  // floor | ceil (mxfp4)
   int64_t hp_first = -1;  // blocks kept in BF16 at the start; -1 = the recipe's default (§9)
   int64_t hp_last = -1;   // ... at the end; -1 = default
   std::vector<int64_t> hp_layers;  // further blocks kept in BF16
-  int64_t bf16_from_step = -1;     // the late switch to BF16 from this step on (1-based, as printed; -1 = never)
-  std::string bf16_switch = "all"; // forward (Fprop GEMMs only) | all
-  int64_t stats_every = 0;         // per-tensor quantization statistics every N steps (0 = off)
+  int64_t bf16_from_step =
+      -1;  // the late switch to BF16 from this step on (1-based, as printed; -1 = never)
+  std::string bf16_switch = "all";  // forward (Fprop GEMMs only) | all
+  int64_t stats_every = 0;          // per-tensor quantization statistics every N steps (0 = off)
   // Per-GEMM recipe: "h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>.<fprop|dgrad|wgrad>"
   // -> bf16 | nvfp4 | mxfp4 | fp8 (keys recipe.override.<that>).
   std::map<std::string, std::string> override_gemms;

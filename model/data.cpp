@@ -1,5 +1,7 @@
 #include "model/data.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -8,7 +10,6 @@
 #include <random>
 #include <sstream>
 #include <stdexcept>
-#include <unistd.h>
 
 namespace fp4sim::model {
 
@@ -19,12 +20,15 @@ TokenFile read_token_file(const std::string& path) {
   if (!in) throw std::runtime_error(path + ": cannot open token file");
   char header[kTokenFileHeaderBytes] = {};
   in.read(header, kTokenFileHeaderBytes);
-  if (in.gcount() >= 8 && std::memcmp(header, kTokenFileMagic, 8) == 0 && in.gcount() != kTokenFileHeaderBytes)
-    throw std::runtime_error(path + ": truncated token file (" + std::to_string(in.gcount()) + " bytes, the header alone is " +
+  if (in.gcount() >= 8 && std::memcmp(header, kTokenFileMagic, 8) == 0 &&
+      in.gcount() != kTokenFileHeaderBytes)
+    throw std::runtime_error(path + ": truncated token file (" + std::to_string(in.gcount()) +
+                             " bytes, the header alone is " +
                              std::to_string(kTokenFileHeaderBytes) + ")");
   if (in.gcount() != kTokenFileHeaderBytes || std::memcmp(header, kTokenFileMagic, 8) != 0)
-    throw std::runtime_error(path + ": not an fp4sim token file (bad magic); build one with "
-                                    "`fp4sim data build`");
+    throw std::runtime_error(path +
+                             ": not an fp4sim token file (bad magic); build one with "
+                             "`fp4sim data build`");
   uint32_t version, vocab;
   uint64_t count;
   std::memcpy(&version, header + 8, 4);
@@ -37,11 +41,12 @@ TokenFile read_token_file(const std::string& path) {
   // otherwise ask for terabytes, or leave trailing bytes unread)
   const auto data_bytes = static_cast<uint64_t>(fs::file_size(path)) - kTokenFileHeaderBytes;
   if (count > data_bytes / 2)
-    throw std::runtime_error(path + ": truncated token file (" + std::to_string(data_bytes / 2) + " of " +
-                             std::to_string(count) + " tokens)");
+    throw std::runtime_error(path + ": truncated token file (" + std::to_string(data_bytes / 2) +
+                             " of " + std::to_string(count) + " tokens)");
   if (count * 2 != data_bytes)
-    throw std::runtime_error(path + ": " + std::to_string(data_bytes - count * 2) + " bytes after the " +
-                             std::to_string(count) + " tokens the header announces (corrupt file)");
+    throw std::runtime_error(path + ": " + std::to_string(data_bytes - count * 2) +
+                             " bytes after the " + std::to_string(count) +
+                             " tokens the header announces (corrupt file)");
   TokenFile f;
   f.vocab = vocab;
   f.tokens.resize(count);
@@ -69,7 +74,8 @@ void write_token_file(const std::string& path, const TokenFile& f) {
     std::memcpy(header + 12, &f.vocab, 4);
     std::memcpy(header + 16, &count, 8);
     out.write(header, kTokenFileHeaderBytes);
-    out.write(reinterpret_cast<const char*>(f.tokens.data()), static_cast<std::streamsize>(count * 2));
+    out.write(reinterpret_cast<const char*>(f.tokens.data()),
+              static_cast<std::streamsize>(count * 2));
     out.close();  // (a full disk shows up at the last flush)
     if (!out) {
       std::remove(tmp.c_str());
@@ -102,7 +108,8 @@ std::vector<std::string> collect_text_files(const std::vector<std::string>& inpu
     if (ec || !fs::exists(st)) throw std::runtime_error(in + ": no such file or folder");
     if (fs::is_directory(st)) {
       for (const auto& e : fs::recursive_directory_iterator(in))
-        if (e.is_regular_file() && e.path().extension() == ".txt") files.push_back(e.path().string());
+        if (e.is_regular_file() && e.path().extension() == ".txt")
+          files.push_back(e.path().string());
     } else {
       files.push_back(in);
     }
@@ -147,13 +154,15 @@ CorpusSplit build_corpus(const std::vector<std::string>& files, int val_every) {
     if (val) ++s.val_documents;
   }
   if (s.train.tokens.empty() || s.val.tokens.empty())
-    throw std::runtime_error(s.split_documents
-                                 ? "the corpus needs at least " + std::to_string(val_every) +
-                                       " bytes of text to have both a training and a validation split"
-                                 : "the corpus needs at least " + std::to_string(val_every) +
-                                       " non-empty documents in its first " + std::to_string(val_every) +
-                                       " files to have both a training and a validation split (validation takes "
-                                       "every " + std::to_string(val_every) + "th file in sorted path order)");
+    throw std::runtime_error(
+        s.split_documents
+            ? "the corpus needs at least " + std::to_string(val_every) +
+                  " bytes of text to have both a training and a validation split"
+            : "the corpus needs at least " + std::to_string(val_every) +
+                  " non-empty documents in its first " + std::to_string(val_every) +
+                  " files to have both a training and a validation split (validation takes "
+                  "every " +
+                  std::to_string(val_every) + "th file in sorted path order)");
   return s;
 }
 

@@ -6,7 +6,6 @@
 #include <stdexcept>
 #include <utility>
 
-
 namespace fp4sim::model {
 
 int64_t ParamTensor::numel() const {
@@ -21,7 +20,8 @@ std::string Gpt::lname(int64_t l, const char* what) const {
 
 void Gpt::add(const std::string& name, std::vector<int64_t> shape) {
   ParamTensor t{name, std::move(shape), 0};
-  t.offset = tensors_.empty() ? 0 : tensors_.back().offset + static_cast<size_t>(tensors_.back().numel());
+  t.offset =
+      tensors_.empty() ? 0 : tensors_.back().offset + static_cast<size_t>(tensors_.back().numel());
   tensors_.push_back(t);
 }
 
@@ -45,11 +45,13 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
   run_.model = cfg;
   high_precision_.assign(static_cast<size_t>(cfg.n_layers), true);
   recipes_.assign(static_cast<size_t>(cfg.n_layers * 4), LinearRecipe{});
-  const int64_t C = cfg.d_model, HD = C / cfg.n_heads, QKV = (cfg.n_heads + 2 * cfg.n_kv_heads) * HD;
+  const int64_t C = cfg.d_model, HD = C / cfg.n_heads,
+                QKV = (cfg.n_heads + 2 * cfg.n_kv_heads) * HD;
   if (!be_.supports_attention_head_dim(HD))
-    throw std::invalid_argument("model: head size model.d_model / model.n_heads = " + std::to_string(HD) + " (" +
-                                std::to_string(C) + " / " + std::to_string(cfg.n_heads) +
-                                ") is not one the " + be_.name() + " backend's attention takes (16, 32, 64 or 128)");
+    throw std::invalid_argument(
+        "model: head size model.d_model / model.n_heads = " + std::to_string(HD) + " (" +
+        std::to_string(C) + " / " + std::to_string(cfg.n_heads) + ") is not one the " + be_.name() +
+        " backend's attention takes (16, 32, 64 or 128)");
   add("wte", {cfg.vocab, C});
   if (cfg.positions == "learned") add("wpe", {cfg.max_positions, C});
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
@@ -92,20 +94,23 @@ void Gpt::set_step(int64_t step) {
   if (!has_recipe_) return;
   for (int64_t l = 0; l < cfg_.n_layers; ++l)
     for (int i = 0; i < 4; ++i)
-      recipes_[static_cast<size_t>(l * 4 + i)] = resolve_linear_recipe(run_, high_precision_, l, i, step);
+      recipes_[static_cast<size_t>(l * 4 + i)] =
+          resolve_linear_recipe(run_, high_precision_, l, i, step);
 }
 
 std::string Gpt::describe_recipe() const {
   std::string s;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
-    s += "block " + std::to_string(l) + (high_precision_[static_cast<size_t>(l)] ? " (high precision)" : "") + ":";
+    s += "block " + std::to_string(l) +
+         (high_precision_[static_cast<size_t>(l)] ? " (high precision)" : "") + ":";
     for (int i = 0; i < 4; ++i) {
       const LinearRecipe& r = linear_recipe(l, i);
       s += std::string("  ") + kLinearNames[i] + " " + r.fprop + "/" + r.dgrad + "/" + r.wgrad;
     }
     s += "\n";
   }
-  s += "(fprop/dgrad/wgrad per linear layer; embeddings, norms, attention and the output head in BF16)\n";
+  s += "(fprop/dgrad/wgrad per linear layer; embeddings, norms, attention and the output head in "
+       "BF16)\n";
   return s;
 }
 
@@ -121,17 +126,20 @@ void Gpt::store(float* x, int64_t n) {
 
 bool Gpt::uses_weight_shadow() const {
   // (the BF16 recipe's every matmul reads its weight in BF16: one narrowing pass over all
-  // parameters instead of one conversion per matmul; other recipes quantize most weights themselves)
-  return bits_on() &&
-         std::none_of(recipes_.begin(), recipes_.end(), [](const LinearRecipe& r) { return r.any_quantized(); });
+  // parameters instead of one conversion per matmul; other recipes quantize most weights
+  // themselves)
+  return bits_on() && std::none_of(recipes_.begin(), recipes_.end(),
+                                   [](const LinearRecipe& r) { return r.any_quantized(); });
 }
 
-void Gpt::adamw_step(float* m, float* v, const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
-                     const std::vector<AdamWStep>& steps) {
-  float* const w = params();  // (a writable view: the shadow is stale from here unless the step writes it)
+void Gpt::adamw_step(float* m, float* v, const std::vector<int64_t>& offsets,
+                     const std::vector<int64_t>& counts, const std::vector<AdamWStep>& steps) {
+  float* const w =
+      params();  // (a writable view: the shadow is stale from here unless the step writes it)
   // the tensors, by offset, tile [0, n_params) exactly
   std::vector<std::pair<int64_t, int64_t>> segs;
-  for (size_t i = 0; i < offsets.size() && i < counts.size(); ++i) segs.emplace_back(offsets[i], counts[i]);
+  for (size_t i = 0; i < offsets.size() && i < counts.size(); ++i)
+    segs.emplace_back(offsets[i], counts[i]);
   std::sort(segs.begin(), segs.end());
   int64_t end = 0;
   bool tiles = offsets.size() == counts.size();
@@ -172,7 +180,8 @@ bool Gpt::stores_bits(int64_t l, int linear) const {
   const bool all_bf16 = !linear_recipe(l, linear).any_quantized();
   // (statistics read a quantized linear's FP32 input; GELU's output stays FP32 where a quantizer
   // takes it from the op: Backend::quantize_activation)
-  return bits_on() && (all_bf16 || !stats_active_) && (linear != 3 || (all_bf16 && cfg_.activation == "gelu_tanh"));
+  return bits_on() && (all_bf16 || !stats_active_) &&
+         (linear != 3 || (all_bf16 && cfg_.activation == "gelu_tanh"));
 }
 
 float* Gpt::f32_buffer(BackendBuffer& b, int64_t n) {
@@ -185,54 +194,69 @@ uint16_t* Gpt::bf16_buffer(BackendBuffer& b, int64_t n) {
   return b.as<uint16_t>();
 }
 
-void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
-                     bool round_bf16, const ActivationSource* pending_input, const uint16_t* inp16, uint16_t* out16) {
+void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K,
+                     int64_t OC, bool round_bf16, const ActivationSource* pending_input,
+                     const uint16_t* inp16, uint16_t* out16) {
   const std::string name = lname(l, kLinearNames[linear]);
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
                  cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, round_bf16,
                  stats_active_ ? &stats_ : nullptr, name,
                  inference_ ? nullptr : &acts_[static_cast<size_t>(l)].saved_x[linear],
-                 inference_ ? nullptr : &acts_[static_cast<size_t>(l)].saved_w[linear], pending_input,
-                 LinearBits{inp16, out16});
+                 inference_ ? nullptr : &acts_[static_cast<size_t>(l)].saved_w[linear],
+                 pending_input, LinearBits{inp16, out16});
 }
 
-void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
-                     const ActivationSource* pending_dout, uint16_t* dinp16, const uint16_t* dout16) {
+void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K,
+                     int64_t OC, const ActivationSource* pending_dout, uint16_t* dinp16,
+                     const uint16_t* dout16) {
   const std::string name = lname(l, kLinearNames[linear]);
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   LayerActs& a = acts_[static_cast<size_t>(l)];
   const LinearRecipe& r = linear_recipe(l, linear);
-  // the input as the forward pass kept it (FP32 or BF16 bits), where the Wgrad reads it (else the saved copy)
+  // the input as the forward pass kept it (FP32 or BF16 bits), where the Wgrad reads it (else the
+  // saved copy)
   const float* inp = r.wgrad == "bf16" && !a.in16[linear] ? linear_input(l, linear) : nullptr;
   const uint16_t* inp16 = r.wgrad == "bf16" && a.in16[linear] ? linear_input16(l, linear) : nullptr;
-  linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr, dout, inp,
-                  p(name + ".weight"), N, K, OC, prec_, stats_active_ ? &stats_ : nullptr, name,
-                  a.saved_x[linear].get(), a.saved_w[linear].get(), pending_dout, inp16, dinp16, dout16);
+  linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr,
+                  dout, inp, p(name + ".weight"), N, K, OC, prec_,
+                  stats_active_ ? &stats_ : nullptr, name, a.saved_x[linear].get(),
+                  a.saved_w[linear].get(), pending_dout, inp16, dinp16, dout16);
 }
 
 float* Gpt::linear_input(int64_t l, int linear) {
   const int64_t N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
   // the attention output (linear 1's input) is always kept: the attention backward pass reads it
-  if (linear != 1 && linear_recipe(l, linear).wgrad != "bf16") return scratch_in_[linear].as<float>();
+  if (linear != 1 && linear_recipe(l, linear).wgrad != "bf16")
+    return scratch_in_[linear].as<float>();
   LayerActs& a = acts_[static_cast<size_t>(l)];
-  return f32_buffer(linear == 0 ? a.ln1 : linear == 1 ? a.atty : linear == 2 ? a.ln2 : a.act, N * width);
+  return f32_buffer(linear == 0   ? a.ln1
+                    : linear == 1 ? a.atty
+                    : linear == 2 ? a.ln2
+                                  : a.act,
+                    N * width);
 }
 
 uint16_t* Gpt::linear_input16(int64_t l, int linear) {
   const int64_t N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
   // (as linear_input: a quantized Wgrad's input is not kept, except the attention output)
-  if (linear != 1 && linear_recipe(l, linear).wgrad != "bf16") return bf16_buffer(scratch16_in_[linear], N * width);
+  if (linear != 1 && linear_recipe(l, linear).wgrad != "bf16")
+    return bf16_buffer(scratch16_in_[linear], N * width);
   LayerActs& a = acts_[static_cast<size_t>(l)];
-  return bf16_buffer(linear == 0 ? a.ln1 : linear == 1 ? a.atty : linear == 2 ? a.ln2 : a.act, N * width);
+  return bf16_buffer(linear == 0   ? a.ln1
+                     : linear == 1 ? a.atty
+                     : linear == 2 ? a.ln2
+                                   : a.act,
+                     N * width);
 }
 
 size_t Gpt::saved_activation_bytes() const {
   size_t n = emb_.bytes() + lnf_.bytes() + lnf_mean_.bytes() + lnf_rstd_.bytes() + logits_.bytes() +
              losses_.bytes();
   for (const LayerActs& a : acts_) {
-    for (const BackendBuffer* b : {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.lse, &a.atty, &a.attproj, &a.res1,
-                                   &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.act, &a.fcproj, &a.res2})
+    for (const BackendBuffer* b :
+         {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.lse, &a.atty, &a.attproj, &a.res1, &a.ln2,
+          &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.act, &a.fcproj, &a.res2})
       n += b->bytes();
     for (const auto& q : a.saved_x)
       if (q) n += q->bytes();
@@ -250,8 +274,9 @@ std::vector<float> Gpt::params_to_host() const {
 
 void Gpt::params_from_host(const std::vector<float>& h) {
   if (h.size() != n_params_)
-    throw std::invalid_argument("params_from_host: " + std::to_string(h.size()) + " values for a model of " +
-                                std::to_string(n_params_) + " parameters");
+    throw std::invalid_argument("params_from_host: " + std::to_string(h.size()) +
+                                " values for a model of " + std::to_string(n_params_) +
+                                " parameters");
   be_.upload(params(), h.data(), n_params_ * 4);
 }
 
@@ -262,7 +287,8 @@ std::vector<float> Gpt::grads_to_host() const {
 }
 
 std::string Gpt::first_nonfinite_in_forward() const {
-  // (a sum of squares in FP64 is finite exactly when every element is: FP32 squares cannot overflow it)
+  // (a sum of squares in FP64 is finite exactly when every element is: FP32 squares cannot overflow
+  // it)
   const TensorSpans spans = tensor_spans();
   std::vector<double> sums(spans.offsets.size());
   be_.sum_squares_many(params(), spans.offsets, spans.counts, sums.data());
@@ -277,15 +303,18 @@ std::string Gpt::first_nonfinite_in_forward() const {
   };
   if (bad(emb_)) return "the embeddings' output (wte + wpe)";
   for (size_t l = 0; l < acts_.size(); ++l) {
-    if (bad(acts_[l].res1)) return "the residual stream after layer " + std::to_string(l) + "'s attention";
-    if (bad(acts_[l].res2)) return "the residual stream after layer " + std::to_string(l) + "'s MLP";
+    if (bad(acts_[l].res1))
+      return "the residual stream after layer " + std::to_string(l) + "'s attention";
+    if (bad(acts_[l].res2))
+      return "the residual stream after layer " + std::to_string(l) + "'s MLP";
   }
   return "the logits or the loss (the residual stream is finite)";
 }
 
 std::vector<float> Gpt::logits_row_to_host(int64_t row) const {
   if (row < 0 || row >= B_ * T_)
-    throw std::out_of_range("logits_row_to_host: row " + std::to_string(row) + " of " + std::to_string(B_ * T_));
+    throw std::out_of_range("logits_row_to_host: row " + std::to_string(row) + " of " +
+                            std::to_string(B_ * T_));
   std::vector<float> h(static_cast<size_t>(cfg_.vocab));
   if (logits16_) {  // (kept as BF16 bits)
     std::vector<uint16_t> b(h.size());
@@ -306,7 +335,8 @@ void Gpt::init(uint64_t seed) {
   std::vector<float> h(n_params_);
   for (const ParamTensor& t : tensors_) {
     float* x = h.data() + t.offset;
-    const bool norm_weight = t.name.find("ln_") != std::string::npos && t.name.find(".weight") != std::string::npos;
+    const bool norm_weight =
+        t.name.find("ln_") != std::string::npos && t.name.find(".weight") != std::string::npos;
     const bool bias = t.name.find(".bias") != std::string::npos;
     const bool resid = t.name.find("c_proj.weight") != std::string::npos;
     for (int64_t i = 0; i < t.numel(); ++i)
@@ -339,13 +369,15 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   for (LayerActs& a : acts_) {
     a.ln1_mean = f32(N);
     a.ln1_rstd = f32(N);
-    a.lse = f32(B * NH * T);  // attention's log-sum-exp rows (B,NH,T), not the (B,NH,T,T) probabilities
+    a.lse =
+        f32(B * NH * T);  // attention's log-sum-exp rows (B,NH,T), not the (B,NH,T,T) probabilities
     a.res1 = f32(N * C);
     a.ln2_mean = f32(N);
     a.ln2_rstd = f32(N);
     a.res2 = f32(N * C);
   }
-  for (int i : {0, 2, 3}) scratch_in_[i] = f32(N * (i == 3 ? F : C));  // (linear 1's input is always kept)
+  for (int i : {0, 2, 3})
+    scratch_in_[i] = f32(N * (i == 3 ? F : C));  // (linear 1's input is always kept)
   dlosses_ = f32(N);
   // (BF16 activations: dlogits stored as BF16 bits, the values the cross-entropy op writes rounded
   // anyway, so half the bytes and no conversion pass before the head's GEMMs)
@@ -362,20 +394,24 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   alloc_T_ = T;
 }
 
-float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, int64_t grad_micro_batches) {
-  if (grad_micro_batches < 1) throw std::invalid_argument("forward: grad_micro_batches must be >= 1");
+float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
+                   int64_t grad_micro_batches) {
+  if (grad_micro_batches < 1)
+    throw std::invalid_argument("forward: grad_micro_batches must be >= 1");
   const ModelConfig& c = cfg_;
   inference_pass_ = inference_;
   if (T > c.seq_len)
-    throw std::invalid_argument("forward: sequence of " + std::to_string(T) + " tokens exceeds model.seq_len " +
-                                std::to_string(c.seq_len));
+    throw std::invalid_argument("forward: sequence of " + std::to_string(T) +
+                                " tokens exceeds model.seq_len " + std::to_string(c.seq_len));
   const int64_t N = B * T, C = c.d_model, NH = c.n_heads, NKV = c.n_kv_heads, HD = C / NH;
   const int64_t QKV = (NH + 2 * NKV) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
   for (int64_t i = 0; i < N; ++i) {
     if (tokens[i] < 0 || tokens[i] >= V || targets[i] < 0 || targets[i] >= V)
-      throw std::invalid_argument("forward: token " + std::to_string(tokens[i] < 0 || tokens[i] >= V ? tokens[i] : targets[i]) +
-                                  " at position " + std::to_string(i) + " is outside the vocabulary of " +
-                                  std::to_string(V));
+      throw std::invalid_argument(
+          "forward: token " +
+          std::to_string(tokens[i] < 0 || tokens[i] >= V ? tokens[i] : targets[i]) +
+          " at position " + std::to_string(i) + " is outside the vocabulary of " +
+          std::to_string(V));
   }
   allocate_activations(B, T);
   const WeightShadow shadow(*this);
@@ -392,23 +428,31 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
                         c.positions == "learned" ? p("wpe") : nullptr, N, C);
   store(F32(emb_), N * C);
   const float* x = F32(emb_);
-  auto norm_fwd = [&](float* out, BackendBuffer& mean, BackendBuffer& rstd, const float* in, const std::string& pre) {
-    if (ln) be_.layernorm_forward(out, F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N, C, rb);
-    else be_.rmsnorm_forward(out, F32(rstd), in, p(pre + ".weight"), N, C, rb);
+  auto norm_fwd = [&](float* out, BackendBuffer& mean, BackendBuffer& rstd, const float* in,
+                      const std::string& pre) {
+    if (ln)
+      be_.layernorm_forward(out, F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N,
+                            C, rb);
+    else
+      be_.rmsnorm_forward(out, F32(rstd), in, p(pre + ".weight"), N, C, rb);
   };
-  auto norm_fwd16 = [&](uint16_t* out, BackendBuffer& mean, BackendBuffer& rstd, const float* in, const std::string& pre) {
-    if (ln) be_.layernorm_forward_bf16(out, F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N, C);
-    else be_.rmsnorm_forward_bf16(out, F32(rstd), in, p(pre + ".weight"), N, C);
+  auto norm_fwd16 = [&](uint16_t* out, BackendBuffer& mean, BackendBuffer& rstd, const float* in,
+                        const std::string& pre) {
+    if (ln)
+      be_.layernorm_forward_bf16(out, F32(mean), F32(rstd), in, p(pre + ".weight"),
+                                 p(pre + ".bias"), N, C);
+    else
+      be_.rmsnorm_forward_bf16(out, F32(rstd), in, p(pre + ".weight"), N, C);
   };
   // a residual add that a LayerNorm with BF16-bits output reads next is one backend call
   // (residual_layernorm_forward_bf16: the same bits as the two ops): ln_2 after the attention's
   // residual, and the next layer's ln_1 after the MLP's (ln1_done: made by the layer before)
   auto fused_norm = [&](int64_t l, int i) { return ln && stores_bits(l, i); };
   // res = in + proj16, then LayerNorm `pre` of it into out16 (mean, rstd): one backend call
-  auto residual_norm16 = [&](float* res, const float* in, const uint16_t* proj16, uint16_t* out16, BackendBuffer& mean,
-                             BackendBuffer& rstd, const std::string& pre) {
-    be_.residual_layernorm_forward_bf16(res, out16, F32(mean), F32(rstd), in, proj16, p(pre + ".weight"),
-                                        p(pre + ".bias"), N, C, rb);
+  auto residual_norm16 = [&](float* res, const float* in, const uint16_t* proj16, uint16_t* out16,
+                             BackendBuffer& mean, BackendBuffer& rstd, const std::string& pre) {
+    be_.residual_layernorm_forward_bf16(res, out16, F32(mean), F32(rstd), in, proj16,
+                                        p(pre + ".weight"), p(pre + ".bias"), N, C, rb);
   };
   bool ln1_done = false;
   for (int64_t l = 0; l < c.n_layers; ++l) {
@@ -439,7 +483,8 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     // RoPE rotates the GEMM's output: then the rounding comes after it (so c_attn's output, and the
     // bias it adds, stay FP32 until then: Backend::matmul_forward's bias rule covers an output the
     // op rounds itself)
-    linear_fwd(l, 0, qkv, ln1.first, N, C, QKV, rb && c.positions != "rope", nullptr, ln1.second, qkv16);
+    linear_fwd(l, 0, qkv, ln1.first, N, C, QKV, rb && c.positions != "rope", nullptr, ln1.second,
+               qkv16);
     if (c.positions == "rope") {
       be_.rope_forward(qkv, B, T, NH, NKV, HD);
       store(qkv, N * QKV);
@@ -454,8 +499,10 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     float* const attproj = a.proj16 ? nullptr : f32_buffer(a.attproj, N * C);
     float* const fcproj = a.proj16 ? nullptr : f32_buffer(a.fcproj, N * C);
     auto residual = [&](float* out, const float* in, const float* b) {
-      if (a.proj16) be_.residual_forward_bf16(out, in, proj16, N * C, rb);
-      else be_.residual_forward(out, in, b, N * C, rb);
+      if (a.proj16)
+        be_.residual_forward_bf16(out, in, proj16, N * C, rb);
+      else
+        be_.residual_forward(out, in, b, N * C, rb);
     };
     if (a.in16[1] || a.qkv16) {
       uint16_t* const atty16 = a.in16[1] ? linear_input16(l, 1) : nullptr;
@@ -484,7 +531,8 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     ActivationSource gelu;
     const ActivationSource* pending = nullptr;
     if (c.activation == "gelu_tanh") {
-      gelu = ActivationSource{ActivationOp::GeluForward, fc, nullptr, act, N, F, rb, false, "mlp activation"};
+      gelu = ActivationSource{ActivationOp::GeluForward, fc, nullptr, act, N, F, rb, false,
+                              "mlp activation"};
       if (a.in16[3]) gelu.out16 = linear_input16(l, 3);
       gelu.inp16 = fc16;
       pending = &gelu;
@@ -496,8 +544,8 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     linear_fwd(l, 3, fcproj, act, N, F, C, rb, pending, nullptr, proj16);
     if (a.proj16 && l + 1 < c.n_layers && fused_norm(l + 1, 0)) {
       LayerActs& next = acts_[static_cast<size_t>(l + 1)];
-      residual_norm16(F32(a.res2), F32(a.res1), proj16, linear_input16(l + 1, 0), next.ln1_mean, next.ln1_rstd,
-                      lname(l + 1, "ln_1"));
+      residual_norm16(F32(a.res2), F32(a.res1), proj16, linear_input16(l + 1, 0), next.ln1_mean,
+                      next.ln1_rstd, lname(l + 1, "ln_1"));
       ln1_done = true;
     } else {
       residual(F32(a.res2), F32(a.res1), fcproj);
@@ -511,9 +559,11 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   logits16_ = bits_on();
   const float* head_w = c.tied_embeddings ? p("wte") : p("lm_head.weight");
   if (logits16_)
-    be_.matmul_forward_bf16(nullptr, bf16_buffer(logits_, N * V), F32(lnf_), nullptr, head_w, nullptr, N, C, V, true);
+    be_.matmul_forward_bf16(nullptr, bf16_buffer(logits_, N * V), F32(lnf_), nullptr, head_w,
+                            nullptr, N, C, V, true);
   else
-    be_.matmul_forward(f32_buffer(logits_, N * V), F32(lnf_), head_w, nullptr, N, C, V, prec_, false);
+    be_.matmul_forward(f32_buffer(logits_, N * V), F32(lnf_), head_w, nullptr, N, C, V, prec_,
+                       false);
   loss_gradient(grad_micro_batches);
   std::vector<float> losses(static_cast<size_t>(N));
   be_.download(losses.data(), F32(losses_), losses.size() * 4);
@@ -527,59 +577,76 @@ void Gpt::loss_gradient(int64_t micro_batches) {
   // the gradient of the mean loss over all micro-batches' tokens: written (not accumulated) and
   // BF16-rounded in the op, so no zeroing or rounding pass over N x V
   if (dlosses_for_ != micro_batches) {  // (the same values every step: uploaded when they change)
-    const std::vector<float> dl(static_cast<size_t>(N), 1.0f / static_cast<float>(N * micro_batches));
+    const std::vector<float> dl(static_cast<size_t>(N),
+                                1.0f / static_cast<float>(N * micro_batches));
     be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
     dlosses_for_ = micro_batches;
   }
   if (logits16_)
-    be_.crossentropy_softmax_forward_backward_bits(losses_.as<float>(), dlogits_.as<uint16_t>(), logits_.as<uint16_t>(),
-                                                   targets_dev(), dlosses_.as<float>(), N, V);
+    be_.crossentropy_softmax_forward_backward_bits(losses_.as<float>(), dlogits_.as<uint16_t>(),
+                                                   logits_.as<uint16_t>(), targets_dev(),
+                                                   dlosses_.as<float>(), N, V);
   else if (round_bf16())
-    be_.crossentropy_softmax_forward_backward_bf16(losses_.as<float>(), dlogits_.as<uint16_t>(), logits_.as<float>(),
-                                                   targets_dev(), dlosses_.as<float>(), N, V);
+    be_.crossentropy_softmax_forward_backward_bf16(losses_.as<float>(), dlogits_.as<uint16_t>(),
+                                                   logits_.as<float>(), targets_dev(),
+                                                   dlosses_.as<float>(), N, V);
   else
-    be_.crossentropy_softmax_forward_backward(losses_.as<float>(), dlogits_.as<float>(), logits_.as<float>(),
-                                              targets_dev(), dlosses_.as<float>(), N, V, false);
+    be_.crossentropy_softmax_forward_backward(losses_.as<float>(), dlogits_.as<float>(),
+                                              logits_.as<float>(), targets_dev(),
+                                              dlosses_.as<float>(), N, V, false);
   dlogits_micro_batches_ = micro_batches;
 }
 
 void Gpt::backward(int64_t micro_batches, bool accumulate) {
   const ModelConfig& c = cfg_;
-  const int64_t B = B_, T = T_, N = B * T, C = c.d_model, NH = c.n_heads, NKV = c.n_kv_heads, HD = C / NH;
+  const int64_t B = B_, T = T_, N = B * T, C = c.d_model, NH = c.n_heads, NKV = c.n_kv_heads,
+                HD = C / NH;
   const int64_t QKV = (NH + 2 * NKV) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
   if (N == 0) throw std::logic_error("backward: no forward pass to differentiate");
-  if (inference_pass_) throw std::logic_error("backward: the last forward pass was an inference pass (set_inference)");
+  if (inference_pass_)
+    throw std::logic_error("backward: the last forward pass was an inference pass (set_inference)");
   const bool ln = c.norm == "layernorm", rb = round_bf16();
   auto F32 = [](const BackendBuffer& b) { return b.as<float>(); };
-  auto zero = [&](const BackendBuffer& b, int64_t n) { be_.zero(b.get(), static_cast<size_t>(n) * 4); };
+  auto zero = [&](const BackendBuffer& b, int64_t n) {
+    be_.zero(b.get(), static_cast<size_t>(n) * 4);
+  };
   if (micro_batches < 1) throw std::invalid_argument("backward: micro_batches must be >= 1");
   const WeightShadow shadow(*this);
   if (!accumulate) be_.zero(grads(), n_params_ * 4);
-  if (dlogits_micro_batches_ != micro_batches) loss_gradient(micro_batches);  // else the forward formed it
-  zero(dx_, N * C);  // (dlnf_: written by matmul_backward)
+  if (dlogits_micro_batches_ != micro_batches)
+    loss_gradient(micro_batches);  // else the forward formed it
+  zero(dx_, N * C);                // (dlnf_: written by matmul_backward)
   float* head_dw = c.tied_embeddings ? g("wte") : g("lm_head.weight");
   const float* head_w = c.tied_embeddings ? p("wte") : p("lm_head.weight");
   if (round_bf16())
-    be_.matmul_backward_bf16_dout(F32(dlnf_), head_dw, dlogits_.as<uint16_t>(), F32(lnf_), head_w, N, C, V, prec_);
+    be_.matmul_backward_bf16_dout(F32(dlnf_), head_dw, dlogits_.as<uint16_t>(), F32(lnf_), head_w,
+                                  N, C, V, prec_);
   else
-    be_.matmul_backward(F32(dlnf_), head_dw, nullptr, F32(dlogits_), F32(lnf_), head_w, N, C, V, prec_);
+    be_.matmul_backward(F32(dlnf_), head_dw, nullptr, F32(dlogits_), F32(lnf_), head_w, N, C, V,
+                        prec_);
   auto norm_bwd = [&](float* din, const float* dout, const float* in, const BackendBuffer& mean,
-                      const BackendBuffer& rstd, const std::string& pre, const uint16_t* dout16 = nullptr) {
+                      const BackendBuffer& rstd, const std::string& pre,
+                      const uint16_t* dout16 = nullptr) {
     // (dout is a Dgrad output: its BF16 storage is applied where the norm reads it, rb: no pass;
     // or it was written as BF16 bits)
     if (dout16 && ln)
-      be_.layernorm_backward_bits(din, g(pre + ".weight"), g(pre + ".bias"), dout16, in, p(pre + ".weight"), F32(mean),
-                                  F32(rstd), N, C, rb);
+      be_.layernorm_backward_bits(din, g(pre + ".weight"), g(pre + ".bias"), dout16, in,
+                                  p(pre + ".weight"), F32(mean), F32(rstd), N, C, rb);
     else if (dout16)
-      be_.rmsnorm_backward_bits(din, g(pre + ".weight"), dout16, in, p(pre + ".weight"), F32(rstd), N, C, rb);
-    else if (ln) be_.layernorm_backward(din, g(pre + ".weight"), g(pre + ".bias"), dout, in, p(pre + ".weight"),
-                                   F32(mean), F32(rstd), N, C, rb, rb);
-    else be_.rmsnorm_backward(din, g(pre + ".weight"), dout, in, p(pre + ".weight"), F32(rstd), N, C, rb, rb);
+      be_.rmsnorm_backward_bits(din, g(pre + ".weight"), dout16, in, p(pre + ".weight"), F32(rstd),
+                                N, C, rb);
+    else if (ln)
+      be_.layernorm_backward(din, g(pre + ".weight"), g(pre + ".bias"), dout, in,
+                             p(pre + ".weight"), F32(mean), F32(rstd), N, C, rb, rb);
+    else
+      be_.rmsnorm_backward(din, g(pre + ".weight"), dout, in, p(pre + ".weight"), F32(rstd), N, C,
+                           rb, rb);
   };
   // Dgrad output i as BF16 bits (see dinp16_), or null
   auto all_bf16 = [&](int64_t l, int i) { return !linear_recipe(l, i).any_quantized(); };
   auto dinp16 = [&](int64_t l, int i, int64_t width) -> uint16_t* {
-    const bool bits = bits_on() && all_bf16(l, i) && (i != 3 || (c.activation == "gelu_tanh" && all_bf16(l, 2)));
+    const bool bits =
+        bits_on() && all_bf16(l, i) && (i != 3 || (c.activation == "gelu_tanh" && all_bf16(l, 2)));
     return bits ? bf16_buffer(dinp16_[i], N * width) : nullptr;
   };
   const float* last = c.n_layers ? F32(acts_.back().res2) : F32(emb_);
@@ -598,8 +665,15 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     ActivationSource dgelu;
     const ActivationSource* pending = nullptr;
     if (c.activation == "gelu_tanh") {
-      dgelu = ActivationSource{ActivationOp::GeluBackward, a.fc16 ? nullptr : F32(a.fc), dact16 ? nullptr : F32(dact_),
-                               F32(dfc_), N, F, rb, rb, "mlp activation gradient"};
+      dgelu = ActivationSource{ActivationOp::GeluBackward,
+                               a.fc16 ? nullptr : F32(a.fc),
+                               dact16 ? nullptr : F32(dact_),
+                               F32(dfc_),
+                               N,
+                               F,
+                               rb,
+                               rb,
+                               "mlp activation gradient"};
       dgelu.inp16 = a.fc16 ? a.fc.as<uint16_t>() : nullptr;
       dgelu.dout16 = dact16;
       pending = &dgelu;
@@ -617,30 +691,34 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     // reads it as bf16(dout) on both backends, so the pass would change no bit it computes)
     if (prec_ != emu::GemmPrecision::BF16) store(F32(datty_), N * C);
     // the BF16 storage of dqkv rides on the attention's own write, except with RoPE: the saved qkv
-    // is post-RoPE, the GEMM's output pre-RoPE, so the gradient is rotated back first. Where c_attn's
-    // GEMMs are all BF16 and dqkv is stored BF16, the attention writes it as bits (dqkv16, in dqkv_'s
-    // memory) and c_attn's backward reads them: the same values, half the bytes, no narrowing pass
+    // is post-RoPE, the GEMM's output pre-RoPE, so the gradient is rotated back first. Where
+    // c_attn's GEMMs are all BF16 and dqkv is stored BF16, the attention writes it as bits (dqkv16,
+    // in dqkv_'s memory) and c_attn's backward reads them: the same values, half the bytes, no
+    // narrowing pass
     const bool rope = c.positions == "rope";
-    uint16_t* const dqkv16 =
-        (a.in16[1] || a.qkv16) && bits_on() && rb && !rope && all_bf16(l, 0) ? dqkv_.as<uint16_t>() : nullptr;
+    uint16_t* const dqkv16 = (a.in16[1] || a.qkv16) && bits_on() && rb && !rope && all_bf16(l, 0)
+                                 ? dqkv_.as<uint16_t>()
+                                 : nullptr;
     if (a.in16[1] || a.qkv16)
-      be_.attention_backward_bf16(dqkv16 ? nullptr : F32(dqkv_), dqkv16, datty16 ? nullptr : F32(datty_), datty16,
-                                  a.qkv16 ? nullptr : F32(a.qkv),
-                                  a.qkv16 ? a.qkv.as<uint16_t>() : nullptr, a.in16[1] ? nullptr : linear_input(l, 1),
-                                  a.in16[1] ? linear_input16(l, 1) : nullptr, F32(a.lse), B, T, NH, NKV, HD, rb && !rope);
+      be_.attention_backward_bf16(
+          dqkv16 ? nullptr : F32(dqkv_), dqkv16, datty16 ? nullptr : F32(datty_), datty16,
+          a.qkv16 ? nullptr : F32(a.qkv), a.qkv16 ? a.qkv.as<uint16_t>() : nullptr,
+          a.in16[1] ? nullptr : linear_input(l, 1), a.in16[1] ? linear_input16(l, 1) : nullptr,
+          F32(a.lse), B, T, NH, NKV, HD, rb && !rope);
     else
-      be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), linear_input(l, 1), F32(a.lse), B, T, NH, NKV, HD,
-                             prec_, rb && !rope);
+      be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), linear_input(l, 1), F32(a.lse), B,
+                             T, NH, NKV, HD, prec_, rb && !rope);
     if (rope) {
       be_.rope_backward(F32(dqkv_), B, T, NH, NKV, HD);
       store(F32(dqkv_), N * QKV);
     }
     uint16_t* const dln1_16 = dinp16(l, 0, C);
-    linear_bwd(l, 0, dln1_16 ? nullptr : F32(dln1_), dqkv16 ? nullptr : F32(dqkv_), N, C, QKV, nullptr, dln1_16, dqkv16);
+    linear_bwd(l, 0, dln1_16 ? nullptr : F32(dln1_), dqkv16 ? nullptr : F32(dqkv_), N, C, QKV,
+               nullptr, dln1_16, dqkv16);
     norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"), dln1_16);
   }
-  be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_), tokens_dev(),
-                         pos_.as<int32_t>(), N, C);
+  be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_),
+                         tokens_dev(), pos_.as<int32_t>(), N, C);
   collect_stats_ = stats_active_ = false;
 }
 

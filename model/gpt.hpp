@@ -8,7 +8,8 @@
 // Activations and their gradients are stored as BF16 (rounded at every op's output) with FP32
 // compute: as BF16 bits where they feed or leave a BF16 GEMM (set_bf16_bits_storage), else in FP32
 // arrays holding BF16 values; or FP32 with model.activation_dtype = fp32. The GEMMs' precision is
-// the backend's BF16 model (T-FDPA on the emulator, cuBLASLt BF16 with FP32 accumulation on the GPU).
+// the backend's BF16 model (T-FDPA on the emulator, cuBLASLt BF16 with FP32 accumulation on the
+// GPU).
 #pragma once
 
 #include <cstdint>
@@ -43,7 +44,8 @@ class Gpt {
   // gradient for backward(grad_micro_batches, ...) (crossentropy_softmax_forward_backward: the bits
   // of the forward and backward ops, and the (N,V) probabilities are never stored); a backward with
   // another micro-batch count forms it again from the kept logits (one more pass).
-  float forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, int64_t grad_micro_batches = 1);
+  float forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
+                int64_t grad_micro_batches = 1);
   // Gradients of the mean loss of the last forward into grads(): zeroed first, or with
   // accumulate added to what they hold; scaled by 1 / micro_batches (gradient accumulation: the
   // mean over all micro-batches' tokens).
@@ -87,9 +89,9 @@ class Gpt {
   Backend& backend() const { return be_; }
   size_t num_params() const { return n_params_; }
   // The flat parameter and gradient vectors in the backend's memory (host memory on the emulator).
-  // params() on a non-const model is the writable view: taking it marks the BF16 weight shadow stale,
-  // so the next forward pass narrows the parameters again (write through it before that pass; a
-  // backward pass reads the shadow its forward pass made, the weights it differentiates).
+  // params() on a non-const model is the writable view: taking it marks the BF16 weight shadow
+  // stale, so the next forward pass narrows the parameters again (write through it before that
+  // pass; a backward pass reads the shadow its forward pass made, the weights it differentiates).
   float* params() {
     ++params_version_;
     return params_.as<float>();
@@ -99,8 +101,8 @@ class Gpt {
   // params() and grads()). Where the BF16 weight shadow is in use and the tensors cover every
   // parameter once, the step writes the shadow too (adamw_update_many_bf16, the same bits as the
   // narrowing pass), and the next forward pass makes none.
-  void adamw_step(float* m, float* v, const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
-                  const std::vector<AdamWStep>& steps);
+  void adamw_step(float* m, float* v, const std::vector<int64_t>& offsets,
+                  const std::vector<int64_t>& counts, const std::vector<AdamWStep>& steps);
   float* grads() const { return grads_.as<float>(); }
   std::vector<float> params_to_host() const;
   void params_from_host(const std::vector<float>& host);
@@ -158,7 +160,9 @@ class Gpt {
   // The FP32 input of linear `linear` of a layer: its own buffer when the backward pass needs it
   // (a BF16 Wgrad), else the shared scratch.
   float* linear_input(int64_t layer, int linear);
-  const float* p(const std::string& name) const { return params_.as<float>() + tensor(name).offset; }
+  const float* p(const std::string& name) const {
+    return params_.as<float>() + tensor(name).offset;
+  }
   float* g(const std::string& name) const { return grads() + tensor(name).offset; }
   void add(const std::string& name, std::vector<int64_t> shape);
   std::string lname(int64_t l, const char* what) const;
@@ -172,14 +176,14 @@ class Gpt {
   bool round_bf16() const { return cfg_.activation_dtype == "bf16"; }
   // inp16 / out16 (or a pending input with out16): the input / output kept as BF16 bits
   // (linear_forward's LinearBits; then inp / out is null); dinp16: linear_backward's
-  void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K, int64_t OC,
-                  bool round_bf16, const ActivationSource* pending_input = nullptr, const uint16_t* inp16 = nullptr,
-                  uint16_t* out16 = nullptr);
+  void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K,
+                  int64_t OC, bool round_bf16, const ActivationSource* pending_input = nullptr,
+                  const uint16_t* inp16 = nullptr, uint16_t* out16 = nullptr);
   // dinp written (linear_backward's contract), the weight and bias gradients accumulated
   // (pending_input / pending_dout: linear_forward's / linear_backward's)
-  void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K, int64_t OC,
-                  const ActivationSource* pending_dout = nullptr, uint16_t* dinp16 = nullptr,
-                  const uint16_t* dout16 = nullptr);
+  void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K,
+                  int64_t OC, const ActivationSource* pending_dout = nullptr,
+                  uint16_t* dinp16 = nullptr, const uint16_t* dout16 = nullptr);
   // where linear `linear`'s input is kept as BF16 bits (acts_[l].in16[linear])
   uint16_t* linear_input16(int64_t l, int linear);
 
@@ -188,17 +192,19 @@ class Gpt {
   RunConfig run_;
   bool has_recipe_ = false;
   std::vector<bool> high_precision_;
-  BackendBuffer scratch_in_[4], scratch16_in_[4];  // the linear inputs that are not kept (FP32, BF16 bits)
-  BackendBuffer proj16_;  // the c_proj outputs as BF16 bits until the residual add reads them
+  BackendBuffer scratch_in_[4],
+      scratch16_in_[4];    // the linear inputs that are not kept (FP32, BF16 bits)
+  BackendBuffer proj16_;   // the c_proj outputs as BF16 bits until the residual add reads them
   bool logits16_ = false;  // the last forward kept the logits as BF16 bits
   // The parameters' BF16 bits, current while a forward or backward pass runs (WeightShadow: made
   // and handed to Backend::set_bf16_weight_shadow at the pass's start, withdrawn at its end, so no
   // later change of the parameters can meet a stale copy). The BF16 recipe only.
   BackendBuffer params16_;
-  // params() hands out writable views (params_version_ counts them); params16_ holds the bits of the
-  // version shadow_version_ (none when it differs: the shadow is remade)
+  // params() hands out writable views (params_version_ counts them); params16_ holds the bits of
+  // the version shadow_version_ (none when it differs: the shadow is remade)
   uint64_t params_version_ = 0, shadow_version_ = ~uint64_t{0};
-  bool uses_weight_shadow() const;  // the BF16 recipe with BF16 bits: every matmul reads BF16 weights
+  bool uses_weight_shadow()
+      const;  // the BF16 recipe with BF16 bits: every matmul reads BF16 weights
   class WeightShadow {
    public:
     explicit WeightShadow(Gpt& m);

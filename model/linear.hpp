@@ -6,9 +6,9 @@
 //   Dgrad  dx = dy W      A = dy row-wise (SR),                B = W column-wise (2D, RN)
 //   Wgrad  dW = dy^T x    A = dy column-wise (RHT, SR),        B = x column-wise (RHT, RN)
 // Dgrad writes dx (beta = 0), as matmul_backward does; Wgrad accumulates into dW through the GEMM
-// epilogue (C = D, beta = 1), as matmul_backward does with +=. Quantized copies are made from the FP32 tensors when each GEMM needs
-// them (the backward pass re-quantizes x and W: same bits as keeping them, since RN is
-// deterministic and SR draws from the same stream).
+// epilogue (C = D, beta = 1), as matmul_backward does with +=. Quantized copies are made from the
+// FP32 tensors when each GEMM needs them (the backward pass re-quantizes x and W: same bits as
+// keeping them, since RN is deterministic and SR draws from the same stream).
 #pragma once
 
 #include <cstdint>
@@ -29,16 +29,16 @@ enum class TensorRole : uint64_t { Activation = 0, Weight = 1, Gradient = 2 };
 //   stream = step << 32 | micro_batch << 24 | layer << 12 | linear << 4 | role << 1 | copy
 // step < 2^32, micro_batch < 256, layer < 4096, linear (0 c_attn, 1 attn c_proj, 2 c_fc,
 // 3 mlp c_proj) < 8, role (TensorRole) < 8, copy 0 = row-wise, 1 = column-wise.
-uint64_t sr_stream(int64_t step, int64_t micro_batch, int64_t layer, int64_t linear, TensorRole role,
-                   int copy);
+uint64_t sr_stream(int64_t step, int64_t micro_batch, int64_t layer, int64_t linear,
+                   TensorRole role, int copy);
 
 // What one linear layer does, resolved from the run's RecipeConfig (model/config.hpp).
 struct LinearRecipe {
   std::string fprop = "bf16", dgrad = "bf16", wgrad = "bf16";  // bf16 | nvfp4 | mxfp4
-  bool rht = true;               // on the Wgrad operands
-  bool sr_gradients = true;      // SR on dy (both copies)
-  bool sr_other = false;         // SR on x and W too (unusual)
-  bool weight_2d = true;         // NVFP4 16x16 weight blocks
+  bool rht = true;                                             // on the Wgrad operands
+  bool sr_gradients = true;                                    // SR on dy (both copies)
+  bool sr_other = false;                                       // SR on x and W too (unusual)
+  bool weight_2d = true;                                       // NVFP4 16x16 weight blocks
   bool fos_weights = false, fos_activations = false, fos_gradients = false;
   FourOverSixError fos_error = FourOverSixError::MAE;
   MxScaleRule mx_rule = MxScaleRule::Floor;
@@ -47,13 +47,14 @@ struct LinearRecipe {
 };
 
 // The four linear layers of a block, in the order of their `linear` index.
-inline constexpr const char* kLinearNames[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
+inline constexpr const char* kLinearNames[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                "mlp.c_proj"};
 
 // Linear `linear` of block `layer` at training step `step` under the run's recipe: the recipe's
 // format unless the block is high-precision, then recipe.override.h.<layer>.<linear>.<gemm>, then
 // the late switch to BF16 (recipe.bf16_from_step: Fprop only, or all three GEMMs).
-LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& high_precision, int64_t layer,
-                                   int linear, int64_t step);
+LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& high_precision,
+                                   int64_t layer, int linear, int64_t step);
 
 struct LinearIds {
   uint64_t seed = 0;
@@ -76,59 +77,67 @@ struct QuantizedCopy {
   QuantizedView view;
   BackendBuffer decoded;      // the view's decoded_bf16, when asked for (empty otherwise)
   BackendBuffer scales_gemm;  // the view's scales_gemm (FP8), when asked for (empty otherwise)
-  QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos, bool with_decoded = false,
-                bool with_scales_gemm = false);
-  size_t bytes() const { return codes.bytes() + scales.bytes() + amax.bytes() + decoded.bytes() + scales_gemm.bytes(); }
+  QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos,
+                bool with_decoded = false, bool with_scales_gemm = false);
+  size_t bytes() const {
+    return codes.bytes() + scales.bytes() + amax.bytes() + decoded.bytes() + scales_gemm.bytes();
+  }
 };
 
 // stats: when non-null, the row-wise (non-RHT) copies made here append their statistics (computed
-// on the backend, Backend::quant_error_sums; one extra pass over x and the copy). save_wgrad_input: when non-null and the Wgrad GEMM is
-// quantized, x's column-wise Wgrad copy is made here and kept there (else reset), so the backward
-// pass can run without the FP32 x (DESIGN.md §9: saved activations in quantized form); the bits
-// are those linear_backward would make from x. saved_wgrad_input (backward): that copy, or null to
-// quantize inp there; inp may be null when the copy is given. round_bf16: out rounded to BF16 (the
-// model's activation storage) with the bias add (Backend's round_bf16). save_dgrad_weight /
-// saved_dgrad_weight: the same for W's column-wise Dgrad copy, made in the forward pass from the
-// quantize call that makes W's Fprop copy when both GEMMs are quantized alike (one amax pass and
-// one read of W instead of two of each; W does not change between the passes of a micro-batch).
-// pending_input (forward) / pending_dout (backward): inp / dout is the output of an activation op
-// not yet run. Where the layer's only use of it is one quantize call making both copies (both GEMMs
-// quantized alike, no statistics), that call is Backend::quantize_activation, which may never store
-// it; where both of the pass's GEMMs are BF16, the pass is Backend::matmul_forward_activation (which
-// stores inp) / matmul_backward_activation (which may never store dout); otherwise the op runs first
-// (Backend::run_activation) and the layer proceeds as usual. Either way the copies, the GEMMs and
-// the bias gradient are the same bits; only dout, and inp where quantized, may be left unwritten.
-// linear_backward WRITES dinp (= dy W; the old contents are ignored) and ADDS to dweight and dbias
+// on the backend, Backend::quant_error_sums; one extra pass over x and the copy). save_wgrad_input:
+// when non-null and the Wgrad GEMM is quantized, x's column-wise Wgrad copy is made here and kept
+// there (else reset), so the backward pass can run without the FP32 x (DESIGN.md §9: saved
+// activations in quantized form); the bits are those linear_backward would make from x.
+// saved_wgrad_input (backward): that copy, or null to quantize inp there; inp may be null when the
+// copy is given. round_bf16: out rounded to BF16 (the model's activation storage) with the bias add
+// (Backend's round_bf16). save_dgrad_weight / saved_dgrad_weight: the same for W's column-wise
+// Dgrad copy, made in the forward pass from the quantize call that makes W's Fprop copy when both
+// GEMMs are quantized alike (one amax pass and one read of W instead of two of each; W does not
+// change between the passes of a micro-batch). pending_input (forward) / pending_dout (backward):
+// inp / dout is the output of an activation op not yet run. Where the layer's only use of it is one
+// quantize call making both copies (both GEMMs quantized alike, no statistics), that call is
+// Backend::quantize_activation, which may never store it; where both of the pass's GEMMs are BF16,
+// the pass is Backend::matmul_forward_activation (which stores inp) / matmul_backward_activation
+// (which may never store dout); otherwise the op runs first (Backend::run_activation) and the layer
+// proceeds as usual. Either way the copies, the GEMMs and the bias gradient are the same bits; only
+// dout, and inp where quantized, may be left unwritten. linear_backward WRITES dinp (= dy W; the
+// old contents are ignored) and ADDS to dweight and dbias
 // (+=, the parameter gradients accumulate over micro-batches). Writing dinp lets a quantized Dgrad
 // GEMM run with beta = 0: no zeroing pass before it and no read of the old dinp in its epilogue
-// (and on Hopper's cuBLASLt path, where alpha' is a device scalar, it avoids the general-beta kernel
-// that a device beta = 1 forces, 20-47% slower on gpt2-124m's Dgrad shapes; validation/perf.md).
-// BF16 bits storage (BF16 precision; Gpt::set_bf16_bits_storage): x kept as BF16 bits (inp16, inp
-// null: the GEMM or the quantizer reads the bits; no statistics, which read the FP32 x) and/or y
-// written as BF16 bits (out16, out null; rounded, round_bf16 implied: a BF16 Fprop writes them from
-// the GEMM (Backend::matmul_forward_bf16), a quantized one through an FP32 temporary and
-// Backend::bias_forward_bf16). A pending input's out16 (GELU's output kept as bits) needs a BF16
-// Fprop and Wgrad. The same bits as the FP32 arrays holding the same values (on CUDA with cuBLASLt's
-// BF16-output and bias-epilogue plans on, gpu::set_matmul_bf16_epilogue: within its bound).
+// (and on Hopper's cuBLASLt path, where alpha' is a device scalar, it avoids the general-beta
+// kernel that a device beta = 1 forces, 20-47% slower on gpt2-124m's Dgrad shapes;
+// validation/perf.md). BF16 bits storage (BF16 precision; Gpt::set_bf16_bits_storage): x kept as
+// BF16 bits (inp16, inp null: the GEMM or the quantizer reads the bits; no statistics, which read
+// the FP32 x) and/or y written as BF16 bits (out16, out null; rounded, round_bf16 implied: a BF16
+// Fprop writes them from the GEMM (Backend::matmul_forward_bf16), a quantized one through an FP32
+// temporary and Backend::bias_forward_bf16). A pending input's out16 (GELU's output kept as bits)
+// needs a BF16 Fprop and Wgrad. The same bits as the FP32 arrays holding the same values (on CUDA
+// with cuBLASLt's BF16-output and bias-epilogue plans on, gpu::set_matmul_bf16_epilogue: within its
+// bound).
 struct LinearBits {
   const uint16_t* inp16 = nullptr;
   uint16_t* out16 = nullptr;
 };
-void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out, const float* inp,
-                    const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
-                    emu::GemmPrecision prec, bool round_bf16, std::vector<QuantStat>* stats, const std::string& name,
+void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out,
+                    const float* inp, const float* weight, const float* bias, int64_t N, int64_t K,
+                    int64_t OC, emu::GemmPrecision prec, bool round_bf16,
+                    std::vector<QuantStat>* stats, const std::string& name,
                     std::unique_ptr<QuantizedCopy>* save_wgrad_input = nullptr,
                     std::unique_ptr<QuantizedCopy>* save_dgrad_weight = nullptr,
-                    const ActivationSource* pending_input = nullptr, const LinearBits& bits = LinearBits{});
+                    const ActivationSource* pending_input = nullptr,
+                    const LinearBits& bits = LinearBits{});
 // inp16: x as BF16 bits (inp null), as linear_forward's. dinp16 (a linear whose GEMMs are all BF16;
 // dinp null): dx written as BF16 bits (rounded: the values its readers, reading it rounded, see).
 // dout16 (a linear whose GEMMs are all BF16; dout null, no pending_dout): dy as BF16 bits.
-void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp, float* dweight,
-                     float* dbias, const float* dout, const float* inp, const float* weight, int64_t N,
-                     int64_t K, int64_t OC, emu::GemmPrecision prec, std::vector<QuantStat>* stats,
-                     const std::string& name, const QuantizedCopy* saved_wgrad_input = nullptr,
+void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp,
+                     float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
+                     std::vector<QuantStat>* stats, const std::string& name,
+                     const QuantizedCopy* saved_wgrad_input = nullptr,
                      const QuantizedCopy* saved_dgrad_weight = nullptr,
-                     const ActivationSource* pending_dout = nullptr, const uint16_t* inp16 = nullptr,
-                     uint16_t* dinp16 = nullptr, const uint16_t* dout16 = nullptr);
+                     const ActivationSource* pending_dout = nullptr,
+                     const uint16_t* inp16 = nullptr, uint16_t* dinp16 = nullptr,
+                     const uint16_t* dout16 = nullptr);
 
 }  // namespace fp4sim::model

@@ -9,12 +9,14 @@
 namespace fp4sim::model {
 
 // step is 0-based; the result for step s is the rate used to take step s.
-inline double learning_rate(const std::string& schedule, int64_t step, int64_t steps, int64_t warmup,
-                            double lr, double min_lr_ratio, double decay_fraction) {
+inline double learning_rate(const std::string& schedule, int64_t step, int64_t steps,
+                            int64_t warmup, double lr, double min_lr_ratio, double decay_fraction) {
   const double min_lr = lr * min_lr_ratio;
-  if (warmup > 0 && step < warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  if (warmup > 0 && step < warmup)
+    return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
   if (schedule == "wsd") {
-    const int64_t decay_steps = static_cast<int64_t>(std::llround(decay_fraction * static_cast<double>(steps)));
+    const int64_t decay_steps =
+        static_cast<int64_t>(std::llround(decay_fraction * static_cast<double>(steps)));
     const int64_t decay_start = steps - decay_steps;
     if (step < decay_start || decay_steps == 0) return lr;
     const double f = static_cast<double>(step - decay_start + 1) / static_cast<double>(decay_steps);

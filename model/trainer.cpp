@@ -30,7 +30,8 @@ struct Dataset {
 Dataset load_data(const RunConfig& c, bool need_train = true) {
   Dataset d;
   const bool synthetic = c.train.data == "synthetic";
-  const int64_t n_synthetic = std::max<int64_t>(c.train.batch * (c.model.seq_len + 1) * 64, 1 << 16);
+  const int64_t n_synthetic =
+      std::max<int64_t>(c.train.batch * (c.model.seq_len + 1) * 64, 1 << 16);
   auto check = [&](const TokenFile& f, const std::string& name) {
     if (f.vocab > static_cast<uint32_t>(c.model.vocab))
       throw std::invalid_argument(name + ": tokens of vocabulary " + std::to_string(f.vocab) +
@@ -41,11 +42,13 @@ Dataset load_data(const RunConfig& c, bool need_train = true) {
                                   std::to_string(c.model.seq_len));
   };
   if (need_train) {
-    d.train = synthetic ? synthetic_tokens(n_synthetic, static_cast<uint32_t>(c.model.vocab), c.train.seed)
+    d.train = synthetic ? synthetic_tokens(n_synthetic, static_cast<uint32_t>(c.model.vocab),
+                                           c.train.seed)
                         : read_token_file(c.train.data + ".train.tokens");
     check(d.train, synthetic ? "synthetic training tokens" : c.train.data + ".train.tokens");
   }
-  d.val = synthetic ? synthetic_tokens(n_synthetic / 8, static_cast<uint32_t>(c.model.vocab), c.train.seed + 1)
+  d.val = synthetic ? synthetic_tokens(n_synthetic / 8, static_cast<uint32_t>(c.model.vocab),
+                                       c.train.seed + 1)
                     : read_token_file(c.train.data + ".val.tokens");
   check(d.val, synthetic ? "synthetic validation tokens" : c.train.data + ".val.tokens");
   return d;
@@ -79,17 +82,19 @@ int64_t next_batch(const TokenFile& f, int64_t pos, int64_t B, int64_t T, std::v
 // streams share the key but put chunk indices in counter words 0-1 and their stream (step << 32 |
 // ...) in words 2-3, so the two meet only if an SR stream's high word equals "data" (step
 // 0x64617461). Independent of the position, so resume needs no data state.
-void sample_batch(const TokenFile& f, uint64_t seed, int64_t step, int64_t first_window, int64_t B, int64_t T,
-                  std::vector<int32_t>& tok, std::vector<int32_t>& tgt) {
-  const uint64_t starts = static_cast<uint64_t>(static_cast<int64_t>(f.tokens.size()) - T);  // >= 1 (load_data)
+void sample_batch(const TokenFile& f, uint64_t seed, int64_t step, int64_t first_window, int64_t B,
+                  int64_t T, std::vector<int32_t>& tok, std::vector<int32_t>& tgt) {
+  const uint64_t starts =
+      static_cast<uint64_t>(static_cast<int64_t>(f.tokens.size()) - T);  // >= 1 (load_data)
   tok.resize(static_cast<size_t>(B * T));
   tgt.resize(static_cast<size_t>(B * T));
   for (int64_t b = 0; b < B; ++b) {
-    const Philox4x32 r = philox4x32_10(static_cast<uint32_t>(step), static_cast<uint32_t>(static_cast<uint64_t>(step) >> 32),
-                                       static_cast<uint32_t>(first_window + b), 0x64617461u /* "data" */,
-                                       static_cast<uint32_t>(seed),
-                                       static_cast<uint32_t>(seed >> 32));
-    copy_window(f, static_cast<int64_t>(((static_cast<uint64_t>(r.v[1]) << 32) | r.v[0]) % starts), b, T, tok, tgt);
+    const Philox4x32 r = philox4x32_10(
+        static_cast<uint32_t>(step), static_cast<uint32_t>(static_cast<uint64_t>(step) >> 32),
+        static_cast<uint32_t>(first_window + b), 0x64617461u /* "data" */,
+        static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+    copy_window(f, static_cast<int64_t>(((static_cast<uint64_t>(r.v[1]) << 32) | r.v[0]) % starts),
+                b, T, tok, tgt);
   }
 }
 
@@ -117,15 +122,17 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 }
 
 // Tensor `name` of m into dst: F32 of exactly `shape` (the model's), else an error naming both.
-void load_stored(const TensorMap& m, const std::string& name, float* dst, const std::vector<int64_t>& shape,
-                 const std::string& where) {
+void load_stored(const TensorMap& m, const std::string& name, float* dst,
+                 const std::vector<int64_t>& shape, const std::string& where) {
   const auto it = m.find(name);
   if (it == m.end()) throw std::runtime_error(where + ": tensor '" + name + "' missing");
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
-  if (it->second.dtype != "F32" || it->second.shape != shape || static_cast<int64_t>(it->second.bytes.size()) != n * 4)
+  if (it->second.dtype != "F32" || it->second.shape != shape ||
+      static_cast<int64_t>(it->second.bytes.size()) != n * 4)
     throw std::runtime_error(where + ": tensor '" + name + "' is " + it->second.dtype + " " +
-                             shape_text(it->second.shape) + ", the model's is F32 " + shape_text(shape));
+                             shape_text(it->second.shape) + ", the model's is F32 " +
+                             shape_text(shape));
   std::memcpy(dst, it->second.bytes.data(), it->second.bytes.size());
 }
 
@@ -148,16 +155,18 @@ float evaluate_on(const RunConfig& c, const TokenFile& val, Gpt& model, int64_t 
 
 }  // namespace
 
-float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches, Backend& be, int64_t* used,
-               const std::function<void(int64_t, int64_t)>& progress) {
+float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t batches, Backend& be,
+               int64_t* used, const std::function<void(int64_t, int64_t)>& progress) {
   Gpt model(c.model, be);
   model.params_from_host(params);
   model.set_recipe(c);  // the forward pass of the trained recipe, as at the end of training
   model.set_step(c.train.steps);
   const Dataset data = load_data(c, false);
   if (batches == kAllValidationBatches)  // each batch reads B*T tokens plus the last target
-    batches = (static_cast<int64_t>(data.val.tokens.size()) - 1) / (c.train.batch * c.model.seq_len);
-  if (batches < 1) throw std::invalid_argument("evaluate: batches must be >= 1, got " + std::to_string(batches));
+    batches =
+        (static_cast<int64_t>(data.val.tokens.size()) - 1) / (c.train.batch * c.model.seq_len);
+  if (batches < 1)
+    throw std::invalid_argument("evaluate: batches must be >= 1, got " + std::to_string(batches));
   if (used) *used = batches;
   return evaluate_on(c, data.val, model, batches, progress);
 }
@@ -167,7 +176,8 @@ LoadedModel load_trained(const std::string& checkpoint, Backend& be) {
   if (!ck.state.contains("run_config"))
     throw std::runtime_error(checkpoint + ": the checkpoint carries no run_config");
   LoadedModel lm;
-  lm.config = config_from_json(ck.state.at("run_config"), {}, checkpoint + " (state.json run_config)");
+  lm.config =
+      config_from_json(ck.state.at("run_config"), {}, checkpoint + " (state.json run_config)");
   Gpt model(lm.config.model, be);
   lm.params.assign(model.num_params(), 0.0f);
   for (const ParamTensor& t : model.tensors())
@@ -181,13 +191,15 @@ std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32
   model.params_from_host(m.params);
   model.set_recipe(m.config);
   model.set_step(m.config.train.steps);
-  model.set_inference(true);  // (windows of any length: no Wgrad copies, which block along the rows)
+  model.set_inference(
+      true);  // (windows of any length: no Wgrad copies, which block along the rows)
   std::vector<int32_t> seq = prompt;
   if (seq.empty()) seq.push_back('\n');
   std::mt19937_64 rng(seed);
   const int64_t V = m.config.model.vocab, ctx = m.config.model.seq_len;
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t start = static_cast<int64_t>(seq.size()) > ctx ? static_cast<int64_t>(seq.size()) - ctx : 0;
+    const int64_t start =
+        static_cast<int64_t>(seq.size()) > ctx ? static_cast<int64_t>(seq.size()) - ctx : 0;
     std::vector<int32_t> window(seq.begin() + start, seq.end());
     const int64_t T = static_cast<int64_t>(window.size());
     model.forward(window.data(), window.data(), 1, T);  // targets unused for sampling
@@ -201,7 +213,8 @@ std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32
       std::vector<double> p(static_cast<size_t>(V));
       double mx = z[0], sum = 0;
       for (int64_t v = 1; v < V; ++v) mx = std::max(mx, static_cast<double>(z[v]));
-      for (int64_t v = 0; v < V; ++v) sum += p[static_cast<size_t>(v)] = std::exp((z[v] - mx) / temperature);
+      for (int64_t v = 0; v < V; ++v)
+        sum += p[static_cast<size_t>(v)] = std::exp((z[v] - mx) / temperature);
       double r = std::uniform_real_distribution<double>(0.0, sum)(rng);
       for (int64_t v = 0; v < V; ++v) {
         r -= p[static_cast<size_t>(v)];
@@ -211,28 +224,35 @@ std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32
     }
     seq.push_back(next);
   }
-  return std::vector<int32_t>(seq.begin() + static_cast<int64_t>(prompt.empty() ? 1 : prompt.size()), seq.end());
+  return std::vector<int32_t>(
+      seq.begin() + static_cast<int64_t>(prompt.empty() ? 1 : prompt.size()), seq.end());
 }
 
 TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   namespace fs = std::filesystem;
   if (!opt.dump_dir.empty() && c.train.grad_accum > 1)
-    throw std::invalid_argument("--dump writes one batch per step for the PyTorch check: it needs train.grad_accum=1");
+    throw std::invalid_argument(
+        "--dump writes one batch per step for the PyTorch check: it needs train.grad_accum=1");
   const Dataset data = load_data(c);  // every input error before any work
   Gpt model(c.model, be);
   model.init(c.train.seed);
   model.set_recipe(c);
   if (opt.print && c.recipe.name != "bf16") {
-    std::printf("recipe %s (gemm %s):\n%s", c.recipe.name.c_str(), c.recipe.gemm.c_str(), model.describe_recipe().c_str());
+    std::printf("recipe %s (gemm %s):\n%s", c.recipe.name.c_str(), c.recipe.gemm.c_str(),
+                model.describe_recipe().c_str());
     const std::vector<bool> hp = high_precision_blocks(c);
     if (std::all_of(hp.begin(), hp.end(), [](bool b) { return b; }))
-      std::printf("warning: recipe %s keeps every block in BF16 (recipe.hp_first/hp_last/hp_layers)\n",
-                  c.recipe.name.c_str());
+      std::printf(
+          "warning: recipe %s keeps every block in BF16 (recipe.hp_first/hp_last/hp_layers)\n",
+          c.recipe.name.c_str());
     if (c.recipe.bf16_from_step > 0)
-      std::printf("late switch: from step %lld, %s in BF16\n", static_cast<long long>(c.recipe.bf16_from_step),
+      std::printf("late switch: from step %lld, %s in BF16\n",
+                  static_cast<long long>(c.recipe.bf16_from_step),
                   c.recipe.bf16_switch == "all" ? "every GEMM" : "the Fprop GEMMs");
     if (c.recipe.stochastic_rounding == "all")
-      std::printf("warning: recipe.stochastic_rounding all puts SR on weights and activations too (unusual)\n");
+      std::printf(
+          "warning: recipe.stochastic_rounding all puts SR on weights and activations too "
+          "(unusual)\n");
   }
   // AdamW moments in the backend's memory, beside the parameters
   const size_t n_params = model.num_params();
@@ -246,14 +266,17 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     const Checkpoint ck = load_checkpoint(opt.resume);
     for (const char* key : {"config", "data_position"})
       if (!ck.state.contains(key))
-        throw std::runtime_error(opt.resume + ": its state.json has no '" + key + "' (corrupt checkpoint)");
+        throw std::runtime_error(opt.resume + ": its state.json has no '" + key +
+                                 "' (corrupt checkpoint)");
     // "prefix.key: a -> b" for each key whose value differs between two JSON objects
-    auto differences = [](const nlohmann::json& a, const nlohmann::json& b, const std::string& prefix) {
+    auto differences = [](const nlohmann::json& a, const nlohmann::json& b,
+                          const std::string& prefix) {
       std::vector<std::string> out;
       if (!a.is_object() || !b.is_object()) return out;
       for (const auto& [k, va] : a.items())
         if (!b.contains(k) || b.at(k) != va)
-          out.push_back(prefix + k + ": " + va.dump() + " -> " + (b.contains(k) ? b.at(k).dump() : "(none)"));
+          out.push_back(prefix + k + ": " + va.dump() + " -> " +
+                        (b.contains(k) ? b.at(k).dump() : "(none)"));
       for (const auto& [k, vb] : b.items())
         if (!a.contains(k)) out.push_back(prefix + k + ": (none) -> " + vb.dump());
       return out;
@@ -265,40 +288,54 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     };
     const nlohmann::json now = to_json(c);
     if (ck.state.at("config") != now.at("model"))
-      throw std::runtime_error(opt.resume + ": the checkpoint's model config differs from this run's (checkpoint -> "
-                               "this run: " + joined(differences(ck.state.at("config"), now.at("model"), "model.")) +
-                               ")");
+      throw std::runtime_error(
+          opt.resume +
+          ": the checkpoint's model config differs from this run's (checkpoint -> "
+          "this run: " +
+          joined(differences(ck.state.at("config"), now.at("model"), "model.")) + ")");
     // settings that make the continuation another run than the uninterrupted one: said, not refused
-    // (a recipe change on resume can be deliberate); the schedule's length (train.steps) is expected
-    // to change
+    // (a recipe change on resume can be deliberate); the schedule's length (train.steps) is
+    // expected to change
     if (opt.print && ck.state.contains("run_config")) {
       const nlohmann::json& was = ck.state.at("run_config");
-      std::vector<std::string> changed = differences(was.value("recipe", nlohmann::json::object()),
-                                                     now.at("recipe"), "recipe.");
-      const nlohmann::json was_train = was.value("train", nlohmann::json::object()), now_train = now.at("train");
-      for (const char* k : {"seed", "batch", "grad_accum", "data", "lr", "warmup", "schedule", "weight_decay"})
+      std::vector<std::string> changed =
+          differences(was.value("recipe", nlohmann::json::object()), now.at("recipe"), "recipe.");
+      const nlohmann::json was_train = was.value("train", nlohmann::json::object()),
+                           now_train = now.at("train");
+      for (const char* k :
+           {"seed", "batch", "grad_accum", "data", "lr", "warmup", "schedule", "weight_decay"})
         if (was_train.contains(k) && now_train.contains(k) && was_train.at(k) != now_train.at(k))
-          changed.push_back(std::string("train.") + k + ": " + was_train.at(k).dump() + " -> " + now_train.at(k).dump());
+          changed.push_back(std::string("train.") + k + ": " + was_train.at(k).dump() + " -> " +
+                            now_train.at(k).dump());
       if (!changed.empty())
-        std::printf("warning: resuming with settings that differ from the checkpoint's run (so not its uninterrupted "
-                    "continuation): %s\n", joined(changed).c_str());
+        std::printf(
+            "warning: resuming with settings that differ from the checkpoint's run (so not its "
+            "uninterrupted "
+            "continuation): %s\n",
+            joined(changed).c_str());
     }
     step0 = ck.step;
     if (step0 >= c.train.steps)
-      throw std::invalid_argument(opt.resume + " is at step " + std::to_string(step0) + " and train.steps is " +
-                                  std::to_string(c.train.steps) + ": nothing left to train (raise train.steps)");
+      throw std::invalid_argument(opt.resume + " is at step " + std::to_string(step0) +
+                                  " and train.steps is " + std::to_string(c.train.steps) +
+                                  ": nothing left to train (raise train.steps)");
     // the batch order must continue as it began: file order from data_position, or shuffled
-    const bool ck_shuffle = ck.state.contains("run_config") && ck.state["run_config"].contains("train") &&
+    const bool ck_shuffle = ck.state.contains("run_config") &&
+                            ck.state["run_config"].contains("train") &&
                             ck.state["run_config"]["train"].value("shuffle", false);
     if (ck_shuffle != c.train.shuffle)
-      throw std::invalid_argument(opt.resume + " was trained with train.shuffle=" + (ck_shuffle ? "true" : "false") +
-                                  "; resume with the same setting");
+      throw std::invalid_argument(
+          opt.resume + " was trained with train.shuffle=" + (ck_shuffle ? "true" : "false") +
+          "; resume with the same setting");
     if (!ck.state.at("data_position").is_number_integer())
-      throw std::runtime_error(opt.resume + ": data_position in its state.json is not an integer (corrupt checkpoint)");
+      throw std::runtime_error(
+          opt.resume + ": data_position in its state.json is not an integer (corrupt checkpoint)");
     pos = ck.state.at("data_position").get<int64_t>();
     if (pos < 0 || pos >= static_cast<int64_t>(data.train.tokens.size()))
-      throw std::runtime_error(opt.resume + ": data_position " + std::to_string(pos) + " is outside the training split (" +
-                               std::to_string(data.train.tokens.size()) + " tokens): a corrupt checkpoint, or another corpus");
+      throw std::runtime_error(opt.resume + ": data_position " + std::to_string(pos) +
+                               " is outside the training split (" +
+                               std::to_string(data.train.tokens.size()) +
+                               " tokens): a corrupt checkpoint, or another corpus");
     std::vector<float> hp(n_params), hm(n_params), hv(n_params);
     for (const ParamTensor& t : model.tensors()) {
       load_stored(ck.model, t.name, hp.data() + t.offset, t.shape, opt.resume);
@@ -308,7 +345,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     model.params_from_host(hp);
     be.upload(m, hm.data(), n_params * 4);
     be.upload(v, hv.data(), n_params * 4);
-    if (opt.print) std::printf("resumed from %s at step %lld\n", opt.resume.c_str(), static_cast<long long>(step0));
+    if (opt.print)
+      std::printf("resumed from %s at step %lld\n", opt.resume.c_str(),
+                  static_cast<long long>(step0));
   }
   // the output folders before anything is written, each error naming its option
   auto make_dir = [](const std::string& dir, const std::string& option) {
@@ -330,8 +369,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       if (checkpoint_step(ck_dir) > step0)
         later += (later.empty() ? "" : ", ") + fs::path(ck_dir).filename().string();
     if (!later.empty())
-      throw std::invalid_argument("train.out_dir " + c.train.out_dir + " already holds checkpoints of later steps (" +
-                                  later + ") than this run starts from (step " + std::to_string(step0) +
+      throw std::invalid_argument("train.out_dir " + c.train.out_dir +
+                                  " already holds checkpoints of later steps (" + later +
+                                  ") than this run starts from (step " + std::to_string(step0) +
                                   "): use another train.out_dir, or remove them");
   }
   // on resume, the log keeps the records up to the resumed step (a longer earlier run's later
@@ -342,16 +382,19 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     std::string kept, text;
     while (std::getline(old_log, text)) {
       const nlohmann::json rec = nlohmann::json::parse(text, nullptr, false);
-      if (!rec.is_discarded() && rec.is_object() && rec.value("step", int64_t{0}) <= step0) kept += text + "\n";
+      if (!rec.is_discarded() && rec.is_object() && rec.value("step", int64_t{0}) <= step0)
+        kept += text + "\n";
     }
     old_log.close();
     std::ofstream trimmed(log_path, std::ios::trunc);
     trimmed << kept;
     trimmed.close();
-    if (!trimmed) throw std::runtime_error("train.out_dir " + c.train.out_dir + ": cannot rewrite log.jsonl");
+    if (!trimmed)
+      throw std::runtime_error("train.out_dir " + c.train.out_dir + ": cannot rewrite log.jsonl");
   }
   std::ofstream log(log_path, step0 ? std::ios::app : std::ios::trunc);
-  if (!log) throw std::runtime_error("train.out_dir " + c.train.out_dir + ": cannot write log.jsonl");
+  if (!log)
+    throw std::runtime_error("train.out_dir " + c.train.out_dir + ": cannot write log.jsonl");
   const int64_t B = c.train.batch, T = c.model.seq_len, A = c.train.grad_accum;
   TrainResult res;
   std::vector<int32_t> tok, tgt;
@@ -366,21 +409,28 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     const auto t0 = std::chrono::steady_clock::now();
     model.set_step(step);
     if (opt.print && c.recipe.name != "bf16" && step + 1 == c.recipe.bf16_from_step && step > 0)
-      std::printf("step %5lld | late switch to BF16 (%s)\n", static_cast<long long>(step + 1), c.recipe.bf16_switch.c_str());
-    const bool stats_now = c.recipe.stats_every > 0 && c.recipe.name != "bf16" && step % c.recipe.stats_every == 0;
+      std::printf("step %5lld | late switch to BF16 (%s)\n", static_cast<long long>(step + 1),
+                  c.recipe.bf16_switch.c_str());
+    const bool stats_now =
+        c.recipe.stats_every > 0 && c.recipe.name != "bf16" && step % c.recipe.stats_every == 0;
     // grad_accum micro-batches of B sequences; the gradients add up in grads(), each scaled by
-    // 1 / (tokens of all micro-batches), and the step's loss is the mean of the micro-batches' means
+    // 1 / (tokens of all micro-batches), and the step's loss is the mean of the micro-batches'
+    // means
     double loss_sum = 0;
     for (int64_t mb = 0; mb < A; ++mb) {
-      if (c.train.shuffle) sample_batch(data.train, c.train.seed, step, mb * B, B, T, tok, tgt);
-      else pos = next_batch(data.train, pos, B, T, tok, tgt);
+      if (c.train.shuffle)
+        sample_batch(data.train, c.train.seed, step, mb * B, B, T, tok, tgt);
+      else
+        pos = next_batch(data.train, pos, B, T, tok, tgt);
       model.set_micro_batch(mb);
       if (stats_now && mb == 0) model.collect_stats_once();  // the first micro-batch's statistics
       const float mb_loss = model.forward(tok.data(), tgt.data(), B, T, A);
       if (!std::isfinite(mb_loss))
-        throw std::runtime_error("step " + std::to_string(step + 1) + (A > 1 ? " (micro-batch " + std::to_string(mb) + ")" : "") +
-                                 ": the loss is " + std::to_string(mb_loss) + "; the first non-finite tensor: " +
-                                 model.first_nonfinite_in_forward());
+        throw std::runtime_error(
+            "step " + std::to_string(step + 1) +
+            (A > 1 ? " (micro-batch " + std::to_string(mb) + ")" : "") + ": the loss is " +
+            std::to_string(mb_loss) +
+            "; the first non-finite tensor: " + model.first_nonfinite_in_forward());
       loss_sum += mb_loss;
       model.backward(A, mb > 0);
     }
@@ -401,11 +451,13 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     if (!opt.dump_dir.empty() && step == step0) {  // weights before this step's update, gradients
       TensorMap w;
       const std::vector<float> hp = model.params_to_host();
-      for (const ParamTensor& t : model.tensors()) w[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
+      for (const ParamTensor& t : model.tensors())
+        w[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
       write_safetensors(opt.dump_dir + "/weights.safetensors", w);
       TensorMap gr;
       const std::vector<float> hg = model.grads_to_host();
-      for (const ParamTensor& t : model.tensors()) gr[t.name] = as_stored(hg.data() + t.offset, t.shape, t.numel());
+      for (const ParamTensor& t : model.tensors())
+        gr[t.name] = as_stored(hg.data() + t.offset, t.shape, t.numel());
       gr["loss"] = as_stored(&loss, {1}, 1);
       write_safetensors(opt.dump_dir + "/step0_grads.safetensors", gr);
       std::ofstream(opt.dump_dir + "/config.json") << to_json(c).dump(2) << "\n";
@@ -413,7 +465,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     // every tensor's sum of squares in one backend call, then added in tensor order
     be.sum_squares_many(model.grads(), grad_offsets, grad_counts, sums.data());
     double sq = 0;
-    std::vector<std::string> bad;  // the tensors whose gradient holds a NaN or an Inf, in parameter order
+    std::vector<std::string>
+        bad;  // the tensors whose gradient holds a NaN or an Inf, in parameter order
     for (size_t i = 0; i < sums.size(); ++i) {
       if (!std::isfinite(sums[i])) bad.push_back(model.tensors()[i].name);
       sq += sums[i];
@@ -422,26 +475,29 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       std::string names;
       for (size_t i = 0; i < bad.size() && i < 6; ++i) names += (i ? ", '" : "'") + bad[i] + "'";
       if (bad.size() > 6) names += ", ...";
-      throw std::runtime_error("step " + std::to_string(step + 1) + ": gradient of '" + bad[0] + "' is not finite (" +
-                               std::to_string(bad.size()) + " of " + std::to_string(sums.size()) +
+      throw std::runtime_error("step " + std::to_string(step + 1) + ": gradient of '" + bad[0] +
+                               "' is not finite (" + std::to_string(bad.size()) + " of " +
+                               std::to_string(sums.size()) +
                                " tensors, in parameter order: " + names + ")");
     }
     const double norm = std::sqrt(sq);
-    const double lr = learning_rate(c.train.schedule, step, c.train.steps, c.train.warmup, c.train.lr,
-                                    c.train.min_lr_ratio, c.train.decay_fraction);
-    const AdamWStep s = make_adamw_step(static_cast<float>(lr), static_cast<float>(c.train.beta1),
-                                        static_cast<float>(c.train.beta2), static_cast<float>(c.train.eps),
-                                        static_cast<float>(c.train.weight_decay), step + 1,
-                                        clip_factor(norm, c.train.grad_clip));
-    // weight decay on matrices only (wte, wpe, the linear weights), not on 1-D tensors (biases, norm
-    // weights), as nanoGPT does; every tensor in one backend call
+    const double lr = learning_rate(c.train.schedule, step, c.train.steps, c.train.warmup,
+                                    c.train.lr, c.train.min_lr_ratio, c.train.decay_fraction);
+    const AdamWStep s = make_adamw_step(
+        static_cast<float>(lr), static_cast<float>(c.train.beta1),
+        static_cast<float>(c.train.beta2), static_cast<float>(c.train.eps),
+        static_cast<float>(c.train.weight_decay), step + 1, clip_factor(norm, c.train.grad_clip));
+    // weight decay on matrices only (wte, wpe, the linear weights), not on 1-D tensors (biases,
+    // norm weights), as nanoGPT does; every tensor in one backend call
     std::vector<AdamWStep> steps;
     for (const ParamTensor& t : model.tensors()) {
       steps.push_back(s);
       if (t.shape.size() < 2) steps.back().weight_decay = 0.0f;
     }
-    model.adamw_step(m, v, grad_offsets, grad_counts, steps);  // (and the BF16 weight shadow, where in use)
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    model.adamw_step(m, v, grad_offsets, grad_counts,
+                     steps);  // (and the BF16 weight shadow, where in use)
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     res.steps.push_back({step + 1, loss, norm, lr});
     const int64_t mem = be.device_memory_used();
     res.peak_device_memory = std::max(res.peak_device_memory, mem);
@@ -449,30 +505,42 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     const double mfu = tok_s * training_flops_per_token(c.model) / kH200DenseBf16Flops;
     if (opt.print) {
       // time left at the run's mean wall time per step so far (validation and checkpoints included)
-      const double elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+      const double elapsed_s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
       const int64_t done = step + 1 - step0, left = c.train.steps - (step + 1);
-      const std::string eta = duration_text(elapsed_s / static_cast<double>(done) * static_cast<double>(left));
-      std::printf("step %5lld | loss %.4f | grad norm %.3f | lr %.2e | %.1f ms | %.0f tok/s | MFU %.4f%% | eta %s\n",
-                  static_cast<long long>(step + 1), loss, norm, lr, ms, tok_s, 100.0 * mfu, eta.c_str());
+      const std::string eta =
+          duration_text(elapsed_s / static_cast<double>(done) * static_cast<double>(left));
+      std::printf(
+          "step %5lld | loss %.4f | grad norm %.3f | lr %.2e | %.1f ms | %.0f tok/s | MFU %.4f%% | "
+          "eta %s\n",
+          static_cast<long long>(step + 1), loss, norm, lr, ms, tok_s, 100.0 * mfu, eta.c_str());
     }
-    nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"grad_norm", norm}, {"lr", lr}, {"ms", ms},
-                           {"tok_per_s", tok_s}, {"mfu", mfu}, {"contract_version", kContractVersion}};
+    nlohmann::json line = {{"step", step + 1},  {"loss", loss},
+                           {"grad_norm", norm}, {"lr", lr},
+                           {"ms", ms},          {"tok_per_s", tok_s},
+                           {"mfu", mfu},        {"contract_version", kContractVersion}};
     if (mem >= 0) line["device_mem_gib"] = static_cast<double>(mem) / (1 << 30);
     if (stats_now) {
       nlohmann::json qs = nlohmann::json::object();
       for (const QuantStat& q : model.take_stats())
-        qs[q.tensor] = {{"amax", q.amax}, {"saturated", q.saturated}, {"underflow_blocks", q.underflow_blocks},
-                        {"rel_error", q.rel_error}, {"elements", q.elements}};
+        qs[q.tensor] = {{"amax", q.amax},
+                        {"saturated", q.saturated},
+                        {"underflow_blocks", q.underflow_blocks},
+                        {"rel_error", q.rel_error},
+                        {"elements", q.elements}};
       line["quant_stats"] = qs;
     }
     if (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
       const float vl = evaluate_on(c, data.val, model, c.train.eval_batches);
       res.val_losses.emplace_back(step + 1, vl);
       line["val_loss"] = vl;
-      if (opt.print) std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step + 1), vl);
+      if (opt.print)
+        std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step + 1), vl);
     }
-    log << line.dump() << "\n" << std::flush;  // (a step's line is on disk before its checkpoint is written)
-    if (c.train.checkpoint_every > 0 && ((step + 1) % c.train.checkpoint_every == 0 || step + 1 == c.train.steps)) {
+    log << line.dump() << "\n"
+        << std::flush;  // (a step's line is on disk before its checkpoint is written)
+    if (c.train.checkpoint_every > 0 &&
+        ((step + 1) % c.train.checkpoint_every == 0 || step + 1 == c.train.steps)) {
       Checkpoint ck;
       ck.step = step + 1;
       const std::vector<float> hp = model.params_to_host();
@@ -484,19 +552,26 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
         ck.optimizer[t.name + ".exp_avg"] = as_stored(hm.data() + t.offset, t.shape, t.numel());
         ck.optimizer[t.name + ".exp_avg_sq"] = as_stored(hv.data() + t.offset, t.shape, t.numel());
       }
-      ck.state = {{"data_position", pos}, {"config", to_json(c).at("model")}, {"run_config", to_json(c)},
-                  // the training's random draws (SR, RHT signs, shuffled windows) are Philox4x32-10
-                  // keyed by the seed with the step (and micro-batch, layer, role) in the counter:
-                  // the generator's whole state is the pair below
-                  {"rng", {{"generator", "philox4x32-10"}, {"key", c.train.seed}, {"next_step", step + 1}}}};
-      const std::string where = save_checkpoint(c.train.out_dir + "/checkpoints", ck, static_cast<int>(c.train.keep_last));
+      ck.state = {
+          {"data_position", pos},
+          {"config", to_json(c).at("model")},
+          {"run_config", to_json(c)},
+          // the training's random draws (SR, RHT signs, shuffled windows) are Philox4x32-10
+          // keyed by the seed with the step (and micro-batch, layer, role) in the counter:
+          // the generator's whole state is the pair below
+          {"rng",
+           {{"generator", "philox4x32-10"}, {"key", c.train.seed}, {"next_step", step + 1}}}};
+      const std::string where = save_checkpoint(c.train.out_dir + "/checkpoints", ck,
+                                                static_cast<int>(c.train.keep_last));
       if (opt.print) std::printf("checkpoint %s\n", where.c_str());
     }
   }
   if (!opt.dump_dir.empty()) write_safetensors(opt.dump_dir + "/batches.safetensors", dump_batches);
   if (opt.print && res.peak_device_memory >= 0)
-    std::printf("peak device memory in use: %.2f GiB (cudaMemGetInfo after each step, CUDA context included)\n",
-                static_cast<double>(res.peak_device_memory) / (1 << 30));
+    std::printf(
+        "peak device memory in use: %.2f GiB (cudaMemGetInfo after each step, CUDA context "
+        "included)\n",
+        static_cast<double>(res.peak_device_memory) / (1 << 30));
   return res;
 }
 

@@ -1,6 +1,6 @@
 // The training loop (issue 4, first version: the emulator backend only). One line per step, a
-// JSONL log, periodic validation, atomic checkpoints with keep-last-k and bitwise resume, and a stop
-// with the step and the first bad tensor on a NaN/Inf in the loss or the gradients.
+// JSONL log, periodic validation, atomic checkpoints with keep-last-k and bitwise resume, and a
+// stop with the step and the first bad tensor on a NaN/Inf in the loss or the gradients.
 #pragma once
 
 #include <cstdint>
@@ -42,8 +42,9 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt, Backend& backen
 // *used (when given) receives the number of batches evaluated.
 constexpr int64_t kAllValidationBatches = -1;
 // progress (when given) is called after each batch with (done, total).
-float evaluate(const RunConfig& cfg, const std::vector<float>& params, int64_t batches, Backend& backend,
-               int64_t* used = nullptr, const std::function<void(int64_t, int64_t)>& progress = {});
+float evaluate(const RunConfig& cfg, const std::vector<float>& params, int64_t batches,
+               Backend& backend, int64_t* used = nullptr,
+               const std::function<void(int64_t, int64_t)>& progress = {});
 
 // The run configuration and parameters stored in a checkpoint (a step directory, or a run's
 // checkpoints directory for its latest).
@@ -55,6 +56,7 @@ LoadedModel load_trained(const std::string& checkpoint, Backend& backend);
 
 // Autoregressive sampling: continue `prompt` by `count` tokens (temperature 0 = greedy).
 std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32_t>& prompt,
-                                   int64_t count, float temperature, uint64_t seed, Backend& backend);
+                                   int64_t count, float temperature, uint64_t seed,
+                                   Backend& backend);
 
 }  // namespace fp4sim::model

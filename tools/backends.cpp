@@ -56,7 +56,9 @@ std::string cuda_backend_unavailable_reason() {
 #endif
 }
 
-std::string default_backend_name() { return cuda_backend_unavailable_reason().empty() ? "cuda" : "emu"; }
+std::string default_backend_name() {
+  return cuda_backend_unavailable_reason().empty() ? "cuda" : "emu";
+}
 
 std::unique_ptr<Backend> make_backend(const std::string& name) {
   if (name == "emu") return make_cpu_backend();

@@ -51,10 +51,15 @@ void BM_CpuGemmExact(benchmark::State& state) {
     be->gemm(av, bv, nullptr, GemmConfig{}, dv);
     benchmark::DoNotOptimize(d.data());
   }
-  state.counters["GFLOPs"] = benchmark::Counter(2.0 * n * n * n * state.iterations() / 1e9,
-                                                benchmark::Counter::kIsRate);
+  state.counters["GFLOPs"] =
+      benchmark::Counter(2.0 * n * n * n * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_CpuGemmExact)->Arg(256)->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
+BENCHMARK(BM_CpuGemmExact)
+    ->Arg(256)
+    ->Arg(1024)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->Iterations(1);
 
 // The emulator's BF16 GEMM (chained T-FDPA per output, emu::bf16_gemm_tn, the training stack's
 // linear layers), on a tiny-preset shape: 1024 tokens x 512 outputs x K 128, Gaussian operands.
@@ -62,17 +67,22 @@ void BM_CpuBf16Gemm(benchmark::State& state) {
   const int64_t M = state.range(0), N = state.range(1), K = state.range(2);
   std::mt19937_64 rng(3);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> a(static_cast<size_t>(M * K)), b(static_cast<size_t>(N * K)), d(static_cast<size_t>(M * N));
+  std::vector<float> a(static_cast<size_t>(M * K)), b(static_cast<size_t>(N * K)),
+      d(static_cast<size_t>(M * N));
   for (auto& v : a) v = nd(rng);
   for (auto& v : b) v = nd(rng);
   for (auto _ : state) {
     emu::bf16_gemm_tn(d.data(), a.data(), b.data(), M, N, K);
     benchmark::DoNotOptimize(d.data());
   }
-  state.counters["GFLOPs"] = benchmark::Counter(2.0 * M * N * K * state.iterations() / 1e9,
-                                                benchmark::Counter::kIsRate);
+  state.counters["GFLOPs"] =
+      benchmark::Counter(2.0 * M * N * K * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_CpuBf16Gemm)->Args({1024, 512, 128})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
+BENCHMARK(BM_CpuBf16Gemm)
+    ->Args({1024, 512, 128})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(1.0);
 
 #if FP4SIM_HAVE_CUDA
 void BM_GpuGemmExact(benchmark::State& state) {
@@ -81,7 +91,10 @@ void BM_GpuGemmExact(benchmark::State& state) {
     return;
   }
   const int64_t n = state.range(0);
-  gpu::set_gemm_exact_variant(static_cast<int>(state.range(1)));  // 0 reference, 1 tiled, 2 lean, 3/4 lean at 3/4 CTAs per SM, 5 biased, 6 = 5 with exponent-add scaling, 7 = 6 + row records + folded all-zero groups (default), 8 = 6 + row records, 9 = 7 at 3 CTAs/SM: same bits
+  gpu::set_gemm_exact_variant(static_cast<int>(
+      state.range(1)));  // 0 reference, 1 tiled, 2 lean, 3/4 lean at 3/4 CTAs per SM, 5 biased, 6 =
+                         // 5 with exponent-add scaling, 7 = 6 + row records + folded all-zero
+                         // groups (default), 8 = 6 + row records, 9 = 7 at 3 CTAs/SM: same bits
   auto cpu = make_backend("emu");
   gpu::CudaBackend be;
   QuantizedHost a = quantized_gaussian(*cpu, n, n, 1), b = quantized_gaussian(*cpu, n, n, 2);
@@ -105,10 +118,27 @@ void BM_GpuGemmExact(benchmark::State& state) {
   gpu::set_gemm_exact_variant(gpu::kGemmExactDefaultVariant);
 }
 // {n, variant}: the reference kernel at 2048^3 only (it needs ~2.5 min at 8192^3)
-BENCHMARK(BM_GpuGemmExact)->Args({2048, 0})->Args({2048, 1})->UseManualTime()->Iterations(3)
+BENCHMARK(BM_GpuGemmExact)
+    ->Args({2048, 0})
+    ->Args({2048, 1})
+    ->UseManualTime()
+    ->Iterations(3)
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_GpuGemmExact)->Args({8192, 1})->Args({8192, 2})->Args({8192, 3})->Args({8192, 4})->Args({8192, 5})->Args({8192, 6})->Args({8192, 7})->Args({8192, 8})->Args({8192, 9})->UseManualTime()->Iterations(3)->Repetitions(3)
-    ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_GpuGemmExact)
+    ->Args({8192, 1})
+    ->Args({8192, 2})
+    ->Args({8192, 3})
+    ->Args({8192, 4})
+    ->Args({8192, 5})
+    ->Args({8192, 6})
+    ->Args({8192, 7})
+    ->Args({8192, 8})
+    ->Args({8192, 9})
+    ->UseManualTime()
+    ->Iterations(3)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMillisecond);
 
 // A rows x cols BF16 tensor of seeded Gaussian values on the device and its NVFP4 row-wise copy
 // (1x16, RN), quantized on the GPU: the operands of the FP4 GEMM benchmarks.
@@ -146,7 +176,8 @@ struct DeviceNvfp4 {
 struct DeviceF32Out {
   BackendBuffer d;
   TensorView v;
-  DeviceF32Out(Backend& be, int64_t rows, int64_t cols) : d(be, static_cast<size_t>(rows * cols) * 4) {
+  DeviceF32Out(Backend& be, int64_t rows, int64_t cols)
+      : d(be, static_cast<size_t>(rows * cols) * 4) {
     v.data = d.get();
     v.rows = rows;
     v.cols = cols;
@@ -154,8 +185,9 @@ struct DeviceF32Out {
   }
 };
 
-// The cuBLASLt NVFP4 path on Hopper (dequantize both operands to BF16 + cuBLASLt BF16 GEMM, operands
-// already quantized) against cuBLASLt's BF16 GEMM on the same shape, timed in the same repetition.
+// The cuBLASLt NVFP4 path on Hopper (dequantize both operands to BF16 + cuBLASLt BF16 GEMM,
+// operands already quantized) against cuBLASLt's BF16 GEMM on the same shape, timed in the same
+// repetition.
 void BM_GpuGemmCublasLt(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
@@ -179,8 +211,9 @@ void BM_GpuGemmCublasLt(benchmark::State& state) {
   be.copy(in_b.get(), in.get(), elements * 2);
   auto fp4_path = [&]() { be.gemm(q, q, nullptr, cfg, dv); };
   auto bf16 = [&]() {
-    gpu::bf16_gemm_tn(*st, static_cast<const uint16_t*>(in.get()), static_cast<const uint16_t*>(in_b.get()),
-                      nullptr, out.d.as<float>(), n, n, n, 1.0f, 0.0f, be.stream());
+    gpu::bf16_gemm_tn(*st, static_cast<const uint16_t*>(in.get()),
+                      static_cast<const uint16_t*>(in_b.get()), nullptr, out.d.as<float>(), n, n, n,
+                      1.0f, 0.0f, be.stream());
   };
   GpuTimer timer;
   timer.ms(be.stream(), 2, fp4_path);
@@ -196,8 +229,13 @@ void BM_GpuGemmCublasLt(benchmark::State& state) {
   state.counters["bf16_TFLOPs"] = flop / (bf16_ms * 1e-3) / 1e12;
   state.counters["ratio_pct"] = 100.0 * bf16_ms / fp4_ms;
 }
-BENCHMARK(BM_GpuGemmCublasLt)->Arg(8192)->UseManualTime()->Iterations(3)->Repetitions(3)
-    ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_GpuGemmCublasLt)
+    ->Arg(8192)
+    ->UseManualTime()
+    ->Iterations(3)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMillisecond);
 
 // The Hopper FP4 path's decode kernels (gpu/gemm_cublaslt.cu, knob set_fp4_decode_variant) on the
 // training step's Wgrad shapes (M x N output, K = 16 x 1024 tokens; operands quantized without
@@ -237,8 +275,15 @@ void BM_GpuFp4DecodeVariants(benchmark::State& state) {
   state.counters["gemm_us_flat"] = flat_ms * 1e3;
   state.counters["saved_us"] = (narrow_ms - flat_ms) * 1e3;
 }
-BENCHMARK(BM_GpuFp4DecodeVariants)->Args({768, 768, 16384})->Args({3072, 768, 16384})->Args({768, 2304, 16384})
-    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GpuFp4DecodeVariants)
+    ->Args({768, 768, 16384})
+    ->Args({3072, 768, 16384})
+    ->Args({768, 2304, 16384})
+    ->UseManualTime()
+    ->Iterations(3)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMicrosecond);
 
 // How cuBLASLt is handed alpha and beta, on the gpt2-124m GEMM shapes of one layer (batch 16 x
 // 1024 tokens) as the FP4 path on Hopper runs them: BF16 operands, TN, FP32 output, beta 0 for
@@ -252,18 +297,21 @@ struct Gpt2Shape {
   float beta;
 };
 constexpr Gpt2Shape kGpt2Shapes[] = {
-    {"fprop_qkv", 16384, 2304, 768, 0.0f},  {"fprop_proj", 16384, 768, 768, 0.0f},
-    {"fprop_fc", 16384, 3072, 768, 0.0f},   {"fprop_fc2", 16384, 768, 3072, 0.0f},
-    {"dgrad_qkv", 16384, 768, 2304, 1.0f},  {"dgrad_proj", 16384, 768, 768, 1.0f},
-    {"dgrad_fc", 16384, 768, 3072, 1.0f},   {"dgrad_fc2", 16384, 3072, 768, 1.0f},
-    {"wgrad_qkv", 2304, 768, 16384, 1.0f},  {"wgrad_proj", 768, 768, 16384, 1.0f},
-    {"wgrad_fc", 3072, 768, 16384, 1.0f},   {"wgrad_fc2", 768, 3072, 16384, 1.0f},
+    {"fprop_qkv", 16384, 2304, 768, 0.0f}, {"fprop_proj", 16384, 768, 768, 0.0f},
+    {"fprop_fc", 16384, 3072, 768, 0.0f},  {"fprop_fc2", 16384, 768, 3072, 0.0f},
+    {"dgrad_qkv", 16384, 768, 2304, 1.0f}, {"dgrad_proj", 16384, 768, 768, 1.0f},
+    {"dgrad_fc", 16384, 768, 3072, 1.0f},  {"dgrad_fc2", 16384, 3072, 768, 1.0f},
+    {"wgrad_qkv", 2304, 768, 16384, 1.0f}, {"wgrad_proj", 768, 768, 16384, 1.0f},
+    {"wgrad_fc", 3072, 768, 16384, 1.0f},  {"wgrad_fc2", 768, 3072, 16384, 1.0f},
 };
 
 // A heuristic-index knob (gpu::set_cublaslt_heuristic_pick, gpu::set_matmul_heuristic_pick) set
 // for the plans a benchmark builds, back to its default when the benchmark ends.
 struct HeuristicPick {
-  HeuristicPick(void (*set)(int), int index, int default_index) : set_(set), default_(default_index) { set(index); }
+  HeuristicPick(void (*set)(int), int index, int default_index)
+      : set_(set), default_(default_index) {
+    set(index);
+  }
   ~HeuristicPick() { set_(default_); }
   HeuristicPick(const HeuristicPick&) = delete;
   HeuristicPick& operator=(const HeuristicPick&) = delete;
@@ -275,7 +323,8 @@ struct HeuristicPick {
 
 // Times one shape's GEMM (run): 3 warm-up calls, then 20 per iteration; counters us and TFLOPs. A
 // GEMM that cannot be planned (an exception from the warm-up) skips the benchmark with its message.
-void time_shape(benchmark::State& state, const Gpt2Shape& s, cudaStream_t stream, const std::function<void()>& run) {
+void time_shape(benchmark::State& state, const Gpt2Shape& s, cudaStream_t stream,
+                const std::function<void()>& run) {
   GpuTimer timer;
   try {
     timer.ms(stream, 3, run);
@@ -296,12 +345,17 @@ void time_shape(benchmark::State& state, const Gpt2Shape& s, cudaStream_t stream
 // every shape in both modes with the plan's own algorithm (index -1: gpu/gemm_cublaslt.cu
 // fp8_preferred_algo and bf16_preferred_algo, else the heuristic's first), then every shape in
 // both modes at each index 0..7 of the heuristic's list (filter '<name>/[0-9]+/<mode>/[0-7]'; a
-// shape whose list is shorter reports an error instead of a time). Manual time, 3 iterations of 20 calls, 3 repetitions, aggregates
-// only, microseconds.
+// shape whose list is shorter reports an error instead of a time). Manual time, 3 iterations of 20
+// calls, 3 repetitions, aggregates only, microseconds.
 void shape_benchmark_registration(benchmark::internal::Benchmark* b) {
   b->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {gpu::kPlanOwnPick}})
-      ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, benchmark::CreateDenseRange(0, 7, 1)})
-      ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+      ->ArgsProduct(
+          {benchmark::CreateDenseRange(0, 11, 1), {0, 1}, benchmark::CreateDenseRange(0, 7, 1)})
+      ->UseManualTime()
+      ->Iterations(3)
+      ->Repetitions(3)
+      ->ReportAggregatesOnly(true)
+      ->Unit(benchmark::kMicrosecond);
 }
 
 void BM_GpuGemmScalarModes(benchmark::State& state) {
@@ -320,7 +374,8 @@ void BM_GpuGemmScalarModes(benchmark::State& state) {
   std::vector<uint16_t> ha(static_cast<size_t>(s.M * s.K)), hb(static_cast<size_t>(s.N * s.K));
   for (auto& v : ha) v = bf16_rne(nd(rng));
   for (auto& v : hb) v = bf16_rne(nd(rng));
-  BackendBuffer a(be, ha.size() * 2), b(be, hb.size() * 2), d(be, static_cast<size_t>(s.M * s.N) * 4);
+  BackendBuffer a(be, ha.size() * 2), b(be, hb.size() * 2),
+      d(be, static_cast<size_t>(s.M * s.N) * 4);
   be.upload(a.get(), ha.data(), ha.size() * 2);
   be.upload(b.get(), hb.data(), hb.size() * 2);
   be.zero(d.get(), static_cast<size_t>(s.M * s.N) * 4);
@@ -334,9 +389,10 @@ void BM_GpuGemmScalarModes(benchmark::State& state) {
   const float* beta = mode == gpu::Bf16Scalars::Device ? dev + s.N : &h_beta;
   auto st = gpu::make_cublaslt_state();
   auto run = [&]() {
-    gpu::bf16_gemm_tn_scalars(*st, mode, static_cast<const uint16_t*>(a.get()), static_cast<const uint16_t*>(b.get()),
-                              s.beta != 0.0f ? d.as<float>() : nullptr, d.as<float>(), s.M, s.N, s.K, alpha, beta,
-                              be.stream());
+    gpu::bf16_gemm_tn_scalars(*st, mode, static_cast<const uint16_t*>(a.get()),
+                              static_cast<const uint16_t*>(b.get()),
+                              s.beta != 0.0f ? d.as<float>() : nullptr, d.as<float>(), s.M, s.N,
+                              s.K, alpha, beta, be.stream());
   };
   time_shape(state, s, be.stream(), run);
 }
@@ -361,8 +417,10 @@ void BM_GpuMatmulPicks(benchmark::State& state) {
   state.SetLabel(std::string(s.name) + " algo " + std::to_string(pick));
   HeuristicPick pick_guard(gpu::set_matmul_heuristic_pick, pick, gpu::kPlanOwnPick);
   gpu::CudaBackend be;
-  // the op's (N tokens, K in, OC out) for each kind of shape (kGpt2Shapes lists the GEMM's M x N x K)
-  const int64_t N = si < 8 ? s.M : s.K, K = si < 4 ? s.K : s.N, OC = si < 4 ? s.N : (si < 8 ? s.K : s.M);
+  // the op's (N tokens, K in, OC out) for each kind of shape (kGpt2Shapes lists the GEMM's M x N x
+  // K)
+  const int64_t N = si < 8 ? s.M : s.K, K = si < 4 ? s.K : s.N,
+                OC = si < 4 ? s.N : (si < 8 ? s.K : s.M);
   std::mt19937_64 rng(13);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   auto filled = [&](int64_t n) {
@@ -378,21 +436,25 @@ void BM_GpuMatmulPicks(benchmark::State& state) {
   be.zero(dw.get(), static_cast<size_t>(OC * K) * 4);
   auto run = [&]() {
     if (si < 4)
-      be.matmul_forward(y.as<float>(), x.as<float>(), w.as<float>(), nullptr, N, K, OC, emu::GemmPrecision::BF16,
-                        false);
+      be.matmul_forward(y.as<float>(), x.as<float>(), w.as<float>(), nullptr, N, K, OC,
+                        emu::GemmPrecision::BF16, false);
     else if (si < 8)
-      be.matmul_backward(dx.as<float>(), nullptr, nullptr, dy.as<float>(), x.as<float>(), w.as<float>(), N, K, OC,
-                         emu::GemmPrecision::BF16);
+      be.matmul_backward(dx.as<float>(), nullptr, nullptr, dy.as<float>(), x.as<float>(),
+                         w.as<float>(), N, K, OC, emu::GemmPrecision::BF16);
     else
-      be.matmul_backward(nullptr, dw.as<float>(), nullptr, dy.as<float>(), x.as<float>(), w.as<float>(), N, K, OC,
-                         emu::GemmPrecision::BF16);
+      be.matmul_backward(nullptr, dw.as<float>(), nullptr, dy.as<float>(), x.as<float>(),
+                         w.as<float>(), N, K, OC, emu::GemmPrecision::BF16);
   };
   time_shape(state, s, be.stream(), run);
 }
 BENCHMARK(BM_GpuMatmulPicks)
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {gpu::kPlanOwnPick}})
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), benchmark::CreateDenseRange(0, 7, 1)})
-    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+    ->UseManualTime()
+    ->Iterations(3)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMicrosecond);
 
 // A rows x k FP8 operand (1x128 blocks, or 128x128 with two_d; with the GEMM-layout scales)
 // quantized on be from N(0, 1).
@@ -400,8 +462,8 @@ struct Fp8Operand {
   BackendBuffer codes, scales, scales_gemm, amax;
   QuantizedView q;
 };
-Fp8Operand make_fp8_operand(gpu::CudaBackend& be, std::mt19937_64& rng, int64_t rows, int64_t k, const char* name,
-                            bool two_d = false) {
+Fp8Operand make_fp8_operand(gpu::CudaBackend& be, std::mt19937_64& rng, int64_t rows, int64_t k,
+                            const char* name, bool two_d = false) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> h(static_cast<size_t>(rows * k));
   for (auto& v : h) v = nd(rng);
@@ -414,8 +476,8 @@ Fp8Operand make_fp8_operand(gpu::CudaBackend& be, std::mt19937_64& rng, int64_t 
   tv.device = Device::Cuda;
   tv.name = name;
   const size_t nscales = static_cast<size_t>(rows * (k / kFp8Block));
-  Fp8Operand o{BackendBuffer(be, h.size()), BackendBuffer(be, nscales * 4), BackendBuffer(be, nscales * 4),
-               BackendBuffer(be, 4), QuantizedView{}};
+  Fp8Operand o{BackendBuffer(be, h.size()), BackendBuffer(be, nscales * 4),
+               BackendBuffer(be, nscales * 4), BackendBuffer(be, 4), QuantizedView{}};
   o.q.codes = o.codes.as<uint8_t>();
   o.q.scales = o.scales.as<uint8_t>();
   o.q.scales_gemm = o.scales_gemm.as<float>();
@@ -443,8 +505,10 @@ struct Fp8Problem {
 Fp8Problem make_fp8_problem(gpu::CudaBackend& be, const Gpt2Shape& s) {
   std::mt19937_64 rng(11);
   Fp8Operand a = make_fp8_operand(be, rng, s.M, s.K, s.name);
-  Fp8Operand b = make_fp8_operand(be, rng, s.N, s.K, s.name, std::string(s.name).rfind("wgrad", 0) != 0);
-  Fp8Problem p{std::move(a), std::move(b), BackendBuffer(be, static_cast<size_t>(s.M * s.N) * 4), TensorView{}};
+  Fp8Operand b =
+      make_fp8_operand(be, rng, s.N, s.K, s.name, std::string(s.name).rfind("wgrad", 0) != 0);
+  Fp8Problem p{std::move(a), std::move(b), BackendBuffer(be, static_cast<size_t>(s.M * s.N) * 4),
+               TensorView{}};
   be.zero(p.d.get(), static_cast<size_t>(s.M * s.N) * 4);
   p.dv.data = p.d.get();
   p.dv.rows = s.M;
@@ -466,7 +530,8 @@ void BM_GpuGemmFp8(benchmark::State& state) {
   const Gpt2Shape& s = kGpt2Shapes[state.range(0)];
   const float beta = state.range(1) == 0 ? s.beta : 0.0f;
   const int pick = static_cast<int>(state.range(2));
-  state.SetLabel(std::string(s.name) + (beta != 0.0f ? " beta 1" : " beta 0") + " algo " + std::to_string(pick));
+  state.SetLabel(std::string(s.name) + (beta != 0.0f ? " beta 1" : " beta 0") + " algo " +
+                 std::to_string(pick));
   HeuristicPick pick_guard(gpu::set_cublaslt_heuristic_pick, pick, gpu::kPlanOwnPick);
   gpu::CudaBackend be;
   Fp8Problem p = make_fp8_problem(be, s);
@@ -493,8 +558,11 @@ void BM_GpuGemmFp8Exact(benchmark::State& state) {
   const Gpt2Shape& s = kGpt2Shapes[state.range(0)];
   const int path = static_cast<int>(state.range(1));
   const int split = static_cast<int>(state.range(2));
-  state.SetLabel(std::string(s.name) + (path == 0 ? " cublaslt" : path == 1 ? " wgmma" : " model") + " split " +
-                 std::to_string(split));
+  state.SetLabel(std::string(s.name) +
+                 (path == 0   ? " cublaslt"
+                  : path == 1 ? " wgmma"
+                              : " model") +
+                 " split " + std::to_string(split));
   gpu::CudaBackend be;
   Fp8Problem p = make_fp8_problem(be, s);
   if (path == 1 && !gpu::fp8_gemm_wgmma_supported(p.a.q, p.b.q)) {
@@ -517,7 +585,11 @@ BENCHMARK(BM_GpuGemmFp8Exact)
     ->ArgsProduct({benchmark::CreateDenseRange(0, 11, 1), {0, 1}, {1}})
     ->ArgsProduct({{8, 9, 10, 11}, {1}, {2, 4, 8}})
     ->Args({1, 2, 1})
-    ->UseManualTime()->Iterations(3)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+    ->UseManualTime()
+    ->Iterations(3)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMicrosecond);
 
 // Attention's batched BF16 GEMMs on the tensor cores (gpu/attention.cu), one gpt2-124m layer:
 // B 16, NH 12, T 1024, HD 64. range(0): 0 forward, 1 backward. TFLOP/s counts the causal half of
@@ -538,18 +610,21 @@ void BM_GpuAttention(benchmark::State& state) {
     for (auto& v : h) v = nd(rng);
     be.upload(buf.get(), h.data(), h.size() * sizeof(float));
   };
-  BackendBuffer qkv(be, static_cast<size_t>(B * T * W) * 4), dout(be, static_cast<size_t>(B * T * C) * 4);
-  BackendBuffer out(be, static_cast<size_t>(B * T * C) * 4), lse(be, static_cast<size_t>(B * NH * T) * 4);
+  BackendBuffer qkv(be, static_cast<size_t>(B * T * W) * 4),
+      dout(be, static_cast<size_t>(B * T * C) * 4);
+  BackendBuffer out(be, static_cast<size_t>(B * T * C) * 4),
+      lse(be, static_cast<size_t>(B * NH * T) * 4);
   BackendBuffer dqkv(be, static_cast<size_t>(B * T * W) * 4);
   upload(qkv, B * T * W);
   upload(dout, B * T * C);
   be.attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV, HD,
-                       emu::GemmPrecision::BF16, false);  // warm-up, and the saved state for backward
+                       emu::GemmPrecision::BF16,
+                       false);  // warm-up, and the saved state for backward
   be.synchronize();
   auto call = [&] {
     if (backward)
-      be.attention_backward(dqkv.as<float>(), dout.as<float>(), qkv.as<float>(), out.as<float>(), lse.as<float>(), B,
-                            T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
+      be.attention_backward(dqkv.as<float>(), dout.as<float>(), qkv.as<float>(), out.as<float>(),
+                            lse.as<float>(), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
     else
       be.attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV, HD,
                            emu::GemmPrecision::BF16, false);
@@ -566,8 +641,14 @@ void BM_GpuAttention(benchmark::State& state) {
   state.counters["TFLOPs"] = (backward ? 5 : 2) * gemm / (ms * 1e-3) / 1e12;
   state.counters["ms"] = ms;
 }
-BENCHMARK(BM_GpuAttention)->Arg(0)->Arg(1)->UseManualTime()->Iterations(10)->Repetitions(3)
-    ->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_GpuAttention)
+    ->Arg(0)
+    ->Arg(1)
+    ->UseManualTime()
+    ->Iterations(10)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMillisecond);
 #endif
 
 }  // namespace

@@ -43,9 +43,13 @@ QuantizeConfig config_for(int mode) {
   c.rowwise.stream = 1;
   c.columnwise.stream = 2;
   switch (mode) {
-    case 0: c.rowwise.enabled = true; break;                                // row-wise RN
-    case 1: c.rowwise.enabled = c.columnwise.enabled = true; break;         // both RN
-    case 2:                                                                  // both, col RHT+SR
+    case 0:
+      c.rowwise.enabled = true;
+      break;  // row-wise RN
+    case 1:
+      c.rowwise.enabled = c.columnwise.enabled = true;
+      break;  // both RN
+    case 2:   // both, col RHT+SR
       c.rowwise.enabled = c.columnwise.enabled = true;
       c.columnwise.rht = true;
       c.columnwise.rounding = Rounding::SR;
@@ -98,7 +102,8 @@ struct GpuQuantizeBuffers {
   BackendBuffer in, copy_dst, rc, rs, ra, cc, cs, ca;
   QuantizedView rv, cv;
   TensorView v;
-  GpuQuantizeBuffers(Backend& be, const void* host, int64_t rows, int64_t cols, DType dtype, QFormat format)
+  GpuQuantizeBuffers(Backend& be, const void* host, int64_t rows, int64_t cols, DType dtype,
+                     QFormat format)
       : in_bytes(static_cast<size_t>(rows * cols) * (dtype == DType::F32 ? 4 : 2)),
         in(be, in_bytes),
         copy_dst(be, in_bytes),
@@ -109,7 +114,8 @@ struct GpuQuantizeBuffers {
         cs(be, scale_bytes(rows, cols, format)),
         ca(be, 4) {
     be.upload(in.get(), host, in_bytes);
-    for (auto [q, c, sc, am, r, k] : {std::tuple{&rv, &rc, &rs, &ra, rows, cols}, std::tuple{&cv, &cc, &cs, &ca, cols, rows}}) {
+    for (auto [q, c, sc, am, r, k] :
+         {std::tuple{&rv, &rc, &rs, &ra, rows, cols}, std::tuple{&cv, &cc, &cs, &ca, cols, rows}}) {
       q->format = format;
       q->codes = c->as<uint8_t>();
       q->scales = sc->as<uint8_t>();
@@ -128,20 +134,25 @@ struct GpuQuantizeBuffers {
     return static_cast<size_t>(rows * cols) / (f == QFormat::FP8 ? 1 : 2);
   }
   static size_t scale_bytes(int64_t rows, int64_t cols, QFormat f) {
-    return f == QFormat::FP8 ? static_cast<size_t>(rows * cols) / kFp8Block * 4 : static_cast<size_t>(rows * cols) / 16;
+    return f == QFormat::FP8 ? static_cast<size_t>(rows * cols) / kFp8Block * 4
+                             : static_cast<size_t>(rows * cols) / 16;
   }
 };
 
 // Times `quantize` (10 calls, after 3 warm-ups) and a device-to-device copy of the input in each
 // repetition; counters: ms, GB/s for `bytes` moved, the copy's GB/s (read + write) and the ratio.
 template <class F>
-void time_against_copy(benchmark::State& state, gpu::CudaBackend& be, const GpuQuantizeBuffers& b, double bytes,
-                       F&& quantize) {
+void time_against_copy(benchmark::State& state, gpu::CudaBackend& be, const GpuQuantizeBuffers& b,
+                       double bytes, F&& quantize) {
   auto copy = [&]() {
-    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(b.copy_dst.get(), b.in.get(), b.in_bytes, cudaMemcpyDeviceToDevice, be.stream()));
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(b.copy_dst.get(), b.in.get(), b.in_bytes,
+                                      cudaMemcpyDeviceToDevice, be.stream()));
   };
   GpuTimer timer;
-  for (int i = 0; i < 3; ++i) { quantize(); copy(); }  // warm-up
+  for (int i = 0; i < 3; ++i) {
+    quantize();
+    copy();
+  }  // warm-up
   be.synchronize();
   double last_ms = 0, copy_bw = 0;
   for (auto _ : state) {
@@ -179,11 +190,18 @@ void BM_GpuQuantize(benchmark::State& state) {
   // bytes moved: amax pass reads input; quantize pass reads input, writes codes + scales per copy
   // (not counted: with RHT the transformed input kept between the passes, written and read once)
   const double bytes = 2.0 * n * 2 + copies * (n / 2.0 + n / 16.0);
-  time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, cfg.columnwise.enabled ? &b.cv : nullptr); });
-  state.SetLabel(std::string(mode_name(mode)) +
-                 (state.range(3) == 2 ? " tile64x256" : state.range(3) == 3 ? " tile64x128-direct" : " tile64x128") +
-                 (mode == 2 ? (state.range(4) != 0 ? " rht-kept" : " rht-twice (default for BF16)") : "") +
-                 (passes == 0 ? " amax1-serial" : passes == 1 ? " amax4-serial" : ""));
+  time_against_copy(state, be, b, bytes, [&]() {
+    be.quantize(b.v, cfg, &b.rv, cfg.columnwise.enabled ? &b.cv : nullptr);
+  });
+  state.SetLabel(
+      std::string(mode_name(mode)) +
+      (state.range(3) == 2   ? " tile64x256"
+       : state.range(3) == 3 ? " tile64x128-direct"
+                             : " tile64x128") +
+      (mode == 2 ? (state.range(4) != 0 ? " rht-kept" : " rht-twice (default for BF16)") : "") +
+      (passes == 0   ? " amax1-serial"
+       : passes == 1 ? " amax4-serial"
+                     : ""));
   gpu::set_quantize_tile_variant(1);
   gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
   gpu::set_quantize_amax_unroll(4);
@@ -235,13 +253,22 @@ void BM_GpuQuantizeRhtAmaxVariants(benchmark::State& state) {
   gpu::set_quantize_rht_amax_variant(2);
 }
 // {cols, RHT amax pass variant}
-BENCHMARK(BM_GpuQuantizeRhtAmaxVariants)->Args({768, 0})->Args({768, 1})->Args({768, 2})->Args({3072, 0})
-    ->Args({3072, 1})->Args({3072, 2})->UseManualTime()->Iterations(5)->Repetitions(3)->ReportAggregatesOnly(true)
+BENCHMARK(BM_GpuQuantizeRhtAmaxVariants)
+    ->Args({768, 0})
+    ->Args({768, 1})
+    ->Args({768, 2})
+    ->Args({3072, 0})
+    ->Args({3072, 1})
+    ->Args({3072, 2})
+    ->UseManualTime()
+    ->Iterations(5)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
     ->Unit(benchmark::kMicrosecond);
 
 // The same training-step quantize with the RHT transform kept between the passes (1) or computed
-// again in the tile kernel (0, set_quantize_keep_rht(false)); compare the times (ms): the byte count,
-// and so pct_of_copy_bw, includes the kept transform either way.
+// again in the tile kernel (0, set_quantize_keep_rht(false)); compare the times (ms): the byte
+// count, and so pct_of_copy_bw, includes the kept transform either way.
 void BM_GpuQuantizeTrainKeep(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
@@ -253,8 +280,13 @@ void BM_GpuQuantizeTrainKeep(benchmark::State& state) {
   state.SetLabel(state.range(1) != 0 ? "kept" : "rht-twice");
 }
 // {cols, keep the transform}
-BENCHMARK(BM_GpuQuantizeTrainKeep)->ArgsProduct({{768, 3072}, {1, 0}})->UseManualTime()->Iterations(5)->Repetitions(3)
-    ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GpuQuantizeTrainKeep)
+    ->ArgsProduct({{768, 3072}, {1, 0}})
+    ->UseManualTime()
+    ->Iterations(5)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMicrosecond);
 
 // The same training-step quantize (FP32 16384 x cols, row RN + column RHT + SR, the pipelined amax
 // pass) with the streaming kernel's grid capped at `ctas` CTAs per SM and copy (0: one 1x16 block a
@@ -269,9 +301,20 @@ void BM_GpuQuantizeKeptGrid(benchmark::State& state) {
   gpu::set_quantize_kept_ctas_per_sm(8);
 }
 // {cols, CTAs per SM and copy}
-BENCHMARK(BM_GpuQuantizeKeptGrid)->Args({768, 0})->Args({768, 2})->Args({768, 4})->Args({768, 8})->Args({3072, 0})
-    ->Args({3072, 2})->Args({3072, 4})->Args({3072, 8})->UseManualTime()->Iterations(5)->Repetitions(3)
-    ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GpuQuantizeKeptGrid)
+    ->Args({768, 0})
+    ->Args({768, 2})
+    ->Args({768, 4})
+    ->Args({768, 8})
+    ->Args({3072, 0})
+    ->Args({3072, 2})
+    ->Args({3072, 4})
+    ->Args({3072, 8})
+    ->UseManualTime()
+    ->Iterations(5)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMicrosecond);
 
 // The FP8 block quantizer (1x128, row-wise + column-wise copies, one tiled pass with the amax)
 // on an FP32 input of 16384 x cols (gpt2-124m's activations: 768; its largest activation gradient:
@@ -296,8 +339,13 @@ void BM_GpuQuantizeFp8(benchmark::State& state) {
   gpu::set_fp8_quantize_staged(true);
   state.SetLabel(state.range(1) != 0 ? "staged stores" : "direct stores");
 }
-BENCHMARK(BM_GpuQuantizeFp8)->ArgsProduct({{768, 3072}, {0, 1}})->UseManualTime()->Iterations(5)->Repetitions(3)
-    ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GpuQuantizeFp8)
+    ->ArgsProduct({{768, 3072}, {0, 1}})
+    ->UseManualTime()
+    ->Iterations(5)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMicrosecond);
 
 // GELU (forward; or backward with its incoming gradient and the bias gradient) into FP8 row- and
 // column-wise copies of a 16384x3072 activation (gpt2-124m's MLP, batch 16 x 1024), through
@@ -322,21 +370,39 @@ void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
   BackendBuffer d(be, n * 4), out(be, n * 4), dbias(be, static_cast<size_t>(cols) * 4);
   be.upload(d.get(), dout.data(), n * 4);
   be.zero(dbias.get(), static_cast<size_t>(cols) * 4);
-  const ActivationSource src{backward ? ActivationOp::GeluBackward : ActivationOp::GeluForward, b.in.as<float>(),
-                             d.as<float>(), out.as<float>(), rows, cols, true, true, "act"};
+  const ActivationSource src{backward ? ActivationOp::GeluBackward : ActivationOp::GeluForward,
+                             b.in.as<float>(),
+                             d.as<float>(),
+                             out.as<float>(),
+                             rows,
+                             cols,
+                             true,
+                             true,
+                             "act"};
   const double bytes = (backward ? 8.0 : 4.0) * n + 2 * (n + n / 128.0 * 4);
   gpu::set_activation_fusion(fused);
   gpu::set_fp8_quantize_staged(state.range(2) != 0);
-  time_against_copy(state, be, b, bytes,
-                    [&]() { be.quantize_activation(src, cfg, &b.rv, &b.cv, backward ? dbias.as<float>() : nullptr); });
+  time_against_copy(state, be, b, bytes, [&]() {
+    be.quantize_activation(src, cfg, &b.rv, &b.cv, backward ? dbias.as<float>() : nullptr);
+  });
   gpu::set_activation_fusion(true);
   gpu::set_fp8_quantize_staged(true);
   state.SetLabel(std::string(backward ? "gelu backward + dbias" : "gelu forward") +
-                 (fused ? " fused" : " op then quantize") + (state.range(2) != 0 ? ", staged stores" : ", direct stores"));
+                 (fused ? " fused" : " op then quantize") +
+                 (state.range(2) != 0 ? ", staged stores" : ", direct stores"));
 }
-BENCHMARK(BM_GpuQuantizeActivationFp8)->Args({0, 1, 0})->Args({0, 1, 1})->Args({0, 0, 1})->Args({1, 1, 0})
-    ->Args({1, 1, 1})->Args({1, 0, 1})->UseManualTime()
-    ->Iterations(5)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GpuQuantizeActivationFp8)
+    ->Args({0, 1, 0})
+    ->Args({0, 1, 1})
+    ->Args({0, 0, 1})
+    ->Args({1, 1, 0})
+    ->Args({1, 1, 1})
+    ->Args({1, 0, 1})
+    ->UseManualTime()
+    ->Iterations(5)
+    ->Repetitions(3)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMicrosecond);
 
 #endif
 

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -22,7 +21,8 @@ inline long long parse_integer(const std::string& text, const std::string& flag,
     used = 0;
   }
   if (text.empty() || used != text.size())
-    throw std::invalid_argument(flag + ": '" + text + "' is not " + (base == 16 ? "a hex byte" : "an integer"));
+    throw std::invalid_argument(flag + ": '" + text + "' is not " +
+                                (base == 16 ? "a hex byte" : "an integer"));
   return v;
 }
 
@@ -35,7 +35,8 @@ inline double parse_decimal(const std::string& text, const std::string& flag) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (text.empty() || used != text.size()) throw std::invalid_argument(flag + ": '" + text + "' is not a number");
+  if (text.empty() || used != text.size())
+    throw std::invalid_argument(flag + ": '" + text + "' is not a number");
   return v;
 }
 

@@ -32,12 +32,18 @@ void run_convert(const ConvertArgs& a) {
     } else {
       std::vector<uint8_t> o(n);
       for (size_t i = 0; i < n; ++i) {
-        if (a.format == "e2m1") o[i] = e2m1_rn_satfinite(x[i]);
-        else if (a.format == "e4m3") o[i] = e4m3_rn_satfinite(x[i]);
-        else if (a.format == "e5m2") o[i] = e5m2_rn_satfinite(x[i]);
-        else if (a.format == "ue8m0_rz") o[i] = ue8m0_rz_satfinite(x[i]);
-        else if (a.format == "ue8m0_rp") o[i] = ue8m0_rp_satfinite(x[i]);
-        else throw std::invalid_argument("--format: '" + a.format + "' cannot encode");
+        if (a.format == "e2m1")
+          o[i] = e2m1_rn_satfinite(x[i]);
+        else if (a.format == "e4m3")
+          o[i] = e4m3_rn_satfinite(x[i]);
+        else if (a.format == "e5m2")
+          o[i] = e5m2_rn_satfinite(x[i]);
+        else if (a.format == "ue8m0_rz")
+          o[i] = ue8m0_rz_satfinite(x[i]);
+        else if (a.format == "ue8m0_rp")
+          o[i] = ue8m0_rp_satfinite(x[i]);
+        else
+          throw std::invalid_argument("--format: '" + a.format + "' cannot encode");
       }
       io::write_npy_u8(out.stage(a.output), o.data(), in.shape);
     }
@@ -54,12 +60,18 @@ void run_convert(const ConvertArgs& a) {
       }
       const uint8_t c = in.bytes[i];
       if (a.format == "e2m1") {
-        if (c > 15) throw std::runtime_error(a.input + ": E2M1 code " + std::to_string(c) + " > 15");
+        if (c > 15)
+          throw std::runtime_error(a.input + ": E2M1 code " + std::to_string(c) + " > 15");
         o[i] = e2m1_to_f32(c);
-      } else if (a.format == "e4m3") o[i] = e4m3_to_f32(c);
-      else if (a.format == "e5m2") o[i] = e5m2_to_f32(c);
-      else if (a.format == "ue8m0") o[i] = ue8m0_to_f32(c);
-      else throw std::invalid_argument("--format: '" + a.format + "' cannot decode (use e2m1, e4m3, e5m2, bf16 or ue8m0)");
+      } else if (a.format == "e4m3")
+        o[i] = e4m3_to_f32(c);
+      else if (a.format == "e5m2")
+        o[i] = e5m2_to_f32(c);
+      else if (a.format == "ue8m0")
+        o[i] = ue8m0_to_f32(c);
+      else
+        throw std::invalid_argument("--format: '" + a.format +
+                                    "' cannot decode (use e2m1, e4m3, e5m2, bf16 or ue8m0)");
     }
     io::write_npy_f32(out.stage(a.output), o.data(), in.shape);
   }
@@ -71,10 +83,12 @@ void run_convert(const ConvertArgs& a) {
 
 void register_convert(CLI::App& app) {
   auto args = std::make_shared<ConvertArgs>();
-  auto* cmd = app.add_subcommand("convert", "Scalar format conversions over an array (float32 <-> codes)");
+  auto* cmd =
+      app.add_subcommand("convert", "Scalar format conversions over an array (float32 <-> codes)");
   cmd->add_option("input", args->input, "Input .npy (float32, or codes with --decode)")->required();
   cmd->add_option("output", args->output, "Output .npy")->required();
-  cmd->add_option("--format", args->format, "e2m1 | e4m3 | e5m2 | bf16 | ue8m0_rz | ue8m0_rp (encode); ue8m0 (decode)")
+  cmd->add_option("--format", args->format,
+                  "e2m1 | e4m3 | e5m2 | bf16 | ue8m0_rz | ue8m0_rp (encode); ue8m0 (decode)")
       ->required()
       ->check(CLI::IsMember({"e2m1", "e4m3", "e5m2", "bf16", "ue8m0_rz", "ue8m0_rp", "ue8m0"}));
   cmd->add_flag("--decode", args->decode, "Codes -> float32");

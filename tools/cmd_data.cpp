@@ -2,8 +2,8 @@
 #include <fmt/core.h>
 
 #include <fstream>
-#include <stdexcept>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 
 #include "emu/contract.hpp"
 #include "model/data.hpp"
@@ -45,18 +45,20 @@ void run_build(const BuildArgs& a) {
                          {"documents", s.documents},
                          {"val_documents", s.val_documents},
                          {"val_every", a.val_every},
-                         {"split", s.split_documents ? "the last 1/val_every of each file" : "every val_every-th file"},
+                         {"split", s.split_documents ? "the last 1/val_every of each file"
+                                                     : "every val_every-th file"},
                          {"train_tokens", s.train.tokens.size()},
                          {"val_tokens", s.val.tokens.size()},
                          {"files", names}};
   io::write_text(out.stage(a.out + ".meta.json"), meta.dump(2) + "\n");
   out.commit();
   if (s.split_documents)
-    fmt::print("  documents   {} (fewer files than --val-every {}: the last 1/{} of each to validation)\n",
-               s.documents, a.val_every, a.val_every);
+    fmt::print(
+        "  documents   {} (fewer files than --val-every {}: the last 1/{} of each to validation)\n",
+        s.documents, a.val_every, a.val_every);
   else
-    fmt::print("  documents   {} ({} to validation: every {}th in sorted path order)\n", s.documents,
-               s.val_documents, a.val_every);
+    fmt::print("  documents   {} ({} to validation: every {}th in sorted path order)\n",
+               s.documents, s.val_documents, a.val_every);
   fmt::print("  tokens      train {}   val {}   (byte-level, vocab 256)\n", s.train.tokens.size(),
              s.val.tokens.size());
   fmt::print("  wrote       {0}.train.tokens {0}.val.tokens {0}.meta.json\n", a.out);
@@ -65,7 +67,8 @@ void run_build(const BuildArgs& a) {
 void run_show(const std::string& path) {
   const model::TokenFile f = model::read_token_file(path);
   fmt::print("{}: {} tokens, vocab {}\n", path, f.tokens.size(), f.vocab);
-  std::vector<uint16_t> head(f.tokens.begin(), f.tokens.begin() + std::min<size_t>(f.tokens.size(), 240));
+  std::vector<uint16_t> head(f.tokens.begin(),
+                             f.tokens.begin() + std::min<size_t>(f.tokens.size(), 240));
   if (f.vocab == 256) fmt::print("first bytes: {}\n", model::detokenize_bytes(head));
 }
 
@@ -75,12 +78,17 @@ void register_data(CLI::App& app) {
   auto* data = app.add_subcommand("data", "Token files for training");
   data->require_subcommand(1);
   auto b = std::make_shared<BuildArgs>();
-  auto* build = data->add_subcommand("build", "Text files or folders (*.txt, recursively) -> a fixed "
-                                              "train/validation split of byte-level tokens");
+  auto* build = data->add_subcommand("build",
+                                     "Text files or folders (*.txt, recursively) -> a fixed "
+                                     "train/validation split of byte-level tokens");
   build->add_option("inputs", b->inputs, "Text files and/or folders")->required();
-  build->add_option("--out", b->out, "Output prefix (writes PREFIX.train.tokens, PREFIX.val.tokens, "
-                                     "PREFIX.meta.json)")->required();
-  build->add_option("--val-every", b->val_every, "Every Nth document goes to validation (default 20)");
+  build
+      ->add_option("--out", b->out,
+                   "Output prefix (writes PREFIX.train.tokens, PREFIX.val.tokens, "
+                   "PREFIX.meta.json)")
+      ->required();
+  build->add_option("--val-every", b->val_every,
+                    "Every Nth document goes to validation (default 20)");
   build->callback([b]() { run_build(*b); });
   auto path = std::make_shared<std::string>();
   auto* show = data->add_subcommand("show", "Print a token file's size and first bytes");

@@ -20,7 +20,8 @@
 namespace fp4sim::cli {
 namespace {
 
-// ---- operands --------------------------------------------------------------------------------------
+// ---- operands
+// --------------------------------------------------------------------------------------
 
 std::vector<float> load_f32_matrix(const std::string& path, const char* what, int64_t* rows,
                                    int64_t* cols) {
@@ -55,24 +56,26 @@ QuantizedHost load_quantized(const std::string& prefix, const char* name, bool* 
     throw std::runtime_error(prefix + ".meta.json: not valid JSON (" + e.what() + ")");
   }
   if (!meta.contains("contract_version") || !meta["contract_version"].is_number_integer())
-    throw std::runtime_error(prefix + ".meta.json: no contract_version (not written by fp4sim quantize?)");
+    throw std::runtime_error(prefix +
+                             ".meta.json: no contract_version (not written by fp4sim quantize?)");
   if (meta.value("contract_version", -1) != kContractVersion)
     throw std::runtime_error(prefix + ".meta.json: contract_version " +
-                             std::to_string(meta.value("contract_version", -1)) + ", this build is " +
-                             std::to_string(kContractVersion));
+                             std::to_string(meta.value("contract_version", -1)) +
+                             ", this build is " + std::to_string(kContractVersion));
   QuantizedHost q;
   const std::string fmt_name = meta.value("format", "nvfp4");
   if (fmt_name != "nvfp4" && fmt_name != "mxfp4" && fmt_name != "fp8")
     throw std::runtime_error(prefix + ".meta.json: unknown format '" + fmt_name + "'");
-  q.format = fmt_name == "fp8" ? QFormat::FP8 : (fmt_name == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+  q.format =
+      fmt_name == "fp8" ? QFormat::FP8 : (fmt_name == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
   const bool fp8 = q.format == QFormat::FP8;
   q.four_over_six = meta.value("four_over_six", false);
   const io::NpyArray codes = io::read_npy(prefix + ".codes.npy");
   const io::NpyArray scales = io::read_npy(prefix + ".scales.npy");
   const io::NpyArray amax = io::read_npy(prefix + ".amax.npy");
   if (codes.dtype != "|u1" || codes.shape.size() != 2)
-    throw std::runtime_error(prefix + ".codes.npy: expected uint8 [rows, " + (fp8 ? "K" : "K/2") + "], got '" +
-                             codes.dtype + "' " + io::shape_string(codes.shape));
+    throw std::runtime_error(prefix + ".codes.npy: expected uint8 [rows, " + (fp8 ? "K" : "K/2") +
+                             "], got '" + codes.dtype + "' " + io::shape_string(codes.shape));
   q.rows = static_cast<int64_t>(codes.shape[0]);
   q.cols = static_cast<int64_t>(codes.shape[1]) * (fp8 ? 1 : 2);
   const int64_t block = q.block_size();
@@ -81,8 +84,8 @@ QuantizedHost load_quantized(const std::string& prefix, const char* name, bool* 
       static_cast<int64_t>(scales.shape[1]) * block != q.cols)
     throw std::runtime_error(prefix + ".scales.npy: expected " + (fp8 ? "float32 " : "uint8 ") +
                              shape_str(q.rows, q.cols / block) + " for " + qformat_name(q.format) +
-                             " codes of " + shape_str(q.rows, q.cols) + ", got '" + scales.dtype + "' " +
-                             io::shape_string(scales.shape));
+                             " codes of " + shape_str(q.rows, q.cols) + ", got '" + scales.dtype +
+                             "' " + io::shape_string(scales.shape));
   if (amax.dtype != "<f4" || amax.bytes.size() != 4)
     throw std::runtime_error(prefix + ".amax.npy: expected float32 [1]");
   q.codes = codes.bytes;
@@ -92,28 +95,30 @@ QuantizedHost load_quantized(const std::string& prefix, const char* name, bool* 
   // it is what these codes, scales and amax decode to (scales from another run would not be)
   if (meta.contains("amax") && meta["amax"].is_number() &&
       static_cast<float>(meta["amax"].get<double>()) != q.amax)
-    throw std::runtime_error(prefix + ".meta.json says amax " + fmt::format("{}", meta["amax"].get<double>()) +
-                             " but " + prefix + ".amax.npy holds " + fmt::format("{}", q.amax) +
-                             ": files of different runs?");
+    throw std::runtime_error(
+        prefix + ".meta.json says amax " + fmt::format("{}", meta["amax"].get<double>()) + " but " +
+        prefix + ".amax.npy holds " + fmt::format("{}", q.amax) + ": files of different runs?");
   std::ifstream dq_probe(prefix + ".dequant.npy");
   if (dq_probe) {
     const io::NpyArray dq = io::read_npy(prefix + ".dequant.npy");
     if (dq.dtype != "<f4" || dq.shape.size() != 2 || static_cast<int64_t>(dq.shape[0]) != q.rows ||
         static_cast<int64_t>(dq.shape[1]) != q.cols)
-      throw std::runtime_error(prefix + ".dequant.npy: expected float32 " + shape_str(q.rows, q.cols) + ", got '" +
-                               dq.dtype + "' " + io::shape_string(dq.shape));
+      throw std::runtime_error(prefix + ".dequant.npy: expected float32 " +
+                               shape_str(q.rows, q.cols) + ", got '" + dq.dtype + "' " +
+                               io::shape_string(dq.shape));
     auto emu = make_backend("emu");
     const std::vector<float> want = dequantize_to_host(*emu, q);
     for (size_t i = 0; i < want.size(); ++i) {
       uint32_t a, b;
       std::memcpy(&a, &want[i], 4);
       std::memcpy(&b, dq.bytes.data() + 4 * i, 4);
-      const bool both_nan = std::isnan(want[i]) && (b & 0x7F800000u) == 0x7F800000u && (b & 0x7FFFFFu) != 0;
+      const bool both_nan =
+          std::isnan(want[i]) && (b & 0x7F800000u) == 0x7F800000u && (b & 0x7FFFFFu) != 0;
       if (a != b && !both_nan)
-        throw std::runtime_error(prefix + ": codes, scales and amax do not decode to " + prefix +
-                                 ".dequant.npy at (" + std::to_string(static_cast<int64_t>(i) / q.cols) + ", " +
-                                 std::to_string(static_cast<int64_t>(i) % q.cols) +
-                                 "): files of different runs?");
+        throw std::runtime_error(
+            prefix + ": codes, scales and amax do not decode to " + prefix + ".dequant.npy at (" +
+            std::to_string(static_cast<int64_t>(i) / q.cols) + ", " +
+            std::to_string(static_cast<int64_t>(i) % q.cols) + "): files of different runs?");
     }
   }
   *rht = meta.value("rht", false);
@@ -159,25 +164,29 @@ std::vector<uint32_t> run_gemm(Backend& be, QuantizedHost& a, QuantizedHost& b,
 
 struct GemmArgs {
   std::string a, b, out, a_prefix, b_prefix, c, format = "nvfp4", gemm = "exact",
-      out_dtype = "fp32", backend;
+                                                out_dtype = "fp32", backend;
   float alpha = 1.0f, beta = 0.0f;
   int split_k = 1;
   bool format_given = false;
 };
 
 void run_gemm_cmd(const GemmArgs& g) {
-  const bool from_prefix = !g.a_prefix.empty();  // with b_prefix: the callback checks they go together
+  const bool from_prefix =
+      !g.a_prefix.empty();  // with b_prefix: the callback checks they go together
   if (!from_prefix && (g.a.empty() || g.b.empty()))
     throw std::invalid_argument("give A.npy and B.npy, or --a-prefix P --b-prefix Q");
-  const QFormat fmt = g.format == "fp8" ? QFormat::FP8 : (g.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+  const QFormat fmt =
+      g.format == "fp8" ? QFormat::FP8 : (g.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
   auto emu = make_backend("emu");
   QuantizedHost qa, qb;
   if (!g.c.empty() && g.beta == 0.0f)
-    throw std::invalid_argument("gemm: --c " + g.c + " with beta 0 would not contribute: give --beta");
+    throw std::invalid_argument("gemm: --c " + g.c +
+                                " with beta 0 would not contribute: give --beta");
   if (from_prefix) {
     if (g.format_given)
-      throw std::invalid_argument("gemm: --format does not go with --a-prefix/--b-prefix (their meta.json names "
-                                  "the format)");
+      throw std::invalid_argument(
+          "gemm: --format does not go with --a-prefix/--b-prefix (their meta.json names "
+          "the format)");
     bool rht_a = false, rht_b = false;
     qa = load_quantized(g.a_prefix, "A", &rht_a);
     qb = load_quantized(g.b_prefix, "B", &rht_b);
@@ -236,10 +245,11 @@ void run_gemm_cmd(const GemmArgs& g) {
       const uint32_t by = cfg.out == GemmOut::BF16 ? eb[i] << 16 : eb[i];
       std::memcpy(&x, &bx, 4);
       std::memcpy(&y, &by, 4);
-      if (std::isfinite(x) && std::isfinite(y)) worst = std::max(worst, std::fabs(static_cast<double>(x) - y));
+      if (std::isfinite(x) && std::isfinite(y))
+        worst = std::max(worst, std::fabs(static_cast<double>(x) - y));
     }
-    fmt::print("  max |cublaslt - exact| = {:.6g}   (exact GEMM on the same backend: {:.1f} ms)\n", worst,
-               ms_exact);
+    fmt::print("  max |cublaslt - exact| = {:.6g}   (exact GEMM on the same backend: {:.1f} ms)\n",
+               worst, ms_exact);
   }
   io::AtomicOutputs out;
   const std::vector<size_t> shape = {static_cast<size_t>(qa.rows), static_cast<size_t>(qb.rows)};
@@ -249,29 +259,32 @@ void run_gemm_cmd(const GemmArgs& g) {
   } else {
     io::write_npy_f32(out.stage(g.out), reinterpret_cast<const float*>(bits.data()), shape);
   }
-  nlohmann::json meta = {{"contract_version", kContractVersion},
-                         {"generator", "fp4sim gemm"},
-                         {"format", qformat_name(qa.format)},
-                         {"gemm", g.gemm},
-                         {"shape", {qa.rows, qb.rows, qa.cols}},
-                         {"alpha", g.alpha},
-                         {"beta", g.beta},
-                         {"split_k", g.split_k},
-                         {"out_dtype", g.out_dtype},
-                         {"backend", be->name()},
-                         {"a", from_prefix ? g.a_prefix : g.a},
-                         {"b", from_prefix ? g.b_prefix : g.b},
-                         {"model", "one CTA walking K in increasing 64-wide chunks (DESIGN.md §8)"}};
+  nlohmann::json meta = {
+      {"contract_version", kContractVersion},
+      {"generator", "fp4sim gemm"},
+      {"format", qformat_name(qa.format)},
+      {"gemm", g.gemm},
+      {"shape", {qa.rows, qb.rows, qa.cols}},
+      {"alpha", g.alpha},
+      {"beta", g.beta},
+      {"split_k", g.split_k},
+      {"out_dtype", g.out_dtype},
+      {"backend", be->name()},
+      {"a", from_prefix ? g.a_prefix : g.a},
+      {"b", from_prefix ? g.b_prefix : g.b},
+      {"model", "one CTA walking K in increasing 64-wide chunks (DESIGN.md §8)"}};
   io::write_text(out.stage(g.out + ".meta.json"), meta.dump(2) + "\n");
   out.commit();
-  fmt::print("fp4sim gemm  D[{} x {}] = A[{} x {}] * B[{} x {}]^T  {} exact, backend {}, {:.1f} ms "
-             "({:.2f} GFLOP/s)\n",
-             qa.rows, qb.rows, qa.rows, qa.cols, qb.rows, qb.cols, qformat_name(qa.format),
-             be->name(), ms, 2.0 * qa.rows * qb.rows * qa.cols / (ms * 1e6));
+  fmt::print(
+      "fp4sim gemm  D[{} x {}] = A[{} x {}] * B[{} x {}]^T  {} exact, backend {}, {:.1f} ms "
+      "({:.2f} GFLOP/s)\n",
+      qa.rows, qb.rows, qa.rows, qa.cols, qb.rows, qb.cols, qformat_name(qa.format), be->name(), ms,
+      2.0 * qa.rows * qb.rows * qa.cols / (ms * 1e6));
   fmt::print("  wrote {} and {}.meta.json\n", g.out, g.out);
 }
 
-// ---- one MMA ---------------------------------------------------------------------------------------
+// ---- one MMA
+// ---------------------------------------------------------------------------------------
 
 // "v0,v1,..." (dense) or "k:v,k:v" (sparse) -> 64 E2M1 values, exactly representable.
 std::vector<float> parse_e2m1_list(const std::string& s, const char* flag) {
@@ -281,7 +294,8 @@ std::vector<float> parse_e2m1_list(const std::string& s, const char* flag) {
   std::string item;
   int next = 0;
   while (std::getline(ss, item, ',')) {
-    if (item.empty()) throw std::invalid_argument(std::string(flag) + ": an empty entry in '" + s + "'");
+    if (item.empty())
+      throw std::invalid_argument(std::string(flag) + ": an empty entry in '" + s + "'");
     long long k = next;
     std::string val = item;
     const auto colon = item.find(':');
@@ -289,14 +303,18 @@ std::vector<float> parse_e2m1_list(const std::string& s, const char* flag) {
       k = parse_integer(item.substr(0, colon), flag);
       val = item.substr(colon + 1);
     }
-    if (k < 0 || k >= kGstK) throw std::invalid_argument(std::string(flag) + ": index " + std::to_string(k) + " outside 0..63");
+    if (k < 0 || k >= kGstK)
+      throw std::invalid_argument(std::string(flag) + ": index " + std::to_string(k) +
+                                  " outside 0..63");
     if (seen[static_cast<size_t>(k)])
-      throw std::invalid_argument(std::string(flag) + ": index " + std::to_string(k) + " given twice");
+      throw std::invalid_argument(std::string(flag) + ": index " + std::to_string(k) +
+                                  " given twice");
     seen[static_cast<size_t>(k)] = true;
     const double d = parse_number(val, flag);
     const float x = static_cast<float>(d);
     if (static_cast<double>(x) != d || e2m1_to_f32(e2m1_rn_satfinite(x)) != x)
-      throw std::invalid_argument(std::string(flag) + ": " + val + " is not an E2M1 value (±0, 0.5, 1, 1.5, 2, 3, 4, 6)");
+      throw std::invalid_argument(std::string(flag) + ": " + val +
+                                  " is not an E2M1 value (±0, 0.5, 1, 1.5, 2, 3, 4, 6)");
     v[static_cast<size_t>(k)] = x;
     next = static_cast<int>(k) + 1;
   }
@@ -311,15 +329,18 @@ std::vector<uint8_t> parse_scales(const std::string& s, ScaleKind kind, const ch
   while (std::getline(ss, item, ',')) {
     if (item.rfind("0x", 0) == 0 || item.rfind("0X", 0) == 0) {
       const long long byte = parse_integer(item.substr(2), flag, 16);
-      if (byte < 0 || byte > 0xFF) throw std::invalid_argument(std::string(flag) + ": " + item + " is not a byte");
+      if (byte < 0 || byte > 0xFF)
+        throw std::invalid_argument(std::string(flag) + ": " + item + " is not a byte");
       if (kind == ScaleKind::UE4M3_16 && byte > 0x7F)
-        throw std::invalid_argument(std::string(flag) + ": " + item + " has the sign bit set; UE4M3 scales are unsigned");
+        throw std::invalid_argument(std::string(flag) + ": " + item +
+                                    " has the sign bit set; UE4M3 scales are unsigned");
       out.push_back(static_cast<uint8_t>(byte));
       continue;
     }
     const double v = parse_number(item, flag);
     if (std::signbit(v) && v != 0.0)
-      throw std::invalid_argument(std::string(flag) + ": " + item + " is negative; block scales are unsigned");
+      throw std::invalid_argument(std::string(flag) + ": " + item +
+                                  " is negative; block scales are unsigned");
     if (kind == ScaleKind::UE4M3_16) {
       const uint8_t b = e4m3_rn_satfinite(static_cast<float>(v));
       if (static_cast<double>(e4m3_to_f32(b)) != v)
@@ -329,13 +350,15 @@ std::vector<uint8_t> parse_scales(const std::string& s, ScaleKind kind, const ch
       int e;
       const double m = std::frexp(v, &e);
       if (m != 0.5 || e - 1 < -127 || e - 1 > 127)
-        throw std::invalid_argument(std::string(flag) + ": " + item + " is not a power of two in 2^-127..2^127");
+        throw std::invalid_argument(std::string(flag) + ": " + item +
+                                    " is not a power of two in 2^-127..2^127");
       out.push_back(static_cast<uint8_t>(e - 1 + 127));
     }
   }
   const size_t want = kind == ScaleKind::UE8M0_32 ? 2 : 4;
   if (out.size() != want)
-    throw std::invalid_argument(std::string(flag) + ": expected " + std::to_string(want) + " scales, got " + std::to_string(out.size()));
+    throw std::invalid_argument(std::string(flag) + ": expected " + std::to_string(want) +
+                                " scales, got " + std::to_string(out.size()));
   return out;
 }
 
@@ -344,14 +367,17 @@ struct MmaArgs {
 };
 
 void run_mma(const MmaArgs& m) {
-  const ScaleKind kind = m.kind == "ue4m3" ? ScaleKind::UE4M3_16
-                         : m.kind == "ue8m0-32" ? ScaleKind::UE8M0_32 : ScaleKind::UE8M0_16;
+  const ScaleKind kind = m.kind == "ue4m3"      ? ScaleKind::UE4M3_16
+                         : m.kind == "ue8m0-32" ? ScaleKind::UE8M0_32
+                                                : ScaleKind::UE8M0_16;
   const std::vector<float> a = parse_e2m1_list(m.a, "--a"), b = parse_e2m1_list(m.b, "--b");
-  const std::vector<uint8_t> sfa = parse_scales(m.sfa, kind, "--sfa"), sfb = parse_scales(m.sfb, kind, "--sfb");
+  const std::vector<uint8_t> sfa = parse_scales(m.sfa, kind, "--sfa"),
+                             sfb = parse_scales(m.sfb, kind, "--sfb");
   const double c_wide = parse_number(m.c, "--c");
   const float c = static_cast<float>(c_wide);
   if (std::isfinite(c_wide) && !std::isfinite(c))
-    throw std::invalid_argument("--c: " + m.c + " is beyond the FP32 range (write inf for an infinite C)");
+    throw std::invalid_argument("--c: " + m.c +
+                                " is beyond the FP32 range (write inf for an infinite C)");
   if (c_wide != 0.0 && c == 0.0f)
     throw std::invalid_argument("--c: " + m.c + " is below FP32's smallest subnormal (2^-149)");
   uint8_t pa[32] = {}, pb[32] = {};
@@ -360,7 +386,10 @@ void run_mma(const MmaArgs& m) {
     pb[k / 2] |= e2m1_rn_satfinite(b[k]) << (4 * (k & 1));
   }
   uint8_t sa[4] = {}, sb[4] = {};
-  for (size_t i = 0; i < sfa.size(); ++i) { sa[i] = sfa[i]; sb[i] = sfb[i]; }
+  for (size_t i = 0; i < sfa.size(); ++i) {
+    sa[i] = sfa[i];
+    sb[i] = sfb[i];
+  }
   GstTrace tr{};
   const uint32_t r = gst_fdpa_fp4_bits(pa, pb, sa, sb, kind, c, &tr);
   fmt::print("GST-FDPA (K = 64, groups of {}, F = {}, e_zero = {}), scales {}\n", kGstGroup, kGstF,
@@ -376,7 +405,8 @@ void run_mma(const MmaArgs& m) {
   fmt::print("result 0x{:08X}  {:.9g}\n", r, rf);
 }
 
-// ---- crosscheck ------------------------------------------------------------------------------------
+// ---- crosscheck
+// ------------------------------------------------------------------------------------
 
 struct CrossArgs {
   std::string shapes = "128x128x256,96x80x320,64x64x1024", format = "nvfp4";
@@ -400,10 +430,13 @@ void run_crosscheck(const CrossArgs& x) {
     if (shapes.empty()) throw std::invalid_argument("--shapes: no shape given");
   }
   const std::string why = cuda_backend_unavailable_reason();
-  if (!why.empty()) throw std::runtime_error("crosscheck compares the emu and cuda backends and needs a GPU: " + why);
+  if (!why.empty())
+    throw std::runtime_error("crosscheck compares the emu and cuda backends and needs a GPU: " +
+                             why);
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  const QFormat fmt = x.format == "fp8" ? QFormat::FP8 : (x.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+  const QFormat fmt =
+      x.format == "fp8" ? QFormat::FP8 : (x.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
   int bad = 0;
   for (const auto& [item, mnk] : shapes) {
     const int64_t M = mnk[0], N = mnk[1], K = mnk[2];
@@ -412,7 +445,8 @@ void run_crosscheck(const CrossArgs& x) {
     std::vector<float> xa(static_cast<size_t>(M * K)), xb(static_cast<size_t>(N * K));
     for (auto& v : xa) v = nd(rng) * std::exp(2.0f * nd(rng));
     for (auto& v : xb) v = nd(rng);
-    QuantizedHost qa = quantize_operand(*emu, xa, M, K, fmt, "A"), qb = quantize_operand(*emu, xb, N, K, fmt, "B");
+    QuantizedHost qa = quantize_operand(*emu, xa, M, K, fmt, "A"),
+                  qb = quantize_operand(*emu, xb, N, K, fmt, "B");
     GemmConfig cfg;
     cfg.split_k = x.split_k;
     double ms_e = 0, ms_c = 0;
@@ -420,14 +454,17 @@ void run_crosscheck(const CrossArgs& x) {
     const auto dc = run_gemm(*cuda, qa, qb, nullptr, cfg, &ms_c);
     size_t first = de.size();
     for (size_t i = 0; i < de.size(); ++i)
-      if (de[i] != dc[i]) { first = i; break; }
+      if (de[i] != dc[i]) {
+        first = i;
+        break;
+      }
     if (first == de.size()) {
-      fmt::print("  {:>16}  {}  bitwise identical ({} outputs)  emu {:.1f} ms, cuda {:.1f} ms\n", item,
-                 qformat_name(fmt), de.size(), ms_e, ms_c);
+      fmt::print("  {:>16}  {}  bitwise identical ({} outputs)  emu {:.1f} ms, cuda {:.1f} ms\n",
+                 item, qformat_name(fmt), de.size(), ms_e, ms_c);
     } else {
       ++bad;
-      fmt::print("  {:>16}  {}  DIFFERENT at ({}, {}): emu 0x{:08X} cuda 0x{:08X}\n", item, qformat_name(fmt),
-                 first / N, first % N, de[first], dc[first]);
+      fmt::print("  {:>16}  {}  DIFFERENT at ({}, {}): emu 0x{:08X} cuda 0x{:08X}\n", item,
+                 qformat_name(fmt), first / N, first % N, de[first], dc[first]);
     }
   }
   if (bad) throw std::runtime_error(std::to_string(bad) + " shape(s) differ between emu and cuda");
@@ -437,16 +474,22 @@ void run_crosscheck(const CrossArgs& x) {
 
 void register_gemm(CLI::App& app) {
   auto g = std::make_shared<GemmArgs>();
-  auto* cmd = app.add_subcommand("gemm", "Block-scaled GEMM D = alpha*A*B^T (+ beta*C) in NVFP4, MXFP4 or FP8: the exact tensor-core model, or cuBLASLt");
+  auto* cmd = app.add_subcommand("gemm",
+                                 "Block-scaled GEMM D = alpha*A*B^T (+ beta*C) in NVFP4, MXFP4 or "
+                                 "FP8: the exact tensor-core model, or cuBLASLt");
   cmd->add_option("a", g->a, "A.npy (float32 [M, K]), quantized RN 1x16 (or MXFP4)");
   cmd->add_option("b", g->b, "B.npy (float32 [N, K])");
   cmd->add_option("out", g->out, "Output D.npy (float32, or bfloat16 bits as uint16)");
-  cmd->add_option("--a-prefix", g->a_prefix, "Take A already quantized: files written by fp4sim quantize");
+  cmd->add_option("--a-prefix", g->a_prefix,
+                  "Take A already quantized: files written by fp4sim quantize");
   cmd->add_option("--b-prefix", g->b_prefix, "Take B already quantized");
-  auto* format_opt = cmd->add_option("--format", g->format, "nvfp4 | mxfp4 | fp8 (1x128 E4M3 blocks); not with prefixes")
-      ->check(CLI::IsMember({"nvfp4", "mxfp4", "fp8"}));
-  cmd->add_option("--gemm", g->gemm, "exact | cublaslt")->check(CLI::IsMember({"exact", "cublaslt"}));
-  cmd->add_option("--out-dtype", g->out_dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  auto* format_opt = cmd->add_option("--format", g->format,
+                                     "nvfp4 | mxfp4 | fp8 (1x128 E4M3 blocks); not with prefixes")
+                         ->check(CLI::IsMember({"nvfp4", "mxfp4", "fp8"}));
+  cmd->add_option("--gemm", g->gemm, "exact | cublaslt")
+      ->check(CLI::IsMember({"exact", "cublaslt"}));
+  cmd->add_option("--out-dtype", g->out_dtype, "fp32 | bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   cmd->add_option("--c", g->c, "C.npy (float32 [M, N]) for beta");
   cmd->add_option("--alpha", g->alpha, "alpha");
   cmd->add_option("--beta", g->beta, "beta (needs --c)");
@@ -460,20 +503,24 @@ void register_gemm(CLI::App& app) {
     if (prefixes && (x.a_prefix.empty() || x.b_prefix.empty()))
       throw std::invalid_argument("gemm: --a-prefix and --b-prefix go together");
     if (prefixes && !x.b.empty())
-      throw std::invalid_argument("gemm: with --a-prefix/--b-prefix give only the output D.npy, not A.npy and B.npy");
+      throw std::invalid_argument(
+          "gemm: with --a-prefix/--b-prefix give only the output D.npy, not A.npy and B.npy");
     if (prefixes && x.out.empty()) std::swap(x.out, x.a);
     if (x.out.empty()) throw std::invalid_argument("gemm: give the output path D.npy");
     run_gemm_cmd(x);
   });
 
   auto m = std::make_shared<MmaArgs>();
-  auto* mma = app.add_subcommand("mma", "One Blackwell block-scaled FP4 MMA (GST-FDPA, K = 64) on given "
-                                        "codes, scales and C, with each group's exponent and truncation");
+  auto* mma = app.add_subcommand("mma",
+                                 "One Blackwell block-scaled FP4 MMA (GST-FDPA, K = 64) on given "
+                                 "codes, scales and C, with each group's exponent and truncation");
   mma->add_option("--a", m->a, "64 E2M1 values: dense 'v0,v1,...' or sparse 'k:v,k:v'")->required();
   mma->add_option("--b", m->b, "64 E2M1 values, as --a")->required();
-  mma->add_option("--sfa", m->sfa, "A's scales: 4 values (2 for ue8m0-32), e.g. 2^11,1,1,1 or 0x38")->required();
+  mma->add_option("--sfa", m->sfa, "A's scales: 4 values (2 for ue8m0-32), e.g. 2^11,1,1,1 or 0x38")
+      ->required();
   mma->add_option("--sfb", m->sfb, "B's scales")->required();
-  mma->add_option("--scale", m->kind, "ue4m3 | ue8m0-16 | ue8m0-32")->check(CLI::IsMember({"ue4m3", "ue8m0-16", "ue8m0-32"}));
+  mma->add_option("--scale", m->kind, "ue4m3 | ue8m0-16 | ue8m0-32")
+      ->check(CLI::IsMember({"ue4m3", "ue8m0-16", "ue8m0-32"}));
   mma->add_option("--c", m->c, "C (FP32; 2^N accepted)");
   mma->callback([m]() { run_mma(*m); });
 
@@ -481,7 +528,8 @@ void register_gemm(CLI::App& app) {
   auto* cc = app.add_subcommand("crosscheck", "Run an op on both backends and compare bit for bit");
   auto* ccg = cc->add_subcommand("gemm", "Exact GEMM, emu vs cuda, on seeded random operands");
   ccg->add_option("--shapes", x->shapes, "Comma-separated MxNxK");
-  ccg->add_option("--format", x->format, "nvfp4 | mxfp4 | fp8")->check(CLI::IsMember({"nvfp4", "mxfp4", "fp8"}));
+  ccg->add_option("--format", x->format, "nvfp4 | mxfp4 | fp8")
+      ->check(CLI::IsMember({"nvfp4", "mxfp4", "fp8"}));
   ccg->add_option("--split-k", x->split_k, "split-K");
   cc->require_subcommand(1);
   ccg->callback([x]() { run_crosscheck(*x); });

@@ -1,8 +1,9 @@
 // fp4sim info: what this build is and which GPU it sees.
-#include <CLI/Version.hpp>
 #include <fmt/core.h>
-#include <nlohmann/json.hpp>
 #include <omp.h>
+
+#include <CLI/Version.hpp>
+#include <nlohmann/json.hpp>
 
 #include "emu/contract.hpp"
 #include "tools/backends.hpp"
@@ -15,15 +16,16 @@
 namespace fp4sim::cli {
 
 void register_info(CLI::App& app) {
-  auto* cmd = app.add_subcommand("info", "Print the build (backends, CUDA archs, library versions, "
-                                         "contract_version) and the GPU found");
+  auto* cmd = app.add_subcommand("info",
+                                 "Print the build (backends, CUDA archs, library versions, "
+                                 "contract_version) and the GPU found");
   cmd->callback([]() {
     fmt::print("fp4sim {}  (contract_version {})\n", FP4SIM_VERSION, kContractVersion);
     fmt::print("backends:        emu{}\n", cuda_backend_built() ? ", cuda" : "");
     fmt::print("default backend: {}\n", default_backend_name());
     if (cuda_backend_built())
-      fmt::print("CUDA:            nvcc {}, archs {}, cuBLASLt {}\n", cuda_compiler_version(), cuda_archs(),
-                 cublaslt_runtime_version());
+      fmt::print("CUDA:            nvcc {}, archs {}, cuBLASLt {}\n", cuda_compiler_version(),
+                 cuda_archs(), cublaslt_runtime_version());
     else
       fmt::print("CUDA:            not built (nvcc not found at configure time)\n");
     fmt::print("GPU:             {}\n", gpu_description());
@@ -40,8 +42,9 @@ void register_info(CLI::App& app) {
     fmt::print("libraries:       CLI11 {}, nlohmann_json {}.{}.{}, fmt {}\n", CLI11_VERSION,
                NLOHMANN_JSON_VERSION_MAJOR, NLOHMANN_JSON_VERSION_MINOR,
                NLOHMANN_JSON_VERSION_PATCH, FMT_VERSION);
-    fmt::print("fp build:        -ffp-contract=off, no fast-math; device: -fmad=false "
-               "-prec-div=true -ftz=false\n");
+    fmt::print(
+        "fp build:        -ffp-contract=off, no fast-math; device: -fmad=false "
+        "-prec-div=true -ftz=false\n");
   });
 }
 

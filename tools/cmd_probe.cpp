@@ -37,7 +37,8 @@ struct Probe64 {
 };
 
 void print_model_answers() {
-  fmt::print("The model's answers (GST-FDPA, UE8M0 16-block scales), what a Blackwell GPU should give:\n");
+  fmt::print(
+      "The model's answers (GST-FDPA, UE8M0 16-block scales), what a Blackwell GPU should give:\n");
   Probe64 w;
   w.set(0, -4, 4);
   w.set(16, -1, 1);
@@ -59,7 +60,8 @@ void print_model_answers() {
     p.set(32, -1, 1);
     p.set(16, 1, 1);
     p.sa[1] = static_cast<uint8_t>(127 + e);
-    show(e == -35 ? "probe 1, g1 at 2^-35 (expect 2^-35)" : "probe 1, g1 at 2^-36 (expect 0)", p, 0.0f);
+    show(e == -35 ? "probe 1, g1 at 2^-35 (expect 2^-35)" : "probe 1, g1 at 2^-36 (expect 0)", p,
+         0.0f);
   }
   {
     Probe64 p;
@@ -121,7 +123,8 @@ QuantizedHost fp8_probe_row(const Fp8NamedCase& c, bool b_side) {
   q.cols = kFp8Block;
   q.format = QFormat::FP8;
   q.codes.assign(kFp8Block, 0);
-  for (const Fp8Term& t : c.terms) q.codes[static_cast<size_t>(t.k)] = e4m3_rn_satfinite(b_side ? t.b : t.a);
+  for (const Fp8Term& t : c.terms)
+    q.codes[static_cast<size_t>(t.k)] = e4m3_rn_satfinite(b_side ? t.b : t.a);
   const float one = 1.0f;
   q.scales.resize(4);
   std::memcpy(q.scales.data(), &one, 4);
@@ -158,8 +161,10 @@ float fp8_probe_blackwell(const Fp8NamedCase& c) {
 // Prints the model's answers (the emulator's exact FP8 GEMM) to the cases and returns their bits,
 // in hopper_fp8_cases() order.
 std::vector<uint32_t> print_hopper_fp8_model() {
-  fmt::print("\nThe model's answers for Hopper FP8 (wgmma E4M3, T-FDPA L = 32, F = 13, RZ to E8M13), one 128-wide\n"
-             "k-block, scales 1 (what an H100/H200 should give; Blackwell's F = 25 for contrast):\n");
+  fmt::print(
+      "\nThe model's answers for Hopper FP8 (wgmma E4M3, T-FDPA L = 32, F = 13, RZ to E8M13), one "
+      "128-wide\n"
+      "k-block, scales 1 (what an H100/H200 should give; Blackwell's F = 25 for contrast):\n");
   auto emu = make_backend("emu");
   std::vector<uint32_t> model;
   for (const Fp8NamedCase& c : hopper_fp8_cases()) {
@@ -237,29 +242,35 @@ bool print_native_mma(const gpu::NativeMmaProbe& p) {
 // The Hopper FP8 cases on this GPU's tensor cores (the exact FP8 GEMM's wgmma path) against the
 // model's answers (print_hopper_fp8_model's); true when one differs.
 bool print_native_hopper_fp8(const std::vector<uint32_t>& model) {
-  fmt::print("native Hopper FP8 (wgmma.mma_async m64n128k32 E4M3 through the exact FP8 GEMM, gpu/fp8_wgmma.cu):\n");
+  fmt::print(
+      "native Hopper FP8 (wgmma.mma_async m64n128k32 E4M3 through the exact FP8 GEMM, "
+      "gpu/fp8_wgmma.cu):\n");
   auto cuda = make_backend("cuda");
   const std::vector<Fp8NamedCase> cases = hopper_fp8_cases();
   const uint64_t before = gpu::fp8_wgmma_gemm_count();
   bool differs = false;
   for (size_t i = 0; i < cases.size(); ++i) {
     const uint32_t n = fp8_probe_on(*cuda, cases[i]), m = model[i];
-    fmt::print("  {:<44} native 0x{:08X} {:<16.12g} model 0x{:08X}  {}\n", cases[i].name, n, f32_from_bits(n), m,
-               n == m ? "equal" : "DIFFER");
+    fmt::print("  {:<44} native 0x{:08X} {:<16.12g} model 0x{:08X}  {}\n", cases[i].name, n,
+               f32_from_bits(n), m, n == m ? "equal" : "DIFFER");
     differs = differs || n != m;
   }
   if (gpu::fp8_wgmma_gemm_count() - before != cases.size()) {
-    fmt::print("  (the tensor-core path did not run: these are the model kernel's answers, not the hardware's)\n");
+    fmt::print(
+        "  (the tensor-core path did not run: these are the model kernel's answers, not the "
+        "hardware's)\n");
     return true;
   }
-  fmt::print("  Random codes over the whole E4M3 range: tests/gpu/test_fp8_gpu.cpp "
-             "(Fp8Gpu.TensorCoreAccumulationEqualsModelOnRawCodes).\n");
+  fmt::print(
+      "  Random codes over the whole E4M3 range: tests/gpu/test_fp8_gpu.cpp "
+      "(Fp8Gpu.TensorCoreAccumulationEqualsModelOnRawCodes).\n");
   return differs;
 }
 #endif
 
 int run_probe() {
-  fmt::print("fp4sim probe: native tensor-core arithmetic against the model (contract DESIGN.md §7)\n\n");
+  fmt::print(
+      "fp4sim probe: native tensor-core arithmetic against the model (contract DESIGN.md §7)\n\n");
   print_model_answers();
   const std::vector<uint32_t> fp8_model = print_hopper_fp8_model();
   fmt::print("\n");
@@ -273,29 +284,37 @@ int run_probe() {
   if (p.cc_major == 9 && p.cc_minor == 0) {
     fmt::print("GPU: {}\n", gpu_description());
     const bool fp8_differs = print_native_hopper_fp8(fp8_model);
-    fmt::print("\nThe FP4 checks need an sm_100 (B200/GB200) or sm_120 (RTX 50xx) GPU: not run here.\n");
+    fmt::print(
+        "\nThe FP4 checks need an sm_100 (B200/GB200) or sm_120 (RTX 50xx) GPU: not run here.\n");
     return fp8_differs ? 1 : 0;
   }
   if (p.cc_major < 10) {
-    fmt::print("This GPU is sm_{}{} ({}): the native checks need an sm_90 (H100/H200), sm_100 (B200/GB200) or "
-               "sm_120 (RTX 50xx) GPU. Nothing was checked.\n", p.cc_major, p.cc_minor, gpu_description());
+    fmt::print(
+        "This GPU is sm_{}{} ({}): the native checks need an sm_90 (H100/H200), sm_100 "
+        "(B200/GB200) or "
+        "sm_120 (RTX 50xx) GPU. Nothing was checked.\n",
+        p.cc_major, p.cc_minor, gpu_description());
     return 2;
   }
   fmt::print("GPU: {}\n", gpu_description());
   if (!p.cvt_rn_supported) {
-    fmt::print("cvt.rn.satfinite.e2m1x2.f32: not in this build's code for sm_{}{} (build with {}a)\n",
-               p.cc_major, p.cc_minor, p.cc_major * 10 + p.cc_minor);
+    fmt::print(
+        "cvt.rn.satfinite.e2m1x2.f32: not in this build's code for sm_{}{} (build with {}a)\n",
+        p.cc_major, p.cc_minor, p.cc_major * 10 + p.cc_minor);
   } else if (p.rn_mismatches == 0) {
     fmt::print("cvt.rn.satfinite.e2m1x2.f32: all 2^32 FP32 inputs agree with the model   OK\n");
   } else {
-    fmt::print("cvt.rn.satfinite.e2m1x2.f32: {} of 2^32 inputs DIFFER from the model, first at 0x{:08X}\n",
-               p.rn_mismatches, p.rn_first_mismatch);
+    fmt::print(
+        "cvt.rn.satfinite.e2m1x2.f32: {} of 2^32 inputs DIFFER from the model, first at 0x{:08X}\n",
+        p.rn_mismatches, p.rn_first_mismatch);
   }
   if (!p.cvt_rs_supported) {
     fmt::print("cvt.rs.satfinite.e2m1x4.f32: not available on this GPU/build (sm_100a only)\n");
   } else {
     // inputs 0.25, 1.25, 2.5, 5: code pairs {0,1}, {2,3}, {4,5}, {6,7}; odd code = rounded up
-    fmt::print("cvt.rs.satfinite.e2m1x4.f32 on {{0.25, 1.25, 2.5, 5}} (each half way between grid points):\n");
+    fmt::print(
+        "cvt.rs.satfinite.e2m1x4.f32 on {{0.25, 1.25, 2.5, 5}} (each half way between grid "
+        "points):\n");
     fmt::print("  {:<12} nibbles (bits 15..12 .. 3..0) -> input, rounded up?\n", "rbits");
     for (int i = 0; i < 6; ++i) {
       std::string row;
@@ -306,14 +325,16 @@ int run_probe() {
       }
       fmt::print("  0x{:08X} {}\n", p.rs_rbits[i], row);
     }
-    fmt::print("  The model assumes element j of a 4-element conversion uses byte j of its random word "
-               "(byte 0 = bits 7..0); compare the single-byte rows above.\n");
+    fmt::print(
+        "  The model assumes element j of a 4-element conversion uses byte j of its random word "
+        "(byte 0 = bits 7..0); compare the single-byte rows above.\n");
   }
   fmt::print("\n");
   const bool mma_differs = print_native_mma(gpu::run_native_mma_probe());
   return (p.cvt_rn_supported && p.rn_mismatches != 0) || mma_differs ? 1 : 0;
 #else
-  fmt::print("This build has no CUDA backend: the native checks need an sm_90, sm_100 or sm_120 GPU.\n");
+  fmt::print(
+      "This build has no CUDA backend: the native checks need an sm_90, sm_100 or sm_120 GPU.\n");
   return 2;
 #endif
 }
@@ -321,9 +342,10 @@ int run_probe() {
 }  // namespace
 
 void register_probe(CLI::App& app) {
-  auto* cmd = app.add_subcommand("probe", "Check a GPU's native tensor-core arithmetic against the model: "
-                                          "Hopper FP8 wgmma (sm_90), Blackwell FP4 conversions and "
-                                          "block-scaled MMAs (sm_100/sm_120); prints the model's answers");
+  auto* cmd = app.add_subcommand("probe",
+                                 "Check a GPU's native tensor-core arithmetic against the model: "
+                                 "Hopper FP8 wgmma (sm_90), Blackwell FP4 conversions and "
+                                 "block-scaled MMAs (sm_100/sm_120); prints the model's answers");
   cmd->callback([]() {
     const int rc = run_probe();
     if (rc != 0) throw CLI::RuntimeError(rc);

@@ -29,7 +29,8 @@ const char* block_name(QFormat f, bool two_d) {
 struct QuantizeArgs {
   std::string input, prefix;
   std::string format = "nvfp4";
-  bool block_2d = false, columnwise = false, rht = false, sr = false, fos = false, mx_rule_given = false;
+  bool block_2d = false, columnwise = false, rht = false, sr = false, fos = false,
+       mx_rule_given = false;
   uint64_t seed = 0, stream = 0;
   std::string error = "mae", mx_rule = "floor", backend;
 };
@@ -87,10 +88,11 @@ Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<
       if (fp8) std::memcpy(&fp8_scale, &q.scales[4 * static_cast<size_t>(r * bpr + b)], 4);
       float fp8_amax = 0.0f;  // FP8: the block's own enc, as the quantizer computed it
       if (fp8)
-        for (int64_t i = 0; i < block; ++i) fp8_amax = fmax_nan_ignored(fp8_amax, f32_abs(ref[r * q.cols + b * block + i]));
-      const float enc = fp8 ? fp8_block_encode_scale(fp8_amax)
-                            : mx ? (s == kUE8M0NaN ? 0.0f : mxfp4_encode_factor(s))
-                                 : nvfp4_block_encode_scale(s, g.s_dec);
+        for (int64_t i = 0; i < block; ++i)
+          fp8_amax = fmax_nan_ignored(fp8_amax, f32_abs(ref[r * q.cols + b * block + i]));
+      const float enc = fp8  ? fp8_block_encode_scale(fp8_amax)
+                        : mx ? (s == kUE8M0NaN ? 0.0f : mxfp4_encode_factor(s))
+                             : nvfp4_block_encode_scale(s, g.s_dec);
       float amax_b = 0.0f;
       for (int64_t i = 0; i < block; ++i) {
         const int64_t e = r * q.cols + b * block + i;
@@ -100,8 +102,10 @@ Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<
           continue;
         }
         amax_b = std::fmax(amax_b, std::fabs(x));
-        if (std::isinf(x)) ++st.inf;
-        else if (!std::isfinite(deq[e])) ++st.nonfinite_out;
+        if (std::isinf(x))
+          ++st.inf;
+        else if (!std::isfinite(deq[e]))
+          ++st.nonfinite_out;
         if (x != 0.0f) ++st.nonzero;
         const uint8_t code = fp8 ? q.codes[e] : (q.codes[e / 2] >> (4 * (e & 1))) & 0xF;
         if (x != 0.0f && (code & (fp8 ? 0x7F : 7)) == 0) ++st.flushed;
@@ -125,7 +129,8 @@ Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<
 
 void run_quantize(const QuantizeArgs& a) {
   QuantizeConfig cfg;
-  cfg.format = a.format == "fp8" ? QFormat::FP8 : (a.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+  cfg.format =
+      a.format == "fp8" ? QFormat::FP8 : (a.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
   cfg.block_2d = a.block_2d;
   cfg.mx_rule = a.mx_rule == "ceil" ? MxScaleRule::Ceil : MxScaleRule::Floor;
   cfg.fos_error = a.error == "mse" ? FourOverSixError::MSE : FourOverSixError::MAE;
@@ -157,8 +162,9 @@ void run_quantize(const QuantizeArgs& a) {
   // the written tensor's high-precision values (transposed, and RHT'd, for the column-wise copy)
   std::vector<float> x(static_cast<size_t>(in.view.numel()));
   for (int64_t i = 0; i < in.view.numel(); ++i)
-    x[i] = in.view.dtype == DType::F32 ? reinterpret_cast<const float*>(in.npy.bytes.data())[i]
-                                       : bf16_to_f32(reinterpret_cast<const uint16_t*>(in.npy.bytes.data())[i]);
+    x[i] = in.view.dtype == DType::F32
+               ? reinterpret_cast<const float*>(in.npy.bytes.data())[i]
+               : bf16_to_f32(reinterpret_cast<const uint16_t*>(in.npy.bytes.data())[i]);
   std::vector<float> ref(x.size());
   if (!a.columnwise) {
     ref = x;
@@ -166,7 +172,8 @@ void run_quantize(const QuantizeArgs& a) {
     emu::rht_columnwise(x.data(), in.view.rows, in.view.cols, ref.data());
   } else {
     for (int64_t r = 0; r < in.view.rows; ++r)
-      for (int64_t c = 0; c < in.view.cols; ++c) ref[c * in.view.rows + r] = x[r * in.view.cols + c];
+      for (int64_t c = 0; c < in.view.cols; ++c)
+        ref[c * in.view.rows + r] = x[r * in.view.cols + c];
   }
   const Stats st = compute_stats(ref.data(), q, deq);
 
@@ -177,8 +184,8 @@ void run_quantize(const QuantizeArgs& a) {
   const bool fp8 = cfg.format == QFormat::FP8;
   io::write_npy_u8(out.stage(a.prefix + ".codes.npy"), q.codes.data(), {R, fp8 ? C : C / 2});
   if (fp8)
-    io::write_npy_f32(out.stage(a.prefix + ".scales.npy"), reinterpret_cast<const float*>(q.scales.data()),
-                      {R, C / block});
+    io::write_npy_f32(out.stage(a.prefix + ".scales.npy"),
+                      reinterpret_cast<const float*>(q.scales.data()), {R, C / block});
   else
     io::write_npy_u8(out.stage(a.prefix + ".scales.npy"), q.scales.data(), {R, C / block});
   io::write_npy_f32(out.stage(a.prefix + ".amax.npy"), &q.amax, {1});
@@ -200,10 +207,12 @@ void run_quantize(const QuantizeArgs& a) {
       {"mx_rule", a.mx_rule},
       {"seed", a.seed},
       {"stream", a.stream},
-      {"amax", std::isfinite(q.amax) ? nlohmann::json(q.amax) : nlohmann::json(fmt::format("{}", q.amax))},
+      {"amax",
+       std::isfinite(q.amax) ? nlohmann::json(q.amax) : nlohmann::json(fmt::format("{}", q.amax))},
       {"backend", backend->name()},
       {"files",
-       {{"codes", fp8 ? "uint8 E4M3 [rows, cols]" : "uint8 [rows, cols/2], element 2i in the low nibble"},
+       {{"codes",
+         fp8 ? "uint8 E4M3 [rows, cols]" : "uint8 [rows, cols/2], element 2i in the low nibble"},
         {"scales", fp8 ? "float32 [rows, cols/128] (the decode scale 1/enc)"
                    : cfg.format == QFormat::MXFP4 ? "uint8 UE8M0 [rows, cols/32]"
                                                   : "uint8 E4M3 [rows, cols/16]"},
@@ -217,9 +226,10 @@ void run_quantize(const QuantizeArgs& a) {
   fmt::print("fp4sim quantize  {} -> {}.*   (backend {}, {:.1f} ms)\n", a.input, a.prefix,
              backend->name(), ms);
   fmt::print("  input        {} x {} {}\n", in.view.rows, in.view.cols, dtype_name(in.view.dtype));
-  fmt::print("  copy         {} {} {} {}{}{}   written {} x {}\n", a.format, block_name(cfg.format, a.block_2d),
-             a.columnwise ? "column-wise" : "row-wise", a.sr ? "SR" : "RN",
-             a.rht ? " +RHT" : "", a.fos ? " +4/6(" + a.error + ")" : "", q.rows, q.cols);
+  fmt::print("  copy         {} {} {} {}{}{}   written {} x {}\n", a.format,
+             block_name(cfg.format, a.block_2d), a.columnwise ? "column-wise" : "row-wise",
+             a.sr ? "SR" : "RN", a.rht ? " +RHT" : "", a.fos ? " +4/6(" + a.error + ")" : "",
+             q.rows, q.cols);
   if (cfg.format == QFormat::NVFP4)
     fmt::print("  amax         {:.6g}   S_enc {:.6g}   S_dec {:.6g}\n", q.amax, g.s_enc, g.s_dec);
   else
@@ -237,18 +247,21 @@ void run_quantize(const QuantizeArgs& a) {
   if (st.nan) fmt::print("  NaN inputs   {} (encoded as {})\n", st.nan, fp8 ? "NaN (0x7F)" : "+6");
   if (st.inf) fmt::print("  Inf inputs   {}\n", st.inf);
   if (st.nonfinite_out)
-    fmt::print("  WARNING      {} finite inputs decode to Inf or NaN{}; the error figures below leave them out\n",
-               st.nonfinite_out, std::isfinite(q.amax) ? "" : " (the tensor's amax is not finite)");
+    fmt::print(
+        "  WARNING      {} finite inputs decode to Inf or NaN{}; the error figures below leave "
+        "them out\n",
+        st.nonfinite_out, std::isfinite(q.amax) ? "" : " (the tensor's amax is not finite)");
   if (st.finite_err == 0 && (st.nonfinite_out || st.inf))
     fmt::print("  error        n/a (no element decodes to a finite value)\n");
   else
     fmt::print("  error        rel ||xq - x||/||x|| = {:.4g}   rmse {:.4g}   max |err| {:.4g}{}\n",
                st.sum_sq_ref > 0 ? std::sqrt(st.sum_sq_err / st.sum_sq_ref) : 0.0,
-               std::sqrt(st.sum_sq_err / static_cast<double>(st.finite_err ? st.finite_err : 1)), st.max_abs_err,
-               st.nonfinite_out || st.inf ? "   (finite values only)" : "");
-  fmt::print("  wrote        {0}.codes.npy {0}.scales.npy {0}.amax.npy {0}.dequant.npy "
-             "{0}.meta.json\n",
-             a.prefix);
+               std::sqrt(st.sum_sq_err / static_cast<double>(st.finite_err ? st.finite_err : 1)),
+               st.max_abs_err, st.nonfinite_out || st.inf ? "   (finite values only)" : "");
+  fmt::print(
+      "  wrote        {0}.codes.npy {0}.scales.npy {0}.amax.npy {0}.dequant.npy "
+      "{0}.meta.json\n",
+      a.prefix);
 }
 
 struct MakeTensorArgs {
@@ -259,7 +272,8 @@ struct MakeTensorArgs {
 
 void run_make_tensor(const MakeTensorArgs& a) {
   if (a.rows <= 0 || a.cols <= 0)
-    throw std::invalid_argument("--rows/--cols: must be positive, got " + shape_str(a.rows, a.cols));
+    throw std::invalid_argument("--rows/--cols: must be positive, got " +
+                                shape_str(a.rows, a.cols));
   std::mt19937_64 rng(a.seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> v(static_cast<size_t>(a.rows * a.cols));
@@ -288,12 +302,14 @@ void run_make_tensor(const MakeTensorArgs& a) {
 void register_quantize(CLI::App& app) {
   auto args = std::make_shared<QuantizeArgs>();
   auto* cmd = app.add_subcommand(
-      "quantize", "Quantize a 2-D float32 (or bf16-as-uint16) .npy to NVFP4, MXFP4 or FP8 and write codes, "
-                  "scales, amax, dequantized values and a meta.json");
+      "quantize",
+      "Quantize a 2-D float32 (or bf16-as-uint16) .npy to NVFP4, MXFP4 or FP8 and write codes, "
+      "scales, amax, dequantized values and a meta.json");
   cmd->add_option("input", args->input, "Input .npy, shape [rows, cols]")->required();
   cmd->add_option("out_prefix", args->prefix, "Output prefix (writes PREFIX.codes.npy, ...)")
       ->required();
-  cmd->add_option("--format", args->format, "nvfp4 | mxfp4 | fp8 (E4M3, FP32 scale per 1x128, or 128x128 with --2d)")
+  cmd->add_option("--format", args->format,
+                  "nvfp4 | mxfp4 | fp8 (E4M3, FP32 scale per 1x128, or 128x128 with --2d)")
       ->check(CLI::IsMember({"nvfp4", "mxfp4", "fp8"}));
   cmd->add_flag("--2d", args->block_2d, "NVFP4 16x16 tiles (weights) instead of 1x16");
   cmd->add_flag("--columnwise", args->columnwise,
@@ -307,14 +323,18 @@ void register_quantize(CLI::App& app) {
       },
       "UINT64");
   cmd->add_option("--seed", args->seed, "SR seed (Philox key)")->needs(sr)->check(no_sign);
-  cmd->add_option("--stream", args->stream, "SR stream (Philox counter words 2-3)")->needs(sr)->check(no_sign);
-  auto* fos = cmd->add_flag("--four-over-six", args->fos,
-                            "Four Over Six: per block, keep the 4-max scale when its error is lower");
+  cmd->add_option("--stream", args->stream, "SR stream (Philox counter words 2-3)")
+      ->needs(sr)
+      ->check(no_sign);
+  auto* fos =
+      cmd->add_flag("--four-over-six", args->fos,
+                    "Four Over Six: per block, keep the 4-max scale when its error is lower");
   cmd->add_option("--error", args->error, "Four Over Six error metric: mae | mse")
       ->check(CLI::IsMember({"mae", "mse"}))
       ->needs(fos);
-  auto* mx_rule = cmd->add_option("--mx-rule", args->mx_rule, "MXFP4 scale rule: floor (OCP) | ceil")
-      ->check(CLI::IsMember({"floor", "ceil"}));
+  auto* mx_rule =
+      cmd->add_option("--mx-rule", args->mx_rule, "MXFP4 scale rule: floor (OCP) | ceil")
+          ->check(CLI::IsMember({"floor", "ceil"}));
   cmd->add_option("--backend", args->backend, "emu | cuda (default: cuda when a GPU is present)")
       ->check(CLI::IsMember({"emu", "cuda"}));
   cmd->callback([args, mx_rule]() {

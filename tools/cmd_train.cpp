@@ -16,10 +16,13 @@ namespace fp4sim::cli {
 namespace {
 
 constexpr const char* kBackendHelp =
-    "emu (the bit-exact CPU emulator) or cuda; default: cuda when this build has the CUDA backend and "
+    "emu (the bit-exact CPU emulator) or cuda; default: cuda when this build has the CUDA backend "
+    "and "
     "a GPU is present, else emu";
 // The backend a command runs on: the one named, else the default (cuda when usable, else emu).
-std::string chosen_backend(const std::string& named) { return named.empty() ? default_backend_name() : named; }
+std::string chosen_backend(const std::string& named) {
+  return named.empty() ? default_backend_name() : named;
+}
 
 }  // namespace
 
@@ -29,19 +32,24 @@ void register_train(CLI::App& app) {
     std::vector<std::string> overrides;
   };
   auto a = std::make_shared<Args>();
-  auto* cmd = app.add_subcommand("train", "Train the configured transformer (recipe.name: bf16, fp8, nvfp4, mxfp4)");
-  cmd->add_option("--config", a->config, "configs/tiny.json, configs/small.json, ... or your own")->required();
+  auto* cmd = app.add_subcommand(
+      "train", "Train the configured transformer (recipe.name: bf16, fp8, nvfp4, mxfp4)");
+  cmd->add_option("--config", a->config, "configs/tiny.json, configs/small.json, ... or your own")
+      ->required();
   cmd->add_option("overrides", a->overrides, "key=value ... (see fp4sim config)");
   cmd->add_option("--backend", a->backend, kBackendHelp)->check(CLI::IsMember({"emu", "cuda"}));
-  cmd->add_option("--resume", a->resume, "A checkpoint directory, or a run's checkpoints directory or out_dir (its latest)");
-  cmd->add_option("--dump", a->dump, "Folder for outside checks: initial weights, step-0 loss and gradients, "
-                                     "the first 10 batches (validation/torch_gpt_check.py reads them)");
+  cmd->add_option(
+      "--resume", a->resume,
+      "A checkpoint directory, or a run's checkpoints directory or out_dir (its latest)");
+  cmd->add_option("--dump", a->dump,
+                  "Folder for outside checks: initial weights, step-0 loss and gradients, "
+                  "the first 10 batches (validation/torch_gpt_check.py reads them)");
   cmd->callback([a]() {
     const model::RunConfig c = model::load_config(a->config, a->overrides);
     auto backend = make_backend(chosen_backend(a->backend));
-    fmt::print("fp4sim train  (backend {}{}, contract_version {})\n{}\nparameters: {:.3f} M\n", backend->name(),
-               a->backend.empty() ? " by default" : "", kContractVersion, model::to_json(c).dump(2),
-               model::parameter_count(c.model) / 1e6);
+    fmt::print("fp4sim train  (backend {}{}, contract_version {})\n{}\nparameters: {:.3f} M\n",
+               backend->name(), a->backend.empty() ? " by default" : "", kContractVersion,
+               model::to_json(c).dump(2), model::parameter_count(c.model) / 1e6);
     model::TrainOptions opt;
     opt.resume = a->resume;
     opt.dump_dir = a->dump;
@@ -49,11 +57,15 @@ void register_train(CLI::App& app) {
     const model::TrainResult r = model::train(c, opt, *backend);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!r.steps.empty()) {
-      const double tokens = static_cast<double>(r.steps.size()) * static_cast<double>(c.train.batch) *
-                            static_cast<double>(c.model.seq_len) * static_cast<double>(c.train.grad_accum);
-      fmt::print("done: loss {:.4f} -> {:.4f} over {} steps in {:.1f} s ({:.0f} tokens/s overall, validation and "
-                 "checkpoints included); log {}/log.jsonl\n",
-                 r.steps.front().loss, r.steps.back().loss, r.steps.size(), s, tokens / s, c.train.out_dir);
+      const double tokens =
+          static_cast<double>(r.steps.size()) * static_cast<double>(c.train.batch) *
+          static_cast<double>(c.model.seq_len) * static_cast<double>(c.train.grad_accum);
+      fmt::print(
+          "done: loss {:.4f} -> {:.4f} over {} steps in {:.1f} s ({:.0f} tokens/s overall, "
+          "validation and "
+          "checkpoints included); log {}/log.jsonl\n",
+          r.steps.front().loss, r.steps.back().loss, r.steps.size(), s, tokens / s,
+          c.train.out_dir);
     }
   });
 }
@@ -70,12 +82,15 @@ void register_eval_sample(CLI::App& app) {
   };
   auto e = std::make_shared<EvalArgs>();
   auto* ev = app.add_subcommand("eval", "Validation loss and bits per byte of a checkpoint");
-  ev->add_option("--checkpoint", e->checkpoint, "A checkpoint directory, or a run's checkpoints directory or out_dir (its latest)")->required();
+  ev->add_option("--checkpoint", e->checkpoint,
+                 "A checkpoint directory, or a run's checkpoints directory or out_dir (its latest)")
+      ->required();
   ev->add_option("--data", e->data, "Token files prefix (default: the run's train.data)");
   auto* batches_opt = ev->add_option("--batches", e->batches, "Validation batches")
                           ->check(at_least("--batches", 1))
                           ->capture_default_str();
-  ev->add_flag("--all", e->all, "Every full batch of the validation split, once")->excludes(batches_opt);
+  ev->add_flag("--all", e->all, "Every full batch of the validation split, once")
+      ->excludes(batches_opt);
   ev->add_option("--backend", e->backend, kBackendHelp)->check(CLI::IsMember({"emu", "cuda"}));
   ev->callback([e]() {
     auto backend = make_backend(chosen_backend(e->backend));
@@ -85,12 +100,14 @@ void register_eval_sample(CLI::App& app) {
     // progress on stderr for long evaluations: a line every tenth of the batches
     const auto progress = [](int64_t done, int64_t total) {
       if (total >= 20 && (done * 10 / total != (done - 1) * 10 / total || done == total))
-        std::fprintf(stderr, "eval: %lld / %lld batches\n", static_cast<long long>(done), static_cast<long long>(total));
+        std::fprintf(stderr, "eval: %lld / %lld batches\n", static_cast<long long>(done),
+                     static_cast<long long>(total));
     };
-    const float loss = model::evaluate(m.config, m.params, e->all ? model::kAllValidationBatches : e->batches,
-                                       *backend, &used, progress);
-    fmt::print("{}: val loss {:.4f} nats/token over {} batches of {} x {}", e->checkpoint, loss, used,
-               m.config.train.batch, m.config.model.seq_len);
+    const float loss =
+        model::evaluate(m.config, m.params, e->all ? model::kAllValidationBatches : e->batches,
+                        *backend, &used, progress);
+    fmt::print("{}: val loss {:.4f} nats/token over {} batches of {} x {}", e->checkpoint, loss,
+               used, m.config.train.batch, m.config.model.seq_len);
     if (m.config.model.vocab == 256) fmt::print(" = {:.4f} bits per byte", loss / std::log(2.0));
     fmt::print("\n");
   });
@@ -103,9 +120,13 @@ void register_eval_sample(CLI::App& app) {
   };
   auto s = std::make_shared<SampleArgs>();
   auto* sm = app.add_subcommand("sample", "Generate text from a checkpoint (byte-level models)");
-  sm->add_option("--checkpoint", s->checkpoint, "A checkpoint directory, or a run's checkpoints directory or out_dir (its latest)")->required();
+  sm->add_option("--checkpoint", s->checkpoint,
+                 "A checkpoint directory, or a run's checkpoints directory or out_dir (its latest)")
+      ->required();
   sm->add_option("--prompt", s->prompt, "Text to continue");
-  sm->add_option("--tokens", s->tokens, "Tokens to generate")->check(at_least("--tokens", 0))->capture_default_str();
+  sm->add_option("--tokens", s->tokens, "Tokens to generate")
+      ->check(at_least("--tokens", 0))
+      ->capture_default_str();
   sm->add_option("--temperature", s->temperature, "0 = greedy")
       ->check(finite_non_negative("--temperature"))
       ->capture_default_str();
@@ -115,10 +136,12 @@ void register_eval_sample(CLI::App& app) {
     auto backend = make_backend(chosen_backend(s->backend));
     const model::LoadedModel m = model::load_trained(s->checkpoint, *backend);
     if (m.config.model.vocab != 256)
-      throw std::invalid_argument("sample: only byte-level (vocab 256) models can be turned back into text");
+      throw std::invalid_argument(
+          "sample: only byte-level (vocab 256) models can be turned back into text");
     std::vector<int32_t> prompt;
     for (unsigned char ch : s->prompt) prompt.push_back(ch);
-    const std::vector<int32_t> out = model::sample_tokens(m, prompt, s->tokens, s->temperature, s->seed, *backend);
+    const std::vector<int32_t> out =
+        model::sample_tokens(m, prompt, s->tokens, s->temperature, s->seed, *backend);
     std::string text = s->prompt;
     for (int32_t t : out) text += static_cast<char>(t);
     fmt::print("{}\n", text);

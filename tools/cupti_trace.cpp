@@ -4,8 +4,8 @@
 // its host start and end time, and writes them as CSV when the process exits:
 //   kind,name,start_ns,end_ns,bytes
 // kind: kernel | memcpy_htod | memcpy_dtoh | memcpy_dtod | memcpy_other | memset | runtime.
-// The output path is FP4SIM_TRACE_OUT (default fp4sim_trace.csv). validation/trace_gaps.py reads it:
-// per-step GPU busy time against the step's span, and the idle gaps with the calls around them.
+// The output path is FP4SIM_TRACE_OUT (default fp4sim_trace.csv). validation/trace_gaps.py reads
+// it: per-step GPU busy time against the step's span, and the idle gaps with the calls around them.
 #include <cupti.h>
 
 #include <atomic>
@@ -47,10 +47,14 @@ void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_recor
 
 const char* memcpy_kind(uint8_t k) {
   switch (k) {
-    case CUPTI_ACTIVITY_MEMCPY_KIND_HTOD: return "memcpy_htod";
-    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOH: return "memcpy_dtoh";
-    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOD: return "memcpy_dtod";
-    default: return "memcpy_other";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_HTOD:
+      return "memcpy_htod";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOH:
+      return "memcpy_dtoh";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOD:
+      return "memcpy_dtod";
+    default:
+      return "memcpy_other";
   }
 }
 
@@ -88,7 +92,8 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
         got.push_back({"runtime", name ? name : "?", a->start, a->end, 0});
         break;
       }
-      default: break;
+      default:
+        break;
     }
   }
   std::free(buffer);
@@ -111,8 +116,9 @@ void write_trace() {
     std::string name = e.name;  // (quoted: kernel names hold commas)
     for (char& c : name)
       if (c == '"') c = '\'';
-    std::fprintf(f, "%s,\"%s\",%llu,%llu,%llu\n", e.kind, name.c_str(), static_cast<unsigned long long>(e.start),
-                 static_cast<unsigned long long>(e.end), static_cast<unsigned long long>(e.bytes));
+    std::fprintf(f, "%s,\"%s\",%llu,%llu,%llu\n", e.kind, name.c_str(),
+                 static_cast<unsigned long long>(e.start), static_cast<unsigned long long>(e.end),
+                 static_cast<unsigned long long>(e.bytes));
   }
   std::fclose(f);
   std::fprintf(stderr, "fp4sim cupti_trace: %zu records -> %s%s\n", g_events->size(), path,
@@ -125,7 +131,8 @@ void write_trace() {
 extern "C" int InitializeInjection(void) {
   g_events = new std::vector<Event>();
   g_events->reserve(1u << 20);
-  report(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed), "cuptiActivityRegisterCallbacks");
+  report(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed),
+         "cuptiActivityRegisterCallbacks");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable kernels");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable memcpy");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enable memset");

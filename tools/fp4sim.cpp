@@ -19,7 +19,8 @@ int main(int argc, char** argv) {
   fp4sim::cli::register_train(app);
   fp4sim::cli::register_eval_sample(app);
   fp4sim::cli::register_info(app);
-  // an unknown first word is a mistyped command: say so, rather than CLI11's "a subcommand is required"
+  // an unknown first word is a mistyped command: say so, rather than CLI11's "a subcommand is
+  // required"
   if (argc > 1 && argv[1][0] != '-') {
     bool known = false;
     std::string names;
@@ -28,7 +29,8 @@ int main(int argc, char** argv) {
       names += (names.empty() ? "" : ", ") + sub->get_name();
     }
     if (!known) {
-      std::fprintf(stderr, "fp4sim: error: unknown command '%s'; the commands are: %s\n", argv[1], names.c_str());
+      std::fprintf(stderr, "fp4sim: error: unknown command '%s'; the commands are: %s\n", argv[1],
+                   names.c_str());
       return 109;
     }
   }

@@ -1,5 +1,7 @@
 #include "tools/npy.hpp"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -8,8 +10,6 @@
 #include <memory>
 #include <sstream>
 #include <stdexcept>
-#include <unistd.h>
-
 #include <xtensor/xadapt.hpp>
 #include <xtensor/xnpy.hpp>
 
@@ -40,21 +40,23 @@ void check_npy_size(const std::string& path, std::ifstream& in) {
   } else if (v[0] == 2 || v[0] == 3) {
     in.read(reinterpret_cast<char*>(l), 4);
     prefix = 12;
-    hlen = static_cast<size_t>(l[0]) | static_cast<size_t>(l[1]) << 8 | static_cast<size_t>(l[2]) << 16 |
-           static_cast<size_t>(l[3]) << 24;
+    hlen = static_cast<size_t>(l[0]) | static_cast<size_t>(l[1]) << 8 |
+           static_cast<size_t>(l[2]) << 16 | static_cast<size_t>(l[3]) << 24;
   } else {
     throw std::runtime_error(path + ": unsupported .npy format version " + std::to_string(v[0]));
   }
   const auto file_bytes = static_cast<size_t>(std::filesystem::file_size(path));
   if (!in || prefix + hlen > file_bytes)
-    throw std::runtime_error(path + ": truncated .npy file (the header runs past the end of the file)");
+    throw std::runtime_error(path +
+                             ": truncated .npy file (the header runs past the end of the file)");
   std::string h(hlen, '\0');
   in.read(h.data(), static_cast<std::streamsize>(hlen));
   // 'descr': '<f4' -> item size 4; 'shape': (a, b, ...)
   const size_t d = h.find("'descr'"), sh = h.find("'shape'");
   if (d == std::string::npos || sh == std::string::npos)
     throw std::runtime_error(path + ": malformed .npy header (no descr or shape)");
-  const size_t q0 = h.find('\'', h.find(':', d)), q1 = q0 == std::string::npos ? q0 : h.find('\'', q0 + 1);
+  const size_t q0 = h.find('\'', h.find(':', d)),
+               q1 = q0 == std::string::npos ? q0 : h.find('\'', q0 + 1);
   const size_t p0 = h.find('(', sh), p1 = p0 == std::string::npos ? p0 : h.find(')', p0);
   if (q1 == std::string::npos || p1 == std::string::npos)
     throw std::runtime_error(path + ": malformed .npy header (descr or shape)");
@@ -77,14 +79,17 @@ void check_npy_size(const std::string& path, std::ifstream& in) {
   size_t need = item;
   for (size_t dim : shape)
     if (__builtin_mul_overflow(need, dim, &need))
-      throw std::runtime_error(path + ": .npy shape " + shape_string(shape) + " is too large (its byte count overflows)");
+      throw std::runtime_error(path + ": .npy shape " + shape_string(shape) +
+                               " is too large (its byte count overflows)");
   const size_t have = file_bytes - prefix - hlen;
   if (have < need)
-    throw std::runtime_error(path + ": truncated .npy file (" + std::to_string(have) + " of " + std::to_string(need) +
-                             " data bytes for shape " + shape_string(shape) + ")");
+    throw std::runtime_error(path + ": truncated .npy file (" + std::to_string(have) + " of " +
+                             std::to_string(need) + " data bytes for shape " + shape_string(shape) +
+                             ")");
   if (have > need)
-    throw std::runtime_error(path + ": " + std::to_string(have - need) + " bytes after the data of shape " +
-                             shape_string(shape) + " (corrupt header or file)");
+    throw std::runtime_error(path + ": " + std::to_string(have - need) +
+                             " bytes after the data of shape " + shape_string(shape) +
+                             " (corrupt header or file)");
 }
 
 }  // namespace
@@ -112,7 +117,8 @@ NpyArray read_npy(const std::string& path) {
                              " of " + std::to_string(n) + " data bytes for shape " +
                              shape_string(f->m_shape) + ")");
   if (f->m_fortran_order)
-    throw std::runtime_error(path + ": Fortran-ordered arrays are not supported (save with C order)");
+    throw std::runtime_error(path +
+                             ": Fortran-ordered arrays are not supported (save with C order)");
   NpyArray a;
   a.path = path;
   a.dtype = f->m_typestring;
@@ -129,7 +135,8 @@ constexpr const char* kStageSuffix = ".tmp.";
 std::string user_path(const std::string& path) {
   const size_t t = path.rfind(kStageSuffix);
   const size_t digits = t == std::string::npos ? t : t + std::strlen(kStageSuffix);
-  if (t == std::string::npos || path.find_first_not_of("0123456789", digits) != std::string::npos) return path;
+  if (t == std::string::npos || path.find_first_not_of("0123456789", digits) != std::string::npos)
+    return path;
   return path.substr(0, t);
 }
 
@@ -142,7 +149,9 @@ void write_npy(const std::string& path, const T* data, const std::vector<size_t>
   if (!out) throw std::runtime_error(user_path(path) + ": cannot open file for writing");
   xt::detail::dump_npy_stream(out, view);
   out.close();  // (the last buffered bytes are written here: a full disk shows up now)
-  if (!out) throw std::runtime_error(user_path(path) + ": write failed (disk full or I/O error?); nothing was kept");
+  if (!out)
+    throw std::runtime_error(user_path(path) +
+                             ": write failed (disk full or I/O error?); nothing was kept");
 }
 }  // namespace
 
@@ -151,7 +160,9 @@ void write_text(const std::string& path, const std::string& text) {
   if (!out) throw std::runtime_error(user_path(path) + ": cannot open file for writing");
   out << text;
   out.close();
-  if (!out) throw std::runtime_error(user_path(path) + ": write failed (disk full or I/O error?); nothing was kept");
+  if (!out)
+    throw std::runtime_error(user_path(path) +
+                             ": write failed (disk full or I/O error?); nothing was kept");
 }
 
 void write_npy_f32(const std::string& p, const float* d, const std::vector<size_t>& s) {
@@ -186,11 +197,13 @@ void AtomicOutputs::commit() {
     if (std::rename(files_[i].first.c_str(), files_[i].second.c_str()) != 0) {
       const int err = errno;
       // take back the outputs already moved, so the prefix never mixes this run's files with older
-      // ones (files of an earlier run under those names were replaced by them, so they are gone too)
+      // ones (files of an earlier run under those names were replaced by them, so they are gone
+      // too)
       for (size_t j = 0; j < i; ++j) std::remove(files_[j].second.c_str());
-      throw std::runtime_error(files_[i].second + ": cannot move the finished file into place (" +
-                               std::strerror(err) + "); no output of this run was kept" +
-                               (i ? ", and the " + std::to_string(i) + " it had already moved are removed" : ""));
+      throw std::runtime_error(
+          files_[i].second + ": cannot move the finished file into place (" + std::strerror(err) +
+          "); no output of this run was kept" +
+          (i ? ", and the " + std::to_string(i) + " it had already moved are removed" : ""));
     }
   }
   committed_ = true;

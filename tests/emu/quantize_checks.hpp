@@ -1,16 +1,16 @@
 // Quantizer checks shared by the emulator and GPU tests: two quantized copies equal bit for bit
 // (with the first differing byte named), and a property the recipes rely on (model/linear.cpp makes
-// a tensor's row-wise and column-wise copies in one quantize call when it can): both copies from one
-// call equal each copy from its own call, on any backend. And the quantization statistics' error
-// sums against a reference written from the dequantized copy.
+// a tensor's row-wise and column-wise copies in one quantize call when it can): both copies from
+// one call equal each copy from its own call, on any backend. And the quantization statistics'
+// error sums against a reference written from the dequantized copy.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -58,7 +58,8 @@ inline std::string first_diff(const std::vector<uint8_t>& a, const std::vector<u
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
     if (a[i] != b[i]) {
       char buf[96];
-      std::snprintf(buf, sizeof buf, "first difference at byte %zu: 0x%02X vs 0x%02X", i, a[i], b[i]);
+      std::snprintf(buf, sizeof buf, "first difference at byte %zu: 0x%02X vs 0x%02X", i, a[i],
+                    b[i]);
       return buf;
     }
   return "sizes differ: " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
@@ -66,15 +67,16 @@ inline std::string first_diff(const std::vector<uint8_t>& a, const std::vector<u
 
 // Codes, scales and amax of two copies, bit for bit (fatal in the caller's sense of ASSERT: it
 // returns at the first mismatch; check HasFatalFailure() to stop a loop).
-inline void expect_same_quantized(const QuantizedHost& a, const QuantizedHost& b, const std::string& what) {
+inline void expect_same_quantized(const QuantizedHost& a, const QuantizedHost& b,
+                                  const std::string& what) {
   ASSERT_EQ(bits(a.amax), bits(b.amax)) << what << ": amax " << a.amax << " vs " << b.amax;
   ASSERT_TRUE(a.scales == b.scales) << what << ": scales " << first_diff(a.scales, b.scales);
   ASSERT_TRUE(a.codes == b.codes) << what << ": codes " << first_diff(a.codes, b.codes);
 }
 
 // host_x: a host tensor (quantize_to_host uploads it where the backend needs it).
-inline void expect_copies_independent(Backend& be, const TensorView& host_x, const QuantizeConfig& both,
-                                      const std::string& what) {
+inline void expect_copies_independent(Backend& be, const TensorView& host_x,
+                                      const QuantizeConfig& both, const std::string& what) {
   QuantizeConfig row_only = both, col_only = both;
   row_only.columnwise.enabled = false;
   col_only.rowwise.enabled = false;
@@ -82,7 +84,8 @@ inline void expect_copies_independent(Backend& be, const TensorView& host_x, con
   const QuantizeResult r = quantize_to_host(be, host_x, row_only);
   const QuantizeResult c = quantize_to_host(be, host_x, col_only);
   expect_same_quantized(b.rowwise, r.rowwise, what + ", row-wise copy: one call vs its own");
-  expect_same_quantized(b.columnwise, c.columnwise, what + ", column-wise copy: one call vs its own");
+  expect_same_quantized(b.columnwise, c.columnwise,
+                        what + ", column-wise copy: one call vs its own");
 }
 
 // Every pair configuration on a 256 x 256 tensor of each fill.
@@ -113,7 +116,8 @@ inline std::vector<std::pair<std::string, QuantizeConfig>> error_sum_configs() {
 
 // The error sums element by element from the backend's dequantized copy, in flat order (not the
 // per-block, per-row order of quant_error_sums, so the FP64 sums agree only to rounding).
-inline QuantErrorSums reference_error_sums(Backend& be, const std::vector<float>& x, QuantizedHost& q) {
+inline QuantErrorSums reference_error_sums(Backend& be, const std::vector<float>& x,
+                                           QuantizedHost& q) {
   const std::vector<float> d = dequantize_to_host(be, q);
   const bool mx = q.format == QFormat::MXFP4, fp8 = q.format == QFormat::FP8;
   const int64_t blk = q.block_size(), per_row = q.cols / blk;
@@ -127,7 +131,8 @@ inline QuantErrorSums reference_error_sums(Backend& be, const std::vector<float>
         std::memcpy(&factor, &q.scales[4 * si], 4);
       } else {
         sb = q.scales[si];
-        factor = mx ? ue8m0_to_f32(sb) : nvfp4_decode_factor(sb, q.amax, q.four_over_six ? 1536.0f : 2688.0f);
+        factor = mx ? ue8m0_to_f32(sb)
+                    : nvfp4_decode_factor(sb, q.amax, q.four_over_six ? 1536.0f : 2688.0f);
       }
       bool nonzero = false;
       for (int64_t i = 0; i < blk; ++i) {
@@ -145,7 +150,8 @@ inline QuantErrorSums reference_error_sums(Backend& be, const std::vector<float>
 
 // Counts exactly; FP64 sums to 1e-10 relative (65,536 equal terms summed flat drift by ~1e-12), or
 // both the same non-finite value.
-inline void expect_error_sums_near(const QuantErrorSums& a, const QuantErrorSums& b, const std::string& what) {
+inline void expect_error_sums_near(const QuantErrorSums& a, const QuantErrorSums& b,
+                                   const std::string& what) {
   EXPECT_EQ(a.saturated, b.saturated) << what << ": saturated elements";
   EXPECT_EQ(a.underflow_blocks, b.underflow_blocks) << what << ": underflowed blocks";
   for (auto [u, v, n] : {std::tuple{a.err2, b.err2, "err2"}, std::tuple{a.ref2, b.ref2, "ref2"}}) {
@@ -155,13 +161,15 @@ inline void expect_error_sums_near(const QuantErrorSums& a, const QuantErrorSums
         EXPECT_EQ(u, v) << what << ": " << n;
       }
     } else {
-      EXPECT_LE(std::fabs(u - v), 1e-10 * std::max(std::fabs(u), std::fabs(v))) << what << ": " << n << " " << u << " vs " << v;
+      EXPECT_LE(std::fabs(u - v), 1e-10 * std::max(std::fabs(u), std::fabs(v)))
+          << what << ": " << n << " " << u << " vs " << v;
     }
   }
 }
 
 // Bit for bit (a NaN sum matches any NaN: CPUs and GPUs propagate different payloads).
-inline void expect_error_sums_identical(const QuantErrorSums& a, const QuantErrorSums& b, const std::string& what) {
+inline void expect_error_sums_identical(const QuantErrorSums& a, const QuantErrorSums& b,
+                                        const std::string& what) {
   EXPECT_EQ(a.saturated, b.saturated) << what << ": saturated elements";
   EXPECT_EQ(a.underflow_blocks, b.underflow_blocks) << what << ": underflowed blocks";
   for (auto [u, v, n] : {std::tuple{a.err2, b.err2, "err2"}, std::tuple{a.ref2, b.ref2, "ref2"}}) {

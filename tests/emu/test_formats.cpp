@@ -27,10 +27,13 @@ TEST(Formats, E2M1_AllCodesDecode) {
 }
 
 TEST(Formats, E2M1_RoundingTiesToEven) {
-  struct Case { float x; uint8_t code; };
-  const Case cases[] = {{0.25f, 0}, {0.75f, 2}, {1.25f, 2}, {1.75f, 4}, {2.5f, 4}, {3.5f, 6},
-                        {5.0f, 6}, {7.0f, 7}, {-0.0f, 8}, {-0.1f, 8}, {-5.0f, 14}, {1e30f, 7},
-                        {-1e30f, 15}, {0.2500001f, 1}, {0.7499999f, 1}};
+  struct Case {
+    float x;
+    uint8_t code;
+  };
+  const Case cases[] = {{0.25f, 0},  {0.75f, 2}, {1.25f, 2},   {1.75f, 4},      {2.5f, 4},
+                        {3.5f, 6},   {5.0f, 6},  {7.0f, 7},    {-0.0f, 8},      {-0.1f, 8},
+                        {-5.0f, 14}, {1e30f, 7}, {-1e30f, 15}, {0.2500001f, 1}, {0.7499999f, 1}};
   for (const auto& c : cases) EXPECT_EQ(e2m1_rn_satfinite(c.x), c.code) << c.x;
   EXPECT_EQ(e2m1_rn_satfinite(std::numeric_limits<float>::quiet_NaN()), 0x7);
   EXPECT_EQ(e2m1_rn_satfinite(-std::numeric_limits<float>::quiet_NaN()), 0x7);
@@ -46,7 +49,8 @@ TEST(Formats, E2M1_EveryBoundaryMatchesGenericRne) {
       for (float s : {1.0f, -1.0f}) {
         const float x = s * from_bits(bits(mid) + d);
         const uint32_t a = bits(x) & 0x7FFFFFFFu;
-        const uint8_t generic = static_cast<uint8_t>(((bits(x) >> 31) << 3) | encode_magnitude_rne<E2M1>(a));
+        const uint8_t generic =
+            static_cast<uint8_t>(((bits(x) >> 31) << 3) | encode_magnitude_rne<E2M1>(a));
         EXPECT_EQ(e2m1_rn_satfinite(x), generic) << x;
       }
     }
@@ -74,11 +78,13 @@ TEST(Formats, E4M3_AllCodesDecode) {
   EXPECT_EQ(ue4m3_to_f32(0xFE), 448.0f);  // sign bit masked
 }
 
-// The GPU's branch-free decode (e4m3_to_f32_direct) against the host's: the same bits for every code
+// The GPU's branch-free decode (e4m3_to_f32_direct) against the host's: the same bits for every
+// code
 // (-0 and the canonical NaN included).
 TEST(Formats, E4M3_DirectDecodeEqualsGeneric) {
   for (int c = 0; c < 256; ++c)
-    EXPECT_EQ(f32_bits(e4m3_to_f32_direct(static_cast<uint8_t>(c))), f32_bits(e4m3_to_f32(static_cast<uint8_t>(c))))
+    EXPECT_EQ(f32_bits(e4m3_to_f32_direct(static_cast<uint8_t>(c))),
+              f32_bits(e4m3_to_f32(static_cast<uint8_t>(c))))
         << "code 0x" << std::hex << c;
 }
 
@@ -160,7 +166,7 @@ TEST(Formats, E2M1_StochasticRoundUpCountIsExact) {
     for (int trial = 0; trial < 2000; ++trial) {
       float frac = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
       if (trial < 256) frac = trial / 256.0f;  // exact multiples: the boundary cases
-      if (trial == 256) frac = from_bits(1);    // tiniest fraction
+      if (trial == 256) frac = from_bits(1);   // tiniest fraction
       const float a = lows[k] + frac * steps[k];
       if (a >= lows[k] + steps[k]) continue;
       const float exact_frac = (a - lows[k]) / steps[k];
@@ -171,7 +177,10 @@ TEST(Formats, E2M1_StochasticRoundUpCountIsExact) {
         for (int r = 0; r < 256; ++r) {
           const uint8_t c = e2m1_rs_satfinite(sign * a, static_cast<uint8_t>(r));
           ASSERT_EQ(c & 0x8, sign < 0 ? 0x8 : 0) << "sign kept";
-          if ((c & 7) == lo_code + 1) ++ups; else ASSERT_EQ(c & 7, lo_code) << a << " r=" << r;
+          if ((c & 7) == lo_code + 1)
+            ++ups;
+          else
+            ASSERT_EQ(c & 7, lo_code) << a << " r=" << r;
         }
         ASSERT_EQ(ups, expected) << "a=" << a << " frac=" << exact_frac;
         ++checked;
@@ -223,11 +232,16 @@ TEST(Formats, SampledBitPatternsMatchCudaHeaders) {
   for (uint64_t i = 0; i < (1ull << 24); ++i) {
     const uint32_t u = static_cast<uint32_t>(i * 0x9E3779B1ull + (i >> 7));
     const float x = from_bits(u);
-    ASSERT_EQ(e2m1_rn_satfinite(x), __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)) << std::hex << u;
-    ASSERT_EQ(e4m3_rn_satfinite(x), __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)) << std::hex << u;
-    ASSERT_EQ(e5m2_rn_satfinite(x), __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2)) << std::hex << u;
-    ASSERT_EQ(ue8m0_rz_satfinite(x), __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundZero)) << std::hex << u;
-    ASSERT_EQ(ue8m0_rp_satfinite(x), __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundPosInf)) << std::hex << u;
+    ASSERT_EQ(e2m1_rn_satfinite(x), __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest))
+        << std::hex << u;
+    ASSERT_EQ(e4m3_rn_satfinite(x), __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3))
+        << std::hex << u;
+    ASSERT_EQ(e5m2_rn_satfinite(x), __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2))
+        << std::hex << u;
+    ASSERT_EQ(ue8m0_rz_satfinite(x), __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundZero))
+        << std::hex << u;
+    ASSERT_EQ(ue8m0_rp_satfinite(x), __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundPosInf))
+        << std::hex << u;
     const __nv_bfloat16 b = __float2bfloat16(x);
     uint16_t bb;
     std::memcpy(&bb, &b, 2);
@@ -243,7 +257,8 @@ TEST(Formats, DecodeMatchesCudaHeaders) {
   for (int c = 0; c < 256; ++c) {
     const float a = e4m3_to_f32(c), b = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
     EXPECT_TRUE((std::isnan(a) && std::isnan(b)) || bits(a) == bits(b)) << c;
-    const float a5 = e5m2_to_f32(c), b5 = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
+    const float a5 = e5m2_to_f32(c),
+                b5 = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
     EXPECT_TRUE((std::isnan(a5) && std::isnan(b5)) || bits(a5) == bits(b5)) << c;
   }
 }

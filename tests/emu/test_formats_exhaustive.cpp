@@ -51,27 +51,32 @@ TEST(FormatsExhaustive, AllFp32BitPatternsMatchCudaHeaders) {
     if (e2m1_rn_satfinite(x) != __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)) e2m1.add(u);
     if (e4m3_rn_satfinite(x) != __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)) e4m3.add(u);
     if (e5m2_rn_satfinite(x) != __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2)) e5m2.add(u);
-    if (ue8m0_rz_satfinite(x) != __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundZero)) rz.add(u);
-    if (ue8m0_rp_satfinite(x) != __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundPosInf)) rp.add(u);
+    if (ue8m0_rz_satfinite(x) != __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundZero))
+      rz.add(u);
+    if (ue8m0_rp_satfinite(x) != __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundPosInf))
+      rp.add(u);
     const __nv_bfloat16 b = __float2bfloat16(x);
     uint16_t bb;
     std::memcpy(&bb, &b, 2);
     if (bf16_rne(x) != bb) bf16.add(u);
   });
-  struct Row { const char* name; Mismatch* m; };
+  struct Row {
+    const char* name;
+    Mismatch* m;
+  };
   for (const Row& r : {Row{"e2m1", &e2m1}, Row{"e4m3", &e4m3}, Row{"e5m2", &e5m2},
                        Row{"bf16", &bf16}, Row{"ue8m0.rz", &rz}, Row{"ue8m0.rp", &rp}}) {
     std::printf("%-9s mismatches: %llu of 4294967296\n", r.name,
                 static_cast<unsigned long long>(r.m->count.load()));
-    EXPECT_EQ(r.m->count.load(), 0u) << r.name << " first mismatch at 0x" << std::hex
-                                     << r.m->first.load();
+    EXPECT_EQ(r.m->count.load(), 0u)
+        << r.name << " first mismatch at 0x" << std::hex << r.m->first.load();
   }
 }
 
 // The GPU's E2M1 formulation (e2m1_rn_magic, e2m1_rs_magic: one rounding addition) against the
-// host's bit-pattern formulations: every FP32 input, SR with a random byte derived from it and every
-// random byte for every 4099th input (so each input region meets all 256 bytes); the magnitude both
-// return must be the code's value.
+// host's bit-pattern formulations: every FP32 input, SR with a random byte derived from it and
+// every random byte for every 4099th input (so each input region meets all 256 bytes); the
+// magnitude both return must be the code's value.
 TEST(FormatsExhaustive, E2m1MagicFormulationsEqualBitPattern) {
   Mismatch rn, rs, mag, offset, rs_offset;
   auto check_rs = [&](uint32_t u, float x, uint8_t r) {
@@ -79,7 +84,8 @@ TEST(FormatsExhaustive, E2m1MagicFormulationsEqualBitPattern) {
     const uint32_t code = e2m1_rs_magic(x, r, &m);
     if (code != e2m1_rs_satfinite(x, r)) rs.add(u);
     // the packing formulation: the magnitude code in the low bits, bits 3..14 clear
-    if ((e2m1_rs_offset_magic_code(x, r) & 0x7FFFu) != (e2m1_rs_satfinite(x, r) & 0x7u)) rs_offset.add(u);
+    if ((e2m1_rs_offset_magic_code(x, r) & 0x7FFFu) != (e2m1_rs_satfinite(x, r) & 0x7u))
+      rs_offset.add(u);
     if (f32_bits(m) != f32_bits(e2m1_to_f32(static_cast<uint8_t>(code & 0x7u)))) mag.add(u);
   };
   for_all_fp32(16, "e2m1 magic", [&](uint32_t u, float x) {
@@ -94,11 +100,15 @@ TEST(FormatsExhaustive, E2m1MagicFormulationsEqualBitPattern) {
     if (u % 4099u == 0)
       for (int rr = 0; rr < 256; ++rr) check_rs(u, x, static_cast<uint8_t>(rr));
   });
-  for (const auto& [name, m] : {std::pair<const char*, Mismatch*>{"e2m1.rn magic", &rn}, {"e2m1.rs magic", &rs},
-                                {"e2m1 magic magnitude", &mag}, {"e2m1.rn offset magic", &offset},
+  for (const auto& [name, m] : {std::pair<const char*, Mismatch*>{"e2m1.rn magic", &rn},
+                                {"e2m1.rs magic", &rs},
+                                {"e2m1 magic magnitude", &mag},
+                                {"e2m1.rn offset magic", &offset},
                                 {"e2m1.rs offset magic", &rs_offset}}) {
-    std::printf("%s vs bit pattern mismatches: %llu\n", name, static_cast<unsigned long long>(m->count.load()));
-    EXPECT_EQ(m->count.load(), 0u) << name << ": first mismatch at 0x" << std::hex << m->first.load();
+    std::printf("%s vs bit pattern mismatches: %llu\n", name,
+                static_cast<unsigned long long>(m->count.load()));
+    EXPECT_EQ(m->count.load(), 0u)
+        << name << ": first mismatch at 0x" << std::hex << m->first.load();
   }
 }
 

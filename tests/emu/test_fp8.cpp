@@ -1,7 +1,7 @@
 // The FP8 block format of the paper's baseline recipe (DESIGN.md §9) on the emulator: the 1x128 and
 // 128x128 quantizer's scale rule and special values, the exact transpose of 128x128 weight tiles,
-// the exact FP8 GEMM (four chained Hopper FP8 T-FDPAs per 128-block, then one FMA promotion) against
-// hand-computed and exactly representable cases, and its bad input.
+// the exact FP8 GEMM (four chained Hopper FP8 T-FDPAs per 128-block, then one FMA promotion)
+// against hand-computed and exactly representable cases, and its bad input.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,7 +18,8 @@
 namespace fp4sim {
 namespace {
 
-QuantizeResult fp8_quantize(std::vector<float>& x, int64_t rows, int64_t cols, bool two_d, bool col = false) {
+QuantizeResult fp8_quantize(std::vector<float>& x, int64_t rows, int64_t cols, bool two_d,
+                            bool col = false) {
   QuantizeConfig c;
   c.format = QFormat::FP8;
   c.block_2d = two_d;
@@ -37,8 +38,8 @@ TEST(Fp8, BlockScaleRuleAndSpecials) {
   std::vector<float> x(2 * 256, 0.0f);
   // row 0, block 0: amax 3.5 -> enc = 448 / 3.5 = 128, scale 1/128, 3.5 -> 448 (0x7E)
   x[0] = 3.5f;
-  x[1] = -1.0f;   // -> -128 = E4M3 0xF8 (-1.0 * 2^7)
-  x[2] = 0.01f;   // 1.28 -> RN on E4M3's grid
+  x[1] = -1.0f;  // -> -128 = E4M3 0xF8 (-1.0 * 2^7)
+  x[2] = 0.01f;  // 1.28 -> RN on E4M3's grid
   // row 0, block 1: all zero -> enc 1, scale 1, codes 0
   // row 1, block 0: an Inf -> enc = 448 / Inf = 0 -> 1; Inf -> 448 (satfinite), NaN -> 0x7F
   x[256 + 0] = std::numeric_limits<float>::infinity();
@@ -130,7 +131,8 @@ TEST(Fp8, QuantizeWithBiasBackwardIsQuantizeThenBiasBackward) {
   EXPECT_EQ(r1.scales, r2.scales);
   EXPECT_EQ(c1.codes, c2.codes);
   EXPECT_EQ(c1.scales, c2.scales);
-  for (int64_t i = 0; i < C; ++i) ASSERT_EQ(test::bits(db1[i]), test::bits(db2[i])) << "dbias[" << i << "]";
+  for (int64_t i = 0; i < C; ++i)
+    ASSERT_EQ(test::bits(db1[i]), test::bits(db2[i])) << "dbias[" << i << "]";
   // (a view quantize itself accepts: 256 of the 384 columns)
   TensorView strided = v;
   strided.cols = 256;
@@ -143,7 +145,8 @@ TEST(Fp8, QuantizeWithBiasBackwardIsQuantizeThenBiasBackward) {
   }
 }
 
-QuantizedHost fp8_operand(int64_t rows, int64_t K, const std::vector<uint8_t>& codes, const std::vector<float>& scales) {
+QuantizedHost fp8_operand(int64_t rows, int64_t K, const std::vector<uint8_t>& codes,
+                          const std::vector<float>& scales) {
   QuantizedHost q;
   q.resize(rows, K, QFormat::FP8, false);
   q.codes = codes;
@@ -169,7 +172,8 @@ TEST(Fp8, GemmModelsHopperAccumulationAndPromotion) {
     return c;
   };
   const std::vector<float> ones = {1.0f, 1.0f};
-  QuantizedHost b = fp8_operand(1, K, codes_for({{0, 16.0f}, {1, 0.125f}, {40, 0.125f}, {128, 0.125f}}), ones);
+  QuantizedHost b =
+      fp8_operand(1, K, codes_for({{0, 16.0f}, {1, 0.125f}, {40, 0.125f}, {128, 0.125f}}), ones);
   // same group: 16*16 + (1/8)*(1/8) = 256 + 2^-6 -> 256
   QuantizedHost a1 = fp8_operand(1, K, codes_for({{0, 16.0f}, {1, 0.125f}}), ones);
   EXPECT_EQ(gemm1(a1, b), 256.0f);
@@ -198,7 +202,8 @@ TEST(Fp8, GemmHopperF13Boundary) {
   const int64_t K = 128;
   const float t6 = std::ldexp(1.0f, -6), t7 = std::ldexp(1.0f, -7);
   const std::vector<float> one = {1.0f};
-  auto gemm_of = [&](std::vector<std::pair<int, float>> a_at, std::vector<std::pair<int, float>> b_at) {
+  auto gemm_of = [&](std::vector<std::pair<int, float>> a_at,
+                     std::vector<std::pair<int, float>> b_at) {
     std::vector<uint8_t> ca(K, 0), cb(K, 0);
     for (auto [k, v] : a_at) ca[static_cast<size_t>(k)] = e4m3_rn_satfinite(v);
     for (auto [k, v] : b_at) cb[static_cast<size_t>(k)] = e4m3_rn_satfinite(v);
@@ -239,7 +244,8 @@ TEST(Fp8, GemmExactOnSmallIntegers) {
     for (int64_t n = 0; n < N; ++n) {
       double want = 0;
       for (int64_t k = 0; k < K; ++k)
-        want += static_cast<double>(va[m * K + k]) * vb[n * K + k] * sa[m * 3 + k / 128] * sb[n * 3 + k / 128];
+        want += static_cast<double>(va[m * K + k]) * vb[n * K + k] * sa[m * 3 + k / 128] *
+                sb[n * 3 + k / 128];
       ASSERT_EQ(d[m * N + n], static_cast<float>(want)) << m << "," << n;
     }
   // bad input: K not a multiple of 128, split-K not dividing the 3 blocks, formats mixed
@@ -252,7 +258,8 @@ TEST(Fp8, GemmExactOnSmallIntegers) {
   EXPECT_THROW(validate_gemm(a.view(), b.view(), nullptr, bad, dv), std::invalid_argument);
   QuantizedHost nv;
   nv.resize(N, K, QFormat::NVFP4, false);
-  EXPECT_THROW(validate_gemm(a.view(), nv.view(), nullptr, GemmConfig{}, dv), std::invalid_argument);
+  EXPECT_THROW(validate_gemm(a.view(), nv.view(), nullptr, GemmConfig{}, dv),
+               std::invalid_argument);
 }
 
 // The host GEMM's prepared FP8 T-FDPA equals the literal model on random E4M3 operands (all codes,
@@ -267,7 +274,9 @@ TEST(Fp8, PreparedTfdpaEqualsLiteral) {
     const int mode = it % 4;  // 0 any, 1 small range, 2 sparse, 3 cancelling pairs
     for (int k = 0; k < kFp8FdpaL; ++k) {
       uint8_t ca = static_cast<uint8_t>(rng()), cb = static_cast<uint8_t>(rng());
-      if (mode == 1) ca = static_cast<uint8_t>((ca & 0x87) | 0x30), cb = static_cast<uint8_t>((cb & 0x87) | 0x30);
+      if (mode == 1)
+        ca = static_cast<uint8_t>((ca & 0x87) | 0x30),
+        cb = static_cast<uint8_t>((cb & 0x87) | 0x30);
       if (mode == 2 && rng() % 4) ca = 0;
       if (mode == 3 && k % 2) {  // this product cancels the previous one exactly
         ca = e4m3_rn_satfinite(-a[k - 1]);
@@ -284,7 +293,7 @@ TEST(Fp8, PreparedTfdpaEqualsLiteral) {
     }
     const uint64_t rc = rng();
     uint32_t cb32 = static_cast<uint32_t>(rc >> 32);
-    if (rc % 5 == 0) cb32 &= 0x807FFFFFu;                      // subnormal or zero
+    if (rc % 5 == 0) cb32 &= 0x807FFFFFu;                        // subnormal or zero
     if (rc % 5 == 1) cb32 = (cb32 & 0x80000000u) | 0x7F800000u;  // Inf
     if (rc % 5 == 2) cb32 = (cb32 & 0x83FFFFFFu) | 0x40000000u;  // moderate
     const float c = test::from_bits(cb32);

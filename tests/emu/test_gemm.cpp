@@ -26,16 +26,22 @@ Operands make_operands(int64_t M, int64_t N, int64_t K, QFormat fmt, uint64_t se
   c.format = fmt;
   c.rowwise.enabled = true;
   TensorView va, vb;
-  va.data = o.xa.data(); va.rows = M; va.cols = K; va.name = "A";
-  vb.data = o.xb.data(); vb.rows = N; vb.cols = K; vb.name = "B";
+  va.data = o.xa.data();
+  va.rows = M;
+  va.cols = K;
+  va.name = "A";
+  vb.data = o.xb.data();
+  vb.rows = N;
+  vb.cols = K;
+  vb.name = "B";
   o.qa = quantize_to_host(*be, va, c);
   o.qb = quantize_to_host(*be, vb, c);
   return o;
 }
 
 // The literal contract: per output, the chunks in increasing k, each GST-FDPA from packed codes.
-float literal_output(QuantizedHost& a, QuantizedHost& b, int64_t m, int64_t n, const GemmConfig& cfg,
-                     float cval) {
+float literal_output(QuantizedHost& a, QuantizedHost& b, int64_t m, int64_t n,
+                     const GemmConfig& cfg, float cval) {
   const int64_t K = a.cols, chunks = gemm_chunks(K), per = chunks / cfg.split_k;
   const int64_t block = a.block_size(), spr = K / block;
   const int nsc = a.format == QFormat::MXFP4 ? 2 : 4;
@@ -60,7 +66,8 @@ float literal_output(QuantizedHost& a, QuantizedHost& b, int64_t m, int64_t n, c
     }
     total = s == 0 ? acc : total + acc;
   }
-  const float alpha = gemm_epilogue_alpha(cfg.alpha, a.format, a.amax, a.four_over_six, b.amax, b.four_over_six);
+  const float alpha =
+      gemm_epilogue_alpha(cfg.alpha, a.format, a.amax, a.four_over_six, b.amax, b.four_over_six);
   const float t = alpha * total;
   const float d = cfg.beta != 0.0f ? t + cfg.beta * cval : t;
   return std::isnan(d) ? test::from_bits(0x7FFFFFFFu) : d;
@@ -68,7 +75,10 @@ float literal_output(QuantizedHost& a, QuantizedHost& b, int64_t m, int64_t n, c
 
 TEST(Gemm, ExactMatchesLiteralChain_AllOptions) {
   auto be = make_cpu_backend();
-  struct Shape { int64_t M, N, K; QFormat f; };
+  struct Shape {
+    int64_t M, N, K;
+    QFormat f;
+  };
   for (const Shape& sh : {Shape{17, 9, 80, QFormat::NVFP4}, Shape{8, 12, 256, QFormat::NVFP4},
                           Shape{5, 7, 96, QFormat::MXFP4}, Shape{6, 4, 384, QFormat::MXFP4}}) {
     for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials,
@@ -82,26 +92,33 @@ TEST(Gemm, ExactMatchesLiteralChain_AllOptions) {
           cfg.alpha = 0.75f;
           cfg.beta = bf16 ? 0.5f : 0.0f;
           cfg.out = bf16 ? GemmOut::BF16 : GemmOut::F32;
-          std::vector<float> c = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(sh.M * sh.N), 5);
+          std::vector<float> c =
+              test::make_fill(test::Fill::Gaussian, static_cast<size_t>(sh.M * sh.N), 5);
           TensorView cv;
-          cv.data = c.data(); cv.rows = sh.M; cv.cols = sh.N;
+          cv.data = c.data();
+          cv.rows = sh.M;
+          cv.cols = sh.N;
           std::vector<float> d32(static_cast<size_t>(sh.M * sh.N));
           std::vector<uint16_t> d16(d32.size());
           TensorView dv;
           dv.data = bf16 ? static_cast<void*>(d16.data()) : static_cast<void*>(d32.data());
           dv.dtype = bf16 ? DType::BF16 : DType::F32;
-          dv.rows = sh.M; dv.cols = sh.N;
+          dv.rows = sh.M;
+          dv.cols = sh.N;
           QuantizedView a = o.qa.rowwise.view(), b = o.qb.rowwise.view();
           be->gemm(a, b, cfg.beta != 0.0f ? &cv : nullptr, cfg, dv);
           for (int64_t m = 0; m < sh.M; ++m)
             for (int64_t n = 0; n < sh.N; ++n) {
-              const float want = literal_output(o.qa.rowwise, o.qb.rowwise, m, n, cfg, c[m * sh.N + n]);
-              const uint32_t got = bf16 ? static_cast<uint32_t>(d16[m * sh.N + n]) : test::bits(d32[m * sh.N + n]);
+              const float want =
+                  literal_output(o.qa.rowwise, o.qb.rowwise, m, n, cfg, c[m * sh.N + n]);
+              const uint32_t got =
+                  bf16 ? static_cast<uint32_t>(d16[m * sh.N + n]) : test::bits(d32[m * sh.N + n]);
               const uint32_t exp = bf16 ? bf16_rne(want) : test::bits(want);
-              const bool both_nan = std::isnan(want) && (bf16 ? (got & 0x7FFF) > 0x7F80 : std::isnan(d32[m * sh.N + n]));
+              const bool both_nan = std::isnan(want) && (bf16 ? (got & 0x7FFF) > 0x7F80
+                                                              : std::isnan(d32[m * sh.N + n]));
               ASSERT_TRUE(got == exp || both_nan)
-                  << test::fill_name(fill) << " split " << split << " bf16 " << bf16 << " at (" << m << "," << n
-                  << "): got 0x" << std::hex << got << " want 0x" << exp;
+                  << test::fill_name(fill) << " split " << split << " bf16 " << bf16 << " at (" << m
+                  << "," << n << "): got 0x" << std::hex << got << " want 0x" << exp;
             }
         }
       }
@@ -114,10 +131,13 @@ TEST(Gemm, CloseToDoubleProductOfDequantizedOperands) {
   for (QFormat f : {QFormat::NVFP4, QFormat::MXFP4}) {
     const int64_t M = 16, N = 24, K = 512;
     Operands o = make_operands(M, N, K, f, 77);
-    const auto da = dequantize_to_host(*be, o.qa.rowwise), db = dequantize_to_host(*be, o.qb.rowwise);
+    const auto da = dequantize_to_host(*be, o.qa.rowwise),
+               db = dequantize_to_host(*be, o.qb.rowwise);
     std::vector<float> d(static_cast<size_t>(M * N));
     TensorView dv;
-    dv.data = d.data(); dv.rows = M; dv.cols = N;
+    dv.data = d.data();
+    dv.rows = M;
+    dv.cols = N;
     QuantizedView a = o.qa.rowwise.view(), b = o.qb.rowwise.view();
     be->gemm(a, b, nullptr, GemmConfig{}, dv);
     double worst = 0;
@@ -144,10 +164,13 @@ TEST(Gemm, BadInputIsAClearError) {
   Operands mx = make_operands(4, 4, 64, QFormat::MXFP4, 3);
   std::vector<float> d(16);
   TensorView dv;
-  dv.data = d.data(); dv.rows = 4; dv.cols = 4;
+  dv.data = d.data();
+  dv.rows = 4;
+  dv.cols = 4;
   QuantizedView a = o.qa.rowwise.view(), b = o.qb.rowwise.view(), b2 = p.qb.rowwise.view(),
                 bm = mx.qb.rowwise.view();
-  auto expect_error = [&](const QuantizedView& x, const QuantizedView& y, GemmConfig cfg, const char* needle) {
+  auto expect_error = [&](const QuantizedView& x, const QuantizedView& y, GemmConfig cfg,
+                          const char* needle) {
     try {
       be->gemm(x, y, nullptr, cfg, dv);
       FAIL() << "expected error " << needle;

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "emu/formats.hpp"
-#include "emu/mma.hpp"
 #include "emu/layers.hpp"
+#include "emu/mma.hpp"
 
 namespace fp4sim::emu {
 namespace {
@@ -58,7 +58,8 @@ TEST(Layers, LayerNormBackwardMatchesFiniteDifferences) {
   };
   loss();
   std::vector<float> dx(N * C, 0.0f), dw(C, 0.0f), db(C, 0.0f);
-  layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C);
+  layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), mean.data(),
+                     rstd.data(), N, C);
   check_grad("layernorm dx", x, dx, loss, 1e-3);
   check_grad("layernorm dw", w, dw, loss, 1e-3);
   check_grad("layernorm db", b, db, loss, 1e-3);
@@ -86,15 +87,19 @@ TEST(Layers, ActivationsBackwardMatchFiniteDifferences) {
   std::vector<float> x = randn(n, 8, 2.0f), dout = randn(n, 9), out(n);
   for (int kind = 0; kind < 2; ++kind) {
     auto loss = [&]() {
-      if (kind == 0) gelu_forward(out.data(), x.data(), n);
-      else squared_relu_forward(out.data(), x.data(), n);
+      if (kind == 0)
+        gelu_forward(out.data(), x.data(), n);
+      else
+        squared_relu_forward(out.data(), x.data(), n);
       double s = 0;
       for (int64_t i = 0; i < n; ++i) s += static_cast<double>(dout[i]) * out[i];
       return s;
     };
     std::vector<float> dx(n, 0.0f);
-    if (kind == 0) gelu_backward(dx.data(), x.data(), dout.data(), n);
-    else squared_relu_backward(dx.data(), x.data(), dout.data(), n);
+    if (kind == 0)
+      gelu_backward(dx.data(), x.data(), dout.data(), n);
+    else
+      squared_relu_backward(dx.data(), x.data(), dout.data(), n);
     check_grad(kind == 0 ? "gelu" : "squared_relu", x, dx, loss, 1e-3);
   }
   // gelu(x) at known points
@@ -124,9 +129,12 @@ TEST(Layers, BackwardPassesWriteTheirOutput) {
     const int64_t m = kind == 2 ? 2 * n : n;
     std::vector<float> zeroed(static_cast<size_t>(m), 0.0f), garbage(static_cast<size_t>(m), nan);
     for (std::vector<float>* d : {&zeroed, &garbage}) {
-      if (kind == 0) gelu_backward(d->data(), x.data(), dout.data(), n);
-      else if (kind == 1) squared_relu_backward(d->data(), x.data(), dout.data(), n);
-      else swiglu_backward(d->data(), x2.data(), dout.data(), N, F);
+      if (kind == 0)
+        gelu_backward(d->data(), x.data(), dout.data(), n);
+      else if (kind == 1)
+        squared_relu_backward(d->data(), x.data(), dout.data(), n);
+      else
+        swiglu_backward(d->data(), x2.data(), dout.data(), N, F);
     }
     EXPECT_EQ(bits(zeroed), bits(garbage)) << "activation backward " << kind;
     if (kind < 2) {
@@ -135,7 +143,8 @@ TEST(Layers, BackwardPassesWriteTheirOutput) {
   }
   const int64_t B = 2, T = 7, NH = 4, NKV = 2, HD = 16, W = (NH + 2 * NKV) * HD;
   const std::vector<float> qkv = randn(B * T * W, 34), dy = randn(B * T * NH * HD, 35);
-  std::vector<float> out(static_cast<size_t>(B * T * NH * HD)), lse(static_cast<size_t>(B * NH * T));
+  std::vector<float> out(static_cast<size_t>(B * T * NH * HD)),
+      lse(static_cast<size_t>(B * NH * T));
   attention_forward(out.data(), lse.data(), qkv.data(), B, T, NH, NKV, HD);
   std::vector<float> zeroed(qkv.size(), 0.0f), garbage(qkv.size(), nan);
   for (std::vector<float>* d : {&zeroed, &garbage})
@@ -149,21 +158,25 @@ TEST(Layers, CrossEntropyBackwardMatchesFiniteDifferences) {
   const std::vector<int32_t> targets = {3, 0, 49, 17};
   const std::vector<float> dlosses(N, 1.0f / N);
   auto loss = [&]() {
-    crossentropy_softmax_forward(losses.data(), probs.data(), z.data(), targets.data(), N, V, false);
+    crossentropy_softmax_forward(losses.data(), probs.data(), z.data(), targets.data(), N, V,
+                                 false);
     double s = 0;
     for (int64_t n = 0; n < N; ++n) s += losses[n] / N;
     return s;
   };
   loss();
   std::vector<float> dz(N * V, 0.0f);
-  crossentropy_softmax_backward(dz.data(), probs.data(), targets.data(), dlosses.data(), N, V, false);
+  crossentropy_softmax_backward(dz.data(), probs.data(), targets.data(), dlosses.data(), N, V,
+                                false);
   check_grad("cross-entropy", z, dz, loss, 1e-3);
   // the gradient is written, not accumulated (whatever the output held is gone), and with
   // round_bf16 it is the same values rounded to BF16
   loss();  // probs of the unperturbed logits again (check_grad evaluated others)
   std::vector<float> over(N * V, std::nanf("")), rounded(N * V, 7.0f);
-  crossentropy_softmax_backward(over.data(), probs.data(), targets.data(), dlosses.data(), N, V, false);
-  crossentropy_softmax_backward(rounded.data(), probs.data(), targets.data(), dlosses.data(), N, V, true);
+  crossentropy_softmax_backward(over.data(), probs.data(), targets.data(), dlosses.data(), N, V,
+                                false);
+  crossentropy_softmax_backward(rounded.data(), probs.data(), targets.data(), dlosses.data(), N, V,
+                                true);
   for (int64_t i = 0; i < N * V; ++i) {
     const float want = (probs[i] - (i % V == targets[i / V] ? 1.0f : 0.0f)) * dlosses[i / V];
     ASSERT_EQ(f32_bits(over[i]), f32_bits(want)) << i;
@@ -174,17 +187,21 @@ TEST(Layers, CrossEntropyBackwardMatchesFiniteDifferences) {
   // the unfused ops on the logits rounded beforehand
   {
     std::vector<float> fl(N, -1.0f), fd(N * V, std::nanf(""));
-    crossentropy_softmax_forward_backward(fl.data(), fd.data(), z.data(), targets.data(), dlosses.data(), N, V, false);
+    crossentropy_softmax_forward_backward(fl.data(), fd.data(), z.data(), targets.data(),
+                                          dlosses.data(), N, V, false);
     for (int64_t n = 0; n < N; ++n) ASSERT_EQ(f32_bits(fl[n]), f32_bits(losses[n])) << n;
     for (int64_t i = 0; i < N * V; ++i) ASSERT_EQ(f32_bits(fd[i]), f32_bits(over[i])) << i;
   }
   {
-    std::vector<float> zr(z), rl(N), rp(N * V), rd(N * V), fl(N, -1.0f), fd(N * V, std::nanf("")), bl(N), bp(N * V);
+    std::vector<float> zr(z), rl(N), rp(N * V), rd(N * V), fl(N, -1.0f), fd(N * V, std::nanf("")),
+        bl(N), bp(N * V);
     for (float& v : zr) v = bf16_round(v);
     crossentropy_softmax_forward(rl.data(), rp.data(), zr.data(), targets.data(), N, V, false);
     crossentropy_softmax_backward(rd.data(), rp.data(), targets.data(), dlosses.data(), N, V, true);
-    crossentropy_softmax_forward_backward(fl.data(), fd.data(), z.data(), targets.data(), dlosses.data(), N, V, true);
-    crossentropy_softmax_forward(bl.data(), bp.data(), z.data(), targets.data(), N, V, true);  // bf16_logits
+    crossentropy_softmax_forward_backward(fl.data(), fd.data(), z.data(), targets.data(),
+                                          dlosses.data(), N, V, true);
+    crossentropy_softmax_forward(bl.data(), bp.data(), z.data(), targets.data(), N, V,
+                                 true);  // bf16_logits
     for (int64_t n = 0; n < N; ++n) {
       ASSERT_EQ(f32_bits(fl[n]), f32_bits(rl[n])) << n;
       ASSERT_EQ(f32_bits(bl[n]), f32_bits(rl[n])) << n;
@@ -231,7 +248,8 @@ TEST(Layers, Bf16GemmIsExactOnSmallIntegersAndCloseOtherwise) {
     for (int64_t n = 0; n < N; ++n) {
       double s = 0, mag = 0;
       for (int64_t k = 0; k < K; ++k) {
-        const double p = static_cast<double>(fp4sim::bf16_round(x[m * K + k])) * fp4sim::bf16_round(y[n * K + k]);
+        const double p = static_cast<double>(fp4sim::bf16_round(x[m * K + k])) *
+                         fp4sim::bf16_round(y[n * K + k]);
         s += p;
         mag += std::fabs(p);
       }
@@ -246,10 +264,18 @@ TEST(Layers, Bf16GemmEqualsLiteralChain) {
   for (int trial = 0; trial < 6; ++trial) {
     std::vector<float> a(M * K), b(N * K), out(M * N);
     std::normal_distribution<float> nd(0.0f, 1.0f);
-    for (auto& v : a) v = std::ldexp(nd(rng), static_cast<int>(rng() % (trial * 20 + 2)) - trial * 10);
-    for (auto& v : b) v = std::ldexp(nd(rng), static_cast<int>(rng() % (trial * 20 + 2)) - trial * 10);
-    if (trial == 4) { a[5] = INFINITY; b[40] = -INFINITY; }
-    if (trial == 5) { a[7] = NAN; for (int64_t k = 0; k < K; ++k) b[3 * K + k] = 0.0f; }
+    for (auto& v : a)
+      v = std::ldexp(nd(rng), static_cast<int>(rng() % (trial * 20 + 2)) - trial * 10);
+    for (auto& v : b)
+      v = std::ldexp(nd(rng), static_cast<int>(rng() % (trial * 20 + 2)) - trial * 10);
+    if (trial == 4) {
+      a[5] = INFINITY;
+      b[40] = -INFINITY;
+    }
+    if (trial == 5) {
+      a[7] = NAN;
+      for (int64_t k = 0; k < K; ++k) b[3 * K + k] = 0.0f;
+    }
     bf16_gemm_tn(out.data(), a.data(), b.data(), M, N, K);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) {
@@ -279,7 +305,8 @@ TEST(Layers, MatmulBackwardIsTheTransposedGemms) {
   for (auto& v : w) v = static_cast<float>(static_cast<int>(rng() % 5) - 2);
   for (auto& v : dout) v = static_cast<float>(static_cast<int>(rng() % 5) - 2);
   // dx starts as NaN: matmul_backward writes it (dw and db start at zero and are added to)
-  std::vector<float> y(N * OC), dx(N * K, std::numeric_limits<float>::quiet_NaN()), dw(OC * K, 0.0f), db(OC, 0.0f);
+  std::vector<float> y(N * OC), dx(N * K, std::numeric_limits<float>::quiet_NaN()),
+      dw(OC * K, 0.0f), db(OC, 0.0f);
   matmul_forward(y.data(), x.data(), w.data(), bias.data(), N, K, OC);
   matmul_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), N, K, OC);
   for (int64_t n = 0; n < N; ++n)
@@ -298,7 +325,11 @@ TEST(Layers, MatmulBackwardIsTheTransposedGemms) {
       EXPECT_EQ(dw[o * K + k], static_cast<float>(s));
     }
   }
-  EXPECT_EQ(y[0] - 0.5f, [&] { double s = 0; for (int64_t k = 0; k < K; ++k) s += x[k] * w[k]; return static_cast<float>(s); }());
+  EXPECT_EQ(y[0] - 0.5f, [&] {
+    double s = 0;
+    for (int64_t k = 0; k < K; ++k) s += x[k] * w[k];
+    return static_cast<float>(s);
+  }());
 }
 
 }  // namespace
@@ -465,7 +496,8 @@ TEST(Layers, AttentionSumsAreTfdpaChains) {
   // PV: 16 equal keys, so every p_j = 1 and l = 16 at t = 15; v_0 = 1, v_j = 2^-24 for j > 0
   {
     const int64_t T = 16;
-    std::vector<float> qkv(static_cast<size_t>(T * W), 0.0f), out(static_cast<size_t>(T * HD)), lse(T);
+    std::vector<float> qkv(static_cast<size_t>(T * W), 0.0f), out(static_cast<size_t>(T * HD)),
+        lse(T);
     for (int64_t j = 0; j < T; ++j) qkv[j * W + 2 * HD] = j == 0 ? 1.0f : tiny * tiny;
     attention_forward(out.data(), lse.data(), qkv.data(), 1, T, 1, 1, HD);
     EXPECT_EQ(f32_bits(out[(T - 1) * HD]), f32_bits(chained / 16.0f)) << out[(T - 1) * HD];

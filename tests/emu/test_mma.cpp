@@ -69,32 +69,42 @@ TEST(Tfdpa, Bf16_SimpleExactSums) {
 
 TEST(Tfdpa, Bf16_SmallTermsTruncatedBelowGrid) {
   float a[16] = {}, b[16] = {};
-  a[0] = 1.0f; b[0] = 1.0f;
-  a[1] = std::ldexp(1.0f, -30); b[1] = 1.0f;  // below 2^(0-25): dropped
+  a[0] = 1.0f;
+  b[0] = 1.0f;
+  a[1] = std::ldexp(1.0f, -30);
+  b[1] = 1.0f;  // below 2^(0-25): dropped
   EXPECT_EQ(tfdpa_bf16(a, b, 0.0f), 1.0f);
   a[1] = std::ldexp(1.0f, -25);  // on the grid, but RZ to FP32 drops it
   EXPECT_EQ(tfdpa_bf16(a, b, 0.0f), 1.0f);
   a[1] = std::ldexp(1.0f, -23);  // representable in the FP32 result
   EXPECT_EQ(tfdpa_bf16(a, b, 0.0f), 1.0f + std::ldexp(1.0f, -23));
   // -1 + tiny negative: truncation toward zero of each term, RZ of the sum
-  a[0] = -1.0f; a[1] = -std::ldexp(1.0f, -24);
+  a[0] = -1.0f;
+  a[1] = -std::ldexp(1.0f, -24);
   EXPECT_EQ(tfdpa_bf16(a, b, 0.0f), -1.0f);  // RZ: -1 - 2^-24 -> -1
 }
 
 TEST(Tfdpa, Bf16_SignedZerosAndSpecials) {
   float a[16], b[16];
-  for (int k = 0; k < 16; ++k) { a[k] = -0.0f; b[k] = 1.0f; }
+  for (int k = 0; k < 16; ++k) {
+    a[k] = -0.0f;
+    b[k] = 1.0f;
+  }
   EXPECT_EQ(bits(tfdpa_bf16(a, b, -0.0f)), 0x80000000u);  // all terms -0
   EXPECT_EQ(bits(tfdpa_bf16(a, b, 0.0f)), 0u);            // C = +0
-  a[0] = 1.0f; a[1] = -1.0f;
+  a[0] = 1.0f;
+  a[1] = -1.0f;
   EXPECT_EQ(bits(tfdpa_bf16(a, b, -0.0f)), 0u);  // cancellation -> +0
-  a[0] = INFINITY; a[1] = 0.0f;
+  a[0] = INFINITY;
+  a[1] = 0.0f;
   EXPECT_EQ(bits(tfdpa_bf16(a, b, 0.0f)), 0x7F800000u);
   a[1] = -INFINITY;
   EXPECT_EQ(bits(tfdpa_bf16(a, b, 0.0f)), kCanonicalNaN);
-  a[1] = 0.0f; b[0] = 0.0f;  // Inf * 0
+  a[1] = 0.0f;
+  b[0] = 0.0f;  // Inf * 0
   EXPECT_EQ(bits(tfdpa_bf16(a, b, 0.0f)), kCanonicalNaN);
-  b[0] = 1.0f; a[0] = 1.0f;
+  b[0] = 1.0f;
+  a[0] = 1.0f;
   EXPECT_EQ(bits(tfdpa_bf16(a, b, NAN)), kCanonicalNaN);
   EXPECT_EQ(bits(tfdpa_bf16(a, b, -INFINITY)), 0xFF800000u);
 }
@@ -108,7 +118,8 @@ TEST(Tfdpa, Bf16_OverflowToInfUnderRz) {
 
 TEST(Tfdpa, Bf16_SubnormalOutputsKept) {
   float a[16] = {}, b[16] = {};
-  a[0] = std::ldexp(1.0f, -70); b[0] = std::ldexp(1.0f, -70);  // 2^-140: FP32 subnormal
+  a[0] = std::ldexp(1.0f, -70);
+  b[0] = std::ldexp(1.0f, -70);  // 2^-140: FP32 subnormal
   EXPECT_EQ(tfdpa_bf16(a, b, 0.0f), std::ldexp(1.0f, -140));
 }
 
@@ -118,8 +129,13 @@ TEST(Tfdpa, Bf16_MatchesSlowReferenceOnRandomInputs) {
   for (int trial = 0; trial < 200000; ++trial) {
     float a[16], b[16];
     const int spread = trial % 3 == 0 ? 2 : (trial % 3 == 1 ? 20 : 60);
-    for (int k = 0; k < 16; ++k) { a[k] = random_bf16(rng, spread); b[k] = random_bf16(rng, spread); }
-    const float c = trial % 4 == 0 ? 0.0f : std::ldexp(std::normal_distribution<float>()(rng), (int)(rng() % 40) - 20);
+    for (int k = 0; k < 16; ++k) {
+      a[k] = random_bf16(rng, spread);
+      b[k] = random_bf16(rng, spread);
+    }
+    const float c =
+        trial % 4 == 0 ? 0.0f
+                       : std::ldexp(std::normal_distribution<float>()(rng), (int)(rng() % 40) - 20);
     const float fast = tfdpa_bf16(a, b, c), slow = tfdpa_bf16_slow(a, b, c);
     ASSERT_EQ(bits(fast), bits(slow)) << "trial " << trial;
     ++n;
@@ -132,10 +148,15 @@ TEST(Tfdpa, Bf16HostFastPathEqualsLiteral) {
   for (int trial = 0; trial < 1000000; ++trial) {
     float a[16], b[16];
     const int spread = trial % 4 == 0 ? 2 : (trial % 4 == 1 ? 20 : (trial % 4 == 2 ? 60 : 126));
-    for (int k = 0; k < 16; ++k) { a[k] = random_bf16(rng, spread); b[k] = random_bf16(rng, spread); }
+    for (int k = 0; k < 16; ++k) {
+      a[k] = random_bf16(rng, spread);
+      b[k] = random_bf16(rng, spread);
+    }
     if (trial % 1000 == 0) a[3] = INFINITY;
     if (trial % 1001 == 0) b[5] = NAN;
-    float c = trial % 3 == 0 ? 0.0f : std::ldexp(std::normal_distribution<float>()(rng), (int)(rng() % 80) - 40);
+    float c = trial % 3 == 0
+                  ? 0.0f
+                  : std::ldexp(std::normal_distribution<float>()(rng), (int)(rng() % 80) - 40);
     if (trial % 997 == 0) c = -0.0f;
     if (trial % 991 == 0) c = test::from_bits(static_cast<uint32_t>(rng()));
     ASSERT_EQ(bits(tfdpa_bf16_host(a, b, c)), bits(tfdpa_bf16(a, b, c))) << "trial " << trial;
@@ -168,7 +189,8 @@ void expect_abs_max_matches(const uint16_t* x, const uint16_t* y_ref, int trial)
   rht16_packed(x, w, &packed_x);
   ASSERT_EQ(f32_bits(got_y), f32_bits(want_y)) << "trial " << trial << ": max |y|";
   ASSERT_EQ(f32_bits(got_x), f32_bits(want_x)) << "trial " << trial << ": max |x| (rht16_abs_max)";
-  ASSERT_EQ(f32_bits(packed_x), f32_bits(want_x)) << "trial " << trial << ": max |x| (rht16_packed)";
+  ASSERT_EQ(f32_bits(packed_x), f32_bits(want_x))
+      << "trial " << trial << ": max |x| (rht16_packed)";
 }
 
 TEST(Rht, FastPathEqualsLiteralTfdpa) {
@@ -230,10 +252,12 @@ TEST(Rht, PathBoundariesEqualLiteralTfdpa) {
         const float m = 1.0f + static_cast<float>(rng() % 128) / 128.0f;
         x[i] = bf16_rne((rng() & 1 ? -1.0f : 1.0f) * std::ldexp(m, e));
       }
-      x[rng() % 16] = bf16_rne((rng() & 1 ? -1.0f : 1.0f) * std::ldexp(1.0f + static_cast<float>(rng() % 128) / 128.0f, emax));
+      x[rng() % 16] = bf16_rne((rng() & 1 ? -1.0f : 1.0f) *
+                               std::ldexp(1.0f + static_cast<float>(rng() % 128) / 128.0f, emax));
       rht16(x, y_fast);
       rht16_reference(x, y_ref);
-      for (int j = 0; j < 16; ++j) ASSERT_EQ(y_fast[j], y_ref[j]) << "emax " << emax << " trial " << trial << " j " << j;
+      for (int j = 0; j < 16; ++j)
+        ASSERT_EQ(y_fast[j], y_ref[j]) << "emax " << emax << " trial " << trial << " j " << j;
       ASSERT_NO_FATAL_FAILURE(expect_abs_max_matches(x, y_ref, trial));
       ++checked;
     }
@@ -336,7 +360,8 @@ TEST(Gst, Probe4_CIsTruncated) {
   ch.set(16, -1, 1);
   const uint8_t sfa[4] = {ue8m0(13), ue8m0(13), ue8m0(0), ue8m0(0)};
   const uint8_t sfb[4] = {ue8m0(0), ue8m0(0), ue8m0(0), ue8m0(0)};
-  EXPECT_EQ(gst_fdpa_fp4(ch.a, ch.b, sfa, sfb, ScaleKind::UE8M0_16, 1.0f + std::ldexp(1.0f, -23)), 1.0f);
+  EXPECT_EQ(gst_fdpa_fp4(ch.a, ch.b, sfa, sfb, ScaleKind::UE8M0_16, 1.0f + std::ldexp(1.0f, -23)),
+            1.0f);
 }
 
 TEST(Gst, OrderInsideGroupDoesNotMatterMovingAcrossGroupsCan) {
@@ -349,7 +374,8 @@ TEST(Gst, OrderInsideGroupDoesNotMatterMovingAcrossGroupsCan) {
       sfa[g] = static_cast<uint8_t>(rng() % 0x7F);
       sfb[g] = static_cast<uint8_t>(rng() % 0x7F);
     }
-    const float c = std::ldexp(std::normal_distribution<float>()(rng), static_cast<int>(rng() % 20) - 10);
+    const float c =
+        std::ldexp(std::normal_distribution<float>()(rng), static_cast<int>(rng() % 20) - 10);
     const float r = gst_fdpa_fp4(ch.a, ch.b, sfa, sfb, ScaleKind::UE4M3_16, c);
     // permute within each group: identical bits
     Chunk p = ch;
@@ -366,7 +392,8 @@ TEST(Gst, OrderInsideGroupDoesNotMatterMovingAcrossGroupsCan) {
   Chunk x;
   x.set(0, 1, 1);
   x.set(16, 1, 1);
-  const uint8_t s0[4] = {ue8m0(0), ue8m0(-36), ue8m0(0), ue8m0(0)}, s1[4] = {ue8m0(0), ue8m0(0), ue8m0(0), ue8m0(0)};
+  const uint8_t s0[4] = {ue8m0(0), ue8m0(-36), ue8m0(0), ue8m0(0)},
+                s1[4] = {ue8m0(0), ue8m0(0), ue8m0(0), ue8m0(0)};
   EXPECT_EQ(gst_fdpa_fp4(x.a, x.b, s0, s1, ScaleKind::UE8M0_16, 0.0f), 1.0f);
   Chunk y;
   y.set(0, 1, 1);
@@ -414,8 +441,9 @@ TEST(Gst, SpecialValuesAndSignedZeros) {
 namespace fp4sim {
 namespace {
 
-// The GEMMs' packed GST-FDPA core (int64 and FP64 sums) and the lean core equal the readable one, bit for bit, on random group sums, scale
-// bytes (zeros, subnormals and NaNs included) and C bit patterns (zeros, subnormals, huge, Inf, NaN).
+// The GEMMs' packed GST-FDPA core (int64 and FP64 sums) and the lean core equal the readable one,
+// bit for bit, on random group sums, scale bytes (zeros, subnormals and NaNs included) and C bit
+// patterns (zeros, subnormals, huge, Inf, NaN).
 TEST(Gst, FastCoreEqualsReadableCore) {
   std::mt19937_64 rng(2026);
   int64_t cases = 0, specials = 0, lean_cases = 0;
@@ -427,7 +455,8 @@ TEST(Gst, FastCoreEqualsReadableCore) {
         const uint64_t r = rng();
         const int mode = static_cast<int>(r % 8);
         gs[g].p4 = mode == 0 ? 0 : static_cast<int32_t>((r >> 8) % 4609) - 2304;
-        if (mode == 1) gs[g].p4 = static_cast<int32_t>((r >> 8) % 9) - 4;  // small, cancellation-prone
+        if (mode == 1)
+          gs[g].p4 = static_cast<int32_t>((r >> 8) % 9) - 4;  // small, cancellation-prone
         gs[g].all_zero = gs[g].p4 == 0 && ((r >> 40) & 1);
         gs[g].all_neg_zero = gs[g].all_zero && ((r >> 41) & 1);
         auto byte = [&](uint64_t x) {
@@ -436,7 +465,8 @@ TEST(Gst, FastCoreEqualsReadableCore) {
           if (m == 1) return uint8_t{0x7F};
           if (m == 2) return uint8_t{0xFF};
           if (m == 3) return static_cast<uint8_t>(x >> 8 & 0x07);  // UE4M3 subnormal
-          if (kind != ScaleKind::UE4M3_16 && m < 8) return static_cast<uint8_t>(100 + (x >> 8) % 56);
+          if (kind != ScaleKind::UE4M3_16 && m < 8)
+            return static_cast<uint8_t>(100 + (x >> 8) % 56);
           return static_cast<uint8_t>(x >> 8);
         };
         sa[g] = decode_scale(byte(r >> 42), kind);
@@ -448,11 +478,20 @@ TEST(Gst, FastCoreEqualsReadableCore) {
       const uint64_t rc = rng();
       uint32_t cbits;
       switch (rc % 8) {
-        case 0: cbits = static_cast<uint32_t>(rc >> 32) & 0x80000000u; break;          // +-0
-        case 1: cbits = static_cast<uint32_t>(rc >> 32) & 0x807FFFFFu; break;          // subnormal
-        case 2: cbits = (static_cast<uint32_t>(rc >> 32) & 0x80000000u) | 0x7F800000u; break;  // Inf
-        case 3: cbits = 0x7FC00000u | static_cast<uint32_t>(rc >> 40); break;         // NaN
-        default: cbits = static_cast<uint32_t>(rc >> 32);
+        case 0:
+          cbits = static_cast<uint32_t>(rc >> 32) & 0x80000000u;
+          break;  // +-0
+        case 1:
+          cbits = static_cast<uint32_t>(rc >> 32) & 0x807FFFFFu;
+          break;  // subnormal
+        case 2:
+          cbits = (static_cast<uint32_t>(rc >> 32) & 0x80000000u) | 0x7F800000u;
+          break;  // Inf
+        case 3:
+          cbits = 0x7FC00000u | static_cast<uint32_t>(rc >> 40);
+          break;  // NaN
+        default:
+          cbits = static_cast<uint32_t>(rc >> 32);
       }
       const float c = from_bits(cbits);
       const uint32_t want = gst_fdpa_core_bits(gs, sa, sb, c, nullptr);
@@ -468,8 +507,8 @@ TEST(Gst, FastCoreEqualsReadableCore) {
       const uint32_t packed = gst_fdpa_core_packed_bits(p4, az, anz, wa, wb, sa[0].man_bits, c);
       ASSERT_EQ(packed, want) << "packed core, kind " << static_cast<int>(kind) << " case " << it;
       const uint32_t dbl = gst_fdpa_core_packed_bits(p4, az, anz, wa, wb, sa[0].man_bits, c, true);
-      ASSERT_EQ(dbl, want) << "packed core in FP64, kind " << static_cast<int>(kind) << " case " << it << " c "
-                           << std::hex << cbits;
+      ASSERT_EQ(dbl, want) << "packed core in FP64, kind " << static_cast<int>(kind) << " case "
+                           << it << " c " << std::hex << cbits;
       // the lean core: NaN scales are the caller's to filter; where it answers, the same bits
       bool any_nan = false;
       int32_t siga[kGstGroups], expa[kGstGroups], sigb[kGstGroups], expb[kGstGroups];
@@ -481,7 +520,8 @@ TEST(Gst, FastCoreEqualsReadableCore) {
         expb[g] = sb[g].exp;
       }
       uint32_t lean = 0;
-      if (!any_nan && gst_fdpa_core_lean(p4, siga, expa, sigb, expb, az, sa[0].man_bits, c, &lean)) {
+      if (!any_nan &&
+          gst_fdpa_core_lean(p4, siga, expa, sigb, expb, az, sa[0].man_bits, c, &lean)) {
         ASSERT_EQ(lean, want) << "lean core, kind " << static_cast<int>(kind) << " case " << it;
         ++lean_cases;
       }
@@ -492,45 +532,56 @@ TEST(Gst, FastCoreEqualsReadableCore) {
         expzb[g] = gst_zero_scale_biased(sigb[g], expb[g]);
       }
       uint32_t biased = 0;
-      const bool lean_ok = !any_nan && gst_fdpa_core_lean(p4, siga, expa, sigb, expb, az, sa[0].man_bits, c, &lean);
-      ASSERT_EQ(lean_ok, !any_nan && gst_fdpa_core_lean<true>(p4, siga, expza, sigb, expzb, az, sa[0].man_bits, c, &biased))
+      const bool lean_ok =
+          !any_nan && gst_fdpa_core_lean(p4, siga, expa, sigb, expb, az, sa[0].man_bits, c, &lean);
+      ASSERT_EQ(lean_ok, !any_nan && gst_fdpa_core_lean<true>(p4, siga, expza, sigb, expzb, az,
+                                                              sa[0].man_bits, c, &biased))
           << "biased lean core answers differently, case " << it;
       if (lean_ok) {
-        ASSERT_EQ(biased, lean) << "biased lean core, kind " << static_cast<int>(kind) << " case " << it;
+        ASSERT_EQ(biased, lean) << "biased lean core, kind " << static_cast<int>(kind) << " case "
+                                << it;
       }
       // scaling by exponent addition (the GPU's variant 6), with and without biased zero
       // scales, and with all_zero = 0 where no group sum is zero (no group can be all-zero there)
       uint32_t expadd = 0, expadd_biased = 0;
       const bool expadd_ok =
-          !any_nan && gst_fdpa_core_lean<false, true>(p4, siga, expa, sigb, expb, az, sa[0].man_bits, c, &expadd);
-      ASSERT_EQ(lean_ok, expadd_ok)
-          << "exponent-add lean core answers differently, case " << it;
+          !any_nan && gst_fdpa_core_lean<false, true>(p4, siga, expa, sigb, expb, az,
+                                                      sa[0].man_bits, c, &expadd);
+      ASSERT_EQ(lean_ok, expadd_ok) << "exponent-add lean core answers differently, case " << it;
       const bool no_zero_sum = p4[0] != 0 && p4[1] != 0 && p4[2] != 0 && p4[3] != 0;
       const bool expadd_biased_ok =
-          !any_nan && gst_fdpa_core_lean<true, true>(p4, siga, expza, sigb, expzb, no_zero_sum ? 0u : az,
-                                                     sa[0].man_bits, c, &expadd_biased);
+          !any_nan &&
+          gst_fdpa_core_lean<true, true>(p4, siga, expza, sigb, expzb, no_zero_sum ? 0u : az,
+                                         sa[0].man_bits, c, &expadd_biased);
       ASSERT_EQ(lean_ok, expadd_biased_ok)
           << "biased exponent-add lean core answers differently, case " << it;
       // all-zero groups folded into B's exponent (the GPU's variant 7): kGstZeroScaleExp where the
       // group's products are all zero, and no mask: the same answers and bits
       int32_t expfb[kGstGroups];
-      for (int g = 0; g < kGstGroups; ++g) expfb[g] = ((az >> g) & 1u) ? kGstZeroScaleExp : expzb[g];
+      for (int g = 0; g < kGstGroups; ++g)
+        expfb[g] = ((az >> g) & 1u) ? kGstZeroScaleExp : expzb[g];
       uint32_t folded = 0;
       const bool folded_ok =
-          !any_nan && gst_fdpa_core_lean<true, true>(p4, siga, expza, sigb, expfb, 0u, sa[0].man_bits, c, &folded);
+          !any_nan && gst_fdpa_core_lean<true, true>(p4, siga, expza, sigb, expfb, 0u,
+                                                     sa[0].man_bits, c, &folded);
       ASSERT_EQ(lean_ok, folded_ok) << "folded-zero lean core answers differently, case " << it;
       if (lean_ok) {
-        ASSERT_EQ(folded, lean) << "folded-zero lean core, kind " << static_cast<int>(kind) << " case " << it;
-        ASSERT_EQ(expadd, lean) << "exponent-add lean core, kind " << static_cast<int>(kind) << " case " << it;
-        ASSERT_EQ(expadd_biased, lean) << "biased exponent-add lean core, kind " << static_cast<int>(kind)
-                                       << " case " << it;
+        ASSERT_EQ(folded, lean) << "folded-zero lean core, kind " << static_cast<int>(kind)
+                                << " case " << it;
+        ASSERT_EQ(expadd, lean) << "exponent-add lean core, kind " << static_cast<int>(kind)
+                                << " case " << it;
+        ASSERT_EQ(expadd_biased, lean)
+            << "biased exponent-add lean core, kind " << static_cast<int>(kind) << " case " << it;
       }
       ++cases;
       specials += std::isnan(c) || std::isinf(c);
     }
   }
-  std::printf("[gst-fast-core] %lld cases bitwise equal (%lld with non-finite C; the lean core answered %lld)\n",
-              static_cast<long long>(cases), static_cast<long long>(specials), static_cast<long long>(lean_cases));
+  std::printf(
+      "[gst-fast-core] %lld cases bitwise equal (%lld with non-finite C; the lean core answered "
+      "%lld)\n",
+      static_cast<long long>(cases), static_cast<long long>(specials),
+      static_cast<long long>(lean_cases));
   EXPECT_GT(lean_cases, cases / 5);
 }
 

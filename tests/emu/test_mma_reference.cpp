@@ -1,13 +1,14 @@
 // A slow, independent, exact reference of the tensor-core arithmetic model (DESIGN.md §7), written
-// from the contract's text, and differential tests of emu/mma.hpp against it on random bit patterns.
+// from the contract's text, and differential tests of emu/mma.hpp against it on random bit
+// patterns.
 //
 // The reference keeps every value exactly as a big two's-complement fixed-point number (Fixed:
 // 10 x 64-bit limbs, weight of bit i = 2^(i - 320), so |x| < 2^319 down to a quantum of 2^-320;
 // the model's values span 2^-312 (BF16 subnormal products) .. 2^270 (GST sums)). Inputs are decoded
 // through std::frexp (FP32 values) or from the DESIGN.md §2 tables (E2M1 codes, scale bytes);
 // exponent readings are computed from the exact values: E(x) = max(floor(log2|x|), emin). Each term
-// is truncated toward zero onto 2^(e_max - F) on its magnitude, the terms are summed exactly, and the
-// final RZ picks the significant bits of the exact sum and rebuilds the float with std::ldexp.
+// is truncated toward zero onto 2^(e_max - F) on its magnitude, the terms are summed exactly, and
+// the final RZ picks the significant bits of the exact sum and rebuilds the float with std::ldexp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -117,9 +118,12 @@ class Fixed {
     for (int i = 0; i < kLimbs; ++i) {
       const int lo = i * 64;
       uint64_t mask;  // bits of limb i below pos
-      if (pos >= lo + 64) mask = ~0ull;
-      else if (pos <= lo) mask = 0;
-      else mask = (1ull << (pos - lo)) - 1;
+      if (pos >= lo + 64)
+        mask = ~0ull;
+      else if (pos <= lo)
+        mask = 0;
+      else
+        mask = (1ull << (pos - lo)) - 1;
       if (m.w_[i] & mask) dropped = true;
       m.w_[i] &= ~mask;
     }
@@ -220,10 +224,10 @@ struct Term {
 
 // Diagnostics for the generators' coverage counters.
 struct Info {
-  bool special = false;          // NaN / Inf path
-  bool truncated = false;        // some term lost bits on the grid
-  bool c_truncated = false;      // C lost bits on the grid
-  bool zero_sum = false;         // the exact sum of truncated terms was zero
+  bool special = false;      // NaN / Inf path
+  bool truncated = false;    // some term lost bits on the grid
+  bool c_truncated = false;  // C lost bits on the grid
+  bool zero_sum = false;     // the exact sum of truncated terms was zero
   bool underflow_to_zero = false;
 };
 
@@ -295,8 +299,10 @@ uint32_t tfdpa(int L, const float* a, const float* b, float c, int emin_a, int e
     if (std::isnan(a[k]) || std::isnan(b[k])) {
       nan = true;
     } else if (std::isinf(a[k]) || std::isinf(b[k])) {
-      if (a[k] == 0.0f || b[k] == 0.0f) nan = true;
-      else (std::signbit(a[k]) != std::signbit(b[k]) ? ninf : pinf) = true;
+      if (a[k] == 0.0f || b[k] == 0.0f)
+        nan = true;
+      else
+        (std::signbit(a[k]) != std::signbit(b[k]) ? ninf : pinf) = true;
     }
   }
   if (nan || (pinf && ninf) || pinf || ninf) {
@@ -442,9 +448,12 @@ std::string describe_bits(uint32_t u) {
 
 const char* kind_name(ScaleKind k) {
   switch (k) {
-    case ScaleKind::UE4M3_16: return "UE4M3_16";
-    case ScaleKind::UE8M0_16: return "UE8M0_16";
-    case ScaleKind::UE8M0_32: return "UE8M0_32";
+    case ScaleKind::UE4M3_16:
+      return "UE4M3_16";
+    case ScaleKind::UE8M0_16:
+      return "UE8M0_16";
+    case ScaleKind::UE8M0_32:
+      return "UE8M0_32";
   }
   return "?";
 }
@@ -461,9 +470,12 @@ float fp16_to_f32(uint16_t h) {
   const int ef = (h >> 10) & 0x1F;
   const int man = h & 0x3FF;
   float v;
-  if (ef == 0x1F) v = man ? std::numeric_limits<float>::quiet_NaN() : INFINITY;
-  else if (ef == 0) v = std::ldexp(static_cast<float>(man), -24);
-  else v = std::ldexp(static_cast<float>(1024 + man), ef - 25);
+  if (ef == 0x1F)
+    v = man ? std::numeric_limits<float>::quiet_NaN() : INFINITY;
+  else if (ef == 0)
+    v = std::ldexp(static_cast<float>(man), -24);
+  else
+    v = std::ldexp(static_cast<float>(1024 + man), ef - 25);
   return neg ? -v : v;
 }
 float bf16_code_to_f32(uint32_t c) { return bf16_to_f32(static_cast<uint16_t>(c)); }
@@ -508,15 +520,19 @@ double unit(Rng& r) { return static_cast<double>(r() >> 11) * 0x1.0p-53; }
 uint32_t gen_c(Rng& r, int e_ref, double approx_sum) {
   const uint32_t sign = (r() & 1) ? 0x80000000u : 0u;
   const int mode = uni(r, 0, 31);
-  if (mode <= 5) return static_cast<uint32_t>(r());  // any bit pattern
-  if (mode <= 7) return sign;                          // ±0
+  if (mode <= 5) return static_cast<uint32_t>(r());                     // any bit pattern
+  if (mode <= 7) return sign;                                           // ±0
   if (mode <= 9) return sign | static_cast<uint32_t>(r() & 0x7FFFFFu);  // subnormal (or 0)
   if (mode == 10) {
     switch (uni(r, 0, 3)) {
-      case 0: return sign | 0x7F800000u;                                    // ±Inf
-      case 1: return 0x7FC00000u | sign;                                    // quiet NaN
-      case 2: return sign | 0x7F800000u | (1u + (r() & 0x3FFFFFu));          // signalling NaN
-      default: return sign | 0x7F7FFFFFu;                                   // ±FLT_MAX
+      case 0:
+        return sign | 0x7F800000u;  // ±Inf
+      case 1:
+        return 0x7FC00000u | sign;  // quiet NaN
+      case 2:
+        return sign | 0x7F800000u | (1u + (r() & 0x3FFFFFu));  // signalling NaN
+      default:
+        return sign | 0x7F7FFFFFu;  // ±FLT_MAX
     }
   }
   if (mode <= 12) return sign | (static_cast<uint32_t>(uni(r, 230, 254)) << 23) | (r() & 0x7FFFFFu);
@@ -578,8 +594,10 @@ void gen_tfdpa_codes(Rng& r, const OpFmt& fa, const OpFmt& fb, int L, uint32_t* 
     const bool zero_a = r() & 1;
     for (int k = 0; k < L; ++k) {
       if (chance(r, 40)) continue;
-      if (zero_a) ca[k] = (cb[k] & sign_bit(fb)) ? 0u : sign_bit(fa);
-      else cb[k] = (ca[k] & sign_bit(fa)) ? 0u : sign_bit(fb);
+      if (zero_a)
+        ca[k] = (cb[k] & sign_bit(fb)) ? 0u : sign_bit(fa);
+      else
+        cb[k] = (ca[k] & sign_bit(fa)) ? 0u : sign_bit(fb);
     }
   } else if (mode == 5) {  // subnormal-heavy
     for (int k = 0; k < L; ++k) {
@@ -608,7 +626,8 @@ void gen_tfdpa_codes(Rng& r, const OpFmt& fa, const OpFmt& fb, int L, uint32_t* 
       if (f.has_inf && !chance(r, 3)) {
         code = make_code(f, r() & 1, me, 0);  // ±Inf
       } else if (f.has_inf) {
-        code = make_code(f, r() & 1, me, 1u + static_cast<uint32_t>(r() % ((1u << f.man_bits) - 1)));
+        code =
+            make_code(f, r() & 1, me, 1u + static_cast<uint32_t>(r() % ((1u << f.man_bits) - 1)));
       } else {
         code = make_code(f, r() & 1, me, 0x7);  // E4M3 NaN
       }
@@ -631,10 +650,14 @@ struct TSpec {
 };
 TSpec tspec(TInstr i) {
   switch (i) {
-    case TInstr::Bf16: return {"tfdpa_bf16", 16, 25, 23};
-    case TInstr::Fp16: return {"tfdpa_fp16", 16, 25, 23};
-    case TInstr::Fp8Hopper: return {"tfdpa_fp8_hopper", 32, 13, 13};
-    case TInstr::Fp8Blackwell: return {"tfdpa_fp8_blackwell", 32, 25, 23};
+    case TInstr::Bf16:
+      return {"tfdpa_bf16", 16, 25, 23};
+    case TInstr::Fp16:
+      return {"tfdpa_fp16", 16, 25, 23};
+    case TInstr::Fp8Hopper:
+      return {"tfdpa_fp8_hopper", 32, 13, 13};
+    case TInstr::Fp8Blackwell:
+      return {"tfdpa_fp8_blackwell", 32, 25, 23};
   }
   return {};
 }
@@ -642,10 +665,14 @@ TSpec tspec(TInstr i) {
 uint32_t fast_tfdpa(TInstr i, const float* a, const float* b, float c, const OpFmt& fa,
                     const OpFmt& fb) {
   switch (i) {
-    case TInstr::Bf16: return bits_of(tfdpa_bf16(a, b, c));
-    case TInstr::Fp16: return bits_of(tfdpa_fp16(a, b, c));
-    case TInstr::Fp8Hopper: return bits_of(tfdpa_fp8_hopper(a, b, c, fa.fast, fb.fast));
-    case TInstr::Fp8Blackwell: return bits_of(tfdpa_fp8_blackwell(a, b, c, fa.fast, fb.fast));
+    case TInstr::Bf16:
+      return bits_of(tfdpa_bf16(a, b, c));
+    case TInstr::Fp16:
+      return bits_of(tfdpa_fp16(a, b, c));
+    case TInstr::Fp8Hopper:
+      return bits_of(tfdpa_fp8_hopper(a, b, c, fa.fast, fb.fast));
+    case TInstr::Fp8Blackwell:
+      return bits_of(tfdpa_fp8_blackwell(a, b, c, fa.fast, fb.fast));
   }
   return 0;
 }
@@ -661,11 +688,16 @@ struct Coverage {
     zero_sum += in.zero_sum;
     underflow += in.underflow_to_zero;
     const uint32_t a = res & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) ++nan;
-    else if (a == 0x7F800000u) ++inf;
-    else if (res == 0) ++pos_zero;
-    else if (res == 0x80000000u) ++neg_zero;
-    else if (a < 0x00800000u) ++subnormal;
+    if (a > 0x7F800000u)
+      ++nan;
+    else if (a == 0x7F800000u)
+      ++inf;
+    else if (res == 0)
+      ++pos_zero;
+    else if (res == 0x80000000u)
+      ++neg_zero;
+    else if (a < 0x00800000u)
+      ++subnormal;
   }
   void print(const char* what) const {
     std::printf(
@@ -702,8 +734,10 @@ void run_tfdpa_differential(TInstr instr, long n_cases, uint64_t seed) {
   for (long i = 0; i < n_cases && mismatches < kMaxReported; ++i) {
     const OpFmt* fa;
     const OpFmt* fb;
-    if (instr == TInstr::Bf16) fa = fb = &kBf16;
-    else if (instr == TInstr::Fp16) fa = fb = &kFp16;
+    if (instr == TInstr::Bf16)
+      fa = fb = &kBf16;
+    else if (instr == TInstr::Fp16)
+      fa = fb = &kFp16;
     else {
       fa = (r() & 1) ? &kE4M3 : &kE5M2;
       fb = (r() & 1) ? &kE4M3 : &kE5M2;
@@ -820,33 +854,44 @@ void gen_group(Rng& r, int mode, uint8_t* a, uint8_t* b) {
 uint8_t gen_ue4m3(Rng& r, int mode, int center, int w) {
   const uint8_t sgn = (r() & 1) ? 0x80 : 0x00;
   switch (mode) {
-    case 0: return static_cast<uint8_t>(r());
+    case 0:
+      return static_cast<uint8_t>(r());
     case 1: {
       const int ef = std::clamp(center + uni(r, -w, w), 0, 15);
       return static_cast<uint8_t>(sgn | (ef << 3) | (r() & 7));
     }
     case 2:
       switch (uni(r, 0, 5)) {
-        case 0: return sgn;                                            // zero
-        case 1: return static_cast<uint8_t>(sgn | uni(r, 1, 7));        // subnormal
-        case 2: return static_cast<uint8_t>(sgn | uni(r, 0x70, 0x7E));  // huge
-        case 3: return static_cast<uint8_t>(sgn | 0x38);                // 1.0
-        case 4: return static_cast<uint8_t>(sgn | uni(r, 0x08, 0x0F));  // smallest normals
-        default: return static_cast<uint8_t>(r());
+        case 0:
+          return sgn;  // zero
+        case 1:
+          return static_cast<uint8_t>(sgn | uni(r, 1, 7));  // subnormal
+        case 2:
+          return static_cast<uint8_t>(sgn | uni(r, 0x70, 0x7E));  // huge
+        case 3:
+          return static_cast<uint8_t>(sgn | 0x38);  // 1.0
+        case 4:
+          return static_cast<uint8_t>(sgn | uni(r, 0x08, 0x0F));  // smallest normals
+        default:
+          return static_cast<uint8_t>(r());
       }
-    default: return static_cast<uint8_t>(sgn | (center << 3) | (center & 7));  // one value for all
+    default:
+      return static_cast<uint8_t>(sgn | (center << 3) | (center & 7));  // one value for all
   }
 }
 
 uint8_t gen_ue8m0(Rng& r, int mode, int center, int w) {
   switch (mode) {
-    case 0: return static_cast<uint8_t>(r());
-    case 1: return static_cast<uint8_t>(std::clamp(center + uni(r, -w, w), 0, 254));
+    case 0:
+      return static_cast<uint8_t>(r());
+    case 1:
+      return static_cast<uint8_t>(std::clamp(center + uni(r, -w, w), 0, 254));
     case 2: {
       static const uint8_t kX[] = {0x00, 0x01, 0x02, 0x7F, 0x80, 0xFD, 0xFE};
       return chance(r, 3) ? static_cast<uint8_t>(r()) : kX[uni(r, 0, 6)];
     }
-    default: return static_cast<uint8_t>(std::clamp(center + uni(r, -w, w), 0, 254));
+    default:
+      return static_cast<uint8_t>(std::clamp(center + uni(r, -w, w), 0, 254));
   }
 }
 
@@ -867,7 +912,8 @@ void run_gst_differential(ScaleKind kind, long n_cases, uint64_t seed) {
     // codes
     const bool same_mode = r() & 1;
     const int mode0 = uni(r, 0, 7);
-    for (int g = 0; g < 4; ++g) gen_group(r, same_mode ? mode0 : uni(r, 0, 7), ca + 16 * g, cb + 16 * g);
+    for (int g = 0; g < 4; ++g)
+      gen_group(r, same_mode ? mode0 : uni(r, 0, 7), ca + 16 * g, cb + 16 * g);
     pack64(ca, ap);
     pack64(cb, bp);
     // scales
@@ -915,11 +961,14 @@ void run_gst_differential(ScaleKind kind, long n_cases, uint64_t seed) {
       const ref::Scale sa = ref::scale_value(sfa[idx], kind), sb = ref::scale_value(sfb[idx], kind);
       if (sa.nan || sb.nan) continue;
       double p = 0.0;
-      for (int k = 16 * g; k < 16 * g + 16; ++k) p += e2m1_to_f32(ca[k]) * static_cast<double>(e2m1_to_f32(cb[k]));
+      for (int k = 16 * g; k < 16 * g + 16; ++k)
+        p += e2m1_to_f32(ca[k]) * static_cast<double>(e2m1_to_f32(cb[k]));
       const double t = p * std::ldexp(static_cast<double>(sa.m * sb.m), sa.e + sb.e);
       approx += t;
-      if (t != 0.0) e_ref = std::max(e_ref, std::ilogb(t));
-      else if (!sa.zero && !sb.zero) e_ref = std::max(e_ref, sa.E + sb.E);
+      if (t != 0.0)
+        e_ref = std::max(e_ref, std::ilogb(t));
+      else if (!sa.zero && !sb.zero)
+        e_ref = std::max(e_ref, sa.E + sb.E);
     }
     if (e_ref == -1000) e_ref = uni(r, -160, 20);
     e_ref = std::clamp(e_ref, -170, 140);
@@ -931,8 +980,8 @@ void run_gst_differential(ScaleKind kind, long n_cases, uint64_t seed) {
     cov.add(want, info);
     if (want != got) {
       ++mismatches;
-      ADD_FAILURE() << "gst_fdpa_fp4_bits mismatch (case " << i << ", seed " << seed
-                    << ", kind " << kind_name(kind) << ")\n  a_packed: " << hex_bytes(ap, 32)
+      ADD_FAILURE() << "gst_fdpa_fp4_bits mismatch (case " << i << ", seed " << seed << ", kind "
+                    << kind_name(kind) << ")\n  a_packed: " << hex_bytes(ap, 32)
                     << "\n  b_packed: " << hex_bytes(bp, 32) << "\n  sfa: " << hex_bytes(sfa, 4)
                     << "\n  sfb: " << hex_bytes(sfb, 4) << "\n  c = " << describe_bits(c_bits)
                     << "\n  reference " << describe_bits(want) << "\n  fast      "
@@ -1182,7 +1231,7 @@ TEST(MmaReference, FixedPoint_SelfCheck) {
   Fixed z = Fixed::dyadic(1, 250, false);
   z += y;
   EXPECT_FALSE(z.is_zero());
-  EXPECT_EQ(z.floor_log2(), 0);  // 2^250 - (2^250 - 1) = 1
+  EXPECT_EQ(z.floor_log2(), 0);          // 2^250 - (2^250 - 1) = 1
   Fixed s = Fixed::dyadic(5, -2, true);  // -1.25
   s.scale(3, -250);                      // -3.75 * 2^-250
   EXPECT_EQ(s.floor_log2(), -249);

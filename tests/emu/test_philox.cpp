@@ -44,7 +44,12 @@ TEST(Philox, KeyedEqualsPlain) {
   EXPECT_EQ(o.v[3], 0x6d5451fdu);
   uint64_t x = 0x9E3779B97F4A7C15ull;
   for (int trial = 0; trial < 20000; ++trial) {
-    auto next = [&x]() { x ^= x << 13; x ^= x >> 7; x ^= x << 17; return x; };
+    auto next = [&x]() {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      return x;
+    };
     const uint64_t seed = next(), stream = next(), chunk = trial % 3 == 0 ? next() : next() >> 40;
     const Philox4x32 a = sr_chunk_bits(seed, stream, chunk);
     const Philox4x32 b = sr_chunk_bits_keyed(philox_round_keys(seed), stream, chunk);
@@ -53,8 +58,8 @@ TEST(Philox, KeyedEqualsPlain) {
 }
 
 TEST(Philox, StreamsAndChunksDiffer) {
-  const Philox4x32 a = sr_chunk_bits(1, 0, 0), b = sr_chunk_bits(1, 1, 0), c = sr_chunk_bits(1, 0, 1),
-                   d = sr_chunk_bits(2, 0, 0);
+  const Philox4x32 a = sr_chunk_bits(1, 0, 0), b = sr_chunk_bits(1, 1, 0),
+                   c = sr_chunk_bits(1, 0, 1), d = sr_chunk_bits(2, 0, 0);
   EXPECT_NE(a.v[0], b.v[0]);
   EXPECT_NE(a.v[0], c.v[0]);
   EXPECT_NE(a.v[0], d.v[0]);

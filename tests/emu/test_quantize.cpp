@@ -60,7 +60,10 @@ TEST(Quantize, Nvfp4_WorkedVectorDequantize) {
   EXPECT_EQ(d[8], 0.0f);
   // relative error of a 4-bit quantizer on this row stays modest
   double num = 0, den = 0;
-  for (int i = 0; i < 32; ++i) { num += (d[i] - x[i]) * (d[i] - x[i]); den += x[i] * x[i]; }
+  for (int i = 0; i < 32; ++i) {
+    num += (d[i] - x[i]) * (d[i] - x[i]);
+    den += x[i] * x[i];
+  }
   EXPECT_LT(std::sqrt(num / den), 0.2);
 }
 
@@ -119,7 +122,8 @@ TEST(Quantize, Nvfp4_2D_ScaleRepeatedDownTile) {
   c.block_2d = true;
   const QuantizeResult r = quantize_to_host(*be, host_view(x.data(), 32, 32), c);
   for (int i = 0; i < 32; ++i)
-    for (int b = 0; b < 2; ++b) EXPECT_EQ(r.rowwise.scales[i * 2 + b], r.rowwise.scales[(i / 16) * 32 + b]);
+    for (int b = 0; b < 2; ++b)
+      EXPECT_EQ(r.rowwise.scales[i * 2 + b], r.rowwise.scales[(i / 16) * 32 + b]);
 }
 
 TEST(Quantize, FourOverSix_NeverWorseThanSixOnItsMetric) {
@@ -131,7 +135,10 @@ TEST(Quantize, FourOverSix_NeverWorseThanSixOnItsMetric) {
   QuantizeResult b = quantize_to_host(*be, host_view(x.data(), 64, 256), fos);
   const auto da = dequantize_to_host(*be, a.rowwise), db = dequantize_to_host(*be, b.rowwise);
   double ea = 0, eb = 0;
-  for (size_t i = 0; i < x.size(); ++i) { ea += std::fabs(da[i] - x[i]); eb += std::fabs(db[i] - x[i]); }
+  for (size_t i = 0; i < x.size(); ++i) {
+    ea += std::fabs(da[i] - x[i]);
+    eb += std::fabs(db[i] - x[i]);
+  }
   EXPECT_LT(eb, ea);  // choosing per block lowers the total absolute error on Gaussian data
   int map4 = 0;
   for (size_t blk = 0; blk < b.rowwise.scales.size(); ++blk) {
@@ -231,7 +238,10 @@ TEST(Quantize, Bf16InputMatchesItsFloatWidening) {
   auto be = make_cpu_backend();
   std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, 32 * 64, 8);
   std::vector<uint16_t> h(x.size());
-  for (size_t i = 0; i < x.size(); ++i) { h[i] = bf16_rne(x[i]); x[i] = bf16_to_f32(h[i]); }
+  for (size_t i = 0; i < x.size(); ++i) {
+    h[i] = bf16_rne(x[i]);
+    x[i] = bf16_to_f32(h[i]);
+  }
   TensorView hv;
   hv.data = h.data();
   hv.dtype = DType::BF16;
@@ -239,7 +249,8 @@ TEST(Quantize, Bf16InputMatchesItsFloatWidening) {
   hv.cols = 64;
   QuantizeConfig c = rowwise_rn();
   c.columnwise.enabled = true;
-  const QuantizeResult a = quantize_to_host(*be, hv, c), b = quantize_to_host(*be, host_view(x.data(), 32, 64), c);
+  const QuantizeResult a = quantize_to_host(*be, hv, c),
+                       b = quantize_to_host(*be, host_view(x.data(), 32, 64), c);
   EXPECT_EQ(a.rowwise.codes, b.rowwise.codes);
   EXPECT_EQ(a.columnwise.scales, b.columnwise.scales);
 }
@@ -303,12 +314,16 @@ TEST(QuantStats, ErrorSumsMatchDequantizedReference) {
     for (int fill = -1; fill < static_cast<int>(test::all_fills().size()); ++fill) {
       // fill -1: columns 16-31 of every row 1e-9 times the rest, so NVFP4's E4M3 block scales
       // underflow there (every row's second 1x16 block, every 16x16 tile in that column range)
-      std::vector<float> x = test::make_fill(fill < 0 ? test::Fill::Gaussian : test::all_fills()[static_cast<size_t>(fill)],
-                                             static_cast<size_t>(n * n), 515);
+      std::vector<float> x = test::make_fill(
+          fill < 0 ? test::Fill::Gaussian : test::all_fills()[static_cast<size_t>(fill)],
+          static_cast<size_t>(n * n), 515);
       if (fill < 0)
         for (int64_t r = 0; r < n; ++r)
           for (int64_t c = 16; c < 32; ++c) x[static_cast<size_t>(r * n + c)] *= 1e-9f;
-      const std::string what = name + " " + (fill < 0 ? "tiny_second_block" : test::fill_name(test::all_fills()[static_cast<size_t>(fill)]));
+      const std::string what =
+          name + " " +
+          (fill < 0 ? "tiny_second_block"
+                    : test::fill_name(test::all_fills()[static_cast<size_t>(fill)]));
       QuantizeResult r = quantize_to_host(*be, host_view(x.data(), n, n), cfg);
       const QuantErrorSums got = quant_error_sums_on(*be, x, r.rowwise);
       test::expect_error_sums_near(got, test::reference_error_sums(*be, x, r.rowwise), what);
@@ -351,7 +366,8 @@ TEST(Quantize, SubnormalsSurviveAFlushToZeroHost) {
   _mm_setcsr(csr);
   float amax_b = 0;
   for (int i = 0; i < 16; ++i) amax_b = std::fmax(amax_b, std::fabs(x[i]));
-  EXPECT_EQ(ieee.rowwise.scales[0], nvfp4_block_scale(amax_b, nvfp4_global(ieee.rowwise.amax, false).s_enc))
+  EXPECT_EQ(ieee.rowwise.scales[0],
+            nvfp4_block_scale(amax_b, nvfp4_global(ieee.rowwise.amax, false).s_enc))
       << "amax " << ieee.rowwise.amax << " amax_b " << amax_b;
   if (amax_b > 1e-38f) {
     EXPECT_NE(ieee.rowwise.scales[0], 0);
@@ -362,8 +378,9 @@ TEST(Quantize, SubnormalsSurviveAFlushToZeroHost) {
 // The block that once differed between the GPU host's emulator (0x00) and the GPU (0x3A): FP32
 // values near the normal/subnormal boundary with a global amax just under 2^-125.
 TEST(Quantize, Nvfp4_TinyBlockScaleIsExact) {
-  const uint32_t block0[16] = {0x806d902a, 0x8009132f, 0x004db46a, 0x806c2c2f, 0x80b6b750, 0x80f8065d,
-                               0x80e3c11c, 0x001174fd, 0x802f6fbc, 0x00ca7d67, 0x8047d0ba, 0x00bae1cf,
+  const uint32_t block0[16] = {0x806d902a, 0x8009132f, 0x004db46a, 0x806c2c2f,
+                               0x80b6b750, 0x80f8065d, 0x80e3c11c, 0x001174fd,
+                               0x802f6fbc, 0x00ca7d67, 0x8047d0ba, 0x00bae1cf,
                                0x80156dcf, 0x80fa2ed9, 0x006cda04, 0x80450eeb};
   std::vector<float> x(32, 0.0f);
   for (int i = 0; i < 16; ++i) x[i] = test::from_bits(block0[i]);
@@ -375,10 +392,11 @@ TEST(Quantize, Nvfp4_TinyBlockScaleIsExact) {
   const float amax_b = test::from_bits(0x00fa2ed9u);
   const float q = fdiv_rn(kNvfp4Range, r.rowwise.amax);
   const float prod = fmul_rn(amax_b, fmul_rn(g.s_enc, 1.0f / 6.0f));
-  EXPECT_EQ(g.s_enc, kFltMax) << "2688/amax = " << q << " (bits " << std::hex << test::bits(q) << ")";
-  EXPECT_EQ(r.rowwise.scales[0], 0x3A) << "amax " << std::hex << test::bits(r.rowwise.amax) << " s_enc "
-                                       << test::bits(g.s_enc) << " product " << test::bits(prod)
-                                       << " scale from product " << int(e4m3_rn_satfinite(prod));
+  EXPECT_EQ(g.s_enc, kFltMax) << "2688/amax = " << q << " (bits " << std::hex << test::bits(q)
+                              << ")";
+  EXPECT_EQ(r.rowwise.scales[0], 0x3A)
+      << "amax " << std::hex << test::bits(r.rowwise.amax) << " s_enc " << test::bits(g.s_enc)
+      << " product " << test::bits(prod) << " scale from product " << int(e4m3_rn_satfinite(prod));
 }
 
 }  // namespace

@@ -31,25 +31,34 @@ enum class Fill {
 
 inline const char* fill_name(Fill f) {
   switch (f) {
-    case Fill::Gaussian: return "gaussian";
-    case Fill::HeavyTailed: return "heavy_tailed";
-    case Fill::Zeros: return "zeros";
-    case Fill::SignedZeros: return "signed_zeros";
-    case Fill::AllEqual: return "all_equal";
-    case Fill::Specials: return "specials";
-    case Fill::Subnormal: return "subnormal";
-    case Fill::Ties: return "ties";
-    case Fill::Boundaries: return "boundaries";
-    case Fill::HugeTiny: return "huge_tiny";
+    case Fill::Gaussian:
+      return "gaussian";
+    case Fill::HeavyTailed:
+      return "heavy_tailed";
+    case Fill::Zeros:
+      return "zeros";
+    case Fill::SignedZeros:
+      return "signed_zeros";
+    case Fill::AllEqual:
+      return "all_equal";
+    case Fill::Specials:
+      return "specials";
+    case Fill::Subnormal:
+      return "subnormal";
+    case Fill::Ties:
+      return "ties";
+    case Fill::Boundaries:
+      return "boundaries";
+    case Fill::HugeTiny:
+      return "huge_tiny";
   }
   return "?";
 }
 
 inline const std::vector<Fill>& all_fills() {
-  static const std::vector<Fill> f = {Fill::Gaussian, Fill::HeavyTailed, Fill::Zeros,
-                                      Fill::SignedZeros, Fill::AllEqual, Fill::Specials,
-                                      Fill::Subnormal, Fill::Ties, Fill::Boundaries,
-                                      Fill::HugeTiny};
+  static const std::vector<Fill> f = {
+      Fill::Gaussian, Fill::HeavyTailed, Fill::Zeros, Fill::SignedZeros, Fill::AllEqual,
+      Fill::Specials, Fill::Subnormal,   Fill::Ties,  Fill::Boundaries,  Fill::HugeTiny};
   return f;
 }
 
@@ -62,11 +71,20 @@ inline std::vector<float> make_fill(Fill f, size_t n, uint64_t seed) {
   for (size_t i = 0; i < n; ++i) {
     float x = normal(rng);
     switch (f) {
-      case Fill::Gaussian: break;
-      case Fill::HeavyTailed: x *= std::exp(3.0f * normal(rng)); break;
-      case Fill::Zeros: x = 0.0f; break;
-      case Fill::SignedZeros: x = (pick(rng) & 1) ? -0.0f : 0.0f; break;
-      case Fill::AllEqual: x = 0.3f; break;
+      case Fill::Gaussian:
+        break;
+      case Fill::HeavyTailed:
+        x *= std::exp(3.0f * normal(rng));
+        break;
+      case Fill::Zeros:
+        x = 0.0f;
+        break;
+      case Fill::SignedZeros:
+        x = (pick(rng) & 1) ? -0.0f : 0.0f;
+        break;
+      case Fill::AllEqual:
+        x = 0.3f;
+        break;
       case Fill::Specials: {
         const int k = pick(rng) % 23;
         if (k == 0) x = std::numeric_limits<float>::quiet_NaN();
@@ -75,8 +93,9 @@ inline std::vector<float> make_fill(Fill f, size_t n, uint64_t seed) {
         if (k == 3) x = -std::numeric_limits<float>::infinity();
         break;
       }
-      case Fill::Subnormal: x = from_bits(static_cast<uint32_t>(pick(rng)) & 0x00FFFFFFu) *
-                                ((pick(rng) & 1) ? -1.0f : 1.0f);
+      case Fill::Subnormal:
+        x = from_bits(static_cast<uint32_t>(pick(rng)) & 0x00FFFFFFu) *
+            ((pick(rng) & 1) ? -1.0f : 1.0f);
         break;
       case Fill::Ties: {
         // every 16th element is 6.0 so that amax_b * enc maps near 6; the rest sit on midpoints
@@ -89,7 +108,9 @@ inline std::vector<float> make_fill(Fill f, size_t n, uint64_t seed) {
         x = d == 0 ? g : from_bits(bits(g) + (d == 1 ? 1u : static_cast<uint32_t>(-1)));
         break;
       }
-      case Fill::HugeTiny: x = (pick(rng) & 1) ? 1e30f * x : 1e-30f * x; break;
+      case Fill::HugeTiny:
+        x = (pick(rng) & 1) ? 1e30f * x : 1e-30f * x;
+        break;
     }
     v[i] = x;
   }

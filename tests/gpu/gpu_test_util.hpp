@@ -46,7 +46,10 @@ inline void expect_rule_pick(int index, const std::string& what) {
 // Sets a process-wide benchmark knob and puts it back on scope exit, even when a check throws.
 struct KnobGuard {
   std::function<void()> undo;
-  KnobGuard(const std::function<void()>& set, std::function<void()> reset) : undo(std::move(reset)) { set(); }
+  KnobGuard(const std::function<void()>& set, std::function<void()> reset)
+      : undo(std::move(reset)) {
+    set();
+  }
   ~KnobGuard() { undo(); }
   KnobGuard(const KnobGuard&) = delete;
   KnobGuard& operator=(const KnobGuard&) = delete;
@@ -89,9 +92,10 @@ inline std::vector<uint32_t> run_gemm_bits(Backend& be, QuantizedHost& a, Quanti
 // column sums, on `be`: by Backend::quantize_with_bias_backward (fused) or by quantize then
 // bias_backward. row and col come shaped by the caller (row is left as it is without a row-wise
 // copy); returns dbias's bits.
-inline std::vector<uint32_t> quantize_with_bias_on(Backend& be, const std::vector<float>& x, int64_t R, int64_t C,
-                                                   const QuantizeConfig& qc, const std::vector<float>& dbias0,
-                                                   bool fused, QuantizedHost& row, QuantizedHost& col) {
+inline std::vector<uint32_t> quantize_with_bias_on(Backend& be, const std::vector<float>& x,
+                                                   int64_t R, int64_t C, const QuantizeConfig& qc,
+                                                   const std::vector<float>& dbias0, bool fused,
+                                                   QuantizedHost& row, QuantizedHost& col) {
   BackendBuffer xb(be, x.size() * 4), db(be, dbias0.size() * 4);
   be.upload(xb.get(), x.data(), x.size() * 4);
   be.upload(db.get(), dbias0.data(), dbias0.size() * 4);
@@ -120,24 +124,29 @@ inline std::vector<uint32_t> quantize_with_bias_on(Backend& be, const std::vecto
 // The fused call on `cuda` against its own two calls (copies and dbias bit for bit; NaN payloads
 // are the GPU's on both sides) and, where `emu` is given (finite inputs), against the emulator's
 // fused call. blank(): a fresh pair of host copies (row-wise, column-wise) of the right shapes.
-inline void expect_fused_bias_grad_bitwise(Backend& cuda, Backend* emu, const std::vector<float>& x, int64_t R,
-                                           int64_t C, const QuantizeConfig& qc, const std::vector<float>& dbias0,
-                                           const std::function<std::pair<QuantizedHost, QuantizedHost>()>& blank,
-                                           const std::string& what) {
+inline void expect_fused_bias_grad_bitwise(
+    Backend& cuda, Backend* emu, const std::vector<float>& x, int64_t R, int64_t C,
+    const QuantizeConfig& qc, const std::vector<float>& dbias0,
+    const std::function<std::pair<QuantizedHost, QuantizedHost>()>& blank,
+    const std::string& what) {
   auto [fr, fc] = blank();
   auto [tr, tc] = blank();
-  const std::vector<uint32_t> fused = quantize_with_bias_on(cuda, x, R, C, qc, dbias0, true, fr, fc),
+  const std::vector<uint32_t> fused =
+                                  quantize_with_bias_on(cuda, x, R, C, qc, dbias0, true, fr, fc),
                               two = quantize_with_bias_on(cuda, x, R, C, qc, dbias0, false, tr, tc);
-  if (qc.rowwise.enabled) test::expect_same_quantized(tr, fr, what + " row-wise (fused vs two calls)");
+  if (qc.rowwise.enabled)
+    test::expect_same_quantized(tr, fr, what + " row-wise (fused vs two calls)");
   test::expect_same_quantized(tc, fc, what + " column-wise (fused vs two calls)");
   for (size_t i = 0; i < fused.size(); ++i)
-    ASSERT_EQ(two[i], fused[i]) << what << ": dbias[" << i << "] fused vs quantize + bias_backward on the GPU";
+    ASSERT_EQ(two[i], fused[i]) << what << ": dbias[" << i
+                                << "] fused vs quantize + bias_backward on the GPU";
   if (!emu) return;
   auto [er, ec] = blank();
   const std::vector<uint32_t> e = quantize_with_bias_on(*emu, x, R, C, qc, dbias0, true, er, ec);
   if (qc.rowwise.enabled) test::expect_same_quantized(er, fr, what + " row-wise (vs emulator)");
   test::expect_same_quantized(ec, fc, what + " column-wise (vs emulator)");
-  for (size_t i = 0; i < fused.size(); ++i) ASSERT_EQ(e[i], fused[i]) << what << ": dbias[" << i << "] vs the emulator";
+  for (size_t i = 0; i < fused.size(); ++i)
+    ASSERT_EQ(e[i], fused[i]) << what << ": dbias[" << i << "] vs the emulator";
 }
 
 }  // namespace fp4sim

@@ -36,7 +36,8 @@ FP4SIM_HD void convert_all(uint32_t u, float one, uint32_t* out) {
   out[7] = e4m3x2_rn_satfinite(x, f32_from_bits(u * 0x2545F491u));
   // the four-code word: x in byte 0, and in bytes 1-3 three more bijections of u (every pattern
   // once in each byte over the run)
-  out[8] = e4m3x4_rn_satfinite(x, f32_from_bits(u * 0x2545F491u), f32_from_bits(u * 0x9E3779B1u), f32_from_bits(~u));
+  out[8] = e4m3x4_rn_satfinite(x, f32_from_bits(u * 0x2545F491u), f32_from_bits(u * 0x9E3779B1u),
+                               f32_from_bits(~u));
   // the block-scale forms on their domains (|x| of a non-NaN x; codes 0..0x7E), which must give
   // e4m3_rn_satfinite's and e4m3_to_f32's bits: the host's forms are those functions
   const float ax = f32_from_bits(u & 0x7FFFFFFFu);
@@ -45,8 +46,13 @@ FP4SIM_HD void convert_all(uint32_t u, float one, uint32_t* out) {
   // the quantizer's eight-code word, times `one` (a kernel argument, so the product is computed:
   // the device's sign bytes rely on a NaN product being positive): x first, then seven more
   // bijections of u (a sign flip of x among them)
-  const float v8[8] = {x, f32_from_bits(u * 0x2545F491u), f32_from_bits(u ^ 0x80000000u), f32_from_bits(u * 0x9E3779B1u),
-                       f32_from_bits(~u), f32_from_bits(u * 0x85EBCA6Bu), f32_from_bits(u * 0xC2B2AE35u),
+  const float v8[8] = {x,
+                       f32_from_bits(u * 0x2545F491u),
+                       f32_from_bits(u ^ 0x80000000u),
+                       f32_from_bits(u * 0x9E3779B1u),
+                       f32_from_bits(~u),
+                       f32_from_bits(u * 0x85EBCA6Bu),
+                       f32_from_bits(u * 0xC2B2AE35u),
                        f32_from_bits(u * 0x27D4EB2Fu)};
   out[11] = e2m1x8_rn_scaled(v8, one);
   // its stochastic-rounding twin, random bytes from two more bijections of u
@@ -81,7 +87,8 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
   hash_kernel<<<kSlices, 256>>>(d, 1.0f);
   FP4SIM_CUDA_CHECK_LAUNCH();
   std::vector<uint64_t> gpu(kSlices * kFormats);
-  FP4SIM_CUDA_CHECK(cudaMemcpy(gpu.data(), d, gpu.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  FP4SIM_CUDA_CHECK(
+      cudaMemcpy(gpu.data(), d, gpu.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
   cudaFree(d);
   std::vector<uint64_t> host(kSlices * kFormats, 0);
 #pragma omp parallel for schedule(dynamic)
@@ -95,7 +102,10 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
     }
     for (int f = 0; f < kFormats; ++f) host[s * kFormats + f] = local[f];
   }
-  const char* names[kFormats] = {"e2m1.rn", "e2m1.rs", "e4m3", "e5m2", "bf16", "ue8m0.rz", "ue8m0.rp", "e4m3x2", "e4m3x4", "e4m3.nonneg", "e4m3->f32.nonneg", "e2m1x8.rn", "e2m1x8.rs"};
+  const char* names[kFormats] = {
+      "e2m1.rn",          "e2m1.rs",   "e4m3",     "e5m2",   "bf16",
+      "ue8m0.rz",         "ue8m0.rp",  "e4m3x2",   "e4m3x4", "e4m3.nonneg",
+      "e4m3->f32.nonneg", "e2m1x8.rn", "e2m1x8.rs"};
   for (int f = 0; f < kFormats; ++f) {
     int bad = 0;
     for (uint64_t s = 0; s < kSlices; ++s) bad += host[s * kFormats + f] != gpu[s * kFormats + f];
@@ -137,7 +147,8 @@ TEST(FormatsGpu, Nvfp4DecodeEqualsFp32Formulation) {
   unsigned long long bad = 0;
   FP4SIM_CUDA_CHECK(cudaMemcpy(&bad, d, sizeof bad, cudaMemcpyDeviceToHost));
   cudaFree(d);
-  std::printf("[formats-gpu] decode8_bf16_nvfp4: 256 scales x 2^17 words x 8, %llu elements differ\n", bad);
+  std::printf(
+      "[formats-gpu] decode8_bf16_nvfp4: 256 scales x 2^17 words x 8, %llu elements differ\n", bad);
   EXPECT_EQ(bad, 0u);
 }
 
@@ -148,7 +159,8 @@ TEST(FormatsGpu, Nvfp4DecodeEqualsFp32Formulation) {
 // below 2^-126 the result is +0).
 __global__ void exp2_check_kernel(float* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = gpu::exp2_ftz(i < 254 ? static_cast<float>(i - 126) : -126.0f * (i - 254) / (n - 254));
+  if (i < n)
+    out[i] = gpu::exp2_ftz(i < 254 ? static_cast<float>(i - 126) : -126.0f * (i - 254) / (n - 254));
 }
 
 TEST(FormatsGpu, Exp2FtzExactPowersAndAboutTwoUlp) {
@@ -164,13 +176,16 @@ TEST(FormatsGpu, Exp2FtzExactPowersAndAboutTwoUlp) {
   for (int i = 0; i < 254; ++i) EXPECT_EQ(h[i], std::ldexp(1.0f, i - 126)) << "2^" << i - 126;
   double worst = 0;
   for (int i = 254; i < n; ++i) {
-    const float x = -126.0f * (i - 254) / (n - 254);  // (the kernel's argument, the same FP32 steps)
+    const float x =
+        -126.0f * (i - 254) / (n - 254);  // (the kernel's argument, the same FP32 steps)
     const double ref = std::exp2(static_cast<double>(x));
     const double ulp = std::ldexp(1.0, std::ilogb(ref) - 23);
     worst = std::max(worst, std::fabs(static_cast<double>(h[i]) - ref) / ulp);
   }
-  std::printf("[formats-gpu] exp2_ftz: 2^k exact for k in [-126, 127]; worst error %.2f ulp over 2^20 arguments\n",
-              worst);
+  std::printf(
+      "[formats-gpu] exp2_ftz: 2^k exact for k in [-126, 127]; worst error %.2f ulp over 2^20 "
+      "arguments\n",
+      worst);
   EXPECT_LE(worst, 2.5);
 }
 

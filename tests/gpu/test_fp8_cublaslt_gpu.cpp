@@ -29,25 +29,24 @@ namespace {
 // scales included; for an E4M3 subnormal code read |x| as 2^-6, the exponent the tensor core aligns
 // it at, so that 2^E(a)+E(b) <= |a||b| holds for every term; S equals the plain sum otherwise).
 //
-// Exact model, per 128-wide k-block: 4 chained Hopper T-FDPAs (L = 32 products + the running partial
-// c, each term truncated toward zero onto the grid 2^(e_max - 13), one RZ to E8M13). With 2^e_max
-// no larger than the step's sum of term magnitudes T_i + |c_i|, a step errs by less than
-// 33 grid units (the truncations) + 1 (the final RZ): 34 * 2^-13 * (T_i + |c_i|). Since
-// |c_i| <= T_1 + ... + T_(i-1) (times 1 + 1.7%: the earlier errors), the four steps add up to
-// 34 * 2^-13 * (4 T_1 + 3 T_2 + 2 T_3 + T_4) <= 4 * 35 * 2^-13 * S_block (35 absorbs the 1.7%).
-// Scaled by s_a * s_b, summed over blocks: 140 * 2^-13 * S. The promotion (t = s_a*s_b RN, then one
-// FMA per block) adds at most (K/128 + 1) * 2^-24 * S.
-// cuBLASLt on Hopper: its accumulation is not documented; assumed the same wgmma arithmetic (F = 13
-// per 32-wide step). VEC128_32F gives every 128-wide k-block its own scale, so partial sums must be
-// promoted to FP32 at least every 128 elements: the same 140 * 2^-13 * S. Its promotion order,
-// split-K reduction and two-multiply scaling ((P * s_a) * s_b) add at most (3 K/128 + 3) * 2^-24 * S.
-// Both paths err independently, hence the factor 2. About 0.034 S: a worst case (one large product
-// and 32 just below the grid in every step), so random inputs sit far below it; what catches a
-// wrong scale layout is the bitwise test and the spread-magnitude fill, where a misplaced scale
-// moves an output by a large multiple of S's dominant block.
+// Exact model, per 128-wide k-block: 4 chained Hopper T-FDPAs (L = 32 products + the running
+// partial c, each term truncated toward zero onto the grid 2^(e_max - 13), one RZ to E8M13). With
+// 2^e_max no larger than the step's sum of term magnitudes T_i + |c_i|, a step errs by less than 33
+// grid units (the truncations) + 1 (the final RZ): 34 * 2^-13 * (T_i + |c_i|). Since |c_i| <= T_1 +
+// ... + T_(i-1) (times 1 + 1.7%: the earlier errors), the four steps add up to 34 * 2^-13 * (4 T_1
+// + 3 T_2 + 2 T_3 + T_4) <= 4 * 35 * 2^-13 * S_block (35 absorbs the 1.7%). Scaled by s_a * s_b,
+// summed over blocks: 140 * 2^-13 * S. The promotion (t = s_a*s_b RN, then one FMA per block) adds
+// at most (K/128 + 1) * 2^-24 * S. cuBLASLt on Hopper: its accumulation is not documented; assumed
+// the same wgmma arithmetic (F = 13 per 32-wide step). VEC128_32F gives every 128-wide k-block its
+// own scale, so partial sums must be promoted to FP32 at least every 128 elements: the same 140 *
+// 2^-13 * S. Its promotion order, split-K reduction and two-multiply scaling ((P * s_a) * s_b) add
+// at most (3 K/128 + 3) * 2^-24 * S. Both paths err independently, hence the factor 2. About 0.034
+// S: a worst case (one large product and 32 just below the grid in every step), so random inputs
+// sit far below it; what catches a wrong scale layout is the bitwise test and the spread-magnitude
+// fill, where a misplaced scale moves an output by a large multiple of S's dominant block.
 static inline double fp8_cublaslt_bound(int64_t k, double sum_abs_scaled, double alpha) {
   const double u13 = std::ldexp(1.0, -kFp8HopperF);  // E8M13 grid relative to the step's e_max
-  const double u24 = std::ldexp(1.0, -24);            // FP32 RN
+  const double u24 = std::ldexp(1.0, -24);           // FP32 RN
   const double steps_per_block = static_cast<double>(kFp8Block / kFp8FdpaL);  // 4
   const double per_step = kFp8FdpaL + 3.0;  // 33 truncated terms + final RZ + growth slack
   const double blocks = static_cast<double>(k / kFp8Block);
@@ -66,14 +65,14 @@ double epilogue_slack(double d_exact, double d_cublaslt, double beta_c, bool bf1
   return s;
 }
 
-QuantizedHost quantize_fp8(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols, bool tiles_128x128) {
+QuantizedHost quantize_fp8(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols,
+                           bool tiles_128x128) {
   QuantizeConfig c;
   c.format = QFormat::FP8;
   c.block_2d = tiles_128x128;
   c.rowwise.enabled = true;
   return quantize_to_host(be, host_view(x.data(), rows, cols), c).rowwise;
 }
-
 
 float value_of(uint32_t bits, GemmOut out) {
   return out == GemmOut::BF16 ? bf16_to_f32(static_cast<uint16_t>(bits)) : test::from_bits(bits);
@@ -96,9 +95,11 @@ std::vector<double> sum_abs_products(const QuantizedHost& a, const QuantizedHost
   const int64_t M = a.rows, N = b.rows, K = a.cols;
   std::vector<double> ma(static_cast<size_t>(M * K)), mb(static_cast<size_t>(N * K));
   for (int64_t r = 0; r < M; ++r)
-    for (int64_t k = 0; k < K; ++k) ma[r * K + k] = aligned_magnitude(a.codes[r * K + k]) * fp8_scale(a, r, k / kFp8Block);
+    for (int64_t k = 0; k < K; ++k)
+      ma[r * K + k] = aligned_magnitude(a.codes[r * K + k]) * fp8_scale(a, r, k / kFp8Block);
   for (int64_t r = 0; r < N; ++r)
-    for (int64_t k = 0; k < K; ++k) mb[r * K + k] = aligned_magnitude(b.codes[r * K + k]) * fp8_scale(b, r, k / kFp8Block);
+    for (int64_t k = 0; k < K; ++k)
+      mb[r * K + k] = aligned_magnitude(b.codes[r * K + k]) * fp8_scale(b, r, k / kFp8Block);
   std::vector<double> s(static_cast<size_t>(M * N));
 #pragma omp parallel for
   for (int64_t m = 0; m < M; ++m)
@@ -113,19 +114,24 @@ std::vector<double> sum_abs_products(const QuantizedHost& a, const QuantizedHost
 enum class Kind { Gaussian, HeavyTailed, AllPositive, SpreadBlocks };
 const char* kind_name(Kind k) {
   switch (k) {
-    case Kind::Gaussian: return "gaussian";
-    case Kind::HeavyTailed: return "heavy-tailed";
-    case Kind::AllPositive: return "all-positive";
-    case Kind::SpreadBlocks: return "spread-blocks";
+    case Kind::Gaussian:
+      return "gaussian";
+    case Kind::HeavyTailed:
+      return "heavy-tailed";
+    case Kind::AllPositive:
+      return "all-positive";
+    case Kind::SpreadBlocks:
+      return "spread-blocks";
   }
   return "?";
 }
 
-// rows x cols inputs; SpreadBlocks multiplies each 1x128 block (or, for a 128x128-tile operand, each
-// tile) by 2^e, e uniform in [-6, 6], so block scales differ by up to 2^12.
+// rows x cols inputs; SpreadBlocks multiplies each 1x128 block (or, for a 128x128-tile operand,
+// each tile) by 2^e, e uniform in [-6, 6], so block scales differ by up to 2^12.
 std::vector<float> make_input(Kind kind, int64_t rows, int64_t cols, uint64_t seed, bool tiles) {
-  std::vector<float> x = test::make_fill(kind == Kind::HeavyTailed ? test::Fill::HeavyTailed : test::Fill::Gaussian,
-                                         static_cast<size_t>(rows * cols), seed);
+  std::vector<float> x =
+      test::make_fill(kind == Kind::HeavyTailed ? test::Fill::HeavyTailed : test::Fill::Gaussian,
+                      static_cast<size_t>(rows * cols), seed);
   if (kind == Kind::AllPositive)
     for (auto& v : x) v = std::fabs(v);
   if (kind == Kind::SpreadBlocks) {
@@ -134,7 +140,8 @@ std::vector<float> make_input(Kind kind, int64_t rows, int64_t cols, uint64_t se
     std::vector<int> e(static_cast<size_t>((rows + group - 1) / group * kb));
     for (auto& v : e) v = static_cast<int>(rng() % 13) - 6;
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) x[r * cols + c] = std::ldexp(x[r * cols + c], e[(r / group) * kb + c / kFp8Block]);
+      for (int64_t c = 0; c < cols; ++c)
+        x[r * cols + c] = std::ldexp(x[r * cols + c], e[(r / group) * kb + c / kFp8Block]);
   }
   return x;
 }
@@ -143,9 +150,10 @@ struct Shape {
   int64_t M, N, K;
 };
 
-// Checks every element of cuBLASLt's D against the exact D within the bound; returns max diff/bound.
-double check_within_bound(const std::string& what, QuantizedHost& a, QuantizedHost& b, const std::vector<float>* c,
-                          const GemmConfig& cfg, Backend& cuda) {
+// Checks every element of cuBLASLt's D against the exact D within the bound; returns max
+// diff/bound.
+double check_within_bound(const std::string& what, QuantizedHost& a, QuantizedHost& b,
+                          const std::vector<float>* c, const GemmConfig& cfg, Backend& cuda) {
   GemmConfig ex = cfg, lt = cfg;
   ex.impl = GemmImpl::Exact;
   lt.impl = GemmImpl::CublasLt;
@@ -158,11 +166,12 @@ double check_within_bound(const std::string& what, QuantizedHost& a, QuantizedHo
   for (int64_t i = 0; i < M * N; ++i) {
     const double x = value_of(de[i], cfg.out), y = value_of(dl[i], cfg.out);
     const double beta_c = c ? static_cast<double>(cfg.beta) * (*c)[i] : 0.0;
-    const double bound = fp8_cublaslt_bound(K, s[i], cfg.alpha) + epilogue_slack(x, y, beta_c, cfg.out == GemmOut::BF16);
+    const double bound = fp8_cublaslt_bound(K, s[i], cfg.alpha) +
+                         epilogue_slack(x, y, beta_c, cfg.out == GemmOut::BF16);
     const double diff = std::fabs(x - y);
     if (!(diff <= bound)) {
-      ADD_FAILURE() << what << " at (" << i / N << "," << i % N << "): exact " << x << " cublaslt " << y << " |diff| "
-                    << diff << " > bound " << bound << " (S = " << s[i] << ")";
+      ADD_FAILURE() << what << " at (" << i / N << "," << i % N << "): exact " << x << " cublaslt "
+                    << y << " |diff| " << diff << " > bound " << bound << " (S = " << s[i] << ")";
       return diff / bound;
     }
     any_nonzero = any_nonzero || y != 0.0;
@@ -173,8 +182,9 @@ double check_within_bound(const std::string& what, QuantizedHost& a, QuantizedHo
     max_diff = std::max(max_diff, diff);
   }
   EXPECT_TRUE(any_nonzero) << what << ": cuBLASLt returned an all-zero D";
-  std::printf("[fp8-cublaslt] %-52s max |diff| %.3g  max diff/bound %.2e (at %lld,%lld: S %.3g)\n", what.c_str(),
-              max_diff, max_ratio, static_cast<long long>(worst / N), static_cast<long long>(worst % N), s[worst]);
+  std::printf("[fp8-cublaslt] %-52s max |diff| %.3g  max diff/bound %.2e (at %lld,%lld: S %.3g)\n",
+              what.c_str(), max_diff, max_ratio, static_cast<long long>(worst / N),
+              static_cast<long long>(worst % N), s[worst]);
   return max_ratio;
 }
 
@@ -190,16 +200,19 @@ TEST(Fp8CublasLtGpu, WithinBoundOfExact) {
         if (b_tiles && sh.N % kFp8Block != 0) continue;
         std::vector<float> xa = make_input(kind, sh.M, sh.K, sh.M * 7 + sh.K, false);
         std::vector<float> xb = make_input(kind, sh.N, sh.K, sh.N * 13 + sh.K + 1, b_tiles);
-        QuantizedHost a = quantize_fp8(*emu, xa, sh.M, sh.K, false), b = quantize_fp8(*emu, xb, sh.N, sh.K, b_tiles);
-        const std::string what = std::to_string(sh.M) + "x" + std::to_string(sh.N) + "x" + std::to_string(sh.K) + " " +
-                                 kind_name(kind) + (b_tiles ? " (B 128x128)" : " (B 1x128)");
+        QuantizedHost a = quantize_fp8(*emu, xa, sh.M, sh.K, false),
+                      b = quantize_fp8(*emu, xb, sh.N, sh.K, b_tiles);
+        const std::string what = std::to_string(sh.M) + "x" + std::to_string(sh.N) + "x" +
+                                 std::to_string(sh.K) + " " + kind_name(kind) +
+                                 (b_tiles ? " (B 128x128)" : " (B 1x128)");
         worst = std::max(worst, check_within_bound(what, a, b, nullptr, GemmConfig{}, *cuda));
         ++checked;
         if (HasFailure()) return;
       }
     }
   }
-  std::printf("[fp8-cublaslt] %d GEMMs within fp8_cublaslt_bound; largest diff/bound %.2e\n", checked, worst);
+  std::printf("[fp8-cublaslt] %d GEMMs within fp8_cublaslt_bound; largest diff/bound %.2e\n",
+              checked, worst);
 }
 
 TEST(Fp8CublasLtGpu, Bf16OutputAndAlphaBetaWithinBound) {
@@ -209,16 +222,19 @@ TEST(Fp8CublasLtGpu, Bf16OutputAndAlphaBetaWithinBound) {
   const Shape sh{128, 256, 512};
   std::vector<float> xa = make_input(Kind::Gaussian, sh.M, sh.K, 21, false);
   std::vector<float> xb = make_input(Kind::SpreadBlocks, sh.N, sh.K, 22, true);
-  QuantizedHost a = quantize_fp8(*emu, xa, sh.M, sh.K, false), b = quantize_fp8(*emu, xb, sh.N, sh.K, true);
-  std::vector<float> c = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(sh.M * sh.N), 23);
+  QuantizedHost a = quantize_fp8(*emu, xa, sh.M, sh.K, false),
+                b = quantize_fp8(*emu, xb, sh.N, sh.K, true);
+  std::vector<float> c =
+      test::make_fill(test::Fill::Gaussian, static_cast<size_t>(sh.M * sh.N), 23);
   for (float& v : c) v *= 20.0f;  // comparable to the products
   for (int variant = 0; variant < 4; ++variant) {
     GemmConfig cfg;
     cfg.alpha = variant % 2 ? -1.5f : 0.75f;
     if (variant >= 2) cfg.beta = -0.5f;
     cfg.out = variant == 1 || variant == 3 ? GemmOut::BF16 : GemmOut::F32;
-    const std::string what = std::string("alpha ") + std::to_string(cfg.alpha).substr(0, 5) + " beta " +
-                             std::to_string(cfg.beta).substr(0, 5) + (cfg.out == GemmOut::BF16 ? " bf16" : " f32");
+    const std::string what = std::string("alpha ") + std::to_string(cfg.alpha).substr(0, 5) +
+                             " beta " + std::to_string(cfg.beta).substr(0, 5) +
+                             (cfg.out == GemmOut::BF16 ? " bf16" : " f32");
     check_within_bound(what, a, b, cfg.beta != 0 ? &c : nullptr, cfg, *cuda);
     if (HasFailure()) return;
   }
@@ -233,7 +249,8 @@ TEST(Fp8CublasLtGpu, Bf16OutputAndAlphaBetaWithinBound) {
 // bits, exact in FP32. C holds
 // small integers and beta = -2, so the epilogue is exact too. Any difference is a wrong scale,
 // operand, layout or epilogue, not rounding.
-std::vector<float> make_exact_input(int64_t rows, int64_t cols, int big_at, bool tiles, uint64_t seed) {
+std::vector<float> make_exact_input(int64_t rows, int64_t cols, int big_at, bool tiles,
+                                    uint64_t seed) {
   std::mt19937_64 rng(seed);
   const int64_t group = tiles ? kFp8Block : 1, kb = cols / kFp8Block;
   std::vector<int> j(static_cast<size_t>((rows + group - 1) / group * kb));
@@ -242,7 +259,8 @@ std::vector<float> make_exact_input(int64_t rows, int64_t cols, int big_at, bool
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       const int e = j[(r / group) * kb + c / kFp8Block];
-      const float v = c % kFp8Block == big_at ? ((rng() & 1) ? -448.0f : 448.0f) : static_cast<float>(static_cast<int>(rng() % 5) - 2);
+      const float v = c % kFp8Block == big_at ? ((rng() & 1) ? -448.0f : 448.0f)
+                                              : static_cast<float>(static_cast<int>(rng() % 5) - 2);
       x[r * cols + c] = std::ldexp(v, -e);
     }
   return x;
@@ -254,34 +272,44 @@ TEST(Fp8CublasLtGpu, ExactlyRepresentableBitwiseEqualsExact) {
   auto cuda = make_backend("cuda");
   int checked = 0;
   // (1536 x 1536 x 6144: a long-K GEMM for which the plan takes the heuristic's second algorithm,
-  // 48 k-blocks keep every sum exact, see above; 2048 x 256 x 512: a tall output over a short K, for
-  // which it takes the seventh; gpu/gemm_cublaslt.cu fp8_preferred_algo, on Hopper with cuBLASLt 13.1)
-  for (const Shape& sh : {Shape{128, 128, 512}, Shape{64, 256, 4096}, Shape{24, 128, 128}, Shape{1536, 1536, 6144},
-                          Shape{2048, 256, 512}}) {
+  // 48 k-blocks keep every sum exact, see above; 2048 x 256 x 512: a tall output over a short K,
+  // for which it takes the seventh; gpu/gemm_cublaslt.cu fp8_preferred_algo, on Hopper with
+  // cuBLASLt 13.1)
+  for (const Shape& sh : {Shape{128, 128, 512}, Shape{64, 256, 4096}, Shape{24, 128, 128},
+                          Shape{1536, 1536, 6144}, Shape{2048, 256, 512}}) {
     const bool long_k = sh.K > 4096;
     for (bool b_tiles : {false, true}) {
       std::vector<float> xa = make_exact_input(sh.M, sh.K, 0, false, sh.M + sh.K);
       std::vector<float> xb = make_exact_input(sh.N, sh.K, 1, b_tiles, sh.N * 3 + sh.K);
-      QuantizedHost a = quantize_fp8(*emu, xa, sh.M, sh.K, false), b = quantize_fp8(*emu, xb, sh.N, sh.K, b_tiles);
+      QuantizedHost a = quantize_fp8(*emu, xa, sh.M, sh.K, false),
+                    b = quantize_fp8(*emu, xb, sh.N, sh.K, b_tiles);
       std::vector<float> c(static_cast<size_t>(sh.M * sh.N));
-      for (size_t i = 0; i < c.size(); ++i) c[i] = static_cast<float>(static_cast<int>(i * 7 % 17) - 8);
+      for (size_t i = 0; i < c.size(); ++i)
+        c[i] = static_cast<float>(static_cast<int>(i * 7 % 17) - 8);
       for (int variant = 0; variant < (long_k ? 2 : 3); ++variant) {
         GemmConfig cfg;
-        if (variant >= 1) { cfg.alpha = 0.5f; cfg.beta = -2.0f; }
+        if (variant >= 1) {
+          cfg.alpha = 0.5f;
+          cfg.beta = -2.0f;
+        }
         if (variant == 2) cfg.out = GemmOut::BF16;
         GemmConfig lt = cfg;
         lt.impl = GemmImpl::CublasLt;
         const std::vector<float>* cp = cfg.beta != 0 ? &c : nullptr;
-        const auto de = run_gemm_bits(*cuda, a, b, cp, cfg), dl = run_gemm_bits(*cuda, a, b, cp, lt);
+        const auto de = run_gemm_bits(*cuda, a, b, cp, cfg),
+                   dl = run_gemm_bits(*cuda, a, b, cp, lt);
         // (the plan was built by this call; the FP8 rule's index for 2048 x 256 x 512)
-        if (sh.M == 2048 && !b_tiles && variant == 0) expect_rule_pick(6, "[fp8-cublaslt] 2048x256x512");
-        const std::string what = std::to_string(sh.M) + "x" + std::to_string(sh.N) + "x" + std::to_string(sh.K) +
-                                 (b_tiles ? " B 128x128" : " B 1x128") + " variant " + std::to_string(variant);
+        if (sh.M == 2048 && !b_tiles && variant == 0)
+          expect_rule_pick(6, "[fp8-cublaslt] 2048x256x512");
+        const std::string what = std::to_string(sh.M) + "x" + std::to_string(sh.N) + "x" +
+                                 std::to_string(sh.K) + (b_tiles ? " B 128x128" : " B 1x128") +
+                                 " variant " + std::to_string(variant);
         bool any_nonzero = false;
         for (size_t i = 0; i < de.size(); ++i) {
-          ASSERT_EQ(de[i], dl[i]) << what << " at (" << i / sh.N << "," << i % sh.N << "): exact "
-                                  << value_of(de[i], cfg.out) << " cublaslt " << value_of(dl[i], cfg.out)
-                                  << " (every sum here is exact: a scale layout, operand or epilogue error)";
+          ASSERT_EQ(de[i], dl[i])
+              << what << " at (" << i / sh.N << "," << i % sh.N << "): exact "
+              << value_of(de[i], cfg.out) << " cublaslt " << value_of(dl[i], cfg.out)
+              << " (every sum here is exact: a scale layout, operand or epilogue error)";
           any_nonzero = any_nonzero || value_of(de[i], cfg.out) != 0.0f;
         }
         ASSERT_TRUE(any_nonzero) << what << ": all-zero result proves nothing";
@@ -289,7 +317,8 @@ TEST(Fp8CublasLtGpu, ExactlyRepresentableBitwiseEqualsExact) {
       }
     }
   }
-  std::printf("[fp8-cublaslt] %d exactly representable GEMMs bitwise identical to the exact path\n", checked);
+  std::printf("[fp8-cublaslt] %d exactly representable GEMMs bitwise identical to the exact path\n",
+              checked);
 }
 
 // Shapes cuBLASLt's block-scaled FP8 does not take are refused with the shape in the message.
@@ -297,8 +326,10 @@ TEST(Fp8CublasLtGpu, RejectsRowsNotMultipleOf8) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU: " << gpu_description();
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  std::vector<float> xa = make_input(Kind::Gaussian, 12, 128, 1, false), xb = make_input(Kind::Gaussian, 16, 128, 2, false);
-  QuantizedHost a = quantize_fp8(*emu, xa, 12, 128, false), b = quantize_fp8(*emu, xb, 16, 128, false);
+  std::vector<float> xa = make_input(Kind::Gaussian, 12, 128, 1, false),
+                     xb = make_input(Kind::Gaussian, 16, 128, 2, false);
+  QuantizedHost a = quantize_fp8(*emu, xa, 12, 128, false),
+                b = quantize_fp8(*emu, xb, 16, 128, false);
   GemmConfig cfg;
   cfg.impl = GemmImpl::CublasLt;
   try {

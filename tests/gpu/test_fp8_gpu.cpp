@@ -4,10 +4,10 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
-#include <cmath>
 
 #include "emu/backend.hpp"
 #include "emu/formats.hpp"
@@ -20,10 +20,10 @@
 namespace fp4sim {
 namespace {
 
-// columnwise: also the transposed copy (it blocks along the rows, so rows must be a multiple of 128)
-// pitch: elements from one row to the next (0: cols); x holds rows * pitch values.
-QuantizeResult quantize_on(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols, bool bf16, bool two_d,
-                           bool columnwise = true, int64_t pitch = 0) {
+// columnwise: also the transposed copy (it blocks along the rows, so rows must be a multiple of
+// 128) pitch: elements from one row to the next (0: cols); x holds rows * pitch values.
+QuantizeResult quantize_on(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols,
+                           bool bf16, bool two_d, bool columnwise = true, int64_t pitch = 0) {
   std::vector<uint16_t> h;
   TensorView v = host_view(x.data(), rows, cols);
   v.row_stride = pitch;
@@ -61,28 +61,31 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
   int checked = 0;
   // (staged: whole tiles write the column-wise codes through shared memory, the default; and not)
   for (bool staged : {true, false})
-  for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials, test::Fill::Subnormal,
-                          test::Fill::SignedZeros, test::Fill::HugeTiny}) {
-    gpu::set_fp8_quantize_staged(staged);
-    for (bool bf16 : {false, true})
-      for (bool two_d : {false, true}) {
-        // a 256 x 384 input with both copies, and (1x128 only) a 200 x 256 one with the row-wise
-        // copy alone: a partial 128-row tile on the GPU
-        const bool partial = !two_d && fill != test::Fill::Gaussian;
-        const int64_t R = partial ? 200 : 256, C = partial ? 256 : 384;
-        std::vector<float> x = test::make_fill(fill, static_cast<size_t>(R * C), 11);
-        const QuantizeResult e = quantize_on(*emu, x, R, C, bf16, two_d, !partial),
-                             g = quantize_on(*cuda, x, R, C, bf16, two_d, !partial);
-        const std::string what = std::string(test::fill_name(fill)) + (bf16 ? " bf16" : " f32") + (two_d ? " 2d" : " 1d") +
-                                 " " + std::to_string(R) + "x" + std::to_string(C) + (staged ? " staged" : " direct");
-        expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
-        if (!partial) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
-        QuantizedHost er = e.rowwise, gr = g.rowwise;
-        const std::vector<float> de = dequantize_to_host(*emu, er), dg = dequantize_to_host(*cuda, gr);
-        for (size_t i = 0; i < de.size(); ++i) ASSERT_EQ(test::bits(de[i]), test::bits(dg[i])) << what << " dequant " << i;
-        ++checked;
-      }
-  }
+    for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials,
+                            test::Fill::Subnormal, test::Fill::SignedZeros, test::Fill::HugeTiny}) {
+      gpu::set_fp8_quantize_staged(staged);
+      for (bool bf16 : {false, true})
+        for (bool two_d : {false, true}) {
+          // a 256 x 384 input with both copies, and (1x128 only) a 200 x 256 one with the row-wise
+          // copy alone: a partial 128-row tile on the GPU
+          const bool partial = !two_d && fill != test::Fill::Gaussian;
+          const int64_t R = partial ? 200 : 256, C = partial ? 256 : 384;
+          std::vector<float> x = test::make_fill(fill, static_cast<size_t>(R * C), 11);
+          const QuantizeResult e = quantize_on(*emu, x, R, C, bf16, two_d, !partial),
+                               g = quantize_on(*cuda, x, R, C, bf16, two_d, !partial);
+          const std::string what = std::string(test::fill_name(fill)) + (bf16 ? " bf16" : " f32") +
+                                   (two_d ? " 2d" : " 1d") + " " + std::to_string(R) + "x" +
+                                   std::to_string(C) + (staged ? " staged" : " direct");
+          expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+          if (!partial) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
+          QuantizedHost er = e.rowwise, gr = g.rowwise;
+          const std::vector<float> de = dequantize_to_host(*emu, er),
+                                   dg = dequantize_to_host(*cuda, gr);
+          for (size_t i = 0; i < de.size(); ++i)
+            ASSERT_EQ(test::bits(de[i]), test::bits(dg[i])) << what << " dequant " << i;
+          ++checked;
+        }
+    }
   gpu::set_fp8_quantize_staged(true);
   // rows 129 elements apart (FP32: not 16-byte aligned; BF16: not 8-byte aligned): the kernel's
   // element-by-element loads instead of its vector loads
@@ -112,7 +115,8 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
     qc.format = QFormat::FP8;
     qc.columnwise.enabled = true;
     const QuantizeResult e = quantize_to_host(*emu, v, qc), g = quantize_to_host(*cuda, v, qc);
-    expect_same_quantized(e.columnwise, g.columnwise, std::string("column-only 256x200") + (bf16 ? " bf16" : " f32"));
+    expect_same_quantized(e.columnwise, g.columnwise,
+                          std::string("column-only 256x200") + (bf16 ? " bf16" : " f32"));
     ++checked;
   }
   // all-NaN blocks: a column whose rows 0..63 are NaN, one whose 128 rows of the first block all
@@ -123,16 +127,21 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
     const int64_t R = 256, C = 256;
     std::vector<float> x = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(R * C), 14);
     const float nan = std::numeric_limits<float>::quiet_NaN();
-    for (int64_t r = 0; r < 64; ++r) x[static_cast<size_t>(r * C + 3)] = nan;     // half a column block
-    for (int64_t r = 0; r < 128; ++r) x[static_cast<size_t>(r * C + 5)] = nan;    // a whole column block
-    for (int64_t c = 128; c < 256; ++c) x[static_cast<size_t>(130 * C + c)] = nan;  // a whole row block
-    const QuantizeResult e = quantize_on(*emu, x, R, C, bf16, false), g = quantize_on(*cuda, x, R, C, bf16, false);
+    for (int64_t r = 0; r < 64; ++r)
+      x[static_cast<size_t>(r * C + 3)] = nan;  // half a column block
+    for (int64_t r = 0; r < 128; ++r)
+      x[static_cast<size_t>(r * C + 5)] = nan;  // a whole column block
+    for (int64_t c = 128; c < 256; ++c)
+      x[static_cast<size_t>(130 * C + c)] = nan;  // a whole row block
+    const QuantizeResult e = quantize_on(*emu, x, R, C, bf16, false),
+                         g = quantize_on(*cuda, x, R, C, bf16, false);
     const std::string what = std::string("NaN blocks") + (bf16 ? " bf16" : " f32");
     expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
     expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
     ++checked;
   }
-  std::printf("[fp8-gpu] %d quantizations bitwise identical (codes, scales, amax, dequant)\n", checked);
+  std::printf("[fp8-gpu] %d quantizations bitwise identical (codes, scales, amax, dequant)\n",
+              checked);
 }
 
 // The scales a copy also gets in cuBLASLt's layout (QuantizedView::scales_gemm, [k-block][row]),
@@ -183,8 +192,8 @@ TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
       for (int64_t r = 0; r < v.rows; ++r)
         for (int64_t b = 0; b < kb; ++b)
           ASSERT_EQ(t[static_cast<size_t>(b * v.rows + r)], s[static_cast<size_t>(r * kb + b)])
-              << (two_d ? "2d " : "1d ") << (staged ? "staged " : "direct ") << (c == &row ? "row-wise" : "column-wise")
-              << " scale (" << r << ", " << b << ")";
+              << (two_d ? "2d " : "1d ") << (staged ? "staged " : "direct ")
+              << (c == &row ? "row-wise" : "column-wise") << " scale (" << r << ", " << b << ")";
     }
     // D = x . x^T's row-wise copy against itself (M = N = 256, K = 384), with and without them
     GemmConfig cfg;
@@ -201,7 +210,8 @@ TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
     plain.scales_gemm = nullptr;
     cuda->gemm(plain, plain, nullptr, cfg, dv);
     cuda->download(without.data(), d.get(), without.size() * 4);
-    EXPECT_EQ(with, without) << (two_d ? "2d" : "1d") << ": cuBLASLt D with the quantizer's GEMM-layout scales";
+    EXPECT_EQ(with, without) << (two_d ? "2d" : "1d")
+                             << ": cuBLASLt D with the quantizer's GEMM-layout scales";
   }
   // the emulator writes no GEMM-layout scales and says so
   std::vector<float> x = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(R * C), 22);
@@ -231,23 +241,30 @@ TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
     bool rowwise;
   };
   int checked = 0;
-  for (const Case& k : {Case{256, 384, test::Fill::Gaussian, true}, Case{128, 200, test::Fill::HeavyTailed, false},
-                        Case{512, 128, test::Fill::HugeTiny, true}, Case{256, 256, test::Fill::Specials, true}}) {
+  for (const Case& k :
+       {Case{256, 384, test::Fill::Gaussian, true}, Case{128, 200, test::Fill::HeavyTailed, false},
+        Case{512, 128, test::Fill::HugeTiny, true}, Case{256, 256, test::Fill::Specials, true}}) {
     const std::vector<float> x = test::make_fill(k.fill, static_cast<size_t>(k.R * k.C), 31);
     std::vector<float> dbias0(static_cast<size_t>(k.C));
-    for (size_t i = 0; i < dbias0.size(); ++i) dbias0[i] = 0.25f * static_cast<float>(static_cast<int>(i % 9) - 4);
+    for (size_t i = 0; i < dbias0.size(); ++i)
+      dbias0[i] = 0.25f * static_cast<float>(static_cast<int>(i % 9) - 4);
     QuantizeConfig qc;
     qc.format = QFormat::FP8;
     qc.rowwise.enabled = k.rowwise;
     qc.columnwise.enabled = true;
     // (a row-wise copy of the 200-column case would not block: its host copy is there but unused)
-    auto blank = [&] { return std::make_pair(zero_fp8_host(k.R, k.rowwise ? k.C : kFp8Block), zero_fp8_host(k.C, k.R)); };
-    const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) + "x" + std::to_string(k.C);
+    auto blank = [&] {
+      return std::make_pair(zero_fp8_host(k.R, k.rowwise ? k.C : kFp8Block),
+                            zero_fp8_host(k.C, k.R));
+    };
+    const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) +
+                             "x" + std::to_string(k.C);
     SCOPED_TRACE(what);
     const uint64_t fused_before = gpu::fused_bias_backward_count();
-    expect_fused_bias_grad_bitwise(*cuda, k.fill != test::Fill::Specials ? emu.get() : nullptr, x, k.R, k.C, qc, dbias0,
-                                   blank, what);
-    EXPECT_EQ(gpu::fused_bias_backward_count(), fused_before + 1) << what << ": the fused path did not run";
+    expect_fused_bias_grad_bitwise(*cuda, k.fill != test::Fill::Specials ? emu.get() : nullptr, x,
+                                   k.R, k.C, qc, dbias0, blank, what);
+    EXPECT_EQ(gpu::fused_bias_backward_count(), fused_before + 1)
+        << what << ": the fused path did not run";
     ++checked;
   }
   std::printf("[fp8-gpu] %d fused quantize + bias gradients bitwise identical\n", checked);
@@ -259,8 +276,8 @@ TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
 // and dbias; for both rounding flags, 1x128 and 128x128 blocks, either copy alone, partial tiles,
 // specials (NaN, Inf, huge values that saturate) in the input and in the incoming gradient, every
 // combination of round_bf16 and bf16_dout, and inputs the vector loads cannot take (130 columns,
-// pointers one float off 16-byte alignment: the register path's scalar loads). The fused call leaves
-// the op's output buffer as it was (here a NaN pattern).
+// pointers one float off 16-byte alignment: the register path's scalar loads). The fused call
+// leaves the op's output buffer as it was (here a NaN pattern).
 TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto cuda = make_backend("cuda");
@@ -283,19 +300,22 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
     for (ActivationOp op : {ActivationOp::GeluForward, ActivationOp::GeluBackward})
       for (int flags = 0; flags < 4; ++flags) {
         const bool rb = (flags & 1) != 0, bd = (flags & 2) != 0;
-        const std::string what = std::string(op == ActivationOp::GeluForward ? "forward " : "backward ") +
-                                 test::fill_name(k.fill) + " " + std::to_string(k.R) + "x" + std::to_string(k.C) +
-                                 (k.row ? " row" : "") + (k.col ? " col" : "") + (k.two_d ? " 2D" : "") +
-                                 (k.dbias ? " dbias" : "") + (rb ? " bf16-out" : " fp32-out") +
-                                 (bd ? " bf16-dout" : " fp32-dout") + (k.offset ? " unaligned" : "");
+        const std::string what =
+            std::string(op == ActivationOp::GeluForward ? "forward " : "backward ") +
+            test::fill_name(k.fill) + " " + std::to_string(k.R) + "x" + std::to_string(k.C) +
+            (k.row ? " row" : "") + (k.col ? " col" : "") + (k.two_d ? " 2D" : "") +
+            (k.dbias ? " dbias" : "") + (rb ? " bf16-out" : " fp32-out") +
+            (bd ? " bf16-dout" : " fp32-dout") + (k.offset ? " unaligned" : "");
         SCOPED_TRACE(what);
         const size_t n = static_cast<size_t>(k.R * k.C);
         std::vector<float> pre = test::make_fill(k.fill, n, 7 + k.R);
         for (float& v : pre) v *= 3.0f;  // (across GELU's curve, and past FP8's range for HugeTiny)
-        const std::vector<float> dout =
-            test::make_fill(k.fill == test::Fill::Specials ? test::Fill::Specials : test::Fill::Gaussian, n, 11 + k.C);
+        const std::vector<float> dout = test::make_fill(
+            k.fill == test::Fill::Specials ? test::Fill::Specials : test::Fill::Gaussian, n,
+            11 + k.C);
         std::vector<float> dbias0(static_cast<size_t>(k.C));
-        for (size_t i = 0; i < dbias0.size(); ++i) dbias0[i] = 0.125f * static_cast<float>(static_cast<int>(i % 7) - 3);
+        for (size_t i = 0; i < dbias0.size(); ++i)
+          dbias0[i] = 0.125f * static_cast<float>(static_cast<int>(i % 7) - 3);
         QuantizeConfig qc;
         qc.format = QFormat::FP8;
         qc.block_2d = k.two_d;
@@ -311,7 +331,8 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
           o.row = zero_fp8_host(k.R, k.row ? k.C : kFp8Block);
           o.col = zero_fp8_host(k.C, k.col ? k.R : kFp8Block);
           const size_t off = static_cast<size_t>(k.offset);
-          BackendBuffer pb(*cuda, (n + off) * 4), db(*cuda, (n + off) * 4), ob(*cuda, n * 4), bb(*cuda, dbias0.size() * 4);
+          BackendBuffer pb(*cuda, (n + off) * 4), db(*cuda, (n + off) * 4), ob(*cuda, n * 4),
+              bb(*cuda, dbias0.size() * 4);
           BackendBuffer rsg(*cuda, o.row.scales.size()), csg(*cuda, o.col.scales.size());
           cuda->upload(pb.as<float>() + off, pre.data(), n * 4);
           cuda->upload(db.as<float>() + off, dout.data(), n * 4);
@@ -321,7 +342,9 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
           QuantizedBuffers rq(*cuda, o.row), cq(*cuda, o.col);
           rq.view.scales_gemm = rsg.as<float>();
           cq.view.scales_gemm = csg.as<float>();
-          const ActivationSource src{op, pb.as<float>() + off, db.as<float>() + off, ob.as<float>(), k.R, k.C, rb, bd, "act"};
+          const ActivationSource src{
+              op,   pb.as<float>() + off, db.as<float>() + off, ob.as<float>(), k.R, k.C, rb, bd,
+              "act"};
           cuda->quantize_activation(src, qc, k.row ? &rq.view : nullptr, k.col ? &cq.view : nullptr,
                                     k.dbias ? bb.as<float>() : nullptr);
           cuda->synchronize();
@@ -340,16 +363,20 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
         };
         const uint64_t before = gpu::fused_activation_quantize_count();
         const Out f = go(true);
-        EXPECT_EQ(gpu::fused_activation_quantize_count(), before + 1) << "the fused path did not run";
+        EXPECT_EQ(gpu::fused_activation_quantize_count(), before + 1)
+            << "the fused path did not run";
         const Out t = go(false);
-        EXPECT_EQ(gpu::fused_activation_quantize_count(), before + 1) << "the knob did not turn fusion off";
+        EXPECT_EQ(gpu::fused_activation_quantize_count(), before + 1)
+            << "the knob did not turn fusion off";
         if (k.row) test::expect_same_quantized(t.row, f.row, what + " row-wise");
         if (k.col) test::expect_same_quantized(t.col, f.col, what + " column-wise");
         if (k.row) {
-          ASSERT_EQ(0, std::memcmp(t.row_sg.data(), f.row_sg.data(), t.row_sg.size() * 4)) << "row GEMM scales";
+          ASSERT_EQ(0, std::memcmp(t.row_sg.data(), f.row_sg.data(), t.row_sg.size() * 4))
+              << "row GEMM scales";
         }
         if (k.col) {
-          ASSERT_EQ(0, std::memcmp(t.col_sg.data(), f.col_sg.data(), t.col_sg.size() * 4)) << "col GEMM scales";
+          ASSERT_EQ(0, std::memcmp(t.col_sg.data(), f.col_sg.data(), t.col_sg.size() * 4))
+              << "col GEMM scales";
         }
         ASSERT_EQ(0, std::memcmp(t.dbias.data(), f.dbias.data(), t.dbias.size() * 4)) << "dbias";
         uint32_t untouched = 0, written = 0;
@@ -364,22 +391,31 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
         EXPECT_GT(written, n / 2) << "the composition did not write the op's output";
         ++checked;
       }
-  std::printf("[fp8-gpu] %d fused activation quantize calls bitwise identical to the op then quantize\n", checked);
+  std::printf(
+      "[fp8-gpu] %d fused activation quantize calls bitwise identical to the op then quantize\n",
+      checked);
 }
 
 // One GEMM of host copies a and b on backend be (C from c when cfg.beta != 0), D's bytes back. D
 // starts out_offset elements into its buffer (1: only 4-byte aligned for F32, 2-byte for BF16).
 // in_place: D starts as C and is C (FP32 out only), as when a GEMM accumulates into its output.
 std::vector<uint8_t> run_fp8_gemm(Backend& be, const QuantizedHost& a, const QuantizedHost& b,
-                                  const std::vector<float>& c, const GemmConfig& cfg, int64_t out_offset = 0,
-                                  bool in_place = false) {
-  const size_t elem = cfg.out == GemmOut::BF16 ? 2 : 4, skip = static_cast<size_t>(out_offset) * elem;
+                                  const std::vector<float>& c, const GemmConfig& cfg,
+                                  int64_t out_offset = 0, bool in_place = false) {
+  const size_t elem = cfg.out == GemmOut::BF16 ? 2 : 4,
+               skip = static_cast<size_t>(out_offset) * elem;
   QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
   BackendBuffer cb(be, c.size() * 4), d(be, c.size() * elem + skip);
   be.upload(cb.get(), c.data(), c.size() * 4);
   TensorView cv, dv;
-  cv.data = cb.get(); cv.rows = a.rows; cv.cols = b.rows; cv.device = be.device();
-  dv.data = static_cast<uint8_t*>(d.get()) + skip; dv.rows = a.rows; dv.cols = b.rows; dv.device = be.device();
+  cv.data = cb.get();
+  cv.rows = a.rows;
+  cv.cols = b.rows;
+  cv.device = be.device();
+  dv.data = static_cast<uint8_t*>(d.get()) + skip;
+  dv.rows = a.rows;
+  dv.cols = b.rows;
+  dv.device = be.device();
   if (in_place) {
     be.upload(dv.data, c.data(), c.size() * 4);
     cv.data = dv.data;
@@ -405,8 +441,8 @@ struct Fp8WgmmaSwitch {
   }
 };
 
-// Whether this GPU runs exact FP8 GEMMs on its tensor cores: compute capability 9.0 and a build with
-// sm_90a code (fp4sim info's archs). Then the tests require the tensor-core path to have run.
+// Whether this GPU runs exact FP8 GEMMs on its tensor cores: compute capability 9.0 and a build
+// with sm_90a code (fp4sim info's archs). Then the tests require the tensor-core path to have run.
 bool gpu_has_fp8_wgmma() {
   int dev = 0, major = 0, minor = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return false;
@@ -425,25 +461,41 @@ TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  struct Shape { int64_t M, N, K; };
+  struct Shape {
+    int64_t M, N, K;
+  };
   int checked = 0, wgmma_cases = 0;
   const uint64_t wgmma_before = gpu::fp8_wgmma_gemm_count();
-  for (const Shape& s : {Shape{64, 48, 256}, Shape{33, 17, 384}, Shape{5, 130, 512}, Shape{200, 260, 768},
-                         Shape{256, 384, 1024}}) {
+  for (const Shape& s : {Shape{64, 48, 256}, Shape{33, 17, 384}, Shape{5, 130, 512},
+                         Shape{200, 260, 768}, Shape{256, 384, 1024}}) {
     for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials}) {
       std::vector<float> xa = test::make_fill(fill, static_cast<size_t>(s.M * s.K), s.M + s.K);
       std::vector<float> xb = test::make_fill(fill, static_cast<size_t>(s.N * s.K), s.N + 3 * s.K);
       QuantizedHost a = quantize_on(*emu, xa, s.M, s.K, false, false, false).rowwise;
       QuantizedHost b = quantize_on(*emu, xb, s.N, s.K, false, s.N % 128 == 0, false).rowwise;
-      std::vector<float> c = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(s.M * s.N), 5);
+      std::vector<float> c =
+          test::make_fill(test::Fill::Gaussian, static_cast<size_t>(s.M * s.N), 5);
       for (int variant = 0; variant < 8; ++variant) {
         GemmConfig cfg;
-        if (variant == 1) { cfg.split_k = (s.K / 128) % 2 == 0 ? 2 : 1; cfg.alpha = 1.5f; }
-        if (variant == 2 || variant == 5) { cfg.beta = -0.5f; cfg.out = GemmOut::BF16; }
-        if (variant == 3) { cfg.split_k = static_cast<int>(s.K / 128); cfg.beta = 1.0f; }
-        if (variant == 6) cfg.beta = 1.0f;                     // FP32 out with C, one range (Dgrad's form)
-        if (variant == 7) { cfg.alpha = 2.0f; cfg.beta = 0.75f; }  // the same into D = C itself
-        const int64_t offset = variant == 4 || variant == 5 ? 1 : 0;  // D off the pair-store alignment
+        if (variant == 1) {
+          cfg.split_k = (s.K / 128) % 2 == 0 ? 2 : 1;
+          cfg.alpha = 1.5f;
+        }
+        if (variant == 2 || variant == 5) {
+          cfg.beta = -0.5f;
+          cfg.out = GemmOut::BF16;
+        }
+        if (variant == 3) {
+          cfg.split_k = static_cast<int>(s.K / 128);
+          cfg.beta = 1.0f;
+        }
+        if (variant == 6) cfg.beta = 1.0f;  // FP32 out with C, one range (Dgrad's form)
+        if (variant == 7) {
+          cfg.alpha = 2.0f;
+          cfg.beta = 0.75f;
+        }  // the same into D = C itself
+        const int64_t offset =
+            variant == 4 || variant == 5 ? 1 : 0;  // D off the pair-store alignment
         const bool in_place = variant == 7;
         const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg, offset, in_place);
         // the tensor cores with a CTA an SM (here: one work item each), with 1 and 3 CTAs (each
@@ -452,8 +504,11 @@ TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
         for (const int mode : {0, 1, 3, -1}) {
           Fp8WgmmaSwitch sw(mode >= 0, mode > 0 ? mode : 0);
           ASSERT_EQ(want, run_fp8_gemm(*cuda, a, b, c, cfg, offset, in_place))
-              << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant " << variant
-              << (mode < 0 ? " (model kernel)" : " (tensor cores where supported, CTA cap " + std::to_string(mode) + ")");
+              << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant "
+              << variant
+              << (mode < 0
+                      ? " (model kernel)"
+                      : " (tensor cores where supported, CTA cap " + std::to_string(mode) + ")");
           ++checked;
           if (mode >= 0) ++wgmma_cases;
         }
@@ -484,18 +539,22 @@ TEST(Fp8Gpu, TensorCoreAccumulationEqualsModelOnRawCodes) {
     std::uniform_real_distribution<float> expo(-12.0f, 12.0f);
     for (size_t i = 0; i < q.codes.size(); ++i) {
       uint8_t v = static_cast<uint8_t>(code(rng));
-      if (pattern == 1) v = static_cast<uint8_t>(small(rng) | (code(rng) & 0x80));   // subnormals and ±0
-      if (pattern == 2 && i % 32 != 0) v = static_cast<uint8_t>(code(rng) & 0x9F);    // one big, 31 tiny
-      if ((v & 0x7F) == 0x7F && (pattern != 0 || i % 997 != 0)) v ^= 1;               // NaN only now and then
+      if (pattern == 1)
+        v = static_cast<uint8_t>(small(rng) | (code(rng) & 0x80));  // subnormals and ±0
+      if (pattern == 2 && i % 32 != 0)
+        v = static_cast<uint8_t>(code(rng) & 0x9F);                      // one big, 31 tiny
+      if ((v & 0x7F) == 0x7F && (pattern != 0 || i % 997 != 0)) v ^= 1;  // NaN only now and then
       q.codes[i] = v;
     }
     std::vector<float> sc(static_cast<size_t>(rows * (K / 128)));
-    for (float& f : sc) f = std::ldexp(1.0f + static_cast<float>(code(rng)) / 256.0f, static_cast<int>(expo(rng)));
+    for (float& f : sc)
+      f = std::ldexp(1.0f + static_cast<float>(code(rng)) / 256.0f, static_cast<int>(expo(rng)));
     std::memcpy(q.scales.data(), sc.data(), sc.size() * 4);
     return q;
   };
-  // The same chain with the Blackwell f8f6f4 accumulation (F = 25, RZ to FP32) in place of Hopper's,
-  // for output (m, n): where it differs from the emulator's, these data tell the two models apart.
+  // The same chain with the Blackwell f8f6f4 accumulation (F = 25, RZ to FP32) in place of
+  // Hopper's, for output (m, n): where it differs from the emulator's, these data tell the two
+  // models apart.
   auto blackwell_chain = [&](const QuantizedHost& a, const QuantizedHost& b, int64_t m, int64_t n) {
     const float* sa = reinterpret_cast<const float*>(a.scales.data());
     const float* sb = reinterpret_cast<const float*>(b.scales.data());
@@ -528,8 +587,8 @@ TEST(Fp8Gpu, TensorCoreAccumulationEqualsModelOnRawCodes) {
       size_t differ = 0, first = want.size();
       for (size_t i = 0; i < want.size(); i += 4)
         if (std::memcmp(&want[i], &got[i], 4) != 0 && differ++ == 0) first = i / 4;
-      EXPECT_EQ(differ, 0u) << "pattern " << pattern << " split " << split << ": first difference at output "
-                            << first;
+      EXPECT_EQ(differ, 0u) << "pattern " << pattern << " split " << split
+                            << ": first difference at output " << first;
       if (split == 1 && pattern != 1) {  // (subnormal codes alone: products too small to truncate)
         int64_t sensitive = 0, finite = 0;
         for (int64_t i = 0; i < 512; ++i) {
@@ -541,9 +600,12 @@ TEST(Fp8Gpu, TensorCoreAccumulationEqualsModelOnRawCodes) {
           const float other = blackwell_chain(a, b, m, n);
           if (std::memcmp(&model, &other, 4) != 0) ++sensitive;
         }
-        EXPECT_GT(sensitive * 4, finite) << "pattern " << pattern << ": the data hardly tell F = 13 from F = 25";
-        std::printf("[fp8-gpu] pattern %d: %lld of %lld sampled outputs differ between the Hopper and Blackwell models\n",
-                    pattern, static_cast<long long>(sensitive), static_cast<long long>(finite));
+        EXPECT_GT(sensitive * 4, finite)
+            << "pattern " << pattern << ": the data hardly tell F = 13 from F = 25";
+        std::printf(
+            "[fp8-gpu] pattern %d: %lld of %lld sampled outputs differ between the Hopper and "
+            "Blackwell models\n",
+            pattern, static_cast<long long>(sensitive), static_cast<long long>(finite));
       }
       ++checked;
     }

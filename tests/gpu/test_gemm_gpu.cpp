@@ -13,9 +13,9 @@
 namespace fp4sim {
 namespace {
 
-
 // The emulator's row-wise copy (1x16 NVFP4 or 1x32 MXFP4, RN) of a rows x K fill: a GEMM operand.
-QuantizedHost quantized_operand(Backend& emu, QFormat f, test::Fill fill, int64_t rows, int64_t K, uint64_t seed) {
+QuantizedHost quantized_operand(Backend& emu, QFormat f, test::Fill fill, int64_t rows, int64_t K,
+                                uint64_t seed) {
   std::vector<float> x = test::make_fill(fill, static_cast<size_t>(rows * K), seed);
   TensorView v;
   v.data = x.data();
@@ -31,38 +31,54 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU: " << gpu_description();
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  struct Shape { int64_t M, N, K; };
+  struct Shape {
+    int64_t M, N, K;
+  };
   int checked = 0;
   for (QFormat f : {QFormat::NVFP4, QFormat::MXFP4}) {
-    for (const Shape& s : {Shape{64, 64, 256}, Shape{33, 17, 96}, Shape{128, 96, 320}, Shape{7, 130, 1024}}) {
+    for (const Shape& s :
+         {Shape{64, 64, 256}, Shape{33, 17, 96}, Shape{128, 96, 320}, Shape{7, 130, 1024}}) {
       if (f == QFormat::MXFP4 && s.K % 32) continue;
-      for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials,
-                              test::Fill::Subnormal, test::Fill::SignedZeros, test::Fill::HugeTiny}) {
+      for (test::Fill fill :
+           {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials,
+            test::Fill::Subnormal, test::Fill::SignedZeros, test::Fill::HugeTiny}) {
         QuantizedHost a = quantized_operand(*emu, f, fill, s.M, s.K, s.M + s.K);
         QuantizedHost b = quantized_operand(*emu, f, fill, s.N, s.K, s.N * 3 + s.K);
-        std::vector<float> c = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(s.M * s.N), 9);
+        std::vector<float> c =
+            test::make_fill(test::Fill::Gaussian, static_cast<size_t>(s.M * s.N), 9);
         for (int variant = 0; variant < 3; ++variant) {
           GemmConfig cfg;
-          if (variant == 1) { cfg.split_k = gemm_chunks(s.K) % 2 == 0 ? 2 : 1; cfg.alpha = 1.5f; }
-          if (variant == 2) { cfg.beta = -0.5f; cfg.out = GemmOut::BF16; }
+          if (variant == 1) {
+            cfg.split_k = gemm_chunks(s.K) % 2 == 0 ? 2 : 1;
+            cfg.alpha = 1.5f;
+          }
+          if (variant == 2) {
+            cfg.beta = -0.5f;
+            cfg.out = GemmOut::BF16;
+          }
           const auto e = run_gemm_bits(*emu, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
-          auto g = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);  // the default kernel
+          auto g =
+              run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);  // the default kernel
           // the other tiled kernels on every case, the reference kernel on two fills
           for (int kernel : {0, 1, 2, 3, 4, 5, 7, 8, 9}) {
-            if (kernel == 0 && fill != test::Fill::Specials && fill != test::Fill::Gaussian) continue;
+            if (kernel == 0 && fill != test::Fill::Specials && fill != test::Fill::Gaussian)
+              continue;
             std::vector<uint32_t> r;
             {
               KnobGuard k([&] { gpu::set_gemm_exact_variant(kernel); },
                           [] { gpu::set_gemm_exact_variant(gpu::kGemmExactDefaultVariant); });
               r = run_gemm_bits(*cuda, a, b, cfg.beta != 0 ? &c : nullptr, cfg);
             }
-            ASSERT_EQ(r, g) << "CUDA kernel " << kernel << " differs from the default one: " << qformat_name(f) << " "
-                            << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant " << variant;
+            ASSERT_EQ(r, g) << "CUDA kernel " << kernel
+                            << " differs from the default one: " << qformat_name(f) << " " << s.M
+                            << "x" << s.N << "x" << s.K << " " << test::fill_name(fill)
+                            << " variant " << variant;
           }
           for (size_t i = 0; i < e.size(); ++i)
-            ASSERT_EQ(e[i], g[i]) << qformat_name(f) << " " << s.M << "x" << s.N << "x" << s.K << " "
-                                  << test::fill_name(fill) << " variant " << variant << " at (" << i / s.N
-                                  << ", " << i % s.N << "): emu 0x" << std::hex << e[i] << " cuda 0x" << g[i];
+            ASSERT_EQ(e[i], g[i]) << qformat_name(f) << " " << s.M << "x" << s.N << "x" << s.K
+                                  << " " << test::fill_name(fill) << " variant " << variant
+                                  << " at (" << i / s.N << ", " << i % s.N << "): emu 0x"
+                                  << std::hex << e[i] << " cuda 0x" << g[i];
           ++checked;
         }
       }
@@ -72,7 +88,6 @@ TEST(GemmGpu, ExactBitwiseEqualsEmulator) {
 }
 
 #if FP4SIM_HAVE_CUDA
-
 
 #endif
 
@@ -87,17 +102,20 @@ TEST(GemmGpu, CublasLtDecodeKernelsAgree) {
   auto cuda = make_backend("cuda");
   if (!cuda->decodes_for_gemm(GemmImpl::CublasLt))
     GTEST_SKIP() << "this GPU multiplies FP4 natively (compute capability >= 10): no decode pass";
-  struct Shape { int64_t M, N, K; };
+  struct Shape {
+    int64_t M, N, K;
+  };
   int checked = 0;
   for (QFormat f : {QFormat::NVFP4, QFormat::MXFP4}) {
-    for (const Shape& s : {Shape{40, 24, 48}, Shape{8, 200, 32}, Shape{136, 72, 416}, Shape{3, 5, 1024}}) {
+    for (const Shape& s :
+         {Shape{40, 24, 48}, Shape{8, 200, 32}, Shape{136, 72, 416}, Shape{3, 5, 1024}}) {
       if (f == QFormat::MXFP4 && s.K % 32) continue;
       for (test::Fill fill : {test::Fill::HeavyTailed, test::Fill::Specials}) {
         QuantizedHost a = quantized_operand(*emu, f, fill, s.M, s.K, s.M + 5 * s.K);
         QuantizedHost b = quantized_operand(*emu, f, fill, s.N, s.K, s.N * 7 + s.K);
-        // other operands of the same shapes (other values, other amax): run through the other kernel
-        // just before, they leave the backend's decode scratch and alpha'/beta holding wrong data, so
-        // a kernel that skips any word or the scalars gives a different D
+        // other operands of the same shapes (other values, other amax): run through the other
+        // kernel just before, they leave the backend's decode scratch and alpha'/beta holding wrong
+        // data, so a kernel that skips any word or the scalars gives a different D
         QuantizedHost a2 = quantized_operand(*emu, f, test::Fill::Gaussian, s.M, s.K, 91 + s.M);
         QuantizedHost b2 = quantized_operand(*emu, f, test::Fill::Gaussian, s.N, s.K, 97 + s.N);
         GemmConfig lt;
@@ -105,16 +123,19 @@ TEST(GemmGpu, CublasLtDecodeKernelsAgree) {
         std::vector<uint32_t> d[2];
         for (int variant = 0; variant < 2; ++variant) {
           {
-            KnobGuard other([&] { gpu::set_fp4_decode_variant(1 - variant); }, [] { gpu::set_fp4_decode_variant(1); });
+            KnobGuard other([&] { gpu::set_fp4_decode_variant(1 - variant); },
+                            [] { gpu::set_fp4_decode_variant(1); });
             run_gemm_bits(*cuda, a2, b2, nullptr, lt);
           }
-          KnobGuard knob([&] { gpu::set_fp4_decode_variant(variant); }, [] { gpu::set_fp4_decode_variant(1); });
+          KnobGuard knob([&] { gpu::set_fp4_decode_variant(variant); },
+                         [] { gpu::set_fp4_decode_variant(1); });
           d[variant] = run_gemm_bits(*cuda, a, b, nullptr, lt);
         }
         size_t differ = 0;
         for (size_t i = 0; i < d[0].size(); ++i) differ += d[0][i] != d[1][i];
         EXPECT_EQ(differ, 0u) << qformat_name(f) << " " << s.M << "x" << s.N << "x" << s.K << " "
-                              << test::fill_name(fill) << ": outputs that differ between the decode kernels";
+                              << test::fill_name(fill)
+                              << ": outputs that differ between the decode kernels";
         ++checked;
       }
     }
@@ -135,9 +156,11 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
         // (M 256 at K 64: a tall output over a short K, for which the Hopper plan takes the
         // heuristic's seventh algorithm, gpu/gemm_cublaslt.cu bf16_preferred_algo)
         const int64_t M = K == 64 ? 256 : 64, N = 48;
-        std::vector<float> xa = test::make_fill(kind == 2 ? test::Fill::HeavyTailed : test::Fill::Gaussian,
-                                                static_cast<size_t>(M * K), K + kind);
-        std::vector<float> xb = test::make_fill(test::Fill::Gaussian, static_cast<size_t>(N * K), 3 * K + kind);
+        std::vector<float> xa =
+            test::make_fill(kind == 2 ? test::Fill::HeavyTailed : test::Fill::Gaussian,
+                            static_cast<size_t>(M * K), K + kind);
+        std::vector<float> xb =
+            test::make_fill(test::Fill::Gaussian, static_cast<size_t>(N * K), 3 * K + kind);
         if (kind == 1) {  // all positive: the roundings all point the same way
           for (auto& v : xa) v = std::fabs(v);
           for (auto& v : xb) v = std::fabs(v);
@@ -145,30 +168,41 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
         if (kind == 3) {  // one large product first, then many small ones below the running sum's
                           // alignment grid: the per-term truncation of each path shows up
           for (int64_t m = 0; m < M; ++m)
-            for (int64_t k = 0; k < K; ++k) xa[m * K + k] = k == 0 ? 6144.0f : 0.000366f * (1 + (m + k) % 3);
+            for (int64_t k = 0; k < K; ++k)
+              xa[m * K + k] = k == 0 ? 6144.0f : 0.000366f * (1 + (m + k) % 3);
           for (auto& v : xb) v = 1.0f;
         }
-        if (kind == 4) {  // products just below the wgmma alignment grid: 16 products of 36 make the
-                          // running sum 576 (e_max 9, grid 2^(9-25) = 2^-16); every later product is
-                          // (6 * 2^-11)^2 = 0.56 of that grid. The modelled Hopper T-FDPA (F = 25, RZ)
-                          // drops each of them whole; the exact model keeps their 16-element group sums.
+        if (kind ==
+            4) {  // products just below the wgmma alignment grid: 16 products of 36 make the
+                  // running sum 576 (e_max 9, grid 2^(9-25) = 2^-16); every later product is
+                  // (6 * 2^-11)^2 = 0.56 of that grid. The modelled Hopper T-FDPA (F = 25, RZ)
+                  // drops each of them whole; the exact model keeps their 16-element group sums.
           for (int64_t r = 0; r < M; ++r)
-            for (int64_t k = 0; k < K; ++k) xa[r * K + k] = k < 16 ? 6.0f : (k < 32 ? 0.0f : 6.0f / 2048.0f);
+            for (int64_t k = 0; k < K; ++k)
+              xa[r * K + k] = k < 16 ? 6.0f : (k < 32 ? 0.0f : 6.0f / 2048.0f);
           for (int64_t r = 0; r < N; ++r)
-            for (int64_t k = 0; k < K; ++k) xb[r * K + k] = k < 16 ? 6.0f : (k < 32 ? 0.0f : 6.0f / 2048.0f);
+            for (int64_t k = 0; k < K; ++k)
+              xb[r * K + k] = k < 16 ? 6.0f : (k < 32 ? 0.0f : 6.0f / 2048.0f);
         }
         TensorView va, vb;
-        va.data = xa.data(); va.rows = M; va.cols = K;
-        vb.data = xb.data(); vb.rows = N; vb.cols = K;
+        va.data = xa.data();
+        va.rows = M;
+        va.cols = K;
+        vb.data = xb.data();
+        vb.rows = N;
+        vb.cols = K;
         QuantizeConfig qc;
         qc.format = f;
         qc.rowwise.enabled = true;
-        QuantizedHost a = quantize_to_host(*emu, va, qc).rowwise, b = quantize_to_host(*emu, vb, qc).rowwise;
+        QuantizedHost a = quantize_to_host(*emu, va, qc).rowwise,
+                      b = quantize_to_host(*emu, vb, qc).rowwise;
         GemmConfig ex, lt;
         lt.impl = GemmImpl::CublasLt;
-        const auto de = run_gemm_bits(*cuda, a, b, nullptr, ex), dl = run_gemm_bits(*cuda, a, b, nullptr, lt);
+        const auto de = run_gemm_bits(*cuda, a, b, nullptr, ex),
+                   dl = run_gemm_bits(*cuda, a, b, nullptr, lt);
         // (the plan was built by this call; the BF16 rule's index for 256 x 48 x 64)
-        if (K == 64 && kind == 0 && f == QFormat::NVFP4) expect_rule_pick(6, "[cublaslt-bound] 256x48x64 BF16");
+        if (K == 64 && kind == 0 && f == QFormat::NVFP4)
+          expect_rule_pick(6, "[cublaslt-bound] 256x48x64 BF16");
         const float alpha = gemm_epilogue_alpha(1.0f, f, a.amax, false, b.amax, false);
         // operands dequantized with their block scales only
         auto deq = [](QuantizedHost& q, int64_t r, int64_t k) {
@@ -185,14 +219,18 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
             const float x = test::from_bits(de[m * N + n]), y = test::from_bits(dl[m * N + n]);
             const double diff = std::fabs(static_cast<double>(x) - y);
             const double bound = gemm_cublaslt_bound(K, sum_abs, alpha, std::fabs(x));
-            ASSERT_LE(diff, bound) << qformat_name(f) << " K " << K << " kind " << kind << " at (" << m
-                                   << "," << n << "): exact " << x << " cublaslt " << y;
+            ASSERT_LE(diff, bound) << qformat_name(f) << " K " << K << " kind " << kind << " at ("
+                                   << m << "," << n << "): exact " << x << " cublaslt " << y;
             max_diff = std::max(max_diff, diff);
             max_ratio = std::max(max_ratio, diff / bound);
           }
         std::printf("[cublaslt-bound] %s K=%5lld %-12s max |diff| %.3g  max diff/bound %.3f\n",
                     qformat_name(f), static_cast<long long>(K),
-                    kind == 0 ? "gaussian" : kind == 1 ? "positive" : kind == 2 ? "heavy-tailed" : kind == 3 ? "large+small" : "below-grid",
+                    kind == 0   ? "gaussian"
+                    : kind == 1 ? "positive"
+                    : kind == 2 ? "heavy-tailed"
+                    : kind == 3 ? "large+small"
+                                : "below-grid",
                     max_diff, max_ratio);
         worst_ratio = std::max(worst_ratio, max_ratio);
       }
@@ -202,7 +240,8 @@ TEST(GemmGpu, CublasLtWithinDocumentedBound) {
   // Issue 3: the bound may be no looser than 10x the largest difference observed. The below-grid
   // case is built to reach the modelled per-step truncation; if this fails, the hardware keeps more
   // bits than the model's F = 25 (and the bound should be re-derived from what it does).
-  EXPECT_GE(worst_ratio, 0.1) << "gemm_cublaslt_bound is more than 10x the largest observed difference";
+  EXPECT_GE(worst_ratio, 0.1)
+      << "gemm_cublaslt_bound is more than 10x the largest observed difference";
 }
 
 }  // namespace

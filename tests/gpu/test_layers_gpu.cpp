@@ -168,10 +168,11 @@ void expect_bounded(const std::string& what, const Vec& ref, const Vec& got, con
     if (frac > 1.0 && bad++ == 0) first_bad = i;
   }
   const size_t n = ref.size();
-  std::printf("[layers-gpu] %-44s worst at %zu: %+.9e vs %+.9e, %.1f%% of budget (rtol %.0e), "
-              "%.1f%% bitwise\n",
-              what.c_str(), worst, n ? ref[worst] : 0.0f, n ? got[worst] : 0.0f, 100.0 * worst_frac,
-              rtol, n ? 100.0 * static_cast<double>(same) / static_cast<double>(n) : 100.0);
+  std::printf(
+      "[layers-gpu] %-44s worst at %zu: %+.9e vs %+.9e, %.1f%% of budget (rtol %.0e), "
+      "%.1f%% bitwise\n",
+      what.c_str(), worst, n ? ref[worst] : 0.0f, n ? got[worst] : 0.0f, 100.0 * worst_frac, rtol,
+      n ? 100.0 * static_cast<double>(same) / static_cast<double>(n) : 100.0);
   show_first(ref, got, 2);
   if (bad)
     ADD_FAILURE() << what << ": " << bad << " of " << n << " elements outside rtol " << rtol
@@ -199,7 +200,7 @@ TEST(LayersGpu, EmbeddingBitwiseEqualsEmulator) {
   const int64_t N = 77, C = 45, V = 13, P = 40;
   std::vector<int32_t> tokens = randint(sz(N), V, rng), pos = randint(sz(N), P, rng);
   for (int64_t n = 0; n < 9; ++n) tokens[sz(n)] = 5;  // a long run of one token ...
-  tokens[sz(N - 1)] = 5;                                // ... and the same token far away
+  tokens[sz(N - 1)] = 5;                              // ... and the same token far away
   pos[3] = pos[40] = pos[76] = 7;
   const Vec wte = randn(sz(V * C), rng), wpe = randn(sz(P * C), rng), dout = randn(sz(N * C), rng);
   const Vec dwte0 = randn(sz(V * C), rng), dwpe0 = randn(sz(P * C), rng);
@@ -267,7 +268,8 @@ TEST(LayersGpu, LayernormMatchesEmulator) {
       float* dinp = c.out(dinp0);
       float* dw = c.out(dw0);
       float* db = c.out(db0);
-      bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, false, false);
+      bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N,
+                            C, false, false);
     };
     const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
     Mag mag_dx(sz(N * C)), mag_dw = abs_of(dw0), mag_db = abs_of(db0);
@@ -284,8 +286,9 @@ TEST(LayersGpu, LayernormMatchesEmulator) {
       for (int64_t i = 0; i < C; ++i) {
         const double norm = (x[sz(n * C + i)] - mean[sz(n)]) * static_cast<double>(rstd[sz(n)]);
         const double dnorm = static_cast<double>(w[sz(i)]) * dout[sz(n * C + i)];
-        mag_dx[sz(n * C + i)] = std::fabs(dinp0[sz(n * C + i)]) +
-                                rstd[sz(n)] * (std::fabs(dnorm) + a / C + std::fabs(norm) * bsum / C);
+        mag_dx[sz(n * C + i)] =
+            std::fabs(dinp0[sz(n * C + i)]) +
+            rstd[sz(n)] * (std::fabs(dnorm) + a / C + std::fabs(norm) * bsum / C);
       }
     }
     expect_bounded("layernorm_backward dinp" + tag, eb[0], gb[0], mag_dx, kReductionRtol);
@@ -317,7 +320,8 @@ TEST(LayersGpu, RmsnormMatchesEmulator) {
     Mag mag_out(sz(N * C));
     for (int64_t n = 0; n < N; ++n)
       for (int64_t i = 0; i < C; ++i)
-        mag_out[sz(n * C + i)] = std::fabs(static_cast<double>(x[sz(n * C + i)]) * w[sz(i)] * rstd[sz(n)]);
+        mag_out[sz(n * C + i)] =
+            std::fabs(static_cast<double>(x[sz(n * C + i)]) * w[sz(i)] * rstd[sz(n)]);
     expect_bounded("rmsnorm_forward out" + tag, e[0], g[0], mag_out, kReductionRtol);
     expect_bounded("rmsnorm_forward rstd" + tag, e[1], g[1], abs_of(rstd), kReductionRtol);
 
@@ -393,7 +397,8 @@ TEST(LayersGpu, MatmulMatchesEmulator) {
                   bias = randn(sz(OC), rng);
         const Op fwd = [&](Backend& bk, Call& c) {
           float* out = c.out(Vec(sz(N * OC), kNaN));
-          bk.matmul_forward(out, c.in(x), c.in(w), with_bias ? c.in(bias) : nullptr, N, K, OC, prec, false);
+          bk.matmul_forward(out, c.in(x), c.in(w), with_bias ? c.in(bias) : nullptr, N, K, OC, prec,
+                            false);
         };
         const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
         Mag mag = gemm_mag(x, w, N, OC, K, bf16);
@@ -403,8 +408,8 @@ TEST(LayersGpu, MatmulMatchesEmulator) {
         expect_bounded("matmul_forward out" + tag, e[0], g[0], mag, rtol);
 
         // dinp starts as NaN: matmul_backward writes it without reading it (dW and db are added to)
-        const Vec dout = randn(sz(N * OC), rng), dinp0(sz(N * K), kNaN), dw0 = randn(sz(OC * K), rng),
-                  db0 = randn(sz(OC), rng);
+        const Vec dout = randn(sz(N * OC), rng), dinp0(sz(N * K), kNaN),
+                  dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
         const Op bwd = [&](Backend& bk, Call& c) {
           float* dinp = c.out(dinp0);
           float* dw = c.out(dw0);
@@ -448,15 +453,19 @@ TEST(LayersGpu, MatmulPickRuleOnGpt2Shapes) {
   for (const Linear l : {Linear{"qkv", 768, 2304, 6, 0, 0}, Linear{"proj", 768, 768, 6, 6, 0},
                          Linear{"fc", 768, 3072, 6, 0, 1}, Linear{"fc2", 3072, 768, 0, 6, 1},
                          Linear{"head", 768, 50304, 0, 0, 0}}) {
-    EXPECT_EQ(gpu::matmul_preferred_algo(true, true, true, false, l.OC, T, l.K), l.fprop) << "fprop " << l.name;
-    EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, false, l.K, T, l.OC), l.dgrad) << "dgrad " << l.name;
-    EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, true, l.K, l.OC, T), l.wgrad) << "wgrad " << l.name;
+    EXPECT_EQ(gpu::matmul_preferred_algo(true, true, true, false, l.OC, T, l.K), l.fprop)
+        << "fprop " << l.name;
+    EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, false, l.K, T, l.OC), l.dgrad)
+        << "dgrad " << l.name;
+    EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, true, l.K, l.OC, T), l.wgrad)
+        << "wgrad " << l.name;
     // off Hopper / cuBLASLt 13.1, and for FP32 operands: always the heuristic's first
     EXPECT_EQ(gpu::matmul_preferred_algo(false, true, true, false, l.OC, T, l.K), 0) << l.name;
     EXPECT_EQ(gpu::matmul_preferred_algo(true, false, true, false, l.OC, T, l.K), 0) << l.name;
     EXPECT_EQ(gpu::matmul_preferred_algo(true, false, false, true, l.K, l.OC, T), 0) << l.name;
   }
-  // the edges: the Wgrad rule's k >= 4 max(m, n) and 2^21 outputs, the other's n >= 4 max(m, k), k <= 1024
+  // the edges: the Wgrad rule's k >= 4 max(m, n) and 2^21 outputs, the other's n >= 4 max(m, k), k
+  // <= 1024
   EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, true, 1024, 2048, 8192), 1);
   EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, true, 1024, 2048, 8191), 0);
   EXPECT_EQ(gpu::matmul_preferred_algo(true, true, false, true, 1024, 2047, 8192), 0);
@@ -468,7 +477,8 @@ TEST(LayersGpu, MatmulPickRuleOnGpt2Shapes) {
 // The rule's algorithms compute the matmul: on three gpt2-124m shapes whose rule index is not 0
 // (Fprop proj, index 6; Dgrad fc2, 6; Wgrad fc, 1), the plan takes the rule's index where the rules
 // apply, and both its result and the heuristic's first algorithm's (set_matmul_heuristic_pick(0))
-// are within the BF16 GEMM bound of an FP64 reference on 4096 sampled outputs (BF16-exact operands).
+// are within the BF16 GEMM bound of an FP64 reference on 4096 sampled outputs (BF16-exact
+// operands).
 TEST(LayersGpu, MatmulPlanTakesTheRulesIndex) {
   REQUIRE_GPU();
   struct Case {
@@ -478,8 +488,9 @@ TEST(LayersGpu, MatmulPlanTakesTheRulesIndex) {
     int index;
   };
   std::mt19937 rng(808);
-  for (const Case cs : {Case{"fprop proj", 0, 16384, 768, 768, 6}, Case{"dgrad fc2", 1, 16384, 3072, 768, 6},
-                        Case{"wgrad fc", 2, 16384, 768, 3072, 1}}) {
+  for (const Case cs :
+       {Case{"fprop proj", 0, 16384, 768, 768, 6}, Case{"dgrad fc2", 1, 16384, 3072, 768, 6},
+        Case{"wgrad fc", 2, 16384, 768, 3072, 1}}) {
     const int64_t N = cs.N, K = cs.K, OC = cs.OC;
     auto bf16_randn = [&](int64_t n) {
       Vec v = randn(sz(n), rng);
@@ -488,23 +499,32 @@ TEST(LayersGpu, MatmulPlanTakesTheRulesIndex) {
     };
     const Vec x = bf16_randn(N * K), w = bf16_randn(OC * K), dy = bf16_randn(N * OC);
     // the output (rows x cols, row-major) and its element (r, c) as a dot product of `len` terms
-    const int64_t rows = cs.kind == 0 ? N : cs.kind == 1 ? N : OC, cols = cs.kind == 0 ? OC : K,
-                  len = cs.kind == 0 ? K : cs.kind == 1 ? OC : N;
+    const int64_t rows = cs.kind == 0   ? N
+                         : cs.kind == 1 ? N
+                                        : OC,
+                  cols = cs.kind == 0 ? OC : K,
+                  len = cs.kind == 0   ? K
+                        : cs.kind == 1 ? OC
+                                       : N;
     auto term = [&](int64_t r, int64_t c, int64_t i) -> std::pair<double, double> {
-      if (cs.kind == 0) return {x[sz(r * K + i)], w[sz(c * K + i)]};     // out[n][o] = x[n] . w[o]
-      if (cs.kind == 1) return {dy[sz(r * OC + i)], w[sz(i * K + c)]};   // dx[n][k] = dy[n] . w[:, k]
-      return {dy[sz(i * OC + r)], x[sz(i * K + c)]};                     // dw[o][k] = dy[:, o] . x[:, k]
+      if (cs.kind == 0) return {x[sz(r * K + i)], w[sz(c * K + i)]};  // out[n][o] = x[n] . w[o]
+      if (cs.kind == 1)
+        return {dy[sz(r * OC + i)], w[sz(i * K + c)]};  // dx[n][k] = dy[n] . w[:, k]
+      return {dy[sz(i * OC + r)], x[sz(i * K + c)]};    // dw[o][k] = dy[:, o] . x[:, k]
     };
     const Op op = [&](Backend& bk, Call& c) {
       if (cs.kind == 0) {
         float* out = c.out(Vec(sz(N * OC), kNaN));
-        bk.matmul_forward(out, c.in(x), c.in(w), nullptr, N, K, OC, emu::GemmPrecision::BF16, false);
+        bk.matmul_forward(out, c.in(x), c.in(w), nullptr, N, K, OC, emu::GemmPrecision::BF16,
+                          false);
       } else if (cs.kind == 1) {
         float* dx = c.out(Vec(sz(N * K), kNaN));
-        bk.matmul_backward(dx, nullptr, nullptr, c.in(dy), c.in(x), c.in(w), N, K, OC, emu::GemmPrecision::BF16);
+        bk.matmul_backward(dx, nullptr, nullptr, c.in(dy), c.in(x), c.in(w), N, K, OC,
+                           emu::GemmPrecision::BF16);
       } else {
         float* dw = c.out(Vec(sz(OC * K), 0.0f));
-        bk.matmul_backward(nullptr, dw, nullptr, c.in(dy), c.in(x), c.in(w), N, K, OC, emu::GemmPrecision::BF16);
+        bk.matmul_backward(nullptr, dw, nullptr, c.in(dy), c.in(x), c.in(w), N, K, OC,
+                           emu::GemmPrecision::BF16);
       }
     };
     Backends be;
@@ -554,11 +574,11 @@ TEST(LayersGpu, MatmulBackwardBf16BiasFusedEqualsSeparate) {
     int64_t N, K, OC;
     bool misaligned, fused;
   };
-  for (const Shape s : {Shape{200, 48, 96, false, true}, Shape{64, 32, 30, false, true}, Shape{130, 40, 45, false, false},
-                        Shape{200, 48, 96, true, false}}) {
+  for (const Shape s : {Shape{200, 48, 96, false, true}, Shape{64, 32, 30, false, true},
+                        Shape{130, 40, 45, false, false}, Shape{200, 48, 96, true, false}}) {
     const int64_t N = s.N, K = s.K, OC = s.OC;
-    const Vec x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f), dw0 = randn(sz(OC * K), rng),
-              db0 = randn(sz(OC), rng);
+    const Vec x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f),
+              dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
     Vec dout = randn(sz(N * OC), rng);
     dout[sz(5 * OC + 3)] = kInf;
     dout[sz(70 * OC + 1)] = kNaN;
@@ -581,7 +601,8 @@ TEST(LayersGpu, MatmulBackwardBf16BiasFusedEqualsSeparate) {
       float* dw = c.out(dw0);
       float* db = c.out(db0);
       const float* d = c.in(dout);
-      bk.matmul_backward(dinp, dw, nullptr, d, c.in(x), c.in(w), N, K, OC, emu::GemmPrecision::BF16);
+      bk.matmul_backward(dinp, dw, nullptr, d, c.in(x), c.in(w), N, K, OC,
+                         emu::GemmPrecision::BF16);
       bk.bias_backward(db, d, N, OC);
     });
     expect_bitwise("fused matmul_backward dinp " + tag, separate[0], fused[0]);
@@ -605,14 +626,16 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
     int64_t N, K, OC;
     bool misaligned, bwd_fused;
   };
-  for (const Shape s : {Shape{200, 96, 64, false, true}, Shape{130, 64, 48, false, true}, Shape{64, 45, 33, false, false},
-                        Shape{128, 64, 96, true, false}}) {
+  for (const Shape s : {Shape{200, 96, 64, false, true}, Shape{130, 64, 48, false, true},
+                        Shape{64, 45, 33, false, false}, Shape{128, 64, 96, true, false}}) {
     for (bool rb : {true, false}) {
       const int64_t N = s.N, K = s.K, OC = s.OC;
-      const std::string tag = std::to_string(N) + "x" + std::to_string(K) + "x" + std::to_string(OC) +
-                              (s.misaligned ? " misaligned" : "") + (rb ? " bf16" : " fp32");
+      const std::string tag = std::to_string(N) + "x" + std::to_string(K) + "x" +
+                              std::to_string(OC) + (s.misaligned ? " misaligned" : "") +
+                              (rb ? " bf16" : " fp32");
       // forward: out (N, OC) = gelu(pre (N, K)) W^T + b
-      Vec pre = randn(sz(N * K), rng, 2.0f), w = randn(sz(OC * K), rng, 0.3f), b = randn(sz(OC), rng);
+      Vec pre = randn(sz(N * K), rng, 2.0f), w = randn(sz(OC * K), rng, 0.3f),
+          b = randn(sz(OC), rng);
       pre[3] = kInf;
       pre[sz(K + 1)] = -kInf;
       pre[sz(2 * K + 2)] = kNaN;
@@ -621,8 +644,10 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
         const Outputs o = run(*be.cuda, [&](Backend& bk, Call& c) {
           float* out = c.out(Vec(sz(N * OC), kNaN));
           float* act = c.out(Vec(sz(N * K), kNaN));
-          const ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, rb, false, "act"};
-          bk.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, emu::GemmPrecision::BF16, rb);
+          const ActivationSource src{
+              ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, rb, false, "act"};
+          bk.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC,
+                                       emu::GemmPrecision::BF16, rb);
         });
         gpu::set_activation_fusion(true);
         return o;
@@ -634,8 +659,8 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
       expect_bitwise("matmul_forward_activation out " + tag, fs[0], ff[0]);
       expect_bitwise("matmul_forward_activation act " + tag, fs[1], ff[1]);
       // backward: dout (N, OC) = gelu'(fc) * dact; dinp (N, K), dW (OC, K) +=, db (OC) +=
-      Vec fc = randn(sz(N * OC), rng, 2.0f), dact = randn(sz(N * OC), rng), x = randn(sz(N * K), rng),
-          dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
+      Vec fc = randn(sz(N * OC), rng, 2.0f), dact = randn(sz(N * OC), rng),
+          x = randn(sz(N * K), rng), dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
       fc[5] = kNaN;
       dact[sz(OC + 7)] = kInf;
       Vec fc_buf = fc, dact_buf = dact;
@@ -647,16 +672,25 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
           float* dw = c.out(dw0);
           float* db = c.out(db0);
           float* dfc = c.out(Vec(sz(N * OC), kNaN));
-          const ActivationSource src{ActivationOp::GeluBackward, c.in(fc_buf), c.in(dact_buf) + (s.misaligned ? 1 : 0),
-                                     dfc, N, OC, rb, rb, "dfc"};
-          bk.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, emu::GemmPrecision::BF16);
+          const ActivationSource src{ActivationOp::GeluBackward,
+                                     c.in(fc_buf),
+                                     c.in(dact_buf) + (s.misaligned ? 1 : 0),
+                                     dfc,
+                                     N,
+                                     OC,
+                                     rb,
+                                     rb,
+                                     "dfc"};
+          bk.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K,
+                                        emu::GemmPrecision::BF16);
         });
         gpu::set_activation_fusion(true);
         return o;
       };
       before = gpu::fused_activation_matmul_count();
       const Outputs bf = bwd(true);
-      EXPECT_EQ(gpu::fused_activation_matmul_count(), before + (s.bwd_fused ? 1 : 0)) << tag << ": backward fused path";
+      EXPECT_EQ(gpu::fused_activation_matmul_count(), before + (s.bwd_fused ? 1 : 0))
+          << tag << ": backward fused path";
       const Outputs bs = bwd(false);
       expect_bitwise("matmul_backward_activation dinp " + tag, bs[0], bf[0]);
       expect_bitwise("matmul_backward_activation dweight " + tag, bs[1], bf[1]);
@@ -664,7 +698,8 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
       if (s.bwd_fused) {
         size_t untouched = 0;
         for (float v : bf[3]) untouched += f32_bits(v) == f32_bits(kNaN);
-        EXPECT_EQ(untouched, bf[3].size()) << tag << ": the fused backward wrote the gradient buffer";
+        EXPECT_EQ(untouched, bf[3].size())
+            << tag << ": the fused backward wrote the gradient buffer";
       }
     }
   }
@@ -820,7 +855,8 @@ TEST(LayersGpu, AttentionMatchesEmulator) {
       Vec rounded = bk == be.emu.get() ? e[0] : g[0];
       for (float& v : rounded) v = bf16_round(v);
       expect_bitwise("attention_forward round_bf16 out on " + bk->name() + tag, rounded, r[0]);
-      expect_bitwise("attention_forward round_bf16 lse on " + bk->name() + tag, bk == be.emu.get() ? e[1] : g[1], r[1]);
+      expect_bitwise("attention_forward round_bf16 lse on " + bk->name() + tag,
+                     bk == be.emu.get() ? e[1] : g[1], r[1]);
     }
 
     // backward from the emulator's out and lse, into a dqkv of NaN: every element is written
@@ -841,15 +877,16 @@ TEST(LayersGpu, AttentionMatchesEmulator) {
     const auto bwd_cuda = [&](bool round) {
       return Op([&, round](Backend& bk, Call& c) {
         float* dqkv = c.out(dqkv0);
-        bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(g[0]), c.in(g[1]), B, T, NH, NKV, HD,
-                              emu::GemmPrecision::BF16, round);
+        bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(g[0]), c.in(g[1]), B, T, NH, NKV,
+                              HD, emu::GemmPrecision::BF16, round);
       });
     };
     const Vec plain = run(*be.cuda, bwd_cuda(false))[0];
     expect_bitwise("attention_backward twice" + tag, plain, run(*be.cuda, bwd_cuda(false))[0]);
     Vec rounded = plain;
     for (float& v : rounded) v = bf16_round(v);
-    expect_bitwise("attention_backward round_bf16" + tag, rounded, run(*be.cuda, bwd_cuda(true))[0]);
+    expect_bitwise("attention_backward round_bf16" + tag, rounded,
+                   run(*be.cuda, bwd_cuda(true))[0]);
   }
 }
 
@@ -863,8 +900,8 @@ TEST(LayersGpu, CeDivisionEqualsFdivRn) {
 }
 
 // The backward pass's two ways to dq (HD <= 64): dS stored by the dK/dV kernel and read by a plain
-// GEMM, or recomputed in the dQ kernel (gpu::set_attention_recompute_dq): the same BF16 dS values in
-// the same MMA chain, so the same bits, with and without the BF16 storage of the result.
+// GEMM, or recomputed in the dQ kernel (gpu::set_attention_recompute_dq): the same BF16 dS values
+// in the same MMA chain, so the same bits, with and without the BF16 storage of the result.
 TEST(LayersGpu, AttentionStoredDsEqualsRecomputedDs) {
   REQUIRE_GPU();
   Backends be;
@@ -890,16 +927,18 @@ TEST(LayersGpu, AttentionStoredDsEqualsRecomputedDs) {
     for (const bool round : {false, true}) {
       const Op bwd = [&](Backend& bk, Call& c) {
         float* dqkv = c.out(Vec(sz(B * T * W), kNaN));
-        bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(f[0]), c.in(f[1]), B, T, NH, NKV, HD,
-                              emu::GemmPrecision::BF16, round);
+        bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(f[0]), c.in(f[1]), B, T, NH, NKV,
+                              HD, emu::GemmPrecision::BF16, round);
       };
       gpu::set_attention_recompute_dq(false);
-      ASSERT_GT(gpu::attention_ds_scratch_bytes(B, T, NH, HD), 0) << tag;  // the stored path is taken
+      ASSERT_GT(gpu::attention_ds_scratch_bytes(B, T, NH, HD), 0)
+          << tag;  // the stored path is taken
       const Vec stored = run(*be.cuda, bwd)[0];
       gpu::set_attention_recompute_dq(true);
       ASSERT_EQ(gpu::attention_ds_scratch_bytes(B, T, NH, HD), 0) << tag;
       const Vec recomputed = run(*be.cuda, bwd)[0];
-      expect_bitwise(std::string("attention_backward stored dS vs recomputed") + (round ? " round_bf16" : "") + tag,
+      expect_bitwise(std::string("attention_backward stored dS vs recomputed") +
+                         (round ? " round_bf16" : "") + tag,
                      recomputed, stored);
       ++compared;
     }
@@ -951,7 +990,8 @@ TEST(LayersGpu, AttentionGpt2LayerShapeRuns) {
   float* lse = c.out(Vec(sz(B * NH * T)));
   float* dqkv = c.out(Vec(sz(B * T * W)));
   g.attention_forward(out, lse, qkv, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
-  g.attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
+  g.attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16,
+                       false);
   const Outputs r = c.results();
   for (const Vec& v : r)
     for (float x : v) ASSERT_TRUE(std::isfinite(x));
@@ -976,8 +1016,8 @@ TEST(LayersGpu, RopeBitwiseEqualsEmulator) {
 // ---- elementwise --------------------------------------------------------------------------------
 
 Vec with_specials(Vec v) {
-  const float specials[] = {0.0f, -0.0f, 1e-40f, -1e-40f, 1e-20f, 3.0f, -3.0f, 10.0f, -10.0f,
-                            30.0f, -30.0f, 1e20f, -1e20f, kInf, -kInf, kNaN};
+  const float specials[] = {0.0f,   -0.0f, 1e-40f, -1e-40f, 1e-20f, 3.0f, -3.0f, 10.0f,
+                            -10.0f, 30.0f, -30.0f, 1e20f,   -1e20f, kInf, -kInf, kNaN};
   for (float s : specials) v.push_back(s);
   return v;
 }
@@ -990,8 +1030,12 @@ TEST(LayersGpu, ElementwiseMatchesEmulator) {
   const int64_t n = static_cast<int64_t>(x.size());
   const Vec dout = randn(sz(n), rng), dinp0 = randn(sz(n), rng), y = randn(sz(n), rng);
 
-  const Op gelu_f = [&](Backend& bk, Call& c) { bk.gelu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n, false); };
-  const Op gelu_b = [&](Backend& bk, Call& c) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false, false); };
+  const Op gelu_f = [&](Backend& bk, Call& c) {
+    bk.gelu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n, false);
+  };
+  const Op gelu_b = [&](Backend& bk, Call& c) {
+    bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false, false);
+  };
   // GELU goes through tanhf: a few ulp of 0.5|x| (the 1 + tanh cancellation for x << 0), and of
   // the derivative's terms for the backward.
   constexpr double kScale = 0.7978845608028654, kCubic = 0.044715;
@@ -1007,9 +1051,15 @@ TEST(LayersGpu, ElementwiseMatchesEmulator) {
   expect_bounded("gelu_backward dinp", run(*be.emu, gelu_b)[0], run(*be.cuda, gelu_b)[0], mag_b,
                  kTranscendentalRtol);
 
-  const Op sq_f = [&](Backend& bk, Call& c) { bk.squared_relu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n, false); };
-  const Op sq_b = [&](Backend& bk, Call& c) { bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false, false); };
-  const Op res = [&](Backend& bk, Call& c) { bk.residual_forward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(y), n, false); };
+  const Op sq_f = [&](Backend& bk, Call& c) {
+    bk.squared_relu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n, false);
+  };
+  const Op sq_b = [&](Backend& bk, Call& c) {
+    bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false, false);
+  };
+  const Op res = [&](Backend& bk, Call& c) {
+    bk.residual_forward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(y), n, false);
+  };
   expect_bitwise("squared_relu_forward out", run(*be.emu, sq_f)[0], run(*be.cuda, sq_f)[0]);
   expect_bitwise("squared_relu_backward dinp", run(*be.emu, sq_b)[0], run(*be.cuda, sq_b)[0]);
   expect_bitwise("residual_forward out", run(*be.emu, res)[0], run(*be.cuda, res)[0]);
@@ -1024,54 +1074,82 @@ TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
   Backends be;
   std::mt19937 rng(909);
   const int64_t N = 37, C = 96, F = 53, K = 40;
-  const Vec x = with_specials(randn(sz(N * C), rng, 2.0f)), y = randn(sz(N * C), rng), w = randn(sz(C), rng, 1.0f, 1.0f),
-            b = randn(sz(C), rng), dout = randn(sz(N * C), rng), dinp0 = randn(sz(N * C), rng);
-  const Vec sw_in = randn(sz(N * 2 * F), rng, 2.0f), sw_dout = randn(sz(N * F), rng), sw_dinp0 = randn(sz(N * 2 * F), rng);
+  const Vec x = with_specials(randn(sz(N * C), rng, 2.0f)), y = randn(sz(N * C), rng),
+            w = randn(sz(C), rng, 1.0f, 1.0f), b = randn(sz(C), rng), dout = randn(sz(N * C), rng),
+            dinp0 = randn(sz(N * C), rng);
+  const Vec sw_in = randn(sz(N * 2 * F), rng, 2.0f), sw_dout = randn(sz(N * F), rng),
+            sw_dinp0 = randn(sz(N * 2 * F), rng);
   const Vec mx = randn(sz(N * K), rng), mw = randn(sz(C * K), rng, 0.3f);
   Vec b16 = b;
   for (float& v : b16) v = bf16_round(v);
   // each op writes its activation output first (c.out index 0); the rest are scratch it also needs
   using RoundOp = std::function<void(Backend&, Call&, bool)>;
   const std::vector<std::pair<std::string, RoundOp>> ops = {
-      {"layernorm_forward", [&](Backend& bk, Call& c, bool r) {
+      {"layernorm_forward",
+       [&](Backend& bk, Call& c, bool r) {
          float* out = c.out(Vec(sz(N * C), kNaN));
-         bk.layernorm_forward(out, c.out(Vec(sz(N), kNaN)), c.out(Vec(sz(N), kNaN)), c.in(x), c.in(w), c.in(b), N, C, r);
+         bk.layernorm_forward(out, c.out(Vec(sz(N), kNaN)), c.out(Vec(sz(N), kNaN)), c.in(x),
+                              c.in(w), c.in(b), N, C, r);
        }},
-      {"layernorm_backward", [&](Backend& bk, Call& c, bool r) {
+      {"layernorm_backward",
+       [&](Backend& bk, Call& c, bool r) {
          float* dinp = c.out(dinp0);
          Vec mean(sz(N), 0.25f), rstd(sz(N), 0.75f);
-         bk.layernorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.out(Vec(sz(C), 0.0f)), c.in(dout), c.in(x), c.in(w),
-                               c.in(mean), c.in(rstd), N, C, r, false);
+         bk.layernorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.out(Vec(sz(C), 0.0f)), c.in(dout),
+                               c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, r, false);
        }},
-      {"rmsnorm_forward", [&](Backend& bk, Call& c, bool r) {
+      {"rmsnorm_forward",
+       [&](Backend& bk, Call& c, bool r) {
          float* out = c.out(Vec(sz(N * C), kNaN));
          bk.rmsnorm_forward(out, c.out(Vec(sz(N), kNaN)), c.in(x), c.in(w), N, C, r);
        }},
-      {"rmsnorm_backward", [&](Backend& bk, Call& c, bool r) {
+      {"rmsnorm_backward",
+       [&](Backend& bk, Call& c, bool r) {
          float* dinp = c.out(dinp0);
          Vec rstd(sz(N), 0.75f);
-         bk.rmsnorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, r, false);
+         bk.rmsnorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.in(dout), c.in(x), c.in(w),
+                             c.in(rstd), N, C, r, false);
        }},
-      {"matmul_forward bias", [&](Backend& bk, Call& c, bool r) {
-         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), c.in(r ? b : b16), N, K, C,
+      {"matmul_forward bias",
+       [&](Backend& bk, Call& c, bool r) {
+         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), c.in(r ? b : b16), N, K,
+                           C, emu::GemmPrecision::BF16, r);
+       }},
+      {"matmul_forward",
+       [&](Backend& bk, Call& c, bool r) {
+         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), nullptr, N, K, C,
                            emu::GemmPrecision::BF16, r);
        }},
-      {"matmul_forward", [&](Backend& bk, Call& c, bool r) {
-         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), nullptr, N, K, C, emu::GemmPrecision::BF16, r);
+      {"bias_forward", [&](Backend& bk, Call& c,
+                           bool r) { bk.bias_forward(c.out(y), c.in(r ? b : b16), N, C, r); }},
+      {"gelu_forward",
+       [&](Backend& bk, Call& c, bool r) {
+         bk.gelu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r);
        }},
-      {"bias_forward", [&](Backend& bk, Call& c, bool r) { bk.bias_forward(c.out(y), c.in(r ? b : b16), N, C, r); }},
-      {"gelu_forward", [&](Backend& bk, Call& c, bool r) { bk.gelu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r); }},
-      {"gelu_backward", [&](Backend& bk, Call& c, bool r) { bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r, false); }},
+      {"gelu_backward",
+       [&](Backend& bk, Call& c, bool r) {
+         bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r, false);
+       }},
       {"squared_relu_forward",
-       [&](Backend& bk, Call& c, bool r) { bk.squared_relu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r); }},
+       [&](Backend& bk, Call& c, bool r) {
+         bk.squared_relu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r);
+       }},
       {"squared_relu_backward",
-       [&](Backend& bk, Call& c, bool r) { bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r, false); }},
+       [&](Backend& bk, Call& c, bool r) {
+         bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r, false);
+       }},
       {"swiglu_forward",
-       [&](Backend& bk, Call& c, bool r) { bk.swiglu_forward(c.out(Vec(sz(N * F), kNaN)), c.in(sw_in), N, F, r); }},
+       [&](Backend& bk, Call& c, bool r) {
+         bk.swiglu_forward(c.out(Vec(sz(N * F), kNaN)), c.in(sw_in), N, F, r);
+       }},
       {"swiglu_backward",
-       [&](Backend& bk, Call& c, bool r) { bk.swiglu_backward(c.out(sw_dinp0), c.in(sw_in), c.in(sw_dout), N, F, r, false); }},
+       [&](Backend& bk, Call& c, bool r) {
+         bk.swiglu_backward(c.out(sw_dinp0), c.in(sw_in), c.in(sw_dout), N, F, r, false);
+       }},
       {"residual_forward",
-       [&](Backend& bk, Call& c, bool r) { bk.residual_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), c.in(y), N * C, r); }},
+       [&](Backend& bk, Call& c, bool r) {
+         bk.residual_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), c.in(y), N * C, r);
+       }},
   };
   for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
     for (const auto& [name, op] : ops) {
@@ -1103,19 +1181,28 @@ TEST(LayersGpu, BackwardPassesReadBf16Dout) {
   for (float& v : rounded) v = bf16_round(v);
   using BwdOp = std::function<void(Backend&, Call&, const Vec&, bool)>;
   const std::vector<std::pair<std::string, BwdOp>> ops = {
-      {"gelu_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
-         bk.gelu_backward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(d), n, true, b); }},
-      {"squared_relu_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
-         bk.squared_relu_backward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(d), n, true, b); }},
-      {"swiglu_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
-         bk.swiglu_backward(c.out(Vec(sz(2 * n), kNaN)), c.in(sw_in), c.in(d), N, F, true, b); }},
-      {"layernorm_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
+      {"gelu_backward",
+       [&](Backend& bk, Call& c, const Vec& d, bool b) {
+         bk.gelu_backward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(d), n, true, b);
+       }},
+      {"squared_relu_backward",
+       [&](Backend& bk, Call& c, const Vec& d, bool b) {
+         bk.squared_relu_backward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(d), n, true, b);
+       }},
+      {"swiglu_backward",
+       [&](Backend& bk, Call& c, const Vec& d, bool b) {
+         bk.swiglu_backward(c.out(Vec(sz(2 * n), kNaN)), c.in(sw_in), c.in(d), N, F, true, b);
+       }},
+      {"layernorm_backward",
+       [&](Backend& bk, Call& c, const Vec& d, bool b) {
          float* dinp = c.out(Vec(sz(n), 0.0f));  // (outputs made in order: output 0 is dinp)
          float* dw = c.out(Vec(sz(F), 0.0f));
          float* db = c.out(Vec(sz(F), 0.0f));
-         bk.layernorm_backward(dinp, dw, db, c.in(d), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, F, true, b);
+         bk.layernorm_backward(dinp, dw, db, c.in(d), c.in(x), c.in(w), c.in(mean), c.in(rstd), N,
+                               F, true, b);
        }},
-      {"rmsnorm_backward", [&](Backend& bk, Call& c, const Vec& d, bool b) {
+      {"rmsnorm_backward",
+       [&](Backend& bk, Call& c, const Vec& d, bool b) {
          float* dinp = c.out(Vec(sz(n), 0.0f));
          float* dw = c.out(Vec(sz(F), 0.0f));
          bk.rmsnorm_backward(dinp, dw, c.in(d), c.in(x), c.in(w), c.in(rstd), N, F, true, b);
@@ -1127,9 +1214,11 @@ TEST(LayersGpu, BackwardPassesReadBf16Dout) {
       const Outputs before = run(*bk, [&](Backend& k, Call& c) { op(k, c, rounded, false); });
       const Outputs raw = run(*bk, [&](Backend& k, Call& c) { op(k, c, dout, false); });
       for (size_t o = 0; o < on_read.size(); ++o)
-        expect_bitwise(name + " output " + std::to_string(o) + " bf16_dout on " + bk->name(), before[o], on_read[o]);
+        expect_bitwise(name + " output " + std::to_string(o) + " bf16_dout on " + bk->name(),
+                       before[o], on_read[o]);
       bool differs = false;
-      for (size_t i = 0; i < raw[0].size(); ++i) differs = differs || !same_bits(raw[0][i], on_read[0][i]);
+      for (size_t i = 0; i < raw[0].size(); ++i)
+        differs = differs || !same_bits(raw[0][i], on_read[0][i]);
       EXPECT_TRUE(differs) << name << ": the case does not exercise the rounding of dout";
     }
 }
@@ -1142,7 +1231,8 @@ TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
   REQUIRE_GPU();
   auto cuda = make_backend("cuda");
   std::mt19937 rng(818);
-  for (const RowsCols s : {RowsCols{6, 50304}, RowsCols{5, 12288}, RowsCols{3, 60000}, RowsCols{37, 256}, RowsCols{3, 13}}) {
+  for (const RowsCols s : {RowsCols{6, 50304}, RowsCols{5, 12288}, RowsCols{3, 60000},
+                           RowsCols{37, 256}, RowsCols{3, 13}}) {
     const int64_t N = s.N, V = s.C;
     const Vec logits = randn(sz(N * V), rng, 3.0f), dlosses = randn(sz(N), rng, 0.1f);
     const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
@@ -1150,16 +1240,21 @@ TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
       const Op op = [&](Backend& bk, Call& c) {
         float* losses = c.out(Vec(sz(N), kNaN));
         float* out = c.out(Vec(sz(N * V), kNaN));
-        if (mode == 0) bk.crossentropy_softmax_forward(losses, out, c.in(logits), c.in(targets), N, V, false);
-        else bk.crossentropy_softmax_forward_backward(losses, out, c.in(logits), c.in(targets), c.in(dlosses), N, V, mode == 2);
+        if (mode == 0)
+          bk.crossentropy_softmax_forward(losses, out, c.in(logits), c.in(targets), N, V, false);
+        else
+          bk.crossentropy_softmax_forward_backward(losses, out, c.in(logits), c.in(targets),
+                                                   c.in(dlosses), N, V, mode == 2);
       };
       const Outputs cached = run(*cuda, op);
       Outputs plain;
       {
-        KnobGuard uncached([] { gpu::set_crossentropy_cached(false); }, [] { gpu::set_crossentropy_cached(true); });
+        KnobGuard uncached([] { gpu::set_crossentropy_cached(false); },
+                           [] { gpu::set_crossentropy_cached(true); });
         plain = run(*cuda, op);
       }
-      const std::string tag = " " + std::to_string(N) + "x" + std::to_string(V) + " mode " + std::to_string(mode);
+      const std::string tag =
+          " " + std::to_string(N) + "x" + std::to_string(V) + " mode " + std::to_string(mode);
       expect_bitwise("crossentropy losses cached vs not" + tag, plain[0], cached[0]);
       expect_bitwise("crossentropy output cached vs not" + tag, plain[1], cached[1]);
     }
@@ -1169,7 +1264,8 @@ TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
     auto fwd = [&](const Vec& z, bool bf16_logits) {
       return run(*cuda, [&](Backend& bk, Call& c) {
         float* losses = c.out(Vec(sz(N), kNaN));
-        bk.crossentropy_softmax_forward(losses, c.out(Vec(sz(N * V), kNaN)), c.in(z), c.in(targets), N, V, bf16_logits);
+        bk.crossentropy_softmax_forward(losses, c.out(Vec(sz(N * V), kNaN)), c.in(z), c.in(targets),
+                                        N, V, bf16_logits);
       });
     };
     const Outputs a = fwd(logits, true), b = fwd(rounded, false), unrounded = fwd(logits, false);
@@ -1197,8 +1293,11 @@ TEST(LayersGpu, CrossEntropyLossFiniteForFarTargets) {
     const Op op = [&](Backend& bk, Call& c) {
       float* losses = c.out(Vec(sz(N), kNaN));
       float* out = c.out(Vec(sz(N * V), kNaN));
-      if (mode == 0) bk.crossentropy_softmax_forward(losses, out, c.in(logits), c.in(targets), N, V, false);
-      else bk.crossentropy_softmax_forward_backward(losses, out, c.in(logits), c.in(targets), c.in(dlosses), N, V, false);
+      if (mode == 0)
+        bk.crossentropy_softmax_forward(losses, out, c.in(logits), c.in(targets), N, V, false);
+      else
+        bk.crossentropy_softmax_forward_backward(losses, out, c.in(logits), c.in(targets),
+                                                 c.in(dlosses), N, V, false);
     };
     const Vec e = run(*be.emu, op)[0], g = run(*be.cuda, op)[0];
     for (int64_t n = 0; n < N; ++n) {
@@ -1225,8 +1324,8 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     // The emulator sums the V exponentials sequentially in FP32: its own error reaches (V-1) ulp
     // of the sum (seen: 0.15 V ulp at V = 50257), so against it the budget grows with V. Against a
-    // double-precision softmax the CUDA kernel (256 or, from V = 4096, 1024 strided sums of V/256 or
-    // V/1024 terms, then an 8- or 10-level tree) must stay within (V/256 + 10) ulp.
+    // double-precision softmax the CUDA kernel (256 or, from V = 4096, 1024 strided sums of V/256
+    // or V/1024 terms, then an 8- or 10-level tree) must stay within (V/256 + 10) ulp.
     const double rtol_emu = kTranscendentalRtol + static_cast<double>(V - 1) * kUlp;
     const double rtol_exact = kTranscendentalRtol + (static_cast<double>(V) / 256.0 + 10.0) * kUlp;
     Vec exact_probs(sz(N * V)), exact_losses(sz(N));
@@ -1237,42 +1336,49 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
       double sum = 0;
       for (int64_t i = 0; i < V; ++i) sum += std::exp(static_cast<double>(z[i]) - mx);
       for (int64_t i = 0; i < V; ++i)
-        exact_probs[sz(n * V + i)] = static_cast<float>(std::exp(static_cast<double>(z[i]) - mx) / sum);
+        exact_probs[sz(n * V + i)] =
+            static_cast<float>(std::exp(static_cast<double>(z[i]) - mx) / sum);
       exact_losses[sz(n)] = static_cast<float>(std::log(sum) - (z[targets[sz(n)]] - mx));
       mag_loss[sz(n)] = 1.0 + std::fabs(e[0][sz(n)]);
     }
     expect_bounded("crossentropy_forward losses" + tag, e[0], g[0], mag_loss, rtol_emu);
     expect_bounded("crossentropy_forward probs" + tag, e[1], g[1], abs_of(e[1]), rtol_emu);
-    expect_bounded("crossentropy_forward losses vs fp64" + tag, exact_losses, g[0], mag_loss, rtol_exact);
-    expect_bounded("crossentropy_forward probs vs fp64" + tag, exact_probs, g[1], abs_of(exact_probs),
+    expect_bounded("crossentropy_forward losses vs fp64" + tag, exact_losses, g[0], mag_loss,
                    rtol_exact);
+    expect_bounded("crossentropy_forward probs vs fp64" + tag, exact_probs, g[1],
+                   abs_of(exact_probs), rtol_exact);
 
-    const Vec dlosses = randn(sz(N), rng, 1.0f / static_cast<float>(N)), dl0 = randn(sz(N * V), rng);
+    const Vec dlosses = randn(sz(N), rng, 1.0f / static_cast<float>(N)),
+              dl0 = randn(sz(N * V), rng);
     const Vec& probs = e[1];
     for (bool round_bf16 : {false, true}) {  // dl0: what the output held before, overwritten
       const Op bwd = [&](Backend& bk, Call& c) {
         float* dlogits = c.out(dl0);
-        bk.crossentropy_softmax_backward(dlogits, c.in(probs), c.in(targets), c.in(dlosses), N, V, round_bf16);
+        bk.crossentropy_softmax_backward(dlogits, c.in(probs), c.in(targets), c.in(dlosses), N, V,
+                                         round_bf16);
       };
-      expect_bitwise("crossentropy_backward dlogits" + tag + (round_bf16 ? " bf16" : ""), run(*be.emu, bwd)[0],
-                     run(*be.cuda, bwd)[0]);
+      expect_bitwise("crossentropy_backward dlogits" + tag + (round_bf16 ? " bf16" : ""),
+                     run(*be.emu, bwd)[0], run(*be.cuda, bwd)[0]);
       // the fused op on each backend: that backend's forward losses, and its backward on its own
       // forward's probabilities, bit for bit
-      // (with round_bf16 the fused op reads the logits rounded: its forward is the one with bf16_logits)
+      // (with round_bf16 the fused op reads the logits rounded: its forward is the one with
+      // bf16_logits)
       const Op fwd_r = [&](Backend& bk, Call& c) {
         float* losses = c.out(Vec(sz(N), kNaN));
         float* probs = c.out(Vec(sz(N * V), kNaN));
-        bk.crossentropy_softmax_forward(losses, probs, c.in(logits), c.in(targets), N, V, round_bf16);
+        bk.crossentropy_softmax_forward(losses, probs, c.in(logits), c.in(targets), N, V,
+                                        round_bf16);
       };
       for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
         const Outputs f = run(*bk, fwd_r);
         const Op bwd_own = [&](Backend& k, Call& c) {
-          k.crossentropy_softmax_backward(c.out(dl0), c.in(f[1]), c.in(targets), c.in(dlosses), N, V, round_bf16);
+          k.crossentropy_softmax_backward(c.out(dl0), c.in(f[1]), c.in(targets), c.in(dlosses), N,
+                                          V, round_bf16);
         };
         const Op fused = [&](Backend& k, Call& c) {
           float* losses = c.out(Vec(sz(N), kNaN));
-          k.crossentropy_softmax_forward_backward(losses, c.out(dl0), c.in(logits), c.in(targets), c.in(dlosses), N, V,
-                                                  round_bf16);
+          k.crossentropy_softmax_forward_backward(losses, c.out(dl0), c.in(logits), c.in(targets),
+                                                  c.in(dlosses), N, V, round_bf16);
         };
         const Outputs fu = run(*bk, fused);
         const std::string on = tag + (round_bf16 ? " bf16 " : " ") + bk->name();
@@ -1286,7 +1392,8 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
 // The output head's BF16-dout ops against their FP32 twins on the same backend, bit for bit: the
 // cross-entropy op's BF16 dlogits are the bits of the FP32 op's BF16-rounded ones (losses equal),
 // and matmul_backward_bf16_dout equals matmul_backward on the widened dout (dinp written over NaN,
-// dweight added to), at both precisions. The emulator always; the CUDA backend where there is a GPU.
+// dweight added to), at both precisions. The emulator always; the CUDA backend where there is a
+// GPU.
 TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
   std::vector<std::unique_ptr<Backend>> backends;
   backends.push_back(make_backend("emu"));
@@ -1311,22 +1418,28 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
       const Op fp32 = [&](Backend& k, Call& c) {
         float* losses = c.out(Vec(sz(N), kNaN));
         float* d = c.out(Vec(sz(N * V), kNaN));
-        k.crossentropy_softmax_forward_backward(losses, d, c.in(logits), c.in(targets), c.in(dlosses), N, V, true);
+        k.crossentropy_softmax_forward_backward(losses, d, c.in(logits), c.in(targets),
+                                                c.in(dlosses), N, V, true);
       };
       // (the BF16 output starts as NaN in both halves of each float: 0x7FFF7FFF)
       const Op half = [&](Backend& k, Call& c) {
         float* losses = c.out(Vec(sz(N), kNaN));
-        auto* d = reinterpret_cast<uint16_t*>(c.out(Vec(sz((N * V + 1) / 2), f32_from_bits(0x7FFF7FFFu))));
-        k.crossentropy_softmax_forward_backward_bf16(losses, d, c.in(logits), c.in(targets), c.in(dlosses), N, V);
+        auto* d = reinterpret_cast<uint16_t*>(
+            c.out(Vec(sz((N * V + 1) / 2), f32_from_bits(0x7FFF7FFFu))));
+        k.crossentropy_softmax_forward_backward_bf16(losses, d, c.in(logits), c.in(targets),
+                                                     c.in(dlosses), N, V);
       };
       const Outputs f = run(*bk, fp32);
-      for (bool cached : {true, false}) {  // (CUDA: the row in shared memory, or read in every pass)
+      for (bool cached :
+           {true, false}) {  // (CUDA: the row in shared memory, or read in every pass)
         Outputs h;
         {
-          KnobGuard knob([&] { set_cached(bk->name(), cached); }, [&] { set_cached(bk->name(), true); });
+          KnobGuard knob([&] { set_cached(bk->name(), cached); },
+                         [&] { set_cached(bk->name(), true); });
           h = run(*bk, half);
         }
-        const std::string tag = " V=" + std::to_string(V) + " " + bk->name() + (cached ? "" : " uncached");
+        const std::string tag =
+            " V=" + std::to_string(V) + " " + bk->name() + (cached ? "" : " uncached");
         expect_bitwise("crossentropy bf16 losses" + tag, f[0], h[0]);
         const std::vector<uint16_t> hb = bits_of(h[1], sz(N * V));
         Vec widened(sz(N * V));
@@ -1336,7 +1449,8 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
     }
     for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
       const int64_t N = 33, K = 70, OC = 45;
-      const Vec x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f), dw0 = randn(sz(OC * K), rng);
+      const Vec x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f),
+                dw0 = randn(sz(OC * K), rng);
       std::vector<uint16_t> dout(sz(N * OC));
       Vec dout_f(dout.size());
       for (size_t i = 0; i < dout.size(); ++i) {
@@ -1354,7 +1468,8 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
         k.matmul_backward_bf16_dout(dinp, dw, c.in(dout), c.in(x), c.in(w), N, K, OC, prec);
       };
       const Outputs r = run(*bk, ref), g = run(*bk, got);
-      const std::string tag = std::string(prec == emu::GemmPrecision::BF16 ? " bf16 " : " fp32 ") + bk->name();
+      const std::string tag =
+          std::string(prec == emu::GemmPrecision::BF16 ? " bf16 " : " fp32 ") + bk->name();
       expect_bitwise("matmul_backward_bf16_dout dinp" + tag, r[0], g[0]);
       expect_bitwise("matmul_backward_bf16_dout dweight" + tag, r[1], g[1]);
     }
@@ -1411,11 +1526,13 @@ TEST(LayersGpu, ResidualLayerNormEqualsTheTwoOps) {
         uint16_t* out16 = bf16_out(c, N * C);
         float* mean = c.out(Vec(sz(N), kNaN));
         float* rstd = c.out(Vec(sz(N), kNaN));
-        k.residual_layernorm_forward_bf16(res, out16, mean, rstd, c.in(a), c.in(p16), c.in(w), c.in(b), N, C, rb);
+        k.residual_layernorm_forward_bf16(res, out16, mean, rstd, c.in(a), c.in(p16), c.in(w),
+                                          c.in(b), N, C, rb);
       });
       const char* names[] = {"res", "out16", "mean", "rstd"};
       for (size_t i = 0; i < 4; ++i)
-        expect_bitwise(std::string("residual_layernorm_forward_bf16 ") + names[i] + tag, two[i], one[i]);
+        expect_bitwise(std::string("residual_layernorm_forward_bf16 ") + names[i] + tag, two[i],
+                       one[i]);
     }
   }
 }
@@ -1440,7 +1557,8 @@ TEST(LayersGpu, GeluLookupEqualsComputedOnEveryBf16) {
   Backends be;
   const int64_t N = 256, K = 256, OC = 16;  // N * K = 65536: every bit pattern once
   std::mt19937 rng(717);
-  const auto inputs = every_bf16([](uint16_t b) { return (b & 0x7F80u) == 0x7F80u; });  // (not Inf, NaN)
+  const auto inputs =
+      every_bf16([](uint16_t b) { return (b & 0x7F80u) == 0x7F80u; });  // (not Inf, NaN)
   const std::vector<uint16_t>& pre16 = inputs.first;
   const Vec& pre = inputs.second;
   const Vec w = randn(sz(OC * K), rng, 0.3f), b = randn(sz(OC), rng);
@@ -1448,12 +1566,14 @@ TEST(LayersGpu, GeluLookupEqualsComputedOnEveryBf16) {
   const Outputs r = run(*be.cuda, [&](Backend& k, Call& c) {
     float* out = c.out(Vec(sz(N * OC), kNaN));
     float* act = c.out(Vec(sz(N * K), kNaN));
-    const ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, true, false, "act"};
+    const ActivationSource src{
+        ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, true, false, "act"};
     k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
   });
   const Outputs g = run(*be.cuda, [&](Backend& k, Call& c) {
     uint16_t* out16 = bf16_out(c, N * OC);
-    ActivationSource src{ActivationOp::GeluForward, nullptr, nullptr, nullptr, N, K, true, false, "act"};
+    ActivationSource src{
+        ActivationOp::GeluForward, nullptr, nullptr, nullptr, N, K, true, false, "act"};
     src.inp16 = c.in(pre16);
     src.out16 = bf16_out(c, N * K);
     k.matmul_forward_activation(nullptr, out16, src, c.in(w), c.in(b), OC, bf16, true);
@@ -1474,10 +1594,12 @@ TEST(LayersGpu, GeluBackwardBitsEqualFp32OnEveryBf16) {
   Backends be;
   const int64_t N = 256, OC = 256, K = 32;  // N * OC = 65536: every bit pattern once
   std::mt19937 rng(919);
-  const auto inputs = every_bf16([](uint16_t b) { return (b & 0x7FFFu) >= 0x5D80u; });  // (not |x| >= 2^60, Inf, NaN)
+  const auto inputs = every_bf16(
+      [](uint16_t b) { return (b & 0x7FFFu) >= 0x5D80u; });  // (not |x| >= 2^60, Inf, NaN)
   const std::vector<uint16_t>& fc16 = inputs.first;
   const Vec& fc = inputs.second;
-  const Vec dact = bf16_values_of(randn(sz(N * OC), rng)), x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f);
+  const Vec dact = bf16_values_of(randn(sz(N * OC), rng)), x = randn(sz(N * K), rng),
+            w = randn(sz(OC * K), rng, 0.3f);
   const std::vector<uint16_t> dact16 = bf16_bits_of(dact);
   const Vec dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
   const emu::GemmPrecision bf16 = emu::GemmPrecision::BF16;
@@ -1486,18 +1608,27 @@ TEST(LayersGpu, GeluBackwardBitsEqualFp32OnEveryBf16) {
     float* dw = c.out(dw0);
     float* db = c.out(db0);
     float* dfc = c.out(Vec(sz(N * OC), kNaN));
-    const ActivationSource src{ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
+    const ActivationSource src{
+        ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
     k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
   });
   const Outputs g = run(*be.cuda, [&](Backend& k, Call& c) {
     uint16_t* dinp16 = bf16_out(c, N * K);
     float* dw = c.out(dw0);
     float* db = c.out(db0);
-    ActivationSource src{ActivationOp::GeluBackward, nullptr, nullptr, c.out(Vec(sz(N * OC), kNaN)), N, OC, true, true,
+    ActivationSource src{ActivationOp::GeluBackward,
+                         nullptr,
+                         nullptr,
+                         c.out(Vec(sz(N * OC), kNaN)),
+                         N,
+                         OC,
+                         true,
+                         true,
                          "dfc"};
     src.inp16 = c.in(fc16);
     src.dout16 = c.in(dact16);
-    k.matmul_backward_bits(nullptr, dinp16, dw, db, nullptr, nullptr, &src, c.in(x), nullptr, c.in(w), N, K, OC);
+    k.matmul_backward_bits(nullptr, dinp16, dw, db, nullptr, nullptr, &src, c.in(x), nullptr,
+                           c.in(w), N, K, OC);
   });
   expect_bitwise("GELU backward bits: dinp16", bf16_values_of(r[0]), widened(g[0], N * K));
   expect_bitwise("GELU backward bits: dweight", r[1], g[1]);
@@ -1516,8 +1647,13 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
   const auto bf16 = emu::GemmPrecision::BF16;
   for (auto& bk : backends) {
     const bool cuda = bk->name() == "cuda";
-    KnobGuard knob([&] { if (cuda) gpu::set_matmul_bf16_epilogue(false); },
-                   [&] { if (cuda) gpu::set_matmul_bf16_epilogue(true); });
+    KnobGuard knob(
+        [&] {
+          if (cuda) gpu::set_matmul_bf16_epilogue(false);
+        },
+        [&] {
+          if (cuda) gpu::set_matmul_bf16_epilogue(true);
+        });
     // norms
     {
       const int64_t N = 37, C = 96;
@@ -1527,17 +1663,22 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
           float* out = c.out(Vec(sz(N * C), kNaN));
           float* mean = c.out(Vec(sz(N), kNaN));
           float* rstd = c.out(Vec(sz(N), kNaN));
-          if (layernorm) k.layernorm_forward(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C, true);
-          else k.rmsnorm_forward(out, rstd, c.in(x), c.in(w), N, C, true);
+          if (layernorm)
+            k.layernorm_forward(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C, true);
+          else
+            k.rmsnorm_forward(out, rstd, c.in(x), c.in(w), N, C, true);
         });
         const Outputs g = run(*bk, [&](Backend& k, Call& c) {
           uint16_t* out = bf16_out(c, N * C);
           float* mean = c.out(Vec(sz(N), kNaN));
           float* rstd = c.out(Vec(sz(N), kNaN));
-          if (layernorm) k.layernorm_forward_bf16(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C);
-          else k.rmsnorm_forward_bf16(out, rstd, c.in(x), c.in(w), N, C);
+          if (layernorm)
+            k.layernorm_forward_bf16(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C);
+          else
+            k.rmsnorm_forward_bf16(out, rstd, c.in(x), c.in(w), N, C);
         });
-        const std::string tag = std::string(layernorm ? "layernorm" : "rmsnorm") + "_forward_bf16 " + bk->name();
+        const std::string tag =
+            std::string(layernorm ? "layernorm" : "rmsnorm") + "_forward_bf16 " + bk->name();
         expect_bitwise(tag + " out", r[0], widened(g[0], N * C));
         if (layernorm) expect_bitwise(tag + " mean", r[1], g[1]);
         expect_bitwise(tag + " rstd", r[2], g[2]);
@@ -1546,77 +1687,91 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
     // matmuls: inputs and outputs as bits, with and without a bias
     for (bool with_bias : {true, false}) {
       const int64_t N = 70, K = 48, OC = 40;
-      const Vec x = bf16_values_of(randn(sz(N * K), rng)), w = randn(sz(OC * K), rng, 0.3f), b = randn(sz(OC), rng);
+      const Vec x = bf16_values_of(randn(sz(N * K), rng)), w = randn(sz(OC * K), rng, 0.3f),
+                b = randn(sz(OC), rng);
       const std::vector<uint16_t> x16 = bf16_bits_of(x);
       const std::string tag = std::string(with_bias ? " bias " : " ") + bk->name();
       const Outputs r = run(*bk, [&](Backend& k, Call& c) {
         float* out = c.out(Vec(sz(N * OC), kNaN));
-        k.matmul_forward(out, c.in(x), c.in(w), with_bias ? c.in(b) : nullptr, N, K, OC, bf16, true);
+        k.matmul_forward(out, c.in(x), c.in(w), with_bias ? c.in(b) : nullptr, N, K, OC, bf16,
+                         true);
       });
       for (int mode = 0; mode < 3; ++mode) {  // bits in / bits out / both
         const Outputs g = run(*bk, [&](Backend& k, Call& c) {
           const bool in16 = mode != 1, out16 = mode != 0;
           float* out = out16 ? nullptr : c.out(Vec(sz(N * OC), kNaN));
           uint16_t* o16 = out16 ? bf16_out(c, N * OC) : nullptr;
-          k.matmul_forward_bf16(out, o16, in16 ? nullptr : c.in(x), in16 ? c.in(x16) : nullptr, c.in(w),
-                                with_bias ? c.in(b) : nullptr, N, K, OC, true);
+          k.matmul_forward_bf16(out, o16, in16 ? nullptr : c.in(x), in16 ? c.in(x16) : nullptr,
+                                c.in(w), with_bias ? c.in(b) : nullptr, N, K, OC, true);
         });
         expect_bitwise("matmul_forward_bf16 mode " + std::to_string(mode) + tag, r[0],
                        mode == 0 ? g[0] : widened(g[0], N * OC));
       }
       // backward with the input as bits (dbias with the bias case)
-      const Vec dout = randn(sz(N * OC), rng), dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
+      const Vec dout = randn(sz(N * OC), rng), dw0 = randn(sz(OC * K), rng),
+                db0 = randn(sz(OC), rng);
       const Outputs rb = run(*bk, [&](Backend& k, Call& c) {
         float* dinp = c.out(Vec(sz(N * K), kNaN));
         float* dw = c.out(dw0);
         float* db = c.out(db0);
-        k.matmul_backward(dinp, dw, with_bias ? db : nullptr, c.in(dout), c.in(x), c.in(w), N, K, OC, bf16);
+        k.matmul_backward(dinp, dw, with_bias ? db : nullptr, c.in(dout), c.in(x), c.in(w), N, K,
+                          OC, bf16);
       });
       const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
         float* dinp = c.out(Vec(sz(N * K), kNaN));
         float* dw = c.out(dw0);
         float* db = c.out(db0);
-        k.matmul_backward_bf16_input(dinp, dw, with_bias ? db : nullptr, c.in(dout), c.in(x16), c.in(w), N, K, OC);
+        k.matmul_backward_bf16_input(dinp, dw, with_bias ? db : nullptr, c.in(dout), c.in(x16),
+                                     c.in(w), N, K, OC);
       });
       for (size_t i = 0; i < 3; ++i)
         expect_bitwise("matmul_backward_bf16_input " + std::to_string(i) + tag, rb[i], gb[i]);
     }
-    // GELU into a BF16 linear: forward with the activation kept as bits, backward with the input as bits
+    // GELU into a BF16 linear: forward with the activation kept as bits, backward with the input as
+    // bits
     {
       const int64_t N = 64, K = 96, OC = 32;
-      const Vec pre = randn(sz(N * K), rng, 2.0f), w = randn(sz(OC * K), rng, 0.3f), b = randn(sz(OC), rng);
+      const Vec pre = randn(sz(N * K), rng, 2.0f), w = randn(sz(OC * K), rng, 0.3f),
+                b = randn(sz(OC), rng);
       const Outputs r = run(*bk, [&](Backend& k, Call& c) {
         float* out = c.out(Vec(sz(N * OC), kNaN));
         float* act = c.out(Vec(sz(N * K), kNaN));
-        const ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, true, false, "act"};
+        const ActivationSource src{
+            ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, true, false, "act"};
         k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
       });
       const Outputs g = run(*bk, [&](Backend& k, Call& c) {
         float* out = c.out(Vec(sz(N * OC), kNaN));
-        ActivationSource src{ActivationOp::GeluForward, c.in(pre), nullptr, nullptr, N, K, true, false, "act"};
+        ActivationSource src{
+            ActivationOp::GeluForward, c.in(pre), nullptr, nullptr, N, K, true, false, "act"};
         src.out16 = bf16_out(c, N * K);
         k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
       });
       expect_bitwise("matmul_forward_activation out16: out " + bk->name(), r[0], g[0]);
-      expect_bitwise("matmul_forward_activation out16: act " + bk->name(), r[1], widened(g[1], N * K));
+      expect_bitwise("matmul_forward_activation out16: act " + bk->name(), r[1],
+                     widened(g[1], N * K));
       // the pre-activation as bits (its values BF16) and the matmul's output as bits
       const Vec pre_r = bf16_values_of(pre);
       const std::vector<uint16_t> pre16 = bf16_bits_of(pre);
       const Outputs r2 = run(*bk, [&](Backend& k, Call& c) {
         float* out = c.out(Vec(sz(N * OC), kNaN));
         float* act = c.out(Vec(sz(N * K), kNaN));
-        const ActivationSource src{ActivationOp::GeluForward, c.in(pre_r), nullptr, act, N, K, true, false, "act"};
+        const ActivationSource src{
+            ActivationOp::GeluForward, c.in(pre_r), nullptr, act, N, K, true, false, "act"};
         k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
       });
       const Outputs g2 = run(*bk, [&](Backend& k, Call& c) {
         uint16_t* out16 = bf16_out(c, N * OC);
-        ActivationSource src{ActivationOp::GeluForward, nullptr, nullptr, nullptr, N, K, true, false, "act"};
+        ActivationSource src{
+            ActivationOp::GeluForward, nullptr, nullptr, nullptr, N, K, true, false, "act"};
         src.inp16 = c.in(pre16);
         src.out16 = bf16_out(c, N * K);
         k.matmul_forward_activation(nullptr, out16, src, c.in(w), c.in(b), OC, bf16, true);
       });
-      expect_bitwise("matmul_forward_activation inp16 out16: out " + bk->name(), r2[0], widened(g2[0], N * OC));
-      expect_bitwise("matmul_forward_activation inp16 out16: act " + bk->name(), r2[1], widened(g2[1], N * K));
+      expect_bitwise("matmul_forward_activation inp16 out16: out " + bk->name(), r2[0],
+                     widened(g2[0], N * OC));
+      expect_bitwise("matmul_forward_activation inp16 out16: act " + bk->name(), r2[1],
+                     widened(g2[1], N * K));
       // the residual add reading b as bits
       const Vec ra = randn(sz(N * OC), rng);
       const Outputs rr = run(*bk, [&](Backend& k, Call& c) {
@@ -1629,15 +1784,17 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
         k.residual_forward_bf16(o, c.in(ra), c.in(b16), N * OC, true);
       });
       expect_bitwise("residual_forward_bf16 " + bk->name(), rr[0], gr[0]);
-      const Vec fc = randn(sz(N * OC), rng, 2.0f), dact = randn(sz(N * OC), rng), x = bf16_values_of(randn(sz(N * K), rng)),
-                dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
+      const Vec fc = randn(sz(N * OC), rng, 2.0f), dact = randn(sz(N * OC), rng),
+                x = bf16_values_of(randn(sz(N * K), rng)), dw0 = randn(sz(OC * K), rng),
+                db0 = randn(sz(OC), rng);
       const std::vector<uint16_t> x16 = bf16_bits_of(x);
       const Outputs rb = run(*bk, [&](Backend& k, Call& c) {
         float* dinp = c.out(Vec(sz(N * K), kNaN));
         float* dw = c.out(dw0);
         float* db = c.out(db0);
         float* dfc = c.out(Vec(sz(N * OC), kNaN));
-        const ActivationSource src{ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
+        const ActivationSource src{
+            ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
         k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
       });
       const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
@@ -1645,11 +1802,14 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
         float* dw = c.out(dw0);
         float* db = c.out(db0);
         float* dfc = c.out(Vec(sz(N * OC), kNaN));
-        const ActivationSource src{ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
+        const ActivationSource src{
+            ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
         k.matmul_backward_activation_bf16_input(dinp, dw, db, src, c.in(x16), c.in(w), K);
       });
       for (size_t i = 0; i < 3; ++i)
-        expect_bitwise("matmul_backward_activation_bf16_input " + std::to_string(i) + " " + bk->name(), rb[i], gb[i]);
+        expect_bitwise(
+            "matmul_backward_activation_bf16_input " + std::to_string(i) + " " + bk->name(), rb[i],
+            gb[i]);
       // GELU's input (fc) as bits too: the bits of the FP32 fc holding the same values
       const Vec fc_r = bf16_values_of(fc);
       const std::vector<uint16_t> fc16 = bf16_bits_of(fc);
@@ -1659,7 +1819,8 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
           float* dw = c.out(dw0);
           float* db = c.out(db0);
           float* dfc = c.out(Vec(sz(N * OC), kNaN));
-          const ActivationSource src{ActivationOp::GeluBackward, c.in(fc_r), c.in(dact), dfc, N, OC, true, true, "dfc"};
+          const ActivationSource src{
+              ActivationOp::GeluBackward, c.in(fc_r), c.in(dact), dfc, N, OC, true, true, "dfc"};
           k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
         });
         const Outputs gf = run(*bk, [&](Backend& k, Call& c) {
@@ -1667,13 +1828,17 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
           float* dw = c.out(dw0);
           float* db = c.out(db0);
           float* dfc = c.out(Vec(sz(N * OC), kNaN));
-          ActivationSource src{ActivationOp::GeluBackward, nullptr, c.in(dact), dfc, N, OC, true, true, "dfc"};
+          ActivationSource src{
+              ActivationOp::GeluBackward, nullptr, c.in(dact), dfc, N, OC, true, true, "dfc"};
           src.inp16 = c.in(fc16);
-          if (x_bits) k.matmul_backward_activation_bf16_input(dinp, dw, db, src, c.in(x16), c.in(w), K);
-          else k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
+          if (x_bits)
+            k.matmul_backward_activation_bf16_input(dinp, dw, db, src, c.in(x16), c.in(w), K);
+          else
+            k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
         });
         for (size_t i = 0; i < 3; ++i)
-          expect_bitwise("matmul_backward_activation src.inp16 " + std::to_string(i) + (x_bits ? " x16 " : " ") + bk->name(),
+          expect_bitwise("matmul_backward_activation src.inp16 " + std::to_string(i) +
+                             (x_bits ? " x16 " : " ") + bk->name(),
                          rf[i], gf[i]);
       }
     }
@@ -1693,18 +1858,20 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
           float* out = o16 ? nullptr : c.out(Vec(sz(B * T * C), kNaN));
           uint16_t* out16 = o16 ? bf16_out(c, B * T * C) : nullptr;
           float* lse = c.out(Vec(sz(B * NH * T), kNaN));
-          k.attention_forward_bf16(out, out16, lse, q16 ? nullptr : c.in(qkv), q16 ? c.in(qkv16) : nullptr, B, T, NH,
-                                   NKV, HD, true);
+          k.attention_forward_bf16(out, out16, lse, q16 ? nullptr : c.in(qkv),
+                                   q16 ? c.in(qkv16) : nullptr, B, T, NH, NKV, HD, true);
         });
         const std::string tag = " mode " + std::to_string(mode) + " " + bk->name();
-        expect_bitwise("attention_forward_bf16 out" + tag, r[0], o16 ? widened(g[0], B * T * C) : g[0]);
+        expect_bitwise("attention_forward_bf16 out" + tag, r[0],
+                       o16 ? widened(g[0], B * T * C) : g[0]);
         expect_bitwise("attention_forward_bf16 lse" + tag, r[1], g[1]);
       }
       const Vec dout = randn(sz(B * T * C), rng);
       const std::vector<uint16_t> out16 = bf16_bits_of(r[0]);
       const Outputs rb = run(*bk, [&](Backend& k, Call& c) {
         float* dqkv = c.out(Vec(sz(B * T * W), kNaN));
-        k.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(r[0]), c.in(r[1]), B, T, NH, NKV, HD, bf16, true);
+        k.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(r[0]), c.in(r[1]), B, T, NH, NKV, HD,
+                             bf16, true);
       });
       for (int mode = 0; mode < 3; ++mode) {
         const bool q16 = mode != 1, o16 = mode != 0;
@@ -1716,12 +1883,13 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
           const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
             float* dqkv = g16 ? nullptr : c.out(Vec(sz(B * T * W), kNaN));
             uint16_t* dqkv16 = g16 ? bf16_out(c, B * T * W) : nullptr;
-            k.attention_backward_bf16(dqkv, dqkv16, d16 ? nullptr : c.in(dout), d16 ? c.in(dout16) : nullptr,
-                                      q16 ? nullptr : c.in(qkv), q16 ? c.in(qkv16) : nullptr, o16 ? nullptr : c.in(r[0]),
-                                      o16 ? c.in(out16) : nullptr, c.in(r[1]), B, T, NH, NKV, HD, true);
+            k.attention_backward_bf16(
+                dqkv, dqkv16, d16 ? nullptr : c.in(dout), d16 ? c.in(dout16) : nullptr,
+                q16 ? nullptr : c.in(qkv), q16 ? c.in(qkv16) : nullptr, o16 ? nullptr : c.in(r[0]),
+                o16 ? c.in(out16) : nullptr, c.in(r[1]), B, T, NH, NKV, HD, true);
           });
-          expect_bitwise("attention_backward_bf16 dqkv mode " + std::to_string(mode) + (d16 ? " dout16" : "") +
-                             (g16 ? " dqkv16 " : " ") + bk->name(),
+          expect_bitwise("attention_backward_bf16 dqkv mode " + std::to_string(mode) +
+                             (d16 ? " dout16" : "") + (g16 ? " dqkv16 " : " ") + bk->name(),
                          rb[0], g16 ? widened(gb[0], B * T * W) : gb[0]);
         }
       }
@@ -1729,9 +1897,10 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
     // the norms' backward passes reading dout as bits
     {
       const int64_t N = 37, C = 96;
-      const Vec x = randn(sz(N * C), rng, 2.0f, 0.5f), w = randn(sz(C), rng), dout = randn(sz(N * C), rng),
-                dx0 = randn(sz(N * C), rng), dw0 = randn(sz(C), rng), db0 = randn(sz(C), rng),
-                mean = randn(sz(N), rng, 0.1f), rstd = randn(sz(N), rng, 0.1f, 1.0f);
+      const Vec x = randn(sz(N * C), rng, 2.0f, 0.5f), w = randn(sz(C), rng),
+                dout = randn(sz(N * C), rng), dx0 = randn(sz(N * C), rng), dw0 = randn(sz(C), rng),
+                db0 = randn(sz(C), rng), mean = randn(sz(N), rng, 0.1f),
+                rstd = randn(sz(N), rng, 0.1f, 1.0f);
       const std::vector<uint16_t> dout16 = bf16_bits_of(dout);
       for (bool layernorm : {true, false}) {
         const Outputs r = run(*bk, [&](Backend& k, Call& c) {
@@ -1739,7 +1908,8 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
           float* dw = c.out(dw0);
           float* db = c.out(db0);
           if (layernorm)
-            k.layernorm_backward(dx, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, true, true);
+            k.layernorm_backward(dx, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd),
+                                 N, C, true, true);
           else
             k.rmsnorm_backward(dx, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, true, true);
         });
@@ -1748,13 +1918,14 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
           float* dw = c.out(dw0);
           float* db = c.out(db0);
           if (layernorm)
-            k.layernorm_backward_bits(dx, dw, db, c.in(dout16), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, true);
+            k.layernorm_backward_bits(dx, dw, db, c.in(dout16), c.in(x), c.in(w), c.in(mean),
+                                      c.in(rstd), N, C, true);
           else
             k.rmsnorm_backward_bits(dx, dw, c.in(dout16), c.in(x), c.in(w), c.in(rstd), N, C, true);
         });
         for (size_t i = 0; i < 3; ++i)
-          expect_bitwise(std::string(layernorm ? "layernorm" : "rmsnorm") + "_backward_bits " + std::to_string(i) + " " +
-                             bk->name(),
+          expect_bitwise(std::string(layernorm ? "layernorm" : "rmsnorm") + "_backward_bits " +
+                             std::to_string(i) + " " + bk->name(),
                          r[i], g[i]);
       }
     }
@@ -1762,10 +1933,12 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
     // with inp16 / dout16, dout as BF16 bits, against matmul_backward(_activation) on the values
     {
       const int64_t N = 64, K = 96, OC = 32;
-      const Vec w = randn(sz(OC * K), rng, 0.3f), x = bf16_values_of(randn(sz(N * K), rng)), dout = randn(sz(N * OC), rng),
-                fc = bf16_values_of(randn(sz(N * OC), rng, 2.0f)), dact = bf16_values_of(randn(sz(N * OC), rng)),
-                dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
-      const std::vector<uint16_t> x16 = bf16_bits_of(x), fc16 = bf16_bits_of(fc), dact16 = bf16_bits_of(dact);
+      const Vec w = randn(sz(OC * K), rng, 0.3f), x = bf16_values_of(randn(sz(N * K), rng)),
+                dout = randn(sz(N * OC), rng), fc = bf16_values_of(randn(sz(N * OC), rng, 2.0f)),
+                dact = bf16_values_of(randn(sz(N * OC), rng)), dw0 = randn(sz(OC * K), rng),
+                db0 = randn(sz(OC), rng);
+      const std::vector<uint16_t> x16 = bf16_bits_of(x), fc16 = bf16_bits_of(fc),
+                                  dact16 = bf16_bits_of(dact);
       const Vec dout_r = bf16_values_of(dout);
       const std::vector<uint16_t> dout16 = bf16_bits_of(dout);
       // dout / GELU (FP32) / GELU (inp16) / GELU (inp16 + dout16) / dout16 (BF16 values)
@@ -1777,10 +1950,12 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
           float* db = c.out(db0);
           if (gelu) {
             float* dfc = c.out(Vec(sz(N * OC), kNaN));
-            const ActivationSource src{ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
+            const ActivationSource src{
+                ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
             k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
           } else {
-            k.matmul_backward(dinp, dw, db, c.in(bits ? dout_r : dout), c.in(x), c.in(w), N, K, OC, bf16);
+            k.matmul_backward(dinp, dw, db, c.in(bits ? dout_r : dout), c.in(x), c.in(w), N, K, OC,
+                              bf16);
           }
         });
         for (bool x_bits : {false, true}) {
@@ -1788,16 +1963,26 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
             uint16_t* dinp16 = bf16_out(c, N * K);
             float* dw = c.out(dw0);
             float* db = c.out(db0);
-            ActivationSource src{ActivationOp::GeluBackward, mode >= 2 ? nullptr : c.in(fc),
-                                 mode == 3 ? nullptr : c.in(dact), c.out(Vec(sz(N * OC), kNaN)), N, OC, true, true, "dfc"};
+            ActivationSource src{ActivationOp::GeluBackward,
+                                 mode >= 2 ? nullptr : c.in(fc),
+                                 mode == 3 ? nullptr : c.in(dact),
+                                 c.out(Vec(sz(N * OC), kNaN)),
+                                 N,
+                                 OC,
+                                 true,
+                                 true,
+                                 "dfc"};
             if (mode == 2 || mode == 3) src.inp16 = c.in(fc16);
             if (mode == 3) src.dout16 = c.in(dact16);
             k.matmul_backward_bits(nullptr, dinp16, dw, db, gelu || bits ? nullptr : c.in(dout),
                                    bits ? c.in(dout16) : nullptr, gelu ? &src : nullptr,
-                                   x_bits ? nullptr : c.in(x), x_bits ? c.in(x16) : nullptr, c.in(w), N, K, OC);
+                                   x_bits ? nullptr : c.in(x), x_bits ? c.in(x16) : nullptr,
+                                   c.in(w), N, K, OC);
           });
-          const std::string tag = " mode " + std::to_string(mode) + (x_bits ? " x16 " : " ") + bk->name();
-          expect_bitwise("matmul_backward_bits dinp16" + tag, bf16_values_of(r[0]), widened(g[0], N * K));
+          const std::string tag =
+              " mode " + std::to_string(mode) + (x_bits ? " x16 " : " ") + bk->name();
+          expect_bitwise("matmul_backward_bits dinp16" + tag, bf16_values_of(r[0]),
+                         widened(g[0], N * K));
           expect_bitwise("matmul_backward_bits dweight" + tag, r[1], g[1]);
           expect_bitwise("matmul_backward_bits dbias" + tag, r[2], g[2]);
         }
@@ -1806,37 +1991,50 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
     // the cross-entropy reading the logits as bits (cached row and not, on CUDA)
     for (int64_t V : {int64_t{300}, int64_t{50304}}) {
       const int64_t N = V > 5000 ? 3 : 9;
-      const Vec logits = bf16_values_of(randn(sz(N * V), rng, 3.0f)), dlosses = randn(sz(N), rng, 0.1f);
+      const Vec logits = bf16_values_of(randn(sz(N * V), rng, 3.0f)),
+                dlosses = randn(sz(N), rng, 0.1f);
       const std::vector<uint16_t> logits16 = bf16_bits_of(logits);
       const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
       const Outputs r = run(*bk, [&](Backend& k, Call& c) {
         float* losses = c.out(Vec(sz(N), kNaN));
         uint16_t* d = bf16_out(c, N * V);
-        k.crossentropy_softmax_forward_backward_bf16(losses, d, c.in(logits), c.in(targets), c.in(dlosses), N, V);
+        k.crossentropy_softmax_forward_backward_bf16(losses, d, c.in(logits), c.in(targets),
+                                                     c.in(dlosses), N, V);
       });
       for (bool cached : {true, false}) {
-        KnobGuard ce([&] { if (cuda) gpu::set_crossentropy_cached(cached); }, [&] { if (cuda) gpu::set_crossentropy_cached(true); });
+        KnobGuard ce(
+            [&] {
+              if (cuda) gpu::set_crossentropy_cached(cached);
+            },
+            [&] {
+              if (cuda) gpu::set_crossentropy_cached(true);
+            });
         const Outputs g = run(*bk, [&](Backend& k, Call& c) {
           float* losses = c.out(Vec(sz(N), kNaN));
           uint16_t* d = bf16_out(c, N * V);
-          k.crossentropy_softmax_forward_backward_bits(losses, d, c.in(logits16), c.in(targets), c.in(dlosses), N, V);
+          k.crossentropy_softmax_forward_backward_bits(losses, d, c.in(logits16), c.in(targets),
+                                                       c.in(dlosses), N, V);
         });
-        const std::string tag = " V=" + std::to_string(V) + (cached ? " " : " uncached ") + bk->name();
+        const std::string tag =
+            " V=" + std::to_string(V) + (cached ? " " : " uncached ") + bk->name();
         expect_bitwise("crossentropy bits losses" + tag, r[0], g[0]);
-        expect_bitwise("crossentropy bits dlogits" + tag, widened(r[1], N * V), widened(g[1], N * V));
+        expect_bitwise("crossentropy bits dlogits" + tag, widened(r[1], N * V),
+                       widened(g[1], N * V));
       }
     }
     // both pointers of a pair, or neither: a logic error naming the op
-    EXPECT_THROW(bk->matmul_forward_bf16(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, 1, true),
+    EXPECT_THROW(bk->matmul_forward_bf16(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1,
+                                         1, true),
                  std::logic_error);
   }
 }
 
 // cuBLASLt's BF16-output epilogue with the bias (matmul_forward_bf16, out16, knob on): the bits of
-// RNE(fl32(acc + bf16(bias))) computed here (the bias added as its BF16 rounding: Backend::matmul_forward), where every accumulation order gives the same exact acc
-// (small integers): so the epilogue's addition and rounding are what is tested, ties included
-// (bias values that put acc + bias on an odd integer above 256, halfway between BF16 values). On
-// the training shapes of gpt2-124m's c_attn (N 4096 of its 16384 rows) and small odd ones.
+// RNE(fl32(acc + bf16(bias))) computed here (the bias added as its BF16 rounding:
+// Backend::matmul_forward), where every accumulation order gives the same exact acc (small
+// integers): so the epilogue's addition and rounding are what is tested, ties included (bias values
+// that put acc + bias on an odd integer above 256, halfway between BF16 values). On the training
+// shapes of gpt2-124m's c_attn (N 4096 of its 16384 rows) and small odd ones.
 TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
   REQUIRE_GPU();
   auto be = make_backend("cuda");
@@ -1854,18 +2052,23 @@ TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
     for (float& v : x) v = static_cast<float>(small(rng));
     for (float& v : w) v = static_cast<float>(small(rng));
     for (size_t j = 0; j < b.size(); ++j)  // ties (odd integers near 300), large, fractional
-      b[j] = j % 3 == 0 ? 301.0f + 2.0f * static_cast<float>(j % 7) : j % 3 == 1 ? 1e5f * randn(1, rng)[0] : randn(1, rng)[0];
+      b[j] = j % 3 == 0   ? 301.0f + 2.0f * static_cast<float>(j % 7)
+             : j % 3 == 1 ? 1e5f * randn(1, rng)[0]
+                          : randn(1, rng)[0];
     const std::vector<uint16_t> x16 = bf16_bits_of(x);
     for (bool with_bias : {true, false}) {
       const auto before = gpu::matmul_bf16_epilogue_count();
       const Outputs g = run(*be, [&](Backend& k, Call& c) {
         uint16_t* o16 = bf16_out(c, N * OC);
-        k.matmul_forward_bf16(nullptr, o16, nullptr, c.in(x16), c.in(w), with_bias ? c.in(b) : nullptr, N, K, OC, true);
+        k.matmul_forward_bf16(nullptr, o16, nullptr, c.in(x16), c.in(w),
+                              with_bias ? c.in(b) : nullptr, N, K, OC, true);
       });
       const auto after = gpu::matmul_bf16_epilogue_count();
-      std::printf("[layers-gpu] %lldx%lldx%lld%s: %s (last refusal: %s)\n", static_cast<long long>(N),
-                  static_cast<long long>(K), static_cast<long long>(OC), with_bias ? " bias" : "",
-                  after > before ? "cuBLASLt wrote BF16 (epilogue)" : "separate passes (no epilogue algorithm listed)",
+      std::printf("[layers-gpu] %lldx%lldx%lld%s: %s (last refusal: %s)\n",
+                  static_cast<long long>(N), static_cast<long long>(K), static_cast<long long>(OC),
+                  with_bias ? " bias" : "",
+                  after > before ? "cuBLASLt wrote BF16 (epilogue)"
+                                 : "separate passes (no epilogue algorithm listed)",
                   gpu::last_matmul_epilogue_refusal().c_str());
       const int64_t step = N > 1024 ? 61 : 1;
       Vec ref, got;
@@ -1875,12 +2078,13 @@ TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
           int64_t acc = 0;  // exact
           for (int64_t k = 0; k < K; ++k)
             acc += static_cast<int64_t>(x[sz(n * K + k)]) * static_cast<int64_t>(w[sz(o * K + k)]);
-          const float sum = with_bias ? static_cast<float>(acc) + bf16_round(b[sz(o)]) : static_cast<float>(acc);
+          const float sum =
+              with_bias ? static_cast<float>(acc) + bf16_round(b[sz(o)]) : static_cast<float>(acc);
           ref.push_back(bf16_round(sum));
           got.push_back(all[sz(n * OC + o)]);
         }
-      expect_bitwise("matmul_forward_bf16 epilogue " + std::to_string(N) + "x" + std::to_string(K) + "x" +
-                         std::to_string(OC) + (with_bias ? " bias" : ""),
+      expect_bitwise("matmul_forward_bf16 epilogue " + std::to_string(N) + "x" + std::to_string(K) +
+                         "x" + std::to_string(OC) + (with_bias ? " bias" : ""),
                      ref, got);
     }
   }
@@ -1898,7 +2102,8 @@ TEST(LayersGpu, AdamWBitwiseEqualsEmulator) {
   Vec v0 = randn(sz(n), rng, 1e-4f);
   for (auto& v : v0) v = std::fabs(v);
   for (int64_t t : {1, 2, 1000}) {
-    const AdamWStep step = make_adamw_step(3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, t, t == 2 ? 0.7f : 1.0f);
+    const AdamWStep step =
+        make_adamw_step(3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, t, t == 2 ? 0.7f : 1.0f);
     const Op op = [&](Backend& bk, Call& c) {
       float* p = c.out(p0);
       float* m = c.out(m0);
@@ -1920,7 +2125,8 @@ TEST(LayersGpu, AdamWManyBf16WritesTheNarrowedParameters) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(929);
-  const std::vector<int64_t> offsets{0, 5, 4101, 4101, 20000, 20771}, counts{5, 4096, 0, 15899, 771, 3};
+  const std::vector<int64_t> offsets{0, 5, 4101, 4101, 20000, 20771},
+      counts{5, 4096, 0, 15899, 771, 3};
   const int64_t n = 20774;
   const Vec p0 = randn(sz(n), rng), grads = randn(sz(n), rng, 0.01f), m0 = randn(sz(n), rng, 0.01f);
   Vec v0 = randn(sz(n), rng, 1e-4f);
@@ -1936,7 +2142,8 @@ TEST(LayersGpu, AdamWManyBf16WritesTheNarrowedParameters) {
       float* v = c.out(v0);
       uint16_t* p16 = bf16_out(c, n);
       bk.adamw_update_many(p, c.in(grads), m, v, offsets, counts, steps);
-      for (size_t i = 0; i < offsets.size(); ++i) bk.narrow_to_bf16(p16 + offsets[i], p + offsets[i], counts[i]);
+      for (size_t i = 0; i < offsets.size(); ++i)
+        bk.narrow_to_bf16(p16 + offsets[i], p + offsets[i], counts[i]);
     });
     const Outputs one = run(*be.cuda, [&](Backend& bk, Call& c) {
       float* p = c.out(p0);
@@ -1947,7 +2154,8 @@ TEST(LayersGpu, AdamWManyBf16WritesTheNarrowedParameters) {
     });
     const std::string tag = six ? " six steps" : " two steps";
     const char* names[] = {"params", "m", "v", "params16"};
-    for (size_t i = 0; i < 4; ++i) expect_bitwise(std::string("adamw_update_many_bf16 ") + names[i] + tag, two[i], one[i]);
+    for (size_t i = 0; i < 4; ++i)
+      expect_bitwise(std::string("adamw_update_many_bf16 ") + names[i] + tag, two[i], one[i]);
   }
 }
 
@@ -1959,15 +2167,18 @@ TEST(LayersGpu, AdamWManyEqualsPerTensorUpdates) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(919);
-  const std::vector<int64_t> offsets{0, 5, 4101, 4101, 20000, 20771}, counts{5, 4096, 0, 15899, 771, 3};
+  const std::vector<int64_t> offsets{0, 5, 4101, 4101, 20000, 20771},
+      counts{5, 4096, 0, 15899, 771, 3};
   const int64_t n = 20774;
-  const Vec p0 = randn(sz(n), rng), grads = with_specials(randn(sz(n) - 16, rng, 0.01f)), m0 = randn(sz(n), rng, 0.01f);
+  const Vec p0 = randn(sz(n), rng), grads = with_specials(randn(sz(n) - 16, rng, 0.01f)),
+            m0 = randn(sz(n), rng, 0.01f);
   Vec v0 = randn(sz(n), rng, 1e-4f);
   for (auto& v : v0) v = std::fabs(v);
   for (int variant = 0; variant < 3; ++variant) {
     std::vector<AdamWStep> steps;
     for (size_t i = 0; i < offsets.size(); ++i) {
-      const int64_t t = variant == 1 ? static_cast<int64_t>(i) + 1 : variant + 1;  // variant 1: six distinct steps
+      const int64_t t = variant == 1 ? static_cast<int64_t>(i) + 1
+                                     : variant + 1;  // variant 1: six distinct steps
       steps.push_back(make_adamw_step(3e-4f, 0.9f, 0.95f, 1e-8f, i % 2 ? 0.0f : 0.1f, t, 0.8f));
     }
     const Outputs e = run(*be.emu, [&](Backend& bk, Call& c) {
@@ -1976,7 +2187,8 @@ TEST(LayersGpu, AdamWManyEqualsPerTensorUpdates) {
       float* v = c.out(v0);
       const float* gr = c.in(grads);
       for (size_t i = 0; i < offsets.size(); ++i)
-        bk.adamw_update(p + offsets[i], gr + offsets[i], m + offsets[i], v + offsets[i], counts[i], steps[i]);
+        bk.adamw_update(p + offsets[i], gr + offsets[i], m + offsets[i], v + offsets[i], counts[i],
+                        steps[i]);
     });
     const Outputs g = run(*be.cuda, [&](Backend& bk, Call& c) {
       float* p = c.out(p0);
@@ -1990,8 +2202,10 @@ TEST(LayersGpu, AdamWManyEqualsPerTensorUpdates) {
     expect_bitwise("adamw_update_many v" + tag, e[2], g[2]);
   }
   const std::vector<AdamWStep> one(1);
-  EXPECT_THROW(be.cuda->adamw_update_many(nullptr, nullptr, nullptr, nullptr, {0, 1}, {1, 1}, one), std::invalid_argument);
-  EXPECT_THROW(be.emu->adamw_update_many(nullptr, nullptr, nullptr, nullptr, {-1}, {1}, one), std::invalid_argument);
+  EXPECT_THROW(be.cuda->adamw_update_many(nullptr, nullptr, nullptr, nullptr, {0, 1}, {1, 1}, one),
+               std::invalid_argument);
+  EXPECT_THROW(be.emu->adamw_update_many(nullptr, nullptr, nullptr, nullptr, {-1}, {1}, one),
+               std::invalid_argument);
 }
 
 double sum_squares_on(Backend& bk, const Vec& x) {
@@ -2028,16 +2242,18 @@ double gpu_tree_sum_squares(const float* x, int64_t n) {
   auto butterfly = [](Lanes v) {  // 32 lanes -> their common sum
     for (int off = 16; off > 0; off >>= 1) {
       Lanes w{};
-      for (int l = 0; l < 32; ++l) w[static_cast<size_t>(l)] = v[static_cast<size_t>(l)] + v[static_cast<size_t>(l ^ off)];
+      for (int l = 0; l < 32; ++l)
+        w[static_cast<size_t>(l)] = v[static_cast<size_t>(l)] + v[static_cast<size_t>(l ^ off)];
       v = w;
     }
     return v[0];
   };
   auto block_sum = [&](const std::vector<double>& t) {  // 256 thread values
-    Lanes warps{};  // +0 where a block has fewer than 32 warps
+    Lanes warps{};                                      // +0 where a block has fewer than 32 warps
     for (int w = 0; w < kThreadsPerBlock / 32; ++w) {
       Lanes lanes{};
-      for (int l = 0; l < 32; ++l) lanes[static_cast<size_t>(l)] = t[static_cast<size_t>(32 * w + l)];
+      for (int l = 0; l < 32; ++l)
+        lanes[static_cast<size_t>(l)] = t[static_cast<size_t>(32 * w + l)];
       warps[static_cast<size_t>(w)] = butterfly(lanes);
     }
     return butterfly(warps);
@@ -2055,7 +2271,8 @@ double gpu_tree_sum_squares(const float* x, int64_t n) {
   }
   std::vector<double> t(kThreadsPerBlock, 0.0);
   for (int i = 0; i < kThreadsPerBlock; ++i)
-    for (int j = i; j < kBlocks; j += kThreadsPerBlock) t[static_cast<size_t>(i)] += partial[static_cast<size_t>(j)];
+    for (int j = i; j < kBlocks; j += kThreadsPerBlock)
+      t[static_cast<size_t>(i)] += partial[static_cast<size_t>(j)];
   return block_sum(t);
 }
 
@@ -2082,11 +2299,13 @@ TEST(LayersGpu, SumSquaresManyEqualsOneByOne) {
     for (size_t i = 0; i < counts.size(); ++i) {
       const double one = bk->sum_squares(b.as<float>() + offsets[i], counts[i]);
       EXPECT_EQ(std::memcmp(&one, &many[i], sizeof(double)), 0)
-          << bk->name() << " tensor " << i << " (" << counts[i] << "): " << one << " vs " << many[i];
+          << bk->name() << " tensor " << i << " (" << counts[i] << "): " << one << " vs "
+          << many[i];
       if (bk == be.cuda.get()) {
         const double tree = gpu_tree_sum_squares(x.data() + offsets[i], counts[i]);
         EXPECT_EQ(std::memcmp(&tree, &many[i], sizeof(double)), 0)
-            << "tensor " << i << " (" << counts[i] << "): host model of the tree " << tree << " vs cuda " << many[i];
+            << "tensor " << i << " (" << counts[i] << "): host model of the tree " << tree
+            << " vs cuda " << many[i];
       }
     }
   }
@@ -2102,28 +2321,35 @@ TEST(LayersGpu, BiasForwardAndBackwardBitwise) {
   Backends be;
   std::mt19937 rng(1212);
   // (16448 and 20000 rows: 257 and 313 64-row chunks, past the finalize pass's 256-chunk tile)
-  for (const auto& [N, OC] : {std::pair<int64_t, int64_t>{1, 5}, {37, 96}, {5000, 3072}, {4099, 45}, {16448, 33},
+  for (const auto& [N, OC] : {std::pair<int64_t, int64_t>{1, 5},
+                              {37, 96},
+                              {5000, 3072},
+                              {4099, 45},
+                              {16448, 33},
                               {20000, 70}}) {
-    const Vec y = randn(sz(N * OC), rng), b = randn(sz(OC + 1), rng), dy = randn(sz(N * OC), rng), db = randn(sz(OC), rng);
+    const Vec y = randn(sz(N * OC), rng), b = randn(sz(OC + 1), rng), dy = randn(sz(N * OC), rng),
+              db = randn(sz(OC), rng);
     Vec y1(y.size() + 1, 0.5f);  // y after one leading element: an output off 16-byte alignment
     std::copy(y.begin(), y.end(), y1.begin() + 1);
     for (int shift : {0, 1, 2}) {  // 1: the bias pointer shifted, 2: the output pointer shifted
       for (bool rb : {false, true}) {
         const Op fwd = [&](Backend& bk, Call& c) {
-          bk.bias_forward(shift == 2 ? c.out(y1) + 1 : c.out(y), c.in(b) + (shift == 1 ? 1 : 0), N, OC, rb);
+          bk.bias_forward(shift == 2 ? c.out(y1) + 1 : c.out(y), c.in(b) + (shift == 1 ? 1 : 0), N,
+                          OC, rb);
         };
-        expect_bitwise("bias_forward N=" + std::to_string(N) + " OC=" + std::to_string(OC) + " shift " +
-                           std::to_string(shift) + (rb ? " bf16" : ""),
+        expect_bitwise("bias_forward N=" + std::to_string(N) + " OC=" + std::to_string(OC) +
+                           " shift " + std::to_string(shift) + (rb ? " bf16" : ""),
                        run(*be.emu, fwd)[0], run(*be.cuda, fwd)[0]);
       }
     }
     const Op bwd = [&](Backend& bk, Call& c) { bk.bias_backward(c.out(db), c.in(dy), N, OC); };
-    expect_bitwise("bias_backward N=" + std::to_string(N) + " OC=" + std::to_string(OC), run(*be.emu, bwd)[0],
-                   run(*be.cuda, bwd)[0]);
+    expect_bitwise("bias_backward N=" + std::to_string(N) + " OC=" + std::to_string(OC),
+                   run(*be.emu, bwd)[0], run(*be.cuda, bwd)[0]);
   }
 }
 
-// ---- determinism ----------------------------------------------------------------------------------
+// ---- determinism
+// ----------------------------------------------------------------------------------
 
 // Every op with a reduction or a scatter, twice on the GPU from the same inputs: the same bits
 // (save/resume must reproduce a run exactly).
@@ -2134,7 +2360,8 @@ TEST(LayersGpu, ReductionsAreDeterministic) {
   std::mt19937 rng(1111);
   auto twice = [&](const std::string& what, const Op& op) {
     const Outputs a = run(g, op), b = run(g, op);
-    for (size_t i = 0; i < a.size(); ++i) expect_bitwise(what + " output " + std::to_string(i), a[i], b[i]);
+    for (size_t i = 0; i < a.size(); ++i)
+      expect_bitwise(what + " output " + std::to_string(i), a[i], b[i]);
   };
   const int64_t N = 200, C = 300;
   const Vec x = randn(sz(N * C), rng), w = randn(sz(C), rng), bias = randn(sz(C), rng),
@@ -2151,7 +2378,8 @@ TEST(LayersGpu, ReductionsAreDeterministic) {
     float* dinp = c.out(x);
     float* dw = c.out(dC);
     float* db = c.out(bias);
-    bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, false, false);
+    bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C,
+                          false, false);
   });
   twice("rmsnorm_backward", [&](Backend& bk, Call& c) {
     float* dinp = c.out(x);

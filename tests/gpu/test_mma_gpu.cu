@@ -47,7 +47,8 @@ struct RhtCase {
   uint16_t x[16];
 };
 
-// Per chunk: rht16_packed's 8 words and its max |x|, rht16_abs_max's max |y| and max |x| (11 words).
+// Per chunk: rht16_packed's 8 words and its max |x|, rht16_abs_max's max |y| and max |x| (11
+// words).
 __global__ void rht_kernel(const RhtCase* cases, uint32_t* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -66,24 +67,30 @@ __global__ void rht_kernel(const RhtCase* cases, uint32_t* out, int n) {
 float random_c(std::mt19937_64& rng) {
   const uint32_t r = static_cast<uint32_t>(rng());
   switch (r % 8) {
-    case 0: return 0.0f;
-    case 1: return f32_from_bits(static_cast<uint32_t>(rng()));  // any bit pattern, Inf/NaN too
-    default: return std::ldexp(std::normal_distribution<float>()(rng), static_cast<int>(r % 60) - 30);
+    case 0:
+      return 0.0f;
+    case 1:
+      return f32_from_bits(static_cast<uint32_t>(rng()));  // any bit pattern, Inf/NaN too
+    default:
+      return std::ldexp(std::normal_distribution<float>()(rng), static_cast<int>(r % 60) - 30);
   }
 }
 
 template <class Case, class Kernel>
-std::vector<uint32_t> run_on_device(const std::vector<Case>& cases, int outs_per_case, Kernel kernel) {
+std::vector<uint32_t> run_on_device(const std::vector<Case>& cases, int outs_per_case,
+                                    Kernel kernel) {
   Case* dc = nullptr;
   uint32_t* dout = nullptr;
   FP4SIM_CUDA_CHECK(cudaMalloc(&dc, cases.size() * sizeof(Case)));
   FP4SIM_CUDA_CHECK(cudaMalloc(&dout, cases.size() * outs_per_case * sizeof(uint32_t)));
-  FP4SIM_CUDA_CHECK(cudaMemcpy(dc, cases.data(), cases.size() * sizeof(Case), cudaMemcpyHostToDevice));
+  FP4SIM_CUDA_CHECK(
+      cudaMemcpy(dc, cases.data(), cases.size() * sizeof(Case), cudaMemcpyHostToDevice));
   const int n = static_cast<int>(cases.size());
   kernel<<<(n + 127) / 128, 128>>>(dc, dout, n);
   FP4SIM_CUDA_CHECK_LAUNCH();
   std::vector<uint32_t> out(cases.size() * outs_per_case);
-  FP4SIM_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  FP4SIM_CUDA_CHECK(
+      cudaMemcpy(out.data(), dout, out.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost));
   cudaFree(dc);
   cudaFree(dout);
   return out;
@@ -115,9 +122,11 @@ TEST(MmaGpu, Gst_RandomBitPatterns_MatchHost) {
   int bad = 0;
   for (size_t i = 0; i < cases.size(); ++i) {
     const GstCase& k = cases[i];
-    const uint32_t host = gst_fdpa_fp4_bits(k.a, k.b, k.sfa, k.sfb, static_cast<ScaleKind>(k.kind), k.c);
+    const uint32_t host =
+        gst_fdpa_fp4_bits(k.a, k.b, k.sfa, k.sfb, static_cast<ScaleKind>(k.kind), k.c);
     if (host != dev[i] && ++bad <= 5)
-      ADD_FAILURE() << "case " << i << " kind " << int(k.kind) << ": host 0x" << std::hex << host << " device 0x" << dev[i];
+      ADD_FAILURE() << "case " << i << " kind " << int(k.kind) << ": host 0x" << std::hex << host
+                    << " device 0x" << dev[i];
   }
   std::printf("[mma-gpu] GST-FDPA: %zu random cases, %d differ\n", cases.size(), bad);
   EXPECT_EQ(bad, 0);
@@ -147,10 +156,11 @@ TEST(MmaGpu, Fp8Tfdpa_RandomBitPatterns_MatchHost) {
     const uint32_t h0 = f32_bits(tfdpa_fp8_hopper(k.a, k.b, k.c, fa, fb));
     const uint32_t h1 = f32_bits(tfdpa_fp8_blackwell(k.a, k.b, k.c, fa, fb));
     if ((h0 != dev[2 * i] || h1 != dev[2 * i + 1]) && ++bad <= 5)
-      ADD_FAILURE() << "case " << i << ": host 0x" << std::hex << h0 << "/0x" << h1 << " device 0x" << dev[2 * i]
-                    << "/0x" << dev[2 * i + 1];
+      ADD_FAILURE() << "case " << i << ": host 0x" << std::hex << h0 << "/0x" << h1 << " device 0x"
+                    << dev[2 * i] << "/0x" << dev[2 * i + 1];
   }
-  std::printf("[mma-gpu] FP8 T-FDPA: %zu random cases x 2 instructions, %d differ\n", cases.size(), bad);
+  std::printf("[mma-gpu] FP8 T-FDPA: %zu random cases x 2 instructions, %d differ\n", cases.size(),
+              bad);
   EXPECT_EQ(bad, 0);
 }
 
@@ -165,19 +175,24 @@ TEST(MmaGpu, Rht16_RandomChunks_MatchHost) {
   for (size_t c = 0; c < cases.size(); ++c) {
     RhtCase& k = cases[c];
     const int kind = static_cast<int>(c % 8);
-    const int center = kind == 0 ? 0 : kind == 1 ? -110 : kind == 2 ? 118 : static_cast<int>(rng() % 240) - 120;
+    const int center = kind == 0   ? 0
+                       : kind == 1 ? -110
+                       : kind == 2 ? 118
+                                   : static_cast<int>(rng() % 240) - 120;
     const int spread = kind == 3 ? 40 : kind == 4 ? 1 : 8;
     for (int i = 0; i < 16; ++i) {
-      const float v = std::ldexp(nd(rng), center + static_cast<int>(rng() % (2 * spread + 1)) - spread);
+      const float v =
+          std::ldexp(nd(rng), center + static_cast<int>(rng() % (2 * spread + 1)) - spread);
       k.x[i] = bf16_rne(v);
       const uint32_t r = static_cast<uint32_t>(rng() % 1000);
-      if (r == 0) k.x[i] = 0x7FC0;                                       // NaN
+      if (r == 0) k.x[i] = 0x7FC0;                                              // NaN
       if (r == 1) k.x[i] = static_cast<uint16_t>(rng() & 1 ? 0x7F80 : 0xFF80);  // Inf
-      if (r == 2) k.x[i] = static_cast<uint16_t>(rng() & 0x807F);        // subnormal or zero
-      if (r == 3) k.x[i] = static_cast<uint16_t>(rng());                 // any pattern
+      if (r == 2) k.x[i] = static_cast<uint16_t>(rng() & 0x807F);               // subnormal or zero
+      if (r == 3) k.x[i] = static_cast<uint16_t>(rng());                        // any pattern
     }
     if (kind == 5 && rng() % 4 == 0)
-      for (int i = 0; i < 16; ++i) k.x[i] = static_cast<uint16_t>(rng() & 1 ? 0x8000 : 0);  // all zeros
+      for (int i = 0; i < 16; ++i)
+        k.x[i] = static_cast<uint16_t>(rng() & 1 ? 0x8000 : 0);  // all zeros
   }
   const std::vector<uint32_t> dev = run_on_device(cases, 11, rht_kernel);
   int bad = 0;
@@ -193,8 +208,8 @@ TEST(MmaGpu, Rht16_RandomChunks_MatchHost) {
     host[10] = f32_bits(in_abs);
     for (int k = 0; k < 11; ++k) {
       if (host[k] != dev[11 * c + k] && ++bad <= 5)
-        ADD_FAILURE() << "chunk " << c << " word " << k << ": host 0x" << std::hex << host[k] << " device 0x"
-                      << dev[11 * c + k];
+        ADD_FAILURE() << "chunk " << c << " word " << k << ": host 0x" << std::hex << host[k]
+                      << " device 0x" << dev[11 * c + k];
     }
   }
   std::printf("[mma-gpu] RHT: %zu random chunks x 11 words, %d differ\n", cases.size(), bad);

@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <functional>
 #include <limits>
-#include <utility>
 #include <string>
+#include <utility>
 #if defined(__x86_64__)
 #include <xmmintrin.h>
 #endif
@@ -43,7 +43,8 @@ std::vector<Case> all_configs() {
     c.columnwise.rounding = Rounding::SR;
     c.columnwise.rht = true;
     add("nvfp4_col_rht_sr", c);
-    c.rowwise.rounding = Rounding::SR;  // the recipe's dy: Dgrad copy SR, Wgrad copy RHT + SR, one call
+    c.rowwise.rounding =
+        Rounding::SR;  // the recipe's dy: Dgrad copy SR, Wgrad copy RHT + SR, one call
     add("nvfp4_row_sr_col_rht_sr", c);
   }
   {
@@ -107,9 +108,10 @@ std::vector<Case> all_configs() {
 
 using test::expect_same_quantized;
 
-// A host tensor view of rows x cols (row stride `stride`) over x, or over h (x's BF16 bits) for BF16.
-TensorView strided_input(const std::vector<float>& x, std::vector<uint16_t>& h, DType dt, int64_t rows, int64_t cols,
-                         int64_t stride) {
+// A host tensor view of rows x cols (row stride `stride`) over x, or over h (x's BF16 bits) for
+// BF16.
+TensorView strided_input(const std::vector<float>& x, std::vector<uint16_t>& h, DType dt,
+                         int64_t rows, int64_t cols, int64_t stride) {
   TensorView v;
   v.data = dt == DType::BF16 ? static_cast<void*>(h.data()) : const_cast<float*>(x.data());
   v.dtype = dt;
@@ -146,13 +148,15 @@ TEST(QuantizeGpu, BitwiseEqualsEmulatorAllFillsAllOptions) {
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
   // shapes: not multiples of the 64x128 tile, tiny, and rectangular both ways
-  const std::pair<int64_t, int64_t> shapes[] = {{64, 128}, {96, 160}, {32, 288}, {320, 64}, {16, 32}, {224, 416}};
+  const std::pair<int64_t, int64_t> shapes[] = {{64, 128}, {96, 160}, {32, 288},
+                                                {320, 64}, {16, 32},  {224, 416}};
   int checked = 0;
   for (const Case& cs : all_configs()) {
     for (const auto& [rows, cols] : shapes) {
       for (test::Fill f : test::all_fills()) {
         for (DType dt : {DType::F32, DType::BF16}) {
-          std::vector<float> x = test::make_fill(f, static_cast<size_t>(rows * cols), rows * 1000 + cols);
+          std::vector<float> x =
+              test::make_fill(f, static_cast<size_t>(rows * cols), rows * 1000 + cols);
           std::vector<uint16_t> h(x.size());
           TensorView v;
           v.rows = rows;
@@ -167,8 +171,8 @@ TEST(QuantizeGpu, BitwiseEqualsEmulatorAllFillsAllOptions) {
           QuantizeConfig c = cs.cfg;
           // 32-blocks along both dimensions for MXFP4 both copies
           if (c.format == QFormat::MXFP4 && (rows % 32 || cols % 32)) continue;
-          const std::string what = cs.name + " " + shape_str(rows, cols) + " " + test::fill_name(f) +
-                                   " " + dtype_name(dt);
+          const std::string what = cs.name + " " + shape_str(rows, cols) + " " +
+                                   test::fill_name(f) + " " + dtype_name(dt);
           const QuantizeResult a = quantize_to_host(*emu, v, c);
           const QuantizeResult b = quantize_to_host(*cuda, v, c);
           if (c.rowwise.enabled && a.rowwise.scales != b.rowwise.scales) {
@@ -177,8 +181,8 @@ TEST(QuantizeGpu, BitwiseEqualsEmulatorAllFillsAllOptions) {
               if (a.rowwise.scales[i] != b.rowwise.scales[i]) {
                 const int64_t blk = static_cast<int64_t>(i) % (cols / a.rowwise.block_size());
                 const int64_t r = static_cast<int64_t>(i) / (cols / a.rowwise.block_size());
-                std::printf("block %zu (row %lld): amax emu %08x cuda %08x; values:", i, (long long)r,
-                            test::bits(a.rowwise.amax), test::bits(b.rowwise.amax));
+                std::printf("block %zu (row %lld): amax emu %08x cuda %08x; values:", i,
+                            (long long)r, test::bits(a.rowwise.amax), test::bits(b.rowwise.amax));
                 for (int64_t k = 0; k < a.rowwise.block_size(); ++k)
                   std::printf(" %08x", test::bits(x[r * cols + blk * a.rowwise.block_size() + k]));
                 std::printf("\n");
@@ -186,14 +190,16 @@ TEST(QuantizeGpu, BitwiseEqualsEmulatorAllFillsAllOptions) {
               }
           }
           if (c.rowwise.enabled) expect_same_quantized(a.rowwise, b.rowwise, what + " row-wise");
-          if (c.columnwise.enabled) expect_same_quantized(a.columnwise, b.columnwise, what + " column-wise");
+          if (c.columnwise.enabled)
+            expect_same_quantized(a.columnwise, b.columnwise, what + " column-wise");
           if (HasFatalFailure()) return;
           ++checked;
         }
       }
     }
   }
-  std::printf("[quantize-gpu] %d configurations bitwise identical (codes, scales, amax)\n", checked);
+  std::printf("[quantize-gpu] %d configurations bitwise identical (codes, scales, amax)\n",
+              checked);
   EXPECT_GT(checked, 1000);
 }
 
@@ -237,15 +243,17 @@ TEST(QuantizeGpu, ErrorSumsEqualEmulator) {
       std::vector<float> x = test::make_fill(f, static_cast<size_t>(n * n), 616);
       QuantizeResult r = quantize_to_host(*emu, host_view(x.data(), n, n), cfg);
       test::expect_error_sums_identical(quant_error_sums_on(*cuda, x, r.rowwise),
-                                        quant_error_sums_on(*emu, x, r.rowwise), name + " " + test::fill_name(f));
+                                        quant_error_sums_on(*emu, x, r.rowwise),
+                                        name + " " + test::fill_name(f));
     }
-  // a large tensor: many blocks per thread of the grid-stride loop, rows longer than one block's threads
+  // a large tensor: many blocks per thread of the grid-stride loop, rows longer than one block's
+  // threads
   std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, 2048 * 3072, 617);
   QuantizeConfig c;
   c.rowwise.enabled = true;
   QuantizeResult r = quantize_to_host(*emu, host_view(x.data(), 2048, 3072), c);
-  test::expect_error_sums_identical(quant_error_sums_on(*cuda, x, r.rowwise), quant_error_sums_on(*emu, x, r.rowwise),
-                                    "nvfp4 2048 x 3072");
+  test::expect_error_sums_identical(quant_error_sums_on(*cuda, x, r.rowwise),
+                                    quant_error_sums_on(*emu, x, r.rowwise), "nvfp4 2048 x 3072");
 }
 
 // The CUDA quantizer: both copies from one call equal each from its own call (the recipes'
@@ -257,7 +265,8 @@ TEST(QuantizeGpu, CopiesFromOneCallEqualSeparateCalls) {
 }
 
 // NVFP4 row-wise RN and column-wise RHT + SR copies from one call, with the given seed and streams.
-QuantizeConfig rowwise_rn_columnwise_rht_sr(uint64_t seed, uint64_t row_stream, uint64_t col_stream) {
+QuantizeConfig rowwise_rn_columnwise_rht_sr(uint64_t seed, uint64_t row_stream,
+                                            uint64_t col_stream) {
   QuantizeConfig c;
   c.rowwise.enabled = c.columnwise.enabled = true;
   c.columnwise.rht = true;
@@ -318,9 +327,11 @@ TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
   // finite values with one NaN (which every amax ignores: the amax then depends on every tile,
   // each CTA's several tiles included), then the same with one Inf (which makes both amax Inf)
   for (bool with_inf : {false, true}) {
-    std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * stride), 4242);
+    std::vector<float> x =
+        test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * stride), 4242);
     x[static_cast<size_t>(2000 * stride + 1000)] = std::nanf("");
-    if (with_inf) x[static_cast<size_t>(17 * stride + 300)] = std::numeric_limits<float>::infinity();
+    if (with_inf)
+      x[static_cast<size_t>(17 * stride + 300)] = std::numeric_limits<float>::infinity();
     std::vector<uint16_t> h(x.size());
     for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
     for (DType dt : {DType::F32, DType::BF16}) {
@@ -332,12 +343,20 @@ TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
           const bool keep = run < 3;
           QuantizeResult g;
           {
-            KnobGuard knob([&] { gpu::set_quantize_rht_amax_variant(variant); gpu::set_quantize_keep_rht(keep); },
-                           [] { gpu::set_quantize_rht_amax_variant(2); gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault); });
+            KnobGuard knob(
+                [&] {
+                  gpu::set_quantize_rht_amax_variant(variant);
+                  gpu::set_quantize_keep_rht(keep);
+                },
+                [] {
+                  gpu::set_quantize_rht_amax_variant(2);
+                  gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
+                });
             g = quantize_to_host(*cuda, v, c);
           }
-          const std::string what = std::string(dtype_name(dt)) + " stride " + std::to_string(st) + " amax variant " +
-                                   std::to_string(variant) + (keep ? " kept" : " twice") +
+          const std::string what = std::string(dtype_name(dt)) + " stride " + std::to_string(st) +
+                                   " amax variant " + std::to_string(variant) +
+                                   (keep ? " kept" : " twice") +
                                    (with_inf ? " with Inf" : " finite");
           expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
           expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise rht sr");
@@ -360,7 +379,8 @@ TEST(QuantizeGpu, PassLaunchKnobsGiveSameBits) {
   REQUIRE_GPU();
   auto cuda = make_backend("cuda");
   const int64_t rows = 320, cols = 416;
-  const std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * cols), 31);
+  const std::vector<float> x =
+      test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * cols), 31);
   std::vector<uint16_t> h(x.size());
   for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
   QuantizeConfig rn = rowwise_rn_columnwise_rht_sr(5, 1, 2);
@@ -376,13 +396,20 @@ TEST(QuantizeGpu, PassLaunchKnobsGiveSameBits) {
       for (int knob = 0; knob < 3; ++knob) {  // early launch off; one load in flight; both
         QuantizeResult g;
         {
-          KnobGuard guard([knob] { gpu::set_quantize_early_launch(knob == 1);
-                                   gpu::set_quantize_amax_unroll(knob == 0 ? 4 : 1); },
-                          [] { gpu::set_quantize_early_launch(true); gpu::set_quantize_amax_unroll(4); });
+          KnobGuard guard(
+              [knob] {
+                gpu::set_quantize_early_launch(knob == 1);
+                gpu::set_quantize_amax_unroll(knob == 0 ? 4 : 1);
+              },
+              [] {
+                gpu::set_quantize_early_launch(true);
+                gpu::set_quantize_amax_unroll(4);
+              });
           g = quantize_to_host(*cuda, v, *c);
         }
-        const std::string what = std::string(c == &rn ? "row + column RN " : "row RN + column RHT SR ") +
-                                 dtype_name(dt) + " knob setting " + std::to_string(knob);
+        const std::string what =
+            std::string(c == &rn ? "row + column RN " : "row RN + column RHT SR ") +
+            dtype_name(dt) + " knob setting " + std::to_string(knob);
         expect_same_quantized(want.rowwise, g.rowwise, what + " row-wise");
         expect_same_quantized(want.columnwise, g.columnwise, what + " column-wise");
         if (HasFatalFailure()) return;
@@ -393,8 +420,8 @@ TEST(QuantizeGpu, PassLaunchKnobsGiveSameBits) {
   EXPECT_EQ(checked, 12);
 }
 
-// A linear layer's output gradient in the NVFP4 recipe (row-wise SR copy, column-wise RHT + SR copy)
-// with its bias gradient from one call (Backend::quantize_with_bias_backward: on the GPU the
+// A linear layer's output gradient in the NVFP4 recipe (row-wise SR copy, column-wise RHT + SR
+// copy) with its bias gradient from one call (Backend::quantize_with_bias_backward: on the GPU the
 // pipelined RHT amax pass also takes the 64-row column sums) == quantize then bias_backward, bit
 // for bit: the copies and dbias (which starts non-zero), against the CUDA backend's own two calls
 // (NaN payloads are the GPU's there) and, for finite inputs, the emulator's. Shapes: many tiles a
@@ -424,19 +451,23 @@ TEST(QuantizeGpu, RhtAmaxPassColumnSumsEqualBiasBackward) {
                    [] { gpu::set_quantize_rht_amax_variant(2); });
     const std::vector<float> x = test::make_fill(k.fill, static_cast<size_t>(k.R * k.C), 55);
     std::vector<float> dbias0(static_cast<size_t>(k.C));
-    for (size_t i = 0; i < dbias0.size(); ++i) dbias0[i] = 0.5f * static_cast<float>(static_cast<int>(i % 7) - 3);
+    for (size_t i = 0; i < dbias0.size(); ++i)
+      dbias0[i] = 0.5f * static_cast<float>(static_cast<int>(i % 7) - 3);
     auto blank = [&] {
       std::pair<QuantizedHost, QuantizedHost> p;
       p.first.resize(k.R, k.C, qc.format, false);
       p.second.resize(k.C, k.R, qc.format, false);
       return p;
     };
-    const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) + "x" +
-                             std::to_string(k.C) + " amax variant " + std::to_string(k.amax_variant);
+    const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) +
+                             "x" + std::to_string(k.C) + " amax variant " +
+                             std::to_string(k.amax_variant);
     SCOPED_TRACE(what);
     const uint64_t before = gpu::fused_bias_backward_count();
-    expect_fused_bias_grad_bitwise(*cuda, k.against_emu ? emu.get() : nullptr, x, k.R, k.C, qc, dbias0, blank, what);
-    EXPECT_EQ(gpu::fused_bias_backward_count(), before + (k.fused ? 1 : 0)) << what << ": fused path taken?";
+    expect_fused_bias_grad_bitwise(*cuda, k.against_emu ? emu.get() : nullptr, x, k.R, k.C, qc,
+                                   dbias0, blank, what);
+    EXPECT_EQ(gpu::fused_bias_backward_count(), before + (k.fused ? 1 : 0))
+        << what << ": fused path taken?";
     ++checked;
   }
   EXPECT_EQ(checked, 6);
@@ -449,7 +480,8 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
   const int64_t rows = 112, cols = 400, stride = 416;  // 112: partial 32- and 64-row tiles
-  const std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * stride), 7);
+  const std::vector<float> x =
+      test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * stride), 7);
   std::vector<uint16_t> h(x.size());
   for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
   int checked = 0;
@@ -462,22 +494,33 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
         const TensorView v = strided_input(x, h, dt, rows, cols, st);
         const QuantizeResult e = quantize_to_host(*emu, v, cs.cfg);
         for (int tile : {1, 2}) {
-          for (int path : {0, 1, 2}) {  // RHT kept (amax pass by default, then on 64-row tiles), RHT twice
+          for (int path :
+               {0, 1, 2}) {  // RHT kept (amax pass by default, then on 64-row tiles), RHT twice
             const bool keep = path < 2;
             const int amax_variant = path == 1 ? 0 : 2;
             QuantizeResult g;
             {
-              KnobGuard knobs([&] { gpu::set_quantize_tile_variant(tile); gpu::set_quantize_keep_rht(keep);
-                                    gpu::set_quantize_rht_amax_variant(amax_variant); },
-                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
-                                   gpu::set_quantize_rht_amax_variant(2); });
+              KnobGuard knobs(
+                  [&] {
+                    gpu::set_quantize_tile_variant(tile);
+                    gpu::set_quantize_keep_rht(keep);
+                    gpu::set_quantize_rht_amax_variant(amax_variant);
+                  },
+                  [] {
+                    gpu::set_quantize_tile_variant(1);
+                    gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
+                    gpu::set_quantize_rht_amax_variant(2);
+                  });
               g = quantize_to_host(*cuda, v, cs.cfg);
             }
-            const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st) + " tile " +
-                                     std::to_string(tile) + (keep ? " rht kept" : " rht twice") + " amax variant " +
+            const std::string what = cs.name + " " + dtype_name(dt) + " stride " +
+                                     std::to_string(st) + " tile " + std::to_string(tile) +
+                                     (keep ? " rht kept" : " rht twice") + " amax variant " +
                                      std::to_string(amax_variant);
-            if (cs.cfg.rowwise.enabled) expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
-            if (cs.cfg.columnwise.enabled) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
+            if (cs.cfg.rowwise.enabled)
+              expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+            if (cs.cfg.columnwise.enabled)
+              expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
             if (HasFatalFailure()) return;
             ++checked;
           }
@@ -498,7 +541,8 @@ TEST(QuantizeGpu, StagedColumnStoresMatchEmulator) {
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
   const int64_t rows = 192, cols = 400, stride = 416;
-  const std::vector<float> x = test::make_fill(test::Fill::Specials, static_cast<size_t>(rows * stride), 9);
+  const std::vector<float> x =
+      test::make_fill(test::Fill::Specials, static_cast<size_t>(rows * stride), 9);
   std::vector<uint16_t> h(x.size());
   for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
   int checked = 0;
@@ -511,13 +555,21 @@ TEST(QuantizeGpu, StagedColumnStoresMatchEmulator) {
         for (int tile : {1, 3}) {
           QuantizeResult g;
           {
-            KnobGuard knobs([&] { gpu::set_quantize_tile_variant(tile); gpu::set_quantize_keep_rht(false); },
-                            [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault); });
+            KnobGuard knobs(
+                [&] {
+                  gpu::set_quantize_tile_variant(tile);
+                  gpu::set_quantize_keep_rht(false);
+                },
+                [] {
+                  gpu::set_quantize_tile_variant(1);
+                  gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
+                });
             g = quantize_to_host(*cuda, v, cs.cfg);
           }
-          const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st) +
-                                   (tile == 1 ? " staged" : " direct");
-          if (cs.cfg.rowwise.enabled) expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+          const std::string what = cs.name + " " + dtype_name(dt) + " stride " +
+                                   std::to_string(st) + (tile == 1 ? " staged" : " direct");
+          if (cs.cfg.rowwise.enabled)
+            expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
           expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
           if (HasFatalFailure()) return;
           ++checked;
@@ -551,13 +603,17 @@ TEST(QuantizeGpu, TwoDKernelsMatchEmulator) {
           for (int variant : {1, 0}) {
             QuantizeResult g;
             {
-              KnobGuard knob([&] { gpu::set_quantize_2d_variant(variant); }, [] { gpu::set_quantize_2d_variant(1); });
+              KnobGuard knob([&] { gpu::set_quantize_2d_variant(variant); },
+                             [] { gpu::set_quantize_2d_variant(1); });
               g = quantize_to_host(*cuda, v, cs.cfg);
             }
-            const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st) +
+            const std::string what = cs.name + " " + dtype_name(dt) + " stride " +
+                                     std::to_string(st) +
                                      (variant == 1 ? " half-warp kernel" : " tile kernel");
-            if (cs.cfg.rowwise.enabled) expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
-            if (cs.cfg.columnwise.enabled) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
+            if (cs.cfg.rowwise.enabled)
+              expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+            if (cs.cfg.columnwise.enabled)
+              expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
             if (HasFatalFailure()) return;
             ++checked;
           }
@@ -569,11 +625,11 @@ TEST(QuantizeGpu, TwoDKernelsMatchEmulator) {
   EXPECT_GE(checked, 4 * 3 * 2 * 2 * 2);
 }
 
-// QuantizedView::decoded_bf16: the BF16 operand the quantizer writes for the cuBLASLt GEMM on Hopper
-// equals e2m1(code) * block scale of the codes it wrote (every path: the common-case kernel's tile
-// variants with RHT transformed twice, the streaming kernel from the kept transform, and the
-// general kernel for 2D, Four Over Six and MXFP4), the codes are unchanged by asking for it, and a GEMM reading it gives the same D bits
-// as one that decodes the codes itself.
+// QuantizedView::decoded_bf16: the BF16 operand the quantizer writes for the cuBLASLt GEMM on
+// Hopper equals e2m1(code) * block scale of the codes it wrote (every path: the common-case
+// kernel's tile variants with RHT transformed twice, the streaming kernel from the kept transform,
+// and the general kernel for 2D, Four Over Six and MXFP4), the codes are unchanged by asking for
+// it, and a GEMM reading it gives the same D bits as one that decodes the codes itself.
 TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
@@ -581,7 +637,8 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
   EXPECT_FALSE(cuda->decodes_for_gemm(GemmImpl::Exact));
   EXPECT_FALSE(emu->decodes_for_gemm(GemmImpl::CublasLt));
   if (!cuda->decodes_for_gemm(GemmImpl::CublasLt))
-    GTEST_SKIP() << "this GPU multiplies FP4 natively (compute capability >= 10): no decoded operand";
+    GTEST_SKIP()
+        << "this GPU multiplies FP4 natively (compute capability >= 10): no decoded operand";
   struct DevCopy {
     QuantizedBuffers q;
     BackendBuffer decoded;
@@ -594,7 +651,8 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
     for (const auto& [rows, cols] : shapes) {
       for (test::Fill f : {test::Fill::HeavyTailed, test::Fill::Specials, test::Fill::Ties}) {
         for (DType dt : {DType::F32, DType::BF16}) {
-          std::vector<float> x = test::make_fill(f, static_cast<size_t>(rows * cols), rows * 7 + cols);
+          std::vector<float> x =
+              test::make_fill(f, static_cast<size_t>(rows * cols), rows * 7 + cols);
           std::vector<uint16_t> h(x.size());
           for (size_t i = 0; i < x.size(); ++i) h[i] = bf16_rne(x[i]);
           TensorView hv;
@@ -619,25 +677,35 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
               if (!spec.enabled) continue;
               QuantizedHost shape;
               shape.resize(col ? cols : rows, col ? rows : cols, cs.cfg.format, spec.four_over_six);
-              out[col] = std::make_unique<DevCopy>(DevCopy{QuantizedBuffers(*cuda, shape), BackendBuffer()});
+              out[col] = std::make_unique<DevCopy>(
+                  DevCopy{QuantizedBuffers(*cuda, shape), BackendBuffer()});
               out[col]->decoded = BackendBuffer(*cuda, static_cast<size_t>(rows * cols) * 2);
               out[col]->q.view.decoded_bf16 = out[col]->decoded.as<uint16_t>();
             }
             {
-              KnobGuard knobs([&] { gpu::set_quantize_tile_variant(variant == 1 ? 2 : 1);
-                                    gpu::set_quantize_keep_rht(variant == 0 || variant == 3);
-                                    gpu::set_quantize_rht_amax_variant(variant == 3 ? 0 : 2); },
-                              [] { gpu::set_quantize_tile_variant(1); gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
-                                   gpu::set_quantize_rht_amax_variant(2); });
-              cuda->quantize(dv, cs.cfg, out[0] ? &out[0]->q.view : nullptr, out[1] ? &out[1]->q.view : nullptr);
+              KnobGuard knobs(
+                  [&] {
+                    gpu::set_quantize_tile_variant(variant == 1 ? 2 : 1);
+                    gpu::set_quantize_keep_rht(variant == 0 || variant == 3);
+                    gpu::set_quantize_rht_amax_variant(variant == 3 ? 0 : 2);
+                  },
+                  [] {
+                    gpu::set_quantize_tile_variant(1);
+                    gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
+                    gpu::set_quantize_rht_amax_variant(2);
+                  });
+              cuda->quantize(dv, cs.cfg, out[0] ? &out[0]->q.view : nullptr,
+                             out[1] ? &out[1]->q.view : nullptr);
             }
             for (int col = 0; col < 2; ++col) {
               if (!out[col]) continue;
-              const std::string what = cs.name + " " + dtype_name(dt) + " " + std::to_string(rows) + "x" +
-                                       std::to_string(cols) + " variant " + std::to_string(variant) +
+              const std::string what = cs.name + " " + dtype_name(dt) + " " + std::to_string(rows) +
+                                       "x" + std::to_string(cols) + " variant " +
+                                       std::to_string(variant) +
                                        (col ? " column-wise" : " row-wise");
               QuantizedHost got;
-              got.resize(out[col]->q.view.rows, out[col]->q.view.cols, cs.cfg.format, out[col]->q.view.four_over_six);
+              got.resize(out[col]->q.view.rows, out[col]->q.view.cols, cs.cfg.format,
+                         out[col]->q.view.four_over_six);
               out[col]->q.download_to(*cuda, got);
               expect_same_quantized(col ? ref.columnwise : ref.rowwise, got, what);
               std::vector<uint16_t> dec(static_cast<size_t>(rows * cols));
@@ -647,17 +715,22 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
               for (int64_t r = 0; r < got.rows; ++r) {
                 for (int64_t c = 0; c < got.cols; ++c) {
                   const int64_t e = r * got.cols + c;
-                  const uint8_t code = (got.codes[static_cast<size_t>(e / 2)] >> (4 * (e & 1))) & 0xFu;
-                  const uint8_t sb = got.scales[static_cast<size_t>(r * (got.cols / block) + c / block)];
-                  const float sv = cs.cfg.format == QFormat::MXFP4 ? ue8m0_to_f32(sb) : e4m3_to_f32(sb);
+                  const uint8_t code =
+                      (got.codes[static_cast<size_t>(e / 2)] >> (4 * (e & 1))) & 0xFu;
+                  const uint8_t sb =
+                      got.scales[static_cast<size_t>(r * (got.cols / block) + c / block)];
+                  const float sv =
+                      cs.cfg.format == QFormat::MXFP4 ? ue8m0_to_f32(sb) : e4m3_to_f32(sb);
                   const float want = fmul_rn(e2m1_to_f32(code), sv);
                   const uint16_t g = dec[static_cast<size_t>(e)];
-                  const bool ok = f32_isnan(want) ? (g & 0x7FFFu) > 0x7F80u
-                                                  : g == static_cast<uint16_t>(f32_bits(want) >> 16) &&
-                                                        (f32_bits(want) & 0xFFFFu) == 0u;
+                  const bool ok = f32_isnan(want)
+                                      ? (g & 0x7FFFu) > 0x7F80u
+                                      : g == static_cast<uint16_t>(f32_bits(want) >> 16) &&
+                                            (f32_bits(want) & 0xFFFFu) == 0u;
                   if (!ok && ++bad <= 3)
-                    ADD_FAILURE() << what << ": element (" << r << ", " << c << ") decoded 0x" << std::hex << g
-                                  << ", want 0x" << (f32_bits(want) >> 16) << std::dec;
+                    ADD_FAILURE() << what << ": element (" << r << ", " << c << ") decoded 0x"
+                                  << std::hex << g << ", want 0x" << (f32_bits(want) >> 16)
+                                  << std::dec;
                 }
               }
               ASSERT_EQ(bad, 0) << what;
@@ -671,7 +744,8 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
               GemmConfig g;
               g.impl = GemmImpl::CublasLt;
               const size_t nd = static_cast<size_t>(rows * rows);
-              BackendBuffer d(*cuda, nd * 4), codes(*cuda, static_cast<size_t>(out[0]->q.view.code_bytes()));
+              BackendBuffer d(*cuda, nd * 4),
+                  codes(*cuda, static_cast<size_t>(out[0]->q.view.code_bytes()));
               cuda->copy(codes.get(), out[0]->q.view.codes, codes.bytes());
               QuantizedView plain = out[0]->q.view;
               plain.decoded_bf16 = nullptr;
@@ -691,15 +765,18 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
               };
               const std::vector<uint32_t> want = run(plain, plain);
               {  // the GEMM's other decode kernel (8 elements a thread): the same D
-                KnobGuard narrow([] { gpu::set_fp4_decode_variant(0); }, [] { gpu::set_fp4_decode_variant(1); });
-                ASSERT_EQ(run(plain, plain), want) << cs.name << ": D differs between the two decode kernels";
+                KnobGuard narrow([] { gpu::set_fp4_decode_variant(0); },
+                                 [] { gpu::set_fp4_decode_variant(1); });
+                ASSERT_EQ(run(plain, plain), want)
+                    << cs.name << ": D differs between the two decode kernels";
               }
               const std::vector<uint8_t> garbage(codes.bytes(), 0x77);  // every code 7 (6.0)
               cuda->upload(dec.codes, garbage.data(), garbage.size());
               ASSERT_EQ(run(dec, dec), want) << cs.name << ": D differs with both operands decoded";
               ASSERT_EQ(run(dec, plain), want) << cs.name << ": D differs with only A decoded";
               ASSERT_EQ(run(plain, dec), want) << cs.name << ": D differs with only B decoded";
-              ASSERT_NE(run(junk, plain), want) << cs.name << ": the junk codes do not change D (the check could not fail)";
+              ASSERT_NE(run(junk, plain), want)
+                  << cs.name << ": the junk codes do not change D (the check could not fail)";
             }
           }
         }

@@ -4,7 +4,6 @@
 // short NVFP4 runs: emu vs cuda-exact within 0.5%, cuda-exact vs cuda-cublaslt within 1%.
 // Skips without a GPU.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <cmath>
@@ -24,15 +23,18 @@ namespace fp4sim::model {
 namespace {
 
 std::string temp_dir(const std::string& what) {
-  return (std::filesystem::temp_directory_path() / ("fp4sim_" + what + "_" + std::to_string(::getpid()))).string();
+  return (std::filesystem::temp_directory_path() /
+          ("fp4sim_" + what + "_" + std::to_string(::getpid())))
+      .string();
 }
 
 // tiny on the corpus when it is there (scripts/fetch_corpus.sh), else on synthetic tokens
 RunConfig tiny(const std::vector<std::string>& extra) {
   const std::string src = FP4SIM_SOURCE_DIR;
   const bool corpus = std::filesystem::exists(src + "/data/corpus.train.tokens");
-  std::vector<std::string> o = {"train.warmup=2", "train.eval_every=0",
-                                "train.data=" + (corpus ? src + "/data/corpus" : std::string("synthetic"))};
+  std::vector<std::string> o = {
+      "train.warmup=2", "train.eval_every=0",
+      "train.data=" + (corpus ? src + "/data/corpus" : std::string("synthetic"))};
   o.insert(o.end(), extra.begin(), extra.end());
   std::printf("[train-gpu] tiny on %s\n", corpus ? "the corpus" : "synthetic tokens");
   return load_config(src + "/configs/tiny.json", o);
@@ -58,15 +60,18 @@ TEST(TrainGpu, TinyTenStepsMatchEmulator) {
   for (size_t i = 0; i < 10; ++i) {
     const double rl = std::fabs(g.steps[i].loss - e.steps[i].loss) / std::fabs(e.steps[i].loss);
     const double rn = std::fabs(g.steps[i].grad_norm - e.steps[i].grad_norm) / e.steps[i].grad_norm;
-    std::printf("[train-gpu] %4zu  %9.5f  %9.5f  %.1e  %9.4f  %9.4f  %.1e\n", i + 1, e.steps[i].loss, g.steps[i].loss,
-                rl, e.steps[i].grad_norm, g.steps[i].grad_norm, rn);
+    std::printf("[train-gpu] %4zu  %9.5f  %9.5f  %.1e  %9.4f  %9.4f  %.1e\n", i + 1,
+                e.steps[i].loss, g.steps[i].loss, rl, e.steps[i].grad_norm, g.steps[i].grad_norm,
+                rn);
     worst_loss = std::max(worst_loss, rl);
     worst_norm = std::max(worst_norm, rn);
     EXPECT_LT(rl, 0.01) << "step " << i + 1;
     EXPECT_LT(rn, 0.05) << "step " << i + 1;
   }
-  std::printf("[train-gpu] worst relative difference: loss %.2e (budget 1e-2), grad norm %.2e (budget 5e-2)\n",
-              worst_loss, worst_norm);
+  std::printf(
+      "[train-gpu] worst relative difference: loss %.2e (budget 1e-2), grad norm %.2e (budget "
+      "5e-2)\n",
+      worst_loss, worst_norm);
   std::filesystem::remove_all(dir);
 }
 
@@ -75,13 +80,15 @@ TEST(TrainGpu, TinyTenStepsMatchEmulator) {
 TEST(TrainGpu, UnsupportedHeadSizeRefusedBeforeAnyWork) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   const std::string dir = temp_dir("hd48");
-  const RunConfig c = tiny({"model.d_model=192", "model.n_heads=4", "model.n_kv_heads=4", "train.steps=2",
-                            "train.out_dir=" + dir});
+  const RunConfig c = tiny({"model.d_model=192", "model.n_heads=4", "model.n_kv_heads=4",
+                            "train.steps=2", "train.out_dir=" + dir});
   try {
     run(c, "cuda");
     ADD_FAILURE() << "expected the head size 48 to be refused";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("head size model.d_model / model.n_heads = 48"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("head size model.d_model / model.n_heads = 48"),
+              std::string::npos)
+        << e.what();
   }
   EXPECT_FALSE(std::filesystem::exists(dir)) << "out_dir made before the error";
   auto emu = make_backend("emu");
@@ -122,9 +129,10 @@ TEST(TrainGpu, RoundToBf16BitwiseEqualsEmulator) {
 TEST(TrainGpu, LlamaStyleVariantMatchesEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   const std::string dir = temp_dir("llama");
-  const std::vector<std::string> v = {"train.steps=4", "model.activation=swiglu", "model.norm=rmsnorm",
-                                      "model.positions=rope", "model.n_kv_heads=2", "model.tied_embeddings=false",
-                                      "model.bias=false", "model.d_ff=256"};
+  const std::vector<std::string> v = {"train.steps=4",      "model.activation=swiglu",
+                                      "model.norm=rmsnorm", "model.positions=rope",
+                                      "model.n_kv_heads=2", "model.tied_embeddings=false",
+                                      "model.bias=false",   "model.d_ff=256"};
   std::vector<std::string> ve = v, vc = v;
   ve.push_back("train.out_dir=" + dir + "/emu");
   vc.push_back("train.out_dir=" + dir + "/cuda");
@@ -132,8 +140,11 @@ TEST(TrainGpu, LlamaStyleVariantMatchesEmulator) {
   for (size_t i = 0; i < e.steps.size(); ++i) {
     const double rl = std::fabs(g.steps[i].loss - e.steps[i].loss) / e.steps[i].loss;
     const double rn = std::fabs(g.steps[i].grad_norm - e.steps[i].grad_norm) / e.steps[i].grad_norm;
-    std::printf("[train-gpu] llama-style step %zu: loss %.5f vs %.5f (%.1e), grad norm %.4f vs %.4f (%.1e)\n", i + 1,
-                e.steps[i].loss, g.steps[i].loss, rl, e.steps[i].grad_norm, g.steps[i].grad_norm, rn);
+    std::printf(
+        "[train-gpu] llama-style step %zu: loss %.5f vs %.5f (%.1e), grad norm %.4f vs %.4f "
+        "(%.1e)\n",
+        i + 1, e.steps[i].loss, g.steps[i].loss, rl, e.steps[i].grad_norm, g.steps[i].grad_norm,
+        rn);
     EXPECT_LT(rl, 0.01);
     EXPECT_LT(rn, 0.05);
   }
@@ -142,7 +153,8 @@ TEST(TrainGpu, LlamaStyleVariantMatchesEmulator) {
 
 void expect_bitwise_resume(const std::string& backend, const std::vector<std::string>& recipe) {
   const std::string dir = temp_dir("resume_" + backend);
-  std::filesystem::remove_all(dir);  // (a leftover of an earlier failed case holds later checkpoints)
+  std::filesystem::remove_all(
+      dir);  // (a leftover of an earlier failed case holds later checkpoints)
   std::vector<std::string> o = {"train.steps=10", "train.checkpoint_every=5", "train.batch=4"};
   o.insert(o.end(), recipe.begin(), recipe.end());
   auto cfg = [&](const std::string& out) {
@@ -151,14 +163,15 @@ void expect_bitwise_resume(const std::string& backend, const std::vector<std::st
     return tiny(x);
   };
   const TrainResult full = run(cfg(dir + "/full"), backend);
-  const TrainResult cont = run(cfg(dir + "/cont"), backend, dir + "/full/checkpoints/step_00000005");
+  const TrainResult cont =
+      run(cfg(dir + "/cont"), backend, dir + "/full/checkpoints/step_00000005");
   ASSERT_EQ(cont.steps.size(), 5u);
   for (size_t i = 0; i < 5; ++i) {
     uint32_t a, b;
     std::memcpy(&a, &cont.steps[i].loss, 4);
     std::memcpy(&b, &full.steps[5 + i].loss, 4);
-    EXPECT_EQ(a, b) << backend << " step " << cont.steps[i].step << ": " << cont.steps[i].loss << " vs "
-                    << full.steps[5 + i].loss;
+    EXPECT_EQ(a, b) << backend << " step " << cont.steps[i].step << ": " << cont.steps[i].loss
+                    << " vs " << full.steps[5 + i].loss;
   }
   std::filesystem::remove_all(dir);
 }
@@ -174,8 +187,11 @@ TEST(TrainGpu, BitwiseResumeOnCuda) {
 TEST(TrainGpu, StatisticsDoNotChangeTraining) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   const std::string dir = temp_dir("stats");
-  const TrainResult with = run(tiny({"train.steps=4", "recipe.name=nvfp4", "recipe.stats_every=1", "train.out_dir=" + dir + "/a"}), "cuda");
-  const TrainResult without = run(tiny({"train.steps=4", "recipe.name=nvfp4", "train.out_dir=" + dir + "/b"}), "cuda");
+  const TrainResult with = run(tiny({"train.steps=4", "recipe.name=nvfp4", "recipe.stats_every=1",
+                                     "train.out_dir=" + dir + "/a"}),
+                               "cuda");
+  const TrainResult without =
+      run(tiny({"train.steps=4", "recipe.name=nvfp4", "train.out_dir=" + dir + "/b"}), "cuda");
   ASSERT_EQ(with.steps.size(), without.steps.size());
   for (size_t i = 0; i < with.steps.size(); ++i) {
     EXPECT_EQ(with.steps[i].loss, without.steps[i].loss) << "step " << i + 1;
@@ -208,15 +224,18 @@ TEST(TrainGpu, FusedActivationsDoNotChangeTraining) {
       return tiny(v);
     };
     auto count = [&] {
-      return std::string(k.recipe) == "bf16" ? gpu::fused_activation_matmul_count() : gpu::fused_activation_quantize_count();
+      return std::string(k.recipe) == "bf16" ? gpu::fused_activation_matmul_count()
+                                             : gpu::fused_activation_quantize_count();
     };
     const uint64_t before = count();
     const TrainResult fused = run(with_dir("a"), "cuda");
     const uint64_t after = count();
-    EXPECT_GE(after - before, 3u * 2u * 2u) << "fused calls: 3 steps x 2 layers x (forward + backward)";
+    EXPECT_GE(after - before, 3u * 2u * 2u)
+        << "fused calls: 3 steps x 2 layers x (forward + backward)";
     TrainResult apart;
     {
-      KnobGuard off([] { gpu::set_activation_fusion(false); }, [] { gpu::set_activation_fusion(true); });
+      KnobGuard off([] { gpu::set_activation_fusion(false); },
+                    [] { gpu::set_activation_fusion(true); });
       apart = run(with_dir("b"), "cuda");
     }
     EXPECT_EQ(count(), after) << "the knob must turn the fused paths off";
@@ -230,11 +249,11 @@ TEST(TrainGpu, FusedActivationsDoNotChangeTraining) {
 }
 
 // The model's BF16 bits storage (Gpt::set_bf16_bits_storage: the linears' inputs, qkv and the
-// attention output kept as BF16 bits) on the CUDA backend: with the epilogue knob off (the GEMMs run
-// the FP32-output plans) the losses and every gradient of 2 steps equal the FP32 arrays' bit for
-// bit, for GPT-2's layer, a Llama-style one (RoPE: qkv stays FP32), NVFP4 (a BF16 block, cuBLASLt
-// or exact GEMMs) and FP8 (quantizers reading BF16 input); with it on (cuBLASLt writes qkv's bits,
-// bias in the epilogue, maybe through another algorithm) the losses within 1e-4.
+// attention output kept as BF16 bits) on the CUDA backend: with the epilogue knob off (the GEMMs
+// run the FP32-output plans) the losses and every gradient of 2 steps equal the FP32 arrays' bit
+// for bit, for GPT-2's layer, a Llama-style one (RoPE: qkv stays FP32), NVFP4 (a BF16 block,
+// cuBLASLt or exact GEMMs) and FP8 (quantizers reading BF16 input); with it on (cuBLASLt writes
+// qkv's bits, bias in the epilogue, maybe through another algorithm) the losses within 1e-4.
 TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto be = make_backend("cuda");
@@ -242,7 +261,8 @@ TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
       {"recipe.name=bf16"},
       {"recipe.name=bf16", "model.activation=swiglu", "model.norm=rmsnorm", "model.positions=rope",
        "model.n_kv_heads=2", "model.bias=false", "model.tied_embeddings=false"},
-      {"recipe.name=nvfp4", "recipe.gemm=cublaslt", "model.n_layers=3", "recipe.hp_first=1", "recipe.hp_last=0"},
+      {"recipe.name=nvfp4", "recipe.gemm=cublaslt", "model.n_layers=3", "recipe.hp_first=1",
+       "recipe.hp_last=0"},
       {"recipe.name=fp8", "recipe.gemm=cublaslt"},
       {"recipe.name=nvfp4", "recipe.gemm=exact"}};
   for (const auto& ov : cases) {
@@ -259,25 +279,29 @@ TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
     std::vector<float> bits;
     const uint64_t shadow_before = gpu::weight_shadow_read_count();
     {
-      KnobGuard knob([] { gpu::set_matmul_bf16_epilogue(false); }, [] { gpu::set_matmul_bf16_epilogue(true); });
+      KnobGuard knob([] { gpu::set_matmul_bf16_epilogue(false); },
+                     [] { gpu::set_matmul_bf16_epilogue(true); });
       bits = steps(true);
     }
-    // (the BF16 recipe reads its weights from the parameters' BF16 shadow; the others do not make one)
+    // (the BF16 recipe reads its weights from the parameters' BF16 shadow; the others do not make
+    // one)
     if (ov[0] == "recipe.name=bf16") {
       EXPECT_GT(gpu::weight_shadow_read_count(), shadow_before) << "no weight read from the shadow";
     } else {
-      EXPECT_EQ(gpu::weight_shadow_read_count(), shadow_before) << "a quantized recipe made a shadow";
+      EXPECT_EQ(gpu::weight_shadow_read_count(), shadow_before)
+          << "a quantized recipe made a shadow";
     }
     ASSERT_EQ(plain.size(), bits.size());
     size_t differ = 0;
     for (size_t i = 0; i < plain.size(); ++i) differ += std::memcmp(&plain[i], &bits[i], 4) != 0;
-    std::printf("[train-gpu] %s: bits storage vs FP32 arrays (epilogue off): %zu of %zu values differ\n", tag.c_str(),
-                differ, plain.size());
+    std::printf(
+        "[train-gpu] %s: bits storage vs FP32 arrays (epilogue off): %zu of %zu values differ\n",
+        tag.c_str(), differ, plain.size());
     EXPECT_EQ(differ, 0u);
     const std::vector<float> epi = steps(true);
     const size_t step2 = plain.size() / 2;  // [loss, grads..., loss, grads...]
-    std::printf("[train-gpu] %s: epilogue on: losses %.9g %.9g vs %.9g %.9g\n", tag.c_str(), epi[0], epi[step2],
-                plain[0], plain[step2]);
+    std::printf("[train-gpu] %s: epilogue on: losses %.9g %.9g vs %.9g %.9g\n", tag.c_str(), epi[0],
+                epi[step2], plain[0], plain[step2]);
     EXPECT_NEAR(epi[0], plain[0], 1e-4 * std::fabs(plain[0]));
     EXPECT_NEAR(epi[step2], plain[step2], 1e-4 * std::fabs(plain[step2]));
   }
@@ -297,9 +321,22 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
   const std::vector<Variant> variants = {
       {{"recipe.name=nvfp4"}, 96, 64, 96, false},
       {{"recipe.name=nvfp4"}, 96, 64, 96, true},
-      {{"recipe.name=nvfp4", "recipe.rht=false", "recipe.stochastic_rounding=off", "recipe.weight_2d=false"}, 96, 64, 96, true},
-      {{"recipe.name=nvfp4", "recipe.four_over_six=weights", "recipe.fos_error=mse"}, 96, 64, 96, true},
-      {{"recipe.name=mxfp4", "recipe.weight_2d=false", "recipe.mx_scale_rule=ceil"}, 96, 64, 96, true},
+      {{"recipe.name=nvfp4", "recipe.rht=false", "recipe.stochastic_rounding=off",
+        "recipe.weight_2d=false"},
+       96,
+       64,
+       96,
+       true},
+      {{"recipe.name=nvfp4", "recipe.four_over_six=weights", "recipe.fos_error=mse"},
+       96,
+       64,
+       96,
+       true},
+      {{"recipe.name=mxfp4", "recipe.weight_2d=false", "recipe.mx_scale_rule=ceil"},
+       96,
+       64,
+       96,
+       true},
       {{"recipe.name=nvfp4", "recipe.override.h.0.attn.c_attn.dgrad=bf16"}, 96, 64, 96, true},
       {{"recipe.name=fp8"}, 256, 128, 128, true}};
   for (const Variant& v : variants) {
@@ -325,16 +362,21 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
         be.upload(b->get(), h.data(), h.size() * 4);
         return b;
       };
-      auto bx = up(x), bw = up(w), bdy = up(dy), bb = up(bias), bdx = up(dx0), bdw = up(dw0), bdb = up(db0);
+      auto bx = up(x), bw = up(w), bdy = up(dy), bb = up(bias), bdx = up(dx0), bdw = up(dw0),
+           bdb = up(db0);
       BackendBuffer by(be, static_cast<size_t>(N * OC) * 4);
       std::unique_ptr<QuantizedCopy> saved;
-      linear_forward(be, r, ids, by.as<float>(), bx->as<float>(), bw->as<float>(), bb->as<float>(), N, K, OC,
-                     emu::GemmPrecision::BF16, false, nullptr, "t", v.saved ? &saved : nullptr);
-      linear_backward(be, r, ids, bdx->as<float>(), bdw->as<float>(), bdb->as<float>(), bdy->as<float>(),
-                      v.saved && saved ? nullptr : bx->as<float>(), bw->as<float>(), N, K, OC,
-                      emu::GemmPrecision::BF16, nullptr, "t", saved.get());
+      linear_forward(be, r, ids, by.as<float>(), bx->as<float>(), bw->as<float>(), bb->as<float>(),
+                     N, K, OC, emu::GemmPrecision::BF16, false, nullptr, "t",
+                     v.saved ? &saved : nullptr);
+      linear_backward(be, r, ids, bdx->as<float>(), bdw->as<float>(), bdb->as<float>(),
+                      bdy->as<float>(), v.saved && saved ? nullptr : bx->as<float>(),
+                      bw->as<float>(), N, K, OC, emu::GemmPrecision::BF16, nullptr, "t",
+                      saved.get());
       std::vector<float> out;
-      for (auto [p, n] : {std::pair<void*, int64_t>{by.get(), N * OC}, {bdx->get(), N * K}, {bdw->get(), OC * K},
+      for (auto [p, n] : {std::pair<void*, int64_t>{by.get(), N * OC},
+                          {bdx->get(), N * K},
+                          {bdw->get(), OC * K},
                           {bdb->get(), OC}}) {
         std::vector<float> h(static_cast<size_t>(n));
         be.download(h.data(), p, h.size() * 4);
@@ -348,7 +390,8 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
     size_t first_diff = a.size();
     for (size_t i = 0; i < a.size(); ++i) {
       // with a BF16 Dgrad (cuBLASLt vs the T-FDPA model) dx may differ: bitwise elsewhere
-      if (bf16_dgrad && i >= static_cast<size_t>(N * OC) && i < static_cast<size_t>(N * OC + N * K)) continue;
+      if (bf16_dgrad && i >= static_cast<size_t>(N * OC) && i < static_cast<size_t>(N * OC + N * K))
+        continue;
       uint32_t u, w2;
       std::memcpy(&u, &a[i], 4);
       std::memcpy(&w2, &b[i], 4);
@@ -358,9 +401,10 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
       }
     }
     const std::string what = v.overrides.back() + (v.saved ? " (saved Wgrad input)" : "");
-    EXPECT_EQ(first_diff, a.size()) << what << ": first difference at flat index " << first_diff << " ("
-                                    << (first_diff < a.size() ? a[first_diff] : 0.0f) << " vs "
-                                    << (first_diff < a.size() ? b[first_diff] : 0.0f) << ")";
+    EXPECT_EQ(first_diff, a.size())
+        << what << ": first difference at flat index " << first_diff << " ("
+        << (first_diff < a.size() ? a[first_diff] : 0.0f) << " vs "
+        << (first_diff < a.size() ? b[first_diff] : 0.0f) << ")";
     std::printf("[train-gpu] quantized linear %s: %s\n", what.c_str(),
                 first_diff == a.size() ? "bitwise identical" : "DIFFERS");
   }
@@ -370,7 +414,8 @@ TEST(TrainGpu, Nvfp4TinyLossesAgreeAcrossBackendsAndGemms) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   const std::string dir = temp_dir("nvfp4");
   auto cfg = [&](const std::string& gemm, const std::string& out) {
-    return tiny({"train.steps=5", "recipe.name=nvfp4", "recipe.gemm=" + gemm, "train.out_dir=" + dir + out});
+    return tiny({"train.steps=5", "recipe.name=nvfp4", "recipe.gemm=" + gemm,
+                 "train.out_dir=" + dir + out});
   };
   const TrainResult e = run(cfg("exact", "/emu"), "emu");
   const TrainResult x = run(cfg("exact", "/cx"), "cuda");
@@ -378,8 +423,9 @@ TEST(TrainGpu, Nvfp4TinyLossesAgreeAcrossBackendsAndGemms) {
   for (size_t i = 0; i < 5; ++i) {
     const double d1 = std::fabs(x.steps[i].loss - e.steps[i].loss) / e.steps[i].loss;
     const double d2 = std::fabs(l.steps[i].loss - x.steps[i].loss) / x.steps[i].loss;
-    std::printf("[train-gpu] nvfp4 step %zu: emu %.5f cuda-exact %.5f cuda-cublaslt %.5f (%.1e, %.1e)\n", i + 1,
-                e.steps[i].loss, x.steps[i].loss, l.steps[i].loss, d1, d2);
+    std::printf(
+        "[train-gpu] nvfp4 step %zu: emu %.5f cuda-exact %.5f cuda-cublaslt %.5f (%.1e, %.1e)\n",
+        i + 1, e.steps[i].loss, x.steps[i].loss, l.steps[i].loss, d1, d2);
     EXPECT_LT(d1, 0.005) << "emu vs cuda-exact, step " << i + 1;
     EXPECT_LT(d2, 0.01) << "cuda-exact vs cuda-cublaslt, step " << i + 1;
   }

@@ -17,8 +17,9 @@ namespace fp4sim::model {
 // collected on step `stats_step` (none: -1). Returns per step the loss, then every gradient;
 // saved_bytes (if given): the model's saved_activation_bytes after the last step.
 inline std::vector<float> model_steps(Backend& be, const RunConfig& c, int64_t B, int64_t T,
-                                      const std::function<void(Gpt&)>& setup = {}, int64_t steps = 2,
-                                      int64_t stats_step = -1, size_t* saved_bytes = nullptr) {
+                                      const std::function<void(Gpt&)>& setup = {},
+                                      int64_t steps = 2, int64_t stats_step = -1,
+                                      size_t* saved_bytes = nullptr) {
   Gpt m(c.model, be);
   m.set_recipe(c);
   if (setup) setup(m);

@@ -1,11 +1,10 @@
 // safetensors files and atomic checkpoints.
 #include <gtest/gtest.h>
-
-#include <filesystem>
-#include <fstream>
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 
 #include "model/checkpoint.hpp"
 #include "tests/model/expect_error.hpp"
@@ -40,7 +39,8 @@ Checkpoint small_checkpoint(int64_t step, int64_t data_position) {
 }
 
 fs::path temp_dir(const char* name) {
-  fs::path p = fs::temp_directory_path() / (std::string("fp4sim_ck_") + name + "_" + std::to_string(::getpid()));
+  fs::path p = fs::temp_directory_path() /
+               (std::string("fp4sim_ck_") + name + "_" + std::to_string(::getpid()));
   fs::remove_all(p);
   fs::create_directories(p);
   return p;
@@ -83,14 +83,21 @@ TEST(Checkpoint, MalformedSafetensorsAreClearErrors) {
   };
   write_raw("array.safetensors", "[1,2]", 0);
   write_raw("dtype.safetensors", R"({"w":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", 8);
-  write_raw("neg.safetensors", R"({"w":{"dtype":"F32","shape":[-2,-2],"data_offsets":[0,16]}})", 16);
+  write_raw("neg.safetensors", R"({"w":{"dtype":"F32","shape":[-2,-2],"data_offsets":[0,16]}})",
+            16);
   write_raw("nodtype.safetensors", R"({"w":{"shape":[2],"data_offsets":[0,8]}})", 8);
-  write_raw("past.safetensors", R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[18446744073709551584,18446744073709551600]}})", 16);
-  for (const auto& [name, needle] : std::vector<std::pair<std::string, std::string>>{
-           {"array.safetensors", "not a JSON object"}, {"dtype.safetensors", "unknown dtype"},
-           {"neg.safetensors", "impossible shape"}, {"nodtype.safetensors", "'w'"}, {"past.safetensors", "truncated"}})
-    test::expect_error_containing<std::runtime_error>([&] { read_safetensors((d / name).string()); },
-                                                      {name, needle}, name + " was read");
+  write_raw(
+      "past.safetensors",
+      R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[18446744073709551584,18446744073709551600]}})",
+      16);
+  for (const auto& [name, needle] :
+       std::vector<std::pair<std::string, std::string>>{{"array.safetensors", "not a JSON object"},
+                                                        {"dtype.safetensors", "unknown dtype"},
+                                                        {"neg.safetensors", "impossible shape"},
+                                                        {"nodtype.safetensors", "'w'"},
+                                                        {"past.safetensors", "truncated"}})
+    test::expect_error_containing<std::runtime_error>(
+        [&] { read_safetensors((d / name).string()); }, {name, needle}, name + " was read");
   fs::remove_all(d);
 }
 
@@ -98,10 +105,12 @@ TEST(Checkpoint, KeepLastNeverRemovesTheCheckpointJustWritten) {
   const fs::path d = temp_dir("keep");
   for (int64_t step : {5, 20, 10, 15}) {
     const std::string where = save_checkpoint(d.string(), small_checkpoint(step, step), 1);
-    EXPECT_TRUE(fs::exists(fs::path(where) / "state.json")) << "step " << step << " was removed right after it was written";
+    EXPECT_TRUE(fs::exists(fs::path(where) / "state.json"))
+        << "step " << step << " was removed right after it was written";
   }
   std::vector<std::string> names;
-  for (const std::string& c : list_checkpoints(d.string())) names.push_back(fs::path(c).filename().string());
+  for (const std::string& c : list_checkpoints(d.string()))
+    names.push_back(fs::path(c).filename().string());
   EXPECT_EQ(names, (std::vector<std::string>{"step_00000015", "step_00000020"}));
   fs::remove_all(d);
 }
@@ -110,7 +119,8 @@ TEST(Checkpoint, KeepLastNeverRemovesTheCheckpointJustWritten) {
 // of a live process (here: this one) is not, nor is anything not named like a checkpoint's.
 TEST(Checkpoint, NextSaveRemovesHalfWrittenFoldersOfDeadProcesses) {
   const fs::path d = temp_dir("stale");
-  const fs::path dead = d / "step_00000003.tmp-2147483646", live = d / ("step_00000009.tmp-" + std::to_string(::getpid()));
+  const fs::path dead = d / "step_00000003.tmp-2147483646",
+                 live = d / ("step_00000009.tmp-" + std::to_string(::getpid()));
   const fs::path other = d / "notes.tmp-2147483646";
   for (const fs::path& p : {dead, live, other}) {
     fs::create_directories(p);
@@ -129,12 +139,14 @@ TEST(Checkpoint, SafetensorsMetadataVersionChecked) {
   const fs::path d = temp_dir("metaver");
   const std::string where = save_checkpoint(d.string(), small_checkpoint(2, 2), 0);
   const Checkpoint ck = load_checkpoint(where);
-  write_safetensors((fs::path(where) / "optimizer.safetensors").string(), ck.optimizer, {{"contract_version", "9"}});
+  write_safetensors((fs::path(where) / "optimizer.safetensors").string(), ck.optimizer,
+                    {{"contract_version", "9"}});
   try {
     load_checkpoint(where);
     ADD_FAILURE() << "expected contract_version 9 to be refused";
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("optimizer.safetensors: written under contract_version 9"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("optimizer.safetensors: written under contract_version 9"),
+              std::string::npos)
         << e.what();
   }
   fs::remove_all(d);
@@ -142,7 +154,8 @@ TEST(Checkpoint, SafetensorsMetadataVersionChecked) {
 
 TEST(Checkpoint, AtomicKeepLastAndVersionCheck) {
   const fs::path d = temp_dir("run");
-  for (int64_t step : {5, 10, 15, 20}) save_checkpoint(d.string(), small_checkpoint(step, step * 100), 2);
+  for (int64_t step : {5, 10, 15, 20})
+    save_checkpoint(d.string(), small_checkpoint(step, step * 100), 2);
   // a crash mid-write leaves a temporary directory: it is never taken for a checkpoint
   fs::create_directories(d / "step_00000025.tmp-999");
   const auto all = list_checkpoints(d.string());

@@ -41,7 +41,8 @@ TEST(Config, BadInputIsAClearErrorBeforeAnyWork) {
   expect_error(base, {"model.dmodel=3"}, "unknown config key 'model.dmodel'");
   expect_error(base, {"model.dmodel=3"}, "valid keys: model.vocab");
   expect_error(base, {"train.lr=1e400"}, "1e400 is out of the range of a double");
-  EXPECT_EQ(config_from_json(base, {"train.out_dir=1e400"}).train.out_dir, "1e400");  // a string key: as written
+  EXPECT_EQ(config_from_json(base, {"train.out_dir=1e400"}).train.out_dir,
+            "1e400");  // a string key: as written
   expect_error(base, {"model.d_model=130"}, "not divisible by model.n_heads");
   expect_error(base, {"model.n_kv_heads=3"}, "not divisible by model.n_kv_heads");
   expect_error(base, {"model.seq_len=1024"}, "longer than the learned positions table");
@@ -50,9 +51,11 @@ TEST(Config, BadInputIsAClearErrorBeforeAnyWork) {
   expect_error(base, {"recipe.name=int8"}, "recipe.name 'int8'");
   expect_error(base, {"d_model"}, "expected key=value");
   // range errors name the value given (and, for the warmup, the steps it must fit in)
-  expect_error(base, {"train.steps=5", "train.warmup=20"}, "train.warmup = 20 must be within 0..train.steps (5)");
+  expect_error(base, {"train.steps=5", "train.warmup=20"},
+               "train.warmup = 20 must be within 0..train.steps (5)");
   expect_error(base, {"train.lr=-0.5"}, "train.lr must be positive, got -0.5");
-  expect_error(base, {"recipe.stats_every=-2"}, "recipe.stats_every must be >= 0 (0: no statistics), got -2");
+  expect_error(base, {"recipe.stats_every=-2"},
+               "recipe.stats_every must be >= 0 (0: no statistics), got -2");
   nlohmann::json j = base;
   j["model"]["heads"] = 4;
   expect_error(j, {}, "unknown config key 'model.heads'");

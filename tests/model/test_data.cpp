@@ -1,10 +1,10 @@
 // Token files and the corpus split.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <unistd.h>
 
 #include "model/data.hpp"
 #include "tests/model/expect_error.hpp"
@@ -15,7 +15,8 @@ namespace {
 namespace fs = std::filesystem;
 
 fs::path temp_dir(const char* name) {
-  fs::path p = fs::temp_directory_path() / (std::string("fp4sim_test_") + name + "_" + std::to_string(::getpid()));
+  fs::path p = fs::temp_directory_path() /
+               (std::string("fp4sim_test_") + name + "_" + std::to_string(::getpid()));
   fs::remove_all(p);
   fs::create_directories(p);
   return p;
@@ -48,10 +49,12 @@ TEST(Data, CorruptFilesAreClearErrors) {
     read_token_file((d / "a.tokens").string());
     FAIL();
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("truncated token file (30 bytes"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("truncated token file (30 bytes"), std::string::npos)
+        << e.what();
   }
   // not a token file
-  std::ofstream((d / "b.tokens").string()) << "hello world, this is not a token file at all, not even close......";
+  std::ofstream((d / "b.tokens").string())
+      << "hello world, this is not a token file at all, not even close......";
   try {
     read_token_file((d / "b.tokens").string());
     FAIL();
@@ -87,7 +90,8 @@ TEST(Data, CorruptFilesAreClearErrors) {
     const uint64_t huge = uint64_t{1} << 60;
     f.write(reinterpret_cast<const char*>(&huge), 8);
   }
-  for (const auto& [name, needle] : {std::pair<std::string, std::string>{"e.tokens", "bytes after"}, {"f.tokens", "truncated"}})
+  for (const auto& [name, needle] :
+       {std::pair<std::string, std::string>{"e.tokens", "bytes after"}, {"f.tokens", "truncated"}})
     test::expect_error_containing<std::runtime_error>([&] { read_token_file((d / name).string()); },
                                                       {needle, name}, name + " was read");
   fs::remove_all(d);
@@ -95,7 +99,8 @@ TEST(Data, CorruptFilesAreClearErrors) {
 
 TEST(Data, CorpusSplitIsFixedBySortedPaths) {
   const fs::path d = temp_dir("corpus");
-  for (int i = 0; i < 10; ++i) std::ofstream((d / ("doc" + std::to_string(i) + ".txt")).string()) << "document " << i;
+  for (int i = 0; i < 10; ++i)
+    std::ofstream((d / ("doc" + std::to_string(i) + ".txt")).string()) << "document " << i;
   std::ofstream((d / "ignored.json").string()) << "{}";
   const auto files = collect_text_files({d.string()});
   ASSERT_EQ(files.size(), 10u);

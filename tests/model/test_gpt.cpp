@@ -26,12 +26,17 @@ ModelConfig micro(const char* positions, const char* norm, const char* act, bool
   m.norm = norm;
   m.activation = act;
   m.tied_embeddings = tied;
-  m.activation_dtype = "fp32";  // finite differences need FP32 activations; BF16 storage is tested below
+  m.activation_dtype =
+      "fp32";  // finite differences need FP32 activations; BF16 storage is tested below
   return m;
 }
 
 TEST(Gpt, GradientsMatchFiniteDifferences) {
-  struct Variant { const char *pos, *norm, *act; bool tied; int64_t kv; };
+  struct Variant {
+    const char *pos, *norm, *act;
+    bool tied;
+    int64_t kv;
+  };
   for (const Variant& v : {Variant{"learned", "layernorm", "gelu_tanh", true, 4},
                            Variant{"rope", "rmsnorm", "squared_relu", false, 2},
                            Variant{"rope", "rmsnorm", "swiglu", true, 1}}) {
@@ -65,13 +70,14 @@ TEST(Gpt, GradientsMatchFiniteDifferences) {
         const double an = grad[t.offset + static_cast<size_t>(i)];
         const double err = std::fabs(fd - an) / std::max(1e-2, std::fabs(fd) + std::fabs(an));
         if (err > worst) worst = err;
-        EXPECT_LT(err, 0.05) << v.pos << "/" << v.norm << " " << t.name << "[" << i << "]: fd " << fd << " analytic " << an;
+        EXPECT_LT(err, 0.05) << v.pos << "/" << v.norm << " " << t.name << "[" << i << "]: fd "
+                             << fd << " analytic " << an;
         ++checked;
       }
     }
     EXPECT_GT(checked, 100);
-    std::printf("[gpt-grad] %s %s %s: %d parameters checked, worst relative error %.2e\n", v.pos, v.norm, v.act,
-                checked, worst);
+    std::printf("[gpt-grad] %s %s %s: %d parameters checked, worst relative error %.2e\n", v.pos,
+                v.norm, v.act, checked, worst);
   }
 }
 
@@ -97,8 +103,8 @@ TEST(Gpt, ShortTrainingRunLowersTheLoss) {
     last = loss;
     model.backward();
     const AdamWStep s = make_adamw_step(1e-2f, 0.9f, 0.95f, 1e-8f, 0.0f, step, 1.0f);
-    be->adamw_update(model.params(), model.grads(), mom.data(), var.data(), static_cast<int64_t>(model.num_params()),
-                     s);
+    be->adamw_update(model.params(), model.grads(), mom.data(), var.data(),
+                     static_cast<int64_t>(model.num_params()), s);
   }
   std::printf("[gpt-train] loss %.4f -> %.4f over 60 steps\n", first, last);
   EXPECT_NEAR(first, std::log(16.0f), 0.1);  // an untrained model is close to uniform
@@ -128,7 +134,8 @@ TEST(Gpt, Bf16ActivationStorage) {
   m.activation_dtype = "bf16";
   Gpt b16(m, *be);
   b16.init(5);
-  const float l32 = f32.forward(tok.data(), tgt.data(), B, T), l16 = b16.forward(tok.data(), tgt.data(), B, T);
+  const float l32 = f32.forward(tok.data(), tgt.data(), B, T),
+              l16 = b16.forward(tok.data(), tgt.data(), B, T);
   EXPECT_NE(l32, l16);
   EXPECT_NEAR(l16, l32, 0.01 * l32);
   const std::vector<float> logits = b16.logits_row_to_host(3);
@@ -154,15 +161,19 @@ TEST(Gpt, CpuBackwardPassesBf16DoutAndWrite) {
     const size_t m = static_cast<size_t>(kind == 2 ? 2 * n : n);
     auto call = [&](const std::vector<float>& d, bool bf16_dout, float fill) {
       std::vector<float> dinp(m, fill);
-      if (kind == 0) be->gelu_backward(dinp.data(), x.data(), d.data(), n, true, bf16_dout);
-      else if (kind == 1) be->squared_relu_backward(dinp.data(), x.data(), d.data(), n, true, bf16_dout);
-      else be->swiglu_backward(dinp.data(), x.data(), d.data(), N, F, true, bf16_dout);
+      if (kind == 0)
+        be->gelu_backward(dinp.data(), x.data(), d.data(), n, true, bf16_dout);
+      else if (kind == 1)
+        be->squared_relu_backward(dinp.data(), x.data(), d.data(), n, true, bf16_dout);
+      else
+        be->swiglu_backward(dinp.data(), x.data(), d.data(), N, F, true, bf16_dout);
       return dinp;
     };
     const std::vector<float> on_read = call(dout, true, NAN), before = call(rounded, false, 0.0f);
     const std::vector<float> raw = call(dout, false, 0.0f);
     EXPECT_EQ(0, std::memcmp(on_read.data(), before.data(), m * 4)) << "kind " << kind;
-    EXPECT_NE(0, std::memcmp(on_read.data(), raw.data(), m * 4)) << "kind " << kind << ": rounding not exercised";
+    EXPECT_NE(0, std::memcmp(on_read.data(), raw.data(), m * 4))
+        << "kind " << kind << ": rounding not exercised";
   }
   // the norms: dinp, dweight (and dbias) from a dout read as bf16 equal those from a rounded dout
   const std::vector<float> w(x.begin(), x.begin() + F), mean(static_cast<size_t>(N), 0.25f),
@@ -173,20 +184,25 @@ TEST(Gpt, CpuBackwardPassesBf16DoutAndWrite) {
       float* dinp = out.data();
       float* dw = dinp + n;
       if (layernorm)
-        be->layernorm_backward(dinp, dw, dw + F, d.data(), x.data(), w.data(), mean.data(), rstd.data(), N, F, true,
-                               bf16_dout);
+        be->layernorm_backward(dinp, dw, dw + F, d.data(), x.data(), w.data(), mean.data(),
+                               rstd.data(), N, F, true, bf16_dout);
       else
-        be->rmsnorm_backward(dinp, dw, d.data(), x.data(), w.data(), rstd.data(), N, F, true, bf16_dout);
+        be->rmsnorm_backward(dinp, dw, d.data(), x.data(), w.data(), rstd.data(), N, F, true,
+                             bf16_dout);
       return out;
     };
-    const std::vector<float> on_read = call(dout, true), before = call(rounded, false), raw = call(dout, false);
-    EXPECT_EQ(0, std::memcmp(on_read.data(), before.data(), on_read.size() * 4)) << "layernorm " << layernorm;
-    EXPECT_NE(0, std::memcmp(on_read.data(), raw.data(), on_read.size() * 4)) << "layernorm " << layernorm;
+    const std::vector<float> on_read = call(dout, true), before = call(rounded, false),
+                             raw = call(dout, false);
+    EXPECT_EQ(0, std::memcmp(on_read.data(), before.data(), on_read.size() * 4))
+        << "layernorm " << layernorm;
+    EXPECT_NE(0, std::memcmp(on_read.data(), raw.data(), on_read.size() * 4))
+        << "layernorm " << layernorm;
   }
 }
 
 // The loss gradient formed in the forward's cross-entropy op for 3 micro-batches equals the one a
-// backward for 3 micro-batches forms again after a forward made for 1: the same gradients, bit for bit.
+// backward for 3 micro-batches forms again after a forward made for 1: the same gradients, bit for
+// bit.
 TEST(Gpt, LossGradientFromForwardEqualsTheOneBackwardForms) {
   ModelConfig m = micro("learned", "layernorm", "gelu_tanh", true, 2);
   m.activation_dtype = "bf16";
@@ -197,7 +213,8 @@ TEST(Gpt, LossGradientFromForwardEqualsTheOneBackwardForms) {
   Gpt a(m, *be), b(m, *be);
   a.init(9);
   b.init(9);
-  const float la = a.forward(tok.data(), tgt.data(), B, T, 3), lb = b.forward(tok.data(), tgt.data(), B, T);
+  const float la = a.forward(tok.data(), tgt.data(), B, T, 3),
+              lb = b.forward(tok.data(), tgt.data(), B, T);
   EXPECT_EQ(la, lb);
   a.backward(3);
   b.backward(3);

@@ -61,7 +61,8 @@ TEST(Optim, AdamWUpdateManyUpdatesEachTensorWithItsStep) {
   }
   EXPECT_NE(p[0], p[6]);  // (the two steps differ)
   const std::vector<float> before = p;
-  EXPECT_THROW(be.adamw_update_many(p.data(), g.data(), m.data(), v.data(), offsets, {4}, steps), std::invalid_argument);
+  EXPECT_THROW(be.adamw_update_many(p.data(), g.data(), m.data(), v.data(), offsets, {4}, steps),
+               std::invalid_argument);
   EXPECT_THROW(be.adamw_update_many(p.data(), g.data(), m.data(), v.data(), {0, -1}, counts, steps),
                std::invalid_argument);
   EXPECT_EQ(p, before);
@@ -81,7 +82,8 @@ TEST(Schedule, WarmupCosineAndWsd) {
   EXPECT_DOUBLE_EQ(learning_rate("cosine", 10, 100, 10, 1.0, 0.1, 0.2), 1.0);
   EXPECT_NEAR(learning_rate("cosine", 99, 100, 10, 1.0, 0.1, 0.2), 0.1, 1e-12);
   for (int s = 11; s < 100; ++s)
-    EXPECT_LE(learning_rate("cosine", s, 100, 10, 1.0, 0.1, 0.2), learning_rate("cosine", s - 1, 100, 10, 1.0, 0.1, 0.2));
+    EXPECT_LE(learning_rate("cosine", s, 100, 10, 1.0, 0.1, 0.2),
+              learning_rate("cosine", s - 1, 100, 10, 1.0, 0.1, 0.2));
   EXPECT_DOUBLE_EQ(learning_rate("wsd", 50, 100, 10, 1.0, 0.1, 0.2), 1.0);
   EXPECT_DOUBLE_EQ(learning_rate("wsd", 79, 100, 10, 1.0, 0.1, 0.2), 1.0);
   EXPECT_NEAR(learning_rate("wsd", 99, 100, 10, 1.0, 0.1, 0.2), 0.1, 1e-12);

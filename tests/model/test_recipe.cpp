@@ -2,7 +2,6 @@
 // the SR stream function, the quantized linear layer against FP32, 2D weights' exact transpose,
 // and bitwise resume under NVFP4 with SR.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,8 +9,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <limits>
+#include <random>
 #include <set>
 #include <tuple>
 
@@ -31,11 +30,23 @@ uint32_t test_bits(float x) {
 }
 
 RunConfig run_with(std::vector<std::string> overrides, int64_t layers = 2) {
-  nlohmann::json j = {
-      {"model", {{"vocab", 32}, {"seq_len", 16}, {"max_positions", 16}, {"d_model", 32}, {"n_layers", layers},
-                 {"n_heads", 4}, {"n_kv_heads", 4}, {"d_ff", 64}}},
-      {"train", {{"batch", 2}, {"steps", 10}, {"lr", 3e-3}, {"warmup", 2}, {"data", "synthetic"},
-                 {"eval_every", 0}, {"checkpoint_every", 5}}}};
+  nlohmann::json j = {{"model",
+                       {{"vocab", 32},
+                        {"seq_len", 16},
+                        {"max_positions", 16},
+                        {"d_model", 32},
+                        {"n_layers", layers},
+                        {"n_heads", 4},
+                        {"n_kv_heads", 4},
+                        {"d_ff", 64}}},
+                      {"train",
+                       {{"batch", 2},
+                        {"steps", 10},
+                        {"lr", 3e-3},
+                        {"warmup", 2},
+                        {"data", "synthetic"},
+                        {"eval_every", 0},
+                        {"checkpoint_every", 5}}}};
   return config_from_json(j, overrides);
 }
 
@@ -50,21 +61,26 @@ void expect_config_error(std::vector<std::string> overrides, const std::string& 
 
 TEST(Recipe, ImpossibleCombinationsAreErrorsNamingTheKey) {
   expect_config_error({"recipe.name=nvfp4", "recipe.four_over_six=activations"}, "recipe.rht");
-  expect_config_error({"recipe.name=nvfp4", "recipe.four_over_six=all", "recipe.rht=false"}, "stochastic");
+  expect_config_error({"recipe.name=nvfp4", "recipe.four_over_six=all", "recipe.rht=false"},
+                      "stochastic");
   expect_config_error({"recipe.name=mxfp4", "recipe.weight_2d=true"}, "recipe.weight_2d");
-  EXPECT_FALSE(run_with({"recipe.name=mxfp4"}).recipe.weight_2d);  // MXFP4's default: 1-D weight blocks
+  EXPECT_FALSE(
+      run_with({"recipe.name=mxfp4"}).recipe.weight_2d);  // MXFP4's default: 1-D weight blocks
   EXPECT_TRUE(run_with({"recipe.name=nvfp4"}).recipe.weight_2d);
-  expect_config_error({"recipe.name=mxfp4", "recipe.weight_2d=false", "recipe.four_over_six=weights"}, "MXFP4");
+  expect_config_error(
+      {"recipe.name=mxfp4", "recipe.weight_2d=false", "recipe.four_over_six=weights"}, "MXFP4");
   expect_config_error({"recipe.name=nvfp4", "recipe.hp_layers=[5]"}, "recipe.hp_layers");
   expect_config_error({"recipe.name=nvfp4", "recipe.hp_last=3"}, "n_layers");
-  expect_config_error({"recipe.override.h.0.mlp.fc.fprop=bf16"}, "recipe.override.h.0.mlp.fc.fprop");
+  expect_config_error({"recipe.override.h.0.mlp.fc.fprop=bf16"},
+                      "recipe.override.h.0.mlp.fc.fprop");
   expect_config_error({"recipe.override.h.7.mlp.c_fc.fprop=bf16"}, "outside");
   expect_config_error({"recipe.override.h.0.mlp.c_fc.wgrad=fp6"}, "not one of");
   expect_config_error({"recipe.name=nvfp4", "model.d_ff=72"}, "model.d_ff");
   expect_config_error({"recipe.name=nvfp4", "recipe.gemm=fast"}, "recipe.gemm");
   expect_config_error({"recipe.name=fp8"}, "multiple of 128");  // d_model 32: the FP8 block is 128
-  expect_config_error({"recipe.name=fp8", "model.d_model=128", "model.d_ff=128", "recipe.four_over_six=weights"},
-                      "FP8");
+  expect_config_error(
+      {"recipe.name=fp8", "model.d_model=128", "model.d_ff=128", "recipe.four_over_six=weights"},
+      "FP8");
   // fine: Four Over Six on weights with the rest of the recipe, MXFP4 without 2D
   EXPECT_NO_THROW(run_with({"recipe.name=nvfp4", "recipe.four_over_six=weights"}));
   EXPECT_NO_THROW(run_with({"recipe.name=mxfp4", "recipe.weight_2d=false"}));
@@ -107,7 +123,8 @@ TEST(Recipe, OverridesAndTheLateSwitchResolvePerGemm) {
   r = resolve_linear_recipe(c, hp, 0, 0, 5);
   EXPECT_FALSE(r.any_quantized());
   // the override survives a round trip through the saved config
-  const RunConfig back = config_from_json(to_json(run_with({"recipe.override.h.1.mlp.c_fc.wgrad=bf16"})), {});
+  const RunConfig back =
+      config_from_json(to_json(run_with({"recipe.override.h.1.mlp.c_fc.wgrad=bf16"})), {});
   EXPECT_EQ(back.recipe.override_gemms.at("h.1.mlp.c_fc.wgrad"), "bf16");
 }
 
@@ -117,8 +134,10 @@ TEST(Recipe, SrStreamsAreDistinctAndFieldsChecked) {
     for (int64_t layer : {0, 1, 11})
       for (int64_t lin = 0; lin < 4; ++lin)
         for (TensorRole role : {TensorRole::Activation, TensorRole::Weight, TensorRole::Gradient})
-          for (int copy = 0; copy < 2; ++copy) EXPECT_TRUE(seen.insert(sr_stream(step, 0, layer, lin, role, copy)).second);
-  EXPECT_EQ(sr_stream(3, 1, 2, 1, TensorRole::Gradient, 1), (uint64_t{3} << 32) | (1u << 24) | (2u << 12) | (1u << 4) | (2u << 1) | 1u);
+          for (int copy = 0; copy < 2; ++copy)
+            EXPECT_TRUE(seen.insert(sr_stream(step, 0, layer, lin, role, copy)).second);
+  EXPECT_EQ(sr_stream(3, 1, 2, 1, TensorRole::Gradient, 1),
+            (uint64_t{3} << 32) | (1u << 24) | (2u << 12) | (1u << 4) | (2u << 1) | 1u);
   EXPECT_THROW(sr_stream(0, 0, 4096, 0, TensorRole::Weight, 0), std::out_of_range);
 }
 
@@ -147,25 +166,29 @@ TEST(Recipe, Nvfp4LinearTracksFp32) {
     return std::sqrt(e / n);
   };
   std::vector<float> y(N * OC), y32(N * OC);
-  linear_forward(*be, r, ids, y.data(), x.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::BF16, false, nullptr, "t");
-  emu::matmul_forward(y32.data(), x.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::FP32);
-  std::vector<float> dx(N * K, 0.5f), dw(OC * K, 0.25f), db(OC, 0.0f), dx32(N * K, 0.5f), dw32(OC * K, 0.25f), db32(OC, 0.0f);
+  linear_forward(*be, r, ids, y.data(), x.data(), w.data(), bias.data(), N, K, OC,
+                 emu::GemmPrecision::BF16, false, nullptr, "t");
+  emu::matmul_forward(y32.data(), x.data(), w.data(), bias.data(), N, K, OC,
+                      emu::GemmPrecision::FP32);
+  std::vector<float> dx(N * K, 0.5f), dw(OC * K, 0.25f), db(OC, 0.0f), dx32(N * K, 0.5f),
+      dw32(OC * K, 0.25f), db32(OC, 0.0f);
   std::vector<QuantStat> stats;
-  linear_backward(*be, r, ids, dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, K, OC,
-                  emu::GemmPrecision::BF16, &stats, "t");
-  emu::matmul_backward(dx32.data(), dw32.data(), db32.data(), dy.data(), x.data(), w.data(), N, K, OC,
-                       emu::GemmPrecision::FP32);
+  linear_backward(*be, r, ids, dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, K,
+                  OC, emu::GemmPrecision::BF16, &stats, "t");
+  emu::matmul_backward(dx32.data(), dw32.data(), db32.data(), dy.data(), x.data(), w.data(), N, K,
+                       OC, emu::GemmPrecision::FP32);
   // subtract the starting values so the error is that of the products, not hidden by the offsets
   // (linear_backward and emu::matmul_backward write dx; both add to dW)
   for (auto& v : dw) v -= 0.25f;
   for (auto& v : dw32) v -= 0.25f;
   const double ey = rel(y, y32), edx = rel(dx, dx32), edw = rel(dw, dw32);
-  std::printf("[nvfp4-linear] relative error vs FP32: fprop %.4f dgrad %.4f wgrad %.4f\n", ey, edx, edw);
+  std::printf("[nvfp4-linear] relative error vs FP32: fprop %.4f dgrad %.4f wgrad %.4f\n", ey, edx,
+              edw);
   for (double e : {ey, edx, edw}) {
     EXPECT_GT(e, 1e-3);  // really quantized
     EXPECT_LT(e, 0.25);  // and still the same product
   }
-  EXPECT_EQ(db, db32);  // the bias gradient stays FP32, same order
+  EXPECT_EQ(db, db32);          // the bias gradient stays FP32, same order
   ASSERT_EQ(stats.size(), 1u);  // dy row-wise (forward stats were not asked for)
   EXPECT_EQ(stats[0].tensor, "t.dgrad.dy");
   EXPECT_GT(stats[0].rel_error, 0.0);
@@ -182,9 +205,10 @@ TEST(Recipe, FourOverSixSkipsGemmsOverriddenToOtherFormats) {
   for (auto* v : {&x, &w, &dy})
     for (auto& e : *v) e = nd(rng);
   for (const char* fmt : {"mxfp4"}) {
-    RunConfig c = run_with({"recipe.name=nvfp4", "recipe.four_over_six=all", "recipe.stochastic_rounding=off",
-                            "recipe.rht=false", std::string("recipe.override.h.0.attn.c_attn.wgrad=") + fmt,
-                            std::string("recipe.override.h.0.attn.c_attn.fprop=") + fmt});
+    RunConfig c =
+        run_with({"recipe.name=nvfp4", "recipe.four_over_six=all", "recipe.stochastic_rounding=off",
+                  "recipe.rht=false", std::string("recipe.override.h.0.attn.c_attn.wgrad=") + fmt,
+                  std::string("recipe.override.h.0.attn.c_attn.fprop=") + fmt});
     const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 0, 0);
     ASSERT_EQ(r.wgrad, fmt);
     ASSERT_TRUE(r.fos_activations);
@@ -194,8 +218,9 @@ TEST(Recipe, FourOverSixSkipsGemmsOverriddenToOtherFormats) {
     EXPECT_NO_THROW(linear_forward(*be, r, ids, y.data(), x.data(), w.data(), nullptr, N, K, OC,
                                    emu::GemmPrecision::BF16, false, nullptr, "t", &saved))
         << fmt;
-    EXPECT_NO_THROW(linear_backward(*be, r, ids, dx.data(), dw.data(), nullptr, dy.data(), x.data(), w.data(), N, K,
-                                    OC, emu::GemmPrecision::BF16, nullptr, "t", saved.get()))
+    EXPECT_NO_THROW(linear_backward(*be, r, ids, dx.data(), dw.data(), nullptr, dy.data(), x.data(),
+                                    w.data(), N, K, OC, emu::GemmPrecision::BF16, nullptr, "t",
+                                    saved.get()))
         << fmt;
     ASSERT_TRUE(saved);
     EXPECT_FALSE(saved->view.four_over_six) << fmt;
@@ -219,17 +244,20 @@ TEST(Recipe, LinearBackwardWritesDinpAndAccumulatesWeightGradients) {
     const LinearIds ids{1, 0, 0, 0, 0};
     auto run = [&](float dx0, float dw0) {
       std::vector<float> y(N * OC), dx(N * K, dx0), dw(OC * K, dw0), db(OC, dw0);
-      linear_forward(*be, r, ids, y.data(), x.data(), w.data(), nullptr, N, K, OC, emu::GemmPrecision::BF16, false,
-                     nullptr, "t");
-      linear_backward(*be, r, ids, dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, K, OC,
-                      emu::GemmPrecision::BF16, nullptr, "t");
+      linear_forward(*be, r, ids, y.data(), x.data(), w.data(), nullptr, N, K, OC,
+                     emu::GemmPrecision::BF16, false, nullptr, "t");
+      linear_backward(*be, r, ids, dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(),
+                      N, K, OC, emu::GemmPrecision::BF16, nullptr, "t");
       return std::make_tuple(dx, dw, db);
     };
     const auto [dx_a, dw_a, db_a] = run(0.0f, 0.0f);
     const auto [dx_b, dw_b, db_b] = run(std::numeric_limits<float>::quiet_NaN(), 1.0f);
-    EXPECT_EQ(0, std::memcmp(dx_a.data(), dx_b.data(), dx_a.size() * 4)) << recipe << ": dx must be written";
-    for (size_t i = 0; i < dw_a.size(); ++i) ASSERT_EQ(dw_b[i], 1.0f + dw_a[i]) << recipe << ": dW must accumulate";
-    for (size_t i = 0; i < db_a.size(); ++i) ASSERT_EQ(db_b[i], 1.0f + db_a[i]) << recipe << ": db must accumulate";
+    EXPECT_EQ(0, std::memcmp(dx_a.data(), dx_b.data(), dx_a.size() * 4))
+        << recipe << ": dx must be written";
+    for (size_t i = 0; i < dw_a.size(); ++i)
+      ASSERT_EQ(dw_b[i], 1.0f + dw_a[i]) << recipe << ": dW must accumulate";
+    for (size_t i = 0; i < db_a.size(); ++i)
+      ASSERT_EQ(db_b[i], 1.0f + db_a[i]) << recipe << ": db must accumulate";
   }
 }
 
@@ -238,21 +266,25 @@ TEST(Recipe, LinearBackwardWritesDinpAndAccumulatesWeightGradients) {
 // buffer after those calls sees the caller's fill; matmul_forward_activation is counted.
 class FusingCpuBackend : public emu::CpuBackend {
  public:
-  void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                           QuantizedView* columnwise, float* dbias) override {
+  void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg,
+                           QuantizedView* rowwise, QuantizedView* columnwise,
+                           float* dbias) override {
     std::vector<float> own(static_cast<size_t>(src.rows * src.cols));
     ActivationSource s = src;
     s.out = own.data();
     Backend::quantize_activation(s, cfg, rowwise, columnwise, dbias);
     ++fused_quantize;
   }
-  void matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src, const float* weight, const float* bias,
-                                 int64_t OC, emu::GemmPrecision prec, bool round_bf16) override {
+  void matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src,
+                                 const float* weight, const float* bias, int64_t OC,
+                                 emu::GemmPrecision prec, bool round_bf16) override {
     Backend::matmul_forward_activation(out, out16, src, weight, bias, OC, prec, round_bf16);
     ++fused_matmul;
   }
-  void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
-                                  const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) override {
+  void matmul_backward_activation(float* dinp, float* dweight, float* dbias,
+                                  const ActivationSource& src, const float* inp,
+                                  const float* weight, int64_t K,
+                                  emu::GemmPrecision prec) override {
     std::vector<float> own(static_cast<size_t>(src.rows * src.cols));
     ActivationSource s = src;
     s.out = own.data();
@@ -267,13 +299,16 @@ class FusingCpuBackend : public emu::CpuBackend {
 // a gradient into NaN.
 class PoisoningCpuBackend : public FusingCpuBackend {
  public:
-  void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg, QuantizedView* rowwise,
-                           QuantizedView* columnwise, float* dbias) override {
+  void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg,
+                           QuantizedView* rowwise, QuantizedView* columnwise,
+                           float* dbias) override {
     FusingCpuBackend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
     poison(src);
   }
-  void matmul_backward_activation(float* dinp, float* dweight, float* dbias, const ActivationSource& src,
-                                  const float* inp, const float* weight, int64_t K, emu::GemmPrecision prec) override {
+  void matmul_backward_activation(float* dinp, float* dweight, float* dbias,
+                                  const ActivationSource& src, const float* inp,
+                                  const float* weight, int64_t K,
+                                  emu::GemmPrecision prec) override {
     FusingCpuBackend::matmul_backward_activation(dinp, dweight, dbias, src, inp, weight, K, prec);
     poison(src);
   }
@@ -305,20 +340,21 @@ TEST(Recipe, PendingActivationEqualsRunningItFirst) {
     const char* recipe;
     std::vector<std::string> extra;
     int fused_quantize;  // quantize_activation calls expected without statistics (with them: none)
-    int fused_matmul;    // matmul_*_activation calls expected (statistics do not matter: BF16 GEMMs)
+    int fused_matmul;  // matmul_*_activation calls expected (statistics do not matter: BF16 GEMMs)
   };
   const std::string ov = "recipe.override.h.0.mlp.c_proj.";
-  const Case cases[] = {{"fp8", {}, 2, 0},
-                        {"nvfp4", {}, 2, 0},
-                        {"bf16", {}, 0, 2},
-                        {"nvfp4", {ov + "wgrad=mxfp4"}, 0, 0},  // copies of two formats: the op runs first
-                        {"nvfp4", {ov + "fprop=bf16"}, 1, 0},   // forward runs the op, backward fuses
-                        {"fp8", {ov + "dgrad=bf16"}, 1, 0},     // the reverse
-                        {"fp8", {ov + "dgrad=bf16", ov + "wgrad=bf16"}, 0, 1}};  // a BF16 backward pass
+  const Case cases[] = {
+      {"fp8", {}, 2, 0},
+      {"nvfp4", {}, 2, 0},
+      {"bf16", {}, 0, 2},
+      {"nvfp4", {ov + "wgrad=mxfp4"}, 0, 0},  // copies of two formats: the op runs first
+      {"nvfp4", {ov + "fprop=bf16"}, 1, 0},   // forward runs the op, backward fuses
+      {"fp8", {ov + "dgrad=bf16"}, 1, 0},     // the reverse
+      {"fp8", {ov + "dgrad=bf16", ov + "wgrad=bf16"}, 0, 1}};  // a BF16 backward pass
   for (const Case& k : cases)
     for (bool stats : {false, true}) {
-      std::vector<std::string> o = {std::string("recipe.name=") + k.recipe, "model.d_model=128", "model.d_ff=128",
-                                    "train.batch=8"};
+      std::vector<std::string> o = {std::string("recipe.name=") + k.recipe, "model.d_model=128",
+                                    "model.d_ff=128", "train.batch=8"};
       o.insert(o.end(), k.extra.begin(), k.extra.end());
       RunConfig c = run_with(o);
       const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 3, 5);
@@ -328,29 +364,43 @@ TEST(Recipe, PendingActivationEqualsRunningItFirst) {
       what += stats ? " with statistics" : "";
       SCOPED_TRACE(what);
       auto run = [&](Backend& be, bool pending) {
-        std::vector<float> act(N * K, nan), dfc(N * OC, nan), y(N * OC), dx(N * K), dw(OC * K, 0.5f), db(OC, 0.25f);
-        const ActivationSource fwd{ActivationOp::GeluForward, pre.data(), nullptr, act.data(), N, K, true, false, "act"};
-        const ActivationSource bwd{ActivationOp::GeluBackward, fc.data(), dact.data(), dfc.data(), N, OC, true, true, "dfc"};
+        std::vector<float> act(N * K, nan), dfc(N * OC, nan), y(N * OC), dx(N * K),
+            dw(OC * K, 0.5f), db(OC, 0.25f);
+        const ActivationSource fwd{
+            ActivationOp::GeluForward, pre.data(), nullptr, act.data(), N, K, true, false, "act"};
+        const ActivationSource bwd{ActivationOp::GeluBackward,
+                                   fc.data(),
+                                   dact.data(),
+                                   dfc.data(),
+                                   N,
+                                   OC,
+                                   true,
+                                   true,
+                                   "dfc"};
         if (!pending) {
           be.run_activation(fwd);
           be.run_activation(bwd);
         }
         std::vector<QuantStat> st;
         std::unique_ptr<QuantizedCopy> saved_x, saved_w;
-        linear_forward(be, r, ids, y.data(), act.data(), w.data(), bias.data(), N, K, OC, emu::GemmPrecision::BF16,
-                       true, stats ? &st : nullptr, "t", &saved_x, &saved_w, pending ? &fwd : nullptr);
+        linear_forward(be, r, ids, y.data(), act.data(), w.data(), bias.data(), N, K, OC,
+                       emu::GemmPrecision::BF16, true, stats ? &st : nullptr, "t", &saved_x,
+                       &saved_w, pending ? &fwd : nullptr);
         // (the model passes the FP32 input only where the Wgrad GEMM is BF16: linear_input)
-        linear_backward(be, r, ids, dx.data(), dw.data(), db.data(), dfc.data(), r.wgrad == "bf16" ? act.data() : nullptr,
-                        w.data(), N, K, OC, emu::GemmPrecision::BF16, stats ? &st : nullptr, "t", saved_x.get(),
+        linear_backward(be, r, ids, dx.data(), dw.data(), db.data(), dfc.data(),
+                        r.wgrad == "bf16" ? act.data() : nullptr, w.data(), N, K, OC,
+                        emu::GemmPrecision::BF16, stats ? &st : nullptr, "t", saved_x.get(),
                         saved_w.get(), pending ? &bwd : nullptr);
         return std::make_tuple(y, dx, dw, db);
       };
       const auto [y_a, dx_a, dw_a, db_a] = run(plain, false);
       const int before_q = fusing.fused_quantize, before_m = fusing.fused_matmul;
       const auto [y_b, dx_b, dw_b, db_b] = run(fusing, true);
-      EXPECT_EQ(fusing.fused_quantize - before_q, stats ? 0 : k.fused_quantize) << "quantize_activation calls";
+      EXPECT_EQ(fusing.fused_quantize - before_q, stats ? 0 : k.fused_quantize)
+          << "quantize_activation calls";
       EXPECT_EQ(fusing.fused_matmul - before_m, k.fused_matmul) << "matmul_*_activation calls";
-      EXPECT_FALSE(std::isnan(y_a[0]) || std::isnan(dx_a[0]) || std::isnan(dw_a[0]) || std::isnan(db_a[0]));
+      EXPECT_FALSE(std::isnan(y_a[0]) || std::isnan(dx_a[0]) || std::isnan(dw_a[0]) ||
+                   std::isnan(db_a[0]));
       EXPECT_EQ(0, std::memcmp(y_a.data(), y_b.data(), y_a.size() * 4)) << "output";
       EXPECT_EQ(0, std::memcmp(dx_a.data(), dx_b.data(), dx_a.size() * 4)) << "dx";
       EXPECT_EQ(0, std::memcmp(dw_a.data(), dw_b.data(), dw_a.size() * 4)) << "dW";
@@ -365,13 +415,16 @@ TEST(Recipe, PendingActivationEqualsRunningItFirst) {
 TEST(Recipe, ModelStepWithFusedActivationsEqualsPlainStep) {
   for (const char* recipe : {"fp8", "nvfp4", "bf16"}) {
     SCOPED_TRACE(recipe);
-    const RunConfig c = run_with({std::string("recipe.name=") + recipe, "model.d_model=128", "model.d_ff=256",
-                                  "model.seq_len=64", "model.max_positions=64", "train.batch=2"});
+    const RunConfig c =
+        run_with({std::string("recipe.name=") + recipe, "model.d_model=128", "model.d_ff=256",
+                  "model.seq_len=64", "model.max_positions=64", "train.batch=2"});
     PoisoningCpuBackend fusing;
     emu::CpuBackend plain;
     const std::vector<float> a = model_steps(plain, c, 2, 64), b = model_steps(fusing, c, 2, 64);
-    if (std::string(recipe) == "bf16") EXPECT_GT(fusing.fused_matmul, 0) << "no fused BF16 matmul call happened";
-    else EXPECT_GT(fusing.fused_quantize, 0) << "no fused quantize call happened";
+    if (std::string(recipe) == "bf16")
+      EXPECT_GT(fusing.fused_matmul, 0) << "no fused BF16 matmul call happened";
+    else
+      EXPECT_GT(fusing.fused_quantize, 0) << "no fused quantize call happened";
     ASSERT_EQ(a.size(), b.size());
     const size_t step2 = a.size() / 2;  // [loss, gradients..., loss, gradients...]
     for (size_t i : {size_t{0}, step2}) {
@@ -397,18 +450,20 @@ TEST(Recipe, Bf16BitsStorageEqualsFp32Arrays) {
        "model.n_kv_heads=2", "model.bias=false", "model.tied_embeddings=false"},
       {"recipe.name=nvfp4", "model.n_layers=3", "recipe.hp_first=1", "recipe.hp_last=0"},
       {"recipe.name=fp8"},
-      {"recipe.name=nvfp4", "recipe.override.h.0.attn.c_attn.wgrad=bf16", "recipe.override.h.1.mlp.c_fc.fprop=bf16"},
+      {"recipe.name=nvfp4", "recipe.override.h.0.attn.c_attn.wgrad=bf16",
+       "recipe.override.h.1.mlp.c_fc.fprop=bf16"},
   };
   for (const auto& ov : cases) {
     SCOPED_TRACE(ov.size() > 1 ? ov[1] : ov[0]);
-    std::vector<std::string> all = {"model.d_model=128", "model.d_ff=256", "model.seq_len=64", "model.max_positions=64",
-                                    "train.batch=2"};
+    std::vector<std::string> all = {"model.d_model=128", "model.d_ff=256", "model.seq_len=64",
+                                    "model.max_positions=64", "train.batch=2"};
     all.insert(all.end(), ov.begin(), ov.end());
     const RunConfig c = run_with(all);
     emu::CpuBackend be;
     auto steps = [&](bool bits) {  // (and the bytes kept: the bits storage must keep fewer)
       size_t bytes = 0;
-      std::vector<float> out = model_steps(be, c, 2, 64, [&](Gpt& m) { m.set_bf16_bits_storage(bits); }, 2, 1, &bytes);
+      std::vector<float> out = model_steps(
+          be, c, 2, 64, [&](Gpt& m) { m.set_bf16_bits_storage(bits); }, 2, 1, &bytes);
       return std::make_pair(out, bytes);
     };
     const auto [plain, plain_bytes] = steps(false);
@@ -438,7 +493,8 @@ TEST(Recipe, Weight2dDgradCopyIsTheExactTranspose) {
   row.block_2d = col.block_2d = true;
   row.rowwise.enabled = true;
   col.columnwise.enabled = true;
-  const QuantizedHost fw = quantize_to_host(*be, tv, row).rowwise;  // separate calls, as the layer does
+  const QuantizedHost fw =
+      quantize_to_host(*be, tv, row).rowwise;  // separate calls, as the layer does
   QuantizedHost dw = quantize_to_host(*be, tv, col).columnwise;
   QuantizedHost fwc = fw;
   const std::vector<float> a = dequantize_to_host(*be, fwc), b = dequantize_to_host(*be, dw);
@@ -452,7 +508,9 @@ TEST(Recipe, Weight2dDgradCopyIsTheExactTranspose) {
 }
 
 TEST(Recipe, Nvfp4TrainingResumesBitwise) {
-  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_recipe_" + std::to_string(::getpid()))).string();
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("fp4sim_recipe_" + std::to_string(::getpid())))
+          .string();
   std::filesystem::remove_all(dir);
   TrainOptions quiet;
   quiet.print = false;
@@ -471,7 +529,8 @@ TEST(Recipe, Nvfp4TrainingResumesBitwise) {
     EXPECT_EQ(a, b) << "step " << cont.steps[i].step;
   }
   // and NVFP4 is really on: the losses differ from the BF16 run's
-  const TrainResult bf16 = train(run_with({"train.out_dir=" + dir + "/bf16"}), quiet, *make_cpu_backend());
+  const TrainResult bf16 =
+      train(run_with({"train.out_dir=" + dir + "/bf16"}), quiet, *make_cpu_backend());
   EXPECT_NE(bf16.steps.back().loss, full.steps.back().loss);
   EXPECT_NEAR(bf16.steps.back().loss, full.steps.back().loss, 0.05 * bf16.steps.back().loss);
   std::filesystem::remove_all(dir);
@@ -480,14 +539,17 @@ TEST(Recipe, Nvfp4TrainingResumesBitwise) {
 // The quantization statistics only read: a run that logs them every step trains bit for bit like
 // one that does not (NVFP4 with SR and RHT, and FP8), and the log carries them.
 TEST(Recipe, StatisticsDoNotChangeTraining) {
-  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_stats_" + std::to_string(::getpid()))).string();
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("fp4sim_stats_" + std::to_string(::getpid())))
+          .string();
   std::filesystem::remove_all(dir);
   TrainOptions quiet;
   quiet.print = false;
   for (const char* recipe : {"nvfp4", "fp8"}) {
     auto cfg = [&](int every) {
-      std::vector<std::string> o = {std::string("recipe.name=") + recipe, "recipe.stats_every=" + std::to_string(every),
-                                    "train.steps=4", "train.checkpoint_every=0",
+      std::vector<std::string> o = {std::string("recipe.name=") + recipe,
+                                    "recipe.stats_every=" + std::to_string(every), "train.steps=4",
+                                    "train.checkpoint_every=0",
                                     "train.out_dir=" + dir + "/" + recipe + std::to_string(every)};
       if (std::string(recipe) == "fp8")  // FP8's 128-element blocks: d 128, 128 tokens a batch
         o.insert(o.end(), {"model.d_model=128", "model.d_ff=256", "train.batch=8"});
@@ -526,9 +588,13 @@ TEST(Recipe, QuantizedWgradKeepsLessActivationMemory) {
     m.backward();
     return m.saved_activation_bytes();
   };
-  const size_t bf16 = bytes({}), nvfp4 = bytes({"recipe.name=nvfp4"}), mx = bytes({"recipe.name=mxfp4", "recipe.weight_2d=false"});
-  std::printf("[recipe] saved activation bytes: bf16 %zu (with BF16 bits storage %zu), nvfp4 %zu (%.1f%%), mxfp4 %zu\n",
-              bf16, bytes({}, true), nvfp4, 100.0 * static_cast<double>(nvfp4) / static_cast<double>(bf16), mx);
+  const size_t bf16 = bytes({}), nvfp4 = bytes({"recipe.name=nvfp4"}),
+               mx = bytes({"recipe.name=mxfp4", "recipe.weight_2d=false"});
+  std::printf(
+      "[recipe] saved activation bytes: bf16 %zu (with BF16 bits storage %zu), nvfp4 %zu (%.1f%%), "
+      "mxfp4 %zu\n",
+      bf16, bytes({}, true), nvfp4, 100.0 * static_cast<double>(nvfp4) / static_cast<double>(bf16),
+      mx);
   EXPECT_LT(nvfp4, bf16);
   EXPECT_LT(mx, bf16);
 }
@@ -536,19 +602,23 @@ TEST(Recipe, QuantizedWgradKeepsLessActivationMemory) {
 // The late switch to BF16 mid-run: the layers start keeping FP32 inputs again, and a resume across
 // the switch is still bit for bit.
 TEST(Recipe, LateSwitchToBf16ResumesBitwise) {
-  const std::string dir = (std::filesystem::temp_directory_path() / ("fp4sim_switch_" + std::to_string(::getpid()))).string();
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("fp4sim_switch_" + std::to_string(::getpid())))
+          .string();
   std::filesystem::remove_all(dir);
   TrainOptions quiet;
   quiet.print = false;
   auto cfg = [&](const std::string& out) {
-    return run_with({"recipe.name=nvfp4", "recipe.bf16_from_step=4", "recipe.bf16_switch=all", "train.out_dir=" + out});
+    return run_with({"recipe.name=nvfp4", "recipe.bf16_from_step=4", "recipe.bf16_switch=all",
+                     "train.out_dir=" + out});
   };
   const TrainResult full = train(cfg(dir + "/full"), quiet, *make_cpu_backend());
   TrainOptions resume = quiet;
   resume.resume = dir + "/full/checkpoints/step_00000005";
   const TrainResult cont = train(cfg(dir + "/cont"), resume, *make_cpu_backend());
   ASSERT_EQ(cont.steps.size(), 5u);
-  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(test_bits(cont.steps[i].loss), test_bits(full.steps[5 + i].loss));
+  for (size_t i = 0; i < 5; ++i)
+    EXPECT_EQ(test_bits(cont.steps[i].loss), test_bits(full.steps[5 + i].loss));
   std::filesystem::remove_all(dir);
 }
 

@@ -1,12 +1,11 @@
 // The trainer: loss falls, bitwise resume, bad input stops before any work.
 #include <gtest/gtest.h>
-
-#include <filesystem>
-#include <functional>
-#include <fstream>
 #include <unistd.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 
 #include "model/checkpoint.hpp"
 #include "model/trainer.hpp"
@@ -15,11 +14,25 @@ namespace fp4sim::model {
 namespace {
 
 RunConfig micro_run(const std::string& out) {
-  nlohmann::json j = {
-      {"model", {{"vocab", 32}, {"seq_len", 16}, {"max_positions", 16}, {"d_model", 32}, {"n_layers", 2},
-                 {"n_heads", 4}, {"n_kv_heads", 4}, {"d_ff", 64}}},
-      {"train", {{"batch", 2}, {"steps", 10}, {"lr", 3e-3}, {"warmup", 2}, {"data", "synthetic"},
-                 {"eval_every", 5}, {"eval_batches", 2}, {"checkpoint_every", 5}, {"out_dir", out}}}};
+  nlohmann::json j = {{"model",
+                       {{"vocab", 32},
+                        {"seq_len", 16},
+                        {"max_positions", 16},
+                        {"d_model", 32},
+                        {"n_layers", 2},
+                        {"n_heads", 4},
+                        {"n_kv_heads", 4},
+                        {"d_ff", 64}}},
+                      {"train",
+                       {{"batch", 2},
+                        {"steps", 10},
+                        {"lr", 3e-3},
+                        {"warmup", 2},
+                        {"data", "synthetic"},
+                        {"eval_every", 5},
+                        {"eval_batches", 2},
+                        {"checkpoint_every", 5},
+                        {"out_dir", out}}}};
   return config_from_json(j, {});
 }
 
@@ -27,7 +40,8 @@ RunConfig micro_run(const std::string& out) {
 struct ScratchDir {
   std::string path;
   explicit ScratchDir(const std::string& name)
-      : path((std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid()))).string()) {
+      : path((std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid())))
+                 .string()) {
     std::filesystem::remove_all(path);
   }
   ~ScratchDir() { std::filesystem::remove_all(path); }
@@ -62,7 +76,8 @@ RunConfig train_five_steps(const std::string& out) {
 
 // Train 10 steps with a checkpoint at 5, resume from it in a second run: steps 5-9 bit for bit.
 void expect_bitwise_resume(bool shuffle, int64_t grad_accum = 1) {
-  const ScratchDir scratch(std::string("fp4sim_train") + (shuffle ? "_shuffle" : "") + "_" + std::to_string(grad_accum));
+  const ScratchDir scratch(std::string("fp4sim_train") + (shuffle ? "_shuffle" : "") + "_" +
+                           std::to_string(grad_accum));
   const std::string& dir = scratch.path;
   const TrainOptions quiet = quiet_options();
   RunConfig c = micro_run(dir + "/full");
@@ -81,7 +96,8 @@ void expect_bitwise_resume(bool shuffle, int64_t grad_accum = 1) {
     uint32_t a, b;
     std::memcpy(&a, &cont.steps[i].loss, 4);
     std::memcpy(&b, &full.steps[5 + i].loss, 4);
-    EXPECT_EQ(a, b) << "step " << cont.steps[i].step << ": " << cont.steps[i].loss << " vs " << full.steps[5 + i].loss;
+    EXPECT_EQ(a, b) << "step " << cont.steps[i].step << ": " << cont.steps[i].loss << " vs "
+                    << full.steps[5 + i].loss;
   }
 }
 
@@ -112,7 +128,8 @@ TEST(Trainer, GradAccumulationMatchesOneLargeBatch) {
   EXPECT_NEAR(two[2].loss, one[2].loss, 1e-4 * one[2].loss);
 }
 
-// A run resumes in the batch order it began with: another train.shuffle is an error before any work.
+// A run resumes in the batch order it began with: another train.shuffle is an error before any
+// work.
 TEST(Trainer, ResumeWithAnotherShuffleSettingIsAnError) {
   const ScratchDir scratch("fp4sim_resume_shuf");
   const std::string& dir = scratch.path;
@@ -152,7 +169,8 @@ TEST(Trainer, ShuffledBatchesAreReproducibleAndDifferFromFileOrder) {
 // resume from it must stop with E naming `needle`.
 template <class E>
 void expect_edited_resume_error(const std::string& dir, const std::string& name,
-                                const std::function<void(Checkpoint&)>& edit, const std::string& needle) {
+                                const std::function<void(Checkpoint&)>& edit,
+                                const std::string& needle) {
   Checkpoint ck = load_checkpoint(dir + "/a/checkpoints");
   edit(ck);
   save_checkpoint(dir + "/" + name, ck, 0);
@@ -172,8 +190,8 @@ TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
   // the checkpoint is at step 5, so the first step trained (and the one that goes bad) is step 6,
   // counted from 1 as the step lines print it; the first non-finite tensor is a parameter
   expect_edited_resume_error<std::runtime_error>(dir, "b", nan_weight, "step 6:");
-  expect_edited_resume_error<std::runtime_error>(dir, "c", nan_weight,
-                                                 "the first non-finite tensor: parameter 'ln_f.weight'");
+  expect_edited_resume_error<std::runtime_error>(
+      dir, "c", nan_weight, "the first non-finite tensor: parameter 'ln_f.weight'");
   // finite weights whose sum overflows: the embeddings' output is the first non-finite tensor
   expect_edited_resume_error<std::runtime_error>(
       dir, "d",
@@ -193,7 +211,10 @@ TEST(Trainer, CheckpointTensorOfAnotherShapeRefused) {
   const std::string& dir = scratch.path;
   train_five_steps(dir + "/a");
   expect_edited_resume_error<std::runtime_error>(
-      dir, "b", [](Checkpoint& ck) { ck.model.at("ln_f.weight").shape = {2, 16}; },
+      dir, "b",
+      [](Checkpoint& ck) {
+        ck.model.at("ln_f.weight").shape = {2, 16};
+      },
       "tensor 'ln_f.weight' is F32 [2, 16], the model's is F32 [32]");
 }
 
@@ -204,7 +225,8 @@ TEST(Trainer, RefusesAnOutDirWithCheckpointsOfLaterSteps) {
   const std::string& dir = scratch.path;
   RunConfig c = micro_run(dir + "/a");
   train(c, quiet_options(), *make_cpu_backend());  // checkpoints at 5 and 10
-  expect_resume_error<std::invalid_argument>(c, dir + "/a/checkpoints/step_00000005", "step_00000010");
+  expect_resume_error<std::invalid_argument>(c, dir + "/a/checkpoints/step_00000005",
+                                             "step_00000010");
   // a fresh run into the same folder is refused the same way
   try {
     train(c, quiet_options(), *make_cpu_backend());
@@ -255,11 +277,13 @@ TEST(Trainer, CorruptCheckpointStateIsAClearError) {
   nlohmann::json bad = j;
   bad["data_position"] = -5;
   std::ofstream(state) << bad.dump();
-  expect_resume_error<std::runtime_error>(micro_run(dir + "/b"), dir + "/a/checkpoints", "data_position -5");
+  expect_resume_error<std::runtime_error>(micro_run(dir + "/b"), dir + "/a/checkpoints",
+                                          "data_position -5");
   bad = j;
   bad.erase("config");
   std::ofstream(state) << bad.dump();
-  expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/a/checkpoints", "no 'config'");
+  expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/a/checkpoints",
+                                          "no 'config'");
 }
 
 TEST(Trainer, MissingDataIsAnErrorBeforeAnyWork) {
