@@ -13,11 +13,15 @@
 // for rare, large paths (special values) that must not bloat the hot kernels' registers (inline:
 // one definition however many .cu files include the header)
 #define FP4SIM_HD_NOINLINE inline __host__ __device__ __noinline__
+#else
+#define FP4SIM_HD inline
+#define FP4SIM_HD_NOINLINE inline
+#endif
+// A loop-unrolling hint for the device pass only (the host compiler would warn on the pragma).
+#if defined(__CUDA_ARCH__)
 #define FP4SIM_UNROLL _Pragma("unroll")
 #else
 #define FP4SIM_UNROLL
-#define FP4SIM_HD inline
-#define FP4SIM_HD_NOINLINE inline
 #endif
 
 namespace fp4sim {
