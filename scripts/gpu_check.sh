@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run the GPU tests, the benchmarks and the oracles, print a
-# short table last. Full logs go to $OUT (or runs/gpu_session when $OUT is unset).
-# usage: scripts/gpu_session.sh [quick|train|recipes|profile|trainprofile|spot|oracles|gemm|picks]
+# short table last. Full logs go to $OUT (or runs/gpu_check when $OUT is unset).
+# usage: scripts/gpu_check.sh [quick|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile]
 #   (default) build, GPU tests, benchmarks, crosscheck, probe, PyTorch check, oracles, training speed
 #   quick     build + GPU tests (and the CPU tests, unless SKIP_EMU=1)
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
@@ -35,16 +35,16 @@
 set -uo pipefail
 case "${1:-}" in
   ""|quick|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile) ;;
-  *) echo "gpu_session.sh: unknown mode '$1' (quick, train, trace, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
+  *) echo "gpu_check.sh: unknown mode '$1' (quick, train, trace, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
-# logs gather in runs/gpu_session and travel back as one archive (the device returns <= 8 files)
-out=runs/gpu_session
+# logs gather in runs/gpu_check and travel back as one archive (the device returns <= 8 files)
+out=runs/gpu_check
 rm -rf "$out"
 mkdir -p "$out"
 mkdir -p "${OUT:-runs}"  # (an $OUT subfolder that does not exist yet would lose the archive)
-trap 'tar czf "${OUT:-runs}/gpu_session.tgz" -C runs gpu_session 2>/dev/null' EXIT
+trap 'tar czf "${OUT:-runs}/gpu_check.tgz" -C runs gpu_check 2>/dev/null' EXIT
 archs=${FP4SIM_ARCHS:-90a}
 summary=()
 row() { summary+=("$(printf '%-44s %s' "$1" "$2")"); }
@@ -94,7 +94,7 @@ if [ "${1:-}" = "picks" ]; then
 fi
 
 if [ "${1:-}" = "kprofile" ]; then
-  [ -n "${KERNEL:-}" ] || { echo "gpu_session.sh kprofile: set KERNEL (a kernel-name regex)" >&2; exit 2; }
+  [ -n "${KERNEL:-}" ] || { echo "gpu_check.sh kprofile: set KERNEL (a kernel-name regex)" >&2; exit 2; }
   kargs=(build-gpu/fp4sim train --config configs/gpt2-124m.json --backend cuda train.data=synthetic train.batch=16
          train.warmup=1 train.eval_every=0 train.out_dir=runs/prof recipe.name="${RECIPE:-fp8}" recipe.gemm=cublaslt
          train.steps=1)
@@ -183,7 +183,7 @@ recipe_run() {  # name gemm steps log
     | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'
 }
 median_of() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'; }
-# spot: the cheapest check of a change, for a session with little device time left: the tests that
+# spot: the cheapest check of a change, for a call with little device time left: the tests that
 # match $TESTS (a ctest regex), then one run (RUNS) of each recipe in $RECIPES (default "bf16 fp8
 # nvfp4"), and exact-GEMM runs of the recipes in $EXACT; no torch.compile
 if [ "${1:-}" = "spot" ]; then
@@ -265,7 +265,7 @@ if [ "${1:-}" = "profile" ]; then
     >"$out/ncu_train_quant.txt" 2>&1
   grep -E "nvfp4_rht_kept|amax_rht_pipelined|amax_tile|Duration|Issue Slots Busy|Executed Ipc Active|Stall|Registers Per|Achieved Occupancy|Throughput|Hit Rate" \
     "$out/ncu_train_quant.txt" | sed 's/  */ /g' | cut -c1-150 | head -90
-  [ -n "${SKIP_BENCH_PROFILE:-}" ] && { echo; echo "================ fp4sim GPU session summary ================"; printf '%s\n' "${summary[@]}"; exit 0; }
+  [ -n "${SKIP_BENCH_PROFILE:-}" ] && { echo; echo "================ fp4sim GPU check summary ================"; printf '%s\n' "${summary[@]}"; exit 0; }
   # per-kernel time, DRAM and SM throughput of the first launches of each benchmark mode
   for mode in 0 1 2; do
     ncu --clock-control none --kernel-name regex:"amax|nvfp4|quantize_tile" --launch-count 2 \
@@ -319,5 +319,5 @@ if [ "${1:-}" = "oracles" ]; then
   done
 fi
 echo
-echo "================ fp4sim GPU session summary ================"
+echo "================ fp4sim GPU check summary ================"
 printf '%s\n' "${summary[@]}"
