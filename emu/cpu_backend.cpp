@@ -21,6 +21,24 @@ void CpuBackend::download(void* dst, const void* src, size_t n) { std::memcpy(ds
 void CpuBackend::zero(void* p, size_t n) { std::memset(p, 0, n); }
 void CpuBackend::copy(void* dst, const void* src, size_t n) { std::memmove(dst, src, n); }
 
+QuantErrorSums CpuBackend::quant_error_sums(const TensorView& x, const QuantizedView& q) {
+  check_view("quant_error_sums", x, q.rows, q.cols, ViewRule{});
+  return fp4sim::quant_error_sums(x.as<const float>(), q);
+}
+
+void CpuBackend::gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
+                      const GemmConfig& cfg, const TensorView& d) {
+  validate_gemm(a, b, c, cfg, d);
+  if (cfg.impl != GemmImpl::Exact)
+    throw std::invalid_argument("gemm: --gemm cublaslt runs on the cuda backend only");
+  gemm_exact_host(a, b, c ? static_cast<const float*>(c->data) : nullptr, cfg, d.data);
+}
+
+void CpuBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
+                                 uint8_t* out) {
+  fp4sim::scales_to_tiled(scales, rows, k_blocks, out);
+}
+
 float amax_of(const float* x, int64_t n) {
   float m = 0.0f;
 #pragma omp parallel

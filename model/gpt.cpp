@@ -6,6 +6,9 @@
 #include <stdexcept>
 #include <utility>
 
+#include "emu/formats.hpp"
+#include "emu/fused.hpp"
+
 namespace fp4sim::model {
 
 int64_t ParamTensor::numel() const {
@@ -25,12 +28,9 @@ void Gpt::add(const std::string& name, std::vector<int64_t> shape) {
   tensors_.push_back(t);
 }
 
-Gpt::TensorSpans Gpt::tensor_spans() const {
-  TensorSpans s;
-  for (const ParamTensor& t : tensors_) {
-    s.offsets.push_back(static_cast<int64_t>(t.offset));
-    s.counts.push_back(t.numel());
-  }
+std::vector<Segment> Gpt::tensor_spans() const {
+  std::vector<Segment> s;
+  for (const ParamTensor& t : tensors_) s.push_back({static_cast<int64_t>(t.offset), t.numel()});
   return s;
 }
 
@@ -45,9 +45,14 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
   run_.model = cfg;
   high_precision_.assign(static_cast<size_t>(cfg.n_layers), true);
   recipes_.assign(static_cast<size_t>(cfg.n_layers * 4), LinearRecipe{});
+  // the GPT presets' layer l: the blocks "*-" (attention: linears 0 and 1; MLP: 2 and 3)
+  for (int64_t l = 0; l < cfg.n_layers; ++l) {
+    blocks_.push_back({BlockKind::Attention, l, 0});
+    blocks_.push_back({BlockKind::Mlp, l, 2});
+  }
   const int64_t C = cfg.d_model, HD = C / cfg.n_heads,
                 QKV = (cfg.n_heads + 2 * cfg.n_kv_heads) * HD;
-  if (!be_.supports_attention_head_dim(HD))
+  if (!be_.supports(Capability::AttentionHeadDim, HD))
     throw std::invalid_argument(
         "model: head size model.d_model / model.n_heads = " + std::to_string(HD) + " (" +
         std::to_string(C) + " / " + std::to_string(cfg.n_heads) + ") is not one the " + be_.name() +
@@ -120,8 +125,14 @@ std::vector<QuantStat> Gpt::take_stats() {
   return out;
 }
 
-void Gpt::store(float* x, int64_t n) {
-  if (round_bf16()) be_.round_to_bf16(x, n);
+std::string Gpt::pattern() const {
+  std::string p;
+  for (const Block& b : blocks_) p += b.kind == BlockKind::Attention ? '*' : '-';
+  return p;
+}
+
+AttentionShape Gpt::attention_shape() const {
+  return {B_, T_, cfg_.n_heads, cfg_.n_kv_heads, cfg_.d_model / cfg_.n_heads};
 }
 
 bool Gpt::uses_weight_shadow() const {
@@ -132,131 +143,546 @@ bool Gpt::uses_weight_shadow() const {
                                    [](const LinearRecipe& r) { return r.any_quantized(); });
 }
 
-void Gpt::adamw_step(float* m, float* v, const std::vector<int64_t>& offsets,
-                     const std::vector<int64_t>& counts, const std::vector<AdamWStep>& steps) {
+void Gpt::adamw_step(float* m, float* v, const std::vector<Segment>& segments,
+                     const std::vector<AdamWStep>& steps) {
   float* const w =
       params();  // (a writable view: the shadow is stale from here unless the step writes it)
-  // the tensors, by offset, tile [0, n_params) exactly
+  // the segments, by offset, tile [0, n_params) exactly
   std::vector<std::pair<int64_t, int64_t>> segs;
-  for (size_t i = 0; i < offsets.size() && i < counts.size(); ++i)
-    segs.emplace_back(offsets[i], counts[i]);
+  for (const Segment& s : segments) segs.emplace_back(s.offset, s.count);
   std::sort(segs.begin(), segs.end());
   int64_t end = 0;
-  bool tiles = offsets.size() == counts.size();
+  bool tiles = true;
   for (const auto& sg : segs) {
     tiles = tiles && sg.first == end;
     end = sg.first + sg.second;
   }
   tiles = tiles && end == static_cast<int64_t>(n_params_);
+  const int64_t n = static_cast<int64_t>(n_params_);
+  TensorView p16;
   if (tiles && uses_weight_shadow() && params16_.bytes() == n_params_ * 2) {
-    be_.adamw_update_many_bf16(w, params16_.as<uint16_t>(), grads(), m, v, offsets, counts, steps);
+    p16 = bf16_view(be_, params16_.as<uint16_t>(), 1, n, "parameters (BF16 bits)");
     shadow_version_ = params_version_;
-  } else {
-    be_.adamw_update_many(w, grads(), m, v, offsets, counts, steps);
   }
+  be_.adamw_update(f32_view(be_, w, 1, n, "parameters"), p16,
+                   f32_view(be_, grads(), 1, n, "gradients"), f32_view(be_, m, 1, n, "adamw m"),
+                   f32_view(be_, v, 1, n, "adamw v"), segments, steps);
 }
 
 Gpt::WeightShadow::WeightShadow(Gpt& m) : m_(m) {
   if (!m.uses_weight_shadow()) return;
   const int64_t n = static_cast<int64_t>(m.n_params_);
-  const float* params = m.params_.as<float>();  // (not params(): reading does not stale the shadow)
   const void* before = m.params16_.get();
-  uint16_t* bits = m.bf16_buffer(m.params16_, n);
+  if (m.params16_.bytes() != m.n_params_ * 2) m.params16_ = BackendBuffer(m.be_, m.n_params_ * 2);
   // the bits of the parameters as they are unless no writable view was taken since they were made
   // (the backward pass reuses its forward pass's: one narrowing pass a step, not two)
-  if (m.shadow_version_ != m.params_version_ || bits != before) {
-    m.be_.narrow_to_bf16(bits, params, n);
+  if (m.shadow_version_ != m.params_version_ || m.params16_.get() != before) {
+    // (params_, not params(): reading does not stale the shadow)
+    m.be_.convert(bf16_view(m.be_, m.params16_.as<uint16_t>(), 1, n, "parameters (BF16 bits)"),
+                  f32_view(m.be_, m.params_.as<float>(), 1, n, "parameters"));
     m.shadow_version_ = m.params_version_;
   }
-  m.be_.set_bf16_weight_shadow(params, bits, n);
-  set_ = true;
-}
-
-Gpt::WeightShadow::~WeightShadow() {
-  if (set_) m_.be_.set_bf16_weight_shadow(nullptr, nullptr, 0);
+  m.shadow_live_ = true;
 }
 
 bool Gpt::stores_bits(int64_t l, int linear) const {
   const bool all_bf16 = !linear_recipe(l, linear).any_quantized();
-  // (statistics read a quantized linear's FP32 input; GELU's output stays FP32 where a quantizer
-  // takes it from the op: Backend::quantize_activation)
+  // (statistics read a quantized linear's float32 input; GELU's output stays float32 where a
+  // quantizer takes it from the op: Backend::quantize_activation)
   return bits_on() && (all_bf16 || !stats_active_) &&
          (linear != 3 || (all_bf16 && cfg_.activation == "gelu_tanh"));
 }
 
-float* Gpt::f32_buffer(BackendBuffer& b, int64_t n) {
-  if (b.bytes() != static_cast<size_t>(n) * 4) b = BackendBuffer(be_, static_cast<size_t>(n) * 4);
-  return b.as<float>();
+void Gpt::plan_storage() {
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    BlockActs& a = acts_[b];
+    const int64_t l = blocks_[b].layer;
+    const int l0 = blocks_[b].linear0;
+    a.in16[0] = stores_bits(l, l0);
+    a.in16[1] = stores_bits(l, l0 + 1);
+    a.proj16 = bits_on();
+    if (blocks_[b].kind == BlockKind::Attention)
+      a.mid16 = bits_on() && cfg_.positions != "rope";  // (RoPE rotates qkv in place in float32)
+    else  // (c_fc's output as bits: both MLP linears all BF16 with GELU, whose passes read bits)
+      a.mid16 = a.in16[1] && !linear_recipe(l, 2).any_quantized();
+  }
 }
 
-uint16_t* Gpt::bf16_buffer(BackendBuffer& b, int64_t n) {
-  if (b.bytes() != static_cast<size_t>(n) * 2) b = BackendBuffer(be_, static_cast<size_t>(n) * 2);
-  return b.as<uint16_t>();
+TensorView Gpt::f32(BackendBuffer& b, int64_t rows, int64_t cols, const char* name) {
+  const size_t bytes = static_cast<size_t>(rows * cols) * sizeof(float);
+  if (b.bytes() != bytes) b = BackendBuffer(be_, bytes);
+  return f32_view(be_, b.as<float>(), rows, cols, name);
 }
 
-void Gpt::linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K,
-                     int64_t OC, bool round_bf16, const ActivationSource* pending_input,
-                     const uint16_t* inp16, uint16_t* out16) {
-  const std::string name = lname(l, kLinearNames[linear]);
-  const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
-  linear_forward(be_, linear_recipe(l, linear), ids, out, inp, p(name + ".weight"),
-                 cfg_.bias ? p(name + ".bias") : nullptr, N, K, OC, prec_, round_bf16,
-                 stats_active_ ? &stats_ : nullptr, name,
-                 inference_ ? nullptr : &acts_[static_cast<size_t>(l)].saved_x[linear],
-                 inference_ ? nullptr : &acts_[static_cast<size_t>(l)].saved_w[linear],
-                 pending_input, LinearBits{inp16, out16});
+TensorView Gpt::act_view(BackendBuffer& b, int64_t rows, int64_t cols, bool bits,
+                         const char* name) {
+  if (!bits) {
+    TensorView v = f32(b, rows, cols, name);
+    v.bf16_values = round_bf16();
+    return v;
+  }
+  const size_t bytes = static_cast<size_t>(rows * cols) * sizeof(uint16_t);
+  if (b.bytes() != bytes) b = BackendBuffer(be_, bytes);
+  return bf16_view(be_, b.as<uint16_t>(), rows, cols, name);
 }
 
-void Gpt::linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K,
-                     int64_t OC, const ActivationSource* pending_dout, uint16_t* dinp16,
-                     const uint16_t* dout16) {
-  const std::string name = lname(l, kLinearNames[linear]);
-  const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
-  LayerActs& a = acts_[static_cast<size_t>(l)];
-  const LinearRecipe& r = linear_recipe(l, linear);
-  // the input as the forward pass kept it (FP32 or BF16 bits), where the Wgrad reads it (else the
-  // saved copy)
-  const float* inp = r.wgrad == "bf16" && !a.in16[linear] ? linear_input(l, linear) : nullptr;
-  const uint16_t* inp16 = r.wgrad == "bf16" && a.in16[linear] ? linear_input16(l, linear) : nullptr;
-  linear_backward(be_, r, ids, dinp, g(name + ".weight"), cfg_.bias ? g(name + ".bias") : nullptr,
-                  dout, inp, p(name + ".weight"), N, K, OC, prec_,
-                  stats_active_ ? &stats_ : nullptr, name, a.saved_x[linear].get(),
-                  a.saved_w[linear].get(), pending_dout, inp16, dinp16, dout16);
-}
-
-float* Gpt::linear_input(int64_t l, int linear) {
-  const int64_t N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
+TensorView Gpt::linear_input(size_t b, int i) {
+  const int linear = blocks_[b].linear0 + i;
+  const int64_t l = blocks_[b].layer, N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
+  BlockActs& a = acts_[b];
+  const bool bits = a.in16[i];
+  static constexpr const char* kNames[4] = {"ln_1 output", "attention output", "ln_2 output",
+                                            "mlp activation"};
   // the attention output (linear 1's input) is always kept: the attention backward pass reads it
   if (linear != 1 && linear_recipe(l, linear).wgrad != "bf16")
-    return scratch_in_[linear].as<float>();
-  LayerActs& a = acts_[static_cast<size_t>(l)];
-  return f32_buffer(linear == 0   ? a.ln1
-                    : linear == 1 ? a.atty
-                    : linear == 2 ? a.ln2
-                                  : a.act,
-                    N * width);
+    return act_view(bits ? scratch16_in_[linear] : scratch_in_[linear], N, width, bits,
+                    kNames[linear]);
+  return act_view(i == 0 ? a.norm : a.y, N, width, bits, kNames[linear]);
 }
 
-uint16_t* Gpt::linear_input16(int64_t l, int linear) {
-  const int64_t N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
-  // (as linear_input: a quantized Wgrad's input is not kept, except the attention output)
-  if (linear != 1 && linear_recipe(l, linear).wgrad != "bf16")
-    return bf16_buffer(scratch16_in_[linear], N * width);
-  LayerActs& a = acts_[static_cast<size_t>(l)];
-  return bf16_buffer(linear == 0   ? a.ln1
-                     : linear == 1 ? a.atty
-                     : linear == 2 ? a.ln2
-                                   : a.act,
-                     N * width);
+TensorView Gpt::param(const std::string& name) const {
+  const ParamTensor& t = tensor(name);
+  const int64_t rows = t.shape[0], cols = t.shape.size() > 1 ? t.shape[1] : 1;
+  return f32_view(be_, params_.as<float>() + t.offset, rows, cols, t.name.c_str());
+}
+
+TensorView Gpt::param16(const std::string& name) const {
+  if (!shadow_live_) return TensorView{};
+  const ParamTensor& t = tensor(name);
+  const int64_t rows = t.shape[0], cols = t.shape.size() > 1 ? t.shape[1] : 1;
+  return bf16_view(be_, params16_.as<uint16_t>() + t.offset, rows, cols, t.name.c_str());
+}
+
+TensorView Gpt::grad(const std::string& name) const {
+  const ParamTensor& t = tensor(name);
+  const int64_t rows = t.shape[0], cols = t.shape.size() > 1 ? t.shape[1] : 1;
+  return f32_view(be_, grads() + t.offset, rows, cols, t.name.c_str());
+}
+
+LinearWeights Gpt::linear_weights(int64_t l, int linear) const {
+  const std::string name = lname(l, kLinearNames[linear]);
+  LinearWeights w;
+  w.weight = param(name + ".weight");
+  w.weight16 = param16(name + ".weight");
+  if (cfg_.bias) {
+    w.bias = param(name + ".bias");
+    w.bias16 = param16(name + ".bias");
+  }
+  return w;
+}
+
+TensorView Gpt::tokens_view() const {
+  return i32_view(be_, batch_.as<int32_t>(), B_ * T_, 1, "tokens");
+}
+TensorView Gpt::targets_view() const {
+  return i32_view(be_, batch_.as<int32_t>() + B_ * T_, B_ * T_, 1, "targets");
+}
+
+void Gpt::linear_fwd(int64_t l, int linear, size_t b, const TensorView& out, const TensorView& inp,
+                     const ActivationSource* pending_input) {
+  const std::string name = lname(l, kLinearNames[linear]);
+  const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
+  BlockActs& a = acts_[b];
+  const int i = linear - blocks_[b].linear0;
+  linear_forward(be_, linear_recipe(l, linear), ids, out, inp, linear_weights(l, linear), prec_,
+                 stats_active_ ? &stats_ : nullptr, name, inference_ ? nullptr : &a.saved_x[i],
+                 inference_ ? nullptr : &a.saved_w[i], pending_input);
+}
+
+void Gpt::linear_bwd(int64_t l, int linear, size_t b, const TensorView& dinp,
+                     const TensorView& dout, const ActivationSource* pending_dout) {
+  const std::string name = lname(l, kLinearNames[linear]);
+  const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
+  BlockActs& a = acts_[b];
+  const int i = linear - blocks_[b].linear0;
+  const LinearRecipe& r = linear_recipe(l, linear);
+  // the input as the forward pass kept it, where the Wgrad reads it (else the saved copy)
+  const TensorView inp = r.wgrad == "bf16" ? as_stored(linear_input(b, i)) : TensorView{};
+  linear_backward(be_, r, ids, dinp, grad(name + ".weight"),
+                  cfg_.bias ? grad(name + ".bias") : TensorView{}, dout, inp,
+                  linear_weights(l, linear), prec_, stats_active_ ? &stats_ : nullptr, name,
+                  a.saved_x[i].get(), a.saved_w[i].get(), pending_dout);
+}
+
+TensorView Gpt::dgrad_view(int64_t l, int i, int64_t width) {
+  auto all_bf16 = [&](int k) { return !linear_recipe(l, k).any_quantized(); };
+  const bool bits =
+      bits_on() && all_bf16(i) && (i != 3 || (cfg_.activation == "gelu_tanh" && all_bf16(2)));
+  static constexpr const char* kNames[4] = {"ln_1 output gradient", "attention output gradient",
+                                            "ln_2 output gradient", "mlp activation gradient"};
+  BackendBuffer& f = i == 0 ? dln1_ : i == 1 ? datty_ : i == 2 ? dln2_ : dact_;
+  if (bits) return act_view(dinp16_[i], B_ * T_, width, true, kNames[i]);
+  return f32(f, B_ * T_, width, kNames[i]);
+}
+
+TensorView Gpt::stream_in(size_t b) {
+  const int64_t N = B_ * T_, C = cfg_.d_model;
+  TensorView v = b == 0 ? f32(emb_, N, C, "embeddings output")
+                        : f32(acts_[b - 1].res, N, C, "residual stream");
+  v.bf16_values = round_bf16();
+  return v;
+}
+
+void Gpt::init(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const float resid_scale = 1.0f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layers));
+  std::vector<float> h(n_params_);
+  for (const ParamTensor& t : tensors_) {
+    float* x = h.data() + t.offset;
+    const bool norm_weight =
+        t.name.find("ln_") != std::string::npos && t.name.find(".weight") != std::string::npos;
+    const bool bias = t.name.find(".bias") != std::string::npos;
+    const bool resid = t.name.find("c_proj.weight") != std::string::npos;
+    for (int64_t i = 0; i < t.numel(); ++i)
+      x[i] = norm_weight ? 1.0f : (bias ? 0.0f : 0.02f * nd(rng) * (resid ? resid_scale : 1.0f));
+  }
+  params_from_host(h);
+}
+
+void Gpt::allocate_activations(int64_t B, int64_t T) {
+  if (B == alloc_B_ && T == alloc_T_) return;
+  const ModelConfig& c = cfg_;
+  const int64_t N = B * T, C = c.d_model, NH = c.n_heads, HD = C / NH;
+  const int64_t QKV = (NH + 2 * c.n_kv_heads) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
+  auto f32b = [&](int64_t n) { return BackendBuffer(be_, static_cast<size_t>(n) * 4); };
+  batch_ = f32b(2 * N);
+  pos_ = f32b(N);
+  {
+    std::vector<int32_t> pos(static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(i % T);
+    be_.upload(pos_.get(), pos.data(), static_cast<size_t>(N) * 4);
+  }
+  dlosses_for_ = 0;
+  emb_ = f32b(N * C);
+  lnf_ = f32b(N * C);
+  lnf_mean_ = f32b(N);
+  lnf_rstd_ = f32b(N);
+  losses_ = f32b(N);
+  acts_.clear();
+  acts_.resize(blocks_.size());
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    BlockActs& a = acts_[b];
+    a.mean = f32b(N);
+    a.rstd = f32b(N);
+    // attention's log-sum-exp rows (B,NH,T), not the (B,NH,T,T) probabilities
+    if (blocks_[b].kind == BlockKind::Attention) a.lse = f32b(B * NH * T);
+    a.res = f32b(N * C);
+  }
+  for (int i : {0, 2, 3})
+    scratch_in_[i] = f32b(N * (i == 3 ? F : C));  // (linear 1's input is always kept)
+  dlosses_ = f32b(N);
+  // (BF16 activations: dlogits stored as BF16 bits, the values the cross-entropy op writes rounded
+  // anyway, so half the bytes and no conversion pass before the head's GEMMs)
+  dlogits_ = round_bf16() ? BackendBuffer(be_, static_cast<size_t>(N * V) * 2) : f32b(N * V);
+  dlnf_ = f32b(N * C);
+  dx_ = f32b(N * C);
+  dact_ = f32b(N * F);
+  dfc_ = f32b(N * FC);
+  dln2_ = f32b(N * C);
+  datty_ = f32b(N * C);
+  dqkv_ = f32b(N * QKV);
+  dln1_ = f32b(N * C);
+  alloc_B_ = B;
+  alloc_T_ = T;
+}
+
+float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
+                   int64_t grad_micro_batches) {
+  if (grad_micro_batches < 1)
+    throw std::invalid_argument("forward: grad_micro_batches must be >= 1");
+  const ModelConfig& c = cfg_;
+  inference_pass_ = inference_;
+  if (T > c.seq_len)
+    throw std::invalid_argument("forward: sequence of " + std::to_string(T) +
+                                " tokens exceeds model.seq_len " + std::to_string(c.seq_len));
+  const int64_t N = B * T, C = c.d_model, V = c.vocab;
+  for (int64_t i = 0; i < N; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= V || targets[i] < 0 || targets[i] >= V)
+      throw std::invalid_argument(
+          "forward: token " +
+          std::to_string(tokens[i] < 0 || tokens[i] >= V ? tokens[i] : targets[i]) +
+          " at position " + std::to_string(i) + " is outside the vocabulary of " +
+          std::to_string(V));
+  }
+  allocate_activations(B, T);
+  const WeightShadow shadow(*this);
+  stats_active_ = collect_stats_;
+  B_ = B;
+  T_ = T;
+  host_batch_.resize(static_cast<size_t>(2 * N));
+  std::copy(tokens, tokens + N, host_batch_.begin());
+  std::copy(targets, targets + N, host_batch_.begin() + N);
+  be_.upload(batch_.get(), host_batch_.data(), host_batch_.size() * 4);
+  plan_storage();
+  const TensorView emb = stream_in(0);
+  be_.embedding_forward(as_stored(emb), tokens_view(),
+                        i32_view(be_, pos_.as<int32_t>(), N, 1, "pos"), param("wte"),
+                        c.positions == "learned" ? param("wpe") : TensorView{});
+  if (round_bf16()) be_.convert(emb, as_stored(emb));
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    // (block b's norm: made by the residual add of the block before, residual_after)
+    if (blocks_[b].kind == BlockKind::Attention)
+      attention_block_forward(b, stream_in(b), b > 0);
+    else
+      mlp_block_forward(b, stream_in(b), b > 0);
+  }
+  const TensorView x = stream_in(blocks_.size());
+  const bool ln = norm_kind() == NormKind::LayerNorm;
+  TensorView lnf = f32(lnf_, N, C, "ln_f output");
+  lnf.bf16_values = round_bf16();
+  be_.norm_forward(norm_kind(), lnf, ln ? f32(lnf_mean_, N, 1, "ln_f mean") : TensorView{},
+                   f32(lnf_rstd_, N, 1, "ln_f rstd"), as_stored(x), param("ln_f.weight"),
+                   ln ? param("ln_f.bias") : TensorView{});
+  // the logits stay unrounded in memory: their BF16 storage is applied where they are read (the
+  // cross-entropy op, logits_row_to_host), which saves a rounding pass over N x V (or kept as BF16
+  // bits, the GEMM writing them: no bias, so cuBLASLt's BF16 output serves)
+  logits16_ = bits_on();
+  const std::string head = c.tied_embeddings ? "wte" : "lm_head.weight";
+  const TensorView head_w = shadow_live_ ? param16(head) : param(head);
+  const TensorView logits =
+      logits16_ ? act_view(logits_, N, V, true, "logits") : f32(logits_, N, V, "logits");
+  be_.matmul_forward(logits, as_stored(lnf), head_w, TensorView{}, prec_);
+  loss_gradient(grad_micro_batches);
+  std::vector<float> losses(static_cast<size_t>(N));
+  be_.download(losses.data(), losses_.get(), losses.size() * 4);
+  double sum = 0;
+  for (float v : losses) sum += v;
+  return static_cast<float>(sum / static_cast<double>(N));
+}
+
+void Gpt::attention_block_forward(size_t b, const TensorView& in, bool norm_done) {
+  BlockActs& a = acts_[b];
+  const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model;
+  const AttentionShape s = attention_shape();
+  const bool rope = cfg_.positions == "rope", ln = norm_kind() == NormKind::LayerNorm;
+  const TensorView ln1 = linear_input(b, 0);
+  if (!norm_done)
+    be_.norm_forward(norm_kind(), ln1, ln ? f32(a.mean, N, 1, "ln_1 mean") : TensorView{},
+                     f32(a.rstd, N, 1, "ln_1 rstd"), as_stored(in), param(lname(l, "ln_1.weight")),
+                     ln ? param(lname(l, "ln_1.bias")) : TensorView{});
+  // RoPE rotates the GEMM's output: then the rounding comes after it (so c_attn's output, and the
+  // bias it adds, stay float32 until then: Backend::matmul_forward's bias rule)
+  TensorView qkv = act_view(a.qkv, N, s.qkv_cols(), a.mid16, "qkv");
+  if (rope) qkv.bf16_values = false;
+  linear_fwd(l, 0, b, qkv, as_stored(ln1));
+  if (rope) {
+    be_.rope_forward(qkv, s);
+    if (round_bf16()) be_.convert(act_view(a.qkv, N, s.qkv_cols(), false, "qkv"), qkv);
+  }
+  const TensorView atty = linear_input(b, 1);
+  be_.attention_forward(atty, f32(a.lse, s.B * s.NH, s.T, "lse"), as_stored(qkv), s, prec_);
+  // the c_proj output: read once, by the residual add (kept as BF16 bits in one scratch shared by
+  // every block, or in the block's float32 array)
+  if (a.proj16) a.proj = BackendBuffer();
+  const TensorView proj = act_view(a.proj16 ? proj16_ : a.proj, N, C, a.proj16, "attn.c_proj out");
+  linear_fwd(l, 1, b, proj, as_stored(atty));
+  residual_after(b, in);
+}
+
+void Gpt::mlp_block_forward(size_t b, const TensorView& in, bool norm_done) {
+  BlockActs& a = acts_[b];
+  const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model;
+  const bool ln = norm_kind() == NormKind::LayerNorm;
+  const TensorView ln2 = linear_input(b, 0);
+  if (!norm_done)
+    be_.norm_forward(norm_kind(), ln2, ln ? f32(a.mean, N, 1, "ln_2 mean") : TensorView{},
+                     f32(a.rstd, N, 1, "ln_2 rstd"), as_stored(in), param(lname(l, "ln_2.weight")),
+                     ln ? param(lname(l, "ln_2.bias")) : TensorView{});
+  const TensorView fc = act_view(a.fc, N, fc_width(), a.mid16, "mlp.c_fc out");
+  linear_fwd(l, 2, b, fc, as_stored(ln2));
+  // GELU's output goes to c_proj as a pending activation (linear_forward: computed in the pass
+  // that makes the GEMM's operand, or run first); the others run here
+  const TensorView act = linear_input(b, 1);
+  ActivationSource gelu;
+  const ActivationSource* pending = nullptr;
+  if (cfg_.activation == "gelu_tanh") {
+    gelu.op = ActivationOp::GeluForward;
+    gelu.inp = as_stored(fc);
+    gelu.out = act;
+    pending = &gelu;
+  } else {
+    be_.activation_forward(
+        cfg_.activation == "squared_relu" ? Activation::SquaredRelu : Activation::SwiGLU, act,
+        as_stored(fc));
+  }
+  if (a.proj16) a.proj = BackendBuffer();
+  const TensorView proj = act_view(a.proj16 ? proj16_ : a.proj, N, C, a.proj16, "mlp.c_proj out");
+  linear_fwd(l, 3, b, proj, as_stored(act), pending);
+  residual_after(b, in);
+}
+
+void Gpt::residual_after(size_t b, const TensorView& in) {
+  BlockActs& a = acts_[b];
+  const int64_t N = B_ * T_, C = cfg_.d_model;
+  TensorView res = f32(a.res, N, C, "residual stream");
+  res.bf16_values = round_bf16();
+  const TensorView proj =
+      as_stored(act_view(a.proj16 ? proj16_ : a.proj, N, C, a.proj16, "c_proj out"));
+  if (b + 1 == blocks_.size()) {
+    be_.residual_forward(res, as_stored(in), proj);
+    return;
+  }
+  // the next block's norm reads this sum next: one fused op (its composition where the backend
+  // does not fuse the case: the same bits)
+  BlockActs& n = acts_[b + 1];
+  const int64_t l = blocks_[b + 1].layer;
+  const std::string pre = lname(l, blocks_[b + 1].kind == BlockKind::Attention ? "ln_1" : "ln_2");
+  const bool ln = norm_kind() == NormKind::LayerNorm;
+  be_.residual_norm_forward(norm_kind(), res, linear_input(b + 1, 0),
+                            ln ? f32(n.mean, N, 1, "norm mean") : TensorView{},
+                            f32(n.rstd, N, 1, "norm rstd"), as_stored(in), proj,
+                            param(pre + ".weight"), ln ? param(pre + ".bias") : TensorView{});
+}
+
+void Gpt::loss_gradient(int64_t micro_batches) {
+  const int64_t N = B_ * T_, V = cfg_.vocab;
+  // the gradient of the mean loss over all micro-batches' tokens: written (not accumulated) and
+  // BF16-rounded in the op, so no zeroing or rounding pass over N x V
+  if (dlosses_for_ != micro_batches) {  // (the same values every step: uploaded when they change)
+    const std::vector<float> dl(static_cast<size_t>(N),
+                                1.0f / static_cast<float>(N * micro_batches));
+    be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
+    dlosses_for_ = micro_batches;
+  }
+  TensorView logits =
+      logits16_ ? act_view(logits_, N, V, true, "logits") : f32(logits_, N, V, "logits");
+  if (!logits16_) logits.bf16_values = round_bf16();  // (read rounded)
+  be_.crossentropy_forward_backward(f32(losses_, N, 1, "losses"),
+                                    act_view(dlogits_, N, V, round_bf16(), "dlogits"), logits,
+                                    targets_view(), f32(dlosses_, N, 1, "dlosses"));
+  dlogits_micro_batches_ = micro_batches;
+}
+
+void Gpt::backward(int64_t micro_batches, bool accumulate) {
+  const ModelConfig& c = cfg_;
+  const int64_t N = B_ * T_, C = c.d_model, V = c.vocab;
+  if (N == 0) throw std::logic_error("backward: no forward pass to differentiate");
+  if (inference_pass_)
+    throw std::logic_error("backward: the last forward pass was an inference pass (set_inference)");
+  if (micro_batches < 1) throw std::invalid_argument("backward: micro_batches must be >= 1");
+  const WeightShadow shadow(*this);
+  if (!accumulate) be_.zero(grads(), n_params_ * 4);
+  if (dlogits_micro_batches_ != micro_batches) loss_gradient(micro_batches);  // else done
+  be_.zero(dx_.get(), static_cast<size_t>(N * C) * 4);  // (dlnf_: written by matmul_backward)
+  const std::string head = c.tied_embeddings ? "wte" : "lm_head.weight";
+  const TensorView head_w = shadow_live_ ? param16(head) : param(head);
+  const TensorView dlnf = f32(dlnf_, N, C, "ln_f output gradient");
+  be_.matmul_backward(dlnf, grad(head), TensorView{},
+                      as_stored(act_view(dlogits_, N, V, round_bf16(), "dlogits")),
+                      f32(lnf_, N, C, "ln_f output"), head_w, prec_);
+  const bool ln = norm_kind() == NormKind::LayerNorm;
+  TensorView dlnf_read = dlnf;
+  dlnf_read.bf16_values = round_bf16();
+  be_.norm_backward(
+      norm_kind(), dx_view(), grad("ln_f.weight"), ln ? grad("ln_f.bias") : TensorView{}, dlnf_read,
+      as_stored(stream_in(blocks_.size())), param("ln_f.weight"),
+      ln ? f32(lnf_mean_, N, 1, "ln_f mean") : TensorView{}, f32(lnf_rstd_, N, 1, "ln_f rstd"));
+  // dx holds d(residual stream) at the top; walk the blocks down. The norms' backward passes
+  // accumulate into dx, which is how the residual branches add up.
+  for (size_t b = blocks_.size(); b-- > 0;) {
+    if (blocks_[b].kind == BlockKind::Attention)
+      attention_block_backward(b, stream_in(b));
+    else
+      mlp_block_backward(b, stream_in(b));
+  }
+  be_.embedding_backward(grad("wte"), c.positions == "learned" ? grad("wpe") : TensorView{},
+                         as_stored(dx_view()), tokens_view(),
+                         i32_view(be_, pos_.as<int32_t>(), N, 1, "pos"));
+  collect_stats_ = stats_active_ = false;
+}
+
+TensorView Gpt::dx_view() {
+  TensorView v = f32(dx_, B_ * T_, cfg_.d_model, "residual stream gradient");
+  v.bf16_values = round_bf16();
+  return v;
+}
+
+namespace {
+// The reader's view of a gradient written unrounded (float32: read rounded under BF16 storage) or
+// as BF16 bits.
+TensorView read_rounded(TensorView v, bool round_bf16) {
+  if (v.dtype == DType::F32) v.bf16_values = round_bf16;
+  return v;
+}
+}  // namespace
+
+void Gpt::mlp_block_backward(size_t b, const TensorView& in) {
+  BlockActs& a = acts_[b];
+  const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model, F = cfg_.d_ff;
+  const bool rb = round_bf16(), ln = norm_kind() == NormKind::LayerNorm;
+  // (dact_, dln2_: written by linear_bwd; dfc_ by the activation's backward pass: no zeroing)
+  const TensorView dact = dgrad_view(l, 3, F);
+  linear_bwd(l, 3, b, dact, as_stored(dx_view()));
+  TensorView dfc = f32(dfc_, N, fc_width(), "mlp.c_fc output gradient");
+  dfc.bf16_values = rb;
+  const TensorView fc = as_stored(act_view(a.fc, N, fc_width(), a.mid16, "mlp.c_fc out"));
+  // (GELU's gradient: a pending output gradient of c_fc, as in the forward pass)
+  ActivationSource dgelu;
+  const ActivationSource* pending = nullptr;
+  if (cfg_.activation == "gelu_tanh") {
+    dgelu.op = ActivationOp::GeluBackward;
+    dgelu.inp = fc;
+    dgelu.dout = read_rounded(dact, rb);
+    dgelu.out = dfc;
+    pending = &dgelu;
+  } else {
+    be_.activation_backward(
+        cfg_.activation == "squared_relu" ? Activation::SquaredRelu : Activation::SwiGLU, dfc, fc,
+        read_rounded(dact, rb));
+  }
+  const TensorView dln2 = dgrad_view(l, 2, C);
+  linear_bwd(l, 2, b, dln2, as_stored(dfc), pending);
+  be_.norm_backward(norm_kind(), dx_view(), grad(lname(l, "ln_2.weight")),
+                    ln ? grad(lname(l, "ln_2.bias")) : TensorView{}, read_rounded(dln2, rb),
+                    as_stored(in), param(lname(l, "ln_2.weight")),
+                    ln ? f32(a.mean, N, 1, "ln_2 mean") : TensorView{},
+                    f32(a.rstd, N, 1, "ln_2 rstd"));
+}
+
+void Gpt::attention_block_backward(size_t b, const TensorView& in) {
+  BlockActs& a = acts_[b];
+  const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model;
+  const AttentionShape s = attention_shape();
+  const bool rb = round_bf16(), ln = norm_kind() == NormKind::LayerNorm;
+  const bool rope = cfg_.positions == "rope";
+  const bool bits = a.in16[1] || a.mid16;
+  const TensorView datty =
+      bits ? dgrad_view(l, 1, C) : f32(datty_, N, C, "attention output gradient");
+  linear_bwd(l, 1, b, datty, as_stored(dx_view()));
+  // (no rounding pass over datty with BF16 attention: attention_backward is its only reader and
+  // reads it as bf16(dout) on both backends, so the pass would change no bit it computes)
+  if (prec_ != GemmPrecision::BF16 && rb) be_.convert(read_rounded(datty, true), datty);
+  // the BF16 storage of dqkv rides on the attention's own write, except with RoPE: the saved qkv
+  // is post-RoPE, the GEMM's output pre-RoPE, so the gradient is rotated back first. Where c_attn's
+  // GEMMs are all BF16 and dqkv is stored BF16, the attention writes it as bits (in dqkv_'s memory)
+  // and c_attn's backward reads them: the same values, half the bytes, no narrowing pass
+  const bool dqkv16 = bits && bits_on() && rb && !rope && !linear_recipe(l, 0).any_quantized();
+  TensorView dqkv = dqkv16 ? bf16_view(be_, dqkv_.as<uint16_t>(), N, s.qkv_cols(), "dqkv")
+                           : f32(dqkv_, N, s.qkv_cols(), "dqkv");
+  if (!dqkv16) dqkv.bf16_values = rb && !rope;
+  be_.attention_backward(
+      dqkv, as_stored(datty), as_stored(act_view(a.qkv, N, s.qkv_cols(), a.mid16, "qkv")),
+      as_stored(linear_input(b, 1)), f32(a.lse, s.B * s.NH, s.T, "lse"), s, prec_);
+  if (rope) {
+    be_.rope_backward(dqkv, s);
+    if (rb) be_.convert(read_rounded(dqkv, true), dqkv);
+  }
+  const TensorView dln1 = dgrad_view(l, 0, C);
+  linear_bwd(l, 0, b, dln1, as_stored(dqkv));
+  be_.norm_backward(norm_kind(), dx_view(), grad(lname(l, "ln_1.weight")),
+                    ln ? grad(lname(l, "ln_1.bias")) : TensorView{}, read_rounded(dln1, rb),
+                    as_stored(in), param(lname(l, "ln_1.weight")),
+                    ln ? f32(a.mean, N, 1, "ln_1 mean") : TensorView{},
+                    f32(a.rstd, N, 1, "ln_1 rstd"));
 }
 
 size_t Gpt::saved_activation_bytes() const {
   size_t n = emb_.bytes() + lnf_.bytes() + lnf_mean_.bytes() + lnf_rstd_.bytes() + logits_.bytes() +
              losses_.bytes();
-  for (const LayerActs& a : acts_) {
+  for (const BlockActs& a : acts_) {
     for (const BackendBuffer* b :
-         {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.lse, &a.atty, &a.attproj, &a.res1, &a.ln2,
-          &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.act, &a.fcproj, &a.res2})
+         {&a.norm, &a.mean, &a.rstd, &a.qkv, &a.lse, &a.fc, &a.y, &a.proj, &a.res})
       n += b->bytes();
     for (const auto& q : a.saved_x)
       if (q) n += q->bytes();
@@ -289,25 +715,24 @@ std::vector<float> Gpt::grads_to_host() const {
 std::string Gpt::first_nonfinite_in_forward() const {
   // (a sum of squares in FP64 is finite exactly when every element is: FP32 squares cannot overflow
   // it)
-  const TensorSpans spans = tensor_spans();
-  std::vector<double> sums(spans.offsets.size());
-  be_.sum_squares_many(params(), spans.offsets, spans.counts, sums.data());
+  const std::vector<Segment> spans = tensor_spans();
+  std::vector<double> sums(spans.size());
+  be_.sum_squares(f32_view(be_, params(), 1, static_cast<int64_t>(n_params_), "parameters"), spans,
+                  sums.data());
   for (size_t i = 0; i < sums.size(); ++i)
     if (!std::isfinite(sums[i])) return "parameter '" + tensors_[i].name + "'";
   const int64_t n = B_ * T_ * cfg_.d_model;
   auto bad = [&](const BackendBuffer& b) {
     if (n == 0 || b.bytes() != static_cast<size_t>(n) * 4) return false;  // (not kept as FP32 here)
     double sum = 0;
-    be_.sum_squares_many(b.as<float>(), {0}, {n}, &sum);
+    be_.sum_squares(f32_view(be_, b.as<float>(), 1, n, "residual stream"), {{0, n}}, &sum);
     return !std::isfinite(sum);
   };
   if (bad(emb_)) return "the embeddings' output (wte + wpe)";
-  for (size_t l = 0; l < acts_.size(); ++l) {
-    if (bad(acts_[l].res1))
-      return "the residual stream after layer " + std::to_string(l) + "'s attention";
-    if (bad(acts_[l].res2))
-      return "the residual stream after layer " + std::to_string(l) + "'s MLP";
-  }
+  for (size_t b = 0; b < acts_.size(); ++b)
+    if (bad(acts_[b].res))
+      return "the residual stream after layer " + std::to_string(blocks_[b].layer) + "'s " +
+             (blocks_[b].kind == BlockKind::Attention ? "attention" : "MLP");
   return "the logits or the loss (the residual stream is finite)";
 }
 
@@ -326,400 +751,6 @@ std::vector<float> Gpt::logits_row_to_host(int64_t row) const {
   if (round_bf16())  // the logits' BF16 storage, applied where they are read (see forward)
     for (float& v : h) v = bf16_round(v);
   return h;
-}
-
-void Gpt::init(uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  const float resid_scale = 1.0f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layers));
-  std::vector<float> h(n_params_);
-  for (const ParamTensor& t : tensors_) {
-    float* x = h.data() + t.offset;
-    const bool norm_weight =
-        t.name.find("ln_") != std::string::npos && t.name.find(".weight") != std::string::npos;
-    const bool bias = t.name.find(".bias") != std::string::npos;
-    const bool resid = t.name.find("c_proj.weight") != std::string::npos;
-    for (int64_t i = 0; i < t.numel(); ++i)
-      x[i] = norm_weight ? 1.0f : (bias ? 0.0f : 0.02f * nd(rng) * (resid ? resid_scale : 1.0f));
-  }
-  params_from_host(h);
-}
-
-void Gpt::allocate_activations(int64_t B, int64_t T) {
-  if (B == alloc_B_ && T == alloc_T_) return;
-  const ModelConfig& c = cfg_;
-  const int64_t N = B * T, C = c.d_model, NH = c.n_heads, HD = C / NH;
-  const int64_t QKV = (NH + 2 * c.n_kv_heads) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
-  auto f32 = [&](int64_t n) { return BackendBuffer(be_, static_cast<size_t>(n) * 4); };
-  batch_ = f32(2 * N);
-  pos_ = f32(N);
-  {
-    std::vector<int32_t> pos(static_cast<size_t>(N));
-    for (int64_t i = 0; i < N; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(i % T);
-    be_.upload(pos_.get(), pos.data(), static_cast<size_t>(N) * 4);
-  }
-  dlosses_for_ = 0;
-  emb_ = f32(N * C);
-  lnf_ = f32(N * C);
-  lnf_mean_ = f32(N);
-  lnf_rstd_ = f32(N);
-  losses_ = f32(N);
-  acts_.clear();
-  acts_.resize(static_cast<size_t>(c.n_layers));
-  for (LayerActs& a : acts_) {
-    a.ln1_mean = f32(N);
-    a.ln1_rstd = f32(N);
-    a.lse =
-        f32(B * NH * T);  // attention's log-sum-exp rows (B,NH,T), not the (B,NH,T,T) probabilities
-    a.res1 = f32(N * C);
-    a.ln2_mean = f32(N);
-    a.ln2_rstd = f32(N);
-    a.res2 = f32(N * C);
-  }
-  for (int i : {0, 2, 3})
-    scratch_in_[i] = f32(N * (i == 3 ? F : C));  // (linear 1's input is always kept)
-  dlosses_ = f32(N);
-  // (BF16 activations: dlogits stored as BF16 bits, the values the cross-entropy op writes rounded
-  // anyway, so half the bytes and no conversion pass before the head's GEMMs)
-  dlogits_ = round_bf16() ? BackendBuffer(be_, static_cast<size_t>(N * V) * 2) : f32(N * V);
-  dlnf_ = f32(N * C);
-  dx_ = f32(N * C);
-  dact_ = f32(N * F);
-  dfc_ = f32(N * FC);
-  dln2_ = f32(N * C);
-  datty_ = f32(N * C);
-  dqkv_ = f32(N * QKV);
-  dln1_ = f32(N * C);
-  alloc_B_ = B;
-  alloc_T_ = T;
-}
-
-float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
-                   int64_t grad_micro_batches) {
-  if (grad_micro_batches < 1)
-    throw std::invalid_argument("forward: grad_micro_batches must be >= 1");
-  const ModelConfig& c = cfg_;
-  inference_pass_ = inference_;
-  if (T > c.seq_len)
-    throw std::invalid_argument("forward: sequence of " + std::to_string(T) +
-                                " tokens exceeds model.seq_len " + std::to_string(c.seq_len));
-  const int64_t N = B * T, C = c.d_model, NH = c.n_heads, NKV = c.n_kv_heads, HD = C / NH;
-  const int64_t QKV = (NH + 2 * NKV) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
-  for (int64_t i = 0; i < N; ++i) {
-    if (tokens[i] < 0 || tokens[i] >= V || targets[i] < 0 || targets[i] >= V)
-      throw std::invalid_argument(
-          "forward: token " +
-          std::to_string(tokens[i] < 0 || tokens[i] >= V ? tokens[i] : targets[i]) +
-          " at position " + std::to_string(i) + " is outside the vocabulary of " +
-          std::to_string(V));
-  }
-  allocate_activations(B, T);
-  const WeightShadow shadow(*this);
-  stats_active_ = collect_stats_;
-  B_ = B;
-  T_ = T;
-  host_batch_.resize(static_cast<size_t>(2 * N));
-  std::copy(tokens, tokens + N, host_batch_.begin());
-  std::copy(targets, targets + N, host_batch_.begin() + N);
-  be_.upload(batch_.get(), host_batch_.data(), host_batch_.size() * 4);
-  const bool ln = c.norm == "layernorm", rb = round_bf16();
-  auto F32 = [](const BackendBuffer& b) { return b.as<float>(); };
-  be_.embedding_forward(F32(emb_), tokens_dev(), pos_.as<int32_t>(), p("wte"),
-                        c.positions == "learned" ? p("wpe") : nullptr, N, C);
-  store(F32(emb_), N * C);
-  const float* x = F32(emb_);
-  auto norm_fwd = [&](float* out, BackendBuffer& mean, BackendBuffer& rstd, const float* in,
-                      const std::string& pre) {
-    if (ln)
-      be_.layernorm_forward(out, F32(mean), F32(rstd), in, p(pre + ".weight"), p(pre + ".bias"), N,
-                            C, rb);
-    else
-      be_.rmsnorm_forward(out, F32(rstd), in, p(pre + ".weight"), N, C, rb);
-  };
-  auto norm_fwd16 = [&](uint16_t* out, BackendBuffer& mean, BackendBuffer& rstd, const float* in,
-                        const std::string& pre) {
-    if (ln)
-      be_.layernorm_forward_bf16(out, F32(mean), F32(rstd), in, p(pre + ".weight"),
-                                 p(pre + ".bias"), N, C);
-    else
-      be_.rmsnorm_forward_bf16(out, F32(rstd), in, p(pre + ".weight"), N, C);
-  };
-  // a residual add that a LayerNorm with BF16-bits output reads next is one backend call
-  // (residual_layernorm_forward_bf16: the same bits as the two ops): ln_2 after the attention's
-  // residual, and the next layer's ln_1 after the MLP's (ln1_done: made by the layer before)
-  auto fused_norm = [&](int64_t l, int i) { return ln && stores_bits(l, i); };
-  // res = in + proj16, then LayerNorm `pre` of it into out16 (mean, rstd): one backend call
-  auto residual_norm16 = [&](float* res, const float* in, const uint16_t* proj16, uint16_t* out16,
-                             BackendBuffer& mean, BackendBuffer& rstd, const std::string& pre) {
-    be_.residual_layernorm_forward_bf16(res, out16, F32(mean), F32(rstd), in, proj16,
-                                        p(pre + ".weight"), p(pre + ".bias"), N, C, rb);
-  };
-  bool ln1_done = false;
-  for (int64_t l = 0; l < c.n_layers; ++l) {
-    LayerActs& a = acts_[static_cast<size_t>(l)];
-    for (int i = 0; i < 4; ++i) a.in16[i] = stores_bits(l, i);
-    // (RoPE rotates qkv in place in FP32)
-    a.qkv16 = bits_on() && c.positions != "rope";
-    a.proj16 = bits_on();
-    // (c_fc's output as bits: both MLP linears all BF16 with GELU, whose BF16 passes read the bits)
-    a.fc16 = a.in16[3] && !linear_recipe(l, 2).any_quantized();
-    float* const qkv = a.qkv16 ? nullptr : f32_buffer(a.qkv, N * QKV);
-    uint16_t* const qkv16 = a.qkv16 ? bf16_buffer(a.qkv, N * QKV) : nullptr;
-    // linear i's input made by a norm, into its BF16 bits or its FP32 buffer (a.in16[i])
-    auto norm_input = [&](int i, BackendBuffer& mean, BackendBuffer& rstd, const float* in,
-                          const std::string& pre) -> std::pair<float*, uint16_t*> {
-      if (!a.in16[i]) {
-        float* const y = linear_input(l, i);
-        norm_fwd(y, mean, rstd, in, pre);
-        return {y, nullptr};
-      }
-      uint16_t* const y16 = linear_input16(l, i);
-      norm_fwd16(y16, mean, rstd, in, pre);
-      return {nullptr, y16};
-    };
-    const auto ln1 = ln1_done ? std::pair<float*, uint16_t*>{nullptr, linear_input16(l, 0)}
-                              : norm_input(0, a.ln1_mean, a.ln1_rstd, x, lname(l, "ln_1"));
-    ln1_done = false;
-    // RoPE rotates the GEMM's output: then the rounding comes after it (so c_attn's output, and the
-    // bias it adds, stay FP32 until then: Backend::matmul_forward's bias rule covers an output the
-    // op rounds itself)
-    linear_fwd(l, 0, qkv, ln1.first, N, C, QKV, rb && c.positions != "rope", nullptr, ln1.second,
-               qkv16);
-    if (c.positions == "rope") {
-      be_.rope_forward(qkv, B, T, NH, NKV, HD);
-      store(qkv, N * QKV);
-    }
-    // c_proj's and the MLP's c_proj's outputs: read once, by the residual add (kept as BF16 bits in
-    // one scratch shared by both and by every layer, or in the layer's FP32 arrays)
-    uint16_t* const proj16 = a.proj16 ? bf16_buffer(proj16_, N * C) : nullptr;
-    if (a.proj16) {
-      a.attproj = BackendBuffer();
-      a.fcproj = BackendBuffer();
-    }
-    float* const attproj = a.proj16 ? nullptr : f32_buffer(a.attproj, N * C);
-    float* const fcproj = a.proj16 ? nullptr : f32_buffer(a.fcproj, N * C);
-    auto residual = [&](float* out, const float* in, const float* b) {
-      if (a.proj16)
-        be_.residual_forward_bf16(out, in, proj16, N * C, rb);
-      else
-        be_.residual_forward(out, in, b, N * C, rb);
-    };
-    if (a.in16[1] || a.qkv16) {
-      uint16_t* const atty16 = a.in16[1] ? linear_input16(l, 1) : nullptr;
-      float* const atty = a.in16[1] ? nullptr : linear_input(l, 1);
-      be_.attention_forward_bf16(atty, atty16, F32(a.lse), qkv, qkv16, B, T, NH, NKV, HD, rb);
-      linear_fwd(l, 1, attproj, atty, N, C, C, rb, nullptr, atty16, proj16);
-    } else {
-      float* const atty = linear_input(l, 1);
-      be_.attention_forward(atty, F32(a.lse), qkv, B, T, NH, NKV, HD, prec_, rb);
-      linear_fwd(l, 1, attproj, atty, N, C, C, rb, nullptr, nullptr, proj16);
-    }
-    std::pair<float*, uint16_t*> ln2;
-    if (a.proj16 && fused_norm(l, 2)) {
-      ln2 = {nullptr, linear_input16(l, 2)};
-      residual_norm16(F32(a.res1), x, proj16, ln2.second, a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"));
-    } else {
-      residual(F32(a.res1), x, attproj);
-      ln2 = norm_input(2, a.ln2_mean, a.ln2_rstd, F32(a.res1), lname(l, "ln_2"));
-    }
-    float* const fc = a.fc16 ? nullptr : f32_buffer(a.fc, N * FC);
-    uint16_t* const fc16 = a.fc16 ? bf16_buffer(a.fc, N * FC) : nullptr;
-    linear_fwd(l, 2, fc, ln2.first, N, C, FC, rb, nullptr, ln2.second, fc16);
-    // GELU's output goes to c_proj as a pending activation (linear_forward: computed in the pass
-    // that makes the GEMM's operand, or run first; kept as BF16 bits where linear 3 stores bits)
-    float* const act = a.in16[3] ? nullptr : linear_input(l, 3);
-    ActivationSource gelu;
-    const ActivationSource* pending = nullptr;
-    if (c.activation == "gelu_tanh") {
-      gelu = ActivationSource{ActivationOp::GeluForward, fc, nullptr, act, N, F, rb, false,
-                              "mlp activation"};
-      if (a.in16[3]) gelu.out16 = linear_input16(l, 3);
-      gelu.inp16 = fc16;
-      pending = &gelu;
-    } else if (c.activation == "squared_relu") {
-      be_.squared_relu_forward(act, fc, N * F, rb);
-    } else {
-      be_.swiglu_forward(act, fc, N, F, rb);
-    }
-    linear_fwd(l, 3, fcproj, act, N, F, C, rb, pending, nullptr, proj16);
-    if (a.proj16 && l + 1 < c.n_layers && fused_norm(l + 1, 0)) {
-      LayerActs& next = acts_[static_cast<size_t>(l + 1)];
-      residual_norm16(F32(a.res2), F32(a.res1), proj16, linear_input16(l + 1, 0), next.ln1_mean,
-                      next.ln1_rstd, lname(l + 1, "ln_1"));
-      ln1_done = true;
-    } else {
-      residual(F32(a.res2), F32(a.res1), fcproj);
-    }
-    x = F32(a.res2);
-  }
-  norm_fwd(F32(lnf_), lnf_mean_, lnf_rstd_, x, "ln_f");
-  // the logits stay unrounded in memory: their BF16 storage is applied where they are read (the
-  // cross-entropy op, logits_row_to_host), which saves a rounding pass over N x V
-  // (or kept as BF16 bits, the GEMM writing them: no bias, so cuBLASLt's BF16 output serves)
-  logits16_ = bits_on();
-  const float* head_w = c.tied_embeddings ? p("wte") : p("lm_head.weight");
-  if (logits16_)
-    be_.matmul_forward_bf16(nullptr, bf16_buffer(logits_, N * V), F32(lnf_), nullptr, head_w,
-                            nullptr, N, C, V, true);
-  else
-    be_.matmul_forward(f32_buffer(logits_, N * V), F32(lnf_), head_w, nullptr, N, C, V, prec_,
-                       false);
-  loss_gradient(grad_micro_batches);
-  std::vector<float> losses(static_cast<size_t>(N));
-  be_.download(losses.data(), F32(losses_), losses.size() * 4);
-  double sum = 0;
-  for (float v : losses) sum += v;
-  return static_cast<float>(sum / static_cast<double>(N));
-}
-
-void Gpt::loss_gradient(int64_t micro_batches) {
-  const int64_t N = B_ * T_, V = cfg_.vocab;
-  // the gradient of the mean loss over all micro-batches' tokens: written (not accumulated) and
-  // BF16-rounded in the op, so no zeroing or rounding pass over N x V
-  if (dlosses_for_ != micro_batches) {  // (the same values every step: uploaded when they change)
-    const std::vector<float> dl(static_cast<size_t>(N),
-                                1.0f / static_cast<float>(N * micro_batches));
-    be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
-    dlosses_for_ = micro_batches;
-  }
-  if (logits16_)
-    be_.crossentropy_softmax_forward_backward_bits(losses_.as<float>(), dlogits_.as<uint16_t>(),
-                                                   logits_.as<uint16_t>(), targets_dev(),
-                                                   dlosses_.as<float>(), N, V);
-  else if (round_bf16())
-    be_.crossentropy_softmax_forward_backward_bf16(losses_.as<float>(), dlogits_.as<uint16_t>(),
-                                                   logits_.as<float>(), targets_dev(),
-                                                   dlosses_.as<float>(), N, V);
-  else
-    be_.crossentropy_softmax_forward_backward(losses_.as<float>(), dlogits_.as<float>(),
-                                              logits_.as<float>(), targets_dev(),
-                                              dlosses_.as<float>(), N, V, false);
-  dlogits_micro_batches_ = micro_batches;
-}
-
-void Gpt::backward(int64_t micro_batches, bool accumulate) {
-  const ModelConfig& c = cfg_;
-  const int64_t B = B_, T = T_, N = B * T, C = c.d_model, NH = c.n_heads, NKV = c.n_kv_heads,
-                HD = C / NH;
-  const int64_t QKV = (NH + 2 * NKV) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
-  if (N == 0) throw std::logic_error("backward: no forward pass to differentiate");
-  if (inference_pass_)
-    throw std::logic_error("backward: the last forward pass was an inference pass (set_inference)");
-  const bool ln = c.norm == "layernorm", rb = round_bf16();
-  auto F32 = [](const BackendBuffer& b) { return b.as<float>(); };
-  auto zero = [&](const BackendBuffer& b, int64_t n) {
-    be_.zero(b.get(), static_cast<size_t>(n) * 4);
-  };
-  if (micro_batches < 1) throw std::invalid_argument("backward: micro_batches must be >= 1");
-  const WeightShadow shadow(*this);
-  if (!accumulate) be_.zero(grads(), n_params_ * 4);
-  if (dlogits_micro_batches_ != micro_batches)
-    loss_gradient(micro_batches);  // else the forward formed it
-  zero(dx_, N * C);                // (dlnf_: written by matmul_backward)
-  float* head_dw = c.tied_embeddings ? g("wte") : g("lm_head.weight");
-  const float* head_w = c.tied_embeddings ? p("wte") : p("lm_head.weight");
-  if (round_bf16())
-    be_.matmul_backward_bf16_dout(F32(dlnf_), head_dw, dlogits_.as<uint16_t>(), F32(lnf_), head_w,
-                                  N, C, V, prec_);
-  else
-    be_.matmul_backward(F32(dlnf_), head_dw, nullptr, F32(dlogits_), F32(lnf_), head_w, N, C, V,
-                        prec_);
-  auto norm_bwd = [&](float* din, const float* dout, const float* in, const BackendBuffer& mean,
-                      const BackendBuffer& rstd, const std::string& pre,
-                      const uint16_t* dout16 = nullptr) {
-    // (dout is a Dgrad output: its BF16 storage is applied where the norm reads it, rb: no pass;
-    // or it was written as BF16 bits)
-    if (dout16 && ln)
-      be_.layernorm_backward_bits(din, g(pre + ".weight"), g(pre + ".bias"), dout16, in,
-                                  p(pre + ".weight"), F32(mean), F32(rstd), N, C, rb);
-    else if (dout16)
-      be_.rmsnorm_backward_bits(din, g(pre + ".weight"), dout16, in, p(pre + ".weight"), F32(rstd),
-                                N, C, rb);
-    else if (ln)
-      be_.layernorm_backward(din, g(pre + ".weight"), g(pre + ".bias"), dout, in,
-                             p(pre + ".weight"), F32(mean), F32(rstd), N, C, rb, rb);
-    else
-      be_.rmsnorm_backward(din, g(pre + ".weight"), dout, in, p(pre + ".weight"), F32(rstd), N, C,
-                           rb, rb);
-  };
-  // Dgrad output i as BF16 bits (see dinp16_), or null
-  auto all_bf16 = [&](int64_t l, int i) { return !linear_recipe(l, i).any_quantized(); };
-  auto dinp16 = [&](int64_t l, int i, int64_t width) -> uint16_t* {
-    const bool bits =
-        bits_on() && all_bf16(l, i) && (i != 3 || (c.activation == "gelu_tanh" && all_bf16(l, 2)));
-    return bits ? bf16_buffer(dinp16_[i], N * width) : nullptr;
-  };
-  const float* last = c.n_layers ? F32(acts_.back().res2) : F32(emb_);
-  norm_bwd(F32(dx_), F32(dlnf_), last, lnf_mean_, lnf_rstd_, "ln_f");
-  // dx holds d(residual stream) at the top; walk the layers down. The norms' backward passes
-  // accumulate into dx, which is how the residual branches add up.
-  for (int64_t l = c.n_layers - 1; l >= 0; --l) {
-    LayerActs& a = acts_[static_cast<size_t>(l)];
-    const float* x_in = l == 0 ? F32(emb_) : F32(acts_[static_cast<size_t>(l - 1)].res2);
-    // (dact_, dln2_, datty_, dln1_: written by linear_bwd; dfc_ by the activation's backward pass;
-    // dqkv_ by attention_backward: no zeroing)
-    uint16_t* const dact16 = dinp16(l, 3, F);
-    linear_bwd(l, 3, dact16 ? nullptr : F32(dact_), F32(dx_), N, F, C, nullptr, dact16);
-    // (dact_'s BF16 storage is applied where the activation's backward pass reads it, rb: no pass)
-    // (GELU's gradient: a pending output gradient of c_fc, as in the forward pass)
-    ActivationSource dgelu;
-    const ActivationSource* pending = nullptr;
-    if (c.activation == "gelu_tanh") {
-      dgelu = ActivationSource{ActivationOp::GeluBackward,
-                               a.fc16 ? nullptr : F32(a.fc),
-                               dact16 ? nullptr : F32(dact_),
-                               F32(dfc_),
-                               N,
-                               F,
-                               rb,
-                               rb,
-                               "mlp activation gradient"};
-      dgelu.inp16 = a.fc16 ? a.fc.as<uint16_t>() : nullptr;
-      dgelu.dout16 = dact16;
-      pending = &dgelu;
-    } else if (c.activation == "squared_relu") {
-      be_.squared_relu_backward(F32(dfc_), F32(a.fc), F32(dact_), N * F, rb, rb);
-    } else {
-      be_.swiglu_backward(F32(dfc_), F32(a.fc), F32(dact_), N, F, rb, rb);
-    }
-    uint16_t* const dln2_16 = dinp16(l, 2, C);
-    linear_bwd(l, 2, dln2_16 ? nullptr : F32(dln2_), F32(dfc_), N, C, FC, pending, dln2_16);
-    norm_bwd(F32(dx_), F32(dln2_), F32(a.res1), a.ln2_mean, a.ln2_rstd, lname(l, "ln_2"), dln2_16);
-    uint16_t* const datty16 = a.in16[1] || a.qkv16 ? dinp16(l, 1, C) : nullptr;
-    linear_bwd(l, 1, datty16 ? nullptr : F32(datty_), F32(dx_), N, C, C, nullptr, datty16);
-    // (no rounding pass over datty_ with BF16 attention: attention_backward is its only reader and
-    // reads it as bf16(dout) on both backends, so the pass would change no bit it computes)
-    if (prec_ != emu::GemmPrecision::BF16) store(F32(datty_), N * C);
-    // the BF16 storage of dqkv rides on the attention's own write, except with RoPE: the saved qkv
-    // is post-RoPE, the GEMM's output pre-RoPE, so the gradient is rotated back first. Where
-    // c_attn's GEMMs are all BF16 and dqkv is stored BF16, the attention writes it as bits (dqkv16,
-    // in dqkv_'s memory) and c_attn's backward reads them: the same values, half the bytes, no
-    // narrowing pass
-    const bool rope = c.positions == "rope";
-    uint16_t* const dqkv16 = (a.in16[1] || a.qkv16) && bits_on() && rb && !rope && all_bf16(l, 0)
-                                 ? dqkv_.as<uint16_t>()
-                                 : nullptr;
-    if (a.in16[1] || a.qkv16)
-      be_.attention_backward_bf16(
-          dqkv16 ? nullptr : F32(dqkv_), dqkv16, datty16 ? nullptr : F32(datty_), datty16,
-          a.qkv16 ? nullptr : F32(a.qkv), a.qkv16 ? a.qkv.as<uint16_t>() : nullptr,
-          a.in16[1] ? nullptr : linear_input(l, 1), a.in16[1] ? linear_input16(l, 1) : nullptr,
-          F32(a.lse), B, T, NH, NKV, HD, rb && !rope);
-    else
-      be_.attention_backward(F32(dqkv_), F32(datty_), F32(a.qkv), linear_input(l, 1), F32(a.lse), B,
-                             T, NH, NKV, HD, prec_, rb && !rope);
-    if (rope) {
-      be_.rope_backward(F32(dqkv_), B, T, NH, NKV, HD);
-      store(F32(dqkv_), N * QKV);
-    }
-    uint16_t* const dln1_16 = dinp16(l, 0, C);
-    linear_bwd(l, 0, dln1_16 ? nullptr : F32(dln1_), dqkv16 ? nullptr : F32(dqkv_), N, C, QKV,
-               nullptr, dln1_16, dqkv16);
-    norm_bwd(F32(dx_), F32(dln1_), x_in, a.ln1_mean, a.ln1_rstd, lname(l, "ln_1"), dln1_16);
-  }
-  be_.embedding_backward(g("wte"), c.positions == "learned" ? g("wpe") : nullptr, F32(dx_),
-                         tokens_dev(), pos_.as<int32_t>(), N, C);
-  collect_stats_ = stats_active_ = false;
 }
 
 }  // namespace fp4sim::model

@@ -1,15 +1,18 @@
-// A decoder-only transformer (GPT-2 / Llama family, config-driven) on the Backend's layer ops:
-// forward, backward, and the named FP32 parameter tensors the optimizer and checkpoints use.
+// A decoder-only transformer (GPT-2 / Llama family, config-driven) built from blocks (DESIGN.md
+// §11): token embedding (+ learned positions) -> blocks -> final norm -> head, each block
+// x = x + mixer(norm(x)) with an attention ('*') or MLP ('-') mixer; a layer h.<l> of the GPT
+// presets is the two blocks "*-", which keep the parameter names, SR streams and per-GEMM override
+// keys of layer l. Forward, backward, and the named FP32 parameter tensors the optimizer and
+// checkpoints use.
 //
 // Every buffer (parameters, gradients, activations, scratch) lives in the backend's memory and
-// every op goes through Backend (emu/layers.hpp's names and argument orders), so the same class
-// runs on the emulator and on the CUDA backend. The host sees the model through explicit copies
-// (params_to_host, grads_to_host, logits_row_to_host) and the per-row losses of each forward.
-// Activations and their gradients are stored as BF16 (rounded at every op's output) with FP32
-// compute: as BF16 bits where they feed or leave a BF16 GEMM (set_bf16_bits_storage), else in FP32
-// arrays holding BF16 values; or FP32 with model.activation_dtype = fp32. The GEMMs' precision is
-// the backend's BF16 model (T-FDPA on the emulator, cuBLASLt BF16 with FP32 accumulation on the
-// GPU).
+// every op goes through Backend, so the same class runs on the emulator and on the CUDA backend.
+// The host sees the model through explicit copies (params_to_host, grads_to_host,
+// logits_row_to_host) and the per-row losses of each forward. Activations and their gradients are
+// stored as BF16 with FP32 compute: as BF16 bits where they feed or leave a BF16 GEMM
+// (set_bf16_bits_storage), else in float32 arrays holding BF16 values (views marked bf16_values);
+// or float32 with model.activation_dtype = fp32. The GEMMs' precision is the backend's BF16 model
+// (T-FDPA on the emulator, cuBLASLt BF16 with FP32 accumulation on the GPU).
 #pragma once
 
 #include <cstdint>
@@ -65,6 +68,8 @@ class Gpt {
   const LinearRecipe& linear_recipe(int64_t layer, int linear) const {
     return recipes_[static_cast<size_t>(layer * 4 + linear)];
   }
+  // The blocks' pattern, one character a block ('*' attention, '-' MLP; DESIGN.md §11).
+  std::string pattern() const;
   // One line per block: which format each GEMM of each linear layer runs in.
   std::string describe_recipe() const;
   // Quantization statistics of the next forward + backward (then off again).
@@ -72,7 +77,7 @@ class Gpt {
   std::vector<QuantStat> take_stats();
 
   // FP32 GEMMs instead of the BF16 ones (gradient checks only).
-  void set_gemm_precision(emu::GemmPrecision p) { prec_ = p; }
+  void set_gemm_precision(GemmPrecision p) { prec_ = p; }
   // BF16 storage as BF16 bits (on by default): the linear layers' inputs (ln_1, the attention
   // output, ln_2; the GELU output where c_proj is all BF16), their outputs qkv (without RoPE), the
   // c_proj outputs and (both MLP linears all BF16) c_fc's, the logits, the Dgrad outputs of
@@ -97,23 +102,20 @@ class Gpt {
     return params_.as<float>();
   }
   const float* params() const { return params_.as<float>(); }
-  // One AdamW step over the parameter tensors at offsets / counts (Backend::adamw_update_many on
-  // params() and grads()). Where the BF16 weight shadow is in use and the tensors cover every
-  // parameter once, the step writes the shadow too (adamw_update_many_bf16, the same bits as the
-  // narrowing pass), and the next forward pass makes none.
-  void adamw_step(float* m, float* v, const std::vector<int64_t>& offsets,
-                  const std::vector<int64_t>& counts, const std::vector<AdamWStep>& steps);
+  // One AdamW step over the parameter tensors of `segments` (Backend::adamw_update on params()
+  // and grads(); m and v as many floats as the parameters). Where the BF16 weight shadow is in use
+  // and the segments cover every parameter once, the step writes the shadow too (the same bits as
+  // the narrowing pass), and the next forward pass makes none.
+  void adamw_step(float* m, float* v, const std::vector<Segment>& segments,
+                  const std::vector<AdamWStep>& steps);
   float* grads() const { return grads_.as<float>(); }
   std::vector<float> params_to_host() const;
   void params_from_host(const std::vector<float>& host);
   std::vector<float> grads_to_host() const;
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
   // Every parameter tensor's offset and element count in params() / grads(), in tensor order: the
-  // span lists of Backend::sum_squares_many and adamw_step.
-  struct TensorSpans {
-    std::vector<int64_t> offsets, counts;
-  };
-  TensorSpans tensor_spans() const;
+  // segments of Backend::sum_squares and adamw_step.
+  std::vector<Segment> tensor_spans() const;
   const ParamTensor& tensor(const std::string& name) const;
   // Bytes of activations kept for the backward pass (backend buffers of the last forward: per-layer
   // activations and saved quantized copies; scratch and gradients excluded).
@@ -128,78 +130,105 @@ class Gpt {
   std::string first_nonfinite_in_forward() const;
 
  private:
-  struct LayerActs {
-    // lse (B,NH,T): attention's per-row log-sum-exp, all the backward pass needs besides atty
-    BackendBuffer ln1, ln1_mean, ln1_rstd, qkv, lse, atty, attproj, res1;
-    BackendBuffer ln2, ln2_mean, ln2_rstd, fc, act, fcproj, res2;
-    // x^T of each linear layer's Wgrad GEMM, quantized in the forward pass when that GEMM is
-    // quantized; then the layer's FP32 input (ln1, ln2, act) is not kept: it is written to a
-    // scratch buffer shared by all layers (DESIGN.md §9, saved activations in quantized form).
-    // atty is always kept: the attention backward pass reads it.
-    std::unique_ptr<QuantizedCopy> saved_x[4];
+  enum class BlockKind : uint8_t { Attention, Mlp };
+  // One block's activations of the last forward pass. Attention: norm = ln_1's output (linear 0's
+  // input), qkv, lse (B,NH,T) the per-row log-sum-exp (all the backward pass needs besides y),
+  // y = the attention output (linear 1's input). MLP: norm = ln_2's output (linear 2's input),
+  // fc = c_fc's output, y = the activation (linear 3's input). res: the residual stream after the
+  // block; proj: the block's c_proj output when kept as float32 (read once, by the residual add).
+  struct BlockActs {
+    BackendBuffer norm, mean, rstd, qkv, lse, fc, y, proj, res;
+    // x^T of each of the block's linear layers' Wgrad GEMM, quantized in the forward pass when that
+    // GEMM is quantized; then the layer's input is not kept: it is written to a scratch buffer
+    // shared by all layers (DESIGN.md §9, saved activations in quantized form). The attention
+    // output is always kept: the attention backward pass reads it.
+    std::unique_ptr<QuantizedCopy> saved_x[2];
     // W's Dgrad copy of each linear layer, from the forward pass's quantize call (linear_forward's
     // save_dgrad_weight), replaced by the next forward pass like saved_x
-    std::unique_ptr<QuantizedCopy> saved_w[4];
-    // which of ln1, atty, ln2, act (the inputs of linears 0..3) and qkv the last forward kept as
-    // BF16 bits (Gpt::stores_bits; the backward pass reads them the same way)
-    bool in16[4] = {false, false, false, false};
-    bool qkv16 = false;
-    bool fc16 = false;    // c_fc's output (GELU's input)
-    bool proj16 = false;  // the two c_proj outputs, in proj16_ (read once, by the residual add)
+    std::unique_ptr<QuantizedCopy> saved_w[2];
+    // how the last forward stored the block's tensors (Gpt::plan_storage): the inputs of its two
+    // linears, qkv / fc, and its c_proj output as BF16 bits
+    bool in16[2] = {false, false};
+    bool mid16 = false;
+    bool proj16 = false;
   };
-  // Whether linear `linear` of block l keeps its input as BF16 bits in this forward pass: BF16
+  struct Block {
+    BlockKind kind;
+    int64_t layer;  // h.<layer>
+    int linear0;    // the layer's index of the block's first linear (0: c_attn, 2: c_fc)
+  };
+  // Whether linear `linear` of layer l keeps its input as BF16 bits in this forward pass: BF16
   // activations and precision; no statistics this step unless all three of its GEMMs are BF16;
-  // linear 3 (GELU's output) only with all three BF16.
+  // linear 3 (the activation's output) only with all three BF16 and GELU.
   bool stores_bits(int64_t l, int linear) const;
   // Whether any tensor may be kept as BF16 bits: the switch on, BF16 activations and precision.
-  bool bits_on() const { return bf16_bits_ && round_bf16() && prec_ == emu::GemmPrecision::BF16; }
-  // b resized to hold n values of 4 (FP32) or 2 (BF16 bits) bytes, reallocated only when its size
-  // differs (the per-layer activation buffers, whose storage may differ between forwards).
-  float* f32_buffer(BackendBuffer& b, int64_t n);
-  uint16_t* bf16_buffer(BackendBuffer& b, int64_t n);
-  // The FP32 input of linear `linear` of a layer: its own buffer when the backward pass needs it
-  // (a BF16 Wgrad), else the shared scratch.
-  float* linear_input(int64_t layer, int linear);
-  const float* p(const std::string& name) const {
-    return params_.as<float>() + tensor(name).offset;
-  }
-  float* g(const std::string& name) const { return grads() + tensor(name).offset; }
+  bool bits_on() const { return bf16_bits_ && round_bf16() && prec_ == GemmPrecision::BF16; }
+  // The storage of every block's tensors in this forward pass (BlockActs::in16, mid16, proj16).
+  void plan_storage();
+  // A view of b holding rows x cols as BF16 bits (bits) or as float32 holding BF16 values (float32
+  // with model.activation_dtype = fp32), b reallocated only when its size differs (the activation
+  // buffers, whose storage may differ between forwards). The view is the writer's: it carries the
+  // bf16_values mark where the values are rounded.
+  TensorView act_view(BackendBuffer& b, int64_t rows, int64_t cols, bool bits, const char* name);
+  // A float32 view of b (rows x cols), as stored (no mark), b reallocated to fit.
+  TensorView f32(BackendBuffer& b, int64_t rows, int64_t cols, const char* name);
+  // The input of a block's linear `i` (0 or 1): kept in the block's own buffer when the backward
+  // pass reads it (a BF16 Wgrad, or the attention output), else in the shared scratch.
+  TensorView linear_input(size_t b, int i);
+  TensorView param(const std::string& name) const;
+  TensorView param16(const std::string& name) const;
+  TensorView grad(const std::string& name) const;
+  LinearWeights linear_weights(int64_t l, int linear) const;
   void add(const std::string& name, std::vector<int64_t> shape);
   std::string lname(int64_t l, const char* what) const;
   void allocate_activations(int64_t B, int64_t T);
   int64_t fc_width() const { return cfg_.activation == "swiglu" ? 2 * cfg_.d_ff : cfg_.d_ff; }
+  NormKind norm_kind() const {
+    return cfg_.norm == "layernorm" ? NormKind::LayerNorm : NormKind::RMSNorm;
+  }
+  AttentionShape attention_shape() const;
 
-  // The storage of an activation or activation gradient: rounded to BF16 unless
-  // model.activation_dtype = fp32 (DESIGN.md §9). Ops that can round their own output take
-  // round_bf16() instead (one pass over the array instead of two); store is for the rest.
-  void store(float* x, int64_t n);
+  // The storage of activations and activation gradients: rounded to BF16 unless
+  // model.activation_dtype = fp32 (DESIGN.md §9).
   bool round_bf16() const { return cfg_.activation_dtype == "bf16"; }
-  // inp16 / out16 (or a pending input with out16): the input / output kept as BF16 bits
-  // (linear_forward's LinearBits; then inp / out is null); dinp16: linear_backward's
-  void linear_fwd(int64_t l, int linear, float* out, const float* inp, int64_t N, int64_t K,
-                  int64_t OC, bool round_bf16, const ActivationSource* pending_input = nullptr,
-                  const uint16_t* inp16 = nullptr, uint16_t* out16 = nullptr);
-  // dinp written (linear_backward's contract), the weight and bias gradients accumulated
-  // (pending_input / pending_dout: linear_forward's / linear_backward's)
-  void linear_bwd(int64_t l, int linear, float* dinp, const float* dout, int64_t N, int64_t K,
-                  int64_t OC, const ActivationSource* pending_dout = nullptr,
-                  uint16_t* dinp16 = nullptr, const uint16_t* dout16 = nullptr);
-  // where linear `linear`'s input is kept as BF16 bits (acts_[l].in16[linear])
-  uint16_t* linear_input16(int64_t l, int linear);
+  // x = x + mixer(norm(x)) for block b: in = the residual stream before it. The block's norm
+  // output is made here unless norm_done (the block before fused it into its residual add).
+  void attention_block_forward(size_t b, const TensorView& in, bool norm_done);
+  void mlp_block_forward(size_t b, const TensorView& in, bool norm_done);
+  // The residual add after block b, fused with the next block's norm where one follows.
+  void residual_after(size_t b, const TensorView& in);
+  // dx (the residual stream's gradient) += the block's contribution; in: the block's input.
+  void attention_block_backward(size_t b, const TensorView& in);
+  void mlp_block_backward(size_t b, const TensorView& in);
+  void linear_fwd(int64_t l, int linear, size_t b, const TensorView& out, const TensorView& inp,
+                  const ActivationSource* pending_input = nullptr);
+  void linear_bwd(int64_t l, int linear, size_t b, const TensorView& dinp, const TensorView& dout,
+                  const ActivationSource* pending_dout = nullptr);
+  // The Dgrad output of linear i of layer l as the writer's view: BF16 bits where all three of its
+  // GEMMs are BF16 with BF16 storage (linear 3 also needs c_fc all BF16 with GELU, whose fused
+  // backward pass reads it), else float32 unrounded (its BF16 storage applied where it is read).
+  TensorView dgrad_view(int64_t l, int i, int64_t width);
+  // The residual stream entering block b (the embeddings' output for block 0).
+  TensorView stream_in(size_t b);
+  // The residual stream's gradient (float32; bf16_values under BF16 storage: rounded where
+  // written).
+  TensorView dx_view();
 
   ModelConfig cfg_;
   Backend& be_;
   RunConfig run_;
   bool has_recipe_ = false;
   std::vector<bool> high_precision_;
-  BackendBuffer scratch_in_[4],
-      scratch16_in_[4];    // the linear inputs that are not kept (FP32, BF16 bits)
+  std::vector<Block> blocks_;
+  // the linear inputs that are not kept, by linear index (0, 2, 3; float32 or BF16 bits)
+  BackendBuffer scratch_in_[4], scratch16_in_[4];
   BackendBuffer proj16_;   // the c_proj outputs as BF16 bits until the residual add reads them
   bool logits16_ = false;  // the last forward kept the logits as BF16 bits
-  // The parameters' BF16 bits, current while a forward or backward pass runs (WeightShadow: made
-  // and handed to Backend::set_bf16_weight_shadow at the pass's start, withdrawn at its end, so no
-  // later change of the parameters can meet a stale copy). The BF16 recipe only.
+  // The parameters' BF16 bits, current while a forward or backward pass runs (WeightShadow: made at
+  // the pass's start unless the optimizer step wrote them). The BF16 recipe only: every BF16 GEMM
+  // reads its weights from them (LinearWeights::weight16).
   BackendBuffer params16_;
+  bool shadow_live_ = false;  // a pass is running with params16_ current
   // params() hands out writable views (params_version_ counts them); params16_ holds the bits of
   // the version shadow_version_ (none when it differs: the shadow is remade)
   uint64_t params_version_ = 0, shadow_version_ = ~uint64_t{0};
@@ -208,20 +237,19 @@ class Gpt {
   class WeightShadow {
    public:
     explicit WeightShadow(Gpt& m);
-    ~WeightShadow();
+    ~WeightShadow() { m_.shadow_live_ = false; }
     WeightShadow(const WeightShadow&) = delete;
     WeightShadow& operator=(const WeightShadow&) = delete;
 
    private:
     Gpt& m_;
-    bool set_ = false;
   };
   std::vector<LinearRecipe> recipes_;  // [layer * 4 + linear]
   int64_t step_ = 0, micro_batch_ = 0;
   bool collect_stats_ = false, stats_active_ = false;
   bool inference_ = false, inference_pass_ = false;  // (set_inference; the last forward pass's)
   std::vector<QuantStat> stats_;
-  emu::GemmPrecision prec_ = emu::GemmPrecision::BF16;
+  GemmPrecision prec_ = GemmPrecision::BF16;
   bool bf16_bits_ = true;
   std::vector<ParamTensor> tensors_;
   size_t n_params_ = 0;
@@ -232,18 +260,17 @@ class Gpt {
   // (uploaded when the buffers are sized)
   BackendBuffer batch_, pos_;
   std::vector<int32_t> host_batch_;
-  const int32_t* tokens_dev() const { return batch_.as<int32_t>(); }
-  const int32_t* targets_dev() const { return batch_.as<int32_t>() + B_ * T_; }
+  TensorView tokens_view() const;
+  TensorView targets_view() const;
   int64_t dlosses_for_ = 0;  // the micro-batch count dlosses_ holds 1/(N * count) for (0: none)
   BackendBuffer emb_, lnf_, lnf_mean_, lnf_rstd_, logits_, losses_;
   int64_t dlogits_micro_batches_ = 0;  // the micro-batch count dlogits_ was formed for (0: none)
   // dlogits_ (and losses_) from the kept logits, for the mean over micro_batches micro-batches
   void loss_gradient(int64_t micro_batches);
-  std::vector<LayerActs> acts_;
+  std::vector<BlockActs> acts_;  // one a block
   // backward scratch
   BackendBuffer dlosses_, dlogits_, dlnf_, dx_, dact_, dfc_, dln2_, datty_, dqkv_, dln1_;
-  // the Dgrad outputs dln1, datty, dln2, dact as BF16 bits (linear i all BF16; dact also needs
-  // c_fc all BF16 with GELU, whose fused backward pass reads it)
+  // the Dgrad outputs of linears 0..3 as BF16 bits (dgrad_view)
   BackendBuffer dinp16_[4];
 };
 

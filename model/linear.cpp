@@ -6,6 +6,8 @@
 #include <tuple>
 #include <utility>
 
+#include "emu/fused.hpp"
+
 namespace fp4sim::model {
 
 uint64_t sr_stream(int64_t step, int64_t micro_batch, int64_t layer, int64_t linear,
@@ -93,13 +95,14 @@ struct CopyRequest {
 
 // Whether copy q gets a decoded BF16 buffer: a transient FP4 copy on a backend that reads one.
 bool wants_decoded(Backend& be, const LinearRecipe& r, const CopyRequest& q) {
-  return q.transient && *q.format != "fp8" && be.decodes_for_gemm(r.impl);
+  return q.transient && *q.format != "fp8" &&
+         be.supports(Capability::GemmDecodedOperand, static_cast<int64_t>(r.impl));
 }
 
 // Whether copy q gets its scales also in the GEMM's layout: an FP8 copy (saved or not) on a backend
 // whose GEMM reads them (Backend::fp8_scales_for_gemm).
 bool wants_scales_gemm(Backend& be, const LinearRecipe& r, const CopyRequest& q) {
-  return *q.format == "fp8" && be.fp8_scales_for_gemm(r.impl);
+  return *q.format == "fp8" && be.supports(Capability::GemmFp8Scales, static_cast<int64_t>(r.impl));
 }
 
 // The quantizer configuration of one requested copy (only that copy enabled).
@@ -123,31 +126,24 @@ QuantizeConfig copy_config(const LinearRecipe& r, uint64_t seed, const CopyReque
   return qc;
 }
 
-// x (rows, cols) FP32 in the backend's memory, or x16 its BF16 bits (x null), as the quantizer's
-// input (name: the error messages').
-TensorView copy_input(Backend& be, const float* x, int64_t rows, int64_t cols,
-                      const std::string& name, const uint16_t* x16 = nullptr) {
-  TensorView tv;
-  tv.data = x16 ? static_cast<void*>(const_cast<uint16_t*>(x16))
-                : static_cast<void*>(const_cast<float*>(x));
-  tv.dtype = x16 ? DType::BF16 : DType::F32;
-  tv.rows = rows;
-  tv.cols = cols;
-  tv.device = be.device();
+// x (rows, cols; float32 or BF16, in the backend's memory) as the quantizer reads it: as stored,
+// under the name of the error messages (name must outlive the view).
+TensorView copy_input(const TensorView& x, const std::string& name) {
+  TensorView tv = x;
+  tv.bf16_values = false;
   tv.name = name.c_str();
   return tv;
 }
 
-// x (rows, cols) FP32 in the backend's memory (or x16, its BF16 bits) -> one copy: row-wise (rows,
-// cols) or column-wise (cols, rows), blocks along the written row. The quantizer reads BF16 input
-// as its FP32 values: the same copy either way.
+// x -> one copy: row-wise (rows, cols) or column-wise (cols, rows), blocks along the written row.
+// The quantizer reads BF16 input as its float32 values: the same copy either way.
 std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r, uint64_t seed,
-                                             const float* x, int64_t rows, int64_t cols,
-                                             const CopyRequest& q, const std::string& name,
-                                             const uint16_t* x16 = nullptr) {
+                                             const TensorView& x, const CopyRequest& q,
+                                             const std::string& name) {
   const QuantizeConfig qc = copy_config(r, seed, q);
   const CopySpec& spec = q.columnwise ? qc.columnwise : qc.rowwise;
-  const TensorView tv = copy_input(be, x, rows, cols, name, x16);
+  const TensorView tv = copy_input(x, name);
+  const int64_t rows = x.rows, cols = x.cols;
   auto c = std::make_unique<QuantizedCopy>(
       be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format, spec.four_over_six,
       wants_decoded(be, r, q), wants_scales_gemm(be, r, q));
@@ -164,28 +160,27 @@ bool can_combine(const CopyRequest& row_q, const CopyRequest& col_q) {
 // (else two): one amax pass and one read of x instead of two each. The bits are those of two
 // quantize_copy calls: each copy keeps its own rounding, RHT and SR stream, and its amax is taken
 // over the same values.
-// dbias (output gradients only; null otherwise): where the call is combined, dbias also gets x's
-// column sums (Backend::quantize_with_bias_backward) and *dbias_done is set; otherwise the caller
-// still owes bias_backward.
+// dbias (output gradients only; absent otherwise): where the call is combined, dbias also gets x's
+// column sums (Backend::quantize_activation) and *dbias_done is set; otherwise the caller still
+// owes bias_backward. src: x is the output of that activation, not yet run (x unused).
 std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quantize_both(
-    Backend& be, const LinearRecipe& r, uint64_t seed, const float* x, int64_t rows, int64_t cols,
+    Backend& be, const LinearRecipe& r, uint64_t seed, const TensorView& x,
     const CopyRequest& row_q, const CopyRequest& col_q, const std::string& name,
-    float* dbias = nullptr, bool* dbias_done = nullptr, const ActivationSource* src = nullptr,
-    const uint16_t* x16 = nullptr) {
+    const TensorView& dbias = TensorView{}, bool* dbias_done = nullptr,
+    const ActivationSource* src = nullptr) {
   if (dbias_done) *dbias_done = false;
   if (src && !can_combine(row_q, col_q))
     throw std::logic_error("quantize_both (" + name +
                            "): a pending activation needs one combined quantize call");
-  if (x16 && (dbias || src))
+  if (x.dtype == DType::BF16 && (dbias.present() || src))
     throw std::logic_error("quantize_both (" + name +
                            "): BF16 bits input with a bias gradient or a pending activation");
   if (!can_combine(row_q, col_q))
-    return {quantize_copy(be, r, seed, x, rows, cols, row_q, name, x16),
-            quantize_copy(be, r, seed, x, rows, cols, col_q, name, x16)};
+    return {quantize_copy(be, r, seed, x, row_q, name), quantize_copy(be, r, seed, x, col_q, name)};
   QuantizeConfig qc = copy_config(r, seed, row_q);
   const QuantizeConfig cc = copy_config(r, seed, col_q);
   qc.columnwise = cc.columnwise;
-  const TensorView tv = copy_input(be, x, rows, cols, name, x16);
+  const int64_t rows = x.rows, cols = x.cols;
   auto row =
       std::make_unique<QuantizedCopy>(be, rows, cols, qc.format, qc.rowwise.four_over_six,
                                       wants_decoded(be, r, row_q), wants_scales_gemm(be, r, row_q));
@@ -194,12 +189,14 @@ std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quanti
                                       wants_decoded(be, r, col_q), wants_scales_gemm(be, r, col_q));
   if (src) {
     be.quantize_activation(*src, qc, &row->view, &col->view, dbias);
-    if (dbias_done) *dbias_done = dbias != nullptr;
-  } else if (dbias) {
-    be.quantize_with_bias_backward(tv, qc, &row->view, &col->view, dbias);
+    if (dbias_done) *dbias_done = dbias.present();
+  } else if (dbias.present()) {
+    ActivationSource id;
+    id.inp = copy_input(x, name);
+    be.quantize_activation(id, qc, &row->view, &col->view, dbias);
     if (dbias_done) *dbias_done = true;
   } else {
-    be.quantize(tv, qc, &row->view, &col->view);
+    be.quantize(copy_input(x, name), qc, &row->view, &col->view);
   }
   return {std::move(row), std::move(col)};
 }
@@ -245,8 +242,10 @@ const QuantizedCopy* saved_or_made(const QuantizedCopy* saved, std::unique_ptr<Q
 }
 
 // Statistics of a row-wise copy of x (rows, cols): the error sums on the backend, the ratios here.
-QuantStat stat_of(Backend& be, const float* x, const QuantizedCopy& q, const std::string& tensor) {
-  const QuantErrorSums sums = be.quant_error_sums(x, q.view);  // on the backend, in one fixed order
+QuantStat stat_of(Backend& be, const TensorView& x, const QuantizedCopy& q,
+                  const std::string& tensor) {
+  const QuantErrorSums sums =
+      be.quant_error_sums(as_stored(x), q.view);  // on the backend, in one fixed order
   QuantStat st;
   st.tensor = tensor;
   be.download(&st.amax, q.view.amax, 4);
@@ -259,35 +258,26 @@ QuantStat stat_of(Backend& be, const float* x, const QuantizedCopy& q, const std
   return st;
 }
 
-// d (rows, cols) in the backend's memory as a GEMM output / accumulator view.
-TensorView f32_view(Backend& be, float* p, int64_t rows, int64_t cols) {
-  TensorView v;
-  v.data = p;
-  v.rows = rows;
-  v.cols = cols;
-  v.device = be.device();
-  return v;
+// A float32 view of p (rows, cols) in the backend's memory, as a GEMM output / accumulator.
+TensorView gemm_view(Backend& be, void* p, int64_t rows, int64_t cols, const char* name) {
+  return view_of(p, DType::F32, rows, cols, be.device(), name);
 }
 
 }  // namespace
 
-void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out,
-                    const float* inp, const float* weight, const float* bias, int64_t N, int64_t K,
-                    int64_t OC, emu::GemmPrecision prec, bool round_bf16,
+void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, const TensorView& out,
+                    const TensorView& inp, const LinearWeights& w, GemmPrecision prec,
                     std::vector<QuantStat>* stats, const std::string& name,
                     std::unique_ptr<QuantizedCopy>* save_wgrad_input,
                     std::unique_ptr<QuantizedCopy>* save_dgrad_weight,
-                    const ActivationSource* pending_input, const LinearBits& bits) {
-  const uint16_t* inp16 = bits.inp16;
-  uint16_t* out16 = bits.out16;
-  const bool any_bits = inp16 || out16 || (pending_input && pending_input->out16);
-  if (any_bits && prec != emu::GemmPrecision::BF16)
-    throw std::logic_error("linear_forward (" + name + "): BF16 bits storage needs BF16 precision");
-  if ((inp16 && (inp || (stats && r.fprop != "bf16"))) || (out16 && out))
+                    const ActivationSource* pending_input) {
+  const TensorView& x = pending_input ? pending_input->out : inp;
+  const int64_t N = x.rows, OC = w.weight.rows;
+  if (stats && r.fprop != "bf16" && x.dtype != DType::F32)
     throw std::logic_error("linear_forward (" + name +
-                           "): BF16 bits and FP32 arrays for the same tensor, or bits "
-                           "input with statistics (they read the FP32 input)");
-  if (pending_input && pending_input->out16 && (r.fprop != "bf16" || r.wgrad != "bf16"))
+                           "): statistics read the float32 input, not BF16 bits");
+  if (pending_input && pending_input->out.dtype == DType::BF16 &&
+      (r.fprop != "bf16" || r.wgrad != "bf16"))
     throw std::logic_error("linear_forward (" + name +
                            "): a pending input kept as BF16 bits needs BF16 GEMMs");
   // (built only where a copy is made: a BF16 GEMM draws no SR stream)
@@ -307,10 +297,8 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
                           can_combine(x_fprop(), x_wgrad_request(r, ids, true));
   // (a BF16 layer: Backend::matmul_forward_activation, which writes x too for the backward pass)
   const bool fuse_bf16_input = pending_input && r.fprop == "bf16" && r.wgrad == "bf16";
-  if (pending_input && (pending_input->rows != N || pending_input->cols != K))
-    throw std::logic_error("linear_forward (" + name + "): the pending input's shape is not N x K");
-  if (pending_input && !fuse_input && !fuse_bf16_input) be.run_activation(*pending_input);
-  // the Wgrad operand x^T, quantized now so the backward pass needs no FP32 copy of x; with a
+  if (pending_input && !fuse_input && !fuse_bf16_input) run_activation(be, *pending_input);
+  // the Wgrad operand x^T, quantized now so the backward pass needs no float32 copy of x; with a
   // quantized Fprop too, both copies come from one quantize call
   std::unique_ptr<QuantizedCopy> xq;
   if (save_dgrad_weight)
@@ -318,26 +306,25 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
   if (save_wgrad_input) {
     save_wgrad_input->reset();
     if (r.wgrad != "bf16" && r.fprop != "bf16") {
-      auto both = quantize_both(be, r, ids.seed, inp, N, K, x_fprop(),
-                                x_wgrad_request(r, ids, true), name + " input", nullptr, nullptr,
-                                fuse_input ? pending_input : nullptr, inp16);
+      auto both = quantize_both(be, r, ids.seed, x, x_fprop(), x_wgrad_request(r, ids, true),
+                                name + " input", TensorView{}, nullptr,
+                                fuse_input ? pending_input : nullptr);
       xq = std::move(both.first);
       *save_wgrad_input = std::move(both.second);
     } else if (r.wgrad != "bf16") {
-      *save_wgrad_input = quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids, true),
-                                        name + " input", inp16);
+      *save_wgrad_input =
+          quantize_copy(be, r, ids.seed, x, x_wgrad_request(r, ids, true), name + " input");
     }
   }
   if (r.fprop == "bf16") {
+    const TensorView& bias = w.bias_for(out);
     if (fuse_bf16_input)
-      be.matmul_forward_activation(out, out16, *pending_input, weight, bias, OC, prec, round_bf16);
-    else if (inp16 || out16)
-      be.matmul_forward_bf16(out, out16, inp, inp16, weight, bias, N, K, OC, round_bf16);
+      be.matmul_forward_activation(out, *pending_input, w.gemm_weight(), bias, prec);
     else
-      be.matmul_forward(out, inp, weight, bias, N, K, OC, prec, round_bf16);
+      be.matmul_forward(out, as_stored(x), w.gemm_weight(), bias, prec);
     return;
   }
-  if (!xq) xq = quantize_copy(be, r, ids.seed, inp, N, K, x_fprop(), name + " input", inp16);
+  if (!xq) xq = quantize_copy(be, r, ids.seed, x, x_fprop(), name + " input");
   const CopyRequest w_fprop{&r.fprop,
                             false,
                             true,
@@ -349,50 +336,44 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, fl
   if (save_dgrad_weight && r.dgrad != "bf16" &&
       can_combine(w_fprop, w_dgrad_request(r, ids, true))) {
     std::tie(wq, *save_dgrad_weight) = quantize_both(
-        be, r, ids.seed, weight, OC, K, w_fprop, w_dgrad_request(r, ids, true), name + ".weight");
+        be, r, ids.seed, w.weight, w_fprop, w_dgrad_request(r, ids, true), name + ".weight");
   } else {
-    wq = quantize_copy(be, r, ids.seed, weight, OC, K, w_fprop, name + ".weight");
+    wq = quantize_copy(be, r, ids.seed, w.weight, w_fprop, name + ".weight");
   }
   GemmConfig g;
   g.impl = r.impl;
-  // (a BF16-bits output: the GEMM's FP32 values in a temporary, then the bias and the rounding in
-  // the pass that writes the bits)
+  // (a BF16-bits output: the GEMM's float32 values in a temporary, then the bias and the rounding
+  // in the pass that writes the bits)
   BackendBuffer y;
-  if (out16) {
+  void* acc = out.data;
+  if (out.dtype == DType::BF16) {
     y = BackendBuffer(be, static_cast<size_t>(N * OC) * sizeof(float));
-    out = y.as<float>();
+    acc = y.get();
   }
-  be.gemm(xq->view, wq->view, nullptr, g, f32_view(be, out, N, OC));
-  if (out16) {
-    if (bias)
-      be.bias_forward_bf16(out16, out, bias, N, OC);
-    else
-      be.narrow_to_bf16(out16, out, N * OC);
-  } else if (bias) {
-    be.bias_forward(out, bias, N, OC, round_bf16);
-  } else if (round_bf16) {
-    be.round_to_bf16(out, N * OC);
-  }
+  const TensorView d = gemm_view(be, acc, N, OC, out.name);
+  be.gemm(xq->view, wq->view, nullptr, g, d);
+  if (w.bias.present())
+    be.bias_forward(out, d, w.bias);
+  else if (out.bf16_storage())
+    be.convert(out, d);
   if (stats) {
-    stats->push_back(stat_of(be, inp, *xq, name + ".fprop.x"));
-    stats->push_back(stat_of(be, weight, *wq, name + ".fprop.w"));
+    stats->push_back(stat_of(be, x, *xq, name + ".fprop.x"));
+    stats->push_back(stat_of(be, w.weight, *wq, name + ".fprop.w"));
   }
 }
 
-void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp,
-                     float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
-                     std::vector<QuantStat>* stats, const std::string& name,
+void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids,
+                     const TensorView& dinp, const TensorView& dweight, const TensorView& dbias,
+                     const TensorView& dout, const TensorView& inp, const LinearWeights& w,
+                     GemmPrecision prec, std::vector<QuantStat>* stats, const std::string& name,
                      const QuantizedCopy* saved_wgrad_input,
-                     const QuantizedCopy* saved_dgrad_weight, const ActivationSource* pending_dout,
-                     const uint16_t* inp16, uint16_t* dinp16, const uint16_t* dout16) {
-  if (!inp && !inp16 && (r.wgrad == "bf16" || !saved_wgrad_input))
+                     const QuantizedCopy* saved_dgrad_weight,
+                     const ActivationSource* pending_dout) {
+  const TensorView& dy = pending_dout ? pending_dout->out : dout;
+  if (!inp.present() && (r.wgrad == "bf16" || !saved_wgrad_input))
     throw std::logic_error(
         "linear_backward (" + name +
-        "): no input: the FP32 x, its BF16 bits or its saved Wgrad copy is needed");
-  if (inp16 && (inp || prec != emu::GemmPrecision::BF16))
-    throw std::logic_error("linear_backward (" + name +
-                           "): BF16 bits input with an FP32 one, or at FP32 precision");
+        "): no input: the float32 x, its BF16 bits or its saved Wgrad copy is needed");
   // (built only where a copy is made: a BF16 GEMM draws no SR stream)
   auto dy_dgrad = [&] {
     return CopyRequest{&r.dgrad,
@@ -415,35 +396,23 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   // dy's Dgrad and Wgrad copies from one quantize call when both GEMMs are quantized and the
   // copies can share it (else each is made where it is used, and the Dgrad one freed before the
   // Wgrad one exists)
-  const bool combine = dinp && dweight && r.dgrad != "bf16" && r.wgrad != "bf16" &&
-                       can_combine(dy_dgrad(), dy_wgrad());
+  const bool combine = dinp.present() && dweight.present() && r.dgrad != "bf16" &&
+                       r.wgrad != "bf16" && can_combine(dy_dgrad(), dy_wgrad());
   // a pending dout is quantized straight from its op where that one call reads it and nothing else
   // does, or handed to Backend::matmul_backward_activation where both GEMMs are BF16; otherwise the
   // op runs now
   const bool fuse_dout = pending_dout && combine && !stats;
   const bool fuse_bf16_dout = pending_dout && r.dgrad == "bf16" && r.wgrad == "bf16";
-  if (pending_dout && (pending_dout->rows != N || pending_dout->cols != OC))
+  if (pending_dout && !fuse_dout && !fuse_bf16_dout) run_activation(be, *pending_dout);
+  if (dinp.dtype == DType::BF16 && (r.dgrad != "bf16" || r.wgrad != "bf16"))
     throw std::logic_error("linear_backward (" + name +
-                           "): the pending output gradient's shape is not N x OC");
-  if (pending_dout && !fuse_dout && !fuse_bf16_dout) be.run_activation(*pending_dout);
-  if (dinp16 &&
-      (dinp || r.dgrad != "bf16" || r.wgrad != "bf16" || prec != emu::GemmPrecision::BF16))
-    throw std::logic_error("linear_backward (" + name +
-                           "): dinp16 is for a linear whose GEMMs are all BF16, without dinp");
-  if (dout16 && (dout || pending_dout || r.dgrad != "bf16" || r.wgrad != "bf16" ||
-                 prec != emu::GemmPrecision::BF16))
-    throw std::logic_error("linear_backward (" + name +
-                           "): dout16 is for a linear whose GEMMs are all BF16, without dout");
+                           "): a BF16-bits dinp is for a linear whose GEMMs are all BF16");
   if (r.dgrad == "bf16" && r.wgrad == "bf16") {
-    if (inp16 || dinp16 || dout16 ||
-        (pending_dout && (pending_dout->inp16 || pending_dout->dout16)))
-      be.matmul_backward_bits(dinp, dinp16, dweight, dbias, fuse_bf16_dout ? nullptr : dout, dout16,
-                              fuse_bf16_dout ? pending_dout : nullptr, inp, inp16, weight, N, K,
-                              OC);
-    else if (fuse_bf16_dout)
-      be.matmul_backward_activation(dinp, dweight, dbias, *pending_dout, inp, weight, K, prec);
+    if (fuse_bf16_dout)
+      be.matmul_backward_activation(dinp, dweight, dbias, *pending_dout, inp, w.gemm_weight(),
+                                    prec);
     else
-      be.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, K, OC, prec);
+      be.matmul_backward(dinp, dweight, dbias, as_stored(dy), inp, w.gemm_weight(), prec);
     return;
   }
   GemmConfig acc;  // Wgrad: D = alpha' * A B^T + 1 * D, the += of matmul_backward in the epilogue
@@ -451,55 +420,44 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, f
   acc.beta = 1.0f;
   GemmConfig put;  // Dgrad: D = alpha' * A B^T, dinp written
   put.impl = r.impl;
-  // (dbias from the same call: Backend::quantize_with_bias_backward; the same bits as
-  // bias_backward)
+  // (dbias from the same call: Backend::quantize_activation; the same bits as bias_backward)
   std::unique_ptr<QuantizedCopy> dyq, dyc;
   bool dbias_done = false;
   if (combine)
-    std::tie(dyq, dyc) = quantize_both(be, r, ids.seed, dout, N, OC, dy_dgrad(), dy_wgrad(),
-                                       name + " output gradient", dbias, &dbias_done,
-                                       fuse_dout ? pending_dout : nullptr);
+    std::tie(dyq, dyc) =
+        quantize_both(be, r, ids.seed, dy, dy_dgrad(), dy_wgrad(), name + " output gradient", dbias,
+                      &dbias_done, fuse_dout ? pending_dout : nullptr);
+  const TensorView absent;
   // Dgrad: dx (N,K) = dy (N,OC) . W (OC,K) = dy_rowwise x (W column-wise (K,OC))^T
-  if (dinp) {
+  if (dinp.present()) {
     if (r.dgrad == "bf16") {
-      if (inp16)
-        be.matmul_backward_bf16_input(dinp, nullptr, nullptr, dout, inp16, weight, N, K, OC);
-      else
-        be.matmul_backward(dinp, nullptr, nullptr, dout, inp, weight, N, K, OC, prec);
+      be.matmul_backward(dinp, absent, absent, as_stored(dy), inp, w.gemm_weight(), prec);
     } else {
-      if (!dyq)
-        dyq = quantize_copy(be, r, ids.seed, dout, N, OC, dy_dgrad(), name + " output gradient");
+      if (!dyq) dyq = quantize_copy(be, r, ids.seed, dy, dy_dgrad(), name + " output gradient");
       std::unique_ptr<QuantizedCopy> own_w;
       const QuantizedCopy* wq = saved_or_made(saved_dgrad_weight, own_w, [&] {
-        return quantize_copy(be, r, ids.seed, weight, OC, K, w_dgrad_request(r, ids, false),
+        return quantize_copy(be, r, ids.seed, w.weight, w_dgrad_request(r, ids, false),
                              name + ".weight");
       });
-      const TensorView d = f32_view(be, dinp, N, K);
-      be.gemm(dyq->view, wq->view, nullptr, put, d);
-      if (stats) stats->push_back(stat_of(be, dout, *dyq, name + ".dgrad.dy"));
+      be.gemm(dyq->view, wq->view, nullptr, put, as_stored(dinp));
+      if (stats) stats->push_back(stat_of(be, dy, *dyq, name + ".dgrad.dy"));
       dyq.reset();
     }
   }
   // Wgrad: dW (OC,K) += dy^T (OC,N) . x (N,K) = (dy column-wise) x (x column-wise)^T, RHT on both
-  if (dweight) {
+  if (dweight.present()) {
     if (r.wgrad == "bf16") {
-      if (inp16)
-        be.matmul_backward_bf16_input(nullptr, dweight, nullptr, dout, inp16, weight, N, K, OC);
-      else
-        be.matmul_backward(nullptr, dweight, nullptr, dout, inp, weight, N, K, OC, prec);
+      be.matmul_backward(absent, dweight, absent, as_stored(dy), inp, w.gemm_weight(), prec);
     } else {
-      if (!dyc)
-        dyc = quantize_copy(be, r, ids.seed, dout, N, OC, dy_wgrad(), name + " output gradient");
+      if (!dyc) dyc = quantize_copy(be, r, ids.seed, dy, dy_wgrad(), name + " output gradient");
       std::unique_ptr<QuantizedCopy> own_x;
       const QuantizedCopy* xc = saved_or_made(saved_wgrad_input, own_x, [&] {
-        return quantize_copy(be, r, ids.seed, inp, N, K, x_wgrad_request(r, ids, false),
-                             name + " input", inp16);
+        return quantize_copy(be, r, ids.seed, inp, x_wgrad_request(r, ids, false), name + " input");
       });
-      const TensorView d = f32_view(be, dweight, OC, K);
-      be.gemm(dyc->view, xc->view, &d, acc, d);
+      be.gemm(dyc->view, xc->view, &dweight, acc, dweight);
     }
   }
-  if (dbias && !dbias_done) be.bias_backward(dbias, dout, N, OC);
+  if (dbias.present() && !dbias_done) be.bias_backward(dbias, as_stored(dy));
 }
 
 }  // namespace fp4sim::model

@@ -84,60 +84,59 @@ struct QuantizedCopy {
   }
 };
 
-// stats: when non-null, the row-wise (non-RHT) copies made here append their statistics (computed
-// on the backend, Backend::quant_error_sums; one extra pass over x and the copy). save_wgrad_input:
-// when non-null and the Wgrad GEMM is quantized, x's column-wise Wgrad copy is made here and kept
-// there (else reset), so the backward pass can run without the FP32 x (DESIGN.md §9: saved
-// activations in quantized form); the bits are those linear_backward would make from x.
-// saved_wgrad_input (backward): that copy, or null to quantize inp there; inp may be null when the
-// copy is given. round_bf16: out rounded to BF16 (the model's activation storage) with the bias add
-// (Backend's round_bf16). save_dgrad_weight / saved_dgrad_weight: the same for W's column-wise
-// Dgrad copy, made in the forward pass from the quantize call that makes W's Fprop copy when both
-// GEMMs are quantized alike (one amax pass and one read of W instead of two of each; W does not
-// change between the passes of a micro-batch). pending_input (forward) / pending_dout (backward):
-// inp / dout is the output of an activation op not yet run. Where the layer's only use of it is one
-// quantize call making both copies (both GEMMs quantized alike, no statistics), that call is
-// Backend::quantize_activation, which may never store it; where both of the pass's GEMMs are BF16,
-// the pass is Backend::matmul_forward_activation (which stores inp) / matmul_backward_activation
-// (which may never store dout); otherwise the op runs first (Backend::run_activation) and the layer
-// proceeds as usual. Either way the copies, the GEMMs and the bias gradient are the same bits; only
-// dout, and inp where quantized, may be left unwritten. linear_backward WRITES dinp (= dy W; the
-// old contents are ignored) and ADDS to dweight and dbias
-// (+=, the parameter gradients accumulate over micro-batches). Writing dinp lets a quantized Dgrad
-// GEMM run with beta = 0: no zeroing pass before it and no read of the old dinp in its epilogue
-// (and on Hopper's cuBLASLt path, where alpha' is a device scalar, it avoids the general-beta
-// kernel that a device beta = 1 forces, 20-47% slower on gpt2-124m's Dgrad shapes;
-// validation/perf.md). BF16 bits storage (BF16 precision; Gpt::set_bf16_bits_storage): x kept as
-// BF16 bits (inp16, inp null: the GEMM or the quantizer reads the bits; no statistics, which read
-// the FP32 x) and/or y written as BF16 bits (out16, out null; rounded, round_bf16 implied: a BF16
-// Fprop writes them from the GEMM (Backend::matmul_forward_bf16), a quantized one through an FP32
-// temporary and Backend::bias_forward_bf16). A pending input's out16 (GELU's output kept as bits)
-// needs a BF16 Fprop and Wgrad. The same bits as the FP32 arrays holding the same values (on CUDA
-// with cuBLASLt's BF16-output and bias-epilogue plans on, gpu::set_matmul_bf16_epilogue: within its
-// bound).
-struct LinearBits {
-  const uint16_t* inp16 = nullptr;
-  uint16_t* out16 = nullptr;
+// The parameters of one linear layer, as views into the backend's memory.
+struct LinearWeights {
+  TensorView weight;    // [OC, K] float32 master weights (what the quantizers read)
+  TensorView bias;      // [OC, 1] float32, or absent
+  TensorView weight16;  // [OC, K] the weight's BF16 bits (the BF16 weight shadow), or absent
+  TensorView bias16;    // [OC, 1] the bias's BF16 bits, or absent
+  // What a BF16 GEMM reads: the BF16 bits where they exist (the same values it rounds to).
+  const TensorView& gemm_weight() const { return weight16.present() ? weight16 : weight; }
+  // What a BF16 GEMM adds: the bias's BF16 bits where its output is stored as BF16 and they exist
+  // (Backend::matmul_forward's bias rule), else the float32 bias.
+  const TensorView& bias_for(const TensorView& out) const {
+    return out.bf16_storage() && bias16.present() ? bias16 : bias;
+  }
 };
-void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* out,
-                    const float* inp, const float* weight, const float* bias, int64_t N, int64_t K,
-                    int64_t OC, emu::GemmPrecision prec, bool round_bf16,
+
+// y = x W^T + bias (forward) and its gradients (backward) under recipe r, every view in the
+// backend's memory. out: float32 (bf16_values: rounded, the model's BF16 storage) or BF16 bits;
+// inp: float32 or BF16 bits.
+// stats: when non-null, the row-wise (non-RHT) copies made here append their statistics (computed
+// on the backend, Backend::quant_error_sums; one extra pass over x and the copy; x must be
+// float32). save_wgrad_input: when non-null and the Wgrad GEMM is quantized, x's column-wise Wgrad
+// copy is made here and kept there (else reset), so the backward pass can run without x
+// (DESIGN.md §9: saved activations in quantized form); the bits are those linear_backward would
+// make from x. saved_wgrad_input (backward): that copy, or null to quantize inp there; inp may be
+// absent when the copy is given. save_dgrad_weight / saved_dgrad_weight: the same for W's
+// column-wise Dgrad copy, made in the forward pass from the quantize call that makes W's Fprop
+// copy when both GEMMs are quantized alike (one amax pass and one read of W instead of two of
+// each; W does not change between the passes of a micro-batch). pending_input (forward) /
+// pending_dout (backward): x / dy is the output (src.out) of an activation op not yet run; inp /
+// dout are then unused. Where the layer's only use of it is one quantize call making both copies
+// (both GEMMs quantized alike, no statistics), that call is Backend::quantize_activation, which may
+// never store it; where both of the pass's GEMMs are BF16, the pass is
+// Backend::matmul_forward_activation (which stores x) / matmul_backward_activation (which may
+// never store dy); otherwise the op runs first (run_activation) and the layer proceeds as usual.
+// Either way the copies, the GEMMs and the bias gradient are the same bits. linear_backward
+// WRITES dinp (= dy W; the old contents are ignored; float32 unrounded, or BF16 bits for a linear
+// whose GEMMs are all BF16) and ADDS to dweight and dbias (+=, the parameter gradients accumulate
+// over micro-batches). Writing dinp lets a quantized Dgrad GEMM run with beta = 0: no zeroing pass
+// before it and no read of the old dinp in its epilogue (and on Hopper's cuBLASLt path, where
+// alpha' is a device scalar, it avoids the general-beta kernel that a device beta = 1 forces,
+// 20-47% slower on gpt2-124m's Dgrad shapes; docs/performance.md).
+void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, const TensorView& out,
+                    const TensorView& inp, const LinearWeights& w, GemmPrecision prec,
                     std::vector<QuantStat>* stats, const std::string& name,
                     std::unique_ptr<QuantizedCopy>* save_wgrad_input = nullptr,
                     std::unique_ptr<QuantizedCopy>* save_dgrad_weight = nullptr,
-                    const ActivationSource* pending_input = nullptr,
-                    const LinearBits& bits = LinearBits{});
-// inp16: x as BF16 bits (inp null), as linear_forward's. dinp16 (a linear whose GEMMs are all BF16;
-// dinp null): dx written as BF16 bits (rounded: the values its readers, reading it rounded, see).
-// dout16 (a linear whose GEMMs are all BF16; dout null, no pending_dout): dy as BF16 bits.
-void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids, float* dinp,
-                     float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
-                     std::vector<QuantStat>* stats, const std::string& name,
+                    const ActivationSource* pending_input = nullptr);
+void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids,
+                     const TensorView& dinp, const TensorView& dweight, const TensorView& dbias,
+                     const TensorView& dout, const TensorView& inp, const LinearWeights& w,
+                     GemmPrecision prec, std::vector<QuantStat>* stats, const std::string& name,
                      const QuantizedCopy* saved_wgrad_input = nullptr,
                      const QuantizedCopy* saved_dgrad_weight = nullptr,
-                     const ActivationSource* pending_dout = nullptr,
-                     const uint16_t* inp16 = nullptr, uint16_t* dinp16 = nullptr,
-                     const uint16_t* dout16 = nullptr);
+                     const ActivationSource* pending_dout = nullptr);
 
 }  // namespace fp4sim::model

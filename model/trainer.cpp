@@ -399,11 +399,11 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   TrainResult res;
   std::vector<int32_t> tok, tgt;
   TensorMap dump_batches;
-  // the parameter tensors' places in grads(), for the gradient norm's one sum_squares_many call
-  const Gpt::TensorSpans spans = model.tensor_spans();
-  const std::vector<int64_t>& grad_offsets = spans.offsets;
-  const std::vector<int64_t>& grad_counts = spans.counts;
-  std::vector<double> sums(grad_offsets.size());
+  // the parameter tensors' places in grads(), for the gradient norm's one sum_squares call
+  const std::vector<Segment> spans = model.tensor_spans();
+  const TensorView grads =
+      f32_view(be, model.grads(), 1, static_cast<int64_t>(model.num_params()), "gradients");
+  std::vector<double> sums(spans.size());
   const auto run_start = std::chrono::steady_clock::now();
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -463,7 +463,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       std::ofstream(opt.dump_dir + "/config.json") << to_json(c).dump(2) << "\n";
     }
     // every tensor's sum of squares in one backend call, then added in tensor order
-    be.sum_squares_many(model.grads(), grad_offsets, grad_counts, sums.data());
+    be.sum_squares(grads, spans, sums.data());
     double sq = 0;
     std::vector<std::string>
         bad;  // the tensors whose gradient holds a NaN or an Inf, in parameter order
@@ -494,8 +494,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       steps.push_back(s);
       if (t.shape.size() < 2) steps.back().weight_decay = 0.0f;
     }
-    model.adamw_step(m, v, grad_offsets, grad_counts,
-                     steps);  // (and the BF16 weight shadow, where in use)
+    model.adamw_step(m, v, spans, steps);  // (and the BF16 weight shadow, where in use)
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     res.steps.push_back({step + 1, loss, norm, lr});

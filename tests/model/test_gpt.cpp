@@ -103,8 +103,9 @@ TEST(Gpt, ShortTrainingRunLowersTheLoss) {
     last = loss;
     model.backward();
     const AdamWStep s = make_adamw_step(1e-2f, 0.9f, 0.95f, 1e-8f, 0.0f, step, 1.0f);
-    be->adamw_update(model.params(), model.grads(), mom.data(), var.data(),
-                     static_cast<int64_t>(model.num_params()), s);
+    const int64_t n = static_cast<int64_t>(model.num_params());
+    be->adamw_update(host_view(model.params(), 1, n), TensorView{}, host_view(model.grads(), 1, n),
+                     host_view(mom.data(), 1, n), host_view(var.data(), 1, n), {{0, n}}, {s});
   }
   std::printf("[gpt-train] loss %.4f -> %.4f over 60 steps\n", first, last);
   EXPECT_NEAR(first, std::log(16.0f), 0.1);  // an untrained model is close to uniform
@@ -161,12 +162,15 @@ TEST(Gpt, CpuBackwardPassesBf16DoutAndWrite) {
     const size_t m = static_cast<size_t>(kind == 2 ? 2 * n : n);
     auto call = [&](const std::vector<float>& d, bool bf16_dout, float fill) {
       std::vector<float> dinp(m, fill);
-      if (kind == 0)
-        be->gelu_backward(dinp.data(), x.data(), d.data(), n, true, bf16_dout);
-      else if (kind == 1)
-        be->squared_relu_backward(dinp.data(), x.data(), d.data(), n, true, bf16_dout);
-      else
-        be->swiglu_backward(dinp.data(), x.data(), d.data(), N, F, true, bf16_dout);
+      const Activation act = kind == 0   ? Activation::GeluTanh
+                             : kind == 1 ? Activation::SquaredRelu
+                                         : Activation::SwiGLU;
+      const int64_t cols = kind == 2 ? 2 * F : F;
+      TensorView dv = host_view(const_cast<float*>(d.data()), N, F, "dout"),
+                 di = host_view(dinp.data(), N, cols, "dinp");
+      dv.bf16_values = bf16_dout;
+      di.bf16_values = true;
+      be->activation_backward(act, di, host_view(x.data(), N, cols, "inp"), dv);
       return dinp;
     };
     const std::vector<float> on_read = call(dout, true, NAN), before = call(rounded, false, 0.0f);
@@ -183,12 +187,17 @@ TEST(Gpt, CpuBackwardPassesBf16DoutAndWrite) {
       std::vector<float> out(static_cast<size_t>(n + 2 * F), 0.0f);  // dinp, dweight, dbias
       float* dinp = out.data();
       float* dw = dinp + n;
-      if (layernorm)
-        be->layernorm_backward(dinp, dw, dw + F, d.data(), x.data(), w.data(), mean.data(),
-                               rstd.data(), N, F, true, bf16_dout);
-      else
-        be->rmsnorm_backward(dinp, dw, d.data(), x.data(), w.data(), rstd.data(), N, F, true,
-                             bf16_dout);
+      TensorView di = host_view(dinp, N, F, "dinp"),
+                 dv = host_view(const_cast<float*>(d.data()), N, F, "dout");
+      di.bf16_values = true;
+      dv.bf16_values = bf16_dout;
+      auto c = [](const std::vector<float>& v, int64_t rows, int64_t cols) {
+        return host_view(const_cast<float*>(v.data()), rows, cols);
+      };
+      be->norm_backward(layernorm ? NormKind::LayerNorm : NormKind::RMSNorm, di,
+                        host_view(dw, F, 1), layernorm ? host_view(dw + F, F, 1) : TensorView{}, dv,
+                        c(x, N, F), c(w, F, 1), layernorm ? c(mean, N, 1) : TensorView{},
+                        c(rstd, N, 1));
       return out;
     };
     const std::vector<float> on_read = call(dout, true), before = call(rounded, false),

@@ -42,16 +42,17 @@ TEST(Optim, FirstStepMovesByLrTimesSign) {
   EXPECT_NEAR(p, 1.01f, 1e-6);
 }
 
-// Backend::adamw_update_many (the trainer's one call for all tensors) on the emulator: each tensor
+// Backend::adamw_update (the trainer's one call for all tensors) on the emulator: each tensor
 // updated with its own step, the elements between tensors untouched; mismatched lists or a negative
 // offset are refused before anything is written.
-TEST(Optim, AdamWUpdateManyUpdatesEachTensorWithItsStep) {
+TEST(Optim, AdamWUpdateUpdatesEachTensorWithItsStep) {
   emu::CpuBackend be;
   std::vector<float> p(10, 1.0f), m(10, 0.0f), v(10, 0.0f), g(10, 0.5f);
-  const std::vector<int64_t> offsets{0, 6}, counts{4, 3};
+  auto h = [](std::vector<float>& x) { return host_view(x.data(), 1, 10); };
+  const std::vector<Segment> segments{{0, 4}, {6, 3}};
   const std::vector<AdamWStep> steps{make_adamw_step(0.01f, 0.9f, 0.999f, 1e-8f, 0.0f, 1, 1.0f),
                                      make_adamw_step(0.02f, 0.9f, 0.999f, 1e-8f, 0.5f, 1, 1.0f)};
-  be.adamw_update_many(p.data(), g.data(), m.data(), v.data(), offsets, counts, steps);
+  be.adamw_update(h(p), TensorView{}, h(g), h(m), h(v), segments, steps);
   for (int i = 0; i < 10; ++i) {
     float pe = 1.0f, me = 0.0f, ve = 0.0f;
     if (i < 4) adamw_element(pe, 0.5f, me, ve, steps[0]);
@@ -61,9 +62,11 @@ TEST(Optim, AdamWUpdateManyUpdatesEachTensorWithItsStep) {
   }
   EXPECT_NE(p[0], p[6]);  // (the two steps differ)
   const std::vector<float> before = p;
-  EXPECT_THROW(be.adamw_update_many(p.data(), g.data(), m.data(), v.data(), offsets, {4}, steps),
+  EXPECT_THROW(be.adamw_update(h(p), TensorView{}, h(g), h(m), h(v), segments, {steps[0]}),
                std::invalid_argument);
-  EXPECT_THROW(be.adamw_update_many(p.data(), g.data(), m.data(), v.data(), {0, -1}, counts, steps),
+  EXPECT_THROW(be.adamw_update(h(p), TensorView{}, h(g), h(m), h(v), {{0, 4}, {0, -1}}, steps),
+               std::invalid_argument);
+  EXPECT_THROW(be.adamw_update(h(p), TensorView{}, h(g), h(m), h(v), {{0, 4}, {8, 3}}, steps),
                std::invalid_argument);
   EXPECT_EQ(p, before);
 }

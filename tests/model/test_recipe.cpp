@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "emu/cpu_backend.hpp"
+#include "emu/fused.hpp"
 #include "model/gpt.hpp"
 #include "model/linear.hpp"
 #include "model/trainer.hpp"
@@ -27,6 +28,20 @@ uint32_t test_bits(float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
   return u;
+}
+
+// Host views for the linear layer's calls.
+TensorView hv(std::vector<float>& v, int64_t rows, int64_t cols, bool bf16_values = false,
+              const char* name = "t") {
+  TensorView t = host_view(v.data(), rows, cols, name);
+  t.bf16_values = bf16_values;
+  return t;
+}
+LinearWeights weights(std::vector<float>& w, std::vector<float>* bias, int64_t OC, int64_t K) {
+  LinearWeights lw;
+  lw.weight = hv(w, OC, K, false, "t.weight");
+  if (bias) lw.bias = hv(*bias, OC, 1, false, "t.bias");
+  return lw;
 }
 
 RunConfig run_with(std::vector<std::string> overrides, int64_t layers = 2) {
@@ -166,15 +181,15 @@ TEST(Recipe, Nvfp4LinearTracksFp32) {
     return std::sqrt(e / n);
   };
   std::vector<float> y(N * OC), y32(N * OC);
-  linear_forward(*be, r, ids, y.data(), x.data(), w.data(), bias.data(), N, K, OC,
-                 emu::GemmPrecision::BF16, false, nullptr, "t");
+  linear_forward(*be, r, ids, hv(y, N, OC), hv(x, N, K), weights(w, &bias, OC, K),
+                 GemmPrecision::BF16, nullptr, "t");
   emu::matmul_forward(y32.data(), x.data(), w.data(), bias.data(), N, K, OC,
                       emu::GemmPrecision::FP32);
   std::vector<float> dx(N * K, 0.5f), dw(OC * K, 0.25f), db(OC, 0.0f), dx32(N * K, 0.5f),
       dw32(OC * K, 0.25f), db32(OC, 0.0f);
   std::vector<QuantStat> stats;
-  linear_backward(*be, r, ids, dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, K,
-                  OC, emu::GemmPrecision::BF16, &stats, "t");
+  linear_backward(*be, r, ids, hv(dx, N, K), hv(dw, OC, K), hv(db, OC, 1), hv(dy, N, OC),
+                  hv(x, N, K), weights(w, nullptr, OC, K), GemmPrecision::BF16, &stats, "t");
   emu::matmul_backward(dx32.data(), dw32.data(), db32.data(), dy.data(), x.data(), w.data(), N, K,
                        OC, emu::GemmPrecision::FP32);
   // subtract the starting values so the error is that of the products, not hidden by the offsets
@@ -215,12 +230,13 @@ TEST(Recipe, FourOverSixSkipsGemmsOverriddenToOtherFormats) {
     const LinearIds ids{1, 0, 0, 0, 0};
     std::vector<float> y(N * OC), dx(N * K, 0.0f), dw(OC * K, 0.0f);
     std::unique_ptr<QuantizedCopy> saved;
-    EXPECT_NO_THROW(linear_forward(*be, r, ids, y.data(), x.data(), w.data(), nullptr, N, K, OC,
-                                   emu::GemmPrecision::BF16, false, nullptr, "t", &saved))
+    EXPECT_NO_THROW(linear_forward(*be, r, ids, hv(y, N, OC), hv(x, N, K),
+                                   weights(w, nullptr, OC, K), GemmPrecision::BF16, nullptr, "t",
+                                   &saved))
         << fmt;
-    EXPECT_NO_THROW(linear_backward(*be, r, ids, dx.data(), dw.data(), nullptr, dy.data(), x.data(),
-                                    w.data(), N, K, OC, emu::GemmPrecision::BF16, nullptr, "t",
-                                    saved.get()))
+    EXPECT_NO_THROW(linear_backward(*be, r, ids, hv(dx, N, K), hv(dw, OC, K), TensorView{},
+                                    hv(dy, N, OC), hv(x, N, K), weights(w, nullptr, OC, K),
+                                    GemmPrecision::BF16, nullptr, "t", saved.get()))
         << fmt;
     ASSERT_TRUE(saved);
     EXPECT_FALSE(saved->view.four_over_six) << fmt;
@@ -244,10 +260,10 @@ TEST(Recipe, LinearBackwardWritesDinpAndAccumulatesWeightGradients) {
     const LinearIds ids{1, 0, 0, 0, 0};
     auto run = [&](float dx0, float dw0) {
       std::vector<float> y(N * OC), dx(N * K, dx0), dw(OC * K, dw0), db(OC, dw0);
-      linear_forward(*be, r, ids, y.data(), x.data(), w.data(), nullptr, N, K, OC,
-                     emu::GemmPrecision::BF16, false, nullptr, "t");
-      linear_backward(*be, r, ids, dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(),
-                      N, K, OC, emu::GemmPrecision::BF16, nullptr, "t");
+      linear_forward(*be, r, ids, hv(y, N, OC), hv(x, N, K), weights(w, nullptr, OC, K),
+                     GemmPrecision::BF16, nullptr, "t");
+      linear_backward(*be, r, ids, hv(dx, N, K), hv(dw, OC, K), hv(db, OC, 1), hv(dy, N, OC),
+                      hv(x, N, K), weights(w, nullptr, OC, K), GemmPrecision::BF16, nullptr, "t");
       return std::make_tuple(dx, dw, db);
     };
     const auto [dx_a, dw_a, db_a] = run(0.0f, 0.0f);
@@ -268,30 +284,37 @@ class FusingCpuBackend : public emu::CpuBackend {
  public:
   void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg,
                            QuantizedView* rowwise, QuantizedView* columnwise,
-                           float* dbias) override {
-    std::vector<float> own(static_cast<size_t>(src.rows * src.cols));
-    ActivationSource s = src;
-    s.out = own.data();
-    Backend::quantize_activation(s, cfg, rowwise, columnwise, dbias);
-    ++fused_quantize;
+                           const TensorView& dbias) override {
+    std::vector<float> own;
+    CpuBackend::quantize_activation(elsewhere(src, own), cfg, rowwise, columnwise, dbias);
+    if (src.op != ActivationOp::Identity) ++fused_quantize;  // (Identity: quantize + dbias)
   }
-  void matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src,
-                                 const float* weight, const float* bias, int64_t OC,
-                                 emu::GemmPrecision prec, bool round_bf16) override {
-    Backend::matmul_forward_activation(out, out16, src, weight, bias, OC, prec, round_bf16);
+  void matmul_forward_activation(const TensorView& out, const ActivationSource& src,
+                                 const TensorView& weight, const TensorView& bias,
+                                 GemmPrecision prec) override {
+    CpuBackend::matmul_forward_activation(out, src, weight, bias, prec);
     ++fused_matmul;
   }
-  void matmul_backward_activation(float* dinp, float* dweight, float* dbias,
-                                  const ActivationSource& src, const float* inp,
-                                  const float* weight, int64_t K,
-                                  emu::GemmPrecision prec) override {
-    std::vector<float> own(static_cast<size_t>(src.rows * src.cols));
-    ActivationSource s = src;
-    s.out = own.data();
-    Backend::matmul_backward_activation(dinp, dweight, dbias, s, inp, weight, K, prec);
+  void matmul_backward_activation(const TensorView& dinp, const TensorView& dweight,
+                                  const TensorView& dbias, const ActivationSource& src,
+                                  const TensorView& inp, const TensorView& weight,
+                                  GemmPrecision prec) override {
+    std::vector<float> own;
+    CpuBackend::matmul_backward_activation(dinp, dweight, dbias, elsewhere(src, own), inp, weight,
+                                           prec);
     ++fused_matmul;
   }
   int fused_quantize = 0, fused_matmul = 0;
+
+ private:
+  // src with its output in `own` (as many bytes as src.out's, same dtype and mark)
+  static ActivationSource elsewhere(const ActivationSource& src, std::vector<float>& own) {
+    if (src.op == ActivationOp::Identity) return src;
+    own.assign(static_cast<size_t>(src.out.numel()), 0.0f);
+    ActivationSource s = src;
+    s.out.data = own.data();
+    return s;
+  }
 };
 
 // FusingCpuBackend that also poisons: where it leaves src.out unwritten it fills it with NaN, so a
@@ -301,21 +324,26 @@ class PoisoningCpuBackend : public FusingCpuBackend {
  public:
   void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg,
                            QuantizedView* rowwise, QuantizedView* columnwise,
-                           float* dbias) override {
+                           const TensorView& dbias) override {
     FusingCpuBackend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
     poison(src);
   }
-  void matmul_backward_activation(float* dinp, float* dweight, float* dbias,
-                                  const ActivationSource& src, const float* inp,
-                                  const float* weight, int64_t K,
-                                  emu::GemmPrecision prec) override {
-    FusingCpuBackend::matmul_backward_activation(dinp, dweight, dbias, src, inp, weight, K, prec);
+  void matmul_backward_activation(const TensorView& dinp, const TensorView& dweight,
+                                  const TensorView& dbias, const ActivationSource& src,
+                                  const TensorView& inp, const TensorView& weight,
+                                  GemmPrecision prec) override {
+    FusingCpuBackend::matmul_backward_activation(dinp, dweight, dbias, src, inp, weight, prec);
     poison(src);
   }
 
  private:
   static void poison(const ActivationSource& src) {
-    std::fill(src.out, src.out + src.rows * src.cols, std::numeric_limits<float>::quiet_NaN());
+    if (src.op == ActivationOp::Identity) return;
+    if (src.out.dtype == DType::BF16)
+      std::fill(src.out.as<uint16_t>(), src.out.as<uint16_t>() + src.out.numel(), uint16_t{0x7FC0});
+    else
+      std::fill(src.out.as<float>(), src.out.as<float>() + src.out.numel(),
+                std::numeric_limits<float>::quiet_NaN());
   }
 };
 
@@ -366,31 +394,28 @@ TEST(Recipe, PendingActivationEqualsRunningItFirst) {
       auto run = [&](Backend& be, bool pending) {
         std::vector<float> act(N * K, nan), dfc(N * OC, nan), y(N * OC), dx(N * K),
             dw(OC * K, 0.5f), db(OC, 0.25f);
-        const ActivationSource fwd{
-            ActivationOp::GeluForward, pre.data(), nullptr, act.data(), N, K, true, false, "act"};
-        const ActivationSource bwd{ActivationOp::GeluBackward,
-                                   fc.data(),
-                                   dact.data(),
-                                   dfc.data(),
-                                   N,
-                                   OC,
-                                   true,
-                                   true,
-                                   "dfc"};
+        ActivationSource fwd, bwd;
+        fwd.op = ActivationOp::GeluForward;
+        fwd.inp = hv(pre, N, K, false, "pre");
+        fwd.out = hv(act, N, K, true, "act");
+        bwd.op = ActivationOp::GeluBackward;
+        bwd.inp = hv(fc, N, OC, false, "fc");
+        bwd.dout = hv(dact, N, OC, true, "dact");
+        bwd.out = hv(dfc, N, OC, true, "dfc");
         if (!pending) {
-          be.run_activation(fwd);
-          be.run_activation(bwd);
+          run_activation(be, fwd);
+          run_activation(be, bwd);
         }
         std::vector<QuantStat> st;
         std::unique_ptr<QuantizedCopy> saved_x, saved_w;
-        linear_forward(be, r, ids, y.data(), act.data(), w.data(), bias.data(), N, K, OC,
-                       emu::GemmPrecision::BF16, true, stats ? &st : nullptr, "t", &saved_x,
-                       &saved_w, pending ? &fwd : nullptr);
-        // (the model passes the FP32 input only where the Wgrad GEMM is BF16: linear_input)
-        linear_backward(be, r, ids, dx.data(), dw.data(), db.data(), dfc.data(),
-                        r.wgrad == "bf16" ? act.data() : nullptr, w.data(), N, K, OC,
-                        emu::GemmPrecision::BF16, stats ? &st : nullptr, "t", saved_x.get(),
-                        saved_w.get(), pending ? &bwd : nullptr);
+        linear_forward(be, r, ids, hv(y, N, OC, true), hv(act, N, K), weights(w, &bias, OC, K),
+                       GemmPrecision::BF16, stats ? &st : nullptr, "t", &saved_x, &saved_w,
+                       pending ? &fwd : nullptr);
+        // (the model passes the input only where the Wgrad GEMM is BF16: linear_input)
+        linear_backward(be, r, ids, hv(dx, N, K), hv(dw, OC, K), hv(db, OC, 1), hv(dfc, N, OC),
+                        r.wgrad == "bf16" ? hv(act, N, K) : TensorView{},
+                        weights(w, nullptr, OC, K), GemmPrecision::BF16, stats ? &st : nullptr, "t",
+                        saved_x.get(), saved_w.get(), pending ? &bwd : nullptr);
         return std::make_tuple(y, dx, dw, db);
       };
       const auto [y_a, dx_a, dw_a, db_a] = run(plain, false);
