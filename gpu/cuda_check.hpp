@@ -1,6 +1,7 @@
 // Checked CUDA calls: every runtime/cuBLASLt call and every launch goes through these.
 #pragma once
 
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -37,6 +38,17 @@ inline int grid_stride_blocks(int64_t n, int threads) {
 
 // After every kernel launch.
 #define FP4SIM_CUDA_CHECK_LAUNCH() FP4SIM_CUDA_CHECK(cudaGetLastError())
+
+// Every cuBLASLt call.
+#define FP4SIM_CUBLAS_CHECK(call)                                                           \
+  do {                                                                                      \
+    cublasStatus_t fp4sim_st_ = (call);                                                     \
+    if (fp4sim_st_ != CUBLAS_STATUS_SUCCESS)                                                \
+      throw std::runtime_error(std::string("cuBLASLt error: ") +                            \
+                               cublasLtGetStatusName(fp4sim_st_) + " (" +                   \
+                               cublasLtGetStatusString(fp4sim_st_) + ") in " #call " at " + \
+                               __FILE__ + ":" + std::to_string(__LINE__));                  \
+  } while (0)
 
 namespace fp4sim::gpu {
 

@@ -25,14 +25,6 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/decode_bf16.cuh"
 
-#define FP4SIM_CUBLAS_CHECK(call)                                                            \
-  do {                                                                                       \
-    cublasStatus_t fp4sim_st_ = (call);                                                      \
-    if (fp4sim_st_ != CUBLAS_STATUS_SUCCESS)                                                 \
-      throw std::runtime_error(std::string("cuBLASLt error ") +                              \
-                               std::to_string(static_cast<int>(fp4sim_st_)) + " in " #call); \
-  } while (0)
-
 namespace fp4sim::gpu {
 namespace {
 

@@ -44,18 +44,6 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/exp2.cuh"
 
-#ifndef FP4SIM_CUBLAS_CHECK
-#define FP4SIM_CUBLAS_CHECK(call)                                                           \
-  do {                                                                                      \
-    cublasStatus_t fp4sim_st_ = (call);                                                     \
-    if (fp4sim_st_ != CUBLAS_STATUS_SUCCESS)                                                \
-      throw std::runtime_error(std::string("cuBLASLt error: ") +                            \
-                               cublasLtGetStatusName(fp4sim_st_) + " (" +                   \
-                               cublasLtGetStatusString(fp4sim_st_) + ") in " #call " at " + \
-                               __FILE__ + ":" + std::to_string(__LINE__));                  \
-  } while (0)
-#endif
-
 namespace fp4sim::gpu {
 
 namespace {
