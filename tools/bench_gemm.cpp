@@ -434,16 +434,19 @@ void BM_GpuMatmulPicks(benchmark::State& state) {
   BackendBuffer y(be, static_cast<size_t>(N * OC) * 4), dx(be, static_cast<size_t>(N * K) * 4),
       dw(be, static_cast<size_t>(OC * K) * 4);
   be.zero(dw.get(), static_cast<size_t>(OC * K) * 4);
+  const TensorView xv = f32_view(be, x.as<float>(), N, K, "x"),
+                   wv = f32_view(be, w.as<float>(), OC, K, "w"),
+                   dyv = f32_view(be, dy.as<float>(), N, OC, "dy"), none;
   auto run = [&]() {
     if (si < 4)
-      be.matmul_forward(y.as<float>(), x.as<float>(), w.as<float>(), nullptr, N, K, OC,
-                        emu::GemmPrecision::BF16, false);
+      be.matmul_forward(f32_view(be, y.as<float>(), N, OC, "y"), xv, wv, none,
+                        GemmPrecision::BF16);
     else if (si < 8)
-      be.matmul_backward(dx.as<float>(), nullptr, nullptr, dy.as<float>(), x.as<float>(),
-                         w.as<float>(), N, K, OC, emu::GemmPrecision::BF16);
+      be.matmul_backward(f32_view(be, dx.as<float>(), N, K, "dx"), none, none, dyv, xv, wv,
+                         GemmPrecision::BF16);
     else
-      be.matmul_backward(nullptr, dw.as<float>(), nullptr, dy.as<float>(), x.as<float>(),
-                         w.as<float>(), N, K, OC, emu::GemmPrecision::BF16);
+      be.matmul_backward(none, f32_view(be, dw.as<float>(), OC, K, "dw"), none, dyv, xv, wv,
+                         GemmPrecision::BF16);
   };
   time_shape(state, s, be.stream(), run);
 }
@@ -617,17 +620,20 @@ void BM_GpuAttention(benchmark::State& state) {
   BackendBuffer dqkv(be, static_cast<size_t>(B * T * W) * 4);
   upload(qkv, B * T * W);
   upload(dout, B * T * C);
-  be.attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV, HD,
-                       emu::GemmPrecision::BF16,
-                       false);  // warm-up, and the saved state for backward
+  const AttentionShape sh{B, T, NH, NKV, HD};
+  const TensorView qkv_v = f32_view(be, qkv.as<float>(), B * T, W, "qkv"),
+                   out_v = f32_view(be, out.as<float>(), B * T, C, "out"),
+                   lse_v = f32_view(be, lse.as<float>(), B * NH, T, "lse"),
+                   dout_v = f32_view(be, dout.as<float>(), B * T, C, "dout"),
+                   dqkv_v = f32_view(be, dqkv.as<float>(), B * T, W, "dqkv");
+  // warm-up, and the saved state for backward
+  be.attention_forward(out_v, lse_v, qkv_v, sh, GemmPrecision::BF16);
   be.synchronize();
   auto call = [&] {
     if (backward)
-      be.attention_backward(dqkv.as<float>(), dout.as<float>(), qkv.as<float>(), out.as<float>(),
-                            lse.as<float>(), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
+      be.attention_backward(dqkv_v, dout_v, qkv_v, out_v, lse_v, sh, GemmPrecision::BF16);
     else
-      be.attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV, HD,
-                           emu::GemmPrecision::BF16, false);
+      be.attention_forward(out_v, lse_v, qkv_v, sh, GemmPrecision::BF16);
   };
   call();
   be.synchronize();

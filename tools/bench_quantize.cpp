@@ -6,7 +6,7 @@
 // amax pass reads the input once, the quantize pass reads it again and writes codes + scales of
 // each copy. Each repetition also times a device-to-device copy of the same bytes (read + write)
 // so the ratio `pct_of_copy_bw` compares against the bandwidth measured in the same run.
-// Run with --benchmark_repetitions=5 (the script scripts/gpu_session.sh does) and read the median.
+// Run with --benchmark_repetitions=5 (the script scripts/gpu_check.sh does) and read the median.
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -370,20 +370,18 @@ void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
   BackendBuffer d(be, n * 4), out(be, n * 4), dbias(be, static_cast<size_t>(cols) * 4);
   be.upload(d.get(), dout.data(), n * 4);
   be.zero(dbias.get(), static_cast<size_t>(cols) * 4);
-  const ActivationSource src{backward ? ActivationOp::GeluBackward : ActivationOp::GeluForward,
-                             b.in.as<float>(),
-                             d.as<float>(),
-                             out.as<float>(),
-                             rows,
-                             cols,
-                             true,
-                             true,
-                             "act"};
+  ActivationSource src;
+  src.op = backward ? ActivationOp::GeluBackward : ActivationOp::GeluForward;
+  src.inp = f32_view(be, b.in.as<float>(), rows, cols, "pre");
+  if (backward) src.dout = f32_view(be, d.as<float>(), rows, cols, "dout", true);
+  src.out = f32_view(be, out.as<float>(), rows, cols, "act", true);
   const double bytes = (backward ? 8.0 : 4.0) * n + 2 * (n + n / 128.0 * 4);
   gpu::set_activation_fusion(fused);
   gpu::set_fp8_quantize_staged(state.range(2) != 0);
   time_against_copy(state, be, b, bytes, [&]() {
-    be.quantize_activation(src, cfg, &b.rv, &b.cv, backward ? dbias.as<float>() : nullptr);
+    be.quantize_activation(src, cfg, &b.rv, &b.cv,
+                           backward ? f32_view(be, dbias.as<float>(), cols, 1, "dbias")
+                                    : TensorView{});
   });
   gpu::set_activation_fusion(true);
   gpu::set_fp8_quantize_staged(true);

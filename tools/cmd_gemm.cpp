@@ -272,13 +272,14 @@ void run_gemm_cmd(const GemmArgs& g) {
       {"backend", be->name()},
       {"a", from_prefix ? g.a_prefix : g.a},
       {"b", from_prefix ? g.b_prefix : g.b},
-      {"model", "one CTA walking K in increasing 64-wide chunks (DESIGN.md §8)"}};
+      {"model", "one CTA walking K in increasing 64-wide chunks (docs/numerics.md §8)"}};
   io::write_text(out.stage(g.out + ".meta.json"), meta.dump(2) + "\n");
   out.commit();
   fmt::print(
-      "fp4sim gemm  D[{} x {}] = A[{} x {}] * B[{} x {}]^T  {} exact, backend {}, {:.1f} ms "
+      "fp4sim gemm  D[{} x {}] = A[{} x {}] * B[{} x {}]^T  {} {}, backend {}, {:.1f} ms "
       "({:.2f} GFLOP/s)\n",
-      qa.rows, qb.rows, qa.rows, qa.cols, qb.rows, qb.cols, qformat_name(qa.format), be->name(), ms,
+      qa.rows, qb.rows, qa.rows, qa.cols, qb.rows, qb.cols, qformat_name(qa.format), g.gemm,
+      be->name(), ms,
       2.0 * qa.rows * qb.rows * qa.cols / (ms * 1e6));
   fmt::print("  wrote {} and {}.meta.json\n", g.out, g.out);
 }

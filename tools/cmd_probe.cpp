@@ -270,7 +270,7 @@ bool print_native_hopper_fp8(const std::vector<uint32_t>& model) {
 
 int run_probe() {
   fmt::print(
-      "fp4sim probe: native tensor-core arithmetic against the model (contract DESIGN.md §7)\n\n");
+      "fp4sim probe: native tensor-core arithmetic against the model (docs/numerics.md §7)\n\n");
   print_model_answers();
   const std::vector<uint32_t> fp8_model = print_hopper_fp8_model();
   fmt::print("\n");
