@@ -2,8 +2,8 @@
 // kernels (gpu/layers.cu) and the FP8 quantizer's fused activation sources (gpu/fp8.cu), so the
 // fused pass computes the very bits the separate op stores.
 //
-// The emulator's order of operations (emu/layers.cpp) with _rn intrinsics: cube = ((0.044715 x) x)
-// x; gelu = (0.5 x) (1 + tanhf(sqrt(2/pi) (x + cube))); its derivative
+// The emulator's order of operations (emu/elementwise.cpp) with _rn intrinsics: cube =
+// ((0.044715 x) x) x; gelu = (0.5 x) (1 + tanhf(sqrt(2/pi) (x + cube))); its derivative
 // local = 0.5 (1 + t) + (((x 0.5) sech2) sqrt(2/pi)) (1 + (3 0.044715) x x), t the same tanhf,
 // sech2 = 1 - t t. The forward's t is CUDA tanhf (<= 2 ulp); the derivative's is tanh_exp2 below
 // (one MUFU.EX2 and one MUFU.RCP: tanhf's ~20 instructions made the backward pass compute-bound),
@@ -18,7 +18,7 @@
 
 namespace fp4sim::gpu {
 
-// GELU constants, the same FP32 literals as emu/layers.cpp.
+// GELU constants, the same FP32 literals as emu/elementwise.cpp.
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluCubic = 0.044715f;
 
@@ -55,8 +55,9 @@ __device__ __forceinline__ float gelu_forward_stored(float x, bool round_bf16) {
   return round_bf16 ? bf16_round(v) : v;
 }
 
-// The stored GELU input gradient, +0 + local * dout (written, never accumulated: emu/layers.hpp),
-// dout read as bf16_round(dout) when bf16_dout, the result bf16_round-ed when round_bf16.
+// The stored GELU input gradient, +0 + local * dout (written, never accumulated:
+// emu/elementwise.hpp), dout read as bf16_round(dout) when bf16_dout, the result bf16_round-ed when
+// round_bf16.
 __device__ __forceinline__ float gelu_backward_stored(float x, float dout, bool round_bf16,
                                                       bool bf16_dout) {
   const float v =

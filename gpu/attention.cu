@@ -1,6 +1,6 @@
 // Causal self-attention with grouped KV heads on the tensor cores: FlashAttention-2 kernels (Dao,
 // 2023) on mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, the CUDA twins of
-// emu/layers.hpp's attention_forward / attention_backward (same shapes, same saved lse, dqkv
+// emu/attention.hpp's attention_forward / attention_backward (same shapes, same saved lse, dqkv
 // written as +0 + value). The (B,NH,T,T) probabilities are never stored; for HD <= 64 the backward
 // pass stores bf16(dS) (B,NH, causal tiles) in a scratch the dQ kernel reads, and otherwise
 // recomputes it in the dQ kernel (the same values either way).
@@ -13,7 +13,7 @@
 // the m16n8k16 MMA). K, V, Q, dO tiles are staged in shared memory as BF16 rows padded by
 // kSmemPad elements (so the 8 rows an ldmatrix phase reads fall on distinct banks).
 //
-// Numerics (emu/layers.hpp states the contract; this file agrees with it within a bound, not
+// Numerics (emu/attention.hpp states the contract; this file agrees with it within a bound, not
 // bitwise):
 // - Operands: q, k, v, dout rounded FP32 -> BF16 RNE once per call into BF16 copies
 // (cvt.rn.bf16x2.f32:

@@ -441,8 +441,8 @@ void set_fp8_quantize_staged(bool on);
 // small GEMMs exercise CTAs that take several work items in turn.
 void set_fp8_wgmma_max_ctas(int n);
 // Causal attention with grouped KV heads (gpu/attention.cu): FlashAttention-2 kernels on
-// mma.sync BF16 -> FP32, the contract of emu/layers.hpp's attention_forward/backward within a bound
-// (tests/gpu/test_layers_gpu.cpp). HD in {16, 32, 64, 128}, else std::invalid_argument. dsum
+// mma.sync BF16 -> FP32, the contract of emu/attention.hpp's attention_forward/backward within a
+// bound (tests/gpu/test_layers_gpu.cpp). HD in {16, 32, 64, 128}, else std::invalid_argument. dsum
 // (B,NH,T): the backward pass's scratch for rowsum(dout * out). qkv16 (and dout16): scratch for the
 // BF16 copies of qkv (and dout) the kernels read, as many elements as the FP32 tensors, 16-byte
 // aligned.

@@ -48,7 +48,8 @@ namespace fp4sim::gpu {
 
 namespace {
 
-// The emulator's defaults (emu/layers.hpp): the Backend interface passes neither.
+// The emulator's defaults (emu/norm.hpp, emu/elementwise.hpp): the Backend interface passes
+// neither.
 constexpr float kNormEps = 1e-5f;
 constexpr float kRopeBase = 10000.0f;
 
@@ -1108,7 +1109,7 @@ __global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n, boo
     out[j] = gelu_forward_stored(inp[j], round_bf16);
 }
 
-// dinp (n) = +0 + local * dout (written, never read: emu/layers.hpp); gpu/activation.cuh.
+// dinp (n) = +0 + local * dout (written, never read: emu/elementwise.hpp); gpu/activation.cuh.
 // (1 - t^2 amplifies an ulp of t where |t| is near 1: further from the emulator than the forward.)
 __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n,
                                      bool round_bf16, bool bf16_dout) {
@@ -1916,7 +1917,7 @@ const uint16_t* bf16_operand_with_bias_grad(DeviceScratch* operand, DeviceScratc
 }
 
 // The RoPE table covering positions 0..T-1 for head size HD, built on the host with the
-// emulator's exact expressions (emu/layers.cpp rope_rotate): freq = base^(-2i/HD) in double,
+// emulator's exact expressions (emu/elementwise.cpp rope_rotate): freq = base^(-2i/HD) in double,
 // angle = t * freq, cos and sin in double rounded to float. Rebuilt when HD changes or T grows.
 const float* rope_table(RopeTable& tab, int64_t T, int64_t HD, cudaStream_t stream) {
   if (tab.HD != HD || tab.T < T) {

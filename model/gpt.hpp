@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "emu/backend.hpp"
-#include "emu/layers.hpp"
+#include "emu/matmul.hpp"
 #include "model/config.hpp"
 #include "model/linear.hpp"
 

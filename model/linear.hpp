@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "emu/backend.hpp"
-#include "emu/layers.hpp"
+#include "emu/matmul.hpp"
 #include "model/config.hpp"
 
 namespace fp4sim::model {

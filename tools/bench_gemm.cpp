@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "emu/backend.hpp"
-#include "emu/layers.hpp"
+#include "emu/matmul.hpp"
 #include "tools/backends.hpp"
 
 #if FP4SIM_HAVE_CUDA

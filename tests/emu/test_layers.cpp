@@ -12,9 +12,14 @@
 #include <string>
 #include <vector>
 
+#include "emu/attention.hpp"
+#include "emu/cross_entropy.hpp"
+#include "emu/elementwise.hpp"
+#include "emu/embedding.hpp"
 #include "emu/formats.hpp"
-#include "emu/layers.hpp"
+#include "emu/matmul.hpp"
 #include "emu/mma.hpp"
+#include "emu/norm.hpp"
 
 namespace fp4sim::emu {
 namespace {
