@@ -8,18 +8,11 @@
 #include "emu/cpu_backend.hpp"
 #include "emu/formats.hpp"
 #include "emu/fused.hpp"
+#include "emu/op_checks.hpp"
 
 namespace fp4sim::emu {
 
 namespace {
-
-constexpr ViewRule kF32{};                                           // float32, as stored
-constexpr ViewRule kF32Opt{true, false, false, false, true};         // float32 or absent
-constexpr ViewRule kF32Marked{true, false, false, true, false};      // float32, bf16_values ok
-constexpr ViewRule kAny{true, true, false, false, false};            // float32 or BF16
-constexpr ViewRule kAnyOpt{true, true, false, false, true};          // float32, BF16 or absent
-constexpr ViewRule kAnyMarked{true, true, false, true, false};       // float32 (marked) or BF16
-constexpr ViewRule kI32{false, false, true, false, false};           // int32
 
 // An input's values as float32: BF16 widened, bf16_values rounded (into tmp), else the view's own.
 const float* read(const TensorView& v, std::vector<float>& tmp) {
@@ -79,12 +72,8 @@ bool CpuBackend::supports(Capability c, int64_t arg) const {
 void CpuBackend::embedding_forward(const TensorView& out, const TensorView& tokens,
                                    const TensorView& pos, const TensorView& wte,
                                    const TensorView& wpe) {
+  op_checks::embedding_forward(out, tokens, pos, wte, wpe);
   const int64_t N = out.rows, C = out.cols;
-  check_view("embedding_forward", out, N, C, kF32);
-  check_view("embedding_forward", tokens, N, 1, kI32);
-  check_view("embedding_forward", pos, N, 1, kI32);
-  check_view("embedding_forward", wte, wte.rows, C, kF32);
-  check_view("embedding_forward", wpe, wpe.rows, C, kF32Opt);
   emu::embedding_forward(out.as<float>(), tokens.as<const int32_t>(), pos.as<const int32_t>(),
                          wte.as<const float>(), wpe.as<const float>(), N, C);
 }
@@ -92,12 +81,8 @@ void CpuBackend::embedding_forward(const TensorView& out, const TensorView& toke
 void CpuBackend::embedding_backward(const TensorView& dwte, const TensorView& dwpe,
                                     const TensorView& dout, const TensorView& tokens,
                                     const TensorView& pos) {
+  op_checks::embedding_backward(dwte, dwpe, dout, tokens, pos);
   const int64_t N = dout.rows, C = dout.cols;
-  check_view("embedding_backward", dout, N, C, kF32);
-  check_view("embedding_backward", dwte, dwte.rows, C, kF32);
-  check_view("embedding_backward", dwpe, dwpe.rows, C, kF32Opt);
-  check_view("embedding_backward", tokens, N, 1, kI32);
-  check_view("embedding_backward", pos, N, 1, kI32);
   emu::embedding_backward(dwte.as<float>(), dwpe.as<float>(), dout.as<const float>(),
                           tokens.as<const int32_t>(), pos.as<const int32_t>(), N, C);
 }
@@ -105,14 +90,9 @@ void CpuBackend::embedding_backward(const TensorView& dwte, const TensorView& dw
 void CpuBackend::norm_forward(NormKind kind, const TensorView& out, const TensorView& mean,
                               const TensorView& rstd, const TensorView& inp,
                               const TensorView& weight, const TensorView& bias) {
+  op_checks::norm_forward(kind, out, mean, rstd, inp, weight, bias);
   const int64_t N = inp.rows, C = inp.cols;
   const bool ln = kind == NormKind::LayerNorm;
-  check_view("norm_forward", out, N, C, kAnyMarked);
-  check_view("norm_forward", inp, N, C, kF32);
-  check_view("norm_forward", weight, C, 1, kF32);
-  check_view("norm_forward", rstd, N, 1, kF32);
-  check_view("norm_forward", mean, N, 1, ln ? kF32 : kF32Opt);
-  check_view("norm_forward", bias, C, 1, ln ? kF32 : kF32Opt);
   std::vector<float> o;
   float* y = target(out, o);
   if (ln)
@@ -128,16 +108,9 @@ void CpuBackend::norm_backward(NormKind kind, const TensorView& dinp, const Tens
                                const TensorView& dbias, const TensorView& dout,
                                const TensorView& inp, const TensorView& weight,
                                const TensorView& mean, const TensorView& rstd) {
+  op_checks::norm_backward(kind, dinp, dweight, dbias, dout, inp, weight, mean, rstd);
   const int64_t N = inp.rows, C = inp.cols;
   const bool ln = kind == NormKind::LayerNorm;
-  check_view("norm_backward", dinp, N, C, kF32Marked);
-  check_view("norm_backward", dweight, C, 1, kF32);
-  check_view("norm_backward", dbias, C, 1, ln ? kF32 : kF32Opt);
-  check_view("norm_backward", dout, N, C, kAnyMarked);
-  check_view("norm_backward", inp, N, C, kF32);
-  check_view("norm_backward", weight, C, 1, kF32);
-  check_view("norm_backward", mean, N, 1, ln ? kF32 : kF32Opt);
-  check_view("norm_backward", rstd, N, 1, kF32);
   std::vector<float> d;
   const float* dy = read(dout, d);
   if (ln)
@@ -153,11 +126,8 @@ void CpuBackend::norm_backward(NormKind kind, const TensorView& dinp, const Tens
 void CpuBackend::matmul_forward(const TensorView& out, const TensorView& inp,
                                 const TensorView& weight, const TensorView& bias,
                                 GemmPrecision prec) {
+  op_checks::matmul_forward(out, inp, weight, bias, prec);
   const int64_t N = inp.rows, K = inp.cols, OC = weight.rows;
-  check_view("matmul_forward", out, N, OC, kAnyMarked);
-  check_view("matmul_forward", inp, N, K, kAny);
-  check_view("matmul_forward", weight, OC, K, kAny);
-  check_view("matmul_forward", bias, OC, 1, kAnyOpt);
   std::vector<float> x, w, b, o;
   float* y = target(out, o);
   emu::matmul_forward(y, read(inp, x), read(weight, w), bias_as_added(bias, out.bf16_storage(), b),
@@ -169,13 +139,8 @@ void CpuBackend::matmul_backward(const TensorView& dinp, const TensorView& dweig
                                  const TensorView& dbias, const TensorView& dout,
                                  const TensorView& inp, const TensorView& weight,
                                  GemmPrecision prec) {
+  op_checks::matmul_backward(dinp, dweight, dbias, dout, inp, weight, prec);
   const int64_t N = dout.rows, OC = dout.cols, K = weight.cols;
-  check_view("matmul_backward", dinp, N, K, kAnyOpt);
-  check_view("matmul_backward", dweight, OC, K, kF32Opt);
-  check_view("matmul_backward", dbias, OC, 1, kF32Opt);
-  check_view("matmul_backward", dout, N, OC, kAny);
-  check_view("matmul_backward", inp, N, K, dweight.present() ? kAny : kAnyOpt);
-  check_view("matmul_backward", weight, OC, K, kAny);
   std::vector<float> d, x, w, dx;
   float* dxp = target(dinp, dx);
   emu::matmul_backward(dxp, dweight.as<float>(), dbias.as<float>(), read(dout, d), read(inp, x),
@@ -185,10 +150,8 @@ void CpuBackend::matmul_backward(const TensorView& dinp, const TensorView& dweig
 
 void CpuBackend::bias_forward(const TensorView& out, const TensorView& inp,
                               const TensorView& bias) {
+  op_checks::bias_forward(out, inp, bias);
   const int64_t N = inp.rows, OC = inp.cols;
-  check_view("bias_forward", out, N, OC, kAnyMarked);
-  check_view("bias_forward", inp, N, OC, kF32);
-  check_view("bias_forward", bias, OC, 1, kAny);
   // (a BF16 output: the sums in inp, the scratch, then narrowed)
   float* y = out.dtype == DType::BF16 ? inp.as<float>() : out.as<float>();
   if (y != inp.as<const float>())
@@ -199,17 +162,14 @@ void CpuBackend::bias_forward(const TensorView& out, const TensorView& inp,
 }
 
 void CpuBackend::bias_backward(const TensorView& dbias, const TensorView& dout) {
-  check_view("bias_backward", dbias, dout.cols, 1, kF32);
-  check_view("bias_backward", dout, dout.rows, dout.cols, kF32);
+  op_checks::bias_backward(dbias, dout);
   emu::bias_backward(dbias.as<float>(), dout.as<const float>(), dout.rows, dout.cols);
 }
 
 void CpuBackend::attention_forward(const TensorView& out, const TensorView& lse,
                                    const TensorView& qkv, const AttentionShape& s,
                                    GemmPrecision prec) {
-  check_view("attention_forward", out, s.B * s.T, s.NH * s.HD, kAnyMarked);
-  check_view("attention_forward", lse, s.B * s.NH, s.T, kF32);
-  check_view("attention_forward", qkv, s.B * s.T, s.qkv_cols(), kAny);
+  op_checks::attention_forward(out, lse, qkv, s, prec);
   std::vector<float> q, o;
   float* y = target(out, o);
   emu::attention_forward(y, lse.as<float>(), read(qkv, q), s.B, s.T, s.NH, s.NKV, s.HD, prec);
@@ -220,11 +180,7 @@ void CpuBackend::attention_backward(const TensorView& dqkv, const TensorView& do
                                     const TensorView& qkv, const TensorView& out,
                                     const TensorView& lse, const AttentionShape& s,
                                     GemmPrecision prec) {
-  check_view("attention_backward", dqkv, s.B * s.T, s.qkv_cols(), kAnyMarked);
-  check_view("attention_backward", dout, s.B * s.T, s.NH * s.HD, kAny);
-  check_view("attention_backward", qkv, s.B * s.T, s.qkv_cols(), kAny);
-  check_view("attention_backward", out, s.B * s.T, s.NH * s.HD, kAny);
-  check_view("attention_backward", lse, s.B * s.NH, s.T, kF32);
+  op_checks::attention_backward(dqkv, dout, qkv, out, lse, s, prec);
   std::vector<float> d, q, o, dq;
   float* g = target(dqkv, dq);
   emu::attention_backward(g, read(dout, d), read(qkv, q), read(out, o), lse.as<const float>(), s.B,
@@ -233,20 +189,18 @@ void CpuBackend::attention_backward(const TensorView& dqkv, const TensorView& do
 }
 
 void CpuBackend::rope_forward(const TensorView& qkv, const AttentionShape& s) {
-  check_view("rope_forward", qkv, s.B * s.T, s.qkv_cols(), kF32);
+  op_checks::rope("rope_forward", qkv, s);
   emu::rope_forward(qkv.as<float>(), s.B, s.T, s.NH, s.NKV, s.HD);
 }
 
 void CpuBackend::rope_backward(const TensorView& dqkv, const AttentionShape& s) {
-  check_view("rope_backward", dqkv, s.B * s.T, s.qkv_cols(), kF32);
+  op_checks::rope("rope_backward", dqkv, s);
   emu::rope_backward(dqkv.as<float>(), s.B, s.T, s.NH, s.NKV, s.HD);
 }
 
-void CpuBackend::activation_forward(Activation act, const TensorView& out,
-                                    const TensorView& inp) {
+void CpuBackend::activation_forward(Activation act, const TensorView& out, const TensorView& inp) {
+  op_checks::activation_forward(act, out, inp);
   const int64_t N = inp.rows, F = act == Activation::SwiGLU ? inp.cols / 2 : inp.cols;
-  check_view("activation_forward", out, N, F, kF32Marked);
-  check_view("activation_forward", inp, N, act == Activation::SwiGLU ? 2 * F : F, kF32);
   const float* x = inp.as<const float>();
   float* y = out.as<float>();
   if (act == Activation::GeluTanh)
@@ -258,12 +212,10 @@ void CpuBackend::activation_forward(Activation act, const TensorView& out,
   finish(out, y);
 }
 
-void CpuBackend::activation_backward(Activation act, const TensorView& dinp,
-                                     const TensorView& inp, const TensorView& dout) {
+void CpuBackend::activation_backward(Activation act, const TensorView& dinp, const TensorView& inp,
+                                     const TensorView& dout) {
+  op_checks::activation_backward(act, dinp, inp, dout);
   const int64_t N = inp.rows, F = act == Activation::SwiGLU ? inp.cols / 2 : inp.cols;
-  check_view("activation_backward", dinp, N, inp.cols, kF32Marked);
-  check_view("activation_backward", inp, N, act == Activation::SwiGLU ? 2 * F : F, kF32);
-  check_view("activation_backward", dout, N, F, kF32Marked);
   std::vector<float> d;
   const float* dy = read(dout, d);
   if (act == Activation::GeluTanh)
@@ -276,8 +228,7 @@ void CpuBackend::activation_backward(Activation act, const TensorView& dinp,
 }
 
 void CpuBackend::convert(const TensorView& dst, const TensorView& src) {
-  check_view("convert", src, dst.rows, dst.cols, kAny);
-  check_view("convert", dst, dst.rows, dst.cols, kAnyMarked);
+  op_checks::convert(dst, src);
   const int64_t n = src.numel();
   if (src.dtype == DType::BF16 && dst.dtype == DType::F32 && !dst.bf16_values) {
     const uint16_t* s = src.as<const uint16_t>();
@@ -285,25 +236,16 @@ void CpuBackend::convert(const TensorView& dst, const TensorView& src) {
     for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
   } else if (src.dtype == DType::F32 && dst.dtype == DType::BF16) {
     finish(dst, src.as<float>());  // (src is only read: finish narrows a BF16 view)
-  } else if (src.dtype == DType::F32 && dst.bf16_values) {
+  } else {  // (float32 -> float32 holding BF16 values: op_checks::convert allows nothing else)
     if (dst.data != src.data)
       std::memcpy(dst.data, src.data, static_cast<size_t>(n) * sizeof(float));
     round_to_bf16(dst.as<float>(), n);
-  } else {
-    throw std::invalid_argument(std::string("convert: '") + src.name + "' (" +
-                                dtype_name(src.dtype) + ") to '" + dst.name + "' (" +
-                                dtype_name(dst.dtype) +
-                                "): expected bfloat16 -> float32, float32 -> bfloat16 or float32 "
-                                "-> float32 holding BF16 values");
   }
 }
 
-void CpuBackend::residual_forward(const TensorView& out, const TensorView& a,
-                                  const TensorView& b) {
+void CpuBackend::residual_forward(const TensorView& out, const TensorView& a, const TensorView& b) {
+  op_checks::residual_forward(out, a, b);
   const int64_t n = a.numel();
-  check_view("residual_forward", out, a.rows, a.cols, kF32Marked);
-  check_view("residual_forward", a, a.rows, a.cols, kF32);
-  check_view("residual_forward", b, a.rows, a.cols, kAny);
   std::vector<float> t;
   const float* x = a.as<const float>();
   const float* y = read(b, t);
@@ -312,22 +254,12 @@ void CpuBackend::residual_forward(const TensorView& out, const TensorView& a,
   finish(out, o);
 }
 
-void CpuBackend::crossentropy_forward_backward(const TensorView& losses,
-                                               const TensorView& dlogits,
-                                               const TensorView& logits,
-                                               const TensorView& targets,
+void CpuBackend::crossentropy_forward_backward(const TensorView& losses, const TensorView& dlogits,
+                                               const TensorView& logits, const TensorView& targets,
                                                const TensorView& dlosses) {
   const int64_t N = logits.rows, V = logits.cols;
-  check_view("crossentropy_forward_backward", losses, N, 1, kF32);
-  check_view("crossentropy_forward_backward", dlogits, N, V, kAnyMarked);
-  check_view("crossentropy_forward_backward", logits, N, V, kAnyMarked);
-  check_view("crossentropy_forward_backward", targets, N, 1, kI32);
-  check_view("crossentropy_forward_backward", dlosses, N, 1, kF32);
+  op_checks::crossentropy_forward_backward(losses, dlogits, logits, targets, dlosses);
   const bool round = logits.bf16_storage();
-  if (dlogits.bf16_storage() != round)
-    throw std::invalid_argument(
-        "crossentropy_forward_backward: logits and dlogits must share a storage precision (both "
-        "BF16 or both float32)");
   std::vector<float> z, d;
   float* g = target(dlogits, d);
   // (logits read rounded by the reference itself when round: BF16 bits widen exactly)
@@ -341,19 +273,7 @@ void CpuBackend::adamw_update(const TensorView& params, const TensorView& params
                               const TensorView& grads, const TensorView& m, const TensorView& v,
                               const std::vector<Segment>& segments,
                               const std::vector<AdamWStep>& steps) {
-  const int64_t n = params.numel();
-  for (const TensorView* t : {&params, &grads, &m, &v})
-    check_view("adamw_update", *t, params.rows, params.cols, kF32);
-  check_view("adamw_update", params16, params.rows, params.cols, {false, true, false, false, true});
-  validate_segments("adamw_update", segments);
-  if (steps.size() != segments.size())
-    throw std::invalid_argument("adamw_update: " + std::to_string(segments.size()) +
-                                " tensors but " + std::to_string(steps.size()) +
-                                " steps (one a tensor)");
-  for (size_t s = 0; s < segments.size(); ++s)
-    if (segments[s].offset + segments[s].count > n)
-      throw std::invalid_argument("adamw_update: tensor " + std::to_string(s) +
-                                  " ends past the parameters");
+  op_checks::adamw_update(params, params16, grads, m, v, segments, steps);
   float *p = params.as<float>(), *mm = m.as<float>(), *vv = v.as<float>();
   const float* g = grads.as<const float>();
   uint16_t* p16 = params16.as<uint16_t>();
@@ -368,12 +288,7 @@ void CpuBackend::adamw_update(const TensorView& params, const TensorView& params
 
 void CpuBackend::sum_squares(const TensorView& x, const std::vector<Segment>& segments,
                              double* sums) {
-  check_view("sum_squares", x, x.rows, x.cols, kF32);
-  validate_segments("sum_squares", segments);
-  for (size_t s = 0; s < segments.size(); ++s)
-    if (segments[s].offset + segments[s].count > x.numel())
-      throw std::invalid_argument("sum_squares: tensor " + std::to_string(s) + " ends past '" +
-                                  x.name + "'");
+  op_checks::sum_squares(x, segments);
   const float* p = x.as<const float>();
   for (size_t s = 0; s < segments.size(); ++s) {
     double acc = 0;
@@ -383,11 +298,10 @@ void CpuBackend::sum_squares(const TensorView& x, const std::vector<Segment>& se
   }
 }
 
-void CpuBackend::residual_norm_forward(NormKind kind, const TensorView& res,
-                                       const TensorView& out, const TensorView& mean,
-                                       const TensorView& rstd, const TensorView& a,
-                                       const TensorView& b, const TensorView& weight,
-                                       const TensorView& bias) {
+void CpuBackend::residual_norm_forward(NormKind kind, const TensorView& res, const TensorView& out,
+                                       const TensorView& mean, const TensorView& rstd,
+                                       const TensorView& a, const TensorView& b,
+                                       const TensorView& weight, const TensorView& bias) {
   compose_residual_norm_forward(*this, kind, res, out, mean, rstd, a, b, weight, bias);
 }
 

@@ -1,0 +1,221 @@
+#include "emu/op_checks.hpp"
+
+#include <string>
+
+namespace fp4sim::op_checks {
+
+namespace {
+
+constexpr ViewRule kF32{};                                       // float32, as stored
+constexpr ViewRule kF32Opt{true, false, false, false, true};     // float32 or absent
+constexpr ViewRule kF32Marked{true, false, false, true, false};  // float32, bf16_values ok
+constexpr ViewRule kAny{true, true, false, false, false};        // float32 or BF16
+constexpr ViewRule kAnyOpt{true, true, false, false, true};      // float32, BF16 or absent
+constexpr ViewRule kAnyMarked{true, true, false, true, false};   // float32 (marked) or BF16
+constexpr ViewRule kI32{false, false, true, false, false};       // int32
+constexpr ViewRule kBf16Opt{false, true, false, false, true};    // BF16 or absent
+
+// FP32 precision (gradient checks) reads and writes float32 views only.
+void fp32_views_only(const char* op, GemmPrecision prec,
+                     std::initializer_list<const TensorView*> views) {
+  if (prec != GemmPrecision::FP32) return;
+  for (const TensorView* v : views)
+    if (v->present() && v->dtype != DType::F32)
+      throw std::invalid_argument(std::string(op) + ": tensor '" + v->name +
+                                  "' is bfloat16; FP32 precision takes float32 views");
+}
+
+void segments_within(const char* op, const TensorView& x, const std::vector<Segment>& segments) {
+  validate_segments(op, segments);
+  for (size_t s = 0; s < segments.size(); ++s)
+    if (segments[s].offset + segments[s].count > x.numel())
+      throw std::invalid_argument(std::string(op) + ": tensor " + std::to_string(s) +
+                                  " ends past '" + x.name + "'");
+}
+
+}  // namespace
+
+void embedding_forward(const TensorView& out, const TensorView& tokens, const TensorView& pos,
+                       const TensorView& wte, const TensorView& wpe) {
+  const int64_t N = out.rows, C = out.cols;
+  check_view("embedding_forward", out, N, C, kF32);
+  check_view("embedding_forward", tokens, N, 1, kI32);
+  check_view("embedding_forward", pos, N, 1, kI32);
+  check_view("embedding_forward", wte, wte.rows, C, kF32);
+  check_view("embedding_forward", wpe, wpe.rows, C, kF32Opt);
+}
+
+void embedding_backward(const TensorView& dwte, const TensorView& dwpe, const TensorView& dout,
+                        const TensorView& tokens, const TensorView& pos) {
+  const int64_t N = dout.rows, C = dout.cols;
+  check_view("embedding_backward", dout, N, C, kF32);
+  check_view("embedding_backward", dwte, dwte.rows, C, kF32);
+  check_view("embedding_backward", dwpe, dwpe.rows, C, kF32Opt);
+  check_view("embedding_backward", tokens, N, 1, kI32);
+  check_view("embedding_backward", pos, N, 1, kI32);
+}
+
+void norm_forward(NormKind kind, const TensorView& out, const TensorView& mean,
+                  const TensorView& rstd, const TensorView& inp, const TensorView& weight,
+                  const TensorView& bias) {
+  const int64_t N = inp.rows, C = inp.cols;
+  const bool ln = kind == NormKind::LayerNorm;
+  check_view("norm_forward", out, N, C, kAnyMarked);
+  check_view("norm_forward", inp, N, C, kF32);
+  check_view("norm_forward", weight, C, 1, kF32);
+  check_view("norm_forward", rstd, N, 1, kF32);
+  check_view("norm_forward", mean, N, 1, ln ? kF32 : kF32Opt);
+  check_view("norm_forward", bias, C, 1, ln ? kF32 : kF32Opt);
+}
+
+void norm_backward(NormKind kind, const TensorView& dinp, const TensorView& dweight,
+                   const TensorView& dbias, const TensorView& dout, const TensorView& inp,
+                   const TensorView& weight, const TensorView& mean, const TensorView& rstd) {
+  const int64_t N = inp.rows, C = inp.cols;
+  const bool ln = kind == NormKind::LayerNorm;
+  check_view("norm_backward", dinp, N, C, kF32Marked);
+  check_view("norm_backward", dweight, C, 1, kF32);
+  check_view("norm_backward", dbias, C, 1, ln ? kF32 : kF32Opt);
+  check_view("norm_backward", dout, N, C, kAnyMarked);
+  check_view("norm_backward", inp, N, C, kF32);
+  check_view("norm_backward", weight, C, 1, kF32);
+  check_view("norm_backward", mean, N, 1, ln ? kF32 : kF32Opt);
+  check_view("norm_backward", rstd, N, 1, kF32);
+}
+
+void matmul_forward(const TensorView& out, const TensorView& inp, const TensorView& weight,
+                    const TensorView& bias, GemmPrecision prec) {
+  const int64_t N = inp.rows, K = inp.cols, OC = weight.rows;
+  check_view("matmul_forward", out, N, OC, kAnyMarked);
+  check_view("matmul_forward", inp, N, K, kAny);
+  check_view("matmul_forward", weight, OC, K, kAny);
+  check_view("matmul_forward", bias, OC, 1, kAnyOpt);
+  fp32_views_only("matmul_forward", prec, {&out, &inp, &weight, &bias});
+}
+
+void matmul_backward(const TensorView& dinp, const TensorView& dweight, const TensorView& dbias,
+                     const TensorView& dout, const TensorView& inp, const TensorView& weight,
+                     GemmPrecision prec) {
+  const int64_t N = dout.rows, OC = dout.cols, K = weight.cols;
+  check_view("matmul_backward", dinp, N, K, kAnyOpt);
+  check_view("matmul_backward", dweight, OC, K, kF32Opt);
+  check_view("matmul_backward", dbias, OC, 1, kF32Opt);
+  check_view("matmul_backward", dout, N, OC, kAny);
+  check_view("matmul_backward", inp, N, K, dweight.present() ? kAny : kAnyOpt);
+  check_view("matmul_backward", weight, OC, K, kAny);
+  // (a BF16 dout at FP32 precision is widened, exactly: the output head's BF16 dlogits)
+  fp32_views_only("matmul_backward", prec, {&dinp, &inp, &weight});
+}
+
+void bias_forward(const TensorView& out, const TensorView& inp, const TensorView& bias) {
+  const int64_t N = inp.rows, OC = inp.cols;
+  check_view("bias_forward", out, N, OC, kAnyMarked);
+  check_view("bias_forward", inp, N, OC, kF32);
+  check_view("bias_forward", bias, OC, 1, kAny);
+}
+
+void bias_backward(const TensorView& dbias, const TensorView& dout) {
+  check_view("bias_backward", dbias, dout.cols, 1, kF32);
+  check_view("bias_backward", dout, dout.rows, dout.cols, kF32);
+}
+
+void attention_forward(const TensorView& out, const TensorView& lse, const TensorView& qkv,
+                       const AttentionShape& s, GemmPrecision prec) {
+  check_view("attention_forward", out, s.B * s.T, s.NH * s.HD, kAnyMarked);
+  check_view("attention_forward", lse, s.B * s.NH, s.T, kF32);
+  check_view("attention_forward", qkv, s.B * s.T, s.qkv_cols(), kAny);
+  fp32_views_only("attention_forward", prec, {&out, &qkv});
+}
+
+void attention_backward(const TensorView& dqkv, const TensorView& dout, const TensorView& qkv,
+                        const TensorView& out, const TensorView& lse, const AttentionShape& s,
+                        GemmPrecision prec) {
+  check_view("attention_backward", dqkv, s.B * s.T, s.qkv_cols(), kAnyMarked);
+  check_view("attention_backward", dout, s.B * s.T, s.NH * s.HD, kAny);
+  check_view("attention_backward", qkv, s.B * s.T, s.qkv_cols(), kAny);
+  check_view("attention_backward", out, s.B * s.T, s.NH * s.HD, kAny);
+  check_view("attention_backward", lse, s.B * s.NH, s.T, kF32);
+  fp32_views_only("attention_backward", prec, {&dqkv, &dout, &qkv, &out});
+}
+
+void rope(const char* op, const TensorView& qkv, const AttentionShape& s) {
+  check_view(op, qkv, s.B * s.T, s.qkv_cols(), kF32);
+}
+
+void activation_forward(Activation act, const TensorView& out, const TensorView& inp) {
+  const int64_t N = inp.rows, F = act == Activation::SwiGLU ? inp.cols / 2 : inp.cols;
+  check_view("activation_forward", out, N, F, kF32Marked);
+  check_view("activation_forward", inp, N, act == Activation::SwiGLU ? 2 * F : F, kF32);
+}
+
+void activation_backward(Activation act, const TensorView& dinp, const TensorView& inp,
+                         const TensorView& dout) {
+  const int64_t N = inp.rows, F = act == Activation::SwiGLU ? inp.cols / 2 : inp.cols;
+  check_view("activation_backward", dinp, N, inp.cols, kF32Marked);
+  check_view("activation_backward", inp, N, act == Activation::SwiGLU ? 2 * F : F, kF32);
+  check_view("activation_backward", dout, N, F, kF32Marked);
+}
+
+void convert(const TensorView& dst, const TensorView& src) {
+  check_view("convert", src, dst.rows, dst.cols, kAny);
+  check_view("convert", dst, dst.rows, dst.cols, kAnyMarked);
+  const bool widen = src.dtype == DType::BF16 && dst.dtype == DType::F32 && !dst.bf16_values;
+  const bool narrow = src.dtype == DType::F32 && dst.dtype == DType::BF16;
+  const bool round = src.dtype == DType::F32 && dst.bf16_values;
+  if (!widen && !narrow && !round)
+    throw std::invalid_argument(std::string("convert: '") + src.name + "' (" +
+                                dtype_name(src.dtype) + ") to '" + dst.name + "' (" +
+                                dtype_name(dst.dtype) +
+                                "): expected bfloat16 -> float32, float32 -> bfloat16 or float32 "
+                                "-> float32 holding BF16 values");
+}
+
+void residual_forward(const TensorView& out, const TensorView& a, const TensorView& b) {
+  check_view("residual_forward", out, a.rows, a.cols, kF32Marked);
+  check_view("residual_forward", a, a.rows, a.cols, kF32);
+  check_view("residual_forward", b, a.rows, a.cols, kAny);
+}
+
+void crossentropy_forward_backward(const TensorView& losses, const TensorView& dlogits,
+                                   const TensorView& logits, const TensorView& targets,
+                                   const TensorView& dlosses) {
+  const int64_t N = logits.rows, V = logits.cols;
+  const char* op = "crossentropy_forward_backward";
+  check_view(op, losses, N, 1, kF32);
+  check_view(op, dlogits, N, V, kAnyMarked);
+  check_view(op, logits, N, V, kAnyMarked);
+  check_view(op, targets, N, 1, kI32);
+  check_view(op, dlosses, N, 1, kF32);
+  if (dlogits.bf16_storage() != logits.bf16_storage())
+    throw std::invalid_argument(std::string(op) +
+                                ": logits and dlogits must share a storage precision (both BF16 "
+                                "or both float32)");
+}
+
+void adamw_update(const TensorView& params, const TensorView& params16, const TensorView& grads,
+                  const TensorView& m, const TensorView& v, const std::vector<Segment>& segments,
+                  const std::vector<AdamWStep>& steps) {
+  for (const TensorView* t : {&params, &grads, &m, &v})
+    check_view("adamw_update", *t, params.rows, params.cols, kF32);
+  check_view("adamw_update", params16, params.rows, params.cols, kBf16Opt);
+  segments_within("adamw_update", params, segments);
+  if (steps.size() != segments.size())
+    throw std::invalid_argument("adamw_update: " + std::to_string(segments.size()) +
+                                " tensors but " + std::to_string(steps.size()) +
+                                " steps (one a tensor)");
+}
+
+void sum_squares(const TensorView& x, const std::vector<Segment>& segments) {
+  check_view("sum_squares", x, x.rows, x.cols, kF32);
+  segments_within("sum_squares", x, segments);
+}
+
+void activation_source(const char* op, const ActivationSource& src) {
+  const int64_t N = src.inp.rows, C = src.inp.cols;
+  check_view(op, src.inp, N, C, kAny);
+  if (src.op == ActivationOp::Identity) return;
+  check_view(op, src.out, N, C, kAnyMarked);
+  if (src.op == ActivationOp::GeluBackward) check_view(op, src.dout, N, C, kAnyMarked);
+}
+
+}  // namespace fp4sim::op_checks
