@@ -1,6 +1,7 @@
 // GELU (tanh approximation) on the device: the one copy of its arithmetic, shared by the activation
-// kernels (gpu/layers.cu) and the FP8 quantizer's fused activation sources (gpu/fp8.cu), so the
-// fused pass computes the very bits the separate op stores.
+// kernels (gpu/elementwise.cu), the matmuls' fused GELU passes (gpu/matmul.cu) and the FP8
+// quantizer's fused activation sources (gpu/fp8.cu), so a fused pass computes the very bits the
+// separate op stores.
 //
 // The emulator's order of operations (emu/elementwise.cpp) with _rn intrinsics: cube =
 // ((0.044715 x) x) x; gelu = (0.5 x) (1 + tanhf(sqrt(2/pi) (x + cube))); its derivative

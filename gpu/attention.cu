@@ -59,6 +59,8 @@
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/exp2.cuh"
+#include "gpu/layers_state.hpp"
+#include "gpu/op_checks.hpp"
 
 namespace fp4sim::gpu {
 
@@ -1048,4 +1050,99 @@ void attention_backward_launch(float* dqkv, uint16_t* dqkv16, float* dsum, const
   }
 }
 
+namespace {
+
+// The attention kernels take BF16 operands; the unrounded FP32 mode is the emulator's alone.
+void require_bf16_attention(const char* op, emu::GemmPrecision prec) {
+  if (prec != emu::GemmPrecision::BF16)
+    throw std::invalid_argument(std::string(op) +
+                                ": GemmPrecision::FP32 (no BF16 operand rounding, for gradient "
+                                "checks) is emulator-only; the CUDA kernels take BF16 operands");
+}
+
+// The attention backward pass's dS scratch from `scratch`, or null where the dQ kernel recomputes
+// dS (attention_ds_scratch_bytes 0).
+void* attention_ds_scratch(DeviceScratch& scratch, int64_t B, int64_t T, int64_t NH, int64_t HD,
+                           cudaStream_t stream) {
+  const int64_t bytes = attention_ds_scratch_bytes(B, T, NH, HD);
+  return bytes > 0 ? scratch.get<uint8_t>(static_cast<size_t>(bytes), stream) : nullptr;
+}
+
+}  // namespace
+
+void CudaBackend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv,
+                                         const uint16_t* qkv16, int64_t B, int64_t T, int64_t NH,
+                                         int64_t NKV, int64_t HD, bool round_bf16) {
+  require_one_of("attention_forward_bf16", "out", out, out16);
+  require_one_of("attention_forward_bf16", "qkv", qkv, qkv16);
+  require_heads("attention_forward_bf16", NH, NKV, HD);
+  attention_check_shape("attention_forward_bf16", B, T, NH, NKV,
+                        HD);  // before any scratch is sized
+  uint16_t* scratch = nullptr;
+  if (!qkv16) {
+    const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
+    scratch = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
+  }
+  attention_forward_launch(out, out16, lse, qkv, qkv16, scratch, B, T, NH, NKV, HD, round_bf16,
+                           stream_);
+}
+
+void CudaBackend::attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout,
+                                          const uint16_t* dout16, const float* qkv,
+                                          const uint16_t* qkv16, const float* out,
+                                          const uint16_t* out16, const float* lse, int64_t B,
+                                          int64_t T, int64_t NH, int64_t NKV, int64_t HD,
+                                          bool round_bf16) {
+  require_one_of("attention_backward_bf16", "dqkv", dqkv, dqkv16);
+  require_one_of("attention_backward_bf16", "dout", dout, dout16);
+  require_one_of("attention_backward_bf16", "qkv", qkv, qkv16);
+  require_one_of("attention_backward_bf16", "out", out, out16);
+  require_heads("attention_backward_bf16", NH, NKV, HD);
+  attention_check_shape("attention_backward_bf16", B, T, NH, NKV,
+                        HD);  // before any scratch is sized
+  if (B * T == 0) return;
+  LayersState& st = layers_state();
+  float* dsum = st.att_dsum.get<float>(static_cast<size_t>(2 * B * NH * T), stream_);
+  const size_t bt = static_cast<size_t>(B * T);
+  uint16_t* scratch =
+      qkv16 ? nullptr
+            : st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
+  uint16_t* dscratch =
+      dout16 ? nullptr : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
+  void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
+  attention_backward_launch(dqkv, dqkv16, dsum, dout, dout16, qkv, qkv16, out, out16, lse, scratch,
+                            dscratch, ds, B, T, NH, NKV, HD, round_bf16, stream_);
+}
+
+// The checks and the backward pass's scratch; the kernels run through the launchers above.
+void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
+                                    int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec,
+                                    bool round_bf16) {
+  require_heads("attention_forward", NH, NKV, HD);
+  require_bf16_attention("attention_forward", prec);
+  attention_check_shape("attention_forward", B, T, NH, NKV, HD);  // before any scratch is sized
+  const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
+  uint16_t* qkv16 = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
+  attention_forward_launch(out, nullptr, lse, qkv, nullptr, qkv16, B, T, NH, NKV, HD, round_bf16,
+                           stream_);
+}
+
+void CudaBackend::attention_backward(float* dqkv, const float* dout, const float* qkv,
+                                     const float* out, const float* lse, int64_t B, int64_t T,
+                                     int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec,
+                                     bool round_bf16) {
+  require_heads("attention_backward", NH, NKV, HD);
+  require_bf16_attention("attention_backward", prec);
+  attention_check_shape("attention_backward", B, T, NH, NKV, HD);  // before any scratch is sized
+  if (B * T == 0) return;
+  LayersState& st = layers_state();
+  float* dsum = st.att_dsum.get<float>(static_cast<size_t>(2 * B * NH * T), stream_);
+  const size_t bt = B > 0 && T > 0 ? static_cast<size_t>(B * T) : 0;  // (B * T == 0 returned above)
+  uint16_t* qkv16 =
+      st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
+  uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
+  void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
+  attention_backward_launch(dqkv, nullptr, dsum, dout, nullptr, qkv, nullptr, out, nullptr, lse,
+                            qkv16, dout16, ds, B, T, NH, NKV, HD, round_bf16, stream_);
+}
 }  // namespace fp4sim::gpu

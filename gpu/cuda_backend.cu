@@ -1,8 +1,11 @@
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
+#include "gpu/column_sums.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/layers_state.hpp"
 
 namespace fp4sim::gpu {
 
@@ -73,6 +76,11 @@ CudaBackend::~CudaBackend() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
+CudaBackend::LayersState& CudaBackend::layers_state() {
+  if (!layers_) layers_ = std::make_shared<LayersState>();
+  return *layers_;
+}
+
 // Memory from allocate() is ready in stream_'s order: every op of this backend runs on stream_,
 // and upload/download synchronise it.
 void* CudaBackend::allocate(size_t bytes) {
@@ -128,6 +136,86 @@ void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, Quant
     return;
   }
   quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_);
+}
+
+namespace {
+uint64_t g_fused_bias_backward = 0;        // fused_bias_backward_count
+uint64_t g_fused_activation_quantize = 0;  // fused_activation_quantize_count
+}  // namespace
+bool g_activation_fusion = true;  // set_activation_fusion
+
+uint64_t fused_bias_backward_count() { return g_fused_bias_backward; }
+uint64_t fused_activation_quantize_count() { return g_fused_activation_quantize; }
+void set_activation_fusion(bool on) { g_activation_fusion = on; }
+
+// FP8 with a column-wise copy of a dense F32 x whose rows fill whole 128-row tiles: the tile pass
+// writes the chunks' column sums (gpu/fp8.cu) in place of column_partial_kernel's pass over x,
+// then the same finalize as bias_backward. NVFP4 with an RHT column-wise copy of a dense F32 x
+// (rows % 64 == 0): the pipelined RHT amax pass takes the sums where it runs (gpu/quantize.cu),
+// else bias_backward's own pass. Otherwise the base class's two calls. Bitwise either way.
+void CudaBackend::quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg,
+                                              QuantizedView* rowwise, QuantizedView* columnwise,
+                                              float* dbias) {
+  if (cfg.format == QFormat::NVFP4 && cfg.columnwise.enabled && cfg.columnwise.rht &&
+      x.dtype == DType::F32 && x.stride() == x.cols && x.rows % emu::kColumnChunkRows == 0 &&
+      x.device == Device::Cuda && x.rows * x.cols > 0 && !(rowwise && rowwise->scales_gemm) &&
+      !(columnwise && columnwise->scales_gemm)) {
+    validate_quantize(x, cfg);
+    float* partial = layers_state().columns.get<float>(
+        static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
+    if (quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_, partial)) {
+      column_sums_finalize(dbias, partial, x.rows, x.cols, true, stream_);
+      ++g_fused_bias_backward;
+    } else {
+      bias_backward(dbias, static_cast<const float*>(x.data), x.rows, x.cols);
+    }
+    return;
+  }
+  const bool fused = cfg.format == QFormat::FP8 && cfg.columnwise.enabled &&
+                     x.dtype == DType::F32 && x.stride() == x.cols && x.rows % kFp8Block == 0 &&
+                     x.device == Device::Cuda && x.rows * x.cols > 0 &&
+                     !(rowwise && rowwise->decoded_bf16) &&
+                     !(columnwise && columnwise->decoded_bf16);
+  if (!fused) {
+    Backend::quantize_with_bias_backward(x, cfg, rowwise, columnwise, dbias);
+    return;
+  }
+  validate_quantize(x, cfg);
+  float* partial = layers_state().columns.get<float>(
+      static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
+  fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
+  column_sums_finalize(dbias, partial, x.rows, x.cols, true, stream_);
+  ++g_fused_bias_backward;
+}
+
+void CudaBackend::quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg,
+                                      QuantizedView* rowwise, QuantizedView* columnwise,
+                                      float* dbias) {
+  if (src.inp16 || src.out16 || src.dout16) {  // (Backend's throws, saying why)
+    Backend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
+    return;
+  }
+  const bool fused = g_activation_fusion && cfg.format == QFormat::FP8 && src.rows * src.cols > 0 &&
+                     (!cfg.columnwise.enabled || src.rows % kFp8Block == 0) &&
+                     (!dbias || cfg.columnwise.enabled) && !(rowwise && rowwise->decoded_bf16) &&
+                     !(columnwise && columnwise->decoded_bf16);
+  if (!fused) {
+    Backend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
+    return;
+  }
+  TensorView v;  // (the op's output as quantize would see it: for the checks only, never written)
+  v.data = src.out;
+  v.rows = src.rows;
+  v.cols = src.cols;
+  v.device = Device::Cuda;
+  v.name = src.name;
+  validate_quantize(v, cfg);
+  float* partial = dbias ? layers_state().columns.get<float>(
+                               static_cast<size_t>(column_chunks(src.rows) * src.cols), stream_)
+                         : nullptr;
+  fp8_quantize_activation_launch(src, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
+  if (dbias) column_sums_finalize(dbias, partial, src.rows, src.cols, true, stream_);
+  ++g_fused_activation_quantize;
 }
 
 void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {

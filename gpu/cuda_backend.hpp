@@ -72,8 +72,9 @@ class CudaBackend final : public Backend {
   void gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
             const GemmConfig& cfg, const TensorView& d) override;
 
-  // training-stack ops (gpu/layers.cu): the names, argument orders and semantics of
-  // emu/layers.hpp and emu/optim.hpp, on device pointers, on stream_.
+  // training-stack ops (gpu/norm.cu, matmul.cu, attention.cu, elementwise.cu, cross_entropy.cu,
+  // embedding.cu, optim.cu): the names, argument orders and semantics of the emu/ headers of the
+  // same stems and emu/optim.hpp, on device pointers, on stream_.
   void embedding_forward(float* out, const int32_t* tokens, const int32_t* pos, const float* wte,
                          const float* wpe, int64_t N, int64_t C) override;
   void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
@@ -100,7 +101,7 @@ class CudaBackend final : public Backend {
   void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout,
                                  const float* inp, const float* weight, int64_t N, int64_t K,
                                  int64_t OC, emu::GemmPrecision prec) override;
-  // attention: FlashAttention-2 kernels on mma.sync (gpu/attention.cu), launched from gpu/layers.cu
+  // attention: FlashAttention-2 kernels on mma.sync (gpu/attention.cu)
   // (prec must be BF16: the kernels' operands are BF16)
   void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
                          int64_t NKV, int64_t HD, emu::GemmPrecision prec,
@@ -242,25 +243,25 @@ class CudaBackend final : public Backend {
       nullptr;  // the quantizer's amax workspace (quantize_launch), zeroed at creation
 
   // The training ops' own cuBLASLt handle and workspace, scratch buffers and RoPE table
-  // (gpu/layers.cu). shared_ptr: the type is complete only in gpu/layers.cu.
+  // (gpu/layers_state.hpp). shared_ptr: the type is complete only where that header is included.
   struct LayersState;
   std::shared_ptr<LayersState> layers_;  // created on first use
   LayersState& layers_state();
   void adamw_many(float* params, uint16_t* p16, const float* grads, float* m, float* v,
                   const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
                   const std::vector<AdamWStep>& steps);
-  // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (gpu/layers.cu); inp16: the
+  // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (gpu/matmul.cu); inp16: the
   // input as BF16 bits instead of inp (BF16 precision)
   void matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp,
                              const float* weight, int64_t N, int64_t K, int64_t OC,
                              emu::GemmPrecision prec, const uint16_t* inp16 = nullptr);
-  // set_bf16_weight_shadow's range, and a weight's GEMM operand through it (gpu/layers.cu)
+  // set_bf16_weight_shadow's range, and a weight's GEMM operand through it (gpu/matmul.cu)
   const float* shadow_base_ = nullptr;
   const uint16_t* shadow_ = nullptr;
   int64_t shadow_n_ = 0;
   const void* weight_operand(DeviceScratch& scratch, const float* weight, int64_t count,
                              emu::GemmPrecision prec);
-  // GELU's backward pass as the BF16 GEMMs' operand, with dbias's chunk sums (gpu/layers.cu)
+  // GELU's backward pass as the BF16 GEMMs' operand, with dbias's chunk sums (gpu/matmul.cu)
   const uint16_t* gelu_backward_operand(const ActivationSource& src, float* dbias);
   void
   init_device();  // the constructor's part after the stream exists (pool, capability, workspace)
@@ -327,7 +328,7 @@ void set_gemm_exact_variant(int variant);
 // is shorter). Results may differ in the last bits (cuBLASLt's order of summation); speed differs.
 constexpr int kPlanOwnPick = -1;
 // Whether the plans' heuristic-index rules (gpu/gemm_cublaslt.cu fp8_preferred_algo and
-// bf16_preferred_algo, gpu/layers.cu matmul_preferred_algo) apply: they index the heuristic list of
+// bf16_preferred_algo, gpu/matmul.cu matmul_preferred_algo) apply: they index the heuristic list of
 // the release they were measured on, cuBLASLt 13.1.x on Hopper (compute capability 9.x).
 bool cublaslt_picks_measured_here(int cc_major, size_t lt_version);
 constexpr int kMaxHeuristicPick = 15;
@@ -348,11 +349,11 @@ struct CublasLtPlanPick {
 CublasLtPlanPick last_cublaslt_plan_pick();
 // Benchmark knob, the same for the training matmuls (CudaBackend::matmul_forward/backward, the BF16
 // recipe's Linears and every recipe's output head): kPlanOwnPick, the default, the plan's own
-// choice (gpu/layers.cu matmul_preferred_algo, falling back to the first where the list is
+// choice (gpu/matmul.cu matmul_preferred_algo, falling back to the first where the list is
 // shorter); 0..kMaxHeuristicPick that index (a matmul fails where the list is shorter). Plans are
 // kept per index, so switching back finds the default's again.
 void set_matmul_heuristic_pick(int index);
-// The training matmuls' rule (gpu/layers.cu): the heuristic index a plan for lt_matmul's
+// The training matmuls' rule (gpu/matmul.cu): the heuristic index a plan for lt_matmul's
 // column-major m x n x k (A transposed when transa, B when transb) takes, given whether the rules
 // apply (rules_active: Hopper with cuBLASLt 13.1.x) and whether the operands are BF16.
 int matmul_preferred_algo(bool rules_active, bool bf16, bool transa, bool transb, int64_t m,
@@ -403,8 +404,8 @@ uint64_t fused_matmul_bias_count();
 // The FP8 block format (gpu/fp8.cu). amax_ws: as for quantize_launch.
 // column_partial (optional; F32 x with a column-wise copy, R % 128 == 0): the kernel also writes
 // x's column sums over each 64-row chunk (emu::kColumnChunkRows), [R / 64, C], each from +0 in
-// increasing row order, for column_sums_finalize (gpu/layers.cu): the bits of bias_backward's first
-// pass.
+// increasing row order, for column_sums_finalize (gpu/column_sums.cu): the bits of bias_backward's
+// first pass.
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                          QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
                          float* column_partial = nullptr);

@@ -1,5 +1,5 @@
 // Exponentials in base 2 on the device: the one copy shared by the attention kernels
-// (gpu/attention.cu) and the cross-entropy kernel (gpu/layers.cu), which both compute e^x as
+// (gpu/attention.cu) and the cross-entropy kernel (gpu/cross_entropy.cu), which both compute e^x as
 // 2^(x log2 e) with one MUFU.EX2, as FlashAttention and torch.compile's generated kernels do.
 #pragma once
 

@@ -400,9 +400,9 @@ BENCHMARK(BM_GpuGemmScalarModes)->Apply(shape_benchmark_registration);
 
 // The same twelve shapes as the BF16 recipe runs them: CudaBackend::matmul_forward (Fprop shapes)
 // and matmul_backward with only dinp (Dgrad, written) or only dweight (Wgrad, accumulated), FP32
-// arrays in and out, BF16 GEMMs through the matmuls' own cuBLASLt plans (gpu/layers.cu lt_matmul,
+// arrays in and out, BF16 GEMMs through the matmuls' own cuBLASLt plans (gpu/matmul.cu lt_matmul,
 // NN/NT layouts, host alpha/beta), at heuristic index range(1) (gpu::set_matmul_heuristic_pick;
-// -1 the plan's own choice, gpu/layers.cu matmul_preferred_algo, which training uses).
+// -1 the plan's own choice, gpu/matmul.cu matmul_preferred_algo, which training uses).
 // The time includes the matmul's FP32 -> BF16 operand copies, the same at every index. The survey
 // the FP4 and FP8 plans' rules came from, for the BF16 recipe: whether its GEMMs have faster
 // algorithms too (which would move every recipe's ratio to BF16).

@@ -1,0 +1,223 @@
+// AdamW (one tensor, or all of them in one launch, optionally writing the weights' BF16 bits) and
+// the FP64 sums of squares of the gradient norm: the CUDA twins of emu/optim.hpp's adamw_element
+// and of Backend::sum_squares, and CudaBackend's methods.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "emu/optim.hpp"
+#include "gpu/block_reduce.cuh"
+#include "gpu/cuda_backend.hpp"
+#include "gpu/cuda_check.hpp"
+#include "gpu/layers_state.hpp"
+#include "gpu/training_ops.cuh"
+
+namespace fp4sim::gpu {
+
+namespace {
+
+constexpr int kSumSquaresBlocks = 1024;  // fixed: the FP64 reduction tree is shape-only
+
+// emu/optim.hpp's adamw_element on every element: bitwise.
+__global__ void adamw_kernel(float* params, const float* grads, float* m, float* v, int64_t n,
+                             AdamWStep step) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    adamw_element(params[j], grads[j], m[j], v[j], step);
+}
+
+// adamw_update_many's one launch: CTA b updates the element range of work item b, a piece of at
+// most kAdamWItemElems elements of one tensor, with that tensor's step (one of up to kAdamWSteps
+// distinct ones, passed by value). adamw_element on every element: bitwise. Four elements a load
+// where `vec` (the four arrays 16-byte aligned; the range's head and tail one by one).
+constexpr int kAdamWSteps = 4;
+constexpr int64_t kAdamWItemElems = 4 * 4 * kThreads;  // four float4s a thread
+struct AdamWSteps {
+  AdamWStep s[kAdamWSteps];
+};
+struct AdamWItem {
+  int64_t begin, end;  // elements [begin, end) of the flat arrays
+  int64_t step;        // index into AdamWSteps
+};
+// p16 (non-null): the BF16 bits of each updated parameter too (bf16_rne: narrow_to_bf16's), 8-byte
+// aligned when `vec`.
+__global__ void adamw_many_kernel(float* params, const float* grads, float* m, float* v,
+                                  const AdamWItem* items, AdamWSteps steps, bool vec,
+                                  uint16_t* p16) {
+  const AdamWItem it = items[blockIdx.x];
+  const AdamWStep s = steps.s[it.step];
+  const int64_t a4 =
+      vec ? (it.begin + 3) / 4 * 4 < it.end ? (it.begin + 3) / 4 * 4 : it.end : it.end;
+  const int64_t nv = (it.end - a4) / 4, e4 = a4 + 4 * nv;
+  auto one = [&](int64_t i) {
+    adamw_element(params[i], grads[i], m[i], v[i], s);
+    if (p16) p16[i] = bf16_rne(params[i]);
+  };
+  for (int64_t i = it.begin + threadIdx.x; i < a4; i += blockDim.x) one(i);
+  for (int64_t j = threadIdx.x; j < nv; j += blockDim.x) {
+    const int64_t i = a4 + 4 * j;
+    float4 p = *reinterpret_cast<float4*>(params + i), mm = *reinterpret_cast<float4*>(m + i),
+           vv = *reinterpret_cast<float4*>(v + i);
+    const float4 g = *reinterpret_cast<const float4*>(grads + i);
+    adamw_element(p.x, g.x, mm.x, vv.x, s);
+    adamw_element(p.y, g.y, mm.y, vv.y, s);
+    adamw_element(p.z, g.z, mm.z, vv.z, s);
+    adamw_element(p.w, g.w, mm.w, vv.w, s);
+    *reinterpret_cast<float4*>(params + i) = p;
+    *reinterpret_cast<float4*>(m + i) = mm;
+    *reinterpret_cast<float4*>(v + i) = vv;
+    if (p16)
+      *reinterpret_cast<uint2*>(p16 + i) = make_uint2(
+          static_cast<uint32_t>(bf16_rne(p.x)) | static_cast<uint32_t>(bf16_rne(p.y)) << 16,
+          static_cast<uint32_t>(bf16_rne(p.z)) | static_cast<uint32_t>(bf16_rne(p.w)) << 16);
+  }
+  for (int64_t i = e4 + threadIdx.x; i < it.end; i += blockDim.x) one(i);
+}
+
+// sum x^2 in FP64 of tensor y = blockIdx.y, elements [offset, offset + count) of base (seg: the
+// (offset, count) pairs): each product (double)x * (double)x is exact; each thread of a fixed grid
+// (kSumSquaresBlocks x kThreads per tensor) sums its grid-strided elements in increasing index,
+// block_sum per block into partial (tensor, kSumSquaresBlocks); a second pass, one block per
+// tensor, sums a tensor's partials the same way. The tree depends only on the count:
+// deterministic, identical on every GPU, and the same whether a tensor is summed alone or with
+// others.
+__global__ void sum_squares_partial_kernel(double* partial, const float* base, const int64_t* seg) {
+  const float* x = base + seg[2 * blockIdx.y];
+  const int64_t n = seg[2 * blockIdx.y + 1];
+  double s = 0.0;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double d = static_cast<double>(x[j]);
+    s = __dadd_rn(s, __dmul_rn(d, d));
+  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) partial[static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x] = s;
+}
+
+__global__ void sum_partials_kernel(double* out, const double* partial, int64_t per_tensor) {
+  const double* p = partial + static_cast<int64_t>(blockIdx.x) * per_tensor;
+  double s = 0.0;
+  for (int64_t j = threadIdx.x; j < per_tensor; j += blockDim.x) s = __dadd_rn(s, p[j]);
+  s = block_sum(s);
+  if (threadIdx.x == 0) out[blockIdx.x] = s;
+}
+
+}  // namespace
+
+void CudaBackend::adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
+                               const AdamWStep& step) {
+  if (n == 0) return;
+  adamw_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(params, grads, m, v, n, step);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+// One launch over all tensors (adamw_many_kernel): the work items (pieces of kAdamWItemElems
+// elements of one tensor) are made and uploaded once for a layout, then reused while the offsets,
+// counts and the pattern of distinct steps stay the same; the steps travel as a kernel parameter.
+// More than kAdamWSteps distinct steps: one adamw_update per tensor.
+void CudaBackend::adamw_update_many(float* params, const float* grads, float* m, float* v,
+                                    const std::vector<int64_t>& offsets,
+                                    const std::vector<int64_t>& counts,
+                                    const std::vector<AdamWStep>& steps) {
+  adamw_many(params, nullptr, grads, m, v, offsets, counts, steps);
+}
+
+void CudaBackend::adamw_update_many_bf16(float* params, uint16_t* params16, const float* grads,
+                                         float* m, float* v, const std::vector<int64_t>& offsets,
+                                         const std::vector<int64_t>& counts,
+                                         const std::vector<AdamWStep>& steps) {
+  if (!params16) throw std::invalid_argument("adamw_update_many_bf16: params16 is null");
+  adamw_many(params, params16, grads, m, v, offsets, counts, steps);
+}
+
+// adamw_update_many (p16 null) or adamw_update_many_bf16 (the bits written in the same pass).
+void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, float* m, float* v,
+                             const std::vector<int64_t>& offsets,
+                             const std::vector<int64_t>& counts,
+                             const std::vector<AdamWStep>& steps) {
+  validate_adamw_update_many(offsets, counts, steps);
+  AdamWSteps distinct{};
+  int n_distinct = 0;
+  std::vector<int64_t> key;
+  key.reserve(3 * offsets.size());
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    int k = 0;
+    while (k < n_distinct && std::memcmp(&distinct.s[k], &steps[i], sizeof(AdamWStep)) != 0) ++k;
+    if (k == n_distinct) {
+      if (n_distinct == kAdamWSteps) {
+        if (p16)
+          Backend::adamw_update_many_bf16(params, p16, grads, m, v, offsets, counts, steps);
+        else
+          Backend::adamw_update_many(params, grads, m, v, offsets, counts, steps);
+        return;
+      }
+      distinct.s[n_distinct++] = steps[i];
+    }
+    key.insert(key.end(), {offsets[i], counts[i], k});
+  }
+  LayersState& st = layers_state();
+  if (key != st.adamw_key) {
+    std::vector<AdamWItem> items;
+    for (size_t i = 0; i < offsets.size(); ++i)
+      for (int64_t b = 0; b < counts[i]; b += kAdamWItemElems)
+        items.push_back({offsets[i] + b, offsets[i] + std::min(counts[i], b + kAdamWItemElems),
+                         key[3 * i + 2]});
+    AdamWItem* dev = st.adamw_items.get<AdamWItem>(items.size(), stream_);
+    if (!items.empty())
+      FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dev, items.data(), items.size() * sizeof(AdamWItem),
+                                        cudaMemcpyHostToDevice, stream_));
+    FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (items is a host temporary)
+    st.adamw_key = std::move(key);
+    st.adamw_item_count = static_cast<int64_t>(items.size());
+  }
+  if (st.adamw_item_count == 0) return;
+  const bool vec =
+      aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && quad_aligned(p16);
+  adamw_many_kernel<<<static_cast<unsigned>(st.adamw_item_count), kThreads, 0, stream_>>>(
+      params, grads, m, v,
+      st.adamw_items.get<AdamWItem>(static_cast<size_t>(st.adamw_item_count), stream_), distinct,
+      vec, p16);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+double CudaBackend::sum_squares(const float* x, int64_t n) {
+  double s = 0.0;
+  sum_squares_many(x, {0}, {n}, &s);
+  return s;
+}
+
+// All tensors in two launches and one copy back (the gradient norm: one round trip per step
+// instead of one per parameter tensor).
+void CudaBackend::sum_squares_many(const float* base, const std::vector<int64_t>& offsets,
+                                   const std::vector<int64_t>& counts, double* sums) {
+  validate_sum_squares_many(offsets, counts);
+  LayersState& st = layers_state();
+  constexpr size_t kMaxTensors = 65535;  // grid.y per launch
+  for (size_t first = 0; first < offsets.size(); first += kMaxTensors) {
+    const size_t tensors = std::min(kMaxTensors, offsets.size() - first);
+    st.host_segments.resize(2 * tensors);
+    for (size_t i = 0; i < tensors; ++i) {
+      st.host_segments[2 * i] = offsets[first + i];
+      st.host_segments[2 * i + 1] = counts[first + i];
+    }
+    int64_t* seg = st.segments.get<int64_t>(2 * tensors, stream_);
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(seg, st.host_segments.data(), 2 * tensors * sizeof(int64_t),
+                                      cudaMemcpyHostToDevice, stream_));
+    double* partial = st.sums.get<double>(tensors * (kSumSquaresBlocks + 1), stream_);
+    double* out = partial + tensors * kSumSquaresBlocks;
+    sum_squares_partial_kernel<<<dim3(kSumSquaresBlocks, static_cast<unsigned>(tensors)), kThreads,
+                                 0, stream_>>>(partial, base, seg);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    sum_partials_kernel<<<static_cast<unsigned>(tensors), kThreads, 0, stream_>>>(
+        out, partial, kSumSquaresBlocks);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(sums + first, out, tensors * sizeof(double),
+                                      cudaMemcpyDeviceToHost, stream_));
+    FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the next batch reuses the buffers
+  }
+}
+
+}  // namespace fp4sim::gpu
