@@ -58,6 +58,7 @@
 #include <type_traits>
 
 #include "emu/formats.hpp"
+#include "emu/op_checks.hpp"
 #include "gpu/attention_backward.cuh"
 #include "gpu/attention_forward.cuh"
 #include "gpu/cuda_backend.hpp"
@@ -310,79 +311,57 @@ void* attention_ds_scratch(DeviceScratch& scratch, int64_t B, int64_t T, int64_t
 
 }  // namespace
 
-void CudaBackend::attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv,
-                                         const uint16_t* qkv16, int64_t B, int64_t T, int64_t NH,
-                                         int64_t NKV, int64_t HD, bool round_bf16) {
-  require_one_of("attention_forward_bf16", "out", out, out16);
-  require_one_of("attention_forward_bf16", "qkv", qkv, qkv16);
-  require_heads("attention_forward_bf16", NH, NKV, HD);
-  attention_check_shape("attention_forward_bf16", B, T, NH, NKV,
-                        HD);  // before any scratch is sized
-  uint16_t* scratch = nullptr;
-  if (!qkv16) {
-    const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
-    scratch = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
-  }
-  attention_forward_launch(out, out16, lse, qkv, qkv16, scratch, B, T, NH, NKV, HD, round_bf16,
-                           stream_);
-}
-
-void CudaBackend::attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout,
-                                          const uint16_t* dout16, const float* qkv,
-                                          const uint16_t* qkv16, const float* out,
-                                          const uint16_t* out16, const float* lse, int64_t B,
-                                          int64_t T, int64_t NH, int64_t NKV, int64_t HD,
-                                          bool round_bf16) {
-  require_one_of("attention_backward_bf16", "dqkv", dqkv, dqkv16);
-  require_one_of("attention_backward_bf16", "dout", dout, dout16);
-  require_one_of("attention_backward_bf16", "qkv", qkv, qkv16);
-  require_one_of("attention_backward_bf16", "out", out, out16);
-  require_heads("attention_backward_bf16", NH, NKV, HD);
-  attention_check_shape("attention_backward_bf16", B, T, NH, NKV,
-                        HD);  // before any scratch is sized
-  if (B * T == 0) return;
-  LayersState& st = layers_state();
-  float* dsum = st.att_dsum.get<float>(static_cast<size_t>(2 * B * NH * T), stream_);
-  const size_t bt = static_cast<size_t>(B * T);
-  uint16_t* scratch =
-      qkv16 ? nullptr
-            : st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
-  uint16_t* dscratch =
-      dout16 ? nullptr : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
-  void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
-  attention_backward_launch(dqkv, dqkv16, dsum, dout, dout16, qkv, qkv16, out, out16, lse, scratch,
-                            dscratch, ds, B, T, NH, NKV, HD, round_bf16, stream_);
-}
-
-// The checks and the backward pass's scratch; the kernels run through the launchers above.
-void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                                    int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec,
-                                    bool round_bf16) {
+// The checks and the scratch (BF16 copies of the float32 operands the kernels read, the backward
+// pass's dS); the kernels run through the launchers above, each view as float32 or BF16 bits.
+void CudaBackend::attention_forward(const TensorView& out, const TensorView& lse,
+                                    const TensorView& qkv, const AttentionShape& s,
+                                    GemmPrecision prec) {
+  op_checks::attention_forward(out, lse, qkv, s, prec);
+  const int64_t B = s.B, T = s.T, NH = s.NH, NKV = s.NKV, HD = s.HD;
   require_heads("attention_forward", NH, NKV, HD);
   require_bf16_attention("attention_forward", prec);
   attention_check_shape("attention_forward", B, T, NH, NKV, HD);  // before any scratch is sized
-  const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
-  uint16_t* qkv16 = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
-  attention_forward_launch(out, nullptr, lse, qkv, nullptr, qkv16, B, T, NH, NKV, HD, round_bf16,
-                           stream_);
+  const bool qkv_bits = qkv.dtype == DType::BF16, out_bits = out.dtype == DType::BF16;
+  uint16_t* scratch = nullptr;
+  if (!qkv_bits) {
+    const size_t qkv_n = B > 0 && T > 0 ? static_cast<size_t>(B * T * (NH + 2 * NKV) * HD) : 0;
+    scratch = layers_state().att_qkv16.get<uint16_t>(qkv_n, stream_);
+  }
+  attention_forward_launch(out_bits ? nullptr : out.as<float>(),
+                           out_bits ? out.as<uint16_t>() : nullptr, lse.as<float>(),
+                           qkv_bits ? nullptr : qkv.as<const float>(),
+                           qkv_bits ? qkv.as<const uint16_t>() : nullptr, scratch, B, T, NH, NKV,
+                           HD, out.bf16_storage(), stream_);
 }
 
-void CudaBackend::attention_backward(float* dqkv, const float* dout, const float* qkv,
-                                     const float* out, const float* lse, int64_t B, int64_t T,
-                                     int64_t NH, int64_t NKV, int64_t HD, emu::GemmPrecision prec,
-                                     bool round_bf16) {
+void CudaBackend::attention_backward(const TensorView& dqkv, const TensorView& dout,
+                                     const TensorView& qkv, const TensorView& out,
+                                     const TensorView& lse, const AttentionShape& s,
+                                     GemmPrecision prec) {
+  op_checks::attention_backward(dqkv, dout, qkv, out, lse, s, prec);
+  const int64_t B = s.B, T = s.T, NH = s.NH, NKV = s.NKV, HD = s.HD;
   require_heads("attention_backward", NH, NKV, HD);
   require_bf16_attention("attention_backward", prec);
   attention_check_shape("attention_backward", B, T, NH, NKV, HD);  // before any scratch is sized
   if (B * T == 0) return;
+  auto bits = [](const TensorView& v) { return v.dtype == DType::BF16; };
   LayersState& st = layers_state();
   float* dsum = st.att_dsum.get<float>(static_cast<size_t>(2 * B * NH * T), stream_);
-  const size_t bt = B > 0 && T > 0 ? static_cast<size_t>(B * T) : 0;  // (B * T == 0 returned above)
-  uint16_t* qkv16 =
-      st.att_qkv16.get<uint16_t>(bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
-  uint16_t* dout16 = st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
+  const size_t bt = static_cast<size_t>(B * T);
+  uint16_t* scratch = bits(qkv) ? nullptr
+                                : st.att_qkv16.get<uint16_t>(
+                                      bt * static_cast<size_t>((NH + 2 * NKV) * HD), stream_);
+  uint16_t* dscratch =
+      bits(dout) ? nullptr
+                 : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
   void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
-  attention_backward_launch(dqkv, nullptr, dsum, dout, nullptr, qkv, nullptr, out, nullptr, lse,
-                            qkv16, dout16, ds, B, T, NH, NKV, HD, round_bf16, stream_);
+  attention_backward_launch(
+      bits(dqkv) ? nullptr : dqkv.as<float>(), bits(dqkv) ? dqkv.as<uint16_t>() : nullptr, dsum,
+      bits(dout) ? nullptr : dout.as<const float>(),
+      bits(dout) ? dout.as<const uint16_t>() : nullptr, bits(qkv) ? nullptr : qkv.as<const float>(),
+      bits(qkv) ? qkv.as<const uint16_t>() : nullptr, bits(out) ? nullptr : out.as<const float>(),
+      bits(out) ? out.as<const uint16_t>() : nullptr, lse.as<const float>(), scratch, dscratch, ds,
+      B, T, NH, NKV, HD, dqkv.bf16_storage(), stream_);
 }
+
 }  // namespace fp4sim::gpu

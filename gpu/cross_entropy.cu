@@ -10,6 +10,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "emu/op_checks.hpp"
 #include "gpu/block_reduce.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
@@ -50,7 +51,7 @@ __device__ float block_max(float v) {
 // count and the chunking), never on the storage types or the pointers' alignment, so the FP32 and
 // the BF16-bits instantiations give the same bits.
 // kGrad (crossentropy_softmax_forward_backward): the third pass writes, instead of each
-// probability, crossentropy_softmax_backward_kernel's expression on it, (p - onehot) * dlosses[n]
+// probability, emu::crossentropy_softmax_backward's expression on it, (p - onehot) * dlosses[n]
 // then bf16_round when round_bf16: the bits of the two kernels in turn, without the probabilities'
 // write and read.
 // bf16_logits: each logit is read as bf16_round(logit) (the model's BF16 storage of the logits,
@@ -324,71 +325,36 @@ void launch_crossentropy(float* losses, Out* out, const In* logits, const int32_
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-// dlogits (N,V) = (probs - onehot(target)) * dlosses[n], each step RN, then bf16_round when
-// round_bf16: bitwise. Written, not accumulated (no zeroing pass before, no rounding pass after).
-__global__ void crossentropy_softmax_backward_kernel(float* dlogits, const float* probs,
-                                                     const int32_t* targets, const float* dlosses,
-                                                     int64_t N, int64_t V, bool round_bf16) {
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < N * V;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t n = e / V, i = e % V;
-    const float indicator = i == targets[n] ? 1.0f : 0.0f;
-    dlogits[e] = stored(__fmul_rn(__fsub_rn(probs[e], indicator), dlosses[n]), round_bf16);
-  }
-}
-
 }  // namespace
 
 void set_crossentropy_cached(bool on) { g_crossentropy_cached = on; }
 
-void CudaBackend::crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
-                                               const int32_t* targets, int64_t N, int64_t V,
-                                               bool bf16_logits) {
-  require_rows("crossentropy_softmax_forward", N);
+// The logits' and dlogits' storage picks the kernel's template: float32 (read rounded and written
+// rounded under BF16 storage, or neither) or BF16 bits.
+void CudaBackend::crossentropy_forward_backward(const TensorView& losses, const TensorView& dlogits,
+                                                const TensorView& logits, const TensorView& targets,
+                                                const TensorView& dlosses) {
+  op_checks::crossentropy_forward_backward(losses, dlogits, logits, targets, dlosses);
+  const int64_t N = logits.rows, V = logits.cols;
+  require_rows("crossentropy_forward_backward", N);
   if (N == 0) return;
-  launch_crossentropy<false>(losses, probs, logits, targets, N, V, nullptr, false, bf16_logits,
-                             stream_);
-}
-
-void CudaBackend::crossentropy_softmax_forward_backward(float* losses, float* dlogits,
-                                                        const float* logits, const int32_t* targets,
-                                                        const float* dlosses, int64_t N, int64_t V,
-                                                        bool round_bf16) {
-  require_rows("crossentropy_softmax_forward_backward", N);
-  if (N == 0) return;
-  launch_crossentropy<true>(losses, dlogits, logits, targets, N, V, dlosses, round_bf16, round_bf16,
-                            stream_);
-}
-
-void CudaBackend::crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits,
-                                                             const float* logits,
-                                                             const int32_t* targets,
-                                                             const float* dlosses, int64_t N,
-                                                             int64_t V) {
-  require_rows("crossentropy_softmax_forward_backward_bf16", N);
-  if (N == 0) return;
-  launch_crossentropy<true, uint16_t>(losses, dlogits, logits, targets, N, V, dlosses, true, true,
-                                      stream_);
-}
-
-void CudaBackend::crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits,
-                                                             const uint16_t* logits16,
-                                                             const int32_t* targets,
-                                                             const float* dlosses, int64_t N,
-                                                             int64_t V) {
-  require_rows("crossentropy_softmax_forward_backward_bits", N);
-  if (N == 0) return;
-  launch_crossentropy<true, uint16_t, uint16_t>(losses, dlogits, logits16, targets, N, V, dlosses,
-                                                true, true, stream_);
-}
-
-void CudaBackend::crossentropy_softmax_backward(float* dlogits, const float* probs,
-                                                const int32_t* targets, const float* dlosses,
-                                                int64_t N, int64_t V, bool round_bf16) {
-  if (N * V == 0) return;
-  crossentropy_softmax_backward_kernel<<<elementwise_grid(N * V), kThreads, 0, stream_>>>(
-      dlogits, probs, targets, dlosses, N, V, round_bf16);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  const bool rb = logits.bf16_storage();
+  float* l = losses.as<float>();
+  const int32_t* t = targets.as<const int32_t>();
+  const float* dl = dlosses.as<const float>();
+  if (logits.dtype == DType::BF16 && dlogits.dtype == DType::BF16)
+    launch_crossentropy<true, uint16_t, uint16_t>(
+        l, dlogits.as<uint16_t>(), logits.as<const uint16_t>(), t, N, V, dl, true, true, stream_);
+  else if (dlogits.dtype == DType::BF16)
+    launch_crossentropy<true, uint16_t>(l, dlogits.as<uint16_t>(), logits.as<const float>(), t, N,
+                                        V, dl, true, true, stream_);
+  else if (logits.dtype == DType::F32)
+    launch_crossentropy<true>(l, dlogits.as<float>(), logits.as<const float>(), t, N, V, dl, rb, rb,
+                              stream_);
+  else
+    throw std::invalid_argument(
+        "crossentropy_forward_backward: BF16 logits with float32 dlogits: the CUDA backend writes "
+        "dlogits as BF16 bits from BF16 logits");
 }
 
 int64_t ce_division_mismatches(int64_t pairs, uint64_t seed) {

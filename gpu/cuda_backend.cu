@@ -2,6 +2,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "emu/fused.hpp"
+#include "emu/op_checks.hpp"
 #include "gpu/column_sums.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
@@ -44,7 +46,7 @@ std::string describe_gpu() {
 // (the nvfp4 step had ~20 ms of wall time without kernels). The pool keeps what it has
 // (release threshold: unlimited), so a step reuses the previous step's memory; cudaMemGetInfo,
 // and so the peak memory the trainer reports, counts what the pool holds.
-CudaBackend::CudaBackend() {
+CudaBackend::CudaBackend() : Backend("cuda", Device::Cuda) {
   FP4SIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   try {
     init_device();
@@ -111,6 +113,22 @@ int64_t CudaBackend::device_memory_used() const {
   return static_cast<int64_t>(total_b - free_b);
 }
 
+bool CudaBackend::supports(Capability c, int64_t arg) const {
+  switch (c) {
+    case Capability::AttentionHeadDim:
+      return attention_head_dim_supported(arg);
+    case Capability::GemmDecodedOperand:  // (no FP4 tensor cores below compute capability 10)
+      return static_cast<GemmImpl>(arg) == GemmImpl::CublasLt && cc_major_ < 10;
+    case Capability::GemmFp8Scales:
+      return static_cast<GemmImpl>(arg) == GemmImpl::CublasLt;
+    case Capability::FusedResidualNorm:
+    case Capability::FusedActivationMatmul:
+    case Capability::FusedActivationQuantize:
+      return true;
+  }
+  return false;
+}
+
 void CudaBackend::synchronize() { FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 void CudaBackend::zero(void* p, size_t n) { FP4SIM_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream_)); }
 void CudaBackend::copy(void* dst, const void* src, size_t n) {
@@ -148,73 +166,88 @@ uint64_t fused_bias_backward_count() { return g_fused_bias_backward; }
 uint64_t fused_activation_quantize_count() { return g_fused_activation_quantize; }
 void set_activation_fusion(bool on) { g_activation_fusion = on; }
 
-// FP8 with a column-wise copy of a dense F32 x whose rows fill whole 128-row tiles: the tile pass
-// writes the chunks' column sums (gpu/fp8.cu) in place of column_partial_kernel's pass over x,
-// then the same finalize as bias_backward. NVFP4 with an RHT column-wise copy of a dense F32 x
-// (rows % 64 == 0): the pipelined RHT amax pass takes the sums where it runs (gpu/quantize.cu),
-// else bias_backward's own pass. Otherwise the base class's two calls. Bitwise either way.
-void CudaBackend::quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg,
-                                              QuantizedView* rowwise, QuantizedView* columnwise,
-                                              float* dbias) {
-  if (cfg.format == QFormat::NVFP4 && cfg.columnwise.enabled && cfg.columnwise.rht &&
-      x.dtype == DType::F32 && x.stride() == x.cols && x.rows % emu::kColumnChunkRows == 0 &&
-      x.device == Device::Cuda && x.rows * x.cols > 0 && !(rowwise && rowwise->scales_gemm) &&
-      !(columnwise && columnwise->scales_gemm)) {
-    validate_quantize(x, cfg);
-    float* partial = layers_state().columns.get<float>(
-        static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
-    if (quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_, partial)) {
-      column_sums_finalize(dbias, partial, x.rows, x.cols, true, stream_);
-      ++g_fused_bias_backward;
-    } else {
-      bias_backward(dbias, static_cast<const float*>(x.data), x.rows, x.cols);
-    }
-    return;
-  }
-  const bool fused = cfg.format == QFormat::FP8 && cfg.columnwise.enabled &&
-                     x.dtype == DType::F32 && x.stride() == x.cols && x.rows % kFp8Block == 0 &&
-                     x.device == Device::Cuda && x.rows * x.cols > 0 &&
-                     !(rowwise && rowwise->decoded_bf16) &&
-                     !(columnwise && columnwise->decoded_bf16);
-  if (!fused) {
-    Backend::quantize_with_bias_backward(x, cfg, rowwise, columnwise, dbias);
-    return;
-  }
-  validate_quantize(x, cfg);
-  float* partial = layers_state().columns.get<float>(
-      static_cast<size_t>(column_chunks(x.rows) * x.cols), stream_);
-  fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
-  column_sums_finalize(dbias, partial, x.rows, x.cols, true, stream_);
-  ++g_fused_bias_backward;
+ActivationArgs activation_args(const ActivationSource& src) {
+  ActivationArgs a;
+  a.op = src.op;
+  a.rows = src.rows();
+  a.cols = src.cols();
+  a.name = src.inp.name;
+  auto split = [](const TensorView& v, const float*& f, const uint16_t*& b) {
+    f = v.dtype == DType::F32 ? v.as<const float>() : nullptr;
+    b = v.dtype == DType::BF16 ? v.as<const uint16_t>() : nullptr;
+  };
+  split(src.inp, a.inp, a.inp16);
+  split(src.dout, a.dout, a.dout16);
+  a.out = src.out.dtype == DType::F32 ? src.out.as<float>() : nullptr;
+  a.out16 = src.out.dtype == DType::BF16 ? src.out.as<uint16_t>() : nullptr;
+  a.round_bf16 = src.out.bf16_storage();
+  a.bf16_dout = src.dout.bf16_storage();
+  return a;
 }
 
+// Identity with dbias (a linear layer's output gradient): FP8 with a column-wise copy of a dense
+// float32 x whose rows fill whole 128-row tiles: the tile pass writes the chunks' column sums
+// (gpu/fp8.cu) in place of column_partial_kernel's pass over x, then the same finalize as
+// bias_backward. NVFP4 with an RHT column-wise copy of a dense float32 x (rows % 64 == 0): the
+// pipelined RHT amax pass takes the sums where it runs (gpu/quantize.cu), else bias_backward's own
+// pass. GELU (forward or backward) into FP8 copies (both or either, whole 128-row tiles where a
+// column-wise copy or dbias is made): the activation computed inside the quantizer's tile pass,
+// src.out never written. Otherwise the composition. Bitwise either way.
 void CudaBackend::quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg,
                                       QuantizedView* rowwise, QuantizedView* columnwise,
-                                      float* dbias) {
-  if (src.inp16 || src.out16 || src.dout16) {  // (Backend's throws, saying why)
-    Backend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
-    return;
+                                      const TensorView& dbias) {
+  op_checks::activation_source("quantize_activation", src);
+  float* const db = dbias.as<float>();
+  if (db) check_view("quantize_activation", dbias, src.cols(), 1, ViewRule{});
+  const int64_t R = src.rows(), C = src.cols();
+  const bool no_decoded =
+      !(rowwise && rowwise->decoded_bf16) && !(columnwise && columnwise->decoded_bf16);
+  const bool no_gemm_scales =
+      !(rowwise && rowwise->scales_gemm) && !(columnwise && columnwise->scales_gemm);
+  if (src.op == ActivationOp::Identity && db) {
+    const TensorView& x = src.inp;
+    const bool dense_f32 =
+        x.dtype == DType::F32 && x.dense() && x.device == Device::Cuda && R * C > 0;
+    if (cfg.format == QFormat::NVFP4 && cfg.columnwise.enabled && cfg.columnwise.rht && dense_f32 &&
+        R % emu::kColumnChunkRows == 0 && no_gemm_scales) {
+      validate_quantize(x, cfg);
+      float* partial =
+          layers_state().columns.get<float>(static_cast<size_t>(column_chunks(R) * C), stream_);
+      if (quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_, partial)) {
+        column_sums_finalize(db, partial, R, C, true, stream_);
+        ++g_fused_bias_backward;
+      } else {
+        bias_backward_launch(db, x.as<const float>(), R, C);
+      }
+      return;
+    }
+    if (cfg.format == QFormat::FP8 && cfg.columnwise.enabled && dense_f32 && R % kFp8Block == 0 &&
+        no_decoded) {
+      validate_quantize(x, cfg);
+      float* partial =
+          layers_state().columns.get<float>(static_cast<size_t>(column_chunks(R) * C), stream_);
+      fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
+      column_sums_finalize(db, partial, R, C, true, stream_);
+      ++g_fused_bias_backward;
+      return;
+    }
   }
-  const bool fused = g_activation_fusion && cfg.format == QFormat::FP8 && src.rows * src.cols > 0 &&
-                     (!cfg.columnwise.enabled || src.rows % kFp8Block == 0) &&
-                     (!dbias || cfg.columnwise.enabled) && !(rowwise && rowwise->decoded_bf16) &&
-                     !(columnwise && columnwise->decoded_bf16);
+  const ActivationArgs a = activation_args(src);
+  const bool fused = src.op != ActivationOp::Identity && g_activation_fusion &&
+                     cfg.format == QFormat::FP8 && R * C > 0 && !a.inp16 && !a.out16 && !a.dout16 &&
+                     (!cfg.columnwise.enabled || R % kFp8Block == 0) &&
+                     (!db || cfg.columnwise.enabled) && no_decoded;
   if (!fused) {
-    Backend::quantize_activation(src, cfg, rowwise, columnwise, dbias);
+    compose_quantize_activation(*this, src, cfg, rowwise, columnwise, dbias);
     return;
   }
-  TensorView v;  // (the op's output as quantize would see it: for the checks only, never written)
-  v.data = src.out;
-  v.rows = src.rows;
-  v.cols = src.cols;
-  v.device = Device::Cuda;
-  v.name = src.name;
-  validate_quantize(v, cfg);
-  float* partial = dbias ? layers_state().columns.get<float>(
-                               static_cast<size_t>(column_chunks(src.rows) * src.cols), stream_)
-                         : nullptr;
-  fp8_quantize_activation_launch(src, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
-  if (dbias) column_sums_finalize(dbias, partial, src.rows, src.cols, true, stream_);
+  // (the op's output as quantize would see it: for the checks only, never written)
+  validate_quantize(as_stored(src.out), cfg);
+  float* partial =
+      db ? layers_state().columns.get<float>(static_cast<size_t>(column_chunks(R) * C), stream_)
+         : nullptr;
+  fp8_quantize_activation_launch(a, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
+  if (db) column_sums_finalize(db, partial, R, C, true, stream_);
   ++g_fused_activation_quantize;
 }
 
@@ -227,7 +260,9 @@ void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {
     dequantize_launch(q, out, stream_);
 }
 
-QuantErrorSums CudaBackend::quant_error_sums(const float* x, const QuantizedView& q) {
+QuantErrorSums CudaBackend::quant_error_sums(const TensorView& xv, const QuantizedView& q) {
+  check_view("quant_error_sums", xv, q.rows, q.cols, ViewRule{});
+  const float* x = xv.as<const float>();
   validate_quant_error_sums(x, q);
   if (q.rows == 0) return {};
   // scratch for this call only (a statistics step is rare; nothing stays allocated between them)

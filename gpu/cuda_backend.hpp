@@ -38,6 +38,23 @@ constexpr bool attention_head_dim_supported(int64_t hd) {
   return hd == 16 || hd == 32 || hd == 64 || hd == 128;
 }
 
+// An ActivationSource (emu/backend.hpp) as the kernels take it: each tensor as float32 or BF16
+// bits (the *16 pointer, the other null), out's and dout's BF16 storage as flags.
+struct ActivationArgs {
+  ActivationOp op = ActivationOp::Identity;
+  const float* inp = nullptr;
+  const float* dout = nullptr;
+  float* out = nullptr;
+  int64_t rows = 0, cols = 0;
+  bool round_bf16 = false;  // out holds BF16 values (written rounded)
+  bool bf16_dout = false;   // dout is read rounded
+  const char* name = "activation";
+  uint16_t* out16 = nullptr;
+  const uint16_t* inp16 = nullptr;
+  const uint16_t* dout16 = nullptr;
+};
+ActivationArgs activation_args(const ActivationSource& src);
+
 bool gpu_available();
 std::string describe_gpu();
 // The cuBLASLt library loaded at run time, "major.minor.patch" (cublasLtGetVersion).
@@ -47,187 +64,96 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend();
   ~CudaBackend() override;
-  std::string name() const override { return "cuda"; }
-  Device device() const override { return Device::Cuda; }
   void* allocate(size_t bytes) override;
   void release(void* p) override;
   void upload(void* dst, const void* host_src, size_t bytes) override;
   void download(void* host_dst, const void* src, size_t bytes) override;
-  void synchronize() override;
-  void zero(void* p, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
+  void zero(void* p, size_t bytes) override;
+  void synchronize() override;
+  // Device memory in use now (total - free, all processes), for the trainer's peak report.
+  int64_t device_memory_used() const override;
+  // Head sizes 16/32/64/128; the cuBLASLt GEMM reads decoded BF16 FP4 operands below compute
+  // capability 10 and FP8 scales in its own layout; the residual + LayerNorm, activation + matmul
+  // and (FP8) activation + quantizer fusions.
+  bool supports(Capability c, int64_t arg = 0) const override;
 
   void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                 QuantizedView* columnwise) override;
-  // cuBLASLt on a GPU without FP4 tensor cores (compute capability < 10) multiplies the FP4
-  // formats as decoded BF16; the quantizer writes that decode when a view asks (decoded_bf16).
-  bool decodes_for_gemm(GemmImpl impl) const override {
-    return impl == GemmImpl::CublasLt && cc_major_ < 10;
-  }
-  bool fp8_scales_for_gemm(GemmImpl impl) const override { return impl == GemmImpl::CublasLt; }
   void dequantize(const QuantizedView& q, const TensorView& out) override;
-  QuantErrorSums quant_error_sums(const float* x, const QuantizedView& q) override;
-  void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
-                       uint8_t* out) override;
+  QuantErrorSums quant_error_sums(const TensorView& x, const QuantizedView& q) override;
   void gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
             const GemmConfig& cfg, const TensorView& d) override;
+  void scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
+                       uint8_t* out) override;
 
-  // training-stack ops (gpu/norm.cu, matmul.cu, attention.cu, elementwise.cu, cross_entropy.cu,
-  // embedding.cu, optim.cu): the names, argument orders and semantics of the emu/ headers of the
-  // same stems and emu/optim.hpp, on device pointers, on stream_.
-  void embedding_forward(float* out, const int32_t* tokens, const int32_t* pos, const float* wte,
-                         const float* wpe, int64_t N, int64_t C) override;
-  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
-                          const int32_t* pos, int64_t N, int64_t C) override;
-  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                         const float* weight, const float* bias, int64_t N, int64_t C,
-                         bool round_bf16) override;
-  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                          const float* inp, const float* weight, const float* mean,
-                          const float* rstd, int64_t N, int64_t C, bool round_bf16,
-                          bool bf16_dout) override;
-  void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
-                       int64_t C, bool round_bf16) override;
-  void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                        const float* weight, const float* rstd, int64_t N, int64_t C,
-                        bool round_bf16, bool bf16_dout) override;
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                      int64_t N, int64_t K, int64_t OC, emu::GemmPrecision prec,
-                      bool round_bf16) override;
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                       const float* inp, const float* weight, int64_t N, int64_t K, int64_t OC,
-                       emu::GemmPrecision prec) override;
-  // (BF16 precision: the GEMMs read dout as it is, no conversion pass)
-  void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout,
-                                 const float* inp, const float* weight, int64_t N, int64_t K,
-                                 int64_t OC, emu::GemmPrecision prec) override;
-  // attention: FlashAttention-2 kernels on mma.sync (gpu/attention.cu)
-  // (prec must be BF16: the kernels' operands are BF16)
-  void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                         int64_t NKV, int64_t HD, emu::GemmPrecision prec,
-                         bool round_bf16) override;
-  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                          const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                          int64_t HD, emu::GemmPrecision prec, bool round_bf16) override;
-  void rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD) override;
-  void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                     int64_t HD) override;
-  void gelu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override;
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, bool round_bf16,
-                     bool bf16_dout) override;
-  void squared_relu_forward(float* out, const float* inp, int64_t n, bool round_bf16) override;
-  void squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
-                             bool round_bf16, bool bf16_dout) override;
-  void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F, bool round_bf16) override;
-  void swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N, int64_t F,
-                       bool round_bf16, bool bf16_dout) override;
-  void bias_forward(float* out, const float* bias, int64_t N, int64_t OC, bool round_bf16) override;
-  void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) override;
-  // FP8 with a column-wise copy: the quantizer's tile pass also takes the 64-row partial column
-  // sums (gpu/fp8.cu); otherwise Backend's quantize then bias_backward. The same bits either way.
-  void quantize_with_bias_backward(const TensorView& x, const QuantizeConfig& cfg,
-                                   QuantizedView* rowwise, QuantizedView* columnwise,
-                                   float* dbias) override;
+  // The layer ops (emu/backend.hpp), on device views, on stream(): each dispatches on its views'
+  // dtypes to the kernels of its family file (gpu/norm.cu, gpu/matmul.cu, ...).
+  void embedding_forward(const TensorView& out, const TensorView& tokens, const TensorView& pos,
+                         const TensorView& wte, const TensorView& wpe) override;
+  void embedding_backward(const TensorView& dwte, const TensorView& dwpe, const TensorView& dout,
+                          const TensorView& tokens, const TensorView& pos) override;
+  void norm_forward(NormKind kind, const TensorView& out, const TensorView& mean,
+                    const TensorView& rstd, const TensorView& inp, const TensorView& weight,
+                    const TensorView& bias) override;
+  void norm_backward(NormKind kind, const TensorView& dinp, const TensorView& dweight,
+                     const TensorView& dbias, const TensorView& dout, const TensorView& inp,
+                     const TensorView& weight, const TensorView& mean,
+                     const TensorView& rstd) override;
+  // BF16 precision: cuBLASLt BF16 GEMMs with FP32 accumulation. A BF16 output: cuBLASLt's BF16
+  // output where there is no bias; with a bias, FP32 with the bias added in cuBLASLt's epilogue,
+  // then one narrowing pass (cuBLASLt 13.1 on Hopper lists no algorithm for a BF16 output with an
+  // FP32 bias: last_matmul_epilogue_refusal); set_matmul_bf16_epilogue turns both off.
+  void matmul_forward(const TensorView& out, const TensorView& inp, const TensorView& weight,
+                      const TensorView& bias, GemmPrecision prec) override;
+  void matmul_backward(const TensorView& dinp, const TensorView& dweight, const TensorView& dbias,
+                       const TensorView& dout, const TensorView& inp, const TensorView& weight,
+                       GemmPrecision prec) override;
+  void bias_forward(const TensorView& out, const TensorView& inp, const TensorView& bias) override;
+  void bias_backward(const TensorView& dbias, const TensorView& dout) override;
+  // FlashAttention-2 kernels on mma.sync (gpu/attention.cu); prec must be BF16.
+  void attention_forward(const TensorView& out, const TensorView& lse, const TensorView& qkv,
+                         const AttentionShape& s, GemmPrecision prec) override;
+  void attention_backward(const TensorView& dqkv, const TensorView& dout, const TensorView& qkv,
+                          const TensorView& out, const TensorView& lse, const AttentionShape& s,
+                          GemmPrecision prec) override;
+  void rope_forward(const TensorView& qkv, const AttentionShape& s) override;
+  void rope_backward(const TensorView& dqkv, const AttentionShape& s) override;
+  void activation_forward(Activation act, const TensorView& out, const TensorView& inp) override;
+  void activation_backward(Activation act, const TensorView& dinp, const TensorView& inp,
+                           const TensorView& dout) override;
+  void convert(const TensorView& dst, const TensorView& src) override;
+  void residual_forward(const TensorView& out, const TensorView& a, const TensorView& b) override;
+  void crossentropy_forward_backward(const TensorView& losses, const TensorView& dlogits,
+                                     const TensorView& logits, const TensorView& targets,
+                                     const TensorView& dlosses) override;
+  // One launch for every segment (and the BF16 bits in the same pass where params16 is given).
+  void adamw_update(const TensorView& params, const TensorView& params16, const TensorView& grads,
+                    const TensorView& m, const TensorView& v, const std::vector<Segment>& segments,
+                    const std::vector<AdamWStep>& steps) override;
+  // One round trip for every segment.
+  void sum_squares(const TensorView& x, const std::vector<Segment>& segments,
+                   double* sums) override;
+  // LayerNorm with a BF16 output and a BF16 b: one pass over the rows; else the composition.
+  void residual_norm_forward(NormKind kind, const TensorView& res, const TensorView& out,
+                             const TensorView& mean, const TensorView& rstd, const TensorView& a,
+                             const TensorView& b, const TensorView& weight,
+                             const TensorView& bias) override;
+  // BF16 precision: GELU's pass writes the GEMM's BF16 operand too (forward) or instead of the
+  // gradient (backward, with a bias: with the bias gradient's sums); else the composition.
+  void matmul_forward_activation(const TensorView& out, const ActivationSource& src,
+                                 const TensorView& weight, const TensorView& bias,
+                                 GemmPrecision prec) override;
+  void matmul_backward_activation(const TensorView& dinp, const TensorView& dweight,
+                                  const TensorView& dbias, const ActivationSource& src,
+                                  const TensorView& inp, const TensorView& weight,
+                                  GemmPrecision prec) override;
   // FP8 (both copies or either, whole 128-row tiles where a column-wise copy or dbias is made): the
-  // activation computed inside the quantizer's tile pass, src.out never written; otherwise
-  // Backend's composition. The same bits either way.
+  // activation computed inside the quantizer's tile pass, src.out never written, and (Identity
+  // with a column-wise copy) dbias from the tile pass's column sums; else the composition.
   void quantize_activation(const ActivationSource& src, const QuantizeConfig& cfg,
                            QuantizedView* rowwise, QuantizedView* columnwise,
-                           float* dbias) override;
-  // BF16 precision: GELU's pass writes the GEMM's BF16 operand too (forward) or instead of the
-  // gradient (backward, with a bias: with the bias gradient's sums); else Backend's composition.
-  void matmul_forward_activation(float* out, uint16_t* out16, const ActivationSource& src,
-                                 const float* weight, const float* bias, int64_t OC,
-                                 emu::GemmPrecision prec, bool round_bf16) override;
-  void matmul_backward_activation(float* dinp, float* dweight, float* dbias,
-                                  const ActivationSource& src, const float* inp,
-                                  const float* weight, int64_t K, emu::GemmPrecision prec) override;
-  // BF16-stored activations (Backend's *_bf16 / *_bits ops): read and written as BF16 bits
-  // directly. A GEMM writing bits: cuBLASLt's BF16 output where it has no bias (the logits, the
-  // Dgrads); with a bias, FP32 with the bias added in cuBLASLt's epilogue, then one narrowing pass
-  // (cuBLASLt 13.1 on Hopper lists no algorithm for a BF16 output with an FP32 bias:
-  // last_matmul_epilogue_refusal). set_matmul_bf16_epilogue turns both off.
-  void set_bf16_weight_shadow(const float* base, const uint16_t* shadow, int64_t n) override;
-  void narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) override;
-  void widen_bf16(float* dst, const uint16_t* src, int64_t n) override;
-  void bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N,
-                         int64_t OC) override;
-  void layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp,
-                              const float* weight, const float* bias, int64_t N,
-                              int64_t C) override;
-  void rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp, const float* weight,
-                            int64_t N, int64_t C) override;
-  void matmul_forward_bf16(float* out, uint16_t* out16, const float* inp, const uint16_t* inp16,
-                           const float* weight, const float* bias, int64_t N, int64_t K, int64_t OC,
-                           bool round_bf16) override;
-  void matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias, const float* dout,
-                                  const uint16_t* inp16, const float* weight, int64_t N, int64_t K,
-                                  int64_t OC) override;
-  void matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias,
-                                             const ActivationSource& src, const uint16_t* inp16,
-                                             const float* weight, int64_t K) override;
-  void attention_forward_bf16(float* out, uint16_t* out16, float* lse, const float* qkv,
-                              const uint16_t* qkv16, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                              int64_t HD, bool round_bf16) override;
-  void attention_backward_bf16(float* dqkv, uint16_t* dqkv16, const float* dout,
-                               const uint16_t* dout16, const float* qkv, const uint16_t* qkv16,
-                               const float* out, const uint16_t* out16, const float* lse, int64_t B,
-                               int64_t T, int64_t NH, int64_t NKV, int64_t HD,
-                               bool round_bf16) override;
-  void matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias,
-                            const float* dout, const uint16_t* dout16, const ActivationSource* src,
-                            const float* inp, const uint16_t* inp16, const float* weight, int64_t N,
-                            int64_t K, int64_t OC) override;
-  void layernorm_backward_bits(float* dinp, float* dweight, float* dbias, const uint16_t* dout16,
-                               const float* inp, const float* weight, const float* mean,
-                               const float* rstd, int64_t N, int64_t C, bool round_bf16) override;
-  void rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16, const float* inp,
-                             const float* weight, const float* rstd, int64_t N, int64_t C,
-                             bool round_bf16) override;
-  void residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n,
-                             bool round_bf16) override;
-  void residual_layernorm_forward_bf16(float* res, uint16_t* out, float* mean, float* rstd,
-                                       const float* a, const uint16_t* b16, const float* weight,
-                                       const float* bias, int64_t N, int64_t C,
-                                       bool round_bf16) override;
-  void round_to_bf16(float* x, int64_t n) override;
-  void residual_forward(float* out, const float* a, const float* b, int64_t n,
-                        bool round_bf16) override;
-  void crossentropy_softmax_forward(float* losses, float* probs, const float* logits,
-                                    const int32_t* targets, int64_t N, int64_t V,
-                                    bool bf16_logits) override;
-  void crossentropy_softmax_backward(float* dlogits, const float* probs, const int32_t* targets,
-                                     const float* dlosses, int64_t N, int64_t V,
-                                     bool round_bf16) override;
-  void crossentropy_softmax_forward_backward(float* losses, float* dlogits, const float* logits,
-                                             const int32_t* targets, const float* dlosses,
-                                             int64_t N, int64_t V, bool round_bf16) override;
-  void crossentropy_softmax_forward_backward_bf16(float* losses, uint16_t* dlogits,
-                                                  const float* logits, const int32_t* targets,
-                                                  const float* dlosses, int64_t N,
-                                                  int64_t V) override;
-  void crossentropy_softmax_forward_backward_bits(float* losses, uint16_t* dlogits,
-                                                  const uint16_t* logits16, const int32_t* targets,
-                                                  const float* dlosses, int64_t N,
-                                                  int64_t V) override;
-  void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
-                    const AdamWStep& step) override;
-  void adamw_update_many(float* params, const float* grads, float* m, float* v,
-                         const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
-                         const std::vector<AdamWStep>& steps) override;
-  void adamw_update_many_bf16(float* params, uint16_t* params16, const float* grads, float* m,
-                              float* v, const std::vector<int64_t>& offsets,
-                              const std::vector<int64_t>& counts,
-                              const std::vector<AdamWStep>& steps) override;
-  double sum_squares(const float* x, int64_t n) override;
-  void sum_squares_many(const float* base, const std::vector<int64_t>& offsets,
-                        const std::vector<int64_t>& counts, double* sums) override;
-
-  // Device memory in use now (total - free, all processes), for the trainer's peak report.
-  int64_t device_memory_used() const override;
-  bool supports_attention_head_dim(int64_t hd) const override {
-    return attention_head_dim_supported(hd);
-  }
+                           const TensorView& dbias) override;
 
   cudaStream_t stream() const { return stream_; }
 
@@ -247,22 +173,29 @@ class CudaBackend final : public Backend {
   struct LayersState;
   std::shared_ptr<LayersState> layers_;  // created on first use
   LayersState& layers_state();
+  // adamw_update's launch(es) (gpu/optim.cu); p16 null: no BF16 bits
   void adamw_many(float* params, uint16_t* p16, const float* grads, float* m, float* v,
-                  const std::vector<int64_t>& offsets, const std::vector<int64_t>& counts,
-                  const std::vector<AdamWStep>& steps);
-  // matmul_backward's two GEMMs from dy, dout as the GEMMs read it (gpu/matmul.cu); inp16: the
-  // input as BF16 bits instead of inp (BF16 precision)
-  void matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const float* inp,
-                             const float* weight, int64_t N, int64_t K, int64_t OC,
-                             emu::GemmPrecision prec, const uint16_t* inp16 = nullptr);
-  // set_bf16_weight_shadow's range, and a weight's GEMM operand through it (gpu/matmul.cu)
-  const float* shadow_base_ = nullptr;
-  const uint16_t* shadow_ = nullptr;
-  int64_t shadow_n_ = 0;
-  const void* weight_operand(DeviceScratch& scratch, const float* weight, int64_t count,
-                             emu::GemmPrecision prec);
-  // GELU's backward pass as the BF16 GEMMs' operand, with dbias's chunk sums (gpu/matmul.cu)
-  const uint16_t* gelu_backward_operand(const ActivationSource& src, float* dbias);
+                  const std::vector<Segment>& segments, const std::vector<AdamWStep>& steps);
+  // The matmul family's parts (gpu/matmul.cu): a weight's BF16 GEMM operand (its bits where the
+  // view is BF16, else rounded into scratch); matmul_forward and matmul_backward with BF16 views
+  // (x16: a BF16 operand made by the caller, in place of inp; src: GELU's fusable backward pass, in
+  // place of dout); the two backward GEMMs from dy as the GEMMs read it; GELU's backward pass as
+  // the BF16 GEMMs' operand with dbias's chunk sums; dbias += dout's column sums.
+  const void* weight_operand(DeviceScratch& scratch, const TensorView& w, GemmPrecision prec);
+  void matmul_forward_bits(const TensorView& out, const TensorView& inp, const uint16_t* x16,
+                           const TensorView& weight, const TensorView& bias);
+  void matmul_backward_bits(const TensorView& dinp, const TensorView& dweight,
+                            const TensorView& dbias, const TensorView& dout,
+                            const ActivationArgs* src, const TensorView& inp,
+                            const TensorView& weight);
+  void matmul_backward_gemms(float* dinp, float* dweight, const void* dy, const TensorView& inp,
+                             const TensorView& weight, int64_t N, int64_t K, int64_t OC,
+                             GemmPrecision prec);
+  const uint16_t* gelu_backward_operand(const ActivationArgs& src, float* dbias);
+  void bias_backward_launch(float* dbias, const float* dout, int64_t N, int64_t OC);
+  // dst (n) = the BF16 bits of src; x (n) rounded to BF16 in place (gpu/elementwise.cu)
+  void narrow_to_bf16(uint16_t* dst, const float* src, int64_t n);
+  void round_to_bf16(float* x, int64_t n);
   void
   init_device();  // the constructor's part after the stream exists (pool, capability, workspace)
 };
@@ -412,7 +345,7 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
 // The same tile pass over an activation op's output computed on the way in (src's GELU forward or
 // backward, gpu/activation.cuh), never stored: the bits of running the op, then
 // fp8_quantize_launch on its dense F32 output. column_partial: as above, over the op's output.
-void fp8_quantize_activation_launch(const ActivationSource& src, const QuantizeConfig& cfg,
+void fp8_quantize_activation_launch(const ActivationArgs& src, const QuantizeConfig& cfg,
                                     QuantizedView* rowwise, QuantizedView* columnwise,
                                     cudaStream_t stream, unsigned* amax_ws,
                                     float* column_partial = nullptr);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "emu/op_checks.hpp"
 #include "gpu/activation.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
@@ -212,97 +213,97 @@ void CudaBackend::narrow_to_bf16(uint16_t* dst, const float* src, int64_t n) {
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::widen_bf16(float* dst, const uint16_t* src, int64_t n) {
-  if (n <= 0) return;
-  bf16_to_f32_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dst, src, n);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-void CudaBackend::rope_forward(float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                               int64_t HD) {
-  require_heads("rope_forward", NH, NKV, HD);
-  const int64_t total = B * T * (NH + NKV) * (HD / 2);
-  if (total == 0) return;
-  const float* tab = rope_table(layers_state().rope, T, HD, stream_);
-  rope_kernel<<<elementwise_grid(total), kThreads, 0, stream_>>>(qkv, tab, B, T, NH, NKV, HD, 1.0f);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-void CudaBackend::rope_backward(float* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                                int64_t HD) {
-  require_heads("rope_backward", NH, NKV, HD);
-  const int64_t total = B * T * (NH + NKV) * (HD / 2);
-  if (total == 0) return;
-  const float* tab = rope_table(layers_state().rope, T, HD, stream_);
-  rope_kernel<<<elementwise_grid(total), kThreads, 0, stream_>>>(dqkv, tab, B, T, NH, NKV, HD,
-                                                                 -1.0f);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-void CudaBackend::gelu_forward(float* out, const float* inp, int64_t n, bool round_bf16) {
-  if (n == 0) return;
-  gelu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, inp, n, round_bf16);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
-                                bool round_bf16, bool bf16_dout) {
-  if (n == 0) return;
-  gelu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dinp, inp, dout, n,
-                                                                      round_bf16, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-void CudaBackend::squared_relu_forward(float* out, const float* inp, int64_t n, bool round_bf16) {
-  if (n == 0) return;
-  squared_relu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out, inp, n,
-                                                                             round_bf16);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-void CudaBackend::squared_relu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
-                                        bool round_bf16, bool bf16_dout) {
-  if (n == 0) return;
-  squared_relu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(
-      dinp, inp, dout, n, round_bf16, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-void CudaBackend::swiglu_forward(float* out, const float* inp, int64_t N, int64_t F,
-                                 bool round_bf16) {
-  if (N * F == 0) return;
-  swiglu_forward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(out, inp, N, F,
-                                                                           round_bf16);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
-void CudaBackend::swiglu_backward(float* dinp, const float* inp, const float* dout, int64_t N,
-                                  int64_t F, bool round_bf16, bool bf16_dout) {
-  if (N * F == 0) return;
-  swiglu_backward_kernel<<<elementwise_grid(N * F), kThreads, 0, stream_>>>(dinp, inp, dout, N, F,
-                                                                            round_bf16, bf16_dout);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-}
-
 void CudaBackend::round_to_bf16(float* x, int64_t n) {
   if (n == 0) return;
   round_to_bf16_inplace_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(x, n);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::residual_forward(float* out, const float* a, const float* b, int64_t n,
-                                   bool round_bf16) {
+void CudaBackend::convert(const TensorView& dst, const TensorView& src) {
+  op_checks::convert(dst, src);
+  const int64_t n = src.numel();
   if (n == 0) return;
-  residual_forward_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(out, a, b, n,
-                                                                                   round_bf16);
+  if (src.dtype == DType::BF16) {  // widen
+    bf16_to_f32_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dst.as<float>(),
+                                                                      src.as<const uint16_t>(), n);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  } else if (dst.dtype == DType::BF16) {
+    narrow_to_bf16(dst.as<uint16_t>(), src.as<const float>(), n);
+  } else {  // float32 holding BF16 values
+    if (dst.data != src.data)
+      FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, static_cast<size_t>(n) * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream_));
+    round_to_bf16(dst.as<float>(), n);
+  }
+}
+
+namespace {
+void rope_launch(const char* op, RopeTable& table, const TensorView& qkv, const AttentionShape& s,
+                 float sign, cudaStream_t stream) {
+  op_checks::rope(op, qkv, s);
+  require_heads(op, s.NH, s.NKV, s.HD);
+  const int64_t total = s.B * s.T * (s.NH + s.NKV) * (s.HD / 2);
+  if (total == 0) return;
+  const float* tab = rope_table(table, s.T, s.HD, stream);
+  rope_kernel<<<elementwise_grid(total), kThreads, 0, stream>>>(qkv.as<float>(), tab, s.B, s.T,
+                                                                s.NH, s.NKV, s.HD, sign);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void CudaBackend::rope_forward(const TensorView& qkv, const AttentionShape& s) {
+  rope_launch("rope_forward", layers_state().rope, qkv, s, 1.0f, stream_);
+}
+
+void CudaBackend::rope_backward(const TensorView& dqkv, const AttentionShape& s) {
+  rope_launch("rope_backward", layers_state().rope, dqkv, s, -1.0f, stream_);
+}
+
+void CudaBackend::activation_forward(Activation act, const TensorView& out, const TensorView& inp) {
+  op_checks::activation_forward(act, out, inp);
+  const int64_t N = out.rows, F = out.cols, n = N * F;
+  if (n == 0) return;
+  float* y = out.as<float>();
+  const float* x = inp.as<const float>();
+  const bool rb = out.bf16_values;
+  if (act == Activation::GeluTanh)
+    gelu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(y, x, n, rb);
+  else if (act == Activation::SquaredRelu)
+    squared_relu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(y, x, n, rb);
+  else
+    swiglu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(y, x, N, F, rb);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::residual_forward_bf16(float* out, const float* a, const uint16_t* b16, int64_t n,
-                                        bool round_bf16) {
+void CudaBackend::activation_backward(Activation act, const TensorView& dinp, const TensorView& inp,
+                                      const TensorView& dout) {
+  op_checks::activation_backward(act, dinp, inp, dout);
+  const int64_t N = dout.rows, F = dout.cols, n = N * F;
   if (n == 0) return;
-  residual_forward_bf16_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(
-      out, a, b16, n, round_bf16);
+  float* dx = dinp.as<float>();
+  const float *x = inp.as<const float>(), *dy = dout.as<const float>();
+  const bool rb = dinp.bf16_values, bd = dout.bf16_values;
+  if (act == Activation::GeluTanh)
+    gelu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dx, x, dy, n, rb, bd);
+  else if (act == Activation::SquaredRelu)
+    squared_relu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dx, x, dy, n, rb,
+                                                                                bd);
+  else
+    swiglu_backward_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(dx, x, dy, N, F, rb, bd);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::residual_forward(const TensorView& out, const TensorView& a,
+                                   const TensorView& b) {
+  op_checks::residual_forward(out, a, b);
+  const int64_t n = a.numel();
+  if (n == 0) return;
+  if (b.dtype == DType::BF16)
+    residual_forward_bf16_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(
+        out.as<float>(), a.as<const float>(), b.as<const uint16_t>(), n, out.bf16_values);
+  else
+    residual_forward_kernel<<<elementwise_grid((n + 3) / 4), kThreads, 0, stream_>>>(
+        out.as<float>(), a.as<const float>(), b.as<const float>(), n, out.bf16_values);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
 
+#include "emu/op_checks.hpp"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/layers_state.hpp"
@@ -53,19 +54,28 @@ __global__ void embedding_scatter_kernel(float* dtable, const float* dout,
 
 }  // namespace
 
-void CudaBackend::embedding_forward(float* out, const int32_t* tokens, const int32_t* pos,
-                                    const float* wte, const float* wpe, int64_t N, int64_t C) {
+void CudaBackend::embedding_forward(const TensorView& out, const TensorView& tokens,
+                                    const TensorView& pos, const TensorView& wte,
+                                    const TensorView& wpe) {
+  op_checks::embedding_forward(out, tokens, pos, wte, wpe);
+  const int64_t N = out.rows, C = out.cols;
   if (N * C == 0) return;
-  embedding_forward_kernel<<<elementwise_grid(N * C), kThreads, 0, stream_>>>(out, tokens, pos, wte,
-                                                                              wpe, N, C);
+  embedding_forward_kernel<<<elementwise_grid(N * C), kThreads, 0, stream_>>>(
+      out.as<float>(), tokens.as<const int32_t>(), pos.as<const int32_t>(), wte.as<const float>(),
+      wpe.as<const float>(), N, C);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 // Bitwise: rows are sorted stably by id (CUB radix sort: deterministic), then each table row adds
 // its dout rows in increasing n (embedding_scatter_kernel).
-void CudaBackend::embedding_backward(float* dwte, float* dwpe, const float* dout,
-                                     const int32_t* tokens, const int32_t* pos, int64_t N,
-                                     int64_t C) {
+void CudaBackend::embedding_backward(const TensorView& dwte_v, const TensorView& dwpe_v,
+                                     const TensorView& dout_v, const TensorView& tokens_v,
+                                     const TensorView& pos_v) {
+  op_checks::embedding_backward(dwte_v, dwpe_v, dout_v, tokens_v, pos_v);
+  const int64_t N = dout_v.rows, C = dout_v.cols;
+  float *dwte = dwte_v.as<float>(), *dwpe = dwpe_v.as<float>();
+  const float* dout = dout_v.as<const float>();
+  const int32_t *tokens = tokens_v.as<const int32_t>(), *pos = pos_v.as<const int32_t>();
   require_rows("embedding_backward", N);
   if (N * C == 0) return;
   LayersState& st = layers_state();

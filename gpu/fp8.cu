@@ -550,7 +550,7 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-void fp8_quantize_activation_launch(const ActivationSource& src, const QuantizeConfig& cfg,
+void fp8_quantize_activation_launch(const ActivationArgs& src, const QuantizeConfig& cfg,
                                     QuantizedView* rowwise, QuantizedView* columnwise,
                                     cudaStream_t stream, unsigned* amax_ws, float* column_partial) {
   if (!amax_ws) throw std::logic_error("fp8_quantize_activation_launch: no amax workspace");

@@ -87,6 +87,7 @@ struct CudaBackend::LayersState {
       f32_dout;  // matmul_backward_bf16_dout's dout widened, FP32 GEMMs only (kept, as
                  // the others; no training configuration pairs BF16 activations with them)
   training_ops::DeviceScratch bias16;   // a bias's BF16 bits for the BF16-output epilogue
+  training_ops::DeviceScratch bias32;   // a BF16 bias view's values widened, for the bias passes
   training_ops::DeviceScratch columns;  // partial column sums
   training_ops::DeviceScratch
       att_dsum;  // attention backward rowsum(dO*O), then lse*log2(e): 2 x (B,NH,T)
@@ -97,7 +98,7 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
   training_ops::DeviceScratch sums;         // sum_squares partials and results
   training_ops::DeviceScratch segments;     // sum_squares (offset, count) pairs
-  training_ops::DeviceScratch adamw_items;  // adamw_update_many's work items (AdamWItem)
+  training_ops::DeviceScratch adamw_items;  // adamw_update's work items (AdamWItem)
   std::vector<int64_t> adamw_key;           // the (offset, count, step index) they were made for
   int64_t adamw_item_count = 0;
   training_ops::RopeTable rope;

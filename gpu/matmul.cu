@@ -21,6 +21,8 @@
 #include <utility>
 
 #include "emu/formats.hpp"
+#include "emu/fused.hpp"
+#include "emu/op_checks.hpp"
 #include "gpu/activation.cuh"
 #include "gpu/column_sums.cuh"
 #include "gpu/cuda_backend.hpp"
@@ -493,40 +495,137 @@ const uint16_t* bf16_operand_with_bias_grad(DeviceScratch* operand, DeviceScratc
 
 }  // namespace
 
+// The matmul ops on views. A weight or bias view is float32 (rounded to BF16 into a scratch for a
+// BF16 GEMM) or BF16 bits (the model's BF16 weight shadow: read as they are).
+const void* CudaBackend::weight_operand(DeviceScratch& scratch, const TensorView& w,
+                                        GemmPrecision prec) {
+  if (w.dtype == DType::BF16) {
+    ++g_weight_shadow_reads;
+    return w.data;
+  }
+  return gemm_operand(scratch, w.as<const float>(), w.numel(), prec, stream_);
+}
+
+namespace {
+// A bias view's float32 values (the bias passes read float32): the view's own, or its BF16 bits
+// widened (exactly) into `scratch`.
+const float* bias_values(DeviceScratch& scratch, const TensorView& b, cudaStream_t stream) {
+  if (!b.present() || b.dtype == DType::F32) return b.as<const float>();
+  float* w = scratch.get<float>(static_cast<size_t>(b.numel()), stream);
+  bf16_to_f32_kernel<<<elementwise_grid(b.numel()), kThreads, 0, stream>>>(
+      w, b.as<const uint16_t>(), b.numel());
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  return w;
+}
+bool any_bf16(std::initializer_list<const TensorView*> views) {
+  for (const TensorView* v : views)
+    if (v->dtype == DType::BF16) return true;
+  return false;
+}
+}  // namespace
+
 // out (N,OC) = inp (N,K) W (OC,K)^T, then + bias. Row-major out is col-major out^T (OC x N) =
-// W (op T of the col-major (K x OC) view) * inp^T (the col-major (K x N) view). The BF16 rounding
-// of the output rides on the bias pass (one pass instead of two), or has its own without a bias.
-void CudaBackend::matmul_forward(float* out, const float* inp, const float* weight,
-                                 const float* bias, int64_t N, int64_t K, int64_t OC,
-                                 emu::GemmPrecision prec, bool round_bf16) {
+// W (op T of the col-major (K x OC) view) * inp^T (the col-major (K x N) view). Float32 views: the
+// BF16 rounding of the output rides on the bias pass (one pass instead of two), or has its own
+// without a bias. Any BF16 view: matmul_forward_bits.
+void CudaBackend::matmul_forward(const TensorView& out, const TensorView& inp,
+                                 const TensorView& weight, const TensorView& bias,
+                                 GemmPrecision prec) {
+  op_checks::matmul_forward(out, inp, weight, bias, prec);
+  if (any_bf16({&out, &inp, &weight, &bias})) {
+    matmul_forward_bits(out, inp, nullptr, weight, bias);
+    return;
+  }
+  const int64_t N = inp.rows, K = inp.cols, OC = weight.rows;
   if (N == 0 || OC == 0) return;
+  float* y = out.as<float>();
   if (K == 0) {
-    FP4SIM_CUDA_CHECK(
-        cudaMemsetAsync(out, 0, static_cast<size_t>(N * OC) * sizeof(float), stream_));
+    FP4SIM_CUDA_CHECK(cudaMemsetAsync(y, 0, static_cast<size_t>(N * OC) * sizeof(float), stream_));
   } else {
     LayersState& st = layers_state();
-    const bool bf16 = prec == emu::GemmPrecision::BF16;
-    const void* w = weight_operand(st.bf16_a, weight, OC * K, prec);
-    const void* x = gemm_operand(st.bf16_b, inp, N * K, prec, stream_);
-    lt_matmul(st.lt, bf16, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out, 0.0f,
+    const bool bf16 = prec == GemmPrecision::BF16;
+    const void* w = weight_operand(st.bf16_a, weight, prec);
+    const void* x = gemm_operand(st.bf16_b, inp.as<const float>(), N * K, prec, stream_);
+    lt_matmul(st.lt, bf16, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, y, 0.0f,
               stream_);
   }
-  if (bias) {
-    add_bias(out, bias, N, OC, round_bf16, stream_);
-  } else if (round_bf16) {
-    round_to_bf16(out, N * OC);
+  if (bias.present()) {
+    add_bias(y, bias.as<const float>(), N, OC, out.bf16_values, stream_);
+  } else if (out.bf16_values) {
+    round_to_bf16(y, N * OC);
   }
+}
+
+// The BF16-precision matmul_forward with BF16 views: the GEMM on the BF16 input bits as they are
+// (or x16: a BF16 operand made by the caller); a BF16 output written by cuBLASLt's epilogue, the
+// bias added there as BF16 bits (RNE(fl32(acc + bf16(bias))): the bits of add_bias_bf16; a BF16
+// bias view read as it is where 16-byte aligned, else narrowed into a scratch), where it lists an
+// algorithm for that; else (or with the knob off) the float32 GEMM and one add_bias_bf16 /
+// narrowing pass.
+void CudaBackend::matmul_forward_bits(const TensorView& out, const TensorView& inp,
+                                      const uint16_t* x16, const TensorView& weight,
+                                      const TensorView& bias) {
+  const int64_t N = out.rows, K = weight.cols, OC = weight.rows;
+  if (N == 0 || OC == 0) return;
+  LayersState& st = layers_state();
+  const bool bits_out = out.dtype == DType::BF16;
+  uint16_t* const out16 = bits_out ? out.as<uint16_t>() : nullptr;
+  if (K == 0) {  // (an empty sum: zeros plus bias)
+    float* y =
+        bits_out ? st.f32_out.get<float>(static_cast<size_t>(N * OC), stream_) : out.as<float>();
+    FP4SIM_CUDA_CHECK(cudaMemsetAsync(y, 0, static_cast<size_t>(N * OC) * sizeof(float), stream_));
+    const TensorView yv = view_of(y, DType::F32, N, OC, Device::Cuda, out.name);
+    if (bias.present())
+      bias_forward(out, yv, bias);
+    else if (out.bf16_storage())
+      convert(out, yv);
+    return;
+  }
+  const GemmPrecision prec = GemmPrecision::BF16;
+  const void* w = weight_operand(st.bf16_a, weight, prec);
+  const void* x = x16 ? static_cast<const void*>(x16)
+                  : inp.dtype == DType::BF16
+                      ? inp.data
+                      : gemm_operand(st.bf16_b, inp.as<const float>(), N * K, prec, stream_);
+  if (bits_out && g_matmul_bf16_epilogue) {
+    const void* b16 = nullptr;
+    if (bias.present()) {
+      b16 = bias.dtype == DType::BF16 ? bias.data : weight_operand(st.bias16, bias, prec);
+      if (!aligned16(b16))
+        b16 = gemm_operand(st.bias16, bias_values(st.bias32, bias, stream_), OC, prec, stream_);
+    }
+    if (lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out16, 0.0f,
+                  stream_,
+                  /*d_bf16=*/true, b16)) {
+      ++g_matmul_bf16_epilogue_calls;
+      return;
+    }
+  }
+  float* y =
+      bits_out ? st.f32_out.get<float>(static_cast<size_t>(N * OC), stream_) : out.as<float>();
+  lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, y, 0.0f, stream_);
+  const float* b = bias_values(st.bias32, bias, stream_);
+  if (bits_out && b)
+    add_bias_bf16(out16, y, b, N, OC, stream_);
+  else if (bits_out)
+    narrow_to_bf16(out16, y, N * OC);
+  else if (b)
+    add_bias(y, b, N, OC, out.bf16_values, stream_);
+  else if (out.bf16_values)
+    round_to_bf16(y, N * OC);
 }
 
 // The matmul backward passes' cases without a GEMM: nothing to do for N = 0; for OC = 0 an empty
 // sum, dinp written as zeros (the emulator's empty chain) and the rest unchanged. True when the
 // caller has nothing left to do.
 namespace {
-bool matmul_backward_empty(float* dinp, int64_t N, int64_t K, int64_t OC, cudaStream_t stream) {
+bool matmul_backward_empty(const TensorView& dinp, int64_t N, int64_t K, int64_t OC,
+                           cudaStream_t stream) {
   if (N == 0) return true;
   if (OC != 0) return false;
-  if (dinp && K > 0)
-    FP4SIM_CUDA_CHECK(cudaMemsetAsync(dinp, 0, static_cast<size_t>(N * K) * sizeof(float), stream));
+  if (dinp.present() && K > 0)
+    FP4SIM_CUDA_CHECK(
+        cudaMemsetAsync(dinp.data, 0, static_cast<size_t>(N * K) * dtype_size(dinp.dtype), stream));
   return true;
 }
 }  // namespace
@@ -536,77 +635,82 @@ bool matmul_backward_empty(float* dinp, int64_t N, int64_t K, int64_t OC, cudaSt
 // dweight (OC,K) += dout^T inp: col-major dweight^T (K x OC) = inp^T (the (K x N) view, op N) *
 // dout (op T of the (OC x N) view), beta = 1.
 // dbias (OC) += column sums of dout (64-row chunks from +0, summed in order; then one addition).
-void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                                  const float* inp, const float* weight, int64_t N, int64_t K,
-                                  int64_t OC, emu::GemmPrecision prec) {
+// Float32 views; any BF16 view: matmul_backward_bits (BF16 precision) or, at FP32 precision, a
+// BF16 dout widened first (exact).
+void CudaBackend::matmul_backward(const TensorView& dinp, const TensorView& dweight,
+                                  const TensorView& dbias, const TensorView& dout,
+                                  const TensorView& inp, const TensorView& weight,
+                                  GemmPrecision prec) {
+  op_checks::matmul_backward(dinp, dweight, dbias, dout, inp, weight, prec);
+  const int64_t N = dout.rows, K = weight.cols, OC = dout.cols;
+  if (prec == GemmPrecision::BF16 && any_bf16({&dinp, &dout, &inp, &weight})) {
+    matmul_backward_bits(dinp, dweight, dbias, dout, nullptr, inp, weight);
+    return;
+  }
   if (matmul_backward_empty(dinp, N, K, OC, stream_)) return;
   LayersState& st = layers_state();
-  if (dbias && K > 0 && prec == emu::GemmPrecision::BF16 && OC % 2 == 0 && pair_aligned(dout)) {
+  const float* dy = dout.as<const float>();
+  if (dout.dtype == DType::BF16) {  // (FP32 precision: widened, exactly)
+    float* wide = st.f32_dout.get<float>(static_cast<size_t>(N * OC), stream_);
+    bf16_to_f32_kernel<<<elementwise_grid(N * OC), kThreads, 0, stream_>>>(
+        wide, dout.as<const uint16_t>(), N * OC);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    dy = wide;
+  }
+  float* const db = dbias.as<float>();
+  if (db && K > 0 && prec == GemmPrecision::BF16 && OC % 2 == 0 && pair_aligned(dy)) {
     // dout's BF16 copy and the bias gradient's chunk sums from one read of dout
-    const uint16_t* h = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout},
-                                                    dbias, N, OC, stream_);
-    matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
+    const uint16_t* h =
+        bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dy}, db, N, OC, stream_);
+    matmul_backward_gemms(dinp.as<float>(), dweight.as<float>(), h, inp, weight, N, K, OC, prec);
     ++g_fused_matmul_bias;
     return;
   }
   if (K > 0)
-    matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_), inp,
-                          weight, N, K, OC, prec);
-  if (dbias) bias_backward(dbias, dout, N, OC);
+    matmul_backward_gemms(dinp.as<float>(), dweight.as<float>(),
+                          gemm_operand(st.bf16_a, dy, N * OC, prec, stream_), inp, weight, N, K, OC,
+                          prec);
+  if (db) bias_backward_launch(db, dy, N, OC);
 }
 
-// matmul_backward's two GEMMs from dy, dout as the GEMMs read it (BF16 bits, or FP32 at FP32
-// precision): the Dgrad writes dinp (if any), the Wgrad adds into dweight (if any); K > 0.
+// matmul_backward's two GEMMs from dy, dout as the GEMMs read it (BF16 bits, or float32 at FP32
+// precision): the Dgrad writes dinp (if any), the Wgrad adds into dweight (if any); K > 0. inp:
+// float32 (rounded into a scratch at BF16 precision) or BF16 bits.
 void CudaBackend::matmul_backward_gemms(float* dinp, float* dweight, const void* dy,
-                                        const float* inp, const float* weight, int64_t N, int64_t K,
-                                        int64_t OC, emu::GemmPrecision prec,
-                                        const uint16_t* inp16) {
+                                        const TensorView& inp, const TensorView& weight, int64_t N,
+                                        int64_t K, int64_t OC, GemmPrecision prec) {
   LayersState& st = layers_state();
-  const bool bf16 = prec == emu::GemmPrecision::BF16;
-  const void* w = dinp ? weight_operand(st.bf16_b, weight, OC * K, prec) : nullptr;
+  const bool bf16 = prec == GemmPrecision::BF16;
+  const void* w = dinp ? weight_operand(st.bf16_b, weight, prec) : nullptr;
   const void* x = !dweight ? nullptr
-                  : inp16  ? static_cast<const void*>(inp16)
-                           : gemm_operand(st.bf16_c, inp, N * K, prec, stream_);
+                  : inp.dtype == DType::BF16
+                      ? inp.data
+                      : gemm_operand(st.bf16_c, inp.as<const float>(), N * K, prec, stream_);
   if (dinp) lt_matmul(st.lt, bf16, false, false, K, N, OC, w, K, dy, OC, dinp, 0.0f, stream_);
   if (dweight) lt_matmul(st.lt, bf16, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
 }
 
-// matmul_backward (no dbias) with dout in BF16 bits: at BF16 precision the GEMMs read it as it is;
-// at FP32 precision it is widened first (exact).
-void CudaBackend::matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout,
-                                            const float* inp, const float* weight, int64_t N,
-                                            int64_t K, int64_t OC, emu::GemmPrecision prec) {
-  if (matmul_backward_empty(dinp, N, K, OC, stream_) || K == 0) return;
-  const void* dy = dout;
-  if (prec == emu::GemmPrecision::FP32) {
-    float* wide = layers_state().f32_dout.get<float>(static_cast<size_t>(N * OC),
-                                                     stream_);  // (FP32 GEMMs only)
-    bf16_to_f32_kernel<<<elementwise_grid(N * OC), kThreads, 0, stream_>>>(wide, dout, N * OC);
-    FP4SIM_CUDA_CHECK_LAUNCH();
-    dy = wide;
-  }
-  matmul_backward_gemms(dinp, dweight, dy, inp, weight, N, K, OC, prec);
-}
-
 // BF16 precision: GELU's pass also writes the GEMM's BF16 operand (out's bits are the op's, src.out
-// is written as gelu_forward would); then the matmul as matmul_forward. Else Backend's composition.
-void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16,
-                                            const ActivationSource& src, const float* weight,
-                                            const float* bias, int64_t OC, emu::GemmPrecision prec,
-                                            bool round_bf16) {
-  const int64_t N = src.rows, K = src.cols;
-  if (!g_activation_fusion || prec != emu::GemmPrecision::BF16 ||
-      src.op != ActivationOp::GeluForward || N == 0 || K == 0 || OC == 0) {
-    Backend::matmul_forward_activation(out, out16, src, weight, bias, OC, prec, round_bf16);
+// is written as activation_forward would, or is itself the operand when it is BF16 bits); then
+// the matmul as matmul_forward. Else the composition.
+void CudaBackend::matmul_forward_activation(const TensorView& out, const ActivationSource& src,
+                                            const TensorView& weight, const TensorView& bias,
+                                            GemmPrecision prec) {
+  op_checks::activation_source("matmul_forward_activation", src);
+  const int64_t N = src.rows(), K = src.cols(), OC = weight.rows;
+  if (!g_activation_fusion || prec != GemmPrecision::BF16 || src.op != ActivationOp::GeluForward ||
+      N == 0 || K == 0 || OC == 0) {
+    compose_matmul_forward_activation(*this, out, src, weight, bias, prec);
     return;
   }
+  op_checks::matmul_forward(out, as_stored(src.out), weight, bias, prec);
+  const ActivationArgs a = activation_args(src);
   LayersState& st = layers_state();
-  // (src.out16: the operand is the activation's BF16 storage itself, src.out unwritten)
-  uint16_t* x =
-      src.out16 ? src.out16 : st.bf16_b.get<uint16_t>(static_cast<size_t>(N * K), stream_);
-  float* const act = src.out16 ? nullptr : src.out;
-  const bool rb = src.out16 ? true : src.round_bf16;
-  if (src.inp16 && !act) {  // (BF16 in, BF16 bits out: the table, made on first use)
+  // (a.out16: the operand is the activation's BF16 storage itself, src.out unwritten)
+  uint16_t* x = a.out16 ? a.out16 : st.bf16_b.get<uint16_t>(static_cast<size_t>(N * K), stream_);
+  float* const act = a.out16 ? nullptr : a.out;
+  const bool rb = a.out16 ? true : a.round_bf16;
+  if (a.inp16 && !act) {  // (BF16 in, BF16 bits out: the table, made on first use)
     if (st.gelu_lut_ctas == 0) {
       gelu_bf16_table_kernel<<<kGeluLutEntries / kThreads, kThreads, 0, stream_>>>(
           st.gelu_lut.get<uint16_t>(kGeluLutEntries, stream_));
@@ -619,43 +723,42 @@ void CudaBackend::matmul_forward_activation(float* out, uint16_t* out16,
       FP4SIM_CUDA_CHECK(
           cudaDeviceGetAttribute(&st.gelu_lut_ctas, cudaDevAttrMultiProcessorCount, device));
     }
-    const bool vec = aligned16(x) && aligned16(src.inp16);
+    const bool vec = aligned16(x) && aligned16(a.inp16);
     gelu_forward_bf16_lut_kernel<<<static_cast<unsigned>(st.gelu_lut_ctas), kGeluLutThreads,
                                    kGeluLutEntries * 2, stream_>>>(
-        x, src.inp16, st.gelu_lut.get<uint16_t>(kGeluLutEntries, stream_), N * K, vec);
-  } else if (src.inp16)
+        x, a.inp16, st.gelu_lut.get<uint16_t>(kGeluLutEntries, stream_), N * K, vec);
+  } else if (a.inp16)
     gelu_forward_bf16_copy_kernel<<<elementwise_grid((N * K + 3) / 4), kThreads, 0, stream_>>>(
-        act, x, src.inp16, N * K, rb, gelu_copy_vectorized(act, x, src.inp16));
+        act, x, a.inp16, N * K, rb, gelu_copy_vectorized(act, x, a.inp16));
   else
     gelu_forward_bf16_copy_kernel<<<elementwise_grid((N * K + 3) / 4), kThreads, 0, stream_>>>(
-        act, x, src.inp, N * K, rb, gelu_copy_vectorized(act, x, src.inp));
+        act, x, a.inp, N * K, rb, gelu_copy_vectorized(act, x, a.inp));
   FP4SIM_CUDA_CHECK_LAUNCH();
-  matmul_forward_bf16(out, out16, nullptr, x, weight, bias, N, K, OC,
-                      round_bf16);  // (x: not st.bf16_b's user there)
+  matmul_forward_bits(out, TensorView{}, x, weight, bias);  // (x: not st.bf16_b's user there)
   ++g_fused_activation_matmul;
 }
 
 // BF16 precision with a bias (matmul_backward's fused case): the GEMMs' BF16 operand and the bias
-// gradient's chunk sums computed from GELU's backward pass, src.out never written. Else Backend's
+// gradient's chunk sums computed from GELU's backward pass, src.out never written. Else the
 // composition.
 namespace {
-// Whether matmul_backward_activation(_bf16_input) takes GELU's gradient in the pass that makes the
-// GEMMs' operand: BF16 precision, a bias, the pairs' pointers aligned.
-bool gelu_backward_fusable(const ActivationSource& src, const float* dbias, int64_t K,
-                           emu::GemmPrecision prec) {
+// Whether matmul_backward_activation takes GELU's gradient in the pass that makes the GEMMs'
+// operand: BF16 precision, a bias, the pairs' pointers aligned.
+bool gelu_backward_fusable(const ActivationArgs& src, const float* dbias, int64_t K,
+                           GemmPrecision prec) {
   const int64_t N = src.rows, OC = src.cols;
   const uintptr_t inp_align = src.inp16 ? reinterpret_cast<uintptr_t>(src.inp16) % 4
                                         : reinterpret_cast<uintptr_t>(src.inp) % 8;
   const uintptr_t dout_align = src.dout16 ? reinterpret_cast<uintptr_t>(src.dout16) % 4
                                           : reinterpret_cast<uintptr_t>(src.dout) % 8;
-  return g_activation_fusion && dbias && prec == emu::GemmPrecision::BF16 &&
+  return g_activation_fusion && dbias && prec == GemmPrecision::BF16 &&
          src.op == ActivationOp::GeluBackward && N != 0 && K != 0 && OC != 0 && OC % 2 == 0 &&
          inp_align == 0 && dout_align == 0;
 }
 }  // namespace
 
 // The GEMMs' BF16 operand of GELU's backward pass and the bias gradient's sums (one pass).
-const uint16_t* CudaBackend::gelu_backward_operand(const ActivationSource& src, float* dbias) {
+const uint16_t* CudaBackend::gelu_backward_operand(const ActivationArgs& src, float* dbias) {
   LayersState& st = layers_state();
   auto make = [&](auto pair) {
     return bf16_operand_with_bias_grad(&st.bf16_a, st.columns, pair, dbias, src.rows, src.cols,
@@ -669,193 +772,114 @@ const uint16_t* CudaBackend::gelu_backward_operand(const ActivationSource& src, 
   return make(Bf16PairGeluBackward<float, float>{src.inp, src.dout, rb, bd});
 }
 
-void CudaBackend::matmul_backward_activation(float* dinp, float* dweight, float* dbias,
-                                             const ActivationSource& src, const float* inp,
-                                             const float* weight, int64_t K,
-                                             emu::GemmPrecision prec) {
-  const int64_t N = src.rows, OC = src.cols;
-  if (!gelu_backward_fusable(src, dbias, K, prec)) {
-    Backend::matmul_backward_activation(dinp, dweight, dbias, src, inp, weight, K, prec);
+void CudaBackend::matmul_backward_activation(const TensorView& dinp, const TensorView& dweight,
+                                             const TensorView& dbias, const ActivationSource& src,
+                                             const TensorView& inp, const TensorView& weight,
+                                             GemmPrecision prec) {
+  op_checks::activation_source("matmul_backward_activation", src);
+  const ActivationArgs a = activation_args(src);
+  if (!gelu_backward_fusable(a, dbias.as<float>(), weight.cols, prec)) {
+    compose_matmul_backward_activation(*this, dinp, dweight, dbias, src, inp, weight, prec);
     return;
   }
-  const uint16_t* h = gelu_backward_operand(src, dbias);
-  matmul_backward_gemms(dinp, dweight, h, inp, weight, N, K, OC, prec);
-  ++g_fused_activation_matmul;
+  op_checks::matmul_backward(dinp, dweight, dbias, as_stored(src.out), inp, weight, prec);
+  matmul_backward_bits(dinp, dweight, dbias, TensorView{}, &a, inp, weight);
 }
 
-void CudaBackend::set_bf16_weight_shadow(const float* base, const uint16_t* shadow, int64_t n) {
-  shadow_base_ = n > 0 ? base : nullptr;
-  shadow_ = n > 0 ? shadow : nullptr;
-  shadow_n_ = n > 0 ? n : 0;
-}
-
-// A weight's BF16 GEMM operand: its bits in the shadow where the whole weight lies in its range,
-// else rounded into `scratch` (gemm_operand).
-const void* CudaBackend::weight_operand(DeviceScratch& scratch, const float* weight, int64_t count,
-                                        emu::GemmPrecision prec) {
-  if (prec == emu::GemmPrecision::BF16 && shadow_ && weight >= shadow_base_ && count <= shadow_n_ &&
-      weight - shadow_base_ <= shadow_n_ - count) {
-    ++g_weight_shadow_reads;
-    return shadow_ + (weight - shadow_base_);
-  }
-  return gemm_operand(scratch, weight, count, prec, stream_);
-}
-
-void CudaBackend::bias_forward_bf16(uint16_t* out16, float* x, const float* bias, int64_t N,
-                                    int64_t OC) {
-  add_bias_bf16(out16, x, bias, N, OC, stream_);
-}
-
-// matmul_forward's GEMM on the BF16 input bits as they are; a BF16 output (out16) written by
-// cuBLASLt's epilogue, the bias added there as BF16 bits (RNE(fl32(acc + bf16(bias))): the bits of
-// add_bias_bf16; the bias's bits from the weight shadow where it covers them 16-byte aligned, else
-// narrowed into a scratch), where it lists an algorithm for that; else (or with the knob off) the
-// FP32 GEMM and one add_bias_bf16 / narrowing pass.
-void CudaBackend::matmul_forward_bf16(float* out, uint16_t* out16, const float* inp,
-                                      const uint16_t* inp16, const float* weight, const float* bias,
-                                      int64_t N, int64_t K, int64_t OC, bool round_bf16) {
-  require_one_of("matmul_forward_bf16", "out", out, out16);
-  require_one_of("matmul_forward_bf16", "inp", inp, inp16);
-  if (N == 0 || OC == 0) return;
-  if (K == 0) {  // (an empty sum: the composition's zeros plus bias)
-    Backend::matmul_forward_bf16(out, out16, inp, inp16, weight, bias, N, K, OC, round_bf16);
-    return;
-  }
-  LayersState& st = layers_state();
-  const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
-  const void* w = weight_operand(st.bf16_a, weight, OC * K, prec);
-  const void* x =
-      inp16 ? static_cast<const void*>(inp16) : gemm_operand(st.bf16_b, inp, N * K, prec, stream_);
-  if (out16 && g_matmul_bf16_epilogue) {
-    const void* b16 = nullptr;
-    if (bias) {
-      b16 = weight_operand(st.bias16, bias, OC, prec);
-      if (!aligned16(b16)) b16 = gemm_operand(st.bias16, bias, OC, prec, stream_);
-    }
-    if (lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out16, 0.0f,
-                  stream_,
-                  /*d_bf16=*/true, b16)) {
-      ++g_matmul_bf16_epilogue_calls;
-      return;
-    }
-  }
-  float* y = out16 ? st.f32_out.get<float>(static_cast<size_t>(N * OC), stream_) : out;
-  lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, y, 0.0f, stream_);
-  if (out16 && bias)
-    add_bias_bf16(out16, y, bias, N, OC, stream_);
-  else if (out16)
-    narrow_to_bf16(out16, y, N * OC);
-  else if (bias)
-    add_bias(y, bias, N, OC, round_bf16, stream_);
-  else if (round_bf16)
-    round_to_bf16(y, N * OC);
-}
-
-void CudaBackend::matmul_backward_bf16_input(float* dinp, float* dweight, float* dbias,
-                                             const float* dout, const uint16_t* inp16,
-                                             const float* weight, int64_t N, int64_t K,
-                                             int64_t OC) {
-  const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
+// The BF16 linear's backward pass with BF16 views: dy's BF16 operand (from GELU's backward pass
+// with the bias gradient's sums, or from dout with them, or converted), then the Dgrad into dinp,
+// or into BF16 bits as cuBLASLt's BF16 output (no bias: listed; the knob set_matmul_bf16_epilogue
+// off, or no algorithm: float32 then one narrowing pass), and the Wgrad from inp. src (instead of
+// dout): the fusable GELU backward pass.
+void CudaBackend::matmul_backward_bits(const TensorView& dinp, const TensorView& dweight,
+                                       const TensorView& dbias, const TensorView& dout,
+                                       const ActivationArgs* src, const TensorView& inp,
+                                       const TensorView& weight) {
+  const GemmPrecision prec = GemmPrecision::BF16;
+  const int64_t N = src ? src->rows : dout.rows, OC = src ? src->cols : dout.cols, K = weight.cols;
   if (matmul_backward_empty(dinp, N, K, OC, stream_)) return;
   LayersState& st = layers_state();
-  if (dbias && K > 0 && OC % 2 == 0 && pair_aligned(dout)) {
-    const uint16_t* h = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout},
-                                                    dbias, N, OC, stream_);
-    matmul_backward_gemms(dinp, dweight, h, nullptr, weight, N, K, OC, prec, inp16);
-    ++g_fused_matmul_bias;
+  const uint16_t* dout16 = dout.dtype == DType::BF16 ? dout.as<const uint16_t>() : nullptr;
+  const float* dout32 = dout.dtype == DType::F32 ? dout.as<const float>() : nullptr;
+  float* const db = dbias.as<float>();
+  // (dout16 with a bias: its column sums read pairs, 4-byte aligned; else, and for an empty K, it
+  // is widened for them)
+  if (dout16 && db && (K == 0 || !(OC % 2 == 0 && pair_aligned(dout16)))) {
+    float* wide = st.f32_dout.get<float>(static_cast<size_t>(N * OC), stream_);
+    bf16_to_f32_kernel<<<elementwise_grid(N * OC), kThreads, 0, stream_>>>(wide, dout16, N * OC);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    dout16 = nullptr;
+    dout32 = wide;
+  }
+  if (K == 0) {
+    if (db) bias_backward_launch(db, dout32, N, OC);
     return;
   }
-  if (K > 0)
-    matmul_backward_gemms(dinp, dweight, gemm_operand(st.bf16_a, dout, N * OC, prec, stream_),
-                          nullptr, weight, N, K, OC, prec, inp16);
-  if (dbias) bias_backward(dbias, dout, N, OC);
-}
-
-void CudaBackend::matmul_backward_activation_bf16_input(float* dinp, float* dweight, float* dbias,
-                                                        const ActivationSource& src,
-                                                        const uint16_t* inp16, const float* weight,
-                                                        int64_t K) {
-  const int64_t N = src.rows, OC = src.cols;
-  if (!gelu_backward_fusable(src, dbias, K, emu::GemmPrecision::BF16)) {
-    Backend::matmul_backward_activation_bf16_input(dinp, dweight, dbias, src, inp16, weight, K);
-    return;
-  }
-  const uint16_t* h = gelu_backward_operand(src, dbias);
-  matmul_backward_gemms(dinp, dweight, h, nullptr, weight, N, K, OC, emu::GemmPrecision::BF16,
-                        inp16);
-  ++g_fused_activation_matmul;
-}
-
-// The BF16 linear's backward pass: dy's BF16 operand (from GELU's backward pass with the bias
-// gradient's sums, or from dout with them, or converted), then the Dgrad into dinp, or into dinp16
-// as cuBLASLt's BF16 output (no bias: listed; the knob set_matmul_bf16_epilogue off, or no
-// algorithm: FP32 then one narrowing pass), and the Wgrad from inp or inp16.
-void CudaBackend::matmul_backward_bits(float* dinp, uint16_t* dinp16, float* dweight, float* dbias,
-                                       const float* dout, const uint16_t* dout16,
-                                       const ActivationSource* src, const float* inp,
-                                       const uint16_t* inp16, const float* weight, int64_t N,
-                                       int64_t K, int64_t OC) {
-  const emu::GemmPrecision prec = emu::GemmPrecision::BF16;
-  if (dinp && dinp16) throw std::logic_error("matmul_backward_bits: dinp and dinp16 both given");
-  if ((dout != nullptr) + (dout16 != nullptr) + (src != nullptr) != 1)
-    throw std::logic_error("matmul_backward_bits: exactly one of dout, dout16 and src");
-  if (src && (src->rows != N || src->cols != OC))
-    throw std::logic_error("matmul_backward_bits: the pending gradient's shape is not N x OC");
-  // (dout16 with a bias: its column sums read pairs, 4-byte aligned)
-  const bool bits_pairs = dout16 && OC % 2 == 0 && pair_aligned(dout16);
-  if (N == 0 || K == 0 || OC == 0 || (src && !gelu_backward_fusable(*src, dbias, K, prec)) ||
-      (dout16 && dbias && !bits_pairs)) {
-    Backend::matmul_backward_bits(dinp, dinp16, dweight, dbias, dout, dout16, src, inp, inp16,
-                                  weight, N, K, OC);
-    return;
-  }
-  LayersState& st = layers_state();
   const void* dy = nullptr;
   bool dbias_done = false;
   if (src) {
-    dy = gelu_backward_operand(*src, dbias);
+    dy = gelu_backward_operand(*src, db);
     dbias_done = true;
     ++g_fused_activation_matmul;
   } else if (dout16) {  // the operand as it is; dbias from its values, the sums of the FP32 path
     dy = dout16;
-    if (dbias)
-      bf16_operand_with_bias_grad(nullptr, st.columns, Bf16PairBits{dout16}, dbias, N, OC, stream_);
+    if (db)
+      bf16_operand_with_bias_grad(nullptr, st.columns, Bf16PairBits{dout16}, db, N, OC, stream_);
     dbias_done = true;
-  } else if (dbias && OC % 2 == 0 && pair_aligned(dout)) {
-    dy = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout}, dbias, N, OC,
+  } else if (db && OC % 2 == 0 && pair_aligned(dout32)) {
+    dy = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout32}, db, N, OC,
                                      stream_);
     dbias_done = true;
     ++g_fused_matmul_bias;
   } else {
-    dy = gemm_operand(st.bf16_a, dout, N * OC, prec, stream_);
+    dy = gemm_operand(st.bf16_a, dout32, N * OC, prec, stream_);
   }
-  if (dinp || dinp16) {
-    const void* w = weight_operand(st.bf16_b, weight, OC * K, prec);
-    if (dinp) {
-      lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, dinp, 0.0f, stream_);
-    } else if (!g_matmul_bf16_epilogue || !lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy,
-                                                     OC, dinp16, 0.0f, stream_, /*d_bf16=*/true)) {
+  if (dinp.present()) {
+    const void* w = weight_operand(st.bf16_b, weight, prec);
+    if (dinp.dtype == DType::F32) {
+      lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, dinp.as<float>(), 0.0f, stream_);
+    } else if (!g_matmul_bf16_epilogue ||
+               !lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, dinp.as<uint16_t>(),
+                          0.0f, stream_, /*d_bf16=*/true)) {
       float* t = st.f32_out.get<float>(static_cast<size_t>(N * K), stream_);
       lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, t, 0.0f, stream_);
-      narrow_to_bf16(dinp16, t, N * K);
+      narrow_to_bf16(dinp.as<uint16_t>(), t, N * K);
     }
   }
-  if (dweight) {
-    const void* x = inp16 ? static_cast<const void*>(inp16)
-                          : gemm_operand(st.bf16_c, inp, N * K, prec, stream_);
-    lt_matmul(st.lt, true, false, true, K, OC, N, x, K, dy, OC, dweight, 1.0f, stream_);
+  if (dweight.present()) {
+    const void* x = inp.dtype == DType::BF16
+                        ? inp.data
+                        : gemm_operand(st.bf16_c, inp.as<const float>(), N * K, prec, stream_);
+    lt_matmul(st.lt, true, false, true, K, OC, N, x, K, dy, OC, dweight.as<float>(), 1.0f, stream_);
   }
-  if (dbias && !dbias_done) bias_backward(dbias, dout, N, OC);
+  if (db && !dbias_done) bias_backward_launch(db, dout32, N, OC);
 }
 
-void CudaBackend::bias_forward(float* out, const float* bias, int64_t N, int64_t OC,
-                               bool round_bf16) {
+// out = inp + bias: float32 (in place where out is inp; rounded, with the bias's BF16 rounding,
+// under bf16_values) or BF16 bits (add_bias_bf16, inp the scratch).
+void CudaBackend::bias_forward(const TensorView& out, const TensorView& inp,
+                               const TensorView& bias) {
+  op_checks::bias_forward(out, inp, bias);
+  const int64_t N = inp.rows, OC = inp.cols;
   if (N * OC == 0) return;
-  add_bias(out, bias, N, OC, round_bf16, stream_);
+  const float* b = bias_values(layers_state().bias32, bias, stream_);
+  if (out.dtype == DType::BF16) {
+    add_bias_bf16(out.as<uint16_t>(), inp.as<float>(), b, N, OC, stream_);
+    return;
+  }
+  if (out.data != inp.data)
+    FP4SIM_CUDA_CHECK(cudaMemcpyAsync(out.data, inp.data, static_cast<size_t>(N * OC) * 4,
+                                      cudaMemcpyDeviceToDevice, stream_));
+  add_bias(out.as<float>(), b, N, OC, out.bf16_values, stream_);
+}
+
+void CudaBackend::bias_backward(const TensorView& dbias, const TensorView& dout) {
+  op_checks::bias_backward(dbias, dout);
+  bias_backward_launch(dbias.as<float>(), dout.as<const float>(), dout.rows, dout.cols);
 }
 
 // dbias (OC) += column sums of dout (N,OC) in emu::bias_backward's chunked order: bitwise.
-void CudaBackend::bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
+void CudaBackend::bias_backward_launch(float* dbias, const float* dout, int64_t N, int64_t OC) {
   if (N * OC == 0) return;
   float* partial =
       layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * OC), stream_);

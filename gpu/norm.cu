@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "emu/fused.hpp"
+#include "emu/op_checks.hpp"
 #include "gpu/block_reduce.cuh"
 #include "gpu/column_sums.cuh"
 #include "gpu/cuda_backend.hpp"
@@ -705,98 +707,80 @@ void rmsnorm_backward_launch(float* dinp, float* dweight, const DT* dout, const 
 }
 }  // namespace
 
-void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                                    const float* weight, const float* bias, int64_t N, int64_t C,
-                                    bool round_bf16) {
-  require_rows("layernorm_forward", N);
+// The norm ops on views: the launchers above, templated on the output's (or dout's) storage.
+void CudaBackend::norm_forward(NormKind kind, const TensorView& out, const TensorView& mean,
+                               const TensorView& rstd, const TensorView& inp,
+                               const TensorView& weight, const TensorView& bias) {
+  op_checks::norm_forward(kind, out, mean, rstd, inp, weight, bias);
+  const int64_t N = inp.rows, C = inp.cols;
+  require_rows("norm_forward", N);
   if (N == 0 || C == 0) return;
-  layernorm_forward_launch(out, mean, rstd, inp, weight, bias, N, C, round_bf16, stream_);
+  const bool rb = out.bf16_storage();
+  auto launch = [&](auto* y) {
+    if (kind == NormKind::LayerNorm)
+      layernorm_forward_launch(y, mean.as<float>(), rstd.as<float>(), inp.as<const float>(),
+                               weight.as<const float>(), bias.as<const float>(), N, C, rb, stream_);
+    else
+      rmsnorm_forward_launch(y, rstd.as<float>(), inp.as<const float>(), weight.as<const float>(),
+                             N, C, rb, stream_);
+  };
+  if (out.dtype == DType::BF16)
+    launch(out.as<uint16_t>());
+  else
+    launch(out.as<float>());
 }
 
-void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                                     const float* inp, const float* weight, const float* mean,
-                                     const float* rstd, int64_t N, int64_t C, bool round_bf16,
-                                     bool bf16_dout) {
-  require_rows("layernorm_backward", N);
+void CudaBackend::norm_backward(NormKind kind, const TensorView& dinp, const TensorView& dweight,
+                                const TensorView& dbias, const TensorView& dout,
+                                const TensorView& inp, const TensorView& weight,
+                                const TensorView& mean, const TensorView& rstd) {
+  op_checks::norm_backward(kind, dinp, dweight, dbias, dout, inp, weight, mean, rstd);
+  const int64_t N = inp.rows, C = inp.cols;
+  require_rows("norm_backward", N);
   if (N == 0 || C == 0) return;
-  float* partial =
-      layers_state().columns.get<float>(static_cast<size_t>(2 * column_chunks(N) * C), stream_);
-  layernorm_backward_launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, round_bf16,
-                            bf16_dout, partial, stream_);
+  const bool ln = kind == NormKind::LayerNorm;
+  float* partial = layers_state().columns.get<float>(
+      static_cast<size_t>((ln ? 2 : 1) * column_chunks(N) * C), stream_);
+  auto launch = [&](const auto* dy) {
+    if (ln)
+      layernorm_backward_launch(dinp.as<float>(), dweight.as<float>(), dbias.as<float>(), dy,
+                                inp.as<const float>(), weight.as<const float>(),
+                                mean.as<const float>(), rstd.as<const float>(), N, C,
+                                dinp.bf16_values, dout.bf16_storage(), partial, stream_);
+    else
+      rmsnorm_backward_launch(dinp.as<float>(), dweight.as<float>(), dy, inp.as<const float>(),
+                              weight.as<const float>(), rstd.as<const float>(), N, C,
+                              dinp.bf16_values, dout.bf16_storage(), partial, stream_);
+  };
+  if (dout.dtype == DType::BF16)
+    launch(dout.as<const uint16_t>());
+  else
+    launch(dout.as<const float>());
 }
 
-void CudaBackend::layernorm_backward_bits(float* dinp, float* dweight, float* dbias,
-                                          const uint16_t* dout16, const float* inp,
-                                          const float* weight, const float* mean, const float* rstd,
-                                          int64_t N, int64_t C, bool round_bf16) {
-  require_rows("layernorm_backward_bits", N);
-  if (N == 0 || C == 0) return;
-  float* partial =
-      layers_state().columns.get<float>(static_cast<size_t>(2 * column_chunks(N) * C), stream_);
-  layernorm_backward_launch(dinp, dweight, dbias, dout16, inp, weight, mean, rstd, N, C, round_bf16,
-                            true, partial, stream_);
-}
-
-void CudaBackend::rmsnorm_backward_bits(float* dinp, float* dweight, const uint16_t* dout16,
-                                        const float* inp, const float* weight, const float* rstd,
-                                        int64_t N, int64_t C, bool round_bf16) {
-  require_rows("rmsnorm_backward_bits", N);
-  if (N == 0 || C == 0) return;
-  float* partial =
-      layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
-  rmsnorm_backward_launch(dinp, dweight, dout16, inp, weight, rstd, N, C, round_bf16, true, partial,
-                          stream_);
-}
-
-void CudaBackend::rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
-                                  int64_t N, int64_t C, bool round_bf16) {
-  require_rows("rmsnorm_forward", N);
-  if (N == 0 || C == 0) return;
-  rmsnorm_forward_launch(out, rstd, inp, weight, N, C, round_bf16, stream_);
-}
-
-void CudaBackend::rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                                   const float* weight, const float* rstd, int64_t N, int64_t C,
-                                   bool round_bf16, bool bf16_dout) {
-  require_rows("rmsnorm_backward", N);
-  if (N == 0 || C == 0) return;
-  float* partial =
-      layers_state().columns.get<float>(static_cast<size_t>(column_chunks(N) * C), stream_);
-  rmsnorm_backward_launch(dinp, dweight, dout, inp, weight, rstd, N, C, round_bf16, bf16_dout,
-                          partial, stream_);
-}
-
-void CudaBackend::layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp,
-                                         const float* weight, const float* bias, int64_t N,
-                                         int64_t C) {
-  require_rows("layernorm_forward_bf16", N);
-  if (N == 0 || C == 0) return;
-  layernorm_forward_launch(out, mean, rstd, inp, weight, bias, N, C, true, stream_);
-}
-
-// One pass: the row kernel adds the residual as it loads the row (residual_forward_bf16's
-// expression), writes it, and normalizes it from registers; the base class's two calls where the
-// row kernel does not apply (C > 1024, C % 4, pointers not 16-byte aligned).
-void CudaBackend::residual_layernorm_forward_bf16(float* res, uint16_t* out, float* mean,
-                                                  float* rstd, const float* a, const uint16_t* b16,
-                                                  const float* weight, const float* bias, int64_t N,
-                                                  int64_t C, bool round_bf16) {
-  require_rows("residual_layernorm_forward_bf16", N);
-  if (N == 0 || C == 0) return;
-  if (!norm_rows_fit(C, res, a, b16, weight, bias)) {
-    Backend::residual_layernorm_forward_bf16(res, out, mean, rstd, a, b16, weight, bias, N, C,
-                                             round_bf16);
+// One pass for LayerNorm into BF16 bits with a BF16 b: the row kernel adds the residual as it
+// loads the row (residual_forward's expression), writes it, and normalizes it from registers. The
+// composition elsewhere, and where the row kernel does not apply (C > 1024, C % 4, pointers not
+// 16-byte aligned).
+void CudaBackend::residual_norm_forward(NormKind kind, const TensorView& res, const TensorView& out,
+                                        const TensorView& mean, const TensorView& rstd,
+                                        const TensorView& a, const TensorView& b,
+                                        const TensorView& weight, const TensorView& bias) {
+  const int64_t N = a.rows, C = a.cols;
+  if (kind != NormKind::LayerNorm || out.dtype != DType::BF16 || b.dtype != DType::BF16 || N == 0 ||
+      C == 0 ||
+      !norm_rows_fit(C, res.as<float>(), a.as<const float>(), b.as<const uint16_t>(),
+                     weight.as<const float>(), bias.as<const float>())) {
+    compose_residual_norm_forward(*this, kind, res, out, mean, rstd, a, b, weight, bias);
     return;
   }
-  layernorm_forward_launch(out, mean, rstd, nullptr, weight, bias, N, C, true, stream_,
-                           ResidualIn{res, a, b16, round_bf16});
-}
-
-void CudaBackend::rmsnorm_forward_bf16(uint16_t* out, float* rstd, const float* inp,
-                                       const float* weight, int64_t N, int64_t C) {
-  require_rows("rmsnorm_forward_bf16", N);
-  if (N == 0 || C == 0) return;
-  rmsnorm_forward_launch(out, rstd, inp, weight, N, C, true, stream_);
+  op_checks::residual_forward(res, a, b);
+  op_checks::norm_forward(kind, out, mean, rstd, as_stored(res), weight, bias);
+  require_rows("residual_norm_forward", N);
+  layernorm_forward_launch(
+      out.as<uint16_t>(), mean.as<float>(), rstd.as<float>(), nullptr, weight.as<const float>(),
+      bias.as<const float>(), N, C, true, stream_,
+      ResidualIn{res.as<float>(), a.as<const float>(), b.as<const uint16_t>(), res.bf16_values});
 }
 
 }  // namespace fp4sim::gpu

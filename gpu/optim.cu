@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "emu/op_checks.hpp"
 #include "emu/optim.hpp"
 #include "gpu/block_reduce.cuh"
 #include "gpu/cuda_backend.hpp"
@@ -20,14 +21,6 @@ namespace fp4sim::gpu {
 namespace {
 
 constexpr int kSumSquaresBlocks = 1024;  // fixed: the FP64 reduction tree is shape-only
-
-// emu/optim.hpp's adamw_element on every element: bitwise.
-__global__ void adamw_kernel(float* params, const float* grads, float* m, float* v, int64_t n,
-                             AdamWStep step) {
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    adamw_element(params[j], grads[j], m[j], v[j], step);
-}
 
 // adamw_update_many's one launch: CTA b updates the element range of work item b, a piece of at
 // most kAdamWItemElems elements of one tensor, with that tensor's step (one of up to kAdamWSteps
@@ -107,64 +100,49 @@ __global__ void sum_partials_kernel(double* out, const double* partial, int64_t 
 
 }  // namespace
 
-void CudaBackend::adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
-                               const AdamWStep& step) {
-  if (n == 0) return;
-  adamw_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(params, grads, m, v, n, step);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+// One launch over all segments (adamw_many_kernel): the work items (pieces of kAdamWItemElems
+// elements of one tensor) are made and uploaded once for a layout, then reused while the segments
+// and the pattern of distinct steps stay the same; the steps travel as a kernel parameter. With
+// params16 the BF16 bits are written in the same pass. More than kAdamWSteps distinct steps: one
+// launch a segment.
+void CudaBackend::adamw_update(const TensorView& params, const TensorView& params16,
+                               const TensorView& grads, const TensorView& m, const TensorView& v,
+                               const std::vector<Segment>& segments,
+                               const std::vector<AdamWStep>& steps) {
+  op_checks::adamw_update(params, params16, grads, m, v, segments, steps);
+  adamw_many(params.as<float>(), params16.as<uint16_t>(), grads.as<const float>(), m.as<float>(),
+             v.as<float>(), segments, steps);
 }
 
-// One launch over all tensors (adamw_many_kernel): the work items (pieces of kAdamWItemElems
-// elements of one tensor) are made and uploaded once for a layout, then reused while the offsets,
-// counts and the pattern of distinct steps stay the same; the steps travel as a kernel parameter.
-// More than kAdamWSteps distinct steps: one adamw_update per tensor.
-void CudaBackend::adamw_update_many(float* params, const float* grads, float* m, float* v,
-                                    const std::vector<int64_t>& offsets,
-                                    const std::vector<int64_t>& counts,
-                                    const std::vector<AdamWStep>& steps) {
-  adamw_many(params, nullptr, grads, m, v, offsets, counts, steps);
-}
-
-void CudaBackend::adamw_update_many_bf16(float* params, uint16_t* params16, const float* grads,
-                                         float* m, float* v, const std::vector<int64_t>& offsets,
-                                         const std::vector<int64_t>& counts,
-                                         const std::vector<AdamWStep>& steps) {
-  if (!params16) throw std::invalid_argument("adamw_update_many_bf16: params16 is null");
-  adamw_many(params, params16, grads, m, v, offsets, counts, steps);
-}
-
-// adamw_update_many (p16 null) or adamw_update_many_bf16 (the bits written in the same pass).
+// adamw_update's launch (p16 null: no BF16 bits); the segments already checked.
 void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, float* m, float* v,
-                             const std::vector<int64_t>& offsets,
-                             const std::vector<int64_t>& counts,
+                             const std::vector<Segment>& segments,
                              const std::vector<AdamWStep>& steps) {
-  validate_adamw_update_many(offsets, counts, steps);
   AdamWSteps distinct{};
   int n_distinct = 0;
   std::vector<int64_t> key;
-  key.reserve(3 * offsets.size());
-  for (size_t i = 0; i < offsets.size(); ++i) {
+  key.reserve(3 * segments.size());
+  for (size_t i = 0; i < segments.size(); ++i) {
     int k = 0;
     while (k < n_distinct && std::memcmp(&distinct.s[k], &steps[i], sizeof(AdamWStep)) != 0) ++k;
     if (k == n_distinct) {
-      if (n_distinct == kAdamWSteps) {
-        if (p16)
-          Backend::adamw_update_many_bf16(params, p16, grads, m, v, offsets, counts, steps);
-        else
-          Backend::adamw_update_many(params, grads, m, v, offsets, counts, steps);
+      if (n_distinct == kAdamWSteps) {  // (one launch a segment, each with its own step)
+        for (size_t t = 0; t < segments.size(); ++t)
+          adamw_many(params, p16, grads, m, v, {segments[t]}, {steps[t]});
         return;
       }
       distinct.s[n_distinct++] = steps[i];
     }
-    key.insert(key.end(), {offsets[i], counts[i], k});
+    key.insert(key.end(), {segments[i].offset, segments[i].count, k});
   }
   LayersState& st = layers_state();
   if (key != st.adamw_key) {
     std::vector<AdamWItem> items;
-    for (size_t i = 0; i < offsets.size(); ++i)
-      for (int64_t b = 0; b < counts[i]; b += kAdamWItemElems)
-        items.push_back({offsets[i] + b, offsets[i] + std::min(counts[i], b + kAdamWItemElems),
-                         key[3 * i + 2]});
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const int64_t o = segments[i].offset, c = segments[i].count;
+      for (int64_t b = 0; b < c; b += kAdamWItemElems)
+        items.push_back({o + b, o + std::min(c, b + kAdamWItemElems), key[3 * i + 2]});
+    }
     AdamWItem* dev = st.adamw_items.get<AdamWItem>(items.size(), stream_);
     if (!items.empty())
       FP4SIM_CUDA_CHECK(cudaMemcpyAsync(dev, items.data(), items.size() * sizeof(AdamWItem),
@@ -183,25 +161,20 @@ void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, f
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-double CudaBackend::sum_squares(const float* x, int64_t n) {
-  double s = 0.0;
-  sum_squares_many(x, {0}, {n}, &s);
-  return s;
-}
-
 // All tensors in two launches and one copy back (the gradient norm: one round trip per step
 // instead of one per parameter tensor).
-void CudaBackend::sum_squares_many(const float* base, const std::vector<int64_t>& offsets,
-                                   const std::vector<int64_t>& counts, double* sums) {
-  validate_sum_squares_many(offsets, counts);
+void CudaBackend::sum_squares(const TensorView& x, const std::vector<Segment>& segments,
+                              double* sums) {
+  op_checks::sum_squares(x, segments);
+  const float* base = x.as<const float>();
   LayersState& st = layers_state();
   constexpr size_t kMaxTensors = 65535;  // grid.y per launch
-  for (size_t first = 0; first < offsets.size(); first += kMaxTensors) {
-    const size_t tensors = std::min(kMaxTensors, offsets.size() - first);
+  for (size_t first = 0; first < segments.size(); first += kMaxTensors) {
+    const size_t tensors = std::min(kMaxTensors, segments.size() - first);
     st.host_segments.resize(2 * tensors);
     for (size_t i = 0; i < tensors; ++i) {
-      st.host_segments[2 * i] = offsets[first + i];
-      st.host_segments[2 * i + 1] = counts[first + i];
+      st.host_segments[2 * i] = segments[first + i].offset;
+      st.host_segments[2 * i + 1] = segments[first + i].count;
     }
     int64_t* seg = st.segments.get<int64_t>(2 * tensors, stream_);
     FP4SIM_CUDA_CHECK(cudaMemcpyAsync(seg, st.host_segments.data(), 2 * tensors * sizeof(int64_t),
