@@ -1,4 +1,5 @@
-// Shared by the GPU tests: whether a CUDA GPU is present (the tests skip cleanly without one).
+// Shared by the GPU tests: whether a CUDA GPU is present (the tests skip cleanly without one), and
+// views into a backend's memory.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -55,6 +56,35 @@ struct KnobGuard {
   KnobGuard& operator=(const KnobGuard&) = delete;
 };
 
+// A dense rows x cols view of b (its start, or `skip` elements past it) in be's memory.
+inline TensorView buffer_view(const Backend& be, const BackendBuffer& b, DType dtype, int64_t rows,
+                              int64_t cols, const char* name = "tensor", bool bf16_values = false) {
+  return view_of(b.get(), dtype, rows, cols, be.device(), name, bf16_values);
+}
+
+// The view rows x cols of v's dtype and device starting `elems` elements past v's start: a pointer
+// off alignment, or one segment of a flat tensor.
+inline TensorView skip(const TensorView& v, int64_t elems, int64_t rows, int64_t cols) {
+  TensorView r = v;
+  r.data = static_cast<char*>(v.data) + static_cast<size_t>(elems) * dtype_size(v.dtype);
+  r.rows = rows;
+  r.cols = cols;
+  r.row_stride = 0;
+  return r;
+}
+
+// v with its bf16_values mark set to `on` (written rounded, or read rounded where the op says so).
+inline TensorView marked(TensorView v, bool on = true) {
+  v.bf16_values = on;
+  return v;
+}
+
+// Whether be's GEMM with impl reads an FP4 view's decoded BF16 operand (and its quantizer writes
+// it): Capability::GemmDecodedOperand.
+inline bool reads_decoded_operand(const Backend& be, GemmImpl impl) {
+  return be.supports(Capability::GemmDecodedOperand, static_cast<int64_t>(impl));
+}
+
 // D of one GEMM on `be` as bit patterns (F32, or BF16 widened); D starts as NaN patterns so a GEMM
 // that reads C when beta = 0 shows. c: F32 [M, N] host values or null.
 inline std::vector<uint32_t> run_gemm_bits(Backend& be, QuantizedHost& a, QuantizedHost& b,
@@ -65,16 +95,9 @@ inline std::vector<uint32_t> run_gemm_bits(Backend& be, QuantizedHost& a, Quanti
   if (c) be.upload(cb.get(), c->data(), c->size() * 4);
   const std::vector<uint8_t> nan_bytes(static_cast<size_t>(M * N) * 4, 0xFF);
   be.upload(d.get(), nan_bytes.data(), nan_bytes.size());
-  TensorView cv, dv;
-  cv.data = cb.get();
-  cv.rows = M;
-  cv.cols = N;
-  cv.device = be.device();
-  dv.data = d.get();
-  dv.rows = M;
-  dv.cols = N;
-  dv.device = be.device();
-  dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
+  const TensorView cv = buffer_view(be, cb, DType::F32, M, N, "c"),
+                   dv = buffer_view(be, d, cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32, M,
+                                    N, "d");
   be.gemm(da.view, db.view, c ? &cv : nullptr, cfg, dv);
   be.synchronize();
   std::vector<uint32_t> out(static_cast<size_t>(M * N), 0);
@@ -89,9 +112,9 @@ inline std::vector<uint32_t> run_gemm_bits(Backend& be, QuantizedHost& a, Quanti
 }
 
 // An output gradient x (R x C, dense F32) quantized with qc, and its bias gradient dbias0 + x's
-// column sums, on `be`: by Backend::quantize_with_bias_backward (fused) or by quantize then
-// bias_backward. row and col come shaped by the caller (row is left as it is without a row-wise
-// copy); returns dbias's bits.
+// column sums, on `be`: by one Backend::quantize_activation call (fused: an Identity source, dbias
+// given) or by quantize then bias_backward. row and col come shaped by the caller (row is left as
+// it is without a row-wise copy); returns dbias's bits.
 inline std::vector<uint32_t> quantize_with_bias_on(Backend& be, const std::vector<float>& x,
                                                    int64_t R, int64_t C, const QuantizeConfig& qc,
                                                    const std::vector<float>& dbias0, bool fused,
@@ -99,19 +122,17 @@ inline std::vector<uint32_t> quantize_with_bias_on(Backend& be, const std::vecto
   BackendBuffer xb(be, x.size() * 4), db(be, dbias0.size() * 4);
   be.upload(xb.get(), x.data(), x.size() * 4);
   be.upload(db.get(), dbias0.data(), dbias0.size() * 4);
-  TensorView xv;
-  xv.data = xb.get();
-  xv.rows = R;
-  xv.cols = C;
-  xv.device = be.device();
-  xv.name = "dy";
+  const TensorView xv = buffer_view(be, xb, DType::F32, R, C, "dy"),
+                   dv = buffer_view(be, db, DType::F32, C, 1, "dbias");
   QuantizedBuffers rq(be, row), cq(be, col);
   QuantizedView* rv = qc.rowwise.enabled ? &rq.view : nullptr;
   if (fused) {
-    be.quantize_with_bias_backward(xv, qc, rv, &cq.view, db.as<float>());
+    ActivationSource src;  // (Identity: x itself)
+    src.inp = xv;
+    be.quantize_activation(src, qc, rv, &cq.view, dv);
   } else {
     be.quantize(xv, qc, rv, &cq.view);
-    be.bias_backward(db.as<float>(), xb.as<float>(), R, C);
+    be.bias_backward(dv, xv);
   }
   be.synchronize();
   if (qc.rowwise.enabled) rq.download_to(be, row);

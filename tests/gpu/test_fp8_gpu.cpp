@@ -226,12 +226,13 @@ TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
 }
 
 // A linear layer's output gradient: its FP8 copies and its bias gradient from one call
-// (Backend::quantize_with_bias_backward; on the GPU the tile pass also takes the 64-row column
-// sums) == quantize then bias_backward, bit for bit: the copies, and dbias (which starts non-zero:
-// the sums are added). Against the CUDA backend's own two calls (NaN payloads are the GPU's there)
-// and, for finite inputs, against the emulator's. Shapes: whole tiles, 64-row chunks across several
-// tiles, and (column-wise copy alone) a partial last column tile.
-TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
+// (Backend::quantize_activation with an Identity source and dbias; on the GPU the tile pass also
+// takes the 64-row column sums) == quantize then bias_backward, bit for bit: the copies, and dbias
+// (which starts non-zero: the sums are added). Against the CUDA backend's own two calls (NaN
+// payloads are the GPU's there) and, for finite inputs, against the emulator's. Shapes: whole
+// tiles, 64-row chunks across several tiles, and (column-wise copy alone) a partial last column
+// tile.
+TEST(Fp8Gpu, QuantizeActivationWithBiasEqualsQuantizeThenBiasBackward) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
@@ -271,13 +272,14 @@ TEST(Fp8Gpu, QuantizeWithBiasBackwardEqualsQuantizeThenBiasBackward) {
 }
 
 // GELU (forward, or backward with its incoming gradient) computed inside the FP8 tile pass
-// (CudaBackend::quantize_activation) == the GELU kernel, then quantize (or
-// quantize_with_bias_backward), on the GPU, bit for bit: codes, scales, GEMM-layout scales, amax
-// and dbias; for both rounding flags, 1x128 and 128x128 blocks, either copy alone, partial tiles,
-// specials (NaN, Inf, huge values that saturate) in the input and in the incoming gradient, every
-// combination of round_bf16 and bf16_dout, and inputs the vector loads cannot take (130 columns,
-// pointers one float off 16-byte alignment: the register path's scalar loads). The fused call
-// leaves the op's output buffer as it was (here a NaN pattern).
+// (CudaBackend::quantize_activation) == the GELU kernel, then quantize (and bias_backward), on the
+// GPU, bit for bit: codes, scales, GEMM-layout scales, amax and dbias; 1x128 and 128x128 blocks,
+// either copy alone, partial tiles, specials (NaN, Inf, huge values that saturate) in the input and
+// in the incoming gradient, every combination of the BF16 storage of the op's output (src.out
+// marked bf16_values) and of its incoming gradient (src.dout marked: read rounded; backward only),
+// and inputs the vector loads cannot take (130 columns, views one float off 16-byte alignment: the
+// register path's scalar loads). The fused call leaves the op's output buffer as it was (here a NaN
+// pattern).
 TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto cuda = make_backend("cuda");
@@ -342,11 +344,16 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
           QuantizedBuffers rq(*cuda, o.row), cq(*cuda, o.col);
           rq.view.scales_gemm = rsg.as<float>();
           cq.view.scales_gemm = csg.as<float>();
-          const ActivationSource src{
-              op,   pb.as<float>() + off, db.as<float>() + off, ob.as<float>(), k.R, k.C, rb, bd,
-              "act"};
-          cuda->quantize_activation(src, qc, k.row ? &rq.view : nullptr, k.col ? &cq.view : nullptr,
-                                    k.dbias ? bb.as<float>() : nullptr);
+          ActivationSource src;
+          src.op = op;
+          src.inp = skip(buffer_view(*cuda, pb, DType::F32, k.R, k.C, "pre"), k.offset, k.R, k.C);
+          if (op == ActivationOp::GeluBackward)
+            src.dout = marked(
+                skip(buffer_view(*cuda, db, DType::F32, k.R, k.C, "dout"), k.offset, k.R, k.C), bd);
+          src.out = buffer_view(*cuda, ob, DType::F32, k.R, k.C, "act", rb);
+          cuda->quantize_activation(
+              src, qc, k.row ? &rq.view : nullptr, k.col ? &cq.view : nullptr,
+              k.dbias ? buffer_view(*cuda, bb, DType::F32, k.C, 1, "dbias") : TensorView{});
           cuda->synchronize();
           if (k.row) rq.download_to(*cuda, o.row);
           if (k.col) cq.download_to(*cuda, o.col);

@@ -100,7 +100,7 @@ TEST(GemmGpu, CublasLtDecodeKernelsAgree) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU: " << gpu_description();
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  if (!cuda->decodes_for_gemm(GemmImpl::CublasLt))
+  if (!reads_decoded_operand(*cuda, GemmImpl::CublasLt))
     GTEST_SKIP() << "this GPU multiplies FP4 natively (compute capability >= 10): no decode pass";
   struct Shape {
     int64_t M, N, K;

@@ -421,13 +421,14 @@ TEST(QuantizeGpu, PassLaunchKnobsGiveSameBits) {
 }
 
 // A linear layer's output gradient in the NVFP4 recipe (row-wise SR copy, column-wise RHT + SR
-// copy) with its bias gradient from one call (Backend::quantize_with_bias_backward: on the GPU the
-// pipelined RHT amax pass also takes the 64-row column sums) == quantize then bias_backward, bit
-// for bit: the copies and dbias (which starts non-zero), against the CUDA backend's own two calls
-// (NaN payloads are the GPU's there) and, for finite inputs, the emulator's. Shapes: many tiles a
-// CTA (GPU against GPU only), a few, three 64-row chunks; 96 rows (not whole 64-row chunks) takes
-// the base class's two calls, and 256 x 384 with the 32-row RHT amax pass (variant 1, which takes
-// no sums) takes the fused quantize call with bias_backward's own pass.
+// copy) with its bias gradient from one call (Backend::quantize_activation with an Identity source
+// and dbias: on the GPU the pipelined RHT amax pass also takes the 64-row column sums) == quantize
+// then bias_backward, bit for bit: the copies and dbias (which starts non-zero), against the CUDA
+// backend's own two calls (NaN payloads are the GPU's there) and, for finite inputs, the
+// emulator's. Shapes: many tiles a CTA (GPU against GPU only), a few, three 64-row chunks; 96 rows
+// (not whole 64-row chunks) takes the composition's two calls (emu/fused.hpp), and 256 x 384 with
+// the 32-row RHT amax pass (variant 1, which takes no sums) takes the fused quantize call with
+// bias_backward's own pass.
 TEST(QuantizeGpu, RhtAmaxPassColumnSumsEqualBiasBackward) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
@@ -634,9 +635,9 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
-  EXPECT_FALSE(cuda->decodes_for_gemm(GemmImpl::Exact));
-  EXPECT_FALSE(emu->decodes_for_gemm(GemmImpl::CublasLt));
-  if (!cuda->decodes_for_gemm(GemmImpl::CublasLt))
+  EXPECT_FALSE(reads_decoded_operand(*cuda, GemmImpl::Exact));
+  EXPECT_FALSE(reads_decoded_operand(*emu, GemmImpl::CublasLt));
+  if (!reads_decoded_operand(*cuda, GemmImpl::CublasLt))
     GTEST_SKIP()
         << "this GPU multiplies FP4 natively (compute capability >= 10): no decoded operand";
   struct DevCopy {
