@@ -3,7 +3,9 @@
 // starting from non-zero values, outputs that overwrite starting from NaN (every element must be
 // written). Bitwise where the CUDA op claims it; elsewhere |cuda - emu| <= rtol * mag per element,
 // mag the sum of the absolute values of the terms that make up the element (computed here in
-// double), with the worst element and the share of the budget it used printed. Skips without a GPU.
+// double), with the worst element and the share of the budget it used printed. BF16 storage is
+// checked against the float32 op on the same values: a view marked bf16_values or a BF16 view gives
+// the bits of the float32 op followed by rounding. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,11 +19,13 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "emu/backend.hpp"
 #include "emu/formats.hpp"
+#include "emu/fused.hpp"
 #include "tests/gpu/gpu_test_util.hpp"
 #include "tools/backends.hpp"
 
@@ -68,40 +72,71 @@ std::vector<int32_t> randint(size_t n, int32_t hi, std::mt19937& rng) {
 
 size_t sz(int64_t n) { return static_cast<size_t>(n); }
 
+template <class T>
+constexpr DType dtype_of() {
+  static_assert(
+      std::is_same_v<T, float> || std::is_same_v<T, uint16_t> || std::is_same_v<T, int32_t>,
+      "float32, BF16 bits or int32");
+  return std::is_same_v<T, float> ? DType::F32
+                                  : (std::is_same_v<T, uint16_t> ? DType::BF16 : DType::I32);
+}
+
 // One op call on one backend: inputs uploaded, outputs (declared in order, starting from their
-// initial values) downloaded by results().
+// initial values) downloaded by results(), each a dense view into the backend's memory. A BF16
+// output comes back as its values widened to FP32 (exact: the bits show in the FP32 bits).
 class Call {
  public:
   explicit Call(Backend& be) : be_(be) {}
+  // h as a rows x cols input: float32 (bf16_values: marked as holding BF16 values), BF16 bits
+  // (uint16_t) or int32
   template <class T>
-  const T* in(const std::vector<T>& h) {
-    return put(h);
+  TensorView in(const std::vector<T>& h, int64_t rows, int64_t cols, bool bf16_values = false) {
+    return view(put(h), dtype_of<T>(), rows, cols, h.size(), bf16_values);
   }
-  float* out(const Vec& init) {
-    float* p = put(init);
-    outs_.push_back({p, init.size()});
-    return p;
+  // a float32 output rows x cols starting as init; bf16_values: the op writes it rounded
+  TensorView out(const Vec& init, int64_t rows, int64_t cols, bool bf16_values = false) {
+    outs_.push_back(view(put(init), DType::F32, rows, cols, init.size(), bf16_values));
+    return outs_.back();
+  }
+  // a BF16 output rows x cols starting as NaN bits (0x7FFF each)
+  TensorView out16(int64_t rows, int64_t cols) {
+    const std::vector<uint16_t> init(sz(rows * cols), 0x7FFF);
+    outs_.push_back(view(put(init), DType::BF16, rows, cols, init.size(), false));
+    return outs_.back();
   }
   Outputs results() {
     be_.synchronize();
     Outputs r;
-    for (const auto& o : outs_) {
-      r.emplace_back(o.second);
-      if (o.second) be_.download(r.back().data(), o.first, o.second * sizeof(float));
+    for (const TensorView& o : outs_) {
+      r.emplace_back(sz(o.numel()));
+      if (!o.numel()) continue;
+      if (o.dtype == DType::BF16) {
+        std::vector<uint16_t> b(r.back().size());
+        be_.download(b.data(), o.data, b.size() * sizeof(uint16_t));
+        for (size_t i = 0; i < b.size(); ++i) r.back()[i] = bf16_to_f32(b[i]);
+      } else {
+        be_.download(r.back().data(), o.data, r.back().size() * sizeof(float));
+      }
     }
     return r;
   }
 
  private:
   template <class T>
-  T* put(const std::vector<T>& h) {
+  void* put(const std::vector<T>& h) {
     bufs_.push_back(std::make_unique<BackendBuffer>(be_, h.size() * sizeof(T)));
     if (!h.empty()) be_.upload(bufs_.back()->get(), h.data(), h.size() * sizeof(T));
-    return bufs_.back()->template as<T>();
+    return bufs_.back()->get();
+  }
+  TensorView view(void* p, DType dtype, int64_t rows, int64_t cols, size_t n, bool bf16_values) {
+    if (sz(rows * cols) != n)
+      throw std::logic_error("Call: a " + shape_str(rows, cols) + " view of " + std::to_string(n) +
+                             " elements");
+    return view_of(p, dtype, rows, cols, be_.device(), "tensor", bf16_values);
   }
   Backend& be_;
   std::vector<std::unique_ptr<BackendBuffer>> bufs_;
-  std::vector<std::pair<float*, size_t>> outs_;
+  std::vector<TensorView> outs_;
 };
 
 using Op = std::function<void(Backend&, Call&)>;
@@ -191,6 +226,31 @@ struct Backends {
   std::unique_ptr<Backend> cuda = make_backend("cuda");
 };
 
+std::vector<uint16_t> bf16_bits_of(const Vec& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = bf16_rne(v[i]);
+  return b;
+}
+Vec bf16_values_of(const Vec& v) {
+  Vec r(v);
+  for (float& x : r) x = bf16_round(x);
+  return r;
+}
+
+// The cross-entropy op on c's backend from logits [N, V] (float32, marked bf16_values: read
+// rounded, or BF16 bits): outputs losses [N, 1] and dlogits [N, V], in this order, both starting as
+// NaN. dlogits is stored as the logits are: float32 for float32 logits; for BF16-stored logits
+// float32 marked bf16_values (written rounded), or BF16 bits where dlogits16.
+void crossentropy_on(Backend& bk, Call& c, const TensorView& logits,
+                     const std::vector<int32_t>& targets, const Vec& dlosses, bool dlogits16) {
+  const int64_t N = logits.rows, V = logits.cols;
+  const TensorView losses = c.out(Vec(sz(N), kNaN), N, 1);
+  const TensorView dlogits =
+      dlogits16 ? c.out16(N, V) : c.out(Vec(sz(N * V), kNaN), N, V, logits.bf16_storage());
+  bk.crossentropy_forward_backward(losses, dlogits, logits, c.in(targets, N, 1),
+                                   c.in(dlosses, N, 1));
+}
+
 // ---- embedding ----------------------------------------------------------------------------------
 
 TEST(LayersGpu, EmbeddingBitwiseEqualsEmulator) {
@@ -207,15 +267,15 @@ TEST(LayersGpu, EmbeddingBitwiseEqualsEmulator) {
   for (bool with_wpe : {true, false}) {
     const std::string tag = with_wpe ? " (wpe)" : " (no wpe)";
     const Op fwd = [&](Backend& b, Call& c) {
-      float* out = c.out(Vec(sz(N * C), kNaN));
-      b.embedding_forward(out, c.in(tokens), c.in(pos), c.in(wte), with_wpe ? c.in(wpe) : nullptr,
-                          N, C);
+      const TensorView out = c.out(Vec(sz(N * C), kNaN), N, C);
+      b.embedding_forward(out, c.in(tokens, N, 1), c.in(pos, N, 1), c.in(wte, V, C),
+                          with_wpe ? c.in(wpe, P, C) : TensorView{});
     };
     expect_bitwise("embedding_forward out" + tag, run(*be.emu, fwd)[0], run(*be.cuda, fwd)[0]);
     const Op bwd = [&](Backend& b, Call& c) {
-      float* dwte = c.out(dwte0);
-      float* dwpe = with_wpe ? c.out(dwpe0) : nullptr;
-      b.embedding_backward(dwte, dwpe, c.in(dout), c.in(tokens), c.in(pos), N, C);
+      const TensorView dwte = c.out(dwte0, V, C);
+      const TensorView dwpe = with_wpe ? c.out(dwpe0, P, C) : TensorView{};
+      b.embedding_backward(dwte, dwpe, c.in(dout, N, C), c.in(tokens, N, 1), c.in(pos, N, 1));
     };
     const Outputs e = run(*be.emu, bwd), g = run(*be.cuda, bwd);
     expect_bitwise("embedding_backward dwte" + tag, e[0], g[0]);
@@ -240,10 +300,11 @@ TEST(LayersGpu, LayernormMatchesEmulator) {
     const Vec x = randn(sz(N * C), rng, 2.0f, 0.5f), w = randn(sz(C), rng, 1.0f, 1.0f),
               b = randn(sz(C), rng);
     const Op fwd = [&](Backend& bk, Call& c) {
-      float* out = c.out(Vec(sz(N * C), kNaN));
-      float* mean = c.out(Vec(sz(N), kNaN));
-      float* rstd = c.out(Vec(sz(N), kNaN));
-      bk.layernorm_forward(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C, false);
+      const TensorView out = c.out(Vec(sz(N * C), kNaN), N, C);
+      const TensorView mean = c.out(Vec(sz(N), kNaN), N, 1);
+      const TensorView rstd = c.out(Vec(sz(N), kNaN), N, 1);
+      bk.norm_forward(NormKind::LayerNorm, out, mean, rstd, c.in(x, N, C), c.in(w, C, 1),
+                      c.in(b, C, 1));
     };
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     const Vec &mean = e[1], &rstd = e[2];
@@ -265,11 +326,11 @@ TEST(LayersGpu, LayernormMatchesEmulator) {
     const Vec dout = randn(sz(N * C), rng), dinp0 = randn(sz(N * C), rng), dw0 = randn(sz(C), rng),
               db0 = randn(sz(C), rng);
     const Op bwd = [&](Backend& bk, Call& c) {
-      float* dinp = c.out(dinp0);
-      float* dw = c.out(dw0);
-      float* db = c.out(db0);
-      bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N,
-                            C, false, false);
+      const TensorView dinp = c.out(dinp0, N, C);
+      const TensorView dw = c.out(dw0, C, 1);
+      const TensorView db = c.out(db0, C, 1);
+      bk.norm_backward(NormKind::LayerNorm, dinp, dw, db, c.in(dout, N, C), c.in(x, N, C),
+                       c.in(w, C, 1), c.in(mean, N, 1), c.in(rstd, N, 1));
     };
     const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
     Mag mag_dx(sz(N * C)), mag_dw = abs_of(dw0), mag_db = abs_of(db0);
@@ -311,9 +372,10 @@ TEST(LayersGpu, RmsnormMatchesEmulator) {
     const std::string tag = " " + std::to_string(N) + "x" + std::to_string(C);
     const Vec x = randn(sz(N * C), rng, 2.0f, 0.5f), w = randn(sz(C), rng, 1.0f, 1.0f);
     const Op fwd = [&](Backend& bk, Call& c) {
-      float* out = c.out(Vec(sz(N * C), kNaN));
-      float* rstd = c.out(Vec(sz(N), kNaN));
-      bk.rmsnorm_forward(out, rstd, c.in(x), c.in(w), N, C, false);
+      const TensorView out = c.out(Vec(sz(N * C), kNaN), N, C);
+      const TensorView rstd = c.out(Vec(sz(N), kNaN), N, 1);
+      bk.norm_forward(NormKind::RMSNorm, out, TensorView{}, rstd, c.in(x, N, C), c.in(w, C, 1),
+                      TensorView{});
     };
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     const Vec& rstd = e[1];
@@ -327,9 +389,10 @@ TEST(LayersGpu, RmsnormMatchesEmulator) {
 
     const Vec dout = randn(sz(N * C), rng), dinp0 = randn(sz(N * C), rng), dw0 = randn(sz(C), rng);
     const Op bwd = [&](Backend& bk, Call& c) {
-      float* dinp = c.out(dinp0);
-      float* dw = c.out(dw0);
-      bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, false, false);
+      const TensorView dinp = c.out(dinp0, N, C);
+      const TensorView dw = c.out(dw0, C, 1);
+      bk.norm_backward(NormKind::RMSNorm, dinp, dw, TensorView{}, c.in(dout, N, C), c.in(x, N, C),
+                       c.in(w, C, 1), TensorView{}, c.in(rstd, N, 1));
     };
     const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
     Mag mag_dx(sz(N * C)), mag_dw = abs_of(dw0);
@@ -396,9 +459,9 @@ TEST(LayersGpu, MatmulMatchesEmulator) {
         const Vec x = randn(sz(N * K), rng), w = randn(sz(OC * K), rng, 0.3f),
                   bias = randn(sz(OC), rng);
         const Op fwd = [&](Backend& bk, Call& c) {
-          float* out = c.out(Vec(sz(N * OC), kNaN));
-          bk.matmul_forward(out, c.in(x), c.in(w), with_bias ? c.in(bias) : nullptr, N, K, OC, prec,
-                            false);
+          const TensorView out = c.out(Vec(sz(N * OC), kNaN), N, OC);
+          bk.matmul_forward(out, c.in(x, N, K), c.in(w, OC, K),
+                            with_bias ? c.in(bias, OC, 1) : TensorView{}, prec);
         };
         const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
         Mag mag = gemm_mag(x, w, N, OC, K, bf16);
@@ -411,10 +474,10 @@ TEST(LayersGpu, MatmulMatchesEmulator) {
         const Vec dout = randn(sz(N * OC), rng), dinp0(sz(N * K), kNaN),
                   dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
         const Op bwd = [&](Backend& bk, Call& c) {
-          float* dinp = c.out(dinp0);
-          float* dw = c.out(dw0);
-          float* db = with_bias ? c.out(db0) : nullptr;
-          bk.matmul_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), N, K, OC, prec);
+          const TensorView dinp = c.out(dinp0, N, K);
+          const TensorView dw = c.out(dw0, OC, K);
+          const TensorView db = with_bias ? c.out(db0, OC, 1) : TensorView{};
+          bk.matmul_backward(dinp, dw, db, c.in(dout, N, OC), c.in(x, N, K), c.in(w, OC, K), prec);
         };
         const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
         // dinp (N,K) = dout (N,OC) . W^T^T: rows of dout against rows of W^T (K,OC)
@@ -514,17 +577,17 @@ TEST(LayersGpu, MatmulPlanTakesTheRulesIndex) {
     };
     const Op op = [&](Backend& bk, Call& c) {
       if (cs.kind == 0) {
-        float* out = c.out(Vec(sz(N * OC), kNaN));
-        bk.matmul_forward(out, c.in(x), c.in(w), nullptr, N, K, OC, emu::GemmPrecision::BF16,
-                          false);
+        const TensorView out = c.out(Vec(sz(N * OC), kNaN), N, OC);
+        bk.matmul_forward(out, c.in(x, N, K), c.in(w, OC, K), TensorView{},
+                          emu::GemmPrecision::BF16);
       } else if (cs.kind == 1) {
-        float* dx = c.out(Vec(sz(N * K), kNaN));
-        bk.matmul_backward(dx, nullptr, nullptr, c.in(dy), c.in(x), c.in(w), N, K, OC,
-                           emu::GemmPrecision::BF16);
+        const TensorView dx = c.out(Vec(sz(N * K), kNaN), N, K);
+        bk.matmul_backward(dx, TensorView{}, TensorView{}, c.in(dy, N, OC), c.in(x, N, K),
+                           c.in(w, OC, K), emu::GemmPrecision::BF16);
       } else {
-        float* dw = c.out(Vec(sz(OC * K), 0.0f));
-        bk.matmul_backward(nullptr, dw, nullptr, c.in(dy), c.in(x), c.in(w), N, K, OC,
-                           emu::GemmPrecision::BF16);
+        const TensorView dw = c.out(Vec(sz(OC * K), 0.0f), OC, K);
+        bk.matmul_backward(TensorView{}, dw, TensorView{}, c.in(dy, N, OC), c.in(x, N, K),
+                           c.in(w, OC, K), emu::GemmPrecision::BF16);
       }
     };
     Backends be;
@@ -589,21 +652,22 @@ TEST(LayersGpu, MatmulBackwardBf16BiasFusedEqualsSeparate) {
                             (s.misaligned ? " misaligned" : "");
     const uint64_t before = gpu::fused_matmul_bias_count();
     const Outputs fused = run(*be.cuda, [&](Backend& bk, Call& c) {
-      float* dinp = c.out(Vec(sz(N * K), kNaN));
-      float* dw = c.out(dw0);
-      float* db = c.out(db0);
-      const float* d = c.in(dout_buf) + (s.misaligned ? 1 : 0);
-      bk.matmul_backward(dinp, dw, db, d, c.in(x), c.in(w), N, K, OC, emu::GemmPrecision::BF16);
+      const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
+      const TensorView dw = c.out(dw0, OC, K);
+      const TensorView db = c.out(db0, OC, 1);
+      const TensorView d = skip(c.in(dout_buf, 1, static_cast<int64_t>(dout_buf.size())),
+                                s.misaligned ? 1 : 0, N, OC);
+      bk.matmul_backward(dinp, dw, db, d, c.in(x, N, K), c.in(w, OC, K), emu::GemmPrecision::BF16);
     });
     EXPECT_EQ(gpu::fused_matmul_bias_count(), before + (s.fused ? 1 : 0)) << tag;
     const Outputs separate = run(*be.cuda, [&](Backend& bk, Call& c) {
-      float* dinp = c.out(Vec(sz(N * K), kNaN));
-      float* dw = c.out(dw0);
-      float* db = c.out(db0);
-      const float* d = c.in(dout);
-      bk.matmul_backward(dinp, dw, nullptr, d, c.in(x), c.in(w), N, K, OC,
+      const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
+      const TensorView dw = c.out(dw0, OC, K);
+      const TensorView db = c.out(db0, OC, 1);
+      const TensorView d = c.in(dout, N, OC);
+      bk.matmul_backward(dinp, dw, TensorView{}, d, c.in(x, N, K), c.in(w, OC, K),
                          emu::GemmPrecision::BF16);
-      bk.bias_backward(db, d, N, OC);
+      bk.bias_backward(db, d);
     });
     expect_bitwise("fused matmul_backward dinp " + tag, separate[0], fused[0]);
     expect_bitwise("fused matmul_backward dweight " + tag, separate[1], fused[1]);
@@ -616,8 +680,9 @@ TEST(LayersGpu, MatmulBackwardBf16BiasFusedEqualsSeparate) {
 // written by the op's pass; backward: with the bias gradient's sums, the gradient never stored) ==
 // the op kernel then matmul_forward / matmul_backward, bit for bit: out and the stored activation;
 // dinp, dweight, dbias, and the backward's output buffer left as it was. Specials in the
-// pre-activation and the incoming gradient; both rounding flags; shapes with partial 64-row chunks,
-// odd widths and a misaligned pointer (those two take the composition: counted).
+// pre-activation and the incoming gradient; with and without BF16 storage (the outputs marked
+// bf16_values, the incoming gradient read rounded); shapes with partial 64-row chunks, odd widths
+// and a view one float off alignment (those two take the composition: counted).
 TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
   REQUIRE_GPU();
   Backends be;
@@ -642,12 +707,11 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
       auto fwd = [&](bool fused) {
         gpu::set_activation_fusion(fused);
         const Outputs o = run(*be.cuda, [&](Backend& bk, Call& c) {
-          float* out = c.out(Vec(sz(N * OC), kNaN));
-          float* act = c.out(Vec(sz(N * K), kNaN));
-          const ActivationSource src{
-              ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, rb, false, "act"};
-          bk.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC,
-                                       emu::GemmPrecision::BF16, rb);
+          const TensorView out = c.out(Vec(sz(N * OC), kNaN), N, OC, rb);
+          const TensorView act = c.out(Vec(sz(N * K), kNaN), N, K, rb);
+          const ActivationSource src{ActivationOp::GeluForward, c.in(pre, N, K), {}, act};
+          bk.matmul_forward_activation(out, src, c.in(w, OC, K), c.in(b, OC, 1),
+                                       emu::GemmPrecision::BF16);
         });
         gpu::set_activation_fusion(true);
         return o;
@@ -668,20 +732,15 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
       auto bwd = [&](bool fused) {
         gpu::set_activation_fusion(fused);
         const Outputs o = run(*be.cuda, [&](Backend& bk, Call& c) {
-          float* dinp = c.out(Vec(sz(N * K), kNaN));
-          float* dw = c.out(dw0);
-          float* db = c.out(db0);
-          float* dfc = c.out(Vec(sz(N * OC), kNaN));
-          const ActivationSource src{ActivationOp::GeluBackward,
-                                     c.in(fc_buf),
-                                     c.in(dact_buf) + (s.misaligned ? 1 : 0),
-                                     dfc,
-                                     N,
-                                     OC,
-                                     rb,
-                                     rb,
-                                     "dfc"};
-          bk.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K,
+          const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
+          const TensorView dw = c.out(dw0, OC, K);
+          const TensorView db = c.out(db0, OC, 1);
+          const TensorView dfc = c.out(Vec(sz(N * OC), kNaN), N, OC, rb);
+          const TensorView dact_v = skip(c.in(dact_buf, 1, static_cast<int64_t>(dact_buf.size())),
+                                         s.misaligned ? 1 : 0, N, OC);
+          const ActivationSource src{ActivationOp::GeluBackward, c.in(fc_buf, N, OC),
+                                     marked(dact_v, rb), dfc};
+          bk.matmul_backward_activation(dinp, dw, db, src, c.in(x, N, K), c.in(w, OC, K),
                                         emu::GemmPrecision::BF16);
         });
         gpu::set_activation_fusion(true);
@@ -715,8 +774,8 @@ TEST(LayersGpu, MatmulBf16RoundsOperandsExactly) {
   for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
     const bool bf16 = prec == emu::GemmPrecision::BF16;
     const Op fwd = [&](Backend& bk, Call& c) {
-      float* out = c.out(Vec(sz(N * OC), kNaN));
-      bk.matmul_forward(out, c.in(x), c.in(w), nullptr, N, K, OC, prec, false);
+      const TensorView out = c.out(Vec(sz(N * OC), kNaN), N, OC);
+      bk.matmul_forward(out, c.in(x, N, K), c.in(w, OC, K), TensorView{}, prec);
     };
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     expect_bitwise(std::string("matmul_forward exact ") + (bf16 ? "bf16" : "fp32"), e[0], g[0]);
@@ -726,10 +785,7 @@ TEST(LayersGpu, MatmulBf16RoundsOperandsExactly) {
 
 // ---- attention ----------------------------------------------------------------------------------
 
-struct AttnShape {
-  int64_t B, T, NH, NKV, HD;
-};
-const AttnShape kAttnShapes[] = {
+const AttentionShape kAttentionShapes[] = {
     {2, 37, 6, 2, 32},     // GQA (group of 3), fewer rows than one 64-row tile
     {2, 100, 4, 2, 64},    // GQA, T not a multiple of the tile
     {1, 130, 4, 4, 32},    // MHA, three tiles, the last with 2 rows
@@ -739,7 +795,7 @@ const AttnShape kAttnShapes[] = {
     {2, 1024, 12, 12, 64}  // gpt2-124m's attention at B = 2
 };
 
-std::string attn_tag(const AttnShape& s) {
+std::string attn_tag(const AttentionShape& s) {
   return " B" + std::to_string(s.B) + " T" + std::to_string(s.T) + " NH" + std::to_string(s.NH) +
          " NKV" + std::to_string(s.NKV) + " HD" + std::to_string(s.HD);
 }
@@ -760,7 +816,7 @@ constexpr double kAttnBf16Rtol = 0x1p-7;
 constexpr double kAttnFp32Rtol = 0x1p-12;
 // lse has no BF16 rounding in it: |d lse| <= |d max| + |d l| / l, in ulps of the scores and of the
 // row sum: (2 HD + T + 16) ulp of mag_lse = |lse| + 1 + scale * max_j sum_i |q_i k_ji|.
-double lse_rtol(const AttnShape& s) { return static_cast<double>(2 * s.HD + s.T + 16) * kUlp; }
+double lse_rtol(const AttentionShape& s) { return static_cast<double>(2 * s.HD + s.T + 16) * kUlp; }
 
 struct AttnMags {
   Mag out, lse, dqkv;  // (B,T,NH*HD), (B,NH,T), (B,T,(NH+2NKV)*HD)
@@ -770,7 +826,7 @@ struct AttnMags {
 // p = exp(s - lse) with the emulator's lse and out (the inputs both backward passes get):
 // dS_j's magnitude is p_j (sum_i |dout_i v_ji| + sum_i |dout_i out_i|). One (b, g) per iteration
 // (it owns dk, dv of KV head g and dq of the group's query heads).
-AttnMags attention_mags(const AttnShape& sh, const Vec& qkv, const Vec& dout, const Vec& out,
+AttnMags attention_mags(const AttentionShape& sh, const Vec& qkv, const Vec& dout, const Vec& out,
                         const Vec& lse, const Vec& dqkv_result) {
   const int64_t B = sh.B, T = sh.T, NH = sh.NH, NKV = sh.NKV, HD = sh.HD;
   const int64_t W = (NH + 2 * NKV) * HD, C = NH * HD, group = NH / NKV;
@@ -833,24 +889,25 @@ TEST(LayersGpu, AttentionMatchesEmulator) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(505);
-  for (const AttnShape sh : kAttnShapes) {
+  for (const AttentionShape sh : kAttentionShapes) {
     const int64_t B = sh.B, T = sh.T, NH = sh.NH, NKV = sh.NKV, HD = sh.HD;
     const int64_t W = (NH + 2 * NKV) * HD, C = NH * HD;
     const std::string tag = attn_tag(sh);
     const Vec qkv = randn(sz(B * T * W), rng);
     const Op fwd = [&](Backend& bk, Call& c) {
-      float* out = c.out(Vec(sz(B * T * C), kNaN));  // every element written
-      float* lse = c.out(Vec(sz(B * NH * T), kNaN));
-      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
+      const TensorView out = c.out(Vec(sz(B * T * C), kNaN), B * T, C);  // every element written
+      const TensorView lse = c.out(Vec(sz(B * NH * T), kNaN), B * NH, T);
+      bk.attention_forward(out, lse, c.in(qkv, B * T, W), sh, emu::GemmPrecision::BF16);
     };
     const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
     const Vec &out = e[0], &lse = e[1];
-    // with the BF16 storage asked of the op: the bits of bf16_round of its out, the same lse
+    // with the BF16 storage asked of the op (out marked bf16_values): the bits of bf16_round of its
+    // out, the same lse
     for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
       const Outputs r = run(*bk, [&](Backend& k, Call& c) {
-        float* o = c.out(Vec(sz(B * T * C), kNaN));
-        float* ls = c.out(Vec(sz(B * NH * T), kNaN));
-        k.attention_forward(o, ls, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, true);
+        const TensorView o = c.out(Vec(sz(B * T * C), kNaN), B * T, C, true);
+        const TensorView ls = c.out(Vec(sz(B * NH * T), kNaN), B * NH, T);
+        k.attention_forward(o, ls, c.in(qkv, B * T, W), sh, emu::GemmPrecision::BF16);
       });
       Vec rounded = bk == be.emu.get() ? e[0] : g[0];
       for (float& v : rounded) v = bf16_round(v);
@@ -862,9 +919,9 @@ TEST(LayersGpu, AttentionMatchesEmulator) {
     // backward from the emulator's out and lse, into a dqkv of NaN: every element is written
     const Vec dout = randn(sz(B * T * C), rng), dqkv0(sz(B * T * W), kNaN);
     const Op bwd = [&](Backend& bk, Call& c) {
-      float* dqkv = c.out(dqkv0);
-      bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(out), c.in(lse), B, T, NH, NKV, HD,
-                            emu::GemmPrecision::BF16, false);
+      const TensorView dqkv = c.out(dqkv0, B * T, W);
+      bk.attention_backward(dqkv, c.in(dout, B * T, C), c.in(qkv, B * T, W), c.in(out, B * T, C),
+                            c.in(lse, B * NH, T), sh, emu::GemmPrecision::BF16);
     };
     const Outputs eb = run(*be.emu, bwd), gb = run(*be.cuda, bwd);
     const AttnMags m = attention_mags(sh, qkv, dout, out, lse, eb[0]);
@@ -876,9 +933,9 @@ TEST(LayersGpu, AttentionMatchesEmulator) {
     // of the op, the bits of bf16_round of its unrounded output
     const auto bwd_cuda = [&](bool round) {
       return Op([&, round](Backend& bk, Call& c) {
-        float* dqkv = c.out(dqkv0);
-        bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(g[0]), c.in(g[1]), B, T, NH, NKV,
-                              HD, emu::GemmPrecision::BF16, round);
+        const TensorView dqkv = c.out(dqkv0, B * T, W, round);
+        bk.attention_backward(dqkv, c.in(dout, B * T, C), c.in(qkv, B * T, W), c.in(g[0], B * T, C),
+                              c.in(g[1], B * NH, T), sh, emu::GemmPrecision::BF16);
       });
     };
     const Vec plain = run(*be.cuda, bwd_cuda(false))[0];
@@ -910,7 +967,7 @@ TEST(LayersGpu, AttentionStoredDsEqualsRecomputedDs) {
     ~Restore() { gpu::set_attention_recompute_dq(false); }
   } restore;
   int compared = 0;
-  for (const AttnShape sh : kAttnShapes) {
+  for (const AttentionShape sh : kAttentionShapes) {
     const int64_t B = sh.B, T = sh.T, NH = sh.NH, NKV = sh.NKV, HD = sh.HD;
     if (HD > 64) {
       EXPECT_EQ(gpu::attention_ds_scratch_bytes(B, T, NH, HD), 0) << attn_tag(sh);
@@ -920,15 +977,15 @@ TEST(LayersGpu, AttentionStoredDsEqualsRecomputedDs) {
     const std::string tag = attn_tag(sh);
     const Vec qkv = randn(sz(B * T * W), rng), dout = randn(sz(B * T * C), rng);
     const Outputs f = run(*be.cuda, [&](Backend& bk, Call& c) {
-      float* out = c.out(Vec(sz(B * T * C)));
-      float* lse = c.out(Vec(sz(B * NH * T)));
-      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
+      const TensorView out = c.out(Vec(sz(B * T * C)), B * T, C);
+      const TensorView lse = c.out(Vec(sz(B * NH * T)), B * NH, T);
+      bk.attention_forward(out, lse, c.in(qkv, B * T, W), sh, emu::GemmPrecision::BF16);
     });
     for (const bool round : {false, true}) {
       const Op bwd = [&](Backend& bk, Call& c) {
-        float* dqkv = c.out(Vec(sz(B * T * W), kNaN));
-        bk.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(f[0]), c.in(f[1]), B, T, NH, NKV,
-                              HD, emu::GemmPrecision::BF16, round);
+        const TensorView dqkv = c.out(Vec(sz(B * T * W), kNaN), B * T, W, round);
+        bk.attention_backward(dqkv, c.in(dout, B * T, C), c.in(qkv, B * T, W), c.in(f[0], B * T, C),
+                              c.in(f[1], B * NH, T), sh, emu::GemmPrecision::BF16);
       };
       gpu::set_attention_recompute_dq(false);
       ASSERT_GT(gpu::attention_ds_scratch_bytes(B, T, NH, HD), 0)
@@ -951,30 +1008,27 @@ TEST(LayersGpu, AttentionRejectsUnsupportedHeadDimAndFp32) {
   REQUIRE_GPU();
   Backends be;
   const int64_t B = 1, T = 5, NH = 2, NKV = 1;
+  // the op's views on zeroed buffers of s's shapes
+  auto attention_forward = [&](const AttentionShape& s, emu::GemmPrecision prec) {
+    Call c(*be.cuda);
+    const TensorView out = c.out(Vec(sz(s.B * s.T * s.NH * s.HD)), s.B * s.T, s.NH * s.HD);
+    const TensorView lse = c.out(Vec(sz(s.B * s.NH * s.T)), s.B * s.NH, s.T);
+    be.cuda->attention_forward(
+        out, lse, c.in(Vec(sz(s.B * s.T * s.qkv_cols())), s.B * s.T, s.qkv_cols()), s, prec);
+  };
   for (const int64_t HD : {24, 7, 256}) {
-    const int64_t W = (NH + 2 * NKV) * HD;
-    BackendBuffer out(*be.cuda, sz(B * T * NH * HD) * 4), lse(*be.cuda, sz(B * NH * T) * 4),
-        qkv(*be.cuda, sz(B * T * W) * 4);
     try {
-      be.cuda->attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T, NH, NKV,
-                                 HD, emu::GemmPrecision::BF16, false);
+      attention_forward({B, T, NH, NKV, HD}, emu::GemmPrecision::BF16);
       ADD_FAILURE() << "HD=" << HD << " accepted";
     } catch (const std::invalid_argument& ex) {
       EXPECT_NE(std::string(ex.what()).find("HD=" + std::to_string(HD)), std::string::npos)
           << ex.what();
     }
   }
-  const int64_t HD = 32, W = (NH + 2 * NKV) * HD;
-  BackendBuffer out(*be.cuda, sz(B * T * NH * HD) * 4), lse(*be.cuda, sz(B * NH * T) * 4),
-      qkv(*be.cuda, sz(B * T * W) * 4);
-  EXPECT_THROW(be.cuda->attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), B, T,
-                                          NH, NKV, HD, emu::GemmPrecision::FP32, false),
+  EXPECT_THROW(attention_forward({B, T, NH, NKV, 32}, emu::GemmPrecision::FP32),
                std::invalid_argument);
 }
 
-// One gpt2-124m layer's attention (B 16, NH 12, T 1024, HD 64), forward + backward on the GPU:
-// wall time after a warm-up, and the rate in causal FLOPs (forward 2 GEMMs, backward 5, each
-// 2 * B*NH * T*(T+1)/2 * HD). A report, not a check (timings belong to benchmarks).
 // One gpt2-124m layer's shape (B 16, NH 12, T 1024, HD 64) runs forward and backward with finite
 // outputs (its speed is bench_gemm's BM_GpuAttention).
 TEST(LayersGpu, AttentionGpt2LayerShapeRuns) {
@@ -983,15 +1037,15 @@ TEST(LayersGpu, AttentionGpt2LayerShapeRuns) {
   Backend& g = *be.cuda;
   const int64_t B = 16, T = 1024, NH = 12, NKV = 12, HD = 64, W = (NH + 2 * NKV) * HD, C = NH * HD;
   std::mt19937 rng(7);
+  const AttentionShape s{B, T, NH, NKV, HD};
   Call c(g);
-  const float* qkv = c.in(randn(sz(B * T * W), rng));
-  const float* dout = c.in(randn(sz(B * T * C), rng));
-  float* out = c.out(Vec(sz(B * T * C)));
-  float* lse = c.out(Vec(sz(B * NH * T)));
-  float* dqkv = c.out(Vec(sz(B * T * W)));
-  g.attention_forward(out, lse, qkv, B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
-  g.attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, emu::GemmPrecision::BF16,
-                       false);
+  const TensorView qkv = c.in(randn(sz(B * T * W), rng), B * T, W);
+  const TensorView dout = c.in(randn(sz(B * T * C), rng), B * T, C);
+  const TensorView out = c.out(Vec(sz(B * T * C)), B * T, C);
+  const TensorView lse = c.out(Vec(sz(B * NH * T)), B * NH, T);
+  const TensorView dqkv = c.out(Vec(sz(B * T * W)), B * T, W);
+  g.attention_forward(out, lse, qkv, s, emu::GemmPrecision::BF16);
+  g.attention_backward(dqkv, dout, qkv, out, lse, s, emu::GemmPrecision::BF16);
   const Outputs r = c.results();
   for (const Vec& v : r)
     for (float x : v) ASSERT_TRUE(std::isfinite(x));
@@ -1001,13 +1055,14 @@ TEST(LayersGpu, RopeBitwiseEqualsEmulator) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(606);
-  for (const AttnShape s : {AttnShape{2, 45, 6, 2, 24}, AttnShape{1, 9, 2, 1, 10},
-                            AttnShape{1, 300, 2, 2, 128}, AttnShape{1, 4, 2, 1, 5}}) {
-    const int64_t B = s.B, T = s.T, NH = s.NH, NKV = s.NKV, HD = s.HD;
-    const std::string tag = " T" + std::to_string(T) + " HD" + std::to_string(HD);
-    const Vec x = randn(sz(B * T * (NH + 2 * NKV) * HD), rng);
-    const Op fwd = [&](Backend& bk, Call& c) { bk.rope_forward(c.out(x), B, T, NH, NKV, HD); };
-    const Op bwd = [&](Backend& bk, Call& c) { bk.rope_backward(c.out(x), B, T, NH, NKV, HD); };
+  for (const AttentionShape s :
+       {AttentionShape{2, 45, 6, 2, 24}, AttentionShape{1, 9, 2, 1, 10},
+        AttentionShape{1, 300, 2, 2, 128}, AttentionShape{1, 4, 2, 1, 5}}) {
+    const int64_t N = s.B * s.T, W = s.qkv_cols();
+    const std::string tag = " T" + std::to_string(s.T) + " HD" + std::to_string(s.HD);
+    const Vec x = randn(sz(N * W), rng);
+    const Op fwd = [&](Backend& bk, Call& c) { bk.rope_forward(c.out(x, N, W), s); };
+    const Op bwd = [&](Backend& bk, Call& c) { bk.rope_backward(c.out(x, N, W), s); };
     expect_bitwise("rope_forward qkv" + tag, run(*be.emu, fwd)[0], run(*be.cuda, fwd)[0]);
     expect_bitwise("rope_backward dqkv" + tag, run(*be.emu, bwd)[0], run(*be.cuda, bwd)[0]);
   }
@@ -1031,10 +1086,11 @@ TEST(LayersGpu, ElementwiseMatchesEmulator) {
   const Vec dout = randn(sz(n), rng), dinp0 = randn(sz(n), rng), y = randn(sz(n), rng);
 
   const Op gelu_f = [&](Backend& bk, Call& c) {
-    bk.gelu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n, false);
+    bk.activation_forward(Activation::GeluTanh, c.out(Vec(sz(n), kNaN), 1, n), c.in(x, 1, n));
   };
   const Op gelu_b = [&](Backend& bk, Call& c) {
-    bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false, false);
+    bk.activation_backward(Activation::GeluTanh, c.out(dinp0, 1, n), c.in(x, 1, n),
+                           c.in(dout, 1, n));
   };
   // GELU goes through tanhf: a few ulp of 0.5|x| (the 1 + tanh cancellation for x << 0), and of
   // the derivative's terms for the backward.
@@ -1052,103 +1108,122 @@ TEST(LayersGpu, ElementwiseMatchesEmulator) {
                  kTranscendentalRtol);
 
   const Op sq_f = [&](Backend& bk, Call& c) {
-    bk.squared_relu_forward(c.out(Vec(sz(n), kNaN)), c.in(x), n, false);
+    bk.activation_forward(Activation::SquaredRelu, c.out(Vec(sz(n), kNaN), 1, n), c.in(x, 1, n));
   };
   const Op sq_b = [&](Backend& bk, Call& c) {
-    bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), n, false, false);
+    bk.activation_backward(Activation::SquaredRelu, c.out(dinp0, 1, n), c.in(x, 1, n),
+                           c.in(dout, 1, n));
   };
   const Op res = [&](Backend& bk, Call& c) {
-    bk.residual_forward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(y), n, false);
+    bk.residual_forward(c.out(Vec(sz(n), kNaN), 1, n), c.in(x, 1, n), c.in(y, 1, n));
   };
   expect_bitwise("squared_relu_forward out", run(*be.emu, sq_f)[0], run(*be.cuda, sq_f)[0]);
   expect_bitwise("squared_relu_backward dinp", run(*be.emu, sq_b)[0], run(*be.cuda, sq_b)[0]);
   expect_bitwise("residual_forward out", run(*be.emu, res)[0], run(*be.cuda, res)[0]);
 }
 
-// round_bf16 (the model's BF16 activation storage fused into the op) gives exactly the op's output
-// followed by round_to_bf16 over it, on both backends, for every op that takes it; an op that adds
-// a bias adds it rounded to BF16 then (Backend::matmul_forward), so its unrounded run is given the
-// rounded bias.
+// An output view marked bf16_values (the model's BF16 activation storage fused into the op) gives
+// exactly the op's output followed by rounding to BF16 over it, on both backends, for every op
+// whose output may carry the mark; an op that adds a bias adds it rounded to BF16 then
+// (Backend::matmul_forward), so its unmarked run is given the rounded bias.
 TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(909);
   const int64_t N = 37, C = 96, F = 53, K = 40;
-  const Vec x = with_specials(randn(sz(N * C), rng, 2.0f)), y = randn(sz(N * C), rng),
-            w = randn(sz(C), rng, 1.0f, 1.0f), b = randn(sz(C), rng), dout = randn(sz(N * C), rng),
-            dinp0 = randn(sz(N * C), rng);
+  // (the ops read x's first N * C values: the specials appended lie past them)
+  const Vec xs = with_specials(randn(sz(N * C), rng, 2.0f)), x(xs.begin(), xs.begin() + N * C),
+            y = randn(sz(N * C), rng), w = randn(sz(C), rng, 1.0f, 1.0f), b = randn(sz(C), rng),
+            dout = randn(sz(N * C), rng), dinp0 = randn(sz(N * C), rng);
   const Vec sw_in = randn(sz(N * 2 * F), rng, 2.0f), sw_dout = randn(sz(N * F), rng),
             sw_dinp0 = randn(sz(N * 2 * F), rng);
   const Vec mx = randn(sz(N * K), rng), mw = randn(sz(C * K), rng, 0.3f);
   Vec b16 = b;
   for (float& v : b16) v = bf16_round(v);
-  // each op writes its activation output first (c.out index 0); the rest are scratch it also needs
+  // each op writes its activation output first (c.out index 0), marked bf16_values when r; the rest
+  // are scratch it also needs
   using RoundOp = std::function<void(Backend&, Call&, bool)>;
   const std::vector<std::pair<std::string, RoundOp>> ops = {
-      {"layernorm_forward",
+      {"norm_forward LayerNorm",
        [&](Backend& bk, Call& c, bool r) {
-         float* out = c.out(Vec(sz(N * C), kNaN));
-         bk.layernorm_forward(out, c.out(Vec(sz(N), kNaN)), c.out(Vec(sz(N), kNaN)), c.in(x),
-                              c.in(w), c.in(b), N, C, r);
+         const TensorView out = c.out(Vec(sz(N * C), kNaN), N, C, r);
+         const TensorView mean = c.out(Vec(sz(N), kNaN), N, 1);
+         const TensorView rstd = c.out(Vec(sz(N), kNaN), N, 1);
+         bk.norm_forward(NormKind::LayerNorm, out, mean, rstd, c.in(x, N, C), c.in(w, C, 1),
+                         c.in(b, C, 1));
        }},
-      {"layernorm_backward",
+      {"norm_backward LayerNorm",
        [&](Backend& bk, Call& c, bool r) {
-         float* dinp = c.out(dinp0);
-         Vec mean(sz(N), 0.25f), rstd(sz(N), 0.75f);
-         bk.layernorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.out(Vec(sz(C), 0.0f)), c.in(dout),
-                               c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C, r, false);
+         const TensorView dinp = c.out(dinp0, N, C, r);
+         const TensorView dw = c.out(Vec(sz(C), 0.0f), C, 1);
+         const TensorView db = c.out(Vec(sz(C), 0.0f), C, 1);
+         const Vec mean(sz(N), 0.25f), rstd(sz(N), 0.75f);
+         bk.norm_backward(NormKind::LayerNorm, dinp, dw, db, c.in(dout, N, C), c.in(x, N, C),
+                          c.in(w, C, 1), c.in(mean, N, 1), c.in(rstd, N, 1));
        }},
-      {"rmsnorm_forward",
+      {"norm_forward RMSNorm",
        [&](Backend& bk, Call& c, bool r) {
-         float* out = c.out(Vec(sz(N * C), kNaN));
-         bk.rmsnorm_forward(out, c.out(Vec(sz(N), kNaN)), c.in(x), c.in(w), N, C, r);
+         const TensorView out = c.out(Vec(sz(N * C), kNaN), N, C, r);
+         const TensorView rstd = c.out(Vec(sz(N), kNaN), N, 1);
+         bk.norm_forward(NormKind::RMSNorm, out, TensorView{}, rstd, c.in(x, N, C), c.in(w, C, 1),
+                         TensorView{});
        }},
-      {"rmsnorm_backward",
+      {"norm_backward RMSNorm",
        [&](Backend& bk, Call& c, bool r) {
-         float* dinp = c.out(dinp0);
-         Vec rstd(sz(N), 0.75f);
-         bk.rmsnorm_backward(dinp, c.out(Vec(sz(C), 0.0f)), c.in(dout), c.in(x), c.in(w),
-                             c.in(rstd), N, C, r, false);
+         const TensorView dinp = c.out(dinp0, N, C, r);
+         const TensorView dw = c.out(Vec(sz(C), 0.0f), C, 1);
+         const Vec rstd(sz(N), 0.75f);
+         bk.norm_backward(NormKind::RMSNorm, dinp, dw, TensorView{}, c.in(dout, N, C),
+                          c.in(x, N, C), c.in(w, C, 1), TensorView{}, c.in(rstd, N, 1));
        }},
       {"matmul_forward bias",
        [&](Backend& bk, Call& c, bool r) {
-         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), c.in(r ? b : b16), N, K,
-                           C, emu::GemmPrecision::BF16, r);
+         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN), N, C, r), c.in(mx, N, K), c.in(mw, C, K),
+                           c.in(r ? b : b16, C, 1), emu::GemmPrecision::BF16);
        }},
       {"matmul_forward",
        [&](Backend& bk, Call& c, bool r) {
-         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN)), c.in(mx), c.in(mw), nullptr, N, K, C,
-                           emu::GemmPrecision::BF16, r);
+         bk.matmul_forward(c.out(Vec(sz(N * C), kNaN), N, C, r), c.in(mx, N, K), c.in(mw, C, K),
+                           TensorView{}, emu::GemmPrecision::BF16);
        }},
-      {"bias_forward", [&](Backend& bk, Call& c,
-                           bool r) { bk.bias_forward(c.out(y), c.in(r ? b : b16), N, C, r); }},
-      {"gelu_forward",
+      {"bias_forward",
        [&](Backend& bk, Call& c, bool r) {
-         bk.gelu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r);
+         const TensorView out = c.out(y, N, C, r);  // (in place: out is inp)
+         bk.bias_forward(out, as_stored(out), c.in(r ? b : b16, C, 1));
        }},
-      {"gelu_backward",
+      {"activation_forward GeluTanh",
        [&](Backend& bk, Call& c, bool r) {
-         bk.gelu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r, false);
+         bk.activation_forward(Activation::GeluTanh, c.out(Vec(sz(N * C), kNaN), N, C, r),
+                               c.in(x, N, C));
        }},
-      {"squared_relu_forward",
+      {"activation_backward GeluTanh",
        [&](Backend& bk, Call& c, bool r) {
-         bk.squared_relu_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), N * C, r);
+         bk.activation_backward(Activation::GeluTanh, c.out(dinp0, N, C, r), c.in(x, N, C),
+                                c.in(dout, N, C));
        }},
-      {"squared_relu_backward",
+      {"activation_forward SquaredRelu",
        [&](Backend& bk, Call& c, bool r) {
-         bk.squared_relu_backward(c.out(dinp0), c.in(x), c.in(dout), N * C, r, false);
+         bk.activation_forward(Activation::SquaredRelu, c.out(Vec(sz(N * C), kNaN), N, C, r),
+                               c.in(x, N, C));
        }},
-      {"swiglu_forward",
+      {"activation_backward SquaredRelu",
        [&](Backend& bk, Call& c, bool r) {
-         bk.swiglu_forward(c.out(Vec(sz(N * F), kNaN)), c.in(sw_in), N, F, r);
+         bk.activation_backward(Activation::SquaredRelu, c.out(dinp0, N, C, r), c.in(x, N, C),
+                                c.in(dout, N, C));
        }},
-      {"swiglu_backward",
+      {"activation_forward SwiGLU",
        [&](Backend& bk, Call& c, bool r) {
-         bk.swiglu_backward(c.out(sw_dinp0), c.in(sw_in), c.in(sw_dout), N, F, r, false);
+         bk.activation_forward(Activation::SwiGLU, c.out(Vec(sz(N * F), kNaN), N, F, r),
+                               c.in(sw_in, N, 2 * F));
+       }},
+      {"activation_backward SwiGLU",
+       [&](Backend& bk, Call& c, bool r) {
+         bk.activation_backward(Activation::SwiGLU, c.out(sw_dinp0, N, 2 * F, r),
+                                c.in(sw_in, N, 2 * F), c.in(sw_dout, N, F));
        }},
       {"residual_forward",
        [&](Backend& bk, Call& c, bool r) {
-         bk.residual_forward(c.out(Vec(sz(N * C), kNaN)), c.in(x), c.in(y), N * C, r);
+         bk.residual_forward(c.out(Vec(sz(N * C), kNaN), N, C, r), c.in(x, N, C), c.in(y, N, C));
        }},
   };
   for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
@@ -1161,15 +1236,15 @@ TEST(LayersGpu, FusedBf16RoundingEqualsSeparatePass) {
         any_changed = any_changed || !same_bits(r, v);
         v = r;
       }
-      expect_bitwise(name + " round_bf16 on " + bk->name(), separate, fused);
+      expect_bitwise(name + " bf16_values on " + bk->name(), separate, fused);
       EXPECT_TRUE(any_changed) << name << ": the case does not exercise the rounding";
     }
   }
 }
 
-// bf16_dout: an activation's or norm's backward pass reading dout as bf16_round(dout) gives the
-// bits of the same pass on a dout rounded beforehand (every output: dinp, and the norms' weight and
-// bias gradients), on both backends.
+// dout marked bf16_values: an activation's or norm's backward pass reading dout as bf16_round(dout)
+// gives the bits of the same pass on a dout rounded beforehand (every output: dinp, and the norms'
+// weight and bias gradients), on both backends.
 TEST(LayersGpu, BackwardPassesReadBf16Dout) {
   REQUIRE_GPU();
   Backends be;
@@ -1179,33 +1254,38 @@ TEST(LayersGpu, BackwardPassesReadBf16Dout) {
   const Vec w = randn(sz(F), rng), mean(sz(N), 0.25f), rstd(sz(N), 0.75f);
   Vec rounded = dout;
   for (float& v : rounded) v = bf16_round(v);
+  // (dinp, output 0, marked: written rounded; b: dout marked, read rounded)
   using BwdOp = std::function<void(Backend&, Call&, const Vec&, bool)>;
   const std::vector<std::pair<std::string, BwdOp>> ops = {
-      {"gelu_backward",
+      {"activation_backward GeluTanh",
        [&](Backend& bk, Call& c, const Vec& d, bool b) {
-         bk.gelu_backward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(d), n, true, b);
+         bk.activation_backward(Activation::GeluTanh, c.out(Vec(sz(n), kNaN), N, F, true),
+                                c.in(x, N, F), c.in(d, N, F, b));
        }},
-      {"squared_relu_backward",
+      {"activation_backward SquaredRelu",
        [&](Backend& bk, Call& c, const Vec& d, bool b) {
-         bk.squared_relu_backward(c.out(Vec(sz(n), kNaN)), c.in(x), c.in(d), n, true, b);
+         bk.activation_backward(Activation::SquaredRelu, c.out(Vec(sz(n), kNaN), N, F, true),
+                                c.in(x, N, F), c.in(d, N, F, b));
        }},
-      {"swiglu_backward",
+      {"activation_backward SwiGLU",
        [&](Backend& bk, Call& c, const Vec& d, bool b) {
-         bk.swiglu_backward(c.out(Vec(sz(2 * n), kNaN)), c.in(sw_in), c.in(d), N, F, true, b);
+         bk.activation_backward(Activation::SwiGLU, c.out(Vec(sz(2 * n), kNaN), N, 2 * F, true),
+                                c.in(sw_in, N, 2 * F), c.in(d, N, F, b));
        }},
-      {"layernorm_backward",
+      {"norm_backward LayerNorm",
        [&](Backend& bk, Call& c, const Vec& d, bool b) {
-         float* dinp = c.out(Vec(sz(n), 0.0f));  // (outputs made in order: output 0 is dinp)
-         float* dw = c.out(Vec(sz(F), 0.0f));
-         float* db = c.out(Vec(sz(F), 0.0f));
-         bk.layernorm_backward(dinp, dw, db, c.in(d), c.in(x), c.in(w), c.in(mean), c.in(rstd), N,
-                               F, true, b);
+         const TensorView dinp = c.out(Vec(sz(n), 0.0f), N, F, true);
+         const TensorView dw = c.out(Vec(sz(F), 0.0f), F, 1);
+         const TensorView db = c.out(Vec(sz(F), 0.0f), F, 1);
+         bk.norm_backward(NormKind::LayerNorm, dinp, dw, db, c.in(d, N, F, b), c.in(x, N, F),
+                          c.in(w, F, 1), c.in(mean, N, 1), c.in(rstd, N, 1));
        }},
-      {"rmsnorm_backward",
+      {"norm_backward RMSNorm",
        [&](Backend& bk, Call& c, const Vec& d, bool b) {
-         float* dinp = c.out(Vec(sz(n), 0.0f));
-         float* dw = c.out(Vec(sz(F), 0.0f));
-         bk.rmsnorm_backward(dinp, dw, c.in(d), c.in(x), c.in(w), c.in(rstd), N, F, true, b);
+         const TensorView dinp = c.out(Vec(sz(n), 0.0f), N, F, true);
+         const TensorView dw = c.out(Vec(sz(F), 0.0f), F, 1);
+         bk.norm_backward(NormKind::RMSNorm, dinp, dw, TensorView{}, c.in(d, N, F, b),
+                          c.in(x, N, F), c.in(w, F, 1), TensorView{}, c.in(rstd, N, 1));
        }},
   };
   for (Backend* bk : {be.emu.get(), be.cuda.get()})
@@ -1214,7 +1294,7 @@ TEST(LayersGpu, BackwardPassesReadBf16Dout) {
       const Outputs before = run(*bk, [&](Backend& k, Call& c) { op(k, c, rounded, false); });
       const Outputs raw = run(*bk, [&](Backend& k, Call& c) { op(k, c, dout, false); });
       for (size_t o = 0; o < on_read.size(); ++o)
-        expect_bitwise(name + " output " + std::to_string(o) + " bf16_dout on " + bk->name(),
+        expect_bitwise(name + " output " + std::to_string(o) + " dout bf16_values on " + bk->name(),
                        before[o], on_read[o]);
       bool differs = false;
       for (size_t i = 0; i < raw[0].size(); ++i)
@@ -1224,9 +1304,10 @@ TEST(LayersGpu, BackwardPassesReadBf16Dout) {
 }
 
 // The cross-entropy kernel with its row cached in shared memory (the default where it fits) and
-// reading the logits in every pass: the same bits, forward-only and fused with the backward, at
-// gpt2's vocabulary (196.5 KiB of shared memory), just over the 48 KiB default limit (12288, which
-// needs the opt-in), beyond the H200's opt-in (60000: both runs uncached), and small ones.
+// reading the logits in every pass: the same bits, at gpt2's vocabulary (196.5 KiB of shared
+// memory), just over the 48 KiB default limit (12288, which needs the opt-in), beyond the H200's
+// opt-in (60000: both runs uncached), and small ones; with dlosses 1 (dlogits then hold the
+// probabilities, less 1 at the target), with random dlosses, and in BF16 storage.
 TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
   REQUIRE_GPU();
   auto cuda = make_backend("cuda");
@@ -1234,17 +1315,13 @@ TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
   for (const RowsCols s : {RowsCols{6, 50304}, RowsCols{5, 12288}, RowsCols{3, 60000},
                            RowsCols{37, 256}, RowsCols{3, 13}}) {
     const int64_t N = s.N, V = s.C;
-    const Vec logits = randn(sz(N * V), rng, 3.0f), dlosses = randn(sz(N), rng, 0.1f);
+    const Vec logits = randn(sz(N * V), rng, 3.0f), dlosses = randn(sz(N), rng, 0.1f),
+              ones(sz(N), 1.0f);
     const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
-    for (int mode = 0; mode < 3; ++mode) {  // forward; fused; fused with BF16 rounding
+    for (int mode = 0; mode < 3; ++mode) {  // dlosses 1; random dlosses; BF16 storage
       const Op op = [&](Backend& bk, Call& c) {
-        float* losses = c.out(Vec(sz(N), kNaN));
-        float* out = c.out(Vec(sz(N * V), kNaN));
-        if (mode == 0)
-          bk.crossentropy_softmax_forward(losses, out, c.in(logits), c.in(targets), N, V, false);
-        else
-          bk.crossentropy_softmax_forward_backward(losses, out, c.in(logits), c.in(targets),
-                                                   c.in(dlosses), N, V, mode == 2);
+        crossentropy_on(bk, c, c.in(logits, N, V, mode == 2), targets, mode == 0 ? ones : dlosses,
+                        false);
       };
       const Outputs cached = run(*cuda, op);
       Outputs plain;
@@ -1256,31 +1333,31 @@ TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
       const std::string tag =
           " " + std::to_string(N) + "x" + std::to_string(V) + " mode " + std::to_string(mode);
       expect_bitwise("crossentropy losses cached vs not" + tag, plain[0], cached[0]);
-      expect_bitwise("crossentropy output cached vs not" + tag, plain[1], cached[1]);
+      expect_bitwise("crossentropy dlogits cached vs not" + tag, plain[1], cached[1]);
     }
-    // bf16_logits reads each logit rounded: the same as the op on logits rounded beforehand
-    Vec rounded = logits;
-    for (float& v : rounded) v = bf16_round(v);
-    auto fwd = [&](const Vec& z, bool bf16_logits) {
+    // logits marked bf16_values are read rounded: the op on logits rounded beforehand, its gradient
+    // then rounded (the mark's dlogits are written rounded)
+    const Vec rounded = bf16_values_of(logits);
+    auto fwd = [&](const Vec& z, bool bf16) {
       return run(*cuda, [&](Backend& bk, Call& c) {
-        float* losses = c.out(Vec(sz(N), kNaN));
-        bk.crossentropy_softmax_forward(losses, c.out(Vec(sz(N * V), kNaN)), c.in(z), c.in(targets),
-                                        N, V, bf16_logits);
+        crossentropy_on(bk, c, c.in(z, N, V, bf16), targets, dlosses, false);
       });
     };
     const Outputs a = fwd(logits, true), b = fwd(rounded, false), unrounded = fwd(logits, false);
     const std::string tag = " " + std::to_string(N) + "x" + std::to_string(V);
-    expect_bitwise("crossentropy bf16_logits losses" + tag, b[0], a[0]);
-    expect_bitwise("crossentropy bf16_logits probs" + tag, b[1], a[1]);
+    expect_bitwise("crossentropy bf16_values logits losses" + tag, b[0], a[0]);
+    expect_bitwise("crossentropy bf16_values logits dlogits" + tag, bf16_values_of(b[1]), a[1]);
     EXPECT_NE(unrounded[0], a[0]) << "the rounding changed nothing" << tag;
   }
 }
 
 // A target far below its row's maximum: 2^x flushes to zero from a gap of ~87.3, the emulator's
-// expf only from ~103.9; the loss stays finite and agrees in between (the fused op too).
+// expf only from ~103.9; the CUDA op's loss stays finite and agrees in between with the emulator's
+// reference functions, the forward pass alone (emu::crossentropy_softmax_forward) and fused with
+// the backward pass (emu::crossentropy_softmax_forward_backward).
 TEST(LayersGpu, CrossEntropyLossFiniteForFarTargets) {
   REQUIRE_GPU();
-  Backends be;
+  auto cuda = make_backend("cuda");
   const int64_t N = 3, V = 64;
   Vec logits(sz(N * V), 0.0f);
   // (below ~96 the subnormal exp has over a thousand steps of 2^-149: both backends' expf within
@@ -1289,17 +1366,16 @@ TEST(LayersGpu, CrossEntropyLossFiniteForFarTargets) {
   const std::vector<int32_t> targets = {5, 17, 63};
   for (int64_t n = 0; n < N; ++n) logits[sz(n * V + targets[sz(n)])] = -gaps[n];
   const Vec dlosses(sz(N), 1.0f / static_cast<float>(N));
+  const Vec g = run(*cuda, [&](Backend& bk, Call& c) {
+    crossentropy_on(bk, c, c.in(logits, N, V), targets, dlosses, false);
+  })[0];
+  Vec forward(sz(N)), probs(sz(N * V)), fused(sz(N)), dlogits(sz(N * V));
+  emu::crossentropy_softmax_forward(forward.data(), probs.data(), logits.data(), targets.data(), N,
+                                    V, false);
+  emu::crossentropy_softmax_forward_backward(fused.data(), dlogits.data(), logits.data(),
+                                             targets.data(), dlosses.data(), N, V, false);
   for (int mode = 0; mode < 2; ++mode) {
-    const Op op = [&](Backend& bk, Call& c) {
-      float* losses = c.out(Vec(sz(N), kNaN));
-      float* out = c.out(Vec(sz(N * V), kNaN));
-      if (mode == 0)
-        bk.crossentropy_softmax_forward(losses, out, c.in(logits), c.in(targets), N, V, false);
-      else
-        bk.crossentropy_softmax_forward_backward(losses, out, c.in(logits), c.in(targets),
-                                                 c.in(dlosses), N, V, false);
-    };
-    const Vec e = run(*be.emu, op)[0], g = run(*be.cuda, op)[0];
+    const Vec& e = mode == 0 ? forward : fused;
     for (int64_t n = 0; n < N; ++n) {
       EXPECT_TRUE(std::isfinite(g[sz(n)])) << "mode " << mode << " row " << n << ": " << g[sz(n)];
       EXPECT_NEAR(g[sz(n)], e[sz(n)], 5e-3) << "mode " << mode << " row " << n;
@@ -1307,6 +1383,39 @@ TEST(LayersGpu, CrossEntropyLossFiniteForFarTargets) {
   }
 }
 
+// What the cross-entropy op on bk computes from float32 logits z [N, V] before its gradient: the
+// losses, and the probabilities from its dlogits with dlosses 1, (softmax - onehot) * 1, exact but
+// at the target; the target's own from a second run with every target moved one class on (the
+// probabilities do not depend on the targets: elsewhere both runs agree bit for bit).
+struct CrossEntropyForward {
+  Vec losses, probs;
+};
+CrossEntropyForward crossentropy_probs(Backend& bk, const Vec& z,
+                                       const std::vector<int32_t>& targets, int64_t N, int64_t V,
+                                       const std::string& tag) {
+  std::vector<int32_t> moved(targets);
+  for (int32_t& t : moved) t = static_cast<int32_t>((t + 1) % V);
+  const Vec ones(sz(N), 1.0f);
+  auto go = [&](const std::vector<int32_t>& t) {
+    return run(bk,
+               [&](Backend& k, Call& c) { crossentropy_on(k, c, c.in(z, N, V), t, ones, false); });
+  };
+  const Outputs a = go(targets), b = go(moved);
+  Vec probs = a[1], other = b[1];
+  for (int64_t n = 0; n < N; ++n) {
+    probs[sz(n * V + targets[sz(n)])] = b[1][sz(n * V + targets[sz(n)])];
+    other[sz(n * V + moved[sz(n)])] = a[1][sz(n * V + moved[sz(n)])];
+  }
+  expect_bitwise("crossentropy probabilities, targets moved, on " + bk.name() + tag, probs, other);
+  return {a[0], probs};
+}
+
+// The CUDA op against the emulator's reference functions (emu/layers.hpp): the losses and the
+// probabilities (crossentropy_probs) within the bounds below of emu::crossentropy_softmax_forward's
+// and of a double-precision softmax; and on each backend the op's losses and dlogits, for random
+// dlosses and in BF16 storage, are those of its own forward pass, and of
+// emu::crossentropy_softmax_backward on its own forward pass's probabilities, bit for bit (so the
+// CUDA gradient's arithmetic is the emulator's).
 TEST(LayersGpu, CrossEntropyMatchesEmulator) {
   REQUIRE_GPU();
   Backends be;
@@ -1316,12 +1425,10 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
     const std::string tag = " " + std::to_string(N) + "x" + std::to_string(V);
     const Vec logits = randn(sz(N * V), rng, 3.0f);
     const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
-    const Op fwd = [&](Backend& bk, Call& c) {
-      float* losses = c.out(Vec(sz(N), kNaN));
-      float* probs = c.out(Vec(sz(N * V), kNaN));
-      bk.crossentropy_softmax_forward(losses, probs, c.in(logits), c.in(targets), N, V, false);
-    };
-    const Outputs e = run(*be.emu, fwd), g = run(*be.cuda, fwd);
+    Vec e_losses(sz(N)), e_probs(sz(N * V));
+    emu::crossentropy_softmax_forward(e_losses.data(), e_probs.data(), logits.data(),
+                                      targets.data(), N, V, false);
+    const CrossEntropyForward g = crossentropy_probs(*be.cuda, logits, targets, N, V, tag);
     // The emulator sums the V exponentials sequentially in FP32: its own error reaches (V-1) ulp
     // of the sum (seen: 0.15 V ulp at V = 50257), so against it the budget grows with V. Against a
     // double-precision softmax the CUDA kernel (256 or, from V = 4096, 1024 strided sums of V/256
@@ -1339,61 +1446,42 @@ TEST(LayersGpu, CrossEntropyMatchesEmulator) {
         exact_probs[sz(n * V + i)] =
             static_cast<float>(std::exp(static_cast<double>(z[i]) - mx) / sum);
       exact_losses[sz(n)] = static_cast<float>(std::log(sum) - (z[targets[sz(n)]] - mx));
-      mag_loss[sz(n)] = 1.0 + std::fabs(e[0][sz(n)]);
+      mag_loss[sz(n)] = 1.0 + std::fabs(e_losses[sz(n)]);
     }
-    expect_bounded("crossentropy_forward losses" + tag, e[0], g[0], mag_loss, rtol_emu);
-    expect_bounded("crossentropy_forward probs" + tag, e[1], g[1], abs_of(e[1]), rtol_emu);
-    expect_bounded("crossentropy_forward losses vs fp64" + tag, exact_losses, g[0], mag_loss,
+    expect_bounded("crossentropy losses" + tag, e_losses, g.losses, mag_loss, rtol_emu);
+    expect_bounded("crossentropy probs" + tag, e_probs, g.probs, abs_of(e_probs), rtol_emu);
+    expect_bounded("crossentropy losses vs fp64" + tag, exact_losses, g.losses, mag_loss,
                    rtol_exact);
-    expect_bounded("crossentropy_forward probs vs fp64" + tag, exact_probs, g[1],
-                   abs_of(exact_probs), rtol_exact);
+    expect_bounded("crossentropy probs vs fp64" + tag, exact_probs, g.probs, abs_of(exact_probs),
+                   rtol_exact);
 
-    const Vec dlosses = randn(sz(N), rng, 1.0f / static_cast<float>(N)),
-              dl0 = randn(sz(N * V), rng);
-    const Vec& probs = e[1];
-    for (bool round_bf16 : {false, true}) {  // dl0: what the output held before, overwritten
-      const Op bwd = [&](Backend& bk, Call& c) {
-        float* dlogits = c.out(dl0);
-        bk.crossentropy_softmax_backward(dlogits, c.in(probs), c.in(targets), c.in(dlosses), N, V,
-                                         round_bf16);
-      };
-      expect_bitwise("crossentropy_backward dlogits" + tag + (round_bf16 ? " bf16" : ""),
-                     run(*be.emu, bwd)[0], run(*be.cuda, bwd)[0]);
-      // the fused op on each backend: that backend's forward losses, and its backward on its own
-      // forward's probabilities, bit for bit
-      // (with round_bf16 the fused op reads the logits rounded: its forward is the one with
-      // bf16_logits)
-      const Op fwd_r = [&](Backend& bk, Call& c) {
-        float* losses = c.out(Vec(sz(N), kNaN));
-        float* probs = c.out(Vec(sz(N * V), kNaN));
-        bk.crossentropy_softmax_forward(losses, probs, c.in(logits), c.in(targets), N, V,
-                                        round_bf16);
-      };
+    const Vec dlosses = randn(sz(N), rng, 1.0f / static_cast<float>(N));
+    for (bool round_bf16 : {false, true}) {
+      // (in BF16 storage the op reads the logits rounded: its forward pass is the one on the
+      // rounded logits; and it writes dlogits rounded)
+      const Vec z = round_bf16 ? bf16_values_of(logits) : logits;
       for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
-        const Outputs f = run(*bk, fwd_r);
-        const Op bwd_own = [&](Backend& k, Call& c) {
-          k.crossentropy_softmax_backward(c.out(dl0), c.in(f[1]), c.in(targets), c.in(dlosses), N,
-                                          V, round_bf16);
-        };
-        const Op fused = [&](Backend& k, Call& c) {
-          float* losses = c.out(Vec(sz(N), kNaN));
-          k.crossentropy_softmax_forward_backward(losses, c.out(dl0), c.in(logits), c.in(targets),
-                                                  c.in(dlosses), N, V, round_bf16);
-        };
-        const Outputs fu = run(*bk, fused);
         const std::string on = tag + (round_bf16 ? " bf16 " : " ") + bk->name();
-        expect_bitwise("crossentropy_forward_backward losses" + on, f[0], fu[0]);
-        expect_bitwise("crossentropy_forward_backward dlogits" + on, run(*bk, bwd_own)[0], fu[1]);
+        const CrossEntropyForward f =
+            crossentropy_probs(*bk, z, targets, N, V, tag + (round_bf16 ? " bf16" : ""));
+        Vec ref(sz(N * V));
+        emu::crossentropy_softmax_backward(ref.data(), f.probs.data(), targets.data(),
+                                           dlosses.data(), N, V, round_bf16);
+        const Outputs fu = run(*bk, [&](Backend& k, Call& c) {
+          crossentropy_on(k, c, c.in(logits, N, V, round_bf16), targets, dlosses, false);
+        });
+        expect_bitwise("crossentropy_forward_backward losses" + on, f.losses, fu[0]);
+        expect_bitwise("crossentropy_forward_backward dlogits" + on, ref, fu[1]);
       }
     }
   }
 }
 
-// The output head's BF16-dout ops against their FP32 twins on the same backend, bit for bit: the
-// cross-entropy op's BF16 dlogits are the bits of the FP32 op's BF16-rounded ones (losses equal),
-// and matmul_backward_bf16_dout equals matmul_backward on the widened dout (dinp written over NaN,
-// dweight added to), at both precisions. The emulator always; the CUDA backend where there is a
-// GPU.
+// The output head's BF16-bits ops against their float32 twins on the same backend, bit for bit:
+// the cross-entropy op's BF16 dlogits are the bits of its float32 dlogits marked bf16_values
+// (losses equal), and matmul_backward reading a BF16 dout equals matmul_backward on the widened
+// dout (dinp written over NaN, dweight added to), at both precisions. The emulator always; the CUDA
+// backend where there is a GPU.
 TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
   std::vector<std::unique_ptr<Backend>> backends;
   backends.push_back(make_backend("emu"));
@@ -1403,31 +1491,16 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
   auto set_cached = [](const std::string& backend, bool on) {
     if (backend == "cuda") gpu::set_crossentropy_cached(on);
   };
-  // 16-bit outputs through Call::out's float buffers: a float per two BF16 values
-  auto bits_of = [](const Vec& raw, size_t n) {
-    std::vector<uint16_t> b(n);
-    std::memcpy(b.data(), raw.data(), n * sizeof(uint16_t));
-    return b;
-  };
   for (auto& bk : backends) {
     for (int64_t V : {int64_t{300}, int64_t{5000}, int64_t{50304}}) {
       const int64_t N = V > 5000 ? 3 : 9;
       const Vec logits = randn(sz(N * V), rng, 3.0f), dlosses = randn(sz(N), rng, 0.1f);
       const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
-      // (outputs declared in order, one statement each: argument evaluation order is unspecified)
       const Op fp32 = [&](Backend& k, Call& c) {
-        float* losses = c.out(Vec(sz(N), kNaN));
-        float* d = c.out(Vec(sz(N * V), kNaN));
-        k.crossentropy_softmax_forward_backward(losses, d, c.in(logits), c.in(targets),
-                                                c.in(dlosses), N, V, true);
+        crossentropy_on(k, c, c.in(logits, N, V, true), targets, dlosses, false);
       };
-      // (the BF16 output starts as NaN in both halves of each float: 0x7FFF7FFF)
       const Op half = [&](Backend& k, Call& c) {
-        float* losses = c.out(Vec(sz(N), kNaN));
-        auto* d = reinterpret_cast<uint16_t*>(
-            c.out(Vec(sz((N * V + 1) / 2), f32_from_bits(0x7FFF7FFFu))));
-        k.crossentropy_softmax_forward_backward_bf16(losses, d, c.in(logits), c.in(targets),
-                                                     c.in(dlosses), N, V);
+        crossentropy_on(k, c, c.in(logits, N, V, true), targets, dlosses, true);
       };
       const Outputs f = run(*bk, fp32);
       for (bool cached :
@@ -1441,10 +1514,7 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
         const std::string tag =
             " V=" + std::to_string(V) + " " + bk->name() + (cached ? "" : " uncached");
         expect_bitwise("crossentropy bf16 losses" + tag, f[0], h[0]);
-        const std::vector<uint16_t> hb = bits_of(h[1], sz(N * V));
-        Vec widened(sz(N * V));
-        for (size_t i = 0; i < widened.size(); ++i) widened[i] = bf16_to_f32(hb[i]);
-        expect_bitwise("crossentropy bf16 dlogits" + tag, f[1], widened);
+        expect_bitwise("crossentropy bf16 dlogits" + tag, f[1], h[1]);
       }
     }
     for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
@@ -1458,52 +1528,34 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
         dout_f[i] = bf16_to_f32(dout[i]);
       }
       const Op ref = [&](Backend& k, Call& c) {
-        float* dinp = c.out(Vec(sz(N * K), kNaN));
-        float* dw = c.out(dw0);
-        k.matmul_backward(dinp, dw, nullptr, c.in(dout_f), c.in(x), c.in(w), N, K, OC, prec);
+        const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
+        const TensorView dw = c.out(dw0, OC, K);
+        k.matmul_backward(dinp, dw, TensorView{}, c.in(dout_f, N, OC), c.in(x, N, K),
+                          c.in(w, OC, K), prec);
       };
       const Op got = [&](Backend& k, Call& c) {
-        float* dinp = c.out(Vec(sz(N * K), kNaN));
-        float* dw = c.out(dw0);
-        k.matmul_backward_bf16_dout(dinp, dw, c.in(dout), c.in(x), c.in(w), N, K, OC, prec);
+        const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
+        const TensorView dw = c.out(dw0, OC, K);
+        k.matmul_backward(dinp, dw, TensorView{}, c.in(dout, N, OC), c.in(x, N, K), c.in(w, OC, K),
+                          prec);
       };
       const Outputs r = run(*bk, ref), g = run(*bk, got);
       const std::string tag =
           std::string(prec == emu::GemmPrecision::BF16 ? " bf16 " : " fp32 ") + bk->name();
-      expect_bitwise("matmul_backward_bf16_dout dinp" + tag, r[0], g[0]);
-      expect_bitwise("matmul_backward_bf16_dout dweight" + tag, r[1], g[1]);
+      expect_bitwise("matmul_backward BF16 dout dinp" + tag, r[0], g[0]);
+      expect_bitwise("matmul_backward BF16 dout dweight" + tag, r[1], g[1]);
     }
   }
 }
 
-// BF16 bits in a Call's float buffers: n 16-bit outputs (a float per two, starting as NaN bits)
-// and their values widened back to FP32.
-uint16_t* bf16_out(Call& c, int64_t n) {
-  return reinterpret_cast<uint16_t*>(c.out(Vec(sz((n + 1) / 2), f32_from_bits(0x7FFF7FFFu))));
-}
-Vec widened(const Vec& raw, int64_t n) {
-  std::vector<uint16_t> b(sz(n));
-  std::memcpy(b.data(), raw.data(), b.size() * sizeof(uint16_t));
-  Vec v(b.size());
-  for (size_t i = 0; i < b.size(); ++i) v[i] = bf16_to_f32(b[i]);
-  return v;
-}
-std::vector<uint16_t> bf16_bits_of(const Vec& v) {
-  std::vector<uint16_t> b(v.size());
-  for (size_t i = 0; i < v.size(); ++i) b[i] = bf16_rne(v[i]);
-  return b;
-}
-Vec bf16_values_of(const Vec& v) {
-  Vec r(v);
-  for (float& x : r) x = bf16_round(x);
-  return r;
-}
-
-// The residual add fused into the LayerNorm that reads it (one pass on the CUDA backend where the
-// row kernel applies: C <= 1024, C % 4 == 0, aligned) against the two ops, bit for bit: the
-// residual stream, the BF16 output, mean and rstd; with and without the residual's BF16 rounding,
-// at gpt2's C, a C the rows kernel covers with a partial quad set, and one past its limit.
-TEST(LayersGpu, ResidualLayerNormEqualsTheTwoOps) {
+// The residual add fused into the norm that reads it (residual_norm_forward: one pass on the CUDA
+// backend where the row kernel applies: LayerNorm, b and the output as BF16 bits, C <= 1024,
+// C % 4 == 0, aligned; the composition elsewhere) against the two ops (residual_forward, then
+// norm_forward), bit for bit: the residual stream, the norm's output, mean and rstd; with and
+// without the residual's BF16 rounding (res marked bf16_values), b and the output each as BF16
+// bits or float32 (the output marked bf16_values), LayerNorm and RMSNorm, at gpt2's C, a C the rows
+// kernel covers with a partial quad set, and one past its limit.
+TEST(LayersGpu, ResidualNormForwardEqualsTheTwoOps) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(818);
@@ -1511,28 +1563,38 @@ TEST(LayersGpu, ResidualLayerNormEqualsTheTwoOps) {
     for (const bool rb : {true, false}) {
       const int64_t N = 37;
       const Vec a = randn(sz(N * C), rng), w = randn(sz(C), rng), b = randn(sz(C), rng);
-      const std::vector<uint16_t> p16 = bf16_bits_of(randn(sz(N * C), rng));
-      const std::string tag = " C=" + std::to_string(C) + (rb ? " round_bf16" : "");
-      const Outputs two = run(*be.cuda, [&](Backend& k, Call& c) {
-        float* res = c.out(Vec(sz(N * C), kNaN));
-        uint16_t* out16 = bf16_out(c, N * C);
-        float* mean = c.out(Vec(sz(N), kNaN));
-        float* rstd = c.out(Vec(sz(N), kNaN));
-        k.residual_forward_bf16(res, c.in(a), c.in(p16), N * C, rb);
-        k.layernorm_forward_bf16(out16, mean, rstd, res, c.in(w), c.in(b), N, C);
-      });
-      const Outputs one = run(*be.cuda, [&](Backend& k, Call& c) {
-        float* res = c.out(Vec(sz(N * C), kNaN));
-        uint16_t* out16 = bf16_out(c, N * C);
-        float* mean = c.out(Vec(sz(N), kNaN));
-        float* rstd = c.out(Vec(sz(N), kNaN));
-        k.residual_layernorm_forward_bf16(res, out16, mean, rstd, c.in(a), c.in(p16), c.in(w),
-                                          c.in(b), N, C, rb);
-      });
-      const char* names[] = {"res", "out16", "mean", "rstd"};
-      for (size_t i = 0; i < 4; ++i)
-        expect_bitwise(std::string("residual_layernorm_forward_bf16 ") + names[i] + tag, two[i],
-                       one[i]);
+      const Vec p = bf16_values_of(randn(sz(N * C), rng));
+      const std::vector<uint16_t> p16 = bf16_bits_of(p);
+      for (const NormKind kind : {NormKind::LayerNorm, NormKind::RMSNorm}) {
+        for (int storage = 0; storage < 4; ++storage) {  // bit 0: b as bits; bit 1: out as bits
+          const bool ln = kind == NormKind::LayerNorm, b16 = storage & 1, out16 = storage & 2;
+          const std::string tag = " C=" + std::to_string(C) + (rb ? " round_bf16" : "") +
+                                  (ln ? " LayerNorm" : " RMSNorm") + (b16 ? " b16" : "") +
+                                  (out16 ? " out16" : "");
+          auto go = [&](bool fused) {
+            return run(*be.cuda, [&](Backend& k, Call& c) {
+              const TensorView res = c.out(Vec(sz(N * C), kNaN), N, C, rb);
+              const TensorView out =
+                  out16 ? c.out16(N, C) : c.out(Vec(sz(N * C), kNaN), N, C, true);
+              const TensorView mean = c.out(Vec(sz(N), kNaN), N, 1);
+              const TensorView rstd = c.out(Vec(sz(N), kNaN), N, 1);
+              const TensorView av = c.in(a, N, C), bv = b16 ? c.in(p16, N, C) : c.in(p, N, C),
+                               mv = ln ? mean : TensorView{}, wv = c.in(w, C, 1),
+                               biasv = ln ? c.in(b, C, 1) : TensorView{};
+              if (fused) {
+                k.residual_norm_forward(kind, res, out, mv, rstd, av, bv, wv, biasv);
+              } else {
+                k.residual_forward(res, av, bv);
+                k.norm_forward(kind, out, mv, rstd, as_stored(res), wv, biasv);
+              }
+            });
+          };
+          const Outputs two = go(false), one = go(true);
+          const char* names[] = {"res", "out", "mean", "rstd"};
+          for (size_t i = 0; i < 4; ++i)
+            expect_bitwise(std::string("residual_norm_forward ") + names[i] + tag, two[i], one[i]);
+        }
+      }
     }
   }
 }
@@ -1564,24 +1626,20 @@ TEST(LayersGpu, GeluLookupEqualsComputedOnEveryBf16) {
   const Vec w = randn(sz(OC * K), rng, 0.3f), b = randn(sz(OC), rng);
   const emu::GemmPrecision bf16 = emu::GemmPrecision::BF16;
   const Outputs r = run(*be.cuda, [&](Backend& k, Call& c) {
-    float* out = c.out(Vec(sz(N * OC), kNaN));
-    float* act = c.out(Vec(sz(N * K), kNaN));
-    const ActivationSource src{
-        ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, true, false, "act"};
-    k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
+    const TensorView out = c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+    const TensorView act = c.out(Vec(sz(N * K), kNaN), N, K, true);
+    const ActivationSource src{ActivationOp::GeluForward, c.in(pre, N, K), {}, act};
+    k.matmul_forward_activation(out, src, c.in(w, OC, K), c.in(b, OC, 1), bf16);
   });
   const Outputs g = run(*be.cuda, [&](Backend& k, Call& c) {
-    uint16_t* out16 = bf16_out(c, N * OC);
-    ActivationSource src{
-        ActivationOp::GeluForward, nullptr, nullptr, nullptr, N, K, true, false, "act"};
-    src.inp16 = c.in(pre16);
-    src.out16 = bf16_out(c, N * K);
-    k.matmul_forward_activation(nullptr, out16, src, c.in(w), c.in(b), OC, bf16, true);
+    const TensorView out16 = c.out16(N, OC);
+    const ActivationSource src{ActivationOp::GeluForward, c.in(pre16, N, K), {}, c.out16(N, K)};
+    k.matmul_forward_activation(out16, src, c.in(w, OC, K), c.in(b, OC, 1), bf16);
   });
-  expect_bitwise("GELU table: act", r[1], widened(g[1], N * K));
+  expect_bitwise("GELU table: act", r[1], g[1]);
   Vec out_r = r[0];
   for (float& v : out_r) v = bf16_round(v);
-  expect_bitwise("GELU table: out", out_r, widened(g[0], N * OC));
+  expect_bitwise("GELU table: out", out_r, g[0]);
 }
 
 // GELU's backward pass on BF16 bits (pre-activation and gradient) against the FP32 GELU path: on
@@ -1604,41 +1662,36 @@ TEST(LayersGpu, GeluBackwardBitsEqualFp32OnEveryBf16) {
   const Vec dw0 = randn(sz(OC * K), rng), db0 = randn(sz(OC), rng);
   const emu::GemmPrecision bf16 = emu::GemmPrecision::BF16;
   const Outputs r = run(*be.cuda, [&](Backend& k, Call& c) {
-    float* dinp = c.out(Vec(sz(N * K), kNaN));
-    float* dw = c.out(dw0);
-    float* db = c.out(db0);
-    float* dfc = c.out(Vec(sz(N * OC), kNaN));
-    const ActivationSource src{
-        ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
-    k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
+    const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
+    const TensorView dw = c.out(dw0, OC, K);
+    const TensorView db = c.out(db0, OC, 1);
+    const TensorView dfc = c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+    const ActivationSource src{ActivationOp::GeluBackward, c.in(fc, N, OC), c.in(dact, N, OC, true),
+                               dfc};
+    k.matmul_backward_activation(dinp, dw, db, src, c.in(x, N, K), c.in(w, OC, K), bf16);
   });
+  // (the pre-activation, the incoming gradient and dinp as BF16 bits)
   const Outputs g = run(*be.cuda, [&](Backend& k, Call& c) {
-    uint16_t* dinp16 = bf16_out(c, N * K);
-    float* dw = c.out(dw0);
-    float* db = c.out(db0);
-    ActivationSource src{ActivationOp::GeluBackward,
-                         nullptr,
-                         nullptr,
-                         c.out(Vec(sz(N * OC), kNaN)),
-                         N,
-                         OC,
-                         true,
-                         true,
-                         "dfc"};
-    src.inp16 = c.in(fc16);
-    src.dout16 = c.in(dact16);
-    k.matmul_backward_bits(nullptr, dinp16, dw, db, nullptr, nullptr, &src, c.in(x), nullptr,
-                           c.in(w), N, K, OC);
+    const TensorView dinp16 = c.out16(N, K);
+    const TensorView dw = c.out(dw0, OC, K);
+    const TensorView db = c.out(db0, OC, 1);
+    const TensorView dfc = c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+    const ActivationSource src{ActivationOp::GeluBackward, c.in(fc16, N, OC), c.in(dact16, N, OC),
+                               dfc};
+    k.matmul_backward_activation(dinp16, dw, db, src, c.in(x, N, K), c.in(w, OC, K), bf16);
   });
-  expect_bitwise("GELU backward bits: dinp16", bf16_values_of(r[0]), widened(g[0], N * K));
+  expect_bitwise("GELU backward bits: dinp16", bf16_values_of(r[0]), g[0]);
   expect_bitwise("GELU backward bits: dweight", r[1], g[1]);
   expect_bitwise("GELU backward bits: dbias", r[2], g[2]);
 }
 
-// The BF16-stored activation ops (Backend's *_bf16, the model's BF16 bits storage) against the
-// FP32 ops on the same values: bit for bit, on the emulator (the compositions) and the CUDA
-// backend (kernels reading and writing the bits; the epilogue knob off, so the GEMMs run the plans
-// of FP32 outputs: MatmulBf16EpilogueRoundsLikeAddBias covers the epilogue).
+// The ops on BF16 views (the model's BF16 bits storage) against the same ops on float32 views of
+// the same values (marked bf16_values where the op writes them rounded): bit for bit, on the
+// emulator (widening and narrowing at each op's edges) and the CUDA backend (kernels reading and
+// writing the bits; the epilogue knob off, so the GEMMs run the plans of FP32 outputs:
+// MatmulBf16EpilogueRoundsLikeAddBias covers the epilogue). A BF16 weight view (the model's weight
+// shadow, narrowed from the float32 weights by convert) gives the BF16 GEMMs the float32 weights'
+// bits.
 TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
   std::vector<std::unique_ptr<Backend>> backends;
   backends.push_back(make_backend("emu"));
@@ -1659,73 +1712,74 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
       const int64_t N = 37, C = 96;
       const Vec x = randn(sz(N * C), rng, 2.0f, 0.5f), w = randn(sz(C), rng), b = randn(sz(C), rng);
       for (bool layernorm : {true, false}) {
-        const Outputs r = run(*bk, [&](Backend& k, Call& c) {
-          float* out = c.out(Vec(sz(N * C), kNaN));
-          float* mean = c.out(Vec(sz(N), kNaN));
-          float* rstd = c.out(Vec(sz(N), kNaN));
-          if (layernorm)
-            k.layernorm_forward(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C, true);
-          else
-            k.rmsnorm_forward(out, rstd, c.in(x), c.in(w), N, C, true);
-        });
-        const Outputs g = run(*bk, [&](Backend& k, Call& c) {
-          uint16_t* out = bf16_out(c, N * C);
-          float* mean = c.out(Vec(sz(N), kNaN));
-          float* rstd = c.out(Vec(sz(N), kNaN));
-          if (layernorm)
-            k.layernorm_forward_bf16(out, mean, rstd, c.in(x), c.in(w), c.in(b), N, C);
-          else
-            k.rmsnorm_forward_bf16(out, rstd, c.in(x), c.in(w), N, C);
-        });
+        const NormKind kind = layernorm ? NormKind::LayerNorm : NormKind::RMSNorm;
+        auto norm = [&](bool out16) {
+          return run(*bk, [&](Backend& k, Call& c) {
+            const TensorView out = out16 ? c.out16(N, C) : c.out(Vec(sz(N * C), kNaN), N, C, true);
+            const TensorView mean = c.out(Vec(sz(N), kNaN), N, 1);
+            const TensorView rstd = c.out(Vec(sz(N), kNaN), N, 1);
+            k.norm_forward(kind, out, layernorm ? mean : TensorView{}, rstd, c.in(x, N, C),
+                           c.in(w, C, 1), layernorm ? c.in(b, C, 1) : TensorView{});
+          });
+        };
+        const Outputs r = norm(false), g = norm(true);
         const std::string tag =
-            std::string(layernorm ? "layernorm" : "rmsnorm") + "_forward_bf16 " + bk->name();
-        expect_bitwise(tag + " out", r[0], widened(g[0], N * C));
+            std::string(layernorm ? "layernorm" : "rmsnorm") + "_forward BF16 out " + bk->name();
+        expect_bitwise(tag + " out", r[0], g[0]);
         if (layernorm) expect_bitwise(tag + " mean", r[1], g[1]);
         expect_bitwise(tag + " rstd", r[2], g[2]);
       }
     }
-    // matmuls: inputs and outputs as bits, with and without a bias
+    // matmuls: inputs, outputs and weights as bits, with and without a bias
     for (bool with_bias : {true, false}) {
       const int64_t N = 70, K = 48, OC = 40;
       const Vec x = bf16_values_of(randn(sz(N * K), rng)), w = randn(sz(OC * K), rng, 0.3f),
                 b = randn(sz(OC), rng);
       const std::vector<uint16_t> x16 = bf16_bits_of(x);
       const std::string tag = std::string(with_bias ? " bias " : " ") + bk->name();
+      // the GEMM's weight operand: w, or its BF16 bits narrowed on the backend (a Call output,
+      // declared after the op's own)
+      auto weight = [&](Backend& k, Call& c, bool w16) {
+        if (!w16) return c.in(w, OC, K);
+        const TensorView v = c.out16(OC, K);
+        k.convert(v, c.in(w, OC, K));
+        return v;
+      };
       const Outputs r = run(*bk, [&](Backend& k, Call& c) {
-        float* out = c.out(Vec(sz(N * OC), kNaN));
-        k.matmul_forward(out, c.in(x), c.in(w), with_bias ? c.in(b) : nullptr, N, K, OC, bf16,
-                         true);
+        const TensorView out = c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+        k.matmul_forward(out, c.in(x, N, K), c.in(w, OC, K),
+                         with_bias ? c.in(b, OC, 1) : TensorView{}, bf16);
       });
-      for (int mode = 0; mode < 3; ++mode) {  // bits in / bits out / both
+      for (int mode = 0; mode < 6; ++mode) {  // bits in / bits out / both; float32 or BF16 weight
         const Outputs g = run(*bk, [&](Backend& k, Call& c) {
-          const bool in16 = mode != 1, out16 = mode != 0;
-          float* out = out16 ? nullptr : c.out(Vec(sz(N * OC), kNaN));
-          uint16_t* o16 = out16 ? bf16_out(c, N * OC) : nullptr;
-          k.matmul_forward_bf16(out, o16, in16 ? nullptr : c.in(x), in16 ? c.in(x16) : nullptr,
-                                c.in(w), with_bias ? c.in(b) : nullptr, N, K, OC, true);
+          const bool in16 = mode % 3 != 1, out16 = mode % 3 != 0;
+          const TensorView out = out16 ? c.out16(N, OC) : c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+          k.matmul_forward(out, in16 ? c.in(x16, N, K) : c.in(x, N, K), weight(k, c, mode >= 3),
+                           with_bias ? c.in(b, OC, 1) : TensorView{}, bf16);
         });
-        expect_bitwise("matmul_forward_bf16 mode " + std::to_string(mode) + tag, r[0],
-                       mode == 0 ? g[0] : widened(g[0], N * OC));
+        expect_bitwise("matmul_forward BF16 storage mode " + std::to_string(mode) + tag, r[0],
+                       g[0]);
       }
-      // backward with the input as bits (dbias with the bias case)
+      // backward with the input as bits, and the weight as bits (dbias with the bias case)
       const Vec dout = randn(sz(N * OC), rng), dw0 = randn(sz(OC * K), rng),
                 db0 = randn(sz(OC), rng);
-      const Outputs rb = run(*bk, [&](Backend& k, Call& c) {
-        float* dinp = c.out(Vec(sz(N * K), kNaN));
-        float* dw = c.out(dw0);
-        float* db = c.out(db0);
-        k.matmul_backward(dinp, dw, with_bias ? db : nullptr, c.in(dout), c.in(x), c.in(w), N, K,
-                          OC, bf16);
-      });
-      const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
-        float* dinp = c.out(Vec(sz(N * K), kNaN));
-        float* dw = c.out(dw0);
-        float* db = c.out(db0);
-        k.matmul_backward_bf16_input(dinp, dw, with_bias ? db : nullptr, c.in(dout), c.in(x16),
-                                     c.in(w), N, K, OC);
-      });
-      for (size_t i = 0; i < 3; ++i)
-        expect_bitwise("matmul_backward_bf16_input " + std::to_string(i) + tag, rb[i], gb[i]);
+      auto backward = [&](bool x_bits, bool w16) {
+        return run(*bk, [&](Backend& k, Call& c) {
+          const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
+          const TensorView dw = c.out(dw0, OC, K);
+          const TensorView db = c.out(db0, OC, 1);
+          k.matmul_backward(dinp, dw, with_bias ? db : TensorView{}, c.in(dout, N, OC),
+                            x_bits ? c.in(x16, N, K) : c.in(x, N, K), weight(k, c, w16), bf16);
+        });
+      };
+      const Outputs rb = backward(false, false);
+      for (int mode = 1; mode < 4; ++mode) {  // x as bits / the weight as bits / both
+        const Outputs gb = backward(mode & 1, mode & 2);
+        for (size_t i = 0; i < 3; ++i)
+          expect_bitwise("matmul_backward BF16 storage mode " + std::to_string(mode) + " output " +
+                             std::to_string(i) + tag,
+                         rb[i], gb[i]);
+      }
     }
     // GELU into a BF16 linear: forward with the activation kept as bits, backward with the input as
     // bits
@@ -1734,110 +1788,80 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
       const Vec pre = randn(sz(N * K), rng, 2.0f), w = randn(sz(OC * K), rng, 0.3f),
                 b = randn(sz(OC), rng);
       const Outputs r = run(*bk, [&](Backend& k, Call& c) {
-        float* out = c.out(Vec(sz(N * OC), kNaN));
-        float* act = c.out(Vec(sz(N * K), kNaN));
-        const ActivationSource src{
-            ActivationOp::GeluForward, c.in(pre), nullptr, act, N, K, true, false, "act"};
-        k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
+        const TensorView out = c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+        const TensorView act = c.out(Vec(sz(N * K), kNaN), N, K, true);
+        const ActivationSource src{ActivationOp::GeluForward, c.in(pre, N, K), {}, act};
+        k.matmul_forward_activation(out, src, c.in(w, OC, K), c.in(b, OC, 1), bf16);
       });
       const Outputs g = run(*bk, [&](Backend& k, Call& c) {
-        float* out = c.out(Vec(sz(N * OC), kNaN));
-        ActivationSource src{
-            ActivationOp::GeluForward, c.in(pre), nullptr, nullptr, N, K, true, false, "act"};
-        src.out16 = bf16_out(c, N * K);
-        k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
+        const TensorView out = c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+        const ActivationSource src{ActivationOp::GeluForward, c.in(pre, N, K), {}, c.out16(N, K)};
+        k.matmul_forward_activation(out, src, c.in(w, OC, K), c.in(b, OC, 1), bf16);
       });
-      expect_bitwise("matmul_forward_activation out16: out " + bk->name(), r[0], g[0]);
-      expect_bitwise("matmul_forward_activation out16: act " + bk->name(), r[1],
-                     widened(g[1], N * K));
+      expect_bitwise("matmul_forward_activation BF16 act: out " + bk->name(), r[0], g[0]);
+      expect_bitwise("matmul_forward_activation BF16 act: act " + bk->name(), r[1], g[1]);
       // the pre-activation as bits (its values BF16) and the matmul's output as bits
       const Vec pre_r = bf16_values_of(pre);
       const std::vector<uint16_t> pre16 = bf16_bits_of(pre);
       const Outputs r2 = run(*bk, [&](Backend& k, Call& c) {
-        float* out = c.out(Vec(sz(N * OC), kNaN));
-        float* act = c.out(Vec(sz(N * K), kNaN));
-        const ActivationSource src{
-            ActivationOp::GeluForward, c.in(pre_r), nullptr, act, N, K, true, false, "act"};
-        k.matmul_forward_activation(out, nullptr, src, c.in(w), c.in(b), OC, bf16, true);
+        const TensorView out = c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+        const TensorView act = c.out(Vec(sz(N * K), kNaN), N, K, true);
+        const ActivationSource src{ActivationOp::GeluForward, c.in(pre_r, N, K), {}, act};
+        k.matmul_forward_activation(out, src, c.in(w, OC, K), c.in(b, OC, 1), bf16);
       });
       const Outputs g2 = run(*bk, [&](Backend& k, Call& c) {
-        uint16_t* out16 = bf16_out(c, N * OC);
-        ActivationSource src{
-            ActivationOp::GeluForward, nullptr, nullptr, nullptr, N, K, true, false, "act"};
-        src.inp16 = c.in(pre16);
-        src.out16 = bf16_out(c, N * K);
-        k.matmul_forward_activation(nullptr, out16, src, c.in(w), c.in(b), OC, bf16, true);
+        const TensorView out16 = c.out16(N, OC);
+        const ActivationSource src{ActivationOp::GeluForward, c.in(pre16, N, K), {}, c.out16(N, K)};
+        k.matmul_forward_activation(out16, src, c.in(w, OC, K), c.in(b, OC, 1), bf16);
       });
-      expect_bitwise("matmul_forward_activation inp16 out16: out " + bk->name(), r2[0],
-                     widened(g2[0], N * OC));
-      expect_bitwise("matmul_forward_activation inp16 out16: act " + bk->name(), r2[1],
-                     widened(g2[1], N * K));
+      expect_bitwise("matmul_forward_activation BF16 inp, act, out: out " + bk->name(), r2[0],
+                     g2[0]);
+      expect_bitwise("matmul_forward_activation BF16 inp, act, out: act " + bk->name(), r2[1],
+                     g2[1]);
       // the residual add reading b as bits
       const Vec ra = randn(sz(N * OC), rng);
       const Outputs rr = run(*bk, [&](Backend& k, Call& c) {
-        float* o = c.out(Vec(sz(N * OC), kNaN));
-        k.residual_forward(o, c.in(ra), c.in(r2[0]), N * OC, true);
+        k.residual_forward(c.out(Vec(sz(N * OC), kNaN), N, OC, true), c.in(ra, N, OC),
+                           c.in(r2[0], N, OC));
       });
       const std::vector<uint16_t> b16 = bf16_bits_of(r2[0]);
       const Outputs gr = run(*bk, [&](Backend& k, Call& c) {
-        float* o = c.out(Vec(sz(N * OC), kNaN));
-        k.residual_forward_bf16(o, c.in(ra), c.in(b16), N * OC, true);
+        k.residual_forward(c.out(Vec(sz(N * OC), kNaN), N, OC, true), c.in(ra, N, OC),
+                           c.in(b16, N, OC));
       });
-      expect_bitwise("residual_forward_bf16 " + bk->name(), rr[0], gr[0]);
+      expect_bitwise("residual_forward BF16 b " + bk->name(), rr[0], gr[0]);
       const Vec fc = randn(sz(N * OC), rng, 2.0f), dact = randn(sz(N * OC), rng),
                 x = bf16_values_of(randn(sz(N * K), rng)), dw0 = randn(sz(OC * K), rng),
                 db0 = randn(sz(OC), rng);
       const std::vector<uint16_t> x16 = bf16_bits_of(x);
-      const Outputs rb = run(*bk, [&](Backend& k, Call& c) {
-        float* dinp = c.out(Vec(sz(N * K), kNaN));
-        float* dw = c.out(dw0);
-        float* db = c.out(db0);
-        float* dfc = c.out(Vec(sz(N * OC), kNaN));
-        const ActivationSource src{
-            ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
-        k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
-      });
-      const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
-        float* dinp = c.out(Vec(sz(N * K), kNaN));
-        float* dw = c.out(dw0);
-        float* db = c.out(db0);
-        float* dfc = c.out(Vec(sz(N * OC), kNaN));
-        const ActivationSource src{
-            ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
-        k.matmul_backward_activation_bf16_input(dinp, dw, db, src, c.in(x16), c.in(w), K);
-      });
+      // GELU's backward pass from fc (float32, or BF16 bits: fc16) into the linear's backward pass
+      // with its input x as float32 or as BF16 bits
+      auto gelu_backward = [&](const Vec& fc_in, bool fc_bits, bool x_bits) {
+        const std::vector<uint16_t> fc16 = bf16_bits_of(fc_in);
+        return run(*bk, [&](Backend& k, Call& c) {
+          const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
+          const TensorView dw = c.out(dw0, OC, K);
+          const TensorView db = c.out(db0, OC, 1);
+          const TensorView dfc = c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+          const ActivationSource src{ActivationOp::GeluBackward,
+                                     fc_bits ? c.in(fc16, N, OC) : c.in(fc_in, N, OC),
+                                     c.in(dact, N, OC, true), dfc};
+          k.matmul_backward_activation(dinp, dw, db, src, x_bits ? c.in(x16, N, K) : c.in(x, N, K),
+                                       c.in(w, OC, K), bf16);
+        });
+      };
+      const Outputs rb = gelu_backward(fc, false, false), gb = gelu_backward(fc, false, true);
       for (size_t i = 0; i < 3; ++i)
         expect_bitwise(
-            "matmul_backward_activation_bf16_input " + std::to_string(i) + " " + bk->name(), rb[i],
+            "matmul_backward_activation BF16 inp " + std::to_string(i) + " " + bk->name(), rb[i],
             gb[i]);
-      // GELU's input (fc) as bits too: the bits of the FP32 fc holding the same values
+      // GELU's input (fc) as bits too: the bits of the float32 fc holding the same values
       const Vec fc_r = bf16_values_of(fc);
-      const std::vector<uint16_t> fc16 = bf16_bits_of(fc);
+      const Outputs rf = gelu_backward(fc_r, false, false);
       for (bool x_bits : {false, true}) {
-        const Outputs rf = run(*bk, [&](Backend& k, Call& c) {
-          float* dinp = c.out(Vec(sz(N * K), kNaN));
-          float* dw = c.out(dw0);
-          float* db = c.out(db0);
-          float* dfc = c.out(Vec(sz(N * OC), kNaN));
-          const ActivationSource src{
-              ActivationOp::GeluBackward, c.in(fc_r), c.in(dact), dfc, N, OC, true, true, "dfc"};
-          k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
-        });
-        const Outputs gf = run(*bk, [&](Backend& k, Call& c) {
-          float* dinp = c.out(Vec(sz(N * K), kNaN));
-          float* dw = c.out(dw0);
-          float* db = c.out(db0);
-          float* dfc = c.out(Vec(sz(N * OC), kNaN));
-          ActivationSource src{
-              ActivationOp::GeluBackward, nullptr, c.in(dact), dfc, N, OC, true, true, "dfc"};
-          src.inp16 = c.in(fc16);
-          if (x_bits)
-            k.matmul_backward_activation_bf16_input(dinp, dw, db, src, c.in(x16), c.in(w), K);
-          else
-            k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
-        });
+        const Outputs gf = gelu_backward(fc_r, true, x_bits);
         for (size_t i = 0; i < 3; ++i)
-          expect_bitwise("matmul_backward_activation src.inp16 " + std::to_string(i) +
+          expect_bitwise("matmul_backward_activation BF16 src.inp " + std::to_string(i) +
                              (x_bits ? " x16 " : " ") + bk->name(),
                          rf[i], gf[i]);
       }
@@ -1845,33 +1869,32 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
     // attention with qkv and out as bits (either or both)
     {
       const int64_t B = 2, T = 70, NH = 4, NKV = 2, HD = 32, W = (NH + 2 * NKV) * HD, C = NH * HD;
+      const AttentionShape s{B, T, NH, NKV, HD};
       const Vec qkv = bf16_values_of(randn(sz(B * T * W), rng));
       const std::vector<uint16_t> qkv16 = bf16_bits_of(qkv);
       const Outputs r = run(*bk, [&](Backend& k, Call& c) {
-        float* out = c.out(Vec(sz(B * T * C), kNaN));
-        float* lse = c.out(Vec(sz(B * NH * T), kNaN));
-        k.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, bf16, true);
+        const TensorView out = c.out(Vec(sz(B * T * C), kNaN), B * T, C, true);
+        const TensorView lse = c.out(Vec(sz(B * NH * T), kNaN), B * NH, T);
+        k.attention_forward(out, lse, c.in(qkv, B * T, W), s, bf16);
       });
       for (int mode = 0; mode < 3; ++mode) {
         const bool q16 = mode != 1, o16 = mode != 0;
         const Outputs g = run(*bk, [&](Backend& k, Call& c) {
-          float* out = o16 ? nullptr : c.out(Vec(sz(B * T * C), kNaN));
-          uint16_t* out16 = o16 ? bf16_out(c, B * T * C) : nullptr;
-          float* lse = c.out(Vec(sz(B * NH * T), kNaN));
-          k.attention_forward_bf16(out, out16, lse, q16 ? nullptr : c.in(qkv),
-                                   q16 ? c.in(qkv16) : nullptr, B, T, NH, NKV, HD, true);
+          const TensorView out =
+              o16 ? c.out16(B * T, C) : c.out(Vec(sz(B * T * C), kNaN), B * T, C, true);
+          const TensorView lse = c.out(Vec(sz(B * NH * T), kNaN), B * NH, T);
+          k.attention_forward(out, lse, q16 ? c.in(qkv16, B * T, W) : c.in(qkv, B * T, W), s, bf16);
         });
         const std::string tag = " mode " + std::to_string(mode) + " " + bk->name();
-        expect_bitwise("attention_forward_bf16 out" + tag, r[0],
-                       o16 ? widened(g[0], B * T * C) : g[0]);
-        expect_bitwise("attention_forward_bf16 lse" + tag, r[1], g[1]);
+        expect_bitwise("attention_forward BF16 storage out" + tag, r[0], g[0]);
+        expect_bitwise("attention_forward BF16 storage lse" + tag, r[1], g[1]);
       }
       const Vec dout = randn(sz(B * T * C), rng);
       const std::vector<uint16_t> out16 = bf16_bits_of(r[0]);
       const Outputs rb = run(*bk, [&](Backend& k, Call& c) {
-        float* dqkv = c.out(Vec(sz(B * T * W), kNaN));
-        k.attention_backward(dqkv, c.in(dout), c.in(qkv), c.in(r[0]), c.in(r[1]), B, T, NH, NKV, HD,
-                             bf16, true);
+        const TensorView dqkv = c.out(Vec(sz(B * T * W), kNaN), B * T, W, true);
+        k.attention_backward(dqkv, c.in(dout, B * T, C), c.in(qkv, B * T, W), c.in(r[0], B * T, C),
+                             c.in(r[1], B * NH, T), s, bf16);
       });
       for (int mode = 0; mode < 3; ++mode) {
         const bool q16 = mode != 1, o16 = mode != 0;
@@ -1881,16 +1904,16 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
           const bool d16 = io & 1, g16 = io & 2;
           const std::vector<uint16_t> dout16 = bf16_bits_of(dout);
           const Outputs gb = run(*bk, [&](Backend& k, Call& c) {
-            float* dqkv = g16 ? nullptr : c.out(Vec(sz(B * T * W), kNaN));
-            uint16_t* dqkv16 = g16 ? bf16_out(c, B * T * W) : nullptr;
-            k.attention_backward_bf16(
-                dqkv, dqkv16, d16 ? nullptr : c.in(dout), d16 ? c.in(dout16) : nullptr,
-                q16 ? nullptr : c.in(qkv), q16 ? c.in(qkv16) : nullptr, o16 ? nullptr : c.in(r[0]),
-                o16 ? c.in(out16) : nullptr, c.in(r[1]), B, T, NH, NKV, HD, true);
+            const TensorView dqkv =
+                g16 ? c.out16(B * T, W) : c.out(Vec(sz(B * T * W), kNaN), B * T, W, true);
+            k.attention_backward(dqkv, d16 ? c.in(dout16, B * T, C) : c.in(dout, B * T, C),
+                                 q16 ? c.in(qkv16, B * T, W) : c.in(qkv, B * T, W),
+                                 o16 ? c.in(out16, B * T, C) : c.in(r[0], B * T, C),
+                                 c.in(r[1], B * NH, T), s, bf16);
           });
-          expect_bitwise("attention_backward_bf16 dqkv mode " + std::to_string(mode) +
+          expect_bitwise("attention_backward BF16 storage dqkv mode " + std::to_string(mode) +
                              (d16 ? " dout16" : "") + (g16 ? " dqkv16 " : " ") + bk->name(),
-                         rb[0], g16 ? widened(gb[0], B * T * W) : gb[0]);
+                         rb[0], gb[0]);
         }
       }
     }
@@ -1903,34 +1926,29 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
                 rstd = randn(sz(N), rng, 0.1f, 1.0f);
       const std::vector<uint16_t> dout16 = bf16_bits_of(dout);
       for (bool layernorm : {true, false}) {
-        const Outputs r = run(*bk, [&](Backend& k, Call& c) {
-          float* dx = c.out(dx0);
-          float* dw = c.out(dw0);
-          float* db = c.out(db0);
-          if (layernorm)
-            k.layernorm_backward(dx, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd),
-                                 N, C, true, true);
-          else
-            k.rmsnorm_backward(dx, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, true, true);
-        });
-        const Outputs g = run(*bk, [&](Backend& k, Call& c) {
-          float* dx = c.out(dx0);
-          float* dw = c.out(dw0);
-          float* db = c.out(db0);
-          if (layernorm)
-            k.layernorm_backward_bits(dx, dw, db, c.in(dout16), c.in(x), c.in(w), c.in(mean),
-                                      c.in(rstd), N, C, true);
-          else
-            k.rmsnorm_backward_bits(dx, dw, c.in(dout16), c.in(x), c.in(w), c.in(rstd), N, C, true);
-        });
+        const NormKind kind = layernorm ? NormKind::LayerNorm : NormKind::RMSNorm;
+        // dout marked bf16_values (read rounded) or as BF16 bits
+        auto backward = [&](bool bits) {
+          return run(*bk, [&](Backend& k, Call& c) {
+            const TensorView dx = c.out(dx0, N, C, true);
+            const TensorView dw = c.out(dw0, C, 1);
+            const TensorView db = c.out(db0, C, 1);
+            k.norm_backward(kind, dx, dw, layernorm ? db : TensorView{},
+                            bits ? c.in(dout16, N, C) : c.in(dout, N, C, true), c.in(x, N, C),
+                            c.in(w, C, 1), layernorm ? c.in(mean, N, 1) : TensorView{},
+                            c.in(rstd, N, 1));
+          });
+        };
+        const Outputs r = backward(false), g = backward(true);
         for (size_t i = 0; i < 3; ++i)
-          expect_bitwise(std::string(layernorm ? "layernorm" : "rmsnorm") + "_backward_bits " +
+          expect_bitwise(std::string(layernorm ? "layernorm" : "rmsnorm") + "_backward BF16 dout " +
                              std::to_string(i) + " " + bk->name(),
                          r[i], g[i]);
       }
     }
-    // the linear backward with bits (matmul_backward_bits): dinp16, inp16, GELU's pending gradient
-    // with inp16 / dout16, dout as BF16 bits, against matmul_backward(_activation) on the values
+    // the linear backward with bits: dinp as bits, with inp as bits, GELU's pending gradient with
+    // its input and incoming gradient as bits, dout as bits, against matmul_backward(_activation)
+    // on float32 views of the values
     {
       const int64_t N = 64, K = 96, OC = 32;
       const Vec w = randn(sz(OC * K), rng, 0.3f), x = bf16_values_of(randn(sz(N * K), rng)),
@@ -1941,50 +1959,45 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
                                   dact16 = bf16_bits_of(dact);
       const Vec dout_r = bf16_values_of(dout);
       const std::vector<uint16_t> dout16 = bf16_bits_of(dout);
-      // dout / GELU (FP32) / GELU (inp16) / GELU (inp16 + dout16) / dout16 (BF16 values)
+      // dout / GELU (float32) / GELU (inp bits) / GELU (inp + dout bits) / dout bits (BF16 values)
       for (int mode = 0; mode < 5; ++mode) {
         const bool gelu = mode > 0 && mode < 4, bits = mode == 4;
         const Outputs r = run(*bk, [&](Backend& k, Call& c) {
-          float* dinp = c.out(Vec(sz(N * K), kNaN));
-          float* dw = c.out(dw0);
-          float* db = c.out(db0);
+          const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
+          const TensorView dw = c.out(dw0, OC, K);
+          const TensorView db = c.out(db0, OC, 1);
           if (gelu) {
-            float* dfc = c.out(Vec(sz(N * OC), kNaN));
-            const ActivationSource src{
-                ActivationOp::GeluBackward, c.in(fc), c.in(dact), dfc, N, OC, true, true, "dfc"};
-            k.matmul_backward_activation(dinp, dw, db, src, c.in(x), c.in(w), K, bf16);
+            const TensorView dfc = c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+            const ActivationSource src{ActivationOp::GeluBackward, c.in(fc, N, OC),
+                                       c.in(dact, N, OC, true), dfc};
+            k.matmul_backward_activation(dinp, dw, db, src, c.in(x, N, K), c.in(w, OC, K), bf16);
           } else {
-            k.matmul_backward(dinp, dw, db, c.in(bits ? dout_r : dout), c.in(x), c.in(w), N, K, OC,
-                              bf16);
+            k.matmul_backward(dinp, dw, db, c.in(bits ? dout_r : dout, N, OC), c.in(x, N, K),
+                              c.in(w, OC, K), bf16);
           }
         });
         for (bool x_bits : {false, true}) {
           const Outputs g = run(*bk, [&](Backend& k, Call& c) {
-            uint16_t* dinp16 = bf16_out(c, N * K);
-            float* dw = c.out(dw0);
-            float* db = c.out(db0);
-            ActivationSource src{ActivationOp::GeluBackward,
-                                 mode >= 2 ? nullptr : c.in(fc),
-                                 mode == 3 ? nullptr : c.in(dact),
-                                 c.out(Vec(sz(N * OC), kNaN)),
-                                 N,
-                                 OC,
-                                 true,
-                                 true,
-                                 "dfc"};
-            if (mode == 2 || mode == 3) src.inp16 = c.in(fc16);
-            if (mode == 3) src.dout16 = c.in(dact16);
-            k.matmul_backward_bits(nullptr, dinp16, dw, db, gelu || bits ? nullptr : c.in(dout),
-                                   bits ? c.in(dout16) : nullptr, gelu ? &src : nullptr,
-                                   x_bits ? nullptr : c.in(x), x_bits ? c.in(x16) : nullptr,
-                                   c.in(w), N, K, OC);
+            const TensorView dinp16 = c.out16(N, K);
+            const TensorView dw = c.out(dw0, OC, K);
+            const TensorView db = c.out(db0, OC, 1);
+            const TensorView xv = x_bits ? c.in(x16, N, K) : c.in(x, N, K);
+            if (gelu) {
+              const TensorView dfc = c.out(Vec(sz(N * OC), kNaN), N, OC, true);
+              const ActivationSource src{
+                  ActivationOp::GeluBackward, mode >= 2 ? c.in(fc16, N, OC) : c.in(fc, N, OC),
+                  mode == 3 ? c.in(dact16, N, OC) : c.in(dact, N, OC, true), dfc};
+              k.matmul_backward_activation(dinp16, dw, db, src, xv, c.in(w, OC, K), bf16);
+            } else {
+              k.matmul_backward(dinp16, dw, db, bits ? c.in(dout16, N, OC) : c.in(dout, N, OC), xv,
+                                c.in(w, OC, K), bf16);
+            }
           });
           const std::string tag =
               " mode " + std::to_string(mode) + (x_bits ? " x16 " : " ") + bk->name();
-          expect_bitwise("matmul_backward_bits dinp16" + tag, bf16_values_of(r[0]),
-                         widened(g[0], N * K));
-          expect_bitwise("matmul_backward_bits dweight" + tag, r[1], g[1]);
-          expect_bitwise("matmul_backward_bits dbias" + tag, r[2], g[2]);
+          expect_bitwise("linear backward BF16 dinp" + tag, bf16_values_of(r[0]), g[0]);
+          expect_bitwise("linear backward BF16 dweight" + tag, r[1], g[1]);
+          expect_bitwise("linear backward BF16 dbias" + tag, r[2], g[2]);
         }
       }
     }
@@ -1996,10 +2009,7 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
       const std::vector<uint16_t> logits16 = bf16_bits_of(logits);
       const std::vector<int32_t> targets = randint(sz(N), static_cast<int32_t>(V), rng);
       const Outputs r = run(*bk, [&](Backend& k, Call& c) {
-        float* losses = c.out(Vec(sz(N), kNaN));
-        uint16_t* d = bf16_out(c, N * V);
-        k.crossentropy_softmax_forward_backward_bf16(losses, d, c.in(logits), c.in(targets),
-                                                     c.in(dlosses), N, V);
+        crossentropy_on(k, c, c.in(logits, N, V, true), targets, dlosses, true);
       });
       for (bool cached : {true, false}) {
         KnobGuard ce(
@@ -2010,27 +2020,26 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
               if (cuda) gpu::set_crossentropy_cached(true);
             });
         const Outputs g = run(*bk, [&](Backend& k, Call& c) {
-          float* losses = c.out(Vec(sz(N), kNaN));
-          uint16_t* d = bf16_out(c, N * V);
-          k.crossentropy_softmax_forward_backward_bits(losses, d, c.in(logits16), c.in(targets),
-                                                       c.in(dlosses), N, V);
+          crossentropy_on(k, c, c.in(logits16, N, V), targets, dlosses, true);
         });
         const std::string tag =
             " V=" + std::to_string(V) + (cached ? " " : " uncached ") + bk->name();
-        expect_bitwise("crossentropy bits losses" + tag, r[0], g[0]);
-        expect_bitwise("crossentropy bits dlogits" + tag, widened(r[1], N * V),
-                       widened(g[1], N * V));
+        expect_bitwise("crossentropy BF16 logits losses" + tag, r[0], g[0]);
+        expect_bitwise("crossentropy BF16 logits dlogits" + tag, r[1], g[1]);
       }
     }
-    // both pointers of a pair, or neither: a logic error naming the op
-    EXPECT_THROW(bk->matmul_forward_bf16(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1,
-                                         1, true),
-                 std::logic_error);
+    // a view the op must have, absent: std::invalid_argument
+    {
+      Call c(*bk);
+      const TensorView x = c.in(Vec(16, 1.0f), 1, 16), w = c.in(Vec(16, 1.0f), 1, 16);
+      EXPECT_THROW(bk->matmul_forward(TensorView{}, x, w, TensorView{}, bf16),
+                   std::invalid_argument);
+    }
   }
 }
 
-// cuBLASLt's BF16-output epilogue with the bias (matmul_forward_bf16, out16, knob on): the bits of
-// RNE(fl32(acc + bf16(bias))) computed here (the bias added as its BF16 rounding:
+// cuBLASLt's BF16-output epilogue with the bias (matmul_forward to a BF16 view, knob on): the bits
+// of RNE(fl32(acc + bf16(bias))) computed here (the bias added as its BF16 rounding:
 // Backend::matmul_forward), where every accumulation order gives the same exact acc (small
 // integers): so the epilogue's addition and rounding are what is tested, ties included (bias values
 // that put acc + bias on an odd integer above 256, halfway between BF16 values). On the training
@@ -2059,9 +2068,8 @@ TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
     for (bool with_bias : {true, false}) {
       const auto before = gpu::matmul_bf16_epilogue_count();
       const Outputs g = run(*be, [&](Backend& k, Call& c) {
-        uint16_t* o16 = bf16_out(c, N * OC);
-        k.matmul_forward_bf16(nullptr, o16, nullptr, c.in(x16), c.in(w),
-                              with_bias ? c.in(b) : nullptr, N, K, OC, true);
+        k.matmul_forward(c.out16(N, OC), c.in(x16, N, K), c.in(w, OC, K),
+                         with_bias ? c.in(b, OC, 1) : TensorView{}, emu::GemmPrecision::BF16);
       });
       const auto after = gpu::matmul_bf16_epilogue_count();
       std::printf("[layers-gpu] %lldx%lldx%lld%s: %s (last refusal: %s)\n",
@@ -2072,7 +2080,7 @@ TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
                   gpu::last_matmul_epilogue_refusal().c_str());
       const int64_t step = N > 1024 ? 61 : 1;
       Vec ref, got;
-      const Vec all = widened(g[0], N * OC);
+      const Vec& all = g[0];
       for (int64_t n = 0; n < N; n += step)
         for (int64_t o = 0; o < OC; ++o) {
           int64_t acc = 0;  // exact
@@ -2083,7 +2091,7 @@ TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
           ref.push_back(bf16_round(sum));
           got.push_back(all[sz(n * OC + o)]);
         }
-      expect_bitwise("matmul_forward_bf16 epilogue " + std::to_string(N) + "x" + std::to_string(K) +
+      expect_bitwise("matmul_forward BF16 epilogue " + std::to_string(N) + "x" + std::to_string(K) +
                          "x" + std::to_string(OC) + (with_bias ? " bias" : ""),
                      ref, got);
     }
@@ -2091,6 +2099,14 @@ TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
 }
 
 // ---- optimizer ----------------------------------------------------------------------------------
+
+// Segments of a flat tensor from their offsets and counts.
+std::vector<Segment> segments_of(const std::vector<int64_t>& offsets,
+                                 const std::vector<int64_t>& counts) {
+  std::vector<Segment> s;
+  for (size_t i = 0; i < offsets.size(); ++i) s.push_back({offsets[i], counts[i]});
+  return s;
+}
 
 TEST(LayersGpu, AdamWBitwiseEqualsEmulator) {
   REQUIRE_GPU();
@@ -2105,10 +2121,10 @@ TEST(LayersGpu, AdamWBitwiseEqualsEmulator) {
     const AdamWStep step =
         make_adamw_step(3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, t, t == 2 ? 0.7f : 1.0f);
     const Op op = [&](Backend& bk, Call& c) {
-      float* p = c.out(p0);
-      float* m = c.out(m0);
-      float* v = c.out(v0);
-      bk.adamw_update(p, c.in(grads), m, v, n, step);
+      const TensorView p = c.out(p0, 1, n);
+      const TensorView m = c.out(m0, 1, n);
+      const TensorView v = c.out(v0, 1, n);
+      bk.adamw_update(p, TensorView{}, c.in(grads, 1, n), m, v, {{0, n}}, {step});
     };
     const Outputs e = run(*be.emu, op), g = run(*be.cuda, op);
     const std::string tag = " t=" + std::to_string(t);
@@ -2118,15 +2134,17 @@ TEST(LayersGpu, AdamWBitwiseEqualsEmulator) {
   }
 }
 
-// adamw_update_many_bf16 (the bits written in the update's own launch) equals adamw_update_many
-// followed by narrow_to_bf16 of each tensor, on CUDA, bit for bit: tensors off alignment, longer
-// than a work item, empty; two distinct steps (the one launch) and six (the per-tensor fallback).
-TEST(LayersGpu, AdamWManyBf16WritesTheNarrowedParameters) {
+// adamw_update with params16 (the BF16 bits written in the update's own launch) equals adamw_update
+// without it followed by convert of each tensor to BF16, on CUDA, bit for bit: tensors off
+// alignment, longer than a work item, empty; two distinct steps (the one launch) and six (the
+// per-tensor fallback).
+TEST(LayersGpu, AdamWParams16AreTheNarrowedParameters) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(929);
   const std::vector<int64_t> offsets{0, 5, 4101, 4101, 20000, 20771},
       counts{5, 4096, 0, 15899, 771, 3};
+  const std::vector<Segment> segments = segments_of(offsets, counts);
   const int64_t n = 20774;
   const Vec p0 = randn(sz(n), rng), grads = randn(sz(n), rng, 0.01f), m0 = randn(sz(n), rng, 0.01f);
   Vec v0 = randn(sz(n), rng, 1e-4f);
@@ -2137,38 +2155,40 @@ TEST(LayersGpu, AdamWManyBf16WritesTheNarrowedParameters) {
       steps.push_back(make_adamw_step(3e-4f, 0.9f, 0.95f, 1e-8f, i % 2 ? 0.0f : 0.1f,
                                       six ? static_cast<int64_t>(i) + 1 : 3, 0.8f));
     const Outputs two = run(*be.cuda, [&](Backend& bk, Call& c) {
-      float* p = c.out(p0);
-      float* m = c.out(m0);
-      float* v = c.out(v0);
-      uint16_t* p16 = bf16_out(c, n);
-      bk.adamw_update_many(p, c.in(grads), m, v, offsets, counts, steps);
-      for (size_t i = 0; i < offsets.size(); ++i)
-        bk.narrow_to_bf16(p16 + offsets[i], p + offsets[i], counts[i]);
+      const TensorView p = c.out(p0, 1, n);
+      const TensorView m = c.out(m0, 1, n);
+      const TensorView v = c.out(v0, 1, n);
+      const TensorView p16 = c.out16(1, n);
+      bk.adamw_update(p, TensorView{}, c.in(grads, 1, n), m, v, segments, steps);
+      for (const Segment& s : segments)
+        bk.convert(skip(p16, s.offset, 1, s.count), skip(p, s.offset, 1, s.count));
     });
     const Outputs one = run(*be.cuda, [&](Backend& bk, Call& c) {
-      float* p = c.out(p0);
-      float* m = c.out(m0);
-      float* v = c.out(v0);
-      uint16_t* p16 = bf16_out(c, n);
-      bk.adamw_update_many_bf16(p, p16, c.in(grads), m, v, offsets, counts, steps);
+      const TensorView p = c.out(p0, 1, n);
+      const TensorView m = c.out(m0, 1, n);
+      const TensorView v = c.out(v0, 1, n);
+      const TensorView p16 = c.out16(1, n);
+      bk.adamw_update(p, p16, c.in(grads, 1, n), m, v, segments, steps);
     });
     const std::string tag = six ? " six steps" : " two steps";
     const char* names[] = {"params", "m", "v", "params16"};
     for (size_t i = 0; i < 4; ++i)
-      expect_bitwise(std::string("adamw_update_many_bf16 ") + names[i] + tag, two[i], one[i]);
+      expect_bitwise(std::string("adamw_update params16 ") + names[i] + tag, two[i], one[i]);
   }
 }
 
-// adamw_update_many (one launch on CUDA) equals the emulator's per-tensor adamw_update bit for bit:
-// tensors at offsets off 16-byte alignment, longer than one work item, empty, with two distinct
-// steps (the trainer's decay / no-decay pair) and with six (more than the launch takes: the
-// per-tensor fallback); then the same layout again (the cached work items) with new steps.
-TEST(LayersGpu, AdamWManyEqualsPerTensorUpdates) {
+// adamw_update over segments (one launch on CUDA) equals the emulator's adamw_update of each tensor
+// on its own bit for bit: tensors at offsets off 16-byte alignment, longer than one work item,
+// empty, with two distinct steps (the trainer's decay / no-decay pair) and with six (more than the
+// launch takes: the per-tensor fallback); then the same layout again (the cached work items) with
+// new steps. Segment lists the op refuses: a step short, a negative offset.
+TEST(LayersGpu, AdamWSegmentsEqualPerTensorUpdates) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(919);
   const std::vector<int64_t> offsets{0, 5, 4101, 4101, 20000, 20771},
       counts{5, 4096, 0, 15899, 771, 3};
+  const std::vector<Segment> segments = segments_of(offsets, counts);
   const int64_t n = 20774;
   const Vec p0 = randn(sz(n), rng), grads = with_specials(randn(sz(n) - 16, rng, 0.01f)),
             m0 = randn(sz(n), rng, 0.01f);
@@ -2182,36 +2202,44 @@ TEST(LayersGpu, AdamWManyEqualsPerTensorUpdates) {
       steps.push_back(make_adamw_step(3e-4f, 0.9f, 0.95f, 1e-8f, i % 2 ? 0.0f : 0.1f, t, 0.8f));
     }
     const Outputs e = run(*be.emu, [&](Backend& bk, Call& c) {
-      float* p = c.out(p0);
-      float* m = c.out(m0);
-      float* v = c.out(v0);
-      const float* gr = c.in(grads);
-      for (size_t i = 0; i < offsets.size(); ++i)
-        bk.adamw_update(p + offsets[i], gr + offsets[i], m + offsets[i], v + offsets[i], counts[i],
-                        steps[i]);
+      const TensorView p = c.out(p0, 1, n);
+      const TensorView m = c.out(m0, 1, n);
+      const TensorView v = c.out(v0, 1, n);
+      const TensorView gr = c.in(grads, 1, n);
+      for (size_t i = 0; i < segments.size(); ++i) {
+        const int64_t o = segments[i].offset, k = segments[i].count;
+        bk.adamw_update(skip(p, o, 1, k), TensorView{}, skip(gr, o, 1, k), skip(m, o, 1, k),
+                        skip(v, o, 1, k), {{0, k}}, {steps[i]});
+      }
     });
     const Outputs g = run(*be.cuda, [&](Backend& bk, Call& c) {
-      float* p = c.out(p0);
-      float* m = c.out(m0);
-      float* v = c.out(v0);
-      bk.adamw_update_many(p, c.in(grads), m, v, offsets, counts, steps);
+      const TensorView p = c.out(p0, 1, n);
+      const TensorView m = c.out(m0, 1, n);
+      const TensorView v = c.out(v0, 1, n);
+      bk.adamw_update(p, TensorView{}, c.in(grads, 1, n), m, v, segments, steps);
     });
     const std::string tag = " variant " + std::to_string(variant);
-    expect_bitwise("adamw_update_many params" + tag, e[0], g[0]);
-    expect_bitwise("adamw_update_many m" + tag, e[1], g[1]);
-    expect_bitwise("adamw_update_many v" + tag, e[2], g[2]);
+    expect_bitwise("adamw_update segments params" + tag, e[0], g[0]);
+    expect_bitwise("adamw_update segments m" + tag, e[1], g[1]);
+    expect_bitwise("adamw_update segments v" + tag, e[2], g[2]);
   }
-  const std::vector<AdamWStep> one(1);
-  EXPECT_THROW(be.cuda->adamw_update_many(nullptr, nullptr, nullptr, nullptr, {0, 1}, {1, 1}, one),
-               std::invalid_argument);
-  EXPECT_THROW(be.emu->adamw_update_many(nullptr, nullptr, nullptr, nullptr, {-1}, {1}, one),
-               std::invalid_argument);
+  auto refused = [](Backend& bk, const std::vector<Segment>& segs) {
+    Call c(bk);
+    const TensorView p = c.out(Vec(2), 1, 2), m = c.out(Vec(2), 1, 2), v = c.out(Vec(2), 1, 2);
+    bk.adamw_update(p, TensorView{}, c.in(Vec(2), 1, 2), m, v, segs, std::vector<AdamWStep>(1));
+  };
+  EXPECT_THROW(refused(*be.cuda, {{0, 1}, {1, 1}}), std::invalid_argument);
+  EXPECT_THROW(refused(*be.emu, {{-1, 1}}), std::invalid_argument);
 }
 
+// The sum of squares of x (one segment, all of it) on bk.
 double sum_squares_on(Backend& bk, const Vec& x) {
-  BackendBuffer b(bk, x.size() * sizeof(float));
-  if (!x.empty()) bk.upload(b.get(), x.data(), x.size() * sizeof(float));
-  return bk.sum_squares(b.as<float>(), static_cast<int64_t>(x.size()));
+  const int64_t n = static_cast<int64_t>(x.size());
+  BackendBuffer b(bk, std::max<size_t>(x.size(), 1) * sizeof(float));  // (a view even when empty)
+  if (n) bk.upload(b.get(), x.data(), x.size() * sizeof(float));
+  double s = 0;
+  bk.sum_squares(buffer_view(bk, b, DType::F32, 1, n, "x"), {{0, n}}, &s);
+  return s;
 }
 
 TEST(LayersGpu, SumSquaresMatchesEmulator) {
@@ -2276,10 +2304,11 @@ double gpu_tree_sum_squares(const float* x, int64_t n) {
   return block_sum(t);
 }
 
-// Every tensor's sum from one sum_squares_many call equals its own sum_squares call bit for bit, on
-// both backends (the trainer's gradient norm makes one call for all parameter tensors), and on the
-// GPU equals the documented tree computed on the host.
-TEST(LayersGpu, SumSquaresManyEqualsOneByOne) {
+// Every segment's sum from one sum_squares call over all of them equals the sum_squares call of its
+// own tensor bit for bit, on both backends (the trainer's gradient norm makes one call for all
+// parameter tensors), and on the GPU equals the documented tree computed on the host. A negative
+// count is refused.
+TEST(LayersGpu, SumSquaresSegmentsEqualOneByOne) {
   REQUIRE_GPU();
   Backends be;
   std::mt19937 rng(1011);
@@ -2291,13 +2320,16 @@ TEST(LayersGpu, SumSquaresManyEqualsOneByOne) {
     total += n;
   }
   const Vec x = randn(sz(total), rng, 0.01f);
+  const std::vector<Segment> segments = segments_of(offsets, counts);
   for (Backend* bk : {be.emu.get(), be.cuda.get()}) {
     BackendBuffer b(*bk, x.size() * sizeof(float));
     bk->upload(b.get(), x.data(), x.size() * sizeof(float));
+    const TensorView xv = buffer_view(*bk, b, DType::F32, 1, total, "x");
     std::vector<double> many(counts.size());
-    bk->sum_squares_many(b.as<float>(), offsets, counts, many.data());
+    bk->sum_squares(xv, segments, many.data());
     for (size_t i = 0; i < counts.size(); ++i) {
-      const double one = bk->sum_squares(b.as<float>() + offsets[i], counts[i]);
+      double one = 0;
+      bk->sum_squares(skip(xv, offsets[i], 1, counts[i]), {{0, counts[i]}}, &one);
       EXPECT_EQ(std::memcmp(&one, &many[i], sizeof(double)), 0)
           << bk->name() << " tensor " << i << " (" << counts[i] << "): " << one << " vs "
           << many[i];
@@ -2309,8 +2341,11 @@ TEST(LayersGpu, SumSquaresManyEqualsOneByOne) {
       }
     }
   }
-  std::vector<double> out(1);
-  EXPECT_THROW(be.cuda->sum_squares_many(nullptr, {0, 1}, {1}, out.data()), std::invalid_argument);
+  std::vector<double> out(2);
+  BackendBuffer b(*be.cuda, x.size() * sizeof(float));
+  EXPECT_THROW(be.cuda->sum_squares(buffer_view(*be.cuda, b, DType::F32, 1, total, "x"),
+                                    {{0, 1}, {1, -1}}, out.data()),
+               std::invalid_argument);
 }
 
 // The bias add (forward) and the bias gradient's column sums, bitwise against the emulator: rows
@@ -2334,15 +2369,20 @@ TEST(LayersGpu, BiasForwardAndBackwardBitwise) {
     for (int shift : {0, 1, 2}) {  // 1: the bias pointer shifted, 2: the output pointer shifted
       for (bool rb : {false, true}) {
         const Op fwd = [&](Backend& bk, Call& c) {
-          bk.bias_forward(shift == 2 ? c.out(y1) + 1 : c.out(y), c.in(b) + (shift == 1 ? 1 : 0), N,
-                          OC, rb);
+          // (in place: the output is the input, marked bf16_values for the BF16 storage)
+          const TensorView out =
+              shift == 2 ? skip(c.out(y1, 1, N * OC + 1), 1, N, OC) : c.out(y, N, OC);
+          bk.bias_forward(marked(out, rb), out,
+                          skip(c.in(b, OC + 1, 1), shift == 1 ? 1 : 0, OC, 1));
         };
         expect_bitwise("bias_forward N=" + std::to_string(N) + " OC=" + std::to_string(OC) +
                            " shift " + std::to_string(shift) + (rb ? " bf16" : ""),
                        run(*be.emu, fwd)[0], run(*be.cuda, fwd)[0]);
       }
     }
-    const Op bwd = [&](Backend& bk, Call& c) { bk.bias_backward(c.out(db), c.in(dy), N, OC); };
+    const Op bwd = [&](Backend& bk, Call& c) {
+      bk.bias_backward(c.out(db, OC, 1), c.in(dy, N, OC));
+    };
     expect_bitwise("bias_backward N=" + std::to_string(N) + " OC=" + std::to_string(OC),
                    run(*be.emu, bwd)[0], run(*be.cuda, bwd)[0]);
   }
@@ -2369,51 +2409,52 @@ TEST(LayersGpu, ReductionsAreDeterministic) {
   Vec rstd = randn(sz(N), rng);
   for (auto& r : rstd) r = std::fabs(r) + 0.5f;
   twice("layernorm_forward", [&](Backend& bk, Call& c) {
-    float* out = c.out(Vec(sz(N * C)));
-    float* m = c.out(Vec(sz(N)));
-    float* r = c.out(Vec(sz(N)));
-    bk.layernorm_forward(out, m, r, c.in(x), c.in(w), c.in(bias), N, C, false);
+    const TensorView out = c.out(Vec(sz(N * C)), N, C);
+    const TensorView m = c.out(Vec(sz(N)), N, 1);
+    const TensorView r = c.out(Vec(sz(N)), N, 1);
+    bk.norm_forward(NormKind::LayerNorm, out, m, r, c.in(x, N, C), c.in(w, C, 1), c.in(bias, C, 1));
   });
   twice("layernorm_backward", [&](Backend& bk, Call& c) {
-    float* dinp = c.out(x);
-    float* dw = c.out(dC);
-    float* db = c.out(bias);
-    bk.layernorm_backward(dinp, dw, db, c.in(dout), c.in(x), c.in(w), c.in(mean), c.in(rstd), N, C,
-                          false, false);
+    const TensorView dinp = c.out(x, N, C);
+    const TensorView dw = c.out(dC, C, 1);
+    const TensorView db = c.out(bias, C, 1);
+    bk.norm_backward(NormKind::LayerNorm, dinp, dw, db, c.in(dout, N, C), c.in(x, N, C),
+                     c.in(w, C, 1), c.in(mean, N, 1), c.in(rstd, N, 1));
   });
   twice("rmsnorm_backward", [&](Backend& bk, Call& c) {
-    float* dinp = c.out(x);
-    float* dw = c.out(dC);
-    bk.rmsnorm_backward(dinp, dw, c.in(dout), c.in(x), c.in(w), c.in(rstd), N, C, false, false);
+    const TensorView dinp = c.out(x, N, C);
+    const TensorView dw = c.out(dC, C, 1);
+    bk.norm_backward(NormKind::RMSNorm, dinp, dw, TensorView{}, c.in(dout, N, C), c.in(x, N, C),
+                     c.in(w, C, 1), TensorView{}, c.in(rstd, N, 1));
   });
   for (emu::GemmPrecision prec : {emu::GemmPrecision::BF16, emu::GemmPrecision::FP32}) {
     const int64_t K = 130, OC = C;  // dout (N,OC) reused
     const Vec in = randn(sz(N * K), rng), wt = randn(sz(OC * K), rng);
     twice(prec == emu::GemmPrecision::BF16 ? "matmul_backward bf16" : "matmul_backward fp32",
           [&](Backend& bk, Call& c) {
-            float* dinp = c.out(in);
-            float* dw = c.out(wt);
-            float* db = c.out(bias);
-            bk.matmul_backward(dinp, dw, db, c.in(dout), c.in(in), c.in(wt), N, K, OC, prec);
+            const TensorView dinp = c.out(in, N, K);
+            const TensorView dw = c.out(wt, OC, K);
+            const TensorView db = c.out(bias, OC, 1);
+            bk.matmul_backward(dinp, dw, db, c.in(dout, N, OC), c.in(in, N, K), c.in(wt, OC, K),
+                               prec);
           });
   }
   {
     const int64_t B = 2, T = 100, NH = 4, NKV = 2, HD = 32, W = (NH + 2 * NKV) * HD;
+    const AttentionShape s{B, T, NH, NKV, HD};
     const Vec qkv = randn(sz(B * T * W), rng), dy = randn(sz(B * T * NH * HD), rng);
-    twice("attention_forward", [&](Backend& bk, Call& c) {
-      float* out = c.out(Vec(sz(B * T * NH * HD)));
-      float* lse = c.out(Vec(sz(B * NH * T)));
-      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
-    });
-    const Outputs f = run(g, [&](Backend& bk, Call& c) {
-      float* out = c.out(Vec(sz(B * T * NH * HD)));
-      float* lse = c.out(Vec(sz(B * NH * T)));
-      bk.attention_forward(out, lse, c.in(qkv), B, T, NH, NKV, HD, emu::GemmPrecision::BF16, false);
-    });
+    const Op fwd = [&](Backend& bk, Call& c) {
+      const TensorView out = c.out(Vec(sz(B * T * NH * HD)), B * T, NH * HD);
+      const TensorView lse = c.out(Vec(sz(B * NH * T)), B * NH, T);
+      bk.attention_forward(out, lse, c.in(qkv, B * T, W), s, emu::GemmPrecision::BF16);
+    };
+    twice("attention_forward", fwd);
+    const Outputs f = run(g, fwd);
     twice("attention_backward", [&](Backend& bk, Call& c) {
-      float* dqkv = c.out(qkv);
-      bk.attention_backward(dqkv, c.in(dy), c.in(qkv), c.in(f[0]), c.in(f[1]), B, T, NH, NKV, HD,
-                            emu::GemmPrecision::BF16, false);
+      const TensorView dqkv = c.out(qkv, B * T, W);
+      bk.attention_backward(dqkv, c.in(dy, B * T, NH * HD), c.in(qkv, B * T, W),
+                            c.in(f[0], B * T, NH * HD), c.in(f[1], B * NH, T), s,
+                            emu::GemmPrecision::BF16);
     });
   }
   {
@@ -2422,14 +2463,13 @@ TEST(LayersGpu, ReductionsAreDeterministic) {
                                pos = randint(sz(N), 64, rng);
     const Vec dwte = randn(sz(V * C), rng), dwpe = randn(sz(64 * C), rng);
     twice("embedding_backward", [&](Backend& bk, Call& c) {
-      float* a = c.out(dwte);
-      float* p = c.out(dwpe);
-      bk.embedding_backward(a, p, c.in(dout), c.in(tokens), c.in(pos), N, C);
+      const TensorView a = c.out(dwte, V, C);
+      const TensorView p = c.out(dwpe, 64, C);
+      bk.embedding_backward(a, p, c.in(dout, N, C), c.in(tokens, N, 1), c.in(pos, N, 1));
     });
-    twice("crossentropy_forward", [&](Backend& bk, Call& c) {
-      float* losses = c.out(Vec(sz(N)));
-      float* probs = c.out(Vec(sz(N * C)));
-      bk.crossentropy_softmax_forward(losses, probs, c.in(x), c.in(tokens), N, C, false);
+    const Vec dlosses = randn(sz(N), rng, 1.0f / static_cast<float>(N));
+    twice("crossentropy_forward_backward", [&](Backend& bk, Call& c) {
+      crossentropy_on(bk, c, c.in(x, N, C), tokens, dlosses, false);
     });
   }
   const Vec big = randn((size_t{1} << 20) + 7, rng);
