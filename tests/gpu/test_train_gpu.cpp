@@ -95,9 +95,9 @@ TEST(TrainGpu, UnsupportedHeadSizeRefusedBeforeAnyWork) {
   EXPECT_NO_THROW(Gpt(c.model, *emu));
 }
 
-// BF16 storage of activations: the CUDA rounding is the emulator's, bit for bit (NaN, Inf, ties,
-// subnormals included).
-TEST(TrainGpu, RoundToBf16BitwiseEqualsEmulator) {
+// BF16 storage of activations (convert in place to a view marked bf16_values): the CUDA rounding is
+// the emulator's, bit for bit (NaN, Inf, ties, subnormals included).
+TEST(TrainGpu, ConvertToBf16ValuesBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
@@ -108,19 +108,25 @@ TEST(TrainGpu, RoundToBf16BitwiseEqualsEmulator) {
     if (i % 7 == 0) u = (u & 0xFFFF0000u) | 0x8000u;  // exact ties
     std::memcpy(&x[i], &u, 4);
   }
+  // x[off, off + n) rounded in place on be (x's copy there: d)
+  auto round_in_place = [](Backend& be, void* d, int64_t off, int64_t n) {
+    const TensorView v = f32_view(be, static_cast<float*>(d) + off, 1, n, "x");
+    be.convert(marked(v), v);
+  };
+  const int64_t all = static_cast<int64_t>(x.size());
   std::vector<float> a = x, b(x.size());
-  emu->round_to_bf16(a.data(), static_cast<int64_t>(a.size()));
+  round_in_place(*emu, a.data(), 0, all);
   BackendBuffer d(*cuda, x.size() * 4);
   cuda->upload(d.get(), x.data(), x.size() * 4);
-  cuda->round_to_bf16(d.as<float>(), static_cast<int64_t>(x.size()));
+  round_in_place(*cuda, d.get(), 0, all);
   cuda->download(b.data(), d.get(), b.size() * 4);
   ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4));
   // a range that starts off the 16-byte grid and ends mid-vector: the kernel's scalar path
-  const int64_t off = 1, n = static_cast<int64_t>(x.size()) - 6;
+  const int64_t off = 1, n = all - 6;
   std::vector<float> c = x, e(x.size());
-  emu->round_to_bf16(c.data() + off, n);
+  round_in_place(*emu, c.data(), off, n);
   cuda->upload(d.get(), x.data(), x.size() * 4);
-  cuda->round_to_bf16(d.as<float>() + off, n);
+  round_in_place(*cuda, d.get(), off, n);
   cuda->download(e.data(), d.get(), e.size() * 4);
   ASSERT_EQ(0, std::memcmp(c.data(), e.data(), c.size() * 4));
 }
@@ -283,8 +289,8 @@ TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
                      [] { gpu::set_matmul_bf16_epilogue(true); });
       bits = steps(true);
     }
-    // (the BF16 recipe reads its weights from the parameters' BF16 shadow; the others do not make
-    // one)
+    // (the BF16 recipe's GEMMs read their weights as BF16 views into the parameters' BF16 shadow;
+    // the others do not make one)
     if (ov[0] == "recipe.name=bf16") {
       EXPECT_GT(gpu::weight_shadow_read_count(), shadow_before) << "no weight read from the shadow";
     } else {
@@ -365,14 +371,19 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
       auto bx = up(x), bw = up(w), bdy = up(dy), bb = up(bias), bdx = up(dx0), bdw = up(dw0),
            bdb = up(db0);
       BackendBuffer by(be, static_cast<size_t>(N * OC) * 4);
+      auto f32 = [&](const BackendBuffer& b, int64_t rows, int64_t cols, const char* name) {
+        return buffer_view(be, b, DType::F32, rows, cols, name);
+      };
+      LinearWeights lw;
+      lw.weight = f32(*bw, OC, K, "t.weight");
+      lw.bias = f32(*bb, OC, 1, "t.bias");
       std::unique_ptr<QuantizedCopy> saved;
-      linear_forward(be, r, ids, by.as<float>(), bx->as<float>(), bw->as<float>(), bb->as<float>(),
-                     N, K, OC, emu::GemmPrecision::BF16, false, nullptr, "t",
-                     v.saved ? &saved : nullptr);
-      linear_backward(be, r, ids, bdx->as<float>(), bdw->as<float>(), bdb->as<float>(),
-                      bdy->as<float>(), v.saved && saved ? nullptr : bx->as<float>(),
-                      bw->as<float>(), N, K, OC, emu::GemmPrecision::BF16, nullptr, "t",
-                      saved.get());
+      linear_forward(be, r, ids, f32(by, N, OC, "t.out"), f32(*bx, N, K, "t.inp"), lw,
+                     emu::GemmPrecision::BF16, nullptr, "t", v.saved ? &saved : nullptr);
+      linear_backward(be, r, ids, f32(*bdx, N, K, "t.dinp"), f32(*bdw, OC, K, "t.dweight"),
+                      f32(*bdb, OC, 1, "t.dbias"), f32(*bdy, N, OC, "t.dout"),
+                      v.saved && saved ? TensorView{} : f32(*bx, N, K, "t.inp"), lw,
+                      emu::GemmPrecision::BF16, nullptr, "t", saved.get());
       std::vector<float> out;
       for (auto [p, n] : {std::pair<void*, int64_t>{by.get(), N * OC},
                           {bdx->get(), N * K},
