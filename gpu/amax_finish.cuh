@@ -1,8 +1,8 @@
-// A quantize call's global amax without zeroing its targets first (gpu/quantize.cu's NVFP4/MXFP4
-// passes and gpu/fp8.cu's FP8 tile pass): each CTA's maxima go to the backend's amax workspace
-// by atomicMax on the FP32 bit pattern (non-negative floats order as ints, so the result does not
-// depend on the order); the last CTA to finish (a counter, after a fence) copies them to the
-// targets and puts the workspace back to zero for the next pass on the stream. This replaces a
+// A quantize call's global amax without zeroing its targets first (gpu/quantize_amax.cuh's
+// NVFP4/MXFP4 passes and gpu/fp8.cu's FP8 tile pass): each CTA's maxima go to the backend's amax
+// workspace by atomicMax on the FP32 bit pattern (non-negative floats order as ints, so the result
+// does not depend on the order); the last CTA to finish (a counter, after a fence) copies them to
+// the targets and puts the workspace back to zero for the next pass on the stream. This replaces a
 // memset per target (and a copy for the second target) per quantize call.
 #pragma once
 

@@ -1,6 +1,6 @@
 // cp.async (sm_80+): 16 bytes from global to shared memory without passing through a register, L1
 // bypassed (.cg); copies are committed in groups and waited for by group. Used by the quantizers'
-// tiled passes (gpu/quantize.cu, gpu/fp8.cu) and the FP8 tensor-core GEMM's scale staging
+// tiled passes (gpu/quantize_amax.cuh, gpu/fp8.cu) and the FP8 tensor-core GEMM's scale staging
 // (gpu/fp8_wgmma.cu).
 #pragma once
 #include <cuda_runtime.h>
