@@ -12,8 +12,8 @@ struct F32Temp {
   TensorView view;
   F32Temp(Backend& be, const TensorView& like, bool bf16_values)
       : buf(be, static_cast<size_t>(like.numel()) * sizeof(float)) {
-    view = view_of(buf.get(), DType::F32, like.rows, like.cols, be.device(), like.name,
-                   bf16_values);
+    view =
+        view_of(buf.get(), DType::F32, like.rows, like.cols, be.device(), like.name, bf16_values);
   }
 };
 
@@ -46,9 +46,8 @@ void run_activation(Backend& be, const ActivationSource& src) {
 
 void compose_residual_norm_forward(Backend& be, NormKind kind, const TensorView& res,
                                    const TensorView& out, const TensorView& mean,
-                                   const TensorView& rstd, const TensorView& a,
-                                   const TensorView& b, const TensorView& weight,
-                                   const TensorView& bias) {
+                                   const TensorView& rstd, const TensorView& a, const TensorView& b,
+                                   const TensorView& weight, const TensorView& bias) {
   be.residual_forward(res, a, b);
   be.norm_forward(kind, out, mean, rstd, as_stored(res), weight, bias);
 }

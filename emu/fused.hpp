@@ -21,9 +21,8 @@ inline TensorView as_stored(TensorView v) {
 
 void compose_residual_norm_forward(Backend& be, NormKind kind, const TensorView& res,
                                    const TensorView& out, const TensorView& mean,
-                                   const TensorView& rstd, const TensorView& a,
-                                   const TensorView& b, const TensorView& weight,
-                                   const TensorView& bias);
+                                   const TensorView& rstd, const TensorView& a, const TensorView& b,
+                                   const TensorView& weight, const TensorView& bias);
 void compose_matmul_forward_activation(Backend& be, const TensorView& out,
                                        const ActivationSource& src, const TensorView& weight,
                                        const TensorView& bias, GemmPrecision prec);

@@ -439,8 +439,7 @@ void BM_GpuMatmulPicks(benchmark::State& state) {
                    dyv = f32_view(be, dy.as<float>(), N, OC, "dy"), none;
   auto run = [&]() {
     if (si < 4)
-      be.matmul_forward(f32_view(be, y.as<float>(), N, OC, "y"), xv, wv, none,
-                        GemmPrecision::BF16);
+      be.matmul_forward(f32_view(be, y.as<float>(), N, OC, "y"), xv, wv, none, GemmPrecision::BF16);
     else if (si < 8)
       be.matmul_backward(f32_view(be, dx.as<float>(), N, K, "dx"), none, none, dyv, xv, wv,
                          GemmPrecision::BF16);

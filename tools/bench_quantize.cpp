@@ -379,9 +379,9 @@ void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
   gpu::set_activation_fusion(fused);
   gpu::set_fp8_quantize_staged(state.range(2) != 0);
   time_against_copy(state, be, b, bytes, [&]() {
-    be.quantize_activation(src, cfg, &b.rv, &b.cv,
-                           backward ? f32_view(be, dbias.as<float>(), cols, 1, "dbias")
-                                    : TensorView{});
+    be.quantize_activation(
+        src, cfg, &b.rv, &b.cv,
+        backward ? f32_view(be, dbias.as<float>(), cols, 1, "dbias") : TensorView{});
   });
   gpu::set_activation_fusion(true);
   gpu::set_fp8_quantize_staged(true);

@@ -279,8 +279,7 @@ void run_gemm_cmd(const GemmArgs& g) {
       "fp4sim gemm  D[{} x {}] = A[{} x {}] * B[{} x {}]^T  {} {}, backend {}, {:.1f} ms "
       "({:.2f} GFLOP/s)\n",
       qa.rows, qb.rows, qa.rows, qa.cols, qb.rows, qb.cols, qformat_name(qa.format), g.gemm,
-      be->name(), ms,
-      2.0 * qa.rows * qb.rows * qa.cols / (ms * 1e6));
+      be->name(), ms, 2.0 * qa.rows * qb.rows * qa.cols / (ms * 1e6));
   fmt::print("  wrote {} and {}.meta.json\n", g.out, g.out);
 }
 
