@@ -379,8 +379,8 @@ void BM_GpuGemmScalarModes(benchmark::State& state) {
   be.upload(a.get(), ha.data(), ha.size() * 2);
   be.upload(b.get(), hb.data(), hb.size() * 2);
   be.zero(d.get(), static_cast<size_t>(s.M * s.N) * 4);
-  std::vector<float> hs(static_cast<size_t>(s.N) + 1, 0.5f);
-  hs.back() = s.beta;
+  std::vector<float> hs(static_cast<size_t>(s.N), 0.5f);
+  hs.push_back(s.beta);  // (alpha per column, then beta)
   BackendBuffer scal(be, hs.size() * 4);
   be.upload(scal.get(), hs.data(), hs.size() * 4);
   const float h_alpha = 0.5f, h_beta = s.beta;
