@@ -252,7 +252,7 @@ void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const flo
 // operations per output, 6 = 5 scaling the terms by exponent addition (18.9 TFLOP/s at 8192^3 on
 // the H200), 7 = 6 with per-row shared-memory records and all-zero groups folded into the exponents
 // (the default: 20.4 TFLOP/s), 8 = 6 with the records only (19.0), 9 = 7 at 3 CTAs per SM (19.1);
-// validation/perf.md has the measurements. Results are identical; only speed differs.
+// docs/performance.md has the measurements. Results are identical; only speed differs.
 constexpr int kGemmExactDefaultVariant = 7;
 void set_gemm_exact_variant(int variant);
 // Benchmark knob: which of the cuBLASLt heuristic's algorithms a GEMM plan built from now on uses

@@ -25,7 +25,7 @@
 // (the contract's: each range's chain from +0, the ranges added in order) writes FP32 partial sums
 // that a second kernel adds and stores through the contract's epilogue.
 //
-// Speed (validation/perf.md, H200): 1.1-1.3x cuBLASLt's block-scaled FP8 GEMM time on the Fprop
+// Speed (docs/performance.md, H200): 1.1-1.3x cuBLASLt's block-scaled FP8 GEMM time on the Fprop
 // and Dgrad shapes of gpt2-124m, 1.5-3.2x on the Wgrad ones, where both operands' scales vary per
 // row (64 products a thread a k-block) and few tiles fill the GPU (a tile's chain over K is serial
 // by the contract, so 36 or 144 tiles of 128 x 128 leave SMs idle or a second wave nearly empty).

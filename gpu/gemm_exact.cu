@@ -353,13 +353,13 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks)
 // CTAs per SM (77 / 64 registers without split-K, no spills, since the rare path is out of line).
 // 5 = 4 with zero scales' exponents biased (gst_fdpa_core_lean<true>) and the all-zero masks built
 // only where a group sum is zero. 6 = 5 with gst_fdpa_core_lean<true, true> (terms
-// scaled by exponent addition). H200, 8192^3 (validation/perf.md): 10.3 / 14.6 / 16.2 / 17.0 /
+// scaled by exponent addition). H200, 8192^3 (docs/performance.md): 10.3 / 14.6 / 16.2 / 17.0 /
 // 18.2 / 18.9 TFLOP/s for 1-6. Tried and removed, all bitwise equal and all slower: the group sums
 // from int8 mma.sync instead of __dp4a (18.1, commit 6da98bf); an untruncated FP64 exact-sum core
 // tried first, and accumulators kept in registers by rotating rows (16.4-18.2, commit 587b501).
 // 7 = 6 with kRows and kFold; 8 = 6 with kRows only (to tell the two apart); 9 = 7 at 3 CTAs per
-// SM (80 registers: room to keep addresses and A's fields), written after the fifth session's
-// SASS reading: 20.4 / 19.0 / 19.1 TFLOP/s in the sixth session, so 7 is the default. A benchmark
+// SM (80 registers: room to keep addresses and A's fields), written after a reading of
+// the SASS: 20.4 / 19.0 / 19.1 TFLOP/s (2026-11-29), so 7 is the default. A benchmark
 // knob; the same bits.
 int g_gemm_exact_variant = kGemmExactDefaultVariant;
 

@@ -317,7 +317,7 @@ MatmulPlanPick last_matmul_plan_pick() { return g_last_matmul_pick; }
 
 // Where the heuristic's first algorithm for a training matmul (lt_matmul's column-major m x n x k,
 // BF16 operands) is measurably not its best (H200, cuBLASLt 13.1, bench_gemm BM_GpuMatmulPicks at
-// every index 0..7, validation/perf.md, twelfth and thirteenth sessions), the index its plan takes:
+// every index 0..7, docs/performance.md, 2026-11-30), the index its plan takes:
 // - 1 for a Wgrad (NT: !transa, transb) whose k is at least 4 max(m, n) over at least 2^21 outputs:
 //   gpt2-124m's MLP Wgrads, 768 x 3072 and 3072 x 768 over k = 16384 tokens, 208.0 -> 202.3 and
 //   214.0 -> 201.9 us (the smaller Wgrads, 768 x 2304 and 768 x 768, ran best at 0 or within 1%);
@@ -350,7 +350,7 @@ using training_ops::LtDescriptors;
 // of D's type, BF16 bits for a BF16 D, or null): D = fl(acc + bias[row]) in the epilogue, then the
 // rounding: the bits of add_bias(_bf16) after the GEMM (tests:
 // LayersGpu.MatmulBf16EpilogueRoundsLikeAddBias). cuBLASLt 13.1 on Hopper refuses a BF16 D with an
-// FP32 bias (twenty-second session), so the bias takes D's type. Returns false, having run nothing,
+// FP32 bias (2026-12-01), so the bias takes D's type. Returns false, having run nothing,
 // where cuBLASLt has no algorithm for such an output (the caller then takes separate passes); the
 // FP32 output without an epilogue always runs (or throws).
 bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int64_t n, int64_t k,

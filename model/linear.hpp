@@ -92,10 +92,11 @@ struct LinearWeights {
   TensorView bias16;    // [OC, 1] the bias's BF16 bits, or absent
   // What a BF16 GEMM reads: the BF16 bits where they exist (the same values it rounds to).
   const TensorView& gemm_weight() const { return weight16.present() ? weight16 : weight; }
-  // What a BF16 GEMM adds: the bias's BF16 bits where its output is stored as BF16 and they exist
-  // (Backend::matmul_forward's bias rule), else the float32 bias.
+  // What a BF16 GEMM adds: the bias's BF16 bits where its output is BF16 bits and they exist, else
+  // the float32 bias (a float32 output marked bf16_values adds its BF16 rounding itself:
+  // Backend::matmul_forward's bias rule, the same values either way).
   const TensorView& bias_for(const TensorView& out) const {
-    return out.bf16_storage() && bias16.present() ? bias16 : bias;
+    return out.dtype == DType::BF16 && bias16.present() ? bias16 : bias;
   }
 };
 
