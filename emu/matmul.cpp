@@ -17,8 +17,8 @@ namespace {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void bf16_gemm_row(float* out_row, const Bf16Operand& A, const Bf16Operand& B, int64_t m, int64_t N, int64_t Kp,
-                   int64_t chunks) {
+void bf16_gemm_row(float* out_row, const Bf16Operand& A, const Bf16Operand& B, int64_t m,
+                   int64_t N, int64_t Kp, int64_t chunks) {
   for (int64_t n = 0; n < N; ++n) out_row[n] = bf16_row_dot(A, m, B, n, Kp, chunks);
 }
 

@@ -46,12 +46,12 @@ struct QuantizeConfig {
 };
 
 // A quantized copy, the tensor as written: rows x cols, blocks along the row.
-//   codes  [rows, cols/2]       two E2M1 per byte, element 2i in the low nibble (FP8: [rows, cols]
-//   E4M3) scales [rows, cols/block]   E4M3 (NVFP4; 2D: one entry per row, repeated down the tile)
-//   or UE8M0
-//                               (FP8: FP32 values, 4 bytes each; 2D: repeated down the 128-row
-//                               tile)
-//   amax   [1]                  FP32 amax of the written copy (post-RHT where RHT is on)
+//   codes   [rows, cols/2]      two E2M1 per byte, element 2i in the low nibble
+//                               (FP8: [rows, cols] E4M3)
+//   scales  [rows, cols/block]  E4M3 (NVFP4; 2D: one entry per row, repeated down the tile) or
+//                               UE8M0 (FP8: FP32 values, 4 bytes each; 2D: repeated down the
+//                               128-row tile)
+//   amax    [1]                 FP32 amax of the written copy (post-RHT where RHT is on)
 struct QuantizedView {
   uint8_t* codes = nullptr;
   uint8_t* scales = nullptr;

@@ -23,11 +23,14 @@ struct Field {
   std::function<Json(const RunConfig&)> get;
 };
 
-#define FP4SIM_FIELD(part, name)                                                                      \
-  Field {                                                                                             \
-#part "." #name, [](RunConfig& c, const Json& v) { c.part.name = v.get<decltype(c.part.name)>(); }, \
-        [](const RunConfig& c) { return Json(c.part.name); } \
+// clang-format off
+#define FP4SIM_FIELD(part, name)                                                      \
+  Field {                                                                             \
+    #part "." #name,                                                                  \
+        [](RunConfig& c, const Json& v) { c.part.name = v.get<decltype(c.part.name)>(); }, \
+        [](const RunConfig& c) { return Json(c.part.name); }                          \
   }
+// clang-format on
 
 const std::vector<Field>& fields() {
   static const std::vector<Field> f = {FP4SIM_FIELD(model, vocab),

@@ -86,10 +86,10 @@ TEST(Checkpoint, MalformedSafetensorsAreClearErrors) {
   write_raw("neg.safetensors", R"({"w":{"dtype":"F32","shape":[-2,-2],"data_offsets":[0,16]}})",
             16);
   write_raw("nodtype.safetensors", R"({"w":{"shape":[2],"data_offsets":[0,8]}})", 8);
-  write_raw(
-      "past.safetensors",
-      R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[18446744073709551584,18446744073709551600]}})",
-      16);
+  write_raw("past.safetensors",
+            R"({"w":{"dtype":"F32","shape":[4],"data_offsets":)"
+            R"([18446744073709551584,18446744073709551600]}})",
+            16);
   for (const auto& [name, needle] :
        std::vector<std::pair<std::string, std::string>>{{"array.safetensors", "not a JSON object"},
                                                         {"dtype.safetensors", "unknown dtype"},
