@@ -12,6 +12,26 @@
 
 namespace fp4sim {
 
+// The scalar conversions the block steps below call, as a template parameter `Fmt`: by default
+// emu/formats.hpp's, the reference; GPU kernels pass gpu::DeviceFormats (gpu/formats_device.cuh),
+// the device's formulations of the same functions, held equal to these bit for bit by the
+// exhaustive tests. The _nonneg members serve a block scale before rounding (>= 0, never a NaN) and
+// the codes it gets (0..0x7E), where the device drops the NaN and Inf cases.
+struct ReferenceFormats {
+  FP4SIM_HD static uint8_t e2m1_rn_satfinite(float x) { return fp4sim::e2m1_rn_satfinite(x); }
+  FP4SIM_HD static uint8_t e2m1_rs_satfinite(float y, uint8_t r) {
+    return fp4sim::e2m1_rs_satfinite(y, r);
+  }
+  FP4SIM_HD static uint8_t e4m3_rn_satfinite(float x) { return fp4sim::e4m3_rn_satfinite(x); }
+  FP4SIM_HD static uint32_t e4m3x4_rn_satfinite(float x0, float x1, float x2, float x3) {
+    return fp4sim::e4m3x4_rn_satfinite(x0, x1, x2, x3);
+  }
+  FP4SIM_HD static uint8_t e4m3_rn_satfinite_nonneg(float x) {
+    return fp4sim::e4m3_rn_satfinite(x);
+  }
+  FP4SIM_HD static float e4m3_to_f32_nonneg(uint8_t code) { return fp4sim::e4m3_to_f32(code); }
+};
+
 constexpr int kNvfp4Block = 16;               // elements per NVFP4 scale (1x16, or a 16x16 tile)
 constexpr int kMxfp4Block = 32;               // elements per MXFP4 scale
 constexpr int kFp8Block = 128;                // elements per FP8 scale (1x128, or a 128x128 tile)
@@ -36,24 +56,22 @@ FP4SIM_HD float nvfp4_global_encode_scale(float amax, float range) {
 // enc_b = fminf(1 / (s_b * S_dec), FLT_MAX) from the scale's value s_b; s_b == 0 gives 1/0 = Inf
 // -> FLT_MAX.
 FP4SIM_HD float nvfp4_encode_from_scale_value(float s_b, float s_dec) {
-#if defined(__CUDA_ARCH__)
-  // __frcp_rn is the correctly rounded 1/x, the same value as __fdiv_rn(1, x) in fewer instructions
-  const float e = __frcp_rn(fmul_rn(s_b, s_dec));
-#else
-  const float e = fdiv_rn(1.0f, fmul_rn(s_b, s_dec));
-#endif
+  const float e = frcp_rn(fmul_rn(s_b, s_dec));
   return e > kFltMax ? kFltMax : e;
 }
 // The same from the stored scale, a code the block-scale functions made (0..0x7E, never the NaN
-// 0x7F): e4m3_to_f32_nonneg's domain.
+// 0x7F): Fmt::e4m3_to_f32_nonneg's domain.
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD float nvfp4_block_encode_scale(uint8_t scale, float s_dec) {
-  return nvfp4_encode_from_scale_value(e4m3_to_f32_nonneg(scale), s_dec);
+  return nvfp4_encode_from_scale_value(Fmt::e4m3_to_f32_nonneg(scale), s_dec);
 }
 
 // Stored E4M3 scale of a block (standard NVFP4): e4m3_rn_satfinite(amax_b * (S_enc * (1/6))); the
-// product is >= 0 and never a NaN (a NaN-ignoring amax, a finite S_enc): e4m3_rn_satfinite_nonneg.
+// product is >= 0 and never a NaN (a NaN-ignoring amax, a finite S_enc):
+// Fmt::e4m3_rn_satfinite_nonneg's domain.
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD uint8_t nvfp4_block_scale(float amax_b, float s_enc) {
-  return e4m3_rn_satfinite_nonneg(fmul_rn(amax_b, fmul_rn(s_enc, 1.0f / 6.0f)));
+  return Fmt::e4m3_rn_satfinite_nonneg(fmul_rn(amax_b, fmul_rn(s_enc, 1.0f / 6.0f)));
 }
 
 // FP8 block scaling (DESIGN.md §9, the paper's FP8 baseline): enc = fminf(448 / amax_b, FLT_MAX),
@@ -61,15 +79,8 @@ FP4SIM_HD uint8_t nvfp4_block_scale(float amax_b, float s_enc) {
 FP4SIM_HD float fp8_block_encode_scale(float amax_b) {
   return nvfp4_global_encode_scale(amax_b, kE4M3Max);
 }
-// The stored FP32 scale of a block: 1 / enc, correctly rounded (on the GPU by __frcp_rn, the
-// same value as __fdiv_rn(1, enc) in fewer instructions).
-FP4SIM_HD float fp8_block_decode_scale(float enc) {
-#if defined(__CUDA_ARCH__)
-  return __frcp_rn(enc);
-#else
-  return fdiv_rn(1.0f, enc);
-#endif
-}
+// The stored FP32 scale of a block: 1 / enc, correctly rounded.
+FP4SIM_HD float fp8_block_decode_scale(float enc) { return frcp_rn(enc); }
 // One element: e4m3_rn_satfinite(x * enc) (NaN -> 0x7F).
 FP4SIM_HD uint8_t fp8_quantize_element(float x, float enc) {
   return e4m3_rn_satfinite(fmul_rn(x, enc));
@@ -79,9 +90,10 @@ FP4SIM_HD uint32_t fp8_quantize_pair(float x0, float x1, float enc) {
   return e4m3x2_rn_satfinite(fmul_rn(x0, enc), fmul_rn(x1, enc));
 }
 // Four elements' codes as one word (x0's in the low byte): fp8_quantize_element of each.
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD uint32_t fp8_quantize_quad(float x0, float x1, float x2, float x3, float enc) {
-  return e4m3x4_rn_satfinite(fmul_rn(x0, enc), fmul_rn(x1, enc), fmul_rn(x2, enc),
-                             fmul_rn(x3, enc));
+  return Fmt::e4m3x4_rn_satfinite(fmul_rn(x0, enc), fmul_rn(x1, enc), fmul_rn(x2, enc),
+                                  fmul_rn(x3, enc));
 }
 // Decoded element: e4m3(code) * scale, a NaN result canonical.
 FP4SIM_HD float fp8_decode_element(uint8_t code, float scale) {
@@ -102,17 +114,19 @@ FP4SIM_HD float decode_element(uint8_t code, float factor) {
 }
 
 // One element: RN, or SR with the element's random byte.
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD uint8_t e2m1_quantize(float x, float enc, bool stochastic, uint8_t rbyte) {
   const float y = fmul_rn(x, enc);
-  return stochastic ? e2m1_rs_satfinite(y, rbyte) : e2m1_rn_satfinite(y);
+  return stochastic ? Fmt::e2m1_rs_satfinite(y, rbyte) : Fmt::e2m1_rn_satfinite(y);
 }
 
 // Four Over Six candidate scales for a block: map6 and map4 (DESIGN.md §5).
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD void four_over_six_candidates(float amax_b, float s_enc, uint8_t* map6, uint8_t* map4) {
   const float base = fmul_rn(fdiv_rn(amax_b, 6.0f), s_enc);
   const float b4 = fmul_rn(base, 1.5f);
-  *map6 = e4m3_rn_satfinite(base < kFourOverSixScaleMax ? base : kFourOverSixScaleMax);
-  *map4 = e4m3_rn_satfinite(b4 < kFourOverSixScaleMax ? b4 : kFourOverSixScaleMax);
+  *map6 = Fmt::e4m3_rn_satfinite(base < kFourOverSixScaleMax ? base : kFourOverSixScaleMax);
+  *map4 = Fmt::e4m3_rn_satfinite(b4 < kFourOverSixScaleMax ? b4 : kFourOverSixScaleMax);
 }
 
 // Error contribution of one element under a Four Over Six candidate scale:
@@ -160,21 +174,22 @@ FP4SIM_HD SrBits sr_bits_for_chunk(bool enabled, uint64_t seed, uint64_t stream,
 // 16 values -> 8 packed bytes (element 2i in the low nibble) with encode scale enc. The RN/SR
 // choice is made once per chunk, so each unrolled loop stays small (kernels are instruction-cache
 // bound when both roundings are inlined per element).
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD void e2m1_encode16(const float* v, float enc, const SrBits& sr, uint8_t* packed) {
   if (sr.enabled) {
     FP4SIM_UNROLL
     for (int i = 0; i < kNvfp4Block / 2; ++i) {
       const uint8_t lo =
-          e2m1_rs_satfinite(fmul_rn(v[2 * i], enc), sr_byte_for_element(sr.bits, 2 * i));
-      const uint8_t hi =
-          e2m1_rs_satfinite(fmul_rn(v[2 * i + 1], enc), sr_byte_for_element(sr.bits, 2 * i + 1));
+          Fmt::e2m1_rs_satfinite(fmul_rn(v[2 * i], enc), sr_byte_for_element(sr.bits, 2 * i));
+      const uint8_t hi = Fmt::e2m1_rs_satfinite(fmul_rn(v[2 * i + 1], enc),
+                                                sr_byte_for_element(sr.bits, 2 * i + 1));
       packed[i] = static_cast<uint8_t>(lo | (hi << 4));
     }
   } else {
     FP4SIM_UNROLL
     for (int i = 0; i < kNvfp4Block / 2; ++i) {
-      const uint8_t lo = e2m1_rn_satfinite(fmul_rn(v[2 * i], enc));
-      const uint8_t hi = e2m1_rn_satfinite(fmul_rn(v[2 * i + 1], enc));
+      const uint8_t lo = Fmt::e2m1_rn_satfinite(fmul_rn(v[2 * i], enc));
+      const uint8_t hi = Fmt::e2m1_rn_satfinite(fmul_rn(v[2 * i + 1], enc));
       packed[i] = static_cast<uint8_t>(lo | (hi << 4));
     }
   }
@@ -201,18 +216,19 @@ FP4SIM_HD float four_over_six_row_error(const float* v, const uint8_t* packed, u
 
 // One 1x16 NVFP4 block: returns the stored E4M3 scale, writes 8 packed bytes. With Four Over Six
 // (g.range == 1536) both candidate scales are tried and map4 kept iff its error is smaller.
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD uint8_t nvfp4_quantize_1x16(const float* v, const Nvfp4Global& g, bool four_over_six,
                                       bool mse, const SrBits& sr, uint8_t* packed) {
   const float amax_b = amax_strided(v, kNvfp4Block, 1);
   if (!four_over_six) {
-    const uint8_t s = nvfp4_block_scale(amax_b, g.s_enc);
-    e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), sr, packed);
+    const uint8_t s = nvfp4_block_scale<Fmt>(amax_b, g.s_enc);
+    e2m1_encode16<Fmt>(v, nvfp4_block_encode_scale<Fmt>(s, g.s_dec), sr, packed);
     return s;
   }
   uint8_t map6, map4, p6[kNvfp4Block / 2], p4[kNvfp4Block / 2];
-  four_over_six_candidates(amax_b, g.s_enc, &map6, &map4);
-  e2m1_encode16(v, nvfp4_block_encode_scale(map6, g.s_dec), sr, p6);
-  e2m1_encode16(v, nvfp4_block_encode_scale(map4, g.s_dec), sr, p4);
+  four_over_six_candidates<Fmt>(amax_b, g.s_enc, &map6, &map4);
+  e2m1_encode16<Fmt>(v, nvfp4_block_encode_scale<Fmt>(map6, g.s_dec), sr, p6);
+  e2m1_encode16<Fmt>(v, nvfp4_block_encode_scale<Fmt>(map4, g.s_dec), sr, p4);
   const float err6 = four_over_six_row_error(v, p6, map6, g.amax, mse, 0.0f);
   const float err4 = four_over_six_row_error(v, p4, map4, g.amax, mse, 0.0f);
   const bool use4 = err4 < err6;
@@ -233,18 +249,18 @@ FP4SIM_HD float tile16_amax(const Load& load) {
 // Four Over Six scale of a 16x16 tile. The error is one sequential FP32 sum over the 256 elements
 // in the input's row-major order (a outer, b inner), so the row-wise and the transposed column-wise
 // copies choose the same scale and the Dgrad weight stays the exact transpose of the Fprop weight.
-template <class Load>
+template <class Fmt = ReferenceFormats, class Load>
 FP4SIM_HD uint8_t nvfp4_tile_four_over_six_scale(const Load& load, const Nvfp4Global& g, bool mse) {
   uint8_t map6, map4;
-  four_over_six_candidates(tile16_amax(load), g.s_enc, &map6, &map4);
+  four_over_six_candidates<Fmt>(tile16_amax(load), g.s_enc, &map6, &map4);
   const uint8_t maps[2] = {map6, map4};
   float err[2] = {0.0f, 0.0f};
   for (int m = 0; m < 2; ++m) {
-    const float enc = nvfp4_block_encode_scale(maps[m], g.s_dec);
+    const float enc = nvfp4_block_encode_scale<Fmt>(maps[m], g.s_dec);
     for (int a = 0; a < kNvfp4Block; ++a) {
       for (int b = 0; b < kNvfp4Block; ++b) {
         const float x = load(a, b);
-        const uint8_t q = e2m1_quantize(x, enc, false, 0);
+        const uint8_t q = e2m1_quantize<Fmt>(x, enc, false, 0);
         err[m] = fadd_rn(err[m], four_over_six_element_error(x, q, maps[m], g.amax, mse));
       }
     }
@@ -253,11 +269,11 @@ FP4SIM_HD uint8_t nvfp4_tile_four_over_six_scale(const Load& load, const Nvfp4Gl
 }
 
 // The stored scale of a 16x16 tile (2D weights), standard or Four Over Six.
-template <class Load>
+template <class Fmt = ReferenceFormats, class Load>
 FP4SIM_HD uint8_t nvfp4_tile_scale(const Load& load, const Nvfp4Global& g, bool four_over_six,
                                    bool mse) {
-  return four_over_six ? nvfp4_tile_four_over_six_scale(load, g, mse)
-                       : nvfp4_block_scale(tile16_amax(load), g.s_enc);
+  return four_over_six ? nvfp4_tile_four_over_six_scale<Fmt>(load, g, mse)
+                       : nvfp4_block_scale<Fmt>(tile16_amax(load), g.s_enc);
 }
 
 // ---- MXFP4
@@ -301,6 +317,7 @@ FP4SIM_HD float mxfp4_encode_factor(uint8_t byte) {
 
 // One 1x32 MXFP4 block: returns the UE8M0 scale byte, writes 16 packed bytes. The two 16-element
 // halves draw their random bits from consecutive chunks (sr0, sr1).
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD uint8_t mxfp4_quantize_1x32(const float* v, MxScaleRule rule, const SrBits& sr0,
                                       const SrBits& sr1, uint8_t* packed) {
   float amax_b = 0.0f;
@@ -316,8 +333,8 @@ FP4SIM_HD uint8_t mxfp4_quantize_1x32(const float* v, MxScaleRule rule, const Sr
     return byte;
   }
   const float enc = mxfp4_encode_factor(byte);
-  e2m1_encode16(v, enc, sr0, packed);
-  e2m1_encode16(v + kNvfp4Block, enc, sr1, packed + kNvfp4Block / 2);
+  e2m1_encode16<Fmt>(v, enc, sr0, packed);
+  e2m1_encode16<Fmt>(v + kNvfp4Block, enc, sr1, packed + kNvfp4Block / 2);
   return byte;
 }
 

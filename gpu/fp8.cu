@@ -16,6 +16,7 @@
 #include "gpu/cp_async.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim::gpu {
 namespace {
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks)
       for (int i = 0; i < kFp8LinesPerWarp; ++i) {
         const float enc = __shfl_sync(full, enc_mine, i);
         const float4 t = tile4[(warp + kFp8Warps * i) * (kFp8Block / 4) + lane];
-        dst[i * step] = fp8_quantize_quad(t.x, t.y, t.z, t.w, enc);
+        dst[i * step] = fp8_quantize_quad<DeviceFormats>(t.x, t.y, t.z, t.w, enc);
       }
     } else {
       FP4SIM_UNROLL
@@ -357,7 +358,7 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks)
         if (r >= a.rows) break;  // (warp-uniform)
         const float enc = __shfl_sync(full, enc_mine, i);
         const float4 t = tile4[tr * (kFp8Block / 4) + lane];
-        const uint32_t packed = fp8_quantize_quad(t.x, t.y, t.z, t.w, enc);
+        const uint32_t packed = fp8_quantize_quad<DeviceFormats>(t.x, t.y, t.z, t.w, enc);
         uint8_t* dst = a.row.codes + r * a.cols + c;
         if (c + 4 <= a.cols) {
           *reinterpret_cast<uint32_t*>(dst) = packed;  // a.cols % 128 == 0 for a row-wise copy
@@ -400,7 +401,8 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks)
       FP4SIM_UNROLL
       for (int k = 0; k < kFp8PartRows / 4; ++k) {
         const float* e = my_col + 4 * k * kFp8Block;
-        w[k] = fp8_quantize_quad(e[0], e[kFp8Block], e[2 * kFp8Block], e[3 * kFp8Block], enc);
+        w[k] = fp8_quantize_quad<DeviceFormats>(e[0], e[kFp8Block], e[2 * kFp8Block],
+                                                e[3 * kFp8Block], enc);
       }
       constexpr int kChunks = kFp8Block / 16, kPartChunks = kFp8PartRows / 16;
       static_assert(kChunks == 8 && kFp8TileThreads % kChunks == 0,
@@ -432,7 +434,8 @@ __global__ void __launch_bounds__(kFp8TileThreads, Src::kMinBlocks)
       FP4SIM_UNROLL
       for (int k = 0; k < 4; ++k) {
         const float* e = my_col + (16 * q + 4 * k) * kFp8Block;
-        w[k] = fp8_quantize_quad(e[0], e[kFp8Block], e[2 * kFp8Block], e[3 * kFp8Block], enc);
+        w[k] = fp8_quantize_quad<DeviceFormats>(e[0], e[kFp8Block], e[2 * kFp8Block],
+                                                e[3 * kFp8Block], enc);
       }
       if (a.col_vector_ok) {
         reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[0], w[1], w[2], w[3]);

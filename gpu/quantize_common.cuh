@@ -11,6 +11,7 @@
 #include "emu/quantize_block.hpp"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/decode_bf16.cuh"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim::gpu {
 namespace {
@@ -115,10 +116,10 @@ __device__ __forceinline__ void store_nvfp4_block(const CopyArgs& c, int64_t e, 
 // device's e2m1_rn_magic / e2m1_rs_magic, by their step functions), and, with kDec, the decoded
 // BF16 operand sign * magnitude * e4m3(s), the same bits decode16_bf16 makes from the codes (an
 // exact product: its top 16 bits are its BF16), without decoding the codes again. Without kDec the
-// codes come eight a word from e2m1x8_rn_scaled / e2m1x8_rs_scaled; with it they are summed into
-// their word unsigned: e2m1_magic_code is steps + (mb >> 22) - 298 | sign << 3, so the word adds
-// the first two terms at their nibbles (mod 2^32), subtracts 298 at every nibble once (leaving each
-// nibble's code, 0..7) and then ORs the sign bits in. nvfp4_block_1x16_encode returns
+// codes come eight a word from e2m1x8_rn_scaled_prmt / e2m1x8_rs_scaled_prmt; with it they are
+// summed into their word unsigned: e2m1_magic_code is steps + (mb >> 22) - 298 | sign << 3, so the
+// word adds the first two terms at their nibbles (mod 2^32), subtracts 298 at every nibble once
+// (leaving each nibble's code, 0..7) and then ORs the sign bits in. nvfp4_block_1x16_encode returns
 // the 8 code bytes and the scale (writing only the decoded values); nvfp4_block_1x16_store stores
 // them too.
 template <bool kSr, bool kDec>
@@ -126,18 +127,18 @@ __device__ __forceinline__ uint2 nvfp4_block_1x16_encode(const float* v, float a
                                                          const Nvfp4Global& g, const SrBits& sr,
                                                          const CopyArgs& c, int64_t e,
                                                          uint8_t& scale) {
-  const uint8_t s = nvfp4_block_scale(amax_b, g.s_enc);
-  const float sv = e4m3_to_f32_nonneg(s);  // (the scale's value once: the decode needs it too)
+  const uint8_t s = nvfp4_block_scale<DeviceFormats>(amax_b, g.s_enc);
+  const float sv = e4m3_to_f32_nonneg_cvt(s);  // (the scale's value once: the decode needs it too)
   const float enc =
       nvfp4_encode_from_scale_value(sv, g.s_dec);  // = nvfp4_block_encode_scale(s, g.s_dec)
   if constexpr (!kDec) {  // the common cases: eight codes a word, packed together
     scale = s;
     if constexpr (kSr) {  // (element j's random byte: byte j % 4 of word j / 4,
                           // sr_byte_for_element)
-      return make_uint2(e2m1x8_rs_scaled(v, enc, sr.bits.v[0], sr.bits.v[1]),
-                        e2m1x8_rs_scaled(v + 8, enc, sr.bits.v[2], sr.bits.v[3]));
+      return make_uint2(e2m1x8_rs_scaled_prmt(v, enc, sr.bits.v[0], sr.bits.v[1]),
+                        e2m1x8_rs_scaled_prmt(v + 8, enc, sr.bits.v[2], sr.bits.v[3]));
     }
-    return make_uint2(e2m1x8_rn_scaled(v, enc), e2m1x8_rn_scaled(v + 8, enc));
+    return make_uint2(e2m1x8_rn_scaled_prmt(v, enc), e2m1x8_rn_scaled_prmt(v + 8, enc));
   }
   uint32_t w[2] = {0u, 0u}, sgn[2] = {0u, 0u}, d[8];
   FP4SIM_UNROLL

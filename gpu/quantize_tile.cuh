@@ -71,8 +71,10 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
         for (int o = kNvfp4Block / 2; o > 0; o >>= 1)
           m = fmax_nan_ignored(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
         if ((t & (kNvfp4Block - 1)) == 0) {
-          if (row_std) tile_scale[0][k][t / kNvfp4Block] = nvfp4_block_scale(m, g_row.s_enc);
-          if (col_std) tile_scale[1][k][t / kNvfp4Block] = nvfp4_block_scale(m, g_col.s_enc);
+          if (row_std)
+            tile_scale[0][k][t / kNvfp4Block] = nvfp4_block_scale<DeviceFormats>(m, g_row.s_enc);
+          if (col_std)
+            tile_scale[1][k][t / kNvfp4Block] = nvfp4_block_scale<DeviceFormats>(m, g_col.s_enc);
         }
       }
     }
@@ -86,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
         const T* base = tile + (tr * kNvfp4Block) * kTileCols + tc * kNvfp4Block;
         const auto load = [&](int i, int j) { return Elem<T>::to_f32(base[i * kTileCols + j]); };
         tile_scale[col][tr][tc] =
-            nvfp4_tile_scale(load, col ? g_col : g_row, ca.four_over_six, a.mse);
+            nvfp4_tile_scale<DeviceFormats>(load, col ? g_col : g_row, ca.four_over_six, a.mse);
       }
     }
     __syncthreads();
@@ -108,8 +110,9 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
       alignas(16) uint8_t packed[block / 2];
       uint8_t s;
       if constexpr (kMx) {
-        s = mxfp4_quantize_1x32(v, a.mx_rule, sr_bits_keyed(a.row.sr, a, a.row.stream, chunk),
-                                sr_bits_keyed(a.row.sr, a, a.row.stream, chunk + 1), packed);
+        s = mxfp4_quantize_1x32<DeviceFormats>(
+            v, a.mx_rule, sr_bits_keyed(a.row.sr, a, a.row.stream, chunk),
+            sr_bits_keyed(a.row.sr, a, a.row.stream, chunk + 1), packed);
         *reinterpret_cast<uint4*>(a.row.codes + (r * C + c) / 2) =
             *reinterpret_cast<uint4*>(packed);
         if (a.row.decoded) decode32_mx_bf16(packed, s, a.row.decoded + r * C + c);
@@ -117,9 +120,11 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
         const SrBits bits = sr_bits_keyed(a.row.sr, a, a.row.stream, chunk);
         if (a.block_2d) {
           s = tile_scale[0][tr / kNvfp4Block][tb];
-          e2m1_encode16(v, nvfp4_block_encode_scale(s, g_row.s_dec), bits, packed);
+          e2m1_encode16<DeviceFormats>(v, nvfp4_block_encode_scale<DeviceFormats>(s, g_row.s_dec),
+                                       bits, packed);
         } else {
-          s = nvfp4_quantize_1x16(v, g_row, a.row.four_over_six, a.mse, bits, packed);
+          s = nvfp4_quantize_1x16<DeviceFormats>(v, g_row, a.row.four_over_six, a.mse, bits,
+                                                 packed);
         }
         *reinterpret_cast<uint2*>(a.row.codes + (r * C + c) / 2) =
             *reinterpret_cast<uint2*>(packed);
@@ -160,8 +165,9 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
         alignas(16) uint8_t packed[block / 2];
         uint8_t s;
         if constexpr (kMx) {
-          s = mxfp4_quantize_1x32(v, a.mx_rule, sr_bits_keyed(a.col.sr, a, a.col.stream, chunk),
-                                  sr_bits_keyed(a.col.sr, a, a.col.stream, chunk + 1), packed);
+          s = mxfp4_quantize_1x32<DeviceFormats>(
+              v, a.mx_rule, sr_bits_keyed(a.col.sr, a, a.col.stream, chunk),
+              sr_bits_keyed(a.col.sr, a, a.col.stream, chunk + 1), packed);
           uint2* dst = reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2);
           dst[0] = *reinterpret_cast<uint2*>(packed);
           dst[1] = *reinterpret_cast<uint2*>(packed + 8);
@@ -170,9 +176,11 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
           const SrBits bits = sr_bits_keyed(a.col.sr, a, a.col.stream, chunk);
           if (a.block_2d) {
             s = tile_scale[1][k][t / kNvfp4Block];
-            e2m1_encode16(v, nvfp4_block_encode_scale(s, g_col.s_dec), bits, packed);
+            e2m1_encode16<DeviceFormats>(v, nvfp4_block_encode_scale<DeviceFormats>(s, g_col.s_dec),
+                                         bits, packed);
           } else {
-            s = nvfp4_quantize_1x16(v, g_col, a.col.four_over_six, a.mse, bits, packed);
+            s = nvfp4_quantize_1x16<DeviceFormats>(v, g_col, a.col.four_over_six, a.mse, bits,
+                                                   packed);
           }
           *reinterpret_cast<uint2*>(a.col.codes + (c * R + r) / 2) =
               *reinterpret_cast<uint2*>(packed);
@@ -229,10 +237,11 @@ __global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantA
   alignas(8) uint8_t packed[kNvfp4Block / 2];
   if (a.row.enabled) {
     const Nvfp4Global g = nvfp4_global(*a.row.amax, false);
-    const uint8_t s = nvfp4_block_scale(m, g.s_enc);
+    const uint8_t s = nvfp4_block_scale<DeviceFormats>(m, g.s_enc);
     const SrBits bits = sr_bits_keyed(a.row.sr, a, a.row.stream,
                                       static_cast<uint64_t>(r * (C / kSrChunk) + c0 / kSrChunk));
-    e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), bits, packed);
+    e2m1_encode16<DeviceFormats>(v, nvfp4_block_encode_scale<DeviceFormats>(s, g.s_dec), bits,
+                                 packed);
     store_nvfp4_block(a.row, r * C + c0, r * bcols + c0 / kNvfp4Block, packed, s);
   }
   if (a.col.enabled) {
@@ -243,10 +252,11 @@ __global__ void __launch_bounds__(k2dThreads) nvfp4_2d_kernel(const T* x, QuantA
     for (int i = 0; i < kNvfp4Block; ++i) v[i] = blk[hw][i][j];
     const int64_t cc = c0 + j;  // input column j = row cc of the written (C x R) copy, columns r0..
     const Nvfp4Global g = nvfp4_global(*a.col.amax, false);
-    const uint8_t s = nvfp4_block_scale(m, g.s_enc);
+    const uint8_t s = nvfp4_block_scale<DeviceFormats>(m, g.s_enc);
     const SrBits bits = sr_bits_keyed(a.col.sr, a, a.col.stream,
                                       static_cast<uint64_t>(cc * (R / kSrChunk) + r0 / kSrChunk));
-    e2m1_encode16(v, nvfp4_block_encode_scale(s, g.s_dec), bits, packed);
+    e2m1_encode16<DeviceFormats>(v, nvfp4_block_encode_scale<DeviceFormats>(s, g.s_dec), bits,
+                                 packed);
     store_nvfp4_block(a.col, cc * R + r0, cc * (R / kNvfp4Block) + r0 / kNvfp4Block, packed, s);
   }
 }

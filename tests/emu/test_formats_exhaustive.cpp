@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "emu/formats.hpp"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim {
 namespace {
@@ -73,27 +74,28 @@ TEST(FormatsExhaustive, AllFp32BitPatternsMatchCudaHeaders) {
   }
 }
 
-// The GPU's E2M1 formulation (e2m1_rn_magic, e2m1_rs_magic: one rounding addition) against the
-// host's bit-pattern formulations: every FP32 input, SR with a random byte derived from it and
+// The GPU's E2M1 formulations (gpu/formats_device.cuh: e2m1_rn_magic, e2m1_rs_magic, one rounding
+// addition, and the packers' offset-magic sums) against emu/'s e2m1_rn_satfinite and
+// e2m1_rs_satfinite: every FP32 input, SR with a random byte derived from it and
 // every random byte for every 4099th input (so each input region meets all 256 bytes); the
 // magnitude both return must be the code's value.
-TEST(FormatsExhaustive, E2m1MagicFormulationsEqualBitPattern) {
+TEST(FormatsExhaustive, E2m1MagicFormulationsEqualReference) {
   Mismatch rn, rs, mag, offset, rs_offset;
   auto check_rs = [&](uint32_t u, float x, uint8_t r) {
     float m = -1.0f;
-    const uint32_t code = e2m1_rs_magic(x, r, &m);
+    const uint32_t code = gpu::e2m1_rs_magic(x, r, &m);
     if (code != e2m1_rs_satfinite(x, r)) rs.add(u);
     // the packing formulation: the magnitude code in the low bits, bits 3..14 clear
-    if ((e2m1_rs_offset_magic_code(x, r) & 0x7FFFu) != (e2m1_rs_satfinite(x, r) & 0x7u))
+    if ((gpu::e2m1_rs_offset_magic_code(x, r) & 0x7FFFu) != (e2m1_rs_satfinite(x, r) & 0x7u))
       rs_offset.add(u);
     if (f32_bits(m) != f32_bits(e2m1_to_f32(static_cast<uint8_t>(code & 0x7u)))) mag.add(u);
   };
   for_all_fp32(16, "e2m1 magic", [&](uint32_t u, float x) {
     float m = -1.0f;
-    const uint32_t code = e2m1_rn_magic(x, &m);
+    const uint32_t code = gpu::e2m1_rn_magic(x, &m);
     if (code != e2m1_rn_satfinite(x)) rn.add(u);
     // the packing formulation: the magnitude code in the sum's low bits, bits 3..22 clear
-    const uint32_t sum = e2m1_rn_offset_magic_sum(x);
+    const uint32_t sum = gpu::e2m1_rn_offset_magic_sum(x);
     if ((sum & 0x7FFFFFu) != (e2m1_rn_satfinite(x) & 0x7u)) offset.add(u);
     if (f32_bits(m) != f32_bits(e2m1_to_f32(static_cast<uint8_t>(code & 0x7u)))) mag.add(u);
     check_rs(u, x, static_cast<uint8_t>((u * 0x9E3779B1u) >> 24));
@@ -105,7 +107,7 @@ TEST(FormatsExhaustive, E2m1MagicFormulationsEqualBitPattern) {
                                 {"e2m1 magic magnitude", &mag},
                                 {"e2m1.rn offset magic", &offset},
                                 {"e2m1.rs offset magic", &rs_offset}}) {
-    std::printf("%s vs bit pattern mismatches: %llu\n", name,
+    std::printf("%s vs emu mismatches: %llu\n", name,
                 static_cast<unsigned long long>(m->count.load()));
     EXPECT_EQ(m->count.load(), 0u)
         << name << ": first mismatch at 0x" << std::hex << m->first.load();

@@ -1,5 +1,8 @@
-// Tier 1 on the device: every FP32 bit pattern through the shared conversions, computed by a
-// kernel and by the host, compared through per-slice hashes (all 2^32 inputs, every format).
+// Tier 1 on the device: every FP32 bit pattern through each conversion, computed by a kernel with
+// the device's formulation (gpu/formats_device.cuh where the device has its own, else the emu/
+// function itself) and on the host by the emu/ reference, compared through per-slice hashes (all
+// 2^32 inputs, every format); the first differing slice of a format is then compared input by
+// input and its first mismatch printed.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +16,7 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/decode_bf16.cuh"
 #include "gpu/exp2.cuh"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim {
 namespace {
@@ -21,42 +25,68 @@ constexpr int kFormats = 13;
 constexpr int kSliceBits = 22;  // 1024 slices of 4M inputs
 constexpr uint64_t kSlices = 1ull << (32 - kSliceBits);
 
-// One conversion result per format for input bits u (SR takes a byte derived from u).
-FP4SIM_HD void convert_all(uint32_t u, float one, uint32_t* out) {
-  const float x = f32_from_bits(u);
-  out[0] = e2m1_rn_satfinite(x);
-  out[1] = e2m1_rs_satfinite(x, static_cast<uint8_t>((u * 0x9E3779B1u) >> 24));
-  out[2] = e4m3_rn_satfinite(x);
-  out[3] = e5m2_rn_satfinite(x);
-  out[4] = bf16_rne(x);
-  out[5] = ue8m0_rz_satfinite(x);
-  out[6] = ue8m0_rp_satfinite(x);
-  // the pair conversion: x in the low byte, a second input in the high byte (u times an odd
-  // constant: also every 2^32 pattern once over the run)
-  out[7] = e4m3x2_rn_satfinite(x, f32_from_bits(u * 0x2545F491u));
-  // the four-code word: x in byte 0, and in bytes 1-3 three more bijections of u (every pattern
-  // once in each byte over the run)
-  out[8] = e4m3x4_rn_satfinite(x, f32_from_bits(u * 0x2545F491u), f32_from_bits(u * 0x9E3779B1u),
-                               f32_from_bits(~u));
-  // the block-scale forms on their domains (|x| of a non-NaN x; codes 0..0x7E), which must give
-  // e4m3_rn_satfinite's and e4m3_to_f32's bits: the host's forms are those functions
-  const float ax = f32_from_bits(u & 0x7FFFFFFFu);
-  out[9] = f32_isnan(ax) ? 0u : e4m3_rn_satfinite_nonneg(ax);
-  out[10] = f32_bits(e4m3_to_f32_nonneg(static_cast<uint8_t>(u % 0x7Fu)));
-  // the quantizer's eight-code word, times `one` (a kernel argument, so the product is computed:
-  // the device's sign bytes rely on a NaN product being positive): x first, then seven more
-  // bijections of u (a sign flip of x among them)
-  const float v8[8] = {x,
-                       f32_from_bits(u * 0x2545F491u),
-                       f32_from_bits(u ^ 0x80000000u),
-                       f32_from_bits(u * 0x9E3779B1u),
-                       f32_from_bits(~u),
-                       f32_from_bits(u * 0x85EBCA6Bu),
-                       f32_from_bits(u * 0xC2B2AE35u),
-                       f32_from_bits(u * 0x27D4EB2Fu)};
-  out[11] = e2m1x8_rn_scaled(v8, one);
-  // its stochastic-rounding twin, random bytes from two more bijections of u
-  out[12] = e2m1x8_rs_scaled(v8, one, u * 0x9E3779B1u, ~u * 0x85EBCA6Bu);
+// The inputs of input bits u: x, and for the multi-input conversions more bijections of u (every
+// 2^32 pattern once in each position over the run; a sign flip of x among them).
+struct Inputs {
+  float x, ax;
+  float v8[8];
+  uint8_t sr_byte;
+  uint32_t r0, r1;
+  uint8_t code_nonneg;
+};
+FP4SIM_HD Inputs inputs_of(uint32_t u) {
+  Inputs in;
+  in.x = f32_from_bits(u);
+  in.ax = f32_from_bits(u & 0x7FFFFFFFu);
+  const uint32_t v[8] = {u,  u * 0x2545F491u, u ^ 0x80000000u, u * 0x9E3779B1u,
+                         ~u, u * 0x85EBCA6Bu, u * 0xC2B2AE35u, u * 0x27D4EB2Fu};
+  for (int i = 0; i < 8; ++i) in.v8[i] = f32_from_bits(v[i]);
+  in.sr_byte = static_cast<uint8_t>((u * 0x9E3779B1u) >> 24);
+  in.r0 = u * 0x9E3779B1u;
+  in.r1 = ~u * 0x85EBCA6Bu;
+  in.code_nonneg = static_cast<uint8_t>(u % 0x7Fu);
+  return in;
+}
+
+// The emu/ reference, one result per format. The block-scale forms (index 9, 10) are e4m3_rn_
+// satfinite and e4m3_to_f32 on their domains (|x| of a non-NaN x; codes 0..0x7E); the eight-code
+// words (11, 12) take their products times `one`, a kernel argument, so that the device computes
+// them (its sign bytes rely on a NaN product being positive).
+FP4SIM_HD void convert_all_reference(uint32_t u, float one, uint32_t* out) {
+  const Inputs in = inputs_of(u);
+  const float* v = in.v8;
+  out[0] = e2m1_rn_satfinite(in.x);
+  out[1] = e2m1_rs_satfinite(in.x, in.sr_byte);
+  out[2] = e4m3_rn_satfinite(in.x);
+  out[3] = e5m2_rn_satfinite(in.x);
+  out[4] = bf16_rne(in.x);
+  out[5] = ue8m0_rz_satfinite(in.x);
+  out[6] = ue8m0_rp_satfinite(in.x);
+  out[7] = e4m3x2_rn_satfinite(in.x, v[1]);
+  out[8] = e4m3x4_rn_satfinite(in.x, v[1], v[3], v[4]);
+  out[9] = f32_isnan(in.ax) ? 0u : e4m3_rn_satfinite(in.ax);
+  out[10] = f32_bits(e4m3_to_f32(in.code_nonneg));
+  out[11] = e2m1x8_rn_scaled(v, one);
+  out[12] = e2m1x8_rs_scaled(v, one, in.r0, in.r1);
+}
+
+// The device's formulations, the same slots.
+__device__ void convert_all_device(uint32_t u, float one, uint32_t* out) {
+  const Inputs in = inputs_of(u);
+  const float* v = in.v8;
+  out[0] = gpu::e2m1_rn_satfinite_magic(in.x);
+  out[1] = gpu::e2m1_rs_satfinite_magic(in.x, in.sr_byte);
+  out[2] = gpu::e4m3_rn_satfinite_cvt(in.x);
+  out[3] = e5m2_rn_satfinite(in.x);
+  out[4] = bf16_rne(in.x);
+  out[5] = ue8m0_rz_satfinite(in.x);
+  out[6] = ue8m0_rp_satfinite(in.x);
+  out[7] = gpu::e4m3x2_rn_satfinite_cvt(in.x, v[1]);
+  out[8] = gpu::e4m3x4_rn_satfinite_cvt(in.x, v[1], v[3], v[4]);
+  out[9] = f32_isnan(in.ax) ? 0u : gpu::e4m3_rn_satfinite_nonneg_cvt(in.ax);
+  out[10] = f32_bits(gpu::e4m3_to_f32_nonneg_cvt(in.code_nonneg));
+  out[11] = gpu::e2m1x8_rn_scaled_prmt(v, one);
+  out[12] = gpu::e2m1x8_rs_scaled_prmt(v, one, in.r0, in.r1);
 }
 
 FP4SIM_HD uint64_t mix(uint64_t h, uint64_t v) {
@@ -71,12 +101,46 @@ __global__ void hash_kernel(uint64_t* hashes, float one) {
   for (uint32_t i = threadIdx.x; i < (1u << kSliceBits); i += blockDim.x) {
     const uint32_t u = static_cast<uint32_t>((slice << kSliceBits) | i);
     uint32_t r[kFormats];
-    convert_all(u, one, r);
+    convert_all_device(u, one, r);
     for (int f = 0; f < kFormats; ++f) local[f] += mix(u, r[f]);
   }
   for (int f = 0; f < kFormats; ++f)
     atomicAdd(reinterpret_cast<unsigned long long*>(&hashes[slice * kFormats + f]),
               static_cast<unsigned long long>(local[f]));
+}
+
+// Every result of one slice (input i's format f at i * kFormats + f), for the first-mismatch
+// search.
+__global__ void slice_results_kernel(uint64_t slice, float one, uint32_t* out) {
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (1u << kSliceBits);
+       i += gridDim.x * blockDim.x) {
+    const uint32_t u = static_cast<uint32_t>((slice << kSliceBits) | i);
+    convert_all_device(u, one, out + static_cast<uint64_t>(i) * kFormats);
+  }
+}
+
+// The first input of `slice` where format f's device result differs from the reference, printed.
+void print_first_mismatch(uint64_t slice, int f, const char* name) {
+  const uint64_t n = (1ull << kSliceBits) * kFormats;
+  uint32_t* d = nullptr;
+  FP4SIM_CUDA_CHECK(cudaMalloc(&d, n * sizeof(uint32_t)));
+  slice_results_kernel<<<1024, 256>>>(slice, 1.0f, d);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  std::vector<uint32_t> dev(n);
+  FP4SIM_CUDA_CHECK(cudaMemcpy(dev.data(), d, n * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  cudaFree(d);
+  for (uint32_t i = 0; i < (1u << kSliceBits); ++i) {
+    const uint32_t u = static_cast<uint32_t>((slice << kSliceBits) | i);
+    uint32_t r[kFormats];
+    convert_all_reference(u, 1.0f, r);
+    if (r[f] != dev[static_cast<uint64_t>(i) * kFormats + f]) {
+      std::printf("[formats-gpu] %s first mismatch: input 0x%08x, device 0x%08x, emu 0x%08x\n",
+                  name, u, dev[static_cast<uint64_t>(i) * kFormats + f], r[f]);
+      return;
+    }
+  }
+  std::printf("[formats-gpu] %s: slice %llu hashes differ, no input differs\n", name,
+              static_cast<unsigned long long>(slice));
 }
 
 TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
@@ -97,7 +161,7 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
     for (uint32_t i = 0; i < (1u << kSliceBits); ++i) {
       const uint32_t u = static_cast<uint32_t>((static_cast<uint64_t>(s) << kSliceBits) | i);
       uint32_t r[kFormats];
-      convert_all(u, 1.0f, r);
+      convert_all_reference(u, 1.0f, r);
       for (int f = 0; f < kFormats; ++f) local[f] += mix(u, r[f]);
     }
     for (int f = 0; f < kFormats; ++f) host[s * kFormats + f] = local[f];
@@ -108,9 +172,15 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
       "e4m3->f32.nonneg", "e2m1x8.rn", "e2m1x8.rs"};
   for (int f = 0; f < kFormats; ++f) {
     int bad = 0;
-    for (uint64_t s = 0; s < kSlices; ++s) bad += host[s * kFormats + f] != gpu[s * kFormats + f];
+    uint64_t first = kSlices;
+    for (uint64_t s = 0; s < kSlices; ++s) {
+      const bool differs = host[s * kFormats + f] != gpu[s * kFormats + f];
+      bad += differs;
+      if (differs && first == kSlices) first = s;
+    }
     std::printf("[formats-gpu] %-9s 2^32 inputs, %d of %llu slices differ\n", names[f], bad,
                 static_cast<unsigned long long>(kSlices));
+    if (first != kSlices) print_first_mismatch(first, f, names[f]);
     EXPECT_EQ(bad, 0) << names[f];
   }
 }
