@@ -172,15 +172,12 @@ void backward_for(float* dqkv, uint16_t* dqkv16, float* dsum, uint4* ds, const f
     backward_kernels<HD, false>(dqkv, dsum, ds, dout16, qkv16, lse2, B, T, NH, NKV, scale, stream);
 }
 
-std::atomic<bool> g_recompute_dq{false};  // set_attention_recompute_dq
-
 }  // namespace
 
-void set_attention_recompute_dq(bool on) { g_recompute_dq = on; }
-
-int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD) {
+int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD,
+                                   bool recompute_dq) {
   constexpr int64_t kMaxDsBytes = int64_t{1} << 30;
-  if (HD > 64 || B <= 0 || T <= 0 || g_recompute_dq) return 0;
+  if (HD > 64 || B <= 0 || T <= 0 || recompute_dq) return 0;
   const int64_t bytes = B * NH * ds_pairs((T + kTile - 1) / kTile) * kDsPairUint4 * 16;
   return bytes <= kMaxDsBytes ? bytes : 0;
 }
@@ -304,8 +301,8 @@ void require_bf16_attention(const char* op, emu::GemmPrecision prec) {
 // The attention backward pass's dS scratch from `scratch`, or null where the dQ kernel recomputes
 // dS (attention_ds_scratch_bytes 0).
 void* attention_ds_scratch(DeviceScratch& scratch, int64_t B, int64_t T, int64_t NH, int64_t HD,
-                           cudaStream_t stream) {
-  const int64_t bytes = attention_ds_scratch_bytes(B, T, NH, HD);
+                           bool recompute_dq, cudaStream_t stream) {
+  const int64_t bytes = attention_ds_scratch_bytes(B, T, NH, HD, recompute_dq);
   return bytes > 0 ? scratch.get<uint8_t>(static_cast<size_t>(bytes), stream) : nullptr;
 }
 
@@ -354,7 +351,8 @@ void CudaBackend::attention_backward(const TensorView& dqkv, const TensorView& d
   uint16_t* dscratch =
       bits(dout) ? nullptr
                  : st.att_dout16.get<uint16_t>(bt * static_cast<size_t>(NH * HD), stream_);
-  void* ds = attention_ds_scratch(st.att_ds, B, T, NH, HD, stream_);
+  void* ds =
+      attention_ds_scratch(st.att_ds, B, T, NH, HD, options_.attention_recompute_dq, stream_);
   attention_backward_launch(
       bits(dqkv) ? nullptr : dqkv.as<float>(), bits(dqkv) ? dqkv.as<uint16_t>() : nullptr, dsum,
       bits(dout) ? nullptr : dout.as<const float>(),

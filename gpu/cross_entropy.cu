@@ -268,8 +268,6 @@ __global__ void __launch_bounds__(kCeThreads, 2)
   });
 }
 
-bool g_crossentropy_cached = true;
-
 // The most dynamic shared memory the cached cross-entropy kernel may use on the current device: the
 // per-block opt-in limit less the kernel's static shared memory (block_max and block_sum), allowed
 // once per instantiation and device (V = 50304 needs 98.3 KiB as BF16 bits, 196.5 KiB as FP32, of
@@ -303,17 +301,18 @@ size_t crossentropy_cache_bytes() {
   return dynamic;
 }
 
-// Launches the cross-entropy kernel, with the row cached in shared memory when it fits.
+// Launches the cross-entropy kernel, with the row cached in shared memory when `cached`
+// (CudaOptions::crossentropy_cached) and it fits.
 template <bool kGrad, class Out = float, class In = float>
 void launch_crossentropy(float* losses, Out* out, const In* logits, const int32_t* targets,
                          int64_t N, int64_t V, const float* dlosses, bool round_bf16,
-                         bool bf16_logits, cudaStream_t stream) {
+                         bool bf16_logits, bool cached, cudaStream_t stream) {
   // (a row's chunks are whole 16-byte vectors when V is a multiple of a vector's elements)
   const bool vec_in = V % static_cast<int64_t>(16 / sizeof(In)) == 0 && aligned16(logits);
   const bool vec_out = V % static_cast<int64_t>(16 / sizeof(Out)) == 0 && aligned16(out);
   const size_t bytes = (static_cast<size_t>((V + kCeVec - 1) / kCeVec) * kCeVec) * sizeof(In);
   const unsigned threads = V >= 4096 ? kCeThreads : 256;
-  if (g_crossentropy_cached && bytes <= crossentropy_cache_bytes<kGrad, Out, In>()) {
+  if (cached && bytes <= crossentropy_cache_bytes<kGrad, Out, In>()) {
     crossentropy_softmax_forward_kernel<kGrad, true, Out, In>
         <<<static_cast<unsigned>(N), threads, bytes, stream>>>(
             losses, out, logits, targets, V, dlosses, round_bf16, bf16_logits, vec_in, vec_out);
@@ -326,8 +325,6 @@ void launch_crossentropy(float* losses, Out* out, const In* logits, const int32_
 }
 
 }  // namespace
-
-void set_crossentropy_cached(bool on) { g_crossentropy_cached = on; }
 
 // The logits' and dlogits' storage picks the kernel's template: float32 (read rounded and written
 // rounded under BF16 storage, or neither) or BF16 bits.
@@ -342,15 +339,17 @@ void CudaBackend::crossentropy_forward_backward(const TensorView& losses, const 
   float* l = losses.as<float>();
   const int32_t* t = targets.as<const int32_t>();
   const float* dl = dlosses.as<const float>();
+  const bool cached = options_.crossentropy_cached;
   if (logits.dtype == DType::BF16 && dlogits.dtype == DType::BF16)
-    launch_crossentropy<true, uint16_t, uint16_t>(
-        l, dlogits.as<uint16_t>(), logits.as<const uint16_t>(), t, N, V, dl, true, true, stream_);
+    launch_crossentropy<true, uint16_t, uint16_t>(l, dlogits.as<uint16_t>(),
+                                                  logits.as<const uint16_t>(), t, N, V, dl, true,
+                                                  true, cached, stream_);
   else if (dlogits.dtype == DType::BF16)
     launch_crossentropy<true, uint16_t>(l, dlogits.as<uint16_t>(), logits.as<const float>(), t, N,
-                                        V, dl, true, true, stream_);
+                                        V, dl, true, true, cached, stream_);
   else if (logits.dtype == DType::F32)
     launch_crossentropy<true>(l, dlogits.as<float>(), logits.as<const float>(), t, N, V, dl, rb, rb,
-                              stream_);
+                              cached, stream_);
   else
     throw std::invalid_argument(
         "crossentropy_forward_backward: BF16 logits with float32 dlogits: the CUDA backend writes "

@@ -46,7 +46,23 @@ std::string describe_gpu() {
 // (the nvfp4 step had ~20 ms of wall time without kernels). The pool keeps what it has
 // (release threshold: unlimited), so a step reuses the previous step's memory; cudaMemGetInfo,
 // and so the peak memory the trainer reports, counts what the pool holds.
-CudaBackend::CudaBackend() : Backend("cuda", Device::Cuda) {
+CudaBackend::CudaBackend(const CudaOptions& options)
+    : Backend("cuda", Device::Cuda), options_(options) {
+  const auto check_pick = [](const char* what, int index) {
+    if (index < kPlanOwnPick || index > kMaxHeuristicPick)
+      throw std::invalid_argument(
+          std::string("CudaOptions::") + what + ": index " + std::to_string(index) +
+          " is outside " + std::to_string(kPlanOwnPick) + ".." + std::to_string(kMaxHeuristicPick));
+  };
+  check_pick("cublaslt_heuristic_pick", options.cublaslt_heuristic_pick);
+  check_pick("matmul_heuristic_pick", options.matmul_heuristic_pick);
+  if (options.quantize_keep_rht < kQuantizeKeepRhtAuto || options.quantize_keep_rht > 1)
+    throw std::invalid_argument(
+        "CudaOptions::quantize_keep_rht: " + std::to_string(options.quantize_keep_rht) +
+        " is not kQuantizeKeepRhtAuto, 0 or 1");
+  if (options.quantize_kept_ctas_per_sm < 0 || options.fp8_wgmma_max_ctas < 0)
+    throw std::invalid_argument(
+        "CudaOptions: quantize_kept_ctas_per_sm and fp8_wgmma_max_ctas must be >= 0");
   FP4SIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   try {
     init_device();
@@ -79,8 +95,21 @@ CudaBackend::~CudaBackend() {
 }
 
 CudaBackend::LayersState& CudaBackend::layers_state() {
-  if (!layers_) layers_ = std::make_shared<LayersState>();
+  if (!layers_) {
+    layers_ = std::make_shared<LayersState>();
+    layers_->lt.pick = options_.matmul_heuristic_pick;
+  }
   return *layers_;
+}
+
+CudaCounters CudaBackend::counters() const {
+  CudaCounters c = counters_;
+  if (cublaslt_) c.last_cublaslt_plan_pick = cublaslt_last_pick(*cublaslt_);
+  if (layers_) {
+    c.last_matmul_plan_pick = layers_->lt.last_pick;
+    c.last_matmul_epilogue_refusal = layers_->lt.last_epilogue_refusal;
+  }
+  return c;
 }
 
 // Memory from allocate() is ready in stream_'s order: every op of this backend runs on stream_,
@@ -150,21 +179,12 @@ void CudaBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, Quant
     if (x.device != Device::Cuda)
       throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
                                   "' is not in device memory");
-    fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_);
+    fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, nullptr,
+                        options_.fp8_quantize_staged);
     return;
   }
-  quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_);
+  quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_, nullptr, options_);
 }
-
-namespace {
-uint64_t g_fused_bias_backward = 0;        // fused_bias_backward_count
-uint64_t g_fused_activation_quantize = 0;  // fused_activation_quantize_count
-}  // namespace
-bool g_activation_fusion = true;  // set_activation_fusion
-
-uint64_t fused_bias_backward_count() { return g_fused_bias_backward; }
-uint64_t fused_activation_quantize_count() { return g_fused_activation_quantize; }
-void set_activation_fusion(bool on) { g_activation_fusion = on; }
 
 ActivationArgs activation_args(const ActivationSource& src) {
   ActivationArgs a;
@@ -213,9 +233,10 @@ void CudaBackend::quantize_activation(const ActivationSource& src, const Quantiz
       validate_quantize(x, cfg);
       float* partial =
           layers_state().columns.get<float>(static_cast<size_t>(column_chunks(R) * C), stream_);
-      if (quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_, partial)) {
+      if (quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, &rht_keep_, partial,
+                          options_)) {
         column_sums_finalize(db, partial, R, C, true, stream_);
-        ++g_fused_bias_backward;
+        ++counters_.fused_bias_backward;
       } else {
         bias_backward_launch(db, x.as<const float>(), R, C);
       }
@@ -226,14 +247,15 @@ void CudaBackend::quantize_activation(const ActivationSource& src, const Quantiz
       validate_quantize(x, cfg);
       float* partial =
           layers_state().columns.get<float>(static_cast<size_t>(column_chunks(R) * C), stream_);
-      fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
+      fp8_quantize_launch(x, cfg, rowwise, columnwise, stream_, amax_ws_, partial,
+                          options_.fp8_quantize_staged);
       column_sums_finalize(db, partial, R, C, true, stream_);
-      ++g_fused_bias_backward;
+      ++counters_.fused_bias_backward;
       return;
     }
   }
   const ActivationArgs a = activation_args(src);
-  const bool fused = src.op != ActivationOp::Identity && g_activation_fusion &&
+  const bool fused = src.op != ActivationOp::Identity && options_.activation_fusion &&
                      cfg.format == QFormat::FP8 && R * C > 0 && !a.inp16 && !a.out16 && !a.dout16 &&
                      (!cfg.columnwise.enabled || R % kFp8Block == 0) &&
                      (!db || cfg.columnwise.enabled) && no_decoded;
@@ -246,9 +268,10 @@ void CudaBackend::quantize_activation(const ActivationSource& src, const Quantiz
   float* partial =
       db ? layers_state().columns.get<float>(static_cast<size_t>(column_chunks(R) * C), stream_)
          : nullptr;
-  fp8_quantize_activation_launch(a, cfg, rowwise, columnwise, stream_, amax_ws_, partial);
+  fp8_quantize_activation_launch(a, cfg, rowwise, columnwise, stream_, amax_ws_, partial,
+                                 options_.fp8_quantize_staged);
   if (db) column_sums_finalize(db, partial, R, C, true, stream_);
-  ++g_fused_activation_quantize;
+  ++counters_.fused_activation_quantize;
 }
 
 void CudaBackend::dequantize(const QuantizedView& q, const TensorView& out) {
@@ -288,7 +311,7 @@ void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const Ten
     if (cfg.split_k != 1)
       throw std::invalid_argument(
           "gemm: --split-k models the exact GEMM only; cuBLASLt chooses its own");
-    if (!cublaslt_) cublaslt_ = make_cublaslt_state();
+    if (!cublaslt_) cublaslt_ = make_cublaslt_state(options_.cublaslt_heuristic_pick);
     if (a.format == QFormat::FP8)
       fp8_gemm_cublaslt_launch(*cublaslt_, a, b, cp, cfg, d.data, stream_);
     else
@@ -296,11 +319,12 @@ void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const Ten
     return;
   }
   if (a.format == QFormat::FP8) {
-    if (fp8_wgmma_enabled() && fp8_gemm_wgmma_supported(a, b)) {
+    if (options_.fp8_wgmma && fp8_gemm_wgmma_supported(a, b)) {
       float* ws = cfg.split_k > 1 ? fp8_split_ws_.get<float>(
                                         static_cast<size_t>(cfg.split_k * a.rows * b.rows), stream_)
                                   : nullptr;
-      fp8_gemm_wgmma_launch(a, b, cp, cfg, d.data, ws, stream_);
+      fp8_gemm_wgmma_launch(a, b, cp, cfg, d.data, ws, stream_, options_.fp8_wgmma_max_ctas);
+      ++counters_.fp8_wgmma_gemms;
     } else {
       fp8_gemm_exact_launch(a, b, cp, cfg, d.data, stream_);
     }
@@ -309,6 +333,8 @@ void CudaBackend::gemm(const QuantizedView& a, const QuantizedView& b, const Ten
   }
 }
 
-std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& options) {
+  return std::make_unique<CudaBackend>(options);
+}
 
 }  // namespace fp4sim::gpu

@@ -13,8 +13,110 @@
 
 namespace fp4sim::gpu {
 
+// The cuBLASLt heuristic index a plan takes (CudaOptions::cublaslt_heuristic_pick and
+// matmul_heuristic_pick): kPlanOwnPick, the plan's own choice, or 0..kMaxHeuristicPick.
+constexpr int kPlanOwnPick = -1;
+constexpr int kMaxHeuristicPick = 15;
+// CudaOptions::quantize_keep_rht's default: keep FP32 input's RHT output, transform BF16 twice.
+constexpr int kQuantizeKeepRhtAuto = -1;
+
+// The CUDA backend's tuning options, fixed when it is constructed. "Same bits": the option changes
+// only speed; the others say what may differ.
+struct CudaOptions {
+  // Whether the common-case NVFP4 quantizer keeps the RHT output between its passes (1) or
+  // transforms twice (0: the amax pass then takes only max |rht(x)|, one rounding a chunk).
+  // kQuantizeKeepRhtAuto (default) transforms BF16 input twice and keeps FP32 input's output, as
+  // measured on the H200 (docs/performance.md, row RN + column RHT + SR): 8192^2 BF16 169 us twice
+  // against 209 kept; the training step's FP32 16384 x 768 54.2 against 52.0 kept, 16384 x 3072
+  // 175 against 188. Same bits.
+  int quantize_keep_rht = kQuantizeKeepRhtAuto;
+  // The common-case quantize pass is launched as a programmatic dependent of the amax pass (true,
+  // default: its CTAs load their tiles while the amax pass's last CTAs finish), or after it as an
+  // ordinary launch. Same bits.
+  bool quantize_early_launch = true;
+  // The streaming kernel that writes both copies from the kept RHT transform runs at most this
+  // many CTAs per SM and copy, each thread looping over several 1x16 blocks (default 8); 0: one
+  // block a thread. Same bits.
+  int quantize_kept_ctas_per_sm = 8;
+  // Which of the cuBLASLt heuristic's algorithms a GEMM plan (gpu/gemm_cublaslt.cu) uses:
+  // kPlanOwnPick (default) the plan's own choice (fp8_preferred_algo, bf16_preferred_algo);
+  // 0..kMaxHeuristicPick that index of the list, where a plan fails if the list is shorter. Not
+  // the same bits: cuBLASLt's order of summation may differ in the last bits.
+  int cublaslt_heuristic_pick = kPlanOwnPick;
+  // The same for the training matmuls (matmul_forward/backward: the BF16 recipe's Linears and
+  // every recipe's output head): kPlanOwnPick (default) matmul_preferred_algo's choice (the first
+  // where the list is shorter); 0..kMaxHeuristicPick that index (a matmul fails where the list is
+  // shorter). Not the same bits, as above.
+  int matmul_heuristic_pick = kPlanOwnPick;
+  // The cross-entropy kernel caches a row of logits in shared memory where it fits (true,
+  // default) or reads them from memory in every pass. Same bits.
+  bool crossentropy_cached = true;
+  // Whether quantize_activation, matmul_forward_activation and matmul_backward_activation may fuse
+  // (true, default); false runs Backend's compositions (the op, then the quantizer or the matmul).
+  // Same bits.
+  bool activation_fusion = true;
+  // Whether a BF16 matmul writing BF16 bits lets cuBLASLt write them (no bias) or add the bias in
+  // its epilogue (true, default, where the bias is 16-byte aligned and cuBLASLt lists an
+  // algorithm); false: the GEMM writes FP32 through the plans of FP32 outputs, then add_bias_bf16
+  // or a narrowing pass. The same rounding (LayersGpu.MatmulBf16EpilogueRoundsLikeAddBias); the
+  // accumulation may differ where cuBLASLt picks another algorithm for the other output.
+  bool matmul_bf16_epilogue = true;
+  // Whether gemm runs exact FP8 GEMMs on the tensor cores where fp8_gemm_wgmma_supported (true,
+  // default) or always with the one-thread-an-output model kernel. Same bits.
+  bool fp8_wgmma = true;
+  // At most this many persistent CTAs for the tensor-core FP8 GEMM (0, default: one an SM), so
+  // that small GEMMs exercise CTAs that take several work items in turn. Same bits.
+  int fp8_wgmma_max_ctas = 0;
+  // Whether the FP8 quantizer's whole tiles write their column-wise codes and row-wise GEMM-layout
+  // scales through shared memory as whole lines (true, default) or straight from each thread.
+  // Same bits.
+  bool fp8_quantize_staged = true;
+  // true: attention_ds_scratch_bytes is 0, so the dQ kernel recomputes dS instead of reading the
+  // stored bf16(dS) (false, default). Same bits (the same values and sums).
+  bool attention_recompute_dq = false;
+};
+
+// What a cuBLASLt GEMM plan chose. rules_active: Hopper with cuBLASLt 13.1.x, where
+// fp8_preferred_algo / bf16_preferred_algo / matmul_preferred_algo apply; preferred: the index the
+// rule (or the option) asked for; found: how many algorithms the heuristic returned (at most
+// preferred + 1); used: the index taken (preferred, or 0 where the list is shorter).
+struct CublasLtPlanPick {
+  bool rules_active = false;
+  int preferred = -1, found = 0, used = -1;
+};
+using MatmulPlanPick = CublasLtPlanPick;
+
+// What one CudaBackend did (CudaBackend::counters), for tests and benchmarks.
+struct CudaCounters {
+  // quantize_activation calls with dbias whose tile pass made the column sums (FP8, or the NVFP4
+  // RHT amax pass)
+  uint64_t fused_bias_backward = 0;
+  // quantize_activation calls that computed the activation inside the FP8 tile pass
+  uint64_t fused_activation_quantize = 0;
+  // matmul_forward_activation / matmul_backward_activation calls that computed the activation in
+  // the pass that makes the BF16 GEMM operand
+  uint64_t fused_activation_matmul = 0;
+  // matmul_backward calls at BF16 precision that took dout's BF16 copy and the bias gradient's
+  // column sums from one pass (round_to_bf16_column_partial_kernel)
+  uint64_t fused_matmul_bias = 0;
+  // BF16 matmul weight operands read as BF16 bits (the model's BF16 weight shadow)
+  uint64_t weight_shadow_reads = 0;
+  // matmul_forward calls with a BF16 output whose cuBLASLt epilogue wrote it (and added the bias)
+  uint64_t matmul_bf16_epilogue = 0;
+  // FP8 GEMMs that ran on the tensor cores (fp8_gemm_wgmma_launch)
+  uint64_t fp8_wgmma_gemms = 0;
+  // the most recently built cuBLASLt GEMM plan's and training-matmul plan's choice
+  CublasLtPlanPick last_cublaslt_plan_pick;
+  MatmulPlanPick last_matmul_plan_pick;
+  // the last BF16-output or bias-epilogue plan cuBLASLt refused (status, algorithms listed,
+  // shape), or empty
+  std::string last_matmul_epilogue_refusal;
+};
+
 struct CublasLtState;
-std::shared_ptr<CublasLtState> make_cublaslt_state();
+std::shared_ptr<CublasLtState> make_cublaslt_state(int heuristic_pick = kPlanOwnPick);
+// What the state's most recently built plan chose.
+CublasLtPlanPick cublaslt_last_pick(const CublasLtState& st);
 void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b,
                           const float* c, const GemmConfig& cfg, void* out, cudaStream_t stream);
 void fp8_gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const QuantizedView& b,
@@ -62,8 +164,11 @@ std::string cublaslt_version();
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend();
+  explicit CudaBackend(const CudaOptions& options = {});
   ~CudaBackend() override;
+  const CudaOptions& options() const { return options_; }
+  // What this backend did so far (counts and the last plans' picks).
+  CudaCounters counters() const;
   void* allocate(size_t bytes) override;
   void release(void* p) override;
   void upload(void* dst, const void* host_src, size_t bytes) override;
@@ -103,7 +208,8 @@ class CudaBackend final : public Backend {
   // BF16 precision: cuBLASLt BF16 GEMMs with FP32 accumulation. A BF16 output: cuBLASLt's BF16
   // output where there is no bias; with a bias, FP32 with the bias added in cuBLASLt's epilogue,
   // then one narrowing pass (cuBLASLt 13.1 on Hopper lists no algorithm for a BF16 output with an
-  // FP32 bias: last_matmul_epilogue_refusal); set_matmul_bf16_epilogue turns both off.
+  // FP32 bias: CudaCounters::last_matmul_epilogue_refusal); CudaOptions::matmul_bf16_epilogue
+  // turns both off.
   void matmul_forward(const TensorView& out, const TensorView& inp, const TensorView& weight,
                       const TensorView& bias, GemmPrecision prec) override;
   void matmul_backward(const TensorView& dinp, const TensorView& dweight, const TensorView& dbias,
@@ -158,6 +264,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
 
  private:
+  CudaOptions options_;
+  CudaCounters counters_;  // (the plan picks live in cublaslt_ and layers_; counters() adds them)
   cudaStream_t stream_ = nullptr;
   bool stream_ordered_ = false;  // allocate/release through the device's memory pool on stream_
   int cc_major_ = 0;             // compute capability of the device
@@ -200,7 +308,7 @@ class CudaBackend final : public Backend {
   init_device();  // the constructor's part after the stream exists (pool, capability, workspace)
 };
 
-std::unique_ptr<Backend> make_cuda_backend();
+std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& options = {});
 
 // Kernel launchers (gpu/quantize.cu), on `stream`, device pointers. amax_ws: 3 zeroed unsigned ints
 // of device memory used by no other stream (the amax pass leaves them zero again). rht_keep (may
@@ -209,146 +317,43 @@ std::unique_ptr<Backend> make_cuda_backend();
 // column_partial (may be null): where the RHT amax pass is the pipelined kernel and x is FP32 with
 // rows % 64 == 0, x's 64-row chunk column sums [rows / 64, cols] (emu::bias_backward's partial
 // sums, for column_sums_finalize) are written there too; returns whether they were.
+// opt: the quantize_* options.
 bool quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                      QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
-                     DeviceScratch* rht_keep = nullptr, float* column_partial = nullptr);
-// Benchmark knob: whether the common-case quantizer keeps the RHT output between its passes (1) or
-// transforms twice (0: the amax pass then takes only max |rht(x)|, one rounding a chunk). The
-// default (kQuantizeKeepRhtAuto) transforms BF16 input twice and keeps FP32 input's output, as
-// measured on the H200 (2026-12-01, row RN + column RHT + SR): 8192^2 BF16 169 us twice against 209
-// kept; the training step's FP32 16384 x 768 54.2 against 52.0 kept, 16384 x 3072 175 against 188,
-// and gpt2-124m nvfp4 with every FP32 copy twice 286,827 tok/s against 291,143 before. Results are
-// identical.
-constexpr int kQuantizeKeepRhtAuto = -1;
-constexpr int kQuantizeKeepRhtDefault = kQuantizeKeepRhtAuto;
-void set_quantize_keep_rht(int keep);
-// Benchmark knob: the common-case quantize pass is launched as a programmatic dependent of the amax
-// pass (default), so its CTAs load their tiles while the amax pass's last CTAs finish, or after it
-// as an ordinary launch. Same bits.
-void set_quantize_early_launch(bool early);
-// Benchmark knob: 16-byte loads a thread keeps in flight in the contiguous amax pass, 1 or 4
-// (default). Same bits.
-void set_quantize_amax_unroll(int loads);
-// Benchmark knob: the streaming kernel that writes both copies from the kept RHT transform runs
-// at most `ctas` CTAs per SM and copy, each thread looping over several 1x16 blocks (default 8);
-// 0 = one block a thread (as before). Same bits.
-void set_quantize_kept_ctas_per_sm(int ctas);
-// Benchmark and test knob: the RHT amax pass, 0 = one 64-row tile a CTA, 1 = one 32-row tile a CTA,
-// 2 = persistent CTAs with cp.async double buffering where cols % 128 == 0, rows % 32 == 0 and
-// rows are 16-byte aligned, else 1 (default). Same bits.
-void set_quantize_rht_amax_variant(int variant);
-// Test knob: the kernel of NVFP4 2D copies without Four Over Six or RHT, 1 = one 16x16 block per
-// half-warp (default; rows and cols multiples of 16, 16-byte aligned rows), 0 = the general tile
-// kernel. Same bits.
-void set_quantize_2d_variant(int variant);
-// Benchmark knob: the common-case quantize kernel's tile, 1 = 64x128 (default; whole tiles write
-// their column-wise codes through shared memory), 2 = 64x256 (BF16 input), 3 = 64x128 with each
-// thread storing its column's codes itself. Results are identical; only speed differs.
-void set_quantize_tile_variant(int variant);
+                     DeviceScratch* rht_keep = nullptr, float* column_partial = nullptr,
+                     const CudaOptions& opt = {});
 void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
                        const GemmConfig& cfg, void* out, cudaStream_t stream);
-// Benchmark knob: the exact GEMM kernel, 0 = one thread per output (reference), 1 = tiled,
-// 2 = tiled with the lean core, 3 and 4 = 2 at 3 or 4 CTAs per SM, 5 = 4 with fewer integer
-// operations per output, 6 = 5 scaling the terms by exponent addition (18.9 TFLOP/s at 8192^3 on
-// the H200), 7 = 6 with per-row shared-memory records and all-zero groups folded into the exponents
-// (the default: 20.4 TFLOP/s), 8 = 6 with the records only (19.0), 9 = 7 at 3 CTAs per SM (19.1);
-// docs/performance.md has the measurements. Results are identical; only speed differs.
-constexpr int kGemmExactDefaultVariant = 7;
-void set_gemm_exact_variant(int variant);
-// Benchmark knob: which of the cuBLASLt heuristic's algorithms a GEMM plan built from now on uses
-// (kPlanOwnPick, the default: the plan's own choice, gpu/gemm_cublaslt.cu fp8_preferred_algo and
-// bf16_preferred_algo; 0..kMaxHeuristicPick: that index of the list, where a plan fails if the list
-// is shorter). Results may differ in the last bits (cuBLASLt's order of summation); speed differs.
-constexpr int kPlanOwnPick = -1;
 // Whether the plans' heuristic-index rules (gpu/gemm_cublaslt.cu fp8_preferred_algo and
 // bf16_preferred_algo, gpu/matmul.cu matmul_preferred_algo) apply: they index the heuristic list of
 // the release they were measured on, cuBLASLt 13.1.x on Hopper (compute capability 9.x).
 bool cublaslt_picks_measured_here(int cc_major, size_t lt_version);
-constexpr int kMaxHeuristicPick = 15;
-void set_cublaslt_heuristic_pick(int index);
-// Test knob: the Hopper FP4 path's decode of an operand without its decoded copy, 1 = flat over
-// both operands' code words, warp-coalesced (default, where the buffers are aligned), 0 = 8
-// elements a thread, a grid row per tensor row. Same bits.
-void set_fp4_decode_variant(int variant);
-// Test hook: what the most recently built cuBLASLt GEMM plan (gpu/gemm_cublaslt.cu) chose.
-// rules_active: Hopper with cuBLASLt 13.1.x, where fp8_preferred_algo / bf16_preferred_algo apply;
-// preferred: the index the rule (or the knob) asked for; found: how many algorithms the heuristic
-// returned (at most preferred + 1); used: the index taken (preferred, or 0 where the list is
-// shorter).
-struct CublasLtPlanPick {
-  bool rules_active = false;
-  int preferred = -1, found = 0, used = -1;
-};
-CublasLtPlanPick last_cublaslt_plan_pick();
-// Benchmark knob, the same for the training matmuls (CudaBackend::matmul_forward/backward, the BF16
-// recipe's Linears and every recipe's output head): kPlanOwnPick, the default, the plan's own
-// choice (gpu/matmul.cu matmul_preferred_algo, falling back to the first where the list is
-// shorter); 0..kMaxHeuristicPick that index (a matmul fails where the list is shorter). Plans are
-// kept per index, so switching back finds the default's again.
-void set_matmul_heuristic_pick(int index);
 // The training matmuls' rule (gpu/matmul.cu): the heuristic index a plan for lt_matmul's
 // column-major m x n x k (A transposed when transa, B when transb) takes, given whether the rules
 // apply (rules_active: Hopper with cuBLASLt 13.1.x) and whether the operands are BF16.
 int matmul_preferred_algo(bool rules_active, bool bf16, bool transa, bool transb, int64_t m,
                           int64_t n, int64_t k);
-// Test hook: what the most recently built training-matmul plan chose (fields as CublasLtPlanPick).
-using MatmulPlanPick = CublasLtPlanPick;
-MatmulPlanPick last_matmul_plan_pick();
-// Test knob: the cross-entropy kernel caches a row of logits in shared memory where it fits (the
-// default) or reads them from memory in every pass. Results are identical; only speed differs.
-void set_crossentropy_cached(bool on);
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 // Per-row error sums of copy q against x into rows_out[q.rows] (device memory), each row's blocks
 // added in order (emu/quant_stats.hpp); block_sums: scratch of q.scale_count() entries.
 void quant_error_rows_launch(const float* x, const QuantizedView& q, QuantErrorSums* block_sums,
                              QuantErrorSums* rows_out, cudaStream_t stream);
-// Test hook: how many CudaBackend::quantize_with_bias_backward calls took the fused FP8 path (the
-// tile pass's column sums) in this process.
-uint64_t fused_bias_backward_count();
-// Test hook: how many CudaBackend::quantize_activation calls computed the activation inside the FP8
-// tile pass (src.out left unwritten) in this process.
-uint64_t fused_activation_quantize_count();
-// Test hook: how many CudaBackend::matmul_forward_activation / matmul_backward_activation calls
-// computed the activation in the pass that makes the BF16 GEMM operand, in this process.
-uint64_t fused_activation_matmul_count();
-// Test and benchmark knob: whether CudaBackend::quantize_activation, matmul_forward_activation and
-// matmul_backward_activation may fuse (default true); off, they run Backend's compositions (the op,
-// then the quantizer or the matmul). Results are identical; only speed differs.
-void set_activation_fusion(bool on);
-// Test and benchmark knob: whether a BF16 matmul writing BF16 bits (matmul_forward_bf16's out16,
-// matmul_backward_bits' dinp16) lets cuBLASLt write them (no bias) or add the bias in its epilogue
-// (default true, where the bias is 16-byte aligned and cuBLASLt lists an algorithm); off, the GEMM
-// writes FP32 through the plans of FP32 outputs, then add_bias_bf16 or a narrowing pass. The same
-// rounding (LayersGpu.MatmulBf16EpilogueRoundsLikeAddBias); the accumulation may differ where
-// cuBLASLt picks another algorithm for the other output (bounded, as every cuBLASLt GEMM).
-void set_matmul_bf16_epilogue(bool on);
-// Test hook: how many matmul_forward_bf16 calls with a BF16 output (out16) had cuBLASLt write it
-// (and add the bias, as BF16) in its epilogue, in this process.
-uint64_t matmul_bf16_epilogue_count();
-// Test hook: the last BF16-output or bias-epilogue plan cuBLASLt refused (status, algorithms
-// listed, shape), or empty.
-std::string last_matmul_epilogue_refusal();
-// Test hook: how many BF16 matmul weight operands were read from set_bf16_weight_shadow's bits.
-uint64_t weight_shadow_read_count();
-// Test hook: how many CudaBackend::matmul_backward calls at BF16 precision took dout's BF16 copy
-// and the bias gradient's column sums from one pass (round_to_bf16_column_partial_kernel) in this
-// process.
-uint64_t fused_matmul_bias_count();
-// The FP8 block format (gpu/fp8.cu). amax_ws: as for quantize_launch.
+// The FP8 block format (gpu/fp8.cu). amax_ws: as for quantize_launch. staged: as
+// CudaOptions::fp8_quantize_staged.
 // column_partial (optional; F32 x with a column-wise copy, R % 128 == 0): the kernel also writes
 // x's column sums over each 64-row chunk (emu::kColumnChunkRows), [R / 64, C], each from +0 in
 // increasing row order, for column_sums_finalize (gpu/column_sums.cu): the bits of bias_backward's
 // first pass.
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                          QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
-                         float* column_partial = nullptr);
+                         float* column_partial = nullptr, bool staged = true);
 // The same tile pass over an activation op's output computed on the way in (src's GELU forward or
 // backward, gpu/activation.cuh), never stored: the bits of running the op, then
 // fp8_quantize_launch on its dense F32 output. column_partial: as above, over the op's output.
 void fp8_quantize_activation_launch(const ActivationArgs& src, const QuantizeConfig& cfg,
                                     QuantizedView* rowwise, QuantizedView* columnwise,
                                     cudaStream_t stream, unsigned* amax_ws,
-                                    float* column_partial = nullptr);
+                                    float* column_partial = nullptr, bool staged = true);
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream);
 void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
                            const GemmConfig& cfg, void* out, cudaStream_t stream);
@@ -357,23 +362,11 @@ void fp8_gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const
 // (fp8_gemm_wgmma_supported) on a compute capability 9.0 device running this build's sm_90a code
 // (a plain sm_90 build has only a trap; asked once per device), with K a multiple of 128, 16-byte
 // aligned codes and 4-byte aligned scales. split_ws: cfg.split_k > 1, split_k * M * N floats of
-// device scratch.
+// device scratch. max_ctas: as CudaOptions::fp8_wgmma_max_ctas.
 bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b);
 void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
-                           const GemmConfig& cfg, void* out, float* split_ws, cudaStream_t stream);
-// Test and benchmark knob: whether CudaBackend::gemm runs exact FP8 GEMMs on the tensor cores where
-// supported (default true) or always with the one-thread-an-output model kernel.
-void set_fp8_wgmma(bool on);
-bool fp8_wgmma_enabled();
-// Test hook: how many FP8 GEMMs ran on the tensor cores (fp8_gemm_wgmma_launch) in this process.
-uint64_t fp8_wgmma_gemm_count();
-// Test and benchmark knob: whether the FP8 quantizer's whole tiles write their column-wise codes
-// and row-wise GEMM-layout scales through shared memory as whole lines (default true) or straight
-// from each thread. The bits do not depend on it.
-void set_fp8_quantize_staged(bool on);
-// Test knob: at most n persistent CTAs for the tensor-core FP8 GEMM (0, the default: one an SM), so
-// small GEMMs exercise CTAs that take several work items in turn.
-void set_fp8_wgmma_max_ctas(int n);
+                           const GemmConfig& cfg, void* out, float* split_ws, cudaStream_t stream,
+                           int max_ctas = 0);
 // Causal attention with grouped KV heads (gpu/attention.cu): FlashAttention-2 kernels on
 // mma.sync BF16 -> FP32, the contract of emu/attention.hpp's attention_forward/backward within a
 // bound (tests/gpu/test_layers_gpu.cpp). HD in {16, 32, 64, 128}, else std::invalid_argument. dsum
@@ -400,15 +393,14 @@ void attention_backward_launch(float* dqkv, uint16_t* dqkv16, float* dsum, const
 // The backward pass's dS scratch: attention_ds_scratch_bytes(B, T, NH, HD) bytes (16-byte aligned)
 // passed as `ds` make the dK/dV kernel store bf16(dS) and the dQ kernel a plain GEMM over it (the
 // same values and sums as recomputing it); 0 where that path is not taken (HD > 64, more than
-// 1 GiB of scratch, or set_attention_recompute_dq), and then ds may be null.
-int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD);
+// 1 GiB of scratch, or recompute_dq: CudaOptions::attention_recompute_dq), and then ds may be
+// null.
+int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD,
+                                   bool recompute_dq = false);
 // Tests: the cross-entropy kernel's division by the row's sum (one reciprocal a row, then three
 // FMAs a quotient) against __fdiv_rn on `pairs` pseudo-random pairs of its fast range: the number
 // of quotients that differ in any bit (0 expected).
 int64_t ce_division_mismatches(int64_t pairs, uint64_t seed);
-// Tests: true makes attention_ds_scratch_bytes 0, so the dQ kernel recomputes dS (to compare the
-// two paths); false (the default) restores the stored-dS path.
-void set_attention_recompute_dq(bool on);
 void scales_to_tiled_launch(const uint8_t* scales, int64_t rows, int64_t k_blocks, uint8_t* out,
                             cudaStream_t stream);
 

@@ -71,7 +71,7 @@ struct Fp8TileArgs {
   AmaxArgs amax;           // targets: the enabled copies' amax
   float* col_partial;      // x's 64-row column sums [R / 64, C] (fp8_quantize_launch), or null
   bool staged;  // whole tiles write the column-wise codes and row-wise GEMM scales through
-                // shared memory (set_fp8_quantize_staged)
+                // shared memory (CudaOptions::fp8_quantize_staged)
 };
 
 // Four consecutive elements of row r from column c as FP32 (zeros outside the tensor): one 16-byte
@@ -484,12 +484,9 @@ __global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const fl
 
 // One launch of the tile kernel for source Src, its dynamic shared memory allowed first
 // (allow_dynamic_smem: once per instantiation and device).
-std::atomic<bool> g_fp8_staged{true};  // set_fp8_quantize_staged
-
 template <class Src>
 void launch_fp8_tile(const dim3& grid, const Src& src, Fp8TileArgs a, cudaStream_t stream) {
   allow_dynamic_smem(reinterpret_cast<const void*>(fp8_quantize_tile_kernel<Src>), kFp8TileSmem);
-  a.staged = g_fp8_staged.load();
   fp8_quantize_tile_kernel<Src><<<grid, kFp8TileThreads, kFp8TileSmem, stream>>>(src, a);
 }
 
@@ -530,7 +527,7 @@ dim3 fp8_tile_grid(int64_t rows, int64_t cols, const char* name) {
 
 void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                          QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
-                         float* column_partial) {
+                         float* column_partial, bool staged) {
   if (!amax_ws) throw std::logic_error("fp8_quantize_launch: no amax workspace");
   // (whole 128-row tiles, which a column-wise copy needs anyway: a 64-row remainder would sum
   // the tile's zero padding into a chunk past the buffer)
@@ -542,8 +539,9 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
   const int64_t vec_bytes = 4 * (x.dtype == DType::F32 ? 4 : 2);
   const bool vector_ok = reinterpret_cast<uintptr_t>(x.data) % vec_bytes == 0 &&
                          (x.stride() * (x.dtype == DType::F32 ? 4 : 2)) % vec_bytes == 0;
-  const Fp8TileArgs a = fp8_tile_args(x.rows, x.cols, x.stride(), vector_ok, cfg, rowwise,
-                                      columnwise, amax_ws, column_partial);
+  Fp8TileArgs a = fp8_tile_args(x.rows, x.cols, x.stride(), vector_ok, cfg, rowwise, columnwise,
+                                amax_ws, column_partial);
+  a.staged = staged;
   const dim3 grid = fp8_tile_grid(x.rows, x.cols, x.name);
   if (x.dtype == DType::F32)
     launch_fp8_tile(grid, Fp8MemorySource<float>{static_cast<const float*>(x.data)}, a, stream);
@@ -555,7 +553,8 @@ void fp8_quantize_launch(const TensorView& x, const QuantizeConfig& cfg, Quantiz
 
 void fp8_quantize_activation_launch(const ActivationArgs& src, const QuantizeConfig& cfg,
                                     QuantizedView* rowwise, QuantizedView* columnwise,
-                                    cudaStream_t stream, unsigned* amax_ws, float* column_partial) {
+                                    cudaStream_t stream, unsigned* amax_ws, float* column_partial,
+                                    bool staged) {
   if (!amax_ws) throw std::logic_error("fp8_quantize_activation_launch: no amax workspace");
   if (column_partial && (!cfg.columnwise.enabled || src.rows % kFp8Block != 0))
     throw std::logic_error(
@@ -568,8 +567,9 @@ void fp8_quantize_activation_launch(const ActivationArgs& src, const QuantizeCon
   const bool vector_ok = reinterpret_cast<uintptr_t>(src.inp) % 16 == 0 &&
                          (!backward || reinterpret_cast<uintptr_t>(src.dout) % 16 == 0) &&
                          src.cols % 4 == 0;
-  const Fp8TileArgs a = fp8_tile_args(src.rows, src.cols, src.cols, vector_ok, cfg, rowwise,
-                                      columnwise, amax_ws, column_partial);
+  Fp8TileArgs a = fp8_tile_args(src.rows, src.cols, src.cols, vector_ok, cfg, rowwise, columnwise,
+                                amax_ws, column_partial);
+  a.staged = staged;
   const dim3 grid = fp8_tile_grid(src.rows, src.cols, src.name);
   if (backward)
     launch_fp8_tile(grid, Fp8GeluBackwardSource{src.inp, src.dout, src.round_bf16, src.bf16_dout},
@@ -578,8 +578,6 @@ void fp8_quantize_activation_launch(const ActivationArgs& src, const QuantizeCon
     launch_fp8_tile(grid, Fp8GeluForwardSource{src.inp, src.round_bf16}, a, stream);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
-
-void set_fp8_quantize_staged(bool on) { g_fp8_staged = on; }
 
 void fp8_dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {
   fp8_dequantize_kernel<<<grid_stride_blocks(q.rows * q.cols, 256), 256, 0, stream>>>(

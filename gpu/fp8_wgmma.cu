@@ -606,10 +606,6 @@ __global__ void fp8_split_reduce_kernel(const float* ws, int split, int64_t mn, 
 // body), 0 where it is another build for the device (a plain sm_90 one: the body is the trap).
 __global__ void fp8_wgmma_built_kernel(int* out) { *out = FP4SIM_WGMMA; }
 
-std::atomic<bool> g_fp8_wgmma{true};            // set_fp8_wgmma
-std::atomic<uint64_t> g_fp8_wgmma_launches{0};  // fp8_wgmma_gemm_count
-std::atomic<int> g_fp8_wgmma_max_ctas{0};       // set_fp8_wgmma_max_ctas
-
 // What the launcher needs to know of a device, asked once per device and cached (the exact FP8
 // GEMM asks on every call): whether it runs this build's wgmma kernel (compute capability 9.0 and
 // the sm_90a code, found by one synchronous launch of fp8_wgmma_built_kernel), and its SM count.
@@ -686,11 +682,6 @@ int current_device() {
 
 }  // namespace
 
-void set_fp8_wgmma(bool on) { g_fp8_wgmma = on; }
-bool fp8_wgmma_enabled() { return g_fp8_wgmma; }
-uint64_t fp8_wgmma_gemm_count() { return g_fp8_wgmma_launches; }
-void set_fp8_wgmma_max_ctas(int n) { g_fp8_wgmma_max_ctas = n > 0 ? n : 0; }
-
 bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b) {
   const auto aligned = [](const void* p, uintptr_t n) {
     return reinterpret_cast<uintptr_t>(p) % n == 0;
@@ -700,7 +691,8 @@ bool fp8_gemm_wgmma_supported(const QuantizedView& a, const QuantizedView& b) {
 }
 
 void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
-                           const GemmConfig& cfg, void* out, float* split_ws, cudaStream_t stream) {
+                           const GemmConfig& cfg, void* out, float* split_ws, cudaStream_t stream,
+                           int max_ctas) {
   const int64_t M = a.rows, N = b.rows, KB = a.cols / kWgTile;
   const int split = cfg.split_k;
   if (split < 1 || KB % split != 0)
@@ -710,8 +702,7 @@ void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const
     throw std::logic_error("fp8_gemm_wgmma_launch: split-K without a workspace");
   const int64_t gx = (N + kWgTile - 1) / kWgTile, gy = (M + kWgTile - 1) / kWgTile;
   const int sms = wgmma_device(current_device()).sms;
-  const int64_t items64 = gx * gy * split,
-                cap = g_fp8_wgmma_max_ctas > 0 ? g_fp8_wgmma_max_ctas.load() : sms;
+  const int64_t items64 = gx * gy * split, cap = max_ctas > 0 ? max_ctas : sms;
   const int64_t grid64 = std::min<int64_t>(items64, std::min<int64_t>(sms, cap));  // one CTA an SM
   // the kernel keeps tile origins (tiles x 128 plus a row), TMA's k coordinate, item indices (one
   // grid's worth past the last) and a CTA's k-block count (plus the scale look-ahead) in int
@@ -735,7 +726,6 @@ void fp8_gemm_wgmma_launch(const QuantizedView& a, const QuantizedView& b, const
   fp8_gemm_wgmma_kernel<<<grid, kWgThreads, kWgSmem, stream>>>(tma_a, tma_b, a, b, c, cfg, out, ws,
                                                                items, item_count, pair_stores);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  ++g_fp8_wgmma_launches;
   if (split > 1) {
     fp8_split_reduce_kernel<<<grid_stride_blocks(M * N, 256), 256, 0, stream>>>(split_ws, split,
                                                                                 M * N, c, cfg, out);

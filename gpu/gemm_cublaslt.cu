@@ -137,10 +137,6 @@ bool dequantize_flat_ok(const QuantizedView& a, const uint16_t* da, const Quanti
          (b.rows == 0 || (aligned(b.codes, 4) && aligned(db, 16)));
 }
 
-// Which decode kernel the Hopper FP4 path runs: 1 = dequantize_flat_bf16 where dequantize_flat_ok
-// (default), 0 = always the 8-element kernel. Same bits; the tests compare them.
-int g_decode_variant = 1;
-
 __global__ void f32_to_bf16_kernel(const float* in, uint16_t* out, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -228,6 +224,8 @@ struct CublasLtState {
   void* workspace = nullptr;
   size_t workspace_bytes = 64u << 20;
   std::map<std::tuple<PlanKind, int64_t, int64_t, int64_t>, GemmPlan> plans;
+  int heuristic_pick = kPlanOwnPick;  // CudaOptions::cublaslt_heuristic_pick
+  CublasLtPlanPick last_pick;         // what the most recently built plan chose
   DeviceScratch a_bf16, b_bf16, d_f32, a_tiled, b_tiled, scalars;  // gpu/device_scratch.hpp
   ~CublasLtState() {
     for (auto& kv : plans) destroy_plan(kv.second);
@@ -236,8 +234,13 @@ struct CublasLtState {
   }
 };
 
-std::shared_ptr<CublasLtState> make_cublaslt_state() {
+std::shared_ptr<CublasLtState> make_cublaslt_state(int heuristic_pick) {
+  if (heuristic_pick < kPlanOwnPick || heuristic_pick > kMaxHeuristicPick)
+    throw std::invalid_argument(
+        "make_cublaslt_state: heuristic index " + std::to_string(heuristic_pick) + " is outside " +
+        std::to_string(kPlanOwnPick) + ".." + std::to_string(kMaxHeuristicPick));
   auto s = std::make_shared<CublasLtState>();
+  s->heuristic_pick = heuristic_pick;
   FP4SIM_CUBLAS_CHECK(cublasLtCreate(&s->handle));
   int dev = 0;
   FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
@@ -247,36 +250,13 @@ std::shared_ptr<CublasLtState> make_cublaslt_state() {
   return s;
 }
 
-namespace {
-
-int heuristic_pick = kPlanOwnPick;  // set_cublaslt_heuristic_pick
-CublasLtPlanPick last_pick;         // last_cublaslt_plan_pick
-
-}  // namespace
-
 std::string cublaslt_version() {
   const size_t v = cublasLtGetVersion();
   return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
          std::to_string(v % 100);
 }
 
-CublasLtPlanPick last_cublaslt_plan_pick() { return last_pick; }
-
-void set_fp4_decode_variant(int variant) {
-  if (variant != 0 && variant != 1)
-    throw std::invalid_argument(
-        "set_fp4_decode_variant: variant must be 0 (8 elements a thread, 2-D grid) or 1 (flat, "
-        "warp-coalesced)");
-  g_decode_variant = variant;
-}
-
-void set_cublaslt_heuristic_pick(int index) {
-  if (index < kPlanOwnPick || index > kMaxHeuristicPick)
-    throw std::invalid_argument("set_cublaslt_heuristic_pick: index " + std::to_string(index) +
-                                " is outside " + std::to_string(kPlanOwnPick) + ".." +
-                                std::to_string(kMaxHeuristicPick));
-  heuristic_pick = index;
-}
+CublasLtPlanPick cublaslt_last_pick(const CublasLtState& st) { return st.last_pick; }
 
 bool cublaslt_picks_measured_here(int cc_major, size_t lt_version) {
   return cc_major == 9 && lt_version / 100 == 1301;
@@ -381,12 +361,12 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   FP4SIM_CUBLAS_CHECK(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                            &st.workspace_bytes, sizeof st.workspace_bytes));
-  // the heuristic's first algorithm (a benchmark knob can ask for a later one of its list, and
+  // the heuristic's first algorithm (an option can ask for a later one of its list, and
   // fails the plan where the list is shorter), except for the shapes of fp8_preferred_algo and
   // bf16_preferred_algo, which fall back to the first where the list is shorter
   const bool bf16 = kind == PlanKind::Bf16HostScalars || kind == PlanKind::Bf16DeviceScalars;
-  const bool knob = heuristic_pick != kPlanOwnPick;
-  const int pick = knob   ? heuristic_pick
+  const bool knob = st.heuristic_pick != kPlanOwnPick;
+  const int pick = knob   ? st.heuristic_pick
                    : fp8  ? fp8_preferred_algo(st, M, N, K)
                    : bf16 ? bf16_preferred_algo(st, M, N, K)
                           : 0;
@@ -402,7 +382,7 @@ bool try_build_plan(CublasLtState& st, PlanKind kind, int64_t M, int64_t N, int6
   }
   const int used = found > pick ? pick : 0;
   p.algo = heur[used].algo;
-  last_pick = CublasLtPlanPick{picks_measured_here(st), pick, found, used};
+  st.last_pick = CublasLtPlanPick{picks_measured_here(st), pick, found, used};
   return true;
 }
 
@@ -522,7 +502,7 @@ void gemm_cublaslt_launch(CublasLtState& st, const QuantizedView& a, const Quant
       else
         db = wb = st.b_bf16.get<uint16_t>(static_cast<size_t>(N * K), stream);
       const int64_t rows = pa.rows + pb.rows;
-      if (g_decode_variant == 1 && dequantize_flat_ok(pa, wa, pb, wb)) {
+      if (dequantize_flat_ok(pa, wa, pb, wb)) {
         dequantize_flat_bf16<<<grid_stride_blocks(rows * K / 8 / kFlatUnroll, kDequantThreads),
                                kDequantThreads, 0, stream>>>(pa, wa, pb, wb, cfg.alpha, cfg.beta,
                                                              scalars);

@@ -4,11 +4,10 @@
 //  - gemm_exact_tiled_kernel: 64 x 64 output tiles; each 64-wide K chunk of both operands is
 //    decoded once into shared memory (2 * e2m1 as int8, per-group zero/sign masks, packed scales),
 //    each thread computes 4 x 4 outputs: the 16-element group sums with __dp4a (exact integer dot
-//    products), then gst_fdpa_core_packed_bits with its FP64 sum (variant 1), or (variants 2-4)
-//    gst_fdpa_core_lean from unpacked scales for the common case and the packed core, out of line,
-//    for the rest (NaN scales, non-finite C, a zero sum); 5 to 9 refine that core and the tile
-//    layout, 7 the default. Every formulation is tested equal to the readable core on the CPU and
-//    the kernels bitwise equal to each other on the GPU.
+//    products), then gst_fdpa_core_lean from unpacked scales for the common case and the packed
+//    core, out of line, for the rest (NaN scales, non-finite C, a zero sum). Views whose codes are
+//    not 8-byte aligned take the reference kernel. Every formulation is tested equal to the
+//    readable core on the CPU, and the tiled kernel bitwise equal to the emulator on the GPU.
 #include <cuda_runtime.h>
 
 #include <iterator>
@@ -349,56 +348,23 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks)
   }
 }
 
-// 0 reference, 1 tiled, 2 tiled with the lean core, 3 and 4 = 2 under __launch_bounds__ for 3 or 4
-// CTAs per SM (77 / 64 registers without split-K, no spills, since the rare path is out of line).
-// 5 = 4 with zero scales' exponents biased (gst_fdpa_core_lean<true>) and the all-zero masks built
-// only where a group sum is zero. 6 = 5 with gst_fdpa_core_lean<true, true> (terms
-// scaled by exponent addition). H200, 8192^3 (docs/performance.md): 10.3 / 14.6 / 16.2 / 17.0 /
-// 18.2 / 18.9 TFLOP/s for 1-6. Tried and removed, all bitwise equal and all slower: the group sums
-// from int8 mma.sync instead of __dp4a (18.1, commit 6da98bf); an untruncated FP64 exact-sum core
-// tried first, and accumulators kept in registers by rotating rows (16.4-18.2, commit 587b501).
-// 7 = 6 with kRows and kFold; 8 = 6 with kRows only (to tell the two apart); 9 = 7 at 3 CTAs per
-// SM (80 registers: room to keep addresses and A's fields), written after a reading of
-// the SASS: 20.4 / 19.0 / 19.1 TFLOP/s (2026-11-29), so 7 is the default. A benchmark
-// knob; the same bits.
-int g_gemm_exact_variant = kGemmExactDefaultVariant;
-
-// [variant - 1][split-K]: the tiled kernels' instantiations (variants 1 to std::size(kTiled))
+// The tiled kernel's instantiation (kLean, 4 CTAs per SM, kBiased, kExpAdd, kRows and kFold), by
+// split-K: 20.4 TFLOP/s at 8192^3 on the H200 (docs/performance.md).
 using Kernel = void (*)(QuantizedView, QuantizedView, const float*, GemmConfig, void*);
-constexpr Kernel kTiled[][2] = {
-    {gemm_exact_tiled_kernel<false, 1, false>, gemm_exact_tiled_kernel<false, 1, true>},
-    {gemm_exact_tiled_kernel<true, 1, false>, gemm_exact_tiled_kernel<true, 1, true>},
-    {gemm_exact_tiled_kernel<true, 3, false>, gemm_exact_tiled_kernel<true, 3, true>},
-    {gemm_exact_tiled_kernel<true, 4, false>, gemm_exact_tiled_kernel<true, 4, true>},
-    {gemm_exact_tiled_kernel<true, 4, false, true>, gemm_exact_tiled_kernel<true, 4, true, true>},
-    {gemm_exact_tiled_kernel<true, 4, false, true, true>,
-     gemm_exact_tiled_kernel<true, 4, true, true, true>},
-    {gemm_exact_tiled_kernel<true, 4, false, true, true, true, true>,
-     gemm_exact_tiled_kernel<true, 4, true, true, true, true, true>},
-    {gemm_exact_tiled_kernel<true, 4, false, true, true, true, false>,
-     gemm_exact_tiled_kernel<true, 4, true, true, true, true, false>},
-    {gemm_exact_tiled_kernel<true, 3, false, true, true, true, true>,
-     gemm_exact_tiled_kernel<true, 3, true, true, true, true, true>}};
+constexpr Kernel kTiled[2] = {gemm_exact_tiled_kernel<true, 4, false, true, true, true, true>,
+                              gemm_exact_tiled_kernel<true, 4, true, true, true, true, true>};
 
 }  // namespace
-
-void set_gemm_exact_variant(int variant) {
-  const int last = static_cast<int>(std::size(kTiled));
-  if (variant < 0 || variant > last)
-    throw std::invalid_argument("exact GEMM variant must be 0 to " + std::to_string(last));
-  g_gemm_exact_variant = variant;
-}
 
 void gemm_exact_launch(const QuantizedView& a, const QuantizedView& b, const float* c,
                        const GemmConfig& cfg, void* out, cudaStream_t stream) {
   // the tiled kernel reads codes 8 bytes at a time; views at odd offsets take the reference kernel
   const bool aligned = reinterpret_cast<uintptr_t>(a.codes) % 8 == 0 &&
                        reinterpret_cast<uintptr_t>(b.codes) % 8 == 0;
-  if (g_gemm_exact_variant >= 1 && aligned) {
+  if (aligned) {
     const dim3 grid(static_cast<unsigned>((b.rows + kTile - 1) / kTile),
                     static_cast<unsigned>((a.rows + kTile - 1) / kTile));
-    kTiled[g_gemm_exact_variant - 1][cfg.split_k > 1 ? 1 : 0]<<<grid, kTiledThreads, 0, stream>>>(
-        a, b, c, cfg, out);
+    kTiled[cfg.split_k > 1 ? 1 : 0]<<<grid, kTiledThreads, 0, stream>>>(a, b, c, cfg, out);
     FP4SIM_CUDA_CHECK_LAUNCH();
     return;
   }

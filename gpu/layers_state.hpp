@@ -58,7 +58,10 @@ struct CublasLt {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   bool rules_active = false;  // matmul_preferred_algo's rules apply (Hopper, cuBLASLt 13.1.x)
+  int pick = kPlanOwnPick;    // CudaOptions::matmul_heuristic_pick
   std::map<PlanKey, Plan> plans;
+  MatmulPlanPick last_pick;           // CudaCounters::last_matmul_plan_pick
+  std::string last_epilogue_refusal;  // CudaCounters::last_matmul_epilogue_refusal
   CublasLt() = default;
   CublasLt(const CublasLt&) = delete;
   CublasLt& operator=(const CublasLt&) = delete;
@@ -104,8 +107,5 @@ struct CudaBackend::LayersState {
   training_ops::RopeTable rope;
   std::vector<int64_t> host_segments;
 };
-
-// set_activation_fusion's value (defined in gpu/cuda_backend.cu).
-extern bool g_activation_fusion;
 
 }  // namespace fp4sim::gpu

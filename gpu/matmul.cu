@@ -294,27 +294,6 @@ uint32_t pointer_alignment(const void* p) {
 
 }  // namespace
 
-namespace {
-uint64_t g_fused_activation_matmul = 0;     // fused_activation_matmul_count
-bool g_matmul_bf16_epilogue = true;         // set_matmul_bf16_epilogue
-uint64_t g_matmul_bf16_epilogue_calls = 0;  // matmul_bf16_epilogue_count
-std::string g_last_epilogue_refusal;        // last_matmul_epilogue_refusal
-uint64_t g_weight_shadow_reads = 0;         // weight_shadow_read_count
-uint64_t g_fused_matmul_bias = 0;           // fused_matmul_bias_count
-int g_matmul_pick = kPlanOwnPick;           // set_matmul_heuristic_pick
-MatmulPlanPick g_last_matmul_pick;          // last_matmul_plan_pick
-}  // namespace
-
-void set_matmul_heuristic_pick(int index) {
-  if (index < kPlanOwnPick || index > kMaxHeuristicPick)
-    throw std::invalid_argument("set_matmul_heuristic_pick: index " + std::to_string(index) +
-                                " is outside " + std::to_string(kPlanOwnPick) + ".." +
-                                std::to_string(kMaxHeuristicPick));
-  g_matmul_pick = index;
-}
-
-MatmulPlanPick last_matmul_plan_pick() { return g_last_matmul_pick; }
-
 // Where the heuristic's first algorithm for a training matmul (lt_matmul's column-major m x n x k,
 // BF16 operands) is measurably not its best (H200, cuBLASLt 13.1, bench_gemm BM_GpuMatmulPicks at
 // every index 0..7, docs/performance.md, 2026-11-30), the index its plan takes:
@@ -371,11 +350,11 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
   // alignment).
   const uint32_t align_a = pointer_alignment(A), align_b = pointer_alignment(B),
                  align_d = pointer_alignment(D);
-  // the rule's index (matmul_preferred_algo), or the benchmark knob's, which fails the plan where
-  // the heuristic's list is shorter; the rule falls back to the first algorithm there
-  const bool knob = g_matmul_pick != kPlanOwnPick;
+  // the rule's index (matmul_preferred_algo), or the option's (lt.pick), which fails the plan
+  // where the heuristic's list is shorter; the rule falls back to the first algorithm there
+  const bool knob = lt.pick != kPlanOwnPick;
   const int pick =
-      knob ? g_matmul_pick : matmul_preferred_algo(lt.rules_active, bf16, transa, transb, m, n, k);
+      knob ? lt.pick : matmul_preferred_algo(lt.rules_active, bf16, transa, transb, m, n, k);
   const CublasLt::PlanKey key{bf16,    transa,
                               transb,  m,
                               n,       k,
@@ -431,10 +410,10 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
     const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt.handle, d.op, d.la, d.lb, d.ld,
                                                              d.ld, d.pref, pick + 1, heur, &found);
     if ((d_bf16 || bias) && (hs != CUBLAS_STATUS_SUCCESS || found == 0)) {
-      g_last_epilogue_refusal = std::string(cublasLtGetStatusName(hs)) + ", " +
-                                std::to_string(found) + " algorithms for m=" + std::to_string(m) +
-                                " n=" + std::to_string(n) + " k=" + std::to_string(k) +
-                                (d_bf16 ? " BF16 D" : " FP32 D") + (bias ? " + bias" : "");
+      lt.last_epilogue_refusal = std::string(cublasLtGetStatusName(hs)) + ", " +
+                                 std::to_string(found) + " algorithms for m=" + std::to_string(m) +
+                                 " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                 (d_bf16 ? " BF16 D" : " FP32 D") + (bias ? " + bias" : "");
       // (remembered: the question is not asked again)
       lt.plans.emplace(key, CublasLt::Plan{std::move(owned), {}, false});
       return false;
@@ -447,7 +426,7 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
           " for m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
           " (it lists " + std::to_string(found) + ")");
     const int used = found > pick ? pick : 0;
-    g_last_matmul_pick = MatmulPlanPick{lt.rules_active, pick, found, used};
+    lt.last_pick = MatmulPlanPick{lt.rules_active, pick, found, used};
     it = lt.plans.emplace(key, CublasLt::Plan{std::move(owned), heur[used].algo}).first;
   }
   if (!it->second.supported) return false;
@@ -500,7 +479,7 @@ const uint16_t* bf16_operand_with_bias_grad(DeviceScratch* operand, DeviceScratc
 const void* CudaBackend::weight_operand(DeviceScratch& scratch, const TensorView& w,
                                         GemmPrecision prec) {
   if (w.dtype == DType::BF16) {
-    ++g_weight_shadow_reads;
+    ++counters_.weight_shadow_reads;
     return w.data;
   }
   return gemm_operand(scratch, w.as<const float>(), w.numel(), prec, stream_);
@@ -587,7 +566,7 @@ void CudaBackend::matmul_forward_bits(const TensorView& out, const TensorView& i
                   : inp.dtype == DType::BF16
                       ? inp.data
                       : gemm_operand(st.bf16_b, inp.as<const float>(), N * K, prec, stream_);
-  if (bits_out && g_matmul_bf16_epilogue) {
+  if (bits_out && options_.matmul_bf16_epilogue) {
     const void* b16 = nullptr;
     if (bias.present()) {
       b16 = bias.dtype == DType::BF16 ? bias.data : weight_operand(st.bias16, bias, prec);
@@ -597,7 +576,7 @@ void CudaBackend::matmul_forward_bits(const TensorView& out, const TensorView& i
     if (lt_matmul(st.lt, true, /*transa=*/true, /*transb=*/false, OC, N, K, w, K, x, K, out16, 0.0f,
                   stream_,
                   /*d_bf16=*/true, b16)) {
-      ++g_matmul_bf16_epilogue_calls;
+      ++counters_.matmul_bf16_epilogue;
       return;
     }
   }
@@ -663,7 +642,7 @@ void CudaBackend::matmul_backward(const TensorView& dinp, const TensorView& dwei
     const uint16_t* h =
         bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dy}, db, N, OC, stream_);
     matmul_backward_gemms(dinp.as<float>(), dweight.as<float>(), h, inp, weight, N, K, OC, prec);
-    ++g_fused_matmul_bias;
+    ++counters_.fused_matmul_bias;
     return;
   }
   if (K > 0)
@@ -698,8 +677,8 @@ void CudaBackend::matmul_forward_activation(const TensorView& out, const Activat
                                             GemmPrecision prec) {
   op_checks::activation_source("matmul_forward_activation", src);
   const int64_t N = src.rows(), K = src.cols(), OC = weight.rows;
-  if (!g_activation_fusion || prec != GemmPrecision::BF16 || src.op != ActivationOp::GeluForward ||
-      N == 0 || K == 0 || OC == 0) {
+  if (!options_.activation_fusion || prec != GemmPrecision::BF16 ||
+      src.op != ActivationOp::GeluForward || N == 0 || K == 0 || OC == 0) {
     compose_matmul_forward_activation(*this, out, src, weight, bias, prec);
     return;
   }
@@ -735,7 +714,7 @@ void CudaBackend::matmul_forward_activation(const TensorView& out, const Activat
         act, x, a.inp, N * K, rb, gelu_copy_vectorized(act, x, a.inp));
   FP4SIM_CUDA_CHECK_LAUNCH();
   matmul_forward_bits(out, TensorView{}, x, weight, bias);  // (x: not st.bf16_b's user there)
-  ++g_fused_activation_matmul;
+  ++counters_.fused_activation_matmul;
 }
 
 // BF16 precision with a bias (matmul_backward's fused case): the GEMMs' BF16 operand and the bias
@@ -751,9 +730,8 @@ bool gelu_backward_fusable(const ActivationArgs& src, const float* dbias, int64_
                                         : reinterpret_cast<uintptr_t>(src.inp) % 8;
   const uintptr_t dout_align = src.dout16 ? reinterpret_cast<uintptr_t>(src.dout16) % 4
                                           : reinterpret_cast<uintptr_t>(src.dout) % 8;
-  return g_activation_fusion && dbias && prec == GemmPrecision::BF16 &&
-         src.op == ActivationOp::GeluBackward && N != 0 && K != 0 && OC != 0 && OC % 2 == 0 &&
-         inp_align == 0 && dout_align == 0;
+  return dbias && prec == GemmPrecision::BF16 && src.op == ActivationOp::GeluBackward && N != 0 &&
+         K != 0 && OC != 0 && OC % 2 == 0 && inp_align == 0 && dout_align == 0;
 }
 }  // namespace
 
@@ -778,7 +756,8 @@ void CudaBackend::matmul_backward_activation(const TensorView& dinp, const Tenso
                                              GemmPrecision prec) {
   op_checks::activation_source("matmul_backward_activation", src);
   const ActivationArgs a = activation_args(src);
-  if (!gelu_backward_fusable(a, dbias.as<float>(), weight.cols, prec)) {
+  if (!options_.activation_fusion ||
+      !gelu_backward_fusable(a, dbias.as<float>(), weight.cols, prec)) {
     compose_matmul_backward_activation(*this, dinp, dweight, dbias, src, inp, weight, prec);
     return;
   }
@@ -820,7 +799,7 @@ void CudaBackend::matmul_backward_bits(const TensorView& dinp, const TensorView&
   if (src) {
     dy = gelu_backward_operand(*src, db);
     dbias_done = true;
-    ++g_fused_activation_matmul;
+    ++counters_.fused_activation_matmul;
   } else if (dout16) {  // the operand as it is; dbias from its values, the sums of the FP32 path
     dy = dout16;
     if (db)
@@ -830,7 +809,7 @@ void CudaBackend::matmul_backward_bits(const TensorView& dinp, const TensorView&
     dy = bf16_operand_with_bias_grad(&st.bf16_a, st.columns, Bf16PairMemory{dout32}, db, N, OC,
                                      stream_);
     dbias_done = true;
-    ++g_fused_matmul_bias;
+    ++counters_.fused_matmul_bias;
   } else {
     dy = gemm_operand(st.bf16_a, dout32, N * OC, prec, stream_);
   }
@@ -838,7 +817,7 @@ void CudaBackend::matmul_backward_bits(const TensorView& dinp, const TensorView&
     const void* w = weight_operand(st.bf16_b, weight, prec);
     if (dinp.dtype == DType::F32) {
       lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, dinp.as<float>(), 0.0f, stream_);
-    } else if (!g_matmul_bf16_epilogue ||
+    } else if (!options_.matmul_bf16_epilogue ||
                !lt_matmul(st.lt, true, false, false, K, N, OC, w, K, dy, OC, dinp.as<uint16_t>(),
                           0.0f, stream_, /*d_bf16=*/true)) {
       float* t = st.f32_out.get<float>(static_cast<size_t>(N * K), stream_);
@@ -887,12 +866,5 @@ void CudaBackend::bias_backward_launch(float* dbias, const float* dout, int64_t 
   FP4SIM_CUDA_CHECK_LAUNCH();
   column_sums_finalize(dbias, partial, N, OC, true, stream_);
 }
-
-uint64_t fused_activation_matmul_count() { return g_fused_activation_matmul; }
-void set_matmul_bf16_epilogue(bool on) { g_matmul_bf16_epilogue = on; }
-std::string last_matmul_epilogue_refusal() { return g_last_epilogue_refusal; }
-uint64_t weight_shadow_read_count() { return g_weight_shadow_reads; }
-uint64_t matmul_bf16_epilogue_count() { return g_matmul_bf16_epilogue_calls; }
-uint64_t fused_matmul_bias_count() { return g_fused_matmul_bias; }
 
 }  // namespace fp4sim::gpu

@@ -57,29 +57,14 @@ int amax_rht_pipelined_grid() {
   return ctas;
 }
 
-// Which kernel makes NVFP4 2D copies: 1 = nvfp4_2d_kernel where it applies (default), 0 = always
-// the tile kernel. Same bits; the tests compare them.
-int g_2d_variant = 1;
-
-// Which tile shape the common-case kernel uses: 1 = 64x128 (one column per thread), 2 = 64x256
-// (a BF16 column pair per thread). Both give the same bits; bench_quantize compares them.
-int g_fast_cols_per_thread = 1;
-bool g_col_staged = true;  // variant 1 stages whole tiles' column-wise codes (3: it does not)
-
-// Whether the tile quantize pass is launched early, as a programmatic dependent of the amax pass
-// (set_quantize_early_launch; pdl_wait), and how many 16-byte loads amax_flat_kernel keeps in
-// flight a thread (set_quantize_amax_unroll: 1 or 4).
-bool g_quantize_pdl = true;
-int g_amax_unroll = 4;
-
-// nvfp4_1x16_kernel's launch: with g_quantize_pdl, allowed to start before the kernel ahead of it
-// in the stream (the amax pass) has finished; the kernel waits for it before reading its amax.
-// Only ever launched right after an amax pass of launch_all (every enabled copy has one): the
-// kernel reads x before its wait, which is safe only because the kernel ahead of it (an ordinary
-// launch) started after x's producer had finished, and does not write x.
+// nvfp4_1x16_kernel's launch: with `early` (CudaOptions::quantize_early_launch), allowed to start
+// before the kernel ahead of it in the stream (the amax pass) has finished; the kernel waits for it
+// before reading its amax. Only ever launched right after an amax pass of launch_all (every enabled
+// copy has one): the kernel reads x before its wait, which is safe only because the kernel ahead of
+// it (an ordinary launch) started after x's producer had finished, and does not write x.
 template <class T>
 void launch_quantize_pass(void (*kernel)(const T*, QuantArgs), dim3 grid, cudaStream_t stream,
-                          const T* x, const QuantArgs& qa) {
+                          const T* x, const QuantArgs& qa, bool early) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kThreads);
@@ -88,27 +73,16 @@ void launch_quantize_pass(void (*kernel)(const T*, QuantArgs), dim3 grid, cudaSt
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = g_quantize_pdl ? 1 : 0;
+  cfg.numAttrs = early ? 1 : 0;
   FP4SIM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, x, qa));
 }
-
-// The streaming kernel's CTAs per SM and copy (set_quantize_kept_ctas_per_sm; 0: one block a
-// thread).
-int g_kept_ctas_per_sm = 8;
-// Whether launch_all keeps the RHT output between its passes when it has scratch for it: 1, 0, or
-// kQuantizeKeepRhtAuto (FP32 input only).
-int g_keep_rht = kQuantizeKeepRhtDefault;
-// The RHT amax pass (set_quantize_rht_amax_variant): 0 = 64-row tiles, 1 = 32-row tiles (64 where
-// more than 65535 row tiles would be needed), 2 = the pipelined kernel where the shape allows it,
-// else 1 (default).
-int g_rht_amax_variant = 2;
 
 // col_partial (or null): where the pipelined RHT amax pass can take x's 64-row chunk column sums
 // (an FP32 x, rows % 64 == 0), it writes them there; returns whether it did.
 template <class T>
 bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* row,
                 QuantizedView* col, cudaStream_t stream, DeviceScratch* rht_keep, unsigned* amax_ws,
-                float* col_partial) {
+                float* col_partial, const CudaOptions& opt) {
   bool sums_written = false;
   const T* xp = static_cast<const T*>(x.data);
   const int64_t R = x.rows, C = x.cols, S = x.stride();
@@ -122,7 +96,8 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
                            !cfg.rowwise.four_over_six && !cfg.columnwise.four_over_six;
   // (if the scratch cannot be had, transform twice as before rather than fail)
   uint16_t* rht_out = nullptr;
-  const bool keep = g_keep_rht == kQuantizeKeepRhtAuto ? sizeof(T) == 4 : g_keep_rht != 0;
+  const bool keep =
+      opt.quantize_keep_rht == kQuantizeKeepRhtAuto ? sizeof(T) == 4 : opt.quantize_keep_rht != 0;
   if (col_rht && common_case && keep && rht_keep) {
     try {
       rht_out = rht_keep->get<uint16_t>(static_cast<size_t>(R * C), stream);
@@ -140,7 +115,8 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   if (amax_rht || (amax_plain && (S != C || !vector_ok))) {
     if (amax_rht) {
       AmaxArgs args{amax_plain, amax_plain2, amax_rht, rht_out, amax_ws};
-      if (g_rht_amax_variant == 2 && vector_ok && C % kTileCols == 0 && R % kPipeRows == 0 &&
+      // (the pipelined kernel where the shape allows it, else 32-row tiles, else 64-row tiles)
+      if (vector_ok && C % kTileCols == 0 && R % kPipeRows == 0 &&
           (C / kTileCols) * (R / kPipeRows) < (int64_t{1} << 31)) {
         const bool sums = col_partial && sizeof(T) == 4 && R % (2 * kPipeRows) == 0;
         if (sums) args.col_partial = col_partial;
@@ -150,7 +126,7 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
             <<<static_cast<unsigned>(items < ctas ? items : ctas), kThreads, 0, stream>>>(xp, R, C,
                                                                                           S, args);
         sums_written = sums;
-      } else if (g_rht_amax_variant >= 1 && (R + 31) / 32 <= 65535) {
+      } else if ((R + 31) / 32 <= 65535) {
         const dim3 grid32(grid.x, static_cast<unsigned>((R + 31) / 32));
         amax_tile_kernel<T, true, 32>
             <<<grid32, kThreads, 0, stream>>>(xp, R, C, S, vector_ok, args);
@@ -167,10 +143,7 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
     const int64_t want = (R * C / (16 / sizeof(T)) + kThreads - 1) / kThreads;
     const int blocks = static_cast<int>(want < sms * 16 ? (want > 0 ? want : 1) : sms * 16);
     const AmaxArgs args{amax_plain, amax_plain2, nullptr, nullptr, amax_ws};
-    if (g_amax_unroll == 4)
-      amax_flat_kernel<T, 4><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
-    else
-      amax_flat_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
+    amax_flat_kernel<T, 4><<<blocks, kThreads, 0, stream>>>(xp, R * C, args);
     FP4SIM_CUDA_CHECK_LAUNCH();
   }
   // pass 2: both copies
@@ -199,42 +172,30 @@ bool launch_all(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* r
   fill(qa.col, cfg.columnwise, col);
   // (staged column-wise codes: each written row's 32-byte piece of a tile 16-byte aligned, its 4
   // scale bytes one aligned word)
-  qa.col_staged = g_col_staged && qa.col.enabled && R % kTileRows == 0 &&
+  qa.col_staged = qa.col.enabled && R % kTileRows == 0 &&
                   reinterpret_cast<uintptr_t>(qa.col.codes) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(qa.col.scales) % 4 == 0;
   if (common_case && rht_out) {  // RHT copy kept by the amax pass: the streaming kernel
-    // (CTAs for one 1x16 block a thread, up to g_kept_ctas_per_sm an SM per copy, so each thread
+    // (CTAs for one 1x16 block a thread, up to opt.quantize_kept_ctas_per_sm an SM per copy, so
+    // each thread
     // spreads its setup, the global scales and the Philox key, over several blocks)
     int per_copy = grid_stride_blocks(R * (C / kNvfp4Block), 256);
-    if (g_kept_ctas_per_sm > 0)
-      per_copy = std::min(per_copy, current_device_sms() * g_kept_ctas_per_sm);
+    if (opt.quantize_kept_ctas_per_sm > 0)
+      per_copy = std::min(per_copy, current_device_sms() * opt.quantize_kept_ctas_per_sm);
     const unsigned ctas = static_cast<unsigned>(qa.row.enabled ? 2 * per_copy : per_copy);
     if (vector_ok)
       nvfp4_rht_kept_kernel<T, true><<<ctas, 256, 0, stream>>>(xp, rht_out, qa);
     else
       nvfp4_rht_kept_kernel<T, false><<<ctas, 256, 0, stream>>>(xp, rht_out, qa);
   } else if (common_case) {
-    const bool rht = qa.col.enabled && qa.col.rht;
-    bool launched = false;
-    if constexpr (sizeof(T) == 2) {
-      if (g_fast_cols_per_thread == 2) {
-        const dim3 fg(static_cast<unsigned>((C + 2 * kThreads - 1) / (2 * kThreads)), grid.y);
-        if (rht)
-          launch_quantize_pass(nvfp4_1x16_kernel<T, true, 2>, fg, stream, xp, qa);
-        else
-          launch_quantize_pass(nvfp4_1x16_kernel<T, false, 2>, fg, stream, xp, qa);
-        launched = true;
-      }
-    }
-    if (!launched) {
-      if (rht)
-        launch_quantize_pass(nvfp4_1x16_kernel<T, true, 1>, grid, stream, xp, qa);
-      else
-        launch_quantize_pass(nvfp4_1x16_kernel<T, false, 1>, grid, stream, xp, qa);
-    }
-  } else if (g_2d_variant == 1 && cfg.format == QFormat::NVFP4 && cfg.block_2d &&
-             !qa.row.four_over_six && !qa.col.four_over_six && !(qa.col.enabled && qa.col.rht) &&
-             R % kNvfp4Block == 0 && C % kNvfp4Block == 0 && vector_ok) {
+    const bool early = opt.quantize_early_launch;
+    if (qa.col.enabled && qa.col.rht)
+      launch_quantize_pass(nvfp4_1x16_kernel<T, true, 1>, grid, stream, xp, qa, early);
+    else
+      launch_quantize_pass(nvfp4_1x16_kernel<T, false, 1>, grid, stream, xp, qa, early);
+  } else if (cfg.format == QFormat::NVFP4 && cfg.block_2d && !qa.row.four_over_six &&
+             !qa.col.four_over_six && !(qa.col.enabled && qa.col.rht) && R % kNvfp4Block == 0 &&
+             C % kNvfp4Block == 0 && vector_ok) {
     const int64_t blocks = (R / kNvfp4Block) * (C / kNvfp4Block);
     nvfp4_2d_kernel<T><<<static_cast<unsigned>((blocks + k2dBlocksPerCta - 1) / k2dBlocksPerCta),
                          k2dThreads, 0, stream>>>(xp, qa);
@@ -307,48 +268,9 @@ __global__ void scales_to_tiled_kernel(const uint8_t* scales, int64_t rows, int6
 
 }  // namespace
 
-void set_quantize_tile_variant(int variant) {
-  if (variant < 1 || variant > 3)
-    throw std::invalid_argument(
-        "quantize tile variant must be 1 (64x128), 2 (64x256) or 3 (64x128, direct column stores)");
-  g_fast_cols_per_thread = variant == 2 ? 2 : 1;
-  g_col_staged = variant != 3;
-}
-
-void set_quantize_keep_rht(int keep) {
-  if (keep != 0 && keep != 1 && keep != kQuantizeKeepRhtAuto)
-    throw std::invalid_argument("set_quantize_keep_rht: " + std::to_string(keep) +
-                                " is not 0, 1 or kQuantizeKeepRhtAuto");
-  g_keep_rht = keep;
-}
-void set_quantize_early_launch(bool early) { g_quantize_pdl = early; }
-void set_quantize_amax_unroll(int loads) {
-  if (loads != 1 && loads != 4)
-    throw std::invalid_argument("amax unroll must be 1 or 4, not " + std::to_string(loads));
-  g_amax_unroll = loads;
-}
-void set_quantize_kept_ctas_per_sm(int ctas) {
-  if (ctas < 0)
-    throw std::invalid_argument("set_quantize_kept_ctas_per_sm: " + std::to_string(ctas) + " < 0");
-  g_kept_ctas_per_sm = ctas;
-}
-
-void set_quantize_rht_amax_variant(int variant) {
-  if (variant < 0 || variant > 2)
-    throw std::invalid_argument(
-        "RHT amax pass variant must be 0 (64-row tiles), 1 (32-row tiles) or 2 (pipelined)");
-  g_rht_amax_variant = variant;
-}
-
-void set_quantize_2d_variant(int variant) {
-  if (variant != 0 && variant != 1)
-    throw std::invalid_argument("2D quantize variant must be 0 (tile) or 1 (half-warp blocks)");
-  g_2d_variant = variant;
-}
-
 bool quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
                      QuantizedView* columnwise, cudaStream_t stream, unsigned* amax_ws,
-                     DeviceScratch* rht_keep, float* column_partial) {
+                     DeviceScratch* rht_keep, float* column_partial, const CudaOptions& opt) {
   if (!amax_ws) throw std::logic_error("quantize_launch: no amax workspace");
   if (x.device != Device::Cuda)
     throw std::invalid_argument(std::string("quantize (cuda): tensor '") + x.name +
@@ -361,10 +283,10 @@ bool quantize_launch(const TensorView& x, const QuantizeConfig& cfg, QuantizedVi
     throw std::invalid_argument("quantize (cuda): too many rows for one launch: " +
                                 shape_str(x.rows, x.cols));
   if (x.dtype == DType::F32)
-    return launch_all<float>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws,
-                             column_partial);
+    return launch_all<float>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws, column_partial,
+                             opt);
   return launch_all<uint16_t>(x, cfg, rowwise, columnwise, stream, rht_keep, amax_ws,
-                              column_partial);
+                              column_partial, opt);
 }
 
 void dequantize_launch(const QuantizedView& q, const TensorView& out, cudaStream_t stream) {

@@ -84,10 +84,10 @@ class Gpt {
   // all-BF16 linears, and (the BF16 recipe) the weights' bits once a pass are kept as BF16 bits
   // instead of FP32 arrays holding BF16 values (the Backend's *_bf16 / *_bits ops, quantizers
   // reading BF16 input; stores_bits). The same bits either way on the emulator, and on the CUDA
-  // backend with gpu::set_matmul_bf16_epilogue(false); with it on (the default) cuBLASLt may pick
-  // another algorithm for a BF16 or bias-epilogue output than for the FP32 one, so the sums agree
-  // within cuBLASLt's bound, as the CUDA BF16 GEMMs agree with the emulator's (tests). Off: the
-  // FP32 arrays.
+  // backend with CudaOptions::matmul_bf16_epilogue false; with it on (the default) cuBLASLt may
+  // pick another algorithm for a BF16 or bias-epilogue output than for the FP32 one, so the sums
+  // agree within cuBLASLt's bound, as the CUDA BF16 GEMMs agree with the emulator's (tests). Off:
+  // the FP32 arrays.
   void set_bf16_bits_storage(bool on) { bf16_bits_ = on; }
 
   const ModelConfig& config() const { return cfg_; }

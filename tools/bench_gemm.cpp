@@ -91,10 +91,6 @@ void BM_GpuGemmExact(benchmark::State& state) {
     return;
   }
   const int64_t n = state.range(0);
-  gpu::set_gemm_exact_variant(static_cast<int>(
-      state.range(1)));  // 0 reference, 1 tiled, 2 lean, 3/4 lean at 3/4 CTAs per SM, 5 biased, 6 =
-                         // 5 with exponent-add scaling, 7 = 6 + row records + folded all-zero
-                         // groups (default), 8 = 6 + row records, 9 = 7 at 3 CTAs/SM: same bits
   auto cpu = make_backend("emu");
   gpu::CudaBackend be;
   QuantizedHost a = quantized_gaussian(*cpu, n, n, 1), b = quantized_gaussian(*cpu, n, n, 2);
@@ -115,25 +111,10 @@ void BM_GpuGemmExact(benchmark::State& state) {
     state.SetIterationTime(ms * 1e-3);
   }
   state.counters["TFLOPs"] = 2.0 * n * n * n / (ms * 1e-3) / 1e12;
-  gpu::set_gemm_exact_variant(gpu::kGemmExactDefaultVariant);
 }
-// {n, variant}: the reference kernel at 2048^3 only (it needs ~2.5 min at 8192^3)
 BENCHMARK(BM_GpuGemmExact)
-    ->Args({2048, 0})
-    ->Args({2048, 1})
-    ->UseManualTime()
-    ->Iterations(3)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_GpuGemmExact)
-    ->Args({8192, 1})
-    ->Args({8192, 2})
-    ->Args({8192, 3})
-    ->Args({8192, 4})
-    ->Args({8192, 5})
-    ->Args({8192, 6})
-    ->Args({8192, 7})
-    ->Args({8192, 8})
-    ->Args({8192, 9})
+    ->Arg(2048)
+    ->Arg(8192)
     ->UseManualTime()
     ->Iterations(3)
     ->Repetitions(3)
@@ -237,54 +218,6 @@ BENCHMARK(BM_GpuGemmCublasLt)
     ->ReportAggregatesOnly(true)
     ->Unit(benchmark::kMillisecond);
 
-// The Hopper FP4 path's decode kernels (gpu/gemm_cublaslt.cu, knob set_fp4_decode_variant) on the
-// training step's Wgrad shapes (M x N output, K = 16 x 1024 tokens; operands quantized without
-// their decoded copies, as the saved activations are): the whole GEMM timed with each kernel in the
-// same repetition; the GEMM itself is the same, so the difference is the decode's.
-void BM_GpuFp4DecodeVariants(benchmark::State& state) {
-  if (!gpu::gpu_available()) {
-    state.SkipWithError("no CUDA GPU");
-    return;
-  }
-  const int64_t M = state.range(0), N = state.range(1), K = state.range(2);
-  gpu::CudaBackend be;
-  std::mt19937_64 rng(11);
-  const DeviceNvfp4 a(be, M, K, rng), b(be, N, K, rng);
-  const QuantizedView qa = a.q, qb = b.q;
-  const DeviceF32Out out(be, M, N);
-  const TensorView& dv = out.v;
-  GemmConfig cfg;
-  cfg.impl = GemmImpl::CublasLt;
-  auto with = [&](int variant) {
-    return [&, variant]() {
-      gpu::set_fp4_decode_variant(variant);
-      be.gemm(qa, qb, nullptr, cfg, dv);
-    };
-  };
-  GpuTimer timer;
-  timer.ms(be.stream(), 2, with(0));
-  timer.ms(be.stream(), 2, with(1));
-  double narrow_ms = 0, flat_ms = 0;
-  for (auto _ : state) {
-    narrow_ms = timer.ms(be.stream(), 10, with(0));
-    flat_ms = timer.ms(be.stream(), 10, with(1));
-    state.SetIterationTime(flat_ms * 1e-3);
-  }
-  gpu::set_fp4_decode_variant(1);
-  state.counters["gemm_us_8elem"] = narrow_ms * 1e3;
-  state.counters["gemm_us_flat"] = flat_ms * 1e3;
-  state.counters["saved_us"] = (narrow_ms - flat_ms) * 1e3;
-}
-BENCHMARK(BM_GpuFp4DecodeVariants)
-    ->Args({768, 768, 16384})
-    ->Args({3072, 768, 16384})
-    ->Args({768, 2304, 16384})
-    ->UseManualTime()
-    ->Iterations(3)
-    ->Repetitions(3)
-    ->ReportAggregatesOnly(true)
-    ->Unit(benchmark::kMicrosecond);
-
 // How cuBLASLt is handed alpha and beta, on the gpt2-124m GEMM shapes of one layer (batch 16 x
 // 1024 tokens) as the FP4 path on Hopper runs them: BF16 operands, TN, FP32 output, beta 0 for
 // Fprop and 1 for Dgrad/Wgrad (the backward pass's +=). range(0): shape index into kGpt2Shapes;
@@ -303,22 +236,6 @@ constexpr Gpt2Shape kGpt2Shapes[] = {
     {"dgrad_fc", 16384, 768, 3072, 1.0f},  {"dgrad_fc2", 16384, 3072, 768, 1.0f},
     {"wgrad_qkv", 2304, 768, 16384, 1.0f}, {"wgrad_proj", 768, 768, 16384, 1.0f},
     {"wgrad_fc", 3072, 768, 16384, 1.0f},  {"wgrad_fc2", 768, 3072, 16384, 1.0f},
-};
-
-// A heuristic-index knob (gpu::set_cublaslt_heuristic_pick, gpu::set_matmul_heuristic_pick) set
-// for the plans a benchmark builds, back to its default when the benchmark ends.
-struct HeuristicPick {
-  HeuristicPick(void (*set)(int), int index, int default_index)
-      : set_(set), default_(default_index) {
-    set(index);
-  }
-  ~HeuristicPick() { set_(default_); }
-  HeuristicPick(const HeuristicPick&) = delete;
-  HeuristicPick& operator=(const HeuristicPick&) = delete;
-
- private:
-  void (*set_)(int);
-  int default_;
 };
 
 // Times one shape's GEMM (run): 3 warm-up calls, then 20 per iteration; counters us and TFLOPs. A
@@ -367,7 +284,6 @@ void BM_GpuGemmScalarModes(benchmark::State& state) {
   const auto mode = static_cast<gpu::Bf16Scalars>(state.range(1));
   const int pick = static_cast<int>(state.range(2));
   state.SetLabel(std::string(s.name) + " algo " + std::to_string(pick));
-  HeuristicPick pick_guard(gpu::set_cublaslt_heuristic_pick, pick, gpu::kPlanOwnPick);
   gpu::CudaBackend be;
   std::mt19937_64 rng(11);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -387,7 +303,7 @@ void BM_GpuGemmScalarModes(benchmark::State& state) {
   const float* dev = scal.as<float>();
   const float* alpha = mode == gpu::Bf16Scalars::Host ? &h_alpha : dev;
   const float* beta = mode == gpu::Bf16Scalars::Device ? dev + s.N : &h_beta;
-  auto st = gpu::make_cublaslt_state();
+  auto st = gpu::make_cublaslt_state(pick);
   auto run = [&]() {
     gpu::bf16_gemm_tn_scalars(*st, mode, static_cast<const uint16_t*>(a.get()),
                               static_cast<const uint16_t*>(b.get()),
@@ -401,7 +317,7 @@ BENCHMARK(BM_GpuGemmScalarModes)->Apply(shape_benchmark_registration);
 // The same twelve shapes as the BF16 recipe runs them: CudaBackend::matmul_forward (Fprop shapes)
 // and matmul_backward with only dinp (Dgrad, written) or only dweight (Wgrad, accumulated), FP32
 // arrays in and out, BF16 GEMMs through the matmuls' own cuBLASLt plans (gpu/matmul.cu lt_matmul,
-// NN/NT layouts, host alpha/beta), at heuristic index range(1) (gpu::set_matmul_heuristic_pick;
+// NN/NT layouts, host alpha/beta), at heuristic index range(1) (CudaOptions::matmul_heuristic_pick;
 // -1 the plan's own choice, gpu/matmul.cu matmul_preferred_algo, which training uses).
 // The time includes the matmul's FP32 -> BF16 operand copies, the same at every index. The survey
 // the FP4 and FP8 plans' rules came from, for the BF16 recipe: whether its GEMMs have faster
@@ -415,8 +331,9 @@ void BM_GpuMatmulPicks(benchmark::State& state) {
   const Gpt2Shape& s = kGpt2Shapes[si];
   const int pick = static_cast<int>(state.range(1));
   state.SetLabel(std::string(s.name) + " algo " + std::to_string(pick));
-  HeuristicPick pick_guard(gpu::set_matmul_heuristic_pick, pick, gpu::kPlanOwnPick);
-  gpu::CudaBackend be;
+  gpu::CudaOptions opt;
+  opt.matmul_heuristic_pick = pick;
+  gpu::CudaBackend be(opt);
   // the op's (N tokens, K in, OC out) for each kind of shape (kGpt2Shapes lists the GEMM's M x N x
   // K)
   const int64_t N = si < 8 ? s.M : s.K, K = si < 4 ? s.K : s.N,
@@ -534,8 +451,9 @@ void BM_GpuGemmFp8(benchmark::State& state) {
   const int pick = static_cast<int>(state.range(2));
   state.SetLabel(std::string(s.name) + (beta != 0.0f ? " beta 1" : " beta 0") + " algo " +
                  std::to_string(pick));
-  HeuristicPick pick_guard(gpu::set_cublaslt_heuristic_pick, pick, gpu::kPlanOwnPick);
-  gpu::CudaBackend be;
+  gpu::CudaOptions opt;
+  opt.cublaslt_heuristic_pick = pick;
+  gpu::CudaBackend be(opt);
   Fp8Problem p = make_fp8_problem(be, s);
   GemmConfig cfg;
   cfg.impl = GemmImpl::CublasLt;
@@ -565,14 +483,14 @@ void BM_GpuGemmFp8Exact(benchmark::State& state) {
                   : path == 1 ? " wgmma"
                               : " model") +
                  " split " + std::to_string(split));
-  gpu::CudaBackend be;
+  gpu::CudaOptions opt;
+  opt.fp8_wgmma = path == 1;
+  gpu::CudaBackend be(opt);
   Fp8Problem p = make_fp8_problem(be, s);
   if (path == 1 && !gpu::fp8_gemm_wgmma_supported(p.a.q, p.b.q)) {
     state.SkipWithError("this GPU has no wgmma FP8 path (compute capability 9.0 only)");
     return;
   }
-  const bool was = gpu::fp8_wgmma_enabled();
-  gpu::set_fp8_wgmma(path == 1);
   GemmConfig cfg;
   cfg.impl = path == 0 ? GemmImpl::CublasLt : GemmImpl::Exact;
   cfg.alpha = 0.5f;
@@ -580,7 +498,6 @@ void BM_GpuGemmFp8Exact(benchmark::State& state) {
   cfg.split_k = path == 0 ? 1 : split;
   auto run = [&]() { be.gemm(p.a.q, p.b.q, s.beta != 0.0f ? &p.dv : nullptr, cfg, p.dv); };
   time_shape(state, s, be.stream(), run);
-  gpu::set_fp8_wgmma(was);
 }
 // {shape, path (0 cuBLASLt, 1 tensor cores, 2 model kernel), split}
 BENCHMARK(BM_GpuGemmFp8Exact)

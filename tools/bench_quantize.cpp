@@ -174,12 +174,10 @@ void BM_GpuQuantize(benchmark::State& state) {
   }
   const int64_t rows = state.range(0), cols = state.range(1);
   const int mode = static_cast<int>(state.range(2));
-  gpu::set_quantize_tile_variant(static_cast<int>(state.range(3)));
-  gpu::set_quantize_keep_rht(state.range(4) != 0);
-  const int passes = static_cast<int>(state.range(5));
-  gpu::set_quantize_amax_unroll(passes == 0 ? 1 : 4);
-  gpu::set_quantize_early_launch(passes == 2);
-  gpu::CudaBackend be;
+  gpu::CudaOptions opt;
+  opt.quantize_keep_rht = state.range(3) != 0;
+  opt.quantize_early_launch = state.range(4) != 0;
+  gpu::CudaBackend be(opt);
   const QuantizeConfig cfg = config_for(mode);
   const size_t n = static_cast<size_t>(rows * cols);
   std::vector<float> xf = gaussian(n, 5);
@@ -195,35 +193,19 @@ void BM_GpuQuantize(benchmark::State& state) {
   });
   state.SetLabel(
       std::string(mode_name(mode)) +
-      (state.range(3) == 2   ? " tile64x256"
-       : state.range(3) == 3 ? " tile64x128-direct"
-                             : " tile64x128") +
-      (mode == 2 ? (state.range(4) != 0 ? " rht-kept" : " rht-twice (default for BF16)") : "") +
-      (passes == 0   ? " amax1-serial"
-       : passes == 1 ? " amax4-serial"
-                     : ""));
-  gpu::set_quantize_tile_variant(1);
-  gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
-  gpu::set_quantize_amax_unroll(4);
-  gpu::set_quantize_early_launch(true);
+      (mode == 2 ? (state.range(3) != 0 ? " rht-kept" : " rht-twice (default for BF16)") : "") +
+      (state.range(4) == 0 ? " serial" : ""));
 }
-// {rows, cols, mode, tile variant (set_quantize_tile_variant), keep the RHT output between the
-// passes, how the passes run: 0 = one load in flight a thread in the amax pass, quantize pass
-// launched after it; 1 = four loads; 2 = four, and the quantize pass launched early (the default).
-// The contiguous amax pass on 8 or 4 CTAs an SM instead of 16, room for the early pass's first
-// tiles, measured the same: 117.6 / 119 against 117.9 us for row + column RN, 2026-12-01}
+// {rows, cols, mode, keep the RHT output between the passes (CudaOptions::quantize_keep_rht),
+// the quantize pass launched early (1, the default) or after the amax pass (0). The contiguous
+// amax pass on 8 or 4 CTAs an SM instead of 16, room for the early pass's first tiles, measured
+// the same: 117.6 / 119 against 117.9 us for row + column RN (docs/performance.md)}
 BENCHMARK(BM_GpuQuantize)
-    ->Args({8192, 8192, 0, 1, 1, 2})
-    ->Args({8192, 8192, 0, 1, 1, 0})
-    ->Args({8192, 8192, 1, 1, 1, 2})
-    ->Args({8192, 8192, 1, 1, 1, 1})
-    ->Args({8192, 8192, 1, 1, 1, 0})
-    ->Args({8192, 8192, 1, 3, 1, 2})
-    ->Args({8192, 8192, 2, 1, 1, 2})
-    ->Args({8192, 8192, 2, 1, 0, 2})
-    ->Args({8192, 8192, 0, 2, 1, 2})
-    ->Args({8192, 8192, 1, 2, 1, 2})
-    ->Args({8192, 8192, 2, 2, 1, 2})
+    ->Args({8192, 8192, 0, 1, 1})
+    ->Args({8192, 8192, 1, 1, 1})
+    ->Args({8192, 8192, 1, 1, 0})
+    ->Args({8192, 8192, 2, 1, 1})
+    ->Args({8192, 8192, 2, 0, 1})
     ->UseManualTime()
     ->Iterations(5)
     ->Unit(benchmark::kMicrosecond);
@@ -231,11 +213,10 @@ BENCHMARK(BM_GpuQuantize)
 // The training step's NVFP4 quantize of an FP32 activation or gradient (16384 tokens x cols):
 // row-wise RN + column-wise RHT + SR, the transform kept between the passes, timed against a copy.
 // Bytes as BM_GpuQuantize counts them, plus the kept transform (BF16, written once and read once).
-// BM_GpuQuantizeRhtAmaxVariants runs it with each RHT amax pass (set_quantize_rht_amax_variant:
-// 0 = 64-row tiles, 1 = 32-row tiles, 2 = pipelined).
-void time_rht_train_quantize(benchmark::State& state, int64_t cols) {
+void time_rht_train_quantize(benchmark::State& state, int64_t cols,
+                             const gpu::CudaOptions& opt = {}) {
   const int64_t rows = 16384;
-  gpu::CudaBackend be;
+  gpu::CudaBackend be(opt);
   const QuantizeConfig cfg = config_for(2);
   const size_t n = static_cast<size_t>(rows * cols);
   const std::vector<float> xf = gaussian(n, 8);
@@ -243,40 +224,17 @@ void time_rht_train_quantize(benchmark::State& state, int64_t cols) {
   const double bytes = 2.0 * n * 4 + 2 * (n / 2.0 + n / 16.0) + 2.0 * n * 2;
   time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, &b.cv); });
 }
-void BM_GpuQuantizeRhtAmaxVariants(benchmark::State& state) {
-  if (!gpu::gpu_available()) {
-    state.SkipWithError("no CUDA GPU");
-    return;
-  }
-  gpu::set_quantize_rht_amax_variant(static_cast<int>(state.range(1)));
-  time_rht_train_quantize(state, state.range(0));
-  gpu::set_quantize_rht_amax_variant(2);
-}
-// {cols, RHT amax pass variant}
-BENCHMARK(BM_GpuQuantizeRhtAmaxVariants)
-    ->Args({768, 0})
-    ->Args({768, 1})
-    ->Args({768, 2})
-    ->Args({3072, 0})
-    ->Args({3072, 1})
-    ->Args({3072, 2})
-    ->UseManualTime()
-    ->Iterations(5)
-    ->Repetitions(3)
-    ->ReportAggregatesOnly(true)
-    ->Unit(benchmark::kMicrosecond);
-
 // The same training-step quantize with the RHT transform kept between the passes (1) or computed
-// again in the tile kernel (0, set_quantize_keep_rht(false)); compare the times (ms): the byte
+// again in the tile kernel (0, CudaOptions::quantize_keep_rht); compare the times (ms): the byte
 // count, and so pct_of_copy_bw, includes the kept transform either way.
 void BM_GpuQuantizeTrainKeep(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
     return;
   }
-  gpu::set_quantize_keep_rht(state.range(1) != 0);
-  time_rht_train_quantize(state, state.range(0));
-  gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
+  gpu::CudaOptions opt;
+  opt.quantize_keep_rht = state.range(1) != 0;
+  time_rht_train_quantize(state, state.range(0), opt);
   state.SetLabel(state.range(1) != 0 ? "kept" : "rht-twice");
 }
 // {cols, keep the transform}
@@ -290,15 +248,15 @@ BENCHMARK(BM_GpuQuantizeTrainKeep)
 
 // The same training-step quantize (FP32 16384 x cols, row RN + column RHT + SR, the pipelined amax
 // pass) with the streaming kernel's grid capped at `ctas` CTAs per SM and copy (0: one 1x16 block a
-// thread), the knob set_quantize_kept_ctas_per_sm.
+// thread), CudaOptions::quantize_kept_ctas_per_sm.
 void BM_GpuQuantizeKeptGrid(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
     return;
   }
-  gpu::set_quantize_kept_ctas_per_sm(static_cast<int>(state.range(1)));
-  time_rht_train_quantize(state, state.range(0));
-  gpu::set_quantize_kept_ctas_per_sm(8);
+  gpu::CudaOptions opt;
+  opt.quantize_kept_ctas_per_sm = static_cast<int>(state.range(1));
+  time_rht_train_quantize(state, state.range(0), opt);
 }
 // {cols, CTAs per SM and copy}
 BENCHMARK(BM_GpuQuantizeKeptGrid)
@@ -319,14 +277,17 @@ BENCHMARK(BM_GpuQuantizeKeptGrid)
 // The FP8 block quantizer (1x128, row-wise + column-wise copies, one tiled pass with the amax)
 // on an FP32 input of 16384 x cols (gpt2-124m's activations: 768; its largest activation gradient:
 // 3072), against a device copy of the same FP32 input in the same repetition. Bytes: the input read
-// once, 1-byte codes + FP32 scales per copy. {cols, staged stores (set_fp8_quantize_staged)}.
+// once, 1-byte codes + FP32 scales per copy. {cols, staged stores
+// (CudaOptions::fp8_quantize_staged)}.
 void BM_GpuQuantizeFp8(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
     return;
   }
   const int64_t rows = 16384, cols = state.range(0);
-  gpu::CudaBackend be;
+  gpu::CudaOptions opt;
+  opt.fp8_quantize_staged = state.range(1) != 0;
+  gpu::CudaBackend be(opt);
   QuantizeConfig cfg;
   cfg.format = QFormat::FP8;
   cfg.rowwise.enabled = cfg.columnwise.enabled = true;
@@ -334,9 +295,7 @@ void BM_GpuQuantizeFp8(benchmark::State& state) {
   const std::vector<float> xf = gaussian(n, 6);
   GpuQuantizeBuffers b(be, xf.data(), rows, cols, DType::F32, QFormat::FP8);
   const double bytes = 4.0 * n + 2 * (n + n / 128.0 * 4);
-  gpu::set_fp8_quantize_staged(state.range(1) != 0);
   time_against_copy(state, be, b, bytes, [&]() { be.quantize(b.v, cfg, &b.rv, &b.cv); });
-  gpu::set_fp8_quantize_staged(true);
   state.SetLabel(state.range(1) != 0 ? "staged stores" : "direct stores");
 }
 BENCHMARK(BM_GpuQuantizeFp8)
@@ -350,9 +309,9 @@ BENCHMARK(BM_GpuQuantizeFp8)
 // GELU (forward; or backward with its incoming gradient and the bias gradient) into FP8 row- and
 // column-wise copies of a 16384x3072 activation (gpt2-124m's MLP, batch 16 x 1024), through
 // CudaBackend::quantize_activation: {op 0 forward / 1 backward, 1 fused in the tile pass / 0 the
-// op kernel then the quantizer, staged stores in the FP8 tile pass (set_fp8_quantize_staged)}.
-// Bytes: the fused pass's (the op's inputs read once, the copies written), for both rows, so
-// pct_of_copy_bw compares their times.
+// op kernel then the quantizer, staged stores in the FP8 tile pass
+// (CudaOptions::fp8_quantize_staged)}. Bytes: the fused pass's (the op's inputs read once, the
+// copies written), for both rows, so pct_of_copy_bw compares their times.
 void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
   if (!gpu::gpu_available()) {
     state.SkipWithError("no CUDA GPU");
@@ -360,7 +319,10 @@ void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
   }
   const int64_t rows = 16384, cols = 3072;
   const bool backward = state.range(0) != 0, fused = state.range(1) != 0;
-  gpu::CudaBackend be;
+  gpu::CudaOptions opt;
+  opt.activation_fusion = fused;
+  opt.fp8_quantize_staged = state.range(2) != 0;
+  gpu::CudaBackend be(opt);
   QuantizeConfig cfg;
   cfg.format = QFormat::FP8;
   cfg.rowwise.enabled = cfg.columnwise.enabled = true;
@@ -376,15 +338,11 @@ void BM_GpuQuantizeActivationFp8(benchmark::State& state) {
   if (backward) src.dout = f32_view(be, d.as<float>(), rows, cols, "dout", true);
   src.out = f32_view(be, out.as<float>(), rows, cols, "act", true);
   const double bytes = (backward ? 8.0 : 4.0) * n + 2 * (n + n / 128.0 * 4);
-  gpu::set_activation_fusion(fused);
-  gpu::set_fp8_quantize_staged(state.range(2) != 0);
   time_against_copy(state, be, b, bytes, [&]() {
     be.quantize_activation(
         src, cfg, &b.rv, &b.cv,
         backward ? f32_view(be, dbias.as<float>(), cols, 1, "dbias") : TensorView{});
   });
-  gpu::set_activation_fusion(true);
-  gpu::set_fp8_quantize_staged(true);
   state.SetLabel(std::string(backward ? "gelu backward + dbias" : "gelu forward") +
                  (fused ? " fused" : " op then quantize") +
                  (state.range(2) != 0 ? ", staged stores" : ", direct stores"));

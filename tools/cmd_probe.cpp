@@ -245,9 +245,9 @@ bool print_native_hopper_fp8(const std::vector<uint32_t>& model) {
   fmt::print(
       "native Hopper FP8 (wgmma.mma_async m64n128k32 E4M3 through the exact FP8 GEMM, "
       "gpu/fp8_wgmma.cu):\n");
-  auto cuda = make_backend("cuda");
+  gpu::CudaBackend cuda_backend;
+  Backend* cuda = &cuda_backend;
   const std::vector<Fp8NamedCase> cases = hopper_fp8_cases();
-  const uint64_t before = gpu::fp8_wgmma_gemm_count();
   bool differs = false;
   for (size_t i = 0; i < cases.size(); ++i) {
     const uint32_t n = fp8_probe_on(*cuda, cases[i]), m = model[i];
@@ -255,7 +255,7 @@ bool print_native_hopper_fp8(const std::vector<uint32_t>& model) {
                f32_from_bits(n), m, n == m ? "equal" : "DIFFER");
     differs = differs || n != m;
   }
-  if (gpu::fp8_wgmma_gemm_count() - before != cases.size()) {
+  if (cuda_backend.counters().fp8_wgmma_gemms != cases.size()) {
     fmt::print(
         "  (the tensor-core path did not run: these are the model kernel's answers, not the "
         "hardware's)\n");

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,6 +30,15 @@ inline bool have_gpu() {
 }
 
 #if FP4SIM_HAVE_CUDA
+// A CUDA backend with the options a test needs (the defaults where none are given).
+inline std::unique_ptr<gpu::CudaBackend> cuda_backend(const gpu::CudaOptions& options = {}) {
+  return std::make_unique<gpu::CudaBackend>(options);
+}
+// What `cuda`, a gpu::CudaBackend, did so far.
+inline gpu::CudaCounters cuda_counters(const Backend& cuda) {
+  return dynamic_cast<const gpu::CudaBackend&>(cuda).counters();
+}
+
 // Where the Hopper picks rules apply (pk.rules_active), the plan that reported pk asked for the
 // rule's `index` and took it (or the first where the list is shorter); `what` labels the failure
 // and the log line. Elsewhere there is nothing to check.
@@ -38,23 +48,11 @@ inline void expect_rule_pick(const gpu::CublasLtPlanPick& pk, int index, const s
   EXPECT_EQ(pk.used, pk.found > index ? index : 0) << what;
   std::printf("%s plan: heuristic index %d (%d listed)\n", what.c_str(), pk.used, pk.found);
 }
-// The same for the cuBLASLt GEMM plan (gpu/gemm_cublaslt.cu) the last GEMM built.
-inline void expect_rule_pick(int index, const std::string& what) {
-  expect_rule_pick(gpu::last_cublaslt_plan_pick(), index, what);
+// The same for the cuBLASLt GEMM plan (gpu/gemm_cublaslt.cu) the last GEMM on `cuda` built.
+inline void expect_rule_pick(const Backend& cuda, int index, const std::string& what) {
+  expect_rule_pick(cuda_counters(cuda).last_cublaslt_plan_pick, index, what);
 }
 #endif
-
-// Sets a process-wide benchmark knob and puts it back on scope exit, even when a check throws.
-struct KnobGuard {
-  std::function<void()> undo;
-  KnobGuard(const std::function<void()>& set, std::function<void()> reset)
-      : undo(std::move(reset)) {
-    set();
-  }
-  ~KnobGuard() { undo(); }
-  KnobGuard(const KnobGuard&) = delete;
-  KnobGuard& operator=(const KnobGuard&) = delete;
-};
 
 // A dense rows x cols view of b (its start, or `skip` elements past it) in be's memory.
 inline TensorView buffer_view(const Backend& be, const BackendBuffer& b, DType dtype, int64_t rows,

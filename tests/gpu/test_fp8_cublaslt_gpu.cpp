@@ -300,7 +300,7 @@ TEST(Fp8CublasLtGpu, ExactlyRepresentableBitwiseEqualsExact) {
                    dl = run_gemm_bits(*cuda, a, b, cp, lt);
         // (the plan was built by this call; the FP8 rule's index for 2048 x 256 x 512)
         if (sh.M == 2048 && !b_tiles && variant == 0)
-          expect_rule_pick(6, "[fp8-cublaslt] 2048x256x512");
+          expect_rule_pick(*cuda, 6, "[fp8-cublaslt] 2048x256x512");
         const std::string what = std::to_string(sh.M) + "x" + std::to_string(sh.N) + "x" +
                                  std::to_string(sh.K) + (b_tiles ? " B 128x128" : " B 1x128") +
                                  " variant " + std::to_string(variant);

@@ -58,12 +58,15 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
+  gpu::CudaOptions direct;
+  direct.fp8_quantize_staged = false;
+  auto cuda_direct = cuda_backend(direct);
   int checked = 0;
   // (staged: whole tiles write the column-wise codes through shared memory, the default; and not)
   for (bool staged : {true, false})
     for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials,
                             test::Fill::Subnormal, test::Fill::SignedZeros, test::Fill::HugeTiny}) {
-      gpu::set_fp8_quantize_staged(staged);
+      Backend& qb = staged ? *cuda : *cuda_direct;
       for (bool bf16 : {false, true})
         for (bool two_d : {false, true}) {
           // a 256 x 384 input with both copies, and (1x128 only) a 200 x 256 one with the row-wise
@@ -72,7 +75,7 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
           const int64_t R = partial ? 200 : 256, C = partial ? 256 : 384;
           std::vector<float> x = test::make_fill(fill, static_cast<size_t>(R * C), 11);
           const QuantizeResult e = quantize_on(*emu, x, R, C, bf16, two_d, !partial),
-                               g = quantize_on(*cuda, x, R, C, bf16, two_d, !partial);
+                               g = quantize_on(qb, x, R, C, bf16, two_d, !partial);
           const std::string what = std::string(test::fill_name(fill)) + (bf16 ? " bf16" : " f32") +
                                    (two_d ? " 2d" : " 1d") + " " + std::to_string(R) + "x" +
                                    std::to_string(C) + (staged ? " staged" : " direct");
@@ -80,13 +83,12 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
           if (!partial) expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
           QuantizedHost er = e.rowwise, gr = g.rowwise;
           const std::vector<float> de = dequantize_to_host(*emu, er),
-                                   dg = dequantize_to_host(*cuda, gr);
+                                   dg = dequantize_to_host(qb, gr);
           for (size_t i = 0; i < de.size(); ++i)
             ASSERT_EQ(test::bits(de[i]), test::bits(dg[i])) << what << " dequant " << i;
           ++checked;
         }
     }
-  gpu::set_fp8_quantize_staged(true);
   // rows 129 elements apart (FP32: not 16-byte aligned; BF16: not 8-byte aligned): the kernel's
   // element-by-element loads instead of its vector loads
   for (bool bf16 : {false, true}) {
@@ -150,12 +152,13 @@ TEST(Fp8Gpu, QuantizeBitwiseEqualsEmulator) {
 // as the one that re-lays the row-major scales itself. The emulator refuses such a view.
 TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
-  auto cuda = make_backend("cuda");
   auto emu = make_backend("emu");
   const int64_t R = 256, C = 384;
   for (int variant = 0; variant < 4; ++variant) {
     const bool two_d = (variant & 1) != 0, staged = variant < 2;  // (staged: the kernel's default)
-    gpu::set_fp8_quantize_staged(staged);
+    gpu::CudaOptions opt;
+    opt.fp8_quantize_staged = staged;
+    auto cuda = cuda_backend(opt);
     std::vector<float> x = test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(R * C), 21);
     BackendBuffer xb(*cuda, x.size() * 4);
     cuda->upload(xb.get(), x.data(), x.size() * 4);
@@ -182,7 +185,6 @@ TEST(Fp8Gpu, GemmLayoutScalesEqualScalesAndGiveTheSameGemm) {
     Copy row = make(R, C), col = make(C, R);
     cuda->quantize(xv, qc, &row.buf.view, &col.buf.view);
     cuda->synchronize();
-    gpu::set_fp8_quantize_staged(true);
     for (Copy* c : {&row, &col}) {
       const QuantizedView& v = c->buf.view;
       const int64_t kb = v.cols / kFp8Block;
@@ -261,10 +263,10 @@ TEST(Fp8Gpu, QuantizeActivationWithBiasEqualsQuantizeThenBiasBackward) {
     const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) +
                              "x" + std::to_string(k.C);
     SCOPED_TRACE(what);
-    const uint64_t fused_before = gpu::fused_bias_backward_count();
+    const uint64_t fused_before = cuda_counters(*cuda).fused_bias_backward;
     expect_fused_bias_grad_bitwise(*cuda, k.fill != test::Fill::Specials ? emu.get() : nullptr, x,
                                    k.R, k.C, qc, dbias0, blank, what);
-    EXPECT_EQ(gpu::fused_bias_backward_count(), fused_before + 1)
+    EXPECT_EQ(cuda_counters(*cuda).fused_bias_backward, fused_before + 1)
         << what << ": the fused path did not run";
     ++checked;
   }
@@ -282,7 +284,9 @@ TEST(Fp8Gpu, QuantizeActivationWithBiasEqualsQuantizeThenBiasBackward) {
 // pattern).
 TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
-  auto cuda = make_backend("cuda");
+  gpu::CudaOptions unfused;
+  unfused.activation_fusion = false;
+  auto cuda_fused = cuda_backend(), cuda_unfused = cuda_backend(unfused);
   struct Case {
     int64_t R, C;
     bool row, col, two_d, dbias;
@@ -328,53 +332,52 @@ TEST(Fp8Gpu, QuantizeActivationEqualsOpThenQuantize) {
           std::vector<float> row_sg, col_sg, dbias, act;
         };
         auto go = [&](bool fused) {
-          gpu::set_activation_fusion(fused);
+          Backend& be = fused ? *cuda_fused : *cuda_unfused;
           Out o;
           o.row = zero_fp8_host(k.R, k.row ? k.C : kFp8Block);
           o.col = zero_fp8_host(k.C, k.col ? k.R : kFp8Block);
           const size_t off = static_cast<size_t>(k.offset);
-          BackendBuffer pb(*cuda, (n + off) * 4), db(*cuda, (n + off) * 4), ob(*cuda, n * 4),
-              bb(*cuda, dbias0.size() * 4);
-          BackendBuffer rsg(*cuda, o.row.scales.size()), csg(*cuda, o.col.scales.size());
-          cuda->upload(pb.as<float>() + off, pre.data(), n * 4);
-          cuda->upload(db.as<float>() + off, dout.data(), n * 4);
+          BackendBuffer pb(be, (n + off) * 4), db(be, (n + off) * 4), ob(be, n * 4),
+              bb(be, dbias0.size() * 4);
+          BackendBuffer rsg(be, o.row.scales.size()), csg(be, o.col.scales.size());
+          be.upload(pb.as<float>() + off, pre.data(), n * 4);
+          be.upload(db.as<float>() + off, dout.data(), n * 4);
           const std::vector<uint8_t> nan_bytes(n * 4, 0xFF);
-          cuda->upload(ob.get(), nan_bytes.data(), n * 4);
-          cuda->upload(bb.get(), dbias0.data(), dbias0.size() * 4);
-          QuantizedBuffers rq(*cuda, o.row), cq(*cuda, o.col);
+          be.upload(ob.get(), nan_bytes.data(), n * 4);
+          be.upload(bb.get(), dbias0.data(), dbias0.size() * 4);
+          QuantizedBuffers rq(be, o.row), cq(be, o.col);
           rq.view.scales_gemm = rsg.as<float>();
           cq.view.scales_gemm = csg.as<float>();
           ActivationSource src;
           src.op = op;
-          src.inp = skip(buffer_view(*cuda, pb, DType::F32, k.R, k.C, "pre"), k.offset, k.R, k.C);
+          src.inp = skip(buffer_view(be, pb, DType::F32, k.R, k.C, "pre"), k.offset, k.R, k.C);
           if (op == ActivationOp::GeluBackward)
             src.dout = marked(
-                skip(buffer_view(*cuda, db, DType::F32, k.R, k.C, "dout"), k.offset, k.R, k.C), bd);
-          src.out = buffer_view(*cuda, ob, DType::F32, k.R, k.C, "act", rb);
-          cuda->quantize_activation(
+                skip(buffer_view(be, db, DType::F32, k.R, k.C, "dout"), k.offset, k.R, k.C), bd);
+          src.out = buffer_view(be, ob, DType::F32, k.R, k.C, "act", rb);
+          be.quantize_activation(
               src, qc, k.row ? &rq.view : nullptr, k.col ? &cq.view : nullptr,
-              k.dbias ? buffer_view(*cuda, bb, DType::F32, k.C, 1, "dbias") : TensorView{});
-          cuda->synchronize();
-          if (k.row) rq.download_to(*cuda, o.row);
-          if (k.col) cq.download_to(*cuda, o.col);
+              k.dbias ? buffer_view(be, bb, DType::F32, k.C, 1, "dbias") : TensorView{});
+          be.synchronize();
+          if (k.row) rq.download_to(be, o.row);
+          if (k.col) cq.download_to(be, o.col);
           o.row_sg.resize(o.row.scales.size() / 4);
           o.col_sg.resize(o.col.scales.size() / 4);
-          cuda->download(o.row_sg.data(), rsg.get(), o.row.scales.size());
-          cuda->download(o.col_sg.data(), csg.get(), o.col.scales.size());
+          be.download(o.row_sg.data(), rsg.get(), o.row.scales.size());
+          be.download(o.col_sg.data(), csg.get(), o.col.scales.size());
           o.dbias.resize(dbias0.size());
-          cuda->download(o.dbias.data(), bb.get(), dbias0.size() * 4);
+          be.download(o.dbias.data(), bb.get(), dbias0.size() * 4);
           o.act.resize(n);
-          cuda->download(o.act.data(), ob.get(), n * 4);
-          gpu::set_activation_fusion(true);
+          be.download(o.act.data(), ob.get(), n * 4);
           return o;
         };
-        const uint64_t before = gpu::fused_activation_quantize_count();
+        const uint64_t before = cuda_counters(*cuda_fused).fused_activation_quantize;
         const Out f = go(true);
-        EXPECT_EQ(gpu::fused_activation_quantize_count(), before + 1)
+        EXPECT_EQ(cuda_counters(*cuda_fused).fused_activation_quantize, before + 1)
             << "the fused path did not run";
         const Out t = go(false);
-        EXPECT_EQ(gpu::fused_activation_quantize_count(), before + 1)
-            << "the knob did not turn fusion off";
+        EXPECT_EQ(cuda_counters(*cuda_unfused).fused_activation_quantize, 0u)
+            << "CudaOptions::activation_fusion = false did not turn fusion off";
         if (k.row) test::expect_same_quantized(t.row, f.row, what + " row-wise");
         if (k.col) test::expect_same_quantized(t.col, f.col, what + " column-wise");
         if (k.row) {
@@ -435,18 +438,13 @@ std::vector<uint8_t> run_fp8_gemm(Backend& be, const QuantizedHost& a, const Qua
   return out;
 }
 
-// Sets the tensor-core FP8 GEMM switch (gpu::set_fp8_wgmma) and its CTA cap
-// (gpu::set_fp8_wgmma_max_ctas) for a scope, back to the defaults when it ends.
-struct Fp8WgmmaSwitch {
-  explicit Fp8WgmmaSwitch(bool on, int max_ctas = 0) {
-    gpu::set_fp8_wgmma(on);
-    gpu::set_fp8_wgmma_max_ctas(max_ctas);
-  }
-  ~Fp8WgmmaSwitch() {
-    gpu::set_fp8_wgmma(true);
-    gpu::set_fp8_wgmma_max_ctas(0);
-  }
-};
+// The CUDA backend's options with the tensor-core FP8 GEMM on or off and its CTA cap.
+gpu::CudaOptions fp8_wgmma_options(bool on, int max_ctas = 0) {
+  gpu::CudaOptions o;
+  o.fp8_wgmma = on;
+  o.fp8_wgmma_max_ctas = max_ctas;
+  return o;
+}
 
 // Whether this GPU runs exact FP8 GEMMs on its tensor cores: compute capability 9.0 and a build
 // with sm_90a code (fp4sim info's archs). Then the tests require the tensor-core path to have run.
@@ -467,12 +465,17 @@ bool gpu_has_fp8_wgmma() {
 TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
-  auto cuda = make_backend("cuda");
+  // the tensor cores with a CTA an SM (here: one work item each), with 1 and 3 CTAs (each taking
+  // several items in turn, the loader crossing items inside its prefetch window), and the model
+  // kernel (-1)
+  const int modes[] = {0, 1, 3, -1};
+  std::unique_ptr<gpu::CudaBackend> cudas[4];
+  for (int i = 0; i < 4; ++i)
+    cudas[i] = cuda_backend(fp8_wgmma_options(modes[i] >= 0, modes[i] > 0 ? modes[i] : 0));
   struct Shape {
     int64_t M, N, K;
   };
   int checked = 0, wgmma_cases = 0;
-  const uint64_t wgmma_before = gpu::fp8_wgmma_gemm_count();
   for (const Shape& s : {Shape{64, 48, 256}, Shape{33, 17, 384}, Shape{5, 130, 512},
                          Shape{200, 260, 768}, Shape{256, 384, 1024}}) {
     for (test::Fill fill : {test::Fill::Gaussian, test::Fill::HeavyTailed, test::Fill::Specials}) {
@@ -505,12 +508,9 @@ TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
             variant == 4 || variant == 5 ? 1 : 0;  // D off the pair-store alignment
         const bool in_place = variant == 7;
         const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg, offset, in_place);
-        // the tensor cores with a CTA an SM (here: one work item each), with 1 and 3 CTAs (each
-        // taking several items in turn, the loader crossing items inside its prefetch window),
-        // and the model kernel
-        for (const int mode : {0, 1, 3, -1}) {
-          Fp8WgmmaSwitch sw(mode >= 0, mode > 0 ? mode : 0);
-          ASSERT_EQ(want, run_fp8_gemm(*cuda, a, b, c, cfg, offset, in_place))
+        for (int i = 0; i < 4; ++i) {
+          const int mode = modes[i];
+          ASSERT_EQ(want, run_fp8_gemm(*cudas[i], a, b, c, cfg, offset, in_place))
               << s.M << "x" << s.N << "x" << s.K << " " << test::fill_name(fill) << " variant "
               << variant
               << (mode < 0
@@ -522,7 +522,8 @@ TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
       }
     }
   }
-  const uint64_t on_tensor_cores = gpu::fp8_wgmma_gemm_count() - wgmma_before;
+  uint64_t on_tensor_cores = 0;
+  for (const auto& cuda : cudas) on_tensor_cores += cuda->counters().fp8_wgmma_gemms;
   if (gpu_has_fp8_wgmma()) {
     EXPECT_EQ(on_tensor_cores, static_cast<uint64_t>(wgmma_cases));
   }
@@ -537,7 +538,7 @@ TEST(Fp8Gpu, GemmBitwiseEqualsEmulator) {
 TEST(Fp8Gpu, TensorCoreAccumulationEqualsModelOnRawCodes) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto emu = make_backend("emu");
-  auto cuda = make_backend("cuda");
+  auto cuda = cuda_backend(), cuda_3ctas = cuda_backend(fp8_wgmma_options(true, 3));
   std::mt19937 rng(20261130);
   const int64_t M = 192, N = 160, K = 512;
   auto make = [&](int64_t rows, int pattern) {
@@ -581,7 +582,6 @@ TEST(Fp8Gpu, TensorCoreAccumulationEqualsModelOnRawCodes) {
     return acc;
   };
   int checked = 0;
-  const uint64_t wgmma_before = gpu::fp8_wgmma_gemm_count();
   for (int pattern = 0; pattern < 3; ++pattern) {
     QuantizedHost a = make(M, pattern), b = make(N, pattern);
     std::vector<float> c(static_cast<size_t>(M * N), 0.0f);
@@ -589,8 +589,8 @@ TEST(Fp8Gpu, TensorCoreAccumulationEqualsModelOnRawCodes) {
       GemmConfig cfg;
       cfg.split_k = split;
       const std::vector<uint8_t> want = run_fp8_gemm(*emu, a, b, c, cfg);
-      Fp8WgmmaSwitch sw(true, split == 4 ? 3 : 0);  // split 4: 16 work items on 3 CTAs
-      const std::vector<uint8_t> got = run_fp8_gemm(*cuda, a, b, c, cfg);
+      // (split 4: 16 work items on 3 CTAs)
+      const std::vector<uint8_t> got = run_fp8_gemm(split == 4 ? *cuda_3ctas : *cuda, a, b, c, cfg);
       size_t differ = 0, first = want.size();
       for (size_t i = 0; i < want.size(); i += 4)
         if (std::memcmp(&want[i], &got[i], 4) != 0 && differ++ == 0) first = i / 4;
@@ -618,7 +618,8 @@ TEST(Fp8Gpu, TensorCoreAccumulationEqualsModelOnRawCodes) {
     }
   }
   if (gpu_has_fp8_wgmma()) {
-    EXPECT_EQ(gpu::fp8_wgmma_gemm_count() - wgmma_before, static_cast<uint64_t>(checked));
+    EXPECT_EQ(cuda->counters().fp8_wgmma_gemms + cuda_3ctas->counters().fp8_wgmma_gemms,
+              static_cast<uint64_t>(checked));
   }
   std::printf("[fp8-gpu] %d raw-code FP8 GEMMs (%s) bitwise identical to the model\n", checked,
               gpu_has_fp8_wgmma() ? "tensor cores" : "model kernel");

@@ -539,7 +539,8 @@ TEST(LayersGpu, MatmulPickRuleOnGpt2Shapes) {
 
 // The rule's algorithms compute the matmul: on three gpt2-124m shapes whose rule index is not 0
 // (Fprop proj, index 6; Dgrad fc2, 6; Wgrad fc, 1), the plan takes the rule's index where the rules
-// apply, and both its result and the heuristic's first algorithm's (set_matmul_heuristic_pick(0))
+// apply, and both its result and the heuristic's first algorithm's (a backend with
+// CudaOptions::matmul_heuristic_pick = 0)
 // are within the BF16 GEMM bound of an FP64 reference on 4096 sampled outputs (BF16-exact
 // operands).
 TEST(LayersGpu, MatmulPlanTakesTheRulesIndex) {
@@ -592,18 +593,16 @@ TEST(LayersGpu, MatmulPlanTakesTheRulesIndex) {
     };
     Backends be;
     const Vec ruled = run(*be.cuda, op)[0];
-    const gpu::MatmulPlanPick pk = gpu::last_matmul_plan_pick();
+    const gpu::MatmulPlanPick pk = cuda_counters(*be.cuda).last_matmul_plan_pick;
     expect_rule_pick(pk, cs.index, cs.name);
     if (!pk.rules_active) {
       EXPECT_EQ(pk.preferred, 0) << cs.name;
     }
-    Vec first;
-    {
-      KnobGuard knob([] { gpu::set_matmul_heuristic_pick(0); },
-                     [] { gpu::set_matmul_heuristic_pick(gpu::kPlanOwnPick); });
-      first = run(*be.cuda, op)[0];
-      EXPECT_EQ(gpu::last_matmul_plan_pick().used, 0) << cs.name;
-    }
+    gpu::CudaOptions first_pick;
+    first_pick.matmul_heuristic_pick = 0;
+    auto cuda_first = cuda_backend(first_pick);
+    const Vec first = run(*cuda_first, op)[0];
+    EXPECT_EQ(cuda_first->counters().last_matmul_plan_pick.used, 0) << cs.name;
     std::uniform_int_distribution<int64_t> pick_r(0, rows - 1), pick_c(0, cols - 1);
     int bad_ruled = 0, bad_first = 0;
     for (int s = 0; s < 4096; ++s) {
@@ -650,7 +649,7 @@ TEST(LayersGpu, MatmulBackwardBf16BiasFusedEqualsSeparate) {
     if (s.misaligned) dout_buf.insert(dout_buf.begin(), 0.0f);
     const std::string tag = std::to_string(N) + "x" + std::to_string(K) + "x" + std::to_string(OC) +
                             (s.misaligned ? " misaligned" : "");
-    const uint64_t before = gpu::fused_matmul_bias_count();
+    const uint64_t before = cuda_counters(*be.cuda).fused_matmul_bias;
     const Outputs fused = run(*be.cuda, [&](Backend& bk, Call& c) {
       const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
       const TensorView dw = c.out(dw0, OC, K);
@@ -659,7 +658,7 @@ TEST(LayersGpu, MatmulBackwardBf16BiasFusedEqualsSeparate) {
                                 s.misaligned ? 1 : 0, N, OC);
       bk.matmul_backward(dinp, dw, db, d, c.in(x, N, K), c.in(w, OC, K), emu::GemmPrecision::BF16);
     });
-    EXPECT_EQ(gpu::fused_matmul_bias_count(), before + (s.fused ? 1 : 0)) << tag;
+    EXPECT_EQ(cuda_counters(*be.cuda).fused_matmul_bias, before + (s.fused ? 1 : 0)) << tag;
     const Outputs separate = run(*be.cuda, [&](Backend& bk, Call& c) {
       const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
       const TensorView dw = c.out(dw0, OC, K);
@@ -686,6 +685,9 @@ TEST(LayersGpu, MatmulBackwardBf16BiasFusedEqualsSeparate) {
 TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
   REQUIRE_GPU();
   Backends be;
+  gpu::CudaOptions unfused;
+  unfused.activation_fusion = false;
+  auto cuda_unfused = cuda_backend(unfused);
   std::mt19937 rng(5150);
   struct Shape {
     int64_t N, K, OC;
@@ -705,20 +707,18 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
       pre[sz(K + 1)] = -kInf;
       pre[sz(2 * K + 2)] = kNaN;
       auto fwd = [&](bool fused) {
-        gpu::set_activation_fusion(fused);
-        const Outputs o = run(*be.cuda, [&](Backend& bk, Call& c) {
+        return run(fused ? *be.cuda : *cuda_unfused, [&](Backend& bk, Call& c) {
           const TensorView out = c.out(Vec(sz(N * OC), kNaN), N, OC, rb);
           const TensorView act = c.out(Vec(sz(N * K), kNaN), N, K, rb);
           const ActivationSource src{ActivationOp::GeluForward, c.in(pre, N, K), {}, act};
           bk.matmul_forward_activation(out, src, c.in(w, OC, K), c.in(b, OC, 1),
                                        emu::GemmPrecision::BF16);
         });
-        gpu::set_activation_fusion(true);
-        return o;
       };
-      uint64_t before = gpu::fused_activation_matmul_count();
+      uint64_t before = cuda_counters(*be.cuda).fused_activation_matmul;
       const Outputs ff = fwd(true);
-      EXPECT_EQ(gpu::fused_activation_matmul_count(), before + 1) << tag << ": forward fused path";
+      EXPECT_EQ(cuda_counters(*be.cuda).fused_activation_matmul, before + 1)
+          << tag << ": forward fused path";
       const Outputs fs = fwd(false);
       expect_bitwise("matmul_forward_activation out " + tag, fs[0], ff[0]);
       expect_bitwise("matmul_forward_activation act " + tag, fs[1], ff[1]);
@@ -730,8 +730,7 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
       Vec fc_buf = fc, dact_buf = dact;
       if (s.misaligned) dact_buf.insert(dact_buf.begin(), 0.0f);
       auto bwd = [&](bool fused) {
-        gpu::set_activation_fusion(fused);
-        const Outputs o = run(*be.cuda, [&](Backend& bk, Call& c) {
+        return run(fused ? *be.cuda : *cuda_unfused, [&](Backend& bk, Call& c) {
           const TensorView dinp = c.out(Vec(sz(N * K), kNaN), N, K);
           const TensorView dw = c.out(dw0, OC, K);
           const TensorView db = c.out(db0, OC, 1);
@@ -743,12 +742,10 @@ TEST(LayersGpu, MatmulActivationFusedEqualsOpThenMatmul) {
           bk.matmul_backward_activation(dinp, dw, db, src, c.in(x, N, K), c.in(w, OC, K),
                                         emu::GemmPrecision::BF16);
         });
-        gpu::set_activation_fusion(true);
-        return o;
       };
-      before = gpu::fused_activation_matmul_count();
+      before = cuda_counters(*be.cuda).fused_activation_matmul;
       const Outputs bf = bwd(true);
-      EXPECT_EQ(gpu::fused_activation_matmul_count(), before + (s.bwd_fused ? 1 : 0))
+      EXPECT_EQ(cuda_counters(*be.cuda).fused_activation_matmul, before + (s.bwd_fused ? 1 : 0))
           << tag << ": backward fused path";
       const Outputs bs = bwd(false);
       expect_bitwise("matmul_backward_activation dinp " + tag, bs[0], bf[0]);
@@ -957,15 +954,15 @@ TEST(LayersGpu, CeDivisionEqualsFdivRn) {
 }
 
 // The backward pass's two ways to dq (HD <= 64): dS stored by the dK/dV kernel and read by a plain
-// GEMM, or recomputed in the dQ kernel (gpu::set_attention_recompute_dq): the same BF16 dS values
-// in the same MMA chain, so the same bits, with and without the BF16 storage of the result.
+// GEMM, or recomputed in the dQ kernel (CudaOptions::attention_recompute_dq): the same BF16 dS
+// values in the same MMA chain, so the same bits, with and without the BF16 storage of the result.
 TEST(LayersGpu, AttentionStoredDsEqualsRecomputedDs) {
   REQUIRE_GPU();
   Backends be;
+  gpu::CudaOptions recompute;
+  recompute.attention_recompute_dq = true;
+  auto cuda_recompute = cuda_backend(recompute);
   std::mt19937 rng(515);
-  struct Restore {
-    ~Restore() { gpu::set_attention_recompute_dq(false); }
-  } restore;
   int compared = 0;
   for (const AttentionShape sh : kAttentionShapes) {
     const int64_t B = sh.B, T = sh.T, NH = sh.NH, NKV = sh.NKV, HD = sh.HD;
@@ -987,13 +984,11 @@ TEST(LayersGpu, AttentionStoredDsEqualsRecomputedDs) {
         bk.attention_backward(dqkv, c.in(dout, B * T, C), c.in(qkv, B * T, W), c.in(f[0], B * T, C),
                               c.in(f[1], B * NH, T), sh, emu::GemmPrecision::BF16);
       };
-      gpu::set_attention_recompute_dq(false);
       ASSERT_GT(gpu::attention_ds_scratch_bytes(B, T, NH, HD), 0)
           << tag;  // the stored path is taken
       const Vec stored = run(*be.cuda, bwd)[0];
-      gpu::set_attention_recompute_dq(true);
-      ASSERT_EQ(gpu::attention_ds_scratch_bytes(B, T, NH, HD), 0) << tag;
-      const Vec recomputed = run(*be.cuda, bwd)[0];
+      ASSERT_EQ(gpu::attention_ds_scratch_bytes(B, T, NH, HD, true), 0) << tag;
+      const Vec recomputed = run(*cuda_recompute, bwd)[0];
       expect_bitwise(std::string("attention_backward stored dS vs recomputed") +
                          (round ? " round_bf16" : "") + tag,
                      recomputed, stored);
@@ -1311,6 +1306,9 @@ TEST(LayersGpu, BackwardPassesReadBf16Dout) {
 TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
   REQUIRE_GPU();
   auto cuda = make_backend("cuda");
+  gpu::CudaOptions uncached;
+  uncached.crossentropy_cached = false;
+  auto cuda_uncached = cuda_backend(uncached);
   std::mt19937 rng(818);
   for (const RowsCols s : {RowsCols{6, 50304}, RowsCols{5, 12288}, RowsCols{3, 60000},
                            RowsCols{37, 256}, RowsCols{3, 13}}) {
@@ -1323,13 +1321,7 @@ TEST(LayersGpu, CrossEntropyCachedEqualsUncached) {
         crossentropy_on(bk, c, c.in(logits, N, V, mode == 2), targets, mode == 0 ? ones : dlosses,
                         false);
       };
-      const Outputs cached = run(*cuda, op);
-      Outputs plain;
-      {
-        KnobGuard uncached([] { gpu::set_crossentropy_cached(false); },
-                           [] { gpu::set_crossentropy_cached(true); });
-        plain = run(*cuda, op);
-      }
+      const Outputs cached = run(*cuda, op), plain = run(*cuda_uncached, op);
       const std::string tag =
           " " + std::to_string(N) + "x" + std::to_string(V) + " mode " + std::to_string(mode);
       expect_bitwise("crossentropy losses cached vs not" + tag, plain[0], cached[0]);
@@ -1487,10 +1479,13 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
   backends.push_back(make_backend("emu"));
   if (have_gpu()) backends.push_back(make_backend("cuda"));
   std::mt19937 rng(515);
-  // the CUDA cross-entropy kernel's knob (the emulator has one path)
-  auto set_cached = [](const std::string& backend, bool on) {
-    if (backend == "cuda") gpu::set_crossentropy_cached(on);
-  };
+  // the CUDA cross-entropy kernel reading the row in every pass (the emulator has one path)
+  std::unique_ptr<Backend> cuda_uncached;
+  if (have_gpu()) {
+    gpu::CudaOptions uncached;
+    uncached.crossentropy_cached = false;
+    cuda_uncached = gpu::make_cuda_backend(uncached);
+  }
   for (auto& bk : backends) {
     for (int64_t V : {int64_t{300}, int64_t{5000}, int64_t{50304}}) {
       const int64_t N = V > 5000 ? 3 : 9;
@@ -1505,12 +1500,7 @@ TEST(LayersGpu, Bf16DoutOpsEqualTheirFp32Twins) {
       const Outputs f = run(*bk, fp32);
       for (bool cached :
            {true, false}) {  // (CUDA: the row in shared memory, or read in every pass)
-        Outputs h;
-        {
-          KnobGuard knob([&] { set_cached(bk->name(), cached); },
-                         [&] { set_cached(bk->name(), true); });
-          h = run(*bk, half);
-        }
+        const Outputs h = run(cached || bk->name() != "cuda" ? *bk : *cuda_uncached, half);
         const std::string tag =
             " V=" + std::to_string(V) + " " + bk->name() + (cached ? "" : " uncached");
         expect_bitwise("crossentropy bf16 losses" + tag, f[0], h[0]);
@@ -1688,25 +1678,27 @@ TEST(LayersGpu, GeluBackwardBitsEqualFp32OnEveryBf16) {
 // The ops on BF16 views (the model's BF16 bits storage) against the same ops on float32 views of
 // the same values (marked bf16_values where the op writes them rounded): bit for bit, on the
 // emulator (widening and narrowing at each op's edges) and the CUDA backend (kernels reading and
-// writing the bits; the epilogue knob off, so the GEMMs run the plans of FP32 outputs:
-// MatmulBf16EpilogueRoundsLikeAddBias covers the epilogue). A BF16 weight view (the model's weight
-// shadow, narrowed from the float32 weights by convert) gives the BF16 GEMMs the float32 weights'
-// bits.
+// writing the bits; CudaOptions::matmul_bf16_epilogue off, so the GEMMs run the plans of FP32
+// outputs: MatmulBf16EpilogueRoundsLikeAddBias covers the epilogue). A BF16 weight view (the
+// model's weight shadow, narrowed from the float32 weights by convert) gives the BF16 GEMMs the
+// float32 weights' bits.
 TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
   std::vector<std::unique_ptr<Backend>> backends;
   backends.push_back(make_backend("emu"));
-  if (have_gpu()) backends.push_back(make_backend("cuda"));
+  // (CUDA: also one whose cross-entropy kernel reads the logits in every pass)
+  std::unique_ptr<Backend> cuda_uncached;
+  if (have_gpu()) {
+    gpu::CudaOptions no_epilogue;
+    no_epilogue.matmul_bf16_epilogue = false;
+    backends.push_back(gpu::make_cuda_backend(no_epilogue));
+    gpu::CudaOptions uncached = no_epilogue;
+    uncached.crossentropy_cached = false;
+    cuda_uncached = gpu::make_cuda_backend(uncached);
+  }
   std::mt19937 rng(616);
   const auto bf16 = emu::GemmPrecision::BF16;
   for (auto& bk : backends) {
     const bool cuda = bk->name() == "cuda";
-    KnobGuard knob(
-        [&] {
-          if (cuda) gpu::set_matmul_bf16_epilogue(false);
-        },
-        [&] {
-          if (cuda) gpu::set_matmul_bf16_epilogue(true);
-        });
     // norms
     {
       const int64_t N = 37, C = 96;
@@ -2012,14 +2004,7 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
         crossentropy_on(k, c, c.in(logits, N, V, true), targets, dlosses, true);
       });
       for (bool cached : {true, false}) {
-        KnobGuard ce(
-            [&] {
-              if (cuda) gpu::set_crossentropy_cached(cached);
-            },
-            [&] {
-              if (cuda) gpu::set_crossentropy_cached(true);
-            });
-        const Outputs g = run(*bk, [&](Backend& k, Call& c) {
+        const Outputs g = run(cached || !cuda ? *bk : *cuda_uncached, [&](Backend& k, Call& c) {
           crossentropy_on(k, c, c.in(logits16, N, V), targets, dlosses, true);
         });
         const std::string tag =
@@ -2038,8 +2023,8 @@ TEST(LayersGpu, Bf16StorageOpsEqualTheirFp32Twins) {
   }
 }
 
-// cuBLASLt's BF16-output epilogue with the bias (matmul_forward to a BF16 view, knob on): the bits
-// of RNE(fl32(acc + bf16(bias))) computed here (the bias added as its BF16 rounding:
+// cuBLASLt's BF16-output epilogue with the bias (matmul_forward to a BF16 view, the default): the
+// bits of RNE(fl32(acc + bf16(bias))) computed here (the bias added as its BF16 rounding:
 // Backend::matmul_forward), where every accumulation order gives the same exact acc (small
 // integers): so the epilogue's addition and rounding are what is tested, ties included (bias values
 // that put acc + bias on an odd integer above 256, halfway between BF16 values). On the training
@@ -2066,18 +2051,19 @@ TEST(LayersGpu, MatmulBf16EpilogueRoundsLikeAddBias) {
                           : randn(1, rng)[0];
     const std::vector<uint16_t> x16 = bf16_bits_of(x);
     for (bool with_bias : {true, false}) {
-      const auto before = gpu::matmul_bf16_epilogue_count();
+      const auto before = cuda_counters(*be).matmul_bf16_epilogue;
       const Outputs g = run(*be, [&](Backend& k, Call& c) {
         k.matmul_forward(c.out16(N, OC), c.in(x16, N, K), c.in(w, OC, K),
                          with_bias ? c.in(b, OC, 1) : TensorView{}, emu::GemmPrecision::BF16);
       });
-      const auto after = gpu::matmul_bf16_epilogue_count();
+      const gpu::CudaCounters counted = cuda_counters(*be);
+      const auto after = counted.matmul_bf16_epilogue;
       std::printf("[layers-gpu] %lldx%lldx%lld%s: %s (last refusal: %s)\n",
                   static_cast<long long>(N), static_cast<long long>(K), static_cast<long long>(OC),
                   with_bias ? " bias" : "",
                   after > before ? "cuBLASLt wrote BF16 (epilogue)"
                                  : "separate passes (no epilogue algorithm listed)",
-                  gpu::last_matmul_epilogue_refusal().c_str());
+                  counted.last_matmul_epilogue_refusal.c_str());
       const int64_t step = N > 1024 ? 61 : 1;
       Vec ref, got;
       const Vec& all = g[0];

@@ -297,12 +297,9 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
   // both ways of the RHT copy, whichever is the default: the output kept by the amax pass, or
   // transformed twice: the same bits
   for (bool keep : {true, false}) {
-    QuantizeResult t;
-    {
-      KnobGuard knob([keep] { gpu::set_quantize_keep_rht(keep); },
-                     [] { gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault); });
-      t = quantize_to_host(*cuda, v, c);
-    }
+    gpu::CudaOptions opt;
+    opt.quantize_keep_rht = keep ? 1 : 0;
+    const QuantizeResult t = quantize_to_host(*cuda_backend(opt), v, c);
     const std::string how = keep ? ", RHT output kept" : ", RHT transformed twice";
     expect_same_quantized(a.rowwise, t.rowwise, "1024x2048 row-wise" + how);
     expect_same_quantized(a.columnwise, t.columnwise, "1024x2048 column-wise rht sr" + how);
@@ -314,13 +311,16 @@ TEST(QuantizeGpu, LargeTensorMatchesEmulator) {
 // The pipelined RHT amax pass (persistent CTAs, cp.async double buffering; the training step's
 // shapes: cols % 128 == 0, rows % 32 == 0) on a tensor with more 32 x 128 tiles than the grid has
 // CTAs, so CTAs take several tiles: FP32 and BF16 input, dense and strided rows, heavy-tailed
-// values with a NaN (finite amax), then with an Inf too, against the emulator and against the
-// one-tile-a-CTA passes. (13 column tiles: no multiple of 132, so the persistent grid's walk wraps
-// across tile rows.)
+// values with a NaN (finite amax), then with an Inf too, against the emulator, with the RHT output
+// kept and transformed twice. (13 column tiles: no multiple of 132, so the persistent grid's walk
+// wraps across tile rows.)
 TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
-  auto cuda = make_backend("cuda");
+  gpu::CudaOptions kept, twice;
+  kept.quantize_keep_rht = 1;
+  twice.quantize_keep_rht = 0;
+  auto cuda_kept = cuda_backend(kept), cuda_twice = cuda_backend(twice);
   const int64_t rows = 4096, cols = 1664, stride = 1792;
   const QuantizeConfig c = rowwise_rn_columnwise_rht_sr(77, 1, 2);
   int checked = 0;
@@ -338,24 +338,9 @@ TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
       for (int64_t st : {cols, stride}) {
         const TensorView v = strided_input(x, h, dt, rows, cols, st);
         const QuantizeResult e = quantize_to_host(*emu, v, c);
-        for (int run = 0; run < 6; ++run) {  // each amax pass, with the RHT output kept and without
-          const int variant = 2 - run % 3;
-          const bool keep = run < 3;
-          QuantizeResult g;
-          {
-            KnobGuard knob(
-                [&] {
-                  gpu::set_quantize_rht_amax_variant(variant);
-                  gpu::set_quantize_keep_rht(keep);
-                },
-                [] {
-                  gpu::set_quantize_rht_amax_variant(2);
-                  gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
-                });
-            g = quantize_to_host(*cuda, v, c);
-          }
+        for (bool keep : {true, false}) {  // the RHT output kept by the amax pass, and not
+          const QuantizeResult g = quantize_to_host(keep ? *cuda_kept : *cuda_twice, v, c);
           const std::string what = std::string(dtype_name(dt)) + " stride " + std::to_string(st) +
-                                   " amax variant " + std::to_string(variant) +
                                    (keep ? " kept" : " twice") +
                                    (with_inf ? " with Inf" : " finite");
           expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
@@ -369,15 +354,18 @@ TEST(QuantizeGpu, RhtAmaxPipelineMatchesEmulator) {
       }
     }
   }
-  EXPECT_EQ(checked, 48);
+  EXPECT_EQ(checked, 16);
 }
 
-// The benchmark knobs of the two passes (the tile pass launched early or after the amax pass; the
-// contiguous amax pass's loads in flight) give the default's bits: row + column RN (contiguous amax
-// pass) and row RN + column RHT + SR, FP32 and BF16 input, a shape with edge tiles.
-TEST(QuantizeGpu, PassLaunchKnobsGiveSameBits) {
+// The tile pass launched after the amax pass as an ordinary launch
+// (CudaOptions::quantize_early_launch off) gives the default's bits: row + column RN (contiguous
+// amax pass) and row RN + column RHT + SR, FP32 and BF16 input, a shape with edge tiles.
+TEST(QuantizeGpu, LateQuantizePassGivesSameBits) {
   REQUIRE_GPU();
   auto cuda = make_backend("cuda");
+  gpu::CudaOptions late;
+  late.quantize_early_launch = false;
+  auto cuda_late = cuda_backend(late);
   const int64_t rows = 320, cols = 416;
   const std::vector<float> x =
       test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * cols), 31);
@@ -393,31 +381,17 @@ TEST(QuantizeGpu, PassLaunchKnobsGiveSameBits) {
     for (DType dt : {DType::F32, DType::BF16}) {
       const TensorView v = strided_input(x, h, dt, rows, cols, cols);
       const QuantizeResult want = quantize_to_host(*cuda, v, *c);
-      for (int knob = 0; knob < 3; ++knob) {  // early launch off; one load in flight; both
-        QuantizeResult g;
-        {
-          KnobGuard guard(
-              [knob] {
-                gpu::set_quantize_early_launch(knob == 1);
-                gpu::set_quantize_amax_unroll(knob == 0 ? 4 : 1);
-              },
-              [] {
-                gpu::set_quantize_early_launch(true);
-                gpu::set_quantize_amax_unroll(4);
-              });
-          g = quantize_to_host(*cuda, v, *c);
-        }
-        const std::string what =
-            std::string(c == &rn ? "row + column RN " : "row RN + column RHT SR ") +
-            dtype_name(dt) + " knob setting " + std::to_string(knob);
-        expect_same_quantized(want.rowwise, g.rowwise, what + " row-wise");
-        expect_same_quantized(want.columnwise, g.columnwise, what + " column-wise");
-        if (HasFatalFailure()) return;
-        ++checked;
-      }
+      const QuantizeResult g = quantize_to_host(*cuda_late, v, *c);
+      const std::string what =
+          std::string(c == &rn ? "row + column RN " : "row RN + column RHT SR ") + dtype_name(dt) +
+          " late launch";
+      expect_same_quantized(want.rowwise, g.rowwise, what + " row-wise");
+      expect_same_quantized(want.columnwise, g.columnwise, what + " column-wise");
+      if (HasFatalFailure()) return;
+      ++checked;
     }
   }
-  EXPECT_EQ(checked, 12);
+  EXPECT_EQ(checked, 4);
 }
 
 // A linear layer's output gradient in the NVFP4 recipe (row-wise SR copy, column-wise RHT + SR
@@ -426,9 +400,9 @@ TEST(QuantizeGpu, PassLaunchKnobsGiveSameBits) {
 // then bias_backward, bit for bit: the copies and dbias (which starts non-zero), against the CUDA
 // backend's own two calls (NaN payloads are the GPU's there) and, for finite inputs, the
 // emulator's. Shapes: many tiles a CTA (GPU against GPU only), a few, three 64-row chunks; 96 rows
-// (not whole 64-row chunks) takes the composition's two calls (emu/fused.hpp), and 256 x 384 with
-// the 32-row RHT amax pass (variant 1, which takes no sums) takes the fused quantize call with
-// bias_backward's own pass.
+// (not whole 64-row chunks) takes the composition's two calls (emu/fused.hpp), and 256 x 400 (not
+// whole 128-column tiles: the 32-row RHT amax pass, which takes no sums) takes the fused quantize
+// call with bias_backward's own pass.
 TEST(QuantizeGpu, RhtAmaxPassColumnSumsEqualBiasBackward) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
@@ -438,18 +412,15 @@ TEST(QuantizeGpu, RhtAmaxPassColumnSumsEqualBiasBackward) {
   struct Shape {
     int64_t R, C;
     test::Fill fill;
-    int amax_variant;
     bool fused, against_emu;
   };
   int checked = 0;
-  for (const Shape& k : {Shape{16384, 3072, test::Fill::Gaussian, 2, true, false},
-                         Shape{4096, 1536, test::Fill::HeavyTailed, 2, true, true},
-                         Shape{256, 384, test::Fill::Gaussian, 2, true, true},
-                         Shape{192, 128, test::Fill::Specials, 2, true, false},
-                         Shape{96, 256, test::Fill::Gaussian, 2, false, true},
-                         Shape{256, 384, test::Fill::Gaussian, 1, false, true}}) {
-    KnobGuard knob([&] { gpu::set_quantize_rht_amax_variant(k.amax_variant); },
-                   [] { gpu::set_quantize_rht_amax_variant(2); });
+  for (const Shape& k : {Shape{16384, 3072, test::Fill::Gaussian, true, false},
+                         Shape{4096, 1536, test::Fill::HeavyTailed, true, true},
+                         Shape{256, 384, test::Fill::Gaussian, true, true},
+                         Shape{192, 128, test::Fill::Specials, true, false},
+                         Shape{96, 256, test::Fill::Gaussian, false, true},
+                         Shape{256, 400, test::Fill::Gaussian, false, true}}) {
     const std::vector<float> x = test::make_fill(k.fill, static_cast<size_t>(k.R * k.C), 55);
     std::vector<float> dbias0(static_cast<size_t>(k.C));
     for (size_t i = 0; i < dbias0.size(); ++i)
@@ -461,25 +432,27 @@ TEST(QuantizeGpu, RhtAmaxPassColumnSumsEqualBiasBackward) {
       return p;
     };
     const std::string what = std::string(test::fill_name(k.fill)) + " " + std::to_string(k.R) +
-                             "x" + std::to_string(k.C) + " amax variant " +
-                             std::to_string(k.amax_variant);
+                             "x" + std::to_string(k.C);
     SCOPED_TRACE(what);
-    const uint64_t before = gpu::fused_bias_backward_count();
+    const uint64_t before = cuda_counters(*cuda).fused_bias_backward;
     expect_fused_bias_grad_bitwise(*cuda, k.against_emu ? emu.get() : nullptr, x, k.R, k.C, qc,
                                    dbias0, blank, what);
-    EXPECT_EQ(gpu::fused_bias_backward_count(), before + (k.fused ? 1 : 0))
+    EXPECT_EQ(cuda_counters(*cuda).fused_bias_backward, before + (k.fused ? 1 : 0))
         << what << ": fused path taken?";
     ++checked;
   }
   EXPECT_EQ(checked, 6);
 }
 
-// The fast kernel's 64x256 tile (BF16 input) and strided inputs (row stride != cols), with RHT
-// kept between the passes and transformed twice: the emulator's bits.
-TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
+// Strided inputs (row stride != cols), with RHT kept between the passes and transformed twice: the
+// emulator's bits.
+TEST(QuantizeGpu, RhtPathsAndStridedInputMatchEmulator) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
-  auto cuda = make_backend("cuda");
+  gpu::CudaOptions kept, twice;
+  kept.quantize_keep_rht = 1;
+  twice.quantize_keep_rht = 0;
+  auto cuda_kept = cuda_backend(kept), cuda_twice = cuda_backend(twice);
   const int64_t rows = 112, cols = 400, stride = 416;  // 112: partial 32- and 64-row tiles
   const std::vector<float> x =
       test::make_fill(test::Fill::HeavyTailed, static_cast<size_t>(rows * stride), 7);
@@ -494,53 +467,34 @@ TEST(QuantizeGpu, TileVariantsAndStridedInputMatchEmulator) {
       for (int64_t st : {cols, stride, int64_t{402}}) {
         const TensorView v = strided_input(x, h, dt, rows, cols, st);
         const QuantizeResult e = quantize_to_host(*emu, v, cs.cfg);
-        for (int tile : {1, 2}) {
-          for (int path :
-               {0, 1, 2}) {  // RHT kept (amax pass by default, then on 64-row tiles), RHT twice
-            const bool keep = path < 2;
-            const int amax_variant = path == 1 ? 0 : 2;
-            QuantizeResult g;
-            {
-              KnobGuard knobs(
-                  [&] {
-                    gpu::set_quantize_tile_variant(tile);
-                    gpu::set_quantize_keep_rht(keep);
-                    gpu::set_quantize_rht_amax_variant(amax_variant);
-                  },
-                  [] {
-                    gpu::set_quantize_tile_variant(1);
-                    gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
-                    gpu::set_quantize_rht_amax_variant(2);
-                  });
-              g = quantize_to_host(*cuda, v, cs.cfg);
-            }
-            const std::string what = cs.name + " " + dtype_name(dt) + " stride " +
-                                     std::to_string(st) + " tile " + std::to_string(tile) +
-                                     (keep ? " rht kept" : " rht twice") + " amax variant " +
-                                     std::to_string(amax_variant);
-            if (cs.cfg.rowwise.enabled)
-              expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
-            if (cs.cfg.columnwise.enabled)
-              expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
-            if (HasFatalFailure()) return;
-            ++checked;
-          }
+        for (bool keep : {true, false}) {
+          const QuantizeResult g = quantize_to_host(keep ? *cuda_kept : *cuda_twice, v, cs.cfg);
+          const std::string what = cs.name + " " + dtype_name(dt) + " stride " +
+                                   std::to_string(st) + (keep ? " rht kept" : " rht twice");
+          if (cs.cfg.rowwise.enabled)
+            expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+          if (cs.cfg.columnwise.enabled)
+            expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
+          if (HasFatalFailure()) return;
+          ++checked;
         }
       }
     }
   }
-  std::printf("[quantize-gpu] %d tile/stride/RHT-path cases bitwise identical\n", checked);
+  std::printf("[quantize-gpu] %d stride/RHT-path cases bitwise identical\n", checked);
   EXPECT_GT(checked, 50);
 }
 
-// The 64x128 tile kernel's whole tiles write their column-wise codes through shared memory (tile
-// variant 1, the default, where R % 64 == 0) or each thread its own (variant 3): both the
-// emulator's bits, on a 192-row input (three whole row tiles) whose 400 columns end in a partial
-// tile, dense and strided, every NVFP4 config, the RHT column copy transformed in the tile kernel.
+// The 64x128 tile kernel's whole tiles write their column-wise codes through shared memory (where
+// R % 64 == 0): the emulator's bits, on a 192-row input (three whole row tiles) whose 400 columns
+// end in a partial tile, dense and strided, every NVFP4 config, the RHT column copy transformed in
+// the tile kernel.
 TEST(QuantizeGpu, StagedColumnStoresMatchEmulator) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
-  auto cuda = make_backend("cuda");
+  gpu::CudaOptions twice;  // (the tile kernel transforms the RHT column copy itself)
+  twice.quantize_keep_rht = 0;
+  auto cuda = cuda_backend(twice);
   const int64_t rows = 192, cols = 400, stride = 416;
   const std::vector<float> x =
       test::make_fill(test::Fill::Specials, static_cast<size_t>(rows * stride), 9);
@@ -553,39 +507,23 @@ TEST(QuantizeGpu, StagedColumnStoresMatchEmulator) {
       for (int64_t st : {cols, stride}) {
         const TensorView v = strided_input(x, h, dt, rows, cols, st);
         const QuantizeResult e = quantize_to_host(*emu, v, cs.cfg);
-        for (int tile : {1, 3}) {
-          QuantizeResult g;
-          {
-            KnobGuard knobs(
-                [&] {
-                  gpu::set_quantize_tile_variant(tile);
-                  gpu::set_quantize_keep_rht(false);
-                },
-                [] {
-                  gpu::set_quantize_tile_variant(1);
-                  gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
-                });
-            g = quantize_to_host(*cuda, v, cs.cfg);
-          }
-          const std::string what = cs.name + " " + dtype_name(dt) + " stride " +
-                                   std::to_string(st) + (tile == 1 ? " staged" : " direct");
-          if (cs.cfg.rowwise.enabled)
-            expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
-          expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
-          if (HasFatalFailure()) return;
-          ++checked;
-        }
+        const QuantizeResult g = quantize_to_host(*cuda, v, cs.cfg);
+        const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st);
+        if (cs.cfg.rowwise.enabled) expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+        expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
+        if (HasFatalFailure()) return;
+        ++checked;
       }
     }
   }
-  std::printf("[quantize-gpu] %d staged / direct column-store cases bitwise identical\n", checked);
-  EXPECT_GT(checked, 20);
+  std::printf("[quantize-gpu] %d staged column-store cases bitwise identical\n", checked);
+  EXPECT_GT(checked, 10);
 }
 
-// NVFP4 2D copies from both kernels (one 16x16 block per half-warp, and the general tile kernel),
-// FP32 and BF16 input, dense and strided rows, three fills: the emulator's codes, scales and amax
-// (the decoded operand of the default kernel: DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm).
-TEST(QuantizeGpu, TwoDKernelsMatchEmulator) {
+// NVFP4 2D copies from their kernel (one 16x16 block per half-warp), FP32 and BF16 input, dense and
+// strided rows, three fills: the emulator's codes, scales and amax (the decoded operand of the
+// default kernel: DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm).
+TEST(QuantizeGpu, TwoDKernelMatchesEmulator) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
@@ -601,40 +539,34 @@ TEST(QuantizeGpu, TwoDKernelsMatchEmulator) {
         for (int64_t st : {cols, stride}) {
           const TensorView v = strided_input(x, h, dt, rows, cols, st);
           const QuantizeResult e = quantize_to_host(*emu, v, cs.cfg);
-          for (int variant : {1, 0}) {
-            QuantizeResult g;
-            {
-              KnobGuard knob([&] { gpu::set_quantize_2d_variant(variant); },
-                             [] { gpu::set_quantize_2d_variant(1); });
-              g = quantize_to_host(*cuda, v, cs.cfg);
-            }
-            const std::string what = cs.name + " " + dtype_name(dt) + " stride " +
-                                     std::to_string(st) +
-                                     (variant == 1 ? " half-warp kernel" : " tile kernel");
-            if (cs.cfg.rowwise.enabled)
-              expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
-            if (cs.cfg.columnwise.enabled)
-              expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
-            if (HasFatalFailure()) return;
-            ++checked;
-          }
+          const QuantizeResult g = quantize_to_host(*cuda, v, cs.cfg);
+          const std::string what = cs.name + " " + dtype_name(dt) + " stride " + std::to_string(st);
+          if (cs.cfg.rowwise.enabled)
+            expect_same_quantized(e.rowwise, g.rowwise, what + " row-wise");
+          if (cs.cfg.columnwise.enabled)
+            expect_same_quantized(e.columnwise, g.columnwise, what + " column-wise");
+          if (HasFatalFailure()) return;
+          ++checked;
         }
       }
     }
   }
   std::printf("[quantize-gpu] %d 2D kernel cases bitwise identical\n", checked);
-  EXPECT_GE(checked, 4 * 3 * 2 * 2 * 2);
+  EXPECT_GE(checked, 4 * 3 * 2 * 2);
 }
 
 // QuantizedView::decoded_bf16: the BF16 operand the quantizer writes for the cuBLASLt GEMM on
 // Hopper equals e2m1(code) * block scale of the codes it wrote (every path: the common-case
-// kernel's tile variants with RHT transformed twice, the streaming kernel from the kept transform,
+// kernel with RHT transformed twice, the streaming kernel from the kept transform,
 // and the general kernel for 2D, Four Over Six and MXFP4), the codes are unchanged by asking for
 // it, and a GEMM reading it gives the same D bits as one that decodes the codes itself.
 TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
   REQUIRE_GPU();
   auto emu = make_backend("emu");
   auto cuda = make_backend("cuda");
+  gpu::CudaOptions twice;
+  twice.quantize_keep_rht = 0;
+  auto cuda_twice = cuda_backend(twice);
   EXPECT_FALSE(reads_decoded_operand(*cuda, GemmImpl::Exact));
   EXPECT_FALSE(reads_decoded_operand(*emu, GemmImpl::CublasLt));
   if (!reads_decoded_operand(*cuda, GemmImpl::CublasLt))
@@ -645,7 +577,7 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
     BackendBuffer decoded;
   };
   // (MXFP4 column-wise copies need rows % 32 == 0; the RHT amax pass's partial 32-row tiles are
-  // TileVariantsAndStridedInputMatchEmulator's, 112 rows)
+  // RhtPathsAndStridedInputMatchEmulator's, 112 rows)
   const std::pair<int64_t, int64_t> shapes[] = {{96, 160}, {64, 288}, {224, 416}};
   int checked = 0;
   for (const Case& cs : all_configs()) {
@@ -668,10 +600,10 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
           TensorView dv = hv;
           dv.data = xin.get();
           dv.device = Device::Cuda;
-          // 0: the streaming kernel where the RHT transform is kept (the tiled kernel otherwise);
-          // 1 and 2: the tiled kernel's 64x256 (BF16) and 64x128 tiles, transforming twice;
-          // 3: as 0 with the RHT amax pass on 64-row tiles (0 has the default pass)
-          for (int variant = 0; variant < 4; ++variant) {
+          // keep: the streaming kernel where the RHT transform is kept (the tiled kernel
+          // otherwise); else the tiled kernel, transforming twice (on cuda_twice)
+          for (bool keep : {true, false}) {
+            gpu::CudaBackend& qb = keep ? static_cast<gpu::CudaBackend&>(*cuda) : *cuda_twice;
             std::vector<std::unique_ptr<DevCopy>> out(2);
             for (int col = 0; col < 2; ++col) {
               const CopySpec& spec = col ? cs.cfg.columnwise : cs.cfg.rowwise;
@@ -683,26 +615,15 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
               out[col]->decoded = BackendBuffer(*cuda, static_cast<size_t>(rows * cols) * 2);
               out[col]->q.view.decoded_bf16 = out[col]->decoded.as<uint16_t>();
             }
-            {
-              KnobGuard knobs(
-                  [&] {
-                    gpu::set_quantize_tile_variant(variant == 1 ? 2 : 1);
-                    gpu::set_quantize_keep_rht(variant == 0 || variant == 3);
-                    gpu::set_quantize_rht_amax_variant(variant == 3 ? 0 : 2);
-                  },
-                  [] {
-                    gpu::set_quantize_tile_variant(1);
-                    gpu::set_quantize_keep_rht(gpu::kQuantizeKeepRhtDefault);
-                    gpu::set_quantize_rht_amax_variant(2);
-                  });
-              cuda->quantize(dv, cs.cfg, out[0] ? &out[0]->q.view : nullptr,
-                             out[1] ? &out[1]->q.view : nullptr);
-            }
+            cuda->synchronize();  // (cuda's buffers, written on its stream, read on qb's)
+            qb.quantize(dv, cs.cfg, out[0] ? &out[0]->q.view : nullptr,
+                        out[1] ? &out[1]->q.view : nullptr);
+            qb.synchronize();
             for (int col = 0; col < 2; ++col) {
               if (!out[col]) continue;
               const std::string what = cs.name + " " + dtype_name(dt) + " " + std::to_string(rows) +
-                                       "x" + std::to_string(cols) + " variant " +
-                                       std::to_string(variant) +
+                                       "x" + std::to_string(cols) +
+                                       (keep ? " rht kept" : " rht twice") +
                                        (col ? " column-wise" : " row-wise");
               QuantizedHost got;
               got.resize(out[col]->q.view.rows, out[col]->q.view.cols, cs.cfg.format,
@@ -741,7 +662,7 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
             // no decoded operand) is the reference; then the copy's own codes are overwritten with
             // junk, so a GEMM that reads its decoded operand (both, only A, only B) must still give
             // the reference bits, and one that read the junk codes would not (checked too)
-            if (out[0] && f == test::Fill::HeavyTailed && variant == 0) {
+            if (out[0] && f == test::Fill::HeavyTailed && keep) {
               GemmConfig g;
               g.impl = GemmImpl::CublasLt;
               const size_t nd = static_cast<size_t>(rows * rows);
@@ -765,12 +686,6 @@ TEST(QuantizeGpu, DecodedBf16EqualsDecodeOfCodesAndFeedsTheGemm) {
                 return bits;
               };
               const std::vector<uint32_t> want = run(plain, plain);
-              {  // the GEMM's other decode kernel (8 elements a thread): the same D
-                KnobGuard narrow([] { gpu::set_fp4_decode_variant(0); },
-                                 [] { gpu::set_fp4_decode_variant(1); });
-                ASSERT_EQ(run(plain, plain), want)
-                    << cs.name << ": D differs between the two decode kernels";
-              }
               const std::vector<uint8_t> garbage(codes.bytes(), 0x77);  // every code 7 (6.0)
               cuda->upload(dec.codes, garbage.data(), garbage.size());
               ASSERT_EQ(run(dec, dec), want) << cs.name << ": D differs with both operands decoded";

@@ -40,12 +40,15 @@ RunConfig tiny(const std::vector<std::string>& extra) {
   return load_config(src + "/configs/tiny.json", o);
 }
 
-TrainResult run(const RunConfig& c, const std::string& backend, const std::string& resume = "") {
+TrainResult run(const RunConfig& c, Backend& be, const std::string& resume = "") {
   TrainOptions opt;
   opt.print = false;
   opt.resume = resume;
+  return train(c, opt, be);
+}
+TrainResult run(const RunConfig& c, const std::string& backend, const std::string& resume = "") {
   auto be = make_backend(backend);
-  return train(c, opt, *be);
+  return run(c, *be, resume);
 }
 
 TEST(TrainGpu, TinyTenStepsMatchEmulator) {
@@ -207,9 +210,9 @@ TEST(TrainGpu, StatisticsDoNotChangeTraining) {
 }
 
 // GELU computed inside the pass that makes the next GEMM's operand trains tiny bit for bit like the
-// op and that pass run one after the other (set_activation_fusion(false)): in FP8 (cuBLASLt and
-// exact GEMMs) inside the quantizer (CudaBackend::quantize_activation: the forward activation into
-// c_proj's copies, its gradient into c_fc's output-gradient copies and bias gradient), in BF16
+// op and that pass run one after the other (CudaOptions::activation_fusion off): in FP8 (cuBLASLt
+// and exact GEMMs) inside the quantizer (CudaBackend::quantize_activation: the forward activation
+// into c_proj's copies, its gradient into c_fc's output-gradient copies and bias gradient), in BF16
 // inside the operand copy (matmul_forward_activation / matmul_backward_activation); and the fused
 // paths really ran (at least 3 steps x 2 layers x (forward + backward)).
 TEST(TrainGpu, FusedActivationsDoNotChangeTraining) {
@@ -229,22 +232,20 @@ TEST(TrainGpu, FusedActivationsDoNotChangeTraining) {
       v.push_back("train.out_dir=" + dir + "/" + tag + sub);
       return tiny(v);
     };
-    auto count = [&] {
-      return std::string(k.recipe) == "bf16" ? gpu::fused_activation_matmul_count()
-                                             : gpu::fused_activation_quantize_count();
+    auto count = [&](const gpu::CudaBackend& be) {
+      const gpu::CudaCounters n = be.counters();
+      return std::string(k.recipe) == "bf16" ? n.fused_activation_matmul
+                                             : n.fused_activation_quantize;
     };
-    const uint64_t before = count();
-    const TrainResult fused = run(with_dir("a"), "cuda");
-    const uint64_t after = count();
-    EXPECT_GE(after - before, 3u * 2u * 2u)
+    gpu::CudaBackend fused_be;
+    const TrainResult fused = run(with_dir("a"), fused_be);
+    EXPECT_GE(count(fused_be), 3u * 2u * 2u)
         << "fused calls: 3 steps x 2 layers x (forward + backward)";
-    TrainResult apart;
-    {
-      KnobGuard off([] { gpu::set_activation_fusion(false); },
-                    [] { gpu::set_activation_fusion(true); });
-      apart = run(with_dir("b"), "cuda");
-    }
-    EXPECT_EQ(count(), after) << "the knob must turn the fused paths off";
+    gpu::CudaOptions off;
+    off.activation_fusion = false;
+    gpu::CudaBackend apart_be(off);
+    const TrainResult apart = run(with_dir("b"), apart_be);
+    EXPECT_EQ(count(apart_be), 0u) << "activation_fusion = false must turn the fused paths off";
     ASSERT_EQ(fused.steps.size(), apart.steps.size());
     for (size_t i = 0; i < fused.steps.size(); ++i) {
       EXPECT_EQ(fused.steps[i].loss, apart.steps[i].loss) << "step " << i + 1;
@@ -255,7 +256,8 @@ TEST(TrainGpu, FusedActivationsDoNotChangeTraining) {
 }
 
 // The model's BF16 bits storage (Gpt::set_bf16_bits_storage: the linears' inputs, qkv and the
-// attention output kept as BF16 bits) on the CUDA backend: with the epilogue knob off (the GEMMs
+// attention output kept as BF16 bits) on the CUDA backend: with CudaOptions::matmul_bf16_epilogue
+// off (the GEMMs
 // run the FP32-output plans) the losses and every gradient of 2 steps equal the FP32 arrays' bit
 // for bit, for GPT-2's layer, a Llama-style one (RoPE: qkv stays FP32), NVFP4 (a BF16 block,
 // cuBLASLt or exact GEMMs) and FP8 (quantizers reading BF16 input); with it on (cuBLASLt writes
@@ -263,6 +265,9 @@ TEST(TrainGpu, FusedActivationsDoNotChangeTraining) {
 TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   auto be = make_backend("cuda");
+  gpu::CudaOptions no_epilogue;
+  no_epilogue.matmul_bf16_epilogue = false;
+  gpu::CudaBackend be_no_epilogue(no_epilogue);
   const std::vector<std::vector<std::string>> cases = {
       {"recipe.name=bf16"},
       {"recipe.name=bf16", "model.activation=swiglu", "model.norm=rmsnorm", "model.positions=rope",
@@ -278,24 +283,19 @@ TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
     all.insert(all.end(), ov.begin(), ov.end());
     const RunConfig c = tiny(all);
     const int64_t B = 4, T = c.model.seq_len;
-    auto steps = [&](bool bits) {
-      return model_steps(*be, c, B, T, [&](Gpt& m) { m.set_bf16_bits_storage(bits); });
+    auto steps = [&](Backend& on, bool bits) {
+      return model_steps(on, c, B, T, [&](Gpt& m) { m.set_bf16_bits_storage(bits); });
     };
-    const std::vector<float> plain = steps(false);
-    std::vector<float> bits;
-    const uint64_t shadow_before = gpu::weight_shadow_read_count();
-    {
-      KnobGuard knob([] { gpu::set_matmul_bf16_epilogue(false); },
-                     [] { gpu::set_matmul_bf16_epilogue(true); });
-      bits = steps(true);
-    }
+    const std::vector<float> plain = steps(*be, false);
+    const uint64_t shadow_before = be_no_epilogue.counters().weight_shadow_reads;
+    const std::vector<float> bits = steps(be_no_epilogue, true);
+    const uint64_t shadow_reads = be_no_epilogue.counters().weight_shadow_reads;
     // (the BF16 recipe's GEMMs read their weights as BF16 views into the parameters' BF16 shadow;
     // the others do not make one)
     if (ov[0] == "recipe.name=bf16") {
-      EXPECT_GT(gpu::weight_shadow_read_count(), shadow_before) << "no weight read from the shadow";
+      EXPECT_GT(shadow_reads, shadow_before) << "no weight read from the shadow";
     } else {
-      EXPECT_EQ(gpu::weight_shadow_read_count(), shadow_before)
-          << "a quantized recipe made a shadow";
+      EXPECT_EQ(shadow_reads, shadow_before) << "a quantized recipe made a shadow";
     }
     ASSERT_EQ(plain.size(), bits.size());
     size_t differ = 0;
@@ -304,7 +304,7 @@ TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
         "[train-gpu] %s: bits storage vs FP32 arrays (epilogue off): %zu of %zu values differ\n",
         tag.c_str(), differ, plain.size());
     EXPECT_EQ(differ, 0u);
-    const std::vector<float> epi = steps(true);
+    const std::vector<float> epi = steps(*be, true);
     const size_t step2 = plain.size() / 2;  // [loss, grads..., loss, grads...]
     std::printf("[train-gpu] %s: epilogue on: losses %.9g %.9g vs %.9g %.9g\n", tag.c_str(), epi[0],
                 epi[step2], plain[0], plain[step2]);
