@@ -767,7 +767,7 @@ void CudaBackend::matmul_backward_activation(const TensorView& dinp, const Tenso
 
 // The BF16 linear's backward pass with BF16 views: dy's BF16 operand (from GELU's backward pass
 // with the bias gradient's sums, or from dout with them, or converted), then the Dgrad into dinp,
-// or into BF16 bits as cuBLASLt's BF16 output (no bias: listed; the knob set_matmul_bf16_epilogue
+// or into BF16 bits as cuBLASLt's BF16 output (no bias: listed; CudaOptions::matmul_bf16_epilogue
 // off, or no algorithm: float32 then one narrowing pass), and the Wgrad from inp. src (instead of
 // dout): the fusable GELU backward pass.
 void CudaBackend::matmul_backward_bits(const TensorView& dinp, const TensorView& dweight,

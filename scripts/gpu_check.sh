@@ -27,9 +27,9 @@
 #             of light, warp stalls, instruction mix, occupancy, and the per-SASS-instruction execution
 #             and stall counts (ncu --page source), plus the SASS of every gpu/ object (cuobjdump);
 #             KPROF_BENCH (a bench_quantize filter) profiles that benchmark's launches instead
-#   gemm      build + the exact-GEMM bitwise test (every kernel variant against the default) + the
-#             8192^3 exact-GEMM benchmark of every tiled variant (~2 minutes with the build;
-#             GEMM_FILTER narrows the benchmark, GEMM_NCU="6 7" profiles those variants with ncu)
+#   gemm      build + the exact-GEMM bitwise tests (against the emulator) + the 2048^3 and 8192^3
+#             exact-GEMM benchmarks (~2 minutes with the build; GEMM_FILTER narrows the benchmark,
+#             GEMM_NCU=1 profiles one 8192^3 launch of the tiled kernel with ncu)
 # Carry .deps (xtensor/xtl headers) and, for the corpus-based agreement tests, data (token files).
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
@@ -72,18 +72,18 @@ if [ "${1:-}" = "gemm" ]; then
   rc=$?
   grep -E "tests passed|bitwise identical|differs|Failed|FAILED" "$out/ctest_gemm.log" | head -20
   row "ctest -R GemmGpu" "exit $rc, $(grep -E 'tests passed' "$out/ctest_gemm.log" | tail -1)"
-  build-gpu/bench_gemm --benchmark_filter="${GEMM_FILTER:-GpuGemmExact/8192}" >"$out/bench_gemm_exact.txt" 2>&1
+  build-gpu/bench_gemm --benchmark_filter="${GEMM_FILTER:-GpuGemmExact/}" >"$out/bench_gemm_exact.txt" 2>&1
   while read -r line; do row "$(echo "$line" | awk '{print $1}')" "$(echo "$line" | grep -oE 'TFLOPs=[^ ]+')"; done \
     < <(grep -E "median" "$out/bench_gemm_exact.txt")
-  # the tiled kernels' SASS (instruction counts per variant, read on the development machine) and,
-  # with GEMM_NCU="6 7", one profiled launch per listed variant: issue, pipes and stall reasons
-  cuobjdump -sass build-gpu/CMakeFiles/fp4sim_gpu.dir/gpu/gemm.cu.o >"$out/gemm.sass" 2>&1
-  for v in ${GEMM_NCU:-}; do
+  # the tiled kernel's SASS (instruction counts, read on the development machine) and, with
+  # GEMM_NCU=1, one profiled launch: issue, pipes and stall reasons
+  cuobjdump -sass build-gpu/CMakeFiles/fp4sim_gpu.dir/gpu/gemm_exact.cu.o >"$out/gemm.sass" 2>&1
+  if [ -n "${GEMM_NCU:-}" ]; then
     ncu --launch-count 1 --kernel-name regex:gemm_exact_tiled --section SchedulerStats --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats --section Occupancy \
-      build-gpu/bench_gemm --benchmark_filter="GpuGemmExact/8192/$v/" >"$out/ncu_gemm_$v.txt" 2>&1
-    row "ncu variant $v" "$(grep -E 'Issue Slots Busy|Executed Ipc Active' "$out/ncu_gemm_$v.txt" | awk '{print $NF}' | tr '\n' ' ')"
-  done
+      build-gpu/bench_gemm --benchmark_filter="GpuGemmExact/8192" >"$out/ncu_gemm.txt" 2>&1
+    row "ncu gemm_exact_tiled" "$(grep -E 'Issue Slots Busy|Executed Ipc Active' "$out/ncu_gemm.txt" | awk '{print $NF}' | tr '\n' ' ')"
+  fi
 fi
 
 if [ "${1:-}" = "picks" ]; then
