@@ -1,6 +1,6 @@
 // The device's formulations of the E2M1 and E4M3 conversions of emu/formats.hpp: one rounding
-// addition onto the E2M1 grid ("magic numbers"), eight codes packed by byte permutes, and the sm_89+
-// conversion instructions for E4M3. Each computes the emu/ function it names, bit for bit:
+// addition onto the E2M1 grid ("magic numbers"), eight codes packed by byte permutes, and the
+// sm_89+ conversion instructions for E4M3. Each computes the emu/ function it names, bit for bit:
 // tests/emu/test_formats_exhaustive.cpp runs the magic-number formulations (host and device alike)
 // against emu/ on the host over all 2^32 inputs, tests/gpu/test_formats_gpu.cu every function here
 // against emu/ on the device over its whole input space. DeviceFormats gathers them for the block
@@ -20,8 +20,9 @@ namespace fp4sim::gpu {
 // which has the code's parity; RZ: down), the sum's low bits count the steps q, and the code is q
 // plus the region's first code 0, 2 or 4 (= (bits(M) >> 22) - 298). M's bits are max(|c|'s
 // exponent bits + 22, 2^22's), one VIADDMNMX on sm_90. The decoded magnitude q * step comes out of
-// the same sum. tests/emu/test_formats_exhaustive.cpp holds both roundings equal to emu/'s e2m1_rn_satfinite and
-// e2m1_rs_satfinite over all 2^32 inputs on the host, tests/gpu/test_formats_gpu.cu on the device.
+// the same sum. tests/emu/test_formats_exhaustive.cpp holds both roundings equal to emu/'s
+// e2m1_rn_satfinite and e2m1_rs_satfinite over all 2^32 inputs on the host,
+// tests/gpu/test_formats_gpu.cu on the device.
 
 // y clamped to [-6, 6], a NaN to +6 (min/max ignore a NaN operand): the satfinite of both
 // roundings.
@@ -82,8 +83,8 @@ FP4SIM_HD uint32_t e2m1_rn_magic(float y, float* mag) {
   return e2m1_magic_code(c, mb, steps);
 }
 
-// The quantizer's RN formulation for packing many codes (gpu/quantize_common.cuh): the magic number also
-// carries the region's first code. M' = M plus 0, 2 or 4 of its ULPs (an even count: the sum's
+// The quantizer's RN formulation for packing many codes (gpu/quantize_common.cuh): the magic number
+// also carries the region's first code. M' = M plus 0, 2 or 4 of its ULPs (an even count: the sum's
 // parity, which ties to even, is the step count's), so the sum's low three bits are the magnitude
 // code itself and bits 3..22 are zero: e2m1_rn_satfinite(y) & 7 == bits(|y|' + M') & 7, with |y|'
 // = fminf(|y|, 6) (a NaN -> 6). bits(M') = max(e + (e >> 22) + K, bits(2^22)) from |y|''s exponent

@@ -265,7 +265,7 @@ bool cublaslt_picks_measured_here(int cc_major, size_t lt_version) {
 namespace {
 
 // Where the heuristic's first block-scaled FP8 algorithm is measurably not its best (H200,
-// cuBLASLt 13.1, `scripts/gpu_session.sh picks`: bench_gemm's BM_GpuGemmFp8 at every index of the
+// cuBLASLt 13.1, `scripts/gpu_check.sh picks`: bench_gemm's BM_GpuGemmFp8 at every index of the
 // heuristic's list, docs/performance.md), the index the FP8 plan takes instead:
 // - 1 where K is at least 4 max(M, N) and the output has at least 2^21 elements (gpt2-124m's MLP
 //   Wgrads, 3072 x 768 and 768 x 3072 over K = 16384 tokens: a 192x64 split-K kernel first, 145 /

@@ -1,11 +1,12 @@
-// The CUDA twins of the training-stack ops (gpu/layers.cu) against the emulator (emu/layers.cpp,
-// emu/optim.hpp): the same seeded random inputs through both backends, outputs that accumulate
-// starting from non-zero values, outputs that overwrite starting from NaN (every element must be
-// written). Bitwise where the CUDA op claims it; elsewhere |cuda - emu| <= rtol * mag per element,
-// mag the sum of the absolute values of the terms that make up the element (computed here in
-// double), with the worst element and the share of the budget it used printed. BF16 storage is
-// checked against the float32 op on the same values: a view marked bf16_values or a BF16 view gives
-// the bits of the float32 op followed by rounding. Skips without a GPU.
+// The CUDA twins of the training-stack ops (gpu/norm.cu, matmul.cu, ...) against the emulator
+// (emu/norm.cpp, matmul.cpp, ..., emu/optim.hpp): the same seeded random inputs through both
+// backends, outputs that accumulate starting from non-zero values, outputs that overwrite starting
+// from NaN (every element must be written). Bitwise where the CUDA op claims it; elsewhere |cuda -
+// emu| <= rtol * mag per element, mag the sum of the absolute values of the terms that make up the
+// element (computed here in double), with the worst element and the share of the budget it used
+// printed. BF16 storage is checked against the float32 op on the same values: a view marked
+// bf16_values or a BF16 view gives the bits of the float32 op followed by rounding. Skips without a
+// GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -502,7 +503,7 @@ TEST(LayersGpu, MatmulMatchesEmulator) {
 }
 
 #if FP4SIM_HAVE_CUDA
-// The training matmuls' algorithm rule (gpu/layers.cu matmul_preferred_algo) on the twelve
+// The training matmuls' algorithm rule (gpu/matmul.cu matmul_preferred_algo) on the twelve
 // gpt2-124m Linear GEMMs (batch 16 x 1024 tokens) as matmul_forward / matmul_backward call
 // lt_matmul: (transa, transb, m, n, k) = Fprop (T, N, OC, tokens, K), Dgrad (N, N, K, tokens, OC),
 // Wgrad (N, T, K, OC, tokens). No GPU needed.
@@ -1602,7 +1603,7 @@ std::pair<std::vector<uint16_t>, Vec> every_bf16(const std::function<bool(uint16
 }
 
 // GELU into a BF16 linear with BF16 input and output bits takes the lookup table of GELU's bits
-// (gpu/layers.cu: gelu_forward_bf16_lut_kernel): on every finite BF16 input, the activation and the
+// (gpu/matmul.cu: gelu_forward_bf16_lut_kernel): on every finite BF16 input, the activation and the
 // matmul's output equal the computing path's (FP32 input and activation) bit for bit.
 TEST(LayersGpu, GeluLookupEqualsComputedOnEveryBf16) {
   REQUIRE_GPU();
@@ -2246,7 +2247,7 @@ TEST(LayersGpu, SumSquaresMatchesEmulator) {
   EXPECT_GT(g, 0.0);
 }
 
-// The CUDA sum of squares' documented tree (gpu/layers.cu), on the host: 1024 blocks x 256 threads,
+// The CUDA sum of squares' documented tree (gpu/optim.cu), on the host: 1024 blocks x 256 threads,
 // each thread adding its grid-strided squares in increasing index; per block a butterfly within
 // each warp (lane l adds lane l ^ off, off = 16 .. 1), then the same over the 8 warp sums padded
 // with +0; then one block over the 1024 partials (thread t: t, t + 256, ...) the same way.
