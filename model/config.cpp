@@ -23,7 +23,49 @@ struct Field {
   std::function<Json(const RunConfig&)> get;
 };
 
+// The enums' names, in declaration order (the first is the default's index 0 only by accident).
+template <class E>
+struct EnumNames;
+template <>
+struct EnumNames<Activation> {
+  static constexpr const char* names[] = {"gelu_tanh", "squared_relu", "swiglu"};
+};
+template <>
+struct EnumNames<NormKind> {
+  static constexpr const char* names[] = {"layernorm", "rmsnorm"};
+};
+template <>
+struct EnumNames<Positions> {
+  static constexpr const char* names[] = {"learned", "rope"};
+};
+template <>
+struct EnumNames<ActivationStorage> {
+  static constexpr const char* names[] = {"bf16", "fp32"};
+};
+
+[[noreturn]] void bad(const std::string& m);
+
+// key's value (a JSON string) as an enum E: the error names the key and lists the names.
+template <class E>
+E parse_enum(const char* key, const Json& v) {
+  const std::string s = v.get<std::string>();  // (a non-string: Json's type error, "wrong type")
+  std::string list;
+  for (size_t i = 0; i < std::size(EnumNames<E>::names); ++i) {
+    if (s == EnumNames<E>::names[i]) return static_cast<E>(i);
+    list += std::string(i ? ", " : "") + EnumNames<E>::names[i];
+  }
+  bad(std::string(key) + " '" + s + "' is not one of: " + list);
+}
+
 // clang-format off
+#define FP4SIM_ENUM_FIELD(part, name)                                                 \
+  Field {                                                                             \
+    #part "." #name,                                                                  \
+        [](RunConfig& c, const Json& v) {                                             \
+          c.part.name = parse_enum<decltype(c.part.name)>(#part "." #name, v);        \
+        },                                                                            \
+        [](const RunConfig& c) { return Json(name_of(c.part.name)); }                 \
+  }
 #define FP4SIM_FIELD(part, name)                                                      \
   Field {                                                                             \
     #part "." #name,                                                                  \
@@ -40,13 +82,13 @@ const std::vector<Field>& fields() {
                                        FP4SIM_FIELD(model, n_heads),
                                        FP4SIM_FIELD(model, n_kv_heads),
                                        FP4SIM_FIELD(model, d_ff),
-                                       FP4SIM_FIELD(model, activation),
-                                       FP4SIM_FIELD(model, norm),
-                                       FP4SIM_FIELD(model, positions),
+                                       FP4SIM_ENUM_FIELD(model, activation),
+                                       FP4SIM_ENUM_FIELD(model, norm),
+                                       FP4SIM_ENUM_FIELD(model, positions),
                                        FP4SIM_FIELD(model, max_positions),
                                        FP4SIM_FIELD(model, tied_embeddings),
                                        FP4SIM_FIELD(model, bias),
-                                       FP4SIM_FIELD(model, activation_dtype),
+                                       FP4SIM_ENUM_FIELD(model, activation_dtype),
                                        FP4SIM_FIELD(train, batch),
                                        FP4SIM_FIELD(train, grad_accum),
                                        FP4SIM_FIELD(train, steps),
@@ -86,6 +128,7 @@ const std::vector<Field>& fields() {
 }
 
 #undef FP4SIM_FIELD
+#undef FP4SIM_ENUM_FIELD
 
 const Field* find_field(const std::string& key) {
   for (const Field& f : fields())
@@ -366,17 +409,13 @@ void validate(const RunConfig& c) {
   if (m.n_heads % m.n_kv_heads != 0)
     bad("model.n_heads " + std::to_string(m.n_heads) + " is not divisible by model.n_kv_heads " +
         std::to_string(m.n_kv_heads));
-  if (m.positions == "rope" && (m.d_model / m.n_heads) % 2 != 0)
+  if (m.positions == Positions::Rope && (m.d_model / m.n_heads) % 2 != 0)
     bad("rope needs an even head dimension, got " + std::to_string(m.d_model / m.n_heads));
-  if (m.positions == "learned" && m.seq_len > m.max_positions)
+  if (m.positions == Positions::Learned && m.seq_len > m.max_positions)
     bad("model.seq_len " + std::to_string(m.seq_len) +
         " is longer than the learned positions table "
         "(model.max_positions " +
         std::to_string(m.max_positions) + ")");
-  one_of("model.activation", m.activation, {"gelu_tanh", "squared_relu", "swiglu"});
-  one_of("model.norm", m.norm, {"layernorm", "rmsnorm"});
-  one_of("model.positions", m.positions, {"learned", "rope"});
-  one_of("model.activation_dtype", m.activation_dtype, {"bf16", "fp32"});
   one_of("train.schedule", t.schedule, {"cosine", "wsd"});
   auto num = [](double v) {  // as the user wrote it: 3e-4, 0.1, 10
     std::ostringstream o;
@@ -437,22 +476,30 @@ std::vector<bool> high_precision_blocks(const RunConfig& c) {
 int64_t parameter_count(const ModelConfig& m) {
   const int64_t hd = m.d_model / m.n_heads;
   const int64_t attn = m.d_model * (m.d_model + 2 * m.n_kv_heads * hd) + m.d_model * m.d_model;
-  const int64_t ffn = (m.activation == "swiglu" ? 3 : 2) * m.d_model * m.d_ff;
-  const int64_t norms = (m.norm == "layernorm" ? 2 : 1) * m.d_model * 2;
-  const int64_t biases = m.bias ? (m.d_model + 2 * m.n_kv_heads * hd) + m.d_model +
-                                      (m.activation == "swiglu" ? 2 : 1) * m.d_ff + m.d_model
-                                : 0;
+  const int64_t ffn = (m.activation == Activation::SwiGLU ? 3 : 2) * m.d_model * m.d_ff;
+  const int64_t norms = (m.norm == NormKind::LayerNorm ? 2 : 1) * m.d_model * 2;
+  const int64_t biases = m.bias
+                             ? (m.d_model + 2 * m.n_kv_heads * hd) + m.d_model +
+                                   (m.activation == Activation::SwiGLU ? 2 : 1) * m.d_ff + m.d_model
+                             : 0;
   const int64_t per_layer = attn + ffn + norms + biases;
   const int64_t emb = m.vocab * m.d_model * (m.tied_embeddings ? 1 : 2);
-  const int64_t pos = m.positions == "learned" ? m.max_positions * m.d_model : 0;
-  return m.n_layers * per_layer + emb + pos + (m.norm == "layernorm" ? 2 : 1) * m.d_model;
+  const int64_t pos = m.positions == Positions::Learned ? m.max_positions * m.d_model : 0;
+  return m.n_layers * per_layer + emb + pos + (m.norm == NormKind::LayerNorm ? 2 : 1) * m.d_model;
 }
 
 double training_flops_per_token(const ModelConfig& m) {
   const double pos =
-      m.positions == "learned" ? static_cast<double>(m.max_positions * m.d_model) : 0.0;
+      m.positions == Positions::Learned ? static_cast<double>(m.max_positions * m.d_model) : 0.0;
   const double n = static_cast<double>(parameter_count(m)) - pos;
   return 6.0 * n + 12.0 * static_cast<double>(m.n_layers * m.seq_len * m.d_model);
+}
+
+const char* name_of(Activation a) { return EnumNames<Activation>::names[static_cast<int>(a)]; }
+const char* name_of(NormKind n) { return EnumNames<NormKind>::names[static_cast<int>(n)]; }
+const char* name_of(Positions p) { return EnumNames<Positions>::names[static_cast<int>(p)]; }
+const char* name_of(ActivationStorage s) {
+  return EnumNames<ActivationStorage>::names[static_cast<int>(s)];
 }
 
 }  // namespace fp4sim::model

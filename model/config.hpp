@@ -9,7 +9,17 @@
 #include <string>
 #include <vector>
 
+#include "emu/backend.hpp"
+
 namespace fp4sim::model {
+
+// The model's choices, enums from parse time on (the names are those of the config files).
+enum class Positions : uint8_t { Learned, Rope };
+enum class ActivationStorage : uint8_t { BF16, FP32 };
+const char* name_of(Activation a);         // gelu_tanh | squared_relu | swiglu
+const char* name_of(NormKind n);           // layernorm | rmsnorm
+const char* name_of(Positions p);          // learned | rope
+const char* name_of(ActivationStorage s);  // bf16 | fp32
 
 struct ModelConfig {
   int64_t vocab = 256;
@@ -19,16 +29,17 @@ struct ModelConfig {
   int64_t n_heads = 4;
   int64_t n_kv_heads = 4;  // GQA when < n_heads
   int64_t d_ff = 512;
-  std::string activation = "gelu_tanh";  // gelu_tanh | squared_relu | swiglu
-  std::string norm = "layernorm";        // layernorm | rmsnorm
-  std::string positions = "learned";     // learned | rope
-  int64_t max_positions = 256;           // learned positions table size
+  Activation activation =
+      Activation::GeluTanh;                  // model.activation: gelu_tanh | squared_relu | swiglu
+  NormKind norm = NormKind::LayerNorm;       // model.norm: layernorm | rmsnorm
+  Positions positions = Positions::Learned;  // model.positions: learned | rope
+  int64_t max_positions = 256;               // learned positions table size
   bool tied_embeddings = true;
   bool bias = true;  // biases in the linear layers (GPT-2 has them)
   // Storage of activations and their gradients between ops (DESIGN.md §9: BF16, compute in FP32):
   // bf16 rounds every stored activation and activation gradient to BF16 (RNE); fp32 keeps them
   // FP32 (for gradient checks and comparisons with FP32 references).
-  std::string activation_dtype = "bf16";
+  ActivationStorage activation_dtype = ActivationStorage::BF16;
 };
 
 struct TrainConfig {

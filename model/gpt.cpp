@@ -58,16 +58,16 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
         std::to_string(C) + " / " + std::to_string(cfg.n_heads) + ") is not one the " + be_.name() +
         " backend's attention takes (16, 32, 64 or 128)");
   add("wte", {cfg.vocab, C});
-  if (cfg.positions == "learned") add("wpe", {cfg.max_positions, C});
+  if (cfg.positions == Positions::Learned) add("wpe", {cfg.max_positions, C});
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
     add(lname(l, "ln_1.weight"), {C});
-    if (cfg.norm == "layernorm") add(lname(l, "ln_1.bias"), {C});
+    if (cfg.norm == NormKind::LayerNorm) add(lname(l, "ln_1.bias"), {C});
     add(lname(l, "attn.c_attn.weight"), {QKV, C});
     if (cfg.bias) add(lname(l, "attn.c_attn.bias"), {QKV});
     add(lname(l, "attn.c_proj.weight"), {C, C});
     if (cfg.bias) add(lname(l, "attn.c_proj.bias"), {C});
     add(lname(l, "ln_2.weight"), {C});
-    if (cfg.norm == "layernorm") add(lname(l, "ln_2.bias"), {C});
+    if (cfg.norm == NormKind::LayerNorm) add(lname(l, "ln_2.bias"), {C});
     // SwiGLU: c_fc produces [gate | up], 2 * d_ff rows
     add(lname(l, "mlp.c_fc.weight"), {fc_width(), C});
     if (cfg.bias) add(lname(l, "mlp.c_fc.bias"), {fc_width()});
@@ -75,7 +75,7 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
     if (cfg.bias) add(lname(l, "mlp.c_proj.bias"), {C});
   }
   add("ln_f.weight", {C});
-  if (cfg.norm == "layernorm") add("ln_f.bias", {C});
+  if (cfg.norm == NormKind::LayerNorm) add("ln_f.bias", {C});
   if (!cfg.tied_embeddings) add("lm_head.weight", {cfg.vocab, C});
   n_params_ = tensors_.back().offset + static_cast<size_t>(tensors_.back().numel());
   params_ = BackendBuffer(be_, n_params_ * 4);
@@ -190,7 +190,7 @@ bool Gpt::stores_bits(int64_t l, int linear) const {
   // (statistics read a quantized linear's float32 input; GELU's output stays float32 where a
   // quantizer takes it from the op: Backend::quantize_activation)
   return bits_on() && (all_bf16 || !stats_active_) &&
-         (linear != 3 || (all_bf16 && cfg_.activation == "gelu_tanh"));
+         (linear != 3 || (all_bf16 && cfg_.activation == Activation::GeluTanh));
 }
 
 void Gpt::plan_storage() {
@@ -202,7 +202,8 @@ void Gpt::plan_storage() {
     a.in16[1] = stores_bits(l, l0 + 1);
     a.proj16 = bits_on();
     if (blocks_[b].kind == BlockKind::Attention)
-      a.mid16 = bits_on() && cfg_.positions != "rope";  // (RoPE rotates qkv in place in float32)
+      a.mid16 =
+          bits_on() && cfg_.positions != Positions::Rope;  // (RoPE rotates qkv in place in float32)
     else  // (c_fc's output as bits: both MLP linears all BF16 with GELU, whose passes read bits)
       a.mid16 = a.in16[1] && !linear_recipe(l, 2).any_quantized();
   }
@@ -306,8 +307,8 @@ void Gpt::linear_bwd(int64_t l, int linear, size_t b, const TensorView& dinp,
 
 TensorView Gpt::dgrad_view(int64_t l, int i, int64_t width) {
   auto all_bf16 = [&](int k) { return !linear_recipe(l, k).any_quantized(); };
-  const bool bits =
-      bits_on() && all_bf16(i) && (i != 3 || (cfg_.activation == "gelu_tanh" && all_bf16(2)));
+  const bool bits = bits_on() && all_bf16(i) &&
+                    (i != 3 || (cfg_.activation == Activation::GeluTanh && all_bf16(2)));
   static constexpr const char* kNames[4] = {"ln_1 output gradient", "attention output gradient",
                                             "ln_2 output gradient", "mlp activation gradient"};
   BackendBuffer& f = i == 0 ? dln1_ : i == 1 ? datty_ : i == 2 ? dln2_ : dact_;
@@ -418,7 +419,7 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   const TensorView emb = stream_in(0);
   be_.embedding_forward(as_stored(emb), tokens_view(),
                         i32_view(be_, pos_.as<int32_t>(), N, 1, "pos"), param("wte"),
-                        c.positions == "learned" ? param("wpe") : TensorView{});
+                        c.positions == Positions::Learned ? param("wpe") : TensorView{});
   if (round_bf16()) be_.convert(emb, as_stored(emb));
   for (size_t b = 0; b < blocks_.size(); ++b) {
     // (block b's norm: made by the residual add of the block before, residual_after)
@@ -455,7 +456,7 @@ void Gpt::attention_block_forward(size_t b, const TensorView& in, bool norm_done
   BlockActs& a = acts_[b];
   const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model;
   const AttentionShape s = attention_shape();
-  const bool rope = cfg_.positions == "rope", ln = norm_kind() == NormKind::LayerNorm;
+  const bool rope = cfg_.positions == Positions::Rope, ln = norm_kind() == NormKind::LayerNorm;
   const TensorView ln1 = linear_input(b, 0);
   if (!norm_done)
     be_.norm_forward(norm_kind(), ln1, ln ? f32(a.mean, N, 1, "ln_1 mean") : TensorView{},
@@ -496,15 +497,13 @@ void Gpt::mlp_block_forward(size_t b, const TensorView& in, bool norm_done) {
   const TensorView act = linear_input(b, 1);
   ActivationSource gelu;
   const ActivationSource* pending = nullptr;
-  if (cfg_.activation == "gelu_tanh") {
+  if (cfg_.activation == Activation::GeluTanh) {
     gelu.op = ActivationOp::GeluForward;
     gelu.inp = as_stored(fc);
     gelu.out = act;
     pending = &gelu;
   } else {
-    be_.activation_forward(
-        cfg_.activation == "squared_relu" ? Activation::SquaredRelu : Activation::SwiGLU, act,
-        as_stored(fc));
+    be_.activation_forward(cfg_.activation, act, as_stored(fc));
   }
   if (a.proj16) a.proj = BackendBuffer();
   const TensorView proj = act_view(a.proj16 ? proj16_ : a.proj, N, C, a.proj16, "mlp.c_proj out");
@@ -586,9 +585,9 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     else
       mlp_block_backward(b, stream_in(b));
   }
-  be_.embedding_backward(grad("wte"), c.positions == "learned" ? grad("wpe") : TensorView{},
-                         as_stored(dx_view()), tokens_view(),
-                         i32_view(be_, pos_.as<int32_t>(), N, 1, "pos"));
+  be_.embedding_backward(
+      grad("wte"), c.positions == Positions::Learned ? grad("wpe") : TensorView{},
+      as_stored(dx_view()), tokens_view(), i32_view(be_, pos_.as<int32_t>(), N, 1, "pos"));
   collect_stats_ = stats_active_ = false;
 }
 
@@ -620,16 +619,14 @@ void Gpt::mlp_block_backward(size_t b, const TensorView& in) {
   // (GELU's gradient: a pending output gradient of c_fc, as in the forward pass)
   ActivationSource dgelu;
   const ActivationSource* pending = nullptr;
-  if (cfg_.activation == "gelu_tanh") {
+  if (cfg_.activation == Activation::GeluTanh) {
     dgelu.op = ActivationOp::GeluBackward;
     dgelu.inp = fc;
     dgelu.dout = read_rounded(dact, rb);
     dgelu.out = dfc;
     pending = &dgelu;
   } else {
-    be_.activation_backward(
-        cfg_.activation == "squared_relu" ? Activation::SquaredRelu : Activation::SwiGLU, dfc, fc,
-        read_rounded(dact, rb));
+    be_.activation_backward(cfg_.activation, dfc, fc, read_rounded(dact, rb));
   }
   const TensorView dln2 = dgrad_view(l, 2, C);
   linear_bwd(l, 2, b, dln2, as_stored(dfc), pending);
@@ -645,7 +642,7 @@ void Gpt::attention_block_backward(size_t b, const TensorView& in) {
   const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model;
   const AttentionShape s = attention_shape();
   const bool rb = round_bf16(), ln = norm_kind() == NormKind::LayerNorm;
-  const bool rope = cfg_.positions == "rope";
+  const bool rope = cfg_.positions == Positions::Rope;
   const bool bits = a.in16[1] || a.mid16;
   const TensorView datty =
       bits ? dgrad_view(l, 1, C) : f32(datty_, N, C, "attention output gradient");

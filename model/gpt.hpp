@@ -182,15 +182,15 @@ class Gpt {
   void add(const std::string& name, std::vector<int64_t> shape);
   std::string lname(int64_t l, const char* what) const;
   void allocate_activations(int64_t B, int64_t T);
-  int64_t fc_width() const { return cfg_.activation == "swiglu" ? 2 * cfg_.d_ff : cfg_.d_ff; }
-  NormKind norm_kind() const {
-    return cfg_.norm == "layernorm" ? NormKind::LayerNorm : NormKind::RMSNorm;
+  int64_t fc_width() const {
+    return cfg_.activation == Activation::SwiGLU ? 2 * cfg_.d_ff : cfg_.d_ff;
   }
+  NormKind norm_kind() const { return cfg_.norm; }
   AttentionShape attention_shape() const;
 
   // The storage of activations and activation gradients: rounded to BF16 unless
   // model.activation_dtype = fp32 (DESIGN.md §9).
-  bool round_bf16() const { return cfg_.activation_dtype == "bf16"; }
+  bool round_bf16() const { return cfg_.activation_dtype == ActivationStorage::BF16; }
   // x = x + mixer(norm(x)) for block b: in = the residual stream before it. The block's norm
   // output is made here unless norm_done (the block before fused it into its residual add).
   void attention_block_forward(size_t b, const TensorView& in, bool norm_done);

@@ -12,7 +12,7 @@
 namespace fp4sim::model {
 namespace {
 
-ModelConfig micro(const char* positions, const char* norm, const char* act, bool tied, int64_t kv) {
+ModelConfig micro(Positions positions, NormKind norm, Activation act, bool tied, int64_t kv) {
   ModelConfig m;
   m.vocab = 16;
   m.seq_len = 8;
@@ -26,20 +26,23 @@ ModelConfig micro(const char* positions, const char* norm, const char* act, bool
   m.norm = norm;
   m.activation = act;
   m.tied_embeddings = tied;
-  m.activation_dtype =
-      "fp32";  // finite differences need FP32 activations; BF16 storage is tested below
+  // finite differences need FP32 activations; BF16 storage is tested below
+  m.activation_dtype = ActivationStorage::FP32;
   return m;
 }
 
 TEST(Gpt, GradientsMatchFiniteDifferences) {
   struct Variant {
-    const char *pos, *norm, *act;
+    Positions pos;
+    NormKind norm;
+    Activation act;
     bool tied;
     int64_t kv;
   };
-  for (const Variant& v : {Variant{"learned", "layernorm", "gelu_tanh", true, 4},
-                           Variant{"rope", "rmsnorm", "squared_relu", false, 2},
-                           Variant{"rope", "rmsnorm", "swiglu", true, 1}}) {
+  for (const Variant& v :
+       {Variant{Positions::Learned, NormKind::LayerNorm, Activation::GeluTanh, true, 4},
+        Variant{Positions::Rope, NormKind::RMSNorm, Activation::SquaredRelu, false, 2},
+        Variant{Positions::Rope, NormKind::RMSNorm, Activation::SwiGLU, true, 1}}) {
     auto be = make_cpu_backend();
     Gpt model(micro(v.pos, v.norm, v.act, v.tied, v.kv), *be);
     model.set_gemm_precision(emu::GemmPrecision::FP32);
@@ -70,20 +73,20 @@ TEST(Gpt, GradientsMatchFiniteDifferences) {
         const double an = grad[t.offset + static_cast<size_t>(i)];
         const double err = std::fabs(fd - an) / std::max(1e-2, std::fabs(fd) + std::fabs(an));
         if (err > worst) worst = err;
-        EXPECT_LT(err, 0.05) << v.pos << "/" << v.norm << " " << t.name << "[" << i << "]: fd "
-                             << fd << " analytic " << an;
+        EXPECT_LT(err, 0.05) << name_of(v.pos) << "/" << name_of(v.norm) << " " << t.name << "["
+                             << i << "]: fd " << fd << " analytic " << an;
         ++checked;
       }
     }
     EXPECT_GT(checked, 100);
-    std::printf("[gpt-grad] %s %s %s: %d parameters checked, worst relative error %.2e\n", v.pos,
-                v.norm, v.act, checked, worst);
+    std::printf("[gpt-grad] %s %s %s: %d parameters checked, worst relative error %.2e\n",
+                name_of(v.pos), name_of(v.norm), name_of(v.act), checked, worst);
   }
 }
 
 TEST(Gpt, ShortTrainingRunLowersTheLoss) {
-  ModelConfig m = micro("learned", "layernorm", "gelu_tanh", true, 4);
-  m.activation_dtype = "bf16";  // the default storage (DESIGN.md §9)
+  ModelConfig m = micro(Positions::Learned, NormKind::LayerNorm, Activation::GeluTanh, true, 4);
+  m.activation_dtype = ActivationStorage::BF16;  // the default storage (DESIGN.md §9)
   auto be = make_cpu_backend();
   Gpt model(m, *be);
   model.init(3);
@@ -125,14 +128,14 @@ void pattern_batch(int64_t n, int a, int c, std::vector<int32_t>& tok, std::vect
 // BF16 storage of activations: every stored activation is a BF16 value, the loss stays close to
 // the FP32-storage loss, and differs from it (the rounding is really applied).
 TEST(Gpt, Bf16ActivationStorage) {
-  ModelConfig m = micro("rope", "rmsnorm", "swiglu", false, 2);
+  ModelConfig m = micro(Positions::Rope, NormKind::RMSNorm, Activation::SwiGLU, false, 2);
   auto be = make_cpu_backend();
   const int64_t B = 2, T = 8;
   std::vector<int32_t> tok, tgt;
   pattern_batch(B * T, 7, 1, tok, tgt);
   Gpt f32(m, *be);
   f32.init(5);
-  m.activation_dtype = "bf16";
+  m.activation_dtype = ActivationStorage::BF16;
   Gpt b16(m, *be);
   b16.init(5);
   const float l32 = f32.forward(tok.data(), tgt.data(), B, T),
@@ -213,8 +216,8 @@ TEST(Gpt, CpuBackwardPassesBf16DoutAndWrite) {
 // backward for 3 micro-batches forms again after a forward made for 1: the same gradients, bit for
 // bit.
 TEST(Gpt, LossGradientFromForwardEqualsTheOneBackwardForms) {
-  ModelConfig m = micro("learned", "layernorm", "gelu_tanh", true, 2);
-  m.activation_dtype = "bf16";
+  ModelConfig m = micro(Positions::Learned, NormKind::LayerNorm, Activation::GeluTanh, true, 2);
+  m.activation_dtype = ActivationStorage::BF16;
   auto be = make_cpu_backend();
   const int64_t B = 2, T = 8;
   std::vector<int32_t> tok, tgt;
