@@ -318,10 +318,43 @@ TensorView Gpt::dgrad_view(int64_t l, int i, int64_t width) {
 
 TensorView Gpt::stream_in(size_t b) {
   const int64_t N = B_ * T_, C = cfg_.d_model;
-  TensorView v = b == 0 ? f32(emb_, N, C, "embeddings output")
-                        : f32(acts_[b - 1].res, N, C, "residual stream");
-  v.bf16_values = round_bf16();
+  return b == 0 ? f32(emb_, N, C, "embeddings output")
+                : f32(acts_[b - 1].res, N, C, "residual stream");
+}
+
+Gpt::NormViews Gpt::norm_views(const std::string& pre, BackendBuffer& mean, BackendBuffer& rstd) {
+  const int64_t N = B_ * T_;
+  const bool ln = norm_kind() == NormKind::LayerNorm;
+  NormViews v;
+  v.weight = param(pre + ".weight");
+  v.dweight = grad(pre + ".weight");
+  if (ln) {
+    v.bias = param(pre + ".bias");
+    v.dbias = grad(pre + ".bias");
+    v.mean = f32(mean, N, 1, "norm mean");
+  }
+  v.rstd = f32(rstd, N, 1, "norm rstd");
   return v;
+}
+
+Gpt::NormViews Gpt::block_norm(size_t b) {
+  const char* which = blocks_[b].kind == BlockKind::Attention ? "ln_1" : "ln_2";
+  return norm_views(lname(blocks_[b].layer, which), acts_[b].mean, acts_[b].rstd);
+}
+
+void Gpt::norm_forward(const NormViews& n, const TensorView& out, const TensorView& in) {
+  be_.norm_forward(norm_kind(), out, n.mean, n.rstd, in, n.weight, n.bias);
+}
+
+void Gpt::norm_backward(const NormViews& n, const TensorView& dout, const TensorView& in) {
+  be_.norm_backward(norm_kind(), dx_view(), n.dweight, n.dbias, dout, in, n.weight, n.mean, n.rstd);
+}
+
+TensorView Gpt::proj_view(size_t b) {
+  BlockActs& a = acts_[b];
+  // (kept as BF16 bits in one scratch shared by every block, or in the block's float32 array)
+  if (a.proj16) a.proj = BackendBuffer();
+  return act_view(a.proj16 ? proj16_ : a.proj, B_ * T_, cfg_.d_model, a.proj16, "c_proj out");
 }
 
 void Gpt::init(uint64_t seed) {
@@ -417,10 +450,14 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   be_.upload(batch_.get(), host_batch_.data(), host_batch_.size() * 4);
   plan_storage();
   const TensorView emb = stream_in(0);
-  be_.embedding_forward(as_stored(emb), tokens_view(),
-                        i32_view(be_, pos_.as<int32_t>(), N, 1, "pos"), param("wte"),
+  be_.embedding_forward(emb, tokens_view(), i32_view(be_, pos_.as<int32_t>(), N, 1, "pos"),
+                        param("wte"),
                         c.positions == Positions::Learned ? param("wpe") : TensorView{});
-  if (round_bf16()) be_.convert(emb, as_stored(emb));
+  if (round_bf16()) {
+    TensorView rounded = emb;
+    rounded.bf16_values = true;
+    be_.convert(rounded, emb);
+  }
   for (size_t b = 0; b < blocks_.size(); ++b) {
     // (block b's norm: made by the residual add of the block before, residual_after)
     if (blocks_[b].kind == BlockKind::Attention)
@@ -428,13 +465,9 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     else
       mlp_block_forward(b, stream_in(b), b > 0);
   }
-  const TensorView x = stream_in(blocks_.size());
-  const bool ln = norm_kind() == NormKind::LayerNorm;
   TensorView lnf = f32(lnf_, N, C, "ln_f output");
   lnf.bf16_values = round_bf16();
-  be_.norm_forward(norm_kind(), lnf, ln ? f32(lnf_mean_, N, 1, "ln_f mean") : TensorView{},
-                   f32(lnf_rstd_, N, 1, "ln_f rstd"), as_stored(x), param("ln_f.weight"),
-                   ln ? param("ln_f.bias") : TensorView{});
+  norm_forward(norm_views("ln_f", lnf_mean_, lnf_rstd_), lnf, stream_in(blocks_.size()));
   // the logits stay unrounded in memory: their BF16 storage is applied where they are read (the
   // cross-entropy op, logits_row_to_host), which saves a rounding pass over N x V (or kept as BF16
   // bits, the GEMM writing them: no bias, so cuBLASLt's BF16 output serves)
@@ -454,14 +487,11 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
 
 void Gpt::attention_block_forward(size_t b, const TensorView& in, bool norm_done) {
   BlockActs& a = acts_[b];
-  const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model;
+  const int64_t l = blocks_[b].layer, N = B_ * T_;
   const AttentionShape s = attention_shape();
-  const bool rope = cfg_.positions == Positions::Rope, ln = norm_kind() == NormKind::LayerNorm;
+  const bool rope = cfg_.positions == Positions::Rope;
   const TensorView ln1 = linear_input(b, 0);
-  if (!norm_done)
-    be_.norm_forward(norm_kind(), ln1, ln ? f32(a.mean, N, 1, "ln_1 mean") : TensorView{},
-                     f32(a.rstd, N, 1, "ln_1 rstd"), as_stored(in), param(lname(l, "ln_1.weight")),
-                     ln ? param(lname(l, "ln_1.bias")) : TensorView{});
+  if (!norm_done) norm_forward(block_norm(b), ln1, in);
   // RoPE rotates the GEMM's output: then the rounding comes after it (so c_attn's output, and the
   // bias it adds, stay float32 until then: Backend::matmul_forward's bias rule)
   TensorView qkv = act_view(a.qkv, N, s.qkv_cols(), a.mid16, "qkv");
@@ -473,23 +503,16 @@ void Gpt::attention_block_forward(size_t b, const TensorView& in, bool norm_done
   }
   const TensorView atty = linear_input(b, 1);
   be_.attention_forward(atty, f32(a.lse, s.B * s.NH, s.T, "lse"), as_stored(qkv), s, prec_);
-  // the c_proj output: read once, by the residual add (kept as BF16 bits in one scratch shared by
-  // every block, or in the block's float32 array)
-  if (a.proj16) a.proj = BackendBuffer();
-  const TensorView proj = act_view(a.proj16 ? proj16_ : a.proj, N, C, a.proj16, "attn.c_proj out");
-  linear_fwd(l, 1, b, proj, as_stored(atty));
+  // the c_proj output: read once, by the residual add
+  linear_fwd(l, 1, b, proj_view(b), as_stored(atty));
   residual_after(b, in);
 }
 
 void Gpt::mlp_block_forward(size_t b, const TensorView& in, bool norm_done) {
   BlockActs& a = acts_[b];
-  const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model;
-  const bool ln = norm_kind() == NormKind::LayerNorm;
+  const int64_t l = blocks_[b].layer, N = B_ * T_;
   const TensorView ln2 = linear_input(b, 0);
-  if (!norm_done)
-    be_.norm_forward(norm_kind(), ln2, ln ? f32(a.mean, N, 1, "ln_2 mean") : TensorView{},
-                     f32(a.rstd, N, 1, "ln_2 rstd"), as_stored(in), param(lname(l, "ln_2.weight")),
-                     ln ? param(lname(l, "ln_2.bias")) : TensorView{});
+  if (!norm_done) norm_forward(block_norm(b), ln2, in);
   const TensorView fc = act_view(a.fc, N, fc_width(), a.mid16, "mlp.c_fc out");
   linear_fwd(l, 2, b, fc, as_stored(ln2));
   // GELU's output goes to c_proj as a pending activation (linear_forward: computed in the pass
@@ -505,33 +528,23 @@ void Gpt::mlp_block_forward(size_t b, const TensorView& in, bool norm_done) {
   } else {
     be_.activation_forward(cfg_.activation, act, as_stored(fc));
   }
-  if (a.proj16) a.proj = BackendBuffer();
-  const TensorView proj = act_view(a.proj16 ? proj16_ : a.proj, N, C, a.proj16, "mlp.c_proj out");
-  linear_fwd(l, 3, b, proj, as_stored(act), pending);
+  linear_fwd(l, 3, b, proj_view(b), as_stored(act), pending);
   residual_after(b, in);
 }
 
 void Gpt::residual_after(size_t b, const TensorView& in) {
-  BlockActs& a = acts_[b];
-  const int64_t N = B_ * T_, C = cfg_.d_model;
-  TensorView res = f32(a.res, N, C, "residual stream");
+  TensorView res = stream_in(b + 1);
   res.bf16_values = round_bf16();
-  const TensorView proj =
-      as_stored(act_view(a.proj16 ? proj16_ : a.proj, N, C, a.proj16, "c_proj out"));
+  const TensorView proj = as_stored(proj_view(b));
   if (b + 1 == blocks_.size()) {
-    be_.residual_forward(res, as_stored(in), proj);
+    be_.residual_forward(res, in, proj);
     return;
   }
   // the next block's norm reads this sum next: one fused op (its composition where the backend
   // does not fuse the case: the same bits)
-  BlockActs& n = acts_[b + 1];
-  const int64_t l = blocks_[b + 1].layer;
-  const std::string pre = lname(l, blocks_[b + 1].kind == BlockKind::Attention ? "ln_1" : "ln_2");
-  const bool ln = norm_kind() == NormKind::LayerNorm;
-  be_.residual_norm_forward(norm_kind(), res, linear_input(b + 1, 0),
-                            ln ? f32(n.mean, N, 1, "norm mean") : TensorView{},
-                            f32(n.rstd, N, 1, "norm rstd"), as_stored(in), proj,
-                            param(pre + ".weight"), ln ? param(pre + ".bias") : TensorView{});
+  const NormViews n = block_norm(b + 1);
+  be_.residual_norm_forward(norm_kind(), res, linear_input(b + 1, 0), n.mean, n.rstd, in, proj,
+                            n.weight, n.bias);
 }
 
 void Gpt::loss_gradient(int64_t micro_batches) {
@@ -570,13 +583,9 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   be_.matmul_backward(dlnf, grad(head), TensorView{},
                       as_stored(act_view(dlogits_, N, V, round_bf16(), "dlogits")),
                       f32(lnf_, N, C, "ln_f output"), head_w, prec_);
-  const bool ln = norm_kind() == NormKind::LayerNorm;
   TensorView dlnf_read = dlnf;
   dlnf_read.bf16_values = round_bf16();
-  be_.norm_backward(
-      norm_kind(), dx_view(), grad("ln_f.weight"), ln ? grad("ln_f.bias") : TensorView{}, dlnf_read,
-      as_stored(stream_in(blocks_.size())), param("ln_f.weight"),
-      ln ? f32(lnf_mean_, N, 1, "ln_f mean") : TensorView{}, f32(lnf_rstd_, N, 1, "ln_f rstd"));
+  norm_backward(norm_views("ln_f", lnf_mean_, lnf_rstd_), dlnf_read, stream_in(blocks_.size()));
   // dx holds d(residual stream) at the top; walk the blocks down. The norms' backward passes
   // accumulate into dx, which is how the residual branches add up.
   for (size_t b = blocks_.size(); b-- > 0;) {
@@ -609,7 +618,7 @@ TensorView read_rounded(TensorView v, bool round_bf16) {
 void Gpt::mlp_block_backward(size_t b, const TensorView& in) {
   BlockActs& a = acts_[b];
   const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model, F = cfg_.d_ff;
-  const bool rb = round_bf16(), ln = norm_kind() == NormKind::LayerNorm;
+  const bool rb = round_bf16();
   // (dact_, dln2_: written by linear_bwd; dfc_ by the activation's backward pass: no zeroing)
   const TensorView dact = dgrad_view(l, 3, F);
   linear_bwd(l, 3, b, dact, as_stored(dx_view()));
@@ -630,18 +639,14 @@ void Gpt::mlp_block_backward(size_t b, const TensorView& in) {
   }
   const TensorView dln2 = dgrad_view(l, 2, C);
   linear_bwd(l, 2, b, dln2, as_stored(dfc), pending);
-  be_.norm_backward(norm_kind(), dx_view(), grad(lname(l, "ln_2.weight")),
-                    ln ? grad(lname(l, "ln_2.bias")) : TensorView{}, read_rounded(dln2, rb),
-                    as_stored(in), param(lname(l, "ln_2.weight")),
-                    ln ? f32(a.mean, N, 1, "ln_2 mean") : TensorView{},
-                    f32(a.rstd, N, 1, "ln_2 rstd"));
+  norm_backward(block_norm(b), read_rounded(dln2, rb), in);
 }
 
 void Gpt::attention_block_backward(size_t b, const TensorView& in) {
   BlockActs& a = acts_[b];
   const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model;
   const AttentionShape s = attention_shape();
-  const bool rb = round_bf16(), ln = norm_kind() == NormKind::LayerNorm;
+  const bool rb = round_bf16();
   const bool rope = cfg_.positions == Positions::Rope;
   const bool bits = a.in16[1] || a.mid16;
   const TensorView datty =
@@ -667,11 +672,7 @@ void Gpt::attention_block_backward(size_t b, const TensorView& in) {
   }
   const TensorView dln1 = dgrad_view(l, 0, C);
   linear_bwd(l, 0, b, dln1, as_stored(dqkv));
-  be_.norm_backward(norm_kind(), dx_view(), grad(lname(l, "ln_1.weight")),
-                    ln ? grad(lname(l, "ln_1.bias")) : TensorView{}, read_rounded(dln1, rb),
-                    as_stored(in), param(lname(l, "ln_1.weight")),
-                    ln ? f32(a.mean, N, 1, "ln_1 mean") : TensorView{},
-                    f32(a.rstd, N, 1, "ln_1 rstd"));
+  norm_backward(block_norm(b), read_rounded(dln1, rb), in);
 }
 
 size_t Gpt::saved_activation_bytes() const {

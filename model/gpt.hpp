@@ -208,8 +208,23 @@ class Gpt {
   // GEMMs are BF16 with BF16 storage (linear 3 also needs c_fc all BF16 with GELU, whose fused
   // backward pass reads it), else float32 unrounded (its BF16 storage applied where it is read).
   TensorView dgrad_view(int64_t l, int i, int64_t width);
-  // The residual stream entering block b (the embeddings' output for block 0).
+  // The residual stream entering block b (the embeddings' output for block 0; b = the block count:
+  // the last block's output), as stored.
   TensorView stream_in(size_t b);
+  // One norm's views: its parameters and gradients by name prefix ("h.3.ln_1", "ln_f"), its saved
+  // mean (LayerNorm only: absent for RMSNorm, as the bias) and rstd; block b's own norm.
+  struct NormViews {
+    TensorView weight, bias, dweight, dbias, mean, rstd;
+  };
+  NormViews norm_views(const std::string& pre, BackendBuffer& mean, BackendBuffer& rstd);
+  NormViews block_norm(size_t b);
+  // out = the norm of `in`; dx (dx_view) += its input gradient from dout, the parameter gradients
+  // accumulated.
+  void norm_forward(const NormViews& n, const TensorView& out, const TensorView& in);
+  void norm_backward(const NormViews& n, const TensorView& dout, const TensorView& in);
+  // Block b's c_proj output as its writer's view (BF16 bits in the shared scratch, or the block's
+  // float32 array), read once by the residual add.
+  TensorView proj_view(size_t b);
   // The residual stream's gradient (float32; bf16_values under BF16 storage: rounded where
   // written).
   TensorView dx_view();
