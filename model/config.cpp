@@ -79,6 +79,7 @@ const std::vector<Field>& fields() {
                                        FP4SIM_FIELD(model, seq_len),
                                        FP4SIM_FIELD(model, d_model),
                                        FP4SIM_FIELD(model, n_layers),
+                                       FP4SIM_FIELD(model, pattern),
                                        FP4SIM_FIELD(model, n_heads),
                                        FP4SIM_FIELD(model, n_kv_heads),
                                        FP4SIM_FIELD(model, d_ff),
@@ -279,10 +280,12 @@ void validate_recipe(const RunConfig& c) {
             std::to_string(blk) + ", the " + (any_fp8 ? "FP8" : (any_mx ? "MXFP4" : "NVFP4")) +
             " block the quantized GEMMs need");
   }
+  // h.<layer>.<linear>.<gemm> (the presets' layout), blocks.<block>.<linear>.<gemm> (a pattern,
+  // the linear one of the block's mixer)
+  const std::string unit = m.pattern.empty() ? "h" : "blocks";
   for (const auto& [k, v] : r.override_gemms) {
-    // h.<layer>.<linear>.<gemm>
     const auto a = k.find('.'), b = k.find('.', a + 1), z = k.rfind('.');
-    bool ok = k.rfind("h.", 0) == 0 && b != std::string::npos && z > b;
+    bool ok = k.rfind(unit + ".", 0) == 0 && b != std::string::npos && z > b;
     int64_t l = -1;
     if (ok) {
       try {
@@ -297,12 +300,18 @@ void validate_recipe(const RunConfig& c) {
           lin == "mlp.c_proj") &&
          (g == "fprop" || g == "dgrad" || g == "wgrad");
     if (!ok)
-      bad("recipe.override." + k +
-          ": expected recipe.override.h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|"
-          "mlp.c_proj>.<fprop|dgrad|wgrad>");
+      bad("recipe.override." + k + ": expected recipe.override." + unit + ".<" +
+          (m.pattern.empty() ? "layer" : "block") +
+          ">.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>.<fprop|dgrad|wgrad>");
     if (l < 0 || l >= L)
       bad("recipe.override." + k + ": block " + std::to_string(l) + " is outside 0.." +
           std::to_string(L - 1));
+    if (!m.pattern.empty()) {
+      const bool attn = lin.rfind("attn.", 0) == 0;
+      if (attn != (m.pattern[static_cast<size_t>(l)] == '*'))
+        bad("recipe.override." + k + ": block " + std::to_string(l) + " of model.pattern is " +
+            (attn ? "an MLP ('-')" : "attention ('*')") + ", which has no " + lin);
+    }
     one_of("recipe.override." + k, v, {"bf16", "nvfp4", "mxfp4", "fp8"});
   }
 }
@@ -360,6 +369,17 @@ RunConfig config_from_json(const Json& j, const std::vector<std::string>& overri
     set_key(c, key, v, "override '" + o + "'");
     set_keys.push_back(key);
   }
+  // an explicit model.pattern sets the block count; a model.n_layers given with it must agree
+  if (!c.model.pattern.empty()) {
+    const int64_t blocks = static_cast<int64_t>(c.model.pattern.size());
+    if (std::find(set_keys.begin(), set_keys.end(), "model.n_layers") != set_keys.end() &&
+        c.model.n_layers != blocks)
+      bad("model.n_layers " + std::to_string(c.model.n_layers) + " differs from the " +
+          std::to_string(blocks) + " blocks of model.pattern '" + c.model.pattern +
+          "' (with a pattern, model.n_layers counts its blocks: leave it out or set it to " +
+          std::to_string(blocks) + ")");
+    c.model.n_layers = blocks;
+  }
   // recipe.weight_2d defaults to the NVFP4 recipe's true; MXFP4 has no 2D blocks, so there the
   // default is false (an explicit true stays an error)
   if (c.recipe.name == "mxfp4" &&
@@ -395,6 +415,20 @@ void validate(const RunConfig& c) {
   positive("model.n_heads", m.n_heads);
   positive("model.n_kv_heads", m.n_kv_heads);
   positive("model.d_ff", m.d_ff);
+  if (!m.pattern.empty()) {
+    for (size_t i = 0; i < m.pattern.size(); ++i) {
+      const char ch = m.pattern[i];
+      if (ch == 'M')
+        bad("model.pattern '" + m.pattern + "': block " + std::to_string(i) +
+            " is a Mamba-2 block ('M'), which fp4sim does not implement yet");
+      if (ch != '*' && ch != '-')
+        bad("model.pattern '" + m.pattern + "': character '" + std::string(1, ch) + "' at " +
+            std::to_string(i) + " is not a block ('*' attention, '-' MLP)");
+    }
+    if (m.n_layers != static_cast<int64_t>(m.pattern.size()))
+      bad("model.n_layers " + std::to_string(m.n_layers) + " differs from the " +
+          std::to_string(m.pattern.size()) + " blocks of model.pattern '" + m.pattern + "'");
+  }
   positive("train.batch", t.batch);
   if (t.grad_accum < 1 || t.grad_accum > 256)
     bad("train.grad_accum must be within 1..256 (the SR stream has 8 bits for the micro-batch), "
@@ -473,26 +507,38 @@ std::vector<bool> high_precision_blocks(const RunConfig& c) {
   return hp;
 }
 
+std::string block_pattern(const ModelConfig& m) {
+  if (!m.pattern.empty()) return m.pattern;
+  std::string p;
+  for (int64_t l = 0; l < m.n_layers; ++l) p += "*-";
+  return p;
+}
+
+std::string unit_prefix(const ModelConfig& m, int64_t unit) {
+  return (m.pattern.empty() ? "h." : "blocks.") + std::to_string(unit);
+}
+
 int64_t parameter_count(const ModelConfig& m) {
-  const int64_t hd = m.d_model / m.n_heads;
-  const int64_t attn = m.d_model * (m.d_model + 2 * m.n_kv_heads * hd) + m.d_model * m.d_model;
-  const int64_t ffn = (m.activation == Activation::SwiGLU ? 3 : 2) * m.d_model * m.d_ff;
-  const int64_t norms = (m.norm == NormKind::LayerNorm ? 2 : 1) * m.d_model * 2;
-  const int64_t biases = m.bias
-                             ? (m.d_model + 2 * m.n_kv_heads * hd) + m.d_model +
-                                   (m.activation == Activation::SwiGLU ? 2 : 1) * m.d_ff + m.d_model
-                             : 0;
-  const int64_t per_layer = attn + ffn + norms + biases;
+  const int64_t hd = m.d_model / m.n_heads, qkv = m.d_model + 2 * m.n_kv_heads * hd;
+  const int64_t swiglu = m.activation == Activation::SwiGLU ? 1 : 0;
+  const int64_t norm = (m.norm == NormKind::LayerNorm ? 2 : 1) * m.d_model;  // weight (+ bias)
+  const int64_t attn = m.d_model * qkv + m.d_model * m.d_model + (m.bias ? qkv + m.d_model : 0);
+  const int64_t mlp =
+      (2 + swiglu) * m.d_model * m.d_ff + (m.bias ? (1 + swiglu) * m.d_ff + m.d_model : 0);
   const int64_t emb = m.vocab * m.d_model * (m.tied_embeddings ? 1 : 2);
   const int64_t pos = m.positions == Positions::Learned ? m.max_positions * m.d_model : 0;
-  return m.n_layers * per_layer + emb + pos + (m.norm == NormKind::LayerNorm ? 2 : 1) * m.d_model;
+  int64_t blocks = 0;
+  for (char b : block_pattern(m)) blocks += norm + (b == '*' ? attn : mlp);
+  return blocks + emb + pos + norm;  // (+ ln_f)
 }
 
 double training_flops_per_token(const ModelConfig& m) {
   const double pos =
       m.positions == Positions::Learned ? static_cast<double>(m.max_positions * m.d_model) : 0.0;
   const double n = static_cast<double>(parameter_count(m)) - pos;
-  return 6.0 * n + 12.0 * static_cast<double>(m.n_layers * m.seq_len * m.d_model);
+  const std::string p = block_pattern(m);
+  const int64_t attention_blocks = std::count(p.begin(), p.end(), '*');
+  return 6.0 * n + 12.0 * static_cast<double>(attention_blocks * m.seq_len * m.d_model);
 }
 
 const char* name_of(Activation a) { return EnumNames<Activation>::names[static_cast<int>(a)]; }

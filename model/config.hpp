@@ -25,7 +25,12 @@ struct ModelConfig {
   int64_t vocab = 256;
   int64_t seq_len = 256;
   int64_t d_model = 128;
-  int64_t n_layers = 2;
+  int64_t n_layers = 2;  // GPT layers ("*-" each); with model.pattern: the number of blocks
+  // model.pattern: the blocks, one character each ('*' attention, '-' MLP; DESIGN.md §11). Empty
+  // (the default): the GPT-2/Llama presets' layout, "*-" per layer, the layers named h.<l>. Given:
+  // block i is named blocks.<i>, model.n_layers is the pattern's length (set from it), and the
+  // high-precision rule and the per-GEMM overrides count blocks.
+  std::string pattern;
   int64_t n_heads = 4;
   int64_t n_kv_heads = 4;  // GQA when < n_heads
   int64_t d_ff = 512;
@@ -87,7 +92,8 @@ struct RecipeConfig {
       -1;  // the late switch to BF16 from this step on (1-based, as printed; -1 = never)
   std::string bf16_switch = "all";  // forward (Fprop GEMMs only) | all
   int64_t stats_every = 0;          // per-tensor quantization statistics every N steps (0 = off)
-  // Per-GEMM recipe: "h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>.<fprop|dgrad|wgrad>"
+  // Per-GEMM recipe ("blocks.<block>..." with a model.pattern):
+  // "h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>.<fprop|dgrad|wgrad>"
   // -> bf16 | nvfp4 | mxfp4 | fp8 (keys recipe.override.<that>).
   std::map<std::string, std::string> override_gemms;
 };
@@ -113,6 +119,12 @@ RunConfig config_from_json(const nlohmann::json& j, const std::vector<std::strin
 void validate(const RunConfig& c);
 
 std::vector<std::string> valid_keys();
+
+// The blocks as a pattern string: model.pattern, or "*-" per layer for the presets' layout.
+std::string block_pattern(const ModelConfig& m);
+// The name prefix of recipe unit `unit` (the high-precision rule's and the overrides' index, 0 ..
+// model.n_layers - 1): "h.<unit>" for the presets' layout, "blocks.<unit>" for a model.pattern.
+std::string unit_prefix(const ModelConfig& m, int64_t unit);
 
 // Parameters of the model (embeddings counted once when tied).
 // Blocks whose linear layers stay in BF16 under the recipe (§9 defaults: nvfp4/mxfp4 first

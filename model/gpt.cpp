@@ -18,7 +18,7 @@ int64_t ParamTensor::numel() const {
 }
 
 std::string Gpt::lname(int64_t l, const char* what) const {
-  return "h." + std::to_string(l) + "." + what;
+  return unit_prefix(cfg_, l) + "." + what;
 }
 
 void Gpt::add(const std::string& name, std::vector<int64_t> shape) {
@@ -45,10 +45,16 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
   run_.model = cfg;
   high_precision_.assign(static_cast<size_t>(cfg.n_layers), true);
   recipes_.assign(static_cast<size_t>(cfg.n_layers * 4), LinearRecipe{});
-  // the GPT presets' layer l: the blocks "*-" (attention: linears 0 and 1; MLP: 2 and 3)
-  for (int64_t l = 0; l < cfg.n_layers; ++l) {
-    blocks_.push_back({BlockKind::Attention, l, 0});
-    blocks_.push_back({BlockKind::Mlp, l, 2});
+  // the GPT presets' layer l: the blocks "*-", both in unit l (h.<l>); a model.pattern's block i:
+  // unit i (blocks.<i>). Attention's linears are 0 and 1, the MLP's 2 and 3 (kLinearNames).
+  const std::string pattern = block_pattern(cfg);
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const int64_t unit =
+        cfg.pattern.empty() ? static_cast<int64_t>(i / 2) : static_cast<int64_t>(i);
+    if (pattern[i] == '*')
+      blocks_.push_back({BlockKind::Attention, unit, 0});
+    else
+      blocks_.push_back({BlockKind::Mlp, unit, 2});
   }
   const int64_t C = cfg.d_model, HD = C / cfg.n_heads,
                 QKV = (cfg.n_heads + 2 * cfg.n_kv_heads) * HD;
@@ -59,20 +65,23 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
         " backend's attention takes (16, 32, 64 or 128)");
   add("wte", {cfg.vocab, C});
   if (cfg.positions == Positions::Learned) add("wpe", {cfg.max_positions, C});
-  for (int64_t l = 0; l < cfg.n_layers; ++l) {
-    add(lname(l, "ln_1.weight"), {C});
-    if (cfg.norm == NormKind::LayerNorm) add(lname(l, "ln_1.bias"), {C});
-    add(lname(l, "attn.c_attn.weight"), {QKV, C});
-    if (cfg.bias) add(lname(l, "attn.c_attn.bias"), {QKV});
-    add(lname(l, "attn.c_proj.weight"), {C, C});
-    if (cfg.bias) add(lname(l, "attn.c_proj.bias"), {C});
-    add(lname(l, "ln_2.weight"), {C});
-    if (cfg.norm == NormKind::LayerNorm) add(lname(l, "ln_2.bias"), {C});
-    // SwiGLU: c_fc produces [gate | up], 2 * d_ff rows
-    add(lname(l, "mlp.c_fc.weight"), {fc_width(), C});
-    if (cfg.bias) add(lname(l, "mlp.c_fc.bias"), {fc_width()});
-    add(lname(l, "mlp.c_proj.weight"), {C, cfg.d_ff});
-    if (cfg.bias) add(lname(l, "mlp.c_proj.bias"), {C});
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    const int64_t l = blocks_[b].layer;
+    const std::string norm = norm_name(b);
+    add(norm + ".weight", {C});
+    if (cfg.norm == NormKind::LayerNorm) add(norm + ".bias", {C});
+    if (blocks_[b].kind == BlockKind::Attention) {
+      add(lname(l, "attn.c_attn.weight"), {QKV, C});
+      if (cfg.bias) add(lname(l, "attn.c_attn.bias"), {QKV});
+      add(lname(l, "attn.c_proj.weight"), {C, C});
+      if (cfg.bias) add(lname(l, "attn.c_proj.bias"), {C});
+    } else {
+      // SwiGLU: c_fc produces [gate | up], 2 * d_ff rows
+      add(lname(l, "mlp.c_fc.weight"), {fc_width(), C});
+      if (cfg.bias) add(lname(l, "mlp.c_fc.bias"), {fc_width()});
+      add(lname(l, "mlp.c_proj.weight"), {C, cfg.d_ff});
+      if (cfg.bias) add(lname(l, "mlp.c_proj.bias"), {C});
+    }
   }
   add("ln_f.weight", {C});
   if (cfg.norm == NormKind::LayerNorm) add("ln_f.bias", {C});
@@ -105,15 +114,18 @@ void Gpt::set_step(int64_t step) {
 
 std::string Gpt::describe_recipe() const {
   std::string s;
-  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
-    s += "block " + std::to_string(l) +
-         (high_precision_[static_cast<size_t>(l)] ? " (high precision)" : "") + ":";
-    for (int i = 0; i < 4; ++i) {
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    const int64_t l = blocks_[b].layer;
+    const bool first_of_unit = b == 0 || blocks_[b - 1].layer != l;
+    if (first_of_unit)  // (a preset's layer h.<l> is one line, its two blocks' four linears)
+      s += std::string(b ? "\n" : "") + "block " + std::to_string(l) +
+           (high_precision_[static_cast<size_t>(l)] ? " (high precision)" : "") + ":";
+    for (int i = blocks_[b].linear0; i < blocks_[b].linear0 + 2; ++i) {
       const LinearRecipe& r = linear_recipe(l, i);
       s += std::string("  ") + kLinearNames[i] + " " + r.fprop + "/" + r.dgrad + "/" + r.wgrad;
     }
-    s += "\n";
   }
+  s += "\n";
   s += "(fprop/dgrad/wgrad per linear layer; embeddings, norms, attention and the output head in "
        "BF16)\n";
   return s;
@@ -337,9 +349,13 @@ Gpt::NormViews Gpt::norm_views(const std::string& pre, BackendBuffer& mean, Back
   return v;
 }
 
+std::string Gpt::norm_name(size_t b) const {
+  if (!cfg_.pattern.empty()) return lname(blocks_[b].layer, "norm");
+  return lname(blocks_[b].layer, blocks_[b].kind == BlockKind::Attention ? "ln_1" : "ln_2");
+}
+
 Gpt::NormViews Gpt::block_norm(size_t b) {
-  const char* which = blocks_[b].kind == BlockKind::Attention ? "ln_1" : "ln_2";
-  return norm_views(lname(blocks_[b].layer, which), acts_[b].mean, acts_[b].rstd);
+  return norm_views(norm_name(b), acts_[b].mean, acts_[b].rstd);
 }
 
 void Gpt::norm_forward(const NormViews& n, const TensorView& out, const TensorView& in) {
@@ -360,12 +376,14 @@ TensorView Gpt::proj_view(size_t b) {
 void Gpt::init(uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  const float resid_scale = 1.0f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layers));
+  // GPT-2's 1/sqrt(2 L): one factor per residual add, so 1/sqrt(blocks) for a model.pattern
+  const float resid_scale = 1.0f / std::sqrt(static_cast<float>(blocks_.size()));
   std::vector<float> h(n_params_);
   for (const ParamTensor& t : tensors_) {
     float* x = h.data() + t.offset;
     const bool norm_weight =
-        t.name.find("ln_") != std::string::npos && t.name.find(".weight") != std::string::npos;
+        (t.name.find("ln_") != std::string::npos || t.name.find(".norm.") != std::string::npos) &&
+        t.name.find(".weight") != std::string::npos;
     const bool bias = t.name.find(".bias") != std::string::npos;
     const bool resid = t.name.find("c_proj.weight") != std::string::npos;
     for (int64_t i = 0; i < t.numel(); ++i)
@@ -729,8 +747,8 @@ std::string Gpt::first_nonfinite_in_forward() const {
   if (bad(emb_)) return "the embeddings' output (wte + wpe)";
   for (size_t b = 0; b < acts_.size(); ++b)
     if (bad(acts_[b].res))
-      return "the residual stream after layer " + std::to_string(blocks_[b].layer) + "'s " +
-             (blocks_[b].kind == BlockKind::Attention ? "attention" : "MLP");
+      return "the residual stream after " + unit_prefix(cfg_, blocks_[b].layer) + " (" +
+             (blocks_[b].kind == BlockKind::Attention ? "attention" : "MLP") + ")";
   return "the logits or the loss (the residual stream is finite)";
 }
 

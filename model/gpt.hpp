@@ -154,7 +154,7 @@ class Gpt {
   };
   struct Block {
     BlockKind kind;
-    int64_t layer;  // h.<layer>
+    int64_t layer;  // the recipe unit: h.<layer> (presets) or blocks.<layer> (model.pattern)
     int linear0;    // the layer's index of the block's first linear (0: c_attn, 2: c_fc)
   };
   // Whether linear `linear` of layer l keeps its input as BF16 bits in this forward pass: BF16
@@ -218,6 +218,8 @@ class Gpt {
   };
   NormViews norm_views(const std::string& pre, BackendBuffer& mean, BackendBuffer& rstd);
   NormViews block_norm(size_t b);
+  // Block b's norm parameters' name prefix: h.<l>.ln_1 / h.<l>.ln_2 (presets), blocks.<i>.norm.
+  std::string norm_name(size_t b) const;
   // out = the norm of `in`; dx (dx_view) += its input gradient from dout, the parameter gradients
   // accumulated.
   void norm_forward(const NormViews& n, const TensorView& out, const TensorView& in);

@@ -27,7 +27,7 @@ LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& 
   LinearRecipe r;
   const std::string base = high_precision.at(static_cast<size_t>(layer)) ? "bf16" : rc.name;
   r.fprop = r.dgrad = r.wgrad = base;
-  const std::string key = "h." + std::to_string(layer) + "." + kLinearNames[linear] + ".";
+  const std::string key = unit_prefix(c.model, layer) + "." + kLinearNames[linear] + ".";
   for (auto [gemm, slot] : {std::pair<const char*, std::string*>{"fprop", &r.fprop},
                             {"dgrad", &r.dgrad},
                             {"wgrad", &r.wgrad}}) {

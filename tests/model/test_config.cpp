@@ -1,6 +1,8 @@
 // Config files, overrides and the checks that run before any work.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "model/config.hpp"
 
 namespace fp4sim::model {
@@ -60,6 +62,47 @@ TEST(Config, BadInputIsAClearErrorBeforeAnyWork) {
   j["model"]["heads"] = 4;
   expect_error(j, {}, "unknown config key 'model.heads'");
   EXPECT_THROW(load_config("/nonexistent/config.json", {}), std::invalid_argument);
+}
+
+// model.pattern: the blocks spelled out; model.n_layers follows it, and the per-GEMM overrides
+// and the high-precision rule count its blocks (DESIGN.md §11).
+TEST(Config, PatternSetsTheBlocks) {
+  const RunConfig c = config_from_json(nlohmann::json::object(), {"model.pattern=*--*-"});
+  EXPECT_EQ(c.model.n_layers, 5);
+  EXPECT_EQ(block_pattern(c.model), "*--*-");
+  EXPECT_EQ(unit_prefix(c.model, 3), "blocks.3");
+  EXPECT_EQ(block_pattern(RunConfig{}.model), "*-*-");
+  EXPECT_EQ(unit_prefix(RunConfig{}.model, 1), "h.1");
+  EXPECT_EQ(config_from_json(to_json(c), {}).model.pattern, "*--*-");  // round trip
+  // the preset layout and a pattern of the same blocks have the same parameters
+  RunConfig p = config_from_json(nlohmann::json::object(), {"model.pattern=*-*-*-"});
+  RunConfig l = config_from_json(nlohmann::json::object(), {"model.n_layers=3"});
+  EXPECT_EQ(parameter_count(p.model), parameter_count(l.model));
+  EXPECT_DOUBLE_EQ(training_flops_per_token(p.model), training_flops_per_token(l.model));
+  const nlohmann::json none = nlohmann::json::object();
+  expect_error(none, {"model.pattern=*-x"}, "character 'x' at 2 is not a block");
+  expect_error(none, {"model.pattern=M-"}, "Mamba-2 block ('M')");
+  expect_error(none, {"model.pattern=*-", "model.n_layers=3"},
+               "model.n_layers 3 differs from the 2 blocks of model.pattern '*-'");
+  EXPECT_EQ(config_from_json(none, {"model.pattern=*-", "model.n_layers=2"}).model.n_layers, 2);
+  // overrides name blocks, and the block's mixer must have that linear
+  EXPECT_EQ(config_from_json(none, {"model.pattern=*-", "recipe.name=nvfp4",
+                                    "recipe.override.blocks.1.mlp.c_fc.wgrad=bf16"})
+                .recipe.override_gemms.size(),
+            1u);
+  expect_error(none, {"model.pattern=*-", "recipe.override.h.1.mlp.c_fc.wgrad=bf16"},
+               "expected recipe.override.blocks.<block>.");
+  expect_error(none, {"model.pattern=*-", "recipe.override.blocks.0.mlp.c_fc.wgrad=bf16"},
+               "block 0 of model.pattern is attention ('*'), which has no mlp.c_fc");
+  // the high-precision rule counts blocks: 62 blocks keep the first 2 and the last 8 (§9)
+  std::string p62;
+  for (int i = 0; i < 31; ++i) p62 += "*-";
+  const RunConfig h =
+      config_from_json(none, {"model.pattern=" + p62, "recipe.name=nvfp4", "train.batch=16"});
+  const std::vector<bool> hp = high_precision_blocks(h);
+  ASSERT_EQ(hp.size(), 62u);
+  EXPECT_EQ(std::count(hp.begin(), hp.end(), true), 10);
+  EXPECT_TRUE(hp[1] && !hp[2] && !hp[53] && hp[54]);
 }
 
 }  // namespace

@@ -115,6 +115,61 @@ TEST(Gpt, ShortTrainingRunLowersTheLoss) {
   EXPECT_LT(last, 0.25f * first);
 }
 
+// model.pattern (DESIGN.md §11): "*-*-" is the 2-layer preset's computation under other names
+// (blocks.<i>.norm, blocks.<i>.attn.*, blocks.<i>.mlp.*), so the BF16 recipe (no SR stream, whose
+// layer field counts blocks here) gives the same loss and gradients bit for bit; an irregular
+// pattern builds, counts its parameters as parameter_count does, and trains.
+TEST(Gpt, PatternBlocksMatchThePresetLayout) {
+  ModelConfig preset = micro(Positions::Rope, NormKind::RMSNorm, Activation::SquaredRelu, false, 2);
+  preset.activation_dtype = ActivationStorage::BF16;
+  ModelConfig blocks = preset;
+  blocks.pattern = "*-*-";
+  blocks.n_layers = 4;
+  auto be = make_cpu_backend();
+  Gpt a(preset, *be), b(blocks, *be);
+  ASSERT_EQ(a.num_params(), b.num_params());
+  EXPECT_EQ(b.pattern(), "*-*-");
+  EXPECT_EQ(static_cast<size_t>(parameter_count(blocks)), b.num_params());
+  EXPECT_NO_THROW(b.tensor("blocks.1.norm.weight"));
+  EXPECT_NO_THROW(b.tensor("blocks.3.mlp.c_proj.weight"));
+  EXPECT_THROW(b.tensor("blocks.1.attn.c_attn.weight"), std::out_of_range);
+  a.init(5);
+  b.init(5);
+  ASSERT_EQ(a.params_to_host(), b.params_to_host());  // (the tensors come in the same order)
+  std::vector<int32_t> tok, tgt;
+  for (int64_t i = 0; i < 16; ++i) {
+    tok.push_back(static_cast<int32_t>((i * 7) % 16));
+    tgt.push_back(static_cast<int32_t>((i * 3 + 1) % 16));
+  }
+  const float la = a.forward(tok.data(), tgt.data(), 2, 8),
+              lb = b.forward(tok.data(), tgt.data(), 2, 8);
+  EXPECT_EQ(la, lb);
+  a.backward();
+  b.backward();
+  EXPECT_EQ(a.grads_to_host(), b.grads_to_host());
+
+  ModelConfig odd = preset;
+  odd.pattern = "-**--";
+  odd.n_layers = 5;
+  Gpt c(odd, *be);
+  EXPECT_EQ(static_cast<size_t>(parameter_count(odd)), c.num_params());
+  c.init(2);
+  const float first = c.forward(tok.data(), tgt.data(), 2, 8);
+  c.backward();
+  std::vector<float> mom(c.num_params(), 0.0f), var(c.num_params(), 0.0f);
+  float last = first;
+  for (int step = 1; step <= 30; ++step) {
+    last = c.forward(tok.data(), tgt.data(), 2, 8);
+    c.backward();
+    const AdamWStep s = make_adamw_step(1e-2f, 0.9f, 0.95f, 1e-8f, 0.0f, step, 1.0f);
+    const int64_t n = static_cast<int64_t>(c.num_params());
+    be->adamw_update(host_view(c.params(), 1, n), TensorView{}, host_view(c.grads(), 1, n),
+                     host_view(mom.data(), 1, n), host_view(var.data(), 1, n), {{0, n}}, {s});
+  }
+  std::printf("[gpt-pattern] -**--: loss %.4f -> %.4f over 30 steps\n", first, last);
+  EXPECT_LT(last, 0.5f * first);
+}
+
 // n tokens and targets over the 16-token vocabulary of micro(): (i * a) % 16 and (i * 3 + c) % 16.
 void pattern_batch(int64_t n, int a, int c, std::vector<int32_t>& tok, std::vector<int32_t>& tgt) {
   tok.resize(static_cast<size_t>(n));
