@@ -338,7 +338,8 @@ void gated_rmsnorm_backward(float* dinp, float* dz, int64_t ld_dz, float* dweigh
   std::vector<float> dw_terms(static_cast<size_t>(N * C));
 #pragma omp parallel
   {
-    std::vector<float> g(static_cast<size_t>(gs));
+    // g, and silu(z) and sigmoid(z) from one exp(-z) (the bits of silu() and sigmoid())
+    std::vector<float> g(static_cast<size_t>(gs)), sz(g.size()), sig(g.size());
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < N; ++r)
       for (int64_t j = 0; j < G; ++j) {
@@ -349,7 +350,10 @@ void gated_rmsnorm_backward(float* dinp, float* dz, int64_t ld_dz, float* dweigh
         const float sc = rstd[r * G + j];
         float dot = 0.0f;
         for (int64_t i = 0; i < gs; ++i) {
-          g[i] = x[i] * silu(zr[i]);
+          const float e1 = 1.0f + std::exp(-zr[i]);
+          sz[i] = zr[i] / e1;
+          sig[i] = 1.0f / e1;
+          g[i] = x[i] * sz[i];
           dot = dot + (dy[i] * w[i]) * g[i];
         }
         const float k = dot * sc * sc * sc / static_cast<float>(gs);
@@ -358,8 +362,8 @@ void gated_rmsnorm_backward(float* dinp, float* dz, int64_t ld_dz, float* dweigh
         float* dwt = &dw_terms[static_cast<size_t>(r * C + j * gs)];
         for (int64_t i = 0; i < gs; ++i) {
           const float dg = (dy[i] * w[i]) * sc - g[i] * k;
-          dx[i] = dg * silu(zr[i]);
-          dzr[i] = (dg * x[i]) * silu_grad(zr[i]);
+          dx[i] = dg * sz[i];
+          dzr[i] = (dg * x[i]) * (sig[i] * (1.0f + zr[i] * (1.0f - sig[i])));  // silu_grad
           dwt[i] = (dy[i] * g[i]) * sc;
         }
       }
