@@ -67,8 +67,9 @@ void ssm_dt_backward(float* ddt_raw, int64_t ld_ddt_raw, float* ddt_bias, float*
 
 // ---- the selective scan ------------------------------------------------------------------------
 // Sizes: H heads of P channels (d_inner = H*P), G groups of B and C (H % G == 0; head h reads the
-// group g = h / (H/G)), state N, and `chunk` (Q): the interval of the states the forward pass
-// saves for the backward pass (the config's SSD chunk, which the CUDA chunked scan also uses).
+// group g = h / (H/G)), state N, and `chunk` (Q >= 1): the interval of the states the forward
+// pass saves for the backward pass (the config's SSD chunk, which the CUDA chunked scan also
+// uses). These functions do not check sizes: their callers do.
 struct SsmShape {
   int64_t B = 0, T = 0, H = 0, P = 0, G = 0, N = 0, chunk = 128;
   int64_t d_inner() const { return H * P; }
