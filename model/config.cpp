@@ -11,6 +11,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "model/strict_json.hpp"
+
 namespace fp4sim::model {
 namespace {
 
@@ -390,13 +392,12 @@ RunConfig config_from_json(const Json& j, const std::vector<std::string>& overri
 }
 
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream in(path);
-  if (!in) throw std::invalid_argument(path + ": cannot open config file");
+  if (!std::ifstream(path)) throw std::invalid_argument(path + ": cannot open config file");
   Json j;
   try {
-    in >> j;
-  } catch (const std::exception& e) {
-    throw std::invalid_argument(path + ": not valid JSON (" + e.what() + ")");
+    j = read_strict_json_file(path);  // (no trailing data, no duplicate keys)
+  } catch (const StrictJsonError& e) {
+    throw std::invalid_argument(e.what());
   }
   if (!j.is_object()) throw std::invalid_argument(path + ": a config file is a JSON object");
   return config_from_json(j, overrides, path);

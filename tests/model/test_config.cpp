@@ -1,9 +1,13 @@
 // Config files, overrides and the checks that run before any work.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 
 #include "model/config.hpp"
+#include "model/strict_json.hpp"
 
 namespace fp4sim::model {
 namespace {
@@ -103,6 +107,54 @@ TEST(Config, PatternSetsTheBlocks) {
   ASSERT_EQ(hp.size(), 62u);
   EXPECT_EQ(std::count(hp.begin(), hp.end(), true), 10);
   EXPECT_TRUE(hp[1] && !hp[2] && !hp[53] && hp[54]);
+}
+
+// Strict JSON: data after the value and a key given twice in one object are errors naming the
+// source and the key; a repeated key in two different objects is not a duplicate.
+TEST(Config, StrictJsonRefusesTrailingDataAndDuplicateKeys) {
+  auto error_of = [](const std::string& text) {
+    try {
+      parse_strict_json(text, "cfg.json");
+    } catch (const StrictJsonError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_EQ(parse_strict_json(R"({"a": {"x": 1}, "b": {"x": 2}} )", "s")["b"]["x"], 2);
+  EXPECT_EQ(parse_strict_json("[1, {\"x\": [{\"y\": 1}, {\"y\": 2}]}]\n\n", "s")[0], 1);
+  EXPECT_EQ(parse_strict_json("7", "s"), 7);
+  EXPECT_EQ(error_of(R"({"train": {"lr": 1, "lr": 2}})"), "cfg.json: duplicate key 'train.lr'");
+  EXPECT_EQ(error_of(R"({"a": 1, "a": 1})"), "cfg.json: duplicate key 'a'");
+  EXPECT_EQ(error_of(R"({"m": [{"k": 1, "k": 2}]})"), "cfg.json: duplicate key 'm.k'");
+  EXPECT_EQ(error_of(R"({"a": 1} x)"),
+            "cfg.json: trailing data after the JSON value (at byte 10 of 10)");
+  EXPECT_EQ(error_of(R"({"a": 1}{"a": 2})"),
+            "cfg.json: trailing data after the JSON value (at byte 9 of 16)");
+  EXPECT_EQ(error_of("3 4"), "cfg.json: trailing data after the JSON value (at byte 3 of 3)");
+  EXPECT_NE(error_of(R"({"a": )").find("cfg.json: not valid JSON"), std::string::npos);
+  EXPECT_NE(error_of("").find("cfg.json: not valid JSON"), std::string::npos);
+  // load_config: the file's path and the key, as std::invalid_argument like every config error
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("fp4sim_strict_cfg_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "c.json").string();
+  std::ofstream(path) << R"({"train": {"steps": 5, "steps": 6}})";
+  try {
+    load_config(path, {});
+    ADD_FAILURE() << "a duplicate key was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), path + ": duplicate key 'train.steps'");
+  }
+  std::ofstream(path) << R"({"train": {"steps": 5}}})";
+  try {
+    load_config(path, {});
+    ADD_FAILURE() << "trailing data was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(path + ": trailing data after the JSON value"),
+              std::string::npos)
+        << e.what();
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
