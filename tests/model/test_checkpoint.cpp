@@ -2,9 +2,12 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "model/checkpoint.hpp"
 #include "tests/model/expect_error.hpp"
@@ -152,6 +155,20 @@ TEST(Checkpoint, SafetensorsMetadataVersionChecked) {
   fs::remove_all(d);
 }
 
+// Replaces a checkpoint's state.json by `text` and lists it in manifest.json as the writer would:
+// a checkpoint whose files are consistent, as one written by another fp4sim would be.
+void reseal_state(const fs::path& where, const std::string& text) {
+  std::ofstream(where / "state.json", std::ios::binary | std::ios::trunc) << text;
+  nlohmann::json m;
+  std::ifstream(where / "manifest.json") >> m;
+  m["files"]["state.json"] = {{"bytes", text.size()},
+                              {"sha256", sha256_hex(text.data(), text.size())}};
+  m.erase("sha256");
+  const std::string body = m.dump();
+  m["sha256"] = sha256_hex(body.data(), body.size());  // (its own hash: of itself without it)
+  std::ofstream(where / "manifest.json", std::ios::trunc) << m.dump(2);
+}
+
 TEST(Checkpoint, AtomicKeepLastAndVersionCheck) {
   const fs::path d = temp_dir("run");
   for (int64_t step : {5, 10, 15, 20})
@@ -178,7 +195,7 @@ TEST(Checkpoint, AtomicKeepLastAndVersionCheck) {
     nlohmann::json s;
     in >> s;
     s["contract_version"] = 99;
-    std::ofstream((fs::path(all.back()) / "state.json").string()) << s.dump();
+    reseal_state(all.back(), s.dump());
   }
   try {
     load_checkpoint(d.string());
@@ -187,6 +204,203 @@ TEST(Checkpoint, AtomicKeepLastAndVersionCheck) {
     EXPECT_NE(std::string(e.what()).find("contract_version 99"), std::string::npos) << e.what();
   }
   EXPECT_THROW(load_checkpoint((d / "nothing").string()), std::runtime_error);
+  fs::remove_all(d);
+}
+
+TEST(Checkpoint, Sha256KnownAnswers) {
+  EXPECT_EQ(sha256_hex("", 0), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(sha256_hex("abc", 3),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void write_bytes(const fs::path& p, const std::string& bytes) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// The message of load_checkpoint(path)'s error, "(loaded)" when it loads.
+std::string load_error(const fs::path& path) {
+  try {
+    load_checkpoint(path.string());
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+
+// Every file of a checkpoint carries the step and a SHA-256: the manifest lists each file, the
+// safetensors metadata each tensor.
+TEST(Checkpoint, ManifestAndTensorHashesWritten) {
+  const fs::path d = temp_dir("manifest");
+  const fs::path where = save_checkpoint(d.string(), small_checkpoint(7, 3), 0);
+  std::ifstream in(where / "manifest.json");
+  nlohmann::json m;
+  in >> m;
+  EXPECT_EQ(m["step"], 7);
+  for (const char* f : {"model.safetensors", "optimizer.safetensors", "state.json"}) {
+    const std::string bytes = read_bytes(where / f);
+    EXPECT_EQ(m["files"][f]["sha256"], sha256_hex(bytes.data(), bytes.size())) << f;
+    EXPECT_EQ(m["files"][f]["bytes"], bytes.size()) << f;
+  }
+  std::map<std::string, std::string> meta;
+  const TensorMap t = read_safetensors((where / "model.safetensors").string(), &meta);
+  EXPECT_EQ(meta.at("step"), "7");
+  EXPECT_EQ(meta.at("sha256:w"), sha256_hex(t.at("w").bytes.data(), t.at("w").bytes.size()));
+  EXPECT_EQ(load_checkpoint(where.string()).step, 7);
+  fs::remove_all(d);
+}
+
+// Every byte of every file, flipped (all bits, and the lowest bit): the load is refused with an
+// error naming the file; a flip in a tensor's data names the tensor.
+TEST(Checkpoint, EveryFlippedByteIsRefusedNamingTheFile) {
+  const fs::path d = temp_dir("flip");
+  const fs::path where = save_checkpoint(d.string(), small_checkpoint(3, 1), 0);
+  int64_t cases = 0;
+  for (const char* f :
+       {"model.safetensors", "optimizer.safetensors", "state.json", "manifest.json"}) {
+    const std::string good = read_bytes(where / f);
+    uint64_t header = 0;
+    std::memcpy(&header, good.data(), 8);
+    for (size_t i = 0; i < good.size(); ++i)
+      for (unsigned char mask : {0xffu, 0x01u}) {
+        std::string bad = good;
+        bad[i] = static_cast<char>(bad[i] ^ mask);
+        write_bytes(where / f, bad);
+        const std::string e = load_error(where);
+        ++cases;
+        EXPECT_NE(e.find(f), std::string::npos)
+            << f << " byte " << i << " ^ " << int(mask) << ": " << e;
+        const bool in_data =
+            std::string(f).find("safetensors") != std::string::npos && i >= 8 + header;
+        if (in_data) {
+          EXPECT_NE(e.find("tensor 'w"), std::string::npos) << e;
+        }
+      }
+    write_bytes(where / f, good);
+  }
+  EXPECT_GT(cases, 1000);
+  EXPECT_EQ(load_checkpoint(where.string()).step, 3);  // restored: loads again
+  fs::remove_all(d);
+}
+
+// A file copied in from another checkpoint (each carries its step) is refused naming it.
+TEST(Checkpoint, FileOfAnotherStepRefused) {
+  const fs::path d = temp_dir("steps");
+  const fs::path two = save_checkpoint(d.string(), small_checkpoint(2, 2), 0);
+  const fs::path four = save_checkpoint(d.string(), small_checkpoint(4, 4), 0);
+  const std::map<std::string, std::string> needles = {
+      {"model.safetensors", "model.safetensors holds step 2, its checkpoint's state.json step 4"},
+      {"optimizer.safetensors", "optimizer.safetensors holds step 2"},
+      {"state.json", "state.json holds step 2, " + (four / "manifest.json").string() + " step 4"},
+      {"manifest.json",
+       "state.json holds step 4, " + (four / "manifest.json").string() + " step 2"}};
+  for (const auto& [f, needle] : needles) {
+    const std::string good = read_bytes(four / f);
+    fs::copy_file(two / f, four / f, fs::copy_options::overwrite_existing);
+    const std::string e = load_error(four);
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
+    write_bytes(four / f, good);
+  }
+  EXPECT_EQ(load_checkpoint(four.string()).step, 4);
+  fs::remove_all(d);
+}
+
+// Bytes after the data, gaps between tensors and overlapping tensors are refused.
+TEST(Checkpoint, SafetensorsDataMustTileExactly) {
+  const fs::path d = temp_dir("tile");
+  const fs::path where = save_checkpoint(d.string(), small_checkpoint(1, 1), 0);
+  std::ofstream(where / "model.safetensors", std::ios::binary | std::ios::app) << "junk";
+  EXPECT_NE(load_error(where).find("model.safetensors: 4 trailing bytes after the data"),
+            std::string::npos)
+      << load_error(where);
+  auto write_raw = [&](const std::string& name, const std::string& header, size_t data_bytes) {
+    std::string h = header;
+    while (h.size() % 8) h += ' ';
+    std::ofstream out((d / name).string(), std::ios::binary);
+    const uint64_t n = h.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << h << std::string(data_bytes, '\0');
+  };
+  write_raw("gap.safetensors",
+            R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+            R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+            12);
+  write_raw("overlap.safetensors",
+            R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+            R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+            8);
+  write_raw("dup.safetensors",
+            R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+            R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+            4);
+  for (const auto& [name, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"gap.safetensors", "4 bytes before tensor 'b' belong to no tensor"},
+           {"overlap.safetensors", "overlaps tensor"},
+           {"dup.safetensors", "duplicate key 'a'"}})
+    test::expect_error_containing<std::runtime_error>(
+        [&] { read_safetensors((d / name).string()); }, {name, needle}, name + " was read");
+  fs::remove_all(d);
+}
+
+// A NaN or Inf in the weights or the optimizer state is never written: the save fails naming the
+// file, the tensor and the element, leaves no folder, and the earlier checkpoints stay.
+TEST(Checkpoint, NonFiniteValuesAreNeverSaved) {
+  const fs::path d = temp_dir("nonfinite");
+  save_checkpoint(d.string(), small_checkpoint(1, 1), 0);
+  for (const float bad : {std::nanf(""), -INFINITY}) {
+    Checkpoint ck = small_checkpoint(2, 2);
+    std::memcpy(ck.optimizer.at("w.m").bytes.data() + 8, &bad, 4);
+    test::expect_error_containing<std::runtime_error>(
+        [&] { save_checkpoint(d.string(), ck, 0); },
+        {"step_00000002 not written", "optimizer.safetensors: tensor 'w.m' holds",
+         std::isnan(bad) ? "NaN at element 2 (of 4)" : "-Inf at element 2 (of 4)",
+         "the earlier checkpoints are untouched"},
+        "a non-finite value was saved");
+  }
+  std::vector<std::string> names;
+  for (const fs::directory_entry& e : fs::directory_iterator(d))
+    names.push_back(e.path().filename().string());
+  EXPECT_EQ(names, std::vector<std::string>{"step_00000001"});
+  EXPECT_EQ(load_checkpoint(d.string()).step, 1);
+  // first_nonfinite on each floating-point dtype; integers are never non-finite
+  StoredTensor bf16{"BF16", {3}, {0x80, 0x3f, 0x00, 0x00, 0x81, 0x7f}};  // 1, 0, NaN
+  EXPECT_EQ(first_nonfinite(bf16), 2);
+  StoredTensor f16{"F16", {2}, {0x00, 0x3c, 0x00, 0xfc}};  // 1, -Inf
+  EXPECT_EQ(first_nonfinite(f16), 1);
+  StoredTensor u8{"U8", {2}, {0xff, 0xff}};
+  EXPECT_EQ(first_nonfinite(u8), -1);
+  fs::remove_all(d);
+}
+
+// A checkpoint without manifest.json (written before the hashes) is refused, unless
+// FP4SIM_ALLOW_UNVERIFIED_CHECKPOINT=1; then it loads, its steps and values still checked.
+TEST(Checkpoint, UnverifiedCheckpointRefusedUnlessAllowed) {
+  const fs::path d = temp_dir("legacy");
+  const fs::path where = save_checkpoint(d.string(), small_checkpoint(6, 6), 0);
+  Checkpoint ck = load_checkpoint(where.string());
+  // as the writer before the hashes wrote it: contract_version and step, no hashes, no manifest
+  const std::map<std::string, std::string> meta = {{"contract_version", "1"}, {"step", "6"}};
+  write_safetensors((where / "model.safetensors").string(), ck.model, meta);
+  write_safetensors((where / "optimizer.safetensors").string(), ck.optimizer, meta);
+  fs::remove(where / "manifest.json");
+  ::unsetenv("FP4SIM_ALLOW_UNVERIFIED_CHECKPOINT");
+  EXPECT_NE(load_error(where).find("no manifest.json"), std::string::npos) << load_error(where);
+  ::setenv("FP4SIM_ALLOW_UNVERIFIED_CHECKPOINT", "1", 1);
+  EXPECT_EQ(load_checkpoint(where.string()).model.at("w").bytes, ck.model.at("w").bytes);
+  const float inf = INFINITY;
+  std::memcpy(ck.model.at("w").bytes.data() + 12, &inf, 4);
+  write_safetensors((where / "model.safetensors").string(), ck.model, meta);
+  EXPECT_NE(load_error(where).find("model.safetensors: tensor 'w' holds +Inf at element 3 (of 4)"),
+            std::string::npos)
+      << load_error(where);
+  write_safetensors((where / "model.safetensors").string(), ck.model,
+                    {{"contract_version", "1"}, {"step", "5"}});
+  EXPECT_NE(load_error(where).find("model.safetensors holds step 5"), std::string::npos);
+  ::unsetenv("FP4SIM_ALLOW_UNVERIFIED_CHECKPOINT");
   fs::remove_all(d);
 }
 

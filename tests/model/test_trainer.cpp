@@ -8,6 +8,7 @@
 #include <functional>
 
 #include "model/checkpoint.hpp"
+#include "model/gpt.hpp"
 #include "model/trainer.hpp"
 
 namespace fp4sim::model {
@@ -177,32 +178,37 @@ void expect_edited_resume_error(const std::string& dir, const std::string& name,
   expect_resume_error<E>(micro_run(dir + "/" + name + "_run"), dir + "/" + name, needle);
 }
 
-// A NaN in the weights makes the loss NaN: the run stops naming the step and the first tensor that
-// holds one.
+// A non-finite loss stops the run naming the step and the first non-finite tensor: here finite
+// weights whose sum overflows (the embeddings' output); a NaN weight (which no checkpoint carries:
+// save and load refuse one) is named as the parameter holding it.
 TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
   const ScratchDir scratch("fp4sim_nan");
   const std::string& dir = scratch.path;
-  train_five_steps(dir + "/a");
-  const auto nan_weight = [](Checkpoint& ck) {
-    const float nan = std::nanf("");
-    std::memcpy(ck.model.at("ln_f.weight").bytes.data(), &nan, 4);
+  const RunConfig c = train_five_steps(dir + "/a");
+  const auto huge_embeddings = [](Checkpoint& ck) {
+    const float huge = 3e38f;
+    for (const char* name : {"wte", "wpe"}) {
+      std::vector<uint8_t>& bytes = ck.model.at(name).bytes;
+      for (size_t i = 0; i + 4 <= bytes.size(); i += 4) std::memcpy(bytes.data() + i, &huge, 4);
+    }
   };
   // the checkpoint is at step 5, so the first step trained (and the one that goes bad) is step 6,
-  // counted from 1 as the step lines print it; the first non-finite tensor is a parameter
-  expect_edited_resume_error<std::runtime_error>(dir, "b", nan_weight, "step 6:");
+  // counted from 1 as the step lines print it
+  expect_edited_resume_error<std::runtime_error>(dir, "b", huge_embeddings, "step 6:");
   expect_edited_resume_error<std::runtime_error>(
-      dir, "c", nan_weight, "the first non-finite tensor: parameter 'ln_f.weight'");
-  // finite weights whose sum overflows: the embeddings' output is the first non-finite tensor
-  expect_edited_resume_error<std::runtime_error>(
-      dir, "d",
-      [](Checkpoint& ck) {
-        const float huge = 3e38f;
-        for (const char* name : {"wte", "wpe"}) {
-          std::vector<uint8_t>& bytes = ck.model.at(name).bytes;
-          for (size_t i = 0; i + 4 <= bytes.size(); i += 4) std::memcpy(bytes.data() + i, &huge, 4);
-        }
-      },
-      "the first non-finite tensor: the embeddings' output");
+      dir, "c", huge_embeddings, "the first non-finite tensor: the embeddings' output");
+  auto be = make_cpu_backend();
+  Gpt model(c.model, *be);
+  model.init(c.train.seed);
+  model.set_recipe(c);
+  std::vector<float> params = model.params_to_host();
+  for (const ParamTensor& t : model.tensors())
+    if (t.name == "ln_f.weight") params[t.offset + 3] = std::nanf("");
+  model.params_from_host(params);
+  std::vector<int32_t> tokens(static_cast<size_t>(c.train.batch * c.model.seq_len), 1);
+  EXPECT_TRUE(
+      std::isnan(model.forward(tokens.data(), tokens.data(), c.train.batch, c.model.seq_len)));
+  EXPECT_EQ(model.first_nonfinite_in_forward(), "parameter 'ln_f.weight'");
 }
 
 // A checkpoint tensor of the right size but another shape is refused, naming both shapes.
@@ -266,24 +272,22 @@ TEST(Trainer, ResumeTrimsTheLogToTheResumedStep) {
 }
 
 // A state.json with a data position outside the training split, or without its config: a clear
-// error naming the checkpoint, before any work.
+// error naming the checkpoint, before any work; one edited by hand is refused by its SHA-256.
 TEST(Trainer, CorruptCheckpointStateIsAClearError) {
   const ScratchDir scratch("fp4sim_state");
   const std::string& dir = scratch.path;
   train_five_steps(dir + "/a");
+  expect_edited_resume_error<std::runtime_error>(
+      dir, "b", [](Checkpoint& ck) { ck.state["data_position"] = -5; }, "data_position -5");
+  expect_edited_resume_error<std::runtime_error>(
+      dir, "c", [](Checkpoint& ck) { ck.state.erase("config"); }, "no 'config'");
   const std::string state = dir + "/a/checkpoints/step_00000005/state.json";
   nlohmann::json j;
   std::ifstream(state) >> j;
-  nlohmann::json bad = j;
-  bad["data_position"] = -5;
-  std::ofstream(state) << bad.dump();
-  expect_resume_error<std::runtime_error>(micro_run(dir + "/b"), dir + "/a/checkpoints",
-                                          "data_position -5");
-  bad = j;
-  bad.erase("config");
-  std::ofstream(state) << bad.dump();
-  expect_resume_error<std::runtime_error>(micro_run(dir + "/c"), dir + "/a/checkpoints",
-                                          "no 'config'");
+  j["data_position"] = 0;
+  std::ofstream(state) << j.dump(2) << "\n";
+  expect_resume_error<std::runtime_error>(micro_run(dir + "/d"), dir + "/a/checkpoints",
+                                          "state.json: its SHA-256 differs from manifest.json's");
 }
 
 TEST(Trainer, MissingDataIsAnErrorBeforeAnyWork) {

@@ -159,7 +159,7 @@ fi
 cp -r run2 run3 && truncate -s 100 run3/checkpoints/step_00000004/model.safetensors
 expect_fail "eval truncated checkpoint" "model.safetensors" "$bin" eval --checkpoint run3/checkpoints
 sed -i 's/"contract_version": 1/"contract_version": 7/' run2/checkpoints/step_00000004/state.json
-expect_fail "eval wrong contract version" "contract_version 7" "$bin" eval --checkpoint run2/checkpoints
+expect_fail "eval edited state.json" "state.json: its SHA-256 differs from manifest.json's" "$bin" eval --checkpoint run2/checkpoints
 "$bin" eval --checkpoint run/checkpoints --all --backend emu >log.txt 2>&1 && grep -q "val loss" log.txt \
   && ok "eval --all" || bad "eval --all: $(cat log.txt)"
 expect_fail "eval --all with --batches" "excludes" "$bin" eval --checkpoint run/checkpoints --all --batches 2 --backend emu
