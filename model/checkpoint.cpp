@@ -79,7 +79,7 @@ class Sha256 {
   EVP_MD_CTX* ctx_;
 };
 
-// ---- the test hook (FP4SIM_FAULT_AT, FP4SIM_FAULT_FAIL_AT, FP4SIM_FAULT_TRACE) ------------------
+// ---- the test hook (FP4SIM_FAULT_AT, _STOP_AT, _FAIL_AT, _TRACE) -------------------------------
 int64_t env_count(const char* name) {
   const char* v = std::getenv(name);
   if (!v || !*v) return 0;
@@ -92,6 +92,7 @@ int64_t env_count(const char* name) {
 
 struct FaultHook {
   int64_t kill_at = env_count("FP4SIM_FAULT_AT");
+  int64_t stop_at = env_count("FP4SIM_FAULT_STOP_AT");
   int64_t fail_at = env_count("FP4SIM_FAULT_FAIL_AT");
   bool trace = std::getenv("FP4SIM_FAULT_TRACE") != nullptr;
   int64_t count = 0;  // operations so far
@@ -104,9 +105,9 @@ bool fault_point(const std::string& what) {
   const int64_t n = ++hook.count;
   if (hook.trace)
     std::fprintf(stderr, "fault point %lld: %s\n", static_cast<long long>(n), what.c_str());
-  if (n == hook.kill_at) {
+  if (n == hook.kill_at || n == hook.stop_at) {
     std::fflush(nullptr);
-    ::raise(SIGKILL);
+    ::raise(n == hook.kill_at ? SIGKILL : SIGSTOP);
   }
   return n == hook.fail_at;
 }

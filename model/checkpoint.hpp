@@ -52,7 +52,8 @@ struct Checkpoint {
 //
 // Test hook: FP4SIM_FAULT_AT=N makes the process raise SIGKILL just before the Nth operation
 // (create, write, fsync, close, rename, remove) of its checkpoint saves, counted from 1 over the
-// whole process; FP4SIM_FAULT_FAIL_AT=N makes that operation fail as on a full disk (ENOSPC);
+// whole process; FP4SIM_FAULT_STOP_AT=N raises SIGSTOP there instead (the process waits for a
+// SIGCONT, mid-save); FP4SIM_FAULT_FAIL_AT=N makes that operation fail as on a full disk (ENOSPC);
 // FP4SIM_FAULT_TRACE=1 prints each operation's number and name on stderr.
 std::string save_checkpoint(const std::string& dir, const Checkpoint& ck, int keep_last);
 // `path` is a step directory, or a run directory (its latest complete checkpoint). Checks

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <stdexcept>
 
@@ -16,6 +17,7 @@
 #include "model/checkpoint.hpp"
 #include "model/data.hpp"
 #include "model/gpt.hpp"
+#include "model/run_lock.hpp"
 #include "model/schedule.hpp"
 
 namespace fp4sim::model {
@@ -234,6 +236,11 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     throw std::invalid_argument(
         "--dump writes one batch per step for the PyTorch check: it needs train.grad_accum=1");
   const Dataset data = load_data(c);  // every input error before any work
+  // one writer per run folder, for the whole run, taken before any of its files is read or
+  // written: here when the folder exists, else where it is created below (a folder that does not
+  // exist has no writer, and a run refused before then leaves none behind)
+  std::optional<RunLock> lock;
+  if (fs::is_directory(c.train.out_dir)) lock.emplace(c.train.out_dir, "train.out_dir");
   Gpt model(c.model, be);
   model.init(c.train.seed);
   model.set_recipe(c);
@@ -359,6 +366,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   };
   if (!opt.dump_dir.empty()) make_dir(opt.dump_dir, "--dump");
   make_dir(c.train.out_dir, "train.out_dir");
+  if (!lock) lock.emplace(c.train.out_dir, "train.out_dir");
   // checkpoints of later steps in this out_dir come from another run (or an abandoned future of
   // this one): keep-last and `--resume DIR` pick by step, so they would be mixed with this run's.
   // A fresh run is refused even when it writes no checkpoints: it would replace that run's

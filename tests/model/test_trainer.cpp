@@ -9,6 +9,7 @@
 
 #include "model/checkpoint.hpp"
 #include "model/gpt.hpp"
+#include "model/run_lock.hpp"
 #include "model/trainer.hpp"
 
 namespace fp4sim::model {
@@ -288,6 +289,42 @@ TEST(Trainer, CorruptCheckpointStateIsAClearError) {
   std::ofstream(state) << j.dump(2) << "\n";
   expect_resume_error<std::runtime_error>(micro_run(dir + "/d"), dir + "/a/checkpoints",
                                           "state.json: its SHA-256 differs from manifest.json's");
+}
+
+// One writer per run folder: a second run into a folder whose lock is held (here by this process,
+// through another open file) is refused at once naming the holder's PID; a lock file left by a dead
+// process (its PID in the file, no lock held) does not block, and holds the new writer's PID after.
+TEST(Trainer, OneWriterPerRunFolder) {
+  const ScratchDir scratch("fp4sim_lock");
+  const std::string& dir = scratch.path;
+  RunConfig c = micro_run(dir + "/a");
+  c.train.steps = 2;
+  const std::string lock_file = dir + "/a/" + RunLock::kFileName;
+  {
+    const RunLock held(dir + "/a", "train.out_dir");
+    for (const bool resume : {false, true}) {
+      TrainOptions o = quiet_options();
+      if (resume) o.resume = dir + "/a";
+      try {
+        train(c, o, *make_cpu_backend());
+        ADD_FAILURE() << "a second writer was let in";
+      } catch (const std::runtime_error& e) {
+        EXPECT_NE(std::string(e.what()).find("train.out_dir " + dir +
+                                             "/a is in use by another "
+                                             "fp4sim (PID " +
+                                             std::to_string(::getpid()) + ","),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+    EXPECT_FALSE(std::filesystem::exists(dir + "/a/log.jsonl"));  // refused before any output
+  }
+  std::ofstream(lock_file) << "2147483646\n";  // a dead writer's
+  train(c, quiet_options(), *make_cpu_backend());
+  std::ifstream in(lock_file);
+  std::string pid;
+  std::getline(in, pid);
+  EXPECT_EQ(pid, std::to_string(::getpid()));
 }
 
 TEST(Trainer, MissingDataIsAnErrorBeforeAnyWork) {
