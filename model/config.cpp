@@ -44,6 +44,10 @@ template <>
 struct EnumNames<ActivationStorage> {
   static constexpr const char* names[] = {"bf16", "fp32"};
 };
+template <>
+struct EnumNames<Schedule> {
+  static constexpr const char* names[] = {"cosine", "wsd"};
+};
 
 [[noreturn]] void bad(const std::string& m);
 
@@ -98,7 +102,7 @@ const std::vector<Field>& fields() {
                                        FP4SIM_FIELD(train, lr),
                                        FP4SIM_FIELD(train, min_lr_ratio),
                                        FP4SIM_FIELD(train, warmup),
-                                       FP4SIM_FIELD(train, schedule),
+                                       FP4SIM_ENUM_FIELD(train, schedule),
                                        FP4SIM_FIELD(train, decay_fraction),
                                        FP4SIM_FIELD(train, weight_decay),
                                        FP4SIM_FIELD(train, beta1),
@@ -451,7 +455,6 @@ void validate(const RunConfig& c) {
         " is longer than the learned positions table "
         "(model.max_positions " +
         std::to_string(m.max_positions) + ")");
-  one_of("train.schedule", t.schedule, {"cosine", "wsd"});
   auto num = [](double v) {  // as the user wrote it: 3e-4, 0.1, 10
     std::ostringstream o;
     o << v;
@@ -548,5 +551,6 @@ const char* name_of(Positions p) { return EnumNames<Positions>::names[static_cas
 const char* name_of(ActivationStorage s) {
   return EnumNames<ActivationStorage>::names[static_cast<int>(s)];
 }
+const char* name_of(Schedule s) { return EnumNames<Schedule>::names[static_cast<int>(s)]; }
 
 }  // namespace fp4sim::model

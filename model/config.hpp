@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "emu/backend.hpp"
+#include "model/schedule.hpp"
 
 namespace fp4sim::model {
 
@@ -20,6 +21,7 @@ const char* name_of(Activation a);         // gelu_tanh | squared_relu | swiglu
 const char* name_of(NormKind n);           // layernorm | rmsnorm
 const char* name_of(Positions p);          // learned | rope
 const char* name_of(ActivationStorage s);  // bf16 | fp32
+const char* name_of(Schedule s);           // cosine | wsd
 
 struct ModelConfig {
   int64_t vocab = 256;
@@ -55,8 +57,8 @@ struct TrainConfig {
   double lr = 3e-4;
   double min_lr_ratio = 0.1;
   int64_t warmup = 10;
-  std::string schedule = "cosine";  // cosine | wsd
-  double decay_fraction = 0.2;      // wsd: share of steps in the final decay
+  Schedule schedule = Schedule::Cosine;  // train.schedule: cosine | wsd
+  double decay_fraction = 0.2;           // wsd: share of steps in the final decay
   double weight_decay = 0.1;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double grad_clip = 1.0;

@@ -4,17 +4,19 @@
 
 #include <cmath>
 #include <cstdint>
-#include <string>
 
 namespace fp4sim::model {
 
+// train.schedule (the names, name_of: model/config.hpp).
+enum class Schedule : uint8_t { Cosine, Wsd };
+
 // step is 0-based; the result for step s is the rate used to take step s.
-inline double learning_rate(const std::string& schedule, int64_t step, int64_t steps,
-                            int64_t warmup, double lr, double min_lr_ratio, double decay_fraction) {
+inline double learning_rate(Schedule schedule, int64_t step, int64_t steps, int64_t warmup,
+                            double lr, double min_lr_ratio, double decay_fraction) {
   const double min_lr = lr * min_lr_ratio;
   if (warmup > 0 && step < warmup)
     return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
-  if (schedule == "wsd") {
+  if (schedule == Schedule::Wsd) {
     const int64_t decay_steps =
         static_cast<int64_t>(std::llround(decay_fraction * static_cast<double>(steps)));
     const int64_t decay_start = steps - decay_steps;

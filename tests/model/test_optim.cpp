@@ -80,17 +80,18 @@ TEST(Optim, ClipFactor) {
 
 TEST(Schedule, WarmupCosineAndWsd) {
   using model::learning_rate;
-  EXPECT_DOUBLE_EQ(learning_rate("cosine", 0, 100, 10, 1.0, 0.1, 0.2), 0.1);
-  EXPECT_DOUBLE_EQ(learning_rate("cosine", 9, 100, 10, 1.0, 0.1, 0.2), 1.0);
-  EXPECT_DOUBLE_EQ(learning_rate("cosine", 10, 100, 10, 1.0, 0.1, 0.2), 1.0);
-  EXPECT_NEAR(learning_rate("cosine", 99, 100, 10, 1.0, 0.1, 0.2), 0.1, 1e-12);
+  using model::Schedule;
+  EXPECT_DOUBLE_EQ(learning_rate(Schedule::Cosine, 0, 100, 10, 1.0, 0.1, 0.2), 0.1);
+  EXPECT_DOUBLE_EQ(learning_rate(Schedule::Cosine, 9, 100, 10, 1.0, 0.1, 0.2), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(Schedule::Cosine, 10, 100, 10, 1.0, 0.1, 0.2), 1.0);
+  EXPECT_NEAR(learning_rate(Schedule::Cosine, 99, 100, 10, 1.0, 0.1, 0.2), 0.1, 1e-12);
   for (int s = 11; s < 100; ++s)
-    EXPECT_LE(learning_rate("cosine", s, 100, 10, 1.0, 0.1, 0.2),
-              learning_rate("cosine", s - 1, 100, 10, 1.0, 0.1, 0.2));
-  EXPECT_DOUBLE_EQ(learning_rate("wsd", 50, 100, 10, 1.0, 0.1, 0.2), 1.0);
-  EXPECT_DOUBLE_EQ(learning_rate("wsd", 79, 100, 10, 1.0, 0.1, 0.2), 1.0);
-  EXPECT_NEAR(learning_rate("wsd", 99, 100, 10, 1.0, 0.1, 0.2), 0.1, 1e-12);
-  EXPECT_GT(learning_rate("wsd", 85, 100, 10, 1.0, 0.1, 0.2), 0.1);
+    EXPECT_LE(learning_rate(Schedule::Cosine, s, 100, 10, 1.0, 0.1, 0.2),
+              learning_rate(Schedule::Cosine, s - 1, 100, 10, 1.0, 0.1, 0.2));
+  EXPECT_DOUBLE_EQ(learning_rate(Schedule::Wsd, 50, 100, 10, 1.0, 0.1, 0.2), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(Schedule::Wsd, 79, 100, 10, 1.0, 0.1, 0.2), 1.0);
+  EXPECT_NEAR(learning_rate(Schedule::Wsd, 99, 100, 10, 1.0, 0.1, 0.2), 0.1, 1e-12);
+  EXPECT_GT(learning_rate(Schedule::Wsd, 85, 100, 10, 1.0, 0.1, 0.2), 0.1);
 }
 
 }  // namespace
