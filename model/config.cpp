@@ -48,6 +48,30 @@ template <>
 struct EnumNames<Schedule> {
   static constexpr const char* names[] = {"cosine", "wsd"};
 };
+template <>
+struct EnumNames<GemmImpl> {
+  static constexpr const char* names[] = {"exact", "cublaslt"};
+};
+template <>
+struct EnumNames<StochasticRounding> {
+  static constexpr const char* names[] = {"gradients", "off", "all"};
+};
+template <>
+struct EnumNames<FourOverSix> {
+  static constexpr const char* names[] = {"off", "weights", "activations", "all"};
+};
+template <>
+struct EnumNames<FourOverSixError> {
+  static constexpr const char* names[] = {"mae", "mse"};
+};
+template <>
+struct EnumNames<MxScaleRule> {
+  static constexpr const char* names[] = {"floor", "ceil"};
+};
+template <>
+struct EnumNames<Bf16Switch> {
+  static constexpr const char* names[] = {"forward", "all"};
+};
 
 [[noreturn]] void bad(const std::string& m);
 
@@ -118,18 +142,18 @@ const std::vector<Field>& fields() {
                                        FP4SIM_FIELD(train, keep_last),
                                        FP4SIM_FIELD(train, out_dir),
                                        FP4SIM_FIELD(recipe, name),
-                                       FP4SIM_FIELD(recipe, gemm),
+                                       FP4SIM_ENUM_FIELD(recipe, gemm),
                                        FP4SIM_FIELD(recipe, rht),
-                                       FP4SIM_FIELD(recipe, stochastic_rounding),
+                                       FP4SIM_ENUM_FIELD(recipe, stochastic_rounding),
                                        FP4SIM_FIELD(recipe, weight_2d),
-                                       FP4SIM_FIELD(recipe, four_over_six),
-                                       FP4SIM_FIELD(recipe, fos_error),
-                                       FP4SIM_FIELD(recipe, mx_scale_rule),
+                                       FP4SIM_ENUM_FIELD(recipe, four_over_six),
+                                       FP4SIM_ENUM_FIELD(recipe, fos_error),
+                                       FP4SIM_ENUM_FIELD(recipe, mx_scale_rule),
                                        FP4SIM_FIELD(recipe, hp_first),
                                        FP4SIM_FIELD(recipe, hp_last),
                                        FP4SIM_FIELD(recipe, hp_layers),
                                        FP4SIM_FIELD(recipe, bf16_from_step),
-                                       FP4SIM_FIELD(recipe, bf16_switch),
+                                       FP4SIM_ENUM_FIELD(recipe, bf16_switch),
                                        FP4SIM_FIELD(recipe, stats_every)};
   return f;
 }
@@ -223,12 +247,6 @@ void validate_recipe(const RunConfig& c) {
   const RecipeConfig& r = c.recipe;
   const ModelConfig& m = c.model;
   one_of("recipe.name", r.name, {"bf16", "fp8", "nvfp4", "mxfp4"});
-  one_of("recipe.gemm", r.gemm, {"exact", "cublaslt"});
-  one_of("recipe.stochastic_rounding", r.stochastic_rounding, {"gradients", "off", "all"});
-  one_of("recipe.four_over_six", r.four_over_six, {"off", "weights", "activations", "all"});
-  one_of("recipe.fos_error", r.fos_error, {"mae", "mse"});
-  one_of("recipe.mx_scale_rule", r.mx_scale_rule, {"floor", "ceil"});
-  one_of("recipe.bf16_switch", r.bf16_switch, {"forward", "all"});
   const int64_t L = m.n_layers;
   if (r.hp_first < -1 || r.hp_last < -1)
     bad("recipe.hp_first/hp_last (" + std::to_string(r.hp_first) + ", " +
@@ -244,7 +262,7 @@ void validate_recipe(const RunConfig& c) {
     bad("recipe.stats_every must be >= 0 (0: no statistics), got " + std::to_string(r.stats_every));
   if (r.bf16_from_step == 0 || r.bf16_from_step < -1)
     bad("recipe.bf16_from_step must be a step number >= 1 (steps count from 1), or -1 for never");
-  const bool fos = r.four_over_six != "off";
+  const bool fos = r.four_over_six != FourOverSix::Off;
   const bool mx = r.name == "mxfp4";
   if (mx && r.weight_2d)
     bad("recipe.weight_2d: MXFP4 has no 2D blocks (set recipe.weight_2d=false)");
@@ -252,17 +270,18 @@ void validate_recipe(const RunConfig& c) {
   if (r.name == "fp8" && fos)
     bad("recipe.four_over_six: Four Over Six is an NVFP4 technique, not FP8");
   // Four Over Six needs RN and no RHT on every copy of the tensors it applies to
-  if ((r.four_over_six == "activations" || r.four_over_six == "all") && r.rht)
-    bad("recipe.four_over_six " + r.four_over_six +
+  if ((r.four_over_six == FourOverSix::Activations || r.four_over_six == FourOverSix::All) && r.rht)
+    bad(std::string("recipe.four_over_six ") + name_of(r.four_over_six) +
         " with recipe.rht: the Wgrad copies get the RHT, which "
         "Four Over Six cannot follow; set recipe.rht=false");
-  if (r.four_over_six == "all" && r.stochastic_rounding != "off")
+  if (r.four_over_six == FourOverSix::All && r.stochastic_rounding != StochasticRounding::Off)
     bad("recipe.four_over_six all with stochastic rounding: Four Over Six is RN only; set "
         "recipe.stochastic_rounding=off");
-  if (r.four_over_six == "weights" && r.stochastic_rounding == "all")
+  if (r.four_over_six == FourOverSix::Weights && r.stochastic_rounding == StochasticRounding::All)
     bad("recipe.four_over_six weights with recipe.stochastic_rounding all: Four Over Six is RN "
         "only");
-  if (r.four_over_six == "activations" && r.stochastic_rounding == "all")
+  if (r.four_over_six == FourOverSix::Activations &&
+      r.stochastic_rounding == StochasticRounding::All)
     bad("recipe.four_over_six activations with recipe.stochastic_rounding all: Four Over Six is RN "
         "only");
   // block sizes: every quantized GEMM's K dimension (d_model, d_ff, the qkv width, the tokens of a
@@ -552,5 +571,15 @@ const char* name_of(ActivationStorage s) {
   return EnumNames<ActivationStorage>::names[static_cast<int>(s)];
 }
 const char* name_of(Schedule s) { return EnumNames<Schedule>::names[static_cast<int>(s)]; }
+const char* name_of(GemmImpl g) { return EnumNames<GemmImpl>::names[static_cast<int>(g)]; }
+const char* name_of(StochasticRounding s) {
+  return EnumNames<StochasticRounding>::names[static_cast<int>(s)];
+}
+const char* name_of(FourOverSix f) { return EnumNames<FourOverSix>::names[static_cast<int>(f)]; }
+const char* name_of(FourOverSixError e) {
+  return EnumNames<FourOverSixError>::names[static_cast<int>(e)];
+}
+const char* name_of(MxScaleRule r) { return EnumNames<MxScaleRule>::names[static_cast<int>(r)]; }
+const char* name_of(Bf16Switch b) { return EnumNames<Bf16Switch>::names[static_cast<int>(b)]; }
 
 }  // namespace fp4sim::model

@@ -14,14 +14,26 @@
 
 namespace fp4sim::model {
 
-// The model's choices, enums from parse time on (the names are those of the config files).
+// The config's choices, enums from parse time on (the names are those of the config files).
 enum class Positions : uint8_t { Learned, Rope };
 enum class ActivationStorage : uint8_t { BF16, FP32 };
-const char* name_of(Activation a);         // gelu_tanh | squared_relu | swiglu
-const char* name_of(NormKind n);           // layernorm | rmsnorm
-const char* name_of(Positions p);          // learned | rope
-const char* name_of(ActivationStorage s);  // bf16 | fp32
-const char* name_of(Schedule s);           // cosine | wsd
+// recipe.stochastic_rounding: SR on the gradient copies; off; on every copy (x and W too).
+enum class StochasticRounding : uint8_t { Gradients, Off, All };
+// recipe.four_over_six: the tensors whose NVFP4 copies get Four Over Six's block scales.
+enum class FourOverSix : uint8_t { Off, Weights, Activations, All };
+// recipe.bf16_switch: what the late switch to BF16 moves, the Fprop GEMMs or all three.
+enum class Bf16Switch : uint8_t { Forward, All };
+const char* name_of(Activation a);          // gelu_tanh | squared_relu | swiglu
+const char* name_of(NormKind n);            // layernorm | rmsnorm
+const char* name_of(Positions p);           // learned | rope
+const char* name_of(ActivationStorage s);   // bf16 | fp32
+const char* name_of(Schedule s);            // cosine | wsd
+const char* name_of(GemmImpl g);            // exact | cublaslt
+const char* name_of(StochasticRounding s);  // gradients | off | all
+const char* name_of(FourOverSix f);         // off | weights | activations | all
+const char* name_of(FourOverSixError e);    // mae | mse
+const char* name_of(MxScaleRule r);         // floor | ceil
+const char* name_of(Bf16Switch b);          // forward | all
 
 struct ModelConfig {
   int64_t vocab = 256;
@@ -79,21 +91,23 @@ struct TrainConfig {
 // The low-precision recipe (DESIGN.md §9, issue 5). Defaults are the published NVFP4 recipe; they
 // are ignored by recipe.name = bf16.
 struct RecipeConfig {
-  std::string name = "bf16";   // bf16 | fp8 | nvfp4 | mxfp4 (fp8: exact GEMMs only)
-  std::string gemm = "exact";  // exact (the tensor-core model) | cublaslt (cuda backend only)
-  bool rht = true;             // 16-point RHT on the Wgrad operands
-  std::string stochastic_rounding = "gradients";  // gradients | off | all (all: unusual, warns)
-  bool weight_2d = true;                // NVFP4 16x16 weight blocks (Dgrad weight = Fprop weight^T)
-  std::string four_over_six = "off";    // off | weights | activations | all
-  std::string fos_error = "mae";        // mae | mse
-  std::string mx_scale_rule = "floor";  // floor | ceil (mxfp4)
+  std::string name = "bf16";  // bf16 | fp8 | nvfp4 | mxfp4 (fp8: exact GEMMs only)
+  // exact (the tensor-core model) | cublaslt (cuda backend only)
+  GemmImpl gemm = GemmImpl::Exact;
+  bool rht = true;  // 16-point RHT on the Wgrad operands
+  // gradients | off | all (all: unusual, warns)
+  StochasticRounding stochastic_rounding = StochasticRounding::Gradients;
+  bool weight_2d = true;  // NVFP4 16x16 weight blocks (Dgrad weight = Fprop weight^T)
+  FourOverSix four_over_six = FourOverSix::Off;        // off | weights | activations | all
+  FourOverSixError fos_error = FourOverSixError::MAE;  // mae | mse
+  MxScaleRule mx_scale_rule = MxScaleRule::Floor;      // floor | ceil (mxfp4)
   int64_t hp_first = -1;  // blocks kept in BF16 at the start; -1 = the recipe's default (§9)
   int64_t hp_last = -1;   // ... at the end; -1 = default
   std::vector<int64_t> hp_layers;  // further blocks kept in BF16
   int64_t bf16_from_step =
       -1;  // the late switch to BF16 from this step on (1-based, as printed; -1 = never)
-  std::string bf16_switch = "all";  // forward (Fprop GEMMs only) | all
-  int64_t stats_every = 0;          // per-tensor quantization statistics every N steps (0 = off)
+  Bf16Switch bf16_switch = Bf16Switch::All;  // forward (Fprop GEMMs only) | all
+  int64_t stats_every = 0;  // per-tensor quantization statistics every N steps (0 = off)
   // Per-GEMM recipe ("blocks.<block>..." with a model.pattern):
   // "h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>.<fprop|dgrad|wgrad>"
   // -> bf16 | nvfp4 | mxfp4 | fp8 (keys recipe.override.<that>).

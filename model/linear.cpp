@@ -36,18 +36,19 @@ LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& 
   }
   if (rc.bf16_from_step > 0 && step + 1 >= rc.bf16_from_step) {  // steps count from 1, as printed
     r.fprop = "bf16";
-    if (rc.bf16_switch == "all") r.dgrad = r.wgrad = "bf16";
+    if (rc.bf16_switch == Bf16Switch::All) r.dgrad = r.wgrad = "bf16";
   }
   r.rht = rc.rht;
-  r.sr_gradients = rc.stochastic_rounding != "off";
-  r.sr_other = rc.stochastic_rounding == "all";
+  r.sr_gradients = rc.stochastic_rounding != StochasticRounding::Off;
+  r.sr_other = rc.stochastic_rounding == StochasticRounding::All;
   r.weight_2d = rc.weight_2d;
-  r.fos_weights = rc.four_over_six == "weights" || rc.four_over_six == "all";
-  r.fos_activations = rc.four_over_six == "activations" || rc.four_over_six == "all";
-  r.fos_gradients = rc.four_over_six == "all";
-  r.fos_error = rc.fos_error == "mse" ? FourOverSixError::MSE : FourOverSixError::MAE;
-  r.mx_rule = rc.mx_scale_rule == "ceil" ? MxScaleRule::Ceil : MxScaleRule::Floor;
-  r.impl = rc.gemm == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
+  r.fos_weights = rc.four_over_six == FourOverSix::Weights || rc.four_over_six == FourOverSix::All;
+  r.fos_activations =
+      rc.four_over_six == FourOverSix::Activations || rc.four_over_six == FourOverSix::All;
+  r.fos_gradients = rc.four_over_six == FourOverSix::All;
+  r.fos_error = rc.fos_error;
+  r.mx_rule = rc.mx_scale_rule;
+  r.impl = rc.gemm;
   return r;
 }
 

@@ -245,7 +245,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   model.init(c.train.seed);
   model.set_recipe(c);
   if (opt.print && c.recipe.name != "bf16") {
-    std::printf("recipe %s (gemm %s):\n%s", c.recipe.name.c_str(), c.recipe.gemm.c_str(),
+    std::printf("recipe %s (gemm %s):\n%s", c.recipe.name.c_str(), name_of(c.recipe.gemm),
                 model.describe_recipe().c_str());
     const std::vector<bool> hp = high_precision_blocks(c);
     if (std::all_of(hp.begin(), hp.end(), [](bool b) { return b; }))
@@ -255,8 +255,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     if (c.recipe.bf16_from_step > 0)
       std::printf("late switch: from step %lld, %s in BF16\n",
                   static_cast<long long>(c.recipe.bf16_from_step),
-                  c.recipe.bf16_switch == "all" ? "every GEMM" : "the Fprop GEMMs");
-    if (c.recipe.stochastic_rounding == "all")
+                  c.recipe.bf16_switch == Bf16Switch::All ? "every GEMM" : "the Fprop GEMMs");
+    if (c.recipe.stochastic_rounding == StochasticRounding::All)
       std::printf(
           "warning: recipe.stochastic_rounding all puts SR on weights and activations too "
           "(unusual)\n");
@@ -418,7 +418,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     model.set_step(step);
     if (opt.print && c.recipe.name != "bf16" && step + 1 == c.recipe.bf16_from_step && step > 0)
       std::printf("step %5lld | late switch to BF16 (%s)\n", static_cast<long long>(step + 1),
-                  c.recipe.bf16_switch.c_str());
+                  name_of(c.recipe.bf16_switch));
     const bool stats_now =
         c.recipe.stats_every > 0 && c.recipe.name != "bf16" && step % c.recipe.stats_every == 0;
     // grad_accum micro-batches of B sequences; the gradients add up in grads(), each scaled by

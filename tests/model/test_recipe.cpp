@@ -134,7 +134,7 @@ TEST(Recipe, OverridesAndTheLateSwitchResolvePerGemm) {
   r = resolve_linear_recipe(c, hp, 0, 0, 5);
   EXPECT_EQ(r.fprop, "bf16");
   EXPECT_EQ(r.dgrad, "nvfp4");
-  c.recipe.bf16_switch = "all";
+  c.recipe.bf16_switch = Bf16Switch::All;
   r = resolve_linear_recipe(c, hp, 0, 0, 5);
   EXPECT_FALSE(r.any_quantized());
   // the override survives a round trip through the saved config
