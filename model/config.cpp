@@ -45,6 +45,10 @@ struct EnumNames<ActivationStorage> {
   static constexpr const char* names[] = {"bf16", "fp32"};
 };
 template <>
+struct EnumNames<GemmFormat> {
+  static constexpr const char* names[] = {"bf16", "fp8", "nvfp4", "mxfp4"};
+};
+template <>
 struct EnumNames<Schedule> {
   static constexpr const char* names[] = {"cosine", "wsd"};
 };
@@ -75,16 +79,22 @@ struct EnumNames<Bf16Switch> {
 
 [[noreturn]] void bad(const std::string& m);
 
+// E's names, "a, b, c".
+template <class E>
+std::string enum_names() {
+  std::string list;
+  for (size_t i = 0; i < std::size(EnumNames<E>::names); ++i)
+    list += std::string(i ? ", " : "") + EnumNames<E>::names[i];
+  return list;
+}
+
 // key's value (a JSON string) as an enum E: the error names the key and lists the names.
 template <class E>
-E parse_enum(const char* key, const Json& v) {
+E parse_enum(const std::string& key, const Json& v) {
   const std::string s = v.get<std::string>();  // (a non-string: Json's type error, "wrong type")
-  std::string list;
-  for (size_t i = 0; i < std::size(EnumNames<E>::names); ++i) {
+  for (size_t i = 0; i < std::size(EnumNames<E>::names); ++i)
     if (s == EnumNames<E>::names[i]) return static_cast<E>(i);
-    list += std::string(i ? ", " : "") + EnumNames<E>::names[i];
-  }
-  bad(std::string(key) + " '" + s + "' is not one of: " + list);
+  bad(key + " '" + s + "' is not one of: " + enum_names<E>());
 }
 
 // clang-format off
@@ -141,7 +151,7 @@ const std::vector<Field>& fields() {
                                        FP4SIM_FIELD(train, checkpoint_every),
                                        FP4SIM_FIELD(train, keep_last),
                                        FP4SIM_FIELD(train, out_dir),
-                                       FP4SIM_FIELD(recipe, name),
+                                       FP4SIM_ENUM_FIELD(recipe, name),
                                        FP4SIM_ENUM_FIELD(recipe, gemm),
                                        FP4SIM_FIELD(recipe, rht),
                                        FP4SIM_ENUM_FIELD(recipe, stochastic_rounding),
@@ -176,11 +186,12 @@ std::string key_list() {
 constexpr const char* kOverridePrefix = "recipe.override.";
 
 void set_key(RunConfig& c, const std::string& key, const Json& v, const std::string& where) {
-  if (key.rfind(kOverridePrefix, 0) == 0) {  // a per-GEMM recipe; checked in validate()
+  if (key.rfind(kOverridePrefix, 0) == 0) {  // a per-GEMM recipe; its key is checked in validate()
     if (!v.is_string())
       throw std::invalid_argument(where + ": " + key + " = " + v.dump() +
-                                  " must be a recipe name (bf16, nvfp4, mxfp4, fp8)");
-    c.recipe.override_gemms[key.substr(std::string(kOverridePrefix).size())] = v.get<std::string>();
+                                  " must be a recipe name (" + enum_names<GemmFormat>() + ")");
+    c.recipe.override_gemms[key.substr(std::string(kOverridePrefix).size())] =
+        parse_enum<GemmFormat>(key, v);
     return;
   }
   const Field* f = find_field(key);
@@ -233,20 +244,9 @@ void flatten(const Json& j, const std::string& prefix,
 
 [[noreturn]] void bad(const std::string& m) { throw std::invalid_argument("config: " + m); }
 
-// A string key whose value must be one of a fixed set: the error names the key and lists the set.
-void one_of(const std::string& key, const std::string& v, std::initializer_list<const char*> ok) {
-  std::string list;
-  for (const char* o : ok) {
-    if (v == o) return;
-    list += std::string(list.empty() ? "" : ", ") + o;
-  }
-  bad(key + " '" + v + "' is not one of: " + list);
-}
-
 void validate_recipe(const RunConfig& c) {
   const RecipeConfig& r = c.recipe;
   const ModelConfig& m = c.model;
-  one_of("recipe.name", r.name, {"bf16", "fp8", "nvfp4", "mxfp4"});
   const int64_t L = m.n_layers;
   if (r.hp_first < -1 || r.hp_last < -1)
     bad("recipe.hp_first/hp_last (" + std::to_string(r.hp_first) + ", " +
@@ -263,11 +263,11 @@ void validate_recipe(const RunConfig& c) {
   if (r.bf16_from_step == 0 || r.bf16_from_step < -1)
     bad("recipe.bf16_from_step must be a step number >= 1 (steps count from 1), or -1 for never");
   const bool fos = r.four_over_six != FourOverSix::Off;
-  const bool mx = r.name == "mxfp4";
+  const bool mx = r.name == GemmFormat::MXFP4;
   if (mx && r.weight_2d)
     bad("recipe.weight_2d: MXFP4 has no 2D blocks (set recipe.weight_2d=false)");
   if (mx && fos) bad("recipe.four_over_six: Four Over Six is an NVFP4 technique, not MXFP4");
-  if (r.name == "fp8" && fos)
+  if (r.name == GemmFormat::FP8 && fos)
     bad("recipe.four_over_six: Four Over Six is an NVFP4 technique, not FP8");
   // Four Over Six needs RN and no RHT on every copy of the tensors it applies to
   if ((r.four_over_six == FourOverSix::Activations || r.four_over_six == FourOverSix::All) && r.rht)
@@ -286,11 +286,11 @@ void validate_recipe(const RunConfig& c) {
         "only");
   // block sizes: every quantized GEMM's K dimension (d_model, d_ff, the qkv width, the tokens of a
   // step for Wgrad) must be a multiple of the block (16 NVFP4, 32 MXFP4), and so must the 2D rows
-  bool any_mx = mx, any_fp8 = r.name == "fp8", any_q = r.name != "bf16";
+  bool any_mx = mx, any_fp8 = r.name == GemmFormat::FP8, any_q = r.name != GemmFormat::BF16;
   for (const auto& kv : r.override_gemms) {
-    any_mx = any_mx || kv.second == "mxfp4";
-    any_fp8 = any_fp8 || kv.second == "fp8";
-    any_q = any_q || kv.second != "bf16";
+    any_mx = any_mx || kv.second == GemmFormat::MXFP4;
+    any_fp8 = any_fp8 || kv.second == GemmFormat::FP8;
+    any_q = any_q || kv.second != GemmFormat::BF16;
   }
   if (any_q) {
     const int64_t blk = any_fp8 ? 128 : (any_mx ? 32 : 16), hd = m.d_model / m.n_heads;
@@ -306,9 +306,10 @@ void validate_recipe(const RunConfig& c) {
             " block the quantized GEMMs need");
   }
   // h.<layer>.<linear>.<gemm> (the presets' layout), blocks.<block>.<linear>.<gemm> (a pattern,
-  // the linear one of the block's mixer)
+  // the linear one of the block's mixer); the value is parsed already
   const std::string unit = m.pattern.empty() ? "h" : "blocks";
-  for (const auto& [k, v] : r.override_gemms) {
+  for (const auto& kv : r.override_gemms) {
+    const std::string& k = kv.first;
     const auto a = k.find('.'), b = k.find('.', a + 1), z = k.rfind('.');
     bool ok = k.rfind(unit + ".", 0) == 0 && b != std::string::npos && z > b;
     int64_t l = -1;
@@ -337,7 +338,6 @@ void validate_recipe(const RunConfig& c) {
         bad("recipe.override." + k + ": block " + std::to_string(l) + " of model.pattern is " +
             (attn ? "an MLP ('-')" : "attention ('*')") + ", which has no " + lin);
     }
-    one_of("recipe.override." + k, v, {"bf16", "nvfp4", "mxfp4", "fp8"});
   }
 }
 
@@ -350,7 +350,7 @@ nlohmann::json to_json(const RunConfig& c) {
     const auto dot = k.find('.');
     j[k.substr(0, dot)][k.substr(dot + 1)] = f.get(c);
   }
-  for (const auto& [k, v] : c.recipe.override_gemms) j["recipe"]["override"][k] = v;
+  for (const auto& [k, v] : c.recipe.override_gemms) j["recipe"]["override"][k] = name_of(v);
   return j;
 }
 
@@ -407,7 +407,7 @@ RunConfig config_from_json(const Json& j, const std::vector<std::string>& overri
   }
   // recipe.weight_2d defaults to the NVFP4 recipe's true; MXFP4 has no 2D blocks, so there the
   // default is false (an explicit true stays an error)
-  if (c.recipe.name == "mxfp4" &&
+  if (c.recipe.name == GemmFormat::MXFP4 &&
       std::find(set_keys.begin(), set_keys.end(), "recipe.weight_2d") == set_keys.end())
     c.recipe.weight_2d = false;
   validate(c);
@@ -515,14 +515,14 @@ void validate(const RunConfig& c) {
 
 std::vector<bool> high_precision_blocks(const RunConfig& c) {
   const int64_t L = c.model.n_layers;
-  const bool fp8 = c.recipe.name == "fp8";
+  const bool fp8 = c.recipe.name == GemmFormat::FP8;
   auto round_div = [](int64_t num, int64_t den) {
     return (2 * num + den) / (2 * den);
   };  // round half up
   const int64_t first =
       c.recipe.hp_first >= 0 ? c.recipe.hp_first : round_div((fp8 ? 1 : 2) * L, 62);
   const int64_t last = c.recipe.hp_last >= 0 ? c.recipe.hp_last : round_div((fp8 ? 2 : 8) * L, 62);
-  std::vector<bool> hp(static_cast<size_t>(L), c.recipe.name == "bf16");
+  std::vector<bool> hp(static_cast<size_t>(L), c.recipe.name == GemmFormat::BF16);
   for (int64_t l = 0; l < L; ++l)
     if (l < first || l >= L - last) hp[static_cast<size_t>(l)] = true;
   for (int64_t l : c.recipe.hp_layers)
@@ -570,6 +570,7 @@ const char* name_of(Positions p) { return EnumNames<Positions>::names[static_cas
 const char* name_of(ActivationStorage s) {
   return EnumNames<ActivationStorage>::names[static_cast<int>(s)];
 }
+const char* name_of(GemmFormat f) { return EnumNames<GemmFormat>::names[static_cast<int>(f)]; }
 const char* name_of(Schedule s) { return EnumNames<Schedule>::names[static_cast<int>(s)]; }
 const char* name_of(GemmImpl g) { return EnumNames<GemmImpl>::names[static_cast<int>(g)]; }
 const char* name_of(StochasticRounding s) {

@@ -17,6 +17,9 @@ namespace fp4sim::model {
 // The config's choices, enums from parse time on (the names are those of the config files).
 enum class Positions : uint8_t { Learned, Rope };
 enum class ActivationStorage : uint8_t { BF16, FP32 };
+// The format of a GEMM's operands: recipe.name, the values of recipe.override.*, and each GEMM of
+// a resolved LinearRecipe. BF16 quantizes nothing; the others are quantized copies (QFormat).
+enum class GemmFormat : uint8_t { BF16, FP8, NVFP4, MXFP4 };
 // recipe.stochastic_rounding: SR on the gradient copies; off; on every copy (x and W too).
 enum class StochasticRounding : uint8_t { Gradients, Off, All };
 // recipe.four_over_six: the tensors whose NVFP4 copies get Four Over Six's block scales.
@@ -28,6 +31,7 @@ const char* name_of(NormKind n);            // layernorm | rmsnorm
 const char* name_of(Positions p);           // learned | rope
 const char* name_of(ActivationStorage s);   // bf16 | fp32
 const char* name_of(Schedule s);            // cosine | wsd
+const char* name_of(GemmFormat f);          // bf16 | fp8 | nvfp4 | mxfp4
 const char* name_of(GemmImpl g);            // exact | cublaslt
 const char* name_of(StochasticRounding s);  // gradients | off | all
 const char* name_of(FourOverSix f);         // off | weights | activations | all
@@ -91,7 +95,7 @@ struct TrainConfig {
 // The low-precision recipe (DESIGN.md §9, issue 5). Defaults are the published NVFP4 recipe; they
 // are ignored by recipe.name = bf16.
 struct RecipeConfig {
-  std::string name = "bf16";  // bf16 | fp8 | nvfp4 | mxfp4 (fp8: exact GEMMs only)
+  GemmFormat name = GemmFormat::BF16;  // bf16 | fp8 | nvfp4 | mxfp4 (fp8: exact GEMMs only)
   // exact (the tensor-core model) | cublaslt (cuda backend only)
   GemmImpl gemm = GemmImpl::Exact;
   bool rht = true;  // 16-point RHT on the Wgrad operands
@@ -111,7 +115,7 @@ struct RecipeConfig {
   // Per-GEMM recipe ("blocks.<block>..." with a model.pattern):
   // "h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>.<fprop|dgrad|wgrad>"
   // -> bf16 | nvfp4 | mxfp4 | fp8 (keys recipe.override.<that>).
-  std::map<std::string, std::string> override_gemms;
+  std::map<std::string, GemmFormat> override_gemms;
 };
 
 struct RunConfig {
@@ -124,14 +128,16 @@ nlohmann::json to_json(const RunConfig& c);
 
 // Reads a JSON config file (nested objects, or dotted keys), then applies key=value overrides.
 // Unknown keys, wrong types and impossible values throw std::invalid_argument naming the key and
-// listing the valid ones; validate() is called on the result.
+// listing the valid ones; a name that is not one of its key's (an enum above) is refused as the
+// key is read, listing the names; validate() is called on the result. to_json writes the enums'
+// names back, so a config and a checkpoint's state.json read the same as they were written.
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides);
 // `source` names the JSON in error messages (a config file's path, a checkpoint's state.json).
 RunConfig config_from_json(const nlohmann::json& j, const std::vector<std::string>& overrides,
                            const std::string& source = "config file");
 
-// d_model divisible by heads, heads by KV heads, sequence within the positions table, known
-// activation/norm/positions/schedule/recipe names, positive sizes.
+// d_model divisible by heads, heads by KV heads, sequence within the positions table, positive
+// sizes, the recipe's combinations (Four Over Six, blocks, recipe.override.* keys).
 void validate(const RunConfig& c);
 
 std::vector<std::string> valid_keys();

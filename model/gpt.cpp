@@ -122,7 +122,8 @@ std::string Gpt::describe_recipe() const {
            (high_precision_[static_cast<size_t>(l)] ? " (high precision)" : "") + ":";
     for (int i = blocks_[b].linear0; i < blocks_[b].linear0 + 2; ++i) {
       const LinearRecipe& r = linear_recipe(l, i);
-      s += std::string("  ") + kLinearNames[i] + " " + r.fprop + "/" + r.dgrad + "/" + r.wgrad;
+      s += std::string("  ") + kLinearNames[i] + " " + name_of(r.fprop) + "/" + name_of(r.dgrad) +
+           "/" + name_of(r.wgrad);
     }
   }
   s += "\n";
@@ -247,7 +248,7 @@ TensorView Gpt::linear_input(size_t b, int i) {
   static constexpr const char* kNames[4] = {"ln_1 output", "attention output", "ln_2 output",
                                             "mlp activation"};
   // the attention output (linear 1's input) is always kept: the attention backward pass reads it
-  if (linear != 1 && linear_recipe(l, linear).wgrad != "bf16")
+  if (linear != 1 && linear_recipe(l, linear).wgrad != GemmFormat::BF16)
     return act_view(bits ? scratch16_in_[linear] : scratch_in_[linear], N, width, bits,
                     kNames[linear]);
   return act_view(i == 0 ? a.norm : a.y, N, width, bits, kNames[linear]);
@@ -310,7 +311,7 @@ void Gpt::linear_bwd(int64_t l, int linear, size_t b, const TensorView& dinp,
   const int i = linear - blocks_[b].linear0;
   const LinearRecipe& r = linear_recipe(l, linear);
   // the input as the forward pass kept it, where the Wgrad reads it (else the saved copy)
-  const TensorView inp = r.wgrad == "bf16" ? as_stored(linear_input(b, i)) : TensorView{};
+  const TensorView inp = r.wgrad == GemmFormat::BF16 ? as_stored(linear_input(b, i)) : TensorView{};
   linear_backward(be_, r, ids, dinp, grad(name + ".weight"),
                   cfg_.bias ? grad(name + ".bias") : TensorView{}, dout, inp,
                   linear_weights(l, linear), prec_, stats_active_ ? &stats_ : nullptr, name,

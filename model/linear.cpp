@@ -25,18 +25,19 @@ LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& 
                                    int64_t layer, int linear, int64_t step) {
   const RecipeConfig& rc = c.recipe;
   LinearRecipe r;
-  const std::string base = high_precision.at(static_cast<size_t>(layer)) ? "bf16" : rc.name;
+  const GemmFormat base =
+      high_precision.at(static_cast<size_t>(layer)) ? GemmFormat::BF16 : rc.name;
   r.fprop = r.dgrad = r.wgrad = base;
   const std::string key = unit_prefix(c.model, layer) + "." + kLinearNames[linear] + ".";
-  for (auto [gemm, slot] : {std::pair<const char*, std::string*>{"fprop", &r.fprop},
+  for (auto [gemm, slot] : {std::pair<const char*, GemmFormat*>{"fprop", &r.fprop},
                             {"dgrad", &r.dgrad},
                             {"wgrad", &r.wgrad}}) {
     const auto it = rc.override_gemms.find(key + gemm);
     if (it != rc.override_gemms.end()) *slot = it->second;
   }
   if (rc.bf16_from_step > 0 && step + 1 >= rc.bf16_from_step) {  // steps count from 1, as printed
-    r.fprop = "bf16";
-    if (rc.bf16_switch == Bf16Switch::All) r.dgrad = r.wgrad = "bf16";
+    r.fprop = GemmFormat::BF16;
+    if (rc.bf16_switch == Bf16Switch::All) r.dgrad = r.wgrad = GemmFormat::BF16;
   }
   r.rht = rc.rht;
   r.sr_gradients = rc.stochastic_rounding != StochasticRounding::Off;
@@ -77,12 +78,23 @@ QuantizedCopy::QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f,
 
 namespace {
 
-QFormat format_of(const std::string& name) {
-  return name == "fp8" ? QFormat::FP8 : (name == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+// The quantized copies' format of a quantized GEMM (a BF16 GEMM makes none).
+QFormat qformat_of(GemmFormat f) {
+  switch (f) {
+    case GemmFormat::FP8:
+      return QFormat::FP8;
+    case GemmFormat::NVFP4:
+      return QFormat::NVFP4;
+    case GemmFormat::MXFP4:
+      return QFormat::MXFP4;
+    case GemmFormat::BF16:
+      break;
+  }
+  throw std::logic_error("qformat_of: a BF16 GEMM has no quantized copies");
 }
 
 struct CopyRequest {
-  const std::string* format;
+  GemmFormat format;
   bool columnwise = false;
   bool weight = false;  // 2D blocks when the recipe says so (NVFP4)
   bool rht = false;
@@ -96,20 +108,21 @@ struct CopyRequest {
 
 // Whether copy q gets a decoded BF16 buffer: a transient FP4 copy on a backend that reads one.
 bool wants_decoded(Backend& be, const LinearRecipe& r, const CopyRequest& q) {
-  return q.transient && *q.format != "fp8" &&
+  return q.transient && q.format != GemmFormat::FP8 &&
          be.supports(Capability::GemmDecodedOperand, static_cast<int64_t>(r.impl));
 }
 
 // Whether copy q gets its scales also in the GEMM's layout: an FP8 copy (saved or not) on a backend
 // whose GEMM reads them (Backend::fp8_scales_for_gemm).
 bool wants_scales_gemm(Backend& be, const LinearRecipe& r, const CopyRequest& q) {
-  return *q.format == "fp8" && be.supports(Capability::GemmFp8Scales, static_cast<int64_t>(r.impl));
+  return q.format == GemmFormat::FP8 &&
+         be.supports(Capability::GemmFp8Scales, static_cast<int64_t>(r.impl));
 }
 
 // The quantizer configuration of one requested copy (only that copy enabled).
 QuantizeConfig copy_config(const LinearRecipe& r, uint64_t seed, const CopyRequest& q) {
   QuantizeConfig qc;
-  qc.format = format_of(*q.format);
+  qc.format = qformat_of(q.format);
   const bool fp8 = qc.format == QFormat::FP8;
   // FP8 (§9): 128x128 weight tiles, 1x128 elsewhere, RN, no RHT, no Four Over Six
   qc.block_2d = q.weight && (fp8 || (r.weight_2d && qc.format == QFormat::NVFP4));
@@ -154,7 +167,7 @@ std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r,
 
 // Whether one quantize call can make both copies: same format, block shape and Four Over Six.
 bool can_combine(const CopyRequest& row_q, const CopyRequest& col_q) {
-  return *row_q.format == *col_q.format && row_q.weight == col_q.weight && row_q.fos == col_q.fos;
+  return row_q.format == col_q.format && row_q.weight == col_q.weight && row_q.fos == col_q.fos;
 }
 
 // A row-wise and a column-wise copy of the same x, in one quantize call where can_combine allows
@@ -210,7 +223,7 @@ uint64_t copy_stream(const LinearIds& ids, TensorRole role, int copy) {
 // x's Wgrad copy (column-wise, RHT when the recipe says so), made in the forward pass to be saved
 // or in the backward pass when it was not.
 CopyRequest x_wgrad_request(const LinearRecipe& r, const LinearIds& ids, bool saved) {
-  return {&r.wgrad,
+  return {r.wgrad,
           true,
           false,
           r.rht,
@@ -223,7 +236,7 @@ CopyRequest x_wgrad_request(const LinearRecipe& r, const LinearIds& ids, bool sa
 // W's Dgrad copy (column-wise, 2D blocks when the recipe says so), made in the forward pass to be
 // saved or in the backward pass when it was not.
 CopyRequest w_dgrad_request(const LinearRecipe& r, const LinearIds& ids, bool saved) {
-  return {&r.dgrad,
+  return {r.dgrad,
           true,
           true,
           false,
@@ -274,16 +287,16 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, co
                     const ActivationSource* pending_input) {
   const TensorView& x = pending_input ? pending_input->out : inp;
   const int64_t N = x.rows, OC = w.weight.rows;
-  if (stats && r.fprop != "bf16" && x.dtype != DType::F32)
+  if (stats && r.fprop != GemmFormat::BF16 && x.dtype != DType::F32)
     throw std::logic_error("linear_forward (" + name +
                            "): statistics read the float32 input, not BF16 bits");
   if (pending_input && pending_input->out.dtype == DType::BF16 &&
-      (r.fprop != "bf16" || r.wgrad != "bf16"))
+      (r.fprop != GemmFormat::BF16 || r.wgrad != GemmFormat::BF16))
     throw std::logic_error("linear_forward (" + name +
                            "): a pending input kept as BF16 bits needs BF16 GEMMs");
   // (built only where a copy is made: a BF16 GEMM draws no SR stream)
   auto x_fprop = [&] {
-    return CopyRequest{&r.fprop,
+    return CopyRequest{r.fprop,
                        false,
                        false,
                        false,
@@ -293,11 +306,12 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, co
   };
   // a pending input is quantized straight from its op where one call makes both copies and
   // nothing else reads x; otherwise the op runs now
-  const bool fuse_input = pending_input && save_wgrad_input && r.wgrad != "bf16" &&
-                          r.fprop != "bf16" && !stats &&
+  const bool fuse_input = pending_input && save_wgrad_input && r.wgrad != GemmFormat::BF16 &&
+                          r.fprop != GemmFormat::BF16 && !stats &&
                           can_combine(x_fprop(), x_wgrad_request(r, ids, true));
   // (a BF16 layer: Backend::matmul_forward_activation, which writes x too for the backward pass)
-  const bool fuse_bf16_input = pending_input && r.fprop == "bf16" && r.wgrad == "bf16";
+  const bool fuse_bf16_input =
+      pending_input && r.fprop == GemmFormat::BF16 && r.wgrad == GemmFormat::BF16;
   if (pending_input && !fuse_input && !fuse_bf16_input) run_activation(be, *pending_input);
   // the Wgrad operand x^T, quantized now so the backward pass needs no float32 copy of x; with a
   // quantized Fprop too, both copies come from one quantize call
@@ -306,18 +320,18 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, co
     save_dgrad_weight->reset();  // (also when this pass makes none: never a stale W)
   if (save_wgrad_input) {
     save_wgrad_input->reset();
-    if (r.wgrad != "bf16" && r.fprop != "bf16") {
+    if (r.wgrad != GemmFormat::BF16 && r.fprop != GemmFormat::BF16) {
       auto both = quantize_both(be, r, ids.seed, x, x_fprop(), x_wgrad_request(r, ids, true),
                                 name + " input", TensorView{}, nullptr,
                                 fuse_input ? pending_input : nullptr);
       xq = std::move(both.first);
       *save_wgrad_input = std::move(both.second);
-    } else if (r.wgrad != "bf16") {
+    } else if (r.wgrad != GemmFormat::BF16) {
       *save_wgrad_input =
           quantize_copy(be, r, ids.seed, x, x_wgrad_request(r, ids, true), name + " input");
     }
   }
-  if (r.fprop == "bf16") {
+  if (r.fprop == GemmFormat::BF16) {
     const TensorView& bias = w.bias_for(out);
     if (fuse_bf16_input)
       be.matmul_forward_activation(out, *pending_input, w.gemm_weight(), bias, prec);
@@ -326,7 +340,7 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, co
     return;
   }
   if (!xq) xq = quantize_copy(be, r, ids.seed, x, x_fprop(), name + " input");
-  const CopyRequest w_fprop{&r.fprop,
+  const CopyRequest w_fprop{r.fprop,
                             false,
                             true,
                             false,
@@ -334,7 +348,7 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, co
                             r.fos_weights,
                             copy_stream(ids, TensorRole::Weight, 0)};
   std::unique_ptr<QuantizedCopy> wq;
-  if (save_dgrad_weight && r.dgrad != "bf16" &&
+  if (save_dgrad_weight && r.dgrad != GemmFormat::BF16 &&
       can_combine(w_fprop, w_dgrad_request(r, ids, true))) {
     std::tie(wq, *save_dgrad_weight) = quantize_both(
         be, r, ids.seed, w.weight, w_fprop, w_dgrad_request(r, ids, true), name + ".weight");
@@ -371,13 +385,13 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids,
                      const QuantizedCopy* saved_dgrad_weight,
                      const ActivationSource* pending_dout) {
   const TensorView& dy = pending_dout ? pending_dout->out : dout;
-  if (!inp.present() && (r.wgrad == "bf16" || !saved_wgrad_input))
+  if (!inp.present() && (r.wgrad == GemmFormat::BF16 || !saved_wgrad_input))
     throw std::logic_error(
         "linear_backward (" + name +
         "): no input: the float32 x, its BF16 bits or its saved Wgrad copy is needed");
   // (built only where a copy is made: a BF16 GEMM draws no SR stream)
   auto dy_dgrad = [&] {
-    return CopyRequest{&r.dgrad,
+    return CopyRequest{r.dgrad,
                        false,
                        false,
                        false,
@@ -386,7 +400,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids,
                        copy_stream(ids, TensorRole::Gradient, 0)};
   };
   auto dy_wgrad = [&] {
-    return CopyRequest{&r.wgrad,
+    return CopyRequest{r.wgrad,
                        true,
                        false,
                        r.rht,
@@ -397,18 +411,19 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids,
   // dy's Dgrad and Wgrad copies from one quantize call when both GEMMs are quantized and the
   // copies can share it (else each is made where it is used, and the Dgrad one freed before the
   // Wgrad one exists)
-  const bool combine = dinp.present() && dweight.present() && r.dgrad != "bf16" &&
-                       r.wgrad != "bf16" && can_combine(dy_dgrad(), dy_wgrad());
+  const bool combine = dinp.present() && dweight.present() && r.dgrad != GemmFormat::BF16 &&
+                       r.wgrad != GemmFormat::BF16 && can_combine(dy_dgrad(), dy_wgrad());
   // a pending dout is quantized straight from its op where that one call reads it and nothing else
   // does, or handed to Backend::matmul_backward_activation where both GEMMs are BF16; otherwise the
   // op runs now
   const bool fuse_dout = pending_dout && combine && !stats;
-  const bool fuse_bf16_dout = pending_dout && r.dgrad == "bf16" && r.wgrad == "bf16";
+  const bool fuse_bf16_dout =
+      pending_dout && r.dgrad == GemmFormat::BF16 && r.wgrad == GemmFormat::BF16;
   if (pending_dout && !fuse_dout && !fuse_bf16_dout) run_activation(be, *pending_dout);
-  if (dinp.dtype == DType::BF16 && (r.dgrad != "bf16" || r.wgrad != "bf16"))
+  if (dinp.dtype == DType::BF16 && (r.dgrad != GemmFormat::BF16 || r.wgrad != GemmFormat::BF16))
     throw std::logic_error("linear_backward (" + name +
                            "): a BF16-bits dinp is for a linear whose GEMMs are all BF16");
-  if (r.dgrad == "bf16" && r.wgrad == "bf16") {
+  if (r.dgrad == GemmFormat::BF16 && r.wgrad == GemmFormat::BF16) {
     if (fuse_bf16_dout)
       be.matmul_backward_activation(dinp, dweight, dbias, *pending_dout, inp, w.gemm_weight(),
                                     prec);
@@ -431,7 +446,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids,
   const TensorView absent;
   // Dgrad: dx (N,K) = dy (N,OC) . W (OC,K) = dy_rowwise x (W column-wise (K,OC))^T
   if (dinp.present()) {
-    if (r.dgrad == "bf16") {
+    if (r.dgrad == GemmFormat::BF16) {
       be.matmul_backward(dinp, absent, absent, as_stored(dy), inp, w.gemm_weight(), prec);
     } else {
       if (!dyq) dyq = quantize_copy(be, r, ids.seed, dy, dy_dgrad(), name + " output gradient");
@@ -447,7 +462,7 @@ void linear_backward(Backend& be, const LinearRecipe& r, const LinearIds& ids,
   }
   // Wgrad: dW (OC,K) += dy^T (OC,N) . x (N,K) = (dy column-wise) x (x column-wise)^T, RHT on both
   if (dweight.present()) {
-    if (r.wgrad == "bf16") {
+    if (r.wgrad == GemmFormat::BF16) {
       be.matmul_backward(absent, dweight, absent, as_stored(dy), inp, w.gemm_weight(), prec);
     } else {
       if (!dyc) dyc = quantize_copy(be, r, ids.seed, dy, dy_wgrad(), name + " output gradient");

@@ -34,16 +34,18 @@ uint64_t sr_stream(int64_t step, int64_t micro_batch, int64_t layer, int64_t lin
 
 // What one linear layer does, resolved from the run's RecipeConfig (model/config.hpp).
 struct LinearRecipe {
-  std::string fprop = "bf16", dgrad = "bf16", wgrad = "bf16";  // bf16 | nvfp4 | mxfp4
-  bool rht = true;                                             // on the Wgrad operands
-  bool sr_gradients = true;                                    // SR on dy (both copies)
-  bool sr_other = false;                                       // SR on x and W too (unusual)
-  bool weight_2d = true;                                       // NVFP4 16x16 weight blocks
+  GemmFormat fprop = GemmFormat::BF16, dgrad = GemmFormat::BF16, wgrad = GemmFormat::BF16;
+  bool rht = true;           // on the Wgrad operands
+  bool sr_gradients = true;  // SR on dy (both copies)
+  bool sr_other = false;     // SR on x and W too (unusual)
+  bool weight_2d = true;     // NVFP4 16x16 weight blocks
   bool fos_weights = false, fos_activations = false, fos_gradients = false;
   FourOverSixError fos_error = FourOverSixError::MAE;
   MxScaleRule mx_rule = MxScaleRule::Floor;
   GemmImpl impl = GemmImpl::Exact;
-  bool any_quantized() const { return fprop != "bf16" || dgrad != "bf16" || wgrad != "bf16"; }
+  bool any_quantized() const {
+    return fprop != GemmFormat::BF16 || dgrad != GemmFormat::BF16 || wgrad != GemmFormat::BF16;
+  }
 };
 
 // The four linear layers of a block, in the order of their `linear` index.

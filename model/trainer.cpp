@@ -244,14 +244,14 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   Gpt model(c.model, be);
   model.init(c.train.seed);
   model.set_recipe(c);
-  if (opt.print && c.recipe.name != "bf16") {
-    std::printf("recipe %s (gemm %s):\n%s", c.recipe.name.c_str(), name_of(c.recipe.gemm),
+  if (opt.print && c.recipe.name != GemmFormat::BF16) {
+    std::printf("recipe %s (gemm %s):\n%s", name_of(c.recipe.name), name_of(c.recipe.gemm),
                 model.describe_recipe().c_str());
     const std::vector<bool> hp = high_precision_blocks(c);
     if (std::all_of(hp.begin(), hp.end(), [](bool b) { return b; }))
       std::printf(
           "warning: recipe %s keeps every block in BF16 (recipe.hp_first/hp_last/hp_layers)\n",
-          c.recipe.name.c_str());
+          name_of(c.recipe.name));
     if (c.recipe.bf16_from_step > 0)
       std::printf("late switch: from step %lld, %s in BF16\n",
                   static_cast<long long>(c.recipe.bf16_from_step),
@@ -416,11 +416,12 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     model.set_step(step);
-    if (opt.print && c.recipe.name != "bf16" && step + 1 == c.recipe.bf16_from_step && step > 0)
+    if (opt.print && c.recipe.name != GemmFormat::BF16 && step + 1 == c.recipe.bf16_from_step &&
+        step > 0)
       std::printf("step %5lld | late switch to BF16 (%s)\n", static_cast<long long>(step + 1),
                   name_of(c.recipe.bf16_switch));
-    const bool stats_now =
-        c.recipe.stats_every > 0 && c.recipe.name != "bf16" && step % c.recipe.stats_every == 0;
+    const bool stats_now = c.recipe.stats_every > 0 && c.recipe.name != GemmFormat::BF16 &&
+                           step % c.recipe.stats_every == 0;
     // grad_accum micro-batches of B sequences; the gradients add up in grads(), each scaled by
     // 1 / (tokens of all micro-batches), and the step's loss is the mean of the micro-batches'
     // means

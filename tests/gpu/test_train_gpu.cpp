@@ -219,14 +219,17 @@ TEST(TrainGpu, FusedActivationsDoNotChangeTraining) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   const std::string dir = temp_dir("fused");
   struct Case {
-    const char* recipe;
-    const char* gemm;
+    GemmFormat recipe;
+    GemmImpl gemm;
   };
-  for (const Case k : {Case{"fp8", "cublaslt"}, Case{"fp8", "exact"}, Case{"bf16", "cublaslt"}}) {
-    const std::string tag = std::string(k.recipe) + "-" + k.gemm;
+  for (const Case k :
+       {Case{GemmFormat::FP8, GemmImpl::CublasLt}, Case{GemmFormat::FP8, GemmImpl::Exact},
+        Case{GemmFormat::BF16, GemmImpl::CublasLt}}) {
+    const std::string tag = std::string(name_of(k.recipe)) + "-" + name_of(k.gemm);
     SCOPED_TRACE(tag);
-    const std::vector<std::string> o = {"train.steps=3", std::string("recipe.name=") + k.recipe,
-                                        std::string("recipe.gemm=") + k.gemm};
+    const std::vector<std::string> o = {"train.steps=3",
+                                        std::string("recipe.name=") + name_of(k.recipe),
+                                        std::string("recipe.gemm=") + name_of(k.gemm)};
     auto with_dir = [&](const char* sub) {
       std::vector<std::string> v = o;
       v.push_back("train.out_dir=" + dir + "/" + tag + sub);
@@ -234,8 +237,7 @@ TEST(TrainGpu, FusedActivationsDoNotChangeTraining) {
     };
     auto count = [&](const gpu::CudaBackend& be) {
       const gpu::CudaCounters n = be.counters();
-      return std::string(k.recipe) == "bf16" ? n.fused_activation_matmul
-                                             : n.fused_activation_quantize;
+      return k.recipe == GemmFormat::BF16 ? n.fused_activation_matmul : n.fused_activation_quantize;
     };
     gpu::CudaBackend fused_be;
     const TrainResult fused = run(with_dir("a"), fused_be);
@@ -292,7 +294,7 @@ TEST(TrainGpu, Bf16BitsStorageEqualsFp32Arrays) {
     const uint64_t shadow_reads = be_no_epilogue.counters().weight_shadow_reads;
     // (the BF16 recipe's GEMMs read their weights as BF16 views into the parameters' BF16 shadow;
     // the others do not make one)
-    if (ov[0] == "recipe.name=bf16") {
+    if (c.recipe.name == GemmFormat::BF16) {
       EXPECT_GT(shadow_reads, shadow_before) << "no weight read from the shadow";
     } else {
       EXPECT_EQ(shadow_reads, shadow_before) << "a quantized recipe made a shadow";
@@ -397,7 +399,7 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
     };
     const std::vector<float> a = go(*emu), b = go(*cuda);
     ASSERT_EQ(a.size(), b.size());
-    const bool bf16_dgrad = r.dgrad == "bf16";
+    const bool bf16_dgrad = r.dgrad == GemmFormat::BF16;
     size_t first_diff = a.size();
     for (size_t i = 0; i < a.size(); ++i) {
       // with a BF16 Dgrad (cuBLASLt vs the T-FDPA model) dx may differ: bitwise elsewhere

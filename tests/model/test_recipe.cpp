@@ -119,7 +119,7 @@ TEST(Recipe, HighPrecisionBlocksFollowTheSection9Defaults) {
   hp = high_precision_blocks(c);
   EXPECT_EQ(count(hp), 1);
   EXPECT_TRUE(hp[7]);
-  c.recipe.name = "bf16";
+  c.recipe.name = GemmFormat::BF16;
   EXPECT_EQ(count(high_precision_blocks(c)), 62);
 }
 
@@ -128,19 +128,19 @@ TEST(Recipe, OverridesAndTheLateSwitchResolvePerGemm) {
                           "recipe.bf16_from_step=5", "recipe.bf16_switch=forward"});
   const std::vector<bool> hp = high_precision_blocks(c);
   LinearRecipe r = resolve_linear_recipe(c, hp, 1, 2, 0);
-  EXPECT_EQ(r.fprop, "nvfp4");
-  EXPECT_EQ(r.dgrad, "nvfp4");
-  EXPECT_EQ(r.wgrad, "bf16");
+  EXPECT_EQ(r.fprop, GemmFormat::NVFP4);
+  EXPECT_EQ(r.dgrad, GemmFormat::NVFP4);
+  EXPECT_EQ(r.wgrad, GemmFormat::BF16);
   r = resolve_linear_recipe(c, hp, 0, 0, 5);
-  EXPECT_EQ(r.fprop, "bf16");
-  EXPECT_EQ(r.dgrad, "nvfp4");
+  EXPECT_EQ(r.fprop, GemmFormat::BF16);
+  EXPECT_EQ(r.dgrad, GemmFormat::NVFP4);
   c.recipe.bf16_switch = Bf16Switch::All;
   r = resolve_linear_recipe(c, hp, 0, 0, 5);
   EXPECT_FALSE(r.any_quantized());
   // the override survives a round trip through the saved config
   const RunConfig back =
       config_from_json(to_json(run_with({"recipe.override.h.1.mlp.c_fc.wgrad=bf16"})), {});
-  EXPECT_EQ(back.recipe.override_gemms.at("h.1.mlp.c_fc.wgrad"), "bf16");
+  EXPECT_EQ(back.recipe.override_gemms.at("h.1.mlp.c_fc.wgrad"), GemmFormat::BF16);
 }
 
 TEST(Recipe, SrStreamsAreDistinctAndFieldsChecked) {
@@ -170,7 +170,7 @@ TEST(Recipe, Nvfp4LinearTracksFp32) {
   for (auto& v : bias) v = nd(rng);
   RunConfig c = run_with({"recipe.name=nvfp4"});
   LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 0, 0);
-  ASSERT_EQ(r.fprop, "nvfp4");
+  ASSERT_EQ(r.fprop, GemmFormat::NVFP4);
   const LinearIds ids{1, 0, 0, 0, 0};
   auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
     double e = 0, n = 0;
@@ -219,13 +219,14 @@ TEST(Recipe, FourOverSixSkipsGemmsOverriddenToOtherFormats) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (auto* v : {&x, &w, &dy})
     for (auto& e : *v) e = nd(rng);
-  for (const char* fmt : {"mxfp4"}) {
+  for (const GemmFormat format : {GemmFormat::MXFP4}) {
+    const char* fmt = name_of(format);
     RunConfig c =
         run_with({"recipe.name=nvfp4", "recipe.four_over_six=all", "recipe.stochastic_rounding=off",
                   "recipe.rht=false", std::string("recipe.override.h.0.attn.c_attn.wgrad=") + fmt,
                   std::string("recipe.override.h.0.attn.c_attn.fprop=") + fmt});
     const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 0, 0);
-    ASSERT_EQ(r.wgrad, fmt);
+    ASSERT_EQ(r.wgrad, format);
     ASSERT_TRUE(r.fos_activations);
     const LinearIds ids{1, 0, 0, 0, 0};
     std::vector<float> y(N * OC), dx(N * K, 0.0f), dw(OC * K, 0.0f);
@@ -253,8 +254,8 @@ TEST(Recipe, LinearBackwardWritesDinpAndAccumulatesWeightGradients) {
   std::vector<float> x(N * K), w(OC * K), dy(N * OC);
   for (auto* v : {&x, &w, &dy})
     for (auto& e : *v) e = nd(rng);
-  for (const char* recipe : {"nvfp4", "bf16"}) {
-    RunConfig c = run_with({std::string("recipe.name=") + recipe});
+  for (const GemmFormat recipe : {GemmFormat::NVFP4, GemmFormat::BF16}) {
+    RunConfig c = run_with({std::string("recipe.name=") + name_of(recipe)});
     const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 0, 5);
     ASSERT_EQ(r.dgrad, recipe);
     const LinearIds ids{1, 0, 0, 0, 0};
@@ -269,11 +270,11 @@ TEST(Recipe, LinearBackwardWritesDinpAndAccumulatesWeightGradients) {
     const auto [dx_a, dw_a, db_a] = run(0.0f, 0.0f);
     const auto [dx_b, dw_b, db_b] = run(std::numeric_limits<float>::quiet_NaN(), 1.0f);
     EXPECT_EQ(0, std::memcmp(dx_a.data(), dx_b.data(), dx_a.size() * 4))
-        << recipe << ": dx must be written";
+        << name_of(recipe) << ": dx must be written";
     for (size_t i = 0; i < dw_a.size(); ++i)
-      ASSERT_EQ(dw_b[i], 1.0f + dw_a[i]) << recipe << ": dW must accumulate";
+      ASSERT_EQ(dw_b[i], 1.0f + dw_a[i]) << name_of(recipe) << ": dW must accumulate";
     for (size_t i = 0; i < db_a.size(); ++i)
-      ASSERT_EQ(db_b[i], 1.0f + db_a[i]) << recipe << ": db must accumulate";
+      ASSERT_EQ(db_b[i], 1.0f + db_a[i]) << name_of(recipe) << ": db must accumulate";
   }
 }
 
@@ -413,7 +414,7 @@ TEST(Recipe, PendingActivationEqualsRunningItFirst) {
                        pending ? &fwd : nullptr);
         // (the model passes the input only where the Wgrad GEMM is BF16: linear_input)
         linear_backward(be, r, ids, hv(dx, N, K), hv(dw, OC, K), hv(db, OC, 1), hv(dfc, N, OC),
-                        r.wgrad == "bf16" ? hv(act, N, K) : TensorView{},
+                        r.wgrad == GemmFormat::BF16 ? hv(act, N, K) : TensorView{},
                         weights(w, nullptr, OC, K), GemmPrecision::BF16, stats ? &st : nullptr, "t",
                         saved_x.get(), saved_w.get(), pending ? &bwd : nullptr);
         return std::make_tuple(y, dx, dw, db);
@@ -446,7 +447,7 @@ TEST(Recipe, ModelStepWithFusedActivationsEqualsPlainStep) {
     PoisoningCpuBackend fusing;
     emu::CpuBackend plain;
     const std::vector<float> a = model_steps(plain, c, 2, 64), b = model_steps(fusing, c, 2, 64);
-    if (std::string(recipe) == "bf16")
+    if (c.recipe.name == GemmFormat::BF16)
       EXPECT_GT(fusing.fused_matmul, 0) << "no fused BF16 matmul call happened";
     else
       EXPECT_GT(fusing.fused_quantize, 0) << "no fused quantize call happened";
@@ -570,13 +571,14 @@ TEST(Recipe, StatisticsDoNotChangeTraining) {
   std::filesystem::remove_all(dir);
   TrainOptions quiet;
   quiet.print = false;
-  for (const char* recipe : {"nvfp4", "fp8"}) {
+  for (const GemmFormat format : {GemmFormat::NVFP4, GemmFormat::FP8}) {
+    const std::string recipe = name_of(format);
     auto cfg = [&](int every) {
-      std::vector<std::string> o = {std::string("recipe.name=") + recipe,
+      std::vector<std::string> o = {"recipe.name=" + recipe,
                                     "recipe.stats_every=" + std::to_string(every), "train.steps=4",
                                     "train.checkpoint_every=0",
                                     "train.out_dir=" + dir + "/" + recipe + std::to_string(every)};
-      if (std::string(recipe) == "fp8")  // FP8's 128-element blocks: d 128, 128 tokens a batch
+      if (format == GemmFormat::FP8)  // FP8's 128-element blocks: d 128, 128 tokens a batch
         o.insert(o.end(), {"model.d_model=128", "model.d_ff=256", "train.batch=8"});
       return run_with(o);
     };
