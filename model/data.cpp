@@ -1,7 +1,5 @@
 #include "model/data.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -10,6 +8,8 @@
 #include <random>
 #include <sstream>
 #include <stdexcept>
+
+#include "model/output_file.hpp"
 
 namespace fp4sim::model {
 
@@ -63,29 +63,17 @@ TokenFile read_token_file(const std::string& path) {
 }
 
 void write_token_file(const std::string& path, const TokenFile& f) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    if (!out) throw std::runtime_error(path + ": cannot open for writing");
-    char header[kTokenFileHeaderBytes] = {};
-    std::memcpy(header, kTokenFileMagic, 8);
-    const uint64_t count = f.tokens.size();
-    std::memcpy(header + 8, &kTokenFileVersion, 4);
-    std::memcpy(header + 12, &f.vocab, 4);
-    std::memcpy(header + 16, &count, 8);
-    out.write(header, kTokenFileHeaderBytes);
-    out.write(reinterpret_cast<const char*>(f.tokens.data()),
-              static_cast<std::streamsize>(count * 2));
-    out.close();  // (a full disk shows up at the last flush)
-    if (!out) {
-      std::remove(tmp.c_str());
-      throw std::runtime_error(path + ": write failed");
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw std::runtime_error(path + ": cannot move the finished file into place");
-  }
+  char header[kTokenFileHeaderBytes] = {};
+  std::memcpy(header, kTokenFileMagic, 8);
+  const uint64_t count = f.tokens.size();
+  std::memcpy(header + 8, &kTokenFileVersion, 4);
+  std::memcpy(header + 12, &f.vocab, 4);
+  std::memcpy(header + 16, &count, 8);
+  OutputFile out(path);
+  out.write(header, kTokenFileHeaderBytes);
+  out.write(f.tokens.data(), count * 2);
+  out.sync();
+  out.close();
 }
 
 std::vector<uint16_t> tokenize_bytes(const std::string& text) {

@@ -20,7 +20,8 @@ struct TokenFile {
 // Throws std::runtime_error naming the file: missing, bad magic, other version, truncated, a token
 // outside the vocabulary.
 TokenFile read_token_file(const std::string& path);
-// Writes atomically (temporary name, then rename).
+// Writes and syncs the file, every step checked (model/output_file.hpp); a caller that needs it
+// to appear whole or not at all stages it (fp4sim data build: tools/npy.hpp's AtomicOutputs).
 void write_token_file(const std::string& path, const TokenFile& f);
 
 // Byte-level tokenizer: one token per byte of UTF-8 text.

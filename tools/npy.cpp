@@ -1,7 +1,5 @@
 #include "tools/npy.hpp"
 
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -10,8 +8,9 @@
 #include <memory>
 #include <sstream>
 #include <stdexcept>
-#include <xtensor/xadapt.hpp>
 #include <xtensor/xnpy.hpp>
+
+#include "model/output_file.hpp"
 
 namespace fp4sim::io {
 
@@ -128,41 +127,25 @@ NpyArray read_npy(const std::string& path) {
 }
 
 namespace {
-// AtomicOutputs stages each output as NAME + kStageSuffix + PID.
-constexpr const char* kStageSuffix = ".tmp.";
-
-// The name a user gave, for a staged path.
-std::string user_path(const std::string& path) {
-  const size_t t = path.rfind(kStageSuffix);
-  const size_t digits = t == std::string::npos ? t : t + std::strlen(kStageSuffix);
-  if (t == std::string::npos || path.find_first_not_of("0123456789", digits) != std::string::npos)
-    return path;
-  return path.substr(0, t);
-}
-
 template <class T>
 void write_npy(const std::string& path, const T* data, const std::vector<size_t>& shape) {
-  size_t n = 1;
-  for (size_t d : shape) n *= d;
-  auto view = xt::adapt(data, n, xt::no_ownership(), shape);
-  std::ofstream out(path, std::ios::binary);
-  if (!out) throw std::runtime_error(user_path(path) + ": cannot open file for writing");
-  xt::detail::dump_npy_stream(out, view);
-  out.close();  // (the last buffered bytes are written here: a full disk shows up now)
-  if (!out)
-    throw std::runtime_error(user_path(path) +
-                             ": write failed (disk full or I/O error?); nothing was kept");
+  size_t bytes = sizeof(T);
+  for (size_t d : shape)
+    if (__builtin_mul_overflow(bytes, d, &bytes))
+      throw std::invalid_argument(model::shown_path(path) + ": shape " + shape_string(shape) +
+                                  " is too large (its byte count overflows)");
+  std::ostringstream header;  // xtensor's header: magic, version, dict, padding to 64 bytes
+  xt::detail::write_header(header, xt::detail::build_typestring<T>(), false, shape);
+  model::OutputFile out(path);
+  out.write(header.str());
+  out.write(data, bytes);
+  out.sync();
+  out.close();
 }
 }  // namespace
 
 void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error(user_path(path) + ": cannot open file for writing");
-  out << text;
-  out.close();
-  if (!out)
-    throw std::runtime_error(user_path(path) +
-                             ": write failed (disk full or I/O error?); nothing was kept");
+  model::write_whole_file(path, text);
 }
 
 void write_npy_f32(const std::string& p, const float* d, const std::vector<size_t>& s) {
@@ -176,12 +159,14 @@ void write_npy_u16(const std::string& p, const uint16_t* d, const std::vector<si
 }
 
 AtomicOutputs::~AtomicOutputs() {
-  if (committed_) return;
-  for (auto& f : files_) std::remove(f.first.c_str());
+  for (auto& f : files_) {
+    if (!committed_) std::remove(f.first.c_str());
+    model::forget_staged(f.first);
+  }
 }
 
 std::string AtomicOutputs::stage(const std::string& final_path) {
-  const std::string tmp = final_path + kStageSuffix + std::to_string(::getpid());
+  const std::string tmp = model::staged_path(final_path);
   files_.emplace_back(tmp, final_path);
   return tmp;
 }

@@ -18,14 +18,16 @@ struct NpyArray {
 // Throws std::runtime_error naming the file: unreadable, not an npy, Fortran order, truncated.
 NpyArray read_npy(const std::string& path);
 
+// C-order data of `shape` as an npy file (xtensor's header). The writers here check every write,
+// the fsync and the close (model/output_file.hpp), so a full disk is an error with the system's
+// reason; errors name the path the user gave, not the staged one.
 void write_npy_f32(const std::string& path, const float* data, const std::vector<size_t>& shape);
 void write_npy_u8(const std::string& path, const uint8_t* data, const std::vector<size_t>& shape);
 void write_npy_u16(const std::string& path, const uint16_t* data, const std::vector<size_t>& shape);
 
 std::string shape_string(const std::vector<size_t>& shape);
 
-// Writes `text` to `path` (typically an AtomicOutputs staged path) and checks it after close, so a
-// full disk is an error; errors name the path the user gave, not the staged one.
+// `text` as the whole of `path` (typically an AtomicOutputs staged path).
 void write_text(const std::string& path, const std::string& text);
 
 // Files written under temporary names and renamed into place only when every one is complete, so
