@@ -1,6 +1,7 @@
 #include "model/trainer.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include "model/checkpoint.hpp"
 #include "model/data.hpp"
 #include "model/gpt.hpp"
+#include "model/output_file.hpp"
 #include "model/run_lock.hpp"
 #include "model/schedule.hpp"
 
@@ -115,6 +117,21 @@ StoredTensor as_stored(const float* data, const std::vector<int64_t>& shape, int
   s.bytes.resize(static_cast<size_t>(n) * 4);
   std::memcpy(s.bytes.data(), data, s.bytes.size());
   return s;
+}
+
+// A --dump file, whole or not at all: written beside its name, then renamed into place.
+void write_dump_file(const std::string& path, const TensorMap& tensors) {
+  const std::string staged = staged_path(path);
+  try {
+    write_safetensors(staged, tensors);
+    if (std::rename(staged.c_str(), path.c_str()) != 0)
+      throw std::runtime_error(std::string("cannot move it into place: ") + std::strerror(errno));
+  } catch (const std::exception& e) {
+    std::remove(staged.c_str());
+    forget_staged(staged);
+    throw std::runtime_error("--dump " + path + " not written (" + e.what() + ")");
+  }
+  forget_staged(staged);
 }
 
 std::string shape_text(const std::vector<int64_t>& shape) {
@@ -383,7 +400,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                                   "): use another train.out_dir, or remove them");
   }
   // on resume, the log keeps the records up to the resumed step (a longer earlier run's later
-  // records would otherwise appear twice)
+  // records would otherwise appear twice), written beside it and renamed over it: a full disk
+  // leaves the old log as it was
   const std::string log_path = c.train.out_dir + "/log.jsonl";
   if (step0 > 0 && fs::exists(log_path)) {
     std::ifstream old_log(log_path);
@@ -393,16 +411,25 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       if (!rec.is_discarded() && rec.is_object() && rec.value("step", int64_t{0}) <= step0)
         kept += text + "\n";
     }
+    if (old_log.bad())
+      throw std::runtime_error(log_path + ": cannot read the log to keep its records up to step " +
+                               std::to_string(step0));
     old_log.close();
-    std::ofstream trimmed(log_path, std::ios::trunc);
-    trimmed << kept;
-    trimmed.close();
-    if (!trimmed)
-      throw std::runtime_error("train.out_dir " + c.train.out_dir + ": cannot rewrite log.jsonl");
+    const std::string staged = staged_path(log_path);
+    try {
+      write_whole_file(staged, kept);
+      if (std::rename(staged.c_str(), log_path.c_str()) != 0)
+        throw std::runtime_error(log_path + ": cannot replace it with its records up to step " +
+                                 std::to_string(step0) + " (" + std::strerror(errno) + ")");
+    } catch (...) {
+      std::remove(staged.c_str());
+      forget_staged(staged);
+      throw;
+    }
+    forget_staged(staged);
   }
-  std::ofstream log(log_path, step0 ? std::ios::app : std::ios::trunc);
-  if (!log)
-    throw std::runtime_error("train.out_dir " + c.train.out_dir + ": cannot write log.jsonl");
+  // every line is written, and checked, as its step ends (a full disk stops the run there)
+  OutputFile log(log_path, step0 ? OutputFile::Mode::Append : OutputFile::Mode::Truncate);
   const int64_t B = c.train.batch, T = c.model.seq_len, A = c.train.grad_accum;
   TrainResult res;
   std::vector<int32_t> tok, tgt;
@@ -462,14 +489,14 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       const std::vector<float> hp = model.params_to_host();
       for (const ParamTensor& t : model.tensors())
         w[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
-      write_safetensors(opt.dump_dir + "/weights.safetensors", w);
+      write_dump_file(opt.dump_dir + "/weights.safetensors", w);
       TensorMap gr;
       const std::vector<float> hg = model.grads_to_host();
       for (const ParamTensor& t : model.tensors())
         gr[t.name] = as_stored(hg.data() + t.offset, t.shape, t.numel());
       gr["loss"] = as_stored(&loss, {1}, 1);
-      write_safetensors(opt.dump_dir + "/step0_grads.safetensors", gr);
-      std::ofstream(opt.dump_dir + "/config.json") << to_json(c).dump(2) << "\n";
+      write_dump_file(opt.dump_dir + "/step0_grads.safetensors", gr);
+      write_whole_file(opt.dump_dir + "/config.json", to_json(c).dump(2) + "\n");
     }
     // every tensor's sum of squares in one backend call, then added in tensor order
     be.sum_squares(grads, spans, sums.data());
@@ -545,8 +572,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       if (opt.print)
         std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step + 1), vl);
     }
-    log << line.dump() << "\n"
-        << std::flush;  // (a step's line is on disk before its checkpoint is written)
+    log.write(line.dump() + "\n");  // (a step's line is written before its checkpoint)
     if (c.train.checkpoint_every > 0 &&
         ((step + 1) % c.train.checkpoint_every == 0 || step + 1 == c.train.steps)) {
       Checkpoint ck;
@@ -574,7 +600,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       if (opt.print) std::printf("checkpoint %s\n", where.c_str());
     }
   }
-  if (!opt.dump_dir.empty()) write_safetensors(opt.dump_dir + "/batches.safetensors", dump_batches);
+  if (!opt.dump_dir.empty()) write_dump_file(opt.dump_dir + "/batches.safetensors", dump_batches);
+  log.sync();
+  log.close();
   if (opt.print && res.peak_device_memory >= 0)
     std::printf(
         "peak device memory in use: %.2f GiB (cudaMemGetInfo after each step, CUDA context "

@@ -1,5 +1,7 @@
 // fp4sim: emulation-first simulator of NVFP4 LLM pretraining. See README.md for every command.
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <string>
 
@@ -39,7 +41,15 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const std::exception& e) {
+    std::fflush(stdout);
     std::fprintf(stderr, "fp4sim: error: %s\n", e.what());
+    return 1;
+  }
+  // what was printed reached its file (stdout on a full disk, say): else an error, not exit 0
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    std::fprintf(stderr, "fp4sim: error: standard output: write failed (%s)\n",
+                 errno ? std::strerror(errno) : "an earlier write failed");
     return 1;
   }
   return 0;

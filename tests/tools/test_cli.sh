@@ -150,6 +150,21 @@ want=$("$bin" info 2>/dev/null | awk '/^default backend:/ {print $3}')
 "$bin" train --config "$cfg" $micro train.steps=1 train.checkpoint_every=0 train.out_dir=rundef >log.txt 2>&1 \
   && grep -q "backend $want by default" log.txt && ok "train without --backend runs on the default backend ($want)" \
   || bad "train default backend: $(head -2 log.txt)"
+# a full disk: /dev/full (every write fails with ENOSPC) under the log needs no root; where user
+# namespaces allow, full_disk.sh runs every writing command on a filled tmpfs
+mkdir -p run_devfull && ln -sf /dev/full run_devfull/log.jsonl
+expect_fail "train with the log on a full disk" "run_devfull/log.jsonl: write failed (No space left on device)" \
+  "$bin" train --config "$cfg" $micro train.checkpoint_every=0 train.out_dir=run_devfull --backend emu
+expect_fail "stdout on a full disk" "standard output: write failed (No space left on device)" \
+  sh -c '"$0" info >/dev/full' "$bin"
+if unshare -rm true 2>/dev/null; then
+  unshare -rm bash "$(dirname "$0")/full_disk.sh" "$bin" "$cfg" "$micro" >full_disk.txt 2>&1
+  cat full_disk.txt
+  fails=$((fails + $(grep -c "^NOT OK" full_disk.txt)))
+  grep -q "^OK      full disk: train log" full_disk.txt || grep -q "^SKIP" full_disk.txt || bad "full_disk.sh did not run: $(tail -3 full_disk.txt)"
+else
+  echo "SKIP    full disk on a tmpfs (no user namespaces here); /dev/full checks ran"
+fi
 expect_fail "train unknown key" "valid keys" "$bin" train --config "$cfg" model.heads=3
 expect_fail "train impossible shape" "not divisible by model.n_heads" "$bin" train --config "$cfg" model.d_model=130
 expect_fail "train missing data" "/nonexistent/corpus.train.tokens" "$bin" train --config "$cfg" train.data=/nonexistent/corpus
