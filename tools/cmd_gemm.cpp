@@ -226,6 +226,11 @@ void run_gemm_cmd(const GemmArgs& g) {
     cv.rows = qa.rows;
     cv.cols = qb.rows;
     validate_gemm(qa.view(), qb.view(), c.empty() ? nullptr : &cv, cfg, dv);
+    int64_t mn = 0, d_bytes = 0;  // D's 4-byte elements, before anything is allocated for them
+    if (__builtin_mul_overflow(qa.rows, qb.rows, &mn) ||
+        __builtin_mul_overflow(mn, int64_t{4}, &d_bytes))
+      throw std::invalid_argument("gemm: D " + shape_str(qa.rows, qb.rows) +
+                                  " is too large (its byte count overflows 64 bits)");
   }
   const std::string bname = g.backend.empty() ? default_backend_name() : g.backend;
   if (g.gemm == "cublaslt" && bname != "cuda")
@@ -425,6 +430,12 @@ void run_crosscheck(const CrossArgs& x) {
       if (std::sscanf(item.c_str(), "%ldx%ldx%ld%n", &M, &N, &K, &used) != 3 ||
           used != static_cast<int>(item.size()) || M <= 0 || N <= 0 || K <= 0)
         throw std::invalid_argument("--shapes: '" + item + "' is not MxNxK with positive integers");
+      long mk = 0, nk = 0, mn = 0, bytes = 0;  // A, B and D as float32, before any allocation
+      if (__builtin_mul_overflow(M, K, &mk) || __builtin_mul_overflow(N, K, &nk) ||
+          __builtin_mul_overflow(M, N, &mn) || __builtin_mul_overflow(mk, 4L, &bytes) ||
+          __builtin_mul_overflow(nk, 4L, &bytes) || __builtin_mul_overflow(mn, 4L, &bytes))
+        throw std::invalid_argument("--shapes: '" + item +
+                                    "' is too large (a matrix's byte count overflows 64 bits)");
       shapes.push_back({item, {M, N, K}});
     }
     if (shapes.empty()) throw std::invalid_argument("--shapes: no shape given");

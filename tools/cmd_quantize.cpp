@@ -274,9 +274,21 @@ void run_make_tensor(const MakeTensorArgs& a) {
   if (a.rows <= 0 || a.cols <= 0)
     throw std::invalid_argument("--rows/--cols: must be positive, got " +
                                 shape_str(a.rows, a.cols));
+  // the sizes before any allocation: rows x cols elements of 4 bytes (the float32 values drawn
+  // first) must fit 64 bits, and the allocation failing is an error that says what it was for
+  int64_t n = 0, bytes = 0;
+  if (__builtin_mul_overflow(a.rows, a.cols, &n) || __builtin_mul_overflow(n, int64_t{4}, &bytes))
+    throw std::invalid_argument("--rows/--cols: " + shape_str(a.rows, a.cols) +
+                                " is too large (its byte count overflows 64 bits)");
+  std::vector<float> v;
+  try {
+    v.resize(static_cast<size_t>(n));
+  } catch (const std::exception&) {  // (bad_alloc, or length_error past max_size)
+    throw std::runtime_error("make-tensor: cannot allocate " + std::to_string(bytes) +
+                             " bytes for the " + shape_str(a.rows, a.cols) + " tensor");
+  }
   std::mt19937_64 rng(a.seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> v(static_cast<size_t>(a.rows * a.cols));
   for (auto& x : v) {
     x = normal(rng);
     if (a.kind == "heavy-tailed") x = x * std::exp(1.5f * normal(rng));  // log-normal spread

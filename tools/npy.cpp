@@ -72,7 +72,10 @@ void check_npy_size(const std::string& path, std::ifstream& in) {
     const std::string t = tok.substr(a, b - a + 1);
     if (t.empty() || t.find_first_not_of("0123456789") != std::string::npos)
       throw std::runtime_error(path + ": malformed .npy header (shape entry '" + t + "')");
-    if (t.size() > 19) throw std::runtime_error(path + ": .npy shape entry " + t + " is too large");
+    // every dimension must fit the int64 the commands index with (a zero dimension would let any
+    // other through the byte count below)
+    if (t.size() > 19 || std::stoull(t) > static_cast<unsigned long long>(INT64_MAX))
+      throw std::runtime_error(path + ": .npy shape entry " + t + " is too large (over 2^63 - 1)");
     shape.push_back(static_cast<size_t>(std::stoull(t)));
   }
   size_t need = item;

@@ -94,6 +94,18 @@ hdr += " " * (118 - len(hdr)) + "\n"
 open("huge.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr.encode() + b"\0" * 64)
 PY
 [ -f huge.npy ] && expect_fail "npy shape overflowing" "too large" "$bin" quantize huge.npy out --backend emu
+python3 - <<'PY' 2>/dev/null
+import struct
+hdr = "{'descr': '<f4', 'fortran_order': False, 'shape': (0, 9999999999999999999), }"
+hdr += " " * (118 - len(hdr)) + "\n"
+open("dim64.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr.encode())
+PY
+[ -f dim64.npy ] && expect_fail "npy dimension past int64 (an empty array)" "9999999999999999999 is too large" "$bin" convert --format e2m1 dim64.npy out.npy
+# sizes from flags: rows x cols overflowing 64 bits (a crash, and a 136-byte file with exit 0, once)
+expect_fail "make-tensor 2^32 x 2^32" "is too large" "$bin" make-tensor out.npy --rows 4294967296 --cols 4294967296
+expect_fail "make-tensor 3 x (2^64 + 2) / 3" "is too large" "$bin" make-tensor out.npy --rows 3 --cols 6148914691236517206
+expect_fail "make-tensor too large to allocate" "cannot allocate 4611686018427387904 bytes" "$bin" make-tensor out.npy --rows 1073741824 --cols 1073741824
+expect_fail "crosscheck shape overflowing" "is too large" "$bin" crosscheck gemm --shapes 4294967296x4294967296x64
 [ -f r3.npy ] && expect_fail "wrong rank" "2-D" "$bin" quantize r3.npy out --backend emu
 # gemm and mma
 "$bin" make-tensor ga.npy --rows 32 --cols 128 >/dev/null && "$bin" make-tensor gb.npy --rows 16 --cols 128 --seed 5 >/dev/null
