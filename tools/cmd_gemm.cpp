@@ -2,6 +2,7 @@
 #include <fmt/core.h>
 
 #include <array>
+#include <cfloat>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include <random>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 
 #include "emu/contract.hpp"
 #include "emu/gemm.hpp"
@@ -34,6 +36,21 @@ std::vector<float> load_f32_matrix(const std::string& path, const char* what, in
   std::vector<float> v(a.bytes.size() / 4);
   std::memcpy(v.data(), a.bytes.data(), a.bytes.size());
   return v;
+}
+
+// NaN and Inf among a float operand's values: quantized as `fp4sim quantize` does (NVFP4 and
+// MXFP4 encode NaN as +6, FP8 keeps it; an Inf makes the amax Inf), so D no longer says what the
+// inputs do, and the command says so.
+struct NonFinite {
+  int64_t nan = 0, inf = 0;
+};
+NonFinite count_nonfinite(const std::vector<float>& x) {
+  NonFinite n;
+  for (float v : x) {
+    n.nan += std::isnan(v);
+    n.inf += std::isinf(v);
+  }
+  return n;
 }
 
 QuantizedHost quantize_operand(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols,
@@ -179,6 +196,7 @@ void run_gemm_cmd(const GemmArgs& g) {
       g.format == "fp8" ? QFormat::FP8 : (g.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
   auto emu = make_backend("emu");
   QuantizedHost qa, qb;
+  std::vector<std::string> warnings;  // printed with the result
   if (!g.c.empty() && g.beta == 0.0f)
     throw std::invalid_argument("gemm: --c " + g.c +
                                 " with beta 0 would not contribute: give --beta");
@@ -201,9 +219,26 @@ void run_gemm_cmd(const GemmArgs& g) {
     if (ka != kb)
       throw std::invalid_argument("gemm: K differs: A is " + shape_str(ma, ka) + " and B is " +
                                   shape_str(nb, kb) + " (D = A * B^T needs A [M, K], B [N, K])");
+    for (const auto& [name, path, x] : {std::tuple{"A", g.a, &xa}, std::tuple{"B", g.b, &xb}}) {
+      const NonFinite n = count_nonfinite(*x);
+      if (n.nan || n.inf)
+        warnings.push_back(fmt::format(
+            "{} ({}) holds {} NaN and {} Inf of {} values, quantized as `fp4sim quantize` does "
+            "(NaN to +6 x the block scale in NVFP4 and MXFP4; an Inf makes the amax Inf): D does "
+            "not follow from them",
+            name, path, n.nan, n.inf, x->size()));
+    }
     qa = quantize_operand(*emu, xa, ma, ka, fmt, "A");
     qb = quantize_operand(*emu, xb, nb, kb, fmt, "B");
   }
+  if (from_prefix)
+    for (const auto& [name, prefix, q] :
+         {std::tuple{"A", g.a_prefix, &qa}, std::tuple{"B", g.b_prefix, &qb}})
+      if (!std::isfinite(q->amax))
+        warnings.push_back(
+            fmt::format("{}'s amax ({}.amax.npy) is {}: its input held an Inf or "
+                        "NaN, and D is not finite",
+                        name, prefix, q->amax));
   GemmConfig cfg;
   cfg.alpha = g.alpha;
   cfg.beta = g.beta;
@@ -216,6 +251,12 @@ void run_gemm_cmd(const GemmArgs& g) {
     if (cr != qa.rows || cc != qb.rows)
       throw std::invalid_argument(g.c + ": C must be " + shape_str(qa.rows, qb.rows) + ", got " +
                                   shape_str(cr, cc));
+    const NonFinite nc = count_nonfinite(c);
+    if (nc.nan || nc.inf)
+      warnings.push_back(
+          fmt::format("C ({}) holds {} NaN and {} Inf of {} values; they pass to D "
+                      "through beta * C",
+                      g.c, nc.nan, nc.inf, c.size()));
   }
   {  // all shape errors before any work or output
     TensorView dv;
@@ -231,6 +272,32 @@ void run_gemm_cmd(const GemmArgs& g) {
         __builtin_mul_overflow(mn, int64_t{4}, &d_bytes))
       throw std::invalid_argument("gemm: D " + shape_str(qa.rows, qb.rows) +
                                   " is too large (its byte count overflows 64 bits)");
+  }
+  // NVFP4's epilogue scale in the contract's (Transformer Engine's) order, against the same
+  // factor in double: the order overflows when amax_A * amax_B passes FLT_MAX although the factor
+  // is finite (docs/numerics.md §8). The bits stay the contract's; the command says so.
+  if (qa.format == QFormat::NVFP4) {
+    const float alpha_eff = gemm_epilogue_alpha(cfg.alpha, qa.format, qa.amax, qa.four_over_six,
+                                                qb.amax, qb.four_over_six);
+    const double ma = qa.four_over_six ? 256.0 : kE4M3Max, mb = qb.four_over_six ? 256.0 : kE4M3Max;
+    const double factor = static_cast<double>(cfg.alpha) * qa.amax * qb.amax / (36.0 * ma * mb);
+    if (std::isfinite(factor) && std::fabs(factor) <= FLT_MAX && !std::isfinite(alpha_eff))
+      warnings.push_back(fmt::format(
+          "the epilogue scale ((alpha * amax_A) * amax_B) * k = (({:g} * {:g}) * {:g}) * k "
+          "overflows FP32 to {} although the factor is {:.6g}: D is Inf or NaN wherever the "
+          "accumulator is not 0. The contract keeps Transformer Engine's order "
+          "(docs/numerics.md §8); scale the inputs (or alpha) down so that alpha * amax_A * "
+          "amax_B stays below {:g}",
+          cfg.alpha, qa.amax, qb.amax, alpha_eff, factor, FLT_MAX));
+    // (an underflow matters where D could be nonzero in FP32: |D| <= alpha amax_A amax_B K)
+    const double d_bound = std::fabs(static_cast<double>(cfg.alpha) * qa.amax * qb.amax) *
+                           static_cast<double>(qa.cols);
+    if (alpha_eff == 0.0f && std::isfinite(d_bound) && d_bound >= FLT_TRUE_MIN)
+      warnings.push_back(fmt::format(
+          "the epilogue scale ((alpha * amax_A) * amax_B) * k = (({:g} * {:g}) * {:g}) * k "
+          "underflows FP32 to 0 (the factor is {:.6g}): D is 0 where its values could reach "
+          "{:.6g}",
+          cfg.alpha, qa.amax, qb.amax, factor, d_bound));
   }
   const std::string bname = g.backend.empty() ? default_backend_name() : g.backend;
   if (g.gemm == "cublaslt" && bname != "cuda")
@@ -285,6 +352,14 @@ void run_gemm_cmd(const GemmArgs& g) {
       "({:.2f} GFLOP/s)\n",
       qa.rows, qb.rows, qa.rows, qa.cols, qb.rows, qb.cols, qformat_name(qa.format), g.gemm,
       be->name(), ms, 2.0 * qa.rows * qb.rows * qa.cols / (ms * 1e6));
+  int64_t d_nonfinite = 0;
+  for (uint32_t b : bits) {
+    const uint32_t exp_mask = cfg.out == GemmOut::BF16 ? 0x7F80u : 0x7F800000u;
+    d_nonfinite += (b & exp_mask) == exp_mask;
+  }
+  if (d_nonfinite)
+    warnings.push_back(fmt::format("D holds {} Inf or NaN of {} values", d_nonfinite, bits.size()));
+  for (const std::string& w : warnings) fmt::print("  WARNING  {}\n", w);
   fmt::print("  wrote {} and {}.meta.json\n", g.out, g.out);
 }
 

@@ -117,6 +117,29 @@ expect_fail "crosscheck shape overflowing" "is too large" "$bin" crosscheck gemm
   && ok "gemm from quantized files (2D and Four Over Six operands)" || bad "gemm prefixes: $(cat log.txt)"
 "$bin" mma --a 0:-4,16:-1,-1,-0.5 --b 0:4,16:1,0.5,0.5 --sfa 2^11,1,1,1 --sfb 2^8,2^-1,1,1 --c 2^23 >log.txt 2>&1 \
   && grep -q "0xBF600000" log.txt && ok "mma worked vector -0.875" || bad "mma: $(cat log.txt)"
+# gemm says what quantize says about NaN and Inf inputs, and warns when the epilogue scale
+# overflows in the contract's order (the bits stay the contract's)
+python3 - <<'PY' 2>/dev/null
+import random, struct
+def save(name, vals):
+    hdr = "{'descr': '<f4', 'fortran_order': False, 'shape': (16, 64), }"
+    hdr += " " * (118 - len(hdr)) + "\n"
+    open(name, "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr.encode() + struct.pack("<1024f", *vals))
+random.seed(1)
+v = [random.gauss(0, 1) for _ in range(1024)]
+save("g_ok.npy", v)
+save("g_nan.npy", v[:3] + [float("nan")] + v[4:])
+save("g_big.npy", v[:5] + [3e38] + v[6:])
+PY
+if [ -f g_big.npy ]; then
+  "$bin" gemm g_nan.npy g_ok.npy q/dn.npy --backend emu >log.txt 2>&1 && grep -q "WARNING  A (g_nan.npy) holds 1 NaN and 0 Inf" log.txt \
+    && ok "gemm reports NaN inputs" || bad "gemm NaN inputs: $(cat log.txt)"
+  "$bin" gemm g_big.npy g_ok.npy q/db.npy --backend emu >log.txt 2>&1 && grep -q "WARNING  the epilogue scale .* overflows FP32 to inf although the factor is 1" log.txt \
+    && grep -q "WARNING  D holds 256 Inf or NaN of 256 values" log.txt && ok "gemm warns when the epilogue scale overflows" \
+    || bad "gemm epilogue overflow: $(cat log.txt)"
+  "$bin" gemm g_ok.npy g_ok.npy q/dk.npy --backend emu >log.txt 2>&1 && ! grep -q WARNING log.txt \
+    && ok "gemm of finite inputs: no warning" || bad "gemm finite inputs: $(cat log.txt)"
+fi
 expect_fail "gemm K mismatch" "K differs" "$bin" gemm ga.npy gk.npy out.npy --backend emu
 expect_fail "gemm split-k" "--split-k 3" "$bin" gemm ga.npy gb.npy out.npy --split-k 3 --backend emu
 expect_fail "gemm beta without C" "--beta needs C" "$bin" gemm ga.npy gb.npy out.npy --beta 1 --backend emu
