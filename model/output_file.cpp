@@ -73,11 +73,24 @@ void write_whole_file(const std::string& path, const std::string& text) {
   f.close();
 }
 
+size_t name_max_for(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  const long n = ::pathconf(dir.c_str(), _PC_NAME_MAX);
+  return n > 0 ? static_cast<size_t>(n) : 255;
+}
+
 std::string staged_path(const std::string& final_path) {
   static unsigned counter = 0;
   std::lock_guard<std::mutex> lock(staged_mutex());
-  const std::string staged =
-      final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  // (the counter keeps two shortened names of one prefix apart)
+  const std::string suffix = ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  const size_t name_at = final_path.rfind('/') == std::string::npos ? 0 : final_path.rfind('/') + 1;
+  std::string name = final_path.substr(name_at);
+  const size_t name_max = name_max_for(final_path);
+  if (name.size() + suffix.size() > name_max)
+    name.resize(name_max > suffix.size() ? name_max - suffix.size() : 0);
+  const std::string staged = final_path.substr(0, name_at) + name + suffix;
   staged_names()[staged] = final_path;
   return staged;
 }

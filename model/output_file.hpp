@@ -36,11 +36,17 @@ class OutputFile {
 void write_whole_file(const std::string& path, const std::string& text);
 
 // Staged outputs (written under a temporary name beside the final one, then renamed into place):
-// the temporary name is FINAL.tmp.PID.N, remembered so that errors name the final path;
-// forget_staged drops the record once the file is renamed or removed.
+// the temporary name is FINAL.tmp.PID.N, with FINAL's file name shortened where the suffix would
+// take it past the folder's NAME_MAX (so every final name that fits can be staged); it is
+// remembered so that errors name the final path; forget_staged drops the record once the file
+// is renamed or removed.
 std::string staged_path(const std::string& final_path);
 void forget_staged(const std::string& staged);
 // The final path of a staged one, else `path` itself.
 std::string shown_path(const std::string& path);
+
+// The longest file name, in bytes, that the folder of `path` takes (pathconf's NAME_MAX; 255
+// where it cannot say).
+size_t name_max_for(const std::string& path);
 
 }  // namespace fp4sim::model

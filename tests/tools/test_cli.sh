@@ -242,6 +242,10 @@ if "$bin" quantize x.npy blocked/q --backend emu >/dev/null 2>stderr.txt; then b
 elif ! grep -q "is a directory" stderr.txt; then bad "quantize onto a directory: $(cat stderr.txt)"
 elif [ "$(ls blocked)" != "q.meta.json" ]; then bad "quantize onto a directory (left files: $(ls blocked))"
 else ok "quantize onto a directory: error, nothing written"; fi
+# long names: the temporary name's suffix must not push a name that fits past NAME_MAX (255)
+long=$(printf 'n%.0s' $(seq 240))
+"$bin" quantize x.npy "q/$long" --backend emu >log.txt 2>&1 && [ -f "q/$long.dequant.npy" ] && [ -f "q/$long.meta.json" ] \
+  && ! ls q/ | grep -q '\.tmp\.' && ok "quantize with a 240-character prefix" || bad "240-character prefix: $(tail -2 log.txt)"
 expect_fail "crosscheck malformed shape" "is not MxNxK" "$bin" crosscheck gemm --shapes 64x64
 
 "$bin" info >info.txt 2>&1 && grep -q "contract_version 1" info.txt && ok "info" || bad "info: $(cat info.txt)"

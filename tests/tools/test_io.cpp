@@ -82,6 +82,25 @@ TEST(OutputFile, WritesAppendsAndStagedNames) {
   fs::remove_all(d);
 }
 
+TEST(OutputFile, StagedNamesStayWithinNameMax) {
+  const fs::path d = temp_dir("name_max");
+  // a final name of 250 bytes fits; its temporary name must too, and two of them must differ
+  const std::string base = (d / std::string(250, 'n')).string();
+  const size_t name_max = model::name_max_for(base);
+  const std::string s1 = model::staged_path(base + "1"), s2 = model::staged_path(base + "2");
+  for (const std::string& s : {s1, s2}) {
+    EXPECT_LE(fs::path(s).filename().string().size(), name_max) << s;
+    EXPECT_EQ(fs::path(s).parent_path(), d);
+    model::OutputFile f(s);  // (creating it is what NAME_MAX would refuse)
+    f.close();
+  }
+  EXPECT_NE(s1, s2);
+  EXPECT_EQ(model::shown_path(s1), base + "1");
+  model::forget_staged(s1);
+  model::forget_staged(s2);
+  fs::remove_all(d);
+}
+
 TEST(Npy, WritersReportAFullDisk) {
   if (!fs::exists(kFull)) GTEST_SKIP() << "no /dev/full";
   const std::vector<float> x(64, 1.0f);
