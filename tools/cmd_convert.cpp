@@ -17,6 +17,7 @@ struct ConvertArgs {
 };
 
 void run_convert(const ConvertArgs& a) {
+  io::check_outputs({a.output}, {a.input});
   const io::NpyArray in = io::read_npy(a.input);
   size_t n = 1;
   for (size_t d : in.shape) n *= d;

@@ -20,7 +20,9 @@ struct BuildArgs {
 };
 
 void run_build(const BuildArgs& a) {
+  io::check_output_prefix(a.out, "--out");
   const std::vector<std::string> files = model::collect_text_files(a.inputs);
+  io::check_outputs({a.out + ".train.tokens", a.out + ".val.tokens", a.out + ".meta.json"}, files);
   fmt::print("fp4sim data build: {} text files\n", files.size());
   const model::CorpusSplit s = model::build_corpus(files, a.val_every);
   // record the files relative to their input folder, so the meta does not depend on where it ran

@@ -194,6 +194,19 @@ void run_gemm_cmd(const GemmArgs& g) {
     throw std::invalid_argument("give A.npy and B.npy, or --a-prefix P --b-prefix Q");
   const QFormat fmt =
       g.format == "fp8" ? QFormat::FP8 : (g.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+  {  // D and its meta.json are none of the inputs, and can be written (before any work)
+    std::vector<std::string> inputs;
+    if (from_prefix) {
+      for (const std::string& p : {g.a_prefix, g.b_prefix})
+        for (const char* ext :
+             {".codes.npy", ".scales.npy", ".amax.npy", ".dequant.npy", ".meta.json"})
+          inputs.push_back(p + ext);
+    } else {
+      inputs = {g.a, g.b};
+    }
+    if (!g.c.empty()) inputs.push_back(g.c);
+    io::check_outputs({g.out, g.out + ".meta.json"}, inputs);
+  }
   auto emu = make_backend("emu");
   QuantizedHost qa, qb;
   std::vector<std::string> warnings;  // printed with the result

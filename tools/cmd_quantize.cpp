@@ -147,6 +147,11 @@ void run_quantize(const QuantizeArgs& a) {
     throw std::invalid_argument("--mx-rule: applies to --format mxfp4 only");
   (a.columnwise ? cfg.columnwise : cfg.rowwise) = spec;
 
+  io::check_output_prefix(a.prefix, "OUT_PREFIX");
+  std::vector<std::string> outputs;
+  for (const char* ext : {".codes.npy", ".scales.npy", ".amax.npy", ".dequant.npy", ".meta.json"})
+    outputs.push_back(a.prefix + ext);
+  io::check_outputs(outputs, {a.input});
   InputTensor in = load_input(a.input);
   validate_quantize(in.view, cfg);  // all input errors before any work or output
   const std::string backend_name = a.backend.empty() ? default_backend_name() : a.backend;
@@ -274,6 +279,7 @@ void run_make_tensor(const MakeTensorArgs& a) {
   if (a.rows <= 0 || a.cols <= 0)
     throw std::invalid_argument("--rows/--cols: must be positive, got " +
                                 shape_str(a.rows, a.cols));
+  io::check_outputs({a.path}, {});
   // the sizes before any allocation: rows x cols elements of 4 bytes (the float32 values drawn
   // first) must fit 64 bits, and the allocation failing is an error that says what it was for
   int64_t n = 0, bytes = 0;

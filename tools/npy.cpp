@@ -161,6 +161,59 @@ void write_npy_u16(const std::string& p, const uint16_t* d, const std::vector<si
   write_npy(p, d, s);
 }
 
+namespace {
+// The same file: by device and inode where both exist, else by their resolved names.
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ec1, ec2;
+  if (std::filesystem::exists(a, ec1) && std::filesystem::exists(b, ec2))
+    return std::filesystem::equivalent(a, b, ec1) && !ec1;
+  const auto ca = std::filesystem::weakly_canonical(a, ec1),
+             cb = std::filesystem::weakly_canonical(b, ec2);
+  return !ec1 && !ec2 ? ca == cb : a == b;
+}
+}  // namespace
+
+void check_outputs(const std::vector<std::string>& outputs,
+                   const std::vector<std::string>& inputs) {
+  namespace fs = std::filesystem;
+  for (const std::string& out : outputs) {
+    const size_t slash = out.rfind('/');
+    const std::string name = out.substr(slash == std::string::npos ? 0 : slash + 1);
+    const std::string dir = slash == std::string::npos ? "." : out.substr(0, slash + 1);
+    if (name.empty() || name == "." || name == "..")
+      throw std::invalid_argument(out + ": names a folder, not a file; nothing was written");
+    const size_t name_max = model::name_max_for(out);
+    if (name.size() > name_max)
+      throw std::invalid_argument(out + ": the file name is " + std::to_string(name.size()) +
+                                  " bytes, its folder takes at most " + std::to_string(name_max) +
+                                  "; nothing was written");
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec))
+      throw std::invalid_argument(out + ": the folder " + dir +
+                                  (fs::exists(dir, ec) ? " is not a folder" : " does not exist") +
+                                  " (output folders must exist); nothing was written");
+    if (fs::is_directory(out, ec))
+      throw std::invalid_argument(out + ": is a directory; nothing was written");
+    for (const std::string& in : inputs)
+      if (same_file(out, in))
+        throw std::invalid_argument(out + ": is " + (in == out ? "an input" : "the input " + in) +
+                                    " of this command; writing it would replace what is read. "
+                                    "Give another output name; nothing was written");
+  }
+}
+
+void check_output_prefix(const std::string& prefix, const std::string& what) {
+  const size_t slash = prefix.rfind('/');
+  const std::string name = prefix.substr(slash == std::string::npos ? 0 : slash + 1);
+  if (name.empty() || name == "." || name == "..")
+    throw std::invalid_argument(what + " '" + prefix +
+                                "' ends in a folder, not a file-name prefix (it would write "
+                                "hidden files such as '" +
+                                prefix + (name.empty() ? "" : "/") +
+                                ".meta.json'): give one such as '" + prefix +
+                                (name.empty() ? "" : "/") + "x'");
+}
+
 AtomicOutputs::~AtomicOutputs() {
   for (auto& f : files_) {
     if (!committed_) std::remove(f.first.c_str());

@@ -30,6 +30,15 @@ std::string shape_string(const std::vector<size_t>& shape);
 // `text` as the whole of `path` (typically an AtomicOutputs staged path).
 void write_text(const std::string& path, const std::string& text);
 
+// Before any work, every output path of a command: a file name (not ending in '/'), within the
+// folder's NAME_MAX, in a folder that exists, not a folder itself, and none of `inputs` (the same
+// file by name, or by device and inode: links followed), so no command overwrites what it reads.
+// Errors (std::invalid_argument) name the output, and the input it would replace.
+void check_outputs(const std::vector<std::string>& outputs, const std::vector<std::string>& inputs);
+// An output prefix (PREFIX.codes.npy, ...): it must end in a file-name part, so "runs/" (which
+// would write the hidden files runs/.codes.npy, ...) is refused; `what` names the argument.
+void check_output_prefix(const std::string& prefix, const std::string& what);
+
 // Files written under temporary names and renamed into place only when every one is complete, so
 // a failure never leaves partial outputs behind; a rename that fails in commit() takes back the
 // files already moved, so a prefix never mixes one run's files with another's.

@@ -246,6 +246,25 @@ else ok "quantize onto a directory: error, nothing written"; fi
 long=$(printf 'n%.0s' $(seq 240))
 "$bin" quantize x.npy "q/$long" --backend emu >log.txt 2>&1 && [ -f "q/$long.dequant.npy" ] && [ -f "q/$long.meta.json" ] \
   && ! ls q/ | grep -q '\.tmp\.' && ok "quantize with a 240-character prefix" || bad "240-character prefix: $(tail -2 log.txt)"
+long=$(printf 'n%.0s' $(seq 250))
+expect_fail "quantize prefix past NAME_MAX, refused before work" "the file name is 264 bytes" "$bin" quantize x.npy "out.$long" --backend emu
+# an output is never an input: refused before anything is written, the input untouched
+"$bin" make-tensor q/p.codes.npy --rows 16 --cols 64 >/dev/null && cp q/p.codes.npy q/p.codes.orig
+expect_fail "quantize output prefix naming its input" "q/p.codes.npy: is an input" "$bin" quantize q/p.codes.npy q/p --backend emu
+cmp -s q/p.codes.npy q/p.codes.orig && ok "quantize left its input alone" || bad "quantize replaced its input"
+cp ga.npy ga.orig && ln -sf ga.npy galink.npy
+expect_fail "gemm output naming input A" "ga.npy: is an input" "$bin" gemm ga.npy gb.npy ga.npy --backend emu
+expect_fail "gemm output linked to input A" "galink.npy: is the input ga.npy" "$bin" gemm ga.npy gb.npy galink.npy --backend emu
+expect_fail "gemm output naming a prefix's file" "q/ga.dequant.npy: is the input" "$bin" gemm --a-prefix q/ga --b-prefix q/gb ./q/ga.dequant.npy --backend emu
+cmp -s ga.npy ga.orig && [ -L galink.npy ] && ok "gemm left its inputs alone" || bad "gemm replaced an input"
+expect_fail "convert onto its input" "x.npy: is an input" "$bin" convert --format e4m3 x.npy x.npy
+# a prefix that ends in a folder would write hidden files (pd/.codes.npy): refused
+mkdir -p pd
+expect_fail "quantize prefix ending in /" "OUT_PREFIX 'pd/' ends in a folder" "$bin" quantize x.npy pd/ --backend emu
+printf 'text\n' > pd_in.txt
+expect_fail "data build --out ending in /" "--out 'pd/' ends in a folder" "$bin" data build pd_in.txt --out pd/
+[ -z "$(ls -A pd)" ] && ok "nothing written into pd/" || bad "pd/ holds $(ls -A pd)"
+expect_fail "gemm output in a missing folder" "the folder nodir/ does not exist" "$bin" gemm ga.npy gb.npy nodir/out.npy --backend emu
 expect_fail "crosscheck malformed shape" "is not MxNxK" "$bin" crosscheck gemm --shapes 64x64
 
 "$bin" info >info.txt 2>&1 && grep -q "contract_version 1" info.txt && ok "info" || bad "info: $(cat info.txt)"
