@@ -1,6 +1,7 @@
 #include "model/data.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -16,8 +17,12 @@ namespace fp4sim::model {
 namespace fs = std::filesystem;
 
 TokenFile read_token_file(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec))
+    throw std::runtime_error(path + ": is a directory, not a token file");
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(path + ": cannot open token file");
+  if (!in)
+    throw std::runtime_error(path + ": cannot open token file (" + std::strerror(errno) + ")");
   char header[kTokenFileHeaderBytes] = {};
   in.read(header, kTokenFileHeaderBytes);
   if (in.gcount() >= 8 && std::memcmp(header, kTokenFileMagic, 8) == 0 &&

@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -64,8 +65,9 @@ QuantizedHost quantize_operand(Backend& be, std::vector<float>& x, int64_t rows,
 
 // The files `fp4sim quantize` writes: PREFIX.{codes,scales,amax}.npy and PREFIX.meta.json.
 QuantizedHost load_quantized(const std::string& prefix, const char* name, bool* rht) {
+  io::require_readable_file(prefix + ".meta.json", std::string("operand ") + name +
+                                                       "'s meta.json (written by fp4sim quantize)");
   std::ifstream mf(prefix + ".meta.json");
-  if (!mf) throw std::runtime_error(prefix + ".meta.json: cannot open (operand " + name + ")");
   nlohmann::json meta;
   try {
     mf >> meta;
@@ -115,8 +117,8 @@ QuantizedHost load_quantized(const std::string& prefix, const char* name, bool* 
     throw std::runtime_error(
         prefix + ".meta.json says amax " + fmt::format("{}", meta["amax"].get<double>()) + " but " +
         prefix + ".amax.npy holds " + fmt::format("{}", q.amax) + ": files of different runs?");
-  std::ifstream dq_probe(prefix + ".dequant.npy");
-  if (dq_probe) {
+  std::error_code ec;
+  if (std::filesystem::exists(prefix + ".dequant.npy", ec)) {  // (optional; read_npy says why not)
     const io::NpyArray dq = io::read_npy(prefix + ".dequant.npy");
     if (dq.dtype != "<f4" || dq.shape.size() != 2 || static_cast<int64_t>(dq.shape[0]) != q.rows ||
         static_cast<int64_t>(dq.shape[1]) != q.cols)

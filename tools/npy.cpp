@@ -96,9 +96,20 @@ void check_npy_size(const std::string& path, std::ifstream& in) {
 
 }  // namespace
 
+void require_readable_file(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw std::runtime_error(path + ": is a directory, not " + what);
+  std::ifstream probe(path, std::ios::binary);
+  if (!probe)
+    throw std::runtime_error(path + ": cannot open for reading (" + std::strerror(errno) + ")");
+}
+
 NpyArray read_npy(const std::string& path) {
+  require_readable_file(path, "a .npy file");
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(path + ": cannot open file for reading");
+  if (!in)
+    throw std::runtime_error(path + ": cannot open for reading (" + std::strerror(errno) + ")");
   char magic[6] = {};
   in.read(magic, 6);
   if (!in || std::string(magic, 6) != "\x93NUMPY")

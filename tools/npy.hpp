@@ -15,8 +15,12 @@ struct NpyArray {
   std::vector<uint8_t> bytes;  // C-order data
 };
 
-// Throws std::runtime_error naming the file: unreadable, not an npy, Fortran order, truncated.
+// Throws std::runtime_error naming the file: a directory, unreadable (with the system's reason),
+// not an npy, Fortran order, truncated.
 NpyArray read_npy(const std::string& path);
+// `path` is a file that opens for reading, else std::runtime_error: "PATH: is a directory, not
+// WHAT", or "PATH: cannot open for reading (REASON)".
+void require_readable_file(const std::string& path, const std::string& what);
 
 // C-order data of `shape` as an npy file (xtensor's header). The writers here check every write,
 // the fsync and the close (model/output_file.hpp), so a full disk is an error with the system's

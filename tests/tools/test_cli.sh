@@ -265,6 +265,13 @@ printf 'text\n' > pd_in.txt
 expect_fail "data build --out ending in /" "--out 'pd/' ends in a folder" "$bin" data build pd_in.txt --out pd/
 [ -z "$(ls -A pd)" ] && ok "nothing written into pd/" || bad "pd/ holds $(ls -A pd)"
 expect_fail "gemm output in a missing folder" "the folder nodir/ does not exist" "$bin" gemm ga.npy gb.npy nodir/out.npy --backend emu
+# a folder given as an input is called one (it was "bad magic bytes")
+mkdir -p adir adir2.meta.json
+expect_fail "quantize a folder" "adir: is a directory, not a .npy file" "$bin" quantize adir out --backend emu
+expect_fail "gemm a folder" "adir: is a directory, not a .npy file" "$bin" gemm ga.npy adir out.npy --backend emu
+expect_fail "gemm a prefix whose meta.json is a folder" "adir2.meta.json: is a directory" "$bin" gemm --a-prefix adir2 --b-prefix q/gb out.npy --backend emu
+expect_fail "data show a folder" "adir: is a directory, not a token file" "$bin" data show adir
+expect_fail "quantize a missing file" "nope.npy: cannot open for reading (No such file or directory)" "$bin" quantize nope.npy out --backend emu
 expect_fail "crosscheck malformed shape" "is not MxNxK" "$bin" crosscheck gemm --shapes 64x64
 
 "$bin" info >info.txt 2>&1 && grep -q "contract_version 1" info.txt && ok "info" || bad "info: $(cat info.txt)"
