@@ -159,6 +159,24 @@ void load_stored(const TensorMap& m, const std::string& name, float* dst,
 
 namespace {
 
+// `batches` validation batches must be there once each: batch i reads tokens i*B*T ..
+// (i+1)*B*T (its last target included), so the split holds (n - 1) / (B*T) of them, and more
+// would wrap around and count batches twice. `what` names the option that asked.
+void check_validation_batches(const RunConfig& c, const TokenFile& val, int64_t batches,
+                              const std::string& what) {
+  const int64_t n = static_cast<int64_t>(val.tokens.size());
+  const int64_t available = (n - 1) / (c.train.batch * c.model.seq_len);
+  if (batches <= available) return;
+  const std::string split =
+      c.train.data == "synthetic" ? "the synthetic validation split" : c.train.data + ".val.tokens";
+  throw std::invalid_argument(
+      what + " " + std::to_string(batches) + ": " + split + " holds " + std::to_string(n) +
+      " tokens, " + std::to_string(available) + " full batches of " +
+      std::to_string(c.train.batch) + " x " + std::to_string(c.model.seq_len) +
+      " (more would reuse batches); ask for at most " + std::to_string(available) +
+      (what == "--batches" ? " (or --all)" : ""));
+}
+
 float evaluate_on(const RunConfig& c, const TokenFile& val, Gpt& model, int64_t batches,
                   const std::function<void(int64_t, int64_t)>& progress = {}) {
   std::vector<int32_t> tok, tgt;
@@ -186,6 +204,7 @@ float evaluate(const RunConfig& c, const std::vector<float>& params, int64_t bat
         (static_cast<int64_t>(data.val.tokens.size()) - 1) / (c.train.batch * c.model.seq_len);
   if (batches < 1)
     throw std::invalid_argument("evaluate: batches must be >= 1, got " + std::to_string(batches));
+  check_validation_batches(c, data.val, batches, "--batches");
   if (used) *used = batches;
   return evaluate_on(c, data.val, model, batches, progress);
 }
@@ -253,6 +272,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     throw std::invalid_argument(
         "--dump writes one batch per step for the PyTorch check: it needs train.grad_accum=1");
   const Dataset data = load_data(c);  // every input error before any work
+  if (c.train.eval_every > 0)
+    check_validation_batches(c, data.val, c.train.eval_batches, "train.eval_batches");
   // one writer per run folder, for the whole run, taken before any of its files is read or
   // written: here when the folder exists, else where it is created below (a folder that does not
   // exist has no writer, and a run refused before then leaves none behind)

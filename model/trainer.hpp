@@ -37,9 +37,10 @@ struct TrainResult {
 
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt, Backend& backend);
 
-// Validation loss of a model config + parameters on up to `batches` batches of the val split.
-// batches = kAllValidationBatches: every full batch of the split, read once (no wrap-around);
-// *used (when given) receives the number of batches evaluated.
+// Validation loss of a model config + parameters on the first `batches` batches of the val split,
+// each read once: more than the split holds is an error (std::invalid_argument naming the split,
+// its full batches and "--batches"). batches = kAllValidationBatches: every full batch of the
+// split; *used (when given) receives the number of batches evaluated.
 constexpr int64_t kAllValidationBatches = -1;
 // progress (when given) is called after each batch with (done, total).
 float evaluate(const RunConfig& cfg, const std::vector<float>& params, int64_t batches,

@@ -213,6 +213,14 @@ expect_fail "eval edited state.json" "state.json: its SHA-256 differs from manif
 "$bin" eval --checkpoint run/checkpoints --all --backend emu >log.txt 2>&1 && grep -q "val loss" log.txt \
   && ok "eval --all" || bad "eval --all: $(cat log.txt)"
 expect_fail "eval --all with --batches" "excludes" "$bin" eval --checkpoint run/checkpoints --all --batches 2 --backend emu
+# more validation batches than the split holds: an error (it reused batches and reported N)
+vb=$(( (8192 - 1) / 32 ))  # the micro runs' synthetic split: 8192 tokens, batches of 2 x 16
+expect_fail "eval --batches past the split" "--batches $((vb + 1)): the synthetic validation split holds 8192 tokens, $vb full batches of 2 x 16" \
+  "$bin" eval --checkpoint run/checkpoints --batches $((vb + 1)) --backend emu
+"$bin" eval --checkpoint run/checkpoints --batches $vb --backend emu >log.txt 2>&1 && grep -q "over $vb batches" log.txt \
+  && ok "eval --batches of the whole split" || bad "eval --batches $vb: $(cat log.txt)"
+expect_fail "train.eval_batches past the split" "train.eval_batches 300: the synthetic validation split" \
+  "$bin" train --config "$cfg" $micro train.eval_batches=300 train.out_dir=out.evb --backend emu
 expect_fail "eval zero batches" "--batches must be an integer >= 1" "$bin" eval --checkpoint run/checkpoints --batches 0 --backend emu
 expect_fail "sample NaN temperature" "--temperature must be a finite number" "$bin" sample --checkpoint run/checkpoints --temperature nan --backend emu
 expect_fail "sample negative tokens" "--tokens must be an integer >= 0" "$bin" sample --checkpoint run/checkpoints --tokens -5 --backend emu
