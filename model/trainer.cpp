@@ -102,6 +102,13 @@ void sample_batch(const TokenFile& f, uint64_t seed, int64_t step, int64_t first
   }
 }
 
+// A learning rate as the step lines print it: 3.00e-04.
+std::string fmt_rate(double lr) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2e", lr);
+  return text;
+}
+
 // 75 -> "1m15s", 4000 -> "1h6m", 8 -> "8s".
 std::string duration_text(double seconds) {
   const int64_t s = static_cast<int64_t>(seconds + 0.5);
@@ -339,8 +346,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
           "this run: " +
           joined(differences(ck.state.at("config"), now.at("model"), "model.")) + ")");
     // settings that make the continuation another run than the uninterrupted one: said, not refused
-    // (a recipe change on resume can be deliberate); the schedule's length (train.steps) is
-    // expected to change
+    // (a recipe change on resume can be deliberate). train.steps among them: the learning-rate
+    // schedule spans train.steps, so a longer or shorter run changes every rate from here on
     if (opt.print && ck.state.contains("run_config")) {
       const nlohmann::json& was = ck.state.at("run_config");
       std::vector<std::string> changed =
@@ -348,16 +355,35 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       const nlohmann::json was_train = was.value("train", nlohmann::json::object()),
                            now_train = now.at("train");
       for (const char* k :
-           {"seed", "batch", "grad_accum", "data", "lr", "warmup", "schedule", "weight_decay"})
+           {"seed", "batch", "grad_accum", "data", "steps", "lr", "min_lr_ratio", "warmup",
+            "schedule", "decay_fraction", "weight_decay", "beta1", "beta2", "eps", "grad_clip"})
         if (was_train.contains(k) && now_train.contains(k) && was_train.at(k) != now_train.at(k))
           changed.push_back(std::string("train.") + k + ": " + was_train.at(k).dump() + " -> " +
                             now_train.at(k).dump());
       if (!changed.empty())
         std::printf(
             "warning: resuming with settings that differ from the checkpoint's run (so not its "
-            "uninterrupted "
-            "continuation): %s\n",
+            "uninterrupted continuation): %s\n",
             joined(changed).c_str());
+      // what another train.steps does to the next step's rate (the other schedule keys as now)
+      if (was_train.contains("steps") && was_train.at("steps").is_number_integer() &&
+          was_train.at("steps").get<int64_t>() != c.train.steps) {
+        const int64_t was_steps = was_train.at("steps").get<int64_t>();
+        auto rate = [&](int64_t steps) {
+          return learning_rate(c.train.schedule, ck.step, steps, c.train.warmup, c.train.lr,
+                               c.train.min_lr_ratio, c.train.decay_fraction);
+        };
+        const std::string then =
+            ck.step < was_steps ? fmt_rate(rate(was_steps)) + " in the checkpoint's run of " +
+                                      std::to_string(was_steps) + " steps"
+                                : "the checkpoint's run ended at step " + std::to_string(was_steps);
+        std::printf(
+            "warning: train.steps %lld -> %lld changes the learning-rate schedule, which spans "
+            "train.steps: step %lld takes lr %s here (%s)\n",
+            static_cast<long long>(was_steps), static_cast<long long>(c.train.steps),
+            static_cast<long long>(ck.step + 1), fmt_rate(rate(c.train.steps)).c_str(),
+            then.c_str());
+      }
     }
     step0 = ck.step;
     if (step0 >= c.train.steps)

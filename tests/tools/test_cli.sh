@@ -231,6 +231,12 @@ expect_fail "resume with another model" "model.d_ff: 64 -> 128" "$bin" train --c
 "$bin" train --config "$cfg" $micro train.steps=6 train.seed=99 train.out_dir=run_rs --resume run_rs/checkpoints --backend emu >log.txt 2>&1 \
   && grep -q "warning: resuming with settings that differ.*train.seed: [0-9]* -> 99" log.txt \
   && ok "resume with another seed says so" || bad "resume with another seed: $(grep -i warning log.txt)"
+# another train.steps stretches the learning-rate schedule: said, with the next step's rate
+cp -r run run_st
+"$bin" train --config "$cfg" $micro train.steps=6 train.out_dir=run_st --resume run_st/checkpoints --backend emu >log.txt 2>&1 \
+  && grep -q "warning: resuming with settings that differ.*train.steps: 4 -> 6" log.txt \
+  && grep -q "warning: train.steps 4 -> 6 changes the learning-rate schedule.*step 5 takes lr .* here (the checkpoint's run ended at step 4)" log.txt \
+  && ok "resume with another train.steps warns about the schedule" || bad "resume with another train.steps: $(grep -i warning log.txt)"
 expect_fail "resume past train.steps" "nothing left to train" "$bin" train --config "$cfg" $micro train.out_dir=out.run --resume run/checkpoints --backend emu
 expect_fail "config integer key given a fraction" "must be an integer" "$bin" config --config "$cfg" model.d_model=128.5
 expect_fail "config negative eval_every" "train.eval_every" "$bin" config --config "$cfg" train.eval_every=-1
