@@ -9,6 +9,7 @@
 #include <cupti.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -108,7 +109,7 @@ void write_trace() {
   std::lock_guard<std::mutex> lock(g_mutex);
   std::FILE* f = std::fopen(path, "w");
   if (!f) {
-    std::fprintf(stderr, "fp4sim cupti_trace: cannot write %s\n", path);
+    std::fprintf(stderr, "fp4sim cupti_trace: cannot write %s (%s)\n", path, std::strerror(errno));
     return;
   }
   std::fprintf(f, "kind,name,start_ns,end_ns,bytes\n");
@@ -120,7 +121,15 @@ void write_trace() {
                  static_cast<unsigned long long>(e.start), static_cast<unsigned long long>(e.end),
                  static_cast<unsigned long long>(e.bytes));
   }
-  std::fclose(f);
+  // (an exit handler cannot change the process's exit status: a failed write is said loudly)
+  const bool write_failed = std::fflush(f) != 0 || std::ferror(f);
+  const int err = errno;
+  if (std::fclose(f) != 0 || write_failed) {
+    std::fprintf(stderr,
+                 "fp4sim cupti_trace: ERROR: writing %s failed (%s); the trace is incomplete\n",
+                 path, std::strerror(write_failed ? err : errno));
+    return;
+  }
   std::fprintf(stderr, "fp4sim cupti_trace: %zu records -> %s%s\n", g_events->size(), path,
                g_failed ? " (with CUPTI errors above: the trace may be incomplete)" : "");
 }
