@@ -1,5 +1,7 @@
 #include "emu/backend.hpp"
 
+#include <cstdio>
+#include <new>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -10,6 +12,51 @@
 namespace fp4sim {
 
 std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<emu::CpuBackend>(); }
+
+std::string bytes_text(uint64_t bytes) {
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 5) {
+    v /= 1024.0;
+    ++u;
+  }
+  char head[32];
+  if (u == 0)
+    std::snprintf(head, sizeof head, "%llu B", static_cast<unsigned long long>(bytes));
+  else
+    std::snprintf(head, sizeof head, "%.2f %s", v, kUnits[u]);
+  return std::string(head) + " (" + std::to_string(bytes) + " bytes)";
+}
+
+void* Backend::allocate_labelled(size_t bytes, const BufferLabel& label) {
+  // (the label is the planning backend's; a nested allocation keeps the outer one's afterwards)
+  const BufferLabel* const outer = allocating_;
+  allocating_ = &label;
+  try {
+    void* p = allocate(bytes);
+    allocating_ = outer;
+    return p;
+  } catch (const AllocationError&) {
+    allocating_ = outer;
+    throw;
+  } catch (const std::bad_alloc&) {
+    allocating_ = outer;
+    throw AllocationError(allocation_failure(label, bytes, "out of host memory (std::bad_alloc)"),
+                          bytes);
+  } catch (const std::exception& e) {
+    allocating_ = outer;
+    throw AllocationError(allocation_failure(label, bytes, e.what()), bytes);
+  }
+}
+
+std::string Backend::allocation_failure(const BufferLabel& label, size_t bytes,
+                                        const std::string& cause) const {
+  const std::string what = label.what.empty() ? std::string("a buffer") : "'" + label.what + "'";
+  return "cannot allocate " + bytes_text(bytes) + " for " + what + " (" + label.use + ") in the " +
+         name_ + " backend's " + (device_ == Device::Host ? "host" : "device") +
+         " memory: " + cause;
+}
 
 void check_view(const char* op, const TensorView& v, int64_t rows, int64_t cols,
                 const ViewRule& rule) {

@@ -71,6 +71,30 @@ enum class Capability : uint8_t {
   FusedActivationQuantize,  // quantize_activation computes the op inside the quantizer
 };
 
+// What a buffer in a backend's memory holds, for memory plans (model/memory_plan.hpp) and for the
+// message of a failed allocation: the plan's line it counts in (use: "activations", "parameters",
+// ...) and the tensor (what: "h.3 qkv"). A use is a string literal (plans compare the pointers'
+// texts, never free them).
+struct BufferLabel {
+  const char* use = "unlabelled";
+  std::string what;
+};
+
+// An allocation that failed (host: std::bad_alloc; CUDA: out of device memory, or another CUDA
+// error): what names the buffer, its size and the backend; cause is the original message.
+class AllocationError : public std::runtime_error {
+ public:
+  AllocationError(const std::string& message, size_t bytes)
+      : std::runtime_error(message), bytes_(bytes) {}
+  size_t bytes() const { return bytes_; }
+
+ private:
+  size_t bytes_;
+};
+
+// "1.50 GiB (1610612736 bytes)", "512 B (512 bytes)": sizes in messages and plans.
+std::string bytes_text(uint64_t bytes);
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -80,6 +104,11 @@ class Backend {
   // ---- memory (host memory on the emulator); all stream-ordered on the CUDA backend ------------
   virtual void* allocate(size_t bytes) = 0;
   virtual void release(void* p) = 0;
+  // allocate(bytes) for the buffer `label` describes; any failure (std::bad_alloc, a CUDA error)
+  // is rethrown as AllocationError naming the buffer, the size and the backend. While allocate
+  // runs, allocating() is the label (a planning backend files the buffer under it), else null.
+  void* allocate_labelled(size_t bytes, const BufferLabel& label);
+  const BufferLabel* allocating() const { return allocating_; }
   virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
@@ -87,6 +116,9 @@ class Backend {
   virtual void synchronize() = 0;
   // Device memory in use (bytes), or -1 where the backend has no separate memory (the emulator).
   virtual int64_t device_memory_used() const = 0;
+  // Device memory free for this process's allocations now (bytes), or -1 where the backend has no
+  // separate memory (the emulator: host memory, model/memory_plan.hpp's host_memory_available).
+  virtual int64_t device_memory_free() const { return -1; }
   virtual bool supports(Capability c, int64_t arg = 0) const = 0;
 
   // ---- quantization and the exact GEMM (DESIGN.md §5-§8) ---------------------------------------
@@ -231,10 +263,15 @@ class Backend {
 
  protected:
   Backend(std::string name, Device device) : name_(std::move(name)), device_(device) {}
+  // "cannot allocate <size> for '<what>' (<use>) in the <name> backend's <host|device> memory:
+  // <cause>"
+  std::string allocation_failure(const BufferLabel& label, size_t bytes,
+                                 const std::string& cause) const;
 
  private:
   std::string name_;
   Device device_;
+  const BufferLabel* allocating_ = nullptr;
 };
 
 // Views into a backend's memory.
@@ -265,8 +302,9 @@ void check_view(const char* op, const TensorView& v, int64_t rows, int64_t cols,
 class BackendBuffer {
  public:
   BackendBuffer() = default;
-  BackendBuffer(Backend& b, size_t bytes) : backend_(&b), bytes_(bytes) {
-    ptr_ = bytes ? b.allocate(bytes) : nullptr;
+  BackendBuffer(Backend& b, size_t bytes, const BufferLabel& label = {})
+      : backend_(&b), bytes_(bytes) {
+    ptr_ = bytes ? b.allocate_labelled(bytes, label) : nullptr;
   }
   ~BackendBuffer() {
     if (ptr_) backend_->release(ptr_);

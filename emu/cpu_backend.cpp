@@ -7,6 +7,7 @@
 
 #include "emu/fp_env.hpp"
 #include "emu/rht.hpp"
+#include "emu/workspace.hpp"
 
 namespace fp4sim::emu {
 
@@ -23,15 +24,18 @@ void CpuBackend::copy(void* dst, const void* src, size_t n) { std::memmove(dst, 
 
 QuantErrorSums CpuBackend::quant_error_sums(const TensorView& x, const QuantizedView& q) {
   check_view("quant_error_sums", x, q.rows, q.cols, ViewRule{});
-  return fp4sim::quant_error_sums(x.as<const float>(), q);
+  return workspace::named("quant_error_sums", x, workspace::quant_error_sums(q),
+                          [&] { return fp4sim::quant_error_sums(x.as<const float>(), q); });
 }
 
 void CpuBackend::gemm(const QuantizedView& a, const QuantizedView& b, const TensorView* c,
                       const GemmConfig& cfg, const TensorView& d) {
   validate_gemm(a, b, c, cfg, d);
-  if (cfg.impl != GemmImpl::Exact)
-    throw std::invalid_argument("gemm: --gemm cublaslt runs on the cuda backend only");
-  gemm_exact_host(a, b, c ? static_cast<const float*>(c->data) : nullptr, cfg, d.data);
+  workspace::named("gemm", d, workspace::gemm(a, b), [&] {
+    if (cfg.impl != GemmImpl::Exact)
+      throw std::invalid_argument("gemm: --gemm cublaslt runs on the cuda backend only");
+    gemm_exact_host(a, b, c ? static_cast<const float*>(c->data) : nullptr, cfg, d.data);
+  });
 }
 
 void CpuBackend::scales_to_tiled(const uint8_t* scales, int64_t rows, int64_t k_blocks,
@@ -199,29 +203,31 @@ void CpuBackend::quantize(const TensorView& x, const QuantizeConfig& cfg, Quanti
                           QuantizedView* columnwise) {
   validate_quantize(x, cfg);
   require_ieee_fp_env();
-  if (cfg.rowwise.enabled)
-    check_output(rowwise, written_shape(x, false), cfg, cfg.rowwise, "row-wise");
-  if (cfg.columnwise.enabled)
-    check_output(columnwise, written_shape(x, true), cfg, cfg.columnwise, "column-wise");
-  std::vector<float> storage;
-  const float* xf = as_f32(x, storage);
-  const bool need_amax = cfg.rowwise.enabled || !cfg.columnwise.rht;
-  const float amax_x = need_amax ? amax_of(xf, x.numel()) : 0.0f;
-  if (cfg.rowwise.enabled)
-    quantize_written(xf, x.rows, x.cols, amax_x, cfg, cfg.rowwise, false, *rowwise);
-  if (cfg.columnwise.enabled) {
-    std::vector<float> wt(static_cast<size_t>(x.numel()));
-    float amax_c = amax_x;
-    if (cfg.columnwise.rht) {
-      rht_columnwise(xf, x.rows, x.cols, wt.data());
-      amax_c = amax_of(wt.data(), x.numel());
-    } else {
+  workspace::named("quantize", x, workspace::quantize(x, cfg), [&] {
+    if (cfg.rowwise.enabled)
+      check_output(rowwise, written_shape(x, false), cfg, cfg.rowwise, "row-wise");
+    if (cfg.columnwise.enabled)
+      check_output(columnwise, written_shape(x, true), cfg, cfg.columnwise, "column-wise");
+    std::vector<float> storage;
+    const float* xf = as_f32(x, storage);
+    const bool need_amax = cfg.rowwise.enabled || !cfg.columnwise.rht;
+    const float amax_x = need_amax ? amax_of(xf, x.numel()) : 0.0f;
+    if (cfg.rowwise.enabled)
+      quantize_written(xf, x.rows, x.cols, amax_x, cfg, cfg.rowwise, false, *rowwise);
+    if (cfg.columnwise.enabled) {
+      std::vector<float> wt(static_cast<size_t>(x.numel()));
+      float amax_c = amax_x;
+      if (cfg.columnwise.rht) {
+        rht_columnwise(xf, x.rows, x.cols, wt.data());
+        amax_c = amax_of(wt.data(), x.numel());
+      } else {
 #pragma omp parallel for schedule(static)
-      for (int64_t c = 0; c < x.cols; ++c)
-        for (int64_t r = 0; r < x.rows; ++r) wt[c * x.rows + r] = xf[r * x.cols + c];
+        for (int64_t c = 0; c < x.cols; ++c)
+          for (int64_t r = 0; r < x.rows; ++r) wt[c * x.rows + r] = xf[r * x.cols + c];
+      }
+      quantize_written(wt.data(), x.cols, x.rows, amax_c, cfg, cfg.columnwise, true, *columnwise);
     }
-    quantize_written(wt.data(), x.cols, x.rows, amax_c, cfg, cfg.columnwise, true, *columnwise);
-  }
+  });
 }
 
 void CpuBackend::dequantize(const QuantizedView& q, const TensorView& out) {

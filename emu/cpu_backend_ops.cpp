@@ -1,5 +1,7 @@
 // CpuBackend's layer, optimizer and fused ops: emu/layers.hpp and emu/optim.hpp on host views,
 // BF16 storage handled at each op's edges (emu/cpu_backend.hpp).
+#include <omp.h>
+
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -9,6 +11,7 @@
 #include "emu/formats.hpp"
 #include "emu/fused.hpp"
 #include "emu/op_checks.hpp"
+#include "emu/workspace.hpp"
 
 namespace fp4sim::emu {
 
@@ -91,17 +94,19 @@ void CpuBackend::norm_forward(NormKind kind, const TensorView& out, const Tensor
                               const TensorView& rstd, const TensorView& inp,
                               const TensorView& weight, const TensorView& bias) {
   op_checks::norm_forward(kind, out, mean, rstd, inp, weight, bias);
-  const int64_t N = inp.rows, C = inp.cols;
-  const bool ln = kind == NormKind::LayerNorm;
-  std::vector<float> o;
-  float* y = target(out, o);
-  if (ln)
-    emu::layernorm_forward(y, mean.as<float>(), rstd.as<float>(), inp.as<const float>(),
-                           weight.as<const float>(), bias.as<const float>(), N, C);
-  else
-    emu::rmsnorm_forward(y, rstd.as<float>(), inp.as<const float>(), weight.as<const float>(), N,
-                         C);
-  finish(out, y);
+  workspace::named("norm_forward", out, workspace::norm_forward(out), [&] {
+    const int64_t N = inp.rows, C = inp.cols;
+    const bool ln = kind == NormKind::LayerNorm;
+    std::vector<float> o;
+    float* y = target(out, o);
+    if (ln)
+      emu::layernorm_forward(y, mean.as<float>(), rstd.as<float>(), inp.as<const float>(),
+                             weight.as<const float>(), bias.as<const float>(), N, C);
+    else
+      emu::rmsnorm_forward(y, rstd.as<float>(), inp.as<const float>(), weight.as<const float>(), N,
+                           C);
+    finish(out, y);
+  });
 }
 
 void CpuBackend::norm_backward(NormKind kind, const TensorView& dinp, const TensorView& dweight,
@@ -109,30 +114,35 @@ void CpuBackend::norm_backward(NormKind kind, const TensorView& dinp, const Tens
                                const TensorView& inp, const TensorView& weight,
                                const TensorView& mean, const TensorView& rstd) {
   op_checks::norm_backward(kind, dinp, dweight, dbias, dout, inp, weight, mean, rstd);
-  const int64_t N = inp.rows, C = inp.cols;
-  const bool ln = kind == NormKind::LayerNorm;
-  std::vector<float> d;
-  const float* dy = read(dout, d);
-  if (ln)
-    emu::layernorm_backward(dinp.as<float>(), dweight.as<float>(), dbias.as<float>(), dy,
-                            inp.as<const float>(), weight.as<const float>(), mean.as<const float>(),
-                            rstd.as<const float>(), N, C);
-  else
-    emu::rmsnorm_backward(dinp.as<float>(), dweight.as<float>(), dy, inp.as<const float>(),
-                          weight.as<const float>(), rstd.as<const float>(), N, C);
-  finish(dinp, dinp.as<float>());
+  workspace::named("norm_backward", dinp, workspace::norm_backward(dout), [&] {
+    const int64_t N = inp.rows, C = inp.cols;
+    const bool ln = kind == NormKind::LayerNorm;
+    std::vector<float> d;
+    const float* dy = read(dout, d);
+    if (ln)
+      emu::layernorm_backward(dinp.as<float>(), dweight.as<float>(), dbias.as<float>(), dy,
+                              inp.as<const float>(), weight.as<const float>(),
+                              mean.as<const float>(), rstd.as<const float>(), N, C);
+    else
+      emu::rmsnorm_backward(dinp.as<float>(), dweight.as<float>(), dy, inp.as<const float>(),
+                            weight.as<const float>(), rstd.as<const float>(), N, C);
+    finish(dinp, dinp.as<float>());
+  });
 }
 
 void CpuBackend::matmul_forward(const TensorView& out, const TensorView& inp,
                                 const TensorView& weight, const TensorView& bias,
                                 GemmPrecision prec) {
   op_checks::matmul_forward(out, inp, weight, bias, prec);
-  const int64_t N = inp.rows, K = inp.cols, OC = weight.rows;
-  std::vector<float> x, w, b, o;
-  float* y = target(out, o);
-  emu::matmul_forward(y, read(inp, x), read(weight, w), bias_as_added(bias, out.bf16_storage(), b),
-                      N, K, OC, prec);
-  finish(out, y);
+  workspace::named(
+      "matmul_forward", out, workspace::matmul_forward(out, inp, weight, bias, prec), [&] {
+        const int64_t N = inp.rows, K = inp.cols, OC = weight.rows;
+        std::vector<float> x, w, b, o;
+        float* y = target(out, o);
+        emu::matmul_forward(y, read(inp, x), read(weight, w),
+                            bias_as_added(bias, out.bf16_storage(), b), N, K, OC, prec);
+        finish(out, y);
+      });
 }
 
 void CpuBackend::matmul_backward(const TensorView& dinp, const TensorView& dweight,
@@ -140,25 +150,31 @@ void CpuBackend::matmul_backward(const TensorView& dinp, const TensorView& dweig
                                  const TensorView& inp, const TensorView& weight,
                                  GemmPrecision prec) {
   op_checks::matmul_backward(dinp, dweight, dbias, dout, inp, weight, prec);
-  const int64_t N = dout.rows, OC = dout.cols, K = weight.cols;
-  std::vector<float> d, x, w, dx;
-  float* dxp = target(dinp, dx);
-  emu::matmul_backward(dxp, dweight.as<float>(), dbias.as<float>(), read(dout, d), read(inp, x),
-                       read(weight, w), N, K, OC, prec);
-  finish(dinp, dxp);
+  workspace::named("matmul_backward", dout,
+                   workspace::matmul_backward(dinp, dweight, dout, inp, weight, prec), [&] {
+                     const int64_t N = dout.rows, OC = dout.cols, K = weight.cols;
+                     std::vector<float> d, x, w, dx;
+                     float* dxp = target(dinp, dx);
+                     emu::matmul_backward(dxp, dweight.as<float>(), dbias.as<float>(),
+                                          read(dout, d), read(inp, x), read(weight, w), N, K, OC,
+                                          prec);
+                     finish(dinp, dxp);
+                   });
 }
 
 void CpuBackend::bias_forward(const TensorView& out, const TensorView& inp,
                               const TensorView& bias) {
   op_checks::bias_forward(out, inp, bias);
-  const int64_t N = inp.rows, OC = inp.cols;
-  // (a BF16 output: the sums in inp, the scratch, then narrowed)
-  float* y = out.dtype == DType::BF16 ? inp.as<float>() : out.as<float>();
-  if (y != inp.as<const float>())
-    std::memcpy(y, inp.as<const float>(), static_cast<size_t>(N * OC) * sizeof(float));
-  std::vector<float> b;
-  emu::bias_forward(y, bias_as_added(bias, out.bf16_storage(), b), N, OC);
-  finish(out, y);
+  workspace::named("bias_forward", out, workspace::bias_forward(out, bias), [&] {
+    const int64_t N = inp.rows, OC = inp.cols;
+    // (a BF16 output: the sums in inp, the scratch, then narrowed)
+    float* y = out.dtype == DType::BF16 ? inp.as<float>() : out.as<float>();
+    if (y != inp.as<const float>())
+      std::memcpy(y, inp.as<const float>(), static_cast<size_t>(N * OC) * sizeof(float));
+    std::vector<float> b;
+    emu::bias_forward(y, bias_as_added(bias, out.bf16_storage(), b), N, OC);
+    finish(out, y);
+  });
 }
 
 void CpuBackend::bias_backward(const TensorView& dbias, const TensorView& dout) {
@@ -170,10 +186,14 @@ void CpuBackend::attention_forward(const TensorView& out, const TensorView& lse,
                                    const TensorView& qkv, const AttentionShape& s,
                                    GemmPrecision prec) {
   op_checks::attention_forward(out, lse, qkv, s, prec);
-  std::vector<float> q, o;
-  float* y = target(out, o);
-  emu::attention_forward(y, lse.as<float>(), read(qkv, q), s.B, s.T, s.NH, s.NKV, s.HD, prec);
-  finish(out, y);
+  workspace::named("attention_forward", out,
+                   workspace::attention_forward(out, qkv, s, prec, omp_get_max_threads()), [&] {
+                     std::vector<float> q, o;
+                     float* y = target(out, o);
+                     emu::attention_forward(y, lse.as<float>(), read(qkv, q), s.B, s.T, s.NH, s.NKV,
+                                            s.HD, prec);
+                     finish(out, y);
+                   });
 }
 
 void CpuBackend::attention_backward(const TensorView& dqkv, const TensorView& dout,
@@ -181,11 +201,15 @@ void CpuBackend::attention_backward(const TensorView& dqkv, const TensorView& do
                                     const TensorView& lse, const AttentionShape& s,
                                     GemmPrecision prec) {
   op_checks::attention_backward(dqkv, dout, qkv, out, lse, s, prec);
-  std::vector<float> d, q, o, dq;
-  float* g = target(dqkv, dq);
-  emu::attention_backward(g, read(dout, d), read(qkv, q), read(out, o), lse.as<const float>(), s.B,
-                          s.T, s.NH, s.NKV, s.HD, prec);
-  finish(dqkv, g);
+  workspace::named(
+      "attention_backward", dqkv,
+      workspace::attention_backward(dqkv, dout, qkv, out, s, prec, omp_get_max_threads()), [&] {
+        std::vector<float> d, q, o, dq;
+        float* g = target(dqkv, dq);
+        emu::attention_backward(g, read(dout, d), read(qkv, q), read(out, o), lse.as<const float>(),
+                                s.B, s.T, s.NH, s.NKV, s.HD, prec);
+        finish(dqkv, g);
+      });
 }
 
 void CpuBackend::rope_forward(const TensorView& qkv, const AttentionShape& s) {
@@ -215,16 +239,18 @@ void CpuBackend::activation_forward(Activation act, const TensorView& out, const
 void CpuBackend::activation_backward(Activation act, const TensorView& dinp, const TensorView& inp,
                                      const TensorView& dout) {
   op_checks::activation_backward(act, dinp, inp, dout);
-  const int64_t N = inp.rows, F = act == Activation::SwiGLU ? inp.cols / 2 : inp.cols;
-  std::vector<float> d;
-  const float* dy = read(dout, d);
-  if (act == Activation::GeluTanh)
-    emu::gelu_backward(dinp.as<float>(), inp.as<const float>(), dy, N * F);
-  else if (act == Activation::SquaredRelu)
-    emu::squared_relu_backward(dinp.as<float>(), inp.as<const float>(), dy, N * F);
-  else
-    emu::swiglu_backward(dinp.as<float>(), inp.as<const float>(), dy, N, F);
-  finish(dinp, dinp.as<float>());
+  workspace::named("activation_backward", dinp, workspace::activation_backward(dout), [&] {
+    const int64_t N = inp.rows, F = act == Activation::SwiGLU ? inp.cols / 2 : inp.cols;
+    std::vector<float> d;
+    const float* dy = read(dout, d);
+    if (act == Activation::GeluTanh)
+      emu::gelu_backward(dinp.as<float>(), inp.as<const float>(), dy, N * F);
+    else if (act == Activation::SquaredRelu)
+      emu::squared_relu_backward(dinp.as<float>(), inp.as<const float>(), dy, N * F);
+    else
+      emu::swiglu_backward(dinp.as<float>(), inp.as<const float>(), dy, N, F);
+    finish(dinp, dinp.as<float>());
+  });
 }
 
 void CpuBackend::convert(const TensorView& dst, const TensorView& src) {
@@ -245,13 +271,15 @@ void CpuBackend::convert(const TensorView& dst, const TensorView& src) {
 
 void CpuBackend::residual_forward(const TensorView& out, const TensorView& a, const TensorView& b) {
   op_checks::residual_forward(out, a, b);
-  const int64_t n = a.numel();
-  std::vector<float> t;
-  const float* x = a.as<const float>();
-  const float* y = read(b, t);
-  float* o = out.as<float>();
-  for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
-  finish(out, o);
+  workspace::named("residual_forward", out, workspace::residual_forward(b), [&] {
+    const int64_t n = a.numel();
+    std::vector<float> t;
+    const float* x = a.as<const float>();
+    const float* y = read(b, t);
+    float* o = out.as<float>();
+    for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+    finish(out, o);
+  });
 }
 
 void CpuBackend::crossentropy_forward_backward(const TensorView& losses, const TensorView& dlogits,
@@ -259,14 +287,18 @@ void CpuBackend::crossentropy_forward_backward(const TensorView& losses, const T
                                                const TensorView& dlosses) {
   const int64_t N = logits.rows, V = logits.cols;
   op_checks::crossentropy_forward_backward(losses, dlogits, logits, targets, dlosses);
-  const bool round = logits.bf16_storage();
-  std::vector<float> z, d;
-  float* g = target(dlogits, d);
-  // (logits read rounded by the reference itself when round: BF16 bits widen exactly)
-  const float* x = logits.dtype == DType::BF16 ? read(logits, z) : logits.as<const float>();
-  emu::crossentropy_softmax_forward_backward(losses.as<float>(), g, x, targets.as<const int32_t>(),
-                                             dlosses.as<const float>(), N, V, round);
-  if (dlogits.dtype == DType::BF16) finish(dlogits, g);  // (exact: g is BF16-rounded)
+  workspace::named(
+      "crossentropy_forward_backward", logits, workspace::crossentropy(dlogits, logits), [&] {
+        const bool round = logits.bf16_storage();
+        std::vector<float> z, d;
+        float* g = target(dlogits, d);
+        // (logits read rounded by the reference itself when round: BF16 bits widen exactly)
+        const float* x = logits.dtype == DType::BF16 ? read(logits, z) : logits.as<const float>();
+        emu::crossentropy_softmax_forward_backward(losses.as<float>(), g, x,
+                                                   targets.as<const int32_t>(),
+                                                   dlosses.as<const float>(), N, V, round);
+        if (dlogits.dtype == DType::BF16) finish(dlogits, g);  // (exact: g is BF16-rounded)
+      });
 }
 
 void CpuBackend::adamw_update(const TensorView& params, const TensorView& params16,

@@ -11,7 +11,8 @@ struct F32Temp {
   BackendBuffer buf;
   TensorView view;
   F32Temp(Backend& be, const TensorView& like, bool bf16_values)
-      : buf(be, static_cast<size_t>(like.numel()) * sizeof(float)) {
+      : buf(be, static_cast<size_t>(like.numel()) * sizeof(float),
+            {"op temporaries", std::string(like.name) + " (float32 temporary)"}) {
     view =
         view_of(buf.get(), DType::F32, like.rows, like.cols, be.device(), like.name, bf16_values);
   }
