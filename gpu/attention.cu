@@ -174,13 +174,10 @@ void backward_for(float* dqkv, uint16_t* dqkv16, float* dsum, uint4* ds, const f
 
 }  // namespace
 
-int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD,
-                                   bool recompute_dq) {
-  constexpr int64_t kMaxDsBytes = int64_t{1} << 30;
-  if (HD > 64 || B <= 0 || T <= 0 || recompute_dq) return 0;
-  const int64_t bytes = B * NH * ds_pairs((T + kTile - 1) / kTile) * kDsPairUint4 * 16;
-  return bytes <= kMaxDsBytes ? bytes : 0;
-}
+// (the sizes gpu/capabilities.hpp computes the stored-dS scratch from, for memory plans made
+// without a GPU)
+static_assert(kTile == kAttentionTileRows && kDsPairUint4 * 16 == kAttentionDsPairBytes,
+              "gpu/capabilities.hpp's attention_ds_scratch_bytes follows these kernels' tiles");
 
 void attention_check_shape(const char* op, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                            int64_t HD) {

@@ -114,12 +114,19 @@ CudaCounters CudaBackend::counters() const {
 
 // Memory from allocate() is ready in stream_'s order: every op of this backend runs on stream_,
 // and upload/download synchronise it.
+// A failure throws the CUDA error with the free memory (Backend::allocate_labelled adds what the
+// buffer is and its size) and clears it: an allocation failure leaves the context usable.
 void* CudaBackend::allocate(size_t bytes) {
   void* p = nullptr;
-  if (stream_ordered_)
-    FP4SIM_CUDA_CHECK(cudaMallocAsync(&p, bytes ? bytes : 1, stream_));
-  else
-    FP4SIM_CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1));
+  const cudaError_t e = stream_ordered_ ? cudaMallocAsync(&p, bytes ? bytes : 1, stream_)
+                                        : cudaMalloc(&p, bytes ? bytes : 1);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    const bool info = cudaMemGetInfo(&free_b, &total_b) == cudaSuccess;
+    throw std::runtime_error(std::string(cudaGetErrorString(e)) + " (" + cudaGetErrorName(e) + ")" +
+                             (info ? ", " + bytes_text(free_b) + " free" : std::string()));
+  }
   return p;
 }
 void CudaBackend::release(void* p) {
@@ -141,21 +148,23 @@ int64_t CudaBackend::device_memory_used() const {
   FP4SIM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   return static_cast<int64_t>(total_b - free_b);
 }
+int64_t CudaBackend::device_memory_free() const {
+  size_t free_b = 0, total_b = 0;
+  FP4SIM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  uint64_t reserved = 0, used = 0;
+  if (stream_ordered_) {
+    int dev = 0;
+    cudaMemPool_t pool = nullptr;
+    FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
+    FP4SIM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+    FP4SIM_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
+    FP4SIM_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+  }
+  return static_cast<int64_t>(free_b + (reserved > used ? reserved - used : 0));
+}
 
 bool CudaBackend::supports(Capability c, int64_t arg) const {
-  switch (c) {
-    case Capability::AttentionHeadDim:
-      return attention_head_dim_supported(arg);
-    case Capability::GemmDecodedOperand:  // (no FP4 tensor cores below compute capability 10)
-      return static_cast<GemmImpl>(arg) == GemmImpl::CublasLt && cc_major_ < 10;
-    case Capability::GemmFp8Scales:
-      return static_cast<GemmImpl>(arg) == GemmImpl::CublasLt;
-    case Capability::FusedResidualNorm:
-    case Capability::FusedActivationMatmul:
-    case Capability::FusedActivationQuantize:
-      return true;
-  }
-  return false;
+  return cuda_supports(c, arg, cc_major_);
 }
 
 void CudaBackend::synchronize() { FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
@@ -289,7 +298,7 @@ QuantErrorSums CudaBackend::quant_error_sums(const TensorView& xv, const Quantiz
   validate_quant_error_sums(x, q);
   if (q.rows == 0) return {};
   // scratch for this call only (a statistics step is rare; nothing stays allocated between them)
-  DeviceScratch blocks, rows;
+  DeviceScratch blocks{"quantization statistics blocks"}, rows{"quantization statistics rows"};
   auto* block_sums = blocks.get<QuantErrorSums>(static_cast<size_t>(q.scale_count()), stream_);
   auto* row_sums = rows.get<QuantErrorSums>(static_cast<size_t>(q.rows), stream_);
   quant_error_rows_launch(x, q, block_sums, row_sums, stream_);

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "emu/backend.hpp"
+#include "gpu/capabilities.hpp"
 #include "gpu/device_scratch.hpp"
 
 namespace fp4sim::gpu {
@@ -134,12 +135,6 @@ void bf16_gemm_tn_scalars(CublasLtState& st, Bf16Scalars mode, const uint16_t* a
                           const float* c, float* d, int64_t M, int64_t N, int64_t K,
                           const float* alpha, const float* beta, cudaStream_t stream);
 
-// The head sizes the attention kernels are instantiated for (gpu/attention.cu: a template
-// argument).
-constexpr bool attention_head_dim_supported(int64_t hd) {
-  return hd == 16 || hd == 32 || hd == 64 || hd == 128;
-}
-
 // An ActivationSource (emu/backend.hpp) as the kernels take it: each tensor as float32 or BF16
 // bits (the *16 pointer, the other null), out's and dout's BF16 storage as flags.
 struct ActivationArgs {
@@ -178,9 +173,10 @@ class CudaBackend final : public Backend {
   void synchronize() override;
   // Device memory in use now (total - free, all processes), for the trainer's peak report.
   int64_t device_memory_used() const override;
-  // Head sizes 16/32/64/128; the cuBLASLt GEMM reads decoded BF16 FP4 operands below compute
-  // capability 10 and FP8 scales in its own layout; the residual + LayerNorm, activation + matmul
-  // and (FP8) activation + quantizer fusions.
+  // cudaMemGetInfo's free memory, plus what this backend's memory pool holds unused (reused by
+  // allocate before the pool asks the device for more).
+  int64_t device_memory_free() const override;
+  // cuda_supports (gpu/capabilities.hpp) on this device.
   bool supports(Capability c, int64_t arg = 0) const override;
 
   void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,
@@ -270,9 +266,9 @@ class CudaBackend final : public Backend {
   bool stream_ordered_ = false;  // allocate/release through the device's memory pool on stream_
   int cc_major_ = 0;             // compute capability of the device
   std::shared_ptr<CublasLtState> cublaslt_;  // created on first use
-  DeviceScratch
-      rht_keep_;  // the RHT column-wise copy's transformed input between the quantizer's passes
-  DeviceScratch fp8_split_ws_;  // the wgmma FP8 GEMM's split-K partial sums
+  // the RHT column-wise copy's transformed input between the quantizer's passes
+  DeviceScratch rht_keep_{"quantizer RHT output"};
+  DeviceScratch fp8_split_ws_{"FP8 GEMM split-K partial sums"};
   unsigned* amax_ws_ =
       nullptr;  // the quantizer's amax workspace (quantize_launch), zeroed at creation
 
@@ -390,13 +386,11 @@ void attention_backward_launch(float* dqkv, uint16_t* dqkv16, float* dsum, const
                                const float* lse, uint16_t* qkv16, uint16_t* dout16, void* ds,
                                int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HD,
                                bool round_bf16, cudaStream_t stream);
-// The backward pass's dS scratch: attention_ds_scratch_bytes(B, T, NH, HD) bytes (16-byte aligned)
-// passed as `ds` make the dK/dV kernel store bf16(dS) and the dQ kernel a plain GEMM over it (the
-// same values and sums as recomputing it); 0 where that path is not taken (HD > 64, more than
-// 1 GiB of scratch, or recompute_dq: CudaOptions::attention_recompute_dq), and then ds may be
-// null.
-int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, int64_t HD,
-                                   bool recompute_dq = false);
+// The backward pass's dS scratch: attention_ds_scratch_bytes(B, T, NH, HD) bytes (16-byte aligned;
+// gpu/capabilities.hpp) passed as `ds` make the dK/dV kernel store bf16(dS) and the dQ kernel a
+// plain GEMM over it (the same values and sums as recomputing it); 0 where that path is not taken
+// (HD > 64, more than 1 GiB of scratch, or recompute_dq: CudaOptions::attention_recompute_dq), and
+// then ds may be null.
 // Tests: the cross-entropy kernel's division by the row's sum (one reciprocal a row, then three
 // FMAs a quotient) against __fdiv_rn on `pairs` pseudo-random pairs of its fast range: the number
 // of quotients that differ in any bit (0 expected).

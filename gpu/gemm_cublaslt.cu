@@ -222,11 +222,14 @@ struct CublasLtState {
   size_t version = 0;  // cublasLtGetVersion(): major * 10000 + minor * 100 + patch
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
-  size_t workspace_bytes = 64u << 20;
+  size_t workspace_bytes = kGemmCublasLtWorkspaceBytes;  // (gpu/capabilities.hpp)
   std::map<std::tuple<PlanKind, int64_t, int64_t, int64_t>, GemmPlan> plans;
   int heuristic_pick = kPlanOwnPick;  // CudaOptions::cublaslt_heuristic_pick
   CublasLtPlanPick last_pick;         // what the most recently built plan chose
-  DeviceScratch a_bf16, b_bf16, d_f32, a_tiled, b_tiled, scalars;  // gpu/device_scratch.hpp
+  // (gpu/device_scratch.hpp)
+  DeviceScratch a_bf16{"cuBLASLt GEMM decoded A"}, b_bf16{"cuBLASLt GEMM decoded B"},
+      d_f32{"cuBLASLt GEMM FP32 output"}, a_tiled{"cuBLASLt GEMM tiled scales A"},
+      b_tiled{"cuBLASLt GEMM tiled scales B"}, scalars{"cuBLASLt GEMM scalars"};
   ~CublasLtState() {
     for (auto& kv : plans) destroy_plan(kv.second);
     if (workspace) cudaFree(workspace);
@@ -246,7 +249,7 @@ std::shared_ptr<CublasLtState> make_cublaslt_state(int heuristic_pick) {
   FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
   FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&s->cc_major, cudaDevAttrComputeCapabilityMajor, dev));
   s->version = cublasLtGetVersion();
-  FP4SIM_CUDA_CHECK(cudaMalloc(&s->workspace, s->workspace_bytes));
+  device_malloc(&s->workspace, s->workspace_bytes, "the block-scaled GEMMs' cuBLASLt workspace");
   return s;
 }
 

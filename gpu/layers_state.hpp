@@ -74,7 +74,7 @@ struct CublasLt {
 
 // The RoPE cos/sin table (T, HD/2, 2) for head size HD and positions 0..T-1.
 struct RopeTable {
-  DeviceScratch device;
+  DeviceScratch device{"RoPE table"};
   std::vector<float> host;  // kept: the source of the asynchronous upload
   int64_t T = 0, HD = 0;
 };
@@ -82,27 +82,30 @@ struct RopeTable {
 }  // namespace training_ops
 
 struct CudaBackend::LayersState {
-  training_ops::CublasLt lt;                           // created on the first matmul
-  training_ops::DeviceScratch bf16_a, bf16_b, bf16_c;  // BF16 operands of the matmuls
-  training_ops::DeviceScratch
-      f32_out;  // matmul_forward_bf16's FP32 output where the epilogue does not write BF16
-  training_ops::DeviceScratch
-      f32_dout;  // matmul_backward_bf16_dout's dout widened, FP32 GEMMs only (kept, as
-                 // the others; no training configuration pairs BF16 activations with them)
-  training_ops::DeviceScratch bias16;   // a bias's BF16 bits for the BF16-output epilogue
-  training_ops::DeviceScratch bias32;   // a BF16 bias view's values widened, for the bias passes
-  training_ops::DeviceScratch columns;  // partial column sums
-  training_ops::DeviceScratch
-      att_dsum;  // attention backward rowsum(dO*O), then lse*log2(e): 2 x (B,NH,T)
-  training_ops::DeviceScratch att_qkv16, att_dout16;  // attention's BF16 copies of qkv and dout
-  training_ops::DeviceScratch att_ds;                 // attention backward's stored bf16(dS) tiles
-  training_ops::DeviceScratch gelu_lut;               // GELU's BF16 output bits by input bits
+  training_ops::CublasLt lt;  // created on the first matmul
+  training_ops::DeviceScratch bf16_a{"matmul BF16 operand a"}, bf16_b{"matmul BF16 operand b"},
+      bf16_c{"matmul BF16 operand c"};  // BF16 operands of the matmuls
+  // matmul_forward_bf16's FP32 output where the epilogue does not write BF16
+  training_ops::DeviceScratch f32_out{"matmul FP32 output"};
+  // matmul_backward_bf16_dout's dout widened, FP32 GEMMs only (kept, as the others; no training
+  // configuration pairs BF16 activations with them)
+  training_ops::DeviceScratch f32_dout{"matmul widened dout"};
+  training_ops::DeviceScratch bias16{"bias BF16 bits"};  // for the BF16-output epilogue
+  training_ops::DeviceScratch bias32{"bias widened"};  // a BF16 bias view's values, for the passes
+  training_ops::DeviceScratch columns{"partial column sums"};
+  // attention backward rowsum(dO*O), then lse*log2(e): 2 x (B,NH,T)
+  training_ops::DeviceScratch att_dsum{"attention dsum"};
+  training_ops::DeviceScratch att_qkv16{"attention BF16 qkv"},
+      att_dout16{"attention BF16 dout"};  // attention's BF16 copies of qkv and dout
+  training_ops::DeviceScratch att_ds{"attention stored dS"};  // the backward's bf16(dS) tiles
+  training_ops::DeviceScratch gelu_lut{"GELU table"};  // GELU's BF16 output bits by input bits
   int gelu_lut_ctas = 0;  // the table's kernel's grid, one CTA an SM (0: the table is not made yet)
-  training_ops::DeviceScratch sort_keys, sort_rows_in, sort_rows_out, sort_temp;  // embedding bwd
-  training_ops::DeviceScratch sums;         // sum_squares partials and results
-  training_ops::DeviceScratch segments;     // sum_squares (offset, count) pairs
-  training_ops::DeviceScratch adamw_items;  // adamw_update's work items (AdamWItem)
-  std::vector<int64_t> adamw_key;           // the (offset, count, step index) they were made for
+  training_ops::DeviceScratch sort_keys{"embedding sort keys"}, sort_rows_in{"embedding rows"},
+      sort_rows_out{"embedding sorted rows"}, sort_temp{"embedding sort temp"};  // embedding bwd
+  training_ops::DeviceScratch sums{"sum_squares partials"};      // sum_squares partials and results
+  training_ops::DeviceScratch segments{"sum_squares segments"};  // (offset, count) pairs
+  training_ops::DeviceScratch adamw_items{"adamw work items"};   // adamw_update's (AdamWItem)
+  std::vector<int64_t> adamw_key;  // the (offset, count, step index) they were made for
   int64_t adamw_item_count = 0;
   training_ops::RopeTable rope;
   std::vector<int64_t> host_segments;

@@ -36,7 +36,8 @@ namespace fp4sim::gpu {
 
 namespace {
 
-constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+// (kMatmulCublasLtWorkspaceBytes: gpu/capabilities.hpp, for memory plans)
+constexpr size_t kCublasWorkspaceBytes = kMatmulCublasLtWorkspaceBytes;
 
 // The bias value added to an output that is rounded to BF16: the bias's BF16 rounding (the rule of
 // Backend::matmul_forward, as a BF16 GEMM epilogue adds a BF16 bias); else the bias.
@@ -339,7 +340,7 @@ bool lt_matmul(CublasLt& lt, bool bf16, bool transa, bool transb, int64_t m, int
     throw std::logic_error("lt_matmul: a BF16 output takes beta = 0 only");
   if (!lt.handle) {
     FP4SIM_CUBLAS_CHECK(cublasLtCreate(&lt.handle));
-    FP4SIM_CUDA_CHECK(cudaMalloc(&lt.workspace, kCublasWorkspaceBytes));
+    device_malloc(&lt.workspace, kCublasWorkspaceBytes, "the training matmuls' cuBLASLt workspace");
     int dev = 0, cc_major = 0;
     FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
     FP4SIM_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev));
