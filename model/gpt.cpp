@@ -87,8 +87,8 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
   if (cfg.norm == NormKind::LayerNorm) add("ln_f.bias", {C});
   if (!cfg.tied_embeddings) add("lm_head.weight", {cfg.vocab, C});
   n_params_ = tensors_.back().offset + static_cast<size_t>(tensors_.back().numel());
-  params_ = BackendBuffer(be_, n_params_ * 4);
-  grads_ = BackendBuffer(be_, n_params_ * 4);
+  params_ = BackendBuffer(be_, n_params_ * 4, {kUseParameters, "parameters (float32)"});
+  grads_ = BackendBuffer(be_, n_params_ * 4, {kUseGradients, "gradients (float32)"});
   be_.zero(params(), n_params_ * 4);
   be_.zero(grads(), n_params_ * 4);
 }
@@ -186,7 +186,9 @@ Gpt::WeightShadow::WeightShadow(Gpt& m) : m_(m) {
   if (!m.uses_weight_shadow()) return;
   const int64_t n = static_cast<int64_t>(m.n_params_);
   const void* before = m.params16_.get();
-  if (m.params16_.bytes() != m.n_params_ * 2) m.params16_ = BackendBuffer(m.be_, m.n_params_ * 2);
+  if (m.params16_.bytes() != m.n_params_ * 2)
+    m.params16_ =
+        BackendBuffer(m.be_, m.n_params_ * 2, {kUseWeightShadow, "parameters (BF16 bits)"});
   // the bits of the parameters as they are unless no writable view was taken since they were made
   // (the backward pass reuses its forward pass's: one narrowing pass a step, not two)
   if (m.shadow_version_ != m.params_version_ || m.params16_.get() != before) {
@@ -222,21 +224,27 @@ void Gpt::plan_storage() {
   }
 }
 
-TensorView Gpt::f32(BackendBuffer& b, int64_t rows, int64_t cols, const char* name) {
+void Gpt::reallocate(BackendBuffer& b, size_t bytes, const char* use, const char* name) {
+  b = BackendBuffer();
+  b = BackendBuffer(be_, bytes, {use, name});
+}
+
+TensorView Gpt::f32(BackendBuffer& b, int64_t rows, int64_t cols, const char* name,
+                    const char* use) {
   const size_t bytes = static_cast<size_t>(rows * cols) * sizeof(float);
-  if (b.bytes() != bytes) b = BackendBuffer(be_, bytes);
+  if (b.bytes() != bytes) reallocate(b, bytes, use, name);
   return f32_view(be_, b.as<float>(), rows, cols, name);
 }
 
-TensorView Gpt::act_view(BackendBuffer& b, int64_t rows, int64_t cols, bool bits,
-                         const char* name) {
+TensorView Gpt::act_view(BackendBuffer& b, int64_t rows, int64_t cols, bool bits, const char* name,
+                         const char* use) {
   if (!bits) {
-    TensorView v = f32(b, rows, cols, name);
+    TensorView v = f32(b, rows, cols, name, use);
     v.bf16_values = round_bf16();
     return v;
   }
   const size_t bytes = static_cast<size_t>(rows * cols) * sizeof(uint16_t);
-  if (b.bytes() != bytes) b = BackendBuffer(be_, bytes);
+  if (b.bytes() != bytes) reallocate(b, bytes, use, name);
   return bf16_view(be_, b.as<uint16_t>(), rows, cols, name);
 }
 
@@ -325,8 +333,8 @@ TensorView Gpt::dgrad_view(int64_t l, int i, int64_t width) {
   static constexpr const char* kNames[4] = {"ln_1 output gradient", "attention output gradient",
                                             "ln_2 output gradient", "mlp activation gradient"};
   BackendBuffer& f = i == 0 ? dln1_ : i == 1 ? datty_ : i == 2 ? dln2_ : dact_;
-  if (bits) return act_view(dinp16_[i], B_ * T_, width, true, kNames[i]);
-  return f32(f, B_ * T_, width, kNames[i]);
+  if (bits) return act_view(dinp16_[i], B_ * T_, width, true, kNames[i], kUseActivationGradients);
+  return f32(f, B_ * T_, width, kNames[i], kUseActivationGradients);
 }
 
 TensorView Gpt::stream_in(size_t b) {
@@ -397,45 +405,50 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   if (B == alloc_B_ && T == alloc_T_) return;
   const ModelConfig& c = cfg_;
   const int64_t N = B * T, C = c.d_model, NH = c.n_heads, HD = C / NH;
-  const int64_t QKV = (NH + 2 * c.n_kv_heads) * HD, F = c.d_ff, FC = fc_width(), V = c.vocab;
-  auto f32b = [&](int64_t n) { return BackendBuffer(be_, static_cast<size_t>(n) * 4); };
-  batch_ = f32b(2 * N);
-  pos_ = f32b(N);
+  const int64_t QKV = (NH + 2 * c.n_kv_heads) * HD, FC = fc_width(), V = c.vocab;
+  // (each buffer named for the memory plan and for a failed allocation's message)
+  auto f32b = [&](int64_t n, const char* what, const char* use = kUseActivations) {
+    return BackendBuffer(be_, static_cast<size_t>(n) * 4, {use, what});
+  };
+  batch_ = f32b(2 * N, "tokens and targets", kUseBatch);
+  pos_ = f32b(N, "positions", kUseBatch);
   {
     std::vector<int32_t> pos(static_cast<size_t>(N));
     for (int64_t i = 0; i < N; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(i % T);
     be_.upload(pos_.get(), pos.data(), static_cast<size_t>(N) * 4);
   }
   dlosses_for_ = 0;
-  emb_ = f32b(N * C);
-  lnf_ = f32b(N * C);
-  lnf_mean_ = f32b(N);
-  lnf_rstd_ = f32b(N);
-  losses_ = f32b(N);
+  emb_ = f32b(N * C, "embeddings output");
+  lnf_ = f32b(N * C, "ln_f output");
+  lnf_mean_ = f32b(N, "ln_f mean");
+  lnf_rstd_ = f32b(N, "ln_f rstd");
+  losses_ = f32b(N, "losses");
   acts_.clear();
   acts_.resize(blocks_.size());
   for (size_t b = 0; b < blocks_.size(); ++b) {
     BlockActs& a = acts_[b];
-    a.mean = f32b(N);
-    a.rstd = f32b(N);
+    a.mean = f32b(N, "norm mean");
+    a.rstd = f32b(N, "norm rstd");
     // attention's log-sum-exp rows (B,NH,T), not the (B,NH,T,T) probabilities
-    if (blocks_[b].kind == BlockKind::Attention) a.lse = f32b(B * NH * T);
-    a.res = f32b(N * C);
+    if (blocks_[b].kind == BlockKind::Attention) a.lse = f32b(B * NH * T, "lse");
+    a.res = f32b(N * C, "residual stream");
   }
-  for (int i : {0, 2, 3})
-    scratch_in_[i] = f32b(N * (i == 3 ? F : C));  // (linear 1's input is always kept)
-  dlosses_ = f32b(N);
+  // (made where first used, by linear_input: only the quantized Wgrads' inputs go there)
+  for (BackendBuffer& s : scratch_in_) s = BackendBuffer();
+  for (BackendBuffer& s : scratch16_in_) s = BackendBuffer();
+  dlosses_ = f32b(N, "dlosses");
   // (BF16 activations: dlogits stored as BF16 bits, the values the cross-entropy op writes rounded
   // anyway, so half the bytes and no conversion pass before the head's GEMMs)
-  dlogits_ = round_bf16() ? BackendBuffer(be_, static_cast<size_t>(N * V) * 2) : f32b(N * V);
-  dlnf_ = f32b(N * C);
-  dx_ = f32b(N * C);
-  dact_ = f32b(N * F);
-  dfc_ = f32b(N * FC);
-  dln2_ = f32b(N * C);
-  datty_ = f32b(N * C);
-  dqkv_ = f32b(N * QKV);
-  dln1_ = f32b(N * C);
+  dlogits_ = round_bf16()
+                 ? BackendBuffer(be_, static_cast<size_t>(N * V) * 2, {kUseLogits, "dlogits"})
+                 : f32b(N * V, "dlogits", kUseLogits);
+  dlnf_ = f32b(N * C, "ln_f output gradient", kUseActivationGradients);
+  dx_ = f32b(N * C, "residual stream gradient", kUseActivationGradients);
+  dfc_ = f32b(N * FC, "mlp.c_fc output gradient", kUseActivationGradients);
+  dqkv_ = f32b(N * QKV, "dqkv", kUseActivationGradients);
+  // (the linears' Dgrad outputs: made where first used, by dgrad_view, as float32 or BF16 bits)
+  for (BackendBuffer* d : {&dact_, &dln2_, &datty_, &dln1_}) *d = BackendBuffer();
+  for (BackendBuffer& d : dinp16_) d = BackendBuffer();
   alloc_B_ = B;
   alloc_T_ = T;
 }
@@ -493,8 +506,8 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
   logits16_ = bits_on();
   const std::string head = c.tied_embeddings ? "wte" : "lm_head.weight";
   const TensorView head_w = shadow_live_ ? param16(head) : param(head);
-  const TensorView logits =
-      logits16_ ? act_view(logits_, N, V, true, "logits") : f32(logits_, N, V, "logits");
+  const TensorView logits = logits16_ ? act_view(logits_, N, V, true, "logits", kUseLogits)
+                                      : f32(logits_, N, V, "logits", kUseLogits);
   be_.matmul_forward(logits, as_stored(lnf), head_w, TensorView{}, prec_);
   loss_gradient(grad_micro_batches);
   std::vector<float> losses(static_cast<size_t>(N));
@@ -576,12 +589,12 @@ void Gpt::loss_gradient(int64_t micro_batches) {
     be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
     dlosses_for_ = micro_batches;
   }
-  TensorView logits =
-      logits16_ ? act_view(logits_, N, V, true, "logits") : f32(logits_, N, V, "logits");
+  TensorView logits = logits16_ ? act_view(logits_, N, V, true, "logits", kUseLogits)
+                                : f32(logits_, N, V, "logits", kUseLogits);
   if (!logits16_) logits.bf16_values = round_bf16();  // (read rounded)
   be_.crossentropy_forward_backward(f32(losses_, N, 1, "losses"),
-                                    act_view(dlogits_, N, V, round_bf16(), "dlogits"), logits,
-                                    targets_view(), f32(dlosses_, N, 1, "dlosses"));
+                                    act_view(dlogits_, N, V, round_bf16(), "dlogits", kUseLogits),
+                                    logits, targets_view(), f32(dlosses_, N, 1, "dlosses"));
   dlogits_micro_batches_ = micro_batches;
 }
 
@@ -598,9 +611,9 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   be_.zero(dx_.get(), static_cast<size_t>(N * C) * 4);  // (dlnf_: written by matmul_backward)
   const std::string head = c.tied_embeddings ? "wte" : "lm_head.weight";
   const TensorView head_w = shadow_live_ ? param16(head) : param(head);
-  const TensorView dlnf = f32(dlnf_, N, C, "ln_f output gradient");
+  const TensorView dlnf = f32(dlnf_, N, C, "ln_f output gradient", kUseActivationGradients);
   be_.matmul_backward(dlnf, grad(head), TensorView{},
-                      as_stored(act_view(dlogits_, N, V, round_bf16(), "dlogits")),
+                      as_stored(act_view(dlogits_, N, V, round_bf16(), "dlogits", kUseLogits)),
                       f32(lnf_, N, C, "ln_f output"), head_w, prec_);
   TensorView dlnf_read = dlnf;
   dlnf_read.bf16_values = round_bf16();
@@ -620,7 +633,8 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
 }
 
 TensorView Gpt::dx_view() {
-  TensorView v = f32(dx_, B_ * T_, cfg_.d_model, "residual stream gradient");
+  TensorView v =
+      f32(dx_, B_ * T_, cfg_.d_model, "residual stream gradient", kUseActivationGradients);
   v.bf16_values = round_bf16();
   return v;
 }
@@ -641,7 +655,7 @@ void Gpt::mlp_block_backward(size_t b, const TensorView& in) {
   // (dact_, dln2_: written by linear_bwd; dfc_ by the activation's backward pass: no zeroing)
   const TensorView dact = dgrad_view(l, 3, F);
   linear_bwd(l, 3, b, dact, as_stored(dx_view()));
-  TensorView dfc = f32(dfc_, N, fc_width(), "mlp.c_fc output gradient");
+  TensorView dfc = f32(dfc_, N, fc_width(), "mlp.c_fc output gradient", kUseActivationGradients);
   dfc.bf16_values = rb;
   const TensorView fc = as_stored(act_view(a.fc, N, fc_width(), a.mid16, "mlp.c_fc out"));
   // (GELU's gradient: a pending output gradient of c_fc, as in the forward pass)
@@ -669,7 +683,8 @@ void Gpt::attention_block_backward(size_t b, const TensorView& in) {
   const bool rope = cfg_.positions == Positions::Rope;
   const bool bits = a.in16[1] || a.mid16;
   const TensorView datty =
-      bits ? dgrad_view(l, 1, C) : f32(datty_, N, C, "attention output gradient");
+      bits ? dgrad_view(l, 1, C)
+           : f32(datty_, N, C, "attention output gradient", kUseActivationGradients);
   linear_bwd(l, 1, b, datty, as_stored(dx_view()));
   // (no rounding pass over datty with BF16 attention: attention_backward is its only reader and
   // reads it as bf16(dout) on both backends, so the pass would change no bit it computes)
@@ -680,7 +695,7 @@ void Gpt::attention_block_backward(size_t b, const TensorView& in) {
   // and c_attn's backward reads them: the same values, half the bytes, no narrowing pass
   const bool dqkv16 = bits && bits_on() && rb && !rope && !linear_recipe(l, 0).any_quantized();
   TensorView dqkv = dqkv16 ? bf16_view(be_, dqkv_.as<uint16_t>(), N, s.qkv_cols(), "dqkv")
-                           : f32(dqkv_, N, s.qkv_cols(), "dqkv");
+                           : f32(dqkv_, N, s.qkv_cols(), "dqkv", kUseActivationGradients);
   if (!dqkv16) dqkv.bf16_values = rb && !rope;
   be_.attention_backward(
       dqkv, as_stored(datty), as_stored(act_view(a.qkv, N, s.qkv_cols(), a.mid16, "qkv")),

@@ -24,6 +24,7 @@
 #include "emu/matmul.hpp"
 #include "model/config.hpp"
 #include "model/linear.hpp"
+#include "model/memory_plan.hpp"
 
 namespace fp4sim::model {
 
@@ -169,9 +170,14 @@ class Gpt {
   // with model.activation_dtype = fp32), b reallocated only when its size differs (the activation
   // buffers, whose storage may differ between forwards). The view is the writer's: it carries the
   // bf16_values mark where the values are rounded.
-  TensorView act_view(BackendBuffer& b, int64_t rows, int64_t cols, bool bits, const char* name);
+  // use: the memory plan's line b counts in (model/memory_plan.hpp).
+  TensorView act_view(BackendBuffer& b, int64_t rows, int64_t cols, bool bits, const char* name,
+                      const char* use = kUseActivations);
   // A float32 view of b (rows x cols), as stored (no mark), b reallocated to fit.
-  TensorView f32(BackendBuffer& b, int64_t rows, int64_t cols, const char* name);
+  TensorView f32(BackendBuffer& b, int64_t rows, int64_t cols, const char* name,
+                 const char* use = kUseActivations);
+  // b = a new buffer of `bytes` (the old one freed first: its contents are not kept anyway).
+  void reallocate(BackendBuffer& b, size_t bytes, const char* use, const char* name);
   // The input of a block's linear `i` (0 or 1): kept in the block's own buffer when the backward
   // pass reads it (a BF16 Wgrad, or the attention output), else in the shared scratch.
   TensorView linear_input(size_t b, int i);

@@ -54,24 +54,27 @@ LinearRecipe resolve_linear_recipe(const RunConfig& c, const std::vector<bool>& 
 }
 
 QuantizedCopy::QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos,
-                             bool with_decoded, bool with_scales_gemm) {
+                             bool with_decoded, bool with_scales_gemm, const BufferLabel& label) {
+  auto part = [&](const char* what) { return BufferLabel{label.use, label.what + what}; };
   view.rows = rows;
   view.cols = cols;
   view.format = f;
   view.four_over_six = fos;
   view.device = be.device();
-  codes = BackendBuffer(be, static_cast<size_t>(view.code_bytes()));
-  scales = BackendBuffer(be, static_cast<size_t>(view.scale_bytes()));
-  amax = BackendBuffer(be, sizeof(float));
+  codes = BackendBuffer(be, static_cast<size_t>(view.code_bytes()), part(" codes"));
+  scales = BackendBuffer(be, static_cast<size_t>(view.scale_bytes()), part(" scales"));
+  amax = BackendBuffer(be, sizeof(float), part(" amax"));
   view.codes = codes.as<uint8_t>();
   view.scales = scales.as<uint8_t>();
   view.amax = amax.as<float>();
   if (with_decoded) {
-    decoded = BackendBuffer(be, static_cast<size_t>(rows * cols) * sizeof(uint16_t));
+    decoded =
+        BackendBuffer(be, static_cast<size_t>(rows * cols) * sizeof(uint16_t), part(" decoded"));
     view.decoded_bf16 = decoded.as<uint16_t>();
   }
   if (with_scales_gemm) {
-    scales_gemm = BackendBuffer(be, static_cast<size_t>(view.scale_bytes()));
+    scales_gemm =
+        BackendBuffer(be, static_cast<size_t>(view.scale_bytes()), part(" scales (GEMM layout)"));
     view.scales_gemm = scales_gemm.as<float>();
   }
 }
@@ -105,6 +108,12 @@ struct CopyRequest {
   // a decoded BF16 operand, the quantizer writes it too (Backend::decodes_for_gemm)
   bool transient = true;
 };
+
+// The memory plan's label of copy q of `name`: saved for the backward pass, or a GEMM's operand.
+BufferLabel copy_label(const CopyRequest& q, const std::string& name) {
+  return {q.transient ? kUseQuantizedOperands : kUseSavedCopies,
+          name + (q.columnwise ? " column-wise copy" : " row-wise copy")};
+}
 
 // Whether copy q gets a decoded BF16 buffer: a transient FP4 copy on a backend that reads one.
 bool wants_decoded(Backend& be, const LinearRecipe& r, const CopyRequest& q) {
@@ -160,7 +169,7 @@ std::unique_ptr<QuantizedCopy> quantize_copy(Backend& be, const LinearRecipe& r,
   const int64_t rows = x.rows, cols = x.cols;
   auto c = std::make_unique<QuantizedCopy>(
       be, q.columnwise ? cols : rows, q.columnwise ? rows : cols, qc.format, spec.four_over_six,
-      wants_decoded(be, r, q), wants_scales_gemm(be, r, q));
+      wants_decoded(be, r, q), wants_scales_gemm(be, r, q), copy_label(q, name));
   be.quantize(tv, qc, q.columnwise ? nullptr : &c->view, q.columnwise ? &c->view : nullptr);
   return c;
 }
@@ -195,12 +204,12 @@ std::pair<std::unique_ptr<QuantizedCopy>, std::unique_ptr<QuantizedCopy>> quanti
   const QuantizeConfig cc = copy_config(r, seed, col_q);
   qc.columnwise = cc.columnwise;
   const int64_t rows = x.rows, cols = x.cols;
-  auto row =
-      std::make_unique<QuantizedCopy>(be, rows, cols, qc.format, qc.rowwise.four_over_six,
-                                      wants_decoded(be, r, row_q), wants_scales_gemm(be, r, row_q));
-  auto col =
-      std::make_unique<QuantizedCopy>(be, cols, rows, qc.format, qc.columnwise.four_over_six,
-                                      wants_decoded(be, r, col_q), wants_scales_gemm(be, r, col_q));
+  auto row = std::make_unique<QuantizedCopy>(
+      be, rows, cols, qc.format, qc.rowwise.four_over_six, wants_decoded(be, r, row_q),
+      wants_scales_gemm(be, r, row_q), copy_label(row_q, name));
+  auto col = std::make_unique<QuantizedCopy>(
+      be, cols, rows, qc.format, qc.columnwise.four_over_six, wants_decoded(be, r, col_q),
+      wants_scales_gemm(be, r, col_q), copy_label(col_q, name));
   if (src) {
     be.quantize_activation(*src, qc, &row->view, &col->view, dbias);
     if (dbias_done) *dbias_done = dbias.present();
@@ -362,7 +371,8 @@ void linear_forward(Backend& be, const LinearRecipe& r, const LinearIds& ids, co
   BackendBuffer y;
   void* acc = out.data;
   if (out.dtype == DType::BF16) {
-    y = BackendBuffer(be, static_cast<size_t>(N * OC) * sizeof(float));
+    y = BackendBuffer(be, static_cast<size_t>(N * OC) * sizeof(float),
+                      {kUseOpTemporaries, name + " GEMM output (float32)"});
     acc = y.get();
   }
   const TensorView d = gemm_view(be, acc, N, OC, out.name);

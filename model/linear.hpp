@@ -19,6 +19,7 @@
 #include "emu/backend.hpp"
 #include "emu/matmul.hpp"
 #include "model/config.hpp"
+#include "model/memory_plan.hpp"
 
 namespace fp4sim::model {
 
@@ -79,8 +80,11 @@ struct QuantizedCopy {
   QuantizedView view;
   BackendBuffer decoded;      // the view's decoded_bf16, when asked for (empty otherwise)
   BackendBuffer scales_gemm;  // the view's scales_gemm (FP8), when asked for (empty otherwise)
+  // label: the memory plan's line (saved for the backward pass, or a GEMM's operand) and the
+  // tensor; each buffer is allocated under it.
   QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f, bool fos,
-                bool with_decoded = false, bool with_scales_gemm = false);
+                bool with_decoded = false, bool with_scales_gemm = false,
+                const BufferLabel& label = {});
   size_t bytes() const {
     return codes.bytes() + scales.bytes() + amax.bytes() + decoded.bytes() + scales_gemm.bytes();
   }
