@@ -278,6 +278,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   if (!opt.dump_dir.empty() && c.train.grad_accum > 1)
     throw std::invalid_argument(
         "--dump writes one batch per step for the PyTorch check: it needs train.grad_accum=1");
+  // the memory plan, before anything is allocated: printed, and a run that does not fit refused
+  MeasuredMemory measured = memory_at_start(be);
+  const MemoryPlan plan = plan_run(c, be, !opt.resume.empty(), opt.memory_limit, opt.print);
   const Dataset data = load_data(c);  // every input error before any work
   if (c.train.eval_every > 0)
     check_validation_batches(c, data.val, c.train.eval_batches, "train.eval_batches");
@@ -308,7 +311,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   }
   // AdamW moments in the backend's memory, beside the parameters
   const size_t n_params = model.num_params();
-  BackendBuffer m_buf(be, n_params * 4), v_buf(be, n_params * 4);
+  BackendBuffer m_buf(be, n_params * 4, {kUseOptimizerState, "AdamW m"}),
+      v_buf(be, n_params * 4, {kUseOptimizerState, "AdamW v"});
   float* const m = m_buf.as<float>();
   float* const v = v_buf.as<float>();
   be.zero(m, n_params * 4);
@@ -479,6 +483,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   OutputFile log(log_path, step0 ? OutputFile::Mode::Append : OutputFile::Mode::Truncate);
   const int64_t B = c.train.batch, T = c.model.seq_len, A = c.train.grad_accum;
   TrainResult res;
+  res.planned_memory = plan.peak;
   std::vector<int32_t> tok, tgt;
   TensorMap dump_batches;
   // the parameter tensors' places in grads(), for the gradient norm's one sum_squares call
@@ -650,11 +655,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   if (!opt.dump_dir.empty()) write_dump_file(opt.dump_dir + "/batches.safetensors", dump_batches);
   log.sync();
   log.close();
-  if (opt.print && res.peak_device_memory >= 0)
-    std::printf(
-        "peak device memory in use: %.2f GiB (cudaMemGetInfo after each step, CUDA context "
-        "included)\n",
-        static_cast<double>(res.peak_device_memory) / (1 << 30));
+  measured.peak = res.peak_device_memory;
+  if (opt.print) std::printf("%s", measured_against_plan(plan, be, measured).c_str());
   return res;
 }
 

@@ -10,6 +10,7 @@
 
 #include "emu/backend.hpp"
 #include "model/config.hpp"
+#include "model/memory_plan.hpp"
 
 namespace fp4sim::model {
 
@@ -20,6 +21,9 @@ struct TrainOptions {
   // and gradients, and the batches of the first dump_steps steps, as safetensors in this folder.
   std::string dump_dir;
   int64_t dump_steps = 10;
+  // The memory check of the run's plan (model/memory_plan.hpp; --memory-limit): auto refuses a run
+  // whose plan exceeds the free memory before anything is allocated.
+  MemoryLimitSetting memory_limit;
 };
 
 struct StepRecord {
@@ -33,6 +37,7 @@ struct TrainResult {
   std::vector<StepRecord> steps;
   std::vector<std::pair<int64_t, float>> val_losses;
   int64_t peak_device_memory = -1;  // bytes, where the backend has device memory
+  int64_t planned_memory = -1;      // the plan's peak (MemoryPlan::peak), bytes
 };
 
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt, Backend& backend);

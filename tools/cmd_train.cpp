@@ -28,7 +28,7 @@ std::string chosen_backend(const std::string& named) {
 
 void register_train(CLI::App& app) {
   struct Args {
-    std::string config, backend, resume, dump;
+    std::string config, backend, resume, dump, memory_limit = "auto";
     std::vector<std::string> overrides;
   };
   auto a = std::make_shared<Args>();
@@ -44,8 +44,14 @@ void register_train(CLI::App& app) {
   cmd->add_option("--dump", a->dump,
                   "Folder for outside checks: initial weights, step-0 loss and gradients, "
                   "the first 10 batches (validation/torch_gpt_check.py reads them)");
+  cmd->add_option("--memory-limit", a->memory_limit,
+                  "The memory the run's plan must fit in: auto (the device's free memory on cuda, "
+                  "host memory available on emu: the cgroup limit or MemAvailable), none (no "
+                  "check), or BYTES (suffixes K, M, G, T)")
+      ->capture_default_str();
   cmd->callback([a]() {
     const model::RunConfig c = model::load_config(a->config, a->overrides);
+    const model::MemoryLimitSetting limit = model::parse_memory_limit(a->memory_limit);
     auto backend = make_backend(chosen_backend(a->backend));
     fmt::print("fp4sim train  (backend {}{}, contract_version {})\n{}\nparameters: {:.3f} M\n",
                backend->name(), a->backend.empty() ? " by default" : "", kContractVersion,
@@ -53,6 +59,7 @@ void register_train(CLI::App& app) {
     model::TrainOptions opt;
     opt.resume = a->resume;
     opt.dump_dir = a->dump;
+    opt.memory_limit = limit;
     const auto t0 = std::chrono::steady_clock::now();
     const model::TrainResult r = model::train(c, opt, *backend);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
