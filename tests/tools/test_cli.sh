@@ -203,6 +203,15 @@ fi
 expect_fail "train unknown key" "valid keys" "$bin" train --config "$cfg" model.heads=3
 expect_fail "train impossible shape" "not divisible by model.n_heads" "$bin" train --config "$cfg" model.d_model=130
 expect_fail "train missing data" "/nonexistent/corpus.train.tokens" "$bin" train --config "$cfg" train.data=/nonexistent/corpus
+# the memory plan: printed by config for both backends (no GPU needed), checked by train
+"$bin" config --config "$cfg" $micro >log.txt 2>&1 && grep -q "^memory plan (emu backend, host memory): peak" log.txt \
+  && grep -q "^memory plan (cuda backend, device memory" log.txt && ok "config prints the memory plans" \
+  || bad "config memory plans: $(tail -3 log.txt)"
+expect_fail "train over its memory limit" "memory plan: the run needs" "$bin" train --config "$cfg" $micro \
+  train.out_dir=run_mem --memory-limit 64K --backend emu
+grep -qF "64.00 KiB (65536 bytes) available (--memory-limit)" stderr.txt && [ ! -e run_mem ] \
+  && ok "a refused run names its limit and writes nothing" || bad "memory refusal: $(head -2 stderr.txt)"
+expect_fail "train bad --memory-limit" "--memory-limit: '12X'" "$bin" train --config "$cfg" $micro --memory-limit 12X
 if ! nvidia-smi -L >/dev/null 2>&1; then
   expect_fail "train on cuda without a GPU" "--backend cuda" "$bin" train --config "$cfg" --backend cuda
 fi
