@@ -148,6 +148,18 @@ int64_t CudaBackend::device_memory_used() const {
   FP4SIM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   return static_cast<int64_t>(total_b - free_b);
 }
+Backend::AllocationPeaks CudaBackend::allocation_peaks() const {
+  if (!stream_ordered_) return {};
+  int dev = 0;
+  cudaMemPool_t pool = nullptr;
+  FP4SIM_CUDA_CHECK(cudaGetDevice(&dev));
+  FP4SIM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t used = 0, reserved = 0;
+  FP4SIM_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &used));
+  FP4SIM_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &reserved));
+  return {static_cast<int64_t>(used), static_cast<int64_t>(reserved)};
+}
+
 int64_t CudaBackend::device_memory_free() const {
   size_t free_b = 0, total_b = 0;
   FP4SIM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));

@@ -176,6 +176,9 @@ class CudaBackend final : public Backend {
   // cudaMemGetInfo's free memory, plus what this backend's memory pool holds unused (reused by
   // allocate before the pool asks the device for more).
   int64_t device_memory_free() const override;
+  // The stream-ordered pool's used and reserved high-water marks (cudaMemPoolAttrUsedMemHigh,
+  // cudaMemPoolAttrReservedMemHigh); -1 without memory pools.
+  AllocationPeaks allocation_peaks() const override;
   // cuda_supports (gpu/capabilities.hpp) on this device.
   bool supports(Capability c, int64_t arg = 0) const override;
 

@@ -794,6 +794,17 @@ std::string measured_against_plan(const MemoryPlan& plan, const Backend& be,
   const int64_t peak = device ? m.peak : peak_resident_bytes();
   if (peak < 0 || m.start < 0) return "";
   const int64_t grown = peak - m.start;
+  // the allocator's own high-water marks, where the backend keeps them: what allocate() handed out
+  // is what the plan's buffers predict, apart from the backend's workspace and the CUDA context
+  const Backend::AllocationPeaks pools = be.allocation_peaks();
+  const std::string pool_line =
+      pools.allocated < 0
+          ? std::string()
+          : "memory pool high-water marks: " + short_bytes(pools.allocated) + " (" +
+                std::to_string(pools.allocated) + " bytes) allocated, " +
+                short_bytes(pools.reserved) +
+                " reserved; the plan's buffers (no workspace): " + short_bytes(plan.buffers_peak) +
+                " (" + std::to_string(plan.buffers_peak) + " bytes)\n";
   const std::string pct = plan.peak > 0 ? (grown >= plan.peak ? "+" : "") +
                                               fixed(100.0 * static_cast<double>(grown - plan.peak) /
                                                         static_cast<double>(plan.peak),
@@ -808,7 +819,7 @@ std::string measured_against_plan(const MemoryPlan& plan, const Backend& be,
          short_bytes(grown) + " (" + std::to_string(grown) + " bytes) above the " +
          short_bytes(m.start) +
          " in use at the start of the run; the plan: " + short_bytes(plan.peak) + " (" +
-         std::to_string(plan.peak) + " bytes; growth - plan: " + pct + ")\n";
+         std::to_string(plan.peak) + " bytes; growth - plan: " + pct + ")\n" + pool_line;
 }
 
 namespace {
