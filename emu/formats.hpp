@@ -282,4 +282,28 @@ FP4SIM_HD uint32_t bf16x2_rne(float lo, float hi) {
 // Round an FP32 to the nearest BF16 value, kept as FP32 (NaN -> the canonical BF16 NaN).
 FP4SIM_HD float bf16_round(float x) { return bf16_to_f32(bf16_rne(x)); }
 
+// ---- The conversions as a template parameter
+// ------------------------------------------------------
+
+// The scalar conversions above that the device formulates its own way, as a template parameter
+// `Fmt` of the steps that call them (emu/quantize_block.hpp's block steps): by default these, the
+// reference; GPU kernels pass gpu::DeviceFormats (gpu/formats_device.cuh), the device's
+// formulations of the same functions, held equal to these bit for bit by the exhaustive tests. The
+// _nonneg members serve a block scale before rounding (>= 0, never a NaN) and the codes it gets
+// (0..0x7E), where the device drops the NaN and Inf cases.
+struct ReferenceFormats {
+  FP4SIM_HD static uint8_t e2m1_rn_satfinite(float x) { return fp4sim::e2m1_rn_satfinite(x); }
+  FP4SIM_HD static uint8_t e2m1_rs_satfinite(float y, uint8_t r) {
+    return fp4sim::e2m1_rs_satfinite(y, r);
+  }
+  FP4SIM_HD static uint8_t e4m3_rn_satfinite(float x) { return fp4sim::e4m3_rn_satfinite(x); }
+  FP4SIM_HD static uint32_t e4m3x4_rn_satfinite(float x0, float x1, float x2, float x3) {
+    return fp4sim::e4m3x4_rn_satfinite(x0, x1, x2, x3);
+  }
+  FP4SIM_HD static uint8_t e4m3_rn_satfinite_nonneg(float x) {
+    return fp4sim::e4m3_rn_satfinite(x);
+  }
+  FP4SIM_HD static float e4m3_to_f32_nonneg(uint8_t code) { return fp4sim::e4m3_to_f32(code); }
+};
+
 }  // namespace fp4sim

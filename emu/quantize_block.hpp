@@ -12,25 +12,8 @@
 
 namespace fp4sim {
 
-// The scalar conversions the block steps below call, as a template parameter `Fmt`: by default
-// emu/formats.hpp's, the reference; GPU kernels pass gpu::DeviceFormats (gpu/formats_device.cuh),
-// the device's formulations of the same functions, held equal to these bit for bit by the
-// exhaustive tests. The _nonneg members serve a block scale before rounding (>= 0, never a NaN) and
-// the codes it gets (0..0x7E), where the device drops the NaN and Inf cases.
-struct ReferenceFormats {
-  FP4SIM_HD static uint8_t e2m1_rn_satfinite(float x) { return fp4sim::e2m1_rn_satfinite(x); }
-  FP4SIM_HD static uint8_t e2m1_rs_satfinite(float y, uint8_t r) {
-    return fp4sim::e2m1_rs_satfinite(y, r);
-  }
-  FP4SIM_HD static uint8_t e4m3_rn_satfinite(float x) { return fp4sim::e4m3_rn_satfinite(x); }
-  FP4SIM_HD static uint32_t e4m3x4_rn_satfinite(float x0, float x1, float x2, float x3) {
-    return fp4sim::e4m3x4_rn_satfinite(x0, x1, x2, x3);
-  }
-  FP4SIM_HD static uint8_t e4m3_rn_satfinite_nonneg(float x) {
-    return fp4sim::e4m3_rn_satfinite(x);
-  }
-  FP4SIM_HD static float e4m3_to_f32_nonneg(uint8_t code) { return fp4sim::e4m3_to_f32(code); }
-};
+// The block steps take the scalar conversions they call as a template parameter `Fmt`:
+// ReferenceFormats (emu/formats.hpp) by default, gpu::DeviceFormats in the GPU's kernels.
 
 constexpr int kNvfp4Block = 16;               // elements per NVFP4 scale (1x16, or a 16x16 tile)
 constexpr int kMxfp4Block = 32;               // elements per MXFP4 scale
