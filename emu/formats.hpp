@@ -1,7 +1,9 @@
 // Narrow number formats (DESIGN.md §2, §4): bit patterns are the contract.
 //
 // Each format is a small constexpr descriptor; conversions from FP32 are written once here, for the
-// host and the device, on the integer bit pattern (no FP rounding mode is involved anywhere).
+// host and the device, on the integer bit pattern (no FP rounding mode is involved anywhere). The
+// device's own formulations of some of them (conversion instructions, bit tricks) live in
+// gpu/formats_device.cuh, held equal to these by exhaustive tests.
 #pragma once
 
 #include <cstdint>
@@ -249,17 +251,10 @@ FP4SIM_HD float ue8m0_to_f32(uint8_t e) {
 // ---- BF16
 // ----------------------------------------------------------------------------------------
 
-// FP32 -> BF16 round-to-nearest-even; every NaN -> 0x7FFF; overflow rounds to Inf.
+// FP32 -> BF16 round-to-nearest-even; every NaN -> 0x7FFF; overflow rounds to Inf: the bits plus
+// 0x7FFF plus the kept half's lowest bit (ties to even), truncated to the top half.
+// tests/emu/test_formats_exhaustive.cpp holds it equal to cuda_bf16.h over all 2^32 inputs.
 FP4SIM_HD uint16_t bf16_rne(float x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  // The conversion instruction (sm_80+): one instruction instead of six integer ones, which
-  // matters in the RHT and quantizer kernels (it converts every input and every RHT output).
-  // tests/gpu/test_formats_gpu.cu holds it equal to the formulation below over all 2^32 inputs,
-  // NaN -> 0x7FFF included.
-  uint16_t h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
-  return h;
-#endif
   const uint32_t b = f32_bits(x);
   if ((b & 0x7FFFFFFFu) > 0x7F800000u) return kBF16NaN;
   const uint32_t lsb = (b >> 16) & 1u;
@@ -268,14 +263,8 @@ FP4SIM_HD uint16_t bf16_rne(float x) {
 
 FP4SIM_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
 
-// Two FP32 -> BF16 RNE, packed: lo in the low half. On the GPU one conversion instruction for both
-// (cvt.rn.bf16x2.f32, the pair form of bf16_rne's; callers pass no NaN).
+// Two FP32 -> BF16 RNE, packed: lo's bf16_rne in the low half, hi's in the high half.
 FP4SIM_HD uint32_t bf16x2_rne(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  uint32_t d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-#endif
   return static_cast<uint32_t>(bf16_rne(lo)) | static_cast<uint32_t>(bf16_rne(hi)) << 16;
 }
 
@@ -285,12 +274,13 @@ FP4SIM_HD float bf16_round(float x) { return bf16_to_f32(bf16_rne(x)); }
 // ---- The conversions as a template parameter
 // ------------------------------------------------------
 
-// The scalar conversions above that the device formulates its own way, as a template parameter
-// `Fmt` of the steps that call them (emu/quantize_block.hpp's block steps): by default these, the
-// reference; GPU kernels pass gpu::DeviceFormats (gpu/formats_device.cuh), the device's
-// formulations of the same functions, held equal to these bit for bit by the exhaustive tests. The
-// _nonneg members serve a block scale before rounding (>= 0, never a NaN) and the codes it gets
-// (0..0x7E), where the device drops the NaN and Inf cases.
+// The scalar steps above that the device formulates its own way, as a template parameter `Fmt` of
+// the steps that call them (emu/quantize_block.hpp's block steps, emu/rht.hpp's transform,
+// emu/gemm.hpp's store): by default these, the reference; GPU kernels pass gpu::DeviceFormats
+// (gpu/formats_device.cuh), the device's formulations of the same functions, held equal to these
+// bit for bit by the exhaustive tests. The _nonneg members serve a block scale before rounding
+// (>= 0, never a NaN) and the codes it gets (0..0x7E), where the device drops the NaN and Inf
+// cases.
 struct ReferenceFormats {
   FP4SIM_HD static uint8_t e2m1_rn_satfinite(float x) { return fp4sim::e2m1_rn_satfinite(x); }
   FP4SIM_HD static uint8_t e2m1_rs_satfinite(float y, uint8_t r) {
@@ -304,6 +294,8 @@ struct ReferenceFormats {
     return fp4sim::e4m3_rn_satfinite(x);
   }
   FP4SIM_HD static float e4m3_to_f32_nonneg(uint8_t code) { return fp4sim::e4m3_to_f32(code); }
+  FP4SIM_HD static uint16_t bf16_rne(float x) { return fp4sim::bf16_rne(x); }
+  FP4SIM_HD static uint32_t bf16x2_rne(float lo, float hi) { return fp4sim::bf16x2_rne(lo, hi); }
 };
 
 }  // namespace fp4sim

@@ -80,12 +80,13 @@ FP4SIM_HD float split_k_chain(int split_k, int64_t chunks, const Chunk& chunk) {
 }
 
 // Output idx of an exact GEMM: D = gemm_epilogue(alpha_eff, acc, beta, C[idx]) as FP32, or its BF16
-// (RNE) bits, per cfg.out.
+// (RNE, Fmt::bf16_rne) bits, per cfg.out.
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD void gemm_store(const GemmConfig& cfg, float alpha_eff, float acc, const float* c,
                           int64_t idx, void* out) {
   const float d = gemm_epilogue(alpha_eff, acc, cfg.beta, c ? c[idx] : 0.0f);
   if (cfg.out == GemmOut::BF16)
-    static_cast<uint16_t*>(out)[idx] = bf16_rne(d);
+    static_cast<uint16_t*>(out)[idx] = Fmt::bf16_rne(d);
   else
     static_cast<float*>(out)[idx] = d;
 }

@@ -6,7 +6,8 @@
 // rht16_reference evaluates exactly that (16 T-FDPAs); rht16 computes the same bits with one
 // integer fast Walsh-Hadamard transform, because every product x_i * H_ij has the same magnitude
 // |x_i|/4 for all j, so its truncation onto the grid does not depend on j. Tests hold the two
-// equal.
+// equal. The conversions the transform calls come as a template parameter (ReferenceFormats; the
+// GPU's kernels pass gpu::DeviceFormats).
 #pragma once
 
 #include <cstdint>
@@ -56,11 +57,12 @@ FP4SIM_HD void rht16_reference(const uint16_t* x, uint16_t* y) {
 // included. Out of line: it only runs for inputs near the extremes of the BF16 range. It takes one
 // value, not the array: an array whose address reaches a call lives in local memory on the GPU,
 // and rht16's u[] would then be stored and reloaded on every call, not only the rare ones.
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD_NOINLINE uint16_t rht16_round_general(int32_t v, int grid) {
   const bool neg = v < 0;
   const uint64_t mag =
       neg ? static_cast<uint64_t>(-static_cast<int64_t>(v)) : static_cast<uint64_t>(v);
-  return bf16_rne(
+  return Fmt::bf16_rne(
       f32_from_bits(mag == 0 ? 0u : round_rz_to_f32_bits(mag, grid, neg, kFp32ManBits)));
 }
 
@@ -206,12 +208,14 @@ FP4SIM_HD float rht16_grid_scale(int grid) {
   return f32_from_bits(static_cast<uint32_t>(grid + 127) << 23);
 }
 // One output Y_j on a fast grid (rht16_grid_fast(grid)).
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD uint16_t rht16_round_fast(int32_t y, int grid) {
-  return bf16_rne(fmul_rn(int_to_f32_rz(y), rht16_grid_scale(grid)));
+  return Fmt::bf16_rne(fmul_rn(int_to_f32_rz(y), rht16_grid_scale(grid)));
 }
 
 // Same bits as rht16_reference (see the header comment), the 16 outputs packed two a word (element
 // 2k in word k's low half). in_amax (optional): the NaN-ignoring max |x_i|, from the same bits.
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD void rht16_packed(const uint16_t* x, uint32_t* w, float* in_amax = nullptr) {
   const uint32_t amax_bits = rht16_input_max_bits(x);
   if (amax_bits >= 0x7F80u) {  // Inf or NaN: rare, take the literal path's outcome
@@ -239,20 +243,21 @@ FP4SIM_HD void rht16_packed(const uint16_t* x, uint32_t* w, float* in_amax = nul
     const float pow2 = rht16_grid_scale(grid);
     FP4SIM_UNROLL
     for (int k = 0; k < kRhtSize / 2; ++k)
-      w[k] = bf16x2_rne(fmul_rn(int_to_f32_rz(u[2 * k]), pow2),
-                        fmul_rn(int_to_f32_rz(u[2 * k + 1]), pow2));
+      w[k] = Fmt::bf16x2_rne(fmul_rn(int_to_f32_rz(u[2 * k]), pow2),
+                             fmul_rn(int_to_f32_rz(u[2 * k + 1]), pow2));
   } else {
     FP4SIM_UNROLL
     for (int k = 0; k < kRhtSize / 2; ++k)
-      w[k] = static_cast<uint32_t>(rht16_round_general(u[2 * k], grid)) |
-             static_cast<uint32_t>(rht16_round_general(u[2 * k + 1], grid)) << 16;
+      w[k] = static_cast<uint32_t>(rht16_round_general<Fmt>(u[2 * k], grid)) |
+             static_cast<uint32_t>(rht16_round_general<Fmt>(u[2 * k + 1], grid)) << 16;
   }
 }
 
 // Same bits as rht16_reference, one output a BF16 element.
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
   uint32_t w[kRhtSize / 2];
-  rht16_packed(x, w);
+  rht16_packed<Fmt>(x, w);
   FP4SIM_UNROLL
   for (int k = 0; k < kRhtSize / 2; ++k) {
     y[2 * k] = static_cast<uint16_t>(w[k]);
@@ -280,10 +285,11 @@ FP4SIM_HD int32_t rht16_abs_max_of_terms(int32_t (&u)[kRhtSize]) {
 // and the fast grid). Straight-line code: on the GPU it runs for every chunk, its result kept only
 // where the path applies, so a caller's chunks can interleave (elsewhere the sums may wrap; that
 // result is discarded).
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD float rht16_abs_max_common(const uint16_t* x, int emax) {
   int32_t u[kRhtSize];
   rht16_fmul_terms(x, emax, u);
-  return bf16_to_f32(rht16_round_fast(rht16_abs_max_of_terms(u), emax - 2 - kBf16FdpaF));
+  return bf16_to_f32(rht16_round_fast<Fmt>(rht16_abs_max_of_terms(u), emax - 2 - kBf16FdpaF));
 }
 
 // rht16_abs_max off the common path (an Inf or NaN input, all zeros, or inputs near the ends of
@@ -292,6 +298,7 @@ FP4SIM_HD float rht16_abs_max_common(const uint16_t* x, int emax) {
 struct Bf16Chunk {
   uint16_t v[kRhtSize];
 };
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD_NOINLINE float rht16_abs_max_rare(Bf16Chunk chunk, uint32_t amax_bits) {
   const uint16_t* x = chunk.v;
   if (amax_bits >= 0x7F80u) {
@@ -308,12 +315,13 @@ FP4SIM_HD_NOINLINE float rht16_abs_max_rare(Bf16Chunk chunk, uint32_t amax_bits)
   const int emax = rht16_terms(x, amax_bits, u);
   const int32_t ymax = rht16_abs_max_of_terms(u);
   const int grid = emax - 2 - kBf16FdpaF;
-  return bf16_to_f32(rht16_grid_fast(grid) ? rht16_round_fast(ymax, grid)
-                                           : rht16_round_general(ymax, grid));
+  return bf16_to_f32(rht16_grid_fast(grid) ? rht16_round_fast<Fmt>(ymax, grid)
+                                           : rht16_round_general<Fmt>(ymax, grid));
 }
 
 // The NaN-ignoring max |y_j| of rht16's outputs (0 when every output is NaN), without rounding
 // each output (rht16_abs_max_common). in_amax (optional): the NaN-ignoring max |x_i|.
+template <class Fmt = ReferenceFormats>
 FP4SIM_HD float rht16_abs_max(const uint16_t* x, float* in_amax = nullptr) {
   const uint32_t amax_bits = rht16_input_max_bits(x);
   if (in_amax)
@@ -326,15 +334,15 @@ FP4SIM_HD float rht16_abs_max(const uint16_t* x, float* in_amax = nullptr) {
 #if defined(__CUDA_ARCH__)
   // (the GPU computes the common path for every chunk, before the branch: straight-line code that
   // a caller's chunks can interleave)
-  const float y = rht16_abs_max_common(x, common ? emax : 0);
+  const float y = rht16_abs_max_common<Fmt>(x, common ? emax : 0);
   if (common) return y;
 #else
-  if (common) return rht16_abs_max_common(x, emax);
+  if (common) return rht16_abs_max_common<Fmt>(x, emax);
 #endif
   Bf16Chunk c;
   FP4SIM_UNROLL
   for (int i = 0; i < kRhtSize; ++i) c.v[i] = x[i];
-  return rht16_abs_max_rare(c, amax_bits);
+  return rht16_abs_max_rare<Fmt>(c, amax_bits);
 }
 
 }  // namespace fp4sim

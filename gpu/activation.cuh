@@ -16,6 +16,7 @@
 
 #include "emu/formats.hpp"
 #include "gpu/exp2.cuh"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim::gpu {
 
@@ -53,7 +54,7 @@ __device__ __forceinline__ float gelu_tanh_local_grad(float x) {
 // The stored GELU output: bf16_round when round_bf16 (the model's BF16 activations).
 __device__ __forceinline__ float gelu_forward_stored(float x, bool round_bf16) {
   const float v = gelu_tanh_value(x);
-  return round_bf16 ? bf16_round(v) : v;
+  return round_bf16 ? bf16_round_cvt(v) : v;
 }
 
 // The stored GELU input gradient, +0 + local * dout (written, never accumulated:
@@ -62,8 +63,8 @@ __device__ __forceinline__ float gelu_forward_stored(float x, bool round_bf16) {
 __device__ __forceinline__ float gelu_backward_stored(float x, float dout, bool round_bf16,
                                                       bool bf16_dout) {
   const float v =
-      __fadd_rn(0.0f, __fmul_rn(gelu_tanh_local_grad(x), bf16_dout ? bf16_round(dout) : dout));
-  return round_bf16 ? bf16_round(v) : v;
+      __fadd_rn(0.0f, __fmul_rn(gelu_tanh_local_grad(x), bf16_dout ? bf16_round_cvt(dout) : dout));
+  return round_bf16 ? bf16_round_cvt(v) : v;
 }
 
 }  // namespace fp4sim::gpu

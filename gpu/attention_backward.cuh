@@ -10,6 +10,7 @@
 
 #include "gpu/attention_tiles.cuh"
 #include "gpu/exp2.cuh"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim::gpu {
 
@@ -111,7 +112,7 @@ __global__ void __launch_bounds__((DsumShape<HD, DoutT, OutT>::kRows))
                     static_cast<const OutT*>(nullptr));
 #pragma unroll
         for (int j = 0; j < kStep; ++j)
-          acc = __fadd_rn(acc, __fmul_rn(bf16_round(a[(i + j) % kA]), c[(i + j) % kC]));
+          acc = __fadd_rn(acc, __fmul_rn(bf16_round_cvt(a[(i + j) % kA]), c[(i + j) % kC]));
       }
       const int64_t r = row0 + threadIdx.x;
       const int64_t h = r % NH, bt = r / NH, t = bt % T, b = bt / T;

@@ -11,6 +11,7 @@
 
 #include "emu/formats.hpp"
 #include "gpu/exp2.cuh"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim::gpu {
 
@@ -224,7 +225,7 @@ __device__ __forceinline__ float log2_scale(float scale) { return __fmul_rn(scal
 // An output element as the kernels store it: BF16-rounded when kRound (the caller's BF16 storage).
 template <bool kRound>
 __device__ __forceinline__ float stored_out(float v) {
-  return kRound ? bf16_round(v) : v;
+  return kRound ? bf16_round_cvt(v) : v;
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/exp2.cuh"
+#include "gpu/formats_device.cuh"
 #include "gpu/op_checks.hpp"
 #include "gpu/training_ops.cuh"
 
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(kCeThreads, 2)
     if constexpr (std::is_same_v<In, uint16_t>)
       return bf16_to_f32(s);
     else
-      return bf16_logits ? bf16_round(s) : s;
+      return bf16_logits ? bf16_round_cvt(s) : s;
   };
   // f(c, count, chunk) for this thread's chunks in increasing order: from memory, kCeBatch loads in
   // flight (each chunk is read before this thread writes it, so an output that aliases the logits
@@ -255,7 +256,7 @@ __global__ void __launch_bounds__(kCeThreads, 2)
     CeChunk<Out> o;
     auto put = [&](int u, float g) {
       if constexpr (std::is_same_v<Out, uint16_t>)
-        o.v[u] = bf16_rne(g);
+        o.v[u] = bf16_rne_cvt(g);
       else
         o.v[u] = kGrad ? stored(g, round_bf16) : prob[u];
     };

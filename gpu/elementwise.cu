@@ -12,6 +12,7 @@
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/elementwise.cuh"
+#include "gpu/formats_device.cuh"
 #include "gpu/layers_state.hpp"
 #include "gpu/op_checks.hpp"
 #include "gpu/training_ops.cuh"
@@ -24,10 +25,10 @@ __global__ void round_to_bf16_kernel(uint16_t* dst, const float* src, int64_t n)
       n, aligned16(src) && (reinterpret_cast<uintptr_t>(dst) & 7u) == 0,
       [&](int64_t j) {
         const float4 v = reinterpret_cast<const float4*>(src)[j];
-        reinterpret_cast<ushort4*>(dst)[j] =
-            make_ushort4(bf16_rne(v.x), bf16_rne(v.y), bf16_rne(v.z), bf16_rne(v.w));
+        reinterpret_cast<ushort4*>(dst)[j] = make_ushort4(bf16_rne_cvt(v.x), bf16_rne_cvt(v.y),
+                                                          bf16_rne_cvt(v.z), bf16_rne_cvt(v.w));
       },
-      [&](int64_t i) { dst[i] = bf16_rne(src[i]); });
+      [&](int64_t i) { dst[i] = bf16_rne_cvt(src[i]); });
 }
 
 // dst[i] = the FP32 value of BF16 bits src[i] (exact).
@@ -110,13 +111,13 @@ __global__ void round_to_bf16_inplace_kernel(float* x, int64_t n) {
       n, aligned16(x),
       [&](int64_t j) {
         float4 v = reinterpret_cast<float4*>(x)[j];
-        v.x = bf16_round(v.x);
-        v.y = bf16_round(v.y);
-        v.z = bf16_round(v.z);
-        v.w = bf16_round(v.w);
+        v.x = bf16_round_cvt(v.x);
+        v.y = bf16_round_cvt(v.y);
+        v.z = bf16_round_cvt(v.z);
+        v.w = bf16_round_cvt(v.w);
         reinterpret_cast<float4*>(x)[j] = v;
       },
-      [&](int64_t i) { x[i] = bf16_round(x[i]); });
+      [&](int64_t i) { x[i] = bf16_round_cvt(x[i]); });
 }
 
 // out = a + b, FP32 RN (then bf16_round when round_bf16): bitwise.

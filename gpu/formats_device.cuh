@@ -1,10 +1,11 @@
-// The device's formulations of the E2M1 and E4M3 conversions of emu/formats.hpp: one rounding
-// addition onto the E2M1 grid ("magic numbers"), eight codes packed by byte permutes, and the
-// sm_89+ conversion instructions for E4M3. Each computes the emu/ function it names, bit for bit:
-// tests/emu/test_formats_exhaustive.cpp runs the magic-number formulations (host and device alike)
-// against emu/ on the host over all 2^32 inputs, tests/gpu/test_formats_gpu.cu every function here
-// against emu/ on the device over its whole input space. DeviceFormats gathers them for the block
-// steps of emu/quantize_block.hpp, which take the conversions as a template parameter.
+// The device's formulations of the E2M1, E4M3 and BF16 conversions of emu/formats.hpp: one
+// rounding addition onto the E2M1 grid ("magic numbers"), eight codes packed by byte permutes, and
+// the conversion instructions for E4M3 (sm_89+) and BF16 (sm_80+). Each computes the emu/
+// function it names, bit for bit: tests/emu/test_formats_exhaustive.cpp runs the magic-number
+// formulations (host and device alike) against emu/ on the host over all 2^32 inputs,
+// tests/gpu/test_formats_gpu.cu every function here against emu/ on the device over its whole
+// input space. DeviceFormats gathers them for the steps that take the conversions as a template
+// parameter (emu/formats.hpp's ReferenceFormats).
 #pragma once
 
 #include <cstdint>
@@ -281,8 +282,39 @@ __device__ __forceinline__ float e4m3_to_f32_nonneg_cvt(uint8_t code) {
 #endif
 }
 
-// The device's conversions for emu/quantize_block.hpp's block steps (the members' names and
-// arguments are ReferenceFormats').
+// ---- BF16 by the sm_80+ conversion instructions (emu/ below sm_80)
+
+// emu's bf16_rne: one cvt.rn.bf16.f32 instead of six integer operations, which matters wherever a
+// kernel converts every element (the RHT's inputs, the quantizer's, the elementwise, norm and
+// optimizer outputs, the GEMM epilogues). The instruction gives every NaN the canonical 0x7FFF, as
+// emu/ does.
+__device__ __forceinline__ uint16_t bf16_rne_cvt(float x) {
+#if __CUDA_ARCH__ >= 800
+  uint16_t h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+#else
+  return bf16_rne(x);
+#endif
+}
+
+// emu's bf16x2_rne: one cvt.rn.bf16x2.f32 for both (the pair form of bf16_rne_cvt's instruction,
+// its NaN 0x7FFF in either half).
+__device__ __forceinline__ uint32_t bf16x2_rne_cvt(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return bf16x2_rne(lo, hi);
+#endif
+}
+
+// emu's bf16_round by bf16_rne_cvt.
+__device__ __forceinline__ float bf16_round_cvt(float x) { return bf16_to_f32(bf16_rne_cvt(x)); }
+
+// The device's conversions for the steps that take them as a template parameter (emu/formats.hpp's
+// ReferenceFormats; the members' names and arguments are its).
 struct DeviceFormats {
   __device__ static uint8_t e2m1_rn_satfinite(float x) { return e2m1_rn_satfinite_magic(x); }
   __device__ static uint8_t e2m1_rs_satfinite(float y, uint8_t r) {
@@ -296,6 +328,8 @@ struct DeviceFormats {
     return e4m3_rn_satfinite_nonneg_cvt(x);
   }
   __device__ static float e4m3_to_f32_nonneg(uint8_t code) { return e4m3_to_f32_nonneg_cvt(code); }
+  __device__ static uint16_t bf16_rne(float x) { return bf16_rne_cvt(x); }
+  __device__ static uint32_t bf16x2_rne(float lo, float hi) { return bf16x2_rne_cvt(lo, hi); }
 };
 
 #endif  // __CUDACC__

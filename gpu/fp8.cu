@@ -479,7 +479,7 @@ __global__ void fp8_gemm_exact_kernel(QuantizedView a, QuantizedView b, const fl
     }
     return __fmaf_rn(fmul_rn(sa[blk], sb[blk]), partial, acc);
   });
-  gemm_store(cfg, cfg.alpha, total, c, idx, out);
+  gemm_store<DeviceFormats>(cfg, cfg.alpha, total, c, idx, out);
 }
 
 // One launch of the tile kernel for source Src, its dynamic shared memory allowed first

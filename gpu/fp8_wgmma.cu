@@ -47,6 +47,7 @@
 #include "gpu/cp_async.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim::gpu {
 namespace {
@@ -168,7 +169,7 @@ __device__ __forceinline__ void store_epilogue_pair(const GemmConfig& cfg, void*
   const float d1 = gemm_epilogue(cfg.alpha, v1, cfg.beta, c1);
   if (cfg.out == GemmOut::BF16)
     *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(out) + idx) =
-        static_cast<uint32_t>(bf16_rne(d0)) | (static_cast<uint32_t>(bf16_rne(d1)) << 16);
+        static_cast<uint32_t>(bf16_rne_cvt(d0)) | (static_cast<uint32_t>(bf16_rne_cvt(d1)) << 16);
   else
     *reinterpret_cast<float2*>(static_cast<float*>(out) + idx) = make_float2(d0, d1);
 }
@@ -188,8 +189,8 @@ __device__ __forceinline__ void store_pair(const GemmConfig& cfg, const float* c
     return;
   }
   if (!(both && aligned)) {
-    gemm_store(cfg, cfg.alpha, v0, c, idx, out);
-    if (both) gemm_store(cfg, cfg.alpha, v1, c, idx + 1, out);
+    gemm_store<DeviceFormats>(cfg, cfg.alpha, v0, c, idx, out);
+    if (both) gemm_store<DeviceFormats>(cfg, cfg.alpha, v1, c, idx + 1, out);
     return;
   }
   store_epilogue_pair(cfg, out, idx, v0, v1, c ? c[idx] : 0.0f, c ? c[idx + 1] : 0.0f);
@@ -598,7 +599,7 @@ __global__ void fp8_split_reduce_kernel(const float* ws, int split, int64_t mn, 
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float total = ws[idx];
     for (int s = 1; s < split; ++s) total = __fadd_rn(total, ws[s * mn + idx]);
-    gemm_store(cfg, cfg.alpha, total, c, idx, out);
+    gemm_store<DeviceFormats>(cfg, cfg.alpha, total, c, idx, out);
   }
 }
 

@@ -24,6 +24,7 @@
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/decode_bf16.cuh"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim::gpu {
 namespace {
@@ -140,7 +141,7 @@ bool dequantize_flat_ok(const QuantizedView& a, const uint16_t* da, const Quanti
 __global__ void f32_to_bf16_kernel(const float* in, uint16_t* out, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = bf16_rne(in[i]);
+    out[i] = bf16_rne_cvt(in[i]);
 }
 
 int grid_for(int64_t n) {

@@ -18,6 +18,7 @@
 #include "emu/gemm.hpp"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim::gpu {
 namespace {
@@ -57,7 +58,7 @@ __global__ void gemm_exact_reference_kernel(QuantizedView a, QuantizedView b, co
   });
   const float alpha =
       gemm_epilogue_alpha(cfg.alpha, a.format, *a.amax, a.four_over_six, *b.amax, b.four_over_six);
-  gemm_store(cfg, alpha, total, c, idx, out);
+  gemm_store<DeviceFormats>(cfg, alpha, total, c, idx, out);
 }
 
 constexpr int kTile = 64;           // output rows (of A) and columns (rows of B) per block
@@ -343,7 +344,7 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks)
       const int64_t n = n0 + tx + 16 * j;
       if (m >= a.rows || n >= N) continue;
       const int64_t idx = m * N + n;
-      gemm_store(cfg, alpha, total[i][j], c, idx, out);
+      gemm_store<DeviceFormats>(cfg, alpha, total[i][j], c, idx, out);
     }
   }
 }

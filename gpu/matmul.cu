@@ -28,6 +28,7 @@
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/elementwise.cuh"
+#include "gpu/formats_device.cuh"
 #include "gpu/layers_state.hpp"
 #include "gpu/op_checks.hpp"
 #include "gpu/training_ops.cuh"
@@ -42,7 +43,7 @@ constexpr size_t kCublasWorkspaceBytes = kMatmulCublasLtWorkspaceBytes;
 // The bias value added to an output that is rounded to BF16: the bias's BF16 rounding (the rule of
 // Backend::matmul_forward, as a BF16 GEMM epilogue adds a BF16 bias); else the bias.
 __device__ __forceinline__ float bias_added(float b, bool round_bf16) {
-  return round_bf16 ? bf16_round(b) : b;
+  return round_bf16 ? bf16_round_cvt(b) : b;
 }
 
 // out (N,OC) += bias (OC), one FP32 RN addition after the GEMM, as the emulator: bitwise given the
@@ -85,11 +86,13 @@ __global__ void add_bias_bf16_kernel(uint16_t* out16, const float* in, const flo
       if (vec) {
         const float4 v = reinterpret_cast<const float4*>(row)[c];
         const float4 b = reinterpret_cast<const float4*>(bias)[c];
-        reinterpret_cast<ushort4*>(o)[c] = make_ushort4(
-            bf16_rne(__fadd_rn(v.x, bf16_round(b.x))), bf16_rne(__fadd_rn(v.y, bf16_round(b.y))),
-            bf16_rne(__fadd_rn(v.z, bf16_round(b.z))), bf16_rne(__fadd_rn(v.w, bf16_round(b.w))));
+        reinterpret_cast<ushort4*>(o)[c] =
+            make_ushort4(bf16_rne_cvt(__fadd_rn(v.x, bf16_round_cvt(b.x))),
+                         bf16_rne_cvt(__fadd_rn(v.y, bf16_round_cvt(b.y))),
+                         bf16_rne_cvt(__fadd_rn(v.z, bf16_round_cvt(b.z))),
+                         bf16_rne_cvt(__fadd_rn(v.w, bf16_round_cvt(b.w))));
       } else {
-        o[c] = bf16_rne(__fadd_rn(row[c], bf16_round(bias[c])));
+        o[c] = bf16_rne_cvt(__fadd_rn(row[c], bf16_round_cvt(bias[c])));
       }
     }
   }
@@ -193,7 +196,8 @@ __global__ void round_to_bf16_column_partial_kernel(uint16_t* __restrict__ h,
     s1 = __fadd_rn(s1, v.y);
     if (h)
       *reinterpret_cast<uint32_t*>(h + n * C + c) =
-          static_cast<uint32_t>(bf16_rne(v.x)) | (static_cast<uint32_t>(bf16_rne(v.y)) << 16);
+          static_cast<uint32_t>(bf16_rne_cvt(v.x)) |
+          (static_cast<uint32_t>(bf16_rne_cvt(v.y)) << 16);
   };
   int64_t n = n0;
   for (; n + kAhead <= n1; n += kAhead) {
@@ -232,13 +236,13 @@ __global__ void gelu_forward_bf16_copy_kernel(float* out, uint16_t* h, const InT
 #pragma unroll
         for (int u = 0; u < 4; ++u) v[u] = gelu_forward_stored(x[u], round_bf16);
         if (out) reinterpret_cast<float4*>(out)[j] = make_float4(v[0], v[1], v[2], v[3]);
-        reinterpret_cast<ushort4*>(h)[j] =
-            make_ushort4(bf16_rne(v[0]), bf16_rne(v[1]), bf16_rne(v[2]), bf16_rne(v[3]));
+        reinterpret_cast<ushort4*>(h)[j] = make_ushort4(bf16_rne_cvt(v[0]), bf16_rne_cvt(v[1]),
+                                                        bf16_rne_cvt(v[2]), bf16_rne_cvt(v[3]));
       },
       [&](int64_t i) {
         const float v = gelu_forward_stored(load_f32(inp, i), round_bf16);
         if (out) out[i] = v;
-        h[i] = bf16_rne(v);
+        h[i] = bf16_rne_cvt(v);
       });
 }
 // GELU's stored BF16 bits as a function of its BF16 input's bits: table[x] = bf16_rne(gelu_forward_
@@ -252,7 +256,7 @@ constexpr int kGeluLutThreads = 1024;
 __global__ void gelu_bf16_table_kernel(uint16_t* table) {
   const int i = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < kGeluLutEntries)
-    table[i] = bf16_rne(gelu_forward_stored(bf16_to_f32(static_cast<uint16_t>(i)), true));
+    table[i] = bf16_rne_cvt(gelu_forward_stored(bf16_to_f32(static_cast<uint16_t>(i)), true));
 }
 
 // h = table[inp] element by element, the table (128 KB) in shared memory; one CTA an SM. `vec`:

@@ -13,6 +13,7 @@
 #include "gpu/column_sums.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/formats_device.cuh"
 #include "gpu/layers_state.hpp"
 #include "gpu/op_checks.hpp"
 #include "gpu/training_ops.cuh"
@@ -30,7 +31,7 @@ __device__ __forceinline__ void put_stored(float* o, int64_t i, float v, bool ro
   o[i] = stored(v, round_bf16);
 }
 __device__ __forceinline__ void put_stored(uint16_t* o, int64_t i, float v, bool) {
-  o[i] = bf16_rne(v);
+  o[i] = bf16_rne_cvt(v);
 }
 
 // The general path of the norms (any C, any alignment): the kernels below, one block per row, and
@@ -235,8 +236,8 @@ __device__ __forceinline__ void put_stored_x4(float* o, int64_t i, const F32x4& 
 }
 __device__ __forceinline__ void put_stored_x4(uint16_t* o, int64_t i, const F32x4& q, bool,
                                               bool vec) {
-  const ushort4 h =
-      make_ushort4(bf16_rne(q.v[0]), bf16_rne(q.v[1]), bf16_rne(q.v[2]), bf16_rne(q.v[3]));
+  const ushort4 h = make_ushort4(bf16_rne_cvt(q.v[0]), bf16_rne_cvt(q.v[1]), bf16_rne_cvt(q.v[2]),
+                                 bf16_rne_cvt(q.v[3]));
   if (vec) {
     *reinterpret_cast<ushort4*>(o + i) = h;
   } else {

@@ -13,6 +13,7 @@
 #include "gpu/block_reduce.cuh"
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/formats_device.cuh"
 #include "gpu/layers_state.hpp"
 #include "gpu/training_ops.cuh"
 
@@ -47,7 +48,7 @@ __global__ void adamw_many_kernel(float* params, const float* grads, float* m, f
   const int64_t nv = (it.end - a4) / 4, e4 = a4 + 4 * nv;
   auto one = [&](int64_t i) {
     adamw_element(params[i], grads[i], m[i], v[i], s);
-    if (p16) p16[i] = bf16_rne(params[i]);
+    if (p16) p16[i] = bf16_rne_cvt(params[i]);
   };
   for (int64_t i = it.begin + threadIdx.x; i < a4; i += blockDim.x) one(i);
   for (int64_t j = threadIdx.x; j < nv; j += blockDim.x) {
@@ -64,8 +65,9 @@ __global__ void adamw_many_kernel(float* params, const float* grads, float* m, f
     *reinterpret_cast<float4*>(v + i) = vv;
     if (p16)
       *reinterpret_cast<uint2*>(p16 + i) = make_uint2(
-          static_cast<uint32_t>(bf16_rne(p.x)) | static_cast<uint32_t>(bf16_rne(p.y)) << 16,
-          static_cast<uint32_t>(bf16_rne(p.z)) | static_cast<uint32_t>(bf16_rne(p.w)) << 16);
+          static_cast<uint32_t>(bf16_rne_cvt(p.x)) | static_cast<uint32_t>(bf16_rne_cvt(p.y)) << 16,
+          static_cast<uint32_t>(bf16_rne_cvt(p.z)) | static_cast<uint32_t>(bf16_rne_cvt(p.w))
+                                                         << 16);
   }
   for (int64_t i = e4 + threadIdx.x; i < it.end; i += blockDim.x) one(i);
 }

@@ -54,13 +54,13 @@ __device__ __forceinline__ void rht_chunk_amax(const uint16_t (&in)[kRhtSize], f
                                                float* in_amax = nullptr) {
   if (keep) {
     uint32_t w[kRhtSize / 2];
-    rht16_packed(in, w, in_amax);
+    rht16_packed<DeviceFormats>(in, w, in_amax);
     m_rht = fmax_nan_ignored(m_rht, bf16x16_abs_max(w));
     uint4* dst = reinterpret_cast<uint4*>(yt_col);
     dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
     dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
   } else {
-    m_rht = fmax_nan_ignored(m_rht, rht16_abs_max(in, in_amax));
+    m_rht = fmax_nan_ignored(m_rht, rht16_abs_max<DeviceFormats>(in, in_amax));
   }
 }
 

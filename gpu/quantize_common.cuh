@@ -31,7 +31,7 @@ struct Elem<uint16_t> {  // BF16 bit pattern
   static __device__ __forceinline__ float to_f32(uint16_t v) { return bf16_to_f32(v); }
 };
 // The BF16 bits the RHT reads: FP32 input is rounded first, BF16 input passes through.
-__device__ __forceinline__ uint16_t rht_input(float v) { return bf16_rne(v); }
+__device__ __forceinline__ uint16_t rht_input(float v) { return bf16_rne_cvt(v); }
 __device__ __forceinline__ uint16_t rht_input(uint16_t v) { return v; }
 
 // Programmatic dependent launch (sm_90 and later): the quantize pass is launched while the amax

@@ -46,7 +46,7 @@ __device__ __forceinline__ float tile_column_block(const T* tile, int tcol, int 
     uint32_t w[kRhtSize / 2];
     FP4SIM_UNROLL
     for (int i = 0; i < kRhtSize; ++i) in[i] = rht_input(col[i * kCols]);
-    rht16_packed(in, w);
+    rht16_packed<DeviceFormats>(in, w);
     return bf16x16_unpack(w, v);
   } else {
     FP4SIM_UNROLL

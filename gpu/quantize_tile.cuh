@@ -151,9 +151,9 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const T* x, Qua
             uint16_t in[kRhtSize], y[kRhtSize];
 #pragma unroll
             for (int i = 0; i < kRhtSize; ++i)
-              in[i] =
-                  bf16_rne(Elem<T>::to_f32(tile[(k * block + h * kRhtSize + i) * kTileCols + t]));
-            rht16(in, y);
+              in[i] = bf16_rne_cvt(
+                  Elem<T>::to_f32(tile[(k * block + h * kRhtSize + i) * kTileCols + t]));
+            rht16<DeviceFormats>(in, y);
 #pragma unroll
             for (int i = 0; i < kRhtSize; ++i) v[h * kRhtSize + i] = bf16_to_f32(y[i]);
           }

@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "emu/formats.hpp"
+#include "gpu/formats_device.cuh"
 
 namespace fp4sim::gpu {
 
@@ -37,12 +38,12 @@ inline unsigned elementwise_grid(int64_t n) {
 // An activation value as stored: bf16_round when the op's round_bf16 is set (the model's BF16
 // activations, Backend's contract), else as computed. The same function as round_to_bf16's.
 __device__ __forceinline__ float stored(float v, bool round_bf16) {
-  return round_bf16 ? bf16_round(v) : v;
+  return round_bf16 ? bf16_round_cvt(v) : v;
 }
 // An incoming gradient as a backward pass reads it: bf16_round(v) where the caller stores gradients
 // in BF16 and left the rounding to the reader (bf16_dout), else v.
 __device__ __forceinline__ float read_dout(float v, bool bf16_dout) {
-  return bf16_dout ? bf16_round(v) : v;
+  return bf16_dout ? bf16_round_cvt(v) : v;
 }
 // An input element as FP32: stored FP32, or BF16 bits widened (exact).
 __device__ __forceinline__ float load_f32(const float* p, int64_t i) { return p[i]; }

@@ -21,7 +21,7 @@
 namespace fp4sim {
 namespace {
 
-constexpr int kFormats = 13;
+constexpr int kFormats = 14;
 constexpr int kSliceBits = 22;  // 1024 slices of 4M inputs
 constexpr uint64_t kSlices = 1ull << (32 - kSliceBits);
 
@@ -51,7 +51,8 @@ FP4SIM_HD Inputs inputs_of(uint32_t u) {
 // The emu/ reference, one result per format. The block-scale forms (index 9, 10) are e4m3_rn_
 // satfinite and e4m3_to_f32 on their domains (|x| of a non-NaN x; codes 0..0x7E); the eight-code
 // words (11, 12) take their products times `one`, a kernel argument, so that the device computes
-// them (its sign bytes rely on a NaN product being positive).
+// them (its sign bytes rely on a NaN product being positive). The BF16 conversions (4, 13) include
+// every NaN.
 FP4SIM_HD void convert_all_reference(uint32_t u, float one, uint32_t* out) {
   const Inputs in = inputs_of(u);
   const float* v = in.v8;
@@ -68,6 +69,7 @@ FP4SIM_HD void convert_all_reference(uint32_t u, float one, uint32_t* out) {
   out[10] = f32_bits(e4m3_to_f32(in.code_nonneg));
   out[11] = e2m1x8_rn_scaled(v, one);
   out[12] = e2m1x8_rs_scaled(v, one, in.r0, in.r1);
+  out[13] = bf16x2_rne(in.x, v[1]);
 }
 
 // The device's formulations, the same slots.
@@ -78,7 +80,7 @@ __device__ void convert_all_device(uint32_t u, float one, uint32_t* out) {
   out[1] = gpu::e2m1_rs_satfinite_magic(in.x, in.sr_byte);
   out[2] = gpu::e4m3_rn_satfinite_cvt(in.x);
   out[3] = e5m2_rn_satfinite(in.x);
-  out[4] = bf16_rne(in.x);
+  out[4] = gpu::bf16_rne_cvt(in.x);
   out[5] = ue8m0_rz_satfinite(in.x);
   out[6] = ue8m0_rp_satfinite(in.x);
   out[7] = gpu::e4m3x2_rn_satfinite_cvt(in.x, v[1]);
@@ -87,6 +89,7 @@ __device__ void convert_all_device(uint32_t u, float one, uint32_t* out) {
   out[10] = f32_bits(gpu::e4m3_to_f32_nonneg_cvt(in.code_nonneg));
   out[11] = gpu::e2m1x8_rn_scaled_prmt(v, one);
   out[12] = gpu::e2m1x8_rs_scaled_prmt(v, one, in.r0, in.r1);
+  out[13] = gpu::bf16x2_rne_cvt(in.x, v[1]);
 }
 
 FP4SIM_HD uint64_t mix(uint64_t h, uint64_t v) {
@@ -167,9 +170,9 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
     for (int f = 0; f < kFormats; ++f) host[s * kFormats + f] = local[f];
   }
   const char* names[kFormats] = {
-      "e2m1.rn",          "e2m1.rs",   "e4m3",     "e5m2",   "bf16",
-      "ue8m0.rz",         "ue8m0.rp",  "e4m3x2",   "e4m3x4", "e4m3.nonneg",
-      "e4m3->f32.nonneg", "e2m1x8.rn", "e2m1x8.rs"};
+      "e2m1.rn",          "e2m1.rs",   "e4m3",      "e5m2",   "bf16",
+      "ue8m0.rz",         "ue8m0.rp",  "e4m3x2",    "e4m3x4", "e4m3.nonneg",
+      "e4m3->f32.nonneg", "e2m1x8.rn", "e2m1x8.rs", "bf16x2"};
   for (int f = 0; f < kFormats; ++f) {
     int bad = 0;
     uint64_t first = kSlices;

@@ -10,6 +10,7 @@
 #include "emu/mma.hpp"
 #include "emu/rht.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/formats_device.cuh"
 #include "tests/gpu/gpu_test_util.hpp"
 
 namespace fp4sim {
@@ -47,8 +48,8 @@ struct RhtCase {
   uint16_t x[16];
 };
 
-// Per chunk: rht16_packed's 8 words and its max |x|, rht16_abs_max's max |y| and max |x| (11
-// words).
+// Per chunk, as the quantize kernels compute them (the device's conversions): rht16_packed's 8
+// words and its max |x|, rht16_abs_max's max |y| and max |x| (11 words).
 __global__ void rht_kernel(const RhtCase* cases, uint32_t* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -56,8 +57,8 @@ __global__ void rht_kernel(const RhtCase* cases, uint32_t* out, int n) {
   for (int k = 0; k < 16; ++k) x[k] = cases[i].x[k];
   uint32_t w[8];
   float in_packed = 0.0f, in_abs = 0.0f;
-  rht16_packed(x, w, &in_packed);
-  const float ymax = rht16_abs_max(x, &in_abs);
+  rht16_packed<gpu::DeviceFormats>(x, w, &in_packed);
+  const float ymax = rht16_abs_max<gpu::DeviceFormats>(x, &in_abs);
   for (int k = 0; k < 8; ++k) out[11 * i + k] = w[k];
   out[11 * i + 8] = f32_bits(in_packed);
   out[11 * i + 9] = f32_bits(ymax);
