@@ -271,6 +271,18 @@ FP4SIM_HD uint32_t bf16x2_rne(float lo, float hi) {
 // Round an FP32 to the nearest BF16 value, kept as FP32 (NaN -> the canonical BF16 NaN).
 FP4SIM_HD float bf16_round(float x) { return bf16_to_f32(bf16_rne(x)); }
 
+// The largest magnitude among 16 BF16 values (bit patterns), as BF16 bits: the integer maximum of
+// the magnitudes' bits, in order (magnitudes order as their bit patterns do); a NaN among them,
+// whose bits are above Inf's, gives the canonical NaN's 0x7FFF.
+FP4SIM_HD uint32_t bf16x16_max_magnitude_bits(const uint16_t* x) {
+  uint32_t m = 0;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t a = x[i] & 0x7FFFu;
+    m = a > m ? a : m;
+  }
+  return m > 0x7F80u ? kBF16NaN : m;
+}
+
 // ---- The conversions as a template parameter
 // ------------------------------------------------------
 
@@ -296,6 +308,9 @@ struct ReferenceFormats {
   FP4SIM_HD static float e4m3_to_f32_nonneg(uint8_t code) { return fp4sim::e4m3_to_f32(code); }
   FP4SIM_HD static uint16_t bf16_rne(float x) { return fp4sim::bf16_rne(x); }
   FP4SIM_HD static uint32_t bf16x2_rne(float lo, float hi) { return fp4sim::bf16x2_rne(lo, hi); }
+  FP4SIM_HD static uint32_t bf16x16_max_magnitude_bits(const uint16_t* x) {
+    return fp4sim::bf16x16_max_magnitude_bits(x);
+  }
 };
 
 }  // namespace fp4sim

@@ -151,7 +151,7 @@ FP4SIM_HD float fmin_nan_ignored(float a, float b) {
   return a < b ? a : b;
 }
 
-// Number of leading zeros / index of the highest set bit, host and device.
+// Number of leading zeros, set bits, the high word of a product, host and device.
 FP4SIM_HD int clz64(uint64_t v) {
 #if defined(__CUDA_ARCH__)
   return __clzll(static_cast<long long>(v));
@@ -164,6 +164,13 @@ FP4SIM_HD int clz32(uint32_t v) {
   return __clz(static_cast<int>(v));
 #else
   return v == 0 ? 32 : __builtin_clz(v);
+#endif
+}
+FP4SIM_HD int popcount32(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __popc(v);
+#else
+  return __builtin_popcount(v);
 #endif
 }
 FP4SIM_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
@@ -186,6 +193,16 @@ FP4SIM_HD float int_to_f32_rz(int32_t v) {
   }
   const float f = static_cast<float>(m);
   return v < 0 ? -f : f;
+#endif
+}
+
+// FP32 -> int32 rounded toward zero, for |x| < 2^31 (beyond, the device saturates and the host's
+// conversion is undefined: host callers stay in range).
+FP4SIM_HD int32_t f32_to_int_rz(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float2int_rz(x);
+#else
+  return static_cast<int32_t>(x);
 #endif
 }
 

@@ -6,8 +6,9 @@
 // rht16_reference evaluates exactly that (16 T-FDPAs); rht16 computes the same bits with one
 // integer fast Walsh-Hadamard transform, because every product x_i * H_ij has the same magnitude
 // |x_i|/4 for all j, so its truncation onto the grid does not depend on j. Tests hold the two
-// equal. The conversions the transform calls come as a template parameter (ReferenceFormats; the
-// GPU's kernels pass gpu::DeviceFormats).
+// equal. rht16_abs_max is the amax §6 takes over a chunk's outputs. The conversions the transform
+// calls come as a template parameter (ReferenceFormats; the GPU's kernels pass gpu::DeviceFormats),
+// and the GPU's amax pass has its own formulation of rht16_abs_max (gpu/rht_device.cuh).
 #pragma once
 
 #include <cstdint>
@@ -20,14 +21,6 @@ namespace fp4sim {
 
 constexpr int kRhtSize = 16;
 constexpr uint32_t kRhtSignMask = 0xD7E8u;
-
-FP4SIM_HD int popcount32(uint32_t v) {
-#if defined(__CUDA_ARCH__)
-  return __popc(v);
-#else
-  return __builtin_popcount(v);
-#endif
-}
 
 // Bit i set where H16[i][j] = -1, i.e. popcount(i & j) is odd.
 FP4SIM_HD constexpr uint32_t hadamard_odd_mask(int j) {
@@ -80,42 +73,9 @@ FP4SIM_HD void rht_butterflies(int32_t (&u)[kRhtSize]) {
   }
 }
 
-// The largest input magnitude's BF16 bits (magnitudes order as their bit patterns; NaN above Inf).
-// On the GPU, as a NaN-propagating FP32 max tree of |x_i| (max.NaN: a NaN anywhere gives the
-// canonical NaN 0x7FFFFFFF, whose top half, 0x7FFF, is above Inf's as the integer max of a NaN's
-// bits is; otherwise the max magnitude exactly): 15 FMNMX on the FP32 values the terms use anyway,
-// instead of 16 masks and 6 three-way integer maxima on the ALU pipe the quantize kernels are
-// bound on. Where the result is >= 0x7F80 the callers only test that (the emax they also derive
-// from it is then not used).
-FP4SIM_HD uint32_t rht16_input_max_bits(const uint16_t* x) {
-#if defined(__CUDA_ARCH__)
-  auto max_nan = [](float a, float b) {
-    float d;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-    return d;
-  };
-  float m[kRhtSize / 2];
-  FP4SIM_UNROLL
-  for (int i = 0; i < kRhtSize / 2; ++i)
-    m[i] = max_nan(fabsf(bf16_to_f32(x[2 * i])), fabsf(bf16_to_f32(x[2 * i + 1])));
-  FP4SIM_UNROLL
-  for (int w = kRhtSize / 4; w >= 1; w /= 2) {
-    FP4SIM_UNROLL
-    for (int i = 0; i < w; ++i) m[i] = max_nan(m[i], m[i + w]);
-  }
-  return f32_bits(m[0]) >> 16;
-#else
-  uint32_t amax_bits = 0;
-  for (int i = 0; i < kRhtSize; ++i) {
-    const uint32_t a = x[i] & 0x7FFFu;
-    amax_bits = a > amax_bits ? a : amax_bits;
-  }
-  return amax_bits;
-#endif
-}
-
-// The NaN-ignoring max |x_i| of a chunk with an Inf or NaN input (the rare path).
-FP4SIM_HD float rht16_input_amax_special(const uint16_t* x) {
+// The NaN-ignoring max |x_i| of a chunk, in order (the transform's own path takes it from the
+// largest magnitude's bits where every input is finite).
+FP4SIM_HD float rht16_input_amax(const uint16_t* x) {
   float m = 0.0f;
   for (int i = 0; i < kRhtSize; ++i) m = fmax_nan_ignored(m, f32_abs(bf16_to_f32(x[i])));
   return m;
@@ -147,8 +107,8 @@ FP4SIM_HD void rht16_special_packed(const uint16_t* x, uint32_t* w) {
   }
 }
 
-// E(x) of the chunk's largest magnitude (its BF16 bits amax_bits): max(floor(log2|x|), -126),
-// subnormals included.
+// E(x) of the chunk's largest magnitude (its BF16 bits amax_bits, bf16x16_max_magnitude_bits):
+// max(floor(log2|x|), -126), subnormals included.
 FP4SIM_HD int rht16_emax(uint32_t amax_bits) {
   return static_cast<int>(amax_bits >> 7 > 1u ? amax_bits >> 7 : 1u) - 127;
 }
@@ -157,25 +117,19 @@ FP4SIM_HD int rht16_emax(uint32_t amax_bits) {
 // result is normal; results below 1 (subnormal ones included) truncate to 0 either way. 2^(25 -
 // emax) is a normal FP32 for emax >= -102. Truncation toward zero keeps the sign: u_i = sign *
 // floor(|.|). The sign s_i rides on the factor (-2^(25 - emax) where s_i = -1), an exact negation.
-// (rht16_abs_max_common runs it for every chunk on the GPU: where it does not apply the conversion
-// saturates, and its result is discarded.)
+// (The GPU's amax pass runs it for every chunk: where it does not apply the device's conversion
+// saturates, and its result is discarded; gpu/rht_device.cuh.)
 FP4SIM_HD void rht16_fmul_terms(const uint16_t* x, int emax, int32_t (&u)[kRhtSize]) {
   const float pow2 = f32_from_bits(static_cast<uint32_t>(25 - emax + 127) << 23);
   const float npow2 = -pow2;
   FP4SIM_UNROLL
-  for (int i = 0; i < kRhtSize; ++i) {
-    const float term = fmul_rn(bf16_to_f32(x[i]), ((kRhtSignMask >> i) & 1u) ? npow2 : pow2);
-#if defined(__CUDA_ARCH__)
-    u[i] = __float2int_rz(term);
-#else
-    u[i] = static_cast<int32_t>(term);
-#endif
-  }
+  for (int i = 0; i < kRhtSize; ++i)
+    u[i] = f32_to_int_rz(fmul_rn(bf16_to_f32(x[i]), ((kRhtSignMask >> i) & 1u) ? npow2 : pow2));
 }
 
-// The terms of a finite, nonzero chunk (amax_bits = rht16_input_max_bits(x), below 0x7F80, not 0):
-// term i on the grid 2^(emax - 2 - 25), |x_i|/4 truncated there, i.e. floor(|x_i| * 2^(25 - emax))
-// (< 2^26), with the sign of x_i * s_i. Returns emax.
+// The terms of a finite, nonzero chunk (amax_bits = bf16x16_max_magnitude_bits(x), below 0x7F80,
+// not 0): term i on the grid 2^(emax - 2 - 25), |x_i|/4 truncated there, i.e. floor(|x_i| * 2^(25
+// - emax)) (< 2^26), with the sign of x_i * s_i. Returns emax.
 FP4SIM_HD int rht16_terms(const uint16_t* x, uint32_t amax_bits, int32_t (&u)[kRhtSize]) {
   const int emax = rht16_emax(amax_bits);
   if (emax >= -102) {
@@ -207,19 +161,14 @@ FP4SIM_HD bool rht16_grid_fast(int grid) { return grid >= -126 && grid <= 97; }
 FP4SIM_HD float rht16_grid_scale(int grid) {
   return f32_from_bits(static_cast<uint32_t>(grid + 127) << 23);
 }
-// One output Y_j on a fast grid (rht16_grid_fast(grid)).
-template <class Fmt = ReferenceFormats>
-FP4SIM_HD uint16_t rht16_round_fast(int32_t y, int grid) {
-  return Fmt::bf16_rne(fmul_rn(int_to_f32_rz(y), rht16_grid_scale(grid)));
-}
 
 // Same bits as rht16_reference (see the header comment), the 16 outputs packed two a word (element
 // 2k in word k's low half). in_amax (optional): the NaN-ignoring max |x_i|, from the same bits.
 template <class Fmt = ReferenceFormats>
 FP4SIM_HD void rht16_packed(const uint16_t* x, uint32_t* w, float* in_amax = nullptr) {
-  const uint32_t amax_bits = rht16_input_max_bits(x);
+  const uint32_t amax_bits = Fmt::bf16x16_max_magnitude_bits(x);
   if (amax_bits >= 0x7F80u) {  // Inf or NaN: rare, take the literal path's outcome
-    if (in_amax) *in_amax = rht16_input_amax_special(x);
+    if (in_amax) *in_amax = rht16_input_amax(x);
     rht16_special_packed(x, w);
     return;
   }
@@ -265,84 +214,17 @@ FP4SIM_HD void rht16(const uint16_t* x, uint16_t* y) {
   }
 }
 
-// max_j |Y_j| (< 2^31) of a chunk's terms, without the last butterfly stage: its pairs (p + q,
-// p - q) have max(|p + q|, |p - q|) = |p| + |q|. Since the outputs' rounding is monotone in |Y|
-// and odd, the chunk's max |y_j| is the rounding of this.
-FP4SIM_HD int32_t rht16_abs_max_of_terms(int32_t (&u)[kRhtSize]) {
-  rht_butterflies<1>(u);
-  rht_butterflies<2>(u);
-  rht_butterflies<4>(u);
-  int32_t ymax = 0;
-  FP4SIM_UNROLL
-  for (int k = 0; k < kRhtSize / 2; ++k) {
-    const int32_t p = u[k] < 0 ? -u[k] : u[k], q = u[k + 8] < 0 ? -u[k + 8] : u[k + 8];
-    ymax = p + q > ymax ? p + q : ymax;
-  }
-  return ymax;
-}
-
-// max |y_j| of a chunk on the common path (every input finite, emax in [-99, 124]: the FMUL terms
-// and the fast grid). Straight-line code: on the GPU it runs for every chunk, its result kept only
-// where the path applies, so a caller's chunks can interleave (elsewhere the sums may wrap; that
-// result is discarded).
-template <class Fmt = ReferenceFormats>
-FP4SIM_HD float rht16_abs_max_common(const uint16_t* x, int emax) {
-  int32_t u[kRhtSize];
-  rht16_fmul_terms(x, emax, u);
-  return bf16_to_f32(rht16_round_fast<Fmt>(rht16_abs_max_of_terms(u), emax - 2 - kBf16FdpaF));
-}
-
-// rht16_abs_max off the common path (an Inf or NaN input, all zeros, or inputs near the ends of
-// the BF16 range): out of line, it is rare. The chunk comes by value (an array whose address
-// reaches a call lives in local memory on the GPU, stored there for every chunk).
-struct Bf16Chunk {
-  uint16_t v[kRhtSize];
-};
-template <class Fmt = ReferenceFormats>
-FP4SIM_HD_NOINLINE float rht16_abs_max_rare(Bf16Chunk chunk, uint32_t amax_bits) {
-  const uint16_t* x = chunk.v;
-  if (amax_bits >= 0x7F80u) {
-    uint32_t w[kRhtSize / 2];
-    rht16_special_packed(x, w);
-    float m = 0.0f;
-    for (int j = 0; j < kRhtSize; ++j)
-      m = fmax_nan_ignored(m,
-                           f32_abs(bf16_to_f32(static_cast<uint16_t>(w[j / 2] >> (16 * (j % 2))))));
-    return m;
-  }
-  if (amax_bits == 0) return 0.0f;
-  int32_t u[kRhtSize];
-  const int emax = rht16_terms(x, amax_bits, u);
-  const int32_t ymax = rht16_abs_max_of_terms(u);
-  const int grid = emax - 2 - kBf16FdpaF;
-  return bf16_to_f32(rht16_grid_fast(grid) ? rht16_round_fast<Fmt>(ymax, grid)
-                                           : rht16_round_general<Fmt>(ymax, grid));
-}
-
-// The NaN-ignoring max |y_j| of rht16's outputs (0 when every output is NaN), without rounding
-// each output (rht16_abs_max_common). in_amax (optional): the NaN-ignoring max |x_i|.
-template <class Fmt = ReferenceFormats>
+// The amax DESIGN.md §6 takes over a chunk's transform: the NaN-ignoring max |y_j| of rht16's BF16
+// outputs, j = 0..15 (0 when every output is NaN). in_amax (optional): the NaN-ignoring max |x_i|.
+// The GPU's amax pass computes the same bits with one rounding a chunk
+// (gpu::rht16_abs_max_rounded_once).
 FP4SIM_HD float rht16_abs_max(const uint16_t* x, float* in_amax = nullptr) {
-  const uint32_t amax_bits = rht16_input_max_bits(x);
-  if (in_amax)
-    *in_amax = amax_bits >= 0x7F80u ? rht16_input_amax_special(x)
-                                    : bf16_to_f32(static_cast<uint16_t>(amax_bits));
-  const int emax = rht16_emax(amax_bits);
-  // the common path: finite inputs, the FMUL terms (emax >= -102) and the fast grid (emax - 27 in
-  // [-126, 97])
-  const bool common = amax_bits < 0x7F80u && emax >= -99 && emax <= 124;
-#if defined(__CUDA_ARCH__)
-  // (the GPU computes the common path for every chunk, before the branch: straight-line code that
-  // a caller's chunks can interleave)
-  const float y = rht16_abs_max_common<Fmt>(x, common ? emax : 0);
-  if (common) return y;
-#else
-  if (common) return rht16_abs_max_common<Fmt>(x, emax);
-#endif
-  Bf16Chunk c;
-  FP4SIM_UNROLL
-  for (int i = 0; i < kRhtSize; ++i) c.v[i] = x[i];
-  return rht16_abs_max_rare<Fmt>(c, amax_bits);
+  if (in_amax) *in_amax = rht16_input_amax(x);
+  uint16_t y[kRhtSize];
+  rht16(x, y);
+  float m = 0.0f;
+  for (int j = 0; j < kRhtSize; ++j) m = fmax_nan_ignored(m, f32_abs(bf16_to_f32(y[j])));
+  return m;
 }
 
 }  // namespace fp4sim

@@ -1,11 +1,11 @@
 // The device's formulations of the E2M1, E4M3 and BF16 conversions of emu/formats.hpp: one
-// rounding addition onto the E2M1 grid ("magic numbers"), eight codes packed by byte permutes, and
-// the conversion instructions for E4M3 (sm_89+) and BF16 (sm_80+). Each computes the emu/
-// function it names, bit for bit: tests/emu/test_formats_exhaustive.cpp runs the magic-number
-// formulations (host and device alike) against emu/ on the host over all 2^32 inputs,
-// tests/gpu/test_formats_gpu.cu every function here against emu/ on the device over its whole
-// input space. DeviceFormats gathers them for the steps that take the conversions as a template
-// parameter (emu/formats.hpp's ReferenceFormats).
+// rounding addition onto the E2M1 grid ("magic numbers"), eight codes packed by byte permutes, the
+// conversion instructions for E4M3 (sm_89+) and BF16 (sm_80+), and the largest BF16 magnitude by
+// NaN-propagating FP32 maxima. Each computes the emu/ function it names, bit for bit:
+// tests/emu/test_formats_exhaustive.cpp runs the magic-number formulations (host and device alike)
+// against emu/ on the host over all 2^32 inputs, tests/gpu/test_formats_gpu.cu every function here
+// against emu/ on the device over its whole input space. DeviceFormats gathers them for the steps
+// that take the conversions as a template parameter (emu/formats.hpp's ReferenceFormats).
 #pragma once
 
 #include <cstdint>
@@ -313,6 +313,37 @@ __device__ __forceinline__ uint32_t bf16x2_rne_cvt(float lo, float hi) {
 // emu's bf16_round by bf16_rne_cvt.
 __device__ __forceinline__ float bf16_round_cvt(float x) { return bf16_to_f32(bf16_rne_cvt(x)); }
 
+// emu's bf16x16_max_magnitude_bits as a tree of NaN-propagating FP32 maxima of |x_i| (max.NaN: a
+// NaN operand gives the canonical NaN 0x7FFFFFFF, whose top half is the reference's 0x7FFF; else
+// the larger magnitude): 15 FMNMX on FP32 values that a caller such as the RHT has anyway, instead
+// of 16 masks and 6 three-way integer maxima on the ALU pipe the quantize kernels are bound on.
+// The order of a maximum does not matter: both are the maximum under one total order (magnitudes
+// by value, every NaN one value above Inf), so any bracketing gives the same result. Every partial
+// result of the tree is |c| for some BF16 pattern c (max.NaN returns an operand or the canonical
+// NaN, |0x7FFF|), so the tree equals the reference on every chunk once its pairwise step does on
+// every pair of BF16 patterns: tests/gpu/test_formats_gpu.cu checks all 2^32 pairs.
+__device__ __forceinline__ float fmax_nan_propagating(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+#else
+  return f32_isnan(a) || f32_isnan(b) ? f32_from_bits(0x7FFFFFFFu) : fmaxf(a, b);
+#endif
+}
+__device__ __forceinline__ uint32_t bf16x16_max_magnitude_bits_fmnmx(const uint16_t* x) {
+  float m[8];
+  FP4SIM_UNROLL
+  for (int i = 0; i < 8; ++i)
+    m[i] = fmax_nan_propagating(fabsf(bf16_to_f32(x[2 * i])), fabsf(bf16_to_f32(x[2 * i + 1])));
+  FP4SIM_UNROLL
+  for (int w = 4; w >= 1; w /= 2) {
+    FP4SIM_UNROLL
+    for (int i = 0; i < w; ++i) m[i] = fmax_nan_propagating(m[i], m[i + w]);
+  }
+  return f32_bits(m[0]) >> 16;
+}
+
 // The device's conversions for the steps that take them as a template parameter (emu/formats.hpp's
 // ReferenceFormats; the members' names and arguments are its).
 struct DeviceFormats {
@@ -330,6 +361,9 @@ struct DeviceFormats {
   __device__ static float e4m3_to_f32_nonneg(uint8_t code) { return e4m3_to_f32_nonneg_cvt(code); }
   __device__ static uint16_t bf16_rne(float x) { return bf16_rne_cvt(x); }
   __device__ static uint32_t bf16x2_rne(float lo, float hi) { return bf16x2_rne_cvt(lo, hi); }
+  __device__ static uint32_t bf16x16_max_magnitude_bits(const uint16_t* x) {
+    return bf16x16_max_magnitude_bits_fmnmx(x);
+  }
 };
 
 #endif  // __CUDACC__

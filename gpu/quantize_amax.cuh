@@ -11,6 +11,7 @@
 #include "gpu/amax_finish.cuh"
 #include "gpu/cp_async.cuh"
 #include "gpu/quantize_common.cuh"
+#include "gpu/rht_device.cuh"
 
 namespace fp4sim::gpu {
 namespace {
@@ -47,8 +48,8 @@ __global__ void __launch_bounds__(kThreads) amax_flat_kernel(const T* x, int64_t
 // One 16-row chunk of a tile column through the RHT (the amax passes): the max |y| of its outputs
 // into m_rht and, with `keep`, the 16 outputs to yt_col (the column's row k * 16 of the
 // transposed tile, 16-byte aligned) as two 16-byte stores; without it only max |y|
-// (rht16_abs_max: one rounding a chunk instead of 16). in_amax (optional): the inputs' NaN-ignoring
-// max |x|, from the same bits.
+// (rht16_abs_max_rounded_once: one rounding a chunk instead of 16). in_amax (optional): the inputs'
+// NaN-ignoring max |x|, from the same bits.
 __device__ __forceinline__ void rht_chunk_amax(const uint16_t (&in)[kRhtSize], float& m_rht,
                                                bool keep, uint16_t* yt_col,
                                                float* in_amax = nullptr) {
@@ -60,7 +61,7 @@ __device__ __forceinline__ void rht_chunk_amax(const uint16_t (&in)[kRhtSize], f
     dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
     dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
   } else {
-    m_rht = fmax_nan_ignored(m_rht, rht16_abs_max<DeviceFormats>(in, in_amax));
+    m_rht = fmax_nan_ignored(m_rht, rht16_abs_max_rounded_once<DeviceFormats>(in, in_amax));
   }
 }
 
@@ -263,7 +264,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 8 : 5)
 #pragma unroll 1
       for (int k = 0; k < kPipeRows / kRhtSize; ++k) chunk(k, true);
     } else {
-      // (unrolled: rht16_abs_max's common path is straight-line code, so the two chunks interleave)
+      // (unrolled: rht16_abs_max_rounded_once's common path is straight-line code, so the two
+      // chunks interleave)
       FP4SIM_UNROLL
       for (int k = 0; k < kPipeRows / kRhtSize; ++k) chunk(k, false);
     }

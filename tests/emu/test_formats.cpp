@@ -156,6 +156,29 @@ TEST(Formats, BF16_RoundingAndNaN) {
   }
 }
 
+// The largest magnitude of 16 BF16 patterns: signs dropped, -0 and +0 alike, Inf above every
+// finite value, and a NaN of either sign anywhere the canonical 0x7FFF (also beside an Inf).
+TEST(Formats, BF16x16_MaxMagnitudeBits) {
+  uint16_t x[16] = {};
+  EXPECT_EQ(bf16x16_max_magnitude_bits(x), 0u);
+  x[3] = 0x8000;  // -0
+  EXPECT_EQ(bf16x16_max_magnitude_bits(x), 0u);
+  x[7] = 0x0001;   // smallest subnormal
+  x[9] = 0xBF80;   // -1
+  x[12] = 0x3F00;  // 0.5
+  EXPECT_EQ(bf16x16_max_magnitude_bits(x), 0x3F80u);
+  x[0] = 0xFF7F;  // -max finite
+  EXPECT_EQ(bf16x16_max_magnitude_bits(x), 0x7F7Fu);
+  x[15] = 0xFF80;  // -Inf
+  EXPECT_EQ(bf16x16_max_magnitude_bits(x), 0x7F80u);
+  for (uint16_t nan : {0x7F81, 0x7FC0, 0xFFFF, 0xFF81}) {
+    uint16_t y[16];
+    for (int i = 0; i < 16; ++i) y[i] = x[i];
+    y[5] = nan;
+    EXPECT_EQ(bf16x16_max_magnitude_bits(y), 0x7FFFu) << std::hex << nan;
+  }
+}
+
 // DESIGN.md §4: over r = 0..255 the number of round-ups is exactly floor(frac*256), for many frac
 // values in every binade of the E2M1 grid (and the subnormal one).
 TEST(Formats, E2M1_StochasticRoundUpCountIsExact) {

@@ -7,6 +7,7 @@
 
 #include "emu/mma.hpp"
 #include "emu/rht.hpp"
+#include "gpu/rht_device.cuh"
 #include "tests/emu/test_util.hpp"
 
 namespace fp4sim {
@@ -175,20 +176,26 @@ TEST(Rht, SignVectorAndOrthogonality) {
     }
 }
 
-// rht16_abs_max's two results against the literal outputs and inputs: the NaN-ignoring max |y_j|
-// and max |x_i|, as the amax passes fold them.
+// rht16_abs_max's two results and those of the GPU amax pass's formulation (gpu/rht_device.cuh,
+// here with the reference conversions) against the literal outputs and inputs: the NaN-ignoring
+// max |y_j| and max |x_i|, as the amax passes fold them.
 void expect_abs_max_matches(const uint16_t* x, const uint16_t* y_ref, int trial) {
   float want_y = 0.0f, want_x = 0.0f;
   for (int j = 0; j < 16; ++j) {
     want_y = fmax_nan_ignored(want_y, f32_abs(bf16_to_f32(y_ref[j])));
     want_x = fmax_nan_ignored(want_x, f32_abs(bf16_to_f32(x[j])));
   }
-  float got_x = -1.0f, packed_x = -1.0f;
+  float got_x = -1.0f, once_x = -1.0f, packed_x = -1.0f;
   const float got_y = rht16_abs_max(x, &got_x);
+  const float once_y = gpu::rht16_abs_max_rounded_once(x, &once_x);
   uint32_t w[8];
   rht16_packed(x, w, &packed_x);
   ASSERT_EQ(f32_bits(got_y), f32_bits(want_y)) << "trial " << trial << ": max |y|";
   ASSERT_EQ(f32_bits(got_x), f32_bits(want_x)) << "trial " << trial << ": max |x| (rht16_abs_max)";
+  ASSERT_EQ(f32_bits(once_y), f32_bits(want_y))
+      << "trial " << trial << ": max |y| (rht16_abs_max_rounded_once)";
+  ASSERT_EQ(f32_bits(once_x), f32_bits(want_x))
+      << "trial " << trial << ": max |x| (rht16_abs_max_rounded_once)";
   ASSERT_EQ(f32_bits(packed_x), f32_bits(want_x))
       << "trial " << trial << ": max |x| (rht16_packed)";
 }
@@ -238,7 +245,8 @@ TEST(Rht, FastPathEqualsLiteralTfdpaAtTheExtremes) {
   }
 }
 
-// Chunks whose largest input sits exactly at the edges of rht16_abs_max's common path (emax -99
+// Chunks whose largest input sits exactly at the edges of rht16_abs_max_rounded_once's common path
+// (emax -99
 // and 124 in, -100 and 125 out) and of the FMUL terms (emax -102 / -103), with the other inputs
 // spread below it: all of rht16's forms against the literal T-FDPA.
 TEST(Rht, PathBoundariesEqualLiteralTfdpa) {

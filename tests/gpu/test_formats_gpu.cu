@@ -21,18 +21,21 @@
 namespace fp4sim {
 namespace {
 
-constexpr int kFormats = 14;
+constexpr int kFormats = 15;
 constexpr int kSliceBits = 22;  // 1024 slices of 4M inputs
 constexpr uint64_t kSlices = 1ull << (32 - kSliceBits);
 
 // The inputs of input bits u: x, and for the multi-input conversions more bijections of u (every
-// 2^32 pattern once in each position over the run; a sign flip of x among them).
+// 2^32 pattern once in each position over the run; a sign flip of x among them). bf16x16: u's two
+// halves as BF16 patterns a (low) and b, alternating, in the other order in the second half of the
+// chunk: every pair of BF16 patterns meets in the tree's first step, in both operand orders.
 struct Inputs {
   float x, ax;
   float v8[8];
   uint8_t sr_byte;
   uint32_t r0, r1;
   uint8_t code_nonneg;
+  uint16_t bf16x16[16];
 };
 FP4SIM_HD Inputs inputs_of(uint32_t u) {
   Inputs in;
@@ -45,6 +48,8 @@ FP4SIM_HD Inputs inputs_of(uint32_t u) {
   in.r0 = u * 0x9E3779B1u;
   in.r1 = ~u * 0x85EBCA6Bu;
   in.code_nonneg = static_cast<uint8_t>(u % 0x7Fu);
+  const uint16_t a = static_cast<uint16_t>(u), b = static_cast<uint16_t>(u >> 16);
+  for (int i = 0; i < 16; ++i) in.bf16x16[i] = ((i & 1) != 0) != (i >= 8) ? b : a;
   return in;
 }
 
@@ -52,7 +57,8 @@ FP4SIM_HD Inputs inputs_of(uint32_t u) {
 // satfinite and e4m3_to_f32 on their domains (|x| of a non-NaN x; codes 0..0x7E); the eight-code
 // words (11, 12) take their products times `one`, a kernel argument, so that the device computes
 // them (its sign bytes rely on a NaN product being positive). The BF16 conversions (4, 13) include
-// every NaN.
+// every NaN; the largest BF16 magnitude (14) sees every pair of BF16 patterns (gpu/
+// formats_device.cuh says why that covers every chunk).
 FP4SIM_HD void convert_all_reference(uint32_t u, float one, uint32_t* out) {
   const Inputs in = inputs_of(u);
   const float* v = in.v8;
@@ -70,6 +76,7 @@ FP4SIM_HD void convert_all_reference(uint32_t u, float one, uint32_t* out) {
   out[11] = e2m1x8_rn_scaled(v, one);
   out[12] = e2m1x8_rs_scaled(v, one, in.r0, in.r1);
   out[13] = bf16x2_rne(in.x, v[1]);
+  out[14] = bf16x16_max_magnitude_bits(in.bf16x16);
 }
 
 // The device's formulations, the same slots.
@@ -90,6 +97,7 @@ __device__ void convert_all_device(uint32_t u, float one, uint32_t* out) {
   out[11] = gpu::e2m1x8_rn_scaled_prmt(v, one);
   out[12] = gpu::e2m1x8_rs_scaled_prmt(v, one, in.r0, in.r1);
   out[13] = gpu::bf16x2_rne_cvt(in.x, v[1]);
+  out[14] = gpu::bf16x16_max_magnitude_bits_fmnmx(in.bf16x16);
 }
 
 FP4SIM_HD uint64_t mix(uint64_t h, uint64_t v) {
@@ -172,7 +180,7 @@ TEST(FormatsGpu, AllFp32BitPatternsMatchEmulator) {
   const char* names[kFormats] = {
       "e2m1.rn",          "e2m1.rs",   "e4m3",      "e5m2",   "bf16",
       "ue8m0.rz",         "ue8m0.rp",  "e4m3x2",    "e4m3x4", "e4m3.nonneg",
-      "e4m3->f32.nonneg", "e2m1x8.rn", "e2m1x8.rs", "bf16x2"};
+      "e4m3->f32.nonneg", "e2m1x8.rn", "e2m1x8.rs", "bf16x2", "bf16x16.max"};
   for (int f = 0; f < kFormats; ++f) {
     int bad = 0;
     uint64_t first = kSlices;

@@ -11,6 +11,7 @@
 #include "emu/rht.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/formats_device.cuh"
+#include "gpu/rht_device.cuh"
 #include "tests/gpu/gpu_test_util.hpp"
 
 namespace fp4sim {
@@ -49,7 +50,7 @@ struct RhtCase {
 };
 
 // Per chunk, as the quantize kernels compute them (the device's conversions): rht16_packed's 8
-// words and its max |x|, rht16_abs_max's max |y| and max |x| (11 words).
+// words and its max |x|, rht16_abs_max_rounded_once's max |y| and max |x| (11 words).
 __global__ void rht_kernel(const RhtCase* cases, uint32_t* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -58,7 +59,7 @@ __global__ void rht_kernel(const RhtCase* cases, uint32_t* out, int n) {
   uint32_t w[8];
   float in_packed = 0.0f, in_abs = 0.0f;
   rht16_packed<gpu::DeviceFormats>(x, w, &in_packed);
-  const float ymax = rht16_abs_max<gpu::DeviceFormats>(x, &in_abs);
+  const float ymax = gpu::rht16_abs_max_rounded_once<gpu::DeviceFormats>(x, &in_abs);
   for (int k = 0; k < 8; ++k) out[11 * i + k] = w[k];
   out[11 * i + 8] = f32_bits(in_packed);
   out[11 * i + 9] = f32_bits(ymax);
@@ -165,9 +166,11 @@ TEST(MmaGpu, Fp8Tfdpa_RandomBitPatterns_MatchHost) {
   EXPECT_EQ(bad, 0);
 }
 
-// The RHT's GPU forms (packed outputs, max |y| from one rounding a chunk, the input max from a
-// NaN-propagating FP32 tree, the common path computed for every chunk) against the host's, over
-// chunks at every scale, with NaN, Inf, zeros, subnormals and both ends of the BF16 range.
+// The RHT's GPU forms (packed outputs with the device's conversions, max |y| from one rounding a
+// chunk with the common path computed for every chunk, the input max from a NaN-propagating FP32
+// tree) against the emu/ references on the host (rht16_packed, rht16_abs_max: the max over
+// rht16's rounded outputs), over chunks at every scale, with NaN, Inf, zeros, subnormals and both
+// ends of the BF16 range.
 TEST(MmaGpu, Rht16_RandomChunks_MatchHost) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   std::mt19937_64 rng(2028);
