@@ -14,8 +14,9 @@ mount -t tmpfs -o size=64k tmpfs fulldisk || {
   exit 0
 }
 cat /dev/zero >fulldisk/fill 2>/dev/null  # every byte taken; new (empty) files still fit
-# check NAME NEEDLE CMD...: fails, the message has NEEDLE, and no file is left but the fill and a
-# log.jsonl (the log is written as the run goes)
+# check NAME NEEDLE CMD...: fails, the message has NEEDLE, and no file is left but the fill, a
+# log.jsonl (the log is written as the run goes) and the run folder's lock file (fp4sim.lock, which
+# stays: a lock no process holds does not block)
 check() {
   local name=$1 needle=$2
   shift 2
@@ -23,7 +24,7 @@ check() {
     echo "NOT OK  full disk: $name (exit 0)"
   elif ! grep -qE "$needle" stderr.txt; then
     echo "NOT OK  full disk: $name (message: $(cat stderr.txt))"
-  elif [ -n "$(find fulldisk -type f ! -name fill ! -name log.jsonl)" ]; then
+  elif [ -n "$(find fulldisk -type f ! -name fill ! -name log.jsonl ! -name fp4sim.lock)" ]; then
     echo "NOT OK  full disk: $name (left: $(find fulldisk -type f ! -name fill))"
   else
     echo "OK      full disk: $name"
@@ -42,10 +43,12 @@ check "gemm" "fulldisk/d.npy: write failed \($enospc\)" \
 printf 'some text for the corpus\n%.0s' $(seq 40) >corpus_full.txt
 check "data build" "fulldisk/tk.train.tokens: write failed \($enospc\)" \
   "$bin" data build corpus_full.txt --out fulldisk/tk
+# room for the lock file's page (the holder's PID), none for the log
+truncate -s -4K fulldisk/fill
 check "train log" "fulldisk/run/log.jsonl: write failed \($enospc\)" \
   "$bin" train --config "$cfg" $micro train.checkpoint_every=0 train.out_dir=fulldisk/run --backend emu
-# room for the log's page, none for the checkpoint
-truncate -s -8K fulldisk/fill
+# room for the lock's and the log's pages, none for the checkpoint
+truncate -s -4K fulldisk/fill
 check "train checkpoint" "checkpoint .*not written.*($enospc|disk full)" \
   "$bin" train --config "$cfg" $micro train.checkpoint_every=1 train.out_dir=fulldisk/runck --backend emu
 check "train --dump" "fulldisk/dump/weights.safetensors.*($enospc|disk full)" \
