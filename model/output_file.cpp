@@ -31,7 +31,7 @@ std::map<std::string, std::string>& staged_names() {
 OutputFile::OutputFile(const std::string& path, Mode mode) : shown_(shown_path(path)) {
   const int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (mode == Mode::Append ? O_APPEND : O_TRUNC);
   do {
-    fd_ = ::open(path.c_str(), flags, 0644);
+    fd_ = ::open(path.c_str(), flags, 0666);  // (less the umask, as fopen)
   } while (fd_ < 0 && errno == EINTR);
   if (fd_ < 0) throw system_error(shown_, "cannot open for writing", errno);
 }
