@@ -6,6 +6,7 @@
 #include "emu/bf16_operand.hpp"
 #include "emu/formats.hpp"
 #include "emu/mma.hpp"
+#include "emu/tfdpa_prepared.hpp"
 
 namespace fp4sim::emu {
 

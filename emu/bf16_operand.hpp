@@ -1,5 +1,6 @@
-// The BF16 operands of the emulator's chained T-FDPA (emu/mma.hpp), prepared once: BF16 values as
-// doubles and exponent readings for tfdpa_bf16_prepared, and the chain over two prepared rows.
+// The BF16 operands of the emulator's chained T-FDPA, prepared once: BF16 values as doubles and
+// exponent readings for tfdpa_bf16_prepared (emu/tfdpa_prepared.hpp), and the chain over two
+// prepared rows.
 // Shared by bf16_gemm_tn (emu/matmul.cpp) and attention's row dot products (emu/attention.cpp).
 #pragma once
 
@@ -8,6 +9,7 @@
 
 #include "emu/formats.hpp"
 #include "emu/mma.hpp"
+#include "emu/tfdpa_prepared.hpp"
 
 namespace fp4sim::emu {
 

@@ -6,6 +6,9 @@
 #include <stdexcept>
 #include <vector>
 
+#include "emu/gst_fdpa_packed.hpp"
+#include "emu/tfdpa_prepared.hpp"
+
 namespace fp4sim {
 
 ScaleKind scale_kind_of(QFormat f) {

@@ -5,6 +5,7 @@
 // -ffp-contract=off (DESIGN.md §1). Nothing here may depend on the compiler's choice of fusion.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -203,6 +204,31 @@ FP4SIM_HD int32_t f32_to_int_rz(float x) {
   return __float2int_rz(x);
 #else
   return static_cast<int32_t>(x);
+#endif
+}
+
+// 2^e as a double, for -1022 <= e <= 1023, built from its bits.
+FP4SIM_HD double pow2_double(int e) {
+#if defined(__CUDA_ARCH__)
+  return __hiloint2double((e + 1023) << 20, 0);
+#else
+  uint64_t b = static_cast<uint64_t>(e + 1023) << 52;
+  double d;
+  std::memcpy(&d, &b, sizeof d);
+  return d;
+#endif
+}
+
+// RZ of a double to FP32 (subnormals kept; magnitudes >= 2^128 give FLT_MAX here: callers map them
+// to Inf). The device has it as one instruction; the host steps the RN result toward zero.
+FP4SIM_HD float double_to_f32_rz(double x) {
+#if defined(__CUDA_ARCH__)
+  return __double2float_rz(x);
+#else
+  float r = static_cast<float>(x);
+  if (std::fabs(static_cast<double>(r)) > std::fabs(x))
+    r = f32_from_bits(f32_bits(r) - 1u);  // toward zero
+  return r;
 #endif
 }
 

@@ -4,10 +4,11 @@
 //  - gemm_exact_tiled_kernel: 64 x 64 output tiles; each 64-wide K chunk of both operands is
 //    decoded once into shared memory (2 * e2m1 as int8, per-group zero/sign masks, packed scales),
 //    each thread computes 4 x 4 outputs: the 16-element group sums with __dp4a (exact integer dot
-//    products), then gst_fdpa_core_lean from unpacked scales for the common case and the packed
-//    core, out of line, for the rest (NaN scales, non-finite C, a zero sum). Views whose codes are
-//    not 8-byte aligned take the reference kernel. Every formulation is tested equal to the
-//    readable core on the CPU, and the tiled kernel bitwise equal to the emulator on the GPU.
+//    products), then the lean core from unpacked scales for the common case and the packed core,
+//    out of line, for the rest (NaN scales, non-finite C, a zero sum): gpu/gst_fdpa_device.cuh's
+//    gst_fdpa_core_lean_variant and gst_fdpa_core_packed_fp64. Views whose codes are not 8-byte
+//    aligned take the reference kernel. Every formulation is tested equal to the readable core on
+//    the CPU, and the tiled kernel bitwise equal to the emulator on the GPU.
 #include <cuda_runtime.h>
 
 #include <iterator>
@@ -19,6 +20,7 @@
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/formats_device.cuh"
+#include "gpu/gst_fdpa_device.cuh"
 
 namespace fp4sim::gpu {
 namespace {
@@ -152,7 +154,7 @@ __device__ void load_chunk_tile(const QuantizedView& q, int64_t row0, int64_t ch
     const int32_t sig = ds.zero ? 0 : static_cast<int32_t>(ds.sig);
     s.sigv(r, g) = sig;
     // kBiased (variant 5): a zero scale's exponent reading is kGstZeroScaleExp, for
-    // gst_fdpa_core_lean<true>
+    // gst_fdpa_core_lean_variant<true, ...>
     s.expv(r, g) = kBiased ? gst_zero_scale_biased(sig, ds.exp) : ds.exp;
     s.nanv(r, g) = ds.nan ? 1 : 0;
   }
@@ -174,7 +176,7 @@ __device__ __forceinline__ float packed_core(const int32_t* p4, const uint32_t* 
     wb[g] = sb.scale[rb][g];
   }
   return f32_from_bits(
-      gst_fdpa_core_packed_bits(p4, all_zero, all_neg_zero, wa, wb, man_bits, acc, true));
+      gst_fdpa_core_packed_fp64(p4, all_zero, all_neg_zero, wa, wb, man_bits, acc));
 }
 
 // The same for the lean kernels' rare path (NaN scales, non-finite C, a zero sum), out of line so
@@ -199,7 +201,7 @@ __device__ __noinline__ float packed_core_from_values(int32_t p0, int32_t p1, in
   return packed_core_from_tiles(p4, sa, sb, ra, rb, man_bits, acc);
 }
 
-// kLean (variant 2): the common case through gst_fdpa_core_lean from unpacked scales, fewer integer
+// kLean (variant 2): the common case through the lean core from unpacked scales, fewer integer
 // instructions per output and chunk; the rest (NaN scales, non-finite C, a zero sum) as variant 1.
 // kRows: the ChunkTileRows layout. kFold (needs kBiased): a group whose products are all zero gets
 // B's exponent kGstZeroScaleExp instead of a bit in an all-zero mask (the same answers and bits,
@@ -285,8 +287,8 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks)
             }
             uint32_t bits;
             if ((nan_a | sb.nan_word(rb)) == 0 &&
-                gst_fdpa_core_lean<true, kExpAdd>(p4, siga, expa, sigb, expb, 0u, man_bits,
-                                                  acc[i][j], &bits)) {
+                gst_fdpa_core_lean_variant<true, kExpAdd>(p4, siga, expa, sigb, expb, 0u, man_bits,
+                                                          acc[i][j], &bits)) {
               acc[i][j] = f32_from_bits(bits);
               continue;
             }
@@ -314,8 +316,8 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks)
             const uint32_t nan_b = sb.nan_word(rb);
             uint32_t bits;
             if ((nan_a | nan_b) == 0 &&
-                gst_fdpa_core_lean<kBiased, kExpAdd>(p4, siga, expa, sigb, expb, all_zero, man_bits,
-                                                     acc[i][j], &bits)) {
+                gst_fdpa_core_lean_variant<kBiased, kExpAdd>(p4, siga, expa, sigb, expb, all_zero,
+                                                             man_bits, acc[i][j], &bits)) {
               acc[i][j] = f32_from_bits(bits);
               continue;
             }

@@ -13,6 +13,7 @@
 #include "emu/backend.hpp"
 #include "emu/gemm.hpp"
 #include "emu/mma.hpp"
+#include "emu/tfdpa_prepared.hpp"
 #include "tests/emu/test_util.hpp"
 
 namespace fp4sim {

@@ -5,8 +5,11 @@
 #include <limits>
 #include <random>
 
+#include "emu/gst_fdpa_packed.hpp"
 #include "emu/mma.hpp"
 #include "emu/rht.hpp"
+#include "emu/tfdpa_prepared.hpp"
+#include "gpu/gst_fdpa_device.cuh"
 #include "gpu/rht_device.cuh"
 #include "tests/emu/test_util.hpp"
 
@@ -449,9 +452,10 @@ TEST(Gst, SpecialValuesAndSignedZeros) {
 namespace fp4sim {
 namespace {
 
-// The GEMMs' packed GST-FDPA core (int64 and FP64 sums) and the lean core equal the readable one,
-// bit for bit, on random group sums, scale bytes (zeros, subnormals and NaNs included) and C bit
-// patterns (zeros, subnormals, huge, Inf, NaN).
+// The GEMMs' GST-FDPA cores equal the readable one, bit for bit, on random group sums, scale bytes
+// (zeros, subnormals and NaNs included) and C bit patterns (zeros, subnormals, huge, Inf, NaN): the
+// emulator's packed core (int64 sum) and lean core (emu/gst_fdpa_packed.hpp), and the GPU GEMM's
+// packed core in FP64 and lean variants (gpu/gst_fdpa_device.cuh, compiled for the host here).
 TEST(Gst, FastCoreEqualsReadableCore) {
   std::mt19937_64 rng(2026);
   int64_t cases = 0, specials = 0, lean_cases = 0;
@@ -514,7 +518,7 @@ TEST(Gst, FastCoreEqualsReadableCore) {
       }
       const uint32_t packed = gst_fdpa_core_packed_bits(p4, az, anz, wa, wb, sa[0].man_bits, c);
       ASSERT_EQ(packed, want) << "packed core, kind " << static_cast<int>(kind) << " case " << it;
-      const uint32_t dbl = gst_fdpa_core_packed_bits(p4, az, anz, wa, wb, sa[0].man_bits, c, true);
+      const uint32_t dbl = gpu::gst_fdpa_core_packed_fp64(p4, az, anz, wa, wb, sa[0].man_bits, c);
       ASSERT_EQ(dbl, want) << "packed core in FP64, kind " << static_cast<int>(kind) << " case "
                            << it << " c " << std::hex << cbits;
       // the lean core: NaN scales are the caller's to filter; where it answers, the same bits
@@ -536,42 +540,50 @@ TEST(Gst, FastCoreEqualsReadableCore) {
       // the same with zero scales' exponents biased (the GPU's variant 5): the same answers
       int32_t expza[kGstGroups], expzb[kGstGroups];
       for (int g = 0; g < kGstGroups; ++g) {
-        expza[g] = gst_zero_scale_biased(siga[g], expa[g]);
-        expzb[g] = gst_zero_scale_biased(sigb[g], expb[g]);
+        expza[g] = gpu::gst_zero_scale_biased(siga[g], expa[g]);
+        expzb[g] = gpu::gst_zero_scale_biased(sigb[g], expb[g]);
       }
-      uint32_t biased = 0;
+      uint32_t biased = 0, plain = 0;
       const bool lean_ok =
           !any_nan && gst_fdpa_core_lean(p4, siga, expa, sigb, expb, az, sa[0].man_bits, c, &lean);
-      ASSERT_EQ(lean_ok, !any_nan && gst_fdpa_core_lean<true>(p4, siga, expza, sigb, expzb, az,
-                                                              sa[0].man_bits, c, &biased))
-          << "biased lean core answers differently, case " << it;
+      const bool biased_ok =
+          !any_nan && gpu::gst_fdpa_core_lean_variant<true, false>(p4, siga, expza, sigb, expzb, az,
+                                                                   sa[0].man_bits, c, &biased);
+      ASSERT_EQ(lean_ok, biased_ok) << "biased lean core answers differently, case " << it;
+      // the GPU's template without its variants: emu's lean core
+      const bool plain_ok =
+          !any_nan && gpu::gst_fdpa_core_lean_variant<false, false>(p4, siga, expa, sigb, expb, az,
+                                                                    sa[0].man_bits, c, &plain);
+      ASSERT_EQ(lean_ok, plain_ok) << "plain lean variant answers differently, case " << it;
       if (lean_ok) {
         ASSERT_EQ(biased, lean) << "biased lean core, kind " << static_cast<int>(kind) << " case "
                                 << it;
+        ASSERT_EQ(plain, lean) << "plain lean variant, kind " << static_cast<int>(kind) << " case "
+                               << it;
       }
       // scaling by exponent addition (the GPU's variant 6), with and without biased zero
       // scales, and with all_zero = 0 where no group sum is zero (no group can be all-zero there)
       uint32_t expadd = 0, expadd_biased = 0;
       const bool expadd_ok =
-          !any_nan && gst_fdpa_core_lean<false, true>(p4, siga, expa, sigb, expb, az,
-                                                      sa[0].man_bits, c, &expadd);
+          !any_nan && gpu::gst_fdpa_core_lean_variant<false, true>(p4, siga, expa, sigb, expb, az,
+                                                                   sa[0].man_bits, c, &expadd);
       ASSERT_EQ(lean_ok, expadd_ok) << "exponent-add lean core answers differently, case " << it;
       const bool no_zero_sum = p4[0] != 0 && p4[1] != 0 && p4[2] != 0 && p4[3] != 0;
       const bool expadd_biased_ok =
-          !any_nan &&
-          gst_fdpa_core_lean<true, true>(p4, siga, expza, sigb, expzb, no_zero_sum ? 0u : az,
-                                         sa[0].man_bits, c, &expadd_biased);
+          !any_nan && gpu::gst_fdpa_core_lean_variant<true, true>(
+                          p4, siga, expza, sigb, expzb, no_zero_sum ? 0u : az, sa[0].man_bits, c,
+                          &expadd_biased);
       ASSERT_EQ(lean_ok, expadd_biased_ok)
           << "biased exponent-add lean core answers differently, case " << it;
       // all-zero groups folded into B's exponent (the GPU's variant 7): kGstZeroScaleExp where the
       // group's products are all zero, and no mask: the same answers and bits
       int32_t expfb[kGstGroups];
       for (int g = 0; g < kGstGroups; ++g)
-        expfb[g] = ((az >> g) & 1u) ? kGstZeroScaleExp : expzb[g];
+        expfb[g] = ((az >> g) & 1u) ? gpu::kGstZeroScaleExp : expzb[g];
       uint32_t folded = 0;
       const bool folded_ok =
-          !any_nan && gst_fdpa_core_lean<true, true>(p4, siga, expza, sigb, expfb, 0u,
-                                                     sa[0].man_bits, c, &folded);
+          !any_nan && gpu::gst_fdpa_core_lean_variant<true, true>(p4, siga, expza, sigb, expfb, 0u,
+                                                                  sa[0].man_bits, c, &folded);
       ASSERT_EQ(lean_ok, folded_ok) << "folded-zero lean core answers differently, case " << it;
       if (lean_ok) {
         ASSERT_EQ(folded, lean) << "folded-zero lean core, kind " << static_cast<int>(kind)
