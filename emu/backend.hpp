@@ -118,14 +118,14 @@ class Backend {
   virtual int64_t device_memory_used() const = 0;
   // Device memory free for this process's allocations now (bytes), or -1 where the backend has no
   // separate memory (the emulator: host memory, model/memory_plan.hpp's host_memory_available).
-  virtual int64_t device_memory_free() const { return -1; }
+  virtual int64_t device_memory_free() const = 0;
   // The high-water marks of the memory allocate() handed out (allocated) and of what the backend's
   // allocator held for it (reserved), bytes, since the process started; -1 where not tracked (the
   // emulator). A memory plan's buffers_peak predicts allocated.
   struct AllocationPeaks {
     int64_t allocated = -1, reserved = -1;
   };
-  virtual AllocationPeaks allocation_peaks() const { return {}; }
+  virtual AllocationPeaks allocation_peaks() const = 0;
   virtual bool supports(Capability c, int64_t arg = 0) const = 0;
 
   // ---- quantization and the exact GEMM (DESIGN.md §5-§8) ---------------------------------------

@@ -28,6 +28,8 @@ class CpuBackend : public Backend {
   void zero(void* p, size_t bytes) override;
   void synchronize() override {}
   int64_t device_memory_used() const override { return -1; }
+  int64_t device_memory_free() const override { return -1; }
+  AllocationPeaks allocation_peaks() const override { return {}; }
   bool supports(Capability c, int64_t arg = 0) const override;
 
   void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView* rowwise,

@@ -130,6 +130,8 @@ class PlanningBackend final : public Backend {
   void zero(void*, size_t) override {}
   void synchronize() override {}
   int64_t device_memory_used() const override { return -1; }
+  int64_t device_memory_free() const override { return -1; }
+  AllocationPeaks allocation_peaks() const override { return {}; }
   bool supports(Capability c, int64_t arg) const override {
     return caps_ ? caps_->supports(c, arg) : gpu::cuda_supports(c, arg, opt_.cc_major);
   }
