@@ -76,6 +76,13 @@ FP4SIM_HD float fdiv_rn(float a, float b) {
   return a / b;
 #endif
 }
+FP4SIM_HD float fsqrt_rn(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return std::sqrt(x);  // IEEE correctly rounded
+#endif
+}
 // 1 / x correctly rounded: on the device __frcp_rn, the same value as __fdiv_rn(1, x) in fewer
 // instructions.
 FP4SIM_HD float frcp_rn(float x) {

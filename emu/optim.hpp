@@ -24,14 +24,6 @@ struct AdamWStep {
   float grad_scale;        // clipping factor
 };
 
-FP4SIM_HD float fsqrt_rn(float x) {
-#if defined(__CUDA_ARCH__)
-  return __fsqrt_rn(x);
-#else
-  return std::sqrt(x);  // IEEE correctly rounded
-#endif
-}
-
 FP4SIM_HD void adamw_element(float& p, float grad, float& m, float& v, const AdamWStep& s) {
   const float g = fmul_rn(grad, s.grad_scale);
   m = fadd_rn(fmul_rn(s.beta1, m), fmul_rn(fsub_rn(1.0f, s.beta1), g));
