@@ -80,7 +80,10 @@ void check_view(const char* op, const TensorView& v, int64_t rows, int64_t cols,
       if (ok) want += std::string(want.empty() ? "" : " or ") + n;
     fail(std::string("is ") + dtype_name(v.dtype) + ", expected " + want);
   }
-  if (!v.dense()) fail("must be dense (row stride " + std::to_string(v.stride()) + ")");
+  if (rule.strided ? v.stride() < v.cols : !v.dense())
+    fail(rule.strided ? "has row stride " + std::to_string(v.stride()) + " < its " +
+                            std::to_string(v.cols) + " columns"
+                      : "must be dense (row stride " + std::to_string(v.stride()) + ")");
   if (v.bf16_values && (!rule.bf16_values || v.dtype != DType::F32))
     fail("is marked as holding BF16 values where the op reads or writes it as stored");
 }

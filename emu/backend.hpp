@@ -24,11 +24,13 @@
 #include "emu/optim.hpp"
 #include "emu/quant_stats.hpp"
 #include "emu/quantize.hpp"
+#include "emu/ssm.hpp"
 #include "emu/tensor.hpp"
 
 namespace fp4sim {
 
 using emu::GemmPrecision;
+using emu::SsmShape;  // the Mamba-2 mixer's sizes (emu/ssm.hpp)
 
 enum class NormKind : uint8_t { LayerNorm, RMSNorm };
 enum class Activation : uint8_t { GeluTanh, SquaredRelu, SwiGLU };
@@ -69,6 +71,8 @@ enum class Capability : uint8_t {
   FusedResidualNorm,   // residual_norm_forward runs as one pass (for some cases)
   FusedActivationMatmul,    // matmul_*_activation make the GEMM operand in the op's pass
   FusedActivationQuantize,  // quantize_activation computes the op inside the quantizer
+  SsmConvWidth,             // arg: a conv width the ssm_conv ops take
+  SsmScanSize,              // arg: a head dim P or state size N the ssm_scan ops take
 };
 
 // What a buffer in a backend's memory holds, for memory plans (model/memory_plan.hpp) and for the
@@ -240,6 +244,55 @@ class Backend {
   virtual void sum_squares(const TensorView& x, const std::vector<Segment>& segments,
                            double* sums) = 0;
 
+  // ---- the Mamba-2 mixer's high-precision core (DESIGN.md §12): emu/ssm.hpp's functions --------
+  // s gives the sizes (B, T, H, P, G, N, chunk); the rows of every activation are the B*T tokens.
+  // Every view is float32 (BF16 bits are refused); a view that slices a column range of a wider
+  // row (the in_proj output [z | x | B | C | dt_raw] and its gradient) may have a row stride where
+  // the op says "strided". An output marked bf16_values is written rounded (the model's BF16
+  // storage); inputs are read as stored unless the op says otherwise. Input gradients are written;
+  // parameter gradients are summed and added once (+=), emu/ssm.hpp's rules.
+  // out [B*T, C] = silu(bias + the causal depthwise conv of inp [B*T, C] (strided) with weight
+  // [C, W]), C = s.xbc_cols(); bias [C, 1]. out: bf16_values allowed.
+  virtual void ssm_conv_forward(const TensorView& out, const TensorView& inp,
+                                const TensorView& weight, const TensorView& bias,
+                                const SsmShape& s) = 0;
+  // dinp [B*T, C] (strided; bf16_values: rounded) written; dweight [C, W], dbias [C, 1] +=.
+  virtual void ssm_conv_backward(const TensorView& dinp, const TensorView& dweight,
+                                 const TensorView& dbias, const TensorView& dout,
+                                 const TensorView& inp, const TensorView& weight,
+                                 const TensorView& bias, const SsmShape& s) = 0;
+  // dt [B*T, H] = softplus(dt_raw + dt_bias) and A [H, 1] = -exp(A_log) (saved for the backward
+  // pass), then the selective scan: y [B*T, H*P] (bf16_values allowed) from xbc [B*T, xbc_cols]
+  // (the conv output), dt, A and D [H, 1]; states [B*H*chunks, P*N] the state at the end of every
+  // chunk of s.chunk steps (absent: forward only). dt_raw [B*T, H] strided; dt_bias, A_log [H, 1].
+  virtual void ssm_scan_forward(const TensorView& y, const TensorView& states, const TensorView& dt,
+                                const TensorView& A, const TensorView& xbc,
+                                const TensorView& dt_raw, const TensorView& dt_bias,
+                                const TensorView& A_log, const TensorView& D,
+                                const SsmShape& s) = 0;
+  // The scan's reverse recurrence, then softplus's and exp's backward passes: dxbc [B*T,
+  // xbc_cols] (bf16_values allowed) and ddt_raw [B*T, H] (strided; bf16_values allowed) written;
+  // ddt_bias, dA_log, dD [H, 1] +=. dy [B*T, H*P]; the rest as the forward pass had them.
+  virtual void ssm_scan_backward(const TensorView& dxbc, const TensorView& ddt_raw,
+                                 const TensorView& ddt_bias, const TensorView& dA_log,
+                                 const TensorView& dD, const TensorView& dy, const TensorView& xbc,
+                                 const TensorView& dt, const TensorView& A,
+                                 const TensorView& dt_raw, const TensorView& dt_bias,
+                                 const TensorView& A_log, const TensorView& D,
+                                 const TensorView& states, const SsmShape& s) = 0;
+  // Mamba-2's gated grouped RMSNorm: out [N, C] (bf16_values allowed) = rmsnorm(inp * silu(z)) *
+  // weight over each of the G groups of C/G channels, G = rstd.cols; rstd [N, G] saved. inp [N,
+  // C], z [N, C] strided, weight [C, 1].
+  virtual void gated_norm_forward(const TensorView& out, const TensorView& rstd,
+                                  const TensorView& inp, const TensorView& z,
+                                  const TensorView& weight) = 0;
+  // dinp [N, C] (bf16_values allowed) and dz [N, C] (strided; bf16_values allowed) written;
+  // dweight [C, 1] +=. dout [N, C]: bf16_values allowed (read rounded).
+  virtual void gated_norm_backward(const TensorView& dinp, const TensorView& dz,
+                                   const TensorView& dweight, const TensorView& dout,
+                                   const TensorView& inp, const TensorView& z,
+                                   const TensorView& weight, const TensorView& rstd) = 0;
+
   // ---- fused ops: one composition each (emu/fused.hpp)
   // ------------------------------------------- residual_forward(res, a, b), then
   // norm_forward(kind, out, mean, rstd, res, weight, bias).
@@ -296,11 +349,13 @@ inline TensorView i32_view(const Backend& b, const int32_t* p, int64_t rows, int
 }
 
 // The checks every backend's op runs on its views (std::invalid_argument naming op and tensor):
-// present, the shape, one of the allowed dtypes, dense, and no bf16_values mark unless allowed.
+// present, the shape, one of the allowed dtypes, dense (or, where strided is allowed, a row stride
+// of at least the row), and no bf16_values mark unless allowed.
 struct ViewRule {
   bool f32 = true, bf16 = false, i32 = false;
   bool bf16_values = false;
   bool optional = false;
+  bool strided = false;
 };
 void check_view(const char* op, const TensorView& v, int64_t rows, int64_t cols,
                 const ViewRule& rule);

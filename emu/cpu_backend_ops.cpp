@@ -55,6 +55,12 @@ void finish(const TensorView& v, float* written) {
   }
 }
 
+// After the op wrote a float32 output that may be strided: each row rounded when v.bf16_values.
+void finish_rows(const TensorView& v) {
+  if (!v.bf16_values) return;
+  for (int64_t r = 0; r < v.rows; ++r) round_to_bf16(v.as<float>() + r * v.stride(), v.cols);
+}
+
 // A bias as the op adds it: its BF16 rounding where the output is stored as BF16
 // (Backend::matmul_forward's rule), else its float32 values.
 const float* bias_as_added(const TensorView& bias, bool bf16_out, std::vector<float>& tmp) {
@@ -69,7 +75,9 @@ const float* bias_as_added(const TensorView& bias, bool bf16_out, std::vector<fl
 }  // namespace
 
 bool CpuBackend::supports(Capability c, int64_t arg) const {
-  return c == Capability::AttentionHeadDim && arg > 0;
+  return (c == Capability::AttentionHeadDim || c == Capability::SsmConvWidth ||
+          c == Capability::SsmScanSize) &&
+         arg > 0;
 }
 
 void CpuBackend::embedding_forward(const TensorView& out, const TensorView& tokens,
@@ -328,6 +336,104 @@ void CpuBackend::sum_squares(const TensorView& x, const std::vector<Segment>& se
       acc += static_cast<double>(p[i]) * p[i];
     sums[s] = acc;
   }
+}
+
+void CpuBackend::ssm_conv_forward(const TensorView& out, const TensorView& inp,
+                                  const TensorView& weight, const TensorView& bias,
+                                  const SsmShape& s) {
+  op_checks::ssm_conv_forward(out, inp, weight, bias, s);
+  const int64_t ws = workspace::ssm_conv_forward(s, weight.cols, omp_get_max_threads());
+  workspace::named("ssm_conv_forward", out, ws, [&] {
+    emu::conv1d_silu_forward(out.as<float>(), inp.as<const float>(), inp.stride(),
+                             weight.as<const float>(), bias.as<const float>(), s.B, s.T,
+                             s.xbc_cols(), weight.cols);
+    finish(out, out.as<float>());
+  });
+}
+
+void CpuBackend::ssm_conv_backward(const TensorView& dinp, const TensorView& dweight,
+                                   const TensorView& dbias, const TensorView& dout,
+                                   const TensorView& inp, const TensorView& weight,
+                                   const TensorView& bias, const SsmShape& s) {
+  op_checks::ssm_conv_backward(dinp, dweight, dbias, dout, inp, weight, bias, s);
+  const int64_t ws = workspace::ssm_conv_backward(s, weight.cols, omp_get_max_threads());
+  workspace::named("ssm_conv_backward", dinp, ws, [&] {
+    emu::conv1d_silu_backward(dinp.as<float>(), dinp.stride(), dweight.as<float>(),
+                              dbias.as<float>(), dout.as<const float>(), inp.as<const float>(),
+                              inp.stride(), weight.as<const float>(), bias.as<const float>(), s.B,
+                              s.T, s.xbc_cols(), weight.cols);
+    finish_rows(dinp);
+  });
+}
+
+void CpuBackend::ssm_scan_forward(const TensorView& y, const TensorView& states,
+                                  const TensorView& dt, const TensorView& A, const TensorView& xbc,
+                                  const TensorView& dt_raw, const TensorView& dt_bias,
+                                  const TensorView& A_log, const TensorView& D, const SsmShape& s) {
+  op_checks::ssm_scan_forward(y, states, dt, A, xbc, dt_raw, dt_bias, A_log, D, s);
+  const int64_t ws = workspace::ssm_scan_forward(s, omp_get_max_threads());
+  workspace::named("ssm_scan_forward", y, ws, [&] {
+    emu::ssm_dt_forward(dt.as<float>(), A.as<float>(), dt_raw.as<const float>(), dt_raw.stride(),
+                        dt_bias.as<const float>(), A_log.as<const float>(), s.B, s.T, s.H);
+    emu::ssm_scan_forward(y.as<float>(), states.as<float>(), xbc.as<const float>(),
+                          dt.as<const float>(), A.as<const float>(), D.as<const float>(), s);
+    finish(y, y.as<float>());
+  });
+}
+
+void CpuBackend::ssm_scan_backward(const TensorView& dxbc, const TensorView& ddt_raw,
+                                   const TensorView& ddt_bias, const TensorView& dA_log,
+                                   const TensorView& dD, const TensorView& dy,
+                                   const TensorView& xbc, const TensorView& dt, const TensorView& A,
+                                   const TensorView& dt_raw, const TensorView& dt_bias,
+                                   const TensorView& A_log, const TensorView& D,
+                                   const TensorView& states, const SsmShape& s) {
+  op_checks::ssm_scan_backward(dxbc, ddt_raw, ddt_bias, dA_log, dD, dy, xbc, dt, A, dt_raw, dt_bias,
+                               A_log, D, states, s);
+  const int64_t ws = workspace::ssm_scan_backward(s, omp_get_max_threads());
+  workspace::named("ssm_scan_backward", dxbc, ws, [&] {
+    // the gradients of dt and A, from the scan to softplus's and exp's backward passes (float32)
+    std::vector<float> ddt(static_cast<size_t>(s.B * s.T * s.H)), dA(static_cast<size_t>(s.H));
+    emu::ssm_scan_backward(dxbc.as<float>(), ddt.data(), dA.data(), dD.as<float>(),
+                           dy.as<const float>(), xbc.as<const float>(), dt.as<const float>(),
+                           A.as<const float>(), D.as<const float>(), states.as<const float>(), s);
+    finish(dxbc, dxbc.as<float>());
+    emu::ssm_dt_backward(ddt_raw.as<float>(), ddt_raw.stride(), ddt_bias.as<float>(),
+                         dA_log.as<float>(), ddt.data(), dA.data(), dt_raw.as<const float>(),
+                         dt_raw.stride(), dt_bias.as<const float>(), A_log.as<const float>(), s.B,
+                         s.T, s.H);
+    finish_rows(ddt_raw);
+  });
+}
+
+void CpuBackend::gated_norm_forward(const TensorView& out, const TensorView& rstd,
+                                    const TensorView& inp, const TensorView& z,
+                                    const TensorView& weight) {
+  op_checks::gated_norm_forward(out, rstd, inp, z, weight);
+  const int64_t ws = workspace::gated_norm_forward(inp.cols, rstd.cols, omp_get_max_threads());
+  workspace::named("gated_norm_forward", out, ws, [&] {
+    emu::gated_rmsnorm_forward(out.as<float>(), rstd.as<float>(), inp.as<const float>(),
+                               z.as<const float>(), z.stride(), weight.as<const float>(), inp.rows,
+                               inp.cols, rstd.cols);
+    finish(out, out.as<float>());
+  });
+}
+
+void CpuBackend::gated_norm_backward(const TensorView& dinp, const TensorView& dz,
+                                     const TensorView& dweight, const TensorView& dout,
+                                     const TensorView& inp, const TensorView& z,
+                                     const TensorView& weight, const TensorView& rstd) {
+  op_checks::gated_norm_backward(dinp, dz, dweight, dout, inp, z, weight, rstd);
+  const int64_t ws = workspace::gated_norm_backward(dout, rstd.cols, omp_get_max_threads());
+  workspace::named("gated_norm_backward", dinp, ws, [&] {
+    std::vector<float> d;
+    emu::gated_rmsnorm_backward(dinp.as<float>(), dz.as<float>(), dz.stride(), dweight.as<float>(),
+                                read(dout, d), inp.as<const float>(), z.as<const float>(),
+                                z.stride(), weight.as<const float>(), rstd.as<const float>(),
+                                inp.rows, inp.cols, rstd.cols);
+    finish(dinp, dinp.as<float>());
+    finish_rows(dz);
+  });
 }
 
 void CpuBackend::residual_norm_forward(NormKind kind, const TensorView& res, const TensorView& out,

@@ -1,19 +1,22 @@
 #include "emu/op_checks.hpp"
 
 #include <string>
+#include <utility>
 
 namespace fp4sim::op_checks {
 
 namespace {
 
-constexpr ViewRule kF32{};                                       // float32, as stored
-constexpr ViewRule kF32Opt{true, false, false, false, true};     // float32 or absent
-constexpr ViewRule kF32Marked{true, false, false, true, false};  // float32, bf16_values ok
-constexpr ViewRule kAny{true, true, false, false, false};        // float32 or BF16
-constexpr ViewRule kAnyOpt{true, true, false, false, true};      // float32, BF16 or absent
-constexpr ViewRule kAnyMarked{true, true, false, true, false};   // float32 (marked) or BF16
-constexpr ViewRule kI32{false, false, true, false, false};       // int32
-constexpr ViewRule kBf16Opt{false, true, false, false, true};    // BF16 or absent
+constexpr ViewRule kF32{};                                               // float32, as stored
+constexpr ViewRule kF32Opt{true, false, false, false, true};             // float32 or absent
+constexpr ViewRule kF32Marked{true, false, false, true, false};          // float32, bf16_values ok
+constexpr ViewRule kAny{true, true, false, false, false};                // float32 or BF16
+constexpr ViewRule kAnyOpt{true, true, false, false, true};              // float32, BF16 or absent
+constexpr ViewRule kAnyMarked{true, true, false, true, false};           // float32 (marked) or BF16
+constexpr ViewRule kI32{false, false, true, false, false};               // int32
+constexpr ViewRule kBf16Opt{false, true, false, false, true};            // BF16 or absent
+constexpr ViewRule kF32Strided{true, false, false, false, false, true};  // float32, row stride
+constexpr ViewRule kF32MarkedStrided{true, false, false, true, false, true};  // ... bf16_values ok
 
 // FP32 precision (gradient checks) reads and writes float32 views only.
 void fp32_views_only(const char* op, GemmPrecision prec,
@@ -31,6 +34,46 @@ void segments_within(const char* op, const TensorView& x, const std::vector<Segm
     if (segments[s].offset + segments[s].count > x.numel())
       throw std::invalid_argument(std::string(op) + ": tensor " + std::to_string(s) +
                                   " ends past '" + x.name + "'");
+}
+
+// The mixer's sizes: positive, the heads a multiple of the groups.
+void ssm_shape(const char* op, const SsmShape& s) {
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"B", s.B}, {"T", s.T}, {"H", s.H}, {"P", s.P}, {"G", s.G}, {"N", s.N}, {"chunk", s.chunk}};
+  for (const auto& [what, v] : sizes)
+    if (v <= 0)
+      throw std::invalid_argument(std::string(op) + ": size " + what + " = " + std::to_string(v) +
+                                  " must be positive");
+  if (s.H % s.G != 0)
+    throw std::invalid_argument(std::string(op) + ": " + std::to_string(s.H) +
+                                " heads are not a multiple of " + std::to_string(s.G) + " groups");
+}
+
+// The conv's inputs: inp [B*T, C] strided, weight [C, W] (W >= 1), bias [C, 1].
+void conv_views(const char* op, const TensorView& inp, const TensorView& weight,
+                const TensorView& bias, const SsmShape& s) {
+  ssm_shape(op, s);
+  const int64_t C = s.xbc_cols();
+  check_view(op, weight, C, weight.cols, kF32);
+  if (weight.cols < 1)
+    throw std::invalid_argument(std::string(op) + ": tensor '" + weight.name +
+                                "' has no columns (the conv width)");
+  check_view(op, inp, s.B * s.T, C, kF32Strided);
+  check_view(op, bias, C, 1, kF32);
+}
+
+// The gated norm's inputs: inp [N, C], z [N, C] strided, weight [C, 1], rstd [N, G], C % G == 0.
+void gated_norm_views(const char* op, const TensorView& rstd, const TensorView& inp,
+                      const TensorView& z, const TensorView& weight) {
+  const int64_t N = inp.rows, C = inp.cols, G = rstd.cols;
+  if (G < 1 || C % G != 0)
+    throw std::invalid_argument(std::string(op) + ": " + std::to_string(C) +
+                                " channels are not a multiple of the " + std::to_string(G) +
+                                " groups (the columns of tensor '" + rstd.name + "')");
+  check_view(op, rstd, N, G, kF32);
+  check_view(op, inp, N, C, kF32);
+  check_view(op, z, N, C, kF32Strided);
+  check_view(op, weight, C, 1, kF32);
 }
 
 }  // namespace
@@ -208,6 +251,81 @@ void adamw_update(const TensorView& params, const TensorView& params16, const Te
 void sum_squares(const TensorView& x, const std::vector<Segment>& segments) {
   check_view("sum_squares", x, x.rows, x.cols, kF32);
   segments_within("sum_squares", x, segments);
+}
+
+void ssm_conv_forward(const TensorView& out, const TensorView& inp, const TensorView& weight,
+                      const TensorView& bias, const SsmShape& s) {
+  const char* op = "ssm_conv_forward";
+  conv_views(op, inp, weight, bias, s);
+  check_view(op, out, s.B * s.T, s.xbc_cols(), kF32Marked);
+}
+
+void ssm_conv_backward(const TensorView& dinp, const TensorView& dweight, const TensorView& dbias,
+                       const TensorView& dout, const TensorView& inp, const TensorView& weight,
+                       const TensorView& bias, const SsmShape& s) {
+  const char* op = "ssm_conv_backward";
+  conv_views(op, inp, weight, bias, s);
+  const int64_t N = s.B * s.T, C = s.xbc_cols();
+  check_view(op, dout, N, C, kF32);
+  check_view(op, dinp, N, C, kF32MarkedStrided);
+  check_view(op, dweight, C, weight.cols, kF32);
+  check_view(op, dbias, C, 1, kF32);
+}
+
+void ssm_scan_forward(const TensorView& y, const TensorView& states, const TensorView& dt,
+                      const TensorView& A, const TensorView& xbc, const TensorView& dt_raw,
+                      const TensorView& dt_bias, const TensorView& A_log, const TensorView& D,
+                      const SsmShape& s) {
+  const char* op = "ssm_scan_forward";
+  ssm_shape(op, s);
+  const int64_t N = s.B * s.T;
+  check_view(op, y, N, s.d_inner(), kF32Marked);
+  check_view(op, states, s.B * s.H * s.chunks(), s.P * s.N, kF32Opt);
+  check_view(op, dt, N, s.H, kF32);
+  check_view(op, A, s.H, 1, kF32);
+  check_view(op, xbc, N, s.xbc_cols(), kF32);
+  check_view(op, dt_raw, N, s.H, kF32Strided);
+  for (const TensorView* v : {&dt_bias, &A_log, &D}) check_view(op, *v, s.H, 1, kF32);
+}
+
+void ssm_scan_backward(const TensorView& dxbc, const TensorView& ddt_raw,
+                       const TensorView& ddt_bias, const TensorView& dA_log, const TensorView& dD,
+                       const TensorView& dy, const TensorView& xbc, const TensorView& dt,
+                       const TensorView& A, const TensorView& dt_raw, const TensorView& dt_bias,
+                       const TensorView& A_log, const TensorView& D, const TensorView& states,
+                       const SsmShape& s) {
+  const char* op = "ssm_scan_backward";
+  ssm_shape(op, s);
+  const int64_t N = s.B * s.T;
+  check_view(op, dxbc, N, s.xbc_cols(), kF32Marked);
+  check_view(op, ddt_raw, N, s.H, kF32MarkedStrided);
+  for (const TensorView* v : {&ddt_bias, &dA_log, &dD}) check_view(op, *v, s.H, 1, kF32);
+  check_view(op, dy, N, s.d_inner(), kF32);
+  check_view(op, xbc, N, s.xbc_cols(), kF32);
+  check_view(op, dt, N, s.H, kF32);
+  check_view(op, A, s.H, 1, kF32);
+  check_view(op, dt_raw, N, s.H, kF32Strided);
+  for (const TensorView* v : {&dt_bias, &A_log, &D}) check_view(op, *v, s.H, 1, kF32);
+  check_view(op, states, s.B * s.H * s.chunks(), s.P * s.N, kF32);
+}
+
+void gated_norm_forward(const TensorView& out, const TensorView& rstd, const TensorView& inp,
+                        const TensorView& z, const TensorView& weight) {
+  const char* op = "gated_norm_forward";
+  gated_norm_views(op, rstd, inp, z, weight);
+  check_view(op, out, inp.rows, inp.cols, kF32Marked);
+}
+
+void gated_norm_backward(const TensorView& dinp, const TensorView& dz, const TensorView& dweight,
+                         const TensorView& dout, const TensorView& inp, const TensorView& z,
+                         const TensorView& weight, const TensorView& rstd) {
+  const char* op = "gated_norm_backward";
+  gated_norm_views(op, rstd, inp, z, weight);
+  const int64_t N = inp.rows, C = inp.cols;
+  check_view(op, dout, N, C, kF32Marked);
+  check_view(op, dinp, N, C, kF32Marked);
+  check_view(op, dz, N, C, kF32MarkedStrided);
+  check_view(op, dweight, C, 1, kF32);
 }
 
 void activation_source(const char* op, const ActivationSource& src) {

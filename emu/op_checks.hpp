@@ -45,6 +45,26 @@ void adamw_update(const TensorView& params, const TensorView& params16, const Te
                   const TensorView& m, const TensorView& v, const std::vector<Segment>& segments,
                   const std::vector<AdamWStep>& steps);
 void sum_squares(const TensorView& x, const std::vector<Segment>& segments);
+void ssm_conv_forward(const TensorView& out, const TensorView& inp, const TensorView& weight,
+                      const TensorView& bias, const SsmShape& s);
+void ssm_conv_backward(const TensorView& dinp, const TensorView& dweight, const TensorView& dbias,
+                       const TensorView& dout, const TensorView& inp, const TensorView& weight,
+                       const TensorView& bias, const SsmShape& s);
+void ssm_scan_forward(const TensorView& y, const TensorView& states, const TensorView& dt,
+                      const TensorView& A, const TensorView& xbc, const TensorView& dt_raw,
+                      const TensorView& dt_bias, const TensorView& A_log, const TensorView& D,
+                      const SsmShape& s);
+void ssm_scan_backward(const TensorView& dxbc, const TensorView& ddt_raw,
+                       const TensorView& ddt_bias, const TensorView& dA_log, const TensorView& dD,
+                       const TensorView& dy, const TensorView& xbc, const TensorView& dt,
+                       const TensorView& A, const TensorView& dt_raw, const TensorView& dt_bias,
+                       const TensorView& A_log, const TensorView& D, const TensorView& states,
+                       const SsmShape& s);
+void gated_norm_forward(const TensorView& out, const TensorView& rstd, const TensorView& inp,
+                        const TensorView& z, const TensorView& weight);
+void gated_norm_backward(const TensorView& dinp, const TensorView& dz, const TensorView& dweight,
+                         const TensorView& dout, const TensorView& inp, const TensorView& z,
+                         const TensorView& weight, const TensorView& rstd);
 void activation_source(const char* op, const ActivationSource& src);
 
 }  // namespace fp4sim::op_checks

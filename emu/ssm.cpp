@@ -5,21 +5,13 @@
 #include <cstring>
 #include <vector>
 
+#include "emu/ssm_math.hpp"
+
 namespace fp4sim::emu {
 
+// (the elementwise expressions, exp and log1p: emu/ssm_math.hpp, shared with gpu/ssm.cu)
+
 namespace {
-
-// softplus(u) = u above this, as PyTorch's Softplus(threshold = 20) and mamba_ssm's dt_softplus
-constexpr float kSoftplusThreshold = 20.0f;
-
-inline float sigmoid(float u) { return 1.0f / (1.0f + std::exp(-u)); }
-inline float silu(float u) { return u / (1.0f + std::exp(-u)); }
-// d silu / du = sig * (1 + u * (1 - sig)), as swiglu_backward
-inline float silu_grad(float u) {
-  const float sig = sigmoid(u);
-  return sig * (1.0f + u * (1.0f - sig));
-}
-inline float softplus(float u) { return u > kSoftplusThreshold ? u : std::log1p(std::exp(u)); }
 
 // One step of the recurrence: next[p][n] = a * prev[p][n] + dt * (x[p] * b[n]) (P,N). The forward
 // pass and the backward pass's recomputation both run this, so their states are the same bits.
@@ -30,7 +22,7 @@ void scan_step(float* next, const float* prev, float a, float dt, const float* x
     const float xp = x[p];
     const float* sp = prev + p * N;
     float* np = next + p * N;
-    for (int64_t n = 0; n < N; ++n) np[n] = a * sp[n] + dt * (xp * b[n]);
+    for (int64_t n = 0; n < N; ++n) np[n] = ssm_state_update(a, sp[n], dt, xp, b[n]);
   }
 }
 
@@ -72,7 +64,7 @@ void conv1d_silu_forward(float* out, const float* inp, int64_t ld_inp, const flo
       for (int64_t t = 0; t < T; ++t) {
         conv_row(u.data(), inp + b * T * ld_inp, ld_inp, wt.data(), bias, t, C, W);
         float* o = out + (b * T + t) * C;
-        for (int64_t c = 0; c < C; ++c) o[c] = silu(u[c]);
+        for (int64_t c = 0; c < C; ++c) o[c] = ssm_silu(u[c]);
       }
   }
 }
@@ -92,7 +84,7 @@ void conv1d_silu_backward(float* dinp, int64_t ld_dinp, float* dweight, float* d
         conv_row(u.data(), inp + b * T * ld_inp, ld_inp, wt.data(), bias, t, C, W);
         const float* dy = dout + (b * T + t) * C;
         float* d = &du[static_cast<size_t>((b * T + t) * C)];
-        for (int64_t c = 0; c < C; ++c) d[c] = dy[c] * silu_grad(u[c]);
+        for (int64_t c = 0; c < C; ++c) d[c] = dy[c] * ssm_silu_grad(u[c]);
       }
   }
   // dinp[b,s,c] = sum_k weight[c,k] * du[b, s+W-1-k, c], from +0 in increasing k
@@ -144,8 +136,8 @@ void ssm_dt_forward(float* dt, float* A, const float* dt_raw, int64_t ld_dt_raw,
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < B * T; ++r)
     for (int64_t h = 0; h < H; ++h)
-      dt[r * H + h] = softplus(dt_raw[r * ld_dt_raw + h] + dt_bias[h]);
-  for (int64_t h = 0; h < H; ++h) A[h] = -std::exp(A_log[h]);
+      dt[r * H + h] = ssm_softplus(dt_raw[r * ld_dt_raw + h] + dt_bias[h]);
+  for (int64_t h = 0; h < H; ++h) A[h] = -exp_f32(A_log[h]);
 }
 
 void ssm_dt_backward(float* ddt_raw, int64_t ld_ddt_raw, float* ddt_bias, float* dA_log,
@@ -155,17 +147,13 @@ void ssm_dt_backward(float* ddt_raw, int64_t ld_ddt_raw, float* ddt_bias, float*
   for (int64_t r = 0; r < B * T; ++r)  // rows in order: the dt_bias sums' order
     for (int64_t h = 0; h < H; ++h) {
       const float u = dt_raw[r * ld_dt_raw + h] + dt_bias[h];
-      float du = ddt[r * H + h];
-      if (!(u > kSoftplusThreshold)) {
-        const float e = std::exp(u);
-        du = du * (e / (1.0f + e));
-      }
+      const float du = ssm_softplus_backward(u, ddt[r * H + h]);
       ddt_raw[r * ld_ddt_raw + h] = du;
       sum[static_cast<size_t>(h)] = sum[static_cast<size_t>(h)] + du;
     }
   for (int64_t h = 0; h < H; ++h) {
     ddt_bias[h] += sum[static_cast<size_t>(h)];
-    dA_log[h] += dA[h] * -std::exp(A_log[h]);
+    dA_log[h] += dA[h] * -exp_f32(A_log[h]);
   }
 }
 
@@ -186,7 +174,7 @@ void ssm_scan_forward(float* y, float* states, const float* xbc, const float* dt
         const float* Bt = row + HP + g * N;
         const float* Ct = row + HP + s.G * N + g * N;
         const float dtv = dt[(b * T + t) * H + h];
-        const float a = std::exp(dtv * A[h]);
+        const float a = exp_f32(dtv * A[h]);
         scan_step(S.data(), S.data(), a, dtv, x, Bt, P, N);
         float* yt = y + (b * T + t) * HP + h * P;
         for (int64_t p = 0; p < P; ++p) {
@@ -235,7 +223,7 @@ void ssm_scan_backward(float* dxbc, float* ddt, float* dA, float* dD, const floa
           for (int64_t t = t0; t < t1; ++t) {  // the forward's steps, recomputed
             const float* row = xbc + (b * T + t) * Cx;
             const float dtv = dt[(b * T + t) * H + h];
-            a[t - t0] = std::exp(dtv * A[h]);
+            a[t - t0] = exp_f32(dtv * A[h]);
             scan_step(&buf[static_cast<size_t>((t - t0 + 1) * P * N)],
                       &buf[static_cast<size_t>((t - t0) * P * N)], a[t - t0], dtv, row + h * P,
                       row + HP + g * N, P, N);
@@ -316,7 +304,7 @@ void gated_rmsnorm_forward(float* out, float* rstd, const float* inp, const floa
         const float* zr = z + r * ld_z + j * gs;
         float ms = 0.0f;
         for (int64_t i = 0; i < gs; ++i) {
-          g[i] = x[i] * silu(zr[i]);
+          g[i] = x[i] * ssm_silu(zr[i]);
           ms = ms + g[i] * g[i];
         }
         ms = ms / static_cast<float>(gs);
@@ -338,7 +326,7 @@ void gated_rmsnorm_backward(float* dinp, float* dz, int64_t ld_dz, float* dweigh
   std::vector<float> dw_terms(static_cast<size_t>(N * C));
 #pragma omp parallel
   {
-    // g, and silu(z) and sigmoid(z) from one exp(-z) (the bits of silu() and sigmoid())
+    // g, and silu(z) and sigmoid(z) from one exp(-z) (ssm_silu_sigmoid)
     std::vector<float> g(static_cast<size_t>(gs)), sz(g.size()), sig(g.size());
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < N; ++r)
@@ -350,9 +338,7 @@ void gated_rmsnorm_backward(float* dinp, float* dz, int64_t ld_dz, float* dweigh
         const float sc = rstd[r * G + j];
         float dot = 0.0f;
         for (int64_t i = 0; i < gs; ++i) {
-          const float e1 = 1.0f + std::exp(-zr[i]);
-          sz[i] = zr[i] / e1;
-          sig[i] = 1.0f / e1;
+          ssm_silu_sigmoid(zr[i], &sz[i], &sig[i]);
           g[i] = x[i] * sz[i];
           dot = dot + (dy[i] * w[i]) * g[i];
         }
@@ -363,7 +349,7 @@ void gated_rmsnorm_backward(float* dinp, float* dz, int64_t ld_dz, float* dweigh
         for (int64_t i = 0; i < gs; ++i) {
           const float dg = (dy[i] * w[i]) * sc - g[i] * k;
           dx[i] = dg * sz[i];
-          dzr[i] = (dg * x[i]) * (sig[i] * (1.0f + zr[i] * (1.0f - sig[i])));  // silu_grad
+          dzr[i] = (dg * x[i]) * ssm_silu_grad_from(zr[i], sig[i]);
           dwt[i] = (dy[i] * g[i]) * sc;
         }
       }

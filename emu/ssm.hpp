@@ -9,9 +9,12 @@
 // every sum runs from +0 in the order its comment names; OpenMP only across independent outputs,
 // so the bits do not depend on the thread count. Each backward pass is the exact reverse-mode
 // adjoint of its forward pass's sequence of operations, evaluated in FP32 on the forward's values
-// (recomputed bit for bit where they are not saved). The CUDA twins (gpu/ssm.cu) keep these names
-// and argument orders; the chunked SSD there agrees with the sequential scan here within a bound
-// (docs/numerics.md, "Mamba-2 mixer"), not bitwise.
+// (recomputed bit for bit where they are not saved). exp and log1p are fp4sim's own
+// (emu/ssm_math.hpp: binary64 inside, one FP32 rounding; the C library's differ between libraries
+// and CPUs), and every elementwise expression (SiLU, sigmoid, softplus, the state update) is
+// written once there. The CUDA twins (gpu/ssm.cu) keep these names and argument orders, call the
+// same expressions and perform the same FP32 operations in the same order: bitwise the same
+// results.
 //
 // Gradients: an input's gradient is written (every element, nothing read from the buffer before);
 // a parameter's gradient (conv weight and bias, dt_bias, A_log, D, norm weight) is summed from +0
@@ -50,11 +53,11 @@ void conv1d_silu_backward(float* dinp, int64_t ld_dinp, float* dweight, float* d
 
 // ---- dt and A ----------------------------------------------------------------------------------
 // dt (B,T,H) = softplus(dt_raw + dt_bias[h]), the sum in FP32; softplus(u) = u for u > 20 (as
-// PyTorch's threshold, and mamba_ssm's dt_softplus), else log1p(exp(u)): std::exp then
-// std::log1p, both in FP32. log1p keeps softplus's relative accuracy for u << 0, where
-// softplus(u) ~ exp(u) and log(1 + exp(u)) would round 1 + exp(u) to 1 (giving 0) once
-// exp(u) < 2^-24; for u <= 20, exp(u) <= 4.9e8 cannot overflow, and log1p(exp(20)) rounds to 20 in
-// FP32, so the two branches meet. A (H) = -exp(A_log[h]). dt_raw (B,T,H) with row stride
+// PyTorch's threshold, and mamba_ssm's dt_softplus), else log1p(exp(u)): exp_f32 then
+// log1p_f32 (emu/ssm_math.hpp), each rounded to FP32. log1p keeps softplus's relative accuracy for
+// u << 0, where softplus(u) ~ exp(u) and log(1 + exp(u)) would round 1 + exp(u) to 1 (giving 0)
+// once exp(u) < 2^-24; for u <= 20, exp(u) <= 4.9e8 cannot overflow, and log1p(exp(20)) rounds to
+// 20 in FP32, so the two branches meet. A (H) = -exp(A_log[h]). dt_raw (B,T,H) with row stride
 // ld_dt_raw.
 void ssm_dt_forward(float* dt, float* A, const float* dt_raw, int64_t ld_dt_raw,
                     const float* dt_bias, const float* A_log, int64_t B, int64_t T, int64_t H);

@@ -133,4 +133,51 @@ void fail(const char* op, const char* tensor, int64_t bytes) {
                         static_cast<size_t>(std::max<int64_t>(bytes, 0)));
 }
 
+// (emu/ssm.cpp: each OpenMP thread's vectors live at once; the channel blocks of the parameter
+// sums are 64 wide)
+namespace {
+constexpr int64_t kSsmChannelBlock = 64;
+int64_t thread_count(int threads, int64_t items) {
+  return std::max<int64_t>(1, std::min<int64_t>(std::max(threads, 1), items));
+}
+}  // namespace
+
+int64_t ssm_conv_forward(const SsmShape& s, int64_t W, int threads) {
+  const int64_t C = s.xbc_cols();
+  return (W * C + std::max(threads, 1) * C) * kF32;
+}
+
+int64_t ssm_conv_backward(const SsmShape& s, int64_t W, int threads) {
+  const int64_t C = s.xbc_cols();
+  const int64_t blocks = (C + kSsmChannelBlock - 1) / kSsmChannelBlock;
+  return (W * C + s.B * s.T * C + std::max(threads, 1) * C +
+          thread_count(threads, blocks) * (W + 1) * kSsmChannelBlock) *
+         kF32;
+}
+
+int64_t ssm_scan_forward(const SsmShape& s, int threads) {
+  return thread_count(threads, s.B * s.H) * s.P * s.N * kF32;
+}
+
+int64_t ssm_scan_backward(const SsmShape& s, int threads) {
+  // CpuBackend's ddt and dA; the per-(b, h) sums; each (b, g) iteration's chunk states, decays,
+  // state gradient and three N-vectors
+  const int64_t per_iteration = (s.chunk + 1) * s.P * s.N + s.chunk + s.P * s.N + 3 * s.N;
+  return (s.B * s.T * s.H + s.H + 2 * s.B * s.H +
+          thread_count(threads, s.B * s.G) * per_iteration) *
+         kF32;
+}
+
+int64_t gated_norm_forward(int64_t C, int64_t G, int threads) {
+  return std::max(threads, 1) * (C / std::max<int64_t>(G, 1)) * kF32;
+}
+
+int64_t gated_norm_backward(const TensorView& dout, int64_t G, int threads) {
+  const int64_t N = dout.rows, C = dout.cols;
+  const int64_t blocks = (C + kSsmChannelBlock - 1) / kSsmChannelBlock;
+  return read_copy(dout) + N * C * kF32 +
+         std::max(threads, 1) * 3 * (C / std::max<int64_t>(G, 1)) * kF32 +
+         thread_count(threads, blocks) * kSsmChannelBlock * kF32;
+}
+
 }  // namespace fp4sim::emu::workspace

@@ -45,6 +45,16 @@ int64_t quant_error_sums(const QuantizedView& q);
 // values as float and double, exponent readings).
 int64_t gemm(const QuantizedView& a, const QuantizedView& b);
 
+// The Mamba-2 core's ops (emu/ssm.cpp, emu/cpu_backend_ops.cpp): the conv's transposed weight, the
+// per-thread rows, states and chunk buffers, the backward passes' per-element terms. W: the conv
+// width; threads: as above.
+int64_t ssm_conv_forward(const SsmShape& s, int64_t W, int threads);
+int64_t ssm_conv_backward(const SsmShape& s, int64_t W, int threads);
+int64_t ssm_scan_forward(const SsmShape& s, int threads);
+int64_t ssm_scan_backward(const SsmShape& s, int threads);
+int64_t gated_norm_forward(int64_t C, int64_t G, int threads);
+int64_t gated_norm_backward(const TensorView& dout, int64_t G, int threads);
+
 // The AllocationError of an op whose temporaries could not be allocated: "cannot allocate the
 // workspace of emu <op> on '<tensor>' (<bytes>) in host memory: out of host memory".
 [[noreturn]] void fail(const char* op, const char* tensor, int64_t bytes);

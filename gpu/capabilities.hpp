@@ -4,6 +4,7 @@
 // builds without the CUDA backend).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -17,10 +18,15 @@ constexpr bool attention_head_dim_supported(int64_t hd) {
   return hd == 16 || hd == 32 || hd == 64 || hd == 128;
 }
 
+// The Mamba-2 ops' limits (gpu/ssm.cu): the conv backward pass keeps a width's gradient sums in
+// registers; the scan's thread blocks have P threads (forward) and max(P, N) (backward).
+constexpr int64_t kSsmMaxConvWidth = 8;
+constexpr int64_t kSsmMaxScanSize = 1024;
+
 // CudaBackend::supports on a device of compute capability cc_major: head sizes 16/32/64/128; the
 // cuBLASLt GEMM reads decoded BF16 FP4 operands below compute capability 10 (no FP4 tensor cores)
 // and FP8 scales in its own layout; the residual + LayerNorm, activation + matmul and activation +
-// quantizer fusions.
+// quantizer fusions; Mamba-2 conv widths up to 8, head dims and state sizes up to 1024.
 inline bool cuda_supports(Capability c, int64_t arg, int cc_major) {
   switch (c) {
     case Capability::AttentionHeadDim:
@@ -33,6 +39,10 @@ inline bool cuda_supports(Capability c, int64_t arg, int cc_major) {
     case Capability::FusedActivationMatmul:
     case Capability::FusedActivationQuantize:
       return true;
+    case Capability::SsmConvWidth:
+      return arg > 0 && arg <= kSsmMaxConvWidth;
+    case Capability::SsmScanSize:
+      return arg > 0 && arg <= kSsmMaxScanSize;
   }
   return false;
 }
@@ -55,6 +65,22 @@ constexpr int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, i
   const int64_t tiles = (T + kAttentionTileRows - 1) / kAttentionTileRows;
   const int64_t bytes = B * NH * (tiles * (tiles + 1) / 2) * kAttentionDsPairBytes;
   return bytes <= kAttentionMaxDsBytes ? bytes : 0;
+}
+
+// The Mamba-2 scan's backward pass (gpu/ssm.cu) runs at most this many (batch, head) work items at
+// once (a thread block each, twice the SMs of an H200; more wait for a free block), each with
+// (chunk + 1) P N floats of recomputed chunk states in scratch, at most kSsmScanStateBytes in all.
+constexpr int64_t kSsmScanSlots = 264;
+constexpr int64_t kSsmScanStateBytes = int64_t{2} << 30;
+inline int64_t ssm_scan_backward_slots(const SsmShape& s) {
+  const int64_t per_slot = (s.chunk + 1) * s.P * s.N * static_cast<int64_t>(sizeof(float));
+  int64_t slots = std::min(s.B * s.H, kSsmScanSlots);
+  slots = std::min(slots, kSsmScanStateBytes / per_slot);
+  return slots > 0 ? slots : 1;
+}
+inline int64_t ssm_scan_backward_state_bytes(const SsmShape& s) {
+  return ssm_scan_backward_slots(s) * (s.chunk + 1) * s.P * s.N *
+         static_cast<int64_t>(sizeof(float));
 }
 
 }  // namespace fp4sim::gpu

@@ -239,6 +239,29 @@ class CudaBackend final : public Backend {
   // One round trip for every segment.
   void sum_squares(const TensorView& x, const std::vector<Segment>& segments,
                    double* sums) override;
+  // The Mamba-2 mixer's core (gpu/ssm.cu): bitwise emu/ssm.cpp's results, each sum carried by one
+  // thread in the emulator's order. The conv backward pass takes widths up to 8, the scan P and N
+  // up to 1024 each.
+  void ssm_conv_forward(const TensorView& out, const TensorView& inp, const TensorView& weight,
+                        const TensorView& bias, const SsmShape& s) override;
+  void ssm_conv_backward(const TensorView& dinp, const TensorView& dweight, const TensorView& dbias,
+                         const TensorView& dout, const TensorView& inp, const TensorView& weight,
+                         const TensorView& bias, const SsmShape& s) override;
+  void ssm_scan_forward(const TensorView& y, const TensorView& states, const TensorView& dt,
+                        const TensorView& A, const TensorView& xbc, const TensorView& dt_raw,
+                        const TensorView& dt_bias, const TensorView& A_log, const TensorView& D,
+                        const SsmShape& s) override;
+  void ssm_scan_backward(const TensorView& dxbc, const TensorView& ddt_raw,
+                         const TensorView& ddt_bias, const TensorView& dA_log, const TensorView& dD,
+                         const TensorView& dy, const TensorView& xbc, const TensorView& dt,
+                         const TensorView& A, const TensorView& dt_raw, const TensorView& dt_bias,
+                         const TensorView& A_log, const TensorView& D, const TensorView& states,
+                         const SsmShape& s) override;
+  void gated_norm_forward(const TensorView& out, const TensorView& rstd, const TensorView& inp,
+                          const TensorView& z, const TensorView& weight) override;
+  void gated_norm_backward(const TensorView& dinp, const TensorView& dz, const TensorView& dweight,
+                           const TensorView& dout, const TensorView& inp, const TensorView& z,
+                           const TensorView& weight, const TensorView& rstd) override;
   // LayerNorm with a BF16 output and a BF16 b: one pass over the rows; else the composition.
   void residual_norm_forward(NormKind kind, const TensorView& res, const TensorView& out,
                              const TensorView& mean, const TensorView& rstd, const TensorView& a,

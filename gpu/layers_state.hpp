@@ -107,6 +107,10 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch adamw_items{"adamw work items"};   // adamw_update's (AdamWItem)
   std::vector<int64_t> adamw_key;  // the (offset, count, step index) they were made for
   int64_t adamw_item_count = 0;
+  // the Mamba-2 ops' scratch (gpu/ssm.cu): per-element terms (the conv's du, the softplus
+  // backward's du, the gated norm's dweight terms); the scan backward pass's recomputed chunk
+  // states, its per-head dB and dC terms, and its ddt, dA and per-(batch, head) sums
+  training_ops::DeviceScratch ssm_terms, ssm_states, ssm_contrib, ssm_small;
   training_ops::RopeTable rope;
   std::vector<int64_t> host_segments;
 };

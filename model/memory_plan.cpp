@@ -296,6 +296,50 @@ class PlanningBackend final : public Backend {
     op("crossentropy_forward_backward", logits);
     if (!cuda_) temp(emu::workspace::crossentropy(dlogits, logits));
   }
+  // (gpu/ssm.cu: the scratch buffers ssm_terms, ssm_states, ssm_contrib and ssm_small)
+  void ssm_conv_forward(const TensorView& out, const TensorView&, const TensorView& weight,
+                        const TensorView&, const SsmShape& s) override {
+    op("ssm_conv_forward", out);
+    if (!cuda_) temp(emu::workspace::ssm_conv_forward(s, weight.cols, threads_));
+  }
+  void ssm_conv_backward(const TensorView& dinp, const TensorView&, const TensorView&,
+                         const TensorView&, const TensorView&, const TensorView& weight,
+                         const TensorView&, const SsmShape& s) override {
+    op("ssm_conv_backward", dinp);
+    if (!cuda_) return temp(emu::workspace::ssm_conv_backward(s, weight.cols, threads_));
+    scratch("Mamba per-element terms", s.B * s.T * s.xbc_cols() * kF32);
+  }
+  void ssm_scan_forward(const TensorView& y, const TensorView&, const TensorView&,
+                        const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                        const TensorView&, const TensorView&, const SsmShape& s) override {
+    op("ssm_scan_forward", y);
+    if (!cuda_) temp(emu::workspace::ssm_scan_forward(s, threads_));
+  }
+  void ssm_scan_backward(const TensorView& dxbc, const TensorView&, const TensorView&,
+                         const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                         const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                         const TensorView&, const TensorView&, const TensorView&,
+                         const SsmShape& s) override {
+    op("ssm_scan_backward", dxbc);
+    if (!cuda_) return temp(emu::workspace::ssm_scan_backward(s, threads_));
+    const int64_t BT = s.B * s.T;
+    scratch("Mamba scan recomputed chunk states", gpu::ssm_scan_backward_state_bytes(s));
+    scratch("Mamba scan dB and dC terms", BT * s.H * 2 * s.N * kF32);
+    scratch("Mamba scan ddt, dA and sums", (BT * s.H + s.H + 2 * s.B * s.H) * kF32);
+    scratch("Mamba per-element terms", BT * s.H * kF32);
+  }
+  void gated_norm_forward(const TensorView& out, const TensorView& rstd, const TensorView&,
+                          const TensorView&, const TensorView&) override {
+    op("gated_norm_forward", out);
+    if (!cuda_) temp(emu::workspace::gated_norm_forward(out.cols, rstd.cols, threads_));
+  }
+  void gated_norm_backward(const TensorView& dinp, const TensorView&, const TensorView&,
+                           const TensorView& dout, const TensorView&, const TensorView&,
+                           const TensorView&, const TensorView& rstd) override {
+    op("gated_norm_backward", dinp);
+    if (!cuda_) return temp(emu::workspace::gated_norm_backward(dout, rstd.cols, threads_));
+    scratch("Mamba per-element terms", dout.rows * dout.cols * kF32);
+  }
   void adamw_update(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                     const TensorView&, const std::vector<Segment>&,
                     const std::vector<AdamWStep>&) override {}

@@ -14,8 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "emu/cpu_backend.hpp"
 #include "emu/formats.hpp"
 #include "emu/ssm.hpp"
+#include "emu/ssm_math.hpp"
+#include "tests/emu/ssm_chain.hpp"
+#include "tests/model/expect_error.hpp"
 
 namespace fp4sim::emu {
 namespace {
@@ -321,6 +325,45 @@ TEST(Mamba, SoftplusBranchesAndTail) {
   EXPECT_NEAR(dt[5] / std::exp(-30.0), 1.0, 4e-6);     // u = -30 rounds within 2^-20 of itself
   EXPECT_GT(dt[6], 0.0f);
   EXPECT_LT(dt[6], std::numeric_limits<float>::min());  // subnormal, kept
+}
+
+// exp_f32 and log1p_f32 (emu/ssm_math.hpp) against binary64 exp and log1p rounded to FP32, over
+// every 251st FP32 bit pattern (17 million) and the special values. Over all 2^32 patterns
+// (measured once, 2026-12-02; too slow for this suite) exp_f32 equals (float)exp((double)x)
+// everywhere, and log1p_f32 differs from (float)log1p((double)x) at one input, 0x1.fb035ap-2,
+// where log1p_f32 is the correctly rounded value (the exact one lies 8.5e-18 below the midpoint,
+// which the double rounding of the reference crosses).
+TEST(Mamba, ExpAndLog1pAreCorrectlyRounded) {
+  int64_t checked = 0;
+  for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 251) {
+    const float x = f32_from_bits(static_cast<uint32_t>(b));
+    if (std::isnan(x)) continue;
+    ++checked;
+    ASSERT_EQ(f32_bits(exp_f32(x)), f32_bits(static_cast<float>(std::exp(static_cast<double>(x)))))
+        << std::hexfloat << x;
+    if (x >= -1.0f && b != 0x3EFD81ADu) {
+      ASSERT_EQ(f32_bits(log1p_f32(x)),
+                f32_bits(static_cast<float>(std::log1p(static_cast<double>(x)))))
+          << std::hexfloat << x;
+    }
+  }
+  EXPECT_GT(checked, int64_t{17000000});
+  EXPECT_EQ(f32_bits(log1p_f32(0x1.fb035ap-2f)), f32_bits(0x1.9bddc2p-2f));
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
+  EXPECT_EQ(f32_bits(exp_f32(0.0f)), f32_bits(1.0f));
+  EXPECT_EQ(f32_bits(exp_f32(-0.0f)), f32_bits(1.0f));
+  EXPECT_EQ(f32_bits(exp_f32(inf)), f32_bits(inf));
+  EXPECT_EQ(f32_bits(exp_f32(-inf)), f32_bits(0.0f));
+  EXPECT_EQ(f32_bits(exp_f32(nan)), 0x7FFFFFFFu);
+  EXPECT_EQ(f32_bits(exp_f32(-103.5f)),
+            f32_bits(static_cast<float>(std::exp(-103.5))));  // subnormal
+  EXPECT_EQ(f32_bits(log1p_f32(0.0f)), f32_bits(0.0f));
+  EXPECT_EQ(f32_bits(log1p_f32(-0.0f)), f32_bits(-0.0f));
+  EXPECT_EQ(f32_bits(log1p_f32(-1.0f)), f32_bits(-inf));
+  EXPECT_EQ(f32_bits(log1p_f32(-2.0f)), 0x7FFFFFFFu);
+  EXPECT_EQ(f32_bits(log1p_f32(inf)), f32_bits(inf));
+  EXPECT_EQ(f32_bits(log1p_f32(nan)), 0x7FFFFFFFu);
+  EXPECT_EQ(f32_bits(log1p_f32(1e-45f)), f32_bits(1e-45f));  // the smallest subnormal
 }
 
 // ---- the scan -----------------------------------------------------------------------------------
@@ -674,6 +717,126 @@ TEST(Mamba, ParameterGradientsAreAddedOnce) {
   added(dal, g.A_log, "A_log");
   added(dD, g.D, "D");
   added(dnw, g.norm_w, "norm weight");
+}
+
+// ---- the Backend ops (emu/backend.hpp: ssm_conv_*, ssm_scan_*, gated_norm_*) on CpuBackend ----
+
+// The ops chained on strided slices of a wider in_proj buffer (tests/emu/ssm_chain.hpp) are the
+// functions above, bit for bit: the chain's output, every slice of the in_proj gradient (its
+// padding untouched) and the parameter gradients added once onto what the buffers held.
+TEST(Mamba, BackendOpsAreTheFunctions) {
+  const Chain c;
+  test::SsmChainCase bc;
+  bc.s = c.s;
+  bc.W = c.W;
+  bc.seed = 80;
+  const test::SsmChainInputs in = test::ssm_chain_inputs(bc);
+  emu::CpuBackend cpu;
+  const test::SsmChainOutputs o = test::run_ssm_chain(cpu, bc, in);
+
+  ChainParams p{
+      Vec(sz(c.rows() * c.cin())), in.conv_w, in.conv_b, in.dt_bias, in.A_log, in.D, in.norm_w};
+  for (int64_t r = 0; r < c.rows(); ++r)
+    for (int64_t i = 0; i < c.cin(); ++i) p.zx[sz(r * c.cin() + i)] = in.zx[sz(r * bc.ld() + i)];
+  const ChainGrads g = chain_fp32(c, p, in.dout);
+  auto same = [](const Vec& got, const Vec& want, float plus, const char* what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_EQ(f32_bits(got[i]), f32_bits(plus + want[i])) << what << " " << i;
+  };
+  same(test::ssm_output(o, "out"), g.out, 0.0f, "out");
+  const Vec& dzx = test::ssm_output(o, "dzx");
+  for (int64_t r = 0; r < c.rows(); ++r) {
+    for (int64_t i = 0; i < c.cin(); ++i)
+      ASSERT_EQ(f32_bits(dzx[sz(r * bc.ld() + i)]), f32_bits(g.dzx[sz(r * c.cin() + i)]))
+          << "dzx row " << r << " column " << i;
+    for (int64_t i = c.cin(); i < bc.ld(); ++i)
+      ASSERT_TRUE(std::isnan(dzx[sz(r * bc.ld() + i)])) << "padding written, row " << r;
+  }
+  same(test::ssm_output(o, "dconv1d.weight"), g.conv_w, 0.25f, "conv weight");
+  same(test::ssm_output(o, "dconv1d.bias"), g.conv_b, 0.25f, "conv bias");
+  same(test::ssm_output(o, "ddt_bias"), g.dt_bias, 0.25f, "dt_bias");
+  same(test::ssm_output(o, "dA_log"), g.A_log, 0.25f, "A_log");
+  same(test::ssm_output(o, "dD"), g.D, 0.25f, "D");
+  same(test::ssm_output(o, "dnorm.weight"), g.norm_w, 0.25f, "norm weight");
+}
+
+// With the model's BF16 storage marks, every stored activation and activation gradient holds BF16
+// values (the strided slices too, their padding untouched), the first op's output is the unmarked
+// one rounded, and dt, A, the states and rstd stay float32.
+TEST(Mamba, BackendOpsRoundMarkedOutputs) {
+  test::SsmChainCase bc;
+  bc.s = kShape;
+  bc.W = kW;
+  bc.seed = 81;
+  const test::SsmChainInputs in = test::ssm_chain_inputs(bc);
+  emu::CpuBackend cpu;
+  const test::SsmChainOutputs plain = test::run_ssm_chain(cpu, bc, in);
+  bc.bf16_marks = true;
+  const test::SsmChainOutputs marked = test::run_ssm_chain(cpu, bc, in);
+  const Vec& x0 = test::ssm_output(plain, "xbc");
+  const Vec& x1 = test::ssm_output(marked, "xbc");
+  for (size_t i = 0; i < x0.size(); ++i) ASSERT_EQ(f32_bits(x1[i]), f32_bits(bf16_round(x0[i])));
+  auto bf16_values = [](const Vec& v) {
+    int64_t not_bf16 = 0;
+    for (float x : v) not_bf16 += std::isnan(x) || (f32_bits(x) & 0xFFFFu) != 0;
+    return not_bf16;
+  };
+  for (const char* name : {"xbc", "y", "out", "dy", "dxbc"})
+    EXPECT_EQ(bf16_values(test::ssm_output(marked, name)), 0) << name;
+  for (const char* name : {"dt", "states", "rstd"})
+    EXPECT_GT(bf16_values(test::ssm_output(marked, name)), 0) << name << " is float32";
+  const Vec& dzx = test::ssm_output(marked, "dzx");
+  for (int64_t r = 0; r < bc.rows(); ++r) {
+    const Vec row(dzx.begin() + r * bc.ld(), dzx.begin() + r * bc.ld() + bc.cin());
+    ASSERT_EQ(bf16_values(row), 0) << "dzx row " << r;
+    for (int64_t i = bc.cin(); i < bc.ld(); ++i) ASSERT_TRUE(std::isnan(dzx[sz(r * bc.ld() + i)]));
+  }
+}
+
+// Bad views fail before any work, naming the op and the tensor (emu/op_checks.cpp, which the CUDA
+// backend runs too).
+TEST(Mamba, BackendOpsCheckTheirViews) {
+  emu::CpuBackend cpu;
+  const SsmShape s = kShape;
+  const int64_t R = s.B * s.T, cx = s.xbc_cols();
+  Vec a(sz(R * (cx + 8))), w(sz(cx * kW)), bias(sz(cx));
+  const TensorView x = f32_view(cpu, a.data(), R, cx, "xbc"),
+                   weight = f32_view(cpu, w.data(), cx, kW, "weight"),
+                   vb = f32_view(cpu, bias.data(), cx, 1, "bias");
+  using test::expect_error_containing;
+  TensorView strided = x;
+  strided.row_stride = cx + 8;
+  // the conv's output must be dense; its input may be strided
+  expect_error_containing<std::invalid_argument>(
+      [&] { cpu.ssm_conv_forward(strided, strided, weight, vb, s); },
+      {"ssm_conv_forward", "xbc", "dense"}, "a strided conv output");
+  TensorView narrow = strided;
+  narrow.row_stride = cx - 1;
+  expect_error_containing<std::invalid_argument>(
+      [&] { cpu.ssm_conv_forward(x, narrow, weight, vb, s); }, {"ssm_conv_forward", "row stride"},
+      "a row stride below the row");
+  expect_error_containing<std::invalid_argument>(
+      [&] { cpu.ssm_conv_forward(x, x, f32_view(cpu, w.data(), cx - 1, kW, "weight"), vb, s); },
+      {"ssm_conv_forward", "weight", "expected"}, "a weight of the wrong shape");
+  std::vector<uint16_t> h(sz(R * cx));
+  expect_error_containing<std::invalid_argument>(
+      [&] { cpu.ssm_conv_forward(bf16_view(cpu, h.data(), R, cx, "xbc16"), x, weight, vb, s); },
+      {"ssm_conv_forward", "xbc16", "bfloat16"}, "BF16 bits");
+  SsmShape odd = s;
+  odd.G = 3;
+  expect_error_containing<std::invalid_argument>(
+      [&] { cpu.ssm_scan_forward(x, TensorView{}, x, x, x, x, x, x, x, odd); },
+      {"ssm_scan_forward", "4 heads", "3 groups"}, "heads not a multiple of the groups");
+  const int64_t C = s.d_inner();
+  Vec g(sz(R * C)), r(sz(R * 3)), nw(sz(C));
+  expect_error_containing<std::invalid_argument>(
+      [&] {
+        const TensorView v = f32_view(cpu, g.data(), R, C, "y");
+        cpu.gated_norm_forward(v, f32_view(cpu, r.data(), R, 3, "rstd"), v, v,
+                               f32_view(cpu, nw.data(), C, 1, "norm.weight"));
+      },
+      {"gated_norm_forward", "32 channels", "3 groups", "rstd"}, "channels not a multiple of G");
 }
 
 }  // namespace
