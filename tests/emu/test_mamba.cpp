@@ -745,7 +745,7 @@ TEST(Mamba, BackendOpsAreTheFunctions) {
       ASSERT_EQ(f32_bits(got[i]), f32_bits(plus + want[i])) << what << " " << i;
   };
   same(test::ssm_output(o, "out"), g.out, 0.0f, "out");
-  const Vec& dzx = test::ssm_output(o, "dzx");
+  const Vec dzx = test::ssm_output(o, "dzx");
   for (int64_t r = 0; r < c.rows(); ++r) {
     for (int64_t i = 0; i < c.cin(); ++i)
       ASSERT_EQ(f32_bits(dzx[sz(r * bc.ld() + i)]), f32_bits(g.dzx[sz(r * c.cin() + i)]))
@@ -774,8 +774,8 @@ TEST(Mamba, BackendOpsRoundMarkedOutputs) {
   const test::SsmChainOutputs plain = test::run_ssm_chain(cpu, bc, in);
   bc.bf16_marks = true;
   const test::SsmChainOutputs marked = test::run_ssm_chain(cpu, bc, in);
-  const Vec& x0 = test::ssm_output(plain, "xbc");
-  const Vec& x1 = test::ssm_output(marked, "xbc");
+  const Vec x0 = test::ssm_output(plain, "xbc");
+  const Vec x1 = test::ssm_output(marked, "xbc");
   for (size_t i = 0; i < x0.size(); ++i) ASSERT_EQ(f32_bits(x1[i]), f32_bits(bf16_round(x0[i])));
   auto bf16_values = [](const Vec& v) {
     int64_t not_bf16 = 0;
@@ -786,7 +786,7 @@ TEST(Mamba, BackendOpsRoundMarkedOutputs) {
     EXPECT_EQ(bf16_values(test::ssm_output(marked, name)), 0) << name;
   for (const char* name : {"dt", "states", "rstd"})
     EXPECT_GT(bf16_values(test::ssm_output(marked, name)), 0) << name << " is float32";
-  const Vec& dzx = test::ssm_output(marked, "dzx");
+  const Vec dzx = test::ssm_output(marked, "dzx");
   for (int64_t r = 0; r < bc.rows(); ++r) {
     const Vec row(dzx.begin() + r * bc.ld(), dzx.begin() + r * bc.ld() + bc.cin());
     ASSERT_EQ(bf16_values(row), 0) << "dzx row " << r;
