@@ -38,7 +38,7 @@ struct EnumNames<NormKind> {
 };
 template <>
 struct EnumNames<Positions> {
-  static constexpr const char* names[] = {"learned", "rope"};
+  static constexpr const char* names[] = {"learned", "rope", "none"};
 };
 template <>
 struct EnumNames<ActivationStorage> {
@@ -130,6 +130,12 @@ const std::vector<Field>& fields() {
                                        FP4SIM_FIELD(model, tied_embeddings),
                                        FP4SIM_FIELD(model, bias),
                                        FP4SIM_ENUM_FIELD(model, activation_dtype),
+                                       FP4SIM_FIELD(model, mamba_expand),
+                                       FP4SIM_FIELD(model, mamba_head_dim),
+                                       FP4SIM_FIELD(model, mamba_groups),
+                                       FP4SIM_FIELD(model, mamba_state),
+                                       FP4SIM_FIELD(model, mamba_conv),
+                                       FP4SIM_FIELD(model, mamba_chunk),
                                        FP4SIM_FIELD(train, batch),
                                        FP4SIM_FIELD(train, grad_accum),
                                        FP4SIM_FIELD(train, steps),
@@ -244,6 +250,34 @@ void flatten(const Json& j, const std::string& prefix,
 
 [[noreturn]] void bad(const std::string& m) { throw std::invalid_argument("config: " + m); }
 
+// The Mamba-2 sizes (DESIGN.md §12), where model.pattern has an 'M' block.
+void validate_mamba(const ModelConfig& m) {
+  for (const auto& [k, v] : {std::pair<const char*, int64_t>{"model.mamba_expand", m.mamba_expand},
+                             {"model.mamba_head_dim", m.mamba_head_dim},
+                             {"model.mamba_groups", m.mamba_groups},
+                             {"model.mamba_state", m.mamba_state},
+                             {"model.mamba_conv", m.mamba_conv},
+                             {"model.mamba_chunk", m.mamba_chunk}})
+    if (v <= 0) bad(std::string(k) + " must be positive, got " + std::to_string(v));
+  const MambaDims d = mamba_dims(m);
+  if (d.d_inner % d.P != 0)
+    bad("model.mamba_head_dim " + std::to_string(d.P) + " does not divide d_inner = " +
+        "model.mamba_expand x model.d_model = " + std::to_string(d.d_inner));
+  if (d.H % d.G != 0)
+    bad("model.mamba_groups " + std::to_string(d.G) + " does not divide the " +
+        std::to_string(d.H) + " Mamba heads (d_inner " + std::to_string(d.d_inner) +
+        " / model.mamba_head_dim " + std::to_string(d.P) + ")");
+}
+
+// Whether any GEMM of Mamba block i's in_proj or out_proj is quantized under the recipe.
+bool mamba_block_quantized(const RunConfig& c, const std::vector<bool>& hp, int64_t i) {
+  if (!hp[static_cast<size_t>(i)]) return true;
+  const std::string pre = "blocks." + std::to_string(i) + ".mamba.";
+  for (const auto& [k, v] : c.recipe.override_gemms)
+    if (k.rfind(pre, 0) == 0 && v != GemmFormat::BF16) return true;
+  return false;
+}
+
 void validate_recipe(const RunConfig& c) {
   const RecipeConfig& r = c.recipe;
   const ModelConfig& m = c.model;
@@ -304,6 +338,31 @@ void validate_recipe(const RunConfig& c) {
         bad(std::string(what) + " = " + std::to_string(v) + " is not a multiple of " +
             std::to_string(blk) + ", the " + (any_fp8 ? "FP8" : (any_mx ? "MXFP4" : "NVFP4")) +
             " block the quantized GEMMs need");
+    // a quantized Mamba block: in_proj's output [z | x | B | C | dt_raw] and out_proj's input are
+    // blocked by 16 (d_inner, G*N and the heads, DESIGN.md §12), and by the recipe's block
+    const std::string p = block_pattern(m);
+    const std::vector<bool> hp = high_precision_blocks(c);
+    for (size_t i = 0; i < p.size(); ++i) {
+      if (p[i] != 'M' || !mamba_block_quantized(c, hp, static_cast<int64_t>(i))) continue;
+      const MambaDims d = mamba_dims(m);
+      const std::pair<std::string, int64_t> mdims[] = {
+          {"d_inner (model.mamba_expand x model.d_model)", d.d_inner},
+          {"G*N (model.mamba_groups x model.mamba_state)", d.G * d.N},
+          {"the Mamba heads (d_inner / model.mamba_head_dim)", d.H}};
+      for (const auto& [what, v] : mdims)
+        if (v % 16 != 0)
+          bad("model.pattern block " + std::to_string(i) + " (Mamba-2) has quantized linear " +
+              "layers, so " + what + " = " + std::to_string(v) +
+              " must be a multiple of 16 (the NVFP4 block); keep the block in BF16 "
+              "(recipe.hp_layers) or change the sizes");
+      for (const auto& [what, v] : {std::pair<std::string, int64_t>{"d_inner", d.d_inner},
+                                    {"in_proj's width 2 d_inner + 2 G N + H", d.in_proj_width()}})
+        if (v % blk != 0)
+          bad("model.pattern block " + std::to_string(i) + " (Mamba-2): " + what + " = " +
+              std::to_string(v) + " is not a multiple of " + std::to_string(blk) + ", the " +
+              (any_fp8 ? "FP8" : "MXFP4") + " block the quantized GEMMs need");
+      break;  // (every Mamba block has the same sizes)
+    }
   }
   // h.<layer>.<linear>.<gemm> (the presets' layout), blocks.<block>.<linear>.<gemm> (a pattern,
   // the linear one of the block's mixer); the value is parsed already
@@ -321,22 +380,28 @@ void validate_recipe(const RunConfig& c) {
       }
     }
     const std::string lin = ok ? k.substr(b + 1, z - b - 1) : "", g = ok ? k.substr(z + 1) : "";
+    const bool mamba_lin = lin == "mamba.in_proj" || lin == "mamba.out_proj";
     ok = ok &&
          (lin == "attn.c_attn" || lin == "attn.c_proj" || lin == "mlp.c_fc" ||
-          lin == "mlp.c_proj") &&
+          lin == "mlp.c_proj" || (mamba_lin && !m.pattern.empty())) &&
          (g == "fprop" || g == "dgrad" || g == "wgrad");
     if (!ok)
       bad("recipe.override." + k + ": expected recipe.override." + unit + ".<" +
           (m.pattern.empty() ? "layer" : "block") +
-          ">.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>.<fprop|dgrad|wgrad>");
+          ">.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj" +
+          (m.pattern.empty() ? "" : "|mamba.in_proj|mamba.out_proj") + ">.<fprop|dgrad|wgrad>");
     if (l < 0 || l >= L)
       bad("recipe.override." + k + ": block " + std::to_string(l) + " is outside 0.." +
           std::to_string(L - 1));
     if (!m.pattern.empty()) {
-      const bool attn = lin.rfind("attn.", 0) == 0;
-      if (attn != (m.pattern[static_cast<size_t>(l)] == '*'))
+      const char want = lin.rfind("attn.", 0) == 0 ? '*' : (mamba_lin ? 'M' : '-');
+      const char is = m.pattern[static_cast<size_t>(l)];
+      if (want != is)
         bad("recipe.override." + k + ": block " + std::to_string(l) + " of model.pattern is " +
-            (attn ? "an MLP ('-')" : "attention ('*')") + ", which has no " + lin);
+            (is == '-'   ? "an MLP ('-')"
+             : is == '*' ? "attention ('*')"
+                         : "Mamba-2 ('M')") +
+            ", which has no " + lin);
     }
   }
 }
@@ -442,12 +507,9 @@ void validate(const RunConfig& c) {
   if (!m.pattern.empty()) {
     for (size_t i = 0; i < m.pattern.size(); ++i) {
       const char ch = m.pattern[i];
-      if (ch == 'M')
-        bad("model.pattern '" + m.pattern + "': block " + std::to_string(i) +
-            " is a Mamba-2 block ('M'), which fp4sim does not implement yet");
-      if (ch != '*' && ch != '-')
+      if (ch != '*' && ch != '-' && ch != 'M')
         bad("model.pattern '" + m.pattern + "': character '" + std::string(1, ch) + "' at " +
-            std::to_string(i) + " is not a block ('*' attention, '-' MLP)");
+            std::to_string(i) + " is not a block ('*' attention, '-' MLP, 'M' Mamba-2)");
     }
     if (m.n_layers != static_cast<int64_t>(m.pattern.size()))
       bad("model.n_layers " + std::to_string(m.n_layers) + " differs from the " +
@@ -459,14 +521,13 @@ void validate(const RunConfig& c) {
         "got " +
         std::to_string(t.grad_accum));
   positive("train.steps", t.steps);
-  if (m.vocab > 65536)
-    bad("model.vocab " + std::to_string(m.vocab) + " exceeds the 16-bit token files");
   if (m.d_model % m.n_heads != 0)
     bad("model.d_model " + std::to_string(m.d_model) + " is not divisible by model.n_heads " +
         std::to_string(m.n_heads));
   if (m.n_heads % m.n_kv_heads != 0)
     bad("model.n_heads " + std::to_string(m.n_heads) + " is not divisible by model.n_kv_heads " +
         std::to_string(m.n_kv_heads));
+  if (block_pattern(m).find('M') != std::string::npos) validate_mamba(m);
   if (m.positions == Positions::Rope && (m.d_model / m.n_heads) % 2 != 0)
     bad("rope needs an even head dimension, got " + std::to_string(m.d_model / m.n_heads));
   if (m.positions == Positions::Learned && m.seq_len > m.max_positions)
@@ -537,6 +598,19 @@ std::string block_pattern(const ModelConfig& m) {
   return p;
 }
 
+MambaDims mamba_dims(const ModelConfig& m) {
+  MambaDims d;
+  d.D = m.d_model;
+  d.d_inner = m.mamba_expand * m.d_model;
+  d.P = m.mamba_head_dim;
+  d.H = d.P > 0 ? d.d_inner / d.P : 0;
+  d.G = m.mamba_groups;
+  d.N = m.mamba_state;
+  d.W = m.mamba_conv;
+  d.Q = m.mamba_chunk;
+  return d;
+}
+
 std::string unit_prefix(const ModelConfig& m, int64_t unit) {
   return (m.pattern.empty() ? "h." : "blocks.") + std::to_string(unit);
 }
@@ -550,8 +624,10 @@ int64_t parameter_count(const ModelConfig& m) {
       (2 + swiglu) * m.d_model * m.d_ff + (m.bias ? (1 + swiglu) * m.d_ff + m.d_model : 0);
   const int64_t emb = m.vocab * m.d_model * (m.tied_embeddings ? 1 : 2);
   const int64_t pos = m.positions == Positions::Learned ? m.max_positions * m.d_model : 0;
+  const int64_t mamba =
+      block_pattern(m).find('M') != std::string::npos ? mamba_dims(m).parameters() : 0;
   int64_t blocks = 0;
-  for (char b : block_pattern(m)) blocks += norm + (b == '*' ? attn : mlp);
+  for (char b : block_pattern(m)) blocks += norm + (b == '*' ? attn : (b == 'M' ? mamba : mlp));
   return blocks + emb + pos + norm;  // (+ ln_f)
 }
 

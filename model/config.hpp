@@ -15,7 +15,7 @@
 namespace fp4sim::model {
 
 // The config's choices, enums from parse time on (the names are those of the config files).
-enum class Positions : uint8_t { Learned, Rope };
+enum class Positions : uint8_t { Learned, Rope, None };
 enum class ActivationStorage : uint8_t { BF16, FP32 };
 // The format of a GEMM's operands: recipe.name, the values of recipe.override.*, and each GEMM of
 // a resolved LinearRecipe. BF16 quantizes nothing; the others are quantized copies (QFormat).
@@ -28,7 +28,7 @@ enum class FourOverSix : uint8_t { Off, Weights, Activations, All };
 enum class Bf16Switch : uint8_t { Forward, All };
 const char* name_of(Activation a);          // gelu_tanh | squared_relu | swiglu
 const char* name_of(NormKind n);            // layernorm | rmsnorm
-const char* name_of(Positions p);           // learned | rope
+const char* name_of(Positions p);           // learned | rope | none
 const char* name_of(ActivationStorage s);   // bf16 | fp32
 const char* name_of(Schedule s);            // cosine | wsd
 const char* name_of(GemmFormat f);          // bf16 | fp8 | nvfp4 | mxfp4
@@ -44,10 +44,10 @@ struct ModelConfig {
   int64_t seq_len = 256;
   int64_t d_model = 128;
   int64_t n_layers = 2;  // GPT layers ("*-" each); with model.pattern: the number of blocks
-  // model.pattern: the blocks, one character each ('*' attention, '-' MLP; DESIGN.md §11). Empty
-  // (the default): the GPT-2/Llama presets' layout, "*-" per layer, the layers named h.<l>. Given:
-  // block i is named blocks.<i>, model.n_layers is the pattern's length (set from it), and the
-  // high-precision rule and the per-GEMM overrides count blocks.
+  // model.pattern: the blocks, one character each ('*' attention, '-' MLP, 'M' Mamba-2; DESIGN.md
+  // §11). Empty (the default): the GPT-2/Llama presets' layout, "*-" per layer, the layers named
+  // h.<l>. Given: block i is named blocks.<i>, model.n_layers is the pattern's length (set from
+  // it), and the high-precision rule and the per-GEMM overrides count blocks.
   std::string pattern;
   int64_t n_heads = 4;
   int64_t n_kv_heads = 4;  // GQA when < n_heads
@@ -55,7 +55,7 @@ struct ModelConfig {
   Activation activation =
       Activation::GeluTanh;                  // model.activation: gelu_tanh | squared_relu | swiglu
   NormKind norm = NormKind::LayerNorm;       // model.norm: layernorm | rmsnorm
-  Positions positions = Positions::Learned;  // model.positions: learned | rope
+  Positions positions = Positions::Learned;  // model.positions: learned | rope | none
   int64_t max_positions = 256;               // learned positions table size
   bool tied_embeddings = true;
   bool bias = true;  // biases in the linear layers (GPT-2 has them)
@@ -63,7 +63,33 @@ struct ModelConfig {
   // bf16 rounds every stored activation and activation gradient to BF16 (RNE); fp32 keeps them
   // FP32 (for gradient checks and comparisons with FP32 references).
   ActivationStorage activation_dtype = ActivationStorage::BF16;
+  // The Mamba-2 blocks ('M' in model.pattern; DESIGN.md §12): d_inner = mamba_expand * d_model,
+  // heads H = d_inner / mamba_head_dim, mamba_groups groups of B and C (H % groups == 0), state
+  // size mamba_state, conv width mamba_conv, and mamba_chunk: the SSD chunk (the CUDA chunked
+  // scan's chunk, and the interval of the states both backends save for the backward pass).
+  int64_t mamba_expand = 2;
+  int64_t mamba_head_dim = 64;
+  int64_t mamba_groups = 1;
+  int64_t mamba_state = 128;
+  int64_t mamba_conv = 4;
+  int64_t mamba_chunk = 128;
 };
+
+// The Mamba-2 mixer's sizes from a model config (DESIGN.md §12).
+struct MambaDims {
+  int64_t D = 0, d_inner = 0, H = 0, P = 0, G = 0, N = 0, W = 0, Q = 0;
+  int64_t xbc_cols() const { return d_inner + 2 * G * N; }  // the conv's channels [x | B | C]
+  // in_proj's output [z | x | B | C | dt_raw]
+  int64_t in_proj_width() const { return 2 * d_inner + 2 * G * N + H; }
+  int64_t z_col() const { return 0; }
+  int64_t xbc_col() const { return d_inner; }
+  int64_t dt_col() const { return 2 * d_inner + 2 * G * N; }
+  // parameters of one Mamba-2 mixer (without its block's norm)
+  int64_t parameters() const {
+    return in_proj_width() * D + xbc_cols() * (W + 1) + 3 * H + d_inner + D * d_inner;
+  }
+};
+MambaDims mamba_dims(const ModelConfig& m);
 
 struct TrainConfig {
   int64_t batch = 8;  // sequences per micro-batch

@@ -44,25 +44,39 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
   validate(RunConfig{cfg, TrainConfig{}, RecipeConfig{}});
   run_.model = cfg;
   high_precision_.assign(static_cast<size_t>(cfg.n_layers), true);
-  recipes_.assign(static_cast<size_t>(cfg.n_layers * 4), LinearRecipe{});
+  recipes_.assign(static_cast<size_t>(cfg.n_layers * kLinearsPerUnit), LinearRecipe{});
   // the GPT presets' layer l: the blocks "*-", both in unit l (h.<l>); a model.pattern's block i:
-  // unit i (blocks.<i>). Attention's linears are 0 and 1, the MLP's 2 and 3 (kLinearNames).
+  // unit i (blocks.<i>). Attention's linears are 0 and 1, the MLP's 2 and 3, Mamba-2's 4 and 5
+  // (kLinearNames).
   const std::string pattern = block_pattern(cfg);
   for (size_t i = 0; i < pattern.size(); ++i) {
     const int64_t unit =
         cfg.pattern.empty() ? static_cast<int64_t>(i / 2) : static_cast<int64_t>(i);
     if (pattern[i] == '*')
       blocks_.push_back({BlockKind::Attention, unit, 0});
+    else if (pattern[i] == 'M')
+      blocks_.push_back({BlockKind::Mamba, unit, 4});
     else
       blocks_.push_back({BlockKind::Mlp, unit, 2});
   }
   const int64_t C = cfg.d_model, HD = C / cfg.n_heads,
                 QKV = (cfg.n_heads + 2 * cfg.n_kv_heads) * HD;
-  if (!be_.supports(Capability::AttentionHeadDim, HD))
+  const bool has_attention = pattern.find('*') != std::string::npos;
+  const bool has_mamba = pattern.find('M') != std::string::npos;
+  if (has_attention && !be_.supports(Capability::AttentionHeadDim, HD))
     throw std::invalid_argument(
         "model: head size model.d_model / model.n_heads = " + std::to_string(HD) + " (" +
         std::to_string(C) + " / " + std::to_string(cfg.n_heads) + ") is not one the " + be_.name() +
         " backend's attention takes (16, 32, 64 or 128)");
+  const MambaDims md = mamba_dims(cfg);
+  if (has_mamba && !be_.supports(Capability::SsmConvWidth, md.W))
+    throw std::invalid_argument("model: model.mamba_conv " + std::to_string(md.W) +
+                                " is not a conv width the " + be_.name() + " backend takes");
+  for (const auto& [key, v] :
+       {std::pair<const char*, int64_t>{"model.mamba_head_dim", md.P}, {"model.mamba_state", md.N}})
+    if (has_mamba && !be_.supports(Capability::SsmScanSize, v))
+      throw std::invalid_argument("model: " + std::string(key) + " " + std::to_string(v) +
+                                  " is not a size the " + be_.name() + " backend's scan takes");
   add("wte", {cfg.vocab, C});
   if (cfg.positions == Positions::Learned) add("wpe", {cfg.max_positions, C});
   for (size_t b = 0; b < blocks_.size(); ++b) {
@@ -70,7 +84,17 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
     const std::string norm = norm_name(b);
     add(norm + ".weight", {C});
     if (cfg.norm == NormKind::LayerNorm) add(norm + ".bias", {C});
-    if (blocks_[b].kind == BlockKind::Attention) {
+    if (blocks_[b].kind == BlockKind::Mamba) {
+      // (no biases in the projections, as Nemotron-H and mamba_ssm's Mamba2)
+      add(lname(l, "mamba.in_proj.weight"), {md.in_proj_width(), C});
+      add(lname(l, "mamba.conv.weight"), {md.xbc_cols(), md.W});
+      add(lname(l, "mamba.conv.bias"), {md.xbc_cols()});
+      add(lname(l, "mamba.dt_bias"), {md.H});
+      add(lname(l, "mamba.A_log"), {md.H});
+      add(lname(l, "mamba.D"), {md.H});
+      add(lname(l, "mamba.norm.weight"), {md.d_inner});
+      add(lname(l, "mamba.out_proj.weight"), {C, md.d_inner});
+    } else if (blocks_[b].kind == BlockKind::Attention) {
       add(lname(l, "attn.c_attn.weight"), {QKV, C});
       if (cfg.bias) add(lname(l, "attn.c_attn.bias"), {QKV});
       add(lname(l, "attn.c_proj.weight"), {C, C});
@@ -107,8 +131,8 @@ void Gpt::set_step(int64_t step) {
   step_ = step;
   if (!has_recipe_) return;
   for (int64_t l = 0; l < cfg_.n_layers; ++l)
-    for (int i = 0; i < 4; ++i)
-      recipes_[static_cast<size_t>(l * 4 + i)] =
+    for (int i = 0; i < kLinearsPerUnit; ++i)
+      recipes_[static_cast<size_t>(l * kLinearsPerUnit + i)] =
           resolve_linear_recipe(run_, high_precision_, l, i, step);
 }
 
@@ -140,7 +164,8 @@ std::vector<QuantStat> Gpt::take_stats() {
 
 std::string Gpt::pattern() const {
   std::string p;
-  for (const Block& b : blocks_) p += b.kind == BlockKind::Attention ? '*' : '-';
+  for (const Block& b : blocks_)
+    p += b.kind == BlockKind::Attention ? '*' : (b.kind == BlockKind::Mamba ? 'M' : '-');
   return p;
 }
 
@@ -204,7 +229,7 @@ bool Gpt::stores_bits(int64_t l, int linear) const {
   const bool all_bf16 = !linear_recipe(l, linear).any_quantized();
   // (statistics read a quantized linear's float32 input; GELU's output stays float32 where a
   // quantizer takes it from the op: Backend::quantize_activation)
-  return bits_on() && (all_bf16 || !stats_active_) &&
+  return bits_on() && (all_bf16 || !stats_active_) && linear != 5 &&
          (linear != 3 || (all_bf16 && cfg_.activation == Activation::GeluTanh));
 }
 
@@ -219,6 +244,8 @@ void Gpt::plan_storage() {
     if (blocks_[b].kind == BlockKind::Attention)
       a.mid16 =
           bits_on() && cfg_.positions != Positions::Rope;  // (RoPE rotates qkv in place in float32)
+    else if (blocks_[b].kind == BlockKind::Mamba)
+      a.mid16 = false;  // (the SSM ops take float32)
     else  // (c_fc's output as bits: both MLP linears all BF16 with GELU, whose passes read bits)
       a.mid16 = a.in16[1] && !linear_recipe(l, 2).any_quantized();
   }
@@ -250,11 +277,15 @@ TensorView Gpt::act_view(BackendBuffer& b, int64_t rows, int64_t cols, bool bits
 
 TensorView Gpt::linear_input(size_t b, int i) {
   const int linear = blocks_[b].linear0 + i;
-  const int64_t l = blocks_[b].layer, N = B_ * T_, width = linear == 3 ? cfg_.d_ff : cfg_.d_model;
+  const int64_t l = blocks_[b].layer, N = B_ * T_,
+                width = linear == 3   ? cfg_.d_ff
+                        : linear == 5 ? mamba_dims(cfg_).d_inner
+                                      : cfg_.d_model;
   BlockActs& a = acts_[b];
   const bool bits = a.in16[i];
-  static constexpr const char* kNames[4] = {"ln_1 output", "attention output", "ln_2 output",
-                                            "mlp activation"};
+  static constexpr const char* kNames[kLinearsPerUnit] = {
+      "ln_1 output",    "attention output",  "ln_2 output",
+      "mlp activation", "mamba norm output", "mamba gated norm output"};
   // the attention output (linear 1's input) is always kept: the attention backward pass reads it
   if (linear != 1 && linear_recipe(l, linear).wgrad != GemmFormat::BF16)
     return act_view(bits ? scratch16_in_[linear] : scratch_in_[linear], N, width, bits,
@@ -328,13 +359,13 @@ void Gpt::linear_bwd(int64_t l, int linear, size_t b, const TensorView& dinp,
 
 TensorView Gpt::dgrad_view(int64_t l, int i, int64_t width) {
   auto all_bf16 = [&](int k) { return !linear_recipe(l, k).any_quantized(); };
-  const bool bits = bits_on() && all_bf16(i) &&
+  const bool bits = bits_on() && all_bf16(i) && i != 5 &&
                     (i != 3 || (cfg_.activation == Activation::GeluTanh && all_bf16(2)));
-  static constexpr const char* kNames[4] = {"ln_1 output gradient", "attention output gradient",
-                                            "ln_2 output gradient", "mlp activation gradient"};
-  BackendBuffer& f = i == 0 ? dln1_ : i == 1 ? datty_ : i == 2 ? dln2_ : dact_;
+  static constexpr const char* kNames[kLinearsPerUnit] = {
+      "ln_1 output gradient",    "attention output gradient",  "ln_2 output gradient",
+      "mlp activation gradient", "mamba norm output gradient", "mamba gated norm output gradient"};
   if (bits) return act_view(dinp16_[i], B_ * T_, width, true, kNames[i], kUseActivationGradients);
-  return f32(f, B_ * T_, width, kNames[i], kUseActivationGradients);
+  return f32(dinp_[i], B_ * T_, width, kNames[i], kUseActivationGradients);
 }
 
 TensorView Gpt::stream_in(size_t b) {
@@ -388,13 +419,46 @@ void Gpt::init(uint64_t seed) {
   // GPT-2's 1/sqrt(2 L): one factor per residual add, so 1/sqrt(blocks) for a model.pattern
   const float resid_scale = 1.0f / std::sqrt(static_cast<float>(blocks_.size()));
   std::vector<float> h(n_params_);
+  std::uniform_real_distribution<double> ud(0.0, 1.0);
+  auto ends_with = [](const std::string& s, const char* e) {
+    const size_t n = std::char_traits<char>::length(e);
+    return s.size() >= n && s.compare(s.size() - n, n, e) == 0;
+  };
   for (const ParamTensor& t : tensors_) {
     float* x = h.data() + t.offset;
+    // the Mamba-2 mixer's own parameters, as mamba_ssm's Mamba2 initialises them (DESIGN.md §12):
+    // dt log-uniform in [1e-3, 1e-1] (floor 1e-4) and dt_bias its softplus inverse,
+    // A_log = log(U[1, 16]), D = 1, the conv as PyTorch's Conv1d default U(-1/sqrt(W), 1/sqrt(W))
+    // for weight and bias (fan_in = W, one input channel a group); the projections as below
+    if (ends_with(t.name, ".mamba.dt_bias")) {
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        const double dt =
+            std::max(std::exp(ud(rng) * (std::log(0.1) - std::log(0.001)) + std::log(0.001)), 1e-4);
+        x[i] = static_cast<float>(dt + std::log(-std::expm1(-dt)));
+      }
+      continue;
+    }
+    if (ends_with(t.name, ".mamba.A_log")) {
+      for (int64_t i = 0; i < t.numel(); ++i)
+        x[i] = static_cast<float>(std::log(1.0 + 15.0 * ud(rng)));
+      continue;
+    }
+    if (ends_with(t.name, ".mamba.D")) {
+      std::fill(x, x + t.numel(), 1.0f);
+      continue;
+    }
+    if (ends_with(t.name, ".mamba.conv.weight") || ends_with(t.name, ".mamba.conv.bias")) {
+      const double bound = 1.0 / std::sqrt(static_cast<double>(cfg_.mamba_conv));
+      for (int64_t i = 0; i < t.numel(); ++i)
+        x[i] = static_cast<float>((2.0 * ud(rng) - 1.0) * bound);
+      continue;
+    }
     const bool norm_weight =
         (t.name.find("ln_") != std::string::npos || t.name.find(".norm.") != std::string::npos) &&
         t.name.find(".weight") != std::string::npos;
     const bool bias = t.name.find(".bias") != std::string::npos;
-    const bool resid = t.name.find("c_proj.weight") != std::string::npos;
+    const bool resid = t.name.find("c_proj.weight") != std::string::npos ||
+                       t.name.find("out_proj.weight") != std::string::npos;
     for (int64_t i = 0; i < t.numel(); ++i)
       x[i] = norm_weight ? 1.0f : (bias ? 0.0f : 0.02f * nd(rng) * (resid ? resid_scale : 1.0f));
   }
@@ -447,8 +511,9 @@ void Gpt::allocate_activations(int64_t B, int64_t T) {
   dfc_ = f32b(N * FC, "mlp.c_fc output gradient", kUseActivationGradients);
   dqkv_ = f32b(N * QKV, "dqkv", kUseActivationGradients);
   // (the linears' Dgrad outputs: made where first used, by dgrad_view, as float32 or BF16 bits)
-  for (BackendBuffer* d : {&dact_, &dln2_, &datty_, &dln1_}) *d = BackendBuffer();
+  for (BackendBuffer& d : dinp_) d = BackendBuffer();
   for (BackendBuffer& d : dinp16_) d = BackendBuffer();
+  for (BackendBuffer* d : {&dzx_, &dxbc_, &dsy_}) *d = BackendBuffer();
   alloc_B_ = B;
   alloc_T_ = T;
 }
@@ -494,6 +559,8 @@ float Gpt::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int
     // (block b's norm: made by the residual add of the block before, residual_after)
     if (blocks_[b].kind == BlockKind::Attention)
       attention_block_forward(b, stream_in(b), b > 0);
+    else if (blocks_[b].kind == BlockKind::Mamba)
+      mamba_block_forward(b, stream_in(b), b > 0);
     else
       mlp_block_forward(b, stream_in(b), b > 0);
   }
@@ -564,6 +631,61 @@ void Gpt::mlp_block_forward(size_t b, const TensorView& in, bool norm_done) {
   residual_after(b, in);
 }
 
+SsmShape Gpt::ssm_shape() const {
+  const MambaDims d = mamba_dims(cfg_);
+  SsmShape s;
+  s.B = B_;
+  s.T = T_;
+  s.H = d.H;
+  s.P = d.P;
+  s.G = d.G;
+  s.N = d.N;
+  s.chunk = d.Q;
+  return s;
+}
+
+TensorView Gpt::mamba_param(size_t b, const char* what) const {
+  return param(lname(blocks_[b].layer, "mamba.") + what);
+}
+
+TensorView Gpt::mamba_grad(size_t b, const char* what) const {
+  return grad(lname(blocks_[b].layer, "mamba.") + what);
+}
+
+TensorView Gpt::columns(TensorView v, int64_t col, int64_t cols) {
+  v.row_stride = v.stride();
+  v.data = static_cast<float*>(v.data) + col;
+  v.cols = cols;
+  return v;
+}
+
+void Gpt::mamba_block_forward(size_t b, const TensorView& in, bool norm_done) {
+  BlockActs& a = acts_[b];
+  const int64_t l = blocks_[b].layer, N = B_ * T_;
+  const MambaDims d = mamba_dims(cfg_);
+  const SsmShape s = ssm_shape();
+  const TensorView nx = linear_input(b, 0);
+  if (!norm_done) norm_forward(block_norm(b), nx, in);
+  // in_proj: [z | x | B | C | dt_raw], stored BF16 (float32 holding BF16 values: the SSM ops take
+  // float32), its slices read in place
+  const TensorView zx = act_view(a.zx, N, d.in_proj_width(), false, "mamba.in_proj out");
+  linear_fwd(l, 4, b, zx, as_stored(nx));
+  const TensorView zxs = as_stored(zx);
+  const TensorView xbc = act_view(a.xbc, N, d.xbc_cols(), false, "mamba conv out");
+  be_.ssm_conv_forward(xbc, columns(zxs, d.xbc_col(), d.xbc_cols()), mamba_param(b, "conv.weight"),
+                       mamba_param(b, "conv.bias"), s);
+  const TensorView sy = act_view(a.sy, N, d.d_inner, false, "mamba scan out");
+  be_.ssm_scan_forward(sy, f32(a.states, s.B * s.H * s.chunks(), s.P * s.N, "mamba states"),
+                       f32(a.dt, N, s.H, "mamba dt"), f32(a.A, s.H, 1, "mamba A"), as_stored(xbc),
+                       columns(zxs, d.dt_col(), d.H), mamba_param(b, "dt_bias"),
+                       mamba_param(b, "A_log"), mamba_param(b, "D"), s);
+  const TensorView gy = linear_input(b, 1);
+  be_.gated_norm_forward(gy, f32(a.grstd, N, s.G, "mamba gated norm rstd"), as_stored(sy),
+                         columns(zxs, d.z_col(), d.d_inner), mamba_param(b, "norm.weight"));
+  linear_fwd(l, 5, b, proj_view(b), as_stored(gy));
+  residual_after(b, in);
+}
+
 void Gpt::residual_after(size_t b, const TensorView& in) {
   TensorView res = stream_in(b + 1);
   res.bf16_values = round_bf16();
@@ -623,6 +745,8 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   for (size_t b = blocks_.size(); b-- > 0;) {
     if (blocks_[b].kind == BlockKind::Attention)
       attention_block_backward(b, stream_in(b));
+    else if (blocks_[b].kind == BlockKind::Mamba)
+      mamba_block_backward(b, stream_in(b));
     else
       mlp_block_backward(b, stream_in(b));
   }
@@ -652,7 +776,7 @@ void Gpt::mlp_block_backward(size_t b, const TensorView& in) {
   BlockActs& a = acts_[b];
   const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model, F = cfg_.d_ff;
   const bool rb = round_bf16();
-  // (dact_, dln2_: written by linear_bwd; dfc_ by the activation's backward pass: no zeroing)
+  // (the Dgrad outputs: written by linear_bwd; dfc_ by the activation's backward pass: no zeroing)
   const TensorView dact = dgrad_view(l, 3, F);
   linear_bwd(l, 3, b, dact, as_stored(dx_view()));
   TensorView dfc = f32(dfc_, N, fc_width(), "mlp.c_fc output gradient", kUseActivationGradients);
@@ -675,6 +799,46 @@ void Gpt::mlp_block_backward(size_t b, const TensorView& in) {
   norm_backward(block_norm(b), read_rounded(dln2, rb), in);
 }
 
+void Gpt::mamba_block_backward(size_t b, const TensorView& in) {
+  BlockActs& a = acts_[b];
+  const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model;
+  const MambaDims d = mamba_dims(cfg_);
+  const SsmShape s = ssm_shape();
+  const bool rb = round_bf16();
+  const TensorView dgy = dgrad_view(l, 5, d.d_inner);
+  linear_bwd(l, 5, b, dgy, as_stored(dx_view()));
+  // the in_proj output's gradient, its slices written in place by the three ops (every column:
+  // z's by the gated norm, [x | B | C]'s by the conv, dt_raw's by the scan)
+  TensorView dzx =
+      f32(dzx_, N, d.in_proj_width(), "mamba.in_proj output gradient", kUseActivationGradients);
+  dzx.bf16_values = rb;
+  const TensorView zxs =
+      as_stored(act_view(a.zx, N, d.in_proj_width(), false, "mamba.in_proj out"));
+  TensorView dsy = f32(dsy_, N, d.d_inner, "mamba scan out gradient", kUseActivationGradients);
+  dsy.bf16_values = rb;
+  be_.gated_norm_backward(dsy, columns(dzx, d.z_col(), d.d_inner), mamba_grad(b, "norm.weight"),
+                          read_rounded(dgy, rb),
+                          as_stored(act_view(a.sy, N, d.d_inner, false, "mamba scan out")),
+                          columns(zxs, d.z_col(), d.d_inner), mamba_param(b, "norm.weight"),
+                          f32(a.grstd, N, s.G, "mamba gated norm rstd"));
+  TensorView dxbc = f32(dxbc_, N, d.xbc_cols(), "mamba conv out gradient", kUseActivationGradients);
+  dxbc.bf16_values = rb;
+  const TensorView xbc = as_stored(act_view(a.xbc, N, d.xbc_cols(), false, "mamba conv out"));
+  be_.ssm_scan_backward(dxbc, columns(dzx, d.dt_col(), d.H), mamba_grad(b, "dt_bias"),
+                        mamba_grad(b, "A_log"), mamba_grad(b, "D"), as_stored(dsy), xbc,
+                        f32(a.dt, N, s.H, "mamba dt"), f32(a.A, s.H, 1, "mamba A"),
+                        columns(zxs, d.dt_col(), d.H), mamba_param(b, "dt_bias"),
+                        mamba_param(b, "A_log"), mamba_param(b, "D"),
+                        f32(a.states, s.B * s.H * s.chunks(), s.P * s.N, "mamba states"), s);
+  be_.ssm_conv_backward(columns(dzx, d.xbc_col(), d.xbc_cols()), mamba_grad(b, "conv.weight"),
+                        mamba_grad(b, "conv.bias"), as_stored(dxbc),
+                        columns(zxs, d.xbc_col(), d.xbc_cols()), mamba_param(b, "conv.weight"),
+                        mamba_param(b, "conv.bias"), s);
+  const TensorView dnx = dgrad_view(l, 4, C);
+  linear_bwd(l, 4, b, dnx, as_stored(dzx));
+  norm_backward(block_norm(b), read_rounded(dnx, rb), in);
+}
+
 void Gpt::attention_block_backward(size_t b, const TensorView& in) {
   BlockActs& a = acts_[b];
   const int64_t l = blocks_[b].layer, N = B_ * T_, C = cfg_.d_model;
@@ -684,7 +848,7 @@ void Gpt::attention_block_backward(size_t b, const TensorView& in) {
   const bool bits = a.in16[1] || a.mid16;
   const TensorView datty =
       bits ? dgrad_view(l, 1, C)
-           : f32(datty_, N, C, "attention output gradient", kUseActivationGradients);
+           : f32(dinp_[1], N, C, "attention output gradient", kUseActivationGradients);
   linear_bwd(l, 1, b, datty, as_stored(dx_view()));
   // (no rounding pass over datty with BF16 attention: attention_backward is its only reader and
   // reads it as bf16(dout) on both backends, so the pass would change no bit it computes)
@@ -713,8 +877,8 @@ size_t Gpt::saved_activation_bytes() const {
   size_t n = emb_.bytes() + lnf_.bytes() + lnf_mean_.bytes() + lnf_rstd_.bytes() + logits_.bytes() +
              losses_.bytes();
   for (const BlockActs& a : acts_) {
-    for (const BackendBuffer* b :
-         {&a.norm, &a.mean, &a.rstd, &a.qkv, &a.lse, &a.fc, &a.y, &a.proj, &a.res})
+    for (const BackendBuffer* b : {&a.norm, &a.mean, &a.rstd, &a.qkv, &a.lse, &a.fc, &a.y, &a.proj,
+                                   &a.res, &a.zx, &a.xbc, &a.dt, &a.A, &a.states, &a.sy, &a.grstd})
       n += b->bytes();
     for (const auto& q : a.saved_x)
       if (q) n += q->bytes();
@@ -764,7 +928,10 @@ std::string Gpt::first_nonfinite_in_forward() const {
   for (size_t b = 0; b < acts_.size(); ++b)
     if (bad(acts_[b].res))
       return "the residual stream after " + unit_prefix(cfg_, blocks_[b].layer) + " (" +
-             (blocks_[b].kind == BlockKind::Attention ? "attention" : "MLP") + ")";
+             (blocks_[b].kind == BlockKind::Attention ? "attention"
+              : blocks_[b].kind == BlockKind::Mamba   ? "Mamba-2"
+                                                      : "MLP") +
+             ")";
   return "the logits or the loss (the residual stream is finite)";
 }
 

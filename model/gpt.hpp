@@ -1,6 +1,7 @@
-// A decoder-only transformer (GPT-2 / Llama family, config-driven) built from blocks (DESIGN.md
-// §11): token embedding (+ learned positions) -> blocks -> final norm -> head, each block
-// x = x + mixer(norm(x)) with an attention ('*') or MLP ('-') mixer; a layer h.<l> of the GPT
+// A decoder-only language model (GPT-2 / Llama / Nemotron-H family, config-driven) built from
+// blocks (DESIGN.md §11): token embedding (+ learned positions) -> blocks -> final norm -> head,
+// each block x = x + mixer(norm(x)) with an attention ('*'), MLP ('-') or Mamba-2 ('M', §12)
+// mixer; a layer h.<l> of the GPT
 // presets is the two blocks "*-", which keep the parameter names, SR streams and per-GEMM override
 // keys of layer l. Forward, backward, and the named FP32 parameter tensors the optimizer and
 // checkpoints use.
@@ -67,9 +68,9 @@ class Gpt {
   // outputs bit for bit. backward() after such a pass is an error.
   void set_inference(bool on) { inference_ = on; }
   const LinearRecipe& linear_recipe(int64_t layer, int linear) const {
-    return recipes_[static_cast<size_t>(layer * 4 + linear)];
+    return recipes_[static_cast<size_t>(layer * kLinearsPerUnit + linear)];
   }
-  // The blocks' pattern, one character a block ('*' attention, '-' MLP; DESIGN.md §11).
+  // The blocks' pattern, one character a block ('*' attention, '-' MLP, 'M' Mamba-2; §11).
   std::string pattern() const;
   // One line per block: which format each GEMM of each linear layer runs in.
   std::string describe_recipe() const;
@@ -131,14 +132,20 @@ class Gpt {
   std::string first_nonfinite_in_forward() const;
 
  private:
-  enum class BlockKind : uint8_t { Attention, Mlp };
+  enum class BlockKind : uint8_t { Attention, Mlp, Mamba };
   // One block's activations of the last forward pass. Attention: norm = ln_1's output (linear 0's
   // input), qkv, lse (B,NH,T) the per-row log-sum-exp (all the backward pass needs besides y),
   // y = the attention output (linear 1's input). MLP: norm = ln_2's output (linear 2's input),
   // fc = c_fc's output, y = the activation (linear 3's input). res: the residual stream after the
   // block; proj: the block's c_proj output when kept as float32 (read once, by the residual add).
+  // Mamba-2 (float32 holding BF16 values, as the SSM ops take): norm = the block norm's output
+  // (in_proj's input), zx = in_proj's output [z | x | B | C | dt_raw], xbc = the conv's output,
+  // dt (B*T, H) and A (H) from the scan's forward pass, states = the scan's chunk-end states
+  // (FP32), sy = the scan's output, grstd (B*T, G) = the gated norm's rstd, y = the gated norm's
+  // output (out_proj's input).
   struct BlockActs {
     BackendBuffer norm, mean, rstd, qkv, lse, fc, y, proj, res;
+    BackendBuffer zx, xbc, dt, A, states, sy, grstd;
     // x^T of each of the block's linear layers' Wgrad GEMM, quantized in the forward pass when that
     // GEMM is quantized; then the layer's input is not kept: it is written to a scratch buffer
     // shared by all layers (DESIGN.md §9, saved activations in quantized form). The attention
@@ -156,11 +163,12 @@ class Gpt {
   struct Block {
     BlockKind kind;
     int64_t layer;  // the recipe unit: h.<layer> (presets) or blocks.<layer> (model.pattern)
-    int linear0;    // the layer's index of the block's first linear (0: c_attn, 2: c_fc)
+    int linear0;    // the unit's index of the block's first linear (0 c_attn, 2 c_fc, 4 in_proj)
   };
   // Whether linear `linear` of layer l keeps its input as BF16 bits in this forward pass: BF16
   // activations and precision; no statistics this step unless all three of its GEMMs are BF16;
-  // linear 3 (the activation's output) only with all three BF16 and GELU.
+  // linear 3 (the activation's output) only with all three BF16 and GELU; linear 5 (out_proj,
+  // whose input the gated norm writes as float32) never.
   bool stores_bits(int64_t l, int linear) const;
   // Whether any tensor may be kept as BF16 bits: the switch on, BF16 activations and precision.
   bool bits_on() const { return bf16_bits_ && round_bf16() && prec_ == GemmPrecision::BF16; }
@@ -180,6 +188,7 @@ class Gpt {
   void reallocate(BackendBuffer& b, size_t bytes, const char* use, const char* name);
   // The input of a block's linear `i` (0 or 1): kept in the block's own buffer when the backward
   // pass reads it (a BF16 Wgrad, or the attention output), else in the shared scratch.
+  // Its width: d_model, the MLP's d_ff (linear 3) or the Mamba's d_inner (linear 5).
   TensorView linear_input(size_t b, int i);
   TensorView param(const std::string& name) const;
   TensorView param16(const std::string& name) const;
@@ -201,18 +210,27 @@ class Gpt {
   // output is made here unless norm_done (the block before fused it into its residual add).
   void attention_block_forward(size_t b, const TensorView& in, bool norm_done);
   void mlp_block_forward(size_t b, const TensorView& in, bool norm_done);
+  void mamba_block_forward(size_t b, const TensorView& in, bool norm_done);
+  // The Mamba-2 op sizes and the views of block b's mixer parameters and gradients.
+  SsmShape ssm_shape() const;
+  TensorView mamba_param(size_t b, const char* what) const;
+  TensorView mamba_grad(size_t b, const char* what) const;
+  // A column slice [col, col + cols) of a (B*T, width) float32 view (row stride kept).
+  static TensorView columns(TensorView v, int64_t col, int64_t cols);
   // The residual add after block b, fused with the next block's norm where one follows.
   void residual_after(size_t b, const TensorView& in);
   // dx (the residual stream's gradient) += the block's contribution; in: the block's input.
   void attention_block_backward(size_t b, const TensorView& in);
   void mlp_block_backward(size_t b, const TensorView& in);
+  void mamba_block_backward(size_t b, const TensorView& in);
   void linear_fwd(int64_t l, int linear, size_t b, const TensorView& out, const TensorView& inp,
                   const ActivationSource* pending_input = nullptr);
   void linear_bwd(int64_t l, int linear, size_t b, const TensorView& dinp, const TensorView& dout,
                   const ActivationSource* pending_dout = nullptr);
   // The Dgrad output of linear i of layer l as the writer's view: BF16 bits where all three of its
   // GEMMs are BF16 with BF16 storage (linear 3 also needs c_fc all BF16 with GELU, whose fused
-  // backward pass reads it), else float32 unrounded (its BF16 storage applied where it is read).
+  // backward pass reads it; linear 5's, which the gated norm's backward pass reads as float32,
+  // never), else float32 unrounded (its BF16 storage applied where it is read).
   TensorView dgrad_view(int64_t l, int i, int64_t width);
   // The residual stream entering block b (the embeddings' output for block 0; b = the block count:
   // the last block's output), as stored.
@@ -243,8 +261,8 @@ class Gpt {
   bool has_recipe_ = false;
   std::vector<bool> high_precision_;
   std::vector<Block> blocks_;
-  // the linear inputs that are not kept, by linear index (0, 2, 3; float32 or BF16 bits)
-  BackendBuffer scratch_in_[4], scratch16_in_[4];
+  // the linear inputs that are not kept, by linear index (0, 2, 3, 4, 5; float32 or BF16 bits)
+  BackendBuffer scratch_in_[kLinearsPerUnit], scratch16_in_[kLinearsPerUnit];
   BackendBuffer proj16_;   // the c_proj outputs as BF16 bits until the residual add reads them
   bool logits16_ = false;  // the last forward kept the logits as BF16 bits
   // The parameters' BF16 bits, current while a forward or backward pass runs (WeightShadow: made at
@@ -267,7 +285,7 @@ class Gpt {
    private:
     Gpt& m_;
   };
-  std::vector<LinearRecipe> recipes_;  // [layer * 4 + linear]
+  std::vector<LinearRecipe> recipes_;  // [layer * kLinearsPerUnit + linear]
   int64_t step_ = 0, micro_batch_ = 0;
   bool collect_stats_ = false, stats_active_ = false;
   bool inference_ = false, inference_pass_ = false;  // (set_inference; the last forward pass's)
@@ -292,9 +310,12 @@ class Gpt {
   void loss_gradient(int64_t micro_batches);
   std::vector<BlockActs> acts_;  // one a block
   // backward scratch
-  BackendBuffer dlosses_, dlogits_, dlnf_, dx_, dact_, dfc_, dln2_, datty_, dqkv_, dln1_;
-  // the Dgrad outputs of linears 0..3 as BF16 bits (dgrad_view)
-  BackendBuffer dinp16_[4];
+  BackendBuffer dlosses_, dlogits_, dlnf_, dx_, dfc_, dqkv_;
+  // the Mamba-2 blocks' backward scratch: the in_proj output's gradient, the conv output's, the
+  // scan output's
+  BackendBuffer dzx_, dxbc_, dsy_;
+  // the Dgrad outputs of linears 0..5 as float32 or BF16 bits (dgrad_view)
+  BackendBuffer dinp_[kLinearsPerUnit], dinp16_[kLinearsPerUnit];
 };
 
 }  // namespace fp4sim::model

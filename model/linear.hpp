@@ -29,7 +29,8 @@ enum class TensorRole : uint64_t { Activation = 0, Weight = 1, Gradient = 2 };
 // streams; seed = train.seed):
 //   stream = step << 32 | micro_batch << 24 | layer << 12 | linear << 4 | role << 1 | copy
 // step < 2^32, micro_batch < 256, layer < 4096, linear (0 c_attn, 1 attn c_proj, 2 c_fc,
-// 3 mlp c_proj) < 8, role (TensorRole) < 8, copy 0 = row-wise, 1 = column-wise.
+// 3 mlp c_proj, 4 mamba in_proj, 5 mamba out_proj) < 8, role (TensorRole) < 8, copy 0 =
+// row-wise, 1 = column-wise.
 uint64_t sr_stream(int64_t step, int64_t micro_batch, int64_t layer, int64_t linear,
                    TensorRole role, int copy);
 
@@ -49,9 +50,11 @@ struct LinearRecipe {
   }
 };
 
-// The four linear layers of a block, in the order of their `linear` index.
-inline constexpr const char* kLinearNames[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc",
-                                                "mlp.c_proj"};
+// The linear layers of a recipe unit (a preset's layer h.<l>: attention's two, then the MLP's;
+// a pattern block blocks.<i>: its mixer's two), in the order of their `linear` index.
+inline constexpr int kLinearsPerUnit = 6;
+inline constexpr const char* kLinearNames[kLinearsPerUnit] = {
+    "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "mamba.in_proj", "mamba.out_proj"};
 
 // Linear `linear` of block `layer` at training step `step` under the run's recipe: the recipe's
 // format unless the block is high-precision, then recipe.override.h.<layer>.<linear>.<gemm>, then

@@ -32,6 +32,10 @@ struct Dataset {
 // The training and validation token files (the validation split only with need_train = false, as
 // eval needs), each checked against the model's vocabulary and one batch's length.
 Dataset load_data(const RunConfig& c, bool need_train = true) {
+  if (c.model.vocab > 65536)
+    throw std::invalid_argument("model.vocab " + std::to_string(c.model.vocab) +
+                                " exceeds the 16-bit tokens fp4sim trains on (at most 65536): "
+                                "such a model can be planned (fp4sim config), not trained");
   Dataset d;
   const bool synthetic = c.train.data == "synthetic";
   const int64_t n_synthetic =

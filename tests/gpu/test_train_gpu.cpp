@@ -28,17 +28,19 @@ std::string temp_dir(const std::string& what) {
       .string();
 }
 
-// tiny on the corpus when it is there (scripts/fetch_corpus.sh), else on synthetic tokens
-RunConfig tiny(const std::vector<std::string>& extra) {
+// configs/<name>.json on the corpus when it is there (scripts/fetch_corpus.sh), else on synthetic
+// tokens
+RunConfig preset(const std::string& name, const std::vector<std::string>& extra) {
   const std::string src = FP4SIM_SOURCE_DIR;
   const bool corpus = std::filesystem::exists(src + "/data/corpus.train.tokens");
   std::vector<std::string> o = {
       "train.warmup=2", "train.eval_every=0",
       "train.data=" + (corpus ? src + "/data/corpus" : std::string("synthetic"))};
   o.insert(o.end(), extra.begin(), extra.end());
-  std::printf("[train-gpu] tiny on %s\n", corpus ? "the corpus" : "synthetic tokens");
-  return load_config(src + "/configs/tiny.json", o);
+  std::printf("[train-gpu] %s on %s\n", name.c_str(), corpus ? "the corpus" : "synthetic tokens");
+  return load_config(src + "/configs/" + name + ".json", o);
 }
+RunConfig tiny(const std::vector<std::string>& extra) { return preset("tiny", extra); }
 
 TrainResult run(const RunConfig& c, Backend& be, const std::string& resume = "") {
   TrainOptions opt;
@@ -51,11 +53,15 @@ TrainResult run(const RunConfig& c, const std::string& backend, const std::strin
   return run(c, *be, resume);
 }
 
-TEST(TrainGpu, TinyTenStepsMatchEmulator) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
-  const std::string dir = temp_dir("agree");
-  const TrainResult e = run(tiny({"train.steps=10", "train.out_dir=" + dir + "/emu"}), "emu");
-  const TrainResult g = run(tiny({"train.steps=10", "train.out_dir=" + dir + "/cuda"}), "cuda");
+// 10 steps of configs/<name>.json on the emulator and on CUDA: losses within 1%, gradient norms
+// within 5%, every step.
+void expect_ten_steps_agree(const std::string& name, const std::vector<std::string>& extra) {
+  const std::string dir = temp_dir("agree_" + name);
+  std::vector<std::string> e_o = extra, g_o = extra;
+  e_o.insert(e_o.end(), {"train.steps=10", "train.out_dir=" + dir + "/emu"});
+  g_o.insert(g_o.end(), {"train.steps=10", "train.out_dir=" + dir + "/cuda"});
+  const TrainResult e = run(preset(name, e_o), "emu");
+  const TrainResult g = run(preset(name, g_o), "cuda");
   ASSERT_EQ(e.steps.size(), 10u);
   ASSERT_EQ(g.steps.size(), 10u);
   double worst_loss = 0, worst_norm = 0;
@@ -72,10 +78,23 @@ TEST(TrainGpu, TinyTenStepsMatchEmulator) {
     EXPECT_LT(rn, 0.05) << "step " << i + 1;
   }
   std::printf(
-      "[train-gpu] worst relative difference: loss %.2e (budget 1e-2), grad norm %.2e (budget "
+      "[train-gpu] %s: worst relative difference: loss %.2e (budget 1e-2), grad norm %.2e (budget "
       "5e-2)\n",
-      worst_loss, worst_norm);
+      name.c_str(), worst_loss, worst_norm);
   std::filesystem::remove_all(dir);
+}
+
+TEST(TrainGpu, TinyTenStepsMatchEmulator) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  expect_ten_steps_agree("tiny", {});
+}
+
+// The Mamba-2 hybrid (DESIGN.md §11-§12), the CUDA scan chunked (the default CudaOptions): BF16,
+// and NVFP4 with exact GEMMs
+TEST(TrainGpu, HybridTinyTenStepsMatchEmulator) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  expect_ten_steps_agree("nemotron-h-tiny", {});
+  expect_ten_steps_agree("nemotron-h-tiny", {"recipe.name=nvfp4"});
 }
 
 // A head size the CUDA attention kernels do not take (48) is refused when the model is made, before
@@ -160,8 +179,9 @@ TEST(TrainGpu, LlamaStyleVariantMatchesEmulator) {
   std::filesystem::remove_all(dir);
 }
 
-void expect_bitwise_resume(const std::string& backend, const std::vector<std::string>& recipe) {
-  const std::string dir = temp_dir("resume_" + backend);
+void expect_bitwise_resume(const std::string& backend, const std::vector<std::string>& recipe,
+                           const std::string& name = "tiny") {
+  const std::string dir = temp_dir("resume_" + backend + "_" + name);
   std::filesystem::remove_all(
       dir);  // (a leftover of an earlier failed case holds later checkpoints)
   std::vector<std::string> o = {"train.steps=10", "train.checkpoint_every=5", "train.batch=4"};
@@ -169,7 +189,7 @@ void expect_bitwise_resume(const std::string& backend, const std::vector<std::st
   auto cfg = [&](const std::string& out) {
     std::vector<std::string> x = o;
     x.push_back("train.out_dir=" + out);
-    return tiny(x);
+    return preset(name, x);
   };
   const TrainResult full = run(cfg(dir + "/full"), backend);
   const TrainResult cont =
@@ -189,6 +209,9 @@ TEST(TrainGpu, BitwiseResumeOnCuda) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   expect_bitwise_resume("cuda", {});
   expect_bitwise_resume("cuda", {"recipe.name=nvfp4"});
+  expect_bitwise_resume("cuda", {}, "nemotron-h-tiny");
+  expect_bitwise_resume("cuda", {"recipe.name=nvfp4"}, "nemotron-h-tiny");
+  expect_bitwise_resume("cuda", {"recipe.name=nvfp4", "recipe.gemm=cublaslt"}, "nemotron-h-tiny");
 }
 
 // The quantization statistics on the CUDA backend (Backend::quant_error_sums) only read: tiny in
@@ -324,7 +347,8 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
   struct Variant {
     std::vector<std::string> overrides;
     int64_t N, K, OC;
-    bool saved;  // the model's path: Wgrad input quantized in the forward pass and kept
+    bool saved;      // the model's path: Wgrad input quantized in the forward pass and kept
+    int linear = 0;  // the LinearIds' linear (the SR streams): 4, 5 the Mamba-2 in_proj, out_proj
   };
   const std::vector<Variant> variants = {
       {{"recipe.name=nvfp4"}, 96, 64, 96, false},
@@ -346,7 +370,15 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
        96,
        true},
       {{"recipe.name=nvfp4", "recipe.override.h.0.attn.c_attn.dgrad=bf16"}, 96, 64, 96, true},
-      {{"recipe.name=fp8"}, 256, 128, 128, true}};
+      {{"recipe.name=fp8"}, 256, 128, 128, true},
+      // the Mamba-2 projections of nemotron-h-tiny (in_proj 128 -> 2*256 + 2*2*16 + 16 = 592,
+      // out_proj 256 -> 128) and nemotron-h-small (1024 -> 2*2048 + 2*8*128 + 32 = 6176,
+      // 2048 -> 1024), NVFP4 with every switch of the recipe's defaults
+      {{"recipe.name=nvfp4"}, 96, 128, 592, true, 4},
+      {{"recipe.name=nvfp4"}, 96, 256, 128, true, 5},
+      {{"recipe.name=nvfp4"}, 64, 1024, 6176, true, 4},
+      {{"recipe.name=nvfp4"}, 64, 2048, 1024, true, 5},
+      {{"recipe.name=nvfp4", "recipe.four_over_six=weights"}, 96, 128, 592, true, 4}};
   for (const Variant& v : variants) {
     const int64_t N = v.N, K = v.K, OC = v.OC;
     std::mt19937 rng(11);
@@ -363,7 +395,7 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
     o.push_back("model.d_model=" + std::to_string(std::max<int64_t>(64, K)));
     const RunConfig c = tiny(o);
     const LinearRecipe r = resolve_linear_recipe(c, high_precision_blocks(c), 0, 0, 3);
-    const LinearIds ids{42, 3, 0, 0, 0};
+    const LinearIds ids{42, 3, 0, 0, v.linear};
     auto go = [&](Backend& be) {
       auto up = [&](const std::vector<float>& h) {
         auto b = std::make_unique<BackendBuffer>(be, h.size() * 4);
@@ -413,7 +445,9 @@ TEST(TrainGpu, QuantizedLinearBitwiseEqualsEmulator) {
         break;
       }
     }
-    const std::string what = v.overrides.back() + (v.saved ? " (saved Wgrad input)" : "");
+    const std::string what = v.overrides.back() + (v.saved ? " (saved Wgrad input)" : "") + " " +
+                             std::to_string(N) + "x" + std::to_string(K) + "x" +
+                             std::to_string(OC) + " linear " + std::to_string(v.linear);
     EXPECT_EQ(first_diff, a.size())
         << what << ": first difference at flat index " << first_diff << " ("
         << (first_diff < a.size() ? a[first_diff] : 0.0f) << " vs "

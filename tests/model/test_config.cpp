@@ -85,7 +85,6 @@ TEST(Config, PatternSetsTheBlocks) {
   EXPECT_DOUBLE_EQ(training_flops_per_token(p.model), training_flops_per_token(l.model));
   const nlohmann::json none = nlohmann::json::object();
   expect_error(none, {"model.pattern=*-x"}, "character 'x' at 2 is not a block");
-  expect_error(none, {"model.pattern=M-"}, "Mamba-2 block ('M')");
   expect_error(none, {"model.pattern=*-", "model.n_layers=3"},
                "model.n_layers 3 differs from the 2 blocks of model.pattern '*-'");
   EXPECT_EQ(config_from_json(none, {"model.pattern=*-", "model.n_layers=2"}).model.n_layers, 2);
@@ -107,6 +106,65 @@ TEST(Config, PatternSetsTheBlocks) {
   ASSERT_EQ(hp.size(), 62u);
   EXPECT_EQ(std::count(hp.begin(), hp.end(), true), 10);
   EXPECT_TRUE(hp[1] && !hp[2] && !hp[53] && hp[54]);
+}
+
+// Mamba-2 blocks ('M', DESIGN.md §12): the sizes, the parameter count, the overrides of in_proj
+// and out_proj, and clear errors at start naming the key for every size that cannot work.
+TEST(Config, MambaBlocks) {
+  const nlohmann::json none = nlohmann::json::object();
+  const std::vector<std::string> ok = {"model.pattern=M-*", "model.d_model=128",
+                                       "model.mamba_head_dim=16", "model.mamba_groups=2",
+                                       "model.mamba_state=16"};
+  const RunConfig c = config_from_json(none, ok);
+  const MambaDims d = mamba_dims(c.model);
+  EXPECT_EQ(d.d_inner, 256);
+  EXPECT_EQ(d.H, 16);
+  EXPECT_EQ(d.in_proj_width(), 2 * 256 + 2 * 2 * 16 + 16);
+  EXPECT_EQ(d.xbc_cols(), 256 + 64);
+  // in_proj, conv weight + bias, dt_bias, A_log, D, the gated norm's weight, out_proj
+  EXPECT_EQ(d.parameters(), 592 * 128 + 320 * 5 + 3 * 16 + 256 + 128 * 256);
+  EXPECT_EQ(config_from_json(to_json(c), {}).model.mamba_state, 16);  // round trip
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> o = ok;
+    o.insert(o.end(), extra.begin(), extra.end());
+    return o;
+  };
+  expect_error(none, with({"model.pattern=M-x"}), "character 'x' at 2 is not a block");
+  expect_error(none, with({"model.mamba_head_dim=24"}),
+               "model.mamba_head_dim 24 does not divide d_inner");
+  expect_error(none, with({"model.mamba_groups=3"}),
+               "model.mamba_groups 3 does not divide the 16 Mamba heads");
+  expect_error(none, with({"model.mamba_state=0"}), "model.mamba_state must be positive");
+  expect_error(none, with({"model.mamba_chunk=-1"}), "model.mamba_chunk must be positive");
+  // quantized Mamba layers need d_inner, G*N and the heads multiples of 16
+  EXPECT_NO_THROW(config_from_json(none, with({"recipe.name=nvfp4"})));
+  expect_error(none, with({"recipe.name=nvfp4", "model.mamba_head_dim=32"}),
+               "the Mamba heads (d_inner / model.mamba_head_dim) = 8 must be a multiple of 16");
+  expect_error(none, with({"recipe.name=nvfp4", "model.mamba_state=4"}),
+               "G*N (model.mamba_groups x model.mamba_state) = 8 must be a multiple of 16");
+  // ... unless every Mamba block stays in BF16 (the BF16 recipe, or hp_layers), or an override
+  // quantizes one of them
+  EXPECT_NO_THROW(config_from_json(none, with({"model.mamba_head_dim=32"})));
+  EXPECT_NO_THROW(config_from_json(
+      none, with({"recipe.name=nvfp4", "model.mamba_head_dim=32", "recipe.hp_layers=[0]"})));
+  expect_error(
+      none, with({"model.mamba_head_dim=32", "recipe.override.blocks.0.mamba.in_proj.fprop=nvfp4"}),
+      "must be a multiple of 16");
+  // overrides of the Mamba linears, checked against the block's mixer
+  EXPECT_EQ(config_from_json(none, with({"recipe.name=nvfp4",
+                                         "recipe.override.blocks.0.mamba.out_proj.wgrad=bf16"}))
+                .recipe.override_gemms.size(),
+            1u);
+  expect_error(none, with({"recipe.override.blocks.1.mamba.in_proj.fprop=bf16"}),
+               "block 1 of model.pattern is an MLP ('-'), which has no mamba.in_proj");
+  expect_error(none, with({"recipe.override.blocks.0.mlp.c_fc.fprop=bf16"}),
+               "block 0 of model.pattern is Mamba-2 ('M'), which has no mlp.c_fc");
+  expect_error(none, {"recipe.override.h.0.mamba.in_proj.fprop=bf16"},
+               "expected recipe.override.h.<layer>.<attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj>");
+  // positions none; a vocabulary past the 16-bit token files can be planned (the 12B's)
+  EXPECT_EQ(config_from_json(none, with({"model.positions=none"})).model.positions,
+            Positions::None);
+  EXPECT_NO_THROW(config_from_json(none, with({"model.vocab=131072"})));
 }
 
 // Strict JSON: data after the value and a key given twice in one object are errors naming the

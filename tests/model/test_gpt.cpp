@@ -84,6 +84,130 @@ TEST(Gpt, GradientsMatchFiniteDifferences) {
   }
 }
 
+// A hybrid (DESIGN.md §11-§12): Mamba-2, attention and MLP blocks, Nemotron-H conventions
+// (RMSNorm, squared ReLU, no biases, no position embeddings, untied head, GQA), small enough for
+// finite differences over every element of every Mamba-2 parameter tensor (the others sampled).
+ModelConfig micro_hybrid(const std::string& pattern) {
+  ModelConfig m = micro(Positions::None, NormKind::RMSNorm, Activation::SquaredRelu, false, 2);
+  m.bias = false;
+  m.pattern = pattern;
+  m.n_layers = static_cast<int64_t>(pattern.size());
+  m.mamba_expand = 2;    // d_inner 32
+  m.mamba_head_dim = 8;  // 4 heads
+  m.mamba_groups = 2;
+  m.mamba_state = 4;
+  m.mamba_conv = 4;
+  m.mamba_chunk = 3;  // chunks 3, 3, 2 of T = 8
+  return m;
+}
+
+TEST(Gpt, HybridGradientsMatchFiniteDifferences) {
+  auto be = make_cpu_backend();
+  Gpt model(micro_hybrid("M-*M"), *be);
+  EXPECT_EQ(model.pattern(), "M-*M");
+  EXPECT_EQ(static_cast<size_t>(parameter_count(model.config())), model.num_params());
+  model.set_gemm_precision(emu::GemmPrecision::FP32);
+  model.init(7);
+  float* const params = model.params();
+  for (const ParamTensor& t : model.tensors()) {  // larger weights: every path carries signal
+    const bool ssm =
+        t.name.find(".mamba.") != std::string::npos && t.name.find("_proj") == std::string::npos;
+    if (!ssm)
+      for (int64_t i = 0; i < t.numel(); ++i) params[t.offset + static_cast<size_t>(i)] *= 5.0f;
+  }
+  const int64_t B = 2, T = 8;
+  std::mt19937 rng(1);
+  std::vector<int32_t> tok(B * T), tgt(B * T);
+  for (auto& t : tok) t = static_cast<int32_t>(rng() % 16);
+  for (auto& t : tgt) t = static_cast<int32_t>(rng() % 16);
+  model.forward(tok.data(), tgt.data(), B, T);
+  model.backward();
+  const std::vector<float> grad = model.grads_to_host();
+  double worst = 0;
+  int checked = 0;
+  for (const ParamTensor& t : model.tensors()) {
+    const bool every = t.name.find(".mamba.") != std::string::npos || t.name == "wte";
+    for (int64_t i = 0; i < t.numel(); i += every ? 1 : 1 + t.numel() / 5) {
+      float& x = params[t.offset + static_cast<size_t>(i)];
+      const float keep = x;
+      auto central = [&](float h) {
+        x = keep + h;
+        const double up = model.forward(tok.data(), tgt.data(), B, T);
+        x = keep - h;
+        const double dn = model.forward(tok.data(), tgt.data(), B, T);
+        x = keep;
+        return (up - dn) / (2.0 * static_cast<double>(h));
+      };
+      const double an = grad[t.offset + static_cast<size_t>(i)];
+      auto rel = [&](double fd) {
+        return std::fabs(fd - an) / std::max(1e-2, std::fabs(fd) + std::fabs(an));
+      };
+      double fd = central(1e-3f);
+      // a strongly curved direction (the weights are 5x the init): where h = 1e-3 misses, the
+      // Richardson extrapolation of h and h/2 cancels the h^2 term of the central difference
+      if (rel(fd) > 0.05) fd = (4.0 * central(5e-4f) - fd) / 3.0;
+      const double err = rel(fd);
+      if (err > worst) worst = err;
+      EXPECT_LT(err, 0.05) << t.name << "[" << i << "]: fd " << fd << " analytic " << an;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 1000);
+  std::printf("[hybrid-grad] M-*M: %d parameters checked, worst relative error %.2e\n", checked,
+              worst);
+}
+
+// The hybrid trains (BF16 storage, emulated BF16 GEMMs), and under nvfp4 with its Mamba linears
+// quantized (every GEMM of blocks 1..2 under hp_first 0, hp_last 1).
+TEST(Gpt, HybridTrains) {
+  for (const GemmFormat f : {GemmFormat::BF16, GemmFormat::NVFP4}) {
+    ModelConfig m = micro_hybrid("M*M-");
+    m.activation_dtype = ActivationStorage::BF16;
+    m.d_model = 32;  // d_inner 64, 16 heads of 4: the NVFP4 blocks of 16 fit
+    m.mamba_head_dim = 4;
+    m.mamba_state = 8;  // G*N 16
+    m.d_ff = 64;
+    auto be = make_cpu_backend();
+    Gpt model(m, *be);
+    RunConfig run;
+    run.model = m;
+    run.train.batch = 4;
+    run.recipe.name = f;
+    run.recipe.hp_first = 0;
+    run.recipe.hp_last = 1;
+    validate(run);
+    model.set_recipe(run);
+    if (f == GemmFormat::NVFP4) {
+      EXPECT_NE(model.describe_recipe().find("mamba.in_proj nvfp4/nvfp4/nvfp4"), std::string::npos)
+          << model.describe_recipe();
+    }
+    model.init(3);
+    const int64_t B = 4, T = 8;
+    std::vector<int32_t> tok(B * T), tgt(B * T);
+    for (int64_t i = 0; i < B * T; ++i) {
+      tok[i] = static_cast<int32_t>((i * 5 + i / T) % 16);
+      tgt[i] = (tok[i] * 3 + 1) % 16;
+    }
+    std::vector<float> mom(model.num_params(), 0.0f), var(model.num_params(), 0.0f);
+    float first = 0, last = 0;
+    for (int step = 1; step <= 60; ++step) {
+      model.set_step(step - 1);
+      const float loss = model.forward(tok.data(), tgt.data(), B, T);
+      if (step == 1) first = loss;
+      last = loss;
+      model.backward();
+      const AdamWStep s = make_adamw_step(1e-2f, 0.9f, 0.95f, 1e-8f, 0.0f, step, 1.0f);
+      const int64_t n = static_cast<int64_t>(model.num_params());
+      be->adamw_update(host_view(model.params(), 1, n), TensorView{},
+                       host_view(model.grads(), 1, n), host_view(mom.data(), 1, n),
+                       host_view(var.data(), 1, n), {{0, n}}, {s});
+    }
+    std::printf("[hybrid-train] %s: loss %.4f -> %.4f over 60 steps\n", name_of(f), first, last);
+    EXPECT_NEAR(first, std::log(16.0f), 0.2);
+    EXPECT_LT(last, 0.35f * first);
+  }
+}
+
 TEST(Gpt, ShortTrainingRunLowersTheLoss) {
   ModelConfig m = micro(Positions::Learned, NormKind::LayerNorm, Activation::GeluTanh, true, 4);
   m.activation_dtype = ActivationStorage::BF16;  // the default storage (DESIGN.md §9)

@@ -77,12 +77,15 @@ RunConfig train_five_steps(const std::string& out) {
 }
 
 // Train 10 steps with a checkpoint at 5, resume from it in a second run: steps 5-9 bit for bit.
-void expect_bitwise_resume(bool shuffle, int64_t grad_accum = 1) {
+// overrides: applied to micro_run's config (a hybrid pattern, a recipe).
+void expect_bitwise_resume(bool shuffle, int64_t grad_accum = 1,
+                           const std::vector<std::string>& overrides = {}) {
   const ScratchDir scratch(std::string("fp4sim_train") + (shuffle ? "_shuffle" : "") + "_" +
-                           std::to_string(grad_accum));
+                           std::to_string(grad_accum) + (overrides.empty() ? "" : "_o"));
   const std::string& dir = scratch.path;
   const TrainOptions quiet = quiet_options();
   RunConfig c = micro_run(dir + "/full");
+  if (!overrides.empty()) c = config_from_json(to_json(c), overrides);
   c.train.shuffle = shuffle;
   c.train.grad_accum = grad_accum;
   const TrainResult full = train(c, quiet, *make_cpu_backend());
@@ -104,6 +107,27 @@ void expect_bitwise_resume(bool shuffle, int64_t grad_accum = 1) {
 }
 
 TEST(Trainer, BitwiseResumeFromStep5) { expect_bitwise_resume(false); }
+// The Mamba-2 hybrid (DESIGN.md §11-§12): the checkpoint holds every Mamba-2 parameter and its
+// moments; BF16 and NVFP4 (its Mamba linears quantized: blocks 0..2 under hp_last 1).
+TEST(Trainer, BitwiseResumeFromStep5Hybrid) {
+  const std::vector<std::string> hybrid = {"model.pattern=M*-M",
+                                           "model.n_layers=4",
+                                           "model.norm=rmsnorm",
+                                           "model.activation=squared_relu",
+                                           "model.positions=none",
+                                           "model.bias=false",
+                                           "model.tied_embeddings=false",
+                                           "model.mamba_head_dim=4",
+                                           "model.mamba_groups=2",
+                                           "model.mamba_state=8",
+                                           "model.mamba_chunk=6",
+                                           "recipe.hp_first=0",
+                                           "recipe.hp_last=1"};
+  expect_bitwise_resume(false, 1, hybrid);
+  std::vector<std::string> q = hybrid;
+  q.push_back("recipe.name=nvfp4");
+  expect_bitwise_resume(false, 1, q);
+}
 TEST(Trainer, BitwiseResumeFromStep5WithGradAccumulation) {
   expect_bitwise_resume(false, 3);
   expect_bitwise_resume(true, 2);
