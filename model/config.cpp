@@ -269,13 +269,24 @@ void validate_mamba(const ModelConfig& m) {
         " / model.mamba_head_dim " + std::to_string(d.P) + ")");
 }
 
-// Whether any GEMM of Mamba block i's in_proj or out_proj is quantized under the recipe.
-bool mamba_block_quantized(const RunConfig& c, const std::vector<bool>& hp, int64_t i) {
-  if (!hp[static_cast<size_t>(i)]) return true;
-  const std::string pre = "blocks." + std::to_string(i) + ".mamba.";
-  for (const auto& [k, v] : c.recipe.override_gemms)
-    if (k.rfind(pre, 0) == 0 && v != GemmFormat::BF16) return true;
-  return false;
+// The largest block (16 NVFP4, 32 MXFP4, 128 FP8; 0: all three BF16) among the GEMMs of linear
+// `lin` ("mamba.in_proj") of pattern block i under the recipe: its format unless the block is
+// high-precision, then the per-GEMM overrides (resolve_linear_recipe's rule; the late BF16 switch
+// only removes quantization).
+int64_t linear_block(const RunConfig& c, const std::vector<bool>& hp, int64_t i,
+                     const std::string& lin) {
+  int64_t blk = 0;
+  for (const char* g : {"fprop", "dgrad", "wgrad"}) {
+    GemmFormat f = hp[static_cast<size_t>(i)] ? GemmFormat::BF16 : c.recipe.name;
+    const auto it =
+        c.recipe.override_gemms.find("blocks." + std::to_string(i) + "." + lin + "." + g);
+    if (it != c.recipe.override_gemms.end()) f = it->second;
+    blk = std::max<int64_t>(blk, f == GemmFormat::FP8     ? 128
+                                 : f == GemmFormat::MXFP4 ? 32
+                                 : f == GemmFormat::NVFP4 ? 16
+                                                          : 0);
+  }
+  return blk;
 }
 
 void validate_recipe(const RunConfig& c) {
@@ -338,30 +349,34 @@ void validate_recipe(const RunConfig& c) {
         bad(std::string(what) + " = " + std::to_string(v) + " is not a multiple of " +
             std::to_string(blk) + ", the " + (any_fp8 ? "FP8" : (any_mx ? "MXFP4" : "NVFP4")) +
             " block the quantized GEMMs need");
-    // a quantized Mamba block: in_proj's output [z | x | B | C | dt_raw] and out_proj's input are
-    // blocked by 16 (d_inner, G*N and the heads, DESIGN.md §12), and by the recipe's block
+    // a quantized Mamba linear: in_proj's output [z | x | B | C | dt_raw] is blocked by 16 in
+    // d_inner, G*N and the heads (DESIGN.md §12) and as a whole by the recipe's block; out_proj's
+    // input d_inner by the recipe's block
     const std::string p = block_pattern(m);
     const std::vector<bool> hp = high_precision_blocks(c);
+    const MambaDims d = mamba_dims(m);
     for (size_t i = 0; i < p.size(); ++i) {
-      if (p[i] != 'M' || !mamba_block_quantized(c, hp, static_cast<int64_t>(i))) continue;
-      const MambaDims d = mamba_dims(m);
-      const std::pair<std::string, int64_t> mdims[] = {
-          {"d_inner (model.mamba_expand x model.d_model)", d.d_inner},
-          {"G*N (model.mamba_groups x model.mamba_state)", d.G * d.N},
-          {"the Mamba heads (d_inner / model.mamba_head_dim)", d.H}};
-      for (const auto& [what, v] : mdims)
-        if (v % 16 != 0)
-          bad("model.pattern block " + std::to_string(i) + " (Mamba-2) has quantized linear " +
-              "layers, so " + what + " = " + std::to_string(v) +
-              " must be a multiple of 16 (the NVFP4 block); keep the block in BF16 "
-              "(recipe.hp_layers) or change the sizes");
-      for (const auto& [what, v] : {std::pair<std::string, int64_t>{"d_inner", d.d_inner},
-                                    {"in_proj's width 2 d_inner + 2 G N + H", d.in_proj_width()}})
-        if (v % blk != 0)
-          bad("model.pattern block " + std::to_string(i) + " (Mamba-2): " + what + " = " +
-              std::to_string(v) + " is not a multiple of " + std::to_string(blk) + ", the " +
-              (any_fp8 ? "FP8" : "MXFP4") + " block the quantized GEMMs need");
-      break;  // (every Mamba block has the same sizes)
+      if (p[i] != 'M') continue;
+      const int64_t b = static_cast<int64_t>(i);
+      const std::string where = "model.pattern block " + std::to_string(i) + " (Mamba-2): ";
+      auto need = [&](const std::string& lin, const std::string& what, int64_t v, int64_t blk) {
+        if (blk > 0 && v % blk != 0)
+          bad(where + lin + " is quantized, so " + what + " = " + std::to_string(v) +
+              " must be a multiple of " + std::to_string(blk) + " (the " +
+              (blk == 128  ? "FP8"
+               : blk == 32 ? "MXFP4"
+                           : "NVFP4") +
+              " block); keep it in BF16 (recipe.hp_layers, or recipe.override.blocks." +
+              std::to_string(i) + "." + lin + ".<gemm>=bf16) or change the sizes");
+      };
+      const int64_t in_blk = linear_block(c, hp, b, "mamba.in_proj");
+      if (in_blk > 0) {
+        need("mamba.in_proj", "d_inner (model.mamba_expand x model.d_model)", d.d_inner, 16);
+        need("mamba.in_proj", "G*N (model.mamba_groups x model.mamba_state)", d.G * d.N, 16);
+        need("mamba.in_proj", "the Mamba heads (d_inner / model.mamba_head_dim)", d.H, 16);
+        need("mamba.in_proj", "its width 2 d_inner + 2 G N + H", d.in_proj_width(), in_blk);
+      }
+      need("mamba.out_proj", "d_inner", d.d_inner, linear_block(c, hp, b, "mamba.out_proj"));
     }
   }
   // h.<layer>.<linear>.<gemm> (the presets' layout), blocks.<block>.<linear>.<gemm> (a pattern,

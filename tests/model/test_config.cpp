@@ -150,6 +150,15 @@ TEST(Config, MambaBlocks) {
   expect_error(
       none, with({"model.mamba_head_dim=32", "recipe.override.blocks.0.mamba.in_proj.fprop=nvfp4"}),
       "must be a multiple of 16");
+  // FP8's 128-blocks: in_proj's width 2*256 + 2*2*16 + 16 = 592 does not tile; out_proj's d_inner
+  // 256 does, so in_proj alone may stay in BF16
+  std::vector<std::string> fp8 = with({"recipe.name=fp8", "train.batch=1"});
+  expect_error(none, fp8,
+               "mamba.in_proj is quantized, so its width 2 d_inner + 2 G N + H = 592 must be a "
+               "multiple of 128 (the FP8 block)");
+  for (const char* g : {"fprop", "dgrad", "wgrad"})
+    fp8.push_back(std::string("recipe.override.blocks.0.mamba.in_proj.") + g + "=bf16");
+  EXPECT_NO_THROW(config_from_json(none, fp8));
   // overrides of the Mamba linears, checked against the block's mixer
   EXPECT_EQ(config_from_json(none, with({"recipe.name=nvfp4",
                                          "recipe.override.blocks.0.mamba.out_proj.wgrad=bf16"}))
