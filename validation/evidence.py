@@ -64,6 +64,21 @@ def main():
             mean = sum(g) / len(g)
             lines.append(f"| {base} | {len(g)} | {mean:.4f} | {100 * (mean - ref) / ref:+.2f}% | "
                          f"{100 * (max(g) - min(g)) / mean:.2f}% |")
+    # seed-paired gaps: <recipe>_sK against bf16_sK (same seed: same initialisation and batches), so
+    # the seed's own effect cancels; the spread of the pairs says whether a gap is resolved
+    pairs = {}
+    for name, v in final.items():
+        base, sep, seed = name.rpartition("_s")
+        if sep and seed.isdigit() and base != "bf16" and f"bf16_s{seed}" in final:
+            b = final[f"bf16_s{seed}"][1]
+            pairs.setdefault(base, []).append((int(seed), 100 * (v[1] - b) / b))
+    if pairs:
+        lines += ["", "| recipe | seed-paired gaps to BF16 (seed: gap) | mean | min .. max |",
+                  "|---|---|---|---|"]
+        for base, g in sorted(pairs.items()):
+            gs = [x for _, x in sorted(g)]
+            lines.append(f"| {base} | " + ", ".join(f"s{k}: {x:+.2f}%" for k, x in sorted(g)) +
+                         f" | {sum(gs) / len(gs):+.2f}% | {min(gs):+.2f}% .. {max(gs):+.2f}% |")
     # the gap at every evaluation (against the BF16 seeds' mean at the same step): where it opens
     evals = {name: {r["step"]: r["val_loss"] for r in rows if "val_loss" in r} for name, rows in runs.items()}
     bf16_runs = [n for n in evals if n.startswith("bf16")]
