@@ -261,8 +261,10 @@ def main():
     ap.add_argument("--self-test", action="store_true",
                     help="only the SSD self-test (chunked == sequential, float64), then exit")
     args = ap.parse_args()
+    if not args.dump and not args.self_test:
+        ap.error("--dump is required (unless --self-test)")
 
-    print(f"SSD self-test (chunked == sequential, float64, forward and gradients, <= 1e-10):", flush=True)
+    print("SSD self-test (chunked == sequential, float64, forward and gradients, <= 1e-10):", flush=True)
     n_bad = torch_ssd.self_test()
     if args.self_test:
         if n_bad:
@@ -271,8 +273,6 @@ def main():
         return 0
     if n_bad:
         raise CheckError(f"SSD self-test: {n_bad} cases not OK (the chunked SSD is wrong; nothing else was checked)")
-    if not args.dump:
-        ap.error("--dump is required (unless --self-test)")
     log_path = args.log or os.path.join(os.path.dirname(os.path.abspath(args.dump)), "log.jsonl")
 
     torch.backends.cuda.matmul.allow_tf32 = False
