@@ -2,12 +2,15 @@
 """PyTorch check of fp4sim's hybrid Mamba-2/Transformer model (model.pattern, DESIGN.md §11-§12).
 
 The hybrid counterpart of torch_gpt_check.py, with the same inputs, checks and thresholds. fp4sim
-writes what it needs with `--dump` (on the emulator or the CUDA backend):
+writes what it needs with `--dump` (train.warmup must not exceed train.steps):
 
-    build/fp4sim train --config configs/nemotron-h-tiny.json train.steps=10 train.warmup=2 \
+    build/fp4sim train --backend emu --config configs/nemotron-h-tiny.json train.steps=10 train.warmup=2 \
         model.activation_dtype=fp32 train.eval_every=0 train.data=synthetic \
         train.out_dir=runs/hcheck --dump runs/hcheck/dump
     python3 validation/torch_hybrid_check.py --dump runs/hcheck/dump --log runs/hcheck/log.jsonl
+
+(--backend cuda checks the CUDA backend the same way; model.seq_len=100, say, gives the SSD a
+partial last chunk; --log defaults to the log.jsonl beside the dump folder.)
 
 The model is rebuilt from dump/config.json's "model" section: blocks from model.pattern ('M'
 Mamba-2, '*' attention, '-' MLP), each x = x + mixer(norm(x)) with the block's norm
