@@ -105,10 +105,15 @@ def causal_conv(u, weight, bias):
     return y[..., :T].transpose(1, 2)
 
 
+def _at_least_f32(dtype):
+    """float64 stays float64 (the self-test), anything else computes in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def gated_rmsnorm(y, z, weight, groups, eps=1e-5):
     """Mamba-2's RMSNormGated (norm after the gate): rmsnorm(y * silu(z)) over `groups` groups
     of channels, times weight; computed in float32 (or wider)."""
-    dt = torch.promote_types(y.dtype, torch.float32)
+    dt = _at_least_f32(y.dtype)
     g = y.to(dt) * F.silu(z.to(dt))
     shape = g.shape
     g = g.reshape(*shape[:-1], groups, shape[-1] // groups)
@@ -166,7 +171,7 @@ def mamba_mixer(h, w, dims, ssd="chunked"):
     z, xbc, dt_raw = torch.split(zxbcdt, [d.d_inner, d.conv_ch, d.H], dim=-1)
     xbc = F.silu(causal_conv(xbc, w("conv.weight"), w("conv.bias")))
     x, Bm, Cm = torch.split(xbc, [d.d_inner, d.GN, d.GN], dim=-1)
-    f32 = torch.promote_types(h.dtype, torch.float32)
+    f32 = _at_least_f32(h.dtype)
     dt = F.softplus(dt_raw.to(f32) + w("dt_bias"))  # threshold 20: u itself above it
     A = -torch.exp(w("A_log").to(f32))
     x = x.reshape(b, T, d.H, d.P)
