@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run the GPU tests, the benchmarks and the oracles, print a
 # short table last. Full logs go to $OUT (or runs/gpu_check when $OUT is unset).
-# usage: scripts/gpu_check.sh [quick|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile]
+# usage: scripts/gpu_check.sh [quick|hybrid|hspeed|evidence|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile]
 #   (default) build, GPU tests, benchmarks, crosscheck, probe, PyTorch check, oracles, training speed
 #   quick     build + GPU tests (and the CPU tests, unless SKIP_EMU=1)
+#   hybrid    build + the GPU tests (TESTS, a ctest regex, narrows them) + the PyTorch check of the
+#             Mamba-2 hybrid (validation/torch_hybrid_check.py on emulator and CUDA dumps of
+#             nemotron-h-tiny) + the SSD scan benchmark (bench_ssm)
+#   hspeed    build + nemotron-h-small tokens/s and peak memory: fp4sim bf16 and nvfp4 (cuBLASLt)
+#             against torch.compile of the same model (validation/torch_hybrid_bench.py), RUNS runs
+#             each (default 3), alternating, in one call
+#   evidence  build + validation/hybrid_evidence.sh (STEPS, default 1500; ONLY; RUN_TIMEOUT), the
+#             runs in runs/hybrid_evidence; their logs, table and plot come back (a run cut by
+#             RUN_TIMEOUT resumes in the next call while the machine is still warm)
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
 #   trace     build + the GPU timelines (CUPTI, tools/cupti_trace.cpp) of a gpt2-124m BF16 run and of
 #             torch.compile, cut into steps: busy vs idle, the largest gaps (validation/trace_gaps.py);
@@ -34,8 +43,8 @@
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
 case "${1:-}" in
-  ""|quick|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile) ;;
-  *) echo "gpu_check.sh: unknown mode '$1' (quick, train, trace, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
+  ""|quick|hybrid|hspeed|evidence|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile) ;;
+  *) echo "gpu_check.sh: unknown mode '$1' (quick, hybrid, hspeed, evidence, train, trace, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
@@ -47,6 +56,7 @@ mkdir -p "${OUT:-runs}"  # (an $OUT subfolder that does not exist yet would lose
 trap 'tar czf "${OUT:-runs}/gpu_check.tgz" -C runs gpu_check 2>/dev/null' EXIT
 archs=${FP4SIM_ARCHS:-90a}
 summary=()
+median_of() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'; }
 row() { summary+=("$(printf '%-44s %s' "$1" "$2")"); }
 # the two independent oracles (validation/), logs in $out, one summary row each
 run_oracles() {
@@ -125,6 +135,70 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "quick" ]; then
   fi
 fi
 
+# issue 35: the Mamba-2 hybrid on the GPU: its tests, the PyTorch check, the SSD benchmark
+if [ "${1:-}" = "hybrid" ]; then
+  ( cd build-gpu && ctest -L gpu ${TESTS:+-R "$TESTS"} --output-on-failure -j1 ) >"$out/ctest_gpu.log" 2>&1
+  rc=$?
+  grep -E "tests passed|bitwise identical|DIFFERS|\[train-gpu\].*worst|ssd|budget|Failed|FAILED" "$out/ctest_gpu.log" | head -60
+  [ $rc -eq 0 ] || grep -E "Failure|Expected|Which is|actual|FAILED" "$out/ctest_gpu.log" | head -40
+  row "ctest -L gpu ${TESTS:-}" "$(grep -E 'tests passed' "$out/ctest_gpu.log" | tail -1)"
+  for be in emu cuda; do
+    rm -rf "runs/hcheck_$be"
+    timeout 300 build-gpu/fp4sim train --backend "$be" --config configs/nemotron-h-tiny.json train.steps=10 \
+      train.warmup=2 model.activation_dtype=fp32 train.eval_every=0 train.out_dir="runs/hcheck_$be" \
+      --dump "runs/hcheck_$be/dump" >"$out/hcheck_train_$be.log" 2>&1
+    PYTHONUNBUFFERED=1 timeout 300 python3 validation/torch_hybrid_check.py --dump "runs/hcheck_$be/dump" \
+      --log "runs/hcheck_$be/log.jsonl" >"$out/torch_hybrid_check_$be.log" 2>&1
+    row "torch_hybrid_check.py ($be dump)" "exit $? ($(tail -1 "$out/torch_hybrid_check_$be.log"))"
+    grep -E "step-0|worst" "$out/torch_hybrid_check_$be.log"
+  done
+  build-gpu/bench_ssm >"$out/bench_ssm.txt" 2>&1
+  grep -iE "gpu|cuda|chunked|sequential|GB/s" "$out/bench_ssm.txt" | head -20
+  row "bench_ssm" "exit $? ($(grep -ciE 'chunked' "$out/bench_ssm.txt") chunked lines)"
+fi
+
+# issue 35 speed: nemotron-h-small, batch 8 x 1024, synthetic tokens; fp4sim's tokens/s = the
+# median of the trainer's steps 3..N of a run, a recipe's = the median over RUNS runs; the
+# torch.compile baseline's = its own median of repeats, RUNS times; alternating in one call
+hybrid_run() {  # recipe log
+  timeout 300 build-gpu/fp4sim train --config configs/nemotron-h-small.json --backend cuda train.data=synthetic \
+    train.steps="${HSTEPS:-12}" train.warmup=1 train.eval_every=0 train.out_dir=runs/hspeed recipe.name="$1" \
+    recipe.gemm=cublaslt >"$2" 2>&1
+  grep -E "^step" "$2" | awk -F'|' 'NR>2 {gsub(/ tok\/s/,"",$6); print $6+0}' | sort -n \
+    | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'
+}
+if [ "${1:-}" = "hspeed" ]; then
+  b=""; n=""; t=""
+  for i in $(seq 1 "${RUNS:-3}"); do
+    b="$b $(hybrid_run bf16 "$out/hspeed_bf16_$i.log")"
+    n="$n $(hybrid_run nvfp4 "$out/hspeed_nvfp4_$i.log")"
+    PYTHONUNBUFFERED=1 timeout 400 python3 validation/torch_hybrid_bench.py --config configs/nemotron-h-small.json \
+      --json "$out/hspeed_torch_$i.json" >"$out/hspeed_torch_$i.log" 2>&1
+    t="$t $(tail -1 "$out/hspeed_torch_$i.log" | python3 -c 'import json,sys; print(round(json.load(sys.stdin)["tokens_per_s"]))' 2>/dev/null || echo n/a)"
+  done
+  mem() { grep -oE "peak device memory in use: [0-9.]+ GiB" "$1" | grep -oE "[0-9.]+ GiB"; }
+  tmem=$(tail -1 "$out/hspeed_torch_1.log" | python3 -c 'import json,sys; print(json.load(sys.stdin)["peak_mem_gib"])' 2>/dev/null)
+  grep -E "^step|error|Error" "$out/hspeed_bf16_1.log" | tail -3
+  tail -3 "$out/hspeed_torch_1.log"
+  row "nemotron-h-small fp4sim bf16 tok/s (runs:$b)" "median $(echo "$b" | median_of), peak $(mem "$out/hspeed_bf16_1.log")"
+  row "nemotron-h-small fp4sim nvfp4 tok/s (runs:$n)" "median $(echo "$n" | median_of), peak $(mem "$out/hspeed_nvfp4_1.log")"
+  row "nemotron-h-small torch.compile tok/s (runs:$t)" "median $(echo "$t" | median_of), peak ${tmem:-n/a} GiB"
+  # the scan's share of a step: the SSD kernels' time (bench_ssm at the preset's shape)
+  build-gpu/bench_ssm >"$out/bench_ssm.txt" 2>&1
+  grep -iE "chunked|sequential" "$out/bench_ssm.txt" | head -10
+fi
+
+if [ "${1:-}" = "evidence" ]; then
+  RUN_TIMEOUT="${RUN_TIMEOUT:-540}" validation/hybrid_evidence.sh "${STEPS:-1500}" runs/hybrid_evidence \
+    >"$out/evidence.log" 2>&1
+  cat "$out/evidence.log" | tail -40
+  # the logs, tables and plot come back (not the checkpoints: a later call on the same, still warm
+  # machine resumes from them)
+  ( cd runs && find hybrid_evidence -name '*.log' -o -name log.jsonl -o -name 'evidence.*' ) \
+    | while read -r f; do mkdir -p "$out/$(dirname "$f")"; cp "runs/$f" "$out/$f"; done
+  row "hybrid evidence" "$(grep -c '^done' runs/hybrid_evidence/*.log 2>/dev/null | grep -c ':1$') runs done"
+fi
+
 # issue 4 speed: fp4sim on the CUDA backend vs PyTorch (torch.compile, fused AdamW), gpt2-124m,
 # batch 16 x 1024, synthetic tokens; tokens/s from the trainer's per-step lines (steps 3..N)
 train_speed() {
@@ -182,7 +256,6 @@ recipe_run() {  # name gemm steps log
   grep -E "^step" "$4" | awk -F'|' 'NR>2 {gsub(/ tok\/s/,"",$6); print $6+0}' | sort -n \
     | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'
 }
-median_of() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "n/a"}'; }
 # spot: the cheapest check of a change, for a call with little device time left: the tests that
 # match $TESTS (a ctest regex), then one run (RUNS) of each recipe in $RECIPES (default "bf16 fp8
 # nvfp4"), and exact-GEMM runs of the recipes in $EXACT; no torch.compile
