@@ -83,4 +83,43 @@ inline int64_t ssm_scan_backward_state_bytes(const SsmShape& s) {
          static_cast<int64_t>(sizeof(float));
 }
 
+// The chunked SSD scan (gpu/ssm_chunked.cu, CudaOptions::ssm_sequential false) keeps its
+// intermediates in the scan's scratch buffers; the sizes in bytes, by buffer:
+// - states: the decays' log-sums (B*H*T doubles), each group's chunk products C B^T (B*G*chunks
+//   Q x Q floats); the forward pass adds the chunk states where the caller saves none (forward
+//   only), the backward pass the chunk state gradients (B*H*chunks P x N) and each head's
+//   decayed dy.u products (B*H*chunks Q x Q);
+// - contrib (backward): each head's dB and dC terms (B*T*H 2N floats), summed per group after;
+// - small (backward): ddt, dA, the per-tile partial sums of each row (4 tiles-of-P and 1
+//   tile-of-N arrays of B*T*H floats each), and per (batch, head, chunk) sums;
+// - terms (backward): the softplus backward pass's du (B*T*H floats), as the sequential scan's.
+constexpr int64_t kSsdTile = 64;  // the chunk GEMMs' output tile (rows and columns)
+// The longest chunk: the log-decay gradient's kernel keeps a chunk's per-step sums in shared
+// memory.
+constexpr int64_t kSsdMaxChunk = 1024;
+struct SsdScratchBytes {
+  int64_t states = 0, contrib = 0, small = 0, terms = 0;
+};
+inline int64_t ssd_tiles(int64_t n) { return (n + kSsdTile - 1) / kSsdTile; }
+// The elements of a (P x N) chunk state each thread block of the state-passing kernels takes.
+constexpr int64_t kSsdPassElems = 256;
+inline SsdScratchBytes ssd_chunked_forward_scratch(const SsmShape& s, bool saves_states) {
+  const int64_t nc = s.chunks(), Q = s.chunk;
+  SsdScratchBytes b;
+  b.states = 8 * s.B * s.H * s.T + 4 * s.B * s.G * nc * Q * Q;
+  if (!saves_states) b.states += 4 * s.states_size();
+  return b;
+}
+inline SsdScratchBytes ssd_chunked_backward_scratch(const SsmShape& s) {
+  const int64_t nc = s.chunks(), Q = s.chunk, BT = s.B * s.T, BHC = s.B * s.H * nc;
+  const int64_t pass_blocks = (s.P * s.N + kSsdPassElems - 1) / kSsdPassElems;
+  SsdScratchBytes b;
+  b.states = 8 * s.B * s.H * s.T + 4 * (s.B * s.G * nc * Q * Q + s.states_size() + BHC * Q * Q);
+  b.contrib = 4 * BT * s.H * 2 * s.N;
+  b.small = 4 * (BT * s.H + s.H + BT * s.H * (3 * ssd_tiles(s.P) + ssd_tiles(s.N)) +
+                 BHC * (pass_blocks + 2));
+  b.terms = 4 * BT * s.H;
+  return b;
+}
+
 }  // namespace fp4sim::gpu

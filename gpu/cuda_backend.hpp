@@ -75,6 +75,12 @@ struct CudaOptions {
   // true: attention_ds_scratch_bytes is 0, so the dQ kernel recomputes dS instead of reading the
   // stored bf16(dS) (false, default). Same bits (the same values and sums).
   bool attention_recompute_dq = false;
+  // Whether ssm_scan_forward / ssm_scan_backward run the sequential recurrence of gpu/ssm.cu, the
+  // emulator's FP32 operations in its order (true: bitwise emu/ssm.cpp's results, a thread block
+  // per (batch, head) stepping through T), or the chunked SSD of gpu/ssm_chunked.cu (false,
+  // default: GEMMs over chunks of s.chunk steps). Not the same bits: the chunked scan agrees with
+  // the emulator within docs/numerics.md's bound ("The chunked SSD on CUDA").
+  bool ssm_sequential = false;
 };
 
 // What a cuBLASLt GEMM plan chose. rules_active: Hopper with cuBLASLt 13.1.x, where
@@ -240,8 +246,9 @@ class CudaBackend final : public Backend {
   void sum_squares(const TensorView& x, const std::vector<Segment>& segments,
                    double* sums) override;
   // The Mamba-2 mixer's core (gpu/ssm.cu): bitwise emu/ssm.cpp's results, each sum carried by one
-  // thread in the emulator's order. The conv backward pass takes widths up to 8, the scan P and N
-  // up to 1024 each.
+  // thread in the emulator's order, except the scan's default, the chunked SSD
+  // (gpu/ssm_chunked.cu, CudaOptions::ssm_sequential), within a stated bound. The conv backward
+  // pass takes widths up to 8, the scan P and N up to 1024 each.
   void ssm_conv_forward(const TensorView& out, const TensorView& inp, const TensorView& weight,
                         const TensorView& bias, const SsmShape& s) override;
   void ssm_conv_backward(const TensorView& dinp, const TensorView& dweight, const TensorView& dbias,

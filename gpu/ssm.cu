@@ -18,7 +18,8 @@
 //   and dC, which the emulator sums over the group's heads in increasing h, are each head's term
 //   kept in scratch and summed afterwards in that order, one thread an element.
 // - gated RMSNorm: a thread a (row, group); dweight a thread a channel over the rows in order.
-// This is the straightforward parallelisation; the chunked SSD (DESIGN.md §12) is a later step.
+// This is the straightforward parallelisation, kept as the bitwise twin (CudaOptions::
+// ssm_sequential); the backend's default scan is the chunked SSD of gpu/ssm_chunked.cu.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,6 +32,7 @@
 #include "gpu/cuda_backend.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/layers_state.hpp"
+#include "gpu/ssm_chunked.hpp"
 #include "gpu/training_ops.cuh"
 
 namespace fp4sim::gpu {
@@ -631,9 +633,18 @@ void CudaBackend::ssm_scan_forward(const TensorView& y, const TensorView& states
   require_scan_threads("ssm_scan_forward", s);
   gpu::ssm_dt_forward(dt.as<float>(), A.as<float>(), dt_raw.as<const float>(), dt_raw.stride(),
                       dt_bias.as<const float>(), A_log.as<const float>(), s.B, s.T, s.H, stream_);
-  gpu::ssm_scan_forward(y.as<float>(), states.as<float>(), xbc.as<const float>(),
-                        dt.as<const float>(), A.as<const float>(), D.as<const float>(), s,
-                        y.bf16_values, stream_);
+  if (options_.ssm_sequential) {
+    gpu::ssm_scan_forward(y.as<float>(), states.as<float>(), xbc.as<const float>(),
+                          dt.as<const float>(), A.as<const float>(), D.as<const float>(), s,
+                          y.bf16_values, stream_);
+    return;
+  }
+  const SsdScratchBytes need = ssd_chunked_forward_scratch(s, states.present());
+  SsdScratch ws;
+  ws.states = layers_state().ssm_states.get<char>(static_cast<size_t>(need.states), stream_);
+  ssd_chunked_forward(y.as<float>(), states.present() ? states.as<float>() : nullptr,
+                      xbc.as<const float>(), dt.as<const float>(), A.as<const float>(),
+                      D.as<const float>(), s, y.bf16_values, ws, stream_);
 }
 
 void CudaBackend::ssm_scan_backward(
@@ -646,6 +657,27 @@ void CudaBackend::ssm_scan_backward(
   require_scan_threads("ssm_scan_backward", s);
   LayersState& st = layers_state();
   const int64_t BT = s.B * s.T, BH = s.B * s.H;
+  if (!options_.ssm_sequential) {
+    // ddt (B*T, H) and dA (H), then the chunked scan's partial sums, in the small buffer
+    const SsdScratchBytes need = ssd_chunked_backward_scratch(s);
+    float* small = st.ssm_small.get<float>(static_cast<size_t>(need.small) / 4, stream_);
+    float* ddt = small;
+    float* dA = ddt + BT * s.H;
+    SsdScratch ws;
+    ws.states = st.ssm_states.get<char>(static_cast<size_t>(need.states), stream_);
+    ws.contrib = st.ssm_contrib.get<float>(static_cast<size_t>(need.contrib) / 4, stream_);
+    ws.small = dA + s.H;
+    ssd_chunked_backward(dxbc.as<float>(), ddt, dA, dD.as<float>(), dy.as<const float>(),
+                         xbc.as<const float>(), dt.as<const float>(), A.as<const float>(),
+                         D.as<const float>(), states.as<const float>(), s, dxbc.bf16_values, ws,
+                         stream_);
+    float* du = st.ssm_terms.get<float>(static_cast<size_t>(need.terms) / 4, stream_);
+    gpu::ssm_dt_backward(ddt_raw.as<float>(), ddt_raw.stride(), ddt_bias.as<float>(),
+                         dA_log.as<float>(), ddt, dA, dt_raw.as<const float>(), dt_raw.stride(),
+                         dt_bias.as<const float>(), A_log.as<const float>(), s.B, s.T, s.H,
+                         ddt_raw.bf16_values, du, stream_);
+    return;
+  }
   ScanBackwardScratch ws;
   ws.slots = ssm_scan_backward_slots(s);  // (gpu/capabilities.hpp)
   ws.bufs =

@@ -309,11 +309,15 @@ class PlanningBackend final : public Backend {
     if (!cuda_) return temp(emu::workspace::ssm_conv_backward(s, weight.cols, threads_));
     scratch("Mamba per-element terms", s.B * s.T * s.xbc_cols() * kF32);
   }
-  void ssm_scan_forward(const TensorView& y, const TensorView&, const TensorView&,
+  // The CUDA scan as default CudaOptions run it: the chunked SSD (gpu/capabilities.hpp
+  // ssd_chunked_*_scratch), in the buffers the sequential scan (ssm_sequential) uses too.
+  void ssm_scan_forward(const TensorView& y, const TensorView& states, const TensorView&,
                         const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                         const TensorView&, const TensorView&, const SsmShape& s) override {
     op("ssm_scan_forward", y);
-    if (!cuda_) temp(emu::workspace::ssm_scan_forward(s, threads_));
+    if (!cuda_) return temp(emu::workspace::ssm_scan_forward(s, threads_));
+    scratch("Mamba scan chunk intermediates",
+            gpu::ssd_chunked_forward_scratch(s, states.present()).states);
   }
   void ssm_scan_backward(const TensorView& dxbc, const TensorView&, const TensorView&,
                          const TensorView&, const TensorView&, const TensorView&, const TensorView&,
@@ -322,11 +326,11 @@ class PlanningBackend final : public Backend {
                          const SsmShape& s) override {
     op("ssm_scan_backward", dxbc);
     if (!cuda_) return temp(emu::workspace::ssm_scan_backward(s, threads_));
-    const int64_t BT = s.B * s.T;
-    scratch("Mamba scan recomputed chunk states", gpu::ssm_scan_backward_state_bytes(s));
-    scratch("Mamba scan dB and dC terms", BT * s.H * 2 * s.N * kF32);
-    scratch("Mamba scan ddt, dA and sums", (BT * s.H + s.H + 2 * s.B * s.H) * kF32);
-    scratch("Mamba per-element terms", BT * s.H * kF32);
+    const gpu::SsdScratchBytes b = gpu::ssd_chunked_backward_scratch(s);
+    scratch("Mamba scan chunk intermediates", b.states);
+    scratch("Mamba scan dB and dC terms", b.contrib);
+    scratch("Mamba scan ddt, dA and sums", b.small);
+    scratch("Mamba per-element terms", b.terms);
   }
   void gated_norm_forward(const TensorView& out, const TensorView& rstd, const TensorView&,
                           const TensorView&, const TensorView&) override {
