@@ -4,12 +4,31 @@
 // head dim 64 (8 heads), state 64, conv width 4, the argument G groups, states saved every 128
 // steps. Run with --benchmark_repetitions=3 --benchmark_report_aggregates_only=true and read the
 // median; tokens/s counts B*T tokens an iteration.
+//
+// With a CUDA GPU (BM_GpuScan): the CUDA backend's ssm_scan_forward + ssm_scan_backward (dt's
+// softplus included), the chunked SSD (default) and the sequential bitwise twin
+// (CudaOptions::ssm_sequential), at the nemotron-h-small shape B 8, T 1024, H 32, P 64, G 8,
+// N 128, Q 128; CUDA events around each call after two warm-up calls, the median of the
+// iterations (7), and the bandwidth of the bytes that must move. Without a GPU it reports an
+// error and the CPU benchmarks run as before.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <cmath>
+#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "emu/ssm.hpp"
+
+#if FP4SIM_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "emu/backend.hpp"
+#include "gpu/cuda_backend.hpp"
+#include "tools/gpu_timer.hpp"
+#endif
 
 namespace fp4sim::emu {
 namespace {
@@ -201,6 +220,101 @@ BENCHMARK_CAPTURE(BM_MambaCore, norm_backward, kNormBwd)
     ->Arg(2)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+
+#if FP4SIM_HAVE_CUDA
+
+// The nemotron-h-small Mamba layer's scan: (B, T, H, P, G, N, chunk)
+constexpr SsmShape kGpuShape{8, 1024, 32, 64, 8, 128, 128};
+
+enum GpuPart { kGpuForwardBackward, kGpuForward, kGpuBackward };
+
+// range(0): 0 the chunked SSD, 1 the sequential scan; range(1): a GpuPart.
+void BM_GpuScan(benchmark::State& state) {
+  if (!gpu::gpu_available()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const bool sequential = state.range(0) != 0;
+  const auto part = static_cast<GpuPart>(state.range(1));
+  gpu::CudaOptions opt;
+  opt.ssm_sequential = sequential;
+  gpu::CudaBackend be(opt);
+  const SsmShape s = kGpuShape;
+  const int64_t R = s.B * s.T, H = s.H, di = s.d_inner(), cx = s.xbc_cols();
+  std::vector<std::unique_ptr<BackendBuffer>> bufs;
+  auto buffer = [&](const std::vector<float>& h) {
+    bufs.push_back(std::make_unique<BackendBuffer>(be, h.size() * sizeof(float)));
+    be.upload(bufs.back()->get(), h.data(), h.size() * sizeof(float));
+    return bufs.back()->as<float>();
+  };
+  auto sized = [&](int64_t n) { return buffer(std::vector<float>(static_cast<size_t>(n), 0.0f)); };
+  auto view = [&](float* p, int64_t rows, int64_t cols, const char* name) {
+    return f32_view(be, p, rows, cols, name);
+  };
+  std::vector<float> dt_bias(static_cast<size_t>(H)), A_log(static_cast<size_t>(H));
+  for (int64_t h = 0; h < H; ++h) {  // dt from 1e-3 to 1e-1 over the heads, A from -1 to -16
+    const float dt = 1e-3f * std::pow(100.0f, static_cast<float>(h) / (H - 1));
+    dt_bias[static_cast<size_t>(h)] = dt + std::log(-std::expm1(-dt));
+    A_log[static_cast<size_t>(h)] = std::log(1.0f + 15.0f * static_cast<float>(h) / (H - 1));
+  }
+  const TensorView xbc = view(buffer(gaussian(static_cast<size_t>(R * cx), 11)), R, cx, "xbc"),
+                   dt_raw = view(buffer(gaussian(static_cast<size_t>(R * H), 12)), R, H, "dt_raw"),
+                   vdtb = view(buffer(dt_bias), H, 1, "dt_bias"),
+                   vAl = view(buffer(A_log), H, 1, "A_log"),
+                   vD = view(buffer(std::vector<float>(static_cast<size_t>(H), 1.0f)), H, 1, "D"),
+                   dy = view(buffer(gaussian(static_cast<size_t>(R * di), 13)), R, di, "dy"),
+                   dt = view(sized(R * H), R, H, "dt"), A = view(sized(H), H, 1, "A"),
+                   y = view(sized(R * di), R, di, "y"),
+                   states = view(sized(s.states_size()), s.B * H * s.chunks(), s.P * s.N, "states"),
+                   dxbc = view(sized(R * cx), R, cx, "dxbc"),
+                   ddt_raw = view(sized(R * H), R, H, "ddt_raw"),
+                   ddt_bias = view(sized(H), H, 1, "ddt_bias"),
+                   dA_log = view(sized(H), H, 1, "dA_log"), dD = view(sized(H), H, 1, "dD");
+  auto forward = [&] { be.ssm_scan_forward(y, states, dt, A, xbc, dt_raw, vdtb, vAl, vD, s); };
+  auto backward = [&] {
+    be.ssm_scan_backward(dxbc, ddt_raw, ddt_bias, dA_log, dD, dy, xbc, dt, A, dt_raw, vdtb, vAl, vD,
+                         states, s);
+  };
+  auto run = [&] {
+    if (part != kGpuBackward) forward();
+    if (part != kGpuForward) backward();
+  };
+  forward();
+  backward();
+  run();  // warm-up (the scratch buffers allocated)
+  be.synchronize();
+  GpuTimer timer;
+  std::vector<double> ms;
+  for (auto _ : state) {
+    ms.push_back(timer.ms(be.stream(), 1, run));
+    state.SetIterationTime(ms.back() * 1e-3);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double median = ms[ms.size() / 2];
+  // The bytes that must move (FP32, the per-head parameters left out): the forward pass reads xbc
+  // (R x cx) and dt_raw (R x H), writes dt (R x H), y (R x di) and the states; the backward pass
+  // reads dy (R x di), xbc, dt, the states and dt_raw, writes dxbc (R x cx) and ddt_raw (R x H).
+  const double fwd = 4.0 * (R * cx + 2 * R * H + R * di + s.states_size());
+  const double bwd = 4.0 * (R * di + 2 * R * cx + 3 * R * H + s.states_size());
+  const double bytes = (part != kGpuBackward ? fwd : 0) + (part != kGpuForward ? bwd : 0);
+  state.counters["median_ms"] = median;
+  state.counters["GBps"] = bytes / (median * 1e-3) / 1e9;
+  state.counters["tokens/s"] = static_cast<double>(R) / (median * 1e-3);
+  const char* parts[] = {"forward+backward", "forward", "backward"};
+  state.SetLabel(std::string(sequential ? "sequential" : "chunked") + " " + parts[part]);
+}
+BENCHMARK(BM_GpuScan)
+    ->Args({0, kGpuForwardBackward})
+    ->Args({0, kGpuForward})
+    ->Args({0, kGpuBackward})
+    ->Args({1, kGpuForwardBackward})
+    ->Args({1, kGpuForward})
+    ->Args({1, kGpuBackward})
+    ->UseManualTime()
+    ->Iterations(7)
+    ->Unit(benchmark::kMillisecond);
+
+#endif
 
 }  // namespace
 }  // namespace fp4sim::emu
