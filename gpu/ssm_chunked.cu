@@ -100,7 +100,8 @@ __global__ void ssd_cum_kernel(double* cum, const float* dt, const float* A, Ssd
 }
 
 // ---- the chunk GEMM ----------------------------------------------------------------------------
-// Prob supplies, for the chunk z = blockIdx.x: setup(z); tile_needed(m0, n0); k_needed(k0, m0, n0)
+// Prob supplies, for the chunk z = blockIdx.x: setup(z); tile_needed(m0, n0); prepare(ev, tid)
+// (the block's threads fill shared values, synchronised after); k_needed(k0, m0, n0)
 // (a k-tile the masks leave empty is skipped); a(m, k), b(k, n) (0 outside the operand);
 // a_m_major(k0), b_k_major(k0): which index the threads step through first when staging the
 // k-tile (the one along which the source is contiguous); K (a multiple of kBK) and k_split: the
@@ -108,13 +109,16 @@ __global__ void ssd_cum_kernel(double* cum, const float* dt, const float* A, Ssd
 // k_split), or -1; finish(m0, n0, c0, c1, tid): the tile's outputs, c0[m * kLd + n].
 template <class Prob>
 __global__ void __launch_bounds__(kGemmThreads) ssd_gemm_kernel(Prob pr) {
-  __shared__ float sm[2 * kBM * kLd];  // the A and B k-tiles [k][m], [k][n]; then the outputs
+  __shared__ float sm[2 * kBM * kLd];     // the A and B k-tiles [k][m], [k][n]; then the outputs
+  __shared__ float ev[2 * kSsdMaxChunk];  // the chunk's decays (ChunkProb::prepare)
   float* As = sm;
   float* Bs = sm + kBK * kLd;
   pr.setup(blockIdx.x);
   const int m0 = static_cast<int>(blockIdx.y) * kBM, n0 = static_cast<int>(blockIdx.z) * kBN;
   if (!pr.tile_needed(m0, n0)) return;
   const int tid = static_cast<int>(threadIdx.x), tx = tid % 16, ty = tid / 16;
+  pr.prepare(ev, tid);
+  __syncthreads();
   float acc[4][4], acc1[4][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -185,6 +189,9 @@ struct ChunkProb {
   int64_t bb = 0, h = 0, g = 0, c = 0, t0 = 0, zc = 0, zg = 0;
   int L = 0;
   const double* cum = nullptr;  // the chunk's first step's log-sum
+  // exp(cum_i) and exp(cum_{L-1} - cum_i) for i < L, in the block's shared memory (prepare)
+  const float* e_in = nullptr;
+  const float* e_out = nullptr;
   // z = (b*H + h)*nc + c (a head's chunk)
   __device__ void setup_head(int64_t z) {
     zc = z;
@@ -197,6 +204,15 @@ struct ChunkProb {
     t0 = c * d.Q;
     L = static_cast<int>(d.T - t0 < d.Q ? d.T - t0 : d.Q);
     cum = cum_all + bh * d.T + t0;
+  }
+  __device__ void prepare(float* ev, int tid) {
+    if (!cum) return;
+    for (int i = tid; i < L; i += kGemmThreads) {
+      ev[i] = decay(cum[i]);
+      ev[kSsdMaxChunk + i] = decay(cum[L - 1] - cum[i]);
+    }
+    e_in = ev;
+    e_out = ev + kSsdMaxChunk;
   }
   __device__ bool a_m_major(int) const { return false; }
   __device__ bool b_k_major(int) const { return false; }
@@ -241,7 +257,7 @@ struct SlocProb : ChunkProb {
   __device__ bool k_needed(int k0, int, int) const { return k0 < L; }
   __device__ bool a_m_major(int) const { return true; }
   __device__ float a(int p, int j) const {
-    return p < d.P && j < L ? decay(cum[L - 1] - cum[j]) * dtv(j) * x(j, p) : 0.0f;
+    return p < d.P && j < L ? e_out[j] * dtv(j) * x(j, p) : 0.0f;
   }
   __device__ float b(int j, int n) const { return j < L && n < d.N ? Bv(j, n) : 0.0f; }
   __device__ void finish(int m0, int n0, const float* c0, const float*, int tid) const {
@@ -287,7 +303,7 @@ struct YProb : ChunkProb {
                              : 0.0f;
     }
     const int n = k - d.Qp;
-    return i < L && n < d.N ? decay(cum[i]) * Cv(i, n) : 0.0f;
+    return i < L && n < d.N ? e_in[i] * Cv(i, n) : 0.0f;
   }
   __device__ float b(int k, int p) const {
     if (k < d.Qp) return k < L && p < d.P ? x(k, p) : 0.0f;
@@ -316,7 +332,7 @@ struct DsProb : ChunkProb {
   __device__ bool k_needed(int k0, int, int) const { return k0 < L; }
   __device__ bool a_m_major(int) const { return true; }
   __device__ float a(int p, int i) const {
-    return p < d.P && i < L ? decay(cum[i]) * dy[(bb * d.T + t0 + i) * d.HP + h * d.P + p] : 0.0f;
+    return p < d.P && i < L ? e_in[i] * dy[(bb * d.T + t0 + i) * d.HP + h * d.P + p] : 0.0f;
   }
   __device__ float b(int i, int n) const { return i < L && n < d.N ? Cv(i, n) : 0.0f; }
   __device__ void finish(int m0, int n0, const float* c0, const float*, int tid) const {
@@ -405,7 +421,7 @@ struct DuProb : ChunkProb {
   __device__ bool b_k_major(int k0) const { return k0 < d.Np; }
   __device__ float dyv(int i, int p) const { return dy[(bb * d.T + t0 + i) * d.HP + h * d.P + p]; }
   __device__ float a(int j, int k) const {
-    if (k < d.Np) return j < L && k < d.N ? decay(cum[L - 1] - cum[j]) * Bv(j, k) : 0.0f;
+    if (k < d.Np) return j < L && k < d.N ? e_out[j] * Bv(j, k) : 0.0f;
     const int i = k - d.Np;
     return i < L && j <= i ? cb[(zg * d.Q + i) * d.Q + j] * decay(cum[i] - cum[j]) : 0.0f;
   }
@@ -454,7 +470,7 @@ struct DcProb : ChunkProb {
   }
   __device__ float a(int i, int k) const {
     if (k < d.Pp)
-      return i < L && k < d.P ? decay(cum[i]) * dy[(bb * d.T + t0 + i) * d.HP + h * d.P + k] : 0.0f;
+      return i < L && k < d.P ? e_in[i] * dy[(bb * d.T + t0 + i) * d.HP + h * d.P + k] : 0.0f;
     const int j = k - d.Pp;
     return i < L && j <= i ? m[(zc * d.Q + i) * d.Q + j] : 0.0f;
   }
@@ -490,7 +506,7 @@ struct DbProb : ChunkProb {
   }
   __device__ bool a_m_major(int k0) const { return k0 >= d.Pp; }
   __device__ float a(int j, int k) const {
-    if (k < d.Pp) return j < L && k < d.P ? decay(cum[L - 1] - cum[j]) * dtv(j) * x(j, k) : 0.0f;
+    if (k < d.Pp) return j < L && k < d.P ? e_out[j] * dtv(j) * x(j, k) : 0.0f;
     const int i = k - d.Pp;
     return i < L && j <= i ? m[(zc * d.Q + i) * d.Q + j] : 0.0f;
   }
