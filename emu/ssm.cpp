@@ -101,30 +101,40 @@ void conv1d_silu_backward(float* dinp, int64_t ld_dinp, float* dweight, float* d
         for (int64_t c = 0; c < C; ++c) dx[c] = dx[c] + wk[c] * d[c];
       }
     }
-  // dweight, dbias: per channel, sums over b then t (increasing) from +0, each added once. A block
-  // of channels an iteration; within it the rows run in order, the channels are independent.
+  // dweight, dbias: per channel, the row sums (kSsmSumRows blocks), each added once. A block of
+  // channels an iteration; within it the rows run in order, the channels are independent.
   constexpr int64_t kBlock = 64;
   const int64_t blocks = (C + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t c0 = blk * kBlock, nc = std::min(kBlock, C - c0);
-    std::vector<float> dw(static_cast<size_t>(W * nc), 0.0f), db(static_cast<size_t>(nc), 0.0f);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < T; ++t) {
-        const float* d = &du[static_cast<size_t>((b * T + t) * C + c0)];
-        for (int64_t c = 0; c < nc; ++c) db[c] = db[c] + d[c];
-        for (int64_t k = 0; k < W; ++k) {
-          const int64_t s = t - W + 1 + k;
-          if (s < 0) continue;
-          const float* x = inp + (b * T + s) * ld_inp + c0;
-          float* dwk = &dw[static_cast<size_t>(k * nc)];
-          for (int64_t c = 0; c < nc; ++c) dwk[c] = dwk[c] + d[c] * x[c];
-        }
+    // the partial sums of the current row block (dw: W per channel, then db) and their totals
+    std::vector<float> part(static_cast<size_t>((W + 1) * nc), 0.0f), total(part.size(), 0.0f);
+    float* const db = &part[static_cast<size_t>(W * nc)];
+    auto fold = [&] {
+      for (size_t i = 0; i < part.size(); ++i) {
+        total[i] = total[i] + part[i];
+        part[i] = 0.0f;
       }
+    };
+    for (int64_t r = 0; r < B * T; ++r) {
+      if (r > 0 && r % kSsmSumRows == 0) fold();
+      const int64_t b = r / T, t = r % T;
+      const float* d = &du[static_cast<size_t>(r * C + c0)];
+      for (int64_t c = 0; c < nc; ++c) db[c] = db[c] + d[c];
+      for (int64_t k = 0; k < W; ++k) {
+        const int64_t s = t - W + 1 + k;
+        if (s < 0) continue;
+        const float* x = inp + (b * T + s) * ld_inp + c0;
+        float* dwk = &part[static_cast<size_t>(k * nc)];
+        for (int64_t c = 0; c < nc; ++c) dwk[c] = dwk[c] + d[c] * x[c];
+      }
+    }
+    fold();
     for (int64_t c = 0; c < nc; ++c) {
-      dbias[c0 + c] += db[c];
+      dbias[c0 + c] += total[static_cast<size_t>(W * nc + c)];
       for (int64_t k = 0; k < W; ++k)
-        dweight[(c0 + c) * W + k] += dw[static_cast<size_t>(k * nc + c)];
+        dweight[(c0 + c) * W + k] += total[static_cast<size_t>(k * nc + c)];
     }
   }
 }
@@ -143,16 +153,26 @@ void ssm_dt_forward(float* dt, float* A, const float* dt_raw, int64_t ld_dt_raw,
 void ssm_dt_backward(float* ddt_raw, int64_t ld_ddt_raw, float* ddt_bias, float* dA_log,
                      const float* ddt, const float* dA, const float* dt_raw, int64_t ld_dt_raw,
                      const float* dt_bias, const float* A_log, int64_t B, int64_t T, int64_t H) {
-  std::vector<float> sum(static_cast<size_t>(H), 0.0f);
-  for (int64_t r = 0; r < B * T; ++r)  // rows in order: the dt_bias sums' order
+  // rows in order, the dt_bias sums in kSsmSumRows blocks (a partial per block, then the total)
+  std::vector<float> part(static_cast<size_t>(H), 0.0f), total(part.size(), 0.0f);
+  auto fold = [&] {
+    for (size_t h = 0; h < part.size(); ++h) {
+      total[h] = total[h] + part[h];
+      part[h] = 0.0f;
+    }
+  };
+  for (int64_t r = 0; r < B * T; ++r) {
+    if (r > 0 && r % kSsmSumRows == 0) fold();
     for (int64_t h = 0; h < H; ++h) {
       const float u = dt_raw[r * ld_dt_raw + h] + dt_bias[h];
       const float du = ssm_softplus_backward(u, ddt[r * H + h]);
       ddt_raw[r * ld_ddt_raw + h] = du;
-      sum[static_cast<size_t>(h)] = sum[static_cast<size_t>(h)] + du;
+      part[static_cast<size_t>(h)] = part[static_cast<size_t>(h)] + du;
     }
+  }
+  fold();
   for (int64_t h = 0; h < H; ++h) {
-    ddt_bias[h] += sum[static_cast<size_t>(h)];
+    ddt_bias[h] += total[static_cast<size_t>(h)];
     dA_log[h] += dA[h] * -exp_f32(A_log[h]);
   }
 }
@@ -359,12 +379,18 @@ void gated_rmsnorm_backward(float* dinp, float* dz, int64_t ld_dz, float* dweigh
 #pragma omp parallel for schedule(static)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t c0 = blk * kBlock, nc = std::min(kBlock, C - c0);
-    std::vector<float> sum(static_cast<size_t>(nc), 0.0f);
+    // the row sums in kSsmSumRows blocks: a partial per block, then the total
+    std::vector<float> part(static_cast<size_t>(nc), 0.0f), total(part.size(), 0.0f);
     for (int64_t r = 0; r < N; ++r) {
+      if (r > 0 && r % kSsmSumRows == 0)
+        for (int64_t c = 0; c < nc; ++c) {
+          total[c] = total[c] + part[c];
+          part[c] = 0.0f;
+        }
       const float* d = &dw_terms[static_cast<size_t>(r * C + c0)];
-      for (int64_t c = 0; c < nc; ++c) sum[c] = sum[c] + d[c];
+      for (int64_t c = 0; c < nc; ++c) part[c] = part[c] + d[c];
     }
-    for (int64_t c = 0; c < nc; ++c) dweight[c0 + c] += sum[c];
+    for (int64_t c = 0; c < nc; ++c) dweight[c0 + c] += total[c] + part[c];
   }
 }
 

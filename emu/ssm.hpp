@@ -17,9 +17,13 @@
 // results.
 //
 // Gradients: an input's gradient is written (every element, nothing read from the buffer before);
-// a parameter's gradient (conv weight and bias, dt_bias, A_log, D, norm weight) is summed from +0
-// over the batch in the order named, and that sum is then added once to the caller's buffer (+=),
-// so micro-batches accumulate as the other ops' parameter gradients do.
+// a parameter's gradient (conv weight and bias, dt_bias, A_log, D, norm weight) is summed over the
+// batch in the order named, and that sum is then added once to the caller's buffer (+=), so
+// micro-batches accumulate as the other ops' parameter gradients do. The sums over the B*T rows
+// (r = b*T + t; conv weight and bias, dt_bias, norm weight) run in kSsmSumRows blocks: per block
+// of consecutive rows a partial sum from +0 in increasing r, then the partials from +0 in
+// increasing block order (a fixed two-level order, which the CUDA twins evaluate with a thread
+// block per row block and get the same bits).
 //
 // Layouts: activations are (B,T,channels) row-major, one row a token. The in_proj output is split
 // as [z | x | B | C | dt_raw] (2*d_inner + 2*G*N + H columns); the ops that read a column slice of
@@ -33,6 +37,9 @@
 
 namespace fp4sim::emu {
 
+// The rows of a parameter gradient's partial sums (see "Gradients" above).
+inline constexpr int64_t kSsmSumRows = 256;
+
 // ---- causal depthwise conv1d + SiLU ------------------------------------------------------------
 // out (B,T,C) = silu(u), u[b,t,c] = bias[c] + sum_{k=0..W-1} weight[c,k] * inp[b, t-W+1+k, c],
 // the sum evaluated left to right: u = bias; u = u + weight[c,k] * inp[...] for k = 0..W-1,
@@ -45,8 +52,8 @@ void conv1d_silu_forward(float* out, const float* inp, int64_t ld_inp, const flo
 // du = dout * silu'(u), silu'(u) = sig * (1 + u * (1 - sig)), sig = 1 / (1 + exp(-u)), u
 // recomputed as in the forward pass. dinp (B,T,C), row stride ld_dinp, written:
 // dinp[b,s,c] = sum_{k=0..W-1} weight[c,k] * du[b, s+W-1-k, c] from +0 in increasing k (terms past
-// the sequence end skipped). dweight (C,W) += sum over b, then t (increasing) of
-// du[b,t,c] * inp[b,t-W+1+k,c]; dbias (C) += sum over b, then t of du[b,t,c].
+// the sequence end skipped). dweight (C,W) += the row sum (rows r = b*T + t in kSsmSumRows
+// blocks) of du[b,t,c] * inp[b,t-W+1+k,c]; dbias (C) += the row sum of du[b,t,c].
 void conv1d_silu_backward(float* dinp, int64_t ld_dinp, float* dweight, float* dbias,
                           const float* dout, const float* inp, int64_t ld_inp, const float* weight,
                           const float* bias, int64_t B, int64_t T, int64_t C, int64_t W);
@@ -62,7 +69,8 @@ void conv1d_silu_backward(float* dinp, int64_t ld_dinp, float* dweight, float* d
 void ssm_dt_forward(float* dt, float* A, const float* dt_raw, int64_t ld_dt_raw,
                     const float* dt_bias, const float* A_log, int64_t B, int64_t T, int64_t H);
 // du = ddt * (u > 20 ? 1 : e / (1 + e)), e = exp(u), u = dt_raw + dt_bias recomputed. ddt_raw
-// (B,T,H), row stride ld_ddt_raw, written = du; ddt_bias (H) += sum over b, then t of du;
+// (B,T,H), row stride ld_ddt_raw, written = du; ddt_bias (H) += the row sum (kSsmSumRows blocks)
+// of du;
 // dA_log (H) += dA * A, A = -exp(A_log) recomputed. ddt (B,T,H), dA (H) from ssm_scan_backward.
 void ssm_dt_backward(float* ddt_raw, int64_t ld_ddt_raw, float* ddt_bias, float* dA_log,
                      const float* ddt, const float* dA, const float* dt_raw, int64_t ld_dt_raw,
@@ -130,7 +138,8 @@ void gated_rmsnorm_forward(float* out, float* rstd, const float* inp, const floa
 //   dg_i = (dy_i * weight_i) * s - g_i * k
 //   dinp_i = dg_i * silu(z_i);  dz_i = (dg_i * inp_i) * silu'(z_i)
 // with silu'(z) = sig * (1 + z * (1 - sig)), sig = 1 / (1 + exp(-z)). dinp (N,C) dense and dz (N,C)
-// with row stride ld_dz written; dweight (C) += sum over rows (increasing) of (dy_i * g_i) * s.
+// with row stride ld_dz written; dweight (C) += the row sum (kSsmSumRows blocks) of
+// (dy_i * g_i) * s.
 void gated_rmsnorm_backward(float* dinp, float* dz, int64_t ld_dz, float* dweight,
                             const float* dout, const float* inp, const float* z, int64_t ld_z,
                             const float* weight, const float* rstd, int64_t N, int64_t C,

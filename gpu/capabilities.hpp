@@ -67,6 +67,12 @@ constexpr int64_t attention_ds_scratch_bytes(int64_t B, int64_t T, int64_t NH, i
   return bytes <= kAttentionMaxDsBytes ? bytes : 0;
 }
 
+// The Mamba-2 ops' parameter-gradient partial sums (gpu/ssm.cu, emu/ssm.hpp's two-level row sums):
+// `sums` sums of C channels over `rows` rows, one float per row block, channel and sum.
+inline int64_t ssm_partials_floats(int64_t rows, int64_t C, int64_t sums) {
+  return (rows + emu::kSsmSumRows - 1) / emu::kSsmSumRows * C * sums;
+}
+
 // The Mamba-2 scan's backward pass (gpu/ssm.cu) runs at most this many (batch, head) work items at
 // once (a thread block each, twice the SMs of an H200; more wait for a free block), each with
 // (chunk + 1) P N floats of recomputed chunk states in scratch, at most kSsmScanStateBytes in all.

@@ -111,6 +111,8 @@ struct CudaBackend::LayersState {
   // backward's du, the gated norm's dweight terms); the scan backward pass's recomputed chunk
   // states, its per-head dB and dC terms, and its ddt, dA and per-(batch, head) sums
   training_ops::DeviceScratch ssm_terms, ssm_states, ssm_contrib, ssm_small;
+  // the parameter gradients' partial sums (a row block's, emu/ssm.hpp's kSsmSumRows)
+  training_ops::DeviceScratch ssm_partials{"Mamba parameter-gradient partial sums"};
   training_ops::RopeTable rope;
   std::vector<int64_t> host_segments;
 };

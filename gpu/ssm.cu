@@ -8,8 +8,10 @@
 // elementwise expressions and exp / log1p being the very functions of emu/ssm_math.hpp; every sum
 // runs sequentially from +0 in the emulator's order, so each is carried by one thread:
 // - conv1d + SiLU: a thread an output element (the window's terms in increasing k); backward: du
-//   an element, dinp an element, dweight and dbias a thread a channel over the rows in order.
-// - dt: a thread an element; ddt_bias a thread a head over the rows in order.
+//   an element, dinp an element, dweight and dbias in the emulator's two levels (emu/ssm.hpp,
+//   kSsmSumRows): a thread block per row block, a thread a channel's partial sums over the block's
+//   rows in order, then a thread a channel over the partials in order.
+// - dt: a thread an element; ddt_bias the same two levels, a thread a head.
 // - the scan: a thread block per (batch, head) carrying the P x N state in shared memory, a thread
 //   a state row p (the sum over n of y_t[p]). Backward: a block per (batch, head) too, the chunk's
 //   states recomputed into global scratch from the saved state before it (the forward's own
@@ -17,7 +19,7 @@
 //   column n (the sums over p), and one thread the per-step scalars (q, ddt, dA, dD). A group's dB
 //   and dC, which the emulator sums over the group's heads in increasing h, are each head's term
 //   kept in scratch and summed afterwards in that order, one thread an element.
-// - gated RMSNorm: a thread a (row, group); dweight a thread a channel over the rows in order.
+// - gated RMSNorm: a thread a (row, group); dweight the same two levels, a thread a channel.
 // This is the straightforward parallelisation, kept as the bitwise twin (CudaOptions::
 // ssm_sequential); the backend's default scan is the chunked SSD of gpu/ssm_chunked.cu.
 #include <cuda_runtime.h>
@@ -104,28 +106,74 @@ __global__ void conv1d_silu_dinp_kernel(float* dinp, int64_t ld_dinp, const floa
   }
 }
 
-// Per channel c: db = sum over b, then t of du; dw[k] = sum of du * inp[b, t-W+1+k]; each from +0,
-// then added once to dbias[c] and dweight[c, k].
-__global__ void conv1d_silu_dparams_kernel(float* dweight, float* dbias, const float* du,
-                                           const float* inp, int64_t ld_inp, int64_t B, int64_t T,
-                                           int64_t C, int64_t W) {
+// The row blocks of the parameter gradients' two-level sums (emu/ssm.hpp).
+constexpr int64_t kSumRows = emu::kSsmSumRows;
+int64_t row_blocks(int64_t rows) { return (rows + kSumRows - 1) / kSumRows; }
+
+// Per channel c (x) and row block (y): the block's partial sums from +0 over its rows in order,
+// partials[(k * blocks + block) * C + c] for dw[k] (k < W) and k = W for db:
+// db = sum of du[r, c], dw[k] = sum of du[r, c] * inp[b, t-W+1+k, c] (terms before t = 0 skipped).
+__global__ void conv1d_silu_dparams_partials_kernel(float* partials, const float* du,
+                                                    const float* inp, int64_t ld_inp, int64_t rows,
+                                                    int64_t T, int64_t C, int64_t W) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
+  const int64_t blk = blockIdx.y, blocks = gridDim.y, r0 = blk * kSumRows;
+  const int64_t r1 = r0 + kSumRows < rows ? r0 + kSumRows : rows;
   float dw[kMaxConvWidth];
   for (int64_t k = 0; k < kMaxConvWidth; ++k) dw[k] = 0.0f;
   float db = 0.0f;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const float d = du[(b * T + t) * C + c];
-      db = fadd_rn(db, d);
-      for (int64_t k = 0; k < W; ++k) {
-        const int64_t s = t - W + 1 + k;
-        if (s < 0) continue;
-        dw[k] = fadd_rn(dw[k], fmul_rn(d, inp[(b * T + s) * ld_inp + c]));
-      }
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t t = r % T;
+    const float d = du[r * C + c];
+    db = fadd_rn(db, d);
+    for (int64_t k = 0; k < W; ++k) {
+      const int64_t s = t - W + 1 + k;
+      if (s < 0) continue;
+      dw[k] = fadd_rn(dw[k], fmul_rn(d, inp[(r - t + s) * ld_inp + c]));
     }
-  dbias[c] = fadd_rn(dbias[c], db);
-  for (int64_t k = 0; k < W; ++k) dweight[c * W + k] = fadd_rn(dweight[c * W + k], dw[k]);
+  }
+  for (int64_t k = 0; k < W; ++k) partials[(k * blocks + blk) * C + c] = dw[k];
+  partials[(W * blocks + blk) * C + c] = db;
+}
+
+// dst[j * ld + c * stride] += the sum from +0 of partials[(j * blocks + b) * C + c] over the
+// blocks b in order, for each of `sets` sums j (the second level of emu/ssm.hpp's row sums).
+__global__ void sum_partials_kernel(float* dst, int64_t ld, int64_t stride, const float* partials,
+                                    int64_t blocks, int64_t C, int64_t sets) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= C * sets) return;
+  const int64_t j = i / C, c = i % C;
+  float sum = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) sum = fadd_rn(sum, partials[(j * blocks + b) * C + c]);
+  float* d = dst + j * ld + c * stride;
+  *d = fadd_rn(*d, sum);
+}
+
+// Per column c (x) and row block (y): partials[block * C + c] = the sum from +0 of
+// terms[r * C + c] over the block's rows in order.
+__global__ void column_partials_kernel(float* partials, const float* terms, int64_t rows,
+                                       int64_t C) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kSumRows;
+  const int64_t r1 = r0 + kSumRows < rows ? r0 + kSumRows : rows;
+  float sum = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) sum = fadd_rn(sum, terms[r * C + c]);
+  partials[static_cast<int64_t>(blockIdx.y) * C + c] = sum;
+}
+
+// dst[c] += the two-level row sum of terms (rows x C): partials of row_blocks(rows) * C floats.
+void column_sums(float* dst, const float* terms, int64_t rows, int64_t C, float* partials,
+                 cudaStream_t stream) {
+  const int64_t blocks = row_blocks(rows);
+  const dim3 grid(static_cast<unsigned>((C + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(blocks));
+  column_partials_kernel<<<grid, kThreads, 0, stream>>>(partials, terms, rows, C);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  sum_partials_kernel<<<static_cast<unsigned>((C + kThreads - 1) / kThreads), kThreads, 0,
+                        stream>>>(dst, 0, 1, partials, blocks, C, 1);
+  FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
 void conv1d_silu_forward(float* out, const float* inp, int64_t ld_inp, const float* weight,
@@ -137,11 +185,11 @@ void conv1d_silu_forward(float* out, const float* inp, int64_t ld_inp, const flo
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-// du: scratch of B*T*C floats
+// du: scratch of B*T*C floats; partials: of ssm_partials_floats(B*T, C, W + 1)
 void conv1d_silu_backward(float* dinp, int64_t ld_dinp, float* dweight, float* dbias,
                           const float* dout, const float* inp, int64_t ld_inp, const float* weight,
                           const float* bias, int64_t B, int64_t T, int64_t C, int64_t W,
-                          bool round_bf16, float* du, cudaStream_t stream) {
+                          bool round_bf16, float* du, float* partials, cudaStream_t stream) {
   const int64_t n = B * T * C;
   conv1d_silu_du_kernel<<<elementwise_grid(n), kThreads, 0, stream>>>(du, dout, inp, ld_inp, weight,
                                                                       bias, T, C, W, n);
@@ -149,8 +197,17 @@ void conv1d_silu_backward(float* dinp, int64_t ld_dinp, float* dweight, float* d
   conv1d_silu_dinp_kernel<<<elementwise_grid(n), kThreads, 0, stream>>>(dinp, ld_dinp, du, weight,
                                                                         T, C, W, n, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  conv1d_silu_dparams_kernel<<<static_cast<unsigned>((C + kThreads - 1) / kThreads), kThreads, 0,
-                               stream>>>(dweight, dbias, du, inp, ld_inp, B, T, C, W);
+  const int64_t blocks = row_blocks(B * T);
+  const unsigned ctiles = static_cast<unsigned>((C + kThreads - 1) / kThreads);
+  conv1d_silu_dparams_partials_kernel<<<dim3(ctiles, static_cast<unsigned>(blocks)), kThreads, 0,
+                                        stream>>>(partials, du, inp, ld_inp, B * T, T, C, W);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  // dweight[c * W + k] for the sums k < W, then dbias[c]
+  sum_partials_kernel<<<static_cast<unsigned>((C * W + kThreads - 1) / kThreads), kThreads, 0,
+                        stream>>>(dweight, 1, W, partials, blocks, C, W);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  sum_partials_kernel<<<ctiles, kThreads, 0, stream>>>(dbias, 0, 1, partials + W * blocks * C,
+                                                       blocks, C, 1);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -183,15 +240,10 @@ __global__ void ssm_dt_du_kernel(float* ddt_raw, int64_t ld_ddt_raw, float* du, 
   }
 }
 
-// Per head: ddt_bias += sum over the rows in order of du; dA_log += dA * -exp(A_log).
-__global__ void ssm_dt_dparams_kernel(float* ddt_bias, float* dA_log, const float* du,
-                                      const float* dA, const float* A_log, int64_t rows,
-                                      int64_t H) {
+// Per head: dA_log += dA * -exp(A_log) (ddt_bias: column_sums of du).
+__global__ void ssm_dA_log_kernel(float* dA_log, const float* dA, const float* A_log, int64_t H) {
   const int64_t h = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (h >= H) return;
-  float sum = 0.0f;
-  for (int64_t r = 0; r < rows; ++r) sum = fadd_rn(sum, du[r * H + h]);
-  ddt_bias[h] = fadd_rn(ddt_bias[h], sum);
   dA_log[h] = fadd_rn(dA_log[h], fmul_rn(dA[h], -exp_f32(A_log[h])));
 }
 
@@ -204,17 +256,18 @@ void ssm_dt_forward(float* dt, float* A, const float* dt_raw, int64_t ld_dt_raw,
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-// du: scratch of B*T*H floats
+// du: scratch of B*T*H floats; partials: of ssm_partials_floats(B*T, H, 1)
 void ssm_dt_backward(float* ddt_raw, int64_t ld_ddt_raw, float* ddt_bias, float* dA_log,
                      const float* ddt, const float* dA, const float* dt_raw, int64_t ld_dt_raw,
                      const float* dt_bias, const float* A_log, int64_t B, int64_t T, int64_t H,
-                     bool round_bf16, float* du, cudaStream_t stream) {
+                     bool round_bf16, float* du, float* partials, cudaStream_t stream) {
   const int64_t n = B * T * H;
   ssm_dt_du_kernel<<<elementwise_grid(n), kThreads, 0, stream>>>(
       ddt_raw, ld_ddt_raw, du, ddt, dt_raw, ld_dt_raw, dt_bias, H, n, round_bf16);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  ssm_dt_dparams_kernel<<<static_cast<unsigned>((H + kThreads - 1) / kThreads), kThreads, 0,
-                          stream>>>(ddt_bias, dA_log, du, dA, A_log, B * T, H);
+  column_sums(ddt_bias, du, B * T, H, partials, stream);
+  ssm_dA_log_kernel<<<static_cast<unsigned>((H + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      dA_log, dA, A_log, H);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -555,16 +608,6 @@ __global__ void gated_rmsnorm_backward_kernel(float* dinp, float* dz, int64_t ld
   }
 }
 
-// dweight[c] += the sum over rows (increasing, from +0) of dw_terms[., c]
-__global__ void column_sums_in_order_kernel(float* dweight, const float* terms, int64_t N,
-                                            int64_t C) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  float sum = 0.0f;
-  for (int64_t r = 0; r < N; ++r) sum = fadd_rn(sum, terms[r * C + c]);
-  dweight[c] = fadd_rn(dweight[c], sum);
-}
-
 void gated_rmsnorm_forward(float* out, float* rstd, const float* inp, const float* z, int64_t ld_z,
                            const float* weight, int64_t N, int64_t C, int64_t G, bool round_bf16,
                            cudaStream_t stream) {
@@ -573,19 +616,17 @@ void gated_rmsnorm_forward(float* out, float* rstd, const float* inp, const floa
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
-// dw_terms: scratch of N*C floats
+// dw_terms: scratch of N*C floats; partials: of ssm_partials_floats(N, C, 1)
 void gated_rmsnorm_backward(float* dinp, float* dz, int64_t ld_dz, float* dweight,
                             const float* dout, const float* inp, const float* z, int64_t ld_z,
                             const float* weight, const float* rstd, int64_t N, int64_t C, int64_t G,
                             bool round_dinp, bool round_dz, bool bf16_dout, float* dw_terms,
-                            cudaStream_t stream) {
+                            float* partials, cudaStream_t stream) {
   gated_rmsnorm_backward_kernel<<<elementwise_grid(N * G), kThreads, 0, stream>>>(
       dinp, dz, ld_dz, dw_terms, dout, inp, z, ld_z, weight, rstd, N, C, G, round_dinp, round_dz,
       bf16_dout);
   FP4SIM_CUDA_CHECK_LAUNCH();
-  column_sums_in_order_kernel<<<static_cast<unsigned>((C + kThreads - 1) / kThreads), kThreads, 0,
-                                stream>>>(dweight, dw_terms, N, C);
-  FP4SIM_CUDA_CHECK_LAUNCH();
+  column_sums(dweight, dw_terms, N, C, partials, stream);
 }
 
 // The launch limits of the scan kernels: P threads a forward block, max(P, N) a backward block.
@@ -618,10 +659,12 @@ void CudaBackend::ssm_conv_backward(const TensorView& dinp, const TensorView& dw
                                 std::to_string(kMaxConvWidth));
   const int64_t C = s.xbc_cols();
   float* du = layers_state().ssm_terms.get<float>(static_cast<size_t>(s.B * s.T * C), stream_);
+  float* partials = layers_state().ssm_partials.get<float>(
+      static_cast<size_t>(ssm_partials_floats(s.B * s.T, C, weight.cols + 1)), stream_);
   conv1d_silu_backward(dinp.as<float>(), dinp.stride(), dweight.as<float>(), dbias.as<float>(),
                        dout.as<const float>(), inp.as<const float>(), inp.stride(),
                        weight.as<const float>(), bias.as<const float>(), s.B, s.T, C, weight.cols,
-                       dinp.bf16_values, du, stream_);
+                       dinp.bf16_values, du, partials, stream_);
 }
 
 void CudaBackend::ssm_scan_forward(const TensorView& y, const TensorView& states,
@@ -672,10 +715,12 @@ void CudaBackend::ssm_scan_backward(
                          D.as<const float>(), states.as<const float>(), s, dxbc.bf16_values, ws,
                          stream_);
     float* du = st.ssm_terms.get<float>(static_cast<size_t>(need.terms) / 4, stream_);
+    float* partials =
+        st.ssm_partials.get<float>(static_cast<size_t>(ssm_partials_floats(BT, s.H, 1)), stream_);
     gpu::ssm_dt_backward(ddt_raw.as<float>(), ddt_raw.stride(), ddt_bias.as<float>(),
                          dA_log.as<float>(), ddt, dA, dt_raw.as<const float>(), dt_raw.stride(),
                          dt_bias.as<const float>(), A_log.as<const float>(), s.B, s.T, s.H,
-                         ddt_raw.bf16_values, du, stream_);
+                         ddt_raw.bf16_values, du, partials, stream_);
     return;
   }
   ScanBackwardScratch ws;
@@ -695,10 +740,12 @@ void CudaBackend::ssm_scan_backward(
                          D.as<const float>(), states.as<const float>(), s, dxbc.bf16_values, ws,
                          stream_);
   float* du = st.ssm_terms.get<float>(static_cast<size_t>(BT * s.H), stream_);
+  float* partials =
+      st.ssm_partials.get<float>(static_cast<size_t>(ssm_partials_floats(BT, s.H, 1)), stream_);
   gpu::ssm_dt_backward(ddt_raw.as<float>(), ddt_raw.stride(), ddt_bias.as<float>(),
                        dA_log.as<float>(), ddt, dA, dt_raw.as<const float>(), dt_raw.stride(),
                        dt_bias.as<const float>(), A_log.as<const float>(), s.B, s.T, s.H,
-                       ddt_raw.bf16_values, du, stream_);
+                       ddt_raw.bf16_values, du, partials, stream_);
 }
 
 void CudaBackend::gated_norm_forward(const TensorView& out, const TensorView& rstd,
@@ -719,11 +766,13 @@ void CudaBackend::gated_norm_backward(const TensorView& dinp, const TensorView& 
   const int64_t N = inp.rows, C = inp.cols;
   if (N == 0) return;
   float* terms = layers_state().ssm_terms.get<float>(static_cast<size_t>(N * C), stream_);
+  float* partials = layers_state().ssm_partials.get<float>(
+      static_cast<size_t>(ssm_partials_floats(N, C, 1)), stream_);
   gated_rmsnorm_backward(dinp.as<float>(), dz.as<float>(), dz.stride(), dweight.as<float>(),
                          dout.as<const float>(), inp.as<const float>(), z.as<const float>(),
                          z.stride(), weight.as<const float>(), rstd.as<const float>(), N, C,
                          rstd.cols, dinp.bf16_values, dz.bf16_values, dout.bf16_values, terms,
-                         stream_);
+                         partials, stream_);
 }
 
 }  // namespace fp4sim::gpu

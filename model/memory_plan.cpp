@@ -296,7 +296,7 @@ class PlanningBackend final : public Backend {
     op("crossentropy_forward_backward", logits);
     if (!cuda_) temp(emu::workspace::crossentropy(dlogits, logits));
   }
-  // (gpu/ssm.cu: the scratch buffers ssm_terms, ssm_states, ssm_contrib and ssm_small)
+  // (gpu/ssm.cu: the scratch buffers ssm_terms, ssm_states, ssm_contrib, ssm_small, ssm_partials)
   void ssm_conv_forward(const TensorView& out, const TensorView&, const TensorView& weight,
                         const TensorView&, const SsmShape& s) override {
     op("ssm_conv_forward", out);
@@ -308,6 +308,8 @@ class PlanningBackend final : public Backend {
     op("ssm_conv_backward", dinp);
     if (!cuda_) return temp(emu::workspace::ssm_conv_backward(s, weight.cols, threads_));
     scratch("Mamba per-element terms", s.B * s.T * s.xbc_cols() * kF32);
+    scratch("Mamba parameter-gradient partial sums",
+            gpu::ssm_partials_floats(s.B * s.T, s.xbc_cols(), weight.cols + 1) * kF32);
   }
   // The CUDA scan as default CudaOptions run it: the chunked SSD (gpu/capabilities.hpp
   // ssd_chunked_*_scratch), in the buffers the sequential scan (ssm_sequential) uses too.
@@ -331,6 +333,8 @@ class PlanningBackend final : public Backend {
     scratch("Mamba scan dB and dC terms", b.contrib);
     scratch("Mamba scan ddt, dA and sums", b.small);
     scratch("Mamba per-element terms", b.terms);
+    scratch("Mamba parameter-gradient partial sums",
+            gpu::ssm_partials_floats(s.B * s.T, s.H, 1) * kF32);
   }
   void gated_norm_forward(const TensorView& out, const TensorView& rstd, const TensorView&,
                           const TensorView&, const TensorView&) override {
@@ -343,6 +347,8 @@ class PlanningBackend final : public Backend {
     op("gated_norm_backward", dinp);
     if (!cuda_) return temp(emu::workspace::gated_norm_backward(dout, rstd.cols, threads_));
     scratch("Mamba per-element terms", dout.rows * dout.cols * kF32);
+    scratch("Mamba parameter-gradient partial sums",
+            gpu::ssm_partials_floats(dout.rows, dout.cols, 1) * kF32);
   }
   void adamw_update(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                     const TensorView&, const std::vector<Segment>&,
