@@ -183,6 +183,16 @@ if [ "${1:-}" = "hspeed" ]; then
   row "nemotron-h-small fp4sim bf16 tok/s (runs:$b)" "median $(echo "$b" | median_of), peak $(mem "$out/hspeed_bf16_1.log")"
   row "nemotron-h-small fp4sim nvfp4 tok/s (runs:$n)" "median $(echo "$n" | median_of), peak $(mem "$out/hspeed_nvfp4_1.log")"
   row "nemotron-h-small torch.compile tok/s (runs:$t)" "median $(echo "$t" | median_of), peak ${tmem:-n/a} GiB"
+  # where a step's GPU time goes: the kernels of a 6-step bf16 run (CUPTI, tools/cupti_trace.cpp)
+  lib=build-gpu/libfp4sim_cupti_trace.so
+  for r in ${HPROFILE:-bf16}; do
+    [ -f "$lib" ] || break
+    CUDA_INJECTION64_PATH=$PWD/$lib FP4SIM_TRACE_OUT=$out/htrace_$r.csv timeout 200 build-gpu/fp4sim train \
+      --config configs/nemotron-h-small.json --backend cuda train.data=synthetic train.steps=6 train.warmup=1 \
+      train.eval_every=0 train.out_dir=runs/htrace recipe.name="$r" recipe.gemm=cublaslt >"$out/htrace_$r.log" 2>&1
+    python3 validation/kernel_summary.py "$out/htrace_$r.csv" --steps 6 --top 25 | tee "$out/htrace_$r.txt"
+    row "nemotron-h-small $r kernels" "$(head -1 "$out/htrace_$r.txt")"
+  done
   # the scan's share of a step: the SSD kernels' time (bench_ssm at the preset's shape)
   build-gpu/bench_ssm >"$out/bench_ssm.txt" 2>&1
   grep -iE "chunked|sequential" "$out/bench_ssm.txt" | head -10
