@@ -9,7 +9,8 @@
 #             nemotron-h-tiny) + the SSD scan benchmark (bench_ssm)
 #   hspeed    build + nemotron-h-small tokens/s and peak memory: fp4sim bf16 and nvfp4 (cuBLASLt)
 #             against torch.compile of the same model (validation/torch_hybrid_bench.py), RUNS runs
-#             each (default 3), alternating, in one call
+#             each (default 3), alternating, in one call (HTORCH=0: fp4sim only), then the kernels'
+#             GPU time of a 6-step run per recipe in HPROFILE (default bf16) and bench_ssm
 #   evidence  build + validation/hybrid_evidence.sh (STEPS, default 1500; ONLY; RUN_TIMEOUT), the
 #             runs in runs/hybrid_evidence; their logs, table and plot come back (a run cut by
 #             RUN_TIMEOUT resumes in the next call while the machine is still warm)
@@ -172,6 +173,7 @@ if [ "${1:-}" = "hspeed" ]; then
   for i in $(seq 1 "${RUNS:-3}"); do
     b="$b $(hybrid_run bf16 "$out/hspeed_bf16_$i.log")"
     n="$n $(hybrid_run nvfp4 "$out/hspeed_nvfp4_$i.log")"
+    [ "${HTORCH:-1}" = 0 ] && continue  # (HTORCH=0: fp4sim only)
     PYTHONUNBUFFERED=1 timeout 400 python3 validation/torch_hybrid_bench.py --config configs/nemotron-h-small.json \
       --json "$out/hspeed_torch_$i.json" >"$out/hspeed_torch_$i.log" 2>&1
     t="$t $(tail -1 "$out/hspeed_torch_$i.log" | python3 -c 'import json,sys; print(round(json.load(sys.stdin)["tokens_per_s"]))' 2>/dev/null || echo n/a)"
