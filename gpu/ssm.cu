@@ -19,7 +19,9 @@
 //   column n (the sums over p), and one thread the per-step scalars (q, ddt, dA, dD). A group's dB
 //   and dC, which the emulator sums over the group's heads in increasing h, are each head's term
 //   kept in scratch and summed afterwards in that order, one thread an element.
-// - gated RMSNorm: a thread a (row, group); dweight the same two levels, a thread a channel.
+// - gated RMSNorm: a thread block a tile of (row, group) items, the elementwise terms in parallel
+//   into shared memory, then a thread an item's sum in order (a thread an item where one item's
+//   group does not fit the tile); dweight the same two levels as the conv's, a thread a channel.
 // This is the straightforward parallelisation, kept as the bitwise twin (CudaOptions::
 // ssm_sequential); the backend's default scan is the chunked SSD of gpu/ssm_chunked.cu.
 #include <cuda_runtime.h>
@@ -49,6 +51,19 @@ constexpr float kGatedNormEps = 1e-5f;
 constexpr int64_t kMaxConvWidth = kSsmMaxConvWidth;
 constexpr int64_t kMaxScanThreads = kSsmMaxScanSize;
 
+// q = i / d and r = i % d (i >= 0, d > 0), in 32-bit arithmetic where both fit (64-bit division
+// is a long instruction sequence on the GPU, and these kernels divide for every element).
+__device__ __forceinline__ void divmod(int64_t i, int64_t d, int64_t& q, int64_t& r) {
+  if (i <= 0xFFFFFFFFll && d <= 0xFFFFFFFFll) {
+    const uint32_t qq = static_cast<uint32_t>(i) / static_cast<uint32_t>(d);
+    q = qq;
+    r = i - static_cast<int64_t>(qq) * d;
+  } else {
+    q = i / d;
+    r = i % d;
+  }
+}
+
 // ---- causal depthwise conv1d + SiLU ------------------------------------------------------------
 
 // u = bias[c] + sum_k weight[c,k] * inp[row - t + s, c], s = t - W + 1 + k >= 0, left to right
@@ -71,7 +86,9 @@ __global__ void conv1d_silu_forward_kernel(float* out, const float* inp, int64_t
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    const int64_t row = i / C, c = i % C, t = row % T;
+    int64_t row, c, b, t;
+    divmod(i, C, row, c);
+    divmod(row, T, b, t);
     out[i] = stored(ssm_silu(conv_u(inp, ld_inp, weight, bias, row, t, c, W)), round_bf16);
   }
 }
@@ -83,7 +100,9 @@ __global__ void conv1d_silu_du_kernel(float* du, const float* dout, const float*
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    const int64_t row = i / C, c = i % C, t = row % T;
+    int64_t row, c, b, t;
+    divmod(i, C, row, c);
+    divmod(row, T, b, t);
     du[i] = fmul_rn(dout[i], ssm_silu_grad(conv_u(inp, ld_inp, weight, bias, row, t, c, W)));
   }
 }
@@ -95,7 +114,9 @@ __global__ void conv1d_silu_dinp_kernel(float* dinp, int64_t ld_dinp, const floa
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    const int64_t row = i / C, c = i % C, s = row % T;
+    int64_t row, c, b, s;
+    divmod(i, C, row, c);
+    divmod(row, T, b, s);
     float dx = 0.0f;
     for (int64_t k = 0; k < W; ++k) {
       const int64_t t = s + W - 1 - k;
@@ -123,8 +144,9 @@ __global__ void conv1d_silu_dparams_partials_kernel(float* partials, const float
   float dw[kMaxConvWidth];
   for (int64_t k = 0; k < kMaxConvWidth; ++k) dw[k] = 0.0f;
   float db = 0.0f;
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t t = r % T;
+  int64_t b0, t0;
+  divmod(r0, T, b0, t0);
+  for (int64_t r = r0, t = t0; r < r1; ++r, t = t + 1 == T ? 0 : t + 1) {
     const float d = du[r * C + c];
     db = fadd_rn(db, d);
     for (int64_t k = 0; k < W; ++k) {
@@ -608,11 +630,111 @@ __global__ void gated_rmsnorm_backward_kernel(float* dinp, float* dz, int64_t ld
   }
 }
 
+// The tiled gated norm: a thread block takes `items` consecutive (row, group) items (it = r * G +
+// j); its threads compute the items' elementwise terms in parallel, reading and writing whole rows
+// (coalesced), into shared memory, item-major with a row of gs + 1 floats (the pad makes the
+// summing threads' reads conflict-free); then one thread an item sums its terms in increasing i
+// from +0, the emulator's order, so the bits are the per-item kernels' above. Used where gs + 1
+// floats fit kGatedTileFloats for at least one item.
+constexpr int64_t kGatedTileFloats = 12288;  // 48 KiB of shared memory a block
+constexpr int64_t kGatedTileItems = 32;
+int64_t gated_tile_items(int64_t gs) {
+  const int64_t n = kGatedTileFloats / (gs + 1);
+  return n < kGatedTileItems ? n : kGatedTileItems;
+}
+
+__global__ void gated_rmsnorm_forward_tiled_kernel(float* out, float* rstd, const float* inp,
+                                                   const float* z, int64_t ld_z,
+                                                   const float* weight, int64_t N, int64_t C,
+                                                   int64_t G, int64_t items, float eps,
+                                                   bool round_bf16) {
+  extern __shared__ float sg[];  // [items][gs + 1]: g = x * silu(z)
+  __shared__ float ssc[kGatedTileItems];
+  const int64_t gs = C / G, it0 = static_cast<int64_t>(blockIdx.x) * items;
+  const int64_t n = (it0 + items <= N * G ? items : N * G - it0) * gs;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    int64_t item, i, r, j;
+    divmod(e, gs, item, i);
+    divmod(it0 + item, G, r, j);
+    sg[item * (gs + 1) + i] = fmul_rn(inp[r * C + j * gs + i], ssm_silu(z[r * ld_z + j * gs + i]));
+  }
+  __syncthreads();
+  if (threadIdx.x < items && it0 + threadIdx.x < N * G) {
+    const float* g = sg + threadIdx.x * (gs + 1);
+    float ms = 0.0f;
+    for (int64_t i = 0; i < gs; ++i) ms = fadd_rn(ms, fmul_rn(g[i], g[i]));
+    ms = fdiv_rn(ms, static_cast<float>(gs));
+    const float sc = fdiv_rn(1.0f, __fsqrt_rn(fadd_rn(ms, eps)));
+    ssc[threadIdx.x] = sc;
+    rstd[it0 + threadIdx.x] = sc;  // (rstd (N, G): item it at r * G + j = it)
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    int64_t item, i, r, j;
+    divmod(e, gs, item, i);
+    divmod(it0 + item, G, r, j);
+    out[r * C + j * gs + i] = stored(
+        fmul_rn(fmul_rn(sg[item * (gs + 1) + i], ssc[item]), weight[j * gs + i]), round_bf16);
+  }
+}
+
+__global__ void gated_rmsnorm_backward_tiled_kernel(
+    float* dinp, float* dz, int64_t ld_dz, float* dw_terms, const float* dout, const float* inp,
+    const float* z, int64_t ld_z, const float* weight, const float* rstd, int64_t N, int64_t C,
+    int64_t G, int64_t items, bool round_dinp, bool round_dz, bool bf16_dout) {
+  extern __shared__ float st[];  // [items][gs + 1]: (dy * w) * g
+  __shared__ float sk[kGatedTileItems];
+  const int64_t gs = C / G, it0 = static_cast<int64_t>(blockIdx.x) * items;
+  const int64_t n = (it0 + items <= N * G ? items : N * G - it0) * gs;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    int64_t item, i, r, j;
+    divmod(e, gs, item, i);
+    divmod(it0 + item, G, r, j);
+    float sz, sig;
+    ssm_silu_sigmoid(z[r * ld_z + j * gs + i], &sz, &sig);
+    const float gv = fmul_rn(inp[r * C + j * gs + i], sz);
+    st[item * (gs + 1) + i] =
+        fmul_rn(fmul_rn(read_dout(dout[r * C + j * gs + i], bf16_dout), weight[j * gs + i]), gv);
+  }
+  __syncthreads();
+  if (threadIdx.x < items && it0 + threadIdx.x < N * G) {
+    const float* t = st + threadIdx.x * (gs + 1);
+    float dot = 0.0f;
+    for (int64_t i = 0; i < gs; ++i) dot = fadd_rn(dot, t[i]);
+    const float sc = rstd[it0 + threadIdx.x];
+    sk[threadIdx.x] = fdiv_rn(fmul_rn(fmul_rn(fmul_rn(dot, sc), sc), sc), static_cast<float>(gs));
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    int64_t item, i, r, j;
+    divmod(e, gs, item, i);
+    divmod(it0 + item, G, r, j);
+    const float sc = rstd[it0 + item], k = sk[item], x = inp[r * C + j * gs + i],
+                zi = z[r * ld_z + j * gs + i];
+    float sz, sig;
+    ssm_silu_sigmoid(zi, &sz, &sig);
+    const float gv = fmul_rn(x, sz), dyi = read_dout(dout[r * C + j * gs + i], bf16_dout);
+    const float dg = fsub_rn(fmul_rn(fmul_rn(dyi, weight[j * gs + i]), sc), fmul_rn(gv, k));
+    dinp[r * C + j * gs + i] = stored(fmul_rn(dg, sz), round_dinp);
+    dz[r * ld_dz + j * gs + i] =
+        stored(fmul_rn(fmul_rn(dg, x), ssm_silu_grad_from(zi, sig)), round_dz);
+    dw_terms[r * C + j * gs + i] = fmul_rn(fmul_rn(dyi, gv), sc);
+  }
+}
+
 void gated_rmsnorm_forward(float* out, float* rstd, const float* inp, const float* z, int64_t ld_z,
                            const float* weight, int64_t N, int64_t C, int64_t G, bool round_bf16,
                            cudaStream_t stream) {
-  gated_rmsnorm_forward_kernel<<<elementwise_grid(N * G), kThreads, 0, stream>>>(
-      out, rstd, inp, z, ld_z, weight, N, C, G, kGatedNormEps, round_bf16);
+  const int64_t items = gated_tile_items(C / G);
+  if (items > 0) {
+    const size_t smem = static_cast<size_t>(items * (C / G + 1)) * sizeof(float);
+    gated_rmsnorm_forward_tiled_kernel<<<static_cast<unsigned>((N * G + items - 1) / items),
+                                         kThreads, smem, stream>>>(
+        out, rstd, inp, z, ld_z, weight, N, C, G, items, kGatedNormEps, round_bf16);
+  } else {
+    gated_rmsnorm_forward_kernel<<<elementwise_grid(N * G), kThreads, 0, stream>>>(
+        out, rstd, inp, z, ld_z, weight, N, C, G, kGatedNormEps, round_bf16);
+  }
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -622,9 +744,18 @@ void gated_rmsnorm_backward(float* dinp, float* dz, int64_t ld_dz, float* dweigh
                             const float* weight, const float* rstd, int64_t N, int64_t C, int64_t G,
                             bool round_dinp, bool round_dz, bool bf16_dout, float* dw_terms,
                             float* partials, cudaStream_t stream) {
-  gated_rmsnorm_backward_kernel<<<elementwise_grid(N * G), kThreads, 0, stream>>>(
-      dinp, dz, ld_dz, dw_terms, dout, inp, z, ld_z, weight, rstd, N, C, G, round_dinp, round_dz,
-      bf16_dout);
+  const int64_t items = gated_tile_items(C / G);
+  if (items > 0) {
+    const size_t smem = static_cast<size_t>(items * (C / G + 1)) * sizeof(float);
+    gated_rmsnorm_backward_tiled_kernel<<<static_cast<unsigned>((N * G + items - 1) / items),
+                                          kThreads, smem, stream>>>(
+        dinp, dz, ld_dz, dw_terms, dout, inp, z, ld_z, weight, rstd, N, C, G, items, round_dinp,
+        round_dz, bf16_dout);
+  } else {
+    gated_rmsnorm_backward_kernel<<<elementwise_grid(N * G), kThreads, 0, stream>>>(
+        dinp, dz, ld_dz, dw_terms, dout, inp, z, ld_z, weight, rstd, N, C, G, round_dinp, round_dz,
+        bf16_dout);
+  }
   FP4SIM_CUDA_CHECK_LAUNCH();
   column_sums(dweight, dw_terms, N, C, partials, stream);
 }
