@@ -446,7 +446,8 @@ def main():
     summary = dict(bench="torch_hybrid_bench", config=source, pattern=m["pattern"], batch=B, seq=T, dtype=args.dtype,
                    compile=not args.no_compile, compile_mode=None if args.no_compile else args.compile_mode,
                    gqa=args.gqa, fused_adamw=fused, device=dev_name, torch=torch.__version__, params=n_params,
-                   tokens_per_s=round(med_tok_s, 1), step_ms=round(med_step_ms, 3),
+                   tokens_per_s=round(med_tok_s, 1), runs_tokens_per_s=[round(x, 1) for x in tok_s],
+                   step_ms=round(med_step_ms, 3),
                    peak_mem_gib=num(round(peak_alloc, 3)), peak_mem_reserved_gib=num(round(peak_res, 3)),
                    mfu=round(mfu, 5), warmup_s=round(warm_s, 1), steps=args.steps, repeats=args.repeats)
     if args.json:
