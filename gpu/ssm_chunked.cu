@@ -259,10 +259,6 @@ void launch_gemm(const Prob& pr, int64_t chunks, int64_t M, int64_t N, cudaStrea
                   static_cast<unsigned>(ssd_tiles(N)));
   // ChunkProb::prepare's chunk log-sums (Q doubles) and decays (2 Q floats)
   const size_t dyn = static_cast<size_t>(pr.d.Q) * (sizeof(double) + 2 * sizeof(float));
-  // (with the ~37 KB of static shared memory, a chunk over ~700 steps passes the default 48 KB)
-  if (dyn > 8 * 1024)
-    FP4SIM_CUDA_CHECK(cudaFuncSetAttribute(
-        ssd_gemm_kernel<Prob>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dyn)));
   ssd_gemm_kernel<Prob><<<grid, kGemmThreads, dyn, stream>>>(pr);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
