@@ -26,12 +26,11 @@
 //   ddt_k = x_k . du_k + A dg_k, dA = sum dg_k dt_k, dD = sum dy . x.
 //
 // Kernels: the products are small GEMMs, one thread block a 64 x 64 output tile of one chunk (a
-// grid's x the chunk, y and z the tiles), 64 threads of 8 x 8 outputs each (float4 reads of the
-// shared k-tiles: 4 shared loads feed 64 FMAs), FP32 FMA on the CUDA cores over k-tiles of 32
-// staged in shared memory; each GEMM's operands are functions of the inputs (decays, dt scaling,
-// causal masks) evaluated as they are staged, with the chunk's log-sums and decays in shared
-// memory, so only C B^T (a group and chunk, Q x Q), the chunk states, their gradients and M are
-// kept in scratch. Tiles and k-tiles that the causal masks leave empty are skipped.
+// grid's x the chunk, y and z the tiles), 256 threads of 4 x 4 outputs each, FP32 FMA on the CUDA
+// cores over k-tiles of 32 staged in shared memory; each GEMM's operands are functions of the
+// inputs (decays, dt scaling, causal masks) evaluated as they are staged, so only C B^T (a group
+// and chunk, Q x Q), the chunk states, their gradients and M are kept in scratch. Tiles and
+// k-tiles that the causal masks leave empty are skipped.
 //
 // Numerics: FP32 products and sums in the GEMMs' order (k-tiles in increasing k, each thread's
 // FMA chain), exp as CUDA's expf (<= 2 ulp) of an FP32-rounded FP64 difference <= 0 (nothing
@@ -60,17 +59,11 @@ using emu::SsmShape;
 
 constexpr int kBM = static_cast<int>(kSsdTile), kBN = static_cast<int>(kSsdTile);  // output tile
 constexpr int kBK = 32;                                                            // k-tile
-constexpr int kTM = 8;                           // a thread's outputs: kTM x kTM
-constexpr int kTX = kBN / kTM;                   // threads along a tile's columns (and rows)
-constexpr int kGemmThreads = kTX * (kBM / kTM);  // 64: 8 x 8 threads of 8 x 8 outputs
-// Shared row stride of the k-tiles [k][m] and of the output tile: a multiple of 4 (float4 reads)
-// whose 4k + m bank pattern makes the staging stores below conflict-free.
-constexpr int kLd = kBM + 4;
+constexpr int kGemmThreads = 256;  // 16 x 16 threads of 4 x 4 outputs
+constexpr int kLd = kBM + 1;       // shared row stride (odd: no bank conflicts either way)
 constexpr int kPassThreads = static_cast<int>(kSsdPassElems);
 constexpr int kDgThreads = 128;
-static_assert(kBM == 64 && kBN == 64 && kBK == 32 && kTM == 8 && kGemmThreads == 64,
-              "the staging maps and the 8 x 8 thread tiles assume these");
-static_assert(2 * kBK * kLd >= kBM * kLd, "the output tile reuses the k-tiles' shared memory");
+static_assert(kBM == 64 && kBN == 64 && kGemmThreads == 256, "the 4 x 4 thread tiles assume these");
 
 struct SsdDims {
   int64_t B, T, H, P, G, N, Q, HP, Cx, nc, hpg;
@@ -107,149 +100,73 @@ __global__ void ssd_cum_kernel(double* cum, const float* dt, const float* A, Ssd
 }
 
 // ---- the chunk GEMM ----------------------------------------------------------------------------
-// Prob supplies, for the chunk z = blockIdx.x: setup(z); tile_needed(m0, n0); prepare(dyn, tid)
-// (the block's threads fill the chunk's shared values, synchronised after); k_needed(k0, m0, n0)
+// Prob supplies, for the chunk z = blockIdx.x: setup(z); tile_needed(m0, n0); prepare(ev, tid)
+// (the block's threads fill shared values, synchronised after); k_needed(k0, m0, n0)
 // (a k-tile the masks leave empty is skipped); a(m, k), b(k, n) (0 outside the operand);
 // a_m_major(k0), b_k_major(k0): which index the threads step through first when staging the
-// k-tile (the one along which the source is contiguous); K (a multiple of kBK); k_split and
-// kSplit: where kSplit, the row sums sum_n split_weight(m, n) * (the product over k < k_split)
-// [m][n] are kept too (each thread's 8 columns in order, then the 8 threads of a row in order:
-// split_row_sum); finish(m0, n0, c0, srow, tid): the tile's outputs, c0[m * kLd + n].
-//
-// A thread (tx, ty) holds the outputs of rows tile_pos(ty, 0..7) and columns tile_pos(tx, 0..7)
-// (two groups of 4 a half-tile apart, so its shared reads are float4s that a warp serves in one
-// or two wavefronts). Staging: where the source is contiguous along m, thread t stages m = t for
-// every k; where it is contiguous along k, 8 consecutive k of 4 consecutive rows a warp (a
-// 32-byte sector a row), so that with the row stride kLd the 32 stores of a warp hit 32 banks.
-__device__ __forceinline__ int tile_pos(int t, int r) {
-  return (r < 4 ? 0 : kBM / 2) + 4 * t + (r & 3);
-}
-
-__device__ __forceinline__ float split_row_sum(const float* srow, int m) {
-  float s = 0.0f;
-#pragma unroll
-  for (int t = 0; t < kTX; ++t) s += srow[m * kTX + t];
-  return s;
-}
-
+// k-tile (the one along which the source is contiguous); K (a multiple of kBK) and k_split: the
+// accumulators as they were before k-tile k_split are kept too (c1: the product over k <
+// k_split), or -1; finish(m0, n0, c0, c1, tid): the tile's outputs, c0[m * kLd + n].
 template <class Prob>
 __global__ void __launch_bounds__(kGemmThreads) ssd_gemm_kernel(Prob pr) {
-  // two buffers of the A and B k-tiles [k][m], [k][n]; then the output tile [m][n]
-  __shared__ __align__(16) float sm[2 * 2 * kBK * kLd];
-  __shared__ float srow[Prob::kSplit ? kBM * kTX : 1];  // the split row sums' thread parts
-  extern __shared__ double ssd_chunk_shared[];          // ChunkProb::prepare's
+  __shared__ float sm[2 * kBM * kLd];     // the A and B k-tiles [k][m], [k][n]; then the outputs
+  __shared__ float ev[2 * kSsdMaxChunk];  // the chunk's decays (ChunkProb::prepare)
+  float* As = sm;
+  float* Bs = sm + kBK * kLd;
   pr.setup(blockIdx.x);
   const int m0 = static_cast<int>(blockIdx.y) * kBM, n0 = static_cast<int>(blockIdx.z) * kBN;
   if (!pr.tile_needed(m0, n0)) return;
-  const int tid = static_cast<int>(threadIdx.x), tx = tid % kTX, ty = tid / kTX;
-  pr.prepare(ssd_chunk_shared, tid);
-  float acc[kTM][kTM], part[kTM];
-#pragma unroll
-  for (int i = 0; i < kTM; ++i) {
-    part[i] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kTM; ++j) acc[i][j] = 0.0f;
-  }
-  __syncthreads();  // (prepare's shared values)
-  // the next k-tile from k0 that the masks leave non-empty (uniform over the block), or K
-  auto next_needed = [&](int k0) {
-    while (k0 < pr.K && !pr.k_needed(k0, m0, n0)) k0 += kBK;
-    return k0;
-  };
-  // element i < kBK of this thread's share of k-tile k0: its shared offset and value
-  auto a_elem = [&](int k0, bool am, int i, int& off) {
-    const int k = am ? i : tid % 8 + 8 * (i / 8), m = am ? tid : tid / 8 + 8 * (i % 8);
-    off = k * kLd + m;
-    return pr.a(m0 + m, k0 + k);
-  };
-  auto b_elem = [&](int k0, bool bk, int i, int& off) {
-    const int k = bk ? tid % 8 + 8 * (i / 8) : i, n = bk ? tid / 8 + 8 * (i % 8) : tid;
-    off = k * kLd + n;
-    return pr.b(k0 + k, n0 + n);
-  };
-  bool split_done = !Prob::kSplit;
-  auto split = [&] {
-#pragma unroll
-    for (int i = 0; i < kTM; ++i) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kTM; ++j)
-        sum += pr.split_weight(m0 + tile_pos(ty, i), n0 + tile_pos(tx, j)) * acc[i][j];
-      part[i] = sum;
-    }
-    split_done = true;
-  };
-  // Software pipeline over the non-empty k-tiles, two shared buffers: while the threads multiply
-  // k-tile kc out of one, they stage k-tile kn into the other, one A and one B element each k
-  // step (stored a step after it was loaded, so the load's latency overlaps the FMAs).
-  int kc = next_needed(0), cur = 0;
-  if (kc < pr.K) {
-    const bool am = pr.a_m_major(kc), bk = pr.b_k_major(kc);
-    for (int i = 0; i < kBK; ++i) {
-      int oa, ob;
-      const float va = a_elem(kc, am, i, oa);
-      const float vb = b_elem(kc, bk, i, ob);
-      sm[oa] = va;
-      sm[kBK * kLd + ob] = vb;
-    }
-  }
+  const int tid = static_cast<int>(threadIdx.x), tx = tid % 16, ty = tid / 16;
+  pr.prepare(ev, tid);
   __syncthreads();
-  while (kc < pr.K) {
-    if (!split_done && kc >= pr.k_split) split();
-    const int kn = next_needed(kc + kBK);
-    const bool stage = kn < pr.K;
-    const bool am = stage && pr.a_m_major(kn), bk = stage && pr.b_k_major(kn);
-    const float* As = sm + cur * 2 * kBK * kLd;
-    const float* Bs = As + kBK * kLd;
-    float* An = sm + (cur ^ 1) * 2 * kBK * kLd;
-    float* Bn = An + kBK * kLd;
-    float pa = 0.0f, pb = 0.0f;
-    int poa = -1, pob = -1;
-#pragma unroll 4
+  float acc[4][4], acc1[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = acc1[i][j] = 0.0f;
+  for (int k0 = 0; k0 < pr.K; k0 += kBK) {
+    if (k0 == pr.k_split) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc1[i][j] = acc[i][j];
+    }
+    if (!pr.k_needed(k0, m0, n0)) continue;  // (uniform over the block)
+    const bool am = pr.a_m_major(k0), bk = pr.b_k_major(k0);
+    for (int e = tid; e < kBM * kBK; e += kGemmThreads) {
+      const int m = am ? e % kBM : e / kBK, k = am ? e / kBM : e % kBK;
+      As[k * kLd + m] = pr.a(m0 + m, k0 + k);
+    }
+    for (int e = tid; e < kBN * kBK; e += kGemmThreads) {
+      const int n = bk ? e / kBK : e % kBN, k = bk ? e % kBK : e / kBN;
+      Bs[k * kLd + n] = pr.b(k0 + k, n0 + n);
+    }
+    __syncthreads();
+#pragma unroll 8
     for (int k = 0; k < kBK; ++k) {
-      float va = 0.0f, vb = 0.0f;
-      int oa = -1, ob = -1;
-      if (stage) {
-        va = a_elem(kn, am, k, oa);
-        vb = b_elem(kn, bk, k, ob);
-      }
-      const float4 a0 = *reinterpret_cast<const float4*>(&As[k * kLd + 4 * ty]);
-      const float4 a1 = *reinterpret_cast<const float4*>(&As[k * kLd + kBM / 2 + 4 * ty]);
-      const float4 b0 = *reinterpret_cast<const float4*>(&Bs[k * kLd + 4 * tx]);
-      const float4 b1 = *reinterpret_cast<const float4*>(&Bs[k * kLd + kBN / 2 + 4 * tx]);
-      const float av[kTM] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-      const float bv[kTM] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+      float av[4], bv[4];
 #pragma unroll
-      for (int i = 0; i < kTM; ++i)
+      for (int i = 0; i < 4; ++i) av[i] = As[k * kLd + ty + 16 * i];
 #pragma unroll
-        for (int j = 0; j < kTM; ++j) acc[i][j] = __fmaf_rn(av[i], bv[j], acc[i][j]);
-      if (poa >= 0) {
-        An[poa] = pa;
-        Bn[pob] = pb;
-      }
-      pa = va, pb = vb, poa = oa, pob = ob;
+      for (int j = 0; j < 4; ++j) bv[j] = Bs[k * kLd + tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = __fmaf_rn(av[i], bv[j], acc[i][j]);
     }
-    if (poa >= 0) {
-      An[poa] = pa;
-      Bn[pob] = pb;
-    }
-    __syncthreads();  // (k-tile kc read, kn written)
-    kc = kn;
-    cur ^= 1;
+    __syncthreads();
   }
-  if (!split_done) split();
   float* c0 = sm;
+  float* c1 = sm + kBM * kLd;
 #pragma unroll
-  for (int i = 0; i < kTM; ++i) {
-    float* r = c0 + tile_pos(ty, i) * kLd;
-    *reinterpret_cast<float4*>(r + 4 * tx) =
-        make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-    *reinterpret_cast<float4*>(r + kBN / 2 + 4 * tx) =
-        make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
-    if constexpr (Prob::kSplit) srow[tile_pos(ty, i) * kTX + tx] = part[i];
-  }
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      c0[(ty + 16 * i) * kLd + tx + 16 * j] = acc[i][j];
+      c1[(ty + 16 * i) * kLd + tx + 16 * j] = acc1[i][j];
+    }
   __syncthreads();
-  pr.finish(m0, n0, c0, srow, tid);
+  pr.finish(m0, n0, c0, c1, tid);
 }
 
 template <class Prob>
@@ -257,9 +174,7 @@ void launch_gemm(const Prob& pr, int64_t chunks, int64_t M, int64_t N, cudaStrea
   if (chunks <= 0 || M <= 0 || N <= 0) return;
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(ssd_tiles(M)),
                   static_cast<unsigned>(ssd_tiles(N)));
-  // ChunkProb::prepare's chunk log-sums (Q doubles) and decays (2 Q floats)
-  const size_t dyn = static_cast<size_t>(pr.d.Q) * (sizeof(double) + 2 * sizeof(float));
-  ssd_gemm_kernel<Prob><<<grid, kGemmThreads, dyn, stream>>>(pr);
+  ssd_gemm_kernel<Prob><<<grid, kGemmThreads, 0, stream>>>(pr);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -270,12 +185,10 @@ struct ChunkProb {
   const float* xbc;
   const float* dt;
   int K = 0, k_split = -1;
-  static constexpr bool kSplit = false;  // (no split row sums: split_weight unused)
-  __device__ float split_weight(int, int) const { return 0.0f; }
   // the block's chunk (bb: its batch)
   int64_t bb = 0, h = 0, g = 0, c = 0, t0 = 0, zc = 0, zg = 0;
   int L = 0;
-  const double* cum = nullptr;  // the chunk's log-sums (in shared memory after prepare)
+  const double* cum = nullptr;  // the chunk's first step's log-sum
   // exp(cum_i) and exp(cum_{L-1} - cum_i) for i < L, in the block's shared memory (prepare)
   const float* e_in = nullptr;
   const float* e_out = nullptr;
@@ -292,18 +205,14 @@ struct ChunkProb {
     L = static_cast<int>(d.T - t0 < d.Q ? d.T - t0 : d.Q);
     cum = cum_all + bh * d.T + t0;
   }
-  // the chunk's log-sums (cum then points to them) and decays into the block's shared memory
-  __device__ void prepare(double* dyn, int tid) {
+  __device__ void prepare(float* ev, int tid) {
     if (!cum) return;
-    float* ev = reinterpret_cast<float*>(dyn + d.Q);
     for (int i = tid; i < L; i += kGemmThreads) {
-      dyn[i] = cum[i];
       ev[i] = decay(cum[i]);
-      ev[d.Q + i] = decay(cum[L - 1] - cum[i]);
+      ev[kSsdMaxChunk + i] = decay(cum[L - 1] - cum[i]);
     }
-    cum = dyn;
     e_in = ev;
-    e_out = ev + d.Q;
+    e_out = ev + kSsdMaxChunk;
   }
   __device__ bool a_m_major(int) const { return false; }
   __device__ bool b_k_major(int) const { return false; }
@@ -503,8 +412,6 @@ struct DuProb : ChunkProb {
   float* dxbc;
   RowPartials rp;
   bool round_bf16;
-  static constexpr bool kSplit = true;  // w: x_j . (the Gout term of du_j)
-  __device__ float split_weight(int j, int p) const { return j < L && p < d.P ? x(j, p) : 0.0f; }
   __device__ void setup(int64_t z) { setup_head(z); }
   __device__ bool tile_needed(int m0, int) const { return m0 < L; }
   __device__ bool k_needed(int k0, int m0, int) const {
@@ -523,7 +430,7 @@ struct DuProb : ChunkProb {
     const int i = k - d.Np;
     return i < L && p < d.P ? dyv(i, p) : 0.0f;
   }
-  __device__ void finish(int m0, int n0, const float* c0, const float* srow, int tid) const {
+  __device__ void finish(int m0, int n0, const float* c0, const float* c1, int tid) const {
     const float Dh = D[h];
     for (int e = tid; e < kBM * kBN; e += kGemmThreads) {
       const int j = m0 + e / kBN, p = n0 + e % kBN;
@@ -533,13 +440,13 @@ struct DuProb : ChunkProb {
     }
     if (tid < kBM && m0 + tid < L) {
       const int j = m0 + tid;
-      float xdu = 0.0f, dyx = 0.0f;
+      float xdu = 0.0f, dyx = 0.0f, w = 0.0f;
       for (int n = 0; n < kBN && n0 + n < d.P; ++n) {
         const float xv = x(j, n0 + n);
         xdu += xv * c0[tid * kLd + n];
         dyx += dyv(j, n0 + n) * xv;
+        w += xv * c1[tid * kLd + n];
       }
-      const float w = split_row_sum(srow, tid);
       const int64_t o = bth(j) * rp.ptiles + n0 / kBN;
       rp.xdu[o] = xdu;
       rp.dyx[o] = dyx;
@@ -556,8 +463,6 @@ struct DcProb : ChunkProb {
   const float* dy;
   float* contrib;
   RowPartials rp;
-  static constexpr bool kSplit = true;  // a: C_i . (the S_{c-1} term of dC_i)
-  __device__ float split_weight(int i, int n) const { return i < L && n < d.N ? Cv(i, n) : 0.0f; }
   __device__ void setup(int64_t z) { setup_head(z); }
   __device__ bool tile_needed(int m0, int) const { return m0 < L; }
   __device__ bool k_needed(int k0, int m0, int) const {
@@ -574,13 +479,16 @@ struct DcProb : ChunkProb {
     const int j = k - d.Pp;
     return j < L && n < d.N ? Bv(j, n) : 0.0f;
   }
-  __device__ void finish(int m0, int n0, const float* c0, const float* srow, int tid) const {
+  __device__ void finish(int m0, int n0, const float* c0, const float* c1, int tid) const {
     for (int e = tid; e < kBM * kBN; e += kGemmThreads) {
       const int i = m0 + e / kBN, n = n0 + e % kBN;
       if (i < L && n < d.N) contrib[bth(i) * 2 * d.N + d.N + n] = c0[(e / kBN) * kLd + e % kBN];
     }
     if (tid < kBM && m0 + tid < L) {
-      rp.a[bth(m0 + tid) * rp.ntiles + n0 / kBN] = split_row_sum(srow, tid);
+      const int i = m0 + tid;
+      float a = 0.0f;
+      for (int n = 0; n < kBN && n0 + n < d.N; ++n) a += Cv(i, n0 + n) * c1[tid * kLd + n];
+      rp.a[bth(i) * rp.ntiles + n0 / kBN] = a;
     }
   }
 };
