@@ -311,13 +311,14 @@ class PlanningBackend final : public Backend {
     scratch("Mamba parameter-gradient partial sums",
             gpu::ssm_partials_floats(s.B * s.T, s.xbc_cols(), weight.cols + 1) * kF32);
   }
-  // The CUDA scan as default CudaOptions run it: the chunked SSD (gpu/capabilities.hpp
-  // ssd_chunked_*_scratch), in the buffers the sequential scan (ssm_sequential) uses too.
+  // The CUDA scan: the chunked SSD (default; gpu/capabilities.hpp ssd_chunked_*_scratch), or with
+  // CudaPlanOptions::ssm_sequential the sequential twin's buffers (the same scratch buffers).
   void ssm_scan_forward(const TensorView& y, const TensorView& states, const TensorView&,
                         const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                         const TensorView&, const TensorView&, const SsmShape& s) override {
     op("ssm_scan_forward", y);
     if (!cuda_) return temp(emu::workspace::ssm_scan_forward(s, threads_));
+    if (opt_.ssm_sequential) return;  // (the sequential forward pass keeps no scratch)
     scratch("Mamba scan chunk intermediates",
             gpu::ssd_chunked_forward_scratch(s, states.present()).states);
   }
@@ -328,6 +329,15 @@ class PlanningBackend final : public Backend {
                          const SsmShape& s) override {
     op("ssm_scan_backward", dxbc);
     if (!cuda_) return temp(emu::workspace::ssm_scan_backward(s, threads_));
+    if (opt_.ssm_sequential) {  // (gpu/ssm.cu's CudaBackend::ssm_scan_backward, sequential path)
+      const int64_t BT = s.B * s.T, BH = s.B * s.H;
+      scratch("Mamba scan chunk intermediates", gpu::ssm_scan_backward_state_bytes(s));
+      scratch("Mamba scan dB and dC terms", BT * s.H * 2 * s.N * kF32);
+      scratch("Mamba scan ddt, dA and sums", (BT * s.H + s.H + 2 * BH) * kF32);
+      scratch("Mamba per-element terms", BT * s.H * kF32);
+      scratch("Mamba parameter-gradient partial sums", gpu::ssm_partials_floats(BT, s.H, 1) * kF32);
+      return;
+    }
     const gpu::SsdScratchBytes b = gpu::ssd_chunked_backward_scratch(s);
     scratch("Mamba scan chunk intermediates", b.states);
     scratch("Mamba scan dB and dC terms", b.contrib);

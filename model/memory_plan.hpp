@@ -47,7 +47,8 @@ struct CudaPlanOptions {
   bool matmul_bf16_epilogue = true;
   bool activation_fusion = true;
   bool attention_recompute_dq = false;
-  int quantize_keep_rht = -1;  // kQuantizeKeepRhtAuto: keep float32 input's RHT output
+  int quantize_keep_rht = -1;   // kQuantizeKeepRhtAuto: keep float32 input's RHT output
+  bool ssm_sequential = false;  // CudaOptions::ssm_sequential: the Mamba scan's sequential twin
 };
 
 struct PlanRequest {
