@@ -15,6 +15,7 @@
 
 #include "emu/cpu_backend.hpp"
 #include "expect_error.hpp"
+#include "gpu/capabilities.hpp"
 #include "model/config.hpp"
 #include "model/gpt.hpp"
 #include "model/memory_plan.hpp"
@@ -206,6 +207,39 @@ TEST(MemoryPlan, CudaPlanOfGpt2WithoutAGpu) {
   EXPECT_EQ(p.host_lines.size(), 2u);  // the synthetic tokens, Gpt::init's host vector
   EXPECT_GT(p.peak, 8 * n + N * V * 4);
   std::printf("%s", p.describe().c_str());
+}
+
+// The hybrid's CUDA plan: the chunked scan's scratch by default, the sequential twin's with
+// CudaPlanOptions::ssm_sequential (its recomputed chunk states), the parameter-gradient partials.
+TEST(MemoryPlan, CudaPlanOfTheHybridFollowsTheScan) {
+  const RunConfig c =
+      load_config(std::string(FP4SIM_SOURCE_DIR) + "/configs/nemotron-h-small.json", {});
+  PlanRequest req;
+  req.backend = "cuda";
+  auto parts = [&] {
+    std::map<std::string, int64_t> part;
+    for (const PlanLine& l : plan_training(c, req).workspace_parts) part[l.use] = l.bytes;
+    return part;
+  };
+  SsmShape s;
+  s.B = 8;
+  s.T = 1024;
+  s.H = 32;
+  s.P = 64;
+  s.G = 8;
+  s.N = 128;
+  s.chunk = 128;
+  const std::map<std::string, int64_t> chunked = parts();
+  const gpu::SsdScratchBytes b = gpu::ssd_chunked_backward_scratch(s);
+  EXPECT_EQ(chunked.at("Mamba scan chunk intermediates"), b.states);
+  EXPECT_EQ(chunked.at("Mamba scan dB and dC terms"), b.contrib);
+  // (the largest of the conv's, the dt's and the gated norm's partials: the conv's W + 1 sums)
+  EXPECT_EQ(chunked.at("Mamba parameter-gradient partial sums"),
+            gpu::ssm_partials_floats(s.B * s.T, s.xbc_cols(), 5) * 4);
+  req.cuda.ssm_sequential = true;
+  const std::map<std::string, int64_t> sequential = parts();
+  EXPECT_EQ(sequential.at("Mamba scan chunk intermediates"), gpu::ssm_scan_backward_state_bytes(s));
+  EXPECT_EQ(sequential.at("Mamba scan dB and dC terms"), s.B * s.T * s.H * 2 * s.N * 4);
 }
 
 // An allocation that fails names the buffer, its size and the backend, instead of a bare
