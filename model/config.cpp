@@ -76,6 +76,10 @@ template <>
 struct EnumNames<Bf16Switch> {
   static constexpr const char* names[] = {"forward", "all"};
 };
+template <>
+struct EnumNames<LossScale> {
+  static constexpr const char* names[] = {"off", "dynamic"};
+};
 
 [[noreturn]] void bad(const std::string& m);
 
@@ -149,6 +153,7 @@ const std::vector<Field>& fields() {
                                        FP4SIM_FIELD(train, beta2),
                                        FP4SIM_FIELD(train, eps),
                                        FP4SIM_FIELD(train, grad_clip),
+                                       FP4SIM_ENUM_FIELD(train, loss_scale),
                                        FP4SIM_FIELD(train, seed),
                                        FP4SIM_FIELD(train, data),
                                        FP4SIM_FIELD(train, shuffle),
@@ -673,5 +678,6 @@ const char* name_of(FourOverSixError e) {
 }
 const char* name_of(MxScaleRule r) { return EnumNames<MxScaleRule>::names[static_cast<int>(r)]; }
 const char* name_of(Bf16Switch b) { return EnumNames<Bf16Switch>::names[static_cast<int>(b)]; }
+const char* name_of(LossScale s) { return EnumNames<LossScale>::names[static_cast<int>(s)]; }
 
 }  // namespace fp4sim::model

@@ -26,6 +26,9 @@ enum class StochasticRounding : uint8_t { Gradients, Off, All };
 enum class FourOverSix : uint8_t { Off, Weights, Activations, All };
 // recipe.bf16_switch: what the late switch to BF16 moves, the Fprop GEMMs or all three.
 enum class Bf16Switch : uint8_t { Forward, All };
+// train.loss_scale: the loss gradient as it is, or times a dynamic power-of-two scale (DESIGN.md
+// §14, model/loss_scale.hpp).
+enum class LossScale : uint8_t { Off, Dynamic };
 const char* name_of(Activation a);          // gelu_tanh | squared_relu | swiglu
 const char* name_of(NormKind n);            // layernorm | rmsnorm
 const char* name_of(Positions p);           // learned | rope | none
@@ -38,6 +41,7 @@ const char* name_of(FourOverSix f);         // off | weights | activations | all
 const char* name_of(FourOverSixError e);    // mae | mse
 const char* name_of(MxScaleRule r);         // floor | ceil
 const char* name_of(Bf16Switch b);          // forward | all
+const char* name_of(LossScale s);           // off | dynamic
 
 struct ModelConfig {
   int64_t vocab = 256;
@@ -104,6 +108,7 @@ struct TrainConfig {
   double weight_decay = 0.1;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double grad_clip = 1.0;
+  LossScale loss_scale = LossScale::Off;  // train.loss_scale: off | dynamic
   uint64_t seed = 1337;
   std::string data = "data/corpus";  // PREFIX.train.tokens / PREFIX.val.tokens, or "synthetic"
   // false: each step reads the next B windows of the training split in file order, wrapping around;

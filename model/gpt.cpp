@@ -706,8 +706,9 @@ void Gpt::loss_gradient(int64_t micro_batches) {
   // the gradient of the mean loss over all micro-batches' tokens: written (not accumulated) and
   // BF16-rounded in the op, so no zeroing or rounding pass over N x V
   if (dlosses_for_ != micro_batches) {  // (the same values every step: uploaded when they change)
+    // (times the loss scale, a power of two: the product is exact)
     const std::vector<float> dl(static_cast<size_t>(N),
-                                1.0f / static_cast<float>(N * micro_batches));
+                                1.0f / static_cast<float>(N * micro_batches) * loss_scale_);
     be_.upload(dlosses_.get(), dl.data(), dl.size() * 4);
     dlosses_for_ = micro_batches;
   }
@@ -718,6 +719,16 @@ void Gpt::loss_gradient(int64_t micro_batches) {
                                     act_view(dlogits_, N, V, round_bf16(), "dlogits", kUseLogits),
                                     logits, targets_view(), f32(dlosses_, N, 1, "dlosses"));
   dlogits_micro_batches_ = micro_batches;
+}
+
+void Gpt::set_loss_scale(float s) {
+  if (!(s >= 1.0f) || !std::isfinite(s) || std::scalbn(1.0f, std::ilogb(s)) != s)
+    throw std::invalid_argument("set_loss_scale: " + std::to_string(s) +
+                                " is not a finite power of two >= 1");
+  if (s == loss_scale_) return;
+  loss_scale_ = s;
+  dlosses_for_ = 0;            // uploaded again,
+  dlogits_micro_batches_ = 0;  // and the loss gradient formed again, with the new scale
 }
 
 void Gpt::backward(int64_t micro_batches, bool accumulate) {

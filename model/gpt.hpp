@@ -62,6 +62,10 @@ class Gpt {
   void set_step(int64_t step);
   // The micro-batch within the step (gradient accumulation): part of every SR stream.
   void set_micro_batch(int64_t micro_batch) { micro_batch_ = micro_batch; }
+  // Loss scaling (DESIGN.md §14): the loss gradient, and so every gradient, times s (a power of
+  // two: exact); 1 by default. Call before forward (a change after it forms the loss gradient
+  // again in backward).
+  void set_loss_scale(float s);
   // Forward passes with no backward pass after them (sampling): the linear layers make only their
   // Fprop copies, not the column-wise Wgrad/Dgrad copies a backward pass reads (those block along
   // the rows, 16 or 128 of them, which a sampling window of any length does not fill); the same
@@ -303,7 +307,8 @@ class Gpt {
   std::vector<int32_t> host_batch_;
   TensorView tokens_view() const;
   TensorView targets_view() const;
-  int64_t dlosses_for_ = 0;  // the micro-batch count dlosses_ holds 1/(N * count) for (0: none)
+  int64_t dlosses_for_ = 0;  // the micro-batch count dlosses_ holds S/(N * count) for (0: none)
+  float loss_scale_ = 1.0f;  // S of set_loss_scale
   BackendBuffer emb_, lnf_, lnf_mean_, lnf_rstd_, logits_, losses_;
   int64_t dlogits_micro_batches_ = 0;  // the micro-batch count dlogits_ was formed for (0: none)
   // dlogits_ (and losses_) from the kept logits, for the mean over micro_batches micro-batches
