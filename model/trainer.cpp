@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <random>
 #include <stdexcept>
@@ -18,6 +19,7 @@
 #include "model/checkpoint.hpp"
 #include "model/data.hpp"
 #include "model/gpt.hpp"
+#include "model/loss_scale.hpp"
 #include "model/output_file.hpp"
 #include "model/run_lock.hpp"
 #include "model/schedule.hpp"
@@ -322,6 +324,11 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   be.zero(m, n_params * 4);
   be.zero(v, n_params * 4);
   int64_t step0 = 0, pos = 0;
+  // loss scaling (DESIGN.md §14): S, its clean-step count and the optimizer's own step count
+  // (AdamW's t, which a skipped step does not advance) are part of the checkpoint
+  const bool dynamic_scale = c.train.loss_scale == LossScale::Dynamic;
+  DynamicLossScale scaler;
+  int64_t optimizer_steps = 0;
   if (!opt.resume.empty()) {
     const Checkpoint ck = load_checkpoint(opt.resume);
     for (const char* key : {"config", "data_position"})
@@ -362,9 +369,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
           differences(was.value("recipe", nlohmann::json::object()), now.at("recipe"), "recipe.");
       const nlohmann::json was_train = was.value("train", nlohmann::json::object()),
                            now_train = now.at("train");
-      for (const char* k :
-           {"seed", "batch", "grad_accum", "data", "steps", "lr", "min_lr_ratio", "warmup",
-            "schedule", "decay_fraction", "weight_decay", "beta1", "beta2", "eps", "grad_clip"})
+      for (const char* k : {"seed", "batch", "grad_accum", "data", "steps", "lr", "min_lr_ratio",
+                            "warmup", "schedule", "decay_fraction", "weight_decay", "beta1",
+                            "beta2", "eps", "grad_clip", "loss_scale"})
         if (was_train.contains(k) && now_train.contains(k) && was_train.at(k) != now_train.at(k))
           changed.push_back(std::string("train.") + k + ": " + was_train.at(k).dump() + " -> " +
                             now_train.at(k).dump());
@@ -415,6 +422,36 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                                " is outside the training split (" +
                                std::to_string(data.train.tokens.size()) +
                                " tokens): a corrupt checkpoint, or another corpus");
+    // a checkpoint written before loss scaling: every step so far was an optimizer step, and S
+    // starts as in a fresh run
+    auto corrupt = [&](const std::string& what) {
+      return std::runtime_error(opt.resume + ": " + what +
+                                " in its state.json (corrupt checkpoint)");
+    };
+    auto count_in = [&](const nlohmann::json& j, const char* key, int64_t lo, int64_t hi,
+                        const std::string& name) {
+      if (!j.contains(key) || !j.at(key).is_number_integer() || j.at(key).get<int64_t>() < lo ||
+          j.at(key).get<int64_t>() > hi)
+        throw corrupt(name + " is missing or not an integer in " + std::to_string(lo) + ".." +
+                      std::to_string(hi));
+      return j.at(key).get<int64_t>();
+    };
+    optimizer_steps = ck.state.contains("optimizer_step")
+                          ? count_in(ck.state, "optimizer_step", 0, step0, "optimizer_step")
+                          : step0;
+    if (dynamic_scale && ck.state.contains("loss_scale")) {
+      const nlohmann::json& ls = ck.state.at("loss_scale");
+      if (!ls.is_object() || !ls.contains("scale") || !ls.at("scale").is_number() ||
+          !DynamicLossScale::valid_scale(ls.at("scale").get<double>()))
+        throw corrupt("loss_scale.scale is not a power of two in 1.." +
+                      std::to_string(static_cast<int64_t>(DynamicLossScale::kMaxScale)));
+      scaler.scale = ls.at("scale").get<float>();
+      scaler.clean_steps = count_in(ls, "clean_steps", 0, DynamicLossScale::kGrowthInterval - 1,
+                                    "loss_scale.clean_steps");
+      scaler.skips_in_a_row =
+          count_in(ls, "skips_in_a_row", 0, DynamicLossScale::kMaxSkipsInARow - 1,
+                   "loss_scale.skips_in_a_row");
+    }
     std::vector<float> hp(n_params), hm(n_params), hv(n_params);
     for (const ParamTensor& t : model.tensors()) {
       load_stored(ck.model, t.name, hp.data() + t.offset, t.shape, opt.resume);
@@ -499,6 +536,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     model.set_step(step);
+    const float scale = dynamic_scale ? scaler.scale : 1.0f;  // S of this step
+    model.set_loss_scale(scale);
     if (opt.print && c.recipe.name != GemmFormat::BF16 && step + 1 == c.recipe.bf16_from_step &&
         step > 0)
       std::printf("step %5lld | late switch to BF16 (%s)\n", static_cast<long long>(step + 1),
@@ -527,6 +566,11 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       model.backward(A, mb > 0);
     }
     const float loss = static_cast<float>(loss_sum / static_cast<double>(A));
+    if (std::find(opt.nonfinite_gradient_steps.begin(), opt.nonfinite_gradient_steps.end(),
+                  step + 1) != opt.nonfinite_gradient_steps.end()) {  // (a test's fault)
+      const float inf = std::numeric_limits<float>::infinity();
+      be.upload(model.grads(), &inf, 4);
+    }
     // --dump (grad_accum is 1 there, so tok and tgt hold the step's one batch)
     if (!opt.dump_dir.empty() && step - step0 < opt.dump_steps) {
       auto i32 = [&](const std::vector<int32_t>& v) {
@@ -547,14 +591,17 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
         w[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
       write_dump_file(opt.dump_dir + "/weights.safetensors", w);
       TensorMap gr;
-      const std::vector<float> hg = model.grads_to_host();
+      std::vector<float> hg = model.grads_to_host();
+      for (float& g : hg) g /= scale;  // (the loss scale's power of two: exact)
       for (const ParamTensor& t : model.tensors())
         gr[t.name] = as_stored(hg.data() + t.offset, t.shape, t.numel());
       gr["loss"] = as_stored(&loss, {1}, 1);
       write_dump_file(opt.dump_dir + "/step0_grads.safetensors", gr);
       write_whole_file(opt.dump_dir + "/config.json", to_json(c).dump(2) + "\n");
     }
-    // every tensor's sum of squares in one backend call, then added in tensor order
+    // every tensor's sum of squares in one backend call, then added in tensor order. Under loss
+    // scaling these are of the gradients times S: each square and sum is S^2 times the unscaled
+    // one exactly (FP64, powers of two), so sqrt(sq) / S is the unscaled norm bit for bit
     be.sum_squares(grads, spans, sums.data());
     double sq = 0;
     std::vector<std::string>
@@ -563,38 +610,65 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       if (!std::isfinite(sums[i])) bad.push_back(model.tensors()[i].name);
       sq += sums[i];
     }
-    if (!bad.empty()) {
+    // non-finite gradients stop the run, or under dynamic loss scaling skip the step (the
+    // optimizer and its step count stay; S halves), until kMaxSkipsInARow skips in a row stop it
+    const bool skipped = !bad.empty();
+    if (skipped &&
+        (!dynamic_scale || scaler.skips_in_a_row + 1 >= DynamicLossScale::kMaxSkipsInARow)) {
       std::string names;
       for (size_t i = 0; i < bad.size() && i < 6; ++i) names += (i ? ", '" : "'") + bad[i] + "'";
       if (bad.size() > 6) names += ", ...";
-      throw std::runtime_error("step " + std::to_string(step + 1) + ": gradient of '" + bad[0] +
-                               "' is not finite (" + std::to_string(bad.size()) + " of " +
-                               std::to_string(sums.size()) +
-                               " tensors, in parameter order: " + names + ")");
+      throw std::runtime_error(
+          "step " + std::to_string(step + 1) + ": gradient of '" + bad[0] + "' is not finite (" +
+          std::to_string(bad.size()) + " of " + std::to_string(sums.size()) +
+          " tensors, in parameter order: " + names + ")" +
+          (dynamic_scale ? "; the " + std::to_string(DynamicLossScale::kMaxSkipsInARow) +
+                               "th step in a row skipped under train.loss_scale=dynamic (loss "
+                               "scale " +
+                               std::to_string(static_cast<int64_t>(scale)) + ")"
+                         : std::string()));
     }
-    const double norm = std::sqrt(sq);
+    const double norm = std::sqrt(sq) / static_cast<double>(scale);  // (NaN or Inf when skipped)
     const double lr = learning_rate(c.train.schedule, step, c.train.steps, c.train.warmup,
                                     c.train.lr, c.train.min_lr_ratio, c.train.decay_fraction);
-    const AdamWStep s = make_adamw_step(
-        static_cast<float>(lr), static_cast<float>(c.train.beta1),
-        static_cast<float>(c.train.beta2), static_cast<float>(c.train.eps),
-        static_cast<float>(c.train.weight_decay), step + 1, clip_factor(norm, c.train.grad_clip));
-    // weight decay on matrices only (wte, wpe, the linear weights), not on 1-D tensors (biases,
-    // norm weights), as nanoGPT does; every tensor in one backend call
-    std::vector<AdamWStep> steps;
-    for (const ParamTensor& t : model.tensors()) {
-      steps.push_back(s);
-      if (t.shape.size() < 2) steps.back().weight_decay = 0.0f;
+    if (!skipped) {
+      ++optimizer_steps;
+      // the clipping factor divided by S (powers of two: exact), so AdamW's one product
+      // grad * grad_scale rounds (g * S) * (c / S) = g * c as the unscaled run rounds g * c
+      const AdamWStep s =
+          make_adamw_step(static_cast<float>(lr), static_cast<float>(c.train.beta1),
+                          static_cast<float>(c.train.beta2), static_cast<float>(c.train.eps),
+                          static_cast<float>(c.train.weight_decay), optimizer_steps,
+                          clip_factor(norm, c.train.grad_clip) / scale);
+      // weight decay on matrices only (wte, wpe, the linear weights), not on 1-D tensors
+      // (biases, norm weights), as nanoGPT does; every tensor in one backend call
+      std::vector<AdamWStep> steps;
+      for (const ParamTensor& t : model.tensors()) {
+        steps.push_back(s);
+        if (t.shape.size() < 2) steps.back().weight_decay = 0.0f;
+      }
+      model.adamw_step(m, v, spans, steps);  // (and the BF16 weight shadow, where in use)
     }
-    model.adamw_step(m, v, spans, steps);  // (and the BF16 weight shadow, where in use)
+    if (dynamic_scale) {
+      if (skipped)
+        scaler.after_skipped_step();
+      else
+        scaler.after_clean_step();
+    }
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    res.steps.push_back({step + 1, loss, norm, lr});
+    res.steps.push_back({step + 1, loss, norm, lr, skipped, scale});
     const int64_t mem = be.device_memory_used();
     res.peak_device_memory = std::max(res.peak_device_memory, mem);
     const double tok_s = static_cast<double>(B * T * A) / (ms / 1000.0);
     const double mfu = tok_s * training_flops_per_token(c.model) / kH200DenseBf16Flops;
-    if (opt.print) {
+    if (opt.print && skipped)
+      std::printf(
+          "step %5lld | loss %.4f | skipped: gradient of '%s' not finite (%zu of %zu tensors) | "
+          "loss scale %lld -> %lld | lr %.2e | %.1f ms\n",
+          static_cast<long long>(step + 1), loss, bad[0].c_str(), bad.size(), sums.size(),
+          static_cast<long long>(scale), static_cast<long long>(scaler.scale), lr, ms);
+    if (opt.print && !skipped) {
       // time left at the run's mean wall time per step so far (validation and checkpoints included)
       const double elapsed_s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
@@ -610,6 +684,13 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                            {"grad_norm", norm}, {"lr", lr},
                            {"ms", ms},          {"tok_per_s", tok_s},
                            {"mfu", mfu},        {"contract_version", kContractVersion}};
+    if (opt.print && dynamic_scale && !skipped && scaler.scale != scale)
+      std::printf("step %5lld | loss scale %lld -> %lld after %lld clean steps\n",
+                  static_cast<long long>(step + 1), static_cast<long long>(scale),
+                  static_cast<long long>(scaler.scale),
+                  static_cast<long long>(DynamicLossScale::kGrowthInterval));
+    if (dynamic_scale) line["loss_scale"] = scale;
+    if (skipped) line["skipped"] = true;  // (and grad_norm null: it is not finite)
     if (mem >= 0) line["device_mem_gib"] = static_cast<double>(mem) / (1 << 30);
     if (stats_now) {
       nlohmann::json qs = nlohmann::json::object();
@@ -644,6 +725,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       }
       ck.state = {
           {"data_position", pos},
+          {"optimizer_step", optimizer_steps},  // AdamW's t: the steps not skipped
           {"config", to_json(c).at("model")},
           {"run_config", to_json(c)},
           // the training's random draws (SR, RHT signs, shuffled windows) are Philox4x32-10
@@ -651,6 +733,10 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
           // the generator's whole state is the pair below
           {"rng",
            {{"generator", "philox4x32-10"}, {"key", c.train.seed}, {"next_step", step + 1}}}};
+      if (dynamic_scale)  // S for the next step, and the counts that change it
+        ck.state["loss_scale"] = {{"scale", scaler.scale},
+                                  {"clean_steps", scaler.clean_steps},
+                                  {"skips_in_a_row", scaler.skips_in_a_row}};
       const std::string where = save_checkpoint(c.train.out_dir + "/checkpoints", ck,
                                                 static_cast<int>(c.train.keep_last));
       if (opt.print) std::printf("checkpoint %s\n", where.c_str());

@@ -1,6 +1,7 @@
 // The training loop (issue 4, first version: the emulator backend only). One line per step, a
 // JSONL log, periodic validation, atomic checkpoints with keep-last-k and bitwise resume, and a
-// stop with the step and the first bad tensor on a NaN/Inf in the loss or the gradients.
+// stop with the step and the first bad tensor on a NaN/Inf in the loss or the gradients (under
+// train.loss_scale=dynamic, non-finite gradients skip the step; 10 skips in a row stop the run).
 #pragma once
 
 #include <cstdint>
@@ -24,6 +25,10 @@ struct TrainOptions {
   // The memory check of the run's plan (model/memory_plan.hpp; --memory-limit): auto refuses a run
   // whose plan exceeds the free memory before anything is allocated.
   MemoryLimitSetting memory_limit;
+  // Test-only: the steps (counted from 1, as printed) whose gradients are made non-finite after
+  // the backward pass (the first gradient element set to +Inf), so tests can reach the NaN stop and
+  // loss scaling's skipped steps (DESIGN.md §14) without an overflow of their own.
+  std::vector<int64_t> nonfinite_gradient_steps;
 };
 
 struct StepRecord {
@@ -31,6 +36,8 @@ struct StepRecord {
   float loss;
   double grad_norm;
   double lr;
+  bool skipped = false;     // train.loss_scale=dynamic: non-finite gradients, no optimizer step
+  float loss_scale = 1.0f;  // the loss scale S the step ran with (1 under train.loss_scale=off)
 };
 
 struct TrainResult {
