@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <random>
 
+#include "model/checkpoint.hpp"
 #include "model/gpt.hpp"
 #include "model/linear.hpp"
 #include "model/trainer.hpp"
@@ -228,6 +229,56 @@ TEST(TrainGpu, StatisticsDoNotChangeTraining) {
   for (size_t i = 0; i < with.steps.size(); ++i) {
     EXPECT_EQ(with.steps[i].loss, without.steps[i].loss) << "step " << i + 1;
     EXPECT_EQ(with.steps[i].grad_norm, without.steps[i].grad_norm) << "step " << i + 1;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Dynamic loss scaling (DESIGN.md §14) on the CUDA backend: with no overflow, 5 steps of tiny in
+// NVFP4 (exact GEMMs) train bit for bit like train.loss_scale=off: every loss and gradient norm,
+// and the final weights and AdamW moments.
+TEST(TrainGpu, DynamicLossScaleEqualsOffOnCuda) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  const std::string dir = temp_dir("loss_scale");
+  std::filesystem::remove_all(dir);
+  auto cfg = [&](const std::string& mode) {
+    return tiny({"train.steps=5", "train.checkpoint_every=5", "recipe.name=nvfp4",
+                 "recipe.gemm=exact", "train.loss_scale=" + mode,
+                 "train.out_dir=" + dir + "/" + mode});
+  };
+  const TrainResult off = run(cfg("off"), "cuda");
+  const TrainResult dynamic = run(cfg("dynamic"), "cuda");
+  ASSERT_EQ(off.steps.size(), 5u);
+  ASSERT_EQ(dynamic.steps.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    uint32_t a, b;
+    std::memcpy(&a, &off.steps[i].loss, 4);
+    std::memcpy(&b, &dynamic.steps[i].loss, 4);
+    EXPECT_FALSE(dynamic.steps[i].skipped)
+        << "step " << i + 1 << " overflowed at loss scale " << dynamic.steps[i].loss_scale;
+    EXPECT_EQ(a, b) << "step " << i + 1 << ": loss " << off.steps[i].loss << " (off) vs "
+                    << dynamic.steps[i].loss << " (dynamic)";
+    EXPECT_EQ(off.steps[i].grad_norm, dynamic.steps[i].grad_norm)
+        << "step " << i + 1 << ": grad norm " << off.steps[i].grad_norm << " vs "
+        << dynamic.steps[i].grad_norm;
+  }
+  const Checkpoint a = load_checkpoint(dir + "/off/checkpoints");
+  const Checkpoint b = load_checkpoint(dir + "/dynamic/checkpoints");
+  for (const auto* maps : {&a.model, &a.optimizer}) {
+    const TensorMap& other = maps == &a.model ? b.model : b.optimizer;
+    for (const auto& [name, t] : *maps) {
+      ASSERT_TRUE(other.count(name)) << name;
+      const std::vector<uint8_t>& u = other.at(name).bytes;
+      ASSERT_EQ(t.bytes.size(), u.size()) << name;
+      for (size_t i = 0; i + 4 <= u.size(); i += 4)
+        if (std::memcmp(t.bytes.data() + i, u.data() + i, 4) != 0) {
+          float x, y;
+          std::memcpy(&x, t.bytes.data() + i, 4);
+          std::memcpy(&y, u.data() + i, 4);
+          ADD_FAILURE() << "'" << name << "' element " << i / 4 << ": " << x << " (off) vs " << y
+                        << " (dynamic)";
+          break;
+        }
+    }
   }
   std::filesystem::remove_all(dir);
 }
