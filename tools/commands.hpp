@@ -14,6 +14,7 @@ void register_probe(CLI::App& app);
 void register_data(CLI::App& app);
 void register_config(CLI::App& app);
 void register_train(CLI::App& app);
+void register_golden(CLI::App& app);
 void register_eval_sample(CLI::App& app);
 
 }  // namespace fp4sim::cli
