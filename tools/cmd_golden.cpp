@@ -791,7 +791,8 @@ json case_json(const Case& c) {
   return j;
 }
 
-void run_write(const std::string& dir, const std::string& set) {
+void run_write(std::string dir, const std::string& set) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // "pack/" is the folder "pack"
   const fs::path out(dir);
   std::error_code ec;
   if (fs::exists(out, ec))
