@@ -681,11 +681,11 @@ Case mma_case(const std::string& name, const MmaSpec& m) {
 }
 
 void add_mma_cases(std::vector<Case>& cases) {
-  const float e2m1[15] = {-6, -4, -3, -2, -1.5f, -1, -0.5f, 0, 0.5f, 1, 1.5f, 2, 3, 4, 6};
+  const float e2m1[16] = {-6, -4, -3, -2, -1.5f, -1, -0.5f, -0.0f, 0, 0.5f, 1, 1.5f, 2, 3, 4, 6};
   std::mt19937_64 rng(700);
   auto values = [&]() {
     std::vector<float> v(kGstK);
-    for (float& x : v) x = e2m1[rng() % 15];
+    for (float& x : v) x = e2m1[rng() % 16];
     return v;
   };
   auto scales = [&](const std::string& kind, uint8_t lo, uint8_t span) {
@@ -742,6 +742,10 @@ void add_mma_cases(std::vector<Case>& cases) {
       a[static_cast<size_t>(i + kGstK / 2)] = a[static_cast<size_t>(i)];
     add("cancellation_tiny_c", {kind, a, b, ones, ones, std::ldexp(1.0f, -60)});
     add("cancellation_c", {kind, a, b, ones, ones, 0.75f});
+    // signed zeros: every product -0 (A all -0, B positive) with C = -0, and with C = +0
+    const std::vector<float> neg_zero(kGstK, -0.0f), pos(kGstK, 1.5f);
+    add("negative_zero_products_c_neg_zero", {kind, neg_zero, pos, ones, ones, -0.0f});
+    add("negative_zero_products_c_zero", {kind, neg_zero, pos, ones, ones, 0.0f});
   }
 }
 
