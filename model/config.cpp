@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "model/linear.hpp"
 #include "model/strict_json.hpp"
 
 namespace fp4sim::model {
@@ -275,22 +276,13 @@ void validate_mamba(const ModelConfig& m) {
 }
 
 // The largest block (16 NVFP4, 32 MXFP4, 128 FP8; 0: all three BF16) among the GEMMs of linear
-// `lin` ("mamba.in_proj") of pattern block i under the recipe: its format unless the block is
-// high-precision, then the per-GEMM overrides (resolve_linear_recipe's rule; the late BF16 switch
-// only removes quantization).
-int64_t linear_block(const RunConfig& c, const std::vector<bool>& hp, int64_t i,
-                     const std::string& lin) {
+// `linear` (kLinearNames) of pattern block i at step 0 under the recipe (resolve_linear_recipe; the
+// late BF16 switch only removes quantization).
+int64_t linear_block(const RunConfig& c, const std::vector<bool>& hp, int64_t i, int linear) {
+  const LinearRecipe r = resolve_linear_recipe(c, hp, i, linear, 0);
   int64_t blk = 0;
-  for (const char* g : {"fprop", "dgrad", "wgrad"}) {
-    GemmFormat f = hp[static_cast<size_t>(i)] ? GemmFormat::BF16 : c.recipe.name;
-    const auto it =
-        c.recipe.override_gemms.find("blocks." + std::to_string(i) + "." + lin + "." + g);
-    if (it != c.recipe.override_gemms.end()) f = it->second;
-    blk = std::max<int64_t>(blk, f == GemmFormat::FP8     ? 128
-                                 : f == GemmFormat::MXFP4 ? 32
-                                 : f == GemmFormat::NVFP4 ? 16
-                                                          : 0);
-  }
+  for (const GemmFormat f : {r.fprop, r.dgrad, r.wgrad})
+    if (f != GemmFormat::BF16) blk = std::max(blk, qformat_block(qformat_of(f)));
   return blk;
 }
 
@@ -374,14 +366,14 @@ void validate_recipe(const RunConfig& c) {
               " block); keep it in BF16 (recipe.hp_layers, or recipe.override.blocks." +
               std::to_string(i) + "." + lin + ".<gemm>=bf16) or change the sizes");
       };
-      const int64_t in_blk = linear_block(c, hp, b, "mamba.in_proj");
+      const int64_t in_blk = linear_block(c, hp, b, 4);
       if (in_blk > 0) {
         need("mamba.in_proj", "d_inner (model.mamba_expand x model.d_model)", d.d_inner, 16);
         need("mamba.in_proj", "G*N (model.mamba_groups x model.mamba_state)", d.G * d.N, 16);
         need("mamba.in_proj", "the Mamba heads (d_inner / model.mamba_head_dim)", d.H, 16);
         need("mamba.in_proj", "its width 2 d_inner + 2 G N + H", d.in_proj_width(), in_blk);
       }
-      need("mamba.out_proj", "d_inner", d.d_inner, linear_block(c, hp, b, "mamba.out_proj"));
+      need("mamba.out_proj", "d_inner", d.d_inner, linear_block(c, hp, b, 5));
     }
   }
   // h.<layer>.<linear>.<gemm> (the presets' layout), blocks.<block>.<linear>.<gemm> (a pattern,

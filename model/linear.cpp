@@ -79,9 +79,6 @@ QuantizedCopy::QuantizedCopy(Backend& be, int64_t rows, int64_t cols, QFormat f,
   }
 }
 
-namespace {
-
-// The quantized copies' format of a quantized GEMM (a BF16 GEMM makes none).
 QFormat qformat_of(GemmFormat f) {
   switch (f) {
     case GemmFormat::FP8:
@@ -95,6 +92,8 @@ QFormat qformat_of(GemmFormat f) {
   }
   throw std::logic_error("qformat_of: a BF16 GEMM has no quantized copies");
 }
+
+namespace {
 
 struct CopyRequest {
   GemmFormat format;

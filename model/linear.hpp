@@ -56,6 +56,9 @@ inline constexpr int kLinearsPerUnit = 6;
 inline constexpr const char* kLinearNames[kLinearsPerUnit] = {
     "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "mamba.in_proj", "mamba.out_proj"};
 
+// The quantized copies' format of a quantized GEMM (BF16 makes none: an error to ask).
+QFormat qformat_of(GemmFormat f);
+
 // Linear `linear` of block `layer` at training step `step` under the run's recipe: the recipe's
 // format unless the block is high-precision, then recipe.override.h.<layer>.<linear>.<gemm>, then
 // the late switch to BF16 (recipe.bf16_from_step: Fprop only, or all three GEMMs).
