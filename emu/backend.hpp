@@ -73,6 +73,7 @@ enum class Capability : uint8_t {
   FusedActivationQuantize,  // quantize_activation computes the op inside the quantizer
   SsmConvWidth,             // arg: a conv width the ssm_conv ops take
   SsmScanSize,              // arg: a head dim P or state size N the ssm_scan ops take
+  SsmChunk,                 // arg: a chunk (SsmShape::chunk) the ssm_scan ops take
 };
 
 // What a buffer in a backend's memory holds, for memory plans (model/memory_plan.hpp) and for the

@@ -76,7 +76,7 @@ const float* bias_as_added(const TensorView& bias, bool bf16_out, std::vector<fl
 
 bool CpuBackend::supports(Capability c, int64_t arg) const {
   return (c == Capability::AttentionHeadDim || c == Capability::SsmConvWidth ||
-          c == Capability::SsmScanSize) &&
+          c == Capability::SsmScanSize || c == Capability::SsmChunk) &&
          arg > 0;
 }
 

@@ -26,7 +26,13 @@ constexpr int64_t kSsmMaxScanSize = 1024;
 // CudaBackend::supports on a device of compute capability cc_major: head sizes 16/32/64/128; the
 // cuBLASLt GEMM reads decoded BF16 FP4 operands below compute capability 10 (no FP4 tensor cores)
 // and FP8 scales in its own layout; the residual + LayerNorm, activation + matmul and activation +
-// quantizer fusions; Mamba-2 conv widths up to 8, head dims and state sizes up to 1024.
+// quantizer fusions; Mamba-2 conv widths up to 8, head dims and state sizes up to 1024, chunks up
+// to kSsdMaxChunk.
+// The chunked SSD's longest chunk (gpu/ssm_chunked.cu): the log-decay gradient's kernel keeps a
+// chunk's per-step sums in shared memory. (The sequential scan, CudaOptions::ssm_sequential, takes
+// any chunk: CudaBackend::supports.)
+constexpr int64_t kSsdMaxChunk = 1024;
+
 inline bool cuda_supports(Capability c, int64_t arg, int cc_major) {
   switch (c) {
     case Capability::AttentionHeadDim:
@@ -43,6 +49,8 @@ inline bool cuda_supports(Capability c, int64_t arg, int cc_major) {
       return arg > 0 && arg <= kSsmMaxConvWidth;
     case Capability::SsmScanSize:
       return arg > 0 && arg <= kSsmMaxScanSize;
+    case Capability::SsmChunk:
+      return arg > 0 && arg <= kSsdMaxChunk;
   }
   return false;
 }
@@ -100,9 +108,6 @@ inline int64_t ssm_scan_backward_state_bytes(const SsmShape& s) {
 //   tile-of-N arrays of B*T*H floats each), and per (batch, head, chunk) sums;
 // - terms (backward): the softplus backward pass's du (B*T*H floats), as the sequential scan's.
 constexpr int64_t kSsdTile = 64;  // the chunk GEMMs' output tile (rows and columns)
-// The longest chunk: the log-decay gradient's kernel keeps a chunk's per-step sums in shared
-// memory.
-constexpr int64_t kSsdMaxChunk = 1024;
 struct SsdScratchBytes {
   int64_t states = 0, contrib = 0, small = 0, terms = 0;
 };

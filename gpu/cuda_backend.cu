@@ -176,6 +176,7 @@ int64_t CudaBackend::device_memory_free() const {
 }
 
 bool CudaBackend::supports(Capability c, int64_t arg) const {
+  if (c == Capability::SsmChunk && options_.ssm_sequential) return arg > 0;
   return cuda_supports(c, arg, cc_major_);
 }
 

@@ -72,6 +72,9 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
   if (has_mamba && !be_.supports(Capability::SsmConvWidth, md.W))
     throw std::invalid_argument("model: model.mamba_conv " + std::to_string(md.W) +
                                 " is not a conv width the " + be_.name() + " backend takes");
+  if (has_mamba && !be_.supports(Capability::SsmChunk, md.Q))
+    throw std::invalid_argument("model: model.mamba_chunk " + std::to_string(md.Q) +
+                                " is not a chunk the " + be_.name() + " backend's scan takes");
   for (const auto& [key, v] :
        {std::pair<const char*, int64_t>{"model.mamba_head_dim", md.P}, {"model.mamba_state", md.N}})
     if (has_mamba && !be_.supports(Capability::SsmScanSize, v))

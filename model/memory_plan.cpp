@@ -133,7 +133,9 @@ class PlanningBackend final : public Backend {
   int64_t device_memory_free() const override { return -1; }
   AllocationPeaks allocation_peaks() const override { return {}; }
   bool supports(Capability c, int64_t arg) const override {
-    return caps_ ? caps_->supports(c, arg) : gpu::cuda_supports(c, arg, opt_.cc_major);
+    if (caps_) return caps_->supports(c, arg);
+    if (c == Capability::SsmChunk && opt_.ssm_sequential) return arg > 0;
+    return gpu::cuda_supports(c, arg, opt_.cc_major);
   }
 
   void quantize(const TensorView& x, const QuantizeConfig& cfg, QuantizedView*,

@@ -236,7 +236,21 @@ TEST(MemoryPlan, CudaPlanOfTheHybridFollowsTheScan) {
   // (the largest of the conv's, the dt's and the gated norm's partials: the conv's W + 1 sums)
   EXPECT_EQ(chunked.at("Mamba parameter-gradient partial sums"),
             gpu::ssm_partials_floats(s.B * s.T, s.xbc_cols(), 5) * 4);
+  // a chunk longer than the chunked SSD takes is refused when the model is made (the sequential
+  // scan takes it)
+  const RunConfig long_chunk =
+      load_config(std::string(FP4SIM_SOURCE_DIR) + "/configs/nemotron-h-small.json",
+                  {"model.mamba_chunk=2048"});
+  try {
+    plan_training(long_chunk, req);
+    ADD_FAILURE() << "expected model.mamba_chunk 2048 to be refused on cuda";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("model.mamba_chunk 2048 is not a chunk the cuda backend"),
+              std::string::npos)
+        << e.what();
+  }
   req.cuda.ssm_sequential = true;
+  EXPECT_NO_THROW(plan_training(long_chunk, req));
   const std::map<std::string, int64_t> sequential = parts();
   EXPECT_EQ(sequential.at("Mamba scan chunk intermediates"), gpu::ssm_scan_backward_state_bytes(s));
   EXPECT_EQ(sequential.at("Mamba scan dB and dC terms"), s.B * s.T * s.H * 2 * s.N * 4);
