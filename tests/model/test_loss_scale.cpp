@@ -16,49 +16,22 @@
 #include "model/trainer.hpp"
 #include "tests/model/expect_error.hpp"
 #include "tests/model/model_steps.hpp"
+#include "tests/model/trainer_fixtures.hpp"
 
 namespace fp4sim::model {
 namespace {
 
-// A fresh scratch folder under the temp directory, removed when the test ends.
-struct ScratchDir {
-  std::string path;
-  explicit ScratchDir(const std::string& name)
-      : path((std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid())))
-                 .string()) {
-    std::filesystem::remove_all(path);
-  }
-  ~ScratchDir() { std::filesystem::remove_all(path); }
-};
-
-// The micro config of test_trainer.cpp (10 steps, a checkpoint every step, all kept), with
-// `overrides` applied.
-RunConfig micro_run(const std::string& out, const std::vector<std::string>& overrides = {}) {
-  nlohmann::json j = {{"model",
-                       {{"vocab", 32},
-                        {"seq_len", 16},
-                        {"max_positions", 16},
-                        {"d_model", 32},
-                        {"n_layers", 2},
-                        {"n_heads", 4},
-                        {"n_kv_heads", 4},
-                        {"d_ff", 64}}},
-                      {"train",
-                       {{"batch", 2},
-                        {"steps", 10},
-                        {"lr", 3e-3},
-                        {"warmup", 2},
-                        {"data", "synthetic"},
-                        {"eval_every", 0},
-                        {"checkpoint_every", 1},
-                        {"keep_last", 0},
-                        {"out_dir", out}}}};
-  return config_from_json(j, overrides);
+// The trainer tests' micro run (trainer_fixtures.hpp) without validation, a checkpoint every step,
+// all kept, with `overrides` applied.
+RunConfig micro_run_every_step(const std::string& out, std::vector<std::string> overrides = {}) {
+  overrides.insert(overrides.begin(),
+                   {"train.eval_every=0", "train.checkpoint_every=1", "train.keep_last=0"});
+  return micro_run(out, overrides);
 }
 
-TrainOptions quiet_options(const std::vector<int64_t>& nonfinite_steps = {}) {
-  TrainOptions o;
-  o.print = false;
+using fp4sim::model::quiet_options;  // (trainer_fixtures.hpp's, beside this overload)
+TrainOptions quiet_options(const std::vector<int64_t>& nonfinite_steps) {
+  TrainOptions o = quiet_options();
   o.nonfinite_gradient_steps = nonfinite_steps;
   return o;
 }
@@ -124,7 +97,7 @@ void expect_dynamic_equals_off(const std::string& recipe) {
     std::vector<std::string> o = recipe_overrides(recipe);
     o.push_back(std::string("train.loss_scale=") + mode);
     o.push_back("train.checkpoint_every=10");
-    r.push_back(train(micro_run(outs.back(), o), quiet_options(), *make_cpu_backend()));
+    r.push_back(train(micro_run_every_step(outs.back(), o), quiet_options(), *make_cpu_backend()));
   }
   ASSERT_EQ(r[0].steps.size(), 10u);
   ASSERT_EQ(r[1].steps.size(), 10u);
@@ -153,7 +126,7 @@ TEST(LossScale, DynamicTrainsBitForBitLikeOffMxfp4) { expect_dynamic_equals_off(
 // The loss scale reaches every gradient exactly: under 2^16 each gradient element is 2^16 times
 // the unscaled one, bit for bit (NVFP4 with RHT and SR on the gradients), and the loss is the same.
 TEST(LossScale, GradientsAreTheUnscaledTimesS) {
-  const RunConfig c = micro_run("", {"recipe.name=nvfp4"});
+  const RunConfig c = micro_run_every_step("", {"recipe.name=nvfp4"});
   auto be = make_cpu_backend();
   const std::vector<float> plain = model_steps(*be, c, 2, 16);
   const std::vector<float> scaled =
@@ -179,8 +152,9 @@ TEST(LossScale, GradientsAreTheUnscaledTimesS) {
 TEST(LossScale, NonFiniteGradientSkipsTheStepAndHalvesTheScale) {
   const ScratchDir scratch("fp4sim_ls_skip");
   const std::string out = scratch.path + "/run";
-  const TrainResult r = train(micro_run(out, {"train.loss_scale=dynamic", "recipe.name=nvfp4"}),
-                              quiet_options({4}), *make_cpu_backend());
+  const TrainResult r =
+      train(micro_run_every_step(out, {"train.loss_scale=dynamic", "recipe.name=nvfp4"}),
+            quiet_options({4}), *make_cpu_backend());
   ASSERT_EQ(r.steps.size(), 10u);
   for (size_t i = 0; i < 10; ++i) {
     EXPECT_EQ(r.steps[i].skipped, i == 3) << "step " << i + 1;
@@ -219,7 +193,9 @@ TEST(LossScale, NonFiniteGradientSkipsTheStepAndHalvesTheScale) {
 TEST(LossScale, NonFiniteGradientWithoutScalingStops) {
   const ScratchDir scratch("fp4sim_ls_off_stop");
   test::expect_error_containing<std::runtime_error>(
-      [&] { train(micro_run(scratch.path + "/run"), quiet_options({3}), *make_cpu_backend()); },
+      [&] {
+        train(micro_run_every_step(scratch.path + "/run"), quiet_options({3}), *make_cpu_backend());
+      },
       {"step 3: gradient of 'wte' is not finite"}, "expected the NaN stop at step 3");
 }
 
@@ -227,7 +203,7 @@ TEST(LossScale, NonFiniteGradientWithoutScalingStops) {
 // tensor; S has halved 9 times by then.
 TEST(LossScale, TenSkipsInARowStopTheRun) {
   const ScratchDir scratch("fp4sim_ls_ten");
-  RunConfig c = micro_run(scratch.path + "/run", {"train.loss_scale=dynamic"});
+  RunConfig c = micro_run_every_step(scratch.path + "/run", {"train.loss_scale=dynamic"});
   c.train.steps = 15;
   test::expect_error_containing<std::runtime_error>(
       [&] {
@@ -250,11 +226,11 @@ TEST(LossScale, TenSkipsInARowStopTheRun) {
 TEST(LossScale, BitwiseResumeAcrossASkip) {
   const ScratchDir scratch("fp4sim_ls_resume");
   const std::vector<std::string> o = {"train.loss_scale=dynamic", "recipe.name=nvfp4"};
-  const RunConfig full_c = micro_run(scratch.path + "/full", o);
+  const RunConfig full_c = micro_run_every_step(scratch.path + "/full", o);
   const TrainResult full = train(full_c, quiet_options({4}), *make_cpu_backend());
   ASSERT_EQ(full.steps.size(), 10u);
   for (const int64_t from : {4, 3}) {
-    RunConfig c = micro_run(scratch.path + "/cont" + std::to_string(from), o);
+    RunConfig c = micro_run_every_step(scratch.path + "/cont" + std::to_string(from), o);
     TrainOptions resume = quiet_options({4});
     resume.resume = step_dir(full_c.train.out_dir, from);
     const TrainResult cont = train(c, resume, *make_cpu_backend());
@@ -280,13 +256,13 @@ TEST(LossScale, BitwiseResumeAcrossASkip) {
 TEST(LossScale, CheckpointWithoutTheFieldsLoadsWithDefaults) {
   const ScratchDir scratch("fp4sim_ls_old");
   const std::vector<std::string> o = {"train.loss_scale=dynamic"};
-  const RunConfig full_c = micro_run(scratch.path + "/full", o);
+  const RunConfig full_c = micro_run_every_step(scratch.path + "/full", o);
   const TrainResult full = train(full_c, quiet_options(), *make_cpu_backend());
   Checkpoint ck = load_checkpoint(step_dir(full_c.train.out_dir, 5));
   ck.state.erase("optimizer_step");
   ck.state.erase("loss_scale");
   save_checkpoint(scratch.path + "/old", ck, 0);
-  RunConfig c = micro_run(scratch.path + "/cont", o);
+  RunConfig c = micro_run_every_step(scratch.path + "/cont", o);
   TrainOptions resume = quiet_options();
   resume.resume = scratch.path + "/old";
   const TrainResult cont = train(c, resume, *make_cpu_backend());
@@ -298,7 +274,7 @@ TEST(LossScale, CheckpointWithoutTheFieldsLoadsWithDefaults) {
     Checkpoint bad = load_checkpoint(step_dir(full_c.train.out_dir, 5));
     edit(bad);
     save_checkpoint(scratch.path + "/" + name, bad, 0);
-    RunConfig rc = micro_run(scratch.path + "/" + name + "_run", o);
+    RunConfig rc = micro_run_every_step(scratch.path + "/" + name + "_run", o);
     TrainOptions ro = quiet_options();
     ro.resume = scratch.path + "/" + name;
     test::expect_error_containing<std::runtime_error>([&] { train(rc, ro, *make_cpu_backend()); },

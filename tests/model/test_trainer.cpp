@@ -11,49 +11,10 @@
 #include "model/gpt.hpp"
 #include "model/run_lock.hpp"
 #include "model/trainer.hpp"
+#include "tests/model/trainer_fixtures.hpp"
 
 namespace fp4sim::model {
 namespace {
-
-RunConfig micro_run(const std::string& out) {
-  nlohmann::json j = {{"model",
-                       {{"vocab", 32},
-                        {"seq_len", 16},
-                        {"max_positions", 16},
-                        {"d_model", 32},
-                        {"n_layers", 2},
-                        {"n_heads", 4},
-                        {"n_kv_heads", 4},
-                        {"d_ff", 64}}},
-                      {"train",
-                       {{"batch", 2},
-                        {"steps", 10},
-                        {"lr", 3e-3},
-                        {"warmup", 2},
-                        {"data", "synthetic"},
-                        {"eval_every", 5},
-                        {"eval_batches", 2},
-                        {"checkpoint_every", 5},
-                        {"out_dir", out}}}};
-  return config_from_json(j, {});
-}
-
-// A fresh scratch folder under the temp directory, removed when the test ends.
-struct ScratchDir {
-  std::string path;
-  explicit ScratchDir(const std::string& name)
-      : path((std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid())))
-                 .string()) {
-    std::filesystem::remove_all(path);
-  }
-  ~ScratchDir() { std::filesystem::remove_all(path); }
-};
-
-TrainOptions quiet_options() {
-  TrainOptions o;
-  o.print = false;
-  return o;
-}
 
 // Resuming `c` from `resume` throws E with `needle` in its message.
 template <typename E>
