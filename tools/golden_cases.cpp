@@ -46,9 +46,9 @@ std::vector<float> spread_values(int64_t rows, int64_t cols, uint64_t seed, floa
 
 // Quantizer input with the adversarial rows planted over seeded values: row 0 all zeros, row 1
 // one zero block and FP32 subnormals, row 2 E2M1 ties at an exact block scale (the tensor amax is
-// 6 * 448, so S_enc is 1), row 3 NaN, row 4 huge values near FLT_MAX / 2^12 (kept below the amax),
-// row 5 values just above and below the rounding boundaries, row 6 a block of equal values (every
-// candidate scale is exact: Four Over Six's tie).
+// 6 * 448, so S_enc is 1), row 3 NaN, row 4 large values (2^8 .. 2^11, the blocks' amax near the
+// tensor amax), row 5 values just above and below the rounding boundaries, row 6 a block of equal
+// values (every candidate scale is exact: Four Over Six's tie); values beyond the amax are halved.
 std::vector<float> mixed_values(int64_t rows, int64_t cols, uint64_t seed) {
   std::vector<float> v = spread_values(rows, cols, seed);
   auto at = [&](int64_t r, int64_t c) -> float& { return v[static_cast<size_t>(r * cols + c)]; };
