@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torch_gpt_check import CheckError, causal_attention, learning_rate, load_safetensors, rope  # noqa: E402
+from torch_gpt_check import CheckError, Gpt, causal_attention, learning_rate, load_safetensors, rope  # noqa: E402
 import torch_ssd  # noqa: E402
 
 NAME = "torch_hybrid_check"
@@ -145,23 +145,12 @@ def param_kind(name, pattern):
     return name
 
 
-class Hybrid(torch.nn.Module):
+class Hybrid(Gpt):
+    """torch_gpt_check's model (its parameters, w, norm and linear) with blocks by pattern."""
+
     def __init__(self, cfg, dims, weights, ssd):
-        super().__init__()
-        self.cfg, self.dims, self.ssd = cfg, dims, ssd
-        self.p = torch.nn.ParameterDict({k.replace(".", "__"): torch.nn.Parameter(v.clone()) for k, v in weights.items()})
-
-    def w(self, name):
-        return self.p[name.replace(".", "__")]
-
-    def norm(self, x, pre):
-        if self.cfg["norm"] == "layernorm":
-            return F.layer_norm(x, (x.shape[-1],), self.w(pre + ".weight"), self.w(pre + ".bias"), eps=1e-5)
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * self.w(pre + ".weight")
-
-    def linear(self, x, pre):
-        b = self.w(pre + ".bias") if self.cfg["bias"] else None
-        return F.linear(x, self.w(pre + ".weight"), b)
+        super().__init__(cfg, weights)
+        self.dims, self.ssd = dims, ssd
 
     def attention(self, h, pre):
         c = self.cfg
