@@ -19,6 +19,7 @@
 #include "emu/ssm.hpp"
 #include "emu/ssm_math.hpp"
 #include "tests/emu/ssm_chain.hpp"
+#include "tests/emu/test_util.hpp"
 #include "tests/model/expect_error.hpp"
 
 namespace fp4sim::emu {
@@ -27,20 +28,8 @@ namespace {
 using Vec = std::vector<float>;
 using DVec = std::vector<double>;
 
-Vec randn(size_t n, uint64_t seed, float scale = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  Vec v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-Vec uniform(size_t n, uint64_t seed, float lo, float hi) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  Vec v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using test::randn;
+using test::uniform;
 DVec widen(const Vec& v) { return DVec(v.begin(), v.end()); }
 size_t sz(int64_t n) { return static_cast<size_t>(n); }
 

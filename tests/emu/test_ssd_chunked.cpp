@@ -19,6 +19,7 @@
 
 #include "emu/ssm.hpp"
 #include "emu/ssm_math.hpp"
+#include "tests/emu/test_util.hpp"
 
 namespace fp4sim::emu {
 namespace {
@@ -26,20 +27,8 @@ namespace {
 using Vec = std::vector<float>;
 size_t sz(int64_t n) { return static_cast<size_t>(n); }
 
-Vec randn(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  Vec v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-Vec uniform(size_t n, uint64_t seed, float lo, float hi) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  Vec v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using test::randn;
+using test::uniform;
 
 // exp in the working precision R: FP64's, or fp4sim's FP32 exp (the GPU uses CUDA's expf, within
 // 2 ulp of it)

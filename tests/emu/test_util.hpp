@@ -117,4 +117,21 @@ inline std::vector<float> make_fill(Fill f, size_t n, uint64_t seed) {
   return v;
 }
 
+// n seeded normal (mean 0, standard deviation scale) or uniform [lo, hi) FP32 values
+// (std::mt19937_64 with the standard library's distributions).
+inline std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+inline std::vector<float> uniform(size_t n, uint64_t seed, float lo, float hi) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
 }  // namespace fp4sim::test
