@@ -74,6 +74,31 @@ void expect_finite_differences(Gpt& model, const std::vector<int32_t>& tok,
   }
 }
 
+// `steps` steps on one batch of 4 x 8 tokens of a deterministic pattern (next token = (token * 3 +
+// 1) mod 16), each forward, backward and AdamW (lr 1e-2, no weight decay: the optimizer through
+// the backend, as the trainer does), set_step before each; *first, *last: the first and last
+// step's loss.
+void train_next_token_pattern(Gpt& model, Backend& be, int steps, float* first, float* last) {
+  const int64_t B = 4, T = 8;
+  std::vector<int32_t> tok(B * T), tgt(B * T);
+  for (int64_t i = 0; i < B * T; ++i) {
+    tok[i] = static_cast<int32_t>((i * 5 + i / T) % 16);
+    tgt[i] = (tok[i] * 3 + 1) % 16;
+  }
+  std::vector<float> mom(model.num_params(), 0.0f), var(model.num_params(), 0.0f);
+  for (int step = 1; step <= steps; ++step) {
+    model.set_step(step - 1);
+    const float loss = model.forward(tok.data(), tgt.data(), B, T);
+    if (step == 1) *first = loss;
+    *last = loss;
+    model.backward();
+    const AdamWStep s = make_adamw_step(1e-2f, 0.9f, 0.95f, 1e-8f, 0.0f, step, 1.0f);
+    const int64_t n = static_cast<int64_t>(model.num_params());
+    be.adamw_update(host_view(model.params(), 1, n), TensorView{}, host_view(model.grads(), 1, n),
+                    host_view(mom.data(), 1, n), host_view(var.data(), 1, n), {{0, n}}, {s});
+  }
+}
+
 TEST(Gpt, GradientsMatchFiniteDifferences) {
   struct Variant {
     Positions pos;
@@ -187,26 +212,8 @@ TEST(Gpt, HybridTrains) {
           << model.describe_recipe();
     }
     model.init(3);
-    const int64_t B = 4, T = 8;
-    std::vector<int32_t> tok(B * T), tgt(B * T);
-    for (int64_t i = 0; i < B * T; ++i) {
-      tok[i] = static_cast<int32_t>((i * 5 + i / T) % 16);
-      tgt[i] = (tok[i] * 3 + 1) % 16;
-    }
-    std::vector<float> mom(model.num_params(), 0.0f), var(model.num_params(), 0.0f);
     float first = 0, last = 0;
-    for (int step = 1; step <= 60; ++step) {
-      model.set_step(step - 1);
-      const float loss = model.forward(tok.data(), tgt.data(), B, T);
-      if (step == 1) first = loss;
-      last = loss;
-      model.backward();
-      const AdamWStep s = make_adamw_step(1e-2f, 0.9f, 0.95f, 1e-8f, 0.0f, step, 1.0f);
-      const int64_t n = static_cast<int64_t>(model.num_params());
-      be->adamw_update(host_view(model.params(), 1, n), TensorView{},
-                       host_view(model.grads(), 1, n), host_view(mom.data(), 1, n),
-                       host_view(var.data(), 1, n), {{0, n}}, {s});
-    }
+    train_next_token_pattern(model, *be, 60, &first, &last);
     std::printf("[hybrid-train] %s: loss %.4f -> %.4f over 60 steps\n", name_of(f), first, last);
     EXPECT_NEAR(first, std::log(16.0f), 0.2);
     EXPECT_LT(last, 0.35f * first);
@@ -219,26 +226,8 @@ TEST(Gpt, ShortTrainingRunLowersTheLoss) {
   auto be = make_cpu_backend();
   Gpt model(m, *be);
   model.init(3);
-  const int64_t B = 4, T = 8;
-  // a deterministic pattern: next token = (token * 3 + 1) mod 16
-  std::vector<int32_t> tok(B * T), tgt(B * T);
-  for (int64_t i = 0; i < B * T; ++i) {
-    tok[i] = static_cast<int32_t>((i * 5 + i / T) % 16);
-    tgt[i] = (tok[i] * 3 + 1) % 16;
-  }
-  std::vector<float> mom(model.num_params(), 0.0f), var(model.num_params(), 0.0f);
-  // (the optimizer through the backend, as the trainer does)
   float first = 0, last = 0;
-  for (int step = 1; step <= 60; ++step) {
-    const float loss = model.forward(tok.data(), tgt.data(), B, T);
-    if (step == 1) first = loss;
-    last = loss;
-    model.backward();
-    const AdamWStep s = make_adamw_step(1e-2f, 0.9f, 0.95f, 1e-8f, 0.0f, step, 1.0f);
-    const int64_t n = static_cast<int64_t>(model.num_params());
-    be->adamw_update(host_view(model.params(), 1, n), TensorView{}, host_view(model.grads(), 1, n),
-                     host_view(mom.data(), 1, n), host_view(var.data(), 1, n), {{0, n}}, {s});
-  }
+  train_next_token_pattern(model, *be, 60, &first, &last);
   std::printf("[gpt-train] loss %.4f -> %.4f over 60 steps\n", first, last);
   EXPECT_NEAR(first, std::log(16.0f), 0.1);  // an untrained model is close to uniform
   EXPECT_LT(last, 0.25f * first);
