@@ -16,6 +16,7 @@
 #include "tools/backends.hpp"
 #include "tools/commands.hpp"
 #include "tools/npy.hpp"
+#include "tools/quantize_options.hpp"
 
 namespace fp4sim::cli {
 namespace {
@@ -26,13 +27,8 @@ const char* block_name(QFormat f, bool two_d) {
   return two_d ? "16x16" : "1x16";
 }
 
-struct QuantizeArgs {
-  std::string input, prefix;
-  std::string format = "nvfp4";
-  bool block_2d = false, columnwise = false, rht = false, sr = false, fos = false,
-       mx_rule_given = false;
-  uint64_t seed = 0, stream = 0;
-  std::string error = "mae", mx_rule = "floor", backend;
+struct QuantizeArgs : QuantizeOptions {
+  std::string input, prefix, backend;
 };
 
 // Input as a 2-D float32 or bf16 (uint16) tensor.
@@ -128,24 +124,7 @@ Stats compute_stats(const float* ref, const QuantizedHost& q, const std::vector<
 }
 
 void run_quantize(const QuantizeArgs& a) {
-  QuantizeConfig cfg;
-  cfg.format =
-      a.format == "fp8" ? QFormat::FP8 : (a.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
-  cfg.block_2d = a.block_2d;
-  cfg.mx_rule = a.mx_rule == "ceil" ? MxScaleRule::Ceil : MxScaleRule::Floor;
-  cfg.fos_error = a.error == "mse" ? FourOverSixError::MSE : FourOverSixError::MAE;
-  cfg.seed = a.seed;
-  CopySpec spec;
-  spec.enabled = true;
-  spec.rounding = a.sr ? Rounding::SR : Rounding::RN;
-  spec.stream = a.stream;
-  spec.rht = a.rht;
-  spec.four_over_six = a.fos;
-  if (a.rht && !a.columnwise)
-    throw std::invalid_argument("--rht: applies to the column-wise copy only; add --columnwise");
-  if (a.mx_rule_given && cfg.format != QFormat::MXFP4)
-    throw std::invalid_argument("--mx-rule: applies to --format mxfp4 only");
-  (a.columnwise ? cfg.columnwise : cfg.rowwise) = spec;
+  const QuantizeConfig cfg = quantize_config(a);
 
   io::check_output_prefix(a.prefix, "OUT_PREFIX");
   std::vector<std::string> outputs;

@@ -23,6 +23,7 @@
 #include "emu/mma.hpp"
 #include "tools/backends.hpp"
 #include "tools/npy.hpp"
+#include "tools/quantize_options.hpp"
 
 namespace fp4sim::cli::golden {
 namespace {
@@ -128,14 +129,9 @@ std::vector<size_t> shape2(int64_t r, int64_t c) {
   return {static_cast<size_t>(r), static_cast<size_t>(c)};
 }
 
-// ---- quantizer cases: the same flags `fp4sim quantize` takes, mapped onto QuantizeConfig as
-// that command maps them.
-struct QuantizeSpec {
-  std::string format = "nvfp4";
-  bool block_2d = false, columnwise = false, rht = false, sr = false, fos = false;
-  uint64_t seed = 0, stream = 0;
-  std::string error = "mae", mx_rule;  // mx_rule "" = not given
-};
+// ---- quantizer cases: the options of `fp4sim quantize`, mapped onto QuantizeConfig by that
+// command's own quantize_config (tools/quantize_options.hpp).
+using QuantizeSpec = QuantizeOptions;
 
 std::vector<std::string> quantize_flags(const QuantizeSpec& s) {
   std::vector<std::string> f = {"--format", s.format};
@@ -146,26 +142,8 @@ std::vector<std::string> quantize_flags(const QuantizeSpec& s) {
     f.insert(f.end(),
              {"--sr", "--seed", std::to_string(s.seed), "--stream", std::to_string(s.stream)});
   if (s.fos) f.insert(f.end(), {"--four-over-six", "--error", s.error});
-  if (!s.mx_rule.empty()) f.insert(f.end(), {"--mx-rule", s.mx_rule});
+  if (s.mx_rule_given) f.insert(f.end(), {"--mx-rule", s.mx_rule});
   return f;
-}
-
-QuantizeConfig quantize_config(const QuantizeSpec& s) {
-  QuantizeConfig cfg;
-  cfg.format =
-      s.format == "fp8" ? QFormat::FP8 : (s.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
-  cfg.block_2d = s.block_2d;
-  cfg.mx_rule = s.mx_rule == "ceil" ? MxScaleRule::Ceil : MxScaleRule::Floor;
-  cfg.fos_error = s.error == "mse" ? FourOverSixError::MSE : FourOverSixError::MAE;
-  cfg.seed = s.seed;
-  CopySpec spec;
-  spec.enabled = true;
-  spec.rounding = s.sr ? Rounding::SR : Rounding::RN;
-  spec.stream = s.stream;
-  spec.rht = s.rht;
-  spec.four_over_six = s.fos;
-  (s.columnwise ? cfg.columnwise : cfg.rowwise) = spec;
-  return cfg;
 }
 
 // x: float32 values, or their BF16 bits when bf16 is set.
@@ -296,6 +274,7 @@ void add_quantize_cases(std::vector<Case>& cases) {
     s = {};
     s.format = "mxfp4";
     s.mx_rule = rule;
+    s.mx_rule_given = true;
     q(std::string("quantize/mxfp4_") + rule + "_row", s, mixed);
     s.columnwise = true;
     q(std::string("quantize/mxfp4_") + rule + "_col", s, mixed);
