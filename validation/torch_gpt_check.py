@@ -170,6 +170,40 @@ def rope(x, base=10000.0):
     return out
 
 
+def fp4sim_adamw(model, tcfg):
+    """torch.optim.AdamW with the run's hyper-parameters and fp4sim's weight-decay rule
+    (model/trainer.cpp): decay on tensors of 2+ dimensions only (embeddings, heads, GEMM weights,
+    conv weights), none on biases, norm weights and the other vectors."""
+    decay = [p for p in model.p.values() if p.dim() >= 2]
+    no_decay = [p for p in model.p.values() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": tcfg["weight_decay"]},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=tcfg["lr"], betas=(tcfg["beta1"], tcfg["beta2"]), eps=tcfg["eps"])
+
+
+def replay_step(model, opt, tcfg, batches, entry, s, dev):
+    """Step s (from 0) as fp4sim logged it: the logged learning rate (checked against the config's
+    schedule, a NOT OK line where it differs), the dumped batch, forward, backward, fp4sim's global
+    norm clipping, the optimizer step. Returns (loss, gradient norm, whether the lr matched)."""
+    lr_want = learning_rate(tcfg, s)
+    lr_ok = abs(entry["lr"] - lr_want) <= 1e-6 * lr_want
+    if not lr_ok:
+        print(f"  NOT OK step {s + 1}: logged lr {entry['lr']:.6e}, the config's schedule gives {lr_want:.6e}", flush=True)
+    for group in opt.param_groups:
+        group["lr"] = entry["lr"]
+    tok = batches[f"tokens.{s}"].long().to(dev)
+    tgt = batches[f"targets.{s}"].long().to(dev)
+    opt.zero_grad(set_to_none=True)
+    loss = model(tok, tgt)
+    loss.backward()
+    if tcfg["grad_clip"] > 0:
+        gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg["grad_clip"]))
+    else:
+        gnorm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+    opt.step()
+    return loss.item(), gnorm, lr_ok
+
+
 class Gpt(torch.nn.Module):
     def __init__(self, cfg, weights):
         super().__init__()
@@ -306,35 +340,13 @@ def main():
 
     # training on the same batches with the logged learning rates (checked against the schedule)
     model = Gpt(cfg, {k: v.to(dev) for k, v in weights.items()})
-    # fp4sim (model/trainer.cpp): weight decay on tensors of 2+ dimensions only (wte, wpe, lm_head
-    # and the GEMM weights), none on biases and norm weights
-    decay = [p for p in model.p.values() if p.dim() >= 2]
-    no_decay = [p for p in model.p.values() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tcfg["lr"], betas=(tcfg["beta1"], tcfg["beta2"]), eps=tcfg["eps"])
+    opt = fp4sim_adamw(model, tcfg)
     for s in steps:
         entry = next((e for e in log if e["step"] == s + 1), None)
         if entry is None:
             raise CheckError(f"{args.log}: no entry for step {s + 1}")
-        lr_want = learning_rate(tcfg, s)
-        lr_ok = abs(entry["lr"] - lr_want) <= 1e-6 * lr_want
+        lv, gnorm, lr_ok = replay_step(model, opt, tcfg, batches, entry, s, dev)
         failures += not lr_ok
-        if not lr_ok:
-            print(f"  NOT OK step {s + 1}: logged lr {entry['lr']:.6e}, the config's schedule gives {lr_want:.6e}", flush=True)
-        for group in opt.param_groups:
-            group["lr"] = entry["lr"]
-        tok = batches[f"tokens.{s}"].long().to(dev)
-        tgt = batches[f"targets.{s}"].long().to(dev)
-        opt.zero_grad(set_to_none=True)
-        loss = model(tok, tgt)
-        loss.backward()
-        if tcfg["grad_clip"] > 0:
-            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg["grad_clip"]))
-        else:
-            gnorm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
-        opt.step()
-        lv = loss.item()
         rel = abs(lv - entry["loss"]) / abs(entry["loss"])
         ok = rel <= 0.02
         failures += not ok

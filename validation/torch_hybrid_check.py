@@ -50,7 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torch_gpt_check import CheckError, Gpt, causal_attention, learning_rate, load_safetensors, rope  # noqa: E402
+from torch_gpt_check import (CheckError, Gpt, causal_attention, fp4sim_adamw,  # noqa: E402
+                             load_safetensors, replay_step, rope)
 import torch_ssd  # noqa: E402
 
 NAME = "torch_hybrid_check"
@@ -343,12 +344,7 @@ def main():
 
     # training on the same batches with the logged learning rates (checked against the schedule)
     model = Hybrid(cfg, dims, {k: v.to(dev) for k, v in weights.items()}, args.ssd)
-    # fp4sim (model/trainer.cpp): weight decay on tensors of 2+ dimensions only
-    decay = [p for p in model.p.values() if p.dim() >= 2]
-    no_decay = [p for p in model.p.values() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tcfg["lr"], betas=(tcfg["beta1"], tcfg["beta2"]), eps=tcfg["eps"])
+    opt = fp4sim_adamw(model, tcfg)
     print("   step  loss torch   loss fp4sim  rel diff        grad norm torch  fp4sim     lr", flush=True)
     worst_step = 0.0
     for s in steps:
@@ -358,25 +354,8 @@ def main():
         for key in ("loss", "lr"):
             if key not in entry:
                 raise CheckError(f"{log_path}: step {s + 1} has no '{key}'")
-        lr_want = learning_rate(tcfg, s)
-        lr_ok = abs(entry["lr"] - lr_want) <= 1e-6 * lr_want
+        lv, gnorm, lr_ok = replay_step(model, opt, tcfg, batches, entry, s, dev)
         failures += not lr_ok
-        if not lr_ok:
-            print(f"  NOT OK step {s + 1}: logged lr {entry['lr']:.6e}, the config's schedule gives {lr_want:.6e}",
-                  flush=True)
-        for group in opt.param_groups:
-            group["lr"] = entry["lr"]
-        tok = batches[f"tokens.{s}"].long().to(dev)
-        tgt = batches[f"targets.{s}"].long().to(dev)
-        opt.zero_grad(set_to_none=True)
-        loss = model(tok, tgt)
-        loss.backward()
-        if tcfg["grad_clip"] > 0:
-            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg["grad_clip"]))
-        else:
-            gnorm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
-        opt.step()
-        lv = loss.item()
         rel = abs(lv - entry["loss"]) / abs(entry["loss"])
         ok = rel <= 0.02
         failures += not ok
