@@ -114,6 +114,7 @@ struct SsdScratchBytes {
 inline int64_t ssd_tiles(int64_t n) { return (n + kSsdTile - 1) / kSsdTile; }
 // The elements of a (P x N) chunk state each thread block of the state-passing kernels takes.
 constexpr int64_t kSsdPassElems = 256;
+constexpr int64_t kSsdPassWarps = kSsdPassElems / 32;  // (a partial sum of <Gout, S> each)
 inline SsdScratchBytes ssd_chunked_forward_scratch(const SsmShape& s, bool saves_states) {
   const int64_t nc = s.chunks(), Q = s.chunk;
   SsdScratchBytes b;
@@ -128,7 +129,7 @@ inline SsdScratchBytes ssd_chunked_backward_scratch(const SsmShape& s) {
   b.states = 8 * s.B * s.H * s.T + 4 * (s.B * s.G * nc * Q * Q + s.states_size() + BHC * Q * Q);
   b.contrib = 4 * BT * s.H * 2 * s.N;
   b.small = 4 * (BT * s.H + s.H + BT * s.H * (3 * ssd_tiles(s.P) + ssd_tiles(s.N)) +
-                 BHC * (pass_blocks + 2));
+                 BHC * (pass_blocks * kSsdPassWarps + 2));
   b.terms = 4 * BT * s.H;
   return b;
 }

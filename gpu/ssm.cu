@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "emu/op_checks.hpp"
 #include "emu/ssm_math.hpp"
@@ -46,8 +47,9 @@ namespace {
 // The emulator's eps of the gated norm (emu/ssm.hpp's default): the Backend interface does not
 // pass it.
 constexpr float kGatedNormEps = 1e-5f;
-// (gpu/capabilities.hpp: the conv widths the parameter-gradient kernel takes, a register array a
-// thread; the scan's thread blocks have at most kSsmMaxScanSize threads)
+// (gpu/capabilities.hpp: the conv widths the conv kernels take, their taps unrolled and a register
+// array a thread in the parameter gradients; the scan's thread blocks have at most kSsmMaxScanSize
+// threads)
 constexpr int64_t kMaxConvWidth = kSsmMaxConvWidth;
 constexpr int64_t kMaxScanThreads = kSsmMaxScanSize;
 
@@ -66,66 +68,140 @@ __device__ __forceinline__ void divmod(int64_t i, int64_t d, int64_t& q, int64_t
 
 // ---- causal depthwise conv1d + SiLU ------------------------------------------------------------
 
-// u = bias[c] + sum_k weight[c,k] * inp[row - t + s, c], s = t - W + 1 + k >= 0, left to right
-// (emu/ssm.cpp's conv_row)
-__device__ __forceinline__ float conv_u(const float* inp, int64_t ld, const float* weight,
-                                        const float* bias, int64_t row, int64_t t, int64_t c,
-                                        int64_t W) {
-  float u = bias[c];
-  for (int64_t k = 0; k < W; ++k) {
-    const int64_t s = t - W + 1 + k;
-    if (s < 0) continue;
-    u = fadd_rn(u, fmul_rn(weight[c * W + k], inp[(row - t + s) * ld + c]));
-  }
-  return u;
+// The conv's elementwise kernels slide along time: a thread takes one channel c of one batch
+// row's run of kConvRun steps (the threads of a warp: consecutive channels, so every load is
+// coalesced), keeping the window of inputs in registers, so each input is loaded once and the
+// address arithmetic is one pointer step a row. The sums are the emulator's (emu/ssm.cpp's
+// conv_row): u = bias[c] + sum_k weight[c,k] * inp[t - W + 1 + k, c] from left to right, the
+// terms before the window start (t - W + 1 + k < 0) skipped, not added as zeros.
+constexpr int kConvRun = 16;
+dim3 conv_grid(int64_t B, int64_t T, int64_t C) {
+  return dim3(static_cast<unsigned>(B * ((T + kConvRun - 1) / kConvRun)),
+              static_cast<unsigned>((C + kThreads - 1) / kThreads));
 }
 
+// Calls f(t, u) for t = t0 .. t1-1 of channel c: ip points at (b, t = 0, c) of inp (row stride
+// ld), wv the channel's W taps.
+template <int W, class F>
+__device__ __forceinline__ void conv_steps(const float* ip, int64_t ld, const float (&wv)[W],
+                                           float bc, int t0, int t1, F f) {
+  float win[W];  // win[k] = inp[t - W + 1 + k] for the step t in hand
+#pragma unroll
+  for (int k = 0; k < W - 1; ++k) {
+    const int s = t0 - W + 1 + k;
+    win[k] = s >= 0 ? ip[s * ld] : 0.0f;
+  }
+  const float* pt = ip + t0 * ld;
+  for (int t = t0; t < t1; ++t, pt += ld) {
+    win[W - 1] = *pt;
+    float u = bc;
+#pragma unroll
+    for (int k = 0; k < W; ++k)
+      if (t - W + 1 + k >= 0) u = fadd_rn(u, fmul_rn(wv[k], win[k]));
+    f(t, u);
+#pragma unroll
+    for (int k = 0; k < W - 1; ++k) win[k] = win[k + 1];
+  }
+}
+
+// The thread's channel, batch row and run of steps; false when it has none.
+struct ConvThread {
+  int64_t c, b;
+  int t0, t1;
+};
+__device__ __forceinline__ bool conv_thread(int64_t T, int64_t C, ConvThread& th) {
+  th.c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  const int64_t runs = (T + kConvRun - 1) / kConvRun;
+  th.b = blockIdx.x / runs;
+  th.t0 = static_cast<int>(blockIdx.x % runs) * kConvRun;
+  th.t1 = th.t0 + kConvRun < T ? th.t0 + kConvRun : static_cast<int>(T);
+  return th.c < C;
+}
+
+template <int W>
 __global__ void conv1d_silu_forward_kernel(float* out, const float* inp, int64_t ld_inp,
                                            const float* weight, const float* bias, int64_t T,
-                                           int64_t C, int64_t W, int64_t n, bool round_bf16) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    int64_t row, c, b, t;
-    divmod(i, C, row, c);
-    divmod(row, T, b, t);
-    out[i] = stored(ssm_silu(conv_u(inp, ld_inp, weight, bias, row, t, c, W)), round_bf16);
-  }
+                                           int64_t C, bool round_bf16) {
+  ConvThread th;
+  if (!conv_thread(T, C, th)) return;
+  float wv[W];
+#pragma unroll
+  for (int k = 0; k < W; ++k) wv[k] = weight[th.c * W + k];
+  float* o = out + th.b * T * C + th.c;
+  conv_steps<W>(inp + th.b * T * ld_inp + th.c, ld_inp, wv, bias[th.c], th.t0, th.t1,
+                [&](int t, float u) { o[t * C] = stored(ssm_silu(u), round_bf16); });
 }
 
 // du (B*T, C) = dout * silu'(u), u recomputed
+template <int W>
 __global__ void conv1d_silu_du_kernel(float* du, const float* dout, const float* inp,
                                       int64_t ld_inp, const float* weight, const float* bias,
-                                      int64_t T, int64_t C, int64_t W, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    int64_t row, c, b, t;
-    divmod(i, C, row, c);
-    divmod(row, T, b, t);
-    du[i] = fmul_rn(dout[i], ssm_silu_grad(conv_u(inp, ld_inp, weight, bias, row, t, c, W)));
+                                      int64_t T, int64_t C) {
+  ConvThread th;
+  if (!conv_thread(T, C, th)) return;
+  float wv[W];
+#pragma unroll
+  for (int k = 0; k < W; ++k) wv[k] = weight[th.c * W + k];
+  const int64_t base = th.b * T * C + th.c;
+  conv_steps<W>(
+      inp + th.b * T * ld_inp + th.c, ld_inp, wv, bias[th.c], th.t0, th.t1,
+      [&](int t, float u) { du[base + t * C] = fmul_rn(dout[base + t * C], ssm_silu_grad(u)); });
+}
+
+// dinp[(b, s), c] = sum_k weight[c,k] * du[(b, s+W-1-k), c] from +0 in increasing k, the terms
+// past the end (s+W-1-k >= T) skipped; the window win[j] = du[s + j] slides forward
+template <int W>
+__global__ void conv1d_silu_dinp_kernel(float* dinp, int64_t ld_dinp, const float* du,
+                                        const float* weight, int64_t T, int64_t C,
+                                        bool round_bf16) {
+  ConvThread th;
+  if (!conv_thread(T, C, th)) return;
+  float wv[W];
+#pragma unroll
+  for (int k = 0; k < W; ++k) wv[k] = weight[th.c * W + k];
+  const float* dp = du + th.b * T * C + th.c;
+  float* o = dinp + th.b * T * ld_dinp + th.c;
+  float win[W];
+#pragma unroll
+  for (int j = 0; j < W - 1; ++j) win[j] = th.t0 + j < T ? dp[(th.t0 + j) * C] : 0.0f;
+  for (int s = th.t0; s < th.t1; ++s) {
+    win[W - 1] = s + W - 1 < T ? dp[(s + W - 1) * C] : 0.0f;
+    float dx = 0.0f;
+#pragma unroll
+    for (int k = 0; k < W; ++k)
+      if (s + W - 1 - k < T) dx = fadd_rn(dx, fmul_rn(wv[k], win[W - 1 - k]));
+    o[s * ld_dinp] = stored(dx, round_bf16);
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j) win[j] = win[j + 1];
   }
 }
 
-// dinp[row(b,s), c] = sum_k weight[c,k] * du[row(b, s+W-1-k), c] from +0 in increasing k
-__global__ void conv1d_silu_dinp_kernel(float* dinp, int64_t ld_dinp, const float* du,
-                                        const float* weight, int64_t T, int64_t C, int64_t W,
-                                        int64_t n, bool round_bf16) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    int64_t row, c, b, s;
-    divmod(i, C, row, c);
-    divmod(row, T, b, s);
-    float dx = 0.0f;
-    for (int64_t k = 0; k < W; ++k) {
-      const int64_t t = s + W - 1 - k;
-      if (t >= T) continue;
-      dx = fadd_rn(dx, fmul_rn(weight[c * W + k], du[(row - s + t) * C + c]));
-    }
-    dinp[row * ld_dinp + c] = stored(dx, round_bf16);
+// f(std::integral_constant<int, W>) for the run time width W (1 .. kMaxConvWidth)
+template <class F>
+void with_conv_width(int64_t W, F f) {
+  switch (W) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 5:
+      return f(std::integral_constant<int, 5>{});
+    case 6:
+      return f(std::integral_constant<int, 6>{});
+    case 7:
+      return f(std::integral_constant<int, 7>{});
+    case 8:
+      return f(std::integral_constant<int, 8>{});
+    default:
+      throw std::invalid_argument("conv1d_silu: conv width " + std::to_string(W) + " outside 1.." +
+                                  std::to_string(kMaxConvWidth));
   }
 }
+static_assert(kMaxConvWidth == 8, "with_conv_width instantiates the widths up to 8");
 
 // The row blocks of the parameter gradients' two-level sums (emu/ssm.hpp).
 constexpr int64_t kSumRows = emu::kSsmSumRows;
@@ -146,16 +222,19 @@ __global__ void conv1d_silu_dparams_partials_kernel(float* partials, const float
   float db = 0.0f;
   int64_t b0, t0;
   divmod(r0, T, b0, t0);
+#pragma unroll 4
   for (int64_t r = r0, t = t0; r < r1; ++r, t = t + 1 == T ? 0 : t + 1) {
     const float d = du[r * C + c];
     db = fadd_rn(db, d);
-    for (int64_t k = 0; k < W; ++k) {
+#pragma unroll
+    for (int64_t k = 0; k < kMaxConvWidth; ++k) {
       const int64_t s = t - W + 1 + k;
-      if (s < 0) continue;
-      dw[k] = fadd_rn(dw[k], fmul_rn(d, inp[(r - t + s) * ld_inp + c]));
+      if (k < W && s >= 0) dw[k] = fadd_rn(dw[k], fmul_rn(d, inp[(r - t + s) * ld_inp + c]));
     }
   }
-  for (int64_t k = 0; k < W; ++k) partials[(k * blocks + blk) * C + c] = dw[k];
+#pragma unroll
+  for (int64_t k = 0; k < kMaxConvWidth; ++k)
+    if (k < W) partials[(k * blocks + blk) * C + c] = dw[k];
   partials[(W * blocks + blk) * C + c] = db;
 }
 
@@ -201,9 +280,11 @@ void column_sums(float* dst, const float* terms, int64_t rows, int64_t C, float*
 void conv1d_silu_forward(float* out, const float* inp, int64_t ld_inp, const float* weight,
                          const float* bias, int64_t B, int64_t T, int64_t C, int64_t W,
                          bool round_bf16, cudaStream_t stream) {
-  const int64_t n = B * T * C;
-  conv1d_silu_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream>>>(
-      out, inp, ld_inp, weight, bias, T, C, W, n, round_bf16);
+  if (B * T * C == 0) return;
+  with_conv_width(W, [&](auto w) {
+    conv1d_silu_forward_kernel<decltype(w)::value><<<conv_grid(B, T, C), kThreads, 0, stream>>>(
+        out, inp, ld_inp, weight, bias, T, C, round_bf16);
+  });
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -212,12 +293,15 @@ void conv1d_silu_backward(float* dinp, int64_t ld_dinp, float* dweight, float* d
                           const float* dout, const float* inp, int64_t ld_inp, const float* weight,
                           const float* bias, int64_t B, int64_t T, int64_t C, int64_t W,
                           bool round_bf16, float* du, float* partials, cudaStream_t stream) {
-  const int64_t n = B * T * C;
-  conv1d_silu_du_kernel<<<elementwise_grid(n), kThreads, 0, stream>>>(du, dout, inp, ld_inp, weight,
-                                                                      bias, T, C, W, n);
-  FP4SIM_CUDA_CHECK_LAUNCH();
-  conv1d_silu_dinp_kernel<<<elementwise_grid(n), kThreads, 0, stream>>>(dinp, ld_dinp, du, weight,
-                                                                        T, C, W, n, round_bf16);
+  with_conv_width(W, [&](auto w) {
+    constexpr int kW = decltype(w)::value;
+    if (B * T * C == 0) return;
+    conv1d_silu_du_kernel<kW>
+        <<<conv_grid(B, T, C), kThreads, 0, stream>>>(du, dout, inp, ld_inp, weight, bias, T, C);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+    conv1d_silu_dinp_kernel<kW>
+        <<<conv_grid(B, T, C), kThreads, 0, stream>>>(dinp, ld_dinp, du, weight, T, C, round_bf16);
+  });
   FP4SIM_CUDA_CHECK_LAUNCH();
   const int64_t blocks = row_blocks(B * T);
   const unsigned ctiles = static_cast<unsigned>((C + kThreads - 1) / kThreads);
@@ -770,10 +854,21 @@ void require_scan_threads(const char* op, const SsmShape& s) {
 
 }  // namespace
 
+namespace {
+// The conv kernels unroll over kMaxConvWidth taps (a register array in the parameter gradients).
+void require_conv_width(const char* op, const TensorView& weight) {
+  if (weight.cols > kMaxConvWidth)
+    throw std::invalid_argument(std::string(op) + ": conv width " + std::to_string(weight.cols) +
+                                " (tensor '" + weight.name + "'); the cuda backend takes up to " +
+                                std::to_string(kMaxConvWidth));
+}
+}  // namespace
+
 void CudaBackend::ssm_conv_forward(const TensorView& out, const TensorView& inp,
                                    const TensorView& weight, const TensorView& bias,
                                    const SsmShape& s) {
   op_checks::ssm_conv_forward(out, inp, weight, bias, s);
+  require_conv_width("ssm_conv_forward", weight);
   conv1d_silu_forward(out.as<float>(), inp.as<const float>(), inp.stride(),
                       weight.as<const float>(), bias.as<const float>(), s.B, s.T, s.xbc_cols(),
                       weight.cols, out.bf16_values, stream_);
@@ -784,10 +879,7 @@ void CudaBackend::ssm_conv_backward(const TensorView& dinp, const TensorView& dw
                                     const TensorView& inp, const TensorView& weight,
                                     const TensorView& bias, const SsmShape& s) {
   op_checks::ssm_conv_backward(dinp, dweight, dbias, dout, inp, weight, bias, s);
-  if (weight.cols > kMaxConvWidth)
-    throw std::invalid_argument("ssm_conv_backward: conv width " + std::to_string(weight.cols) +
-                                " (tensor '" + weight.name + "'); the cuda backend takes up to " +
-                                std::to_string(kMaxConvWidth));
+  require_conv_width("ssm_conv_backward", weight);
   const int64_t C = s.xbc_cols();
   float* du = layers_state().ssm_terms.get<float>(static_cast<size_t>(s.B * s.T * C), stream_);
   float* partials = layers_state().ssm_partials.get<float>(

@@ -26,21 +26,26 @@
 //   ddt_k = x_k . du_k + A dg_k, dA = sum dg_k dt_k, dD = sum dy . x.
 //
 // Kernels: the products are small GEMMs, one thread block a 64 x 64 output tile of one chunk (a
-// grid's x the chunk, y and z the tiles), 256 threads of 4 x 4 outputs each, FP32 FMA on the CUDA
-// cores over k-tiles of 32 staged in shared memory; each GEMM's operands are functions of the
-// inputs (decays, dt scaling, causal masks) evaluated as they are staged, so only C B^T (a group
-// and chunk, Q x Q), the chunk states, their gradients and M are kept in scratch. Tiles and
-// k-tiles that the causal masks leave empty are skipped.
+// grid's x the chunk, y and z the tiles), 8 warps of 32 x 16 outputs on the BF16 tensor cores at
+// FP32 accuracy (ssd_gemm_kernel: each operand split exactly into three BF16 terms), over k-tiles
+// of 32 staged in shared memory; each GEMM's operands are functions of the inputs (decays, dt
+// scaling, causal masks) evaluated as they are staged, so only C B^T (a group and chunk, Q x Q),
+// the chunk states, their gradients and M are kept in scratch. Tiles and k-tiles that the causal
+// masks leave empty are skipped.
 //
-// Numerics: FP32 products and sums in the GEMMs' order (k-tiles in increasing k, each thread's
-// FMA chain), exp as CUDA's expf (<= 2 ulp) of an FP32-rounded FP64 difference <= 0 (nothing
-// overflows; strong decay underflows to 0 as in the emulator); the row sums of the tiles (dD, the
-// x . du and u . du terms, a_i) in FP32 in fixed order, then summed over the tiles in tile order;
-// r_i, dg's prefix and suffix sums and dA's sums in FP64 (these cancel: under strong decay dg is
-// a small difference of O(1) terms); a group's dB and dC summed over its heads in increasing h.
-// Deterministic: no atomics, every order fixed by the shapes.
+// Numerics: the GEMMs' products exact, their sums in the tensor cores' FP32 accumulators (k-tiles
+// in increasing k, the term pairs of a k-step smallest first), exp as CUDA's expf (<= 2 ulp) of an
+// FP32-rounded FP64 difference <= 0 (nothing overflows; strong decay underflows to 0 as in the
+// emulator); the row sums of the tiles (dD, the x . du and u . du terms, a_i) in FP32 in fixed
+// order, then summed over the tiles in tile order; r_i, dg's prefix and suffix sums and dA's sums
+// in FP64 (these cancel: under strong decay dg is a small difference of O(1) terms); a group's dB
+// and dC summed over its heads in increasing h. Deterministic: no atomics, every order fixed by the
+// shapes.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -59,42 +64,68 @@ using emu::SsmShape;
 
 constexpr int kBM = static_cast<int>(kSsdTile), kBN = static_cast<int>(kSsdTile);  // output tile
 constexpr int kBK = 32;                                                            // k-tile
-constexpr int kGemmThreads = 256;  // 16 x 16 threads of 4 x 4 outputs
+constexpr int kGemmThreads = 256;  // 8 warps of 32 x 16 outputs
 constexpr int kLd = kBM + 1;       // shared row stride (odd: no bank conflicts either way)
 constexpr int kPassThreads = static_cast<int>(kSsdPassElems);
+constexpr int kPassWarps = static_cast<int>(kSsdPassWarps);
 constexpr int kDgThreads = 128;
-static_assert(kBM == 64 && kBN == 64 && kGemmThreads == 256, "the 4 x 4 thread tiles assume these");
+static_assert(kBM == 64 && kBN == 64 && kGemmThreads == 256, "the warp tiles assume these");
 
+// (32-bit sizes where the kernels index within a chunk: the staging loops' address arithmetic is
+// most of their instructions; require_chunk checks that a chunk's offsets fit)
 struct SsdDims {
-  int64_t B, T, H, P, G, N, Q, HP, Cx, nc, hpg;
+  int64_t B, T, HP, Cx;
+  int H, P, G, N, Q, nc, hpg;
   int Pp, Np, Qp;  // P, N, Q rounded up to the k-tile
 };
 int round_k(int64_t n) { return static_cast<int>((n + kBK - 1) / kBK * kBK); }
 SsdDims ssd_dims(const SsmShape& s) {
-  return {s.B,          s.T,
-          s.H,          s.P,
-          s.G,          s.N,
-          s.chunk,      s.d_inner(),
-          s.xbc_cols(), s.chunks(),
-          s.H / s.G,    round_k(s.P),
-          round_k(s.N), round_k(s.chunk)};
+  SsdDims d;
+  d.B = s.B;
+  d.T = s.T;
+  d.HP = s.d_inner();
+  d.Cx = s.xbc_cols();
+  d.H = static_cast<int>(s.H);
+  d.P = static_cast<int>(s.P);
+  d.G = static_cast<int>(s.G);
+  d.N = static_cast<int>(s.N);
+  d.Q = static_cast<int>(s.chunk);
+  d.nc = static_cast<int>(s.chunks());
+  d.hpg = static_cast<int>(s.H / s.G);
+  d.Pp = round_k(s.P);
+  d.Np = round_k(s.N);
+  d.Qp = round_k(s.chunk);
+  return d;
 }
 
 // exp of a log-decay difference d <= 0
 __device__ __forceinline__ float decay(double d) { return expf(static_cast<float>(d)); }
 
-// cum (B,H,T) = the inclusive prefix sums of fl32(dt * A) within each chunk, in FP64; a thread a
-// (b, c, h), h fastest.
+// cum (B,H,T) = the inclusive prefix sums of fl32(dt * A) within each chunk, in FP64; a warp a
+// (b, c, h), h fastest: each lane sums a run of ceil(L / 32) steps, the runs' sums are scanned
+// across the warp (shuffles), then each lane writes its run's prefixes.
 __global__ void ssd_cum_kernel(double* cum, const float* dt, const float* A, SsdDims d) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= d.B * d.nc * d.H) return;
-  const int64_t h = i % d.H, c = (i / d.H) % d.nc, b = i / (d.H * d.nc);
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (w >= d.B * d.nc * d.H) return;  // (uniform over the warp)
+  const int h = static_cast<int>(w % d.H), c = static_cast<int>((w / d.H) % d.nc);
+  const int64_t b = w / (static_cast<int64_t>(d.H) * d.nc), t0 = static_cast<int64_t>(c) * d.Q;
+  const int L = static_cast<int>(d.T - t0 < d.Q ? d.T - t0 : d.Q), per = (L + 31) / 32;
+  const int s0 = lane * per < L ? lane * per : L, s1 = s0 + per < L ? s0 + per : L;
   const float Ah = A[h];
-  const int64_t t0 = c * d.Q, t1 = t0 + d.Q < d.T ? t0 + d.Q : d.T;
-  double acc = 0.0;
-  double* out = cum + (b * d.H + h) * d.T;
-  for (int64_t t = t0; t < t1; ++t) {
-    acc += static_cast<double>(fmul_rn(dt[(b * d.T + t) * d.H + h], Ah));
+  const float* dtr = dt + (b * d.T + t0) * d.H + h;
+  double run = 0.0;
+  for (int t = s0; t < s1; ++t) run += static_cast<double>(fmul_rn(dtr[t * d.H], Ah));
+  double incl = run;
+  for (int o = 1; o < 32; o *= 2) {
+    const double v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  double acc = __shfl_up_sync(0xffffffffu, incl, 1);
+  if (lane == 0) acc = 0.0;
+  double* out = cum + (b * d.H + h) * d.T + t0;
+  for (int t = s0; t < s1; ++t) {
+    acc += static_cast<double>(fmul_rn(dtr[t * d.H], Ah));
     out[t] = acc;
   }
 }
@@ -107,64 +138,145 @@ __global__ void ssd_cum_kernel(double* cum, const float* dt, const float* A, Ssd
 // k-tile (the one along which the source is contiguous); K (a multiple of kBK) and k_split: the
 // accumulators as they were before k-tile k_split are kept too (c1: the product over k <
 // k_split), or -1; finish(m0, n0, c0, c1, tid): the tile's outputs, c0[m * kLd + n].
+//
+// The products run on the BF16 tensor cores (mma.sync m16n8k16, FP32 accumulators) at FP32
+// accuracy: each staged FP32 operand value v is split exactly into three BF16 terms, hi = bf16(v),
+// mid = bf16(v - hi), lo = bf16(v - hi - mid) (v = hi + mid + lo for every finite v whose terms
+// stay normal), every product of two terms is exact in FP32, and the six leading term pairs (hi hi,
+// hi mid, mid hi, hi lo, mid mid, lo hi) are accumulated; the three left out are below 2^-24 of
+// the product. A k-tile whose staged values are all BF16 already (the model's BF16 activations)
+// has one term, so its products take one MMA (x, B, C, dy) or three instead of six.
+
+// The staged operand planes: plane q (0 hi, 1 mid, 2 lo) of the A tile [m][k] and of the B tile
+// [n][k], k contiguous, a row of kBKp BF16 (20 words: the fragment loads of a warp hit 32 distinct
+// banks).
+constexpr int kBKp = kBK + 8;
+constexpr int kPlane = kBM * kBKp;  // (kBM == kBN)
+static_assert(6 * kPlane * 2 <= 2 * kBM * kLd * 4, "the planes fit in the output buffer");
+
+__device__ __forceinline__ uint16_t bf16_bits(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+__device__ __forceinline__ float bf16_value(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+// Writes v's three terms to planes[q * kPlane + at]; true when v needs more than one.
+__device__ __forceinline__ bool split3(float v, uint16_t* planes, int at) {
+  const uint16_t hi = bf16_bits(v);
+  uint16_t mid = 0, lo = 0;
+  if (isfinite(v)) {
+    const float r = v - bf16_value(hi);  // (exact: the rounding error of hi)
+    mid = bf16_bits(r);
+    lo = bf16_bits(r - bf16_value(mid));
+  }
+  planes[at] = hi;
+  planes[kPlane + at] = mid;
+  planes[2 * kPlane + at] = lo;
+  return (mid | lo) != 0;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// A warp's share of the 64 x 64 tile: rows 32 * (warp % 2) .. + 32 (two m16 tiles), columns
+// 16 * (warp / 2) .. + 16 (two n8 tiles); acc[mi][ni][4] in the m16n8 accumulator layout.
 template <class Prob>
-__global__ void __launch_bounds__(kGemmThreads) ssd_gemm_kernel(Prob pr) {
-  __shared__ float sm[2 * kBM * kLd];     // the A and B k-tiles [k][m], [k][n]; then the outputs
-  __shared__ float ev[2 * kSsdMaxChunk];  // the chunk's decays (ChunkProb::prepare)
-  float* As = sm;
-  float* Bs = sm + kBK * kLd;
+__global__ void __launch_bounds__(kGemmThreads, 3) ssd_gemm_kernel(Prob pr) {
+  __shared__ __align__(16) float sm[2 * kBM * kLd];  // the operand planes; then the outputs
+  __shared__ float ev[2 * kSsdMaxChunk];             // the chunk's decays (ChunkProb::prepare)
+  uint16_t* Ap = reinterpret_cast<uint16_t*>(sm);
+  uint16_t* Bp = Ap + 3 * kPlane;
   pr.setup(blockIdx.x);
   const int m0 = static_cast<int>(blockIdx.y) * kBM, n0 = static_cast<int>(blockIdx.z) * kBN;
   if (!pr.tile_needed(m0, n0)) return;
-  const int tid = static_cast<int>(threadIdx.x), tx = tid % 16, ty = tid / 16;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int gid = lane / 4, tig = lane % 4;
+  const int wm = 32 * (warp % 2), wn = 16 * (warp / 2);
   pr.prepare(ev, tid);
   __syncthreads();
-  float acc[4][4], acc1[4][4];
+  float acc[2][2][4], acc1[2][2][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = acc1[i][j] = 0.0f;
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = acc1[i][j][q] = 0.0f;
   for (int k0 = 0; k0 < pr.K; k0 += kBK) {
     if (k0 == pr.k_split) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc1[i][j] = acc[i][j];
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc1[i][j][q] = acc[i][j][q];
     }
     if (!pr.k_needed(k0, m0, n0)) continue;  // (uniform over the block)
     const bool am = pr.a_m_major(k0), bk = pr.b_k_major(k0);
+    bool a_split = false, b_split = false;
     for (int e = tid; e < kBM * kBK; e += kGemmThreads) {
       const int m = am ? e % kBM : e / kBK, k = am ? e / kBM : e % kBK;
-      As[k * kLd + m] = pr.a(m0 + m, k0 + k);
+      a_split |= split3(pr.a(m0 + m, k0 + k), Ap, m * kBKp + k);
     }
     for (int e = tid; e < kBN * kBK; e += kGemmThreads) {
       const int n = bk ? e / kBK : e % kBN, k = bk ? e % kBK : e / kBN;
-      Bs[k * kLd + n] = pr.b(k0 + k, n0 + n);
+      b_split |= split3(pr.b(k0 + k, n0 + n), Bp, n * kBKp + k);
     }
-    __syncthreads();
-#pragma unroll 8
-    for (int k = 0; k < kBK; ++k) {
-      float av[4], bv[4];
+    const int na = __syncthreads_or(a_split) ? 3 : 1;
+    const int nb = __syncthreads_or(b_split) ? 3 : 1;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = As[k * kLd + ty + 16 * i];
+    for (int ks = 0; ks < kBK; ks += 16) {
+      uint32_t af[3][2][4], bf[3][2][2];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) bv[j] = Bs[k * kLd + tx + 16 * j];
+      for (int q = 0; q < 3; ++q) {
+        if (q >= na && q >= nb) break;
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < 2; ++i) {
+          const uint16_t* r = Ap + q * kPlane + (wm + 16 * i + gid) * kBKp + ks + 2 * tig;
+          af[q][i][0] = *reinterpret_cast<const uint32_t*>(r);
+          af[q][i][1] = *reinterpret_cast<const uint32_t*>(r + 8 * kBKp);
+          af[q][i][2] = *reinterpret_cast<const uint32_t*>(r + 8);
+          af[q][i][3] = *reinterpret_cast<const uint32_t*>(r + 8 * kBKp + 8);
+        }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = __fmaf_rn(av[i], bv[j], acc[i][j]);
+        for (int j = 0; j < 2; ++j) {
+          const uint16_t* r = Bp + q * kPlane + (wn + 8 * j + gid) * kBKp + ks + 2 * tig;
+          bf[q][j][0] = *reinterpret_cast<const uint32_t*>(r);
+          bf[q][j][1] = *reinterpret_cast<const uint32_t*>(r + 8);
+        }
+      }
+      // the term pairs (qa, qb), qa + qb <= 2, the small ones first
+#pragma unroll
+      for (int s = 2; s >= 0; --s)
+#pragma unroll
+        for (int qa = s; qa >= 0; --qa) {
+          const int qb = s - qa;
+          if (qa >= na || qb >= nb) continue;
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mma_bf16(acc[i][j], af[qa][i], bf[qb][j]);
+        }
     }
     __syncthreads();
   }
   float* c0 = sm;
   float* c1 = sm + kBM * kLd;
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      c0[(ty + 16 * i) * kLd + tx + 16 * j] = acc[i][j];
-      c1[(ty + 16 * i) * kLd + tx + 16 * j] = acc1[i][j];
-    }
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int m = wm + 16 * i + gid + 8 * (q / 2), n = wn + 8 * j + 2 * tig + q % 2;
+        c0[m * kLd + n] = acc[i][j][q];
+        c1[m * kLd + n] = acc1[i][j][q];
+      }
   __syncthreads();
   pr.finish(m0, n0, c0, c1, tid);
 }
@@ -184,10 +296,17 @@ struct ChunkProb {
   const double* cum_all;
   const float* xbc;
   const float* dt;
+  const float* dy = nullptr;  // (the backward problems)
   int K = 0, k_split = -1;
   // the block's chunk (bb: its batch)
-  int64_t bb = 0, h = 0, g = 0, c = 0, t0 = 0, zc = 0, zg = 0;
-  int L = 0;
+  int64_t bb = 0, t0 = 0, zc = 0, zg = 0;
+  int h = 0, g = 0, c = 0, L = 0;
+  // the chunk's first rows (rows()): of xbc, of dt at head h, of dy at head h; the row strides
+  // and the columns of x (head h), B and C (group g) in xbc
+  const float* xr = nullptr;
+  const float* dtr = nullptr;
+  const float* dyr = nullptr;
+  int cx = 0, hp = 0, xo = 0, bo = 0, co = 0;
   const double* cum = nullptr;  // the chunk's first step's log-sum
   // exp(cum_i) and exp(cum_{L-1} - cum_i) for i < L, in the block's shared memory (prepare)
   const float* e_in = nullptr;
@@ -195,15 +314,27 @@ struct ChunkProb {
   // z = (b*H + h)*nc + c (a head's chunk)
   __device__ void setup_head(int64_t z) {
     zc = z;
-    c = z % d.nc;
+    c = static_cast<int>(z % d.nc);
     const int64_t bh = z / d.nc;
     bb = bh / d.H;
-    h = bh % d.H;
+    h = static_cast<int>(bh % d.H);
     g = h / d.hpg;
     zg = (bb * d.G + g) * d.nc + c;
-    t0 = c * d.Q;
+    t0 = static_cast<int64_t>(c) * d.Q;
     L = static_cast<int>(d.T - t0 < d.Q ? d.T - t0 : d.Q);
     cum = cum_all + bh * d.T + t0;
+    rows();
+  }
+  __device__ void rows() {
+    const int64_t r0 = bb * d.T + t0;
+    xr = xbc + r0 * d.Cx;
+    dtr = dt + r0 * d.H + h;
+    if (dy) dyr = dy + r0 * d.HP + static_cast<int64_t>(h) * d.P;
+    cx = static_cast<int>(d.Cx);
+    hp = static_cast<int>(d.HP);
+    xo = h * d.P;
+    bo = static_cast<int>(d.HP) + g * d.N;
+    co = static_cast<int>(d.HP) + (d.G + g) * d.N;
   }
   __device__ void prepare(float* ev, int tid) {
     if (!cum) return;
@@ -216,11 +347,11 @@ struct ChunkProb {
   }
   __device__ bool a_m_major(int) const { return false; }
   __device__ bool b_k_major(int) const { return false; }
-  __device__ const float* row(int i) const { return xbc + (bb * d.T + t0 + i) * d.Cx; }
-  __device__ float x(int i, int p) const { return row(i)[h * d.P + p]; }
-  __device__ float Bv(int i, int n) const { return row(i)[d.HP + g * d.N + n]; }
-  __device__ float Cv(int i, int n) const { return row(i)[d.HP + d.G * d.N + g * d.N + n]; }
-  __device__ float dtv(int i) const { return dt[(bb * d.T + t0 + i) * d.H + h]; }
+  __device__ float x(int i, int p) const { return xr[i * cx + xo + p]; }
+  __device__ float Bv(int i, int n) const { return xr[i * cx + bo + n]; }
+  __device__ float Cv(int i, int n) const { return xr[i * cx + co + n]; }
+  __device__ float dtv(int i) const { return dtr[i * d.H]; }
+  __device__ float dyv(int i, int p) const { return dyr[i * hp + p]; }
   __device__ int64_t bth(int i) const { return (bb * d.T + t0 + i) * d.H + h; }  // (row, head)
 };
 
@@ -230,11 +361,12 @@ struct CbProb : ChunkProb {
   float* cb;
   __device__ void setup(int64_t z) {  // z = (b*G + g)*nc + c
     zg = z;
-    c = z % d.nc;
+    c = static_cast<int>(z % d.nc);
     bb = z / d.nc / d.G;
-    g = z / d.nc % d.G;
-    t0 = c * d.Q;
+    g = static_cast<int>(z / d.nc % d.G);
+    t0 = static_cast<int64_t>(c) * d.Q;
     L = static_cast<int>(d.T - t0 < d.Q ? d.T - t0 : d.Q);
+    rows();
   }
   __device__ bool tile_needed(int m0, int n0) const { return m0 < L && n0 < L && n0 < m0 + kBM; }
   __device__ bool k_needed(int, int, int) const { return true; }
@@ -242,9 +374,10 @@ struct CbProb : ChunkProb {
   __device__ float a(int i, int n) const { return i < L && n < d.N ? Cv(i, n) : 0.0f; }
   __device__ float b(int n, int j) const { return j < L && n < d.N ? Bv(j, n) : 0.0f; }
   __device__ void finish(int m0, int n0, const float* c0, const float*, int tid) const {
+    float* cbz = cb + zg * d.Q * d.Q;
     for (int e = tid; e < kBM * kBN; e += kGemmThreads) {
       const int i = m0 + e / kBN, j = n0 + e % kBN;
-      if (i < L && j < L) cb[(zg * d.Q + i) * d.Q + j] = c0[(e / kBN) * kLd + e % kBN];
+      if (i < L && j < L) cbz[i * d.Q + j] = c0[(e / kBN) * kLd + e % kBN];
     }
   }
 };
@@ -261,9 +394,10 @@ struct SlocProb : ChunkProb {
   }
   __device__ float b(int j, int n) const { return j < L && n < d.N ? Bv(j, n) : 0.0f; }
   __device__ void finish(int m0, int n0, const float* c0, const float*, int tid) const {
+    float* sz = states + zc * d.P * d.N;
     for (int e = tid; e < kBM * kBN; e += kGemmThreads) {
       const int p = m0 + e / kBN, n = n0 + e % kBN;
-      if (p < d.P && n < d.N) states[(zc * d.P + p) * d.N + n] = c0[(e / kBN) * kLd + e % kBN];
+      if (p < d.P && n < d.N) sz[p * d.N + n] = c0[(e / kBN) * kLd + e % kBN];
     }
   }
 };
@@ -290,7 +424,13 @@ struct YProb : ChunkProb {
   const float* D;
   float* y;
   bool round_bf16;
-  __device__ void setup(int64_t z) { setup_head(z); }
+  const float* cbz = nullptr;    // the group's chunk of cb
+  const float* sprev = nullptr;  // the state entering the chunk (c > 0)
+  __device__ void setup(int64_t z) {
+    setup_head(z);
+    cbz = cb + zg * d.Q * d.Q;
+    sprev = states + (zc - 1) * d.P * d.N;
+  }
   __device__ bool tile_needed(int m0, int) const { return m0 < L; }
   __device__ bool k_needed(int k0, int m0, int) const {
     return k0 < d.Qp ? k0 < L && k0 < m0 + kBM : c > 0;
@@ -299,8 +439,7 @@ struct YProb : ChunkProb {
   __device__ float a(int i, int k) const {
     if (k < d.Qp) {
       const int j = k;
-      return i < L && j <= i ? cb[(zg * d.Q + i) * d.Q + j] * decay(cum[i] - cum[j]) * dtv(j)
-                             : 0.0f;
+      return i < L && j <= i ? cbz[i * d.Q + j] * decay(cum[i] - cum[j]) * dtv(j) : 0.0f;
     }
     const int n = k - d.Qp;
     return i < L && n < d.N ? e_in[i] * Cv(i, n) : 0.0f;
@@ -308,15 +447,15 @@ struct YProb : ChunkProb {
   __device__ float b(int k, int p) const {
     if (k < d.Qp) return k < L && p < d.P ? x(k, p) : 0.0f;
     const int n = k - d.Qp;
-    return p < d.P && n < d.N ? states[((zc - 1) * d.P + p) * d.N + n] : 0.0f;
+    return p < d.P && n < d.N ? sprev[p * d.N + n] : 0.0f;
   }
   __device__ void finish(int m0, int n0, const float* c0, const float*, int tid) const {
     const float Dh = D[h];
+    float* yr = y + (bb * d.T + t0) * d.HP + xo;
     for (int e = tid; e < kBM * kBN; e += kGemmThreads) {
       const int i = m0 + e / kBN, p = n0 + e % kBN;
       if (i < L && p < d.P)
-        y[(bb * d.T + t0 + i) * d.HP + h * d.P + p] =
-            stored(c0[(e / kBN) * kLd + e % kBN] + Dh * x(i, p), round_bf16);
+        yr[i * hp + p] = stored(c0[(e / kBN) * kLd + e % kBN] + Dh * x(i, p), round_bf16);
     }
   }
 };
@@ -325,70 +464,61 @@ struct YProb : ChunkProb {
 
 // ds (B,H,chunks,P,N) = dS^loc_c = sum_i exp(cum_i) dy_i C_i^T
 struct DsProb : ChunkProb {
-  const float* dy;
   float* ds;
   __device__ void setup(int64_t z) { setup_head(z); }
   __device__ bool tile_needed(int, int) const { return true; }
   __device__ bool k_needed(int k0, int, int) const { return k0 < L; }
   __device__ bool a_m_major(int) const { return true; }
-  __device__ float a(int p, int i) const {
-    return p < d.P && i < L ? e_in[i] * dy[(bb * d.T + t0 + i) * d.HP + h * d.P + p] : 0.0f;
-  }
+  __device__ float a(int p, int i) const { return p < d.P && i < L ? e_in[i] * dyv(i, p) : 0.0f; }
   __device__ float b(int i, int n) const { return i < L && n < d.N ? Cv(i, n) : 0.0f; }
   __device__ void finish(int m0, int n0, const float* c0, const float*, int tid) const {
+    float* dz = ds + zc * d.P * d.N;
     for (int e = tid; e < kBM * kBN; e += kGemmThreads) {
       const int p = m0 + e / kBN, n = n0 + e % kBN;
-      if (p < d.P && n < d.N) ds[(zc * d.P + p) * d.N + n] = c0[(e / kBN) * kLd + e % kBN];
+      if (p < d.P && n < d.N) dz[p * d.N + n] = c0[(e / kBN) * kLd + e % kBN];
     }
   }
 };
 
 // The reverse passing, in place: ds[c] becomes Gout_c (the gradient reaching S_c from later
 // chunks) in decreasing c, Gout_{c-1} = exp(cum_{L-1}) Gout_c + dS^loc_c; and gpart (B,H,chunks,
-// blocks) the block's part of <Gout_c, S_{c-1}> (a fixed tree over its elements; 0 for c = 0).
+// blocks x warps) each warp's part of <Gout_c, S_{c-1}> (a fixed shuffle tree over its 32
+// elements; 0 for c = 0).
 __global__ void ssd_pass_backward_kernel(float* ds, float* gpart, const float* states,
                                          const double* cum, SsdDims d) {
-  __shared__ float red[kPassThreads];
   const int64_t bh = blockIdx.x, PN = d.P * d.N;
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t e = static_cast<int64_t>(blockIdx.y) * kPassThreads + tid;
   const bool valid = e < PN;
+  const int64_t parts = static_cast<int64_t>(gridDim.y) * kPassWarps;  // a chunk's partial sums
   float G = 0.0f;
   for (int64_t c = d.nc - 1; c >= 0; --c) {
     const int64_t t_last = (c + 1) * d.Q < d.T ? (c + 1) * d.Q - 1 : d.T - 1;
     float* p = ds + (bh * d.nc + c) * PN + e;
     const float loc = valid ? *p : 0.0f;
     if (valid) *p = G;
-    red[tid] = valid && c > 0 ? G * states[(bh * d.nc + c - 1) * PN + e] : 0.0f;
-    __syncthreads();
-    for (int w = kPassThreads / 2; w > 0; w /= 2) {
-      if (tid < w) red[tid] += red[tid + w];
-      __syncthreads();
-    }
-    if (tid == 0) gpart[(bh * d.nc + c) * gridDim.y + blockIdx.y] = red[0];
-    __syncthreads();
+    float v = valid && c > 0 ? G * states[(bh * d.nc + c - 1) * PN + e] : 0.0f;
+    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+    if (tid % 32 == 0) gpart[(bh * d.nc + c) * parts + blockIdx.y * kPassWarps + tid / 32] = v;
     G = decay(cum[bh * d.T + t_last]) * G + loc;
   }
 }
 
 // m (B,H,chunks,Q,Q) = M[i,j] = exp(cum_i - cum_j) (dy_i . dt_j x_j) for j <= i, 0 above
 struct MProb : ChunkProb {
-  const float* dy;
   float* m;
   __device__ void setup(int64_t z) { setup_head(z); }
   __device__ bool tile_needed(int m0, int n0) const { return m0 < L && n0 < L && n0 < m0 + kBM; }
   __device__ bool k_needed(int, int, int) const { return true; }
   __device__ bool b_k_major(int) const { return true; }
-  __device__ float a(int i, int p) const {
-    return i < L && p < d.P ? dy[(bb * d.T + t0 + i) * d.HP + h * d.P + p] : 0.0f;
-  }
+  __device__ float a(int i, int p) const { return i < L && p < d.P ? dyv(i, p) : 0.0f; }
   __device__ float b(int p, int j) const { return j < L && p < d.P ? dtv(j) * x(j, p) : 0.0f; }
   __device__ void finish(int m0, int n0, const float* c0, const float*, int tid) const {
+    float* mz = m + zc * d.Q * d.Q;
     for (int e = tid; e < kBM * kBN; e += kGemmThreads) {
       const int i = m0 + e / kBN, j = n0 + e % kBN;
       if (i < L && j < L)
-        m[(zc * d.Q + i) * d.Q + j] =
-            j <= i ? decay(cum[i] - cum[j]) * c0[(e / kBN) * kLd + e % kBN] : 0.0f;
+        mz[i * d.Q + j] = j <= i ? decay(cum[i] - cum[j]) * c0[(e / kBN) * kLd + e % kBN] : 0.0f;
     }
   }
 };
@@ -407,35 +537,40 @@ struct RowPartials {
 struct DuProb : ChunkProb {
   const float* cb;
   const float* gout;
-  const float* dy;
   const float* D;
   float* dxbc;
   RowPartials rp;
   bool round_bf16;
-  __device__ void setup(int64_t z) { setup_head(z); }
+  const float* cbz = nullptr;  // the group's chunk of cb
+  const float* gz = nullptr;   // the gradient reaching the chunk's state
+  __device__ void setup(int64_t z) {
+    setup_head(z);
+    cbz = cb + zg * d.Q * d.Q;
+    gz = gout + zc * d.P * d.N;
+  }
   __device__ bool tile_needed(int m0, int) const { return m0 < L; }
   __device__ bool k_needed(int k0, int m0, int) const {
     return k0 < d.Np ? c < d.nc - 1 : k0 - d.Np < L && k0 - d.Np + kBK > m0;
   }
   __device__ bool a_m_major(int k0) const { return k0 >= d.Np; }
   __device__ bool b_k_major(int k0) const { return k0 < d.Np; }
-  __device__ float dyv(int i, int p) const { return dy[(bb * d.T + t0 + i) * d.HP + h * d.P + p]; }
   __device__ float a(int j, int k) const {
     if (k < d.Np) return j < L && k < d.N ? e_out[j] * Bv(j, k) : 0.0f;
     const int i = k - d.Np;
-    return i < L && j <= i ? cb[(zg * d.Q + i) * d.Q + j] * decay(cum[i] - cum[j]) : 0.0f;
+    return i < L && j <= i ? cbz[i * d.Q + j] * decay(cum[i] - cum[j]) : 0.0f;
   }
   __device__ float b(int k, int p) const {
-    if (k < d.Np) return p < d.P && k < d.N ? gout[(zc * d.P + p) * d.N + k] : 0.0f;
+    if (k < d.Np) return p < d.P && k < d.N ? gz[p * d.N + k] : 0.0f;
     const int i = k - d.Np;
     return i < L && p < d.P ? dyv(i, p) : 0.0f;
   }
   __device__ void finish(int m0, int n0, const float* c0, const float* c1, int tid) const {
     const float Dh = D[h];
+    float* dxr = dxbc + (bb * d.T + t0) * d.Cx + xo;
     for (int e = tid; e < kBM * kBN; e += kGemmThreads) {
       const int j = m0 + e / kBN, p = n0 + e % kBN;
       if (j < L && p < d.P)
-        dxbc[(bb * d.T + t0 + j) * d.Cx + h * d.P + p] =
+        dxr[j * cx + p] =
             stored(dtv(j) * c0[(e / kBN) * kLd + e % kBN] + Dh * dyv(j, p), round_bf16);
     }
     if (tid < kBM && m0 + tid < L) {
@@ -460,29 +595,34 @@ struct DuProb : ChunkProb {
 struct DcProb : ChunkProb {
   const float* m;
   const float* states;
-  const float* dy;
   float* contrib;
   RowPartials rp;
-  __device__ void setup(int64_t z) { setup_head(z); }
+  const float* mz = nullptr;     // the head's chunk of m
+  const float* sprev = nullptr;  // the state entering the chunk (c > 0)
+  __device__ void setup(int64_t z) {
+    setup_head(z);
+    mz = m + zc * d.Q * d.Q;
+    sprev = states + (zc - 1) * d.P * d.N;
+  }
   __device__ bool tile_needed(int m0, int) const { return m0 < L; }
   __device__ bool k_needed(int k0, int m0, int) const {
     return k0 < d.Pp ? c > 0 : k0 - d.Pp < L && k0 - d.Pp < m0 + kBM;
   }
   __device__ float a(int i, int k) const {
-    if (k < d.Pp)
-      return i < L && k < d.P ? e_in[i] * dy[(bb * d.T + t0 + i) * d.HP + h * d.P + k] : 0.0f;
+    if (k < d.Pp) return i < L && k < d.P ? e_in[i] * dyv(i, k) : 0.0f;
     const int j = k - d.Pp;
-    return i < L && j <= i ? m[(zc * d.Q + i) * d.Q + j] : 0.0f;
+    return i < L && j <= i ? mz[i * d.Q + j] : 0.0f;
   }
   __device__ float b(int k, int n) const {
-    if (k < d.Pp) return k < d.P && n < d.N ? states[((zc - 1) * d.P + k) * d.N + n] : 0.0f;
+    if (k < d.Pp) return k < d.P && n < d.N ? sprev[k * d.N + n] : 0.0f;
     const int j = k - d.Pp;
     return j < L && n < d.N ? Bv(j, n) : 0.0f;
   }
   __device__ void finish(int m0, int n0, const float* c0, const float* c1, int tid) const {
+    float* cr = contrib + bth(0) * 2 * d.N + d.N;  // (row i: + i * H * 2N)
     for (int e = tid; e < kBM * kBN; e += kGemmThreads) {
       const int i = m0 + e / kBN, n = n0 + e % kBN;
-      if (i < L && n < d.N) contrib[bth(i) * 2 * d.N + d.N + n] = c0[(e / kBN) * kLd + e % kBN];
+      if (i < L && n < d.N) cr[i * d.H * 2 * d.N + n] = c0[(e / kBN) * kLd + e % kBN];
     }
     if (tid < kBM && m0 + tid < L) {
       const int i = m0 + tid;
@@ -499,7 +639,13 @@ struct DbProb : ChunkProb {
   const float* m;
   const float* gout;
   float* contrib;
-  __device__ void setup(int64_t z) { setup_head(z); }
+  const float* mz = nullptr;  // the head's chunk of m
+  const float* gz = nullptr;  // the gradient reaching the chunk's state
+  __device__ void setup(int64_t z) {
+    setup_head(z);
+    mz = m + zc * d.Q * d.Q;
+    gz = gout + zc * d.P * d.N;
+  }
   __device__ bool tile_needed(int m0, int) const { return m0 < L; }
   __device__ bool k_needed(int k0, int m0, int) const {
     return k0 < d.Pp ? c < d.nc - 1 : k0 - d.Pp < L && k0 - d.Pp + kBK > m0;
@@ -508,17 +654,18 @@ struct DbProb : ChunkProb {
   __device__ float a(int j, int k) const {
     if (k < d.Pp) return j < L && k < d.P ? e_out[j] * dtv(j) * x(j, k) : 0.0f;
     const int i = k - d.Pp;
-    return i < L && j <= i ? m[(zc * d.Q + i) * d.Q + j] : 0.0f;
+    return i < L && j <= i ? mz[i * d.Q + j] : 0.0f;
   }
   __device__ float b(int k, int n) const {
-    if (k < d.Pp) return k < d.P && n < d.N ? gout[(zc * d.P + k) * d.N + n] : 0.0f;
+    if (k < d.Pp) return k < d.P && n < d.N ? gz[k * d.N + n] : 0.0f;
     const int i = k - d.Pp;
     return i < L && n < d.N ? Cv(i, n) : 0.0f;
   }
   __device__ void finish(int m0, int n0, const float* c0, const float*, int tid) const {
+    float* cr = contrib + bth(0) * 2 * d.N;  // (row j: + j * H * 2N)
     for (int e = tid; e < kBM * kBN; e += kGemmThreads) {
       const int j = m0 + e / kBN, n = n0 + e % kBN;
-      if (j < L && n < d.N) contrib[bth(j) * 2 * d.N + n] = c0[(e / kBN) * kLd + e % kBN];
+      if (j < L && n < d.N) cr[j * d.H * 2 * d.N + n] = c0[(e / kBN) * kLd + e % kBN];
     }
   }
 };
@@ -546,7 +693,7 @@ __global__ void ssd_group_sums_kernel(float* dxbc, const float* contrib, SsdDims
 // (one thread, in order) dg's sums in FP64, ddt = x . du + A dg, and the chunk's parts of dA and
 // dD. Shared: a_i + r_i and w_i (FP64), x . du and dy . x, for the chunk's steps.
 __global__ void ssd_dg_kernel(float* ddt, float* dA_part, float* dD_part, const float* cb,
-                              const float* m, RowPartials rp, const float* gpart, int pass_blocks,
+                              const float* m, RowPartials rp, const float* gpart, int pass_parts,
                               const double* cum_all, const float* dt, const float* A, SsdDims d) {
   __shared__ double sar[kSsdMaxChunk], sw[kSsdMaxChunk];
   __shared__ float sxdu[kSsdMaxChunk], sdyx[kSsdMaxChunk];
@@ -580,7 +727,7 @@ __global__ void ssd_dg_kernel(float* ddt, float* dA_part, float* dD_part, const 
     double gin = 0.0;
     if (c > 0) {
       float gsum = 0.0f;
-      for (int q = 0; q < pass_blocks; ++q) gsum += gpart[z * pass_blocks + q];
+      for (int q = 0; q < pass_parts; ++q) gsum += gpart[z * pass_parts + q];
       gin = static_cast<double>(decay(cum[L - 1])) * static_cast<double>(gsum);
     }
     double pre = 0.0;
@@ -625,7 +772,7 @@ __global__ void ssd_head_sums_kernel(float* dA, float* dD, const float* dA_part,
 
 void launch_cum(double* cum, const float* dt, const float* A, const SsdDims& d,
                 cudaStream_t stream) {
-  const int64_t n = d.B * d.nc * d.H;
+  const int64_t n = d.B * d.nc * d.H * 32;  // (a warp each)
   ssd_cum_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       cum, dt, A, d);
   FP4SIM_CUDA_CHECK_LAUNCH();
@@ -650,6 +797,13 @@ void require_chunk(const char* op, const SsmShape& s) {
                                 "; the cuda backend's chunked scan takes up to " +
                                 std::to_string(kSsdMaxChunk) +
                                 " (CudaOptions::ssm_sequential takes any)");
+  // the kernels' 32-bit offsets within a chunk: Q rows of xbc, of dB/dC's terms, a Q x Q product
+  const int64_t widest = std::max({s.xbc_cols(), 2 * s.H * s.N, s.chunk, s.P * s.N});
+  if (s.chunk * widest > INT32_MAX)
+    throw std::invalid_argument(std::string(op) + ": chunk Q = " + std::to_string(s.chunk) +
+                                " times a row of " + std::to_string(widest) +
+                                " floats exceeds the chunked scan's 32-bit offsets; use a smaller "
+                                "model.mamba_chunk or CudaOptions::ssm_sequential");
 }
 
 }  // namespace
@@ -711,8 +865,9 @@ void ssd_chunked_backward(float* dxbc, float* ddt, float* dA, float* dD, const f
   rp.w = rp.dyx + BTH * rp.ptiles;
   rp.a = rp.w + BTH * rp.ptiles;
   const int pass_blocks = static_cast<int>((d.P * d.N + kPassThreads - 1) / kPassThreads);
+  const int pass_parts = pass_blocks * kPassWarps;
   float* gpart = rp.a + BTH * rp.ntiles;
-  float* dA_part = gpart + BHC * pass_blocks;
+  float* dA_part = gpart + BHC * pass_parts;
   float* dD_part = dA_part + BHC;
 
   launch_cum(cum, dt, A, d, stream);
@@ -764,7 +919,7 @@ void ssd_chunked_backward(float* dxbc, float* ddt, float* dA, float* dD, const f
   FP4SIM_CUDA_CHECK_LAUNCH();
 
   ssd_dg_kernel<<<static_cast<unsigned>(BHC), kDgThreads, 0, stream>>>(
-      ddt, dA_part, dD_part, cb, m, rp, gpart, pass_blocks, cum, dt, A, d);
+      ddt, dA_part, dD_part, cb, m, rp, gpart, pass_parts, cum, dt, A, d);
   FP4SIM_CUDA_CHECK_LAUNCH();
   ssd_head_sums_kernel<<<static_cast<unsigned>((d.H + kThreads - 1) / kThreads), kThreads, 0,
                          stream>>>(dA, dD, dA_part, dD_part, d);

@@ -6,7 +6,7 @@
 #   quick     build + GPU tests (and the CPU tests, unless SKIP_EMU=1)
 #   hybrid    build + the GPU tests (TESTS, a ctest regex, narrows them) + the PyTorch check of the
 #             Mamba-2 hybrid (validation/torch_hybrid_check.py on emulator and CUDA dumps of
-#             nemotron-h-tiny) + the SSD scan benchmark (bench_ssm)
+#             nemotron-h-tiny; SKIP_TORCH=1 leaves it out) + the SSD scan benchmark (bench_ssm)
 #   hspeed    build + nemotron-h-small tokens/s and peak memory: fp4sim bf16 and nvfp4 (cuBLASLt),
 #             RUNS runs each (default 3), alternating, against torch.compile of the same model
 #             (validation/torch_hybrid_bench.py: one compilation, its 5 timed repeats) in the same call (HTORCH=0: fp4sim only), then the kernels'
@@ -32,8 +32,8 @@
 #             shapes of a layer: FP8, BF16 TN in both scalar modes, and the BF16 recipe's own
 #             matmuls (bench_gemm, ~7 minutes; narrow with PICKS_FILTER, e.g. 'MatmulPicks'), tabled by
 #             validation/gemm_picks.py: where a plan's default (index 0) is not the fastest
-#   kprofile  build + ncu of the kernels matching KERNEL (regex) in one gpt2-124m step of RECIPE (default
-#             fp8): LAUNCH_SKIP (default 2) launches skipped, LAUNCH_COUNT (default 2) profiled; speed
+#   kprofile  build + ncu of the kernels matching KERNEL (regex) in one step of RECIPE (default fp8) on
+#             KCONFIG (default configs/gpt2-124m.json) at batch KBATCH (default 16): LAUNCH_SKIP (default 2) launches skipped, LAUNCH_COUNT (default 2) profiled; speed
 #             of light, warp stalls, instruction mix, occupancy, and the per-SASS-instruction execution
 #             and stall counts (ncu --page source), plus the SASS of every gpu/ object (cuobjdump);
 #             KPROF_BENCH (a bench_quantize filter) profiles that benchmark's launches instead
@@ -106,7 +106,8 @@ fi
 
 if [ "${1:-}" = "kprofile" ]; then
   [ -n "${KERNEL:-}" ] || { echo "gpu_check.sh kprofile: set KERNEL (a kernel-name regex)" >&2; exit 2; }
-  kargs=(build-gpu/fp4sim train --config configs/gpt2-124m.json --backend cuda train.data=synthetic train.batch=16
+  kargs=(build-gpu/fp4sim train --config "${KCONFIG:-configs/gpt2-124m.json}" --backend cuda train.data=synthetic
+         train.batch="${KBATCH:-16}"
          train.warmup=1 train.eval_every=0 train.out_dir=runs/prof recipe.name="${RECIPE:-fp8}" recipe.gemm=cublaslt
          train.steps=1)
   # KPROF_BENCH: profile bench_quantize's benchmarks matching that filter instead of a training step
@@ -145,6 +146,7 @@ if [ "${1:-}" = "hybrid" ]; then
   [ $rc -eq 0 ] || grep -E "Failure|Expected|Which is|actual|FAILED" "$out/ctest_gpu.log" | head -40
   row "ctest -L gpu ${TESTS:-}" "$(grep -E 'tests passed' "$out/ctest_gpu.log" | tail -1)"
   for be in emu cuda; do
+    [ -n "${SKIP_TORCH:-}" ] && break  # (SKIP_TORCH=1: the tests and the scan benchmark only)
     rm -rf "runs/hcheck_$be"
     timeout 300 build-gpu/fp4sim train --backend "$be" --config configs/nemotron-h-tiny.json train.steps=10 \
       train.warmup=2 model.activation_dtype=fp32 train.eval_every=0 train.out_dir="runs/hcheck_$be" \

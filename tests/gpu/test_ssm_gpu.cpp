@@ -41,6 +41,7 @@ const Shape kShapes[] = {
     {"G 3, T 37 over chunks of 16, W 3", {1, 37, 6, 16, 3, 32, 16}, 3},
     {"G 1, P 64, T 130 over chunks of 128", {2, 130, 8, 64, 1, 64, 128}, 4},
     {"G 8, N 128 > P 32, T 77 over chunks of 32", {2, 77, 16, 32, 8, 128, 32}, 4},
+    {"T 3 < W 5", {2, 3, 2, 8, 1, 16, 4}, 5},
 };
 
 void expect_bitwise(const test::SsmChainOutputs& emu, const test::SsmChainOutputs& cuda,
