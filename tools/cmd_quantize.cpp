@@ -21,12 +21,6 @@
 namespace fp4sim::cli {
 namespace {
 
-const char* block_name(QFormat f, bool two_d) {
-  if (f == QFormat::FP8) return two_d ? "128x128" : "1x128";
-  if (f == QFormat::MXFP4) return "1x32";
-  return two_d ? "16x16" : "1x16";
-}
-
 struct QuantizeArgs : QuantizeOptions {
   std::string input, prefix, backend;
 };
@@ -174,34 +168,9 @@ void run_quantize(const QuantizeArgs& a) {
     io::write_npy_u8(out.stage(a.prefix + ".scales.npy"), q.scales.data(), {R, C / block});
   io::write_npy_f32(out.stage(a.prefix + ".amax.npy"), &q.amax, {1});
   io::write_npy_f32(out.stage(a.prefix + ".dequant.npy"), deq.data(), {R, C});
-  nlohmann::json meta = {
-      {"contract_version", kContractVersion},
-      {"generator", "fp4sim quantize"},
-      {"input", a.input},
-      {"input_dtype", dtype_name(in.view.dtype)},
-      {"input_shape", {in.view.rows, in.view.cols}},
-      {"written_shape", {q.rows, q.cols}},
-      {"format", a.format},
-      {"copy", a.columnwise ? "columnwise" : "rowwise"},
-      {"block", block_name(cfg.format, a.block_2d)},
-      {"rounding", a.sr ? "sr" : "rn"},
-      {"rht", a.rht},
-      {"four_over_six", a.fos},
-      {"four_over_six_error", a.error},
-      {"mx_rule", a.mx_rule},
-      {"seed", a.seed},
-      {"stream", a.stream},
-      {"amax",
-       std::isfinite(q.amax) ? nlohmann::json(q.amax) : nlohmann::json(fmt::format("{}", q.amax))},
-      {"backend", backend->name()},
-      {"files",
-       {{"codes",
-         fp8 ? "uint8 E4M3 [rows, cols]" : "uint8 [rows, cols/2], element 2i in the low nibble"},
-        {"scales", fp8 ? "float32 [rows, cols/128] (the decode scale 1/enc)"
-                   : cfg.format == QFormat::MXFP4 ? "uint8 UE8M0 [rows, cols/32]"
-                                                  : "uint8 E4M3 [rows, cols/16]"},
-        {"amax", "float32 [1]"},
-        {"dequant", "float32 [rows, cols]"}}}};
+  nlohmann::json meta = quantize_meta(a, in.view.dtype, in.view.rows, in.view.cols, q,
+                                      backend->name(), "fp4sim quantize");
+  meta["input"] = a.input;
   io::write_text(out.stage(a.prefix + ".meta.json"), meta.dump(2) + "\n");
   out.commit();
 
@@ -211,7 +180,7 @@ void run_quantize(const QuantizeArgs& a) {
              backend->name(), ms);
   fmt::print("  input        {} x {} {}\n", in.view.rows, in.view.cols, dtype_name(in.view.dtype));
   fmt::print("  copy         {} {} {} {}{}{}   written {} x {}\n", a.format,
-             block_name(cfg.format, a.block_2d), a.columnwise ? "column-wise" : "row-wise",
+             quantize_block_name(cfg.format, a.block_2d), a.columnwise ? "column-wise" : "row-wise",
              a.sr ? "SR" : "RN", a.rht ? " +RHT" : "", a.fos ? " +4/6(" + a.error + ")" : "",
              q.rows, q.cols);
   if (cfg.format == QFormat::NVFP4)

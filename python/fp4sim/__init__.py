@@ -1,0 +1,13 @@
+"""fp4sim from Python: the CLI's bit-exact quantizers on numpy arrays (DESIGN.md §15).
+
+    import numpy as np, fp4sim
+    q = fp4sim.quantize(np.random.randn(128, 256).astype(np.float32), format="nvfp4", block_2d=True)
+    q["codes"], q["scales"], q["amax"], q["dequant"], q["meta"]
+
+The keyword arguments are the `fp4sim quantize` flags (format, block_2d, columnwise, rht, sr, seed,
+stream, four_over_six, error, mx_rule, backend); the results are the bits the CLI writes (tested in
+tests/python). docs/python.md has the API and what is not there yet.
+"""
+from ._fp4sim import contract_version, info, quantize  # noqa: F401
+
+__all__ = ["quantize", "info", "contract_version"]

@@ -1,0 +1,153 @@
+// The fp4sim Python module (_fp4sim, imported by python/fp4sim/__init__.py): the CLI's quantize
+// on numpy arrays, through the same code (tools/quantize_options.hpp maps the keyword arguments
+// onto a QuantizeConfig and builds the meta), so the results are the CLI's bits.
+// DESIGN.md §15. Host arrays only so far: DLPack and CUDA tensors are not taken yet.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "emu/contract.hpp"
+#include "tools/backends.hpp"
+#include "tools/quantize_options.hpp"
+
+#ifndef FP4SIM_VERSION
+#define FP4SIM_VERSION "0.1.0"
+#endif
+
+namespace py = pybind11;
+
+namespace fp4sim {
+namespace {
+
+// A 2-D C-contiguous float32 or bfloat16-as-uint16 array as a TensorView named `name`; TypeError
+// or ValueError naming the argument otherwise (no silent conversion: the bits are the point).
+TensorView host_view(const py::array& a, const char* name) {
+  const std::string n = std::string("fp4sim.quantize: ") + name;
+  DType dt;
+  if (a.dtype().is(py::dtype::of<float>()))
+    dt = DType::F32;
+  else if (a.dtype().is(py::dtype::of<uint16_t>()))
+    dt = DType::BF16;
+  else
+    throw py::type_error(n + ": dtype " + py::str(a.dtype()).cast<std::string>() +
+                         " not supported (float32, or bfloat16 bit patterns as uint16)");
+  if (a.ndim() != 2)
+    throw py::value_error(n + ": expected a 2-D array (rows x cols), got " +
+                          std::to_string(a.ndim()) + " dimensions");
+  if (!(a.flags() & py::array::c_style))
+    throw py::value_error(n +
+                          ": the array is not C-contiguous (numpy.ascontiguousarray makes a "
+                          "contiguous copy)");
+  TensorView v;
+  v.dtype = dt;
+  v.data = const_cast<void*>(a.data());
+  v.rows = static_cast<int64_t>(a.shape(0));
+  v.cols = static_cast<int64_t>(a.shape(1));
+  v.name = name;
+  return v;
+}
+
+template <class T>
+py::array_t<T> to_numpy(const T* data, std::vector<py::ssize_t> shape) {
+  py::array_t<T> out(shape);
+  std::memcpy(out.mutable_data(), data, static_cast<size_t>(out.size()) * sizeof(T));
+  return out;
+}
+
+py::dict quantize(const py::array& x, const std::string& format, bool block_2d, bool columnwise,
+                  bool rht, bool sr, uint64_t seed, uint64_t stream, bool four_over_six,
+                  const std::string& error, const py::object& mx_rule, const py::object& backend) {
+  cli::QuantizeOptions o;
+  if (format != "nvfp4" && format != "mxfp4" && format != "fp8")
+    throw py::value_error("fp4sim.quantize: format '" + format + "' (nvfp4 | mxfp4 | fp8)");
+  if (error != "mae" && error != "mse")
+    throw py::value_error("fp4sim.quantize: error '" + error + "' (mae | mse)");
+  if (!sr && (seed != 0 || stream != 0))
+    throw py::value_error("fp4sim.quantize: seed and stream apply to sr=True only");
+  if (!four_over_six && error != "mae")
+    throw py::value_error("fp4sim.quantize: error applies to four_over_six=True only");
+  o.format = format;
+  o.block_2d = block_2d;
+  o.columnwise = columnwise;
+  o.rht = rht;
+  o.sr = sr;
+  o.seed = seed;
+  o.stream = stream;
+  o.fos = four_over_six;
+  o.error = error;
+  if (!mx_rule.is_none()) {
+    o.mx_rule = mx_rule.cast<std::string>();
+    o.mx_rule_given = true;
+    if (o.mx_rule != "floor" && o.mx_rule != "ceil")
+      throw py::value_error("fp4sim.quantize: mx_rule '" + o.mx_rule + "' (floor | ceil)");
+  }
+  const std::string be_name =
+      backend.is_none() ? default_backend_name() : backend.cast<std::string>();
+  QuantizeConfig cfg;
+  try {
+    cfg = cli::quantize_config(o);
+  } catch (const std::invalid_argument& e) {  // (the CLI's messages name its flags)
+    throw py::value_error(std::string("fp4sim.quantize: ") + e.what());
+  }
+  const TensorView in = host_view(x, "x");
+  validate_quantize(in, cfg);  // (std::invalid_argument: ValueError, naming the tensor)
+  auto be = make_backend(be_name);
+  QuantizedHost q;
+  std::vector<float> deq;
+  {
+    py::gil_scoped_release release;
+    QuantizeResult res = quantize_to_host(*be, in, cfg);
+    q = std::move(columnwise ? res.columnwise : res.rowwise);
+    deq = dequantize_to_host(*be, q);
+  }
+  const auto R = static_cast<py::ssize_t>(q.rows), C = static_cast<py::ssize_t>(q.cols);
+  const auto block = static_cast<py::ssize_t>(q.block_size());
+  const bool fp8 = q.format == QFormat::FP8;
+  py::dict out;
+  out["codes"] = to_numpy(q.codes.data(), {R, fp8 ? C : C / 2});
+  if (fp8)
+    out["scales"] = to_numpy(reinterpret_cast<const float*>(q.scales.data()), {R, C / block});
+  else
+    out["scales"] = to_numpy(q.scales.data(), {R, C / block});
+  out["amax"] = to_numpy(&q.amax, {1});
+  out["dequant"] = to_numpy(deq.data(), {R, C});
+  const nlohmann::json meta =
+      cli::quantize_meta(o, in.dtype, in.rows, in.cols, q, be->name(), "fp4sim.quantize");
+  out["meta"] = py::module_::import("json").attr("loads")(meta.dump());
+  return out;
+}
+
+py::dict info() {
+  py::dict d;
+  d["version"] = FP4SIM_VERSION;
+  d["contract_version"] = kContractVersion;
+  py::list backends;
+  backends.append("emu");
+  if (cuda_backend_built()) backends.append("cuda");
+  d["backends"] = backends;
+  d["default_backend"] = default_backend_name();
+  d["cuda"] = cuda_backend_unavailable_reason().empty() ? std::string("available")
+                                                        : cuda_backend_unavailable_reason();
+  return d;
+}
+
+}  // namespace
+}  // namespace fp4sim
+
+PYBIND11_MODULE(_fp4sim, m) {
+  m.doc() = "fp4sim: bit-exact NVFP4 / MXFP4 / FP8 quantization (the CLI's code)";
+  // (pybind11 raises std::invalid_argument as ValueError, std::runtime_error as RuntimeError)
+  m.def("quantize", &fp4sim::quantize, py::arg("x"), py::kw_only(), py::arg("format") = "nvfp4",
+        py::arg("block_2d") = false, py::arg("columnwise") = false, py::arg("rht") = false,
+        py::arg("sr") = false, py::arg("seed") = 0, py::arg("stream") = 0,
+        py::arg("four_over_six") = false, py::arg("error") = "mae", py::arg("mx_rule") = py::none(),
+        py::arg("backend") = py::none(),
+        "Quantize a 2-D float32 (or bfloat16-as-uint16) array as `fp4sim quantize` does; returns "
+        "a dict of codes, scales, amax, dequant (numpy arrays) and meta (the CLI's meta.json)");
+  m.def("info", &fp4sim::info, "Version, contract_version and the backends of this build");
+  m.attr("contract_version") = fp4sim::kContractVersion;
+}

@@ -1,0 +1,102 @@
+"""fp4sim.quantize against `fp4sim quantize`: the same bits for every option, and clear errors.
+
+Run by ctest (python.quantize) with PYTHONPATH at the build's python/ folder and FP4SIM_CLI the
+CLI binary; on the emulator backend (the CLI's default would pick CUDA on a GPU machine).
+"""
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import fp4sim
+
+CLI = os.environ.get("FP4SIM_CLI", "build/fp4sim")
+
+# (name, CLI flags, keyword arguments, input dtype)
+CASES = [
+    ("nvfp4 1x16 RN", [], {}, "f32"),
+    ("nvfp4 16x16", ["--2d"], {"block_2d": True}, "f32"),
+    ("nvfp4 bf16 input", [], {}, "bf16"),
+    ("nvfp4 column-wise RHT", ["--columnwise", "--rht"], {"columnwise": True, "rht": True}, "f32"),
+    ("nvfp4 SR", ["--sr", "--seed", "7", "--stream", "3"], {"sr": True, "seed": 7, "stream": 3}, "f32"),
+    ("nvfp4 SR column-wise RHT", ["--sr", "--seed", "11", "--columnwise", "--rht"],
+     {"sr": True, "seed": 11, "columnwise": True, "rht": True}, "f32"),
+    ("nvfp4 4/6 mae", ["--four-over-six"], {"four_over_six": True}, "f32"),
+    ("nvfp4 4/6 mse 16x16", ["--four-over-six", "--error", "mse", "--2d"],
+     {"four_over_six": True, "error": "mse", "block_2d": True}, "f32"),
+    ("mxfp4 floor", ["--format", "mxfp4"], {"format": "mxfp4"}, "f32"),
+    ("mxfp4 ceil", ["--format", "mxfp4", "--mx-rule", "ceil"], {"format": "mxfp4", "mx_rule": "ceil"}, "f32"),
+    ("fp8 1x128", ["--format", "fp8"], {"format": "fp8"}, "f32"),
+    ("fp8 128x128 column-wise", ["--format", "fp8", "--2d", "--columnwise"],
+     {"format": "fp8", "block_2d": True, "columnwise": True}, "f32"),
+]
+
+
+def sample(dtype, rows=128, cols=256, seed=5):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, cols)) * np.exp(rng.standard_normal((rows, cols)))).astype(np.float32)
+    x[3, 17] = 0.0
+    x[7, :16] = 1e-30  # a block that underflows
+    x[9, 40] = 300.0  # an outlier
+    if dtype == "bf16":  # round to nearest even, kept as bit patterns
+        b = x.view(np.uint32)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    return x
+
+
+def run_cli(x, flags, tmp_path):
+    np.save(tmp_path / "x.npy", x)
+    prefix = tmp_path / "q"
+    subprocess.run([CLI, "quantize", str(tmp_path / "x.npy"), str(prefix), "--backend", "emu", *flags],
+                   check=True, capture_output=True)
+    out = {k: np.load(f"{prefix}.{k}.npy") for k in ("codes", "scales", "amax", "dequant")}
+    import json
+    with open(f"{prefix}.meta.json") as f:
+        out["meta"] = json.load(f)
+    return out
+
+
+@pytest.mark.parametrize("name,flags,kwargs,dtype", CASES, ids=[c[0] for c in CASES])
+def test_bitwise_equal_to_the_cli(name, flags, kwargs, dtype, tmp_path):
+    x = sample(dtype)
+    cli = run_cli(x, flags, tmp_path)
+    py = fp4sim.quantize(x, backend="emu", **kwargs)
+    for k in ("codes", "scales", "amax", "dequant"):
+        assert py[k].dtype == cli[k].dtype, (name, k)
+        assert py[k].shape == cli[k].shape, (name, k)
+        assert py[k].tobytes() == cli[k].tobytes(), f"{name}: {k} differs from the CLI's"
+    for meta in (cli["meta"], py["meta"]):
+        meta.pop("input", None)
+        meta.pop("generator")
+    assert py["meta"] == cli["meta"]
+
+
+def test_info():
+    i = fp4sim.info()
+    assert i["contract_version"] == fp4sim.contract_version == 1
+    assert "emu" in i["backends"]
+
+
+@pytest.mark.parametrize("x,exc,words", [
+    (np.zeros((16, 32), np.float64), TypeError, "x: dtype float64"),
+    (np.zeros(32, np.float32), ValueError, "2-D"),
+    (np.zeros((32, 16), np.float32).T, ValueError, "C-contiguous"),
+    (np.zeros((16, 24), np.float32), ValueError, "24"),
+])
+def test_bad_arrays_are_named(x, exc, words):
+    with pytest.raises(exc, match=words):
+        fp4sim.quantize(x, backend="emu")
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"format": "nvfp8"}, "format 'nvfp8'"),
+    ({"rht": True}, "column-wise"),
+    ({"seed": 3}, "sr=True"),
+    ({"mx_rule": "ceil"}, "mxfp4"),
+    ({"error": "mse"}, "four_over_six"),
+    ({"backend": "tpu"}, "tpu"),
+])
+def test_bad_options_are_named(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        fp4sim.quantize(np.zeros((16, 32), np.float32), **kwargs)
