@@ -484,23 +484,33 @@ struct DsProb : ChunkProb {
 // chunks) in decreasing c, Gout_{c-1} = exp(cum_{L-1}) Gout_c + dS^loc_c; and gpart (B,H,chunks,
 // blocks x warps) each warp's part of <Gout_c, S_{c-1}> (a fixed shuffle tree over its 32
 // elements; 0 for c = 0).
-__global__ void ssd_pass_backward_kernel(float* ds, float* gpart, const float* states,
-                                         const double* cum, SsdDims d) {
+__global__ void ssd_pass_backward_kernel(float* __restrict__ ds, float* __restrict__ gpart,
+                                         const float* __restrict__ states,
+                                         const double* __restrict__ cum, SsdDims d) {
   const int64_t bh = blockIdx.x, PN = d.P * d.N;
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t e = static_cast<int64_t>(blockIdx.y) * kPassThreads + tid;
   const bool valid = e < PN;
   const int64_t parts = static_cast<int64_t>(gridDim.y) * kPassWarps;  // a chunk's partial sums
+  float* dse = ds + bh * d.nc * PN + e;
+  const float* ste = states + bh * d.nc * PN + e;
+  // the next chunk's loads are issued a step ahead of the chain through G
+  float loc_next = valid ? dse[(d.nc - 1) * PN] : 0.0f;
+  float st_next = valid && d.nc > 1 ? ste[(d.nc - 2) * PN] : 0.0f;
   float G = 0.0f;
-  for (int64_t c = d.nc - 1; c >= 0; --c) {
-    const int64_t t_last = (c + 1) * d.Q < d.T ? (c + 1) * d.Q - 1 : d.T - 1;
-    float* p = ds + (bh * d.nc + c) * PN + e;
-    const float loc = valid ? *p : 0.0f;
-    if (valid) *p = G;
-    float v = valid && c > 0 ? G * states[(bh * d.nc + c - 1) * PN + e] : 0.0f;
+  for (int c = d.nc - 1; c >= 0; --c) {
+    const float loc = loc_next, st = st_next;
+    if (c > 0 && valid) {
+      loc_next = dse[(c - 1) * PN];
+      st_next = c > 1 ? ste[(c - 2) * PN] : 0.0f;
+    }
+    const int64_t t_last = (c + 1) * d.Q < d.T ? (c + 1) * static_cast<int64_t>(d.Q) - 1 : d.T - 1;
+    const float dec = decay(cum[bh * d.T + t_last]);
+    if (valid) dse[c * PN] = G;
+    float v = valid && c > 0 ? G * st : 0.0f;
     for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
     if (tid % 32 == 0) gpart[(bh * d.nc + c) * parts + blockIdx.y * kPassWarps + tid / 32] = v;
-    G = decay(cum[bh * d.T + t_last]) * G + loc;
+    G = dec * G + loc;
   }
 }
 
