@@ -70,10 +70,9 @@ __device__ __forceinline__ void divmod(int64_t i, int64_t d, int64_t& q, int64_t
 
 // The conv's elementwise kernels slide along time: a thread takes one channel c of one batch
 // row's run of kConvRun steps (the threads of a warp: consecutive channels, so every load is
-// coalesced), keeping the window of inputs in registers, so each input is loaded once and the
-// address arithmetic is one pointer step a row. The sums are the emulator's (emu/ssm.cpp's
-// conv_row): u = bias[c] + sum_k weight[c,k] * inp[t - W + 1 + k, c] from left to right, the
-// terms before the window start (t - W + 1 + k < 0) skipped, not added as zeros.
+// coalesced), its window of inputs in registers: each input loaded once. The sums are the
+// emulator's (emu/ssm.cpp's conv_row): u = bias[c] + sum_k weight[c,k] * inp[t - W + 1 + k, c] from
+// left to right, the terms before the window start (t - W + 1 + k < 0) skipped, not added as zeros.
 constexpr int kConvRun = 16;
 dim3 conv_grid(int64_t B, int64_t T, int64_t C) {
   return dim3(static_cast<unsigned>(B * ((T + kConvRun - 1) / kConvRun)),
