@@ -26,8 +26,16 @@ struct QuantizeOptions {
 };
 
 // One copy (column-wise with --columnwise, else row-wise) as the options ask; std::invalid_argument
-// for what the command refuses: --rht without --columnwise, --mx-rule without --format mxfp4.
+// for what the command refuses: an unknown format, error metric or MX rule (the CLI's parser
+// refuses them first; the Python module and the packs come here), --rht without --columnwise,
+// --mx-rule without --format mxfp4.
 inline QuantizeConfig quantize_config(const QuantizeOptions& o) {
+  if (o.format != "nvfp4" && o.format != "mxfp4" && o.format != "fp8")
+    throw std::invalid_argument("format '" + o.format + "' (nvfp4 | mxfp4 | fp8)");
+  if (o.error != "mae" && o.error != "mse")
+    throw std::invalid_argument("error '" + o.error + "' (mae | mse)");
+  if (o.mx_rule != "floor" && o.mx_rule != "ceil")
+    throw std::invalid_argument("mx_rule '" + o.mx_rule + "' (floor | ceil)");
   QuantizeConfig cfg;
   cfg.format =
       o.format == "fp8" ? QFormat::FP8 : (o.format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
