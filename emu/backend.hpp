@@ -245,6 +245,23 @@ class Backend {
   virtual void sum_squares(const TensorView& x, const std::vector<Segment>& segments,
                            double* sums) = 0;
 
+  // ---- the orthogonalising optimizers' steps (DESIGN.md §13, model/optimizer.hpp) --------------
+  // out = a * x + b * y per element (emu/optim.hpp's axpby_element); y absent: out = a * x (one
+  // RN product). Float32 views of one shape; out may be x or y.
+  virtual void axpby(const TensorView& out, float a, const TensorView& x, float b,
+                     const TensorView& y) = 0;
+  // out [cols, rows] = x [rows, cols] transposed, float32 (out not x).
+  virtual void transpose(const TensorView& out, const TensorView& x) = 0;
+  // out = x clamped to [-bound, bound] per element (emu/optim.hpp's clamp_element), float32 of
+  // one shape; out may be x.
+  virtual void clamp(const TensorView& out, const TensorView& x, float bound) = 0;
+  // ||x||_F of float32 x [rows, cols] in §13's order: each row's squares summed in FP64 in index
+  // order, the row sums added in row order, sqrt in FP64, rounded to FP32. Synchronous.
+  virtual float frobenius_norm(const TensorView& x) = 0;
+  // The q-quantile (0 <= q <= 1) of |x| over the elements of float32 x (at least one), as §13
+  // fixes it: the values in emu/optim.hpp's abs_key order, then quantile_between. Synchronous.
+  virtual float abs_quantile(const TensorView& x, double q) = 0;
+
   // ---- the Mamba-2 mixer's high-precision core (DESIGN.md §12): emu/ssm.hpp's functions --------
   // s gives the sizes (B, T, H, P, G, N, chunk); the rows of every activation are the B*T tokens.
   // Every view is float32 (BF16 bits are refused); a view that slices a column range of a wider

@@ -79,6 +79,12 @@ class CpuBackend : public Backend {
                     const std::vector<AdamWStep>& steps) override;
   void sum_squares(const TensorView& x, const std::vector<Segment>& segments,
                    double* sums) override;
+  void axpby(const TensorView& out, float a, const TensorView& x, float b,
+             const TensorView& y) override;
+  void transpose(const TensorView& out, const TensorView& x) override;
+  void clamp(const TensorView& out, const TensorView& x, float bound) override;
+  float frobenius_norm(const TensorView& x) override;
+  float abs_quantile(const TensorView& x, double q) override;
 
   void ssm_conv_forward(const TensorView& out, const TensorView& inp, const TensorView& weight,
                         const TensorView& bias, const SsmShape& s) override;

@@ -2,6 +2,8 @@
 // BF16 storage handled at each op's edges (emu/cpu_backend.hpp).
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -336,6 +338,70 @@ void CpuBackend::sum_squares(const TensorView& x, const std::vector<Segment>& se
       acc += static_cast<double>(p[i]) * p[i];
     sums[s] = acc;
   }
+}
+
+void CpuBackend::axpby(const TensorView& out, float a, const TensorView& x, float b,
+                       const TensorView& y) {
+  op_checks::axpby(out, x, y);
+  const int64_t n = x.numel();
+  const float* px = x.as<const float>();
+  const float* py = y.present() ? y.as<const float>() : nullptr;
+  float* po = out.as<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i)
+    po[i] = py ? axpby_element(a, px[i], b, py[i]) : fmul_rn(a, px[i]);
+}
+
+void CpuBackend::transpose(const TensorView& out, const TensorView& x) {
+  op_checks::transpose(out, x);
+  const int64_t R = x.rows, C = x.cols;
+  const float* px = x.as<const float>();
+  float* po = out.as<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t r = 0; r < R; ++r) po[c * R + r] = px[r * C + c];
+}
+
+void CpuBackend::clamp(const TensorView& out, const TensorView& x, float bound) {
+  op_checks::clamp(out, x, bound);
+  const int64_t n = x.numel();
+  const float* px = x.as<const float>();
+  float* po = out.as<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) po[i] = clamp_element(px[i], bound);
+}
+
+float CpuBackend::frobenius_norm(const TensorView& x) {
+  op_checks::frobenius_norm(x);
+  const int64_t R = x.rows, C = x.cols;
+  const float* px = x.as<const float>();
+  std::vector<double> rows(static_cast<size_t>(R));
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    double s = 0.0;
+    for (int64_t c = 0; c < C; ++c) {
+      const double d = px[r * C + c];
+      s += d * d;
+    }
+    rows[static_cast<size_t>(r)] = s;
+  }
+  double total = 0.0;
+  for (double s : rows) total += s;
+  return static_cast<float>(std::sqrt(total));
+}
+
+float CpuBackend::abs_quantile(const TensorView& x, double q) {
+  op_checks::abs_quantile(x, q);
+  const int64_t n = x.numel();
+  const float* px = x.as<const float>();
+  std::vector<uint32_t> keys(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) keys[static_cast<size_t>(i)] = abs_key(px[i]);
+  // the two order statistics the interpolation reads: the lo-th key, then the least key above it
+  const int64_t lo = quantile_low(q, n);
+  std::nth_element(keys.begin(), keys.begin() + lo, keys.end());
+  const uint32_t k_lo = keys[static_cast<size_t>(lo)];
+  const uint32_t k_hi = lo + 1 < n ? *std::min_element(keys.begin() + lo + 1, keys.end()) : k_lo;
+  return quantile_between(f32_from_bits(k_lo), f32_from_bits(k_hi), q, n);
 }
 
 void CpuBackend::ssm_conv_forward(const TensorView& out, const TensorView& inp,

@@ -253,6 +253,40 @@ void sum_squares(const TensorView& x, const std::vector<Segment>& segments) {
   segments_within("sum_squares", x, segments);
 }
 
+void axpby(const TensorView& out, const TensorView& x, const TensorView& y) {
+  check_view("axpby", x, x.rows, x.cols, kF32);
+  check_view("axpby", out, x.rows, x.cols, kF32);
+  check_view("axpby", y, x.rows, x.cols, kF32Opt);
+}
+
+void transpose(const TensorView& out, const TensorView& x) {
+  check_view("transpose", x, x.rows, x.cols, kF32);
+  check_view("transpose", out, x.cols, x.rows, kF32);
+  if (out.data == x.data && x.numel() > 0)
+    throw std::invalid_argument(std::string("transpose: tensor '") + out.name + "' is tensor '" +
+                                x.name + "' (the op does not transpose in place)");
+}
+
+void clamp(const TensorView& out, const TensorView& x, float bound) {
+  check_view("clamp", x, x.rows, x.cols, kF32);
+  check_view("clamp", out, x.rows, x.cols, kF32);
+  if (!(bound >= 0.0f))
+    throw std::invalid_argument("clamp: bound " + std::to_string(bound) + " for tensor '" + x.name +
+                                "' is not a number >= 0");
+}
+
+void frobenius_norm(const TensorView& x) { check_view("frobenius_norm", x, x.rows, x.cols, kF32); }
+
+void abs_quantile(const TensorView& x, double q) {
+  check_view("abs_quantile", x, x.rows, x.cols, kF32);
+  if (x.numel() < 1)
+    throw std::invalid_argument(std::string("abs_quantile: tensor '") + x.name +
+                                "' has no elements");
+  if (!(q >= 0.0 && q <= 1.0))
+    throw std::invalid_argument("abs_quantile: quantile " + std::to_string(q) + " of tensor '" +
+                                x.name + "' is outside [0, 1]");
+}
+
 void ssm_conv_forward(const TensorView& out, const TensorView& inp, const TensorView& weight,
                       const TensorView& bias, const SsmShape& s) {
   const char* op = "ssm_conv_forward";

@@ -45,6 +45,11 @@ void adamw_update(const TensorView& params, const TensorView& params16, const Te
                   const TensorView& m, const TensorView& v, const std::vector<Segment>& segments,
                   const std::vector<AdamWStep>& steps);
 void sum_squares(const TensorView& x, const std::vector<Segment>& segments);
+void axpby(const TensorView& out, const TensorView& x, const TensorView& y);
+void transpose(const TensorView& out, const TensorView& x);
+void clamp(const TensorView& out, const TensorView& x, float bound);
+void frobenius_norm(const TensorView& x);
+void abs_quantile(const TensorView& x, double q);
 void ssm_conv_forward(const TensorView& out, const TensorView& inp, const TensorView& weight,
                       const TensorView& bias, const SsmShape& s);
 void ssm_conv_backward(const TensorView& dinp, const TensorView& dweight, const TensorView& dbias,

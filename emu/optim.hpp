@@ -58,3 +58,35 @@ inline float clip_factor(double global_norm, double max_norm) {
 }
 
 }  // namespace fp4sim
+
+// ---- the orthogonalising optimizers' elementwise steps (DESIGN.md §13, model/optimizer.hpp) ----
+namespace fp4sim {
+
+// a * x + b * y, each product and the sum RN: the Newton–Schulz combinations b·A + c·A² and
+// a·X + B·X, Muon's momentum, and its update p·(1 − lr·wd) − lr·scale·X.
+FP4SIM_HD float axpby_element(float a, float x, float b, float y) {
+  return fadd_rn(fmul_rn(a, x), fmul_rn(b, y));
+}
+
+// x clamped to [-bound, bound]; a NaN stays NaN (ROOT's soft threshold, Q-Root's clipping).
+FP4SIM_HD float clamp_element(float x, float bound) {
+  return x > bound ? bound : (x < -bound ? -bound : x);
+}
+
+// The sort key of |x|: its bits without the sign. Keys order as the magnitudes do, with every NaN
+// above +Inf, so a sort by key is one order on every backend.
+FP4SIM_HD uint32_t abs_key(float x) { return f32_bits(x) & 0x7fffffffu; }
+
+// §13's quantile of n >= 1 values sorted ascending, v_lo = v[quantile_low(q, n)] and v_hi = the
+// next one (the last where there is none): h = q·(n − 1) in FP64, lo = floor(h), and
+// v_lo + f32(h − lo)·(v_hi − v_lo) in FP32, each step RN.
+inline int64_t quantile_low(double q, int64_t n) {
+  return static_cast<int64_t>(std::floor(q * static_cast<double>(n - 1)));
+}
+inline float quantile_between(float v_lo, float v_hi, double q, int64_t n) {
+  const double h = q * static_cast<double>(n - 1);
+  const float frac = static_cast<float>(h - std::floor(h));
+  return fadd_rn(v_lo, fmul_rn(frac, fsub_rn(v_hi, v_lo)));
+}
+
+}  // namespace fp4sim

@@ -81,6 +81,14 @@ template <>
 struct EnumNames<LossScale> {
   static constexpr const char* names[] = {"off", "dynamic"};
 };
+template <>
+struct EnumNames<OptimizerName> {
+  static constexpr const char* names[] = {"adamw", "muon", "root"};
+};
+template <>
+struct EnumNames<NsPrecision> {
+  static constexpr const char* names[] = {"fp32", "bf16", "nvfp4"};
+};
 
 [[noreturn]] void bad(const std::string& m);
 
@@ -176,7 +184,11 @@ const std::vector<Field>& fields() {
                                        FP4SIM_FIELD(recipe, hp_layers),
                                        FP4SIM_FIELD(recipe, bf16_from_step),
                                        FP4SIM_ENUM_FIELD(recipe, bf16_switch),
-                                       FP4SIM_FIELD(recipe, stats_every)};
+                                       FP4SIM_FIELD(recipe, stats_every),
+                                       FP4SIM_ENUM_FIELD(optim, name),
+                                       FP4SIM_FIELD(optim, momentum),
+                                       FP4SIM_ENUM_FIELD(optim, ns_precision),
+                                       FP4SIM_FIELD(optim, ns_clip_quantile)};
   return f;
 }
 
@@ -583,6 +595,12 @@ void validate(const RunConfig& c) {
   if (t.batch > (int64_t{1} << 40) / m.seq_len)
     bad("train.batch " + std::to_string(t.batch) + " x model.seq_len " + std::to_string(m.seq_len) +
         " tokens is too large for one batch");
+  const OptimConfig& o = c.optim;
+  if (!(o.momentum >= 0 && o.momentum < 1))
+    bad("optim.momentum must be within [0, 1), got " + num(o.momentum));
+  if (!(o.ns_clip_quantile > 0 && o.ns_clip_quantile <= 1))
+    bad("optim.ns_clip_quantile must be within (0, 1] (1: no clipping), got " +
+        num(o.ns_clip_quantile));
   validate_recipe(c);
 }
 
@@ -671,5 +689,9 @@ const char* name_of(FourOverSixError e) {
 const char* name_of(MxScaleRule r) { return EnumNames<MxScaleRule>::names[static_cast<int>(r)]; }
 const char* name_of(Bf16Switch b) { return EnumNames<Bf16Switch>::names[static_cast<int>(b)]; }
 const char* name_of(LossScale s) { return EnumNames<LossScale>::names[static_cast<int>(s)]; }
+const char* name_of(OptimizerName o) {
+  return EnumNames<OptimizerName>::names[static_cast<int>(o)];
+}
+const char* name_of(NsPrecision p) { return EnumNames<NsPrecision>::names[static_cast<int>(p)]; }
 
 }  // namespace fp4sim::model

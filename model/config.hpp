@@ -29,6 +29,11 @@ enum class Bf16Switch : uint8_t { Forward, All };
 // train.loss_scale: the loss gradient as it is, or times a dynamic power-of-two scale (DESIGN.md
 // §14, model/loss_scale.hpp).
 enum class LossScale : uint8_t { Off, Dynamic };
+// optim.name: the optimizer of the blocks' linear weights (DESIGN.md §13, model/optimizer.hpp);
+// the other parameters stay on AdamW under every choice.
+enum class OptimizerName : uint8_t { AdamW, Muon, Root };
+// optim.ns_precision: the Newton–Schulz products of Muon and ROOT in FP32, BF16 or NVFP4 (Q-Root).
+enum class NsPrecision : uint8_t { FP32, BF16, NVFP4 };
 const char* name_of(Activation a);          // gelu_tanh | squared_relu | swiglu
 const char* name_of(NormKind n);            // layernorm | rmsnorm
 const char* name_of(Positions p);           // learned | rope | none
@@ -42,6 +47,8 @@ const char* name_of(FourOverSixError e);    // mae | mse
 const char* name_of(MxScaleRule r);         // floor | ceil
 const char* name_of(Bf16Switch b);          // forward | all
 const char* name_of(LossScale s);           // off | dynamic
+const char* name_of(OptimizerName o);       // adamw | muon | root
+const char* name_of(NsPrecision p);         // fp32 | bf16 | nvfp4
 
 struct ModelConfig {
   int64_t vocab = 256;
@@ -149,10 +156,21 @@ struct RecipeConfig {
   std::map<std::string, GemmFormat> override_gemms;
 };
 
+// The optimizer (DESIGN.md §13). AdamW's hyper-parameters and the learning-rate schedule are
+// train.*'s and are shared: Muon and ROOT take train.lr, its schedule and train.weight_decay.
+struct OptimConfig {
+  OptimizerName name = OptimizerName::AdamW;  // adamw | muon | root
+  double momentum = 0.95;                     // Muon/ROOT's Nesterov momentum
+  NsPrecision ns_precision = NsPrecision::FP32;
+  // nvfp4 only: the quantized copies of X are clamped to +-quantile(|X|, q) (1 = off)
+  double ns_clip_quantile = 0.99;
+};
+
 struct RunConfig {
   ModelConfig model;
   TrainConfig train;
   RecipeConfig recipe;
+  OptimConfig optim;
 };
 
 nlohmann::json to_json(const RunConfig& c);

@@ -41,7 +41,7 @@ const ParamTensor& Gpt::tensor(const std::string& name) const {
 }
 
 Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
-  validate(RunConfig{cfg, TrainConfig{}, RecipeConfig{}});
+  validate(RunConfig{cfg, TrainConfig{}, RecipeConfig{}, OptimConfig{}});
   run_.model = cfg;
   high_precision_.assign(static_cast<size_t>(cfg.n_layers), true);
   recipes_.assign(static_cast<size_t>(cfg.n_layers * kLinearsPerUnit), LinearRecipe{});

@@ -18,6 +18,7 @@
 #include "model/config.hpp"
 #include "model/data.hpp"
 #include "model/gpt.hpp"
+#include "model/optimizer.hpp"
 
 namespace fp4sim::model {
 namespace {
@@ -368,6 +369,24 @@ class PlanningBackend final : public Backend {
   void sum_squares(const TensorView&, const std::vector<Segment>& segments, double* sums) override {
     std::fill(sums, sums + segments.size(), 0.0);
   }
+  void axpby(const TensorView& out, float, const TensorView&, float, const TensorView&) override {
+    op("axpby", out);
+  }
+  void transpose(const TensorView& out, const TensorView&) override { op("transpose", out); }
+  void clamp(const TensorView& out, const TensorView&, float) override { op("clamp", out); }
+  float frobenius_norm(const TensorView& x) override {
+    if (cuda_) scratch("Frobenius norm row sums", (x.rows + 1) * 8);
+    return 1.0f;
+  }
+  float abs_quantile(const TensorView& x, double) override {
+    // (the emulator: the keys in a host vector; the CUDA backend: the keys, sorted keys and
+    // CUB's temporary storage, estimated as one more copy)
+    if (cuda_)
+      scratch("quantile keys", 3 * x.numel() * 4);
+    else
+      temp(x.numel() * 4);
+    return 0.0f;
+  }
 
   void residual_norm_forward(NormKind kind, const TensorView& res, const TensorView& out,
                              const TensorView& mean, const TensorView& rstd, const TensorView& a,
@@ -578,8 +597,7 @@ MemoryPlan plan_training(const RunConfig& c, const PlanRequest& req) {
   host.transient(kUseHostCopies, n * kF32);  // (Gpt::init's host vector)
   model.set_recipe(c);
   backend_mem.set_phase("allocating the optimizer state");
-  BackendBuffer m_buf(pb, static_cast<size_t>(n) * 4, {kUseOptimizerState, "AdamW m"});
-  BackendBuffer v_buf(pb, static_cast<size_t>(n) * 4, {kUseOptimizerState, "AdamW v"});
+  Optimizer optimizer(c, model);
   if (req.resume) {  // the checkpoint's F32 tensors, and the float32 vectors they are copied into
     host.set_phase("resuming from a checkpoint");
     host.transient(kUseHostCopies, 2 * 3 * n * kF32);
@@ -601,7 +619,6 @@ MemoryPlan plan_training(const RunConfig& c, const PlanRequest& req) {
   const std::vector<int32_t> tokens(static_cast<size_t>(B * T), 0);
   const std::vector<Segment> spans = model.tensor_spans();
   std::vector<double> sums(spans.size());
-  const std::vector<AdamWStep> adamw(spans.size());
   for (int64_t step : planned) {
     if (step < 0 || step >= steps) continue;
     const std::string name = "step " + std::to_string(step + 1);
@@ -619,7 +636,7 @@ MemoryPlan plan_training(const RunConfig& c, const PlanRequest& req) {
     }
     backend_mem.set_phase(name + ", optimizer step");
     pb.sum_squares(f32_view(pb, model.grads(), 1, n, "gradients"), spans, sums.data());
-    model.adamw_step(m_buf.as<float>(), v_buf.as<float>(), spans, adamw);
+    optimizer.step(c.train.lr, step + 1, 1.0f);
     if (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
       backend_mem.set_phase(name + ", validation");
       model.forward(tokens.data(), tokens.data(), B, T);

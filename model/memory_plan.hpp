@@ -26,7 +26,8 @@ struct RunConfig;
 // The lines of a plan (BufferLabel::use).
 inline constexpr const char* kUseParameters = "parameters";
 inline constexpr const char* kUseGradients = "gradients";
-inline constexpr const char* kUseOptimizerState = "optimizer state (AdamW m, v)";
+inline constexpr const char* kUseOptimizerState = "optimizer state (AdamW m, v; Muon momentum)";
+inline constexpr const char* kUseOptimizerScratch = "optimizer scratch (Newton–Schulz)";
 inline constexpr const char* kUseWeightShadow = "BF16 weight shadow";
 inline constexpr const char* kUseActivations = "activations (kept for the backward pass)";
 inline constexpr const char* kUseLogits = "logits and their gradient";

@@ -20,6 +20,7 @@
 #include "model/data.hpp"
 #include "model/gpt.hpp"
 #include "model/loss_scale.hpp"
+#include "model/optimizer.hpp"
 #include "model/output_file.hpp"
 #include "model/run_lock.hpp"
 #include "model/schedule.hpp"
@@ -315,14 +316,11 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
           "warning: recipe.stochastic_rounding all puts SR on weights and activations too "
           "(unusual)\n");
   }
-  // AdamW moments in the backend's memory, beside the parameters
+  // the optimizer's state in the backend's memory, beside the parameters
   const size_t n_params = model.num_params();
-  BackendBuffer m_buf(be, n_params * 4, {kUseOptimizerState, "AdamW m"}),
-      v_buf(be, n_params * 4, {kUseOptimizerState, "AdamW v"});
-  float* const m = m_buf.as<float>();
-  float* const v = v_buf.as<float>();
-  be.zero(m, n_params * 4);
-  be.zero(v, n_params * 4);
+  Optimizer optimizer(c, model);
+  if (opt.print && c.optim.name != OptimizerName::AdamW)
+    std::printf("%s\n", optimizer.describe().c_str());
   int64_t step0 = 0, pos = 0;
   // loss scaling (DESIGN.md §14): S, its clean-step count and the optimizer's own step count
   // (AdamW's t, which a skipped step does not advance) are part of the checkpoint
@@ -367,6 +365,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       const nlohmann::json& was = ck.state.at("run_config");
       std::vector<std::string> changed =
           differences(was.value("recipe", nlohmann::json::object()), now.at("recipe"), "recipe.");
+      for (const std::string& d :
+           differences(was.value("optim", nlohmann::json::object()), now.at("optim"), "optim."))
+        if (d.rfind("optim.name:", 0) != 0) changed.push_back(d);  // (a new name is refused below)
       const nlohmann::json was_train = was.value("train", nlohmann::json::object()),
                            now_train = now.at("train");
       for (const char* k : {"seed", "batch", "grad_accum", "data", "steps", "lr", "min_lr_ratio",
@@ -452,15 +453,21 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
           count_in(ls, "skips_in_a_row", 0, DynamicLossScale::kMaxSkipsInARow - 1,
                    "loss_scale.skips_in_a_row");
     }
-    std::vector<float> hp(n_params), hm(n_params), hv(n_params);
-    for (const ParamTensor& t : model.tensors()) {
+    // the optimizer's state is the one its optimizer writes: another optim.name cannot take it
+    const std::string ck_optim = ck.state.contains("run_config")
+                                     ? ck.state["run_config"]
+                                           .value("optim", nlohmann::json::object())
+                                           .value("name", std::string("adamw"))
+                                     : std::string("adamw");
+    if (ck_optim != name_of(c.optim.name))
+      throw std::invalid_argument(opt.resume + " holds the state of optim.name=" + ck_optim +
+                                  "; this run's is optim.name=" + name_of(c.optim.name) +
+                                  ": resume with optim.name=" + ck_optim);
+    std::vector<float> hp(n_params);
+    for (const ParamTensor& t : model.tensors())
       load_stored(ck.model, t.name, hp.data() + t.offset, t.shape, opt.resume);
-      load_stored(ck.optimizer, t.name + ".exp_avg", hm.data() + t.offset, t.shape, opt.resume);
-      load_stored(ck.optimizer, t.name + ".exp_avg_sq", hv.data() + t.offset, t.shape, opt.resume);
-    }
     model.params_from_host(hp);
-    be.upload(m, hm.data(), n_params * 4);
-    be.upload(v, hv.data(), n_params * 4);
+    optimizer.load(ck.optimizer, opt.resume);
     if (opt.print)
       std::printf("resumed from %s at step %lld\n", opt.resume.c_str(),
                   static_cast<long long>(step0));
@@ -635,19 +642,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       ++optimizer_steps;
       // the clipping factor divided by S (powers of two: exact), so AdamW's one product
       // grad * grad_scale rounds (g * S) * (c / S) = g * c as the unscaled run rounds g * c
-      const AdamWStep s =
-          make_adamw_step(static_cast<float>(lr), static_cast<float>(c.train.beta1),
-                          static_cast<float>(c.train.beta2), static_cast<float>(c.train.eps),
-                          static_cast<float>(c.train.weight_decay), optimizer_steps,
-                          clip_factor(norm, c.train.grad_clip) / scale);
-      // weight decay on matrices only (wte, wpe, the linear weights), not on 1-D tensors
-      // (biases, norm weights), as nanoGPT does; every tensor in one backend call
-      std::vector<AdamWStep> steps;
-      for (const ParamTensor& t : model.tensors()) {
-        steps.push_back(s);
-        if (t.shape.size() < 2) steps.back().weight_decay = 0.0f;
-      }
-      model.adamw_step(m, v, spans, steps);  // (and the BF16 weight shadow, where in use)
+      // (AdamW: and the BF16 weight shadow, where in use)
+      optimizer.step(lr, optimizer_steps, clip_factor(norm, c.train.grad_clip) / scale);
     }
     if (dynamic_scale) {
       if (skipped)
@@ -715,14 +711,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       Checkpoint ck;
       ck.step = step + 1;
       const std::vector<float> hp = model.params_to_host();
-      std::vector<float> hm(n_params), hv(n_params);
-      be.download(hm.data(), m, n_params * 4);
-      be.download(hv.data(), v, n_params * 4);
-      for (const ParamTensor& t : model.tensors()) {
+      for (const ParamTensor& t : model.tensors())
         ck.model[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
-        ck.optimizer[t.name + ".exp_avg"] = as_stored(hm.data() + t.offset, t.shape, t.numel());
-        ck.optimizer[t.name + ".exp_avg_sq"] = as_stored(hv.data() + t.offset, t.shape, t.numel());
-      }
+      optimizer.save(ck.optimizer);
       ck.state = {
           {"data_position", pos},
           {"optimizer_step", optimizer_steps},  // AdamW's t: the steps not skipped

@@ -1,0 +1,380 @@
+#include "model/optimizer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "emu/optim.hpp"
+#include "model/memory_plan.hpp"
+#include "model/root_table.hpp"
+
+namespace fp4sim::model {
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+int64_t rows_of(const ParamTensor& t) { return t.shape.size() == 2 ? t.shape[0] : 1; }
+int64_t cols_of(const ParamTensor& t) { return t.shape.empty() ? 1 : t.shape.back(); }
+
+// rows [row0, row0 + rows) of the float32 matrix at p with `cols` columns, as a dense view
+TensorView rows_view(Backend& be, float* p, int64_t row0, int64_t rows, int64_t cols,
+                     const char* name) {
+  return view_of(p + row0 * cols, DType::F32, rows, cols, be.device(), name);
+}
+
+// The first `rows` x `cols` of a scratch buffer
+TensorView scratch_view(Backend& be, const BackendBuffer& b, int64_t rows, int64_t cols,
+                        const char* name) {
+  return view_of(const_cast<void*>(b.get()), DType::F32, rows, cols, be.device(), name);
+}
+
+// The leading rows x cols of a quantized copy allocated for more elements
+QuantizedView shaped(const QuantizedCopy& q, int64_t rows, int64_t cols) {
+  QuantizedView v = q.view;
+  v.rows = rows;
+  v.cols = cols;
+  return v;
+}
+
+// NVFP4 1x16 along K, RN, no RHT, no Four Over Six (§13's Q-Root operands)
+QuantizeConfig ns_quantize(bool rowwise, bool columnwise) {
+  QuantizeConfig q;
+  q.format = QFormat::NVFP4;
+  q.rowwise.enabled = rowwise;
+  q.columnwise.enabled = columnwise;
+  q.columnwise.stream = 1;  // (RN draws nothing; the streams only differ, as quantize asks)
+  return q;
+}
+
+// 0.99, 0.9: as a person writes it
+std::string short_number(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", v);
+  return b;
+}
+
+}  // namespace
+
+std::optional<NsCoefficients> root_table_coefficients(int64_t rows, int64_t cols) {
+  static const nlohmann::json table = nlohmann::json::parse(kRootTableJson);
+  const int64_t lo = std::min(rows, cols), hi = std::max(rows, cols);
+  for (const nlohmann::json& e : table.at("shapes"))
+    if (e.at("min").get<int64_t>() == lo && e.at("max").get<int64_t>() == hi)
+      return NsCoefficients{e.at("a").get<float>(), e.at("b").get<float>(), e.at("c").get<float>()};
+  return std::nullopt;
+}
+
+NewtonSchulz::NewtonSchulz(Backend& be, int64_t max_small, int64_t max_elems, NsPrecision precision)
+    : be_(be), max_small_(max_small), max_elems_(max_elems), precision_(precision) {
+  const size_t mn = static_cast<size_t>(max_elems) * 4,
+               mm = static_cast<size_t>(max_small * max_small) * 4;
+  auto buf = [&](size_t bytes, const char* what) {
+    return BackendBuffer(be, bytes, {kUseOptimizerScratch, what});
+  };
+  x_ = buf(mn, "Newton–Schulz X");
+  xt_ = buf(mn, "Newton–Schulz X^T / clamped X");
+  bx_ = buf(mn, "Newton–Schulz B X");
+  a_ = buf(mm, "Newton–Schulz A");
+  aa_ = buf(mm, "Newton–Schulz A A, B");
+  if (precision != NsPrecision::NVFP4) {
+    at_ = buf(mm, "Newton–Schulz A^T");
+    return;
+  }
+  auto q = [&](int64_t elems, const char* what) {
+    return std::make_unique<QuantizedCopy>(be, 1, elems, QFormat::NVFP4, false, false, false,
+                                           BufferLabel{kUseOptimizerScratch, what});
+  };
+  qx_row_ = q(max_elems, "Newton–Schulz X (NVFP4, along its rows)");
+  qx_col_ = q(max_elems, "Newton–Schulz X (NVFP4, along its columns)");
+  qa_row_ = q(max_small * max_small, "Newton–Schulz A (NVFP4, along its rows)");
+  qa_col_ = q(max_small * max_small, "Newton–Schulz A (NVFP4, along its columns)");
+  qb_row_ = q(max_small * max_small, "Newton–Schulz B (NVFP4)");
+}
+
+void NewtonSchulz::run(const TensorView& g, const TensorView& out, const NsOptions& o) {
+  const bool tall = g.rows > g.cols;
+  const int64_t m = std::min(g.rows, g.cols), n = std::max(g.rows, g.cols);
+  if (m > max_small_ || m * n > max_elems_)
+    throw std::logic_error("NewtonSchulz: tensor '" + std::string(g.name) +
+                           "' is larger than the " + "scratch it was made for");
+  if (o.precision != precision_) throw std::logic_error("NewtonSchulz: made for another precision");
+  Backend& be = be_;
+  const TensorView X = scratch_view(be, x_, m, n, "Newton–Schulz X");
+  const TensorView A = scratch_view(be, a_, m, m, "Newton–Schulz A");
+  const TensorView AA = scratch_view(be, aa_, m, m, "Newton–Schulz A A");
+  const TensorView BX = scratch_view(be, bx_, m, n, "Newton–Schulz B X");
+  if (tall)
+    be.transpose(X, g);
+  else
+    be.copy(X.data, g.data, static_cast<size_t>(m * n) * 4);
+  // X / (||X||_F + 1e-7), as X times the FP32 reciprocal of the FP32 sum
+  const float norm = be.frobenius_norm(X);
+  be.axpby(X, fdiv_rn(1.0f, fadd_rn(norm, 1e-7f)), X, 0.0f, TensorView{});
+  const NsCoefficients k = o.coef;
+  GemmConfig gc;
+  gc.impl = o.impl;
+  for (int it = 0; it < o.iterations; ++it) {
+    if (o.precision == NsPrecision::NVFP4) {
+      // X's two copies (along n for X X^T, along m for B X) from X, or from X clamped to
+      // +-quantile(|X|, q); A's two copies for A A; B's one
+      TensorView xq = X;
+      if (o.clip_quantile < 1.0) {
+        xq = scratch_view(be, xt_, m, n, "Newton–Schulz X clamped");
+        be.clamp(xq, X, be.abs_quantile(X, o.clip_quantile));
+      }
+      QuantizedView xr = shaped(*qx_row_, m, n), xc = shaped(*qx_col_, n, m);
+      be.quantize(xq, ns_quantize(true, true), &xr, &xc);
+      be.gemm(xr, xr, nullptr, gc, A);
+      QuantizedView ar = shaped(*qa_row_, m, m), ac = shaped(*qa_col_, m, m);
+      be.quantize(A, ns_quantize(true, true), &ar, &ac);
+      be.gemm(ar, ac, nullptr, gc, AA);
+      be.axpby(AA, k.b, A, k.c, AA);  // B = b A + c A A
+      QuantizedView br = shaped(*qb_row_, m, m);
+      be.quantize(AA, ns_quantize(true, false), &br, nullptr);
+      be.gemm(br, xc, nullptr, gc, BX);
+    } else {
+      const GemmPrecision p =
+          o.precision == NsPrecision::BF16 ? GemmPrecision::BF16 : GemmPrecision::FP32;
+      const TensorView At = scratch_view(be, at_, m, m, "Newton–Schulz A^T");
+      const TensorView Xt = scratch_view(be, xt_, n, m, "Newton–Schulz X^T");
+      be.matmul_forward(A, X, X, TensorView{}, p);  // A = X X^T
+      be.transpose(At, A);
+      be.matmul_forward(AA, A, At, TensorView{}, p);  // A A
+      be.axpby(AA, k.b, A, k.c, AA);                  // B = b A + c A A
+      be.transpose(Xt, X);
+      be.matmul_forward(BX, AA, Xt, TensorView{}, p);  // B X
+    }
+    be.axpby(X, k.a, X, 1.0f, BX);  // X = a X + B X
+  }
+  if (tall)
+    be.transpose(out, X);
+  else
+    be.copy(out.data, X.data, static_cast<size_t>(m * n) * 4);
+}
+
+std::vector<OrthoTensor> orthogonalised_tensors(const Gpt& model) {
+  const ModelConfig& c = model.config();
+  const int64_t HD = c.d_model / c.n_heads;
+  std::vector<OrthoTensor> out;
+  const std::vector<ParamTensor>& ts = model.tensors();
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const std::string& n = ts[i].name;
+    if (ts[i].shape.size() != 2) continue;
+    OrthoTensor o;
+    o.tensor = i;
+    auto split = [&](std::initializer_list<std::pair<const char*, int64_t>> parts) {
+      int64_t r = 0;
+      for (const auto& [name, rows] : parts) {
+        o.parts.push_back({name, r, rows});
+        r += rows;
+      }
+      if (r != ts[i].shape[0])
+        throw std::logic_error("orthogonalised_tensors: '" + n + "' has " +
+                               std::to_string(ts[i].shape[0]) + " rows, its parts " +
+                               std::to_string(r));
+    };
+    if (ends_with(n, ".attn.c_attn.weight")) {
+      split({{"q", c.n_heads * HD}, {"k", c.n_kv_heads * HD}, {"v", c.n_kv_heads * HD}});
+    } else if (ends_with(n, ".mlp.c_fc.weight") && c.activation == Activation::SwiGLU) {
+      split({{"gate", c.d_ff}, {"up", c.d_ff}});
+    } else if (ends_with(n, ".mamba.in_proj.weight")) {
+      const MambaDims d = mamba_dims(c);
+      split({{"z", d.d_inner}, {"x", d.d_inner}, {"B", d.G * d.N}, {"C", d.G * d.N}, {"dt", d.H}});
+    } else if (ends_with(n, ".attn.c_proj.weight") || ends_with(n, ".mlp.c_fc.weight") ||
+               ends_with(n, ".mlp.c_proj.weight") || ends_with(n, ".mamba.out_proj.weight")) {
+      o.parts.push_back({"", 0, ts[i].shape[0]});
+    } else {
+      continue;
+    }
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+Optimizer::Optimizer(const RunConfig& c, Gpt& model) : c_(c), model_(model) {
+  Backend& be = model.backend();
+  const std::vector<ParamTensor>& ts = model.tensors();
+  const size_t n = model.num_params();
+  is_ortho_.assign(ts.size(), false);
+  if (c.optim.name != OptimizerName::AdamW) ortho_ = orthogonalised_tensors(model);
+  int64_t max_small = 0, max_elems = 0, max_tensor = 0;
+  for (const OrthoTensor& o : ortho_) {
+    is_ortho_[o.tensor] = true;
+    const ParamTensor& t = ts[o.tensor];
+    max_tensor = std::max(max_tensor, t.numel());
+    for (const MatrixPart& p : o.parts) {
+      const int64_t cols = cols_of(t);
+      if (c.optim.ns_precision == NsPrecision::NVFP4 && (p.rows % 16 != 0 || cols % 16 != 0))
+        throw std::invalid_argument(
+            "optim.ns_precision=nvfp4 quantizes the Newton–Schulz products in 16-blocks along "
+            "both sides of each matrix: tensor '" +
+            t.name + "'" + (p.name.empty() ? "" : " sub-matrix " + p.name) + " is " +
+            std::to_string(p.rows) + " x " + std::to_string(cols) +
+            " (use optim.ns_precision=fp32 or bf16)");
+      max_small = std::max(max_small, std::min(p.rows, cols));
+      max_elems = std::max(max_elems, p.rows * cols);
+    }
+  }
+  const std::vector<Segment> spans = model.tensor_spans();
+  for (size_t i = 0; i < ts.size(); ++i)
+    if (!is_ortho_[i]) {
+      adamw_segs_.push_back(spans[i]);
+      adamw_tensors_.push_back(i);
+    }
+  m_ = BackendBuffer(be, n * 4,
+                     {kUseOptimizerState, ortho_.empty() ? "AdamW m" : "AdamW m, momentum"});
+  v_ = BackendBuffer(be, n * 4, {kUseOptimizerState, "AdamW v"});
+  be.zero(m_.get(), n * 4);
+  be.zero(v_.get(), n * 4);
+  if (!ortho_.empty()) {
+    g_ = BackendBuffer(be, static_cast<size_t>(max_tensor) * 4, {kUseOptimizerScratch, "g'"});
+    ns_ = std::make_unique<NewtonSchulz>(be, max_small, max_elems, c.optim.ns_precision);
+  }
+}
+
+void Optimizer::step(double lr, int64_t t, float grad_scale) {
+  const TrainConfig& tc = c_.train;
+  if (!adamw_segs_.empty()) {
+    const AdamWStep s = make_adamw_step(static_cast<float>(lr), static_cast<float>(tc.beta1),
+                                        static_cast<float>(tc.beta2), static_cast<float>(tc.eps),
+                                        static_cast<float>(tc.weight_decay), t, grad_scale);
+    // weight decay on matrices only (wte, wpe, the linear weights), not on 1-D tensors (biases,
+    // norm weights), as nanoGPT does; every AdamW tensor in one backend call
+    std::vector<AdamWStep> steps;
+    for (size_t i : adamw_tensors_) {
+      steps.push_back(s);
+      if (model_.tensors()[i].shape.size() < 2) steps.back().weight_decay = 0.0f;
+    }
+    model_.adamw_step(m_.as<float>(), v_.as<float>(), adamw_segs_, steps);
+  }
+  if (!ortho_.empty()) ortho_step(lr, grad_scale);
+}
+
+void Optimizer::ortho_step(double lr, float grad_scale) {
+  Backend& be = model_.backend();
+  const OptimConfig& oc = c_.optim;
+  const bool root = oc.name == OptimizerName::Root;
+  const float mu = static_cast<float>(oc.momentum);
+  // p * (1 - lr * wd): the factor rounded once from FP64
+  const float decay = static_cast<float>(1.0 - lr * c_.train.weight_decay);
+  float* const params = model_.params();  // (marks the BF16 weight shadow stale)
+  for (const OrthoTensor& o : ortho_) {
+    const ParamTensor& t = model_.tensors()[o.tensor];
+    const int64_t R = rows_of(t), C = cols_of(t);
+    const TensorView grad = rows_view(be, model_.grads() + t.offset, 0, R, C, "gradient");
+    const TensorView buf = rows_view(be, m_.as<float>() + t.offset, 0, R, C, "momentum");
+    const TensorView g = rows_view(be, g_.as<float>(), 0, R, C, "g'");
+    be.axpby(g, grad_scale, grad, 0.0f, TensorView{});  // g = grad * grad_scale
+    be.axpby(buf, mu, buf, 1.0f, g);                    // buf = mu * buf + g
+    be.axpby(g, 1.0f, g, mu, buf);                      // g' = g + mu * buf
+    for (const MatrixPart& p : o.parts) {
+      const TensorView gp = rows_view(be, g_.as<float>(), p.row0, p.rows, C, "g' sub-matrix");
+      NsOptions ns;
+      ns.precision = oc.ns_precision;
+      ns.impl = c_.recipe.gemm;
+      ns.clip_quantile = oc.ns_precision == NsPrecision::NVFP4 ? oc.ns_clip_quantile : 1.0;
+      if (root) {
+        // the soft threshold eps = quantile(|g'|, 0.9) + 1e-9, and the shape's coefficients
+        const float eps = fadd_rn(be.abs_quantile(gp, 0.9), 1e-9f);
+        be.clamp(gp, gp, eps);
+        if (const std::optional<NsCoefficients> k = root_table_coefficients(p.rows, C))
+          ns.coef = *k;
+      }
+      ns_->run(gp, gp, ns);
+      const float step =
+          static_cast<float>(lr * 0.2 * std::sqrt(static_cast<double>(std::max(p.rows, C))));
+      const TensorView w = rows_view(be, params + t.offset, p.row0, p.rows, C, "weight");
+      be.axpby(w, decay, w, -step, gp);
+    }
+  }
+}
+
+void Optimizer::save(TensorMap& out) const {
+  Backend& be = model_.backend();
+  const size_t n = model_.num_params();
+  std::vector<float> hm(n), hv(n);
+  be.download(hm.data(), m_.get(), n * 4);
+  be.download(hv.data(), v_.get(), n * 4);
+  auto stored = [](const float* p, const std::vector<int64_t>& shape, int64_t count) {
+    StoredTensor s;
+    s.dtype = "F32";
+    s.shape = shape;
+    s.bytes.resize(static_cast<size_t>(count) * 4);
+    std::memcpy(s.bytes.data(), p, s.bytes.size());
+    return s;
+  };
+  const std::vector<ParamTensor>& ts = model_.tensors();
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const ParamTensor& t = ts[i];
+    if (is_ortho_[i]) {
+      out[t.name + ".momentum_buffer"] = stored(hm.data() + t.offset, t.shape, t.numel());
+    } else {
+      out[t.name + ".exp_avg"] = stored(hm.data() + t.offset, t.shape, t.numel());
+      out[t.name + ".exp_avg_sq"] = stored(hv.data() + t.offset, t.shape, t.numel());
+    }
+  }
+}
+
+void Optimizer::load(const TensorMap& in, const std::string& where) {
+  const size_t n = model_.num_params();
+  std::vector<float> hm(n, 0.0f), hv(n, 0.0f);
+  const std::vector<ParamTensor>& ts = model_.tensors();
+  auto take = [&](const std::string& name, float* dst, const ParamTensor& t) {
+    const auto it = in.find(name);
+    if (it == in.end())
+      throw std::runtime_error(where + ": optimizer tensor '" + name +
+                               "' missing (optim.name=" + name_of(c_.optim.name) + " reads it)");
+    const StoredTensor& s = it->second;
+    if (s.dtype != "F32" || s.shape != t.shape ||
+        s.bytes.size() != static_cast<size_t>(t.numel()) * 4)
+      throw std::runtime_error(where + ": optimizer tensor '" + name +
+                               "' is not float32 in the parameter's shape");
+    std::memcpy(dst, s.bytes.data(), s.bytes.size());
+  };
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const ParamTensor& t = ts[i];
+    if (is_ortho_[i]) {
+      take(t.name + ".momentum_buffer", hm.data() + t.offset, t);
+    } else {
+      take(t.name + ".exp_avg", hm.data() + t.offset, t);
+      take(t.name + ".exp_avg_sq", hv.data() + t.offset, t);
+    }
+  }
+  Backend& be = model_.backend();
+  be.upload(m_.get(), hm.data(), n * 4);
+  be.upload(v_.get(), hv.data(), n * 4);
+}
+
+std::string Optimizer::describe() const {
+  std::string s = "optimizer " + std::string(name_of(c_.optim.name)) + ": AdamW on " +
+                  std::to_string(adamw_tensors_.size()) + " tensors";
+  if (ortho_.empty()) return s;
+  size_t parts = 0, root_table = 0;
+  for (const OrthoTensor& o : ortho_) {
+    parts += o.parts.size();
+    for (const MatrixPart& p : o.parts)
+      if (root_table_coefficients(p.rows, cols_of(model_.tensors()[o.tensor]))) ++root_table;
+  }
+  s += ", " + std::string(name_of(c_.optim.name)) + " on " + std::to_string(ortho_.size()) +
+       " weights (" + std::to_string(parts) + " sub-matrices), Newton–Schulz products in " +
+       name_of(c_.optim.ns_precision);
+  if (c_.optim.ns_precision == NsPrecision::NVFP4)
+    s +=
+        std::string(" (") + name_of(c_.recipe.gemm) + " GEMMs" +
+        (c_.optim.ns_clip_quantile < 1.0 ? ", X's copies clipped at its " +
+                                               short_number(c_.optim.ns_clip_quantile) + " quantile"
+                                         : std::string()) +
+        ")";
+  if (c_.optim.name == OptimizerName::Root)
+    s += "; ROOT's table has coefficients for " + std::to_string(root_table) + " of them" +
+         (root_table < parts ? " (the others: Muon's, so Muon plus the soft threshold)" : "");
+  return s;
+}
+
+}  // namespace fp4sim::model
