@@ -245,6 +245,15 @@ class CudaBackend final : public Backend {
   // One round trip for every segment.
   void sum_squares(const TensorView& x, const std::vector<Segment>& segments,
                    double* sums) override;
+  // The optimizers' steps (gpu/optim.cu): elementwise kernels on emu/optim.hpp's functions, a
+  // tiled transpose, the norm's row sums one thread a row (the emulator's order, bitwise) and the
+  // quantile through CUB's radix sort of |x|'s keys; the last two synchronous.
+  void axpby(const TensorView& out, float a, const TensorView& x, float b,
+             const TensorView& y) override;
+  void transpose(const TensorView& out, const TensorView& x) override;
+  void clamp(const TensorView& out, const TensorView& x, float bound) override;
+  float frobenius_norm(const TensorView& x) override;
+  float abs_quantile(const TensorView& x, double q) override;
   // The Mamba-2 mixer's core (gpu/ssm.cu): bitwise emu/ssm.cpp's results, each sum carried by one
   // thread in the emulator's order, except the scan's default, the chunked SSD
   // (gpu/ssm_chunked.cu, CudaOptions::ssm_sequential), within a stated bound. The conv backward

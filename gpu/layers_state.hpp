@@ -105,6 +105,10 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch sums{"sum_squares partials"};      // sum_squares partials and results
   training_ops::DeviceScratch segments{"sum_squares segments"};  // (offset, count) pairs
   training_ops::DeviceScratch adamw_items{"adamw work items"};   // adamw_update's (AdamWItem)
+  // frobenius_norm's row sums (and its result); abs_quantile's keys, sorted keys and CUB's storage
+  training_ops::DeviceScratch ns_rows{"Frobenius norm row sums"};
+  training_ops::DeviceScratch quantile_keys{"quantile keys"},
+      quantile_sorted{"quantile sorted keys"}, quantile_temp{"quantile sort temp"};
   std::vector<int64_t> adamw_key;  // the (offset, count, step index) they were made for
   int64_t adamw_item_count = 0;
   // the Mamba-2 ops' scratch (gpu/ssm.cu): per-element terms (the conv's du, the softplus

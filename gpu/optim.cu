@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cub/device/device_radix_sort.cuh>
 #include <vector>
 
 #include "emu/op_checks.hpp"
@@ -100,7 +101,141 @@ __global__ void sum_partials_kernel(double* out, const double* partial, int64_t 
   if (threadIdx.x == 0) out[blockIdx.x] = s;
 }
 
+// ---- the orthogonalising optimizers' steps (emu/optim.hpp's element functions) ----------------
+
+__global__ void axpby_kernel(float* out, float a, const float* x, float b, const float* y,
+                             int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = y ? axpby_element(a, x[i], b, y[i]) : fmul_rn(a, x[i]);
+}
+
+__global__ void clamp_kernel(float* out, const float* x, float bound, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = clamp_element(x[i], bound);
+}
+
+// out [C, R] = x [R, C]^T through 32 x 32 tiles in shared memory (a column of padding against
+// bank conflicts); 32 x 8 threads, four rows a thread.
+constexpr int kTransposeTile = 32;
+__global__ void transpose_kernel(float* out, const float* x, int64_t R, int64_t C) {
+  __shared__ float tile[kTransposeTile][kTransposeTile + 1];
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTransposeTile,
+                r0 = static_cast<int64_t>(blockIdx.y) * kTransposeTile;
+  for (int k = threadIdx.y; k < kTransposeTile; k += blockDim.y) {
+    const int64_t r = r0 + k, c = c0 + threadIdx.x;
+    if (r < R && c < C) tile[k][threadIdx.x] = x[r * C + c];
+  }
+  __syncthreads();
+  for (int k = threadIdx.y; k < kTransposeTile; k += blockDim.y) {
+    const int64_t c = c0 + k, r = r0 + threadIdx.x;
+    if (r < R && c < C) out[c * R + r] = tile[threadIdx.x][k];
+  }
+}
+
+// Each row's squares in FP64 in index order, one thread a row (the emulator's order)
+__global__ void row_sum_squares_kernel(double* rows, const float* x, int64_t R, int64_t C) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= R) return;
+  double s = 0.0;
+  for (int64_t c = 0; c < C; ++c) {
+    const double d = static_cast<double>(x[r * C + c]);
+    s = __dadd_rn(s, __dmul_rn(d, d));
+  }
+  rows[r] = s;
+}
+
+// The row sums in row order, sqrt in FP64, rounded to FP32 (one thread)
+__global__ void frobenius_finish_kernel(float* out, const double* rows, int64_t R) {
+  double s = 0.0;
+  for (int64_t r = 0; r < R; ++r) s = __dadd_rn(s, rows[r]);
+  *out = static_cast<float>(__dsqrt_rn(s));
+}
+
+__global__ void abs_keys_kernel(uint32_t* keys, const float* x, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    keys[i] = abs_key(x[i]);
+}
+
 }  // namespace
+
+void CudaBackend::axpby(const TensorView& out, float a, const TensorView& x, float b,
+                        const TensorView& y) {
+  op_checks::axpby(out, x, y);
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  axpby_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(
+      out.as<float>(), a, x.as<const float>(), b, y.present() ? y.as<const float>() : nullptr, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::clamp(const TensorView& out, const TensorView& x, float bound) {
+  op_checks::clamp(out, x, bound);
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  clamp_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(out.as<float>(), x.as<const float>(),
+                                                              bound, n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::transpose(const TensorView& out, const TensorView& x) {
+  op_checks::transpose(out, x);
+  const int64_t R = x.rows, C = x.cols;
+  if (R * C == 0) return;
+  const dim3 grid(static_cast<unsigned>((C + kTransposeTile - 1) / kTransposeTile),
+                  static_cast<unsigned>((R + kTransposeTile - 1) / kTransposeTile));
+  transpose_kernel<<<grid, dim3(kTransposeTile, 8), 0, stream_>>>(out.as<float>(),
+                                                                  x.as<const float>(), R, C);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+}
+
+float CudaBackend::frobenius_norm(const TensorView& x) {
+  op_checks::frobenius_norm(x);
+  const int64_t R = x.rows;
+  LayersState& st = layers_state();
+  double* rows = st.ns_rows.get<double>(static_cast<size_t>(R) + 1, stream_);
+  float* out = reinterpret_cast<float*>(rows + R);
+  if (R > 0) {
+    row_sum_squares_kernel<<<static_cast<unsigned>((R + kThreads - 1) / kThreads), kThreads, 0,
+                             stream_>>>(rows, x.as<const float>(), R, x.cols);
+    FP4SIM_CUDA_CHECK_LAUNCH();
+  }
+  frobenius_finish_kernel<<<1, 1, 0, stream_>>>(out, rows, R);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  float host = 0.0f;
+  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(&host, out, sizeof host, cudaMemcpyDeviceToHost, stream_));
+  FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return host;
+}
+
+// The keys of |x| sorted by CUB's radix sort (the emulator's order: every NaN above +Inf), then
+// the two order statistics copied back and interpolated on the host.
+float CudaBackend::abs_quantile(const TensorView& x, double q) {
+  op_checks::abs_quantile(x, q);
+  const int64_t n = x.numel();
+  if (n > INT32_MAX)
+    throw std::invalid_argument(std::string("abs_quantile: tensor '") + x.name + "' has " +
+                                std::to_string(n) + " elements, more than CUB's 2^31 - 1");
+  LayersState& st = layers_state();
+  uint32_t* keys = st.quantile_keys.get<uint32_t>(static_cast<size_t>(n), stream_);
+  uint32_t* sorted = st.quantile_sorted.get<uint32_t>(static_cast<size_t>(n), stream_);
+  abs_keys_kernel<<<elementwise_grid(n), kThreads, 0, stream_>>>(keys, x.as<const float>(), n);
+  FP4SIM_CUDA_CHECK_LAUNCH();
+  size_t temp_bytes = 0;
+  FP4SIM_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(nullptr, temp_bytes, keys, sorted,
+                                                   static_cast<int>(n), 0, 32, stream_));
+  void* temp = st.quantile_temp.get<unsigned char>(temp_bytes, stream_);
+  FP4SIM_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(temp, temp_bytes, keys, sorted,
+                                                   static_cast<int>(n), 0, 32, stream_));
+  const int64_t lo = quantile_low(q, n), hi = std::min(lo + 1, n - 1);
+  uint32_t k[2] = {0, 0};
+  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(&k[0], sorted + lo, 4, cudaMemcpyDeviceToHost, stream_));
+  FP4SIM_CUDA_CHECK(cudaMemcpyAsync(&k[1], sorted + hi, 4, cudaMemcpyDeviceToHost, stream_));
+  FP4SIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return quantile_between(f32_from_bits(k[0]), f32_from_bits(k[1]), q, n);
+}
 
 // One launch over all segments (adamw_many_kernel): the work items (pieces of kAdamWItemElems
 // elements of one tensor) are made and uploaded once for a layout, then reused while the segments

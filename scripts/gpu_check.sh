@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run the GPU tests, the benchmarks and the oracles, print a
 # short table last. Full logs go to $OUT (or runs/gpu_check when $OUT is unset).
-# usage: scripts/gpu_check.sh [quick|hybrid|hspeed|evidence|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile]
+# usage: scripts/gpu_check.sh [quick|hybrid|hspeed|evidence|optim|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile]
 #   (default) build, GPU tests, benchmarks, crosscheck, probe, PyTorch check, oracles, training speed
 #   quick     build + GPU tests (and the CPU tests, unless SKIP_EMU=1)
 #   hybrid    build + the GPU tests (TESTS, a ctest regex, narrows them) + the PyTorch check of the
@@ -14,6 +14,10 @@
 #   evidence  build + validation/hybrid_evidence.sh (STEPS, default 1500; ONLY; RUN_TIMEOUT), the
 #             runs in runs/hybrid_evidence; their logs, table and plot come back (a run cut by
 #             RUN_TIMEOUT resumes in the next call while the machine is still warm)
+#   optim     build + the optimizer GPU tests (TESTS, a ctest regex, narrows them) + the optimizer
+#             step time on gpt2-124m (tools/bench_optim, RUNS runs, default 3) + Muon runs of small
+#             and gpt2-124m (NS_STEPS steps, default 200; the corpus where data/ was carried) and
+#             `fp4sim ns-error` on their last checkpoints (the Q-Root error by matrix shape)
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
 #   trace     build + the GPU timelines (CUPTI, tools/cupti_trace.cpp) of a gpt2-124m BF16 run and of
 #             torch.compile, cut into steps: busy vs idle, the largest gaps (validation/trace_gaps.py);
@@ -44,8 +48,8 @@
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
 case "${1:-}" in
-  ""|quick|hybrid|hspeed|evidence|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile) ;;
-  *) echo "gpu_check.sh: unknown mode '$1' (quick, hybrid, hspeed, evidence, train, trace, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
+  ""|quick|hybrid|hspeed|evidence|optim|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile) ;;
+  *) echo "gpu_check.sh: unknown mode '$1' (quick, hybrid, hspeed, evidence, optim, train, trace, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
@@ -122,6 +126,33 @@ if [ "${1:-}" = "kprofile" ]; then
   grep -E "Duration|Issue Slots Busy|Executed Ipc Active|Registers Per|Achieved Occupancy|DRAM Throughput|Executed Instructions |Grid Size|Block Size" \
     "$out/kprof.txt" | sed 's/  */ /g' | cut -c1-120 | head -40
   row "kprofile $KERNEL (${RECIPE:-fp8})" "$(grep -c 'Section: GPU Speed Of Light' "$out/kprof.txt") launches profiled, $(wc -l <"$out/kprof_sass.csv") SASS lines"
+fi
+
+if [ "${1:-}" = "optim" ]; then
+  ( cd build-gpu && ctest -R "${TESTS:-Optimizer|MuonAndRoot|DynamicLossScale|BitwiseResumeOnCuda}" \
+      --output-on-failure -j1 ) >"$out/ctest_optim.log" 2>&1
+  rc=$?
+  grep -E "\[optimizer-gpu\]|worst relative|tests passed|Failed|FAILED" "$out/ctest_optim.log" | head -40
+  row "ctest optimizer" "exit $rc, $(grep -E 'tests passed' "$out/ctest_optim.log" | tail -1)"
+  build-gpu/bench_optim --runs "${RUNS:-3}" >"$out/bench_optim.txt" 2>"$out/bench_optim.log"
+  rc=$?
+  cat "$out/bench_optim.txt"
+  row "bench_optim (gpt2-124m)" "exit $rc"
+  data=synthetic
+  [ -f data/corpus.train.tokens ] && data=data/corpus
+  for preset in small gpt2-124m; do
+    n=${NS_STEPS:-200}
+    rm -rf "runs/ns_$preset"
+    timeout 300 build-gpu/fp4sim train --config "configs/$preset.json" --backend cuda optim.name=muon \
+      train.steps="$n" train.warmup=20 train.eval_every=0 train.checkpoint_every="$n" \
+      train.data="$data" train.out_dir="runs/ns_$preset" >"$out/ns_train_$preset.log" 2>&1
+    tail -2 "$out/ns_train_$preset.log"
+    build-gpu/fp4sim ns-error --checkpoint "runs/ns_$preset/checkpoints" --backend cuda \
+      --json "$out/ns_$preset.json" >"$out/ns_$preset.txt" 2>"$out/ns_$preset.log"
+    rc=$?
+    cat "$out/ns_$preset.txt"
+    row "ns-error $preset (muon, $n steps, $data)" "exit $rc"
+  done
 fi
 
 # the GPU (and CPU) tests: the default mode and quick (the mode was checked against the list above)

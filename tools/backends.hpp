@@ -15,6 +15,15 @@ std::unique_ptr<Backend> make_backend(const std::string& name);
 // "cuda" when this build has the CUDA backend and a GPU is present, else "emu".
 std::string default_backend_name();
 
+// The --backend option's help, and the backend a command runs on: the one named, else the default
+// (cuda when usable, else emu).
+inline constexpr const char* kBackendHelp =
+    "emu (the bit-exact CPU emulator) or cuda; default: cuda when this build has the CUDA backend "
+    "and a GPU is present, else emu";
+inline std::string chosen_backend(const std::string& named) {
+  return named.empty() ? default_backend_name() : named;
+}
+
 bool cuda_backend_built();
 // Why the CUDA backend cannot run here (not built, or no GPU), or "" when it can.
 std::string cuda_backend_unavailable_reason();

@@ -13,18 +13,6 @@
 #include "tools/commands.hpp"
 
 namespace fp4sim::cli {
-namespace {
-
-constexpr const char* kBackendHelp =
-    "emu (the bit-exact CPU emulator) or cuda; default: cuda when this build has the CUDA backend "
-    "and "
-    "a GPU is present, else emu";
-// The backend a command runs on: the one named, else the default (cuda when usable, else emu).
-std::string chosen_backend(const std::string& named) {
-  return named.empty() ? default_backend_name() : named;
-}
-
-}  // namespace
 
 void register_train(CLI::App& app) {
   struct Args {

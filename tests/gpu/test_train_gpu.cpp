@@ -92,6 +92,14 @@ TEST(TrainGpu, TinyTenStepsMatchEmulator) {
 
 // The Mamba-2 hybrid (DESIGN.md §11-§12), the CUDA scan chunked (the default CudaOptions): BF16,
 // and NVFP4 with exact GEMMs
+// Muon (FP32 Newton–Schulz) and ROOT (NVFP4 products, exact GEMMs) under the NVFP4 recipe
+TEST(TrainGpu, MuonAndRootTinyTenStepsMatchEmulator) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  expect_ten_steps_agree("tiny", {"optim.name=muon"});
+  expect_ten_steps_agree("tiny",
+                         {"optim.name=root", "optim.ns_precision=nvfp4", "recipe.name=nvfp4"});
+}
+
 TEST(TrainGpu, HybridTinyTenStepsMatchEmulator) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   expect_ten_steps_agree("nemotron-h-tiny", {});
@@ -213,6 +221,9 @@ TEST(TrainGpu, BitwiseResumeOnCuda) {
   expect_bitwise_resume("cuda", {}, "nemotron-h-tiny");
   expect_bitwise_resume("cuda", {"recipe.name=nvfp4"}, "nemotron-h-tiny");
   expect_bitwise_resume("cuda", {"recipe.name=nvfp4", "recipe.gemm=cublaslt"}, "nemotron-h-tiny");
+  expect_bitwise_resume("cuda", {"optim.name=muon"});
+  expect_bitwise_resume("cuda", {"optim.name=root", "optim.ns_precision=nvfp4", "recipe.name=nvfp4",
+                                 "recipe.gemm=cublaslt"});
 }
 
 // The quantization statistics on the CUDA backend (Backend::quant_error_sums) only read: tiny in
@@ -236,14 +247,16 @@ TEST(TrainGpu, StatisticsDoNotChangeTraining) {
 // Dynamic loss scaling (DESIGN.md §14) on the CUDA backend: with no overflow, 5 steps of tiny in
 // NVFP4 (exact GEMMs) train bit for bit like train.loss_scale=off: every loss and gradient norm,
 // and the final weights and AdamW moments.
-TEST(TrainGpu, DynamicLossScaleEqualsOffOnCuda) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+// (AdamW, and Muon with NVFP4 Newton–Schulz products)
+void expect_dynamic_loss_scale_equals_off(const std::vector<std::string>& optim) {
   const std::string dir = temp_dir("loss_scale");
   std::filesystem::remove_all(dir);
   auto cfg = [&](const std::string& mode) {
-    return tiny({"train.steps=5", "train.checkpoint_every=5", "recipe.name=nvfp4",
-                 "recipe.gemm=exact", "train.loss_scale=" + mode,
-                 "train.out_dir=" + dir + "/" + mode});
+    std::vector<std::string> o = {
+        "train.steps=5",     "train.checkpoint_every=5", "recipe.name=nvfp4",
+        "recipe.gemm=exact", "train.loss_scale=" + mode, "train.out_dir=" + dir + "/" + mode};
+    o.insert(o.end(), optim.begin(), optim.end());
+    return tiny(o);
   };
   const TrainResult off = run(cfg("off"), "cuda");
   const TrainResult dynamic = run(cfg("dynamic"), "cuda");
@@ -281,6 +294,11 @@ TEST(TrainGpu, DynamicLossScaleEqualsOffOnCuda) {
     }
   }
   std::filesystem::remove_all(dir);
+}
+TEST(TrainGpu, DynamicLossScaleEqualsOffOnCuda) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  expect_dynamic_loss_scale_equals_off({});
+  expect_dynamic_loss_scale_equals_off({"optim.name=muon", "optim.ns_precision=nvfp4"});
 }
 
 // GELU computed inside the pass that makes the next GEMM's operand trains tiny bit for bit like the
