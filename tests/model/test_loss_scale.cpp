@@ -88,14 +88,16 @@ std::vector<std::string> recipe_overrides(const std::string& recipe) {
 
 // (1) No overflow: every loss, gradient norm and final weight (and AdamW moment) of `dynamic` is
 // `off`'s, bit for bit, over 10 steps (one test a recipe, so they run in parallel).
-void expect_dynamic_equals_off(const std::string& recipe) {
-  const ScratchDir scratch("fp4sim_ls_equal_" + recipe);
+void expect_dynamic_equals_off(const std::string& recipe,
+                               const std::vector<std::string>& optim = {}) {
+  const ScratchDir scratch("fp4sim_ls_equal_" + recipe + (optim.empty() ? "" : "_optim"));
   std::vector<TrainResult> r;
   std::vector<std::string> outs;
   for (const char* mode : {"off", "dynamic"}) {
     outs.push_back(scratch.path + "/" + mode);
     std::vector<std::string> o = recipe_overrides(recipe);
     o.push_back(std::string("train.loss_scale=") + mode);
+    o.insert(o.end(), optim.begin(), optim.end());
     o.push_back("train.checkpoint_every=10");
     r.push_back(train(micro_run_every_step(outs.back(), o), quiet_options(), *make_cpu_backend()));
   }
@@ -122,6 +124,11 @@ TEST(LossScale, DynamicTrainsBitForBitLikeOffBf16) { expect_dynamic_equals_off("
 TEST(LossScale, DynamicTrainsBitForBitLikeOffNvfp4) { expect_dynamic_equals_off("nvfp4"); }
 TEST(LossScale, DynamicTrainsBitForBitLikeOffFp8) { expect_dynamic_equals_off("fp8"); }
 TEST(LossScale, DynamicTrainsBitForBitLikeOffMxfp4) { expect_dynamic_equals_off("mxfp4"); }
+// Muon's momentum and ROOT's quantile read g = grad * (clip / S): the same bits as without scaling
+TEST(LossScale, DynamicTrainsBitForBitLikeOffMuonAndRoot) {
+  expect_dynamic_equals_off("bf16", {"optim.name=muon"});
+  expect_dynamic_equals_off("nvfp4", {"optim.name=root", "optim.ns_precision=nvfp4"});
+}
 
 // The loss scale reaches every gradient exactly: under 2^16 each gradient element is 2^16 times
 // the unscaled one, bit for bit (NVFP4 with RHT and SR on the gradients), and the loss is the same.
