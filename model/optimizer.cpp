@@ -97,6 +97,13 @@ NewtonSchulz::NewtonSchulz(Backend& be, int64_t max_small, int64_t max_elems, Ns
   qb_row_ = q(max_small * max_small, "Newton–Schulz B (NVFP4)");
 }
 
+size_t NewtonSchulz::bytes() const {
+  size_t b = x_.bytes() + xt_.bytes() + bx_.bytes() + a_.bytes() + at_.bytes() + aa_.bytes();
+  for (const auto* q : {&qx_row_, &qx_col_, &qa_row_, &qa_col_, &qb_row_})
+    if (*q) b += (*q)->bytes();
+  return b;
+}
+
 void NewtonSchulz::run(const TensorView& g, const TensorView& out, const NsOptions& o) {
   const bool tall = g.rows > g.cols;
   const int64_t m = std::min(g.rows, g.cols), n = std::max(g.rows, g.cols);
@@ -294,6 +301,8 @@ void Optimizer::ortho_step(double lr, float grad_scale) {
     }
   }
 }
+
+size_t Optimizer::scratch_bytes() const { return g_.bytes() + (ns_ ? ns_->bytes() : 0); }
 
 void Optimizer::save(TensorMap& out) const {
   Backend& be = model_.backend();

@@ -61,6 +61,9 @@ class NewtonSchulz {
   NsPrecision precision_;
   BackendBuffer x_, xt_, bx_, a_, at_, aa_;  // X, X^T or X's clamped copy, B X, A, A^T, A A / B
   std::unique_ptr<QuantizedCopy> qx_row_, qx_col_, qa_row_, qa_col_, qb_row_;
+
+ public:
+  size_t bytes() const;  // the scratch's
 };
 
 // A sub-matrix of an orthogonalised weight: rows [row0, row0 + rows) of it, all its columns.
@@ -93,6 +96,9 @@ class Optimizer {
   // "AdamW on 16 tensors; muon on 8 weights (12 sub-matrices, NS in fp32)"
   std::string describe() const;
   const std::vector<OrthoTensor>& orthogonalised() const { return ortho_; }
+  // Bytes of the state kept between steps, and of the step's scratch, in the backend's memory.
+  size_t state_bytes() const { return m_.bytes() + v_.bytes(); }
+  size_t scratch_bytes() const;
 
  private:
   void ortho_step(double lr, float grad_scale);

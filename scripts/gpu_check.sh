@@ -129,10 +129,10 @@ if [ "${1:-}" = "kprofile" ]; then
 fi
 
 if [ "${1:-}" = "optim" ]; then
-  ( cd build-gpu && ctest -R "${TESTS:-Optimizer|MuonAndRoot|DynamicLossScale|BitwiseResumeOnCuda}" \
-      --output-on-failure -j1 ) >"$out/ctest_optim.log" 2>&1
+  ( cd build-gpu && ctest -V -R "${TESTS:-Optimizer|MuonAndRoot|DynamicLossScale|BitwiseResumeOnCuda}" \
+      -j1 ) >"$out/ctest_optim.log" 2>&1
   rc=$?
-  grep -E "\[optimizer-gpu\]|worst relative|tests passed|Failed|FAILED" "$out/ctest_optim.log" | head -40
+  grep -E "\[optimizer(-gpu)?\]|worst relative|tests passed|Failed|FAILED" "$out/ctest_optim.log" | head -60
   row "ctest optimizer" "exit $rc, $(grep -E 'tests passed' "$out/ctest_optim.log" | tail -1)"
   build-gpu/bench_optim --runs "${RUNS:-3}" >"$out/bench_optim.txt" 2>"$out/bench_optim.log"
   rc=$?

@@ -247,7 +247,7 @@ TEST(TrainGpu, StatisticsDoNotChangeTraining) {
 // Dynamic loss scaling (DESIGN.md §14) on the CUDA backend: with no overflow, 5 steps of tiny in
 // NVFP4 (exact GEMMs) train bit for bit like train.loss_scale=off: every loss and gradient norm,
 // and the final weights and AdamW moments.
-// (AdamW, and Muon with NVFP4 Newton–Schulz products)
+// (AdamW, and Muon)
 void expect_dynamic_loss_scale_equals_off(const std::vector<std::string>& optim) {
   const std::string dir = temp_dir("loss_scale");
   std::filesystem::remove_all(dir);
@@ -298,7 +298,9 @@ void expect_dynamic_loss_scale_equals_off(const std::vector<std::string>& optim)
 TEST(TrainGpu, DynamicLossScaleEqualsOffOnCuda) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   expect_dynamic_loss_scale_equals_off({});
-  expect_dynamic_loss_scale_equals_off({"optim.name=muon", "optim.ns_precision=nvfp4"});
+  // (Muon with FP32 products: tiny's 128 x 128 matrices take NVFP4 products with clipping out of
+  // the iteration's basin within a few steps, docs/numerics.md; the CPU test covers NVFP4)
+  expect_dynamic_loss_scale_equals_off({"optim.name=muon"});
 }
 
 // GELU computed inside the pass that makes the next GEMM's operand trains tiny bit for bit like the
