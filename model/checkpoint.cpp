@@ -371,6 +371,15 @@ std::string sha256_hex(const void* data, size_t n) {
   return h.hex();
 }
 
+StoredTensor f32_tensor(const float* data, const std::vector<int64_t>& shape, int64_t n) {
+  StoredTensor s;
+  s.dtype = "F32";
+  s.shape = shape;
+  s.bytes.resize(static_cast<size_t>(n) * 4);
+  if (n > 0) std::memcpy(s.bytes.data(), data, s.bytes.size());
+  return s;
+}
+
 int64_t first_nonfinite(const StoredTensor& t) {
   const int64_t w = dtype_bytes(t.dtype);
   uint64_t exponent = 0;  // the all-ones exponent field of the format

@@ -37,6 +37,9 @@ std::string sha256_hex(const void* data, size_t n);
 
 // The index of the first NaN or Inf of a floating-point tensor (F64, F32, F16, BF16); -1 when
 // every element is finite or the dtype is not floating-point.
+// An F32 tensor of `shape` holding the n floats at data (a checkpoint's or a dump's).
+StoredTensor f32_tensor(const float* data, const std::vector<int64_t>& shape, int64_t n);
+
 int64_t first_nonfinite(const StoredTensor& t);
 
 struct Checkpoint {

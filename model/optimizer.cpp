@@ -310,22 +310,14 @@ void Optimizer::save(TensorMap& out) const {
   std::vector<float> hm(n), hv(n);
   be.download(hm.data(), m_.get(), n * 4);
   be.download(hv.data(), v_.get(), n * 4);
-  auto stored = [](const float* p, const std::vector<int64_t>& shape, int64_t count) {
-    StoredTensor s;
-    s.dtype = "F32";
-    s.shape = shape;
-    s.bytes.resize(static_cast<size_t>(count) * 4);
-    std::memcpy(s.bytes.data(), p, s.bytes.size());
-    return s;
-  };
   const std::vector<ParamTensor>& ts = model_.tensors();
   for (size_t i = 0; i < ts.size(); ++i) {
     const ParamTensor& t = ts[i];
     if (is_ortho_[i]) {
-      out[t.name + ".momentum_buffer"] = stored(hm.data() + t.offset, t.shape, t.numel());
+      out[t.name + ".momentum_buffer"] = f32_tensor(hm.data() + t.offset, t.shape, t.numel());
     } else {
-      out[t.name + ".exp_avg"] = stored(hm.data() + t.offset, t.shape, t.numel());
-      out[t.name + ".exp_avg_sq"] = stored(hv.data() + t.offset, t.shape, t.numel());
+      out[t.name + ".exp_avg"] = f32_tensor(hm.data() + t.offset, t.shape, t.numel());
+      out[t.name + ".exp_avg_sq"] = f32_tensor(hv.data() + t.offset, t.shape, t.numel());
     }
   }
 }

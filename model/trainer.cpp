@@ -124,15 +124,6 @@ std::string duration_text(double seconds) {
   return std::to_string(s) + "s";
 }
 
-StoredTensor as_stored(const float* data, const std::vector<int64_t>& shape, int64_t n) {
-  StoredTensor s;
-  s.dtype = "F32";
-  s.shape = shape;
-  s.bytes.resize(static_cast<size_t>(n) * 4);
-  std::memcpy(s.bytes.data(), data, s.bytes.size());
-  return s;
-}
-
 // A --dump file, whole or not at all: written beside its name, then renamed into place.
 void write_dump_file(const std::string& path, const TensorMap& tensors) {
   const std::string staged = staged_path(path);
@@ -595,14 +586,14 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       TensorMap w;
       const std::vector<float> hp = model.params_to_host();
       for (const ParamTensor& t : model.tensors())
-        w[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
+        w[t.name] = f32_tensor(hp.data() + t.offset, t.shape, t.numel());
       write_dump_file(opt.dump_dir + "/weights.safetensors", w);
       TensorMap gr;
       std::vector<float> hg = model.grads_to_host();
       for (float& g : hg) g /= scale;  // (the loss scale's power of two: exact)
       for (const ParamTensor& t : model.tensors())
-        gr[t.name] = as_stored(hg.data() + t.offset, t.shape, t.numel());
-      gr["loss"] = as_stored(&loss, {1}, 1);
+        gr[t.name] = f32_tensor(hg.data() + t.offset, t.shape, t.numel());
+      gr["loss"] = f32_tensor(&loss, {1}, 1);
       write_dump_file(opt.dump_dir + "/step0_grads.safetensors", gr);
       write_whole_file(opt.dump_dir + "/config.json", to_json(c).dump(2) + "\n");
     }
@@ -712,7 +703,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       ck.step = step + 1;
       const std::vector<float> hp = model.params_to_host();
       for (const ParamTensor& t : model.tensors())
-        ck.model[t.name] = as_stored(hp.data() + t.offset, t.shape, t.numel());
+        ck.model[t.name] = f32_tensor(hp.data() + t.offset, t.shape, t.numel());
       optimizer.save(ck.optimizer);
       ck.state = {
           {"data_position", pos},

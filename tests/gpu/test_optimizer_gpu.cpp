@@ -15,6 +15,7 @@
 
 #include "model/optimizer.hpp"
 #include "tests/gpu/gpu_test_util.hpp"
+#include "tests/model/ns_matrices.hpp"
 #include "tools/backends.hpp"
 
 namespace fp4sim::model {
@@ -25,13 +26,7 @@ using Vec = std::vector<float>;
 #define REQUIRE_GPU() \
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU"
 
-Vec randn(size_t n, uint64_t seed, float scale = 1.0f) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  Vec v(n);
-  for (float& x : v) x = d(g);
-  return v;
-}
+Vec randn(size_t n, uint64_t seed, float scale = 1.0f) { return ns_randn(n, seed, scale); }
 
 // A float32 tensor in a backend's memory, filled from the host.
 struct Dev {
@@ -93,17 +88,6 @@ TEST(OptimizerGpu, OpsBitwiseEqualTheEmulator) {
         << R << "x" << C << ": " << norm[0] << " vs " << norm[1];
     for (int k = 0; k < 3; ++k) EXPECT_EQ(std::memcmp(&q[0][k], &q[1][k], 4), 0) << R << "x" << C;
   }
-}
-
-// A gradient-like matrix: a few strong directions over noise.
-Vec momentum_like(int64_t R, int64_t C, uint64_t seed) {
-  Vec g = randn(static_cast<size_t>(R * C), seed, 0.1f);
-  const Vec u = randn(static_cast<size_t>(R * 3), seed + 1),
-            v = randn(static_cast<size_t>(C * 3), seed + 2);
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j)
-      for (int r = 0; r < 3; ++r) g[i * C + j] += u[i * 3 + r] * v[j * 3 + r] / (1.0f + 3.0f * r);
-  return g;
 }
 
 Vec ns_on(Backend& be, const Vec& g, int64_t R, int64_t C, const NsOptions& o) {

@@ -19,6 +19,7 @@
 #include "model/gpt.hpp"
 #include "model/optimizer.hpp"
 #include "model/trainer.hpp"
+#include "tests/model/ns_matrices.hpp"
 #include "tests/model/trainer_fixtures.hpp"
 
 namespace fp4sim::model {
@@ -27,13 +28,7 @@ namespace {
 using emu::CpuBackend;
 using Vec = std::vector<float>;
 
-Vec randn(size_t n, uint64_t seed, float scale = 1.0f) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  Vec v(n);
-  for (float& x : v) x = d(g);
-  return v;
-}
+Vec randn(size_t n, uint64_t seed, float scale = 1.0f) { return ns_randn(n, seed, scale); }
 
 uint32_t bits(float x) {
   uint32_t u;
@@ -189,17 +184,6 @@ std::vector<double> ns_reference_fp64(const Vec& g, int64_t R, int64_t C, NsCoef
 Vec run_ns(Backend& be, Vec g, int64_t R, int64_t C, const NsOptions& o) {
   NewtonSchulz ns(be, std::min(R, C), R * C, o.precision);
   ns.run(host(g, R, C, "g"), host(g, R, C, "g"), o);
-  return g;
-}
-
-// A gradient-like matrix: a few strong directions over noise (singular values spread out).
-Vec momentum_like(int64_t R, int64_t C, uint64_t seed) {
-  Vec g = randn(static_cast<size_t>(R * C), seed, 0.1f);
-  const Vec u = randn(static_cast<size_t>(R * 3), seed + 1),
-            v = randn(static_cast<size_t>(C * 3), seed + 2);
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j)
-      for (int r = 0; r < 3; ++r) g[i * C + j] += u[i * 3 + r] * v[j * 3 + r] / (1.0f + 3.0f * r);
   return g;
 }
 
