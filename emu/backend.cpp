@@ -71,12 +71,13 @@ void check_view(const char* op, const TensorView& v, int64_t rows, int64_t cols,
     fail("is " + shape_str(v.rows, v.cols) + ", expected " + shape_str(rows, cols));
   const bool dtype_ok = (v.dtype == DType::F32 && rule.f32) ||
                         (v.dtype == DType::BF16 && rule.bf16) ||
-                        (v.dtype == DType::I32 && rule.i32);
+                        (v.dtype == DType::I32 && rule.i32) || (v.dtype == DType::U8 && rule.u8);
   if (!dtype_ok) {
     std::string want;
     for (auto [ok, n] : {std::pair<bool, const char*>{rule.f32, "float32"},
                          {rule.bf16, "bfloat16"},
-                         {rule.i32, "int32"}})
+                         {rule.i32, "int32"},
+                         {rule.u8, "uint8"}})
       if (ok) want += std::string(want.empty() ? "" : " or ") + n;
     fail(std::string("is ") + dtype_name(v.dtype) + ", expected " + want);
   }

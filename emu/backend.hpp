@@ -64,6 +64,15 @@ struct Segment {
   int64_t offset = 0, count = 0;
 };
 
+// The encoded Q-AdamW state of a set of tensors (emu/qadamw.hpp), n elements in all, each tensor's
+// part at its state offset: uint8 m_codes, v_codes [1, n/2]; uint8 m_scales, v_scales [1, n/16];
+// BF16 v_mean [1, n/v_tile]; float32 amax [1, 4 * tensors]: tensor i's m and v amax at 2i, 2i + 1
+// (those the stored encoding was made with), and the op's scratch for the new ones after them.
+struct QAdamWState {
+  TensorView m_codes, m_scales, v_codes, v_scales, v_mean, amax;
+  int64_t v_tile = 16;
+};
+
 enum class Capability : uint8_t {
   AttentionHeadDim,    // arg: a head size the attention ops take
   GemmDecodedOperand,  // arg: GemmImpl; gemm reads an FP4 view's decoded_bf16, quantize writes it
@@ -241,6 +250,15 @@ class Backend {
                             const TensorView& grads, const TensorView& m, const TensorView& v,
                             const std::vector<Segment>& segments,
                             const std::vector<AdamWStep>& steps) = 0;
+  // One Q-AdamW step (emu/qadamw.hpp, DESIGN.md §13) on every segment: params and grads as for
+  // adamw_update, the state of segment i at state offset o_i = the counts of the segments before
+  // it (st's arrays hold them in segment order); streams[i] is segment i's SR stream for m. Each
+  // count a multiple of st.v_tile, itself a multiple of 16 (std::invalid_argument otherwise).
+  virtual void qadamw_update(const TensorView& params, const TensorView& params16,
+                             const TensorView& grads, const QAdamWState& st,
+                             const std::vector<Segment>& segments,
+                             const std::vector<AdamWStep>& steps, uint64_t seed,
+                             const std::vector<uint64_t>& streams) = 0;
   // sums[i] = sum of x^2 over segment i, in FP64, in index order (the gradient norm). Synchronous.
   virtual void sum_squares(const TensorView& x, const std::vector<Segment>& segments,
                            double* sums) = 0;
@@ -374,6 +392,7 @@ struct ViewRule {
   bool bf16_values = false;
   bool optional = false;
   bool strided = false;
+  bool u8 = false;
 };
 void check_view(const char* op, const TensorView& v, int64_t rows, int64_t cols,
                 const ViewRule& rule);

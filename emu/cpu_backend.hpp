@@ -77,6 +77,10 @@ class CpuBackend : public Backend {
   void adamw_update(const TensorView& params, const TensorView& params16, const TensorView& grads,
                     const TensorView& m, const TensorView& v, const std::vector<Segment>& segments,
                     const std::vector<AdamWStep>& steps) override;
+  void qadamw_update(const TensorView& params, const TensorView& params16, const TensorView& grads,
+                     const QAdamWState& st, const std::vector<Segment>& segments,
+                     const std::vector<AdamWStep>& steps, uint64_t seed,
+                     const std::vector<uint64_t>& streams) override;
   void sum_squares(const TensorView& x, const std::vector<Segment>& segments,
                    double* sums) override;
   void axpby(const TensorView& out, float a, const TensorView& x, float b,

@@ -13,6 +13,7 @@
 #include "emu/formats.hpp"
 #include "emu/fused.hpp"
 #include "emu/op_checks.hpp"
+#include "emu/qadamw.hpp"
 #include "emu/workspace.hpp"
 
 namespace fp4sim::emu {
@@ -316,15 +317,73 @@ void CpuBackend::adamw_update(const TensorView& params, const TensorView& params
                               const std::vector<Segment>& segments,
                               const std::vector<AdamWStep>& steps) {
   op_checks::adamw_update(params, params16, grads, m, v, segments, steps);
-  float *p = params.as<float>(), *mm = m.as<float>(), *vv = v.as<float>();
+  float* p = params.as<float>();
   const float* g = grads.as<const float>();
   uint16_t* p16 = params16.as<uint16_t>();
+  const bool bf16_state = m.dtype == DType::BF16;  // optim.state = bf16: decode, update, RNE
   for (size_t s = 0; s < segments.size(); ++s) {
     const Segment& sg = segments[s];
     for (int64_t i = sg.offset; i < sg.offset + sg.count; ++i) {
-      adamw_element(p[i], g[i], mm[i], vv[i], steps[s]);
+      if (bf16_state) {
+        uint16_t* m16 = m.as<uint16_t>() + i;
+        uint16_t* v16 = v.as<uint16_t>() + i;
+        float mi = bf16_to_f32(*m16), vi = bf16_to_f32(*v16);
+        adamw_element(p[i], g[i], mi, vi, steps[s]);
+        *m16 = bf16_rne(mi);
+        *v16 = bf16_rne(vi);
+      } else {
+        adamw_element(p[i], g[i], m.as<float>()[i], v.as<float>()[i], steps[s]);
+      }
       if (p16) p16[i] = bf16_rne(p[i]);
     }
+  }
+}
+
+void CpuBackend::qadamw_update(const TensorView& params, const TensorView& params16,
+                               const TensorView& grads, const QAdamWState& st,
+                               const std::vector<Segment>& segments,
+                               const std::vector<AdamWStep>& steps, uint64_t seed,
+                               const std::vector<uint64_t>& streams) {
+  op_checks::qadamw_update(params, params16, grads, st, segments, steps, streams);
+  float* p = params.as<float>();
+  const float* g = grads.as<const float>();
+  uint16_t* p16 = params16.as<uint16_t>();
+  float* amax = st.amax.as<float>();
+  const int64_t T = st.v_tile, nseg = static_cast<int64_t>(segments.size());
+  const int blocks = static_cast<int>(T / 16);
+  int64_t base = 0;  // the segment's state offset
+  for (int64_t s = 0; s < nseg; ++s) {
+    const Segment& sg = segments[s];
+    const int64_t tiles = sg.count / T;
+    auto tile_state = [&](int64_t k) {
+      const int64_t e = base + k * T;
+      return QAdamWTile{st.m_codes.as<uint8_t>() + e / 2, st.m_scales.as<uint8_t>() + e / 16,
+                        st.v_codes.as<uint8_t>() + e / 2, st.v_scales.as<uint8_t>() + e / 16,
+                        st.v_mean.as<uint16_t>() + e / T};
+    };
+    QAdamWAmax a{amax[2 * s], amax[2 * s + 1], 0.0f, 0.0f};
+    // pass 0: the new amaxes (a max is exact in any order; each tile's own in parallel)
+    std::vector<float> tm(tiles), tv(tiles);
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < tiles; ++k)
+      qadamw_tile(false, blocks, p + sg.offset + k * T, g + sg.offset + k * T, tile_state(k), a,
+                  steps[s], seed, streams[s], static_cast<uint64_t>(k * blocks), &tm[k], &tv[k],
+                  nullptr);
+    for (int64_t k = 0; k < tiles; ++k) {
+      a.m_new = fmax_nan_ignored(a.m_new, tm[k]);
+      a.v_new = fmax_nan_ignored(a.v_new, tv[k]);
+    }
+    // pass 1: encode under them, write the parameters
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < tiles; ++k)
+      qadamw_tile(true, blocks, p + sg.offset + k * T, g + sg.offset + k * T, tile_state(k), a,
+                  steps[s], seed, streams[s], static_cast<uint64_t>(k * blocks), nullptr, nullptr,
+                  p16 ? p16 + sg.offset + k * T : nullptr);
+    amax[2 * s] = a.m_new;
+    amax[2 * s + 1] = a.v_new;
+    amax[2 * nseg + 2 * s] = a.m_new;
+    amax[2 * nseg + 2 * s + 1] = a.v_new;
+    base += sg.count;
   }
 }
 

@@ -15,6 +15,8 @@ constexpr ViewRule kAnyOpt{true, true, false, false, true};              // floa
 constexpr ViewRule kAnyMarked{true, true, false, true, false};           // float32 (marked) or BF16
 constexpr ViewRule kI32{false, false, true, false, false};               // int32
 constexpr ViewRule kBf16Opt{false, true, false, false, true};            // BF16 or absent
+constexpr ViewRule kU8{false, false, false, false, false, false, true};  // uint8
+constexpr ViewRule kBf16{false, true, false, false, false};              // BF16
 constexpr ViewRule kF32Strided{true, false, false, false, false, true};  // float32, row stride
 constexpr ViewRule kF32MarkedStrided{true, false, false, true, false, true};  // ... bf16_values ok
 
@@ -238,14 +240,47 @@ void crossentropy_forward_backward(const TensorView& losses, const TensorView& d
 void adamw_update(const TensorView& params, const TensorView& params16, const TensorView& grads,
                   const TensorView& m, const TensorView& v, const std::vector<Segment>& segments,
                   const std::vector<AdamWStep>& steps) {
-  for (const TensorView* t : {&params, &grads, &m, &v})
+  for (const TensorView* t : {&params, &grads})
     check_view("adamw_update", *t, params.rows, params.cols, kF32);
+  // the moments: both float32, or both BF16 (optim.state = bf16)
+  check_view("adamw_update", m, params.rows, params.cols, kAny);
+  check_view("adamw_update", v, params.rows, params.cols, m.dtype == DType::BF16 ? kBf16 : kF32);
   check_view("adamw_update", params16, params.rows, params.cols, kBf16Opt);
   segments_within("adamw_update", params, segments);
   if (steps.size() != segments.size())
     throw std::invalid_argument("adamw_update: " + std::to_string(segments.size()) +
                                 " tensors but " + std::to_string(steps.size()) +
                                 " steps (one a tensor)");
+}
+
+void qadamw_update(const TensorView& params, const TensorView& params16, const TensorView& grads,
+                   const QAdamWState& st, const std::vector<Segment>& segments,
+                   const std::vector<AdamWStep>& steps, const std::vector<uint64_t>& streams) {
+  const char* op = "qadamw_update";
+  check_view(op, params, params.rows, params.cols, kF32);
+  check_view(op, grads, params.rows, params.cols, kF32);
+  check_view(op, params16, params.rows, params.cols, kBf16Opt);
+  segments_within(op, params, segments);
+  if (steps.size() != segments.size() || streams.size() != segments.size())
+    throw std::invalid_argument(std::string(op) + ": " + std::to_string(segments.size()) +
+                                " tensors but " + std::to_string(steps.size()) + " steps and " +
+                                std::to_string(streams.size()) + " streams (one each a tensor)");
+  if (st.v_tile < 16 || st.v_tile % 16 != 0)
+    throw std::invalid_argument(std::string(op) + ": v_tile " + std::to_string(st.v_tile) +
+                                " is not a positive multiple of 16");
+  int64_t n = 0;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    if (segments[s].count % st.v_tile != 0)
+      throw std::invalid_argument(std::string(op) + ": tensor " + std::to_string(s) + " has " +
+                                  std::to_string(segments[s].count) +
+                                  " elements, not a multiple of v_tile " +
+                                  std::to_string(st.v_tile));
+    n += segments[s].count;
+  }
+  for (const TensorView* t : {&st.m_codes, &st.v_codes}) check_view(op, *t, 1, n / 2, kU8);
+  for (const TensorView* t : {&st.m_scales, &st.v_scales}) check_view(op, *t, 1, n / 16, kU8);
+  check_view(op, st.v_mean, 1, n / st.v_tile, kBf16);
+  check_view(op, st.amax, 1, 4 * static_cast<int64_t>(segments.size()), kF32);
 }
 
 void sum_squares(const TensorView& x, const std::vector<Segment>& segments) {

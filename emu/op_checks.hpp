@@ -44,6 +44,9 @@ void crossentropy_forward_backward(const TensorView& losses, const TensorView& d
 void adamw_update(const TensorView& params, const TensorView& params16, const TensorView& grads,
                   const TensorView& m, const TensorView& v, const std::vector<Segment>& segments,
                   const std::vector<AdamWStep>& steps);
+void qadamw_update(const TensorView& params, const TensorView& params16, const TensorView& grads,
+                   const QAdamWState& st, const std::vector<Segment>& segments,
+                   const std::vector<AdamWStep>& steps, const std::vector<uint64_t>& streams);
 void sum_squares(const TensorView& x, const std::vector<Segment>& segments);
 void axpby(const TensorView& out, const TensorView& x, const TensorView& y);
 void transpose(const TensorView& out, const TensorView& x);

@@ -242,6 +242,11 @@ class CudaBackend final : public Backend {
   void adamw_update(const TensorView& params, const TensorView& params16, const TensorView& grads,
                     const TensorView& m, const TensorView& v, const std::vector<Segment>& segments,
                     const std::vector<AdamWStep>& steps) override;
+  // Q-AdamW (gpu/qadamw.cu): one thread a tile, every segment's tiles in one launch a pass.
+  void qadamw_update(const TensorView& params, const TensorView& params16, const TensorView& grads,
+                     const QAdamWState& st, const std::vector<Segment>& segments,
+                     const std::vector<AdamWStep>& steps, uint64_t seed,
+                     const std::vector<uint64_t>& streams) override;
   // One round trip for every segment.
   void sum_squares(const TensorView& x, const std::vector<Segment>& segments,
                    double* sums) override;
@@ -319,9 +324,11 @@ class CudaBackend final : public Backend {
   struct LayersState;
   std::shared_ptr<LayersState> layers_;  // created on first use
   LayersState& layers_state();
-  // adamw_update's launch(es) (gpu/optim.cu); p16 null: no BF16 bits
-  void adamw_many(float* params, uint16_t* p16, const float* grads, float* m, float* v,
-                  const std::vector<Segment>& segments, const std::vector<AdamWStep>& steps);
+  // adamw_update's launch(es) (gpu/optim.cu); p16 null: no BF16 bits; m and v float32, or BF16
+  // bits where bf16_state
+  void adamw_many(float* params, uint16_t* p16, const float* grads, void* m, void* v,
+                  bool bf16_state, const std::vector<Segment>& segments,
+                  const std::vector<AdamWStep>& steps);
   // The matmul family's parts (gpu/matmul.cu): a weight's BF16 GEMM operand (its bits where the
   // view is BF16, else rounded into scratch); matmul_forward and matmul_backward with BF16 views
   // (x16: a BF16 operand made by the caller, in place of inp; src: GELU's fusable backward pass, in

@@ -105,6 +105,7 @@ struct CudaBackend::LayersState {
   training_ops::DeviceScratch sums{"sum_squares partials"};      // sum_squares partials and results
   training_ops::DeviceScratch segments{"sum_squares segments"};  // (offset, count) pairs
   training_ops::DeviceScratch adamw_items{"adamw work items"};   // adamw_update's (AdamWItem)
+  training_ops::DeviceScratch qadamw_segs{"Q-AdamW segments"};   // qadamw_update's table
   // frobenius_norm's row sums (and its result); abs_quantile's keys, sorted keys and CUB's storage
   training_ops::DeviceScratch ns_rows{"Frobenius norm row sums"};
   training_ops::DeviceScratch quantile_keys{"quantile keys"},

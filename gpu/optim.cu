@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cub/device/device_radix_sort.cuh>
+#include <type_traits>
 #include <vector>
 
 #include "emu/op_checks.hpp"
@@ -38,19 +39,32 @@ struct AdamWItem {
   int64_t step;        // index into AdamWSteps
 };
 // p16 (non-null): the BF16 bits of each updated parameter too (bf16_rne: narrow_to_bf16's), 8-byte
-// aligned when `vec`.
-__global__ void adamw_many_kernel(float* params, const float* grads, float* m, float* v,
+// aligned when `vec`. S: the moments' storage, float, or uint16_t for BF16 bits (optim.state =
+// bf16: decoded, updated in FP32, stored RNE; one element at a time).
+template <class S>
+__global__ void adamw_many_kernel(float* params, const float* grads, S* m, S* v,
                                   const AdamWItem* items, AdamWSteps steps, bool vec,
                                   uint16_t* p16) {
   const AdamWItem it = items[blockIdx.x];
   const AdamWStep s = steps.s[it.step];
+  auto one = [&](int64_t i) {
+    if constexpr (std::is_same_v<S, float>) {
+      adamw_element(params[i], grads[i], m[i], v[i], s);
+    } else {
+      float mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
+      adamw_element(params[i], grads[i], mi, vi, s);
+      m[i] = bf16_rne_cvt(mi);
+      v[i] = bf16_rne_cvt(vi);
+    }
+    if (p16) p16[i] = bf16_rne_cvt(params[i]);
+  };
+  if constexpr (!std::is_same_v<S, float>) {
+    for (int64_t i = it.begin + threadIdx.x; i < it.end; i += blockDim.x) one(i);
+    return;
+  }
   const int64_t a4 =
       vec ? (it.begin + 3) / 4 * 4 < it.end ? (it.begin + 3) / 4 * 4 : it.end : it.end;
   const int64_t nv = (it.end - a4) / 4, e4 = a4 + 4 * nv;
-  auto one = [&](int64_t i) {
-    adamw_element(params[i], grads[i], m[i], v[i], s);
-    if (p16) p16[i] = bf16_rne_cvt(params[i]);
-  };
   for (int64_t i = it.begin + threadIdx.x; i < a4; i += blockDim.x) one(i);
   for (int64_t j = threadIdx.x; j < nv; j += blockDim.x) {
     const int64_t i = a4 + 4 * j;
@@ -247,13 +261,13 @@ void CudaBackend::adamw_update(const TensorView& params, const TensorView& param
                                const std::vector<Segment>& segments,
                                const std::vector<AdamWStep>& steps) {
   op_checks::adamw_update(params, params16, grads, m, v, segments, steps);
-  adamw_many(params.as<float>(), params16.as<uint16_t>(), grads.as<const float>(), m.as<float>(),
-             v.as<float>(), segments, steps);
+  adamw_many(params.as<float>(), params16.as<uint16_t>(), grads.as<const float>(), m.data, v.data,
+             m.dtype == DType::BF16, segments, steps);
 }
 
 // adamw_update's launch (p16 null: no BF16 bits); the segments already checked.
-void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, float* m, float* v,
-                             const std::vector<Segment>& segments,
+void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, void* m, void* v,
+                             bool bf16_state, const std::vector<Segment>& segments,
                              const std::vector<AdamWStep>& steps) {
   AdamWSteps distinct{};
   int n_distinct = 0;
@@ -265,7 +279,7 @@ void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, f
     if (k == n_distinct) {
       if (n_distinct == kAdamWSteps) {  // (one launch a segment, each with its own step)
         for (size_t t = 0; t < segments.size(); ++t)
-          adamw_many(params, p16, grads, m, v, {segments[t]}, {steps[t]});
+          adamw_many(params, p16, grads, m, v, bf16_state, {segments[t]}, {steps[t]});
         return;
       }
       distinct.s[n_distinct++] = steps[i];
@@ -291,10 +305,15 @@ void CudaBackend::adamw_many(float* params, uint16_t* p16, const float* grads, f
   if (st.adamw_item_count == 0) return;
   const bool vec =
       aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && quad_aligned(p16);
-  adamw_many_kernel<<<static_cast<unsigned>(st.adamw_item_count), kThreads, 0, stream_>>>(
-      params, grads, m, v,
-      st.adamw_items.get<AdamWItem>(static_cast<size_t>(st.adamw_item_count), stream_), distinct,
-      vec, p16);
+  const unsigned grid = static_cast<unsigned>(st.adamw_item_count);
+  const AdamWItem* items = st.adamw_items.get<AdamWItem>(grid, stream_);
+  if (bf16_state)
+    adamw_many_kernel<uint16_t>
+        <<<grid, kThreads, 0, stream_>>>(params, grads, static_cast<uint16_t*>(m),
+                                         static_cast<uint16_t*>(v), items, distinct, false, p16);
+  else
+    adamw_many_kernel<float><<<grid, kThreads, 0, stream_>>>(
+        params, grads, static_cast<float*>(m), static_cast<float*>(v), items, distinct, vec, p16);
   FP4SIM_CUDA_CHECK_LAUNCH();
 }
 

@@ -89,6 +89,10 @@ template <>
 struct EnumNames<NsPrecision> {
   static constexpr const char* names[] = {"fp32", "bf16", "nvfp4"};
 };
+template <>
+struct EnumNames<OptimState> {
+  static constexpr const char* names[] = {"fp32", "bf16", "nvfp4"};
+};
 
 [[noreturn]] void bad(const std::string& m);
 
@@ -188,7 +192,9 @@ const std::vector<Field>& fields() {
                                        FP4SIM_ENUM_FIELD(optim, name),
                                        FP4SIM_FIELD(optim, momentum),
                                        FP4SIM_ENUM_FIELD(optim, ns_precision),
-                                       FP4SIM_FIELD(optim, ns_clip_quantile)};
+                                       FP4SIM_FIELD(optim, ns_clip_quantile),
+                                       FP4SIM_ENUM_FIELD(optim, state),
+                                       FP4SIM_FIELD(optim, v_tile)};
   return f;
 }
 
@@ -601,6 +607,13 @@ void validate(const RunConfig& c) {
   if (!(o.ns_clip_quantile > 0 && o.ns_clip_quantile <= 1))
     bad("optim.ns_clip_quantile must be within (0, 1] (1: no clipping), got " +
         num(o.ns_clip_quantile));
+  if (o.name == OptimizerName::AdamW && o.ns_precision != NsPrecision::FP32)
+    bad(std::string("optim.ns_precision=") + name_of(o.ns_precision) +
+        " sets the precision of Muon's and ROOT's Newton–Schulz products, and optim.name=adamw "
+        "has none (use optim.name=muon or root, or leave optim.ns_precision at fp32)");
+  if (o.v_tile < 16 || o.v_tile % 16 != 0)
+    bad("optim.v_tile must be a positive multiple of 16 (the NVFP4 block), got " +
+        std::to_string(o.v_tile));
   validate_recipe(c);
 }
 
@@ -693,5 +706,6 @@ const char* name_of(OptimizerName o) {
   return EnumNames<OptimizerName>::names[static_cast<int>(o)];
 }
 const char* name_of(NsPrecision p) { return EnumNames<NsPrecision>::names[static_cast<int>(p)]; }
+const char* name_of(OptimState s) { return EnumNames<OptimState>::names[static_cast<int>(s)]; }
 
 }  // namespace fp4sim::model

@@ -34,6 +34,8 @@ enum class LossScale : uint8_t { Off, Dynamic };
 enum class OptimizerName : uint8_t { AdamW, Muon, Root };
 // optim.ns_precision: the Newton–Schulz products of Muon and ROOT in FP32, BF16 or NVFP4 (Q-Root).
 enum class NsPrecision : uint8_t { FP32, BF16, NVFP4 };
+// optim.state: how AdamW's m and v are stored between steps (DESIGN.md §13; nvfp4 = Q-AdamW).
+enum class OptimState : uint8_t { FP32, BF16, NVFP4 };
 const char* name_of(Activation a);          // gelu_tanh | squared_relu | swiglu
 const char* name_of(NormKind n);            // layernorm | rmsnorm
 const char* name_of(Positions p);           // learned | rope | none
@@ -49,6 +51,7 @@ const char* name_of(Bf16Switch b);          // forward | all
 const char* name_of(LossScale s);           // off | dynamic
 const char* name_of(OptimizerName o);       // adamw | muon | root
 const char* name_of(NsPrecision p);         // fp32 | bf16 | nvfp4
+const char* name_of(OptimState s);          // fp32 | bf16 | nvfp4
 
 struct ModelConfig {
   int64_t vocab = 256;
@@ -164,6 +167,11 @@ struct OptimConfig {
   NsPrecision ns_precision = NsPrecision::FP32;
   // nvfp4 only: the quantized copies of X are clamped to +-quantile(|X|, q) (1 = off)
   double ns_clip_quantile = 0.99;
+  // AdamW's m and v between steps: float32, BF16 (RNE), or NVFP4 (Q-AdamW)
+  OptimState state = OptimState::FP32;
+  // nvfp4: elements per tile of v's BF16 mean of sqrt(v), a multiple of 16 (a tensor whose row
+  // is not a whole number of tiles keeps float32 state)
+  int64_t v_tile = 16;
 };
 
 struct RunConfig {

@@ -184,10 +184,7 @@ bool Gpt::uses_weight_shadow() const {
                                    [](const LinearRecipe& r) { return r.any_quantized(); });
 }
 
-void Gpt::adamw_step(float* m, float* v, const std::vector<Segment>& segments,
-                     const std::vector<AdamWStep>& steps) {
-  float* const w =
-      params();  // (a writable view: the shadow is stale from here unless the step writes it)
+TensorView Gpt::shadow_for_step(const std::vector<Segment>& segments) {
   // the segments, by offset, tile [0, n_params) exactly
   std::vector<std::pair<int64_t, int64_t>> segs;
   for (const Segment& s : segments) segs.emplace_back(s.offset, s.count);
@@ -200,14 +197,29 @@ void Gpt::adamw_step(float* m, float* v, const std::vector<Segment>& segments,
   }
   tiles = tiles && end == static_cast<int64_t>(n_params_);
   const int64_t n = static_cast<int64_t>(n_params_);
-  TensorView p16;
-  if (tiles && uses_weight_shadow() && params16_.bytes() == n_params_ * 2) {
-    p16 = bf16_view(be_, params16_.as<uint16_t>(), 1, n, "parameters (BF16 bits)");
-    shadow_version_ = params_version_;
-  }
+  if (!tiles || !uses_weight_shadow() || params16_.bytes() != n_params_ * 2) return TensorView{};
+  shadow_version_ = params_version_;
+  return bf16_view(be_, params16_.as<uint16_t>(), 1, n, "parameters (BF16 bits)");
+}
+
+void Gpt::adamw_step(const TensorView& m, const TensorView& v, const std::vector<Segment>& segments,
+                     const std::vector<AdamWStep>& steps) {
+  float* const w =
+      params();  // (a writable view: the shadow is stale from here unless the step writes it)
+  const int64_t n = static_cast<int64_t>(n_params_);
+  const TensorView p16 = shadow_for_step(segments);
   be_.adamw_update(f32_view(be_, w, 1, n, "parameters"), p16,
-                   f32_view(be_, grads(), 1, n, "gradients"), f32_view(be_, m, 1, n, "adamw m"),
-                   f32_view(be_, v, 1, n, "adamw v"), segments, steps);
+                   f32_view(be_, grads(), 1, n, "gradients"), m, v, segments, steps);
+}
+
+void Gpt::qadamw_step(const QAdamWState& st, const std::vector<Segment>& segments,
+                      const std::vector<AdamWStep>& steps, uint64_t seed,
+                      const std::vector<uint64_t>& streams) {
+  float* const w = params();
+  const int64_t n = static_cast<int64_t>(n_params_);
+  const TensorView p16 = shadow_for_step(segments);
+  be_.qadamw_update(f32_view(be_, w, 1, n, "parameters"), p16,
+                    f32_view(be_, grads(), 1, n, "gradients"), st, segments, steps, seed, streams);
 }
 
 Gpt::WeightShadow::WeightShadow(Gpt& m) : m_(m) {

@@ -109,11 +109,15 @@ class Gpt {
   }
   const float* params() const { return params_.as<float>(); }
   // One AdamW step over the parameter tensors of `segments` (Backend::adamw_update on params()
-  // and grads(); m and v as many floats as the parameters). Where the BF16 weight shadow is in use
+  // and grads(); m and v [1, n_params], float32 or BF16). Where the BF16 weight shadow is in use
   // and the segments cover every parameter once, the step writes the shadow too (the same bits as
   // the narrowing pass), and the next forward pass makes none.
-  void adamw_step(float* m, float* v, const std::vector<Segment>& segments,
+  void adamw_step(const TensorView& m, const TensorView& v, const std::vector<Segment>& segments,
                   const std::vector<AdamWStep>& steps);
+  // The same for Q-AdamW (Backend::qadamw_update): st holds the segments' encoded state.
+  void qadamw_step(const QAdamWState& st, const std::vector<Segment>& segments,
+                   const std::vector<AdamWStep>& steps, uint64_t seed,
+                   const std::vector<uint64_t>& streams);
   float* grads() const { return grads_.as<float>(); }
   std::vector<float> params_to_host() const;
   void params_from_host(const std::vector<float>& host);
@@ -273,6 +277,9 @@ class Gpt {
   // the pass's start unless the optimizer step wrote them). The BF16 recipe only: every BF16 GEMM
   // reads its weights from them (LinearWeights::weight16).
   BackendBuffer params16_;
+  // The BF16 shadow as a step's params16 where `segments` cover every parameter once and the
+  // shadow is in use (then marked current), else an absent view.
+  TensorView shadow_for_step(const std::vector<Segment>& segments);
   bool shadow_live_ = false;  // a pass is running with params16_ current
   // params() hands out writable views (params_version_ counts them); params16_ holds the bits of
   // the version shadow_version_ (none when it differs: the shadow is remade)

@@ -23,7 +23,8 @@
 
 namespace fp4sim::model {
 
-enum class TensorRole : uint64_t { Activation = 0, Weight = 1, Gradient = 2 };
+// OptimizerState: Q-AdamW's m (DESIGN.md §13), a role no linear layer's copy takes.
+enum class TensorRole : uint64_t { Activation = 0, Weight = 1, Gradient = 2, OptimizerState = 3 };
 
 // The SR stream of one quantized copy, a documented function of where it is used (DESIGN.md §3
 // streams; seed = train.seed):

@@ -366,6 +366,9 @@ class PlanningBackend final : public Backend {
   void adamw_update(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                     const TensorView&, const std::vector<Segment>&,
                     const std::vector<AdamWStep>&) override {}
+  void qadamw_update(const TensorView&, const TensorView&, const TensorView&, const QAdamWState&,
+                     const std::vector<Segment>&, const std::vector<AdamWStep>&, uint64_t,
+                     const std::vector<uint64_t>&) override {}
   void sum_squares(const TensorView&, const std::vector<Segment>& segments, double* sums) override {
     std::fill(sums, sums + segments.size(), 0.0);
   }

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "emu/optim.hpp"
+#include "model/linear.hpp"
 #include "model/memory_plan.hpp"
 #include "model/root_table.hpp"
 
@@ -234,31 +235,142 @@ Optimizer::Optimizer(const RunConfig& c, Gpt& model) : c_(c), model_(model) {
       adamw_segs_.push_back(spans[i]);
       adamw_tensors_.push_back(i);
     }
-  m_ = BackendBuffer(be, n * 4,
-                     {kUseOptimizerState, ortho_.empty() ? "AdamW m" : "AdamW m, momentum"});
-  v_ = BackendBuffer(be, n * 4, {kUseOptimizerState, "AdamW v"});
-  be.zero(m_.get(), n * 4);
-  be.zero(v_.get(), n * 4);
+  const bool fp32_state = c.optim.state == OptimState::FP32;
+  if (fp32_state || !ortho_.empty()) {
+    m_ = BackendBuffer(be, n * 4,
+                       {kUseOptimizerState, ortho_.empty() ? "AdamW m"
+                                            : fp32_state   ? "AdamW m, momentum"
+                                                           : "momentum"});
+    be.zero(m_.get(), n * 4);
+  }
+  if (fp32_state) {
+    v_ = BackendBuffer(be, n * 4, {kUseOptimizerState, "AdamW v"});
+    be.zero(v_.get(), n * 4);
+  }
+  allocate_adamw_state();
   if (!ortho_.empty()) {
     g_ = BackendBuffer(be, static_cast<size_t>(max_tensor) * 4, {kUseOptimizerScratch, "g'"});
     ns_ = std::make_unique<NewtonSchulz>(be, max_small, max_elems, c.optim.ns_precision);
   }
 }
 
+void Optimizer::allocate_adamw_state() {
+  Backend& be = model_.backend();
+  const size_t n = model_.num_params();
+  auto zeroed = [&](size_t bytes, const char* what) {
+    BackendBuffer b(be, bytes, {kUseOptimizerState, what});
+    if (bytes) be.zero(b.get(), bytes);
+    return b;
+  };
+  if (c_.optim.state == OptimState::BF16) {
+    m16_ = zeroed(n * 2, "AdamW m (BF16)");
+    v16_ = zeroed(n * 2, "AdamW v (BF16)");
+  }
+  if (c_.optim.state != OptimState::NVFP4) return;
+  const std::vector<ParamTensor>& ts = model_.tensors();
+  for (size_t i : adamw_tensors_) {
+    const ParamTensor& t = ts[i];
+    if (cols_of(t) % c_.optim.v_tile == 0) {
+      q_tensors_.push_back(i);
+      q_segs_.push_back({static_cast<int64_t>(t.offset), t.numel()});
+      q_elems_ += t.numel();
+    } else {
+      fb_tensors_.push_back(i);
+      fb_offset_.push_back(fb_elems_);
+      fb_elems_ += t.numel();
+    }
+  }
+  const size_t q = static_cast<size_t>(q_elems_);
+  qm_codes_ = zeroed(q / 2, "Q-AdamW m codes");
+  qm_scales_ = zeroed(q / 16, "Q-AdamW m scales");
+  qv_codes_ = zeroed(q / 2, "Q-AdamW v codes");
+  qv_scales_ = zeroed(q / 16, "Q-AdamW v scales");
+  qv_mean_ = zeroed(q / static_cast<size_t>(c_.optim.v_tile) * 2, "Q-AdamW v tile means");
+  q_amax_ = zeroed(q_tensors_.size() * 4 * 4, "Q-AdamW amaxes");
+  fb_m_ = zeroed(static_cast<size_t>(fb_elems_) * 4, "AdamW m (float32, Q-AdamW's others)");
+  fb_v_ = zeroed(static_cast<size_t>(fb_elems_) * 4, "AdamW v (float32, Q-AdamW's others)");
+}
+
+QAdamWState Optimizer::q_state() const {
+  const Device d = model_.backend().device();
+  const int64_t q = q_elems_;
+  QAdamWState st;
+  st.m_codes = view_of(qm_codes_.get(), DType::U8, 1, q / 2, d, "Q-AdamW m codes");
+  st.m_scales = view_of(qm_scales_.get(), DType::U8, 1, q / 16, d, "Q-AdamW m scales");
+  st.v_codes = view_of(qv_codes_.get(), DType::U8, 1, q / 2, d, "Q-AdamW v codes");
+  st.v_scales = view_of(qv_scales_.get(), DType::U8, 1, q / 16, d, "Q-AdamW v scales");
+  st.v_mean =
+      view_of(qv_mean_.get(), DType::BF16, 1, q / c_.optim.v_tile, d, "Q-AdamW v tile means");
+  st.amax = view_of(q_amax_.get(), DType::F32, 1, static_cast<int64_t>(q_tensors_.size()) * 4, d,
+                    "Q-AdamW amaxes");
+  st.v_tile = c_.optim.v_tile;
+  return st;
+}
+
+size_t Optimizer::state_bytes() const {
+  size_t b = 0;
+  for (const BackendBuffer* x : {&m_, &v_, &m16_, &v16_, &qm_codes_, &qm_scales_, &qv_codes_,
+                                 &qv_scales_, &qv_mean_, &fb_m_, &fb_v_})
+    b += x->bytes();
+  return b + q_tensors_.size() * 2 * 4;  // the amaxes kept (the other two a tensor are scratch)
+}
+
 void Optimizer::step(double lr, int64_t t, float grad_scale) {
   const TrainConfig& tc = c_.train;
   if (!adamw_segs_.empty()) {
+    Backend& be = model_.backend();
+    const int64_t n = static_cast<int64_t>(model_.num_params());
     const AdamWStep s = make_adamw_step(static_cast<float>(lr), static_cast<float>(tc.beta1),
                                         static_cast<float>(tc.beta2), static_cast<float>(tc.eps),
                                         static_cast<float>(tc.weight_decay), t, grad_scale);
     // weight decay on matrices only (wte, wpe, the linear weights), not on 1-D tensors (biases,
-    // norm weights), as nanoGPT does; every AdamW tensor in one backend call
+    // norm weights), as nanoGPT does
+    auto step_of = [&](size_t i) {
+      AdamWStep si = s;
+      if (model_.tensors()[i].shape.size() < 2) si.weight_decay = 0.0f;
+      return si;
+    };
     std::vector<AdamWStep> steps;
-    for (size_t i : adamw_tensors_) {
-      steps.push_back(s);
-      if (model_.tensors()[i].shape.size() < 2) steps.back().weight_decay = 0.0f;
+    switch (c_.optim.state) {
+      case OptimState::FP32:  // every AdamW tensor in one backend call
+      case OptimState::BF16: {
+        for (size_t i : adamw_tensors_) steps.push_back(step_of(i));
+        const bool bf = c_.optim.state == OptimState::BF16;
+        const DType dt = bf ? DType::BF16 : DType::F32;
+        model_.adamw_step(view_of(bf ? m16_.get() : m_.get(), dt, 1, n, be.device(), "adamw m"),
+                          view_of(bf ? v16_.get() : v_.get(), dt, 1, n, be.device(), "adamw v"),
+                          adamw_segs_, steps);
+        break;
+      }
+      case OptimState::NVFP4: {
+        if (!q_segs_.empty()) {
+          std::vector<uint64_t> streams;
+          for (size_t i : q_tensors_) {
+            steps.push_back(step_of(i));
+            // m's SR stream: a role no linear layer's copy takes (DESIGN.md §13), the tensor's
+            // index as the layer
+            streams.push_back(
+                sr_stream(t, 0, static_cast<int64_t>(i), 7, TensorRole::OptimizerState, 0));
+          }
+          model_.qadamw_step(q_state(), q_segs_, steps, c_.train.seed, streams);
+        }
+        // the tensors that keep float32 state, one call each on their packed state
+        float* const params = model_.params();
+        for (size_t k = 0; k < fb_tensors_.size(); ++k) {
+          const ParamTensor& pt = model_.tensors()[fb_tensors_[k]];
+          const int64_t cnt = pt.numel();
+          auto at = [&](const void* base, int64_t off, const char* name) {
+            return view_of(static_cast<const float*>(base) + off, DType::F32, 1, cnt, be.device(),
+                           name);
+          };
+          be.adamw_update(
+              at(params, pt.offset, "parameters"), TensorView{},
+              at(model_.grads(), pt.offset, "gradients"), at(fb_m_.get(), fb_offset_[k], "adamw m"),
+              at(fb_v_.get(), fb_offset_[k], "adamw v"), {{0, cnt}}, {step_of(fb_tensors_[k])});
+        }
+        break;
+      }
     }
-    model_.adamw_step(m_.as<float>(), v_.as<float>(), adamw_segs_, steps);
   }
   if (!ortho_.empty()) ortho_step(lr, grad_scale);
 }
@@ -304,57 +416,168 @@ void Optimizer::ortho_step(double lr, float grad_scale) {
 
 size_t Optimizer::scratch_bytes() const { return g_.bytes() + (ns_ ? ns_->bytes() : 0); }
 
+namespace {
+
+StoredTensor stored(const std::string& dtype, std::vector<int64_t> shape, const void* data,
+                    size_t bytes) {
+  StoredTensor t{dtype, std::move(shape), std::vector<uint8_t>(bytes)};
+  if (bytes) std::memcpy(t.bytes.data(), data, bytes);
+  return t;
+}
+
+template <class T>
+std::vector<T> download_all(Backend& be, const BackendBuffer& b) {
+  std::vector<T> h(b.bytes() / sizeof(T));
+  if (b.bytes()) be.download(h.data(), b.get(), b.bytes());
+  return h;
+}
+
+}  // namespace
+
 void Optimizer::save(TensorMap& out) const {
   Backend& be = model_.backend();
-  const size_t n = model_.num_params();
-  std::vector<float> hm(n), hv(n);
-  be.download(hm.data(), m_.get(), n * 4);
-  be.download(hv.data(), v_.get(), n * 4);
   const std::vector<ParamTensor>& ts = model_.tensors();
+  const std::vector<float> hm = download_all<float>(be, m_), hv = download_all<float>(be, v_);
+  const std::vector<uint16_t> hm16 = download_all<uint16_t>(be, m16_),
+                              hv16 = download_all<uint16_t>(be, v16_);
   for (size_t i = 0; i < ts.size(); ++i) {
     const ParamTensor& t = ts[i];
     if (is_ortho_[i]) {
       out[t.name + ".momentum_buffer"] = f32_tensor(hm.data() + t.offset, t.shape, t.numel());
-    } else {
+    } else if (c_.optim.state == OptimState::FP32) {
       out[t.name + ".exp_avg"] = f32_tensor(hm.data() + t.offset, t.shape, t.numel());
       out[t.name + ".exp_avg_sq"] = f32_tensor(hv.data() + t.offset, t.shape, t.numel());
+    } else if (c_.optim.state == OptimState::BF16) {
+      const size_t bytes = static_cast<size_t>(t.numel()) * 2;
+      out[t.name + ".exp_avg"] = stored("BF16", t.shape, hm16.data() + t.offset, bytes);
+      out[t.name + ".exp_avg_sq"] = stored("BF16", t.shape, hv16.data() + t.offset, bytes);
     }
+  }
+  if (c_.optim.state != OptimState::NVFP4) return;
+  const std::vector<uint8_t> mc = download_all<uint8_t>(be, qm_codes_),
+                             ms = download_all<uint8_t>(be, qm_scales_),
+                             vc = download_all<uint8_t>(be, qv_codes_),
+                             vs = download_all<uint8_t>(be, qv_scales_);
+  const std::vector<uint16_t> mean = download_all<uint16_t>(be, qv_mean_);
+  const std::vector<float> amax = download_all<float>(be, q_amax_);
+  const int64_t T = c_.optim.v_tile;
+  int64_t o = 0;  // the tensor's state offset
+  for (size_t k = 0; k < q_tensors_.size(); ++k) {
+    const ParamTensor& t = ts[q_tensors_[k]];
+    const int64_t cnt = t.numel();
+    const std::string& w = t.name;
+    out[w + ".exp_avg.codes"] = stored("U8", {cnt / 2}, mc.data() + o / 2, cnt / 2);
+    out[w + ".exp_avg.scales"] = stored("U8", {cnt / 16}, ms.data() + o / 16, cnt / 16);
+    out[w + ".exp_avg_sq.codes"] = stored("U8", {cnt / 2}, vc.data() + o / 2, cnt / 2);
+    out[w + ".exp_avg_sq.scales"] = stored("U8", {cnt / 16}, vs.data() + o / 16, cnt / 16);
+    out[w + ".exp_avg_sq.tile_mean"] =
+        stored("BF16", {cnt / T}, mean.data() + o / T, static_cast<size_t>(cnt / T) * 2);
+    out[w + ".qadamw_amax"] = stored("F32", {2}, amax.data() + 2 * k, 8);
+    o += cnt;
+  }
+  const std::vector<float> fm = download_all<float>(be, fb_m_), fv = download_all<float>(be, fb_v_);
+  for (size_t k = 0; k < fb_tensors_.size(); ++k) {
+    const ParamTensor& t = ts[fb_tensors_[k]];
+    out[t.name + ".exp_avg"] = f32_tensor(fm.data() + fb_offset_[k], t.shape, t.numel());
+    out[t.name + ".exp_avg_sq"] = f32_tensor(fv.data() + fb_offset_[k], t.shape, t.numel());
   }
 }
 
 void Optimizer::load(const TensorMap& in, const std::string& where) {
-  const size_t n = model_.num_params();
-  std::vector<float> hm(n, 0.0f), hv(n, 0.0f);
+  Backend& be = model_.backend();
   const std::vector<ParamTensor>& ts = model_.tensors();
-  auto take = [&](const std::string& name, float* dst, const ParamTensor& t) {
+  // the named tensor's bytes, refused unless it has this dtype and shape
+  auto take = [&](const std::string& name, const char* dtype, const std::vector<int64_t>& shape,
+                  void* dst, size_t bytes) {
     const auto it = in.find(name);
     if (it == in.end())
       throw std::runtime_error(where + ": optimizer tensor '" + name +
-                               "' missing (optim.name=" + name_of(c_.optim.name) + " reads it)");
-    const StoredTensor& s = it->second;
-    if (s.dtype != "F32" || s.shape != t.shape ||
-        s.bytes.size() != static_cast<size_t>(t.numel()) * 4)
-      throw std::runtime_error(where + ": optimizer tensor '" + name +
-                               "' is not float32 in the parameter's shape");
-    std::memcpy(dst, s.bytes.data(), s.bytes.size());
+                               "' missing (optim.name=" + name_of(c_.optim.name) +
+                               ", optim.state=" + name_of(c_.optim.state) + " reads it)");
+    const StoredTensor& st = it->second;
+    if (st.dtype != dtype || st.shape != shape || st.bytes.size() != bytes) {
+      std::string want;
+      for (int64_t d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
+      throw std::runtime_error(where + ": optimizer tensor '" + name + "' is not " + dtype + " [" +
+                               want + "]");
+    }
+    if (bytes) std::memcpy(dst, st.bytes.data(), bytes);
   };
+  auto upload = [&](const BackendBuffer& b, const void* h) {
+    if (b.bytes()) be.upload(b.get(), h, b.bytes());
+  };
+  std::vector<float> hm(m_.bytes() / 4, 0.0f), hv(v_.bytes() / 4, 0.0f);
+  std::vector<uint16_t> hm16(m16_.bytes() / 2, 0), hv16(v16_.bytes() / 2, 0);
   for (size_t i = 0; i < ts.size(); ++i) {
     const ParamTensor& t = ts[i];
+    const size_t cnt = static_cast<size_t>(t.numel());
     if (is_ortho_[i]) {
-      take(t.name + ".momentum_buffer", hm.data() + t.offset, t);
-    } else {
-      take(t.name + ".exp_avg", hm.data() + t.offset, t);
-      take(t.name + ".exp_avg_sq", hv.data() + t.offset, t);
+      take(t.name + ".momentum_buffer", "F32", t.shape, hm.data() + t.offset, cnt * 4);
+    } else if (c_.optim.state == OptimState::FP32) {
+      take(t.name + ".exp_avg", "F32", t.shape, hm.data() + t.offset, cnt * 4);
+      take(t.name + ".exp_avg_sq", "F32", t.shape, hv.data() + t.offset, cnt * 4);
+    } else if (c_.optim.state == OptimState::BF16) {
+      take(t.name + ".exp_avg", "BF16", t.shape, hm16.data() + t.offset, cnt * 2);
+      take(t.name + ".exp_avg_sq", "BF16", t.shape, hv16.data() + t.offset, cnt * 2);
     }
   }
-  Backend& be = model_.backend();
-  be.upload(m_.get(), hm.data(), n * 4);
-  be.upload(v_.get(), hv.data(), n * 4);
+  upload(m_, hm.data());
+  upload(v_, hv.data());
+  upload(m16_, hm16.data());
+  upload(v16_, hv16.data());
+  if (c_.optim.state != OptimState::NVFP4) return;
+  const int64_t T = c_.optim.v_tile;
+  std::vector<uint8_t> mc(qm_codes_.bytes()), ms(qm_scales_.bytes()), vc(qv_codes_.bytes()),
+      vs(qv_scales_.bytes());
+  std::vector<uint16_t> mean(qv_mean_.bytes() / 2);
+  std::vector<float> amax(q_amax_.bytes() / 4, 0.0f);
+  int64_t o = 0;
+  for (size_t k = 0; k < q_tensors_.size(); ++k) {
+    const ParamTensor& t = ts[q_tensors_[k]];
+    const int64_t cnt = t.numel();
+    const std::string& w = t.name;
+    take(w + ".exp_avg.codes", "U8", {cnt / 2}, mc.data() + o / 2, cnt / 2);
+    take(w + ".exp_avg.scales", "U8", {cnt / 16}, ms.data() + o / 16, cnt / 16);
+    take(w + ".exp_avg_sq.codes", "U8", {cnt / 2}, vc.data() + o / 2, cnt / 2);
+    take(w + ".exp_avg_sq.scales", "U8", {cnt / 16}, vs.data() + o / 16, cnt / 16);
+    take(w + ".exp_avg_sq.tile_mean", "BF16", {cnt / T}, mean.data() + o / T,
+         static_cast<size_t>(cnt / T) * 2);
+    take(w + ".qadamw_amax", "F32", {2}, amax.data() + 2 * k, 8);
+    o += cnt;
+  }
+  upload(qm_codes_, mc.data());
+  upload(qm_scales_, ms.data());
+  upload(qv_codes_, vc.data());
+  upload(qv_scales_, vs.data());
+  upload(qv_mean_, mean.data());
+  upload(q_amax_, amax.data());
+  std::vector<float> fm(fb_m_.bytes() / 4), fv(fb_v_.bytes() / 4);
+  for (size_t k = 0; k < fb_tensors_.size(); ++k) {
+    const ParamTensor& t = ts[fb_tensors_[k]];
+    const size_t cnt = static_cast<size_t>(t.numel());
+    take(t.name + ".exp_avg", "F32", t.shape, fm.data() + fb_offset_[k], cnt * 4);
+    take(t.name + ".exp_avg_sq", "F32", t.shape, fv.data() + fb_offset_[k], cnt * 4);
+  }
+  upload(fb_m_, fm.data());
+  upload(fb_v_, fv.data());
 }
 
 std::string Optimizer::describe() const {
   std::string s = "optimizer " + std::string(name_of(c_.optim.name)) + ": AdamW on " +
                   std::to_string(adamw_tensors_.size()) + " tensors";
+  if (c_.optim.state == OptimState::BF16) s += " (state in BF16)";
+  if (c_.optim.state == OptimState::NVFP4) {
+    s += " (Q-AdamW: state in NVFP4 for " + std::to_string(q_tensors_.size()) + ", v tiles of " +
+         std::to_string(c_.optim.v_tile);
+    if (!fb_tensors_.empty()) {
+      s += "; float32 for " + std::to_string(fb_tensors_.size()) +
+           ", whose rows are not whole tiles:";
+      for (size_t k = 0; k < fb_tensors_.size() && k < 3; ++k)
+        s += " " + model_.tensors()[fb_tensors_[k]].name;
+      if (fb_tensors_.size() > 3) s += " ...";
+    }
+    s += ")";
+  }
   if (ortho_.empty()) return s;
   size_t parts = 0, root_table = 0;
   for (const OrthoTensor& o : ortho_) {

@@ -8,6 +8,9 @@
 // V; in_proj as z, x, B, C, dt; SwiGLU's c_fc as gate, up):
 //   g = grad * grad_scale;  buf = mu * buf + g;  g' = g + mu * buf        (Nesterov, mu 0.95)
 //   X = NS5(g');  p = p * (1 - lr * wd) - (lr * 0.2 * sqrt(max(m, n))) * X
+// AdamW's m and v are stored between steps in float32, BF16 (RNE) or NVFP4 (Q-AdamW,
+// emu/qadamw.hpp), optim.state; a tensor whose row is not a whole number of optim.v_tile keeps
+// float32 state under nvfp4 (describe() counts them).
 // ROOT: NS5 of clamp(g', -eps, eps), eps = quantile(|g'|, 0.9) + 1e-9, with coefficients keyed by
 // the shape (configs/optim/root_ns_coefficients.json; other shapes Muon's).
 // NS5 (NewtonSchulz below): X = g' (transposed when it has more rows than columns) divided by
@@ -88,8 +91,12 @@ class Optimizer {
   // One step with learning rate lr at optimizer step t (1-based: AdamW's bias correction) on the
   // model's gradients times grad_scale (clipping factor / loss scale).
   void step(double lr, int64_t t, float grad_scale);
-  // The state as checkpoint tensors: "<param>.exp_avg", "<param>.exp_avg_sq" (AdamW) and
-  // "<param>.momentum_buffer" (Muon/ROOT), float32 in the parameters' shapes.
+  // The state as checkpoint tensors: "<param>.exp_avg", "<param>.exp_avg_sq" (AdamW; float32, or
+  // BF16 under optim.state=bf16, in the parameter's shape) and "<param>.momentum_buffer"
+  // (Muon/ROOT, float32). Q-AdamW's encoded tensors instead: "<param>.exp_avg.codes",
+  // ".exp_avg.scales", ".exp_avg_sq.codes", ".exp_avg_sq.scales" (U8: packed E2M1 codes, E4M3
+  // scales, 1-D), ".exp_avg_sq.tile_mean" (BF16, one a tile) and ".qadamw_amax" (F32 [2]: m's
+  // and v's).
   void save(TensorMap& out) const;
   // The state from checkpoint tensors (save's names); `where` names the checkpoint in errors.
   void load(const TensorMap& in, const std::string& where);
@@ -97,18 +104,30 @@ class Optimizer {
   std::string describe() const;
   const std::vector<OrthoTensor>& orthogonalised() const { return ortho_; }
   // Bytes of the state kept between steps, and of the step's scratch, in the backend's memory.
-  size_t state_bytes() const { return m_.bytes() + v_.bytes(); }
+  size_t state_bytes() const;
   size_t scratch_bytes() const;
 
  private:
   void ortho_step(double lr, float grad_scale);
+  void allocate_adamw_state();
+  QAdamWState q_state() const;
   const RunConfig& c_;
   Gpt& model_;
   std::vector<OrthoTensor> ortho_;
   std::vector<bool> is_ortho_;       // per parameter tensor
   std::vector<Segment> adamw_segs_;  // the AdamW tensors' spans
   std::vector<size_t> adamw_tensors_;
+  // float32 m and v at the parameters' offsets (optim.state=fp32); Muon/ROOT's momentum in m_
   BackendBuffer m_, v_;
+  BackendBuffer m16_, v16_;  // optim.state=bf16: BF16 m and v at the parameters' offsets
+  // optim.state=nvfp4: the tensors with encoded state (q_segs_: their spans; state offsets in
+  // order) and the others, whose float32 state lies packed in fb_m_ and fb_v_ at fb_offset_
+  std::vector<size_t> q_tensors_, fb_tensors_;
+  std::vector<Segment> q_segs_;
+  std::vector<int64_t> fb_offset_;
+  BackendBuffer qm_codes_, qm_scales_, qv_codes_, qv_scales_, qv_mean_, q_amax_;
+  BackendBuffer fb_m_, fb_v_;
+  int64_t q_elems_ = 0, fb_elems_ = 0;
   BackendBuffer g_;  // Muon/ROOT: one weight's g'
   std::unique_ptr<NewtonSchulz> ns_;
 };

@@ -310,7 +310,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   // the optimizer's state in the backend's memory, beside the parameters
   const size_t n_params = model.num_params();
   Optimizer optimizer(c, model);
-  if (opt.print && c.optim.name != OptimizerName::AdamW)
+  if (opt.print && (c.optim.name != OptimizerName::AdamW || c.optim.state != OptimState::FP32))
     std::printf("%s\n", optimizer.describe().c_str());
   int64_t step0 = 0, pos = 0;
   // loss scaling (DESIGN.md §14): S, its clean-step count and the optimizer's own step count
@@ -358,7 +358,10 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
           differences(was.value("recipe", nlohmann::json::object()), now.at("recipe"), "recipe.");
       for (const std::string& d :
            differences(was.value("optim", nlohmann::json::object()), now.at("optim"), "optim."))
-        if (d.rfind("optim.name:", 0) != 0) changed.push_back(d);  // (a new name is refused below)
+        // (a new name, state or v_tile is refused below)
+        if (d.rfind("optim.name:", 0) != 0 && d.rfind("optim.state:", 0) != 0 &&
+            d.rfind("optim.v_tile:", 0) != 0)
+          changed.push_back(d);
       const nlohmann::json was_train = was.value("train", nlohmann::json::object()),
                            now_train = now.at("train");
       for (const char* k : {"seed", "batch", "grad_accum", "data", "steps", "lr", "min_lr_ratio",
@@ -445,15 +448,28 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                    "loss_scale.skips_in_a_row");
     }
     // the optimizer's state is the one its optimizer writes: another optim.name cannot take it
-    const std::string ck_optim = ck.state.contains("run_config")
-                                     ? ck.state["run_config"]
-                                           .value("optim", nlohmann::json::object())
-                                           .value("name", std::string("adamw"))
-                                     : std::string("adamw");
+    // (nor another optim.state or optim.v_tile: the state is stored in its encoding)
+    const nlohmann::json ck_oc =
+        ck.state.contains("run_config")
+            ? ck.state["run_config"].value("optim", nlohmann::json::object())
+            : nlohmann::json::object();
+    const std::string ck_optim = ck_oc.value("name", std::string("adamw"));
     if (ck_optim != name_of(c.optim.name))
       throw std::invalid_argument(opt.resume + " holds the state of optim.name=" + ck_optim +
                                   "; this run's is optim.name=" + name_of(c.optim.name) +
                                   ": resume with optim.name=" + ck_optim);
+    const std::string ck_state = ck_oc.value("state", std::string("fp32"));
+    const int64_t ck_tile = ck_oc.value("v_tile", int64_t{16});
+    if (ck_state != name_of(c.optim.state) ||
+        (c.optim.state == OptimState::NVFP4 && ck_tile != c.optim.v_tile))
+      throw std::invalid_argument(
+          opt.resume + " holds AdamW's state stored as optim.state=" + ck_state +
+          (ck_state == "nvfp4" ? " (optim.v_tile=" + std::to_string(ck_tile) + ")" : "") +
+          "; this run's is optim.state=" + name_of(c.optim.state) +
+          (c.optim.state == OptimState::NVFP4
+               ? " (optim.v_tile=" + std::to_string(c.optim.v_tile) + ")"
+               : "") +
+          ": resume with the checkpoint's");
     std::vector<float> hp(n_params);
     for (const ParamTensor& t : model.tensors())
       load_stored(ck.model, t.name, hp.data() + t.offset, t.shape, opt.resume);

@@ -17,5 +17,6 @@ void register_train(CLI::App& app);
 void register_golden(CLI::App& app);
 void register_eval_sample(CLI::App& app);
 void register_ns_error(CLI::App& app);
+void register_qadamw_error(CLI::App& app);
 
 }  // namespace fp4sim::cli

@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   fp4sim::cli::register_train(app);
   fp4sim::cli::register_eval_sample(app);
   fp4sim::cli::register_ns_error(app);
+  fp4sim::cli::register_qadamw_error(app);
   fp4sim::cli::register_golden(app);
   fp4sim::cli::register_info(app);
   // an unknown first word is a mistyped command: say so, rather than CLI11's "a subcommand is

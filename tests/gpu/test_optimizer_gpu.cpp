@@ -47,6 +47,21 @@ struct Dev {
   }
 };
 
+// Bytes in a backend's memory, filled from the host (zeros by default).
+struct DevBytes {
+  Backend& be;
+  BackendBuffer buf;
+  size_t n;
+  DevBytes(Backend& b, size_t bytes) : be(b), buf(b, std::max<size_t>(bytes, 1)), n(bytes) {
+    be.zero(buf.get(), std::max<size_t>(bytes, 1));
+  }
+  std::vector<uint8_t> host() const {
+    std::vector<uint8_t> h(n);
+    if (n) be.download(h.data(), buf.get(), n);
+    return h;
+  }
+};
+
 // The first element whose bits differ; every NaN counts as equal to every NaN (a NaN input's
 // payload and sign after an arithmetic op are the hardware's: CPUs and GPUs differ there).
 size_t first_difference(const Vec& a, const Vec& b) {
@@ -88,6 +103,81 @@ TEST(OptimizerGpu, OpsBitwiseEqualTheEmulator) {
         << R << "x" << C << ": " << norm[0] << " vs " << norm[1];
     for (int k = 0; k < 3; ++k) EXPECT_EQ(std::memcmp(&q[0][k], &q[1][k], 4), 0) << R << "x" << C;
   }
+}
+
+// Q-AdamW (emu/qadamw.hpp): 6 steps of three tensors (one with gradients 1e-6 the others') on
+// both backends: parameters, their BF16 bits, every state byte and the amaxes bitwise;
+// and BF16 AdamW state (adamw_update with BF16 moments) bitwise.
+TEST(OptimizerGpu, QAdamWAndBf16StateBitwiseEqualTheEmulator) {
+  REQUIRE_GPU();
+  auto emu = make_backend("emu"), cuda = make_backend("cuda");
+  for (const int64_t T : {int64_t{16}, int64_t{64}}) {
+    const std::vector<Segment> segs{{0, 64 * 768}, {64 * 768, 3072}, {64 * 768 + 3072, 128 * 64}};
+    const int64_t n = 64 * 768 + 3072 + 128 * 64;
+    std::vector<uint8_t> state[2][6];
+    Vec params[2], amax[2], p16[2];
+    Backend* bs[2] = {emu.get(), cuda.get()};
+    for (int b = 0; b < 2; ++b) {
+      Backend& be = *bs[b];
+      Dev p(be, randn(n, 1, 0.05f), 1, n);
+      Dev amx(be, Vec(4 * segs.size(), 0.0f), 1, 4 * static_cast<int64_t>(segs.size()));
+      DevBytes mc(be, n / 2), ms(be, n / 16), vc(be, n / 2), vs(be, n / 16), mean(be, n / T * 2),
+          shadow(be, n * 2);
+      QAdamWState st;
+      st.m_codes = view_of(mc.buf.get(), DType::U8, 1, n / 2, be.device(), "m codes");
+      st.m_scales = view_of(ms.buf.get(), DType::U8, 1, n / 16, be.device(), "m scales");
+      st.v_codes = view_of(vc.buf.get(), DType::U8, 1, n / 2, be.device(), "v codes");
+      st.v_scales = view_of(vs.buf.get(), DType::U8, 1, n / 16, be.device(), "v scales");
+      st.v_mean = view_of(mean.buf.get(), DType::BF16, 1, n / T, be.device(), "v mean");
+      st.amax = amx.view("amax");
+      st.v_tile = T;
+      for (int64_t t = 1; t <= 6; ++t) {
+        Vec gh = randn(n, 10 + t);
+        for (int64_t i = 64 * 768; i < 64 * 768 + 3072; ++i) gh[i] *= 1e-6f;
+        Dev g(be, gh, 1, n);
+        const AdamWStep s0 = make_adamw_step(1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, t, 0.5f);
+        AdamWStep s1 = s0;
+        s1.weight_decay = 0.0f;
+        be.qadamw_update(p.view("params"),
+                         view_of(shadow.buf.get(), DType::BF16, 1, n, be.device(), "p16"),
+                         g.view("grads"), st, segs, {s0, s1, s0}, 99,
+                         {uint64_t(t) << 32 | 3, uint64_t(t) << 32 | 5, uint64_t(t) << 32 | 7});
+      }
+      params[b] = p.host();
+      amax[b] = amx.host();
+      const DevBytes* all[6] = {&mc, &ms, &vc, &vs, &mean, &shadow};
+      for (int k = 0; k < 6; ++k) state[b][k] = all[k]->host();
+    }
+    EXPECT_EQ(first_difference(params[0], params[1]), params[0].size()) << "tile " << T;
+    EXPECT_EQ(first_difference(amax[0], amax[1]), amax[0].size()) << "tile " << T;
+    const char* what[6] = {"m codes", "m scales", "v codes", "v scales", "v means", "BF16 params"};
+    for (int k = 0; k < 6; ++k) EXPECT_TRUE(state[0][k] == state[1][k]) << what[k] << " tile " << T;
+  }
+  // BF16 moments
+  const int64_t n = 100003;
+  Vec params[2];
+  std::vector<uint8_t> mv[2];
+  Backend* bs[2] = {emu.get(), cuda.get()};
+  for (int b = 0; b < 2; ++b) {
+    Backend& be = *bs[b];
+    Dev p(be, randn(n, 4, 0.05f), 1, n);
+    DevBytes m(be, n * 2), v(be, n * 2);
+    for (int64_t t = 1; t <= 3; ++t) {
+      Dev g(be, randn(n, 20 + t), 1, n);
+      be.adamw_update(p.view("params"), TensorView{}, g.view("grads"),
+                      view_of(m.buf.get(), DType::BF16, 1, n, be.device(), "m"),
+                      view_of(v.buf.get(), DType::BF16, 1, n, be.device(), "v"),
+                      {{0, 60000}, {60000, n - 60000}},
+                      {make_adamw_step(1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, t, 1.0f),
+                       make_adamw_step(1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, t, 1.0f)});
+    }
+    params[b] = p.host();
+    mv[b] = m.host();
+    const std::vector<uint8_t> vh = v.host();
+    mv[b].insert(mv[b].end(), vh.begin(), vh.end());
+  }
+  EXPECT_EQ(first_difference(params[0], params[1]), params[0].size());
+  EXPECT_TRUE(mv[0] == mv[1]) << "BF16 moments";
 }
 
 Vec ns_on(Backend& be, const Vec& g, int64_t R, int64_t C, const NsOptions& o) {
