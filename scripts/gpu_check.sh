@@ -17,7 +17,9 @@
 #   optim     build + the optimizer GPU tests (TESTS, a ctest regex, narrows them) + the optimizer
 #             step time on gpt2-124m (tools/bench_optim, RUNS runs, default 3) + Muon runs of small
 #             and gpt2-124m (NS_STEPS steps, default 200; the corpus where data/ was carried) and
-#             `fp4sim ns-error` on their last checkpoints (the Q-Root error by matrix shape)
+#             `fp4sim ns-error` on their last checkpoints (the Q-Root error by matrix shape), AdamW
+#             runs of the same length and `fp4sim qadamw-error` on them (v_tile 16 and 64), and
+#             gpt2-124m's peak device memory with optim.state fp32, bf16 and nvfp4
 #   train     build + the training-speed comparison only (fp4sim cuda vs torch.compile, gpt2-124m)
 #   trace     build + the GPU timelines (CUPTI, tools/cupti_trace.cpp) of a gpt2-124m BF16 run and of
 #             torch.compile, cut into steps: busy vs idle, the largest gaps (validation/trace_gaps.py);
@@ -129,7 +131,7 @@ if [ "${1:-}" = "kprofile" ]; then
 fi
 
 if [ "${1:-}" = "optim" ]; then
-  ( cd build-gpu && ctest -V -R "${TESTS:-Optimizer|MuonAndRoot|DynamicLossScale|BitwiseResumeOnCuda}" \
+  ( cd build-gpu && ctest -V -R "${TESTS:-Optimizer|MuonAndRoot|DynamicLossScale|BitwiseResumeOnCuda|QAdamW}" \
       -j1 ) >"$out/ctest_optim.log" 2>&1
   rc=$?
   grep -E "\[optimizer(-gpu)?\]|worst relative|tests passed|Failed|FAILED" "$out/ctest_optim.log" | head -60
@@ -152,6 +154,27 @@ if [ "${1:-}" = "optim" ]; then
     rc=$?
     cat "$out/ns_$preset.txt"
     row "ns-error $preset (muon, $n steps, $data)" "exit $rc"
+    # Q-AdamW's error on the moments of an AdamW run of the same length
+    rm -rf "runs/qa_$preset"
+    timeout 300 build-gpu/fp4sim train --config "configs/$preset.json" --backend cuda \
+      train.steps="$n" train.warmup=20 train.eval_every=0 train.checkpoint_every="$n" \
+      train.data="$data" train.out_dir="runs/qa_$preset" >"$out/qa_train_$preset.log" 2>&1
+    tail -1 "$out/qa_train_$preset.log"
+    for tile in 16 64; do
+      build-gpu/fp4sim qadamw-error --checkpoint "runs/qa_$preset/checkpoints" --v-tile $tile \
+        --json "$out/qa_${preset}_t$tile.json" >"$out/qa_${preset}_t$tile.txt" 2>"$out/qa_$preset.log"
+      rc=$?
+      cat "$out/qa_${preset}_t$tile.txt"
+      row "qadamw-error $preset (adamw, $n steps, v_tile $tile)" "exit $rc"
+    done
+  done
+  # peak device memory of gpt2-124m training by AdamW state
+  for st in fp32 bf16 nvfp4; do
+    timeout 200 build-gpu/fp4sim train --config configs/gpt2-124m.json --backend cuda \
+      optim.state=$st train.steps=4 train.eval_every=0 train.checkpoint_every=0 \
+      train.data=synthetic train.out_dir="runs/mem_$st" >"$out/mem_$st.log" 2>&1
+    echo "optim.state=$st: $(grep -E 'peak device memory|high-water' "$out/mem_$st.log" | tr '\n' ' ')"
+    row "gpt2-124m optim.state=$st" "$(grep -oE 'high-water marks: [^(]*' "$out/mem_$st.log" | head -1)"
   done
 fi
 

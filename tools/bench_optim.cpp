@@ -70,6 +70,8 @@ int main(int argc, char** argv) {
     auto be = make_backend(backend_name);
     std::vector<Variant> variants = {
         {"adamw", {}},
+        {"adamw bf16 state", {"optim.state=bf16"}},
+        {"q-adamw", {"optim.state=nvfp4"}},
         {"muon fp32", {"optim.name=muon"}},
         {"muon bf16", {"optim.name=muon", "optim.ns_precision=bf16"}},
         {"muon nvfp4 exact", {"optim.name=muon", "optim.ns_precision=nvfp4"}}};
