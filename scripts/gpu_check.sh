@@ -13,7 +13,8 @@
 #             GPU time of a 6-step run per recipe in HPROFILE (default bf16) and bench_ssm
 #   evidence  build + validation/hybrid_evidence.sh (STEPS, default 1500; ONLY; RUN_TIMEOUT), the
 #             runs in runs/hybrid_evidence; their logs, table and plot come back (a run cut by
-#             RUN_TIMEOUT resumes in the next call while the machine is still warm)
+#             RUN_TIMEOUT resumes in the next call while the machine is still warm); EVIDENCE=optim
+#             runs validation/optim_evidence.sh (the optimizers on small, STEPS default 500) instead
 #   optim     build + the optimizer GPU tests (TESTS, a ctest regex, narrows them) + the optimizer
 #             step time on gpt2-124m (tools/bench_optim, RUNS runs, default 3) + Muon runs of small
 #             and gpt2-124m (NS_STEPS steps, default 200; the corpus where data/ was carried) and
@@ -262,14 +263,17 @@ if [ "${1:-}" = "hspeed" ]; then
 fi
 
 if [ "${1:-}" = "evidence" ]; then
-  RUN_TIMEOUT="${RUN_TIMEOUT:-540}" validation/hybrid_evidence.sh "${STEPS:-1500}" runs/hybrid_evidence \
+  # EVIDENCE=optim: validation/optim_evidence.sh (issue 36; STEPS default 500) instead of the hybrid's
+  ev=${EVIDENCE:-hybrid}
+  RUN_TIMEOUT="${RUN_TIMEOUT:-540}" "validation/${ev}_evidence.sh" \
+    "${STEPS:-$([ "$ev" = optim ] && echo 500 || echo 1500)}" "runs/${ev}_evidence" \
     >"$out/evidence.log" 2>&1
   cat "$out/evidence.log" | tail -40
   # the logs, tables and plot come back (not the checkpoints: a later call on the same, still warm
   # machine resumes from them)
-  ( cd runs && find hybrid_evidence -name '*.log' -o -name log.jsonl -o -name 'evidence.*' ) \
+  ( cd runs && find "${ev}_evidence" -name '*.log' -o -name log.jsonl -o -name 'evidence.*' ) \
     | while read -r f; do mkdir -p "$out/$(dirname "$f")"; cp "runs/$f" "$out/$f"; done
-  row "hybrid evidence" "$(grep -c '^done' runs/hybrid_evidence/*.log 2>/dev/null | grep -c ':1$') runs done"
+  row "$ev evidence" "$(grep -c '^done' "runs/${ev}_evidence"/*.log 2>/dev/null | grep -c ':1$') runs done"
 fi
 
 # issue 4 speed: fp4sim on the CUDA backend vs PyTorch (torch.compile, fused AdamW), gpt2-124m,
