@@ -162,15 +162,24 @@ FP4SIM_HD void qadamw_tile(bool encode, int blocks, float* p, const float* grad,
                            uint64_t seed, uint64_t stream, uint64_t chunk0, float* amax_m,
                            float* amax_v, uint16_t* p16) {
   const float mu_old = bf16_to_f32(*t.v_mean);
-  // the tile's mean of sqrt(v), in index order
+  // the tile's mean of sqrt(v), in index order; block 0's update is kept for the loop below (the
+  // others are computed again there: the same arithmetic, the same bits)
   float sum = 0.0f;
+  float p0[kNvfp4Block], m0[kNvfp4Block], v0[kNvfp4Block];
   for (int b = 0; b < blocks; ++b) {
     float pb[kNvfp4Block], m[kNvfp4Block], v[kNvfp4Block];
     FP4SIM_UNROLL
     for (int i = 0; i < kNvfp4Block; ++i) pb[i] = p[16 * b + i];
     qadamw_block_update(t, b, mu_old, a, grad + 16 * b, pb, m, v, s);
     FP4SIM_UNROLL
-    for (int i = 0; i < kNvfp4Block; ++i) sum = fadd_rn(sum, fsqrt_rn(v[i]));
+    for (int i = 0; i < kNvfp4Block; ++i) {
+      sum = fadd_rn(sum, fsqrt_rn(v[i]));
+      if (b == 0) {
+        p0[i] = pb[i];
+        m0[i] = m[i];
+        v0[i] = v[i];
+      }
+    }
   }
   const uint16_t mu_bits = qadamw_tile_mean<Fmt>(sum, 16 * blocks);
   const float mu_new = bf16_to_f32(mu_bits);
@@ -178,9 +187,18 @@ FP4SIM_HD void qadamw_tile(bool encode, int blocks, float* p, const float* grad,
   float am = 0.0f, av = 0.0f;
   for (int b = 0; b < blocks; ++b) {
     float pb[kNvfp4Block], m[kNvfp4Block], v[kNvfp4Block];
-    FP4SIM_UNROLL
-    for (int i = 0; i < kNvfp4Block; ++i) pb[i] = p[16 * b + i];
-    qadamw_block_update(t, b, mu_old, a, grad + 16 * b, pb, m, v, s);
+    if (b == 0) {
+      FP4SIM_UNROLL
+      for (int i = 0; i < kNvfp4Block; ++i) {
+        pb[i] = p0[i];
+        m[i] = m0[i];
+        v[i] = v0[i];
+      }
+    } else {
+      FP4SIM_UNROLL
+      for (int i = 0; i < kNvfp4Block; ++i) pb[i] = p[16 * b + i];
+      qadamw_block_update(t, b, mu_old, a, grad + 16 * b, pb, m, v, s);
+    }
     float ym[kNvfp4Block], yv[kNvfp4Block];
     qadamw_m_transformed(m, ym);
     qadamw_v_transformed(v, mu_new, yv);
