@@ -194,7 +194,8 @@ const std::vector<Field>& fields() {
                                        FP4SIM_ENUM_FIELD(optim, ns_precision),
                                        FP4SIM_FIELD(optim, ns_clip_quantile),
                                        FP4SIM_ENUM_FIELD(optim, state),
-                                       FP4SIM_FIELD(optim, v_tile)};
+                                       FP4SIM_FIELD(optim, v_tile),
+                                       FP4SIM_FIELD(optim, root_table)};
   return f;
 }
 

@@ -172,6 +172,9 @@ struct OptimConfig {
   // nvfp4: elements per tile of v's BF16 mean of sqrt(v), a multiple of 16 (a tensor whose row
   // is not a whole number of tiles keeps float32 state)
   int64_t v_tile = 16;
+  // ROOT's coefficient table: a JSON file as configs/optim/root_ns_coefficients.json ("" = that
+  // file, compiled in)
+  std::string root_table;
 };
 
 struct RunConfig {

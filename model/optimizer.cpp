@@ -4,7 +4,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 
 #include "emu/optim.hpp"
@@ -62,13 +64,81 @@ std::string short_number(double v) {
 
 }  // namespace
 
-std::optional<NsCoefficients> root_table_coefficients(int64_t rows, int64_t cols) {
-  static const nlohmann::json table = nlohmann::json::parse(kRootTableJson);
+RootTable parse_root_table(const std::string& json_text, const std::string& source) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw std::invalid_argument(source + ": not JSON (" + e.what() + ")");
+  }
+  if (!j.is_object() || !j.contains("shapes") || !j.at("shapes").is_array())
+    throw std::invalid_argument(source + ": expected an object with a \"shapes\" array");
+  RootTable t;
+  const nlohmann::json& shapes = j.at("shapes");
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const nlohmann::json& e = shapes[i];
+    const std::string where = source + ": shapes[" + std::to_string(i) + "]";
+    if (!e.is_object()) throw std::invalid_argument(where + " is not an object");
+    for (const auto& [key, value] : e.items())
+      if (key != "min" && key != "max" && key != "a" && key != "b" && key != "c")
+        throw std::invalid_argument(where + ": unknown key '" + key +
+                                    "' (an entry has min, max, a, b, c)");
+    RootTableEntry r;
+    for (const char* key : {"min", "max"}) {
+      if (!e.contains(key))
+        throw std::invalid_argument(where + ": key '" + key + "' missing (a shape key: the " + key +
+                                    " of the matrix's rows and columns)");
+      if (!e.at(key).is_number_integer() || e.at(key).get<int64_t>() < 1)
+        throw std::invalid_argument(where + ": shape key '" + key + "' is " + e.at(key).dump() +
+                                    ", not a positive integer");
+    }
+    r.min = e.at("min").get<int64_t>();
+    r.max = e.at("max").get<int64_t>();
+    if (r.min > r.max)
+      throw std::invalid_argument(where + ": shape key min " + std::to_string(r.min) +
+                                  " is larger than max " + std::to_string(r.max));
+    float* coef[3] = {&r.coef.a, &r.coef.b, &r.coef.c};
+    const char* names[3] = {"a", "b", "c"};
+    for (int k = 0; k < 3; ++k) {
+      if (!e.contains(names[k]) || !e.at(names[k]).is_number() ||
+          !std::isfinite(e.at(names[k]).get<double>()))
+        throw std::invalid_argument(where + ": coefficient '" + names[k] +
+                                    "' missing or not a finite number");
+      *coef[k] = e.at(names[k]).get<float>();
+    }
+    for (const RootTableEntry& o : t)
+      if (o.min == r.min && o.max == r.max)
+        throw std::invalid_argument(where + ": shape (" + std::to_string(r.min) + ", " +
+                                    std::to_string(r.max) + ") is listed twice");
+    t.push_back(r);
+  }
+  return t;
+}
+
+const RootTable& builtin_root_table() {
+  static const RootTable t =
+      parse_root_table(kRootTableJson, "configs/optim/root_ns_coefficients.json (compiled in)");
+  return t;
+}
+
+RootTable load_root_table(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::invalid_argument("optim.root_table: cannot read '" + path + "'");
+  std::stringstream text;
+  text << f.rdbuf();
+  return parse_root_table(text.str(), "optim.root_table " + path);
+}
+
+std::optional<NsCoefficients> root_table_coefficients(const RootTable& t, int64_t rows,
+                                                      int64_t cols) {
   const int64_t lo = std::min(rows, cols), hi = std::max(rows, cols);
-  for (const nlohmann::json& e : table.at("shapes"))
-    if (e.at("min").get<int64_t>() == lo && e.at("max").get<int64_t>() == hi)
-      return NsCoefficients{e.at("a").get<float>(), e.at("b").get<float>(), e.at("c").get<float>()};
+  for (const RootTableEntry& e : t)
+    if (e.min == lo && e.max == hi) return e.coef;
   return std::nullopt;
+}
+
+std::optional<NsCoefficients> root_table_coefficients(int64_t rows, int64_t cols) {
+  return root_table_coefficients(builtin_root_table(), rows, cols);
 }
 
 NewtonSchulz::NewtonSchulz(Backend& be, int64_t max_small, int64_t max_elems, NsPrecision precision)
@@ -211,6 +281,9 @@ Optimizer::Optimizer(const RunConfig& c, Gpt& model) : c_(c), model_(model) {
   const size_t n = model.num_params();
   is_ortho_.assign(ts.size(), false);
   if (c.optim.name != OptimizerName::AdamW) ortho_ = orthogonalised_tensors(model);
+  if (c.optim.name == OptimizerName::Root)
+    root_table_ =
+        c.optim.root_table.empty() ? builtin_root_table() : load_root_table(c.optim.root_table);
   int64_t max_small = 0, max_elems = 0, max_tensor = 0;
   for (const OrthoTensor& o : ortho_) {
     is_ortho_[o.tensor] = true;
@@ -402,7 +475,7 @@ void Optimizer::ortho_step(double lr, float grad_scale) {
         // the soft threshold eps = quantile(|g'|, 0.9) + 1e-9, and the shape's coefficients
         const float eps = fadd_rn(be.abs_quantile(gp, 0.9), 1e-9f);
         be.clamp(gp, gp, eps);
-        if (const std::optional<NsCoefficients> k = root_table_coefficients(p.rows, C))
+        if (const std::optional<NsCoefficients> k = root_table_coefficients(root_table_, p.rows, C))
           ns.coef = *k;
       }
       ns_->run(gp, gp, ns);
@@ -583,7 +656,8 @@ std::string Optimizer::describe() const {
   for (const OrthoTensor& o : ortho_) {
     parts += o.parts.size();
     for (const MatrixPart& p : o.parts)
-      if (root_table_coefficients(p.rows, cols_of(model_.tensors()[o.tensor]))) ++root_table;
+      if (root_table_coefficients(root_table_, p.rows, cols_of(model_.tensors()[o.tensor])))
+        ++root_table;
   }
   s += ", " + std::string(name_of(c_.optim.name)) + " on " + std::to_string(ortho_.size()) +
        " weights (" + std::to_string(parts) + " sub-matrices), Newton–Schulz products in " +

@@ -38,8 +38,25 @@ struct NsCoefficients {
 };
 inline constexpr NsCoefficients kMuonNs{3.4445f, -4.7750f, 2.0315f};
 
-// ROOT's coefficients for a matrix of this shape (the (min, max) of rows and cols), from the
-// compiled-in table; none where the table has no such shape.
+// ROOT's shape-keyed table: coefficients by the (min, max) of a matrix's rows and cols.
+struct RootTableEntry {
+  int64_t min = 0, max = 0;
+  NsCoefficients coef{};
+};
+using RootTable = std::vector<RootTableEntry>;
+// A table from its JSON text ({"shapes": [{"min", "max", "a", "b", "c"}, ...]}, other top-level
+// keys ignored): std::invalid_argument naming `source`, the entry and the key for anything else —
+// a missing or unknown key, min or max not a positive integer, min > max, a coefficient that is not
+// a finite number, a shape listed twice.
+RootTable parse_root_table(const std::string& json_text, const std::string& source);
+// The compiled-in table (configs/optim/root_ns_coefficients.json), or the file optim.root_table
+// names.
+const RootTable& builtin_root_table();
+RootTable load_root_table(const std::string& path);
+// The table's coefficients for a matrix of this shape; none where it has no such shape.
+std::optional<NsCoefficients> root_table_coefficients(const RootTable& t, int64_t rows,
+                                                      int64_t cols);
+// ... from the compiled-in table.
 std::optional<NsCoefficients> root_table_coefficients(int64_t rows, int64_t cols);
 
 struct NsOptions {
@@ -114,7 +131,8 @@ class Optimizer {
   const RunConfig& c_;
   Gpt& model_;
   std::vector<OrthoTensor> ortho_;
-  std::vector<bool> is_ortho_;       // per parameter tensor
+  RootTable root_table_;        // ROOT's coefficients (the compiled-in table or optim.root_table's)
+  std::vector<bool> is_ortho_;  // per parameter tensor
   std::vector<Segment> adamw_segs_;  // the AdamW tensors' spans
   std::vector<size_t> adamw_tensors_;
   // float32 m and v at the parameters' offsets (optim.state=fp32); Muon/ROOT's momentum in m_

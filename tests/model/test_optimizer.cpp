@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <tuple>
@@ -388,6 +390,49 @@ TEST(OptimizerTraining, ResumeWithAnotherOptimizerIsAnError) {
     EXPECT_NE(std::string(e.what()).find("resume with optim.name=adamw"), std::string::npos)
         << e.what();
   }
+}
+
+TEST(NewtonSchulz, RootTableFileIsCheckedAndUsed) {
+  auto refused = [](const std::string& text, const std::string& needle) {
+    try {
+      parse_root_table(text, "t.json");
+      ADD_FAILURE() << "expected an error for " << text;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused("{", "t.json: not JSON");
+  refused("{\"shape\": []}", "\"shapes\" array");
+  refused("{\"shapes\": [{\"min\": 32, \"max\": 16, \"a\": 3, \"b\": -4, \"c\": 2}]}",
+          "shapes[0]: shape key min 32 is larger than max 16");
+  refused("{\"shapes\": [{\"min\": \"32\", \"max\": 64, \"a\": 3, \"b\": -4, \"c\": 2}]}",
+          "shape key 'min' is \"32\", not a positive integer");
+  refused("{\"shapes\": [{\"min\": 32, \"a\": 3, \"b\": -4, \"c\": 2}]}", "key 'max' missing");
+  refused("{\"shapes\": [{\"min\": 32, \"max\": 32, \"rows\": 1, \"a\": 3, \"b\": -4, \"c\": 2}]}",
+          "unknown key 'rows'");
+  refused("{\"shapes\": [{\"min\": 32, \"max\": 32, \"a\": 3, \"b\": -4}]}",
+          "coefficient 'c' missing");
+  refused(
+      "{\"shapes\": [{\"min\": 8, \"max\": 8, \"a\": 3, \"b\": -4, \"c\": 2}, "
+      "{\"min\": 8, \"max\": 8, \"a\": 3, \"b\": -4, \"c\": 2}]}",
+      "shapes[1]: shape (8, 8) is listed twice");
+  EXPECT_EQ(builtin_root_table().size(), 4u);
+  // a user table: micro_run's 32 x 32 sub-matrices (q, k, v, attn.c_proj) take its coefficients
+  const ScratchDir scratch("fp4sim_root_table");
+  const std::string path = scratch.path + "/root.json";
+  std::filesystem::create_directories(scratch.path);
+  {
+    std::ofstream f(path);
+    f << "{\"shapes\": [{\"min\": 32, \"max\": 32, \"a\": 3.0, \"b\": -3.2, \"c\": 1.2}]}";
+  }
+  CpuBackend be;
+  const RunConfig c = micro_run("unused", {"optim.name=root", "optim.root_table=" + path});
+  Gpt model(c.model, be);
+  const Optimizer opt(c, model);
+  EXPECT_NE(opt.describe().find("ROOT's table has coefficients for 8 of them"), std::string::npos)
+      << opt.describe();
+  const RunConfig bad = micro_run("unused", {"optim.name=root", "optim.root_table=/nonexistent"});
+  EXPECT_THROW(Optimizer(bad, model), std::invalid_argument);
 }
 
 TEST(OptimizerTraining, Nvfp4ProductsNeedSixteenBlocks) {
