@@ -12,6 +12,7 @@
 
 #include "emu/contract.hpp"
 #include "tools/backends.hpp"
+#include "tools/convert_values.hpp"
 #include "tools/quantize_options.hpp"
 
 #ifndef FP4SIM_VERSION
@@ -115,6 +116,90 @@ py::dict quantize(const py::array& x, const std::string& format, bool block_2d, 
   return out;
 }
 
+// A C-contiguous array of dtype T with `shape` (TypeError / ValueError naming `name`).
+template <class T>
+const T* checked(const py::array& a, const char* fn, const char* name, const char* want,
+                 const std::vector<py::ssize_t>& shape) {
+  const std::string n = std::string("fp4sim.") + fn + ": " + name;
+  if (!a.dtype().is(py::dtype::of<T>()))
+    throw py::type_error(n + ": dtype " + py::str(a.dtype()).cast<std::string>() + ", expected " +
+                         want);
+  if (!(a.flags() & py::array::c_style))
+    throw py::value_error(n + ": the array is not C-contiguous");
+  std::vector<py::ssize_t> got(a.shape(), a.shape() + a.ndim());
+  if (got != shape) {
+    auto str = [](const std::vector<py::ssize_t>& v) {
+      std::string r = "(";
+      for (size_t i = 0; i < v.size(); ++i) r += (i ? ", " : "") + std::to_string(v[i]);
+      return r + (v.size() == 1 ? ",)" : ")");
+    };
+    throw py::value_error(n + ": shape " + str(got) + ", expected " + str(shape));
+  }
+  return static_cast<const T*>(a.data());
+}
+
+// The dequantized float32 [rows, cols] of a copy's codes, scales and amax (the layout quantize
+// returns), as `fp4sim quantize` computes its dequant file.
+py::array_t<float> dequantize(const py::array& codes, const py::array& scales,
+                              const py::array& amax, const std::string& format, bool four_over_six,
+                              const py::object& backend) {
+  QuantizedHost q;
+  const QFormat f = format == "nvfp4"   ? QFormat::NVFP4
+                    : format == "mxfp4" ? QFormat::MXFP4
+                    : format == "fp8"   ? QFormat::FP8
+                                        : throw py::value_error("fp4sim.dequantize: format '" +
+                                                                format + "' (nvfp4, mxfp4 or fp8)");
+  if (four_over_six && f != QFormat::NVFP4)
+    throw py::value_error("fp4sim.dequantize: four_over_six applies to nvfp4 only");
+  if (codes.ndim() != 2) throw py::value_error("fp4sim.dequantize: codes: expected a 2-D array");
+  const py::ssize_t R = codes.shape(0), C = f == QFormat::FP8 ? codes.shape(1) : 2 * codes.shape(1);
+  q.resize(R, C, f, four_over_six);
+  const py::ssize_t blocks = C / q.block_size();
+  if (C % q.block_size() != 0)
+    throw py::value_error("fp4sim.dequantize: codes: " + std::to_string(C) +
+                          " columns are not a multiple of the " + format + " block");
+  const uint8_t* c = checked<uint8_t>(codes, "dequantize", "codes", "uint8", {R, codes.shape(1)});
+  std::memcpy(q.codes.data(), c, q.codes.size());
+  if (f == QFormat::FP8) {
+    const float* sc = checked<float>(scales, "dequantize", "scales", "float32", {R, blocks});
+    std::memcpy(q.scales.data(), sc, q.scales.size());
+  } else {
+    const uint8_t* sc = checked<uint8_t>(scales, "dequantize", "scales", "uint8", {R, blocks});
+    std::memcpy(q.scales.data(), sc, q.scales.size());
+  }
+  q.amax = *checked<float>(amax, "dequantize", "amax", "float32", {1});
+  auto be = make_backend(backend.is_none() ? default_backend_name() : backend.cast<std::string>());
+  std::vector<float> deq;
+  {
+    py::gil_scoped_release release;
+    deq = dequantize_to_host(*be, q);
+  }
+  return to_numpy(deq.data(), {R, C});
+}
+
+// fp4sim convert: float32 -> codes (uint8; uint16 BF16 bits for bf16), or codes -> float32.
+py::array convert(const py::array& x, const std::string& format, bool decode) {
+  std::vector<py::ssize_t> shape(x.shape(), x.shape() + x.ndim());
+  size_t n = 1;
+  for (py::ssize_t d : shape) n *= static_cast<size_t>(d);
+  try {
+    if (!decode) {
+      const float* in = checked<float>(x, "convert", "x", "float32", shape);
+      const std::vector<uint8_t> o = cli::encode_values(format, in, n);
+      if (format == "bf16") return to_numpy(reinterpret_cast<const uint16_t*>(o.data()), shape);
+      return to_numpy(o.data(), shape);
+    }
+    const uint8_t* in = format == "bf16"
+                            ? reinterpret_cast<const uint8_t*>(
+                                  checked<uint16_t>(x, "convert", "x", "uint16 (BF16 bits)", shape))
+                            : checked<uint8_t>(x, "convert", "x", "uint8 codes", shape);
+    const std::vector<float> o = cli::decode_values(format, in, n, "x");
+    return to_numpy(o.data(), shape);
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(std::string("fp4sim.convert: ") + e.what());
+  }
+}
+
 py::dict info() {
   py::dict d;
   d["version"] = FP4SIM_VERSION;
@@ -142,6 +227,15 @@ PYBIND11_MODULE(_fp4sim, m) {
         py::arg("backend") = py::none(),
         "Quantize a 2-D float32 (or bfloat16-as-uint16) array as `fp4sim quantize` does; returns "
         "a dict of codes, scales, amax, dequant (numpy arrays) and meta (the CLI's meta.json)");
+  m.def("dequantize", &fp4sim::dequantize, py::arg("codes"), py::arg("scales"), py::arg("amax"),
+        py::kw_only(), py::arg("format") = "nvfp4", py::arg("four_over_six") = false,
+        py::arg("backend") = py::none(),
+        "Dequantize a copy's codes, scales and amax (quantize's layout) to float32, as "
+        "`fp4sim quantize` writes its dequant file");
+  m.def("convert", &fp4sim::convert, py::arg("x"), py::kw_only(), py::arg("format"),
+        py::arg("decode") = false,
+        "fp4sim convert: float32 -> codes (e2m1, e4m3, e5m2, bf16, ue8m0_rz, ue8m0_rp), or with "
+        "decode=True codes -> float32 (e2m1, e4m3, e5m2, bf16, ue8m0)");
   m.def("info", &fp4sim::info, "Version, contract_version and the backends of this build");
   m.attr("contract_version") = fp4sim::kContractVersion;
 }

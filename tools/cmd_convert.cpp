@@ -4,8 +4,8 @@
 
 #include <stdexcept>
 
-#include "emu/formats.hpp"
 #include "tools/commands.hpp"
+#include "tools/convert_values.hpp"
 #include "tools/npy.hpp"
 
 namespace fp4sim::cli {
@@ -25,55 +25,18 @@ void run_convert(const ConvertArgs& a) {
   if (!a.decode) {
     if (in.dtype != "<f4")
       throw std::runtime_error(a.input + ": dtype '" + in.dtype + "', expected float32 ('<f4')");
-    const float* x = reinterpret_cast<const float*>(in.bytes.data());
-    if (a.format == "bf16") {
-      std::vector<uint16_t> o(n);
-      for (size_t i = 0; i < n; ++i) o[i] = bf16_rne(x[i]);
-      io::write_npy_u16(out.stage(a.output), o.data(), in.shape);
-    } else {
-      std::vector<uint8_t> o(n);
-      for (size_t i = 0; i < n; ++i) {
-        if (a.format == "e2m1")
-          o[i] = e2m1_rn_satfinite(x[i]);
-        else if (a.format == "e4m3")
-          o[i] = e4m3_rn_satfinite(x[i]);
-        else if (a.format == "e5m2")
-          o[i] = e5m2_rn_satfinite(x[i]);
-        else if (a.format == "ue8m0_rz")
-          o[i] = ue8m0_rz_satfinite(x[i]);
-        else if (a.format == "ue8m0_rp")
-          o[i] = ue8m0_rp_satfinite(x[i]);
-        else
-          throw std::invalid_argument("--format: '" + a.format + "' cannot encode");
-      }
+    const std::vector<uint8_t> o =
+        encode_values(a.format, reinterpret_cast<const float*>(in.bytes.data()), n);
+    if (a.format == "bf16")
+      io::write_npy_u16(out.stage(a.output), reinterpret_cast<const uint16_t*>(o.data()), in.shape);
+    else
       io::write_npy_u8(out.stage(a.output), o.data(), in.shape);
-    }
   } else {
     const bool wide = a.format == "bf16";
     if (in.dtype != (wide ? "<u2" : "|u1"))
       throw std::runtime_error(a.input + ": dtype '" + in.dtype + "', expected " +
                                (wide ? "uint16 ('<u2')" : "uint8 ('|u1')") + " codes");
-    std::vector<float> o(n);
-    for (size_t i = 0; i < n; ++i) {
-      if (wide) {
-        o[i] = bf16_to_f32(reinterpret_cast<const uint16_t*>(in.bytes.data())[i]);
-        continue;
-      }
-      const uint8_t c = in.bytes[i];
-      if (a.format == "e2m1") {
-        if (c > 15)
-          throw std::runtime_error(a.input + ": E2M1 code " + std::to_string(c) + " > 15");
-        o[i] = e2m1_to_f32(c);
-      } else if (a.format == "e4m3")
-        o[i] = e4m3_to_f32(c);
-      else if (a.format == "e5m2")
-        o[i] = e5m2_to_f32(c);
-      else if (a.format == "ue8m0")
-        o[i] = ue8m0_to_f32(c);
-      else
-        throw std::invalid_argument("--format: '" + a.format +
-                                    "' cannot decode (use e2m1, e4m3, e5m2, bf16 or ue8m0)");
-    }
+    const std::vector<float> o = decode_values(a.format, in.bytes.data(), n, a.input);
     io::write_npy_f32(out.stage(a.output), o.data(), in.shape);
   }
   out.commit();

@@ -3,11 +3,13 @@
     import numpy as np, fp4sim
     q = fp4sim.quantize(np.random.randn(128, 256).astype(np.float32), format="nvfp4", block_2d=True)
     q["codes"], q["scales"], q["amax"], q["dequant"], q["meta"]
+    x = fp4sim.dequantize(q["codes"], q["scales"], q["amax"], format="nvfp4")  # == q["dequant"]
+    fp4sim.convert(np.float32([0.3, 7.0]), format="e2m1")  # codes, as `fp4sim convert`
 
 The keyword arguments are the `fp4sim quantize` flags (format, block_2d, columnwise, rht, sr, seed,
 stream, four_over_six, error, mx_rule, backend); the results are the bits the CLI writes (tested in
 tests/python). docs/python.md has the API and what is not there yet.
 """
-from ._fp4sim import contract_version, info, quantize  # noqa: F401
+from ._fp4sim import contract_version, convert, dequantize, info, quantize  # noqa: F401
 
-__all__ = ["quantize", "info", "contract_version"]
+__all__ = ["quantize", "dequantize", "convert", "info", "contract_version"]

@@ -1,4 +1,4 @@
-"""fp4sim.quantize against `fp4sim quantize`: the same bits for every option, and clear errors.
+"""fp4sim.quantize, dequantize and convert against the CLI: the same bits for every option, and clear errors.
 
 Run by ctest (python.quantize) with PYTHONPATH at the build's python/ folder and FP4SIM_CLI the
 CLI binary; on the emulator backend (the CLI's default would pick CUDA on a GPU machine).
@@ -100,3 +100,54 @@ def test_bad_arrays_are_named(x, exc, words):
 def test_bad_options_are_named(kwargs, words):
     with pytest.raises(ValueError, match=words):
         fp4sim.quantize(np.zeros((16, 32), np.float32), **kwargs)
+
+
+@pytest.mark.parametrize("name,flags,kwargs,dtype", CASES, ids=[c[0] for c in CASES])
+def test_dequantize_gives_the_cli_dequant(name, flags, kwargs, dtype, tmp_path):
+    x = sample(dtype)
+    cli = run_cli(x, flags, tmp_path)
+    fmt = kwargs.get("format", "nvfp4")
+    got = fp4sim.dequantize(cli["codes"], cli["scales"], cli["amax"], format=fmt,
+                            four_over_six=kwargs.get("four_over_six", False), backend="emu")
+    assert got.dtype == np.float32 and got.shape == cli["dequant"].shape
+    assert got.tobytes() == cli["dequant"].tobytes(), f"{name}: dequantize differs from the CLI's"
+
+
+def test_dequantize_bad_input_is_named():
+    q = fp4sim.quantize(np.ones((16, 32), np.float32), backend="emu")
+    with pytest.raises(ValueError, match="scales: shape"):
+        fp4sim.dequantize(q["codes"], np.ascontiguousarray(q["scales"][:, :1]), q["amax"], backend="emu")
+    with pytest.raises(TypeError, match="amax: dtype float64"):
+        fp4sim.dequantize(q["codes"], q["scales"], q["amax"].astype(np.float64), backend="emu")
+    with pytest.raises(ValueError, match="format 'nvfp8'"):
+        fp4sim.dequantize(q["codes"], q["scales"], q["amax"], format="nvfp8", backend="emu")
+
+
+CONVERT = ["e2m1", "e4m3", "e5m2", "bf16", "ue8m0_rz", "ue8m0_rp"]
+
+
+@pytest.mark.parametrize("fmt", CONVERT)
+def test_convert_is_the_cli_convert(fmt, tmp_path):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(4099) * np.exp(3 * rng.standard_normal(4099))).astype(np.float32)
+    x[:6] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40]
+    np.save(tmp_path / "x.npy", x)
+    subprocess.run([CLI, "convert", str(tmp_path / "x.npy"), str(tmp_path / "c.npy"), "--format", fmt],
+                   check=True, capture_output=True)
+    codes = fp4sim.convert(x, format=fmt)
+    cli = np.load(tmp_path / "c.npy")
+    assert codes.dtype == cli.dtype and codes.tobytes() == cli.tobytes(), fmt
+    dec = "ue8m0" if fmt.startswith("ue8m0") else fmt
+    subprocess.run([CLI, "convert", str(tmp_path / "c.npy"), str(tmp_path / "d.npy"), "--format", dec,
+                    "--decode"], check=True, capture_output=True)
+    back = fp4sim.convert(codes, format=dec, decode=True)
+    assert back.tobytes() == np.load(tmp_path / "d.npy").tobytes(), fmt
+
+
+def test_convert_bad_input_is_named():
+    with pytest.raises(TypeError, match="x: dtype float64"):
+        fp4sim.convert(np.zeros(4), format="e4m3")
+    with pytest.raises(ValueError, match="cannot encode"):
+        fp4sim.convert(np.zeros(4, np.float32), format="ue8m0")
+    with pytest.raises(ValueError, match="E2M1 code 16 > 15"):
+        fp4sim.convert(np.uint8([1, 16]), format="e2m1", decode=True)
