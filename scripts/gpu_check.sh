@@ -172,7 +172,7 @@ if [ "${1:-}" = "optim" ]; then
   # peak device memory of gpt2-124m training by AdamW state
   for st in fp32 bf16 nvfp4; do
     timeout 200 build-gpu/fp4sim train --config configs/gpt2-124m.json --backend cuda \
-      optim.state=$st train.steps=4 train.eval_every=0 train.checkpoint_every=0 \
+      optim.state=$st train.steps=4 train.warmup=1 train.eval_every=0 train.checkpoint_every=0 \
       train.data=synthetic train.out_dir="runs/mem_$st" >"$out/mem_$st.log" 2>&1
     echo "optim.state=$st: $(grep -E 'peak device memory|high-water' "$out/mem_$st.log" | tr '\n' ' ')"
     row "gpt2-124m optim.state=$st" "$(grep -oE 'high-water marks: [^(]*' "$out/mem_$st.log" | head -1)"

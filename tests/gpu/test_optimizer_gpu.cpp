@@ -229,9 +229,11 @@ TEST(OptimizerGpu, NewtonSchulzWithinBoundsOfTheEmulator) {
     GemmImpl impl;
     double budget1, budget5;
   };
+  // (measured on the H200, 2026-12-03: fp32 3.2e-7 / 1.6e-6; bf16 and nvfp4 cuBLASLt 0 for both:
+  // these products' terms span few binades, so their FP32 sums are exact in any order)
   for (const Case& k : {Case{"fp32", NsPrecision::FP32, GemmImpl::Exact, 1e-5, 1e-4},
-                        Case{"bf16", NsPrecision::BF16, GemmImpl::Exact, 1e-2, 5e-2},
-                        Case{"nvfp4 cublaslt", NsPrecision::NVFP4, GemmImpl::CublasLt, 5e-2, 1.0}})
+                        Case{"bf16", NsPrecision::BF16, GemmImpl::Exact, 1e-5, 1e-4},
+                        Case{"nvfp4 cublaslt", NsPrecision::NVFP4, GemmImpl::CublasLt, 1e-5, 1e-4}})
     for (const int its : {1, 5}) {
       NsOptions oe, oc;
       oe.precision = oc.precision = k.p;
