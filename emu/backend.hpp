@@ -67,9 +67,10 @@ struct Segment {
 // The encoded Q-AdamW state of a set of tensors (emu/qadamw.hpp), n elements in all, each tensor's
 // part at its state offset: uint8 m_codes, v_codes [1, n/2]; uint8 m_scales, v_scales [1, n/16];
 // BF16 v_mean [1, n/v_tile]; float32 amax [1, 4 * tensors]: tensor i's m and v amax at 2i, 2i + 1
-// (those the stored encoding was made with), and the op's scratch for the new ones after them.
+// (those the stored encoding was made with), and the op's scratch for the new ones after them;
+// BF16 v_floor [1, n/v_tile] the tiles' floors of v̂ (optim.v_floor = tile_min), or absent.
 struct QAdamWState {
-  TensorView m_codes, m_scales, v_codes, v_scales, v_mean, amax;
+  TensorView m_codes, m_scales, v_codes, v_scales, v_mean, amax, v_floor;
   int64_t v_tile = 16;
 };
 

@@ -357,9 +357,12 @@ void CpuBackend::qadamw_update(const TensorView& params, const TensorView& param
     const int64_t tiles = sg.count / T;
     auto tile_state = [&](int64_t k) {
       const int64_t e = base + k * T;
-      return QAdamWTile{st.m_codes.as<uint8_t>() + e / 2, st.m_scales.as<uint8_t>() + e / 16,
-                        st.v_codes.as<uint8_t>() + e / 2, st.v_scales.as<uint8_t>() + e / 16,
-                        st.v_mean.as<uint16_t>() + e / T};
+      return QAdamWTile{st.m_codes.as<uint8_t>() + e / 2,
+                        st.m_scales.as<uint8_t>() + e / 16,
+                        st.v_codes.as<uint8_t>() + e / 2,
+                        st.v_scales.as<uint8_t>() + e / 16,
+                        st.v_mean.as<uint16_t>() + e / T,
+                        st.v_floor.present() ? st.v_floor.as<uint16_t>() + e / T : nullptr};
     };
     QAdamWAmax a{amax[2 * s], amax[2 * s + 1], 0.0f, 0.0f};
     // pass 0: the new amaxes (a max is exact in any order; each tile's own in parallel)

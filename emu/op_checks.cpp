@@ -280,6 +280,7 @@ void qadamw_update(const TensorView& params, const TensorView& params16, const T
   for (const TensorView* t : {&st.m_codes, &st.v_codes}) check_view(op, *t, 1, n / 2, kU8);
   for (const TensorView* t : {&st.m_scales, &st.v_scales}) check_view(op, *t, 1, n / 16, kU8);
   check_view(op, st.v_mean, 1, n / st.v_tile, kBf16);
+  check_view(op, st.v_floor, 1, n / st.v_tile, kBf16Opt);
   check_view(op, st.amax, 1, 4 * static_cast<int64_t>(segments.size()), kF32);
 }
 

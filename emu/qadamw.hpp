@@ -6,7 +6,9 @@
 //   m: codes (n/2 bytes, element 2i in the low nibble), one E4M3 scale per 16-block, the amax of
 //      its transformed values; a Four Over Six copy (range 1536) of y = m·H per block.
 //   v: codes, scales and amax as m's (a standard copy, range 2688), and one BF16 mean per tile of
-//      v_tile elements: u = sqrt(v), mu_b = bf16(mean of u over the tile), y = (u − mu_b)·H.
+//      v_tile elements: u = sqrt(v), mu_b = bf16(mean of u over the tile), y = (u − mu_b)·H;
+//      with optim.v_floor = tile_min also one BF16 floor per tile: the smallest positive v of the
+//      tile rounded toward zero, below which no decoded v̂ of the tile falls.
 // H = diag(s)·H16/4 of §6 (its sign vector), applied here in FP32 with RN sums, no BF16 rounding.
 //
 // One step is two passes over the tensor with the same arithmetic: pass 0 decodes each tile's
@@ -65,11 +67,18 @@ FP4SIM_HD void qadamw_decode16(const uint8_t* packed, uint8_t scale, float amax,
     out[i] = decode_element((packed[i / 2] >> (4 * (i & 1))) & 0xFu, f);
 }
 
-// max(mu + x, 0)², the reconstructed second moment (a NaN stays NaN).
-FP4SIM_HD float qadamw_v_hat(float mu, float x) {
+// max(max(mu + x, 0)², floor), the reconstructed second moment (a NaN stays NaN; floor 0: none).
+FP4SIM_HD float qadamw_v_hat(float mu, float x, float floor) {
   float t = fadd_rn(mu, x);
   t = t < 0.0f ? 0.0f : t;
-  return fmul_rn(t, t);
+  const float v = fmul_rn(t, t);
+  return v < floor ? floor : v;
+}
+
+// A tile's stored floor: the BF16 bits of its smallest positive v rounded toward zero (so never
+// above it); 0 where no v of the tile is positive. v_min: +Inf for none.
+FP4SIM_HD uint16_t qadamw_floor_bits(float v_min) {
+  return v_min < f32_from_bits(0x7F800000u) ? static_cast<uint16_t>(f32_bits(v_min) >> 16) : 0;
 }
 
 // The state of one tile, in place: v_tile/2 code bytes and v_tile/16 scales of each moment, and
@@ -80,6 +89,7 @@ struct QAdamWTile {
   uint8_t* v_codes;
   uint8_t* v_scales;
   uint16_t* v_mean;
+  uint16_t* v_floor;  // the tile's floor (optim.v_floor = tile_min), or null: none
 };
 
 // The amaxes of a tensor's state: those its stored encoding was made with (decode), and the new
@@ -127,25 +137,26 @@ FP4SIM_HD void qadamw_decode_m(const uint8_t* packed, uint8_t scale, float amax,
   qadamw_decode16(packed, scale, amax, kFourOverSixRange, y);
   qadamw_inverse16(y, m);
 }
-// v̂ = max(mu + deq(q)·Hᵀ, 0)² of one block (amax: v's, range 2688; mu the tile's mean)
+// v̂ = max(max(mu + deq(q)·Hᵀ, 0)², floor) of one block (amax: v's, range 2688; mu the tile's
+// mean; floor the tile's, 0 for none)
 FP4SIM_HD void qadamw_decode_v(const uint8_t* packed, uint8_t scale, float amax, float mu,
-                               float* v) {
+                               float floor, float* v) {
   float y[kNvfp4Block], r[kNvfp4Block];
   qadamw_decode16(packed, scale, amax, kNvfp4Range, y);
   qadamw_inverse16(y, r);
   FP4SIM_UNROLL
-  for (int i = 0; i < kNvfp4Block; ++i) v[i] = qadamw_v_hat(mu, r[i]);
+  for (int i = 0; i < kNvfp4Block; ++i) v[i] = qadamw_v_hat(mu, r[i], floor);
 }
 
 // ---- the step ------------------------------------------------------------------------------
 
 // Decoded state of block b of a tile (elements 16b..16b+15), then the FP32 AdamW moments of the
 // step: the new m and v out; p updated too (pass 1 keeps it, pass 0 throws it away).
-FP4SIM_HD void qadamw_block_update(const QAdamWTile& t, int b, float mu_old, const QAdamWAmax& a,
-                                   const float* grad, float* p, float* m, float* v,
-                                   const AdamWStep& s) {
+FP4SIM_HD void qadamw_block_update(const QAdamWTile& t, int b, float mu_old, float floor_old,
+                                   const QAdamWAmax& a, const float* grad, float* p, float* m,
+                                   float* v, const AdamWStep& s) {
   qadamw_decode_m(t.m_codes + 8 * b, t.m_scales[b], a.m_old, m);
-  qadamw_decode_v(t.v_codes + 8 * b, t.v_scales[b], a.v_old, mu_old, v);
+  qadamw_decode_v(t.v_codes + 8 * b, t.v_scales[b], a.v_old, mu_old, floor_old, v);
   FP4SIM_UNROLL
   for (int i = 0; i < kNvfp4Block; ++i) adamw_element(p[i], grad[i], m[i], v[i], s);
 }
@@ -162,6 +173,8 @@ FP4SIM_HD void qadamw_tile(bool encode, int blocks, float* p, const float* grad,
                            uint64_t seed, uint64_t stream, uint64_t chunk0, float* amax_m,
                            float* amax_v, uint16_t* p16) {
   const float mu_old = bf16_to_f32(*t.v_mean);
+  const float floor_old = t.v_floor ? bf16_to_f32(*t.v_floor) : 0.0f;
+  float v_min = f32_from_bits(0x7F800000u);  // the smallest positive new v of the tile
   // the tile's mean of sqrt(v), in index order; block 0's update is kept for the loop below (the
   // others are computed again there: the same arithmetic, the same bits)
   float sum = 0.0f;
@@ -170,10 +183,11 @@ FP4SIM_HD void qadamw_tile(bool encode, int blocks, float* p, const float* grad,
     float pb[kNvfp4Block], m[kNvfp4Block], v[kNvfp4Block];
     FP4SIM_UNROLL
     for (int i = 0; i < kNvfp4Block; ++i) pb[i] = p[16 * b + i];
-    qadamw_block_update(t, b, mu_old, a, grad + 16 * b, pb, m, v, s);
+    qadamw_block_update(t, b, mu_old, floor_old, a, grad + 16 * b, pb, m, v, s);
     FP4SIM_UNROLL
     for (int i = 0; i < kNvfp4Block; ++i) {
       sum = fadd_rn(sum, fsqrt_rn(v[i]));
+      if (v[i] > 0.0f && v[i] < v_min) v_min = v[i];
       if (b == 0) {
         p0[i] = pb[i];
         m0[i] = m[i];
@@ -197,7 +211,7 @@ FP4SIM_HD void qadamw_tile(bool encode, int blocks, float* p, const float* grad,
     } else {
       FP4SIM_UNROLL
       for (int i = 0; i < kNvfp4Block; ++i) pb[i] = p[16 * b + i];
-      qadamw_block_update(t, b, mu_old, a, grad + 16 * b, pb, m, v, s);
+      qadamw_block_update(t, b, mu_old, floor_old, a, grad + 16 * b, pb, m, v, s);
     }
     float ym[kNvfp4Block], yv[kNvfp4Block];
     qadamw_m_transformed(m, ym);
@@ -218,6 +232,7 @@ FP4SIM_HD void qadamw_tile(bool encode, int blocks, float* p, const float* grad,
   }
   if (encode) {
     *t.v_mean = mu_bits;
+    if (t.v_floor) *t.v_floor = qadamw_floor_bits(v_min);
   } else {
     *amax_m = am;
     *amax_v = av;

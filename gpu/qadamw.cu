@@ -36,7 +36,8 @@ struct QAdamWArgs {
   uint16_t* p16;
   uint8_t *m_codes, *m_scales, *v_codes, *v_scales;
   uint16_t* v_mean;
-  float* amax;  // [4 * segments]: the stored encoding's (2i, 2i + 1), then the new ones
+  uint16_t* v_floor;  // or null
+  float* amax;        // [4 * segments]: the stored encoding's (2i, 2i + 1), then the new ones
   const QAdamWSeg* segs;
   int64_t n_segs, total_tiles, v_tile;
   uint64_t seed;
@@ -62,8 +63,9 @@ __global__ void qadamw_kernel(QAdamWArgs a, bool encode) {
   const QAdamWSeg& sg = a.segs[s];
   const int64_t k = tile - sg.tile0, T = a.v_tile;
   const int64_t e = sg.state_offset + k * T;  // the tile's first state element
-  const QAdamWTile t{a.m_codes + e / 2, a.m_scales + e / 16, a.v_codes + e / 2, a.v_scales + e / 16,
-                     a.v_mean + e / T};
+  const QAdamWTile t{a.m_codes + e / 2, a.m_scales + e / 16,
+                     a.v_codes + e / 2, a.v_scales + e / 16,
+                     a.v_mean + e / T,  a.v_floor ? a.v_floor + e / T : nullptr};
   const QAdamWAmax am{a.amax[2 * s], a.amax[2 * s + 1], a.amax[2 * a.n_segs + 2 * s],
                       a.amax[2 * a.n_segs + 2 * s + 1]};
   const int blocks = static_cast<int>(T / 16);
@@ -116,6 +118,7 @@ void CudaBackend::qadamw_update(const TensorView& params, const TensorView& para
                st.v_codes.as<uint8_t>(),
                st.v_scales.as<uint8_t>(),
                st.v_mean.as<uint16_t>(),
+               st.v_floor.as<uint16_t>(),
                amax,
                dev,
                n_segs,

@@ -90,6 +90,10 @@ struct EnumNames<NsPrecision> {
   static constexpr const char* names[] = {"fp32", "bf16", "nvfp4"};
 };
 template <>
+struct EnumNames<VFloor> {
+  static constexpr const char* names[] = {"off", "tile_min"};
+};
+template <>
 struct EnumNames<OptimState> {
   static constexpr const char* names[] = {"fp32", "bf16", "nvfp4"};
 };
@@ -195,6 +199,7 @@ const std::vector<Field>& fields() {
                                        FP4SIM_FIELD(optim, ns_clip_quantile),
                                        FP4SIM_ENUM_FIELD(optim, state),
                                        FP4SIM_FIELD(optim, v_tile),
+                                       FP4SIM_ENUM_FIELD(optim, v_floor),
                                        FP4SIM_FIELD(optim, root_table)};
   return f;
 }
@@ -708,5 +713,6 @@ const char* name_of(OptimizerName o) {
 }
 const char* name_of(NsPrecision p) { return EnumNames<NsPrecision>::names[static_cast<int>(p)]; }
 const char* name_of(OptimState s) { return EnumNames<OptimState>::names[static_cast<int>(s)]; }
+const char* name_of(VFloor f) { return EnumNames<VFloor>::names[static_cast<int>(f)]; }
 
 }  // namespace fp4sim::model

@@ -36,6 +36,8 @@ enum class OptimizerName : uint8_t { AdamW, Muon, Root };
 enum class NsPrecision : uint8_t { FP32, BF16, NVFP4 };
 // optim.state: how AdamW's m and v are stored between steps (DESIGN.md §13; nvfp4 = Q-AdamW).
 enum class OptimState : uint8_t { FP32, BF16, NVFP4 };
+// optim.v_floor: Q-AdamW's v̂ floored at the smallest positive v of its tile (tile_min), or not.
+enum class VFloor : uint8_t { Off, TileMin };
 const char* name_of(Activation a);          // gelu_tanh | squared_relu | swiglu
 const char* name_of(NormKind n);            // layernorm | rmsnorm
 const char* name_of(Positions p);           // learned | rope | none
@@ -52,6 +54,7 @@ const char* name_of(LossScale s);           // off | dynamic
 const char* name_of(OptimizerName o);       // adamw | muon | root
 const char* name_of(NsPrecision p);         // fp32 | bf16 | nvfp4
 const char* name_of(OptimState s);          // fp32 | bf16 | nvfp4
+const char* name_of(VFloor f);              // off | tile_min
 
 struct ModelConfig {
   int64_t vocab = 256;
@@ -172,6 +175,8 @@ struct OptimConfig {
   // nvfp4: elements per tile of v's BF16 mean of sqrt(v), a multiple of 16 (a tensor whose row
   // is not a whole number of tiles keeps float32 state)
   int64_t v_tile = 16;
+  // nvfp4: no decoded v̂ of a tile below the tile's smallest positive v (one more BF16 a tile)
+  VFloor v_floor = VFloor::Off;
   // ROOT's coefficient table: a JSON file as configs/optim/root_ns_coefficients.json ("" = that
   // file, compiled in)
   std::string root_table;

@@ -359,6 +359,8 @@ void Optimizer::allocate_adamw_state() {
   qv_codes_ = zeroed(q / 2, "Q-AdamW v codes");
   qv_scales_ = zeroed(q / 16, "Q-AdamW v scales");
   qv_mean_ = zeroed(q / static_cast<size_t>(c_.optim.v_tile) * 2, "Q-AdamW v tile means");
+  if (c_.optim.v_floor == VFloor::TileMin)
+    qv_floor_ = zeroed(q / static_cast<size_t>(c_.optim.v_tile) * 2, "Q-AdamW v tile floors");
   q_amax_ = zeroed(q_tensors_.size() * 4 * 4, "Q-AdamW amaxes");
   fb_m_ = zeroed(static_cast<size_t>(fb_elems_) * 4, "AdamW m (float32, Q-AdamW's others)");
   fb_v_ = zeroed(static_cast<size_t>(fb_elems_) * 4, "AdamW v (float32, Q-AdamW's others)");
@@ -374,6 +376,9 @@ QAdamWState Optimizer::q_state() const {
   st.v_scales = view_of(qv_scales_.get(), DType::U8, 1, q / 16, d, "Q-AdamW v scales");
   st.v_mean =
       view_of(qv_mean_.get(), DType::BF16, 1, q / c_.optim.v_tile, d, "Q-AdamW v tile means");
+  if (qv_floor_.get())
+    st.v_floor =
+        view_of(qv_floor_.get(), DType::BF16, 1, q / c_.optim.v_tile, d, "Q-AdamW v tile floors");
   st.amax = view_of(q_amax_.get(), DType::F32, 1, static_cast<int64_t>(q_tensors_.size()) * 4, d,
                     "Q-AdamW amaxes");
   st.v_tile = c_.optim.v_tile;
@@ -383,7 +388,7 @@ QAdamWState Optimizer::q_state() const {
 size_t Optimizer::state_bytes() const {
   size_t b = 0;
   for (const BackendBuffer* x : {&m_, &v_, &m16_, &v16_, &qm_codes_, &qm_scales_, &qv_codes_,
-                                 &qv_scales_, &qv_mean_, &fb_m_, &fb_v_})
+                                 &qv_scales_, &qv_mean_, &qv_floor_, &fb_m_, &fb_v_})
     b += x->bytes();
   return b + q_tensors_.size() * 2 * 4;  // the amaxes kept (the other two a tensor are scratch)
 }
@@ -531,7 +536,8 @@ void Optimizer::save(TensorMap& out) const {
                              ms = download_all<uint8_t>(be, qm_scales_),
                              vc = download_all<uint8_t>(be, qv_codes_),
                              vs = download_all<uint8_t>(be, qv_scales_);
-  const std::vector<uint16_t> mean = download_all<uint16_t>(be, qv_mean_);
+  const std::vector<uint16_t> mean = download_all<uint16_t>(be, qv_mean_),
+                              floor = download_all<uint16_t>(be, qv_floor_);
   const std::vector<float> amax = download_all<float>(be, q_amax_);
   const int64_t T = c_.optim.v_tile;
   int64_t o = 0;  // the tensor's state offset
@@ -545,6 +551,9 @@ void Optimizer::save(TensorMap& out) const {
     out[w + ".exp_avg_sq.scales"] = stored("U8", {cnt / 16}, vs.data() + o / 16, cnt / 16);
     out[w + ".exp_avg_sq.tile_mean"] =
         stored("BF16", {cnt / T}, mean.data() + o / T, static_cast<size_t>(cnt / T) * 2);
+    if (!floor.empty())
+      out[w + ".exp_avg_sq.tile_floor"] =
+          stored("BF16", {cnt / T}, floor.data() + o / T, static_cast<size_t>(cnt / T) * 2);
     out[w + ".qadamw_amax"] = stored("F32", {2}, amax.data() + 2 * k, 8);
     o += cnt;
   }
@@ -602,7 +611,7 @@ void Optimizer::load(const TensorMap& in, const std::string& where) {
   const int64_t T = c_.optim.v_tile;
   std::vector<uint8_t> mc(qm_codes_.bytes()), ms(qm_scales_.bytes()), vc(qv_codes_.bytes()),
       vs(qv_scales_.bytes());
-  std::vector<uint16_t> mean(qv_mean_.bytes() / 2);
+  std::vector<uint16_t> mean(qv_mean_.bytes() / 2), floor(qv_floor_.bytes() / 2);
   std::vector<float> amax(q_amax_.bytes() / 4, 0.0f);
   int64_t o = 0;
   for (size_t k = 0; k < q_tensors_.size(); ++k) {
@@ -615,6 +624,9 @@ void Optimizer::load(const TensorMap& in, const std::string& where) {
     take(w + ".exp_avg_sq.scales", "U8", {cnt / 16}, vs.data() + o / 16, cnt / 16);
     take(w + ".exp_avg_sq.tile_mean", "BF16", {cnt / T}, mean.data() + o / T,
          static_cast<size_t>(cnt / T) * 2);
+    if (!floor.empty())
+      take(w + ".exp_avg_sq.tile_floor", "BF16", {cnt / T}, floor.data() + o / T,
+           static_cast<size_t>(cnt / T) * 2);
     take(w + ".qadamw_amax", "F32", {2}, amax.data() + 2 * k, 8);
     o += cnt;
   }
@@ -623,6 +635,7 @@ void Optimizer::load(const TensorMap& in, const std::string& where) {
   upload(qv_codes_, vc.data());
   upload(qv_scales_, vs.data());
   upload(qv_mean_, mean.data());
+  upload(qv_floor_, floor.data());
   upload(q_amax_, amax.data());
   std::vector<float> fm(fb_m_.bytes() / 4), fv(fb_v_.bytes() / 4);
   for (size_t k = 0; k < fb_tensors_.size(); ++k) {
@@ -642,6 +655,7 @@ std::string Optimizer::describe() const {
   if (c_.optim.state == OptimState::NVFP4) {
     s += " (Q-AdamW: state in NVFP4 for " + std::to_string(q_tensors_.size()) + ", v tiles of " +
          std::to_string(c_.optim.v_tile);
+    if (c_.optim.v_floor == VFloor::TileMin) s += ", v̂ floored at its tile's smallest v";
     if (!fb_tensors_.empty()) {
       s += "; float32 for " + std::to_string(fb_tensors_.size()) +
            ", whose rows are not whole tiles:";

@@ -112,8 +112,8 @@ class Optimizer {
   // BF16 under optim.state=bf16, in the parameter's shape) and "<param>.momentum_buffer"
   // (Muon/ROOT, float32). Q-AdamW's encoded tensors instead: "<param>.exp_avg.codes",
   // ".exp_avg.scales", ".exp_avg_sq.codes", ".exp_avg_sq.scales" (U8: packed E2M1 codes, E4M3
-  // scales, 1-D), ".exp_avg_sq.tile_mean" (BF16, one a tile) and ".qadamw_amax" (F32 [2]: m's
-  // and v's).
+  // scales, 1-D), ".exp_avg_sq.tile_mean" (BF16, one a tile), ".exp_avg_sq.tile_floor" (BF16,
+  // one a tile, under optim.v_floor=tile_min) and ".qadamw_amax" (F32 [2]: m's and v's).
   void save(TensorMap& out) const;
   // The state from checkpoint tensors (save's names); `where` names the checkpoint in errors.
   void load(const TensorMap& in, const std::string& where);
@@ -144,6 +144,7 @@ class Optimizer {
   std::vector<Segment> q_segs_;
   std::vector<int64_t> fb_offset_;
   BackendBuffer qm_codes_, qm_scales_, qv_codes_, qv_scales_, qv_mean_, q_amax_;
+  BackendBuffer qv_floor_;  // optim.v_floor = tile_min: the tiles' floors (BF16)
   BackendBuffer fb_m_, fb_v_;
   int64_t q_elems_ = 0, fb_elems_ = 0;
   BackendBuffer g_;  // Muon/ROOT: one weight's g'

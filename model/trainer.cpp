@@ -360,7 +360,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
            differences(was.value("optim", nlohmann::json::object()), now.at("optim"), "optim."))
         // (a new name, state or v_tile is refused below)
         if (d.rfind("optim.name:", 0) != 0 && d.rfind("optim.state:", 0) != 0 &&
-            d.rfind("optim.v_tile:", 0) != 0)
+            d.rfind("optim.v_tile:", 0) != 0 && d.rfind("optim.v_floor:", 0) != 0)
           changed.push_back(d);
       const nlohmann::json was_train = was.value("train", nlohmann::json::object()),
                            now_train = now.at("train");
@@ -460,14 +460,19 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                                   ": resume with optim.name=" + ck_optim);
     const std::string ck_state = ck_oc.value("state", std::string("fp32"));
     const int64_t ck_tile = ck_oc.value("v_tile", int64_t{16});
+    const std::string ck_floor = ck_oc.value("v_floor", std::string("off"));
     if (ck_state != name_of(c.optim.state) ||
-        (c.optim.state == OptimState::NVFP4 && ck_tile != c.optim.v_tile))
+        (c.optim.state == OptimState::NVFP4 &&
+         (ck_tile != c.optim.v_tile || ck_floor != name_of(c.optim.v_floor))))
       throw std::invalid_argument(
           opt.resume + " holds AdamW's state stored as optim.state=" + ck_state +
-          (ck_state == "nvfp4" ? " (optim.v_tile=" + std::to_string(ck_tile) + ")" : "") +
+          (ck_state == "nvfp4"
+               ? " (optim.v_tile=" + std::to_string(ck_tile) + ", optim.v_floor=" + ck_floor + ")"
+               : "") +
           "; this run's is optim.state=" + name_of(c.optim.state) +
           (c.optim.state == OptimState::NVFP4
-               ? " (optim.v_tile=" + std::to_string(c.optim.v_tile) + ")"
+               ? " (optim.v_tile=" + std::to_string(c.optim.v_tile) +
+                     ", optim.v_floor=" + name_of(c.optim.v_floor) + ")"
                : "") +
           ": resume with the checkpoint's");
     std::vector<float> hp(n_params);

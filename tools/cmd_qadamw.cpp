@@ -37,6 +37,7 @@ struct Sums {
   double m2 = 0, mp = 0, mn = 0;  // the same for m
   double d2 = 0, dpv = 0, dnv = 0, dpb = 0, dnb = 0;  // the update direction: v̂ only, both
   double zero_p = 0, zero_n = 0;                      // v̂ = 0 where v > 0
+  double vf = 0, dfv = 0, dfb = 0, zero_f = 0;        // the pipeline with v̂ floored (tile_min)
   double blocks = 0, uf_vp = 0, uf_vn = 0, uf_mp = 0, uf_mn = 0;  // scales underflowed to 0
   void add(const Sums& o) {
     double* a = &n;
@@ -62,16 +63,22 @@ std::vector<float> naive_nvfp4(const std::vector<float>& x, double* underflows) 
   return out;
 }
 
-// Q-AdamW's encode then decode of m and v (tile T, SR stream 0 under `seed`).
+// Q-AdamW's encode then decode of m and v (tile T, SR stream 0 under `seed`); v_hat_floor: v̂
+// with optim.v_floor = tile_min.
 void pipeline(const std::vector<float>& m, const std::vector<float>& v, int64_t T, uint64_t seed,
-              std::vector<float>& m_hat, std::vector<float>& v_hat, Sums& s) {
+              std::vector<float>& m_hat, std::vector<float>& v_hat, std::vector<float>& v_hat_floor,
+              Sums& s) {
   const size_t n = m.size();
   std::vector<float> ym(n), yv(n);
-  std::vector<uint16_t> mean(n / T);
+  std::vector<uint16_t> mean(n / T), floor(n / T);
   for (size_t k = 0; k < n / T; ++k) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < T; ++i) sum = fadd_rn(sum, fsqrt_rn(v[k * T + i]));
+    float sum = 0.0f, v_min = f32_from_bits(0x7F800000u);
+    for (int64_t i = 0; i < T; ++i) {
+      sum = fadd_rn(sum, fsqrt_rn(v[k * T + i]));
+      if (v[k * T + i] > 0.0f && v[k * T + i] < v_min) v_min = v[k * T + i];
+    }
     mean[k] = qadamw_tile_mean(sum, static_cast<int>(T));
+    floor[k] = qadamw_floor_bits(v_min);
   }
   float am = 0.0f, av = 0.0f;
   for (size_t b = 0; b < n / 16; ++b) {
@@ -83,6 +90,7 @@ void pipeline(const std::vector<float>& m, const std::vector<float>& v, int64_t 
   const Nvfp4Global gm = nvfp4_global(am, true), gv = nvfp4_global(av, false);
   m_hat.resize(n);
   v_hat.resize(n);
+  v_hat_floor.resize(n);
   for (size_t b = 0; b < n / 16; ++b) {
     uint8_t pm[8], pv[8];
     const uint8_t sm =
@@ -91,15 +99,17 @@ void pipeline(const std::vector<float>& m, const std::vector<float>& v, int64_t 
     if (sm == 0 && amax_strided(ym.data() + 16 * b, 16, 1) > 0.0f) ++s.uf_mp;
     if (sv == 0 && amax_strided(yv.data() + 16 * b, 16, 1) > 0.0f) ++s.uf_vp;
     qadamw_decode_m(pm, sm, am, m_hat.data() + 16 * b);
-    qadamw_decode_v(pv, sv, av, bf16_to_f32(mean[16 * b / T]), v_hat.data() + 16 * b);
+    qadamw_decode_v(pv, sv, av, bf16_to_f32(mean[16 * b / T]), 0.0f, v_hat.data() + 16 * b);
+    qadamw_decode_v(pv, sv, av, bf16_to_f32(mean[16 * b / T]), bf16_to_f32(floor[16 * b / T]),
+                    v_hat_floor.data() + 16 * b);
   }
 }
 
 Sums measure(const std::vector<float>& m, const std::vector<float>& v, int64_t T, uint64_t seed,
              double bc1, double bc2, double eps) {
   Sums s;
-  std::vector<float> mp, vp;
-  pipeline(m, v, T, seed, mp, vp, s);
+  std::vector<float> mp, vp, vf;
+  pipeline(m, v, T, seed, mp, vp, vf, s);
   const std::vector<float> mn = naive_nvfp4(m, &s.uf_mn), vn = naive_nvfp4(v, &s.uf_vn);
   auto dir = [&](double mm, double vv) { return (mm / bc1) / (std::sqrt(vv / bc2) + eps); };
   s.n = static_cast<double>(m.size());
@@ -119,6 +129,10 @@ Sums measure(const std::vector<float>& m, const std::vector<float>& v, int64_t T
     s.dpb += sq(dir(mp[i], vp[i]) - d);
     s.dnb += sq(dir(mn[i], vn[i]) - d);
     s.zero_p += vp[i] == 0.0f && v[i] > 0.0f;
+    s.vf += sq(vf[i] - static_cast<double>(v[i]));
+    s.dfv += sq(dir(m[i], vf[i]) - d);
+    s.dfb += sq(dir(mp[i], vf[i]) - d);
+    s.zero_f += vf[i] == 0.0f && v[i] > 0.0f;
     s.zero_n += vn[i] == 0.0f && v[i] > 0.0f;
   }
   return s;
@@ -142,6 +156,10 @@ nlohmann::json row_json(const Sums& s) {
           {"direction_error_both_pipeline", r(s.dpb, s.d2)},
           {"direction_error_both_naive", r(s.dnb, s.d2)},
           {"v_hat_zero_pipeline", s.zero_p},
+          {"v_error_pipeline_floor", r(s.vf, s.v2)},
+          {"direction_error_v_pipeline_floor", r(s.dfv, s.d2)},
+          {"direction_error_both_pipeline_floor", r(s.dfb, s.d2)},
+          {"v_hat_zero_pipeline_floor", s.zero_f},
           {"v_hat_zero_naive", s.zero_n},
           {"blocks", s.blocks},
           {"scale_underflow_v_pipeline", s.uf_vp},
@@ -193,11 +211,12 @@ void run_qadamw_error(const QAdamWErrorArgs& a) {
   }
   fmt::print(
       "{}: step {}, Q-AdamW (v_tile {}) against naive NVFP4, relative L2 errors; direction = "
-      "m/(sqrt(v)+eps) bias-corrected, 'v' with v quantized only, 'both' with m too\n",
+      "m/(sqrt(v)+eps) bias-corrected, 'v' with v quantized only, 'both' with m too; 'floor': "
+      "the pipeline with optim.v_floor=tile_min (v quantized only)\n",
       a.checkpoint, ck.step, a.v_tile);
-  fmt::print("{:<24} {:>10} {:>17} {:>17} {:>17} {:>17} {:>15} {:>19}\n", "tensor kind", "elements",
-             "v pipe / naive", "m pipe / naive", "dir v pipe/naive", "dir both p/n",
-             "v̂=0 (v>0) p/n", "v scale uf p/n");
+  fmt::print("{:<24} {:>10} {:>17} {:>17} {:>17} {:>17} {:>15} {:>19} {:>8} {:>9} {:>9}\n",
+             "tensor kind", "elements", "v pipe / naive", "m pipe / naive", "dir v pipe/naive",
+             "dir both p/n", "v̂=0 (v>0) p/n", "v scale uf p/n", "v floor", "dir floor", "v̂=0 fl");
   nlohmann::json out = {{"checkpoint", a.checkpoint},
                         {"step", ck.step},
                         {"v_tile", a.v_tile},
@@ -206,9 +225,10 @@ void run_qadamw_error(const QAdamWErrorArgs& a) {
     auto r = [](double x, double y) { return y > 0 ? std::sqrt(x / y) : 0.0; };
     fmt::print(
         "{:<24} {:>10.0f} {:>8.4f}/{:<8.4f} {:>8.4f}/{:<8.4f} {:>8.4f}/{:<8.4f} "
-        "{:>8.4f}/{:<8.4f} {:>7.0f}/{:<7.0f} {:>9.0f}/{:<9.0f}\n",
+        "{:>8.4f}/{:<8.4f} {:>7.0f}/{:<7.0f} {:>9.0f}/{:<9.0f} {:>8.4f} {:>9.4f} {:>9.0f}\n",
         name, s.n, r(s.vp, s.v2), r(s.vn, s.v2), r(s.mp, s.m2), r(s.mn, s.m2), r(s.dpv, s.d2),
-        r(s.dnv, s.d2), r(s.dpb, s.d2), r(s.dnb, s.d2), s.zero_p, s.zero_n, s.uf_vp, s.uf_vn);
+        r(s.dnv, s.d2), r(s.dpb, s.d2), r(s.dnb, s.d2), s.zero_p, s.zero_n, s.uf_vp, s.uf_vn,
+        r(s.vf, s.v2), r(s.dfv, s.d2), s.zero_f);
   };
   for (const auto& [k, s] : by_kind) {
     line(k, s);

@@ -111,10 +111,11 @@ TEST(OptimizerGpu, OpsBitwiseEqualTheEmulator) {
 TEST(OptimizerGpu, QAdamWAndBf16StateBitwiseEqualTheEmulator) {
   REQUIRE_GPU();
   auto emu = make_backend("emu"), cuda = make_backend("cuda");
-  for (const int64_t T : {int64_t{16}, int64_t{64}}) {
+  for (const auto& [T, with_floor] :
+       {std::pair<int64_t, bool>{16, false}, {64, false}, {16, true}}) {
     const std::vector<Segment> segs{{0, 64 * 768}, {64 * 768, 3072}, {64 * 768 + 3072, 128 * 64}};
     const int64_t n = 64 * 768 + 3072 + 128 * 64;
-    std::vector<uint8_t> state[2][6];
+    std::vector<uint8_t> state[2][7];
     Vec params[2], amax[2], p16[2];
     Backend* bs[2] = {emu.get(), cuda.get()};
     for (int b = 0; b < 2; ++b) {
@@ -122,7 +123,7 @@ TEST(OptimizerGpu, QAdamWAndBf16StateBitwiseEqualTheEmulator) {
       Dev p(be, randn(n, 1, 0.05f), 1, n);
       Dev amx(be, Vec(4 * segs.size(), 0.0f), 1, 4 * static_cast<int64_t>(segs.size()));
       DevBytes mc(be, n / 2), ms(be, n / 16), vc(be, n / 2), vs(be, n / 16), mean(be, n / T * 2),
-          shadow(be, n * 2);
+          shadow(be, n * 2), floor(be, n / T * 2);
       QAdamWState st;
       st.m_codes = view_of(mc.buf.get(), DType::U8, 1, n / 2, be.device(), "m codes");
       st.m_scales = view_of(ms.buf.get(), DType::U8, 1, n / 16, be.device(), "m scales");
@@ -131,6 +132,8 @@ TEST(OptimizerGpu, QAdamWAndBf16StateBitwiseEqualTheEmulator) {
       st.v_mean = view_of(mean.buf.get(), DType::BF16, 1, n / T, be.device(), "v mean");
       st.amax = amx.view("amax");
       st.v_tile = T;
+      if (with_floor)
+        st.v_floor = view_of(floor.buf.get(), DType::BF16, 1, n / T, be.device(), "v floor");
       for (int64_t t = 1; t <= 6; ++t) {
         Vec gh = randn(n, 10 + t);
         for (int64_t i = 64 * 768; i < 64 * 768 + 3072; ++i) gh[i] *= 1e-6f;
@@ -145,13 +148,16 @@ TEST(OptimizerGpu, QAdamWAndBf16StateBitwiseEqualTheEmulator) {
       }
       params[b] = p.host();
       amax[b] = amx.host();
-      const DevBytes* all[6] = {&mc, &ms, &vc, &vs, &mean, &shadow};
-      for (int k = 0; k < 6; ++k) state[b][k] = all[k]->host();
+      const DevBytes* all[7] = {&mc, &ms, &vc, &vs, &mean, &shadow, &floor};
+      for (int k = 0; k < 7; ++k) state[b][k] = all[k]->host();
     }
     EXPECT_EQ(first_difference(params[0], params[1]), params[0].size()) << "tile " << T;
     EXPECT_EQ(first_difference(amax[0], amax[1]), amax[0].size()) << "tile " << T;
-    const char* what[6] = {"m codes", "m scales", "v codes", "v scales", "v means", "BF16 params"};
-    for (int k = 0; k < 6; ++k) EXPECT_TRUE(state[0][k] == state[1][k]) << what[k] << " tile " << T;
+    const char* what[7] = {"m codes", "m scales",    "v codes", "v scales",
+                           "v means", "BF16 params", "v floors"};
+    for (int k = 0; k < 7; ++k)
+      EXPECT_TRUE(state[0][k] == state[1][k])
+          << what[k] << " tile " << T << " floor " << with_floor;
   }
   // BF16 moments
   const int64_t n = 100003;

@@ -56,10 +56,15 @@ void ref_inverse(const float* y, float* x) {
 
 struct RefTensor {                      // one tensor's encoded state
   std::vector<uint8_t> mq, ms, vq, vs;  // one code a byte here, one scale a block
-  std::vector<uint16_t> mean;
+  std::vector<uint16_t> mean, floor;    // floor: optim.v_floor=tile_min's, else empty
   float amax_m = 0, amax_v = 0;
-  explicit RefTensor(size_t n, size_t tile)
-      : mq(n, 0), ms(n / 16, 0), vq(n, 0), vs(n / 16, 0), mean(n / tile, 0) {}
+  RefTensor(size_t n, size_t tile, bool with_floor)
+      : mq(n, 0),
+        ms(n / 16, 0),
+        vq(n, 0),
+        vs(n / 16, 0),
+        mean(n / tile, 0),
+        floor(with_floor ? n / tile : 0, 0) {}
 };
 
 int g_map4_wins = 0, g_map6_wins = 0;  // Four Over Six's choices in ref_step
@@ -91,9 +96,10 @@ void ref_step(Vec& p, const Vec& g, RefTensor& st, size_t T, const AdamWStep& s,
     for (int i = 0; i < 16; ++i) y[i] = decoded(st.vq[16 * b + i], st.vs[b], st.amax_v, 2688.0f);
     ref_inverse(y, x);
     const float mu = bf16_to_f32(st.mean[16 * b / T]);
+    const float fl = st.floor.empty() ? 0.0f : bf16_to_f32(st.floor[16 * b / T]);
     for (int i = 0; i < 16; ++i) {
       const float t = std::max(mu + x[i], 0.0f);
-      v[16 * b + i] = t * t;
+      v[16 * b + i] = std::max(t * t, fl);
     }
   }
   for (size_t i = 0; i < n; ++i) adamw_element(p[i], g[i], m[i], v[i], s);
@@ -104,6 +110,12 @@ void ref_step(Vec& p, const Vec& g, RefTensor& st, size_t T, const AdamWStep& s,
     for (size_t i = 0; i < T; ++i) sum = sum + std::sqrt(v[k * T + i]);
     st.mean[k] = bf16_rne(sum / static_cast<float>(T));
     for (size_t i = 0; i < T; ++i) r[k * T + i] = std::sqrt(v[k * T + i]) - bf16_to_f32(st.mean[k]);
+    if (!st.floor.empty()) {  // the smallest positive v, its BF16 bits truncated (toward zero)
+      float lo = 0.0f;
+      for (size_t i = 0; i < T; ++i)
+        if (v[k * T + i] > 0.0f && (lo == 0.0f || v[k * T + i] < lo)) lo = v[k * T + i];
+      st.floor[k] = static_cast<uint16_t>(bits(lo) >> 16);
+    }
   }
   for (size_t b = 0; b < n / 16; ++b) {
     ref_forward(m.data() + 16 * b, ym.data() + 16 * b);
@@ -165,14 +177,15 @@ TEST(QAdamW, TransformAsWrittenAndOrthonormal) {
   }
 }
 
-// Two tensors ([2, 64] and [96]) through Backend::qadamw_update for 4 steps against ref_step.
-void expect_step_matches_reference(int64_t T) {
+// Two tensors ([2, 64] and [96]) through Backend::qadamw_update for 4 steps against ref_step;
+// with_floor: optim.v_floor=tile_min.
+void expect_step_matches_reference(int64_t T, bool with_floor = false) {
   emu::CpuBackend be;
   const std::vector<Segment> segs{{0, 128}, {128, 96}};
   const int64_t n = 224;
   Vec p = ns_randn(n, 1, 0.1f);
   std::vector<uint8_t> mc(n / 2, 0), ms(n / 16, 0), vc(n / 2, 0), vs(n / 16, 0);
-  std::vector<uint16_t> mean(n / T, 0);
+  std::vector<uint16_t> mean(n / T, 0), floor(n / T, 0);
   Vec amax(8, 0.0f);
   QAdamWState st;
   st.m_codes = view_of(mc.data(), DType::U8, 1, n / 2, Device::Host, "m codes");
@@ -181,9 +194,10 @@ void expect_step_matches_reference(int64_t T) {
   st.v_scales = view_of(vs.data(), DType::U8, 1, n / 16, Device::Host, "v scales");
   st.v_mean = view_of(mean.data(), DType::BF16, 1, n / T, Device::Host, "v mean");
   st.amax = view_of(amax.data(), DType::F32, 1, 8, Device::Host, "amax");
+  if (with_floor) st.v_floor = view_of(floor.data(), DType::BF16, 1, n / T, Device::Host, "floor");
   st.v_tile = T;
   std::vector<Vec> rp{Vec(p.begin(), p.begin() + 128), Vec(p.begin() + 128, p.end())};
-  std::vector<RefTensor> rs{RefTensor(128, T), RefTensor(96, T)};
+  std::vector<RefTensor> rs{RefTensor(128, T, with_floor), RefTensor(96, T, with_floor)};
   const uint64_t seed = 77;
   for (int64_t t = 1; t <= 4; ++t) {
     Vec g = ns_randn(n, 100 + t, t == 3 ? 1e-3f : 1.0f);  // (a small step: scales far from 1)
@@ -211,6 +225,10 @@ void expect_step_matches_reference(int64_t T) {
         ASSERT_EQ(vs[o / 16 + b], r.vs[b]) << "step " << t << " v scale " << b;
       }
       for (int64_t b = 0; b < cnt / T; ++b) ASSERT_EQ(mean[o / T + b], r.mean[b]) << "mean " << b;
+      if (with_floor) {
+        for (int64_t b = 0; b < cnt / T; ++b)
+          ASSERT_EQ(floor[o / T + b], r.floor[b]) << "floor " << b;
+      }
     }
   }
   // the cases are not trivial: each Four Over Six candidate won somewhere
@@ -219,6 +237,7 @@ void expect_step_matches_reference(int64_t T) {
 }
 TEST(QAdamW, StepMatchesTheReferenceTile16) { expect_step_matches_reference(16); }
 TEST(QAdamW, StepMatchesTheReferenceTile32) { expect_step_matches_reference(32); }
+TEST(QAdamW, StepMatchesTheReferenceWithTheFloor) { expect_step_matches_reference(16, true); }
 
 TEST(QAdamW, Bf16StateIsTheFp32StepRounded) {
   emu::CpuBackend be;
@@ -283,6 +302,10 @@ TEST(QAdamWTraining, Nvfp4StateWithWholeRowTilesAndFallbackResumesBitwise) {
   expect_state_resume_bitwise("nvfp4_t64", {"optim.state=nvfp4", "optim.v_tile=64"},
                               "h.0.ln_1.weight.exp_avg");
 }
+TEST(QAdamWTraining, Nvfp4StateWithTheFloorResumesBitwise) {
+  expect_state_resume_bitwise("nvfp4_floor", {"optim.state=nvfp4", "optim.v_floor=tile_min"},
+                              "h.1.mlp.c_fc.weight.exp_avg_sq.tile_floor");
+}
 TEST(QAdamWTraining, Bf16StateResumesBitwise) {
   expect_state_resume_bitwise("bf16", {"optim.state=bf16"}, "h.0.attn.c_attn.weight.exp_avg");
 }
@@ -310,6 +333,9 @@ TEST(QAdamWTraining, StateSizeAndDescription) {
   EXPECT_GT(q, n * 5 / 4);
   EXPECT_LT(q, n * 5 / 4 + 4096);
   EXPECT_NE(what.find("Q-AdamW: state in NVFP4 for"), std::string::npos) << what;
+  // the floor: one more BF16 a 16-tile
+  EXPECT_EQ(bytes({"optim.state=nvfp4", "optim.v_floor=tile_min"}, &what).first, q + n / 8);
+  EXPECT_NE(what.find("floored"), std::string::npos) << what;
   bytes({"optim.state=nvfp4", "optim.v_tile=64"}, &what);
   EXPECT_NE(what.find("float32 for"), std::string::npos) << what;
 }
@@ -326,6 +352,7 @@ TEST(QAdamWTraining, BadInputIsRefused) {
   refused({"optim.state=nvfp4", "optim.v_tile=24"}, "optim.v_tile must be a positive multiple");
   refused({"optim.v_tile=0"}, "optim.v_tile");
   refused({"optim.state=fp8"}, "optim.state");
+  refused({"optim.v_floor=min"}, "optim.v_floor");
   refused({"optim.ns_precision=nvfp4"}, "optim.name=adamw has none");
   // resuming another state's checkpoint is refused, naming both
   const ScratchDir scratch("fp4sim_qadamw_switch");
