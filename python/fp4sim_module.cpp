@@ -6,11 +6,15 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "emu/contract.hpp"
+#include "emu/formats.hpp"
+#include "emu/mma.hpp"
 #include "tools/backends.hpp"
 #include "tools/convert_values.hpp"
 #include "tools/quantize_options.hpp"
@@ -200,6 +204,64 @@ py::array convert(const py::array& x, const std::string& format, bool decode) {
   }
 }
 
+// One Blackwell block-scaled FP4 MMA dot product (GST-FDPA, K = 64; `fp4sim mma`): a and b 64
+// float32 E2M1 values each, sfa and sfb the raw scale bytes (4, or 2 for ue8m0-32), c FP32.
+py::dict mma(const py::array& a, const py::array& b, const py::array& sfa, const py::array& sfb,
+             const std::string& scale, double c_wide) {
+  const ScaleKind kind = scale == "ue4m3"      ? ScaleKind::UE4M3_16
+                         : scale == "ue8m0-16" ? ScaleKind::UE8M0_16
+                         : scale == "ue8m0-32"
+                             ? ScaleKind::UE8M0_32
+                             : throw py::value_error("fp4sim.mma: scale '" + scale +
+                                                     "' (ue4m3, ue8m0-16 or ue8m0-32)");
+  const py::ssize_t want = kind == ScaleKind::UE8M0_32 ? 2 : 4;
+  const float* av = checked<float>(a, "mma", "a", "float32", {kGstK});
+  const float* bv = checked<float>(b, "mma", "b", "float32", {kGstK});
+  const uint8_t* sa_in = checked<uint8_t>(sfa, "mma", "sfa", "uint8 scale bytes", {want});
+  const uint8_t* sb_in = checked<uint8_t>(sfb, "mma", "sfb", "uint8 scale bytes", {want});
+  const float c = static_cast<float>(c_wide);
+  if (std::isfinite(c_wide) && !std::isfinite(c))
+    throw py::value_error("fp4sim.mma: c = " + std::to_string(c_wide) +
+                          " is beyond the FP32 range (pass inf for an infinite C)");
+  if (c_wide != 0.0 && c == 0.0f)
+    throw py::value_error("fp4sim.mma: c is below FP32's smallest subnormal (2^-149)");
+  uint8_t pa[32] = {}, pb[32] = {}, sa[4] = {}, sb[4] = {};
+  for (int k = 0; k < kGstK; ++k)
+    for (const auto& [x, packed, name] : {std::tuple{av[k], pa, "a"}, std::tuple{bv[k], pb, "b"}}) {
+      if (e2m1_to_f32(e2m1_rn_satfinite(x)) != x)
+        throw py::value_error(std::string("fp4sim.mma: ") + name + "[" + std::to_string(k) +
+                              "] = " + std::to_string(x) +
+                              " is not an E2M1 value (±0, 0.5, 1, 1.5, 2, 3, 4, 6)");
+      packed[k / 2] |= static_cast<uint8_t>(e2m1_rn_satfinite(x) << (4 * (k & 1)));
+    }
+  for (py::ssize_t i = 0; i < want; ++i) {
+    if (kind == ScaleKind::UE4M3_16 && (sa_in[i] > 0x7F || sb_in[i] > 0x7F))
+      throw py::value_error(
+          "fp4sim.mma: a UE4M3 scale byte has the sign bit set (sfa or sfb "
+          "element " +
+          std::to_string(i) + "); UE4M3 scales are unsigned");
+    sa[i] = sa_in[i];
+    sb[i] = sb_in[i];
+  }
+  GstTrace tr{};
+  const uint32_t r = gst_fdpa_fp4_bits(pa, pb, sa, sb, kind, c, &tr);
+  py::dict out;
+  out["d"] = py::float_(static_cast<double>(f32_from_bits(r)));
+  out["bits"] = r;
+  py::list sums, exps, grid;
+  for (int g = 0; g < kGstGroups; ++g) {
+    sums.append(tr.p4[g] / 4.0);
+    exps.append(tr.group_exp[g]);
+  }
+  for (int g = 0; g <= kGstGroups; ++g) grid.append(tr.truncated[g]);
+  out["group_sums"] = sums;  // each group's exact sum of products
+  out["group_exponents"] = exps;
+  out["c_exponent"] = tr.c_exp;
+  out["e_max"] = tr.e_max;
+  out["terms_on_grid"] = grid;  // each term on the grid 2^(e_max - 35), C last
+  return out;
+}
+
 py::dict info() {
   py::dict d;
   d["version"] = FP4SIM_VERSION;
@@ -236,6 +298,10 @@ PYBIND11_MODULE(_fp4sim, m) {
         py::arg("decode") = false,
         "fp4sim convert: float32 -> codes (e2m1, e4m3, e5m2, bf16, ue8m0_rz, ue8m0_rp), or with "
         "decode=True codes -> float32 (e2m1, e4m3, e5m2, bf16, ue8m0)");
+  m.def("mma", &fp4sim::mma, py::arg("a"), py::arg("b"), py::arg("sfa"), py::arg("sfb"),
+        py::kw_only(), py::arg("scale") = "ue8m0-16", py::arg("c") = 0.0,
+        "One block-scaled FP4 MMA dot product (GST-FDPA, K = 64) as `fp4sim mma`: a, b 64 "
+        "float32 E2M1 values, sfa, sfb the scale bytes; returns d, its bits and the trace");
   m.def("info", &fp4sim::info, "Version, contract_version and the backends of this build");
   m.attr("contract_version") = fp4sim::kContractVersion;
 }

@@ -151,3 +151,47 @@ def test_convert_bad_input_is_named():
         fp4sim.convert(np.zeros(4, np.float32), format="ue8m0")
     with pytest.raises(ValueError, match="E2M1 code 16 > 15"):
         fp4sim.convert(np.uint8([1, 16]), format="e2m1", decode=True)
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+MMA_CASES = [  # (scale kind, sfa bytes, sfb bytes, c)
+    ("ue8m0-16", [127, 127, 127, 127], [127, 128, 126, 127], "0"),
+    ("ue4m3", [0x38, 0x40, 0x30, 0x7E], [0x38, 0x01, 0x00, 0x44], "1.5"),
+    ("ue8m0-32", [130, 120], [127, 140], "-2"),
+    ("ue4m3", [0x7F, 0x38, 0x38, 0x38], [0x38, 0x38, 0x38, 0x38], "0"),  # a NaN scale
+    ("ue8m0-16", [127, 127, 127, 127], [127, 127, 127, 127], "inf"),
+    ("ue8m0-16", [254, 254, 254, 254], [254, 254, 254, 254], "1e-40"),  # saturating scales
+]
+
+
+@pytest.mark.parametrize("kind,sfa,sfb,c", MMA_CASES, ids=[f"{k} {c}" for k, _, _, c in MMA_CASES])
+def test_mma_is_the_cli_mma(kind, sfa, sfb, c):
+    rng = np.random.default_rng(len(sfa) + int(sfa[0]))
+    a = (rng.choice(E2M1, 64) * rng.choice([-1.0, 1.0], 64)).astype(np.float32)
+    b = (rng.choice(E2M1, 64) * rng.choice([-1.0, 1.0], 64)).astype(np.float32)
+    if c == "0":
+        b[:16] = -a[:16]  # cancellation in a group
+    out = subprocess.run([CLI, "mma", "--a", ",".join(repr(float(x)) for x in a),
+                          "--b", ",".join(repr(float(x)) for x in b),
+                          "--sfa", ",".join(f"0x{s:02x}" for s in sfa),
+                          "--sfb", ",".join(f"0x{s:02x}" for s in sfb), "--scale", kind, "--c", c],
+                         check=True, capture_output=True, text=True).stdout
+    want = int(out.split("result 0x")[1].split()[0], 16)
+    got = fp4sim.mma(a, b, np.uint8(sfa), np.uint8(sfb), scale=kind, c=float(c))
+    assert got["bits"] == want, (kind, hex(got["bits"]), hex(want))
+    assert len(got["group_sums"]) == 4 and len(got["terms_on_grid"]) == 5
+
+
+def test_mma_bad_input_is_named():
+    a = np.zeros(64, np.float32)
+    s = np.uint8([127] * 4)
+    with pytest.raises(ValueError, match=r"a\[3\] = 0.700000 is not an E2M1 value"):
+        fp4sim.mma(np.where(np.arange(64) == 3, 0.7, 0).astype(np.float32), a, s, s)
+    with pytest.raises(ValueError, match=r"sfa: shape \(4,\), expected \(2,\)"):
+        fp4sim.mma(a, a, s, s, scale="ue8m0-32")
+    with pytest.raises(ValueError, match="sign bit"):
+        fp4sim.mma(a, a, np.uint8([0x80, 0, 0, 0]), s, scale="ue4m3")
+    with pytest.raises(ValueError, match="scale 'e8m0'"):
+        fp4sim.mma(a, a, s, s, scale="e8m0")
+    with pytest.raises(TypeError, match="b: dtype float64"):
+        fp4sim.mma(a, np.zeros(64), s, s)
