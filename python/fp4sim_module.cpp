@@ -17,6 +17,7 @@
 #include "emu/mma.hpp"
 #include "tools/backends.hpp"
 #include "tools/convert_values.hpp"
+#include "tools/gemm_run.hpp"
 #include "tools/quantize_options.hpp"
 
 #ifndef FP4SIM_VERSION
@@ -204,6 +205,70 @@ py::array convert(const py::array& x, const std::string& format, bool decode) {
   }
 }
 
+// fp4sim gemm on float32 arrays: A [M, K] and B [N, K] quantized as the CLI quantizes them, then
+// D = alpha * A * B^T (+ beta * C) through tools/gemm_run (the CLI's code).
+py::dict gemm(const py::array& a, const py::array& b, const py::object& c_obj,
+              const std::string& format, const std::string& gemm_impl, const std::string& out_dtype,
+              float alpha, float beta, int split_k, const py::object& backend) {
+  const char* fn = "fp4sim.gemm: ";
+  if (format != "nvfp4" && format != "mxfp4" && format != "fp8")
+    throw py::value_error(std::string(fn) + "format '" + format + "' (nvfp4, mxfp4 or fp8)");
+  if (gemm_impl != "exact" && gemm_impl != "cublaslt")
+    throw py::value_error(std::string(fn) + "gemm '" + gemm_impl + "' (exact or cublaslt)");
+  if (out_dtype != "fp32" && out_dtype != "bf16")
+    throw py::value_error(std::string(fn) + "out_dtype '" + out_dtype + "' (fp32 or bf16)");
+  if (split_k < 1) throw py::value_error(std::string(fn) + "split_k must be >= 1");
+  if (!c_obj.is_none() && beta == 0.0f)
+    throw py::value_error(std::string(fn) + "c with beta 0 would not contribute: give beta");
+  auto matrix = [&](const py::array& x, const char* name) {
+    if (x.ndim() != 2)
+      throw py::value_error(std::string(fn) + name + ": expected a 2-D array, got " +
+                            std::to_string(x.ndim()) + " dimensions");
+    const float* p = checked<float>(x, "gemm", name, "float32", {x.shape(0), x.shape(1)});
+    return std::vector<float>(p, p + x.shape(0) * x.shape(1));
+  };
+  std::vector<float> xa = matrix(a, "a"), xb = matrix(b, "b");
+  const int64_t M = a.shape(0), K = a.shape(1), N = b.shape(0);
+  if (b.shape(1) != K)
+    throw py::value_error(std::string(fn) + "K differs: a is " + shape_str(M, K) + " and b is " +
+                          shape_str(N, b.shape(1)) + " (D = a * b^T needs a [M, K], b [N, K])");
+  std::vector<float> c;
+  if (!c_obj.is_none()) {
+    const py::array ca = c_obj.cast<py::array>();
+    const float* cp = checked<float>(ca, "gemm", "c", "float32", {M, N});
+    c.assign(cp, cp + M * N);
+  }
+  const QFormat fmt =
+      format == "fp8" ? QFormat::FP8 : (format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+  GemmConfig cfg;
+  cfg.alpha = alpha;
+  cfg.beta = beta;
+  cfg.split_k = split_k;
+  cfg.out = out_dtype == "bf16" ? GemmOut::BF16 : GemmOut::F32;
+  cfg.impl = gemm_impl == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
+  std::vector<std::string> warnings;
+  cli::GemmRun run;
+  {
+    py::gil_scoped_release release;
+    QuantizedHost qa = cli::quantize_gemm_operand(xa, M, K, fmt, "A", "a", &warnings);
+    QuantizedHost qb = cli::quantize_gemm_operand(xb, N, K, fmt, "B", "b", &warnings);
+    run = cli::run_gemm_checked(qa, qb, c.empty() ? nullptr : &c, "c", cfg,
+                                backend.is_none() ? "" : backend.cast<std::string>());
+  }
+  warnings.insert(warnings.end(), run.warnings.begin(), run.warnings.end());
+  py::dict out;
+  if (cfg.out == GemmOut::BF16) {
+    std::vector<uint16_t> h(run.bits.begin(), run.bits.end());
+    out["d"] = to_numpy(h.data(), {M, N});
+  } else {
+    out["d"] = to_numpy(reinterpret_cast<const float*>(run.bits.data()), {M, N});
+  }
+  out["warnings"] = warnings;
+  out["backend"] = run.backend;
+  if (run.cublaslt_vs_exact >= 0) out["cublaslt_vs_exact"] = run.cublaslt_vs_exact;
+  return out;
+}
+
 // One Blackwell block-scaled FP4 MMA dot product (GST-FDPA, K = 64; `fp4sim mma`): a and b 64
 // float32 E2M1 values each, sfa and sfb the raw scale bytes (4, or 2 for ue8m0-32), c FP32.
 py::dict mma(const py::array& a, const py::array& b, const py::array& sfa, const py::array& sfb,
@@ -298,6 +363,12 @@ PYBIND11_MODULE(_fp4sim, m) {
         py::arg("decode") = false,
         "fp4sim convert: float32 -> codes (e2m1, e4m3, e5m2, bf16, ue8m0_rz, ue8m0_rp), or with "
         "decode=True codes -> float32 (e2m1, e4m3, e5m2, bf16, ue8m0)");
+  m.def("gemm", &fp4sim::gemm, py::arg("a"), py::arg("b"), py::kw_only(), py::arg("c") = py::none(),
+        py::arg("format") = "nvfp4", py::arg("gemm") = "exact", py::arg("out_dtype") = "fp32",
+        py::arg("alpha") = 1.0f, py::arg("beta") = 0.0f, py::arg("split_k") = 1,
+        py::arg("backend") = py::none(),
+        "fp4sim gemm on float32 arrays: D = alpha * a * b^T (+ beta * c), a and b quantized RN "
+        "row-wise as the CLI does; returns d (float32, or uint16 BF16 bits), warnings, backend");
   m.def("mma", &fp4sim::mma, py::arg("a"), py::arg("b"), py::arg("sfa"), py::arg("sfb"),
         py::kw_only(), py::arg("scale") = "ue8m0-16", py::arg("c") = 0.0,
         "One block-scaled FP4 MMA dot product (GST-FDPA, K = 64) as `fp4sim mma`: a, b 64 "

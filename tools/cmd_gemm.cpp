@@ -18,6 +18,7 @@
 #include "tools/backends.hpp"
 #include "tools/cli_parse.hpp"
 #include "tools/commands.hpp"
+#include "tools/gemm_run.hpp"
 #include "tools/npy.hpp"
 
 namespace fp4sim::cli {
@@ -37,30 +38,6 @@ std::vector<float> load_f32_matrix(const std::string& path, const char* what, in
   std::vector<float> v(a.bytes.size() / 4);
   std::memcpy(v.data(), a.bytes.data(), a.bytes.size());
   return v;
-}
-
-// NaN and Inf among a float operand's values: quantized as `fp4sim quantize` does (NVFP4 and
-// MXFP4 encode NaN as +6, FP8 keeps it; an Inf makes the amax Inf), so D no longer says what the
-// inputs do, and the command says so.
-struct NonFinite {
-  int64_t nan = 0, inf = 0;
-};
-NonFinite count_nonfinite(const std::vector<float>& x) {
-  NonFinite n;
-  for (float v : x) {
-    n.nan += std::isnan(v);
-    n.inf += std::isinf(v);
-  }
-  return n;
-}
-
-QuantizedHost quantize_operand(Backend& be, std::vector<float>& x, int64_t rows, int64_t cols,
-                               QFormat fmt, const char* name) {
-  const TensorView t = host_view(x.data(), rows, cols, name);
-  QuantizeConfig c;
-  c.format = fmt;
-  c.rowwise.enabled = true;
-  return quantize_to_host(be, t, c).rowwise;
 }
 
 // The files `fp4sim quantize` writes: PREFIX.{codes,scales,amax}.npy and PREFIX.meta.json.
@@ -144,43 +121,6 @@ QuantizedHost load_quantized(const std::string& prefix, const char* name, bool* 
   return q;
 }
 
-// Runs the exact GEMM on a backend; returns D as float (BF16 widened) and its raw bits.
-std::vector<uint32_t> run_gemm(Backend& be, QuantizedHost& a, QuantizedHost& b,
-                               std::vector<float>* c, const GemmConfig& cfg, double* ms) {
-  QuantizedBuffers da = QuantizedBuffers::uploaded(be, a), db = QuantizedBuffers::uploaded(be, b);
-  const int64_t M = a.rows, N = b.rows;
-  BackendBuffer cbuf(be, c ? c->size() * 4 : 0);
-  TensorView cv;
-  if (c) {
-    be.upload(cbuf.get(), c->data(), c->size() * 4);
-    cv.data = cbuf.get();
-    cv.rows = M;
-    cv.cols = N;
-    cv.device = be.device();
-  }
-  const size_t esize = cfg.out == GemmOut::BF16 ? 2 : 4;
-  BackendBuffer d(be, static_cast<size_t>(M * N) * esize);
-  TensorView dv;
-  dv.data = d.get();
-  dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
-  dv.rows = M;
-  dv.cols = N;
-  dv.device = be.device();
-  const auto t0 = std::chrono::steady_clock::now();
-  be.gemm(da.view, db.view, c ? &cv : nullptr, cfg, dv);
-  be.synchronize();
-  *ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  std::vector<uint32_t> bits(static_cast<size_t>(M * N));
-  if (esize == 4) {
-    be.download(bits.data(), d.get(), bits.size() * 4);
-  } else {
-    std::vector<uint16_t> h(bits.size());
-    be.download(h.data(), d.get(), h.size() * 2);
-    for (size_t i = 0; i < h.size(); ++i) bits[i] = h[i];
-  }
-  return bits;
-}
-
 struct GemmArgs {
   std::string a, b, out, a_prefix, b_prefix, c, format = "nvfp4", gemm = "exact",
                                                 out_dtype = "fp32", backend;
@@ -209,7 +149,6 @@ void run_gemm_cmd(const GemmArgs& g) {
     if (!g.c.empty()) inputs.push_back(g.c);
     io::check_outputs({g.out, g.out + ".meta.json"}, inputs);
   }
-  auto emu = make_backend("emu");
   QuantizedHost qa, qb;
   std::vector<std::string> warnings;  // printed with the result
   if (!g.c.empty() && g.beta == 0.0f)
@@ -234,17 +173,8 @@ void run_gemm_cmd(const GemmArgs& g) {
     if (ka != kb)
       throw std::invalid_argument("gemm: K differs: A is " + shape_str(ma, ka) + " and B is " +
                                   shape_str(nb, kb) + " (D = A * B^T needs A [M, K], B [N, K])");
-    for (const auto& [name, path, x] : {std::tuple{"A", g.a, &xa}, std::tuple{"B", g.b, &xb}}) {
-      const NonFinite n = count_nonfinite(*x);
-      if (n.nan || n.inf)
-        warnings.push_back(fmt::format(
-            "{} ({}) holds {} NaN and {} Inf of {} values, quantized as `fp4sim quantize` does "
-            "(NaN to +6 x the block scale in NVFP4 and MXFP4; an Inf makes the amax Inf): D does "
-            "not follow from them",
-            name, path, n.nan, n.inf, x->size()));
-    }
-    qa = quantize_operand(*emu, xa, ma, ka, fmt, "A");
-    qb = quantize_operand(*emu, xb, nb, kb, fmt, "B");
+    qa = quantize_gemm_operand(xa, ma, ka, fmt, "A", g.a, &warnings);
+    qb = quantize_gemm_operand(xb, nb, kb, fmt, "B", g.b, &warnings);
   }
   if (from_prefix)
     for (const auto& [name, prefix, q] :
@@ -259,6 +189,7 @@ void run_gemm_cmd(const GemmArgs& g) {
   cfg.beta = g.beta;
   cfg.split_k = g.split_k;
   cfg.out = g.out_dtype == "bf16" ? GemmOut::BF16 : GemmOut::F32;
+  cfg.impl = g.gemm == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
   std::vector<float> c;
   if (!g.c.empty()) {
     int64_t cr, cc;
@@ -266,78 +197,13 @@ void run_gemm_cmd(const GemmArgs& g) {
     if (cr != qa.rows || cc != qb.rows)
       throw std::invalid_argument(g.c + ": C must be " + shape_str(qa.rows, qb.rows) + ", got " +
                                   shape_str(cr, cc));
-    const NonFinite nc = count_nonfinite(c);
-    if (nc.nan || nc.inf)
-      warnings.push_back(
-          fmt::format("C ({}) holds {} NaN and {} Inf of {} values; they pass to D "
-                      "through beta * C",
-                      g.c, nc.nan, nc.inf, c.size()));
   }
-  {  // all shape errors before any work or output
-    TensorView dv;
-    dv.rows = qa.rows;
-    dv.cols = qb.rows;
-    dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
-    TensorView cv;
-    cv.rows = qa.rows;
-    cv.cols = qb.rows;
-    validate_gemm(qa.view(), qb.view(), c.empty() ? nullptr : &cv, cfg, dv);
-    int64_t mn = 0, d_bytes = 0;  // D's 4-byte elements, before anything is allocated for them
-    if (__builtin_mul_overflow(qa.rows, qb.rows, &mn) ||
-        __builtin_mul_overflow(mn, int64_t{4}, &d_bytes))
-      throw std::invalid_argument("gemm: D " + shape_str(qa.rows, qb.rows) +
-                                  " is too large (its byte count overflows 64 bits)");
-  }
-  // NVFP4's epilogue scale in the contract's (Transformer Engine's) order, against the same
-  // factor in double: the order overflows when amax_A * amax_B passes FLT_MAX although the factor
-  // is finite (docs/numerics.md §8). The bits stay the contract's; the command says so.
-  if (qa.format == QFormat::NVFP4) {
-    const float alpha_eff = gemm_epilogue_alpha(cfg.alpha, qa.format, qa.amax, qa.four_over_six,
-                                                qb.amax, qb.four_over_six);
-    const double ma = qa.four_over_six ? 256.0 : kE4M3Max, mb = qb.four_over_six ? 256.0 : kE4M3Max;
-    const double factor = static_cast<double>(cfg.alpha) * qa.amax * qb.amax / (36.0 * ma * mb);
-    if (std::isfinite(factor) && std::fabs(factor) <= FLT_MAX && !std::isfinite(alpha_eff))
-      warnings.push_back(fmt::format(
-          "the epilogue scale ((alpha * amax_A) * amax_B) * k = (({:g} * {:g}) * {:g}) * k "
-          "overflows FP32 to {} although the factor is {:.6g}: D is Inf or NaN wherever the "
-          "accumulator is not 0. The contract keeps Transformer Engine's order "
-          "(docs/numerics.md §8); scale the inputs (or alpha) down so that alpha * amax_A * "
-          "amax_B stays below {:g}",
-          cfg.alpha, qa.amax, qb.amax, alpha_eff, factor, FLT_MAX));
-    // (an underflow matters where D could be nonzero in FP32: |D| <= alpha amax_A amax_B K)
-    const double d_bound = std::fabs(static_cast<double>(cfg.alpha) * qa.amax * qb.amax) *
-                           static_cast<double>(qa.cols);
-    if (alpha_eff == 0.0f && std::isfinite(d_bound) && d_bound >= FLT_TRUE_MIN)
-      warnings.push_back(fmt::format(
-          "the epilogue scale ((alpha * amax_A) * amax_B) * k = (({:g} * {:g}) * {:g}) * k "
-          "underflows FP32 to 0 (the factor is {:.6g}): D is 0 where its values could reach "
-          "{:.6g}",
-          cfg.alpha, qa.amax, qb.amax, factor, d_bound));
-  }
-  const std::string bname = g.backend.empty() ? default_backend_name() : g.backend;
-  if (g.gemm == "cublaslt" && bname != "cuda")
-    throw std::invalid_argument("--gemm cublaslt needs --backend cuda (a GPU)");
-  auto be = make_backend(bname);
-  double ms = 0, ms_exact = 0;
-  cfg.impl = g.gemm == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
-  const std::vector<uint32_t> bits = run_gemm(*be, qa, qb, c.empty() ? nullptr : &c, cfg, &ms);
-  if (cfg.impl == GemmImpl::CublasLt) {  // both ran: report the distance
-    GemmConfig ex = cfg;
-    ex.impl = GemmImpl::Exact;
-    const std::vector<uint32_t> eb = run_gemm(*be, qa, qb, c.empty() ? nullptr : &c, ex, &ms_exact);
-    double worst = 0;
-    for (size_t i = 0; i < bits.size(); ++i) {
-      float x, y;
-      const uint32_t bx = cfg.out == GemmOut::BF16 ? bits[i] << 16 : bits[i];
-      const uint32_t by = cfg.out == GemmOut::BF16 ? eb[i] << 16 : eb[i];
-      std::memcpy(&x, &bx, 4);
-      std::memcpy(&y, &by, 4);
-      if (std::isfinite(x) && std::isfinite(y))
-        worst = std::max(worst, std::fabs(static_cast<double>(x) - y));
-    }
+  const GemmRun run = run_gemm_checked(qa, qb, c.empty() ? nullptr : &c, g.c, cfg, g.backend);
+  const std::vector<uint32_t>& bits = run.bits;
+  warnings.insert(warnings.end(), run.warnings.begin(), run.warnings.end());
+  if (run.cublaslt_vs_exact >= 0)
     fmt::print("  max |cublaslt - exact| = {:.6g}   (exact GEMM on the same backend: {:.1f} ms)\n",
-               worst, ms_exact);
-  }
+               run.cublaslt_vs_exact, run.ms_exact);
   io::AtomicOutputs out;
   const std::vector<size_t> shape = {static_cast<size_t>(qa.rows), static_cast<size_t>(qb.rows)};
   if (cfg.out == GemmOut::BF16) {
@@ -356,7 +222,7 @@ void run_gemm_cmd(const GemmArgs& g) {
       {"beta", g.beta},
       {"split_k", g.split_k},
       {"out_dtype", g.out_dtype},
-      {"backend", be->name()},
+      {"backend", run.backend},
       {"a", from_prefix ? g.a_prefix : g.a},
       {"b", from_prefix ? g.b_prefix : g.b},
       {"model", "one CTA walking K in increasing 64-wide chunks (docs/numerics.md §8)"}};
@@ -366,14 +232,7 @@ void run_gemm_cmd(const GemmArgs& g) {
       "fp4sim gemm  D[{} x {}] = A[{} x {}] * B[{} x {}]^T  {} {}, backend {}, {:.1f} ms "
       "({:.2f} GFLOP/s)\n",
       qa.rows, qb.rows, qa.rows, qa.cols, qb.rows, qb.cols, qformat_name(qa.format), g.gemm,
-      be->name(), ms, 2.0 * qa.rows * qb.rows * qa.cols / (ms * 1e6));
-  int64_t d_nonfinite = 0;
-  for (uint32_t b : bits) {
-    const uint32_t exp_mask = cfg.out == GemmOut::BF16 ? 0x7F80u : 0x7F800000u;
-    d_nonfinite += (b & exp_mask) == exp_mask;
-  }
-  if (d_nonfinite)
-    warnings.push_back(fmt::format("D holds {} Inf or NaN of {} values", d_nonfinite, bits.size()));
+      run.backend, run.ms, 2.0 * qa.rows * qb.rows * qa.cols / (run.ms * 1e6));
   for (const std::string& w : warnings) fmt::print("  WARNING  {}\n", w);
   fmt::print("  wrote {} and {}.meta.json\n", g.out, g.out);
 }
@@ -546,13 +405,14 @@ void run_crosscheck(const CrossArgs& x) {
     std::vector<float> xa(static_cast<size_t>(M * K)), xb(static_cast<size_t>(N * K));
     for (auto& v : xa) v = nd(rng) * std::exp(2.0f * nd(rng));
     for (auto& v : xb) v = nd(rng);
-    QuantizedHost qa = quantize_operand(*emu, xa, M, K, fmt, "A"),
-                  qb = quantize_operand(*emu, xb, N, K, fmt, "B");
+    std::vector<std::string> unused;  // (random normal operands: finite)
+    QuantizedHost qa = quantize_gemm_operand(xa, M, K, fmt, "A", "random", &unused),
+                  qb = quantize_gemm_operand(xb, N, K, fmt, "B", "random", &unused);
     GemmConfig cfg;
     cfg.split_k = x.split_k;
     double ms_e = 0, ms_c = 0;
-    const auto de = run_gemm(*emu, qa, qb, nullptr, cfg, &ms_e);
-    const auto dc = run_gemm(*cuda, qa, qb, nullptr, cfg, &ms_c);
+    const auto de = run_gemm_on(*emu, qa, qb, nullptr, cfg, &ms_e);
+    const auto dc = run_gemm_on(*cuda, qa, qb, nullptr, cfg, &ms_c);
     size_t first = de.size();
     for (size_t i = 0; i < de.size(); ++i)
       if (de[i] != dc[i]) {

@@ -10,6 +10,6 @@ The keyword arguments are the `fp4sim quantize` flags (format, block_2d, columnw
 stream, four_over_six, error, mx_rule, backend); the results are the bits the CLI writes (tested in
 tests/python). docs/python.md has the API and what is not there yet.
 """
-from ._fp4sim import contract_version, convert, dequantize, info, mma, quantize  # noqa: F401
+from ._fp4sim import contract_version, convert, dequantize, gemm, info, mma, quantize  # noqa: F401
 
-__all__ = ["quantize", "dequantize", "convert", "mma", "info", "contract_version"]
+__all__ = ["quantize", "dequantize", "convert", "gemm", "mma", "info", "contract_version"]

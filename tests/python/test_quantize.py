@@ -195,3 +195,52 @@ def test_mma_bad_input_is_named():
         fp4sim.mma(a, a, s, s, scale="e8m0")
     with pytest.raises(TypeError, match="b: dtype float64"):
         fp4sim.mma(a, np.zeros(64), s, s)
+
+
+GEMM_CASES = [  # (name, CLI flags, keyword arguments, with C)
+    ("nvfp4 exact", [], {}, False),
+    ("nvfp4 alpha beta C", ["--alpha", "0.5", "--beta", "2"], {"alpha": 0.5, "beta": 2.0}, True),
+    ("nvfp4 split-k 2", ["--split-k", "2"], {"split_k": 2}, False),
+    ("nvfp4 bf16 out", ["--out-dtype", "bf16"], {"out_dtype": "bf16"}, False),
+    ("mxfp4", ["--format", "mxfp4"], {"format": "mxfp4"}, False),
+    ("fp8", ["--format", "fp8"], {"format": "fp8"}, False),
+]
+
+
+@pytest.mark.parametrize("name,flags,kwargs,with_c", GEMM_CASES, ids=[g[0] for g in GEMM_CASES])
+def test_gemm_is_the_cli_gemm(name, flags, kwargs, with_c, tmp_path):
+    rng = np.random.default_rng(11)
+    a = (rng.standard_normal((48, 256)) * np.exp(rng.standard_normal((48, 256)))).astype(np.float32)
+    b = rng.standard_normal((40, 256)).astype(np.float32)
+    c = rng.standard_normal((48, 40)).astype(np.float32)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    np.save(tmp_path / "c.npy", c)
+    cmd = [CLI, "gemm", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), str(tmp_path / "d.npy"),
+           "--backend", "emu", *flags] + (["--c", str(tmp_path / "c.npy")] if with_c else [])
+    subprocess.run(cmd, check=True, capture_output=True)
+    want = np.load(tmp_path / "d.npy")
+    got = fp4sim.gemm(a, b, c=c if with_c else None, backend="emu", **kwargs)
+    assert got["d"].dtype == want.dtype and got["d"].shape == want.shape, name
+    assert got["d"].tobytes() == want.tobytes(), f"{name}: D differs from the CLI's"
+    assert got["warnings"] == [] and got["backend"] == "emu"
+
+
+def test_gemm_warns_and_refuses_as_the_cli():
+    a = np.ones((16, 64), np.float32)
+    a[0, 0] = np.nan
+    got = fp4sim.gemm(a, np.ones((16, 64), np.float32), backend="emu")
+    assert any("A (a) holds 1 NaN and 0 Inf" in w for w in got["warnings"]), got["warnings"]
+    ok = np.ones((16, 64), np.float32)
+    with pytest.raises(ValueError, match="K differs"):
+        fp4sim.gemm(ok, np.ones((16, 32), np.float32), backend="emu")
+    with pytest.raises(ValueError, match="would not contribute"):
+        fp4sim.gemm(ok, ok, c=np.zeros((16, 16), np.float32), backend="emu")
+    with pytest.raises(ValueError, match=r"c: shape \(16, 8\), expected \(16, 16\)"):
+        fp4sim.gemm(ok, ok, c=np.zeros((16, 8), np.float32), beta=1.0, backend="emu")
+    with pytest.raises(ValueError, match="gemm 'fast'"):
+        fp4sim.gemm(ok, ok, gemm="fast")
+    with pytest.raises(ValueError, match="needs --backend cuda"):
+        fp4sim.gemm(ok, ok, gemm="cublaslt", backend="emu")
+    with pytest.raises(TypeError, match="b: dtype float64"):
+        fp4sim.gemm(ok, np.ones((16, 64)), backend="emu")
