@@ -8,7 +8,8 @@
 
 The keyword arguments are the `fp4sim quantize` flags (format, block_2d, columnwise, rht, sr, seed,
 stream, four_over_six, error, mx_rule, backend); the results are the bits the CLI writes (tested in
-tests/python). docs/python.md has the API and what is not there yet.
+tests/python). fp4sim.testing loads golden packs and compares bit for bit. docs/python.md has the
+API and what is not there yet.
 """
 from ._fp4sim import contract_version, convert, dequantize, gemm, info, mma, quantize  # noqa: F401
 
