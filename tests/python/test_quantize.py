@@ -244,3 +244,37 @@ def test_gemm_warns_and_refuses_as_the_cli():
         fp4sim.gemm(ok, ok, gemm="cublaslt", backend="emu")
     with pytest.raises(TypeError, match="b: dtype float64"):
         fp4sim.gemm(ok, np.ones((16, 64)), backend="emu")
+
+
+class HostTensor:
+    """A foreign tensor that only speaks DLPack (as a CPU torch or JAX array does)."""
+
+    def __init__(self, a, device=(1, 0)):
+        self._a = a
+        self._device = device
+
+    def __dlpack__(self, stream=None):
+        return self._a.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+def test_dlpack_host_tensors_are_taken():
+    x = sample("f32")
+    want = fp4sim.quantize(x, backend="emu")
+    got = fp4sim.quantize(HostTensor(x), backend="emu")
+    assert got["codes"].tobytes() == want["codes"].tobytes()
+    d = fp4sim.dequantize(HostTensor(want["codes"]), HostTensor(want["scales"]), HostTensor(want["amax"]),
+                          backend="emu")
+    assert d.tobytes() == want["dequant"].tobytes()
+    a = x[:32].copy()
+    assert fp4sim.gemm(HostTensor(a), HostTensor(a), backend="emu")["d"].tobytes() == \
+        fp4sim.gemm(a, a, backend="emu")["d"].tobytes()
+    assert fp4sim.convert(HostTensor(x[0].copy()), format="e4m3").tobytes() == \
+        fp4sim.convert(x[0].copy(), format="e4m3").tobytes()
+
+
+def test_dlpack_device_tensors_are_refused():
+    with pytest.raises(ValueError, match="x is a DLPack tensor on device type 2 .* only host"):
+        fp4sim.quantize(HostTensor(sample("f32"), device=(2, 0)), backend="emu")
