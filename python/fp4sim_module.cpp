@@ -6,6 +6,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -55,6 +57,14 @@ TensorView host_view(const py::array& a, const char* name) {
   v.cols = static_cast<int64_t>(a.shape(1));
   v.name = name;
   return v;
+}
+
+// A numpy array that takes over v's memory (no copy): the vector lives in a capsule the array owns.
+template <class T>
+py::array_t<T> owned_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
+  auto* heap = new std::vector<T>(std::move(v));
+  py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>(shape, heap->data(), owner);
 }
 
 template <class T>
@@ -107,16 +117,16 @@ py::dict quantize(const py::array& x, const std::string& format, bool block_2d, 
   const auto R = static_cast<py::ssize_t>(q.rows), C = static_cast<py::ssize_t>(q.cols);
   const auto block = static_cast<py::ssize_t>(q.block_size());
   const bool fp8 = q.format == QFormat::FP8;
+  const nlohmann::json meta =
+      cli::quantize_meta(o, in.dtype, in.rows, in.cols, q, be->name(), "fp4sim.quantize");
   py::dict out;
-  out["codes"] = to_numpy(q.codes.data(), {R, fp8 ? C : C / 2});
+  out["codes"] = owned_numpy(std::move(q.codes), {R, fp8 ? C : C / 2});
   if (fp8)
     out["scales"] = to_numpy(reinterpret_cast<const float*>(q.scales.data()), {R, C / block});
   else
-    out["scales"] = to_numpy(q.scales.data(), {R, C / block});
+    out["scales"] = owned_numpy(std::move(q.scales), {R, C / block});
   out["amax"] = to_numpy(&q.amax, {1});
-  out["dequant"] = to_numpy(deq.data(), {R, C});
-  const nlohmann::json meta =
-      cli::quantize_meta(o, in.dtype, in.rows, in.cols, q, be->name(), "fp4sim.quantize");
+  out["dequant"] = owned_numpy(std::move(deq), {R, C});
   out["meta"] = py::module_::import("json").attr("loads")(meta.dump());
   return out;
 }
@@ -179,7 +189,7 @@ py::array_t<float> dequantize(const py::array& codes, const py::array& scales,
     py::gil_scoped_release release;
     deq = dequantize_to_host(*be, q);
   }
-  return to_numpy(deq.data(), {R, C});
+  return owned_numpy(std::move(deq), {R, C});
 }
 
 // fp4sim convert: float32 -> codes (uint8; uint16 BF16 bits for bf16), or codes -> float32.
@@ -327,6 +337,47 @@ py::dict mma(const py::array& a, const py::array& b, const py::array& sfa, const
   return out;
 }
 
+// For the speed measurement (validation/bench_python.py): the median seconds of `repeats` runs
+// of the C++ work behind fp4sim.quantize (op "quantize": quantize_to_host then
+// dequantize_to_host, NVFP4 1x16 RN) or fp4sim.gemm (op "gemm": both operands' quantization and
+// the exact GEMM of x with itself), on one backend made once, with no Python objects involved.
+double cpp_seconds(const std::string& op, const py::array& x, int repeats,
+                   const py::object& backend) {
+  const TensorView in = host_view(x, "x");
+  if (in.dtype != DType::F32) throw py::type_error("_cpp_seconds: x must be float32");
+  const std::string be_name =
+      backend.is_none() ? default_backend_name() : backend.cast<std::string>();
+  std::vector<double> t;
+  {
+    py::gil_scoped_release release;
+    auto be = make_backend(be_name);
+    QuantizeConfig cfg;
+    cfg.format = QFormat::NVFP4;
+    cfg.rowwise.enabled = true;
+    for (int r = 0; r < repeats; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (op == "quantize") {
+        QuantizeResult res = quantize_to_host(*be, in, cfg);
+        const std::vector<float> deq = dequantize_to_host(*be, res.rowwise);
+      } else {
+        std::vector<float> xa(in.as<const float>(), in.as<const float>() + in.numel()),
+            xb = xa;
+        std::vector<std::string> w;
+        QuantizedHost qa =
+            cli::quantize_gemm_operand(xa, in.rows, in.cols, QFormat::NVFP4, "A", "x", &w);
+        QuantizedHost qb =
+            cli::quantize_gemm_operand(xb, in.rows, in.cols, QFormat::NVFP4, "B", "x", &w);
+        double ms;
+        cli::run_gemm_on(*be, qa, qb, nullptr, GemmConfig{}, &ms);
+      }
+      t.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
 py::dict info() {
   py::dict d;
   d["version"] = FP4SIM_VERSION;
@@ -373,6 +424,9 @@ PYBIND11_MODULE(_fp4sim, m) {
         py::kw_only(), py::arg("scale") = "ue8m0-16", py::arg("c") = 0.0,
         "One block-scaled FP4 MMA dot product (GST-FDPA, K = 64) as `fp4sim mma`: a, b 64 "
         "float32 E2M1 values, sfa, sfb the scale bytes; returns d, its bits and the trace");
+  m.def("_cpp_seconds", &fp4sim::cpp_seconds, py::arg("op"), py::arg("x"), py::arg("repeats"),
+        py::arg("backend") = py::none(),
+        "The median seconds of the C++ work behind quantize or gemm (validation/bench_python.py)");
   m.def("info", &fp4sim::info, "Version, contract_version and the backends of this build");
   m.attr("contract_version") = fp4sim::kContractVersion;
 }

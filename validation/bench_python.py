@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Issue 38's speed bar: what fp4sim.quantize and fp4sim.gemm cost from Python over the C++ work
+behind them (the module's _cpp_seconds: the same functions on a backend made once, no Python
+objects), for tensors of >= 1M elements, in one process.
+
+usage: PYTHONPATH=build/python /usr/bin/python3 validation/bench_python.py [--backend emu|cuda]
+       [--rounds R] [--repeats N]
+Each round times N calls of each side (median), the sides alternating; the table gives each
+side's median over R rounds and the median of the rounds' ratios (Python / C++).
+"""
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import fp4sim
+from fp4sim import _fp4sim
+
+
+def median_seconds(fn, repeats):
+    t = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        t.append(time.perf_counter() - t0)
+    return statistics.median(t)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="emu")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    cases = [
+        ("quantize nvfp4 1024x1024", "quantize", (1024, 1024)),
+        ("quantize nvfp4 4096x1024", "quantize", (4096, 1024)),
+        ("gemm nvfp4 exact 1024x1024x1024", "gemm", (1024, 1024)),
+    ]
+    print(f"fp4sim from Python against the C++ call, backend {a.backend}, "
+          f"{a.rounds} rounds x {a.repeats} calls")
+    print(f"{'case':<34} {'python ms':>10} {'c++ ms':>10} {'python / c++':>13}")
+    for name, op, shape in cases:
+        x = rng.standard_normal(shape).astype(np.float32)
+        if op == "quantize":
+            def py():
+                fp4sim.quantize(x, backend=a.backend)
+        else:
+            def py():
+                fp4sim.gemm(x, x, backend=a.backend)
+        py()  # (warm-up: plans, allocations)
+        pys, cpps, ratios = [], [], []
+        for _ in range(a.rounds):
+            p = median_seconds(py, a.repeats)
+            c = _fp4sim._cpp_seconds(op, x, a.repeats, backend=a.backend)
+            pys.append(p)
+            cpps.append(c)
+            ratios.append(p / c)
+        print(f"{name:<34} {1e3 * statistics.median(pys):>10.2f} {1e3 * statistics.median(cpps):>10.2f} "
+              f"{statistics.median(ratios):>12.3f}x   (rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
