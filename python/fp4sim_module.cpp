@@ -360,8 +360,7 @@ double cpp_seconds(const std::string& op, const py::array& x, int repeats,
         QuantizeResult res = quantize_to_host(*be, in, cfg);
         const std::vector<float> deq = dequantize_to_host(*be, res.rowwise);
       } else {
-        std::vector<float> xa(in.as<const float>(), in.as<const float>() + in.numel()),
-            xb = xa;
+        std::vector<float> xa(in.as<const float>(), in.as<const float>() + in.numel()), xb = xa;
         std::vector<std::string> w;
         QuantizedHost qa =
             cli::quantize_gemm_operand(xa, in.rows, in.cols, QFormat::NVFP4, "A", "x", &w);
@@ -370,8 +369,7 @@ double cpp_seconds(const std::string& op, const py::array& x, int repeats,
         double ms;
         cli::run_gemm_on(*be, qa, qb, nullptr, GemmConfig{}, &ms);
       }
-      t.push_back(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
   }
   std::sort(t.begin(), t.end());
