@@ -153,36 +153,49 @@ const T* checked(const py::array& a, const char* fn, const char* name, const cha
   return static_cast<const T*>(a.data());
 }
 
+// A copy's codes, scales and amax (quantize's layout) as a QuantizedHost; fn names the function
+// in errors, what the copy ("" or "a: ").
+QuantizedHost host_copy(const py::array& codes, const py::array& scales, const py::array& amax,
+                        const std::string& format, bool four_over_six, const char* fn,
+                        const std::string& what = "") {
+  const std::string where = std::string("fp4sim.") + fn + ": " + what;
+  QuantizedHost q;
+  const QFormat f =
+      format == "nvfp4"   ? QFormat::NVFP4
+      : format == "mxfp4" ? QFormat::MXFP4
+      : format == "fp8"
+          ? QFormat::FP8
+          : throw py::value_error(where + "format '" + format + "' (nvfp4, mxfp4 or fp8)");
+  if (four_over_six && f != QFormat::NVFP4)
+    throw py::value_error(where + "four_over_six applies to nvfp4 only");
+  if (codes.ndim() != 2) throw py::value_error(where + "codes: expected a 2-D array");
+  const py::ssize_t R = codes.shape(0), C = f == QFormat::FP8 ? codes.shape(1) : 2 * codes.shape(1);
+  q.resize(R, C, f, four_over_six);
+  const py::ssize_t blocks = C / q.block_size();
+  if (C % q.block_size() != 0)
+    throw py::value_error(where + "codes: " + std::to_string(C) +
+                          " columns are not a multiple of the " + format + " block");
+  const std::string cn = what + "codes", sn = what + "scales", an = what + "amax";
+  const uint8_t* c = checked<uint8_t>(codes, fn, cn.c_str(), "uint8", {R, codes.shape(1)});
+  std::memcpy(q.codes.data(), c, q.codes.size());
+  if (f == QFormat::FP8) {
+    const float* sc = checked<float>(scales, fn, sn.c_str(), "float32", {R, blocks});
+    std::memcpy(q.scales.data(), sc, q.scales.size());
+  } else {
+    const uint8_t* sc = checked<uint8_t>(scales, fn, sn.c_str(), "uint8", {R, blocks});
+    std::memcpy(q.scales.data(), sc, q.scales.size());
+  }
+  q.amax = *checked<float>(amax, fn, an.c_str(), "float32", {1});
+  return q;
+}
+
 // The dequantized float32 [rows, cols] of a copy's codes, scales and amax (the layout quantize
 // returns), as `fp4sim quantize` computes its dequant file.
 py::array_t<float> dequantize(const py::array& codes, const py::array& scales,
                               const py::array& amax, const std::string& format, bool four_over_six,
                               const py::object& backend) {
-  QuantizedHost q;
-  const QFormat f = format == "nvfp4"   ? QFormat::NVFP4
-                    : format == "mxfp4" ? QFormat::MXFP4
-                    : format == "fp8"   ? QFormat::FP8
-                                        : throw py::value_error("fp4sim.dequantize: format '" +
-                                                                format + "' (nvfp4, mxfp4 or fp8)");
-  if (four_over_six && f != QFormat::NVFP4)
-    throw py::value_error("fp4sim.dequantize: four_over_six applies to nvfp4 only");
-  if (codes.ndim() != 2) throw py::value_error("fp4sim.dequantize: codes: expected a 2-D array");
-  const py::ssize_t R = codes.shape(0), C = f == QFormat::FP8 ? codes.shape(1) : 2 * codes.shape(1);
-  q.resize(R, C, f, four_over_six);
-  const py::ssize_t blocks = C / q.block_size();
-  if (C % q.block_size() != 0)
-    throw py::value_error("fp4sim.dequantize: codes: " + std::to_string(C) +
-                          " columns are not a multiple of the " + format + " block");
-  const uint8_t* c = checked<uint8_t>(codes, "dequantize", "codes", "uint8", {R, codes.shape(1)});
-  std::memcpy(q.codes.data(), c, q.codes.size());
-  if (f == QFormat::FP8) {
-    const float* sc = checked<float>(scales, "dequantize", "scales", "float32", {R, blocks});
-    std::memcpy(q.scales.data(), sc, q.scales.size());
-  } else {
-    const uint8_t* sc = checked<uint8_t>(scales, "dequantize", "scales", "uint8", {R, blocks});
-    std::memcpy(q.scales.data(), sc, q.scales.size());
-  }
-  q.amax = *checked<float>(amax, "dequantize", "amax", "float32", {1});
+  QuantizedHost q = host_copy(codes, scales, amax, format, four_over_six, "dequantize");
+  const auto R = static_cast<py::ssize_t>(q.rows), C = static_cast<py::ssize_t>(q.cols);
   auto be = make_backend(backend.is_none() ? default_backend_name() : backend.cast<std::string>());
   std::vector<float> deq;
   {
@@ -215,12 +228,23 @@ py::array convert(const py::array& x, const std::string& format, bool decode) {
   }
 }
 
-// fp4sim gemm on float32 arrays: A [M, K] and B [N, K] quantized as the CLI quantizes them, then
-// D = alpha * A * B^T (+ beta * C) through tools/gemm_run (the CLI's code).
-py::dict gemm(const py::array& a, const py::array& b, const py::object& c_obj,
-              const std::string& format, const std::string& gemm_impl, const std::string& out_dtype,
-              float alpha, float beta, int split_k, const py::object& backend) {
+// fp4sim gemm: a [M, K] and b [N, K] float32 arrays quantized as the CLI quantizes them, or
+// quantize's results (dicts of codes, scales, amax and meta) used as they are (as the CLI's
+// --a-prefix/--b-prefix files); then D = alpha * A * B^T (+ beta * C) through tools/gemm_run (the
+// CLI's code).
+py::dict gemm(const py::object& a_obj, const py::object& b_obj, const py::object& c_obj,
+              const py::object& format_obj, const std::string& gemm_impl,
+              const std::string& out_dtype, float alpha, float beta, int split_k,
+              const py::object& backend) {
   const char* fn = "fp4sim.gemm: ";
+  const bool quantized = py::isinstance<py::dict>(a_obj);
+  if (quantized != py::isinstance<py::dict>(b_obj))
+    throw py::value_error(std::string(fn) +
+                          "a and b must both be arrays or both be quantize's results");
+  if (quantized && !format_obj.is_none())
+    throw py::value_error(std::string(fn) +
+                          "format does not go with quantized operands (their meta names it)");
+  const std::string format = format_obj.is_none() ? "nvfp4" : format_obj.cast<std::string>();
   if (format != "nvfp4" && format != "mxfp4" && format != "fp8")
     throw py::value_error(std::string(fn) + "format '" + format + "' (nvfp4, mxfp4 or fp8)");
   if (gemm_impl != "exact" && gemm_impl != "cublaslt")
@@ -230,18 +254,60 @@ py::dict gemm(const py::array& a, const py::array& b, const py::object& c_obj,
   if (split_k < 1) throw py::value_error(std::string(fn) + "split_k must be >= 1");
   if (!c_obj.is_none() && beta == 0.0f)
     throw py::value_error(std::string(fn) + "c with beta 0 would not contribute: give beta");
-  auto matrix = [&](const py::array& x, const char* name) {
-    if (x.ndim() != 2)
-      throw py::value_error(std::string(fn) + name + ": expected a 2-D array, got " +
-                            std::to_string(x.ndim()) + " dimensions");
-    const float* p = checked<float>(x, "gemm", name, "float32", {x.shape(0), x.shape(1)});
-    return std::vector<float>(p, p + x.shape(0) * x.shape(1));
-  };
-  std::vector<float> xa = matrix(a, "a"), xb = matrix(b, "b");
-  const int64_t M = a.shape(0), K = a.shape(1), N = b.shape(0);
-  if (b.shape(1) != K)
-    throw py::value_error(std::string(fn) + "K differs: a is " + shape_str(M, K) + " and b is " +
-                          shape_str(N, b.shape(1)) + " (D = a * b^T needs a [M, K], b [N, K])");
+  std::vector<std::string> warnings;
+  QuantizedHost qa, qb;
+  std::vector<float> xa, xb;
+  int64_t M, K, N;
+  if (quantized) {
+    bool rht[2];
+    QuantizedHost* qs[2] = {&qa, &qb};
+    const py::object objs[2] = {a_obj, b_obj};
+    for (int i = 0; i < 2; ++i) {
+      const py::dict d = objs[i].cast<py::dict>();
+      const std::string what = i ? "b: " : "a: ";
+      for (const char* key : {"codes", "scales", "amax", "meta"})
+        if (!d.contains(key))
+          throw py::value_error(std::string(fn) + what + "no '" + key +
+                                "' (pass fp4sim.quantize's result)");
+      const py::dict meta = d["meta"].cast<py::dict>();
+      const auto get = [&](const char* k, const py::object& dflt) {
+        return meta.contains(k) ? py::reinterpret_borrow<py::object>(meta[k]) : dflt;
+      };
+      *qs[i] = host_copy(d["codes"].cast<py::array>(), d["scales"].cast<py::array>(),
+                         d["amax"].cast<py::array>(),
+                         get("format", py::str("nvfp4")).cast<std::string>(),
+                         get("four_over_six", py::bool_(false)).cast<bool>(), "gemm", what);
+      rht[i] = get("rht", py::bool_(false)).cast<bool>();
+      if (!std::isfinite(qs[i]->amax))
+        warnings.push_back(std::string(i ? "B" : "A") + "'s amax is " +
+                           std::to_string(qs[i]->amax) +
+                           ": its input held an Inf or NaN, and D is not finite");
+    }
+    if (rht[0] != rht[1])
+      throw py::value_error(std::string(fn) + (rht[0] ? "a" : "b") + " is an RHT copy and " +
+                            (rht[0] ? "b" : "a") +
+                            " is not: both operands of a GEMM need the same transform");
+    M = qa.rows;
+    K = qa.cols;
+    N = qb.rows;
+  } else {
+    auto matrix = [&](const py::array& x, const char* name) {
+      if (x.ndim() != 2)
+        throw py::value_error(std::string(fn) + name + ": expected a 2-D array, got " +
+                              std::to_string(x.ndim()) + " dimensions");
+      const float* p = checked<float>(x, "gemm", name, "float32", {x.shape(0), x.shape(1)});
+      return std::vector<float>(p, p + x.shape(0) * x.shape(1));
+    };
+    const py::array a = a_obj.cast<py::array>(), b = b_obj.cast<py::array>();
+    xa = matrix(a, "a");
+    xb = matrix(b, "b");
+    M = a.shape(0);
+    K = a.shape(1);
+    N = b.shape(0);
+    if (b.shape(1) != K)
+      throw py::value_error(std::string(fn) + "K differs: a is " + shape_str(M, K) + " and b is " +
+                            shape_str(N, b.shape(1)) + " (D = a * b^T needs a [M, K], b [N, K])");
+  }
   std::vector<float> c;
   if (!c_obj.is_none()) {
     const py::array ca = c_obj.cast<py::array>();
@@ -256,12 +322,13 @@ py::dict gemm(const py::array& a, const py::array& b, const py::object& c_obj,
   cfg.split_k = split_k;
   cfg.out = out_dtype == "bf16" ? GemmOut::BF16 : GemmOut::F32;
   cfg.impl = gemm_impl == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
-  std::vector<std::string> warnings;
   cli::GemmRun run;
   {
     py::gil_scoped_release release;
-    QuantizedHost qa = cli::quantize_gemm_operand(xa, M, K, fmt, "A", "a", &warnings);
-    QuantizedHost qb = cli::quantize_gemm_operand(xb, N, K, fmt, "B", "b", &warnings);
+    if (!quantized) {
+      qa = cli::quantize_gemm_operand(xa, M, K, fmt, "A", "a", &warnings);
+      qb = cli::quantize_gemm_operand(xb, N, K, fmt, "B", "b", &warnings);
+    }
     run = cli::run_gemm_checked(qa, qb, c.empty() ? nullptr : &c, "c", cfg,
                                 backend.is_none() ? "" : backend.cast<std::string>());
   }
@@ -269,7 +336,7 @@ py::dict gemm(const py::array& a, const py::array& b, const py::object& c_obj,
   py::dict out;
   if (cfg.out == GemmOut::BF16) {
     std::vector<uint16_t> h(run.bits.begin(), run.bits.end());
-    out["d"] = to_numpy(h.data(), {M, N});
+    out["d"] = owned_numpy(std::move(h), {M, N});
   } else {
     out["d"] = to_numpy(reinterpret_cast<const float*>(run.bits.data()), {M, N});
   }
@@ -413,7 +480,7 @@ PYBIND11_MODULE(_fp4sim, m) {
         "fp4sim convert: float32 -> codes (e2m1, e4m3, e5m2, bf16, ue8m0_rz, ue8m0_rp), or with "
         "decode=True codes -> float32 (e2m1, e4m3, e5m2, bf16, ue8m0)");
   m.def("gemm", &fp4sim::gemm, py::arg("a"), py::arg("b"), py::kw_only(), py::arg("c") = py::none(),
-        py::arg("format") = "nvfp4", py::arg("gemm") = "exact", py::arg("out_dtype") = "fp32",
+        py::arg("format") = py::none(), py::arg("gemm") = "exact", py::arg("out_dtype") = "fp32",
         py::arg("alpha") = 1.0f, py::arg("beta") = 0.0f, py::arg("split_k") = 1,
         py::arg("backend") = py::none(),
         "fp4sim gemm on float32 arrays: D = alpha * a * b^T (+ beta * c), a and b quantized RN "

@@ -278,3 +278,42 @@ def test_dlpack_host_tensors_are_taken():
 def test_dlpack_device_tensors_are_refused():
     with pytest.raises(ValueError, match="x is a DLPack tensor on device type 2 .* only host"):
         fp4sim.quantize(HostTensor(sample("f32"), device=(2, 0)), backend="emu")
+
+
+@pytest.mark.parametrize("qflags,qkw", [
+    ([], {}),
+    (["--four-over-six"], {"four_over_six": True}),
+    (["--format", "mxfp4"], {"format": "mxfp4"}),
+    (["--columnwise", "--rht"], {"columnwise": True, "rht": True}),
+], ids=["nvfp4", "nvfp4 4/6", "mxfp4", "nvfp4 rht"])
+def test_gemm_of_quantized_operands_is_the_cli_gemm(qflags, qkw, tmp_path):
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((32, 128)).astype(np.float32)
+    b = rng.standard_normal((48, 128)).astype(np.float32)
+    if qkw.get("columnwise"):  # (the column-wise copies are the K-major operands: transpose)
+        a, b = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
+    for name, x in (("a", a), ("b", b)):
+        np.save(tmp_path / f"{name}.npy", x)
+        subprocess.run([CLI, "quantize", str(tmp_path / f"{name}.npy"), str(tmp_path / f"q{name}"),
+                        "--backend", "emu", *qflags], check=True, capture_output=True)
+    subprocess.run([CLI, "gemm", "--a-prefix", str(tmp_path / "qa"), "--b-prefix", str(tmp_path / "qb"),
+                    str(tmp_path / "d.npy"), "--backend", "emu", "--alpha", "0.5"],
+                   check=True, capture_output=True)
+    qa = fp4sim.quantize(a, backend="emu", **qkw)
+    qb = fp4sim.quantize(b, backend="emu", **qkw)
+    got = fp4sim.gemm(qa, qb, alpha=0.5, backend="emu")
+    assert got["d"].tobytes() == np.load(tmp_path / "d.npy").tobytes()
+
+
+def test_gemm_of_quantized_operands_refuses_mixtures():
+    x = np.ones((16, 64), np.float32)
+    q = fp4sim.quantize(x, backend="emu")
+    with pytest.raises(ValueError, match="both be arrays or both"):
+        fp4sim.gemm(q, x, backend="emu")
+    with pytest.raises(ValueError, match="format does not go with quantized operands"):
+        fp4sim.gemm(q, q, format="nvfp4", backend="emu")
+    r = fp4sim.quantize(np.ones((64, 16), np.float32), columnwise=True, rht=True, backend="emu")
+    with pytest.raises(ValueError, match="b is an RHT copy and a is not"):
+        fp4sim.gemm(q, r, backend="emu")
+    with pytest.raises(ValueError, match="a: no 'meta'"):
+        fp4sim.gemm({"codes": q["codes"], "scales": q["scales"], "amax": q["amax"]}, q, backend="emu")
