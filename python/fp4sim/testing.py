@@ -82,6 +82,19 @@ class Case:
             self._expected = self._load("expected", present)
         return self._expected
 
+    def operand(self, name):
+        """A gemm case's operand `name` ("a" or "b"): the float32 array, or for a case of quantized
+        operands a dict as fp4sim.quantize returns (codes, scales, amax, meta), which fp4sim.gemm
+        takes as it is."""
+        if self.op != "gemm":
+            raise ValueError(f"{self.name}: a {self.op} case has no GEMM operands")
+        if f"{name}.npy" in self.meta["inputs"]:
+            return self.inputs[f"{name}.npy"]
+        folder = os.path.join(self.root, self.name, "inputs")
+        with open(os.path.join(folder, f"{name}.meta.json")) as f:
+            meta = json.load(f)
+        return {k: np.load(os.path.join(folder, f"{name}.{k}.npy")) for k in ("codes", "scales", "amax")} | {"meta": meta}
+
     def quantize_kwargs(self):
         """A quantize case's options as fp4sim.quantize's keyword arguments."""
         if self.op != "quantize":

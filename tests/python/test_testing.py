@@ -1,5 +1,5 @@
-"""fp4sim.testing against a pack `fp4sim golden write` makes: the module's own quantize and mma
-pass every case of the pack through assert_bitwise_equal; a changed bit, a corrupted file and
+"""fp4sim.testing against a pack `fp4sim golden write` makes: the module's own quantize, gemm
+and mma pass every case of the pack through assert_bitwise_equal; a changed bit, a corrupted file and
 another contract_version are refused with their names."""
 import json
 import os
@@ -18,8 +18,7 @@ CLI = os.environ.get("FP4SIM_CLI", "build/fp4sim")
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory):
     path = tmp_path_factory.mktemp("golden") / "pack"
-    subprocess.run([CLI, "golden", "write", str(path), "--cases", "quantize,mma"], check=True,
-                   capture_output=True)
+    subprocess.run([CLI, "golden", "write", str(path)], check=True, capture_output=True)
     return str(path)
 
 
@@ -42,6 +41,19 @@ def test_mma_cases_pass(pack):
                          scale=case.meta["scale_kind"], c=float(i["c.npy"][0]))
         d = np.array([got["bits"]], np.uint32).view(np.float32)
         assert_bitwise_equal(d, case.expected["d.npy"], case.name)
+
+
+def test_gemm_cases_pass(pack):
+    cases = load_pack(pack).cases("gemm")
+    assert len(cases) > 10
+    for case in cases:
+        m = case.meta
+        a, b = case.operand("a"), case.operand("b")
+        kw = {} if isinstance(a, dict) else {"format": m["format"]}
+        got = fp4sim.gemm(a, b, c=case.inputs.get("c.npy"), alpha=m.get("alpha", 1.0),
+                          beta=m.get("beta", 0.0), split_k=m.get("split_k", 1),
+                          out_dtype=m.get("out_dtype", "fp32"), backend="emu", **kw)
+        assert_bitwise_equal(got["d"], case.expected["d.npy"], case.name)
 
 
 def test_a_changed_bit_is_named():
