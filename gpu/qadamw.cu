@@ -66,8 +66,10 @@ __global__ void qadamw_kernel(QAdamWArgs a, bool encode) {
   const QAdamWTile t{a.m_codes + e / 2, a.m_scales + e / 16,
                      a.v_codes + e / 2, a.v_scales + e / 16,
                      a.v_mean + e / T,  a.v_floor ? a.v_floor + e / T : nullptr};
-  const QAdamWAmax am{a.amax[2 * s], a.amax[2 * s + 1], a.amax[2 * a.n_segs + 2 * s],
-                      a.amax[2 * a.n_segs + 2 * s + 1]};
+  // (the new amaxes are read in pass 1 only: pass 0 is still making them)
+  const QAdamWAmax am{a.amax[2 * s], a.amax[2 * s + 1],
+                      encode ? a.amax[2 * a.n_segs + 2 * s] : 0.0f,
+                      encode ? a.amax[2 * a.n_segs + 2 * s + 1] : 0.0f};
   const int blocks = static_cast<int>(T / 16);
   float tm = 0.0f, tv = 0.0f;
   qadamw_tile<DeviceFormats>(encode, blocks, a.params + sg.offset + k * T,

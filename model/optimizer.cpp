@@ -426,14 +426,15 @@ void Optimizer::step(double lr, int64_t t, float grad_scale) {
           for (size_t i : q_tensors_) {
             steps.push_back(step_of(i));
             // m's SR stream: a role no linear layer's copy takes (DESIGN.md §13), the tensor's
-            // index as the layer
+            // index as the layer (sr_stream refuses an index past its 12-bit field: 4096 tensors)
             streams.push_back(
                 sr_stream(t, 0, static_cast<int64_t>(i), 7, TensorRole::OptimizerState, 0));
           }
           model_.qadamw_step(q_state(), q_segs_, steps, c_.train.seed, streams);
         }
-        // the tensors that keep float32 state, one call each on their packed state
-        float* const params = model_.params();
+        // the tensors that keep float32 state, one call each on their packed state (params()
+        // only where there are any: it marks the BF16 weight shadow the step just wrote stale)
+        float* const params = fb_tensors_.empty() ? nullptr : model_.params();
         for (size_t k = 0; k < fb_tensors_.size(); ++k) {
           const ParamTensor& pt = model_.tensors()[fb_tensors_[k]];
           const int64_t cnt = pt.numel();

@@ -358,7 +358,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
           differences(was.value("recipe", nlohmann::json::object()), now.at("recipe"), "recipe.");
       for (const std::string& d :
            differences(was.value("optim", nlohmann::json::object()), now.at("optim"), "optim."))
-        // (a new name, state or v_tile is refused below)
+        // (a new name, state, v_tile or v_floor is refused below)
         if (d.rfind("optim.name:", 0) != 0 && d.rfind("optim.state:", 0) != 0 &&
             d.rfind("optim.v_tile:", 0) != 0 && d.rfind("optim.v_floor:", 0) != 0)
           changed.push_back(d);
@@ -448,7 +448,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                    "loss_scale.skips_in_a_row");
     }
     // the optimizer's state is the one its optimizer writes: another optim.name cannot take it
-    // (nor another optim.state or optim.v_tile: the state is stored in its encoding)
+    // (nor another optim.state, optim.v_tile or optim.v_floor: the state is stored in its
+    // encoding)
     const nlohmann::json ck_oc =
         ck.state.contains("run_config")
             ? ck.state["run_config"].value("optim", nlohmann::json::object())
