@@ -36,22 +36,8 @@ for ((i = 0; i < ${#pattern}; i++)); do
   [ "${pattern:$i:1}" = M ] || continue
   for g in fprop dgrad wgrad; do fp8_in_proj+=("recipe.override.blocks.$i.mamba.in_proj.$g=bf16"); done
 done
-run() {  # name, then overrides
-  local name=$1
-  shift
-  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
-  if grep -qs '^done' "$out/$name.log"; then echo "== $name: done already"; return 0; fi
-  local resume=()
-  if [ -d "$out/$name/checkpoints" ] && ls "$out/$name/checkpoints" | grep -q step_; then
-    resume=(--resume "$out/$name")
-  fi
-  echo "== $name: $* ${resume[*]}"
-  local t0=$SECONDS
-  timeout "${RUN_TIMEOUT:-86400}" "$bin" train "${common[@]}" train.out_dir="$out/$name" "$@" \
-    "${resume[@]}" >>"$out/$name.log" 2>&1
-  local rc=$?
-  echo "   exit $rc, $((SECONDS - t0)) s, $(grep -E '^done' "$out/$name.log" || tail -1 "$out/$name.log")"
-}
+# shellcheck source=validation/evidence_run.sh
+source validation/evidence_run.sh  # run NAME OVERRIDES...
 run bf16_s1 recipe.name=bf16 train.seed=1
 run nvfp4_s1 recipe.name=nvfp4 train.seed=1
 run fp8_s1 recipe.name=fp8 "${fp8_in_proj[@]}" train.seed=1

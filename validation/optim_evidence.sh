@@ -30,22 +30,8 @@ common=(--config configs/small.json --backend "$backend" train.steps="$steps"
         train.warmup=$((steps / 10)) train.eval_every=$((steps / 4)) train.eval_batches=16
         train.checkpoint_every="$every" train.keep_last=1 train.shuffle=true recipe.gemm=$gemm
         ${EXTRA:-})
-run() {  # name, then overrides
-  local name=$1
-  shift
-  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
-  if grep -qs '^done' "$out/$name.log"; then echo "== $name: done already"; return 0; fi
-  local resume=()
-  if [ -d "$out/$name/checkpoints" ] && ls "$out/$name/checkpoints" | grep -q step_; then
-    resume=(--resume "$out/$name")
-  fi
-  echo "== $name: $* ${resume[*]}"
-  local t0=$SECONDS
-  timeout "${RUN_TIMEOUT:-86400}" "$bin" train "${common[@]}" train.out_dir="$out/$name" "$@" \
-    "${resume[@]}" >>"$out/$name.log" 2>&1
-  local rc=$?
-  echo "   exit $rc, $((SECONDS - t0)) s, $(grep -E '^done' "$out/$name.log" || tail -1 "$out/$name.log")"
-}
+# shellcheck source=validation/evidence_run.sh
+source validation/evidence_run.sh  # run NAME OVERRIDES...
 for seed in 1 2; do
   run bf16_s$seed recipe.name=bf16 train.seed=$seed
   run muon_s$seed recipe.name=bf16 optim.name=muon train.seed=$seed
