@@ -6,14 +6,13 @@
 #include <random>
 #include <vector>
 
+#include "tests/emu/test_util.hpp"
+
 namespace fp4sim::model {
 
+// (tests/emu/test_util.hpp's seeded normal values)
 inline std::vector<float> ns_randn(size_t n, uint64_t seed, float scale = 1.0f) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(g);
-  return v;
+  return test::randn(n, seed, scale);
 }
 
 // A gradient-like R x C matrix: three strong directions over N(0, 0.1) noise.
