@@ -21,6 +21,26 @@ bool gpu_available() {
   return n > 0;
 }
 
+void set_device(int device) {
+  int n = 0;
+  FP4SIM_CUDA_CHECK(cudaGetDeviceCount(&n));
+  if (device < 0 || device >= n)
+    throw std::invalid_argument("CUDA device " + std::to_string(device) + " does not exist (" +
+                                std::to_string(n) + " devices)");
+  FP4SIM_CUDA_CHECK(cudaSetDevice(device));
+}
+
+void stream_wait(void* consumer, void* producer) {
+  if (consumer == producer) return;
+  cudaEvent_t e = nullptr;
+  FP4SIM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  const cudaError_t r1 = cudaEventRecord(e, static_cast<cudaStream_t>(producer));
+  const cudaError_t r2 =
+      r1 == cudaSuccess ? cudaStreamWaitEvent(static_cast<cudaStream_t>(consumer), e, 0) : r1;
+  cudaEventDestroy(e);  // (released once the wait is done)
+  FP4SIM_CUDA_CHECK(r2);
+}
+
 std::string describe_gpu() {
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
@@ -63,12 +83,15 @@ CudaBackend::CudaBackend(const CudaOptions& options)
   if (options.quantize_kept_ctas_per_sm < 0 || options.fp8_wgmma_max_ctas < 0)
     throw std::invalid_argument(
         "CudaOptions: quantize_kept_ctas_per_sm and fp8_wgmma_max_ctas must be >= 0");
-  FP4SIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (options.use_external_stream)
+    stream_ = static_cast<cudaStream_t>(options.external_stream);
+  else
+    FP4SIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   try {
     init_device();
   } catch (...) {  // the destructor does not run for a constructor that throws
     if (amax_ws_) cudaFree(amax_ws_);
-    cudaStreamDestroy(stream_);
+    if (!options_.use_external_stream) cudaStreamDestroy(stream_);
     throw;
   }
 }
@@ -91,7 +114,7 @@ void CudaBackend::init_device() {
 }
 CudaBackend::~CudaBackend() {
   if (amax_ws_) cudaFree(amax_ws_);
-  if (stream_) cudaStreamDestroy(stream_);
+  if (stream_ && !options_.use_external_stream) cudaStreamDestroy(stream_);
 }
 
 CudaBackend::LayersState& CudaBackend::layers_state() {

@@ -24,6 +24,12 @@ constexpr int kQuantizeKeepRhtAuto = -1;
 // The CUDA backend's tuning options, fixed when it is constructed. "Same bits": the option changes
 // only speed; the others say what may differ.
 struct CudaOptions {
+  // Run on this stream instead of a stream of the backend's own (use_external_stream; the caller's
+  // stream outlives the backend, which never destroys it): the Python module runs on the current
+  // stream of the tensors it is given (DESIGN.md §15). nullptr with use_external_stream is the
+  // legacy default stream.
+  bool use_external_stream = false;
+  void* external_stream = nullptr;
   // Whether the common-case NVFP4 quantizer keeps the RHT output between its passes (1) or
   // transforms twice (0: the amax pass then takes only max |rht(x)|, one rounding a chunk).
   // kQuantizeKeepRhtAuto (default) transforms BF16 input twice and keeps FP32 input's output, as
@@ -159,6 +165,11 @@ struct ActivationArgs {
 ActivationArgs activation_args(const ActivationSource& src);
 
 bool gpu_available();
+// cudaSetDevice(device) for this thread; std::invalid_argument naming it where it does not exist.
+void set_device(int device);
+// Work queued on `consumer` after this waits for the work queued on `producer` so far (an event;
+// nothing when they are the same stream).
+void stream_wait(void* consumer, void* producer);
 std::string describe_gpu();
 // The cuBLASLt library loaded at run time, "major.minor.patch" (cublasLtGetVersion).
 std::string cublaslt_version();

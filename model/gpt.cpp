@@ -352,9 +352,17 @@ void Gpt::linear_fwd(int64_t l, int linear, size_t b, const TensorView& out, con
   const LinearIds ids{run_.train.seed, step_, micro_batch_, l, linear};
   BlockActs& a = acts_[b];
   const int i = linear - blocks_[b].linear0;
+  if (tap_ && pending_input) {  // (x must exist to be tapped; same bits)
+    run_activation(be_, *pending_input);
+    pending_input = nullptr;
+  }
   linear_forward(be_, linear_recipe(l, linear), ids, out, inp, linear_weights(l, linear), prec_,
                  stats_active_ ? &stats_ : nullptr, name, inference_ ? nullptr : &a.saved_x[i],
                  inference_ ? nullptr : &a.saved_w[i], pending_input);
+  if (tap_) {
+    tap_(name, "x", inp);
+    tap_(name, "y", out);
+  }
 }
 
 void Gpt::linear_bwd(int64_t l, int linear, size_t b, const TensorView& dinp,
@@ -366,10 +374,20 @@ void Gpt::linear_bwd(int64_t l, int linear, size_t b, const TensorView& dinp,
   const LinearRecipe& r = linear_recipe(l, linear);
   // the input as the forward pass kept it, where the Wgrad reads it (else the saved copy)
   const TensorView inp = r.wgrad == GemmFormat::BF16 ? as_stored(linear_input(b, i)) : TensorView{};
-  linear_backward(be_, r, ids, dinp, grad(name + ".weight"),
-                  cfg_.bias ? grad(name + ".bias") : TensorView{}, dout, inp,
+  if (tap_ && pending_dout) {  // (dy must exist to be tapped; same bits)
+    run_activation(be_, *pending_dout);
+    pending_dout = nullptr;
+  }
+  const TensorView dbias = cfg_.bias ? grad(name + ".bias") : TensorView{};
+  linear_backward(be_, r, ids, dinp, grad(name + ".weight"), dbias, dout, inp,
                   linear_weights(l, linear), prec_, stats_active_ ? &stats_ : nullptr, name,
                   a.saved_x[i].get(), a.saved_w[i].get(), pending_dout);
+  if (tap_) {
+    tap_(name, "dy", dout);
+    tap_(name, "dx", dinp);
+    tap_(name, "dweight", grad(name + ".weight"));
+    if (dbias.present()) tap_(name, "dbias", dbias);
+  }
 }
 
 TensorView Gpt::dgrad_view(int64_t l, int i, int64_t width) {

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -81,6 +82,15 @@ class Gpt {
   // Quantization statistics of the next forward + backward (then off again).
   void collect_stats_once() { collect_stats_ = true; }
   std::vector<QuantStat> take_stats();
+
+  // Every linear layer's tensors in the passes that follow, until set to nullptr (--dump's
+  // linears.safetensors): tap(name, what, view) after each Fprop with "x" and "y", after each
+  // backward pass with "dy", "dx", "dweight" and (with biases) "dbias" (the gradients as
+  // accumulated so far). A pending activation (GELU's forward or backward pass, fused into the
+  // quantizer otherwise) is run first so that x or dy exists: the same bits (linear.hpp).
+  using LinearTap =
+      std::function<void(const std::string& name, const char* what, const TensorView& v)>;
+  void set_linear_tap(LinearTap tap) { tap_ = std::move(tap); }
 
   // FP32 GEMMs instead of the BF16 ones (gradient checks only).
   void set_gemm_precision(GemmPrecision p) { prec_ = p; }
@@ -302,6 +312,7 @@ class Gpt {
   bool inference_ = false, inference_pass_ = false;  // (set_inference; the last forward pass's)
   std::vector<QuantStat> stats_;
   GemmPrecision prec_ = GemmPrecision::BF16;
+  LinearTap tap_;
   bool bf16_bits_ = true;
   std::vector<ParamTensor> tensors_;
   size_t n_params_ = 0;

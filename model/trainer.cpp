@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "emu/contract.hpp"
+#include "emu/formats.hpp"
 #include "emu/optim.hpp"
 #include "emu/philox.hpp"
 #include "model/checkpoint.hpp"
@@ -122,6 +123,21 @@ std::string duration_text(double seconds) {
   if (s >= 3600) return std::to_string(s / 3600) + "h" + std::to_string(s % 3600 / 60) + "m";
   if (s >= 60) return std::to_string(s / 60) + "m" + std::to_string(s % 60) + "s";
   return std::to_string(s) + "s";
+}
+
+// A view's values as a float32 tensor [rows, cols] (BF16 bits widened: exact), for --dump.
+StoredTensor tensor_to_stored(Backend& be, const TensorView& v) {
+  if (!v.dense() || (v.dtype != DType::F32 && v.dtype != DType::BF16))
+    throw std::logic_error(std::string("--dump: ") + v.name + " is not a dense float32/BF16 view");
+  std::vector<float> h(static_cast<size_t>(v.numel()));
+  if (v.dtype == DType::BF16) {
+    std::vector<uint16_t> bits(h.size());
+    be.download(bits.data(), v.data, bits.size() * 2);
+    for (size_t i = 0; i < h.size(); ++i) h[i] = bf16_to_f32(bits[i]);
+  } else {
+    be.download(h.data(), v.data, h.size() * 4);
+  }
+  return f32_tensor(h.data(), {v.rows, v.cols}, v.numel());
 }
 
 // A --dump file, whole or not at all: written beside its name, then renamed into place.
@@ -547,6 +563,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   res.planned_memory = plan.peak;
   std::vector<int32_t> tok, tgt;
   TensorMap dump_batches;
+  TensorMap dump_linears;  // --dump: each linear's x, y, dy, dx, dweight, dbias of the first step
   // the parameter tensors' places in grads(), for the gradient norm's one sum_squares call
   const std::vector<Segment> spans = model.tensor_spans();
   const TensorView grads =
@@ -575,6 +592,11 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
         pos = next_batch(data.train, pos, B, T, tok, tgt);
       model.set_micro_batch(mb);
       if (stats_now && mb == 0) model.collect_stats_once();  // the first micro-batch's statistics
+      const bool tap_now = !opt.dump_dir.empty() && step == step0;  // (grad_accum is 1 there)
+      if (tap_now)
+        model.set_linear_tap([&](const std::string& name, const char* what, const TensorView& v) {
+          dump_linears[name + "." + what] = tensor_to_stored(be, v);
+        });
       const float mb_loss = model.forward(tok.data(), tgt.data(), B, T, A);
       if (!std::isfinite(mb_loss))
         throw std::runtime_error(
@@ -584,6 +606,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
             "; the first non-finite tensor: " + model.first_nonfinite_in_forward());
       loss_sum += mb_loss;
       model.backward(A, mb > 0);
+      if (tap_now) model.set_linear_tap(nullptr);
     }
     const float loss = static_cast<float>(loss_sum / static_cast<double>(A));
     if (std::find(opt.nonfinite_gradient_steps.begin(), opt.nonfinite_gradient_steps.end(),
@@ -617,6 +640,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
         gr[t.name] = f32_tensor(hg.data() + t.offset, t.shape, t.numel());
       gr["loss"] = f32_tensor(&loss, {1}, 1);
       write_dump_file(opt.dump_dir + "/step0_grads.safetensors", gr);
+      write_dump_file(opt.dump_dir + "/linears.safetensors", dump_linears);
+      dump_linears.clear();
       write_whole_file(opt.dump_dir + "/config.json", to_json(c).dump(2) + "\n");
     }
     // every tensor's sum of squares in one backend call, then added in tensor order. Under loss

@@ -17,6 +17,8 @@
 #include "emu/contract.hpp"
 #include "emu/formats.hpp"
 #include "emu/mma.hpp"
+#include "python/dlpack_args.hpp"
+#include "python/linear_binding.hpp"
 #include "tools/backends.hpp"
 #include "tools/convert_values.hpp"
 #include "tools/gemm_run.hpp"
@@ -492,6 +494,8 @@ PYBIND11_MODULE(_fp4sim, m) {
   m.def("_cpp_seconds", &fp4sim::cpp_seconds, py::arg("op"), py::arg("x"), py::arg("repeats"),
         py::arg("backend") = py::none(),
         "The median seconds of the C++ work behind quantize or gemm (validation/bench_python.py)");
+  fp4sim::py_args::register_device_array(m);
+  fp4sim::py_args::register_linear(m);
   m.def("info", &fp4sim::info, "Version, contract_version and the backends of this build");
   m.attr("contract_version") = fp4sim::kContractVersion;
 }

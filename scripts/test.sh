@@ -4,7 +4,7 @@
 # usage: scripts/test.sh [extra ctest args]   e.g. scripts/test.sh -LE slow   to skip the 2^32 sweeps
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh build
+FP4SIM_TEST_PACKAGES=1 scripts/setup.sh build
 scripts/check_format.sh
 cmake --build build -j"$(nproc)"
 cd build

@@ -72,4 +72,30 @@ std::unique_ptr<Backend> make_backend(const std::string& name) {
   throw std::invalid_argument("--backend: unknown backend '" + name + "' (valid: emu, cuda)");
 }
 
+std::unique_ptr<Backend> make_cuda_backend_on_stream(int device, void* stream) {
+  const std::string why = cuda_backend_unavailable_reason();
+  if (!why.empty()) throw std::runtime_error("the CUDA backend: " + why);
+#if FP4SIM_HAVE_CUDA
+  gpu::set_device(device);
+  gpu::CudaOptions o;
+  o.use_external_stream = true;
+  o.external_stream = stream;
+  return gpu::make_cuda_backend(o);
+#else
+  (void)device;
+  (void)stream;
+  return nullptr;
+#endif
+}
+
+void cuda_stream_wait(void* consumer, void* producer) {
+#if FP4SIM_HAVE_CUDA
+  gpu::stream_wait(consumer, producer);
+#else
+  (void)consumer;
+  (void)producer;
+  throw std::runtime_error("cuda_stream_wait: this build of fp4sim has no CUDA backend");
+#endif
+}
+
 }  // namespace fp4sim

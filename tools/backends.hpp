@@ -12,6 +12,13 @@ namespace fp4sim {
 // the CUDA backend was not built or no GPU is present.
 std::unique_ptr<Backend> make_backend(const std::string& name);
 
+// The CUDA backend on GPU `device` running on the caller's `stream` (a cudaStream_t; nullptr: the
+// legacy default stream), which it never destroys; std::runtime_error without a usable GPU.
+std::unique_ptr<Backend> make_cuda_backend_on_stream(int device, void* stream);
+
+// Work queued on the CUDA stream `consumer` after this waits for what `producer` holds now.
+void cuda_stream_wait(void* consumer, void* producer);
+
 // "cuda" when this build has the CUDA backend and a GPU is present, else "emu".
 std::string default_backend_name();
 
