@@ -126,16 +126,18 @@ TensorView matrix_view(const DlTensor& d, const std::string& where,
 }
 
 Backend& module_backend(const std::string& name, int device, uintptr_t stream) {
+  // (never destroyed: results alive at interpreter exit release their memory through them, and
+  // the CUDA runtime may be torn down before static destructors would run)
   static std::mutex mu;
-  static std::unique_ptr<Backend> emu;
-  static std::map<std::pair<int, uintptr_t>, std::unique_ptr<Backend>> cuda;
+  static auto* emu = new std::unique_ptr<Backend>;
+  static auto* cuda = new std::map<std::pair<int, uintptr_t>, std::unique_ptr<Backend>>;
   std::lock_guard<std::mutex> lock(mu);
   if (name == "emu") {
-    if (!emu) emu = make_backend("emu");
-    return *emu;
+    if (!*emu) *emu = make_backend("emu");
+    return **emu;
   }
   if (name != "cuda") throw py::value_error("backend '" + name + "' (valid: emu, cuda)");
-  auto& b = cuda[{device, stream}];
+  auto& b = (*cuda)[{device, stream}];
   if (!b) b = make_cuda_backend_on_stream(device, reinterpret_cast<void*>(stream));
   return *b;
 }

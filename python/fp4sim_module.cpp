@@ -61,6 +61,34 @@ TensorView host_view(const py::array& a, const char* name) {
   return v;
 }
 
+// A JSON value as Python objects (the meta dicts; no json.loads of a dumped string per call).
+py::object to_python(const nlohmann::json& j) {
+  switch (j.type()) {
+    case nlohmann::json::value_t::object: {
+      py::dict d;
+      for (auto it = j.begin(); it != j.end(); ++it) d[py::str(it.key())] = to_python(it.value());
+      return std::move(d);
+    }
+    case nlohmann::json::value_t::array: {
+      py::list l;
+      for (const auto& v : j) l.append(to_python(v));
+      return std::move(l);
+    }
+    case nlohmann::json::value_t::string:
+      return py::str(j.get<std::string>());
+    case nlohmann::json::value_t::boolean:
+      return py::bool_(j.get<bool>());
+    case nlohmann::json::value_t::number_integer:
+      return py::int_(j.get<int64_t>());
+    case nlohmann::json::value_t::number_unsigned:
+      return py::int_(j.get<uint64_t>());
+    case nlohmann::json::value_t::number_float:
+      return py::float_(j.get<double>());
+    default:
+      return py::none();
+  }
+}
+
 // A numpy array that takes over v's memory (no copy): the vector lives in a capsule the array owns.
 template <class T>
 py::array_t<T> owned_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
@@ -76,9 +104,10 @@ py::array_t<T> to_numpy(const T* data, std::vector<py::ssize_t> shape) {
   return out;
 }
 
-py::dict quantize(const py::array& x, const std::string& format, bool block_2d, bool columnwise,
-                  bool rht, bool sr, uint64_t seed, uint64_t stream, bool four_over_six,
-                  const std::string& error, const py::object& mx_rule, const py::object& backend) {
+// The keyword arguments of fp4sim.quantize as the CLI's options and their QuantizeConfig.
+std::pair<cli::QuantizeOptions, QuantizeConfig> quantize_options(
+    const std::string& format, bool block_2d, bool columnwise, bool rht, bool sr, uint64_t seed,
+    uint64_t stream, bool four_over_six, const std::string& error, const py::object& mx_rule) {
   cli::QuantizeOptions o;
   if (!sr && (seed != 0 || stream != 0))
     throw py::value_error("fp4sim.quantize: seed and stream apply to sr=True only");
@@ -97,14 +126,20 @@ py::dict quantize(const py::array& x, const std::string& format, bool block_2d, 
     o.mx_rule = mx_rule.cast<std::string>();
     o.mx_rule_given = true;
   }
-  const std::string be_name =
-      backend.is_none() ? default_backend_name() : backend.cast<std::string>();
-  QuantizeConfig cfg;
   try {
-    cfg = cli::quantize_config(o);
+    return {o, cli::quantize_config(o)};
   } catch (const std::invalid_argument& e) {  // (unknown values; the CLI's messages name its flags)
     throw py::value_error(std::string("fp4sim.quantize: ") + e.what());
   }
+}
+
+py::dict quantize(const py::array& x, const std::string& format, bool block_2d, bool columnwise,
+                  bool rht, bool sr, uint64_t seed, uint64_t stream, bool four_over_six,
+                  const std::string& error, const py::object& mx_rule, const py::object& backend) {
+  const auto [o, cfg] = quantize_options(format, block_2d, columnwise, rht, sr, seed, stream,
+                                         four_over_six, error, mx_rule);
+  const std::string be_name =
+      backend.is_none() ? default_backend_name() : backend.cast<std::string>();
   const TensorView in = host_view(x, "x");
   validate_quantize(in, cfg);  // (std::invalid_argument: ValueError, naming the tensor)
   auto be = make_backend(be_name);
@@ -129,7 +164,7 @@ py::dict quantize(const py::array& x, const std::string& format, bool block_2d, 
     out["scales"] = owned_numpy(std::move(q.scales), {R, C / block});
   out["amax"] = to_numpy(&q.amax, {1});
   out["dequant"] = owned_numpy(std::move(deq), {R, C});
-  out["meta"] = py::module_::import("json").attr("loads")(meta.dump());
+  out["meta"] = to_python(meta);
   return out;
 }
 
@@ -445,6 +480,301 @@ double cpp_seconds(const std::string& op, const py::array& x, int repeats,
   return t[t.size() / 2];
 }
 
+// ---- CUDA tensors (DLPack): the same work on device memory, the results as DeviceArrays ----
+
+using py_args::DeviceArray;
+using py_args::DlTensor;
+
+std::shared_ptr<DeviceArray> device_array(Backend& be, DType t, std::vector<int64_t> shape, int dev,
+                                          uintptr_t stream, const char* label) {
+  return std::make_shared<DeviceArray>(be, t, std::move(shape), dev, stream, label);
+}
+
+// A CUDA DLPack tensor of 2 dimensions (ValueError naming `where` otherwise).
+DlTensor cuda_matrix(const py::object& x, const std::string& where) {
+  DlTensor d = py_args::dlpack_arg(x, where);
+  if (!d.cuda()) throw py::value_error(where + ": not a CUDA tensor");
+  if (d.t->ndim != 2)
+    throw py::value_error(where + ": expected a 2-D tensor (rows x cols), got " +
+                          std::to_string(d.t->ndim) + " dimensions");
+  return d;
+}
+
+py::dict quantize_device(const py::object& x, uintptr_t stream, const std::string& format,
+                         bool block_2d, bool columnwise, bool rht, bool sr, uint64_t seed,
+                         uint64_t sr_stream, bool four_over_six, const std::string& error,
+                         const py::object& mx_rule) {
+  const auto [o, cfg] = quantize_options(format, block_2d, columnwise, rht, sr, seed, sr_stream,
+                                         four_over_six, error, mx_rule);
+  const DlTensor d = cuda_matrix(x, "fp4sim.quantize: x");
+  const TensorView in =
+      py_args::matrix_view(d, "fp4sim.quantize: x", {DType::F32, DType::BF16}, "x");
+  validate_quantize(in, cfg);
+  const int dev = d.device_index();
+  Backend& be = py_args::module_backend("cuda", dev, stream);
+  const CopyShape cs = written_shape(in, columnwise);
+  QuantizedView q;
+  q.rows = cs.rows;
+  q.cols = cs.cols;
+  q.format = cfg.format;
+  q.four_over_six = (columnwise ? cfg.columnwise : cfg.rowwise).four_over_six;
+  q.device = Device::Cuda;
+  const bool fp8 = q.format == QFormat::FP8;
+  const int64_t R = q.rows, C = q.cols, blocks = C / q.block();
+  auto codes = device_array(be, DType::U8, {R, fp8 ? C : C / 2}, dev, stream, "codes");
+  auto scales = device_array(be, fp8 ? DType::F32 : DType::U8, {R, blocks}, dev, stream, "scales");
+  auto amax = device_array(be, DType::F32, {1}, dev, stream, "amax");
+  auto deq = device_array(be, DType::F32, {R, C}, dev, stream, "dequant");
+  q.codes = static_cast<uint8_t*>(codes->data());
+  q.scales = static_cast<uint8_t*>(scales->data());
+  q.amax = static_cast<float*>(amax->data());
+  QuantizedHost meta_q;  // (what the meta reads: shape, format, amax)
+  {
+    py::gil_scoped_release release;
+    be.quantize(in, cfg, columnwise ? nullptr : &q, columnwise ? &q : nullptr);
+    be.dequantize(q, view_of(deq->data(), DType::F32, R, C, Device::Cuda, "dequantized"));
+    be.download(&meta_q.amax, q.amax, sizeof(float));  // (4 bytes for the meta: synchronizes)
+  }
+  meta_q.rows = R;
+  meta_q.cols = C;
+  meta_q.format = q.format;
+  meta_q.four_over_six = q.four_over_six;
+  const nlohmann::json meta =
+      cli::quantize_meta(o, in.dtype, in.rows, in.cols, meta_q, be.name(), "fp4sim.quantize");
+  py::dict out;
+  out["codes"] = codes;
+  out["scales"] = scales;
+  out["amax"] = amax;
+  out["dequant"] = deq;
+  out["meta"] = to_python(meta);
+  return out;
+}
+
+std::shared_ptr<DeviceArray> dequantize_device(const py::object& codes, const py::object& scales,
+                                               const py::object& amax, uintptr_t stream,
+                                               const std::string& format, bool four_over_six) {
+  const char* fn = "fp4sim.dequantize: ";
+  const QFormat f = format == "nvfp4"   ? QFormat::NVFP4
+                    : format == "mxfp4" ? QFormat::MXFP4
+                    : format == "fp8"   ? QFormat::FP8
+                                        : throw py::value_error(fn + std::string("format '") +
+                                                                format + "' (nvfp4, mxfp4 or fp8)");
+  if (four_over_six && f != QFormat::NVFP4)
+    throw py::value_error(std::string(fn) + "four_over_six applies to nvfp4 only");
+  const DlTensor dc = cuda_matrix(codes, std::string(fn) + "codes");
+  const DlTensor ds = cuda_matrix(scales, std::string(fn) + "scales");
+  const DlTensor da = py_args::dlpack_arg(amax, std::string(fn) + "amax");
+  QuantizedView q;
+  q.format = f;
+  q.four_over_six = four_over_six;
+  q.device = Device::Cuda;
+  q.rows = dc.shape[0];
+  q.cols = f == QFormat::FP8 ? dc.shape[1] : 2 * dc.shape[1];
+  if (q.cols % q.block() != 0)
+    throw py::value_error(std::string(fn) + "codes: " + std::to_string(q.cols) +
+                          " columns are not a multiple of the " + format + " block");
+  const auto want = [&](const DlTensor& t, const std::string& name, DType dt, int64_t r,
+                        int64_t c) {
+    const TensorView v = py_args::matrix_view(t, fn + name, {dt}, "operand");
+    if (!t.cuda() || t.device_index() != dc.device_index())
+      throw py::value_error(fn + name + ": not on the codes' CUDA device");
+    if (v.rows != r || v.cols != c)
+      throw py::value_error(fn + name + ": shape " + shape_str(v.rows, v.cols) + ", expected " +
+                            shape_str(r, c));
+    return v.data;
+  };
+  q.codes = static_cast<uint8_t*>(want(dc, "codes", DType::U8, q.rows, dc.shape[1]));
+  q.scales = static_cast<uint8_t*>(
+      want(ds, "scales", f == QFormat::FP8 ? DType::F32 : DType::U8, q.rows, q.cols / q.block()));
+  q.amax = static_cast<float*>(want(da, "amax", DType::F32, 1, 1));
+  const int dev = dc.device_index();
+  Backend& be = py_args::module_backend("cuda", dev, stream);
+  auto out = device_array(be, DType::F32, {q.rows, q.cols}, dev, stream, "dequantized");
+  {
+    py::gil_scoped_release release;
+    be.dequantize(q, view_of(out->data(), DType::F32, q.rows, q.cols, Device::Cuda, "dequantized"));
+  }
+  return out;
+}
+
+py::dict gemm_device(const py::object& a, const py::object& b, const py::object& c,
+                     uintptr_t stream, const py::object& format_obj, const std::string& gemm_impl,
+                     const std::string& out_dtype, float alpha, float beta, int split_k) {
+  const std::string fn = "fp4sim.gemm: ";
+  const std::string format = format_obj.is_none() ? "nvfp4" : format_obj.cast<std::string>();
+  if (format != "nvfp4" && format != "mxfp4" && format != "fp8")
+    throw py::value_error(fn + "format '" + format + "' (nvfp4, mxfp4 or fp8)");
+  if (gemm_impl != "exact" && gemm_impl != "cublaslt")
+    throw py::value_error(fn + "gemm '" + gemm_impl + "' (exact or cublaslt)");
+  if (out_dtype != "fp32" && out_dtype != "bf16")
+    throw py::value_error(fn + "out_dtype '" + out_dtype + "' (fp32 or bf16)");
+  if (split_k < 1) throw py::value_error(fn + "split_k must be >= 1");
+  if (!c.is_none() && beta == 0.0f)
+    throw py::value_error(fn + "c with beta 0 would not contribute: give beta");
+  const DlTensor ta = cuda_matrix(a, fn + "a"), tb = cuda_matrix(b, fn + "b");
+  const TensorView av = py_args::matrix_view(ta, fn + "a", {DType::F32}, "a");
+  const TensorView bv = py_args::matrix_view(tb, fn + "b", {DType::F32}, "b");
+  if (tb.device_index() != ta.device_index())
+    throw py::value_error(fn + "a and b are on different CUDA devices");
+  if (bv.cols != av.cols)
+    throw py::value_error(fn + "K differs: a is " + shape_str(av.rows, av.cols) + " and b is " +
+                          shape_str(bv.rows, bv.cols) + " (D = a * b^T needs a [M, K], b [N, K])");
+  const int64_t M = av.rows, K = av.cols, N = bv.rows;
+  DlTensor tc;
+  TensorView cv;
+  if (!c.is_none()) {
+    tc = cuda_matrix(c, fn + "c");
+    cv = py_args::matrix_view(tc, fn + "c", {DType::F32}, "c");
+    if (cv.rows != M || cv.cols != N)
+      throw py::value_error(fn + "c: shape " + shape_str(cv.rows, cv.cols) + ", expected " +
+                            shape_str(M, N));
+  }
+  const QFormat fmt =
+      format == "fp8" ? QFormat::FP8 : (format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+  GemmConfig cfg;
+  cfg.alpha = alpha;
+  cfg.beta = beta;
+  cfg.split_k = split_k;
+  cfg.out = out_dtype == "bf16" ? GemmOut::BF16 : GemmOut::F32;
+  cfg.impl = gemm_impl == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
+  const int dev = ta.device_index();
+  Backend& be = py_args::module_backend("cuda", dev, stream);
+  // the operands quantized as the CLI quantizes them (RN, row-wise; the CUDA quantizer is bitwise
+  // the emulator's)
+  QuantizeConfig qc;
+  qc.format = fmt;
+  qc.rowwise.enabled = true;
+  validate_quantize(av, qc);
+  validate_quantize(bv, qc);
+  QuantizedHost sa, sb;  // (shapes only: the operands stay on the device)
+  sa.rows = M;
+  sa.cols = K;
+  sa.format = fmt;
+  sb.rows = N;
+  sb.cols = K;
+  sb.format = fmt;
+  QuantizedView qa = sa.view(), qb = sb.view();
+  BackendBuffer ca(be, static_cast<size_t>(qa.code_bytes())),
+      sca(be, static_cast<size_t>(qa.scale_bytes())), aa(be, 4),
+      cb(be, static_cast<size_t>(qb.code_bytes())), scb(be, static_cast<size_t>(qb.scale_bytes())),
+      ab(be, 4);
+  qa.codes = ca.as<uint8_t>();
+  qa.scales = sca.as<uint8_t>();
+  qa.amax = aa.as<float>();
+  qb.codes = cb.as<uint8_t>();
+  qb.scales = scb.as<uint8_t>();
+  qb.amax = ab.as<float>();
+  qa.device = qb.device = Device::Cuda;
+  float amax[2];
+  {
+    py::gil_scoped_release release;
+    be.quantize(av, qc, &qa, nullptr);
+    be.quantize(bv, qc, &qb, nullptr);
+    be.download(&amax[0], qa.amax, 4);
+    be.download(&amax[1], qb.amax, 4);
+  }
+  std::vector<std::string> warnings;
+  for (int i = 0; i < 2; ++i)
+    if (!std::isfinite(amax[i]))
+      warnings.push_back(std::string(i ? "B" : "A") + "'s amax is " + std::to_string(amax[i]) +
+                         ": its input held an Inf or NaN, and D is not finite");
+  cli::check_gemm(qa, amax[0], qb, amax[1], cv.present(), cfg, &warnings);
+  auto d = device_array(be, cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32, {M, N}, dev,
+                        stream, "d");
+  const TensorView dv = view_of(d->data(), d->dtype(), M, N, Device::Cuda, "D");
+  double vs_exact = -1;
+  {
+    py::gil_scoped_release release;
+    be.gemm(qa, qb, cv.present() ? &cv : nullptr, cfg, dv);
+    if (cfg.impl == GemmImpl::CublasLt) {  // the distance to the exact GEMM, as the CLI reports
+      GemmConfig ex = cfg;
+      ex.impl = GemmImpl::Exact;
+      const size_t bytes = static_cast<size_t>(M * N) * dtype_size(dv.dtype);
+      BackendBuffer e(be, bytes);
+      TensorView evw = dv;
+      evw.data = e.get();
+      be.gemm(qa, qb, cv.present() ? &cv : nullptr, ex, evw);
+      std::vector<uint8_t> hx(bytes), hy(bytes);
+      be.download(hx.data(), dv.data, bytes);
+      be.download(hy.data(), e.get(), bytes);
+      double worst = 0;
+      for (int64_t i = 0; i < M * N; ++i) {
+        float x, y;
+        if (dv.dtype == DType::BF16) {
+          uint16_t u, v;
+          std::memcpy(&u, &hx[2 * i], 2);
+          std::memcpy(&v, &hy[2 * i], 2);
+          x = bf16_to_f32(u);
+          y = bf16_to_f32(v);
+        } else {
+          std::memcpy(&x, &hx[4 * i], 4);
+          std::memcpy(&y, &hy[4 * i], 4);
+        }
+        if (std::isfinite(x) && std::isfinite(y))
+          worst = std::max(worst, std::fabs(static_cast<double>(x) - y));
+      }
+      vs_exact = worst;
+    }
+  }
+  py::dict out;
+  out["d"] = d;
+  out["warnings"] = warnings;
+  out["backend"] = be.name();
+  if (vs_exact >= 0) out["cublaslt_vs_exact"] = vs_exact;
+  return out;
+}
+
+// The C++ work behind fp4sim.quantize on a CUDA tensor (quantize, dequantize, the amax read),
+// timed as validation/bench_python.py compares it: the median seconds of `repeats` runs.
+double cpp_seconds_device(const std::string& op, const py::object& x, int repeats,
+                          uintptr_t stream) {
+  const DlTensor d = cuda_matrix(x, "_cpp_seconds_device: x");
+  const TensorView in = py_args::matrix_view(d, "_cpp_seconds_device: x", {DType::F32}, "x");
+  Backend& be = py_args::module_backend("cuda", d.device_index(), stream);
+  std::vector<double> t;
+  py::gil_scoped_release release;
+  QuantizeConfig cfg;
+  cfg.format = QFormat::NVFP4;
+  cfg.rowwise.enabled = true;
+  QuantizedHost s;
+  s.rows = in.rows;
+  s.cols = in.cols;
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    QuantizedView q = s.view(), q2 = s.view();
+    BackendBuffer codes(be, static_cast<size_t>(q.code_bytes())),
+        scales(be, static_cast<size_t>(q.scale_bytes())), amax(be, 4);
+    q.codes = codes.as<uint8_t>();
+    q.scales = scales.as<uint8_t>();
+    q.amax = amax.as<float>();
+    q.device = Device::Cuda;
+    be.quantize(in, cfg, &q, nullptr);
+    float a = 0;
+    if (op == "quantize") {
+      BackendBuffer deq(be, static_cast<size_t>(in.numel()) * 4);
+      be.dequantize(q, view_of(deq.get(), DType::F32, in.rows, in.cols, Device::Cuda, "deq"));
+      be.download(&a, q.amax, 4);
+    } else {  // gemm: x times itself, both operands quantized
+      BackendBuffer c2(be, static_cast<size_t>(q.code_bytes())),
+          s2(be, static_cast<size_t>(q.scale_bytes())), a2(be, 4),
+          dd(be, static_cast<size_t>(in.rows * in.rows) * 4);
+      q2.codes = c2.as<uint8_t>();
+      q2.scales = s2.as<uint8_t>();
+      q2.amax = a2.as<float>();
+      q2.device = Device::Cuda;
+      be.quantize(in, cfg, &q2, nullptr);
+      be.download(&a, q.amax, 4);
+      be.download(&a, q2.amax, 4);
+      be.gemm(q, q2, nullptr, GemmConfig{},
+              view_of(dd.get(), DType::F32, in.rows, in.rows, Device::Cuda, "D"));
+    }
+    be.synchronize();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
 py::dict info() {
   py::dict d;
   d["version"] = FP4SIM_VERSION;
@@ -496,6 +826,22 @@ PYBIND11_MODULE(_fp4sim, m) {
         "The median seconds of the C++ work behind quantize or gemm (validation/bench_python.py)");
   fp4sim::py_args::register_device_array(m);
   fp4sim::py_args::register_linear(m);
+  m.def("_quantize_device", &fp4sim::quantize_device, py::arg("x"), py::arg("stream"),
+        py::kw_only(), py::arg("format") = "nvfp4", py::arg("block_2d") = false,
+        py::arg("columnwise") = false, py::arg("rht") = false, py::arg("sr") = false,
+        py::arg("seed") = 0, py::arg("sr_stream") = 0, py::arg("four_over_six") = false,
+        py::arg("error") = "mae", py::arg("mx_rule") = py::none(),
+        "quantize on a CUDA DLPack tensor, on `stream`; the results are DeviceArrays");
+  m.def("_dequantize_device", &fp4sim::dequantize_device, py::arg("codes"), py::arg("scales"),
+        py::arg("amax"), py::arg("stream"), py::kw_only(), py::arg("format") = "nvfp4",
+        py::arg("four_over_six") = false, "dequantize on CUDA DLPack tensors");
+  m.def("_gemm_device", &fp4sim::gemm_device, py::arg("a"), py::arg("b"), py::arg("c"),
+        py::arg("stream"), py::kw_only(), py::arg("format") = py::none(), py::arg("gemm") = "exact",
+        py::arg("out_dtype") = "fp32", py::arg("alpha") = 1.0f, py::arg("beta") = 0.0f,
+        py::arg("split_k") = 1, "gemm on CUDA DLPack tensors");
+  m.def("_cpp_seconds_device", &fp4sim::cpp_seconds_device, py::arg("op"), py::arg("x"),
+        py::arg("repeats"), py::arg("stream") = 0,
+        "The median seconds of the C++ work behind quantize or gemm on a CUDA tensor");
   m.def("info", &fp4sim::info, "Version, contract_version and the backends of this build");
   m.attr("contract_version") = fp4sim::kContractVersion;
 }

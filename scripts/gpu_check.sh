@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run the GPU tests, the benchmarks and the oracles, print a
 # short table last. Full logs go to $OUT (or runs/gpu_check when $OUT is unset).
-# usage: scripts/gpu_check.sh [quick|hybrid|hspeed|evidence|optim|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile]
+# usage: scripts/gpu_check.sh [quick|hybrid|hspeed|evidence|optim|python|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile]
 #   (default) build, GPU tests, benchmarks, crosscheck, probe, PyTorch check, oracles, training speed
 #   quick     build + GPU tests (and the CPU tests, unless SKIP_EMU=1)
 #   hybrid    build + the GPU tests (TESTS, a ctest regex, narrows them) + the PyTorch check of the
@@ -44,6 +44,11 @@
 #             of light, warp stalls, instruction mix, occupancy, and the per-SASS-instruction execution
 #             and stall counts (ncu --page source), plus the SASS of every gpu/ object (cuobjdump);
 #             KPROF_BENCH (a bench_quantize filter) profiles that benchmark's launches instead
+#   python    build (with the Python module for the machine's python3) + tests/python (CUDA
+#             tensors, fp4sim.torch against the trainer on both backends, JAX) + validation/
+#             bench_python.py (torch CUDA tensors and numpy arrays against the C++ call) + `pip
+#             install .` (scikit-build-core, no network) into a folder and tests/python against it;
+#             TESTS (a ctest regex) runs those GPU tests first, verbose
 #   gemm      build + the exact-GEMM bitwise tests (against the emulator) + the 2048^3 and 8192^3
 #             exact-GEMM benchmarks (~2 minutes with the build; GEMM_FILTER narrows the benchmark,
 #             GEMM_NCU=1 profiles one 8192^3 launch of the tiled kernel with ncu)
@@ -51,8 +56,8 @@
 # Carry .deps (xtensor/xtl headers copied from this machine's Debian packages) with the call.
 set -uo pipefail
 case "${1:-}" in
-  ""|quick|hybrid|hspeed|evidence|optim|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile) ;;
-  *) echo "gpu_check.sh: unknown mode '$1' (quick, hybrid, hspeed, evidence, optim, train, trace, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
+  ""|quick|hybrid|hspeed|evidence|optim|python|train|trace|recipes|profile|trainprofile|spot|oracles|gemm|picks|kprofile) ;;
+  *) echo "gpu_check.sh: unknown mode '$1' (quick, hybrid, hspeed, evidence, optim, python, train, trace, recipes, profile, trainprofile, spot, oracles, gemm, picks, kprofile, or none for all)" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
@@ -79,8 +84,13 @@ run_oracles() {
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
 t0=$(date +%s)
+# the Python module for the machine's python3 (the one with PyTorch), pybind11 from its pip package
+pyargs=()
+if python3 -c "import pybind11" 2>/dev/null; then
+  pyargs=(-DPython3_EXECUTABLE="$(command -v python3)" -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)")
+fi
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP4SIM_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="$archs" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+  -DCMAKE_CUDA_ARCHITECTURES="$archs" "${pyargs[@]}" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 cmake --build build-gpu -j"$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -30; exit 1; }
 row "build (archs $archs)" "ok, $(( $(date +%s) - t0 )) s"
 build-gpu/fp4sim info | tee "$out/info.txt"
@@ -101,6 +111,43 @@ if [ "${1:-}" = "gemm" ]; then
       --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats --section Occupancy \
       build-gpu/bench_gemm --benchmark_filter="GpuGemmExact/8192" >"$out/ncu_gemm.txt" 2>&1
     row "ncu gemm_exact_tiled" "$(grep -E 'Issue Slots Busy|Executed Ipc Active' "$out/ncu_gemm.txt" | awk '{print $NF}' | tr '\n' ' ')"
+  fi
+fi
+
+if [ "${1:-}" = "python" ]; then
+  if [ -n "${TESTS:-}" ]; then  # (GPU tests to run in the same call, a ctest regex)
+    ( cd build-gpu && ctest -R "$TESTS" -V -j1 ) >"$out/ctest_tests.log" 2>&1
+    rc=$?
+    grep -E "within|budget|bitwise|Failed|FAILED|tests passed" "$out/ctest_tests.log" | tail -30
+    row "ctest -R '$TESTS'" "exit $rc, $(grep -E 'tests passed' "$out/ctest_tests.log" | tail -1)"
+  fi
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false  # (JAX's test: leave the GPU's memory to the others)
+  PYTHONPATH=build-gpu/python FP4SIM_CLI=build-gpu/fp4sim timeout 300 python3 -m pytest -q -s -rs \
+    -p no:cacheprovider tests/python >"$out/pytest.log" 2>&1
+  rc=$?
+  grep -E "bitwise|step-0|gradients:|passed|failed|SKIPPED|Error" "$out/pytest.log" | tail -20
+  row "pytest tests/python (build tree)" "exit $rc, $(tail -1 "$out/pytest.log")"
+  for t in "--tensors torch-cuda --repeats 20" "--backend emu --repeats 5"; do
+    PYTHONPATH=build-gpu/python timeout 240 python3 validation/bench_python.py $t --rounds 3 \
+      >>"$out/bench_python.txt" 2>&1
+  done
+  cat "$out/bench_python.txt"
+  while read -r line; do row "$(echo "$line" | cut -c1-40)" "$(echo "$line" | awk '{print $(NF-3)}' )"; done \
+    < <(grep -E "^(quantize|gemm)" "$out/bench_python.txt")
+  t0=$(date +%s)
+  rm -rf /tmp/fp4sim_pip
+  timeout 420 python3 -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/fp4sim_pip \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$archs" -C build-dir=build-pip . >"$out/pip.log" 2>&1
+  rc=$?
+  row "pip install . (scikit-build-core)" "exit $rc, $(( $(date +%s) - t0 )) s"
+  if [ $rc -eq 0 ]; then
+    (cd /tmp && PYTHONPATH=/tmp/fp4sim_pip python3 -c "import fp4sim; print(fp4sim.__file__, fp4sim.info())") \
+      | tee -a "$out/pip.log"
+    PYTHONPATH=/tmp/fp4sim_pip FP4SIM_CLI=build-gpu/fp4sim timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      tests/python >"$out/pytest_pip.log" 2>&1
+    row "pytest tests/python (pip-installed)" "exit $?, $(tail -1 "$out/pytest_pip.log")"
+  else
+    tail -30 "$out/pip.log"
   fi
 fi
 

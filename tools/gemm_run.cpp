@@ -86,6 +86,51 @@ QuantizedHost quantize_gemm_operand(std::vector<float>& x, int64_t rows, int64_t
   return quantize_to_host(*emu, t, c).rowwise;
 }
 
+void check_gemm(const QuantizedView& a, float amax_a, const QuantizedView& b, float amax_b,
+                bool has_c, const GemmConfig& cfg, std::vector<std::string>* warnings) {
+  {  // all shape errors before any work or output
+    TensorView dv;
+    dv.rows = a.rows;
+    dv.cols = b.rows;
+    dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
+    TensorView cv;
+    cv.rows = a.rows;
+    cv.cols = b.rows;
+    validate_gemm(a, b, has_c ? &cv : nullptr, cfg, dv);
+    int64_t mn = 0, d_bytes = 0;  // D's 4-byte elements, before anything is allocated for them
+    if (__builtin_mul_overflow(a.rows, b.rows, &mn) ||
+        __builtin_mul_overflow(mn, int64_t{4}, &d_bytes))
+      throw std::invalid_argument("gemm: D " + shape_str(a.rows, b.rows) +
+                                  " is too large (its byte count overflows 64 bits)");
+  }
+  // NVFP4's epilogue scale in the contract's (Transformer Engine's) order, against the same
+  // factor in double: the order overflows when amax_A * amax_B passes FLT_MAX although the factor
+  // is finite (docs/numerics.md §8). The bits stay the contract's; the command says so.
+  if (a.format == QFormat::NVFP4) {
+    const float alpha_eff =
+        gemm_epilogue_alpha(cfg.alpha, a.format, amax_a, a.four_over_six, amax_b, b.four_over_six);
+    const double ma = a.four_over_six ? 256.0 : kE4M3Max, mb = b.four_over_six ? 256.0 : kE4M3Max;
+    const double factor = static_cast<double>(cfg.alpha) * amax_a * amax_b / (36.0 * ma * mb);
+    if (std::isfinite(factor) && std::fabs(factor) <= FLT_MAX && !std::isfinite(alpha_eff))
+      warnings->push_back(fmt::format(
+          "the epilogue scale ((alpha * amax_A) * amax_B) * k = (({:g} * {:g}) * {:g}) * k "
+          "overflows FP32 to {} although the factor is {:.6g}: D is Inf or NaN wherever the "
+          "accumulator is not 0. The contract keeps Transformer Engine's order "
+          "(docs/numerics.md §8); scale the inputs (or alpha) down so that alpha * amax_A * "
+          "amax_B stays below {:g}",
+          cfg.alpha, amax_a, amax_b, alpha_eff, factor, FLT_MAX));
+    // (an underflow matters where D could be nonzero in FP32: |D| <= alpha amax_A amax_B K)
+    const double d_bound =
+        std::fabs(static_cast<double>(cfg.alpha) * amax_a * amax_b) * static_cast<double>(a.cols);
+    if (alpha_eff == 0.0f && std::isfinite(d_bound) && d_bound >= FLT_TRUE_MIN)
+      warnings->push_back(fmt::format(
+          "the epilogue scale ((alpha * amax_A) * amax_B) * k = (({:g} * {:g}) * {:g}) * k "
+          "underflows FP32 to 0 (the factor is {:.6g}): D is 0 where its values could reach "
+          "{:.6g}",
+          cfg.alpha, amax_a, amax_b, factor, d_bound));
+  }
+}
+
 GemmRun run_gemm_checked(QuantizedHost& qa, QuantizedHost& qb, std::vector<float>* c,
                          const std::string& c_source, const GemmConfig& cfg,
                          const std::string& backend_name) {
@@ -103,47 +148,7 @@ GemmRun run_gemm_checked(QuantizedHost& qa, QuantizedHost& qb, std::vector<float
                       "through beta * C",
                       c_source, nc.nan, nc.inf, c->size()));
   }
-  {  // all shape errors before any work or output
-    TensorView dv;
-    dv.rows = qa.rows;
-    dv.cols = qb.rows;
-    dv.dtype = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
-    TensorView cv;
-    cv.rows = qa.rows;
-    cv.cols = qb.rows;
-    validate_gemm(qa.view(), qb.view(), c ? &cv : nullptr, cfg, dv);
-    int64_t mn = 0, d_bytes = 0;  // D's 4-byte elements, before anything is allocated for them
-    if (__builtin_mul_overflow(qa.rows, qb.rows, &mn) ||
-        __builtin_mul_overflow(mn, int64_t{4}, &d_bytes))
-      throw std::invalid_argument("gemm: D " + shape_str(qa.rows, qb.rows) +
-                                  " is too large (its byte count overflows 64 bits)");
-  }
-  // NVFP4's epilogue scale in the contract's (Transformer Engine's) order, against the same
-  // factor in double: the order overflows when amax_A * amax_B passes FLT_MAX although the factor
-  // is finite (docs/numerics.md §8). The bits stay the contract's; the command says so.
-  if (qa.format == QFormat::NVFP4) {
-    const float alpha_eff = gemm_epilogue_alpha(cfg.alpha, qa.format, qa.amax, qa.four_over_six,
-                                                qb.amax, qb.four_over_six);
-    const double ma = qa.four_over_six ? 256.0 : kE4M3Max, mb = qb.four_over_six ? 256.0 : kE4M3Max;
-    const double factor = static_cast<double>(cfg.alpha) * qa.amax * qb.amax / (36.0 * ma * mb);
-    if (std::isfinite(factor) && std::fabs(factor) <= FLT_MAX && !std::isfinite(alpha_eff))
-      warnings.push_back(fmt::format(
-          "the epilogue scale ((alpha * amax_A) * amax_B) * k = (({:g} * {:g}) * {:g}) * k "
-          "overflows FP32 to {} although the factor is {:.6g}: D is Inf or NaN wherever the "
-          "accumulator is not 0. The contract keeps Transformer Engine's order "
-          "(docs/numerics.md §8); scale the inputs (or alpha) down so that alpha * amax_A * "
-          "amax_B stays below {:g}",
-          cfg.alpha, qa.amax, qb.amax, alpha_eff, factor, FLT_MAX));
-    // (an underflow matters where D could be nonzero in FP32: |D| <= alpha amax_A amax_B K)
-    const double d_bound = std::fabs(static_cast<double>(cfg.alpha) * qa.amax * qb.amax) *
-                           static_cast<double>(qa.cols);
-    if (alpha_eff == 0.0f && std::isfinite(d_bound) && d_bound >= FLT_TRUE_MIN)
-      warnings.push_back(fmt::format(
-          "the epilogue scale ((alpha * amax_A) * amax_B) * k = (({:g} * {:g}) * {:g}) * k "
-          "underflows FP32 to 0 (the factor is {:.6g}): D is 0 where its values could reach "
-          "{:.6g}",
-          cfg.alpha, qa.amax, qb.amax, factor, d_bound));
-  }
+  check_gemm(qa.view(), qa.amax, qb.view(), qb.amax, c != nullptr, cfg, &warnings);
   const std::string bname = backend_name.empty() ? default_backend_name() : backend_name;
   if (cfg.impl == GemmImpl::CublasLt && bname != "cuda")
     throw std::invalid_argument("--gemm cublaslt needs --backend cuda (a GPU)");

@@ -24,6 +24,12 @@ QuantizedHost quantize_gemm_operand(std::vector<float>& x, int64_t rows, int64_t
 std::vector<uint32_t> run_gemm_on(Backend& be, QuantizedHost& a, QuantizedHost& b,
                                   std::vector<float>* c, const GemmConfig& cfg, double* ms);
 
+// The checks of D = A * B^T (+ C) before any work (validate_gemm's, D's size;
+// std::invalid_argument) and the warnings on NVFP4's epilogue scale (overflow, underflow) from the
+// copies' amaxes (a and b need their shapes and formats only).
+void check_gemm(const QuantizedView& a, float amax_a, const QuantizedView& b, float amax_b,
+                bool has_c, const GemmConfig& cfg, std::vector<std::string>* warnings);
+
 struct GemmRun {
   std::vector<uint32_t> bits;  // D's elements: FP32 bits, or BF16 bits in the low half
   std::string backend;         // the backend's name

@@ -4,7 +4,11 @@ behind them (the module's _cpp_seconds: the same functions on a backend made onc
 objects), for tensors of >= 1M elements, in one process.
 
 usage: PYTHONPATH=build/python /usr/bin/python3 validation/bench_python.py [--backend emu|cuda]
-       [--rounds R] [--repeats N]
+       [--tensors numpy|torch-cuda] [--rounds R] [--repeats N]
+--tensors torch-cuda (needs PyTorch and a GPU) passes torch CUDA tensors, which run on the CUDA
+backend without a host copy; each timed Python call ends with torch.cuda.synchronize() and the C++
+side (_cpp_seconds_device: the same quantize, dequantize and amax read, or both operands'
+quantization and the exact GEMM, on device memory) with the stream's synchronization.
 Each round times N calls of each side (median), the sides alternating; the table gives each
 side's median over R rounds and the median of the rounds' ratios (Python / C++).
 """
@@ -30,6 +34,7 @@ def median_seconds(fn, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="emu")
+    ap.add_argument("--tensors", choices=["numpy", "torch-cuda"], default="numpy")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
@@ -39,12 +44,33 @@ def main():
         ("quantize nvfp4 4096x1024", "quantize", (4096, 1024)),
         ("gemm nvfp4 exact 1024x1024x1024", "gemm", (1024, 1024)),
     ]
-    print(f"fp4sim from Python against the C++ call, backend {a.backend}, "
+    cuda = a.tensors == "torch-cuda"
+    if cuda:  # (the GPU's calls take microseconds at 1M elements: larger tensors too)
+        import torch
+        a.backend = "cuda"
+        cases[2:2] = [("quantize nvfp4 4096x4096", "quantize", (4096, 4096)),
+                      ("quantize nvfp4 8192x8192", "quantize", (8192, 8192))]
+        cases.append(("gemm nvfp4 exact 4096x4096x4096", "gemm", (4096, 4096)))
+    print(f"fp4sim from Python against the C++ call, backend {a.backend}, {a.tensors} tensors, "
           f"{a.rounds} rounds x {a.repeats} calls")
     print(f"{'case':<34} {'python ms':>10} {'c++ ms':>10} {'python / c++':>13}")
     for name, op, shape in cases:
         x = rng.standard_normal(shape).astype(np.float32)
-        if op == "quantize":
+        if cuda:
+            xt = torch.from_numpy(x).cuda()
+
+            def py(op=op):
+                if op == "quantize":
+                    fp4sim.quantize(xt)
+                else:
+                    fp4sim.gemm(xt, xt)
+                torch.cuda.synchronize()
+
+            def cpp(op=op):
+                return _fp4sim._cpp_seconds_device(
+                    op, torch.utils.dlpack.to_dlpack(xt), a.repeats,
+                    torch.cuda.current_stream().cuda_stream)
+        elif op == "quantize":
             def py():
                 fp4sim.quantize(x, backend=a.backend)
         else:
@@ -54,7 +80,7 @@ def main():
         pys, cpps, ratios = [], [], []
         for _ in range(a.rounds):
             p = median_seconds(py, a.repeats)
-            c = _fp4sim._cpp_seconds(op, x, a.repeats, backend=a.backend)
+            c = cpp() if cuda else _fp4sim._cpp_seconds(op, x, a.repeats, backend=a.backend)
             pys.append(p)
             cpps.append(c)
             ratios.append(p / c)

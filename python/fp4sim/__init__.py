@@ -8,9 +8,11 @@
 
 The keyword arguments are the `fp4sim quantize` flags (format, block_2d, columnwise, rht, sr, seed,
 stream, four_over_six, error, mx_rule, backend); the results are the bits the CLI writes (tested in
-tests/python). Array arguments are numpy arrays or host (CPU) DLPack tensors (PyTorch, JAX),
-taken without a copy; a tensor on a GPU is refused (not yet taken). fp4sim.testing loads golden
-packs and compares bit for bit. docs/python.md has the API and what is not there yet.
+tests/python). Array arguments are numpy arrays or DLPack tensors (PyTorch, JAX), taken without
+a copy: host tensors run as numpy arrays, CUDA tensors of quantize, dequantize and gemm on the
+CUDA backend (on a torch tensor's current stream), their results on the GPU as the input's
+framework's tensors. fp4sim.torch replaces PyTorch linear layers; fp4sim.testing loads golden
+packs and compares bit for bit. docs/python.md has the API.
 """
 import numpy as _np
 
@@ -19,31 +21,95 @@ from ._fp4sim import contract_version, info  # noqa: F401
 
 __all__ = ["quantize", "dequantize", "convert", "gemm", "mma", "info", "contract_version"]
 
-_KDLCPU = 1  # DLPack's device type of host memory
+_KDLCPU = 1  # DLPack's device types: host memory, a CUDA GPU
+_KDLCUDA = 2
+
+
+def _device_type(x):
+    if x is None or isinstance(x, _np.ndarray) or not hasattr(x, "__dlpack_device__"):
+        return _KDLCPU
+    return int(x.__dlpack_device__()[0])
 
 
 def _host(x, fn, name):
     """x as a numpy array: itself, or a host DLPack tensor's memory (no copy). Anything else is
     passed on (the module refuses what is not an array of the right dtype)."""
-    if x is None or isinstance(x, _np.ndarray) or not hasattr(x, "__dlpack_device__"):
-        return x
-    device, index = x.__dlpack_device__()
-    if int(device) != _KDLCPU:
+    if _device_type(x) == _KDLCPU and x is not None and not isinstance(x, _np.ndarray) \
+            and hasattr(x, "__dlpack_device__"):
+        try:
+            return _np.from_dlpack(x)
+        except (BufferError, TypeError, RuntimeError) as e:  # e.g. bfloat16, which numpy lacks
+            raise TypeError(f"fp4sim.{fn}: {name}: numpy cannot view this DLPack tensor ({e}); "
+                            "pass bfloat16 as its uint16 bit patterns") from None
+    if _device_type(x) != _KDLCPU:
+        device, index = x.__dlpack_device__()
         raise ValueError(f"fp4sim.{fn}: {name} is a DLPack tensor on device type {int(device)} "
-                         f"(index {index}); only host (CPU) tensors are taken yet: copy it to "
-                         "the host first (e.g. tensor.cpu())")
-    try:
-        return _np.from_dlpack(x)
-    except (BufferError, TypeError, RuntimeError) as e:  # e.g. bfloat16, which numpy lacks
-        raise TypeError(f"fp4sim.{fn}: {name}: numpy cannot view this DLPack tensor ({e}); "
-                        "pass bfloat16 as its uint16 bit patterns") from None
+                         f"(index {index}); {fn} takes it on the host here (e.g. tensor.cpu()); "
+                         "CUDA tensors are taken by quantize, dequantize and gemm (float "
+                         "operands)")
+    return x
+
+
+def _cuda_args(fn, named):
+    """Whether the call runs on CUDA tensors (all of `named` on a GPU; a mix is refused), and
+    the (capsule-or-tensor, stream) plumbing: a torch tensor's current stream, else the legacy
+    default stream (DLPack's stream 1; the producer orders its work before it)."""
+    kinds = {n: _device_type(x) for n, x in named.items() if x is not None}
+    on_gpu = [n for n, k in kinds.items() if k == _KDLCUDA]
+    if not on_gpu:
+        return False
+    if len(on_gpu) != len(kinds):
+        host = [n for n in kinds if n not in on_gpu]
+        raise ValueError(f"fp4sim.{fn}: {', '.join(on_gpu)} on a CUDA GPU and {', '.join(host)} "
+                         "on the host: pass all on one device")
+    return True
+
+
+def _prepare_cuda(x):
+    """(DLPack capsule, cudaStream_t as int) for a CUDA tensor: torch tensors on their current
+    stream (no synchronization needed), other producers exported for the legacy default stream."""
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+        s = torch.cuda.current_stream(x.device).cuda_stream
+        return torch.utils.dlpack.to_dlpack(x.detach()), s
+    return x.__dlpack__(stream=1), 0
+
+
+def _wrap(result, like):
+    """DeviceArrays as the input's framework's tensors (torch or JAX, no copy), else as they are."""
+    mod = type(like).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+        conv = torch.utils.dlpack.from_dlpack
+    elif mod in ("jax", "jaxlib"):
+        import jax.dlpack
+        conv = jax.dlpack.from_dlpack
+    else:
+        return result
+    if isinstance(result, dict):
+        return {k: conv(v) if isinstance(v, _fp4sim.DeviceArray) else v for k, v in result.items()}
+    return conv(result)
 
 
 def quantize(x, **kwargs):
+    if _cuda_args("quantize", {"x": x}):
+        if kwargs.pop("backend", "cuda") not in (None, "cuda"):
+            raise ValueError("fp4sim.quantize: x is a CUDA tensor: it runs on the cuda backend")
+        cap, s = _prepare_cuda(x)
+        if "stream" in kwargs:  # (the SR stream; `stream` of the C++ call is the CUDA stream)
+            kwargs["sr_stream"] = kwargs.pop("stream")
+        return _wrap(_fp4sim._quantize_device(cap, s, **kwargs), x)
     return _fp4sim.quantize(_host(x, "quantize", "x"), **kwargs)
 
 
 def dequantize(codes, scales, amax, **kwargs):
+    if _cuda_args("dequantize", {"codes": codes, "scales": scales, "amax": amax}):
+        if kwargs.pop("backend", "cuda") not in (None, "cuda"):
+            raise ValueError("fp4sim.dequantize: CUDA tensors run on the cuda backend")
+        caps = [_prepare_cuda(t) for t in (codes, scales, amax)]
+        return _wrap(_fp4sim._dequantize_device(caps[0][0], caps[1][0], caps[2][0], caps[0][1],
+                                                **kwargs), codes)
     return _fp4sim.dequantize(_host(codes, "dequantize", "codes"),
                               _host(scales, "dequantize", "scales"),
                               _host(amax, "dequantize", "amax"), **kwargs)
@@ -54,6 +120,13 @@ def convert(x, **kwargs):
 
 
 def gemm(a, b, c=None, **kwargs):
+    if not isinstance(a, dict) and _cuda_args("gemm", {"a": a, "b": b, "c": c}):
+        if kwargs.pop("backend", "cuda") not in (None, "cuda"):
+            raise ValueError("fp4sim.gemm: CUDA tensors run on the cuda backend")
+        ca, s = _prepare_cuda(a)
+        cb, _ = _prepare_cuda(b)
+        cc = None if c is None else _prepare_cuda(c)[0]
+        return _wrap(_fp4sim._gemm_device(ca, cb, cc, s, **kwargs), a)
     return _fp4sim.gemm(_host(a, "gemm", "a"), _host(b, "gemm", "b"), c=_host(c, "gemm", "c"),
                         **kwargs)
 

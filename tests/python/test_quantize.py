@@ -275,9 +275,16 @@ def test_dlpack_host_tensors_are_taken():
         fp4sim.convert(x[0].copy(), format="e4m3").tobytes()
 
 
-def test_dlpack_device_tensors_are_refused():
-    with pytest.raises(ValueError, match="x is a DLPack tensor on device type 2 .* only host"):
-        fp4sim.quantize(HostTensor(sample("f32"), device=(2, 0)), backend="emu")
+def test_dlpack_device_tensors_are_refused_where_not_taken():
+    cuda = HostTensor(sample("f32"), device=(2, 0))  # (claims to be on a CUDA GPU)
+    with pytest.raises(ValueError, match="x is a CUDA tensor: it runs on the cuda backend"):
+        fp4sim.quantize(cuda, backend="emu")
+    with pytest.raises(ValueError, match="a on a CUDA GPU and b on the host"):
+        fp4sim.gemm(cuda, sample("f32"))
+    with pytest.raises(ValueError, match="device type 4 .* on the host here"):
+        fp4sim.convert(HostTensor(sample("f32"), device=(4, 0)), format="e2m1")
+    with pytest.raises(ValueError, match="device type 2 .* CUDA tensors are taken by quantize"):
+        fp4sim.convert(cuda, format="e2m1")
 
 
 @pytest.mark.parametrize("qflags,qkw", [

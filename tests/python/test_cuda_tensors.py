@@ -1,0 +1,115 @@
+"""CUDA tensors in fp4sim.quantize, dequantize and gemm (DESIGN.md §15): run on the CUDA backend on
+the tensor's memory and current stream, results on the GPU, bitwise the host (emulator) results,
+which are the CLI's (test_quantize.py). Skipped without PyTorch or a CUDA GPU."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+import fp4sim  # noqa: E402
+
+if "cuda" not in fp4sim.info()["backends"]:
+    pytest.skip("this build has no CUDA backend", allow_module_level=True)
+
+
+def sample(shape=(128, 256), seed=0):
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    x[0, :16] *= 1e3  # (a block with a large amax, another nearly empty)
+    x[1, 16:32] *= 1e-4
+    return x
+
+
+def same_bits(got, want, what):
+    g = got.cpu().numpy() if hasattr(got, "cpu") else np.asarray(got)
+    assert g.dtype == want.dtype and g.shape == want.shape, \
+        f"{what}: {g.dtype} {g.shape} != {want.dtype} {want.shape}"
+    gv, wv = g.view(np.uint8), want.view(np.uint8)
+    assert np.array_equal(gv, wv), f"{what}: {int((gv != wv).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"block_2d": True}, {"sr": True, "seed": 7, "stream": 3}, {"columnwise": True, "rht": True},
+    {"four_over_six": True}, {"format": "mxfp4"}, {"format": "fp8"}, {"format": "fp8", "block_2d": True},
+], ids=["nvfp4", "2d", "sr", "rht", "4/6", "mxfp4", "fp8", "fp8 2d"])
+def test_quantize_cuda_tensor_is_the_host_result(kw):
+    x = sample()
+    host = fp4sim.quantize(x, backend="emu", **kw)
+    xt = torch.from_numpy(x).cuda()
+    dev = fp4sim.quantize(xt, **kw)
+    for k in ("codes", "scales", "amax", "dequant"):
+        assert isinstance(dev[k], torch.Tensor) and dev[k].is_cuda, k
+        same_bits(dev[k], host[k], k)
+    assert dev["meta"]["backend"] == "cuda"
+    back = fp4sim.dequantize(dev["codes"], dev["scales"], dev["amax"],
+                             format=kw.get("format", "nvfp4"),
+                             four_over_six=kw.get("four_over_six", False))
+    same_bits(back, host["dequant"], "dequantize")
+
+
+def test_quantize_runs_on_the_current_stream():
+    x = torch.from_numpy(sample()).cuda()
+    want = fp4sim.quantize(x.cpu().numpy(), backend="emu")["codes"]
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = x * 1.0  # (queued on s; fp4sim must read it after)
+        got = fp4sim.quantize(y)["codes"]
+        z = got.clone()
+    torch.cuda.synchronize()
+    same_bits(z, want, "codes on a side stream")
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"alpha": 0.5, "beta": 2.0, "with_c": True}, {"out_dtype": "bf16"}, {"split_k": 2},
+    {"format": "mxfp4"}, {"format": "fp8"},
+], ids=["nvfp4", "alpha beta c", "bf16 out", "split-k", "mxfp4", "fp8"])
+def test_gemm_cuda_tensors_are_the_host_result(kw):
+    kw = dict(kw)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((64, 256)).astype(np.float32)
+    b = rng.standard_normal((96, 256)).astype(np.float32)
+    c = rng.standard_normal((64, 96)).astype(np.float32) if kw.pop("with_c", False) else None
+    host = fp4sim.gemm(a, b, c=c, backend="emu", **kw)
+    dev = fp4sim.gemm(torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda(),
+                      c=None if c is None else torch.from_numpy(c).cuda(), **kw)
+    d = dev["d"]
+    assert d.is_cuda
+    if kw.get("out_dtype") == "bf16":
+        assert d.dtype == torch.bfloat16
+        d = d.view(torch.int16)
+        same_bits(d, host["d"].view(np.int16), "d")
+    else:
+        same_bits(d, host["d"], "d")
+    if kw.get("format", "nvfp4") == "nvfp4":  # (cuBLASLt: its distance to the exact GEMM)
+        cl = fp4sim.gemm(torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda(), gemm="cublaslt",
+                         c=None if c is None else torch.from_numpy(c).cuda(), **kw)
+        assert cl["d"].is_cuda and cl["cublaslt_vs_exact"] >= 0
+
+
+def test_cuda_errors_name_the_argument():
+    x = torch.ones(16, 30, device="cuda")
+    with pytest.raises(ValueError, match="x"):
+        fp4sim.quantize(x)
+    with pytest.raises(TypeError, match="float32"):
+        fp4sim.quantize(torch.ones(16, 32, device="cuda", dtype=torch.float64))
+    with pytest.raises(ValueError, match="K differs"):
+        fp4sim.gemm(torch.ones(16, 32, device="cuda"), torch.ones(16, 64, device="cuda"))
+    with pytest.raises(ValueError, match="cuda backend"):
+        fp4sim.quantize(torch.ones(16, 32, device="cuda"), backend="emu")
+
+
+def test_jax_cuda_arrays():
+    jax = pytest.importorskip("jax")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        pytest.skip("JAX sees no GPU")
+    import jax.numpy as jnp
+    x = sample((64, 128), seed=2)
+    host = fp4sim.quantize(x, backend="emu", block_2d=True)
+    dev = fp4sim.quantize(jax.device_put(jnp.asarray(x), gpus[0]), block_2d=True)
+    for k in ("codes", "scales", "amax", "dequant"):
+        assert isinstance(dev[k], jax.Array), k
+        same_bits(np.asarray(dev[k]), host[k], "jax " + k)
