@@ -173,7 +173,7 @@ py::object DeviceArray::to_numpy() const {
       break;
   }
   if (numel()) be_->download(out.mutable_data(), buf_.get(), buf_.bytes());
-  return std::move(out);
+  return py::object(std::move(out));
 }
 
 namespace {

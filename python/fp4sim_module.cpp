@@ -67,12 +67,12 @@ py::object to_python(const nlohmann::json& j) {
     case nlohmann::json::value_t::object: {
       py::dict d;
       for (auto it = j.begin(); it != j.end(); ++it) d[py::str(it.key())] = to_python(it.value());
-      return std::move(d);
+      return py::object(std::move(d));
     }
     case nlohmann::json::value_t::array: {
       py::list l;
       for (const auto& v : j) l.append(to_python(v));
-      return std::move(l);
+      return py::object(std::move(l));
     }
     case nlohmann::json::value_t::string:
       return py::str(j.get<std::string>());
