@@ -49,7 +49,7 @@ DLDataType dl_dtype_of(DType d) {
     case DType::F32:
       return {kDLFloat, 32, 1};
     case DType::BF16:
-      return {kDLUInt, 16, 1};  // bit patterns (numpy has no bfloat16)
+      return {kDLBfloat, 16, 1};
     case DType::U8:
       return {kDLUInt, 8, 1};
     case DType::I32:
@@ -195,9 +195,11 @@ py::capsule DeviceArray::dlpack(const py::object& self, const py::object& consum
       throw py::value_error(
           "__dlpack__: stream 0 is ambiguous for CUDA (DLPack: 1 = the legacy "
           "default stream, 2 = per-thread, else a cudaStream_t)");
-    if (s != -1)
-      cuda_stream_wait(reinterpret_cast<void*>(static_cast<uintptr_t>(s)),
-                       reinterpret_cast<void*>(stream_));
+    // (-1: the consumer synchronizes itself; 1 and the null stream are both the legacy default
+    // stream, which a torch tensor's default stream reports as 0 and torch.from_dlpack asks as 1)
+    const uintptr_t consumer = static_cast<uintptr_t>(s), producer = stream_ ? stream_ : 1;
+    if (s != -1 && consumer != producer)
+      cuda_stream_wait(reinterpret_cast<void*>(consumer), reinterpret_cast<void*>(stream_));
   }
   auto* e = new Export;
   e->shape = shape_;

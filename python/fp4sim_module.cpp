@@ -490,6 +490,36 @@ std::shared_ptr<DeviceArray> device_array(Backend& be, DType t, std::vector<int6
   return std::make_shared<DeviceArray>(be, t, std::move(shape), dev, stream, label);
 }
 
+// A result in device memory: a DeviceArray made here, or the caller's tensor (`given`, a DLPack
+// tensor of exactly this dtype, shape and device, e.g. from torch's allocator: no export after).
+struct Result {
+  std::shared_ptr<DeviceArray> array;
+  DlTensor given;
+  void* data = nullptr;
+  py::object object() const { return array ? py::cast(array) : py::object(py::none()); }
+};
+
+Result result_slot(Backend& be, const py::object& given, DType t, std::vector<int64_t> shape,
+                   int dev, uintptr_t stream, const std::string& where, const char* label) {
+  Result r;
+  if (given.is_none()) {
+    r.array = device_array(be, t, std::move(shape), dev, stream, label);
+    r.data = r.array->data();
+    return r;
+  }
+  r.given = py_args::dlpack_arg(given, where);
+  const TensorView v = py_args::matrix_view(r.given, where, {t}, label);
+  if (!r.given.cuda() || r.given.device_index() != dev)
+    throw py::value_error(where + ": not on CUDA device " + std::to_string(dev));
+  if (r.given.shape != shape) {
+    std::string want;
+    for (int64_t d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
+    throw py::value_error(where + ": the output's shape is not (" + want + ")");
+  }
+  r.data = v.data;
+  return r;
+}
+
 // A CUDA DLPack tensor of 2 dimensions (ValueError naming `where` otherwise).
 DlTensor cuda_matrix(const py::object& x, const std::string& where) {
   DlTensor d = py_args::dlpack_arg(x, where);
@@ -503,7 +533,7 @@ DlTensor cuda_matrix(const py::object& x, const std::string& where) {
 py::dict quantize_device(const py::object& x, uintptr_t stream, const std::string& format,
                          bool block_2d, bool columnwise, bool rht, bool sr, uint64_t seed,
                          uint64_t sr_stream, bool four_over_six, const std::string& error,
-                         const py::object& mx_rule) {
+                         const py::object& mx_rule, const py::object& outs) {
   const auto [o, cfg] = quantize_options(format, block_2d, columnwise, rht, sr, seed, sr_stream,
                                          four_over_six, error, mx_rule);
   const DlTensor d = cuda_matrix(x, "fp4sim.quantize: x");
@@ -521,18 +551,27 @@ py::dict quantize_device(const py::object& x, uintptr_t stream, const std::strin
   q.device = Device::Cuda;
   const bool fp8 = q.format == QFormat::FP8;
   const int64_t R = q.rows, C = q.cols, blocks = C / q.block();
-  auto codes = device_array(be, DType::U8, {R, fp8 ? C : C / 2}, dev, stream, "codes");
-  auto scales = device_array(be, fp8 ? DType::F32 : DType::U8, {R, blocks}, dev, stream, "scales");
-  auto amax = device_array(be, DType::F32, {1}, dev, stream, "amax");
-  auto deq = device_array(be, DType::F32, {R, C}, dev, stream, "dequant");
-  q.codes = static_cast<uint8_t*>(codes->data());
-  q.scales = static_cast<uint8_t*>(scales->data());
-  q.amax = static_cast<float*>(amax->data());
+  const auto out_obj = [&](int i) {
+    return outs.is_none() ? py::object(py::none()) : py::object(outs.cast<py::tuple>()[i]);
+  };
+  if (!outs.is_none() && py::len(outs) != 4)
+    throw py::value_error("fp4sim.quantize: outs must be (codes, scales, amax, dequant)");
+  const std::string w = "fp4sim.quantize: out ";
+  const Result codes = result_slot(be, out_obj(0), DType::U8, {R, fp8 ? C : C / 2}, dev, stream,
+                                   w + "codes", "codes");
+  const Result scales = result_slot(be, out_obj(1), fp8 ? DType::F32 : DType::U8, {R, blocks}, dev,
+                                    stream, w + "scales", "scales");
+  const Result amax = result_slot(be, out_obj(2), DType::F32, {1}, dev, stream, w + "amax", "amax");
+  const Result deq =
+      result_slot(be, out_obj(3), DType::F32, {R, C}, dev, stream, w + "dequant", "dequant");
+  q.codes = static_cast<uint8_t*>(codes.data);
+  q.scales = static_cast<uint8_t*>(scales.data);
+  q.amax = static_cast<float*>(amax.data);
   QuantizedHost meta_q;  // (what the meta reads: shape, format, amax)
   {
     py::gil_scoped_release release;
     be.quantize(in, cfg, columnwise ? nullptr : &q, columnwise ? &q : nullptr);
-    be.dequantize(q, view_of(deq->data(), DType::F32, R, C, Device::Cuda, "dequantized"));
+    be.dequantize(q, view_of(deq.data, DType::F32, R, C, Device::Cuda, "dequantized"));
     be.download(&meta_q.amax, q.amax, sizeof(float));  // (4 bytes for the meta: synchronizes)
   }
   meta_q.rows = R;
@@ -542,17 +581,17 @@ py::dict quantize_device(const py::object& x, uintptr_t stream, const std::strin
   const nlohmann::json meta =
       cli::quantize_meta(o, in.dtype, in.rows, in.cols, meta_q, be.name(), "fp4sim.quantize");
   py::dict out;
-  out["codes"] = codes;
-  out["scales"] = scales;
-  out["amax"] = amax;
-  out["dequant"] = deq;
+  out["codes"] = codes.object();  // (None where the caller gave the tensor)
+  out["scales"] = scales.object();
+  out["amax"] = amax.object();
+  out["dequant"] = deq.object();
   out["meta"] = to_python(meta);
   return out;
 }
 
-std::shared_ptr<DeviceArray> dequantize_device(const py::object& codes, const py::object& scales,
-                                               const py::object& amax, uintptr_t stream,
-                                               const std::string& format, bool four_over_six) {
+py::object dequantize_device(const py::object& codes, const py::object& scales,
+                             const py::object& amax, uintptr_t stream, const std::string& format,
+                             bool four_over_six, const py::object& out_given) {
   const char* fn = "fp4sim.dequantize: ";
   const QFormat f = format == "nvfp4"   ? QFormat::NVFP4
                     : format == "mxfp4" ? QFormat::MXFP4
@@ -589,17 +628,19 @@ std::shared_ptr<DeviceArray> dequantize_device(const py::object& codes, const py
   q.amax = static_cast<float*>(want(da, "amax", DType::F32, 1, 1));
   const int dev = dc.device_index();
   Backend& be = py_args::module_backend("cuda", dev, stream);
-  auto out = device_array(be, DType::F32, {q.rows, q.cols}, dev, stream, "dequantized");
+  const Result out = result_slot(be, out_given, DType::F32, {q.rows, q.cols}, dev, stream,
+                                 std::string(fn) + "out", "dequantized");
   {
     py::gil_scoped_release release;
-    be.dequantize(q, view_of(out->data(), DType::F32, q.rows, q.cols, Device::Cuda, "dequantized"));
+    be.dequantize(q, view_of(out.data, DType::F32, q.rows, q.cols, Device::Cuda, "dequantized"));
   }
-  return out;
+  return out.object();
 }
 
 py::dict gemm_device(const py::object& a, const py::object& b, const py::object& c,
                      uintptr_t stream, const py::object& format_obj, const std::string& gemm_impl,
-                     const std::string& out_dtype, float alpha, float beta, int split_k) {
+                     const std::string& out_dtype, float alpha, float beta, int split_k,
+                     const py::object& out_given) {
   const std::string fn = "fp4sim.gemm: ";
   const std::string format = format_obj.is_none() ? "nvfp4" : format_obj.cast<std::string>();
   if (format != "nvfp4" && format != "mxfp4" && format != "fp8")
@@ -679,9 +720,9 @@ py::dict gemm_device(const py::object& a, const py::object& b, const py::object&
       warnings.push_back(std::string(i ? "B" : "A") + "'s amax is " + std::to_string(amax[i]) +
                          ": its input held an Inf or NaN, and D is not finite");
   cli::check_gemm(qa, amax[0], qb, amax[1], cv.present(), cfg, &warnings);
-  auto d = device_array(be, cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32, {M, N}, dev,
-                        stream, "d");
-  const TensorView dv = view_of(d->data(), d->dtype(), M, N, Device::Cuda, "D");
+  const DType dt = cfg.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
+  const Result d = result_slot(be, out_given, dt, {M, N}, dev, stream, fn + "out", "d");
+  const TensorView dv = view_of(d.data, dt, M, N, Device::Cuda, "D");
   double vs_exact = -1;
   {
     py::gil_scoped_release release;
@@ -717,7 +758,7 @@ py::dict gemm_device(const py::object& a, const py::object& b, const py::object&
     }
   }
   py::dict out;
-  out["d"] = d;
+  out["d"] = d.object();
   out["warnings"] = warnings;
   out["backend"] = be.name();
   if (vs_exact >= 0) out["cublaslt_vs_exact"] = vs_exact;
@@ -830,15 +871,18 @@ PYBIND11_MODULE(_fp4sim, m) {
         py::kw_only(), py::arg("format") = "nvfp4", py::arg("block_2d") = false,
         py::arg("columnwise") = false, py::arg("rht") = false, py::arg("sr") = false,
         py::arg("seed") = 0, py::arg("sr_stream") = 0, py::arg("four_over_six") = false,
-        py::arg("error") = "mae", py::arg("mx_rule") = py::none(),
-        "quantize on a CUDA DLPack tensor, on `stream`; the results are DeviceArrays");
+        py::arg("error") = "mae", py::arg("mx_rule") = py::none(), py::arg("outs") = py::none(),
+        "quantize on a CUDA DLPack tensor, on `stream`; the results are DeviceArrays, or written "
+        "into outs = (codes, scales, amax, dequant) (then None in the dict)");
   m.def("_dequantize_device", &fp4sim::dequantize_device, py::arg("codes"), py::arg("scales"),
         py::arg("amax"), py::arg("stream"), py::kw_only(), py::arg("format") = "nvfp4",
-        py::arg("four_over_six") = false, "dequantize on CUDA DLPack tensors");
+        py::arg("four_over_six") = false, py::arg("out") = py::none(),
+        "dequantize on CUDA DLPack tensors (into out where given, then None is returned)");
   m.def("_gemm_device", &fp4sim::gemm_device, py::arg("a"), py::arg("b"), py::arg("c"),
         py::arg("stream"), py::kw_only(), py::arg("format") = py::none(), py::arg("gemm") = "exact",
         py::arg("out_dtype") = "fp32", py::arg("alpha") = 1.0f, py::arg("beta") = 0.0f,
-        py::arg("split_k") = 1, "gemm on CUDA DLPack tensors");
+        py::arg("split_k") = 1, py::arg("out") = py::none(),
+        "gemm on CUDA DLPack tensors (D into out where given, then d is None)");
   m.def("_cpp_seconds_device", &fp4sim::cpp_seconds_device, py::arg("op"), py::arg("x"),
         py::arg("repeats"), py::arg("stream") = 0,
         "The median seconds of the C++ work behind quantize or gemm on a CUDA tensor");

@@ -92,6 +92,21 @@ def _wrap(result, like):
     return conv(result)
 
 
+_BLOCK = {"nvfp4": 16, "mxfp4": 32, "fp8": 128}
+
+
+def _is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _torch_outputs(x, shapes):
+    """torch tensors of (shape, torch dtype name) on x's device (torch's caching allocator, no
+    DLPack export afterwards), and their capsules for the C++ call."""
+    import torch
+    ts = [torch.empty(shape, dtype=getattr(torch, dt), device=x.device) for shape, dt in shapes]
+    return ts, tuple(torch.utils.dlpack.to_dlpack(t) for t in ts)
+
+
 def quantize(x, **kwargs):
     if _cuda_args("quantize", {"x": x}):
         if kwargs.pop("backend", "cuda") not in (None, "cuda"):
@@ -99,6 +114,17 @@ def quantize(x, **kwargs):
         cap, s = _prepare_cuda(x)
         if "stream" in kwargs:  # (the SR stream; `stream` of the C++ call is the CUDA stream)
             kwargs["sr_stream"] = kwargs.pop("stream")
+        fmt = kwargs.get("format", "nvfp4")
+        if _is_torch(x) and x.dim() == 2 and fmt in _BLOCK:
+            # the outputs from torch's allocator (the C++ call checks their shapes)
+            r, c = x.shape[::-1] if kwargs.get("columnwise") else x.shape
+            fp8 = fmt == "fp8"
+            ts, caps = _torch_outputs(x, [((r, c if fp8 else c // 2), "uint8"),
+                                          ((r, c // _BLOCK[fmt]), "float32" if fp8 else "uint8"),
+                                          ((1,), "float32"), ((r, c), "float32")])
+            out = _fp4sim._quantize_device(cap, s, outs=caps, **kwargs)
+            out.update(zip(("codes", "scales", "amax", "dequant"), ts))
+            return out
         return _wrap(_fp4sim._quantize_device(cap, s, **kwargs), x)
     return _fp4sim.quantize(_host(x, "quantize", "x"), **kwargs)
 
@@ -108,6 +134,13 @@ def dequantize(codes, scales, amax, **kwargs):
         if kwargs.pop("backend", "cuda") not in (None, "cuda"):
             raise ValueError("fp4sim.dequantize: CUDA tensors run on the cuda backend")
         caps = [_prepare_cuda(t) for t in (codes, scales, amax)]
+        if _is_torch(codes) and codes.dim() == 2:
+            fmt = kwargs.get("format", "nvfp4")
+            cols = codes.shape[1] * (1 if fmt == "fp8" else 2)
+            ts, outs = _torch_outputs(codes, [((codes.shape[0], cols), "float32")])
+            _fp4sim._dequantize_device(caps[0][0], caps[1][0], caps[2][0], caps[0][1],
+                                       out=outs[0], **kwargs)
+            return ts[0]
         return _wrap(_fp4sim._dequantize_device(caps[0][0], caps[1][0], caps[2][0], caps[0][1],
                                                 **kwargs), codes)
     return _fp4sim.dequantize(_host(codes, "dequantize", "codes"),
@@ -126,6 +159,12 @@ def gemm(a, b, c=None, **kwargs):
         ca, s = _prepare_cuda(a)
         cb, _ = _prepare_cuda(b)
         cc = None if c is None else _prepare_cuda(c)[0]
+        if _is_torch(a) and a.dim() == 2 and b.dim() == 2:
+            dt = "bfloat16" if kwargs.get("out_dtype") == "bf16" else "float32"
+            ts, outs = _torch_outputs(a, [((a.shape[0], b.shape[0]), dt)])
+            out = _fp4sim._gemm_device(ca, cb, cc, s, out=outs[0], **kwargs)
+            out["d"] = ts[0]
+            return out
         return _wrap(_fp4sim._gemm_device(ca, cb, cc, s, **kwargs), a)
     return _fp4sim.gemm(_host(a, "gemm", "a"), _host(b, "gemm", "b"), c=_host(c, "gemm", "c"),
                         **kwargs)

@@ -82,7 +82,8 @@ def test_gemm_cuda_tensors_are_the_host_result(kw):
         same_bits(d, host["d"], "d")
     if kw.get("format", "nvfp4") == "nvfp4":  # (cuBLASLt: its distance to the exact GEMM)
         cl = fp4sim.gemm(torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda(), gemm="cublaslt",
-                         c=None if c is None else torch.from_numpy(c).cuda(), **kw)
+                         c=None if c is None else torch.from_numpy(c).cuda(),
+                         **{k: v for k, v in kw.items() if k != "split_k"})
         assert cl["d"].is_cuda and cl["cublaslt_vs_exact"] >= 0
 
 
@@ -113,3 +114,17 @@ def test_jax_cuda_arrays():
     for k in ("codes", "scales", "amax", "dequant"):
         assert isinstance(dev[k], jax.Array), k
         same_bits(np.asarray(dev[k]), host[k], "jax " + k)
+
+
+def test_other_producers_get_device_arrays():
+    cupy = pytest.importorskip("cupy")
+    x = sample((64, 128), seed=4)
+    host = fp4sim.quantize(x, backend="emu", four_over_six=True)
+    dev = fp4sim.quantize(cupy.asarray(x), four_over_six=True)
+    for k in ("codes", "scales", "amax", "dequant"):
+        assert isinstance(dev[k], fp4sim._fp4sim.DeviceArray), k
+        same_bits(cupy.asnumpy(cupy.from_dlpack(dev[k])), host[k], "cupy " + k)
+        same_bits(dev[k].numpy(), host[k], "numpy() " + k)
+    d = fp4sim.gemm(cupy.asarray(x), cupy.asarray(x), out_dtype="bf16")["d"]
+    assert d.dtype == "bfloat16" and d.shape == (64, 64)
+    same_bits(d.numpy(), fp4sim.gemm(x, x, backend="emu", out_dtype="bf16")["d"], "cupy gemm")

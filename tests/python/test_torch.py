@@ -84,8 +84,8 @@ class LinearGpt(check.Gpt):
 
 def model_for(dump, device="cpu"):
     cfg = dump["cfg"]
-    weights = {k: v.float() for k, v in dump["weights"].items()}
-    m = LinearGpt(cfg["model"], weights).to(device)
+    weights = {k: v.float().to(device) for k, v in dump["weights"].items()}
+    m = LinearGpt(cfg["model"], weights)
     ft.replace_linears(m, cfg["recipe"], seed=cfg["train"]["seed"])
     ft.set_step(m, 0, 0)
     return m
@@ -96,6 +96,7 @@ def bits(t):
 
 
 def assert_same_bits(got, want, what):
+    assert got is not None, f"{what}: no tensor (no gradient reached it)"
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     diff = (bits(got) != bits(want)).flatten().nonzero()
     if len(diff):
