@@ -234,11 +234,8 @@ void register_device_array(py::module_& m) {
                                for (size_t i = 0; i < a.shape().size(); ++i) t[i] = a.shape()[i];
                                return t;
                              })
-      .def_property_readonly("dtype",
-                             [](const DeviceArray& a) {
-                               return a.dtype() == DType::BF16 ? std::string("uint16")
-                                                               : dtype_name(a.dtype());
-                             })
+      .def_property_readonly(
+          "dtype", [](const DeviceArray& a) { return std::string(dtype_name(a.dtype())); })
       .def("numpy", &DeviceArray::to_numpy, "A host copy as a numpy array")
       .def(
           "__dlpack__",

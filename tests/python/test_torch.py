@@ -120,10 +120,10 @@ def check_layers_bitwise(dump, device):
         assert layer._recipe_now().fprop == "nvfp4", name
         layer.weight.grad = None
         layer.bias.grad = None
-        x = lin[name + ".x"].to(device).requires_grad_(True)
+        x = lin[name + ".x"].detach().clone().to(device).requires_grad_(True)
         y = layer(x)
         assert_same_bits(y, lin[name + ".y"], name + " y (Fprop)")
-        y.backward(lin[name + ".dy"].to(device))
+        y.backward(lin[name + ".dy"].detach().clone().to(device))
         assert_same_bits(x.grad, lin[name + ".dx"], name + " dx (Dgrad)")
         assert_same_bits(layer.weight.grad, lin[name + ".dweight"], name + " dweight (Wgrad)")
         assert_same_bits(layer.bias.grad.reshape(-1, 1), lin[name + ".dbias"], name + " dbias")
