@@ -1,7 +1,9 @@
-// The fp4sim Python module (_fp4sim, imported by python/fp4sim/__init__.py): the CLI's quantize
-// on numpy arrays, through the same code (tools/quantize_options.hpp maps the keyword arguments
-// onto a QuantizeConfig and builds the meta), so the results are the CLI's bits.
-// DESIGN.md §15. Host arrays only so far: DLPack and CUDA tensors are not taken yet.
+// The fp4sim Python module (_fp4sim, imported by python/fp4sim/__init__.py): the CLI's quantize,
+// dequantize, convert, gemm and mma through the same code (tools/quantize_options.hpp maps the
+// keyword arguments onto a QuantizeConfig and builds the meta; tools/gemm_run the GEMM's checks),
+// so the results are the CLI's bits. numpy arrays on the host; CUDA DLPack tensors (the *_device
+// functions) on the CUDA backend, on the caller's stream (python/dlpack_args.hpp); fp4sim.torch's
+// linear layer in python/linear_binding.cpp. DESIGN.md §15.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

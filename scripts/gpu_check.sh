@@ -132,7 +132,7 @@ if [ "${1:-}" = "python" ]; then
       >>"$out/bench_python.txt" 2>&1
   done
   cat "$out/bench_python.txt"
-  while read -r line; do row "python/c++ $(echo "$line" | cut -c1-33)" "$(echo "$line" | grep -oE '[0-9.]+x' | head -1)"; done \
+  while read -r line; do row "python/c++ $(echo "$line" | cut -c1-33)" "$(echo "$line" | grep -oE '[0-9]+\.[0-9]+x' | head -1)"; done \
     < <(grep -E "^(quantize|gemm)" "$out/bench_python.txt")
   t0=$(date +%s)
   rm -rf /tmp/fp4sim_pip
