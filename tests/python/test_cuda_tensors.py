@@ -128,3 +128,23 @@ def test_other_producers_get_device_arrays():
     d = fp4sim.gemm(cupy.asarray(x), cupy.asarray(x), out_dtype="bf16")["d"]
     assert d.dtype == "bfloat16" and d.shape == (64, 64)
     same_bits(d.numpy(), fp4sim.gemm(x, x, backend="emu", out_dtype="bf16")["d"], "cupy gemm")
+
+
+def test_torch_linear_with_cublaslt_gemms_is_near_the_exact_one():
+    import fp4sim.torch as ft
+    torch.manual_seed(0)
+    outs = {}
+    for gemm in ("exact", "cublaslt"):
+        torch.manual_seed(0)
+        m = torch.nn.Module()
+        m.h = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(256, 512)) for _ in range(2)])
+        m = m.cuda()
+        ft.replace_linears(m, {"name": "nvfp4", "gemm": gemm, "hp_first": 0, "hp_last": 0})
+        x = torch.randn(128, 256, device="cuda", requires_grad=True)
+        y = m.h[0](x)
+        y.backward(torch.randn(128, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(1)))
+        outs[gemm] = (y.detach(), x.grad, m.h[0][0].weight.grad)
+    for name, a, b in zip(("y", "dx", "dweight"), outs["exact"], outs["cublaslt"]):
+        rel = float((a - b).norm() / a.norm())
+        print(f"fp4sim.torch nvfp4 cuBLASLt vs exact {name}: rel. difference {rel:.2e} (bound 1e-3)")
+        assert rel <= 1e-3, name
