@@ -2,5 +2,5 @@
 #pragma once
 
 namespace fp4sim {
-constexpr int kContractVersion = 1;
+constexpr int kContractVersion = 2;
 }

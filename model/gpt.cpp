@@ -772,7 +772,19 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     throw std::logic_error("backward: the last forward pass was an inference pass (set_inference)");
   if (micro_batches < 1) throw std::invalid_argument("backward: micro_batches must be >= 1");
   const WeightShadow shadow(*this);
-  if (!accumulate) be_.zero(grads(), n_params_ * 4);
+  // A step's gradient is the ordered sum of its micro-batches' gradients, each computed from zero
+  // (DESIGN.md §16, contract_version 2): a later micro-batch moves the sum so far aside, writes its
+  // own gradient into grads() from zero, then grads() = sum + its gradient (one FP32 add an
+  // element, in micro-batch order), so N ranks of one micro-batch each can add theirs alike.
+  const auto n = static_cast<int64_t>(n_params_);
+  const TensorView all = view_of(grads(), DType::F32, 1, n, be_.device(), "gradients");
+  if (accumulate) {
+    if (!grad_sum_.get())
+      grad_sum_ = BackendBuffer(
+          be_, n_params_ * 4, {kUseGradients, "gradients of the earlier micro-batches (float32)"});
+    be_.copy(grad_sum_.get(), grads(), n_params_ * 4);
+  }
+  be_.zero(grads(), n_params_ * 4);
   if (dlogits_micro_batches_ != micro_batches) loss_gradient(micro_batches);  // else done
   be_.zero(dx_.get(), static_cast<size_t>(N * C) * 4);  // (dlnf_: written by matmul_backward)
   const std::string head = c.tied_embeddings ? "wte" : "lm_head.weight";
@@ -797,6 +809,9 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   be_.embedding_backward(
       grad("wte"), c.positions == Positions::Learned ? grad("wpe") : TensorView{},
       as_stored(dx_view()), tokens_view(), i32_view(be_, pos_.as<int32_t>(), N, 1, "pos"));
+  if (accumulate)
+    be_.axpby(all, 1.0f, view_of(grad_sum_.get(), DType::F32, 1, n, be_.device(), "gradient sum"),
+              1.0f, all);
   collect_stats_ = stats_active_ = false;
 }
 

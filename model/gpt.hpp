@@ -52,9 +52,9 @@ class Gpt {
   // another micro-batch count forms it again from the kept logits (one more pass).
   float forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
                 int64_t grad_micro_batches = 1);
-  // Gradients of the mean loss of the last forward into grads(): zeroed first, or with
-  // accumulate added to what they hold; scaled by 1 / micro_batches (gradient accumulation: the
-  // mean over all micro-batches' tokens).
+  // Gradients of the mean loss of the last forward into grads(), scaled by 1 / micro_batches
+  // (gradient accumulation: the mean over all micro-batches' tokens): computed from zero, and with
+  // accumulate then added to what grads() held (sum + this micro-batch's, DESIGN.md §16).
   void backward(int64_t micro_batches = 1, bool accumulate = false);
 
   // The low-precision recipe of the block linear layers (issue 5; BF16 until called). The step
@@ -317,6 +317,7 @@ class Gpt {
   std::vector<ParamTensor> tensors_;
   size_t n_params_ = 0;
   BackendBuffer params_, grads_;
+  BackendBuffer grad_sum_;  // the earlier micro-batches' gradients (backward with accumulate)
   // activations of the last forward, sized for (B_, T_)
   int64_t B_ = 0, T_ = 0, alloc_B_ = 0, alloc_T_ = 0;
   // the batch's tokens then its targets (2N int32, one upload a forward pass), the positions i % T

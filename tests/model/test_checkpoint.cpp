@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "emu/contract.hpp"
 #include "model/checkpoint.hpp"
 #include "tests/model/expect_error.hpp"
 
@@ -383,7 +384,8 @@ TEST(Checkpoint, UnverifiedCheckpointRefusedUnlessAllowed) {
   const fs::path where = save_checkpoint(d.string(), small_checkpoint(6, 6), 0);
   Checkpoint ck = load_checkpoint(where.string());
   // as the writer before the hashes wrote it: contract_version and step, no hashes, no manifest
-  const std::map<std::string, std::string> meta = {{"contract_version", "1"}, {"step", "6"}};
+  const std::map<std::string, std::string> meta = {
+      {"contract_version", std::to_string(kContractVersion)}, {"step", "6"}};
   write_safetensors((where / "model.safetensors").string(), ck.model, meta);
   write_safetensors((where / "optimizer.safetensors").string(), ck.optimizer, meta);
   fs::remove(where / "manifest.json");
@@ -398,7 +400,7 @@ TEST(Checkpoint, UnverifiedCheckpointRefusedUnlessAllowed) {
             std::string::npos)
       << load_error(where);
   write_safetensors((where / "model.safetensors").string(), ck.model,
-                    {{"contract_version", "1"}, {"step", "5"}});
+                    {{"contract_version", std::to_string(kContractVersion)}, {"step", "5"}});
   EXPECT_NE(load_error(where).find("model.safetensors holds step 5"), std::string::npos);
   ::unsetenv("FP4SIM_ALLOW_UNVERIFIED_CHECKPOINT");
   fs::remove_all(d);

@@ -74,7 +74,7 @@ def test_bitwise_equal_to_the_cli(name, flags, kwargs, dtype, tmp_path):
 
 def test_info():
     i = fp4sim.info()
-    assert i["contract_version"] == fp4sim.contract_version == 1
+    assert i["contract_version"] == fp4sim.contract_version == 2
     assert "emu" in i["backends"]
 
 

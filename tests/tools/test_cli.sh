@@ -41,7 +41,7 @@ if "$bin" quantize x.npy q/row --backend emu >log.txt 2>&1; then
   for f in codes scales amax dequant; do
     [ -f "q/row.$f.npy" ] || bad "q/row.$f.npy missing"
   done
-  [ -f q/row.meta.json ] && grep -q '"contract_version": 1' q/row.meta.json && ok "quantize writes 5 files with contract_version" || bad "meta.json"
+  [ -f q/row.meta.json ] && grep -q '"contract_version": 2' q/row.meta.json && ok "quantize writes 5 files with contract_version" || bad "meta.json"
   grep -q "saturated" log.txt && grep -q "scale exps" log.txt && ok "summary printed" || bad "summary"
   ls q/*.tmp.* >/dev/null 2>&1 && bad "temporary files left" || ok "no temporary files"
 else
@@ -217,7 +217,7 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 cp -r run2 run3 && truncate -s 100 run3/checkpoints/step_00000004/model.safetensors
 expect_fail "eval truncated checkpoint" "model.safetensors" "$bin" eval --checkpoint run3/checkpoints
-sed -i 's/"contract_version": 1/"contract_version": 7/' run2/checkpoints/step_00000004/state.json
+sed -i 's/"contract_version": 2/"contract_version": 7/' run2/checkpoints/step_00000004/state.json
 expect_fail "eval edited state.json" "state.json: its SHA-256 differs from manifest.json's" "$bin" eval --checkpoint run2/checkpoints
 "$bin" eval --checkpoint run/checkpoints --all --backend emu >log.txt 2>&1 && grep -q "val loss" log.txt \
   && ok "eval --all" || bad "eval --all: $(cat log.txt)"
@@ -297,7 +297,7 @@ expect_fail "data show a folder" "adir: is a directory, not a token file" "$bin"
 expect_fail "quantize a missing file" "nope.npy: cannot open for reading (No such file or directory)" "$bin" quantize nope.npy out --backend emu
 expect_fail "crosscheck malformed shape" "is not MxNxK" "$bin" crosscheck gemm --shapes 64x64
 
-"$bin" info >info.txt 2>&1 && grep -q "contract_version 1" info.txt && ok "info" || bad "info: $(cat info.txt)"
+"$bin" info >info.txt 2>&1 && grep -q "contract_version 2" info.txt && ok "info" || bad "info: $(cat info.txt)"
 
 echo "cli: $fails failure(s)"
 [ "$fails" -eq 0 ]

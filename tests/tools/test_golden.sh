@@ -58,7 +58,7 @@ echo "        $ncases cases, $bytes bytes"
 python3 - <<'EOF' && ok "manifest fields" || bad "manifest fields"
 import json
 m = json.load(open("pack/manifest.json"))
-assert m["pack_version"] == 1 and m["contract_version"] == 1 and m["fp4sim_version"]
+assert m["pack_version"] == 1 and m["contract_version"] == 2 and m["fp4sim_version"]
 for rel, f in m["files"].items():
     assert len(f["sha256"]) == 64 and f["bytes"] > 0, rel
 ops = {c["op"] for c in m["cases"]}
@@ -134,8 +134,8 @@ expect_fail "pack folder missing" "nopack: no such folder" "$bin" golden check n
 mkdir -p empty
 expect_fail "not a pack" "empty: not a golden pack (no manifest.json" "$bin" golden check empty --outputs cli
 cp -r pack pack_cv
-sed -i 's/"contract_version": 1,/"contract_version": 2,/' pack_cv/manifest.json
-expect_fail "another contract_version is refused" "pack_cv/manifest.json: contract_version 2, this fp4sim implements contract_version 1" \
+sed -i 's/"contract_version": 2,/"contract_version": 3,/' pack_cv/manifest.json
+expect_fail "another contract_version is refused" "pack_cv/manifest.json: contract_version 3, this fp4sim implements contract_version 2" \
   "$bin" golden check pack_cv --outputs cli
 cp -r pack pack_bad
 flip_bit pack_bad/quantize/mxfp4_floor_row/expected/q.scales.npy 3
