@@ -267,6 +267,34 @@ py::array convert(const py::array& x, const std::string& format, bool decode) {
   }
 }
 
+// fp4sim.gemm's keyword options as the operands' format and the GEMM's config (ValueError naming
+// the option; the host and the CUDA path share them).
+std::pair<QFormat, GemmConfig> gemm_options(const py::object& format_obj,
+                                            const std::string& gemm_impl,
+                                            const std::string& out_dtype, float alpha, float beta,
+                                            int split_k, bool has_c) {
+  const std::string fn = "fp4sim.gemm: ";
+  const std::string format = format_obj.is_none() ? "nvfp4" : format_obj.cast<std::string>();
+  if (format != "nvfp4" && format != "mxfp4" && format != "fp8")
+    throw py::value_error(fn + "format '" + format + "' (nvfp4, mxfp4 or fp8)");
+  if (gemm_impl != "exact" && gemm_impl != "cublaslt")
+    throw py::value_error(fn + "gemm '" + gemm_impl + "' (exact or cublaslt)");
+  if (out_dtype != "fp32" && out_dtype != "bf16")
+    throw py::value_error(fn + "out_dtype '" + out_dtype + "' (fp32 or bf16)");
+  if (split_k < 1) throw py::value_error(fn + "split_k must be >= 1");
+  if (has_c && beta == 0.0f)
+    throw py::value_error(fn + "c with beta 0 would not contribute: give beta");
+  GemmConfig cfg;
+  cfg.alpha = alpha;
+  cfg.beta = beta;
+  cfg.split_k = split_k;
+  cfg.out = out_dtype == "bf16" ? GemmOut::BF16 : GemmOut::F32;
+  cfg.impl = gemm_impl == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
+  const QFormat fmt =
+      format == "fp8" ? QFormat::FP8 : (format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
+  return {fmt, cfg};
+}
+
 // fp4sim gemm: a [M, K] and b [N, K] float32 arrays quantized as the CLI quantizes them, or
 // quantize's results (dicts of codes, scales, amax and meta) used as they are (as the CLI's
 // --a-prefix/--b-prefix files); then D = alpha * A * B^T (+ beta * C) through tools/gemm_run (the
@@ -283,16 +311,8 @@ py::dict gemm(const py::object& a_obj, const py::object& b_obj, const py::object
   if (quantized && !format_obj.is_none())
     throw py::value_error(std::string(fn) +
                           "format does not go with quantized operands (their meta names it)");
-  const std::string format = format_obj.is_none() ? "nvfp4" : format_obj.cast<std::string>();
-  if (format != "nvfp4" && format != "mxfp4" && format != "fp8")
-    throw py::value_error(std::string(fn) + "format '" + format + "' (nvfp4, mxfp4 or fp8)");
-  if (gemm_impl != "exact" && gemm_impl != "cublaslt")
-    throw py::value_error(std::string(fn) + "gemm '" + gemm_impl + "' (exact or cublaslt)");
-  if (out_dtype != "fp32" && out_dtype != "bf16")
-    throw py::value_error(std::string(fn) + "out_dtype '" + out_dtype + "' (fp32 or bf16)");
-  if (split_k < 1) throw py::value_error(std::string(fn) + "split_k must be >= 1");
-  if (!c_obj.is_none() && beta == 0.0f)
-    throw py::value_error(std::string(fn) + "c with beta 0 would not contribute: give beta");
+  const auto [fmt, cfg] =
+      gemm_options(format_obj, gemm_impl, out_dtype, alpha, beta, split_k, !c_obj.is_none());
   std::vector<std::string> warnings;
   QuantizedHost qa, qb;
   std::vector<float> xa, xb;
@@ -353,14 +373,6 @@ py::dict gemm(const py::object& a_obj, const py::object& b_obj, const py::object
     const float* cp = checked<float>(ca, "gemm", "c", "float32", {M, N});
     c.assign(cp, cp + M * N);
   }
-  const QFormat fmt =
-      format == "fp8" ? QFormat::FP8 : (format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
-  GemmConfig cfg;
-  cfg.alpha = alpha;
-  cfg.beta = beta;
-  cfg.split_k = split_k;
-  cfg.out = out_dtype == "bf16" ? GemmOut::BF16 : GemmOut::F32;
-  cfg.impl = gemm_impl == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
   cli::GemmRun run;
   {
     py::gil_scoped_release release;
@@ -644,16 +656,8 @@ py::dict gemm_device(const py::object& a, const py::object& b, const py::object&
                      const std::string& out_dtype, float alpha, float beta, int split_k,
                      const py::object& out_given) {
   const std::string fn = "fp4sim.gemm: ";
-  const std::string format = format_obj.is_none() ? "nvfp4" : format_obj.cast<std::string>();
-  if (format != "nvfp4" && format != "mxfp4" && format != "fp8")
-    throw py::value_error(fn + "format '" + format + "' (nvfp4, mxfp4 or fp8)");
-  if (gemm_impl != "exact" && gemm_impl != "cublaslt")
-    throw py::value_error(fn + "gemm '" + gemm_impl + "' (exact or cublaslt)");
-  if (out_dtype != "fp32" && out_dtype != "bf16")
-    throw py::value_error(fn + "out_dtype '" + out_dtype + "' (fp32 or bf16)");
-  if (split_k < 1) throw py::value_error(fn + "split_k must be >= 1");
-  if (!c.is_none() && beta == 0.0f)
-    throw py::value_error(fn + "c with beta 0 would not contribute: give beta");
+  const auto [fmt, cfg] =
+      gemm_options(format_obj, gemm_impl, out_dtype, alpha, beta, split_k, !c.is_none());
   const DlTensor ta = cuda_matrix(a, fn + "a"), tb = cuda_matrix(b, fn + "b");
   const TensorView av = py_args::matrix_view(ta, fn + "a", {DType::F32}, "a");
   const TensorView bv = py_args::matrix_view(tb, fn + "b", {DType::F32}, "b");
@@ -672,14 +676,6 @@ py::dict gemm_device(const py::object& a, const py::object& b, const py::object&
       throw py::value_error(fn + "c: shape " + shape_str(cv.rows, cv.cols) + ", expected " +
                             shape_str(M, N));
   }
-  const QFormat fmt =
-      format == "fp8" ? QFormat::FP8 : (format == "mxfp4" ? QFormat::MXFP4 : QFormat::NVFP4);
-  GemmConfig cfg;
-  cfg.alpha = alpha;
-  cfg.beta = beta;
-  cfg.split_k = split_k;
-  cfg.out = out_dtype == "bf16" ? GemmOut::BF16 : GemmOut::F32;
-  cfg.impl = gemm_impl == "cublaslt" ? GemmImpl::CublasLt : GemmImpl::Exact;
   const int dev = ta.device_index();
   Backend& be = py_args::module_backend("cuda", dev, stream);
   // the operands quantized as the CLI quantizes them (RN, row-wise; the CUDA quantizer is bitwise
