@@ -58,13 +58,15 @@ DLDataType dl_dtype_of(DType d) {
   return {kDLFloat, 32, 1};
 }
 
-}  // namespace
-
-int64_t DlTensor::numel() const {
+int64_t product(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
 }
+
+}  // namespace
+
+int64_t DlTensor::numel() const { return product(shape); }
 
 DlTensor dlpack_arg(const py::handle& obj, const std::string& where, const py::object& stream) {
   DlTensor d;
@@ -149,11 +151,7 @@ DeviceArray::DeviceArray(Backend& be, DType dtype, std::vector<int64_t> shape, i
                        BufferLabel{"python result", label});
 }
 
-int64_t DeviceArray::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape_) n *= d;
-  return n;
-}
+int64_t DeviceArray::numel() const { return product(shape_); }
 
 py::object DeviceArray::to_numpy() const {
   std::vector<py::ssize_t> shape(shape_.begin(), shape_.end());

@@ -19,6 +19,7 @@
 #include "emu/contract.hpp"
 #include "emu/formats.hpp"
 #include "emu/mma.hpp"
+#include "model/linear.hpp"
 #include "python/dlpack_args.hpp"
 #include "python/linear_binding.hpp"
 #include "tools/backends.hpp"
@@ -685,30 +686,13 @@ py::dict gemm_device(const py::object& a, const py::object& b, const py::object&
   qc.rowwise.enabled = true;
   validate_quantize(av, qc);
   validate_quantize(bv, qc);
-  QuantizedHost sa, sb;  // (shapes only: the operands stay on the device)
-  sa.rows = M;
-  sa.cols = K;
-  sa.format = fmt;
-  sb.rows = N;
-  sb.cols = K;
-  sb.format = fmt;
-  QuantizedView qa = sa.view(), qb = sb.view();
-  BackendBuffer ca(be, static_cast<size_t>(qa.code_bytes())),
-      sca(be, static_cast<size_t>(qa.scale_bytes())), aa(be, 4),
-      cb(be, static_cast<size_t>(qb.code_bytes())), scb(be, static_cast<size_t>(qb.scale_bytes())),
-      ab(be, 4);
-  qa.codes = ca.as<uint8_t>();
-  qa.scales = sca.as<uint8_t>();
-  qa.amax = aa.as<float>();
-  qb.codes = cb.as<uint8_t>();
-  qb.scales = scb.as<uint8_t>();
-  qb.amax = ab.as<float>();
-  qa.device = qb.device = Device::Cuda;
+  model::QuantizedCopy ca(be, M, K, fmt, false), cb(be, N, K, fmt, false);
+  const QuantizedView &qa = ca.view, &qb = cb.view;
   float amax[2];
   {
     py::gil_scoped_release release;
-    be.quantize(av, qc, &qa, nullptr);
-    be.quantize(bv, qc, &qb, nullptr);
+    be.quantize(av, qc, &ca.view, nullptr);
+    be.quantize(bv, qc, &cb.view, nullptr);
     be.download(&amax[0], qa.amax, 4);
     be.download(&amax[1], qb.amax, 4);
   }
@@ -775,36 +759,22 @@ double cpp_seconds_device(const std::string& op, const py::object& x, int repeat
   QuantizeConfig cfg;
   cfg.format = QFormat::NVFP4;
   cfg.rowwise.enabled = true;
-  QuantizedHost s;
-  s.rows = in.rows;
-  s.cols = in.cols;
   for (int r = 0; r < repeats; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
-    QuantizedView q = s.view(), q2 = s.view();
-    BackendBuffer codes(be, static_cast<size_t>(q.code_bytes())),
-        scales(be, static_cast<size_t>(q.scale_bytes())), amax(be, 4);
-    q.codes = codes.as<uint8_t>();
-    q.scales = scales.as<uint8_t>();
-    q.amax = amax.as<float>();
-    q.device = Device::Cuda;
-    be.quantize(in, cfg, &q, nullptr);
+    model::QuantizedCopy q(be, in.rows, in.cols, QFormat::NVFP4, false);
+    be.quantize(in, cfg, &q.view, nullptr);
     float a = 0;
     if (op == "quantize") {
       BackendBuffer deq(be, static_cast<size_t>(in.numel()) * 4);
-      be.dequantize(q, view_of(deq.get(), DType::F32, in.rows, in.cols, Device::Cuda, "deq"));
-      be.download(&a, q.amax, 4);
+      be.dequantize(q.view, view_of(deq.get(), DType::F32, in.rows, in.cols, Device::Cuda, "deq"));
+      be.download(&a, q.view.amax, 4);
     } else {  // gemm: x times itself, both operands quantized
-      BackendBuffer c2(be, static_cast<size_t>(q.code_bytes())),
-          s2(be, static_cast<size_t>(q.scale_bytes())), a2(be, 4),
-          dd(be, static_cast<size_t>(in.rows * in.rows) * 4);
-      q2.codes = c2.as<uint8_t>();
-      q2.scales = s2.as<uint8_t>();
-      q2.amax = a2.as<float>();
-      q2.device = Device::Cuda;
-      be.quantize(in, cfg, &q2, nullptr);
-      be.download(&a, q.amax, 4);
-      be.download(&a, q2.amax, 4);
-      be.gemm(q, q2, nullptr, GemmConfig{},
+      model::QuantizedCopy q2(be, in.rows, in.cols, QFormat::NVFP4, false);
+      BackendBuffer dd(be, static_cast<size_t>(in.rows * in.rows) * 4);
+      be.quantize(in, cfg, &q2.view, nullptr);
+      be.download(&a, q.view.amax, 4);
+      be.download(&a, q2.view.amax, 4);
+      be.gemm(q.view, q2.view, nullptr, GemmConfig{},
               view_of(dd.get(), DType::F32, in.rows, in.rows, Device::Cuda, "D"));
     }
     be.synchronize();

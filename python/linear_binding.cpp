@@ -59,8 +59,6 @@ Recipe make_recipe(const py::dict& keys, int64_t n_layers) {
   return r;
 }
 
-const char* fmt_name(model::GemmFormat f) { return model::name_of(f); }
-
 // The backend of a call: emu for host tensors, the CUDA backend on the tensors' device and the
 // caller's stream for CUDA tensors (all tensors on one device).
 Backend& backend_for(const std::vector<const DlTensor*>& ts, const std::string& where,
@@ -92,11 +90,6 @@ py::list stats_list(const std::vector<model::QuantStat>& s) {
   return out;
 }
 
-struct Ids {
-  uint64_t seed;
-  int64_t step, micro_batch, layer, linear;
-};
-
 model::LinearWeights weights(const TensorView& w, const TensorView& b) {
   model::LinearWeights lw;
   lw.weight = w;
@@ -114,10 +107,10 @@ void check_shape(const TensorView& v, int64_t rows, int64_t cols, const std::str
                           shape_str(rows, cols));
 }
 
-py::list linear_forward(const model::LinearRecipe& r, const Ids& ids, const py::object& x,
-                        const py::object& weight, const py::object& bias, const py::object& out,
-                        const std::string& name, bool statistics, const py::object& backend,
-                        uintptr_t stream) {
+py::list linear_forward(const model::LinearRecipe& r, const model::LinearIds& ids,
+                        const py::object& x, const py::object& weight, const py::object& bias,
+                        const py::object& out, const std::string& name, bool statistics,
+                        const py::object& backend, uintptr_t stream) {
   const std::string w = "fp4sim.torch.Linear(" + name + ")";
   const DlTensor dx = dlpack_arg(x, w + ": x"), dw = dlpack_arg(weight, w + ": weight"),
                  dout = dlpack_arg(out, w + ": out");
@@ -141,18 +134,17 @@ py::list linear_forward(const model::LinearRecipe& r, const Ids& ids, const py::
   std::vector<model::QuantStat> st;
   {
     py::gil_scoped_release release;
-    model::linear_forward(be, r, {ids.seed, ids.step, ids.micro_batch, ids.layer, ids.linear}, ov,
-                          xv, weights(wv, bv), GemmPrecision::BF16, statistics ? &st : nullptr,
-                          name);
+    model::linear_forward(be, r, ids, ov, xv, weights(wv, bv), GemmPrecision::BF16,
+                          statistics ? &st : nullptr, name);
   }
   return stats_list(st);
 }
 
-py::list linear_backward(const model::LinearRecipe& r, const Ids& ids, const py::object& dout,
-                         const py::object& x, const py::object& weight, const py::object& bias,
-                         const py::object& dx, const py::object& dweight, const py::object& dbias,
-                         const std::string& name, bool statistics, const py::object& backend,
-                         uintptr_t stream) {
+py::list linear_backward(const model::LinearRecipe& r, const model::LinearIds& ids,
+                         const py::object& dout, const py::object& x, const py::object& weight,
+                         const py::object& bias, const py::object& dx, const py::object& dweight,
+                         const py::object& dbias, const std::string& name, bool statistics,
+                         const py::object& backend, uintptr_t stream) {
   const std::string w = "fp4sim.torch.Linear(" + name + ") backward";
   const DlTensor tdy = dlpack_arg(dout, w + ": dout"), tx = dlpack_arg(x, w + ": x"),
                  tw = dlpack_arg(weight, w + ": weight"), tdx = dlpack_arg(dx, w + ": dx"),
@@ -188,8 +180,7 @@ py::list linear_backward(const model::LinearRecipe& r, const Ids& ids, const py:
   std::vector<model::QuantStat> st;
   {
     py::gil_scoped_release release;
-    model::linear_backward(be, r, {ids.seed, ids.step, ids.micro_batch, ids.layer, ids.linear}, dxv,
-                           dwv, dbv, dyv, xv, weights(wv, bv), GemmPrecision::BF16,
+    model::linear_backward(be, r, ids, dxv, dwv, dbv, dyv, xv, weights(wv, bv), GemmPrecision::BF16,
                            statistics ? &st : nullptr, name);
   }
   return stats_list(st);
@@ -201,17 +192,17 @@ void register_linear(py::module_& m) {
   py::class_<model::LinearRecipe>(m, "LinearRecipe",
                                   "What one linear layer does at one step (DESIGN.md §9)")
       .def_property_readonly("fprop",
-                             [](const model::LinearRecipe& r) { return fmt_name(r.fprop); })
+                             [](const model::LinearRecipe& r) { return model::name_of(r.fprop); })
       .def_property_readonly("dgrad",
-                             [](const model::LinearRecipe& r) { return fmt_name(r.dgrad); })
+                             [](const model::LinearRecipe& r) { return model::name_of(r.dgrad); })
       .def_property_readonly("wgrad",
-                             [](const model::LinearRecipe& r) { return fmt_name(r.wgrad); })
+                             [](const model::LinearRecipe& r) { return model::name_of(r.wgrad); })
       .def_property_readonly("gemm",
                              [](const model::LinearRecipe& r) { return model::name_of(r.impl); })
       .def_property_readonly("quantized", &model::LinearRecipe::any_quantized)
       .def("__repr__", [](const model::LinearRecipe& r) {
-        return std::string("LinearRecipe(fprop=") + fmt_name(r.fprop) +
-               ", dgrad=" + fmt_name(r.dgrad) + ", wgrad=" + fmt_name(r.wgrad) +
+        return std::string("LinearRecipe(fprop=") + model::name_of(r.fprop) +
+               ", dgrad=" + model::name_of(r.dgrad) + ", wgrad=" + model::name_of(r.wgrad) +
                ", gemm=" + model::name_of(r.impl) + ")";
       });
   py::class_<Recipe>(m, "Recipe",
@@ -221,7 +212,8 @@ void register_linear(py::module_& m) {
       .def("linear", &Recipe::linear, py::arg("layer"), py::arg("linear"), py::arg("step"),
            "The LinearRecipe of linear `linear` of block `layer` at `step` (the trainer's rule)")
       .def_property_readonly("high_precision", [](const Recipe& r) { return r.high_precision; })
-      .def_property_readonly("name", [](const Recipe& r) { return fmt_name(r.config.recipe.name); })
+      .def_property_readonly("name",
+                             [](const Recipe& r) { return model::name_of(r.config.recipe.name); })
       .def_property_readonly(
           "keys", [](const Recipe& r) { return model::to_json(r.config).at("recipe").dump(); });
   m.def(
