@@ -545,64 +545,140 @@ DlTensor cuda_matrix(const py::object& x, const std::string& where) {
   return d;
 }
 
+// One quantization of CUDA tensors of a fixed shape, its options parsed and checked and its outputs
+// in place (made here as DeviceArrays, or the caller's tensors from `outs`): fp4sim.quantize runs
+// it once, fp4sim.Quantizer (CudaQuantizer) on every call.
+struct DeviceQuantize {
+  cli::QuantizeOptions o;
+  QuantizeConfig cfg;
+  DType dtype = DType::F32;
+  int64_t in_rows = 0, in_cols = 0;
+  int device = 0;
+  QuantizedView q;
+  Result codes, scales, amax, deq;
+
+  DeviceQuantize(const TensorView& in, int dev, uintptr_t stream, const std::string& format,
+                 bool block_2d, bool columnwise, bool rht, bool sr, uint64_t seed,
+                 uint64_t sr_stream, bool four_over_six, const std::string& error,
+                 const py::object& mx_rule, const py::object& outs) {
+    std::tie(o, cfg) = quantize_options(format, block_2d, columnwise, rht, sr, seed, sr_stream,
+                                        four_over_six, error, mx_rule);
+    validate_quantize(in, cfg);
+    dtype = in.dtype;
+    in_rows = in.rows;
+    in_cols = in.cols;
+    device = dev;
+    Backend& be = py_args::module_backend("cuda", dev, stream);
+    const CopyShape cs = written_shape(in, columnwise);
+    q.rows = cs.rows;
+    q.cols = cs.cols;
+    q.format = cfg.format;
+    q.four_over_six = (columnwise ? cfg.columnwise : cfg.rowwise).four_over_six;
+    q.device = Device::Cuda;
+    const bool fp8 = q.format == QFormat::FP8;
+    const int64_t R = q.rows, C = q.cols, blocks = C / q.block();
+    if (!outs.is_none() && py::len(outs) != 4)
+      throw py::value_error("fp4sim.quantize: outs must be (codes, scales, amax, dequant)");
+    const auto out_obj = [&](int i) {
+      return outs.is_none() ? py::object(py::none()) : py::object(outs.cast<py::tuple>()[i]);
+    };
+    const std::string w = "fp4sim.quantize: out ";
+    codes = result_slot(be, out_obj(0), DType::U8, {R, fp8 ? C : C / 2}, dev, stream, w + "codes",
+                        "codes");
+    scales = result_slot(be, out_obj(1), fp8 ? DType::F32 : DType::U8, {R, blocks}, dev, stream,
+                         w + "scales", "scales");
+    amax = result_slot(be, out_obj(2), DType::F32, {1}, dev, stream, w + "amax", "amax");
+    deq = result_slot(be, out_obj(3), DType::F32, {R, C}, dev, stream, w + "dequant", "dequant");
+    q.codes = static_cast<uint8_t*>(codes.data);
+    q.scales = static_cast<uint8_t*>(scales.data);
+    q.amax = static_cast<float*>(amax.data);
+  }
+
+  // Quantize `in` (the construction's dtype and shape) under `c` (cfg, or cfg with another SR
+  // stream) and dequantize, enqueued on `be`'s stream (no synchronization). Call without the GIL.
+  void run(Backend& be, const TensorView& in, const QuantizeConfig& c) const {
+    const bool columnwise = c.columnwise.enabled;
+    QuantizedView out = q;
+    be.quantize(in, c, columnwise ? nullptr : &out, columnwise ? &out : nullptr);
+    be.dequantize(out, view_of(deq.data, DType::F32, q.rows, q.cols, Device::Cuda, "dequantized"));
+  }
+};
+
 py::dict quantize_device(const py::object& x, uintptr_t stream, const std::string& format,
                          bool block_2d, bool columnwise, bool rht, bool sr, uint64_t seed,
                          uint64_t sr_stream, bool four_over_six, const std::string& error,
                          const py::object& mx_rule, const py::object& outs) {
-  const auto [o, cfg] = quantize_options(format, block_2d, columnwise, rht, sr, seed, sr_stream,
-                                         four_over_six, error, mx_rule);
   const DlTensor d = cuda_matrix(x, "fp4sim.quantize: x");
   const TensorView in =
       py_args::matrix_view(d, "fp4sim.quantize: x", {DType::F32, DType::BF16}, "x");
-  validate_quantize(in, cfg);
-  const int dev = d.device_index();
-  Backend& be = py_args::module_backend("cuda", dev, stream);
-  const CopyShape cs = written_shape(in, columnwise);
-  QuantizedView q;
-  q.rows = cs.rows;
-  q.cols = cs.cols;
-  q.format = cfg.format;
-  q.four_over_six = (columnwise ? cfg.columnwise : cfg.rowwise).four_over_six;
-  q.device = Device::Cuda;
-  const bool fp8 = q.format == QFormat::FP8;
-  const int64_t R = q.rows, C = q.cols, blocks = C / q.block();
-  const auto out_obj = [&](int i) {
-    return outs.is_none() ? py::object(py::none()) : py::object(outs.cast<py::tuple>()[i]);
-  };
-  if (!outs.is_none() && py::len(outs) != 4)
-    throw py::value_error("fp4sim.quantize: outs must be (codes, scales, amax, dequant)");
-  const std::string w = "fp4sim.quantize: out ";
-  const Result codes = result_slot(be, out_obj(0), DType::U8, {R, fp8 ? C : C / 2}, dev, stream,
-                                   w + "codes", "codes");
-  const Result scales = result_slot(be, out_obj(1), fp8 ? DType::F32 : DType::U8, {R, blocks}, dev,
-                                    stream, w + "scales", "scales");
-  const Result amax = result_slot(be, out_obj(2), DType::F32, {1}, dev, stream, w + "amax", "amax");
-  const Result deq =
-      result_slot(be, out_obj(3), DType::F32, {R, C}, dev, stream, w + "dequant", "dequant");
-  q.codes = static_cast<uint8_t*>(codes.data);
-  q.scales = static_cast<uint8_t*>(scales.data);
-  q.amax = static_cast<float*>(amax.data);
+  const DeviceQuantize dq(in, d.device_index(), stream, format, block_2d, columnwise, rht, sr, seed,
+                          sr_stream, four_over_six, error, mx_rule, outs);
+  Backend& be = py_args::module_backend("cuda", dq.device, stream);
   QuantizedHost meta_q;  // (what the meta reads: shape, format, amax)
   {
     py::gil_scoped_release release;
-    be.quantize(in, cfg, columnwise ? nullptr : &q, columnwise ? &q : nullptr);
-    be.dequantize(q, view_of(deq.data, DType::F32, R, C, Device::Cuda, "dequantized"));
-    be.download(&meta_q.amax, q.amax, sizeof(float));  // (4 bytes for the meta: synchronizes)
+    dq.run(be, in, dq.cfg);
+    be.download(&meta_q.amax, dq.q.amax, sizeof(float));  // (4 bytes for the meta: synchronizes)
   }
-  meta_q.rows = R;
-  meta_q.cols = C;
-  meta_q.format = q.format;
-  meta_q.four_over_six = q.four_over_six;
+  meta_q.rows = dq.q.rows;
+  meta_q.cols = dq.q.cols;
+  meta_q.format = dq.q.format;
+  meta_q.four_over_six = dq.q.four_over_six;
   const nlohmann::json meta =
-      cli::quantize_meta(o, in.dtype, in.rows, in.cols, meta_q, be.name(), "fp4sim.quantize");
+      cli::quantize_meta(dq.o, in.dtype, in.rows, in.cols, meta_q, be.name(), "fp4sim.quantize");
   py::dict out;
-  out["codes"] = codes.object();  // (None where the caller gave the tensor)
-  out["scales"] = scales.object();
-  out["amax"] = amax.object();
-  out["dequant"] = deq.object();
+  out["codes"] = dq.codes.object();  // (None where the caller gave the tensor)
+  out["scales"] = dq.scales.object();
+  out["amax"] = dq.amax.object();
+  out["dequant"] = dq.deq.object();
   out["meta"] = to_python(meta);
   return out;
 }
+
+// fp4sim.Quantizer's engine: a DeviceQuantize made once for tensors like `like`; each call checks
+// x against it and enqueues the quantization on the caller's stream, with no synchronization, no
+// allocation and no meta (DESIGN.md §15: the repeated-call path of a CUDA quantizer).
+class CudaQuantizer {
+ public:
+  CudaQuantizer(const py::object& like, uintptr_t stream, const std::string& format, bool block_2d,
+                bool columnwise, bool rht, bool sr, uint64_t seed, uint64_t sr_stream,
+                bool four_over_six, const std::string& error, const py::object& mx_rule,
+                const py::object& outs)
+      : dq_(view_of_like(like), cuda_matrix(like, "fp4sim.Quantizer: like").device_index(), stream,
+            format, block_2d, columnwise, rht, sr, seed, sr_stream, four_over_six, error, mx_rule,
+            outs) {}
+
+  // sr_stream: this call's SR stream (None: the one it was made with).
+  void call(const py::object& x, uintptr_t stream, const py::object& sr_stream) const {
+    const DlTensor d = cuda_matrix(x, "fp4sim.Quantizer: x");
+    const TensorView in =
+        py_args::matrix_view(d, "fp4sim.Quantizer: x", {DType::F32, DType::BF16}, "x");
+    if (in.dtype != dq_.dtype || in.rows != dq_.in_rows || in.cols != dq_.in_cols ||
+        d.device_index() != dq_.device)
+      throw py::value_error("fp4sim.Quantizer: x is " + shape_str(in.rows, in.cols) + " " +
+                            dtype_name(in.dtype) + " on cuda:" + std::to_string(d.device_index()) +
+                            "; this quantizer was made for " + shape_str(dq_.in_rows, dq_.in_cols) +
+                            " " + dtype_name(dq_.dtype) + " on cuda:" + std::to_string(dq_.device));
+    QuantizeConfig c = dq_.cfg;
+    if (!sr_stream.is_none())
+      (c.columnwise.enabled ? c.columnwise : c.rowwise).stream = sr_stream.cast<uint64_t>();
+    Backend& be = py_args::module_backend("cuda", dq_.device, stream);
+    py::gil_scoped_release release;
+    dq_.run(be, in, c);
+  }
+
+  py::tuple outputs() const {
+    return py::make_tuple(dq_.codes.object(), dq_.scales.object(), dq_.amax.object(),
+                          dq_.deq.object());
+  }
+
+ private:
+  static TensorView view_of_like(const py::object& like) {
+    return py_args::matrix_view(cuda_matrix(like, "fp4sim.Quantizer: like"),
+                                "fp4sim.Quantizer: like", {DType::F32, DType::BF16}, "x");
+  }
+  DeviceQuantize dq_;
+};
 
 py::object dequantize_device(const py::object& codes, const py::object& scales,
                              const py::object& amax, uintptr_t stream, const std::string& format,
@@ -748,7 +824,9 @@ py::dict gemm_device(const py::object& a, const py::object& b, const py::object&
 }
 
 // The C++ work behind fp4sim.quantize on a CUDA tensor (quantize, dequantize, the amax read),
-// timed as validation/bench_python.py compares it: the median seconds of `repeats` runs.
+// timed as validation/bench_python.py compares it: the median seconds of `repeats` runs. op
+// "quantize_stream" is fp4sim.Quantizer's work instead: outputs made once, `repeats` quantize +
+// dequantize enqueued back to back, one synchronization; the mean seconds a call.
 double cpp_seconds_device(const std::string& op, const py::object& x, int repeats,
                           uintptr_t stream) {
   const DlTensor d = cuda_matrix(x, "_cpp_seconds_device: x");
@@ -759,6 +837,19 @@ double cpp_seconds_device(const std::string& op, const py::object& x, int repeat
   QuantizeConfig cfg;
   cfg.format = QFormat::NVFP4;
   cfg.rowwise.enabled = true;
+  if (op == "quantize_stream") {
+    model::QuantizedCopy q(be, in.rows, in.cols, QFormat::NVFP4, false);
+    BackendBuffer deq(be, static_cast<size_t>(in.numel()) * 4);
+    const TensorView dv = view_of(deq.get(), DType::F32, in.rows, in.cols, Device::Cuda, "deq");
+    be.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < repeats; ++r) {
+      be.quantize(in, cfg, &q.view, nullptr);
+      be.dequantize(q.view, dv);
+    }
+    be.synchronize();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / repeats;
+  }
   for (int r = 0; r < repeats; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
     model::QuantizedCopy q(be, in.rows, in.cols, QFormat::NVFP4, false);
@@ -842,6 +933,19 @@ PYBIND11_MODULE(_fp4sim, m) {
         py::arg("error") = "mae", py::arg("mx_rule") = py::none(), py::arg("outs") = py::none(),
         "quantize on a CUDA DLPack tensor, on `stream`; the results are DeviceArrays, or written "
         "into outs = (codes, scales, amax, dequant) (then None in the dict)");
+  py::class_<fp4sim::CudaQuantizer>(m, "_CudaQuantizer")
+      .def(py::init<const py::object&, uintptr_t, const std::string&, bool, bool, bool, bool,
+                    uint64_t, uint64_t, bool, const std::string&, const py::object&,
+                    const py::object&>(),
+           py::arg("like"), py::arg("stream"), py::kw_only(), py::arg("format") = "nvfp4",
+           py::arg("block_2d") = false, py::arg("columnwise") = false, py::arg("rht") = false,
+           py::arg("sr") = false, py::arg("seed") = 0, py::arg("sr_stream") = 0,
+           py::arg("four_over_six") = false, py::arg("error") = "mae",
+           py::arg("mx_rule") = py::none(), py::arg("outs") = py::none())
+      .def("__call__", &fp4sim::CudaQuantizer::call, py::arg("x"), py::arg("stream"),
+           py::arg("sr_stream") = py::none())
+      .def("outputs", &fp4sim::CudaQuantizer::outputs,
+           "(codes, scales, amax, dequant): DeviceArrays, None where outs gave the tensor");
   m.def("_dequantize_device", &fp4sim::dequantize_device, py::arg("codes"), py::arg("scales"),
         py::arg("amax"), py::arg("stream"), py::kw_only(), py::arg("format") = "nvfp4",
         py::arg("four_over_six") = false, py::arg("out") = py::none(),

@@ -9,8 +9,12 @@ usage: PYTHONPATH=build/python /usr/bin/python3 validation/bench_python.py [--ba
 backend without a host copy; each timed Python call ends with torch.cuda.synchronize() and the C++
 side (_cpp_seconds_device: the same quantize, dequantize and amax read, or both operands'
 quantization and the exact GEMM, on device memory) with the stream's synchronization.
-Each round times N calls of each side (median), the sides alternating; the table gives each
-side's median over R rounds and the median of the rounds' ratios (Python / C++).
+The "Quantizer" rows (torch-cuda) time fp4sim.Quantizer, the repeated-call interface: N calls
+enqueued back to back and one synchronization on each side (_cpp_seconds_device's
+"quantize_stream": outputs made once, the same quantize + dequantize), the mean a call.
+Each round times N calls of each side (median, or the mean of the back-to-back calls), the sides
+alternating; the table gives each side's median over R rounds and the median of the rounds'
+ratios (Python / C++).
 """
 import argparse
 import statistics
@@ -45,12 +49,15 @@ def main():
         ("gemm nvfp4 exact 1024x1024x1024", "gemm", (1024, 1024)),
     ]
     cuda = a.tensors == "torch-cuda"
+    stream_calls = 20 * a.repeats  # (back-to-back calls a Quantizer round)
     if cuda:  # (the GPU's calls take microseconds at 1M elements: larger tensors too)
         import torch
         a.backend = "cuda"
         cases[2:2] = [("quantize nvfp4 4096x4096", "quantize", (4096, 4096)),
                       ("quantize nvfp4 8192x8192", "quantize", (8192, 8192))]
         cases.append(("gemm nvfp4 exact 4096x4096x4096", "gemm", (4096, 4096)))
+        cases += [(f"Quantizer nvfp4 {r}x{c}", "quantize_stream", (r, c))
+                  for r, c in ((1024, 1024), (4096, 1024), (4096, 4096), (8192, 8192))]
     print(f"fp4sim from Python against the C++ call, backend {a.backend}, {a.tensors} tensors, "
           f"{a.rounds} rounds x {a.repeats} calls")
     print(f"{'case':<34} {'python ms':>10} {'c++ ms':>10} {'python / c++':>13}")
@@ -59,8 +66,21 @@ def main():
         if cuda:
             xt = torch.from_numpy(x).cuda()
 
+            if op == "quantize_stream":
+                qz = fp4sim.Quantizer(xt)
+
+                def py_stream():
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(stream_calls):
+                        qz(xt)
+                    torch.cuda.synchronize()
+                    return (time.perf_counter() - t0) / stream_calls
+
             def py(op=op):
-                if op == "quantize":
+                if op == "quantize_stream":
+                    qz(xt)
+                elif op == "quantize":
                     fp4sim.quantize(xt)
                 else:
                     fp4sim.gemm(xt, xt)
@@ -68,7 +88,8 @@ def main():
 
             def cpp(op=op):
                 return _fp4sim._cpp_seconds_device(
-                    op, torch.utils.dlpack.to_dlpack(xt), a.repeats,
+                    op, torch.utils.dlpack.to_dlpack(xt),
+                    stream_calls if op == "quantize_stream" else a.repeats,
                     torch.cuda.current_stream().cuda_stream)
         elif op == "quantize":
             def py():
@@ -79,7 +100,7 @@ def main():
         py()  # (warm-up: plans, allocations)
         pys, cpps, ratios = [], [], []
         for _ in range(a.rounds):
-            p = median_seconds(py, a.repeats)
+            p = py_stream() if op == "quantize_stream" else median_seconds(py, a.repeats)
             c = cpp() if cuda else _fp4sim._cpp_seconds(op, x, a.repeats, backend=a.backend)
             pys.append(p)
             cpps.append(c)

@@ -19,7 +19,7 @@ import numpy as _np
 from . import _fp4sim
 from ._fp4sim import contract_version, info  # noqa: F401
 
-__all__ = ["quantize", "dequantize", "convert", "gemm", "mma", "info", "contract_version"]
+__all__ = ["quantize", "Quantizer", "dequantize", "convert", "gemm", "mma", "info", "contract_version"]
 
 _KDLCPU = 1  # DLPack's device types: host memory, a CUDA GPU
 _KDLCUDA = 2
@@ -107,26 +107,72 @@ def _torch_outputs(x, shapes):
     return ts, tuple(torch.utils.dlpack.to_dlpack(t) for t in ts)
 
 
+def _quantize_cuda_args(x, kwargs):
+    """(capsule, stream, kwargs for the C++ call, torch outputs or None) for quantize on CUDA."""
+    if kwargs.pop("backend", "cuda") not in (None, "cuda"):
+        raise ValueError("fp4sim.quantize: x is a CUDA tensor: it runs on the cuda backend")
+    cap, s = _prepare_cuda(x)
+    if "stream" in kwargs:  # (the SR stream; `stream` of the C++ call is the CUDA stream)
+        kwargs["sr_stream"] = kwargs.pop("stream")
+    fmt = kwargs.get("format", "nvfp4")
+    if not (_is_torch(x) and x.dim() == 2 and fmt in _BLOCK):
+        return cap, s, kwargs, None
+    # the outputs from torch's allocator (the C++ call checks their shapes)
+    r, c = x.shape[::-1] if kwargs.get("columnwise") else x.shape
+    fp8 = fmt == "fp8"
+    return cap, s, kwargs, _torch_outputs(x, [((r, c if fp8 else c // 2), "uint8"),
+                                              ((r, c // _BLOCK[fmt]), "float32" if fp8 else "uint8"),
+                                              ((1,), "float32"), ((r, c), "float32")])
+
+
 def quantize(x, **kwargs):
     if _cuda_args("quantize", {"x": x}):
-        if kwargs.pop("backend", "cuda") not in (None, "cuda"):
-            raise ValueError("fp4sim.quantize: x is a CUDA tensor: it runs on the cuda backend")
-        cap, s = _prepare_cuda(x)
-        if "stream" in kwargs:  # (the SR stream; `stream` of the C++ call is the CUDA stream)
-            kwargs["sr_stream"] = kwargs.pop("stream")
-        fmt = kwargs.get("format", "nvfp4")
-        if _is_torch(x) and x.dim() == 2 and fmt in _BLOCK:
-            # the outputs from torch's allocator (the C++ call checks their shapes)
-            r, c = x.shape[::-1] if kwargs.get("columnwise") else x.shape
-            fp8 = fmt == "fp8"
-            ts, caps = _torch_outputs(x, [((r, c if fp8 else c // 2), "uint8"),
-                                          ((r, c // _BLOCK[fmt]), "float32" if fp8 else "uint8"),
-                                          ((1,), "float32"), ((r, c), "float32")])
-            out = _fp4sim._quantize_device(cap, s, outs=caps, **kwargs)
-            out.update(zip(("codes", "scales", "amax", "dequant"), ts))
-            return out
-        return _wrap(_fp4sim._quantize_device(cap, s, **kwargs), x)
+        cap, s, kwargs, outs = _quantize_cuda_args(x, kwargs)
+        if outs is None:
+            return _wrap(_fp4sim._quantize_device(cap, s, **kwargs), x)
+        out = _fp4sim._quantize_device(cap, s, outs=outs[1], **kwargs)
+        out.update(zip(("codes", "scales", "amax", "dequant"), outs[0]))
+        return out
     return _fp4sim.quantize(_host(x, "quantize", "x"), **kwargs)
+
+
+class Quantizer:
+    """fp4sim.quantize for repeated calls on CUDA tensors of one shape and dtype (a training
+    loop's): the options are checked once and the outputs made once; each call enqueues the
+    quantization and dequantization on the tensor's current stream and returns at once (no
+    synchronization, no allocation, no meta), the bits fp4sim.quantize gives.
+
+        qz = fp4sim.Quantizer(x, format="nvfp4", sr=True)   # x: a CUDA tensor (shape, dtype)
+        codes, scales, amax, dequant = qz(x)                # overwritten by the next call
+        qz(x, stream=7)                                     # this call's SR stream
+
+    The keyword arguments are fp4sim.quantize's; the outputs are torch tensors for torch input,
+    else DeviceArrays wrapped as the input's framework's arrays.
+    """
+
+    def __init__(self, like, **kwargs):
+        if not _cuda_args("Quantizer", {"like": like}):
+            raise ValueError("fp4sim.Quantizer: like: not a CUDA tensor (host arrays: "
+                             "fp4sim.quantize)")
+        cap, s, kwargs, outs = _quantize_cuda_args(like, kwargs)
+        self._torch = _is_torch(like)
+        if outs is None:
+            self._impl = _fp4sim._CudaQuantizer(cap, s, **kwargs)
+            arrays = self._impl.outputs()
+            self.outputs = tuple(_wrap(a, like) for a in arrays)
+        else:
+            self._impl = _fp4sim._CudaQuantizer(cap, s, outs=outs[1], **kwargs)
+            self.outputs = tuple(outs[0])
+
+    def __call__(self, x, stream=None):
+        if self._torch:
+            import torch
+            self._impl(torch.utils.dlpack.to_dlpack(x.detach()),
+                       torch.cuda.current_stream(x.device).cuda_stream, stream)
+        else:
+            cap, s = _prepare_cuda(x)
+            self._impl(cap, s, stream)
+        return self.outputs
 
 
 def dequantize(codes, scales, amax, **kwargs):

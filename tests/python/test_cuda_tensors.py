@@ -47,6 +47,37 @@ def test_quantize_cuda_tensor_is_the_host_result(kw):
     same_bits(back, host["dequant"], "dequantize")
 
 
+@pytest.mark.parametrize("kw", [
+    {}, {"sr": True, "seed": 7, "stream": 3}, {"columnwise": True, "rht": True},
+    {"four_over_six": True}, {"format": "mxfp4"}, {"format": "fp8", "block_2d": True},
+], ids=["nvfp4", "sr", "rht", "4/6", "mxfp4", "fp8 2d"])
+def test_quantizer_gives_the_bits_of_quantize(kw):
+    x = sample()
+    host = fp4sim.quantize(x, backend="emu", **kw)
+    xt = torch.from_numpy(x).cuda()
+    qz = fp4sim.Quantizer(xt, **kw)
+    for _ in range(2):  # (the second call overwrites the first's outputs with the same bits)
+        out = qz(xt)
+    torch.cuda.synchronize()
+    for k, got in zip(("codes", "scales", "amax", "dequant"), out):
+        assert isinstance(got, torch.Tensor) and got.is_cuda, k
+        same_bits(got, host[k], k)
+
+
+def test_quantizer_sr_stream_per_call_and_errors():
+    x = sample()
+    xt = torch.from_numpy(x).cuda()
+    qz = fp4sim.Quantizer(xt, sr=True, seed=5)
+    for stream in (0, 9):
+        codes = qz(xt, stream=stream)[0].clone()
+        same_bits(codes, fp4sim.quantize(x, backend="emu", sr=True, seed=5, stream=stream)["codes"],
+                  f"codes of SR stream {stream}")
+    with pytest.raises(ValueError, match=r"made for \[128, 256\]"):
+        qz(torch.zeros((64, 256), device="cuda"))
+    with pytest.raises(TypeError, match="dtype"):
+        qz(torch.zeros((128, 256), device="cuda", dtype=torch.float64))
+
+
 def test_quantize_runs_on_the_current_stream():
     x = torch.from_numpy(sample()).cuda()
     want = fp4sim.quantize(x.cpu().numpy(), backend="emu")["codes"]

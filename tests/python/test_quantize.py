@@ -324,3 +324,8 @@ def test_gemm_of_quantized_operands_refuses_mixtures():
         fp4sim.gemm(q, r, backend="emu")
     with pytest.raises(ValueError, match="a: no 'meta'"):
         fp4sim.gemm({"codes": q["codes"], "scales": q["scales"], "amax": q["amax"]}, q, backend="emu")
+
+
+def test_quantizer_takes_cuda_tensors_only():
+    with pytest.raises(ValueError, match="fp4sim.Quantizer: like: not a CUDA tensor"):
+        fp4sim.Quantizer(np.zeros((16, 16), np.float32))
