@@ -82,6 +82,14 @@ struct EnumNames<LossScale> {
   static constexpr const char* names[] = {"off", "dynamic"};
 };
 template <>
+struct EnumNames<GradReduce> {
+  static constexpr const char* names[] = {"ordered", "allreduce"};
+};
+template <>
+struct EnumNames<GradComm> {
+  static constexpr const char* names[] = {"fp32", "bf16"};
+};
+template <>
 struct EnumNames<OptimizerName> {
   static constexpr const char* names[] = {"adamw", "muon", "root"};
 };
@@ -171,6 +179,9 @@ const std::vector<Field>& fields() {
                                        FP4SIM_FIELD(train, eps),
                                        FP4SIM_FIELD(train, grad_clip),
                                        FP4SIM_ENUM_FIELD(train, loss_scale),
+                                       FP4SIM_ENUM_FIELD(train, grad_reduce),
+                                       FP4SIM_ENUM_FIELD(train, grad_comm),
+                                       FP4SIM_FIELD(train, zero),
                                        FP4SIM_FIELD(train, seed),
                                        FP4SIM_FIELD(train, data),
                                        FP4SIM_FIELD(train, shuffle),
@@ -557,6 +568,9 @@ void validate(const RunConfig& c) {
         "got " +
         std::to_string(t.grad_accum));
   positive("train.steps", t.steps);
+  if (t.zero != 0 && t.zero != 1)
+    bad("train.zero must be 0 or 1 (ZeRO-1: optimizer state sharded over the ranks), got " +
+        std::to_string(t.zero));
   if (m.d_model % m.n_heads != 0)
     bad("model.d_model " + std::to_string(m.d_model) + " is not divisible by model.n_heads " +
         std::to_string(m.n_heads));
@@ -708,6 +722,8 @@ const char* name_of(FourOverSixError e) {
 const char* name_of(MxScaleRule r) { return EnumNames<MxScaleRule>::names[static_cast<int>(r)]; }
 const char* name_of(Bf16Switch b) { return EnumNames<Bf16Switch>::names[static_cast<int>(b)]; }
 const char* name_of(LossScale s) { return EnumNames<LossScale>::names[static_cast<int>(s)]; }
+const char* name_of(GradReduce r) { return EnumNames<GradReduce>::names[static_cast<int>(r)]; }
+const char* name_of(GradComm g) { return EnumNames<GradComm>::names[static_cast<int>(g)]; }
 const char* name_of(OptimizerName o) {
   return EnumNames<OptimizerName>::names[static_cast<int>(o)];
 }

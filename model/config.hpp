@@ -29,6 +29,12 @@ enum class Bf16Switch : uint8_t { Forward, All };
 // train.loss_scale: the loss gradient as it is, or times a dynamic power-of-two scale (DESIGN.md
 // §14, model/loss_scale.hpp).
 enum class LossScale : uint8_t { Off, Dynamic };
+// train.grad_reduce: how data-parallel ranks add their gradients (DESIGN.md §16): every
+// micro-batch's gradient all-gathered and added in global micro-batch order (the bits of one rank
+// with all the micro-batches), or each rank's sum all-reduced by the engine (its order: bounded).
+enum class GradReduce : uint8_t { Ordered, AllReduce };
+// train.grad_comm: the gradients' dtype between ranks (bf16: rounded to nearest even first).
+enum class GradComm : uint8_t { FP32, BF16 };
 // optim.name: the optimizer of the blocks' linear weights (DESIGN.md §13, model/optimizer.hpp);
 // the other parameters stay on AdamW under every choice.
 enum class OptimizerName : uint8_t { AdamW, Muon, Root };
@@ -51,6 +57,8 @@ const char* name_of(FourOverSixError e);    // mae | mse
 const char* name_of(MxScaleRule r);         // floor | ceil
 const char* name_of(Bf16Switch b);          // forward | all
 const char* name_of(LossScale s);           // off | dynamic
+const char* name_of(GradReduce r);          // ordered | allreduce
+const char* name_of(GradComm g);            // fp32 | bf16
 const char* name_of(OptimizerName o);       // adamw | muon | root
 const char* name_of(NsPrecision p);         // fp32 | bf16 | nvfp4
 const char* name_of(OptimState s);          // fp32 | bf16 | nvfp4
@@ -122,6 +130,12 @@ struct TrainConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double grad_clip = 1.0;
   LossScale loss_scale = LossScale::Off;  // train.loss_scale: off | dynamic
+  // data parallel runs (mpirun -np N fp4sim train ..., DESIGN.md §16); one process ignores them
+  GradReduce grad_reduce = GradReduce::Ordered;
+  GradComm grad_comm = GradComm::FP32;
+  // ZeRO stage: 0, or 1 (each tensor's optimizer state on one rank, the weights broadcast from it
+  // after the step)
+  int64_t zero = 0;
   uint64_t seed = 1337;
   std::string data = "data/corpus";  // PREFIX.train.tokens / PREFIX.val.tokens, or "synthetic"
   // false: each step reads the next B windows of the training split in file order, wrapping around;

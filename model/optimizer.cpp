@@ -275,12 +275,27 @@ std::vector<OrthoTensor> orthogonalised_tensors(const Gpt& model) {
   return out;
 }
 
-Optimizer::Optimizer(const RunConfig& c, Gpt& model) : c_(c), model_(model) {
+Optimizer::Optimizer(const RunConfig& c, Gpt& model, std::vector<bool> owned)
+    : c_(c), model_(model), owned_(std::move(owned)) {
   Backend& be = model.backend();
   const std::vector<ParamTensor>& ts = model.tensors();
-  const size_t n = model.num_params();
   is_ortho_.assign(ts.size(), false);
-  if (c.optim.name != OptimizerName::AdamW) ortho_ = orthogonalised_tensors(model);
+  if (owned_.empty()) owned_.assign(ts.size(), true);
+  if (owned_.size() != ts.size())
+    throw std::logic_error("Optimizer: owned has " + std::to_string(owned_.size()) + " flags for " +
+                           std::to_string(ts.size()) + " tensors");
+  sharded_ = std::find(owned_.begin(), owned_.end(), false) != owned_.end();
+  state_offset_.assign(ts.size(), -1);
+  for (size_t i = 0; i < ts.size(); ++i)
+    if (owned_[i]) {
+      state_offset_[i] = sharded_ ? n_state_ : static_cast<int64_t>(ts[i].offset);
+      n_state_ += ts[i].numel();
+    }
+  const size_t n = static_cast<size_t>(n_state_);
+  if (c.optim.name != OptimizerName::AdamW) {
+    for (OrthoTensor& o : orthogonalised_tensors(model))
+      if (owned_[o.tensor]) ortho_.push_back(std::move(o));
+  }
   if (c.optim.name == OptimizerName::Root)
     root_table_ =
         c.optim.root_table.empty() ? builtin_root_table() : load_root_table(c.optim.root_table);
@@ -304,7 +319,7 @@ Optimizer::Optimizer(const RunConfig& c, Gpt& model) : c_(c), model_(model) {
   }
   const std::vector<Segment> spans = model.tensor_spans();
   for (size_t i = 0; i < ts.size(); ++i)
-    if (!is_ortho_[i]) {
+    if (owned_[i] && !is_ortho_[i]) {
       adamw_segs_.push_back(spans[i]);
       adamw_tensors_.push_back(i);
     }
@@ -329,7 +344,7 @@ Optimizer::Optimizer(const RunConfig& c, Gpt& model) : c_(c), model_(model) {
 
 void Optimizer::allocate_adamw_state() {
   Backend& be = model_.backend();
-  const size_t n = model_.num_params();
+  const size_t n = static_cast<size_t>(n_state_);
   auto zeroed = [&](size_t bytes, const char* what) {
     BackendBuffer b(be, bytes, {kUseOptimizerState, what});
     if (bytes) be.zero(b.get(), bytes);
@@ -412,12 +427,32 @@ void Optimizer::step(double lr, int64_t t, float grad_scale) {
     switch (c_.optim.state) {
       case OptimState::FP32:  // every AdamW tensor in one backend call
       case OptimState::BF16: {
-        for (size_t i : adamw_tensors_) steps.push_back(step_of(i));
         const bool bf = c_.optim.state == OptimState::BF16;
         const DType dt = bf ? DType::BF16 : DType::F32;
-        model_.adamw_step(view_of(bf ? m16_.get() : m_.get(), dt, 1, n, be.device(), "adamw m"),
-                          view_of(bf ? v16_.get() : v_.get(), dt, 1, n, be.device(), "adamw v"),
-                          adamw_segs_, steps);
+        const void* m = bf ? m16_.get() : m_.get();
+        const void* v = bf ? v16_.get() : v_.get();
+        if (!sharded_) {
+          for (size_t i : adamw_tensors_) steps.push_back(step_of(i));
+          model_.adamw_step(view_of(m, dt, 1, n, be.device(), "adamw m"),
+                            view_of(v, dt, 1, n, be.device(), "adamw v"), adamw_segs_, steps);
+          break;
+        }
+        // ZeRO-1: the owned tensors' state lies packed, one call a tensor (the same elementwise
+        // update: the same bits)
+        float* const params = model_.params();
+        const size_t es = bf ? 2 : 4;
+        for (size_t i : adamw_tensors_) {
+          const ParamTensor& pt = model_.tensors()[i];
+          const int64_t cnt = pt.numel();
+          auto at = [&](const void* base, int64_t off, size_t size, DType d, const char* name) {
+            return view_of(static_cast<const char*>(base) + static_cast<size_t>(off) * size, d, 1,
+                           cnt, be.device(), name);
+          };
+          be.adamw_update(at(params, pt.offset, 4, DType::F32, "parameters"), TensorView{},
+                          at(model_.grads(), pt.offset, 4, DType::F32, "gradients"),
+                          at(m, state_offset_[i], es, dt, "adamw m"),
+                          at(v, state_offset_[i], es, dt, "adamw v"), {{0, cnt}}, {step_of(i)});
+        }
         break;
       }
       case OptimState::NVFP4: {
@@ -466,7 +501,8 @@ void Optimizer::ortho_step(double lr, float grad_scale) {
     const ParamTensor& t = model_.tensors()[o.tensor];
     const int64_t R = rows_of(t), C = cols_of(t);
     const TensorView grad = rows_view(be, model_.grads() + t.offset, 0, R, C, "gradient");
-    const TensorView buf = rows_view(be, m_.as<float>() + t.offset, 0, R, C, "momentum");
+    const TensorView buf =
+        rows_view(be, m_.as<float>() + state_offset_[o.tensor], 0, R, C, "momentum");
     const TensorView g = rows_view(be, g_.as<float>(), 0, R, C, "g'");
     be.axpby(g, grad_scale, grad, 0.0f, TensorView{});  // g = grad * grad_scale
     be.axpby(buf, mu, buf, 1.0f, g);                    // buf = mu * buf + g
@@ -520,16 +556,18 @@ void Optimizer::save(TensorMap& out) const {
   const std::vector<uint16_t> hm16 = download_all<uint16_t>(be, m16_),
                               hv16 = download_all<uint16_t>(be, v16_);
   for (size_t i = 0; i < ts.size(); ++i) {
+    if (!owned_[i]) continue;
     const ParamTensor& t = ts[i];
+    const size_t o = static_cast<size_t>(state_offset_[i]);
     if (is_ortho_[i]) {
-      out[t.name + ".momentum_buffer"] = f32_tensor(hm.data() + t.offset, t.shape, t.numel());
+      out[t.name + ".momentum_buffer"] = f32_tensor(hm.data() + o, t.shape, t.numel());
     } else if (c_.optim.state == OptimState::FP32) {
-      out[t.name + ".exp_avg"] = f32_tensor(hm.data() + t.offset, t.shape, t.numel());
-      out[t.name + ".exp_avg_sq"] = f32_tensor(hv.data() + t.offset, t.shape, t.numel());
+      out[t.name + ".exp_avg"] = f32_tensor(hm.data() + o, t.shape, t.numel());
+      out[t.name + ".exp_avg_sq"] = f32_tensor(hv.data() + o, t.shape, t.numel());
     } else if (c_.optim.state == OptimState::BF16) {
       const size_t bytes = static_cast<size_t>(t.numel()) * 2;
-      out[t.name + ".exp_avg"] = stored("BF16", t.shape, hm16.data() + t.offset, bytes);
-      out[t.name + ".exp_avg_sq"] = stored("BF16", t.shape, hv16.data() + t.offset, bytes);
+      out[t.name + ".exp_avg"] = stored("BF16", t.shape, hm16.data() + o, bytes);
+      out[t.name + ".exp_avg_sq"] = stored("BF16", t.shape, hv16.data() + o, bytes);
     }
   }
   if (c_.optim.state != OptimState::NVFP4) return;
@@ -592,16 +630,17 @@ void Optimizer::load(const TensorMap& in, const std::string& where) {
   std::vector<float> hm(m_.bytes() / 4, 0.0f), hv(v_.bytes() / 4, 0.0f);
   std::vector<uint16_t> hm16(m16_.bytes() / 2, 0), hv16(v16_.bytes() / 2, 0);
   for (size_t i = 0; i < ts.size(); ++i) {
+    if (!owned_[i]) continue;
     const ParamTensor& t = ts[i];
-    const size_t cnt = static_cast<size_t>(t.numel());
+    const size_t cnt = static_cast<size_t>(t.numel()), o = static_cast<size_t>(state_offset_[i]);
     if (is_ortho_[i]) {
-      take(t.name + ".momentum_buffer", "F32", t.shape, hm.data() + t.offset, cnt * 4);
+      take(t.name + ".momentum_buffer", "F32", t.shape, hm.data() + o, cnt * 4);
     } else if (c_.optim.state == OptimState::FP32) {
-      take(t.name + ".exp_avg", "F32", t.shape, hm.data() + t.offset, cnt * 4);
-      take(t.name + ".exp_avg_sq", "F32", t.shape, hv.data() + t.offset, cnt * 4);
+      take(t.name + ".exp_avg", "F32", t.shape, hm.data() + o, cnt * 4);
+      take(t.name + ".exp_avg_sq", "F32", t.shape, hv.data() + o, cnt * 4);
     } else if (c_.optim.state == OptimState::BF16) {
-      take(t.name + ".exp_avg", "BF16", t.shape, hm16.data() + t.offset, cnt * 2);
-      take(t.name + ".exp_avg_sq", "BF16", t.shape, hv16.data() + t.offset, cnt * 2);
+      take(t.name + ".exp_avg", "BF16", t.shape, hm16.data() + o, cnt * 2);
+      take(t.name + ".exp_avg_sq", "BF16", t.shape, hv16.data() + o, cnt * 2);
     }
   }
   upload(m_, hm.data());
@@ -652,6 +691,10 @@ void Optimizer::load(const TensorMap& in, const std::string& where) {
 std::string Optimizer::describe() const {
   std::string s = "optimizer " + std::string(name_of(c_.optim.name)) + ": AdamW on " +
                   std::to_string(adamw_tensors_.size()) + " tensors";
+  if (sharded_)
+    s += " (ZeRO-1: the state of " +
+         std::to_string(std::count(owned_.begin(), owned_.end(), true)) + " of " +
+         std::to_string(owned_.size()) + " tensors on this rank)";
   if (c_.optim.state == OptimState::BF16) s += " (state in BF16)";
   if (c_.optim.state == OptimState::NVFP4) {
     s += " (Q-AdamW: state in NVFP4 for " + std::to_string(q_tensors_.size()) + ", v tiles of " +

@@ -104,7 +104,10 @@ class Optimizer {
   // The state (AdamW's m and v, or the momentum of the orthogonalised weights in m) in the
   // model's backend, zeroed. Muon/ROOT with NVFP4 products need both sides of every sub-matrix a
   // multiple of 16 (std::invalid_argument naming the tensor and sub-matrix otherwise).
-  Optimizer(const RunConfig& c, Gpt& model);
+  // owned (ZeRO-1, train.zero=1): the parameter tensors whose state lives here, one flag each
+  // (empty: all of them); the others' state and updates belong to other ranks, whose weights the
+  // trainer broadcasts after each step.
+  Optimizer(const RunConfig& c, Gpt& model, std::vector<bool> owned = {});
   // One step with learning rate lr at optimizer step t (1-based: AdamW's bias correction) on the
   // model's gradients times grad_scale (clipping factor / loss scale).
   void step(double lr, int64_t t, float grad_scale);
@@ -115,7 +118,8 @@ class Optimizer {
   // scales, 1-D), ".exp_avg_sq.tile_mean" (BF16, one a tile), ".exp_avg_sq.tile_floor" (BF16,
   // one a tile, under optim.v_floor=tile_min) and ".qadamw_amax" (F32 [2]: m's and v's).
   void save(TensorMap& out) const;
-  // The state from checkpoint tensors (save's names); `where` names the checkpoint in errors.
+  // The state from checkpoint tensors (save's names; the tensors this optimizer owns, others
+  // ignored); `where` names the checkpoint in errors.
   void load(const TensorMap& in, const std::string& where);
   // "AdamW on 16 tensors; muon on 8 weights (12 sub-matrices, NS in fp32)"
   std::string describe() const;
@@ -133,6 +137,12 @@ class Optimizer {
   std::vector<OrthoTensor> ortho_;
   RootTable root_table_;        // ROOT's coefficients (the compiled-in table or optim.root_table's)
   std::vector<bool> is_ortho_;  // per parameter tensor
+  std::vector<bool> owned_;     // per parameter tensor (ZeRO-1; all true without it)
+  bool sharded_ = false;        // some tensor's state lives on another rank
+  // each owned tensor's offset in m_, v_, m16_ and v16_: its parameter offset, or (sharded) the
+  // owned tensors packed in parameter order; n_state_ elements in all
+  std::vector<int64_t> state_offset_;
+  int64_t n_state_ = 0;
   std::vector<Segment> adamw_segs_;  // the AdamW tensors' spans
   std::vector<size_t> adamw_tensors_;
   // float32 m and v at the parameters' offsets (optim.state=fp32); Muon/ROOT's momentum in m_

@@ -19,6 +19,7 @@
 #include "emu/philox.hpp"
 #include "model/checkpoint.hpp"
 #include "model/data.hpp"
+#include "model/data_parallel.hpp"
 #include "model/gpt.hpp"
 #include "model/loss_scale.hpp"
 #include "model/optimizer.hpp"
@@ -289,24 +290,60 @@ std::vector<int32_t> sample_tokens(const LoadedModel& m, const std::vector<int32
 
 TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   namespace fs = std::filesystem;
+  // data parallel (DESIGN.md §16): rank 0 of `world` prints, logs, evaluates and writes
+  Communicator* comm = opt.comm;
+  const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
+  const bool writer = rank == 0, print = opt.print && writer;
+  // a check whose outcome may differ between ranks (free memory, the run folder): every rank
+  // learns of a failure on any, and all stop together
+  const auto everywhere = [&](const auto& f) {
+    if (comm)
+      on_every_rank(*comm, f);
+    else
+      f();
+  };
   if (!opt.dump_dir.empty() && c.train.grad_accum > 1)
     throw std::invalid_argument(
         "--dump writes one batch per step for the PyTorch check: it needs train.grad_accum=1");
+  if (!opt.dump_dir.empty() && comm)
+    throw std::invalid_argument("--dump: run the PyTorch check's dump as one process, not " +
+                                std::to_string(world) + " ranks");
+  if (world * c.train.grad_accum > 256)
+    throw std::invalid_argument(
+        "train.grad_accum " + std::to_string(c.train.grad_accum) + " on " + std::to_string(world) +
+        " ranks makes " + std::to_string(world * c.train.grad_accum) +
+        " micro-batches a step; the SR stream numbers at most 256 (lower train.grad_accum)");
+  if (comm)  // the same run on every rank, before any work
+    check_ranks_agree(*comm, {{"the config", to_json(c).dump()},
+                              {"the build", opt.build_id},
+                              {"contract_version", std::to_string(kContractVersion)},
+                              {"train.seed", std::to_string(c.train.seed)}});
   // the memory plan, before anything is allocated: printed, and a run that does not fit refused
   MeasuredMemory measured = memory_at_start(be);
-  const MemoryPlan plan = plan_run(c, be, !opt.resume.empty(), opt.memory_limit, opt.print);
-  const Dataset data = load_data(c);  // every input error before any work
-  if (c.train.eval_every > 0)
-    check_validation_batches(c, data.val, c.train.eval_batches, "train.eval_batches");
+  MemoryPlan plan;
+  everywhere([&] { plan = plan_run(c, be, !opt.resume.empty(), opt.memory_limit, print); });
+  Dataset data;
+  everywhere([&] {
+    data = load_data(c);  // every input error before any work
+    if (c.train.eval_every > 0)
+      check_validation_batches(c, data.val, c.train.eval_batches, "train.eval_batches");
+  });
+  if (comm)  // the same tokens on every rank (a corpus file of another version, a mount)
+    check_ranks_agree(*comm,
+                      {{"the training data (" + c.train.data + ")",
+                        sha256_hex(data.train.tokens.data(), data.train.tokens.size() * 2) + " " +
+                            sha256_hex(data.val.tokens.data(), data.val.tokens.size() * 2)}});
   // one writer per run folder, for the whole run, taken before any of its files is read or
   // written: here when the folder exists, else where it is created below (a folder that does not
-  // exist has no writer, and a run refused before then leaves none behind)
+  // exist has no writer, and a run refused before then leaves none behind). Rank 0's alone.
   std::optional<RunLock> lock;
-  if (fs::is_directory(c.train.out_dir)) lock.emplace(c.train.out_dir, "train.out_dir");
+  everywhere([&] {
+    if (writer && fs::is_directory(c.train.out_dir)) lock.emplace(c.train.out_dir, "train.out_dir");
+  });
   Gpt model(c.model, be);
   model.init(c.train.seed);
   model.set_recipe(c);
-  if (opt.print && c.recipe.name != GemmFormat::BF16) {
+  if (print && c.recipe.name != GemmFormat::BF16) {
     std::printf("recipe %s (gemm %s):\n%s", name_of(c.recipe.name), name_of(c.recipe.gemm),
                 model.describe_recipe().c_str());
     const std::vector<bool> hp = high_precision_blocks(c);
@@ -325,9 +362,41 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   }
   // the optimizer's state in the backend's memory, beside the parameters
   const size_t n_params = model.num_params();
-  Optimizer optimizer(c, model);
-  if (opt.print && (c.optim.name != OptimizerName::AdamW || c.optim.state != OptimState::FP32))
+  // ZeRO-1: each tensor's optimizer state on one rank (model/data_parallel.hpp), which updates it
+  // and broadcasts its weights after the step
+  const bool zero1 = comm && c.train.zero == 1;
+  std::vector<int> owner;
+  std::vector<bool> owned;
+  if (zero1) {
+    std::vector<int64_t> numels;
+    for (const ParamTensor& t : model.tensors()) numels.push_back(t.numel());
+    owner = shard_tensors(numels, world);
+    for (int o : owner) owned.push_back(o == rank);
+  } else if (print && c.train.zero == 1) {
+    std::printf("train.zero=1: one process, no optimizer state to shard\n");
+  }
+  Optimizer optimizer(c, model, owned);
+  if (print && (c.optim.name != OptimizerName::AdamW || c.optim.state != OptimState::FP32))
     std::printf("%s\n", optimizer.describe().c_str());
+  if (zero1) {  // the state each rank holds
+    const uint64_t mine = optimizer.state_bytes();
+    std::vector<uint64_t> all(static_cast<size_t>(world));
+    comm->all_gather_host(&mine, all.data(), sizeof mine);
+    if (print) {
+      const auto size = [](uint64_t b) {  // "1.50 GiB"
+        const std::string t = bytes_text(b);
+        return t.substr(0, t.find(" ("));
+      };
+      std::string per;
+      uint64_t total = 0;
+      for (int r = 0; r < world; ++r) {
+        per += (r ? ", " : "") + size(all[static_cast<size_t>(r)]);
+        total += all[static_cast<size_t>(r)];
+      }
+      std::printf("ZeRO-1: optimizer state per rank %s (all ranks %s)\n", per.c_str(),
+                  size(total).c_str());
+    }
+  }
   int64_t step0 = 0, pos = 0;
   // loss scaling (DESIGN.md §14): S, its clean-step count and the optimizer's own step count
   // (AdamW's t, which a skipped step does not advance) are part of the checkpoint
@@ -368,7 +437,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     // settings that make the continuation another run than the uninterrupted one: said, not refused
     // (a recipe change on resume can be deliberate). train.steps among them: the learning-rate
     // schedule spans train.steps, so a longer or shorter run changes every rate from here on
-    if (opt.print && ck.state.contains("run_config")) {
+    if (print && ck.state.contains("run_config")) {
       const nlohmann::json& was = ck.state.at("run_config");
       std::vector<std::string> changed =
           differences(was.value("recipe", nlohmann::json::object()), now.at("recipe"), "recipe.");
@@ -412,6 +481,22 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       }
     }
     step0 = ck.step;
+    // the checkpoint's ranks (1 before data parallel runs): its state is whole on every rank, so
+    // any number of ranks resumes it; the same global micro-batches (ranks x grad_accum) under
+    // train.grad_reduce=ordered continue its bits
+    const int64_t ck_world = ck.state.value("world_size", int64_t{1});
+    const int64_t ck_micro = ck.state.value(
+        "global_micro_batches", ck_world * ck.state.value("run_config", nlohmann::json::object())
+                                               .value("train", nlohmann::json::object())
+                                               .value("grad_accum", int64_t{1}));
+    if (print && (ck_world != world || ck_micro != world * c.train.grad_accum))
+      std::printf(
+          "resuming a checkpoint of %lld rank(s) x %lld micro-batches a step on %d rank(s) x "
+          "%lld%s\n",
+          static_cast<long long>(ck_world),
+          static_cast<long long>(ck_micro / std::max<int64_t>(ck_world, 1)), world,
+          static_cast<long long>(c.train.grad_accum),
+          ck_micro == world * c.train.grad_accum ? "" : " (another step: not its continuation)");
     if (step0 >= c.train.steps)
       throw std::invalid_argument(opt.resume + " is at step " + std::to_string(step0) +
                                   " and train.steps is " + std::to_string(c.train.steps) +
@@ -497,67 +582,73 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       load_stored(ck.model, t.name, hp.data() + t.offset, t.shape, opt.resume);
     model.params_from_host(hp);
     optimizer.load(ck.optimizer, opt.resume);
-    if (opt.print)
+    if (print)
       std::printf("resumed from %s at step %lld\n", opt.resume.c_str(),
                   static_cast<long long>(step0));
   }
-  // the output folders before anything is written, each error naming its option
-  auto make_dir = [](const std::string& dir, const std::string& option) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec || !fs::is_directory(dir))
-      throw std::runtime_error(option + " " + dir + ": cannot create the folder (" +
-                               (ec ? ec.message() : std::string("a file is in the way")) + ")");
-  };
-  if (!opt.dump_dir.empty()) make_dir(opt.dump_dir, "--dump");
-  make_dir(c.train.out_dir, "train.out_dir");
-  if (!lock) lock.emplace(c.train.out_dir, "train.out_dir");
-  // checkpoints of later steps in this out_dir come from another run (or an abandoned future of
-  // this one): keep-last and `--resume DIR` pick by step, so they would be mixed with this run's.
-  // A fresh run is refused even when it writes no checkpoints: it would replace that run's
-  // log.jsonl (a resumed run without checkpoints only trims the log to its step, below).
-  if (c.train.checkpoint_every > 0 || step0 == 0) {
-    std::string later;
-    for (const std::string& ck_dir : list_checkpoints(c.train.out_dir + "/checkpoints"))
-      if (checkpoint_step(ck_dir) > step0)
-        later += (later.empty() ? "" : ", ") + fs::path(ck_dir).filename().string();
-    if (!later.empty())
-      throw std::invalid_argument("train.out_dir " + c.train.out_dir +
-                                  " already holds checkpoints of later steps (" + later +
-                                  ") than this run starts from (step " + std::to_string(step0) +
-                                  "): use another train.out_dir, or remove them");
-  }
-  // on resume, the log keeps the records up to the resumed step (a longer earlier run's later
-  // records would otherwise appear twice), written beside it and renamed over it: a full disk
-  // leaves the old log as it was
-  const std::string log_path = c.train.out_dir + "/log.jsonl";
-  if (step0 > 0 && fs::exists(log_path)) {
-    std::ifstream old_log(log_path);
-    std::string kept, text;
-    while (std::getline(old_log, text)) {
-      const nlohmann::json rec = nlohmann::json::parse(text, nullptr, false);
-      if (!rec.is_discarded() && rec.is_object() && rec.value("step", int64_t{0}) <= step0)
-        kept += text + "\n";
+  // the output folders before anything is written, each error naming its option (rank 0)
+  std::optional<OutputFile> log;
+  everywhere([&] {
+    if (!writer) return;
+    // the output folders before anything is written, each error naming its option
+    auto make_dir = [](const std::string& dir, const std::string& option) {
+      std::error_code ec;
+      fs::create_directories(dir, ec);
+      if (ec || !fs::is_directory(dir))
+        throw std::runtime_error(option + " " + dir + ": cannot create the folder (" +
+                                 (ec ? ec.message() : std::string("a file is in the way")) + ")");
+    };
+    if (!opt.dump_dir.empty()) make_dir(opt.dump_dir, "--dump");
+    make_dir(c.train.out_dir, "train.out_dir");
+    if (!lock) lock.emplace(c.train.out_dir, "train.out_dir");
+    // checkpoints of later steps in this out_dir come from another run (or an abandoned future of
+    // this one): keep-last and `--resume DIR` pick by step, so they would be mixed with this run's.
+    // A fresh run is refused even when it writes no checkpoints: it would replace that run's
+    // log.jsonl (a resumed run without checkpoints only trims the log to its step, below).
+    if (c.train.checkpoint_every > 0 || step0 == 0) {
+      std::string later;
+      for (const std::string& ck_dir : list_checkpoints(c.train.out_dir + "/checkpoints"))
+        if (checkpoint_step(ck_dir) > step0)
+          later += (later.empty() ? "" : ", ") + fs::path(ck_dir).filename().string();
+      if (!later.empty())
+        throw std::invalid_argument("train.out_dir " + c.train.out_dir +
+                                    " already holds checkpoints of later steps (" + later +
+                                    ") than this run starts from (step " + std::to_string(step0) +
+                                    "): use another train.out_dir, or remove them");
     }
-    if (old_log.bad())
-      throw std::runtime_error(log_path + ": cannot read the log to keep its records up to step " +
-                               std::to_string(step0));
-    old_log.close();
-    const std::string staged = staged_path(log_path);
-    try {
-      write_whole_file(staged, kept);
-      if (std::rename(staged.c_str(), log_path.c_str()) != 0)
-        throw std::runtime_error(log_path + ": cannot replace it with its records up to step " +
-                                 std::to_string(step0) + " (" + std::strerror(errno) + ")");
-    } catch (...) {
-      std::remove(staged.c_str());
+    // on resume, the log keeps the records up to the resumed step (a longer earlier run's later
+    // records would otherwise appear twice), written beside it and renamed over it: a full disk
+    // leaves the old log as it was
+    const std::string log_path = c.train.out_dir + "/log.jsonl";
+    if (step0 > 0 && fs::exists(log_path)) {
+      std::ifstream old_log(log_path);
+      std::string kept, text;
+      while (std::getline(old_log, text)) {
+        const nlohmann::json rec = nlohmann::json::parse(text, nullptr, false);
+        if (!rec.is_discarded() && rec.is_object() && rec.value("step", int64_t{0}) <= step0)
+          kept += text + "\n";
+      }
+      if (old_log.bad())
+        throw std::runtime_error(log_path +
+                                 ": cannot read the log to keep its records up to step " +
+                                 std::to_string(step0));
+      old_log.close();
+      const std::string staged = staged_path(log_path);
+      try {
+        write_whole_file(staged, kept);
+        if (std::rename(staged.c_str(), log_path.c_str()) != 0)
+          throw std::runtime_error(log_path + ": cannot replace it with its records up to step " +
+                                   std::to_string(step0) + " (" + std::strerror(errno) + ")");
+      } catch (...) {
+        std::remove(staged.c_str());
+        forget_staged(staged);
+        throw;
+      }
       forget_staged(staged);
-      throw;
     }
-    forget_staged(staged);
-  }
-  // every line is written, and checked, as its step ends (a full disk stops the run there)
-  OutputFile log(log_path, step0 ? OutputFile::Mode::Append : OutputFile::Mode::Truncate);
+    // every line is written, and checked, as its step ends (a full disk stops the run there)
+    log.emplace(log_path, step0 ? OutputFile::Mode::Append : OutputFile::Mode::Truncate);
+  });
   const int64_t B = c.train.batch, T = c.model.seq_len, A = c.train.grad_accum;
   TrainResult res;
   res.planned_memory = plan.peak;
@@ -569,46 +660,86 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   const TensorView grads =
       f32_view(be, model.grads(), 1, static_cast<int64_t>(model.num_params()), "gradients");
   std::vector<double> sums(spans.size());
+  // N ranks: the step's gradient from every rank's micro-batches (model/data_parallel.hpp)
+  std::optional<GradientReducer> reducer;
+  if (comm)
+    reducer.emplace(*comm, be, static_cast<int64_t>(n_params), c.train.grad_reduce,
+                    c.train.grad_comm);
+  const bool ordered = reducer && reducer->mode() == GradReduce::Ordered;
+  const int64_t micro_total = world * A;  // the step's micro-batches, over all ranks
+  std::vector<std::vector<int32_t>> step_tok(static_cast<size_t>(A)),
+      step_tgt(static_cast<size_t>(A));
+  std::vector<float> local_losses(static_cast<size_t>(A)),
+      all_losses(static_cast<size_t>(micro_total));
   const auto run_start = std::chrono::steady_clock::now();
   for (int64_t step = step0; step < c.train.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     model.set_step(step);
     const float scale = dynamic_scale ? scaler.scale : 1.0f;  // S of this step
     model.set_loss_scale(scale);
-    if (opt.print && c.recipe.name != GemmFormat::BF16 && step + 1 == c.recipe.bf16_from_step &&
+    if (print && c.recipe.name != GemmFormat::BF16 && step + 1 == c.recipe.bf16_from_step &&
         step > 0)
       std::printf("step %5lld | late switch to BF16 (%s)\n", static_cast<long long>(step + 1),
                   name_of(c.recipe.bf16_switch));
     const bool stats_now = c.recipe.stats_every > 0 && c.recipe.name != GemmFormat::BF16 &&
                            step % c.recipe.stats_every == 0;
-    // grad_accum micro-batches of B sequences; the gradients add up in grads(), each scaled by
-    // 1 / (tokens of all micro-batches), and the step's loss is the mean of the micro-batches'
-    // means
-    double loss_sum = 0;
+    // the step's micro-batches of B sequences, world * grad_accum of them numbered globally:
+    // micro-batch m of this rank is g = rank + m * world (its data and its SR streams). The file
+    // order reads them all in g order (each rank keeps its own); shuffled windows are drawn by g
+    for (int64_t g = 0; g < micro_total; ++g) {
+      const bool mine = g % world == rank;
+      const size_t m = static_cast<size_t>(g / world);
+      if (c.train.shuffle) {
+        if (mine)
+          sample_batch(data.train, c.train.seed, step, g * B, B, T, step_tok[m], step_tgt[m]);
+      } else {
+        pos = next_batch(data.train, pos, B, T, mine ? step_tok[m] : tok, mine ? step_tgt[m] : tgt);
+      }
+    }
+    // the gradients: each micro-batch's computed from zero and scaled by 1 / (tokens of all the
+    // step's micro-batches), added in global micro-batch order (DESIGN.md §16); the step's loss
+    // is the mean of the micro-batches' means, added in that order too
+    std::string loss_error;  // (with ranks: reported by every rank after the step's micro-batches)
     for (int64_t mb = 0; mb < A; ++mb) {
-      if (c.train.shuffle)
-        sample_batch(data.train, c.train.seed, step, mb * B, B, T, tok, tgt);
-      else
-        pos = next_batch(data.train, pos, B, T, tok, tgt);
-      model.set_micro_batch(mb);
-      if (stats_now && mb == 0) model.collect_stats_once();  // the first micro-batch's statistics
+      const int64_t g = rank + mb * world;
+      tok = step_tok[static_cast<size_t>(mb)];
+      tgt = step_tgt[static_cast<size_t>(mb)];
+      model.set_micro_batch(g);
+      if (stats_now && g == 0) model.collect_stats_once();  // the first micro-batch's statistics
       const bool tap_now = !opt.dump_dir.empty() && step == step0;  // (grad_accum is 1 there)
       if (tap_now)
         model.set_linear_tap([&](const std::string& name, const char* what, const TensorView& v) {
           dump_linears[name + "." + what] = tensor_to_stored(be, v);
         });
-      const float mb_loss = model.forward(tok.data(), tgt.data(), B, T, A);
-      if (!std::isfinite(mb_loss))
-        throw std::runtime_error(
-            "step " + std::to_string(step + 1) +
-            (A > 1 ? " (micro-batch " + std::to_string(mb) + ")" : "") + ": the loss is " +
-            std::to_string(mb_loss) +
-            "; the first non-finite tensor: " + model.first_nonfinite_in_forward());
-      loss_sum += mb_loss;
-      model.backward(A, mb > 0);
+      const float mb_loss = model.forward(tok.data(), tgt.data(), B, T, micro_total);
+      if (!std::isfinite(mb_loss) && loss_error.empty()) {
+        loss_error = "step " + std::to_string(step + 1) +
+                     (micro_total > 1 ? " (micro-batch " + std::to_string(g) + ")" : "") +
+                     ": the loss is " + std::to_string(mb_loss) +
+                     "; the first non-finite tensor: " + model.first_nonfinite_in_forward();
+        if (!comm) throw std::runtime_error(loss_error);
+      }
+      local_losses[static_cast<size_t>(mb)] = mb_loss;
+      if (ordered) {  // this micro-batch's gradient alone, then every rank's added in rank order
+        model.backward(micro_total, false);
+        reducer->add_micro_batch(grads, mb);
+      } else {
+        model.backward(micro_total, mb > 0);
+      }
       if (tap_now) model.set_linear_tap(nullptr);
     }
-    const float loss = static_cast<float>(loss_sum / static_cast<double>(A));
+    double loss_sum = 0;
+    if (comm) {
+      throw_first_failure(*comm, loss_error);
+      reducer->finish(grads);
+      comm->all_gather_host(local_losses.data(), all_losses.data(),
+                            local_losses.size() * sizeof(float));
+      for (int64_t g = 0; g < micro_total; ++g)  // rank g % world's micro-batch g / world
+        loss_sum += all_losses[static_cast<size_t>((g % world) * A + g / world)];
+    } else {
+      for (float l : local_losses) loss_sum += l;
+    }
+    const float loss = static_cast<float>(loss_sum / static_cast<double>(micro_total));
     if (std::find(opt.nonfinite_gradient_steps.begin(), opt.nonfinite_gradient_steps.end(),
                   step + 1) != opt.nonfinite_gradient_steps.end()) {  // (a test's fault)
       const float inf = std::numeric_limits<float>::infinity();
@@ -682,6 +813,13 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       // grad * grad_scale rounds (g * S) * (c / S) = g * c as the unscaled run rounds g * c
       // (AdamW: and the BF16 weight shadow, where in use)
       optimizer.step(lr, optimizer_steps, clip_factor(norm, c.train.grad_clip) / scale);
+      if (zero1) {  // every tensor's new weights from the rank that updated them
+        float* const w = model.params();
+        for (size_t i = 0; i < model.tensors().size(); ++i) {
+          const ParamTensor& t = model.tensors()[i];
+          comm->broadcast(f32_view(be, w + t.offset, 1, t.numel(), "parameters"), owner[i]);
+        }
+      }
     }
     if (dynamic_scale) {
       if (skipped)
@@ -694,15 +832,15 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     res.steps.push_back({step + 1, loss, norm, lr, skipped, scale});
     const int64_t mem = be.device_memory_used();
     res.peak_device_memory = std::max(res.peak_device_memory, mem);
-    const double tok_s = static_cast<double>(B * T * A) / (ms / 1000.0);
+    const double tok_s = static_cast<double>(B * T * micro_total) / (ms / 1000.0);
     const double mfu = tok_s * training_flops_per_token(c.model) / kH200DenseBf16Flops;
-    if (opt.print && skipped)
+    if (print && skipped)
       std::printf(
           "step %5lld | loss %.4f | skipped: gradient of '%s' not finite (%zu of %zu tensors) | "
           "loss scale %lld -> %lld | lr %.2e | %.1f ms\n",
           static_cast<long long>(step + 1), loss, bad[0].c_str(), bad.size(), sums.size(),
           static_cast<long long>(scale), static_cast<long long>(scaler.scale), lr, ms);
-    if (opt.print && !skipped) {
+    if (print && !skipped) {
       // time left at the run's mean wall time per step so far (validation and checkpoints included)
       const double elapsed_s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
@@ -718,7 +856,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                            {"grad_norm", norm}, {"lr", lr},
                            {"ms", ms},          {"tok_per_s", tok_s},
                            {"mfu", mfu},        {"contract_version", kContractVersion}};
-    if (opt.print && dynamic_scale && !skipped && scaler.scale != scale)
+    if (print && dynamic_scale && !skipped && scaler.scale != scale)
       std::printf("step %5lld | loss scale %lld -> %lld after %lld clean steps\n",
                   static_cast<long long>(step + 1), static_cast<long long>(scale),
                   static_cast<long long>(scaler.scale),
@@ -736,25 +874,38 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                         {"elements", q.elements}};
       line["quant_stats"] = qs;
     }
-    if (c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
+    if (writer && c.train.eval_every > 0 && (step + 1) % c.train.eval_every == 0) {
       const float vl = evaluate_on(c, data.val, model, c.train.eval_batches);
       res.val_losses.emplace_back(step + 1, vl);
       line["val_loss"] = vl;
-      if (opt.print)
-        std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step + 1), vl);
+      if (print) std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step + 1), vl);
     }
-    log.write(line.dump() + "\n");  // (a step's line is written before its checkpoint)
-    if (c.train.checkpoint_every > 0 &&
-        ((step + 1) % c.train.checkpoint_every == 0 || step + 1 == c.train.steps)) {
+    if (writer) log->write(line.dump() + "\n");  // (a step's line before its checkpoint)
+    const bool checkpoint_now =
+        c.train.checkpoint_every > 0 &&
+        ((step + 1) % c.train.checkpoint_every == 0 || step + 1 == c.train.steps);
+    TensorMap sharded_state;  // ZeRO-1: every rank's optimizer state, for rank 0's checkpoint
+    if (zero1 && checkpoint_now) {
+      TensorMap mine;
+      optimizer.save(mine);
+      sharded_state = gather_tensor_maps(*comm, mine);
+    }
+    if (writer && checkpoint_now) {
       Checkpoint ck;
       ck.step = step + 1;
       const std::vector<float> hp = model.params_to_host();
       for (const ParamTensor& t : model.tensors())
         ck.model[t.name] = f32_tensor(hp.data() + t.offset, t.shape, t.numel());
-      optimizer.save(ck.optimizer);
+      if (zero1)
+        ck.optimizer = std::move(sharded_state);  // (one file, as an unsharded run writes it)
+      else
+        optimizer.save(ck.optimizer);
       ck.state = {
           {"data_position", pos},
-          {"optimizer_step", optimizer_steps},  // AdamW's t: the steps not skipped
+          {"optimizer_step", optimizer_steps},    // AdamW's t: the steps not skipped
+          {"world_size", world},                  // the ranks that trained it
+          {"global_micro_batches", micro_total},  // a step's, over all ranks
+          {"zero", zero1 ? 1 : 0},                // the optimizer state was sharded
           {"config", to_json(c).at("model")},
           {"run_config", to_json(c)},
           // the training's random draws (SR, RHT signs, shuffled windows) are Philox4x32-10
@@ -768,14 +919,16 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                                   {"skips_in_a_row", scaler.skips_in_a_row}};
       const std::string where = save_checkpoint(c.train.out_dir + "/checkpoints", ck,
                                                 static_cast<int>(c.train.keep_last));
-      if (opt.print) std::printf("checkpoint %s\n", where.c_str());
+      if (print) std::printf("checkpoint %s\n", where.c_str());
     }
   }
   if (!opt.dump_dir.empty()) write_dump_file(opt.dump_dir + "/batches.safetensors", dump_batches);
-  log.sync();
-  log.close();
+  if (log) {
+    log->sync();
+    log->close();
+  }
   measured.peak = res.peak_device_memory;
-  if (opt.print) std::printf("%s", measured_against_plan(plan, be, measured).c_str());
+  if (print) std::printf("%s", measured_against_plan(plan, be, measured).c_str());
   return res;
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "emu/backend.hpp"
+#include "model/communicator.hpp"
 #include "model/config.hpp"
 #include "model/memory_plan.hpp"
 
@@ -29,6 +30,15 @@ struct TrainOptions {
   // the backward pass (the first gradient element set to +Inf), so tests can reach the NaN stop and
   // loss scaling's skipped steps (DESIGN.md §14) without an overflow of their own.
   std::vector<int64_t> nonfinite_gradient_steps;
+  // Data parallel training (DESIGN.md §16): this process is rank comm->rank() of comm->size(); the
+  // step's N * train.grad_accum micro-batches are numbered globally (micro-batch m of rank r is
+  // r + m * N: its data and SR streams), the gradients reduced as train.grad_reduce says. Only
+  // rank 0 prints (with print), logs, evaluates and writes checkpoints; it alone takes the run
+  // folder's lock. nullptr: one process.
+  Communicator* comm = nullptr;
+  // What the ranks must agree on besides config, contract_version, data and seed: this
+  // executable's identity (tools/: the SHA-256 of the running binary).
+  std::string build_id;
 };
 
 struct StepRecord {

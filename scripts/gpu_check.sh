@@ -89,6 +89,14 @@ pyargs=()
 if python3 -c "import pybind11" 2>/dev/null; then
   pyargs=(-DPython3_EXECUTABLE="$(command -v python3)" -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)")
 fi
+# NCCL (data parallel CUDA ranks): the toolkit's or the system's headers, else the pip package's
+# (nvidia-nccl-*: headers and libnccl.so.2 side by side)
+if [ ! -f /usr/local/cuda/include/nccl.h ] && [ ! -f /usr/include/nccl.h ] && [ -z "${NCCL_ROOT:-}" ]; then
+  nccl_pip=$(python3 -c "import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])" 2>/dev/null)
+  if [ -n "$nccl_pip" ] && [ -f "$nccl_pip/include/nccl.h" ]; then
+    export NCCL_ROOT=$nccl_pip FP4SIM_NCCL_LIBRARY=$nccl_pip/lib/libnccl.so.2
+  fi
+fi
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP4SIM_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="$archs" "${pyargs[@]}" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 cmake --build build-gpu -j"$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -30; exit 1; }
@@ -118,7 +126,7 @@ if [ "${1:-}" = "python" ]; then
   if [ -n "${TESTS:-}" ]; then  # (GPU tests to run in the same call, a ctest regex)
     ( cd build-gpu && ctest -R "$TESTS" -V -j1 ) >"$out/ctest_tests.log" 2>&1
     rc=$?
-    grep -E "within|budget|bitwise|Failed|FAILED|tests passed" "$out/ctest_tests.log" | tail -30
+    grep -E "within|budget|bitwise|Failed|FAILED|tests passed|^[0-9]+: (OK|NOT OK|SKIP)" "$out/ctest_tests.log" | tail -30
     row "ctest -R '$TESTS'" "exit $rc, $(grep -E 'tests passed' "$out/ctest_tests.log" | tail -1)"
   fi
   export XLA_PYTHON_CLIENT_PREALLOCATE=false  # (JAX's test: leave the GPU's memory to the others)
@@ -133,7 +141,7 @@ if [ "${1:-}" = "python" ]; then
   done
   cat "$out/bench_python.txt"
   while read -r line; do row "python/c++ $(echo "$line" | cut -c1-33)" "$(echo "$line" | grep -oE '[0-9]+\.[0-9]+x' | head -1)"; done \
-    < <(grep -E "^(quantize|gemm)" "$out/bench_python.txt")
+    < <(grep -E "^(quantize|gemm|Quantizer)" "$out/bench_python.txt")
   t0=$(date +%s)
   rm -rf /tmp/fp4sim_pip
   timeout 420 python3 -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/fp4sim_pip \

@@ -13,7 +13,8 @@ have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok
 if command -v dpkg-query >/dev/null 2>&1; then
   for p in cmake ninja-build g++ libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev \
            libfmt-dev libxtensor-dev xtl-dev libssl-dev python3 clang-format \
-           python3-dev pybind11-dev libdlpack-dev python3-numpy python3-pytest; do
+           python3-dev pybind11-dev libdlpack-dev python3-numpy python3-pytest libopenmpi-dev \
+           openmpi-bin; do
     have_pkg "$p" || need+=("$p")
   done
   if [ -n "${FP4SIM_TEST_PACKAGES:-}" ]; then

@@ -4,13 +4,18 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 
 #include "emu/contract.hpp"
+#include "model/checkpoint.hpp"
 #include "model/config.hpp"
 #include "model/trainer.hpp"
 #include "tools/backends.hpp"
 #include "tools/cli_parse.hpp"
 #include "tools/commands.hpp"
+#include "tools/communicators.hpp"
 
 namespace fp4sim::cli {
 
@@ -40,21 +45,60 @@ void register_train(CLI::App& app) {
   cmd->callback([a]() {
     const model::RunConfig c = model::load_config(a->config, a->overrides);
     const model::MemoryLimitSetting limit = model::parse_memory_limit(a->memory_limit);
-    auto backend = make_backend(chosen_backend(a->backend));
-    fmt::print("fp4sim train  (backend {}{}, contract_version {})\n{}\nparameters: {:.3f} M\n",
-               backend->name(), a->backend.empty() ? " by default" : "", kContractVersion,
-               model::to_json(c).dump(2), model::parameter_count(c.model) / 1e6);
+    // data parallel ranks (mpirun, or FP4SIM_WORLD_SIZE/FP4SIM_RANK/FP4SIM_BOOTSTRAP): started
+    // before the backend (a CUDA rank's GPU is its local rank), connected on it
+    const Launch launch = detect_launch();
+    const std::string backend_name = chosen_backend(a->backend);
+    DataParallelLaunch ranks(launch, backend_name);
+    auto backend = make_backend(backend_name);
+    model::Communicator* comm = ranks.communicator(*backend);
+    const bool rank0 = launch.rank == 0;
+    if (rank0) {
+      fmt::print("fp4sim train  (backend {}{}, contract_version {})\n{}\nparameters: {:.3f} M\n",
+                 backend->name(), a->backend.empty() ? " by default" : "", kContractVersion,
+                 model::to_json(c).dump(2), model::parameter_count(c.model) / 1e6);
+      if (comm)
+        fmt::print(
+            "data parallel: {} ranks through {} ({}), train.grad_reduce={}, "
+            "train.grad_comm={}; {} micro-batches of {} x {} a step\n",
+            comm->size(), comm->name(), launch.source, name_of(c.train.grad_reduce),
+            name_of(c.train.grad_comm), comm->size() * c.train.grad_accum, c.train.batch,
+            c.model.seq_len);
+    }
     model::TrainOptions opt;
     opt.resume = a->resume;
     opt.dump_dir = a->dump;
     opt.memory_limit = limit;
+    opt.comm = comm;
+    if (comm) {  // the ranks' executables must be the same build: their bytes' SHA-256
+      std::ifstream exe("/proc/self/exe", std::ios::binary);
+      const std::string bytes((std::istreambuf_iterator<char>(exe)), {});
+      opt.build_id = bytes.empty() ? "unknown" : model::sha256_hex(bytes.data(), bytes.size());
+      // (test hook, docs/cli.md: ranks that pretend to be other builds)
+      if (const char* id = std::getenv("FP4SIM_TEST_BUILD_ID")) opt.build_id = id;
+    }
     const auto t0 = std::chrono::steady_clock::now();
-    const model::TrainResult r = model::train(c, opt, *backend);
+    model::TrainResult r;
+    try {
+      r = model::train(c, opt, *backend);
+    } catch (const model::CollectiveError&) {
+      throw;  // (every rank has it: printed once, by rank 0)
+    } catch (const std::exception& e) {
+      if (!comm) throw;
+      // one rank's failure: said with its rank, and the other ranks ended (none waits for it)
+      std::fflush(stdout);
+      std::fprintf(stderr, "fp4sim: error: rank %d: %s\n", launch.rank, e.what());
+      std::fflush(stderr);
+      abort_other_ranks(1);
+      throw;
+    }
+    if (!rank0) return;
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!r.steps.empty()) {
       const double tokens =
           static_cast<double>(r.steps.size()) * static_cast<double>(c.train.batch) *
-          static_cast<double>(c.model.seq_len) * static_cast<double>(c.train.grad_accum);
+          static_cast<double>(c.model.seq_len) * static_cast<double>(c.train.grad_accum) *
+          static_cast<double>(comm ? comm->size() : 1);
       fmt::print(
           "done: loss {:.4f} -> {:.4f} over {} steps in {:.1f} s ({:.0f} tokens/s overall, "
           "validation and "

@@ -5,7 +5,9 @@
 #include <exception>
 #include <string>
 
+#include "model/communicator.hpp"
 #include "tools/commands.hpp"
+#include "tools/communicators.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"fp4sim: bit-exact NVFP4/MXFP4 emulation (CPU golden reference + CUDA backend)"};
@@ -43,6 +45,10 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const fp4sim::model::CollectiveError& e) {  // every rank has it: rank 0 says it
+    std::fflush(stdout);
+    if (fp4sim::process_rank() == 0) std::fprintf(stderr, "fp4sim: error: %s\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "fp4sim: error: %s\n", e.what());
