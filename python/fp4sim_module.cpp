@@ -823,6 +823,83 @@ py::dict gemm_device(const py::object& a, const py::object& b, const py::object&
   return out;
 }
 
+// fp4sim.Gemm's engine: the options parsed once, the operands' quantized copies and D made once
+// for a [M, K] and b [N, K] like the construction's (and c [M, N] where made with one); each call
+// quantizes a and b (RN, row-wise, as fp4sim.gemm does) and enqueues the GEMM on the caller's
+// stream, with no synchronization, no allocation and no warnings (those need the amaxes on the
+// host: fp4sim.gemm reports them).
+class CudaGemm {
+ public:
+  CudaGemm(const py::object& a, const py::object& b, bool with_c, uintptr_t stream,
+           const py::object& format_obj, const std::string& gemm_impl, const std::string& out_dtype,
+           float alpha, float beta, int split_k, const py::object& out_given)
+      : with_c_(with_c) {
+    std::tie(fmt_, cfg_) =
+        gemm_options(format_obj, gemm_impl, out_dtype, alpha, beta, split_k, with_c);
+    dev_ = cuda_matrix(a, fn + "a").device_index();
+    const TensorView av = operand(a, "a"), bv = operand(b, "b");
+    if (bv.cols != av.cols)
+      throw py::value_error(fn + "K differs: a is " + shape_str(av.rows, av.cols) + " and b is " +
+                            shape_str(bv.rows, bv.cols) +
+                            " (D = a * b^T needs a [M, K], b [N, K])");
+    M_ = av.rows;
+    N_ = bv.rows;
+    K_ = av.cols;
+    qc_.format = fmt_;
+    qc_.rowwise.enabled = true;
+    validate_quantize(av, qc_);
+    validate_quantize(bv, qc_);
+    Backend& be = py_args::module_backend("cuda", dev_, stream);
+    ca_ = std::make_unique<model::QuantizedCopy>(be, M_, K_, fmt_, false);
+    cb_ = std::make_unique<model::QuantizedCopy>(be, N_, K_, fmt_, false);
+    dt_ = cfg_.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
+    d_ = result_slot(be, out_given, dt_, {M_, N_}, dev_, stream, fn + "out", "d");
+  }
+
+  void call(const py::object& a, const py::object& b, const py::object& c, uintptr_t stream) const {
+    const TensorView av = operand(a, "a"), bv = operand(b, "b");
+    if (av.rows != M_ || bv.rows != N_ || av.cols != K_ || bv.cols != K_)
+      throw py::value_error(fn + "a is " + shape_str(av.rows, av.cols) + " and b " +
+                            shape_str(bv.rows, bv.cols) + "; this GEMM was made for " +
+                            shape_str(M_, K_) + " and " + shape_str(N_, K_));
+    if (c.is_none() == with_c_)
+      throw py::value_error(fn + (with_c_ ? "made with c: pass c" : "made without c: no c"));
+    TensorView cv;
+    if (with_c_) {
+      cv = operand(c, "c");
+      if (cv.rows != M_ || cv.cols != N_)
+        throw py::value_error(fn + "c: shape " + shape_str(cv.rows, cv.cols) + ", expected " +
+                              shape_str(M_, N_));
+    }
+    Backend& be = py_args::module_backend("cuda", dev_, stream);
+    py::gil_scoped_release release;
+    be.quantize(av, qc_, &ca_->view, nullptr);
+    be.quantize(bv, qc_, &cb_->view, nullptr);
+    be.gemm(ca_->view, cb_->view, with_c_ ? &cv : nullptr, cfg_,
+            view_of(d_.data, dt_, M_, N_, Device::Cuda, "D"));
+  }
+
+  py::object output() const { return d_.object(); }
+
+ private:
+  TensorView operand(const py::object& x, const char* name) const {
+    const DlTensor t = cuda_matrix(x, fn + name);
+    if (t.device_index() != dev_)
+      throw py::value_error(fn + name + ": not on cuda:" + std::to_string(dev_) + " (a's device)");
+    return py_args::matrix_view(t, fn + name, {DType::F32}, name);
+  }
+  const std::string fn = "fp4sim.Gemm: ";
+  bool with_c_;
+  QFormat fmt_;
+  GemmConfig cfg_;
+  QuantizeConfig qc_;
+  int64_t M_ = 0, N_ = 0, K_ = 0;
+  int dev_ = 0;
+  DType dt_ = DType::F32;
+  std::unique_ptr<model::QuantizedCopy> ca_, cb_;
+  Result d_;
+};
+
 // The C++ work behind fp4sim.quantize on a CUDA tensor (quantize, dequantize, the amax read),
 // timed as validation/bench_python.py compares it: the median seconds of `repeats` runs. op
 // "quantize_stream" is fp4sim.Quantizer's work instead: outputs made once, `repeats` quantize +
@@ -846,6 +923,21 @@ double cpp_seconds_device(const std::string& op, const py::object& x, int repeat
     for (int r = 0; r < repeats; ++r) {
       be.quantize(in, cfg, &q.view, nullptr);
       be.dequantize(q.view, dv);
+    }
+    be.synchronize();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / repeats;
+  }
+  if (op == "gemm_stream") {  // fp4sim.Gemm's work: x times itself, copies and D made once
+    model::QuantizedCopy q(be, in.rows, in.cols, QFormat::NVFP4, false),
+        q2(be, in.rows, in.cols, QFormat::NVFP4, false);
+    BackendBuffer dd(be, static_cast<size_t>(in.rows * in.rows) * 4);
+    const TensorView dv = view_of(dd.get(), DType::F32, in.rows, in.rows, Device::Cuda, "D");
+    be.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < repeats; ++r) {
+      be.quantize(in, cfg, &q.view, nullptr);
+      be.quantize(in, cfg, &q2.view, nullptr);
+      be.gemm(q.view, q2.view, nullptr, GemmConfig{}, dv);
     }
     be.synchronize();
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / repeats;
@@ -946,6 +1038,16 @@ PYBIND11_MODULE(_fp4sim, m) {
            py::arg("sr_stream") = py::none())
       .def("outputs", &fp4sim::CudaQuantizer::outputs,
            "(codes, scales, amax, dequant): DeviceArrays, None where outs gave the tensor");
+  py::class_<fp4sim::CudaGemm>(m, "_CudaGemm")
+      .def(py::init<const py::object&, const py::object&, bool, uintptr_t, const py::object&,
+                    const std::string&, const std::string&, float, float, int, const py::object&>(),
+           py::arg("a"), py::arg("b"), py::arg("with_c"), py::arg("stream"), py::kw_only(),
+           py::arg("format") = py::none(), py::arg("gemm") = "exact", py::arg("out_dtype") = "fp32",
+           py::arg("alpha") = 1.0f, py::arg("beta") = 0.0f, py::arg("split_k") = 1,
+           py::arg("out") = py::none())
+      .def("__call__", &fp4sim::CudaGemm::call, py::arg("a"), py::arg("b"), py::arg("c"),
+           py::arg("stream"))
+      .def("output", &fp4sim::CudaGemm::output, "D: a DeviceArray, None where out gave the tensor");
   m.def("_dequantize_device", &fp4sim::dequantize_device, py::arg("codes"), py::arg("scales"),
         py::arg("amax"), py::arg("stream"), py::kw_only(), py::arg("format") = "nvfp4",
         py::arg("four_over_six") = false, py::arg("out") = py::none(),

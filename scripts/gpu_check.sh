@@ -141,7 +141,7 @@ if [ "${1:-}" = "python" ]; then
   done
   cat "$out/bench_python.txt"
   while read -r line; do row "python/c++ $(echo "$line" | cut -c1-33)" "$(echo "$line" | grep -oE '[0-9]+\.[0-9]+x' | head -1)"; done \
-    < <(grep -E "^(quantize|gemm|Quantizer)" "$out/bench_python.txt")
+    < <(grep -E "^(quantize|gemm|Quantizer|Gemm)" "$out/bench_python.txt")
   t0=$(date +%s)
   rm -rf /tmp/fp4sim_pip
   timeout 420 python3 -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/fp4sim_pip \

@@ -9,9 +9,11 @@ usage: PYTHONPATH=build/python /usr/bin/python3 validation/bench_python.py [--ba
 backend without a host copy; each timed Python call ends with torch.cuda.synchronize() and the C++
 side (_cpp_seconds_device: the same quantize, dequantize and amax read, or both operands'
 quantization and the exact GEMM, on device memory) with the stream's synchronization.
-The "Quantizer" rows (torch-cuda) time fp4sim.Quantizer, the repeated-call interface: N calls
+The "Quantizer" and "Gemm" rows (torch-cuda) time fp4sim.Quantizer and fp4sim.Gemm, the
+repeated-call interfaces: N calls
 enqueued back to back and one synchronization on each side (_cpp_seconds_device's
-"quantize_stream": outputs made once, the same quantize + dequantize), the mean a call.
+"quantize_stream": outputs made once, the same quantize + dequantize; "gemm_stream": both
+operands' copies and D made once, two quantizations and the exact GEMM), the mean a call.
 Each round times N calls of each side (median, or the mean of the back-to-back calls), the sides
 alternating; the table gives each side's median over R rounds and the median of the rounds'
 ratios (Python / C++).
@@ -58,6 +60,7 @@ def main():
         cases.append(("gemm nvfp4 exact 4096x4096x4096", "gemm", (4096, 4096)))
         cases += [(f"Quantizer nvfp4 {r}x{c}", "quantize_stream", (r, c))
                   for r, c in ((1024, 1024), (4096, 1024), (4096, 4096), (8192, 8192))]
+        cases += [(f"Gemm nvfp4 exact {n}x{n}x{n}", "gemm_stream", (n, n)) for n in (1024, 4096)]
     print(f"fp4sim from Python against the C++ call, backend {a.backend}, {a.tensors} tensors, "
           f"{a.rounds} rounds x {a.repeats} calls")
     print(f"{'case':<34} {'python ms':>10} {'c++ ms':>10} {'python / c++':>13}")
@@ -68,7 +71,10 @@ def main():
 
             if op == "quantize_stream":
                 qz = fp4sim.Quantizer(xt)
-
+            if op == "gemm_stream":
+                gm = fp4sim.Gemm(xt, xt)
+                qz = lambda x: gm(x, x)  # noqa: E731
+            if op.endswith("_stream"):
                 def py_stream():
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
@@ -78,7 +84,7 @@ def main():
                     return (time.perf_counter() - t0) / stream_calls
 
             def py(op=op):
-                if op == "quantize_stream":
+                if op.endswith("_stream"):
                     qz(xt)
                 elif op == "quantize":
                     fp4sim.quantize(xt)
@@ -89,7 +95,7 @@ def main():
             def cpp(op=op):
                 return _fp4sim._cpp_seconds_device(
                     op, torch.utils.dlpack.to_dlpack(xt),
-                    stream_calls if op == "quantize_stream" else a.repeats,
+                    stream_calls if op.endswith("_stream") else a.repeats,
                     torch.cuda.current_stream().cuda_stream)
         elif op == "quantize":
             def py():
@@ -100,7 +106,7 @@ def main():
         py()  # (warm-up: plans, allocations)
         pys, cpps, ratios = [], [], []
         for _ in range(a.rounds):
-            p = py_stream() if op == "quantize_stream" else median_seconds(py, a.repeats)
+            p = py_stream() if op.endswith("_stream") else median_seconds(py, a.repeats)
             c = cpp() if cuda else _fp4sim._cpp_seconds(op, x, a.repeats, backend=a.backend)
             pys.append(p)
             cpps.append(c)

@@ -19,7 +19,7 @@ import numpy as _np
 from . import _fp4sim
 from ._fp4sim import contract_version, info  # noqa: F401
 
-__all__ = ["quantize", "Quantizer", "dequantize", "convert", "gemm", "mma", "info", "contract_version"]
+__all__ = ["quantize", "Quantizer", "Gemm", "dequantize", "convert", "gemm", "mma", "info", "contract_version"]
 
 _KDLCPU = 1  # DLPack's device types: host memory, a CUDA GPU
 _KDLCUDA = 2
@@ -214,6 +214,46 @@ def gemm(a, b, c=None, **kwargs):
         return _wrap(_fp4sim._gemm_device(ca, cb, cc, s, **kwargs), a)
     return _fp4sim.gemm(_host(a, "gemm", "a"), _host(b, "gemm", "b"), c=_host(c, "gemm", "c"),
                         **kwargs)
+
+
+class Gemm:
+    """fp4sim.gemm for repeated calls on CUDA tensors of fixed shapes: the options checked once,
+    the operands' quantized copies and D made once; each call quantizes a and b and enqueues the
+    GEMM on a's current stream, returning at once (no synchronization, no allocation, and none of
+    gemm's warnings, which need the amaxes on the host), the bits fp4sim.gemm gives.
+
+        g = fp4sim.Gemm(a, b, format="nvfp4")   # a [M, K], b [N, K] CUDA tensors; c=c for beta
+        d = g(a, b)                              # D = alpha * a b^T (+ beta c), overwritten by the next call
+
+    The keyword arguments are fp4sim.gemm's (format, gemm, out_dtype, alpha, beta, split_k).
+    """
+
+    def __init__(self, a, b, c=None, **kwargs):
+        if not _cuda_args("Gemm", {"a": a, "b": b, "c": c}):
+            raise ValueError("fp4sim.Gemm: a and b: not CUDA tensors (host arrays: fp4sim.gemm)")
+        kwargs.pop("backend", None)
+        ca, s = _prepare_cuda(a)
+        cb, _ = _prepare_cuda(b)
+        self._torch = _is_torch(a)
+        if self._torch and a.dim() == 2 and b.dim() == 2:
+            dt = "bfloat16" if kwargs.get("out_dtype") == "bf16" else "float32"
+            ts, outs = _torch_outputs(a, [((a.shape[0], b.shape[0]), dt)])
+            self._impl = _fp4sim._CudaGemm(ca, cb, c is not None, s, out=outs[0], **kwargs)
+            self.d = ts[0]
+        else:
+            self._impl = _fp4sim._CudaGemm(ca, cb, c is not None, s, **kwargs)
+            self.d = _wrap(self._impl.output(), a)
+
+    def __call__(self, a, b, c=None):
+        if self._torch:
+            import torch
+            dl = torch.utils.dlpack.to_dlpack
+            self._impl(dl(a.detach()), dl(b.detach()), None if c is None else dl(c.detach()),
+                       torch.cuda.current_stream(a.device).cuda_stream)
+        else:
+            ca, s = _prepare_cuda(a)
+            self._impl(ca, _prepare_cuda(b)[0], None if c is None else _prepare_cuda(c)[0], s)
+        return self.d
 
 
 def mma(a, b, sfa, sfb, **kwargs):

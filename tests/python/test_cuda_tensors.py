@@ -118,6 +118,39 @@ def test_gemm_cuda_tensors_are_the_host_result(kw):
         assert cl["d"].is_cuda and cl["cublaslt_vs_exact"] >= 0
 
 
+@pytest.mark.parametrize("kw", [
+    {}, {"alpha": 0.5, "beta": 2.0, "with_c": True}, {"out_dtype": "bf16"}, {"split_k": 2},
+    {"format": "mxfp4"}, {"format": "fp8"},
+], ids=["nvfp4", "alpha beta c", "bf16 out", "split-k", "mxfp4", "fp8"])
+def test_gemm_object_gives_the_bits_of_gemm(kw):
+    kw = dict(kw)
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((128, 256)).astype(np.float32)
+    b = rng.standard_normal((128, 256)).astype(np.float32)
+    c = rng.standard_normal((128, 128)).astype(np.float32) if kw.pop("with_c", False) else None
+    host = fp4sim.gemm(a, b, c=c, backend="emu", **kw)["d"]
+    at, bt = torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda()
+    ct = None if c is None else torch.from_numpy(c).cuda()
+    g = fp4sim.Gemm(at, bt, c=ct, **kw)
+    g(bt, at, ct)  # (another call first: its D is overwritten)
+    d = g(at, bt, ct)
+    torch.cuda.synchronize()
+    if kw.get("out_dtype") == "bf16":
+        assert d.dtype == torch.bfloat16
+        same_bits(d.view(torch.int16), host.view(np.int16), "d")
+    else:
+        same_bits(d, host, "d")
+
+
+def test_gemm_object_refuses_other_shapes():
+    a = torch.zeros((64, 128), device="cuda")
+    g = fp4sim.Gemm(a, a)
+    with pytest.raises(ValueError, match=r"made for \[64, 128\] and \[64, 128\]"):
+        g(torch.zeros((32, 128), device="cuda"), a)
+    with pytest.raises(ValueError, match="made without c"):
+        g(a, a, torch.zeros((64, 64), device="cuda"))
+
+
 def test_cuda_errors_name_the_argument():
     x = torch.ones(16, 30, device="cuda")
     with pytest.raises(ValueError, match="x"):

@@ -329,3 +329,8 @@ def test_gemm_of_quantized_operands_refuses_mixtures():
 def test_quantizer_takes_cuda_tensors_only():
     with pytest.raises(ValueError, match="fp4sim.Quantizer: like: not a CUDA tensor"):
         fp4sim.Quantizer(np.zeros((16, 16), np.float32))
+
+
+def test_gemm_object_takes_cuda_tensors_only():
+    with pytest.raises(ValueError, match="fp4sim.Gemm: a and b: not CUDA tensors"):
+        fp4sim.Gemm(np.zeros((16, 16), np.float32), np.zeros((16, 16), np.float32))
