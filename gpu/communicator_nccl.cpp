@@ -103,10 +103,17 @@ class NcclCommunicator final : public model::Communicator {
     if (rank == 0) check(nccl().get_unique_id(&id), "ncclGetUniqueId");
     share_id(&id, sizeof id);  // (rank 0's id to every rank)
     check(nccl().comm_init_rank(&comm_, size, id, rank), "ncclCommInitRank");
+    // the async collectives' stream, ordered after the backend's by events
+    check_cuda(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
+    check_cuda(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
   }
   ~NcclCommunicator() override {
     if (comm_) nccl().comm_destroy(comm_);
     if (scratch_) cudaFree(scratch_);
+    if (side_) cudaStreamDestroy(side_);
+    if (queued_) cudaEventDestroy(queued_);
+    if (done_) cudaEventDestroy(done_);
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -135,6 +142,21 @@ class NcclCommunicator final : public model::Communicator {
                             stream_),
           "ncclAllReduce");
   }
+  void all_reduce_sum_async(const TensorView& x) override {
+    const ncclDataType_t t = nccl_type(x, "all_reduce_sum_async of");
+    check_cuda(cudaEventRecord(queued_, stream_), "cudaEventRecord");  // (x as written so far)
+    check_cuda(cudaStreamWaitEvent(side_, queued_, 0), "cudaStreamWaitEvent");
+    check(
+        nccl().all_reduce(x.data, x.data, static_cast<size_t>(x.numel()), t, ncclSum, comm_, side_),
+        "ncclAllReduce");
+    pending_ = true;
+  }
+  void wait() override {
+    if (!pending_) return;
+    check_cuda(cudaEventRecord(done_, side_), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(stream_, done_, 0), "cudaStreamWaitEvent");
+    pending_ = false;
+  }
   void broadcast(const TensorView& x, int root) override {
     if (x.device != Device::Cuda || !x.dense())
       throw std::logic_error(std::string("NCCL broadcast: '") + x.name +
@@ -156,6 +178,9 @@ class NcclCommunicator final : public model::Communicator {
   }
   int rank_, size_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t side_ = nullptr;  // all_reduce_sum_async's
+  cudaEvent_t queued_ = nullptr, done_ = nullptr;
+  bool pending_ = false;
   ncclComm_t comm_ = nullptr;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;

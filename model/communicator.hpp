@@ -34,6 +34,12 @@ class Communicator {
   virtual void all_reduce_sum(const TensorView& x) = 0;
   // x (dense, any dtype) of rank `root` into every rank's x.
   virtual void broadcast(const TensorView& x, int root) = 0;
+  // all_reduce_sum started behind the backend's work so far, and left running while the caller
+  // goes on (NCCL: on a stream of its own; MPI: nonblocking): x must not be read or written until
+  // wait(). The same sums as all_reduce_sum of the same x.
+  virtual void all_reduce_sum_async(const TensorView& x) { all_reduce_sum(x); }
+  // The backend's work from here on comes after every async operation started so far.
+  virtual void wait() {}
 };
 
 // An error every rank raises together (a start check that failed on some rank, ranks that

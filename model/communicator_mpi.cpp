@@ -11,6 +11,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace fp4sim::model {
 namespace {
@@ -106,6 +107,21 @@ class MpiCommunicator final : public Communicator {
       check(MPI_Allreduce(MPI_IN_PLACE, x.data, n, MPI_UINT16_T, bf16_sum_op_, MPI_COMM_WORLD),
             "MPI_Allreduce");
   }
+  void all_reduce_sum_async(const TensorView& x) override {
+    require_host(x, "all_reduce_sum_async of");
+    const int n = count_of(static_cast<size_t>(x.numel()), "all_reduce_sum_async");
+    MPI_Request r;
+    check(MPI_Iallreduce(MPI_IN_PLACE, x.data, n, x.dtype == DType::F32 ? MPI_FLOAT : MPI_UINT16_T,
+                         x.dtype == DType::F32 ? MPI_SUM : bf16_sum_op_, MPI_COMM_WORLD, &r),
+          "MPI_Iallreduce");
+    pending_.push_back(r);
+  }
+  void wait() override {
+    if (pending_.empty()) return;
+    check(MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE),
+          "MPI_Waitall");
+    pending_.clear();
+  }
   void broadcast(const TensorView& x, int root) override {
     if (x.device != Device::Host || !x.dense())
       throw std::logic_error(std::string("MPI broadcast: '") + x.name +
@@ -118,6 +134,7 @@ class MpiCommunicator final : public Communicator {
  private:
   int rank_ = 0, size_ = 1;
   MPI_Op bf16_sum_op_;
+  std::vector<MPI_Request> pending_;  // all_reduce_sum_async's, until wait()
 };
 
 }  // namespace

@@ -182,6 +182,7 @@ const std::vector<Field>& fields() {
                                        FP4SIM_ENUM_FIELD(train, grad_reduce),
                                        FP4SIM_ENUM_FIELD(train, grad_comm),
                                        FP4SIM_FIELD(train, zero),
+                                       FP4SIM_FIELD(train, grad_bucket_mb),
                                        FP4SIM_FIELD(train, seed),
                                        FP4SIM_FIELD(train, data),
                                        FP4SIM_FIELD(train, shuffle),
@@ -590,6 +591,9 @@ void validate(const RunConfig& c) {
     o << v;
     return o.str();
   };
+  if (!(t.grad_bucket_mb > 0) || !std::isfinite(t.grad_bucket_mb))
+    bad("train.grad_bucket_mb must be a positive number of MiB (a gradient bucket), got " +
+        num(t.grad_bucket_mb));
   if (t.lr <= 0) bad("train.lr must be positive, got " + num(t.lr));
   if (t.warmup < 0 || t.warmup > t.steps)
     bad("train.warmup = " + std::to_string(t.warmup) + " must be within 0..train.steps (" +

@@ -133,6 +133,8 @@ struct TrainConfig {
   // data parallel runs (mpirun -np N fp4sim train ..., DESIGN.md §16); one process ignores them
   GradReduce grad_reduce = GradReduce::Ordered;
   GradComm grad_comm = GradComm::FP32;
+  // allreduce: MiB of gradients a bucket, each reduced while the backward pass goes on
+  double grad_bucket_mb = 25.0;
   // ZeRO stage: 0, or 1 (each tensor's optimizer state on one rank, the weights broadcast from it
   // after the step)
   int64_t zero = 0;

@@ -11,8 +11,15 @@
 namespace fp4sim::model {
 
 GradientReducer::GradientReducer(Communicator& comm, Backend& be, int64_t n, GradReduce mode,
-                                 GradComm wire, int64_t chunk)
-    : comm_(comm), be_(be), n_(n), chunk_(std::min(chunk, n)), mode_(mode), wire_(wire) {
+                                 GradComm wire, int64_t chunk, int64_t bucket)
+    : comm_(comm),
+      be_(be),
+      n_(n),
+      chunk_(std::min(chunk, n)),
+      bucket_(std::max<int64_t>(bucket, 1)),
+      started_from_(n),
+      mode_(mode),
+      wire_(wire) {
   const size_t N = static_cast<size_t>(comm.size());
   const size_t w = wire == GradComm::BF16 ? 2 : 4;
   if (mode == GradReduce::Ordered) {
@@ -71,19 +78,41 @@ void GradientReducer::add_micro_batch(const TensorView& grads, int64_t m) {
   }
 }
 
+void GradientReducer::start(const TensorView& grads, int64_t begin, int64_t end) {
+  const Device d = be_.device();
+  const int64_t len = end - begin;
+  const TensorView g = view_of(grads.as<float>() + begin, DType::F32, 1, len, d, "gradients");
+  if (wire_ == GradComm::BF16) {
+    const TensorView w = view_of(static_cast<uint16_t*>(wire_buf_.get()) + begin, DType::BF16, 1,
+                                 len, d, "gradients (BF16)");
+    be_.convert(w, g);
+    comm_.all_reduce_sum_async(w);
+  } else {
+    comm_.all_reduce_sum_async(g);
+  }
+  ++buckets_now_;
+}
+
+void GradientReducer::ready(const TensorView& grads, int64_t offset) {
+  if (mode_ != GradReduce::AllReduce) return;
+  if (started_from_ - offset >= bucket_ || (offset == 0 && started_from_ > 0)) {
+    start(grads, offset, started_from_);
+    started_from_ = offset;
+  }
+}
+
 void GradientReducer::finish(const TensorView& grads) {
   if (mode_ == GradReduce::Ordered) {
     be_.copy(grads.data, sum_.get(), static_cast<size_t>(n_) * 4);
     return;
   }
-  if (wire_ == GradComm::BF16) {
-    const TensorView w = view_of(wire_buf_.get(), DType::BF16, 1, n_, be_.device(), "gradients");
-    be_.convert(w, grads);
-    comm_.all_reduce_sum(w);
-    be_.convert(grads, w);
-  } else {
-    comm_.all_reduce_sum(grads);
-  }
+  if (started_from_ > 0) start(grads, 0, started_from_);  // (no ready calls, or not down to 0)
+  comm_.wait();
+  if (wire_ == GradComm::BF16)
+    be_.convert(grads, view_of(wire_buf_.get(), DType::BF16, 1, n_, be_.device(), "gradients"));
+  started_from_ = n_;
+  buckets_ = buckets_now_;
+  buckets_now_ = 0;
 }
 
 std::vector<int> shard_tensors(const std::vector<int64_t>& numels, int world) {

@@ -5,7 +5,8 @@
 //   and added in rank order, so N ranks give the bits of one rank with all N * grad_accum
 //   micro-batches, for any grad_accum (float32 on the wire; bf16 rounds what is sent);
 // - allreduce: each rank adds its own micro-batches in order (Gpt::backward with accumulate),
-//   then the engine's all-reduce sums the ranks (its order: bounded, not bitwise).
+//   then the engine's all-reduce sums the ranks (its order: bounded, not bitwise), bucket by
+//   bucket while the last micro-batch's backward pass goes on (as PyTorch DDP does).
 #pragma once
 
 #include <cstdint>
@@ -21,23 +22,31 @@ namespace fp4sim::model {
 class GradientReducer {
  public:
   // n: gradient elements (float32, the backend's memory). chunk: elements all-gathered at a time
-  // (ordered: the gathered buffer is size() * chunk elements).
+  // (ordered: the gathered buffer is size() * chunk elements). bucket: allreduce's elements a
+  // bucket (at least: a bucket is whole blocks' gradients).
   GradientReducer(Communicator& comm, Backend& be, int64_t n, GradReduce mode, GradComm wire,
-                  int64_t chunk = int64_t{1} << 22);
+                  int64_t chunk = int64_t{1} << 22, int64_t bucket = int64_t{25} << 18);
   GradReduce mode() const { return mode_; }
   // ordered: grads holds this rank's micro-batch m's gradient (from zero); every rank's m-th is
   // added, in rank order, to the step's sum.
   void add_micro_batch(const TensorView& grads, int64_t m);
+  // allreduce, the step's last micro-batch (Gpt::set_grads_ready): grads[offset, n) are final;
+  // a bucket's worth (or, at offset 0, the rest) is all-reduced from here, asynchronously.
+  void ready(const TensorView& grads, int64_t offset);
   // End of the step: grads = the step's gradient on every rank (allreduce: grads held this
-  // rank's ordered sum of its micro-batches).
+  // rank's ordered sum of its micro-batches; what ready did not start starts here).
   void finish(const TensorView& grads);
+  int64_t buckets_started() const { return buckets_; }  // (in the last step)
   // Bytes of the reducer's buffers in the backend's memory.
   size_t bytes() const;
 
  private:
   Communicator& comm_;
   Backend& be_;
-  int64_t n_, chunk_;
+  void start(const TensorView& grads, int64_t begin, int64_t end);
+  int64_t n_, chunk_, bucket_;
+  int64_t started_from_;  // allreduce: grads[started_from_, n) are being reduced
+  int64_t buckets_ = 0, buckets_now_ = 0;
   GradReduce mode_;
   GradComm wire_;
   BackendBuffer sum_, gathered_, wire_buf_, widened_;

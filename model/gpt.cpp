@@ -80,11 +80,17 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
     if (has_mamba && !be_.supports(Capability::SsmScanSize, v))
       throw std::invalid_argument("model: " + std::string(key) + " " + std::to_string(v) +
                                   " is not a size the " + be_.name() + " backend's scan takes");
+  const auto next_offset = [&] {  // the next tensor's offset
+    return tensors_.empty()
+               ? int64_t{0}
+               : static_cast<int64_t>(tensors_.back().offset) + tensors_.back().numel();
+  };
   add("wte", {cfg.vocab, C});
   if (cfg.positions == Positions::Learned) add("wpe", {cfg.max_positions, C});
   for (size_t b = 0; b < blocks_.size(); ++b) {
     const int64_t l = blocks_[b].layer;
     const std::string norm = norm_name(b);
+    block_offset_.push_back(next_offset());
     add(norm + ".weight", {C});
     if (cfg.norm == NormKind::LayerNorm) add(norm + ".bias", {C});
     if (blocks_[b].kind == BlockKind::Mamba) {
@@ -110,6 +116,7 @@ Gpt::Gpt(const ModelConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {
       if (cfg.bias) add(lname(l, "mlp.c_proj.bias"), {C});
     }
   }
+  tail_offset_ = next_offset();
   add("ln_f.weight", {C});
   if (cfg.norm == NormKind::LayerNorm) add("ln_f.bias", {C});
   if (!cfg.tied_embeddings) add("lm_head.weight", {cfg.vocab, C});
@@ -777,7 +784,6 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   // own gradient into grads() from zero, then grads() = sum + its gradient (one FP32 add an
   // element, in micro-batch order), so N ranks of one micro-batch each can add theirs alike.
   const auto n = static_cast<int64_t>(n_params_);
-  const TensorView all = view_of(grads(), DType::F32, 1, n, be_.device(), "gradients");
   if (accumulate) {
     if (!grad_sum_.get())
       grad_sum_ = BackendBuffer(
@@ -785,6 +791,21 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
     be_.copy(grad_sum_.get(), grads(), n_params_ * 4);
   }
   be_.zero(grads(), n_params_ * 4);
+  // grads()[ready_from, n) are final: with accumulate, each range is added to the earlier
+  // micro-batches' sum as it completes (elementwise: the bits of one add at the end)
+  int64_t ready_from = n;
+  const auto ready = [&](int64_t offset) {
+    if (accumulate && offset < ready_from) {
+      const int64_t len = ready_from - offset;
+      const TensorView g = view_of(grads() + offset, DType::F32, 1, len, be_.device(), "gradients");
+      be_.axpby(
+          g, 1.0f,
+          view_of(grad_sum_.as<float>() + offset, DType::F32, 1, len, be_.device(), "gradient sum"),
+          1.0f, g);
+    }
+    ready_from = offset;
+    if (grads_ready_) grads_ready_(offset);
+  };
   if (dlogits_micro_batches_ != micro_batches) loss_gradient(micro_batches);  // else done
   be_.zero(dx_.get(), static_cast<size_t>(N * C) * 4);  // (dlnf_: written by matmul_backward)
   const std::string head = c.tied_embeddings ? "wte" : "lm_head.weight";
@@ -796,6 +817,7 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
   TensorView dlnf_read = dlnf;
   dlnf_read.bf16_values = round_bf16();
   norm_backward(norm_views("ln_f", lnf_mean_, lnf_rstd_), dlnf_read, stream_in(blocks_.size()));
+  ready(tail_offset_);  // ln_f and the untied head
   // dx holds d(residual stream) at the top; walk the blocks down. The norms' backward passes
   // accumulate into dx, which is how the residual branches add up.
   for (size_t b = blocks_.size(); b-- > 0;) {
@@ -805,13 +827,12 @@ void Gpt::backward(int64_t micro_batches, bool accumulate) {
       mamba_block_backward(b, stream_in(b));
     else
       mlp_block_backward(b, stream_in(b));
+    ready(block_offset_[b]);
   }
   be_.embedding_backward(
       grad("wte"), c.positions == Positions::Learned ? grad("wpe") : TensorView{},
       as_stored(dx_view()), tokens_view(), i32_view(be_, pos_.as<int32_t>(), N, 1, "pos"));
-  if (accumulate)
-    be_.axpby(all, 1.0f, view_of(grad_sum_.get(), DType::F32, 1, n, be_.device(), "gradient sum"),
-              1.0f, all);
+  ready(0);  // the embeddings (and a tied head's gradient with them)
   collect_stats_ = stats_active_ = false;
 }
 

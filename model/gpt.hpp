@@ -92,6 +92,14 @@ class Gpt {
       std::function<void(const std::string& name, const char* what, const TensorView& v)>;
   void set_linear_tap(LinearTap tap) { tap_ = std::move(tap); }
 
+  // The gradients as they complete in the backward passes that follow, until set to nullptr (data
+  // parallel training reduces them while the pass goes on, model/data_parallel.hpp):
+  // ready(offset) once grads()[offset, num_params()) hold their final values for this pass (with
+  // accumulate: summed with the earlier micro-batches'), at falling offsets (the head and ln_f,
+  // each block from the last, the embeddings), the last call with 0.
+  using GradsReady = std::function<void(int64_t offset)>;
+  void set_grads_ready(GradsReady ready) { grads_ready_ = std::move(ready); }
+
   // FP32 GEMMs instead of the BF16 ones (gradient checks only).
   void set_gemm_precision(GemmPrecision p) { prec_ = p; }
   // BF16 storage as BF16 bits (on by default): the linear layers' inputs (ln_1, the attention
@@ -313,6 +321,9 @@ class Gpt {
   std::vector<QuantStat> stats_;
   GemmPrecision prec_ = GemmPrecision::BF16;
   LinearTap tap_;
+  GradsReady grads_ready_;
+  std::vector<int64_t> block_offset_;  // each block's first parameter's offset
+  int64_t tail_offset_ = 0;            // ln_f's (ln_f and the untied head come last)
   bool bf16_bits_ = true;
   std::vector<ParamTensor> tensors_;
   size_t n_params_ = 0;

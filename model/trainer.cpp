@@ -664,7 +664,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   std::optional<GradientReducer> reducer;
   if (comm)
     reducer.emplace(*comm, be, static_cast<int64_t>(n_params), c.train.grad_reduce,
-                    c.train.grad_comm);
+                    c.train.grad_comm, int64_t{1} << 22,
+                    std::max<int64_t>(1, static_cast<int64_t>(c.train.grad_bucket_mb * 262144.0)));
   const bool ordered = reducer && reducer->mode() == GradReduce::Ordered;
   const int64_t micro_total = world * A;  // the step's micro-batches, over all ranks
   std::vector<std::vector<int32_t>> step_tok(static_cast<size_t>(A)),
@@ -723,6 +724,10 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       if (ordered) {  // this micro-batch's gradient alone, then every rank's added in rank order
         model.backward(micro_total, false);
         reducer->add_micro_batch(grads, mb);
+      } else if (reducer && mb + 1 == A) {  // the last: its buckets reduced as they complete
+        model.set_grads_ready([&](int64_t offset) { reducer->ready(grads, offset); });
+        model.backward(micro_total, mb > 0);
+        model.set_grads_ready(nullptr);
       } else {
         model.backward(micro_total, mb > 0);
       }
@@ -732,6 +737,11 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     if (comm) {
       throw_first_failure(*comm, loss_error);
       reducer->finish(grads);
+      if (print && step == step0 && !ordered)
+        std::printf(
+            "data parallel: %lld gradient buckets a step (train.grad_bucket_mb %g), "
+            "all-reduced while the last micro-batch's backward pass goes on\n",
+            static_cast<long long>(reducer->buckets_started()), c.train.grad_bucket_mb);
       comm->all_gather_host(local_losses.data(), all_losses.data(),
                             local_losses.size() * sizeof(float));
       for (int64_t g = 0; g < micro_total; ++g)  // rank g % world's micro-batch g / world

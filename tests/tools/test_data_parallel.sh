@@ -114,6 +114,16 @@ read -r dl dg < <(worst one6_nvfp4/log.jsonl np3_ar/log.jsonl)
 echo "        allreduce vs ordered (nvfp4, 3 x 2, 3 steps): loss rel. diff $dl, grad norm $dg (budgets 1e-5, 1e-5)"
 within "$dl" 1e-5 && within "$dg" 1e-5 && ok "train.grad_reduce=allreduce within its bound" ||
   bad "allreduce: loss $dl, grad norm $dg"
+# buckets reduced during the backward pass: one rank's all-reduce is its own sum, so one rank with
+# many small buckets gives the plain run's bits; 3 ranks stay within the bound
+mpi 1 recipe.name=nvfp4 train.grad_accum=2 train.grad_reduce=allreduce train.grad_bucket_mb=0.01 \
+  train.out_dir=np1_buckets >np1_buckets.txt 2>&1 || bad "bucketed run: $(tail -2 np1_buckets.txt)"
+same_run one2_nvfp4 np1_buckets "allreduce in $(grep -o '[0-9]* gradient buckets' np1_buckets.txt) during the backward pass, 1 rank == 1 process"
+mpi 3 recipe.name=nvfp4 train.grad_accum=2 train.grad_reduce=allreduce train.grad_bucket_mb=0.01 \
+  train.out_dir=np3_buckets >np3_buckets.txt 2>&1 || bad "bucketed 3 ranks: $(tail -2 np3_buckets.txt)"
+read -r dl dg < <(worst one6_nvfp4/log.jsonl np3_buckets/log.jsonl)
+within "$dl" 1e-5 && within "$dg" 1e-5 && ok "bucketed allreduce, 3 ranks: loss $dl, grad norm $dg (budgets 1e-5)" ||
+  bad "bucketed allreduce: loss $dl, grad norm $dg"
 mpi 2 recipe.name=nvfp4 train.grad_comm=bf16 train.out_dir=np2_bf16comm >np2_bf16comm.txt 2>&1 ||
   bad "bf16 gradients run: $(tail -2 np2_bf16comm.txt)"
 read -r dl dg < <(worst one2_nvfp4/log.jsonl np2_bf16comm/log.jsonl)
@@ -172,6 +182,8 @@ expect "rank 0's run folder cannot be made: every rank stops" "train.out_dir a_f
 [ "$(grep -c 'train.out_dir a_file' err.txt)" = 1 ] && ok "a collective error is printed once" ||
   bad "collective error printed $(grep -c 'train.out_dir a_file' err.txt) times"
 expect "train.zero=2" "train.zero must be 0 or 1" mpi 2 train.zero=2 train.out_dir=m8
+expect "train.grad_bucket_mb=0" "train.grad_bucket_mb must be a positive number" mpi 2 \
+  train.grad_bucket_mb=0 train.out_dir=m9
 expect "--dump with ranks" "run the PyTorch check's dump as one process" mpi 2 --dump d4 train.out_dir=m4
 expect "the file bootstrap with emulator ranks" "emulator ranks run under mpirun" \
   env FP4SIM_WORLD_SIZE=2 FP4SIM_RANK=0 FP4SIM_BOOTSTRAP=boot "$bin" train --config "$cfg" $micro \

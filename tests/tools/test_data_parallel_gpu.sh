@@ -2,7 +2,8 @@
 # Data parallel CUDA ranks through NCCL on one GPU (issue 39, item 6): a run of one NCCL rank
 # (started by the environment bootstrap: FP4SIM_WORLD_SIZE=1, FP4SIM_RANK=0, FP4SIM_BOOTSTRAP)
 # gives the losses, gradient norms, weights and optimizer state of the same run as one plain
-# process, bit for bit, under train.grad_reduce ordered and allreduce; the bootstrap file is gone
+# process, bit for bit, under train.grad_reduce ordered and allreduce (one bucket, or many reduced
+# on NCCL's stream during the backward pass) and ZeRO-1; the bootstrap file is gone
 # after the start; a bootstrap file left behind is refused. Exit 77 (skipped) without a GPU.
 # usage: test_data_parallel_gpu.sh FP4SIM_BINARY WORKDIR
 set -u
@@ -27,13 +28,18 @@ run="train.steps=4 train.warmup=1 train.eval_every=0 train.data=synthetic train.
 # shellcheck disable=SC2086
 train() { "$bin" train --config "$cfg" $run --backend cuda "$@"; }
 train train.out_dir=plain >plain.txt 2>&1 || bad "plain run: $(tail -2 plain.txt)"
-for mode in ordered allreduce zero; do
-  if [ $mode = zero ]; then extra="train.grad_reduce=ordered train.zero=1"; else extra="train.grad_reduce=$mode"; fi
+for mode in ordered allreduce zero buckets; do
+  case $mode in
+    zero) extra="train.grad_reduce=ordered train.zero=1" ;;
+    buckets) extra="train.grad_reduce=allreduce train.grad_bucket_mb=0.1" ;;  # (on NCCL's own stream)
+    *) extra="train.grad_reduce=$mode" ;;
+  esac
   # shellcheck disable=SC2086
   FP4SIM_WORLD_SIZE=1 FP4SIM_RANK=0 FP4SIM_BOOTSTRAP=$PWD/id_$mode \
     train $extra train.out_dir=nccl_$mode >nccl_$mode.txt 2>&1 ||
     { bad "one NCCL rank ($mode): $(tail -3 nccl_$mode.txt)"; continue; }
   grep -q "data parallel: 1 ranks through nccl" nccl_$mode.txt || bad "$mode: not through NCCL"
+  [ $mode = buckets ] && echo "        $(grep -o '[0-9]* gradient buckets a step.*' nccl_$mode.txt)"
   if [ "$(steps plain/log.jsonl)" = "$(steps nccl_$mode/log.jsonl)" ] &&
      cmp -s plain/checkpoints/step_00000004/model.safetensors nccl_$mode/checkpoints/step_00000004/model.safetensors &&
      cmp -s plain/checkpoints/step_00000004/optimizer.safetensors nccl_$mode/checkpoints/step_00000004/optimizer.safetensors; then
