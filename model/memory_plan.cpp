@@ -17,6 +17,7 @@
 #include "gpu/capabilities.hpp"
 #include "model/config.hpp"
 #include "model/data.hpp"
+#include "model/data_parallel.hpp"
 #include "model/gpt.hpp"
 #include "model/optimizer.hpp"
 
@@ -600,7 +601,40 @@ MemoryPlan plan_training(const RunConfig& c, const PlanRequest& req) {
   host.transient(kUseHostCopies, n * kF32);  // (Gpt::init's host vector)
   model.set_recipe(c);
   backend_mem.set_phase("allocating the optimizer state");
-  Optimizer optimizer(c, model);
+  if (req.ranks < 1 || req.rank < 0 || req.rank >= req.ranks)
+    throw std::invalid_argument("memory plan: rank " + std::to_string(req.rank) + " of " +
+                                std::to_string(req.ranks));
+  std::vector<bool> owned;  // ZeRO-1: this rank's share of the state (model/data_parallel.hpp)
+  if (req.ranks > 1 && c.train.zero == 1) {
+    std::vector<int64_t> numels;
+    for (const ParamTensor& t : model.tensors()) numels.push_back(t.numel());
+    for (int o : shard_tensors(numels, req.ranks)) owned.push_back(o == req.rank);
+  }
+  Optimizer optimizer(c, model, owned);
+  // the gradient reducer's buffers (the trainer makes it with the optimizer), on a communicator
+  // that only knows the world's size
+  struct PlanningRanks final : Communicator {
+    int n, r;
+    PlanningRanks(int n_, int r_) : n(n_), r(r_) {}
+    int rank() const override { return r; }
+    int size() const override { return n; }
+    const char* name() const override { return "plan"; }
+    [[noreturn]] static void none() { throw std::logic_error("memory plan: no communication"); }
+    void all_gather_host(const void*, void*, size_t) override { none(); }
+    void all_gather(const TensorView&, const TensorView&) override { none(); }
+    void all_reduce_sum(const TensorView&) override { none(); }
+    void broadcast(const TensorView&, int) override { none(); }
+  } planning_ranks(req.ranks, req.rank);
+  std::optional<GradientReducer> reducer;
+  if (req.ranks > 1) {
+    reducer.emplace(planning_ranks, pb, n, c.train.grad_reduce, c.train.grad_comm);
+    plan.notes.push_back(
+        "data parallel: the plan of rank " + std::to_string(req.rank) + " of " +
+        std::to_string(req.ranks) + " (train.grad_reduce=" + name_of(c.train.grad_reduce) +
+        "'s buffers" +
+        (c.train.zero == 1 ? "; ZeRO-1: this rank's share of the optimizer state" : "") +
+        "); under ZeRO-1 a checkpoint gathers every rank's state through each rank's host memory");
+  }
   if (req.resume) {  // the checkpoint's F32 tensors, and the float32 vectors they are copied into
     host.set_phase("resuming from a checkpoint");
     host.transient(kUseHostCopies, 2 * 3 * n * kF32);
@@ -853,9 +887,11 @@ std::string check_memory_plan(const MemoryPlan& plan, const MemoryLimitSetting& 
   return said;
 }
 
-MemoryPlan plan_run(const RunConfig& c, const Backend& be, bool resume,
+MemoryPlan plan_run(const RunConfig& c, const Backend& be, bool resume, int ranks, int rank,
                     const MemoryLimitSetting& setting, bool print) {
   PlanRequest req;
+  req.ranks = ranks;
+  req.rank = rank;
   req.backend = be.device() == Device::Host ? "emu" : "cuda";
   req.resume = resume;
   req.run_backend = &be;

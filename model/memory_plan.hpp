@@ -59,6 +59,9 @@ struct PlanRequest {
   // The run's backend, where it exists: its supports() decides the copies' extra buffers (the CUDA
   // backend's cuBLASLt operands); null: those of `backend` (cuda: cuda.cc_major).
   const Backend* run_backend = nullptr;
+  // Data parallel (DESIGN.md §16): the plan of rank `rank` of `ranks` (its ZeRO-1 share of the
+  // optimizer state, the gradient reducer's buffers); 1: one process.
+  int ranks = 1, rank = 0;
 };
 
 struct PlanLine {
@@ -126,7 +129,7 @@ std::string check_memory_plan(const MemoryPlan& plan, const MemoryLimitSetting& 
 
 // The trainer's plan, before it allocates anything: the plan for backend be (resume: the run loads
 // a checkpoint), printed when print, then check_memory_plan (its limit lines printed too).
-MemoryPlan plan_run(const RunConfig& c, const Backend& be, bool resume,
+MemoryPlan plan_run(const RunConfig& c, const Backend& be, bool resume, int ranks, int rank,
                     const MemoryLimitSetting& setting, bool print);
 
 // What a run measured, for the line next to its plan: memory in use at its start (before the plan;

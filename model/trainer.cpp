@@ -321,7 +321,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   // the memory plan, before anything is allocated: printed, and a run that does not fit refused
   MeasuredMemory measured = memory_at_start(be);
   MemoryPlan plan;
-  everywhere([&] { plan = plan_run(c, be, !opt.resume.empty(), opt.memory_limit, print); });
+  everywhere(
+      [&] { plan = plan_run(c, be, !opt.resume.empty(), world, rank, opt.memory_limit, print); });
   Dataset data;
   everywhere([&] {
     data = load_data(c);  // every input error before any work

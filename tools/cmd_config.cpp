@@ -16,6 +16,7 @@ void register_config(CLI::App& app) {
     std::vector<std::string> overrides;
     bool resume = false;
     int cc_major = 9;
+    int ranks = 1;
   };
   auto a = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("config",
@@ -34,6 +35,11 @@ void register_config(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--resume", a->resume,
                 "Plan a resumed run (the checkpoint's tensors are read into host memory)");
+  cmd->add_option("--ranks", a->ranks,
+                  "Plan rank 0 of a data parallel run of this many ranks (train.zero=1's share of "
+                  "the optimizer state, the gradient reducer's buffers)")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
   cmd->add_option("--cuda-cc", a->cc_major,
                   "The cuda plan's compute capability major (9: Hopper, the H200; 10 and up: "
                   "native FP4 GEMMs)")
@@ -49,6 +55,7 @@ void register_config(CLI::App& app) {
       req.backend = backend;
       req.resume = a->resume;
       req.cuda.cc_major = a->cc_major;
+      req.ranks = a->ranks;
       fmt::print("{}", model::plan_training(c, req).describe());
     }
   });
