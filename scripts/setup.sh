@@ -14,6 +14,7 @@ if command -v dpkg-query >/dev/null 2>&1; then
   for p in cmake ninja-build g++ libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev \
            libfmt-dev libxtensor-dev xtl-dev libssl-dev python3 clang-format \
            python3-dev pybind11-dev libdlpack-dev python3-numpy python3-pytest libopenmpi-dev \
+           liblapacke-dev libopenblas-dev \
            openmpi-bin; do
     have_pkg "$p" || need+=("$p")
   done

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <vector>
 
 #include "emu/contract.hpp"
 #include "model/checkpoint.hpp"
@@ -81,8 +82,18 @@ void register_train(CLI::App& app) {
     model::TrainResult r;
     try {
       r = model::train(c, opt, *backend);
-    } catch (const model::CollectiveError&) {
-      throw;  // (every rank has it: printed once, by rank 0)
+    } catch (const model::CollectiveError& e) {
+      // every rank has it: rank 0 says it, then the ranks leave together (a rank leaving first
+      // can have mpirun end rank 0 before its message is out)
+      if (rank0) {
+        std::fflush(stdout);
+        std::fprintf(stderr, "fp4sim: error: %s\n", e.what());
+        std::fflush(stderr);
+      }
+      const char here = 1;
+      std::vector<char> all(static_cast<size_t>(comm->size()));
+      comm->all_gather_host(&here, all.data(), 1);
+      throw ReportedError();
     } catch (const std::exception& e) {
       if (!comm) throw;
       // one rank's failure: said with its rank, and the other ranks ended (none waits for it)

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 #include "emu/backend.hpp"
@@ -41,6 +42,11 @@ class DataParallelLaunch {
   Launch launch_;
   std::string backend_;
   std::unique_ptr<model::Communicator> mpi_, comm_;
+};
+
+// An error already printed (by rank 0, for every rank): the CLI exits with 1 and says nothing.
+struct ReportedError : std::runtime_error {
+  ReportedError() : std::runtime_error("(reported)") {}
 };
 
 // After an error on one rank: end every rank (MPI_Abort where MPI runs), so none waits in a

@@ -45,6 +45,8 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const fp4sim::ReportedError&) {  // (printed where it happened)
+    return 1;
   } catch (const fp4sim::model::CollectiveError& e) {  // every rank has it: rank 0 says it
     std::fflush(stdout);
     if (fp4sim::process_rank() == 0) std::fprintf(stderr, "fp4sim: error: %s\n", e.what());
