@@ -143,6 +143,15 @@ std::unique_ptr<Communicator> make_mpi_communicator() {
   return std::make_unique<MpiCommunicator>();
 }
 
+std::string mpi_library_version() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  if (MPI_Get_library_version(text, &len) != MPI_SUCCESS) return "unknown";
+  std::string v(text, static_cast<size_t>(len));
+  const size_t cut = v.find_first_of(",\n");  // ("Open MPI v4.1.4, package: ...")
+  return cut == std::string::npos ? v : v.substr(0, cut);
+}
+
 void mpi_abort_world(int code) {
   int inited = 0, finalized = 0;
   MPI_Initialized(&inited);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "model/communicator.hpp"
 
@@ -14,5 +15,8 @@ std::unique_ptr<Communicator> make_mpi_communicator();
 // MPI_Abort(MPI_COMM_WORLD, code) where MPI is running: a failure no collective can report (an
 // error thrown on one rank between collectives) ends every rank instead of leaving them waiting.
 void mpi_abort_world(int code);
+
+// The MPI library's own version line (MPI_Get_library_version; callable before MPI_Init).
+std::string mpi_library_version();
 
 }  // namespace fp4sim::model

@@ -6,8 +6,10 @@
 #include <nlohmann/json.hpp>
 
 #include "emu/contract.hpp"
+#include "model/lora_svd.hpp"
 #include "tools/backends.hpp"
 #include "tools/commands.hpp"
+#include "tools/communicators.hpp"
 
 #ifndef FP4SIM_VERSION
 #define FP4SIM_VERSION "0.1.0"
@@ -39,6 +41,11 @@ void register_info(CLI::App& app) {
 #endif
     );
     fmt::print("OpenMP:          {} (max threads {})\n", _OPENMP, omp_get_max_threads());
+    fmt::print("data parallel:   {}\n", data_parallel_description());
+    fmt::print("LoRA-SVD:        {}\n", model::lora::lora_svd_available()
+                                            ? "LAPACKE + OpenBLAS (one thread)"
+                                            : "no LAPACK in this build (liblapacke-dev, "
+                                              "libopenblas-dev)");
     fmt::print("libraries:       CLI11 {}, nlohmann_json {}.{}.{}, fmt {}\n", CLI11_VERSION,
                NLOHMANN_JSON_VERSION_MAJOR, NLOHMANN_JSON_VERSION_MINOR,
                NLOHMANN_JSON_VERSION_PATCH, FMT_VERSION);

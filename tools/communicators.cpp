@@ -78,6 +78,24 @@ void share_through_file(const std::string& path, int rank, void* id, size_t byte
 
 int process_rank() { return g_rank; }
 
+std::string data_parallel_description() {
+#if FP4SIM_HAVE_MPI
+  std::string s = "MPI (" + model::mpi_library_version() + ") for emulator ranks";
+#else
+  std::string s = "no MPI in this build (emulator ranks: install libopenmpi-dev and rebuild)";
+#endif
+#if FP4SIM_HAVE_NCCL
+  try {
+    s += "; NCCL " + gpu::nccl_runtime_version() + " for CUDA ranks";
+  } catch (const std::exception& e) {
+    s += std::string("; CUDA ranks: ") + e.what();
+  }
+#elif FP4SIM_HAVE_CUDA
+  s += "; no nccl.h at build time (CUDA ranks: install NCCL's headers and rebuild)";
+#endif
+  return s;
+}
+
 Launch detect_launch() {
   Launch l;
   if (env("OMPI_COMM_WORLD_SIZE")) {

@@ -24,6 +24,10 @@ struct Launch {
 // The launch this process is part of; std::invalid_argument naming the variable for a bad value.
 Launch detect_launch();
 
+// What this build can train data parallel with, for `fp4sim info`: "MPI (Open MPI v4.1.4) for
+// emulator ranks; NCCL 2.27.3 (libnccl.so.2, opened now) for CUDA ranks", or why not.
+std::string data_parallel_description();
+
 // The rank this process prints as (0 until a launch is started).
 int process_rank();
 
