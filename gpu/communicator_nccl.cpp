@@ -104,16 +104,26 @@ class NcclCommunicator final : public model::Communicator {
     share_id(&id, sizeof id);  // (rank 0's id to every rank)
     check(nccl().comm_init_rank(&comm_, size, id, rank), "ncclCommInitRank");
     // the async collectives' stream, ordered after the backend's by events
-    check_cuda(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
-    check_cuda(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
+    try {
+      check_cuda(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
+      check_cuda(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming), "cudaEventCreate");
+      check_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
+    } catch (...) {  // (the destructor does not run for a constructor that throws)
+      release();
+      throw;
+    }
   }
-  ~NcclCommunicator() override {
+  ~NcclCommunicator() override { release(); }
+  void release() {
     if (comm_) nccl().comm_destroy(comm_);
     if (scratch_) cudaFree(scratch_);
     if (side_) cudaStreamDestroy(side_);
     if (queued_) cudaEventDestroy(queued_);
     if (done_) cudaEventDestroy(done_);
+    comm_ = nullptr;
+    scratch_ = nullptr;
+    side_ = nullptr;
+    queued_ = done_ = nullptr;
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -127,6 +137,11 @@ class NcclCommunicator final : public model::Communicator {
                                cudaMemcpyDeviceToHost, stream_),
                "download");
     check_cuda(cudaStreamSynchronize(stream_), "synchronize");
+    if (scratch_bytes_ > (size_t{64} << 20)) {  // (a large exchange's buffer is not kept)
+      check_cuda(cudaFree(scratch_), "cudaFree");
+      scratch_ = nullptr;
+      scratch_bytes_ = 0;
+    }
   }
   void all_gather(const TensorView& x, const TensorView& out) override {
     const ncclDataType_t t = nccl_type(x, "all_gather of");

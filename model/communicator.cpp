@@ -12,12 +12,24 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
   std::vector<uint64_t> lens(static_cast<size_t>(n));
   comm.all_gather_host(&len, lens.data(), sizeof len);
   const uint64_t width = std::max<uint64_t>(1, *std::max_element(lens.begin(), lens.end()));
-  std::vector<char> mine(width, '\0'), all(width * static_cast<size_t>(n));
-  std::memcpy(mine.data(), s.data(), s.size());
-  comm.all_gather_host(mine.data(), all.data(), width);
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r)
-    out.emplace_back(all.data() + width * static_cast<size_t>(r), lens[static_cast<size_t>(r)]);
+  // in pieces of at most 64 MiB a rank (MPI's int counts; the NCCL communicator's staging buffer)
+  const uint64_t piece = std::min<uint64_t>(width, uint64_t{64} << 20);
+  std::vector<std::string> out(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) out[static_cast<size_t>(r)].resize(lens[static_cast<size_t>(r)]);
+  std::vector<char> mine(piece), all(piece * static_cast<size_t>(n));
+  for (uint64_t at = 0; at < width; at += piece) {
+    const uint64_t len = std::min(piece, width - at);
+    std::fill(mine.begin(), mine.end(), '\0');
+    if (at < s.size())
+      std::memcpy(mine.data(), s.data() + at, std::min<uint64_t>(len, s.size() - at));
+    comm.all_gather_host(mine.data(), all.data(), len);
+    for (int r = 0; r < n; ++r) {
+      std::string& o = out[static_cast<size_t>(r)];
+      if (at < o.size())
+        std::memcpy(o.data() + at, all.data() + len * static_cast<size_t>(r),
+                    std::min<uint64_t>(len, o.size() - at));
+    }
+  }
   return out;
 }
 

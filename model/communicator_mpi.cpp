@@ -27,7 +27,7 @@ void check(int rc, const char* what) {
 int count_of(size_t n, const char* what) {
   if (n > static_cast<size_t>(std::numeric_limits<int>::max()))
     throw std::invalid_argument(std::string("MPI: ") + what + " of " + std::to_string(n) +
-                                " elements exceeds MPI's int counts");
+                                " (elements or bytes) exceeds MPI's int counts");
   return static_cast<int>(n);
 }
 
@@ -74,6 +74,8 @@ class MpiCommunicator final : public Communicator {
     check(MPI_Op_create(&bf16_sum, 1, &bf16_sum_op_), "MPI_Op_create");
   }
   ~MpiCommunicator() override {
+    if (!pending_.empty())  // (an error left reductions running: finish them before finalizing)
+      MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE);
     MPI_Op_free(&bf16_sum_op_);
     int finalized = 0;
     MPI_Finalized(&finalized);

@@ -591,8 +591,8 @@ void validate(const RunConfig& c) {
     o << v;
     return o.str();
   };
-  if (!(t.grad_bucket_mb > 0) || !std::isfinite(t.grad_bucket_mb))
-    bad("train.grad_bucket_mb must be a positive number of MiB (a gradient bucket), got " +
+  if (!(t.grad_bucket_mb > 0) || !(t.grad_bucket_mb <= 1048576))
+    bad("train.grad_bucket_mb must be a number of MiB in (0, 1048576] (a gradient bucket), got " +
         num(t.grad_bucket_mb));
   if (t.lr <= 0) bad("train.lr must be positive, got " + num(t.lr));
   if (t.warmup < 0 || t.warmup > t.steps)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 
 #include "emu/philox.hpp"
@@ -22,7 +23,7 @@ bool lora_svd_available() { return false; }
       "LoRA-SVD needs LAPACK, and this build found none (Debian: liblapacke-dev, libopenblas-dev; "
       "then reconfigure)");
 }
-bool cholqr2(float*, int64_t, int64_t, float*, int64_t) { unavailable(); }
+bool cholqr2(float*, int64_t, int64_t, float*, int64_t, bool) { unavailable(); }
 Svd randomized_svd(const float*, int64_t, int64_t, int64_t, uint64_t, int, int) { unavailable(); }
 Svd truncated_svd(const float*, int64_t, int64_t, int64_t) { unavailable(); }
 double svd_residual(const float*, const Svd&) { unavailable(); }
@@ -139,7 +140,26 @@ Svd svd_of(Mat A, int64_t m, int64_t c, int64_t r) {
   return s;
 }
 
+// LAPACK and CBLAS count in int
+void check_int(int64_t n, const char* what) {
+  if (n > static_cast<int64_t>(INT32_MAX))
+    throw std::invalid_argument(std::string(what) + " " + std::to_string(n) +
+                                " exceeds LAPACK's int dimensions");
+}
+
+// max |QᵀQ − I| of Q [m, c]
+double orthonormality(const Mat& Q, int64_t m, int64_t c) {
+  const Mat G = gemm(Q, true, Q, false, c, c, m);
+  double worst = 0;
+  for (int64_t i = 0; i < c; ++i)
+    for (int64_t j = 0; j < c; ++j)
+      worst = std::max(worst, std::fabs(G[static_cast<size_t>(i * c + j)] - (i == j ? 1.0 : 0.0)));
+  return worst;
+}
+
 void check_rank(int64_t n, int64_t k, int64_t r, int oversample, const char* fn) {
+  check_int(n, "rows");
+  check_int(k, "columns");
   if (r < 1 || r + oversample > std::min(n, k))
     throw std::invalid_argument(std::string(fn) + ": rank " + std::to_string(r) + " + " +
                                 std::to_string(oversample) + " oversampling exceeds min(" +
@@ -151,14 +171,17 @@ void check_rank(int64_t n, int64_t k, int64_t r, int oversample, const char* fn)
 
 }  // namespace
 
-bool cholqr2(float* L2, int64_t n, int64_t r, float* L1, int64_t k) {
+bool cholqr2(float* L2, int64_t n, int64_t r, float* L1, int64_t k, bool force_householder) {
   one_thread();
   if (r < 1 || r > n)
     throw std::invalid_argument("cholqr2: L2 is [" + std::to_string(n) + ", " + std::to_string(r) +
                                 "]: needs 1 <= r <= n");
+  check_int(n, "rows");
+  check_int(k, "columns");
   Mat A = widen(L2, n * r), R1, R2, R;
   bool householder = false;
-  if (cholqr_pass(A, n, r, R1) && cholqr_pass(A, n, r, R2)) {
+  if (!force_householder && cholqr_pass(A, n, r, R1) && cholqr_pass(A, n, r, R2) &&
+      orthonormality(A, n, r) <= 1e-10) {
     R = gemm(R2, false, R1, false, r, r, r);
   } else {
     householder = true;
@@ -236,11 +259,17 @@ void realign(const float* W, int64_t n, int64_t k, int64_t r, float beta, uint64
   if (!(beta > 0) || !std::isfinite(beta))
     throw std::invalid_argument(what + ": recipe.lora_svd_beta must be positive, got " +
                                 std::to_string(beta));
+  for (int64_t i = 0; i < n * k; ++i)
+    if (!std::isfinite(W[i]))
+      throw std::invalid_argument(what + ": element " + std::to_string(i) + " is " +
+                                  std::to_string(W[i]) + ": no SVD of a non-finite weight");
   Svd s;
   try {
     s = randomized_svd(W, n, k, r, seed);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(what + ": " + e.what());
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(what + ": " + e.what());
   }
   for (int64_t i = 0; i < n * r; ++i) L2[i] = static_cast<float>(s.U[static_cast<size_t>(i)]);
   for (int64_t i = 0; i < r; ++i)

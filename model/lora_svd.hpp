@@ -22,7 +22,10 @@ bool lora_svd_available();
 // instead (LAPACKE_dgeqrf/dorgqr; R's diagonal made non-negative). Then L2 ← Q and L1 ← R·L1
 // (L1 [r, k]; absent when k is 0), each rounded once to float32. Returns true where the
 // Householder fallback ran.
-bool cholqr2(float* L2, int64_t n, int64_t r, float* L1, int64_t k);
+// Also the fallback where CholQR2's Q is not orthonormal to 1e-10 in FP64 (a condition number
+// past ~1e8, where the Gram matrix is still positive definite). force_householder: always the
+// fallback (tests compare the two).
+bool cholqr2(float* L2, int64_t n, int64_t r, float* L1, int64_t k, bool force_householder = false);
 
 // A rank-r SVD W ≈ U·diag(S)·Vt: U [n, r], S [r] (descending), Vt [r, k], FP64. Each singular
 // pair's signs canonical: the entry of u_i of largest magnitude (the first of equals) positive.

@@ -626,7 +626,7 @@ MemoryPlan plan_training(const RunConfig& c, const PlanRequest& req) {
     void broadcast(const TensorView&, int) override { none(); }
   } planning_ranks(req.ranks, req.rank);
   std::optional<GradientReducer> reducer;
-  if (req.ranks > 1) {
+  if (req.ranks > 1 || req.data_parallel) {
     reducer.emplace(planning_ranks, pb, n, c.train.grad_reduce, c.train.grad_comm);
     plan.notes.push_back(
         "data parallel: the plan of rank " + std::to_string(req.rank) + " of " +
@@ -887,9 +887,10 @@ std::string check_memory_plan(const MemoryPlan& plan, const MemoryLimitSetting& 
   return said;
 }
 
-MemoryPlan plan_run(const RunConfig& c, const Backend& be, bool resume, int ranks, int rank,
-                    const MemoryLimitSetting& setting, bool print) {
+MemoryPlan plan_run(const RunConfig& c, const Backend& be, bool resume, bool data_parallel,
+                    int ranks, int rank, const MemoryLimitSetting& setting, bool print) {
   PlanRequest req;
+  req.data_parallel = data_parallel;
   req.ranks = ranks;
   req.rank = rank;
   req.backend = be.device() == Device::Host ? "emu" : "cuda";

@@ -62,6 +62,7 @@ struct PlanRequest {
   // Data parallel (DESIGN.md §16): the plan of rank `rank` of `ranks` (its ZeRO-1 share of the
   // optimizer state, the gradient reducer's buffers); 1: one process.
   int ranks = 1, rank = 0;
+  bool data_parallel = false;  // a communicator runs the reduction (also for one rank)
 };
 
 struct PlanLine {
@@ -129,8 +130,8 @@ std::string check_memory_plan(const MemoryPlan& plan, const MemoryLimitSetting& 
 
 // The trainer's plan, before it allocates anything: the plan for backend be (resume: the run loads
 // a checkpoint), printed when print, then check_memory_plan (its limit lines printed too).
-MemoryPlan plan_run(const RunConfig& c, const Backend& be, bool resume, int ranks, int rank,
-                    const MemoryLimitSetting& setting, bool print);
+MemoryPlan plan_run(const RunConfig& c, const Backend& be, bool resume, bool data_parallel,
+                    int ranks, int rank, const MemoryLimitSetting& setting, bool print);
 
 // What a run measured, for the line next to its plan: memory in use at its start (before the plan;
 // device memory on a device backend, else resident memory) and at its peak (device: the highest

@@ -317,12 +317,15 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     check_ranks_agree(*comm, {{"the config", to_json(c).dump()},
                               {"the build", opt.build_id},
                               {"contract_version", std::to_string(kContractVersion)},
-                              {"train.seed", std::to_string(c.train.seed)}});
+                              {"train.seed", std::to_string(c.train.seed)},
+                              {"--resume", opt.resume.empty() ? "(none)" : "given"}});
   // the memory plan, before anything is allocated: printed, and a run that does not fit refused
   MeasuredMemory measured = memory_at_start(be);
   MemoryPlan plan;
-  everywhere(
-      [&] { plan = plan_run(c, be, !opt.resume.empty(), world, rank, opt.memory_limit, print); });
+  everywhere([&] {
+    plan =
+        plan_run(c, be, !opt.resume.empty(), comm != nullptr, world, rank, opt.memory_limit, print);
+  });
   Dataset data;
   everywhere([&] {
     data = load_data(c);  // every input error before any work
@@ -376,7 +379,9 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   } else if (print && c.train.zero == 1) {
     std::printf("train.zero=1: one process, no optimizer state to shard\n");
   }
-  Optimizer optimizer(c, model, owned);
+  std::optional<Optimizer> optimizer_made;  // (its checks, e.g. NVFP4 NS shapes, on its ranks)
+  everywhere([&] { optimizer_made.emplace(c, model, owned); });
+  Optimizer& optimizer = *optimizer_made;
   if (print && (c.optim.name != OptimizerName::AdamW || c.optim.state != OptimState::FP32))
     std::printf("%s\n", optimizer.describe().c_str());
   if (zero1) {  // the state each rank holds
@@ -482,6 +487,10 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       }
     }
     step0 = ck.step;
+    if (comm)  // the same checkpoint on every rank (its state, with step, data position and RNG)
+      check_ranks_agree(*comm, {{"the checkpoint resumed (" + opt.resume + ")",
+                                 std::to_string(ck.step) + " " +
+                                     sha256_hex(ck.state.dump().data(), ck.state.dump().size())}});
     // the checkpoint's ranks (1 before data parallel runs): its state is whole on every rank, so
     // any number of ranks resumes it; the same global micro-batches (ranks x grad_accum) under
     // train.grad_reduce=ordered continue its bits
@@ -702,6 +711,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     // step's micro-batches), added in global micro-batch order (DESIGN.md §16); the step's loss
     // is the mean of the micro-batches' means, added in that order too
     std::string loss_error;  // (with ranks: reported by every rank after the step's micro-batches)
+    int64_t loss_error_g = -1;  // its global micro-batch
     for (int64_t mb = 0; mb < A; ++mb) {
       const int64_t g = rank + mb * world;
       tok = step_tok[static_cast<size_t>(mb)];
@@ -719,6 +729,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
                      (micro_total > 1 ? " (micro-batch " + std::to_string(g) + ")" : "") +
                      ": the loss is " + std::to_string(mb_loss) +
                      "; the first non-finite tensor: " + model.first_nonfinite_in_forward();
+        loss_error_g = g;
         if (!comm) throw std::runtime_error(loss_error);
       }
       local_losses[static_cast<size_t>(mb)] = mb_loss;
@@ -736,8 +747,15 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     }
     double loss_sum = 0;
     if (comm) {
-      throw_first_failure(*comm, loss_error);
-      reducer->finish(grads);
+      reducer->finish(grads);  // (no reduction left running when a loss error stops the step)
+      // a non-finite loss on any rank: every rank reports the lowest global micro-batch's
+      int64_t first = loss_error.empty() ? std::numeric_limits<int64_t>::max() : loss_error_g;
+      std::vector<int64_t> firsts(static_cast<size_t>(world));
+      comm->all_gather_host(&first, firsts.data(), sizeof first);
+      const int64_t lowest = *std::min_element(firsts.begin(), firsts.end());
+      throw_first_failure(*comm, lowest != std::numeric_limits<int64_t>::max() && first == lowest
+                                     ? loss_error
+                                     : "");
       if (print && step == step0 && !ordered)
         std::printf(
             "data parallel: %lld gradient buckets a step (train.grad_bucket_mb %g), "
@@ -895,6 +913,12 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     const bool checkpoint_now =
         c.train.checkpoint_every > 0 &&
         ((step + 1) % c.train.checkpoint_every == 0 || step + 1 == c.train.steps);
+    if (comm && checkpoint_now) {  // the ranks still hold the same weights (an engine's
+      // all-reduce that gave ranks different bits would show here)
+      const std::vector<float> hp = model.params_to_host();
+      check_ranks_agree(*comm, {{"the weights at step " + std::to_string(step + 1),
+                                 sha256_hex(hp.data(), hp.size() * sizeof(float))}});
+    }
     TensorMap sharded_state;  // ZeRO-1: every rank's optimizer state, for rank 0's checkpoint
     if (zero1 && checkpoint_now) {
       TensorMap mine;

@@ -646,10 +646,18 @@ class CudaQuantizer {
                 const py::object& outs)
       : dq_(view_of_like(like), cuda_matrix(like, "fp4sim.Quantizer: like").device_index(), stream,
             format, block_2d, columnwise, rht, sr, seed, sr_stream, four_over_six, error, mx_rule,
-            outs) {}
+            outs),
+        stream_(stream),
+        sr_(sr) {}
 
   // sr_stream: this call's SR stream (None: the one it was made with).
   void call(const py::object& x, uintptr_t stream, const py::object& sr_stream) const {
+    if (stream != stream_)  // (its outputs belong to the stream they were made on)
+      throw py::value_error("fp4sim.Quantizer: made on CUDA stream " + std::to_string(stream_) +
+                            ", called on stream " + std::to_string(stream) +
+                            ": make a Quantizer for each stream");
+    if (!sr_stream.is_none() && !sr_)
+      throw py::value_error("fp4sim.Quantizer: stream applies to sr=True only");
     const DlTensor d = cuda_matrix(x, "fp4sim.Quantizer: x");
     const TensorView in =
         py_args::matrix_view(d, "fp4sim.Quantizer: x", {DType::F32, DType::BF16}, "x");
@@ -678,6 +686,8 @@ class CudaQuantizer {
                                 "fp4sim.Quantizer: like", {DType::F32, DType::BF16}, "x");
   }
   DeviceQuantize dq_;
+  uintptr_t stream_;
+  bool sr_;
 };
 
 py::object dequantize_device(const py::object& codes, const py::object& scales,
@@ -830,12 +840,12 @@ py::dict gemm_device(const py::object& a, const py::object& b, const py::object&
 // host: fp4sim.gemm reports them).
 class CudaGemm {
  public:
-  CudaGemm(const py::object& a, const py::object& b, bool with_c, uintptr_t stream,
+  CudaGemm(const py::object& a, const py::object& b, const py::object& c, uintptr_t stream,
            const py::object& format_obj, const std::string& gemm_impl, const std::string& out_dtype,
            float alpha, float beta, int split_k, const py::object& out_given)
-      : with_c_(with_c) {
+      : with_c_(!c.is_none()), stream_(stream) {
     std::tie(fmt_, cfg_) =
-        gemm_options(format_obj, gemm_impl, out_dtype, alpha, beta, split_k, with_c);
+        gemm_options(format_obj, gemm_impl, out_dtype, alpha, beta, split_k, with_c_);
     dev_ = cuda_matrix(a, fn + "a").device_index();
     const TensorView av = operand(a, "a"), bv = operand(b, "b");
     if (bv.cols != av.cols)
@@ -854,9 +864,27 @@ class CudaGemm {
     cb_ = std::make_unique<model::QuantizedCopy>(be, N_, K_, fmt_, false);
     dt_ = cfg_.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
     d_ = result_slot(be, out_given, dt_, {M_, N_}, dev_, stream, fn + "out", "d");
+    // every check of the GEMM itself (beta without c, split-K, shapes) once, here
+    TensorView cv;
+    if (with_c_) {
+      cv = operand(c, "c");
+      if (cv.rows != M_ || cv.cols != N_)
+        throw py::value_error(fn + "c: shape " + shape_str(cv.rows, cv.cols) + ", expected " +
+                              shape_str(M_, N_));
+    }
+    try {
+      validate_gemm(ca_->view, cb_->view, with_c_ ? &cv : nullptr, cfg_,
+                    view_of(d_.data, dt_, M_, N_, Device::Cuda, "D"));
+    } catch (const std::invalid_argument& e) {
+      throw py::value_error(fn + e.what());
+    }
   }
 
   void call(const py::object& a, const py::object& b, const py::object& c, uintptr_t stream) const {
+    if (stream != stream_)
+      throw py::value_error(fn + "made on CUDA stream " + std::to_string(stream_) +
+                            ", called on stream " + std::to_string(stream) +
+                            ": make a Gemm for each stream");
     const TensorView av = operand(a, "a"), bv = operand(b, "b");
     if (av.rows != M_ || bv.rows != N_ || av.cols != K_ || bv.cols != K_)
       throw py::value_error(fn + "a is " + shape_str(av.rows, av.cols) + " and b " +
@@ -890,6 +918,7 @@ class CudaGemm {
   }
   const std::string fn = "fp4sim.Gemm: ";
   bool with_c_;
+  uintptr_t stream_;
   QFormat fmt_;
   GemmConfig cfg_;
   QuantizeConfig qc_;
@@ -1039,9 +1068,10 @@ PYBIND11_MODULE(_fp4sim, m) {
       .def("outputs", &fp4sim::CudaQuantizer::outputs,
            "(codes, scales, amax, dequant): DeviceArrays, None where outs gave the tensor");
   py::class_<fp4sim::CudaGemm>(m, "_CudaGemm")
-      .def(py::init<const py::object&, const py::object&, bool, uintptr_t, const py::object&,
-                    const std::string&, const std::string&, float, float, int, const py::object&>(),
-           py::arg("a"), py::arg("b"), py::arg("with_c"), py::arg("stream"), py::kw_only(),
+      .def(py::init<const py::object&, const py::object&, const py::object&, uintptr_t,
+                    const py::object&, const std::string&, const std::string&, float, float, int,
+                    const py::object&>(),
+           py::arg("a"), py::arg("b"), py::arg("c"), py::arg("stream"), py::kw_only(),
            py::arg("format") = py::none(), py::arg("gemm") = "exact", py::arg("out_dtype") = "fp32",
            py::arg("alpha") = 1.0f, py::arg("beta") = 0.0f, py::arg("split_k") = 1,
            py::arg("out") = py::none())

@@ -56,6 +56,7 @@ void register_config(CLI::App& app) {
       req.resume = a->resume;
       req.cuda.cc_major = a->cc_major;
       req.ranks = a->ranks;
+      req.data_parallel = a->ranks > 1;
       fmt::print("{}", model::plan_training(c, req).describe());
     }
   });

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <vector>
 
 #include "emu/contract.hpp"
@@ -50,37 +51,40 @@ void register_train(CLI::App& app) {
     // before the backend (a CUDA rank's GPU is its local rank), connected on it
     const Launch launch = detect_launch();
     const std::string backend_name = chosen_backend(a->backend);
-    DataParallelLaunch ranks(launch, backend_name);
-    auto backend = make_backend(backend_name);
-    model::Communicator* comm = ranks.communicator(*backend);
     const bool rank0 = launch.rank == 0;
-    if (rank0) {
-      fmt::print("fp4sim train  (backend {}{}, contract_version {})\n{}\nparameters: {:.3f} M\n",
-                 backend->name(), a->backend.empty() ? " by default" : "", kContractVersion,
-                 model::to_json(c).dump(2), model::parameter_count(c.model) / 1e6);
-      if (comm)
-        fmt::print(
-            "data parallel: {} ranks through {} ({}), train.grad_reduce={}, "
-            "train.grad_comm={}; {} micro-batches of {} x {} a step\n",
-            comm->size(), comm->name(), launch.source, name_of(c.train.grad_reduce),
-            name_of(c.train.grad_comm), comm->size() * c.train.grad_accum, c.train.batch,
-            c.model.seq_len);
-    }
-    model::TrainOptions opt;
-    opt.resume = a->resume;
-    opt.dump_dir = a->dump;
-    opt.memory_limit = limit;
-    opt.comm = comm;
-    if (comm) {  // the ranks' executables must be the same build: their bytes' SHA-256
-      std::ifstream exe("/proc/self/exe", std::ios::binary);
-      const std::string bytes((std::istreambuf_iterator<char>(exe)), {});
-      opt.build_id = bytes.empty() ? "unknown" : model::sha256_hex(bytes.data(), bytes.size());
-      // (test hook, docs/cli.md: ranks that pretend to be other builds)
-      if (const char* id = std::getenv("FP4SIM_TEST_BUILD_ID")) opt.build_id = id;
-    }
-    const auto t0 = std::chrono::steady_clock::now();
+    model::Communicator* comm = nullptr;
+    std::unique_ptr<DataParallelLaunch> ranks;
+    std::unique_ptr<Backend> backend;
     model::TrainResult r;
+    const auto t0 = std::chrono::steady_clock::now();
     try {
+      ranks = std::make_unique<DataParallelLaunch>(launch, backend_name);
+      backend = make_backend(backend_name);
+      comm = ranks->communicator(*backend);
+      if (rank0) {
+        fmt::print("fp4sim train  (backend {}{}, contract_version {})\n{}\nparameters: {:.3f} M\n",
+                   backend->name(), a->backend.empty() ? " by default" : "", kContractVersion,
+                   model::to_json(c).dump(2), model::parameter_count(c.model) / 1e6);
+        if (comm)
+          fmt::print(
+              "data parallel: {} ranks through {} ({}), train.grad_reduce={}, "
+              "train.grad_comm={}; {} micro-batches of {} x {} a step\n",
+              comm->size(), comm->name(), launch.source, name_of(c.train.grad_reduce),
+              name_of(c.train.grad_comm), comm->size() * c.train.grad_accum, c.train.batch,
+              c.model.seq_len);
+      }
+      model::TrainOptions opt;
+      opt.resume = a->resume;
+      opt.dump_dir = a->dump;
+      opt.memory_limit = limit;
+      opt.comm = comm;
+      if (comm) {  // the ranks' executables must be the same build: their bytes' SHA-256
+        std::ifstream exe("/proc/self/exe", std::ios::binary);
+        const std::string bytes((std::istreambuf_iterator<char>(exe)), {});
+        opt.build_id = bytes.empty() ? "unknown" : model::sha256_hex(bytes.data(), bytes.size());
+        // (test hook, docs/cli.md: ranks that pretend to be other builds)
+        if (const char* id = std::getenv("FP4SIM_TEST_BUILD_ID")) opt.build_id = id;
+      }
       r = model::train(c, opt, *backend);
     } catch (const model::CollectiveError& e) {
       // every rank has it: rank 0 says it, then the ranks leave together (a rank leaving first
@@ -95,13 +99,18 @@ void register_train(CLI::App& app) {
       comm->all_gather_host(&here, all.data(), 1);
       throw ReportedError();
     } catch (const std::exception& e) {
-      if (!comm) throw;
-      // one rank's failure: said with its rank, and the other ranks ended (none waits for it)
+      if (launch.kind == Launch::Kind::Single) throw;
+      // one rank's failure (at start or later): said with its rank, and the other ranks ended
+      // (MPI_Abort: none waits in a collective for this one, and this one does not wait in
+      // MPI_Finalize for them)
       std::fflush(stdout);
       std::fprintf(stderr, "fp4sim: error: rank %d: %s\n", launch.rank, e.what());
       std::fflush(stderr);
-      abort_other_ranks(1);
-      throw;
+      abort_other_ranks(1);  // (MPI_Abort: does not return where MPI runs)
+      // the file bootstrap has no MPI to end the others: leave at once rather than wait in
+      // NCCL's teardown for peers that wait for this rank (they stay until the job is killed)
+      if (launch.kind == Launch::Kind::Env) std::_Exit(1);
+      throw ReportedError();
     }
     if (!rank0) return;
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -35,8 +35,8 @@ int env_int(const char* name, int lo) {
   char* end = nullptr;
   const long n = std::strtol(v, &end, 10);
   if (!end || *end || n < lo || n > (1 << 20))
-    throw std::invalid_argument(std::string(name) + "=" + v +
-                                ": not an integer >= " + std::to_string(lo));
+    throw std::invalid_argument(std::string(name) + "=" + v + ": not an integer within " +
+                                std::to_string(lo) + ".." + std::to_string(1 << 20));
   return static_cast<int>(n);
 }
 
@@ -59,9 +59,12 @@ void share_through_file(const std::string& path, int rank, void* id, size_t byte
     return;
   }
   const auto t0 = std::chrono::steady_clock::now();
+  // a file older than this process by more than a minute is an earlier run's, left behind
+  const auto started = fs::file_time_type::clock::now() - std::chrono::seconds(60);
   for (;;) {
     std::error_code ec;
-    if (fs::exists(path, ec) && fs::file_size(path, ec) == bytes) {
+    if (fs::exists(path, ec) && fs::file_size(path, ec) == bytes &&
+        fs::last_write_time(path, ec) >= started) {
       std::ifstream f(path, std::ios::binary);
       f.read(static_cast<char*>(id), static_cast<std::streamsize>(bytes));
       if (f) return;

@@ -136,6 +136,12 @@ def quantize(x, **kwargs):
     return _fp4sim.quantize(_host(x, "quantize", "x"), **kwargs)
 
 
+def _refuse_jax(x, name):
+    if type(x).__module__.split(".")[0] in ("jax", "jaxlib"):
+        raise TypeError(f"fp4sim.{name}: JAX arrays are immutable, and {name} overwrites its "
+                        f"outputs on every call: use fp4sim.{name.lower()} with JAX")
+
+
 class Quantizer:
     """fp4sim.quantize for repeated calls on CUDA tensors of one shape and dtype (a training
     loop's): the options are checked once and the outputs made once; each call enqueues the
@@ -147,19 +153,21 @@ class Quantizer:
         qz(x, stream=7)                                     # this call's SR stream
 
     The keyword arguments are fp4sim.quantize's; the outputs are torch tensors for torch input,
-    else DeviceArrays wrapped as the input's framework's arrays.
+    else DeviceArrays (CuPy takes them through __dlpack__); JAX arrays are refused (immutable).
+    Every call runs on the stream the quantizer was made on (another is refused: the outputs
+    belong to it).
     """
 
     def __init__(self, like, **kwargs):
         if not _cuda_args("Quantizer", {"like": like}):
             raise ValueError("fp4sim.Quantizer: like: not a CUDA tensor (host arrays: "
                              "fp4sim.quantize)")
+        _refuse_jax(like, "Quantizer")
         cap, s, kwargs, outs = _quantize_cuda_args(like, kwargs)
         self._torch = _is_torch(like)
-        if outs is None:
+        if outs is None:  # (other producers: DeviceArrays, which they take through __dlpack__)
             self._impl = _fp4sim._CudaQuantizer(cap, s, **kwargs)
-            arrays = self._impl.outputs()
-            self.outputs = tuple(_wrap(a, like) for a in arrays)
+            self.outputs = tuple(self._impl.outputs())
         else:
             self._impl = _fp4sim._CudaQuantizer(cap, s, outs=outs[1], **kwargs)
             self.outputs = tuple(outs[0])
@@ -225,24 +233,30 @@ class Gemm:
         g = fp4sim.Gemm(a, b, format="nvfp4")   # a [M, K], b [N, K] CUDA tensors; c=c for beta
         d = g(a, b)                              # D = alpha * a b^T (+ beta c), overwritten by the next call
 
-    The keyword arguments are fp4sim.gemm's (format, gemm, out_dtype, alpha, beta, split_k).
+    The keyword arguments are fp4sim.gemm's (format, gemm, out_dtype, alpha, beta, split_k),
+    checked once with the GEMM's own checks. D is a torch tensor for torch input, else a
+    DeviceArray; JAX arrays are refused (immutable). Every call runs on the stream the Gemm was
+    made on (another is refused).
     """
 
     def __init__(self, a, b, c=None, **kwargs):
         if not _cuda_args("Gemm", {"a": a, "b": b, "c": c}):
             raise ValueError("fp4sim.Gemm: a and b: not CUDA tensors (host arrays: fp4sim.gemm)")
-        kwargs.pop("backend", None)
+        if kwargs.pop("backend", "cuda") not in (None, "cuda"):
+            raise ValueError("fp4sim.Gemm: CUDA tensors run on the cuda backend")
+        _refuse_jax(a, "Gemm")
         ca, s = _prepare_cuda(a)
         cb, _ = _prepare_cuda(b)
+        cc = None if c is None else _prepare_cuda(c)[0]
         self._torch = _is_torch(a)
         if self._torch and a.dim() == 2 and b.dim() == 2:
             dt = "bfloat16" if kwargs.get("out_dtype") == "bf16" else "float32"
             ts, outs = _torch_outputs(a, [((a.shape[0], b.shape[0]), dt)])
-            self._impl = _fp4sim._CudaGemm(ca, cb, c is not None, s, out=outs[0], **kwargs)
+            self._impl = _fp4sim._CudaGemm(ca, cb, cc, s, out=outs[0], **kwargs)
             self.d = ts[0]
-        else:
-            self._impl = _fp4sim._CudaGemm(ca, cb, c is not None, s, **kwargs)
-            self.d = _wrap(self._impl.output(), a)
+        else:  # (other producers: a DeviceArray)
+            self._impl = _fp4sim._CudaGemm(ca, cb, cc, s, **kwargs)
+            self.d = self._impl.output()
 
     def __call__(self, a, b, c=None):
         if self._torch:

@@ -56,8 +56,8 @@ def test_quantizer_gives_the_bits_of_quantize(kw):
     host = fp4sim.quantize(x, backend="emu", **kw)
     xt = torch.from_numpy(x).cuda()
     qz = fp4sim.Quantizer(xt, **kw)
-    for _ in range(2):  # (the second call overwrites the first's outputs with the same bits)
-        out = qz(xt)
+    qz(torch.zeros_like(xt) + 3.0)  # (another input first: its outputs must be overwritten)
+    out = qz(xt)
     torch.cuda.synchronize()
     for k, got in zip(("codes", "scales", "amax", "dequant"), out):
         assert isinstance(got, torch.Tensor) and got.is_cuda, k
@@ -76,6 +76,17 @@ def test_quantizer_sr_stream_per_call_and_errors():
         qz(torch.zeros((64, 256), device="cuda"))
     with pytest.raises(TypeError, match="dtype"):
         qz(torch.zeros((128, 256), device="cuda", dtype=torch.float64))
+    with pytest.raises(ValueError, match="stream applies to sr=True only"):
+        fp4sim.Quantizer(xt)(xt, stream=3)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        with pytest.raises(ValueError, match="make a Quantizer for each stream"):
+            qz(xt)
+        on_s = fp4sim.Quantizer(xt, sr=True, seed=5)  # (made on s: runs there)
+        codes = on_s(xt, stream=9)[0].clone()
+    torch.cuda.synchronize()
+    same_bits(codes, fp4sim.quantize(x, backend="emu", sr=True, seed=5, stream=9)["codes"],
+              "codes of a Quantizer made and called on a side stream")
 
 
 def test_quantize_runs_on_the_current_stream():
@@ -149,6 +160,10 @@ def test_gemm_object_refuses_other_shapes():
         g(torch.zeros((32, 128), device="cuda"), a)
     with pytest.raises(ValueError, match="made without c"):
         g(a, a, torch.zeros((64, 64), device="cuda"))
+    with pytest.raises(ValueError, match="fp4sim.Gemm: .*beta"):  # (checked when made)
+        fp4sim.Gemm(a, a, beta=1.0)
+    with pytest.raises(ValueError, match="cuda backend"):
+        fp4sim.Gemm(a, a, backend="emu")
 
 
 def test_cuda_errors_name_the_argument():

@@ -174,6 +174,14 @@ expect "ranks with different builds" "the build of rank 1 differs" \
   timeout 120 mpirun -np 1 -x FP4SIM_TEST_BUILD_ID=a "$bin" train --config "$cfg" $micro --backend emu \
   train.out_dir=m2 : -np 1 -x FP4SIM_TEST_BUILD_ID=b "$bin" train --config "$cfg" $micro --backend emu \
   train.out_dir=m2
+# shellcheck disable=SC2086
+expect "--resume on one rank only" "--resume of rank 1 differs from rank 0" \
+  timeout 120 mpirun -np 1 "$bin" train --config "$cfg" $micro --backend emu train.out_dir=m10 : \
+  -np 1 "$bin" train --config "$cfg" $micro --backend emu train.out_dir=m10 --resume np2_nvfp4
+# shellcheck disable=SC2086
+expect "one rank failing alone at start: no rank waits for it" "train.bogus" \
+  timeout 120 mpirun -np 1 "$bin" train --config "$cfg" $micro --backend emu train.out_dir=m11 : \
+  -np 1 "$bin" train --config "$cfg" $micro --backend emu train.out_dir=m11 train.bogus=1
 expect "more micro-batches than the SR stream numbers" "micro-batches a step; the SR stream numbers at most 256" \
   mpi 2 train.grad_accum=200 train.out_dir=m3
 touch a_file
@@ -182,7 +190,7 @@ expect "rank 0's run folder cannot be made: every rank stops" "train.out_dir a_f
 [ "$(grep -c 'train.out_dir a_file' err.txt)" = 1 ] && ok "a collective error is printed once" ||
   bad "collective error printed $(grep -c 'train.out_dir a_file' err.txt) times"
 expect "train.zero=2" "train.zero must be 0 or 1" mpi 2 train.zero=2 train.out_dir=m8
-expect "train.grad_bucket_mb=0" "train.grad_bucket_mb must be a positive number" mpi 2 \
+expect "train.grad_bucket_mb=0" "train.grad_bucket_mb must be a number of MiB" mpi 2 \
   train.grad_bucket_mb=0 train.out_dir=m9
 expect "--dump with ranks" "run the PyTorch check's dump as one process" mpi 2 --dump d4 train.out_dir=m4
 expect "the file bootstrap with emulator ranks" "emulator ranks run under mpirun" \
@@ -190,7 +198,7 @@ expect "the file bootstrap with emulator ranks" "emulator ranks run under mpirun
   --backend emu train.out_dir=m5
 expect "FP4SIM_WORLD_SIZE without FP4SIM_RANK" "FP4SIM_RANK is not" \
   env FP4SIM_WORLD_SIZE=2 "$bin" train --config "$cfg" $micro --backend emu train.out_dir=m6
-expect "a bad FP4SIM_RANK" "FP4SIM_RANK=x: not an integer" \
+expect "a bad FP4SIM_RANK" "FP4SIM_RANK=x: not an integer within" \
   env FP4SIM_WORLD_SIZE=2 FP4SIM_RANK=x FP4SIM_BOOTSTRAP=boot "$bin" train --config "$cfg" $micro \
   --backend emu train.out_dir=m7
 [ ! -e m1 ] && [ ! -e m2 ] && [ ! -e m3 ] && ok "refused runs leave no run folder" ||
