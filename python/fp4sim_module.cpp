@@ -865,13 +865,7 @@ class CudaGemm {
     dt_ = cfg_.out == GemmOut::BF16 ? DType::BF16 : DType::F32;
     d_ = result_slot(be, out_given, dt_, {M_, N_}, dev_, stream, fn + "out", "d");
     // every check of the GEMM itself (beta without c, split-K, shapes) once, here
-    TensorView cv;
-    if (with_c_) {
-      cv = operand(c, "c");
-      if (cv.rows != M_ || cv.cols != N_)
-        throw py::value_error(fn + "c: shape " + shape_str(cv.rows, cv.cols) + ", expected " +
-                              shape_str(M_, N_));
-    }
+    const TensorView cv = c_view(c);
     try {
       validate_gemm(ca_->view, cb_->view, with_c_ ? &cv : nullptr, cfg_,
                     view_of(d_.data, dt_, M_, N_, Device::Cuda, "D"));
@@ -892,13 +886,7 @@ class CudaGemm {
                             shape_str(M_, K_) + " and " + shape_str(N_, K_));
     if (c.is_none() == with_c_)
       throw py::value_error(fn + (with_c_ ? "made with c: pass c" : "made without c: no c"));
-    TensorView cv;
-    if (with_c_) {
-      cv = operand(c, "c");
-      if (cv.rows != M_ || cv.cols != N_)
-        throw py::value_error(fn + "c: shape " + shape_str(cv.rows, cv.cols) + ", expected " +
-                              shape_str(M_, N_));
-    }
+    const TensorView cv = c_view(c);
     Backend& be = py_args::module_backend("cuda", dev_, stream);
     py::gil_scoped_release release;
     be.quantize(av, qc_, &ca_->view, nullptr);
@@ -910,6 +898,15 @@ class CudaGemm {
   py::object output() const { return d_.object(); }
 
  private:
+  // c [M, N] where the GEMM has one (else an absent view)
+  TensorView c_view(const py::object& c) const {
+    if (!with_c_) return TensorView{};
+    const TensorView cv = operand(c, "c");
+    if (cv.rows != M_ || cv.cols != N_)
+      throw py::value_error(fn + "c: shape " + shape_str(cv.rows, cv.cols) + ", expected " +
+                            shape_str(M_, N_));
+    return cv;
+  }
   TensorView operand(const py::object& x, const char* name) const {
     const DlTensor t = cuda_matrix(x, fn + name);
     if (t.device_index() != dev_)

@@ -75,6 +75,21 @@ double product_change(const std::vector<float>& A, const std::vector<float>& B,
   return worst / scale;
 }
 
+// L2 [n, r] orthonormal and L2·L1 what L2_0·L1_0 was, each to 4e-7 (printed with `what`)
+void expect_orthonormal_same_product(const char* what, const std::vector<float>& L2_0,
+                                     const std::vector<float>& L1_0, const std::vector<float>& L2,
+                                     const std::vector<float>& L1, int64_t n, int64_t r,
+                                     int64_t k) {
+  const double ortho = orthonormality_error(L2, n, r);
+  const double change = product_change(L2_0, L1_0, L2, L1, n, r, k);
+  std::printf(
+      "[lora-svd] %s: |Q^T Q - I|_max %.2e (bound 4e-7), product change %.2e (bound "
+      "4e-7)\n",
+      what, ortho, change);
+  EXPECT_LT(ortho, 4e-7) << what;
+  EXPECT_LT(change, 4e-7) << what;
+}
+
 #define REQUIRE_LAPACK() \
   if (!lora_svd_available()) GTEST_SKIP() << "this build has no LAPACK"
 
@@ -87,14 +102,8 @@ TEST(LoraSvd, CholQr2MakesL2OrthonormalAndKeepsTheProduct) {
       L2[static_cast<size_t>(i * r + t)] *= static_cast<float>(std::pow(1e-6, t / (r - 1.0)));
   const std::vector<float> L2_0 = L2, L1_0 = L1;
   EXPECT_FALSE(cholqr2(L2.data(), n, r, L1.data(), k));  // (positive definite: no fallback)
-  const double ortho = orthonormality_error(L2, n, r);
-  const double change = product_change(L2_0, L1_0, L2, L1, n, r, k);
-  std::printf(
-      "[lora-svd] CholQR2 of [256, 32] (column scales 1..1e-6): |Q^T Q - I|_max %.2e "
-      "(bound 4e-7), product change %.2e (bound 4e-7)\n",
-      ortho, change);
-  EXPECT_LT(ortho, 4e-7);
-  EXPECT_LT(change, 4e-7);
+  expect_orthonormal_same_product("CholQR2 of [256, 32] (column scales 1..1e-6)", L2_0, L1_0, L2,
+                                  L1, n, r, k);
   // the same bits again
   std::vector<float> L2b = L2_0, L1b = L1_0;
   cholqr2(L2b.data(), n, r, L1b.data(), k);
@@ -126,14 +135,8 @@ TEST(LoraSvd, CholQr2FallsBackToHouseholderWhereTheGramMatrixIsSingular) {
     L2[static_cast<size_t>(i * r + 5)] = 0.0f;
   const std::vector<float> L2_0 = L2, L1_0 = L1;
   EXPECT_TRUE(cholqr2(L2.data(), n, r, L1.data(), k));
-  const double ortho = orthonormality_error(L2, n, r);
-  const double change = product_change(L2_0, L1_0, L2, L1, n, r, k);
-  std::printf(
-      "[lora-svd] Householder fallback ([64, 8], a zero column): |Q^T Q - I|_max %.2e, "
-      "product change %.2e (bounds 4e-7, 4e-7)\n",
-      ortho, change);
-  EXPECT_LT(ortho, 4e-7);
-  EXPECT_LT(change, 4e-7);
+  expect_orthonormal_same_product("Householder fallback ([64, 8], a zero column)", L2_0, L1_0, L2,
+                                  L1, n, r, k);
 }
 
 double decaying(int64_t i) { return std::pow(0.9, static_cast<double>(i)); }
