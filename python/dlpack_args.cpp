@@ -140,7 +140,10 @@ Backend& module_backend(const std::string& name, int device, uintptr_t stream) {
   }
   if (name != "cuda") throw py::value_error("backend '" + name + "' (valid: emu, cuda)");
   auto& b = (*cuda)[{device, stream}];
-  if (!b) b = make_cuda_backend_on_stream(device, reinterpret_cast<void*>(stream));
+  if (!b)
+    b = make_cuda_backend_on_stream(device, reinterpret_cast<void*>(stream));
+  else
+    cuda_set_device(device);  // (the calling thread's current device may be another one now)
   return *b;
 }
 

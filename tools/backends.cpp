@@ -88,6 +88,15 @@ std::unique_ptr<Backend> make_cuda_backend_on_stream(int device, void* stream) {
 #endif
 }
 
+void cuda_set_device(int device) {
+#if FP4SIM_HAVE_CUDA
+  gpu::set_device(device);
+#else
+  (void)device;
+  throw std::runtime_error("cuda_set_device: this build of fp4sim has no CUDA backend");
+#endif
+}
+
 void cuda_stream_wait(void* consumer, void* producer) {
 #if FP4SIM_HAVE_CUDA
   gpu::stream_wait(consumer, producer);

@@ -16,6 +16,10 @@ std::unique_ptr<Backend> make_backend(const std::string& name);
 // legacy default stream), which it never destroys; std::runtime_error without a usable GPU.
 std::unique_ptr<Backend> make_cuda_backend_on_stream(int device, void* stream);
 
+// cudaSetDevice(device) for this thread (std::invalid_argument naming a device that does not
+// exist; std::runtime_error without the CUDA backend).
+void cuda_set_device(int device);
+
 // Work queued on the CUDA stream `consumer` after this waits for what `producer` holds now.
 void cuda_stream_wait(void* consumer, void* producer);
 
