@@ -487,10 +487,12 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
       }
     }
     step0 = ck.step;
-    if (comm)  // the same checkpoint on every rank (its state, with step, data position and RNG)
-      check_ranks_agree(*comm, {{"the checkpoint resumed (" + opt.resume + ")",
-                                 std::to_string(ck.step) + " " +
-                                     sha256_hex(ck.state.dump().data(), ck.state.dump().size())}});
+    if (comm) {  // the same checkpoint on every rank (its state: step, data position, RNG, ...)
+      const std::string state = ck.state.dump();
+      check_ranks_agree(*comm,
+                        {{"the checkpoint resumed (" + opt.resume + ")",
+                          std::to_string(ck.step) + " " + sha256_hex(state.data(), state.size())}});
+    }
     // the checkpoint's ranks (1 before data parallel runs): its state is whole on every rank, so
     // any number of ranks resumes it; the same global micro-batches (ranks x grad_accum) under
     // train.grad_reduce=ordered continue its bits
@@ -600,7 +602,6 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   std::optional<OutputFile> log;
   everywhere([&] {
     if (!writer) return;
-    // the output folders before anything is written, each error naming its option
     auto make_dir = [](const std::string& dir, const std::string& option) {
       std::error_code ec;
       fs::create_directories(dir, ec);
@@ -662,7 +663,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
   const int64_t B = c.train.batch, T = c.model.seq_len, A = c.train.grad_accum;
   TrainResult res;
   res.planned_memory = plan.peak;
-  std::vector<int32_t> tok, tgt;
+  std::vector<int32_t> tok, tgt;  // (the file order's windows of other ranks' micro-batches)
   TensorMap dump_batches;
   TensorMap dump_linears;  // --dump: each linear's x, y, dy, dx, dweight, dbias of the first step
   // the parameter tensors' places in grads(), for the gradient norm's one sum_squares call
@@ -714,8 +715,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     int64_t loss_error_g = -1;  // its global micro-batch
     for (int64_t mb = 0; mb < A; ++mb) {
       const int64_t g = rank + mb * world;
-      tok = step_tok[static_cast<size_t>(mb)];
-      tgt = step_tgt[static_cast<size_t>(mb)];
+      const std::vector<int32_t>& mb_tok = step_tok[static_cast<size_t>(mb)];
+      const std::vector<int32_t>& mb_tgt = step_tgt[static_cast<size_t>(mb)];
       model.set_micro_batch(g);
       if (stats_now && g == 0) model.collect_stats_once();  // the first micro-batch's statistics
       const bool tap_now = !opt.dump_dir.empty() && step == step0;  // (grad_accum is 1 there)
@@ -723,7 +724,7 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
         model.set_linear_tap([&](const std::string& name, const char* what, const TensorView& v) {
           dump_linears[name + "." + what] = tensor_to_stored(be, v);
         });
-      const float mb_loss = model.forward(tok.data(), tgt.data(), B, T, micro_total);
+      const float mb_loss = model.forward(mb_tok.data(), mb_tgt.data(), B, T, micro_total);
       if (!std::isfinite(mb_loss) && loss_error.empty()) {
         loss_error = "step " + std::to_string(step + 1) +
                      (micro_total > 1 ? " (micro-batch " + std::to_string(g) + ")" : "") +
@@ -784,8 +785,8 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
         std::memcpy(st.bytes.data(), v.data(), st.bytes.size());
         return st;
       };
-      dump_batches["tokens." + std::to_string(step)] = i32(tok);
-      dump_batches["targets." + std::to_string(step)] = i32(tgt);
+      dump_batches["tokens." + std::to_string(step)] = i32(step_tok[0]);
+      dump_batches["targets." + std::to_string(step)] = i32(step_tgt[0]);
     }
     if (!opt.dump_dir.empty() && step == step0) {  // weights before this step's update, gradients
       TensorMap w;
@@ -913,12 +914,12 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     const bool checkpoint_now =
         c.train.checkpoint_every > 0 &&
         ((step + 1) % c.train.checkpoint_every == 0 || step + 1 == c.train.steps);
-    if (comm && checkpoint_now) {  // the ranks still hold the same weights (an engine's
-      // all-reduce that gave ranks different bits would show here)
-      const std::vector<float> hp = model.params_to_host();
+    std::vector<float> hp;  // the weights on the host: the checkpoint's, and what ranks compare
+    if (checkpoint_now && (writer || comm)) hp = model.params_to_host();
+    if (comm && checkpoint_now)  // the ranks still hold the same weights (an engine's all-reduce
+      // that gave ranks different bits would show here)
       check_ranks_agree(*comm, {{"the weights at step " + std::to_string(step + 1),
                                  sha256_hex(hp.data(), hp.size() * sizeof(float))}});
-    }
     TensorMap sharded_state;  // ZeRO-1: every rank's optimizer state, for rank 0's checkpoint
     if (zero1 && checkpoint_now) {
       TensorMap mine;
@@ -928,7 +929,6 @@ TrainResult train(const RunConfig& c, const TrainOptions& opt, Backend& be) {
     if (writer && checkpoint_now) {
       Checkpoint ck;
       ck.step = step + 1;
-      const std::vector<float> hp = model.params_to_host();
       for (const ParamTensor& t : model.tensors())
         ck.model[t.name] = f32_tensor(hp.data() + t.offset, t.shape, t.numel());
       if (zero1)

@@ -20,6 +20,21 @@ def sample(shape=(128, 256), seed=0):
     return x
 
 
+GEMM_OPTIONS = pytest.mark.parametrize("kw", [
+    {}, {"alpha": 0.5, "beta": 2.0, "with_c": True}, {"out_dtype": "bf16"}, {"split_k": 2},
+    {"format": "mxfp4"}, {"format": "fp8"},
+], ids=["nvfp4", "alpha beta c", "bf16 out", "split-k", "mxfp4", "fp8"])
+
+
+def same_d(d, want, kw):
+    """D (a torch tensor; torch.bfloat16 under out_dtype bf16) bit for bit the host's D."""
+    if kw.get("out_dtype") == "bf16":
+        assert d.dtype == torch.bfloat16
+        same_bits(d.view(torch.int16), want.view(np.int16), "d")
+    else:
+        same_bits(d, want, "d")
+
+
 def same_bits(got, want, what):
     g = got.cpu().numpy() if hasattr(got, "cpu") else np.asarray(got)
     assert g.dtype == want.dtype and g.shape == want.shape, \
@@ -101,10 +116,7 @@ def test_quantize_runs_on_the_current_stream():
     same_bits(z, want, "codes on a side stream")
 
 
-@pytest.mark.parametrize("kw", [
-    {}, {"alpha": 0.5, "beta": 2.0, "with_c": True}, {"out_dtype": "bf16"}, {"split_k": 2},
-    {"format": "mxfp4"}, {"format": "fp8"},
-], ids=["nvfp4", "alpha beta c", "bf16 out", "split-k", "mxfp4", "fp8"])
+@GEMM_OPTIONS
 def test_gemm_cuda_tensors_are_the_host_result(kw):
     kw = dict(kw)
     rng = np.random.default_rng(3)
@@ -114,14 +126,8 @@ def test_gemm_cuda_tensors_are_the_host_result(kw):
     host = fp4sim.gemm(a, b, c=c, backend="emu", **kw)
     dev = fp4sim.gemm(torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda(),
                       c=None if c is None else torch.from_numpy(c).cuda(), **kw)
-    d = dev["d"]
-    assert d.is_cuda
-    if kw.get("out_dtype") == "bf16":
-        assert d.dtype == torch.bfloat16
-        d = d.view(torch.int16)
-        same_bits(d, host["d"].view(np.int16), "d")
-    else:
-        same_bits(d, host["d"], "d")
+    assert dev["d"].is_cuda
+    same_d(dev["d"], host["d"], kw)
     if kw.get("format", "nvfp4") == "nvfp4":  # (cuBLASLt: its distance to the exact GEMM)
         cl = fp4sim.gemm(torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda(), gemm="cublaslt",
                          c=None if c is None else torch.from_numpy(c).cuda(),
@@ -129,10 +135,7 @@ def test_gemm_cuda_tensors_are_the_host_result(kw):
         assert cl["d"].is_cuda and cl["cublaslt_vs_exact"] >= 0
 
 
-@pytest.mark.parametrize("kw", [
-    {}, {"alpha": 0.5, "beta": 2.0, "with_c": True}, {"out_dtype": "bf16"}, {"split_k": 2},
-    {"format": "mxfp4"}, {"format": "fp8"},
-], ids=["nvfp4", "alpha beta c", "bf16 out", "split-k", "mxfp4", "fp8"])
+@GEMM_OPTIONS
 def test_gemm_object_gives_the_bits_of_gemm(kw):
     kw = dict(kw)
     rng = np.random.default_rng(4)
@@ -146,11 +149,7 @@ def test_gemm_object_gives_the_bits_of_gemm(kw):
     g(bt, at, ct)  # (another call first: its D is overwritten)
     d = g(at, bt, ct)
     torch.cuda.synchronize()
-    if kw.get("out_dtype") == "bf16":
-        assert d.dtype == torch.bfloat16
-        same_bits(d.view(torch.int16), host.view(np.int16), "d")
-    else:
-        same_bits(d, host, "d")
+    same_d(d, host, kw)
 
 
 def test_gemm_object_refuses_other_shapes():
